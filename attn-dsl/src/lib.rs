@@ -1,0 +1,31 @@
+//! attn-dsl: the attention spec language and what a spec means.
+//!
+//! **Invariant:** attn-dsl knows nothing of backends or devices. Pure data and math; no unsafe.
+//!
+//! - [`AttentionSpec`] and its parts are plain data ([`spec`]).
+//! - [`parse_str`] and [`parse_tokens`] are the one parser, for strings and for the
+//!   `#[attention(...)]` macro; `Display` prints a spec back so that `parse(print(s)) == s`.
+//! - [`AttentionSpec::validate`] checks the rules; the parser points its findings at tokens.
+//! - [`accounting`] counts KV-cache bytes, parameters and FLOPs.
+//! - [`modifier`] is the IR of custom score modifiers and mask predicates.
+//! - [`reference`] is the definition of what a spec computes: plain f64, written for clarity.
+
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod accounting;
+mod error;
+pub mod modifier;
+mod parse;
+mod print;
+pub mod reference;
+pub mod spec;
+mod validate;
+
+pub use error::{Invalid, Location, ReferenceError, SpecError, SpecErrors};
+pub use parse::{parse_str, parse_tokens};
+pub use spec::{
+    AttentionSpec, CausalAlign, DType, KvKind, KvLayout, Mask, Mla, Position, Rope, RopeLayout,
+    RopeScaling, Yarn,
+};
+pub use validate::{MAX_HEAD_DIM, MAX_HEADS, MAX_LATENT_RANK};

@@ -1,0 +1,424 @@
+//! Lowering from syn's closure AST to the typed modifier IR. Every error carries the span of the
+//! offending tokens.
+
+use super::{BinOp, Expr, MaskMod, ScoreMod, Ty, UnOp, Var};
+use syn::spanned::Spanned;
+
+const SCORE_ROLES: [Var; 5] = [Var::Score, Var::Batch, Var::Head, Var::Query, Var::Key];
+const MASK_ROLES: [Var; 4] = [Var::Batch, Var::Head, Var::Query, Var::Key];
+
+/// Lowers `|score, b, h, q, k| body` (body of type f32).
+pub(crate) fn lower_score_mod(closure: &syn::ExprClosure) -> syn::Result<ScoreMod> {
+    let (params, body) = lower_closure(closure, &SCORE_ROLES, Ty::F32, "score_mod")?;
+    let params = params.try_into().expect("arity checked by lower_closure");
+    Ok(ScoreMod { params, body })
+}
+
+/// Lowers `|b, h, q, k| body` (body of type bool).
+pub(crate) fn lower_mask_mod(closure: &syn::ExprClosure) -> syn::Result<MaskMod> {
+    let (params, body) = lower_closure(closure, &MASK_ROLES, Ty::Bool, "mask_mod")?;
+    let params = params.try_into().expect("arity checked by lower_closure");
+    Ok(MaskMod { params, body })
+}
+
+fn lower_closure(
+    closure: &syn::ExprClosure,
+    roles: &[Var],
+    want: Ty,
+    what: &str,
+) -> syn::Result<(Vec<String>, Expr)> {
+    let signature = match roles.len() {
+        5 => "|score, b, h, q, k|",
+        _ => "|b, h, q, k|",
+    };
+    if closure.inputs.len() != roles.len() {
+        return Err(syn::Error::new(
+            closure.inputs.span(),
+            format!(
+                "{what} takes {} parameters {signature}, found {}",
+                roles.len(),
+                closure.inputs.len()
+            ),
+        ));
+    }
+    if let Some(kw) = closure
+        .movability
+        .map(|m| m.span())
+        .or(closure.asyncness.map(|a| a.span()))
+        .or(closure.capture.map(|c| c.span()))
+    {
+        return Err(syn::Error::new(
+            kw,
+            format!("{what} must be a plain closure {signature} expr"),
+        ));
+    }
+    if let syn::ReturnType::Type(arrow, _) = &closure.output {
+        return Err(syn::Error::new(
+            arrow.span(),
+            format!("{what} takes no return type annotation; its type is fixed"),
+        ));
+    }
+    let mut scope = Vec::new();
+    for (pat, role) in closure.inputs.iter().zip(roles) {
+        let name = match pat {
+            syn::Pat::Ident(p) if p.by_ref.is_none() && p.subpat.is_none() => p.ident.to_string(),
+            syn::Pat::Wild(_) => "_".to_string(),
+            syn::Pat::Type(t) => {
+                return Err(syn::Error::new(
+                    t.colon_token.span(),
+                    "modifier parameters take no type annotations (score is f32, b/h/q/k are i64)",
+                ));
+            }
+            other => {
+                return Err(syn::Error::new(
+                    other.span(),
+                    "expected a parameter name or `_`",
+                ));
+            }
+        };
+        scope.push((name, *role));
+    }
+    let (body, ty) = lower_expr(&closure.body, &scope)?;
+    if ty != want {
+        return Err(syn::Error::new(
+            closure.body.span(),
+            format!(
+                "{what} must evaluate to {}, this expression is {}",
+                want.name(),
+                ty.name()
+            ),
+        ));
+    }
+    let names = scope.into_iter().map(|(name, _)| name).collect();
+    Ok((names, body))
+}
+
+type Scope = [(String, Var)];
+
+fn lower_expr(expr: &syn::Expr, scope: &Scope) -> syn::Result<(Expr, Ty)> {
+    match expr {
+        syn::Expr::Paren(p) => lower_expr(&p.expr, scope),
+        syn::Expr::Group(g) => lower_expr(&g.expr, scope),
+        syn::Expr::Block(b) if b.label.is_none() => lower_block(&b.block, scope),
+        syn::Expr::Lit(lit) => lower_lit(&lit.lit),
+        syn::Expr::Path(path) => lower_path(path, scope),
+        syn::Expr::Unary(u) => lower_unary(u, scope),
+        syn::Expr::Binary(b) => lower_binary(b, scope),
+        syn::Expr::MethodCall(m) => lower_method(m, scope),
+        syn::Expr::Cast(c) => lower_cast(c, scope),
+        syn::Expr::If(i) => lower_if(i, scope),
+        other => Err(syn::Error::new(
+            other.span(),
+            "unsupported syntax in a modifier; allowed: parameters, numbers, true/false, \
+             + - * / %, comparisons, && || !, if/else, `as f32`/`as i64`, and the methods \
+             abs, min, max, exp, ln, tanh, sqrt",
+        )),
+    }
+}
+
+fn lower_block(block: &syn::Block, scope: &Scope) -> syn::Result<(Expr, Ty)> {
+    match block.stmts.as_slice() {
+        [syn::Stmt::Expr(e, None)] => lower_expr(e, scope),
+        _ => Err(syn::Error::new(
+            block.span(),
+            "a block in a modifier must hold exactly one expression (no statements or `let`)",
+        )),
+    }
+}
+
+fn lower_lit(lit: &syn::Lit) -> syn::Result<(Expr, Ty)> {
+    match lit {
+        syn::Lit::Int(i) => {
+            let ty = match i.suffix() {
+                "" | "i64" => Ty::I64,
+                "f32" => Ty::F32,
+                s => {
+                    return Err(syn::Error::new(
+                        i.span(),
+                        format!("unsupported literal suffix `{s}`; allowed: i64, f32 or none"),
+                    ));
+                }
+            };
+            let value: i64 = i.base10_parse()?;
+            match ty {
+                Ty::F32 => Ok((Expr::Float(value as f64), Ty::F32)),
+                _ => Ok((Expr::Int(value), Ty::I64)),
+            }
+        }
+        syn::Lit::Float(f) => match f.suffix() {
+            "" | "f32" => Ok((Expr::Float(f.base10_parse()?), Ty::F32)),
+            s => Err(syn::Error::new(
+                f.span(),
+                format!("unsupported literal suffix `{s}`; allowed: f32 or none"),
+            )),
+        },
+        syn::Lit::Bool(b) => Ok((Expr::Bool(b.value), Ty::Bool)),
+        other => Err(syn::Error::new(
+            other.span(),
+            "unsupported literal; allowed: integers, floats, true, false",
+        )),
+    }
+}
+
+fn lower_path(path: &syn::ExprPath, scope: &Scope) -> syn::Result<(Expr, Ty)> {
+    let Some(ident) = path.path.get_ident() else {
+        return Err(syn::Error::new(
+            path.span(),
+            "expected a closure parameter name",
+        ));
+    };
+    let name = ident.to_string();
+    match scope.iter().rev().find(|(n, _)| *n == name && n != "_") {
+        Some((_, var)) => Ok((Expr::Var(*var), var.ty())),
+        None => {
+            let known: Vec<&str> = scope
+                .iter()
+                .map(|(n, _)| n.as_str())
+                .filter(|n| *n != "_")
+                .collect();
+            Err(syn::Error::new(
+                ident.span(),
+                format!(
+                    "unknown name `{name}`; the closure's parameters are: {}",
+                    known.join(", ")
+                ),
+            ))
+        }
+    }
+}
+
+fn lower_unary(u: &syn::ExprUnary, scope: &Scope) -> syn::Result<(Expr, Ty)> {
+    let (a, ty) = lower_expr(&u.expr, scope)?;
+    let (op, symbol, ok) = match u.op {
+        syn::UnOp::Neg(_) => (UnOp::Neg, "-", ty != Ty::Bool),
+        syn::UnOp::Not(_) => (UnOp::Not, "!", ty == Ty::Bool),
+        _ => {
+            return Err(syn::Error::new(u.op.span(), "unsupported unary operator"));
+        }
+    };
+    if !ok {
+        return Err(syn::Error::new(
+            u.span(),
+            format!("cannot apply `{symbol}` to {}", ty.name()),
+        ));
+    }
+    Ok((Expr::Unary(op, Box::new(a)), ty))
+}
+
+fn lower_binary(b: &syn::ExprBinary, scope: &Scope) -> syn::Result<(Expr, Ty)> {
+    let op = match b.op {
+        syn::BinOp::Add(_) => BinOp::Add,
+        syn::BinOp::Sub(_) => BinOp::Sub,
+        syn::BinOp::Mul(_) => BinOp::Mul,
+        syn::BinOp::Div(_) => BinOp::Div,
+        syn::BinOp::Rem(_) => BinOp::Rem,
+        syn::BinOp::Lt(_) => BinOp::Lt,
+        syn::BinOp::Le(_) => BinOp::Le,
+        syn::BinOp::Gt(_) => BinOp::Gt,
+        syn::BinOp::Ge(_) => BinOp::Ge,
+        syn::BinOp::Eq(_) => BinOp::Eq,
+        syn::BinOp::Ne(_) => BinOp::Ne,
+        syn::BinOp::And(_) => BinOp::And,
+        syn::BinOp::Or(_) => BinOp::Or,
+        other => {
+            return Err(syn::Error::new(
+                other.span(),
+                "unsupported operator; allowed: + - * / % < <= > >= == != && ||",
+            ));
+        }
+    };
+    let lhs = lower_expr(&b.left, scope)?;
+    let rhs = lower_expr(&b.right, scope)?;
+    combine(op, lhs, rhs, b.op.span())
+}
+
+/// Types a binary operation. An integer literal next to an f32 operand is read as a float, as
+/// people write `score - 1`.
+fn combine(
+    op: BinOp,
+    lhs: (Expr, Ty),
+    rhs: (Expr, Ty),
+    span: proc_macro2::Span,
+) -> syn::Result<(Expr, Ty)> {
+    let (lhs, rhs) = coerce_int_literals(lhs, rhs);
+    let ((a, ta), (b, tb)) = (lhs, rhs);
+    let result = match op {
+        BinOp::And | BinOp::Or => (ta == Ty::Bool && tb == Ty::Bool).then_some(Ty::Bool),
+        BinOp::Eq | BinOp::Ne => (ta == tb).then_some(Ty::Bool),
+        BinOp::Lt | BinOp::Le | BinOp::Gt | BinOp::Ge => {
+            (ta == tb && ta != Ty::Bool).then_some(Ty::Bool)
+        }
+        _ => (ta == tb && ta != Ty::Bool).then_some(ta),
+    };
+    match result {
+        Some(ty) => Ok((Expr::Binary(op, Box::new(a), Box::new(b)), ty)),
+        None => Err(syn::Error::new(
+            span,
+            format!(
+                "type mismatch: `{}` on {} and {}; convert with `as f32` or `as i64`",
+                op_symbol(op),
+                ta.name(),
+                tb.name()
+            ),
+        )),
+    }
+}
+
+fn coerce_int_literals(lhs: (Expr, Ty), rhs: (Expr, Ty)) -> ((Expr, Ty), (Expr, Ty)) {
+    fn to_float(e: (Expr, Ty)) -> (Expr, Ty) {
+        match e {
+            (Expr::Int(i), Ty::I64) => (Expr::Float(i as f64), Ty::F32),
+            (Expr::Unary(UnOp::Neg, inner), Ty::I64) if matches!(*inner, Expr::Int(_)) => {
+                let (x, _) = to_float((*inner, Ty::I64));
+                (Expr::Unary(UnOp::Neg, Box::new(x)), Ty::F32)
+            }
+            other => other,
+        }
+    }
+    match (lhs.1, rhs.1) {
+        (Ty::F32, Ty::I64) => (lhs, to_float(rhs)),
+        (Ty::I64, Ty::F32) => (to_float(lhs), rhs),
+        _ => (lhs, rhs),
+    }
+}
+
+pub(super) fn op_symbol(op: BinOp) -> &'static str {
+    match op {
+        BinOp::Add => "+",
+        BinOp::Sub => "-",
+        BinOp::Mul => "*",
+        BinOp::Div => "/",
+        BinOp::Rem => "%",
+        BinOp::Min => "min",
+        BinOp::Max => "max",
+        BinOp::Lt => "<",
+        BinOp::Le => "<=",
+        BinOp::Gt => ">",
+        BinOp::Ge => ">=",
+        BinOp::Eq => "==",
+        BinOp::Ne => "!=",
+        BinOp::And => "&&",
+        BinOp::Or => "||",
+    }
+}
+
+fn lower_method(m: &syn::ExprMethodCall, scope: &Scope) -> syn::Result<(Expr, Ty)> {
+    if let Some(turbofish) = &m.turbofish {
+        return Err(syn::Error::new(
+            turbofish.span(),
+            "modifier methods take no type arguments",
+        ));
+    }
+    let name = m.method.to_string();
+    let receiver = lower_expr(&m.receiver, scope)?;
+    let arity = |n: usize| -> syn::Result<()> {
+        if m.args.len() == n {
+            Ok(())
+        } else {
+            Err(syn::Error::new(
+                m.method.span(),
+                format!(
+                    "`{name}` takes {n} argument{}, found {}",
+                    if n == 1 { "" } else { "s" },
+                    m.args.len()
+                ),
+            ))
+        }
+    };
+    let unary = |op: UnOp, float_only: bool| -> syn::Result<(Expr, Ty)> {
+        arity(0)?;
+        let (a, ty) = receiver.clone();
+        let ok = if float_only {
+            ty == Ty::F32
+        } else {
+            ty != Ty::Bool
+        };
+        if !ok {
+            return Err(syn::Error::new(
+                m.method.span(),
+                format!(
+                    "`{name}` needs {}, the receiver is {}",
+                    if float_only { "an f32" } else { "a number" },
+                    ty.name()
+                ),
+            ));
+        }
+        Ok((Expr::Unary(op, Box::new(a)), ty))
+    };
+    match name.as_str() {
+        "abs" => unary(UnOp::Abs, false),
+        "exp" => unary(UnOp::Exp, true),
+        "ln" => unary(UnOp::Ln, true),
+        "tanh" => unary(UnOp::Tanh, true),
+        "sqrt" => unary(UnOp::Sqrt, true),
+        "min" | "max" => {
+            arity(1)?;
+            let op = if name == "min" {
+                BinOp::Min
+            } else {
+                BinOp::Max
+            };
+            let arg = lower_expr(&m.args[0], scope)?;
+            combine(op, receiver, arg, m.method.span())
+        }
+        _ => Err(syn::Error::new(
+            m.method.span(),
+            format!("unknown method `{name}`; allowed: abs, min, max, exp, ln, tanh, sqrt"),
+        )),
+    }
+}
+
+fn lower_cast(c: &syn::ExprCast, scope: &Scope) -> syn::Result<(Expr, Ty)> {
+    let (a, from) = lower_expr(&c.expr, scope)?;
+    let to = match &*c.ty {
+        syn::Type::Path(p) if p.path.is_ident("f32") => Ty::F32,
+        syn::Type::Path(p) if p.path.is_ident("i64") => Ty::I64,
+        other => {
+            return Err(syn::Error::new(
+                other.span(),
+                "modifiers cast only to f32 or i64",
+            ));
+        }
+    };
+    if from == Ty::Bool && to == Ty::F32 {
+        return Err(syn::Error::new(
+            c.span(),
+            "cannot cast bool to f32; cast to i64 first, or use if/else",
+        ));
+    }
+    Ok((Expr::Cast(Box::new(a), to), to))
+}
+
+fn lower_if(i: &syn::ExprIf, scope: &Scope) -> syn::Result<(Expr, Ty)> {
+    let (cond, tc) = lower_expr(&i.cond, scope)?;
+    if tc != Ty::Bool {
+        return Err(syn::Error::new(
+            i.cond.span(),
+            format!("an `if` condition must be bool, this is {}", tc.name()),
+        ));
+    }
+    let Some((_, otherwise)) = &i.else_branch else {
+        return Err(syn::Error::new(
+            i.if_token.span(),
+            "an `if` in a modifier needs an `else` branch",
+        ));
+    };
+    let then = lower_block(&i.then_branch, scope)?;
+    let otherwise = lower_expr(otherwise, scope)?;
+    let (then, otherwise) = coerce_int_literals(then, otherwise);
+    if then.1 != otherwise.1 {
+        return Err(syn::Error::new(
+            i.span(),
+            format!(
+                "`if` branches differ in type: {} and {}",
+                then.1.name(),
+                otherwise.1.name()
+            ),
+        ));
+    }
+    let ty = then.1;
+    Ok((
+        Expr::Select(Box::new(cond), Box::new(then.0), Box::new(otherwise.0)),
+        ty,
+    ))
+}

@@ -1,0 +1,188 @@
+//! Printing modifier expressions back as Rust closure syntax, with the fewest parentheses that
+//! keep the tree the same when parsed again.
+
+use super::lower::op_symbol;
+use super::{BinOp, Expr, MaskMod, ScoreMod, UnOp, Var};
+use std::fmt;
+
+/// Binding strength, loosest first (Rust's expression precedence).
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Prec {
+    /// `if` as an operand: always parenthesized.
+    Select,
+    Or,
+    And,
+    Compare,
+    Sum,
+    Product,
+    Cast,
+    Prefix,
+    Postfix,
+}
+
+impl Prec {
+    fn tighter(self) -> Prec {
+        match self {
+            Prec::Select => Prec::Or,
+            Prec::Or => Prec::And,
+            Prec::And => Prec::Compare,
+            Prec::Compare => Prec::Sum,
+            Prec::Sum => Prec::Product,
+            Prec::Product => Prec::Cast,
+            Prec::Cast => Prec::Prefix,
+            Prec::Prefix | Prec::Postfix => Prec::Postfix,
+        }
+    }
+}
+
+fn binary_prec(op: BinOp) -> Prec {
+    match op {
+        BinOp::Or => Prec::Or,
+        BinOp::And => Prec::And,
+        BinOp::Lt | BinOp::Le | BinOp::Gt | BinOp::Ge | BinOp::Eq | BinOp::Ne => Prec::Compare,
+        BinOp::Add | BinOp::Sub => Prec::Sum,
+        BinOp::Mul | BinOp::Div | BinOp::Rem => Prec::Product,
+        BinOp::Min | BinOp::Max => Prec::Postfix,
+    }
+}
+
+struct Printer<'a> {
+    names: &'a [String],
+    roles: &'a [Var],
+}
+
+impl Printer<'_> {
+    fn name(&self, var: Var) -> &str {
+        let i = self.roles.iter().position(|r| *r == var).unwrap_or(0);
+        &self.names[i]
+    }
+
+    fn prec(expr: &Expr) -> Prec {
+        match expr {
+            Expr::Binary(op, ..) => binary_prec(*op),
+            Expr::Unary(UnOp::Neg | UnOp::Not, _) => Prec::Prefix,
+            Expr::Cast(..) => Prec::Cast,
+            // Negative constants print with a leading minus.
+            Expr::Float(x) if x.is_sign_negative() => Prec::Prefix,
+            Expr::Int(i) if *i < 0 => Prec::Prefix,
+            Expr::Select(..) => Prec::Select,
+            _ => Prec::Postfix,
+        }
+    }
+
+    /// Writes `expr`, parenthesized when it binds looser than `min`.
+    fn operand(&self, f: &mut fmt::Formatter, expr: &Expr, min: Prec) -> fmt::Result {
+        if Self::prec(expr) < min {
+            write!(f, "(")?;
+            self.expr(f, expr)?;
+            write!(f, ")")
+        } else {
+            self.expr(f, expr)
+        }
+    }
+
+    fn expr(&self, f: &mut fmt::Formatter, expr: &Expr) -> fmt::Result {
+        match expr {
+            Expr::Var(v) => write!(f, "{}", self.name(*v)),
+            Expr::Float(x) => write!(f, "{x:?}"),
+            Expr::Int(i) => write!(f, "{i}"),
+            Expr::Bool(b) => write!(f, "{b}"),
+            Expr::Unary(op @ (UnOp::Neg | UnOp::Not), a) => {
+                write!(f, "{}", if *op == UnOp::Neg { "-" } else { "!" })?;
+                self.operand(f, a, Prec::Prefix)
+            }
+            Expr::Unary(op, a) => {
+                self.operand(f, a, Prec::Postfix)?;
+                let method = match op {
+                    UnOp::Abs => "abs",
+                    UnOp::Exp => "exp",
+                    UnOp::Ln => "ln",
+                    UnOp::Tanh => "tanh",
+                    UnOp::Sqrt => "sqrt",
+                    UnOp::Neg | UnOp::Not => unreachable!("prefix operators handled above"),
+                };
+                write!(f, ".{method}()")
+            }
+            Expr::Binary(op @ (BinOp::Min | BinOp::Max), a, b) => {
+                self.operand(f, a, Prec::Postfix)?;
+                write!(f, ".{}(", op_symbol(*op))?;
+                self.expr(f, b)?;
+                write!(f, ")")
+            }
+            Expr::Binary(op, a, b) => {
+                let p = binary_prec(*op);
+                if p == Prec::Compare {
+                    // Comparisons do not chain, so both sides bind tighter. A cast on the left
+                    // of `<` would read as generic arguments, so it gets parentheses too.
+                    let left_min = if matches!(**a, Expr::Cast(..)) {
+                        Prec::Postfix
+                    } else {
+                        Prec::Sum
+                    };
+                    self.operand(f, a, left_min)?;
+                    write!(f, " {} ", op_symbol(*op))?;
+                    self.operand(f, b, Prec::Sum)
+                } else {
+                    // Left-associative: the right operand must bind strictly tighter.
+                    self.operand(f, a, p)?;
+                    write!(f, " {} ", op_symbol(*op))?;
+                    self.operand(f, b, p.tighter())
+                }
+            }
+            Expr::Select(c, t, e) => {
+                write!(f, "if ")?;
+                self.expr(f, c)?;
+                write!(f, " {{ ")?;
+                self.expr(f, t)?;
+                write!(f, " }} else {{ ")?;
+                self.expr(f, e)?;
+                write!(f, " }}")
+            }
+            Expr::Cast(a, ty) => {
+                self.operand(f, a, Prec::Cast)?;
+                write!(f, " as {}", ty.name())
+            }
+        }
+    }
+}
+
+const SCORE_ROLES: [Var; 5] = [Var::Score, Var::Batch, Var::Head, Var::Query, Var::Key];
+const MASK_ROLES: [Var; 4] = [Var::Batch, Var::Head, Var::Query, Var::Key];
+
+struct WithPrinter<'a>(&'a Printer<'a>, &'a Expr);
+
+impl fmt::Display for WithPrinter<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        self.0.expr(f, self.1)
+    }
+}
+
+impl fmt::Display for ScoreMod {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        let p = Printer {
+            names: &self.params,
+            roles: &SCORE_ROLES,
+        };
+        write!(
+            f,
+            "|{}| {}",
+            self.params.join(", "),
+            WithPrinter(&p, &self.body)
+        )
+    }
+}
+
+impl fmt::Display for MaskMod {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        let p = Printer {
+            names: &self.params,
+            roles: &MASK_ROLES,
+        };
+        write!(
+            f,
+            "|{}| {}",
+            self.params.join(", "),
+            WithPrinter(&p, &self.body)
+        )
+    }
+}

@@ -1,0 +1,524 @@
+//! The one parser of the spec language, over tokens: strings are tokenized by proc-macro2 and the
+//! `#[attention(...)]` macro hands over its attribute tokens, so both get the same grammar, the
+//! same checks and errors that point at the offending tokens.
+//!
+//! The grammar is a comma-separated list of Rust expressions: `key = value` assignments plus the
+//! bare item `mla(latent_rank = .., rope_dim = ..)`. Values are literals, identifiers, calls with
+//! `name = value` arguments, or closures (custom modifiers).
+
+mod values;
+
+use crate::error::SpecErrors;
+use crate::modifier::{lower_mask_mod, lower_score_mod};
+use crate::spec::{
+    AttentionSpec, CausalAlign, DType, KvLayout, Mask, Mla, Position, Rope, RopeLayout,
+    RopeScaling, Yarn,
+};
+use proc_macro2::{Span, TokenStream};
+use std::collections::HashMap;
+use syn::parse::Parser;
+use syn::punctuated::Punctuated;
+use syn::spanned::Spanned;
+use values::{Args, Value};
+
+/// The top-level keys, for "did you mean" suggestions.
+const KEYS: &[&str] = &[
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "v_head_dim",
+    "mask",
+    "position",
+    "softcap",
+    "scale",
+    "dtype",
+    "score_mod",
+    "mask_mod",
+    "mla",
+];
+
+/// Parses a spec from a string. Errors carry line:column locations; render them with
+/// [`SpecErrors::render`].
+pub fn parse_str(source: &str) -> Result<AttentionSpec, SpecErrors> {
+    let tokens: TokenStream = source.parse().map_err(|e: proc_macro2::LexError| {
+        SpecErrors::from_syn(syn::Error::new(
+            e.span(),
+            format!("cannot tokenize the spec: {e}"),
+        ))
+    })?;
+    parse_tokens(tokens).map_err(SpecErrors::from_syn)
+}
+
+/// Parses and validates a spec from tokens (the body of `#[attention(...)]`). All errors found
+/// are combined into one `syn::Error`, each at the span of its tokens.
+pub fn parse_tokens(tokens: TokenStream) -> syn::Result<AttentionSpec> {
+    if tokens.is_empty() {
+        return Err(syn::Error::new(
+            Span::call_site(),
+            "the spec is empty; it needs at least `heads = N, head_dim = N`",
+        ));
+    }
+    let whole = whole_span(&tokens);
+    let items = Punctuated::<syn::Expr, syn::Token![,]>::parse_terminated.parse2(tokens)?;
+    let mut p = SpecParser {
+        spans: HashMap::new(),
+        errors: Vec::new(),
+        raw: Raw::default(),
+    };
+    for item in &items {
+        p.item(item);
+    }
+    let spec = p.resolve(whole);
+    if let Some(Err(findings)) = spec.as_ref().map(AttentionSpec::validate) {
+        for finding in findings {
+            let span = p.span_of(finding.field, whole);
+            p.errors.push(syn::Error::new(span, finding.message));
+        }
+    }
+
+    let mut errors = p.errors.into_iter();
+    match errors.next() {
+        None => Ok(spec.expect("no errors means the spec resolved")),
+        Some(mut first) => {
+            errors.for_each(|e| first.combine(e));
+            Err(first)
+        }
+    }
+}
+
+impl std::str::FromStr for AttentionSpec {
+    type Err = SpecErrors;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        parse_str(s)
+    }
+}
+
+fn whole_span(tokens: &TokenStream) -> Span {
+    let mut iter = tokens.clone().into_iter();
+    match iter.next() {
+        None => Span::call_site(),
+        Some(first) => {
+            let last = iter.last().map(|t| t.span()).unwrap_or(first.span());
+            first.span().join(last).unwrap_or(first.span())
+        }
+    }
+}
+
+/// What the items said, before defaults are resolved.
+#[derive(Default)]
+struct Raw {
+    heads: Option<u32>,
+    kv_heads: Option<u32>,
+    head_dim: Option<u32>,
+    v_head_dim: Option<u32>,
+    mask: Option<Mask>,
+    position: Option<RawPosition>,
+    mla: Option<Mla>,
+    softcap: Option<f64>,
+    scale: Option<f64>,
+    dtype: Option<DType>,
+    score_mod: Option<crate::modifier::ScoreMod>,
+    mask_mod: Option<crate::modifier::MaskMod>,
+}
+
+/// RoPE as written: the dim may default to the rotated head dimension, known only at the end.
+enum RawPosition {
+    None,
+    Alibi,
+    Rope {
+        base: f64,
+        dim: Option<u32>,
+        layout: RopeLayout,
+        scaling: RopeScaling,
+    },
+}
+
+struct SpecParser {
+    /// Span of the tokens that set each field (dotted paths, as in validation findings).
+    spans: HashMap<&'static str, Span>,
+    errors: Vec<syn::Error>,
+    raw: Raw,
+}
+
+impl SpecParser {
+    fn span_of(&self, field: &str, whole: Span) -> Span {
+        let mut path = field;
+        loop {
+            if let Some(span) = self.spans.get(path) {
+                return *span;
+            }
+            match path.rfind('.') {
+                Some(dot) => path = &path[..dot],
+                None => return whole,
+            }
+        }
+    }
+
+    fn error(&mut self, err: syn::Error) {
+        self.errors.push(err);
+    }
+
+    fn item(&mut self, item: &syn::Expr) {
+        match item {
+            syn::Expr::Assign(assign) => {
+                let Some(key) = values::ident_of(&assign.left) else {
+                    self.error(syn::Error::new(
+                        assign.left.span(),
+                        "expected a key name on the left of `=`",
+                    ));
+                    return;
+                };
+                if let Err(e) = self.key(&key, &assign.right) {
+                    self.error(e);
+                }
+            }
+            syn::Expr::Call(call) if values::ident_of(&call.func).is_some_and(|i| i == "mla") => {
+                if let Err(e) = self.mla(call) {
+                    self.error(e);
+                }
+            }
+            other => {
+                let hint = match values::ident_of(other) {
+                    Some(i) if i == "mla" => {
+                        "`mla` needs its parameters: mla(latent_rank = 512, rope_dim = 64)"
+                            .to_string()
+                    }
+                    _ => "expected `key = value` or `mla(...)`".to_string(),
+                };
+                self.error(syn::Error::new(other.span(), hint));
+            }
+        }
+    }
+
+    /// Records that `field` was set by the tokens at `value`; a second setting is an error at
+    /// `key`.
+    fn claim(&mut self, field: &'static str, key: Span, value: Span) -> syn::Result<()> {
+        if self.spans.contains_key(field) {
+            return Err(syn::Error::new(
+                key,
+                format!("duplicate key `{field}`; each key may appear once"),
+            ));
+        }
+        self.spans.insert(field, value);
+        Ok(())
+    }
+
+    fn key(&mut self, key: &syn::Ident, value: &syn::Expr) -> syn::Result<()> {
+        let name = key.to_string();
+        let Some(field) = KEYS.iter().copied().find(|k| *k == name && *k != "mla") else {
+            return Err(unknown_key(key, &name));
+        };
+        // Claimed before the value is read, so an invalid value is not also reported missing.
+        self.claim(field, key.span(), value.span())?;
+        let v = Value::new(field, value);
+        match field {
+            "heads" => self.raw.heads = Some(v.u32()?),
+            "kv_heads" => self.raw.kv_heads = Some(v.u32()?),
+            "head_dim" => self.raw.head_dim = Some(v.u32()?),
+            "v_head_dim" => self.raw.v_head_dim = Some(v.u32()?),
+            "softcap" => self.raw.softcap = Some(v.float()?),
+            "scale" => self.raw.scale = Some(v.float()?),
+            "dtype" => {
+                self.raw.dtype = Some(match v.word(&["f32", "f16", "bf16"])? {
+                    "f32" => DType::F32,
+                    "f16" => DType::F16,
+                    _ => DType::Bf16,
+                })
+            }
+            "mask" => self.raw.mask = Some(self.mask(&v)?),
+            "position" => self.raw.position = Some(self.position(&v)?),
+            "score_mod" => self.raw.score_mod = Some(lower_score_mod(v.closure()?)?),
+            "mask_mod" => self.raw.mask_mod = Some(lower_mask_mod(v.closure()?)?),
+            _ => unreachable!("every key in KEYS is handled"),
+        }
+        Ok(())
+    }
+
+    fn mask(&mut self, v: &Value) -> syn::Result<Mask> {
+        const FORMS: &str = "none, causal, causal(top_left), causal(bottom_right), \
+                             sliding_window(N)";
+        if let Some(word) = v.as_word() {
+            return match word.as_str() {
+                "none" => Ok(Mask::None),
+                "causal" => Ok(Mask::Causal(CausalAlign::BottomRight)),
+                _ => Err(v.expected(FORMS)),
+            };
+        }
+        let Some((name, args)) = v.as_call() else {
+            return Err(v.expected(FORMS));
+        };
+        match name.as_str() {
+            "causal" => {
+                let [arg] = args.positional::<1>("causal(top_left | bottom_right)")?;
+                match Value::new("mask", arg).word(&["top_left", "bottom_right"])? {
+                    "top_left" => Ok(Mask::Causal(CausalAlign::TopLeft)),
+                    _ => Ok(Mask::Causal(CausalAlign::BottomRight)),
+                }
+            }
+            "sliding_window" => {
+                let [arg] = args.positional::<1>("sliding_window(N)")?;
+                self.spans.insert("mask.window", arg.span());
+                Ok(Mask::SlidingWindow {
+                    window: Value::new("sliding_window", arg).u64()?,
+                })
+            }
+            _ => Err(v.expected(FORMS)),
+        }
+    }
+
+    fn position(&mut self, v: &Value) -> syn::Result<RawPosition> {
+        const FORMS: &str =
+            "none, alibi, rope, rope(base = .., dim = .., layout = .., scaling = ..)";
+        if let Some(word) = v.as_word() {
+            return match word.as_str() {
+                "none" => Ok(RawPosition::None),
+                "alibi" => Ok(RawPosition::Alibi),
+                "rope" => Ok(RawPosition::Rope {
+                    base: 10000.0,
+                    dim: None,
+                    layout: RopeLayout::Half,
+                    scaling: RopeScaling::None,
+                }),
+                _ => Err(v.expected(FORMS)),
+            };
+        }
+        match v.as_call() {
+            Some((name, args)) if name == "rope" => self.rope(args),
+            _ => Err(v.expected(FORMS)),
+        }
+    }
+
+    fn rope(&mut self, args: Args) -> syn::Result<RawPosition> {
+        let mut named = args.named("rope", &["base", "dim", "layout", "scaling"])?;
+        let mut out = (10000.0, None, RopeLayout::Half, RopeScaling::None);
+        if let Some((span, v)) = named.take("base") {
+            self.spans.insert("position.base", span);
+            out.0 = v.float()?;
+        }
+        if let Some((span, v)) = named.take("dim") {
+            self.spans.insert("position.dim", span);
+            out.1 = Some(v.u32()?);
+        }
+        if let Some((span, v)) = named.take("layout") {
+            self.spans.insert("position.layout", span);
+            out.2 = match v.word(&["half", "interleaved"])? {
+                "half" => RopeLayout::Half,
+                _ => RopeLayout::Interleaved,
+            };
+        }
+        if let Some((span, v)) = named.take("scaling") {
+            self.spans.insert("position.scaling", span);
+            out.3 = self.scaling(&v)?;
+        }
+        Ok(RawPosition::Rope {
+            base: out.0,
+            dim: out.1,
+            layout: out.2,
+            scaling: out.3,
+        })
+    }
+
+    fn scaling(&mut self, v: &Value) -> syn::Result<RopeScaling> {
+        const FORMS: &str = "none, linear(factor = ..), ntk(factor = ..), dynamic(factor = .., \
+                             original_max_position = ..), yarn(factor = .., \
+                             original_max_position = .., ..), llama3(factor = .., \
+                             low_freq_factor = .., high_freq_factor = .., original_max_position = ..)";
+        if v.as_word().as_deref() == Some("none") {
+            return Ok(RopeScaling::None);
+        }
+        let Some((name, args)) = v.as_call() else {
+            return Err(v.expected(FORMS));
+        };
+        let allowed: &[&str] = match name.as_str() {
+            "linear" | "ntk" => &["factor"],
+            "dynamic" => &["factor", "original_max_position"],
+            "yarn" => &[
+                "factor",
+                "original_max_position",
+                "beta_fast",
+                "beta_slow",
+                "mscale",
+                "mscale_all_dim",
+            ],
+            "llama3" => &[
+                "factor",
+                "low_freq_factor",
+                "high_freq_factor",
+                "original_max_position",
+            ],
+            _ => return Err(v.expected(FORMS)),
+        };
+        let mut named = args.named(&name, allowed)?;
+        let mut get = |key: &'static str, field: &'static str| -> Option<Value<'_>> {
+            named.take(key).map(|(span, v)| {
+                self.spans.insert(field, span);
+                v
+            })
+        };
+        let factor = get("factor", "position.scaling.factor");
+        let orig = get(
+            "original_max_position",
+            "position.scaling.original_max_position",
+        );
+        let missing = |what: &str| {
+            syn::Error::new(
+                args.span,
+                format!(
+                    "{name}(...) needs `{what} = ..`; its parameters: {}",
+                    allowed.join(", ")
+                ),
+            )
+        };
+        let factor = factor.ok_or_else(|| missing("factor"))?.float()?;
+        let need_orig = || -> syn::Result<u64> {
+            orig.as_ref()
+                .ok_or_else(|| missing("original_max_position"))?
+                .u64()
+        };
+        Ok(match name.as_str() {
+            "linear" => RopeScaling::Linear { factor },
+            "ntk" => RopeScaling::Ntk { factor },
+            "dynamic" => RopeScaling::Dynamic {
+                factor,
+                original_max_position: need_orig()?,
+            },
+            "yarn" => {
+                let mut y = Yarn::new(factor, need_orig()?);
+                if let Some(v) = get("beta_fast", "position.scaling.beta_fast") {
+                    y.beta_fast = v.float()?;
+                }
+                if let Some(v) = get("beta_slow", "position.scaling.beta_slow") {
+                    y.beta_slow = v.float()?;
+                }
+                if let Some(v) = get("mscale", "position.scaling.mscale") {
+                    y.mscale = Some(v.float()?);
+                }
+                if let Some(v) = get("mscale_all_dim", "position.scaling.mscale_all_dim") {
+                    y.mscale_all_dim = Some(v.float()?);
+                }
+                RopeScaling::Yarn(y)
+            }
+            _ => {
+                let low = get("low_freq_factor", "position.scaling.low_freq_factor")
+                    .ok_or_else(|| missing("low_freq_factor"))?
+                    .float()?;
+                let high = get("high_freq_factor", "position.scaling.high_freq_factor")
+                    .ok_or_else(|| missing("high_freq_factor"))?
+                    .float()?;
+                RopeScaling::Llama3 {
+                    factor,
+                    low_freq_factor: low,
+                    high_freq_factor: high,
+                    original_max_position: need_orig()?,
+                }
+            }
+        })
+    }
+
+    fn mla(&mut self, call: &syn::ExprCall) -> syn::Result<()> {
+        self.claim("mla", call.func.span(), call.span())?;
+        let args = Args::new(call.paren_token.span.join(), &call.args);
+        let mut named = args.named("mla", &["latent_rank", "rope_dim"])?;
+        let mut get = |key: &str, field: &'static str| -> syn::Result<u32> {
+            match named.take(key) {
+                Some((span, v)) => {
+                    self.spans.insert(field, span);
+                    v.u32()
+                }
+                None => Err(syn::Error::new(
+                    call.span(),
+                    format!(
+                        "mla(...) needs `{key} = ..`; write mla(latent_rank = 512, rope_dim = 64)"
+                    ),
+                )),
+            }
+        };
+        let latent_rank = get("latent_rank", "mla.latent_rank")?;
+        let rope_dim = get("rope_dim", "mla.rope_dim")?;
+        self.raw.mla = Some(Mla {
+            latent_rank,
+            rope_dim,
+        });
+        Ok(())
+    }
+
+    /// Fills in defaults and checks that required keys are present.
+    fn resolve(&mut self, whole: Span) -> Option<AttentionSpec> {
+        let raw = std::mem::take(&mut self.raw);
+        if raw.heads.is_none() && !self.spans.contains_key("heads") {
+            self.error(syn::Error::new(
+                whole,
+                "missing `heads = N` (the number of query heads)",
+            ));
+        }
+        if raw.head_dim.is_none() && !self.spans.contains_key("head_dim") {
+            self.error(syn::Error::new(
+                whole,
+                "missing `head_dim = N` (the query/key dimension per head)",
+            ));
+        }
+        if let (Some(_), Some(_)) = (raw.mla, raw.kv_heads) {
+            self.error(syn::Error::new(
+                self.spans["kv_heads"],
+                "kv_heads does not apply with mla(...): all heads share one latent",
+            ));
+        }
+        let (heads, head_dim) = (raw.heads?, raw.head_dim?);
+        if !self.errors.is_empty() {
+            return None;
+        }
+        let kv = match raw.mla {
+            Some(mla) => KvLayout::Mla(mla),
+            None => KvLayout::Heads {
+                kv_heads: raw.kv_heads.unwrap_or(heads),
+            },
+        };
+        let rotary_span = match kv {
+            KvLayout::Mla(mla) => mla.rope_dim,
+            KvLayout::Heads { .. } => head_dim,
+        };
+        let position = match raw.position.unwrap_or(RawPosition::None) {
+            RawPosition::None => Position::None,
+            RawPosition::Alibi => Position::Alibi,
+            RawPosition::Rope {
+                base,
+                dim,
+                layout,
+                scaling,
+            } => Position::Rope(Rope {
+                base,
+                dim: dim.unwrap_or(rotary_span),
+                layout,
+                scaling,
+            }),
+        };
+        Some(AttentionSpec {
+            heads,
+            kv,
+            head_dim,
+            v_head_dim: raw.v_head_dim.unwrap_or(head_dim),
+            mask: raw.mask.unwrap_or(Mask::None),
+            position,
+            softcap: raw.softcap,
+            scale: raw.scale,
+            dtype: raw.dtype.unwrap_or(DType::F32),
+            score_mod: raw.score_mod,
+            mask_mod: raw.mask_mod,
+        })
+    }
+}
+
+fn unknown_key(key: &syn::Ident, name: &str) -> syn::Error {
+    let best = KEYS
+        .iter()
+        .map(|k| (strsim::damerau_levenshtein(name, k), *k))
+        .min()
+        .filter(|(d, k)| *d <= 2.max(k.len() / 3));
+    let hint = match best {
+        Some((_, "mla")) => "; did you mean `mla(latent_rank = .., rope_dim = ..)`?".to_string(),
+        Some((_, k)) => format!("; did you mean `{k}`?"),
+        None => format!("; allowed keys: {}", KEYS.join(", ")),
+    };
+    syn::Error::new(key.span(), format!("unknown key `{name}`{hint}"))
+}

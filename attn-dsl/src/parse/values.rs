@@ -1,0 +1,254 @@
+//! Reading values out of expression tokens, with errors that say what was expected and found.
+
+use proc_macro2::Span;
+use quote::ToTokens;
+use syn::punctuated::Punctuated;
+use syn::spanned::Spanned;
+
+/// The identifier an expression consists of, if it is a plain identifier.
+pub(super) fn ident_of(expr: &syn::Expr) -> Option<syn::Ident> {
+    match expr {
+        syn::Expr::Path(p) if p.qself.is_none() => p.path.get_ident().cloned(),
+        _ => None,
+    }
+}
+
+/// A value written for the key (or argument) `what`.
+pub(super) struct Value<'a> {
+    what: String,
+    expr: &'a syn::Expr,
+}
+
+impl<'a> Value<'a> {
+    pub(super) fn new(what: &str, expr: &'a syn::Expr) -> Self {
+        Value {
+            what: what.to_string(),
+            expr,
+        }
+    }
+
+    /// An error saying what `what` accepts and what was found instead.
+    pub(super) fn expected(&self, allowed: &str) -> syn::Error {
+        syn::Error::new(
+            self.expr.span(),
+            format!(
+                "invalid value for `{}`: found {}; allowed: {allowed}",
+                self.what,
+                describe(self.expr)
+            ),
+        )
+    }
+
+    /// A non-negative integer literal.
+    pub(super) fn u64(&self) -> syn::Result<u64> {
+        match self.expr {
+            syn::Expr::Lit(syn::ExprLit {
+                lit: syn::Lit::Int(i),
+                ..
+            }) if i.suffix().is_empty() => i.base10_parse::<u64>().map_err(|_| {
+                syn::Error::new(i.span(), format!("`{}` = {i} is too large", self.what))
+            }),
+            syn::Expr::Unary(syn::ExprUnary {
+                op: syn::UnOp::Neg(_),
+                ..
+            }) => Err(syn::Error::new(
+                self.expr.span(),
+                format!(
+                    "`{}` cannot be negative; allowed: an integer of at least 1",
+                    self.what
+                ),
+            )),
+            _ => Err(self.expected("an integer")),
+        }
+    }
+
+    /// An integer literal that fits in u32.
+    pub(super) fn u32(&self) -> syn::Result<u32> {
+        let v = self.u64()?;
+        u32::try_from(v).map_err(|_| {
+            syn::Error::new(
+                self.expr.span(),
+                format!(
+                    "`{}` = {v} is absurdly large; allowed: at most {}",
+                    self.what,
+                    u32::MAX
+                ),
+            )
+        })
+    }
+
+    /// A float or integer literal, optionally negated.
+    pub(super) fn float(&self) -> syn::Result<f64> {
+        let (negated, inner) = match self.expr {
+            syn::Expr::Unary(syn::ExprUnary {
+                op: syn::UnOp::Neg(_),
+                expr,
+                ..
+            }) => (true, &**expr),
+            other => (false, other),
+        };
+        let value = match inner {
+            syn::Expr::Lit(syn::ExprLit {
+                lit: syn::Lit::Float(f),
+                ..
+            }) if f.suffix().is_empty() => f.base10_parse::<f64>()?,
+            syn::Expr::Lit(syn::ExprLit {
+                lit: syn::Lit::Int(i),
+                ..
+            }) if i.suffix().is_empty() => i.base10_parse::<u64>()? as f64,
+            _ => return Err(self.expected("a number")),
+        };
+        Ok(if negated { -value } else { value })
+    }
+
+    /// The identifier, if the value is a plain identifier.
+    pub(super) fn as_word(&self) -> Option<String> {
+        ident_of(self.expr).map(|i| i.to_string())
+    }
+
+    /// One of the identifiers in `allowed`.
+    pub(super) fn word(&self, allowed: &[&'static str]) -> syn::Result<&'static str> {
+        let word = self.as_word();
+        allowed
+            .iter()
+            .copied()
+            .find(|a| word.as_deref() == Some(*a))
+            .ok_or_else(|| self.expected(&allowed.join(", ")))
+    }
+
+    /// `name(args)`, if the value is a call of a plain identifier.
+    pub(super) fn as_call(&self) -> Option<(String, Args<'a>)> {
+        match self.expr {
+            syn::Expr::Call(call) => {
+                let name = ident_of(&call.func)?.to_string();
+                Some((name, Args::new(call.paren_token.span.join(), &call.args)))
+            }
+            _ => None,
+        }
+    }
+
+    /// A closure (custom modifiers).
+    pub(super) fn closure(&self) -> syn::Result<&'a syn::ExprClosure> {
+        match self.expr {
+            syn::Expr::Closure(c) => Ok(c),
+            _ => Err(self.expected(match self.what.as_str() {
+                "score_mod" => "a closure |score, b, h, q, k| expr",
+                _ => "a closure |b, h, q, k| expr",
+            })),
+        }
+    }
+}
+
+/// The arguments of a call, e.g. `rope(base = 10000.0, dim = 64)`.
+pub(super) struct Args<'a> {
+    /// The span of the parentheses.
+    pub span: Span,
+    args: &'a Punctuated<syn::Expr, syn::Token![,]>,
+}
+
+impl<'a> Args<'a> {
+    pub(super) fn new(span: Span, args: &'a Punctuated<syn::Expr, syn::Token![,]>) -> Self {
+        Args { span, args }
+    }
+
+    /// Exactly `N` positional arguments.
+    pub(super) fn positional<const N: usize>(&self, form: &str) -> syn::Result<[&'a syn::Expr; N]> {
+        let all: Vec<&syn::Expr> = self.args.iter().collect();
+        all.try_into().map_err(|all: Vec<&syn::Expr>| {
+            syn::Error::new(
+                self.span,
+                format!("expected {form}, found {} argument(s)", all.len()),
+            )
+        })
+    }
+
+    /// `key = value` arguments, each key from `allowed` and at most once.
+    pub(super) fn named(&self, call: &str, allowed: &[&str]) -> syn::Result<Named<'a>> {
+        let mut entries: Vec<(String, Span, &'a syn::Expr)> = Vec::new();
+        for arg in self.args {
+            let syn::Expr::Assign(assign) = arg else {
+                return Err(syn::Error::new(
+                    arg.span(),
+                    format!(
+                        "{call}(...) takes `name = value` arguments; allowed names: {}",
+                        allowed.join(", ")
+                    ),
+                ));
+            };
+            let Some(key) = ident_of(&assign.left) else {
+                return Err(syn::Error::new(
+                    assign.left.span(),
+                    "expected an argument name",
+                ));
+            };
+            let name = key.to_string();
+            if !allowed.contains(&name.as_str()) {
+                let suggestion = allowed
+                    .iter()
+                    .map(|a| (strsim::damerau_levenshtein(&name, a), *a))
+                    .min()
+                    .filter(|(d, a)| *d <= 2.max(a.len() / 3))
+                    .map(|(_, a)| format!("did you mean `{a}`? "))
+                    .unwrap_or_default();
+                return Err(syn::Error::new(
+                    key.span(),
+                    format!(
+                        "unknown argument `{name}` of {call}(...); {suggestion}allowed: {}",
+                        allowed.join(", ")
+                    ),
+                ));
+            }
+            if entries.iter().any(|(n, ..)| *n == name) {
+                return Err(syn::Error::new(
+                    key.span(),
+                    format!("duplicate argument `{name}` of {call}(...)"),
+                ));
+            }
+            entries.push((name, assign.right.span(), &assign.right));
+        }
+        Ok(Named { entries })
+    }
+}
+
+/// Named arguments, taken one by one.
+pub(super) struct Named<'a> {
+    entries: Vec<(String, Span, &'a syn::Expr)>,
+}
+
+impl<'a> Named<'a> {
+    /// The value of argument `key`, with the span of the value, if given.
+    pub(super) fn take(&mut self, key: &str) -> Option<(Span, Value<'a>)> {
+        let i = self.entries.iter().position(|(n, ..)| n == key)?;
+        let (name, span, expr) = self.entries.remove(i);
+        Some((span, Value::new(&name, expr)))
+    }
+}
+
+/// A short description of what an expression is, for "found ..." messages.
+fn describe(expr: &syn::Expr) -> String {
+    let text = expr.to_token_stream().to_string();
+    let text = if text.len() > 40 {
+        format!("{}...", &text[..text.floor_char_boundary(37)])
+    } else {
+        text
+    };
+    let kind = match expr {
+        syn::Expr::Lit(syn::ExprLit {
+            lit: syn::Lit::Int(_),
+            ..
+        }) => "the integer",
+        syn::Expr::Lit(syn::ExprLit {
+            lit: syn::Lit::Float(_),
+            ..
+        }) => "the float",
+        syn::Expr::Lit(syn::ExprLit {
+            lit: syn::Lit::Str(_),
+            ..
+        }) => "the string",
+        syn::Expr::Path(_) => "the name",
+        syn::Expr::Call(_) => "the call",
+        syn::Expr::Closure(_) => "a closure",
+        _ => "the expression",
+    };
+    format!("{kind} `{text}`")
+}

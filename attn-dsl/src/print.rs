@@ -1,0 +1,138 @@
+//! Printing a spec in the spec language, normalized: fixed key order, derived defaults shown,
+//! so that `parse(print(spec)) == spec`.
+
+use crate::spec::{
+    AttentionSpec, CausalAlign, KvLayout, Mask, Position, Rope, RopeLayout, RopeScaling,
+};
+use std::fmt;
+
+/// Floats print in Rust's shortest round-trip form, always with a `.` or an exponent, so they
+/// read back as floats.
+struct F(f64);
+
+impl fmt::Display for F {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        write!(f, "{:?}", self.0)
+    }
+}
+
+impl fmt::Display for AttentionSpec {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        write!(f, "heads = {}", self.heads)?;
+        match self.kv {
+            KvLayout::Heads { kv_heads } => write!(f, ", kv_heads = {kv_heads}")?,
+            KvLayout::Mla(mla) => write!(
+                f,
+                ", mla(latent_rank = {}, rope_dim = {})",
+                mla.latent_rank, mla.rope_dim
+            )?,
+        }
+        write!(
+            f,
+            ", head_dim = {}, v_head_dim = {}, mask = {}, position = {}",
+            self.head_dim, self.v_head_dim, self.mask, self.position
+        )?;
+        if let Some(c) = self.softcap {
+            write!(f, ", softcap = {}", F(c))?;
+        }
+        if let Some(s) = self.scale {
+            write!(f, ", scale = {}", F(s))?;
+        }
+        write!(f, ", dtype = {}", self.dtype.name())?;
+        if let Some(m) = &self.score_mod {
+            write!(f, ", score_mod = {m}")?;
+        }
+        if let Some(m) = &self.mask_mod {
+            write!(f, ", mask_mod = {m}")?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for Mask {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        match self {
+            Mask::None => write!(f, "none"),
+            Mask::Causal(CausalAlign::BottomRight) => write!(f, "causal"),
+            Mask::Causal(CausalAlign::TopLeft) => write!(f, "causal(top_left)"),
+            Mask::SlidingWindow { window } => write!(f, "sliding_window({window})"),
+        }
+    }
+}
+
+impl fmt::Display for Position {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        match self {
+            Position::None => write!(f, "none"),
+            Position::Alibi => write!(f, "alibi"),
+            Position::Rope(rope) => write!(f, "{rope}"),
+        }
+    }
+}
+
+impl fmt::Display for Rope {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        let layout = match self.layout {
+            RopeLayout::Half => "half",
+            RopeLayout::Interleaved => "interleaved",
+        };
+        write!(
+            f,
+            "rope(base = {}, dim = {}, layout = {layout}",
+            F(self.base),
+            self.dim
+        )?;
+        if self.scaling != RopeScaling::None {
+            write!(f, ", scaling = {}", self.scaling)?;
+        }
+        write!(f, ")")
+    }
+}
+
+impl fmt::Display for RopeScaling {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        match *self {
+            RopeScaling::None => write!(f, "none"),
+            RopeScaling::Linear { factor } => write!(f, "linear(factor = {})", F(factor)),
+            RopeScaling::Ntk { factor } => write!(f, "ntk(factor = {})", F(factor)),
+            RopeScaling::Dynamic {
+                factor,
+                original_max_position,
+            } => write!(
+                f,
+                "dynamic(factor = {}, original_max_position = {original_max_position})",
+                F(factor)
+            ),
+            RopeScaling::Yarn(y) => {
+                write!(
+                    f,
+                    "yarn(factor = {}, original_max_position = {}, beta_fast = {}, beta_slow = {}",
+                    F(y.factor),
+                    y.original_max_position,
+                    F(y.beta_fast),
+                    F(y.beta_slow)
+                )?;
+                if let Some(m) = y.mscale {
+                    write!(f, ", mscale = {}", F(m))?;
+                }
+                if let Some(m) = y.mscale_all_dim {
+                    write!(f, ", mscale_all_dim = {}", F(m))?;
+                }
+                write!(f, ")")
+            }
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position,
+            } => write!(
+                f,
+                "llama3(factor = {}, low_freq_factor = {}, high_freq_factor = {}, \
+                 original_max_position = {original_max_position})",
+                F(factor),
+                F(low_freq_factor),
+                F(high_freq_factor)
+            ),
+        }
+    }
+}

@@ -1,0 +1,224 @@
+//! The reference semantics: what every kernel of every backend must compute.
+//!
+//! Plain f64, O(Sq·Skv) memory, written to be read next to DESIGN.md ("Semantics"), not to be
+//! fast. Inputs are BHSD arrays (MLA: the DeepSeek tensors). Outputs are `out` and `lse`, the
+//! natural log of the softmax denominator over the kept keys; a row with no kept key gives
+//! `out = 0` and `lse = -inf`.
+
+pub mod alibi;
+mod array;
+mod mla;
+pub mod rope;
+
+pub use array::Array;
+pub use mla::{MlaAbsorbed, MlaInputs, mla_absorbed, mla_expanded};
+
+use crate::error::ReferenceError;
+use crate::spec::{AttentionSpec, CausalAlign, Mask, Position};
+
+/// Inputs of per-head attention (MHA/GQA/MQA).
+#[derive(Clone, Copy, Debug)]
+pub struct Inputs<'a> {
+    /// Queries `[B, Hq, Sq, D]`, before RoPE.
+    pub q: &'a Array,
+    /// Keys `[B, Hkv, Skv, D]`, before RoPE.
+    pub k: &'a Array,
+    /// Values `[B, Hkv, Skv, Dv]`.
+    pub v: &'a Array,
+    /// Position of key 0 (`p0`): key `j` is at `p0 + j`, query `i` at `p0 + Skv - Sq + i`.
+    pub position_offset: i64,
+}
+
+/// Outputs of attention.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Output {
+    /// `[B, Hq, Sq, Dv]`.
+    pub out: Array,
+    /// `[B, Hq, Sq]`, natural log of the softmax denominator; `-inf` for fully masked rows.
+    pub lse: Array,
+}
+
+/// Computes attention for a per-head spec.
+pub fn attention(spec: &AttentionSpec, inputs: &Inputs) -> Result<Output, ReferenceError> {
+    check_spec(spec)?;
+    if spec.mla().is_some() {
+        return Err(ReferenceError::WrongEntryPoint(
+            "this is an MLA spec: use reference::mla_absorbed or reference::mla_expanded",
+        ));
+    }
+    let [b, _, sq, d] = dims4("q", inputs.q)?;
+    let (hkv, dv) = (spec.kv_heads() as usize, spec.v_head_dim as usize);
+    expect(
+        "q",
+        inputs.q,
+        &[b, spec.heads as usize, sq, spec.head_dim as usize],
+    )?;
+    let [_, _, skv, _] = dims4("k", inputs.k)?;
+    expect("k", inputs.k, &[b, hkv, skv, d])?;
+    expect("v", inputs.v, &[b, hkv, skv, dv])?;
+    let positions = Positions::new(sq, skv, inputs.position_offset);
+    let (q, k) = match &spec.position {
+        Position::Rope(r) => (
+            rope::apply(r, inputs.q, &positions.queries(), positions.total_len()),
+            rope::apply(r, inputs.k, &positions.keys(), positions.total_len()),
+        ),
+        _ => (inputs.q.clone(), inputs.k.clone()),
+    };
+    Ok(attend(spec, &q, &k, inputs.v, &positions))
+}
+
+fn check_spec(spec: &AttentionSpec) -> Result<(), ReferenceError> {
+    spec.validate().map_err(|findings| {
+        ReferenceError::Spec(
+            findings
+                .iter()
+                .map(|f| f.to_string())
+                .collect::<Vec<_>>()
+                .join("; "),
+        )
+    })
+}
+
+fn dims4(name: &'static str, a: &Array) -> Result<[usize; 4], ReferenceError> {
+    a.shape().try_into().map_err(|_| ReferenceError::Shape {
+        name,
+        found: a.shape().to_vec(),
+        expected: "a 4-D array [B, H, S, D]".to_string(),
+    })
+}
+
+fn expect(name: &'static str, a: &Array, shape: &[usize]) -> Result<(), ReferenceError> {
+    if a.shape() == shape {
+        Ok(())
+    } else {
+        Err(ReferenceError::Shape {
+            name,
+            found: a.shape().to_vec(),
+            expected: format!("{shape:?}"),
+        })
+    }
+}
+
+/// Absolute positions of queries and keys (DESIGN.md "Positions").
+#[derive(Clone, Copy, Debug)]
+struct Positions {
+    sq: usize,
+    skv: usize,
+    offset: i64,
+}
+
+impl Positions {
+    fn new(sq: usize, skv: usize, offset: i64) -> Self {
+        Positions { sq, skv, offset }
+    }
+
+    fn query(&self, i: usize) -> i64 {
+        self.offset + self.skv as i64 - self.sq as i64 + i as i64
+    }
+
+    fn key(&self, j: usize) -> i64 {
+        self.offset + j as i64
+    }
+
+    fn queries(&self) -> Vec<i64> {
+        (0..self.sq).map(|i| self.query(i)).collect()
+    }
+
+    fn keys(&self) -> Vec<i64> {
+        (0..self.skv).map(|j| self.key(j)).collect()
+    }
+
+    /// The current total length, `Skv + p0` (what dynamic NTK scaling reads).
+    fn total_len(&self) -> u64 {
+        (self.skv as i64 + self.offset).max(0) as u64
+    }
+}
+
+/// The score of one (query, key) pair after every modifier, or `None` when the pair is masked.
+fn score(
+    spec: &AttentionSpec,
+    slopes: &[f64],
+    dot: f64,
+    (b, h): (usize, usize),
+    (i, j): (usize, usize),
+    pos: &Positions,
+) -> Option<f64> {
+    let (pq, pk) = (pos.query(i), pos.key(j));
+    let keep = match spec.mask {
+        Mask::None => true,
+        Mask::Causal(CausalAlign::BottomRight) => pk <= pq,
+        Mask::Causal(CausalAlign::TopLeft) => j <= i,
+        Mask::SlidingWindow { window } => pk <= pq && (pq - pk) < window as i64,
+    };
+    let (bi, hi) = (b as i64, h as i64);
+    if !keep
+        || spec
+            .mask_mod
+            .as_ref()
+            .is_some_and(|m| !m.keeps(bi, hi, pq, pk))
+    {
+        return None;
+    }
+    let mut s = spec.effective_scale() * dot;
+    if let Some(c) = spec.softcap {
+        s = c * (s / c).tanh();
+    }
+    if let Position::Alibi = spec.position {
+        s += slopes[h] * (pk - pq) as f64;
+    }
+    if let Some(m) = &spec.score_mod {
+        s = m.apply(s, bi, hi, pq, pk);
+    }
+    Some(s)
+}
+
+/// Softmax attention over already-rotated q `[B, Hq, Sq, Dqk]`, k `[B, Hkv, Skv, Dqk]` and
+/// v `[B, Hkv, Skv, Dv]`; query head `h` reads KV head `h / (Hq / Hkv)`.
+fn attend(spec: &AttentionSpec, q: &Array, k: &Array, v: &Array, pos: &Positions) -> Output {
+    let [b_n, hq, sq, _]: [usize; 4] = q.shape().try_into().expect("checked by the caller");
+    let hkv = k.shape()[1];
+    let dv = v.shape()[3];
+    let group = hq / hkv;
+    let slopes = alibi::slopes(hq as u32);
+    let mut out = Array::zeros(&[b_n, hq, sq, dv]);
+    let mut lse = Array::zeros(&[b_n, hq, sq]);
+    let mut scores = Vec::with_capacity(pos.skv);
+    for b in 0..b_n {
+        for h in 0..hq {
+            let kvh = h / group;
+            for i in 0..sq {
+                let qi = q.row(&[b, h, i]);
+                scores.clear();
+                scores.extend((0..pos.skv).map(|j| {
+                    let dot = dot(qi, k.row(&[b, kvh, j]));
+                    score(spec, &slopes, dot, (b, h), (i, j), pos)
+                }));
+                let max = scores
+                    .iter()
+                    .flatten()
+                    .copied()
+                    .fold(f64::NEG_INFINITY, f64::max);
+                if max == f64::NEG_INFINITY {
+                    lse.set(&[b, h, i], f64::NEG_INFINITY);
+                    continue;
+                }
+                let denom: f64 = scores.iter().flatten().map(|s| (s - max).exp()).sum();
+                lse.set(&[b, h, i], max + denom.ln());
+                let row = out.row_mut(&[b, h, i]);
+                for (j, s) in scores.iter().enumerate() {
+                    if let Some(s) = s {
+                        let p = (s - max).exp() / denom;
+                        for (o, x) in row.iter_mut().zip(v.row(&[b, kvh, j])) {
+                            *o += p * x;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Output { out, lse }
+}
+
+fn dot(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}

@@ -1,0 +1,313 @@
+//! The attention spec as plain data: what a variant is, independent of how it is parsed or run.
+//!
+//! Values here are *resolved*: defaults that depend on other fields (`kv_heads`, `v_head_dim`,
+//! the RoPE dim) are filled in by the parser, so two specs that mean the same thing compare equal.
+//! The one deliberate exception is [`AttentionSpec::scale`]: `None` means "the default for this
+//! shape", which [`AttentionSpec::effective_scale`] computes.
+
+use crate::modifier::{MaskMod, ScoreMod};
+
+/// A complete attention variant.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AttentionSpec {
+    /// Number of query heads.
+    pub heads: u32,
+    /// How keys and values are stored: per-head groups (MHA/GQA/MQA) or an MLA latent.
+    pub kv: KvLayout,
+    /// Query/key head dimension. With MLA, the per-head non-rotary ("nope") dimension.
+    pub head_dim: u32,
+    /// Value head dimension (defaults to `head_dim`).
+    pub v_head_dim: u32,
+    /// The built-in mask.
+    pub mask: Mask,
+    /// The positional scheme.
+    pub position: Position,
+    /// Tanh soft-capping of scores: `s = c * tanh(s / c)`.
+    pub softcap: Option<f64>,
+    /// Explicit score scale; `None` means the default (see [`AttentionSpec::effective_scale`]).
+    pub scale: Option<f64>,
+    /// Storage dtype of inputs and outputs (accumulation is always f32).
+    pub dtype: DType,
+    /// A custom score modifier, applied after scale, softcap and ALiBi.
+    pub score_mod: Option<ScoreMod>,
+    /// A custom mask predicate, ANDed with the built-in mask.
+    pub mask_mod: Option<MaskMod>,
+}
+
+/// How keys and values are laid out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvLayout {
+    /// `kv_heads` key/value heads, each shared by `heads / kv_heads` query heads.
+    Heads {
+        /// Number of key/value heads.
+        kv_heads: u32,
+    },
+    /// Multi-head latent attention (DeepSeek-V2/V3).
+    Mla(Mla),
+}
+
+/// Parameters of multi-head latent attention.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Mla {
+    /// Rank of the cached latent `c_kv`.
+    pub latent_rank: u32,
+    /// Dimension of the decoupled rotary part, one key head shared by all query heads.
+    pub rope_dim: u32,
+}
+
+/// The family a KV layout belongs to, for reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvKind {
+    /// One KV head per query head.
+    Mha,
+    /// Fewer KV heads than query heads, more than one.
+    Gqa,
+    /// A single KV head.
+    Mqa,
+    /// A compressed latent shared by all heads.
+    Mla,
+}
+
+/// Which query each key row is aligned with for causal masking.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CausalAlign {
+    /// Queries are the last `Sq` positions (decode, chunked prefill). The default.
+    BottomRight,
+    /// Query `i` is aligned with key `i`.
+    TopLeft,
+}
+
+/// The built-in mask.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mask {
+    /// Every key is visible.
+    None,
+    /// Keys at or before the query's position are visible.
+    Causal(CausalAlign),
+    /// Causal (bottom-right), and only the last `window` keys including the query's own.
+    SlidingWindow {
+        /// Number of visible keys, including the query's own position.
+        window: u64,
+    },
+}
+
+/// The positional scheme.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Position {
+    /// No positional information inside attention.
+    None,
+    /// Linear biases with the standard per-head slopes.
+    Alibi,
+    /// Rotary embeddings applied to q and k.
+    Rope(Rope),
+}
+
+/// Rotary position embedding parameters.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Rope {
+    /// Frequency base (theta).
+    pub base: f64,
+    /// Number of leading dimensions rotated (even, at most the rotated head dim).
+    pub dim: u32,
+    /// How dimensions are paired.
+    pub layout: RopeLayout,
+    /// Context-extension scaling.
+    pub scaling: RopeScaling,
+}
+
+/// How rotary dimensions are paired.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeLayout {
+    /// `rotate_half`: pairs `(x[i], x[i + dim/2])` (Llama, Hugging Face).
+    Half,
+    /// Pairs `(x[2i], x[2i+1])` (GPT-J, original RoFormer).
+    Interleaved,
+}
+
+/// RoPE context-extension scalings, as the transformers library defines them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum RopeScaling {
+    /// Plain RoPE.
+    None,
+    /// Position interpolation: `inv_freq / factor`.
+    Linear {
+        /// Interpolation factor.
+        factor: f64,
+    },
+    /// Static NTK-aware: `base' = base * factor^(dim/(dim-2))`.
+    Ntk {
+        /// Scaling factor.
+        factor: f64,
+    },
+    /// Dynamic NTK: the base grows with the current length once it exceeds the original.
+    Dynamic {
+        /// Scaling factor.
+        factor: f64,
+        /// Context length the model was trained with.
+        original_max_position: u64,
+    },
+    /// YaRN: frequency-dependent interpolation plus an attention factor.
+    Yarn(Yarn),
+    /// Llama 3.1: wavelength-dependent blend of interpolated and original frequencies.
+    Llama3 {
+        /// Interpolation factor for low frequencies.
+        factor: f64,
+        /// Wavelengths above `original_max_position / low_freq_factor` are fully interpolated.
+        low_freq_factor: f64,
+        /// Wavelengths below `original_max_position / high_freq_factor` are kept.
+        high_freq_factor: f64,
+        /// Context length the model was trained with.
+        original_max_position: u64,
+    },
+}
+
+/// YaRN parameters.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Yarn {
+    /// Context extension factor (at least 1).
+    pub factor: f64,
+    /// Context length the model was trained with.
+    pub original_max_position: u64,
+    /// Rotations above which dimensions are extrapolated (default 32).
+    pub beta_fast: f64,
+    /// Rotations below which dimensions are interpolated (default 1).
+    pub beta_slow: f64,
+    /// Optional attention-factor numerator parameter.
+    pub mscale: Option<f64>,
+    /// Optional attention-factor denominator parameter.
+    pub mscale_all_dim: Option<f64>,
+}
+
+/// Storage dtype.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// IEEE binary32.
+    F32,
+    /// IEEE binary16.
+    F16,
+    /// bfloat16.
+    Bf16,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size_bytes(self) -> u64 {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::Bf16 => 2,
+        }
+    }
+
+    /// The name used in the spec language.
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::Bf16 => "bf16",
+        }
+    }
+}
+
+impl AttentionSpec {
+    /// A spec with the given heads and head dim and every other field at its default
+    /// (MHA, no mask, no positions, f32).
+    pub fn new(heads: u32, head_dim: u32) -> Self {
+        AttentionSpec {
+            heads,
+            kv: KvLayout::Heads { kv_heads: heads },
+            head_dim,
+            v_head_dim: head_dim,
+            mask: Mask::None,
+            position: Position::None,
+            softcap: None,
+            scale: None,
+            dtype: DType::F32,
+            score_mod: None,
+            mask_mod: None,
+        }
+    }
+
+    /// Number of distinct key/value heads a kernel reads (1 for MLA: the latent is shared).
+    pub fn kv_heads(&self) -> u32 {
+        match self.kv {
+            KvLayout::Heads { kv_heads } => kv_heads,
+            KvLayout::Mla(_) => 1,
+        }
+    }
+
+    /// The family of the KV layout.
+    pub fn kv_kind(&self) -> KvKind {
+        match self.kv {
+            KvLayout::Mla(_) => KvKind::Mla,
+            KvLayout::Heads { kv_heads } if kv_heads == self.heads => KvKind::Mha,
+            KvLayout::Heads { kv_heads: 1 } => KvKind::Mqa,
+            KvLayout::Heads { .. } => KvKind::Gqa,
+        }
+    }
+
+    /// The MLA parameters, if this is an MLA spec.
+    pub fn mla(&self) -> Option<Mla> {
+        match self.kv {
+            KvLayout::Mla(mla) => Some(mla),
+            KvLayout::Heads { .. } => None,
+        }
+    }
+
+    /// Dimension of the per-head query/key vectors in the expanded form
+    /// (`head_dim`, plus `rope_dim` with MLA).
+    pub fn qk_dim(&self) -> u32 {
+        match self.kv {
+            KvLayout::Heads { .. } => self.head_dim,
+            KvLayout::Mla(mla) => self.head_dim + mla.rope_dim,
+        }
+    }
+
+    /// The dimension RoPE rotates within: `head_dim`, or `rope_dim` with MLA.
+    pub fn rotary_span(&self) -> u32 {
+        match self.kv {
+            KvLayout::Heads { .. } => self.head_dim,
+            KvLayout::Mla(mla) => mla.rope_dim,
+        }
+    }
+
+    /// The scale applied to `<q, k>`: the explicit one, else `1/sqrt(qk_dim)`.
+    pub fn effective_scale(&self) -> f64 {
+        self.scale
+            .unwrap_or_else(|| 1.0 / f64::from(self.qk_dim()).sqrt())
+    }
+
+    /// The RoPE parameters, if the positional scheme is RoPE.
+    pub fn rope(&self) -> Option<&Rope> {
+        match &self.position {
+            Position::Rope(rope) => Some(rope),
+            _ => None,
+        }
+    }
+}
+
+impl Rope {
+    /// RoPE with the given rotated dimension and every other parameter at its default
+    /// (base 10000, half layout, no scaling).
+    pub fn with_dim(dim: u32) -> Self {
+        Rope {
+            base: 10000.0,
+            dim,
+            layout: RopeLayout::Half,
+            scaling: RopeScaling::None,
+        }
+    }
+}
+
+impl Yarn {
+    /// YaRN with the given factor and original context, other parameters at their defaults.
+    pub fn new(factor: f64, original_max_position: u64) -> Self {
+        Yarn {
+            factor,
+            original_max_position,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            mscale: None,
+            mscale_all_dim: None,
+        }
+    }
+}

@@ -1,0 +1,246 @@
+//! The rules every spec obeys, checked on the plain data so specs built in code get the same
+//! errors as parsed ones. The parser maps each finding's field back to the tokens that set it.
+
+use crate::error::Invalid;
+use crate::spec::{AttentionSpec, KvLayout, Mask, Position, Rope, RopeScaling};
+
+/// Largest number of query heads accepted.
+pub const MAX_HEADS: u32 = 1024;
+/// Largest head dimension accepted (query/key, value, MLA rope dim).
+pub const MAX_HEAD_DIM: u32 = 1024;
+/// Largest MLA latent rank accepted.
+pub const MAX_LATENT_RANK: u32 = 16384;
+
+struct Findings(Vec<Invalid>);
+
+impl Findings {
+    fn push(&mut self, field: &'static str, message: String) {
+        self.0.push(Invalid { field, message });
+    }
+
+    fn range(&mut self, field: &'static str, value: u64, lo: u64, hi: u64) -> bool {
+        let ok = (lo..=hi).contains(&value);
+        if !ok {
+            self.push(
+                field,
+                format!("{field} = {value} is out of range; allowed: {lo} to {hi}"),
+            );
+        }
+        ok
+    }
+
+    fn positive(&mut self, field: &'static str, value: f64) {
+        if !(value.is_finite() && value > 0.0) {
+            self.push(
+                field,
+                format!("{field} = {value} is invalid; allowed: a finite number greater than 0"),
+            );
+        }
+    }
+
+    fn at_least_one(&mut self, field: &'static str, value: f64) {
+        if !(value.is_finite() && value >= 1.0) {
+            self.push(
+                field,
+                format!("{field} = {value} is invalid; allowed: a finite number of at least 1.0"),
+            );
+        }
+    }
+}
+
+impl AttentionSpec {
+    /// Checks every rule of the spec language; returns all findings, in field order.
+    pub fn validate(&self) -> Result<(), Vec<Invalid>> {
+        let mut f = Findings(Vec::new());
+        let heads_ok = f.range("heads", self.heads.into(), 1, MAX_HEADS.into());
+        let head_dim_ok = f.range("head_dim", self.head_dim.into(), 1, MAX_HEAD_DIM.into());
+        // A defaulted v_head_dim repeats head_dim: report the one the user wrote, once.
+        if head_dim_ok || self.v_head_dim != self.head_dim {
+            f.range("v_head_dim", self.v_head_dim.into(), 1, MAX_HEAD_DIM.into());
+        }
+        match self.kv {
+            // kv_heads is judged against heads, so only once heads itself is valid.
+            KvLayout::Heads { .. } if !heads_ok => {}
+            KvLayout::Heads { kv_heads } => {
+                if kv_heads == 0 || kv_heads > self.heads {
+                    f.push(
+                        "kv_heads",
+                        format!(
+                            "kv_heads = {kv_heads} is out of range; allowed: 1 to heads ({})",
+                            self.heads
+                        ),
+                    );
+                } else if !self.heads.is_multiple_of(kv_heads) {
+                    f.push(
+                        "kv_heads",
+                        format!(
+                            "heads ({}) is not a multiple of kv_heads ({kv_heads}); allowed: a \
+                             divisor of {}: {}",
+                            self.heads,
+                            self.heads,
+                            divisors(self.heads)
+                        ),
+                    );
+                }
+            }
+            KvLayout::Mla(mla) => {
+                f.range(
+                    "mla.latent_rank",
+                    mla.latent_rank.into(),
+                    1,
+                    MAX_LATENT_RANK.into(),
+                );
+                f.range("mla.rope_dim", mla.rope_dim.into(), 1, MAX_HEAD_DIM.into());
+            }
+        }
+        if let Mask::SlidingWindow { window: 0 } = self.mask {
+            f.push(
+                "mask.window",
+                "sliding_window(0) keeps no key; allowed: a window of at least 1 (it counts the \
+                 query's own key)"
+                    .to_string(),
+            );
+        }
+        if let Position::Rope(rope) = &self.position {
+            self.validate_rope(rope, &mut f);
+        }
+        if let Some(c) = self.softcap {
+            f.positive("softcap", c);
+        }
+        if let Some(s) = self.scale {
+            f.positive("scale", s);
+        }
+        if f.0.is_empty() { Ok(()) } else { Err(f.0) }
+    }
+
+    fn validate_rope(&self, rope: &Rope, f: &mut Findings) {
+        if !(rope.base.is_finite() && rope.base > 1.0) {
+            f.push(
+                "position.base",
+                format!(
+                    "rope base = {} is invalid; allowed: a finite number greater than 1",
+                    rope.base
+                ),
+            );
+        }
+        let span = self.rotary_span();
+        let span_name = if self.mla().is_some() {
+            "mla rope_dim"
+        } else {
+            "head_dim"
+        };
+        if !rope.dim.is_multiple_of(2) || rope.dim == 0 || rope.dim > span {
+            let what = if !rope.dim.is_multiple_of(2) {
+                "is odd"
+            } else if rope.dim == 0 {
+                "rotates nothing"
+            } else {
+                "exceeds the rotated head dimension"
+            };
+            f.push(
+                "position.dim",
+                format!(
+                    "rope dim = {} {what}; allowed: an even number from 2 to {span} ({span_name})",
+                    rope.dim
+                ),
+            );
+        }
+        let needs_dim_above_2 = matches!(
+            rope.scaling,
+            RopeScaling::Ntk { .. } | RopeScaling::Dynamic { .. }
+        );
+        if needs_dim_above_2 && rope.dim == 2 {
+            f.push(
+                "position.dim",
+                "NTK scalings raise the base to dim/(dim-2), so they need a rope dim above 2"
+                    .to_string(),
+            );
+        }
+        match rope.scaling {
+            RopeScaling::None => {}
+            RopeScaling::Linear { factor } | RopeScaling::Ntk { factor } => {
+                f.positive("position.scaling.factor", factor);
+            }
+            RopeScaling::Dynamic {
+                factor,
+                original_max_position,
+            } => {
+                f.at_least_one("position.scaling.factor", factor);
+                f.range(
+                    "position.scaling.original_max_position",
+                    original_max_position,
+                    1,
+                    u32::MAX.into(),
+                );
+            }
+            RopeScaling::Yarn(y) => {
+                if !(y.factor.is_finite() && y.factor >= 1.0) {
+                    f.push(
+                        "position.scaling.factor",
+                        format!(
+                            "yarn factor = {} is below 1; YaRN extends context, allowed: a \
+                             finite factor of at least 1.0",
+                            y.factor
+                        ),
+                    );
+                }
+                f.range(
+                    "position.scaling.original_max_position",
+                    y.original_max_position,
+                    1,
+                    u32::MAX.into(),
+                );
+                f.positive("position.scaling.beta_slow", y.beta_slow);
+                f.positive("position.scaling.beta_fast", y.beta_fast);
+                if y.beta_fast <= y.beta_slow {
+                    f.push(
+                        "position.scaling.beta_fast",
+                        format!(
+                            "beta_fast ({}) must be greater than beta_slow ({})",
+                            y.beta_fast, y.beta_slow
+                        ),
+                    );
+                }
+                if let Some(m) = y.mscale {
+                    f.positive("position.scaling.mscale", m);
+                }
+                if let Some(m) = y.mscale_all_dim {
+                    f.positive("position.scaling.mscale_all_dim", m);
+                }
+            }
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position,
+            } => {
+                f.positive("position.scaling.factor", factor);
+                f.positive("position.scaling.low_freq_factor", low_freq_factor);
+                f.positive("position.scaling.high_freq_factor", high_freq_factor);
+                if high_freq_factor <= low_freq_factor {
+                    f.push(
+                        "position.scaling.high_freq_factor",
+                        format!(
+                            "high_freq_factor ({high_freq_factor}) must be greater than \
+                             low_freq_factor ({low_freq_factor})"
+                        ),
+                    );
+                }
+                f.range(
+                    "position.scaling.original_max_position",
+                    original_max_position,
+                    1,
+                    u32::MAX.into(),
+                );
+            }
+        }
+    }
+}
+
+fn divisors(n: u32) -> String {
+    (1..=n)
+        .filter(|d| n.is_multiple_of(*d))
+        .map(|d| d.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}

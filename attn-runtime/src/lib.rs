@@ -1,0 +1,11 @@
+//! attn-runtime: memory, launches, caches and models.
+//!
+//! **Invariant:** attn-runtime owns memory and launches; it is the only crate that calls
+//! generated code (and so the only one with `unsafe`, each block with a SAFETY comment).
+//!
+//! Status: the crate is laid out; tensors, the kernel cache and models arrive with the issues
+//! that build them (see ARCHITECTURE.md).
+
+#![warn(missing_docs)]
+
+pub use codegen;

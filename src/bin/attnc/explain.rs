@@ -1,0 +1,151 @@
+//! `attnc explain`: the accounting of a spec as a table.
+
+use attn::AttentionSpec;
+use attn::dsl::KvKind;
+use attn::dsl::accounting::{attention_params, forward_flops, kv_cache_bytes_per_token};
+
+/// The model shape the accounting is for.
+pub struct Shape {
+    pub model_dim: u64,
+    pub layers: u64,
+    pub seq: u64,
+    pub batch: u64,
+}
+
+/// The table, one `label  value` row per line.
+pub fn table(spec: &AttentionSpec, shape: &Shape) -> String {
+    let mut rows: Vec<(String, String)> = Vec::new();
+    let mut row = |label: &str, value: String| rows.push((label.to_string(), value));
+
+    row("spec", spec.to_string());
+    row("kv layout", kv_layout(spec));
+    row("score scale", format!("{:.6}", spec.effective_scale()));
+
+    let per_token = kv_cache_bytes_per_token(spec);
+    row("KV bytes/token/layer", per_token.to_string());
+    let cache = per_token * shape.seq * shape.layers * shape.batch;
+    row(
+        "KV cache",
+        format!(
+            "{} ({cache} bytes) at {} tokens x {} layers x batch {}",
+            human_bytes(cache),
+            shape.seq,
+            shape.layers,
+            shape.batch
+        ),
+    );
+
+    let params = attention_params(spec, shape.model_dim);
+    let parts = params
+        .parts
+        .iter()
+        .map(|(name, n)| format!("{name} {}", group_digits(*n)))
+        .collect::<Vec<_>>()
+        .join(", ");
+    row(
+        "attention params/layer",
+        format!(
+            "{} at model dim {} ({parts})",
+            group_digits(params.total()),
+            shape.model_dim
+        ),
+    );
+    row(
+        "attention params",
+        format!(
+            "{} in {} layers",
+            group_digits(params.total() * shape.layers),
+            shape.layers
+        ),
+    );
+
+    let flops = forward_flops(spec, shape.batch, shape.seq, shape.seq);
+    let note = if flops.custom_mask {
+        " (mask_mod may skip more)"
+    } else {
+        ""
+    };
+    row(
+        "prefill FLOPs/layer",
+        format!(
+            "{} dense, {} with masked pairs skipped{note} (Sq = Skv = {}, batch {})",
+            human_flops(flops.dense),
+            human_flops(flops.with_skipping),
+            shape.seq,
+            shape.batch
+        ),
+    );
+    let decode = forward_flops(spec, shape.batch, 1, shape.seq);
+    row(
+        "decode FLOPs/layer",
+        format!(
+            "{} per step at {} cached tokens, batch {}",
+            human_flops(decode.with_skipping),
+            shape.seq,
+            shape.batch
+        ),
+    );
+
+    let width = rows.iter().map(|(l, _)| l.len()).max().unwrap_or(0);
+    rows.iter()
+        .map(|(label, value)| format!("{label:<width$}  {value}\n"))
+        .collect()
+}
+
+fn kv_layout(spec: &AttentionSpec) -> String {
+    let kv = spec.kv_heads();
+    match spec.kv_kind() {
+        KvKind::Mha => format!("MHA ({} heads)", spec.heads),
+        KvKind::Gqa => format!(
+            "GQA ({} query heads over {kv} KV heads, {} per group)",
+            spec.heads,
+            spec.heads / kv
+        ),
+        KvKind::Mqa => format!("MQA ({} query heads share 1 KV head)", spec.heads),
+        KvKind::Mla => {
+            let mla = spec.mla().expect("MLA kind has MLA parameters");
+            format!(
+                "MLA (latent {} + rope key {}, shared by {} heads)",
+                mla.latent_rank, mla.rope_dim, spec.heads
+            )
+        }
+    }
+}
+
+fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = n as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{n} B")
+    } else {
+        format!("{value:.2} {}", UNITS[unit])
+    }
+}
+
+fn human_flops(n: u64) -> String {
+    let g = n as f64 / 1e9;
+    if g >= 1000.0 {
+        format!("{:.2} TFLOP", g / 1000.0)
+    } else if g >= 1.0 {
+        format!("{g:.2} GFLOP")
+    } else {
+        format!("{:.2} MFLOP", n as f64 / 1e6)
+    }
+}
+
+fn group_digits(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
+            out.push('_');
+        }
+        out.push(c);
+    }
+    out
+}
