@@ -16,7 +16,9 @@ struct Llama3Attention;
 
 /// Small deterministic pseudo-random inputs (no RNG dependency needed for a demo).
 fn inputs(shape: &[usize], seed: u64) -> Array {
-    let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     Array::from_fn(shape, |_| {
         state = state
             .wrapping_mul(6364136223846793005)
@@ -73,6 +75,8 @@ fn main() {
 
     // Errors point at the offending tokens and say what is allowed.
     let bad = "heads = 32, kv_heads = 5, head_dim = 128";
-    let errors = bad.parse::<AttentionSpec>().expect_err("32 is not a multiple of 5");
+    let errors = bad
+        .parse::<AttentionSpec>()
+        .expect_err("32 is not a multiple of 5");
     println!("\nAn invalid spec:\n{}", errors.render(bad));
 }

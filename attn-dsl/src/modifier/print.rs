@@ -62,9 +62,9 @@ impl Printer<'_> {
             Expr::Binary(op, ..) => binary_prec(*op),
             Expr::Unary(UnOp::Neg | UnOp::Not, _) => Prec::Prefix,
             Expr::Cast(..) => Prec::Cast,
-            // Negative constants print with a leading minus.
-            Expr::Float(x) if x.is_sign_negative() => Prec::Prefix,
-            Expr::Int(i) if *i < 0 => Prec::Prefix,
+            // Constants may print with a leading minus, and `1.abs()` would lex oddly: as
+            // method receivers they get parentheses.
+            Expr::Float(_) | Expr::Int(_) => Prec::Prefix,
             Expr::Select(..) => Prec::Select,
             _ => Prec::Postfix,
         }
@@ -112,9 +112,10 @@ impl Printer<'_> {
             Expr::Binary(op, a, b) => {
                 let p = binary_prec(*op);
                 if p == Prec::Compare {
-                    // Comparisons do not chain, so both sides bind tighter. A cast on the left
-                    // of `<` would read as generic arguments, so it gets parentheses too.
-                    let left_min = if matches!(**a, Expr::Cast(..)) {
+                    // Comparisons do not chain, so both sides bind tighter. A left side that
+                    // ends in a cast (`x as f32 < y`) would read as generic arguments, so it
+                    // gets parentheses too.
+                    let left_min = if ends_with_cast(a) {
                         Prec::Postfix
                     } else {
                         Prec::Sum
@@ -143,6 +144,16 @@ impl Printer<'_> {
                 write!(f, " as {}", ty.name())
             }
         }
+    }
+}
+
+/// Whether the printed form of `expr` ends with `as TYPE` (its rightmost operand is a cast).
+fn ends_with_cast(expr: &Expr) -> bool {
+    match expr {
+        Expr::Cast(..) => true,
+        Expr::Binary(op, _, b) if binary_prec(*op) != Prec::Postfix => ends_with_cast(b),
+        Expr::Unary(UnOp::Neg | UnOp::Not, a) => ends_with_cast(a),
+        _ => false,
     }
 }
 

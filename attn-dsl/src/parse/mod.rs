@@ -15,7 +15,7 @@ use crate::spec::{
     RopeScaling, Yarn,
 };
 use proc_macro2::{Span, TokenStream};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use syn::parse::Parser;
 use syn::punctuated::Punctuated;
 use syn::spanned::Spanned;
@@ -61,6 +61,7 @@ pub fn parse_tokens(tokens: TokenStream) -> syn::Result<AttentionSpec> {
     let whole = whole_span(&tokens);
     let items = Punctuated::<syn::Expr, syn::Token![,]>::parse_terminated.parse2(tokens)?;
     let mut p = SpecParser {
+        failed: HashSet::new(),
         spans: HashMap::new(),
         errors: Vec::new(),
         raw: Raw::default(),
@@ -70,6 +71,12 @@ pub fn parse_tokens(tokens: TokenStream) -> syn::Result<AttentionSpec> {
     }
     let spec = p.resolve(whole);
     if let Some(Err(findings)) = spec.as_ref().map(AttentionSpec::validate) {
+        // A field whose value was already rejected holds a default now: judging it again
+        // would only repeat the first error in other words.
+        let top = |field: &str| field.split('.').next().unwrap_or(field).to_string();
+        let findings = findings
+            .into_iter()
+            .filter(|f| !p.failed.contains(top(f.field).as_str()));
         for finding in findings {
             let span = p.span_of(finding.field, whole);
             p.errors.push(syn::Error::new(span, finding.message));
@@ -135,6 +142,8 @@ enum RawPosition {
 }
 
 struct SpecParser {
+    /// Keys whose value was rejected.
+    failed: HashSet<&'static str>,
     /// Span of the tokens that set each field (dotted paths, as in validation findings).
     spans: HashMap<&'static str, Span>,
     errors: Vec<syn::Error>,
@@ -211,6 +220,14 @@ impl SpecParser {
         };
         // Claimed before the value is read, so an invalid value is not also reported missing.
         self.claim(field, key.span(), value.span())?;
+        let result = self.value(field, value);
+        if result.is_err() {
+            self.failed.insert(field);
+        }
+        result
+    }
+
+    fn value(&mut self, field: &'static str, value: &syn::Expr) -> syn::Result<()> {
         let v = Value::new(field, value);
         match field {
             "heads" => self.raw.heads = Some(v.u32()?),
@@ -443,7 +460,8 @@ impl SpecParser {
         Ok(())
     }
 
-    /// Fills in defaults and checks that required keys are present.
+    /// Fills in defaults and checks that required keys are present. Keys that were rejected
+    /// take their defaults, so the rest of the spec can still be validated.
     fn resolve(&mut self, whole: Span) -> Option<AttentionSpec> {
         let raw = std::mem::take(&mut self.raw);
         if raw.heads.is_none() && !self.spans.contains_key("heads") {
@@ -465,9 +483,6 @@ impl SpecParser {
             ));
         }
         let (heads, head_dim) = (raw.heads?, raw.head_dim?);
-        if !self.errors.is_empty() {
-            return None;
-        }
         let kv = match raw.mla {
             Some(mla) => KvLayout::Mla(mla),
             None => KvLayout::Heads {

@@ -1,0 +1,174 @@
+//! `attnc` end to end: outputs, messages and exit codes.
+
+use std::process::{Command, Output};
+
+fn attnc(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_attnc"))
+        .args(args)
+        .output()
+        .expect("attnc runs")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// The value column of the row whose label is `label`.
+fn row<'a>(table: &'a str, label: &str) -> &'a str {
+    table
+        .lines()
+        .find(|l| l.starts_with(label) && l[label.len()..].starts_with("  "))
+        .unwrap_or_else(|| panic!("no row `{label}` in:\n{table}"))[label.len()..]
+        .trim()
+}
+
+#[test]
+fn check_prints_the_normalized_spec() {
+    let o = attnc(&[
+        "check",
+        "heads = 8, kv_heads = 2, head_dim = 64, mask = causal",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(
+        stdout(&o).trim(),
+        "heads = 8, kv_heads = 2, head_dim = 64, v_head_dim = 64, mask = causal, position = \
+         none, dtype = f32"
+    );
+}
+
+#[test]
+fn check_rejects_a_bad_group_count_with_exit_code_2() {
+    let o = attnc(&["check", "heads = 32, kv_heads = 5, head_dim = 128"]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = stderr(&o);
+    assert!(
+        err.contains("heads (32) is not a multiple of kv_heads (5)"),
+        "{err}"
+    );
+    assert!(err.contains(" --> 1:24"), "{err}");
+    assert!(stdout(&o).is_empty());
+}
+
+#[test]
+fn check_suggests_the_key_a_typo_meant() {
+    let o = attnc(&["check", "heads = 32, kv_hedas = 8, head_dim = 128"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("did you mean `kv_heads`?"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
+fn specs_can_come_from_files() {
+    let dir = std::env::temp_dir().join(format!("attnc-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let good = dir.join("good.attn");
+    std::fs::write(
+        &good,
+        "heads = 4,\nhead_dim = 32,\nmask = sliding_window(128)\n",
+    )
+    .unwrap();
+    let o = attnc(&["check", &format!("@{}", good.display())]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stdout(&o).contains("mask = sliding_window(128)"));
+
+    let bad = dir.join("bad.attn");
+    std::fs::write(
+        &bad,
+        "heads = 4,\nhead_dim = 32,\nmask = sliding_window(0)\n",
+    )
+    .unwrap();
+    let o = attnc(&["check", &format!("@{}", bad.display())]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = stderr(&o);
+    assert!(
+        err.contains(" --> 3:23") && err.contains("spec file"),
+        "{err}"
+    );
+
+    let o = attnc(&["check", "@/nonexistent/spec.attn"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("cannot read spec file `/nonexistent/spec.attn`"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn explain_reports_llama3_kv_bytes_and_params() {
+    let o = attnc(&[
+        "explain",
+        "heads = 32, kv_heads = 8, head_dim = 128, dtype = bf16, mask = causal",
+        "--model-dim",
+        "4096",
+        "--layers",
+        "32",
+        "--seq",
+        "8192",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let t = stdout(&o);
+    assert_eq!(row(&t, "KV bytes/token/layer"), "4096");
+    // 4096 bytes x 8192 tokens x 32 layers = 1 GiB.
+    assert!(
+        row(&t, "KV cache").starts_with("1.00 GiB (1073741824 bytes)"),
+        "{t}"
+    );
+    assert!(
+        row(&t, "attention params/layer").starts_with("41_943_040"),
+        "{t}"
+    );
+    assert!(
+        row(&t, "attention params").starts_with("1_342_177_280 in 32 layers"),
+        "{t}"
+    );
+    assert!(row(&t, "kv layout").starts_with("GQA"), "{t}");
+}
+
+#[test]
+fn explain_reports_deepseek_v3_mla_kv_bytes() {
+    let o = attnc(&[
+        "explain",
+        "heads = 128, head_dim = 128, mla(latent_rank = 512, rope_dim = 64), dtype = bf16",
+        "--model-dim",
+        "7168",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let t = stdout(&o);
+    assert_eq!(row(&t, "KV bytes/token/layer"), "1152");
+    assert!(row(&t, "kv layout").starts_with("MLA"), "{t}");
+}
+
+#[test]
+fn explain_counts_causal_skipping() {
+    let o = attnc(&[
+        "explain",
+        "heads = 1, head_dim = 64, mask = causal",
+        "--seq",
+        "1000",
+    ]);
+    let t = stdout(&o);
+    // dense: 4 * 1000^2 * 64 = 256 MFLOP; causal keeps 1000*1001/2 pairs: 128.13 MFLOP.
+    assert_eq!(
+        row(&t, "prefill FLOPs/layer"),
+        "256.00 MFLOP dense, 128.13 MFLOP with masked pairs skipped (Sq = Skv = 1000, batch 1)"
+    );
+}
+
+#[test]
+fn bad_flags_and_missing_arguments_exit_with_2() {
+    for args in [
+        &["explain", "heads = 8, head_dim = 64", "--seq", "0"][..],
+        &["explain", "heads = 8, head_dim = 64", "--layers", "many"][..],
+        &["check"][..],
+        &["frobnicate"][..],
+    ] {
+        let o = attnc(args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
+        assert!(!stderr(&o).is_empty());
+    }
+}
