@@ -14,7 +14,8 @@ pub enum Value {
 }
 
 impl Value {
-    pub(crate) fn as_f64(self) -> f64 {
+    /// The value as a float (integers convert, booleans are 0 or 1).
+    pub fn as_f64(self) -> f64 {
         match self {
             Value::F(x) => x,
             Value::I(i) => i as f64,
@@ -22,7 +23,8 @@ impl Value {
         }
     }
 
-    pub(crate) fn as_bool(self) -> bool {
+    /// The value as a boolean (numbers are true when non-zero).
+    pub fn as_bool(self) -> bool {
         match self {
             Value::B(b) => b,
             Value::I(i) => i != 0,
@@ -31,18 +33,29 @@ impl Value {
     }
 }
 
-/// The values of the closure parameters.
-pub(crate) struct Env {
+/// The values of the variables at one (batch, head, query, key) point.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Env {
+    /// [`Var::Score`].
     pub score: f64,
+    /// [`Var::Batch`].
     pub b: i64,
+    /// [`Var::Head`].
     pub h: i64,
+    /// [`Var::Query`].
     pub q: i64,
+    /// [`Var::Key`].
     pub k: i64,
+    /// [`Var::QueryIndex`].
+    pub qi: i64,
+    /// [`Var::KeyIndex`].
+    pub ki: i64,
 }
 
-/// Evaluates a well-typed expression. Integer arithmetic wraps; integer division or remainder by
-/// zero gives 0, so evaluation never panics.
-pub(crate) fn eval(expr: &Expr, env: &Env) -> Value {
+/// Evaluates a well-typed expression, in f64 for floats (the reference meaning of f32 IR).
+/// Integer arithmetic wraps; integer division or remainder by zero gives 0; table indices are
+/// clamped. Evaluation never panics.
+pub fn eval(expr: &Expr, env: &Env) -> Value {
     match expr {
         Expr::Var(var) => match var {
             Var::Score => Value::F(env.score),
@@ -50,6 +63,8 @@ pub(crate) fn eval(expr: &Expr, env: &Env) -> Value {
             Var::Head => Value::I(env.h),
             Var::Query => Value::I(env.q),
             Var::Key => Value::I(env.k),
+            Var::QueryIndex => Value::I(env.qi),
+            Var::KeyIndex => Value::I(env.ki),
         },
         Expr::Float(x) => Value::F(*x),
         Expr::Int(i) => Value::I(*i),
@@ -64,6 +79,19 @@ pub(crate) fn eval(expr: &Expr, env: &Env) -> Value {
             }
         }
         Expr::Cast(a, ty) => cast(eval(a, env), *ty),
+        Expr::Table(values, index) => {
+            let i = match eval(index, env) {
+                Value::I(i) => i,
+                other => other.as_f64() as i64,
+            };
+            let last = values.len().saturating_sub(1);
+            Value::F(
+                values
+                    .get((i.max(0) as usize).min(last))
+                    .copied()
+                    .unwrap_or(0.0),
+            )
+        }
     }
 }
 

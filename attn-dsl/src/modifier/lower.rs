@@ -1,22 +1,19 @@
 //! Lowering from syn's closure AST to the typed modifier IR. Every error carries the span of the
 //! offending tokens.
 
-use super::{BinOp, Expr, MaskMod, ScoreMod, Ty, UnOp, Var};
+use super::{BinOp, Expr, MASK_MOD_PARAMS, MaskMod, SCORE_MOD_PARAMS, ScoreMod, Ty, UnOp, Var};
 use syn::spanned::Spanned;
-
-const SCORE_ROLES: [Var; 5] = [Var::Score, Var::Batch, Var::Head, Var::Query, Var::Key];
-const MASK_ROLES: [Var; 4] = [Var::Batch, Var::Head, Var::Query, Var::Key];
 
 /// Lowers `|score, b, h, q, k| body` (body of type f32).
 pub(crate) fn lower_score_mod(closure: &syn::ExprClosure) -> syn::Result<ScoreMod> {
-    let (params, body) = lower_closure(closure, &SCORE_ROLES, Ty::F32, "score_mod")?;
+    let (params, body) = lower_closure(closure, &SCORE_MOD_PARAMS, Ty::F32, "score_mod")?;
     let params = params.try_into().expect("arity checked by lower_closure");
     Ok(ScoreMod { params, body })
 }
 
 /// Lowers `|b, h, q, k| body` (body of type bool).
 pub(crate) fn lower_mask_mod(closure: &syn::ExprClosure) -> syn::Result<MaskMod> {
-    let (params, body) = lower_closure(closure, &MASK_ROLES, Ty::Bool, "mask_mod")?;
+    let (params, body) = lower_closure(closure, &MASK_MOD_PARAMS, Ty::Bool, "mask_mod")?;
     let params = params.try_into().expect("arity checked by lower_closure");
     Ok(MaskMod { params, body })
 }
@@ -256,7 +253,7 @@ fn combine(
             span,
             format!(
                 "type mismatch: `{}` on {} and {}; convert with `as f32` or `as i64`",
-                op_symbol(op),
+                op.symbol(),
                 ta.name(),
                 tb.name()
             ),
@@ -282,23 +279,26 @@ fn coerce_int_literals(lhs: (Expr, Ty), rhs: (Expr, Ty)) -> ((Expr, Ty), (Expr, 
     }
 }
 
-pub(super) fn op_symbol(op: BinOp) -> &'static str {
-    match op {
-        BinOp::Add => "+",
-        BinOp::Sub => "-",
-        BinOp::Mul => "*",
-        BinOp::Div => "/",
-        BinOp::Rem => "%",
-        BinOp::Min => "min",
-        BinOp::Max => "max",
-        BinOp::Lt => "<",
-        BinOp::Le => "<=",
-        BinOp::Gt => ">",
-        BinOp::Ge => ">=",
-        BinOp::Eq => "==",
-        BinOp::Ne => "!=",
-        BinOp::And => "&&",
-        BinOp::Or => "||",
+impl BinOp {
+    /// The operator as written (`min`/`max` for the methods).
+    pub fn symbol(self) -> &'static str {
+        match self {
+            BinOp::Add => "+",
+            BinOp::Sub => "-",
+            BinOp::Mul => "*",
+            BinOp::Div => "/",
+            BinOp::Rem => "%",
+            BinOp::Min => "min",
+            BinOp::Max => "max",
+            BinOp::Lt => "<",
+            BinOp::Le => "<=",
+            BinOp::Gt => ">",
+            BinOp::Ge => ">=",
+            BinOp::Eq => "==",
+            BinOp::Ne => "!=",
+            BinOp::And => "&&",
+            BinOp::Or => "||",
+        }
     }
 }
 

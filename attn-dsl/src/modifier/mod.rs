@@ -1,19 +1,33 @@
-//! Custom score modifiers and mask predicates: typed scalar expressions written as Rust closures.
+//! The modifier IR: typed scalar expressions for scores and masks.
 //!
-//! A score modifier `|score, b, h, q, k| expr` maps an f32 score to an f32 score; a mask predicate
-//! `|b, h, q, k| expr` says whether a key is kept. `b` is the batch index, `h` the query head, and
-//! `q`, `k` the absolute positions of the query and the key (i64, see DESIGN.md "Positions").
+//! Custom modifiers are written as Rust closures: a score modifier `|score, b, h, q, k| expr`
+//! maps an f32 score to an f32 score, a mask predicate `|b, h, q, k| expr` says whether a key is
+//! kept. `b` is the batch index, `h` the query head, and `q`, `k` the absolute positions of the
+//! query and the key (i64, DESIGN.md "Positions").
 //!
-//! The expression tree here is the modifier IR. It is built from syn's closure AST by
-//! [`lower`](self::lower), typed as it is built (so every tree in a spec is well typed), printed
-//! back as closure syntax by its `Display`, and evaluated by the reference with [`eval`](self::eval).
+//! The built-in parts of a spec (scale, softcap, ALiBi, causal, top-left causal, sliding window)
+//! are expressed in the same IR by [`ScoreProgram::of`], so a backend sees one mechanism. Each
+//! step is a pass over the IR that can be run and printed alone:
+//! - [`lower`](self::lower): syn closure AST to typed IR, with spans on every error;
+//! - [`typecheck`]: the types of an IR tree built in code;
+//! - [`fold`]: constant folding and algebraic simplification;
+//! - [`interval`]: interval analysis, classifying a tile of (query, key) positions as all kept,
+//!   all masked, or mixed, soundly.
+//!
+//! The text form (`Display` of [`Expr`] and [`ScoreProgram`]) is Rust expression syntax with the
+//! canonical names `score, b, h, q, k, qi, ki`; tables print as `[v0, v1, ..][index]`.
 
 mod eval;
+pub mod fold;
+pub mod interval;
 mod lower;
 mod print;
+mod program;
+pub mod typecheck;
 
-pub use eval::Value;
+pub use eval::{Env, Value, eval};
 pub(crate) use lower::{lower_mask_mod, lower_score_mod};
+pub use program::ScoreProgram;
 
 /// The type of a modifier expression.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -37,10 +51,11 @@ impl Ty {
     }
 }
 
-/// A closure parameter's role.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// A variable of a modifier expression.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Var {
-    /// The score after the built-in modifiers (score modifiers only).
+    /// The score: in a custom score modifier, after the built-in modifiers; in a
+    /// [`ScoreProgram`], the raw `<q, k>` (after RoPE) the whole pipeline starts from.
     Score,
     /// Batch index.
     Batch,
@@ -50,9 +65,24 @@ pub enum Var {
     Query,
     /// Absolute key position.
     Key,
+    /// Index of the query row in this call, `0..Sq` (built-ins only, e.g. top-left causal).
+    QueryIndex,
+    /// Index of the key in this call, `0..Skv` (built-ins only).
+    KeyIndex,
 }
 
 impl Var {
+    /// Every variable, in [`Var::index`] order.
+    pub const ALL: [Var; 7] = [
+        Var::Score,
+        Var::Batch,
+        Var::Head,
+        Var::Query,
+        Var::Key,
+        Var::QueryIndex,
+        Var::KeyIndex,
+    ];
+
     /// The type of the variable.
     pub fn ty(self) -> Ty {
         match self {
@@ -60,7 +90,22 @@ impl Var {
             _ => Ty::I64,
         }
     }
+
+    /// Position in [`Var::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The name the IR text form uses.
+    pub fn canonical_name(self) -> &'static str {
+        ["score", "b", "h", "q", "k", "qi", "ki"][self.index()]
+    }
 }
+
+/// The parameters of a score modifier closure, in order.
+pub const SCORE_MOD_PARAMS: [Var; 5] = [Var::Score, Var::Batch, Var::Head, Var::Query, Var::Key];
+/// The parameters of a mask predicate closure, in order.
+pub const MASK_MOD_PARAMS: [Var; 4] = [Var::Batch, Var::Head, Var::Query, Var::Key];
 
 /// A unary operation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -135,6 +180,51 @@ pub enum Expr {
     Select(Box<Expr>, Box<Expr>, Box<Expr>),
     /// `expr as ty` (f32 <-> i64, bool -> i64).
     Cast(Box<Expr>, Ty),
+    /// `[v0, v1, ..][index]`: a constant f32 table (e.g. ALiBi slopes by head); the index is
+    /// clamped into the table.
+    Table(Vec<f64>, Box<Expr>),
+}
+
+impl Expr {
+    /// `a op b`.
+    pub fn binary(op: BinOp, a: Expr, b: Expr) -> Expr {
+        Expr::Binary(op, Box::new(a), Box::new(b))
+    }
+
+    /// `op a`.
+    pub fn unary(op: UnOp, a: Expr) -> Expr {
+        Expr::Unary(op, Box::new(a))
+    }
+
+    /// `a as ty`.
+    pub fn cast(a: Expr, ty: Ty) -> Expr {
+        Expr::Cast(Box::new(a), ty)
+    }
+
+    /// The expression with every occurrence of `var` replaced by `with`.
+    pub fn substitute(&self, var: Var, with: &Expr) -> Expr {
+        let sub = |e: &Expr| Box::new(e.substitute(var, with));
+        match self {
+            Expr::Var(v) if *v == var => with.clone(),
+            Expr::Var(_) | Expr::Float(_) | Expr::Int(_) | Expr::Bool(_) => self.clone(),
+            Expr::Unary(op, a) => Expr::Unary(*op, sub(a)),
+            Expr::Binary(op, a, b) => Expr::Binary(*op, sub(a), sub(b)),
+            Expr::Select(c, t, e) => Expr::Select(sub(c), sub(t), sub(e)),
+            Expr::Cast(a, ty) => Expr::Cast(sub(a), *ty),
+            Expr::Table(values, i) => Expr::Table(values.clone(), sub(i)),
+        }
+    }
+
+    /// Whether `var` occurs in the expression.
+    pub fn uses(&self, var: Var) -> bool {
+        match self {
+            Expr::Var(v) => *v == var,
+            Expr::Float(_) | Expr::Int(_) | Expr::Bool(_) => false,
+            Expr::Unary(_, a) | Expr::Cast(a, _) | Expr::Table(_, a) => a.uses(var),
+            Expr::Binary(_, a, b) => a.uses(var) || b.uses(var),
+            Expr::Select(c, t, e) => c.uses(var) || t.uses(var) || e.uses(var),
+        }
+    }
 }
 
 /// A custom score modifier `|score, b, h, q, k| body`.
@@ -158,20 +248,28 @@ pub struct MaskMod {
 impl ScoreMod {
     /// The modified score for one (batch, head, query position, key position).
     pub fn apply(&self, score: f64, b: i64, h: i64, q: i64, k: i64) -> f64 {
-        eval::eval(&self.body, &eval::Env { score, b, h, q, k }).as_f64()
+        let env = Env {
+            score,
+            b,
+            h,
+            q,
+            k,
+            ..Env::default()
+        };
+        eval(&self.body, &env).as_f64()
     }
 }
 
 impl MaskMod {
     /// Whether the key is kept.
     pub fn keeps(&self, b: i64, h: i64, q: i64, k: i64) -> bool {
-        let env = eval::Env {
-            score: 0.0,
+        let env = Env {
             b,
             h,
             q,
             k,
+            ..Env::default()
         };
-        eval::eval(&self.body, &env).as_bool()
+        eval(&self.body, &env).as_bool()
     }
 }

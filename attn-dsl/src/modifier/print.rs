@@ -1,8 +1,8 @@
-//! Printing modifier expressions back as Rust closure syntax, with the fewest parentheses that
-//! keep the tree the same when parsed again.
+//! The text form of the modifier IR: Rust expression syntax with the fewest parentheses that keep
+//! the tree the same when parsed again. Closures print with their own parameter names, bare
+//! expressions with the canonical names (`score, b, h, q, k, qi, ki`).
 
-use super::lower::op_symbol;
-use super::{BinOp, Expr, MaskMod, ScoreMod, UnOp, Var};
+use super::{BinOp, Expr, MASK_MOD_PARAMS, MaskMod, SCORE_MOD_PARAMS, ScoreMod, UnOp, Var};
 use std::fmt;
 
 /// Binding strength, loosest first (Rust's expression precedence).
@@ -46,15 +46,29 @@ fn binary_prec(op: BinOp) -> Prec {
     }
 }
 
+/// Prints expressions with a name for each variable, indexed by [`Var::index`].
 struct Printer<'a> {
-    names: &'a [String],
-    roles: &'a [Var],
+    names: [&'a str; 7],
 }
 
-impl Printer<'_> {
+impl<'a> Printer<'a> {
+    fn canonical() -> Self {
+        Printer {
+            names: Var::ALL.map(Var::canonical_name),
+        }
+    }
+
+    /// Canonical names, except the closure parameters, which keep the names written.
+    fn closure(params: &'a [String], roles: &[Var]) -> Self {
+        let mut p = Printer::canonical();
+        for (name, role) in params.iter().zip(roles) {
+            p.names[role.index()] = name;
+        }
+        p
+    }
+
     fn name(&self, var: Var) -> &str {
-        let i = self.roles.iter().position(|r| *r == var).unwrap_or(0);
-        &self.names[i]
+        self.names[var.index()]
     }
 
     fn prec(expr: &Expr) -> Prec {
@@ -105,7 +119,7 @@ impl Printer<'_> {
             }
             Expr::Binary(op @ (BinOp::Min | BinOp::Max), a, b) => {
                 self.operand(f, a, Prec::Postfix)?;
-                write!(f, ".{}(", op_symbol(*op))?;
+                write!(f, ".{}(", op.symbol())?;
                 self.expr(f, b)?;
                 write!(f, ")")
             }
@@ -121,12 +135,12 @@ impl Printer<'_> {
                         Prec::Sum
                     };
                     self.operand(f, a, left_min)?;
-                    write!(f, " {} ", op_symbol(*op))?;
+                    write!(f, " {} ", op.symbol())?;
                     self.operand(f, b, Prec::Sum)
                 } else {
                     // Left-associative: the right operand must bind strictly tighter.
                     self.operand(f, a, p)?;
-                    write!(f, " {} ", op_symbol(*op))?;
+                    write!(f, " {} ", op.symbol())?;
                     self.operand(f, b, p.tighter())
                 }
             }
@@ -143,6 +157,16 @@ impl Printer<'_> {
                 self.operand(f, a, Prec::Cast)?;
                 write!(f, " as {}", ty.name())
             }
+            Expr::Table(values, index) => {
+                write!(f, "[")?;
+                for (i, v) in values.iter().enumerate() {
+                    let sep = if i == 0 { "" } else { ", " };
+                    write!(f, "{sep}{v:?}")?;
+                }
+                write!(f, "][")?;
+                self.expr(f, index)?;
+                write!(f, "]")
+            }
         }
     }
 }
@@ -157,10 +181,7 @@ fn ends_with_cast(expr: &Expr) -> bool {
     }
 }
 
-const SCORE_ROLES: [Var; 5] = [Var::Score, Var::Batch, Var::Head, Var::Query, Var::Key];
-const MASK_ROLES: [Var; 4] = [Var::Batch, Var::Head, Var::Query, Var::Key];
-
-struct WithPrinter<'a>(&'a Printer<'a>, &'a Expr);
+struct WithPrinter<'a>(Printer<'a>, &'a Expr);
 
 impl fmt::Display for WithPrinter<'_> {
     fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
@@ -168,32 +189,33 @@ impl fmt::Display for WithPrinter<'_> {
     }
 }
 
+impl fmt::Display for Expr {
+    /// The IR text form, with canonical variable names.
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        Printer::canonical().expr(f, self)
+    }
+}
+
 impl fmt::Display for ScoreMod {
     fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        let p = Printer {
-            names: &self.params,
-            roles: &SCORE_ROLES,
-        };
+        let p = Printer::closure(&self.params, &SCORE_MOD_PARAMS);
         write!(
             f,
             "|{}| {}",
             self.params.join(", "),
-            WithPrinter(&p, &self.body)
+            WithPrinter(p, &self.body)
         )
     }
 }
 
 impl fmt::Display for MaskMod {
     fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        let p = Printer {
-            names: &self.params,
-            roles: &MASK_ROLES,
-        };
+        let p = Printer::closure(&self.params, &MASK_MOD_PARAMS);
         write!(
             f,
             "|{}| {}",
             self.params.join(", "),
-            WithPrinter(&p, &self.body)
+            WithPrinter(p, &self.body)
         )
     }
 }

@@ -134,23 +134,43 @@ impl Positions {
     }
 }
 
-/// The score of one (query, key) pair after every modifier, or `None` when the pair is masked.
-fn score(
-    spec: &AttentionSpec,
-    slopes: &[f64],
-    dot: f64,
-    (b, h): (usize, usize),
-    (i, j): (usize, usize),
-    pos: &Positions,
-) -> Option<f64> {
-    let (pq, pk) = (pos.query(i), pos.key(j));
+/// Where a (query, key) pair is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pair {
+    /// Batch index.
+    pub b: usize,
+    /// Query head.
+    pub h: usize,
+    /// Absolute query position.
+    pub pos_q: i64,
+    /// Absolute key position.
+    pub pos_k: i64,
+    /// Query row index in the call.
+    pub i: usize,
+    /// Key index in the call.
+    pub j: usize,
+}
+
+/// The score of a pair whose (roped) `<q, k>` is `dot`, after scale, softcap, ALiBi and the
+/// custom score modifier, or `None` when the built-in or custom mask drops the pair.
+pub fn pair_score(spec: &AttentionSpec, dot: f64, at: Pair) -> Option<f64> {
+    let slopes = match spec.position {
+        Position::Alibi => alibi::slopes(spec.heads),
+        _ => Vec::new(),
+    };
+    score(spec, &slopes, dot, at)
+}
+
+/// [`pair_score`] with the ALiBi slopes computed once by the caller.
+fn score(spec: &AttentionSpec, slopes: &[f64], dot: f64, at: Pair) -> Option<f64> {
+    let (pq, pk) = (at.pos_q, at.pos_k);
     let keep = match spec.mask {
         Mask::None => true,
         Mask::Causal(CausalAlign::BottomRight) => pk <= pq,
-        Mask::Causal(CausalAlign::TopLeft) => j <= i,
+        Mask::Causal(CausalAlign::TopLeft) => at.j <= at.i,
         Mask::SlidingWindow { window } => pk <= pq && (pq - pk) < window as i64,
     };
-    let (bi, hi) = (b as i64, h as i64);
+    let (bi, hi) = (at.b as i64, at.h as i64);
     if !keep
         || spec
             .mask_mod
@@ -164,7 +184,7 @@ fn score(
         s = c * (s / c).tanh();
     }
     if let Position::Alibi = spec.position {
-        s += slopes[h] * (pk - pq) as f64;
+        s += slopes[at.h] * (pk - pq) as f64;
     }
     if let Some(m) = &spec.score_mod {
         s = m.apply(s, bi, hi, pq, pk);
@@ -191,7 +211,15 @@ fn attend(spec: &AttentionSpec, q: &Array, k: &Array, v: &Array, pos: &Positions
                 scores.clear();
                 scores.extend((0..pos.skv).map(|j| {
                     let dot = dot(qi, k.row(&[b, kvh, j]));
-                    score(spec, &slopes, dot, (b, h), (i, j), pos)
+                    let at = Pair {
+                        b,
+                        h,
+                        pos_q: pos.query(i),
+                        pos_k: pos.key(j),
+                        i,
+                        j,
+                    };
+                    score(spec, &slopes, dot, at)
                 }));
                 let max = scores
                     .iter()
