@@ -4,7 +4,7 @@
 
 use attn::dsl::accounting::{forward_flops, kv_cache_bytes_per_token};
 use attn::dsl::reference::{self, Array, Inputs};
-use attn::{AttentionSpec, attention};
+use attn::{Attention, AttentionSpec, attention};
 
 /// A Llama-3-8B-shaped attention layer, declared (and validated) at compile time.
 #[attention(
@@ -32,7 +32,7 @@ fn main() {
     println!("Llama-3 attention (from #[attention]):\n  {llama}");
     println!(
         "  KV cache: {} bytes per token per layer",
-        kv_cache_bytes_per_token(&llama)
+        kv_cache_bytes_per_token(llama)
     );
 
     let mla: AttentionSpec = "heads = 128, head_dim = 128, mla(latent_rank = 512, rope_dim = 64), \

@@ -4,7 +4,8 @@
 //! - [`dsl`] (attn-dsl): the spec language, validation, accounting and the reference semantics;
 //! - [`attention`] (attn-macros): `#[attention(...)]` on a struct;
 //! - [`codegen`]: kernel plans and backends;
-//! - [`runtime`] (attn-runtime): tensors, launches, caches and models.
+//! - [`runtime`] (attn-runtime): tensors, launches, caches and models; [`Attention`], the typed
+//!   API of a declared variant.
 //!
 //! The `attnc` binary is the command-line front end.
 //!
@@ -21,4 +22,5 @@ pub use attn_dsl as dsl;
 pub use attn_dsl::{AttentionSpec, DType, KvLayout, Mask, Position, Rope, RopeScaling};
 pub use attn_macros::attention;
 pub use attn_runtime as runtime;
+pub use attn_runtime::Attention;
 pub use codegen;

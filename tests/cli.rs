@@ -172,3 +172,27 @@ fn bad_flags_and_missing_arguments_exit_with_2() {
         assert!(!stderr(&o).is_empty());
     }
 }
+
+#[test]
+fn ir_prints_each_pass_and_the_tile_map() {
+    let o = attnc(&[
+        "ir",
+        "heads = 4, head_dim = 64, mask = causal",
+        "--seq",
+        "256",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let t = stdout(&o);
+    for section in [
+        "-- modifier IR, lowered --\nscore = score * 0.125\nmask = k <= q\n",
+        "-- modifier IR, folded --\n",
+        "-- kernel plan --\nplan Forward\n",
+        "-- tiles at Sq = 256, Skv = 256 (6 all kept #, 6 skipped ., 4 mixed /) --\n\
+         /...\n#/..\n##/.\n###/\n",
+    ] {
+        assert!(t.contains(section), "missing {section:?} in:\n{t}");
+    }
+    let o = attnc(&["ir", "heads = 4, head_dim = 64, mask = causal, softcap = 0"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("softcap = 0 is invalid"));
+}

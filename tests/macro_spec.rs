@@ -1,6 +1,6 @@
 //! `#[attention(...)]` in a user's crate: two variants side by side, each with its spec.
 
-use attn::{AttentionSpec, attention};
+use attn::{Attention, AttentionSpec, attention};
 
 #[attention(heads = 8, kv_heads = 2, head_dim = 64, mask = causal, position = alibi)]
 struct Gqa;
@@ -17,7 +17,7 @@ struct Latent {
 
 #[test]
 fn each_struct_carries_its_own_validated_spec() {
-    let gqa = Gqa::spec();
+    let gqa = Gqa::spec().clone();
     let expected: AttentionSpec =
         "heads = 8, kv_heads = 2, head_dim = 64, mask = causal, position = alibi"
             .parse()
@@ -25,12 +25,29 @@ fn each_struct_carries_its_own_validated_spec() {
     assert_eq!(gqa, expected);
     assert_eq!(Gqa::SPEC_TEXT, expected.to_string());
 
-    let latent = Latent::spec();
+    let latent = Latent::spec().clone();
     assert_eq!(latent.mla().unwrap().latent_rank, 512);
     assert_eq!(latent.rope().unwrap().dim, 64);
     assert!(latent.mask_mod.as_ref().unwrap().keeps(0, 0, 70, 64));
     assert!(!latent.mask_mod.as_ref().unwrap().keeps(0, 0, 70, 63));
     assert_ne!(gqa, latent);
+
+    // The constants type code by the spec.
+    assert_eq!(
+        (Gqa::HEADS, Gqa::KV_HEADS, Gqa::HEAD_DIM, Gqa::V_HEAD_DIM),
+        (8, 2, 64, 64)
+    );
+    assert_eq!(
+        (Latent::HEADS, Latent::KV_HEADS, Latent::HEAD_DIM),
+        (16, 1, 128)
+    );
+    assert_eq!(Latent::DTYPE, attn::DType::F32);
+    let buffer = [0f32; Gqa::HEAD_DIM as usize];
+    assert_eq!(buffer.len(), 64);
+    // The spec is parsed once.
+    assert!(std::ptr::eq(Gqa::spec(), Gqa::spec()));
+    assert_eq!(Gqa::forward_plan().shape.group(), 4);
+    assert_eq!(Latent::forward_plan().shape.qk_dim, 512 + 64);
     // Other attributes and fields are kept.
     assert_eq!(Latent::default()._label, "");
 }

@@ -7,13 +7,15 @@
 //!   `#[attention(...)]` macro; `Display` prints a spec back so that `parse(print(s)) == s`.
 //! - [`AttentionSpec::validate`] checks the rules; the parser points its findings at tokens.
 //! - [`accounting`] counts KV-cache bytes, parameters and FLOPs.
-//! - [`modifier`] is the IR of custom score modifiers and mask predicates.
+//! - [`catalog`] names well-known specs for tests and benchmarks.
+//! - [`modifier`] is the IR of score modifiers and masks (built-in and custom), with its passes.
 //! - [`reference`] is the definition of what a spec computes: plain f64, written for clarity.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod accounting;
+pub mod catalog;
 mod error;
 pub mod modifier;
 mod parse;

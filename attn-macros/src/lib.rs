@@ -1,17 +1,23 @@
 //! `#[attention(...)]`: declares an attention variant on a struct.
 //!
-//! **Invariant:** the macro parses its attribute with attn-dsl's one parser ([`attn_dsl::parse_tokens`])
-//! and validates it there, so a spec that compiles is a spec the string parser accepts, and an
-//! invalid spec fails the user's build with the error under the offending tokens.
+//! **Invariant:** the macro parses its attribute with attn-dsl's one parser
+//! ([`attn_dsl::parse_tokens`]) and validates it there, so a spec that compiles is a spec the
+//! string parser accepts, and an invalid spec fails the user's build with the error under the
+//! offending tokens.
 
 use proc_macro::TokenStream;
 use quote::quote;
 
-/// Declares an attention variant: `#[attention(heads = 8, kv_heads = 2, head_dim = 64,
-/// mask = causal)] struct MyAttention;`.
+/// Declares an attention variant:
 ///
-/// The spec is validated at compile time. The struct gains `SPEC_TEXT` (the normalized spec in
-/// the spec language) and `spec()` (the parsed [`AttentionSpec`](attn_dsl::AttentionSpec)).
+/// ```ignore
+/// #[attention(heads = 8, kv_heads = 2, head_dim = 64, mask = causal)]
+/// struct MyAttention;
+/// ```
+///
+/// The spec is validated at compile time; errors point at the offending tokens. The struct
+/// implements `attn::Attention`: `SPEC_TEXT` (the normalized spec), the head constants, `spec()`
+/// and `forward_plan()`.
 #[proc_macro_attribute]
 pub fn attention(attr: TokenStream, item: TokenStream) -> TokenStream {
     let item = syn::parse_macro_input!(item as syn::ItemStruct);
@@ -23,19 +29,35 @@ pub fn attention(attr: TokenStream, item: TokenStream) -> TokenStream {
         }
     };
     let text = spec.to_string();
+    let (heads, kv_heads, head_dim, v_head_dim) =
+        (spec.heads, spec.kv_heads(), spec.head_dim, spec.v_head_dim);
+    let dtype = match spec.dtype {
+        attn_dsl::DType::F32 => quote!(F32),
+        attn_dsl::DType::F16 => quote!(F16),
+        attn_dsl::DType::Bf16 => quote!(Bf16),
+    };
     let name = &item.ident;
     let (impl_generics, ty_generics, where_clause) = item.generics.split_for_impl();
+    let doc = format!("Attention variant `{text}`.");
     quote! {
         #item
 
-        impl #impl_generics #name #ty_generics #where_clause {
-            /// The attention spec of this variant, normalized, in the spec language.
-            pub const SPEC_TEXT: &'static str = #text;
+        #[doc = #doc]
+        impl #impl_generics ::attn::Attention for #name #ty_generics #where_clause {
+            const SPEC_TEXT: &'static str = #text;
+            const HEADS: u32 = #heads;
+            const KV_HEADS: u32 = #kv_heads;
+            const HEAD_DIM: u32 = #head_dim;
+            const V_HEAD_DIM: u32 = #v_head_dim;
+            const DTYPE: ::attn::DType = ::attn::DType::#dtype;
 
-            /// The attention spec of this variant (validated when the crate was compiled).
-            pub fn spec() -> ::attn::AttentionSpec {
-                ::attn::dsl::parse_str(Self::SPEC_TEXT)
-                    .expect("the spec was validated by #[attention] at compile time")
+            fn spec() -> &'static ::attn::AttentionSpec {
+                static SPEC: ::std::sync::OnceLock<::attn::AttentionSpec> =
+                    ::std::sync::OnceLock::new();
+                SPEC.get_or_init(|| {
+                    ::attn::dsl::parse_str(Self::SPEC_TEXT)
+                        .expect("#[attention] validated this spec at compile time")
+                })
             }
         }
     }

@@ -1,12 +1,16 @@
 //! codegen: turns a validated [`attn_dsl::AttentionSpec`] into kernel artifacts (machine code
 //! through Cranelift, PTX through LLVM) plus a description of their launch ABI.
 //!
-//! **Invariant:** codegen never owns tensors or device memory; it produces artifacts and their
-//! launch descriptions, and attn-runtime runs them.
+//! **Invariant:** codegen never owns tensors or device memory; it produces plans, artifacts and
+//! their launch descriptions, and attn-runtime runs them.
 //!
-//! Status: the crate is laid out; the kernel plan and the backends arrive with the issues that
-//! build them (see ARCHITECTURE.md).
+//! Today: [`plan`], the kernel plan every backend lowers from. The backends arrive with the issues
+//! that build them (see ARCHITECTURE.md).
 
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod plan;
+
 pub use attn_dsl;
+pub use plan::KernelPlan;

@@ -29,8 +29,8 @@ fn lower_closure(
         _ => "|b, h, q, k|",
     };
     if closure.inputs.len() != roles.len() {
-        return Err(syn::Error::new(
-            closure.inputs.span(),
+        return Err(syn::Error::new_spanned(
+            &closure.inputs,
             format!(
                 "{what} takes {} parameters {signature}, found {}",
                 roles.len(),
@@ -50,8 +50,8 @@ fn lower_closure(
         ));
     }
     if let syn::ReturnType::Type(arrow, _) = &closure.output {
-        return Err(syn::Error::new(
-            arrow.span(),
+        return Err(syn::Error::new_spanned(
+            arrow,
             format!("{what} takes no return type annotation; its type is fixed"),
         ));
     }
@@ -61,14 +61,14 @@ fn lower_closure(
             syn::Pat::Ident(p) if p.by_ref.is_none() && p.subpat.is_none() => p.ident.to_string(),
             syn::Pat::Wild(_) => "_".to_string(),
             syn::Pat::Type(t) => {
-                return Err(syn::Error::new(
-                    t.colon_token.span(),
+                return Err(syn::Error::new_spanned(
+                    t.colon_token,
                     "modifier parameters take no type annotations (score is f32, b/h/q/k are i64)",
                 ));
             }
             other => {
-                return Err(syn::Error::new(
-                    other.span(),
+                return Err(syn::Error::new_spanned(
+                    other,
                     "expected a parameter name or `_`",
                 ));
             }
@@ -77,8 +77,8 @@ fn lower_closure(
     }
     let (body, ty) = lower_expr(&closure.body, &scope)?;
     if ty != want {
-        return Err(syn::Error::new(
-            closure.body.span(),
+        return Err(syn::Error::new_spanned(
+            &closure.body,
             format!(
                 "{what} must evaluate to {}, this expression is {}",
                 want.name(),
@@ -104,8 +104,8 @@ fn lower_expr(expr: &syn::Expr, scope: &Scope) -> syn::Result<(Expr, Ty)> {
         syn::Expr::MethodCall(m) => lower_method(m, scope),
         syn::Expr::Cast(c) => lower_cast(c, scope),
         syn::Expr::If(i) => lower_if(i, scope),
-        other => Err(syn::Error::new(
-            other.span(),
+        other => Err(syn::Error::new_spanned(
+            other,
             "unsupported syntax in a modifier; allowed: parameters, numbers, true/false, \
              + - * / %, comparisons, && || !, if/else, `as f32`/`as i64`, and the methods \
              abs, min, max, exp, ln, tanh, sqrt",
@@ -116,8 +116,8 @@ fn lower_expr(expr: &syn::Expr, scope: &Scope) -> syn::Result<(Expr, Ty)> {
 fn lower_block(block: &syn::Block, scope: &Scope) -> syn::Result<(Expr, Ty)> {
     match block.stmts.as_slice() {
         [syn::Stmt::Expr(e, None)] => lower_expr(e, scope),
-        _ => Err(syn::Error::new(
-            block.span(),
+        _ => Err(syn::Error::new_spanned(
+            block,
             "a block in a modifier must hold exactly one expression (no statements or `let`)",
         )),
     }
@@ -130,8 +130,8 @@ fn lower_lit(lit: &syn::Lit) -> syn::Result<(Expr, Ty)> {
                 "" | "i64" => Ty::I64,
                 "f32" => Ty::F32,
                 s => {
-                    return Err(syn::Error::new(
-                        i.span(),
+                    return Err(syn::Error::new_spanned(
+                        i,
                         format!("unsupported literal suffix `{s}`; allowed: i64, f32 or none"),
                     ));
                 }
@@ -144,14 +144,14 @@ fn lower_lit(lit: &syn::Lit) -> syn::Result<(Expr, Ty)> {
         }
         syn::Lit::Float(f) => match f.suffix() {
             "" | "f32" => Ok((Expr::Float(f.base10_parse()?), Ty::F32)),
-            s => Err(syn::Error::new(
-                f.span(),
+            s => Err(syn::Error::new_spanned(
+                f,
                 format!("unsupported literal suffix `{s}`; allowed: f32 or none"),
             )),
         },
         syn::Lit::Bool(b) => Ok((Expr::Bool(b.value), Ty::Bool)),
-        other => Err(syn::Error::new(
-            other.span(),
+        other => Err(syn::Error::new_spanned(
+            other,
             "unsupported literal; allowed: integers, floats, true, false",
         )),
     }
@@ -159,8 +159,8 @@ fn lower_lit(lit: &syn::Lit) -> syn::Result<(Expr, Ty)> {
 
 fn lower_path(path: &syn::ExprPath, scope: &Scope) -> syn::Result<(Expr, Ty)> {
     let Some(ident) = path.path.get_ident() else {
-        return Err(syn::Error::new(
-            path.span(),
+        return Err(syn::Error::new_spanned(
+            path,
             "expected a closure parameter name",
         ));
     };
@@ -173,8 +173,8 @@ fn lower_path(path: &syn::ExprPath, scope: &Scope) -> syn::Result<(Expr, Ty)> {
                 .map(|(n, _)| n.as_str())
                 .filter(|n| *n != "_")
                 .collect();
-            Err(syn::Error::new(
-                ident.span(),
+            Err(syn::Error::new_spanned(
+                ident,
                 format!(
                     "unknown name `{name}`; the closure's parameters are: {}",
                     known.join(", ")
@@ -190,12 +190,12 @@ fn lower_unary(u: &syn::ExprUnary, scope: &Scope) -> syn::Result<(Expr, Ty)> {
         syn::UnOp::Neg(_) => (UnOp::Neg, "-", ty != Ty::Bool),
         syn::UnOp::Not(_) => (UnOp::Not, "!", ty == Ty::Bool),
         _ => {
-            return Err(syn::Error::new(u.op.span(), "unsupported unary operator"));
+            return Err(syn::Error::new_spanned(u.op, "unsupported unary operator"));
         }
     };
     if !ok {
-        return Err(syn::Error::new(
-            u.span(),
+        return Err(syn::Error::new_spanned(
+            u,
             format!("cannot apply `{symbol}` to {}", ty.name()),
         ));
     }
@@ -218,8 +218,8 @@ fn lower_binary(b: &syn::ExprBinary, scope: &Scope) -> syn::Result<(Expr, Ty)> {
         syn::BinOp::And(_) => BinOp::And,
         syn::BinOp::Or(_) => BinOp::Or,
         other => {
-            return Err(syn::Error::new(
-                other.span(),
+            return Err(syn::Error::new_spanned(
+                other,
                 "unsupported operator; allowed: + - * / % < <= > >= == != && ||",
             ));
         }
@@ -304,8 +304,8 @@ impl BinOp {
 
 fn lower_method(m: &syn::ExprMethodCall, scope: &Scope) -> syn::Result<(Expr, Ty)> {
     if let Some(turbofish) = &m.turbofish {
-        return Err(syn::Error::new(
-            turbofish.span(),
+        return Err(syn::Error::new_spanned(
+            turbofish,
             "modifier methods take no type arguments",
         ));
     }
@@ -315,8 +315,8 @@ fn lower_method(m: &syn::ExprMethodCall, scope: &Scope) -> syn::Result<(Expr, Ty
         if m.args.len() == n {
             Ok(())
         } else {
-            Err(syn::Error::new(
-                m.method.span(),
+            Err(syn::Error::new_spanned(
+                &m.method,
                 format!(
                     "`{name}` takes {n} argument{}, found {}",
                     if n == 1 { "" } else { "s" },
@@ -334,8 +334,8 @@ fn lower_method(m: &syn::ExprMethodCall, scope: &Scope) -> syn::Result<(Expr, Ty
             ty != Ty::Bool
         };
         if !ok {
-            return Err(syn::Error::new(
-                m.method.span(),
+            return Err(syn::Error::new_spanned(
+                &m.method,
                 format!(
                     "`{name}` needs {}, the receiver is {}",
                     if float_only { "an f32" } else { "a number" },
@@ -361,8 +361,8 @@ fn lower_method(m: &syn::ExprMethodCall, scope: &Scope) -> syn::Result<(Expr, Ty
             let arg = lower_expr(&m.args[0], scope)?;
             combine(op, receiver, arg, m.method.span())
         }
-        _ => Err(syn::Error::new(
-            m.method.span(),
+        _ => Err(syn::Error::new_spanned(
+            &m.method,
             format!("unknown method `{name}`; allowed: abs, min, max, exp, ln, tanh, sqrt"),
         )),
     }
@@ -374,15 +374,15 @@ fn lower_cast(c: &syn::ExprCast, scope: &Scope) -> syn::Result<(Expr, Ty)> {
         syn::Type::Path(p) if p.path.is_ident("f32") => Ty::F32,
         syn::Type::Path(p) if p.path.is_ident("i64") => Ty::I64,
         other => {
-            return Err(syn::Error::new(
-                other.span(),
+            return Err(syn::Error::new_spanned(
+                other,
                 "modifiers cast only to f32 or i64",
             ));
         }
     };
     if from == Ty::Bool && to == Ty::F32 {
-        return Err(syn::Error::new(
-            c.span(),
+        return Err(syn::Error::new_spanned(
+            c,
             "cannot cast bool to f32; cast to i64 first, or use if/else",
         ));
     }
@@ -392,14 +392,14 @@ fn lower_cast(c: &syn::ExprCast, scope: &Scope) -> syn::Result<(Expr, Ty)> {
 fn lower_if(i: &syn::ExprIf, scope: &Scope) -> syn::Result<(Expr, Ty)> {
     let (cond, tc) = lower_expr(&i.cond, scope)?;
     if tc != Ty::Bool {
-        return Err(syn::Error::new(
-            i.cond.span(),
+        return Err(syn::Error::new_spanned(
+            &i.cond,
             format!("an `if` condition must be bool, this is {}", tc.name()),
         ));
     }
     let Some((_, otherwise)) = &i.else_branch else {
-        return Err(syn::Error::new(
-            i.if_token.span(),
+        return Err(syn::Error::new_spanned(
+            i.if_token,
             "an `if` in a modifier needs an `else` branch",
         ));
     };
@@ -407,8 +407,8 @@ fn lower_if(i: &syn::ExprIf, scope: &Scope) -> syn::Result<(Expr, Ty)> {
     let otherwise = lower_expr(otherwise, scope)?;
     let (then, otherwise) = coerce_int_literals(then, otherwise);
     if then.1 != otherwise.1 {
-        return Err(syn::Error::new(
-            i.span(),
+        return Err(syn::Error::new_spanned(
+            i,
             format!(
                 "`if` branches differ in type: {} and {}",
                 then.1.name(),

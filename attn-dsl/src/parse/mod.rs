@@ -15,10 +15,10 @@ use crate::spec::{
     RopeScaling, Yarn,
 };
 use proc_macro2::{Span, TokenStream};
+use quote::ToTokens;
 use std::collections::{HashMap, HashSet};
 use syn::parse::Parser;
 use syn::punctuated::Punctuated;
-use syn::spanned::Spanned;
 use values::{Args, Value};
 
 /// The top-level keys, for "did you mean" suggestions.
@@ -58,7 +58,7 @@ pub fn parse_tokens(tokens: TokenStream) -> syn::Result<AttentionSpec> {
             "the spec is empty; it needs at least `heads = N, head_dim = N`",
         ));
     }
-    let whole = whole_span(&tokens);
+    let whole = tokens.clone();
     let items = Punctuated::<syn::Expr, syn::Token![,]>::parse_terminated.parse2(tokens)?;
     let mut p = SpecParser {
         failed: HashSet::new(),
@@ -69,7 +69,7 @@ pub fn parse_tokens(tokens: TokenStream) -> syn::Result<AttentionSpec> {
     for item in &items {
         p.item(item);
     }
-    let spec = p.resolve(whole);
+    let spec = p.resolve(&whole);
     if let Some(Err(findings)) = spec.as_ref().map(AttentionSpec::validate) {
         // A field whose value was already rejected holds a default now: judging it again
         // would only repeat the first error in other words.
@@ -78,8 +78,8 @@ pub fn parse_tokens(tokens: TokenStream) -> syn::Result<AttentionSpec> {
             .into_iter()
             .filter(|f| !p.failed.contains(top(f.field).as_str()));
         for finding in findings {
-            let span = p.span_of(finding.field, whole);
-            p.errors.push(syn::Error::new(span, finding.message));
+            let at = p.tokens_of(finding.field, &whole);
+            p.errors.push(syn::Error::new_spanned(at, finding.message));
         }
     }
 
@@ -98,17 +98,6 @@ impl std::str::FromStr for AttentionSpec {
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         parse_str(s)
-    }
-}
-
-fn whole_span(tokens: &TokenStream) -> Span {
-    let mut iter = tokens.clone().into_iter();
-    match iter.next() {
-        None => Span::call_site(),
-        Some(first) => {
-            let last = iter.last().map(|t| t.span()).unwrap_or(first.span());
-            first.span().join(last).unwrap_or(first.span())
-        }
     }
 }
 
@@ -144,18 +133,19 @@ enum RawPosition {
 struct SpecParser {
     /// Keys whose value was rejected.
     failed: HashSet<&'static str>,
-    /// Span of the tokens that set each field (dotted paths, as in validation findings).
-    spans: HashMap<&'static str, Span>,
+    /// The tokens that set each field (dotted paths, as in validation findings).
+    spans: HashMap<&'static str, TokenStream>,
     errors: Vec<syn::Error>,
     raw: Raw,
 }
 
 impl SpecParser {
-    fn span_of(&self, field: &str, whole: Span) -> Span {
+    /// The tokens that set `field`, else its nearest parent, else the whole spec.
+    fn tokens_of<'t>(&'t self, field: &str, whole: &'t TokenStream) -> &'t TokenStream {
         let mut path = field;
         loop {
-            if let Some(span) = self.spans.get(path) {
-                return *span;
+            if let Some(tokens) = self.spans.get(path) {
+                return tokens;
             }
             match path.rfind('.') {
                 Some(dot) => path = &path[..dot],
@@ -172,8 +162,8 @@ impl SpecParser {
         match item {
             syn::Expr::Assign(assign) => {
                 let Some(key) = values::ident_of(&assign.left) else {
-                    self.error(syn::Error::new(
-                        assign.left.span(),
+                    self.error(syn::Error::new_spanned(
+                        &assign.left,
                         "expected a key name on the left of `=`",
                     ));
                     return;
@@ -195,16 +185,21 @@ impl SpecParser {
                     }
                     _ => "expected `key = value` or `mla(...)`".to_string(),
                 };
-                self.error(syn::Error::new(other.span(), hint));
+                self.error(syn::Error::new_spanned(other, hint));
             }
         }
     }
 
-    /// Records that `field` was set by the tokens at `value`; a second setting is an error at
+    /// Records that `field` was set by the tokens `value`; a second setting is an error at
     /// `key`.
-    fn claim(&mut self, field: &'static str, key: Span, value: Span) -> syn::Result<()> {
+    fn claim(
+        &mut self,
+        field: &'static str,
+        key: &dyn ToTokens,
+        value: TokenStream,
+    ) -> syn::Result<()> {
         if self.spans.contains_key(field) {
-            return Err(syn::Error::new(
+            return Err(syn::Error::new_spanned(
                 key,
                 format!("duplicate key `{field}`; each key may appear once"),
             ));
@@ -219,7 +214,7 @@ impl SpecParser {
             return Err(unknown_key(key, &name));
         };
         // Claimed before the value is read, so an invalid value is not also reported missing.
-        self.claim(field, key.span(), value.span())?;
+        self.claim(field, key, value.to_token_stream())?;
         let result = self.value(field, value);
         if result.is_err() {
             self.failed.insert(field);
@@ -275,7 +270,7 @@ impl SpecParser {
             }
             "sliding_window" => {
                 let [arg] = args.positional::<1>("sliding_window(N)")?;
-                self.spans.insert("mask.window", arg.span());
+                self.spans.insert("mask.window", arg.to_token_stream());
                 Ok(Mask::SlidingWindow {
                     window: Value::new("sliding_window", arg).u64()?,
                 })
@@ -434,7 +429,7 @@ impl SpecParser {
     }
 
     fn mla(&mut self, call: &syn::ExprCall) -> syn::Result<()> {
-        self.claim("mla", call.func.span(), call.span())?;
+        self.claim("mla", &call.func, call.to_token_stream())?;
         let args = Args::new(call.paren_token.span.join(), &call.args);
         let mut named = args.named("mla", &["latent_rank", "rope_dim"])?;
         let mut get = |key: &str, field: &'static str| -> syn::Result<u32> {
@@ -443,8 +438,8 @@ impl SpecParser {
                     self.spans.insert(field, span);
                     v.u32()
                 }
-                None => Err(syn::Error::new(
-                    call.span(),
+                None => Err(syn::Error::new_spanned(
+                    call,
                     format!(
                         "mla(...) needs `{key} = ..`; write mla(latent_rank = 512, rope_dim = 64)"
                     ),
@@ -462,23 +457,23 @@ impl SpecParser {
 
     /// Fills in defaults and checks that required keys are present. Keys that were rejected
     /// take their defaults, so the rest of the spec can still be validated.
-    fn resolve(&mut self, whole: Span) -> Option<AttentionSpec> {
+    fn resolve(&mut self, whole: &TokenStream) -> Option<AttentionSpec> {
         let raw = std::mem::take(&mut self.raw);
         if raw.heads.is_none() && !self.spans.contains_key("heads") {
-            self.error(syn::Error::new(
+            self.error(syn::Error::new_spanned(
                 whole,
                 "missing `heads = N` (the number of query heads)",
             ));
         }
         if raw.head_dim.is_none() && !self.spans.contains_key("head_dim") {
-            self.error(syn::Error::new(
+            self.error(syn::Error::new_spanned(
                 whole,
                 "missing `head_dim = N` (the query/key dimension per head)",
             ));
         }
         if let (Some(_), Some(_)) = (raw.mla, raw.kv_heads) {
-            self.error(syn::Error::new(
-                self.spans["kv_heads"],
+            self.error(syn::Error::new_spanned(
+                &self.spans["kv_heads"],
                 "kv_heads does not apply with mla(...): all heads share one latent",
             ));
         }
@@ -535,5 +530,5 @@ fn unknown_key(key: &syn::Ident, name: &str) -> syn::Error {
         Some((_, k)) => format!("; did you mean `{k}`?"),
         None => format!("; allowed keys: {}", KEYS.join(", ")),
     };
-    syn::Error::new(key.span(), format!("unknown key `{name}`{hint}"))
+    syn::Error::new_spanned(key, format!("unknown key `{name}`{hint}"))
 }

@@ -1,9 +1,8 @@
 //! Reading values out of expression tokens, with errors that say what was expected and found.
 
-use proc_macro2::Span;
+use proc_macro2::{Span, TokenStream};
 use quote::ToTokens;
 use syn::punctuated::Punctuated;
-use syn::spanned::Spanned;
 
 /// The identifier an expression consists of, if it is a plain identifier.
 pub(super) fn ident_of(expr: &syn::Expr) -> Option<syn::Ident> {
@@ -29,8 +28,8 @@ impl<'a> Value<'a> {
 
     /// An error saying what `what` accepts and what was found instead.
     pub(super) fn expected(&self, allowed: &str) -> syn::Error {
-        syn::Error::new(
-            self.expr.span(),
+        syn::Error::new_spanned(
+            self.expr,
             format!(
                 "invalid value for `{}`: found {}; allowed: {allowed}",
                 self.what,
@@ -46,13 +45,13 @@ impl<'a> Value<'a> {
                 lit: syn::Lit::Int(i),
                 ..
             }) if i.suffix().is_empty() => i.base10_parse::<u64>().map_err(|_| {
-                syn::Error::new(i.span(), format!("`{}` = {i} is too large", self.what))
+                syn::Error::new_spanned(i, format!("`{}` = {i} is too large", self.what))
             }),
             syn::Expr::Unary(syn::ExprUnary {
                 op: syn::UnOp::Neg(_),
                 ..
-            }) => Err(syn::Error::new(
-                self.expr.span(),
+            }) => Err(syn::Error::new_spanned(
+                self.expr,
                 format!(
                     "`{}` cannot be negative; allowed: an integer of at least 1",
                     self.what
@@ -66,8 +65,8 @@ impl<'a> Value<'a> {
     pub(super) fn u32(&self) -> syn::Result<u32> {
         let v = self.u64()?;
         u32::try_from(v).map_err(|_| {
-            syn::Error::new(
-                self.expr.span(),
+            syn::Error::new_spanned(
+                self.expr,
                 format!(
                     "`{}` = {v} is absurdly large; allowed: at most {}",
                     self.what,
@@ -164,11 +163,11 @@ impl<'a> Args<'a> {
 
     /// `key = value` arguments, each key from `allowed` and at most once.
     pub(super) fn named(&self, call: &str, allowed: &[&str]) -> syn::Result<Named<'a>> {
-        let mut entries: Vec<(String, Span, &'a syn::Expr)> = Vec::new();
+        let mut entries: Vec<(String, &'a syn::Expr)> = Vec::new();
         for arg in self.args {
             let syn::Expr::Assign(assign) = arg else {
-                return Err(syn::Error::new(
-                    arg.span(),
+                return Err(syn::Error::new_spanned(
+                    arg,
                     format!(
                         "{call}(...) takes `name = value` arguments; allowed names: {}",
                         allowed.join(", ")
@@ -176,8 +175,8 @@ impl<'a> Args<'a> {
                 ));
             };
             let Some(key) = ident_of(&assign.left) else {
-                return Err(syn::Error::new(
-                    assign.left.span(),
+                return Err(syn::Error::new_spanned(
+                    &assign.left,
                     "expected an argument name",
                 ));
             };
@@ -190,8 +189,8 @@ impl<'a> Args<'a> {
                     .filter(|(d, a)| *d <= 2.max(a.len() / 3))
                     .map(|(_, a)| format!("did you mean `{a}`? "))
                     .unwrap_or_default();
-                return Err(syn::Error::new(
-                    key.span(),
+                return Err(syn::Error::new_spanned(
+                    &key,
                     format!(
                         "unknown argument `{name}` of {call}(...); {suggestion}allowed: {}",
                         allowed.join(", ")
@@ -199,12 +198,12 @@ impl<'a> Args<'a> {
                 ));
             }
             if entries.iter().any(|(n, ..)| *n == name) {
-                return Err(syn::Error::new(
-                    key.span(),
+                return Err(syn::Error::new_spanned(
+                    &key,
                     format!("duplicate argument `{name}` of {call}(...)"),
                 ));
             }
-            entries.push((name, assign.right.span(), &assign.right));
+            entries.push((name, &assign.right));
         }
         Ok(Named { entries })
     }
@@ -212,15 +211,15 @@ impl<'a> Args<'a> {
 
 /// Named arguments, taken one by one.
 pub(super) struct Named<'a> {
-    entries: Vec<(String, Span, &'a syn::Expr)>,
+    entries: Vec<(String, &'a syn::Expr)>,
 }
 
 impl<'a> Named<'a> {
-    /// The value of argument `key`, with the span of the value, if given.
-    pub(super) fn take(&mut self, key: &str) -> Option<(Span, Value<'a>)> {
-        let i = self.entries.iter().position(|(n, ..)| n == key)?;
-        let (name, span, expr) = self.entries.remove(i);
-        Some((span, Value::new(&name, expr)))
+    /// The value of argument `key`, with its tokens, if given.
+    pub(super) fn take(&mut self, key: &str) -> Option<(TokenStream, Value<'a>)> {
+        let i = self.entries.iter().position(|(n, _)| n == key)?;
+        let (name, expr) = self.entries.remove(i);
+        Some((expr.to_token_stream(), Value::new(&name, expr)))
     }
 }
 

@@ -4,6 +4,7 @@
 //! with a message on stderr that says what was wrong and where.
 
 mod explain;
+mod ir;
 mod spec_arg;
 
 use clap::{Parser, Subcommand};
@@ -23,6 +24,17 @@ enum Command {
     Check {
         /// The spec, in the spec language, or @FILE to read it from a file.
         spec: String,
+    },
+    /// Print the modifier IR (as lowered and folded) and the forward kernel plan.
+    Ir {
+        /// The spec, in the spec language, or @FILE to read it from a file.
+        spec: String,
+        /// Also print the tile map for this many queries (`#` all kept, `.` skipped, `/` mixed).
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
+        seq: Option<u64>,
+        /// Keys for the tile map (default: as many as queries).
+        #[arg(long, value_name = "N", requires = "seq", value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
+        kv_len: Option<u64>,
     },
     /// Print what a spec costs: KV-cache bytes, cache size, parameters and FLOPs.
     Explain {
@@ -47,6 +59,12 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Check { spec } => spec_arg::load(&spec).map(|(spec, _)| println!("{spec}")),
+        Command::Ir { spec, seq, kv_len } => spec_arg::load(&spec).map(|(spec, _)| {
+            print!(
+                "{}",
+                ir::report(&spec, seq.map(|sq| (sq, kv_len.unwrap_or(sq))))
+            );
+        }),
         Command::Explain {
             spec,
             model_dim,

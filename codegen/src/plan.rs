@@ -1,0 +1,351 @@
+//! The kernel plan: everything a backend needs to emit one attention kernel, decided once per
+//! spec and independent of sequence lengths and batch size (they are runtime arguments, so a
+//! new shape never recompiles).
+//!
+//! Planning is a short pipeline of passes, each printable:
+//! 1. `ScoreProgram::of`: the spec's built-ins and custom modifiers as modifier IR;
+//! 2. `ScoreProgram::folded`: constant folding and simplification;
+//! 3. [`KernelPlan::forward`]: the kernel's shape (MLA absorbed into one shared KV head), tiles,
+//!    the fused RoPE prologue, the tile-masking strategy and the online-softmax epilogue.
+
+use attn_dsl::modifier::interval::{Interval, TileBounds, TileClass, classify};
+use attn_dsl::modifier::{Expr, ScoreProgram, Var};
+use attn_dsl::reference::rope;
+use attn_dsl::{AttentionSpec, DType, KvLayout, Rope, RopeScaling};
+use std::fmt;
+
+/// Which kernel a plan is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PlanKind {
+    /// Prefill / training forward: a block of query rows against all keys, out and lse.
+    Forward,
+}
+
+/// The head geometry as the kernel sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelShape {
+    /// Query heads.
+    pub heads: u32,
+    /// Key/value heads the kernel reads (1 for MLA: the latent is shared).
+    pub kv_heads: u32,
+    /// Width of q and k rows (MLA: `latent_rank + rope_dim`).
+    pub qk_dim: u32,
+    /// Width of v rows and of the output (MLA: `latent_rank`; the up-projection follows).
+    pub v_dim: u32,
+}
+
+impl KernelShape {
+    /// Query heads per KV head.
+    pub fn group(&self) -> u32 {
+        self.heads / self.kv_heads
+    }
+}
+
+/// MLA's absorbed form around the kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MlaAbsorption {
+    /// Latent rank `r`: `q_latent = W_uk^T q_nope` before the kernel, `out = W_uv out_latent`
+    /// after it.
+    pub latent_rank: u32,
+    /// Rotary dim `dr`: `q = [q_latent | q_pe]`, `k = [c_kv | k_pe]`.
+    pub rope_dim: u32,
+    /// Per-head output dim after the up-projection.
+    pub v_head_dim: u32,
+}
+
+/// Tile sizes: query rows per block and keys per streamed K/V tile.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tiles {
+    /// Query rows a kernel invocation owns.
+    pub q_rows: u32,
+    /// Keys per K/V tile.
+    pub k_cols: u32,
+}
+
+/// Where the RoPE frequencies come from.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Frequencies {
+    /// Fixed for the spec: computed at plan time in f64.
+    Static(Vec<f64>),
+    /// Dynamic NTK: the base depends on the total length `Skv + p0`, computed per launch.
+    PerLaunch,
+}
+
+/// RoPE fused into the loads of q and k tiles.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RopePrologue {
+    /// The spec's RoPE parameters.
+    pub rope: Rope,
+    /// First rotated dimension within a q/k row (MLA: after the latent).
+    pub first_dim: u32,
+    /// The inverse frequencies.
+    pub frequencies: Frequencies,
+    /// Factor on cos and sin (YaRN's attention factor; 1 otherwise).
+    pub attention_factor: f64,
+}
+
+/// How tiles meet the mask.
+#[derive(Clone, Debug, PartialEq)]
+pub enum TileMasking {
+    /// The mask is `true`: no tile is skipped and no element masked.
+    Unmasked,
+    /// Each (query block, key tile) is classified by interval analysis of the mask over the
+    /// tile's positions: all-masked tiles are skipped, all-kept tiles run without per-element
+    /// masking, mixed tiles evaluate the mask per element.
+    Classified {
+        /// The variables the mask reads (the ranges a kernel supplies).
+        reads: Vec<Var>,
+    },
+}
+
+/// What the kernel writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Epilogue {
+    /// Dtype of `out` (the input dtype).
+    pub out_dtype: DType,
+}
+
+/// A planned attention kernel.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KernelPlan {
+    /// The kernel kind.
+    pub kind: PlanKind,
+    /// The spec planned from.
+    pub spec: AttentionSpec,
+    /// Storage dtype of q, k, v and out (accumulation is f32).
+    pub dtype: DType,
+    /// Head geometry.
+    pub shape: KernelShape,
+    /// MLA's absorption around the kernel, for MLA specs.
+    pub mla: Option<MlaAbsorption>,
+    /// Tile sizes.
+    pub tiles: Tiles,
+    /// RoPE on q and k as tiles are loaded.
+    pub rope: Option<RopePrologue>,
+    /// Score pipeline and mask, folded.
+    pub program: ScoreProgram,
+    /// Tile skipping and unmasking.
+    pub masking: TileMasking,
+    /// Output.
+    pub epilogue: Epilogue,
+}
+
+impl KernelPlan {
+    /// Plans the forward kernel of a spec. The spec must be valid.
+    pub fn forward(spec: &AttentionSpec) -> KernelPlan {
+        let (shape, mla) = match spec.kv {
+            KvLayout::Heads { kv_heads } => (
+                KernelShape {
+                    heads: spec.heads,
+                    kv_heads,
+                    qk_dim: spec.head_dim,
+                    v_dim: spec.v_head_dim,
+                },
+                None,
+            ),
+            KvLayout::Mla(m) => (
+                KernelShape {
+                    heads: spec.heads,
+                    kv_heads: 1,
+                    qk_dim: m.latent_rank + m.rope_dim,
+                    v_dim: m.latent_rank,
+                },
+                Some(MlaAbsorption {
+                    latent_rank: m.latent_rank,
+                    rope_dim: m.rope_dim,
+                    v_head_dim: spec.v_head_dim,
+                }),
+            ),
+        };
+        let rope = spec.rope().map(|r| RopePrologue {
+            rope: *r,
+            first_dim: mla.map_or(0, |m| m.latent_rank),
+            frequencies: match r.scaling {
+                RopeScaling::Dynamic { .. } => Frequencies::PerLaunch,
+                _ => Frequencies::Static(rope::inv_freq(r, 0)),
+            },
+            attention_factor: rope::attention_factor(r),
+        });
+        let program = ScoreProgram::of(spec).folded();
+        let masking = match program.mask {
+            Expr::Bool(true) => TileMasking::Unmasked,
+            ref mask => TileMasking::Classified {
+                reads: Var::ALL.into_iter().filter(|v| mask.uses(*v)).collect(),
+            },
+        };
+        KernelPlan {
+            kind: PlanKind::Forward,
+            spec: spec.clone(),
+            dtype: spec.dtype,
+            shape,
+            mla,
+            tiles: tiles_for(shape.qk_dim.max(shape.v_dim)),
+            rope,
+            program,
+            masking,
+            epilogue: Epilogue {
+                out_dtype: spec.dtype,
+            },
+        }
+    }
+
+    /// The classification of every (query block, key tile) of a call with `sq` queries against
+    /// `skv` keys at offset `p0`, for all batches and heads at once (a kernel classifies per
+    /// head, which can only be finer).
+    pub fn tile_map(&self, sq: u64, skv: u64, p0: i64) -> TileMap {
+        let (rows, cols) = (u64::from(self.tiles.q_rows), u64::from(self.tiles.k_cols));
+        let blocks = |n: u64, size: u64| {
+            (0..n.div_ceil(size)).map(move |t| (t * size, ((t + 1) * size).min(n) - 1))
+        };
+        let classes = blocks(sq, rows)
+            .map(|(q0, q1)| {
+                blocks(skv, cols)
+                    .map(|(k0, k1)| match &self.masking {
+                        TileMasking::Unmasked => TileClass::AllKept,
+                        TileMasking::Classified { .. } => {
+                            let mut bounds = TileBounds::for_tile(
+                                Interval::new(q0 as i64, q1 as i64),
+                                Interval::new(k0 as i64, k1 as i64),
+                                sq as i64,
+                                skv as i64,
+                                p0,
+                            );
+                            bounds.head = Interval::new(0, i64::from(self.shape.heads) - 1);
+                            classify(&self.program.mask, &bounds)
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        TileMap { classes }
+    }
+}
+
+/// Tiles sized so a K and a V tile of f32 stay within about 64 KiB.
+fn tiles_for(width: u32) -> Tiles {
+    match width {
+        0..=128 => Tiles {
+            q_rows: 64,
+            k_cols: 64,
+        },
+        129..=256 => Tiles {
+            q_rows: 32,
+            k_cols: 32,
+        },
+        _ => Tiles {
+            q_rows: 16,
+            k_cols: 16,
+        },
+    }
+}
+
+/// Tile classes of one call: rows are query blocks, columns key tiles.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TileMap {
+    /// `classes[query block][key tile]`.
+    pub classes: Vec<Vec<TileClass>>,
+}
+
+impl TileMap {
+    /// How many tiles have the class.
+    pub fn count(&self, class: TileClass) -> usize {
+        self.classes
+            .iter()
+            .flatten()
+            .filter(|c| **c == class)
+            .count()
+    }
+}
+
+impl fmt::Display for TileMap {
+    /// One character per tile: `#` all kept, `.` all masked (skipped), `/` mixed.
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        for row in &self.classes {
+            let line: String = row
+                .iter()
+                .map(|c| match c {
+                    TileClass::AllKept => '#',
+                    TileClass::AllMasked => '.',
+                    TileClass::Mixed => '/',
+                })
+                .collect();
+            writeln!(f, "{line}")?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for KernelPlan {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        let s = &self.shape;
+        writeln!(f, "plan {:?}", self.kind)?;
+        writeln!(f, "  spec      {}", self.spec)?;
+        writeln!(
+            f,
+            "  shape     {} query heads over {} kv heads (group {}), qk_dim {}, v_dim {}, {} \
+             storage, f32 accumulation",
+            s.heads,
+            s.kv_heads,
+            s.group(),
+            s.qk_dim,
+            s.v_dim,
+            self.dtype.name()
+        )?;
+        if let Some(m) = &self.mla {
+            writeln!(
+                f,
+                "  mla       absorbed: q = [W_uk^T q_nope ({}) | q_pe ({})], k = [c_kv | k_pe], \
+                 v = c_kv; out = W_uv out_latent ({} per head)",
+                m.latent_rank, m.rope_dim, m.v_head_dim
+            )?;
+        }
+        writeln!(
+            f,
+            "  tiles     {} query rows x {} keys",
+            self.tiles.q_rows, self.tiles.k_cols
+        )?;
+        match &self.rope {
+            None => writeln!(f, "  prologue  load q, k tiles")?,
+            Some(r) => {
+                let freqs = match &r.frequencies {
+                    Frequencies::Static(v) => format!(
+                        "{} static inv_freq from {:?} to {:?}",
+                        v.len(),
+                        v.first().copied().unwrap_or(0.0),
+                        v.last().copied().unwrap_or(0.0)
+                    ),
+                    Frequencies::PerLaunch => "inv_freq per launch from Skv + p0".to_string(),
+                };
+                writeln!(
+                    f,
+                    "  prologue  rope on dims {}..{} of q and k as tiles load: {}; {freqs}; \
+                     cos/sin x {:?}",
+                    r.first_dim,
+                    r.first_dim + r.rope.dim,
+                    r.rope,
+                    r.attention_factor
+                )?;
+            }
+        }
+        writeln!(f, "  score     {}", self.program.score)?;
+        writeln!(f, "  mask      {}", self.program.mask)?;
+        match &self.masking {
+            TileMasking::Unmasked => writeln!(f, "  tiling    every tile unmasked")?,
+            TileMasking::Classified { reads } => {
+                let names: Vec<&str> = reads.iter().map(|v| v.canonical_name()).collect();
+                writeln!(
+                    f,
+                    "  tiling    classify each tile by intervals of ({}): skip all-masked, \
+                     unmasked all-kept, per-element mask on mixed",
+                    names.join(", ")
+                )?;
+            }
+        }
+        write!(
+            f,
+            "  epilogue  online softmax (running max m, sum l; acc rescaled by exp(m_old - m_new)); \
+             out = acc / l as {}, lse = m + ln l as f32; rows with no kept key: out 0, lse -inf",
+            self.epilogue.out_dtype.name()
+        )
+    }
+}

@@ -1,0 +1,9 @@
+//! `#[attention(...)]` on invalid specs: the user's build fails with the message under the
+//! offending tokens (expected compiler output in tests/ui/*.stderr; regenerate with
+//! `TRYBUILD=overwrite cargo test --test ui` and review the diff).
+
+#[test]
+fn invalid_specs_fail_the_build_at_the_offending_tokens() {
+    let cases = trybuild::TestCases::new();
+    cases.compile_fail("tests/ui/*.rs");
+}
