@@ -3,12 +3,18 @@
 //! **Invariant:** attn-runtime owns memory and launches; it is the only crate that calls
 //! generated code (and so the only one with `unsafe`, each block with a SAFETY comment).
 //!
-//! Today: [`Attention`], the typed API `#[attention(...)]` implements. Tensors, the kernel cache
-//! and models arrive with the issues that build them (see ARCHITECTURE.md).
+//! - [`Tensor`]: dtype, shape and strides over CPU storage;
+//! - [`cpu`]: the CPU backend (kernel cache, microkernels, parallel launcher);
+//! - [`Attention`]: the typed API `#[attention(...)]` implements.
 
 #![warn(missing_docs)]
 
+pub mod cpu;
+mod error;
+mod tensor;
 mod variant;
 
 pub use codegen;
+pub use error::RuntimeError;
+pub use tensor::{Storage, Tensor};
 pub use variant::Attention;

@@ -4,13 +4,16 @@
 //! **Invariant:** codegen never owns tensors or device memory; it produces plans, artifacts and
 //! their launch descriptions, and attn-runtime runs them.
 //!
-//! Today: [`plan`], the kernel plan every backend lowers from. The backends arrive with the issues
-//! that build them (see ARCHITECTURE.md).
+//! - [`plan`]: the kernel plan every backend lowers from;
+//! - [`cpu`]: the Cranelift backend (JIT machine code for the host).
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod cpu;
+mod error;
 pub mod plan;
 
 pub use attn_dsl;
+pub use error::CodegenError;
 pub use plan::KernelPlan;

@@ -221,23 +221,22 @@ impl KernelPlan {
     }
 }
 
-/// Tiles sized so a K and a V tile of f32 stay within about 64 KiB.
+/// Key tiles are always [`K_TILE`] keys (the CPU microkernels are specialized for it); query
+/// blocks shrink as rows widen, so a block's q, scores and accumulator stay near 64 KiB of f32.
 fn tiles_for(width: u32) -> Tiles {
-    match width {
-        0..=128 => Tiles {
-            q_rows: 64,
-            k_cols: 64,
-        },
-        129..=256 => Tiles {
-            q_rows: 32,
-            k_cols: 32,
-        },
-        _ => Tiles {
-            q_rows: 16,
-            k_cols: 16,
-        },
+    let q_rows = match width {
+        0..=128 => 64,
+        129..=256 => 32,
+        _ => 16,
+    };
+    Tiles {
+        q_rows,
+        k_cols: K_TILE,
     }
 }
+
+/// Keys per K/V tile.
+pub const K_TILE: u32 = 64;
 
 /// Tile classes of one call: rows are query blocks, columns key tiles.
 #[derive(Clone, Debug, PartialEq, Eq)]

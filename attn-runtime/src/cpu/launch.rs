@@ -1,0 +1,239 @@
+//! Running a compiled CPU kernel: inputs as f32 rows, RoPE tables, K packing per (batch, kv
+//! head), then every (batch, head, query block) in parallel, each classifying its key tiles.
+
+use super::rope_table::RopeTables;
+use crate::error::RuntimeError;
+use crate::tensor::Tensor;
+use attn_dsl::modifier::interval::{Interval, TileBounds, TileClass, classify};
+use codegen::cpu::CpuKernel;
+use codegen::cpu::abi::{BlockArgs, PackArgs, TileCode, packed_k_len};
+use codegen::plan::{K_TILE, KernelPlan, TileMasking};
+use rayon::prelude::*;
+
+/// f32 rows of a 4-D input: storage, offset of element 0, and strides of the three outer axes
+/// (the innermost is contiguous).
+pub(super) struct Rows<'a> {
+    data: std::borrow::Cow<'a, [f32]>,
+    offset: usize,
+    strides: [usize; 3],
+}
+
+impl<'a> Rows<'a> {
+    /// Reads a 4-D tensor without a copy when it is f32 with contiguous rows, else converts it.
+    pub fn of(t: &'a Tensor) -> Self {
+        let s = t.strides();
+        match t.f32_rows() {
+            Some((data, offset)) => Rows {
+                data: std::borrow::Cow::Borrowed(data),
+                offset,
+                strides: [s[0], s[1], s[2]],
+            },
+            None => {
+                let sh = t.shape();
+                Rows {
+                    data: std::borrow::Cow::Owned(t.to_f32_vec()),
+                    offset: 0,
+                    strides: [sh[1] * sh[2] * sh[3], sh[2] * sh[3], sh[3]],
+                }
+            }
+        }
+    }
+
+    /// Rows in `data` with the given outer strides (the innermost axis contiguous).
+    pub fn borrowed(data: &'a [f32], strides: [usize; 3]) -> Self {
+        Rows {
+            data: std::borrow::Cow::Borrowed(data),
+            offset: 0,
+            strides,
+        }
+    }
+
+    fn ptr(&self, a: usize, b: usize, c: usize) -> *const f32 {
+        let i = self.offset + a * self.strides[0] + b * self.strides[1] + c * self.strides[2];
+        self.data.as_ptr().wrapping_add(i)
+    }
+
+    fn row_stride(&self) -> i64 {
+        self.strides[2] as i64
+    }
+
+    fn check_bounds(&self, shape: [usize; 4], name: &str) -> Result<(), RuntimeError> {
+        let last = self.offset
+            + (0..3)
+                .map(|i| (shape[i].max(1) - 1) * self.strides[i])
+                .sum::<usize>()
+            + shape[3];
+        if shape.contains(&0) || last <= self.data.len() {
+            Ok(())
+        } else {
+            Err(RuntimeError::Data(format!(
+                "tensor `{name}`: strides run past its storage"
+            )))
+        }
+    }
+}
+
+/// Shapes of one call.
+pub(super) struct Call {
+    pub batch: usize,
+    pub sq: usize,
+    pub skv: usize,
+    pub position_offset: i64,
+}
+
+/// A pointer shared by the parallel tasks, each of which writes rows no other task writes.
+#[derive(Clone, Copy)]
+struct Shared(*mut f32);
+// SAFETY: tasks write disjoint rows of the buffer (one query block of one (batch, head) each)
+// and the buffer outlives the parallel loop.
+unsafe impl Send for Shared {}
+// SAFETY: as above; no task reads what another writes.
+unsafe impl Sync for Shared {}
+
+/// The tile codes of query rows `q0..q1` of one (batch, head).
+fn tile_codes(plan: &KernelPlan, call: &Call, q0: usize, q1: usize, b: usize, h: usize) -> Vec<u8> {
+    let n_tiles = call.skv.div_ceil(K_TILE as usize);
+    let TileMasking::Classified { .. } = plan.masking else {
+        return vec![TileCode::Full as u8; n_tiles];
+    };
+    (0..n_tiles)
+        .map(|t| {
+            let k0 = t * K_TILE as usize;
+            let k1 = (k0 + K_TILE as usize).min(call.skv);
+            let mut bounds = TileBounds::for_tile(
+                Interval::new(q0 as i64, q1 as i64 - 1),
+                Interval::new(k0 as i64, k1 as i64 - 1),
+                call.sq as i64,
+                call.skv as i64,
+                call.position_offset,
+            );
+            bounds.batch = Interval::point(b as i64);
+            bounds.head = Interval::point(h as i64);
+            match classify(&plan.program.mask, &bounds) {
+                TileClass::AllMasked => TileCode::Skip as u8,
+                TileClass::AllKept => TileCode::Full as u8,
+                TileClass::Mixed => TileCode::Masked as u8,
+            }
+        })
+        .collect()
+}
+
+/// Runs the kernel; returns `out` `[B, Hq, Sq, Dv]` and `lse` `[B, Hq, Sq]` as f32.
+pub(super) fn run(
+    kernel: &CpuKernel,
+    q: &Rows,
+    k: &Rows,
+    v: &Rows,
+    call: &Call,
+) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> {
+    let plan = &kernel.plan;
+    let (hq, hkv) = (plan.shape.heads as usize, plan.shape.kv_heads as usize);
+    let (dqk, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
+    let Call { batch, sq, skv, .. } = *call;
+    q.check_bounds([batch, hq, sq, dqk], "q")?;
+    k.check_bounds([batch, hkv, skv, dqk], "k")?;
+    v.check_bounds([batch, hkv, skv, dv], "v")?;
+    let p0 = call.position_offset;
+    let mut out = vec![0f32; batch * hq * sq * dv];
+    let mut lse = vec![0f32; batch * hq * sq];
+    if batch * hq * sq == 0 {
+        return Ok((out, lse));
+    }
+
+    // Positions used: keys p0..p0+Skv, queries from p0+Skv-Sq (lower when Sq > Skv).
+    let first_pos = p0 + (skv as i64 - sq as i64).min(0);
+    let total_len = (skv as i64 + p0).max(0) as u64;
+    let tables = plan
+        .rope
+        .as_ref()
+        .map(|r| RopeTables::new(r, first_pos, p0 + skv as i64, total_len));
+    let table_ptrs = || match &tables {
+        Some(t) => (t.cos.as_ptr(), t.sin.as_ptr(), t.pos0),
+        None => (std::ptr::null(), std::ptr::null(), 0),
+    };
+
+    // SAFETY: `pack_k` and `block` were compiled by codegen::cpu with the signature
+    // `extern "C" fn(*const Args)`; the addresses stay valid for the process.
+    type PackFn = unsafe extern "C" fn(*const PackArgs);
+    type BlockFn = unsafe extern "C" fn(*const BlockArgs);
+    let (pack_k, block) = unsafe {
+        (
+            std::mem::transmute::<usize, PackFn>(kernel.pack_k),
+            std::mem::transmute::<usize, BlockFn>(kernel.block),
+        )
+    };
+
+    let packed: Vec<Vec<f32>> = (0..batch * hkv)
+        .into_par_iter()
+        .map(|i| {
+            let (b, kvh) = (i / hkv, i % hkv);
+            let mut kt = vec![0f32; packed_k_len(plan, skv)];
+            let (cos, sin, table_pos0) = table_ptrs();
+            let args = PackArgs {
+                k: k.ptr(b, kvh, 0),
+                k_row_stride: k.row_stride(),
+                skv: skv as i64,
+                k_pos0: p0,
+                rope_cos: cos,
+                rope_sin: sin,
+                table_pos0,
+                kt: kt.as_mut_ptr(),
+            };
+            // SAFETY: `args` points at Skv rows of K within bounds (checked above), tables that
+            // cover positions p0..p0+Skv, and a buffer of `packed_k_len` values.
+            unsafe { pack_k(&args) };
+            kt
+        })
+        .collect();
+
+    let rows = plan.tiles.q_rows as usize;
+    let blocks = sq.div_ceil(rows);
+    let group = hq / hkv;
+    // Later blocks see more keys under causal masks: hand them out first.
+    let mut items: Vec<(usize, usize, usize)> = (0..batch)
+        .flat_map(|b| (0..hq).flat_map(move |h| (0..blocks).map(move |blk| (b, h, blk))))
+        .collect();
+    items.sort_by_key(|&(_, _, blk)| std::cmp::Reverse(blk));
+    let (out_ptr, lse_ptr) = (Shared(out.as_mut_ptr()), Shared(lse.as_mut_ptr()));
+    let scratch_len = kernel.scratch.total;
+    items.par_iter().for_each_init(
+        || vec![0f32; scratch_len],
+        |scratch, &(b, h, blk)| {
+            let (out_ptr, lse_ptr) = (out_ptr, lse_ptr);
+            let q0 = blk * rows;
+            let q1 = (q0 + rows).min(sq);
+            let codes = tile_codes(plan, call, q0, q1, b, h);
+            let kvh = h / group;
+            let row0 = (b * hq + h) * sq + q0;
+            let (cos, sin, table_pos0) = table_ptrs();
+            let args = BlockArgs {
+                q: q.ptr(b, h, q0),
+                q_row_stride: q.row_stride(),
+                rows: (q1 - q0) as i64,
+                q_pos0: p0 + skv as i64 - sq as i64 + q0 as i64,
+                qi0: q0 as i64,
+                batch: b as i64,
+                head: h as i64,
+                kt: packed[b * hkv + kvh].as_ptr(),
+                v: v.ptr(b, kvh, 0),
+                v_row_stride: v.row_stride(),
+                skv: skv as i64,
+                k_pos0: p0,
+                tile_codes: codes.as_ptr(),
+                out: out_ptr.0.wrapping_add(row0 * dv),
+                out_row_stride: dv as i64,
+                lse: lse_ptr.0.wrapping_add(row0),
+                scratch: scratch.as_mut_ptr(),
+                rope_cos: cos,
+                rope_sin: sin,
+                table_pos0,
+            };
+            // SAFETY: every pointer in `args` addresses memory of the sizes the ABI requires:
+            // rows q0..q1 of q, the packed keys and the values of this (batch, kv head), one code
+            // per key tile, rows q0..q1 of out and lse (written by this task only), a scratch of
+            // `ScratchLayout::total` values, and tables covering every query position.
+            unsafe { block(&args) };
+        },
+    );
+    Ok((out, lse))
+}

@@ -1,0 +1,357 @@
+//! The dense tile products generated kernels call: `S = Q Kt` and `acc += P V` on tiles of
+//! [`K_TILE`] keys. Native code, chosen once per process by the CPU's features: AVX-512, AVX2 with
+//! FMA, or portable Rust.
+//!
+//! Contract (see `codegen::cpu::abi::Imports`): `qk_tile(q, q_stride, rows, dim, kt, s)` writes
+//! `s[r*K + j] = sum_d q[r*q_stride + d] * kt[d*K + j]` for `r < rows`, `j < K`;
+//! `pv_tile(p, rows, cols, v, v_stride, acc, dv)` adds `sum_{j < cols} p[r*K + j] *
+//! v[j*v_stride + c]` to `acc[r*dv + c]` for `r < rows`, `c < dv`.
+
+use codegen::plan::K_TILE;
+
+const K: usize = K_TILE as usize;
+
+/// Instruction sets the microkernels can use, best first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// AVX-512F (16 f32 lanes).
+    Avx512,
+    /// AVX2 with FMA (8 lanes).
+    Avx2,
+    /// Plain Rust.
+    Portable,
+}
+
+impl Isa {
+    /// The best set this CPU supports.
+    pub fn detect() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                return Isa::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Portable
+    }
+}
+
+/// `qk_tile` and `pv_tile` for an instruction set, as C-ABI function addresses.
+pub fn addresses(isa: Isa) -> (usize, usize) {
+    type Qk = unsafe extern "C" fn(*const f32, i64, i64, i64, *const f32, *mut f32);
+    type Pv = unsafe extern "C" fn(*const f32, i64, i64, *const f32, i64, *mut f32, i64);
+    let (qk, pv): (Qk, Pv) = match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => (x86::qk_avx512, x86::pv_avx512),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => (x86::qk_avx2, x86::pv_avx2),
+        _ => (qk_portable, pv_portable),
+    };
+    (qk as usize, pv as usize)
+}
+
+/// Portable `qk_tile`.
+///
+/// # Safety
+/// The pointers must address the ranges in the module contract, valid for the access.
+pub unsafe extern "C" fn qk_portable(
+    q: *const f32,
+    q_stride: i64,
+    rows: i64,
+    dim: i64,
+    kt: *const f32,
+    s: *mut f32,
+) {
+    let (rows, dim, q_stride) = (rows as usize, dim as usize, q_stride as usize);
+    // SAFETY: the caller passes rows of `q_stride` values, `dim * K` packed keys and `rows * K`
+    // scores (the module contract).
+    let (q, kt, s) = unsafe {
+        (
+            std::slice::from_raw_parts(q, (rows.max(1) - 1) * q_stride + dim),
+            std::slice::from_raw_parts(kt, dim * K),
+            std::slice::from_raw_parts_mut(s, rows * K),
+        )
+    };
+    for r in 0..rows {
+        let out = &mut s[r * K..(r + 1) * K];
+        out.fill(0.0);
+        for d in 0..dim {
+            let x = q[r * q_stride + d];
+            for (o, k) in out.iter_mut().zip(&kt[d * K..(d + 1) * K]) {
+                *o += x * k;
+            }
+        }
+    }
+}
+
+/// Portable `pv_tile`.
+///
+/// # Safety
+/// The pointers must address the ranges in the module contract, valid for the access.
+pub unsafe extern "C" fn pv_portable(
+    p: *const f32,
+    rows: i64,
+    cols: i64,
+    v: *const f32,
+    v_stride: i64,
+    acc: *mut f32,
+    dv: i64,
+) {
+    let (rows, cols, v_stride, dv) = (rows as usize, cols as usize, v_stride as usize, dv as usize);
+    if cols == 0 {
+        return;
+    }
+    // SAFETY: the module contract: `rows * K` probabilities, `cols` rows of V, `rows * dv` acc.
+    let (p, v, acc) = unsafe {
+        (
+            std::slice::from_raw_parts(p, rows * K),
+            std::slice::from_raw_parts(v, (cols - 1) * v_stride + dv),
+            std::slice::from_raw_parts_mut(acc, rows * dv),
+        )
+    };
+    for r in 0..rows {
+        let out = &mut acc[r * dv..(r + 1) * dv];
+        for j in 0..cols {
+            let w = p[r * K + j];
+            for (o, x) in out.iter_mut().zip(&v[j * v_stride..j * v_stride + dv]) {
+                *o += w * x;
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+// Index loops mirror the register blocking (rows x vectors) and keep the accumulators in
+// registers; iterator chains over two arrays would obscure that.
+#[allow(clippy::needless_range_loop)]
+mod x86 {
+    use super::K;
+    use std::arch::x86_64::*;
+
+    /// AVX-512 `qk_tile`: four rows by 64 keys (16 accumulators) per step.
+    ///
+    /// # Safety
+    /// The module contract, on a CPU with AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe extern "C" fn qk_avx512(
+        q: *const f32,
+        q_stride: i64,
+        rows: i64,
+        dim: i64,
+        kt: *const f32,
+        s: *mut f32,
+    ) {
+        let (rows, dim, qs) = (rows as usize, dim as usize, q_stride as usize);
+        let mut r = 0;
+        // SAFETY (whole body): every offset stays within the contract's ranges: rows < `rows`,
+        // d < `dim`, key lanes < K.
+        unsafe {
+            while r + 4 <= rows {
+                let mut acc = [[_mm512_setzero_ps(); 4]; 4];
+                for d in 0..dim {
+                    let kd = kt.add(d * K);
+                    let k = [0, 16, 32, 48].map(|o| _mm512_loadu_ps(kd.add(o)));
+                    for (i, row) in acc.iter_mut().enumerate() {
+                        let x = _mm512_set1_ps(*q.add((r + i) * qs + d));
+                        for (a, kv) in row.iter_mut().zip(k) {
+                            *a = _mm512_fmadd_ps(x, kv, *a);
+                        }
+                    }
+                }
+                for (i, row) in acc.iter().enumerate() {
+                    for (j, a) in row.iter().enumerate() {
+                        _mm512_storeu_ps(s.add((r + i) * K + 16 * j), *a);
+                    }
+                }
+                r += 4;
+            }
+            while r < rows {
+                let mut acc = [_mm512_setzero_ps(); 4];
+                for d in 0..dim {
+                    let kd = kt.add(d * K);
+                    let x = _mm512_set1_ps(*q.add(r * qs + d));
+                    for (j, a) in acc.iter_mut().enumerate() {
+                        *a = _mm512_fmadd_ps(x, _mm512_loadu_ps(kd.add(16 * j)), *a);
+                    }
+                }
+                for (j, a) in acc.iter().enumerate() {
+                    _mm512_storeu_ps(s.add(r * K + 16 * j), *a);
+                }
+                r += 1;
+            }
+        }
+    }
+
+    /// AVX-512 `pv_tile`: four rows by up to 64 value dims per step, masked at the dim edge.
+    ///
+    /// # Safety
+    /// The module contract, on a CPU with AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe extern "C" fn pv_avx512(
+        p: *const f32,
+        rows: i64,
+        cols: i64,
+        v: *const f32,
+        v_stride: i64,
+        acc: *mut f32,
+        dv: i64,
+    ) {
+        let (rows, cols, vs, dv) = (rows as usize, cols as usize, v_stride as usize, dv as usize);
+        // SAFETY (whole body): rows < `rows`, j < `cols`, and value lanes masked to c < `dv`.
+        unsafe {
+            let mut c0 = 0;
+            while c0 < dv {
+                let width = (dv - c0).min(64);
+                let masks: [__mmask16; 4] = [0, 1, 2, 3].map(|k| {
+                    let lanes = width.saturating_sub(16 * k).min(16);
+                    ((1u32 << lanes) - 1) as __mmask16
+                });
+                let mut r = 0;
+                while r < rows {
+                    let block = (rows - r).min(4);
+                    let mut a = [[_mm512_setzero_ps(); 4]; 4];
+                    for i in 0..block {
+                        for k in 0..4 {
+                            a[i][k] = _mm512_maskz_loadu_ps(
+                                masks[k],
+                                acc.add((r + i) * dv + c0 + 16 * k),
+                            );
+                        }
+                    }
+                    for j in 0..cols {
+                        let vj = v.add(j * vs + c0);
+                        let x =
+                            [0, 1, 2, 3].map(|k| _mm512_maskz_loadu_ps(masks[k], vj.add(16 * k)));
+                        for i in 0..block {
+                            let w = _mm512_set1_ps(*p.add((r + i) * K + j));
+                            for k in 0..4 {
+                                a[i][k] = _mm512_fmadd_ps(w, x[k], a[i][k]);
+                            }
+                        }
+                    }
+                    for i in 0..block {
+                        for k in 0..4 {
+                            _mm512_mask_storeu_ps(
+                                acc.add((r + i) * dv + c0 + 16 * k),
+                                masks[k],
+                                a[i][k],
+                            );
+                        }
+                    }
+                    r += block;
+                }
+                c0 += 64;
+            }
+        }
+    }
+
+    /// AVX2 `qk_tile`: two rows by 32 keys (8 accumulators) per step, two halves per tile.
+    ///
+    /// # Safety
+    /// The module contract, on a CPU with AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe extern "C" fn qk_avx2(
+        q: *const f32,
+        q_stride: i64,
+        rows: i64,
+        dim: i64,
+        kt: *const f32,
+        s: *mut f32,
+    ) {
+        let (rows, dim, qs) = (rows as usize, dim as usize, q_stride as usize);
+        // SAFETY (whole body): rows < `rows`, d < `dim`, key lanes < K.
+        unsafe {
+            for half in [0, 32] {
+                let mut r = 0;
+                while r < rows {
+                    let block = (rows - r).min(2);
+                    let mut acc = [[_mm256_setzero_ps(); 4]; 2];
+                    for d in 0..dim {
+                        let kd = kt.add(d * K + half);
+                        let k = [0, 8, 16, 24].map(|o| _mm256_loadu_ps(kd.add(o)));
+                        for (i, row) in acc.iter_mut().enumerate().take(block) {
+                            let x = _mm256_set1_ps(*q.add((r + i) * qs + d));
+                            for (a, kv) in row.iter_mut().zip(k) {
+                                *a = _mm256_fmadd_ps(x, kv, *a);
+                            }
+                        }
+                    }
+                    for (i, row) in acc.iter().enumerate().take(block) {
+                        for (j, a) in row.iter().enumerate() {
+                            _mm256_storeu_ps(s.add((r + i) * K + half + 8 * j), *a);
+                        }
+                    }
+                    r += block;
+                }
+            }
+        }
+    }
+
+    /// AVX2 `pv_tile`: two rows by 32 value dims per step; the dim tail in scalar code.
+    ///
+    /// # Safety
+    /// The module contract, on a CPU with AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe extern "C" fn pv_avx2(
+        p: *const f32,
+        rows: i64,
+        cols: i64,
+        v: *const f32,
+        v_stride: i64,
+        acc: *mut f32,
+        dv: i64,
+    ) {
+        let (rows, cols, vs, dv) = (rows as usize, cols as usize, v_stride as usize, dv as usize);
+        let vec_dims = dv / 32 * 32;
+        // SAFETY (whole body): rows < `rows`, j < `cols`, dims < `dv`.
+        unsafe {
+            let mut c0 = 0;
+            while c0 < vec_dims {
+                let mut r = 0;
+                while r < rows {
+                    let block = (rows - r).min(2);
+                    let mut a = [[_mm256_setzero_ps(); 4]; 2];
+                    for i in 0..block {
+                        for k in 0..4 {
+                            a[i][k] = _mm256_loadu_ps(acc.add((r + i) * dv + c0 + 8 * k));
+                        }
+                    }
+                    for j in 0..cols {
+                        let vj = v.add(j * vs + c0);
+                        let x = [0, 8, 16, 24].map(|o| _mm256_loadu_ps(vj.add(o)));
+                        for i in 0..block {
+                            let w = _mm256_set1_ps(*p.add((r + i) * K + j));
+                            for k in 0..4 {
+                                a[i][k] = _mm256_fmadd_ps(w, x[k], a[i][k]);
+                            }
+                        }
+                    }
+                    for i in 0..block {
+                        for k in 0..4 {
+                            _mm256_storeu_ps(acc.add((r + i) * dv + c0 + 8 * k), a[i][k]);
+                        }
+                    }
+                    r += block;
+                }
+                c0 += 32;
+            }
+            for r in 0..rows {
+                for j in 0..cols {
+                    let w = *p.add(r * K + j);
+                    for c in vec_dims..dv {
+                        *acc.add(r * dv + c) += w * *v.add(j * vs + c);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `logf` for generated code.
+pub extern "C" fn logf(x: f32) -> f32 {
+    x.ln()
+}

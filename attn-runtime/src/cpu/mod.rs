@@ -1,0 +1,359 @@
+//! The CPU backend: compiles plans with codegen's Cranelift backend (once per spec per process)
+//! and runs them over rayon's thread pool.
+
+mod launch;
+pub mod microkernels;
+mod rope_table;
+
+use crate::error::RuntimeError;
+use crate::tensor::Tensor;
+use attn_dsl::{AttentionSpec, DType};
+use codegen::KernelPlan;
+use codegen::cpu::abi::Imports;
+use codegen::cpu::{CpuKernel, compile};
+use launch::{Call, Rows};
+use microkernels::Isa;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// Attention outputs.
+#[derive(Clone, Debug)]
+pub struct Output {
+    /// `[B, Hq, Sq, Dv]` in the spec's dtype.
+    pub out: Tensor,
+    /// `[B, Hq, Sq]` f32: natural log of the softmax denominator, `-inf` for empty rows.
+    pub lse: Tensor,
+}
+
+/// The CPU backend for one instruction set of microkernels.
+#[derive(Clone, Copy, Debug)]
+pub struct CpuBackend {
+    isa: Isa,
+}
+
+type Cache = Mutex<HashMap<(String, &'static str), Arc<CpuKernel>>>;
+
+fn cache() -> &'static Cache {
+    static CACHE: OnceLock<Cache> = OnceLock::new();
+    CACHE.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+impl Default for CpuBackend {
+    fn default() -> Self {
+        CpuBackend::new()
+    }
+}
+
+impl CpuBackend {
+    /// The backend with the best microkernels this CPU supports.
+    pub fn new() -> Self {
+        CpuBackend { isa: Isa::detect() }
+    }
+
+    /// The backend with the given microkernels; `None` if this CPU lacks the instructions.
+    pub fn with_isa(isa: Isa) -> Option<Self> {
+        let supported = match (isa, Isa::detect()) {
+            (Isa::Portable, _) | (_, Isa::Avx512) => true,
+            (Isa::Avx2, best) => best == Isa::Avx2,
+            (Isa::Avx512, _) => false,
+        };
+        supported.then_some(CpuBackend { isa })
+    }
+
+    /// The microkernels in use.
+    pub fn isa(&self) -> Isa {
+        self.isa
+    }
+
+    /// The compiled forward kernel of a spec: compiled on first use, then cached for the
+    /// process (a new shape never recompiles).
+    pub fn kernel(&self, spec: &AttentionSpec) -> Result<Arc<CpuKernel>, RuntimeError> {
+        spec.validate().map_err(|f| {
+            RuntimeError::Spec(
+                f.iter()
+                    .map(|f| f.to_string())
+                    .collect::<Vec<_>>()
+                    .join("; "),
+            )
+        })?;
+        let key = (spec.to_string(), isa_name(self.isa));
+        if let Some(k) = cache().lock().expect("kernel cache lock").get(&key) {
+            return Ok(Arc::clone(k));
+        }
+        let (qk_tile, pv_tile) = microkernels::addresses(self.isa);
+        let imports = Imports {
+            qk_tile,
+            pv_tile,
+            logf: microkernels::logf as *const () as usize,
+        };
+        let kernel = Arc::new(compile(&KernelPlan::forward(spec), &imports)?);
+        cache()
+            .lock()
+            .expect("kernel cache lock")
+            .insert(key, Arc::clone(&kernel));
+        Ok(kernel)
+    }
+
+    /// Attention for a per-head spec: q `[B, Hq, Sq, D]`, k `[B, Hkv, Skv, D]`, v
+    /// `[B, Hkv, Skv, Dv]` (any strides with contiguous rows are read in place; other layouts and
+    /// dtypes are converted), keys at positions `position_offset + j`.
+    pub fn forward(
+        &self,
+        spec: &AttentionSpec,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        position_offset: i64,
+    ) -> Result<Output, RuntimeError> {
+        if spec.mla().is_some() {
+            return Err(RuntimeError::Spec(
+                "this is an MLA spec: use forward_mla with q_nope, q_pe, c_kv, k_pe, w_kv_b".into(),
+            ));
+        }
+        let kernel = self.kernel(spec)?;
+        let (h, hkv) = (spec.heads as usize, spec.kv_heads() as usize);
+        let (d, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
+        let [b, _, sq, _] = dims("q", q, "[B, heads, Sq, head_dim]")?;
+        expect("q", q, &[b, h, sq, d], "[B, heads, Sq, head_dim]")?;
+        let [_, _, skv, _] = dims("k", k, "[B, kv_heads, Skv, head_dim]")?;
+        expect("k", k, &[b, hkv, skv, d], "[B, kv_heads, Skv, head_dim]")?;
+        expect("v", v, &[b, hkv, skv, dv], "[B, kv_heads, Skv, v_head_dim]")?;
+        for (name, t) in [("q", q), ("k", k), ("v", v)] {
+            check_dtype(name, t, spec.dtype)?;
+        }
+        let call = Call {
+            batch: b,
+            sq,
+            skv,
+            position_offset,
+        };
+        let (out, lse) = launch::run(&kernel, &Rows::of(q), &Rows::of(k), &Rows::of(v), &call)?;
+        finish(spec.dtype, [b, h, sq, dv], out, lse)
+    }
+}
+
+/// Inputs of MLA attention (DeepSeek layout; see `attn_dsl::reference::MlaInputs`).
+#[derive(Clone, Copy, Debug)]
+pub struct MlaTensors<'a> {
+    /// `[B, H, Sq, head_dim]`.
+    pub q_nope: &'a Tensor,
+    /// `[B, H, Sq, rope_dim]`, before RoPE.
+    pub q_pe: &'a Tensor,
+    /// `[B, Skv, latent_rank]`, after the latent norm.
+    pub c_kv: &'a Tensor,
+    /// `[B, Skv, rope_dim]`, before RoPE.
+    pub k_pe: &'a Tensor,
+    /// `[H * (head_dim + v_head_dim), latent_rank]`.
+    pub w_kv_b: &'a Tensor,
+}
+
+impl CpuBackend {
+    /// MLA attention in the absorbed form: `q_latent = W_uk^T q_nope` per head, the kernel over
+    /// one shared head `[c_kv | k_pe]` with values `c_kv`, then `out = W_uv out_latent`.
+    pub fn forward_mla(
+        &self,
+        spec: &AttentionSpec,
+        x: &MlaTensors,
+        position_offset: i64,
+    ) -> Result<Output, RuntimeError> {
+        let Some(mla) = spec.mla() else {
+            return Err(RuntimeError::Spec(
+                "this spec has per-head KV: use forward with q, k, v".into(),
+            ));
+        };
+        let kernel = self.kernel(spec)?;
+        let (h, dn, dv) = (
+            spec.heads as usize,
+            spec.head_dim as usize,
+            spec.v_head_dim as usize,
+        );
+        let (r, dr) = (mla.latent_rank as usize, mla.rope_dim as usize);
+        let [b, _, sq, _] = dims("q_nope", x.q_nope, "[B, heads, Sq, head_dim]")?;
+        expect(
+            "q_nope",
+            x.q_nope,
+            &[b, h, sq, dn],
+            "[B, heads, Sq, head_dim]",
+        )?;
+        expect("q_pe", x.q_pe, &[b, h, sq, dr], "[B, heads, Sq, rope_dim]")?;
+        let skv = match x.c_kv.shape() {
+            [_, skv, _] => *skv,
+            _ => 0,
+        };
+        expect("c_kv", x.c_kv, &[b, skv, r], "[B, Skv, latent_rank]")?;
+        expect("k_pe", x.k_pe, &[b, skv, dr], "[B, Skv, rope_dim]")?;
+        expect(
+            "w_kv_b",
+            x.w_kv_b,
+            &[h * (dn + dv), r],
+            "[heads * (head_dim + v_head_dim), latent_rank]",
+        )?;
+        for (name, t) in [
+            ("q_nope", x.q_nope),
+            ("q_pe", x.q_pe),
+            ("c_kv", x.c_kv),
+            ("k_pe", x.k_pe),
+            ("w_kv_b", x.w_kv_b),
+        ] {
+            check_dtype(name, t, spec.dtype)?;
+        }
+        let (q_nope, q_pe, c_kv, k_pe, w) = (
+            x.q_nope.to_f32_vec(),
+            x.q_pe.to_f32_vec(),
+            x.c_kv.to_f32_vec(),
+            x.k_pe.to_f32_vec(),
+            x.w_kv_b.to_f32_vec(),
+        );
+        let wq = r + dr;
+        // q' = [W_uk^T q_nope | q_pe], k' = [c_kv | k_pe].
+        let mut q = vec![0f32; b * h * sq * wq];
+        for bh in 0..b * h {
+            let head = bh % h;
+            let w_uk = &w[head * (dn + dv) * r..];
+            let dst = &mut q[bh * sq * wq..];
+            gemm(
+                sq,
+                dn,
+                r,
+                &q_nope[bh * sq * dn..],
+                (dn, 1),
+                w_uk,
+                (r, 1),
+                dst,
+                wq,
+            );
+            for i in 0..sq {
+                let pe = &q_pe[(bh * sq + i) * dr..(bh * sq + i + 1) * dr];
+                dst[i * wq + r..(i + 1) * wq].copy_from_slice(pe);
+            }
+        }
+        let mut k = vec![0f32; b * skv * wq];
+        for j in 0..b * skv {
+            k[j * wq..j * wq + r].copy_from_slice(&c_kv[j * r..(j + 1) * r]);
+            k[j * wq + r..(j + 1) * wq].copy_from_slice(&k_pe[j * dr..(j + 1) * dr]);
+        }
+        let call = Call {
+            batch: b,
+            sq,
+            skv,
+            position_offset,
+        };
+        let q_rows = Rows::borrowed(&q, [h * sq * wq, sq * wq, wq]);
+        // Keys and values share storage: v is the latent part of each key row.
+        let k_rows = Rows::borrowed(&k, [skv * wq, skv * wq, wq]);
+        let v_rows = Rows::borrowed(&k, [skv * wq, skv * wq, wq]);
+        let (latent, lse) = launch::run(&kernel, &q_rows, &k_rows, &v_rows, &call)?;
+        // out = W_uv out_latent, per head.
+        let mut out = vec![0f32; b * h * sq * dv];
+        for bh in 0..b * h {
+            let head = bh % h;
+            let w_uv = &w[(head * (dn + dv) + dn) * r..];
+            let src = &latent[bh * sq * r..];
+            gemm(
+                sq,
+                r,
+                dv,
+                src,
+                (r, 1),
+                w_uv,
+                (1, r),
+                &mut out[bh * sq * dv..],
+                dv,
+            );
+        }
+        finish(spec.dtype, [b, h, sq, dv], out, lse)
+    }
+}
+
+/// `c[m x n] = a[m x k] b[k x n]`, with `(row, column)` strides for a and b and row stride `ldc`
+/// for c.
+#[allow(clippy::too_many_arguments)]
+fn gemm(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[f32],
+    (rsa, csa): (usize, usize),
+    b: &[f32],
+    (rsb, csb): (usize, usize),
+    c: &mut [f32],
+    ldc: usize,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    let last = |rows: usize, cols: usize, rs: usize, cs: usize| (rows - 1) * rs + (cols - 1) * cs;
+    assert!(k == 0 || (last(m, k, rsa, csa) < a.len() && last(k, n, rsb, csb) < b.len()));
+    assert!(last(m, n, ldc, 1) < c.len());
+    // SAFETY: the asserts above keep every element sgemm reads or writes inside the slices.
+    unsafe {
+        matrixmultiply::sgemm(
+            m,
+            k,
+            n,
+            1.0,
+            a.as_ptr(),
+            rsa as isize,
+            csa as isize,
+            b.as_ptr(),
+            rsb as isize,
+            csb as isize,
+            0.0,
+            c.as_mut_ptr(),
+            ldc as isize,
+            1,
+        );
+    }
+}
+
+fn check_dtype(name: &str, t: &Tensor, dtype: DType) -> Result<(), RuntimeError> {
+    if t.dtype() == dtype {
+        Ok(())
+    } else {
+        Err(RuntimeError::DType {
+            tensor: name.into(),
+            found: t.dtype().name().into(),
+            expected: dtype.name().into(),
+        })
+    }
+}
+
+fn finish(
+    dtype: DType,
+    shape: [usize; 4],
+    out: Vec<f32>,
+    lse: Vec<f32>,
+) -> Result<Output, RuntimeError> {
+    Ok(Output {
+        out: Tensor::from_f32_as(dtype, &shape, out)?,
+        lse: Tensor::from_f32(&shape[..3], lse)?,
+    })
+}
+
+fn isa_name(isa: Isa) -> &'static str {
+    match isa {
+        Isa::Avx512 => "avx512",
+        Isa::Avx2 => "avx2",
+        Isa::Portable => "portable",
+    }
+}
+
+fn dims(name: &str, t: &Tensor, expected: &str) -> Result<[usize; 4], RuntimeError> {
+    t.shape().try_into().map_err(|_| RuntimeError::Shape {
+        tensor: name.into(),
+        found: t.shape().to_vec(),
+        expected: expected.into(),
+    })
+}
+
+fn expect(name: &str, t: &Tensor, shape: &[usize], what: &str) -> Result<(), RuntimeError> {
+    if t.shape() == shape {
+        Ok(())
+    } else {
+        Err(RuntimeError::Shape {
+            tensor: name.into(),
+            found: t.shape().to_vec(),
+            expected: format!("{shape:?} = {what}"),
+        })
+    }
+}

@@ -1,0 +1,53 @@
+//! Errors of attn-runtime.
+
+/// What went wrong running attention.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    /// A tensor's shape does not fit the spec or the other inputs.
+    #[error("tensor `{tensor}` has shape {found:?}, expected {expected}")]
+    Shape {
+        /// Which tensor.
+        tensor: String,
+        /// Its shape.
+        found: Vec<usize>,
+        /// What was expected, in words.
+        expected: String,
+    },
+    /// Tensors disagree on dtype.
+    #[error("tensor `{tensor}` is {found}, expected {expected}")]
+    DType {
+        /// Which tensor.
+        tensor: String,
+        /// Its dtype.
+        found: String,
+        /// The expected dtype.
+        expected: String,
+    },
+    /// The data does not fill the shape.
+    #[error("{0}")]
+    Data(String),
+    /// The spec is invalid, or needs another entry point.
+    #[error("spec: {0}")]
+    Spec(String),
+    /// Kernel generation failed.
+    #[error(transparent)]
+    Codegen(#[from] codegen::CodegenError),
+    /// A file could not be read or written.
+    #[error("{path}: {message}")]
+    Io {
+        /// The file.
+        path: String,
+        /// What failed.
+        message: String,
+    },
+    /// A required tensor is not in a file.
+    #[error("{path}: no tensor `{tensor}` (it has: {available})")]
+    Missing {
+        /// The file.
+        path: String,
+        /// The tensor looked for.
+        tensor: String,
+        /// The tensors it has.
+        available: String,
+    },
+}

@@ -1,0 +1,176 @@
+//! A minimal CPU tensor: dtype, shape, strides over shared storage. Views (`permute`) share the
+//! storage, so a BSHD tensor is read as BHSD without a copy.
+
+use crate::error::RuntimeError;
+use attn_dsl::DType;
+use half::{bf16, f16};
+use std::sync::Arc;
+
+/// Element storage.
+#[derive(Debug)]
+pub enum Storage {
+    /// f32 values.
+    F32(Vec<f32>),
+    /// f16 values.
+    F16(Vec<f16>),
+    /// bf16 values.
+    Bf16(Vec<bf16>),
+}
+
+impl Storage {
+    fn len(&self) -> usize {
+        match self {
+            Storage::F32(v) => v.len(),
+            Storage::F16(v) => v.len(),
+            Storage::Bf16(v) => v.len(),
+        }
+    }
+
+    fn get(&self, i: usize) -> f32 {
+        match self {
+            Storage::F32(v) => v[i],
+            Storage::F16(v) => v[i].to_f32(),
+            Storage::Bf16(v) => v[i].to_f32(),
+        }
+    }
+}
+
+/// A strided view of CPU storage.
+#[derive(Clone, Debug)]
+pub struct Tensor {
+    shape: Vec<usize>,
+    strides: Vec<usize>,
+    offset: usize,
+    storage: Arc<Storage>,
+}
+
+fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
+    let mut strides = vec![1; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        strides[i] = strides[i + 1] * shape[i + 1];
+    }
+    strides
+}
+
+impl Tensor {
+    fn new(shape: &[usize], storage: Storage) -> Result<Self, RuntimeError> {
+        let n: usize = shape.iter().product();
+        if n != storage.len() {
+            return Err(RuntimeError::Data(format!(
+                "{} values do not fill shape {shape:?} ({n} values)",
+                storage.len()
+            )));
+        }
+        Ok(Tensor {
+            shape: shape.to_vec(),
+            strides: contiguous_strides(shape),
+            offset: 0,
+            storage: Arc::new(storage),
+        })
+    }
+
+    /// A contiguous f32 tensor.
+    pub fn from_f32(shape: &[usize], data: Vec<f32>) -> Result<Self, RuntimeError> {
+        Tensor::new(shape, Storage::F32(data))
+    }
+
+    /// A contiguous f16 tensor.
+    pub fn from_f16(shape: &[usize], data: Vec<f16>) -> Result<Self, RuntimeError> {
+        Tensor::new(shape, Storage::F16(data))
+    }
+
+    /// A contiguous bf16 tensor.
+    pub fn from_bf16(shape: &[usize], data: Vec<bf16>) -> Result<Self, RuntimeError> {
+        Tensor::new(shape, Storage::Bf16(data))
+    }
+
+    /// A contiguous tensor of `dtype` from f32 values (rounded to nearest even).
+    pub fn from_f32_as(
+        dtype: DType,
+        shape: &[usize],
+        data: Vec<f32>,
+    ) -> Result<Self, RuntimeError> {
+        match dtype {
+            DType::F32 => Tensor::from_f32(shape, data),
+            DType::F16 => Tensor::from_f16(shape, data.iter().map(|x| f16::from_f32(*x)).collect()),
+            DType::Bf16 => {
+                Tensor::from_bf16(shape, data.iter().map(|x| bf16::from_f32(*x)).collect())
+            }
+        }
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        match *self.storage {
+            Storage::F32(_) => DType::F32,
+            Storage::F16(_) => DType::F16,
+            Storage::Bf16(_) => DType::Bf16,
+        }
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// Strides in elements.
+    pub fn strides(&self) -> &[usize] {
+        &self.strides
+    }
+
+    /// The view with axes reordered: axis `i` of the result is axis `dims[i]` of `self`.
+    pub fn permute(&self, dims: &[usize]) -> Result<Tensor, RuntimeError> {
+        let mut seen = vec![false; self.shape.len()];
+        let valid = dims.len() == self.shape.len()
+            && dims
+                .iter()
+                .all(|&d| d < seen.len() && !std::mem::replace(&mut seen[d], true));
+        if !valid {
+            return Err(RuntimeError::Data(format!(
+                "permute({dims:?}) is not a permutation of {} axes",
+                self.shape.len()
+            )));
+        }
+        Ok(Tensor {
+            shape: dims.iter().map(|&d| self.shape[d]).collect(),
+            strides: dims.iter().map(|&d| self.strides[d]).collect(),
+            offset: self.offset,
+            storage: Arc::clone(&self.storage),
+        })
+    }
+
+    /// The f32 storage and the offset of element 0, when the elements are f32 and each
+    /// innermost row is contiguous (what kernels read without a copy).
+    pub fn f32_rows(&self) -> Option<(&[f32], usize)> {
+        match &*self.storage {
+            Storage::F32(v) if self.strides.last().is_none_or(|s| *s == 1) => {
+                Some((v, self.offset))
+            }
+            _ => None,
+        }
+    }
+
+    /// The values in logical (row-major) order, as f32.
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        let n: usize = self.shape.iter().product();
+        let mut out = Vec::with_capacity(n);
+        let mut index = vec![0usize; self.shape.len()];
+        for _ in 0..n {
+            let at: usize = self.offset
+                + index
+                    .iter()
+                    .zip(&self.strides)
+                    .map(|(i, s)| i * s)
+                    .sum::<usize>();
+            out.push(self.storage.get(at));
+            for axis in (0..index.len()).rev() {
+                index[axis] += 1;
+                if index[axis] < self.shape[axis] {
+                    break;
+                }
+                index[axis] = 0;
+            }
+        }
+        out
+    }
+}

@@ -1,0 +1,221 @@
+//! Small helpers over Cranelift's function builder: constants, loads and stores, counted loops,
+//! and the vector math (exp) generated kernels share.
+
+use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
+use cranelift_codegen::ir::types::{F32, F32X4, I32X4, I64};
+use cranelift_codegen::ir::{InstBuilder, MemFlagsData, Type, Value};
+use cranelift_frontend::FunctionBuilder;
+
+/// A function being built.
+pub(super) struct Fx<'a> {
+    pub b: FunctionBuilder<'a>,
+}
+
+fn flags() -> MemFlagsData {
+    MemFlagsData::trusted()
+}
+
+impl<'a> Fx<'a> {
+    pub fn i64(&mut self, x: i64) -> Value {
+        self.b.ins().iconst(I64, x)
+    }
+
+    pub fn f32(&mut self, x: f32) -> Value {
+        self.b.ins().f32const(x)
+    }
+
+    pub fn f32x4(&mut self, x: f32) -> Value {
+        let s = self.f32(x);
+        self.b.ins().splat(F32X4, s)
+    }
+
+    pub fn load(&mut self, ty: Type, base: Value, offset: i32) -> Value {
+        self.b.ins().load(ty, flags(), base, offset)
+    }
+
+    pub fn store(&mut self, value: Value, base: Value, offset: i32) {
+        self.b.ins().store(flags(), value, base, offset);
+    }
+
+    /// `base + index * 4` (the address of f32 element `index`).
+    pub fn elem(&mut self, base: Value, index: Value) -> Value {
+        let bytes = self.b.ins().ishl_imm_s(index, 2);
+        self.b.ins().iadd(base, bytes)
+    }
+
+    /// `base + index * scale * 4`.
+    pub fn elem_scaled(&mut self, base: Value, index: Value, scale: Value) -> Value {
+        let i = self.b.ins().imul(index, scale);
+        self.elem(base, i)
+    }
+
+    /// `for i in (start..end).step_by(step) { body(i) }`, with `i` an i64.
+    pub fn for_range(
+        &mut self,
+        start: Value,
+        end: Value,
+        step: i64,
+        mut body: impl FnMut(&mut Self, Value),
+    ) {
+        let header = self.b.create_block();
+        let body_block = self.b.create_block();
+        let exit = self.b.create_block();
+        self.b.append_block_param(header, I64);
+        self.b.ins().jump(header, &[start.into()]);
+        self.b.switch_to_block(header);
+        let i = self.b.block_params(header)[0];
+        let more = self.b.ins().icmp(IntCC::SignedLessThan, i, end);
+        self.b.ins().brif(more, body_block, &[], exit, &[]);
+        self.b.switch_to_block(body_block);
+        self.b.seal_block(body_block);
+        body(self, i);
+        let next = self.b.ins().iadd_imm_s(i, step);
+        self.b.ins().jump(header, &[next.into()]);
+        self.b.seal_block(header);
+        self.b.switch_to_block(exit);
+        self.b.seal_block(exit);
+    }
+
+    /// `if cond { then() }` (cond: an i8 truth value).
+    pub fn if_then(&mut self, cond: Value, then: impl FnOnce(&mut Self)) {
+        let then_block = self.b.create_block();
+        let join = self.b.create_block();
+        self.b.ins().brif(cond, then_block, &[], join, &[]);
+        self.b.switch_to_block(then_block);
+        self.b.seal_block(then_block);
+        then(self);
+        self.b.ins().jump(join, &[]);
+        self.b.switch_to_block(join);
+        self.b.seal_block(join);
+    }
+
+    /// `if cond { then() } else { otherwise() }`.
+    pub fn if_else(
+        &mut self,
+        cond: Value,
+        then: impl FnOnce(&mut Self),
+        otherwise: impl FnOnce(&mut Self),
+    ) {
+        let then_block = self.b.create_block();
+        let else_block = self.b.create_block();
+        let join = self.b.create_block();
+        self.b.ins().brif(cond, then_block, &[], else_block, &[]);
+        self.b.switch_to_block(then_block);
+        self.b.seal_block(then_block);
+        then(self);
+        self.b.ins().jump(join, &[]);
+        self.b.switch_to_block(else_block);
+        self.b.seal_block(else_block);
+        otherwise(self);
+        self.b.ins().jump(join, &[]);
+        self.b.switch_to_block(join);
+        self.b.seal_block(join);
+    }
+
+    /// A vector from four scalars.
+    pub fn gather4(&mut self, ty: Type, lanes: [Value; 4]) -> Value {
+        let mut v = self.b.ins().scalar_to_vector(ty, lanes[0]);
+        for (i, lane) in lanes.iter().enumerate().skip(1) {
+            v = self.b.ins().insertlane(v, *lane, i as u8);
+        }
+        v
+    }
+
+    /// The four lanes of a vector.
+    pub fn lanes(&mut self, v: Value) -> [Value; 4] {
+        [0u8, 1, 2, 3].map(|i| self.b.ins().extractlane(v, i))
+    }
+
+    /// `(lane0 op lane1) op (lane2 op lane3)` with `op` = fmax or fadd.
+    pub fn reduce(&mut self, v: Value, max: bool) -> Value {
+        let [a, b, c, d] = self.lanes(v);
+        let (ab, cd) = if max {
+            (self.b.ins().fmax(a, b), self.b.ins().fmax(c, d))
+        } else {
+            (self.b.ins().fadd(a, b), self.b.ins().fadd(c, d))
+        };
+        if max {
+            self.b.ins().fmax(ab, cd)
+        } else {
+            self.b.ins().fadd(ab, cd)
+        }
+    }
+
+    /// `e^x` on f32x4: Cody-Waite range reduction to `r in [-ln2/2, ln2/2]`, a degree-6
+    /// polynomial (Cephes expf, about 1 ulp), and `2^n` built in the exponent bits. `-inf` and
+    /// everything below the smallest normal result give exactly 0; above the largest, `+inf`.
+    pub fn exp4(&mut self, x: Value) -> Value {
+        const LOG2E: f32 = std::f32::consts::LOG2_E;
+        const LN2_HI: f32 = 0.693_359_4;
+        const LN2_LO: f32 = -2.121_944_4e-4;
+        const COEFFS: [f32; 6] = [
+            1.987_569_1e-4,
+            1.398_199_9e-3,
+            8.333_452e-3,
+            4.166_579_6e-2,
+            1.666_666_5e-1,
+            0.5,
+        ];
+        let lo = self.f32x4(-87.0);
+        let hi = self.f32x4(88.0);
+        let clamped = self.b.ins().fmax(x, lo);
+        let clamped = self.b.ins().fmin(clamped, hi);
+        let log2e = self.f32x4(LOG2E);
+        let scaled = self.b.ins().fmul(clamped, log2e);
+        let n = self.b.ins().nearest(scaled);
+        let ln2_hi = self.f32x4(-LN2_HI);
+        let ln2_lo = self.f32x4(-LN2_LO);
+        let r = self.b.ins().fma(n, ln2_hi, clamped);
+        let r = self.b.ins().fma(n, ln2_lo, r);
+        let mut p = self.f32x4(COEFFS[0]);
+        for c in &COEFFS[1..] {
+            let c = self.f32x4(*c);
+            p = self.b.ins().fma(p, r, c);
+        }
+        let r2 = self.b.ins().fmul(r, r);
+        let one = self.f32x4(1.0);
+        let r1 = self.b.ins().fadd(r, one);
+        let y = self.b.ins().fma(p, r2, r1);
+        let ni = self.b.ins().fcvt_to_sint_sat(I32X4, n);
+        let bias = self.b.ins().iconst(cranelift_codegen::ir::types::I32, 127);
+        let bias = self.b.ins().splat(I32X4, bias);
+        let e = self.b.ins().iadd(ni, bias);
+        let e = self.b.ins().ishl_imm_s(e, 23);
+        let pow2 = self.b.ins().bitcast(F32X4, MemFlagsData::new(), e);
+        let result = self.b.ins().fmul(y, pow2);
+        // Exactly 0 below the clamp (masked scores are -inf), +inf above it.
+        let under = self.b.ins().fcmp(FloatCC::LessThan, x, lo);
+        let under = self.b.ins().bitcast(F32X4, MemFlagsData::new(), under);
+        let zero = self.f32x4(0.0);
+        let result = self.b.ins().bitselect(under, zero, result);
+        let over_limit = self.f32x4(88.72);
+        let over = self.b.ins().fcmp(FloatCC::GreaterThan, x, over_limit);
+        let over = self.b.ins().bitcast(F32X4, MemFlagsData::new(), over);
+        let inf = self.f32x4(f32::INFINITY);
+        self.b.ins().bitselect(over, inf, result)
+    }
+
+    /// `e^x` for one f32, through [`Fx::exp4`].
+    pub fn exp1(&mut self, x: Value) -> Value {
+        let v = self.b.ins().splat(F32X4, x);
+        let e = self.exp4(v);
+        self.b.ins().extractlane(e, 0)
+    }
+
+    /// `tanh x = 1 - 2 / (e^(2x) + 1)` on f32x4 (saturates to +-1; absolute error ~1e-7).
+    pub fn tanh4(&mut self, x: Value) -> Value {
+        let two = self.f32x4(2.0);
+        let one = self.f32x4(1.0);
+        let x2 = self.b.ins().fmul(x, two);
+        let e = self.exp4(x2);
+        let d = self.b.ins().fadd(e, one);
+        let q = self.b.ins().fdiv(two, d);
+        self.b.ins().fsub(one, q)
+    }
+
+    /// An f32 scalar splatted.
+    pub fn splat_f32(&mut self, x: Value) -> Value {
+        debug_assert_eq!(self.b.func.dfg.value_type(x), F32);
+        self.b.ins().splat(F32X4, x)
+    }
+}
