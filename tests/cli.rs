@@ -196,3 +196,119 @@ fn ir_prints_each_pass_and_the_tile_map() {
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("softcap = 0 is invalid"));
 }
+
+fn fixture(name: &str) -> String {
+    format!(
+        "{}/tests/fixtures/attention/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    )
+}
+
+fn temp(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("attnc-run-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+#[test]
+fn run_reads_a_fixture_and_writes_out_and_lse() {
+    let out = temp("mha.safetensors");
+    let o = attnc(&[
+        "run",
+        "--spec",
+        "heads = 4, head_dim = 64, mask = causal, scale = 0.125",
+        "--input",
+        &fixture("mha_causal_f32.safetensors"),
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let bytes = std::fs::read(&out).unwrap();
+    let written = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let got = written.tensor("out").unwrap();
+    assert_eq!(got.shape(), &[2, 4, 129, 64]);
+    assert_eq!(got.dtype(), safetensors::Dtype::F32);
+    let lse = written.tensor("lse").unwrap();
+    assert_eq!(
+        (lse.shape(), lse.dtype()),
+        (&[2usize, 4, 129][..], safetensors::Dtype::F32)
+    );
+    let golden_bytes = std::fs::read(fixture("mha_causal_f32.safetensors")).unwrap();
+    let golden = safetensors::SafeTensors::deserialize(&golden_bytes).unwrap();
+    let want = golden.tensor("out").unwrap();
+    let f32s = |b: &[u8]| -> Vec<f64> {
+        b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
+            .collect()
+    };
+    let f64s = |b: &[u8]| -> Vec<f64> {
+        b.chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    };
+    for (g, w) in f32s(got.data()).iter().zip(f64s(want.data())) {
+        assert!((g - w).abs() < 1e-5 + 1e-4 * w.abs(), "{g} vs {w}");
+    }
+}
+
+#[test]
+fn run_rejects_bad_inputs_with_exit_code_2() {
+    let out = temp("unused.safetensors");
+    let out = out.to_str().unwrap();
+    let cases = [
+        // A tensor the spec needs is not in the file.
+        (
+            "heads = 8, head_dim = 32, mla(latent_rank = 64, rope_dim = 16)",
+            fixture("mha_causal_f32.safetensors"),
+            "no tensor `q_nope`",
+        ),
+        // Shapes that do not fit the spec name the tensor and the expected shape.
+        (
+            "heads = 8, head_dim = 64",
+            fixture("mha_causal_f32.safetensors"),
+            "tensor `q` has shape [2, 4, 129, 64], expected [2, 8, 129, 64]",
+        ),
+        // The file's dtype differs from the spec's.
+        (
+            "heads = 8, kv_heads = 2, head_dim = 64",
+            fixture("gqa_8q2kv_causal_bf16.safetensors"),
+            "tensor `q` is bf16, expected f32",
+        ),
+        // Not a safetensors file.
+        (
+            "heads = 4, head_dim = 64",
+            fixture("manifest.json"),
+            "not a valid safetensors file",
+        ),
+        (
+            "heads = 4, head_dim = 64",
+            "/nonexistent.safetensors".into(),
+            "/nonexistent.safetensors",
+        ),
+    ];
+    for (spec, input, message) in cases {
+        let o = attnc(&["run", "--spec", spec, "--input", &input, "--output", out]);
+        assert_eq!(o.status.code(), Some(2), "{spec}: {}", stderr(&o));
+        assert!(stderr(&o).contains(message), "{spec}: {}", stderr(&o));
+    }
+}
+
+#[test]
+fn bench_prints_one_json_line() {
+    let o = attnc(&[
+        "bench",
+        "heads = 2, head_dim = 32, mask = causal",
+        "--seq",
+        "128",
+        "--reps",
+        "2",
+        "--json",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let line = stdout(&o);
+    let v: serde_json::Value = serde_json::from_str(line.trim()).unwrap();
+    for key in ["median_ms", "gflops", "compile_ms"] {
+        assert!(v[key].as_f64().unwrap() > 0.0, "{key} in {line}");
+    }
+    assert_eq!(line.trim().lines().count(), 1);
+}

@@ -51,3 +51,25 @@ fn each_struct_carries_its_own_validated_spec() {
     // Other attributes and fields are kept.
     assert_eq!(Latent::default()._label, "");
 }
+
+#[test]
+fn the_typed_api_runs_on_the_cpu() {
+    use attn::runtime::Tensor;
+    let (b, s) = (1, 9);
+    let values = |n: usize, k: usize| (0..n).map(|i| ((i * k) % 17) as f32 / 17.0 - 0.5).collect();
+    let q = Tensor::from_f32(&[b, 8, s, 64], values(b * 8 * s * 64, 3)).unwrap();
+    let k = Tensor::from_f32(&[b, 2, s, 64], values(b * 2 * s * 64, 5)).unwrap();
+    let v = Tensor::from_f32(&[b, 2, s, 64], values(b * 2 * s * 64, 7)).unwrap();
+    let out = Gqa::forward(&q, &k, &v).unwrap();
+    assert_eq!(out.shape(), &[b, 8, s, 64]);
+    let with_lse = Gqa::forward_with_lse(&q, &k, &v, 0).unwrap();
+    assert_eq!(with_lse.out.to_f32_vec(), out.to_f32_vec());
+    // Query 0 sees only key 0 (causal): its output is v[0] of its kv head.
+    let o = out.to_f32_vec();
+    let vv = v.to_f32_vec();
+    for d in 0..64 {
+        assert!((o[d] - vv[d]).abs() < 1e-6);
+    }
+    // A wrongly shaped input is an error, not a panic.
+    assert!(Gqa::forward(&k, &k, &v).is_err());
+}

@@ -4,6 +4,7 @@
 //! generated code (and so the only one with `unsafe`, each block with a SAFETY comment).
 //!
 //! - [`Tensor`]: dtype, shape and strides over CPU storage;
+//! - [`io`]: safetensors files;
 //! - [`cpu`]: the CPU backend (kernel cache, microkernels, parallel launcher);
 //! - [`Attention`]: the typed API `#[attention(...)]` implements.
 
@@ -11,6 +12,7 @@
 
 pub mod cpu;
 mod error;
+pub mod io;
 mod tensor;
 mod variant;
 

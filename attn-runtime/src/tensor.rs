@@ -150,19 +150,32 @@ impl Tensor {
         }
     }
 
-    /// The values in logical (row-major) order, as f32.
-    pub fn to_f32_vec(&self) -> Vec<f32> {
+    /// The elements in logical (row-major) order, in their own dtype.
+    pub fn contiguous_storage(&self) -> Storage {
+        let n: usize = self.shape.iter().product();
+        let at = self.logical_offsets();
+        debug_assert_eq!(at.len(), n);
+        match &*self.storage {
+            Storage::F32(v) => Storage::F32(at.iter().map(|&i| v[i]).collect()),
+            Storage::F16(v) => Storage::F16(at.iter().map(|&i| v[i]).collect()),
+            Storage::Bf16(v) => Storage::Bf16(at.iter().map(|&i| v[i]).collect()),
+        }
+    }
+
+    /// Storage offsets of the elements in logical order.
+    fn logical_offsets(&self) -> Vec<usize> {
         let n: usize = self.shape.iter().product();
         let mut out = Vec::with_capacity(n);
         let mut index = vec![0usize; self.shape.len()];
         for _ in 0..n {
-            let at: usize = self.offset
-                + index
-                    .iter()
-                    .zip(&self.strides)
-                    .map(|(i, s)| i * s)
-                    .sum::<usize>();
-            out.push(self.storage.get(at));
+            out.push(
+                self.offset
+                    + index
+                        .iter()
+                        .zip(&self.strides)
+                        .map(|(i, s)| i * s)
+                        .sum::<usize>(),
+            );
             for axis in (0..index.len()).rev() {
                 index[axis] += 1;
                 if index[axis] < self.shape[axis] {
@@ -172,5 +185,13 @@ impl Tensor {
             }
         }
         out
+    }
+
+    /// The values in logical (row-major) order, as f32.
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        self.logical_offsets()
+            .into_iter()
+            .map(|i| self.storage.get(i))
+            .collect()
     }
 }

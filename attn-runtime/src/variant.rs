@@ -1,5 +1,7 @@
 //! The typed API of an attention variant declared with `#[attention(...)]`.
 
+use crate::cpu::{CpuBackend, MlaTensors, Output};
+use crate::{RuntimeError, Tensor};
 use attn_dsl::{AttentionSpec, DType};
 use codegen::KernelPlan;
 
@@ -7,8 +9,8 @@ use codegen::KernelPlan;
 ///
 /// `#[attention(...)]` implements it for the annotated struct; the spec is validated when the
 /// crate compiles, so [`Attention::spec`] cannot fail. The constants let code be typed by the
-/// spec (e.g. buffers sized by `HEAD_DIM`). Running the variant (`forward`, `forward_with_lse`,
-/// decode) is added here as the CPU and GPU backends land.
+/// spec (e.g. buffers sized by `HEAD_DIM`). The forward entry points run on the CPU backend;
+/// decode entry points arrive with the KV caches.
 pub trait Attention {
     /// The spec in normalized form.
     const SPEC_TEXT: &'static str;
@@ -29,5 +31,26 @@ pub trait Attention {
     /// The forward kernel plan of the spec.
     fn forward_plan() -> KernelPlan {
         KernelPlan::forward(Self::spec())
+    }
+
+    /// Attention output `[B, HEADS, Sq, V_HEAD_DIM]` for q `[B, HEADS, Sq, HEAD_DIM]`, k and v
+    /// `[B, KV_HEADS, Skv, ..]`, keys at positions `0..Skv` (CPU backend).
+    fn forward(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor, RuntimeError> {
+        Ok(Self::forward_with_lse(q, k, v, 0)?.out)
+    }
+
+    /// Output and log-sum-exp, keys at positions `position_offset + j` (CPU backend).
+    fn forward_with_lse(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        position_offset: i64,
+    ) -> Result<Output, RuntimeError> {
+        CpuBackend::new().forward(Self::spec(), q, k, v, position_offset)
+    }
+
+    /// MLA output and log-sum-exp (CPU backend, absorbed form).
+    fn forward_mla(x: &MlaTensors, position_offset: i64) -> Result<Output, RuntimeError> {
+        CpuBackend::new().forward_mla(Self::spec(), x, position_offset)
     }
 }

@@ -9,7 +9,7 @@
 //!    the fused RoPE prologue, the tile-masking strategy and the online-softmax epilogue.
 
 use attn_dsl::modifier::interval::{Interval, TileBounds, TileClass, classify};
-use attn_dsl::modifier::{Expr, ScoreProgram, Var};
+use attn_dsl::modifier::{BinOp, Expr, ScoreProgram, Var};
 use attn_dsl::reference::rope;
 use attn_dsl::{AttentionSpec, DType, KvLayout, Rope, RopeScaling};
 use std::fmt;
@@ -122,8 +122,12 @@ pub struct KernelPlan {
     pub tiles: Tiles,
     /// RoPE on q and k as tiles are loaded.
     pub rope: Option<RopePrologue>,
-    /// Score pipeline and mask, folded.
+    /// Score pipeline and mask, folded; a constant factor on the raw score is moved into
+    /// `q_scale`.
     pub program: ScoreProgram,
+    /// Factor the queries are multiplied by as they load (the score scale, when the program
+    /// applies it to the raw score; else 1).
+    pub q_scale: f64,
     /// Tile skipping and unmasking.
     pub masking: TileMasking,
     /// Output.
@@ -166,7 +170,14 @@ impl KernelPlan {
             },
             attention_factor: rope::attention_factor(r),
         });
-        let program = ScoreProgram::of(spec).folded();
+        let mut program = ScoreProgram::of(spec).folded();
+        let q_scale = match hoist_score_factor(&program.score) {
+            Some((score, factor)) => {
+                program.score = score;
+                factor
+            }
+            None => 1.0,
+        };
         let masking = match program.mask {
             Expr::Bool(true) => TileMasking::Unmasked,
             ref mask => TileMasking::Classified {
@@ -182,6 +193,7 @@ impl KernelPlan {
             tiles: tiles_for(shape.qk_dim.max(shape.v_dim)),
             rope,
             program,
+            q_scale,
             masking,
             epilogue: Epilogue {
                 out_dtype: spec.dtype,
@@ -219,6 +231,64 @@ impl KernelPlan {
             .collect();
         TileMap { classes }
     }
+}
+
+/// When every use of the raw score is `score * c` with one constant `c`, the program with those
+/// products replaced by `score`, and `c`: `(q * c) . k == c * (q . k)`, so the kernel scales q
+/// once per row instead of every score.
+fn hoist_score_factor(score: &Expr) -> Option<(Expr, f64)> {
+    fn factors(e: &Expr, found: &mut Vec<Option<f64>>) {
+        match e {
+            Expr::Binary(BinOp::Mul, a, b) => match (&**a, &**b) {
+                (Expr::Var(Var::Score), Expr::Float(c))
+                | (Expr::Float(c), Expr::Var(Var::Score)) => found.push(Some(*c)),
+                _ => {
+                    factors(a, found);
+                    factors(b, found);
+                }
+            },
+            Expr::Var(Var::Score) => found.push(None),
+            Expr::Var(_) | Expr::Float(_) | Expr::Int(_) | Expr::Bool(_) => {}
+            Expr::Unary(_, a) | Expr::Cast(a, _) | Expr::Table(_, a) => factors(a, found),
+            Expr::Binary(_, a, b) => {
+                factors(a, found);
+                factors(b, found);
+            }
+            Expr::Select(c, t, f) => {
+                factors(c, found);
+                factors(t, found);
+                factors(f, found);
+            }
+        }
+    }
+    fn strip(e: &Expr, c: f64) -> Expr {
+        match e {
+            Expr::Binary(BinOp::Mul, a, b) => match (&**a, &**b) {
+                (Expr::Var(Var::Score), Expr::Float(x))
+                | (Expr::Float(x), Expr::Var(Var::Score))
+                    if *x == c =>
+                {
+                    Expr::Var(Var::Score)
+                }
+                _ => Expr::binary(BinOp::Mul, strip(a, c), strip(b, c)),
+            },
+            Expr::Unary(op, a) => Expr::unary(*op, strip(a, c)),
+            Expr::Cast(a, ty) => Expr::cast(strip(a, c), *ty),
+            Expr::Table(v, a) => Expr::Table(v.clone(), Box::new(strip(a, c))),
+            Expr::Binary(op, a, b) => Expr::binary(*op, strip(a, c), strip(b, c)),
+            Expr::Select(x, t, f) => Expr::Select(
+                Box::new(strip(x, c)),
+                Box::new(strip(t, c)),
+                Box::new(strip(f, c)),
+            ),
+            leaf => leaf.clone(),
+        }
+    }
+    let mut found = Vec::new();
+    factors(score, &mut found);
+    let first = (*found.first()?)?;
+    let same = found.iter().all(|f| *f == Some(first)) && first.is_finite() && first != 0.0;
+    same.then(|| (strip(score, first), first))
 }
 
 /// Key tiles are always [`K_TILE`] keys (the CPU microkernels are specialized for it); query
@@ -303,6 +373,13 @@ impl fmt::Display for KernelPlan {
             "  tiles     {} query rows x {} keys",
             self.tiles.q_rows, self.tiles.k_cols
         )?;
+        if self.q_scale != 1.0 {
+            writeln!(
+                f,
+                "  prologue  q x {:?} as rows load (the score scale, hoisted)",
+                self.q_scale
+            )?;
+        }
         match &self.rope {
             None => writeln!(f, "  prologue  load q, k tiles")?,
             Some(r) => {

@@ -132,7 +132,7 @@ mod x86 {
     use super::K;
     use std::arch::x86_64::*;
 
-    /// AVX-512 `qk_tile`: four rows by 64 keys (16 accumulators) per step.
+    /// AVX-512 `qk_tile`: six rows by 64 keys (24 accumulators) per step.
     ///
     /// # Safety
     /// The module contract, on a CPU with AVX-512F.
@@ -147,46 +147,59 @@ mod x86 {
     ) {
         let (rows, dim, qs) = (rows as usize, dim as usize, q_stride as usize);
         let mut r = 0;
-        // SAFETY (whole body): every offset stays within the contract's ranges: rows < `rows`,
-        // d < `dim`, key lanes < K.
+        // SAFETY: rows r..r+R < `rows`; the callee stays within d < `dim` and K key lanes.
         unsafe {
-            while r + 4 <= rows {
-                let mut acc = [[_mm512_setzero_ps(); 4]; 4];
-                for d in 0..dim {
-                    let kd = kt.add(d * K);
-                    let k = [0, 16, 32, 48].map(|o| _mm512_loadu_ps(kd.add(o)));
-                    for (i, row) in acc.iter_mut().enumerate() {
-                        let x = _mm512_set1_ps(*q.add((r + i) * qs + d));
-                        for (a, kv) in row.iter_mut().zip(k) {
-                            *a = _mm512_fmadd_ps(x, kv, *a);
-                        }
-                    }
-                }
-                for (i, row) in acc.iter().enumerate() {
-                    for (j, a) in row.iter().enumerate() {
-                        _mm512_storeu_ps(s.add((r + i) * K + 16 * j), *a);
-                    }
-                }
-                r += 4;
+            while r + 6 <= rows {
+                qk_rows::<6>(q, qs, dim, kt, s, r);
+                r += 6;
+            }
+            while r + 2 <= rows {
+                qk_rows::<2>(q, qs, dim, kt, s, r);
+                r += 2;
             }
             while r < rows {
-                let mut acc = [_mm512_setzero_ps(); 4];
-                for d in 0..dim {
-                    let kd = kt.add(d * K);
-                    let x = _mm512_set1_ps(*q.add(r * qs + d));
-                    for (j, a) in acc.iter_mut().enumerate() {
-                        *a = _mm512_fmadd_ps(x, _mm512_loadu_ps(kd.add(16 * j)), *a);
-                    }
-                }
-                for (j, a) in acc.iter().enumerate() {
-                    _mm512_storeu_ps(s.add(r * K + 16 * j), *a);
-                }
+                qk_rows::<1>(q, qs, dim, kt, s, r);
                 r += 1;
             }
         }
     }
 
-    /// AVX-512 `pv_tile`: four rows by up to 64 value dims per step, masked at the dim edge.
+    /// Rows `r..r+R` of `qk_tile`; `R` is a constant so the `4R` accumulators stay in registers.
+    ///
+    /// # Safety
+    /// As [`qk_avx512`], with `r + R <= rows`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn qk_rows<const R: usize>(
+        q: *const f32,
+        qs: usize,
+        dim: usize,
+        kt: *const f32,
+        s: *mut f32,
+        r: usize,
+    ) {
+        // SAFETY: rows r..r+R, d < dim, key lanes < K (the module contract).
+        unsafe {
+            let mut acc = [[_mm512_setzero_ps(); 4]; R];
+            for d in 0..dim {
+                let kd = kt.add(d * K);
+                let k = [0, 16, 32, 48].map(|o| _mm512_loadu_ps(kd.add(o)));
+                for i in 0..R {
+                    let x = _mm512_set1_ps(*q.add((r + i) * qs + d));
+                    for j in 0..4 {
+                        acc[i][j] = _mm512_fmadd_ps(x, k[j], acc[i][j]);
+                    }
+                }
+            }
+            for i in 0..R {
+                for j in 0..4 {
+                    _mm512_storeu_ps(s.add((r + i) * K + 16 * j), acc[i][j]);
+                }
+            }
+        }
+    }
+
+    /// AVX-512 `pv_tile`: six rows by up to 64 value dims per step, masked at the dim edge.
     ///
     /// # Safety
     /// The module contract, on a CPU with AVX-512F.
@@ -200,51 +213,83 @@ mod x86 {
         acc: *mut f32,
         dv: i64,
     ) {
-        let (rows, cols, vs, dv) = (rows as usize, cols as usize, v_stride as usize, dv as usize);
-        // SAFETY (whole body): rows < `rows`, j < `cols`, and value lanes masked to c < `dv`.
-        unsafe {
-            let mut c0 = 0;
-            while c0 < dv {
-                let width = (dv - c0).min(64);
-                let masks: [__mmask16; 4] = [0, 1, 2, 3].map(|k| {
-                    let lanes = width.saturating_sub(16 * k).min(16);
-                    ((1u32 << lanes) - 1) as __mmask16
-                });
-                let mut r = 0;
-                while r < rows {
-                    let block = (rows - r).min(4);
-                    let mut a = [[_mm512_setzero_ps(); 4]; 4];
-                    for i in 0..block {
-                        for k in 0..4 {
-                            a[i][k] = _mm512_maskz_loadu_ps(
-                                masks[k],
-                                acc.add((r + i) * dv + c0 + 16 * k),
-                            );
-                        }
-                    }
-                    for j in 0..cols {
-                        let vj = v.add(j * vs + c0);
-                        let x =
-                            [0, 1, 2, 3].map(|k| _mm512_maskz_loadu_ps(masks[k], vj.add(16 * k)));
-                        for i in 0..block {
-                            let w = _mm512_set1_ps(*p.add((r + i) * K + j));
-                            for k in 0..4 {
-                                a[i][k] = _mm512_fmadd_ps(w, x[k], a[i][k]);
-                            }
-                        }
-                    }
-                    for i in 0..block {
-                        for k in 0..4 {
-                            _mm512_mask_storeu_ps(
-                                acc.add((r + i) * dv + c0 + 16 * k),
-                                masks[k],
-                                a[i][k],
-                            );
-                        }
-                    }
-                    r += block;
+        let (rows, dv) = (rows as usize, dv as usize);
+        let mut c0 = 0;
+        while c0 < dv {
+            let width = (dv - c0).min(64);
+            let masks: [__mmask16; 4] = [0, 1, 2, 3].map(|k| {
+                let lanes = width.saturating_sub(16 * k).min(16);
+                ((1u32 << lanes) - 1) as __mmask16
+            });
+            let panel = Panel {
+                p,
+                cols: cols as usize,
+                v: v.wrapping_add(c0),
+                v_stride: v_stride as usize,
+                acc: acc.wrapping_add(c0),
+                dv,
+                masks,
+            };
+            let mut r = 0;
+            // SAFETY: rows r..r+R < `rows` and the panel addresses the contract's ranges.
+            unsafe {
+                while r + 6 <= rows {
+                    pv_rows::<6>(&panel, r);
+                    r += 6;
                 }
-                c0 += 64;
+                while r + 2 <= rows {
+                    pv_rows::<2>(&panel, r);
+                    r += 2;
+                }
+                while r < rows {
+                    pv_rows::<1>(&panel, r);
+                    r += 1;
+                }
+            }
+            c0 += 64;
+        }
+    }
+
+    /// One 64-dim panel of `pv_tile`: value columns `c0..c0+64` (masked past `dv`).
+    struct Panel {
+        p: *const f32,
+        cols: usize,
+        v: *const f32,
+        v_stride: usize,
+        acc: *mut f32,
+        dv: usize,
+        masks: [__mmask16; 4],
+    }
+
+    /// Rows `r..r+R` of a panel; `R` is a constant so the `4R` accumulators stay in registers.
+    ///
+    /// # Safety
+    /// As [`pv_avx512`], with `r + R <= rows`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn pv_rows<const R: usize>(x: &Panel, r: usize) {
+        // SAFETY: rows r..r+R, keys j < cols, value lanes masked to the panel's width.
+        unsafe {
+            let mut a = [[_mm512_setzero_ps(); 4]; R];
+            for i in 0..R {
+                for k in 0..4 {
+                    a[i][k] = _mm512_maskz_loadu_ps(x.masks[k], x.acc.add((r + i) * x.dv + 16 * k));
+                }
+            }
+            for j in 0..x.cols {
+                let vj = x.v.add(j * x.v_stride);
+                let vals = [0, 1, 2, 3].map(|k| _mm512_maskz_loadu_ps(x.masks[k], vj.add(16 * k)));
+                for i in 0..R {
+                    let w = _mm512_set1_ps(*x.p.add((r + i) * K + j));
+                    for k in 0..4 {
+                        a[i][k] = _mm512_fmadd_ps(w, vals[k], a[i][k]);
+                    }
+                }
+            }
+            for i in 0..R {
+                for k in 0..4 {
+                    _mm512_mask_storeu_ps(x.acc.add((r + i) * x.dv + 16 * k), x.masks[k], a[i][k]);
+                }
             }
         }
     }

@@ -222,6 +222,10 @@ pub(super) fn block(fx: &mut Fx, plan: &KernelPlan, refs: &Refs, tables: &mut Ta
             let pos = fx.b.ins().iadd(q_pos0, r);
             rotate(fx, rope, dst, pos, rope_tables);
         }
+        if plan.q_scale != 1.0 {
+            let factor = fx.f32(plan.q_scale as f32);
+            scale_row(fx, dst, qk_dim, factor, false);
+        }
         let neg_inf = fx.f32(f32::NEG_INFINITY);
         let zero_f = fx.f32(0.0);
         let pm = fx.elem(m, r);
@@ -416,7 +420,7 @@ fn tile_step(fx: &mut Fx, plan: &KernelPlan, refs: &Refs, tables: &mut Tables, a
             let p = fx.elem(s_row, c);
             let x = fx.load(F32X4, p, 0);
             let x = fx.b.ins().fsub(x, m4);
-            let e = fx.exp4(x);
+            let e = fx.exp4_nonpositive(x);
             fx.store(e, p, 0);
             let acc_sum = fx.b.use_var(sum_var);
             let acc_sum = fx.b.ins().fadd(acc_sum, e);
@@ -494,7 +498,7 @@ fn score_pass(
         }
         fx.store(value, p, 0);
         let mx = fx.b.use_var(pass.max_var);
-        let mx = fx.b.ins().fmax(mx, value);
+        let mx = fx.pmax4(value, mx);
         fx.b.def_var(pass.max_var, mx);
     });
 }

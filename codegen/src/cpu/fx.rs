@@ -24,9 +24,18 @@ impl<'a> Fx<'a> {
         self.b.ins().f32const(x)
     }
 
+    /// `[x; 4]`, loaded from the constant pool (one instruction).
     pub fn f32x4(&mut self, x: f32) -> Value {
-        let s = self.f32(x);
-        self.b.ins().splat(F32X4, s)
+        self.vconst(F32X4, x.to_bits())
+    }
+
+    /// A 4 x 32-bit vector constant of type `ty` with every lane `bits`.
+    pub fn vconst(&mut self, ty: Type, bits: u32) -> Value {
+        let bytes: Vec<u8> = std::iter::repeat_n(bits.to_le_bytes(), 4)
+            .flatten()
+            .collect();
+        let constant = self.b.func.dfg.constants.insert(bytes.into());
+        self.b.ins().vconst(ty, constant)
     }
 
     pub fn load(&mut self, ty: Type, base: Value, offset: i32) -> Value {
@@ -143,11 +152,31 @@ impl<'a> Fx<'a> {
 
     /// `e^x` on f32x4: Cody-Waite range reduction to `r in [-ln2/2, ln2/2]`, a degree-6
     /// polynomial (Cephes expf, about 1 ulp), and `2^n` built in the exponent bits. `-inf` and
-    /// everything below the smallest normal result give exactly 0; above the largest, `+inf`.
+    /// everything below -87 give exactly 0; above 88.72, `+inf`.
     pub fn exp4(&mut self, x: Value) -> Value {
+        let hi = self.f32x4(88.0);
+        let clamped = self.pmin4(x, hi);
+        let y = self.exp4_core(clamped);
+        let over_limit = self.f32x4(88.72);
+        let over = self.b.ins().fcmp(FloatCC::GreaterThan, x, over_limit);
+        let over = self.b.ins().bitcast(F32X4, MemFlagsData::new(), over);
+        let inf = self.f32x4(f32::INFINITY);
+        self.b.ins().bitselect(over, inf, y)
+    }
+
+    /// `e^x` for `x <= 0` or `-inf` (softmax probabilities): [`Fx::exp4`] without the overflow
+    /// handling.
+    pub fn exp4_nonpositive(&mut self, x: Value) -> Value {
+        self.exp4_core(x)
+    }
+
+    /// `e^x` for `x <= 88`; exactly 0 below -87 (so `-inf` gives 0).
+    fn exp4_core(&mut self, x: Value) -> Value {
         const LOG2E: f32 = std::f32::consts::LOG2_E;
         const LN2_HI: f32 = 0.693_359_4;
         const LN2_LO: f32 = -2.121_944_4e-4;
+        // 1.5 * 2^23: adding it rounds to an integer held in the low mantissa bits.
+        const MAGIC: f32 = 12_582_912.0;
         const COEFFS: [f32; 6] = [
             1.987_569_1e-4,
             1.398_199_9e-3,
@@ -157,15 +186,15 @@ impl<'a> Fx<'a> {
             0.5,
         ];
         let lo = self.f32x4(-87.0);
-        let hi = self.f32x4(88.0);
-        let clamped = self.b.ins().fmax(x, lo);
-        let clamped = self.b.ins().fmin(clamped, hi);
+        let kept = self.b.ins().fcmp(FloatCC::GreaterThanOrEqual, x, lo);
+        let x = self.pmax4(x, lo);
         let log2e = self.f32x4(LOG2E);
-        let scaled = self.b.ins().fmul(clamped, log2e);
-        let n = self.b.ins().nearest(scaled);
+        let magic = self.f32x4(MAGIC);
+        let t = self.b.ins().fma(x, log2e, magic);
+        let n = self.b.ins().fsub(t, magic);
         let ln2_hi = self.f32x4(-LN2_HI);
         let ln2_lo = self.f32x4(-LN2_LO);
-        let r = self.b.ins().fma(n, ln2_hi, clamped);
+        let r = self.b.ins().fma(n, ln2_hi, x);
         let r = self.b.ins().fma(n, ln2_lo, r);
         let mut p = self.f32x4(COEFFS[0]);
         for c in &COEFFS[1..] {
@@ -176,23 +205,29 @@ impl<'a> Fx<'a> {
         let one = self.f32x4(1.0);
         let r1 = self.b.ins().fadd(r, one);
         let y = self.b.ins().fma(p, r2, r1);
-        let ni = self.b.ins().fcvt_to_sint_sat(I32X4, n);
-        let bias = self.b.ins().iconst(cranelift_codegen::ir::types::I32, 127);
-        let bias = self.b.ins().splat(I32X4, bias);
-        let e = self.b.ins().iadd(ni, bias);
+        // 2^n: the integer n sits in t's low bits; (bits(t) - bits(MAGIC) + 127) << 23.
+        let t_bits = self.b.ins().bitcast(I32X4, MemFlagsData::new(), t);
+        let bias = self.vconst(I32X4, 127u32.wrapping_sub(MAGIC.to_bits()));
+        let e = self.b.ins().iadd(t_bits, bias);
         let e = self.b.ins().ishl_imm_s(e, 23);
         let pow2 = self.b.ins().bitcast(F32X4, MemFlagsData::new(), e);
         let result = self.b.ins().fmul(y, pow2);
-        // Exactly 0 below the clamp (masked scores are -inf), +inf above it.
-        let under = self.b.ins().fcmp(FloatCC::LessThan, x, lo);
-        let under = self.b.ins().bitcast(F32X4, MemFlagsData::new(), under);
-        let zero = self.f32x4(0.0);
-        let result = self.b.ins().bitselect(under, zero, result);
-        let over_limit = self.f32x4(88.72);
-        let over = self.b.ins().fcmp(FloatCC::GreaterThan, x, over_limit);
-        let over = self.b.ins().bitcast(F32X4, MemFlagsData::new(), over);
-        let inf = self.f32x4(f32::INFINITY);
-        self.b.ins().bitselect(over, inf, result)
+        let kept = self.b.ins().bitcast(F32X4, MemFlagsData::new(), kept);
+        self.b.ins().band(result, kept)
+    }
+
+    /// `x < y ? x : y` on f32x4 (one `minps`; NaN-blind, unlike Cranelift's `fmin`).
+    pub fn pmin4(&mut self, x: Value, y: Value) -> Value {
+        let lt = self.b.ins().fcmp(FloatCC::LessThan, x, y);
+        let lt = self.b.ins().bitcast(F32X4, MemFlagsData::new(), lt);
+        self.b.ins().bitselect(lt, x, y)
+    }
+
+    /// `y < x ? x : y` on f32x4 (one `maxps`).
+    pub fn pmax4(&mut self, x: Value, y: Value) -> Value {
+        let lt = self.b.ins().fcmp(FloatCC::LessThan, y, x);
+        let lt = self.b.ins().bitcast(F32X4, MemFlagsData::new(), lt);
+        self.b.ins().bitselect(lt, x, y)
     }
 
     /// `e^x` for one f32, through [`Fx::exp4`].

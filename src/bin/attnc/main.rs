@@ -3,11 +3,13 @@
 //! Exit codes: 0 on success, 2 on bad input (an invalid spec, an unreadable file, bad flags),
 //! with a message on stderr that says what was wrong and where.
 
+mod bench;
 mod explain;
 mod ir;
+mod run;
 mod spec_arg;
 
-use clap::{Parser, Subcommand};
+use clap::{Parser, Subcommand, ValueEnum};
 use std::process::ExitCode;
 
 /// A compiler for attention variants.
@@ -36,6 +38,51 @@ enum Command {
         #[arg(long, value_name = "N", requires = "seq", value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
         kv_len: Option<u64>,
     },
+    /// Run attention on the CPU: read q, k, v (MLA: q_nope, q_pe, c_kv, k_pe, w_kv_b) from a
+    /// safetensors file, write `out` and `lse` to another.
+    Run {
+        /// The spec, in the spec language, or @FILE to read it from a file.
+        #[arg(long)]
+        spec: String,
+        /// Input safetensors file (BHSD tensors in the spec's dtype).
+        #[arg(long, value_name = "FILE")]
+        input: std::path::PathBuf,
+        /// Output safetensors file.
+        #[arg(long, value_name = "FILE")]
+        output: std::path::PathBuf,
+        /// Position of key 0.
+        #[arg(
+            long,
+            value_name = "N",
+            default_value_t = 0,
+            allow_negative_numbers = true
+        )]
+        position_offset: i64,
+        /// The backend.
+        #[arg(long, value_enum, default_value_t = Backend::Cpu)]
+        backend: Backend,
+    },
+    /// Time the CPU forward kernel of a spec on random inputs: median ms, GFLOP/s (4 B Hq Sq Skv
+    /// D, halved for causal masks) and the kernel's compile time.
+    Bench {
+        /// The spec, in the spec language, or @FILE to read it from a file.
+        spec: String,
+        /// Queries per sequence.
+        #[arg(long, value_name = "N", default_value_t = 2048, value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
+        seq: u64,
+        /// Keys per sequence (default: as many as queries).
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
+        kv_len: Option<u64>,
+        /// Sequences.
+        #[arg(long, value_name = "B", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=4096))]
+        batch: u64,
+        /// Timed runs (after two warm-up runs).
+        #[arg(long, value_name = "R", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=10_000))]
+        reps: u64,
+        /// Print one JSON line {"median_ms", "gflops", "compile_ms"}.
+        #[arg(long)]
+        json: bool,
+    },
     /// Print what a spec costs: KV-cache bytes, cache size, parameters and FLOPs.
     Explain {
         /// The spec, in the spec language, or @FILE to read it from a file.
@@ -55,6 +102,13 @@ enum Command {
     },
 }
 
+/// Where kernels run.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Backend {
+    /// Cranelift-compiled kernels on this machine's CPU.
+    Cpu,
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
@@ -64,6 +118,52 @@ fn main() -> ExitCode {
                 "{}",
                 ir::report(&spec, seq.map(|sq| (sq, kv_len.unwrap_or(sq))))
             );
+        }),
+        Command::Run {
+            spec,
+            input,
+            output,
+            position_offset,
+            backend: Backend::Cpu,
+        } => spec_arg::load(&spec).and_then(|(spec, _)| {
+            run::run(&spec, &input, &output, position_offset)
+                .map(|summary| println!("{summary}"))
+                .map_err(|e| format!("error: {e}"))
+        }),
+        Command::Bench {
+            spec,
+            seq,
+            kv_len,
+            batch,
+            reps,
+            json,
+        } => spec_arg::load(&spec).and_then(|(spec, _)| {
+            let shape = bench::Shape {
+                batch: batch as usize,
+                seq: seq as usize,
+                kv_len: kv_len.unwrap_or(seq) as usize,
+                reps: reps as usize,
+            };
+            if !json {
+                eprintln!(
+                    "timing {spec}
+  batch {}, Sq {}, Skv {}, {} runs",
+                    shape.batch, shape.seq, shape.kv_len, shape.reps
+                );
+            }
+            let t = bench::bench(&spec, &shape, !json).map_err(|e| format!("error: {e}"))?;
+            if json {
+                println!(
+                    "{{\"median_ms\": {:.4}, \"gflops\": {:.2}, \"compile_ms\": {:.3}}}",
+                    t.median_ms, t.gflops, t.compile_ms
+                );
+            } else {
+                println!(
+                    "median {:.3} ms, {:.1} GFLOP/s, kernel compiled in {:.2} ms",
+                    t.median_ms, t.gflops, t.compile_ms
+                );
+            }
+            Ok(())
         }),
         Command::Explain {
             spec,

@@ -1,0 +1,107 @@
+//! `attnc bench`: times the CPU forward kernel of a spec on random inputs.
+
+use attn::AttentionSpec;
+use attn::dsl::Mask;
+use attn::dsl::accounting::forward_flops;
+use attn::runtime::cpu::{CpuBackend, MlaTensors};
+use attn::runtime::{RuntimeError, Tensor};
+use std::time::Instant;
+
+/// What to time.
+pub struct Shape {
+    pub batch: usize,
+    pub seq: usize,
+    pub kv_len: usize,
+    pub reps: usize,
+}
+
+/// Timings.
+pub struct Timing {
+    pub median_ms: f64,
+    pub gflops: f64,
+    pub compile_ms: f64,
+}
+
+fn random(spec: &AttentionSpec, shape: &[usize], seed: u64) -> Result<Tensor, RuntimeError> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let values = (0..shape.iter().product::<usize>())
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect();
+    Tensor::from_f32_as(spec.dtype, shape, values)
+}
+
+/// FLOPs counted as `4 B Hq Sq Skv D` (MLA: the absorbed widths), halved for causal masks, the
+/// convention of FlashAttention and PyTorch's benchmarks.
+pub fn flops(spec: &AttentionSpec, shape: &Shape) -> f64 {
+    let dense = forward_flops(
+        spec,
+        shape.batch as u64,
+        shape.seq as u64,
+        shape.kv_len as u64,
+    )
+    .dense;
+    let causal = !matches!(spec.mask, Mask::None);
+    dense as f64 * if causal { 0.5 } else { 1.0 }
+}
+
+/// Compiles (timed), warms up twice, then times `reps` calls and takes the median.
+pub fn bench(spec: &AttentionSpec, shape: &Shape, progress: bool) -> Result<Timing, RuntimeError> {
+    let backend = CpuBackend::new();
+    let kernel = backend.kernel(spec)?;
+    let compile_ms = kernel.compile_time.as_secs_f64() * 1e3;
+    let (b, h, sq, skv) = (shape.batch, spec.heads as usize, shape.seq, shape.kv_len);
+    let (d, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
+    let mut call: Box<dyn FnMut() -> Result<(), RuntimeError>> = match spec.mla() {
+        Some(mla) => {
+            let (r, dr) = (mla.latent_rank as usize, mla.rope_dim as usize);
+            let q_nope = random(spec, &[b, h, sq, d], 1)?;
+            let q_pe = random(spec, &[b, h, sq, dr], 2)?;
+            let c_kv = random(spec, &[b, skv, r], 3)?;
+            let k_pe = random(spec, &[b, skv, dr], 4)?;
+            let w_kv_b = random(spec, &[h * (d + dv), r], 5)?;
+            Box::new(move || {
+                let x = MlaTensors {
+                    q_nope: &q_nope,
+                    q_pe: &q_pe,
+                    c_kv: &c_kv,
+                    k_pe: &k_pe,
+                    w_kv_b: &w_kv_b,
+                };
+                backend.forward_mla(spec, &x, 0).map(drop)
+            })
+        }
+        None => {
+            let hkv = spec.kv_heads() as usize;
+            let q = random(spec, &[b, h, sq, d], 1)?;
+            let k = random(spec, &[b, hkv, skv, d], 2)?;
+            let v = random(spec, &[b, hkv, skv, dv], 3)?;
+            Box::new(move || backend.forward(spec, &q, &k, &v, 0).map(drop))
+        }
+    };
+    call()?;
+    call()?;
+    let mut times = Vec::with_capacity(shape.reps);
+    for i in 0..shape.reps {
+        let start = Instant::now();
+        call()?;
+        times.push(start.elapsed().as_secs_f64() * 1e3);
+        if progress {
+            eprint!("\r  {}/{} runs, last {:.2} ms", i + 1, shape.reps, times[i]);
+        }
+    }
+    if progress {
+        eprintln!();
+    }
+    times.sort_by(f64::total_cmp);
+    let median_ms = times[times.len() / 2];
+    Ok(Timing {
+        median_ms,
+        gflops: flops(spec, shape) / (median_ms * 1e-3) / 1e9,
+        compile_ms,
+    })
+}
