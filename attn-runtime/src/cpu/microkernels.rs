@@ -396,6 +396,54 @@ mod x86 {
     }
 }
 
+/// The FMA throughput of the `qk_tile` microkernel on L1-resident tiles (64 rows, head dim 128),
+/// in GFLOP/s summed over `threads` threads: the ceiling any kernel built on it can reach.
+pub fn peak_gflops(isa: Isa, threads: usize, seconds: f64) -> f64 {
+    const ROWS: usize = 64;
+    const DIM: usize = 128;
+    let (qk, _) = addresses(isa);
+    // SAFETY: `addresses` returns a `qk_tile` with this signature.
+    let qk: unsafe extern "C" fn(*const f32, i64, i64, i64, *const f32, *mut f32) =
+        unsafe { std::mem::transmute::<usize, _>(qk) };
+    let flops_per_call = (2 * ROWS * DIM * K) as f64;
+    let per_thread: Vec<f64> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                scope.spawn(move || {
+                    let q = vec![0.5f32; ROWS * DIM];
+                    let kt = vec![0.25f32; DIM * K];
+                    let mut s = vec![0f32; ROWS * K];
+                    let start = std::time::Instant::now();
+                    let mut calls = 0u64;
+                    while start.elapsed().as_secs_f64() < seconds {
+                        for _ in 0..64 {
+                            // SAFETY: q holds ROWS rows of DIM, kt DIM x K, s ROWS x K values.
+                            unsafe {
+                                qk(
+                                    q.as_ptr(),
+                                    DIM as i64,
+                                    ROWS as i64,
+                                    DIM as i64,
+                                    kt.as_ptr(),
+                                    s.as_mut_ptr(),
+                                )
+                            };
+                        }
+                        calls += 64;
+                    }
+                    std::hint::black_box(&s);
+                    calls as f64 * flops_per_call / start.elapsed().as_secs_f64() / 1e9
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("peak thread"))
+            .collect()
+    });
+    per_thread.iter().sum()
+}
+
 /// `logf` for generated code.
 pub extern "C" fn logf(x: f32) -> f32 {
     x.ln()

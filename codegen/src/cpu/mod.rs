@@ -121,18 +121,12 @@ pub fn compile(plan: &KernelPlan, imports: &Imports) -> Result<CpuKernel, Codege
             }
             fx.b.finalize(module.target_config());
         }
-        if std::env::var_os("ATTN_DUMP_VCODE").is_some() {
-            ctx.set_disasm(true);
-        }
         module.define_function(id, &mut ctx).map_err(|e| {
             CodegenError::Cranelift(format!(
                 "{}: {e:?}",
                 if is_block { "block" } else { "pack_k" }
             ))
         })?;
-        if let Some(v) = ctx.compiled_code().and_then(|c| c.vcode.clone()) {
-            eprintln!("{v}");
-        }
         module.clear_context(&mut ctx);
     }
     module.finalize_definitions().map_err(err)?;

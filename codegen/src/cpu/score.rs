@@ -61,6 +61,12 @@ enum Scalar {
 enum Lanes {
     F(Value),
     I([Value; 4]),
+    /// Integers `base + step * lane`: keys and expressions affine in them stay one scalar until
+    /// something needs the lanes (uniform integers are `step == 0`).
+    Affine {
+        base: Value,
+        step: i64,
+    },
     /// An i32x4 of 0 / -1.
     B(Value),
 }
@@ -136,7 +142,7 @@ impl ScoreLowering<'_> {
     fn broadcast(&mut self, fx: &mut Fx, s: Scalar) -> Lanes {
         match s {
             Scalar::F(x) => Lanes::F(fx.b.ins().splat(F32X4, x)),
-            Scalar::I(x) => Lanes::I([x; 4]),
+            Scalar::I(x) => Lanes::Affine { base: x, step: 0 },
             Scalar::B(x) => {
                 let m = fx.b.ins().bmask(I32, x);
                 Lanes::B(fx.b.ins().splat(I32X4, m))
@@ -150,11 +156,25 @@ impl ScoreLowering<'_> {
         }
         match e {
             Expr::Var(Var::Score) => Lanes::F(g.score),
-            Expr::Var(Var::Key) => Lanes::I(iota(fx, g.key0)),
-            Expr::Var(Var::KeyIndex) => Lanes::I(iota(fx, g.key_index0)),
+            Expr::Var(Var::Key) => Lanes::Affine {
+                base: g.key0,
+                step: 1,
+            },
+            Expr::Var(Var::KeyIndex) => Lanes::Affine {
+                base: g.key_index0,
+                step: 1,
+            },
             Expr::Unary(op, a) => {
                 let a = self.lanes(fx, u, g, a);
                 self.unary4(fx, *op, a)
+            }
+            // Division by a constant: a multiply by its reciprocal (within 1 ulp, and a
+            // fraction of a division's cost).
+            Expr::Binary(BinOp::Div, a, b) if matches!(**b, Expr::Float(c) if c != 0.0) => {
+                let Expr::Float(c) = **b else { unreachable!() };
+                let a = self.float4(fx, u, g, a);
+                let r = fx.f32x4((1.0 / c) as f32);
+                Lanes::F(fx.b.ins().fmul(a, r))
             }
             Expr::Binary(op, a, b) => {
                 let a = self.lanes(fx, u, g, a);
@@ -174,7 +194,8 @@ impl ScoreLowering<'_> {
                         Lanes::F(fx.b.ins().bitselect(m, t, f))
                     }
                     (Lanes::B(t), Lanes::B(f)) => Lanes::B(fx.b.ins().bitselect(mask, t, f)),
-                    (Lanes::I(t), Lanes::I(f)) => {
+                    (t, f) if is_int(t) && is_int(f) => {
+                        let (t, f) = (ints(fx, t), ints(fx, f));
                         let m = fx.lanes(mask);
                         Lanes::I([0, 1, 2, 3].map(|i| {
                             let c = fx.b.ins().icmp_imm_s(IntCC::NotEqual, m[i], 0);
@@ -187,6 +208,18 @@ impl ScoreLowering<'_> {
             Expr::Cast(a, ty) => {
                 let a = self.lanes(fx, u, g, a);
                 match (a, ty) {
+                    // Exact while |value| <= 2^24, where f32 holds every integer.
+                    (Lanes::Affine { base, step }, Ty::F32) => {
+                        let f = fx.b.ins().fcvt_from_sint(F32, base);
+                        let v = fx.b.ins().splat(F32X4, f);
+                        if step == 0 {
+                            Lanes::F(v)
+                        } else {
+                            let offsets = [0, 1, 2, 3].map(|i| ((step * i) as f32).to_bits());
+                            let offsets = fx.vconst4(F32X4, offsets);
+                            Lanes::F(fx.b.ins().fadd(v, offsets))
+                        }
+                    }
                     (Lanes::I(x), Ty::F32) => {
                         let f = x.map(|x| fx.b.ins().fcvt_from_sint(F32, x));
                         Lanes::F(fx.gather4(F32X4, f))
@@ -206,9 +239,8 @@ impl ScoreLowering<'_> {
                 }
             }
             Expr::Table(values, index) => {
-                let Lanes::I(ix) = self.lanes(fx, u, g, index) else {
-                    unreachable!("table indices are i64")
-                };
+                let ix = self.lanes(fx, u, g, index);
+                let ix = ints(fx, ix);
                 let base = self.tables.address(values);
                 let len = values.len() as i64;
                 let f = ix.map(|i| table_load(fx, base, len, i));
@@ -237,10 +269,17 @@ impl ScoreLowering<'_> {
                 }
                 UnOp::Not => unreachable!("typed"),
             }),
-            Lanes::I(x) => Lanes::I(x.map(|x| match op {
-                UnOp::Neg => fx.b.ins().ineg(x),
-                _ => fx.b.ins().iabs(x),
-            })),
+            Lanes::Affine { base, step } if op == UnOp::Neg => Lanes::Affine {
+                base: fx.b.ins().ineg(base),
+                step: step.wrapping_neg(),
+            },
+            int @ (Lanes::I(_) | Lanes::Affine { .. }) => {
+                let x = ints(fx, int);
+                Lanes::I(x.map(|x| match op {
+                    UnOp::Neg => fx.b.ins().ineg(x),
+                    _ => fx.b.ins().iabs(x),
+                }))
+            }
             Lanes::B(m) => Lanes::B(fx.b.ins().bnot(m)),
         }
     }
@@ -261,7 +300,23 @@ impl ScoreLowering<'_> {
                 BinOp::Min | BinOp::Max => Lanes::F(rust_min_max(fx, op, x, y, true)),
                 cmp => Lanes::B(fx.b.ins().fcmp(float_cc(cmp), x, y)),
             },
-            (Lanes::I(x), Lanes::I(y)) => {
+            (Lanes::Affine { base: x, step: sx }, Lanes::Affine { base: y, step: sy })
+                if matches!(op, BinOp::Add | BinOp::Sub) =>
+            {
+                if op == BinOp::Add {
+                    Lanes::Affine {
+                        base: fx.b.ins().iadd(x, y),
+                        step: sx.wrapping_add(sy),
+                    }
+                } else {
+                    Lanes::Affine {
+                        base: fx.b.ins().isub(x, y),
+                        step: sx.wrapping_sub(sy),
+                    }
+                }
+            }
+            (x, y) if is_int(x) && is_int(y) => {
+                let (x, y) = (ints(fx, x), ints(fx, y));
                 if let Some(cc) = int_cc(op) {
                     let bits = [0, 1, 2, 3].map(|i| {
                         let c = fx.b.ins().icmp(cc, x[i], y[i]);
@@ -406,9 +461,19 @@ fn rust_min_max(fx: &mut Fx, op: BinOp, x: Value, y: Value, vector: bool) -> Val
     }
 }
 
-/// `[x, x+1, x+2, x+3]`.
-fn iota(fx: &mut Fx, x: Value) -> [Value; 4] {
-    [0, 1, 2, 3].map(|i| fx.b.ins().iadd_imm_s(x, i))
+fn is_int(l: Lanes) -> bool {
+    matches!(l, Lanes::I(_) | Lanes::Affine { .. })
+}
+
+/// The four integer lanes.
+fn ints(fx: &mut Fx, l: Lanes) -> [Value; 4] {
+    match l {
+        Lanes::I(x) => x,
+        Lanes::Affine { base, step } => {
+            [0, 1, 2, 3].map(|i| fx.b.ins().iadd_imm_s(base, step.wrapping_mul(i)))
+        }
+        _ => unreachable!("not an integer"),
+    }
 }
 
 /// `table[clamp(i, 0, len-1)]`.

@@ -83,6 +83,13 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Measure the FMA ceiling of this machine: the score microkernel on L1-resident tiles, per
+    /// thread and on all threads.
+    Peak {
+        /// Seconds per measurement.
+        #[arg(long, default_value_t = 1.0)]
+        seconds: f64,
+    },
     /// Print what a spec costs: KV-cache bytes, cache size, parameters and FLOPs.
     Explain {
         /// The spec, in the spec language, or @FILE to read it from a file.
@@ -165,6 +172,17 @@ fn main() -> ExitCode {
             }
             Ok(())
         }),
+        Command::Peak { seconds } => {
+            use attn::runtime::cpu::microkernels::{Isa, peak_gflops};
+            let isa = Isa::detect();
+            let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+            let one = peak_gflops(isa, 1, seconds);
+            let all = peak_gflops(isa, threads, seconds);
+            println!(
+                "{isa:?} microkernel: {one:.1} GFLOP/s on 1 thread, {all:.1} GFLOP/s on {threads}"
+            );
+            Ok(())
+        }
         Command::Explain {
             spec,
             model_dim,

@@ -1,0 +1,52 @@
+//! Prefill forward on the CPU backend: causal, ALiBi, sliding window and softcap; head dims 64 and
+//! 128; 512 to 4096 tokens; f32 and bf16. Throughput is reported as elements (query-key pairs
+//! x heads), and `attnc bench` prints GFLOP/s for a single configuration.
+//!
+//! `cargo bench --bench prefill` (all), or filter: `cargo bench --bench prefill -- causal/d128`.
+
+use attn::AttentionSpec;
+use attn::runtime::Tensor;
+use attn::runtime::cpu::CpuBackend;
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+
+fn inputs(spec: &AttentionSpec, n: usize) -> [Tensor; 3] {
+    let (h, d) = (spec.heads as usize, spec.head_dim as usize);
+    let len = h * n * d;
+    let values: Vec<f32> = (0..len)
+        .map(|i| ((i * 7919) % 1024) as f32 / 512.0 - 1.0)
+        .collect();
+    let t = Tensor::from_f32_as(spec.dtype, &[1, h, n, d], values).unwrap();
+    [t.clone(), t.clone(), t]
+}
+
+fn prefill(c: &mut Criterion) {
+    let backend = CpuBackend::new();
+    let variants = [
+        ("causal", "mask = causal"),
+        ("alibi", "mask = causal, position = alibi"),
+        ("sliding_window_1024", "mask = sliding_window(1024)"),
+        ("softcap_30", "mask = causal, softcap = 30.0"),
+    ];
+    for (name, body) in variants {
+        for d in [64, 128] {
+            for dtype in ["f32", "bf16"] {
+                let text = format!("heads = 16, head_dim = {d}, {body}, dtype = {dtype}");
+                let spec: AttentionSpec = text.parse().unwrap();
+                backend.kernel(&spec).unwrap();
+                let mut group = c.benchmark_group(format!("{name}/d{d}/{dtype}"));
+                group.sample_size(10);
+                for n in [512, 1024, 2048, 4096] {
+                    let [q, k, v] = inputs(&spec, n);
+                    group.throughput(Throughput::Elements((16 * n * n / 2) as u64));
+                    group.bench_with_input(BenchmarkId::from_parameter(n), &n, |b, _| {
+                        b.iter(|| backend.forward(&spec, &q, &k, &v, 0).unwrap())
+                    });
+                }
+                group.finish();
+            }
+        }
+    }
+}
+
+criterion_group!(benches, prefill);
+criterion_main!(benches);
