@@ -189,6 +189,15 @@ impl Tensor {
 
     /// The values in logical (row-major) order, as f32.
     pub fn to_f32_vec(&self) -> Vec<f32> {
+        if self.strides == contiguous_strides(&self.shape) {
+            let n: usize = self.shape.iter().product();
+            let range = self.offset..self.offset + n;
+            return match &*self.storage {
+                Storage::F32(v) => v[range].to_vec(),
+                Storage::F16(v) => v[range].iter().map(|x| x.to_f32()).collect(),
+                Storage::Bf16(v) => v[range].iter().map(|x| x.to_f32()).collect(),
+            };
+        }
         self.logical_offsets()
             .into_iter()
             .map(|i| self.storage.get(i))

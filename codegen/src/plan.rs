@@ -295,9 +295,9 @@ fn hoist_score_factor(score: &Expr) -> Option<(Expr, f64)> {
 /// blocks shrink as rows widen, so a block's q, scores and accumulator stay near 64 KiB of f32.
 fn tiles_for(width: u32) -> Tiles {
     let q_rows = match width {
-        0..=128 => 64,
-        129..=256 => 32,
-        _ => 16,
+        0..=128 => 128,
+        129..=256 => 64,
+        _ => 32,
     };
     Tiles {
         q_rows,

@@ -22,36 +22,46 @@ fn named_specs_plan_as_recorded() {
     }
 }
 
-#[test]
-fn causal_1024_has_exactly_the_diagonal_mixed() {
-    let map = plan("mha_causal").tile_map(1024, 1024, 0);
-    assert_eq!(map.classes.len(), 16);
-    for (r, row) in map.classes.iter().enumerate() {
-        for (c, class) in row.iter().enumerate() {
-            let want = match c.cmp(&r) {
-                std::cmp::Ordering::Less => TileClass::AllKept,
-                std::cmp::Ordering::Equal => TileClass::Mixed,
-                std::cmp::Ordering::Greater => TileClass::AllMasked,
-            };
-            assert_eq!(*class, want, "tile ({r}, {c})");
-        }
+/// The class causal masking gives the tile of query rows `q0..=q1` and keys `k0..=k1`
+/// (Sq == Skv, so positions equal indices).
+fn causal_class(q0: u64, q1: u64, k0: u64, k1: u64) -> TileClass {
+    if k1 <= q0 {
+        TileClass::AllKept
+    } else if k0 > q1 {
+        TileClass::AllMasked
+    } else {
+        TileClass::Mixed
     }
 }
 
 #[test]
-fn ragged_lengths_get_partial_edge_tiles() {
-    // 1000 = 15 full tiles of 64 and one of 40.
-    let map = plan("mha_causal").tile_map(1000, 1000, 0);
-    assert_eq!(map.classes.len(), 16);
-    assert_eq!(map.count(TileClass::Mixed), 16);
-    assert_eq!(map.count(TileClass::AllKept), 120);
+fn causal_tiles_are_mixed_exactly_on_the_diagonal() {
+    let p = plan("mha_causal");
+    let (rows, cols) = (u64::from(p.tiles.q_rows), u64::from(p.tiles.k_cols));
+    for n in [1024u64, 1000, 65] {
+        let map = p.tile_map(n, n, 0);
+        assert_eq!(map.classes.len() as u64, n.div_ceil(rows));
+        for (r, row) in map.classes.iter().enumerate() {
+            assert_eq!(row.len() as u64, n.div_ceil(cols));
+            for (c, class) in row.iter().enumerate() {
+                let (q0, k0) = (r as u64 * rows, c as u64 * cols);
+                let want = causal_class(q0, (q0 + rows).min(n) - 1, k0, (k0 + cols).min(n) - 1);
+                assert_eq!(*class, want, "N {n}, tile ({r}, {c})");
+            }
+        }
+    }
 }
 
 #[test]
 fn an_unmasked_spec_classifies_nothing() {
     let p = plan("mqa_unmasked_f16");
     assert_eq!(p.masking, TileMasking::Unmasked);
-    assert_eq!(p.tile_map(100, 300, 0).count(TileClass::AllKept), 2 * 5);
+    let map = p.tile_map(100, 300, 0);
+    assert_eq!(map.count(TileClass::AllKept), map.classes.len() * 5);
+    assert_eq!(
+        map.count(TileClass::Mixed) + map.count(TileClass::AllMasked),
+        0
+    );
 }
 
 #[test]

@@ -401,14 +401,22 @@ fn tile_step(fx: &mut Fx, plan: &KernelPlan, refs: &Refs, tables: &mut Tables, a
         let tile_max = fx.reduce(mx, true);
         let pm = fx.elem(a.m, r);
         let m_old = fx.load(F32, pm, 0);
-        let m_new = fx.b.ins().fmax(m_old, tile_max);
+        let grew = fx.b.ins().fcmp(FloatCC::GreaterThan, tile_max, m_old);
+        let m_new = fx.b.ins().select(grew, tile_max, m_old);
         fx.store(m_new, pm, 0);
         let neg_inf = fx.f32(f32::NEG_INFINITY);
         let zero_f = fx.f32(0.0);
         let empty = fx.b.ins().fcmp(FloatCC::Equal, m_new, neg_inf);
         let m_use = fx.b.ins().select(empty, zero_f, m_new);
-        let shift = fx.b.ins().fsub(m_old, m_use);
-        let alpha = fx.exp1(shift);
+        // alpha = e^(m_old - m_new) rescales the row's sum and accumulator; 1 unless the max grew.
+        let alpha_var = fx.b.declare_var(F32);
+        let one = fx.f32(1.0);
+        fx.b.def_var(alpha_var, one);
+        fx.if_then(grew, |fx| {
+            let shift = fx.b.ins().fsub(m_old, m_use);
+            let alpha = fx.exp1(shift);
+            fx.b.def_var(alpha_var, alpha);
+        });
 
         // Pass 2: probabilities and their sum.
         let sum_var = fx.b.declare_var(F32X4);
@@ -430,12 +438,11 @@ fn tile_step(fx: &mut Fx, plan: &KernelPlan, refs: &Refs, tables: &mut Tables, a
         let tile_sum = fx.reduce(sum4, false);
         let pl = fx.elem(a.l, r);
         let l_old = fx.load(F32, pl, 0);
+        let alpha = fx.b.use_var(alpha_var);
         let l_new = fx.b.ins().fma(l_old, alpha, tile_sum);
         fx.store(l_new, pl, 0);
 
         // Rescale the accumulator when the max grew.
-        let one = fx.f32(1.0);
-        let grew = fx.b.ins().fcmp(FloatCC::NotEqual, alpha, one);
         let pa = fx.elem_scaled(a.acc, r, v_dim_v);
         fx.if_then(grew, |fx| scale_row(fx, pa, v_dim, alpha, false));
     });

@@ -2,8 +2,8 @@
 //! and the vector math (exp) generated kernels share.
 
 use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
-use cranelift_codegen::ir::types::{F32, F32X4, I32X4, I64};
-use cranelift_codegen::ir::{InstBuilder, MemFlagsData, Type, Value};
+use cranelift_codegen::ir::types::{F32, F32X4, I8X16, I32X4, I64};
+use cranelift_codegen::ir::{Endianness, InstBuilder, MemFlagsData, Type, Value};
 use cranelift_frontend::FunctionBuilder;
 
 /// A function being built.
@@ -138,19 +138,32 @@ impl<'a> Fx<'a> {
         [0u8, 1, 2, 3].map(|i| self.b.ins().extractlane(v, i))
     }
 
-    /// `(lane0 op lane1) op (lane2 op lane3)` with `op` = fmax or fadd.
+    /// The f32x4 `v` with its lanes permuted: lane `i` of the result is lane `order[i]` of `v`.
+    fn permute(&mut self, v: Value, order: [u8; 4]) -> Value {
+        let bytes: Vec<u8> = order
+            .iter()
+            .flat_map(|&lane| (0..4).map(move |b| lane * 4 + b))
+            .collect();
+        let mask = self.b.func.dfg.immediates.push(bytes.into());
+        let little = MemFlagsData::new().with_endianness(Endianness::Little);
+        let v8 = self.b.ins().bitcast(I8X16, little, v);
+        let shuffled = self.b.ins().shuffle(v8, v8, mask);
+        self.b.ins().bitcast(F32X4, little, shuffled)
+    }
+
+    /// The largest lane (NaN-blind, like [`Fx::pmax4`]) or the sum of the lanes of an f32x4,
+    /// by two shuffle steps.
     pub fn reduce(&mut self, v: Value, max: bool) -> Value {
-        let [a, b, c, d] = self.lanes(v);
-        let (ab, cd) = if max {
-            (self.b.ins().fmax(a, b), self.b.ins().fmax(c, d))
-        } else {
-            (self.b.ins().fadd(a, b), self.b.ins().fadd(c, d))
-        };
-        if max {
-            self.b.ins().fmax(ab, cd)
-        } else {
-            self.b.ins().fadd(ab, cd)
+        let mut acc = v;
+        for order in [[2, 3, 0, 1], [1, 0, 3, 2]] {
+            let other = self.permute(acc, order);
+            acc = if max {
+                self.pmax4(acc, other)
+            } else {
+                self.b.ins().fadd(acc, other)
+            };
         }
+        self.b.ins().extractlane(acc, 0)
     }
 
     /// `e^x` on f32x4: Cody-Waite range reduction to `r in [-ln2/2, ln2/2]`, a degree-6
