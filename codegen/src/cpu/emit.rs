@@ -424,14 +424,17 @@ fn tile_step(fx: &mut Fx, plan: &KernelPlan, refs: &Refs, tables: &mut Tables, a
         fx.b.def_var(sum_var, zero4);
         let m4 = fx.splat_f32(m_use);
         let (z, end) = (fx.i64(0), fx.i64(tile));
-        fx.for_range(z, end, 4, |fx, c| {
+        // Two groups per iteration: independent exp chains overlap in the pipeline.
+        fx.for_range(z, end, 8, |fx, c| {
             let p = fx.elem(s_row, c);
-            let x = fx.load(F32X4, p, 0);
-            let x = fx.b.ins().fsub(x, m4);
-            let e = fx.exp4_nonpositive(x);
-            fx.store(e, p, 0);
-            let acc_sum = fx.b.use_var(sum_var);
-            let acc_sum = fx.b.ins().fadd(acc_sum, e);
+            let mut acc_sum = fx.b.use_var(sum_var);
+            for offset in [0, 16] {
+                let x = fx.load(F32X4, p, offset);
+                let x = fx.b.ins().fsub(x, m4);
+                let e = fx.exp4_nonpositive(x);
+                fx.store(e, p, offset);
+                acc_sum = fx.b.ins().fadd(acc_sum, e);
+            }
             fx.b.def_var(sum_var, acc_sum);
         });
         let sum4 = fx.b.use_var(sum_var);
