@@ -2,8 +2,9 @@
 //! [`K_TILE`] keys. Native code, chosen once per process by the CPU's features: AVX-512, AVX2 with
 //! FMA, or portable Rust.
 //!
-//! Contract (see `codegen::cpu::abi::Imports`): `qk_tile(q, q_stride, rows, dim, kt, s)` writes
-//! `s[r*K + j] = sum_d q[r*q_stride + d] * kt[d*K + j]` for `r < rows`, `j < K`;
+//! Contract (see `codegen::cpu::abi::Imports`): `qk_tile(q, q_stride, rows, dim, kt, s, row_max)`
+//! writes `s[r*K + j] = sum_d q[r*q_stride + d] * kt[d*K + j]` for `r < rows`, `j < K`, and
+//! `row_max[r] = max_j s[r*K + j]`;
 //! `pv_tile(p, rows, cols, v, v_stride, acc, dv)` adds `sum_{j < cols} p[r*K + j] *
 //! v[j*v_stride + c]` to `acc[r*dv + c]` for `r < rows`, `c < dv`.
 
@@ -42,7 +43,7 @@ impl Isa {
 
 /// `qk_tile` and `pv_tile` for an instruction set, as C-ABI function addresses.
 pub fn addresses(isa: Isa) -> (usize, usize) {
-    type Qk = unsafe extern "C" fn(*const f32, i64, i64, i64, *const f32, *mut f32);
+    type Qk = unsafe extern "C" fn(*const f32, i64, i64, i64, *const f32, *mut f32, *mut f32);
     type Pv = unsafe extern "C" fn(*const f32, i64, i64, *const f32, i64, *mut f32, i64);
     let (qk, pv): (Qk, Pv) = match isa {
         #[cfg(target_arch = "x86_64")]
@@ -65,15 +66,17 @@ pub unsafe extern "C" fn qk_portable(
     dim: i64,
     kt: *const f32,
     s: *mut f32,
+    row_max: *mut f32,
 ) {
     let (rows, dim, q_stride) = (rows as usize, dim as usize, q_stride as usize);
-    // SAFETY: the caller passes rows of `q_stride` values, `dim * K` packed keys and `rows * K`
-    // scores (the module contract).
-    let (q, kt, s) = unsafe {
+    // SAFETY: the caller passes rows of `q_stride` values, `dim * K` packed keys, `rows * K`
+    // scores and `rows` maxima (the module contract).
+    let (q, kt, s, row_max) = unsafe {
         (
             std::slice::from_raw_parts(q, (rows.max(1) - 1) * q_stride + dim),
             std::slice::from_raw_parts(kt, dim * K),
             std::slice::from_raw_parts_mut(s, rows * K),
+            std::slice::from_raw_parts_mut(row_max, rows),
         )
     };
     for r in 0..rows {
@@ -85,6 +88,7 @@ pub unsafe extern "C" fn qk_portable(
                 *o += x * k;
             }
         }
+        row_max[r] = out.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     }
 }
 
@@ -144,21 +148,22 @@ mod x86 {
         dim: i64,
         kt: *const f32,
         s: *mut f32,
+        row_max: *mut f32,
     ) {
         let (rows, dim, qs) = (rows as usize, dim as usize, q_stride as usize);
         let mut r = 0;
         // SAFETY: rows r..r+R < `rows`; the callee stays within d < `dim` and K key lanes.
         unsafe {
             while r + 6 <= rows {
-                qk_rows::<6>(q, qs, dim, kt, s, r);
+                qk_rows::<6>(q, qs, dim, kt, s, row_max, r);
                 r += 6;
             }
             while r + 2 <= rows {
-                qk_rows::<2>(q, qs, dim, kt, s, r);
+                qk_rows::<2>(q, qs, dim, kt, s, row_max, r);
                 r += 2;
             }
             while r < rows {
-                qk_rows::<1>(q, qs, dim, kt, s, r);
+                qk_rows::<1>(q, qs, dim, kt, s, row_max, r);
                 r += 1;
             }
         }
@@ -176,6 +181,7 @@ mod x86 {
         dim: usize,
         kt: *const f32,
         s: *mut f32,
+        row_max: *mut f32,
         r: usize,
     ) {
         // SAFETY: rows r..r+R, d < dim, key lanes < K (the module contract).
@@ -195,6 +201,9 @@ mod x86 {
                 for j in 0..4 {
                     _mm512_storeu_ps(s.add((r + i) * K + 16 * j), acc[i][j]);
                 }
+                let m01 = _mm512_max_ps(acc[i][0], acc[i][1]);
+                let m23 = _mm512_max_ps(acc[i][2], acc[i][3]);
+                *row_max.add(r + i) = _mm512_reduce_max_ps(_mm512_max_ps(m01, m23));
             }
         }
     }
@@ -306,6 +315,7 @@ mod x86 {
         dim: i64,
         kt: *const f32,
         s: *mut f32,
+        row_max: *mut f32,
     ) {
         let (rows, dim, qs) = (rows as usize, dim as usize, q_stride as usize);
         // SAFETY (whole body): rows < `rows`, d < `dim`, key lanes < K.
@@ -332,6 +342,10 @@ mod x86 {
                     }
                     r += block;
                 }
+            }
+            for r in 0..rows {
+                let row = std::slice::from_raw_parts(s.add(r * K), K);
+                *row_max.add(r) = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             }
         }
     }
@@ -403,7 +417,7 @@ pub fn peak_gflops(isa: Isa, threads: usize, seconds: f64) -> f64 {
     const DIM: usize = 128;
     let (qk, _) = addresses(isa);
     // SAFETY: `addresses` returns a `qk_tile` with this signature.
-    let qk: unsafe extern "C" fn(*const f32, i64, i64, i64, *const f32, *mut f32) =
+    let qk: unsafe extern "C" fn(*const f32, i64, i64, i64, *const f32, *mut f32, *mut f32) =
         unsafe { std::mem::transmute::<usize, _>(qk) };
     let flops_per_call = (2 * ROWS * DIM * K) as f64;
     let per_thread: Vec<f64> = std::thread::scope(|scope| {
@@ -413,11 +427,13 @@ pub fn peak_gflops(isa: Isa, threads: usize, seconds: f64) -> f64 {
                     let q = vec![0.5f32; ROWS * DIM];
                     let kt = vec![0.25f32; DIM * K];
                     let mut s = vec![0f32; ROWS * K];
+                    let mut row_max = vec![0f32; ROWS];
                     let start = std::time::Instant::now();
                     let mut calls = 0u64;
                     while start.elapsed().as_secs_f64() < seconds {
                         for _ in 0..64 {
-                            // SAFETY: q holds ROWS rows of DIM, kt DIM x K, s ROWS x K values.
+                            // SAFETY: q holds ROWS rows of DIM, kt DIM x K, s ROWS x K values,
+                            // row_max ROWS.
                             unsafe {
                                 qk(
                                     q.as_ptr(),
@@ -426,6 +442,7 @@ pub fn peak_gflops(isa: Isa, threads: usize, seconds: f64) -> f64 {
                                     DIM as i64,
                                     kt.as_ptr(),
                                     s.as_mut_ptr(),
+                                    row_max.as_mut_ptr(),
                                 )
                             };
                         }

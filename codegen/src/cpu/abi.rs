@@ -103,6 +103,8 @@ pub struct ScratchLayout {
     pub m: usize,
     /// Running sum per row.
     pub l: usize,
+    /// Per-row max of the raw scores of the current tile (written by `qk_tile`).
+    pub tile_max: usize,
     /// Total values.
     pub total: usize,
 }
@@ -116,13 +118,15 @@ impl ScratchLayout {
         let acc = s + rows * K_TILE as usize;
         let m = acc + rows * plan.shape.v_dim as usize;
         let l = m + rows;
+        let tile_max = l + rows;
         ScratchLayout {
             q,
             s,
             acc,
             m,
             l,
-            total: l + rows,
+            tile_max,
+            total: tile_max + rows,
         }
     }
 }
@@ -135,8 +139,9 @@ pub fn packed_k_len(plan: &KernelPlan, skv: usize) -> usize {
 /// Addresses of the native functions generated code calls. All use the C ABI.
 #[derive(Clone, Copy, Debug)]
 pub struct Imports {
-    /// `qk_tile(q, q_row_stride, rows, dim, kt, s)`: `s[r][j] = sum_d q[r][d] * kt[d][j]` for
-    /// `r < rows`, `j < K_TILE`; `s` has rows of `K_TILE` values.
+    /// `qk_tile(q, q_row_stride, rows, dim, kt, s, row_max)`: `s[r][j] = sum_d q[r][d] *
+    /// kt[d][j]` for `r < rows`, `j < K_TILE`, and `row_max[r] = max_j s[r][j]`; `s` has rows of
+    /// `K_TILE` values.
     pub qk_tile: usize,
     /// `pv_tile(p, rows, cols, v, v_row_stride, acc, dv)`: `acc[r][:dv] += sum_{j < cols}
     /// p[r][j] * v[j][:dv]`; `p` has rows of `K_TILE` values, `acc` rows of `dv`.

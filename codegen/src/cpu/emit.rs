@@ -209,6 +209,7 @@ pub(super) fn block(fx: &mut Fx, plan: &KernelPlan, refs: &Refs, tables: &mut Ta
     let acc = at(fx, layout.acc);
     let m = at(fx, layout.m);
     let l = at(fx, layout.l);
+    let tile_max = at(fx, layout.tile_max);
 
     // Prologue: rotated queries, empty running state.
     let zero = fx.i64(0);
@@ -258,6 +259,7 @@ pub(super) fn block(fx: &mut Fx, plan: &KernelPlan, refs: &Refs, tables: &mut Ta
                     acc,
                     m,
                     l,
+                    tile_max,
                     rows,
                     q_pos0,
                     qi0,
@@ -312,6 +314,7 @@ struct TileArgs {
     acc: Value,
     m: Value,
     l: Value,
+    tile_max: Value,
     rows: Value,
     q_pos0: Value,
     qi0: Value,
@@ -333,8 +336,10 @@ fn tile_step(fx: &mut Fx, plan: &KernelPlan, refs: &Refs, tables: &mut Tables, a
     let tile_len = fx.i64(qk_dim * tile);
     let kt_t = fx.elem_scaled(a.kt, a.t, tile_len);
     let qk_v = fx.i64(qk_dim);
-    fx.b.ins()
-        .call(refs.qk_tile, &[a.qs, qk_v, a.rows, qk_v, kt_t, a.s]);
+    fx.b.ins().call(
+        refs.qk_tile,
+        &[a.qs, qk_v, a.rows, qk_v, kt_t, a.s, a.tile_max],
+    );
 
     let first_key = fx.b.ins().imul_imm_s(a.t, tile);
     let left = fx.b.ins().isub(a.skv, first_key);
@@ -347,6 +352,8 @@ fn tile_step(fx: &mut Fx, plan: &KernelPlan, refs: &Refs, tables: &mut Tables, a
     let per_element = fx.b.ins().bor(partial, mixed);
     let tile_key_pos = fx.b.ins().iadd(a.k_pos0, first_key);
     let needs_mask_program = !matches!(plan.masking, TileMasking::Unmasked);
+    let identity =
+        plan.program.score == attn_dsl::modifier::Expr::Var(attn_dsl::modifier::Var::Score);
 
     let zero = fx.i64(0);
     let v_dim_v = fx.i64(v_dim);
@@ -390,7 +397,15 @@ fn tile_step(fx: &mut Fx, plan: &KernelPlan, refs: &Refs, tables: &mut Tables, a
         for (block, masked) in [(masked_block, true), (full_block, false)] {
             fx.b.switch_to_block(block);
             fx.b.seal_block(block);
-            score_pass(fx, plan, refs, tables, &uniforms, &pass, masked);
+            if masked || !identity {
+                score_pass(fx, plan, refs, tables, &uniforms, &pass, masked);
+            } else {
+                // The program leaves scores as they are: the microkernel's row max serves.
+                let at = fx.elem(a.tile_max, r);
+                let mx = fx.load(F32, at, 0);
+                let mx = fx.splat_f32(mx);
+                fx.b.def_var(max_var, mx);
+            }
             fx.b.ins().jump(join, &[]);
         }
         fx.b.switch_to_block(join);

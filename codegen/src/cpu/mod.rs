@@ -78,7 +78,7 @@ pub fn compile(plan: &KernelPlan, imports: &Imports) -> Result<CpuKernel, Codege
     };
     let err = |e: cranelift_module::ModuleError| CodegenError::Cranelift(e.to_string());
     let qk = module
-        .declare_function("attn_qk_tile", Linkage::Import, &sig(&[I64; 6], &[]))
+        .declare_function("attn_qk_tile", Linkage::Import, &sig(&[I64; 7], &[]))
         .map_err(err)?;
     let pv = module
         .declare_function("attn_pv_tile", Linkage::Import, &sig(&[I64; 7], &[]))
