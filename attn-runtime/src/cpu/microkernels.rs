@@ -318,34 +318,57 @@ mod x86 {
         row_max: *mut f32,
     ) {
         let (rows, dim, qs) = (rows as usize, dim as usize, q_stride as usize);
-        // SAFETY (whole body): rows < `rows`, d < `dim`, key lanes < K.
+        // SAFETY: rows r..r+R < `rows`; the callee stays within d < `dim` and K key lanes.
         unsafe {
             for half in [0, 32] {
                 let mut r = 0;
-                while r < rows {
-                    let block = (rows - r).min(2);
-                    let mut acc = [[_mm256_setzero_ps(); 4]; 2];
-                    for d in 0..dim {
-                        let kd = kt.add(d * K + half);
-                        let k = [0, 8, 16, 24].map(|o| _mm256_loadu_ps(kd.add(o)));
-                        for (i, row) in acc.iter_mut().enumerate().take(block) {
-                            let x = _mm256_set1_ps(*q.add((r + i) * qs + d));
-                            for (a, kv) in row.iter_mut().zip(k) {
-                                *a = _mm256_fmadd_ps(x, kv, *a);
-                            }
-                        }
-                    }
-                    for (i, row) in acc.iter().enumerate().take(block) {
-                        for (j, a) in row.iter().enumerate() {
-                            _mm256_storeu_ps(s.add((r + i) * K + half + 8 * j), *a);
-                        }
-                    }
-                    r += block;
+                while r + 2 <= rows {
+                    qk_rows_avx2::<2>(q, qs, dim, kt, s, r, half);
+                    r += 2;
+                }
+                if r < rows {
+                    qk_rows_avx2::<1>(q, qs, dim, kt, s, r, half);
                 }
             }
             for r in 0..rows {
                 let row = std::slice::from_raw_parts(s.add(r * K), K);
                 *row_max.add(r) = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            }
+        }
+    }
+
+    /// Rows `r..r+R`, keys `half..half+32` of the AVX2 `qk_tile`.
+    ///
+    /// # Safety
+    /// As [`qk_avx2`], with `r + R <= rows` and `half` 0 or 32.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn qk_rows_avx2<const R: usize>(
+        q: *const f32,
+        qs: usize,
+        dim: usize,
+        kt: *const f32,
+        s: *mut f32,
+        r: usize,
+        half: usize,
+    ) {
+        // SAFETY: rows r..r+R, d < dim, key lanes half..half+32 < K.
+        unsafe {
+            let mut acc = [[_mm256_setzero_ps(); 4]; R];
+            for d in 0..dim {
+                let kd = kt.add(d * K + half);
+                let k = [0, 8, 16, 24].map(|o| _mm256_loadu_ps(kd.add(o)));
+                for i in 0..R {
+                    let x = _mm256_set1_ps(*q.add((r + i) * qs + d));
+                    for j in 0..4 {
+                        acc[i][j] = _mm256_fmadd_ps(x, k[j], acc[i][j]);
+                    }
+                }
+            }
+            for i in 0..R {
+                for j in 0..4 {
+                    _mm256_storeu_ps(s.add((r + i) * K + half + 8 * j), acc[i][j]);
+                }
             }
         }
     }
@@ -366,37 +389,17 @@ mod x86 {
     ) {
         let (rows, cols, vs, dv) = (rows as usize, cols as usize, v_stride as usize, dv as usize);
         let vec_dims = dv / 32 * 32;
-        // SAFETY (whole body): rows < `rows`, j < `cols`, dims < `dv`.
+        // SAFETY: rows r..r+R < `rows`, keys j < `cols`, dims < `dv` (the module contract).
         unsafe {
-            let mut c0 = 0;
-            while c0 < vec_dims {
+            for c0 in (0..vec_dims).step_by(32) {
                 let mut r = 0;
-                while r < rows {
-                    let block = (rows - r).min(2);
-                    let mut a = [[_mm256_setzero_ps(); 4]; 2];
-                    for i in 0..block {
-                        for k in 0..4 {
-                            a[i][k] = _mm256_loadu_ps(acc.add((r + i) * dv + c0 + 8 * k));
-                        }
-                    }
-                    for j in 0..cols {
-                        let vj = v.add(j * vs + c0);
-                        let x = [0, 8, 16, 24].map(|o| _mm256_loadu_ps(vj.add(o)));
-                        for i in 0..block {
-                            let w = _mm256_set1_ps(*p.add((r + i) * K + j));
-                            for k in 0..4 {
-                                a[i][k] = _mm256_fmadd_ps(w, x[k], a[i][k]);
-                            }
-                        }
-                    }
-                    for i in 0..block {
-                        for k in 0..4 {
-                            _mm256_storeu_ps(acc.add((r + i) * dv + c0 + 8 * k), a[i][k]);
-                        }
-                    }
-                    r += block;
+                while r + 2 <= rows {
+                    pv_rows_avx2::<2>(p, cols, v.add(c0), vs, acc.add(c0), dv, r);
+                    r += 2;
                 }
-                c0 += 32;
+                if r < rows {
+                    pv_rows_avx2::<1>(p, cols, v.add(c0), vs, acc.add(c0), dv, r);
+                }
             }
             for r in 0..rows {
                 for j in 0..cols {
@@ -404,6 +407,47 @@ mod x86 {
                     for c in vec_dims..dv {
                         *acc.add(r * dv + c) += w * *v.add(j * vs + c);
                     }
+                }
+            }
+        }
+    }
+
+    /// Rows `r..r+R` of a 32-dim panel of the AVX2 `pv_tile`.
+    ///
+    /// # Safety
+    /// As [`pv_avx2`], with `r + R <= rows` and 32 dims from `v` and `acc`.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn pv_rows_avx2<const R: usize>(
+        p: *const f32,
+        cols: usize,
+        v: *const f32,
+        vs: usize,
+        acc: *mut f32,
+        dv: usize,
+        r: usize,
+    ) {
+        // SAFETY: rows r..r+R, keys j < cols, 32 dims of the panel.
+        unsafe {
+            let mut a = [[_mm256_setzero_ps(); 4]; R];
+            for i in 0..R {
+                for k in 0..4 {
+                    a[i][k] = _mm256_loadu_ps(acc.add((r + i) * dv + 8 * k));
+                }
+            }
+            for j in 0..cols {
+                let vj = v.add(j * vs);
+                let x = [0, 8, 16, 24].map(|o| _mm256_loadu_ps(vj.add(o)));
+                for i in 0..R {
+                    let w = _mm256_set1_ps(*p.add((r + i) * K + j));
+                    for k in 0..4 {
+                        a[i][k] = _mm256_fmadd_ps(w, x[k], a[i][k]);
+                    }
+                }
+            }
+            for i in 0..R {
+                for k in 0..4 {
+                    _mm256_storeu_ps(acc.add((r + i) * dv + 8 * k), a[i][k]);
                 }
             }
         }

@@ -109,6 +109,29 @@ fn scale_row(fx: &mut Fx, dst: Value, n: i64, factor: Value, set: bool) {
     }
 }
 
+/// Writes key `j` into the packed tiles: `kt[j / K][d][j % K] = value(d)` for `d < dim`.
+fn store_column(
+    fx: &mut Fx,
+    kt: Value,
+    j: Value,
+    dim: i64,
+    mut value: impl FnMut(&mut Fx, Value) -> Value,
+) {
+    let tile = i64::from(K_TILE);
+    let t = fx.b.ins().ushr_imm_s(j, tile.trailing_zeros() as i64);
+    let col = fx.b.ins().band_imm_s(j, tile - 1);
+    let tile_len = fx.i64(dim * tile);
+    let tile_base = fx.elem_scaled(kt, t, tile_len);
+    let dst = fx.elem(tile_base, col);
+    let (zero, end) = (fx.i64(0), fx.i64(dim));
+    fx.for_range(zero, end, 1, |fx, d| {
+        let v = value(fx, d);
+        let stride = fx.i64(tile);
+        let p = fx.elem_scaled(dst, d, stride);
+        fx.store(v, p, 0);
+    });
+}
+
 /// `pack_k(args: *const PackArgs)`.
 pub(super) fn pack_k(fx: &mut Fx, plan: &KernelPlan, args: Value) {
     let dim = i64::from(plan.shape.qk_dim);
@@ -139,36 +162,16 @@ pub(super) fn pack_k(fx: &mut Fx, plan: &KernelPlan, args: Value) {
             let pos = fx.b.ins().iadd(k_pos0, j);
             rotate(fx, rope, buf, pos, tables);
         }
-        let t = fx.b.ins().ushr_imm_s(j, tile.trailing_zeros() as i64);
-        let col = fx.b.ins().band_imm_s(j, tile - 1);
-        let tile_len = fx.i64(dim * tile);
-        let tile_base = fx.elem_scaled(kt, t, tile_len);
-        let dst = fx.elem(tile_base, col);
-        let (z, end) = (fx.i64(0), fx.i64(dim));
-        fx.for_range(z, end, 1, |fx, d| {
+        store_column(fx, kt, j, dim, |fx, d| {
             let s = fx.elem(buf, d);
-            let v = fx.load(F32, s, 0);
-            let t = fx.i64(tile);
-            let p = fx.elem_scaled(dst, d, t);
-            fx.store(v, p, 0);
+            fx.load(F32, s, 0)
         });
     });
     // Zero the padding columns of the last tile.
     let padded = fx.b.ins().iadd_imm_s(skv, tile - 1);
     let padded = fx.b.ins().band_imm_s(padded, !(tile - 1));
     fx.for_range(skv, padded, 1, |fx, j| {
-        let t = fx.b.ins().ushr_imm_s(j, tile.trailing_zeros() as i64);
-        let col = fx.b.ins().band_imm_s(j, tile - 1);
-        let tile_len = fx.i64(dim * tile);
-        let tile_base = fx.elem_scaled(kt, t, tile_len);
-        let dst = fx.elem(tile_base, col);
-        let zero_f = fx.f32(0.0);
-        let (z, end) = (fx.i64(0), fx.i64(dim));
-        fx.for_range(z, end, 1, |fx, d| {
-            let t = fx.i64(tile);
-            let p = fx.elem_scaled(dst, d, t);
-            fx.store(zero_f, p, 0);
-        });
+        store_column(fx, kt, j, dim, |fx, _| fx.f32(0.0));
     });
     fx.b.ins().return_(&[]);
 }
