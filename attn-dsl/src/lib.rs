@@ -9,7 +9,7 @@
 //! - [`accounting`] counts KV-cache bytes, parameters and FLOPs.
 //! - [`catalog`] names well-known specs for tests and benchmarks.
 //! - [`modifier`] is the IR of score modifiers and masks (built-in and custom), with its passes.
-//! - [`reference`] is the definition of what a spec computes: plain f64, written for clarity.
+//! - [`reference`](mod@reference) is the definition of what a spec computes: plain f64, written for clarity.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]

@@ -143,6 +143,16 @@ fn every_variant_matches_the_reference_at_lengths_that_break_tiling() {
 }
 
 #[test]
+fn empty_queries_or_keys() {
+    let backend = CpuBackend::new();
+    for text in VARIANTS.iter().take(6) {
+        check(&backend, text, 1, 5, 0, 0);
+        check(&backend, text, 1, 0, 5, 0);
+        check(&backend, text, 0, 3, 3, 0);
+    }
+}
+
+#[test]
 fn long_sequences_and_large_positions() {
     let backend = CpuBackend::new();
     check(

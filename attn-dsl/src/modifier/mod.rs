@@ -8,7 +8,7 @@
 //! The built-in parts of a spec (scale, softcap, ALiBi, causal, top-left causal, sliding window)
 //! are expressed in the same IR by [`ScoreProgram::of`], so a backend sees one mechanism. Each
 //! step is a pass over the IR that can be run and printed alone:
-//! - [`lower`](self::lower): syn closure AST to typed IR, with spans on every error;
+//! - `lower`: syn closure AST to typed IR, with spans on every error;
 //! - [`typecheck`]: the types of an IR tree built in code;
 //! - [`fold`]: constant folding and algebraic simplification;
 //! - [`interval`]: interval analysis, classifying a tile of (query, key) positions as all kept,
