@@ -171,13 +171,11 @@ impl KernelPlan {
             attention_factor: rope::attention_factor(r),
         });
         let mut program = ScoreProgram::of(spec).folded();
-        let q_scale = match hoist_score_factor(&program.score) {
-            Some((score, factor)) => {
-                program.score = score;
-                factor
-            }
-            None => 1.0,
-        };
+        let mut q_scale = 1.0;
+        while let Some((score, factor)) = hoist_score_factor(&program.score) {
+            program.score = score;
+            q_scale *= factor;
+        }
         let masking = match program.mask {
             Expr::Bool(true) => TileMasking::Unmasked,
             ref mask => TileMasking::Classified {
@@ -233,15 +231,23 @@ impl KernelPlan {
     }
 }
 
-/// When every use of the raw score is `score * c` with one constant `c`, the program with those
-/// products replaced by `score`, and `c`: `(q * c) . k == c * (q . k)`, so the kernel scales q
-/// once per row instead of every score.
+/// When every use of the raw score is `score * c` (or `score / d`, `c = 1/d`) with one constant
+/// `c`, the program with those replaced by `score`, and `c`: `(q * c) . k == c * (q . k)` up to
+/// rounding, so the kernel scales q once per row instead of every score. Applied until nothing
+/// is left to hoist (softcap's `score * s / cap` hoists both factors).
 fn hoist_score_factor(score: &Expr) -> Option<(Expr, f64)> {
     fn factors(e: &Expr, found: &mut Vec<Option<f64>>) {
         match e {
             Expr::Binary(BinOp::Mul, a, b) => match (&**a, &**b) {
                 (Expr::Var(Var::Score), Expr::Float(c))
                 | (Expr::Float(c), Expr::Var(Var::Score)) => found.push(Some(*c)),
+                _ => {
+                    factors(a, found);
+                    factors(b, found);
+                }
+            },
+            Expr::Binary(BinOp::Div, a, b) => match (&**a, &**b) {
+                (Expr::Var(Var::Score), Expr::Float(d)) => found.push(Some(1.0 / d)),
                 _ => {
                     factors(a, found);
                     factors(b, found);
@@ -272,6 +278,10 @@ fn hoist_score_factor(score: &Expr) -> Option<(Expr, f64)> {
                 }
                 _ => Expr::binary(BinOp::Mul, strip(a, c), strip(b, c)),
             },
+            Expr::Binary(BinOp::Div, a, b) => match (&**a, &**b) {
+                (Expr::Var(Var::Score), Expr::Float(d)) if 1.0 / *d == c => Expr::Var(Var::Score),
+                _ => Expr::binary(BinOp::Div, strip(a, c), strip(b, c)),
+            },
             Expr::Unary(op, a) => Expr::unary(*op, strip(a, c)),
             Expr::Cast(a, ty) => Expr::cast(strip(a, c), *ty),
             Expr::Table(v, a) => Expr::Table(v.clone(), Box::new(strip(a, c))),
@@ -287,7 +297,10 @@ fn hoist_score_factor(score: &Expr) -> Option<(Expr, f64)> {
     let mut found = Vec::new();
     factors(score, &mut found);
     let first = (*found.first()?)?;
-    let same = found.iter().all(|f| *f == Some(first)) && first.is_finite() && first != 0.0;
+    let same = found.iter().all(|f| *f == Some(first))
+        && first.is_finite()
+        && first != 0.0
+        && first != 1.0;
     same.then(|| (strip(score, first), first))
 }
 

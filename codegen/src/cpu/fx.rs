@@ -256,21 +256,41 @@ impl<'a> Fx<'a> {
         self.b.ins().extractlane(e, 0)
     }
 
-    /// `tanh x = sign(x) (1 - e) / (1 + e)` with `e = e^(-2|x|)` in (0, 1], on f32x4: no
-    /// overflow to handle, saturates to +-1, absolute error about 1e-7.
+    /// `tanh x` on f32x4 as `x P(x^2) / Q(x^2)` on `x` clamped to [-9, 9] (where tanh is 1 to
+    /// f32 precision), P and Q of degree 4: a rational fit made for this kernel (Lawson-weighted
+    /// least squares; 2e-8 in exact arithmetic, 3.4e-7 absolute when evaluated in f32).
     pub fn tanh4(&mut self, x: Value) -> Value {
-        let sign_bit = self.vconst(I32X4, 0x8000_0000);
-        let sign_bit = self.b.ins().bitcast(F32X4, MemFlagsData::new(), sign_bit);
-        let magnitude = self.b.ins().fabs(x);
-        let minus_two = self.f32x4(-2.0);
-        let arg = self.b.ins().fmul(magnitude, minus_two);
-        let e = self.exp4_core(arg);
-        let one = self.f32x4(1.0);
-        let num = self.b.ins().fsub(one, e);
-        let den = self.b.ins().fadd(one, e);
-        let t = self.b.ins().fdiv(num, den);
-        let sign = self.b.ins().band(x, sign_bit);
-        self.b.ins().bor(t, sign)
+        const P: [f32; 5] = [
+            0.999_999_9,
+            0.133_731_9,
+            0.003_486_573,
+            2.047_168_2e-5,
+            1.318_401_5e-8,
+        ];
+        const Q: [f32; 5] = [
+            1.0,
+            0.467_064_9,
+            0.025_841_946,
+            3.271_370_7e-4,
+            7.702_58e-7,
+        ];
+        let hi = self.f32x4(9.0);
+        let lo = self.f32x4(-9.0);
+        let x = self.pmin4(x, hi);
+        let x = self.pmax4(x, lo);
+        let z = self.b.ins().fmul(x, x);
+        let mut poly = |c: &[f32; 5]| {
+            let mut acc = self.f32x4(c[4]);
+            for k in (0..4).rev() {
+                let ck = self.f32x4(c[k]);
+                acc = self.b.ins().fma(acc, z, ck);
+            }
+            acc
+        };
+        let p = poly(&P);
+        let q = poly(&Q);
+        let xp = self.b.ins().fmul(x, p);
+        self.b.ins().fdiv(xp, q)
     }
 
     /// An f32 scalar splatted.
