@@ -3,6 +3,9 @@
 
 use codegen::plan::{Frequencies, RopePrologue};
 
+/// Positions between direct evaluations of sin and cos.
+const ANCHOR: usize = 64;
+
 /// Tables for a range of positions.
 pub struct RopeTables {
     /// `cos[(pos - pos0) * half + i]`.
@@ -22,12 +25,21 @@ impl RopeTables {
         };
         let half = freqs.len();
         let n = (end - first).max(0) as usize;
-        let (mut cos, mut sin) = (Vec::with_capacity(n * half), Vec::with_capacity(n * half));
-        for p in first..end {
-            for f in &freqs {
-                let (s, c) = (p as f64 * f).sin_cos();
-                cos.push((c * rope.attention_factor) as f32);
-                sin.push((s * rope.attention_factor) as f32);
+        let (mut cos, mut sin) = (vec![0f32; n * half], vec![0f32; n * half]);
+        let a = rope.attention_factor;
+        for (i, f) in freqs.iter().enumerate() {
+            // Rotate by one step per position (angle addition in f64), re-anchored with a direct
+            // sin/cos every ANCHOR positions so rounding cannot drift.
+            let (step_sin, step_cos) = f.sin_cos();
+            let (mut s, mut c) = (0.0, 1.0);
+            for (row, p) in (first..end).enumerate() {
+                if row % ANCHOR == 0 {
+                    (s, c) = (p as f64 * f).sin_cos();
+                } else {
+                    (s, c) = (s * step_cos + c * step_sin, c * step_cos - s * step_sin);
+                }
+                cos[row * half + i] = (c * a) as f32;
+                sin[row * half + i] = (s * a) as f32;
             }
         }
         RopeTables {
