@@ -73,6 +73,32 @@ impl<'a> Rows<'a> {
     }
 }
 
+/// Packed-key buffers kept between calls: they are large (a copy of K in f32) and fresh memory
+/// costs page faults on every call.
+struct PackedPool;
+
+static PACKED_POOL: std::sync::Mutex<Vec<Vec<f32>>> = std::sync::Mutex::new(Vec::new());
+
+impl PackedPool {
+    /// A buffer of `len` values; `pack_k` overwrites every one of them.
+    fn take(len: usize) -> Vec<f32> {
+        let reused = PACKED_POOL
+            .lock()
+            .map(|mut pool| pool.pop())
+            .unwrap_or(None);
+        let mut buffer = reused.unwrap_or_default();
+        buffer.resize(len, 0.0);
+        buffer
+    }
+
+    /// Returns buffers for later calls.
+    fn give(buffers: Vec<Vec<f32>>) {
+        if let Ok(mut pool) = PACKED_POOL.lock() {
+            pool.extend(buffers);
+        }
+    }
+}
+
 /// Shapes of one call.
 pub(super) struct Call {
     pub batch: usize,
@@ -167,7 +193,7 @@ pub(super) fn run(
         .into_par_iter()
         .map(|i| {
             let (b, kvh) = (i / hkv, i % hkv);
-            let mut kt = vec![0f32; packed_k_len(plan, skv)];
+            let mut kt = PackedPool::take(packed_k_len(plan, skv));
             let (cos, sin, table_pos0) = table_ptrs();
             let args = PackArgs {
                 k: k.ptr(b, kvh, 0),
@@ -235,5 +261,6 @@ pub(super) fn run(
             unsafe { block(&args) };
         },
     );
+    PackedPool::give(packed);
     Ok((out, lse))
 }

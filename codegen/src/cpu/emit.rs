@@ -154,16 +154,21 @@ pub(super) fn pack_k(fx: &mut Fx, plan: &KernelPlan, args: Value) {
         ));
     let zero = fx.i64(0);
     fx.for_range(zero, skv, 1, |fx, j| {
-        // Rotate a copy of the row, then scatter it into column j % tile of its tile.
-        let buf = fx.b.ins().stack_addr(I64, row_buf, 0);
+        // With RoPE, rotate a copy of the row first; then scatter the row into column j % tile
+        // of its tile.
         let src = fx.elem_scaled(k, j, stride);
-        copy(fx, buf, src, dim);
-        if let Some(rope) = &plan.rope {
-            let pos = fx.b.ins().iadd(k_pos0, j);
-            rotate(fx, rope, buf, pos, tables);
-        }
+        let row = match &plan.rope {
+            Some(rope) => {
+                let buf = fx.b.ins().stack_addr(I64, row_buf, 0);
+                copy(fx, buf, src, dim);
+                let pos = fx.b.ins().iadd(k_pos0, j);
+                rotate(fx, rope, buf, pos, tables);
+                buf
+            }
+            None => src,
+        };
         store_column(fx, kt, j, dim, |fx, d| {
-            let s = fx.elem(buf, d);
+            let s = fx.elem(row, d);
             fx.load(F32, s, 0)
         });
     });
