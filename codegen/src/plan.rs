@@ -199,36 +199,61 @@ impl KernelPlan {
         }
     }
 
+    /// How the tile of query rows `rows` and keys `keys` (inclusive index ranges) of a call with
+    /// `sq` queries against `skv` keys at offset `p0` meets the mask, for the given batch and head
+    /// ranges. Kernels skip `AllMasked` tiles and drop the mask on `AllKept` ones.
+    pub fn classify_tile(&self, rows: Interval, keys: Interval, call: CallShape) -> TileClass {
+        match &self.masking {
+            TileMasking::Unmasked => TileClass::AllKept,
+            TileMasking::Classified { .. } => {
+                let mut bounds = TileBounds::for_tile(rows, keys, call.sq, call.skv, call.p0);
+                bounds.batch = call.batch;
+                bounds.head = call.head;
+                classify(&self.program.mask, &bounds)
+            }
+        }
+    }
+
     /// The classification of every (query block, key tile) of a call with `sq` queries against
     /// `skv` keys at offset `p0`, for all batches and heads at once (a kernel classifies per
     /// head, which can only be finer).
     pub fn tile_map(&self, sq: u64, skv: u64, p0: i64) -> TileMap {
-        let (rows, cols) = (u64::from(self.tiles.q_rows), u64::from(self.tiles.k_cols));
-        let blocks = |n: u64, size: u64| {
-            (0..n.div_ceil(size)).map(move |t| (t * size, ((t + 1) * size).min(n) - 1))
+        let (rows, cols) = (i64::from(self.tiles.q_rows), i64::from(self.tiles.k_cols));
+        let call = CallShape {
+            sq: sq as i64,
+            skv: skv as i64,
+            p0,
+            batch: Interval::new(0, i64::MAX),
+            head: Interval::new(0, i64::from(self.shape.heads) - 1),
         };
-        let classes = blocks(sq, rows)
-            .map(|(q0, q1)| {
-                blocks(skv, cols)
-                    .map(|(k0, k1)| match &self.masking {
-                        TileMasking::Unmasked => TileClass::AllKept,
-                        TileMasking::Classified { .. } => {
-                            let mut bounds = TileBounds::for_tile(
-                                Interval::new(q0 as i64, q1 as i64),
-                                Interval::new(k0 as i64, k1 as i64),
-                                sq as i64,
-                                skv as i64,
-                                p0,
-                            );
-                            bounds.head = Interval::new(0, i64::from(self.shape.heads) - 1);
-                            classify(&self.program.mask, &bounds)
-                        }
-                    })
+        let blocks = |n: i64, size: i64| {
+            (0..(n + size - 1) / size)
+                .map(move |t| Interval::new(t * size, ((t + 1) * size).min(n) - 1))
+        };
+        let classes = blocks(call.sq, rows)
+            .map(|q| {
+                blocks(call.skv, cols)
+                    .map(|k| self.classify_tile(q, k, call))
                     .collect()
             })
             .collect();
         TileMap { classes }
     }
+}
+
+/// The runtime shape of a call, as tile classification needs it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CallShape {
+    /// Queries.
+    pub sq: i64,
+    /// Keys.
+    pub skv: i64,
+    /// Position of key 0.
+    pub p0: i64,
+    /// Batch indices the classification must hold for.
+    pub batch: Interval,
+    /// Heads the classification must hold for.
+    pub head: Interval,
 }
 
 /// When every use of the raw score is `score * c` (or `score / d`, `c = 1/d`) with one constant

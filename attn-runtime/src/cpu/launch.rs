@@ -4,10 +4,10 @@
 use super::rope_table::RopeTables;
 use crate::error::RuntimeError;
 use crate::tensor::Tensor;
-use attn_dsl::modifier::interval::{Interval, TileBounds, TileClass, classify};
+use attn_dsl::modifier::interval::{Interval, TileClass};
 use codegen::cpu::CpuKernel;
 use codegen::cpu::abi::{BlockArgs, PackArgs, TileCode, packed_k_len};
-use codegen::plan::{K_TILE, KernelPlan, TileMasking};
+use codegen::plan::{CallShape, K_TILE, KernelPlan};
 use rayon::prelude::*;
 
 /// f32 rows of a 4-D input: storage, offset of element 0, and strides of the three outer axes
@@ -118,24 +118,22 @@ unsafe impl Sync for Shared {}
 
 /// The tile codes of query rows `q0..q1` of one (batch, head).
 fn tile_codes(plan: &KernelPlan, call: &Call, q0: usize, q1: usize, b: usize, h: usize) -> Vec<u8> {
-    let n_tiles = call.skv.div_ceil(K_TILE as usize);
-    let TileMasking::Classified { .. } = plan.masking else {
-        return vec![TileCode::Full as u8; n_tiles];
+    let shape = CallShape {
+        sq: call.sq as i64,
+        skv: call.skv as i64,
+        p0: call.position_offset,
+        batch: Interval::point(b as i64),
+        head: Interval::point(h as i64),
     };
-    (0..n_tiles)
+    let rows = Interval::new(q0 as i64, q1 as i64 - 1);
+    let tile = K_TILE as usize;
+    (0..call.skv.div_ceil(tile))
         .map(|t| {
-            let k0 = t * K_TILE as usize;
-            let k1 = (k0 + K_TILE as usize).min(call.skv);
-            let mut bounds = TileBounds::for_tile(
-                Interval::new(q0 as i64, q1 as i64 - 1),
-                Interval::new(k0 as i64, k1 as i64 - 1),
-                call.sq as i64,
-                call.skv as i64,
-                call.position_offset,
+            let keys = Interval::new(
+                (t * tile) as i64,
+                (((t + 1) * tile).min(call.skv) - 1) as i64,
             );
-            bounds.batch = Interval::point(b as i64);
-            bounds.head = Interval::point(h as i64);
-            match classify(&plan.program.mask, &bounds) {
+            match plan.classify_tile(rows, keys, shape) {
                 TileClass::AllMasked => TileCode::Skip as u8,
                 TileClass::AllKept => TileCode::Full as u8,
                 TileClass::Mixed => TileCode::Masked as u8,

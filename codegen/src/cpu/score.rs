@@ -121,7 +121,10 @@ impl ScoreLowering<'_> {
     /// The f32x4 value of a float expression for a group of keys.
     pub fn float4(&mut self, fx: &mut Fx, u: &Uniforms, g: &GroupEnv, e: &Expr) -> Value {
         let v = self.lanes(fx, u, g, e);
-        self.as_float(fx, v)
+        match v {
+            Lanes::F(x) => x,
+            _ => unreachable!("float4 is called on f32 expressions"),
+        }
     }
 
     /// The i32x4 lane mask of a boolean expression for a group of keys.
@@ -129,13 +132,6 @@ impl ScoreLowering<'_> {
         match self.lanes(fx, u, g, e) {
             Lanes::B(m) => m,
             _ => unreachable!("the mask is typed bool"),
-        }
-    }
-
-    fn as_float(&mut self, _fx: &mut Fx, v: Lanes) -> Value {
-        match v {
-            Lanes::F(x) => x,
-            _ => unreachable!("typed f32"),
         }
     }
 
