@@ -5,12 +5,18 @@
 mod common;
 
 use attn_dsl::modifier::fold::fold;
+use attn_dsl::modifier::scale::scale;
+use attn_dsl::modifier::typecheck::typecheck;
 use attn_dsl::modifier::{Env, ScoreProgram, Value, eval};
 use attn_dsl::reference::{Pair, pair_score};
 use proptest::prelude::*;
 
 fn same(a: f64, b: f64) -> bool {
-    (a.is_nan() && b.is_nan()) || a == b || (a - b).abs() <= 1e-12 * a.abs().max(b.abs())
+    same_up_to(a, b, 1e-12)
+}
+
+fn same_up_to(a: f64, b: f64, rel: f64) -> bool {
+    (a.is_nan() && b.is_nan()) || a == b || (a - b).abs() <= rel * a.abs().max(b.abs())
 }
 
 proptest! {
@@ -67,6 +73,21 @@ proptest! {
         prop_assert!(same(eval(&e, &env).as_f64(), eval(&folded, &env).as_f64()), "{} -> {}", e, folded);
         // Compared as text: a folded NaN constant is not == to itself.
         prop_assert_eq!(fold(&folded).to_string(), folded.to_string());
+    }
+
+    #[test]
+    fn scaling_multiplies_the_value(
+        e in common::expr(attn_dsl::modifier::Ty::F32, true, 4),
+        c in prop_oneof![Just(std::f64::consts::LOG2_E), 1e-3f64..1e3],
+        score in -10.0f64..10.0,
+        b in 0i64..3, h in 0i64..8, q in -100i64..100, k in -100i64..100,
+    ) {
+        let env = Env { score, b, h, q, k, qi: 0, ki: 0 };
+        let scaled = scale(&e, c);
+        let ty = typecheck(&scaled).map_err(|err| TestCaseError::fail(format!("{scaled}: {err}")))?;
+        prop_assert_eq!(ty, attn_dsl::modifier::Ty::F32);
+        let (got, want) = (eval(&scaled, &env).as_f64(), eval(&e, &env).as_f64() * c);
+        prop_assert!(same_up_to(got, want, 1e-9), "{} x {} -> {}: {} vs {}", e, c, scaled, got, want);
     }
 }
 

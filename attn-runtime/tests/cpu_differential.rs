@@ -381,3 +381,83 @@ proptest! {
         check(&CpuBackend::new(), &text, batch, sq, skv, p0);
     }
 }
+
+/// The softmax's exponential to a few ulp, not only to the differential tolerance: with one-hot
+/// values, `out[j] / out[0]` is the kernel's `p_j / p_0 = e^(s_j - s_0)`. Scores are products of
+/// short binary fractions (exact in f32), from 0 down to -126 (past where f32 underflows); the
+/// allowance grows with the score's size because the kernel rounds `score * log2 e` once.
+#[test]
+fn softmax_probabilities_are_accurate_to_a_few_ulp() {
+    let backend = CpuBackend::new();
+    let (sq, skv, d) = (64, 64, 64);
+    for text in [
+        "heads = 1, head_dim = 64, scale = 1.0",
+        "heads = 1, head_dim = 64, scale = 1.0, position = alibi",
+    ] {
+        let spec: AttentionSpec = text.parse().unwrap();
+        let a = |i: usize| (i + 1) as f64 / 8.0;
+        let x = |j: usize| -(j as f64) / 4.0;
+        let mut q = vec![0.0; sq * d];
+        let mut k = vec![0.0; skv * d];
+        let mut v = vec![0.0; skv * d];
+        for i in 0..sq {
+            q[i * d] = a(i);
+        }
+        for j in 0..skv {
+            k[j * d] = x(j);
+            v[j * d + j] = 1.0;
+        }
+        let tensor = |n: usize, data: &[f64]| {
+            let f: Vec<f32> = data.iter().map(|&x| x as f32).collect();
+            Tensor::from_f32_as(spec.dtype, &[1, 1, n, d], f).unwrap()
+        };
+        let got = backend
+            .forward(
+                &spec,
+                &tensor(sq, &q),
+                &tensor(skv, &k),
+                &tensor(skv, &v),
+                0,
+            )
+            .unwrap()
+            .out
+            .to_f32_vec();
+        let array = |n: usize, data: Vec<f64>| Array::from_vec(&[1, 1, n, d], data).unwrap();
+        let want = reference::attention(
+            &spec,
+            &Inputs {
+                q: &array(sq, q.clone()),
+                k: &array(skv, k.clone()),
+                v: &array(skv, v.clone()),
+                position_offset: 0,
+            },
+        )
+        .unwrap()
+        .out;
+        let mut checked = 0;
+        for i in 0..sq {
+            // |score| <= a_i * 63/4 plus the ALiBi bias (slope 1/256, distance < 64).
+            let bound = a(i) * 15.75 + 0.25;
+            let allowed = 6e-7 + 3e-7 * bound;
+            let row = |o: &[f64], j: usize| o[i * d + j] / o[i * d];
+            let got_row: Vec<f64> = got.iter().map(|&g| f64::from(g)).collect();
+            for j in 1..skv {
+                let (g, w) = (row(&got_row, j), row(want.data(), j));
+                if w > 1e-30 {
+                    assert!(
+                        (g - w).abs() <= allowed * w,
+                        "{text}: q {i} key {j}: p_j/p_0 = {g:e}, want {w:e} (rel {:e})",
+                        (g - w).abs() / w
+                    );
+                    checked += 1;
+                } else {
+                    assert!(g <= 2.0 * w + 1e-37, "{text}: q {i} key {j}: {g:e} > {w:e}");
+                }
+            }
+        }
+        assert!(
+            checked > 2000,
+            "{text}: only {checked} probabilities above 1e-30"
+        );
+    }
+}

@@ -8,7 +8,9 @@
 //! 3. [`KernelPlan::forward`]: the kernel's shape (MLA absorbed into one shared KV head), tiles,
 //!    the fused RoPE prologue, the tile-masking strategy and the online-softmax epilogue.
 
+use attn_dsl::modifier::fold::fold;
 use attn_dsl::modifier::interval::{Interval, TileBounds, TileClass, classify};
+use attn_dsl::modifier::scale::scale;
 use attn_dsl::modifier::{BinOp, Expr, ScoreProgram, Var};
 use attn_dsl::reference::rope;
 use attn_dsl::{AttentionSpec, DType, KvLayout, Rope, RopeScaling};
@@ -122,11 +124,12 @@ pub struct KernelPlan {
     pub tiles: Tiles,
     /// RoPE on q and k as tiles are loaded.
     pub rope: Option<RopePrologue>,
-    /// Score pipeline and mask, folded; a constant factor on the raw score is moved into
+    /// Score pipeline and mask, folded. The score is in base 2 (the spec's score times
+    /// `log2 e`, for a softmax of `2^(s - m)`); a constant factor on the raw score is moved into
     /// `q_scale`.
     pub program: ScoreProgram,
-    /// Factor the queries are multiplied by as they load (the score scale, when the program
-    /// applies it to the raw score; else 1).
+    /// Factor the queries are multiplied by as they load (the score scale times `log2 e`, when
+    /// the program applies it to the raw score; else 1).
     pub q_scale: f64,
     /// Tile skipping and unmasking.
     pub masking: TileMasking,
@@ -171,6 +174,8 @@ impl KernelPlan {
             attention_factor: rope::attention_factor(r),
         });
         let mut program = ScoreProgram::of(spec).folded();
+        // The softmax runs in base 2: scores times log2 e, probabilities 2^(s - m).
+        program.score = fold(&scale(&program.score, std::f64::consts::LOG2_E));
         let mut q_scale = 1.0;
         while let Some((score, factor)) = hoist_score_factor(&program.score) {
             program.score = score;
@@ -414,7 +419,7 @@ impl fmt::Display for KernelPlan {
         if self.q_scale != 1.0 {
             writeln!(
                 f,
-                "  prologue  q x {:?} as rows load (the score scale, hoisted)",
+                "  prologue  q x {:?} as rows load (the score scale x log2 e, hoisted)",
                 self.q_scale
             )?;
         }
@@ -441,7 +446,7 @@ impl fmt::Display for KernelPlan {
                 )?;
             }
         }
-        writeln!(f, "  score     {}", self.program.score)?;
+        writeln!(f, "  score     {}  (base 2: x log2 e)", self.program.score)?;
         writeln!(f, "  mask      {}", self.program.mask)?;
         match &self.masking {
             TileMasking::Unmasked => writeln!(f, "  tiling    every tile unmasked")?,
@@ -457,8 +462,9 @@ impl fmt::Display for KernelPlan {
         }
         write!(
             f,
-            "  epilogue  online softmax (running max m, sum l; acc rescaled by exp(m_old - m_new)); \
-             out = acc / l as {}, lse = m + ln l as f32; rows with no kept key: out 0, lse -inf",
+            "  epilogue  online softmax in base 2 (p = 2^(s - m), running max m, sum l; acc \
+             rescaled by 2^(m_old - m_new)); out = acc / l as {}, lse = m ln 2 + ln l as f32; \
+             rows with no kept key: out 0, lse -inf",
             self.epilogue.out_dtype.name()
         )
     }

@@ -23,6 +23,7 @@ pub mod interval;
 mod lower;
 mod print;
 mod program;
+pub mod scale;
 pub mod typecheck;
 
 pub use eval::{Env, Value, eval};

@@ -25,6 +25,12 @@ macro_rules! field {
     };
 }
 
+/// Whether the score program leaves the (q-scaled) score as it is: the score microkernel's row
+/// maximum is then the tile's.
+fn identity_program(plan: &KernelPlan) -> bool {
+    plan.program.score == attn_dsl::modifier::Expr::Var(attn_dsl::modifier::Var::Score)
+}
+
 /// Rotates one row in place: `row` points at the row's first value, `pos` is its position.
 fn rotate(fx: &mut Fx, rope: &RopePrologue, row: Value, pos: Value, tables: [Value; 3]) {
     let [cos, sin, pos0] = tables;
@@ -305,7 +311,8 @@ pub(super) fn block(fx: &mut Fx, plan: &KernelPlan, refs: &Refs, tables: &mut Ta
             |fx| {
                 let call = fx.b.ins().call(refs.logf, &[lsum]);
                 let ln = fx.b.inst_results(call)[0];
-                let value = fx.b.ins().fadd(mrow, ln);
+                let ln2 = fx.f32(std::f32::consts::LN_2);
+                let value = fx.b.ins().fma(mrow, ln2, ln);
                 fx.store(value, plse, 0);
             },
             |fx| fx.store(neg_inf, plse, 0),
@@ -360,8 +367,7 @@ fn tile_step(fx: &mut Fx, plan: &KernelPlan, refs: &Refs, tables: &mut Tables, a
     let per_element = fx.b.ins().bor(partial, mixed);
     let tile_key_pos = fx.b.ins().iadd(a.k_pos0, first_key);
     let needs_mask_program = !matches!(plan.masking, TileMasking::Unmasked);
-    let identity =
-        plan.program.score == attn_dsl::modifier::Expr::Var(attn_dsl::modifier::Var::Score);
+    let identity = identity_program(plan);
 
     let zero = fx.i64(0);
     let v_dim_v = fx.i64(v_dim);
@@ -437,7 +443,7 @@ fn tile_step(fx: &mut Fx, plan: &KernelPlan, refs: &Refs, tables: &mut Tables, a
         fx.b.def_var(alpha_var, one);
         fx.if_then(grew, |fx| {
             let shift = fx.b.ins().fsub(m_old, m_use);
-            let alpha = fx.exp1(shift);
+            let alpha = fx.exp2_1_nonpositive(shift);
             fx.b.def_var(alpha_var, alpha);
         });
 
@@ -454,7 +460,7 @@ fn tile_step(fx: &mut Fx, plan: &KernelPlan, refs: &Refs, tables: &mut Tables, a
             for offset in [0, 16] {
                 let x = fx.load(F32X4, p, offset);
                 let x = fx.b.ins().fsub(x, m4);
-                let e = fx.exp4_nonpositive(x);
+                let e = fx.exp2_4_nonpositive(x);
                 fx.store(e, p, offset);
                 acc_sum = fx.b.ins().fadd(acc_sum, e);
             }
