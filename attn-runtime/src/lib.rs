@@ -5,11 +5,13 @@
 //!
 //! - [`Tensor`]: dtype, shape and strides over CPU storage;
 //! - [`io`]: safetensors files;
-//! - [`cpu`]: the CPU backend (kernel cache, microkernels, parallel launcher);
+//! - [`cache`]: KV caches for decoding (contiguous, paged, MLA latent);
+//! - [`cpu`]: the CPU backend (kernel cache, microkernels, parallel launcher, decode);
 //! - [`Attention`]: the typed API `#[attention(...)]` implements.
 
 #![warn(missing_docs)]
 
+pub mod cache;
 pub mod cpu;
 mod error;
 pub mod io;

@@ -19,8 +19,13 @@ use std::fmt;
 /// Which kernel a plan is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum PlanKind {
-    /// Prefill / training forward: a block of query rows against all keys, out and lse.
+    /// Prefill / training forward: a block of query rows of one head against all keys (packed
+    /// into tiles per call), out and lse.
     Forward,
+    /// Decoding against a KV cache: the query rows of a kv head's group of query heads (a few
+    /// queries each) against key segments read in place (cache pages, no gather), keys stored
+    /// rotated; out and lse per partition of the keys, merged by their lse (split-KV).
+    Decode,
 }
 
 /// The head geometry as the kernel sees it.
@@ -204,6 +209,20 @@ impl KernelPlan {
         }
     }
 
+    /// Plans the decode kernel of a spec: the forward plan's program, masking and RoPE (on the
+    /// queries; a cache stores keys rotated), with rows of [`DECODE_ROWS`] (query heads x
+    /// queries) and keys in segments of at most [`K_TILE`]. The spec must be valid.
+    pub fn decode(spec: &AttentionSpec) -> KernelPlan {
+        KernelPlan {
+            kind: PlanKind::Decode,
+            tiles: Tiles {
+                q_rows: DECODE_ROWS,
+                k_cols: K_TILE,
+            },
+            ..KernelPlan::forward(spec)
+        }
+    }
+
     /// How the tile of query rows `rows` and keys `keys` (inclusive index ranges) of a call with
     /// `sq` queries against `skv` keys at offset `p0` meets the mask, for the given batch and head
     /// ranges. Kernels skip `AllMasked` tiles and drop the mask on `AllKept` ones.
@@ -351,6 +370,9 @@ fn tiles_for(width: u32) -> Tiles {
 /// Keys per K/V tile.
 pub const K_TILE: u32 = 64;
 
+/// Rows (query heads of one kv head x queries) of a decode block.
+pub const DECODE_ROWS: u32 = 64;
+
 /// Tile classes of one call: rows are query blocks, columns key tiles.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TileMap {
@@ -416,6 +438,13 @@ impl fmt::Display for KernelPlan {
             "  tiles     {} query rows x {} keys",
             self.tiles.q_rows, self.tiles.k_cols
         )?;
+        if self.kind == PlanKind::Decode {
+            writeln!(
+                f,
+                "  decode    rows are query heads of one kv head x queries; keys read in place \
+                 from cache segments (stored rotated); split-KV partitions merged by lse"
+            )?;
+        }
         if self.q_scale != 1.0 {
             writeln!(
                 f,

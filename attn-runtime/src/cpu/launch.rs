@@ -5,8 +5,8 @@ use super::rope_table::RopeTables;
 use crate::error::RuntimeError;
 use crate::tensor::Tensor;
 use attn_dsl::modifier::interval::{Interval, TileClass};
-use codegen::cpu::CpuKernel;
 use codegen::cpu::abi::{BlockArgs, PackArgs, TileCode, packed_k_len};
+use codegen::cpu::{CpuKernel, Entry};
 use codegen::plan::{CallShape, K_TILE, KernelPlan};
 use rayon::prelude::*;
 
@@ -176,14 +176,19 @@ pub(super) fn run(
         None => (std::ptr::null(), std::ptr::null(), 0),
     };
 
-    // SAFETY: `pack_k` and `block` were compiled by codegen::cpu with the signature
-    // `extern "C" fn(*const Args)`; the addresses stay valid for the process.
     type PackFn = unsafe extern "C" fn(*const PackArgs);
     type BlockFn = unsafe extern "C" fn(*const BlockArgs);
+    let Entry::Forward { pack_k, block } = kernel.entry else {
+        return Err(RuntimeError::Spec(
+            "a decode kernel cannot run a forward call".into(),
+        ));
+    };
+    // SAFETY: `pack_k` and `block` were compiled by codegen::cpu with the signature
+    // `extern "C" fn(*const Args)`; the addresses stay valid for the process.
     let (pack_k, block) = unsafe {
         (
-            std::mem::transmute::<usize, PackFn>(kernel.pack_k),
-            std::mem::transmute::<usize, BlockFn>(kernel.block),
+            std::mem::transmute::<usize, PackFn>(pack_k),
+            std::mem::transmute::<usize, BlockFn>(block),
         )
     };
 

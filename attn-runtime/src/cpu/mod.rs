@@ -1,9 +1,12 @@
 //! The CPU backend: compiles plans with codegen's Cranelift backend (once per spec per process)
 //! and runs them over rayon's thread pool.
 
+mod decode;
+pub use decode::DecodeOptions;
 mod launch;
 pub mod microkernels;
-mod rope_table;
+pub(crate) mod rope_table;
+pub mod row_kernels;
 
 use crate::error::RuntimeError;
 use crate::tensor::Tensor;
@@ -11,6 +14,7 @@ use attn_dsl::{AttentionSpec, DType};
 use codegen::KernelPlan;
 use codegen::cpu::abi::Imports;
 use codegen::cpu::{CpuKernel, compile};
+use codegen::plan::PlanKind;
 use launch::{Call, Rows};
 use microkernels::Isa;
 use std::collections::HashMap;
@@ -31,7 +35,7 @@ pub struct CpuBackend {
     isa: Isa,
 }
 
-type Cache = Mutex<HashMap<(String, &'static str), Arc<CpuKernel>>>;
+type Cache = Mutex<HashMap<(String, &'static str, PlanKind), Arc<CpuKernel>>>;
 
 fn cache() -> &'static Cache {
     static CACHE: OnceLock<Cache> = OnceLock::new();
@@ -68,6 +72,16 @@ impl CpuBackend {
     /// The compiled forward kernel of a spec: compiled on first use, then cached for the
     /// process (a new shape never recompiles).
     pub fn kernel(&self, spec: &AttentionSpec) -> Result<Arc<CpuKernel>, RuntimeError> {
+        self.kernel_of(spec, PlanKind::Forward)
+    }
+
+    /// The compiled kernel of a spec for a plan kind (forward or decode), cached like
+    /// [`CpuBackend::kernel`].
+    pub fn kernel_of(
+        &self,
+        spec: &AttentionSpec,
+        kind: PlanKind,
+    ) -> Result<Arc<CpuKernel>, RuntimeError> {
         spec.validate().map_err(|f| {
             RuntimeError::Spec(
                 f.iter()
@@ -76,17 +90,24 @@ impl CpuBackend {
                     .join("; "),
             )
         })?;
-        let key = (spec.to_string(), isa_name(self.isa));
+        let key = (spec.to_string(), isa_name(self.isa), kind);
         if let Some(k) = cache().lock().expect("kernel cache lock").get(&key) {
             return Ok(Arc::clone(k));
         }
         let (qk_tile, pv_tile) = microkernels::addresses(self.isa);
+        let (qk_rows, pv_rows) = row_kernels::addresses(self.isa, spec.dtype);
         let imports = Imports {
             qk_tile,
             pv_tile,
+            qk_rows,
+            pv_rows,
             logf: microkernels::logf as *const () as usize,
         };
-        let kernel = Arc::new(compile(&KernelPlan::forward(spec), &imports)?);
+        let plan = match kind {
+            PlanKind::Forward => KernelPlan::forward(spec),
+            PlanKind::Decode => KernelPlan::decode(spec),
+        };
+        let kernel = Arc::new(compile(&plan, &imports)?);
         cache()
             .lock()
             .expect("kernel cache lock")

@@ -1,8 +1,9 @@
 //! The launch ABI of CPU kernels: the argument records the runtime fills and the generated code
 //! reads, the tile codes, the scratch layout and the microkernels generated code calls.
 //!
-//! Generated functions take one argument, a pointer to their record. Every pointer is to f32
-//! (inputs are converted to f32 by the runtime; accumulation is f32 throughout). Strides are in
+//! Generated functions take one argument, a pointer to their record. Pointers are to f32
+//! (forward inputs are converted to f32 by the runtime; accumulation is f32 throughout), except
+//! decode's keys and values, which are read in the storage dtype of a cache. Strides are in
 //! elements.
 
 use crate::plan::{K_TILE, KernelPlan};
@@ -78,6 +79,72 @@ pub struct BlockArgs {
     pub table_pos0: i64,
 }
 
+/// Arguments of the generated `decode` function: the query rows of some query heads of one kv
+/// head (its GQA group), against a list of key segments read where they lie.
+///
+/// Row `r` is query head `head0 + r / q_len` and query `qi0 + r % q_len` of the call, at
+/// position `q_pos0 + r % q_len`. Keys sit at the positions of their indices (a cache starts at
+/// position 0).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeArgs {
+    /// Row 0 of the queries (`qk_dim` f32 values per row, before RoPE).
+    pub q: *const f32,
+    /// Elements between query rows.
+    pub q_row_stride: i64,
+    /// Rows (at most the plan's `q_rows`).
+    pub rows: i64,
+    /// Queries per head in this block.
+    pub q_len: i64,
+    /// Absolute position of query 0.
+    pub q_pos0: i64,
+    /// Index of query 0 in the call.
+    pub qi0: i64,
+    /// Batch index (sequence) for the score program.
+    pub batch: i64,
+    /// Query head of rows `0..q_len`.
+    pub head0: i64,
+    /// The key segments, in key order.
+    pub segments: *const Segment,
+    /// Number of segments.
+    pub n_segments: i64,
+    /// Elements between key rows inside a segment.
+    pub k_row_stride: i64,
+    /// Elements between value rows inside a segment.
+    pub v_row_stride: i64,
+    /// Output rows (`v_dim` f32 values each, normalized).
+    pub out: *mut f32,
+    /// Elements between output rows.
+    pub out_row_stride: i64,
+    /// Output: one log-sum-exp per row (`-inf` when no key was kept).
+    pub lse: *mut f32,
+    /// Scratch of [`ScratchLayout::total`] values, private to the caller's thread.
+    pub scratch: *mut f32,
+    /// RoPE tables for the queries, as in [`PackArgs`] (keys are stored rotated).
+    pub rope_cos: *const f32,
+    /// See `rope_cos`.
+    pub rope_sin: *const f32,
+    /// See [`PackArgs::table_pos0`].
+    pub table_pos0: i64,
+}
+
+/// A run of at most [`K_TILE`] consecutive keys stored contiguously (rows of the storage dtype),
+/// such as part of one page of a paged cache.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct Segment {
+    /// Row 0 of its keys.
+    pub k: *const u8,
+    /// Row 0 of its values.
+    pub v: *const u8,
+    /// Index (= position) of its first key.
+    pub first_key: i64,
+    /// Number of keys, 1 to [`K_TILE`].
+    pub len: i64,
+    /// Its [`TileCode`] for the block's rows.
+    pub code: i64,
+}
+
 /// How a block meets one key tile (from the plan's interval classification).
 #[repr(u8)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -139,13 +206,19 @@ pub fn packed_k_len(plan: &KernelPlan, skv: usize) -> usize {
 /// Addresses of the native functions generated code calls. All use the C ABI.
 #[derive(Clone, Copy, Debug)]
 pub struct Imports {
-    /// `qk_tile(q, q_row_stride, rows, dim, kt, s, row_max)`: `s[r][j] = sum_d q[r][d] *
+    /// Forward: `qk_tile(q, q_row_stride, rows, dim, kt, s, row_max)`: `s[r][j] = sum_d q[r][d] *
     /// kt[d][j]` for `r < rows`, `j < K_TILE`, and `row_max[r] = max_j s[r][j]`; `s` has rows of
     /// `K_TILE` values.
     pub qk_tile: usize,
-    /// `pv_tile(p, rows, cols, v, v_row_stride, acc, dv)`: `acc[r][:dv] += sum_{j < cols}
-    /// p[r][j] * v[j][:dv]`; `p` has rows of `K_TILE` values, `acc` rows of `dv`.
+    /// Forward: `pv_tile(p, rows, cols, v, v_row_stride, acc, dv)`: `acc[r][:dv] += sum_{j <
+    /// cols} p[r][j] * v[j][:dv]`; `p` has rows of `K_TILE` values, `acc` rows of `dv`, `v` is f32.
     pub pv_tile: usize,
+    /// Decode: `qk_rows(q, q_row_stride, rows, dim, k, k_row_stride, n, s, row_max)`: `s[r][j] =
+    /// sum_d q[r][d] * k[j][d]` for `j < n <= K_TILE`, `row_max[r] = max_{j < n} s[r][j]`; `k`
+    /// in the plan's storage dtype.
+    pub qk_rows: usize,
+    /// Decode: `pv_tile`'s contract with `v` in the plan's storage dtype.
+    pub pv_rows: usize,
     /// `logf(x: f32) -> f32`, the natural logarithm (used once per row, and for `ln` in
     /// modifiers).
     pub logf: usize,

@@ -1,13 +1,17 @@
 //! The CPU backend: a [`KernelPlan`] lowered to machine code through Cranelift and loaded in
 //! memory (JIT).
 //!
-//! A kernel is two generated functions (see [`abi`] for their argument records):
+//! A forward kernel is two generated functions (see [`abi`] for their argument records):
 //! - `pack_k`, once per (batch, kv head): RoPE on the keys and a transpose into tiles of
 //!   [`K_TILE`](crate::plan::K_TILE) keys, the layout the score microkernel streams;
 //! - `block`, once per (batch, head, block of query rows): RoPE on the queries, then for every
 //!   key tile the plan does not skip, the scores (`qk_tile`), the score program and the mask
 //!   (vectorized, masked only on mixed or partial tiles), the online-softmax update, and the
 //!   value product (`pv_tile`); finally `out` and `lse`.
+//!
+//! A decode kernel is one function, `decode`, once per (sequence, kv head, rows, partition of
+//! the keys): the same steps over key segments read in place in the cache's dtype (`qk_rows`,
+//! `pv_rows`), every query head of the kv head sharing each key read.
 //!
 //! The dense tile products are native SIMD microkernels the runtime provides ([`abi::Imports`]);
 //! everything that varies with the spec is generated. Sequence lengths and batch are runtime
@@ -17,6 +21,7 @@ pub mod abi;
 mod emit;
 mod fx;
 mod score;
+mod step;
 
 use crate::error::CodegenError;
 use crate::plan::{KernelPlan, PlanKind};
@@ -36,19 +41,33 @@ use std::time::{Duration, Instant};
 pub struct CpuKernel {
     /// The plan compiled.
     pub plan: KernelPlan,
-    /// Address of `pack_k(args: *const PackArgs)`.
-    pub pack_k: usize,
-    /// Address of `block(args: *const BlockArgs)`.
-    pub block: usize,
+    /// The generated functions.
+    pub entry: Entry,
     /// Scratch the block function needs.
     pub scratch: abi::ScratchLayout,
     /// Time spent compiling.
     pub compile_time: Duration,
 }
 
-/// Compiles a forward plan for the host CPU.
+/// The addresses of a kernel's generated functions, by plan kind.
+#[derive(Clone, Copy, Debug)]
+pub enum Entry {
+    /// `pack_k(args: *const PackArgs)` and `block(args: *const BlockArgs)`.
+    Forward {
+        /// Address of `pack_k`.
+        pack_k: usize,
+        /// Address of `block`.
+        block: usize,
+    },
+    /// `decode(args: *const DecodeArgs)`.
+    Decode {
+        /// Address of `decode`.
+        decode: usize,
+    },
+}
+
+/// Compiles a plan for the host CPU.
 pub fn compile(plan: &KernelPlan, imports: &Imports) -> Result<CpuKernel, CodegenError> {
-    let PlanKind::Forward = plan.kind;
     let start = Instant::now();
     let mut flags = settings::builder();
     for (name, value) in [
@@ -67,6 +86,8 @@ pub fn compile(plan: &KernelPlan, imports: &Imports) -> Result<CpuKernel, Codege
     let mut builder = JITBuilder::with_isa(isa, default_libcall_names());
     builder.symbol("attn_qk_tile", imports.qk_tile as *const u8);
     builder.symbol("attn_pv_tile", imports.pv_tile as *const u8);
+    builder.symbol("attn_qk_rows", imports.qk_rows as *const u8);
+    builder.symbol("attn_pv_rows", imports.pv_rows as *const u8);
     builder.symbol("attn_logf", imports.logf as *const u8);
     let mut module = JITModule::new(builder);
 
@@ -77,27 +98,41 @@ pub fn compile(plan: &KernelPlan, imports: &Imports) -> Result<CpuKernel, Codege
         s
     };
     let err = |e: cranelift_module::ModuleError| CodegenError::Cranelift(e.to_string());
+    let forward = plan.kind == PlanKind::Forward;
+    let (qk_name, pv_name) = if forward {
+        ("attn_qk_tile", "attn_pv_tile")
+    } else {
+        ("attn_qk_rows", "attn_pv_rows")
+    };
+    let qk_params: &[_] = if forward { &[I64; 7] } else { &[I64; 9] };
     let qk = module
-        .declare_function("attn_qk_tile", Linkage::Import, &sig(&[I64; 7], &[]))
+        .declare_function(qk_name, Linkage::Import, &sig(qk_params, &[]))
         .map_err(err)?;
     let pv = module
-        .declare_function("attn_pv_tile", Linkage::Import, &sig(&[I64; 7], &[]))
+        .declare_function(pv_name, Linkage::Import, &sig(&[I64; 7], &[]))
         .map_err(err)?;
     let logf = module
         .declare_function("attn_logf", Linkage::Import, &sig(&[F32], &[F32]))
         .map_err(err)?;
 
     let entry_sig = sig(&[I64], &[]);
-    let pack_id = module
-        .declare_function("pack_k", Linkage::Local, &entry_sig)
-        .map_err(err)?;
-    let block_id = module
-        .declare_function("block", Linkage::Local, &entry_sig)
-        .map_err(err)?;
+    let names: &[&str] = if forward {
+        &["pack_k", "block"]
+    } else {
+        &["decode"]
+    };
+    let mut ids = Vec::new();
+    for name in names {
+        ids.push(
+            module
+                .declare_function(name, Linkage::Local, &entry_sig)
+                .map_err(err)?,
+        );
+    }
     let mut tables = score::Tables { data: Vec::new() };
     let mut fctx = FunctionBuilderContext::new();
 
-    for (id, is_block) in [(pack_id, false), (block_id, true)] {
+    for (&id, &name) in ids.iter().zip(names) {
         let mut ctx = module.make_context();
         ctx.func.signature = entry_sig.clone();
         ctx.func.name = UserFuncName::user(0, id.as_u32());
@@ -109,36 +144,39 @@ pub fn compile(plan: &KernelPlan, imports: &Imports) -> Result<CpuKernel, Codege
             b.seal_block(entry);
             let args = b.block_params(entry)[0];
             let refs = emit::Refs {
-                qk_tile: module.declare_func_in_func(qk, b.func),
-                pv_tile: module.declare_func_in_func(pv, b.func),
+                qk: module.declare_func_in_func(qk, b.func),
+                pv: module.declare_func_in_func(pv, b.func),
                 logf: module.declare_func_in_func(logf, b.func),
             };
             let mut fx = fx::Fx { b };
-            if is_block {
-                emit::block(&mut fx, plan, &refs, &mut tables, args);
-            } else {
-                emit::pack_k(&mut fx, plan, args);
+            match name {
+                "pack_k" => emit::pack_k(&mut fx, plan, args),
+                "block" => emit::block(&mut fx, plan, &refs, &mut tables, args),
+                _ => emit::decode(&mut fx, plan, &refs, &mut tables, args),
             }
             fx.b.finalize(module.target_config());
         }
-        module.define_function(id, &mut ctx).map_err(|e| {
-            CodegenError::Cranelift(format!(
-                "{}: {e:?}",
-                if is_block { "block" } else { "pack_k" }
-            ))
-        })?;
+        module
+            .define_function(id, &mut ctx)
+            .map_err(|e| CodegenError::Cranelift(format!("{name}: {e:?}")))?;
         module.clear_context(&mut ctx);
     }
     module.finalize_definitions().map_err(err)?;
-    let pack_k = module.get_finalized_function(pack_id) as usize;
-    let block = module.get_finalized_function(block_id) as usize;
+    let address = |i: usize| module.get_finalized_function(ids[i]) as usize;
+    let entry = if forward {
+        Entry::Forward {
+            pack_k: address(0),
+            block: address(1),
+        }
+    } else {
+        Entry::Decode { decode: address(0) }
+    };
     // The code and the constant tables it reads stay mapped for the life of the process.
     Box::leak(Box::new(module));
     Box::leak(Box::new(tables));
     Ok(CpuKernel {
         plan: plan.clone(),
-        pack_k,
-        block,
+        entry,
         scratch: abi::ScratchLayout::of(plan),
         compile_time: start.elapsed(),
     })

@@ -1,0 +1,143 @@
+//! KV caches for decoding, derived from the spec: what they store per token
+//! ([`CacheLayout`]: per-head keys and values, or MLA's latent and shared RoPE key), in the spec's
+//! dtype, with keys rotated as they are appended (positions come from the cache's length; YaRN's
+//! attention factor is in the rotation, applied once).
+//!
+//! - [`ContiguousCache`]: each sequence in one growing allocation;
+//! - [`PagedCache`]: a pool of fixed-size blocks, per-sequence block tables, a free list, and
+//!   copy-free forks that share a prefix's blocks (copy on write of a shared last block).
+//!
+//! Decode kernels read either through [`KvCache::runs`], the stretches of consecutive keys
+//! that lie contiguously (a page, or a whole sequence): no gather copy.
+
+mod contiguous;
+mod layout;
+mod paged;
+mod store;
+
+pub use contiguous::ContiguousCache;
+pub use layout::CacheLayout;
+pub use paged::PagedCache;
+
+use crate::error::RuntimeError;
+use crate::tensor::Tensor;
+use attn_dsl::AttentionSpec;
+use store::NewTokens;
+
+/// A sequence in a cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SeqId(pub(crate) usize);
+
+/// Consecutive keys stored contiguously: rows of the cache's dtype.
+#[derive(Clone, Copy, Debug)]
+pub struct Run {
+    /// Key row of the first key.
+    pub k: *const u8,
+    /// Value row of the first key.
+    pub v: *const u8,
+    /// Index (= position) of the first key.
+    pub first: usize,
+    /// Number of keys.
+    pub len: usize,
+}
+
+/// What decode kernels need from a cache.
+pub trait KvCache {
+    /// What the cache stores.
+    fn layout(&self) -> &CacheLayout;
+    /// Tokens cached for `seq`.
+    fn seq_len(&self, seq: SeqId) -> Result<usize, RuntimeError>;
+    /// The runs covering keys `start..end` of `seq` for kv head `head`, in order. Pointers stay
+    /// valid while the cache is borrowed.
+    fn runs(
+        &self,
+        seq: SeqId,
+        head: usize,
+        start: usize,
+        end: usize,
+    ) -> Result<Vec<Run>, RuntimeError>;
+}
+
+fn unknown(seq: SeqId) -> RuntimeError {
+    RuntimeError::Cache(format!("sequence {} is not in this cache", seq.0))
+}
+
+/// Checks and converts the tensors of an append: per-head `k [kv_heads, n, head_dim]` and
+/// `v [kv_heads, n, v_head_dim]`, or for MLA `c_kv [n, latent_rank]` and `k_pe [n, rope_dim]`
+/// (the `k` and `v` arguments).
+fn new_tokens(layout: &CacheLayout, k: &Tensor, v: &Tensor) -> Result<NewTokens, RuntimeError> {
+    for (name, t) in [("k", k), ("v", v)] {
+        if t.dtype() != layout.dtype {
+            return Err(RuntimeError::DType {
+                tensor: name.into(),
+                found: t.dtype().name().into(),
+                expected: layout.dtype.name().into(),
+            });
+        }
+    }
+    let shape_err = |name: &str, t: &Tensor, expected: String| RuntimeError::Shape {
+        tensor: name.into(),
+        found: t.shape().to_vec(),
+        expected,
+    };
+    if layout.values_in_keys {
+        let rank = layout.v_dim;
+        let rope = layout.k_dim - rank;
+        let n = match k.shape() {
+            [n, r] if *r == rank => *n,
+            _ => {
+                return Err(shape_err(
+                    "c_kv",
+                    k,
+                    format!("[n, {rank}] (tokens, latent_rank)"),
+                ));
+            }
+        };
+        if v.shape() != [n, rope] {
+            return Err(shape_err(
+                "k_pe",
+                v,
+                format!("[{n}, {rope}] (tokens, rope_dim)"),
+            ));
+        }
+        let (c, pe) = (k.to_f32_vec(), v.to_f32_vec());
+        let mut rows = Vec::with_capacity(n * layout.k_dim);
+        for t in 0..n {
+            rows.extend_from_slice(&c[t * rank..(t + 1) * rank]);
+            rows.extend_from_slice(&pe[t * rope..(t + 1) * rope]);
+        }
+        return Ok(NewTokens {
+            n,
+            k: rows,
+            v: Vec::new(),
+        });
+    }
+    let (h, dk, dv) = (layout.kv_heads, layout.k_dim, layout.v_dim);
+    let n = match k.shape() {
+        [hh, n, d] if *hh == h && *d == dk => *n,
+        _ => {
+            return Err(shape_err(
+                "k",
+                k,
+                format!("[{h}, n, {dk}] (kv_heads, tokens, head_dim)"),
+            ));
+        }
+    };
+    if v.shape() != [h, n, dv] {
+        return Err(shape_err(
+            "v",
+            v,
+            format!("[{h}, {n}, {dv}] (kv_heads, tokens, v_head_dim)"),
+        ));
+    }
+    Ok(NewTokens {
+        n,
+        k: k.to_f32_vec(),
+        v: v.to_f32_vec(),
+    })
+}
+
+/// The layout of a spec's cache, checked.
+fn layout_of(spec: &AttentionSpec) -> Result<CacheLayout, RuntimeError> {
+    CacheLayout::of(spec)
+}

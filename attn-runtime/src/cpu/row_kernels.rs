@@ -1,0 +1,352 @@
+//! The dense products of decode kernels, on keys and values read where a cache stores them (rows
+//! of f32, bf16 or f16), converted to f32 in registers: `qk_rows` and `pv_rows`. AVX-512, or
+//! portable Rust (also what AVX2-only CPUs use: decoding is bound by memory, not arithmetic).
+//!
+//! Contract (see `codegen::cpu::abi::Imports`): `qk_rows(q, q_stride, rows, dim, k, k_stride, n,
+//! s, row_max)` writes `s[r*K + j] = sum_d q[r*q_stride + d] * k[j*k_stride + d]` for
+//! `r < rows`, `j < n <= K`, and `row_max[r] = max_{j < n} s[r*K + j]`;
+//! `pv_rows(p, rows, cols, v, v_stride, acc, dv)` adds `sum_{j < cols} p[r*K + j] *
+//! v[j*v_stride + c]` to `acc[r*dv + c]`.
+
+use super::microkernels::Isa;
+use attn_dsl::DType;
+use codegen::plan::K_TILE;
+use half::{bf16, f16};
+
+const K: usize = K_TILE as usize;
+
+/// A storage element of a cache.
+pub(crate) trait Elem: Copy {
+    fn to_f32(self) -> f32;
+}
+
+impl Elem for f32 {
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl Elem for bf16 {
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+}
+
+impl Elem for f16 {
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+}
+
+type QkRows =
+    unsafe extern "C" fn(*const f32, i64, i64, i64, *const u8, i64, i64, *mut f32, *mut f32);
+type PvRows = unsafe extern "C" fn(*const f32, i64, i64, *const u8, i64, *mut f32, i64);
+
+/// `qk_rows` and `pv_rows` for an instruction set and storage dtype, as C-ABI addresses.
+pub fn addresses(isa: Isa, dtype: DType) -> (usize, usize) {
+    let (qk, pv): (QkRows, PvRows) = match (isa, dtype) {
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx512, DType::F32) => (x86::qk_rows::<f32>, x86::pv_rows::<f32>),
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx512, DType::Bf16) => (x86::qk_rows::<bf16>, x86::pv_rows::<bf16>),
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx512, DType::F16) => (x86::qk_rows::<f16>, x86::pv_rows::<f16>),
+        (_, DType::F32) => (qk_portable::<f32>, pv_portable::<f32>),
+        (_, DType::Bf16) => (qk_portable::<bf16>, pv_portable::<bf16>),
+        (_, DType::F16) => (qk_portable::<f16>, pv_portable::<f16>),
+    };
+    (qk as usize, pv as usize)
+}
+
+/// Portable `qk_rows`.
+///
+/// # Safety
+/// The pointers must address the ranges in the module contract, `k` holding elements `E`.
+unsafe extern "C" fn qk_portable<E: Elem>(
+    q: *const f32,
+    q_stride: i64,
+    rows: i64,
+    dim: i64,
+    k: *const u8,
+    k_stride: i64,
+    n: i64,
+    s: *mut f32,
+    row_max: *mut f32,
+) {
+    let (rows, dim, q_stride, k_stride, n) = (
+        rows as usize,
+        dim as usize,
+        q_stride as usize,
+        k_stride as usize,
+        n as usize,
+    );
+    if rows == 0 || n == 0 {
+        return;
+    }
+    // SAFETY: the module contract: `rows` query rows, `n` key rows, `rows * K` scores and `rows`
+    // maxima.
+    let (q, k, s, row_max) = unsafe {
+        (
+            std::slice::from_raw_parts(q, (rows - 1) * q_stride + dim),
+            std::slice::from_raw_parts(k.cast::<E>(), (n - 1) * k_stride + dim),
+            std::slice::from_raw_parts_mut(s, rows * K),
+            std::slice::from_raw_parts_mut(row_max, rows),
+        )
+    };
+    for j in 0..n {
+        let key: Vec<f32> = k[j * k_stride..j * k_stride + dim]
+            .iter()
+            .map(|x| x.to_f32())
+            .collect();
+        for r in 0..rows {
+            let qr = &q[r * q_stride..r * q_stride + dim];
+            s[r * K + j] = qr.iter().zip(&key).map(|(a, b)| a * b).sum();
+        }
+    }
+    for r in 0..rows {
+        row_max[r] = s[r * K..r * K + n]
+            .iter()
+            .copied()
+            .fold(f32::NEG_INFINITY, f32::max);
+    }
+}
+
+/// Portable `pv_rows`.
+///
+/// # Safety
+/// The pointers must address the ranges in the module contract, `v` holding elements `E`.
+unsafe extern "C" fn pv_portable<E: Elem>(
+    p: *const f32,
+    rows: i64,
+    cols: i64,
+    v: *const u8,
+    v_stride: i64,
+    acc: *mut f32,
+    dv: i64,
+) {
+    let (rows, cols, v_stride, dv) = (rows as usize, cols as usize, v_stride as usize, dv as usize);
+    if rows == 0 || cols == 0 {
+        return;
+    }
+    // SAFETY: the module contract: `rows * K` probabilities, `cols` value rows, `rows * dv` acc.
+    let (p, v, acc) = unsafe {
+        (
+            std::slice::from_raw_parts(p, rows * K),
+            std::slice::from_raw_parts(v.cast::<E>(), (cols - 1) * v_stride + dv),
+            std::slice::from_raw_parts_mut(acc, rows * dv),
+        )
+    };
+    for j in 0..cols {
+        let value: Vec<f32> = v[j * v_stride..j * v_stride + dv]
+            .iter()
+            .map(|x| x.to_f32())
+            .collect();
+        for r in 0..rows {
+            let w = p[r * K + j];
+            for (o, x) in acc[r * dv..(r + 1) * dv].iter_mut().zip(&value) {
+                *o += w * x;
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+// Index loops mirror the register blocking (rows x vectors).
+#[allow(clippy::needless_range_loop)]
+mod x86 {
+    use super::{Elem, K};
+    use half::{bf16, f16};
+    use std::arch::x86_64::*;
+
+    /// Sixteen elements at `ptr` as f32 lanes; lanes at or past `count` (< 16 only at a row's
+    /// end) are zero and not read.
+    pub(super) trait Load16: Elem {
+        /// # Safety
+        /// `ptr..ptr + count.min(16)` must be readable; AVX-512F must be present.
+        unsafe fn load16(ptr: *const Self, count: usize) -> __m512;
+    }
+
+    fn lane_mask(count: usize) -> __mmask16 {
+        if count >= 16 {
+            0xffff
+        } else {
+            ((1u32 << count) - 1) as __mmask16
+        }
+    }
+
+    /// Sixteen 16-bit values, through a zeroed buffer at a row's end.
+    ///
+    /// # Safety
+    /// As [`Load16::load16`].
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load_halves(ptr: *const u16, count: usize) -> __m256i {
+        // SAFETY: a full load reads 16 values the caller guarantees; a partial one copies only
+        // `count` of them.
+        unsafe {
+            if count >= 16 {
+                _mm256_loadu_si256(ptr.cast())
+            } else {
+                let mut buf = [0u16; 16];
+                std::ptr::copy_nonoverlapping(ptr, buf.as_mut_ptr(), count);
+                _mm256_loadu_si256(buf.as_ptr().cast())
+            }
+        }
+    }
+
+    impl Load16 for f32 {
+        #[target_feature(enable = "avx512f")]
+        unsafe fn load16(ptr: *const f32, count: usize) -> __m512 {
+            // SAFETY: masked lanes are not read.
+            unsafe { _mm512_maskz_loadu_ps(lane_mask(count), ptr) }
+        }
+    }
+
+    impl Load16 for bf16 {
+        #[target_feature(enable = "avx512f")]
+        unsafe fn load16(ptr: *const bf16, count: usize) -> __m512 {
+            // SAFETY: as `load_halves`; bf16 is the upper half of an f32.
+            unsafe {
+                let h = load_halves(ptr.cast(), count);
+                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+            }
+        }
+    }
+
+    impl Load16 for f16 {
+        #[target_feature(enable = "avx512f")]
+        unsafe fn load16(ptr: *const f16, count: usize) -> __m512 {
+            // SAFETY: as `load_halves`.
+            unsafe { _mm512_cvtph_ps(load_halves(ptr.cast(), count)) }
+        }
+    }
+
+    /// AVX-512 `qk_rows`: each key row is read once per four query rows.
+    ///
+    /// # Safety
+    /// The module contract, on a CPU with AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe extern "C" fn qk_rows<E: Load16>(
+        q: *const f32,
+        q_stride: i64,
+        rows: i64,
+        dim: i64,
+        k: *const u8,
+        k_stride: i64,
+        n: i64,
+        s: *mut f32,
+        row_max: *mut f32,
+    ) {
+        let (rows, dim, q_stride, k_stride, n) = (
+            rows as usize,
+            dim as usize,
+            q_stride as usize,
+            k_stride as usize,
+            n as usize,
+        );
+        let k = k.cast::<E>();
+        // SAFETY: rows r < rows, keys j < n, dims d < dim (tails masked): the contract's ranges.
+        unsafe {
+            for j in 0..n {
+                let key = k.add(j * k_stride);
+                let mut r = 0;
+                while r < rows {
+                    let block = (rows - r).min(4);
+                    let mut acc = [_mm512_setzero_ps(); 4];
+                    let mut d = 0;
+                    while d < dim {
+                        let count = dim - d;
+                        let kv = E::load16(key.add(d), count);
+                        let mask = lane_mask(count);
+                        for i in 0..block {
+                            let qv = _mm512_maskz_loadu_ps(mask, q.add((r + i) * q_stride + d));
+                            acc[i] = _mm512_fmadd_ps(qv, kv, acc[i]);
+                        }
+                        d += 16;
+                    }
+                    for i in 0..block {
+                        *s.add((r + i) * K + j) = _mm512_reduce_add_ps(acc[i]);
+                    }
+                    r += block;
+                }
+            }
+            for r in 0..rows {
+                let mut m = f32::NEG_INFINITY;
+                for j in 0..n {
+                    m = m.max(*s.add(r * K + j));
+                }
+                *row_max.add(r) = m;
+            }
+        }
+    }
+
+    /// AVX-512 `pv_rows`: four rows by 64 value dims per step; each value row is read once per
+    /// four query rows.
+    ///
+    /// # Safety
+    /// The module contract, on a CPU with AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe extern "C" fn pv_rows<E: Load16>(
+        p: *const f32,
+        rows: i64,
+        cols: i64,
+        v: *const u8,
+        v_stride: i64,
+        acc: *mut f32,
+        dv: i64,
+    ) {
+        let (rows, cols, v_stride, dv) =
+            (rows as usize, cols as usize, v_stride as usize, dv as usize);
+        let v = v.cast::<E>();
+        // SAFETY: rows r < rows, value rows j < cols, columns c < dv (tails masked).
+        unsafe {
+            let mut c0 = 0;
+            while c0 < dv {
+                let width = (dv - c0).min(64);
+                let counts = [0, 1, 2, 3].map(|q| width.saturating_sub(16 * q));
+                let mut r = 0;
+                while r < rows {
+                    let block = (rows - r).min(4);
+                    let mut a = [[_mm512_setzero_ps(); 4]; 4];
+                    for i in 0..block {
+                        for q in 0..4 {
+                            if counts[q] > 0 {
+                                a[i][q] = _mm512_maskz_loadu_ps(
+                                    lane_mask(counts[q]),
+                                    acc.add((r + i) * dv + c0 + 16 * q),
+                                );
+                            }
+                        }
+                    }
+                    for j in 0..cols {
+                        let row = v.add(j * v_stride + c0);
+                        let mut vals = [_mm512_setzero_ps(); 4];
+                        for q in 0..4 {
+                            if counts[q] > 0 {
+                                vals[q] = E::load16(row.add(16 * q), counts[q]);
+                            }
+                        }
+                        for i in 0..block {
+                            let w = _mm512_set1_ps(*p.add((r + i) * K + j));
+                            for q in 0..4 {
+                                a[i][q] = _mm512_fmadd_ps(w, vals[q], a[i][q]);
+                            }
+                        }
+                    }
+                    for i in 0..block {
+                        for q in 0..4 {
+                            if counts[q] > 0 {
+                                _mm512_mask_storeu_ps(
+                                    acc.add((r + i) * dv + c0 + 16 * q),
+                                    lane_mask(counts[q]),
+                                    a[i][q],
+                                );
+                            }
+                        }
+                    }
+                    r += block;
+                }
+                c0 += 64;
+            }
+        }
+    }
+}
