@@ -313,3 +313,35 @@ fn bench_prints_one_json_line() {
     }
     assert_eq!(line.trim().lines().count(), 1);
 }
+
+#[test]
+fn bench_decode_prints_one_json_line_and_rejects_bad_specs() {
+    let o = attnc(&[
+        "bench-decode",
+        "heads = 4, kv_heads = 2, head_dim = 32, mask = causal",
+        "--kv-len",
+        "300",
+        "--batch",
+        "2",
+        "--block-size",
+        "16",
+        "--reps",
+        "2",
+        "--json",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let line = stdout(&o);
+    let v: serde_json::Value = serde_json::from_str(line.trim()).unwrap();
+    for key in ["median_us", "gbps"] {
+        assert!(v[key].as_f64().unwrap() > 0.0, "{key} in {line}");
+    }
+    assert_eq!(line.trim().lines().count(), 1);
+    let o = attnc(&[
+        "bench-decode",
+        "heads = 4, head_dim = 32, position = rope(scaling = dynamic(factor = 2.0, \
+         original_max_position = 64))",
+        "--json",
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("dynamic NTK"), "{}", stderr(&o));
+}

@@ -244,29 +244,25 @@ mod x86 {
             n as usize,
         );
         let k = k.cast::<E>();
+        let x = Qk {
+            q,
+            q_stride,
+            dim,
+            k,
+            k_stride,
+            s,
+        };
         // SAFETY: rows r < rows, keys j < n, dims d < dim (tails masked): the contract's ranges.
         unsafe {
             for j in 0..n {
-                let key = k.add(j * k_stride);
                 let mut r = 0;
+                while r + 4 <= rows {
+                    qk_group::<E, 4>(&x, r, j);
+                    r += 4;
+                }
                 while r < rows {
-                    let block = (rows - r).min(4);
-                    let mut acc = [_mm512_setzero_ps(); 4];
-                    let mut d = 0;
-                    while d < dim {
-                        let count = dim - d;
-                        let kv = E::load16(key.add(d), count);
-                        let mask = lane_mask(count);
-                        for i in 0..block {
-                            let qv = _mm512_maskz_loadu_ps(mask, q.add((r + i) * q_stride + d));
-                            acc[i] = _mm512_fmadd_ps(qv, kv, acc[i]);
-                        }
-                        d += 16;
-                    }
-                    for i in 0..block {
-                        *s.add((r + i) * K + j) = _mm512_reduce_add_ps(acc[i]);
-                    }
-                    r += block;
+                    qk_group::<E, 1>(&x, r, j);
+                    r += 1;
                 }
             }
             for r in 0..rows {
@@ -275,6 +271,45 @@ mod x86 {
                     m = m.max(*s.add(r * K + j));
                 }
                 *row_max.add(r) = m;
+            }
+        }
+    }
+
+    /// The operands of `qk_rows`.
+    struct Qk<E> {
+        q: *const f32,
+        q_stride: usize,
+        dim: usize,
+        k: *const E,
+        k_stride: usize,
+        s: *mut f32,
+    }
+
+    /// Scores of key `j` for rows `r..r+R`; `R` is a constant so the accumulators stay in
+    /// registers.
+    ///
+    /// # Safety
+    /// As [`qk_rows`], with `r + R <= rows` and `j < n`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn qk_group<E: Load16, const R: usize>(x: &Qk<E>, r: usize, j: usize) {
+        // SAFETY: the caller's ranges.
+        unsafe {
+            let key = x.k.add(j * x.k_stride);
+            let mut acc = [_mm512_setzero_ps(); R];
+            let mut d = 0;
+            while d < x.dim {
+                let count = x.dim - d;
+                let kv = E::load16(key.add(d), count);
+                let mask = lane_mask(count);
+                for i in 0..R {
+                    let qv = _mm512_maskz_loadu_ps(mask, x.q.add((r + i) * x.q_stride + d));
+                    acc[i] = _mm512_fmadd_ps(qv, kv, acc[i]);
+                }
+                d += 16;
+            }
+            for i in 0..R {
+                *x.s.add((r + i) * K + j) = _mm512_reduce_add_ps(acc[i]);
             }
         }
     }
@@ -302,50 +337,76 @@ mod x86 {
             let mut c0 = 0;
             while c0 < dv {
                 let width = (dv - c0).min(64);
-                let counts = [0, 1, 2, 3].map(|q| width.saturating_sub(16 * q));
+                let x = Pv {
+                    p,
+                    cols,
+                    v: v.add(c0),
+                    v_stride,
+                    acc: acc.add(c0),
+                    dv,
+                    counts: [0, 1, 2, 3].map(|q| width.saturating_sub(16 * q).min(16)),
+                };
                 let mut r = 0;
+                while r + 4 <= rows {
+                    pv_group::<E, 4>(&x, r);
+                    r += 4;
+                }
                 while r < rows {
-                    let block = (rows - r).min(4);
-                    let mut a = [[_mm512_setzero_ps(); 4]; 4];
-                    for i in 0..block {
-                        for q in 0..4 {
-                            if counts[q] > 0 {
-                                a[i][q] = _mm512_maskz_loadu_ps(
-                                    lane_mask(counts[q]),
-                                    acc.add((r + i) * dv + c0 + 16 * q),
-                                );
-                            }
-                        }
-                    }
-                    for j in 0..cols {
-                        let row = v.add(j * v_stride + c0);
-                        let mut vals = [_mm512_setzero_ps(); 4];
-                        for q in 0..4 {
-                            if counts[q] > 0 {
-                                vals[q] = E::load16(row.add(16 * q), counts[q]);
-                            }
-                        }
-                        for i in 0..block {
-                            let w = _mm512_set1_ps(*p.add((r + i) * K + j));
-                            for q in 0..4 {
-                                a[i][q] = _mm512_fmadd_ps(w, vals[q], a[i][q]);
-                            }
-                        }
-                    }
-                    for i in 0..block {
-                        for q in 0..4 {
-                            if counts[q] > 0 {
-                                _mm512_mask_storeu_ps(
-                                    acc.add((r + i) * dv + c0 + 16 * q),
-                                    lane_mask(counts[q]),
-                                    a[i][q],
-                                );
-                            }
-                        }
-                    }
-                    r += block;
+                    pv_group::<E, 1>(&x, r);
+                    r += 1;
                 }
                 c0 += 64;
+            }
+        }
+    }
+
+    /// One 64-column panel of `pv_rows`.
+    struct Pv<E> {
+        p: *const f32,
+        cols: usize,
+        v: *const E,
+        v_stride: usize,
+        acc: *mut f32,
+        dv: usize,
+        /// Lanes of each of the panel's four vectors (0 past `dv`).
+        counts: [usize; 4],
+    }
+
+    /// Rows `r..r+R` of a panel; `R` is a constant so the `4R` accumulators stay in registers.
+    ///
+    /// # Safety
+    /// As [`pv_rows`], with `r + R <= rows`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn pv_group<E: Load16, const R: usize>(x: &Pv<E>, r: usize) {
+        // SAFETY: the caller's ranges; lanes past `counts` are neither read nor written.
+        unsafe {
+            let masks = x.counts.map(lane_mask);
+            let mut a = [[_mm512_setzero_ps(); 4]; R];
+            for i in 0..R {
+                for q in 0..4 {
+                    a[i][q] = _mm512_maskz_loadu_ps(masks[q], x.acc.add((r + i) * x.dv + 16 * q));
+                }
+            }
+            for j in 0..x.cols {
+                let row = x.v.add(j * x.v_stride);
+                let mut vals = [_mm512_setzero_ps(); 4];
+                for q in 0..4 {
+                    if x.counts[q] > 0 {
+                        vals[q] = E::load16(row.add(16 * q), x.counts[q]);
+                    }
+                }
+                for i in 0..R {
+                    let w = _mm512_set1_ps(*x.p.add((r + i) * K + j));
+                    for q in 0..4 {
+                        a[i][q] = _mm512_fmadd_ps(w, vals[q], a[i][q]);
+                    }
+                }
+            }
+            for i in 0..R {
+                for q in 0..4 {
+                    _mm512_mask_storeu_ps(x.acc.add((r + i) * x.dv + 16 * q), masks[q], a[i][q]);
+                }
             }
         }
     }

@@ -22,7 +22,8 @@ pub struct Timing {
     pub compile_ms: f64,
 }
 
-fn random(spec: &AttentionSpec, shape: &[usize], seed: u64) -> Result<Tensor, RuntimeError> {
+/// Random values in [-1, 1) of the spec's dtype (deterministic per seed).
+pub fn random(spec: &AttentionSpec, shape: &[usize], seed: u64) -> Result<Tensor, RuntimeError> {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     let values = (0..shape.iter().product::<usize>())
         .map(|_| {

@@ -4,6 +4,7 @@
 //! with a message on stderr that says what was wrong and where.
 
 mod bench;
+mod bench_decode;
 mod explain;
 mod ir;
 mod run;
@@ -80,6 +81,30 @@ enum Command {
         #[arg(long, value_name = "R", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=10_000))]
         reps: u64,
         /// Print one JSON line {"median_ms", "gflops", "compile_ms"}.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Time decoding steps against a paged KV cache: median time per step and the effective
+    /// GB/s of K and V read (every cached token of every sequence, in the cache's dtype).
+    BenchDecode {
+        /// The spec, in the spec language, or @FILE to read it from a file.
+        spec: String,
+        /// Cached tokens per sequence.
+        #[arg(long, value_name = "L", default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
+        kv_len: u64,
+        /// Sequences.
+        #[arg(long, value_name = "B", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=4096))]
+        batch: u64,
+        /// New queries per sequence and step.
+        #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
+        q_len: u64,
+        /// Tokens per cache block.
+        #[arg(long, value_name = "T", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=65_536))]
+        block_size: u64,
+        /// Timed steps (after two warm-up steps).
+        #[arg(long, value_name = "R", default_value_t = 50, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+        reps: u64,
+        /// Print one JSON line {"median_us", "gbps"}.
         #[arg(long)]
         json: bool,
     },
@@ -168,6 +193,43 @@ fn main() -> ExitCode {
                 println!(
                     "median {:.3} ms, {:.1} GFLOP/s, kernel compiled in {:.2} ms",
                     t.median_ms, t.gflops, t.compile_ms
+                );
+            }
+            Ok(())
+        }),
+        Command::BenchDecode {
+            spec,
+            kv_len,
+            batch,
+            q_len,
+            block_size,
+            reps,
+            json,
+        } => spec_arg::load(&spec).and_then(|(spec, _)| {
+            let shape = bench_decode::Shape {
+                batch: batch as usize,
+                kv_len: kv_len as usize,
+                q_len: q_len as usize,
+                block_size: block_size as usize,
+                reps: reps as usize,
+            };
+            if !json {
+                eprintln!(
+                    "timing decode steps of {spec}\n  batch {}, cache {} tokens in blocks of {}, \
+                     {} queries per step, {} steps",
+                    shape.batch, shape.kv_len, shape.block_size, shape.q_len, shape.reps
+                );
+            }
+            let t = bench_decode::bench(&spec, &shape, !json).map_err(|e| format!("error: {e}"))?;
+            if json {
+                println!(
+                    "{{\"median_us\": {:.2}, \"gbps\": {:.2}}}",
+                    t.median_us, t.gbps
+                );
+            } else {
+                println!(
+                    "median {:.1} us per step, {:.2} GB/s of K+V read, kernel compiled in {:.2} ms",
+                    t.median_us, t.gbps, t.compile_ms
                 );
             }
             Ok(())

@@ -1,0 +1,92 @@
+//! `attnc bench-decode`: times decoding steps against a paged KV cache filled with random keys.
+
+use crate::bench::random;
+use attn::AttentionSpec;
+use attn::runtime::RuntimeError;
+use attn::runtime::cache::{KvCache, PagedCache};
+use attn::runtime::cpu::{CpuBackend, DecodeOptions};
+use std::time::Instant;
+
+/// What to time.
+pub struct Shape {
+    pub batch: usize,
+    pub kv_len: usize,
+    pub q_len: usize,
+    pub block_size: usize,
+    pub reps: usize,
+}
+
+/// Timings of one step.
+pub struct Timing {
+    pub median_us: f64,
+    /// Bytes of K and V the step reads (every cached token of every sequence), per second.
+    pub gbps: f64,
+    pub compile_ms: f64,
+}
+
+/// Fills a paged cache with `kv_len` tokens per sequence, then times `reps` steps of `q_len`
+/// queries per sequence (median).
+pub fn bench(spec: &AttentionSpec, shape: &Shape, progress: bool) -> Result<Timing, RuntimeError> {
+    if spec.mla().is_some() {
+        return Err(RuntimeError::Spec(
+            "bench-decode does not support MLA specs yet".into(),
+        ));
+    }
+    let backend = CpuBackend::new();
+    let kernel = backend.kernel_of(spec, attn::codegen::plan::PlanKind::Decode)?;
+    let compile_ms = kernel.compile_time.as_secs_f64() * 1e3;
+    let (b, h, hkv) = (shape.batch, spec.heads as usize, spec.kv_heads() as usize);
+    let (d, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
+    let blocks = b * shape.kv_len.div_ceil(shape.block_size);
+    let mut cache = PagedCache::new(spec, shape.block_size, blocks)?;
+    let mut seqs = Vec::with_capacity(b);
+    // Fill in chunks so the random tensors stay small.
+    let chunk = 1024;
+    for s in 0..b {
+        let seq = cache.add_sequence();
+        let mut filled = 0;
+        while filled < shape.kv_len {
+            let n = chunk.min(shape.kv_len - filled);
+            let k = random(spec, &[hkv, n, d], (s * 1000 + filled) as u64)?;
+            let v = random(spec, &[hkv, n, dv], (s * 1000 + filled + 7) as u64)?;
+            cache.append(seq, &k, &v)?;
+            filled += n;
+        }
+        if progress {
+            eprint!("\r  filled {}/{b} sequences", s + 1);
+        }
+        seqs.push(seq);
+    }
+    if progress {
+        eprintln!();
+    }
+    let q = random(spec, &[b, h, shape.q_len, d], 1)?;
+    let step = || backend.decode(spec, &q, &cache, &seqs, DecodeOptions::default());
+    step()?;
+    step()?;
+    let mut times = Vec::with_capacity(shape.reps);
+    for i in 0..shape.reps {
+        let start = Instant::now();
+        step()?;
+        times.push(start.elapsed().as_secs_f64() * 1e6);
+        if progress {
+            eprint!(
+                "\r  {}/{} steps, last {:.1} us",
+                i + 1,
+                shape.reps,
+                times[i]
+            );
+        }
+    }
+    if progress {
+        eprintln!();
+    }
+    times.sort_by(f64::total_cmp);
+    let median_us = times[times.len() / 2];
+    let bytes = b as f64 * cache.seq_len(seqs[0])? as f64 * cache.layout().bytes_per_token() as f64;
+    Ok(Timing {
+        median_us,
+        gbps: bytes / (median_us * 1e-6) / 1e9,
+        compile_ms,
+    })
+}
