@@ -7,7 +7,7 @@ use attn_dsl::reference::{self, Array, Inputs};
 use attn_runtime::Tensor;
 use attn_runtime::cache::{ContiguousCache, KvCache, PagedCache, SeqId};
 use attn_runtime::cpu::microkernels::Isa;
-use attn_runtime::cpu::{CpuBackend, DecodeOptions};
+use attn_runtime::cpu::{CpuBackend, DecodeOptions, MlaQueries};
 
 /// Deterministic values in [-1, 1).
 fn values(n: usize, seed: u64) -> Vec<f32> {
@@ -507,4 +507,113 @@ fn bad_calls_are_errors() {
     cache.free(seq).unwrap();
     let err = cache.free(seq).unwrap_err().to_string();
     assert!(err.contains("not in this cache"), "{err}");
+}
+
+#[test]
+fn mla_decoding_against_a_latent_cache_equals_the_forward_kernel() {
+    use attn_runtime::cpu::MlaTensors;
+    let backend = CpuBackend::new();
+    for text in [
+        "heads = 4, head_dim = 16, v_head_dim = 24, mla(latent_rank = 32, rope_dim = 8), \
+         mask = causal",
+        "heads = 2, head_dim = 8, mla(latent_rank = 64, rope_dim = 16), mask = causal, \
+         position = rope(scaling = yarn(factor = 4.0, original_max_position = 32))",
+    ] {
+        let spec: AttentionSpec = text.parse().unwrap();
+        let mla = spec.mla().unwrap();
+        let (h, dn, dv) = (
+            spec.heads as usize,
+            spec.head_dim as usize,
+            spec.v_head_dim as usize,
+        );
+        let (r, dr) = (mla.latent_rank as usize, mla.rope_dim as usize);
+        let len = 90;
+        let t = |shape: &[usize], seed: u64| {
+            Tensor::from_f32(shape, values(shape.iter().product(), seed)).unwrap()
+        };
+        let (c_kv, k_pe) = (t(&[len, r], 1), t(&[len, dr], 2));
+        let w_kv_b = t(&[h * (dn + dv), r], 3);
+        let mut paged = PagedCache::new(&spec, 7, 20).unwrap();
+        let mut contiguous = ContiguousCache::new(&spec).unwrap();
+        let (p, c) = (paged.add_sequence(), contiguous.add_sequence(4));
+        for (a, b) in [(0, 1), (1, 30), (30, 31), (31, 90)] {
+            let rows = |x: &Tensor, w: usize| {
+                Tensor::from_f32(&[b - a, w], x.to_f32_vec()[a * w..b * w].to_vec()).unwrap()
+            };
+            paged.append(p, &rows(&c_kv, r), &rows(&k_pe, dr)).unwrap();
+            contiguous
+                .append(c, &rows(&c_kv, r), &rows(&k_pe, dr))
+                .unwrap();
+        }
+        let per_token = attn_dsl::accounting::kv_cache_bytes_per_token(&spec);
+        assert_eq!(contiguous.bytes_in_use(), len as u64 * per_token, "{text}");
+        assert_eq!(paged.bytes_in_use(), 13 * 7 * per_token, "{text}");
+        for n in [1, 3, 40] {
+            let (q_nope, q_pe) = (t(&[1, h, n, dn], 4), t(&[1, h, n, dr], 5));
+            let with_batch =
+                |x: &Tensor, w: usize| Tensor::from_f32(&[1, len, w], x.to_f32_vec()).unwrap();
+            let want = backend
+                .forward_mla(
+                    &spec,
+                    &MlaTensors {
+                        q_nope: &q_nope,
+                        q_pe: &q_pe,
+                        c_kv: &with_batch(&c_kv, r),
+                        k_pe: &with_batch(&k_pe, dr),
+                        w_kv_b: &w_kv_b,
+                    },
+                    0,
+                )
+                .unwrap();
+            let queries = MlaQueries {
+                q_nope: &q_nope,
+                q_pe: &q_pe,
+                w_kv_b: &w_kv_b,
+            };
+            let runs = [
+                backend.decode_mla(&spec, queries, &paged, &[p], DecodeOptions::default()),
+                backend.decode_mla(
+                    &spec,
+                    queries,
+                    &contiguous,
+                    &[c],
+                    DecodeOptions {
+                        partitions: Some(3),
+                    },
+                ),
+            ];
+            for got in runs {
+                let got = got.unwrap();
+                assert_eq!(got.out.shape(), [1, h, n, dv]);
+                for (i, (g, w)) in got
+                    .out
+                    .to_f32_vec()
+                    .iter()
+                    .zip(want.out.to_f32_vec())
+                    .enumerate()
+                {
+                    close(
+                        &format!("{text} n {n} out[{i}]"),
+                        f64::from(*g),
+                        f64::from(w),
+                        (2e-5, 1e-4),
+                    );
+                }
+                for (i, (g, w)) in got
+                    .lse
+                    .to_f32_vec()
+                    .iter()
+                    .zip(want.lse.to_f32_vec())
+                    .enumerate()
+                {
+                    close(
+                        &format!("{text} n {n} lse[{i}]"),
+                        f64::from(*g),
+                        f64::from(w),
+                        (1e-5, 1e-5),
+                    );
+                }
+            }
+        }
+    }
 }

@@ -9,8 +9,8 @@
 //! by their log-sum-exp.
 
 use super::rope_table::RopeTables;
-use super::{CpuBackend, Output, check_dtype};
-use crate::cache::{KvCache, SeqId};
+use super::{Absorption, CpuBackend, Output, check_dtype};
+use crate::cache::{CacheLayout, KvCache, SeqId};
 use crate::error::RuntimeError;
 use crate::tensor::Tensor;
 use attn_dsl::AttentionSpec;
@@ -25,6 +25,17 @@ use rayon::prelude::*;
 pub struct DecodeOptions {
     /// Partitions of each item's keys (split-KV); `None` picks enough to keep every thread busy.
     pub partitions: Option<usize>,
+}
+
+/// The queries of an MLA decoding step and the weights that absorb them.
+#[derive(Clone, Copy, Debug)]
+pub struct MlaQueries<'a> {
+    /// `[B, heads, q_len, head_dim]`.
+    pub q_nope: &'a Tensor,
+    /// `[B, heads, q_len, rope_dim]`, before RoPE.
+    pub q_pe: &'a Tensor,
+    /// `[heads * (head_dim + v_head_dim), latent_rank]`.
+    pub w_kv_b: &'a Tensor,
 }
 
 /// The rows of one work item.
@@ -54,7 +65,7 @@ struct Task {
 struct Layout<'a> {
     /// Queries per sequence.
     q_lens: &'a [usize],
-    /// Element offset of query `i` of sequence `b`, head `h` (`qk_dim` values).
+    /// Element offset of query `i` of sequence `b`, head `h` (`qk_dim` f32 values).
     q_at: &'a (dyn Fn(usize, usize, usize) -> usize + Sync),
     /// Row of the output for (sequence, query, head).
     out_row: &'a (dyn Fn(usize, usize, usize) -> usize + Sync),
@@ -80,6 +91,7 @@ impl CpuBackend {
         seqs: &[SeqId],
         options: DecodeOptions,
     ) -> Result<Output, RuntimeError> {
+        per_head(spec, q)?;
         let (h, d, dv) = head_dims(spec);
         let [b, hh, n, dd] = match q.shape() {
             [b, hh, n, dd] => [*b, *hh, *n, *dd],
@@ -99,7 +111,72 @@ impl CpuBackend {
             out_row: &|s, i, head| (s * h + head) * n + i,
             out_rows: b * h * n,
         };
-        let (out, lse) = self.cached(spec, q, cache, seqs, &layout, options)?;
+        let (out, lse) = self.cached(spec, &q.to_f32_vec(), cache, seqs, &layout, options)?;
+        super::finish(spec.dtype, [b, h, n, dv], out, lse)
+    }
+
+    /// MLA decoding step(s) against a latent cache (filled with `c_kv` and `k_pe`), in the
+    /// absorbed form: the queries hold the last `q_len` tokens of each sequence. Returns out `[B, heads, q_len,
+    /// v_head_dim]` and lse, equal to [`CpuBackend::forward_mla`] over the cached latents.
+    pub fn decode_mla(
+        &self,
+        spec: &AttentionSpec,
+        queries: MlaQueries,
+        cache: &impl KvCache,
+        seqs: &[SeqId],
+        options: DecodeOptions,
+    ) -> Result<Output, RuntimeError> {
+        let Some(mla) = spec.mla() else {
+            return Err(RuntimeError::Spec(
+                "this spec has per-head KV: use decode with q".into(),
+            ));
+        };
+        let MlaQueries {
+            q_nope,
+            q_pe,
+            w_kv_b,
+        } = queries;
+        let (h, dn, dv) = head_dims(spec);
+        let (r, dr) = (mla.latent_rank as usize, mla.rope_dim as usize);
+        let [b, n] = match q_nope.shape() {
+            [b, hh, n, d] if *hh == h && *d == dn && *b == seqs.len() => [*b, *n],
+            _ => {
+                return Err(shape(
+                    "q_nope",
+                    q_nope,
+                    &format!("[{}, {h}, q_len, {dn}] (one row per sequence)", seqs.len()),
+                ));
+            }
+        };
+        if q_pe.shape() != [b, h, n, dr] {
+            return Err(shape("q_pe", q_pe, &format!("[{b}, {h}, {n}, {dr}]")));
+        }
+        if w_kv_b.shape() != [h * (dn + dv), r] {
+            return Err(shape(
+                "w_kv_b",
+                w_kv_b,
+                &format!(
+                    "[{}, {r}] (heads * (head_dim + v_head_dim), latent_rank)",
+                    h * (dn + dv)
+                ),
+            ));
+        }
+        for (name, t) in [("q_nope", q_nope), ("q_pe", q_pe), ("w_kv_b", w_kv_b)] {
+            check_dtype(name, t, spec.dtype)?;
+        }
+        let w = w_kv_b.to_f32_vec();
+        let absorption = Absorption { h, dn, dv, r, dr };
+        let q = absorption.queries(&q_nope.to_f32_vec(), &q_pe.to_f32_vec(), &w, b * h, n);
+        let wq = r + dr;
+        let q_lens = vec![n; b];
+        let layout = Layout {
+            q_lens: &q_lens,
+            q_at: &|s, i, head| ((s * h + head) * n + i) * wq,
+            out_row: &|s, i, head| (s * h + head) * n + i,
+            out_rows: b * h * n,
+        };
+        let (latent, lse) = self.cached(spec, &q, cache, seqs, &layout, options)?;
+        let out = absorption.outputs(&latent, &w, b * h, n);
         super::finish(spec.dtype, [b, h, n, dv], out, lse)
     }
 
@@ -117,6 +194,7 @@ impl CpuBackend {
         seqs: &[SeqId],
         options: DecodeOptions,
     ) -> Result<Output, RuntimeError> {
+        per_head(spec, q)?;
         let (h, d, dv) = head_dims(spec);
         let tokens = match q.shape() {
             [t, hh, dd] if *hh == h && *dd == d => *t,
@@ -140,28 +218,24 @@ impl CpuBackend {
             out_row: &|s, i, head| (q_offsets[s] + i) * h + head,
             out_rows: tokens * h,
         };
-        let (out, lse) = self.cached(spec, q, cache, seqs, &layout, options)?;
+        let (out, lse) = self.cached(spec, &q.to_f32_vec(), cache, seqs, &layout, options)?;
         let out = Tensor::from_f32_as(spec.dtype, &[tokens, h, dv], out)?;
         let lse = Tensor::from_f32(&[tokens, h], lse)?;
         Ok(Output { out, lse })
     }
 
+    /// Checks the cache against the spec and runs the decode kernel on f32 queries of
+    /// `qk_dim` values (absorbed ones for MLA).
     fn cached(
         &self,
         spec: &AttentionSpec,
-        q: &Tensor,
+        q: &[f32],
         cache: &impl KvCache,
         seqs: &[SeqId],
         layout: &Layout,
         options: DecodeOptions,
     ) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> {
-        if spec.mla().is_some() {
-            return Err(RuntimeError::Spec(
-                "decoding MLA specs against a latent cache is not supported yet".into(),
-            ));
-        }
-        check_dtype("q", q, spec.dtype)?;
-        let expected = crate::cache::CacheLayout::of(spec)?;
+        let expected = CacheLayout::of(spec)?;
         if *cache.layout() != expected {
             return Err(RuntimeError::Cache(format!(
                 "the cache was made for another spec: it stores {} kv heads of {}+{} {} values, \
@@ -178,9 +252,18 @@ impl CpuBackend {
         }
         let kernel = self.kernel_of(spec, PlanKind::Decode)?;
         let items = items(&kernel, cache, seqs, layout.q_lens)?;
-        let q = q.to_f32_vec();
-        run(&kernel, &items, &q, layout, options)
+        run(&kernel, cache.layout(), &items, q, layout, options)
     }
+}
+
+/// Refuses MLA specs in the per-head entry points.
+fn per_head(spec: &AttentionSpec, q: &Tensor) -> Result<(), RuntimeError> {
+    if spec.mla().is_some() {
+        return Err(RuntimeError::Spec(
+            "this is an MLA spec: use decode_mla with q_nope, q_pe and w_kv_b".into(),
+        ));
+    }
+    check_dtype("q", q, spec.dtype)
 }
 
 fn head_dims(spec: &AttentionSpec) -> (usize, usize, usize) {
@@ -240,7 +323,9 @@ fn items(
                     let rows = Interval::new(i0 as i64, (i0 + nq - 1) as i64);
                     let mut segments = Vec::new();
                     for run in &runs {
-                        let (k_row, v_row) = row_bytes(kernel);
+                        let size = plan.dtype.size_bytes() as usize;
+                        let (k_stride, v_stride) = row_strides(cache.layout());
+                        let (k_row, v_row) = (k_stride * size, v_stride * size);
                         for start in (0..run.len).step_by(K_TILE as usize) {
                             let count = (run.len - start).min(K_TILE as usize);
                             let first = run.first + start;
@@ -276,17 +361,15 @@ fn items(
     Ok(items)
 }
 
-/// Bytes between consecutive key rows and value rows of the cache.
-fn row_bytes(kernel: &CpuKernel) -> (usize, usize) {
-    let size = kernel.plan.dtype.size_bytes() as usize;
-    let (k, v) = row_strides(kernel);
-    (k * size, v * size)
-}
-
-/// Elements between consecutive key rows and value rows inside a run.
-fn row_strides(kernel: &CpuKernel) -> (usize, usize) {
-    let shape = kernel.plan.shape;
-    (shape.qk_dim as usize, shape.v_dim as usize)
+/// Elements between consecutive key rows and value rows inside a run (for MLA the values are
+/// the latent part of the key rows).
+fn row_strides(layout: &CacheLayout) -> (usize, usize) {
+    let v = if layout.values_in_keys {
+        layout.k_dim
+    } else {
+        layout.v_dim
+    };
+    (layout.k_dim, v)
 }
 
 /// Partitions per item: enough tasks for every thread several times over, each with at least
@@ -305,6 +388,7 @@ fn partitions(items: &[Item], options: DecodeOptions) -> usize {
 
 fn run(
     kernel: &CpuKernel,
+    cache_layout: &CacheLayout,
     items: &[Item],
     q: &[f32],
     layout: &Layout,
@@ -321,7 +405,7 @@ fn run(
         unsafe { std::mem::transmute::<usize, unsafe extern "C" fn(*const DecodeArgs)>(decode) };
     let plan = &kernel.plan;
     let (dqk, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
-    let (k_stride, v_stride) = row_strides(kernel);
+    let (k_stride, v_stride) = row_strides(cache_layout);
     let parts = partitions(items, options);
     let tasks: Vec<Task> = items
         .iter()

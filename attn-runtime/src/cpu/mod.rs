@@ -2,7 +2,7 @@
 //! and runs them over rayon's thread pool.
 
 mod decode;
-pub use decode::DecodeOptions;
+pub use decode::{DecodeOptions, MlaQueries};
 mod launch;
 pub mod microkernels;
 pub(crate) mod rope_table;
@@ -226,28 +226,9 @@ impl CpuBackend {
             x.w_kv_b.to_f32_vec(),
         );
         let wq = r + dr;
-        // q' = [W_uk^T q_nope | q_pe], k' = [c_kv | k_pe].
-        let mut q = vec![0f32; b * h * sq * wq];
-        for bh in 0..b * h {
-            let head = bh % h;
-            let w_uk = &w[head * (dn + dv) * r..];
-            let dst = &mut q[bh * sq * wq..];
-            gemm(
-                sq,
-                dn,
-                r,
-                &q_nope[bh * sq * dn..],
-                (dn, 1),
-                w_uk,
-                (r, 1),
-                dst,
-                wq,
-            );
-            for i in 0..sq {
-                let pe = &q_pe[(bh * sq + i) * dr..(bh * sq + i + 1) * dr];
-                dst[i * wq + r..(i + 1) * wq].copy_from_slice(pe);
-            }
-        }
+        let absorption = Absorption { h, dn, dv, r, dr };
+        let q = absorption.queries(&q_nope, &q_pe, &w, b * h, sq);
+        // k' = [c_kv | k_pe].
         let mut k = vec![0f32; b * skv * wq];
         for j in 0..b * skv {
             k[j * wq..j * wq + r].copy_from_slice(&c_kv[j * r..(j + 1) * r]);
@@ -264,25 +245,72 @@ impl CpuBackend {
         let k_rows = Rows::borrowed(&k, [skv * wq, skv * wq, wq]);
         let v_rows = Rows::borrowed(&k, [skv * wq, skv * wq, wq]);
         let (latent, lse) = launch::run(&kernel, &q_rows, &k_rows, &v_rows, &call)?;
-        // out = W_uv out_latent, per head.
-        let mut out = vec![0f32; b * h * sq * dv];
-        for bh in 0..b * h {
-            let head = bh % h;
-            let w_uv = &w[(head * (dn + dv) + dn) * r..];
-            let src = &latent[bh * sq * r..];
+        let out = absorption.outputs(&latent, &w, b * h, sq);
+        finish(spec.dtype, [b, h, sq, dv], out, lse)
+    }
+}
+
+/// MLA's absorbed form around the kernel (DeepSeek's `w_kv_b` layout: per head, `head_dim` rows
+/// of `W_uk` then `v_head_dim` rows of `W_uv`, each of `latent_rank` values).
+struct Absorption {
+    h: usize,
+    dn: usize,
+    dv: usize,
+    r: usize,
+    dr: usize,
+}
+
+impl Absorption {
+    /// `q' = [W_uk^T q_nope | q_pe]` for `bh` (batch, head) pairs of `n` queries each (head =
+    /// pair % heads): `[bh, n, latent_rank + rope_dim]`.
+    fn queries(&self, q_nope: &[f32], q_pe: &[f32], w: &[f32], bh: usize, n: usize) -> Vec<f32> {
+        let Absorption { h, dn, dv, r, dr } = *self;
+        let wq = r + dr;
+        let mut q = vec![0f32; bh * n * wq];
+        for pair in 0..bh {
+            let head = pair % h;
+            let w_uk = &w[head * (dn + dv) * r..];
+            let dst = &mut q[pair * n * wq..];
             gemm(
-                sq,
+                n,
+                dn,
+                r,
+                &q_nope[pair * n * dn..],
+                (dn, 1),
+                w_uk,
+                (r, 1),
+                dst,
+                wq,
+            );
+            for i in 0..n {
+                let pe = &q_pe[(pair * n + i) * dr..(pair * n + i + 1) * dr];
+                dst[i * wq + r..(i + 1) * wq].copy_from_slice(pe);
+            }
+        }
+        q
+    }
+
+    /// `out = W_uv out_latent` per head: `[bh, n, latent_rank]` to `[bh, n, v_head_dim]`.
+    fn outputs(&self, latent: &[f32], w: &[f32], bh: usize, n: usize) -> Vec<f32> {
+        let Absorption { h, dn, dv, r, .. } = *self;
+        let mut out = vec![0f32; bh * n * dv];
+        for pair in 0..bh {
+            let head = pair % h;
+            let w_uv = &w[(head * (dn + dv) + dn) * r..];
+            let src = &latent[pair * n * r..];
+            gemm(
+                n,
                 r,
                 dv,
                 src,
                 (r, 1),
                 w_uv,
                 (1, r),
-                &mut out[bh * sq * dv..],
+                &mut out[pair * n * dv..],
                 dv,
             );
         }
-        finish(spec.dtype, [b, h, sq, dv], out, lse)
+        out
     }
 }
 

@@ -4,7 +4,7 @@ use crate::bench::random;
 use attn::AttentionSpec;
 use attn::runtime::RuntimeError;
 use attn::runtime::cache::{KvCache, PagedCache};
-use attn::runtime::cpu::{CpuBackend, DecodeOptions};
+use attn::runtime::cpu::{CpuBackend, DecodeOptions, MlaQueries};
 use std::time::Instant;
 
 /// What to time.
@@ -27,15 +27,11 @@ pub struct Timing {
 /// Fills a paged cache with `kv_len` tokens per sequence, then times `reps` steps of `q_len`
 /// queries per sequence (median).
 pub fn bench(spec: &AttentionSpec, shape: &Shape, progress: bool) -> Result<Timing, RuntimeError> {
-    if spec.mla().is_some() {
-        return Err(RuntimeError::Spec(
-            "bench-decode does not support MLA specs yet".into(),
-        ));
-    }
     let backend = CpuBackend::new();
     let kernel = backend.kernel_of(spec, attn::codegen::plan::PlanKind::Decode)?;
     let compile_ms = kernel.compile_time.as_secs_f64() * 1e3;
-    let (b, h, hkv) = (shape.batch, spec.heads as usize, spec.kv_heads() as usize);
+    let (b, h) = (shape.batch, spec.heads as usize);
+    let hkv = spec.kv_heads() as usize;
     let (d, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
     let blocks = b * shape.kv_len.div_ceil(shape.block_size);
     let mut cache = PagedCache::new(spec, shape.block_size, blocks)?;
@@ -47,8 +43,18 @@ pub fn bench(spec: &AttentionSpec, shape: &Shape, progress: bool) -> Result<Timi
         let mut filled = 0;
         while filled < shape.kv_len {
             let n = chunk.min(shape.kv_len - filled);
-            let k = random(spec, &[hkv, n, d], (s * 1000 + filled) as u64)?;
-            let v = random(spec, &[hkv, n, dv], (s * 1000 + filled + 7) as u64)?;
+            let seed = (s * 1000 + filled) as u64;
+            // MLA caches take the latent and the RoPE key; others per-head keys and values.
+            let (k, v) = match spec.mla() {
+                Some(m) => (
+                    random(spec, &[n, m.latent_rank as usize], seed)?,
+                    random(spec, &[n, m.rope_dim as usize], seed + 7)?,
+                ),
+                None => (
+                    random(spec, &[hkv, n, d], seed)?,
+                    random(spec, &[hkv, n, dv], seed + 7)?,
+                ),
+            };
             cache.append(seq, &k, &v)?;
             filled += n;
         }
@@ -61,7 +67,25 @@ pub fn bench(spec: &AttentionSpec, shape: &Shape, progress: bool) -> Result<Timi
         eprintln!();
     }
     let q = random(spec, &[b, h, shape.q_len, d], 1)?;
-    let step = || backend.decode(spec, &q, &cache, &seqs, DecodeOptions::default());
+    let options = DecodeOptions::default();
+    let mla_inputs = match spec.mla() {
+        Some(m) => Some((
+            random(spec, &[b, h, shape.q_len, m.rope_dim as usize], 2)?,
+            random(spec, &[h * (d + dv), m.latent_rank as usize], 3)?,
+        )),
+        None => None,
+    };
+    let step = || match &mla_inputs {
+        Some((q_pe, w_kv_b)) => {
+            let queries = MlaQueries {
+                q_nope: &q,
+                q_pe,
+                w_kv_b,
+            };
+            backend.decode_mla(spec, queries, &cache, &seqs, options)
+        }
+        None => backend.decode(spec, &q, &cache, &seqs, options),
+    };
     step()?;
     step()?;
     let mut times = Vec::with_capacity(shape.reps);
