@@ -73,3 +73,37 @@ fn the_typed_api_runs_on_the_cpu() {
     // A wrongly shaped input is an error, not a panic.
     assert!(Gqa::forward(&k, &k, &v).is_err());
 }
+
+#[test]
+fn the_typed_api_decodes_against_a_paged_cache() {
+    use attn::runtime::Tensor;
+    let s = 9;
+    let values = |n: usize, k: usize| (0..n).map(|i| ((i * k) % 17) as f32 / 17.0 - 0.5).collect();
+    let q = Tensor::from_f32(&[1, 8, s, 64], values(8 * s * 64, 3)).unwrap();
+    let kv = |k| Tensor::from_f32(&[1, 2, s, 64], values(2 * s * 64, k)).unwrap();
+    let (k, v) = (kv(5), kv(7));
+    let prefill = Gqa::forward(&q, &k, &v).unwrap().to_f32_vec();
+    // The cache takes [kv_heads, tokens, dim]; decode the last query against all nine keys.
+    let mut cache = Gqa::paged_cache(4, 3).unwrap();
+    let seq = cache.add_sequence();
+    let drop_batch = |t: &Tensor| Tensor::from_f32(&[2, s, 64], t.to_f32_vec()).unwrap();
+    cache.append(seq, &drop_batch(&k), &drop_batch(&v)).unwrap();
+    let last: Vec<f32> = (0..8)
+        .flat_map(|h| q.to_f32_vec()[(h * s + s - 1) * 64..(h * s + s) * 64].to_vec())
+        .collect();
+    let q_last = Tensor::from_f32(&[1, 8, 1, 64], last).unwrap();
+    let step = Gqa::decode(&q_last, &cache, &[seq])
+        .unwrap()
+        .out
+        .to_f32_vec();
+    for h in 0..8 {
+        for d in 0..64 {
+            let want = prefill[(h * s + s - 1) * 64 + d];
+            assert!((step[h * 64 + d] - want).abs() < 1e-5, "head {h} dim {d}");
+        }
+    }
+    assert_eq!(
+        Gqa::decode_plan().kind,
+        attn::codegen::plan::PlanKind::Decode
+    );
+}

@@ -1,6 +1,7 @@
 //! The typed API of an attention variant declared with `#[attention(...)]`.
 
-use crate::cpu::{CpuBackend, MlaTensors, Output};
+use crate::cache::{KvCache, PagedCache, SeqId};
+use crate::cpu::{CpuBackend, DecodeOptions, MlaQueries, MlaTensors, Output};
 use crate::{RuntimeError, Tensor};
 use attn_dsl::{AttentionSpec, DType};
 use codegen::KernelPlan;
@@ -9,8 +10,7 @@ use codegen::KernelPlan;
 ///
 /// `#[attention(...)]` implements it for the annotated struct; the spec is validated when the
 /// crate compiles, so [`Attention::spec`] cannot fail. The constants let code be typed by the
-/// spec (e.g. buffers sized by `HEAD_DIM`). The forward entry points run on the CPU backend;
-/// decode entry points arrive with the KV caches.
+/// spec (e.g. buffers sized by `HEAD_DIM`). The entry points run on the CPU backend.
 pub trait Attention {
     /// The spec in normalized form.
     const SPEC_TEXT: &'static str;
@@ -52,5 +52,30 @@ pub trait Attention {
     /// MLA output and log-sum-exp (CPU backend, absorbed form).
     fn forward_mla(x: &MlaTensors, position_offset: i64) -> Result<Output, RuntimeError> {
         CpuBackend::new().forward_mla(Self::spec(), x, position_offset)
+    }
+
+    /// The decode kernel plan of the spec.
+    fn decode_plan() -> KernelPlan {
+        KernelPlan::decode(Self::spec())
+    }
+
+    /// A paged KV cache laid out for this spec: `num_blocks` blocks of `block_size` tokens.
+    fn paged_cache(block_size: usize, num_blocks: usize) -> Result<PagedCache, RuntimeError> {
+        PagedCache::new(Self::spec(), block_size, num_blocks)
+    }
+
+    /// A decoding step: q `[B, HEADS, q_len, HEAD_DIM]` holds the last `q_len` tokens of each
+    /// sequence of `seqs`, whose keys and values the cache already holds (CPU backend).
+    fn decode(q: &Tensor, cache: &impl KvCache, seqs: &[SeqId]) -> Result<Output, RuntimeError> {
+        CpuBackend::new().decode(Self::spec(), q, cache, seqs, DecodeOptions::default())
+    }
+
+    /// An MLA decoding step against a latent cache (absorbed form, CPU backend).
+    fn decode_mla(
+        queries: MlaQueries,
+        cache: &impl KvCache,
+        seqs: &[SeqId],
+    ) -> Result<Output, RuntimeError> {
+        CpuBackend::new().decode_mla(Self::spec(), queries, cache, seqs, DecodeOptions::default())
     }
 }
