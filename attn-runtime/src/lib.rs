@@ -7,6 +7,7 @@
 //! - [`io`]: safetensors files;
 //! - [`cache`]: KV caches for decoding (contiguous, paged, MLA latent);
 //! - [`cpu`]: the CPU backend (kernel cache, microkernels, parallel launcher, decode);
+//! - [`model`]: transformers composed at run time, Hugging Face checkpoints;
 //! - [`Attention`]: the typed API `#[attention(...)]` implements.
 
 #![warn(missing_docs)]
@@ -15,6 +16,7 @@ pub mod cache;
 pub mod cpu;
 mod error;
 pub mod io;
+pub mod model;
 mod tensor;
 mod variant;
 

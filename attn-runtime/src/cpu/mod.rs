@@ -317,7 +317,7 @@ impl Absorption {
 /// `c[m x n] = a[m x k] b[k x n]`, with `(row, column)` strides for a and b and row stride `ldc`
 /// for c.
 #[allow(clippy::too_many_arguments)]
-fn gemm(
+pub(crate) fn gemm(
     m: usize,
     k: usize,
     n: usize,

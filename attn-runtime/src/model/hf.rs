@@ -1,0 +1,485 @@
+//! Hugging Face checkpoints: `config.json` and `*.safetensors` (one file, or shards listed in
+//! `model.safetensors.index.json`; f32, bf16 or f16 weights, computed in f32).
+//!
+//! Families: `llama` (every RoPE scaling, from `rope_parameters` or the older `rope_theta` /
+//! `rope_scaling` keys), `mistral` (sliding window), `qwen2` (q/k/v biases), `deepseek_v2` and
+//! `deepseek_v3` (MLA; dense layers only: mixture-of-experts layers are refused).
+
+use super::config::{MlpKind, ModelConfig, NormKind};
+use super::layers::{Linear, Mlp, Norm};
+use super::{AttentionWeights, Layer, Model};
+use crate::error::RuntimeError;
+use crate::io::read_safetensors;
+use crate::tensor::Tensor;
+use attn_dsl::AttentionSpec;
+use serde_json::Value;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// The epsilon of DeepSeek's latent norms (`q_a_layernorm`, `kv_a_layernorm`): transformers
+/// builds them with the RMSNorm default, not `rms_norm_eps`.
+const LATENT_NORM_EPS: f64 = 1e-6;
+
+/// Families this loader knows.
+pub const FAMILIES: &[&str] = &["llama", "mistral", "qwen2", "deepseek_v2", "deepseek_v3"];
+
+fn bad(path: &Path, message: impl Into<String>) -> RuntimeError {
+    RuntimeError::Io {
+        path: path.display().to_string(),
+        message: message.into(),
+    }
+}
+
+/// A parsed `config.json`, with lookups that name the missing key.
+struct Config<'a> {
+    path: &'a Path,
+    json: Value,
+}
+
+impl Config<'_> {
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.json.get(key).filter(|v| !v.is_null())
+    }
+
+    fn uint(&self, key: &str) -> Result<usize, RuntimeError> {
+        self.get(key)
+            .and_then(Value::as_u64)
+            .map(|v| v as usize)
+            .ok_or_else(|| {
+                bad(
+                    self.path,
+                    format!("`{key}` is missing or not a whole number"),
+                )
+            })
+    }
+
+    fn float_or(&self, key: &str, default: f64) -> f64 {
+        self.get(key).and_then(Value::as_f64).unwrap_or(default)
+    }
+
+    fn flag(&self, key: &str) -> bool {
+        self.get(key).and_then(Value::as_bool).unwrap_or(false)
+    }
+}
+
+/// The `position = rope(...)` clause of a spec from the checkpoint's RoPE keys.
+fn rope_clause(c: &Config, dim: usize, layout: &str) -> Result<String, RuntimeError> {
+    // transformers 5 nests everything in `rope_parameters`; older files use `rope_theta` and
+    // `rope_scaling`.
+    let params = c.get("rope_parameters").or_else(|| c.get("rope_scaling"));
+    let field = |k: &str| params.and_then(|p| p.get(k)).filter(|v| !v.is_null());
+    let num = |k: &str| field(k).and_then(Value::as_f64);
+    let theta = num("rope_theta").unwrap_or_else(|| c.float_or("rope_theta", 10_000.0));
+    let kind = field("rope_type")
+        .or_else(|| field("type"))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    let original = || {
+        field("original_max_position_embeddings")
+            .and_then(Value::as_u64)
+            .or_else(|| c.get("max_position_embeddings").and_then(Value::as_u64))
+            .ok_or_else(|| {
+                bad(
+                    c.path,
+                    format!("rope type `{kind}` needs original_max_position_embeddings"),
+                )
+            })
+    };
+    let factor =
+        || num("factor").ok_or_else(|| bad(c.path, format!("rope type `{kind}` needs a factor")));
+    let scaling = match kind {
+        "default" => String::new(),
+        "linear" => format!(", scaling = linear(factor = {:?})", factor()?),
+        "dynamic" => format!(
+            ", scaling = dynamic(factor = {:?}, original_max_position = {})",
+            factor()?,
+            original()?
+        ),
+        "yarn" => {
+            let mut s = format!(
+                ", scaling = yarn(factor = {:?}, original_max_position = {}",
+                factor()?,
+                original()?
+            );
+            for (key, ours) in [
+                ("beta_fast", "beta_fast"),
+                ("beta_slow", "beta_slow"),
+                ("mscale", "mscale"),
+                ("mscale_all_dim", "mscale_all_dim"),
+            ] {
+                if let Some(v) = num(key) {
+                    s += &format!(", {ours} = {v:?}");
+                }
+            }
+            s + ")"
+        }
+        "llama3" => format!(
+            ", scaling = llama3(factor = {:?}, low_freq_factor = {:?}, high_freq_factor = {:?}, \
+             original_max_position = {})",
+            factor()?,
+            num("low_freq_factor").unwrap_or(1.0),
+            num("high_freq_factor").unwrap_or(4.0),
+            original()?
+        ),
+        other => {
+            return Err(bad(
+                c.path,
+                format!(
+                    "rope type `{other}` is not supported; supported: default, linear, dynamic, \
+                     yarn, llama3"
+                ),
+            ));
+        }
+    };
+    Ok(format!(
+        "position = rope(base = {theta:?}, dim = {dim}, layout = {layout}{scaling})"
+    ))
+}
+
+/// Reads `dir/config.json` into a model config and the spec of its attention.
+pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| bad(&path, e.to_string()))?;
+    let json: Value =
+        serde_json::from_str(&text).map_err(|e| bad(&path, format!("not valid JSON: {e}")))?;
+    let c = Config { path: &path, json };
+    let family = c
+        .get("model_type")
+        .and_then(Value::as_str)
+        .ok_or_else(|| bad(&path, "`model_type` is missing"))?
+        .to_string();
+    if !FAMILIES.contains(&family.as_str()) {
+        return Err(bad(
+            &path,
+            format!(
+                "model family `{family}` is not supported; supported: {}",
+                FAMILIES.join(", ")
+            ),
+        ));
+    }
+    let hidden = c.uint("hidden_size")?;
+    let heads = c.uint("num_attention_heads")?;
+    let layers = c.uint("num_hidden_layers")?;
+    let deepseek = family.starts_with("deepseek");
+    let spec_text = if deepseek {
+        if let Some(experts) = c.get("n_routed_experts").and_then(Value::as_u64) {
+            let dense = c.uint("first_k_dense_replace").unwrap_or(0);
+            if experts > 0 && dense < layers {
+                return Err(bad(
+                    &path,
+                    format!(
+                        "layers {dense}..{layers} are mixture-of-experts ({experts} routed \
+                         experts), which this runtime does not run yet; only dense layers are \
+                         supported"
+                    ),
+                ));
+            }
+        }
+        let (dn, dr, dv, r) = (
+            c.uint("qk_nope_head_dim")?,
+            c.uint("qk_rope_head_dim")?,
+            c.uint("v_head_dim")?,
+            c.uint("kv_lora_rank")?,
+        );
+        // DeepSeek rotates interleaved pairs; the softmax scale is 1/sqrt(nope + rope), times
+        // YaRN's mscale^2 which the rope clause's attention factor carries.
+        format!(
+            "heads = {heads}, head_dim = {dn}, v_head_dim = {dv}, mla(latent_rank = {r}, \
+             rope_dim = {dr}), mask = causal, scale = {:?}, {}",
+            1.0 / ((dn + dr) as f64).sqrt(),
+            rope_clause(&c, dr, "interleaved")?
+        )
+    } else {
+        let kv_heads = c
+            .get("num_key_value_heads")
+            .map_or(Ok(heads), |_| c.uint("num_key_value_heads"))?;
+        let head_dim = c
+            .get("head_dim")
+            .map_or(Ok(hidden / heads), |_| c.uint("head_dim"))?;
+        let window = c
+            .get("sliding_window")
+            .and_then(Value::as_u64)
+            .filter(|_| family == "mistral" || (family == "qwen2" && c.flag("use_sliding_window")));
+        let mask = match window {
+            Some(w) => format!("sliding_window({w})"),
+            None => "causal".into(),
+        };
+        format!(
+            "heads = {heads}, kv_heads = {kv_heads}, head_dim = {head_dim}, mask = {mask}, {}",
+            rope_clause(&c, head_dim, "half")?
+        )
+    };
+    let attention: AttentionSpec = spec_text
+        .parse()
+        .map_err(|e| bad(&path, format!("the attention it describes is invalid: {e}")))?;
+    let act = c
+        .get("hidden_act")
+        .and_then(Value::as_str)
+        .unwrap_or("silu");
+    if act != "silu" {
+        return Err(bad(
+            &path,
+            format!("hidden_act `{act}` is not supported for {family}; supported: silu"),
+        ));
+    }
+    Ok(ModelConfig {
+        vocab: c.uint("vocab_size")?,
+        hidden,
+        layers,
+        attention,
+        norm: NormKind::Rms,
+        norm_eps: c.float_or("rms_norm_eps", 1e-6),
+        mlp: MlpKind::SwiGlu,
+        intermediate: c.uint("intermediate_size")?,
+        tie_embeddings: c.flag("tie_word_embeddings"),
+        qkv_bias: family == "qwen2" || c.flag("attention_bias"),
+    })
+}
+
+/// The weight files of a checkpoint and which tensor lives in which.
+struct Files {
+    by_name: HashMap<String, PathBuf>,
+    single: Option<PathBuf>,
+}
+
+impl Files {
+    fn of(dir: &Path) -> Result<Files, RuntimeError> {
+        let index = dir.join("model.safetensors.index.json");
+        if index.exists() {
+            let text = std::fs::read_to_string(&index).map_err(|e| bad(&index, e.to_string()))?;
+            let json: Value = serde_json::from_str(&text)
+                .map_err(|e| bad(&index, format!("not valid JSON: {e}")))?;
+            let map = json
+                .get("weight_map")
+                .and_then(Value::as_object)
+                .ok_or_else(|| bad(&index, "`weight_map` is missing"))?;
+            let by_name = map
+                .iter()
+                .filter_map(|(k, v)| v.as_str().map(|f| (k.clone(), dir.join(f))))
+                .collect();
+            return Ok(Files {
+                by_name,
+                single: None,
+            });
+        }
+        let single = dir.join("model.safetensors");
+        if !single.exists() {
+            return Err(bad(
+                dir,
+                "no model.safetensors or model.safetensors.index.json in this directory",
+            ));
+        }
+        Ok(Files {
+            by_name: HashMap::new(),
+            single: Some(single),
+        })
+    }
+
+    /// Reads the named tensors, file by file.
+    fn read(&self, names: &[String]) -> Result<HashMap<String, Tensor>, RuntimeError> {
+        let mut by_file: HashMap<&Path, Vec<&str>> = HashMap::new();
+        for name in names {
+            let file = match &self.single {
+                Some(f) => f.as_path(),
+                None => self
+                    .by_name
+                    .get(name)
+                    .map(PathBuf::as_path)
+                    .ok_or_else(|| {
+                        RuntimeError::Data(format!(
+                            "tensor `{name}` is not in the checkpoint's weight map"
+                        ))
+                    })?,
+            };
+            by_file.entry(file).or_default().push(name);
+        }
+        let mut out = HashMap::new();
+        for (file, names) in by_file {
+            for (name, t) in names.iter().zip(read_safetensors(file, &names)?) {
+                out.insert(name.to_string(), t);
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Loads a checkpoint directory.
+pub fn load(dir: &Path) -> Result<Model, RuntimeError> {
+    let config = config(dir)?;
+    let files = Files::of(dir)?;
+    let mut names = vec![
+        "model.embed_tokens.weight".to_string(),
+        "model.norm.weight".into(),
+    ];
+    if !config.tie_embeddings {
+        names.push("lm_head.weight".into());
+    }
+    let mla = config.attention.mla().is_some();
+    let q_lora = mla && read_q_lora(dir)?;
+    for i in 0..config.layers {
+        let p = format!("model.layers.{i}.");
+        for n in [
+            "input_layernorm.weight",
+            "post_attention_layernorm.weight",
+            "mlp.gate_proj.weight",
+            "mlp.up_proj.weight",
+            "mlp.down_proj.weight",
+            "self_attn.o_proj.weight",
+        ] {
+            names.push(format!("{p}{n}"));
+        }
+        let attn: &[&str] = match (mla, q_lora, config.qkv_bias) {
+            (true, false, _) => &[
+                "self_attn.q_proj.weight",
+                "self_attn.kv_a_proj_with_mqa.weight",
+                "self_attn.kv_a_layernorm.weight",
+                "self_attn.kv_b_proj.weight",
+            ],
+            (true, true, _) => &[
+                "self_attn.q_a_proj.weight",
+                "self_attn.q_a_layernorm.weight",
+                "self_attn.q_b_proj.weight",
+                "self_attn.kv_a_proj_with_mqa.weight",
+                "self_attn.kv_a_layernorm.weight",
+                "self_attn.kv_b_proj.weight",
+            ],
+            (false, _, false) => &[
+                "self_attn.q_proj.weight",
+                "self_attn.k_proj.weight",
+                "self_attn.v_proj.weight",
+            ],
+            (false, _, true) => &[
+                "self_attn.q_proj.weight",
+                "self_attn.k_proj.weight",
+                "self_attn.v_proj.weight",
+                "self_attn.q_proj.bias",
+                "self_attn.k_proj.bias",
+                "self_attn.v_proj.bias",
+            ],
+        };
+        names.extend(attn.iter().map(|n| format!("{p}{n}")));
+    }
+    let mut w = Store(files.read(&names)?);
+    let eps = config.norm_eps;
+    let mut layers = Vec::with_capacity(config.layers);
+    for i in 0..config.layers {
+        let p = format!("model.layers.{i}.self_attn.");
+        let attn = if mla {
+            let q_b = if q_lora {
+                let q_a_norm = w.norm(&format!("{p}q_a_layernorm.weight"), LATENT_NORM_EPS)?;
+                Some((q_a_norm, w.linear(&format!("{p}q_b_proj"), false)?))
+            } else {
+                None
+            };
+            let q_name = if q_lora { "q_a_proj" } else { "q_proj" };
+            AttentionWeights::Mla {
+                q: w.linear(&format!("{p}{q_name}"), false)?,
+                q_b,
+                kv_a: w.linear(&format!("{p}kv_a_proj_with_mqa"), false)?,
+                kv_norm: w.norm(&format!("{p}kv_a_layernorm.weight"), LATENT_NORM_EPS)?,
+                w_kv_b: {
+                    let t = w.take(&format!("{p}kv_b_proj.weight"))?;
+                    let shape = t.shape().to_vec();
+                    Tensor::from_f32_as(config.attention.dtype, &shape, t.to_f32_vec())?
+                },
+                o: w.linear(&format!("{p}o_proj"), false)?,
+            }
+        } else {
+            AttentionWeights::Heads {
+                q: w.linear(&format!("{p}q_proj"), config.qkv_bias)?,
+                k: w.linear(&format!("{p}k_proj"), config.qkv_bias)?,
+                v: w.linear(&format!("{p}v_proj"), config.qkv_bias)?,
+                o: w.linear(&format!("{p}o_proj"), false)?,
+            }
+        };
+        let p = format!("model.layers.{i}.");
+        let mlp = Mlp {
+            kind: MlpKind::SwiGlu,
+            gate: Some(w.linear(&format!("{p}mlp.gate_proj"), false)?),
+            up: w.linear(&format!("{p}mlp.up_proj"), false)?,
+            down: w.linear(&format!("{p}mlp.down_proj"), false)?,
+        };
+        layers.push(Layer {
+            attn_norm: w.norm(&format!("{p}input_layernorm.weight"), eps)?,
+            attn,
+            mlp_norm: w.norm(&format!("{p}post_attention_layernorm.weight"), eps)?,
+            mlp,
+        });
+    }
+    let embed = w.take("model.embed_tokens.weight")?;
+    if embed.shape() != [config.vocab, config.hidden] {
+        return Err(RuntimeError::Data(format!(
+            "tensor `model.embed_tokens.weight` has shape {:?}, expected [{}, {}]",
+            embed.shape(),
+            config.vocab,
+            config.hidden
+        )));
+    }
+    let lm_head = if config.tie_embeddings {
+        None
+    } else {
+        Some(w.linear("lm_head", false)?)
+    };
+    let final_norm = w.norm("model.norm.weight", eps)?;
+    Ok(Model::new(
+        config,
+        embed.to_f32_vec(),
+        layers,
+        final_norm,
+        lm_head,
+    ))
+}
+
+/// Tensors read from a checkpoint, taken as the model is assembled.
+struct Store(HashMap<String, Tensor>);
+
+impl Store {
+    fn take(&mut self, name: &str) -> Result<Tensor, RuntimeError> {
+        self.0
+            .remove(name)
+            .ok_or_else(|| RuntimeError::Data(format!("tensor `{name}` is missing")))
+    }
+
+    /// `{prefix}.weight` (and `{prefix}.bias`) as a linear map.
+    fn linear(&mut self, prefix: &str, with_bias: bool) -> Result<Linear, RuntimeError> {
+        let name = format!("{prefix}.weight");
+        let t = self.take(&name)?;
+        let [out, inp] = match t.shape() {
+            [o, i] => [*o, *i],
+            s => {
+                return Err(RuntimeError::Data(format!(
+                    "tensor `{name}` has shape {s:?}, expected a matrix"
+                )));
+            }
+        };
+        let bias = if with_bias {
+            Some(self.take(&format!("{prefix}.bias"))?.to_f32_vec())
+        } else {
+            None
+        };
+        Ok(Linear {
+            w: t.to_f32_vec(),
+            bias,
+            out,
+            inp,
+        })
+    }
+
+    fn norm(&mut self, name: &str, eps: f64) -> Result<Norm, RuntimeError> {
+        Ok(Norm {
+            kind: NormKind::Rms,
+            weight: self.take(name)?.to_f32_vec(),
+            bias: None,
+            eps,
+        })
+    }
+}
+
+/// Whether a DeepSeek checkpoint factors its queries through a low rank (`q_lora_rank`).
+fn read_q_lora(dir: &Path) -> Result<bool, RuntimeError> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| bad(&path, e.to_string()))?;
+    let json: Value =
+        serde_json::from_str(&text).map_err(|e| bad(&path, format!("not valid JSON: {e}")))?;
+    Ok(json.get("q_lora_rank").is_some_and(|v| !v.is_null()))
+}

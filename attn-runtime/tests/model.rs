@@ -1,0 +1,123 @@
+//! Models loaded from Hugging Face checkpoints against the logits transformers computed: one full
+//! forward, and prefill then one token at a time with paged caches.
+
+use attn_runtime::model::hf;
+use safetensors::SafeTensors;
+use std::path::PathBuf;
+
+fn dir(name: &str) -> PathBuf {
+    PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/fixtures/hf-tiny"
+    ))
+    .join(name)
+}
+
+struct Golden {
+    tokens: Vec<u32>,
+    logits: Vec<f32>,
+    incremental: Vec<f32>,
+}
+
+fn golden(name: &str) -> Golden {
+    let bytes = std::fs::read(dir(name).join("golden.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let f32s = |n: &str| -> Vec<f32> {
+        st.tensor(n)
+            .unwrap()
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    };
+    let tokens = st
+        .tensor("input_ids")
+        .unwrap()
+        .data()
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+        .collect();
+    Golden {
+        tokens,
+        logits: f32s("logits"),
+        incremental: f32s("logits_incremental"),
+    }
+}
+
+fn max_diff(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len());
+    got.iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max)
+}
+
+fn check(name: &str, prefill: usize) {
+    let model = hf::load(&dir(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let g = golden(name);
+    let full = model.forward(&g.tokens).unwrap();
+    let err = max_diff(&full, &g.logits);
+    assert!(err < 1e-4, "{name} full forward: max |diff| {err}");
+    let mut session = model.session(g.tokens.len(), 16).unwrap();
+    let mut logits = session.step(&g.tokens[..prefill]).unwrap();
+    for t in prefill..g.tokens.len() {
+        logits.extend(session.step(&g.tokens[t..t + 1]).unwrap());
+    }
+    let err = max_diff(&logits, &g.incremental);
+    assert!(err < 1e-4, "{name} incremental: max |diff| {err}");
+}
+
+#[test]
+fn llama_gqa_matches_transformers() {
+    check("llama_gqa", 24);
+}
+
+#[test]
+fn deepseek_v2_mla_matches_transformers() {
+    check("deepseek_v2_lite_mla", 24);
+}
+
+/// A copy of a fixture checkpoint with its config edited, in a fresh directory.
+fn edited(name: &str, tag: &str, edit: impl FnOnce(&mut serde_json::Value)) -> PathBuf {
+    let out = std::env::temp_dir().join(format!("attn-model-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&out).unwrap();
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir(name).join("config.json")).unwrap())
+            .unwrap();
+    edit(&mut config);
+    std::fs::write(out.join("config.json"), config.to_string()).unwrap();
+    std::fs::copy(
+        dir(name).join("model.safetensors"),
+        out.join("model.safetensors"),
+    )
+    .unwrap();
+    out
+}
+
+#[test]
+fn bad_checkpoints_are_clear_errors() {
+    let unknown = edited("llama_gqa", "family", |c| {
+        c["model_type"] = "gpt_neox".into()
+    });
+    let err = hf::load(&unknown).unwrap_err().to_string();
+    assert!(
+        err.contains("`gpt_neox`") && err.contains("llama, mistral"),
+        "{err}"
+    );
+    let moe = edited("deepseek_v2_lite_mla", "moe", |c| {
+        c["first_k_dense_replace"] = 1.into()
+    });
+    let err = hf::load(&moe).unwrap_err().to_string();
+    assert!(err.contains("mixture-of-experts"), "{err}");
+    let untied = edited("llama_gqa", "untied", |c| {
+        c["tie_word_embeddings"] = false.into()
+    });
+    let err = hf::load(&untied).unwrap_err().to_string();
+    assert!(err.contains("lm_head.weight"), "{err}");
+    let missing = std::env::temp_dir().join("attn-model-nothing-here");
+    let err = hf::load(&missing).unwrap_err().to_string();
+    assert!(err.contains("config.json"), "{err}");
+    let model = hf::load(&dir("llama_gqa")).unwrap();
+    let err = model.forward(&[1, 2, 999]).unwrap_err().to_string();
+    assert!(err.contains("token 2 is 999"), "{err}");
+}
