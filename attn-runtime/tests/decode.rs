@@ -470,12 +470,6 @@ fn the_decode_fixture_cases() {
 fn bad_calls_are_errors() {
     let spec: AttentionSpec = SPECS[0].parse().unwrap();
     let backend = CpuBackend::new();
-    let dynamic: AttentionSpec = "heads = 2, head_dim = 16, position = rope(scaling = \
-                                  dynamic(factor = 2.0, original_max_position = 64))"
-        .parse()
-        .unwrap();
-    let err = PagedCache::new(&dynamic, 16, 4).unwrap_err().to_string();
-    assert!(err.contains("dynamic NTK"), "{err}");
     let mut cache = PagedCache::new(&spec, 16, 2).unwrap();
     let seq = cache.add_sequence();
     let h = history(&spec, 40, 1);
@@ -614,6 +608,75 @@ fn mla_decoding_against_a_latent_cache_equals_the_forward_kernel() {
                     );
                 }
             }
+        }
+    }
+}
+
+/// Dynamic NTK in a cache follows transformers: each key keeps the rotation of the step that
+/// appended it (frequencies for the length after that step), queries use the current length.
+#[test]
+fn dynamic_ntk_keys_keep_the_rotation_of_their_step() {
+    use attn_dsl::reference::rope;
+    let text = "heads = 2, kv_heads = 1, head_dim = 16, mask = causal, position = \
+                rope(scaling = dynamic(factor = 2.0, original_max_position = 32))";
+    let spec: AttentionSpec = text.parse().unwrap();
+    let plain: AttentionSpec = format!(
+        "heads = 2, kv_heads = 1, head_dim = 16, mask = causal, scale = {:?}",
+        spec.effective_scale()
+    )
+    .parse()
+    .unwrap();
+    let r = *spec.rope().unwrap();
+    let backend = CpuBackend::new();
+    let (d, len) = (16, 80);
+    let h = history(&spec, len, 11);
+    let mut cache = PagedCache::new(&spec, 8, 10).unwrap();
+    let seq = cache.add_sequence();
+    let mut rotated_k: Vec<f32> = Vec::new();
+    for t in 0..len {
+        let (k, v) = slice(&spec, &h, t, t + 1);
+        cache.append(seq, &k, &v).unwrap();
+        let mut key: Vec<f64> = h.k[t * d..(t + 1) * d]
+            .iter()
+            .map(|&x| f64::from(x))
+            .collect();
+        let freqs = rope::inv_freq(&r, t as u64 + 1);
+        rope::rotate(&r, &mut key, t as i64, &freqs, rope::attention_factor(&r));
+        rotated_k.extend(key.iter().map(|&x| x as f32));
+        let q = values(2 * d, 100 + t as u64);
+        let got = backend
+            .decode(
+                &spec,
+                &Tensor::from_f32(&[1, 2, 1, d], q.clone()).unwrap(),
+                &cache,
+                &[seq],
+                DecodeOptions::default(),
+            )
+            .unwrap();
+        // The reference: the same attention without RoPE over keys and a query rotated as above.
+        let freqs = rope::inv_freq(&r, t as u64 + 1);
+        let mut q_rot = Vec::new();
+        for head in 0..2 {
+            let mut row: Vec<f64> = q[head * d..(head + 1) * d]
+                .iter()
+                .map(|&x| f64::from(x))
+                .collect();
+            rope::rotate(&r, &mut row, t as i64, &freqs, rope::attention_factor(&r));
+            q_rot.extend(row.iter().map(|&x| x as f32));
+        }
+        let so_far = History {
+            k: rotated_k.clone(),
+            v: h.v[..(t + 1) * d].to_vec(),
+            len: t + 1,
+        };
+        let (want, _) = expected(&plain, &so_far, &q_rot, 1);
+        for (i, (g, w)) in got.out.to_f32_vec().iter().zip(&want).enumerate() {
+            close(
+                &format!("step {t} out[{i}]"),
+                f64::from(*g),
+                *w,
+                (2e-5, 1e-4),
+            );
         }
     }
 }

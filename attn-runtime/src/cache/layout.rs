@@ -1,7 +1,7 @@
 //! What a cache stores per token, derived from the spec.
 
 use crate::error::RuntimeError;
-use attn_dsl::{AttentionSpec, DType, KvLayout, RopeScaling};
+use attn_dsl::{AttentionSpec, DType, KvLayout};
 use codegen::KernelPlan;
 use codegen::plan::RopePrologue;
 
@@ -24,9 +24,12 @@ pub struct CacheLayout {
 }
 
 impl CacheLayout {
-    /// The layout of a valid spec's cache. Dynamic NTK scaling is refused: it changes the
-    /// frequencies of every cached key whenever the sequence grows, and a cache stores keys
-    /// rotated.
+    /// The layout of a valid spec's cache.
+    ///
+    /// With dynamic NTK scaling, keys keep the rotation of the step that appended them (the
+    /// frequencies for the length after that append) while queries use the current length, as
+    /// transformers does; decoding then differs from one forward over the whole sequence once it
+    /// outgrows the original context.
     pub fn of(spec: &AttentionSpec) -> Result<Self, RuntimeError> {
         spec.validate().map_err(|f| {
             RuntimeError::Spec(
@@ -36,15 +39,6 @@ impl CacheLayout {
                     .join("; "),
             )
         })?;
-        if let Some(r) = spec.rope()
-            && matches!(r.scaling, RopeScaling::Dynamic { .. })
-        {
-            return Err(RuntimeError::Spec(
-                "a KV cache stores keys rotated, but dynamic NTK scaling re-rotates every key as \
-                 the sequence grows; use static scaling (ntk, linear, yarn, llama3) with a cache"
-                    .into(),
-            ));
-        }
         let rope = KernelPlan::forward(spec).rope;
         Ok(match spec.kv {
             KvLayout::Heads { kv_heads } => CacheLayout {
