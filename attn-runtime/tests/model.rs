@@ -121,3 +121,37 @@ fn bad_checkpoints_are_clear_errors() {
     let err = model.forward(&[1, 2, 999]).unwrap_err().to_string();
     assert!(err.contains("token 2 is 999"), "{err}");
 }
+
+#[test]
+fn a_ragged_batch_equals_each_sequence_alone() {
+    for name in ["llama_gqa", "deepseek_v2_lite_mla"] {
+        let model = hf::load(&dir(name)).unwrap();
+        let g = golden(name);
+        let seqs = [g.tokens[..30].to_vec(), g.tokens[5..40].to_vec()];
+        let full: Vec<Vec<f32>> = seqs.iter().map(|s| model.forward(s).unwrap()).collect();
+        let mut batch = model.batch(80, 8).unwrap();
+        let (a, b) = (batch.add_sequence(), batch.add_sequence());
+        let vocab = model.config.vocab;
+        let mut done = [0usize, 0];
+        // Chunks of different sizes per step, one sequence sometimes idle.
+        for (na, nb) in [(10, 3), (1, 17), (0, 1), (19, 14)] {
+            let mut inputs = Vec::new();
+            for (s, n) in [(a, na), (b, nb)] {
+                if n > 0 {
+                    inputs.push((s, &seqs[s][done[s]..done[s] + n]));
+                }
+            }
+            let out = batch.step(&inputs).unwrap();
+            for ((s, t), logits) in inputs.iter().zip(&out) {
+                let want = &full[*s][done[*s] * vocab..(done[*s] + t.len()) * vocab];
+                let err = max_diff(logits, want);
+                assert!(err < 1e-4, "{name} seq {s} at {}: {err}", done[*s]);
+            }
+            for (s, t) in &inputs {
+                done[*s] += t.len();
+            }
+        }
+        assert_eq!(done, [30, 35]);
+        assert!(batch.step(&[(a, &[1]), (a, &[2])]).is_err());
+    }
+}

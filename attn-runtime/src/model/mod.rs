@@ -63,12 +63,14 @@ pub struct Model {
     backend: CpuBackend,
 }
 
-/// Where a layer's attention gets its keys: the call's own tokens, or a cache.
+/// Where a layer's attention gets its keys: the call's own tokens (one sequence), or a cache
+/// holding the sequences whose new tokens are rows `offsets[i]..offsets[i + 1]` of the call.
 enum Keys<'a> {
     Full,
     Cached {
         cache: &'a mut PagedCache,
-        seq: SeqId,
+        seqs: &'a [SeqId],
+        offsets: &'a [usize],
     },
 }
 
@@ -98,22 +100,23 @@ impl Model {
     /// A session that runs one sequence incrementally with a paged cache per layer of
     /// `capacity` tokens (blocks of `block_size`).
     pub fn session(&self, capacity: usize, block_size: usize) -> Result<Session<'_>, RuntimeError> {
-        let mut caches = Vec::with_capacity(self.layers.len());
-        let mut seqs = Vec::with_capacity(self.layers.len());
-        for _ in &self.layers {
-            let mut cache = PagedCache::new(
-                &self.config.attention,
-                block_size,
-                capacity.div_ceil(block_size),
-            )?;
-            seqs.push(cache.add_sequence());
-            caches.push(cache);
-        }
-        Ok(Session {
+        let mut batch = self.batch(capacity, block_size)?;
+        batch.add_sequence();
+        Ok(Session { batch })
+    }
+
+    /// A batch of sequences run incrementally, with a paged cache per layer holding
+    /// `capacity` tokens in all (blocks of `block_size`).
+    pub fn batch(&self, capacity: usize, block_size: usize) -> Result<Batch<'_>, RuntimeError> {
+        let blocks = capacity.div_ceil(block_size.max(1));
+        let caches = (0..self.layers.len())
+            .map(|_| PagedCache::new(&self.config.attention, block_size, blocks))
+            .collect::<Result<_, _>>()?;
+        Ok(Batch {
             model: self,
             caches,
-            seqs,
-            len: 0,
+            ids: Vec::new(),
+            lens: Vec::new(),
         })
     }
 
@@ -179,23 +182,41 @@ impl Model {
             AttentionWeights::Heads { q, k, v, o } => {
                 let hkv = spec.kv_heads() as usize;
                 let (qs, ks, vs) = (q.apply(h, n), k.apply(h, n), v.apply(h, n));
-                let q = by_head(qs, heads, d)?;
                 let out = match keys {
                     Keys::Full => {
+                        let q = by_head(qs, heads, d)?;
                         let (k, v) = (by_head(ks, hkv, d)?, by_head(vs, hkv, dv)?);
-                        self.backend.forward(spec, &q, &k, &v, 0)?.out
+                        let out = self.backend.forward(spec, &q, &k, &v, 0)?.out;
+                        out.permute(&[0, 2, 1, 3])?.to_f32_vec()
                     }
-                    Keys::Cached { cache, seq } => {
-                        let per_kv = |data: Vec<f32>, dim: usize| {
-                            Tensor::from_f32_as(spec.dtype, &[n, hkv, dim], data)?
+                    Keys::Cached {
+                        cache,
+                        seqs,
+                        offsets,
+                    } => {
+                        // Each sequence's new keys and values, as [kv_heads, tokens, dim].
+                        for (i, &seq) in seqs.iter().enumerate() {
+                            let rows = offsets[i]..offsets[i + 1];
+                            let part = |data: &[f32], dim: usize| {
+                                let rows =
+                                    data[rows.start * hkv * dim..rows.end * hkv * dim].to_vec();
+                                Tensor::from_f32_as(
+                                    spec.dtype,
+                                    &[rows.len() / (hkv * dim), hkv, dim],
+                                    rows,
+                                )?
                                 .permute(&[1, 0, 2])
-                        };
-                        cache.append(seq, &per_kv(ks, d)?, &per_kv(vs, dv)?)?;
+                            };
+                            cache.append(seq, &part(&ks, d)?, &part(&vs, dv)?)?;
+                        }
+                        let q = Tensor::from_f32_as(spec.dtype, &[n, heads, d], qs)?;
                         let options = DecodeOptions::default();
-                        self.backend.decode(spec, &q, cache, &[seq], options)?.out
+                        self.backend
+                            .attend_ragged(spec, &q, offsets, cache, seqs, options)?
+                            .out
+                            .to_f32_vec()
                     }
                 };
-                let out = out.permute(&[0, 2, 1, 3])?.to_f32_vec();
                 o.apply(&out, n)
             }
             AttentionWeights::Mla {
@@ -217,7 +238,6 @@ impl Model {
                     nope.extend_from_slice(&row[..d]);
                     pe.extend_from_slice(&row[d..]);
                 }
-                let (q_nope, q_pe) = (by_head(nope, heads, d)?, by_head(pe, heads, dr)?);
                 let kv = kv_a.apply(h, n);
                 let (mut c_kv, mut k_pe) = (Vec::new(), Vec::new());
                 for row in kv.chunks_exact(r + dr) {
@@ -225,35 +245,59 @@ impl Model {
                     k_pe.extend_from_slice(&row[r..]);
                 }
                 let c_kv = kv_norm.apply(&c_kv);
+                // Rows a..b of `[n, heads, dim]` data as a `[1, heads, b - a, dim]` view.
+                let view = |data: &[f32], dim: usize, a: usize, b: usize| {
+                    let rows = data[a * heads * dim..b * heads * dim].to_vec();
+                    Tensor::from_f32_as(spec.dtype, &[1, b - a, heads, dim], rows)?
+                        .permute(&[0, 2, 1, 3])
+                };
                 let out = match keys {
                     Keys::Full => {
                         let c_kv = Tensor::from_f32_as(spec.dtype, &[1, n, r], c_kv)?;
                         let k_pe = Tensor::from_f32_as(spec.dtype, &[1, n, dr], k_pe)?;
                         let x = MlaTensors {
-                            q_nope: &q_nope,
-                            q_pe: &q_pe,
+                            q_nope: &view(&nope, d, 0, n)?,
+                            q_pe: &view(&pe, dr, 0, n)?,
                             c_kv: &c_kv,
                             k_pe: &k_pe,
                             w_kv_b,
                         };
-                        self.backend.forward_mla(spec, &x, 0)?.out
+                        let out = self.backend.forward_mla(spec, &x, 0)?.out;
+                        out.permute(&[0, 2, 1, 3])?.to_f32_vec()
                     }
-                    Keys::Cached { cache, seq } => {
-                        let c_kv = Tensor::from_f32_as(spec.dtype, &[n, r], c_kv)?;
-                        let k_pe = Tensor::from_f32_as(spec.dtype, &[n, dr], k_pe)?;
-                        cache.append(seq, &c_kv, &k_pe)?;
-                        let queries = MlaQueries {
-                            q_nope: &q_nope,
-                            q_pe: &q_pe,
-                            w_kv_b,
-                        };
-                        let options = DecodeOptions::default();
-                        self.backend
-                            .decode_mla(spec, queries, cache, &[seq], options)?
-                            .out
+                    Keys::Cached {
+                        cache,
+                        seqs,
+                        offsets,
+                    } => {
+                        // One decode call per sequence (MLA has no ragged entry point yet).
+                        let mut out = Vec::with_capacity(n * heads * dv);
+                        for (i, &seq) in seqs.iter().enumerate() {
+                            let (a, b) = (offsets[i], offsets[i + 1]);
+                            if a == b {
+                                continue;
+                            }
+                            let latent = c_kv[a * r..b * r].to_vec();
+                            let rope = k_pe[a * dr..b * dr].to_vec();
+                            cache.append(
+                                seq,
+                                &Tensor::from_f32_as(spec.dtype, &[b - a, r], latent)?,
+                                &Tensor::from_f32_as(spec.dtype, &[b - a, dr], rope)?,
+                            )?;
+                            let queries = MlaQueries {
+                                q_nope: &view(&nope, d, a, b)?,
+                                q_pe: &view(&pe, dr, a, b)?,
+                                w_kv_b,
+                            };
+                            let options = DecodeOptions::default();
+                            let o =
+                                self.backend
+                                    .decode_mla(spec, queries, cache, &[seq], options)?;
+                            out.extend(o.out.permute(&[0, 2, 1, 3])?.to_f32_vec());
+                        }
+                        out
                     }
                 };
-                let out = out.permute(&[0, 2, 1, 3])?.to_f32_vec();
                 o.apply(&out, n)
             }
         };
@@ -267,41 +311,103 @@ fn add(x: &mut [f32], y: &[f32]) {
     }
 }
 
-/// One sequence run incrementally: each call appends its tokens' keys and values to the layers'
-/// caches and attends to everything cached (prefill, then decode one token at a time).
+/// Sequences run incrementally: each step appends the new tokens' keys and values to the
+/// layers' caches and attends to everything cached, all sequences in one ragged launch per layer
+/// (prefill chunks and single decode tokens alike).
 #[derive(Debug)]
-pub struct Session<'m> {
+pub struct Batch<'m> {
     model: &'m Model,
     caches: Vec<PagedCache>,
-    seqs: Vec<SeqId>,
-    len: usize,
+    /// `ids[s][layer]`: sequence `s` in each layer's cache.
+    ids: Vec<Vec<SeqId>>,
+    lens: Vec<usize>,
+}
+
+impl Batch<'_> {
+    /// Starts an empty sequence; returns its index.
+    pub fn add_sequence(&mut self) -> usize {
+        self.ids.push(
+            self.caches
+                .iter_mut()
+                .map(PagedCache::add_sequence)
+                .collect(),
+        );
+        self.lens.push(0);
+        self.ids.len() - 1
+    }
+
+    /// Tokens run so far for sequence `s`.
+    pub fn len(&self, s: usize) -> usize {
+        self.lens.get(s).copied().unwrap_or(0)
+    }
+
+    /// Frees sequence `s`'s cache blocks.
+    pub fn free(&mut self, s: usize) -> Result<(), RuntimeError> {
+        let ids = self
+            .ids
+            .get(s)
+            .ok_or_else(|| RuntimeError::Cache(format!("no sequence {s} in this batch")))?;
+        for (cache, &id) in self.caches.iter_mut().zip(ids) {
+            cache.free(id)?;
+        }
+        Ok(())
+    }
+
+    /// Runs the next tokens of some sequences, `(sequence, tokens)` each (a sequence at most
+    /// once); returns each input's logits `[tokens, vocab]`.
+    pub fn step(&mut self, inputs: &[(usize, &[u32])]) -> Result<Vec<Vec<f32>>, RuntimeError> {
+        let mut offsets = vec![0];
+        let mut tokens = Vec::new();
+        for (i, &(s, t)) in inputs.iter().enumerate() {
+            if s >= self.ids.len() || inputs[..i].iter().any(|&(o, _)| o == s) {
+                return Err(RuntimeError::Data(format!(
+                    "input {i} names sequence {s}: each must be one of the batch's {} sequences, \
+                     at most once per step",
+                    self.ids.len()
+                )));
+            }
+            tokens.extend_from_slice(t);
+            offsets.push(tokens.len());
+        }
+        let per_layer: Vec<Vec<SeqId>> = (0..self.caches.len())
+            .map(|layer| inputs.iter().map(|&(s, _)| self.ids[s][layer]).collect())
+            .collect();
+        let mut caches = self.caches.iter_mut();
+        let logits = self.model.run(&tokens, |layer| Keys::Cached {
+            cache: caches.next().expect("one cache per layer"),
+            seqs: &per_layer[layer],
+            offsets: &offsets,
+        })?;
+        let vocab = self.model.config.vocab;
+        for &(s, t) in inputs {
+            self.lens[s] += t.len();
+        }
+        Ok(offsets
+            .windows(2)
+            .map(|w| logits[w[0] * vocab..w[1] * vocab].to_vec())
+            .collect())
+    }
+}
+
+/// One sequence run incrementally (a [`Batch`] of one).
+#[derive(Debug)]
+pub struct Session<'m> {
+    batch: Batch<'m>,
 }
 
 impl Session<'_> {
     /// Logits `[tokens, vocab]` of the next tokens of the sequence.
     pub fn step(&mut self, tokens: &[u32]) -> Result<Vec<f32>, RuntimeError> {
-        let Session {
-            model,
-            caches,
-            seqs,
-            len,
-        } = self;
-        let mut caches = caches.iter_mut();
-        let logits = model.run(tokens, |i| Keys::Cached {
-            cache: caches.next().expect("one cache per layer"),
-            seq: seqs[i],
-        })?;
-        *len += tokens.len();
-        Ok(logits)
+        Ok(self.batch.step(&[(0, tokens)])?.remove(0))
     }
 
     /// Tokens run so far.
     pub fn len(&self) -> usize {
-        self.len
+        self.batch.len(0)
     }
 
     /// Whether no token has run yet.
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.len() == 0
     }
 }
