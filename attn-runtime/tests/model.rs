@@ -155,3 +155,66 @@ fn a_ragged_batch_equals_each_sequence_alone() {
         assert!(batch.step(&[(a, &[1]), (a, &[2])]).is_err());
     }
 }
+
+#[test]
+fn greedy_generation_follows_the_full_forward_and_batches_agree() {
+    use attn_runtime::model::{Request, Sampling};
+    let model = hf::load(&dir("llama_gqa")).unwrap();
+    let g = golden("llama_gqa");
+    let vocab = model.config.vocab;
+    let prompts = [g.tokens[..24].to_vec(), g.tokens[30..33].to_vec()];
+    let requests: Vec<Request> = prompts
+        .iter()
+        .map(|p| Request {
+            prompt: p.clone(),
+            max_new_tokens: 12,
+            stop: Vec::new(),
+        })
+        .collect();
+    let mut calls = 0;
+    let together = model
+        .generate(&requests, Sampling::greedy(), |_| calls += 1)
+        .unwrap();
+    assert_eq!(calls, 12, "one progress call per step");
+    for (p, got) in prompts.iter().zip(&together) {
+        // The argmax continuation, one full forward per token.
+        let mut seq = p.clone();
+        for _ in 0..12 {
+            let logits = model.forward(&seq).unwrap();
+            let last = &logits[(seq.len() - 1) * vocab..];
+            let best = (0..vocab)
+                .max_by(|&a, &b| last[a].total_cmp(&last[b]))
+                .unwrap();
+            seq.push(best as u32);
+        }
+        assert_eq!(got, &seq[p.len()..]);
+    }
+    // Alone, each request generates the same tokens; a stop token ends one early.
+    let alone = model
+        .generate(&requests[1..], Sampling::greedy(), |_| {})
+        .unwrap();
+    assert_eq!(alone[0], together[1]);
+    let stop = together[0][3];
+    let stopped = model
+        .generate(
+            &[Request {
+                stop: vec![stop],
+                ..requests[0].clone()
+            }],
+            Sampling::greedy(),
+            |_| {},
+        )
+        .unwrap();
+    let first = together[0].iter().position(|&t| t == stop).unwrap();
+    assert_eq!(stopped[0], together[0][..=first]);
+    // Seeded sampling repeats itself.
+    let sampling = Sampling {
+        temperature: 0.8,
+        top_k: Some(40),
+        top_p: Some(0.95),
+        seed: 3,
+    };
+    let a = model.generate(&requests, sampling, |_| {}).unwrap();
+    let b = model.generate(&requests, sampling, |_| {}).unwrap();
+    assert_eq!(a, b);
+}

@@ -7,10 +7,12 @@
 //! a [`Session`] runs one incrementally against paged KV caches (one per layer), for decoding.
 
 mod config;
+mod generate;
 pub mod hf;
 mod layers;
 
 pub use config::{MlpKind, ModelConfig, NormKind};
+pub use generate::{Progress, Request, Sampling};
 
 use crate::cache::{PagedCache, SeqId};
 use crate::cpu::{CpuBackend, DecodeOptions, MlaQueries, MlaTensors};
