@@ -344,3 +344,68 @@ fn bench_decode_prints_one_json_line_and_rejects_bad_specs() {
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("kv_heads"), "{}", stderr(&o));
 }
+
+#[test]
+fn model_commands_run_a_checkpoint() {
+    let dir = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/hf-tiny/llama_gqa"
+    );
+    let o = attnc(&["params", "--model", dir, "--seq", "1024"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let text = stdout(&o);
+    // 2 layers x (q 64x64 + k, v 32x64 + o 64x64) = 24576 attention parameters.
+    assert!(text.contains("attention           24576"), "{text}");
+    assert!(text.contains("512 bytes per token"), "{text}");
+    let out = std::env::temp_dir().join(format!(
+        "attn-cli-logits-{}.safetensors",
+        std::process::id()
+    ));
+    let o = attnc(&[
+        "logits",
+        "--model",
+        dir,
+        "--tokens",
+        "5,6,7,8",
+        "--incremental",
+        "2",
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let t = attn::runtime::io::read_safetensors(&out, &["logits"]).unwrap();
+    assert_eq!(t[0].shape(), [1, 4, 256]);
+    let o = attnc(&[
+        "generate",
+        "--model",
+        dir,
+        "--tokens",
+        "1,2,3",
+        "--max-new-tokens",
+        "5",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(stdout(&o).trim().split(',').count(), 5, "{}", stdout(&o));
+    for bad in [
+        vec!["generate", "--model", dir, "--tokens", "1,x"],
+        vec![
+            "generate", "--model", dir, "--tokens", "1", "--top-p", "1.5",
+        ],
+        vec![
+            "logits",
+            "--model",
+            dir,
+            "--tokens",
+            "1,2",
+            "--incremental",
+            "3",
+            "--output",
+            "/tmp/x",
+        ],
+        vec!["params", "--model", "/nonexistent-model-dir"],
+    ] {
+        let o = attnc(&bad);
+        assert_eq!(o.status.code(), Some(2), "{bad:?}: {}", stderr(&o));
+        assert!(stderr(&o).starts_with("error:"), "{bad:?}: {}", stderr(&o));
+    }
+}

@@ -122,6 +122,45 @@ impl Model {
         })
     }
 
+    /// Parameters by part, as stored: `(part, count)` for the embedding, each layer kind's
+    /// attention, MLP and norms (summed over layers) and the LM head (0 when tied).
+    pub fn parameters(&self) -> Vec<(&'static str, u64)> {
+        let lin = |l: &Linear| (l.w.len() + l.bias.as_ref().map_or(0, Vec::len)) as u64;
+        let norm = |n: &Norm| (n.weight.len() + n.bias.as_ref().map_or(0, Vec::len)) as u64;
+        let (mut attn, mut mlp, mut norms) = (0, 0, norm(&self.final_norm));
+        for layer in &self.layers {
+            attn += match &layer.attn {
+                AttentionWeights::Heads { q, k, v, o } => lin(q) + lin(k) + lin(v) + lin(o),
+                AttentionWeights::Mla {
+                    q,
+                    q_b,
+                    kv_a,
+                    kv_norm,
+                    w_kv_b,
+                    o,
+                } => {
+                    let q_b = q_b.as_ref().map_or(0, |(n, l)| norm(n) + lin(l));
+                    lin(q)
+                        + q_b
+                        + lin(kv_a)
+                        + norm(kv_norm)
+                        + w_kv_b.shape().iter().product::<usize>() as u64
+                        + lin(o)
+                }
+            };
+            mlp +=
+                layer.mlp.gate.as_ref().map_or(0, lin) + lin(&layer.mlp.up) + lin(&layer.mlp.down);
+            norms += norm(&layer.attn_norm) + norm(&layer.mlp_norm);
+        }
+        vec![
+            ("embedding", self.embed.len() as u64),
+            ("attention", attn),
+            ("mlp", mlp),
+            ("norms", norms),
+            ("lm_head", self.lm_head.as_ref().map_or(0, lin)),
+        ]
+    }
+
     fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>, RuntimeError> {
         let (vocab, d) = (self.config.vocab, self.config.hidden);
         let mut x = Vec::with_capacity(tokens.len() * d);

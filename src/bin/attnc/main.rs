@@ -7,6 +7,7 @@ mod bench;
 mod bench_decode;
 mod explain;
 mod ir;
+mod model_cmd;
 mod run;
 mod spec_arg;
 
@@ -107,6 +108,59 @@ enum Command {
         /// Print one JSON line {"median_us", "gbps"}.
         #[arg(long)]
         json: bool,
+    },
+    /// Logits of a token sequence from a Hugging Face checkpoint: one full forward, or a prefill
+    /// then one token at a time (`--incremental P`). Writes `logits` [1, T, vocab] (f32).
+    Logits {
+        /// Checkpoint directory (config.json and *.safetensors).
+        #[arg(long, value_name = "DIR")]
+        model: std::path::PathBuf,
+        /// Token ids, comma-separated.
+        #[arg(long, value_name = "IDS")]
+        tokens: String,
+        /// Prefill this many tokens, then decode the rest one at a time with the KV cache.
+        #[arg(long, value_name = "P")]
+        incremental: Option<usize>,
+        /// Output safetensors file.
+        #[arg(long, value_name = "FILE")]
+        output: std::path::PathBuf,
+    },
+    /// Continue a token sequence with a Hugging Face checkpoint (greedy unless --temperature).
+    /// Prints the new token ids; progress and tokens/s go to stderr.
+    Generate {
+        /// Checkpoint directory (config.json and *.safetensors).
+        #[arg(long, value_name = "DIR")]
+        model: std::path::PathBuf,
+        /// Prompt token ids, comma-separated.
+        #[arg(long, value_name = "IDS")]
+        tokens: String,
+        /// Most tokens to generate.
+        #[arg(long, value_name = "N", default_value_t = 32)]
+        max_new_tokens: usize,
+        /// Sampling temperature (0: greedy).
+        #[arg(long, value_name = "T", default_value_t = 0.0)]
+        temperature: f32,
+        /// Sample among the K most likely tokens.
+        #[arg(long, value_name = "K")]
+        top_k: Option<usize>,
+        /// Sample among the most likely tokens that reach probability P.
+        #[arg(long, value_name = "P")]
+        top_p: Option<f32>,
+        /// Sampler seed.
+        #[arg(long, value_name = "S", default_value_t = 0)]
+        seed: u64,
+        /// Token ids that end the generation, comma-separated.
+        #[arg(long, value_name = "IDS")]
+        stop: Option<String>,
+    },
+    /// Parameters per part of a Hugging Face checkpoint, and its KV-cache bytes.
+    Params {
+        /// Checkpoint directory (config.json and *.safetensors).
+        #[arg(long, value_name = "DIR")]
+        model: std::path::PathBuf,
+        /// Length for the cache size.
+        #[arg(long, value_name = "N", default_value_t = 4096)]
+        seq: u64,
     },
     /// Measure the FMA ceiling of this machine: the score microkernel on L1-resident tiles, per
     /// thread and on all threads.
@@ -234,6 +288,53 @@ fn main() -> ExitCode {
             }
             Ok(())
         }),
+        Command::Logits {
+            model,
+            tokens,
+            incremental,
+            output,
+        } => model_cmd::parse_tokens(&tokens)
+            .and_then(|t| model_cmd::logits(&model, &t, incremental, &output))
+            .map(|summary| println!("{summary}")),
+        Command::Generate {
+            model,
+            tokens,
+            max_new_tokens,
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            stop,
+        } => {
+            let checked = if !(temperature >= 0.0 && temperature.is_finite()) {
+                Err(format!(
+                    "error: --temperature {temperature}: expected 0 or more"
+                ))
+            } else if top_p.is_some_and(|p| !(p > 0.0 && p <= 1.0)) {
+                Err("error: --top-p: expected a probability in (0, 1]".to_string())
+            } else {
+                Ok(())
+            };
+            checked
+                .and_then(|()| model_cmd::parse_tokens(&tokens))
+                .and_then(|prompt| {
+                    let stop = match &stop {
+                        Some(s) => model_cmd::parse_tokens(s)?,
+                        None => Vec::new(),
+                    };
+                    let sampling = attn::runtime::model::Sampling {
+                        temperature,
+                        top_k,
+                        top_p,
+                        seed,
+                    };
+                    model_cmd::generate(&model, prompt, max_new_tokens, sampling, stop)
+                })
+                .map(|out| println!("{out}"))
+        }
+        Command::Params { model, seq } => {
+            model_cmd::params(&model, seq).map(|summary| println!("{summary}"))
+        }
         Command::Peak { seconds } => {
             use attn::runtime::cpu::microkernels::{Isa, peak_gflops};
             let isa = Isa::detect();

@@ -1,0 +1,131 @@
+//! `attnc logits`, `attnc generate` and `attnc params`: Hugging Face checkpoints on the CPU.
+
+use attn::dsl::accounting::kv_cache_bytes_per_token;
+use attn::runtime::Tensor;
+use attn::runtime::io::write_safetensors;
+use attn::runtime::model::{Model, Request, Sampling, hf};
+use std::io::Write;
+use std::path::Path;
+
+fn load(dir: &Path) -> Result<Model, String> {
+    hf::load(dir).map_err(|e| format!("error: {e}"))
+}
+
+/// Token ids from `1,2,3`.
+pub fn parse_tokens(text: &str) -> Result<Vec<u32>, String> {
+    let tokens: Result<Vec<u32>, _> = text
+        .split(',')
+        .map(|t| t.trim().parse::<u32>().map_err(|_| t.trim().to_string()))
+        .collect();
+    match tokens {
+        Ok(t) if !t.is_empty() => Ok(t),
+        Ok(_) => Err("error: --tokens is empty; expected ids like 1,2,3".into()),
+        Err(bad) => Err(format!(
+            "error: --tokens: `{bad}` is not a token id; expected non-negative integers like 1,2,3"
+        )),
+    }
+}
+
+/// Writes the logits of `tokens` (`[1, T, vocab]` f32 as `logits`): one full forward, or with
+/// `incremental = Some(P)` a prefill of P tokens then one token at a time.
+pub fn logits(
+    dir: &Path,
+    tokens: &[u32],
+    incremental: Option<usize>,
+    output: &Path,
+) -> Result<String, String> {
+    let model = load(dir)?;
+    let err = |e: attn::runtime::RuntimeError| format!("error: {e}");
+    let logits = match incremental {
+        None => model.forward(tokens).map_err(err)?,
+        Some(p) if p == 0 || p > tokens.len() => {
+            return Err(format!(
+                "error: --incremental {p}: the prefill must be 1 to {} tokens",
+                tokens.len()
+            ));
+        }
+        Some(p) => {
+            let mut session = model.session(tokens.len(), 16).map_err(err)?;
+            let mut all = session.step(&tokens[..p]).map_err(err)?;
+            for t in p..tokens.len() {
+                all.extend(session.step(&tokens[t..t + 1]).map_err(err)?);
+            }
+            all
+        }
+    };
+    let vocab = model.config.vocab;
+    let t = Tensor::from_f32(&[1, tokens.len(), vocab], logits).map_err(err)?;
+    write_safetensors(output, &[("logits", &t)]).map_err(err)?;
+    Ok(format!(
+        "wrote logits [1, {}, {vocab}] to {}",
+        tokens.len(),
+        output.display()
+    ))
+}
+
+/// Generates from one prompt, printing the new tokens and a progress line on stderr.
+pub fn generate(
+    dir: &Path,
+    prompt: Vec<u32>,
+    max_new_tokens: usize,
+    sampling: Sampling,
+    stop: Vec<u32>,
+) -> Result<String, String> {
+    let model = load(dir)?;
+    let request = Request {
+        prompt,
+        max_new_tokens,
+        stop,
+    };
+    let out = model
+        .generate(&[request], sampling, |p| {
+            // The first token comes from the prefill; the rate is that of decode steps.
+            let decoded = p.generated.saturating_sub(1);
+            let rate = if decoded == 0 {
+                0.0
+            } else {
+                decoded as f64 / p.decoding.as_secs_f64()
+            };
+            eprint!(
+                "\r  {} tokens, {rate:.1} tokens/s decoding (prefill {:.1} ms)",
+                p.generated,
+                p.prefill.as_secs_f64() * 1e3
+            );
+            let _ = std::io::stderr().flush();
+        })
+        .map_err(|e| format!("error: {e}"))?;
+    eprintln!();
+    Ok(out[0]
+        .iter()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(","))
+}
+
+/// The parameter breakdown and KV-cache costs of a checkpoint.
+pub fn params(dir: &Path, seq: u64) -> Result<String, String> {
+    let model = load(dir)?;
+    let c = &model.config;
+    let mut s = format!(
+        "{} layers, width {}, vocabulary {}, attention: {}\n",
+        c.layers, c.hidden, c.vocab, c.attention
+    );
+    let parts = model.parameters();
+    let total: u64 = parts.iter().map(|(_, n)| n).sum();
+    for (name, n) in &parts {
+        let note = if *name == "lm_head" && c.tie_embeddings {
+            " (tied to the embedding)"
+        } else {
+            ""
+        };
+        s += &format!("  {name:<10} {n:>14}{note}\n");
+    }
+    s += &format!("  {:<10} {total:>14}\n", "total");
+    let per_token = kv_cache_bytes_per_token(&c.attention) * c.layers as u64;
+    s += &format!(
+        "KV cache: {per_token} bytes per token ({} per layer), {:.1} MiB at {seq} tokens",
+        per_token / c.layers.max(1) as u64,
+        (per_token * seq) as f64 / (1 << 20) as f64
+    );
+    Ok(s)
+}
