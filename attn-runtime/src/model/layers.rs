@@ -1,4 +1,4 @@
-//! The pieces of a decoder layer on f32 rows: linear maps (matrixmultiply), norms and MLPs.
+//! The pieces of a decoder layer on f32 rows: linear maps (the `gemm` crate), norms and MLPs.
 
 use super::config::{MlpKind, NormKind};
 use crate::cpu::gemm;
@@ -12,21 +12,17 @@ pub(crate) struct Linear {
     pub inp: usize,
 }
 
+/// `rows x out` outputs `x W^T` for `rows x inp` inputs and `W [out, inp]`.
+pub(crate) fn matmul_t(w: &[f32], out: usize, inp: usize, x: &[f32], rows: usize) -> Vec<f32> {
+    let mut y = vec![0f32; rows * out];
+    gemm(rows, inp, out, x, (inp, 1), w, (1, inp), &mut y, out);
+    y
+}
+
 impl Linear {
     /// `rows x out` outputs for `rows x inp` inputs.
     pub fn apply(&self, x: &[f32], rows: usize) -> Vec<f32> {
-        let mut y = vec![0f32; rows * self.out];
-        gemm(
-            rows,
-            self.inp,
-            self.out,
-            x,
-            (self.inp, 1),
-            &self.w,
-            (1, self.inp),
-            &mut y,
-            self.out,
-        );
+        let mut y = matmul_t(&self.w, self.out, self.inp, x, rows);
         if let Some(b) = &self.bias {
             for row in y.chunks_exact_mut(self.out) {
                 for (v, b) in row.iter_mut().zip(b) {

@@ -1,5 +1,6 @@
 //! Transformers composed at run time: a [`ModelConfig`] (from a Hugging Face checkpoint with
-//! [`hf::load`]) and its weights, run with the generated attention kernels.
+//! [`hf::load`], or written for research with [`research`] and random weights) and its weights,
+//! run with the generated attention kernels.
 //!
 //! Layers are pre-norm: `x += attn(norm(x))`, `x += mlp(norm(x))`; then a final norm and the LM
 //! head (the embedding when tied). Attention is any per-head spec (q, k, v, o projections) or MLA
@@ -10,6 +11,7 @@ mod config;
 mod generate;
 pub mod hf;
 mod layers;
+pub mod research;
 
 pub use config::{MlpKind, ModelConfig, NormKind};
 pub use generate::{Progress, Request, Sampling};
@@ -194,13 +196,7 @@ impl Model {
         let x = self.final_norm.apply(&x);
         Ok(match &self.lm_head {
             Some(head) => head.apply(&x, n),
-            None => Linear {
-                w: self.embed.clone(),
-                bias: None,
-                out: self.config.vocab,
-                inp: self.config.hidden,
-            }
-            .apply(&x, n),
+            None => layers::matmul_t(&self.embed, self.config.vocab, self.config.hidden, &x, n),
         })
     }
 

@@ -112,9 +112,13 @@ enum Command {
     /// Logits of a token sequence from a Hugging Face checkpoint: one full forward, or a prefill
     /// then one token at a time (`--incremental P`). Writes `logits` [1, T, vocab] (f32).
     Logits {
-        /// Checkpoint directory (config.json and *.safetensors).
-        #[arg(long, value_name = "DIR")]
+        /// Checkpoint directory (config.json and *.safetensors), or a research model's TOML
+        /// file (random weights).
+        #[arg(long, value_name = "PATH")]
         model: std::path::PathBuf,
+        /// Seed of a research model's random weights.
+        #[arg(long, value_name = "S", default_value_t = 0)]
+        init_seed: u64,
         /// Token ids, comma-separated.
         #[arg(long, value_name = "IDS")]
         tokens: String,
@@ -128,9 +132,13 @@ enum Command {
     /// Continue a token sequence with a Hugging Face checkpoint (greedy unless --temperature).
     /// Prints the new token ids; progress and tokens/s go to stderr.
     Generate {
-        /// Checkpoint directory (config.json and *.safetensors).
-        #[arg(long, value_name = "DIR")]
+        /// Checkpoint directory (config.json and *.safetensors), or a research model's TOML
+        /// file (random weights).
+        #[arg(long, value_name = "PATH")]
         model: std::path::PathBuf,
+        /// Seed of a research model's random weights.
+        #[arg(long, value_name = "S", default_value_t = 0)]
+        init_seed: u64,
         /// Prompt token ids, comma-separated.
         #[arg(long, value_name = "IDS")]
         tokens: String,
@@ -155,9 +163,13 @@ enum Command {
     },
     /// Parameters per part of a Hugging Face checkpoint, and its KV-cache bytes.
     Params {
-        /// Checkpoint directory (config.json and *.safetensors).
-        #[arg(long, value_name = "DIR")]
+        /// Checkpoint directory (config.json and *.safetensors), or a research model's TOML
+        /// file (random weights).
+        #[arg(long, value_name = "PATH")]
         model: std::path::PathBuf,
+        /// Seed of a research model's random weights.
+        #[arg(long, value_name = "S", default_value_t = 0)]
+        init_seed: u64,
         /// Length for the cache size.
         #[arg(long, value_name = "N", default_value_t = 4096)]
         seq: u64,
@@ -290,14 +302,19 @@ fn main() -> ExitCode {
         }),
         Command::Logits {
             model,
+            init_seed,
             tokens,
             incremental,
             output,
         } => model_cmd::parse_tokens(&tokens)
-            .and_then(|t| model_cmd::logits(&model, &t, incremental, &output))
+            .and_then(|t| {
+                let model = model_cmd::load(&model, init_seed)?;
+                model_cmd::logits(&model, &t, incremental, &output)
+            })
             .map(|summary| println!("{summary}")),
         Command::Generate {
             model,
+            init_seed,
             tokens,
             max_new_tokens,
             temperature,
@@ -328,13 +345,18 @@ fn main() -> ExitCode {
                         top_p,
                         seed,
                     };
+                    let model = model_cmd::load(&model, init_seed)?;
                     model_cmd::generate(&model, prompt, max_new_tokens, sampling, stop)
                 })
                 .map(|out| println!("{out}"))
         }
-        Command::Params { model, seq } => {
-            model_cmd::params(&model, seq).map(|summary| println!("{summary}"))
-        }
+        Command::Params {
+            model,
+            init_seed,
+            seq,
+        } => model_cmd::load(&model, init_seed)
+            .and_then(|m| model_cmd::params(&m, seq))
+            .map(|summary| println!("{summary}")),
         Command::Peak { seconds } => {
             use attn::runtime::cpu::microkernels::{Isa, peak_gflops};
             let isa = Isa::detect();

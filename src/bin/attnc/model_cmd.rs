@@ -1,14 +1,24 @@
-//! `attnc logits`, `attnc generate` and `attnc params`: Hugging Face checkpoints on the CPU.
+//! `attnc logits`, `attnc generate` and `attnc params`: Hugging Face checkpoints (a directory)
+//! or research models (a TOML file, random weights) on the CPU.
 
 use attn::dsl::accounting::kv_cache_bytes_per_token;
 use attn::runtime::Tensor;
 use attn::runtime::io::write_safetensors;
-use attn::runtime::model::{Model, Request, Sampling, hf};
+use attn::runtime::model::{Model, Request, Sampling, hf, research};
 use std::io::Write;
 use std::path::Path;
 
-fn load(dir: &Path) -> Result<Model, String> {
-    hf::load(dir).map_err(|e| format!("error: {e}"))
+/// A checkpoint directory, or a research model's TOML file with weights seeded by `seed`.
+pub fn load(path: &Path, seed: u64) -> Result<Model, String> {
+    let err = |e: attn::runtime::RuntimeError| format!("error: {e}");
+    if path.is_file() {
+        let text =
+            std::fs::read_to_string(path).map_err(|e| format!("error: {}: {e}", path.display()))?;
+        let config = research::config_from_toml(&text)
+            .map_err(|e| format!("error: {}: {e}", path.display()))?;
+        return Model::random(&config, seed).map_err(err);
+    }
+    hf::load(path).map_err(err)
 }
 
 /// Token ids from `1,2,3`.
@@ -29,12 +39,11 @@ pub fn parse_tokens(text: &str) -> Result<Vec<u32>, String> {
 /// Writes the logits of `tokens` (`[1, T, vocab]` f32 as `logits`): one full forward, or with
 /// `incremental = Some(P)` a prefill of P tokens then one token at a time.
 pub fn logits(
-    dir: &Path,
+    model: &Model,
     tokens: &[u32],
     incremental: Option<usize>,
     output: &Path,
 ) -> Result<String, String> {
-    let model = load(dir)?;
     let err = |e: attn::runtime::RuntimeError| format!("error: {e}");
     let logits = match incremental {
         None => model.forward(tokens).map_err(err)?,
@@ -65,13 +74,12 @@ pub fn logits(
 
 /// Generates from one prompt, printing the new tokens and a progress line on stderr.
 pub fn generate(
-    dir: &Path,
+    model: &Model,
     prompt: Vec<u32>,
     max_new_tokens: usize,
     sampling: Sampling,
     stop: Vec<u32>,
 ) -> Result<String, String> {
-    let model = load(dir)?;
     let request = Request {
         prompt,
         max_new_tokens,
@@ -103,8 +111,7 @@ pub fn generate(
 }
 
 /// The parameter breakdown and KV-cache costs of a checkpoint.
-pub fn params(dir: &Path, seq: u64) -> Result<String, String> {
-    let model = load(dir)?;
+pub fn params(model: &Model, seq: u64) -> Result<String, String> {
     let c = &model.config;
     let mut s = format!(
         "{} layers, width {}, vocabulary {}, attention: {}\n",

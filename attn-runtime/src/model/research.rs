@@ -1,0 +1,218 @@
+//! Research models: a [`ModelConfig`] written in Rust or in a TOML file, with seeded random
+//! weights, so variants can be compared at equal parameter counts.
+//!
+//! ```toml
+//! vocab = 32000
+//! hidden = 768
+//! layers = 12
+//! attention = "heads = 12, kv_heads = 4, head_dim = 64, mask = causal, position = rope"
+//! # optional: norm = "rms" | "layer", norm_eps = 1e-5, mlp = "swiglu" | "gelu",
+//! # intermediate = 2048 (default 8d/3 for SwiGLU, 4d for GELU, rounded up to 64),
+//! # tie_embeddings = true, qkv_bias = false
+//! ```
+
+use super::config::{MlpKind, ModelConfig, NormKind};
+use super::layers::{Linear, Mlp, Norm};
+use super::{AttentionWeights, Layer, Model};
+use crate::error::RuntimeError;
+use crate::tensor::Tensor;
+use attn_dsl::AttentionSpec;
+
+const KEYS: &[&str] = &[
+    "vocab",
+    "hidden",
+    "layers",
+    "attention",
+    "norm",
+    "norm_eps",
+    "mlp",
+    "intermediate",
+    "tie_embeddings",
+    "qkv_bias",
+];
+
+/// The default MLP width: 8d/3 for SwiGLU (the parameters of a 4d GELU MLP), 4d for GELU,
+/// rounded up to a multiple of 64.
+pub fn default_intermediate(mlp: MlpKind, hidden: usize) -> usize {
+    let width = match mlp {
+        MlpKind::SwiGlu => (8 * hidden).div_ceil(3),
+        MlpKind::Gelu => 4 * hidden,
+    };
+    width.div_ceil(64) * 64
+}
+
+/// A model config from TOML text (see the module docs for the keys).
+pub fn config_from_toml(text: &str) -> Result<ModelConfig, RuntimeError> {
+    let err = |m: String| RuntimeError::Data(format!("model config: {m}"));
+    let table: toml::Table = text.parse().map_err(|e| err(format!("{e}")))?;
+    if let Some(k) = table.keys().find(|k| !KEYS.contains(&k.as_str())) {
+        return Err(err(format!(
+            "unknown key `{k}`; allowed: {}",
+            KEYS.join(", ")
+        )));
+    }
+    let int = |k: &str| -> Result<Option<usize>, RuntimeError> {
+        match table.get(k) {
+            None => Ok(None),
+            Some(v) => v
+                .as_integer()
+                .filter(|&i| i > 0)
+                .map(|i| Some(i as usize))
+                .ok_or_else(|| err(format!("`{k}` must be a positive integer, got {v}"))),
+        }
+    };
+    let required = |k: &str| int(k)?.ok_or_else(|| err(format!("`{k}` is missing")));
+    let flag = |k: &str, default: bool| -> Result<bool, RuntimeError> {
+        match table.get(k) {
+            None => Ok(default),
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| err(format!("`{k}` must be true or false, got {v}"))),
+        }
+    };
+    let word = |k: &str, default: &'static str| -> Result<String, RuntimeError> {
+        match table.get(k) {
+            None => Ok(default.to_string()),
+            Some(v) => v
+                .as_str()
+                .map(str::to_string)
+                .ok_or_else(|| err(format!("`{k}` must be a string, got {v}"))),
+        }
+    };
+    let attention: AttentionSpec = word("attention", "")?
+        .parse()
+        .map_err(|e| err(format!("`attention`: {e}")))?;
+    let norm = match word("norm", "rms")?.as_str() {
+        "rms" => NormKind::Rms,
+        "layer" => NormKind::Layer,
+        other => return Err(err(format!("`norm` is `{other}`; allowed: rms, layer"))),
+    };
+    let mlp = match word("mlp", "swiglu")?.as_str() {
+        "swiglu" => MlpKind::SwiGlu,
+        "gelu" => MlpKind::Gelu,
+        other => return Err(err(format!("`mlp` is `{other}`; allowed: swiglu, gelu"))),
+    };
+    let norm_eps = match table.get("norm_eps") {
+        None => 1e-5,
+        Some(v) => v
+            .as_float()
+            .filter(|&e| e > 0.0)
+            .ok_or_else(|| err(format!("`norm_eps` must be a positive float, got {v}")))?,
+    };
+    let hidden = required("hidden")?;
+    Ok(ModelConfig {
+        vocab: required("vocab")?,
+        hidden,
+        layers: required("layers")?,
+        attention,
+        norm,
+        norm_eps,
+        mlp,
+        intermediate: int("intermediate")?.unwrap_or(default_intermediate(mlp, hidden)),
+        tie_embeddings: flag("tie_embeddings", true)?,
+        qkv_bias: flag("qkv_bias", false)?,
+    })
+}
+
+/// Seeded uniform values with standard deviation 0.02 (GPT-2's init scale).
+struct Init(u64);
+
+impl Init {
+    fn values(&mut self, n: usize) -> Vec<f32> {
+        let a = 0.02 * 3f32.sqrt();
+        (0..n)
+            .map(|_| {
+                self.0 ^= self.0 << 13;
+                self.0 ^= self.0 >> 7;
+                self.0 ^= self.0 << 17;
+                ((self.0 >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * a
+            })
+            .collect()
+    }
+
+    fn linear(&mut self, out: usize, inp: usize, bias: bool) -> Linear {
+        Linear {
+            w: self.values(out * inp),
+            bias: bias.then(|| vec![0.0; out]),
+            out,
+            inp,
+        }
+    }
+}
+
+impl Model {
+    /// A model with seeded random weights (uniform, standard deviation 0.02; norms at 1).
+    pub fn random(config: &ModelConfig, seed: u64) -> Result<Model, RuntimeError> {
+        config.attention.validate().map_err(|f| {
+            RuntimeError::Spec(
+                f.iter()
+                    .map(|f| f.to_string())
+                    .collect::<Vec<_>>()
+                    .join("; "),
+            )
+        })?;
+        let c = config;
+        let mut init = Init(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+        let norm = |n: usize| Norm {
+            kind: c.norm,
+            weight: vec![1.0; n],
+            bias: (c.norm == NormKind::Layer).then(|| vec![0.0; n]),
+            eps: c.norm_eps,
+        };
+        let spec = &c.attention;
+        let (heads, d, dv) = (
+            spec.heads as usize,
+            spec.head_dim as usize,
+            spec.v_head_dim as usize,
+        );
+        let layers = (0..c.layers)
+            .map(|_| {
+                let attn = match spec.mla() {
+                    Some(m) => {
+                        let (r, dr) = (m.latent_rank as usize, m.rope_dim as usize);
+                        let w = init.values(heads * (d + dv) * r);
+                        Ok::<_, RuntimeError>(AttentionWeights::Mla {
+                            q: init.linear(heads * (d + dr), c.hidden, false),
+                            q_b: None,
+                            kv_a: init.linear(r + dr, c.hidden, false),
+                            kv_norm: norm(r),
+                            w_kv_b: Tensor::from_f32_as(spec.dtype, &[heads * (d + dv), r], w)?,
+                            o: init.linear(c.hidden, heads * dv, false),
+                        })
+                    }
+                    None => {
+                        let hkv = spec.kv_heads() as usize;
+                        Ok(AttentionWeights::Heads {
+                            q: init.linear(heads * d, c.hidden, c.qkv_bias),
+                            k: init.linear(hkv * d, c.hidden, c.qkv_bias),
+                            v: init.linear(hkv * dv, c.hidden, c.qkv_bias),
+                            o: init.linear(c.hidden, heads * dv, false),
+                        })
+                    }
+                }?;
+                let mlp = Mlp {
+                    kind: c.mlp,
+                    gate: (c.mlp == MlpKind::SwiGlu)
+                        .then(|| init.linear(c.intermediate, c.hidden, false)),
+                    up: init.linear(c.intermediate, c.hidden, false),
+                    down: init.linear(c.hidden, c.intermediate, false),
+                };
+                Ok(Layer {
+                    attn_norm: norm(c.hidden),
+                    attn,
+                    mlp_norm: norm(c.hidden),
+                    mlp,
+                })
+            })
+            .collect::<Result<Vec<_>, RuntimeError>>()?;
+        let embed = init.values(c.vocab * c.hidden);
+        let lm_head = (!c.tie_embeddings).then(|| init.linear(c.vocab, c.hidden, false));
+        Ok(Model::new(
+            config.clone(),
+            embed,
+            layers,
+            norm(c.hidden),
+            lm_head,
+        ))
+    }
+}

@@ -1,0 +1,126 @@
+//! Research models: TOML configs, seeded random weights, and incremental decoding equal to the
+//! full forward for every attention family and block kind.
+
+use attn_runtime::model::research::{config_from_toml, default_intermediate};
+use attn_runtime::model::{MlpKind, Model, NormKind};
+
+fn config(attention: &str, extra: &str) -> attn_runtime::model::ModelConfig {
+    config_from_toml(&format!(
+        "vocab = 97\nhidden = 48\nlayers = 2\nattention = \"{attention}\"\n{extra}"
+    ))
+    .unwrap()
+}
+
+#[test]
+fn toml_configs_and_their_errors() {
+    let c = config("heads = 4, kv_heads = 2, head_dim = 12, mask = causal", "");
+    assert_eq!((c.vocab, c.hidden, c.layers), (97, 48, 2));
+    assert_eq!((c.norm, c.mlp), (NormKind::Rms, MlpKind::SwiGlu));
+    assert_eq!(c.intermediate, 128, "8 * 48 / 3 = 128, a multiple of 64");
+    assert_eq!(default_intermediate(MlpKind::Gelu, 48), 192);
+    assert!(c.tie_embeddings);
+    for (text, needle) in [
+        (
+            "vocab = 10\nhidden = 8\nlayers = 1\nattention = \"heads = 2, head_dim = 4\"\nwidth = 3",
+            "unknown key `width`",
+        ),
+        (
+            "vocab = 10\nlayers = 1\nattention = \"heads = 2, head_dim = 4\"",
+            "`hidden` is missing",
+        ),
+        (
+            "vocab = 10\nhidden = 8\nlayers = 1\nattention = \"heads = 2, head_dim = 4\"\nnorm = \"batch\"",
+            "allowed: rms, layer",
+        ),
+        (
+            "vocab = 10\nhidden = -8\nlayers = 1\nattention = \"heads = 2, head_dim = 4\"",
+            "positive integer",
+        ),
+        (
+            "vocab = 10\nhidden = 8\nlayers = 1\nattention = \"heads = 3, kv_heads = 2, head_dim = 4\"",
+            "`attention`",
+        ),
+        (
+            "vocab = 10\nhidden = 8\nlayers = 1\nattention = ",
+            "model config",
+        ),
+    ] {
+        let err = config_from_toml(text).unwrap_err().to_string();
+        assert!(err.contains(needle), "{text}: {err}");
+    }
+}
+
+#[test]
+fn random_models_decode_incrementally_as_their_full_forward() {
+    for (attention, extra) in [
+        (
+            "heads = 4, head_dim = 12, mask = causal, position = rope",
+            "",
+        ),
+        (
+            "heads = 6, kv_heads = 2, head_dim = 8, mask = sliding_window(9), position = rope(scaling = yarn(factor = 4.0, original_max_position = 16))",
+            "qkv_bias = true\ntie_embeddings = false",
+        ),
+        (
+            "heads = 4, kv_heads = 1, head_dim = 16, mask = causal, position = alibi",
+            "norm = \"layer\"\nmlp = \"gelu\"",
+        ),
+        (
+            "heads = 4, head_dim = 8, v_head_dim = 12, mla(latent_rank = 16, rope_dim = 4), mask = causal, position = rope(layout = interleaved)",
+            "",
+        ),
+        (
+            "heads = 4, kv_heads = 2, head_dim = 12, mask = causal, dtype = bf16",
+            "",
+        ),
+    ] {
+        let c = config(attention, extra);
+        let model = Model::random(&c, 5).unwrap();
+        let tokens: Vec<u32> = (0..37).map(|i| (i * 31 + 7) % 97).collect();
+        let full = model.forward(&tokens).unwrap();
+        let mut session = model.session(40, 8).unwrap();
+        let mut inc = session.step(&tokens[..11]).unwrap();
+        for t in 11..tokens.len() {
+            inc.extend(session.step(&tokens[t..t + 1]).unwrap());
+        }
+        let tol = if attention.contains("bf16") {
+            2e-2
+        } else {
+            1e-4
+        };
+        let err = full
+            .iter()
+            .zip(&inc)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(err < tol, "{attention}: incremental vs full {err}");
+        let scale = full.iter().map(|x| x.abs()).fold(0f32, f32::max);
+        assert!(
+            scale > 1e-3,
+            "{attention}: logits are not all zero ({scale})"
+        );
+    }
+}
+
+#[test]
+fn seeds_and_parameter_counts() {
+    let c = config(
+        "heads = 4, kv_heads = 2, head_dim = 12, mask = causal",
+        "tie_embeddings = false",
+    );
+    let (a, b, other) = (
+        Model::random(&c, 1).unwrap(),
+        Model::random(&c, 1).unwrap(),
+        Model::random(&c, 2).unwrap(),
+    );
+    let tokens = [1, 2, 3];
+    assert_eq!(a.forward(&tokens).unwrap(), b.forward(&tokens).unwrap());
+    assert_ne!(a.forward(&tokens).unwrap(), other.forward(&tokens).unwrap());
+    let parts: std::collections::HashMap<_, _> = a.parameters().into_iter().collect();
+    // q 48x48, k and v 24x48, o 48x48 per layer; SwiGLU 3 x 48 x 128; norms 2 x 48 + final 48.
+    assert_eq!(parts["attention"], 2 * (48 * 48 + 2 * 24 * 48 + 48 * 48));
+    assert_eq!(parts["mlp"], 2 * 3 * 48 * 128);
+    assert_eq!(parts["norms"], 2 * 2 * 48 + 48);
+    assert_eq!(parts["embedding"], 97 * 48);
+    assert_eq!(parts["lm_head"], 97 * 48);
+}
