@@ -218,3 +218,95 @@ fn greedy_generation_follows_the_full_forward_and_batches_agree() {
     let b = model.generate(&requests, sampling, |_| {}).unwrap();
     assert_eq!(a, b);
 }
+
+#[test]
+fn sharded_checkpoints_load_like_single_files() {
+    use attn_runtime::io::{read_safetensors, write_safetensors};
+    let src = dir("llama_gqa");
+    let out = std::env::temp_dir().join(format!("attn-model-sharded-{}", std::process::id()));
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::copy(src.join("config.json"), out.join("config.json")).unwrap();
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let names: Vec<String> = SafeTensors::deserialize(&bytes)
+        .unwrap()
+        .names()
+        .into_iter()
+        .map(String::from)
+        .collect();
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let tensors = read_safetensors(&src.join("model.safetensors"), &refs).unwrap();
+    // Alternate tensors between two shards, as the index says.
+    let mut map = serde_json::Map::new();
+    for shard in 0..2 {
+        let file = format!("model-0000{}-of-00002.safetensors", shard + 1);
+        let part: Vec<(&str, &attn_runtime::Tensor)> = refs
+            .iter()
+            .zip(&tensors)
+            .enumerate()
+            .filter(|(i, _)| i % 2 == shard)
+            .map(|(_, (n, t))| (*n, t))
+            .collect();
+        for (n, _) in &part {
+            map.insert(n.to_string(), file.clone().into());
+        }
+        write_safetensors(&out.join(&file), &part).unwrap();
+    }
+    let index = serde_json::json!({ "metadata": {}, "weight_map": map });
+    std::fs::write(out.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    let sharded = hf::load(&out).unwrap();
+    let single = hf::load(&src).unwrap();
+    let tokens = [3, 1, 4, 1, 5, 9, 2, 6];
+    assert_eq!(
+        sharded.forward(&tokens).unwrap(),
+        single.forward(&tokens).unwrap()
+    );
+}
+
+#[test]
+fn family_configs_map_to_specs() {
+    let spec_of = |tag: &str, edit: &dyn Fn(&mut serde_json::Value)| {
+        let d = edited("llama_gqa", tag, |c| edit(c));
+        hf::config(&d).map(|c| c.attention.to_string())
+    };
+    let mistral = spec_of("mistral", &|c| {
+        c["model_type"] = "mistral".into();
+        c["sliding_window"] = 8.into();
+    })
+    .unwrap();
+    assert!(mistral.contains("mask = sliding_window(8)"), "{mistral}");
+    let yarn = spec_of("yarn", &|c| {
+        c["rope_parameters"] = serde_json::json!({
+            "rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0,
+            "original_max_position_embeddings": 64, "beta_fast": 16.0
+        });
+    })
+    .unwrap();
+    assert!(
+        yarn.contains("base = 500000.0")
+            && yarn.contains("yarn(factor = 4.0, original_max_position = 64, beta_fast = 16.0"),
+        "{yarn}"
+    );
+    let old_keys = spec_of("oldkeys", &|c| {
+        c.as_object_mut().unwrap().remove("rope_parameters");
+        c["rope_theta"] = 1e6.into();
+        c["rope_scaling"] = serde_json::json!({
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 128
+        });
+    })
+    .unwrap();
+    assert!(
+        old_keys.contains("base = 1000000.0") && old_keys.contains("llama3(factor = 8.0"),
+        "{old_keys}"
+    );
+    let err = spec_of("longrope", &|c| {
+        c["rope_parameters"]["rope_type"] = "longrope".into()
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("`longrope`"), "{err}");
+    // Qwen2 has q/k/v biases: the llama weights lack them, and the error names the tensor.
+    let qwen = edited("llama_gqa", "qwen", |c| c["model_type"] = "qwen2".into());
+    let err = hf::load(&qwen).unwrap_err().to_string();
+    assert!(err.contains("q_proj.bias"), "{err}");
+}
