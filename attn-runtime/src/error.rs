@@ -54,3 +54,16 @@ pub enum RuntimeError {
         available: String,
     },
 }
+
+/// The spec's validation findings as one error (`Ok` for a valid spec).
+pub(crate) fn check_spec(spec: &attn_dsl::AttentionSpec) -> Result<(), RuntimeError> {
+    spec.validate().map_err(|findings| {
+        RuntimeError::Spec(
+            findings
+                .iter()
+                .map(|f| f.to_string())
+                .collect::<Vec<_>>()
+                .join("; "),
+        )
+    })
+}

@@ -31,14 +31,7 @@ impl CacheLayout {
     /// transformers does; decoding then differs from one forward over the whole sequence once it
     /// outgrows the original context.
     pub fn of(spec: &AttentionSpec) -> Result<Self, RuntimeError> {
-        spec.validate().map_err(|f| {
-            RuntimeError::Spec(
-                f.iter()
-                    .map(|f| f.to_string())
-                    .collect::<Vec<_>>()
-                    .join("; "),
-            )
-        })?;
+        crate::error::check_spec(spec)?;
         let rope = KernelPlan::forward(spec).rope;
         Ok(match spec.kv {
             KvLayout::Heads { kv_heads } => CacheLayout {

@@ -82,14 +82,7 @@ impl CpuBackend {
         spec: &AttentionSpec,
         kind: PlanKind,
     ) -> Result<Arc<CpuKernel>, RuntimeError> {
-        spec.validate().map_err(|f| {
-            RuntimeError::Spec(
-                f.iter()
-                    .map(|f| f.to_string())
-                    .collect::<Vec<_>>()
-                    .join("; "),
-            )
-        })?;
+        crate::error::check_spec(spec)?;
         let key = (spec.to_string(), isa_name(self.isa), kind);
         if let Some(k) = cache().lock().expect("kernel cache lock").get(&key) {
             return Ok(Arc::clone(k));

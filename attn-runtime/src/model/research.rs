@@ -143,14 +143,7 @@ impl Init {
 impl Model {
     /// A model with seeded random weights (uniform, standard deviation 0.02; norms at 1).
     pub fn random(config: &ModelConfig, seed: u64) -> Result<Model, RuntimeError> {
-        config.attention.validate().map_err(|f| {
-            RuntimeError::Spec(
-                f.iter()
-                    .map(|f| f.to_string())
-                    .collect::<Vec<_>>()
-                    .join("; "),
-            )
-        })?;
+        crate::error::check_spec(&config.attention)?;
         let c = config;
         let mut init = Init(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
         let norm = |n: usize| Norm {
