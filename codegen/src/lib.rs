@@ -5,13 +5,15 @@
 //! their launch descriptions, and attn-runtime runs them.
 //!
 //! - [`plan`]: the kernel plan every backend lowers from;
-//! - [`cpu`]: the Cranelift backend (JIT machine code for the host).
+//! - [`cpu`]: the Cranelift backend (JIT machine code for the host);
+//! - [`gpu`]: the GPU kernel IR, its CPU interpreter and the plan lowerings to it.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod cpu;
 mod error;
+pub mod gpu;
 pub mod plan;
 
 pub use attn_dsl;

@@ -1,0 +1,510 @@
+//! A forward plan lowered to GPU IR: the SIMT f32 path (no tensor cores), a FlashAttention-2
+//! structure in its plainest form.
+//!
+//! A CTA handles [`ROWS`] query rows of one (batch, head), one row per thread. Per key tile the
+//! CTA stages K (rotated by RoPE as it loads) and V in shared memory; each thread computes its
+//! row's scores through the score program (base 2) and the mask, keeps its running max and sum
+//! (online softmax), and accumulates `P V` in registers. Tiles the plan classifies as all-masked
+//! are skipped (the host passes one code per (head, query block, key tile)); all-kept tiles skip
+//! the mask program. Inputs are contiguous BHSD f32.
+
+use super::ir::build::*;
+use super::ir::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty, Un};
+use crate::plan::{KernelPlan, PlanKind, RopePrologue};
+use attn_dsl::RopeLayout;
+use attn_dsl::modifier::{BinOp, Expr as M, Ty as MTy, UnOp, Var};
+
+/// Query rows (threads) per CTA.
+pub const ROWS: u32 = 64;
+
+/// Keys per tile for a plan: as many as keep K and V tiles within 32 KiB of shared memory.
+pub fn key_tile(plan: &KernelPlan) -> u32 {
+    let width = plan.shape.qk_dim + plan.shape.v_dim;
+    if width <= 128 {
+        32
+    } else if width <= 256 {
+        16
+    } else {
+        8
+    }
+}
+
+/// Parameters, in order.
+pub const PARAMS: [&str; 12] = [
+    "q",
+    "k",
+    "v",
+    "out",
+    "lse",
+    "codes",
+    "sq",
+    "skv",
+    "p0",
+    "rope_cos",
+    "rope_sin",
+    "rope_pos0",
+];
+
+/// Register allocation for the kernel being built.
+struct Regs {
+    list: Vec<(String, Ty)>,
+}
+
+impl Regs {
+    fn add(&mut self, name: impl Into<String>, ty: Ty) -> Reg {
+        self.list.push((name.into(), ty));
+        Reg(self.list.len() as u32 - 1)
+    }
+}
+
+fn param(name: &str) -> Expr {
+    let i = PARAMS
+        .iter()
+        .position(|p| *p == name)
+        .expect("a known parameter");
+    Expr::Param(i as u32)
+}
+
+fn special64(s: Special) -> Expr {
+    cast(Expr::Special(s), Ty::I64)
+}
+
+/// Lowers the forward plan's SIMT f32 kernel.
+pub fn lower(plan: &KernelPlan) -> Kernel {
+    assert_eq!(
+        plan.kind,
+        PlanKind::Forward,
+        "the GPU forward kernel lowers forward plans"
+    );
+    let (d, dv) = (plan.shape.qk_dim as i64, plan.shape.v_dim as i64);
+    let (hq, hkv) = (plan.shape.heads as i64, plan.shape.kv_heads as i64);
+    let bc = key_tile(plan) as i64;
+    let rows = i64::from(ROWS);
+    let mut r = Regs { list: Vec::new() };
+    let mut body = Vec::new();
+
+    // Where this thread is.
+    let (row, batch, head, kvh) = (
+        r.add("row", Ty::I64),
+        r.add("batch", Ty::I64),
+        r.add("head", Ty::I64),
+        r.add("kv_head", Ty::I64),
+    );
+    body.push(Stmt::Set(
+        row,
+        add(
+            mul(special64(Special::Ctaid(0)), i64(rows)),
+            special64(Special::Tid),
+        ),
+    ));
+    body.push(Stmt::Set(batch, special64(Special::Ctaid(2))));
+    body.push(Stmt::Set(head, special64(Special::Ctaid(1))));
+    body.push(Stmt::Set(kvh, bin(Bin::Div, reg(head), i64(hq / hkv))));
+    let valid = bin(Bin::Lt, reg(row), param("sq"));
+    // Rows past Sq compute on the last row (their results are not stored).
+    let qrow = r.add("q_row", Ty::I64);
+    body.push(Stmt::Set(
+        qrow,
+        bin(Bin::Min, reg(row), sub(param("sq"), i64(1))),
+    ));
+    let qpos = r.add("q_pos", Ty::I64);
+    body.push(Stmt::Set(
+        qpos,
+        add(add(param("p0"), sub(param("skv"), param("sq"))), reg(qrow)),
+    ));
+
+    // q: loaded, rotated, scaled (the score scale and log2 e, hoisted by the plan).
+    let q: Vec<Reg> = (0..d).map(|i| r.add(format!("q{i}"), Ty::F32)).collect();
+    let q_base = mul(
+        add(
+            mul(add(mul(reg(batch), i64(hq)), reg(head)), param("sq")),
+            reg(qrow),
+        ),
+        i64(d * 4),
+    );
+    for (i, &qi) in q.iter().enumerate() {
+        let addr = add(param("q"), add(q_base.clone(), i64(4 * i as i64)));
+        body.push(Stmt::Set(qi, load(Space::Global, Ty::F32, addr)));
+    }
+    if let Some(rope) = &plan.rope {
+        body.extend(rotate(&mut r, rope, &q, reg(qpos)));
+    }
+    if plan.q_scale != 1.0 {
+        for &qi in &q {
+            body.push(Stmt::Set(qi, mul(reg(qi), f32(plan.q_scale as f32))));
+        }
+    }
+
+    // Running state.
+    let (m, l) = (r.add("m", Ty::F32), r.add("l", Ty::F32));
+    body.push(Stmt::Set(m, f32(f32::NEG_INFINITY)));
+    body.push(Stmt::Set(l, f32(0.0)));
+    let acc: Vec<Reg> = (0..dv).map(|i| r.add(format!("acc{i}"), Ty::F32)).collect();
+    for &a in &acc {
+        body.push(Stmt::Set(a, f32(0.0)));
+    }
+
+    // Shared memory: K tile [bc][d], V tile [bc][dv], scores [ROWS][bc].
+    let k_sh = 0;
+    let v_sh = k_sh + bc * d * 4;
+    let s_sh = v_sh + bc * dv * 4;
+    let shared_bytes = s_sh + rows * bc * 4;
+
+    let (t, code) = (r.add("tile", Ty::I64), r.add("code", Ty::I32));
+    let n_tiles = bin(Bin::Div, add(param("skv"), i64(bc - 1)), i64(bc));
+    let n_qblocks = bin(Bin::Div, add(param("sq"), i64(rows - 1)), i64(rows));
+    let mut tile_body = Vec::new();
+    // codes[head][qblock][tile], one i32 each.
+    let code_index = add(
+        mul(
+            add(mul(reg(head), n_qblocks), special64(Special::Ctaid(0))),
+            n_tiles.clone(),
+        ),
+        reg(t),
+    );
+    tile_body.push(Stmt::Set(
+        code,
+        load(Space::Global, Ty::I32, at(param("codes"), code_index, 4)),
+    ));
+    let run_tile = bin(Bin::Ne, reg(code), Expr::Int(0, Ty::I32));
+    let mut run = Vec::new();
+
+    // Stage the tile: thread j < bc loads key t*bc + j (zeros past Skv).
+    let (key_l, kv_row) = (r.add("load_key", Ty::I64), r.add("load_row", Ty::I64));
+    let kv_tmp: Vec<Reg> = (0..d).map(|i| r.add(format!("k{i}"), Ty::F32)).collect();
+    let tid = special64(Special::Tid);
+    let mut stage = vec![
+        Stmt::Set(key_l, add(mul(reg(t), i64(bc)), tid.clone())),
+        Stmt::Set(
+            kv_row,
+            add(
+                mul(add(mul(reg(batch), i64(hkv)), reg(kvh)), param("skv")),
+                bin(Bin::Min, reg(key_l), sub(param("skv"), i64(1))),
+            ),
+        ),
+    ];
+    let inside_l = bin(Bin::Lt, reg(key_l), param("skv"));
+    for (i, &ki) in kv_tmp.iter().enumerate() {
+        let addr = add(
+            param("k"),
+            add(mul(reg(kv_row), i64(d * 4)), i64(4 * i as i64)),
+        );
+        stage.push(Stmt::Set(
+            ki,
+            select(
+                inside_l.clone(),
+                load(Space::Global, Ty::F32, addr),
+                f32(0.0),
+            ),
+        ));
+    }
+    if let Some(rope) = &plan.rope {
+        // Keys past Skv (zeros) rotate at the last position, inside the tables.
+        let pos = add(
+            param("p0"),
+            bin(Bin::Min, reg(key_l), sub(param("skv"), i64(1))),
+        );
+        stage.extend(rotate(&mut r, rope, &kv_tmp, pos));
+    }
+    for (i, &ki) in kv_tmp.iter().enumerate() {
+        let addr = add(mul(tid.clone(), i64(d * 4)), i64(k_sh + 4 * i as i64));
+        stage.push(Stmt::Store(Space::Shared, addr, reg(ki)));
+    }
+    for i in 0..dv {
+        let src = add(param("v"), add(mul(reg(kv_row), i64(dv * 4)), i64(4 * i)));
+        let dst = add(mul(tid.clone(), i64(dv * 4)), i64(v_sh + 4 * i));
+        stage.push(Stmt::Store(
+            Space::Shared,
+            dst,
+            select(
+                inside_l.clone(),
+                load(Space::Global, Ty::F32, src),
+                f32(0.0),
+            ),
+        ));
+    }
+    run.push(Stmt::If(bin(Bin::Lt, tid.clone(), i64(bc)), stage, vec![]));
+    run.push(Stmt::Barrier);
+
+    // Pass 1: scores through the program and the mask, into shared; the tile's max.
+    let (j, key, s, mt) = (
+        r.add("j", Ty::I64),
+        r.add("key", Ty::I64),
+        r.add("s", Ty::F32),
+        r.add("tile_max", Ty::F32),
+    );
+    run.push(Stmt::Set(mt, f32(f32::NEG_INFINITY)));
+    let mut pass1 = vec![
+        Stmt::Set(key, add(mul(reg(t), i64(bc)), reg(j))),
+        Stmt::Set(s, f32(0.0)),
+    ];
+    for (i, &qi) in q.iter().enumerate() {
+        let kd = load(
+            Space::Shared,
+            Ty::F32,
+            add(mul(reg(j), i64(d * 4)), i64(k_sh + 4 * i as i64)),
+        );
+        pass1.push(Stmt::Set(s, fma(reg(qi), kd, reg(s))));
+    }
+    let env = Env {
+        score: reg(s),
+        batch: reg(batch),
+        head: reg(head),
+        query: reg(qpos),
+        key: add(param("p0"), reg(key)),
+        query_index: reg(row),
+        key_index: reg(key),
+    };
+    pass1.push(Stmt::Set(s, program(&plan.program.score, &env)));
+    let mut keep = bin(Bin::Lt, reg(key), param("skv"));
+    if !matches!(plan.program.mask, M::Bool(true)) {
+        let masked_tile = bin(Bin::Eq, reg(code), Expr::Int(2, Ty::I32));
+        let mask = program(&plan.program.mask, &env);
+        keep = bin(
+            Bin::And,
+            keep,
+            bin(Bin::Or, Expr::Un(Un::Not, Box::new(masked_tile)), mask),
+        );
+    }
+    pass1.push(Stmt::Set(s, select(keep, reg(s), f32(f32::NEG_INFINITY))));
+    let s_addr = add(
+        mul(add(mul(tid.clone(), i64(bc)), reg(j)), i64(4)),
+        i64(s_sh),
+    );
+    pass1.push(Stmt::Store(Space::Shared, s_addr.clone(), reg(s)));
+    pass1.push(Stmt::Set(mt, bin(Bin::Max, reg(mt), reg(s))));
+    run.push(Stmt::For {
+        reg: j,
+        start: i64(0),
+        end: i64(bc),
+        step: 1,
+        body: pass1,
+    });
+
+    // The new max; the rescale of the sum and accumulator.
+    let (m_use, alpha, p) = (
+        r.add("m_use", Ty::F32),
+        r.add("alpha", Ty::F32),
+        r.add("p", Ty::F32),
+    );
+    let m_new = bin(Bin::Max, reg(m), reg(mt));
+    run.push(Stmt::Set(
+        m_use,
+        select(
+            bin(Bin::Eq, m_new.clone(), f32(f32::NEG_INFINITY)),
+            f32(0.0),
+            m_new.clone(),
+        ),
+    ));
+    run.push(Stmt::Set(alpha, un(Un::Ex2, sub(reg(m), reg(m_use)))));
+    run.push(Stmt::Set(m, m_new));
+    run.push(Stmt::Set(l, mul(reg(l), reg(alpha))));
+    for &a in &acc {
+        run.push(Stmt::Set(a, mul(reg(a), reg(alpha))));
+    }
+    // Pass 2: probabilities, their sum, P V.
+    let mut pass2 = vec![
+        Stmt::Set(
+            p,
+            un(
+                Un::Ex2,
+                sub(load(Space::Shared, Ty::F32, s_addr), reg(m_use)),
+            ),
+        ),
+        Stmt::Set(l, add(reg(l), reg(p))),
+    ];
+    for (i, &a) in acc.iter().enumerate() {
+        let vd = load(
+            Space::Shared,
+            Ty::F32,
+            add(mul(reg(j), i64(dv * 4)), i64(v_sh + 4 * i as i64)),
+        );
+        pass2.push(Stmt::Set(a, fma(reg(p), vd, reg(a))));
+    }
+    run.push(Stmt::For {
+        reg: j,
+        start: i64(0),
+        end: i64(bc),
+        step: 1,
+        body: pass2,
+    });
+    run.push(Stmt::Barrier);
+    tile_body.push(Stmt::If(run_tile, run, vec![]));
+    body.push(Stmt::For {
+        reg: t,
+        start: i64(0),
+        end: n_tiles,
+        step: 1,
+        body: tile_body,
+    });
+
+    // Epilogue: out = acc / l, lse = (m + log2 l) ln 2; rows with no kept key: 0 and -inf.
+    let nonempty = bin(Bin::Gt, reg(l), f32(0.0));
+    let out_row = add(
+        mul(add(mul(reg(batch), i64(hq)), reg(head)), param("sq")),
+        reg(row),
+    );
+    let mut store = Vec::new();
+    for (i, &a) in acc.iter().enumerate() {
+        let addr = add(
+            param("out"),
+            add(mul(out_row.clone(), i64(dv * 4)), i64(4 * i as i64)),
+        );
+        let value = select(nonempty.clone(), bin(Bin::Div, reg(a), reg(l)), f32(0.0));
+        store.push(Stmt::Store(Space::Global, addr, value));
+    }
+    let lse = mul(
+        add(reg(m), un(Un::Lg2, reg(l))),
+        f32(std::f32::consts::LN_2),
+    );
+    store.push(Stmt::Store(
+        Space::Global,
+        at(param("lse"), out_row, 4),
+        select(nonempty, lse, f32(f32::NEG_INFINITY)),
+    ));
+    body.push(Stmt::If(valid, store, vec![]));
+
+    Kernel {
+        name: "attention_forward".into(),
+        params: PARAMS.iter().map(|p| (p.to_string(), Ty::I64)).collect(),
+        regs: r.list,
+        shared_bytes: shared_bytes as u32,
+        threads: ROWS,
+        body,
+    }
+}
+
+/// RoPE on a row held in registers, at position `pos`, from the per-position cos/sin tables
+/// (`rope_cos`, `rope_sin`: rows of `dim / 2` f32 from position `rope_pos0`).
+fn rotate(r: &mut Regs, rope: &RopePrologue, row: &[Reg], pos: Expr) -> Vec<Stmt> {
+    let half = i64::from(rope.rope.dim / 2);
+    let first = rope.first_dim as usize;
+    let table_row = r.add("rope_row", Ty::I64);
+    let (c, s, a, b) = (
+        r.add("cos", Ty::F32),
+        r.add("sin", Ty::F32),
+        r.add("rot_a", Ty::F32),
+        r.add("rot_b", Ty::F32),
+    );
+    let mut out = vec![Stmt::Set(table_row, sub(pos, param("rope_pos0")))];
+    for i in 0..half as usize {
+        let (ia, ib) = match rope.rope.layout {
+            RopeLayout::Half => (first + i, first + i + half as usize),
+            RopeLayout::Interleaved => (first + 2 * i, first + 2 * i + 1),
+        };
+        let entry = add(mul(reg(table_row), i64(half * 4)), i64(4 * i as i64));
+        out.extend([
+            Stmt::Set(
+                c,
+                load(
+                    Space::Global,
+                    Ty::F32,
+                    add(param("rope_cos"), entry.clone()),
+                ),
+            ),
+            Stmt::Set(
+                s,
+                load(Space::Global, Ty::F32, add(param("rope_sin"), entry)),
+            ),
+            Stmt::Set(a, reg(row[ia])),
+            Stmt::Set(b, reg(row[ib])),
+            Stmt::Set(row[ia], sub(mul(reg(a), reg(c)), mul(reg(b), reg(s)))),
+            Stmt::Set(row[ib], add(mul(reg(b), reg(c)), mul(reg(a), reg(s)))),
+        ]);
+    }
+    out
+}
+
+/// The values of the score program's variables for one (row, key).
+struct Env {
+    score: Expr,
+    batch: Expr,
+    head: Expr,
+    query: Expr,
+    key: Expr,
+    query_index: Expr,
+    key_index: Expr,
+}
+
+/// A modifier-IR expression as GPU IR, with the reference evaluator's semantics: wrapping i64,
+/// integer division and remainder by zero give 0, tables clamp their index; `exp`, `ln` and
+/// `tanh` through `ex2` and `lg2`.
+fn program(e: &M, env: &Env) -> Expr {
+    let go = |e: &M| program(e, env);
+    match e {
+        M::Var(v) => match v {
+            Var::Score => env.score.clone(),
+            Var::Batch => env.batch.clone(),
+            Var::Head => env.head.clone(),
+            Var::Query => env.query.clone(),
+            Var::Key => env.key.clone(),
+            Var::QueryIndex => env.query_index.clone(),
+            Var::KeyIndex => env.key_index.clone(),
+        },
+        M::Float(x) => f32(*x as f32),
+        M::Int(x) => i64(*x),
+        M::Bool(b) => Expr::Pred(*b),
+        M::Unary(op, a) => {
+            let a = go(a);
+            match op {
+                UnOp::Neg => un(Un::Neg, a),
+                UnOp::Abs => un(Un::Abs, a),
+                UnOp::Not => un(Un::Not, a),
+                UnOp::Sqrt => un(Un::Sqrt, a),
+                UnOp::Exp => un(Un::Ex2, mul(a, f32(std::f32::consts::LOG2_E))),
+                UnOp::Ln => mul(un(Un::Lg2, a), f32(std::f32::consts::LN_2)),
+                UnOp::Tanh => {
+                    // tanh|x| = (1 - e) / (1 + e), e = 2^(-2 |x| log2 e); the sign of x.
+                    let e = un(
+                        Un::Ex2,
+                        mul(un(Un::Abs, a.clone()), f32(-2.0 * std::f32::consts::LOG2_E)),
+                    );
+                    let t = bin(Bin::Div, sub(f32(1.0), e.clone()), add(f32(1.0), e));
+                    select(bin(Bin::Lt, a, f32(0.0)), un(Un::Neg, t.clone()), t)
+                }
+            }
+        }
+        M::Binary(op, a, b) => {
+            let float = attn_dsl::modifier::typecheck::typecheck(a).ok() == Some(MTy::F32);
+            let (x, y) = (go(a), go(b));
+            let op_ir = match op {
+                BinOp::Add => Bin::Add,
+                BinOp::Sub => Bin::Sub,
+                BinOp::Mul => Bin::Mul,
+                BinOp::Div => Bin::Div,
+                BinOp::Rem => Bin::Rem,
+                BinOp::Min => Bin::Min,
+                BinOp::Max => Bin::Max,
+                BinOp::Lt => Bin::Lt,
+                BinOp::Le => Bin::Le,
+                BinOp::Gt => Bin::Gt,
+                BinOp::Ge => Bin::Ge,
+                BinOp::Eq => Bin::Eq,
+                BinOp::Ne => Bin::Ne,
+                BinOp::And => Bin::And,
+                BinOp::Or => Bin::Or,
+            };
+            if !float && matches!(op, BinOp::Div | BinOp::Rem) {
+                // PTX leaves integer division by zero undefined; the semantics say 0.
+                let zero = bin(Bin::Eq, y.clone(), i64(0));
+                let safe = select(zero.clone(), i64(1), y);
+                select(zero, i64(0), bin(op_ir, x, safe))
+            } else {
+                bin(op_ir, x, y)
+            }
+        }
+        M::Select(c, a, b) => select(go(c), go(a), go(b)),
+        M::Cast(a, ty) => cast(
+            go(a),
+            match ty {
+                MTy::F32 => Ty::F32,
+                MTy::I64 => Ty::I64,
+                MTy::Bool => Ty::Pred,
+            },
+        ),
+        M::Table(values, index) => Expr::Table(
+            values.iter().map(|v| *v as f32).collect(),
+            Box::new(go(index)),
+        ),
+    }
+}

@@ -1,0 +1,540 @@
+//! Runs GPU IR on the CPU, CTA by CTA, every thread of a CTA in lockstep statement by
+//! statement (divergent branches and loops run under an active mask, like a SIMT stack). It
+//! checks what the hardware would not: memory accesses in bounds, barriers reached by every
+//! thread, shuffles from active lanes, well-typed operands. Errors, never panics.
+
+use super::ir::{Bin, Expr, Kernel, Space, Special, Stmt, Ty, Un};
+
+/// Device memory: buffers addressed as `(buffer + 1) << 40 | byte offset`.
+#[derive(Clone, Debug, Default)]
+pub struct Memory {
+    buffers: Vec<Vec<u8>>,
+}
+
+const OFFSET_BITS: u32 = 40;
+
+impl Memory {
+    /// A new buffer holding `values`; returns its address.
+    pub fn alloc_f32(&mut self, values: &[f32]) -> i64 {
+        self.alloc_bytes(values.iter().flat_map(|v| v.to_le_bytes()).collect())
+    }
+
+    /// A new buffer of bytes; returns its address.
+    pub fn alloc_bytes(&mut self, bytes: Vec<u8>) -> i64 {
+        self.buffers.push(bytes);
+        (self.buffers.len() as i64) << OFFSET_BITS
+    }
+
+    /// `n` f32 values from an address.
+    pub fn read_f32(&self, addr: i64, n: usize) -> Result<Vec<f32>, String> {
+        (0..n)
+            .map(|i| {
+                let b = self.bytes(addr + 4 * i as i64, 4)?;
+                Ok(f32::from_le_bytes(b.try_into().expect("4 bytes")))
+            })
+            .collect()
+    }
+
+    fn locate(&self, addr: i64, len: usize) -> Result<(usize, usize), String> {
+        let id = (addr >> OFFSET_BITS) - 1;
+        let off = (addr & ((1 << OFFSET_BITS) - 1)) as usize;
+        match self.buffers.get(id.max(0) as usize) {
+            Some(b) if id >= 0 && off + len <= b.len() => Ok((id as usize, off)),
+            _ => Err(format!(
+                "global access of {len} bytes at {addr:#x} is outside every buffer"
+            )),
+        }
+    }
+
+    fn bytes(&self, addr: i64, len: usize) -> Result<&[u8], String> {
+        let (id, off) = self.locate(addr, len)?;
+        Ok(&self.buffers[id][off..off + len])
+    }
+
+    fn write(&mut self, addr: i64, data: &[u8]) -> Result<(), String> {
+        let (id, off) = self.locate(addr, data.len())?;
+        self.buffers[id][off..off + data.len()].copy_from_slice(data);
+        Ok(())
+    }
+}
+
+/// A runtime value.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Val {
+    /// A predicate.
+    P(bool),
+    /// An I32.
+    I32(i32),
+    /// An I64.
+    I64(i64),
+    /// An F32.
+    F(f32),
+}
+
+impl Val {
+    fn zero(ty: Ty) -> Val {
+        match ty {
+            Ty::Pred => Val::P(false),
+            Ty::I32 => Val::I32(0),
+            Ty::I64 => Val::I64(0),
+            Ty::F32 => Val::F(0.0),
+        }
+    }
+
+    fn int(self) -> Result<i64, String> {
+        match self {
+            Val::I32(x) => Ok(i64::from(x)),
+            Val::I64(x) => Ok(x),
+            other => Err(format!("expected an integer, got {other:?}")),
+        }
+    }
+
+    fn float(self) -> Result<f32, String> {
+        match self {
+            Val::F(x) => Ok(x),
+            other => Err(format!("expected an f32, got {other:?}")),
+        }
+    }
+
+    fn pred(self) -> Result<bool, String> {
+        match self {
+            Val::P(x) => Ok(x),
+            other => Err(format!("expected a predicate, got {other:?}")),
+        }
+    }
+}
+
+/// Runs `kernel` over a grid of CTAs with the given arguments (one per parameter, of its type).
+pub fn run(
+    kernel: &Kernel,
+    grid: [u32; 3],
+    args: &[Val],
+    memory: &mut Memory,
+) -> Result<(), String> {
+    if args.len() != kernel.params.len() {
+        return Err(format!(
+            "{} takes {} arguments, got {}",
+            kernel.name,
+            kernel.params.len(),
+            args.len()
+        ));
+    }
+    for z in 0..grid[2] {
+        for y in 0..grid[1] {
+            for x in 0..grid[0] {
+                let mut cta = Cta {
+                    kernel,
+                    args,
+                    ctaid: [x, y, z],
+                    regs: vec![
+                        kernel.regs.iter().map(|(_, t)| Val::zero(*t)).collect();
+                        kernel.threads as usize
+                    ],
+                    shared: vec![0; kernel.shared_bytes as usize],
+                    memory,
+                };
+                let all = vec![true; kernel.threads as usize];
+                cta.exec(&kernel.body, &all)
+                    .map_err(|e| format!("{} CTA ({x}, {y}, {z}): {e}", kernel.name))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+struct Cta<'a> {
+    kernel: &'a Kernel,
+    args: &'a [Val],
+    ctaid: [u32; 3],
+    regs: Vec<Vec<Val>>,
+    shared: Vec<u8>,
+    memory: &'a mut Memory,
+}
+
+impl Cta<'_> {
+    fn exec(&mut self, body: &[Stmt], mask: &[bool]) -> Result<(), String> {
+        for stmt in body {
+            if !mask.iter().any(|&m| m) {
+                return Ok(());
+            }
+            match stmt {
+                Stmt::Set(r, e) => {
+                    let values = self.eval_all(e, mask)?;
+                    for (t, v) in values.into_iter().enumerate() {
+                        if let Some(v) = v {
+                            self.regs[t][r.0 as usize] = v;
+                        }
+                    }
+                }
+                Stmt::Store(space, addr, value) => {
+                    let addrs = self.eval_all(addr, mask)?;
+                    let values = self.eval_all(value, mask)?;
+                    for (a, v) in addrs.into_iter().zip(values) {
+                        if let (Some(a), Some(v)) = (a, v) {
+                            let bytes = match v {
+                                Val::F(x) => x.to_le_bytes().to_vec(),
+                                Val::I32(x) => x.to_le_bytes().to_vec(),
+                                Val::I64(x) => x.to_le_bytes().to_vec(),
+                                Val::P(_) => return Err("cannot store a predicate".into()),
+                            };
+                            self.store(*space, a.int()?, &bytes)?;
+                        }
+                    }
+                }
+                Stmt::If(c, then, otherwise) => {
+                    let conds = self.eval_all(c, mask)?;
+                    let mut yes = vec![false; mask.len()];
+                    let mut no = vec![false; mask.len()];
+                    for (t, c) in conds.into_iter().enumerate() {
+                        if let Some(c) = c {
+                            let c = c.pred()?;
+                            yes[t] = c;
+                            no[t] = !c;
+                        }
+                    }
+                    self.exec(then, &yes)?;
+                    self.exec(otherwise, &no)?;
+                }
+                Stmt::For {
+                    reg,
+                    start,
+                    end,
+                    step,
+                    body,
+                } => {
+                    let starts = self.eval_all(start, mask)?;
+                    let ends = self.eval_all(end, mask)?;
+                    let mut ends_of = vec![0i64; mask.len()];
+                    for (t, (s, e)) in starts.into_iter().zip(ends).enumerate() {
+                        if let (Some(s), Some(e)) = (s, e) {
+                            self.regs[t][reg.0 as usize] = Val::I64(s.int()?);
+                            ends_of[t] = e.int()?;
+                        }
+                    }
+                    loop {
+                        let active = (0..mask.len())
+                            .map(
+                                |t| Ok(mask[t] && self.regs[t][reg.0 as usize].int()? < ends_of[t]),
+                            )
+                            .collect::<Result<Vec<bool>, String>>()?;
+                        if !active.iter().any(|&a| a) {
+                            break;
+                        }
+                        self.exec(body, &active)?;
+                        for (t, _) in active.iter().enumerate().filter(|(_, a)| **a) {
+                            let v = self.regs[t][reg.0 as usize].int()?;
+                            self.regs[t][reg.0 as usize] = Val::I64(v + step);
+                        }
+                    }
+                }
+                Stmt::Barrier => {
+                    if !mask.iter().all(|&m| m) {
+                        let waiting = mask.iter().filter(|&&m| m).count();
+                        return Err(format!(
+                            "bar.sync reached by {waiting} of {} threads (divergent barrier)",
+                            mask.len()
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn store(&mut self, space: Space, addr: i64, bytes: &[u8]) -> Result<(), String> {
+        match space {
+            Space::Global => self.memory.write(addr, bytes),
+            Space::Shared => {
+                let a = usize::try_from(addr).map_err(|_| format!("shared address {addr}"))?;
+                let dst = self.shared.get_mut(a..a + bytes.len()).ok_or_else(|| {
+                    format!(
+                        "shared store of {} bytes at {a} is outside {} bytes",
+                        bytes.len(),
+                        self.kernel.shared_bytes
+                    )
+                })?;
+                dst.copy_from_slice(bytes);
+                Ok(())
+            }
+        }
+    }
+
+    fn load(&self, space: Space, ty: Ty, addr: i64) -> Result<Val, String> {
+        let len = match ty {
+            Ty::I64 => 8,
+            Ty::Pred => return Err("cannot load a predicate".into()),
+            _ => 4,
+        };
+        let bytes: &[u8] = match space {
+            Space::Global => self.memory.bytes(addr, len)?,
+            Space::Shared => usize::try_from(addr)
+                .ok()
+                .and_then(|a| self.shared.get(a..a + len))
+                .ok_or_else(|| {
+                    format!(
+                        "shared load of {len} bytes at {addr} is outside {} bytes",
+                        self.kernel.shared_bytes
+                    )
+                })?,
+        };
+        Ok(match ty {
+            Ty::F32 => Val::F(f32::from_le_bytes(bytes.try_into().expect("4 bytes"))),
+            Ty::I32 => Val::I32(i32::from_le_bytes(bytes.try_into().expect("4 bytes"))),
+            _ => Val::I64(i64::from_le_bytes(bytes.try_into().expect("8 bytes"))),
+        })
+    }
+
+    /// The expression for every active thread.
+    fn eval_all(&self, e: &Expr, mask: &[bool]) -> Result<Vec<Option<Val>>, String> {
+        (0..mask.len())
+            .map(|t| {
+                if mask[t] {
+                    self.eval(t, e, mask).map(Some)
+                } else {
+                    Ok(None)
+                }
+            })
+            .collect()
+    }
+
+    fn eval(&self, t: usize, e: &Expr, mask: &[bool]) -> Result<Val, String> {
+        let ev = |e: &Expr| self.eval(t, e, mask);
+        Ok(match e {
+            Expr::Int(x, Ty::I32) => Val::I32(*x as i32),
+            Expr::Int(x, _) => Val::I64(*x),
+            Expr::F32(x) => Val::F(*x),
+            Expr::Pred(b) => Val::P(*b),
+            Expr::Reg(r) => self.regs[t][r.0 as usize],
+            Expr::Param(i) => *self
+                .args
+                .get(*i as usize)
+                .ok_or_else(|| format!("no parameter {i}"))?,
+            Expr::Special(s) => Val::I32(match s {
+                Special::Tid => t as i32,
+                Special::Ntid => self.kernel.threads as i32,
+                Special::Ctaid(a) => self.ctaid[*a as usize % 3] as i32,
+                Special::Lane => (t % 32) as i32,
+            }),
+            Expr::Un(op, a) => {
+                let a = ev(a)?;
+                match (op, a) {
+                    (Un::Not, v) => Val::P(!v.pred()?),
+                    (Un::Neg, Val::F(x)) => Val::F(-x),
+                    (Un::Neg, Val::I32(x)) => Val::I32(x.wrapping_neg()),
+                    (Un::Neg, Val::I64(x)) => Val::I64(x.wrapping_neg()),
+                    (Un::Abs, Val::F(x)) => Val::F(x.abs()),
+                    (Un::Abs, Val::I32(x)) => Val::I32(x.wrapping_abs()),
+                    (Un::Abs, Val::I64(x)) => Val::I64(x.wrapping_abs()),
+                    (Un::Ex2, v) => Val::F(f64::from(v.float()?).exp2() as f32),
+                    (Un::Lg2, v) => Val::F(f64::from(v.float()?).log2() as f32),
+                    (Un::Sqrt, v) => Val::F(v.float()?.sqrt()),
+                    (op, v) => return Err(format!("{op:?} of {v:?}")),
+                }
+            }
+            Expr::Bin(op, a, b) => binary(*op, ev(a)?, ev(b)?)?,
+            Expr::Fma(a, b, c) => Val::F(ev(a)?.float()?.mul_add(ev(b)?.float()?, ev(c)?.float()?)),
+            Expr::Select(c, a, b) => {
+                if ev(c)?.pred()? {
+                    ev(a)?
+                } else {
+                    ev(b)?
+                }
+            }
+            Expr::Cast(a, ty) => convert(ev(a)?, *ty)?,
+            Expr::Load(space, ty, addr) => self.load(*space, *ty, ev(addr)?.int()?)?,
+            Expr::Table(values, index) => {
+                let i = ev(index)?.int()?.clamp(0, values.len() as i64 - 1);
+                Val::F(values[i as usize])
+            }
+            Expr::ShflXor(v, lane_mask) => {
+                let src = (t & !31) | ((t % 32) ^ (*lane_mask as usize % 32));
+                if src >= mask.len() || !mask[src] {
+                    return Err(format!("shfl from inactive lane {src} (thread {t})"));
+                }
+                self.eval(src, v, mask)?
+            }
+        })
+    }
+}
+
+fn binary(op: Bin, a: Val, b: Val) -> Result<Val, String> {
+    use Bin::*;
+    Ok(match (a, b) {
+        (Val::F(x), Val::F(y)) => match op {
+            Add => Val::F(x + y),
+            Sub => Val::F(x - y),
+            Mul => Val::F(x * y),
+            Div => Val::F(x / y),
+            Rem => Val::F(x % y),
+            Min => Val::F(x.min(y)),
+            Max => Val::F(x.max(y)),
+            Lt => Val::P(x < y),
+            Le => Val::P(x <= y),
+            Gt => Val::P(x > y),
+            Ge => Val::P(x >= y),
+            Eq => Val::P(x == y),
+            Ne => Val::P(x != y),
+            _ => return Err(format!("{op:?} on f32")),
+        },
+        (Val::P(x), Val::P(y)) => match op {
+            And => Val::P(x && y),
+            Or => Val::P(x || y),
+            Eq => Val::P(x == y),
+            Ne => Val::P(x != y),
+            _ => return Err(format!("{op:?} on predicates")),
+        },
+        (Val::I32(x), Val::I32(y)) => int_op(op, i64::from(x), i64::from(y), Ty::I32)?,
+        (Val::I64(x), Val::I64(y)) => int_op(op, x, y, Ty::I64)?,
+        (a, b) => return Err(format!("{op:?} of {a:?} and {b:?} (types differ)")),
+    })
+}
+
+fn int_op(op: Bin, x: i64, y: i64, ty: Ty) -> Result<Val, String> {
+    use Bin::*;
+    let wrap = |v: i64| {
+        if ty == Ty::I32 {
+            Val::I32(v as i32)
+        } else {
+            Val::I64(v)
+        }
+    };
+    let (x32, y32) = (x as i32, y as i32);
+    Ok(match op {
+        Add if ty == Ty::I32 => Val::I32(x32.wrapping_add(y32)),
+        Sub if ty == Ty::I32 => Val::I32(x32.wrapping_sub(y32)),
+        Mul if ty == Ty::I32 => Val::I32(x32.wrapping_mul(y32)),
+        Add => wrap(x.wrapping_add(y)),
+        Sub => wrap(x.wrapping_sub(y)),
+        Mul => wrap(x.wrapping_mul(y)),
+        Div | Rem if y == 0 => return Err("integer division by zero".into()),
+        Div => wrap(x.wrapping_div(y)),
+        Rem => wrap(x.wrapping_rem(y)),
+        Min => wrap(x.min(y)),
+        Max => wrap(x.max(y)),
+        And => wrap(x & y),
+        Or => wrap(x | y),
+        Shl => wrap(x.wrapping_shl(y as u32)),
+        Lt => Val::P(x < y),
+        Le => Val::P(x <= y),
+        Gt => Val::P(x > y),
+        Ge => Val::P(x >= y),
+        Eq => Val::P(x == y),
+        Ne => Val::P(x != y),
+    })
+}
+
+fn convert(v: Val, ty: Ty) -> Result<Val, String> {
+    Ok(match (v, ty) {
+        (Val::P(b), Ty::I32) => Val::I32(i32::from(b)),
+        (Val::P(b), Ty::I64) => Val::I64(i64::from(b)),
+        (Val::I32(x), Ty::I64) => Val::I64(i64::from(x)),
+        (Val::I64(x), Ty::I32) => Val::I32(x as i32),
+        (Val::I32(x), Ty::F32) => Val::F(x as f32),
+        (Val::I64(x), Ty::F32) => Val::F(x as f32),
+        (Val::F(x), Ty::I32) => Val::I32(x as i32),
+        (Val::F(x), Ty::I64) => Val::I64(x as i64),
+        (v, t) if Val::zero(t).same_type(&v) => v,
+        (v, t) => return Err(format!("cannot convert {v:?} to {t}")),
+    })
+}
+
+impl Val {
+    fn same_type(&self, other: &Val) -> bool {
+        std::mem::discriminant(self) == std::mem::discriminant(other)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::ir::build::*;
+    use super::super::ir::{Reg, Stmt};
+    use super::*;
+
+    fn kernel(threads: u32, shared: u32, regs: &[Ty], body: Vec<Stmt>) -> Kernel {
+        Kernel {
+            name: "t".into(),
+            params: vec![("out".into(), Ty::I64)],
+            regs: regs
+                .iter()
+                .enumerate()
+                .map(|(i, t)| (format!("r{i}"), *t))
+                .collect(),
+            shared_bytes: shared,
+            threads,
+            body,
+        }
+    }
+
+    #[test]
+    fn shuffles_sum_a_warp_and_barriers_order_shared_memory() {
+        // r0 = tid as f32; butterfly sum over the warp; thread 0 of each warp writes it to
+        // shared; after the barrier thread 0 adds the two warps' sums and stores the total.
+        let tid = cast(Expr::Special(Special::Tid), Ty::I64);
+        let mut body = vec![Stmt::Set(
+            Reg(0),
+            cast(Expr::Special(Special::Tid), Ty::F32),
+        )];
+        for m in [16, 8, 4, 2, 1] {
+            body.push(Stmt::Set(
+                Reg(0),
+                add(reg(Reg(0)), Expr::ShflXor(Box::new(reg(Reg(0))), m)),
+            ));
+        }
+        let lane0 = bin(Bin::Eq, Expr::Special(Special::Lane), Expr::Int(0, Ty::I32));
+        body.push(Stmt::If(
+            lane0,
+            vec![Stmt::Store(
+                Space::Shared,
+                bin(Bin::Div, tid.clone(), i64(8)),
+                reg(Reg(0)),
+            )],
+            vec![],
+        ));
+        body.push(Stmt::Barrier);
+        let total = add(
+            load(Space::Shared, Ty::F32, i64(0)),
+            load(Space::Shared, Ty::F32, i64(4)),
+        );
+        body.push(Stmt::If(
+            bin(Bin::Eq, tid, i64(0)),
+            vec![Stmt::Store(Space::Global, Expr::Param(0), total)],
+            vec![],
+        ));
+        let k = kernel(64, 8, &[Ty::F32], body);
+        let mut mem = Memory::default();
+        let out = mem.alloc_f32(&[0.0]);
+        run(&k, [1, 1, 1], &[Val::I64(out)], &mut mem).unwrap();
+        assert_eq!(mem.read_f32(out, 1).unwrap(), [(0..64).sum::<i32>() as f32]);
+    }
+
+    #[test]
+    fn what_the_hardware_would_not_check_is_an_error() {
+        let tid = cast(Expr::Special(Special::Tid), Ty::I64);
+        let divergent = vec![Stmt::If(
+            bin(Bin::Lt, tid.clone(), i64(3)),
+            vec![Stmt::Barrier],
+            vec![],
+        )];
+        let oob = vec![Stmt::Store(
+            Space::Global,
+            add(Expr::Param(0), i64(4)),
+            f32(1.0),
+        )];
+        let shfl = vec![Stmt::If(
+            bin(Bin::Lt, tid, i64(16)),
+            vec![Stmt::Set(Reg(0), Expr::ShflXor(Box::new(f32(1.0)), 16))],
+            vec![],
+        )];
+        for (body, needle) in [
+            (divergent, "divergent barrier"),
+            (oob, "outside every buffer"),
+            (shfl, "inactive lane"),
+        ] {
+            let k = kernel(32, 0, &[Ty::F32], body);
+            let mut mem = Memory::default();
+            let out = mem.alloc_f32(&[0.0]);
+            let err = run(&k, [1, 1, 1], &[Val::I64(out)], &mut mem).unwrap_err();
+            assert!(err.contains(needle), "{err}");
+        }
+    }
+}

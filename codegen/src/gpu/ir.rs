@@ -1,0 +1,225 @@
+//! The GPU kernel IR: one CTA's program in SIMT form, between the kernel plan and LLVM NVPTX.
+//!
+//! Every thread runs the same structured program over its own registers; threads meet at
+//! barriers and exchange values through shared memory and warp shuffles. Operations map one to
+//! one onto PTX (`ex2.approx`, `lg2.approx`, `shfl.sync.bfly`, `bar.sync`, `ld`/`st` in the
+//! global and shared spaces), so [`super::interp`], which runs this IR on the CPU, proves what
+//! the LLVM lowering will run.
+
+/// Types of values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Ty {
+    /// A predicate.
+    Pred,
+    /// 32-bit integer.
+    I32,
+    /// 64-bit integer (also addresses, in bytes).
+    I64,
+    /// 32-bit float.
+    F32,
+}
+
+/// A thread-private register (a mutable variable; LLVM's mem2reg makes it SSA).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Reg(pub u32);
+
+/// Values the hardware provides.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Special {
+    /// `%tid.x`: the thread's index in its CTA.
+    Tid,
+    /// `%ntid.x`: threads per CTA.
+    Ntid,
+    /// `%ctaid.{x,y,z}`: the CTA's index in the grid, by axis 0..3.
+    Ctaid(u8),
+    /// `%laneid`: the thread's lane in its warp.
+    Lane,
+}
+
+/// Memory spaces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Space {
+    /// Device memory (kernel parameters point into it).
+    Global,
+    /// The CTA's shared memory (addresses are byte offsets from its start).
+    Shared,
+}
+
+/// Unary operations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Un {
+    /// Arithmetic negation.
+    Neg,
+    /// Absolute value.
+    Abs,
+    /// Logical not of a predicate.
+    Not,
+    /// `2^x` (`ex2.approx.f32`: at most 2 ulp from the true value).
+    Ex2,
+    /// `log2 x` (`lg2.approx.f32`).
+    Lg2,
+    /// Square root (`sqrt.rn.f32`).
+    Sqrt,
+}
+
+/// Binary operations. Integer operations wrap; integer division and remainder truncate (the
+/// lowering guards against zero divisors, which PTX leaves undefined).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Bin {
+    /// `a + b`.
+    Add,
+    /// `a - b`.
+    Sub,
+    /// `a * b`.
+    Mul,
+    /// Float division rounds to nearest (`div.rn.f32`).
+    Div,
+    /// Remainder with the sign of `a`.
+    Rem,
+    /// Minimum (for floats: `min.f32`, which returns the non-NaN operand).
+    Min,
+    /// Maximum (for floats `max.f32`).
+    Max,
+    /// Logical or bitwise and.
+    And,
+    /// Logical or bitwise or.
+    Or,
+    /// Shift left.
+    Shl,
+    /// `a < b` (a predicate).
+    Lt,
+    /// `a <= b`.
+    Le,
+    /// `a > b`.
+    Gt,
+    /// `a >= b`.
+    Ge,
+    /// `a == b`.
+    Eq,
+    /// `a != b`.
+    Ne,
+}
+
+/// Expressions, evaluated per thread.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Expr {
+    /// An integer constant of the given type.
+    Int(i64, Ty),
+    /// A float constant.
+    F32(f32),
+    /// A predicate constant.
+    Pred(bool),
+    /// A register.
+    Reg(Reg),
+    /// Kernel parameter `i` (by position).
+    Param(u32),
+    /// A hardware value (an I32).
+    Special(Special),
+    /// A unary operation.
+    Un(Un, Box<Expr>),
+    /// A binary operation (operands of one type).
+    Bin(Bin, Box<Expr>, Box<Expr>),
+    /// `a * b + c` rounded once (`fma.rn.f32`).
+    Fma(Box<Expr>, Box<Expr>, Box<Expr>),
+    /// `cond ? a : b`.
+    Select(Box<Expr>, Box<Expr>, Box<Expr>),
+    /// Conversion: int to int (sign-extend or truncate), int to f32 (round to nearest), f32 to
+    /// int (truncate toward zero, saturating; NaN gives 0), predicate to int (0 or 1).
+    Cast(Box<Expr>, Ty),
+    /// `ld.{space}` of a value of the type at a byte address (an I64).
+    Load(Space, Ty, Box<Expr>),
+    /// A constant f32 table indexed by an integer, the index clamped into it.
+    Table(Vec<f32>, Box<Expr>),
+    /// `shfl.sync.bfly.b32` over the full warp: the value of lane `lane ^ mask`.
+    ShflXor(Box<Expr>, u32),
+}
+
+/// Statements. Control flow is structured; barriers must be reached by every thread of the CTA.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Stmt {
+    /// `reg = expr`.
+    Set(Reg, Expr),
+    /// `st.{space}` of a value at a byte address.
+    Store(Space, Expr, Expr),
+    /// `if cond { .. } else { .. }` (threads may diverge).
+    If(Expr, Vec<Stmt>, Vec<Stmt>),
+    /// `for reg in (start..end).step_by(step)` (I64 bounds; `step > 0`).
+    For {
+        /// The loop variable (an I64 register).
+        reg: Reg,
+        /// First value.
+        start: Expr,
+        /// The loop runs while the variable is below it (evaluated once per thread).
+        end: Expr,
+        /// Increment.
+        step: i64,
+        /// The loop body.
+        body: Vec<Stmt>,
+    },
+    /// `bar.sync 0`.
+    Barrier,
+}
+
+/// A kernel: parameters, registers, the shared memory it uses, its CTA size and its program.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Kernel {
+    /// The entry point's name.
+    pub name: String,
+    /// Parameters by position: name and type (pointers are I64 byte addresses).
+    pub params: Vec<(String, Ty)>,
+    /// Registers by index: name and type.
+    pub regs: Vec<(String, Ty)>,
+    /// Bytes of shared memory.
+    pub shared_bytes: u32,
+    /// Threads per CTA.
+    pub threads: u32,
+    /// The program every thread runs.
+    pub body: Vec<Stmt>,
+}
+
+/// Shorthands for building expressions.
+#[allow(missing_docs)]
+pub mod build {
+    use super::*;
+
+    pub fn i64(x: i64) -> Expr {
+        Expr::Int(x, Ty::I64)
+    }
+    pub fn f32(x: f32) -> Expr {
+        Expr::F32(x)
+    }
+    pub fn reg(r: Reg) -> Expr {
+        Expr::Reg(r)
+    }
+    pub fn bin(op: Bin, a: Expr, b: Expr) -> Expr {
+        Expr::Bin(op, Box::new(a), Box::new(b))
+    }
+    pub fn un(op: Un, a: Expr) -> Expr {
+        Expr::Un(op, Box::new(a))
+    }
+    pub fn add(a: Expr, b: Expr) -> Expr {
+        bin(Bin::Add, a, b)
+    }
+    pub fn sub(a: Expr, b: Expr) -> Expr {
+        bin(Bin::Sub, a, b)
+    }
+    pub fn mul(a: Expr, b: Expr) -> Expr {
+        bin(Bin::Mul, a, b)
+    }
+    pub fn fma(a: Expr, b: Expr, c: Expr) -> Expr {
+        Expr::Fma(Box::new(a), Box::new(b), Box::new(c))
+    }
+    pub fn select(c: Expr, a: Expr, b: Expr) -> Expr {
+        Expr::Select(Box::new(c), Box::new(a), Box::new(b))
+    }
+    pub fn cast(a: Expr, ty: Ty) -> Expr {
+        Expr::Cast(Box::new(a), ty)
+    }
+    pub fn load(space: Space, ty: Ty, addr: Expr) -> Expr {
+        Expr::Load(space, ty, Box::new(addr))
+    }
+    /// `base + index * size`, as I64 bytes.
+    pub fn at(base: Expr, index: Expr, size: i64) -> Expr {
+        add(base, mul(index, i64(size)))
+    }
+}

@@ -1,0 +1,150 @@
+//! The text form of GPU IR (`attnc emit --emit gpu-ir`, snapshots).
+
+use super::ir::{Bin, Expr, Kernel, Space, Special, Stmt, Ty, Un};
+use std::fmt;
+
+impl fmt::Display for Ty {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Ty::Pred => "pred",
+            Ty::I32 => "i32",
+            Ty::I64 => "i64",
+            Ty::F32 => "f32",
+        })
+    }
+}
+
+fn space(s: Space) -> &'static str {
+    match s {
+        Space::Global => "global",
+        Space::Shared => "shared",
+    }
+}
+
+struct Show<'a>(&'a Kernel, &'a Expr);
+
+impl<'a> fmt::Display for Show<'a> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let k = self.0;
+        let sub = |e: &'a Expr| Show(k, e);
+        match self.1 {
+            Expr::Int(x, ty) => write!(f, "{x}:{ty}"),
+            Expr::F32(x) => write!(f, "{x:?}"),
+            Expr::Pred(b) => write!(f, "{b}"),
+            Expr::Reg(r) => write!(f, "%{}", k.regs[r.0 as usize].0),
+            Expr::Param(i) => write!(f, "${}", k.params[*i as usize].0),
+            Expr::Special(s) => match s {
+                Special::Tid => write!(f, "tid"),
+                Special::Ntid => write!(f, "ntid"),
+                Special::Ctaid(a) => write!(f, "ctaid.{}", ["x", "y", "z"][*a as usize % 3]),
+                Special::Lane => write!(f, "lane"),
+            },
+            Expr::Un(op, a) => {
+                let name = match op {
+                    Un::Neg => "neg",
+                    Un::Abs => "abs",
+                    Un::Not => "not",
+                    Un::Ex2 => "ex2",
+                    Un::Lg2 => "lg2",
+                    Un::Sqrt => "sqrt",
+                };
+                write!(f, "{name}({})", sub(a))
+            }
+            Expr::Bin(op, a, b) => {
+                let name = match op {
+                    Bin::Add => "+",
+                    Bin::Sub => "-",
+                    Bin::Mul => "*",
+                    Bin::Div => "/",
+                    Bin::Rem => "%",
+                    Bin::Min => return write!(f, "min({}, {})", sub(a), sub(b)),
+                    Bin::Max => return write!(f, "max({}, {})", sub(a), sub(b)),
+                    Bin::And => "&",
+                    Bin::Or => "|",
+                    Bin::Shl => "<<",
+                    Bin::Lt => "<",
+                    Bin::Le => "<=",
+                    Bin::Gt => ">",
+                    Bin::Ge => ">=",
+                    Bin::Eq => "==",
+                    Bin::Ne => "!=",
+                };
+                write!(f, "({} {name} {})", sub(a), sub(b))
+            }
+            Expr::Fma(a, b, c) => write!(f, "fma({}, {}, {})", sub(a), sub(b), sub(c)),
+            Expr::Select(c, a, b) => write!(f, "({} ? {} : {})", sub(c), sub(a), sub(b)),
+            Expr::Cast(a, ty) => write!(f, "{ty}({})", sub(a)),
+            Expr::Load(s, ty, a) => write!(f, "ld.{}.{ty}[{}]", space(*s), sub(a)),
+            Expr::Table(v, i) => write!(f, "table{v:?}[{}]", sub(i)),
+            Expr::ShflXor(v, m) => write!(f, "shfl.bfly({}, {m})", sub(v)),
+        }
+    }
+}
+
+fn stmts(f: &mut fmt::Formatter<'_>, k: &Kernel, body: &[Stmt], depth: usize) -> fmt::Result {
+    let pad = "  ".repeat(depth);
+    for s in body {
+        match s {
+            Stmt::Set(r, e) => writeln!(f, "{pad}%{} = {}", k.regs[r.0 as usize].0, Show(k, e))?,
+            Stmt::Store(sp, a, v) => {
+                writeln!(f, "{pad}st.{}[{}] = {}", space(*sp), Show(k, a), Show(k, v))?
+            }
+            Stmt::If(c, t, e) => {
+                writeln!(f, "{pad}if {} {{", Show(k, c))?;
+                stmts(f, k, t, depth + 1)?;
+                if !e.is_empty() {
+                    writeln!(f, "{pad}}} else {{")?;
+                    stmts(f, k, e, depth + 1)?;
+                }
+                writeln!(f, "{pad}}}")?;
+            }
+            Stmt::For {
+                reg,
+                start,
+                end,
+                step,
+                body,
+            } => {
+                writeln!(
+                    f,
+                    "{pad}for %{} in {}..{} step {step} {{",
+                    k.regs[reg.0 as usize].0,
+                    Show(k, start),
+                    Show(k, end)
+                )?;
+                stmts(f, k, body, depth + 1)?;
+                writeln!(f, "{pad}}}")?;
+            }
+            Stmt::Barrier => writeln!(f, "{pad}bar.sync")?,
+        }
+    }
+    Ok(())
+}
+
+impl fmt::Display for Kernel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let params: Vec<String> = self
+            .params
+            .iter()
+            .map(|(n, t)| format!("${n}: {t}"))
+            .collect();
+        writeln!(
+            f,
+            "kernel {}({}) threads {} shared {} bytes {{",
+            self.name,
+            params.join(", "),
+            self.threads,
+            self.shared_bytes
+        )?;
+        let regs: Vec<String> = self
+            .regs
+            .iter()
+            .map(|(n, t)| format!("%{n}: {t}"))
+            .collect();
+        for line in regs.chunks(8) {
+            writeln!(f, "  reg {}", line.join(", "))?;
+        }
+        stmts(f, self, &self.body, 1)?;
+        writeln!(f, "}}")
+    }
+}

@@ -1,0 +1,224 @@
+//! The GPU forward kernel (SIMT f32), run by the GPU IR interpreter, against
+//! `attn_dsl::reference`: every kind of variant, lengths that break the tiles, RoPE.
+
+use attn_dsl::AttentionSpec;
+use attn_dsl::modifier::interval::{Interval, TileClass};
+use attn_dsl::reference::{self, Array, Inputs, rope};
+use codegen::KernelPlan;
+use codegen::gpu::forward::{ROWS, key_tile, lower};
+use codegen::gpu::interp::{Memory, Val, run};
+use codegen::plan::{CallShape, Frequencies};
+
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// Runs the kernel of `text` on the interpreter and checks it against the reference.
+fn check(text: &str, batch: usize, sq: usize, skv: usize, p0: i64) {
+    let spec: AttentionSpec = text.parse().unwrap();
+    let plan = KernelPlan::forward(&spec);
+    let kernel = lower(&plan);
+    let (h, hkv) = (spec.heads as usize, spec.kv_heads() as usize);
+    let (d, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
+    let q = values(batch * h * sq * d, 1);
+    let k = values(batch * hkv * skv * d, 2);
+    let v = values(batch * hkv * skv * dv, 3);
+    let mut mem = Memory::default();
+    let (qa, ka, va) = (mem.alloc_f32(&q), mem.alloc_f32(&k), mem.alloc_f32(&v));
+    let out = mem.alloc_f32(&vec![f32::NAN; batch * h * sq * dv]);
+    let lse = mem.alloc_f32(&vec![f32::NAN; batch * h * sq]);
+    // One code per (head, query block, key tile).
+    let (rows, bc) = (ROWS as usize, key_tile(&plan) as usize);
+    let (qblocks, tiles) = (sq.div_ceil(rows), skv.div_ceil(bc));
+    let mut codes = Vec::new();
+    for head in 0..h {
+        for qb in 0..qblocks {
+            for t in 0..tiles {
+                let call = CallShape {
+                    sq: sq as i64,
+                    skv: skv as i64,
+                    p0,
+                    batch: Interval::new(0, batch as i64 - 1),
+                    head: Interval::point(head as i64),
+                };
+                let r = Interval::new((qb * rows) as i64, (((qb + 1) * rows).min(sq) - 1) as i64);
+                let keys = Interval::new((t * bc) as i64, (((t + 1) * bc).min(skv) - 1) as i64);
+                let code: i32 = match plan.classify_tile(r, keys, call) {
+                    TileClass::AllMasked => 0,
+                    TileClass::AllKept => 1,
+                    TileClass::Mixed => 2,
+                };
+                codes.extend(code.to_le_bytes());
+            }
+        }
+    }
+    let codes = mem.alloc_bytes(codes);
+    // RoPE tables for every position the call touches.
+    let first = p0.min(p0 + skv as i64 - sq as i64);
+    let end = p0 + skv as i64;
+    let (cos, sin) = match &plan.rope {
+        Some(r) => {
+            let freqs = match &r.frequencies {
+                Frequencies::Static(f) => f.clone(),
+                Frequencies::PerLaunch => rope::inv_freq(&r.rope, end as u64),
+            };
+            let (mut c, mut s) = (Vec::new(), Vec::new());
+            for pos in first..end {
+                for f in &freqs {
+                    let (sn, cs) = (pos as f64 * f).sin_cos();
+                    c.push((cs * r.attention_factor) as f32);
+                    s.push((sn * r.attention_factor) as f32);
+                }
+            }
+            (mem.alloc_f32(&c), mem.alloc_f32(&s))
+        }
+        None => (0, 0),
+    };
+    let args: Vec<Val> = [
+        qa, ka, va, out, lse, codes, sq as i64, skv as i64, p0, cos, sin, first,
+    ]
+    .into_iter()
+    .map(Val::I64)
+    .collect();
+    run(
+        &kernel,
+        [qblocks as u32, h as u32, batch as u32],
+        &args,
+        &mut mem,
+    )
+    .unwrap_or_else(|e| panic!("{text}: {e}"));
+    let arr = |shape: &[usize], v: &[f32]| {
+        Array::from_vec(shape, v.iter().map(|x| f64::from(*x)).collect()).unwrap()
+    };
+    let want = reference::attention(
+        &spec,
+        &Inputs {
+            q: &arr(&[batch, h, sq, d], &q),
+            k: &arr(&[batch, hkv, skv, d], &k),
+            v: &arr(&[batch, hkv, skv, dv], &v),
+            position_offset: p0,
+        },
+    )
+    .unwrap();
+    let what = format!("{text} [B {batch}, Sq {sq}, Skv {skv}, p0 {p0}]");
+    for (i, (g, w)) in mem
+        .read_f32(out, batch * h * sq * dv)
+        .unwrap()
+        .iter()
+        .zip(want.out.data())
+        .enumerate()
+    {
+        let g = f64::from(*g);
+        assert!(
+            (g - w).abs() <= 1e-5 + 1e-4 * w.abs(),
+            "{what} out[{i}]: {g} vs {w}"
+        );
+    }
+    for (i, (g, w)) in mem
+        .read_f32(lse, batch * h * sq)
+        .unwrap()
+        .iter()
+        .zip(want.lse.data())
+        .enumerate()
+    {
+        let g = f64::from(*g);
+        if w.is_infinite() {
+            assert_eq!(g, *w, "{what} lse[{i}]");
+        } else {
+            assert!(
+                (g - w).abs() <= 1e-4 + 1e-5 * w.abs(),
+                "{what} lse[{i}]: {g} vs {w}"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_simt_kernel_matches_the_reference() {
+    for (text, b, sq, skv, p0) in [
+        ("heads = 2, head_dim = 16", 1, 7, 40, 0),
+        (
+            "heads = 4, kv_heads = 2, head_dim = 16, mask = causal",
+            2,
+            70,
+            70,
+            0,
+        ),
+        (
+            "heads = 2, kv_heads = 1, head_dim = 16, v_head_dim = 8, mask = causal(top_left)",
+            1,
+            9,
+            37,
+            0,
+        ),
+        (
+            "heads = 3, head_dim = 8, mask = sliding_window(11), position = alibi",
+            1,
+            40,
+            45,
+            3,
+        ),
+        (
+            "heads = 2, head_dim = 24, mask = causal, softcap = 2.0, scale = 0.5",
+            1,
+            33,
+            33,
+            0,
+        ),
+        (
+            "heads = 2, head_dim = 16, mask = causal, position = rope(base = 500.0)",
+            1,
+            20,
+            50,
+            7,
+        ),
+        (
+            "heads = 2, head_dim = 12, position = rope(dim = 8, layout = interleaved, scaling = \
+             yarn(factor = 4.0, original_max_position = 16))",
+            1,
+            5,
+            30,
+            0,
+        ),
+        (
+            "heads = 2, head_dim = 8, score_mod = |s, b, h, q, k| if k % 3 == 0 { s.tanh() } \
+             else { (s * 0.5).exp().ln() + ((k - q) as f32).abs().sqrt().min(2.0) }, \
+             mask_mod = |b, h, q, k| k % 5 != 1 && (b + h + q - k) / (k - 7) != 3",
+            2,
+            12,
+            20,
+            0,
+        ),
+        ("heads = 2, head_dim = 8, mask = causal", 1, 1, 1, 0),
+        ("heads = 2, head_dim = 8, mask = causal", 1, 5, 3, 0),
+    ] {
+        check(text, b, sq, skv, p0);
+    }
+}
+
+#[test]
+fn the_kernel_prints_as_gpu_ir() {
+    let spec: AttentionSpec = "heads = 2, head_dim = 4, mask = causal".parse().unwrap();
+    let text = lower(&KernelPlan::forward(&spec)).to_string();
+    assert!(
+        text.starts_with("kernel attention_forward($q: i64"),
+        "{text}"
+    );
+    for needle in [
+        "bar.sync",
+        "ex2(",
+        "ld.shared.f32",
+        "st.global",
+        "for %tile in",
+    ] {
+        assert!(text.contains(needle), "{needle} missing in\n{text}");
+    }
+}
