@@ -409,3 +409,36 @@ fn model_commands_run_a_checkpoint() {
         assert!(stderr(&o).starts_with("error:"), "{bad:?}: {}", stderr(&o));
     }
 }
+
+#[test]
+fn emit_writes_the_gpu_kernel() {
+    let spec = "heads = 2, head_dim = 8, mask = causal, position = alibi";
+    let o = attnc(&["emit", spec, "--emit", "gpu-ir"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stdout(&o).starts_with("kernel attention_forward("),
+        "{}",
+        stdout(&o)
+    );
+    let out = std::env::temp_dir().join(format!("attn-emit-{}.ptx", std::process::id()));
+    let o = attnc(&[
+        "emit",
+        spec,
+        "--target",
+        "sm_80",
+        "--emit",
+        "ptx",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    if cfg!(feature = "cuda") {
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        let ptx = std::fs::read_to_string(&out).unwrap();
+        assert!(ptx.contains(".target sm_80") && ptx.contains(".entry attention_forward"));
+    } else {
+        assert_eq!(o.status.code(), Some(2));
+        assert!(stderr(&o).contains("`cuda` feature"), "{}", stderr(&o));
+    }
+    let o = attnc(&["emit", spec, "--target", "sm_70"]);
+    assert_eq!(o.status.code(), Some(2));
+}

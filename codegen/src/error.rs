@@ -6,4 +6,7 @@ pub enum CodegenError {
     /// Cranelift rejected the function or the host is not supported.
     #[error("cranelift: {0}")]
     Cranelift(String),
+    /// LLVM rejected the module or could not generate PTX.
+    #[error("llvm: {0}")]
+    Llvm(String),
 }

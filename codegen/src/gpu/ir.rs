@@ -177,6 +177,27 @@ pub struct Kernel {
     pub body: Vec<Stmt>,
 }
 
+impl Kernel {
+    /// The type of an expression in this kernel (operand types are assumed consistent; the
+    /// interpreter checks them).
+    pub fn type_of(&self, e: &Expr) -> Ty {
+        match e {
+            Expr::Int(_, ty) | Expr::Cast(_, ty) | Expr::Load(_, ty, _) => *ty,
+            Expr::F32(_) | Expr::Fma(..) | Expr::Table(..) => Ty::F32,
+            Expr::Pred(_) => Ty::Pred,
+            Expr::Reg(r) => self.regs[r.0 as usize].1,
+            Expr::Param(i) => self.params[*i as usize].1,
+            Expr::Special(_) => Ty::I32,
+            Expr::Un(Un::Not, _) => Ty::Pred,
+            Expr::Un(_, a) | Expr::ShflXor(a, _) | Expr::Select(_, a, _) => self.type_of(a),
+            Expr::Bin(op, a, _) => match op {
+                Bin::Lt | Bin::Le | Bin::Gt | Bin::Ge | Bin::Eq | Bin::Ne => Ty::Pred,
+                _ => self.type_of(a),
+            },
+        }
+    }
+}
+
 /// Shorthands for building expressions.
 #[allow(missing_docs)]
 pub mod build {

@@ -8,4 +8,6 @@
 pub mod forward;
 pub mod interp;
 pub mod ir;
+#[cfg(feature = "cuda")]
+pub mod llvm;
 mod print;

@@ -5,6 +5,7 @@
 
 mod bench;
 mod bench_decode;
+mod emit;
 mod explain;
 mod ir;
 mod model_cmd;
@@ -173,6 +174,20 @@ enum Command {
         /// Length for the cache size.
         #[arg(long, value_name = "N", default_value_t = 4096)]
         seq: u64,
+    },
+    /// Write the GPU forward kernel of a spec as GPU IR, LLVM IR or PTX.
+    Emit {
+        /// The spec, in the spec language, or @FILE to read it from a file.
+        spec: String,
+        /// GPU architecture.
+        #[arg(long, value_enum, default_value_t = emit::Target::Sm90)]
+        target: emit::Target,
+        /// What to write.
+        #[arg(long, value_enum, default_value_t = emit::Emit::Ptx)]
+        emit: emit::Emit,
+        /// Output file (default: standard output).
+        #[arg(short, long, value_name = "FILE")]
+        output: Option<std::path::PathBuf>,
     },
     /// Measure the FMA ceiling of this machine: the score microkernel on L1-resident tiles, per
     /// thread and on all threads.
@@ -357,6 +372,21 @@ fn main() -> ExitCode {
         } => model_cmd::load(&model, init_seed)
             .and_then(|m| model_cmd::params(&m, seq))
             .map(|summary| println!("{summary}")),
+        Command::Emit {
+            spec,
+            target,
+            emit,
+            output,
+        } => spec_arg::load(&spec)
+            .and_then(|(spec, _)| emit::emit(&spec, target, emit))
+            .and_then(|text| match &output {
+                Some(path) => std::fs::write(path, text)
+                    .map_err(|e| format!("error: {}: {e}", path.display())),
+                None => {
+                    print!("{text}");
+                    Ok(())
+                }
+            }),
         Command::Peak { seconds } => {
             use attn::runtime::cpu::microkernels::{Isa, peak_gflops};
             let isa = Isa::detect();

@@ -1,0 +1,557 @@
+//! GPU IR to LLVM IR and PTX through LLVM's NVPTX backend (feature `cuda`, LLVM 19).
+//!
+//! A direct translation: each register is an `alloca` (promoted by `mem2reg` in the O3
+//! pipeline), each operation its PTX counterpart (`llvm.nvvm.ex2.approx.f`, `lg2.approx`,
+//! `shfl.sync.bfly`, `barrier0`, `fma`, `minnum`/`maxnum`, saturating `fptosi`), global and
+//! shared memory in address spaces 1 and 3, structured control flow as basic blocks. The kernel
+//! uses the PTX kernel calling convention.
+
+use super::ir::{Bin, Expr, Kernel, Space, Special, Stmt, Ty, Un};
+use crate::error::CodegenError;
+use inkwell::builder::Builder;
+use inkwell::context::Context;
+use inkwell::intrinsics::Intrinsic;
+use inkwell::module::{Linkage, Module};
+use inkwell::passes::PassBuilderOptions;
+use inkwell::targets::{
+    CodeModel, FileType, InitializationConfig, RelocMode, Target, TargetTriple,
+};
+use inkwell::types::BasicTypeEnum;
+use inkwell::values::{
+    BasicMetadataValueEnum, BasicValueEnum, FunctionValue, GlobalValue, PointerValue,
+};
+use inkwell::{AddressSpace, FloatPredicate, IntPredicate, OptimizationLevel};
+
+/// GPU architectures PTX is generated for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    /// Ampere (A100): `mma.sync`, `cp.async`.
+    Sm80,
+    /// Hopper (H100, H200).
+    Sm90,
+}
+
+impl Arch {
+    /// The name ptxas and LLVM use (`sm_80`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Sm80 => "sm_80",
+            Arch::Sm90 => "sm_90",
+        }
+    }
+}
+
+/// A kernel compiled for a GPU architecture.
+#[derive(Clone, Debug)]
+pub struct Emitted {
+    /// The optimized LLVM IR.
+    pub llvm_ir: String,
+    /// The PTX assembly.
+    pub ptx: String,
+}
+
+/// The PTX kernel calling convention (`ptx_kernel`).
+const PTX_KERNEL: u32 = 71;
+
+fn err(what: impl std::fmt::Display) -> CodegenError {
+    CodegenError::Llvm(what.to_string())
+}
+
+/// Compiles a kernel to LLVM IR and PTX for `arch`.
+pub fn emit(kernel: &Kernel, arch: Arch) -> Result<Emitted, CodegenError> {
+    Target::initialize_nvptx(&InitializationConfig::default());
+    let triple = TargetTriple::create("nvptx64-nvidia-cuda");
+    let target = Target::from_triple(&triple).map_err(err)?;
+    let machine = target
+        .create_target_machine(
+            &triple,
+            arch.name(),
+            "+ptx80",
+            OptimizationLevel::Aggressive,
+            RelocMode::Default,
+            CodeModel::Default,
+        )
+        .ok_or_else(|| err(format!("no NVPTX target machine for {}", arch.name())))?;
+    let context = Context::create();
+    let module = context.create_module(&kernel.name);
+    module.set_triple(&triple);
+    module.set_data_layout(&machine.get_target_data().get_data_layout());
+    lower(&context, &module, kernel)?;
+    module
+        .verify()
+        .map_err(|e| err(format!("LLVM rejected the module: {e}")))?;
+    module
+        .run_passes("default<O3>", &machine, PassBuilderOptions::create())
+        .map_err(err)?;
+    let ptx = machine
+        .write_to_memory_buffer(&module, FileType::Assembly)
+        .map_err(err)?;
+    Ok(Emitted {
+        llvm_ir: module.print_to_string().to_string(),
+        ptx: String::from_utf8_lossy(ptx.as_slice()).into_owned(),
+    })
+}
+
+struct Lowering<'a, 'ctx> {
+    ctx: &'ctx Context,
+    module: &'a Module<'ctx>,
+    b: Builder<'ctx>,
+    kernel: &'a Kernel,
+    function: FunctionValue<'ctx>,
+    regs: Vec<PointerValue<'ctx>>,
+    shared: Option<GlobalValue<'ctx>>,
+    tables: usize,
+}
+
+fn lower<'ctx>(
+    ctx: &'ctx Context,
+    module: &Module<'ctx>,
+    kernel: &Kernel,
+) -> Result<(), CodegenError> {
+    let params: Vec<_> = kernel
+        .params
+        .iter()
+        .map(|(_, t)| basic(ctx, *t).into())
+        .collect();
+    let function = module.add_function(&kernel.name, ctx.void_type().fn_type(&params, false), None);
+    function.set_call_conventions(PTX_KERNEL);
+    let entry = ctx.append_basic_block(function, "entry");
+    let b = ctx.create_builder();
+    b.position_at_end(entry);
+    let regs = kernel
+        .regs
+        .iter()
+        .map(|(name, t)| b.build_alloca(basic(ctx, *t), name).map_err(err))
+        .collect::<Result<Vec<_>, _>>()?;
+    let shared = (kernel.shared_bytes > 0).then(|| {
+        let ty = ctx.i8_type().array_type(kernel.shared_bytes);
+        let g = module.add_global(ty, Some(AddressSpace::from(3u16)), "shared");
+        g.set_linkage(Linkage::Internal);
+        g.set_initializer(&ty.get_undef());
+        g.set_alignment(16);
+        g
+    });
+    let mut l = Lowering {
+        ctx,
+        module,
+        b,
+        kernel,
+        function,
+        regs,
+        shared,
+        tables: 0,
+    };
+    l.stmts(&kernel.body)?;
+    l.b.build_return(None).map_err(err)?;
+    Ok(())
+}
+
+fn basic(ctx: &Context, t: Ty) -> BasicTypeEnum<'_> {
+    match t {
+        Ty::Pred => ctx.bool_type().into(),
+        Ty::I32 => ctx.i32_type().into(),
+        Ty::I64 => ctx.i64_type().into(),
+        Ty::F32 => ctx.f32_type().into(),
+    }
+}
+
+impl<'ctx> Lowering<'_, 'ctx> {
+    fn intrinsic(
+        &self,
+        name: &str,
+        overloads: &[BasicTypeEnum<'ctx>],
+        args: &[BasicValueEnum<'ctx>],
+    ) -> Result<BasicValueEnum<'ctx>, CodegenError> {
+        let f = Intrinsic::find(name)
+            .and_then(|i| i.get_declaration(self.module, overloads))
+            .ok_or_else(|| err(format!("LLVM has no intrinsic {name}")))?;
+        let args: Vec<BasicMetadataValueEnum> = args.iter().map(|a| (*a).into()).collect();
+        self.b
+            .build_call(f, &args, "")
+            .map_err(err)?
+            .try_as_basic_value()
+            .basic()
+            .ok_or_else(|| err(format!("{name} returns nothing")))
+    }
+
+    /// A void intrinsic call.
+    fn call_void(&self, name: &str) -> Result<(), CodegenError> {
+        let f = Intrinsic::find(name)
+            .and_then(|i| i.get_declaration(self.module, &[]))
+            .ok_or_else(|| err(format!("LLVM has no intrinsic {name}")))?;
+        self.b.build_call(f, &[], "").map_err(err)?;
+        Ok(())
+    }
+
+    /// A pointer into `space` at a byte address (global: the address itself; shared: an offset
+    /// from the CTA's shared array).
+    fn pointer(
+        &self,
+        space: Space,
+        addr: BasicValueEnum<'ctx>,
+    ) -> Result<PointerValue<'ctx>, CodegenError> {
+        let addr = addr.into_int_value();
+        match space {
+            Space::Global => {
+                let ty = self.ctx.ptr_type(AddressSpace::from(1u16));
+                self.b.build_int_to_ptr(addr, ty, "gptr").map_err(err)
+            }
+            Space::Shared => {
+                let shared = self
+                    .shared
+                    .ok_or_else(|| err("shared access in a kernel without shared memory"))?;
+                let base = self
+                    .b
+                    .build_ptr_to_int(shared.as_pointer_value(), self.ctx.i64_type(), "sbase")
+                    .map_err(err)?;
+                let a = self.b.build_int_add(base, addr, "saddr").map_err(err)?;
+                let ty = self.ctx.ptr_type(AddressSpace::from(3u16));
+                self.b.build_int_to_ptr(a, ty, "sptr").map_err(err)
+            }
+        }
+    }
+
+    fn stmts(&mut self, body: &[Stmt]) -> Result<(), CodegenError> {
+        for s in body {
+            self.stmt(s)?;
+        }
+        Ok(())
+    }
+
+    fn stmt(&mut self, s: &Stmt) -> Result<(), CodegenError> {
+        match s {
+            Stmt::Set(r, e) => {
+                let v = self.expr(e)?;
+                self.b
+                    .build_store(self.regs[r.0 as usize], v)
+                    .map_err(err)?;
+            }
+            Stmt::Store(space, addr, value) => {
+                let a = self.expr(addr)?;
+                let v = self.expr(value)?;
+                let p = self.pointer(*space, a)?;
+                self.b.build_store(p, v).map_err(err)?;
+            }
+            Stmt::If(c, then, otherwise) => {
+                let c = self.expr(c)?.into_int_value();
+                let (t, e, join) = (
+                    self.ctx.append_basic_block(self.function, "then"),
+                    self.ctx.append_basic_block(self.function, "else"),
+                    self.ctx.append_basic_block(self.function, "join"),
+                );
+                self.b.build_conditional_branch(c, t, e).map_err(err)?;
+                for (block, body) in [(t, then), (e, otherwise)] {
+                    self.b.position_at_end(block);
+                    self.stmts(body)?;
+                    self.b.build_unconditional_branch(join).map_err(err)?;
+                }
+                self.b.position_at_end(join);
+            }
+            Stmt::For {
+                reg,
+                start,
+                end,
+                step,
+                body,
+            } => {
+                let slot = self.regs[reg.0 as usize];
+                let start = self.expr(start)?;
+                let end = self.expr(end)?.into_int_value();
+                self.b.build_store(slot, start).map_err(err)?;
+                let (head, block, exit) = (
+                    self.ctx.append_basic_block(self.function, "loop"),
+                    self.ctx.append_basic_block(self.function, "body"),
+                    self.ctx.append_basic_block(self.function, "exit"),
+                );
+                self.b.build_unconditional_branch(head).map_err(err)?;
+                self.b.position_at_end(head);
+                let i64t = self.ctx.i64_type();
+                let i = self
+                    .b
+                    .build_load(i64t, slot, "i")
+                    .map_err(err)?
+                    .into_int_value();
+                let more = self
+                    .b
+                    .build_int_compare(IntPredicate::SLT, i, end, "more")
+                    .map_err(err)?;
+                self.b
+                    .build_conditional_branch(more, block, exit)
+                    .map_err(err)?;
+                self.b.position_at_end(block);
+                self.stmts(body)?;
+                let i = self
+                    .b
+                    .build_load(i64t, slot, "i")
+                    .map_err(err)?
+                    .into_int_value();
+                let next = self
+                    .b
+                    .build_int_add(i, i64t.const_int(*step as u64, true), "next")
+                    .map_err(err)?;
+                self.b.build_store(slot, next).map_err(err)?;
+                self.b.build_unconditional_branch(head).map_err(err)?;
+                self.b.position_at_end(exit);
+            }
+            Stmt::Barrier => self.call_void("llvm.nvvm.barrier0")?,
+        }
+        Ok(())
+    }
+
+    fn expr(&mut self, e: &Expr) -> Result<BasicValueEnum<'ctx>, CodegenError> {
+        let ctx = self.ctx;
+        let f32t = ctx.f32_type();
+        Ok(match e {
+            Expr::Int(x, t) => match t {
+                Ty::I32 => ctx.i32_type().const_int(*x as u64, true).into(),
+                _ => ctx.i64_type().const_int(*x as u64, true).into(),
+            },
+            Expr::F32(x) => f32t.const_float(f64::from(*x)).into(),
+            Expr::Pred(p) => ctx.bool_type().const_int(u64::from(*p), false).into(),
+            Expr::Reg(r) => {
+                let t = basic(ctx, self.kernel.regs[r.0 as usize].1);
+                self.b
+                    .build_load(t, self.regs[r.0 as usize], "r")
+                    .map_err(err)?
+            }
+            Expr::Param(i) => self
+                .function
+                .get_nth_param(*i)
+                .ok_or_else(|| err(format!("no parameter {i}")))?,
+            Expr::Special(s) => {
+                let name = match s {
+                    Special::Tid => "llvm.nvvm.read.ptx.sreg.tid.x",
+                    Special::Ntid => "llvm.nvvm.read.ptx.sreg.ntid.x",
+                    Special::Ctaid(0) => "llvm.nvvm.read.ptx.sreg.ctaid.x",
+                    Special::Ctaid(1) => "llvm.nvvm.read.ptx.sreg.ctaid.y",
+                    Special::Ctaid(_) => "llvm.nvvm.read.ptx.sreg.ctaid.z",
+                    Special::Lane => "llvm.nvvm.read.ptx.sreg.laneid",
+                };
+                self.intrinsic(name, &[], &[])?
+            }
+            Expr::Un(op, a) => {
+                let ty = self.kernel.type_of(a);
+                let v = self.expr(a)?;
+                match (op, ty) {
+                    (Un::Not, _) => self
+                        .b
+                        .build_not(v.into_int_value(), "not")
+                        .map_err(err)?
+                        .into(),
+                    (Un::Neg, Ty::F32) => self
+                        .b
+                        .build_float_neg(v.into_float_value(), "neg")
+                        .map_err(err)?
+                        .into(),
+                    (Un::Neg, _) => self
+                        .b
+                        .build_int_neg(v.into_int_value(), "neg")
+                        .map_err(err)?
+                        .into(),
+                    (Un::Abs, Ty::F32) => self.intrinsic("llvm.fabs", &[f32t.into()], &[v])?,
+                    (Un::Abs, t) => {
+                        let poison = ctx.bool_type().const_int(0, false).into();
+                        self.intrinsic("llvm.abs", &[basic(ctx, t)], &[v, poison])?
+                    }
+                    (Un::Ex2, _) => self.intrinsic("llvm.nvvm.ex2.approx.f", &[], &[v])?,
+                    (Un::Lg2, _) => self.intrinsic("llvm.nvvm.lg2.approx.f", &[], &[v])?,
+                    (Un::Sqrt, _) => self.intrinsic("llvm.sqrt", &[f32t.into()], &[v])?,
+                }
+            }
+            Expr::Bin(op, a, b) => {
+                let ty = self.kernel.type_of(a);
+                let (x, y) = (self.expr(a)?, self.expr(b)?);
+                self.binary(*op, ty, x, y)?
+            }
+            Expr::Fma(a, b, c) => {
+                let (x, y, z) = (self.expr(a)?, self.expr(b)?, self.expr(c)?);
+                self.intrinsic("llvm.fma", &[f32t.into()], &[x, y, z])?
+            }
+            Expr::Select(c, a, b) => {
+                let c = self.expr(c)?.into_int_value();
+                let (x, y) = (self.expr(a)?, self.expr(b)?);
+                self.b.build_select(c, x, y, "sel").map_err(err)?
+            }
+            Expr::Cast(a, to) => {
+                let from = self.kernel.type_of(a);
+                let v = self.expr(a)?;
+                self.cast(v, from, *to)?
+            }
+            Expr::Load(space, ty, addr) => {
+                let a = self.expr(addr)?;
+                let p = self.pointer(*space, a)?;
+                self.b.build_load(basic(ctx, *ty), p, "ld").map_err(err)?
+            }
+            Expr::Table(values, index) => {
+                let i = self.expr(index)?.into_int_value();
+                let i64t = ctx.i64_type();
+                let hi = i64t.const_int(values.len() as u64 - 1, false);
+                let zero = i64t.const_zero();
+                let i = self
+                    .b
+                    .build_int_s_extend_or_bit_cast(i, i64t, "ix")
+                    .map_err(err)?;
+                let lo_ok = self
+                    .b
+                    .build_int_compare(IntPredicate::SLT, i, zero, "neg")
+                    .map_err(err)?;
+                let i = self
+                    .b
+                    .build_select(lo_ok, zero, i, "ix0")
+                    .map_err(err)?
+                    .into_int_value();
+                let hi_ok = self
+                    .b
+                    .build_int_compare(IntPredicate::SGT, i, hi, "big")
+                    .map_err(err)?;
+                let i = self
+                    .b
+                    .build_select(hi_ok, hi, i, "ix1")
+                    .map_err(err)?
+                    .into_int_value();
+                let consts: Vec<_> = values
+                    .iter()
+                    .map(|v| f32t.const_float(f64::from(*v)))
+                    .collect();
+                let array = f32t.const_array(&consts);
+                let g = self.module.add_global(
+                    array.get_type(),
+                    Some(AddressSpace::from(1u16)),
+                    &format!("table{}", self.tables),
+                );
+                self.tables += 1;
+                g.set_linkage(Linkage::Internal);
+                g.set_constant(true);
+                g.set_initializer(&array);
+                let base = self
+                    .b
+                    .build_ptr_to_int(g.as_pointer_value(), i64t, "tbase")
+                    .map_err(err)?;
+                let off = self
+                    .b
+                    .build_int_mul(i, i64t.const_int(4, false), "toff")
+                    .map_err(err)?;
+                let a = self.b.build_int_add(base, off, "taddr").map_err(err)?;
+                let p = self.pointer(Space::Global, a.into())?;
+                self.b.build_load(f32t, p, "tv").map_err(err)?
+            }
+            Expr::ShflXor(v, mask) => {
+                let ty = self.kernel.type_of(v);
+                let v = self.expr(v)?;
+                let i32t = ctx.i32_type();
+                let args = [
+                    i32t.const_int(0xffff_ffff, false).into(),
+                    v,
+                    i32t.const_int(u64::from(*mask), false).into(),
+                    i32t.const_int(0x1f, false).into(),
+                ];
+                let name = if ty == Ty::F32 {
+                    "llvm.nvvm.shfl.sync.bfly.f32"
+                } else {
+                    "llvm.nvvm.shfl.sync.bfly.i32"
+                };
+                self.intrinsic(name, &[], &args)?
+            }
+        })
+    }
+
+    fn binary(
+        &mut self,
+        op: Bin,
+        ty: Ty,
+        x: BasicValueEnum<'ctx>,
+        y: BasicValueEnum<'ctx>,
+    ) -> Result<BasicValueEnum<'ctx>, CodegenError> {
+        let b = &self.b;
+        if ty == Ty::F32 {
+            let (x, y) = (x.into_float_value(), y.into_float_value());
+            let cmp = |p| {
+                b.build_float_compare(p, x, y, "fc")
+                    .map(Into::into)
+                    .map_err(err)
+            };
+            return match op {
+                Bin::Add => b.build_float_add(x, y, "fa").map(Into::into).map_err(err),
+                Bin::Sub => b.build_float_sub(x, y, "fs").map(Into::into).map_err(err),
+                Bin::Mul => b.build_float_mul(x, y, "fm").map(Into::into).map_err(err),
+                Bin::Div => b.build_float_div(x, y, "fd").map(Into::into).map_err(err),
+                Bin::Rem => b.build_float_rem(x, y, "fr").map(Into::into).map_err(err),
+                Bin::Min => {
+                    self.intrinsic("llvm.minnum", &[x.get_type().into()], &[x.into(), y.into()])
+                }
+                Bin::Max => {
+                    self.intrinsic("llvm.maxnum", &[x.get_type().into()], &[x.into(), y.into()])
+                }
+                Bin::Lt => cmp(FloatPredicate::OLT),
+                Bin::Le => cmp(FloatPredicate::OLE),
+                Bin::Gt => cmp(FloatPredicate::OGT),
+                Bin::Ge => cmp(FloatPredicate::OGE),
+                Bin::Eq => cmp(FloatPredicate::OEQ),
+                Bin::Ne => cmp(FloatPredicate::UNE),
+                Bin::And | Bin::Or | Bin::Shl => Err(err(format!("{op:?} on f32"))),
+            };
+        }
+        let (x, y) = (x.into_int_value(), y.into_int_value());
+        let cmp = |p| b.build_int_compare(p, x, y, "ic").map_err(err);
+        Ok(match op {
+            Bin::Add => b.build_int_add(x, y, "a").map_err(err)?.into(),
+            Bin::Sub => b.build_int_sub(x, y, "s").map_err(err)?.into(),
+            Bin::Mul => b.build_int_mul(x, y, "m").map_err(err)?.into(),
+            Bin::Div => b.build_int_signed_div(x, y, "d").map_err(err)?.into(),
+            Bin::Rem => b.build_int_signed_rem(x, y, "r").map_err(err)?.into(),
+            Bin::Min => b
+                .build_select(cmp(IntPredicate::SLT)?, x, y, "min")
+                .map_err(err)?,
+            Bin::Max => b
+                .build_select(cmp(IntPredicate::SGT)?, x, y, "max")
+                .map_err(err)?,
+            Bin::And => b.build_and(x, y, "and").map_err(err)?.into(),
+            Bin::Or => b.build_or(x, y, "or").map_err(err)?.into(),
+            Bin::Shl => b.build_left_shift(x, y, "shl").map_err(err)?.into(),
+            Bin::Lt => cmp(IntPredicate::SLT)?.into(),
+            Bin::Le => cmp(IntPredicate::SLE)?.into(),
+            Bin::Gt => cmp(IntPredicate::SGT)?.into(),
+            Bin::Ge => cmp(IntPredicate::SGE)?.into(),
+            Bin::Eq => cmp(IntPredicate::EQ)?.into(),
+            Bin::Ne => cmp(IntPredicate::NE)?.into(),
+        })
+    }
+
+    fn cast(
+        &mut self,
+        v: BasicValueEnum<'ctx>,
+        from: Ty,
+        to: Ty,
+    ) -> Result<BasicValueEnum<'ctx>, CodegenError> {
+        let target = basic(self.ctx, to);
+        let b = &self.b;
+        Ok(match (from, to) {
+            (a, c) if a == c => v,
+            (Ty::Pred, _) => b
+                .build_int_z_extend(v.into_int_value(), target.into_int_type(), "zext")
+                .map_err(err)?
+                .into(),
+            (Ty::I32, Ty::I64) => b
+                .build_int_s_extend(v.into_int_value(), target.into_int_type(), "sext")
+                .map_err(err)?
+                .into(),
+            (Ty::I64, Ty::I32) => b
+                .build_int_truncate(v.into_int_value(), target.into_int_type(), "trunc")
+                .map_err(err)?
+                .into(),
+            (Ty::I32 | Ty::I64, Ty::F32) => b
+                .build_signed_int_to_float(v.into_int_value(), target.into_float_type(), "itof")
+                .map_err(err)?
+                .into(),
+            (Ty::F32, Ty::I32 | Ty::I64) => {
+                // Saturating, NaN to 0: the interpreter's (and Rust's) conversion.
+                self.intrinsic(
+                    "llvm.fptosi.sat",
+                    &[target, self.ctx.f32_type().into()],
+                    &[v],
+                )?
+            }
+            (a, c) => return Err(err(format!("no conversion from {a} to {c}"))),
+        })
+    }
+}

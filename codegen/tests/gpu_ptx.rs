@@ -1,0 +1,90 @@
+//! PTX through LLVM for the GPU kernels (feature `cuda`): every named spec's forward kernel
+//! compiles for sm_80 and sm_90; with ptxas available (`scripts/setup-cuda-toolchain.sh`), the
+//! PTX assembles and ptxas's resource report is read.
+#![cfg(feature = "cuda")]
+
+use attn_dsl::catalog::NAMED_SPECS;
+use codegen::KernelPlan;
+use codegen::gpu::forward::lower;
+use codegen::gpu::llvm::{Arch, emit};
+use std::path::PathBuf;
+
+/// ptxas from the toolchain folder the setup script fills, or from PATH.
+fn ptxas() -> Option<PathBuf> {
+    let local = PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../.cuda-toolchain/bin/ptxas"
+    ));
+    if local.exists() {
+        return Some(local);
+    }
+    std::process::Command::new("ptxas")
+        .arg("--version")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|_| PathBuf::from("ptxas"))
+}
+
+/// Registers, spill bytes and shared bytes from `ptxas -v`.
+fn resources(report: &str) -> (u32, u32, u32) {
+    let number_before = |line: &str, unit: &str| -> u32 {
+        line.split(',')
+            .find(|part| part.contains(unit))
+            .and_then(|part| part.split_whitespace().find_map(|w| w.parse().ok()))
+            .unwrap_or(0)
+    };
+    let mut out = (0, 0, 0);
+    for line in report.lines() {
+        if line.contains("Used") && line.contains("registers") {
+            out.0 = number_before(line, "registers");
+            out.2 = number_before(line, "smem");
+        }
+        if line.contains("spill stores") {
+            out.1 = number_before(line, "spill stores");
+        }
+    }
+    out
+}
+
+#[test]
+fn forward_kernels_compile_to_ptx_for_sm80_and_sm90() {
+    let tool = ptxas();
+    let dir = std::env::temp_dir().join(format!("attn-ptx-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (name, text) in NAMED_SPECS {
+        let spec: attn_dsl::AttentionSpec = text.parse().unwrap();
+        let kernel = lower(&KernelPlan::forward(&spec));
+        for arch in [Arch::Sm80, Arch::Sm90] {
+            let out = emit(&kernel, arch).unwrap_or_else(|e| panic!("{name} {arch:?}: {e}"));
+            assert!(out.ptx.contains(".entry attention_forward"), "{name}");
+            assert!(
+                out.ptx.contains(&format!(".target {}", arch.name())),
+                "{name}"
+            );
+            assert!(out.ptx.contains("bar.sync"), "{name}: no barrier");
+            assert!(out.ptx.contains("ex2.approx"), "{name}: no ex2");
+            assert!(out.llvm_ir.contains("ptx_kernel"), "{name}");
+            if let Some(ptxas) = &tool {
+                let file = dir.join(format!("{name}_{}.ptx", arch.name()));
+                std::fs::write(&file, &out.ptx).unwrap();
+                let run = std::process::Command::new(ptxas)
+                    .args(["-arch", arch.name(), "-v", "-o", "/dev/null"])
+                    .arg(&file)
+                    .output()
+                    .unwrap();
+                let report = String::from_utf8_lossy(&run.stderr);
+                assert!(
+                    run.status.success(),
+                    "{name} {arch:?}: ptxas failed:\n{report}"
+                );
+                let (regs, spills, smem) = resources(&report);
+                eprintln!(
+                    "{name} {}: {regs} registers, {spills} bytes spilled, {smem} bytes smem",
+                    arch.name()
+                );
+                assert!(regs > 0, "{name}: no resource report in\n{report}");
+            }
+        }
+    }
+}
