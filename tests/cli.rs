@@ -442,3 +442,63 @@ fn emit_writes_the_gpu_kernel() {
     let o = attnc(&["emit", spec, "--target", "sm_70"]);
     assert_eq!(o.status.code(), Some(2));
 }
+
+#[test]
+fn run_on_the_gpu_backends() {
+    let out = temp("seq7-gpu.safetensors");
+    let spec = "heads = 4, head_dim = 64, mask = causal, scale = 0.125";
+    let args = |backend: &'static str| {
+        vec![
+            "run".to_string(),
+            "--spec".into(),
+            spec.into(),
+            "--input".into(),
+            fixture("seq7_causal_f32.safetensors"),
+            "--output".into(),
+            out.to_str().unwrap().into(),
+            "--backend".into(),
+            backend.into(),
+        ]
+    };
+    let run = |backend| {
+        let a = args(backend);
+        attnc(&a.iter().map(String::as_str).collect::<Vec<_>>())
+    };
+    let o = run("gpu-sim");
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let bytes = std::fs::read(&out).unwrap();
+    let got = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let golden_bytes = std::fs::read(fixture("seq7_causal_f32.safetensors")).unwrap();
+    let golden = safetensors::SafeTensors::deserialize(&golden_bytes).unwrap();
+    let g: Vec<f32> = got
+        .tensor("out")
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    let w: Vec<f64> = golden
+        .tensor("out")
+        .unwrap()
+        .data()
+        .chunks_exact(8)
+        .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(g.len(), w.len());
+    for (g, w) in g.iter().zip(&w) {
+        assert!(
+            (f64::from(*g) - w).abs() < 1e-5 + 1e-4 * w.abs(),
+            "{g} vs {w}"
+        );
+    }
+    // Without a GPU (CI has none), the device backend is a clean error.
+    let o = run("cuda");
+    if o.status.code() != Some(0) {
+        assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+        assert!(
+            stderr(&o).contains("cuda") || stderr(&o).contains("CUDA"),
+            "{}",
+            stderr(&o)
+        );
+    }
+}

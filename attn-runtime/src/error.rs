@@ -26,6 +26,9 @@ pub enum RuntimeError {
     /// The data does not fill the shape.
     #[error("{0}")]
     Data(String),
+    /// No usable GPU, or the device failed.
+    #[error("device: {0}")]
+    Device(String),
     /// A KV cache cannot do what was asked (unknown sequence, no free block).
     #[error("cache: {0}")]
     Cache(String),

@@ -7,6 +7,7 @@
 //! - [`io`]: safetensors files;
 //! - [`cache`]: KV caches for decoding (contiguous, paged, MLA latent);
 //! - [`cpu`]: the CPU backend (kernel cache, microkernels, parallel launcher, decode);
+//! - [`gpu`]: GPU calls, run on a CUDA device (feature `cuda`) or on the GPU IR interpreter;
 //! - [`model`]: transformers composed at run time, Hugging Face checkpoints;
 //! - [`Attention`]: the typed API `#[attention(...)]` implements.
 
@@ -15,6 +16,7 @@
 pub mod cache;
 pub mod cpu;
 mod error;
+pub mod gpu;
 pub mod io;
 pub mod model;
 mod tensor;

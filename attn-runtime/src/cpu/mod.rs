@@ -367,7 +367,7 @@ pub(crate) fn gemm(
     }
 }
 
-fn check_dtype(name: &str, t: &Tensor, dtype: DType) -> Result<(), RuntimeError> {
+pub(crate) fn check_dtype(name: &str, t: &Tensor, dtype: DType) -> Result<(), RuntimeError> {
     if t.dtype() == dtype {
         Ok(())
     } else {
@@ -379,7 +379,7 @@ fn check_dtype(name: &str, t: &Tensor, dtype: DType) -> Result<(), RuntimeError>
     }
 }
 
-fn finish(
+pub(crate) fn finish(
     dtype: DType,
     shape: [usize; 4],
     out: Vec<f32>,
@@ -399,7 +399,7 @@ fn isa_name(isa: Isa) -> &'static str {
     }
 }
 
-fn dims(name: &str, t: &Tensor, expected: &str) -> Result<[usize; 4], RuntimeError> {
+pub(crate) fn dims(name: &str, t: &Tensor, expected: &str) -> Result<[usize; 4], RuntimeError> {
     t.shape().try_into().map_err(|_| RuntimeError::Shape {
         tensor: name.into(),
         found: t.shape().to_vec(),
@@ -407,7 +407,12 @@ fn dims(name: &str, t: &Tensor, expected: &str) -> Result<[usize; 4], RuntimeErr
     })
 }
 
-fn expect(name: &str, t: &Tensor, shape: &[usize], what: &str) -> Result<(), RuntimeError> {
+pub(crate) fn expect(
+    name: &str,
+    t: &Tensor,
+    shape: &[usize],
+    what: &str,
+) -> Result<(), RuntimeError> {
     if t.shape() == shape {
         Ok(())
     } else {

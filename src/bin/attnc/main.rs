@@ -12,7 +12,7 @@ mod model_cmd;
 mod run;
 mod spec_arg;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
 /// A compiler for attention variants.
@@ -62,8 +62,8 @@ enum Command {
         )]
         position_offset: i64,
         /// The backend.
-        #[arg(long, value_enum, default_value_t = Backend::Cpu)]
-        backend: Backend,
+        #[arg(long, value_enum, default_value_t = run::Backend::Cpu)]
+        backend: run::Backend,
     },
     /// Time the CPU forward kernel of a spec on random inputs: median ms, GFLOP/s (4 B Hq Sq Skv
     /// D, halved for causal masks) and the kernel's compile time.
@@ -215,13 +215,6 @@ enum Command {
     },
 }
 
-/// Where kernels run.
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum Backend {
-    /// Cranelift-compiled kernels on this machine's CPU.
-    Cpu,
-}
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
@@ -237,9 +230,9 @@ fn main() -> ExitCode {
             input,
             output,
             position_offset,
-            backend: Backend::Cpu,
+            backend,
         } => spec_arg::load(&spec).and_then(|(spec, _)| {
-            run::run(&spec, &input, &output, position_offset)
+            run::run(&spec, &input, &output, position_offset, backend)
                 .map(|summary| println!("{summary}"))
                 .map_err(|e| format!("error: {e}"))
         }),

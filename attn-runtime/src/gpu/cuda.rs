@@ -1,0 +1,136 @@
+//! The CUDA device backend (feature `cuda`): PTX from codegen's LLVM lowering, loaded and
+//! launched through cudarc. Without a driver, [`CudaBackend::new`] is a clean error.
+
+use super::GpuCall;
+use crate::cpu::{Output, finish};
+use crate::error::RuntimeError;
+use crate::tensor::Tensor;
+use attn_dsl::AttentionSpec;
+use codegen::gpu::llvm::{Arch, emit};
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::Ptx;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+fn device(e: impl std::fmt::Display) -> RuntimeError {
+    RuntimeError::Device(e.to_string())
+}
+
+/// A CUDA device with its stream and the kernels loaded on it.
+#[derive(Debug)]
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    arch: Arch,
+    loaded: Mutex<HashMap<String, CudaFunction>>,
+}
+
+impl CudaBackend {
+    /// The device `ordinal`. Errors (never panics) when there is no CUDA driver, no such
+    /// device, or a GPU older than sm_80.
+    pub fn new(ordinal: usize) -> Result<Self, RuntimeError> {
+        // SAFETY: only tries to load the driver library (libcuda) by name.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(device(
+                "no CUDA driver (libcuda) on this machine: the cuda backend needs an NVIDIA GPU \
+                 and its driver; use --backend cpu",
+            ));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(device)?;
+        let (major, minor) = ctx.compute_capability().map_err(device)?;
+        let arch = match (major, minor) {
+            (9.., _) => Arch::Sm90,
+            (8, _) => Arch::Sm80,
+            _ => {
+                return Err(device(format!(
+                    "GPU {ordinal} is sm_{major}{minor}; the kernels need sm_80 or newer"
+                )));
+            }
+        };
+        let stream = ctx.default_stream();
+        Ok(CudaBackend {
+            ctx,
+            stream,
+            arch,
+            loaded: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Attention on the device (inputs and outputs on the host, as the CPU backend's).
+    pub fn forward(
+        &self,
+        spec: &AttentionSpec,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        p0: i64,
+    ) -> Result<Output, RuntimeError> {
+        self.run(&GpuCall::forward(spec, q, k, v, p0)?)
+    }
+
+    fn function(&self, call: &GpuCall) -> Result<CudaFunction, RuntimeError> {
+        let key = call.kernel.to_string();
+        let mut loaded = self
+            .loaded
+            .lock()
+            .map_err(|_| device("kernel cache poisoned"))?;
+        if let Some(f) = loaded.get(&key) {
+            return Ok(f.clone());
+        }
+        let ptx = emit(&call.kernel, self.arch)?.ptx;
+        let module = self.ctx.load_module(Ptx::from_src(ptx)).map_err(device)?;
+        let f = module.load_function(&call.kernel.name).map_err(device)?;
+        loaded.insert(key, f.clone());
+        Ok(f)
+    }
+
+    /// Launches a prepared call and waits for its outputs.
+    pub fn run(&self, call: &GpuCall) -> Result<Output, RuntimeError> {
+        let [b, h, sq, dv] = call.out_shape;
+        if b * h * sq == 0 {
+            return finish(call.dtype, call.out_shape, Vec::new(), Vec::new());
+        }
+        let f = self.function(call)?;
+        let s = &self.stream;
+        let upload = |v: &[f32]| s.clone_htod(if v.is_empty() { &[0f32][..] } else { v });
+        let (q, k, v) = (
+            upload(&call.q).map_err(device)?,
+            upload(&call.k).map_err(device)?,
+            upload(&call.v).map_err(device)?,
+        );
+        let codes = s.clone_htod(&call.codes).map_err(device)?;
+        let (cos, sin) = (
+            upload(&call.rope_cos).map_err(device)?,
+            upload(&call.rope_sin).map_err(device)?,
+        );
+        let mut out = s.alloc_zeros::<f32>(b * h * sq * dv).map_err(device)?;
+        let mut lse = s.alloc_zeros::<f32>(b * h * sq).map_err(device)?;
+        let config = LaunchConfig {
+            grid_dim: (call.grid[0], call.grid[1], call.grid[2]),
+            block_dim: (call.kernel.threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = s.launch_builder(&f);
+        launch
+            .arg(&q)
+            .arg(&k)
+            .arg(&v)
+            .arg(&mut out)
+            .arg(&mut lse)
+            .arg(&codes)
+            .arg(&call.sq)
+            .arg(&call.skv)
+            .arg(&call.p0)
+            .arg(&cos)
+            .arg(&sin)
+            .arg(&call.rope_pos0);
+        // SAFETY: the arguments match the kernel's twelve 64-bit parameters in order (device
+        // pointers for buffers of the sizes the kernel indexes: q, k, v, out, lse, codes, the
+        // RoPE tables; i64 scalars), and the grid and CTA size are the ones it was lowered for.
+        unsafe { launch.launch(config) }.map_err(device)?;
+        let out = s.clone_dtoh(&out).map_err(device)?;
+        let lse = s.clone_dtoh(&lse).map_err(device)?;
+        s.synchronize().map_err(device)?;
+        finish(call.dtype, call.out_shape, out, lse)
+    }
+}

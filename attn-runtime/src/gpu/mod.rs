@@ -1,0 +1,175 @@
+//! Running the GPU kernels: a call prepared on the host (inputs as contiguous f32, tile codes
+//! from the plan's classification, RoPE tables), then run on a CUDA device (feature `cuda`) or on
+//! codegen's GPU IR interpreter ([`GpuCall::run_emulated`]), which executes exactly the kernel a
+//! device would and so tests this runtime path without a GPU.
+
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
+use crate::cpu::rope_table::RopeTables;
+use crate::cpu::{Output, check_dtype, dims, expect, finish};
+use crate::error::RuntimeError;
+use crate::tensor::Tensor;
+use attn_dsl::AttentionSpec;
+use attn_dsl::modifier::interval::{Interval, TileClass};
+use codegen::KernelPlan;
+use codegen::gpu::forward::{ROWS, key_tile, lower};
+use codegen::gpu::interp::{Memory, Val, run};
+use codegen::gpu::ir::Kernel;
+use codegen::plan::CallShape;
+
+/// A forward call ready to launch: the kernel, its grid, and its inputs on the host.
+#[derive(Clone, Debug)]
+pub struct GpuCall {
+    /// The GPU IR kernel (the same for every shape of a spec).
+    pub kernel: Kernel,
+    /// CTAs: (query blocks, heads, batch).
+    pub grid: [u32; 3],
+    /// `[B, Hq, Sq, D]`, `[B, Hkv, Skv, D]`, `[B, Hkv, Skv, Dv]` as contiguous f32.
+    pub q: Vec<f32>,
+    /// See `q`.
+    pub k: Vec<f32>,
+    /// See `q`.
+    pub v: Vec<f32>,
+    /// One tile code per (head, query block, key tile): 0 skip, 1 full, 2 masked.
+    pub codes: Vec<i32>,
+    /// RoPE tables (empty without RoPE): rows of `rope_dim / 2` from position `rope_pos0`.
+    pub rope_cos: Vec<f32>,
+    /// See `rope_cos`.
+    pub rope_sin: Vec<f32>,
+    /// See `rope_cos`.
+    pub rope_pos0: i64,
+    /// Scalars: Sq, Skv, the position of key 0.
+    pub sq: i64,
+    /// See `sq`.
+    pub skv: i64,
+    /// See `sq`.
+    pub p0: i64,
+    /// `[B, Hq, Sq, Dv]`: the output's shape.
+    pub out_shape: [usize; 4],
+    /// The spec's dtype (of `out`).
+    pub dtype: attn_dsl::DType,
+}
+
+impl GpuCall {
+    /// Prepares `forward(q, k, v)` for a per-head spec (the shapes of [`crate::cpu::CpuBackend::forward`]).
+    pub fn forward(
+        spec: &AttentionSpec,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        p0: i64,
+    ) -> Result<GpuCall, RuntimeError> {
+        crate::error::check_spec(spec)?;
+        if spec.mla().is_some() {
+            return Err(RuntimeError::Spec(
+                "the GPU kernels do not run MLA specs yet".into(),
+            ));
+        }
+        let plan = KernelPlan::forward(spec);
+        let (h, hkv) = (spec.heads as usize, spec.kv_heads() as usize);
+        let (d, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
+        let [b, _, sq, _] = dims("q", q, "[B, heads, Sq, head_dim]")?;
+        expect("q", q, &[b, h, sq, d], "[B, heads, Sq, head_dim]")?;
+        let [_, _, skv, _] = dims("k", k, "[B, kv_heads, Skv, head_dim]")?;
+        expect("k", k, &[b, hkv, skv, d], "[B, kv_heads, Skv, head_dim]")?;
+        expect("v", v, &[b, hkv, skv, dv], "[B, kv_heads, Skv, v_head_dim]")?;
+        for (name, t) in [("q", q), ("k", k), ("v", v)] {
+            check_dtype(name, t, spec.dtype)?;
+        }
+        let (rows, bc) = (ROWS as usize, key_tile(&plan) as usize);
+        let (qblocks, tiles) = (sq.div_ceil(rows), skv.div_ceil(bc));
+        let mut codes = Vec::with_capacity(h * qblocks * tiles);
+        for head in 0..h {
+            for qb in 0..qblocks {
+                for t in 0..tiles {
+                    let call = CallShape {
+                        sq: sq as i64,
+                        skv: skv as i64,
+                        p0,
+                        batch: Interval::new(0, b.max(1) as i64 - 1),
+                        head: Interval::point(head as i64),
+                    };
+                    let r = Interval::new((qb * rows) as i64, ((qb + 1) * rows).min(sq) as i64 - 1);
+                    let keys = Interval::new((t * bc) as i64, ((t + 1) * bc).min(skv) as i64 - 1);
+                    codes.push(match plan.classify_tile(r, keys, call) {
+                        TileClass::AllMasked => 0,
+                        TileClass::AllKept => 1,
+                        TileClass::Mixed => 2,
+                    });
+                }
+            }
+        }
+        let first = p0.min(p0 + skv as i64 - sq as i64);
+        let end = p0 + skv as i64;
+        let tables = plan
+            .rope
+            .as_ref()
+            .map(|r| RopeTables::new(r, first, end, (end).max(0) as u64));
+        let (rope_cos, rope_sin) = match tables {
+            Some(t) => (t.cos, t.sin),
+            None => (Vec::new(), Vec::new()),
+        };
+        Ok(GpuCall {
+            kernel: lower(&plan),
+            grid: [qblocks as u32, h as u32, b as u32],
+            q: q.to_f32_vec(),
+            k: k.to_f32_vec(),
+            v: v.to_f32_vec(),
+            codes,
+            rope_cos,
+            rope_sin,
+            rope_pos0: first,
+            sq: sq as i64,
+            skv: skv as i64,
+            p0,
+            out_shape: [b, h, sq, dv],
+            dtype: spec.dtype,
+        })
+    }
+
+    /// Runs the call on the GPU IR interpreter (every CTA, every thread; slow, exact).
+    pub fn run_emulated(&self) -> Result<Output, RuntimeError> {
+        let [b, h, sq, dv] = self.out_shape;
+        if b * h * sq == 0 {
+            return finish(self.dtype, self.out_shape, Vec::new(), Vec::new());
+        }
+        let mut mem = Memory::default();
+        let buffer = |mem: &mut Memory, v: &[f32]| if v.is_empty() { 0 } else { mem.alloc_f32(v) };
+        let (q, k, v) = (
+            buffer(&mut mem, &self.q),
+            buffer(&mut mem, &self.k),
+            buffer(&mut mem, &self.v),
+        );
+        let out = mem.alloc_f32(&vec![0.0; b * h * sq * dv]);
+        let lse = mem.alloc_f32(&vec![0.0; b * h * sq]);
+        let codes = mem.alloc_bytes(self.codes.iter().flat_map(|c| c.to_le_bytes()).collect());
+        let (cos, sin) = (
+            buffer(&mut mem, &self.rope_cos),
+            buffer(&mut mem, &self.rope_sin),
+        );
+        let args: Vec<Val> = [
+            q,
+            k,
+            v,
+            out,
+            lse,
+            codes,
+            self.sq,
+            self.skv,
+            self.p0,
+            cos,
+            sin,
+            self.rope_pos0,
+        ]
+        .into_iter()
+        .map(Val::I64)
+        .collect();
+        run(&self.kernel, self.grid, &args, &mut mem).map_err(RuntimeError::Data)?;
+        let out = mem
+            .read_f32(out, b * h * sq * dv)
+            .map_err(RuntimeError::Data)?;
+        let lse = mem.read_f32(lse, b * h * sq).map_err(RuntimeError::Data)?;
+        finish(self.dtype, self.out_shape, out, lse)
+    }
+}

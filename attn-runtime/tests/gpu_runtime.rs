@@ -1,0 +1,149 @@
+//! The GPU runtime path without a GPU: calls prepared by `gpu::GpuCall` (tile codes, RoPE
+//! tables, layouts) and run on the GPU IR interpreter, against the reference. With the `cuda`
+//! feature, the device backend either reports that there is no driver or, on a machine with a
+//! GPU, computes the same results.
+
+use attn_dsl::AttentionSpec;
+use attn_dsl::reference::{self, Array, Inputs};
+use attn_runtime::Tensor;
+use attn_runtime::cpu::Output;
+use attn_runtime::gpu::GpuCall;
+
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+struct Case {
+    spec: AttentionSpec,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    p0: i64,
+}
+
+fn case(text: &str, b: usize, sq: usize, skv: usize, p0: i64) -> Case {
+    let spec: AttentionSpec = text.parse().unwrap();
+    let (h, hkv) = (spec.heads as usize, spec.kv_heads() as usize);
+    let (d, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
+    let t = |shape: &[usize], seed| {
+        Tensor::from_f32_as(spec.dtype, shape, values(shape.iter().product(), seed)).unwrap()
+    };
+    Case {
+        q: t(&[b, h, sq, d], 1),
+        k: t(&[b, hkv, skv, d], 2),
+        v: t(&[b, hkv, skv, dv], 3),
+        spec,
+        p0,
+    }
+}
+
+fn check(c: &Case, got: &Output) {
+    let arr = |t: &Tensor| {
+        Array::from_vec(
+            t.shape(),
+            t.to_f32_vec().iter().map(|x| f64::from(*x)).collect(),
+        )
+        .unwrap()
+    };
+    let want = reference::attention(
+        &c.spec,
+        &Inputs {
+            q: &arr(&c.q),
+            k: &arr(&c.k),
+            v: &arr(&c.v),
+            position_offset: c.p0,
+        },
+    )
+    .unwrap();
+    let tol = if c.spec.dtype == attn_dsl::DType::F32 {
+        1e-5
+    } else {
+        1e-2
+    };
+    for (i, (g, w)) in got.out.to_f32_vec().iter().zip(want.out.data()).enumerate() {
+        let g = f64::from(*g);
+        assert!(
+            (g - w).abs() <= tol + 1e-4 * w.abs(),
+            "{} out[{i}]: {g} vs {w}",
+            c.spec
+        );
+    }
+    for (i, (g, w)) in got.lse.to_f32_vec().iter().zip(want.lse.data()).enumerate() {
+        let g = f64::from(*g);
+        assert!(
+            (w.is_infinite() && g == *w) || (g - w).abs() <= 1e-4 + 1e-5 * w.abs(),
+            "{} lse[{i}]: {g} vs {w}",
+            c.spec
+        );
+    }
+}
+
+fn cases() -> Vec<Case> {
+    vec![
+        case(
+            "heads = 4, kv_heads = 2, head_dim = 16, mask = causal",
+            2,
+            70,
+            70,
+            0,
+        ),
+        case(
+            "heads = 2, head_dim = 16, mask = sliding_window(9), position = rope(scaling = \
+             llama3(factor = 8.0, low_freq_factor = 1.0, high_freq_factor = 4.0, \
+             original_max_position = 16))",
+            1,
+            20,
+            40,
+            5,
+        ),
+        case(
+            "heads = 2, head_dim = 8, mask = causal, softcap = 3.0, dtype = bf16",
+            1,
+            9,
+            9,
+            0,
+        ),
+        case("heads = 2, head_dim = 8", 1, 0, 5, 0),
+    ]
+}
+
+#[test]
+fn prepared_calls_run_on_the_interpreter_match_the_reference() {
+    for c in cases() {
+        let call = GpuCall::forward(&c.spec, &c.q, &c.k, &c.v, c.p0).unwrap();
+        check(&c, &call.run_emulated().unwrap());
+    }
+    let c = cases().remove(0);
+    let err = GpuCall::forward(&c.spec, &c.k, &c.k, &c.v, 0)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("`q`"), "{err}");
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn the_device_backend_runs_or_says_there_is_no_gpu() {
+    use attn_runtime::gpu::cuda::CudaBackend;
+    match CudaBackend::new(0) {
+        Err(e) => {
+            let msg = e.to_string();
+            assert!(
+                msg.contains("no CUDA driver") || msg.contains("device"),
+                "{msg}"
+            );
+        }
+        Ok(gpu) => {
+            for c in cases() {
+                check(&c, &gpu.forward(&c.spec, &c.q, &c.k, &c.v, c.p0).unwrap());
+            }
+        }
+    }
+}
