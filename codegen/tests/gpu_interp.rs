@@ -222,3 +222,21 @@ fn the_kernel_prints_as_gpu_ir() {
         assert!(text.contains(needle), "{needle} missing in\n{text}");
     }
 }
+
+#[test]
+fn gpu_ir_snapshots() {
+    for (name, text) in [
+        ("gpu_causal_d4", "heads = 2, head_dim = 4, mask = causal"),
+        (
+            "gpu_alibi_softcap_window_d4",
+            "heads = 2, head_dim = 4, mask = sliding_window(8), position = alibi, softcap = 20.0",
+        ),
+        (
+            "gpu_rope_custom_mask_d4",
+            "heads = 2, head_dim = 4, position = rope, mask_mod = |b, h, q, k| (q / 4) == (k / 4)",
+        ),
+    ] {
+        let spec: AttentionSpec = text.parse().unwrap();
+        insta::assert_snapshot!(name, lower(&KernelPlan::forward(&spec)).to_string());
+    }
+}
