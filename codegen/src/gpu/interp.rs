@@ -3,7 +3,7 @@
 //! checks what the hardware would not: memory accesses in bounds, barriers reached by every
 //! thread, shuffles from active lanes, well-typed operands. Errors, never panics.
 
-use super::ir::{Bin, Expr, Kernel, Space, Special, Stmt, Ty, Un};
+use super::ir::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty, Un};
 
 /// Device memory: buffers addressed as `(buffer + 1) << 40 | byte offset`.
 #[derive(Clone, Debug, Default)]
@@ -227,6 +227,7 @@ impl Cta<'_> {
                         }
                     }
                 }
+                Stmt::Mma { d, a, b, c } => self.mma(mask, *d, *a, *b, *c)?,
                 Stmt::Barrier => {
                     if !mask.iter().all(|&m| m) {
                         let waiting = mask.iter().filter(|&&m| m).count();
@@ -235,6 +236,62 @@ impl Cta<'_> {
                             mask.len()
                         ));
                     }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// `mma.m16n8k16` for every warp with active lanes: gathers the fragments by the PTX ISA
+    /// layout (lane = 4 group + thread-in-group), multiplies exactly (bf16 products are exact in
+    /// f64) and rounds each result to f32 once.
+    fn mma(
+        &mut self,
+        mask: &[bool],
+        d: [Reg; 4],
+        a: [Reg; 4],
+        b: [Reg; 2],
+        c: [Reg; 4],
+    ) -> Result<(), String> {
+        for warp in (0..mask.len()).step_by(32) {
+            let lanes = warp..(warp + 32).min(mask.len());
+            if !lanes.clone().any(|t| mask[t]) {
+                continue;
+            }
+            if lanes.len() < 32 || !lanes.clone().all(|t| mask[t]) {
+                return Err(format!(
+                    "mma.sync in warp {} without all 32 lanes active",
+                    warp / 32
+                ));
+            }
+            let (mut am, mut bm, mut cm) = ([[0f64; 16]; 16], [[0f64; 8]; 16], [[0f64; 8]; 16]);
+            for lane in 0..32 {
+                let (g, q) = (lane / 4, lane % 4);
+                let regs = &self.regs[warp + lane];
+                let halves = |r: Reg| -> Result<(f64, f64), String> {
+                    let bits = regs[r.0 as usize].int()? as u32;
+                    let f = |h: u32| f64::from(f32::from_bits(h << 16));
+                    Ok((f(bits & 0xffff), f(bits >> 16)))
+                };
+                for (i, &r) in a.iter().enumerate() {
+                    let (row, col) = (g + 8 * (i % 2), 2 * q + 8 * (i / 2));
+                    (am[row][col], am[row][col + 1]) = halves(r)?;
+                }
+                for (i, &r) in b.iter().enumerate() {
+                    let k = 2 * q + 8 * i;
+                    (bm[k][g], bm[k + 1][g]) = halves(r)?;
+                }
+                for (i, &r) in c.iter().enumerate() {
+                    cm[g + 8 * (i / 2)][2 * q + i % 2] = f64::from(regs[r.0 as usize].float()?);
+                }
+            }
+            for lane in 0..32 {
+                let (g, q) = (lane / 4, lane % 4);
+                for (i, &r) in d.iter().enumerate() {
+                    let (row, col) = (g + 8 * (i / 2), 2 * q + i % 2);
+                    let sum: f64 =
+                        (0..16).map(|k| am[row][k] * bm[k][col]).sum::<f64>() + cm[row][col];
+                    self.regs[warp + lane][r.0 as usize] = Val::F(sum as f32);
                 }
             }
         }
@@ -346,6 +403,10 @@ impl Cta<'_> {
                 let i = ev(index)?.int()?.clamp(0, values.len() as i64 - 1);
                 Val::F(values[i as usize])
             }
+            Expr::PackBf16(lo, hi) => {
+                let (lo, hi) = (bf16_bits(ev(lo)?.float()?), bf16_bits(ev(hi)?.float()?));
+                Val::I32(((u32::from(hi) << 16) | u32::from(lo)) as i32)
+            }
             Expr::ShflXor(v, lane_mask) => {
                 let src = (t & !31) | ((t % 32) ^ (*lane_mask as usize % 32));
                 if src >= mask.len() || !mask[src] {
@@ -355,6 +416,16 @@ impl Cta<'_> {
             }
         })
     }
+}
+
+/// An f32 rounded to bf16 (to nearest, ties to even), as bits.
+fn bf16_bits(x: f32) -> u16 {
+    if x.is_nan() {
+        return 0x7fc0;
+    }
+    let bits = x.to_bits();
+    let rounded = bits.wrapping_add(0x7fff + ((bits >> 16) & 1));
+    (rounded >> 16) as u16
 }
 
 fn binary(op: Bin, a: Val, b: Val) -> Result<Val, String> {

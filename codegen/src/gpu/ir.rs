@@ -132,6 +132,9 @@ pub enum Expr {
     Table(Vec<f32>, Box<Expr>),
     /// `shfl.sync.bfly.b32` over the full warp: the value of lane `lane ^ mask`.
     ShflXor(Box<Expr>, u32),
+    /// `cvt.rn.bf16x2.f32`: two f32 rounded to bf16 (to nearest even) and packed into an I32,
+    /// the first in the low half.
+    PackBf16(Box<Expr>, Box<Expr>),
 }
 
 /// Statements. Control flow is structured; barriers must be reached by every thread of the CTA.
@@ -158,6 +161,20 @@ pub enum Stmt {
     },
     /// `bar.sync 0`.
     Barrier,
+    /// `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 d, a, b, c`: a warp-collective
+    /// `D = A B + C` over a 16x16 bf16 A, a 16x8 bf16 B and 16x8 f32 C/D, each lane holding the
+    /// fragments of the PTX ISA layout (A: four I32 registers of two bf16 each, B: two, C and D:
+    /// four F32). Every lane of the warp must execute it.
+    Mma {
+        /// The result fragment (four F32 registers).
+        d: [Reg; 4],
+        /// A fragment (four I32 registers of packed bf16 pairs).
+        a: [Reg; 4],
+        /// B fragment (two I32 registers of packed bf16 pairs).
+        b: [Reg; 2],
+        /// The accumulator fragment (four F32 registers).
+        c: [Reg; 4],
+    },
 }
 
 /// A kernel: parameters, registers, the shared memory it uses, its CTA size and its program.
@@ -183,6 +200,7 @@ impl Kernel {
     pub fn type_of(&self, e: &Expr) -> Ty {
         match e {
             Expr::Int(_, ty) | Expr::Cast(_, ty) | Expr::Load(_, ty, _) => *ty,
+            Expr::PackBf16(..) => Ty::I32,
             Expr::F32(_) | Expr::Fma(..) | Expr::Table(..) => Ty::F32,
             Expr::Pred(_) => Ty::Pred,
             Expr::Reg(r) => self.regs[r.0 as usize].1,

@@ -294,6 +294,33 @@ impl<'ctx> Lowering<'_, 'ctx> {
                 self.b.position_at_end(exit);
             }
             Stmt::Barrier => self.call_void("llvm.nvvm.barrier0")?,
+            Stmt::Mma { d, a, b, c } => {
+                let mut args = Vec::with_capacity(10);
+                for r in a.iter().chain(b).chain(c) {
+                    args.push(self.expr(&Expr::Reg(*r))?);
+                }
+                let f = Intrinsic::find("llvm.nvvm.mma.m16n8k16.row.col.bf16")
+                    .and_then(|i| i.get_declaration(self.module, &[]))
+                    .ok_or_else(|| err("LLVM has no bf16 m16n8k16 mma intrinsic"))?;
+                let args: Vec<BasicMetadataValueEnum> = args.iter().map(|v| (*v).into()).collect();
+                let result = self
+                    .b
+                    .build_call(f, &args, "mma")
+                    .map_err(err)?
+                    .try_as_basic_value()
+                    .basic()
+                    .ok_or_else(|| err("mma returns nothing"))?
+                    .into_struct_value();
+                for (i, r) in d.iter().enumerate() {
+                    let v = self
+                        .b
+                        .build_extract_value(result, i as u32, "d")
+                        .map_err(err)?;
+                    self.b
+                        .build_store(self.regs[r.0 as usize], v)
+                        .map_err(err)?;
+                }
+            }
         }
         Ok(())
     }
@@ -434,6 +461,14 @@ impl<'ctx> Lowering<'_, 'ctx> {
                 let a = self.b.build_int_add(base, off, "taddr").map_err(err)?;
                 let p = self.pointer(Space::Global, a.into())?;
                 self.b.build_load(f32t, p, "tv").map_err(err)?
+            }
+            Expr::PackBf16(lo, hi) => {
+                let (lo, hi) = (self.expr(lo)?, self.expr(hi)?);
+                // cvt.rn.bf16x2.f32 puts its first operand in the upper half.
+                let pair = self.intrinsic("llvm.nvvm.ff2bf16x2.rn", &[], &[hi, lo])?;
+                self.b
+                    .build_bit_cast(pair, ctx.i32_type(), "bf16x2")
+                    .map_err(err)?
             }
             Expr::ShflXor(v, mask) => {
                 let ty = self.kernel.type_of(v);

@@ -77,6 +77,7 @@ impl<'a> fmt::Display for Show<'a> {
             Expr::Load(s, ty, a) => write!(f, "ld.{}.{ty}[{}]", space(*s), sub(a)),
             Expr::Table(v, i) => write!(f, "table{v:?}[{}]", sub(i)),
             Expr::ShflXor(v, m) => write!(f, "shfl.bfly({}, {m})", sub(v)),
+            Expr::PackBf16(lo, hi) => write!(f, "bf16x2({}, {})", sub(lo), sub(hi)),
         }
     }
 }
@@ -116,6 +117,22 @@ fn stmts(f: &mut fmt::Formatter<'_>, k: &Kernel, body: &[Stmt], depth: usize) ->
                 writeln!(f, "{pad}}}")?;
             }
             Stmt::Barrier => writeln!(f, "{pad}bar.sync")?,
+            Stmt::Mma { d, a, b, c } => {
+                let names = |rs: &[super::ir::Reg]| {
+                    rs.iter()
+                        .map(|r| format!("%{}", k.regs[r.0 as usize].0))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                };
+                writeln!(
+                    f,
+                    "{pad}{{{}}} = mma.m16n8k16.bf16({{{}}}, {{{}}}, {{{}}})",
+                    names(d),
+                    names(a),
+                    names(b),
+                    names(c)
+                )?
+            }
         }
     }
     Ok(())
