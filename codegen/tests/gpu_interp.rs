@@ -6,6 +6,7 @@ use attn_dsl::modifier::interval::{Interval, TileClass};
 use attn_dsl::reference::{self, Array, Inputs, rope};
 use codegen::KernelPlan;
 use codegen::gpu::forward::{ROWS, key_tile, lower};
+use codegen::gpu::forward_tc;
 use codegen::gpu::interp::{Memory, Val, run};
 use codegen::plan::{CallShape, Frequencies};
 
@@ -21,22 +22,78 @@ fn values(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
+/// bf16 rounding (to nearest even).
+fn bf16(x: f32) -> f32 {
+    let bits = x.to_bits();
+    f32::from_bits((bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff_0000)
+}
+
 /// Runs the kernel of `text` on the interpreter and checks it against the reference.
 fn check(text: &str, batch: usize, sq: usize, skv: usize, p0: i64) {
     let spec: AttentionSpec = text.parse().unwrap();
     let plan = KernelPlan::forward(&spec);
-    let kernel = lower(&plan);
+    check_kernel(
+        text,
+        &lower(&plan),
+        key_tile(&plan) as usize,
+        (1e-5, 1e-4),
+        batch,
+        sq,
+        skv,
+        p0,
+    );
+}
+
+/// The same through the tensor-core kernel (a bf16 spec: inputs are bf16 values; P is rounded
+/// to bf16 before `P V`, as FlashAttention-2 does, hence the wider tolerance).
+fn check_tc(text: &str, batch: usize, sq: usize, skv: usize, p0: i64) {
+    let spec: AttentionSpec = text.parse().unwrap();
+    let plan = KernelPlan::forward(&spec);
+    assert!(forward_tc::supports(&plan), "{text}");
+    let kernel = forward_tc::lower(&plan);
+    check_kernel(
+        text,
+        &kernel,
+        forward_tc::key_tile(&plan) as usize,
+        (1e-2, 2e-2),
+        batch,
+        sq,
+        skv,
+        p0,
+    );
+}
+
+#[allow(clippy::too_many_arguments)]
+fn check_kernel(
+    text: &str,
+    kernel: &codegen::gpu::ir::Kernel,
+    bc: usize,
+    (abs, rel): (f64, f64),
+    batch: usize,
+    sq: usize,
+    skv: usize,
+    p0: i64,
+) {
+    let spec: AttentionSpec = text.parse().unwrap();
+    let plan = KernelPlan::forward(&spec);
     let (h, hkv) = (spec.heads as usize, spec.kv_heads() as usize);
     let (d, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
-    let q = values(batch * h * sq * d, 1);
-    let k = values(batch * hkv * skv * d, 2);
-    let v = values(batch * hkv * skv * dv, 3);
+    let round = |v: Vec<f32>| -> Vec<f32> {
+        if spec.dtype == attn_dsl::DType::Bf16 {
+            v.into_iter().map(bf16).collect()
+        } else {
+            v
+        }
+    };
+    let q = round(values(batch * h * sq * d, 1));
+    let k = round(values(batch * hkv * skv * d, 2));
+    let v = round(values(batch * hkv * skv * dv, 3));
     let mut mem = Memory::default();
     let (qa, ka, va) = (mem.alloc_f32(&q), mem.alloc_f32(&k), mem.alloc_f32(&v));
     let out = mem.alloc_f32(&vec![f32::NAN; batch * h * sq * dv]);
     let lse = mem.alloc_f32(&vec![f32::NAN; batch * h * sq]);
     // One code per (head, query block, key tile).
-    let (rows, bc) = (ROWS as usize, key_tile(&plan) as usize);
+    let rows = ROWS as usize;
     let (qblocks, tiles) = (sq.div_ceil(rows), skv.div_ceil(bc));
     let mut codes = Vec::new();
     for head in 0..h {
@@ -89,7 +146,7 @@ fn check(text: &str, batch: usize, sq: usize, skv: usize, p0: i64) {
     .map(Val::I64)
     .collect();
     run(
-        &kernel,
+        kernel,
         [qblocks as u32, h as u32, batch as u32],
         &args,
         &mut mem,
@@ -118,7 +175,7 @@ fn check(text: &str, batch: usize, sq: usize, skv: usize, p0: i64) {
     {
         let g = f64::from(*g);
         assert!(
-            (g - w).abs() <= 1e-5 + 1e-4 * w.abs(),
+            (g - w).abs() <= abs + rel * w.abs(),
             "{what} out[{i}]: {g} vs {w}"
         );
     }
@@ -134,7 +191,7 @@ fn check(text: &str, batch: usize, sq: usize, skv: usize, p0: i64) {
             assert_eq!(g, *w, "{what} lse[{i}]");
         } else {
             assert!(
-                (g - w).abs() <= 1e-4 + 1e-5 * w.abs(),
+                (g - w).abs() <= abs.max(1e-4) + 1e-5 * w.abs(),
                 "{what} lse[{i}]: {g} vs {w}"
             );
         }
@@ -238,5 +295,51 @@ fn gpu_ir_snapshots() {
     ] {
         let spec: AttentionSpec = text.parse().unwrap();
         insta::assert_snapshot!(name, lower(&KernelPlan::forward(&spec)).to_string());
+    }
+}
+
+#[test]
+fn the_tensor_core_kernel_matches_the_reference() {
+    for (text, b, sq, skv, p0) in [
+        ("heads = 2, head_dim = 16, dtype = bf16", 1, 7, 40, 0),
+        (
+            "heads = 4, kv_heads = 2, head_dim = 32, mask = causal, dtype = bf16",
+            1,
+            70,
+            70,
+            0,
+        ),
+        (
+            "heads = 2, head_dim = 16, v_head_dim = 8, mask = sliding_window(11), position = alibi, \
+             softcap = 5.0, dtype = bf16",
+            2,
+            20,
+            45,
+            3,
+        ),
+        (
+            "heads = 2, head_dim = 32, mask = causal, position = rope(base = 500.0), dtype = bf16",
+            1,
+            20,
+            50,
+            7,
+        ),
+        (
+            "heads = 2, head_dim = 16, position = rope(layout = interleaved), mask_mod = \
+             |b, h, q, k| (q / 4) == (k / 4) || k == 0, dtype = bf16",
+            1,
+            12,
+            12,
+            0,
+        ),
+        (
+            "heads = 2, head_dim = 16, mask = causal, dtype = bf16",
+            1,
+            5,
+            3,
+            0,
+        ),
+    ] {
+        check_tc(text, b, sq, skv, p0);
     }
 }

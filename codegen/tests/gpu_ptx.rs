@@ -88,3 +88,37 @@ fn forward_kernels_compile_to_ptx_for_sm80_and_sm90() {
         }
     }
 }
+
+#[test]
+fn tensor_core_kernels_compile_and_report_their_resources() {
+    use codegen::gpu::forward_tc;
+    let Some(ptxas) = ptxas() else { return };
+    let dir = std::env::temp_dir().join(format!("attn-ptx-tc-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for d in [64, 128] {
+        let text = format!("heads = 16, head_dim = {d}, mask = causal, dtype = bf16");
+        let spec: attn_dsl::AttentionSpec = text.parse().unwrap();
+        let kernel = forward_tc::lower(&KernelPlan::forward(&spec));
+        for arch in [Arch::Sm80, Arch::Sm90] {
+            let out = emit(&kernel, arch).unwrap();
+            assert!(
+                out.ptx
+                    .contains("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32")
+            );
+            let file = dir.join(format!("tc_d{d}_{}.ptx", arch.name()));
+            std::fs::write(&file, &out.ptx).unwrap();
+            let run = std::process::Command::new(&ptxas)
+                .args(["-arch", arch.name(), "-v", "-o", "/dev/null"])
+                .arg(&file)
+                .output()
+                .unwrap();
+            let report = String::from_utf8_lossy(&run.stderr);
+            assert!(run.status.success(), "{text} {arch:?}:\n{report}");
+            let (regs, spills, smem) = resources(&report);
+            eprintln!(
+                "tensor cores, D {d}, {}: {regs} registers, {spills} bytes spilled, {smem} bytes smem",
+                arch.name()
+            );
+        }
+    }
+}

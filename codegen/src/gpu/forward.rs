@@ -46,18 +46,18 @@ pub const PARAMS: [&str; 12] = [
 ];
 
 /// Register allocation for the kernel being built.
-struct Regs {
-    list: Vec<(String, Ty)>,
+pub(super) struct Regs {
+    pub list: Vec<(String, Ty)>,
 }
 
 impl Regs {
-    fn add(&mut self, name: impl Into<String>, ty: Ty) -> Reg {
+    pub fn add(&mut self, name: impl Into<String>, ty: Ty) -> Reg {
         self.list.push((name.into(), ty));
         Reg(self.list.len() as u32 - 1)
     }
 }
 
-fn param(name: &str) -> Expr {
+pub(super) fn param(name: &str) -> Expr {
     let i = PARAMS
         .iter()
         .position(|p| *p == name)
@@ -65,7 +65,7 @@ fn param(name: &str) -> Expr {
     Expr::Param(i as u32)
 }
 
-fn special64(s: Special) -> Expr {
+pub(super) fn special64(s: Special) -> Expr {
     cast(Expr::Special(s), Ty::I64)
 }
 
@@ -416,20 +416,20 @@ fn rotate(r: &mut Regs, rope: &RopePrologue, row: &[Reg], pos: Expr) -> Vec<Stmt
 }
 
 /// The values of the score program's variables for one (row, key).
-struct Env {
-    score: Expr,
-    batch: Expr,
-    head: Expr,
-    query: Expr,
-    key: Expr,
-    query_index: Expr,
-    key_index: Expr,
+pub(super) struct Env {
+    pub score: Expr,
+    pub batch: Expr,
+    pub head: Expr,
+    pub query: Expr,
+    pub key: Expr,
+    pub query_index: Expr,
+    pub key_index: Expr,
 }
 
 /// A modifier-IR expression as GPU IR, with the reference evaluator's semantics: wrapping i64,
 /// integer division and remainder by zero give 0, tables clamp their index; `exp`, `ln` and
 /// `tanh` through `ex2` and `lg2`.
-fn program(e: &M, env: &Env) -> Expr {
+pub(super) fn program(e: &M, env: &Env) -> Expr {
     let go = |e: &M| program(e, env);
     match e {
         M::Var(v) => match v {

@@ -1,11 +1,13 @@
 //! The GPU backend's front half, verified without a GPU: kernel plans lowered to a GPU kernel
 //! IR ([`ir`], printable), and an interpreter ([`interp`]) that runs that IR on the CPU with
-//! the semantics of the PTX it maps to. [`forward`] is the SIMT f32 forward kernel.
+//! the semantics of the PTX it maps to. [`forward`] is the SIMT f32 forward kernel, [`forward_tc`]
+//! the tensor-core (mma.sync, bf16) one.
 //!
-//! Still to come (issue 7): tensor-core fragments (`mma.sync`, `ldmatrix`) in the IR and the
-//! interpreter, the LLVM NVPTX lowering, decode kernels, ptxas checks and the CUDA runtime.
+//! With the `cuda` feature, [`llvm`] translates the IR to LLVM IR and PTX. Still to come (issue
+//! 7): `ldmatrix` and `cp.async` staging, decode kernels on the GPU.
 
 pub mod forward;
+pub mod forward_tc;
 pub mod interp;
 pub mod ir;
 #[cfg(feature = "cuda")]

@@ -1,0 +1,487 @@
+//! A forward plan lowered to GPU IR on tensor cores (bf16 specs): FlashAttention-2's dataflow.
+//!
+//! A CTA of four warps handles 64 query rows of one (batch, head); each warp owns 16 rows, and
+//! each lane the rows `g` and `g + 8` of them (`g = lane / 4`) as `mma.sync` fragments. Q is
+//! held in A fragments (RoPE and the scale applied, rounded to bf16). Per key tile the CTA stages
+//! K (rotated) and V in shared memory; `S = Q K^T` accumulates in f32 C fragments; the score
+//! program and mask apply per element; the row max and sum reduce over the lane quad with
+//! shuffles; `P = 2^(S - m)` is repacked from C fragments straight into A fragments (their
+//! layouts line up), and `O += P V` accumulates in registers. Tile codes skip or unmask tiles.
+//! Still to come: `ldmatrix` and `cp.async` staging, double buffering.
+
+use super::forward::{Env, PARAMS, ROWS, Regs, param, program, special64};
+use super::ir::build::*;
+use super::ir::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty, Un};
+use crate::plan::{KernelPlan, PlanKind};
+use attn_dsl::modifier::Expr as M;
+use attn_dsl::{DType, RopeLayout};
+
+/// Threads per CTA: four warps of 16 query rows.
+pub const THREADS: u32 = 128;
+
+/// Keys per tile: K and V tiles (f32) within 32 KiB of shared memory.
+pub fn key_tile(plan: &KernelPlan) -> u32 {
+    if plan.shape.qk_dim + plan.shape.v_dim <= 256 {
+        32
+    } else {
+        16
+    }
+}
+
+/// Whether the plan can run on this kernel: bf16 storage, `qk_dim` a multiple of 16 and `v_dim`
+/// of 8 (the mma tile), per-head KV.
+pub fn supports(plan: &KernelPlan) -> bool {
+    plan.kind == PlanKind::Forward
+        && plan.dtype == DType::Bf16
+        && plan.mla.is_none()
+        && plan.shape.qk_dim.is_multiple_of(16)
+        && plan.shape.v_dim.is_multiple_of(8)
+}
+
+fn pack(lo: Expr, hi: Expr) -> Expr {
+    Expr::PackBf16(Box::new(lo), Box::new(hi))
+}
+
+fn shfl(e: Expr, mask: u32) -> Expr {
+    Expr::ShflXor(Box::new(e), mask)
+}
+
+/// Element `d` of a row at `row_addr` (f32 in global memory), rotated by RoPE at `pos` when the
+/// plan has it.
+fn element(plan: &KernelPlan, row_addr: &Expr, d: usize, pos: &Expr) -> Expr {
+    let at_d = |d: usize| {
+        load(
+            Space::Global,
+            Ty::F32,
+            add(row_addr.clone(), i64(4 * d as i64)),
+        )
+    };
+    let Some(rope) = &plan.rope else {
+        return at_d(d);
+    };
+    let (first, half) = (rope.first_dim as usize, (rope.rope.dim / 2) as usize);
+    if d < first || d >= first + 2 * half {
+        return at_d(d);
+    }
+    let i = d - first;
+    // The pair (a, b) this element belongs to, whether it is a, and its frequency index.
+    let (a, b, is_a, f) = match rope.rope.layout {
+        RopeLayout::Half if i < half => (d, d + half, true, i),
+        RopeLayout::Half => (d - half, d, false, i - half),
+        RopeLayout::Interleaved if i.is_multiple_of(2) => (d, d + 1, true, i / 2),
+        RopeLayout::Interleaved => (d - 1, d, false, i / 2),
+    };
+    let entry = add(
+        mul(sub(pos.clone(), param("rope_pos0")), i64(4 * half as i64)),
+        i64(4 * f as i64),
+    );
+    let c = load(
+        Space::Global,
+        Ty::F32,
+        add(param("rope_cos"), entry.clone()),
+    );
+    let s = load(Space::Global, Ty::F32, add(param("rope_sin"), entry));
+    if is_a {
+        sub(mul(at_d(a), c), mul(at_d(b), s))
+    } else {
+        add(mul(at_d(b), c), mul(at_d(a), s))
+    }
+}
+
+/// Lowers the tensor-core forward kernel. The plan must be [`supports`]ed.
+pub fn lower(plan: &KernelPlan) -> Kernel {
+    assert!(
+        supports(plan),
+        "the tensor-core kernel runs bf16 per-head forward plans"
+    );
+    let (d, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
+    let (hq, hkv) = (plan.shape.heads as i64, plan.shape.kv_heads as i64);
+    let bc = key_tile(plan) as usize;
+    let mut r = Regs { list: Vec::new() };
+    let mut body = Vec::new();
+    let tid = special64(Special::Tid);
+
+    // Where this lane is: warp, group g, thread-in-group q; its two rows.
+    let (g, q, batch, head, kvh) = (
+        r.add("g", Ty::I64),
+        r.add("q", Ty::I64),
+        r.add("batch", Ty::I64),
+        r.add("head", Ty::I64),
+        r.add("kv_head", Ty::I64),
+    );
+    let lane = cast(Expr::Special(Special::Lane), Ty::I64);
+    body.extend([
+        Stmt::Set(g, bin(Bin::Div, lane.clone(), i64(4))),
+        Stmt::Set(q, bin(Bin::Rem, lane, i64(4))),
+        Stmt::Set(batch, special64(Special::Ctaid(2))),
+        Stmt::Set(head, special64(Special::Ctaid(1))),
+        Stmt::Set(kvh, bin(Bin::Div, reg(head), i64(hq / hkv))),
+    ]);
+    let rows: [Reg; 2] = [r.add("row0", Ty::I64), r.add("row1", Ty::I64)];
+    let clamped: [Reg; 2] = [r.add("q_row0", Ty::I64), r.add("q_row1", Ty::I64)];
+    let qpos: [Reg; 2] = [r.add("q_pos0", Ty::I64), r.add("q_pos1", Ty::I64)];
+    let warp_row = add(
+        mul(special64(Special::Ctaid(0)), i64(i64::from(ROWS))),
+        mul(bin(Bin::Div, tid.clone(), i64(32)), i64(16)),
+    );
+    for h in 0..2 {
+        body.push(Stmt::Set(
+            rows[h],
+            add(add(warp_row.clone(), reg(g)), i64(8 * h as i64)),
+        ));
+        body.push(Stmt::Set(
+            clamped[h],
+            bin(Bin::Min, reg(rows[h]), sub(param("sq"), i64(1))),
+        ));
+        body.push(Stmt::Set(
+            qpos[h],
+            add(
+                add(param("p0"), sub(param("skv"), param("sq"))),
+                reg(clamped[h]),
+            ),
+        ));
+    }
+
+    // Q as A fragments: a[ks][i], rows g (i even) and g + 8 (i odd), columns 16 ks + 2 q (+8
+    // for i >= 2), rotated and rounded to bf16 (the scale applies to S in f32).
+    let q_addr = |h: usize| {
+        add(
+            param("q"),
+            mul(
+                add(
+                    mul(add(mul(reg(batch), i64(hq)), reg(head)), param("sq")),
+                    reg(clamped[h]),
+                ),
+                i64(4 * d as i64),
+            ),
+        )
+    };
+    let scale = plan.q_scale as f32;
+    let mut a_frags: Vec<[Reg; 4]> = Vec::new();
+    for ks in 0..d / 16 {
+        let regs = [0, 1, 2, 3].map(|i| r.add(format!("qa{ks}_{i}"), Ty::I32));
+        // Each lane's columns depend on q (0..4): select among the four candidates.
+        for (i, &ai) in regs.iter().enumerate() {
+            let h = i % 2;
+            let base_col = 16 * ks + 8 * (i / 2);
+            let mut value = Expr::Int(0, Ty::I32);
+            for qq in (0..4).rev() {
+                let col = base_col + 2 * qq;
+                let lo = element(plan, &q_addr(h), col, &reg(qpos[h]));
+                let hi = element(plan, &q_addr(h), col + 1, &reg(qpos[h]));
+                value = select(bin(Bin::Eq, reg(q), i64(qq as i64)), pack(lo, hi), value);
+            }
+            body.push(Stmt::Set(ai, value));
+        }
+        a_frags.push(regs);
+    }
+
+    // Running state: per row max and (per-lane partial) sum; O accumulators o[vb][i].
+    let m = [r.add("m0", Ty::F32), r.add("m1", Ty::F32)];
+    let l = [r.add("l0", Ty::F32), r.add("l1", Ty::F32)];
+    for h in 0..2 {
+        body.push(Stmt::Set(m[h], f32(f32::NEG_INFINITY)));
+        body.push(Stmt::Set(l[h], f32(0.0)));
+    }
+    let o: Vec<[Reg; 4]> = (0..dv / 8)
+        .map(|vb| [0, 1, 2, 3].map(|i| r.add(format!("o{vb}_{i}"), Ty::F32)))
+        .collect();
+    for frag in &o {
+        for &x in frag {
+            body.push(Stmt::Set(x, f32(0.0)));
+        }
+    }
+
+    // Shared memory: K tile [bc][d] and V tile [bc][dv], f32.
+    let (k_sh, v_sh) = (0, bc * d * 4);
+    let shared_bytes = v_sh + bc * dv * 4;
+    let (t, code) = (r.add("tile", Ty::I64), r.add("code", Ty::I32));
+    let bc64 = bc as i64;
+    let n_tiles = bin(Bin::Div, add(param("skv"), i64(bc64 - 1)), i64(bc64));
+    let rows64 = i64::from(ROWS);
+    let n_qblocks = bin(Bin::Div, add(param("sq"), i64(rows64 - 1)), i64(rows64));
+    let code_index = add(
+        mul(
+            add(mul(reg(head), n_qblocks), special64(Special::Ctaid(0))),
+            n_tiles.clone(),
+        ),
+        reg(t),
+    );
+    let mut tile_body = vec![Stmt::Set(
+        code,
+        load(Space::Global, Ty::I32, at(param("codes"), code_index, 4)),
+    )];
+    let mut run = Vec::new();
+
+    // Stage: thread j < bc loads key t bc + j (rotated) and its value row; zeros past Skv.
+    let (key_l, kv_row) = (r.add("load_key", Ty::I64), r.add("load_row", Ty::I64));
+    let mut stage = vec![
+        Stmt::Set(key_l, add(mul(reg(t), i64(bc64)), tid.clone())),
+        Stmt::Set(
+            kv_row,
+            add(
+                mul(add(mul(reg(batch), i64(hkv)), reg(kvh)), param("skv")),
+                bin(Bin::Min, reg(key_l), sub(param("skv"), i64(1))),
+            ),
+        ),
+    ];
+    let inside = bin(Bin::Lt, reg(key_l), param("skv"));
+    let k_row = add(param("k"), mul(reg(kv_row), i64(4 * d as i64)));
+    let k_pos = add(
+        param("p0"),
+        bin(Bin::Min, reg(key_l), sub(param("skv"), i64(1))),
+    );
+    for dd in 0..d {
+        let v = select(inside.clone(), element(plan, &k_row, dd, &k_pos), f32(0.0));
+        let dst = add(
+            mul(tid.clone(), i64(4 * d as i64)),
+            i64((k_sh + 4 * dd) as i64),
+        );
+        stage.push(Stmt::Store(Space::Shared, dst, v));
+    }
+    for dd in 0..dv {
+        let src = add(
+            param("v"),
+            add(mul(reg(kv_row), i64(4 * dv as i64)), i64(4 * dd as i64)),
+        );
+        let v = select(inside.clone(), load(Space::Global, Ty::F32, src), f32(0.0));
+        let dst = add(
+            mul(tid.clone(), i64(4 * dv as i64)),
+            i64((v_sh + 4 * dd) as i64),
+        );
+        stage.push(Stmt::Store(Space::Shared, dst, v));
+    }
+    run.push(Stmt::If(
+        bin(Bin::Lt, tid.clone(), i64(bc64)),
+        stage,
+        vec![],
+    ));
+    run.push(Stmt::Barrier);
+
+    let ksh = |key: Expr, col: Expr| {
+        load(
+            Space::Shared,
+            Ty::F32,
+            add(
+                mul(add(mul(key, i64(d as i64)), col), i64(4)),
+                i64(k_sh as i64),
+            ),
+        )
+    };
+    let vsh = |key: Expr, col: Expr| {
+        load(
+            Space::Shared,
+            Ty::F32,
+            add(
+                mul(add(mul(key, i64(dv as i64)), col), i64(4)),
+                i64(v_sh as i64),
+            ),
+        )
+    };
+
+    // S = Q K^T: s[nb][i] for keys nb*8 + 2q + (i % 2), rows g + 8 (i / 2).
+    let s: Vec<[Reg; 4]> = (0..bc / 8)
+        .map(|nb| [0, 1, 2, 3].map(|i| r.add(format!("s{nb}_{i}"), Ty::F32)))
+        .collect();
+    let b = [r.add("b0", Ty::I32), r.add("b1", Ty::I32)];
+    for (nb, frag) in s.iter().enumerate() {
+        for &x in frag {
+            run.push(Stmt::Set(x, f32(0.0)));
+        }
+        let key = add(i64(8 * nb as i64), reg(g));
+        for (ks, a) in a_frags.iter().enumerate() {
+            for (i, &bi) in b.iter().enumerate() {
+                let col = add(mul(reg(q), i64(2)), i64((16 * ks + 8 * i) as i64));
+                let lo = ksh(key.clone(), col.clone());
+                let hi = ksh(key.clone(), add(col, i64(1)));
+                run.push(Stmt::Set(bi, pack(lo, hi)));
+            }
+            run.push(Stmt::Mma {
+                d: *frag,
+                a: *a,
+                b,
+                c: *frag,
+            });
+        }
+    }
+
+    // The score program and the mask, per element.
+    let keep_mask = !matches!(plan.program.mask, M::Bool(true));
+    for (nb, frag) in s.iter().enumerate() {
+        for (i, &x) in frag.iter().enumerate() {
+            let h = i / 2;
+            let key = add(
+                mul(reg(t), i64(bc64)),
+                add(mul(reg(q), i64(2)), i64((8 * nb + i % 2) as i64)),
+            );
+            let env = Env {
+                score: mul(reg(x), f32(scale)),
+                batch: reg(batch),
+                head: reg(head),
+                query: reg(qpos[h]),
+                key: add(param("p0"), key.clone()),
+                query_index: reg(clamped[h]),
+                key_index: key.clone(),
+            };
+            let mut keep = bin(Bin::Lt, key, param("skv"));
+            if keep_mask {
+                let masked_tile = bin(Bin::Eq, reg(code), Expr::Int(2, Ty::I32));
+                keep = bin(
+                    Bin::And,
+                    keep,
+                    bin(
+                        Bin::Or,
+                        un(Un::Not, masked_tile),
+                        program(&plan.program.mask, &env),
+                    ),
+                );
+            }
+            run.push(Stmt::Set(
+                x,
+                select(
+                    keep,
+                    program(&plan.program.score, &env),
+                    f32(f32::NEG_INFINITY),
+                ),
+            ));
+        }
+    }
+
+    // Row max over the tile (this lane's elements, then its quad), the rescale, P.
+    let mt = [r.add("tile_max0", Ty::F32), r.add("tile_max1", Ty::F32)];
+    let m_use = [r.add("m_use0", Ty::F32), r.add("m_use1", Ty::F32)];
+    let alpha = [r.add("alpha0", Ty::F32), r.add("alpha1", Ty::F32)];
+    for h in 0..2 {
+        run.push(Stmt::Set(mt[h], f32(f32::NEG_INFINITY)));
+        for frag in &s {
+            for x in [frag[2 * h], frag[2 * h + 1]] {
+                run.push(Stmt::Set(mt[h], bin(Bin::Max, reg(mt[h]), reg(x))));
+            }
+        }
+        for lane_mask in [1, 2] {
+            run.push(Stmt::Set(
+                mt[h],
+                bin(Bin::Max, reg(mt[h]), shfl(reg(mt[h]), lane_mask)),
+            ));
+        }
+        let m_new = bin(Bin::Max, reg(m[h]), reg(mt[h]));
+        run.push(Stmt::Set(
+            m_use[h],
+            select(
+                bin(Bin::Eq, m_new.clone(), f32(f32::NEG_INFINITY)),
+                f32(0.0),
+                m_new.clone(),
+            ),
+        ));
+        run.push(Stmt::Set(
+            alpha[h],
+            un(Un::Ex2, sub(reg(m[h]), reg(m_use[h]))),
+        ));
+        run.push(Stmt::Set(m[h], m_new));
+        run.push(Stmt::Set(l[h], mul(reg(l[h]), reg(alpha[h]))));
+        for frag in &o {
+            for x in [frag[2 * h], frag[2 * h + 1]] {
+                run.push(Stmt::Set(x, mul(reg(x), reg(alpha[h]))));
+            }
+        }
+        for frag in &s {
+            for x in [frag[2 * h], frag[2 * h + 1]] {
+                run.push(Stmt::Set(x, un(Un::Ex2, sub(reg(x), reg(m_use[h])))));
+                run.push(Stmt::Set(l[h], add(reg(l[h]), reg(x))));
+            }
+        }
+    }
+
+    // O += P V: P's C fragments of key blocks 2ks and 2ks + 1 are the A fragment of step ks.
+    let pa = [0, 1, 2, 3].map(|i| r.add(format!("pa{i}"), Ty::I32));
+    for ks in 0..bc / 16 {
+        let (s0, s1) = (s[2 * ks], s[2 * ks + 1]);
+        run.push(Stmt::Set(pa[0], pack(reg(s0[0]), reg(s0[1]))));
+        run.push(Stmt::Set(pa[1], pack(reg(s0[2]), reg(s0[3]))));
+        run.push(Stmt::Set(pa[2], pack(reg(s1[0]), reg(s1[1]))));
+        run.push(Stmt::Set(pa[3], pack(reg(s1[2]), reg(s1[3]))));
+        for (vb, frag) in o.iter().enumerate() {
+            let col = add(i64(8 * vb as i64), reg(g));
+            for (i, &bi) in b.iter().enumerate() {
+                let key = add(mul(reg(q), i64(2)), i64((16 * ks + 8 * i) as i64));
+                let lo = vsh(key.clone(), col.clone());
+                let hi = vsh(add(key, i64(1)), col.clone());
+                run.push(Stmt::Set(bi, pack(lo, hi)));
+            }
+            run.push(Stmt::Mma {
+                d: *frag,
+                a: pa,
+                b,
+                c: *frag,
+            });
+        }
+    }
+    run.push(Stmt::Barrier);
+    tile_body.push(Stmt::If(
+        bin(Bin::Ne, reg(code), Expr::Int(0, Ty::I32)),
+        run,
+        vec![],
+    ));
+    body.push(Stmt::For {
+        reg: t,
+        start: i64(0),
+        end: n_tiles,
+        step: 1,
+        body: tile_body,
+    });
+
+    // Epilogue: the quad's sums; out = O / l; lse from lane q == 0.
+    for h in 0..2 {
+        for lane_mask in [1, 2] {
+            body.push(Stmt::Set(l[h], add(reg(l[h]), shfl(reg(l[h]), lane_mask))));
+        }
+        let out_row = add(
+            mul(add(mul(reg(batch), i64(hq)), reg(head)), param("sq")),
+            reg(rows[h]),
+        );
+        let nonempty = bin(Bin::Gt, reg(l[h]), f32(0.0));
+        let mut store = Vec::new();
+        for (vb, frag) in o.iter().enumerate() {
+            for j in 0..2 {
+                let col = add(mul(reg(q), i64(2)), i64((8 * vb + j) as i64));
+                let addr = add(
+                    param("out"),
+                    mul(add(mul(out_row.clone(), i64(dv as i64)), col), i64(4)),
+                );
+                let value = select(
+                    nonempty.clone(),
+                    bin(Bin::Div, reg(frag[2 * h + j]), reg(l[h])),
+                    f32(0.0),
+                );
+                store.push(Stmt::Store(Space::Global, addr, value));
+            }
+        }
+        let lse = mul(
+            add(reg(m[h]), un(Un::Lg2, reg(l[h]))),
+            f32(std::f32::consts::LN_2),
+        );
+        store.push(Stmt::If(
+            bin(Bin::Eq, reg(q), i64(0)),
+            vec![Stmt::Store(
+                Space::Global,
+                at(param("lse"), out_row, 4),
+                select(nonempty, lse, f32(f32::NEG_INFINITY)),
+            )],
+            vec![],
+        ));
+        body.push(Stmt::If(
+            bin(Bin::Lt, reg(rows[h]), param("sq")),
+            store,
+            vec![],
+        ));
+    }
+
+    Kernel {
+        name: "attention_forward_tc".into(),
+        params: PARAMS.iter().map(|p| (p.to_string(), Ty::I64)).collect(),
+        regs: r.list,
+        shared_bytes: shared_bytes as u32,
+        threads: THREADS,
+        body,
+    }
+}
