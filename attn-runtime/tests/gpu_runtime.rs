@@ -1,5 +1,6 @@
 //! The GPU runtime path without a GPU: calls prepared by `gpu::GpuCall` (tile codes, RoPE
-//! tables, layouts) and run on the GPU IR interpreter, against the reference. With the `cuda`
+//! tables, layouts; the tensor-core kernel for bf16 specs) and run on the GPU IR interpreter,
+//! against the reference. With the `cuda`
 //! feature, the device backend either reports that there is no driver or, on a machine with a
 //! GPU, computes the same results.
 
@@ -112,6 +113,14 @@ fn cases() -> Vec<Case> {
             0,
         ),
         case("heads = 2, head_dim = 8", 1, 0, 5, 0),
+        // Tensor cores (bf16, head dims multiples of 16).
+        case(
+            "heads = 4, kv_heads = 2, head_dim = 32, mask = causal, position = alibi, dtype = bf16",
+            2,
+            40,
+            70,
+            0,
+        ),
     ]
 }
 

@@ -13,7 +13,8 @@ use crate::tensor::Tensor;
 use attn_dsl::AttentionSpec;
 use attn_dsl::modifier::interval::{Interval, TileClass};
 use codegen::KernelPlan;
-use codegen::gpu::forward::{ROWS, key_tile, lower};
+use codegen::gpu::forward::{self, ROWS};
+use codegen::gpu::forward_tc;
 use codegen::gpu::interp::{Memory, Val, run};
 use codegen::gpu::ir::Kernel;
 use codegen::plan::CallShape;
@@ -77,7 +78,13 @@ impl GpuCall {
         for (name, t) in [("q", q), ("k", k), ("v", v)] {
             check_dtype(name, t, spec.dtype)?;
         }
-        let (rows, bc) = (ROWS as usize, key_tile(&plan) as usize);
+        // bf16 specs run on tensor cores; the rest on the SIMT f32 kernel.
+        let (kernel, bc) = if forward_tc::supports(&plan) {
+            (forward_tc::lower(&plan), forward_tc::key_tile(&plan))
+        } else {
+            (forward::lower(&plan), forward::key_tile(&plan))
+        };
+        let (rows, bc) = (ROWS as usize, bc as usize);
         let (qblocks, tiles) = (sq.div_ceil(rows), skv.div_ceil(bc));
         let mut codes = Vec::with_capacity(h * qblocks * tiles);
         for head in 0..h {
@@ -111,7 +118,7 @@ impl GpuCall {
             None => (Vec::new(), Vec::new()),
         };
         Ok(GpuCall {
-            kernel: lower(&plan),
+            kernel,
             grid: [qblocks as u32, h as u32, b as u32],
             q: q.to_f32_vec(),
             k: k.to_f32_vec(),

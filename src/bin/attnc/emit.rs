@@ -1,8 +1,9 @@
-//! `attnc emit`: the GPU forward kernel of a spec as GPU IR, LLVM IR or PTX.
+//! `attnc emit`: the GPU forward kernel of a spec (tensor cores for bf16 specs, SIMT f32
+//! otherwise) as GPU IR, LLVM IR or PTX.
 
 use attn::AttentionSpec;
 use attn::codegen::KernelPlan;
-use attn::codegen::gpu::forward::lower;
+use attn::codegen::gpu::{forward, forward_tc};
 
 /// What to write.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -28,7 +29,13 @@ pub enum Target {
 
 /// The text of the spec's forward kernel in the requested form.
 pub fn emit(spec: &AttentionSpec, target: Target, what: Emit) -> Result<String, String> {
-    let kernel = lower(&KernelPlan::forward(spec));
+    let plan = KernelPlan::forward(spec);
+    // bf16 specs get the tensor-core kernel, the rest the SIMT f32 one.
+    let kernel = if forward_tc::supports(&plan) {
+        forward_tc::lower(&plan)
+    } else {
+        forward::lower(&plan)
+    };
     match what {
         Emit::GpuIr => Ok(kernel.to_string()),
         Emit::LlvmIr | Emit::Ptx => compile(&kernel, target, what),
