@@ -47,14 +47,14 @@ fn shfl(e: Expr, mask: u32) -> Expr {
 }
 
 /// Element `d` of a row at `row_addr` (f32 in global memory), rotated by RoPE at `pos` when the
-/// plan has it.
-fn element(plan: &KernelPlan, row_addr: &Expr, d: usize, pos: &Expr) -> Expr {
+/// plan has it. With `shift`, the column is `d + 2 shift` (a lane's offset in its fragment); the
+/// RoPE pairing is decided on `d`, which the caller guarantees is the same for every shift
+/// ([`lane_aligned`]).
+fn element(plan: &KernelPlan, row_addr: &Expr, d: usize, pos: &Expr, shift: Option<&Expr>) -> Expr {
+    let lane = |bytes_per_step: i64| shift.map_or(i64(0), |q| mul(q.clone(), i64(bytes_per_step)));
     let at_d = |d: usize| {
-        load(
-            Space::Global,
-            Ty::F32,
-            add(row_addr.clone(), i64(4 * d as i64)),
-        )
+        let addr = add(add(row_addr.clone(), i64(4 * d as i64)), lane(8));
+        load(Space::Global, Ty::F32, addr)
     };
     let Some(rope) = &plan.rope else {
         return at_d(d);
@@ -64,16 +64,20 @@ fn element(plan: &KernelPlan, row_addr: &Expr, d: usize, pos: &Expr) -> Expr {
         return at_d(d);
     }
     let i = d - first;
-    // The pair (a, b) this element belongs to, whether it is a, and its frequency index.
-    let (a, b, is_a, f) = match rope.rope.layout {
-        RopeLayout::Half if i < half => (d, d + half, true, i),
-        RopeLayout::Half => (d - half, d, false, i - half),
-        RopeLayout::Interleaved if i.is_multiple_of(2) => (d, d + 1, true, i / 2),
-        RopeLayout::Interleaved => (d - 1, d, false, i / 2),
+    // The pair (a, b) this element belongs to, whether it is a, its frequency index, and how
+    // far the index moves per step of `shift`.
+    let (a, b, is_a, f, f_step) = match rope.rope.layout {
+        RopeLayout::Half if i < half => (d, d + half, true, i, 2),
+        RopeLayout::Half => (d - half, d, false, i - half, 2),
+        RopeLayout::Interleaved if i.is_multiple_of(2) => (d, d + 1, true, i / 2, 1),
+        RopeLayout::Interleaved => (d - 1, d, false, i / 2, 1),
     };
     let entry = add(
-        mul(sub(pos.clone(), param("rope_pos0")), i64(4 * half as i64)),
-        i64(4 * f as i64),
+        add(
+            mul(sub(pos.clone(), param("rope_pos0")), i64(4 * half as i64)),
+            i64(4 * f as i64),
+        ),
+        lane(4 * f_step),
     );
     let c = load(
         Space::Global,
@@ -86,6 +90,15 @@ fn element(plan: &KernelPlan, row_addr: &Expr, d: usize, pos: &Expr) -> Expr {
     } else {
         add(mul(at_d(b), c), mul(at_d(a), s))
     }
+}
+
+/// Whether every lane's fragment columns (`8 j + 2 q`, `+1`) pair up under RoPE the same way as
+/// lane 0's, so a lane offset can be added to addresses instead of selecting per lane.
+fn lane_aligned(plan: &KernelPlan) -> bool {
+    plan.rope.as_ref().is_none_or(|r| {
+        r.first_dim.is_multiple_of(8)
+            && (r.rope.layout == RopeLayout::Interleaved || (r.rope.dim / 2).is_multiple_of(8))
+    })
 }
 
 /// Lowers the tensor-core forward kernel. The plan must be [`supports`]ed.
@@ -160,17 +173,25 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     let mut a_frags: Vec<[Reg; 4]> = Vec::new();
     for ks in 0..d / 16 {
         let regs = [0, 1, 2, 3].map(|i| r.add(format!("qa{ks}_{i}"), Ty::I32));
-        // Each lane's columns depend on q (0..4): select among the four candidates.
         for (i, &ai) in regs.iter().enumerate() {
             let h = i % 2;
             let base_col = 16 * ks + 8 * (i / 2);
-            let mut value = Expr::Int(0, Ty::I32);
-            for qq in (0..4).rev() {
-                let col = base_col + 2 * qq;
-                let lo = element(plan, &q_addr(h), col, &reg(qpos[h]));
-                let hi = element(plan, &q_addr(h), col + 1, &reg(qpos[h]));
-                value = select(bin(Bin::Eq, reg(q), i64(qq as i64)), pack(lo, hi), value);
-            }
+            let value = if lane_aligned(plan) {
+                // Columns base + 2q and the next: a lane offset on the addresses.
+                let lo = element(plan, &q_addr(h), base_col, &reg(qpos[h]), Some(&reg(q)));
+                let hi = element(plan, &q_addr(h), base_col + 1, &reg(qpos[h]), Some(&reg(q)));
+                pack(lo, hi)
+            } else {
+                // RoPE pairs straddle the lanes' columns: select among the four candidates.
+                let mut value = Expr::Int(0, Ty::I32);
+                for qq in (0..4).rev() {
+                    let col = base_col + 2 * qq;
+                    let lo = element(plan, &q_addr(h), col, &reg(qpos[h]), None);
+                    let hi = element(plan, &q_addr(h), col + 1, &reg(qpos[h]), None);
+                    value = select(bin(Bin::Eq, reg(q), i64(qq as i64)), pack(lo, hi), value);
+                }
+                value
+            };
             body.push(Stmt::Set(ai, value));
         }
         a_frags.push(regs);
@@ -232,7 +253,11 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         bin(Bin::Min, reg(key_l), sub(param("skv"), i64(1))),
     );
     for dd in 0..d {
-        let v = select(inside.clone(), element(plan, &k_row, dd, &k_pos), f32(0.0));
+        let v = select(
+            inside.clone(),
+            element(plan, &k_row, dd, &k_pos, None),
+            f32(0.0),
+        );
         let dst = add(
             mul(tid.clone(), i64(4 * d as i64)),
             i64((k_sh + 4 * dd) as i64),
@@ -258,25 +283,34 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     ));
     run.push(Stmt::Barrier);
 
-    let ksh = |key: Expr, col: Expr| {
-        load(
-            Space::Shared,
-            Ty::F32,
-            add(
-                mul(add(mul(key, i64(d as i64)), col), i64(4)),
-                i64(k_sh as i64),
+    // This lane's fragment addresses in shared memory are a per-lane base plus constants (so
+    // they cost one register each, not one per load): K at key g, column 2q; V at key 2q,
+    // column g.
+    let (k_base, v_base) = (r.add("k_base", Ty::I64), r.add("v_base", Ty::I64));
+    body.push(Stmt::Set(
+        k_base,
+        add(
+            mul(add(mul(reg(g), i64(d as i64)), mul(reg(q), i64(2))), i64(4)),
+            i64(k_sh as i64),
+        ),
+    ));
+    body.push(Stmt::Set(
+        v_base,
+        add(
+            mul(
+                add(mul(mul(reg(q), i64(2)), i64(dv as i64)), reg(g)),
+                i64(4),
             ),
-        )
+            i64(v_sh as i64),
+        ),
+    ));
+    let ksh = |key: usize, col: usize| {
+        let offset = 4 * (key * d + col) as i64;
+        load(Space::Shared, Ty::F32, add(reg(k_base), i64(offset)))
     };
-    let vsh = |key: Expr, col: Expr| {
-        load(
-            Space::Shared,
-            Ty::F32,
-            add(
-                mul(add(mul(key, i64(dv as i64)), col), i64(4)),
-                i64(v_sh as i64),
-            ),
-        )
+    let vsh = |key: usize, col: usize| {
+        let offset = 4 * (key * dv + col) as i64;
+        load(Space::Shared, Ty::F32, add(reg(v_base), i64(offset)))
     };
 
     // S = Q K^T: s[nb][i] for keys nb*8 + 2q + (i % 2), rows g + 8 (i / 2).
@@ -288,12 +322,12 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         for &x in frag {
             run.push(Stmt::Set(x, f32(0.0)));
         }
-        let key = add(i64(8 * nb as i64), reg(g));
         for (ks, a) in a_frags.iter().enumerate() {
             for (i, &bi) in b.iter().enumerate() {
-                let col = add(mul(reg(q), i64(2)), i64((16 * ks + 8 * i) as i64));
-                let lo = ksh(key.clone(), col.clone());
-                let hi = ksh(key.clone(), add(col, i64(1)));
+                // Key 8 nb + g, columns 16 ks + 8 i + 2q and the next.
+                let col = 16 * ks + 8 * i;
+                let lo = ksh(8 * nb, col);
+                let hi = ksh(8 * nb, col + 1);
                 run.push(Stmt::Set(bi, pack(lo, hi)));
             }
             run.push(Stmt::Mma {
@@ -401,11 +435,11 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         run.push(Stmt::Set(pa[2], pack(reg(s1[0]), reg(s1[1]))));
         run.push(Stmt::Set(pa[3], pack(reg(s1[2]), reg(s1[3]))));
         for (vb, frag) in o.iter().enumerate() {
-            let col = add(i64(8 * vb as i64), reg(g));
             for (i, &bi) in b.iter().enumerate() {
-                let key = add(mul(reg(q), i64(2)), i64((16 * ks + 8 * i) as i64));
-                let lo = vsh(key.clone(), col.clone());
-                let hi = vsh(add(key, i64(1)), col.clone());
+                // Keys 16 ks + 8 i + 2q and the next, column 8 vb + g.
+                let key = 16 * ks + 8 * i;
+                let lo = vsh(key, 8 * vb);
+                let hi = vsh(key + 1, 8 * vb);
                 run.push(Stmt::Set(bi, pack(lo, hi)));
             }
             run.push(Stmt::Mma {

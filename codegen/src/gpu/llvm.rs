@@ -115,6 +115,17 @@ fn lower<'ctx>(
         .collect();
     let function = module.add_function(&kernel.name, ctx.void_type().fn_type(&params, false), None);
     function.set_call_conventions(PTX_KERNEL);
+    // Launch bounds: the CTA size, and two CTAs per SM, so ptxas budgets registers for both.
+    for (key, value) in [("maxntidx", kernel.threads), ("minctasm", 2)] {
+        let node = ctx.metadata_node(&[
+            function.as_global_value().as_pointer_value().into(),
+            ctx.metadata_string(key).into(),
+            ctx.i32_type().const_int(u64::from(value), false).into(),
+        ]);
+        module
+            .add_global_metadata("nvvm.annotations", &node)
+            .map_err(err)?;
+    }
     let entry = ctx.append_basic_block(function, "entry");
     let b = ctx.create_builder();
     b.position_at_end(entry);
