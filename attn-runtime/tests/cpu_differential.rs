@@ -1,25 +1,15 @@
 //! The CPU backend against `attn_dsl::reference`: every variant, lengths that break tiling,
 //! head dims that are not powers of two, every dtype and every microkernel instruction set.
 
+mod common;
+
 use attn_dsl::AttentionSpec;
 use attn_dsl::reference::{self, Array, Inputs, MlaInputs};
 use attn_runtime::Tensor;
 use attn_runtime::cpu::microkernels::Isa;
 use attn_runtime::cpu::{CpuBackend, MlaTensors};
+use common::values;
 use proptest::prelude::*;
-
-/// Deterministic values in [-1, 1).
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
 
 /// A tensor of `spec`'s dtype, and the exact values it holds as a reference array.
 fn input(spec: &AttentionSpec, shape: &[usize], seed: u64, scale: f32) -> (Tensor, Array) {

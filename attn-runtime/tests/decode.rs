@@ -2,25 +2,15 @@
 //! ragged batches and chunked prefill, split-KV partitions, forks, step-by-step decoding against
 //! one prefill, memory against the accounting, and the decode fixture cases.
 
+mod common;
+
 use attn_dsl::AttentionSpec;
 use attn_dsl::reference::{self, Array, Inputs};
 use attn_runtime::Tensor;
 use attn_runtime::cache::{ContiguousCache, KvCache, PagedCache, SeqId};
 use attn_runtime::cpu::microkernels::Isa;
 use attn_runtime::cpu::{CpuBackend, DecodeOptions, MlaQueries};
-
-/// Deterministic values in [-1, 1).
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
+use common::values;
 
 /// A sequence's full K and V `[kv_heads, len, dim]`, rounded to the spec's dtype.
 struct History {

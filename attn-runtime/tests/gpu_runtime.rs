@@ -1,26 +1,16 @@
 //! The GPU runtime path without a GPU: calls prepared by `gpu::GpuCall` (tile codes, RoPE
 //! tables, layouts; the tensor-core kernel for bf16 specs) and run on the GPU IR interpreter,
-//! against the reference. With the `cuda`
-//! feature, the device backend either reports that there is no driver or, on a machine with a
-//! GPU, computes the same results.
+//! against the reference. With the `cuda` feature, the device backend either reports that there
+//! is no driver or, on a machine with a GPU, computes the same results.
+
+mod common;
 
 use attn_dsl::AttentionSpec;
 use attn_dsl::reference::{self, Array, Inputs};
 use attn_runtime::Tensor;
 use attn_runtime::cpu::Output;
 use attn_runtime::gpu::GpuCall;
-
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
+use common::values;
 
 struct Case {
     spec: AttentionSpec,

@@ -125,16 +125,8 @@ impl CpuBackend {
             ));
         }
         let kernel = self.kernel(spec)?;
-        let (h, hkv) = (spec.heads as usize, spec.kv_heads() as usize);
-        let (d, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
-        let [b, _, sq, _] = dims("q", q, "[B, heads, Sq, head_dim]")?;
-        expect("q", q, &[b, h, sq, d], "[B, heads, Sq, head_dim]")?;
-        let [_, _, skv, _] = dims("k", k, "[B, kv_heads, Skv, head_dim]")?;
-        expect("k", k, &[b, hkv, skv, d], "[B, kv_heads, Skv, head_dim]")?;
-        expect("v", v, &[b, hkv, skv, dv], "[B, kv_heads, Skv, v_head_dim]")?;
-        for (name, t) in [("q", q), ("k", k), ("v", v)] {
-            check_dtype(name, t, spec.dtype)?;
-        }
+        let (h, dv) = (spec.heads as usize, spec.v_head_dim as usize);
+        let [b, sq, skv] = check_qkv(spec, q, k, v)?;
         let call = Call {
             batch: b,
             sq,
@@ -377,6 +369,27 @@ pub(crate) fn check_dtype(name: &str, t: &Tensor, dtype: DType) -> Result<(), Ru
             expected: dtype.name().into(),
         })
     }
+}
+
+/// Checks per-head inputs against the spec: q `[B, heads, Sq, head_dim]`, k `[B, kv_heads, Skv,
+/// head_dim]`, v `[B, kv_heads, Skv, v_head_dim]`, all in the spec's dtype. Returns B, Sq, Skv.
+pub(crate) fn check_qkv(
+    spec: &AttentionSpec,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+) -> Result<[usize; 3], RuntimeError> {
+    let (h, hkv) = (spec.heads as usize, spec.kv_heads() as usize);
+    let (d, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
+    let [b, _, sq, _] = dims("q", q, "[B, heads, Sq, head_dim]")?;
+    expect("q", q, &[b, h, sq, d], "[B, heads, Sq, head_dim]")?;
+    let [_, _, skv, _] = dims("k", k, "[B, kv_heads, Skv, head_dim]")?;
+    expect("k", k, &[b, hkv, skv, d], "[B, kv_heads, Skv, head_dim]")?;
+    expect("v", v, &[b, hkv, skv, dv], "[B, kv_heads, Skv, v_head_dim]")?;
+    for (name, t) in [("q", q), ("k", k), ("v", v)] {
+        check_dtype(name, t, spec.dtype)?;
+    }
+    Ok([b, sq, skv])
 }
 
 pub(crate) fn finish(

@@ -7,7 +7,7 @@
 pub mod cuda;
 
 use crate::cpu::rope_table::RopeTables;
-use crate::cpu::{Output, check_dtype, dims, expect, finish};
+use crate::cpu::{Output, check_qkv, finish};
 use crate::error::RuntimeError;
 use crate::tensor::Tensor;
 use attn_dsl::AttentionSpec;
@@ -68,16 +68,9 @@ impl GpuCall {
             ));
         }
         let plan = KernelPlan::forward(spec);
-        let (h, hkv) = (spec.heads as usize, spec.kv_heads() as usize);
-        let (d, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
-        let [b, _, sq, _] = dims("q", q, "[B, heads, Sq, head_dim]")?;
-        expect("q", q, &[b, h, sq, d], "[B, heads, Sq, head_dim]")?;
-        let [_, _, skv, _] = dims("k", k, "[B, kv_heads, Skv, head_dim]")?;
-        expect("k", k, &[b, hkv, skv, d], "[B, kv_heads, Skv, head_dim]")?;
-        expect("v", v, &[b, hkv, skv, dv], "[B, kv_heads, Skv, v_head_dim]")?;
-        for (name, t) in [("q", q), ("k", k), ("v", v)] {
-            check_dtype(name, t, spec.dtype)?;
-        }
+        let h = spec.heads as usize;
+        let dv = spec.v_head_dim as usize;
+        let [b, sq, skv] = check_qkv(spec, q, k, v)?;
         // bf16 specs run on tensor cores; the rest on the SIMT f32 kernel.
         let (kernel, bc) = if forward_tc::supports(&plan) {
             (forward_tc::lower(&plan), forward_tc::key_tile(&plan))
