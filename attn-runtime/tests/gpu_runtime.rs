@@ -146,3 +146,74 @@ fn the_device_backend_runs_or_says_there_is_no_gpu() {
         }
     }
 }
+
+/// The GPU decode kernel (on the interpreter) reads paged caches through their segments and
+/// merges split-KV partitions: it must equal the CPU backend's decode (itself checked against
+/// the reference in decode.rs).
+#[test]
+fn gpu_decode_on_the_interpreter_equals_the_cpu_decode() {
+    use attn_runtime::cache::PagedCache;
+    use attn_runtime::cpu::{CpuBackend, DecodeOptions};
+    use attn_runtime::gpu::decode_emulated;
+    for text in [
+        "heads = 4, kv_heads = 2, head_dim = 16, mask = causal",
+        "heads = 2, head_dim = 8, mask = sliding_window(9), position = alibi, softcap = 4.0",
+        "heads = 2, kv_heads = 1, head_dim = 16, mask = causal, position = rope(base = 500.0)",
+        "heads = 2, head_dim = 8, mask_mod = |b, h, q, k| (k + b + h) % 3 != 0",
+    ] {
+        let spec: AttentionSpec = text.parse().unwrap();
+        let (hkv, d, dv) = (
+            spec.kv_heads() as usize,
+            spec.head_dim as usize,
+            spec.v_head_dim as usize,
+        );
+        let h = spec.heads as usize;
+        let mut cache = PagedCache::new(&spec, 7, 40).unwrap();
+        let lens = [45usize, 70];
+        let seqs: Vec<_> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &len)| {
+                let seq = cache.add_sequence();
+                let k =
+                    Tensor::from_f32(&[hkv, len, d], values(hkv * len * d, 10 + i as u64)).unwrap();
+                let v = Tensor::from_f32(&[hkv, len, dv], values(hkv * len * dv, 20 + i as u64))
+                    .unwrap();
+                cache.append(seq, &k, &v).unwrap();
+                seq
+            })
+            .collect();
+        for (n, parts) in [(1, None), (3, Some(3))] {
+            let q = Tensor::from_f32(&[2, h, n, d], values(2 * h * n * d, 5)).unwrap();
+            let options = DecodeOptions { partitions: parts };
+            let want = CpuBackend::new()
+                .decode(&spec, &q, &cache, &seqs, options)
+                .unwrap();
+            let got = decode_emulated(&spec, &q, &cache, &seqs, options).unwrap();
+            for (i, (g, w)) in got
+                .out
+                .to_f32_vec()
+                .iter()
+                .zip(want.out.to_f32_vec())
+                .enumerate()
+            {
+                assert!(
+                    (g - w).abs() <= 2e-5 + 1e-4 * w.abs(),
+                    "{text} n {n} out[{i}]: {g} vs {w}"
+                );
+            }
+            for (i, (g, w)) in got
+                .lse
+                .to_f32_vec()
+                .iter()
+                .zip(want.lse.to_f32_vec())
+                .enumerate()
+            {
+                assert!(
+                    (w.is_infinite() && *g == w) || (g - w).abs() <= 1e-4,
+                    "{text} lse[{i}]: {g} vs {w}"
+                );
+            }
+        }
+    }
+}

@@ -122,3 +122,38 @@ fn tensor_core_kernels_compile_and_report_their_resources() {
         }
     }
 }
+
+#[test]
+fn decode_kernels_compile_to_ptx() {
+    for text in [
+        "heads = 32, kv_heads = 8, head_dim = 128, mask = causal",
+        "heads = 8, head_dim = 64, mask = sliding_window(128), position = rope, softcap = 30.0",
+    ] {
+        let spec: attn_dsl::AttentionSpec = text.parse().unwrap();
+        let kernel = codegen::gpu::decode::lower(&KernelPlan::decode(&spec));
+        for arch in [Arch::Sm80, Arch::Sm90] {
+            let out = emit(&kernel, arch).unwrap_or_else(|e| panic!("{text}: {e}"));
+            assert!(out.ptx.contains(".entry attention_decode"), "{text}");
+            if let Some(ptxas) = ptxas() {
+                let file = std::env::temp_dir().join(format!(
+                    "decode-{}-{}.ptx",
+                    arch.name(),
+                    std::process::id()
+                ));
+                std::fs::write(&file, &out.ptx).unwrap();
+                let run = std::process::Command::new(&ptxas)
+                    .args(["-arch", arch.name(), "-v", "-o", "/dev/null"])
+                    .arg(&file)
+                    .output()
+                    .unwrap();
+                let report = String::from_utf8_lossy(&run.stderr);
+                assert!(run.status.success(), "{text} {arch:?}:\n{report}");
+                let (regs, spills, smem) = resources(&report);
+                eprintln!(
+                    "decode {text} {}: {regs} registers, {spills} B spilled, {smem} B smem",
+                    arch.name()
+                );
+            }
+        }
+    }
+}

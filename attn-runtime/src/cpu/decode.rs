@@ -15,6 +15,7 @@ use crate::error::RuntimeError;
 use crate::tensor::Tensor;
 use attn_dsl::AttentionSpec;
 use attn_dsl::modifier::interval::{Interval, TileClass};
+use codegen::KernelPlan;
 use codegen::cpu::abi::{DecodeArgs, Segment, TileCode};
 use codegen::cpu::{CpuKernel, Entry};
 use codegen::plan::{CallShape, K_TILE, PlanKind};
@@ -39,37 +40,37 @@ pub struct MlaQueries<'a> {
 }
 
 /// The rows of one work item.
-struct Item {
+pub(crate) struct Item {
     /// Position of the sequence in the call.
-    b: usize,
+    pub b: usize,
     /// Cached keys of the sequence.
-    len: usize,
+    pub len: usize,
     /// New queries of the sequence (its last `n` tokens).
-    n: usize,
+    pub n: usize,
     /// First query head, and how many.
-    h0: usize,
-    nh: usize,
+    pub h0: usize,
+    pub nh: usize,
     /// First query, and how many per head.
-    i0: usize,
-    nq: usize,
-    segments: Vec<Segment>,
+    pub i0: usize,
+    pub nq: usize,
+    pub segments: Vec<Segment>,
 }
 
 /// One partition of an item's segments.
-struct Task {
-    item: usize,
-    segments: std::ops::Range<usize>,
+pub(crate) struct Task {
+    pub item: usize,
+    pub segments: std::ops::Range<usize>,
 }
 
 /// Queries and outputs of a call, addressed by (sequence, query, head).
-struct Layout<'a> {
+pub(crate) struct Layout<'a> {
     /// Queries per sequence.
-    q_lens: &'a [usize],
+    pub q_lens: &'a [usize],
     /// Element offset of query `i` of sequence `b`, head `h` (`qk_dim` f32 values).
-    q_at: &'a (dyn Fn(usize, usize, usize) -> usize + Sync),
+    pub q_at: &'a (dyn Fn(usize, usize, usize) -> usize + Sync),
     /// Row of the output for (sequence, query, head).
-    out_row: &'a (dyn Fn(usize, usize, usize) -> usize + Sync),
-    out_rows: usize,
+    pub out_row: &'a (dyn Fn(usize, usize, usize) -> usize + Sync),
+    pub out_rows: usize,
 }
 
 // SAFETY: a Segment holds addresses of cache rows that tasks only read while the cache is
@@ -251,7 +252,7 @@ impl CpuBackend {
             )));
         }
         let kernel = self.kernel_of(spec, PlanKind::Decode)?;
-        let items = items(&kernel, cache, seqs, layout.q_lens)?;
+        let items = items(&kernel.plan, cache, seqs, layout.q_lens, K_TILE as usize)?;
         run(&kernel, cache.layout(), &items, q, layout, options)
     }
 }
@@ -282,14 +283,15 @@ fn shape(name: &str, t: &Tensor, expected: &str) -> RuntimeError {
     }
 }
 
-/// The work items of a call: per sequence and kv head, blocks of at most `q_rows` rows.
-fn items(
-    kernel: &CpuKernel,
+/// The work items of a call: per sequence and kv head, blocks of at most `q_rows` rows, with
+/// key segments of at most `seg_keys` keys.
+pub(crate) fn items(
+    plan: &KernelPlan,
     cache: &impl KvCache,
     seqs: &[SeqId],
     q_lens: &[usize],
+    seg_keys: usize,
 ) -> Result<Vec<Item>, RuntimeError> {
-    let plan = &kernel.plan;
     let (hq, hkv) = (plan.shape.heads as usize, plan.shape.kv_heads as usize);
     let group = hq / hkv;
     let max_rows = plan.tiles.q_rows as usize;
@@ -326,8 +328,8 @@ fn items(
                         let size = plan.dtype.size_bytes() as usize;
                         let (k_stride, v_stride) = row_strides(cache.layout());
                         let (k_row, v_row) = (k_stride * size, v_stride * size);
-                        for start in (0..run.len).step_by(K_TILE as usize) {
-                            let count = (run.len - start).min(K_TILE as usize);
+                        for start in (0..run.len).step_by(seg_keys) {
+                            let count = (run.len - start).min(seg_keys);
                             let first = run.first + start;
                             let keys = Interval::new(first as i64, (first + count - 1) as i64);
                             let code = match plan.classify_tile(rows, keys, call) {
@@ -363,7 +365,7 @@ fn items(
 
 /// Elements between consecutive key rows and value rows inside a run (for MLA the values are
 /// the latent part of the key rows).
-fn row_strides(layout: &CacheLayout) -> (usize, usize) {
+pub(crate) fn row_strides(layout: &CacheLayout) -> (usize, usize) {
     let v = if layout.values_in_keys {
         layout.k_dim
     } else {
@@ -374,7 +376,7 @@ fn row_strides(layout: &CacheLayout) -> (usize, usize) {
 
 /// Partitions per item: enough tasks for every thread several times over, each with at least
 /// four segments (256 keys) so merging stays cheap.
-fn partitions(items: &[Item], options: DecodeOptions) -> usize {
+pub(crate) fn partitions(items: &[Item], options: DecodeOptions) -> usize {
     if let Some(p) = options.partitions {
         return p.max(1);
     }
@@ -406,19 +408,7 @@ fn run(
     let plan = &kernel.plan;
     let (dqk, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
     let (k_stride, v_stride) = row_strides(cache_layout);
-    let parts = partitions(items, options);
-    let tasks: Vec<Task> = items
-        .iter()
-        .enumerate()
-        .flat_map(|(i, item)| {
-            let n = item.segments.len();
-            let per = n.div_ceil(parts).max(1);
-            (0..parts.min(n.max(1))).map(move |p| Task {
-                item: i,
-                segments: (p * per).min(n)..((p + 1) * per).min(n),
-            })
-        })
-        .collect();
+    let tasks = tasks(items, partitions(items, options));
 
     let results: Vec<(Vec<f32>, Vec<f32>)> = tasks
         .par_iter()
@@ -477,7 +467,34 @@ fn run(
         )
         .collect();
 
-    // Merge the partitions of each item by their lse and scatter to the call's layout.
+    Ok(merge(items, &tasks, &results, layout, dv))
+}
+
+/// Each item split into `parts` partitions of its segments (at least one, even when empty).
+pub(crate) fn tasks(items: &[Item], parts: usize) -> Vec<Task> {
+    items
+        .iter()
+        .enumerate()
+        .flat_map(|(i, item)| {
+            let n = item.segments.len();
+            let per = n.div_ceil(parts).max(1);
+            (0..parts.min(n.max(1))).map(move |p| Task {
+                item: i,
+                segments: (p * per).min(n)..((p + 1) * per).min(n),
+            })
+        })
+        .collect()
+}
+
+/// Merges the partitions of each item (`results` per task: out rows of `dv` and lse) by their
+/// lse, and scatters rows to the call's layout. Rows with no kept key stay 0 with lse `-inf`.
+pub(crate) fn merge(
+    items: &[Item],
+    tasks: &[Task],
+    results: &[(Vec<f32>, Vec<f32>)],
+    layout: &Layout,
+    dv: usize,
+) -> (Vec<f32>, Vec<f32>) {
     let mut out = vec![0f32; layout.out_rows * dv];
     let mut lse = vec![f32::NEG_INFINITY; layout.out_rows];
     let mut t = 0;
@@ -515,5 +532,5 @@ fn run(
         }
         t = end;
     }
-    Ok((out, lse))
+    (out, lse)
 }

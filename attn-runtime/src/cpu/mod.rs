@@ -1,7 +1,7 @@
 //! The CPU backend: compiles plans with codegen's Cranelift backend (once per spec per process)
 //! and runs them over rayon's thread pool.
 
-mod decode;
+pub(crate) mod decode;
 pub use decode::{DecodeOptions, MlaQueries};
 mod launch;
 pub mod microkernels;

@@ -5,6 +5,9 @@
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod decode;
+
+pub use decode::decode_emulated;
 
 use crate::cpu::rope_table::RopeTables;
 use crate::cpu::{Output, check_qkv, finish};

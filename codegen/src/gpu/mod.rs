@@ -3,9 +3,11 @@
 //! the semantics of the PTX it maps to. [`forward`] is the SIMT f32 forward kernel, [`forward_tc`]
 //! the tensor-core (mma.sync, bf16) one.
 //!
-//! With the `cuda` feature, [`llvm`] translates the IR to LLVM IR and PTX. Still to come (issue
-//! 7): `ldmatrix` and `cp.async` staging, decode kernels on the GPU.
+//! [`decode`] is the SIMT decode kernel over cache segments (split-KV). With the `cuda` feature,
+//! [`llvm`] translates the IR to LLVM IR and PTX. Still to come (issue 7): `ldmatrix` and
+//! `cp.async` staging, tensor-core decode.
 
+pub mod decode;
 pub mod forward;
 pub mod forward_tc;
 pub mod interp;

@@ -1,0 +1,360 @@
+//! A decode plan lowered to GPU IR (SIMT f32): the query rows of one work item (the query
+//! heads of a kv head times a few queries, one row per thread) against a list of key segments
+//! read where a cache keeps them (the rows of its pages: no gather), for one partition of the
+//! keys; the host merges partitions by their log-sum-exp (split-KV).
+//!
+//! Buffers: `q_rows` (f32 `[rows][qk_dim]`, before RoPE), `tasks` (per CTA, nine i64: first row,
+//! rows, queries per head, position and call index of query 0, batch, first head, first segment,
+//! segments), `segments` (five i64 each: key row address, value row address, first key, keys,
+//! tile code), `out` (f32 `[rows][v_dim]`, normalized), `lse` (f32 per row), RoPE tables for the
+//! query positions. Keys sit at the positions of their indices, rotated already.
+
+use super::forward::{Env, ROWS, Regs, program, special64};
+use super::ir::build::*;
+use super::ir::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty, Un};
+use crate::plan::{KernelPlan, PlanKind};
+use attn_dsl::RopeLayout;
+use attn_dsl::modifier::Expr as M;
+
+/// Parameters, in order.
+pub const PARAMS: [&str; 8] = [
+    "q_rows",
+    "tasks",
+    "segments",
+    "out",
+    "lse",
+    "rope_cos",
+    "rope_sin",
+    "rope_pos0",
+];
+
+/// i64 fields of a task record.
+pub const TASK_FIELDS: usize = 9;
+
+/// i64 fields of a segment record.
+pub const SEGMENT_FIELDS: usize = 5;
+
+/// Keys per segment the kernel stages (K, V and scores within 48 KiB of shared memory).
+pub fn segment_keys(plan: &KernelPlan) -> u32 {
+    if plan.shape.qk_dim + plan.shape.v_dim <= 256 {
+        32
+    } else {
+        16
+    }
+}
+
+fn param(name: &str) -> Expr {
+    let i = PARAMS
+        .iter()
+        .position(|p| *p == name)
+        .expect("a known parameter");
+    Expr::Param(i as u32)
+}
+
+/// Field `i` of the record at `base` (i64s).
+fn field(base: &Expr, i: usize) -> Expr {
+    load(Space::Global, Ty::I64, add(base.clone(), i64(8 * i as i64)))
+}
+
+/// Lowers the decode kernel of a plan (per-head KV; keys and values rows of `qk_dim` and
+/// `v_dim` f32 in the cache).
+pub fn lower(plan: &KernelPlan) -> Kernel {
+    assert_eq!(
+        plan.kind,
+        PlanKind::Decode,
+        "the GPU decode kernel lowers decode plans"
+    );
+    let (d, dv) = (plan.shape.qk_dim as i64, plan.shape.v_dim as i64);
+    let seg = i64::from(segment_keys(plan));
+    let rows_max = i64::from(ROWS);
+    let mut r = Regs { list: Vec::new() };
+    let mut body = Vec::new();
+    let tid = special64(Special::Tid);
+
+    // The task.
+    let task = r.add("task", Ty::I64);
+    body.push(Stmt::Set(
+        task,
+        add(
+            param("tasks"),
+            mul(special64(Special::Ctaid(0)), i64(8 * TASK_FIELDS as i64)),
+        ),
+    ));
+    let names = [
+        "row0", "rows", "q_len", "q_pos0", "qi0", "batch", "head0", "seg0", "nseg",
+    ];
+    let f: Vec<Reg> = names.iter().map(|n| r.add(*n, Ty::I64)).collect();
+    for (i, &reg_i) in f.iter().enumerate() {
+        body.push(Stmt::Set(reg_i, field(&reg(task), i)));
+    }
+    let [row0, rows, q_len, q_pos0, qi0, batch, head0, seg0, nseg] =
+        <[Reg; 9]>::try_from(f).expect("nine fields");
+
+    // This thread's row: head head0 + r / q_len, query r % q_len.
+    let (row, head, qoff) = (
+        r.add("row", Ty::I64),
+        r.add("head", Ty::I64),
+        r.add("q_off", Ty::I64),
+    );
+    body.push(Stmt::Set(
+        row,
+        bin(Bin::Min, tid.clone(), sub(reg(rows), i64(1))),
+    ));
+    body.push(Stmt::Set(
+        head,
+        add(reg(head0), bin(Bin::Div, reg(row), reg(q_len))),
+    ));
+    body.push(Stmt::Set(qoff, bin(Bin::Rem, reg(row), reg(q_len))));
+    let qpos = add(reg(q_pos0), reg(qoff));
+
+    // q: loaded, rotated, scaled.
+    let q: Vec<Reg> = (0..d).map(|i| r.add(format!("q{i}"), Ty::F32)).collect();
+    let q_row = add(param("q_rows"), mul(add(reg(row0), reg(row)), i64(4 * d)));
+    for (i, &qi) in q.iter().enumerate() {
+        body.push(Stmt::Set(
+            qi,
+            load(
+                Space::Global,
+                Ty::F32,
+                add(q_row.clone(), i64(4 * i as i64)),
+            ),
+        ));
+    }
+    if let Some(rope) = &plan.rope {
+        let half = i64::from(rope.rope.dim / 2);
+        let first = rope.first_dim as usize;
+        let (c, s, a, b) = (
+            r.add("cos", Ty::F32),
+            r.add("sin", Ty::F32),
+            r.add("rot_a", Ty::F32),
+            r.add("rot_b", Ty::F32),
+        );
+        let table_row = sub(qpos.clone(), param("rope_pos0"));
+        for i in 0..half as usize {
+            let (ia, ib) = match rope.rope.layout {
+                RopeLayout::Half => (first + i, first + i + half as usize),
+                RopeLayout::Interleaved => (first + 2 * i, first + 2 * i + 1),
+            };
+            let entry = add(mul(table_row.clone(), i64(half * 4)), i64(4 * i as i64));
+            body.extend([
+                Stmt::Set(
+                    c,
+                    load(
+                        Space::Global,
+                        Ty::F32,
+                        add(param("rope_cos"), entry.clone()),
+                    ),
+                ),
+                Stmt::Set(
+                    s,
+                    load(Space::Global, Ty::F32, add(param("rope_sin"), entry)),
+                ),
+                Stmt::Set(a, reg(q[ia])),
+                Stmt::Set(b, reg(q[ib])),
+                Stmt::Set(q[ia], sub(mul(reg(a), reg(c)), mul(reg(b), reg(s)))),
+                Stmt::Set(q[ib], add(mul(reg(b), reg(c)), mul(reg(a), reg(s)))),
+            ]);
+        }
+    }
+    if plan.q_scale != 1.0 {
+        for &qi in &q {
+            body.push(Stmt::Set(qi, mul(reg(qi), f32(plan.q_scale as f32))));
+        }
+    }
+
+    let (m, l) = (r.add("m", Ty::F32), r.add("l", Ty::F32));
+    body.push(Stmt::Set(m, f32(f32::NEG_INFINITY)));
+    body.push(Stmt::Set(l, f32(0.0)));
+    let acc: Vec<Reg> = (0..dv).map(|i| r.add(format!("acc{i}"), Ty::F32)).collect();
+    for &a in &acc {
+        body.push(Stmt::Set(a, f32(0.0)));
+    }
+
+    // Shared: K [seg][d], V [seg][dv], scores [ROWS][seg].
+    let k_sh = 0;
+    let v_sh = k_sh + seg * d * 4;
+    let s_sh = v_sh + seg * dv * 4;
+    let shared_bytes = s_sh + rows_max * seg * 4;
+
+    let (si, srec, kaddr, vaddr, first, len, code) = (
+        r.add("segment", Ty::I64),
+        r.add("segment_record", Ty::I64),
+        r.add("k_addr", Ty::I64),
+        r.add("v_addr", Ty::I64),
+        r.add("first_key", Ty::I64),
+        r.add("keys", Ty::I64),
+        r.add("code", Ty::I64),
+    );
+    let mut seg_body = vec![Stmt::Set(
+        srec,
+        add(
+            param("segments"),
+            mul(reg(si), i64(8 * SEGMENT_FIELDS as i64)),
+        ),
+    )];
+    for (i, &x) in [kaddr, vaddr, first, len, code].iter().enumerate() {
+        seg_body.push(Stmt::Set(x, field(&reg(srec), i)));
+    }
+    let mut run = Vec::new();
+    // Stage: thread j < keys copies key row j and value row j.
+    let mut stage = Vec::new();
+    for i in 0..d {
+        let src = add(reg(kaddr), add(mul(tid.clone(), i64(4 * d)), i64(4 * i)));
+        let dst = add(mul(tid.clone(), i64(4 * d)), i64(k_sh + 4 * i));
+        stage.push(Stmt::Store(
+            Space::Shared,
+            dst,
+            load(Space::Global, Ty::F32, src),
+        ));
+    }
+    for i in 0..dv {
+        let src = add(reg(vaddr), add(mul(tid.clone(), i64(4 * dv)), i64(4 * i)));
+        let dst = add(mul(tid.clone(), i64(4 * dv)), i64(v_sh + 4 * i));
+        stage.push(Stmt::Store(
+            Space::Shared,
+            dst,
+            load(Space::Global, Ty::F32, src),
+        ));
+    }
+    run.push(Stmt::If(bin(Bin::Lt, tid.clone(), reg(len)), stage, vec![]));
+    run.push(Stmt::Barrier);
+
+    // Pass 1: scores through the program and mask (positions are key indices), the max.
+    let (j, key, s, mt) = (
+        r.add("j", Ty::I64),
+        r.add("key", Ty::I64),
+        r.add("s", Ty::F32),
+        r.add("tile_max", Ty::F32),
+    );
+    run.push(Stmt::Set(mt, f32(f32::NEG_INFINITY)));
+    let mut pass1 = vec![
+        Stmt::Set(key, add(reg(first), reg(j))),
+        Stmt::Set(s, f32(0.0)),
+    ];
+    for (i, &qi) in q.iter().enumerate() {
+        let kd = load(
+            Space::Shared,
+            Ty::F32,
+            add(mul(reg(j), i64(d * 4)), i64(k_sh + 4 * i as i64)),
+        );
+        pass1.push(Stmt::Set(s, fma(reg(qi), kd, reg(s))));
+    }
+    let env = Env {
+        score: reg(s),
+        batch: reg(batch),
+        head: reg(head),
+        query: qpos.clone(),
+        key: reg(key),
+        query_index: add(reg(qi0), reg(qoff)),
+        key_index: reg(key),
+    };
+    pass1.push(Stmt::Set(s, program(&plan.program.score, &env)));
+    if !matches!(plan.program.mask, M::Bool(true)) {
+        let keep = bin(
+            Bin::Or,
+            un(Un::Not, bin(Bin::Eq, reg(code), i64(2))),
+            program(&plan.program.mask, &env),
+        );
+        pass1.push(Stmt::Set(s, select(keep, reg(s), f32(f32::NEG_INFINITY))));
+    }
+    let s_addr = add(
+        mul(add(mul(tid.clone(), i64(seg)), reg(j)), i64(4)),
+        i64(s_sh),
+    );
+    pass1.push(Stmt::Store(Space::Shared, s_addr.clone(), reg(s)));
+    pass1.push(Stmt::Set(mt, bin(Bin::Max, reg(mt), reg(s))));
+    run.push(Stmt::For {
+        reg: j,
+        start: i64(0),
+        end: reg(len),
+        step: 1,
+        body: pass1,
+    });
+
+    let (m_use, alpha, p) = (
+        r.add("m_use", Ty::F32),
+        r.add("alpha", Ty::F32),
+        r.add("p", Ty::F32),
+    );
+    let m_new = bin(Bin::Max, reg(m), reg(mt));
+    run.push(Stmt::Set(
+        m_use,
+        select(
+            bin(Bin::Eq, m_new.clone(), f32(f32::NEG_INFINITY)),
+            f32(0.0),
+            m_new.clone(),
+        ),
+    ));
+    run.push(Stmt::Set(alpha, un(Un::Ex2, sub(reg(m), reg(m_use)))));
+    run.push(Stmt::Set(m, m_new));
+    run.push(Stmt::Set(l, mul(reg(l), reg(alpha))));
+    for &a in &acc {
+        run.push(Stmt::Set(a, mul(reg(a), reg(alpha))));
+    }
+    let mut pass2 = vec![
+        Stmt::Set(
+            p,
+            un(
+                Un::Ex2,
+                sub(load(Space::Shared, Ty::F32, s_addr), reg(m_use)),
+            ),
+        ),
+        Stmt::Set(l, add(reg(l), reg(p))),
+    ];
+    for (i, &a) in acc.iter().enumerate() {
+        let vd = load(
+            Space::Shared,
+            Ty::F32,
+            add(mul(reg(j), i64(dv * 4)), i64(v_sh + 4 * i as i64)),
+        );
+        pass2.push(Stmt::Set(a, fma(reg(p), vd, reg(a))));
+    }
+    run.push(Stmt::For {
+        reg: j,
+        start: i64(0),
+        end: reg(len),
+        step: 1,
+        body: pass2,
+    });
+    run.push(Stmt::Barrier);
+    seg_body.push(Stmt::If(bin(Bin::Ne, reg(code), i64(0)), run, vec![]));
+    body.push(Stmt::For {
+        reg: si,
+        start: reg(seg0),
+        end: add(reg(seg0), reg(nseg)),
+        step: 1,
+        body: seg_body,
+    });
+
+    // Epilogue for the task's rows.
+    let nonempty = bin(Bin::Gt, reg(l), f32(0.0));
+    let out_row = add(reg(row0), tid.clone());
+    let mut store = Vec::new();
+    for (i, &a) in acc.iter().enumerate() {
+        let addr = add(
+            param("out"),
+            add(mul(out_row.clone(), i64(dv * 4)), i64(4 * i as i64)),
+        );
+        let value = select(nonempty.clone(), bin(Bin::Div, reg(a), reg(l)), f32(0.0));
+        store.push(Stmt::Store(Space::Global, addr, value));
+    }
+    let lse = mul(
+        add(reg(m), un(Un::Lg2, reg(l))),
+        f32(std::f32::consts::LN_2),
+    );
+    store.push(Stmt::Store(
+        Space::Global,
+        at(param("lse"), out_row, 4),
+        select(nonempty, lse, f32(f32::NEG_INFINITY)),
+    ));
+    body.push(Stmt::If(bin(Bin::Lt, tid, reg(rows)), store, vec![]));
+
+    Kernel {
+        name: "attention_decode".into(),
+        params: PARAMS.iter().map(|p| (p.to_string(), Ty::I64)).collect(),
+        regs: r.list,
+        shared_bytes: shared_bytes as u32,
+        threads: ROWS,
+        body,
+    }
+}
