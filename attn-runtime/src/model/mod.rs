@@ -16,7 +16,7 @@ pub mod research;
 pub use config::{MlpKind, ModelConfig, NormKind};
 pub use generate::{Progress, Request, Sampling};
 
-use crate::cache::{PagedCache, SeqId};
+use crate::cache::{KvCache, PagedCache, SeqId};
 use crate::cpu::{CpuBackend, DecodeOptions, MlaQueries, MlaTensors};
 use crate::error::RuntimeError;
 use crate::tensor::Tensor;
@@ -231,6 +231,13 @@ impl Model {
                         seqs,
                         offsets,
                     } => {
+                        // Sequences with nothing cached yet attend only to their own tokens:
+                        // the packed prefill kernel serves them. The rest read the cache in one
+                        // ragged launch.
+                        let mut fresh = Vec::with_capacity(seqs.len());
+                        for &seq in seqs.iter() {
+                            fresh.push(cache.seq_len(seq)? == 0);
+                        }
                         // Each sequence's new keys and values, as [kv_heads, tokens, dim].
                         for (i, &seq) in seqs.iter().enumerate() {
                             let rows = offsets[i]..offsets[i + 1];
@@ -246,12 +253,53 @@ impl Model {
                             };
                             cache.append(seq, &part(&ks, d)?, &part(&vs, dv)?)?;
                         }
-                        let q = Tensor::from_f32_as(spec.dtype, &[n, heads, d], qs)?;
-                        let options = DecodeOptions::default();
-                        self.backend
-                            .attend_ragged(spec, &q, offsets, cache, seqs, options)?
-                            .out
-                            .to_f32_vec()
+                        let mut out = vec![0f32; n * heads * dv];
+                        let rows_of = |data: &[f32], width: usize, i: usize| {
+                            data[offsets[i] * width..offsets[i + 1] * width].to_vec()
+                        };
+                        let (mut rest_q, mut rest_offsets, mut rest_seqs) =
+                            (Vec::new(), vec![0], Vec::new());
+                        for (i, &seq) in seqs.iter().enumerate() {
+                            let len = offsets[i + 1] - offsets[i];
+                            if len == 0 {
+                                continue;
+                            }
+                            if fresh[i] {
+                                let view = |data: Vec<f32>, h: usize, dim: usize| {
+                                    Tensor::from_f32_as(spec.dtype, &[1, len, h, dim], data)?
+                                        .permute(&[0, 2, 1, 3])
+                                };
+                                let q = view(rows_of(&qs, heads * d, i), heads, d)?;
+                                let k = view(rows_of(&ks, hkv * d, i), hkv, d)?;
+                                let v = view(rows_of(&vs, hkv * dv, i), hkv, dv)?;
+                                let o = self.backend.forward(spec, &q, &k, &v, 0)?.out;
+                                let o = o.permute(&[0, 2, 1, 3])?.to_f32_vec();
+                                out[offsets[i] * heads * dv..offsets[i + 1] * heads * dv]
+                                    .copy_from_slice(&o);
+                            } else {
+                                rest_q.extend(rows_of(&qs, heads * d, i));
+                                rest_offsets.push(rest_offsets.last().copied().unwrap_or(0) + len);
+                                rest_seqs.push((i, seq));
+                            }
+                        }
+                        if !rest_seqs.is_empty() {
+                            let total = rest_q.len() / (heads * d);
+                            let q = Tensor::from_f32_as(spec.dtype, &[total, heads, d], rest_q)?;
+                            let ids: Vec<SeqId> = rest_seqs.iter().map(|&(_, s)| s).collect();
+                            let options = DecodeOptions::default();
+                            let o = self
+                                .backend
+                                .attend_ragged(spec, &q, &rest_offsets, cache, &ids, options)?
+                                .out
+                                .to_f32_vec();
+                            for (j, &(i, _)) in rest_seqs.iter().enumerate() {
+                                let width = heads * dv;
+                                let src = &o[rest_offsets[j] * width..rest_offsets[j + 1] * width];
+                                out[offsets[i] * width..offsets[i + 1] * width]
+                                    .copy_from_slice(src);
+                            }
+                        }
+                        out
                     }
                 };
                 o.apply(&out, n)
