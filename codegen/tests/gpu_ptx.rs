@@ -47,11 +47,41 @@ fn resources(report: &str) -> (u32, u32, u32) {
     out
 }
 
+/// Assembles PTX with ptxas (`-v`) when ptxas is available: asserts it succeeds, prints and
+/// returns (registers, spill bytes, shared bytes).
+fn assemble(ptx: &str, arch: Arch, label: &str) -> Option<(u32, u32, u32)> {
+    let ptxas = ptxas()?;
+    let safe: String = label
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect();
+    let file = std::env::temp_dir().join(format!(
+        "attn-{safe}-{}-{}.ptx",
+        arch.name(),
+        std::process::id()
+    ));
+    std::fs::write(&file, ptx).unwrap();
+    let run = std::process::Command::new(&ptxas)
+        .args(["-arch", arch.name(), "-v", "-o", "/dev/null"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let report = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        run.status.success(),
+        "{label} {arch:?}: ptxas failed:\n{report}"
+    );
+    let (regs, spills, smem) = resources(&report);
+    assert!(regs > 0, "{label}: no resource report in\n{report}");
+    eprintln!(
+        "{label} {}: {regs} registers, {spills} bytes spilled, {smem} bytes smem",
+        arch.name()
+    );
+    Some((regs, spills, smem))
+}
+
 #[test]
 fn forward_kernels_compile_to_ptx_for_sm80_and_sm90() {
-    let tool = ptxas();
-    let dir = std::env::temp_dir().join(format!("attn-ptx-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
     for (name, text) in NAMED_SPECS {
         let spec: attn_dsl::AttentionSpec = text.parse().unwrap();
         let kernel = lower(&KernelPlan::forward(&spec));
@@ -65,26 +95,7 @@ fn forward_kernels_compile_to_ptx_for_sm80_and_sm90() {
             assert!(out.ptx.contains("bar.sync"), "{name}: no barrier");
             assert!(out.ptx.contains("ex2.approx"), "{name}: no ex2");
             assert!(out.llvm_ir.contains("ptx_kernel"), "{name}");
-            if let Some(ptxas) = &tool {
-                let file = dir.join(format!("{name}_{}.ptx", arch.name()));
-                std::fs::write(&file, &out.ptx).unwrap();
-                let run = std::process::Command::new(ptxas)
-                    .args(["-arch", arch.name(), "-v", "-o", "/dev/null"])
-                    .arg(&file)
-                    .output()
-                    .unwrap();
-                let report = String::from_utf8_lossy(&run.stderr);
-                assert!(
-                    run.status.success(),
-                    "{name} {arch:?}: ptxas failed:\n{report}"
-                );
-                let (regs, spills, smem) = resources(&report);
-                eprintln!(
-                    "{name} {}: {regs} registers, {spills} bytes spilled, {smem} bytes smem",
-                    arch.name()
-                );
-                assert!(regs > 0, "{name}: no resource report in\n{report}");
-            }
+            assemble(&out.ptx, arch, name);
         }
     }
 }
@@ -92,9 +103,6 @@ fn forward_kernels_compile_to_ptx_for_sm80_and_sm90() {
 #[test]
 fn tensor_core_kernels_compile_and_report_their_resources() {
     use codegen::gpu::forward_tc;
-    let Some(ptxas) = ptxas() else { return };
-    let dir = std::env::temp_dir().join(format!("attn-ptx-tc-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
     for d in [64, 128] {
         let text = format!("heads = 16, head_dim = {d}, mask = causal, dtype = bf16");
         let spec: attn_dsl::AttentionSpec = text.parse().unwrap();
@@ -105,20 +113,16 @@ fn tensor_core_kernels_compile_and_report_their_resources() {
                 out.ptx
                     .contains("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32")
             );
-            let file = dir.join(format!("tc_d{d}_{}.ptx", arch.name()));
-            std::fs::write(&file, &out.ptx).unwrap();
-            let run = std::process::Command::new(&ptxas)
-                .args(["-arch", arch.name(), "-v", "-o", "/dev/null"])
-                .arg(&file)
-                .output()
-                .unwrap();
-            let report = String::from_utf8_lossy(&run.stderr);
-            assert!(run.status.success(), "{text} {arch:?}:\n{report}");
-            let (regs, spills, smem) = resources(&report);
-            eprintln!(
-                "tensor cores, D {d}, {}: {regs} registers, {spills} bytes spilled, {smem} bytes smem",
-                arch.name()
-            );
+            let Some((regs, spills, _)) = assemble(&out.ptx, arch, &format!("tensor cores D {d}"))
+            else {
+                continue;
+            };
+            // Two CTAs of 128 threads fit an SM's 64K registers at up to 256 per thread.
+            assert!(regs <= 256, "{text} {arch:?}: {regs} registers");
+            // D 64 spills nothing; D 128 on sm_90 still spills a few bytes (issue 7).
+            if d == 64 {
+                assert_eq!(spills, 0, "{text} {arch:?} spills");
+            }
         }
     }
 }
@@ -134,26 +138,7 @@ fn decode_kernels_compile_to_ptx() {
         for arch in [Arch::Sm80, Arch::Sm90] {
             let out = emit(&kernel, arch).unwrap_or_else(|e| panic!("{text}: {e}"));
             assert!(out.ptx.contains(".entry attention_decode"), "{text}");
-            if let Some(ptxas) = ptxas() {
-                let file = std::env::temp_dir().join(format!(
-                    "decode-{}-{}.ptx",
-                    arch.name(),
-                    std::process::id()
-                ));
-                std::fs::write(&file, &out.ptx).unwrap();
-                let run = std::process::Command::new(&ptxas)
-                    .args(["-arch", arch.name(), "-v", "-o", "/dev/null"])
-                    .arg(&file)
-                    .output()
-                    .unwrap();
-                let report = String::from_utf8_lossy(&run.stderr);
-                assert!(run.status.success(), "{text} {arch:?}:\n{report}");
-                let (regs, spills, smem) = resources(&report);
-                eprintln!(
-                    "decode {text} {}: {regs} registers, {spills} B spilled, {smem} B smem",
-                    arch.name()
-                );
-            }
+            assemble(&out.ptx, arch, &format!("decode {text}"));
         }
     }
 }

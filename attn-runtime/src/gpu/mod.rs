@@ -16,8 +16,8 @@ use crate::tensor::Tensor;
 use attn_dsl::AttentionSpec;
 use attn_dsl::modifier::interval::{Interval, TileClass};
 use codegen::KernelPlan;
-use codegen::gpu::forward::{self, ROWS};
-use codegen::gpu::forward_tc;
+use codegen::gpu::forward::ROWS;
+use codegen::gpu::forward_kernel;
 use codegen::gpu::interp::{Memory, Val, run};
 use codegen::gpu::ir::Kernel;
 use codegen::plan::CallShape;
@@ -74,12 +74,7 @@ impl GpuCall {
         let h = spec.heads as usize;
         let dv = spec.v_head_dim as usize;
         let [b, sq, skv] = check_qkv(spec, q, k, v)?;
-        // bf16 specs run on tensor cores; the rest on the SIMT f32 kernel.
-        let (kernel, bc) = if forward_tc::supports(&plan) {
-            (forward_tc::lower(&plan), forward_tc::key_tile(&plan))
-        } else {
-            (forward::lower(&plan), forward::key_tile(&plan))
-        };
+        let (kernel, bc) = forward_kernel(&plan);
         let (rows, bc) = (ROWS as usize, bc as usize);
         let (qblocks, tiles) = (sq.div_ceil(rows), skv.div_ceil(bc));
         let mut codes = Vec::with_capacity(h * qblocks * tiles);

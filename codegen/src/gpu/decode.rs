@@ -9,12 +9,13 @@
 //! tile code), `out` (f32 `[rows][v_dim]`, normalized), `lse` (f32 per row), RoPE tables for the
 //! query positions. Keys sit at the positions of their indices, rotated already.
 
-use super::forward::{Env, ROWS, Regs, program, special64};
+use super::forward::{
+    Env, KeyLoop, ROWS, Regs, RowState, TileShared, simt_epilogue, simt_tile, special64,
+};
 use super::ir::build::*;
-use super::ir::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty, Un};
+use super::ir::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty};
 use crate::plan::{KernelPlan, PlanKind};
 use attn_dsl::RopeLayout;
-use attn_dsl::modifier::Expr as M;
 
 /// Parameters, in order.
 pub const PARAMS: [&str; 8] = [
@@ -219,103 +220,43 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     run.push(Stmt::If(bin(Bin::Lt, tid.clone(), reg(len)), stage, vec![]));
     run.push(Stmt::Barrier);
 
-    // Pass 1: scores through the program and mask (positions are key indices), the max.
-    let (j, key, s, mt) = (
-        r.add("j", Ty::I64),
-        r.add("key", Ty::I64),
-        r.add("s", Ty::F32),
-        r.add("tile_max", Ty::F32),
-    );
-    run.push(Stmt::Set(mt, f32(f32::NEG_INFINITY)));
-    let mut pass1 = vec![
-        Stmt::Set(key, add(reg(first), reg(j))),
-        Stmt::Set(s, f32(0.0)),
-    ];
-    for (i, &qi) in q.iter().enumerate() {
-        let kd = load(
-            Space::Shared,
-            Ty::F32,
-            add(mul(reg(j), i64(d * 4)), i64(k_sh + 4 * i as i64)),
-        );
-        pass1.push(Stmt::Set(s, fma(reg(qi), kd, reg(s))));
-    }
-    let env = Env {
-        score: reg(s),
-        batch: reg(batch),
-        head: reg(head),
-        query: qpos.clone(),
-        key: reg(key),
-        query_index: add(reg(qi0), reg(qoff)),
-        key_index: reg(key),
+    // Pass 1, the rescale, pass 2 (keys sit at the positions of their indices).
+    let (j, key) = (r.add("j", Ty::I64), r.add("key", Ty::I64));
+    let row_state = RowState {
+        q: &q,
+        acc: &acc,
+        m,
+        l,
     };
-    pass1.push(Stmt::Set(s, program(&plan.program.score, &env)));
-    if !matches!(plan.program.mask, M::Bool(true)) {
-        let keep = bin(
-            Bin::Or,
-            un(Un::Not, bin(Bin::Eq, reg(code), i64(2))),
-            program(&plan.program.mask, &env),
-        );
-        pass1.push(Stmt::Set(s, select(keep, reg(s), f32(f32::NEG_INFINITY))));
-    }
-    let s_addr = add(
-        mul(add(mul(tid.clone(), i64(seg)), reg(j)), i64(4)),
-        i64(s_sh),
-    );
-    pass1.push(Stmt::Store(Space::Shared, s_addr.clone(), reg(s)));
-    pass1.push(Stmt::Set(mt, bin(Bin::Max, reg(mt), reg(s))));
-    run.push(Stmt::For {
-        reg: j,
-        start: i64(0),
-        end: reg(len),
-        step: 1,
-        body: pass1,
-    });
-
-    let (m_use, alpha, p) = (
-        r.add("m_use", Ty::F32),
-        r.add("alpha", Ty::F32),
-        r.add("p", Ty::F32),
-    );
-    let m_new = bin(Bin::Max, reg(m), reg(mt));
-    run.push(Stmt::Set(
-        m_use,
-        select(
-            bin(Bin::Eq, m_new.clone(), f32(f32::NEG_INFINITY)),
-            f32(0.0),
-            m_new.clone(),
-        ),
+    let shared = TileShared {
+        k: k_sh,
+        v: v_sh,
+        s: s_sh,
+        keys: seg,
+    };
+    run.extend(simt_tile(
+        &mut r,
+        plan,
+        &row_state,
+        &shared,
+        KeyLoop {
+            j,
+            key,
+            key_at: add(reg(first), reg(j)),
+            count: reg(len),
+            in_range: None,
+            masked_tile: bin(Bin::Eq, reg(code), i64(2)),
+        },
+        |score| Env {
+            score,
+            batch: reg(batch),
+            head: reg(head),
+            query: qpos.clone(),
+            key: reg(key),
+            query_index: add(reg(qi0), reg(qoff)),
+            key_index: reg(key),
+        },
     ));
-    run.push(Stmt::Set(alpha, un(Un::Ex2, sub(reg(m), reg(m_use)))));
-    run.push(Stmt::Set(m, m_new));
-    run.push(Stmt::Set(l, mul(reg(l), reg(alpha))));
-    for &a in &acc {
-        run.push(Stmt::Set(a, mul(reg(a), reg(alpha))));
-    }
-    let mut pass2 = vec![
-        Stmt::Set(
-            p,
-            un(
-                Un::Ex2,
-                sub(load(Space::Shared, Ty::F32, s_addr), reg(m_use)),
-            ),
-        ),
-        Stmt::Set(l, add(reg(l), reg(p))),
-    ];
-    for (i, &a) in acc.iter().enumerate() {
-        let vd = load(
-            Space::Shared,
-            Ty::F32,
-            add(mul(reg(j), i64(dv * 4)), i64(v_sh + 4 * i as i64)),
-        );
-        pass2.push(Stmt::Set(a, fma(reg(p), vd, reg(a))));
-    }
-    run.push(Stmt::For {
-        reg: j,
-        start: i64(0),
-        end: reg(len),
-        step: 1,
-        body: pass2,
-    });
     run.push(Stmt::Barrier);
     seg_body.push(Stmt::If(bin(Bin::Ne, reg(code), i64(0)), run, vec![]));
     body.push(Stmt::For {
@@ -327,27 +268,13 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     });
 
     // Epilogue for the task's rows.
-    let nonempty = bin(Bin::Gt, reg(l), f32(0.0));
-    let out_row = add(reg(row0), tid.clone());
-    let mut store = Vec::new();
-    for (i, &a) in acc.iter().enumerate() {
-        let addr = add(
-            param("out"),
-            add(mul(out_row.clone(), i64(dv * 4)), i64(4 * i as i64)),
-        );
-        let value = select(nonempty.clone(), bin(Bin::Div, reg(a), reg(l)), f32(0.0));
-        store.push(Stmt::Store(Space::Global, addr, value));
-    }
-    let lse = mul(
-        add(reg(m), un(Un::Lg2, reg(l))),
-        f32(std::f32::consts::LN_2),
-    );
-    store.push(Stmt::Store(
-        Space::Global,
-        at(param("lse"), out_row, 4),
-        select(nonempty, lse, f32(f32::NEG_INFINITY)),
+    body.push(simt_epilogue(
+        &row_state,
+        param("out"),
+        param("lse"),
+        add(reg(row0), tid.clone()),
+        bin(Bin::Lt, tid, reg(rows)),
     ));
-    body.push(Stmt::If(bin(Bin::Lt, tid, reg(rows)), store, vec![]));
 
     Kernel {
         name: "attention_decode".into(),

@@ -226,69 +226,169 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     run.push(Stmt::If(bin(Bin::Lt, tid.clone(), i64(bc)), stage, vec![]));
     run.push(Stmt::Barrier);
 
-    // Pass 1: scores through the program and the mask, into shared; the tile's max.
-    let (j, key, s, mt) = (
-        r.add("j", Ty::I64),
-        r.add("key", Ty::I64),
-        r.add("s", Ty::F32),
-        r.add("tile_max", Ty::F32),
+    // Pass 1 (scores through the program and mask, into shared; the max), the rescale, pass 2.
+    let (j, key) = (r.add("j", Ty::I64), r.add("key", Ty::I64));
+    let row_state = RowState {
+        q: &q,
+        acc: &acc,
+        m,
+        l,
+    };
+    let shared = TileShared {
+        k: k_sh,
+        v: v_sh,
+        s: s_sh,
+        keys: bc,
+    };
+    run.extend(simt_tile(
+        &mut r,
+        plan,
+        &row_state,
+        &shared,
+        KeyLoop {
+            j,
+            key,
+            key_at: add(mul(reg(t), i64(bc)), reg(j)),
+            count: i64(bc),
+            in_range: Some(bin(Bin::Lt, reg(key), param("skv"))),
+            masked_tile: bin(Bin::Eq, reg(code), Expr::Int(2, Ty::I32)),
+        },
+        |score| Env {
+            score,
+            batch: reg(batch),
+            head: reg(head),
+            query: reg(qpos),
+            key: add(param("p0"), reg(key)),
+            query_index: reg(row),
+            key_index: reg(key),
+        },
+    ));
+    run.push(Stmt::Barrier);
+    tile_body.push(Stmt::If(run_tile, run, vec![]));
+    body.push(Stmt::For {
+        reg: t,
+        start: i64(0),
+        end: n_tiles,
+        step: 1,
+        body: tile_body,
+    });
+
+    // Epilogue: out = acc / l, lse = (m + log2 l) ln 2; rows with no kept key: 0 and -inf.
+    let out_row = add(
+        mul(add(mul(reg(batch), i64(hq)), reg(head)), param("sq")),
+        reg(row),
     );
-    run.push(Stmt::Set(mt, f32(f32::NEG_INFINITY)));
-    let mut pass1 = vec![
-        Stmt::Set(key, add(mul(reg(t), i64(bc)), reg(j))),
-        Stmt::Set(s, f32(0.0)),
-    ];
-    for (i, &qi) in q.iter().enumerate() {
+    body.push(simt_epilogue(
+        &row_state,
+        param("out"),
+        param("lse"),
+        out_row,
+        valid,
+    ));
+
+    Kernel {
+        name: "attention_forward".into(),
+        params: PARAMS.iter().map(|p| (p.to_string(), Ty::I64)).collect(),
+        regs: r.list,
+        shared_bytes: shared_bytes as u32,
+        threads: ROWS,
+        body,
+    }
+}
+
+/// A thread's row of the SIMT kernels: its rotated, scaled query, output accumulator, running
+/// max and sum.
+pub(super) struct RowState<'a> {
+    pub q: &'a [Reg],
+    pub acc: &'a [Reg],
+    pub m: Reg,
+    pub l: Reg,
+}
+
+/// Byte offsets in shared memory of a staged tile: K rows, V rows, and the scores (a row of
+/// `keys` per thread).
+pub(super) struct TileShared {
+    pub k: i64,
+    pub v: i64,
+    pub s: i64,
+    pub keys: i64,
+}
+
+/// The loop over a tile's keys: `j` runs over `0..count`, `key` is set to `key_at` (the key's
+/// index) each step; keys are kept where `in_range` holds (if given) and, on tiles where
+/// `masked_tile` holds, where the plan's mask holds.
+pub(super) struct KeyLoop {
+    pub j: Reg,
+    pub key: Reg,
+    pub key_at: Expr,
+    pub count: Expr,
+    pub in_range: Option<Expr>,
+    pub masked_tile: Expr,
+}
+
+/// One staged key tile for a thread's row: pass 1 (each key's score through the score program
+/// and the mask, into shared memory, and the tile's max), the online-softmax rescale of the sum
+/// and accumulator, pass 2 (probabilities `2^(s - m)`, their sum, `P V`). `env` gives the
+/// program's variables for a score.
+pub(super) fn simt_tile(
+    r: &mut Regs,
+    plan: &KernelPlan,
+    row: &RowState,
+    sh: &TileShared,
+    keys: KeyLoop,
+    env: impl FnOnce(Expr) -> Env,
+) -> Vec<Stmt> {
+    let (d, dv) = (plan.shape.qk_dim as i64, plan.shape.v_dim as i64);
+    let (j, key) = (keys.j, keys.key);
+    let (s, mt) = (r.add("s", Ty::F32), r.add("tile_max", Ty::F32));
+    let tid = special64(Special::Tid);
+    let mut out = vec![Stmt::Set(mt, f32(f32::NEG_INFINITY))];
+    let mut pass1 = vec![Stmt::Set(key, keys.key_at), Stmt::Set(s, f32(0.0))];
+    for (i, &qi) in row.q.iter().enumerate() {
         let kd = load(
             Space::Shared,
             Ty::F32,
-            add(mul(reg(j), i64(d * 4)), i64(k_sh + 4 * i as i64)),
+            add(mul(reg(j), i64(d * 4)), i64(sh.k + 4 * i as i64)),
         );
         pass1.push(Stmt::Set(s, fma(reg(qi), kd, reg(s))));
     }
-    let env = Env {
-        score: reg(s),
-        batch: reg(batch),
-        head: reg(head),
-        query: reg(qpos),
-        key: add(param("p0"), reg(key)),
-        query_index: reg(row),
-        key_index: reg(key),
-    };
+    let env = env(reg(s));
     pass1.push(Stmt::Set(s, program(&plan.program.score, &env)));
-    let mut keep = bin(Bin::Lt, reg(key), param("skv"));
+    let mut keep = keys.in_range;
     if !matches!(plan.program.mask, M::Bool(true)) {
-        let masked_tile = bin(Bin::Eq, reg(code), Expr::Int(2, Ty::I32));
-        let mask = program(&plan.program.mask, &env);
-        keep = bin(
-            Bin::And,
-            keep,
-            bin(Bin::Or, Expr::Un(Un::Not, Box::new(masked_tile)), mask),
+        let mask = bin(
+            Bin::Or,
+            un(Un::Not, keys.masked_tile),
+            program(&plan.program.mask, &env),
         );
+        keep = Some(match keep {
+            Some(k) => bin(Bin::And, k, mask),
+            None => mask,
+        });
     }
-    pass1.push(Stmt::Set(s, select(keep, reg(s), f32(f32::NEG_INFINITY))));
-    let s_addr = add(
-        mul(add(mul(tid.clone(), i64(bc)), reg(j)), i64(4)),
-        i64(s_sh),
-    );
+    if let Some(keep) = keep {
+        pass1.push(Stmt::Set(s, select(keep, reg(s), f32(f32::NEG_INFINITY))));
+    }
+    let s_addr = add(mul(add(mul(tid, i64(sh.keys)), reg(j)), i64(4)), i64(sh.s));
     pass1.push(Stmt::Store(Space::Shared, s_addr.clone(), reg(s)));
     pass1.push(Stmt::Set(mt, bin(Bin::Max, reg(mt), reg(s))));
-    run.push(Stmt::For {
+    out.push(Stmt::For {
         reg: j,
         start: i64(0),
-        end: i64(bc),
+        end: keys.count.clone(),
         step: 1,
         body: pass1,
     });
 
     // The new max; the rescale of the sum and accumulator.
+    let (m, l) = (row.m, row.l);
     let (m_use, alpha, p) = (
         r.add("m_use", Ty::F32),
         r.add("alpha", Ty::F32),
         r.add("p", Ty::F32),
     );
     let m_new = bin(Bin::Max, reg(m), reg(mt));
-    run.push(Stmt::Set(
+    out.push(Stmt::Set(
         m_use,
         select(
             bin(Bin::Eq, m_new.clone(), f32(f32::NEG_INFINITY)),
@@ -296,11 +396,11 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
             m_new.clone(),
         ),
     ));
-    run.push(Stmt::Set(alpha, un(Un::Ex2, sub(reg(m), reg(m_use)))));
-    run.push(Stmt::Set(m, m_new));
-    run.push(Stmt::Set(l, mul(reg(l), reg(alpha))));
-    for &a in &acc {
-        run.push(Stmt::Set(a, mul(reg(a), reg(alpha))));
+    out.push(Stmt::Set(alpha, un(Un::Ex2, sub(reg(m), reg(m_use)))));
+    out.push(Stmt::Set(m, m_new));
+    out.push(Stmt::Set(l, mul(reg(l), reg(alpha))));
+    for &a in row.acc {
+        out.push(Stmt::Set(a, mul(reg(a), reg(alpha))));
     }
     // Pass 2: probabilities, their sum, P V.
     let mut pass2 = vec![
@@ -313,65 +413,56 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         ),
         Stmt::Set(l, add(reg(l), reg(p))),
     ];
-    for (i, &a) in acc.iter().enumerate() {
+    for (i, &a) in row.acc.iter().enumerate() {
         let vd = load(
             Space::Shared,
             Ty::F32,
-            add(mul(reg(j), i64(dv * 4)), i64(v_sh + 4 * i as i64)),
+            add(mul(reg(j), i64(dv * 4)), i64(sh.v + 4 * i as i64)),
         );
         pass2.push(Stmt::Set(a, fma(reg(p), vd, reg(a))));
     }
-    run.push(Stmt::For {
+    out.push(Stmt::For {
         reg: j,
         start: i64(0),
-        end: i64(bc),
+        end: keys.count,
         step: 1,
         body: pass2,
     });
-    run.push(Stmt::Barrier);
-    tile_body.push(Stmt::If(run_tile, run, vec![]));
-    body.push(Stmt::For {
-        reg: t,
-        start: i64(0),
-        end: n_tiles,
-        step: 1,
-        body: tile_body,
-    });
+    out
+}
 
-    // Epilogue: out = acc / l, lse = (m + log2 l) ln 2; rows with no kept key: 0 and -inf.
+/// Where `valid` holds, writes the row's output `acc / l` to row `out_row` of `out` (f32 rows
+/// of `acc.len()`) and its log-sum-exp `(m + log2 l) ln 2` to `lse`; rows with no kept key
+/// get 0 and `-inf`.
+pub(super) fn simt_epilogue(
+    row: &RowState,
+    out: Expr,
+    lse: Expr,
+    out_row: Expr,
+    valid: Expr,
+) -> Stmt {
+    let (m, l) = (row.m, row.l);
+    let dv = row.acc.len() as i64;
     let nonempty = bin(Bin::Gt, reg(l), f32(0.0));
-    let out_row = add(
-        mul(add(mul(reg(batch), i64(hq)), reg(head)), param("sq")),
-        reg(row),
-    );
     let mut store = Vec::new();
-    for (i, &a) in acc.iter().enumerate() {
+    for (i, &a) in row.acc.iter().enumerate() {
         let addr = add(
-            param("out"),
+            out.clone(),
             add(mul(out_row.clone(), i64(dv * 4)), i64(4 * i as i64)),
         );
         let value = select(nonempty.clone(), bin(Bin::Div, reg(a), reg(l)), f32(0.0));
         store.push(Stmt::Store(Space::Global, addr, value));
     }
-    let lse = mul(
+    let lse_value = mul(
         add(reg(m), un(Un::Lg2, reg(l))),
         f32(std::f32::consts::LN_2),
     );
     store.push(Stmt::Store(
         Space::Global,
-        at(param("lse"), out_row, 4),
-        select(nonempty, lse, f32(f32::NEG_INFINITY)),
+        at(lse, out_row, 4),
+        select(nonempty, lse_value, f32(f32::NEG_INFINITY)),
     ));
-    body.push(Stmt::If(valid, store, vec![]));
-
-    Kernel {
-        name: "attention_forward".into(),
-        params: PARAMS.iter().map(|p| (p.to_string(), Ty::I64)).collect(),
-        regs: r.list,
-        shared_bytes: shared_bytes as u32,
-        threads: ROWS,
-        body,
-    }
+    Stmt::If(valid, store, vec![])
 }
 
 /// RoPE on a row held in registers, at position `pos`, from the per-position cos/sin tables

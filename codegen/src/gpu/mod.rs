@@ -15,3 +15,13 @@ pub mod ir;
 #[cfg(feature = "cuda")]
 pub mod llvm;
 mod print;
+
+/// The forward kernel a plan runs on GPUs (tensor cores for bf16 specs, SIMT f32 otherwise)
+/// and its keys per tile (the host's tile codes follow it).
+pub fn forward_kernel(plan: &crate::KernelPlan) -> (ir::Kernel, u32) {
+    if forward_tc::supports(plan) {
+        (forward_tc::lower(plan), forward_tc::key_tile(plan))
+    } else {
+        (forward::lower(plan), forward::key_tile(plan))
+    }
+}

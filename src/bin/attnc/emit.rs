@@ -3,7 +3,7 @@
 
 use attn::AttentionSpec;
 use attn::codegen::KernelPlan;
-use attn::codegen::gpu::{forward, forward_tc};
+use attn::codegen::gpu::forward_kernel;
 
 /// What to write.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -29,13 +29,7 @@ pub enum Target {
 
 /// The text of the spec's forward kernel in the requested form.
 pub fn emit(spec: &AttentionSpec, target: Target, what: Emit) -> Result<String, String> {
-    let plan = KernelPlan::forward(spec);
-    // bf16 specs get the tensor-core kernel, the rest the SIMT f32 one.
-    let kernel = if forward_tc::supports(&plan) {
-        forward_tc::lower(&plan)
-    } else {
-        forward::lower(&plan)
-    };
+    let (kernel, _) = forward_kernel(&KernelPlan::forward(spec));
     match what {
         Emit::GpuIr => Ok(kernel.to_string()),
         Emit::LlvmIr | Emit::Ptx => compile(&kernel, target, what),
