@@ -238,6 +238,34 @@ impl KernelPlan {
         }
     }
 
+    /// The rows of a mixed tile that can keep a key: `rows` narrowed from both ends by groups of
+    /// [`ROW_GROUP`] rows the classification proves all masked. Rows outside the result leave
+    /// the running softmax state unchanged, so a kernel skips them (on the diagonal of a causal
+    /// mask, half of the last key tile's rows). `None` when every row is masked.
+    pub fn live_rows(&self, rows: Interval, keys: Interval, call: CallShape) -> Option<Interval> {
+        let group = ROW_GROUP as i64;
+        let masked = |lo: i64, hi: i64| {
+            self.classify_tile(Interval::new(lo, hi), keys, call) == TileClass::AllMasked
+        };
+        let mut lo = rows.lo;
+        while lo <= rows.hi && masked(lo, (lo + group - 1).min(rows.hi)) {
+            lo += group;
+        }
+        if lo > rows.hi {
+            return None;
+        }
+        // Groups counted from `lo`, so the upper end stays aligned with the lower one.
+        let mut hi = rows.hi;
+        loop {
+            let group_lo = lo + (hi - lo) / group * group;
+            if group_lo == lo || !masked(group_lo, hi) {
+                break;
+            }
+            hi = group_lo - 1;
+        }
+        Some(Interval::new(lo, hi))
+    }
+
     /// The classification of every (query block, key tile) of a call with `sq` queries against
     /// `skv` keys at offset `p0`, for all batches and heads at once (a kernel classifies per
     /// head, which can only be finer).
@@ -369,6 +397,9 @@ fn tiles_for(width: u32) -> Tiles {
 
 /// Keys per K/V tile.
 pub const K_TILE: u32 = 64;
+
+/// Rows the forward kernels narrow a mixed tile's row range by ([`KernelPlan::live_rows`]).
+pub const ROW_GROUP: u32 = 8;
 
 /// Rows (query heads of one kv head x queries) of a decode block.
 pub const DECODE_ROWS: u32 = 64;

@@ -100,3 +100,58 @@ fn a_per_head_mask_reads_the_head() {
         other => panic!("{other:?}"),
     }
 }
+
+/// `live_rows` against the rows that keep a key, written out for causal and sliding-window
+/// masks (Sq == Skv): every live row inside, at most a row group of dead rows at either end.
+#[test]
+fn live_rows_trim_rows_that_see_no_key_of_the_tile() {
+    use attn_dsl::modifier::interval::Interval;
+    use codegen::plan::{CallShape, ROW_GROUP};
+    let n = 512i64;
+    let call = CallShape {
+        sq: n,
+        skv: n,
+        p0: 0,
+        batch: Interval::point(0),
+        head: Interval::point(0),
+    };
+    for (text, window) in [
+        ("heads = 2, head_dim = 32, mask = causal", None),
+        (
+            "heads = 2, head_dim = 32, mask = sliding_window(100)",
+            Some(100i64),
+        ),
+    ] {
+        let p = KernelPlan::forward(&text.parse::<AttentionSpec>().unwrap());
+        let keeps = |q: i64, k: i64| k <= q && window.is_none_or(|w| q - k < w);
+        let mut narrowed = 0;
+        for (q0, q1) in [(0i64, 127i64), (128, 255), (100, 227), (384, 511)] {
+            for k0 in (0..n).step_by(64) {
+                let (rows, keys) = (Interval::new(q0, q1), Interval::new(k0, k0 + 63));
+                if p.classify_tile(rows, keys, call) != TileClass::Mixed {
+                    continue;
+                }
+                let live: Vec<i64> = (q0..=q1)
+                    .filter(|&q| (k0..k0 + 64).any(|k| keeps(q, k)))
+                    .collect();
+                let got = p.live_rows(rows, keys, call);
+                let (Some(first), Some(last)) = (live.first(), live.last()) else {
+                    assert_eq!(got, None, "{text}: rows {q0}..={q1}, keys from {k0}");
+                    continue;
+                };
+                let got = got.expect("live rows exist");
+                assert!(
+                    got.lo <= *first && got.hi >= *last,
+                    "{text}: {got:?} misses rows"
+                );
+                let slack = i64::from(ROW_GROUP);
+                assert!(
+                    *first - got.lo < slack && got.hi - *last < slack,
+                    "{text}: {got:?}"
+                );
+                narrowed += usize::from(got.lo > q0 || got.hi < q1);
+            }
+        }
+        assert!(narrowed > 0, "{text}: no tile was narrowed");
+    }
+}

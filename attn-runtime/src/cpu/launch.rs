@@ -5,7 +5,7 @@ use super::rope_table::RopeTables;
 use crate::error::RuntimeError;
 use crate::tensor::Tensor;
 use attn_dsl::modifier::interval::{Interval, TileClass};
-use codegen::cpu::abi::{BlockArgs, PackArgs, TileCode, packed_k_len};
+use codegen::cpu::abi::{BlockArgs, BlockTile, PackArgs, TileCode, packed_k_len};
 use codegen::cpu::{CpuKernel, Entry};
 use codegen::plan::{CallShape, K_TILE, KernelPlan};
 use rayon::prelude::*;
@@ -116,8 +116,16 @@ unsafe impl Send for Shared {}
 // SAFETY: as above; no task reads what another writes.
 unsafe impl Sync for Shared {}
 
-/// The tile codes of query rows `q0..q1` of one (batch, head).
-fn tile_codes(plan: &KernelPlan, call: &Call, q0: usize, q1: usize, b: usize, h: usize) -> Vec<u8> {
+/// How query rows `q0..q1` of one (batch, head) meet each key tile: its code, and the rows of a
+/// mixed tile that can keep a key (relative to `q0`).
+fn block_tiles(
+    plan: &KernelPlan,
+    call: &Call,
+    q0: usize,
+    q1: usize,
+    b: usize,
+    h: usize,
+) -> Vec<BlockTile> {
     let shape = CallShape {
         sq: call.sq as i64,
         skv: call.skv as i64,
@@ -127,6 +135,12 @@ fn tile_codes(plan: &KernelPlan, call: &Call, q0: usize, q1: usize, b: usize, h:
     };
     let rows = Interval::new(q0 as i64, q1 as i64 - 1);
     let tile = K_TILE as usize;
+    let record = |code: TileCode, live: Interval| BlockTile {
+        code: code as u32,
+        first_row: (live.lo - rows.lo) as u32,
+        end_row: (live.hi + 1 - rows.lo) as u32,
+    };
+    let skip = record(TileCode::Skip, rows);
     (0..call.skv.div_ceil(tile))
         .map(|t| {
             let keys = Interval::new(
@@ -134,9 +148,12 @@ fn tile_codes(plan: &KernelPlan, call: &Call, q0: usize, q1: usize, b: usize, h:
                 (((t + 1) * tile).min(call.skv) - 1) as i64,
             );
             match plan.classify_tile(rows, keys, shape) {
-                TileClass::AllMasked => TileCode::Skip as u8,
-                TileClass::AllKept => TileCode::Full as u8,
-                TileClass::Mixed => TileCode::Masked as u8,
+                TileClass::AllMasked => skip,
+                TileClass::AllKept => record(TileCode::Full, rows),
+                TileClass::Mixed => match plan.live_rows(rows, keys, shape) {
+                    Some(live) => record(TileCode::Masked, live),
+                    None => skip,
+                },
             }
         })
         .collect()
@@ -231,7 +248,7 @@ pub(super) fn run(
             let (out_ptr, lse_ptr) = (out_ptr, lse_ptr);
             let q0 = blk * rows;
             let q1 = (q0 + rows).min(sq);
-            let codes = tile_codes(plan, call, q0, q1, b, h);
+            let tiles = block_tiles(plan, call, q0, q1, b, h);
             let kvh = h / group;
             let row0 = (b * hq + h) * sq + q0;
             let (cos, sin, table_pos0) = table_ptrs();
@@ -248,7 +265,7 @@ pub(super) fn run(
                 v_row_stride: v.row_stride(),
                 skv: skv as i64,
                 k_pos0: p0,
-                tile_codes: codes.as_ptr(),
+                tiles: tiles.as_ptr(),
                 out: out_ptr.0.wrapping_add(row0 * dv),
                 out_row_stride: dv as i64,
                 lse: lse_ptr.0.wrapping_add(row0),
@@ -258,8 +275,8 @@ pub(super) fn run(
                 table_pos0,
             };
             // SAFETY: every pointer in `args` addresses memory of the sizes the ABI requires:
-            // rows q0..q1 of q, the packed keys and the values of this (batch, kv head), one code
-            // per key tile, rows q0..q1 of out and lse (written by this task only), a scratch of
+            // rows q0..q1 of q, the packed keys and the values of this (batch, kv head), one record
+            // per key tile (rows within the block), rows q0..q1 of out and lse (written by this task only), a scratch of
             // `ScratchLayout::total` values, and tables covering every query position.
             unsafe { block(&args) };
         },

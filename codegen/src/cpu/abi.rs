@@ -61,8 +61,8 @@ pub struct BlockArgs {
     pub skv: i64,
     /// Absolute position of key 0.
     pub k_pos0: i64,
-    /// One [`TileCode`] per key tile, for this block.
-    pub tile_codes: *const u8,
+    /// One record per key tile: how this block meets it.
+    pub tiles: *const BlockTile,
     /// Output rows (`v_dim` values each).
     pub out: *mut f32,
     /// Elements between output rows.
@@ -143,6 +143,19 @@ pub struct Segment {
     pub len: i64,
     /// Its [`TileCode`] for the block's rows.
     pub code: i64,
+}
+
+/// How a forward block meets one key tile: its code, and for tiles it does not skip, the rows
+/// that can keep a key (rows outside `first_row..end_row` are all masked and skipped).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockTile {
+    /// A [`TileCode`].
+    pub code: u32,
+    /// First row of the block that meets the tile.
+    pub first_row: u32,
+    /// One past the last.
+    pub end_row: u32,
 }
 
 /// How a block meets one key tile (from the plan's interval classification).

@@ -4,14 +4,14 @@
 //! list of key segments read in place, such as a paged cache's blocks) for decode plans. The
 //! per-tile work both share is in `step.rs`.
 
-use super::abi::{BlockArgs, DecodeArgs, PackArgs, Segment, TileCode};
+use super::abi::{BlockArgs, BlockTile, DecodeArgs, PackArgs, Segment, TileCode};
 use super::fx::Fx;
 use super::score::Tables;
 use super::step::{BlockState, KeyTile, RowMap, Rows, epilogue, prologue, softmax_step};
 use crate::plan::{K_TILE, KernelPlan, RopePrologue};
 use attn_dsl::RopeLayout;
 use cranelift_codegen::ir::condcodes::IntCC;
-use cranelift_codegen::ir::types::{F32, F32X4, I8, I64};
+use cranelift_codegen::ir::types::{F32, F32X4, I32, I64};
 use cranelift_codegen::ir::{FuncRef, InstBuilder, Value};
 use std::mem::offset_of;
 
@@ -120,6 +120,17 @@ pub(super) fn scale_row(fx: &mut Fx, dst: Value, n: i64, factor: Value, set: boo
     }
 }
 
+/// The address of key `j`'s dim 0 in the packed tiles, `kt[j / K][0][j % K]`; its dim `d` is
+/// `d * K` values further.
+fn column_base(fx: &mut Fx, kt: Value, j: Value, dim: i64) -> Value {
+    let tile = i64::from(K_TILE);
+    let t = fx.b.ins().ushr_imm_s(j, tile.trailing_zeros() as i64);
+    let col = fx.b.ins().band_imm_s(j, tile - 1);
+    let tile_len = fx.i64(dim * tile);
+    let tile_base = fx.elem_scaled(kt, t, tile_len);
+    fx.elem(tile_base, col)
+}
+
 /// Writes key `j` into the packed tiles: `kt[j / K][d][j % K] = value(d)` for `d < dim`.
 fn store_column(
     fx: &mut Fx,
@@ -129,11 +140,7 @@ fn store_column(
     mut value: impl FnMut(&mut Fx, Value) -> Value,
 ) {
     let tile = i64::from(K_TILE);
-    let t = fx.b.ins().ushr_imm_s(j, tile.trailing_zeros() as i64);
-    let col = fx.b.ins().band_imm_s(j, tile - 1);
-    let tile_len = fx.i64(dim * tile);
-    let tile_base = fx.elem_scaled(kt, t, tile_len);
-    let dst = fx.elem(tile_base, col);
+    let dst = column_base(fx, kt, j, dim);
     let (zero, end) = (fx.i64(0), fx.i64(dim));
     fx.for_range(zero, end, 1, |fx, d| {
         let v = value(fx, d);
@@ -157,33 +164,74 @@ pub(super) fn pack_k(fx: &mut Fx, plan: &KernelPlan, args: Value) {
     ];
     let kt = field!(fx, args, I64, PackArgs.kt);
     let tile = i64::from(K_TILE);
-    let row_buf =
+    // With RoPE, rows are rotated in a copy (up to four at a time) before they are stored.
+    let rows_buf =
         fx.b.create_sized_stack_slot(cranelift_codegen::ir::StackSlotData::new(
             cranelift_codegen::ir::StackSlotKind::ExplicitSlot,
-            (dim * 4) as u32,
+            (4 * dim * 4) as u32,
             4,
         ));
-    let zero = fx.i64(0);
-    fx.for_range(zero, skv, 1, |fx, j| {
-        // With RoPE, rotate a copy of the row first; then scatter the row into column j % tile
-        // of its tile.
+    let source_rows = |fx: &mut Fx, j: Value, n: i64| -> (Value, Value) {
         let src = fx.elem_scaled(k, j, stride);
-        let row = match &plan.rope {
-            Some(rope) => {
-                let buf = fx.b.ins().stack_addr(I64, row_buf, 0);
-                copy(fx, buf, src, dim);
-                let pos = fx.b.ins().iadd(k_pos0, j);
-                rotate(fx, rope, buf, pos, tables);
-                buf
-            }
-            None => src,
+        let Some(rope) = &plan.rope else {
+            return (src, stride);
         };
+        let buf = fx.b.ins().stack_addr(I64, rows_buf, 0);
+        for i in 0..n {
+            let from = fx.b.ins().iadd_imm_s(j, i);
+            let from = fx.elem_scaled(k, from, stride);
+            let to = fx.b.ins().iadd_imm_s(buf, i * dim * 4);
+            copy(fx, to, from, dim);
+            let pos = fx.b.ins().iadd(k_pos0, j);
+            let pos = fx.b.ins().iadd_imm_s(pos, i);
+            rotate(fx, rope, to, pos, tables);
+        }
+        let dim_v = fx.i64(dim);
+        (buf, dim_v)
+    };
+
+    // Four keys at a time (four consecutive columns of one tile): 4 x 4 transposes.
+    let quads = fx.b.ins().band_imm_s(skv, !3);
+    let zero = fx.i64(0);
+    fx.for_range(zero, quads, 4, |fx, j| {
+        let (rows, row_stride) = source_rows(fx, j, 4);
+        let column = column_base(fx, kt, j, dim);
+        let row_ptrs: [Value; 4] = [0, 1, 2, 3].map(|i| {
+            let i = fx.i64(i);
+            fx.elem_scaled(rows, i, row_stride)
+        });
+        let dim4 = dim / 4 * 4;
+        if dim4 > 0 {
+            let end = fx.i64(dim4);
+            let zero = fx.i64(0);
+            let tile_v = fx.i64(tile);
+            fx.for_range(zero, end, 4, |fx, d| {
+                let lanes = row_ptrs.map(|row| {
+                    let at = fx.elem(row, d);
+                    fx.load(F32X4, at, 0)
+                });
+                let columns = fx.transpose4(lanes);
+                let dst = fx.elem_scaled(column, d, tile_v);
+                for (i, c) in columns.into_iter().enumerate() {
+                    fx.store(c, dst, (i as i64 * tile * 4) as i32);
+                }
+            });
+        }
+        for d in dim4..dim {
+            for (i, row) in row_ptrs.iter().enumerate() {
+                let x = fx.load(F32, *row, (d * 4) as i32);
+                fx.store(x, column, ((d * tile + i as i64) * 4) as i32);
+            }
+        }
+    });
+    // The last keys one at a time, then zeros in the padding columns of the last tile.
+    fx.for_range(quads, skv, 1, |fx, j| {
+        let (row, _) = source_rows(fx, j, 1);
         store_column(fx, kt, j, dim, |fx, d| {
             let s = fx.elem(row, d);
             fx.load(F32, s, 0)
         });
     });
-    // Zero the padding columns of the last tile.
     let padded = fx.b.ins().iadd_imm_s(skv, tile - 1);
     let padded = fx.b.ins().band_imm_s(padded, !(tile - 1));
     fx.for_range(skv, padded, 1, |fx, j| {
@@ -228,27 +276,36 @@ pub(super) fn block(fx: &mut Fx, plan: &KernelPlan, refs: &Refs, tables: &mut Ta
     let v_stride = field!(fx, args, I64, BlockArgs.v_row_stride);
     let skv = field!(fx, args, I64, BlockArgs.skv);
     let k_pos0 = field!(fx, args, I64, BlockArgs.k_pos0);
-    let codes = field!(fx, args, I64, BlockArgs.tile_codes);
+    let records = field!(fx, args, I64, BlockArgs.tiles);
     let n_tiles = fx.b.ins().iadd_imm_s(skv, tile - 1);
     let n_tiles = fx.b.ins().sshr_imm_s(n_tiles, tile.trailing_zeros() as i64);
     let zero = fx.i64(0);
     fx.for_range(zero, n_tiles, 1, |fx, t| {
-        let code_addr = fx.b.ins().iadd(codes, t);
-        let code = fx.load(I8, code_addr, 0);
+        let record_len = fx.i64(std::mem::size_of::<BlockTile>() as i64);
+        let at = fx.b.ins().imul(t, record_len);
+        let record = fx.b.ins().iadd(records, at);
+        let code = field!(fx, record, I32, BlockTile.code);
+        let code = fx.b.ins().uextend(I64, code);
         let run =
             fx.b.ins()
                 .icmp_imm_s(IntCC::NotEqual, code, TileCode::Skip as i64);
         fx.if_then(run, |fx| {
+            let first_row = field!(fx, record, I32, BlockTile.first_row);
+            let first_row = fx.b.ins().uextend(I64, first_row);
+            let end_row = field!(fx, record, I32, BlockTile.end_row);
+            let end_row = fx.b.ins().uextend(I64, end_row);
             let tile_len = fx.i64(qk_dim * tile);
             let kt_t = fx.elem_scaled(kt, t, tile_len);
             let qk_v = fx.i64(qk_dim);
-            fx.b.ins().call(
-                refs.qk,
-                &[state.qs, qk_v, rows, qk_v, kt_t, state.s, state.tile_max],
-            );
+            let tile_v = fx.i64(tile);
+            let q_rows = fx.elem_scaled(state.qs, first_row, qk_v);
+            let live = fx.b.ins().isub(end_row, first_row);
+            let s_rows = fx.elem_scaled(state.s, first_row, tile_v);
+            let max_rows = fx.elem(state.tile_max, first_row);
+            fx.b.ins()
+                .call(refs.qk, &[q_rows, qk_v, live, qk_v, kt_t, s_rows, max_rows]);
             let first_key = fx.b.ins().imul_imm_s(t, tile);
             let left = fx.b.ins().isub(skv, first_key);
-            let tile_v = fx.i64(tile);
             let cols = fx.b.ins().smin(left, tile_v);
             let key_tile = KeyTile {
                 code,
@@ -258,6 +315,8 @@ pub(super) fn block(fx: &mut Fx, plan: &KernelPlan, refs: &Refs, tables: &mut Ta
                 key_end: skv,
                 v: fx.elem_scaled(v, first_key, v_stride),
                 v_stride,
+                first_row,
+                end_row,
             };
             softmax_step(fx, plan, refs, tables, &state, &key_tile);
         });
@@ -347,6 +406,8 @@ pub(super) fn decode(
                 key_end: fx.b.ins().iadd(first_key, cols),
                 v: field!(fx, seg, I64, Segment.v),
                 v_stride,
+                first_row: fx.i64(0),
+                end_row: rows,
             };
             softmax_step(fx, plan, refs, tables, &state, &key_tile);
         });

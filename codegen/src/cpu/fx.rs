@@ -138,17 +138,39 @@ impl<'a> Fx<'a> {
         [0u8, 1, 2, 3].map(|i| self.b.ins().extractlane(v, i))
     }
 
-    /// The f32x4 `v` with its lanes permuted: lane `i` of the result is lane `order[i]` of `v`.
-    fn permute(&mut self, v: Value, order: [u8; 4]) -> Value {
-        let bytes: Vec<u8> = order
+    /// Lanes of two f32x4 vectors: lane `i` of the result is lane `lanes[i]` of `a` for values
+    /// 0-3, of `b` for 4-7.
+    fn shuffle2(&mut self, a: Value, b: Value, lanes: [u8; 4]) -> Value {
+        let bytes: Vec<u8> = lanes
             .iter()
-            .flat_map(|&lane| (0..4).map(move |b| lane * 4 + b))
+            .flat_map(|&lane| (0..4).map(move |byte| lane * 4 + byte))
             .collect();
         let mask = self.b.func.dfg.immediates.push(bytes.into());
         let little = MemFlagsData::new().with_endianness(Endianness::Little);
-        let v8 = self.b.ins().bitcast(I8X16, little, v);
-        let shuffled = self.b.ins().shuffle(v8, v8, mask);
+        let a8 = self.b.ins().bitcast(I8X16, little, a);
+        let b8 = self.b.ins().bitcast(I8X16, little, b);
+        let shuffled = self.b.ins().shuffle(a8, b8, mask);
         self.b.ins().bitcast(F32X4, little, shuffled)
+    }
+
+    /// The 4 x 4 transpose of four f32x4 rows (eight unpack instructions on x64).
+    pub fn transpose4(&mut self, rows: [Value; 4]) -> [Value; 4] {
+        let [a, b, c, d] = rows;
+        let ab_lo = self.shuffle2(a, b, [0, 4, 1, 5]);
+        let cd_lo = self.shuffle2(c, d, [0, 4, 1, 5]);
+        let ab_hi = self.shuffle2(a, b, [2, 6, 3, 7]);
+        let cd_hi = self.shuffle2(c, d, [2, 6, 3, 7]);
+        [
+            self.shuffle2(ab_lo, cd_lo, [0, 1, 4, 5]),
+            self.shuffle2(ab_lo, cd_lo, [2, 3, 6, 7]),
+            self.shuffle2(ab_hi, cd_hi, [0, 1, 4, 5]),
+            self.shuffle2(ab_hi, cd_hi, [2, 3, 6, 7]),
+        ]
+    }
+
+    /// The f32x4 `v` with its lanes permuted: lane `i` of the result is lane `order[i]` of `v`.
+    fn permute(&mut self, v: Value, order: [u8; 4]) -> Value {
+        self.shuffle2(v, v, order)
     }
 
     /// The largest lane (NaN-blind, like [`Fx::pmax4`]) or the sum of the lanes of an f32x4,

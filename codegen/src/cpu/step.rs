@@ -111,6 +111,9 @@ pub(super) struct KeyTile {
     /// Row 0 of its values, and the elements between rows.
     pub v: Value,
     pub v_stride: Value,
+    /// The block's rows that meet the tile, `first_row..end_row` (the others are all masked).
+    pub first_row: Value,
+    pub end_row: Value,
 }
 
 /// Prologue: the block's queries copied to scratch, rotated and scaled; running max `-inf`, sum
@@ -220,9 +223,8 @@ pub(super) fn softmax_step(
     let needs_mask_program = !matches!(plan.masking, TileMasking::Unmasked);
     let identity = identity_program(plan);
 
-    let zero = fx.i64(0);
     let v_dim_v = fx.i64(v_dim);
-    fx.for_range(zero, a.rows, 1, |fx, r| {
+    fx.for_range(k.first_row, k.end_row, 1, |fx, r| {
         let row = a.row_env(fx, r);
         let exprs: Vec<&attn_dsl::modifier::Expr> = if needs_mask_program {
             vec![&plan.program.score, &plan.program.mask]
@@ -325,10 +327,11 @@ pub(super) fn softmax_step(
         fx.if_then(grew, |fx| scale_row(fx, pa, v_dim, alpha, false));
     });
 
-    fx.b.ins().call(
-        refs.pv,
-        &[a.s, a.rows, cols, k.v, k.v_stride, a.acc, v_dim_v],
-    );
+    let p = fx.elem_scaled(a.s, k.first_row, tile_v);
+    let rows = fx.b.ins().isub(k.end_row, k.first_row);
+    let acc = fx.elem_scaled(a.acc, k.first_row, v_dim_v);
+    fx.b.ins()
+        .call(refs.pv, &[p, rows, cols, k.v, k.v_stride, acc, v_dim_v]);
 }
 
 struct ScorePass {
