@@ -76,8 +76,12 @@ impl<'a> Fx<'a> {
         self.b.ins().jump(header, &[start.into()]);
         self.b.switch_to_block(header);
         let i = self.b.block_params(header)[0];
-        let more = self.b.ins().icmp(IntCC::SignedLessThan, i, end);
-        self.b.ins().brif(more, body_block, &[], exit, &[]);
+        // The exit is the branch's first target. Cranelift hoists loop-invariant code out of a
+        // loop only if its dominator-tree walk reaches the body before the exit (leaving the
+        // loop forgets it), and that walk is in reverse postorder, where a branch's first
+        // target comes after its second. With the body first, nothing was hoisted.
+        let done = self.b.ins().icmp(IntCC::SignedGreaterThanOrEqual, i, end);
+        self.b.ins().brif(done, exit, &[], body_block, &[]);
         self.b.switch_to_block(body_block);
         self.b.seal_block(body_block);
         body(self, i);
