@@ -156,9 +156,16 @@ pub fn compile(plan: &KernelPlan, imports: &Imports) -> Result<CpuKernel, Codege
             }
             fx.b.finalize(module.target_config());
         }
+        // `ATTN_DUMP_ASM=1` prints each generated function's machine code to stderr (for
+        // reading what Cranelift made of a loop: spills, hoisting).
+        let dump = std::env::var_os("ATTN_DUMP_ASM").is_some();
+        ctx.set_disasm(dump);
         module
             .define_function(id, &mut ctx)
             .map_err(|e| CodegenError::Cranelift(format!("{name}: {e:?}")))?;
+        if dump && let Some(code) = ctx.compiled_code() {
+            eprintln!("== {name}\n{}", code.vcode.clone().unwrap_or_default());
+        }
         module.clear_context(&mut ctx);
     }
     module.finalize_definitions().map_err(err)?;

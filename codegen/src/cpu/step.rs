@@ -354,39 +354,46 @@ fn score_pass(
     masked: bool,
 ) {
     let needs_mask_program = !matches!(plan.masking, TileMasking::Unmasked);
+    let lane_index = fx.vconst4(I32X4, [0, 1, 2, 3]);
     let (z, end) = (fx.i64(0), fx.i64(i64::from(K_TILE)));
-    fx.for_range(z, end, 4, |fx, c| {
-        let p = fx.elem(pass.s_row, c);
-        let raw = fx.load(F32X4, p, 0);
-        let g = GroupEnv {
-            score: raw,
-            key0: fx.b.ins().iadd(pass.tile_key_pos, c),
-            key_index0: fx.b.ins().iadd(pass.first_key, c),
-        };
-        let mut lowering = ScoreLowering {
-            logf: refs.logf,
-            tables: &mut *tables,
-        };
-        let mut value = lowering.float4(fx, uniforms, &g, &plan.program.score);
-        if masked {
-            // Keys past the end of the sequence, and keys the mask drops, get -inf.
-            let inside: [Value; 4] = [0, 1, 2, 3].map(|i| {
-                let ki = fx.b.ins().iadd_imm_s(g.key_index0, i);
-                let inside = fx.b.ins().icmp(IntCC::SignedLessThan, ki, pass.key_end);
-                fx.b.ins().bmask(I32, inside)
-            });
-            let mut keep = fx.gather4(I32X4, inside);
-            if needs_mask_program {
-                let mask = lowering.mask4(fx, uniforms, &g, &plan.program.mask);
-                keep = fx.b.ins().band(keep, mask);
+    // Two groups per iteration, as in pass 2.
+    fx.for_range(z, end, 8, |fx, c| {
+        for offset in [0, 4] {
+            let group = fx.b.ins().iadd_imm_s(c, offset);
+            let p = fx.elem(pass.s_row, group);
+            let raw = fx.load(F32X4, p, 0);
+            let g = GroupEnv {
+                score: raw,
+                key0: fx.b.ins().iadd(pass.tile_key_pos, group),
+                key_index0: fx.b.ins().iadd(pass.first_key, group),
+            };
+            let mut lowering = ScoreLowering {
+                logf: refs.logf,
+                tables: &mut *tables,
+            };
+            let mut value = lowering.float4(fx, uniforms, &g, &plan.program.score);
+            if masked {
+                // Keys past the end of the sequence, and keys the mask drops, get -inf: lane i
+                // is inside while i < key_end - key_index0 (clamped to 0..=4 to fit 32 bits).
+                let left = fx.b.ins().isub(pass.key_end, g.key_index0);
+                let (lo, hi) = (fx.i64(0), fx.i64(4));
+                let left = fx.b.ins().smax(left, lo);
+                let left = fx.b.ins().smin(left, hi);
+                let left = fx.b.ins().ireduce(I32, left);
+                let left = fx.b.ins().splat(I32X4, left);
+                let mut keep = fx.b.ins().icmp(IntCC::SignedLessThan, lane_index, left);
+                if needs_mask_program {
+                    let mask = lowering.mask4(fx, uniforms, &g, &plan.program.mask);
+                    keep = fx.b.ins().band(keep, mask);
+                }
+                let keep = fx.b.ins().bitcast(F32X4, MemFlagsData::new(), keep);
+                let neg_inf = fx.f32x4(f32::NEG_INFINITY);
+                value = fx.b.ins().bitselect(keep, value, neg_inf);
             }
-            let keep = fx.b.ins().bitcast(F32X4, MemFlagsData::new(), keep);
-            let neg_inf = fx.f32x4(f32::NEG_INFINITY);
-            value = fx.b.ins().bitselect(keep, value, neg_inf);
+            fx.store(value, p, 0);
+            let mx = fx.b.use_var(pass.max_var);
+            let mx = fx.pmax4(value, mx);
+            fx.b.def_var(pass.max_var, mx);
         }
-        fx.store(value, p, 0);
-        let mx = fx.b.use_var(pass.max_var);
-        let mx = fx.pmax4(value, mx);
-        fx.b.def_var(pass.max_var, mx);
     });
 }
