@@ -327,31 +327,43 @@ impl<'a> Fx<'a> {
     /// f32 precision), P and Q of degree 4: a rational fit made for this kernel (Lawson-weighted
     /// least squares; 2e-8 in exact arithmetic, 3.4e-7 absolute when evaluated in f32).
     pub fn tanh4(&mut self, x: Value) -> Value {
-        const P: [f32; 5] = [
+        self.tanh4_scaled(x, 1.0)
+    }
+
+    /// `c tanh x` on f32x4, as [`Fx::tanh4`] with `c` folded into the numerator's coefficients
+    /// (one multiply fewer than scaling the result).
+    pub fn tanh4_scaled(&mut self, x: Value, c: f32) -> Value {
+        const P: [f64; 5] = [
             0.999_999_9,
             0.133_731_9,
             0.003_486_573,
             2.047_168_2e-5,
             1.318_401_5e-8,
         ];
-        const Q: [f32; 5] = [1.0, 0.467_064_9, 0.025_841_946, 3.271_370_7e-4, 7.702_58e-7];
+        const Q: [f64; 5] = [1.0, 0.467_064_9, 0.025_841_946, 3.271_370_7e-4, 7.702_58e-7];
+        // Both divided by Q's leading coefficient: Q's Horner scheme then starts with an add,
+        // and one constant fewer is live in the loop.
+        let lead = Q[4];
+        let p = P.map(|p| (p * f64::from(c) / lead) as f32);
+        let q = Q.map(|q| (q / lead) as f32);
         let hi = self.f32x4(9.0);
         let lo = self.f32x4(-9.0);
         let x = self.pmin4(x, hi);
         let x = self.pmax4(x, lo);
         let z = self.b.ins().fmul(x, x);
-        let mut poly = |c: &[f32; 5]| {
-            let mut acc = self.f32x4(c[4]);
-            for k in (0..4).rev() {
-                let ck = self.f32x4(c[k]);
-                acc = self.b.ins().fma(acc, z, ck);
-            }
-            acc
-        };
-        let p = poly(&P);
-        let q = poly(&Q);
-        let xp = self.b.ins().fmul(x, p);
-        self.b.ins().fdiv(xp, q)
+        let mut num = self.f32x4(p[4]);
+        for k in (0..4).rev() {
+            let ck = self.f32x4(p[k]);
+            num = self.b.ins().fma(num, z, ck);
+        }
+        let q3 = self.f32x4(q[3]);
+        let mut den = self.b.ins().fadd(z, q3);
+        for k in (0..3).rev() {
+            let ck = self.f32x4(q[k]);
+            den = self.b.ins().fma(den, z, ck);
+        }
+        let xp = self.b.ins().fmul(x, num);
+        self.b.ins().fdiv(xp, den)
     }
 
     /// An f32 scalar splatted.

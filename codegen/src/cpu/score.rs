@@ -164,6 +164,12 @@ impl ScoreLowering<'_> {
                 let a = self.lanes(fx, u, g, a);
                 self.unary4(fx, *op, a)
             }
+            // `c * tanh(x)` (softcap): c goes into tanh's numerator coefficients.
+            Expr::Binary(BinOp::Mul, a, b) if scaled_tanh(a, b).is_some() => {
+                let (c, x) = scaled_tanh(a, b).expect("matched");
+                let x = self.float4(fx, u, g, x);
+                Lanes::F(fx.tanh4_scaled(x, c as f32))
+            }
             // Division by a constant: a multiply by its reciprocal (within 1 ulp, and a
             // fraction of a division's cost).
             Expr::Binary(BinOp::Div, a, b) if matches!(**b, Expr::Float(c) if c != 0.0) => {
@@ -534,5 +540,14 @@ fn int_op(fx: &mut Fx, op: BinOp, x: Value, y: Value) -> Value {
             }
         }
         _ => unreachable!("not arithmetic: {op:?}"),
+    }
+}
+
+/// `c * tanh(x)` or `tanh(x) * c` with a constant `c`: `(c, x)`.
+fn scaled_tanh<'e>(a: &'e Expr, b: &'e Expr) -> Option<(f64, &'e Expr)> {
+    match (a, b) {
+        (Expr::Float(c), Expr::Unary(UnOp::Tanh, x))
+        | (Expr::Unary(UnOp::Tanh, x), Expr::Float(c)) => Some((*c, x)),
+        _ => None,
     }
 }
