@@ -228,6 +228,7 @@ impl Cta<'_> {
                     }
                 }
                 Stmt::Mma { d, a, b, c } => self.mma(mask, *d, *a, *b, *c)?,
+                Stmt::LdMatrix { dst, addr, trans } => self.ldmatrix(mask, dst, addr, *trans)?,
                 Stmt::Barrier => {
                     if !mask.iter().all(|&m| m) {
                         let waiting = mask.iter().filter(|&&m| m).count();
@@ -292,6 +293,69 @@ impl Cta<'_> {
                     let sum: f64 =
                         (0..16).map(|k| am[row][k] * bm[k][col]).sum::<f64>() + cm[row][col];
                     self.regs[warp + lane][r.0 as usize] = Val::F(sum as f32);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// `ldmatrix` for every warp with active lanes: reads the rows the lanes address (checking
+    /// alignment and bounds) and hands out their 16-bit elements by the PTX ISA layout.
+    fn ldmatrix(
+        &mut self,
+        mask: &[bool],
+        dst: &[Reg],
+        addr: &Expr,
+        trans: bool,
+    ) -> Result<(), String> {
+        if ![1, 2, 4].contains(&dst.len()) {
+            return Err(format!("ldmatrix of {} matrices", dst.len()));
+        }
+        let addrs = self.eval_all(addr, mask)?;
+        for warp in (0..mask.len()).step_by(32) {
+            let lanes = warp..(warp + 32).min(mask.len());
+            if !lanes.clone().any(|t| mask[t]) {
+                continue;
+            }
+            if lanes.len() < 32 || !lanes.clone().all(|t| mask[t]) {
+                return Err(format!(
+                    "ldmatrix in warp {} without all 32 lanes active",
+                    warp / 32
+                ));
+            }
+            // matrices[i][row][col]: the 16-bit elements.
+            let mut matrices = vec![[[0u16; 8]; 8]; dst.len()];
+            for (i, matrix) in matrices.iter_mut().enumerate() {
+                for (row, values) in matrix.iter_mut().enumerate() {
+                    let lane = warp + 8 * i + row;
+                    let a = addrs[lane].ok_or("inactive lane")?.int()?;
+                    if a % 16 != 0 {
+                        return Err(format!(
+                            "ldmatrix row address {a} (lane {}) is not 16-byte aligned",
+                            lane % 32
+                        ));
+                    }
+                    for (col, value) in values.iter_mut().enumerate() {
+                        let Val::I32(bits) =
+                            self.load(Space::Shared, Ty::I32, a + 4 * (col as i64 / 2))?
+                        else {
+                            unreachable!("an I32 load")
+                        };
+                        *value = (bits as u32 >> (16 * (col % 2))) as u16;
+                    }
+                }
+            }
+            for lane in 0..32 {
+                let (g, q) = (lane / 4, lane % 4);
+                for (i, r) in dst.iter().enumerate() {
+                    let m = &matrices[i];
+                    let (lo, hi) = if trans {
+                        (m[2 * q][g], m[2 * q + 1][g])
+                    } else {
+                        (m[g][2 * q], m[g][2 * q + 1])
+                    };
+                    let bits = (u32::from(hi) << 16) | u32::from(lo);
+                    self.regs[warp + lane][r.0 as usize] = Val::I32(bits as i32);
                 }
             }
         }

@@ -175,6 +175,20 @@ pub enum Stmt {
         /// The accumulator fragment (four F32 registers).
         c: [Reg; 4],
     },
+    /// `ldmatrix.sync.aligned.m8n8.x{1,2,4}{.trans}.shared.b16 dst, [addr]`: a warp-collective
+    /// load of one, two or four 8x8 matrices of 16-bit values from shared memory. Lanes
+    /// `8 i .. 8 i + 8` give the byte addresses of matrix `i`'s rows (16 bytes each, 16-byte
+    /// aligned). Lane `t` receives, in register `dst[i]`, row `t / 4`, elements `2 (t % 4)` and
+    /// `2 (t % 4) + 1` of matrix `i` (the first in the low half); with `trans`, column `t / 4`,
+    /// rows `2 (t % 4)` and `2 (t % 4) + 1` instead. Every lane of the warp must execute it.
+    LdMatrix {
+        /// One I32 register per matrix (one, two or four).
+        dst: Vec<Reg>,
+        /// This lane's row address (an I64 byte offset into shared memory).
+        addr: Expr,
+        /// Whether each matrix is transposed as it loads.
+        trans: bool,
+    },
 }
 
 /// A kernel: parameters, registers, the shared memory it uses, its CTA size and its program.

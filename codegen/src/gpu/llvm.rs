@@ -305,6 +305,42 @@ impl<'ctx> Lowering<'_, 'ctx> {
                 self.b.position_at_end(exit);
             }
             Stmt::Barrier => self.call_void("llvm.nvvm.barrier0")?,
+            Stmt::LdMatrix { dst, addr, trans } => {
+                let name = format!(
+                    "llvm.nvvm.ldmatrix.sync.aligned.m8n8.x{}{}.b16",
+                    dst.len(),
+                    if *trans { ".trans" } else { "" }
+                );
+                // Overloaded on the pointer type: the shared address space's.
+                let shared_ptr = self.ctx.ptr_type(AddressSpace::from(3u16));
+                let f = Intrinsic::find(&name)
+                    .and_then(|i| i.get_declaration(self.module, &[shared_ptr.into()]))
+                    .ok_or_else(|| err(format!("LLVM has no intrinsic {name}")))?;
+                let addr = self.expr(addr)?;
+                let ptr = self.pointer(Space::Shared, addr)?;
+                let result = self
+                    .b
+                    .build_call(f, &[ptr.into()], "ldmatrix")
+                    .map_err(err)?
+                    .try_as_basic_value()
+                    .basic()
+                    .ok_or_else(|| err("ldmatrix returns nothing"))?;
+                if let [r] = dst.as_slice() {
+                    self.b
+                        .build_store(self.regs[r.0 as usize], result)
+                        .map_err(err)?;
+                } else {
+                    for (i, r) in dst.iter().enumerate() {
+                        let v = self
+                            .b
+                            .build_extract_value(result.into_struct_value(), i as u32, "m")
+                            .map_err(err)?;
+                        self.b
+                            .build_store(self.regs[r.0 as usize], v)
+                            .map_err(err)?;
+                    }
+                }
+            }
             Stmt::Mma { d, a, b, c } => {
                 let mut args = Vec::with_capacity(10);
                 for r in a.iter().chain(b).chain(c) {

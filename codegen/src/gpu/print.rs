@@ -117,6 +117,20 @@ fn stmts(f: &mut fmt::Formatter<'_>, k: &Kernel, body: &[Stmt], depth: usize) ->
                 writeln!(f, "{pad}}}")?;
             }
             Stmt::Barrier => writeln!(f, "{pad}bar.sync")?,
+            Stmt::LdMatrix { dst, addr, trans } => {
+                let names: Vec<String> = dst
+                    .iter()
+                    .map(|r| format!("%{}", k.regs[r.0 as usize].0))
+                    .collect();
+                writeln!(
+                    f,
+                    "{pad}{{{}}} = ldmatrix.x{}{}.shared.b16 [{}]",
+                    names.join(", "),
+                    dst.len(),
+                    if *trans { ".trans" } else { "" },
+                    Show(k, addr)
+                )?
+            }
             Stmt::Mma { d, a, b, c } => {
                 let names = |rs: &[super::ir::Reg]| {
                     rs.iter()
