@@ -339,6 +339,16 @@ fn the_tensor_core_kernel_matches_the_reference() {
             3,
             0,
         ),
+        // Three k-steps and three value blocks (an ldmatrix.x4 and an .x2 each), and RoPE
+        // pairs that straddle lane columns (each key staged by one thread).
+        (
+            "heads = 2, head_dim = 48, v_head_dim = 24, mask = causal, position = rope(dim = 12), \
+             dtype = bf16",
+            1,
+            33,
+            40,
+            2,
+        ),
     ] {
         check_tc(text, b, sq, skv, p0);
     }

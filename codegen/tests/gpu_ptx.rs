@@ -119,10 +119,7 @@ fn tensor_core_kernels_compile_and_report_their_resources() {
             };
             // Two CTAs of 128 threads fit an SM's 64K registers at up to 256 per thread.
             assert!(regs <= 256, "{text} {arch:?}: {regs} registers");
-            // D 64 spills nothing; D 128 on sm_90 still spills a few bytes (issue 7).
-            if d == 64 {
-                assert_eq!(spills, 0, "{text} {arch:?} spills");
-            }
+            assert_eq!(spills, 0, "{text} {arch:?} spills");
         }
     }
 }

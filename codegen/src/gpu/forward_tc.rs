@@ -7,7 +7,9 @@
 //! program and mask apply per element; the row max and sum reduce over the lane quad with
 //! shuffles; `P = 2^(S - m)` is repacked from C fragments straight into A fragments (their
 //! layouts line up), and `O += P V` accumulates in registers. Tile codes skip or unmask tiles.
-//! Still to come: `ldmatrix` and `cp.async` staging, double buffering.
+//! K and V tiles are bf16 in shared memory (rows padded against bank conflicts) and reach the
+//! B fragments through `ldmatrix` (transposed for V). Still to come: `cp.async` staging, double
+//! buffering.
 
 use super::forward::{Env, PARAMS, ROWS, Regs, param, program, special64};
 use super::ir::build::*;
@@ -19,7 +21,7 @@ use attn_dsl::{DType, RopeLayout};
 /// Threads per CTA: four warps of 16 query rows.
 pub const THREADS: u32 = 128;
 
-/// Keys per tile: K and V tiles (f32) within 32 KiB of shared memory.
+/// Keys per tile.
 pub fn key_tile(plan: &KernelPlan) -> u32 {
     if plan.shape.qk_dim + plan.shape.v_dim <= 256 {
         32
@@ -213,9 +215,11 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         }
     }
 
-    // Shared memory: K tile [bc][d] and V tile [bc][dv], f32.
-    let (k_sh, v_sh) = (0, bc * d * 4);
-    let shared_bytes = v_sh + bc * dv * 4;
+    // Shared memory: K tile [bc][d] and V tile [bc][dv] in bf16, rows padded by 16 bytes so the
+    // eight rows an `ldmatrix` reads fall in different banks.
+    let (k_stride, v_stride) = (2 * d + 16, 2 * dv + 16);
+    let (k_sh, v_sh) = (0, bc * k_stride);
+    let shared_bytes = v_sh + bc * v_stride;
     let (t, code) = (r.add("tile", Ty::I64), r.add("code", Ty::I32));
     let bc64 = bc as i64;
     let n_tiles = bin(Bin::Div, add(param("skv"), i64(bc64 - 1)), i64(bc64));
@@ -234,10 +238,26 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     )];
     let mut run = Vec::new();
 
-    // Stage: thread j < bc loads key t bc + j (rotated) and its value row; zeros past Skv.
-    let (key_l, kv_row) = (r.add("load_key", Ty::I64), r.add("load_row", Ty::I64));
+    // Stage K (rotated) and V as packed bf16 pairs; rows past Skv are zeros. Where RoPE pairs
+    // line up with lane offsets, four threads share a key, thread p of them taking the column
+    // pairs 8 i + 2 p (coalesced, and a quarter of the loads per thread); else thread j stages
+    // key j whole.
+    let split = lane_aligned(plan);
+    let per_key: i64 = if split { 4 } else { 1 };
+    let (key_l, kv_row, part) = (
+        r.add("load_key", Ty::I64),
+        r.add("load_row", Ty::I64),
+        r.add("load_part", Ty::I64),
+    );
     let mut stage = vec![
-        Stmt::Set(key_l, add(mul(reg(t), i64(bc64)), tid.clone())),
+        Stmt::Set(
+            key_l,
+            add(
+                mul(reg(t), i64(bc64)),
+                bin(Bin::Div, tid.clone(), i64(per_key)),
+            ),
+        ),
+        Stmt::Set(part, bin(Bin::Rem, tid.clone(), i64(per_key))),
         Stmt::Set(
             kv_row,
             add(
@@ -252,90 +272,124 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         param("p0"),
         bin(Bin::Min, reg(key_l), sub(param("skv"), i64(1))),
     );
-    for dd in 0..d {
-        let v = select(
-            inside.clone(),
-            element(plan, &k_row, dd, &k_pos, None),
-            f32(0.0),
+    let zero_pair = Expr::Int(0, Ty::I32);
+    // This thread's first column pair and the columns it steps by.
+    let (shift, col_step) = if split {
+        (Some(reg(part)), 8)
+    } else {
+        (None, 2)
+    };
+    let shared_row = |base: usize, stride: usize| {
+        add(
+            mul(bin(Bin::Div, tid.clone(), i64(per_key)), i64(stride as i64)),
+            add(i64(base as i64), mul(reg(part), i64(4))),
+        )
+    };
+    for dd in (0..d).step_by(col_step) {
+        let pair = pack(
+            element(plan, &k_row, dd, &k_pos, shift.as_ref()),
+            element(plan, &k_row, dd + 1, &k_pos, shift.as_ref()),
         );
-        let dst = add(
-            mul(tid.clone(), i64(4 * d as i64)),
-            i64((k_sh + 4 * dd) as i64),
-        );
-        stage.push(Stmt::Store(Space::Shared, dst, v));
+        let dst = add(shared_row(k_sh, k_stride), i64(2 * dd as i64));
+        stage.push(Stmt::Store(
+            Space::Shared,
+            dst,
+            select(inside.clone(), pair, zero_pair.clone()),
+        ));
     }
-    for dd in 0..dv {
-        let src = add(
-            param("v"),
-            add(mul(reg(kv_row), i64(4 * dv as i64)), i64(4 * dd as i64)),
-        );
-        let v = select(inside.clone(), load(Space::Global, Ty::F32, src), f32(0.0));
-        let dst = add(
-            mul(tid.clone(), i64(4 * dv as i64)),
-            i64((v_sh + 4 * dd) as i64),
-        );
-        stage.push(Stmt::Store(Space::Shared, dst, v));
+    let v_row = add(param("v"), mul(reg(kv_row), i64(4 * dv as i64)));
+    for dd in (0..dv).step_by(col_step) {
+        let v_at = |c: usize| {
+            let lane_offset = mul(reg(part), i64(8));
+            load(
+                Space::Global,
+                Ty::F32,
+                add(add(v_row.clone(), i64(4 * c as i64)), lane_offset),
+            )
+        };
+        let dst = add(shared_row(v_sh, v_stride), i64(2 * dd as i64));
+        stage.push(Stmt::Store(
+            Space::Shared,
+            dst,
+            select(
+                inside.clone(),
+                pack(v_at(dd), v_at(dd + 1)),
+                zero_pair.clone(),
+            ),
+        ));
     }
     run.push(Stmt::If(
-        bin(Bin::Lt, tid.clone(), i64(bc64)),
+        bin(Bin::Lt, tid.clone(), i64(bc64 * per_key)),
         stage,
         vec![],
     ));
     run.push(Stmt::Barrier);
 
-    // This lane's fragment addresses in shared memory are a per-lane base plus constants (so
-    // they cost one register each, not one per load): K at key g, column 2q; V at key 2q,
-    // column g.
+    // B fragments come from `ldmatrix`: lane l addresses row l % 8 of matrix l / 8. Each lane's
+    // addresses are a per-lane base plus constants (one register each). K (for S = Q K^T):
+    // matrix i of a load is keys 8 nb.., columns 16 ks + 8 i.., untransposed, so registers
+    // (0, 1) are the B fragment of step ks and (2, 3) of step ks + 1. V (for O += P V): matrix i
+    // is keys 16 ks + 8 (i % 2).., columns 8 vb + 8 (i / 2).., transposed, so registers (0, 1)
+    // are the fragment of column block vb and (2, 3) of vb + 1.
     let (k_base, v_base) = (r.add("k_base", Ty::I64), r.add("v_base", Ty::I64));
+    let lane = cast(Expr::Special(Special::Lane), Ty::I64);
+    let (lane_row, lane_matrix) = (
+        bin(Bin::Rem, lane.clone(), i64(8)),
+        bin(Bin::Div, lane.clone(), i64(8)),
+    );
     body.push(Stmt::Set(
         k_base,
         add(
-            mul(add(mul(reg(g), i64(d as i64)), mul(reg(q), i64(2))), i64(4)),
+            add(
+                mul(lane_row.clone(), i64(k_stride as i64)),
+                mul(lane_matrix.clone(), i64(16)),
+            ),
             i64(k_sh as i64),
         ),
     ));
     body.push(Stmt::Set(
         v_base,
         add(
-            mul(
-                add(mul(mul(reg(q), i64(2)), i64(dv as i64)), reg(g)),
-                i64(4),
+            add(
+                mul(
+                    add(
+                        mul(bin(Bin::Rem, lane_matrix.clone(), i64(2)), i64(8)),
+                        lane_row,
+                    ),
+                    i64(v_stride as i64),
+                ),
+                mul(bin(Bin::Div, lane, i64(16)), i64(16)),
             ),
             i64(v_sh as i64),
         ),
     ));
-    let ksh = |key: usize, col: usize| {
-        let offset = 4 * (key * d + col) as i64;
-        load(Space::Shared, Ty::F32, add(reg(k_base), i64(offset)))
-    };
-    let vsh = |key: usize, col: usize| {
-        let offset = 4 * (key * dv + col) as i64;
-        load(Space::Shared, Ty::F32, add(reg(v_base), i64(offset)))
-    };
+    let bm = [0, 1, 2, 3].map(|i| r.add(format!("bm{i}"), Ty::I32));
 
     // S = Q K^T: s[nb][i] for keys nb*8 + 2q + (i % 2), rows g + 8 (i / 2).
     let s: Vec<[Reg; 4]> = (0..bc / 8)
         .map(|nb| [0, 1, 2, 3].map(|i| r.add(format!("s{nb}_{i}"), Ty::F32)))
         .collect();
-    let b = [r.add("b0", Ty::I32), r.add("b1", Ty::I32)];
+    let steps = d / 16;
     for (nb, frag) in s.iter().enumerate() {
         for &x in frag {
             run.push(Stmt::Set(x, f32(0.0)));
         }
-        for (ks, a) in a_frags.iter().enumerate() {
-            for (i, &bi) in b.iter().enumerate() {
-                // Key 8 nb + g, columns 16 ks + 8 i + 2q and the next.
-                let col = 16 * ks + 8 * i;
-                let lo = ksh(8 * nb, col);
-                let hi = ksh(8 * nb, col + 1);
-                run.push(Stmt::Set(bi, pack(lo, hi)));
-            }
-            run.push(Stmt::Mma {
-                d: *frag,
-                a: *a,
-                b,
-                c: *frag,
+        for ks in (0..steps).step_by(2) {
+            let pair = steps - ks >= 2;
+            let offset = (8 * nb * k_stride + 32 * ks) as i64;
+            run.push(Stmt::LdMatrix {
+                dst: if pair { bm.to_vec() } else { bm[..2].to_vec() },
+                addr: add(reg(k_base), i64(offset)),
+                trans: false,
             });
+            for step in 0..if pair { 2 } else { 1 } {
+                run.push(Stmt::Mma {
+                    d: *frag,
+                    a: a_frags[ks + step],
+                    b: [bm[2 * step], bm[2 * step + 1]],
+                    c: *frag,
+                });
+            }
         }
     }
 
@@ -428,26 +482,30 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
 
     // O += P V: P's C fragments of key blocks 2ks and 2ks + 1 are the A fragment of step ks.
     let pa = [0, 1, 2, 3].map(|i| r.add(format!("pa{i}"), Ty::I32));
+    let blocks = dv / 8;
     for ks in 0..bc / 16 {
         let (s0, s1) = (s[2 * ks], s[2 * ks + 1]);
         run.push(Stmt::Set(pa[0], pack(reg(s0[0]), reg(s0[1]))));
         run.push(Stmt::Set(pa[1], pack(reg(s0[2]), reg(s0[3]))));
         run.push(Stmt::Set(pa[2], pack(reg(s1[0]), reg(s1[1]))));
         run.push(Stmt::Set(pa[3], pack(reg(s1[2]), reg(s1[3]))));
-        for (vb, frag) in o.iter().enumerate() {
-            for (i, &bi) in b.iter().enumerate() {
-                // Keys 16 ks + 8 i + 2q and the next, column 8 vb + g.
-                let key = 16 * ks + 8 * i;
-                let lo = vsh(key, 8 * vb);
-                let hi = vsh(key + 1, 8 * vb);
-                run.push(Stmt::Set(bi, pack(lo, hi)));
-            }
-            run.push(Stmt::Mma {
-                d: *frag,
-                a: pa,
-                b,
-                c: *frag,
+        for vb in (0..blocks).step_by(2) {
+            let pair = blocks - vb >= 2;
+            let offset = (16 * ks * v_stride + 16 * vb) as i64;
+            run.push(Stmt::LdMatrix {
+                dst: if pair { bm.to_vec() } else { bm[..2].to_vec() },
+                addr: add(reg(v_base), i64(offset)),
+                trans: true,
             });
+            for step in 0..if pair { 2 } else { 1 } {
+                let frag = o[vb + step];
+                run.push(Stmt::Mma {
+                    d: frag,
+                    a: pa,
+                    b: [bm[2 * step], bm[2 * step + 1]],
+                    c: frag,
+                });
+            }
         }
     }
     run.push(Stmt::Barrier);
