@@ -314,6 +314,30 @@ fn bench_prints_one_json_line() {
     assert_eq!(line.trim().lines().count(), 1);
 }
 
+/// Without a GPU (CI has none), `bench --backend cuda` says why it cannot run: no `cuda`
+/// feature, or no CUDA driver. The interpreter is not timed.
+#[test]
+fn bench_on_a_gpu_backend_explains_what_is_missing() {
+    let spec = "heads = 2, head_dim = 64, mask = causal, dtype = bf16";
+    let o = attnc(&["bench", spec, "--seq", "64", "--backend", "cuda", "--json"]);
+    if o.status.code() == Some(0) {
+        // A machine with an NVIDIA GPU and a cuda build: a timing.
+        let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+        assert!(v["median_ms"].as_f64().unwrap() > 0.0);
+    } else {
+        assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+        let e = stderr(&o);
+        assert!(
+            e.contains("without the `cuda` feature") || e.contains("no CUDA driver"),
+            "{e}"
+        );
+        assert!(stdout(&o).is_empty());
+    }
+    let o = attnc(&["bench", spec, "--backend", "gpu-sim"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("use cpu or cuda"), "{}", stderr(&o));
+}
+
 #[test]
 fn bench_decode_prints_one_json_line_and_rejects_bad_specs() {
     let o = attnc(&[

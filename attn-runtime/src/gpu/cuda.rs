@@ -7,7 +7,9 @@ use crate::error::RuntimeError;
 use crate::tensor::Tensor;
 use attn_dsl::AttentionSpec;
 use codegen::gpu::llvm::{Arch, emit};
-use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+};
 use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -86,11 +88,42 @@ impl CudaBackend {
 
     /// Launches a prepared call and waits for its outputs.
     pub fn run(&self, call: &GpuCall) -> Result<Output, RuntimeError> {
-        let [b, h, sq, dv] = call.out_shape;
+        let [b, h, sq, _] = call.out_shape;
         if b * h * sq == 0 {
             return finish(call.dtype, call.out_shape, Vec::new(), Vec::new());
         }
         let f = self.function(call)?;
+        let mut buffers = self.upload(call)?;
+        self.launch(call, &f, &mut buffers)?;
+        let s = &self.stream;
+        let out = s.clone_dtoh(&buffers.out).map_err(device)?;
+        let lse = s.clone_dtoh(&buffers.lse).map_err(device)?;
+        s.synchronize().map_err(device)?;
+        finish(call.dtype, call.out_shape, out, lse)
+    }
+
+    /// Times a prepared call on the device: the kernel is loaded (its PTX emitted and loaded,
+    /// `load_ms`) and the inputs uploaded once, one launch warms up, then each of `reps` launches
+    /// is timed to its completion. Returns `(load_ms, per-launch ms)`.
+    pub fn time(&self, call: &GpuCall, reps: usize) -> Result<(f64, Vec<f64>), RuntimeError> {
+        let start = std::time::Instant::now();
+        let f = self.function(call)?;
+        let load_ms = start.elapsed().as_secs_f64() * 1e3;
+        let mut buffers = self.upload(call)?;
+        self.launch(call, &f, &mut buffers)?;
+        self.stream.synchronize().map_err(device)?;
+        let mut times = Vec::with_capacity(reps);
+        for _ in 0..reps {
+            let start = std::time::Instant::now();
+            self.launch(call, &f, &mut buffers)?;
+            self.stream.synchronize().map_err(device)?;
+            times.push(start.elapsed().as_secs_f64() * 1e3);
+        }
+        Ok((load_ms, times))
+    }
+
+    fn upload(&self, call: &GpuCall) -> Result<Buffers, RuntimeError> {
+        let [b, h, sq, dv] = call.out_shape;
         let s = &self.stream;
         let upload = |v: &[f32]| s.clone_htod(if v.is_empty() { &[0f32][..] } else { v });
         let (q, k, v) = (
@@ -103,34 +136,61 @@ impl CudaBackend {
             upload(&call.rope_cos).map_err(device)?,
             upload(&call.rope_sin).map_err(device)?,
         );
-        let mut out = s.alloc_zeros::<f32>(b * h * sq * dv).map_err(device)?;
-        let mut lse = s.alloc_zeros::<f32>(b * h * sq).map_err(device)?;
+        let out = s.alloc_zeros::<f32>(b * h * sq * dv).map_err(device)?;
+        let lse = s.alloc_zeros::<f32>(b * h * sq).map_err(device)?;
+        Ok(Buffers {
+            q,
+            k,
+            v,
+            codes,
+            cos,
+            sin,
+            out,
+            lse,
+        })
+    }
+
+    fn launch(
+        &self,
+        call: &GpuCall,
+        f: &CudaFunction,
+        x: &mut Buffers,
+    ) -> Result<(), RuntimeError> {
         let config = LaunchConfig {
             grid_dim: (call.grid[0], call.grid[1], call.grid[2]),
             block_dim: (call.kernel.threads, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut launch = s.launch_builder(&f);
+        let mut launch = self.stream.launch_builder(f);
         launch
-            .arg(&q)
-            .arg(&k)
-            .arg(&v)
-            .arg(&mut out)
-            .arg(&mut lse)
-            .arg(&codes)
+            .arg(&x.q)
+            .arg(&x.k)
+            .arg(&x.v)
+            .arg(&mut x.out)
+            .arg(&mut x.lse)
+            .arg(&x.codes)
             .arg(&call.sq)
             .arg(&call.skv)
             .arg(&call.p0)
-            .arg(&cos)
-            .arg(&sin)
+            .arg(&x.cos)
+            .arg(&x.sin)
             .arg(&call.rope_pos0);
         // SAFETY: the arguments match the kernel's twelve 64-bit parameters in order (device
         // pointers for buffers of the sizes the kernel indexes: q, k, v, out, lse, codes, the
         // RoPE tables; i64 scalars), and the grid and CTA size are the ones it was lowered for.
         unsafe { launch.launch(config) }.map_err(device)?;
-        let out = s.clone_dtoh(&out).map_err(device)?;
-        let lse = s.clone_dtoh(&lse).map_err(device)?;
-        s.synchronize().map_err(device)?;
-        finish(call.dtype, call.out_shape, out, lse)
+        Ok(())
     }
+}
+
+/// A call's buffers on the device.
+struct Buffers {
+    q: CudaSlice<f32>,
+    k: CudaSlice<f32>,
+    v: CudaSlice<f32>,
+    codes: CudaSlice<i32>,
+    cos: CudaSlice<f32>,
+    sin: CudaSlice<f32>,
+    out: CudaSlice<f32>,
+    lse: CudaSlice<f32>,
 }

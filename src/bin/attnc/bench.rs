@@ -1,4 +1,5 @@
-//! `attnc bench`: times the CPU forward kernel of a spec on random inputs.
+//! `attnc bench`: times the forward kernel of a spec on random inputs, on the CPU or a CUDA
+//! device.
 
 use attn::AttentionSpec;
 use attn::dsl::Mask;
@@ -105,4 +106,47 @@ pub fn bench(spec: &AttentionSpec, shape: &Shape, progress: bool) -> Result<Timi
         gflops: flops(spec, shape) / (median_ms * 1e-3) / 1e9,
         compile_ms,
     })
+}
+
+/// Times the GPU forward kernel on CUDA device 0: inputs uploaded once, one warm-up launch,
+/// then `reps` launches each timed to completion (median). `compile_ms` is the time to emit the
+/// kernel's PTX and load it.
+#[cfg(feature = "cuda")]
+pub fn bench_cuda(spec: &AttentionSpec, shape: &Shape) -> Result<Timing, RuntimeError> {
+    use attn::runtime::gpu::GpuCall;
+    use attn::runtime::gpu::cuda::CudaBackend;
+    if spec.mla().is_some() {
+        return Err(RuntimeError::Spec(
+            "the GPU kernels do not run MLA specs yet; use --backend cpu".into(),
+        ));
+    }
+    let backend = CudaBackend::new(0)?;
+    let (b, h, sq, skv) = (shape.batch, spec.heads as usize, shape.seq, shape.kv_len);
+    let (d, dv, hkv) = (
+        spec.head_dim as usize,
+        spec.v_head_dim as usize,
+        spec.kv_heads() as usize,
+    );
+    let q = random(spec, &[b, h, sq, d], 1)?;
+    let k = random(spec, &[b, hkv, skv, d], 2)?;
+    let v = random(spec, &[b, hkv, skv, dv], 3)?;
+    let call = GpuCall::forward(spec, &q, &k, &v, 0)?;
+    let (compile_ms, mut times) = backend.time(&call, shape.reps)?;
+    times.sort_by(f64::total_cmp);
+    let median_ms = times[times.len() / 2];
+    Ok(Timing {
+        median_ms,
+        gflops: flops(spec, shape) / (median_ms * 1e-3) / 1e9,
+        compile_ms,
+    })
+}
+
+/// Without the `cuda` feature: an error that says how to get it.
+#[cfg(not(feature = "cuda"))]
+pub fn bench_cuda(_: &AttentionSpec, _: &Shape) -> Result<Timing, RuntimeError> {
+    Err(RuntimeError::Device(
+        "this attnc was built without the `cuda` feature; rebuild with --features cuda \
+         (scripts/setup-cuda-toolchain.sh), or use --backend cpu"
+            .into(),
+    ))
 }

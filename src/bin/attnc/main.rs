@@ -65,8 +65,8 @@ enum Command {
         #[arg(long, value_enum, default_value_t = run::Backend::Cpu)]
         backend: run::Backend,
     },
-    /// Time the CPU forward kernel of a spec on random inputs: median ms, GFLOP/s (4 B Hq Sq Skv
-    /// D, halved for causal masks) and the kernel's compile time.
+    /// Time the forward kernel of a spec on random inputs: median ms, GFLOP/s (4 B Hq Sq Skv D,
+    /// halved for causal masks) and the kernel's compile time (on cuda: PTX emitted and loaded).
     Bench {
         /// The spec, in the spec language, or @FILE to read it from a file.
         spec: String,
@@ -85,6 +85,9 @@ enum Command {
         /// Print one JSON line {"median_ms", "gflops", "compile_ms"}.
         #[arg(long)]
         json: bool,
+        /// Where to run: cpu, or cuda (device 0; needs the `cuda` feature and an NVIDIA GPU).
+        #[arg(long, value_enum, default_value_t = run::Backend::Cpu)]
+        backend: run::Backend,
     },
     /// Time decoding steps against a paged KV cache: median time per step and the effective
     /// GB/s of K and V read (every cached token of every sequence, in the cache's dtype).
@@ -243,6 +246,7 @@ fn main() -> ExitCode {
             batch,
             reps,
             json,
+            backend,
         } => spec_arg::load(&spec).and_then(|(spec, _)| {
             let shape = bench::Shape {
                 batch: batch as usize,
@@ -250,6 +254,13 @@ fn main() -> ExitCode {
                 kv_len: kv_len.unwrap_or(seq) as usize,
                 reps: reps as usize,
             };
+            if backend == run::Backend::GpuSim {
+                return Err(
+                    "error: --backend gpu-sim is not timed (the interpreter is no GPU); use cpu \
+                     or cuda"
+                        .to_string(),
+                );
+            }
             if !json {
                 eprintln!(
                     "timing {spec}
@@ -257,7 +268,11 @@ fn main() -> ExitCode {
                     shape.batch, shape.seq, shape.kv_len, shape.reps
                 );
             }
-            let t = bench::bench(&spec, &shape, !json).map_err(|e| format!("error: {e}"))?;
+            let t = match backend {
+                run::Backend::Cuda => bench::bench_cuda(&spec, &shape),
+                _ => bench::bench(&spec, &shape, !json),
+            }
+            .map_err(|e| format!("error: {e}"))?;
             if json {
                 println!(
                     "{{\"median_ms\": {:.4}, \"gflops\": {:.2}, \"compile_ms\": {:.3}}}",
