@@ -5,7 +5,6 @@
 
 use attn_dsl::catalog::NAMED_SPECS;
 use codegen::KernelPlan;
-use codegen::gpu::forward::lower;
 use codegen::gpu::llvm::{Arch, emit};
 use std::path::PathBuf;
 
@@ -84,7 +83,8 @@ fn assemble(ptx: &str, arch: Arch, label: &str) -> Option<(u32, u32, u32)> {
 fn forward_kernels_compile_to_ptx_for_sm80_and_sm90() {
     for (name, text) in NAMED_SPECS {
         let spec: attn_dsl::AttentionSpec = text.parse().unwrap();
-        let kernel = lower(&KernelPlan::forward(&spec));
+        // The kernel a forward call of the spec runs: tensor cores for bf16, else SIMT.
+        let (kernel, _) = codegen::gpu::forward_kernel(&KernelPlan::forward(&spec));
         for arch in [Arch::Sm80, Arch::Sm90] {
             let out = emit(&kernel, arch).unwrap_or_else(|e| panic!("{name} {arch:?}: {e}"));
             assert!(out.ptx.contains(".entry attention_forward"), "{name}");

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The GPU backend's device check: differential tests on the device (against the CPU backend and
+# a float64 reference), then bf16 forward timings against PyTorch's
+# F.scaled_dot_product_attention on the same device, as one table (scripts/gpu_check.py).
+# For a machine with an NVIDIA GPU, its driver and PyTorch (with safetensors); no network.
+#
+#   scripts/gpu-check.sh [--quick]     check and time (well under 8 minutes; --quick: N 1k and 8k)
+#   scripts/gpu-check.sh --prepare     on a development machine: build attnc with the cuda feature
+#                                      into .gpu-bin/ (ignored by git), for a GPU machine that has
+#                                      no Rust toolchain (carry .gpu-bin there)
+#
+# attnc comes from $ATTNC, else .gpu-bin/attnc, else a `cargo build --release --features cuda`
+# here (which needs LLVM 19: scripts/setup-cuda-toolchain.sh).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [[ "${1:-}" == "--prepare" ]]; then
+  eval "$(scripts/setup-cuda-toolchain.sh)"
+  cargo build --release --features cuda --bin attnc
+  mkdir -p .gpu-bin
+  cp target/release/attnc .gpu-bin/attnc
+  strip .gpu-bin/attnc
+  ls -l .gpu-bin/attnc
+  exit 0
+fi
+
+if [[ -n "${ATTNC:-}" ]]; then
+  attnc=$ATTNC
+elif [[ -x .gpu-bin/attnc ]]; then
+  attnc=.gpu-bin/attnc
+elif command -v cargo >/dev/null; then
+  eval "$(scripts/setup-cuda-toolchain.sh)"
+  cargo build --release --features cuda --bin attnc
+  attnc=target/release/attnc
+else
+  echo "gpu-check: no attnc: set ATTNC, run scripts/gpu-check.sh --prepare on a machine with" \
+    "Rust and carry .gpu-bin, or install Rust here" >&2
+  exit 2
+fi
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --attnc "$attnc" --backend cuda "$@"

@@ -1,0 +1,237 @@
+"""The GPU backend's device check (called by scripts/gpu-check.sh).
+
+1. Differential: for each spec, random q, k, v (seeded, in the spec's dtype) go through
+   `attnc run --backend cuda` and `attnc run --backend cpu` (the CPU backend is tested against
+   attn_dsl::reference in `cargo test`); outputs and lse must agree within the dtype's tolerance,
+   and for the variants written out below, also with a float64 reference computed here.
+2. Timing (on CUDA only): bf16 forward for causal, ALiBi and sliding window, head dims 64 and
+   128, N from 1k to 16k, 16 heads and batch 16k / N (enough CTAs to fill the chip), against
+   torch.nn.functional.scaled_dot_product_attention on the same device. One table: TFLOP/s
+   (4 B H N^2 D, halved for the masks) and the ratio.
+
+  python3 scripts/gpu_check.py --attnc PATH [--backend cuda|gpu-sim] [--quick] [--skip-timing]
+
+`--backend gpu-sim` runs the differential part on the GPU IR interpreter (no GPU needed, small
+sizes only): a dry run of this script.
+"""
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from safetensors.torch import load_file, save_file
+
+# (spec, batch, Sq, Skv): every kernel path the GPU backend has (tensor cores for bf16 with
+# head dims that are multiples of 16, SIMT for f32), masks, positions and score modifiers.
+DIFFERENTIAL = [
+    ("heads = 4, head_dim = 64, mask = causal, dtype = bf16", 2, 200, 200),
+    ("heads = 4, head_dim = 128, mask = causal, dtype = bf16", 1, 130, 130),
+    ("heads = 8, kv_heads = 2, head_dim = 128, mask = causal, dtype = bf16", 1, 97, 160),
+    ("heads = 4, head_dim = 64, mask = causal, position = alibi, dtype = bf16", 1, 150, 150),
+    ("heads = 4, head_dim = 64, mask = sliding_window(48), dtype = bf16", 1, 150, 150),
+    ("heads = 4, head_dim = 64, mask = causal, softcap = 30.0, dtype = bf16", 1, 120, 120),
+    ("heads = 4, head_dim = 128, mask = causal, position = rope, dtype = bf16", 1, 100, 100),
+    ("heads = 4, head_dim = 48, v_head_dim = 24, position = rope(dim = 12), dtype = bf16", 1, 33, 70),
+    ("heads = 4, head_dim = 64, dtype = bf16", 1, 64, 90),
+    ("heads = 4, head_dim = 64, mask = causal", 1, 100, 100),
+    ("heads = 2, head_dim = 40, mask = sliding_window(20), position = alibi", 1, 60, 60),
+]
+
+SMALL_FOR_SIM = 48  # the interpreter is slow: sequences are cut to this length with gpu-sim
+
+
+def spec_field(spec, name, default=None):
+    for part in spec.split(", "):
+        if part.startswith(name + " = "):
+            return part.split(" = ", 1)[1]
+    return default
+
+
+def reference(spec, q, k, v):
+    """float64 attention for the specs whose semantics are written out here, else None
+    (DESIGN.md: bottom-right causal alignment; sliding window W keeps q - k < W; ALiBi slopes
+    2^(-8 (h + 1) / H) for a power-of-two H; softcap c tanh(s / c))."""
+    position = spec_field(spec, "position", "none")
+    if position not in ("none", "alibi") or spec_field(spec, "kv_heads"):
+        return None
+    if spec_field(spec, "v_head_dim") or spec_field(spec, "scale"):
+        return None
+    mask = spec_field(spec, "mask", "none")
+    q, k, v = (t.double() for t in (q, k, v))
+    _, h, sq, d = q.shape
+    skv = k.shape[2]
+    s = torch.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(d)
+    softcap = spec_field(spec, "softcap")
+    if softcap:
+        c = float(softcap)
+        s = c * torch.tanh(s / c)
+    qpos = torch.arange(sq, dtype=torch.float64)[:, None] + (skv - sq)
+    kpos = torch.arange(skv, dtype=torch.float64)[None, :]
+    if position == "alibi":
+        slopes = torch.tensor([2.0 ** (-8.0 * (i + 1) / h) for i in range(h)], dtype=torch.float64)
+        s = s + slopes[None, :, None, None] * (kpos - qpos)[None, None]
+    keep = torch.ones(sq, skv, dtype=torch.bool)
+    if mask.startswith("causal") and mask != "causal(top_left)":
+        keep &= kpos <= qpos
+    elif mask.startswith("sliding_window"):
+        w = int(mask[len("sliding_window("):-1])
+        keep &= (kpos <= qpos) & (qpos - kpos < w)
+    elif mask != "none":
+        return None
+    s = s.masked_fill(~keep, float("-inf"))
+    return torch.softmax(s, dim=-1).nan_to_num(0.0) @ v
+
+
+def attnc_run(attnc, spec, inputs, backend, workdir, tag):
+    out = os.path.join(workdir, f"{tag}-{backend}.safetensors")
+    r = subprocess.run(
+        [attnc, "run", "--spec", spec, "--input", inputs, "--output", out, "--backend", backend],
+        capture_output=True,
+        text=True,
+    )
+    if r.returncode != 0:
+        raise RuntimeError(f"attnc run --backend {backend} failed ({r.returncode}): {r.stderr.strip()}")
+    return load_file(out)
+
+
+def differential(attnc, backend):
+    print(f"== differential: attnc run --backend {backend} against --backend cpu and float64")
+    failures = 0
+    with tempfile.TemporaryDirectory() as workdir:
+        for i, (spec, b, sq, skv) in enumerate(DIFFERENTIAL):
+            if backend == "gpu-sim":
+                sq, skv = min(sq, SMALL_FOR_SIM), min(skv, SMALL_FOR_SIM + (skv - sq))
+            heads = int(spec_field(spec, "heads"))
+            kv_heads = int(spec_field(spec, "kv_heads", heads))
+            d = int(spec_field(spec, "head_dim"))
+            dv = int(spec_field(spec, "v_head_dim", d))
+            bf16 = spec_field(spec, "dtype") == "bf16"
+            dtype = torch.bfloat16 if bf16 else torch.float32
+            g = torch.Generator().manual_seed(1000 + i)
+            q = (torch.rand(b, heads, sq, d, generator=g) * 2 - 1).to(dtype)
+            k = (torch.rand(b, kv_heads, skv, d, generator=g) * 2 - 1).to(dtype)
+            v = (torch.rand(b, kv_heads, skv, dv, generator=g) * 2 - 1).to(dtype)
+            inputs = os.path.join(workdir, f"in{i}.safetensors")
+            save_file({"q": q, "k": k, "v": v}, inputs)
+            try:
+                dev = attnc_run(attnc, spec, inputs, backend, workdir, f"case{i}")
+                cpu = attnc_run(attnc, spec, inputs, "cpu", workdir, f"case{i}")
+            except RuntimeError as e:
+                print(f"FAIL {spec}: {e}")
+                failures += 1
+                continue
+            out_tol, lse_tol = (2e-2, 2e-2) if bf16 else (1e-4, 1e-4)
+            err_out = (dev["out"].float() - cpu["out"].float()).abs().max().item()
+            finite = torch.isfinite(cpu["lse"])
+            same_inf = torch.equal(finite, torch.isfinite(dev["lse"]))
+            err_lse = (dev["lse"][finite] - cpu["lse"][finite]).abs().max().item() if finite.any() else 0.0
+            ref = reference(spec, q, k, v)
+            err_ref = (dev["out"].double() - ref).abs().max().item() if ref is not None else float("nan")
+            ok = err_out <= out_tol and err_lse <= lse_tol and same_inf
+            ok = ok and (ref is None or err_ref <= out_tol)
+            failures += not ok
+            print(
+                f"{'ok  ' if ok else 'FAIL'} [B {b}, Sq {sq}, Skv {skv}] {spec}: |out - cpu| {err_out:.2e}, "
+                f"|lse - cpu| {err_lse:.2e}, |out - f64| {err_ref:.2e}"
+            )
+    print(f"== differential: {len(DIFFERENTIAL) - failures} of {len(DIFFERENTIAL)} agree")
+    return failures
+
+
+def time_torch(variant, b, h, n, d, reps):
+    dev = "cuda"
+    q, k, v = (torch.randn(b, h, n, d, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    f = torch.nn.functional.scaled_dot_product_attention
+    if variant == "causal":
+        call = lambda: f(q, k, v, is_causal=True)
+    else:
+        pos = torch.arange(n, device=dev)
+        dist = pos[None, :] - pos[:, None]  # k - q
+        if variant == "alibi":  # else the sliding window of 1024
+            slopes = torch.tensor([2.0 ** (-8.0 * (i + 1) / h) for i in range(h)], device=dev)
+            bias = slopes[:, None, None] * dist[None].float()
+            bias = bias.masked_fill(dist[None] > 0, float("-inf")).to(torch.bfloat16)
+            call = lambda: f(q, k, v, attn_mask=bias)
+        else:
+            keep = (dist <= 0) & (-dist < 1024)
+            call = lambda: f(q, k, v, attn_mask=keep)
+    call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def timing(attnc, quick):
+    print("== timing (bf16 forward, 16 heads, batch 16k / N; TFLOP/s = 4 B H N^2 D / 2 / time)")
+    print(f"{'config':<22} {'D':>4} {'N':>6} {'B':>3} {'ours ms':>9} {'ours TF/s':>10} {'torch ms':>9} {'torch TF/s':>11} {'ratio':>6}")
+    specs = {
+        "causal": "mask = causal",
+        "alibi": "mask = causal, position = alibi",
+        "sliding_window_1024": "mask = sliding_window(1024)",
+    }
+    sizes = [1024, 8192] if quick else [1024, 2048, 4096, 8192, 16384]
+    rows = []
+    for name, body in specs.items():
+        for d in (64, 128):
+            slow = False
+            for n in sizes:
+                b, h = max(1, 16384 // n), 16
+                flops = 4 * b * h * n * n * d / 2
+                if slow:
+                    print(f"{name:<22} {d:>4} {n:>6} {b:>3}   skipped (the previous size took over 2 s a launch)")
+                    continue
+                spec = f"heads = {h}, head_dim = {d}, {body}, dtype = bf16"
+                r = subprocess.run(
+                    [attnc, "bench", spec, "--seq", str(n), "--batch", str(b), "--reps", "5",
+                     "--backend", "cuda", "--json"],
+                    capture_output=True, text=True,
+                )
+                if r.returncode != 0:
+                    print(f"{name:<22} {d:>4} {n:>6} {b:>3}   ours failed: {r.stderr.strip()}")
+                    continue
+                ours = json.loads(r.stdout)["median_ms"]
+                slow = ours > 2000
+                theirs = time_torch(name, b, h, n, d, 5)
+                rows.append((name, d, n, ours, theirs))
+                print(
+                    f"{name:<22} {d:>4} {n:>6} {b:>3} {ours:>9.3f} {flops / ours / 1e9:>10.1f} "
+                    f"{theirs:>9.3f} {flops / theirs / 1e9:>11.1f} {theirs / ours:>6.2f}"
+                )
+                sys.stdout.flush()
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--attnc", required=True)
+    p.add_argument("--backend", default="cuda", choices=["cuda", "gpu-sim"])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--skip-timing", action="store_true")
+    a = p.parse_args()
+    start = time.time()
+    failures = differential(a.attnc, a.backend)
+    if a.backend == "cuda" and not a.skip_timing:
+        if not torch.cuda.is_available():
+            print("no CUDA device visible to PyTorch: timing skipped")
+        else:
+            print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+            timing(a.attnc, a.quick)
+    print(f"== done in {time.time() - start:.0f} s")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
