@@ -24,7 +24,7 @@ pub const THREADS: u32 = 128;
 /// Keys per tile.
 pub fn key_tile(plan: &KernelPlan) -> u32 {
     if plan.shape.qk_dim + plan.shape.v_dim <= 256 {
-        32
+        64
     } else {
         16
     }
@@ -242,21 +242,20 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     // line up with lane offsets, four threads share a key, thread p of them taking the column
     // pairs 8 i + 2 p (coalesced, and a quarter of the loads per thread); else thread j stages
     // key j whole.
+    // The CTA stages THREADS / per_key keys per pass.
     let split = lane_aligned(plan);
     let per_key: i64 = if split { 4 } else { 1 };
-    let (key_l, kv_row, part) = (
+    let keys_per_pass = i64::from(THREADS) / per_key;
+    let passes = (bc64 + keys_per_pass - 1) / keys_per_pass;
+    let (pass, local, key_l, kv_row, part) = (
+        r.add("load_pass", Ty::I64),
+        r.add("load_local", Ty::I64),
         r.add("load_key", Ty::I64),
         r.add("load_row", Ty::I64),
         r.add("load_part", Ty::I64),
     );
     let mut stage = vec![
-        Stmt::Set(
-            key_l,
-            add(
-                mul(reg(t), i64(bc64)),
-                bin(Bin::Div, tid.clone(), i64(per_key)),
-            ),
-        ),
+        Stmt::Set(key_l, add(mul(reg(t), i64(bc64)), reg(local))),
         Stmt::Set(part, bin(Bin::Rem, tid.clone(), i64(per_key))),
         Stmt::Set(
             kv_row,
@@ -281,7 +280,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     };
     let shared_row = |base: usize, stride: usize| {
         add(
-            mul(bin(Bin::Div, tid.clone(), i64(per_key)), i64(stride as i64)),
+            mul(reg(local), i64(stride as i64)),
             add(i64(base as i64), mul(reg(part), i64(4))),
         )
     };
@@ -318,11 +317,22 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
             ),
         ));
     }
-    run.push(Stmt::If(
-        bin(Bin::Lt, tid.clone(), i64(bc64 * per_key)),
-        stage,
-        vec![],
-    ));
+    run.push(Stmt::For {
+        reg: pass,
+        start: i64(0),
+        end: i64(passes),
+        step: 1,
+        body: vec![
+            Stmt::Set(
+                local,
+                add(
+                    mul(reg(pass), i64(keys_per_pass)),
+                    bin(Bin::Div, tid.clone(), i64(per_key)),
+                ),
+            ),
+            Stmt::If(bin(Bin::Lt, reg(local), i64(bc64)), stage, vec![]),
+        ],
+    });
     run.push(Stmt::Barrier);
 
     // B fragments come from `ldmatrix`: lane l addresses row l % 8 of matrix l / 8. Each lane's
