@@ -1,5 +1,6 @@
-//! The GPU forward kernel (SIMT f32), run by the GPU IR interpreter, against
-//! `attn_dsl::reference`: every kind of variant, lengths that break the tiles, RoPE.
+//! The GPU forward kernels (SIMT f32, and tensor cores with bf16 inputs), run by the GPU IR
+//! interpreter, against `attn_dsl::reference`: every kind of variant, lengths that break the
+//! tiles, RoPE.
 
 use attn_dsl::AttentionSpec;
 use attn_dsl::modifier::interval::{Interval, TileClass};
@@ -36,6 +37,7 @@ fn check(text: &str, batch: usize, sq: usize, skv: usize, p0: i64) {
         text,
         &lower(&plan),
         key_tile(&plan) as usize,
+        false,
         (1e-5, 1e-4),
         batch,
         sq,
@@ -55,6 +57,7 @@ fn check_tc(text: &str, batch: usize, sq: usize, skv: usize, p0: i64) {
         text,
         &kernel,
         forward_tc::key_tile(&plan) as usize,
+        true,
         (1e-2, 2e-2),
         batch,
         sq,
@@ -68,6 +71,7 @@ fn check_kernel(
     text: &str,
     kernel: &codegen::gpu::ir::Kernel,
     bc: usize,
+    bf16_inputs: bool,
     (abs, rel): (f64, f64),
     batch: usize,
     sq: usize,
@@ -89,7 +93,19 @@ fn check_kernel(
     let k = round(values(batch * hkv * skv * d, 2));
     let v = round(values(batch * hkv * skv * dv, 3));
     let mut mem = Memory::default();
-    let (qa, ka, va) = (mem.alloc_f32(&q), mem.alloc_f32(&k), mem.alloc_f32(&v));
+    // The tensor-core kernel reads bf16 inputs (the values are bf16 already: exact); SIMT f32.
+    let mut input = |values: &[f32]| {
+        if bf16_inputs {
+            let bytes = values
+                .iter()
+                .flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes())
+                .collect();
+            mem.alloc_bytes(bytes)
+        } else {
+            mem.alloc_f32(values)
+        }
+    };
+    let (qa, ka, va) = (input(&q), input(&k), input(&v));
     let out = mem.alloc_f32(&vec![f32::NAN; batch * h * sq * dv]);
     let lse = mem.alloc_f32(&vec![f32::NAN; batch * h * sq]);
     // One code per (head, query block, key tile).

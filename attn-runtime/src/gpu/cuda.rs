@@ -126,10 +126,11 @@ impl CudaBackend {
         let [b, h, sq, dv] = call.out_shape;
         let s = &self.stream;
         let upload = |v: &[f32]| s.clone_htod(if v.is_empty() { &[0f32][..] } else { v });
+        let upload_bytes = |v: &[u8]| s.clone_htod(if v.is_empty() { &[0u8; 4][..] } else { v });
         let (q, k, v) = (
-            upload(&call.q).map_err(device)?,
-            upload(&call.k).map_err(device)?,
-            upload(&call.v).map_err(device)?,
+            upload_bytes(&call.q).map_err(device)?,
+            upload_bytes(&call.k).map_err(device)?,
+            upload_bytes(&call.v).map_err(device)?,
         );
         let codes = s.clone_htod(&call.codes).map_err(device)?;
         let (cos, sin) = (
@@ -185,9 +186,9 @@ impl CudaBackend {
 
 /// A call's buffers on the device.
 struct Buffers {
-    q: CudaSlice<f32>,
-    k: CudaSlice<f32>,
-    v: CudaSlice<f32>,
+    q: CudaSlice<u8>,
+    k: CudaSlice<u8>,
+    v: CudaSlice<u8>,
     codes: CudaSlice<i32>,
     cos: CudaSlice<f32>,
     sin: CudaSlice<f32>,

@@ -12,7 +12,7 @@ pub use decode::decode_emulated;
 use crate::cpu::rope_table::RopeTables;
 use crate::cpu::{Output, check_qkv, finish};
 use crate::error::RuntimeError;
-use crate::tensor::Tensor;
+use crate::tensor::{Storage, Tensor};
 use attn_dsl::AttentionSpec;
 use attn_dsl::modifier::interval::{Interval, TileClass};
 use codegen::KernelPlan;
@@ -29,12 +29,15 @@ pub struct GpuCall {
     pub kernel: Kernel,
     /// CTAs: (query blocks, heads, batch).
     pub grid: [u32; 3],
-    /// `[B, Hq, Sq, D]`, `[B, Hkv, Skv, D]`, `[B, Hkv, Skv, Dv]` as contiguous f32.
-    pub q: Vec<f32>,
+    /// `[B, Hq, Sq, D]`, `[B, Hkv, Skv, D]`, `[B, Hkv, Skv, Dv]`, contiguous, as the bytes of
+    /// the kernel's input type (`inputs`).
+    pub q: Vec<u8>,
     /// See `q`.
-    pub k: Vec<f32>,
+    pub k: Vec<u8>,
     /// See `q`.
-    pub v: Vec<f32>,
+    pub v: Vec<u8>,
+    /// The element type of `q`, `k` and `v`: f32, or bf16 for the tensor-core kernel.
+    pub inputs: attn_dsl::DType,
     /// One tile code per (head, query block, key tile): 0 skip, 1 full, 2 masked.
     pub codes: Vec<i32>,
     /// RoPE tables (empty without RoPE): rows of `rope_dim / 2` from position `rope_pos0`.
@@ -74,8 +77,9 @@ impl GpuCall {
         let h = spec.heads as usize;
         let dv = spec.v_head_dim as usize;
         let [b, sq, skv] = check_qkv(spec, q, k, v)?;
-        let (kernel, bc) = forward_kernel(&plan);
-        let (rows, bc) = (ROWS as usize, bc as usize);
+        let chosen = forward_kernel(&plan);
+        let (kernel, inputs) = (chosen.kernel, chosen.inputs);
+        let (rows, bc) = (ROWS as usize, chosen.key_tile as usize);
         let (qblocks, tiles) = (sq.div_ceil(rows), skv.div_ceil(bc));
         let mut codes = Vec::with_capacity(h * qblocks * tiles);
         for head in 0..h {
@@ -111,9 +115,10 @@ impl GpuCall {
         Ok(GpuCall {
             kernel,
             grid: [qblocks as u32, h as u32, b as u32],
-            q: q.to_f32_vec(),
-            k: k.to_f32_vec(),
-            v: v.to_f32_vec(),
+            q: device_bytes(q, inputs),
+            k: device_bytes(k, inputs),
+            v: device_bytes(v, inputs),
+            inputs,
             codes,
             rope_cos,
             rope_sin,
@@ -134,10 +139,17 @@ impl GpuCall {
         }
         let mut mem = Memory::default();
         let buffer = |mem: &mut Memory, v: &[f32]| if v.is_empty() { 0 } else { mem.alloc_f32(v) };
+        let bytes = |mem: &mut Memory, v: &[u8]| {
+            if v.is_empty() {
+                0
+            } else {
+                mem.alloc_bytes(v.to_vec())
+            }
+        };
         let (q, k, v) = (
-            buffer(&mut mem, &self.q),
-            buffer(&mut mem, &self.k),
-            buffer(&mut mem, &self.v),
+            bytes(&mut mem, &self.q),
+            bytes(&mut mem, &self.k),
+            bytes(&mut mem, &self.v),
         );
         let out = mem.alloc_f32(&vec![0.0; b * h * sq * dv]);
         let lse = mem.alloc_f32(&vec![0.0; b * h * sq]);
@@ -169,5 +181,25 @@ impl GpuCall {
             .map_err(RuntimeError::Data)?;
         let lse = mem.read_f32(lse, b * h * sq).map_err(RuntimeError::Data)?;
         finish(self.dtype, self.out_shape, out, lse)
+    }
+}
+
+/// A tensor's values in logical order as the bytes of `dtype` (f32, or bf16 rounded to nearest
+/// even), little-endian: what a forward kernel reads from global memory.
+fn device_bytes(t: &Tensor, dtype: attn_dsl::DType) -> Vec<u8> {
+    match (dtype, t.contiguous_storage()) {
+        (attn_dsl::DType::Bf16, Storage::Bf16(v)) => {
+            v.iter().flat_map(|x| x.to_le_bytes()).collect()
+        }
+        (attn_dsl::DType::Bf16, _) => t
+            .to_f32_vec()
+            .into_iter()
+            .flat_map(|x| half::bf16::from_f32(x).to_le_bytes())
+            .collect(),
+        _ => t
+            .to_f32_vec()
+            .into_iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect(),
     }
 }

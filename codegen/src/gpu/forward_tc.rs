@@ -1,8 +1,10 @@
 //! A forward plan lowered to GPU IR on tensor cores (bf16 specs): FlashAttention-2's dataflow.
 //!
 //! A CTA of four warps handles 64 query rows of one (batch, head); each warp owns 16 rows, and
-//! each lane the rows `g` and `g + 8` of them (`g = lane / 4`) as `mma.sync` fragments. Q is
-//! held in A fragments (RoPE and the scale applied, rounded to bf16). Per key tile the CTA stages
+//! each lane the rows `g` and `g + 8` of them (`g = lane / 4`) as `mma.sync` fragments. Inputs
+//! are bf16 in global memory: a pair of columns is one 32-bit load, and only columns RoPE
+//! rotates are widened to f32 and repacked. Q is held in A fragments (RoPE applied; the scale
+//! applies to S in f32). Per key tile the CTA stages
 //! K (rotated) and V in shared memory; `S = Q K^T` accumulates in f32 C fragments; the score
 //! program and mask apply per element; the row max and sum reduce over the lane quad with
 //! shuffles; `P = 2^(S - m)` is repacked from C fragments straight into A fragments (their
@@ -48,15 +50,15 @@ fn shfl(e: Expr, mask: u32) -> Expr {
     Expr::ShflXor(Box::new(e), mask)
 }
 
-/// Element `d` of a row at `row_addr` (f32 in global memory), rotated by RoPE at `pos` when the
-/// plan has it. With `shift`, the column is `d + 2 shift` (a lane's offset in its fragment); the
-/// RoPE pairing is decided on `d`, which the caller guarantees is the same for every shift
-/// ([`lane_aligned`]).
+/// Element `d` of a row at `row_addr` (bf16 in global memory) as f32, rotated by RoPE at `pos`
+/// when the plan has it. With `shift`, the column is `d + 2 shift` (a lane's offset in its
+/// fragment); the RoPE pairing is decided on `d`, which the caller guarantees is the same for
+/// every shift ([`lane_aligned`]).
 fn element(plan: &KernelPlan, row_addr: &Expr, d: usize, pos: &Expr, shift: Option<&Expr>) -> Expr {
     let lane = |bytes_per_step: i64| shift.map_or(i64(0), |q| mul(q.clone(), i64(bytes_per_step)));
     let at_d = |d: usize| {
-        let addr = add(add(row_addr.clone(), i64(4 * d as i64)), lane(8));
-        load(Space::Global, Ty::F32, addr)
+        let addr = add(add(row_addr.clone(), i64(2 * d as i64)), lane(4));
+        Expr::LoadBf16(Space::Global, Box::new(addr))
     };
     let Some(rope) = &plan.rope else {
         return at_d(d);
@@ -92,6 +94,24 @@ fn element(plan: &KernelPlan, row_addr: &Expr, d: usize, pos: &Expr, shift: Opti
     } else {
         add(mul(at_d(b), c), mul(at_d(a), s))
     }
+}
+
+/// Columns `d` and `d + 1` (`d` even; plus `2 shift`) of a bf16 row as a packed pair: one 32-bit
+/// load where RoPE leaves them as they are, else both rotated and repacked.
+fn pair(plan: &KernelPlan, row_addr: &Expr, d: usize, pos: &Expr, shift: Option<&Expr>) -> Expr {
+    let rotated = plan.rope.as_ref().is_some_and(|r| {
+        let first = r.first_dim as usize;
+        d + 1 >= first && d < first + r.rope.dim as usize
+    });
+    if rotated {
+        return pack(
+            element(plan, row_addr, d, pos, shift),
+            element(plan, row_addr, d + 1, pos, shift),
+        );
+    }
+    let lane = shift.map_or(i64(0), |q| mul(q.clone(), i64(4)));
+    let addr = add(add(row_addr.clone(), i64(2 * d as i64)), lane);
+    load(Space::Global, Ty::I32, addr)
 }
 
 /// Whether every lane's fragment columns (`8 j + 2 q`, `+1`) pair up under RoPE the same way as
@@ -167,7 +187,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
                     mul(add(mul(reg(batch), i64(hq)), reg(head)), param("sq")),
                     reg(clamped[h]),
                 ),
-                i64(4 * d as i64),
+                i64(2 * d as i64),
             ),
         )
     };
@@ -180,17 +200,14 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
             let base_col = 16 * ks + 8 * (i / 2);
             let value = if lane_aligned(plan) {
                 // Columns base + 2q and the next: a lane offset on the addresses.
-                let lo = element(plan, &q_addr(h), base_col, &reg(qpos[h]), Some(&reg(q)));
-                let hi = element(plan, &q_addr(h), base_col + 1, &reg(qpos[h]), Some(&reg(q)));
-                pack(lo, hi)
+                pair(plan, &q_addr(h), base_col, &reg(qpos[h]), Some(&reg(q)))
             } else {
                 // RoPE pairs straddle the lanes' columns: select among the four candidates.
                 let mut value = Expr::Int(0, Ty::I32);
                 for qq in (0..4).rev() {
                     let col = base_col + 2 * qq;
-                    let lo = element(plan, &q_addr(h), col, &reg(qpos[h]), None);
-                    let hi = element(plan, &q_addr(h), col + 1, &reg(qpos[h]), None);
-                    value = select(bin(Bin::Eq, reg(q), i64(qq as i64)), pack(lo, hi), value);
+                    let both = pair(plan, &q_addr(h), col, &reg(qpos[h]), None);
+                    value = select(bin(Bin::Eq, reg(q), i64(qq as i64)), both, value);
                 }
                 value
             };
@@ -266,7 +283,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         ),
     ];
     let inside = bin(Bin::Lt, reg(key_l), param("skv"));
-    let k_row = add(param("k"), mul(reg(kv_row), i64(4 * d as i64)));
+    let k_row = add(param("k"), mul(reg(kv_row), i64(2 * d as i64)));
     let k_pos = add(
         param("p0"),
         bin(Bin::Min, reg(key_l), sub(param("skv"), i64(1))),
@@ -285,10 +302,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         )
     };
     for dd in (0..d).step_by(col_step) {
-        let pair = pack(
-            element(plan, &k_row, dd, &k_pos, shift.as_ref()),
-            element(plan, &k_row, dd + 1, &k_pos, shift.as_ref()),
-        );
+        let pair = pair(plan, &k_row, dd, &k_pos, shift.as_ref());
         let dst = add(shared_row(k_sh, k_stride), i64(2 * dd as i64));
         stage.push(Stmt::Store(
             Space::Shared,
@@ -296,23 +310,17 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
             select(inside.clone(), pair, zero_pair.clone()),
         ));
     }
-    let v_row = add(param("v"), mul(reg(kv_row), i64(4 * dv as i64)));
+    let v_row = add(param("v"), mul(reg(kv_row), i64(2 * dv as i64)));
     for dd in (0..dv).step_by(col_step) {
-        let v_at = |c: usize| {
-            let lane_offset = mul(reg(part), i64(8));
-            load(
-                Space::Global,
-                Ty::F32,
-                add(add(v_row.clone(), i64(4 * c as i64)), lane_offset),
-            )
-        };
+        let lane_offset = mul(reg(part), i64(4));
+        let src = add(add(v_row.clone(), i64(2 * dd as i64)), lane_offset);
         let dst = add(shared_row(v_sh, v_stride), i64(2 * dd as i64));
         stage.push(Stmt::Store(
             Space::Shared,
             dst,
             select(
                 inside.clone(),
-                pack(v_at(dd), v_at(dd + 1)),
+                load(Space::Global, Ty::I32, src),
                 zero_pair.clone(),
             ),
         ));

@@ -380,12 +380,9 @@ impl Cta<'_> {
         }
     }
 
-    fn load(&self, space: Space, ty: Ty, addr: i64) -> Result<Val, String> {
-        let len = match ty {
-            Ty::I64 => 8,
-            Ty::Pred => return Err("cannot load a predicate".into()),
-            _ => 4,
-        };
+    /// `len` bytes at an address, as a little-endian word zero-extended to four bytes (or the
+    /// eight bytes of an I64).
+    fn load_bytes(&self, space: Space, addr: i64, len: usize) -> Result<Vec<u8>, String> {
         let bytes: &[u8] = match space {
             Space::Global => self.memory.bytes(addr, len)?,
             Space::Shared => usize::try_from(addr)
@@ -398,6 +395,19 @@ impl Cta<'_> {
                     )
                 })?,
         };
+        let mut word = bytes.to_vec();
+        word.resize(len.max(4), 0);
+        Ok(word)
+    }
+
+    fn load(&self, space: Space, ty: Ty, addr: i64) -> Result<Val, String> {
+        let len = match ty {
+            Ty::I64 => 8,
+            Ty::Pred => return Err("cannot load a predicate".into()),
+            _ => 4,
+        };
+        let bytes = self.load_bytes(space, addr, len)?;
+        let bytes = bytes.as_slice();
         Ok(match ty {
             Ty::F32 => Val::F(f32::from_le_bytes(bytes.try_into().expect("4 bytes"))),
             Ty::I32 => Val::I32(i32::from_le_bytes(bytes.try_into().expect("4 bytes"))),
@@ -463,6 +473,15 @@ impl Cta<'_> {
             }
             Expr::Cast(a, ty) => convert(ev(a)?, *ty)?,
             Expr::Load(space, ty, addr) => self.load(*space, *ty, ev(addr)?.int()?)?,
+            Expr::LoadBf16(space, addr) => {
+                let a = ev(addr)?.int()?;
+                if a % 2 != 0 {
+                    return Err(format!("bf16 load at odd address {a}"));
+                }
+                let bits =
+                    u32::from_le_bytes(self.load_bytes(*space, a, 2)?.try_into().expect("2 bytes"));
+                Val::F(f32::from_bits(bits << 16))
+            }
             Expr::Table(values, index) => {
                 let i = ev(index)?.int()?.clamp(0, values.len() as i64 - 1);
                 Val::F(values[i as usize])

@@ -128,6 +128,8 @@ pub enum Expr {
     Cast(Box<Expr>, Ty),
     /// `ld.{space}` of a value of the type at a byte address (an I64).
     Load(Space, Ty, Box<Expr>),
+    /// `ld.{space}.b16` of a bf16 at a byte address (2-aligned), widened to f32 (exactly).
+    LoadBf16(Space, Box<Expr>),
     /// A constant f32 table indexed by an integer, the index clamped into it.
     Table(Vec<f32>, Box<Expr>),
     /// `shfl.sync.bfly.b32` over the full warp: the value of lane `lane ^ mask`.
@@ -215,6 +217,7 @@ impl Kernel {
         match e {
             Expr::Int(_, ty) | Expr::Cast(_, ty) | Expr::Load(_, ty, _) => *ty,
             Expr::PackBf16(..) => Ty::I32,
+            Expr::LoadBf16(..) => Ty::F32,
             Expr::F32(_) | Expr::Fma(..) | Expr::Table(..) => Ty::F32,
             Expr::Pred(_) => Ty::Pred,
             Expr::Reg(r) => self.regs[r.0 as usize].1,

@@ -456,6 +456,25 @@ impl<'ctx> Lowering<'_, 'ctx> {
                 let p = self.pointer(*space, a)?;
                 self.b.build_load(basic(ctx, *ty), p, "ld").map_err(err)?
             }
+            Expr::LoadBf16(space, addr) => {
+                // bf16 bits are the upper half of the f32 they widen to.
+                let a = self.expr(addr)?;
+                let p = self.pointer(*space, a)?;
+                let bits = self
+                    .b
+                    .build_load(ctx.i16_type(), p, "bf16")
+                    .map_err(err)?
+                    .into_int_value();
+                let wide = self
+                    .b
+                    .build_int_z_extend(bits, ctx.i32_type(), "bf16w")
+                    .map_err(err)?;
+                let shifted = self
+                    .b
+                    .build_left_shift(wide, ctx.i32_type().const_int(16, false), "bf16s")
+                    .map_err(err)?;
+                self.b.build_bit_cast(shifted, f32t, "bf16f").map_err(err)?
+            }
             Expr::Table(values, index) => {
                 let i = self.expr(index)?.into_int_value();
                 let i64t = ctx.i64_type();

@@ -4,8 +4,8 @@
 //! the tensor-core (mma.sync, bf16) one.
 //!
 //! [`decode`] is the SIMT decode kernel over cache segments (split-KV). With the `cuda` feature,
-//! [`llvm`] translates the IR to LLVM IR and PTX. Still to come (issue 7): `ldmatrix` and
-//! `cp.async` staging, tensor-core decode.
+//! [`llvm`] translates the IR to LLVM IR and PTX. Still to come (issue 7): `cp.async` staging
+//! and double buffering, tensor-core decode.
 
 pub mod decode;
 pub mod forward;
@@ -16,12 +16,31 @@ pub mod ir;
 pub mod llvm;
 mod print;
 
-/// The forward kernel a plan runs on GPUs (tensor cores for bf16 specs, SIMT f32 otherwise)
-/// and its keys per tile (the host's tile codes follow it).
-pub fn forward_kernel(plan: &crate::KernelPlan) -> (ir::Kernel, u32) {
+/// A forward kernel as the host launches it.
+#[derive(Clone, Debug)]
+pub struct ForwardKernel {
+    /// The kernel.
+    pub kernel: ir::Kernel,
+    /// Keys per tile (the host's tile codes follow it).
+    pub key_tile: u32,
+    /// The element type of `q`, `k` and `v` in global memory: bf16 on tensor cores, else f32
+    /// (`out` and `lse` are f32 either way).
+    pub inputs: attn_dsl::DType,
+}
+
+/// The forward kernel a plan runs on GPUs: tensor cores for bf16 specs, SIMT f32 otherwise.
+pub fn forward_kernel(plan: &crate::KernelPlan) -> ForwardKernel {
     if forward_tc::supports(plan) {
-        (forward_tc::lower(plan), forward_tc::key_tile(plan))
+        ForwardKernel {
+            kernel: forward_tc::lower(plan),
+            key_tile: forward_tc::key_tile(plan),
+            inputs: attn_dsl::DType::Bf16,
+        }
     } else {
-        (forward::lower(plan), forward::key_tile(plan))
+        ForwardKernel {
+            kernel: forward::lower(plan),
+            key_tile: forward::key_tile(plan),
+            inputs: attn_dsl::DType::F32,
+        }
     }
 }
