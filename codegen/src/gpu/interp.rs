@@ -131,10 +131,15 @@ pub fn run(
                         kernel.threads as usize
                     ],
                     shared: vec![0; kernel.shared_bytes as usize],
+                    copies: (0..kernel.threads)
+                        .map(|_| ThreadCopies::default())
+                        .collect(),
+                    in_flight: vec![0; kernel.shared_bytes as usize],
                     memory,
                 };
                 let all = vec![true; kernel.threads as usize];
                 cta.exec(&kernel.body, &all)
+                    .and_then(|()| cta.all_copies_waited())
                     .map_err(|e| format!("{} CTA ({x}, {y}, {z}): {e}", kernel.name))?;
             }
         }
@@ -148,7 +153,25 @@ struct Cta<'a> {
     ctaid: [u32; 3],
     regs: Vec<Vec<Val>>,
     shared: Vec<u8>,
+    /// Each thread's `cp.async` copies not yet completed.
+    copies: Vec<ThreadCopies>,
+    /// Per shared byte: whether a copy in flight will write it (1) or not (0).
+    in_flight: Vec<u8>,
     memory: &'a mut Memory,
+}
+
+/// A `cp.async` copy in flight: where it lands and its 16 bytes (read at issue: global memory
+/// is not written while a kernel reads its inputs).
+struct PendingCopy {
+    dst: usize,
+    data: [u8; 16],
+}
+
+/// One thread's copies in flight: committed groups, oldest first, and its open group.
+#[derive(Default)]
+struct ThreadCopies {
+    committed: std::collections::VecDeque<Vec<PendingCopy>>,
+    open: Vec<PendingCopy>,
 }
 
 impl Cta<'_> {
@@ -228,6 +251,30 @@ impl Cta<'_> {
                     }
                 }
                 Stmt::Mma { d, a, b, c } => self.mma(mask, *d, *a, *b, *c)?,
+                Stmt::CpAsync {
+                    dst,
+                    src,
+                    src_bytes,
+                } => self.cp_async(mask, dst, src, src_bytes)?,
+                Stmt::CpAsyncCommit => {
+                    for (t, copies) in self.copies.iter_mut().enumerate() {
+                        if mask[t] {
+                            let group = std::mem::take(&mut copies.open);
+                            copies.committed.push_back(group);
+                        }
+                    }
+                }
+                Stmt::CpAsyncWait(n) => {
+                    for t in (0..mask.len()).filter(|&t| mask[t]) {
+                        while self.copies[t].committed.len() > *n as usize {
+                            let group = self.copies[t].committed.pop_front().expect("a group");
+                            for copy in group {
+                                self.shared[copy.dst..copy.dst + 16].copy_from_slice(&copy.data);
+                                self.in_flight[copy.dst..copy.dst + 16].fill(0);
+                            }
+                        }
+                    }
+                }
                 Stmt::LdMatrix { dst, addr, trans } => self.ldmatrix(mask, dst, addr, *trans)?,
                 Stmt::Barrier => {
                     if !mask.iter().all(|&m| m) {
@@ -299,6 +346,80 @@ impl Cta<'_> {
         Ok(())
     }
 
+    /// Issues a `cp.async` for every active thread: checks alignment, bounds and overlap with
+    /// copies in flight, reads the source now and lands the bytes at the group's wait.
+    fn cp_async(
+        &mut self,
+        mask: &[bool],
+        dst: &Expr,
+        src: &Expr,
+        src_bytes: &Expr,
+    ) -> Result<(), String> {
+        let (dsts, srcs, lens) = (
+            self.eval_all(dst, mask)?,
+            self.eval_all(src, mask)?,
+            self.eval_all(src_bytes, mask)?,
+        );
+        for t in (0..mask.len()).filter(|&t| mask[t]) {
+            let (d, s) = (
+                dsts[t].ok_or("inactive")?.int()?,
+                srcs[t].ok_or("inactive")?.int()?,
+            );
+            let n = lens[t].ok_or("inactive")?.int()?;
+            if !(0..=16).contains(&n) {
+                return Err(format!("cp.async of {n} source bytes (0 to 16)"));
+            }
+            if d % 16 != 0 || s % 16 != 0 {
+                return Err(format!(
+                    "cp.async addresses must be 16-byte aligned (shared {d}, global {s:#x}, thread {t})"
+                ));
+            }
+            let d = usize::try_from(d)
+                .ok()
+                .filter(|d| d + 16 <= self.shared.len())
+                .ok_or_else(|| {
+                    format!(
+                        "cp.async to shared {d} is outside {} bytes",
+                        self.shared.len()
+                    )
+                })?;
+            if self.in_flight[d..d + 16].iter().any(|&b| b != 0) {
+                return Err(format!("cp.async to shared {d} overlaps a copy in flight"));
+            }
+            let mut data = [0u8; 16];
+            if n > 0 {
+                data[..n as usize].copy_from_slice(self.memory.bytes(s, n as usize)?);
+            }
+            self.in_flight[d..d + 16].fill(1);
+            self.copies[t].open.push(PendingCopy { dst: d, data });
+        }
+        Ok(())
+    }
+
+    /// At the end of a CTA: every copy was waited for.
+    fn all_copies_waited(&self) -> Result<(), String> {
+        match self
+            .copies
+            .iter()
+            .position(|c| !c.open.is_empty() || c.committed.iter().any(|g| !g.is_empty()))
+        {
+            Some(t) => Err(format!(
+                "thread {t} ended with cp.async copies never waited for"
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// Shared bytes a copy in flight will still write may be neither read nor written.
+    fn check_not_in_flight(&self, a: usize, len: usize) -> Result<(), String> {
+        match self.in_flight.get(a..a + len) {
+            Some(bytes) if bytes.iter().any(|&b| b != 0) => Err(format!(
+                "shared access of {len} bytes at {a} races a cp.async not yet waited for"
+            )),
+            _ => Ok(()),
+        }
+    }
+
     /// `ldmatrix` for every warp with active lanes: reads the rows the lanes address (checking
     /// alignment and bounds) and hands out their 16-bit elements by the PTX ISA layout.
     fn ldmatrix(
@@ -367,6 +488,7 @@ impl Cta<'_> {
             Space::Global => self.memory.write(addr, bytes),
             Space::Shared => {
                 let a = usize::try_from(addr).map_err(|_| format!("shared address {addr}"))?;
+                self.check_not_in_flight(a, bytes.len())?;
                 let dst = self.shared.get_mut(a..a + bytes.len()).ok_or_else(|| {
                     format!(
                         "shared store of {} bytes at {a} is outside {} bytes",
@@ -383,6 +505,11 @@ impl Cta<'_> {
     /// `len` bytes at an address, as a little-endian word zero-extended to four bytes (or the
     /// eight bytes of an I64).
     fn load_bytes(&self, space: Space, addr: i64, len: usize) -> Result<Vec<u8>, String> {
+        if space == Space::Shared
+            && let Ok(a) = usize::try_from(addr)
+        {
+            self.check_not_in_flight(a, len)?;
+        }
         let bytes: &[u8] = match space {
             Space::Global => self.memory.bytes(addr, len)?,
             Space::Shared => usize::try_from(addr)

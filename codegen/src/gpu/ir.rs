@@ -191,6 +191,24 @@ pub enum Stmt {
         /// Whether each matrix is transposed as it loads.
         trans: bool,
     },
+    /// `cp.async.cg.shared.global [dst], [src], 16, src_bytes`: an asynchronous copy of 16 bytes
+    /// from global to shared memory (both 16-byte aligned), of which the first `src_bytes` (an
+    /// I32, 0 to 16) are read and the rest are zeros. The copy joins this thread's open group;
+    /// its bytes land when a [`Stmt::CpAsyncWait`] completes the group, and are visible to other
+    /// threads after a barrier that follows. Reading or writing them before is a race.
+    CpAsync {
+        /// Shared byte address (I64).
+        dst: Expr,
+        /// Global byte address (I64).
+        src: Expr,
+        /// Bytes read from `src` (I32, 0 to 16).
+        src_bytes: Expr,
+    },
+    /// `cp.async.commit_group`: closes this thread's open group of copies.
+    CpAsyncCommit,
+    /// `cp.async.wait_group n`: waits until at most `n` of this thread's committed groups are
+    /// still in flight (the oldest complete first).
+    CpAsyncWait(u32),
 }
 
 /// A kernel: parameters, registers, the shared memory it uses, its CTA size and its program.

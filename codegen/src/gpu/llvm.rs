@@ -305,6 +305,32 @@ impl<'ctx> Lowering<'_, 'ctx> {
                 self.b.position_at_end(exit);
             }
             Stmt::Barrier => self.call_void("llvm.nvvm.barrier0")?,
+            Stmt::CpAsync {
+                dst,
+                src,
+                src_bytes,
+            } => {
+                let name = "llvm.nvvm.cp.async.cg.shared.global.16.s";
+                let f = Intrinsic::find(name)
+                    .and_then(|i| i.get_declaration(self.module, &[]))
+                    .ok_or_else(|| err(format!("LLVM has no intrinsic {name}")))?;
+                let (dst, src) = (self.expr(dst)?, self.expr(src)?);
+                let dst = self.pointer(Space::Shared, dst)?;
+                let src = self.pointer(Space::Global, src)?;
+                let bytes = self.expr(src_bytes)?;
+                self.b
+                    .build_call(f, &[dst.into(), src.into(), bytes.into()], "")
+                    .map_err(err)?;
+            }
+            Stmt::CpAsyncCommit => self.call_void("llvm.nvvm.cp.async.commit.group")?,
+            Stmt::CpAsyncWait(n) => {
+                let name = "llvm.nvvm.cp.async.wait.group";
+                let f = Intrinsic::find(name)
+                    .and_then(|i| i.get_declaration(self.module, &[]))
+                    .ok_or_else(|| err(format!("LLVM has no intrinsic {name}")))?;
+                let n = self.ctx.i32_type().const_int(u64::from(*n), false);
+                self.b.build_call(f, &[n.into()], "").map_err(err)?;
+            }
             Stmt::LdMatrix { dst, addr, trans } => {
                 let name = format!(
                     "llvm.nvvm.ldmatrix.sync.aligned.m8n8.x{}{}.b16",

@@ -118,6 +118,19 @@ fn stmts(f: &mut fmt::Formatter<'_>, k: &Kernel, body: &[Stmt], depth: usize) ->
                 writeln!(f, "{pad}}}")?;
             }
             Stmt::Barrier => writeln!(f, "{pad}bar.sync")?,
+            Stmt::CpAsync {
+                dst,
+                src,
+                src_bytes,
+            } => writeln!(
+                f,
+                "{pad}cp.async.cg.shared.global [{}], [{}], 16, {}",
+                Show(k, dst),
+                Show(k, src),
+                Show(k, src_bytes)
+            )?,
+            Stmt::CpAsyncCommit => writeln!(f, "{pad}cp.async.commit_group")?,
+            Stmt::CpAsyncWait(n) => writeln!(f, "{pad}cp.async.wait_group {n}")?,
             Stmt::LdMatrix { dst, addr, trans } => {
                 let names: Vec<String> = dst
                     .iter()
