@@ -355,6 +355,22 @@ fn the_tensor_core_kernel_matches_the_reference() {
             3,
             0,
         ),
+        // Many key tiles, those before the window skipped: copies issued for a tile, prefetched
+        // for the next, or neither (the interpreter rejects any read of a copy in flight).
+        (
+            "heads = 2, head_dim = 32, mask = sliding_window(40), dtype = bf16",
+            1,
+            300,
+            300,
+            0,
+        ),
+        (
+            "heads = 1, head_dim = 128, mask = causal, position = alibi, dtype = bf16",
+            1,
+            150,
+            200,
+            0,
+        ),
         // Three k-steps and three value blocks (an ldmatrix.x4 and an .x2 each), and RoPE
         // pairs that straddle lane columns (each key staged by one thread).
         (

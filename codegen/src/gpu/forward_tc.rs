@@ -9,9 +9,10 @@
 //! program and mask apply per element; the row max and sum reduce over the lane quad with
 //! shuffles; `P = 2^(S - m)` is repacked from C fragments straight into A fragments (their
 //! layouts line up), and `O += P V` accumulates in registers. Tile codes skip or unmask tiles.
-//! K and V tiles are bf16 in shared memory (rows padded against bank conflicts) and reach the
-//! B fragments through `ldmatrix` (transposed for V). Still to come: `cp.async` staging, double
-//! buffering.
+//! K and V tiles are bf16 in shared memory (rows padded against bank conflicts), copied there by
+//! `cp.async` into two buffers (the next tile's copies fly while this one is computed; with RoPE
+//! on K, K is rotated as it is staged instead), and reach the B fragments through `ldmatrix`
+//! (transposed for V).
 
 use super::forward::{Env, PARAMS, ROWS, Regs, param, program, special64};
 use super::ir::build::*;
@@ -23,12 +24,12 @@ use attn_dsl::{DType, RopeLayout};
 /// Threads per CTA: four warps of 16 query rows.
 pub const THREADS: u32 = 128;
 
-/// Keys per tile.
+/// Keys per tile: two buffers of K and V tiles within the 48 KiB of static shared memory.
 pub fn key_tile(plan: &KernelPlan) -> u32 {
-    if plan.shape.qk_dim + plan.shape.v_dim <= 256 {
-        64
-    } else {
-        16
+    match plan.shape.qk_dim + plan.shape.v_dim {
+        0..=128 => 64,
+        129..=256 => 32,
+        _ => 16,
     }
 }
 
@@ -232,115 +233,187 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         }
     }
 
-    // Shared memory: K tile [bc][d] and V tile [bc][dv] in bf16, rows padded by 16 bytes so the
-    // eight rows an `ldmatrix` reads fall in different banks.
+    // Shared memory: two buffers, each a K tile [bc][d] and a V tile [bc][dv] in bf16, rows
+    // padded by 16 bytes so the eight rows an `ldmatrix` reads fall in different banks. Tile t
+    // uses buffer t % 2, so the copies of tile t + 1 fly while tile t is computed.
     let (k_stride, v_stride) = (2 * d + 16, 2 * dv + 16);
     let (k_sh, v_sh) = (0, bc * k_stride);
-    let shared_bytes = v_sh + bc * v_stride;
+    let buffer_bytes = v_sh + bc * v_stride;
+    let shared_bytes = 2 * buffer_bytes;
     let (t, code) = (r.add("tile", Ty::I64), r.add("code", Ty::I32));
+    let (next_code, issued, buf) = (
+        r.add("next_code", Ty::I32),
+        r.add("issued", Ty::Pred),
+        r.add("buffer", Ty::I64),
+    );
     let bc64 = bc as i64;
     let n_tiles = bin(Bin::Div, add(param("skv"), i64(bc64 - 1)), i64(bc64));
     let rows64 = i64::from(ROWS);
     let n_qblocks = bin(Bin::Div, add(param("sq"), i64(rows64 - 1)), i64(rows64));
-    let code_index = add(
-        mul(
-            add(mul(reg(head), n_qblocks), special64(Special::Ctaid(0))),
-            n_tiles.clone(),
-        ),
-        reg(t),
-    );
-    let mut tile_body = vec![Stmt::Set(
-        code,
-        load(Space::Global, Ty::I32, at(param("codes"), code_index, 4)),
-    )];
-    let mut run = Vec::new();
-
-    // Stage K (rotated) and V as packed bf16 pairs; rows past Skv are zeros. Where RoPE pairs
-    // line up with lane offsets, four threads share a key, thread p of them taking the column
-    // pairs 8 i + 2 p (coalesced, and a quarter of the loads per thread); else thread j stages
-    // key j whole.
-    // The CTA stages THREADS / per_key keys per pass.
-    let split = lane_aligned(plan);
-    let per_key: i64 = if split { 4 } else { 1 };
-    let keys_per_pass = i64::from(THREADS) / per_key;
-    let passes = (bc64 + keys_per_pass - 1) / keys_per_pass;
-    let (pass, local, key_l, kv_row, part) = (
-        r.add("load_pass", Ty::I64),
-        r.add("load_local", Ty::I64),
-        r.add("load_key", Ty::I64),
-        r.add("load_row", Ty::I64),
-        r.add("load_part", Ty::I64),
-    );
-    let mut stage = vec![
-        Stmt::Set(key_l, add(mul(reg(t), i64(bc64)), reg(local))),
-        Stmt::Set(part, bin(Bin::Rem, tid.clone(), i64(per_key))),
-        Stmt::Set(
-            kv_row,
-            add(
-                mul(add(mul(reg(batch), i64(hkv)), reg(kvh)), param("skv")),
-                bin(Bin::Min, reg(key_l), sub(param("skv"), i64(1))),
-            ),
-        ),
-    ];
-    let inside = bin(Bin::Lt, reg(key_l), param("skv"));
-    let k_row = add(param("k"), mul(reg(kv_row), i64(2 * d as i64)));
-    let k_pos = add(
-        param("p0"),
-        bin(Bin::Min, reg(key_l), sub(param("skv"), i64(1))),
-    );
-    let zero_pair = Expr::Int(0, Ty::I32);
-    // This thread's first column pair and the columns it steps by.
-    let (shift, col_step) = if split {
-        (Some(reg(part)), 8)
-    } else {
-        (None, 2)
-    };
-    let shared_row = |base: usize, stride: usize| {
-        add(
-            mul(reg(local), i64(stride as i64)),
-            add(i64(base as i64), mul(reg(part), i64(4))),
-        )
-    };
-    for dd in (0..d).step_by(col_step) {
-        let pair = pair(plan, &k_row, dd, &k_pos, shift.as_ref());
-        let dst = add(shared_row(k_sh, k_stride), i64(2 * dd as i64));
-        stage.push(Stmt::Store(
-            Space::Shared,
-            dst,
-            select(inside.clone(), pair, zero_pair.clone()),
-        ));
-    }
-    let v_row = add(param("v"), mul(reg(kv_row), i64(2 * dv as i64)));
-    for dd in (0..dv).step_by(col_step) {
-        let lane_offset = mul(reg(part), i64(4));
-        let src = add(add(v_row.clone(), i64(2 * dd as i64)), lane_offset);
-        let dst = add(shared_row(v_sh, v_stride), i64(2 * dd as i64));
-        stage.push(Stmt::Store(
-            Space::Shared,
-            dst,
-            select(
-                inside.clone(),
-                load(Space::Global, Ty::I32, src),
-                zero_pair.clone(),
-            ),
-        ));
-    }
-    run.push(Stmt::For {
-        reg: pass,
-        start: i64(0),
-        end: i64(passes),
-        step: 1,
-        body: vec![
-            Stmt::Set(
-                local,
+    let code_of = |tile: Expr| {
+        let index = add(
+            mul(
                 add(
-                    mul(reg(pass), i64(keys_per_pass)),
-                    bin(Bin::Div, tid.clone(), i64(per_key)),
+                    mul(reg(head), n_qblocks.clone()),
+                    special64(Special::Ctaid(0)),
+                ),
+                n_tiles.clone(),
+            ),
+            tile,
+        );
+        load(Space::Global, Ty::I32, at(param("codes"), index, 4))
+    };
+    let kv_base = mul(add(mul(reg(batch), i64(hkv)), reg(kvh)), param("skv"));
+    let buffer_of = |tile: Expr| mul(bin(Bin::Rem, tile, i64(2)), i64(buffer_bytes as i64));
+
+    // The copies of one tile into its buffer: 16-byte chunks of K rows (unless RoPE rotates K:
+    // then it is staged when the tile runs) and V rows, chunk c = tid + THREADS i; rows past
+    // Skv are zero-filled.
+    let k_async = plan.rope.is_none();
+    let issue = |tile: Expr| -> Vec<Stmt> {
+        let mut copies = Vec::new();
+        let regions = [
+            (k_async, "k", d, k_sh, k_stride),
+            (true, "v", dv, v_sh, v_stride),
+        ];
+        for (enabled, name, width, base, stride) in regions {
+            if !enabled {
+                continue;
+            }
+            let per_row = width / 8;
+            let total = bc * per_row;
+            for i in 0..total.div_ceil(THREADS as usize) {
+                let c = add(tid.clone(), i64((THREADS as usize * i) as i64));
+                let (row, col) = (
+                    bin(Bin::Div, c.clone(), i64(per_row as i64)),
+                    bin(Bin::Rem, c.clone(), i64(per_row as i64)),
+                );
+                let key = add(mul(tile.clone(), i64(bc64)), row.clone());
+                let clamped = bin(Bin::Min, key.clone(), sub(param("skv"), i64(1)));
+                let src = add(
+                    add(
+                        param(name),
+                        mul(add(kv_base.clone(), clamped), i64(2 * width as i64)),
+                    ),
+                    mul(col.clone(), i64(16)),
+                );
+                let dst = add(
+                    add(buffer_of(tile.clone()), i64(base as i64)),
+                    add(mul(row, i64(stride as i64)), mul(col, i64(16))),
+                );
+                let copy = Stmt::CpAsync {
+                    dst,
+                    src,
+                    src_bytes: select(
+                        bin(Bin::Lt, key, param("skv")),
+                        Expr::Int(16, Ty::I32),
+                        Expr::Int(0, Ty::I32),
+                    ),
+                };
+                if total.is_multiple_of(THREADS as usize) {
+                    copies.push(copy);
+                } else {
+                    copies.push(Stmt::If(
+                        bin(Bin::Lt, c, i64(total as i64)),
+                        vec![copy],
+                        vec![],
+                    ));
+                }
+            }
+        }
+        copies.push(Stmt::CpAsyncCommit);
+        copies
+    };
+    body.push(Stmt::Set(issued, Expr::Pred(false)));
+    let mut tile_body = vec![Stmt::Set(code, code_of(reg(t)))];
+    let mut run = vec![Stmt::Set(buf, buffer_of(reg(t)))];
+    // This tile's copies, unless the previous tile issued them; then the next tile's (if it
+    // runs) and a wait for all but that newest group.
+    run.push(Stmt::If(un(Un::Not, reg(issued)), issue(reg(t)), vec![]));
+    let next = add(reg(t), i64(1));
+    run.push(Stmt::Set(
+        next_code,
+        select(
+            bin(Bin::Lt, next.clone(), n_tiles.clone()),
+            code_of(bin(Bin::Min, next.clone(), sub(n_tiles.clone(), i64(1)))),
+            Expr::Int(0, Ty::I32),
+        ),
+    ));
+    run.push(Stmt::Set(
+        issued,
+        bin(Bin::Ne, reg(next_code), Expr::Int(0, Ty::I32)),
+    ));
+    let mut prefetch = issue(next);
+    prefetch.push(Stmt::CpAsyncWait(1));
+    run.push(Stmt::If(reg(issued), prefetch, vec![Stmt::CpAsyncWait(0)]));
+
+    if !k_async {
+        // RoPE rotates K as it is staged: where RoPE pairs line up with lane offsets, four
+        // threads share a key, thread p of them taking the column pairs 8 i + 2 p (coalesced);
+        // else thread j stages key j whole. The CTA stages THREADS / per_key keys per pass.
+        let split = lane_aligned(plan);
+        let per_key: i64 = if split { 4 } else { 1 };
+        let keys_per_pass = i64::from(THREADS) / per_key;
+        let passes = (bc64 + keys_per_pass - 1) / keys_per_pass;
+        let (pass, local, key_l, kv_row, part) = (
+            r.add("load_pass", Ty::I64),
+            r.add("load_local", Ty::I64),
+            r.add("load_key", Ty::I64),
+            r.add("load_row", Ty::I64),
+            r.add("load_part", Ty::I64),
+        );
+        let mut stage = vec![
+            Stmt::Set(key_l, add(mul(reg(t), i64(bc64)), reg(local))),
+            Stmt::Set(part, bin(Bin::Rem, tid.clone(), i64(per_key))),
+            Stmt::Set(
+                kv_row,
+                add(
+                    kv_base.clone(),
+                    bin(Bin::Min, reg(key_l), sub(param("skv"), i64(1))),
                 ),
             ),
-            Stmt::If(bin(Bin::Lt, reg(local), i64(bc64)), stage, vec![]),
-        ],
-    });
+        ];
+        let inside = bin(Bin::Lt, reg(key_l), param("skv"));
+        let k_row = add(param("k"), mul(reg(kv_row), i64(2 * d as i64)));
+        let k_pos = add(
+            param("p0"),
+            bin(Bin::Min, reg(key_l), sub(param("skv"), i64(1))),
+        );
+        // This thread's first column pair and the columns it steps by.
+        let (shift, col_step) = if split {
+            (Some(reg(part)), 8)
+        } else {
+            (None, 2)
+        };
+        for dd in (0..d).step_by(col_step) {
+            let pair = pair(plan, &k_row, dd, &k_pos, shift.as_ref());
+            let dst = add(
+                add(reg(buf), mul(reg(local), i64(k_stride as i64))),
+                add(i64((k_sh + 2 * dd) as i64), mul(reg(part), i64(4))),
+            );
+            stage.push(Stmt::Store(
+                Space::Shared,
+                dst,
+                select(inside.clone(), pair, Expr::Int(0, Ty::I32)),
+            ));
+        }
+        run.push(Stmt::For {
+            reg: pass,
+            start: i64(0),
+            end: i64(passes),
+            step: 1,
+            body: vec![
+                Stmt::Set(
+                    local,
+                    add(
+                        mul(reg(pass), i64(keys_per_pass)),
+                        bin(Bin::Div, tid.clone(), i64(per_key)),
+                    ),
+                ),
+                Stmt::If(bin(Bin::Lt, reg(local), i64(bc64)), stage, vec![]),
+            ],
+        });
+    }
     run.push(Stmt::Barrier);
 
     // B fragments come from `ldmatrix`: lane l addresses row l % 8 of matrix l / 8. Each lane's
@@ -397,7 +470,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
             let offset = (8 * nb * k_stride + 32 * ks) as i64;
             run.push(Stmt::LdMatrix {
                 dst: if pair { bm.to_vec() } else { bm[..2].to_vec() },
-                addr: add(reg(k_base), i64(offset)),
+                addr: add(add(reg(k_base), reg(buf)), i64(offset)),
                 trans: false,
             });
             for step in 0..if pair { 2 } else { 1 } {
@@ -512,7 +585,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
             let offset = (16 * ks * v_stride + 16 * vb) as i64;
             run.push(Stmt::LdMatrix {
                 dst: if pair { bm.to_vec() } else { bm[..2].to_vec() },
-                addr: add(reg(v_base), i64(offset)),
+                addr: add(add(reg(v_base), reg(buf)), i64(offset)),
                 trans: true,
             });
             for step in 0..if pair { 2 } else { 1 } {
