@@ -16,8 +16,8 @@ use codegen::gpu::interp::{Memory, Val, run};
 use codegen::plan::Frequencies;
 
 /// `CpuBackend::decode`'s call (q `[B, heads, q_len, head_dim]`, the last `q_len` tokens of each
-/// sequence) on the GPU decode kernel, run on the interpreter. f32 per-head caches with static
-/// RoPE frequencies.
+/// sequence) on the GPU decode kernel, run on the interpreter. f32 and bf16 per-head caches
+/// with static RoPE frequencies.
 pub fn decode_emulated(
     spec: &AttentionSpec,
     q: &Tensor,
@@ -38,9 +38,9 @@ pub fn decode_emulated(
             "the cache was made for another spec".into(),
         ));
     }
-    if layout.dtype != DType::F32 {
+    if !matches!(layout.dtype, DType::F32 | DType::Bf16) {
         return Err(RuntimeError::Spec(
-            "the GPU decode kernel reads f32 caches only, so far".into(),
+            "the GPU decode kernel reads f32 and bf16 caches, not f16 yet".into(),
         ));
     }
     let plan = KernelPlan::decode(spec);
@@ -95,23 +95,22 @@ pub fn decode_emulated(
         let seg0 = segment_records.len() / 5;
         for s in &item.segments[task.segments.clone()] {
             let keys = s.len as usize;
-            // SAFETY: `items` built the segment from the cache's runs: `keys` rows of
-            // `k_stride` (`v_stride`) f32 from `s.k` (`s.v`), inside the cache borrowed here.
-            let (k_rows, v_rows) = unsafe {
-                (
-                    std::slice::from_raw_parts(s.k.cast::<f32>(), (keys - 1) * k_stride + d),
-                    std::slice::from_raw_parts(s.v.cast::<f32>(), (keys - 1) * v_stride + dv),
-                )
+            let size = layout.dtype.size_bytes() as usize;
+            // The segment's rows, packed, in the cache's dtype (a device keeps them in its
+            // memory; here they are copied into the interpreter's).
+            let packed = |start: *const u8, stride: usize, width: usize| -> Vec<u8> {
+                // SAFETY: `items` built the segment from the cache's runs: `keys` rows of
+                // `stride` elements of `size` bytes from `start`, inside the cache borrowed here.
+                let bytes = unsafe {
+                    std::slice::from_raw_parts(start, ((keys - 1) * stride + width) * size)
+                };
+                (0..keys)
+                    .flat_map(|j| bytes[j * stride * size..(j * stride + width) * size].to_vec())
+                    .collect()
             };
-            let k: Vec<f32> = (0..keys)
-                .flat_map(|j| k_rows[j * k_stride..j * k_stride + d].to_vec())
-                .collect();
-            let v: Vec<f32> = (0..keys)
-                .flat_map(|j| v_rows[j * v_stride..j * v_stride + dv].to_vec())
-                .collect();
             segment_records.extend([
-                mem.alloc_f32(&k),
-                mem.alloc_f32(&v),
+                mem.alloc_bytes(packed(s.k, k_stride, d)),
+                mem.alloc_bytes(packed(s.v, v_stride, dv)),
                 s.first_key,
                 s.len,
                 s.code,

@@ -6,8 +6,9 @@
 //! Buffers: `q_rows` (f32 `[rows][qk_dim]`, before RoPE), `tasks` (per CTA, nine i64: first row,
 //! rows, queries per head, position and call index of query 0, batch, first head, first segment,
 //! segments), `segments` (five i64 each: key row address, value row address, first key, keys,
-//! tile code), `out` (f32 `[rows][v_dim]`, normalized), `lse` (f32 per row), RoPE tables for the
-//! query positions. Keys sit at the positions of their indices, rotated already.
+//! tile code; rows of `qk_dim` or `v_dim` values in the cache's dtype, f32 or bf16), `out` (f32
+//! `[rows][v_dim]`, normalized), `lse` (f32 per row), RoPE tables for the query positions. Keys
+//! sit at the positions of their indices, rotated already.
 
 use super::forward::{
     Env, KeyLoop, ROWS, Regs, RowState, TileShared, simt_epilogue, simt_tile, special64,
@@ -15,7 +16,7 @@ use super::forward::{
 use super::ir::build::*;
 use super::ir::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty};
 use crate::plan::{KernelPlan, PlanKind};
-use attn_dsl::RopeLayout;
+use attn_dsl::{DType, RopeLayout};
 
 /// Parameters, in order.
 pub const PARAMS: [&str; 8] = [
@@ -197,25 +198,33 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         seg_body.push(Stmt::Set(x, field(&reg(srec), i)));
     }
     let mut run = Vec::new();
-    // Stage: thread j < keys copies key row j and value row j.
+    // Stage: thread j < keys copies key row j and value row j (the cache's f32 or bf16,
+    // widened to f32 in shared memory).
+    let bf16 = plan.dtype == DType::Bf16;
+    let elem = if bf16 { 2 } else { 4 };
+    let cache_load = |addr: Expr| {
+        if bf16 {
+            Expr::LoadBf16(Space::Global, Box::new(addr))
+        } else {
+            load(Space::Global, Ty::F32, addr)
+        }
+    };
     let mut stage = Vec::new();
     for i in 0..d {
-        let src = add(reg(kaddr), add(mul(tid.clone(), i64(4 * d)), i64(4 * i)));
+        let src = add(
+            reg(kaddr),
+            add(mul(tid.clone(), i64(elem * d)), i64(elem * i)),
+        );
         let dst = add(mul(tid.clone(), i64(4 * d)), i64(k_sh + 4 * i));
-        stage.push(Stmt::Store(
-            Space::Shared,
-            dst,
-            load(Space::Global, Ty::F32, src),
-        ));
+        stage.push(Stmt::Store(Space::Shared, dst, cache_load(src)));
     }
     for i in 0..dv {
-        let src = add(reg(vaddr), add(mul(tid.clone(), i64(4 * dv)), i64(4 * i)));
+        let src = add(
+            reg(vaddr),
+            add(mul(tid.clone(), i64(elem * dv)), i64(elem * i)),
+        );
         let dst = add(mul(tid.clone(), i64(4 * dv)), i64(v_sh + 4 * i));
-        stage.push(Stmt::Store(
-            Space::Shared,
-            dst,
-            load(Space::Global, Ty::F32, src),
-        ));
+        stage.push(Stmt::Store(Space::Shared, dst, cache_load(src)));
     }
     run.push(Stmt::If(bin(Bin::Lt, tid.clone(), reg(len)), stage, vec![]));
     run.push(Stmt::Barrier);
