@@ -127,58 +127,10 @@ impl CpuBackend {
         seqs: &[SeqId],
         options: DecodeOptions,
     ) -> Result<Output, RuntimeError> {
-        let Some(mla) = spec.mla() else {
-            return Err(RuntimeError::Spec(
-                "this spec has per-head KV: use decode with q".into(),
-            ));
-        };
-        let MlaQueries {
-            q_nope,
-            q_pe,
-            w_kv_b,
-        } = queries;
-        let (h, dn, dv) = head_dims(spec);
-        let (r, dr) = (mla.latent_rank as usize, mla.rope_dim as usize);
-        let [b, n] = match q_nope.shape() {
-            [b, hh, n, d] if *hh == h && *d == dn && *b == seqs.len() => [*b, *n],
-            _ => {
-                return Err(shape(
-                    "q_nope",
-                    q_nope,
-                    &format!("[{}, {h}, q_len, {dn}] (one row per sequence)", seqs.len()),
-                ));
-            }
-        };
-        if q_pe.shape() != [b, h, n, dr] {
-            return Err(shape("q_pe", q_pe, &format!("[{b}, {h}, {n}, {dr}]")));
-        }
-        if w_kv_b.shape() != [h * (dn + dv), r] {
-            return Err(shape(
-                "w_kv_b",
-                w_kv_b,
-                &format!(
-                    "[{}, {r}] (heads * (head_dim + v_head_dim), latent_rank)",
-                    h * (dn + dv)
-                ),
-            ));
-        }
-        for (name, t) in [("q_nope", q_nope), ("q_pe", q_pe), ("w_kv_b", w_kv_b)] {
-            check_dtype(name, t, spec.dtype)?;
-        }
-        let w = w_kv_b.to_f32_vec();
-        let absorption = Absorption { h, dn, dv, r, dr };
-        let q = absorption.queries(&q_nope.to_f32_vec(), &q_pe.to_f32_vec(), &w, b * h, n);
-        let wq = r + dr;
-        let q_lens = vec![n; b];
-        let layout = Layout {
-            q_lens: &q_lens,
-            q_at: &|s, i, head| ((s * h + head) * n + i) * wq,
-            out_row: &|s, i, head| (s * h + head) * n + i,
-            out_rows: b * h * n,
-        };
-        let (latent, lse) = self.cached(spec, &q, cache, seqs, &layout, options)?;
-        let out = absorption.outputs(&latent, &w, b * h, n);
-        super::finish(spec.dtype, [b, h, n, dv], out, lse)
+        let a = AbsorbedQueries::of(spec, queries, seqs.len())?;
+        let (latent, lse) =
+            a.with_layout(|layout| self.cached(spec, &a.q, cache, seqs, layout, options))?;
+        a.finish(spec, &latent, lse)
     }
 
     /// A ragged batch against a cache: `q [tokens, heads, head_dim]` holds, for each sequence
@@ -254,6 +206,104 @@ impl CpuBackend {
         let kernel = self.kernel_of(spec, PlanKind::Decode)?;
         let items = items(&kernel.plan, cache, seqs, layout.q_lens, K_TILE as usize)?;
         run(&kernel, cache.layout(), &items, q, layout, options)
+    }
+}
+
+/// An MLA decode call's queries, checked and absorbed (`[W_uk^T q_nope | q_pe]`, rows of
+/// `latent_rank + rope_dim`), for a decode kernel over the latent cache.
+pub(crate) struct AbsorbedQueries {
+    absorption: Absorption,
+    w: Vec<f32>,
+    /// The absorbed query rows, `[b, heads, n, latent_rank + rope_dim]`.
+    pub q: Vec<f32>,
+    /// Sequences.
+    pub b: usize,
+    /// Queries per sequence.
+    pub n: usize,
+}
+
+impl AbsorbedQueries {
+    /// Checks `queries` against the spec (for `seqs` sequences) and absorbs them.
+    pub fn of(
+        spec: &AttentionSpec,
+        queries: MlaQueries,
+        seqs: usize,
+    ) -> Result<Self, RuntimeError> {
+        let Some(mla) = spec.mla() else {
+            return Err(RuntimeError::Spec(
+                "this spec has per-head KV: use decode with q".into(),
+            ));
+        };
+        let MlaQueries {
+            q_nope,
+            q_pe,
+            w_kv_b,
+        } = queries;
+        let (h, dn, dv) = head_dims(spec);
+        let (r, dr) = (mla.latent_rank as usize, mla.rope_dim as usize);
+        let [b, n] = match q_nope.shape() {
+            [b, hh, n, d] if *hh == h && *d == dn && *b == seqs => [*b, *n],
+            _ => {
+                return Err(shape(
+                    "q_nope",
+                    q_nope,
+                    &format!("[{seqs}, {h}, q_len, {dn}] (one row per sequence)"),
+                ));
+            }
+        };
+        if q_pe.shape() != [b, h, n, dr] {
+            return Err(shape("q_pe", q_pe, &format!("[{b}, {h}, {n}, {dr}]")));
+        }
+        if w_kv_b.shape() != [h * (dn + dv), r] {
+            return Err(shape(
+                "w_kv_b",
+                w_kv_b,
+                &format!(
+                    "[{}, {r}] (heads * (head_dim + v_head_dim), latent_rank)",
+                    h * (dn + dv)
+                ),
+            ));
+        }
+        for (name, t) in [("q_nope", q_nope), ("q_pe", q_pe), ("w_kv_b", w_kv_b)] {
+            check_dtype(name, t, spec.dtype)?;
+        }
+        let w = w_kv_b.to_f32_vec();
+        let absorption = Absorption { h, dn, dv, r, dr };
+        let q = absorption.queries(&q_nope.to_f32_vec(), &q_pe.to_f32_vec(), &w, b * h, n);
+        Ok(AbsorbedQueries {
+            absorption,
+            w,
+            q,
+            b,
+            n,
+        })
+    }
+
+    /// Calls `f` with where the call's query rows are and where its output rows go.
+    pub fn with_layout<R>(&self, f: impl FnOnce(&Layout) -> R) -> R {
+        let (h, n) = (self.absorption.h, self.n);
+        let wq = self.absorption.r + self.absorption.dr;
+        let q_lens = vec![n; self.b];
+        let q_at = move |s: usize, i: usize, head: usize| ((s * h + head) * n + i) * wq;
+        let out_row = move |s: usize, i: usize, head: usize| (s * h + head) * n + i;
+        f(&Layout {
+            q_lens: &q_lens,
+            q_at: &q_at,
+            out_row: &out_row,
+            out_rows: self.b * h * n,
+        })
+    }
+
+    /// `out = W_uv out_latent` per head, and the output in the spec's dtype.
+    pub fn finish(
+        &self,
+        spec: &AttentionSpec,
+        latent: &[f32],
+        lse: Vec<f32>,
+    ) -> Result<Output, RuntimeError> {
+        let (h, dv) = (self.absorption.h, self.absorption.dv);
+        let out = self.absorption.outputs(latent, &self.w, self.b * h, self.n);
+        super::finish(spec.dtype, [self.b, h, self.n, dv], out, lse)
     }
 }
 

@@ -237,7 +237,7 @@ impl CpuBackend {
 
 /// MLA's absorbed form around the kernel (DeepSeek's `w_kv_b` layout: per head, `head_dim` rows
 /// of `W_uk` then `v_head_dim` rows of `W_uv`, each of `latent_rank` values).
-struct Absorption {
+pub(crate) struct Absorption {
     h: usize,
     dn: usize,
     dv: usize,

@@ -4,9 +4,10 @@
 //! device keeps the cache in its own memory; the kernel reads it through the segment table).
 
 use crate::cache::{CacheLayout, KvCache, SeqId};
+use crate::cpu::decode::AbsorbedQueries;
 use crate::cpu::decode::{Layout, items, merge, partitions, row_strides, tasks};
 use crate::cpu::rope_table::RopeTables;
-use crate::cpu::{DecodeOptions, Output, check_dtype, finish};
+use crate::cpu::{DecodeOptions, MlaQueries, Output, check_dtype, finish};
 use crate::error::RuntimeError;
 use crate::tensor::Tensor;
 use attn_dsl::{AttentionSpec, DType};
@@ -28,31 +29,11 @@ pub fn decode_emulated(
     crate::error::check_spec(spec)?;
     if spec.mla().is_some() {
         return Err(RuntimeError::Spec(
-            "the GPU decode kernel does not run MLA specs yet".into(),
+            "this is an MLA spec: use decode_mla_emulated with q_nope, q_pe and w_kv_b".into(),
         ));
     }
     check_dtype("q", q, spec.dtype)?;
-    let layout = CacheLayout::of(spec)?;
-    if *cache.layout() != layout {
-        return Err(RuntimeError::Cache(
-            "the cache was made for another spec".into(),
-        ));
-    }
-    if !matches!(layout.dtype, DType::F32 | DType::Bf16) {
-        return Err(RuntimeError::Spec(
-            "the GPU decode kernel reads f32 and bf16 caches, not f16 yet".into(),
-        ));
-    }
-    let plan = KernelPlan::decode(spec);
-    if plan
-        .rope
-        .as_ref()
-        .is_some_and(|r| matches!(r.frequencies, Frequencies::PerLaunch))
-    {
-        return Err(RuntimeError::Spec(
-            "the GPU decode kernel does not run dynamic NTK scaling yet".into(),
-        ));
-    }
+    let plan = checked_plan(spec, cache)?;
     let (h, d, dv) = (
         spec.heads as usize,
         spec.head_dim as usize,
@@ -75,9 +56,72 @@ pub fn decode_emulated(
         out_row: &|s, i, head| (s * h + head) * n + i,
         out_rows: b * h * n,
     };
-    let items = items(&plan, cache, seqs, &q_lens, segment_keys(&plan) as usize)?;
+    let (out, lse) = run_rows(&plan, &q.to_f32_vec(), &call, cache, seqs, options)?;
+    finish(spec.dtype, [b, h, n, dv], out, lse)
+}
+
+/// `CpuBackend::decode_mla`'s call on the GPU decode kernel, run on the interpreter: the
+/// queries absorbed on the host as the CPU backend does, the kernel over the latent cache
+/// (latent plus RoPE key per token; values are the latent part of the key rows), the latent
+/// outputs expanded by `W_uv` on the host.
+pub fn decode_mla_emulated(
+    spec: &AttentionSpec,
+    queries: MlaQueries,
+    cache: &impl KvCache,
+    seqs: &[SeqId],
+    options: DecodeOptions,
+) -> Result<Output, RuntimeError> {
+    crate::error::check_spec(spec)?;
+    let a = AbsorbedQueries::of(spec, queries, seqs.len())?;
+    let plan = checked_plan(spec, cache)?;
+    let (latent, lse) =
+        a.with_layout(|layout| run_rows(&plan, &a.q, layout, cache, seqs, options))?;
+    a.finish(spec, &latent, lse)
+}
+
+/// The decode plan of a spec, after checking that the cache was made for it and that the
+/// kernel runs it.
+fn checked_plan(spec: &AttentionSpec, cache: &impl KvCache) -> Result<KernelPlan, RuntimeError> {
+    let layout = CacheLayout::of(spec)?;
+    if *cache.layout() != layout {
+        return Err(RuntimeError::Cache(
+            "the cache was made for another spec".into(),
+        ));
+    }
+    if !matches!(layout.dtype, DType::F32 | DType::Bf16) {
+        return Err(RuntimeError::Spec(
+            "the GPU decode kernel reads f32 and bf16 caches, not f16 yet".into(),
+        ));
+    }
+    let plan = KernelPlan::decode(spec);
+    if plan
+        .rope
+        .as_ref()
+        .is_some_and(|r| matches!(r.frequencies, Frequencies::PerLaunch))
+    {
+        return Err(RuntimeError::Spec(
+            "the GPU decode kernel does not run dynamic NTK scaling yet".into(),
+        ));
+    }
+    Ok(plan)
+}
+
+/// Runs the decode kernel on the interpreter over f32 query rows of the plan's `qk_dim` (at
+/// `call.q_at`): the work items, partitions and lse merge of the CPU backend. Returns `out`
+/// (`call.out_rows` rows of the plan's `v_dim`) and `lse`.
+fn run_rows(
+    plan: &KernelPlan,
+    qv: &[f32],
+    call: &Layout,
+    cache: &impl KvCache,
+    seqs: &[SeqId],
+    options: DecodeOptions,
+) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> {
+    let layout = cache.layout().clone();
+    let (d, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
+    let q_lens = call.q_lens;
+    let items = items(plan, cache, seqs, q_lens, segment_keys(plan) as usize)?;
     let tasks = tasks(&items, partitions(&items, options));
-    let qv = q.to_f32_vec();
     let (k_stride, v_stride) = row_strides(&layout);
 
     let mut mem = Memory::default();
@@ -132,12 +176,10 @@ pub fn decode_emulated(
     }
     let total_rows = q_rows.len() / d;
     if total_rows == 0 {
-        return finish(
-            spec.dtype,
-            [b, h, n, dv],
-            vec![0.0; b * h * n * dv],
-            vec![f32::NEG_INFINITY; b * h * n],
-        );
+        return Ok((
+            vec![0.0; call.out_rows * dv],
+            vec![f32::NEG_INFINITY; call.out_rows],
+        ));
     }
     let i64s = |v: &[i64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
     let max_len = items.iter().map(|i| i.len).max().unwrap_or(0) as i64;
@@ -170,7 +212,7 @@ pub fn decode_emulated(
         (Val::I64(o), Val::I64(l)) => (*o, *l),
         _ => unreachable!("addresses are i64"),
     };
-    run(&lower(&plan), [tasks.len() as u32, 1, 1], &args, &mut mem).map_err(RuntimeError::Data)?;
+    run(&lower(plan), [tasks.len() as u32, 1, 1], &args, &mut mem).map_err(RuntimeError::Data)?;
     let out = mem
         .read_f32(out_addr, total_rows * dv)
         .map_err(RuntimeError::Data)?;
@@ -186,6 +228,5 @@ pub fn decode_emulated(
             )
         })
         .collect();
-    let (out, lse) = merge(&items, &tasks, &results, &call, dv);
-    finish(spec.dtype, [b, h, n, dv], out, lse)
+    Ok(merge(&items, &tasks, &results, call, dv))
 }
