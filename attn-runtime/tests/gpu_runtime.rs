@@ -143,18 +143,48 @@ fn the_device_backend_runs_or_says_there_is_no_gpu() {
             for c in cases() {
                 check(&c, &gpu.forward(&c.spec, &c.q, &c.k, &c.v, c.p0).unwrap());
             }
+            check_decode(&|spec, q, cache, seqs, options| {
+                gpu.decode(spec, q, cache, seqs, options).unwrap()
+            });
+            check_mla_decode(&|spec, queries, cache, seqs, options| {
+                gpu.decode_mla(spec, queries, cache, seqs, options).unwrap()
+            });
         }
     }
 }
+
+/// A decode entry point under test, on a paged cache.
+type Decode<'a> = &'a dyn Fn(
+    &AttentionSpec,
+    &Tensor,
+    &attn_runtime::cache::PagedCache,
+    &[attn_runtime::cache::SeqId],
+    attn_runtime::cpu::DecodeOptions,
+) -> Output;
+
+/// An MLA decode entry point under test, on a paged latent cache.
+type DecodeMla<'a> = &'a dyn Fn(
+    &AttentionSpec,
+    attn_runtime::cpu::MlaQueries,
+    &attn_runtime::cache::PagedCache,
+    &[attn_runtime::cache::SeqId],
+    attn_runtime::cpu::DecodeOptions,
+) -> Output;
 
 /// The GPU decode kernel (on the interpreter) reads paged caches through their segments and
 /// merges split-KV partitions: it must equal the CPU backend's decode (itself checked against
 /// the reference in decode.rs).
 #[test]
 fn gpu_decode_on_the_interpreter_equals_the_cpu_decode() {
+    check_decode(&|spec, q, cache, seqs, options| {
+        attn_runtime::gpu::decode_emulated(spec, q, cache, seqs, options).unwrap()
+    });
+}
+
+/// `decode` against the CPU backend's decode, for per-head specs (f32 and bf16 caches).
+fn check_decode(decode: Decode) {
     use attn_runtime::cache::PagedCache;
     use attn_runtime::cpu::{CpuBackend, DecodeOptions};
-    use attn_runtime::gpu::decode_emulated;
     for text in [
         "heads = 4, kv_heads = 2, head_dim = 16, mask = causal",
         "heads = 2, head_dim = 8, mask = sliding_window(9), position = alibi, softcap = 4.0",
@@ -207,7 +237,7 @@ fn gpu_decode_on_the_interpreter_equals_the_cpu_decode() {
             let want = CpuBackend::new()
                 .decode(&spec, &q, &cache, &seqs, options)
                 .unwrap();
-            let got = decode_emulated(&spec, &q, &cache, &seqs, options).unwrap();
+            let got = decode(&spec, &q, &cache, &seqs, options);
             for (i, (g, w)) in got
                 .out
                 .to_f32_vec()
@@ -241,9 +271,15 @@ fn gpu_decode_on_the_interpreter_equals_the_cpu_decode() {
 /// the forward kernel and the reference.
 #[test]
 fn gpu_mla_decode_on_the_interpreter_equals_the_cpu_decode() {
+    check_mla_decode(&|spec, queries, cache, seqs, options| {
+        attn_runtime::gpu::decode_mla_emulated(spec, queries, cache, seqs, options).unwrap()
+    });
+}
+
+/// `decode` against the CPU backend's `decode_mla`.
+fn check_mla_decode(decode: DecodeMla) {
     use attn_runtime::cache::PagedCache;
     use attn_runtime::cpu::{CpuBackend, DecodeOptions, MlaQueries};
-    use attn_runtime::gpu::decode_mla_emulated;
     for text in [
         "heads = 4, head_dim = 16, v_head_dim = 24, mla(latent_rank = 32, rope_dim = 8), \
          mask = causal",
@@ -284,7 +320,7 @@ fn gpu_mla_decode_on_the_interpreter_equals_the_cpu_decode() {
             let want = CpuBackend::new()
                 .decode_mla(&spec, queries(), &cache, &seqs, options)
                 .unwrap();
-            let got = decode_mla_emulated(&spec, queries(), &cache, &seqs, options).unwrap();
+            let got = decode(&spec, queries(), &cache, &seqs, options);
             assert_eq!(got.out.shape(), [2, h, n, dv]);
             for (i, (g, w)) in got
                 .out

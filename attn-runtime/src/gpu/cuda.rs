@@ -2,13 +2,17 @@
 //! launched through cudarc. Without a driver, [`CudaBackend::new`] is a clean error.
 
 use super::GpuCall;
+use super::decode::{self, DecodeLaunch};
+use crate::cache::{KvCache, SeqId};
+use crate::cpu::{DecodeOptions, MlaQueries};
 use crate::cpu::{Output, finish};
 use crate::error::RuntimeError;
 use crate::tensor::Tensor;
 use attn_dsl::AttentionSpec;
+use codegen::gpu::ir::Kernel;
 use codegen::gpu::llvm::{Arch, emit};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
@@ -70,8 +74,88 @@ impl CudaBackend {
         self.run(&GpuCall::forward(spec, q, k, v, p0)?)
     }
 
+    /// `CpuBackend::decode`'s call on the device: the GPU decode kernel over the cache's
+    /// segments, with the CPU backend's work items, partitions and lse merge. The cache lives in
+    /// host memory, so each call uploads the segments' rows.
+    pub fn decode(
+        &self,
+        spec: &AttentionSpec,
+        q: &Tensor,
+        cache: &impl KvCache,
+        seqs: &[SeqId],
+        options: DecodeOptions,
+    ) -> Result<Output, RuntimeError> {
+        decode::decode_with(spec, q, cache, seqs, options, |l| self.run_decode(l))
+    }
+
+    /// `CpuBackend::decode_mla`'s call on the device (queries absorbed on the host).
+    pub fn decode_mla(
+        &self,
+        spec: &AttentionSpec,
+        queries: MlaQueries,
+        cache: &impl KvCache,
+        seqs: &[SeqId],
+        options: DecodeOptions,
+    ) -> Result<Output, RuntimeError> {
+        decode::decode_mla_with(spec, queries, cache, seqs, options, |l| self.run_decode(l))
+    }
+
+    /// Uploads a prepared decode launch, runs it and returns `out` and `lse` (all rows).
+    fn run_decode(&self, l: &DecodeLaunch) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> {
+        let f = self.load(&l.kernel)?;
+        let s = &self.stream;
+        let some = |v: &[u8]| s.clone_htod(if v.is_empty() { &[0u8; 16][..] } else { v });
+        let i64_bytes = |v: &[i64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let rows = some(&l.rows).map_err(device)?;
+        let base = {
+            let (ptr, _sync) = rows.device_ptr(s);
+            ptr as i64
+        };
+        let segments = some(&i64_bytes(&l.segment_records(base))).map_err(device)?;
+        let tasks = some(&i64_bytes(&l.tasks)).map_err(device)?;
+        let f32_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let q_rows = some(&f32_bytes(&l.q_rows)).map_err(device)?;
+        let (cos, sin) = (
+            some(&f32_bytes(&l.rope_cos)).map_err(device)?,
+            some(&f32_bytes(&l.rope_sin)).map_err(device)?,
+        );
+        let mut out = s.alloc_zeros::<f32>(l.out_rows * l.v_dim).map_err(device)?;
+        let mut lse = s.alloc_zeros::<f32>(l.out_rows).map_err(device)?;
+        let config = LaunchConfig {
+            grid_dim: (l.ctas, 1, 1),
+            block_dim: (l.kernel.threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let pos0 = 0i64;
+        let mut launch = s.launch_builder(&f);
+        launch
+            .arg(&q_rows)
+            .arg(&tasks)
+            .arg(&segments)
+            .arg(&mut out)
+            .arg(&mut lse)
+            .arg(&cos)
+            .arg(&sin)
+            .arg(&pos0);
+        // SAFETY: the arguments match the decode kernel's eight 64-bit parameters in order
+        // (codegen::gpu::decode::PARAMS): device buffers of the query rows, task and segment
+        // records (whose row addresses point into `rows`, alive until the launch completes),
+        // outputs of `out_rows` rows, RoPE tables, and the tables' first position.
+        unsafe { launch.launch(config) }.map_err(device)?;
+        let out = s.clone_dtoh(&out).map_err(device)?;
+        let lse = s.clone_dtoh(&lse).map_err(device)?;
+        s.synchronize().map_err(device)?;
+        drop(rows);
+        Ok((out, lse))
+    }
+
     fn function(&self, call: &GpuCall) -> Result<CudaFunction, RuntimeError> {
-        let key = call.kernel.to_string();
+        self.load(&call.kernel)
+    }
+
+    /// The kernel loaded on the device (its PTX emitted and loaded once per process).
+    fn load(&self, kernel: &Kernel) -> Result<CudaFunction, RuntimeError> {
+        let key = kernel.to_string();
         let mut loaded = self
             .loaded
             .lock()
@@ -79,9 +163,9 @@ impl CudaBackend {
         if let Some(f) = loaded.get(&key) {
             return Ok(f.clone());
         }
-        let ptx = emit(&call.kernel, self.arch)?.ptx;
+        let ptx = emit(kernel, self.arch)?.ptx;
         let module = self.ctx.load_module(Ptx::from_src(ptx)).map_err(device)?;
-        let f = module.load_function(&call.kernel.name).map_err(device)?;
+        let f = module.load_function(&kernel.name).map_err(device)?;
         loaded.insert(key, f.clone());
         Ok(f)
     }

@@ -12,8 +12,9 @@ use crate::error::RuntimeError;
 use crate::tensor::Tensor;
 use attn_dsl::{AttentionSpec, DType};
 use codegen::KernelPlan;
-use codegen::gpu::decode::{lower, segment_keys};
+use codegen::gpu::decode::{SEGMENT_FIELDS, lower, segment_keys};
 use codegen::gpu::interp::{Memory, Val, run};
+use codegen::gpu::ir::Kernel;
 use codegen::plan::Frequencies;
 
 /// `CpuBackend::decode`'s call (q `[B, heads, q_len, head_dim]`, the last `q_len` tokens of each
@@ -26,10 +27,46 @@ pub fn decode_emulated(
     seqs: &[SeqId],
     options: DecodeOptions,
 ) -> Result<Output, RuntimeError> {
+    decode_with(spec, q, cache, seqs, options, DecodeLaunch::run_emulated)
+}
+
+/// `CpuBackend::decode_mla`'s call on the GPU decode kernel, run on the interpreter: the
+/// queries absorbed on the host as the CPU backend does, the kernel over the latent cache
+/// (latent plus RoPE key per token; values are the latent part of the key rows), the latent
+/// outputs expanded by `W_uv` on the host.
+pub fn decode_mla_emulated(
+    spec: &AttentionSpec,
+    queries: MlaQueries,
+    cache: &impl KvCache,
+    seqs: &[SeqId],
+    options: DecodeOptions,
+) -> Result<Output, RuntimeError> {
+    decode_mla_with(
+        spec,
+        queries,
+        cache,
+        seqs,
+        options,
+        DecodeLaunch::run_emulated,
+    )
+}
+
+/// How a prepared decode launch runs: on the interpreter or a device. Returns `out` and `lse`.
+pub(crate) type Exec<'a> = &'a dyn Fn(&DecodeLaunch) -> Result<(Vec<f32>, Vec<f32>), RuntimeError>;
+
+/// [`decode_emulated`] with the launch run by `exec`.
+pub(crate) fn decode_with(
+    spec: &AttentionSpec,
+    q: &Tensor,
+    cache: &impl KvCache,
+    seqs: &[SeqId],
+    options: DecodeOptions,
+    exec: impl Fn(&DecodeLaunch) -> Result<(Vec<f32>, Vec<f32>), RuntimeError>,
+) -> Result<Output, RuntimeError> {
     crate::error::check_spec(spec)?;
     if spec.mla().is_some() {
         return Err(RuntimeError::Spec(
-            "this is an MLA spec: use decode_mla_emulated with q_nope, q_pe and w_kv_b".into(),
+            "this is an MLA spec: decode it with q_nope, q_pe and w_kv_b (decode_mla)".into(),
         ));
     }
     check_dtype("q", q, spec.dtype)?;
@@ -56,26 +93,24 @@ pub fn decode_emulated(
         out_row: &|s, i, head| (s * h + head) * n + i,
         out_rows: b * h * n,
     };
-    let (out, lse) = run_rows(&plan, &q.to_f32_vec(), &call, cache, seqs, options)?;
+    let (out, lse) = run_rows(&plan, &q.to_f32_vec(), &call, cache, seqs, options, &exec)?;
     finish(spec.dtype, [b, h, n, dv], out, lse)
 }
 
-/// `CpuBackend::decode_mla`'s call on the GPU decode kernel, run on the interpreter: the
-/// queries absorbed on the host as the CPU backend does, the kernel over the latent cache
-/// (latent plus RoPE key per token; values are the latent part of the key rows), the latent
-/// outputs expanded by `W_uv` on the host.
-pub fn decode_mla_emulated(
+/// [`decode_mla_emulated`] with the launch run by `exec`.
+pub(crate) fn decode_mla_with(
     spec: &AttentionSpec,
     queries: MlaQueries,
     cache: &impl KvCache,
     seqs: &[SeqId],
     options: DecodeOptions,
+    exec: impl Fn(&DecodeLaunch) -> Result<(Vec<f32>, Vec<f32>), RuntimeError>,
 ) -> Result<Output, RuntimeError> {
     crate::error::check_spec(spec)?;
     let a = AbsorbedQueries::of(spec, queries, seqs.len())?;
     let plan = checked_plan(spec, cache)?;
     let (latent, lse) =
-        a.with_layout(|layout| run_rows(&plan, &a.q, layout, cache, seqs, options))?;
+        a.with_layout(|layout| run_rows(&plan, &a.q, layout, cache, seqs, options, &exec))?;
     a.finish(spec, &latent, lse)
 }
 
@@ -106,26 +141,109 @@ fn checked_plan(spec: &AttentionSpec, cache: &impl KvCache) -> Result<KernelPlan
     Ok(plan)
 }
 
-/// Runs the decode kernel on the interpreter over f32 query rows of the plan's `qk_dim` (at
-/// `call.q_at`): the work items, partitions and lse merge of the CPU backend. Returns `out`
-/// (`call.out_rows` rows of the plan's `v_dim`) and `lse`.
-fn run_rows(
+/// A decode call prepared for the GPU decode kernel: its buffers as the kernel reads them. The
+/// segments' rows are packed into one buffer (`rows`, in the cache's dtype); segment records
+/// hold offsets into it, which the launcher turns into addresses.
+pub(crate) struct DecodeLaunch {
+    /// The kernel, for the call's plan.
+    pub kernel: Kernel,
+    /// CTAs: one per task.
+    pub ctas: u32,
+    /// Query rows, f32, `qk_dim` each.
+    pub q_rows: Vec<f32>,
+    /// Task records (`TASK_FIELDS` i64 each).
+    pub tasks: Vec<i64>,
+    /// Segment records (`SEGMENT_FIELDS` i64 each), K and V as offsets into `rows`.
+    pub segments: Vec<i64>,
+    /// The segments' K and V rows.
+    pub rows: Vec<u8>,
+    /// RoPE tables for the query positions (empty without RoPE).
+    pub rope_cos: Vec<f32>,
+    /// See `rope_cos`.
+    pub rope_sin: Vec<f32>,
+    /// Output rows (of the plan's `v_dim`).
+    pub out_rows: usize,
+    /// Values per output row.
+    pub v_dim: usize,
+}
+
+impl DecodeLaunch {
+    /// `segments` with the row offsets turned into addresses in a buffer at `base`.
+    pub fn segment_records(&self, base: i64) -> Vec<i64> {
+        let mut records = self.segments.clone();
+        for record in records.chunks_mut(SEGMENT_FIELDS) {
+            record[0] += base;
+            record[1] += base;
+        }
+        records
+    }
+
+    /// Runs the launch on the GPU IR interpreter; returns `out` and `lse`, all rows.
+    fn run_emulated(&self) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> {
+        let mut mem = Memory::default();
+        let i64s = |v: &[i64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let rows = if self.rows.is_empty() {
+            0
+        } else {
+            mem.alloc_bytes(self.rows.clone())
+        };
+        let (cos, sin) = if self.rope_cos.is_empty() {
+            (0, 0)
+        } else {
+            (mem.alloc_f32(&self.rope_cos), mem.alloc_f32(&self.rope_sin))
+        };
+        let segments = self.segment_records(rows);
+        let out = mem.alloc_f32(&vec![0.0; self.out_rows * self.v_dim]);
+        let lse = mem.alloc_f32(&vec![0.0; self.out_rows]);
+        let args: Vec<Val> = [
+            mem.alloc_f32(&self.q_rows),
+            mem.alloc_bytes(i64s(&self.tasks)),
+            if segments.is_empty() {
+                0
+            } else {
+                mem.alloc_bytes(i64s(&segments))
+            },
+            out,
+            lse,
+            cos,
+            sin,
+            0,
+        ]
+        .into_iter()
+        .map(Val::I64)
+        .collect();
+        run(&self.kernel, [self.ctas, 1, 1], &args, &mut mem).map_err(RuntimeError::Data)?;
+        let out = mem
+            .read_f32(out, self.out_rows * self.v_dim)
+            .map_err(RuntimeError::Data)?;
+        let lse = mem
+            .read_f32(lse, self.out_rows)
+            .map_err(RuntimeError::Data)?;
+        Ok((out, lse))
+    }
+}
+
+/// Runs the decode kernel (through `exec`, on the interpreter or a device) over f32 query rows
+/// of the plan's `qk_dim` (at `call.q_at`): the work items, partitions and lse merge of the CPU
+/// backend. Returns `out` (`call.out_rows` rows of the plan's `v_dim`) and `lse`.
+pub(crate) fn run_rows(
     plan: &KernelPlan,
     qv: &[f32],
     call: &Layout,
     cache: &impl KvCache,
     seqs: &[SeqId],
     options: DecodeOptions,
+    exec: Exec,
 ) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> {
     let layout = cache.layout().clone();
     let (d, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
-    let q_lens = call.q_lens;
-    let items = items(plan, cache, seqs, q_lens, segment_keys(plan) as usize)?;
+    let items = items(plan, cache, seqs, call.q_lens, segment_keys(plan) as usize)?;
     let tasks = tasks(&items, partitions(&items, options));
     let (k_stride, v_stride) = row_strides(&layout);
+    let size = layout.dtype.size_bytes() as usize;
 
-    let mut mem = Memory::default();
     let (mut q_rows, mut task_records, mut segment_records) = (Vec::new(), Vec::new(), Vec::new());
+    let mut rows = Vec::new();
     let mut rows_of = Vec::with_capacity(tasks.len());
     for task in &tasks {
         let item = &items[task.item];
@@ -136,29 +254,24 @@ fn run_rows(
                 q_rows.extend_from_slice(&qv[at..at + d]);
             }
         }
-        let seg0 = segment_records.len() / 5;
+        let seg0 = segment_records.len() / SEGMENT_FIELDS;
         for s in &item.segments[task.segments.clone()] {
             let keys = s.len as usize;
-            let size = layout.dtype.size_bytes() as usize;
-            // The segment's rows, packed, in the cache's dtype (a device keeps them in its
-            // memory; here they are copied into the interpreter's).
-            let packed = |start: *const u8, stride: usize, width: usize| -> Vec<u8> {
+            // Appends the segment's rows, packed, in the cache's dtype; returns their offset.
+            let mut pack = |start: *const u8, stride: usize, width: usize| -> i64 {
                 // SAFETY: `items` built the segment from the cache's runs: `keys` rows of
                 // `stride` elements of `size` bytes from `start`, inside the cache borrowed here.
                 let bytes = unsafe {
                     std::slice::from_raw_parts(start, ((keys - 1) * stride + width) * size)
                 };
-                (0..keys)
-                    .flat_map(|j| bytes[j * stride * size..(j * stride + width) * size].to_vec())
-                    .collect()
+                let offset = rows.len() as i64;
+                for j in 0..keys {
+                    rows.extend_from_slice(&bytes[j * stride * size..(j * stride + width) * size]);
+                }
+                offset
             };
-            segment_records.extend([
-                mem.alloc_bytes(packed(s.k, k_stride, d)),
-                mem.alloc_bytes(packed(s.v, v_stride, dv)),
-                s.first_key,
-                s.len,
-                s.code,
-            ]);
+            let (k, v) = (pack(s.k, k_stride, d), pack(s.v, v_stride, dv));
+            segment_records.extend([k, v, s.first_key, s.len, s.code]);
         }
         let rows = item.nh * item.nq;
         task_records.extend([
@@ -181,44 +294,25 @@ fn run_rows(
             vec![f32::NEG_INFINITY; call.out_rows],
         ));
     }
-    let i64s = |v: &[i64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
     let max_len = items.iter().map(|i| i.len).max().unwrap_or(0) as i64;
     let tables = plan
         .rope
         .as_ref()
         .map(|r| RopeTables::new(r, 0, max_len, max_len as u64));
-    let (cos, sin) = match &tables {
-        Some(t) if !t.cos.is_empty() => (mem.alloc_f32(&t.cos), mem.alloc_f32(&t.sin)),
-        _ => (0, 0),
+    let (rope_cos, rope_sin) = tables.map(|t| (t.cos, t.sin)).unwrap_or_default();
+    let launch = DecodeLaunch {
+        kernel: lower(plan),
+        ctas: tasks.len() as u32,
+        q_rows,
+        tasks: task_records,
+        segments: segment_records,
+        rows,
+        rope_cos,
+        rope_sin,
+        out_rows: total_rows,
+        v_dim: dv,
     };
-    let args: Vec<Val> = [
-        mem.alloc_f32(&q_rows),
-        mem.alloc_bytes(i64s(&task_records)),
-        if segment_records.is_empty() {
-            0
-        } else {
-            mem.alloc_bytes(i64s(&segment_records))
-        },
-        mem.alloc_f32(&vec![0.0; total_rows * dv]),
-        mem.alloc_f32(&vec![0.0; total_rows]),
-        cos,
-        sin,
-        0,
-    ]
-    .into_iter()
-    .map(Val::I64)
-    .collect();
-    let (out_addr, lse_addr) = match (&args[3], &args[4]) {
-        (Val::I64(o), Val::I64(l)) => (*o, *l),
-        _ => unreachable!("addresses are i64"),
-    };
-    run(&lower(plan), [tasks.len() as u32, 1, 1], &args, &mut mem).map_err(RuntimeError::Data)?;
-    let out = mem
-        .read_f32(out_addr, total_rows * dv)
-        .map_err(RuntimeError::Data)?;
-    let lse = mem
-        .read_f32(lse_addr, total_rows)
-        .map_err(RuntimeError::Data)?;
+    let (out, lse) = exec(&launch)?;
     let results: Vec<(Vec<f32>, Vec<f32>)> = rows_of
         .iter()
         .map(|&(row0, rows)| {
