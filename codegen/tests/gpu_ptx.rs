@@ -107,11 +107,25 @@ fn tensor_core_kernels_compile_and_report_their_resources() {
         let text = format!("heads = 16, head_dim = {d}, mask = causal, dtype = bf16");
         let spec: attn_dsl::AttentionSpec = text.parse().unwrap();
         let kernel = forward_tc::lower(&KernelPlan::forward(&spec));
+        // Two CTAs' shared memory fit an SM (164 KiB on sm_80, 227 KiB on sm_90); past 48 KiB
+        // it is dynamic, declared `extern` and sized by the launch.
+        let dynamic = codegen::gpu::llvm::dynamic_shared_bytes(&kernel);
+        assert!(
+            2 * kernel.shared_bytes <= 164 * 1024,
+            "{text}: {} bytes",
+            kernel.shared_bytes
+        );
         for arch in [Arch::Sm80, Arch::Sm90] {
             let out = emit(&kernel, arch).unwrap();
             assert!(
                 out.ptx
                     .contains("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32")
+            );
+            assert_eq!(
+                out.ptx.contains(".extern .shared"),
+                dynamic > 0,
+                "{text}: {} bytes of shared memory",
+                kernel.shared_bytes
             );
             let Some((regs, spills, _)) = assemble(&out.ptx, arch, &format!("tensor cores D {d}"))
             else {

@@ -10,7 +10,8 @@ use crate::error::RuntimeError;
 use crate::tensor::Tensor;
 use attn_dsl::AttentionSpec;
 use codegen::gpu::ir::Kernel;
-use codegen::gpu::llvm::{Arch, emit};
+use codegen::gpu::llvm::{Arch, dynamic_shared_bytes, emit};
+use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
 };
@@ -124,7 +125,7 @@ impl CudaBackend {
         let config = LaunchConfig {
             grid_dim: (l.ctas, 1, 1),
             block_dim: (l.kernel.threads, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: dynamic_shared_bytes(&l.kernel),
         };
         let pos0 = 0i64;
         let mut launch = s.launch_builder(&f);
@@ -166,6 +167,14 @@ impl CudaBackend {
         let ptx = emit(kernel, self.arch)?.ptx;
         let module = self.ctx.load_module(Ptx::from_src(ptx)).map_err(device)?;
         let f = module.load_function(&kernel.name).map_err(device)?;
+        let dynamic = dynamic_shared_bytes(kernel);
+        if dynamic > 0 {
+            f.set_attribute(
+                CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                dynamic as i32,
+            )
+            .map_err(device)?;
+        }
         loaded.insert(key, f.clone());
         Ok(f)
     }
@@ -244,7 +253,7 @@ impl CudaBackend {
         let config = LaunchConfig {
             grid_dim: (call.grid[0], call.grid[1], call.grid[2]),
             block_dim: (call.kernel.threads, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: dynamic_shared_bytes(&call.kernel),
         };
         let mut launch = self.stream.launch_builder(f);
         launch

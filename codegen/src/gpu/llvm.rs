@@ -57,6 +57,20 @@ fn err(what: impl std::fmt::Display) -> CodegenError {
     CodegenError::Llvm(what.to_string())
 }
 
+/// Static shared memory per CTA is limited to 48 KiB.
+pub const STATIC_SHARED_LIMIT: u32 = 48 * 1024;
+
+/// The bytes of dynamic shared memory a launch of the kernel must ask for: its shared memory
+/// when over [`STATIC_SHARED_LIMIT`] (then also set as the function's maximum dynamic shared
+/// size), else 0 (a static array).
+pub fn dynamic_shared_bytes(kernel: &Kernel) -> u32 {
+    if kernel.shared_bytes > STATIC_SHARED_LIMIT {
+        kernel.shared_bytes
+    } else {
+        0
+    }
+}
+
 /// Compiles a kernel to LLVM IR and PTX for `arch`.
 pub fn emit(kernel: &Kernel, arch: Arch) -> Result<Emitted, CodegenError> {
     Target::initialize_nvptx(&InitializationConfig::default());
@@ -134,11 +148,20 @@ fn lower<'ctx>(
         .iter()
         .map(|(name, t)| b.build_alloca(basic(ctx, *t), name).map_err(err))
         .collect::<Result<Vec<_>, _>>()?;
+    // Up to 48 KiB, a static array; beyond, the CTA's dynamic shared memory (`extern`, sized
+    // by the launch: see `dynamic_shared_bytes`).
     let shared = (kernel.shared_bytes > 0).then(|| {
-        let ty = ctx.i8_type().array_type(kernel.shared_bytes);
+        let dynamic = dynamic_shared_bytes(kernel) > 0;
+        let ty = ctx
+            .i8_type()
+            .array_type(if dynamic { 0 } else { kernel.shared_bytes });
         let g = module.add_global(ty, Some(AddressSpace::from(3u16)), "shared");
-        g.set_linkage(Linkage::Internal);
-        g.set_initializer(&ty.get_undef());
+        if dynamic {
+            g.set_linkage(Linkage::External);
+        } else {
+            g.set_linkage(Linkage::Internal);
+            g.set_initializer(&ty.get_undef());
+        }
         g.set_alignment(16);
         g
     });
