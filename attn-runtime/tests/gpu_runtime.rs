@@ -149,6 +149,10 @@ fn the_device_backend_runs_or_says_there_is_no_gpu() {
             check_mla_decode(&|spec, queries, cache, seqs, options| {
                 gpu.decode_mla(spec, queries, cache, seqs, options).unwrap()
             });
+            check_ragged(&|spec, q, offsets, cache, seqs, options| {
+                gpu.attend_ragged(spec, q, offsets, cache, seqs, options)
+                    .unwrap()
+            });
         }
     }
 }
@@ -157,6 +161,16 @@ fn the_device_backend_runs_or_says_there_is_no_gpu() {
 type Decode<'a> = &'a dyn Fn(
     &AttentionSpec,
     &Tensor,
+    &attn_runtime::cache::PagedCache,
+    &[attn_runtime::cache::SeqId],
+    attn_runtime::cpu::DecodeOptions,
+) -> Output;
+
+/// A ragged-batch entry point under test, on a paged cache.
+type AttendRagged<'a> = &'a dyn Fn(
+    &AttentionSpec,
+    &Tensor,
+    &[usize],
     &attn_runtime::cache::PagedCache,
     &[attn_runtime::cache::SeqId],
     attn_runtime::cpu::DecodeOptions,
@@ -332,6 +346,79 @@ fn check_mla_decode(decode: DecodeMla) {
                 assert!(
                     (g - w).abs() <= 1e-4 + 1e-4 * w.abs(),
                     "{text} n {n} out[{i}]: {g} vs {w}"
+                );
+            }
+            for (g, w) in got.lse.to_f32_vec().iter().zip(want.lse.to_f32_vec()) {
+                assert!((g - w).abs() <= 1e-4, "{text} lse: {g} vs {w}");
+            }
+        }
+    }
+}
+
+/// A ragged batch (one, no and seventeen new tokens) on the GPU decode kernel equals the CPU
+/// backend's `attend_ragged`.
+#[test]
+fn gpu_ragged_batches_on_the_interpreter_equal_the_cpu() {
+    check_ragged(&|spec, q, offsets, cache, seqs, options| {
+        attn_runtime::gpu::attend_ragged_emulated(spec, q, offsets, cache, seqs, options).unwrap()
+    });
+}
+
+/// `attend` against the CPU backend's `attend_ragged`.
+fn check_ragged(attend: AttendRagged) {
+    use attn_runtime::cache::PagedCache;
+    use attn_runtime::cpu::{CpuBackend, DecodeOptions};
+    for text in [
+        "heads = 4, kv_heads = 2, head_dim = 16, mask = causal",
+        "heads = 2, head_dim = 16, mask = sliding_window(20), position = rope, dtype = bf16",
+    ] {
+        let spec: AttentionSpec = text.parse().unwrap();
+        let (h, hkv, d, dv) = (
+            spec.heads as usize,
+            spec.kv_heads() as usize,
+            spec.head_dim as usize,
+            spec.v_head_dim as usize,
+        );
+        let mut cache = PagedCache::new(&spec, 8, 40).unwrap();
+        let seqs: Vec<_> = [50usize, 33, 70]
+            .iter()
+            .enumerate()
+            .map(|(i, &len)| {
+                let seq = cache.add_sequence();
+                let t = |w: usize, seed: u64| {
+                    Tensor::from_f32_as(spec.dtype, &[hkv, len, w], values(hkv * len * w, seed))
+                        .unwrap()
+                };
+                cache
+                    .append(seq, &t(d, 10 + i as u64), &t(dv, 20 + i as u64))
+                    .unwrap();
+                seq
+            })
+            .collect();
+        let offsets = [0, 1, 1, 18];
+        let q = Tensor::from_f32_as(spec.dtype, &[18, h, d], values(18 * h * d, 7)).unwrap();
+        for parts in [None, Some(2)] {
+            let options = DecodeOptions { partitions: parts };
+            let want = CpuBackend::new()
+                .attend_ragged(&spec, &q, &offsets, &cache, &seqs, options)
+                .unwrap();
+            let got = attend(&spec, &q, &offsets, &cache, &seqs, options);
+            assert_eq!(got.out.shape(), [18, h, dv]);
+            let (abs, rel) = if spec.dtype == attn_dsl::DType::Bf16 {
+                (1e-3, 8e-3)
+            } else {
+                (2e-5, 1e-4)
+            };
+            for (i, (g, w)) in got
+                .out
+                .to_f32_vec()
+                .iter()
+                .zip(want.out.to_f32_vec())
+                .enumerate()
+            {
+                assert!(
+                    (g - w).abs() <= abs + rel * w.abs(),
+                    "{text} out[{i}]: {g} vs {w}"
                 );
             }
             for (g, w) in got.lse.to_f32_vec().iter().zip(want.lse.to_f32_vec()) {

@@ -147,34 +147,11 @@ impl CpuBackend {
         seqs: &[SeqId],
         options: DecodeOptions,
     ) -> Result<Output, RuntimeError> {
-        per_head(spec, q)?;
-        let (h, d, dv) = head_dims(spec);
-        let tokens = match q.shape() {
-            [t, hh, dd] if *hh == h && *dd == d => *t,
-            _ => return Err(shape("q", q, &format!("[tokens, {h}, {d}]"))),
-        };
-        let valid = q_offsets.len() == seqs.len() + 1
-            && q_offsets.first() == Some(&0)
-            && q_offsets.last() == Some(&tokens)
-            && q_offsets.windows(2).all(|w| w[0] <= w[1]);
-        if !valid {
-            return Err(RuntimeError::Data(format!(
-                "q_offsets must be {} non-decreasing offsets from 0 to {tokens} (one more than \
-                 the sequences), got {q_offsets:?}",
-                seqs.len() + 1
-            )));
-        }
-        let q_lens: Vec<usize> = q_offsets.windows(2).map(|w| w[1] - w[0]).collect();
-        let layout = Layout {
-            q_lens: &q_lens,
-            q_at: &|s, i, head| ((q_offsets[s] + i) * h + head) * d,
-            out_row: &|s, i, head| (q_offsets[s] + i) * h + head,
-            out_rows: tokens * h,
-        };
-        let (out, lse) = self.cached(spec, &q.to_f32_vec(), cache, seqs, &layout, options)?;
-        let out = Tensor::from_f32_as(spec.dtype, &[tokens, h, dv], out)?;
-        let lse = Tensor::from_f32(&[tokens, h], lse)?;
-        Ok(Output { out, lse })
+        let ragged = Ragged::of(spec, q, q_offsets, seqs.len())?;
+        let (out, lse) = ragged.with_layout(|layout| {
+            self.cached(spec, &q.to_f32_vec(), cache, seqs, layout, options)
+        })?;
+        ragged.finish(spec, out, lse)
     }
 
     /// Checks the cache against the spec and runs the decode kernel on f32 queries of
@@ -206,6 +183,77 @@ impl CpuBackend {
         let kernel = self.kernel_of(spec, PlanKind::Decode)?;
         let items = items(&kernel.plan, cache, seqs, layout.q_lens, K_TILE as usize)?;
         run(&kernel, cache.layout(), &items, q, layout, options)
+    }
+}
+
+/// A ragged batch's queries, checked: `q [tokens, heads, head_dim]` with cumulative
+/// `q_offsets` per sequence (see `CpuBackend::attend_ragged`).
+pub(crate) struct Ragged<'a> {
+    q_offsets: &'a [usize],
+    q_lens: Vec<usize>,
+    tokens: usize,
+    h: usize,
+    d: usize,
+}
+
+impl<'a> Ragged<'a> {
+    /// Checks `q` and `q_offsets` against the spec and `seqs` sequences.
+    pub fn of(
+        spec: &AttentionSpec,
+        q: &Tensor,
+        q_offsets: &'a [usize],
+        seqs: usize,
+    ) -> Result<Self, RuntimeError> {
+        per_head(spec, q)?;
+        let (h, d, _) = head_dims(spec);
+        let tokens = match q.shape() {
+            [t, hh, dd] if *hh == h && *dd == d => *t,
+            _ => return Err(shape("q", q, &format!("[tokens, {h}, {d}]"))),
+        };
+        let valid = q_offsets.len() == seqs + 1
+            && q_offsets.first() == Some(&0)
+            && q_offsets.last() == Some(&tokens)
+            && q_offsets.windows(2).all(|w| w[0] <= w[1]);
+        if !valid {
+            return Err(RuntimeError::Data(format!(
+                "q_offsets must be {} non-decreasing offsets from 0 to {tokens} (one more than \
+                 the sequences), got {q_offsets:?}",
+                seqs + 1
+            )));
+        }
+        Ok(Ragged {
+            q_offsets,
+            q_lens: q_offsets.windows(2).map(|w| w[1] - w[0]).collect(),
+            tokens,
+            h,
+            d,
+        })
+    }
+
+    /// Calls `f` with where the batch's query rows are and where its output rows go.
+    pub fn with_layout<R>(&self, f: impl FnOnce(&Layout) -> R) -> R {
+        let (h, d, q_offsets) = (self.h, self.d, self.q_offsets);
+        let q_at = move |s: usize, i: usize, head: usize| ((q_offsets[s] + i) * h + head) * d;
+        let out_row = move |s: usize, i: usize, head: usize| (q_offsets[s] + i) * h + head;
+        f(&Layout {
+            q_lens: &self.q_lens,
+            q_at: &q_at,
+            out_row: &out_row,
+            out_rows: self.tokens * h,
+        })
+    }
+
+    /// `out [tokens, heads, v_head_dim]` (the spec's dtype) and `lse [tokens, heads]`.
+    pub fn finish(
+        &self,
+        spec: &AttentionSpec,
+        out: Vec<f32>,
+        lse: Vec<f32>,
+    ) -> Result<Output, RuntimeError> {
+        let (_, _, dv) = head_dims(spec);
+        let out = Tensor::from_f32_as(spec.dtype, &[self.tokens, self.h, dv], out)?;
+        let lse = Tensor::from_f32(&[self.tokens, self.h], lse)?;
+        Ok(Output { out, lse })
     }
 }
 

@@ -89,6 +89,22 @@ impl CudaBackend {
         decode::decode_with(spec, q, cache, seqs, options, |l| self.run_decode(l))
     }
 
+    /// `CpuBackend::attend_ragged`'s call on the device (a ragged batch of decode and chunked
+    /// prefill rows in one launch).
+    pub fn attend_ragged(
+        &self,
+        spec: &AttentionSpec,
+        q: &Tensor,
+        q_offsets: &[usize],
+        cache: &impl KvCache,
+        seqs: &[SeqId],
+        options: DecodeOptions,
+    ) -> Result<Output, RuntimeError> {
+        decode::attend_ragged_with(spec, q, q_offsets, cache, seqs, options, |l| {
+            self.run_decode(l)
+        })
+    }
+
     /// `CpuBackend::decode_mla`'s call on the device (queries absorbed on the host).
     pub fn decode_mla(
         &self,

@@ -4,7 +4,7 @@
 //! device keeps the cache in its own memory; the kernel reads it through the segment table).
 
 use crate::cache::{CacheLayout, KvCache, SeqId};
-use crate::cpu::decode::AbsorbedQueries;
+use crate::cpu::decode::{AbsorbedQueries, Ragged};
 use crate::cpu::decode::{Layout, items, merge, partitions, row_strides, tasks};
 use crate::cpu::rope_table::RopeTables;
 use crate::cpu::{DecodeOptions, MlaQueries, Output, check_dtype, finish};
@@ -49,6 +49,46 @@ pub fn decode_mla_emulated(
         options,
         DecodeLaunch::run_emulated,
     )
+}
+
+/// `CpuBackend::attend_ragged`'s call (a ragged batch: `q [tokens, heads, head_dim]` with
+/// cumulative `q_offsets` per sequence) on the GPU decode kernel, run on the interpreter.
+pub fn attend_ragged_emulated(
+    spec: &AttentionSpec,
+    q: &Tensor,
+    q_offsets: &[usize],
+    cache: &impl KvCache,
+    seqs: &[SeqId],
+    options: DecodeOptions,
+) -> Result<Output, RuntimeError> {
+    attend_ragged_with(
+        spec,
+        q,
+        q_offsets,
+        cache,
+        seqs,
+        options,
+        DecodeLaunch::run_emulated,
+    )
+}
+
+/// [`attend_ragged_emulated`] with the launch run by `exec`.
+pub(crate) fn attend_ragged_with(
+    spec: &AttentionSpec,
+    q: &Tensor,
+    q_offsets: &[usize],
+    cache: &impl KvCache,
+    seqs: &[SeqId],
+    options: DecodeOptions,
+    exec: impl Fn(&DecodeLaunch) -> Result<(Vec<f32>, Vec<f32>), RuntimeError>,
+) -> Result<Output, RuntimeError> {
+    crate::error::check_spec(spec)?;
+    let ragged = Ragged::of(spec, q, q_offsets, seqs.len())?;
+    let plan = checked_plan(spec, cache)?;
+    let qv = q.to_f32_vec();
+    let (out, lse) =
+        ragged.with_layout(|layout| run_rows(&plan, &qv, layout, cache, seqs, options, &exec))?;
+    ragged.finish(spec, out, lse)
 }
 
 /// How a prepared decode launch runs: on the interpreter or a device. Returns `out` and `lse`.

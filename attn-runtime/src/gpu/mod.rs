@@ -7,7 +7,7 @@
 pub mod cuda;
 mod decode;
 
-pub use decode::{decode_emulated, decode_mla_emulated};
+pub use decode::{attend_ragged_emulated, decode_emulated, decode_mla_emulated};
 
 use crate::cpu::rope_table::RopeTables;
 use crate::cpu::{Output, check_qkv, finish};
