@@ -144,6 +144,7 @@ fn decode_kernels_compile_to_ptx() {
         "heads = 32, kv_heads = 8, head_dim = 128, mask = causal",
         "heads = 8, head_dim = 64, mask = sliding_window(128), position = rope, softcap = 30.0",
         "heads = 32, kv_heads = 8, head_dim = 128, mask = causal, dtype = bf16",
+        "heads = 8, head_dim = 64, mask = causal, dtype = f16",
     ] {
         let spec: attn_dsl::AttentionSpec = text.parse().unwrap();
         let kernel = codegen::gpu::decode::lower(&KernelPlan::decode(&spec));

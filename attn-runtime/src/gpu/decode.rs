@@ -10,7 +10,7 @@ use crate::cpu::rope_table::RopeTables;
 use crate::cpu::{DecodeOptions, MlaQueries, Output, check_dtype, finish};
 use crate::error::RuntimeError;
 use crate::tensor::Tensor;
-use attn_dsl::{AttentionSpec, DType};
+use attn_dsl::AttentionSpec;
 use codegen::KernelPlan;
 use codegen::gpu::decode::{SEGMENT_FIELDS, lower, segment_keys};
 use codegen::gpu::interp::{Memory, Val, run};
@@ -18,8 +18,8 @@ use codegen::gpu::ir::Kernel;
 use codegen::plan::Frequencies;
 
 /// `CpuBackend::decode`'s call (q `[B, heads, q_len, head_dim]`, the last `q_len` tokens of each
-/// sequence) on the GPU decode kernel, run on the interpreter. f32 and bf16 per-head caches
-/// with static RoPE frequencies.
+/// sequence) on the GPU decode kernel, run on the interpreter. f32, bf16 and f16 per-head
+/// caches with static RoPE frequencies.
 pub fn decode_emulated(
     spec: &AttentionSpec,
     q: &Tensor,
@@ -161,11 +161,6 @@ fn checked_plan(spec: &AttentionSpec, cache: &impl KvCache) -> Result<KernelPlan
     if *cache.layout() != layout {
         return Err(RuntimeError::Cache(
             "the cache was made for another spec".into(),
-        ));
-    }
-    if !matches!(layout.dtype, DType::F32 | DType::Bf16) {
-        return Err(RuntimeError::Spec(
-            "the GPU decode kernel reads f32 and bf16 caches, not f16 yet".into(),
         ));
     }
     let plan = KernelPlan::decode(spec);

@@ -6,7 +6,7 @@
 //! Buffers: `q_rows` (f32 `[rows][qk_dim]`, before RoPE), `tasks` (per CTA, nine i64: first row,
 //! rows, queries per head, position and call index of query 0, batch, first head, first segment,
 //! segments), `segments` (five i64 each: key row address, value row address, first key, keys,
-//! tile code; rows of `qk_dim` or `v_dim` values in the cache's dtype, f32 or bf16), `out` (f32
+//! tile code; rows of `qk_dim` or `v_dim` values in the cache's dtype, f32, bf16 or f16), `out` (f32
 //! `[rows][v_dim]`, normalized), `lse` (f32 per row), RoPE tables for the query positions. Keys
 //! sit at the positions of their indices, rotated already.
 
@@ -14,7 +14,7 @@ use super::forward::{
     Env, KeyLoop, ROWS, Regs, RowState, TileShared, simt_epilogue, simt_tile, special64,
 };
 use super::ir::build::*;
-use super::ir::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty};
+use super::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty};
 use crate::plan::{KernelPlan, PlanKind};
 use attn_dsl::{DType, RopeLayout};
 
@@ -198,16 +198,17 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         seg_body.push(Stmt::Set(x, field(&reg(srec), i)));
     }
     let mut run = Vec::new();
-    // Stage: thread j < keys copies key row j and value row j (the cache's f32 or bf16,
+    // Stage: thread j < keys copies key row j and value row j (the cache's f32, bf16 or f16,
     // widened to f32 in shared memory).
-    let bf16 = plan.dtype == DType::Bf16;
-    let elem = if bf16 { 2 } else { 4 };
-    let cache_load = |addr: Expr| {
-        if bf16 {
-            Expr::LoadBf16(Space::Global, Box::new(addr))
-        } else {
-            load(Space::Global, Ty::F32, addr)
-        }
+    let half = match plan.dtype {
+        DType::Bf16 => Some(Half::Bf16),
+        DType::F16 => Some(Half::F16),
+        DType::F32 => None,
+    };
+    let elem = if half.is_some() { 2 } else { 4 };
+    let cache_load = |addr: Expr| match half {
+        Some(h) => Expr::LoadHalf(Space::Global, h, Box::new(addr)),
+        None => load(Space::Global, Ty::F32, addr),
     };
     let mut stage = Vec::new();
     for i in 0..d {

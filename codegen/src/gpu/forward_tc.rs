@@ -16,7 +16,7 @@
 
 use super::forward::{Env, PARAMS, ROWS, Regs, param, program, special64};
 use super::ir::build::*;
-use super::ir::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty, Un};
+use super::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Un};
 use crate::plan::{KernelPlan, PlanKind};
 use attn_dsl::modifier::Expr as M;
 use attn_dsl::{DType, RopeLayout};
@@ -60,7 +60,7 @@ fn element(plan: &KernelPlan, row_addr: &Expr, d: usize, pos: &Expr, shift: Opti
     let lane = |bytes_per_step: i64| shift.map_or(i64(0), |q| mul(q.clone(), i64(bytes_per_step)));
     let at_d = |d: usize| {
         let addr = add(add(row_addr.clone(), i64(2 * d as i64)), lane(4));
-        Expr::LoadBf16(Space::Global, Box::new(addr))
+        Expr::LoadHalf(Space::Global, Half::Bf16, Box::new(addr))
     };
     let Some(rope) = &plan.rope else {
         return at_d(d);

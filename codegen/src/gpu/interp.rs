@@ -3,7 +3,7 @@
 //! checks what the hardware would not: memory accesses in bounds, barriers reached by every
 //! thread, shuffles from active lanes, well-typed operands. Errors, never panics.
 
-use super::ir::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty, Un};
+use super::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Un};
 
 /// Device memory: buffers addressed as `(buffer + 1) << 40 | byte offset`.
 #[derive(Clone, Debug, Default)]
@@ -55,6 +55,19 @@ impl Memory {
         let (id, off) = self.locate(addr, data.len())?;
         self.buffers[id][off..off + data.len()].copy_from_slice(data);
         Ok(())
+    }
+}
+
+/// IEEE binary16 bits widened to f32 (exact: subnormals, infinities and NaN included).
+fn f16_to_f32(bits: u16) -> f32 {
+    let sign = if bits & 0x8000 != 0 { -1.0f32 } else { 1.0 };
+    let exponent = i32::from((bits >> 10) & 0x1f);
+    let mantissa = f32::from(bits & 0x3ff);
+    match exponent {
+        0 => sign * mantissa * (2.0f32).powi(-24),
+        31 if mantissa == 0.0 => sign * f32::INFINITY,
+        31 => f32::NAN,
+        e => sign * (1.0 + mantissa / 1024.0) * (2.0f32).powi(e - 15),
     }
 }
 
@@ -600,14 +613,17 @@ impl Cta<'_> {
             }
             Expr::Cast(a, ty) => convert(ev(a)?, *ty)?,
             Expr::Load(space, ty, addr) => self.load(*space, *ty, ev(addr)?.int()?)?,
-            Expr::LoadBf16(space, addr) => {
+            Expr::LoadHalf(space, half, addr) => {
                 let a = ev(addr)?.int()?;
                 if a % 2 != 0 {
-                    return Err(format!("bf16 load at odd address {a}"));
+                    return Err(format!("16-bit load at odd address {a}"));
                 }
                 let bits =
                     u32::from_le_bytes(self.load_bytes(*space, a, 2)?.try_into().expect("2 bytes"));
-                Val::F(f32::from_bits(bits << 16))
+                Val::F(match half {
+                    Half::Bf16 => f32::from_bits(bits << 16),
+                    Half::F16 => f16_to_f32(bits as u16),
+                })
             }
             Expr::Table(values, index) => {
                 let i = ev(index)?.int()?.clamp(0, values.len() as i64 - 1);
@@ -728,6 +744,32 @@ impl Val {
 #[cfg(test)]
 mod tests {
     use super::super::ir::build::*;
+
+    /// Every f16 bit pattern against the f32 built from its fields: exponent rebiased, mantissa
+    /// shifted (normal numbers); `m 2^-24` (subnormals); infinities and NaN.
+    #[test]
+    fn f16_widening_is_exact() {
+        for bits in 0..=u16::MAX {
+            let (sign, exponent, mantissa) = (
+                u32::from(bits >> 15),
+                u32::from((bits >> 10) & 0x1f),
+                u32::from(bits & 0x3ff),
+            );
+            let got = super::f16_to_f32(bits);
+            match exponent {
+                31 if mantissa != 0 => assert!(got.is_nan(), "{bits:#06x}"),
+                31 => assert_eq!(got.to_bits(), (sign << 31) | 0x7f80_0000, "{bits:#06x}"),
+                0 => {
+                    let want = mantissa as f32 / 16_777_216.0;
+                    assert_eq!(got, if sign == 1 { -want } else { want }, "{bits:#06x}");
+                }
+                e => {
+                    let want = (sign << 31) | ((e + 112) << 23) | (mantissa << 13);
+                    assert_eq!(got.to_bits(), want, "{bits:#06x}");
+                }
+            }
+        }
+    }
     use super::super::ir::{Reg, Stmt};
     use super::*;
 

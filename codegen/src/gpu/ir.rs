@@ -100,6 +100,15 @@ pub enum Bin {
     Ne,
 }
 
+/// A 16-bit float format in memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Half {
+    /// bfloat16: the upper half of an f32.
+    Bf16,
+    /// IEEE binary16.
+    F16,
+}
+
 /// Expressions, evaluated per thread.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Expr {
@@ -128,8 +137,9 @@ pub enum Expr {
     Cast(Box<Expr>, Ty),
     /// `ld.{space}` of a value of the type at a byte address (an I64).
     Load(Space, Ty, Box<Expr>),
-    /// `ld.{space}.b16` of a bf16 at a byte address (2-aligned), widened to f32 (exactly).
-    LoadBf16(Space, Box<Expr>),
+    /// `ld.{space}.b16` of a 16-bit float at a byte address (2-aligned), widened to f32
+    /// (exactly: `cvt.f32.f16` for f16, a shift for bf16).
+    LoadHalf(Space, Half, Box<Expr>),
     /// A constant f32 table indexed by an integer, the index clamped into it.
     Table(Vec<f32>, Box<Expr>),
     /// `shfl.sync.bfly.b32` over the full warp: the value of lane `lane ^ mask`.
@@ -235,7 +245,7 @@ impl Kernel {
         match e {
             Expr::Int(_, ty) | Expr::Cast(_, ty) | Expr::Load(_, ty, _) => *ty,
             Expr::PackBf16(..) => Ty::I32,
-            Expr::LoadBf16(..) => Ty::F32,
+            Expr::LoadHalf(..) => Ty::F32,
             Expr::F32(_) | Expr::Fma(..) | Expr::Table(..) => Ty::F32,
             Expr::Pred(_) => Ty::Pred,
             Expr::Reg(r) => self.regs[r.0 as usize].1,

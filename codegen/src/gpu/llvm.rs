@@ -6,7 +6,7 @@
 //! shared memory in address spaces 1 and 3, structured control flow as basic blocks. The kernel
 //! uses the PTX kernel calling convention.
 
-use super::ir::{Bin, Expr, Kernel, Space, Special, Stmt, Ty, Un};
+use super::ir::{Bin, Expr, Half, Kernel, Space, Special, Stmt, Ty, Un};
 use crate::error::CodegenError;
 use inkwell::builder::Builder;
 use inkwell::context::Context;
@@ -505,7 +505,17 @@ impl<'ctx> Lowering<'_, 'ctx> {
                 let p = self.pointer(*space, a)?;
                 self.b.build_load(basic(ctx, *ty), p, "ld").map_err(err)?
             }
-            Expr::LoadBf16(space, addr) => {
+            Expr::LoadHalf(space, Half::F16, addr) => {
+                let a = self.expr(addr)?;
+                let p = self.pointer(*space, a)?;
+                let h = self
+                    .b
+                    .build_load(ctx.f16_type(), p, "f16")
+                    .map_err(err)?
+                    .into_float_value();
+                self.b.build_float_ext(h, f32t, "f16f").map_err(err)?.into()
+            }
+            Expr::LoadHalf(space, Half::Bf16, addr) => {
                 // bf16 bits are the upper half of the f32 they widen to.
                 let a = self.expr(addr)?;
                 let p = self.pointer(*space, a)?;

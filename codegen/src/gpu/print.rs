@@ -75,7 +75,13 @@ impl<'a> fmt::Display for Show<'a> {
             Expr::Select(c, a, b) => write!(f, "({} ? {} : {})", sub(c), sub(a), sub(b)),
             Expr::Cast(a, ty) => write!(f, "{ty}({})", sub(a)),
             Expr::Load(s, ty, a) => write!(f, "ld.{}.{ty}[{}]", space(*s), sub(a)),
-            Expr::LoadBf16(s, a) => write!(f, "ld.{}.bf16[{}]", space(*s), sub(a)),
+            Expr::LoadHalf(s, h, a) => {
+                let name = match h {
+                    super::ir::Half::Bf16 => "bf16",
+                    super::ir::Half::F16 => "f16",
+                };
+                write!(f, "ld.{}.{name}[{}]", space(*s), sub(a))
+            }
             Expr::Table(v, i) => write!(f, "table{v:?}[{}]", sub(i)),
             Expr::ShflXor(v, m) => write!(f, "shfl.bfly({}, {m})", sub(v)),
             Expr::PackBf16(lo, hi) => write!(f, "bf16x2({}, {})", sub(lo), sub(hi)),
