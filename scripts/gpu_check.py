@@ -27,8 +27,8 @@ import time
 import torch
 from safetensors.torch import load_file, save_file
 
-# (spec, batch, Sq, Skv): every kernel path the GPU backend has (tensor cores for bf16 with
-# head dims that are multiples of 16, SIMT for f32), masks, positions and score modifiers.
+# (spec, batch, Sq, Skv): every kernel path the GPU backend has (tensor cores for bf16 and f16
+# with head dims that are multiples of 16, SIMT for f32), masks, positions and score modifiers.
 DIFFERENTIAL = [
     ("heads = 4, head_dim = 64, mask = causal, dtype = bf16", 2, 200, 200),
     ("heads = 4, head_dim = 128, mask = causal, dtype = bf16", 1, 130, 130),
@@ -39,6 +39,7 @@ DIFFERENTIAL = [
     ("heads = 4, head_dim = 128, mask = causal, position = rope, dtype = bf16", 1, 100, 100),
     ("heads = 4, head_dim = 48, v_head_dim = 24, position = rope(dim = 12), dtype = bf16", 1, 33, 70),
     ("heads = 4, head_dim = 64, dtype = bf16", 1, 64, 90),
+    ("heads = 4, kv_heads = 1, head_dim = 64, mask = causal, dtype = f16", 1, 100, 120),
     ("heads = 4, head_dim = 64, mask = causal", 1, 100, 100),
     ("heads = 2, head_dim = 40, mask = sliding_window(20), position = alibi", 1, 60, 60),
 ]
@@ -111,8 +112,10 @@ def differential(attnc, backend):
             kv_heads = int(spec_field(spec, "kv_heads", heads))
             d = int(spec_field(spec, "head_dim"))
             dv = int(spec_field(spec, "v_head_dim", d))
-            bf16 = spec_field(spec, "dtype") == "bf16"
-            dtype = torch.bfloat16 if bf16 else torch.float32
+            dtype = {"bf16": torch.bfloat16, "f16": torch.float16}.get(
+                spec_field(spec, "dtype"), torch.float32
+            )
+            half = dtype != torch.float32
             g = torch.Generator().manual_seed(1000 + i)
             q = (torch.rand(b, heads, sq, d, generator=g) * 2 - 1).to(dtype)
             k = (torch.rand(b, kv_heads, skv, d, generator=g) * 2 - 1).to(dtype)
@@ -126,7 +129,7 @@ def differential(attnc, backend):
                 print(f"FAIL {spec}: {e}")
                 failures += 1
                 continue
-            out_tol, lse_tol = (2e-2, 2e-2) if bf16 else (1e-4, 1e-4)
+            out_tol, lse_tol = (2e-2, 2e-2) if half else (1e-4, 1e-4)
             err_out = (dev["out"].float() - cpu["out"].float()).abs().max().item()
             finite = torch.isfinite(cpu["lse"])
             same_inf = torch.equal(finite, torch.isfinite(dev["lse"]))

@@ -71,7 +71,7 @@ fn check_kernel(
     text: &str,
     kernel: &codegen::gpu::ir::Kernel,
     bc: usize,
-    bf16_inputs: bool,
+    half_inputs: bool,
     (abs, rel): (f64, f64),
     batch: usize,
     sq: usize,
@@ -83,27 +83,30 @@ fn check_kernel(
     let (h, hkv) = (spec.heads as usize, spec.kv_heads() as usize);
     let (d, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
     let round = |v: Vec<f32>| -> Vec<f32> {
-        if spec.dtype == attn_dsl::DType::Bf16 {
-            v.into_iter().map(bf16).collect()
-        } else {
-            v
+        match spec.dtype {
+            attn_dsl::DType::Bf16 => v.into_iter().map(bf16).collect(),
+            attn_dsl::DType::F16 => v
+                .into_iter()
+                .map(|x| half::f16::from_f32(x).to_f32())
+                .collect(),
+            attn_dsl::DType::F32 => v,
         }
     };
     let q = round(values(batch * h * sq * d, 1));
     let k = round(values(batch * hkv * skv * d, 2));
     let v = round(values(batch * hkv * skv * dv, 3));
     let mut mem = Memory::default();
-    // The tensor-core kernel reads bf16 inputs (the values are bf16 already: exact); SIMT f32.
+    // The tensor-core kernel reads the spec's 16-bit format (the values are exact in it); the
+    // SIMT kernel f32.
     let mut input = |values: &[f32]| {
-        if bf16_inputs {
-            let bytes = values
-                .iter()
-                .flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes())
-                .collect();
-            mem.alloc_bytes(bytes)
-        } else {
-            mem.alloc_f32(values)
+        if !half_inputs {
+            return mem.alloc_f32(values);
         }
+        let bits = |x: &f32| match spec.dtype {
+            attn_dsl::DType::F16 => half::f16::from_f32(*x).to_bits(),
+            _ => (x.to_bits() >> 16) as u16,
+        };
+        mem.alloc_bytes(values.iter().flat_map(|x| bits(x).to_le_bytes()).collect())
     };
     let (qa, ka, va) = (input(&q), input(&k), input(&v));
     let out = mem.alloc_f32(&vec![f32::NAN; batch * h * sq * dv]);
@@ -354,6 +357,14 @@ fn the_tensor_core_kernel_matches_the_reference() {
             5,
             3,
             0,
+        ),
+        // f16 storage: f16 fragments and mma.
+        (
+            "heads = 2, kv_heads = 1, head_dim = 64, mask = causal, position = rope, dtype = f16",
+            1,
+            70,
+            90,
+            5,
         ),
         // Many key tiles, those before the window skipped: copies issued for a tile, prefetched
         // for the next, or neither (the interpreter rejects any read of a copy in flight).

@@ -6,11 +6,11 @@
 
 use codegen::gpu::interp::{Memory, Val, run};
 use codegen::gpu::ir::build::*;
-use codegen::gpu::ir::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty};
+use codegen::gpu::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty};
 
-/// The kernel: `D[16][8] = A[16][16] B[16][8] + C` with C = `init` everywhere; matrices
-/// row-major f32 in global memory (params a, b, d).
-fn mma_kernel(init: f32) -> Kernel {
+/// The kernel: `D[16][8] = A[16][16] B[16][8] + C` with C = `init` everywhere, A and B rounded
+/// to `half`; matrices row-major f32 in global memory (params a, b, d).
+fn mma_kernel(init: f32, half: Half) -> Kernel {
     let names = [
         "g", "q", "a0", "a1", "a2", "a3", "b0", "b1", "c0", "c1", "c2", "c3",
     ];
@@ -50,18 +50,30 @@ fn mma_kernel(init: f32) -> Kernel {
         let col = add(mul(reg(q), i64(2)), i64(8 * (i as i64 / 2)));
         let lo = elem(0, row.clone(), col.clone(), 16);
         let hi = elem(0, row, add(col, i64(1)), 16);
-        body.push(Stmt::Set(ai, Expr::PackBf16(Box::new(lo), Box::new(hi))));
+        body.push(Stmt::Set(
+            ai,
+            Expr::PackHalf(half, Box::new(lo), Box::new(hi)),
+        ));
     }
     for (i, &bi) in b.iter().enumerate() {
         let k = add(mul(reg(q), i64(2)), i64(8 * i as i64));
         let lo = elem(1, k.clone(), reg(g), 8);
         let hi = elem(1, add(k, i64(1)), reg(g), 8);
-        body.push(Stmt::Set(bi, Expr::PackBf16(Box::new(lo), Box::new(hi))));
+        body.push(Stmt::Set(
+            bi,
+            Expr::PackHalf(half, Box::new(lo), Box::new(hi)),
+        ));
     }
     for &ci in &c {
         body.push(Stmt::Set(ci, f32(init)));
     }
-    body.push(Stmt::Mma { d: c, a, b, c });
+    body.push(Stmt::Mma {
+        half,
+        d: c,
+        a,
+        b,
+        c,
+    });
     for (i, &ci) in c.iter().enumerate() {
         let row = add(reg(g), i64(8 * (i as i64 / 2)));
         let col = add(mul(reg(q), i64(2)), i64(i as i64 % 2));
@@ -92,6 +104,14 @@ fn bf16(x: f32) -> f64 {
     f64::from(f32::from_bits((bits + 0x7fff + lsb) & 0xffff_0000))
 }
 
+/// `x` rounded to the format (to nearest even), independently of the interpreter's rounding.
+fn round(x: f32, half: Half) -> f64 {
+    match half {
+        Half::Bf16 => bf16(x),
+        Half::F16 => f64::from(half::f16::from_f32(x).to_f32()),
+    }
+}
+
 #[test]
 fn mma_fragments_multiply_like_a_matrix_product() {
     let a: Vec<f32> = (0..256)
@@ -101,35 +121,37 @@ fn mma_fragments_multiply_like_a_matrix_product() {
         .map(|i| ((i * 53 % 97) as f32 - 48.0) / 13.0)
         .collect();
     let init = 0.25;
-    let mut mem = Memory::default();
-    let (pa, pb) = (mem.alloc_f32(&a), mem.alloc_f32(&b));
-    let pd = mem.alloc_f32(&[f32::NAN; 128]);
-    run(
-        &mma_kernel(init),
-        [1, 1, 1],
-        &[Val::I64(pa), Val::I64(pb), Val::I64(pd)],
-        &mut mem,
-    )
-    .unwrap();
-    let d = mem.read_f32(pd, 128).unwrap();
-    for row in 0..16 {
-        for col in 0..8 {
-            let want: f64 = (0..16)
-                .map(|k| bf16(a[row * 16 + k]) * bf16(b[k * 8 + col]))
-                .sum::<f64>()
-                + f64::from(init);
-            let got = f64::from(d[row * 8 + col]);
-            assert!(
-                (got - want).abs() <= 1e-6 * want.abs().max(1.0),
-                "D[{row}][{col}] = {got}, want {want}"
-            );
+    for half in [Half::Bf16, Half::F16] {
+        let mut mem = Memory::default();
+        let (pa, pb) = (mem.alloc_f32(&a), mem.alloc_f32(&b));
+        let pd = mem.alloc_f32(&[f32::NAN; 128]);
+        run(
+            &mma_kernel(init, half),
+            [1, 1, 1],
+            &[Val::I64(pa), Val::I64(pb), Val::I64(pd)],
+            &mut mem,
+        )
+        .unwrap();
+        let d = mem.read_f32(pd, 128).unwrap();
+        for row in 0..16 {
+            for col in 0..8 {
+                let want: f64 = (0..16)
+                    .map(|k| round(a[row * 16 + k], half) * round(b[k * 8 + col], half))
+                    .sum::<f64>()
+                    + f64::from(init);
+                let got = f64::from(d[row * 8 + col]);
+                assert!(
+                    (got - want).abs() <= 1e-6 * want.abs().max(1.0),
+                    "{half:?} D[{row}][{col}] = {got}, want {want}"
+                );
+            }
         }
     }
 }
 
 #[test]
 fn mma_needs_the_whole_warp() {
-    let mut k = mma_kernel(0.0);
+    let mut k = mma_kernel(0.0, Half::Bf16);
     let body = std::mem::take(&mut k.body);
     let lane = cast(Expr::Special(Special::Lane), Ty::I64);
     k.body = vec![Stmt::If(bin(Bin::Lt, lane, i64(31)), body, vec![])];
@@ -150,15 +172,25 @@ fn mma_needs_the_whole_warp() {
 #[test]
 fn mma_compiles_to_the_tensor_core_instruction() {
     use codegen::gpu::llvm::{Arch, emit};
-    for arch in [Arch::Sm80, Arch::Sm90] {
-        let out = emit(&mma_kernel(0.0), arch).unwrap();
-        assert!(
-            out.ptx
-                .contains("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"),
-            "{}",
-            out.ptx
-        );
-        assert!(out.ptx.contains("cvt.rn.bf16x2.f32"), "{}", out.ptx);
+    for (arch, half) in [
+        (Arch::Sm80, Half::Bf16),
+        (Arch::Sm90, Half::Bf16),
+        (Arch::Sm80, Half::F16),
+        (Arch::Sm90, Half::F16),
+    ] {
+        let out = emit(&mma_kernel(0.0, half), arch).unwrap();
+        let (mma, cvt) = match half {
+            Half::Bf16 => (
+                "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
+                "cvt.rn.bf16x2.f32",
+            ),
+            Half::F16 => (
+                "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
+                "cvt.rn.f16x2.f32",
+            ),
+        };
+        assert!(out.ptx.contains(mma), "{mma} not in\n{}", out.ptx);
+        assert!(out.ptx.contains(cvt), "{cvt} not in\n{}", out.ptx);
         let ptxas = std::path::PathBuf::from(concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/../.cuda-toolchain/bin/ptxas"

@@ -36,7 +36,8 @@ pub struct GpuCall {
     pub k: Vec<u8>,
     /// See `q`.
     pub v: Vec<u8>,
-    /// The element type of `q`, `k` and `v`: f32, or bf16 for the tensor-core kernel.
+    /// The element type of `q`, `k` and `v`: f32, or the spec's bf16 or f16 for the tensor-core
+    /// kernel.
     pub inputs: attn_dsl::DType,
     /// One tile code per (head, query block, key tile): 0 skip, 1 full, 2 masked.
     pub codes: Vec<i32>,
@@ -184,22 +185,21 @@ impl GpuCall {
     }
 }
 
-/// A tensor's values in logical order as the bytes of `dtype` (f32, or bf16 rounded to nearest
-/// even), little-endian: what a forward kernel reads from global memory.
+/// A tensor's values in logical order as the bytes of `dtype` (f32, or bf16 or f16 rounded to
+/// nearest even), little-endian: what a forward kernel reads from global memory.
 fn device_bytes(t: &Tensor, dtype: attn_dsl::DType) -> Vec<u8> {
+    let values = || t.to_f32_vec().into_iter();
     match (dtype, t.contiguous_storage()) {
         (attn_dsl::DType::Bf16, Storage::Bf16(v)) => {
             v.iter().flat_map(|x| x.to_le_bytes()).collect()
         }
-        (attn_dsl::DType::Bf16, _) => t
-            .to_f32_vec()
-            .into_iter()
+        (attn_dsl::DType::F16, Storage::F16(v)) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        (attn_dsl::DType::Bf16, _) => values()
             .flat_map(|x| half::bf16::from_f32(x).to_le_bytes())
             .collect(),
-        _ => t
-            .to_f32_vec()
-            .into_iter()
-            .flat_map(|x| x.to_le_bytes())
+        (attn_dsl::DType::F16, _) => values()
+            .flat_map(|x| half::f16::from_f32(x).to_le_bytes())
             .collect(),
+        (attn_dsl::DType::F32, _) => values().flat_map(|x| x.to_le_bytes()).collect(),
     }
 }

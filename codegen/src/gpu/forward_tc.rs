@@ -1,15 +1,16 @@
-//! A forward plan lowered to GPU IR on tensor cores (bf16 specs): FlashAttention-2's dataflow.
+//! A forward plan lowered to GPU IR on tensor cores (bf16 and f16 specs): FlashAttention-2's
+//! dataflow.
 //!
 //! A CTA of four warps handles 64 query rows of one (batch, head); each warp owns 16 rows, and
 //! each lane the rows `g` and `g + 8` of them (`g = lane / 4`) as `mma.sync` fragments. Inputs
-//! are bf16 in global memory: a pair of columns is one 32-bit load, and only columns RoPE
+//! are 16-bit (the spec's bf16 or f16) in global memory: a pair of columns is one 32-bit load, and only columns RoPE
 //! rotates are widened to f32 and repacked. Q is held in A fragments (RoPE applied; the scale
 //! applies to S in f32). Per key tile the CTA stages
 //! K (rotated) and V in shared memory; `S = Q K^T` accumulates in f32 C fragments; the score
 //! program and mask apply per element; the row max and sum reduce over the lane quad with
 //! shuffles; `P = 2^(S - m)` is repacked from C fragments straight into A fragments (their
 //! layouts line up), and `O += P V` accumulates in registers. Tile codes skip or unmask tiles.
-//! K and V tiles are bf16 in shared memory (rows padded against bank conflicts), copied there by
+//! K and V tiles are 16-bit in shared memory (rows padded against bank conflicts), copied there by
 //! `cp.async` into two buffers (the next tile's copies fly while this one is computed; with RoPE
 //! on K, K is rotated as it is staged instead), and reach the B fragments through `ldmatrix`
 //! (transposed for V).
@@ -34,25 +35,34 @@ pub fn key_tile(plan: &KernelPlan) -> u32 {
     }
 }
 
-/// Whether the plan can run on this kernel: bf16 storage, `qk_dim` a multiple of 16 and `v_dim`
+/// Whether the plan can run on this kernel: bf16 or f16 storage, `qk_dim` a multiple of 16 and `v_dim`
 /// of 8 (the mma tile), per-head KV.
 pub fn supports(plan: &KernelPlan) -> bool {
     plan.kind == PlanKind::Forward
-        && plan.dtype == DType::Bf16
+        && matches!(plan.dtype, DType::Bf16 | DType::F16)
         && plan.mla.is_none()
         && plan.shape.qk_dim.is_multiple_of(16)
         && plan.shape.v_dim.is_multiple_of(8)
 }
 
-fn pack(lo: Expr, hi: Expr) -> Expr {
-    Expr::PackBf16(Box::new(lo), Box::new(hi))
+/// The 16-bit format of the plan's storage (which the tensor cores take).
+fn half_of(plan: &KernelPlan) -> Half {
+    if plan.dtype == DType::F16 {
+        Half::F16
+    } else {
+        Half::Bf16
+    }
+}
+
+fn pack(plan: &KernelPlan, lo: Expr, hi: Expr) -> Expr {
+    Expr::PackHalf(half_of(plan), Box::new(lo), Box::new(hi))
 }
 
 fn shfl(e: Expr, mask: u32) -> Expr {
     Expr::ShflXor(Box::new(e), mask)
 }
 
-/// Element `d` of a row at `row_addr` (bf16 in global memory) as f32, rotated by RoPE at `pos`
+/// Element `d` of a row at `row_addr` (16-bit in global memory) as f32, rotated by RoPE at `pos`
 /// when the plan has it. With `shift`, the column is `d + 2 shift` (a lane's offset in its
 /// fragment); the RoPE pairing is decided on `d`, which the caller guarantees is the same for
 /// every shift ([`lane_aligned`]).
@@ -60,7 +70,7 @@ fn element(plan: &KernelPlan, row_addr: &Expr, d: usize, pos: &Expr, shift: Opti
     let lane = |bytes_per_step: i64| shift.map_or(i64(0), |q| mul(q.clone(), i64(bytes_per_step)));
     let at_d = |d: usize| {
         let addr = add(add(row_addr.clone(), i64(2 * d as i64)), lane(4));
-        Expr::LoadHalf(Space::Global, Half::Bf16, Box::new(addr))
+        Expr::LoadHalf(Space::Global, half_of(plan), Box::new(addr))
     };
     let Some(rope) = &plan.rope else {
         return at_d(d);
@@ -98,7 +108,7 @@ fn element(plan: &KernelPlan, row_addr: &Expr, d: usize, pos: &Expr, shift: Opti
     }
 }
 
-/// Columns `d` and `d + 1` (`d` even; plus `2 shift`) of a bf16 row as a packed pair: one 32-bit
+/// Columns `d` and `d + 1` (`d` even; plus `2 shift`) of a 16-bit row as a packed pair: one 32-bit
 /// load where RoPE leaves them as they are, else both rotated and repacked.
 fn pair(plan: &KernelPlan, row_addr: &Expr, d: usize, pos: &Expr, shift: Option<&Expr>) -> Expr {
     let rotated = plan.rope.as_ref().is_some_and(|r| {
@@ -107,6 +117,7 @@ fn pair(plan: &KernelPlan, row_addr: &Expr, d: usize, pos: &Expr, shift: Option<
     });
     if rotated {
         return pack(
+            plan,
             element(plan, row_addr, d, pos, shift),
             element(plan, row_addr, d + 1, pos, shift),
         );
@@ -129,7 +140,7 @@ fn lane_aligned(plan: &KernelPlan) -> bool {
 pub fn lower(plan: &KernelPlan) -> Kernel {
     assert!(
         supports(plan),
-        "the tensor-core kernel runs bf16 per-head forward plans"
+        "the tensor-core kernel runs bf16 and f16 per-head forward plans"
     );
     let (d, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
     let (hq, hkv) = (plan.shape.heads as i64, plan.shape.kv_heads as i64);
@@ -180,7 +191,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     }
 
     // Q as A fragments: a[ks][i], rows g (i even) and g + 8 (i odd), columns 16 ks + 2 q (+8
-    // for i >= 2), rotated and rounded to bf16 (the scale applies to S in f32).
+    // for i >= 2), rotated and rounded to the 16-bit format (the scale applies to S in f32).
     let q_addr = |h: usize| {
         add(
             param("q"),
@@ -234,7 +245,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         }
     }
 
-    // Shared memory: two buffers, each a K tile [bc][d] and a V tile [bc][dv] in bf16, rows
+    // Shared memory: two buffers, each a K tile [bc][d] and a V tile [bc][dv] in 16 bits, rows
     // padded by 16 bytes so the eight rows an `ldmatrix` reads fall in different banks. Tile t
     // uses buffer t % 2, so the copies of tile t + 1 fly while tile t is computed.
     let (k_stride, v_stride) = (2 * d + 16, 2 * dv + 16);
@@ -476,6 +487,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
             });
             for step in 0..if pair { 2 } else { 1 } {
                 run.push(Stmt::Mma {
+                    half: half_of(plan),
                     d: *frag,
                     a: a_frags[ks + step],
                     b: [bm[2 * step], bm[2 * step + 1]],
@@ -577,10 +589,10 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     let blocks = dv / 8;
     for ks in 0..bc / 16 {
         let (s0, s1) = (s[2 * ks], s[2 * ks + 1]);
-        run.push(Stmt::Set(pa[0], pack(reg(s0[0]), reg(s0[1]))));
-        run.push(Stmt::Set(pa[1], pack(reg(s0[2]), reg(s0[3]))));
-        run.push(Stmt::Set(pa[2], pack(reg(s1[0]), reg(s1[1]))));
-        run.push(Stmt::Set(pa[3], pack(reg(s1[2]), reg(s1[3]))));
+        run.push(Stmt::Set(pa[0], pack(plan, reg(s0[0]), reg(s0[1]))));
+        run.push(Stmt::Set(pa[1], pack(plan, reg(s0[2]), reg(s0[3]))));
+        run.push(Stmt::Set(pa[2], pack(plan, reg(s1[0]), reg(s1[1]))));
+        run.push(Stmt::Set(pa[3], pack(plan, reg(s1[2]), reg(s1[3]))));
         for vb in (0..blocks).step_by(2) {
             let pair = blocks - vb >= 2;
             let offset = (16 * ks * v_stride + 16 * vb) as i64;
@@ -592,6 +604,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
             for step in 0..if pair { 2 } else { 1 } {
                 let frag = o[vb + step];
                 run.push(Stmt::Mma {
+                    half: half_of(plan),
                     d: frag,
                     a: pa,
                     b: [bm[2 * step], bm[2 * step + 1]],

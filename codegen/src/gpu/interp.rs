@@ -58,19 +58,6 @@ impl Memory {
     }
 }
 
-/// IEEE binary16 bits widened to f32 (exact: subnormals, infinities and NaN included).
-fn f16_to_f32(bits: u16) -> f32 {
-    let sign = if bits & 0x8000 != 0 { -1.0f32 } else { 1.0 };
-    let exponent = i32::from((bits >> 10) & 0x1f);
-    let mantissa = f32::from(bits & 0x3ff);
-    match exponent {
-        0 => sign * mantissa * (2.0f32).powi(-24),
-        31 if mantissa == 0.0 => sign * f32::INFINITY,
-        31 => f32::NAN,
-        e => sign * (1.0 + mantissa / 1024.0) * (2.0f32).powi(e - 15),
-    }
-}
-
 /// A runtime value.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Val {
@@ -263,7 +250,7 @@ impl Cta<'_> {
                         }
                     }
                 }
-                Stmt::Mma { d, a, b, c } => self.mma(mask, *d, *a, *b, *c)?,
+                Stmt::Mma { half, d, a, b, c } => self.mma(mask, *half, *d, *a, *b, *c)?,
                 Stmt::CpAsync {
                     dst,
                     src,
@@ -309,6 +296,7 @@ impl Cta<'_> {
     fn mma(
         &mut self,
         mask: &[bool],
+        half: Half,
         d: [Reg; 4],
         a: [Reg; 4],
         b: [Reg; 2],
@@ -331,7 +319,10 @@ impl Cta<'_> {
                 let regs = &self.regs[warp + lane];
                 let halves = |r: Reg| -> Result<(f64, f64), String> {
                     let bits = regs[r.0 as usize].int()? as u32;
-                    let f = |h: u32| f64::from(f32::from_bits(h << 16));
+                    let f = |h: u32| match half {
+                        Half::Bf16 => f64::from(f32::from_bits(h << 16)),
+                        Half::F16 => f64::from(half::f16::from_bits(h as u16).to_f32()),
+                    };
                     Ok((f(bits & 0xffff), f(bits >> 16)))
                 };
                 for (i, &r) in a.iter().enumerate() {
@@ -622,15 +613,19 @@ impl Cta<'_> {
                     u32::from_le_bytes(self.load_bytes(*space, a, 2)?.try_into().expect("2 bytes"));
                 Val::F(match half {
                     Half::Bf16 => f32::from_bits(bits << 16),
-                    Half::F16 => f16_to_f32(bits as u16),
+                    Half::F16 => half::f16::from_bits(bits as u16).to_f32(),
                 })
             }
             Expr::Table(values, index) => {
                 let i = ev(index)?.int()?.clamp(0, values.len() as i64 - 1);
                 Val::F(values[i as usize])
             }
-            Expr::PackBf16(lo, hi) => {
-                let (lo, hi) = (bf16_bits(ev(lo)?.float()?), bf16_bits(ev(hi)?.float()?));
+            Expr::PackHalf(h, lo, hi) => {
+                let round = |x: f32| match h {
+                    Half::Bf16 => bf16_bits(x),
+                    Half::F16 => half::f16::from_f32(x).to_bits(),
+                };
+                let (lo, hi) = (round(ev(lo)?.float()?), round(ev(hi)?.float()?));
                 Val::I32(((u32::from(hi) << 16) | u32::from(lo)) as i32)
             }
             Expr::ShflXor(v, lane_mask) => {
@@ -744,32 +739,6 @@ impl Val {
 #[cfg(test)]
 mod tests {
     use super::super::ir::build::*;
-
-    /// Every f16 bit pattern against the f32 built from its fields: exponent rebiased, mantissa
-    /// shifted (normal numbers); `m 2^-24` (subnormals); infinities and NaN.
-    #[test]
-    fn f16_widening_is_exact() {
-        for bits in 0..=u16::MAX {
-            let (sign, exponent, mantissa) = (
-                u32::from(bits >> 15),
-                u32::from((bits >> 10) & 0x1f),
-                u32::from(bits & 0x3ff),
-            );
-            let got = super::f16_to_f32(bits);
-            match exponent {
-                31 if mantissa != 0 => assert!(got.is_nan(), "{bits:#06x}"),
-                31 => assert_eq!(got.to_bits(), (sign << 31) | 0x7f80_0000, "{bits:#06x}"),
-                0 => {
-                    let want = mantissa as f32 / 16_777_216.0;
-                    assert_eq!(got, if sign == 1 { -want } else { want }, "{bits:#06x}");
-                }
-                e => {
-                    let want = (sign << 31) | ((e + 112) << 23) | (mantissa << 13);
-                    assert_eq!(got.to_bits(), want, "{bits:#06x}");
-                }
-            }
-        }
-    }
     use super::super::ir::{Reg, Stmt};
     use super::*;
 

@@ -144,9 +144,9 @@ pub enum Expr {
     Table(Vec<f32>, Box<Expr>),
     /// `shfl.sync.bfly.b32` over the full warp: the value of lane `lane ^ mask`.
     ShflXor(Box<Expr>, u32),
-    /// `cvt.rn.bf16x2.f32`: two f32 rounded to bf16 (to nearest even) and packed into an I32,
-    /// the first in the low half.
-    PackBf16(Box<Expr>, Box<Expr>),
+    /// `cvt.rn.{bf16,f16}x2.f32`: two f32 rounded to the 16-bit format (to nearest even) and
+    /// packed into an I32, the first in the low half.
+    PackHalf(Half, Box<Expr>, Box<Expr>),
 }
 
 /// Statements. Control flow is structured; barriers must be reached by every thread of the CTA.
@@ -173,11 +173,14 @@ pub enum Stmt {
     },
     /// `bar.sync 0`.
     Barrier,
-    /// `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 d, a, b, c`: a warp-collective
-    /// `D = A B + C` over a 16x16 bf16 A, a 16x8 bf16 B and 16x8 f32 C/D, each lane holding the
-    /// fragments of the PTX ISA layout (A: four I32 registers of two bf16 each, B: two, C and D:
-    /// four F32). Every lane of the warp must execute it.
+    /// `mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32 d, a, b, c`: a
+    /// warp-collective `D = A B + C` over a 16x16 A, a 16x8 B (both of the 16-bit format
+    /// `half`) and 16x8 f32 C/D, each lane holding the fragments of the PTX ISA layout (A: four
+    /// I32 registers of two 16-bit values each, B: two, C and D: four F32). Every lane of the
+    /// warp must execute it.
     Mma {
+        /// The format of A and B.
+        half: Half,
         /// The result fragment (four F32 registers).
         d: [Reg; 4],
         /// A fragment (four I32 registers of packed bf16 pairs).
@@ -244,7 +247,7 @@ impl Kernel {
     pub fn type_of(&self, e: &Expr) -> Ty {
         match e {
             Expr::Int(_, ty) | Expr::Cast(_, ty) | Expr::Load(_, ty, _) => *ty,
-            Expr::PackBf16(..) => Ty::I32,
+            Expr::PackHalf(..) => Ty::I32,
             Expr::LoadHalf(..) => Ty::F32,
             Expr::F32(_) | Expr::Fma(..) | Expr::Table(..) => Ty::F32,
             Expr::Pred(_) => Ty::Pred,

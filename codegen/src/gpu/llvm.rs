@@ -390,14 +390,27 @@ impl<'ctx> Lowering<'_, 'ctx> {
                     }
                 }
             }
-            Stmt::Mma { d, a, b, c } => {
+            Stmt::Mma { half, d, a, b, c } => {
                 let mut args = Vec::with_capacity(10);
-                for r in a.iter().chain(b).chain(c) {
+                // bf16 operands are i32 pairs; f16 ones <2 x half>.
+                let pair_type = self.ctx.f16_type().vec_type(2);
+                for r in a.iter().chain(b) {
+                    let v = self.expr(&Expr::Reg(*r))?;
+                    args.push(match half {
+                        Half::Bf16 => v,
+                        Half::F16 => self.b.build_bit_cast(v, pair_type, "f16x2").map_err(err)?,
+                    });
+                }
+                for r in c {
                     args.push(self.expr(&Expr::Reg(*r))?);
                 }
-                let f = Intrinsic::find("llvm.nvvm.mma.m16n8k16.row.col.bf16")
+                let name = match half {
+                    Half::Bf16 => "llvm.nvvm.mma.m16n8k16.row.col.bf16",
+                    Half::F16 => "llvm.nvvm.mma.m16n8k16.row.col.f32.f32",
+                };
+                let f = Intrinsic::find(name)
                     .and_then(|i| i.get_declaration(self.module, &[]))
-                    .ok_or_else(|| err("LLVM has no bf16 m16n8k16 mma intrinsic"))?;
+                    .ok_or_else(|| err(format!("LLVM has no intrinsic {name}")))?;
                 let args: Vec<BasicMetadataValueEnum> = args.iter().map(|v| (*v).into()).collect();
                 let result = self
                     .b
@@ -587,12 +600,16 @@ impl<'ctx> Lowering<'_, 'ctx> {
                 let p = self.pointer(Space::Global, a.into())?;
                 self.b.build_load(f32t, p, "tv").map_err(err)?
             }
-            Expr::PackBf16(lo, hi) => {
+            Expr::PackHalf(h, lo, hi) => {
                 let (lo, hi) = (self.expr(lo)?, self.expr(hi)?);
-                // cvt.rn.bf16x2.f32 puts its first operand in the upper half.
-                let pair = self.intrinsic("llvm.nvvm.ff2bf16x2.rn", &[], &[hi, lo])?;
+                // cvt.rn.{bf16,f16}x2.f32 puts its first operand in the upper half.
+                let name = match h {
+                    Half::Bf16 => "llvm.nvvm.ff2bf16x2.rn",
+                    Half::F16 => "llvm.nvvm.ff2f16x2.rn",
+                };
+                let pair = self.intrinsic(name, &[], &[hi, lo])?;
                 self.b
-                    .build_bit_cast(pair, ctx.i32_type(), "bf16x2")
+                    .build_bit_cast(pair, ctx.i32_type(), "x2")
                     .map_err(err)?
             }
             Expr::ShflXor(v, mask) => {

@@ -23,18 +23,20 @@ pub struct ForwardKernel {
     pub kernel: ir::Kernel,
     /// Keys per tile (the host's tile codes follow it).
     pub key_tile: u32,
-    /// The element type of `q`, `k` and `v` in global memory: bf16 on tensor cores, else f32
+    /// The element type of `q`, `k` and `v` in global memory: the spec's bf16 or f16 on tensor
+    /// cores, else f32
     /// (`out` and `lse` are f32 either way).
     pub inputs: attn_dsl::DType,
 }
 
-/// The forward kernel a plan runs on GPUs: tensor cores for bf16 specs, SIMT f32 otherwise.
+/// The forward kernel a plan runs on GPUs: tensor cores for bf16 and f16 specs, SIMT f32
+/// otherwise.
 pub fn forward_kernel(plan: &crate::KernelPlan) -> ForwardKernel {
     if forward_tc::supports(plan) {
         ForwardKernel {
             kernel: forward_tc::lower(plan),
             key_tile: forward_tc::key_tile(plan),
-            inputs: attn_dsl::DType::Bf16,
+            inputs: plan.dtype,
         }
     } else {
         ForwardKernel {

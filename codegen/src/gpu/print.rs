@@ -84,7 +84,13 @@ impl<'a> fmt::Display for Show<'a> {
             }
             Expr::Table(v, i) => write!(f, "table{v:?}[{}]", sub(i)),
             Expr::ShflXor(v, m) => write!(f, "shfl.bfly({}, {m})", sub(v)),
-            Expr::PackBf16(lo, hi) => write!(f, "bf16x2({}, {})", sub(lo), sub(hi)),
+            Expr::PackHalf(h, lo, hi) => {
+                let name = match h {
+                    super::ir::Half::Bf16 => "bf16x2",
+                    super::ir::Half::F16 => "f16x2",
+                };
+                write!(f, "{name}({}, {})", sub(lo), sub(hi))
+            }
         }
     }
 }
@@ -151,7 +157,7 @@ fn stmts(f: &mut fmt::Formatter<'_>, k: &Kernel, body: &[Stmt], depth: usize) ->
                     Show(k, addr)
                 )?
             }
-            Stmt::Mma { d, a, b, c } => {
+            Stmt::Mma { half, d, a, b, c } => {
                 let names = |rs: &[super::ir::Reg]| {
                     rs.iter()
                         .map(|r| format!("%{}", k.regs[r.0 as usize].0))
@@ -160,8 +166,12 @@ fn stmts(f: &mut fmt::Formatter<'_>, k: &Kernel, body: &[Stmt], depth: usize) ->
                 };
                 writeln!(
                     f,
-                    "{pad}{{{}}} = mma.m16n8k16.bf16({{{}}}, {{{}}}, {{{}}})",
+                    "{pad}{{{}}} = mma.m16n8k16.{}({{{}}}, {{{}}}, {{{}}})",
                     names(d),
+                    match half {
+                        super::ir::Half::Bf16 => "bf16",
+                        super::ir::Half::F16 => "f16",
+                    },
                     names(a),
                     names(b),
                     names(c)
