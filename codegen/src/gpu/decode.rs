@@ -198,8 +198,9 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         seg_body.push(Stmt::Set(x, field(&reg(srec), i)));
     }
     let mut run = Vec::new();
-    // Stage: thread j < keys copies key row j and value row j (the cache's f32, bf16 or f16,
-    // widened to f32 in shared memory).
+    // Stage the segment's K and V rows (packed, in the cache's f32, bf16 or f16) into shared
+    // memory as f32: element c of each region by thread c % ROWS, coalesced, in a loop (an
+    // unrolled row per thread had ptxas hoist every load and spill).
     let half = match plan.dtype {
         DType::Bf16 => Some(Half::Bf16),
         DType::F16 => Some(Half::F16),
@@ -210,24 +211,18 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         Some(h) => Expr::LoadHalf(Space::Global, h, Box::new(addr)),
         None => load(Space::Global, Ty::F32, addr),
     };
-    let mut stage = Vec::new();
-    for i in 0..d {
-        let src = add(
-            reg(kaddr),
-            add(mul(tid.clone(), i64(elem * d)), i64(elem * i)),
-        );
-        let dst = add(mul(tid.clone(), i64(4 * d)), i64(k_sh + 4 * i));
-        stage.push(Stmt::Store(Space::Shared, dst, cache_load(src)));
+    let element = r.add("stage_element", Ty::I64);
+    for (base, width, shared) in [(kaddr, d, k_sh), (vaddr, dv, v_sh)] {
+        let src = add(reg(base), mul(reg(element), i64(elem)));
+        let dst = add(mul(reg(element), i64(4)), i64(shared));
+        run.push(Stmt::For {
+            reg: element,
+            start: tid.clone(),
+            end: mul(reg(len), i64(width)),
+            step: i64::from(ROWS),
+            body: vec![Stmt::Store(Space::Shared, dst, cache_load(src))],
+        });
     }
-    for i in 0..dv {
-        let src = add(
-            reg(vaddr),
-            add(mul(tid.clone(), i64(elem * dv)), i64(elem * i)),
-        );
-        let dst = add(mul(tid.clone(), i64(4 * dv)), i64(v_sh + 4 * i));
-        stage.push(Stmt::Store(Space::Shared, dst, cache_load(src)));
-    }
-    run.push(Stmt::If(bin(Bin::Lt, tid.clone(), reg(len)), stage, vec![]));
     run.push(Stmt::Barrier);
 
     // Pass 1, the rescale, pass 2 (keys sit at the positions of their indices).

@@ -169,61 +169,95 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     let run_tile = bin(Bin::Ne, reg(code), Expr::Int(0, Ty::I32));
     let mut run = Vec::new();
 
-    // Stage the tile: thread j < bc loads key t*bc + j (zeros past Skv).
-    let (key_l, kv_row) = (r.add("load_key", Ty::I64), r.add("load_row", Ty::I64));
-    let kv_tmp: Vec<Reg> = (0..d).map(|i| r.add(format!("k{i}"), Ty::F32)).collect();
+    // Stage the tile (zeros past Skv). Rows RoPE rotates (K with RoPE): thread j < bc loads key
+    // t*bc + j into registers, rotates it and stores it. Everything else: element c of the
+    // tile's region by thread c % ROWS in a loop, coalesced (an unrolled row per thread had
+    // ptxas hoist every load and spill).
+    let rotated = plan.rope.is_some();
     let tid = special64(Special::Tid);
-    let mut stage = vec![
-        Stmt::Set(key_l, add(mul(reg(t), i64(bc)), tid.clone())),
-        Stmt::Set(
-            kv_row,
-            add(
-                mul(add(mul(reg(batch), i64(hkv)), reg(kvh)), param("skv")),
-                bin(Bin::Min, reg(key_l), sub(param("skv"), i64(1))),
-            ),
-        ),
-    ];
-    let inside_l = bin(Bin::Lt, reg(key_l), param("skv"));
-    for (i, &ki) in kv_tmp.iter().enumerate() {
-        let addr = add(
-            param("k"),
-            add(mul(reg(kv_row), i64(d * 4)), i64(4 * i as i64)),
+    let element = r.add("stage_element", Ty::I64);
+    let kv_base = mul(add(mul(reg(batch), i64(hkv)), reg(kvh)), param("skv"));
+    let regions = [(!rotated, "k", d, k_sh), (true, "v", dv, v_sh)];
+    for (by_element, name, width, shared) in regions {
+        if !by_element {
+            continue;
+        }
+        let key = add(
+            mul(reg(t), i64(bc)),
+            bin(Bin::Div, reg(element), i64(width)),
         );
-        stage.push(Stmt::Set(
-            ki,
-            select(
-                inside_l.clone(),
-                load(Space::Global, Ty::F32, addr),
-                f32(0.0),
+        let src = add(
+            param(name),
+            mul(
+                add(
+                    mul(
+                        add(
+                            kv_base.clone(),
+                            bin(Bin::Min, key.clone(), sub(param("skv"), i64(1))),
+                        ),
+                        i64(width),
+                    ),
+                    bin(Bin::Rem, reg(element), i64(width)),
+                ),
+                i64(4),
             ),
-        ));
+        );
+        run.push(Stmt::For {
+            reg: element,
+            start: tid.clone(),
+            end: i64(bc * width),
+            step: rows,
+            body: vec![Stmt::Store(
+                Space::Shared,
+                add(mul(reg(element), i64(4)), i64(shared)),
+                select(
+                    bin(Bin::Lt, key, param("skv")),
+                    load(Space::Global, Ty::F32, src),
+                    f32(0.0),
+                ),
+            )],
+        });
     }
     if let Some(rope) = &plan.rope {
+        let (key_l, kv_row) = (r.add("load_key", Ty::I64), r.add("load_row", Ty::I64));
+        let kv_tmp: Vec<Reg> = (0..d).map(|i| r.add(format!("k{i}"), Ty::F32)).collect();
+        let mut stage = vec![
+            Stmt::Set(key_l, add(mul(reg(t), i64(bc)), tid.clone())),
+            Stmt::Set(
+                kv_row,
+                add(
+                    mul(add(mul(reg(batch), i64(hkv)), reg(kvh)), param("skv")),
+                    bin(Bin::Min, reg(key_l), sub(param("skv"), i64(1))),
+                ),
+            ),
+        ];
+        let inside_l = bin(Bin::Lt, reg(key_l), param("skv"));
+        for (i, &ki) in kv_tmp.iter().enumerate() {
+            let addr = add(
+                param("k"),
+                add(mul(reg(kv_row), i64(d * 4)), i64(4 * i as i64)),
+            );
+            stage.push(Stmt::Set(
+                ki,
+                select(
+                    inside_l.clone(),
+                    load(Space::Global, Ty::F32, addr),
+                    f32(0.0),
+                ),
+            ));
+        }
         // Keys past Skv (zeros) rotate at the last position, inside the tables.
         let pos = add(
             param("p0"),
             bin(Bin::Min, reg(key_l), sub(param("skv"), i64(1))),
         );
         stage.extend(rotate(&mut r, rope, &kv_tmp, pos));
+        for (i, &ki) in kv_tmp.iter().enumerate() {
+            let addr = add(mul(tid.clone(), i64(d * 4)), i64(k_sh + 4 * i as i64));
+            stage.push(Stmt::Store(Space::Shared, addr, reg(ki)));
+        }
+        run.push(Stmt::If(bin(Bin::Lt, tid.clone(), i64(bc)), stage, vec![]));
     }
-    for (i, &ki) in kv_tmp.iter().enumerate() {
-        let addr = add(mul(tid.clone(), i64(d * 4)), i64(k_sh + 4 * i as i64));
-        stage.push(Stmt::Store(Space::Shared, addr, reg(ki)));
-    }
-    for i in 0..dv {
-        let src = add(param("v"), add(mul(reg(kv_row), i64(dv * 4)), i64(4 * i)));
-        let dst = add(mul(tid.clone(), i64(dv * 4)), i64(v_sh + 4 * i));
-        stage.push(Stmt::Store(
-            Space::Shared,
-            dst,
-            select(
-                inside_l.clone(),
-                load(Space::Global, Ty::F32, src),
-                f32(0.0),
-            ),
-        ));
-    }
-    run.push(Stmt::If(bin(Bin::Lt, tid.clone(), i64(bc)), stage, vec![]));
     run.push(Stmt::Barrier);
 
     // Pass 1 (scores through the program and mask, into shared; the max), the rescale, pass 2.
