@@ -253,30 +253,7 @@ fn check_decode(decode: Decode) {
                 .decode(&spec, &q, &cache, &seqs, options)
                 .unwrap();
             let got = decode(&spec, &q, &cache, &seqs, options);
-            for (i, (g, w)) in got
-                .out
-                .to_f32_vec()
-                .iter()
-                .zip(want.out.to_f32_vec())
-                .enumerate()
-            {
-                assert!(
-                    (g - w).abs() <= abs + rel * w.abs(),
-                    "{text} n {n} out[{i}]: {g} vs {w}"
-                );
-            }
-            for (i, (g, w)) in got
-                .lse
-                .to_f32_vec()
-                .iter()
-                .zip(want.lse.to_f32_vec())
-                .enumerate()
-            {
-                assert!(
-                    (w.is_infinite() && *g == w) || (g - w).abs() <= 1e-4,
-                    "{text} lse[{i}]: {g} vs {w}"
-                );
-            }
+            assert_outputs_close(&got, &want, (abs, rel), &format!("{text} n {n}"));
         }
     }
 }
@@ -337,21 +314,7 @@ fn check_mla_decode(decode: DecodeMla) {
                 .unwrap();
             let got = decode(&spec, queries(), &cache, &seqs, options);
             assert_eq!(got.out.shape(), [2, h, n, dv]);
-            for (i, (g, w)) in got
-                .out
-                .to_f32_vec()
-                .iter()
-                .zip(want.out.to_f32_vec())
-                .enumerate()
-            {
-                assert!(
-                    (g - w).abs() <= 1e-4 + 1e-4 * w.abs(),
-                    "{text} n {n} out[{i}]: {g} vs {w}"
-                );
-            }
-            for (g, w) in got.lse.to_f32_vec().iter().zip(want.lse.to_f32_vec()) {
-                assert!((g - w).abs() <= 1e-4, "{text} lse: {g} vs {w}");
-            }
+            assert_outputs_close(&got, &want, (1e-4, 1e-4), &format!("{text} n {n}"));
         }
     }
 }
@@ -405,26 +368,32 @@ fn check_ragged(attend: AttendRagged) {
                 .unwrap();
             let got = attend(&spec, &q, &offsets, &cache, &seqs, options);
             assert_eq!(got.out.shape(), [18, h, dv]);
-            let (abs, rel) = if spec.dtype == attn_dsl::DType::Bf16 {
+            let tolerance = if spec.dtype == attn_dsl::DType::Bf16 {
                 (1e-3, 8e-3)
             } else {
                 (2e-5, 1e-4)
             };
-            for (i, (g, w)) in got
-                .out
-                .to_f32_vec()
-                .iter()
-                .zip(want.out.to_f32_vec())
-                .enumerate()
-            {
-                assert!(
-                    (g - w).abs() <= abs + rel * w.abs(),
-                    "{text} out[{i}]: {g} vs {w}"
-                );
-            }
-            for (g, w) in got.lse.to_f32_vec().iter().zip(want.lse.to_f32_vec()) {
-                assert!((g - w).abs() <= 1e-4, "{text} lse: {g} vs {w}");
-            }
+            assert_outputs_close(&got, &want, tolerance, text);
         }
+    }
+}
+
+/// `out` within `abs + rel |want|` of the other backend's, and `lse` within 1e-4 (or the same
+/// infinity, for rows with no key).
+fn assert_outputs_close(got: &Output, want: &Output, (abs, rel): (f32, f32), what: &str) {
+    let pairs = |a: &Tensor, b: &Tensor| -> Vec<(f32, f32)> {
+        a.to_f32_vec().into_iter().zip(b.to_f32_vec()).collect()
+    };
+    for (i, (g, w)) in pairs(&got.out, &want.out).into_iter().enumerate() {
+        assert!(
+            (g - w).abs() <= abs + rel * w.abs(),
+            "{what} out[{i}]: {g} vs {w}"
+        );
+    }
+    for (i, (g, w)) in pairs(&got.lse, &want.lse).into_iter().enumerate() {
+        assert!(
+            (w.is_infinite() && g == w) || (g - w).abs() <= 1e-4,
+            "{what} lse[{i}]: {g} vs {w}"
+        );
     }
 }

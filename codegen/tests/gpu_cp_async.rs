@@ -135,6 +135,9 @@ fn races_misalignment_and_forgotten_waits_are_errors() {
 }
 
 #[cfg(feature = "cuda")]
+mod common;
+
+#[cfg(feature = "cuda")]
 #[test]
 fn cp_async_compiles_to_the_instructions() {
     use codegen::gpu::llvm::{Arch, emit};
@@ -151,27 +154,6 @@ fn cp_async_compiles_to_the_instructions() {
                 out.ptx
             );
         }
-        let ptxas = std::path::PathBuf::from(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../.cuda-toolchain/bin/ptxas"
-        ));
-        if ptxas.exists() {
-            let file = std::env::temp_dir().join(format!(
-                "cp-async-{}-{}.ptx",
-                arch.name(),
-                std::process::id()
-            ));
-            std::fs::write(&file, &out.ptx).unwrap();
-            let run = std::process::Command::new(&ptxas)
-                .args(["-arch", arch.name(), "-o", "/dev/null"])
-                .arg(&file)
-                .output()
-                .unwrap();
-            assert!(
-                run.status.success(),
-                "{}",
-                String::from_utf8_lossy(&run.stderr)
-            );
-        }
+        common::assemble(&out.ptx, arch, "cp_async");
     }
 }

@@ -140,6 +140,9 @@ fn misaligned_rows_and_partial_warps_are_errors() {
 }
 
 #[cfg(feature = "cuda")]
+mod common;
+
+#[cfg(feature = "cuda")]
 #[test]
 fn ldmatrix_compiles_to_the_instruction() {
     use codegen::gpu::llvm::{Arch, emit};
@@ -150,26 +153,6 @@ fn ldmatrix_compiles_to_the_instruction() {
             if trans { ".trans" } else { "" }
         );
         assert!(out.ptx.contains(&name), "{name} not in\n{}", out.ptx);
-        let ptxas = std::path::PathBuf::from(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../.cuda-toolchain/bin/ptxas"
-        ));
-        if ptxas.exists() {
-            let file = std::env::temp_dir().join(format!(
-                "ldmatrix-{count}-{trans}-{}.ptx",
-                std::process::id()
-            ));
-            std::fs::write(&file, &out.ptx).unwrap();
-            let run = std::process::Command::new(&ptxas)
-                .args(["-arch", "sm_90", "-o", "/dev/null"])
-                .arg(&file)
-                .output()
-                .unwrap();
-            assert!(
-                run.status.success(),
-                "{}",
-                String::from_utf8_lossy(&run.stderr)
-            );
-        }
+        common::assemble(&out.ptx, Arch::Sm90, &format!("ldmatrix-x{count}-{trans}"));
     }
 }

@@ -169,6 +169,9 @@ fn mma_needs_the_whole_warp() {
 }
 
 #[cfg(feature = "cuda")]
+mod common;
+
+#[cfg(feature = "cuda")]
 #[test]
 fn mma_compiles_to_the_tensor_core_instruction() {
     use codegen::gpu::llvm::{Arch, emit};
@@ -191,27 +194,6 @@ fn mma_compiles_to_the_tensor_core_instruction() {
         };
         assert!(out.ptx.contains(mma), "{mma} not in\n{}", out.ptx);
         assert!(out.ptx.contains(cvt), "{cvt} not in\n{}", out.ptx);
-        let ptxas = std::path::PathBuf::from(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../.cuda-toolchain/bin/ptxas"
-        ));
-        if ptxas.exists() {
-            let file = std::env::temp_dir().join(format!(
-                "mma-{}-{}.ptx",
-                arch.name(),
-                std::process::id()
-            ));
-            std::fs::write(&file, &out.ptx).unwrap();
-            let run = std::process::Command::new(&ptxas)
-                .args(["-arch", arch.name(), "-o", "/dev/null"])
-                .arg(&file)
-                .output()
-                .unwrap();
-            assert!(
-                run.status.success(),
-                "{}",
-                String::from_utf8_lossy(&run.stderr)
-            );
-        }
+        common::assemble(&out.ptx, arch, "mma");
     }
 }

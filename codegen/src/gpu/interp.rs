@@ -58,6 +58,26 @@ impl Memory {
     }
 }
 
+/// The first threads of the warps that execute a warp-collective operation: warps with any
+/// active lane, each of which must have all 32 active.
+fn collective_warps(mask: &[bool], op: &str) -> Result<Vec<usize>, String> {
+    let mut warps = Vec::new();
+    for warp in (0..mask.len()).step_by(32) {
+        let lanes = warp..(warp + 32).min(mask.len());
+        if !lanes.clone().any(|t| mask[t]) {
+            continue;
+        }
+        if lanes.len() < 32 || !lanes.clone().all(|t| mask[t]) {
+            return Err(format!(
+                "{op} in warp {} without all 32 lanes active",
+                warp / 32
+            ));
+        }
+        warps.push(warp);
+    }
+    Ok(warps)
+}
+
 /// A runtime value.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Val {
@@ -302,17 +322,7 @@ impl Cta<'_> {
         b: [Reg; 2],
         c: [Reg; 4],
     ) -> Result<(), String> {
-        for warp in (0..mask.len()).step_by(32) {
-            let lanes = warp..(warp + 32).min(mask.len());
-            if !lanes.clone().any(|t| mask[t]) {
-                continue;
-            }
-            if lanes.len() < 32 || !lanes.clone().all(|t| mask[t]) {
-                return Err(format!(
-                    "mma.sync in warp {} without all 32 lanes active",
-                    warp / 32
-                ));
-            }
+        for warp in collective_warps(mask, "mma.sync")? {
             let (mut am, mut bm, mut cm) = ([[0f64; 16]; 16], [[0f64; 8]; 16], [[0f64; 8]; 16]);
             for lane in 0..32 {
                 let (g, q) = (lane / 4, lane % 4);
@@ -437,17 +447,7 @@ impl Cta<'_> {
             return Err(format!("ldmatrix of {} matrices", dst.len()));
         }
         let addrs = self.eval_all(addr, mask)?;
-        for warp in (0..mask.len()).step_by(32) {
-            let lanes = warp..(warp + 32).min(mask.len());
-            if !lanes.clone().any(|t| mask[t]) {
-                continue;
-            }
-            if lanes.len() < 32 || !lanes.clone().all(|t| mask[t]) {
-                return Err(format!(
-                    "ldmatrix in warp {} without all 32 lanes active",
-                    warp / 32
-                ));
-            }
+        for warp in collective_warps(mask, "ldmatrix")? {
             // matrices[i][row][col]: the 16-bit elements.
             let mut matrices = vec![[[0u16; 8]; 8]; dst.len()];
             for (i, matrix) in matrices.iter_mut().enumerate() {

@@ -37,6 +37,21 @@ pub fn random(spec: &AttentionSpec, shape: &[usize], seed: u64) -> Result<Tensor
     Tensor::from_f32_as(spec.dtype, shape, values)
 }
 
+/// Random q, k and v of a per-head spec for the shape.
+fn inputs(spec: &AttentionSpec, shape: &Shape) -> Result<[Tensor; 3], RuntimeError> {
+    let (b, h, sq, skv) = (shape.batch, spec.heads as usize, shape.seq, shape.kv_len);
+    let (d, dv, hkv) = (
+        spec.head_dim as usize,
+        spec.v_head_dim as usize,
+        spec.kv_heads() as usize,
+    );
+    Ok([
+        random(spec, &[b, h, sq, d], 1)?,
+        random(spec, &[b, hkv, skv, d], 2)?,
+        random(spec, &[b, hkv, skv, dv], 3)?,
+    ])
+}
+
 /// FLOPs counted as `4 B Hq Sq Skv D` (MLA: the absorbed widths), halved for causal masks, the
 /// convention of FlashAttention and PyTorch's benchmarks.
 pub fn flops(spec: &AttentionSpec, shape: &Shape) -> f64 {
@@ -78,10 +93,7 @@ pub fn bench(spec: &AttentionSpec, shape: &Shape, progress: bool) -> Result<Timi
             })
         }
         None => {
-            let hkv = spec.kv_heads() as usize;
-            let q = random(spec, &[b, h, sq, d], 1)?;
-            let k = random(spec, &[b, hkv, skv, d], 2)?;
-            let v = random(spec, &[b, hkv, skv, dv], 3)?;
+            let [q, k, v] = inputs(spec, shape)?;
             Box::new(move || backend.forward(spec, &q, &k, &v, 0).map(drop))
         }
     };
@@ -121,15 +133,7 @@ pub fn bench_cuda(spec: &AttentionSpec, shape: &Shape) -> Result<Timing, Runtime
         ));
     }
     let backend = CudaBackend::new(0)?;
-    let (b, h, sq, skv) = (shape.batch, spec.heads as usize, shape.seq, shape.kv_len);
-    let (d, dv, hkv) = (
-        spec.head_dim as usize,
-        spec.v_head_dim as usize,
-        spec.kv_heads() as usize,
-    );
-    let q = random(spec, &[b, h, sq, d], 1)?;
-    let k = random(spec, &[b, hkv, skv, d], 2)?;
-    let v = random(spec, &[b, hkv, skv, dv], 3)?;
+    let [q, k, v] = inputs(spec, shape)?;
     let call = GpuCall::forward(spec, &q, &k, &v, 0)?;
     let (compile_ms, mut times) = backend.time(&call, shape.reps)?;
     times.sort_by(f64::total_cmp);
