@@ -111,13 +111,18 @@ pub fn bench(spec: &AttentionSpec, shape: &Shape, progress: bool) -> Result<Timi
     if progress {
         eprintln!();
     }
+    Ok(timing(spec, shape, times, compile_ms))
+}
+
+/// The median of `times` (ms) and its GFLOP/s.
+fn timing(spec: &AttentionSpec, shape: &Shape, mut times: Vec<f64>, compile_ms: f64) -> Timing {
     times.sort_by(f64::total_cmp);
     let median_ms = times[times.len() / 2];
-    Ok(Timing {
+    Timing {
         median_ms,
         gflops: flops(spec, shape) / (median_ms * 1e-3) / 1e9,
         compile_ms,
-    })
+    }
 }
 
 /// Times the GPU forward kernel on CUDA device 0: inputs uploaded once, one warm-up launch,
@@ -135,14 +140,8 @@ pub fn bench_cuda(spec: &AttentionSpec, shape: &Shape) -> Result<Timing, Runtime
     let backend = CudaBackend::new(0)?;
     let [q, k, v] = inputs(spec, shape)?;
     let call = GpuCall::forward(spec, &q, &k, &v, 0)?;
-    let (compile_ms, mut times) = backend.time(&call, shape.reps)?;
-    times.sort_by(f64::total_cmp);
-    let median_ms = times[times.len() / 2];
-    Ok(Timing {
-        median_ms,
-        gflops: flops(spec, shape) / (median_ms * 1e-3) / 1e9,
-        compile_ms,
-    })
+    let (compile_ms, times) = backend.time(&call, shape.reps)?;
+    Ok(timing(spec, shape, times, compile_ms))
 }
 
 /// Without the `cuda` feature: an error that says how to get it.
