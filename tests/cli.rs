@@ -526,3 +526,43 @@ fn run_on_the_gpu_backends() {
         );
     }
 }
+
+/// MLA through `attnc run --backend gpu-sim` (inputs absorbed on the host, the GPU kernel on
+/// the interpreter) meets the golden case's tolerance.
+#[test]
+fn run_mla_on_the_gpu_interpreter() {
+    let out = temp("mla-gpu.safetensors");
+    let spec = "heads = 8, head_dim = 32, mla(latent_rank = 64, rope_dim = 16), mask = causal, \
+                scale = 0.14433756729740643";
+    let input = fixture("mla_causal_f32.safetensors");
+    let o = attnc(&[
+        "run",
+        "--spec",
+        spec,
+        "--input",
+        &input,
+        "--output",
+        out.to_str().unwrap(),
+        "--backend",
+        "gpu-sim",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let bytes = std::fs::read(&out).unwrap();
+    let got = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let golden_bytes = std::fs::read(&input).unwrap();
+    let golden = safetensors::SafeTensors::deserialize(&golden_bytes).unwrap();
+    let got = got.tensor("out").unwrap();
+    let want = golden.tensor("out").unwrap();
+    assert_eq!(got.shape(), want.shape());
+    let g = got
+        .data()
+        .chunks_exact(4)
+        .map(|c| f64::from(f32::from_le_bytes(c.try_into().unwrap())));
+    let w = want
+        .data()
+        .chunks_exact(8)
+        .map(|c| f64::from_le_bytes(c.try_into().unwrap()));
+    for (g, w) in g.zip(w) {
+        assert!((g - w).abs() < 1e-5 + 1e-4 * w.abs(), "{g} vs {w}");
+    }
+}

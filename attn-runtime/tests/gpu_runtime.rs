@@ -149,6 +149,7 @@ fn the_device_backend_runs_or_says_there_is_no_gpu() {
             check_mla_decode(&|spec, queries, cache, seqs, options| {
                 gpu.decode_mla(spec, queries, cache, seqs, options).unwrap()
             });
+            check_mla_forward(&|spec, x, p0| gpu.forward_mla(spec, x, p0).unwrap());
             check_ragged(&|spec, q, offsets, cache, seqs, options| {
                 gpu.attend_ragged(spec, q, offsets, cache, seqs, options)
                     .unwrap()
@@ -395,5 +396,62 @@ fn assert_outputs_close(got: &Output, want: &Output, (abs, rel): (f32, f32), wha
             (w.is_infinite() && g == w) || (g - w).abs() <= 1e-4,
             "{what} lse[{i}]: {g} vs {w}"
         );
+    }
+}
+
+/// MLA prefill on the GPU forward kernel (inputs absorbed on the host, the kernel over the
+/// shared latent head) equals the CPU backend's `forward_mla`, which the fixtures and the
+/// differential tests check against the reference.
+#[test]
+fn gpu_mla_forward_on_the_interpreter_equals_the_cpu() {
+    check_mla_forward(&|spec, x, p0| attn_runtime::gpu::forward_mla_emulated(spec, x, p0).unwrap());
+}
+
+/// `forward` against the CPU backend's `forward_mla`.
+fn check_mla_forward(
+    forward: &dyn Fn(&AttentionSpec, &attn_runtime::cpu::MlaTensors, i64) -> Output,
+) {
+    use attn_runtime::cpu::{CpuBackend, MlaTensors};
+    for (text, sq, skv, p0) in [
+        (
+            "heads = 4, head_dim = 16, v_head_dim = 24, mla(latent_rank = 32, rope_dim = 8), \
+             mask = causal",
+            40,
+            40,
+            0,
+        ),
+        (
+            "heads = 2, head_dim = 8, mla(latent_rank = 64, rope_dim = 16), mask = causal, \
+             position = rope(scaling = yarn(factor = 4.0, original_max_position = 32))",
+            17,
+            50,
+            3,
+        ),
+    ] {
+        let spec: AttentionSpec = text.parse().unwrap();
+        let mla = spec.mla().unwrap();
+        let (h, dn, dv) = (
+            spec.heads as usize,
+            spec.head_dim as usize,
+            spec.v_head_dim as usize,
+        );
+        let (r, dr) = (mla.latent_rank as usize, mla.rope_dim as usize);
+        let t = |shape: &[usize], seed: u64| {
+            Tensor::from_f32(shape, values(shape.iter().product(), seed)).unwrap()
+        };
+        let (q_nope, q_pe) = (t(&[2, h, sq, dn], 1), t(&[2, h, sq, dr], 2));
+        let (c_kv, k_pe) = (t(&[2, skv, r], 3), t(&[2, skv, dr], 4));
+        let w_kv_b = t(&[h * (dn + dv), r], 5);
+        let x = MlaTensors {
+            q_nope: &q_nope,
+            q_pe: &q_pe,
+            c_kv: &c_kv,
+            k_pe: &k_pe,
+            w_kv_b: &w_kv_b,
+        };
+        let want = CpuBackend::new().forward_mla(&spec, &x, p0).unwrap();
+        let got = forward(&spec, &x, p0);
+        assert_eq!(got.out.shape(), [2, h, sq, dv]);
+        assert_outputs_close(&got, &want, (1e-4, 1e-4), text);
     }
 }

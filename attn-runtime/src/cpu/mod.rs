@@ -162,12 +162,50 @@ impl CpuBackend {
         x: &MlaTensors,
         position_offset: i64,
     ) -> Result<Output, RuntimeError> {
+        let a = AbsorbedForward::of(spec, x)?;
+        let kernel = self.kernel(spec)?;
+        let (wq, h, sq, skv) = (a.width(), spec.heads as usize, a.sq, a.skv);
+        let call = Call {
+            batch: a.b,
+            sq,
+            skv,
+            position_offset,
+        };
+        let q_rows = Rows::borrowed(&a.q, [h * sq * wq, sq * wq, wq]);
+        // Keys and values share storage: v is the latent part of each key row.
+        let k_rows = Rows::borrowed(&a.k, [skv * wq, skv * wq, wq]);
+        let v_rows = Rows::borrowed(&a.k, [skv * wq, skv * wq, wq]);
+        let (latent, lse) = launch::run(&kernel, &q_rows, &k_rows, &v_rows, &call)?;
+        a.finish(spec, &latent, lse)
+    }
+}
+
+/// An MLA forward call's inputs, checked and absorbed: queries `[W_uk^T q_nope | q_pe]`
+/// (`[B, heads, Sq, latent_rank + rope_dim]`) and keys `[c_kv | k_pe]` (`[B, Skv, latent_rank +
+/// rope_dim]`, whose latent part is also the values), for a kernel over one shared latent head.
+pub(crate) struct AbsorbedForward {
+    absorption: Absorption,
+    w: Vec<f32>,
+    /// Absorbed queries.
+    pub q: Vec<f32>,
+    /// Keys (values: their first `latent_rank` values).
+    pub k: Vec<f32>,
+    /// Batch, queries and keys per sequence.
+    pub b: usize,
+    /// See `b`.
+    pub sq: usize,
+    /// See `b`.
+    pub skv: usize,
+}
+
+impl AbsorbedForward {
+    /// Checks the tensors against the spec and absorbs them.
+    pub fn of(spec: &AttentionSpec, x: &MlaTensors) -> Result<Self, RuntimeError> {
         let Some(mla) = spec.mla() else {
             return Err(RuntimeError::Spec(
                 "this spec has per-head KV: use forward with q, k, v".into(),
             ));
         };
-        let kernel = self.kernel(spec)?;
         let (h, dn, dv) = (
             spec.heads as usize,
             spec.head_dim as usize,
@@ -219,19 +257,43 @@ impl CpuBackend {
             k[j * wq..j * wq + r].copy_from_slice(&c_kv[j * r..(j + 1) * r]);
             k[j * wq + r..(j + 1) * wq].copy_from_slice(&k_pe[j * dr..(j + 1) * dr]);
         }
-        let call = Call {
-            batch: b,
+        Ok(AbsorbedForward {
+            absorption,
+            w,
+            q,
+            k,
+            b,
             sq,
             skv,
-            position_offset,
-        };
-        let q_rows = Rows::borrowed(&q, [h * sq * wq, sq * wq, wq]);
-        // Keys and values share storage: v is the latent part of each key row.
-        let k_rows = Rows::borrowed(&k, [skv * wq, skv * wq, wq]);
-        let v_rows = Rows::borrowed(&k, [skv * wq, skv * wq, wq]);
-        let (latent, lse) = launch::run(&kernel, &q_rows, &k_rows, &v_rows, &call)?;
-        let out = absorption.outputs(&latent, &w, b * h, sq);
-        finish(spec.dtype, [b, h, sq, dv], out, lse)
+        })
+    }
+
+    /// Values per absorbed query or key row (`latent_rank + rope_dim`).
+    pub fn width(&self) -> usize {
+        self.absorption.r + self.absorption.dr
+    }
+
+    /// The values: the latent part of each key row, `[B, Skv, latent_rank]`.
+    pub fn values(&self) -> Vec<f32> {
+        let (r, wq) = (self.absorption.r, self.width());
+        self.k
+            .chunks(wq)
+            .flat_map(|row| row[..r].to_vec())
+            .collect()
+    }
+
+    /// `out = W_uv out_latent` per head, in the spec's dtype.
+    pub fn finish(
+        &self,
+        spec: &AttentionSpec,
+        latent: &[f32],
+        lse: Vec<f32>,
+    ) -> Result<Output, RuntimeError> {
+        let (h, dv) = (self.absorption.h, self.absorption.dv);
+        let out = self
+            .absorption
+            .outputs(latent, &self.w, self.b * h, self.sq);
+        finish(spec.dtype, [self.b, h, self.sq, dv], out, lse)
     }
 }
 

@@ -4,7 +4,7 @@
 use super::GpuCall;
 use super::decode::{self, DecodeLaunch};
 use crate::cache::{KvCache, SeqId};
-use crate::cpu::{DecodeOptions, MlaQueries};
+use crate::cpu::{DecodeOptions, MlaQueries, MlaTensors};
 use crate::cpu::{Output, finish};
 use crate::error::RuntimeError;
 use crate::tensor::Tensor;
@@ -73,6 +73,19 @@ impl CudaBackend {
         p0: i64,
     ) -> Result<Output, RuntimeError> {
         self.run(&GpuCall::forward(spec, q, k, v, p0)?)
+    }
+
+    /// `CpuBackend::forward_mla`'s call on the device (inputs absorbed on the host, the kernel
+    /// over the shared latent head, outputs expanded on the host).
+    pub fn forward_mla(
+        &self,
+        spec: &AttentionSpec,
+        x: &MlaTensors,
+        p0: i64,
+    ) -> Result<Output, RuntimeError> {
+        let (call, absorbed) = GpuCall::forward_mla(spec, x, p0)?;
+        let latent = self.run(&call)?;
+        absorbed.finish(spec, &latent.out.to_f32_vec(), latent.lse.to_f32_vec())
     }
 
     /// `CpuBackend::decode`'s call on the device: the GPU decode kernel over the cache's

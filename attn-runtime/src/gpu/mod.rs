@@ -10,7 +10,7 @@ mod decode;
 pub use decode::{attend_ragged_emulated, decode_emulated, decode_mla_emulated};
 
 use crate::cpu::rope_table::RopeTables;
-use crate::cpu::{Output, check_qkv, finish};
+use crate::cpu::{AbsorbedForward, MlaTensors, Output, check_qkv, finish};
 use crate::error::RuntimeError;
 use crate::tensor::{Storage, Tensor};
 use attn_dsl::AttentionSpec;
@@ -71,14 +71,62 @@ impl GpuCall {
         crate::error::check_spec(spec)?;
         if spec.mla().is_some() {
             return Err(RuntimeError::Spec(
-                "the GPU kernels do not run MLA specs yet".into(),
+                "this is an MLA spec: use forward_mla with q_nope, q_pe, c_kv, k_pe and w_kv_b"
+                    .into(),
             ));
         }
         let plan = KernelPlan::forward(spec);
-        let h = spec.heads as usize;
-        let dv = spec.v_head_dim as usize;
         let [b, sq, skv] = check_qkv(spec, q, k, v)?;
         let chosen = forward_kernel(&plan);
+        let inputs = chosen.inputs;
+        let bytes = [q, k, v].map(|t| device_bytes(t, inputs));
+        Ok(Self::prepare(
+            &plan,
+            chosen,
+            [b, sq, skv],
+            p0,
+            bytes,
+            spec.dtype,
+        ))
+    }
+
+    /// Prepares `CpuBackend::forward_mla`'s call: the inputs absorbed on the host as the CPU
+    /// backend does, the kernel over one shared latent head. The call's `out` is the f32 latent
+    /// output; [`AbsorbedForward::finish`] expands it by `W_uv`.
+    pub(crate) fn forward_mla(
+        spec: &AttentionSpec,
+        x: &MlaTensors,
+        p0: i64,
+    ) -> Result<(GpuCall, AbsorbedForward), RuntimeError> {
+        crate::error::check_spec(spec)?;
+        let a = AbsorbedForward::of(spec, x)?;
+        let plan = KernelPlan::forward(spec);
+        let chosen = forward_kernel(&plan);
+        let f32_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let bytes = [f32_bytes(&a.q), f32_bytes(&a.k), f32_bytes(&a.values())];
+        let call = Self::prepare(
+            &plan,
+            chosen,
+            [a.b, a.sq, a.skv],
+            p0,
+            bytes,
+            attn_dsl::DType::F32,
+        );
+        Ok((call, a))
+    }
+
+    /// A call of `kernel` (chosen for `plan`) on `[batch, Sq, Skv]` with its inputs' bytes: the
+    /// tile codes and RoPE tables of the call. `dtype` is the output's.
+    fn prepare(
+        plan: &KernelPlan,
+        chosen: codegen::gpu::ForwardKernel,
+        [b, sq, skv]: [usize; 3],
+        p0: i64,
+        [q, k, v]: [Vec<u8>; 3],
+        dtype: attn_dsl::DType,
+    ) -> GpuCall {
+        let h = plan.shape.heads as usize;
+        let dv = plan.shape.v_dim as usize;
         let (kernel, inputs) = (chosen.kernel, chosen.inputs);
         let (rows, bc) = (ROWS as usize, chosen.key_tile as usize);
         let (qblocks, tiles) = (sq.div_ceil(rows), skv.div_ceil(bc));
@@ -113,12 +161,12 @@ impl GpuCall {
             Some(t) => (t.cos, t.sin),
             None => (Vec::new(), Vec::new()),
         };
-        Ok(GpuCall {
+        GpuCall {
             kernel,
             grid: [qblocks as u32, h as u32, b as u32],
-            q: device_bytes(q, inputs),
-            k: device_bytes(k, inputs),
-            v: device_bytes(v, inputs),
+            q,
+            k,
+            v,
             inputs,
             codes,
             rope_cos,
@@ -128,8 +176,8 @@ impl GpuCall {
             skv: skv as i64,
             p0,
             out_shape: [b, h, sq, dv],
-            dtype: spec.dtype,
-        })
+            dtype,
+        }
     }
 
     /// Runs the call on the GPU IR interpreter (every CTA, every thread; slow, exact).
@@ -183,6 +231,19 @@ impl GpuCall {
         let lse = mem.read_f32(lse, b * h * sq).map_err(RuntimeError::Data)?;
         finish(self.dtype, self.out_shape, out, lse)
     }
+}
+
+/// `CpuBackend::forward_mla`'s call on the GPU forward kernel, run on the interpreter: the
+/// inputs absorbed on the host, the kernel over the shared latent head, the latent output
+/// expanded by `W_uv` on the host.
+pub fn forward_mla_emulated(
+    spec: &AttentionSpec,
+    x: &MlaTensors,
+    p0: i64,
+) -> Result<Output, RuntimeError> {
+    let (call, absorbed) = GpuCall::forward_mla(spec, x, p0)?;
+    let latent = call.run_emulated()?;
+    absorbed.finish(spec, &latent.out.to_f32_vec(), latent.lse.to_f32_vec())
 }
 
 /// A tensor's values in logical order as the bytes of `dtype` (f32, or bf16 or f16 rounded to

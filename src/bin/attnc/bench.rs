@@ -134,7 +134,9 @@ pub fn bench_cuda(spec: &AttentionSpec, shape: &Shape) -> Result<Timing, Runtime
     use attn::runtime::gpu::cuda::CudaBackend;
     if spec.mla().is_some() {
         return Err(RuntimeError::Spec(
-            "the GPU kernels do not run MLA specs yet; use --backend cpu".into(),
+            "attnc bench does not time MLA specs on the GPU yet (attnc run runs them); use \
+             --backend cpu"
+                .into(),
         ));
     }
     let backend = CudaBackend::new(0)?;

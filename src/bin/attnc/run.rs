@@ -26,11 +26,6 @@ pub fn run(
     offset: i64,
     backend: Backend,
 ) -> Result<String, RuntimeError> {
-    if backend != Backend::Cpu && spec.mla().is_some() {
-        return Err(RuntimeError::Spec(
-            "the GPU kernels do not run MLA specs yet; use --backend cpu".into(),
-        ));
-    }
     let gpu_forward = |q: &Tensor, k: &Tensor, v: &Tensor| -> Result<Output, RuntimeError> {
         match backend {
             Backend::GpuSim => {
@@ -53,7 +48,11 @@ pub fn run(
             k_pe: &k_pe,
             w_kv_b: &w_kv_b,
         };
-        backend_cpu.forward_mla(spec, &x, offset)?
+        match backend {
+            Backend::Cpu => backend_cpu.forward_mla(spec, &x, offset)?,
+            Backend::GpuSim => attn::runtime::gpu::forward_mla_emulated(spec, &x, offset)?,
+            Backend::Cuda => cuda_forward_mla(spec, &x, offset)?,
+        }
     } else {
         let [q, k, v]: [Tensor; 3] = read_safetensors(input, &["q", "k", "v"])?
             .try_into()
@@ -93,9 +92,29 @@ fn cuda_forward(
     _: &Tensor,
     _: i64,
 ) -> Result<Output, RuntimeError> {
+    cuda_forward_missing()
+}
+
+/// Without the `cuda` feature: an error that says how to get it.
+#[cfg(not(feature = "cuda"))]
+fn cuda_forward_missing() -> Result<Output, RuntimeError> {
     Err(RuntimeError::Device(
         "this attnc was built without the `cuda` feature; rebuild with --features cuda \
          (scripts/setup-cuda-toolchain.sh), or use --backend cpu or gpu-sim"
             .into(),
     ))
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_forward_mla(
+    spec: &AttentionSpec,
+    x: &MlaTensors,
+    offset: i64,
+) -> Result<Output, RuntimeError> {
+    attn::runtime::gpu::cuda::CudaBackend::new(0)?.forward_mla(spec, x, offset)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_forward_mla(_: &AttentionSpec, _: &MlaTensors, _: i64) -> Result<Output, RuntimeError> {
+    cuda_forward_missing()
 }
