@@ -670,3 +670,48 @@ fn dynamic_ntk_keys_keep_the_rotation_of_their_step() {
         }
     }
 }
+
+/// Every run a cache hands out lies inside its regions (what a device copy uploads), and every
+/// change moves its generation forward (so a stale copy is caught).
+#[test]
+fn runs_lie_inside_the_regions_and_changes_move_the_generation() {
+    let spec: AttentionSpec = "heads = 4, kv_heads = 2, head_dim = 8, mask = causal, dtype = bf16"
+        .parse()
+        .unwrap();
+    let t = |len: usize, seed: u64| {
+        Tensor::from_f32_as(spec.dtype, &[2, len, 8], values(2 * len * 8, seed)).unwrap()
+    };
+    let inside = |cache: &dyn KvCache, seq, len: usize| {
+        let regions = cache.regions();
+        for head in 0..2 {
+            for run in cache.runs(seq, head, 0, len).unwrap() {
+                for (ptr, width) in [(run.k, 8), (run.v, 8)] {
+                    let (start, end) = (ptr as usize, ptr as usize + (run.len * width - 1) * 2);
+                    assert!(
+                        regions.iter().any(|&(r, bytes)| {
+                            (r as usize) <= start && end < r as usize + bytes
+                        }),
+                        "a run outside the regions"
+                    );
+                }
+            }
+        }
+    };
+    let mut paged = PagedCache::new(&spec, 4, 10).unwrap();
+    let mut contiguous = ContiguousCache::new(&spec).unwrap();
+    let (p, c) = (paged.add_sequence(), contiguous.add_sequence(2));
+    let (g_paged, g_contiguous) = (paged.generation(), contiguous.generation());
+    paged.append(p, &t(9, 1), &t(9, 2)).unwrap();
+    contiguous.append(c, &t(9, 1), &t(9, 2)).unwrap();
+    assert!(paged.generation() > g_paged && contiguous.generation() > g_contiguous);
+    inside(&paged, p, 9);
+    inside(&contiguous, c, 9);
+    let before = paged.generation();
+    let fork = paged.fork(p).unwrap();
+    paged.append(fork, &t(2, 3), &t(2, 4)).unwrap();
+    assert!(paged.generation() > before);
+    inside(&paged, fork, 11);
+    let before = paged.generation();
+    paged.free(p).unwrap();
+    assert!(paged.generation() > before);
+}

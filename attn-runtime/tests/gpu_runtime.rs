@@ -150,6 +150,13 @@ fn the_device_backend_runs_or_says_there_is_no_gpu() {
                 gpu.decode_mla(spec, queries, cache, seqs, options).unwrap()
             });
             check_mla_forward(&|spec, x, p0| gpu.forward_mla(spec, x, p0).unwrap());
+            // Against a copy of the cache uploaded once; a copy older than the cache is refused.
+            check_decode(&|spec, q, cache, seqs, options| {
+                let resident = gpu.upload_cache(cache).unwrap();
+                gpu.decode_resident(spec, q, cache, &resident, seqs, options)
+                    .unwrap()
+            });
+            stale_device_copies_are_refused(&gpu);
             check_ragged(&|spec, q, offsets, cache, seqs, options| {
                 gpu.attend_ragged(spec, q, offsets, cache, seqs, options)
                     .unwrap()
@@ -454,4 +461,32 @@ fn check_mla_forward(
         assert_eq!(got.out.shape(), [2, h, sq, dv]);
         assert_outputs_close(&got, &want, (1e-4, 1e-4), text);
     }
+}
+
+/// A device copy of a cache that has changed since it was uploaded is an error, not a stale
+/// answer.
+#[cfg(feature = "cuda")]
+fn stale_device_copies_are_refused(gpu: &attn_runtime::gpu::cuda::CudaBackend) {
+    use attn_runtime::cache::PagedCache;
+    use attn_runtime::cpu::DecodeOptions;
+    let spec: AttentionSpec = "heads = 2, head_dim = 16, mask = causal".parse().unwrap();
+    let mut cache = PagedCache::new(&spec, 8, 4).unwrap();
+    let seq = cache.add_sequence();
+    let kv =
+        |len: usize, seed: u64| Tensor::from_f32(&[2, len, 16], values(32 * len, seed)).unwrap();
+    cache.append(seq, &kv(5, 1), &kv(5, 2)).unwrap();
+    let resident = gpu.upload_cache(&cache).unwrap();
+    cache.append(seq, &kv(1, 3), &kv(1, 4)).unwrap();
+    let q = Tensor::from_f32(&[1, 2, 1, 16], values(32, 5)).unwrap();
+    let e = gpu
+        .decode_resident(
+            &spec,
+            &q,
+            &cache,
+            &resident,
+            &[seq],
+            DecodeOptions::default(),
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("out of date"), "{e}");
 }

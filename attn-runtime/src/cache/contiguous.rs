@@ -12,6 +12,8 @@ use attn_dsl::AttentionSpec;
 pub struct ContiguousCache {
     layout: CacheLayout,
     seqs: Vec<Option<Sequence>>,
+    /// Moves forward on every change (`KvCache::generation`).
+    generation: u64,
 }
 
 #[derive(Debug)]
@@ -27,11 +29,13 @@ impl ContiguousCache {
         Ok(ContiguousCache {
             layout: layout_of(spec)?,
             seqs: Vec::new(),
+            generation: 0,
         })
     }
 
     /// Starts a sequence with room for `capacity` tokens before its first reallocation.
     pub fn add_sequence(&mut self, capacity: usize) -> SeqId {
+        self.generation += 1;
         let slots = Slots {
             layout: &self.layout,
             size: capacity,
@@ -65,6 +69,7 @@ impl ContiguousCache {
 
     /// Appends tokens to `seq`, as [`super::PagedCache::append`].
     pub fn append(&mut self, seq: SeqId, k: &Tensor, v: &Tensor) -> Result<(), RuntimeError> {
+        self.generation += 1;
         let mut tokens = new_tokens(&self.layout, k, v)?;
         self.seq(seq)?;
         let layout = &self.layout;
@@ -115,6 +120,7 @@ impl ContiguousCache {
 
     /// Drops `seq` and its memory.
     pub fn free(&mut self, seq: SeqId) -> Result<(), RuntimeError> {
+        self.generation += 1;
         self.seq(seq)?;
         self.seqs[seq.0] = None;
         Ok(())
@@ -128,6 +134,18 @@ impl KvCache for ContiguousCache {
 
     fn seq_len(&self, seq: SeqId) -> Result<usize, RuntimeError> {
         Ok(self.seq(seq)?.len)
+    }
+
+    fn regions(&self) -> Vec<(*const u8, usize)> {
+        self.seqs
+            .iter()
+            .flatten()
+            .map(|s| (s.data.ptr(0), s.data.bytes() as usize))
+            .collect()
+    }
+
+    fn generation(&self) -> u64 {
+        self.generation
     }
 
     fn runs(

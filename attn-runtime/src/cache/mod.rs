@@ -56,6 +56,13 @@ pub trait KvCache {
         start: usize,
         end: usize,
     ) -> Result<Vec<Run>, RuntimeError>;
+    /// The memory the cached rows live in, as `(start, bytes)` ranges every run lies inside (a
+    /// paged cache's block pool; a contiguous cache's per-sequence buffers). Valid while the
+    /// cache is borrowed: a device mirror of the cache uploads them.
+    fn regions(&self) -> Vec<(*const u8, usize)>;
+    /// A counter every change to the cache moves forward, so that a copy of its regions can
+    /// tell that it is out of date.
+    fn generation(&self) -> u64;
 }
 
 fn unknown(seq: SeqId) -> RuntimeError {

@@ -19,6 +19,8 @@ pub struct PagedCache {
     refs: Vec<u32>,
     free: Vec<usize>,
     seqs: Vec<Option<Sequence>>,
+    /// Moves forward on every change (`KvCache::generation`).
+    generation: u64,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -50,6 +52,7 @@ impl PagedCache {
             refs: vec![0; num_blocks],
             free: (0..num_blocks).rev().collect(),
             seqs: Vec::new(),
+            generation: 0,
         })
     }
 
@@ -67,6 +70,7 @@ impl PagedCache {
 
     /// Starts an empty sequence.
     pub fn add_sequence(&mut self) -> SeqId {
+        self.generation += 1;
         self.seqs.push(Some(Sequence::default()));
         SeqId(self.seqs.len() - 1)
     }
@@ -123,6 +127,7 @@ impl PagedCache {
     /// in the spec's dtype (for MLA: `c_kv [n, latent_rank]` and `k_pe [n, rope_dim]`). Keys are
     /// rotated for positions `len..len + n`. On error (bad shapes, a full pool) nothing changes.
     pub fn append(&mut self, seq: SeqId, k: &Tensor, v: &Tensor) -> Result<(), RuntimeError> {
+        self.generation += 1;
         let mut tokens = new_tokens(&self.layout, k, v)?;
         let (len, held) = {
             let s = self.seq(seq)?;
@@ -188,6 +193,7 @@ impl PagedCache {
     /// A new sequence sharing every cached token of `seq` (no copy): for beam search and
     /// parallel sampling.
     pub fn fork(&mut self, seq: SeqId) -> Result<SeqId, RuntimeError> {
+        self.generation += 1;
         let s = self.seq(seq)?.clone();
         for &b in &s.blocks {
             self.refs[b] += 1;
@@ -198,6 +204,7 @@ impl PagedCache {
 
     /// Drops `seq`, returning the blocks no other sequence holds to the free list.
     pub fn free(&mut self, seq: SeqId) -> Result<(), RuntimeError> {
+        self.generation += 1;
         self.seq(seq)?;
         let s = self.seqs[seq.0].take().expect("checked");
         for b in s.blocks {
@@ -214,6 +221,14 @@ impl KvCache for PagedCache {
 
     fn seq_len(&self, seq: SeqId) -> Result<usize, RuntimeError> {
         Ok(self.seq(seq)?.len)
+    }
+
+    fn regions(&self) -> Vec<(*const u8, usize)> {
+        vec![(self.pool.ptr(0), self.pool.bytes() as usize)]
+    }
+
+    fn generation(&self) -> u64 {
+        self.generation
     }
 
     fn runs(

@@ -90,7 +90,8 @@ impl CudaBackend {
 
     /// `CpuBackend::decode`'s call on the device: the GPU decode kernel over the cache's
     /// segments, with the CPU backend's work items, partitions and lse merge. The cache lives in
-    /// host memory, so each call uploads the segments' rows.
+    /// host memory, so each call uploads its memory; [`CudaBackend::decode_resident`] decodes
+    /// against a copy uploaded once.
     pub fn decode(
         &self,
         spec: &AttentionSpec,
@@ -99,7 +100,7 @@ impl CudaBackend {
         seqs: &[SeqId],
         options: DecodeOptions,
     ) -> Result<Output, RuntimeError> {
-        decode::decode_with(spec, q, cache, seqs, options, |l| self.run_decode(l))
+        decode::decode_with(spec, q, cache, seqs, options, |l| self.run_decode(l, None))
     }
 
     /// `CpuBackend::attend_ragged`'s call on the device (a ragged batch of decode and chunked
@@ -114,7 +115,7 @@ impl CudaBackend {
         options: DecodeOptions,
     ) -> Result<Output, RuntimeError> {
         decode::attend_ragged_with(spec, q, q_offsets, cache, seqs, options, |l| {
-            self.run_decode(l)
+            self.run_decode(l, None)
         })
     }
 
@@ -127,21 +128,95 @@ impl CudaBackend {
         seqs: &[SeqId],
         options: DecodeOptions,
     ) -> Result<Output, RuntimeError> {
-        decode::decode_mla_with(spec, queries, cache, seqs, options, |l| self.run_decode(l))
+        decode::decode_mla_with(spec, queries, cache, seqs, options, |l| {
+            self.run_decode(l, None)
+        })
     }
 
-    /// Uploads a prepared decode launch, runs it and returns `out` and `lse` (all rows).
-    fn run_decode(&self, l: &DecodeLaunch) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> {
+    /// A copy of the cache's memory on the device, for [`CudaBackend::decode_resident`]. Upload
+    /// again after the cache changes (decoding against an out-of-date copy is an error).
+    pub fn upload_cache(&self, cache: &impl KvCache) -> Result<DeviceCache, RuntimeError> {
+        let regions: Vec<(usize, usize)> = cache
+            .regions()
+            .into_iter()
+            .map(|(start, bytes)| (start as usize, bytes))
+            .collect();
+        let buffers = regions
+            .iter()
+            .map(|&(start, bytes)| {
+                // SAFETY: `KvCache::regions` gives `bytes` readable bytes from `start`, valid
+                // while `cache` is borrowed (this call).
+                let host = unsafe { std::slice::from_raw_parts(start as *const u8, bytes) };
+                self.stream
+                    .clone_htod(if host.is_empty() {
+                        &[0u8; 16][..]
+                    } else {
+                        host
+                    })
+                    .map_err(device)
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(DeviceCache {
+            regions,
+            buffers,
+            generation: cache.generation(),
+        })
+    }
+
+    /// [`CudaBackend::decode`] against a device copy of `cache` from
+    /// [`CudaBackend::upload_cache`]: nothing of the cache is uploaded.
+    pub fn decode_resident(
+        &self,
+        spec: &AttentionSpec,
+        q: &Tensor,
+        cache: &impl KvCache,
+        resident: &DeviceCache,
+        seqs: &[SeqId],
+        options: DecodeOptions,
+    ) -> Result<Output, RuntimeError> {
+        decode::decode_with(spec, q, cache, seqs, options, |l| {
+            self.run_decode(l, Some(resident))
+        })
+    }
+
+    /// Runs a prepared decode launch, its cache's memory uploaded now or found in `resident`;
+    /// returns `out` and `lse` (all rows).
+    fn run_decode(
+        &self,
+        l: &DecodeLaunch,
+        resident: Option<&DeviceCache>,
+    ) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> {
         let f = self.load(&l.kernel)?;
         let s = &self.stream;
         let some = |v: &[u8]| s.clone_htod(if v.is_empty() { &[0u8; 16][..] } else { v });
         let i64_bytes = |v: &[i64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-        let rows = some(&l.rows).map_err(device)?;
-        let base = {
-            let (ptr, _sync) = rows.device_ptr(s);
-            ptr as i64
+        let uploaded: Vec<CudaSlice<u8>>;
+        let buffers = match resident {
+            Some(r) => {
+                if r.generation != l.generation || r.regions != l.regions {
+                    return Err(RuntimeError::Cache(
+                        "the device copy of the cache is out of date (the cache changed after \
+                         upload_cache): upload it again"
+                            .into(),
+                    ));
+                }
+                &r.buffers
+            }
+            None => {
+                uploaded = (0..l.regions.len())
+                    .map(|i| some(l.region_bytes(i)).map_err(device))
+                    .collect::<Result<_, _>>()?;
+                &uploaded
+            }
         };
-        let segments = some(&i64_bytes(&l.segment_records(base))).map_err(device)?;
+        let bases: Vec<i64> = buffers
+            .iter()
+            .map(|b| {
+                let (ptr, _sync) = b.device_ptr(s);
+                ptr as i64
+            })
+            .collect();
+        let segments = some(&i64_bytes(&l.segment_records(&bases)?)).map_err(device)?;
         let tasks = some(&i64_bytes(&l.tasks)).map_err(device)?;
         let f32_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
         let q_rows = some(&f32_bytes(&l.q_rows)).map_err(device)?;
@@ -169,13 +244,12 @@ impl CudaBackend {
             .arg(&pos0);
         // SAFETY: the arguments match the decode kernel's eight 64-bit parameters in order
         // (codegen::gpu::decode::PARAMS): device buffers of the query rows, task and segment
-        // records (whose row addresses point into `rows`, alive until the launch completes),
+        // records (whose row addresses point into `buffers`, alive until the launch completes),
         // outputs of `out_rows` rows, RoPE tables, and the tables' first position.
         unsafe { launch.launch(config) }.map_err(device)?;
         let out = s.clone_dtoh(&out).map_err(device)?;
         let lse = s.clone_dtoh(&lse).map_err(device)?;
         s.synchronize().map_err(device)?;
-        drop(rows);
         Ok((out, lse))
     }
 
@@ -316,4 +390,14 @@ struct Buffers {
     sin: CudaSlice<f32>,
     out: CudaSlice<f32>,
     lse: CudaSlice<f32>,
+}
+
+/// A KV cache's memory on the device (from [`CudaBackend::upload_cache`]).
+#[derive(Debug)]
+pub struct DeviceCache {
+    /// The host ranges copied: `(address, bytes)`.
+    regions: Vec<(usize, usize)>,
+    buffers: Vec<CudaSlice<u8>>,
+    /// The cache's generation when copied.
+    generation: u64,
 }

@@ -177,8 +177,9 @@ fn checked_plan(spec: &AttentionSpec, cache: &impl KvCache) -> Result<KernelPlan
 }
 
 /// A decode call prepared for the GPU decode kernel: its buffers as the kernel reads them. The
-/// segments' rows are packed into one buffer (`rows`, in the cache's dtype); segment records
-/// hold offsets into it, which the launcher turns into addresses.
+/// segment records point at the cache's rows where they lie (host addresses inside the cache's
+/// `regions`); the launcher puts the regions in device memory (or finds them there) and
+/// translates the addresses.
 pub(crate) struct DecodeLaunch {
     /// The kernel, for the call's plan.
     pub kernel: Kernel,
@@ -188,10 +189,14 @@ pub(crate) struct DecodeLaunch {
     pub q_rows: Vec<f32>,
     /// Task records (`TASK_FIELDS` i64 each).
     pub tasks: Vec<i64>,
-    /// Segment records (`SEGMENT_FIELDS` i64 each), K and V as offsets into `rows`.
+    /// Segment records (`SEGMENT_FIELDS` i64 each), K and V as host addresses.
     pub segments: Vec<i64>,
-    /// The segments' K and V rows.
-    pub rows: Vec<u8>,
+    /// The cache's memory: `(host address, bytes)` ranges every segment lies inside.
+    pub regions: Vec<(usize, usize)>,
+    /// The cache's generation when the launch was prepared (a device copy of the cache must be
+    /// of the same; only the CUDA launcher has such copies).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub generation: u64,
     /// RoPE tables for the query positions (empty without RoPE).
     pub rope_cos: Vec<f32>,
     /// See `rope_cos`.
@@ -203,31 +208,52 @@ pub(crate) struct DecodeLaunch {
 }
 
 impl DecodeLaunch {
-    /// `segments` with the row offsets turned into addresses in a buffer at `base`.
-    pub fn segment_records(&self, base: i64) -> Vec<i64> {
+    /// `segments` with their host addresses turned into device ones, region `i` being at
+    /// `bases[i]` on the device.
+    pub fn segment_records(&self, bases: &[i64]) -> Result<Vec<i64>, RuntimeError> {
+        let translate = |host: i64| -> Result<i64, RuntimeError> {
+            let host = host as usize;
+            self.regions
+                .iter()
+                .zip(bases)
+                .find(|((start, bytes), _)| (*start..start + bytes).contains(&host))
+                .map(|((start, _), base)| base + (host - start) as i64)
+                .ok_or_else(|| {
+                    RuntimeError::Cache("a cache segment lies outside the cache's regions".into())
+                })
+        };
         let mut records = self.segments.clone();
         for record in records.chunks_mut(SEGMENT_FIELDS) {
-            record[0] += base;
-            record[1] += base;
+            record[0] = translate(record[0])?;
+            record[1] = translate(record[1])?;
         }
-        records
+        Ok(records)
+    }
+
+    /// The bytes of region `i`.
+    ///
+    /// Valid only while the cache the launch was prepared from is borrowed (as it is for the
+    /// whole of `run_rows`, which calls the launcher).
+    pub fn region_bytes(&self, i: usize) -> &[u8] {
+        let (start, bytes) = self.regions[i];
+        // SAFETY: `regions` came from `KvCache::regions` of the cache `run_rows` borrows while
+        // the launch exists: `bytes` readable bytes from `start`.
+        unsafe { std::slice::from_raw_parts(start as *const u8, bytes) }
     }
 
     /// Runs the launch on the GPU IR interpreter; returns `out` and `lse`, all rows.
     fn run_emulated(&self) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> {
         let mut mem = Memory::default();
         let i64s = |v: &[i64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-        let rows = if self.rows.is_empty() {
-            0
-        } else {
-            mem.alloc_bytes(self.rows.clone())
-        };
+        let bases: Vec<i64> = (0..self.regions.len())
+            .map(|i| mem.alloc_bytes(self.region_bytes(i).to_vec()))
+            .collect();
         let (cos, sin) = if self.rope_cos.is_empty() {
             (0, 0)
         } else {
             (mem.alloc_f32(&self.rope_cos), mem.alloc_f32(&self.rope_sin))
         };
-        let segments = self.segment_records(rows);
+        let segments = self.segment_records(&bases)?;
         let out = mem.alloc_f32(&vec![0.0; self.out_rows * self.v_dim]);
         let lse = mem.alloc_f32(&vec![0.0; self.out_rows]);
         let args: Vec<Val> = [
@@ -275,10 +301,8 @@ pub(crate) fn run_rows(
     let items = items(plan, cache, seqs, call.q_lens, segment_keys(plan) as usize)?;
     let tasks = tasks(&items, partitions(&items, options));
     let (k_stride, v_stride) = row_strides(&layout);
-    let size = layout.dtype.size_bytes() as usize;
 
     let (mut q_rows, mut task_records, mut segment_records) = (Vec::new(), Vec::new(), Vec::new());
-    let mut rows = Vec::new();
     let mut rows_of = Vec::with_capacity(tasks.len());
     for task in &tasks {
         let item = &items[task.item];
@@ -291,22 +315,15 @@ pub(crate) fn run_rows(
         }
         let seg0 = segment_records.len() / SEGMENT_FIELDS;
         for s in &item.segments[task.segments.clone()] {
-            let keys = s.len as usize;
-            // Appends the segment's rows, packed, in the cache's dtype; returns their offset.
-            let mut pack = |start: *const u8, stride: usize, width: usize| -> i64 {
-                // SAFETY: `items` built the segment from the cache's runs: `keys` rows of
-                // `stride` elements of `size` bytes from `start`, inside the cache borrowed here.
-                let bytes = unsafe {
-                    std::slice::from_raw_parts(start, ((keys - 1) * stride + width) * size)
-                };
-                let offset = rows.len() as i64;
-                for j in 0..keys {
-                    rows.extend_from_slice(&bytes[j * stride * size..(j * stride + width) * size]);
-                }
-                offset
-            };
-            let (k, v) = (pack(s.k, k_stride, d), pack(s.v, v_stride, dv));
-            segment_records.extend([k, v, s.first_key, s.len, s.code]);
+            segment_records.extend([
+                s.k as i64,
+                s.v as i64,
+                s.first_key,
+                s.len,
+                s.code,
+                k_stride as i64,
+                v_stride as i64,
+            ]);
         }
         let rows = item.nh * item.nq;
         task_records.extend([
@@ -341,7 +358,12 @@ pub(crate) fn run_rows(
         q_rows,
         tasks: task_records,
         segments: segment_records,
-        rows,
+        regions: cache
+            .regions()
+            .into_iter()
+            .map(|(start, bytes)| (start as usize, bytes))
+            .collect(),
+        generation: cache.generation(),
         rope_cos,
         rope_sin,
         out_rows: total_rows,

@@ -5,8 +5,9 @@
 //!
 //! Buffers: `q_rows` (f32 `[rows][qk_dim]`, before RoPE), `tasks` (per CTA, nine i64: first row,
 //! rows, queries per head, position and call index of query 0, batch, first head, first segment,
-//! segments), `segments` (five i64 each: key row address, value row address, first key, keys,
-//! tile code; rows of `qk_dim` or `v_dim` values in the cache's dtype, f32, bf16 or f16), `out` (f32
+//! segments), `segments` (seven i64 each: key row address, value row address, first key, keys,
+//! tile code, elements between key rows, between value rows; rows of `qk_dim` or `v_dim` values
+//! in the cache's dtype, f32, bf16 or f16), `out` (f32
 //! `[rows][v_dim]`, normalized), `lse` (f32 per row), RoPE tables for the query positions. Keys
 //! sit at the positions of their indices, rotated already.
 
@@ -34,7 +35,7 @@ pub const PARAMS: [&str; 8] = [
 pub const TASK_FIELDS: usize = 9;
 
 /// i64 fields of a segment record.
-pub const SEGMENT_FIELDS: usize = 5;
+pub const SEGMENT_FIELDS: usize = 7;
 
 /// Keys per segment the kernel stages (K, V and scores within 48 KiB of shared memory).
 pub fn segment_keys(plan: &KernelPlan) -> u32 {
@@ -187,6 +188,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         r.add("keys", Ty::I64),
         r.add("code", Ty::I64),
     );
+    let (k_stride, v_stride) = (r.add("k_stride", Ty::I64), r.add("v_stride", Ty::I64));
     let mut seg_body = vec![Stmt::Set(
         srec,
         add(
@@ -194,7 +196,8 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
             mul(reg(si), i64(8 * SEGMENT_FIELDS as i64)),
         ),
     )];
-    for (i, &x) in [kaddr, vaddr, first, len, code].iter().enumerate() {
+    let fields = [kaddr, vaddr, first, len, code, k_stride, v_stride];
+    for (i, &x) in fields.iter().enumerate() {
         seg_body.push(Stmt::Set(x, field(&reg(srec), i)));
     }
     let mut run = Vec::new();
@@ -212,8 +215,13 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         None => load(Space::Global, Ty::F32, addr),
     };
     let element = r.add("stage_element", Ty::I64);
-    for (base, width, shared) in [(kaddr, d, k_sh), (vaddr, dv, v_sh)] {
-        let src = add(reg(base), mul(reg(element), i64(elem)));
+    for (base, stride, width, shared) in [(kaddr, k_stride, d, k_sh), (vaddr, v_stride, dv, v_sh)] {
+        // Element c is column c % width of row c / width, rows `stride` elements apart.
+        let at = add(
+            mul(bin(Bin::Div, reg(element), i64(width)), reg(stride)),
+            bin(Bin::Rem, reg(element), i64(width)),
+        );
+        let src = add(reg(base), mul(at, i64(elem)));
         let dst = add(mul(reg(element), i64(4)), i64(shared));
         run.push(Stmt::For {
             reg: element,
