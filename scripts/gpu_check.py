@@ -7,7 +7,8 @@
 2. Timing (on CUDA only): bf16 forward for causal, ALiBi and sliding window, head dims 64 and
    128, N from 1k to 16k, 16 heads and batch 16k / N (enough CTAs to fill the chip), against
    torch.nn.functional.scaled_dot_product_attention on the same device. One table: TFLOP/s
-   (4 B H N^2 D, halved for the masks) and the ratio.
+   (4 B H N^2 D, halved for the masks) and the ratio. Then decode steps (GQA, bf16) against a
+   device copy of a paged cache, against SDPA on contiguous K/V.
 
   python3 scripts/gpu_check.py --attnc PATH [--backend cuda|gpu-sim] [--quick] [--skip-timing]
 
@@ -217,6 +218,48 @@ def timing(attnc, quick):
     return rows
 
 
+def time_torch_decode(b, h, hkv, kv_len, d, reps):
+    dev = "cuda"
+    q = torch.randn(b, h, 1, d, device=dev, dtype=torch.bfloat16)
+    k, v = (torch.randn(b, hkv, kv_len, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    f = torch.nn.functional.scaled_dot_product_attention
+    call = lambda: f(q, k, v, enable_gqa=True)
+    call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def decode_timing(attnc):
+    print("== decode steps (bf16, 32 query heads over 8 kv heads, D 128, one query per sequence;")
+    print("   ours: a whole step against a device copy of a paged cache, host preparation included)")
+    print(f"{'kv len':>7} {'B':>3} {'ours us':>9} {'ours GB/s':>10} {'torch us':>9} {'ratio':>6}")
+    spec = "heads = 32, kv_heads = 8, head_dim = 128, mask = causal, dtype = bf16"
+    for kv_len, b in [(4096, 8), (16384, 4)]:
+        r = subprocess.run(
+            [attnc, "bench-decode", spec, "--kv-len", str(kv_len), "--batch", str(b),
+             "--reps", "20", "--backend", "cuda", "--json"],
+            capture_output=True, text=True,
+        )
+        if r.returncode != 0:
+            print(f"{kv_len:>7} {b:>3}   ours failed: {r.stderr.strip()}")
+            continue
+        ours = json.loads(r.stdout)
+        theirs = time_torch_decode(b, 32, 8, kv_len, 128, 20) * 1e3
+        print(
+            f"{kv_len:>7} {b:>3} {ours['median_us']:>9.1f} {ours['gbps']:>10.1f} "
+            f"{theirs:>9.1f} {theirs / ours['median_us']:>6.2f}"
+        )
+        sys.stdout.flush()
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--attnc", required=True)
@@ -232,6 +275,7 @@ def main():
         else:
             print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
             timing(a.attnc, a.quick)
+            decode_timing(a.attnc)
     print(f"== done in {time.time() - start:.0f} s")
     sys.exit(1 if failures else 0)
 

@@ -1,9 +1,13 @@
 //! `attnc bench-decode`: times decoding steps against a paged KV cache filled with random keys.
 
 use crate::bench::random;
+use crate::run::Backend;
 use attn::AttentionSpec;
 use attn::runtime::RuntimeError;
+use attn::runtime::Tensor;
+use attn::runtime::cache::SeqId;
 use attn::runtime::cache::{KvCache, PagedCache};
+use attn::runtime::cpu::Output;
 use attn::runtime::cpu::{CpuBackend, DecodeOptions, MlaQueries};
 use std::time::Instant;
 
@@ -25,8 +29,25 @@ pub struct Timing {
 }
 
 /// Fills a paged cache with `kv_len` tokens per sequence, then times `reps` steps of `q_len`
-/// queries per sequence (median).
-pub fn bench(spec: &AttentionSpec, shape: &Shape, progress: bool) -> Result<Timing, RuntimeError> {
+/// queries per sequence (median), on the CPU or on CUDA device 0 (against a copy of the cache
+/// uploaded once; a step includes its host-side preparation and the copies of queries and
+/// results).
+pub fn bench(
+    spec: &AttentionSpec,
+    shape: &Shape,
+    on: Backend,
+    progress: bool,
+) -> Result<Timing, RuntimeError> {
+    if on == Backend::GpuSim {
+        return Err(RuntimeError::Spec(
+            "--backend gpu-sim is not timed (the interpreter is no GPU); use cpu or cuda".into(),
+        ));
+    }
+    if on == Backend::Cuda && spec.mla().is_some() {
+        return Err(RuntimeError::Spec(
+            "bench-decode times MLA specs on the CPU only so far; use --backend cpu".into(),
+        ));
+    }
     let backend = CpuBackend::new();
     let kernel = backend.kernel_of(spec, attn::codegen::plan::PlanKind::Decode)?;
     let compile_ms = kernel.compile_time.as_secs_f64() * 1e3;
@@ -75,8 +96,10 @@ pub fn bench(spec: &AttentionSpec, shape: &Shape, progress: bool) -> Result<Timi
         )),
         None => None,
     };
-    let step = || match &mla_inputs {
-        Some((q_pe, w_kv_b)) => {
+    let device = device_step(on, spec, &q, &cache, &seqs)?;
+    let step = || match (&device, &mla_inputs) {
+        (Some(device), _) => device(),
+        (None, Some((q_pe, w_kv_b))) => {
             let queries = MlaQueries {
                 q_nope: &q,
                 q_pe,
@@ -84,7 +107,7 @@ pub fn bench(spec: &AttentionSpec, shape: &Shape, progress: bool) -> Result<Timi
             };
             backend.decode_mla(spec, queries, &cache, &seqs, options)
         }
-        None => backend.decode(spec, &q, &cache, &seqs, options),
+        (None, None) => backend.decode(spec, &q, &cache, &seqs, options),
     };
     step()?;
     step()?;
@@ -113,4 +136,46 @@ pub fn bench(spec: &AttentionSpec, shape: &Shape, progress: bool) -> Result<Timi
         gbps: bytes / (median_us * 1e-6) / 1e9,
         compile_ms,
     })
+}
+
+/// A device step, for `Backend::Cuda`: decoding on CUDA device 0 against a copy of the cache
+/// uploaded now.
+type DeviceStep<'a> = Option<Box<dyn Fn() -> Result<Output, RuntimeError> + 'a>>;
+
+/// The device step of `on` (`None` on the CPU).
+#[cfg(feature = "cuda")]
+fn device_step<'a>(
+    on: Backend,
+    spec: &'a AttentionSpec,
+    q: &'a Tensor,
+    cache: &'a PagedCache,
+    seqs: &'a [SeqId],
+) -> Result<DeviceStep<'a>, RuntimeError> {
+    if on != Backend::Cuda {
+        return Ok(None);
+    }
+    let gpu = attn::runtime::gpu::cuda::CudaBackend::new(0)?;
+    let resident = gpu.upload_cache(cache)?;
+    Ok(Some(Box::new(move || {
+        gpu.decode_resident(spec, q, cache, &resident, seqs, DecodeOptions::default())
+    })))
+}
+
+/// Without the `cuda` feature: `None` on the CPU, an error that says how to get it on cuda.
+#[cfg(not(feature = "cuda"))]
+fn device_step<'a>(
+    on: Backend,
+    _: &'a AttentionSpec,
+    _: &'a Tensor,
+    _: &'a PagedCache,
+    _: &'a [SeqId],
+) -> Result<DeviceStep<'a>, RuntimeError> {
+    if on == Backend::Cuda {
+        return Err(RuntimeError::Device(
+            "this attnc was built without the `cuda` feature; rebuild with --features cuda \
+             (scripts/setup-cuda-toolchain.sh), or use --backend cpu"
+                .into(),
+        ));
+    }
+    Ok(None)
 }

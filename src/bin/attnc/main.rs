@@ -112,6 +112,10 @@ enum Command {
         /// Print one JSON line {"median_us", "gbps"}.
         #[arg(long)]
         json: bool,
+        /// Where to run: cpu, or cuda (device 0, against a copy of the cache uploaded once; needs
+        /// the `cuda` feature and an NVIDIA GPU).
+        #[arg(long, value_enum, default_value_t = run::Backend::Cpu)]
+        backend: run::Backend,
     },
     /// Logits of a token sequence from a Hugging Face checkpoint: one full forward, or a prefill
     /// then one token at a time (`--incremental P`). Writes `logits` [1, T, vocab] (f32).
@@ -294,6 +298,7 @@ fn main() -> ExitCode {
             block_size,
             reps,
             json,
+            backend,
         } => spec_arg::load(&spec).and_then(|(spec, _)| {
             let shape = bench_decode::Shape {
                 batch: batch as usize,
@@ -309,7 +314,8 @@ fn main() -> ExitCode {
                     shape.batch, shape.kv_len, shape.block_size, shape.q_len, shape.reps
                 );
             }
-            let t = bench_decode::bench(&spec, &shape, !json).map_err(|e| format!("error: {e}"))?;
+            let t = bench_decode::bench(&spec, &shape, backend, !json)
+                .map_err(|e| format!("error: {e}"))?;
             if json {
                 println!(
                     "{{\"median_us\": {:.2}, \"gbps\": {:.2}}}",
