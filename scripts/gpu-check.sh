@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The GPU backend's device check: differential tests on the device (against the CPU backend and
-# a float64 reference), then bf16 forward timings against PyTorch's
-# F.scaled_dot_product_attention on the same device, as one table (scripts/gpu_check.py).
+# The GPU backend's device check: decode on the device against the CPU backend (attnc
+# check-device), prefill differential tests on the device (against the CPU backend and a float64
+# reference), then bf16 prefill and decode timings against PyTorch's
+# F.scaled_dot_product_attention on the same device (scripts/gpu_check.py).
 # For a machine with an NVIDIA GPU, its driver and PyTorch (with safetensors); no network.
 #
 #   scripts/gpu-check.sh [--quick]     check and time (well under 8 minutes; --quick: N 1k and 8k)
@@ -39,4 +40,8 @@ else
 fi
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --attnc "$attnc" --backend cuda "$@"
+status=0
+echo "== decode on the device against the CPU backend (attnc check-device)"
+"$attnc" check-device || status=1
+PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --attnc "$attnc" --backend cuda "$@" || status=1
+exit $status

@@ -355,6 +355,15 @@ fn bench_on_a_gpu_backend_explains_what_is_missing() {
             "{e}"
         );
     }
+    let o = attnc(&["check-device"]);
+    if o.status.code() != Some(0) {
+        assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+        let e = stderr(&o);
+        assert!(
+            e.contains("without the `cuda` feature") || e.contains("no CUDA driver"),
+            "{e}"
+        );
+    }
     let o = attnc(&["bench-decode", spec, "--backend", "gpu-sim"]);
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("use cpu or cuda"), "{}", stderr(&o));

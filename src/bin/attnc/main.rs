@@ -5,6 +5,7 @@
 
 mod bench;
 mod bench_decode;
+mod check_device;
 mod emit;
 mod explain;
 mod ir;
@@ -195,6 +196,14 @@ enum Command {
         /// Output file (default: standard output).
         #[arg(short, long, value_name = "FILE")]
         output: Option<std::path::PathBuf>,
+    },
+    /// Check the GPU backend on CUDA device 0 (or the GPU IR interpreter) against the CPU
+    /// backend: decode (cache uploaded per call and resident), ragged batches, MLA decode and
+    /// prefill. Exit 1 when a case disagrees, 2 without a GPU or the `cuda` feature.
+    CheckDevice {
+        /// Where to run: cuda (device 0), or gpu-sim (the interpreter; slow, no GPU needed).
+        #[arg(long, value_enum, default_value_t = run::Backend::Cuda)]
+        backend: run::Backend,
     },
     /// Measure the FMA ceiling of this machine: the score microkernel on L1-resident tiles, per
     /// thread and on all threads.
@@ -401,6 +410,11 @@ fn main() -> ExitCode {
                     Ok(())
                 }
             }),
+        Command::CheckDevice { backend } => match check_device::run(backend) {
+            Ok(true) => Ok(()),
+            Ok(false) => return ExitCode::from(1),
+            Err(e) => Err(format!("error: {e}")),
+        },
         Command::Peak { seconds } => {
             use attn::runtime::cpu::microkernels::{Isa, peak_gflops};
             let isa = Isa::detect();

@@ -1,0 +1,301 @@
+//! `attnc check-device`: the GPU backend's decode paths on CUDA device 0 (or, with `--backend
+//! gpu-sim`, on the GPU IR interpreter) against the CPU backend (itself tested against the
+//! reference): per-head decode with the cache uploaded per call and resident, ragged batches,
+//! MLA decode and MLA prefill, in f32, bf16 and f16. One line per case; `scripts/gpu-check.sh`
+//! runs it next to the prefill differential tests.
+
+use crate::bench::random;
+use crate::run::Backend;
+use attn::AttentionSpec;
+use attn::runtime::cache::{PagedCache, SeqId};
+use attn::runtime::cpu::{CpuBackend, DecodeOptions, MlaQueries, MlaTensors, Output};
+use attn::runtime::{RuntimeError, Tensor};
+
+/// The GPU entry points under test.
+trait Gpu {
+    fn decode(
+        &self,
+        spec: &AttentionSpec,
+        q: &Tensor,
+        cache: &PagedCache,
+        seqs: &[SeqId],
+        options: DecodeOptions,
+    ) -> Result<Output, RuntimeError>;
+    /// Decode against a device copy of the cache, where the backend has one.
+    fn decode_resident(
+        &self,
+        spec: &AttentionSpec,
+        q: &Tensor,
+        cache: &PagedCache,
+        seqs: &[SeqId],
+        options: DecodeOptions,
+    ) -> Option<Result<Output, RuntimeError>>;
+    fn attend_ragged(
+        &self,
+        spec: &AttentionSpec,
+        q: &Tensor,
+        offsets: &[usize],
+        cache: &PagedCache,
+        seqs: &[SeqId],
+        options: DecodeOptions,
+    ) -> Result<Output, RuntimeError>;
+    fn forward_mla(&self, spec: &AttentionSpec, x: &MlaTensors) -> Result<Output, RuntimeError>;
+    fn decode_mla(
+        &self,
+        spec: &AttentionSpec,
+        queries: MlaQueries,
+        cache: &PagedCache,
+        seqs: &[SeqId],
+    ) -> Result<Output, RuntimeError>;
+}
+
+/// The GPU IR interpreter.
+struct Interpreter;
+
+impl Gpu for Interpreter {
+    fn decode(
+        &self,
+        spec: &AttentionSpec,
+        q: &Tensor,
+        cache: &PagedCache,
+        seqs: &[SeqId],
+        options: DecodeOptions,
+    ) -> Result<Output, RuntimeError> {
+        attn::runtime::gpu::decode_emulated(spec, q, cache, seqs, options)
+    }
+
+    fn decode_resident(
+        &self,
+        _: &AttentionSpec,
+        _: &Tensor,
+        _: &PagedCache,
+        _: &[SeqId],
+        _: DecodeOptions,
+    ) -> Option<Result<Output, RuntimeError>> {
+        None
+    }
+
+    fn attend_ragged(
+        &self,
+        spec: &AttentionSpec,
+        q: &Tensor,
+        offsets: &[usize],
+        cache: &PagedCache,
+        seqs: &[SeqId],
+        options: DecodeOptions,
+    ) -> Result<Output, RuntimeError> {
+        attn::runtime::gpu::attend_ragged_emulated(spec, q, offsets, cache, seqs, options)
+    }
+
+    fn forward_mla(&self, spec: &AttentionSpec, x: &MlaTensors) -> Result<Output, RuntimeError> {
+        attn::runtime::gpu::forward_mla_emulated(spec, x, 0)
+    }
+
+    fn decode_mla(
+        &self,
+        spec: &AttentionSpec,
+        queries: MlaQueries,
+        cache: &PagedCache,
+        seqs: &[SeqId],
+    ) -> Result<Output, RuntimeError> {
+        attn::runtime::gpu::decode_mla_emulated(
+            spec,
+            queries,
+            cache,
+            seqs,
+            DecodeOptions::default(),
+        )
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Gpu for attn::runtime::gpu::cuda::CudaBackend {
+    fn decode(
+        &self,
+        spec: &AttentionSpec,
+        q: &Tensor,
+        cache: &PagedCache,
+        seqs: &[SeqId],
+        options: DecodeOptions,
+    ) -> Result<Output, RuntimeError> {
+        self.decode(spec, q, cache, seqs, options)
+    }
+
+    fn decode_resident(
+        &self,
+        spec: &AttentionSpec,
+        q: &Tensor,
+        cache: &PagedCache,
+        seqs: &[SeqId],
+        options: DecodeOptions,
+    ) -> Option<Result<Output, RuntimeError>> {
+        Some(
+            self.upload_cache(cache)
+                .and_then(|r| self.decode_resident(spec, q, cache, &r, seqs, options)),
+        )
+    }
+
+    fn attend_ragged(
+        &self,
+        spec: &AttentionSpec,
+        q: &Tensor,
+        offsets: &[usize],
+        cache: &PagedCache,
+        seqs: &[SeqId],
+        options: DecodeOptions,
+    ) -> Result<Output, RuntimeError> {
+        self.attend_ragged(spec, q, offsets, cache, seqs, options)
+    }
+
+    fn forward_mla(&self, spec: &AttentionSpec, x: &MlaTensors) -> Result<Output, RuntimeError> {
+        self.forward_mla(spec, x, 0)
+    }
+
+    fn decode_mla(
+        &self,
+        spec: &AttentionSpec,
+        queries: MlaQueries,
+        cache: &PagedCache,
+        seqs: &[SeqId],
+    ) -> Result<Output, RuntimeError> {
+        self.decode_mla(spec, queries, cache, seqs, DecodeOptions::default())
+    }
+}
+
+/// The backend to check: CUDA device 0, or the interpreter.
+fn gpu(on: Backend) -> Result<Box<dyn Gpu>, RuntimeError> {
+    match on {
+        Backend::GpuSim => Ok(Box::new(Interpreter)),
+        #[cfg(feature = "cuda")]
+        Backend::Cuda => Ok(Box::new(attn::runtime::gpu::cuda::CudaBackend::new(0)?)),
+        #[cfg(not(feature = "cuda"))]
+        Backend::Cuda => Err(RuntimeError::Device(
+            "this attnc was built without the `cuda` feature; rebuild with --features cuda \
+             (scripts/setup-cuda-toolchain.sh), or use --backend gpu-sim"
+                .into(),
+        )),
+        Backend::Cpu => Err(RuntimeError::Spec(
+            "check-device compares a GPU backend with the CPU: use --backend cuda or gpu-sim"
+                .into(),
+        )),
+    }
+}
+
+/// Runs every case; `Ok(true)` when all agree.
+pub fn run(on: Backend) -> Result<bool, RuntimeError> {
+    let gpu = gpu(on)?;
+    let cpu = CpuBackend::new();
+    let mut all = true;
+    let mut report = |what: &str, spec: &AttentionSpec, got: Output, want: Output| {
+        let (abs, rel) = match spec.dtype {
+            attn::dsl::DType::F32 => (1e-4, 1e-4),
+            _ => (2e-3, 1e-2),
+        };
+        let worst = |a: &Tensor, b: &Tensor, rel: f32| {
+            a.to_f32_vec()
+                .iter()
+                .zip(b.to_f32_vec())
+                .filter(|(g, w)| !(w.is_infinite() && **g == *w))
+                .map(|(g, w)| (g - w).abs() / (1.0 + rel / abs * w.abs()))
+                .fold(0f32, f32::max)
+        };
+        let (out, lse) = (
+            worst(&got.out, &want.out, rel),
+            worst(&got.lse, &want.lse, 0.0),
+        );
+        let ok = got.out.shape() == want.out.shape() && out <= abs && lse <= 1e-3;
+        all &= ok;
+        println!(
+            "{} {what}: {spec}: |out - cpu| {out:.2e}, |lse - cpu| {lse:.2e}",
+            if ok { "ok  " } else { "FAIL" }
+        );
+    };
+
+    for text in [
+        "heads = 8, kv_heads = 2, head_dim = 128, mask = causal",
+        "heads = 32, kv_heads = 8, head_dim = 128, mask = causal, dtype = bf16",
+        "heads = 4, head_dim = 64, mask = sliding_window(100), position = alibi, dtype = f16",
+        "heads = 8, kv_heads = 2, head_dim = 64, position = rope, softcap = 30.0, dtype = bf16",
+    ] {
+        let spec: AttentionSpec = text
+            .parse()
+            .map_err(|e| RuntimeError::Spec(format!("{e}")))?;
+        let (h, hkv) = (spec.heads as usize, spec.kv_heads() as usize);
+        let (d, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
+        let mut cache = PagedCache::new(&spec, 16, 64)?;
+        let mut seqs = Vec::new();
+        for (i, len) in [300usize, 170].into_iter().enumerate() {
+            let seq = cache.add_sequence();
+            let seed = 10 * i as u64;
+            cache.append(
+                seq,
+                &random(&spec, &[hkv, len, d], seed)?,
+                &random(&spec, &[hkv, len, dv], seed + 1)?,
+            )?;
+            seqs.push(seq);
+        }
+        for n in [1, 3] {
+            let q = random(&spec, &[2, h, n, d], 5)?;
+            let options = DecodeOptions::default();
+            let want = cpu.decode(&spec, &q, &cache, &seqs, options)?;
+            let got = gpu.decode(&spec, &q, &cache, &seqs, options)?;
+            report(&format!("decode q_len {n}"), &spec, got, want.clone());
+            if let Some(got) = gpu.decode_resident(&spec, &q, &cache, &seqs, options) {
+                report(&format!("resident decode q_len {n}"), &spec, got?, want);
+            }
+        }
+        let offsets = [0, 1, 9];
+        let q = random(&spec, &[9, h, d], 6)?;
+        let options = DecodeOptions {
+            partitions: Some(3),
+        };
+        let want = cpu.attend_ragged(&spec, &q, &offsets, &cache, &seqs, options)?;
+        let got = gpu.attend_ragged(&spec, &q, &offsets, &cache, &seqs, options)?;
+        report("ragged, split-KV", &spec, got, want);
+    }
+
+    let text = "heads = 16, head_dim = 64, v_head_dim = 64, mla(latent_rank = 128, rope_dim = 32), \
+                mask = causal";
+    let spec: AttentionSpec = text
+        .parse()
+        .map_err(|e| RuntimeError::Spec(format!("{e}")))?;
+    let mla = spec.mla().expect("an MLA spec");
+    let (h, dn, dv) = (16, 64, 64);
+    let (r, dr) = (mla.latent_rank as usize, mla.rope_dim as usize);
+    let (sq, skv) = (40, 200);
+    let (c_kv, k_pe) = (
+        random(&spec, &[1, skv, r], 1)?,
+        random(&spec, &[1, skv, dr], 2)?,
+    );
+    let w_kv_b = random(&spec, &[h * (dn + dv), r], 3)?;
+    let (q_nope, q_pe) = (
+        random(&spec, &[1, h, sq, dn], 4)?,
+        random(&spec, &[1, h, sq, dr], 5)?,
+    );
+    let x = MlaTensors {
+        q_nope: &q_nope,
+        q_pe: &q_pe,
+        c_kv: &c_kv,
+        k_pe: &k_pe,
+        w_kv_b: &w_kv_b,
+    };
+    let want = cpu.forward_mla(&spec, &x, 0)?;
+    report("MLA prefill", &spec, gpu.forward_mla(&spec, &x)?, want);
+    let mut cache = PagedCache::new(&spec, 16, 16)?;
+    let seq = cache.add_sequence();
+    let rows = |t: &Tensor, w: usize| Tensor::from_f32_as(spec.dtype, &[skv, w], t.to_f32_vec());
+    cache.append(seq, &rows(&c_kv, r)?, &rows(&k_pe, dr)?)?;
+    let (q_nope, q_pe) = (
+        random(&spec, &[1, h, 1, dn], 6)?,
+        random(&spec, &[1, h, 1, dr], 7)?,
+    );
+    let queries = || MlaQueries {
+        q_nope: &q_nope,
+        q_pe: &q_pe,
+        w_kv_b: &w_kv_b,
+    };
+    let want = cpu.decode_mla(&spec, queries(), &cache, &[seq], DecodeOptions::default())?;
+    let got = gpu.decode_mla(&spec, queries(), &cache, &[seq])?;
+    report("MLA decode", &spec, got, want);
+    Ok(all)
+}
