@@ -148,6 +148,21 @@ def differential(attnc, backend):
     return failures
 
 
+def cuda_median_ms(call, reps):
+    """Median milliseconds of `call` over `reps` runs after a warm-up, by CUDA events."""
+    call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
 def time_torch(variant, b, h, n, d, reps):
     dev = "cuda"
     q, k, v = (torch.randn(b, h, n, d, device=dev, dtype=torch.bfloat16) for _ in range(3))
@@ -165,17 +180,7 @@ def time_torch(variant, b, h, n, d, reps):
         else:
             keep = (dist <= 0) & (-dist < 1024)
             call = lambda: f(q, k, v, attn_mask=keep)
-    call()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return cuda_median_ms(call, reps)
 
 
 def timing(attnc, quick):
@@ -224,17 +229,7 @@ def time_torch_decode(b, h, hkv, kv_len, d, reps):
     k, v = (torch.randn(b, hkv, kv_len, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
     f = torch.nn.functional.scaled_dot_product_attention
     call = lambda: f(q, k, v, enable_gqa=True)
-    call()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return cuda_median_ms(call, reps)
 
 
 def decode_timing(attnc):

@@ -349,9 +349,8 @@ impl AbsorbedQueries {
         latent: &[f32],
         lse: Vec<f32>,
     ) -> Result<Output, RuntimeError> {
-        let (h, dv) = (self.absorption.h, self.absorption.dv);
-        let out = self.absorption.outputs(latent, &self.w, self.b * h, self.n);
-        super::finish(spec.dtype, [self.b, h, self.n, dv], out, lse)
+        self.absorption
+            .finish(spec, &self.w, latent, lse, self.b, self.n)
     }
 }
 

@@ -289,11 +289,8 @@ impl AbsorbedForward {
         latent: &[f32],
         lse: Vec<f32>,
     ) -> Result<Output, RuntimeError> {
-        let (h, dv) = (self.absorption.h, self.absorption.dv);
-        let out = self
-            .absorption
-            .outputs(latent, &self.w, self.b * h, self.sq);
-        finish(spec.dtype, [self.b, h, self.sq, dv], out, lse)
+        self.absorption
+            .finish(spec, &self.w, latent, lse, self.b, self.sq)
     }
 }
 
@@ -335,6 +332,21 @@ impl Absorption {
             }
         }
         q
+    }
+
+    /// `out = W_uv out_latent` for `b` sequences of `n` queries, as the output in the spec's
+    /// dtype (`[b, heads, n, v_head_dim]`) with its lse.
+    fn finish(
+        &self,
+        spec: &AttentionSpec,
+        w: &[f32],
+        latent: &[f32],
+        lse: Vec<f32>,
+        b: usize,
+        n: usize,
+    ) -> Result<Output, RuntimeError> {
+        let out = self.outputs(latent, w, b * self.h, n);
+        finish(spec.dtype, [b, self.h, n, self.dv], out, lse)
     }
 
     /// `out = W_uv out_latent` per head: `[bh, n, latent_rank]` to `[bh, n, v_head_dim]`.
