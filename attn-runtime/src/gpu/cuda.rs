@@ -253,10 +253,6 @@ impl CudaBackend {
         Ok((out, lse))
     }
 
-    fn function(&self, call: &GpuCall) -> Result<CudaFunction, RuntimeError> {
-        self.load(&call.kernel)
-    }
-
     /// The kernel loaded on the device (its PTX emitted and loaded once per process).
     fn load(&self, kernel: &Kernel) -> Result<CudaFunction, RuntimeError> {
         let key = kernel.to_string();
@@ -288,7 +284,7 @@ impl CudaBackend {
         if b * h * sq == 0 {
             return finish(call.dtype, call.out_shape, Vec::new(), Vec::new());
         }
-        let f = self.function(call)?;
+        let f = self.load(&call.kernel)?;
         let mut buffers = self.upload(call)?;
         self.launch(call, &f, &mut buffers)?;
         let s = &self.stream;
@@ -303,7 +299,7 @@ impl CudaBackend {
     /// is timed to its completion. Returns `(load_ms, per-launch ms)`.
     pub fn time(&self, call: &GpuCall, reps: usize) -> Result<(f64, Vec<f64>), RuntimeError> {
         let start = std::time::Instant::now();
-        let f = self.function(call)?;
+        let f = self.load(&call.kernel)?;
         let load_ms = start.elapsed().as_secs_f64() * 1e3;
         let mut buffers = self.upload(call)?;
         self.launch(call, &f, &mut buffers)?;

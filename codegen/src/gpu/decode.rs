@@ -12,7 +12,8 @@
 //! sit at the positions of their indices, rotated already.
 
 use super::forward::{
-    Env, KeyLoop, ROWS, Regs, RowState, TileShared, simt_epilogue, simt_tile, special64,
+    Env, KeyLoop, ROWS, Regs, RowState, TileShared, scaled_q_and_running_state, simt_epilogue,
+    simt_tile, special64,
 };
 use super::ir::build::*;
 use super::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty};
@@ -159,19 +160,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
             ]);
         }
     }
-    if plan.q_scale != 1.0 {
-        for &qi in &q {
-            body.push(Stmt::Set(qi, mul(reg(qi), f32(plan.q_scale as f32))));
-        }
-    }
-
-    let (m, l) = (r.add("m", Ty::F32), r.add("l", Ty::F32));
-    body.push(Stmt::Set(m, f32(f32::NEG_INFINITY)));
-    body.push(Stmt::Set(l, f32(0.0)));
-    let acc: Vec<Reg> = (0..dv).map(|i| r.add(format!("acc{i}"), Ty::F32)).collect();
-    for &a in &acc {
-        body.push(Stmt::Set(a, f32(0.0)));
-    }
+    let (m, l, acc) = scaled_q_and_running_state(plan, &mut r, &mut body, &q, dv);
 
     // Shared: K [seg][d], V [seg][dv], scores [ROWS][seg].
     let k_sh = 0;

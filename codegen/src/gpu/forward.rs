@@ -129,20 +129,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     if let Some(rope) = &plan.rope {
         body.extend(rotate(&mut r, rope, &q, reg(qpos)));
     }
-    if plan.q_scale != 1.0 {
-        for &qi in &q {
-            body.push(Stmt::Set(qi, mul(reg(qi), f32(plan.q_scale as f32))));
-        }
-    }
-
-    // Running state.
-    let (m, l) = (r.add("m", Ty::F32), r.add("l", Ty::F32));
-    body.push(Stmt::Set(m, f32(f32::NEG_INFINITY)));
-    body.push(Stmt::Set(l, f32(0.0)));
-    let acc: Vec<Reg> = (0..dv).map(|i| r.add(format!("acc{i}"), Ty::F32)).collect();
-    for &a in &acc {
-        body.push(Stmt::Set(a, f32(0.0)));
-    }
+    let (m, l, acc) = scaled_q_and_running_state(plan, &mut r, &mut body, &q, dv);
 
     // Shared memory: K tile [bc][d], V tile [bc][dv], scores [ROWS][bc].
     let k_sh = 0;
@@ -332,6 +319,30 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
 
 /// A thread's row of the SIMT kernels: its rotated, scaled query, output accumulator, running
 /// max and sum.
+/// The row's q scaled by the plan's hoisted score factor, then a new running state: max `-inf`,
+/// sum 0, `dv` accumulators 0. Returns `(m, l, acc)`.
+pub(super) fn scaled_q_and_running_state(
+    plan: &KernelPlan,
+    r: &mut Regs,
+    body: &mut Vec<Stmt>,
+    q: &[Reg],
+    dv: i64,
+) -> (Reg, Reg, Vec<Reg>) {
+    if plan.q_scale != 1.0 {
+        for &qi in q {
+            body.push(Stmt::Set(qi, mul(reg(qi), f32(plan.q_scale as f32))));
+        }
+    }
+    let (m, l) = (r.add("m", Ty::F32), r.add("l", Ty::F32));
+    body.push(Stmt::Set(m, f32(f32::NEG_INFINITY)));
+    body.push(Stmt::Set(l, f32(0.0)));
+    let acc: Vec<Reg> = (0..dv).map(|i| r.add(format!("acc{i}"), Ty::F32)).collect();
+    for &a in &acc {
+        body.push(Stmt::Set(a, f32(0.0)));
+    }
+    (m, l, acc)
+}
+
 pub(super) struct RowState<'a> {
     pub q: &'a [Reg],
     pub acc: &'a [Reg],
