@@ -2,7 +2,9 @@
 # What the `cuda` feature needs, on a fresh Debian machine (idempotent; no GPU needed):
 # - LLVM 19 for the NVPTX backend (apt: llvm-19-dev and the libraries it links);
 # - ptxas, to assemble the generated PTX and report registers and spills (the
-#   nvidia-cuda-nvcc-cu12 wheel, into .cuda-toolchain/, which git ignores).
+#   nvidia-cuda-nvcc-cu12 wheel, into .cuda-toolchain/, which git ignores);
+# - nvdisasm, to read the machine code ptxas made (scripts/sass_mix.py; the
+#   nvidia-cuda-nvdisasm wheel, same folder).
 # Prints the environment the build needs; use it as: eval "$(scripts/setup-cuda-toolchain.sh)"
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +26,14 @@ if ! [ -x "$TOOLS/bin/ptxas" ]; then
   mkdir -p "$TOOLS/bin"
   ln -sf ../py/nvidia/cuda_nvcc/bin/ptxas "$TOOLS/bin/ptxas"
 fi
+if ! [ -x "$TOOLS/bin/nvdisasm" ]; then
+  echo "installing nvdisasm (pip wheel nvidia-cuda-nvdisasm)" >&2
+  python3 -m pip install --quiet --disable-pip-version-check --target "$TOOLS/nvdisasm" \
+    nvidia-cuda-nvdisasm==13.5.37 >&2
+  mkdir -p "$TOOLS/bin"
+  ln -sf ../nvdisasm/nvidia/cu13/bin/nvdisasm "$TOOLS/bin/nvdisasm"
+fi
 "$TOOLS/bin/ptxas" --version >/dev/null
+"$TOOLS/bin/nvdisasm" --version >/dev/null
 
 echo "export LLVM_SYS_191_PREFIX=/usr/lib/llvm-19"

@@ -3,13 +3,12 @@
 //! tiles, RoPE.
 
 use attn_dsl::AttentionSpec;
-use attn_dsl::modifier::interval::{Interval, TileClass};
 use attn_dsl::reference::{self, Array, Inputs, rope};
 use codegen::KernelPlan;
 use codegen::gpu::forward::{ROWS, key_tile, lower};
-use codegen::gpu::forward_tc;
 use codegen::gpu::interp::{Memory, Val, run};
-use codegen::plan::{CallShape, Frequencies};
+use codegen::gpu::{ForwardKernel, forward_kernel, forward_tc};
+use codegen::plan::Frequencies;
 
 fn values(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -33,17 +32,12 @@ fn bf16(x: f32) -> f32 {
 fn check(text: &str, batch: usize, sq: usize, skv: usize, p0: i64) {
     let spec: AttentionSpec = text.parse().unwrap();
     let plan = KernelPlan::forward(&spec);
-    check_kernel(
-        text,
-        &lower(&plan),
-        key_tile(&plan) as usize,
-        false,
-        (1e-5, 1e-4),
-        batch,
-        sq,
-        skv,
-        p0,
-    );
+    let simt = ForwardKernel {
+        kernel: lower(&plan),
+        key_tile: key_tile(&plan),
+        inputs: attn_dsl::DType::F32,
+    };
+    check_kernel(text, &simt, (1e-5, 1e-4), batch, sq, skv, p0);
 }
 
 /// The same through the tensor-core kernel (a bf16 spec: inputs are bf16 values; P is rounded
@@ -52,12 +46,9 @@ fn check_tc(text: &str, batch: usize, sq: usize, skv: usize, p0: i64) {
     let spec: AttentionSpec = text.parse().unwrap();
     let plan = KernelPlan::forward(&spec);
     assert!(forward_tc::supports(&plan), "{text}");
-    let kernel = forward_tc::lower(&plan);
     check_kernel(
         text,
-        &kernel,
-        forward_tc::key_tile(&plan) as usize,
-        true,
+        &forward_kernel(&plan),
         (1e-2, 2e-2),
         batch,
         sq,
@@ -69,9 +60,7 @@ fn check_tc(text: &str, batch: usize, sq: usize, skv: usize, p0: i64) {
 #[allow(clippy::too_many_arguments)]
 fn check_kernel(
     text: &str,
-    kernel: &codegen::gpu::ir::Kernel,
-    bc: usize,
-    half_inputs: bool,
+    chosen: &ForwardKernel,
     (abs, rel): (f64, f64),
     batch: usize,
     sq: usize,
@@ -99,7 +88,7 @@ fn check_kernel(
     // The tensor-core kernel reads the spec's 16-bit format (the values are exact in it); the
     // SIMT kernel f32.
     let mut input = |values: &[f32]| {
-        if !half_inputs {
+        if chosen.inputs == attn_dsl::DType::F32 {
             return mem.alloc_f32(values);
         }
         let bits = |x: &f32| match spec.dtype {
@@ -111,31 +100,12 @@ fn check_kernel(
     let (qa, ka, va) = (input(&q), input(&k), input(&v));
     let out = mem.alloc_f32(&vec![f32::NAN; batch * h * sq * dv]);
     let lse = mem.alloc_f32(&vec![f32::NAN; batch * h * sq]);
-    // One code per (head, query block, key tile).
-    let rows = ROWS as usize;
-    let (qblocks, tiles) = (sq.div_ceil(rows), skv.div_ceil(bc));
-    let mut codes = Vec::new();
-    for head in 0..h {
-        for qb in 0..qblocks {
-            for t in 0..tiles {
-                let call = CallShape {
-                    sq: sq as i64,
-                    skv: skv as i64,
-                    p0,
-                    batch: Interval::new(0, batch as i64 - 1),
-                    head: Interval::point(head as i64),
-                };
-                let r = Interval::new((qb * rows) as i64, (((qb + 1) * rows).min(sq) - 1) as i64);
-                let keys = Interval::new((t * bc) as i64, (((t + 1) * bc).min(skv) - 1) as i64);
-                let code: i32 = match plan.classify_tile(r, keys, call) {
-                    TileClass::AllMasked => 0,
-                    TileClass::AllKept => 1,
-                    TileClass::Mixed => 2,
-                };
-                codes.extend(code.to_le_bytes());
-            }
-        }
-    }
+    let codes: Vec<u8> = chosen
+        .tile_codes(&plan, [batch, sq, skv], p0)
+        .iter()
+        .flat_map(|c| c.to_le_bytes())
+        .collect();
+    let qblocks = sq.div_ceil(ROWS as usize);
     let codes = mem.alloc_bytes(codes);
     // RoPE tables for every position the call touches.
     let first = p0.min(p0 + skv as i64 - sq as i64);
@@ -165,7 +135,7 @@ fn check_kernel(
     .map(Val::I64)
     .collect();
     run(
-        kernel,
+        &chosen.kernel,
         [qblocks as u32, h as u32, batch as u32],
         &args,
         &mut mem,
@@ -290,7 +260,7 @@ fn the_kernel_prints_as_gpu_ir() {
     );
     for needle in [
         "bar.sync",
-        "ex2(",
+        "ex2.ftz(",
         "ld.shared.f32",
         "st.global",
         "for %tile in",
@@ -395,4 +365,45 @@ fn the_tensor_core_kernel_matches_the_reference() {
     ] {
         check_tc(text, b, sq, skv, p0);
     }
+}
+
+/// `ex2.ftz` flushes what `ex2` keeps: a subnormal result (2^-130) becomes 0, and a subnormal
+/// input counts as 0; normal values agree with `ex2`.
+#[test]
+fn ex2_ftz_flushes_subnormals() {
+    use codegen::gpu::ir::build::{add, f32, i64, un};
+    use codegen::gpu::ir::{Expr, Kernel, Space, Stmt, Ty, Un};
+    let inputs = [-130.0, -10.0, 0.5, f32::from_bits(1), f32::NEG_INFINITY];
+    let mut body = Vec::new();
+    for (i, &x) in inputs.iter().enumerate() {
+        for (j, op) in [Un::Ex2, Un::Ex2Ftz].into_iter().enumerate() {
+            let at = add(Expr::Param(0), i64(4 * (2 * i + j) as i64));
+            body.push(Stmt::Store(Space::Global, at, un(op, f32(x))));
+        }
+    }
+    let kernel = Kernel {
+        name: "ex2_test".into(),
+        params: vec![("out".into(), Ty::I64)],
+        regs: Vec::new(),
+        shared_bytes: 0,
+        threads: 1,
+        body,
+    };
+    let mut mem = Memory::default();
+    let out = mem.alloc_f32(&[f32::NAN; 10]);
+    run(&kernel, [1, 1, 1], &[Val::I64(out)], &mut mem).unwrap();
+    let got = mem.read_f32(out, 10).unwrap();
+    // 2^-130: the subnormal with bit 149 - 130 set.
+    assert_eq!(
+        got[0],
+        f32::from_bits(1 << 19),
+        "ex2(-130) is subnormal, kept"
+    );
+    assert!(got[0] > 0.0 && got[0].is_subnormal());
+    assert_eq!(got[1], 0.0, "ex2.ftz(-130) flushes");
+    assert_eq!((got[2], got[3]), (2f32.powi(-10), 2f32.powi(-10)));
+    assert_eq!(got[4], got[5]);
+    assert!((got[4] - std::f32::consts::SQRT_2).abs() < 1e-6);
+    assert_eq!(got[7], 1.0, "a subnormal input counts as 0");
+    assert_eq!((got[8], got[9]), (0.0, 0.0));
 }

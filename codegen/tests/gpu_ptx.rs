@@ -51,6 +51,8 @@ fn tensor_core_kernels_compile_and_report_their_resources() {
                 out.ptx
                     .contains("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32")
             );
+            // Softmax terms take one MUFU each: flushed to zero below f32's normal range.
+            assert!(out.ptx.contains("ex2.approx.ftz.f32"), "{text}");
             assert_eq!(
                 out.ptx.contains(".extern .shared"),
                 dynamic > 0,

@@ -14,13 +14,11 @@ use crate::cpu::{AbsorbedForward, MlaTensors, Output, check_qkv, finish};
 use crate::error::RuntimeError;
 use crate::tensor::{Storage, Tensor};
 use attn_dsl::AttentionSpec;
-use attn_dsl::modifier::interval::{Interval, TileClass};
 use codegen::KernelPlan;
 use codegen::gpu::forward::ROWS;
 use codegen::gpu::forward_kernel;
 use codegen::gpu::interp::{Memory, Val, run};
 use codegen::gpu::ir::Kernel;
-use codegen::plan::CallShape;
 
 /// A forward call ready to launch: the kernel, its grid, and its inputs on the host.
 #[derive(Clone, Debug)]
@@ -39,7 +37,8 @@ pub struct GpuCall {
     /// The element type of `q`, `k` and `v`: f32, or the spec's bf16 or f16 for the tensor-core
     /// kernel.
     pub inputs: attn_dsl::DType,
-    /// One tile code per (head, query block, key tile): 0 skip, 1 full, 2 masked.
+    /// One tile code per (head, query block, key tile): 0 skip, 1 every key kept (the tile
+    /// inside Skv: no mask, no bound), 2 masked (the mask and the Skv bound apply).
     pub codes: Vec<i32>,
     /// RoPE tables (empty without RoPE): rows of `rope_dim / 2` from position `rope_pos0`.
     pub rope_cos: Vec<f32>,
@@ -127,30 +126,9 @@ impl GpuCall {
     ) -> GpuCall {
         let h = plan.shape.heads as usize;
         let dv = plan.shape.v_dim as usize;
+        let codes = chosen.tile_codes(plan, [b, sq, skv], p0);
         let (kernel, inputs) = (chosen.kernel, chosen.inputs);
-        let (rows, bc) = (ROWS as usize, chosen.key_tile as usize);
-        let (qblocks, tiles) = (sq.div_ceil(rows), skv.div_ceil(bc));
-        let mut codes = Vec::with_capacity(h * qblocks * tiles);
-        for head in 0..h {
-            for qb in 0..qblocks {
-                for t in 0..tiles {
-                    let call = CallShape {
-                        sq: sq as i64,
-                        skv: skv as i64,
-                        p0,
-                        batch: Interval::new(0, b.max(1) as i64 - 1),
-                        head: Interval::point(head as i64),
-                    };
-                    let r = Interval::new((qb * rows) as i64, ((qb + 1) * rows).min(sq) as i64 - 1);
-                    let keys = Interval::new((t * bc) as i64, ((t + 1) * bc).min(skv) as i64 - 1);
-                    codes.push(match plan.classify_tile(r, keys, call) {
-                        TileClass::AllMasked => 0,
-                        TileClass::AllKept => 1,
-                        TileClass::Mixed => 2,
-                    });
-                }
-            }
-        }
+        let qblocks = sq.div_ceil(ROWS as usize);
         let first = p0.min(p0 + skv as i64 - sq as i64);
         let end = p0 + skv as i64;
         let tables = plan

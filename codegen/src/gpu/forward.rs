@@ -441,7 +441,7 @@ pub(super) fn simt_tile(
             m_new.clone(),
         ),
     ));
-    out.push(Stmt::Set(alpha, un(Un::Ex2, sub(reg(m), reg(m_use)))));
+    out.push(Stmt::Set(alpha, un(Un::Ex2Ftz, sub(reg(m), reg(m_use)))));
     out.push(Stmt::Set(m, m_new));
     out.push(Stmt::Set(l, mul(reg(l), reg(alpha))));
     for &a in row.acc {
@@ -452,7 +452,7 @@ pub(super) fn simt_tile(
         Stmt::Set(
             p,
             un(
-                Un::Ex2,
+                Un::Ex2Ftz,
                 sub(load(Space::Shared, Ty::F32, s_addr), reg(m_use)),
             ),
         ),
@@ -476,9 +476,9 @@ pub(super) fn simt_tile(
     out
 }
 
-/// Where `valid` holds, writes the row's output `acc / l` to row `out_row` of `out` (f32 rows
-/// of `acc.len()`) and its log-sum-exp `(m + log2 l) ln 2` to `lse`; rows with no kept key
-/// get 0 and `-inf`.
+/// Where `valid` holds, writes the row's output `acc / l` (as `acc` times one reciprocal) to
+/// row `out_row` of `out` (f32 rows of `acc.len()`) and its log-sum-exp `(m + log2 l) ln 2` to
+/// `lse`; rows with no kept key get 0 and `-inf`.
 pub(super) fn simt_epilogue(
     row: &RowState,
     out: Expr,
@@ -495,7 +495,7 @@ pub(super) fn simt_epilogue(
             out.clone(),
             add(mul(out_row.clone(), i64(dv * 4)), i64(4 * i as i64)),
         );
-        let value = select(nonempty.clone(), bin(Bin::Div, reg(a), reg(l)), f32(0.0));
+        let value = select(nonempty.clone(), mul(reg(a), reciprocal(reg(l))), f32(0.0));
         store.push(Stmt::Store(Space::Global, addr, value));
     }
     let lse_value = mul(
@@ -643,4 +643,10 @@ pub(super) fn program(e: &M, env: &Env) -> Expr {
             Box::new(go(index)),
         ),
     }
+}
+
+/// `1 / x`, for an epilogue to multiply a row by: one division per row (LLVM merges the
+/// repeats) rather than one per element, each of which is a full IEEE division on the GPU.
+pub(super) fn reciprocal(x: Expr) -> Expr {
+    bin(Bin::Div, f32(1.0), x)
 }

@@ -15,11 +15,11 @@
 //! on K, K is rotated as it is staged instead), and reach the B fragments through `ldmatrix`
 //! (transposed for V).
 
-use super::forward::{Env, PARAMS, ROWS, Regs, param, program, special64};
+use super::forward::{Env, PARAMS, ROWS, Regs, param, program, reciprocal, special64};
 use super::ir::build::*;
 use super::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Un};
 use crate::plan::{KernelPlan, PlanKind};
-use attn_dsl::modifier::Expr as M;
+use attn_dsl::modifier::{Expr as M, Var};
 use attn_dsl::{DType, RopeLayout};
 
 /// Threads per CTA: four warps of 16 query rows.
@@ -282,7 +282,11 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     // then it is staged when the tile runs) and V rows, chunk c = tid + THREADS i; rows past
     // Skv are zero-filled.
     let k_async = plan.rope.is_none();
-    let issue = |tile: Expr| -> Vec<Stmt> {
+    // A tile inside Skv copies without the clamp and the zero fill: every copy of a thread is
+    // a constant offset from one source and one destination address (the steady state). A last,
+    // partial tile takes the bounded copies.
+    let (copy_src, copy_dst) = (r.add("copy_src", Ty::I64), r.add("copy_dst", Ty::I64));
+    let copies = |tile: &Expr, bounded: bool| -> Vec<Stmt> {
         let mut copies = Vec::new();
         let regions = [
             (k_async, "k", d, k_sh, k_stride),
@@ -294,6 +298,40 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
             }
             let per_row = width / 8;
             let total = bc * per_row;
+            let row_bytes = i64(2 * width as i64);
+            let dst_tile = add(buffer_of(tile.clone()), i64(base as i64));
+            // With per_row dividing THREADS, a thread's column is the same in every copy and
+            // its row steps by THREADS / per_row.
+            if !bounded && (THREADS as usize).is_multiple_of(per_row) {
+                let (row, col) = (
+                    bin(Bin::Div, tid.clone(), i64(per_row as i64)),
+                    mul(bin(Bin::Rem, tid.clone(), i64(per_row as i64)), i64(16)),
+                );
+                let key = add(mul(tile.clone(), i64(bc64)), row.clone());
+                copies.push(Stmt::Set(
+                    copy_src,
+                    add(
+                        add(
+                            param(name),
+                            mul(add(kv_base.clone(), key), row_bytes.clone()),
+                        ),
+                        col.clone(),
+                    ),
+                ));
+                copies.push(Stmt::Set(
+                    copy_dst,
+                    add(dst_tile, add(mul(row, i64(stride as i64)), col)),
+                ));
+                let rows_per_step = (THREADS as usize / per_row) as i64;
+                for i in 0..total.div_ceil(THREADS as usize) as i64 {
+                    copies.push(Stmt::CpAsync {
+                        dst: add(reg(copy_dst), i64(i * rows_per_step * stride as i64)),
+                        src: add(reg(copy_src), i64(i * rows_per_step * 2 * width as i64)),
+                        src_bytes: Expr::Int(16, Ty::I32),
+                    });
+                }
+                continue;
+            }
             for i in 0..total.div_ceil(THREADS as usize) {
                 let c = add(tid.clone(), i64((THREADS as usize * i) as i64));
                 let (row, col) = (
@@ -301,26 +339,33 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
                     bin(Bin::Rem, c.clone(), i64(per_row as i64)),
                 );
                 let key = add(mul(tile.clone(), i64(bc64)), row.clone());
-                let clamped = bin(Bin::Min, key.clone(), sub(param("skv"), i64(1)));
+                let (src_key, src_bytes) = if bounded {
+                    (
+                        bin(Bin::Min, key.clone(), sub(param("skv"), i64(1))),
+                        select(
+                            bin(Bin::Lt, key, param("skv")),
+                            Expr::Int(16, Ty::I32),
+                            Expr::Int(0, Ty::I32),
+                        ),
+                    )
+                } else {
+                    (key, Expr::Int(16, Ty::I32))
+                };
                 let src = add(
                     add(
                         param(name),
-                        mul(add(kv_base.clone(), clamped), i64(2 * width as i64)),
+                        mul(add(kv_base.clone(), src_key), row_bytes.clone()),
                     ),
                     mul(col.clone(), i64(16)),
                 );
                 let dst = add(
-                    add(buffer_of(tile.clone()), i64(base as i64)),
+                    dst_tile.clone(),
                     add(mul(row, i64(stride as i64)), mul(col, i64(16))),
                 );
                 let copy = Stmt::CpAsync {
                     dst,
                     src,
-                    src_bytes: select(
-                        bin(Bin::Lt, key, param("skv")),
-                        Expr::Int(16, Ty::I32),
-                        Expr::Int(0, Ty::I32),
-                    ),
+                    src_bytes,
                 };
                 if total.is_multiple_of(THREADS as usize) {
                     copies.push(copy);
@@ -333,8 +378,18 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
                 }
             }
         }
-        copies.push(Stmt::CpAsyncCommit);
         copies
+    };
+    let issue = |tile: Expr| -> Vec<Stmt> {
+        let inside = bin(
+            Bin::Le,
+            mul(add(tile.clone(), i64(1)), i64(bc64)),
+            param("skv"),
+        );
+        vec![
+            Stmt::If(inside, copies(&tile, false), copies(&tile, true)),
+            Stmt::CpAsyncCommit,
+        ]
     };
     body.push(Stmt::Set(issued, Expr::Pred(false)));
     let mut tile_body = vec![Stmt::Set(code, code_of(reg(t)))];
@@ -497,8 +552,14 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         }
     }
 
-    // The score program and the mask, per element.
+    // The score program, per element. A tile of code 1 keeps every key (the launch gives code
+    // 1 only to tiles inside Skv), so the mask and the Skv bound apply under code 2 alone. When
+    // the program is the scaled score itself, S stays unscaled: its max is taken raw and the
+    // scale applies inside the exponent, `2^(s c - m c)`, one fused multiply-add per score.
+    let folded = plan.program.score == M::Var(Var::Score) && scale > 0.0;
+    let exponent_scale = if folded { scale } else { 1.0 };
     let keep_mask = !matches!(plan.program.mask, M::Bool(true));
+    let (mut kept, mut masked) = (Vec::new(), Vec::new());
     for (nb, frag) in s.iter().enumerate() {
         for (i, &x) in frag.iter().enumerate() {
             let h = i / 2;
@@ -515,34 +576,39 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
                 query_index: reg(clamped[h]),
                 key_index: key.clone(),
             };
+            let value = if folded {
+                reg(x)
+            } else {
+                program(&plan.program.score, &env)
+            };
+            if !folded {
+                kept.push(Stmt::Set(x, value.clone()));
+            }
             let mut keep = bin(Bin::Lt, key, param("skv"));
             if keep_mask {
-                let masked_tile = bin(Bin::Eq, reg(code), Expr::Int(2, Ty::I32));
-                keep = bin(
-                    Bin::And,
-                    keep,
-                    bin(
-                        Bin::Or,
-                        un(Un::Not, masked_tile),
-                        program(&plan.program.mask, &env),
-                    ),
-                );
+                keep = bin(Bin::And, keep, program(&plan.program.mask, &env));
             }
-            run.push(Stmt::Set(
-                x,
-                select(
-                    keep,
-                    program(&plan.program.score, &env),
-                    f32(f32::NEG_INFINITY),
-                ),
-            ));
+            masked.push(Stmt::Set(x, select(keep, value, f32(f32::NEG_INFINITY))));
         }
     }
+    run.push(Stmt::If(
+        bin(Bin::Eq, reg(code), Expr::Int(2, Ty::I32)),
+        masked,
+        kept,
+    ));
 
     // Row max over the tile (this lane's elements, then its quad), the rescale, P.
     let mt = [r.add("tile_max0", Ty::F32), r.add("tile_max1", Ty::F32)];
     let m_use = [r.add("m_use0", Ty::F32), r.add("m_use1", Ty::F32)];
     let alpha = [r.add("alpha0", Ty::F32), r.add("alpha1", Ty::F32)];
+    let neg_max = [r.add("neg_max0", Ty::F32), r.add("neg_max1", Ty::F32)];
+    let scaled = |e: Expr| {
+        if folded {
+            mul(e, f32(exponent_scale))
+        } else {
+            e
+        }
+    };
     for h in 0..2 {
         run.push(Stmt::Set(mt[h], f32(f32::NEG_INFINITY)));
         for frag in &s {
@@ -567,7 +633,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         ));
         run.push(Stmt::Set(
             alpha[h],
-            un(Un::Ex2, sub(reg(m[h]), reg(m_use[h]))),
+            un(Un::Ex2Ftz, scaled(sub(reg(m[h]), reg(m_use[h])))),
         ));
         run.push(Stmt::Set(m[h], m_new));
         run.push(Stmt::Set(l[h], mul(reg(l[h]), reg(alpha[h]))));
@@ -576,9 +642,18 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
                 run.push(Stmt::Set(x, mul(reg(x), reg(alpha[h]))));
             }
         }
+        run.push(Stmt::Set(
+            neg_max[h],
+            mul(reg(m_use[h]), f32(-exponent_scale)),
+        ));
         for frag in &s {
             for x in [frag[2 * h], frag[2 * h + 1]] {
-                run.push(Stmt::Set(x, un(Un::Ex2, sub(reg(x), reg(m_use[h])))));
+                let exponent = if folded {
+                    fma(reg(x), f32(exponent_scale), reg(neg_max[h]))
+                } else {
+                    add(reg(x), reg(neg_max[h]))
+                };
+                run.push(Stmt::Set(x, un(Un::Ex2Ftz, exponent)));
                 run.push(Stmt::Set(l[h], add(reg(l[h]), reg(x))));
             }
         }
@@ -647,14 +722,14 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
                 );
                 let value = select(
                     nonempty.clone(),
-                    bin(Bin::Div, reg(frag[2 * h + j]), reg(l[h])),
+                    mul(reg(frag[2 * h + j]), reciprocal(reg(l[h]))),
                     f32(0.0),
                 );
                 store.push(Stmt::Store(Space::Global, addr, value));
             }
         }
         let lse = mul(
-            add(reg(m[h]), un(Un::Lg2, reg(l[h]))),
+            add(scaled(reg(m[h])), un(Un::Lg2, reg(l[h]))),
             f32(std::f32::consts::LN_2),
         );
         store.push(Stmt::If(

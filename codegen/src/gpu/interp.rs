@@ -588,6 +588,10 @@ impl Cta<'_> {
                     (Un::Abs, Val::I32(x)) => Val::I32(x.wrapping_abs()),
                     (Un::Abs, Val::I64(x)) => Val::I64(x.wrapping_abs()),
                     (Un::Ex2, v) => Val::F(f64::from(v.float()?).exp2() as f32),
+                    (Un::Ex2Ftz, v) => {
+                        let flush = |x: f32| if x.is_subnormal() { 0.0 } else { x };
+                        Val::F(flush(f64::from(flush(v.float()?)).exp2() as f32))
+                    }
                     (Un::Lg2, v) => Val::F(f64::from(v.float()?).log2() as f32),
                     (Un::Sqrt, v) => Val::F(v.float()?.sqrt()),
                     (op, v) => return Err(format!("{op:?} of {v:?}")),

@@ -56,6 +56,10 @@ pub enum Un {
     Not,
     /// `2^x` (`ex2.approx.f32`: at most 2 ulp from the true value).
     Ex2,
+    /// `2^x` with subnormal inputs and results taken as zero (`ex2.approx.ftz.f32`): one
+    /// instruction, where `ex2.approx.f32` takes four to scale subnormal results. For softmax
+    /// terms, where a subnormal term is far below the resolution of a sum that holds a 1.
+    Ex2Ftz,
     /// `log2 x` (`lg2.approx.f32`).
     Lg2,
     /// Square root (`sqrt.rn.f32`).

@@ -18,9 +18,10 @@ use inkwell::targets::{
 };
 use inkwell::types::BasicTypeEnum;
 use inkwell::values::{
-    BasicMetadataValueEnum, BasicValueEnum, FunctionValue, GlobalValue, PointerValue,
+    BasicMetadataValueEnum, BasicValue, BasicValueEnum, FunctionValue, GlobalValue, PointerValue,
 };
 use inkwell::{AddressSpace, FloatPredicate, IntPredicate, OptimizationLevel};
+use std::collections::HashMap;
 
 /// GPU architectures PTX is generated for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -114,7 +115,7 @@ struct Lowering<'a, 'ctx> {
     function: FunctionValue<'ctx>,
     regs: Vec<PointerValue<'ctx>>,
     shared: Option<GlobalValue<'ctx>>,
-    tables: usize,
+    tables: HashMap<Vec<u32>, GlobalValue<'ctx>>,
 }
 
 fn lower<'ctx>(
@@ -173,7 +174,7 @@ fn lower<'ctx>(
         function,
         regs,
         shared,
-        tables: 0,
+        tables: HashMap::new(),
     };
     l.stmts(&kernel.body)?;
     l.b.build_return(None).map_err(err)?;
@@ -490,6 +491,7 @@ impl<'ctx> Lowering<'_, 'ctx> {
                         self.intrinsic("llvm.abs", &[basic(ctx, t)], &[v, poison])?
                     }
                     (Un::Ex2, _) => self.intrinsic("llvm.nvvm.ex2.approx.f", &[], &[v])?,
+                    (Un::Ex2Ftz, _) => self.intrinsic("llvm.nvvm.ex2.approx.ftz.f", &[], &[v])?,
                     (Un::Lg2, _) => self.intrinsic("llvm.nvvm.lg2.approx.f", &[], &[v])?,
                     (Un::Sqrt, _) => self.intrinsic("llvm.sqrt", &[f32t.into()], &[v])?,
                 }
@@ -574,20 +576,27 @@ impl<'ctx> Lowering<'_, 'ctx> {
                     .build_select(hi_ok, hi, i, "ix1")
                     .map_err(err)?
                     .into_int_value();
-                let consts: Vec<_> = values
-                    .iter()
-                    .map(|v| f32t.const_float(f64::from(*v)))
-                    .collect();
-                let array = f32t.const_array(&consts);
-                let g = self.module.add_global(
-                    array.get_type(),
-                    Some(AddressSpace::from(1u16)),
-                    &format!("table{}", self.tables),
-                );
-                self.tables += 1;
-                g.set_linkage(Linkage::Internal);
-                g.set_constant(true);
-                g.set_initializer(&array);
+                // One constant global per distinct table, its loads marked invariant: the loads
+                // of one table at one index merge (ALiBi's slope, once per tile rather than
+                // once per score).
+                let key: Vec<u32> = values.iter().map(|v| v.to_bits()).collect();
+                let next = self.tables.len();
+                let g = *self.tables.entry(key).or_insert_with(|| {
+                    let consts: Vec<_> = values
+                        .iter()
+                        .map(|v| f32t.const_float(f64::from(*v)))
+                        .collect();
+                    let array = f32t.const_array(&consts);
+                    let g = self.module.add_global(
+                        array.get_type(),
+                        Some(AddressSpace::from(1u16)),
+                        &format!("table{next}"),
+                    );
+                    g.set_linkage(Linkage::Internal);
+                    g.set_constant(true);
+                    g.set_initializer(&array);
+                    g
+                });
                 let base = self
                     .b
                     .build_ptr_to_int(g.as_pointer_value(), i64t, "tbase")
@@ -598,7 +607,13 @@ impl<'ctx> Lowering<'_, 'ctx> {
                     .map_err(err)?;
                 let a = self.b.build_int_add(base, off, "taddr").map_err(err)?;
                 let p = self.pointer(Space::Global, a.into())?;
-                self.b.build_load(f32t, p, "tv").map_err(err)?
+                let value = self.b.build_load(f32t, p, "tv").map_err(err)?;
+                if let Some(load) = value.as_instruction_value() {
+                    let kind = ctx.get_kind_id("invariant.load");
+                    load.set_metadata(ctx.metadata_node(&[]), kind)
+                        .map_err(|e| err(format!("invariant.load metadata: {e:?}")))?;
+                }
+                value
             }
             Expr::PackHalf(h, lo, hi) => {
                 let (lo, hi) = (self.expr(lo)?, self.expr(hi)?);

@@ -4,8 +4,8 @@
 //! the tensor-core (mma.sync, bf16) one.
 //!
 //! [`decode`] is the SIMT decode kernel over cache segments (split-KV). With the `cuda` feature,
-//! [`llvm`] translates the IR to LLVM IR and PTX. Still to come (issue 7): `cp.async` staging
-//! and double buffering, tensor-core decode.
+//! [`llvm`] translates the IR to LLVM IR and PTX. Still to come (issue 7): tensor-core decode,
+//! `wgmma` and TMA on sm_90a.
 
 pub mod decode;
 pub mod forward;
@@ -27,6 +27,54 @@ pub struct ForwardKernel {
     /// cores, else f32
     /// (`out` and `lse` are f32 either way).
     pub inputs: attn_dsl::DType,
+}
+
+/// Tile code: the CTA skips the tile (every key masked for every row).
+pub const TILE_SKIP: i32 = 0;
+/// Tile code: every key of the tile is kept for every row and the tile lies inside Skv, so the
+/// kernel applies neither the mask nor the Skv bound.
+pub const TILE_FULL: i32 = 1;
+/// Tile code: the mask and the Skv bound apply per element.
+pub const TILE_MASKED: i32 = 2;
+
+impl ForwardKernel {
+    /// The tile codes of a call on `[batch, Sq, Skv]` with key 0 at position `p0`: one per
+    /// (head, block of [`forward::ROWS`] queries, key tile), in that order, from the plan's
+    /// interval classification. A last tile that runs past Skv is [`TILE_MASKED`] at best.
+    pub fn tile_codes(
+        &self,
+        plan: &crate::KernelPlan,
+        [b, sq, skv]: [usize; 3],
+        p0: i64,
+    ) -> Vec<i32> {
+        use crate::plan::CallShape;
+        use attn_dsl::modifier::interval::{Interval, TileClass};
+        let (rows, bc) = (forward::ROWS as usize, self.key_tile as usize);
+        let (qblocks, tiles) = (sq.div_ceil(rows), skv.div_ceil(bc));
+        let call = |head: usize| CallShape {
+            sq: sq as i64,
+            skv: skv as i64,
+            p0,
+            batch: Interval::new(0, b.max(1) as i64 - 1),
+            head: Interval::point(head as i64),
+        };
+        let mut codes = Vec::with_capacity(plan.shape.heads as usize * qblocks * tiles);
+        for head in 0..plan.shape.heads as usize {
+            for qb in 0..qblocks {
+                let r = Interval::new((qb * rows) as i64, ((qb + 1) * rows).min(sq) as i64 - 1);
+                for t in 0..tiles {
+                    let keys = Interval::new((t * bc) as i64, ((t + 1) * bc).min(skv) as i64 - 1);
+                    let partial = (t + 1) * bc > skv;
+                    codes.push(match plan.classify_tile(r, keys, call(head)) {
+                        TileClass::AllMasked => TILE_SKIP,
+                        TileClass::AllKept if !partial => TILE_FULL,
+                        TileClass::AllKept | TileClass::Mixed => TILE_MASKED,
+                    });
+                }
+            }
+        }
+        codes
+    }
 }
 
 /// The forward kernel a plan runs on GPUs: tensor cores for bf16 and f16 specs, SIMT f32

@@ -45,6 +45,7 @@ impl<'a> fmt::Display for Show<'a> {
                     Un::Abs => "abs",
                     Un::Not => "not",
                     Un::Ex2 => "ex2",
+                    Un::Ex2Ftz => "ex2.ftz",
                     Un::Lg2 => "lg2",
                     Un::Sqrt => "sqrt",
                 };
