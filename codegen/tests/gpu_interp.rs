@@ -35,6 +35,7 @@ fn check(text: &str, batch: usize, sq: usize, skv: usize, p0: i64) {
     let simt = ForwardKernel {
         kernel: lower(&plan),
         key_tile: key_tile(&plan),
+        rows: ROWS,
         inputs: attn_dsl::DType::F32,
     };
     check_kernel(text, &simt, (1e-5, 1e-4), batch, sq, skv, p0);
@@ -105,7 +106,7 @@ fn check_kernel(
         .iter()
         .flat_map(|c| c.to_le_bytes())
         .collect();
-    let qblocks = sq.div_ceil(ROWS as usize);
+    let qblocks = sq.div_ceil(chosen.rows as usize);
     let codes = mem.alloc_bytes(codes);
     // RoPE tables for every position the call touches.
     let first = p0.min(p0 + skv as i64 - sq as i64);
@@ -361,6 +362,14 @@ fn the_tensor_core_kernel_matches_the_reference() {
             33,
             40,
             2,
+        ),
+        // Past head dim 128: one row block per warp, 16-key tiles.
+        (
+            "heads = 1, head_dim = 144, mask = causal, position = rope(dim = 32), dtype = bf16",
+            1,
+            70,
+            75,
+            1,
         ),
     ] {
         check_tc(text, b, sq, skv, p0);

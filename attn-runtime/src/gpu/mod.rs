@@ -15,7 +15,6 @@ use crate::error::RuntimeError;
 use crate::tensor::{Storage, Tensor};
 use attn_dsl::AttentionSpec;
 use codegen::KernelPlan;
-use codegen::gpu::forward::ROWS;
 use codegen::gpu::forward_kernel;
 use codegen::gpu::interp::{Memory, Val, run};
 use codegen::gpu::ir::Kernel;
@@ -128,7 +127,7 @@ impl GpuCall {
         let dv = plan.shape.v_dim as usize;
         let codes = chosen.tile_codes(plan, [b, sq, skv], p0);
         let (kernel, inputs) = (chosen.kernel, chosen.inputs);
-        let qblocks = sq.div_ceil(ROWS as usize);
+        let qblocks = sq.div_ceil(chosen.rows as usize);
         let first = p0.min(p0 + skv as i64 - sq as i64);
         let end = p0 + skv as i64;
         let tables = plan

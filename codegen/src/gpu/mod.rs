@@ -23,6 +23,8 @@ pub struct ForwardKernel {
     pub kernel: ir::Kernel,
     /// Keys per tile (the host's tile codes follow it).
     pub key_tile: u32,
+    /// Query rows per CTA (the grid's first axis counts blocks of them).
+    pub rows: u32,
     /// The element type of `q`, `k` and `v` in global memory: the spec's bf16 or f16 on tensor
     /// cores, else f32
     /// (`out` and `lse` are f32 either way).
@@ -39,7 +41,7 @@ pub const TILE_MASKED: i32 = 2;
 
 impl ForwardKernel {
     /// The tile codes of a call on `[batch, Sq, Skv]` with key 0 at position `p0`: one per
-    /// (head, block of [`forward::ROWS`] queries, key tile), in that order, from the plan's
+    /// (head, block of [`ForwardKernel::rows`] queries, key tile), in that order, from the plan's
     /// interval classification. A last tile that runs past Skv is [`TILE_MASKED`] at best.
     pub fn tile_codes(
         &self,
@@ -49,7 +51,7 @@ impl ForwardKernel {
     ) -> Vec<i32> {
         use crate::plan::CallShape;
         use attn_dsl::modifier::interval::{Interval, TileClass};
-        let (rows, bc) = (forward::ROWS as usize, self.key_tile as usize);
+        let (rows, bc) = (self.rows as usize, self.key_tile as usize);
         let (qblocks, tiles) = (sq.div_ceil(rows), skv.div_ceil(bc));
         let call = |head: usize| CallShape {
             sq: sq as i64,
@@ -84,12 +86,14 @@ pub fn forward_kernel(plan: &crate::KernelPlan) -> ForwardKernel {
         ForwardKernel {
             kernel: forward_tc::lower(plan),
             key_tile: forward_tc::key_tile(plan),
+            rows: forward_tc::rows(plan),
             inputs: plan.dtype,
         }
     } else {
         ForwardKernel {
             kernel: forward::lower(plan),
             key_tile: forward::key_tile(plan),
+            rows: forward::ROWS,
             inputs: attn_dsl::DType::F32,
         }
     }
