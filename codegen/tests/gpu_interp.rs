@@ -282,9 +282,16 @@ fn gpu_ir_snapshots() {
             "gpu_rope_custom_mask_d4",
             "heads = 2, head_dim = 4, position = rope, mask_mod = |b, h, q, k| (q / 4) == (k / 4)",
         ),
+        // The tensor-core kernel: Q staging, the copy schedule, ldmatrix and mma, the masked
+        // and full tile paths.
+        (
+            "gpu_tc_causal_d16",
+            "heads = 1, head_dim = 16, mask = causal, dtype = bf16",
+        ),
     ] {
         let spec: AttentionSpec = text.parse().unwrap();
-        insta::assert_snapshot!(name, lower(&KernelPlan::forward(&spec)).to_string());
+        let kernel = forward_kernel(&KernelPlan::forward(&spec)).kernel;
+        insta::assert_snapshot!(name, kernel.to_string());
     }
 }
 
