@@ -1,9 +1,12 @@
 //! Runs GPU IR on the CPU, CTA by CTA, every thread of a CTA in lockstep statement by
 //! statement (divergent branches and loops run under an active mask, like a SIMT stack). It
 //! checks what the hardware would not: memory accesses in bounds, barriers reached by every
-//! thread, shuffles from active lanes, well-typed operands. Errors, never panics.
+//! thread, shuffles from active lanes, well-typed operands, and shared-memory races between
+//! warps that lockstep execution would hide (a byte one warp wrote or read, touched by another
+//! with no barrier between). Errors, never panics.
 
 use super::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Un};
+use std::cell::RefCell;
 
 /// Device memory: buffers addressed as `(buffer + 1) << 40 | byte offset`.
 #[derive(Clone, Debug, Default)]
@@ -155,6 +158,7 @@ pub fn run(
                         .map(|_| ThreadCopies::default())
                         .collect(),
                     in_flight: vec![0; kernel.shared_bytes as usize],
+                    hazards: RefCell::new(Hazards::new(kernel.shared_bytes as usize)),
                     memory,
                 };
                 let all = vec![true; kernel.threads as usize];
@@ -177,7 +181,77 @@ struct Cta<'a> {
     copies: Vec<ThreadCopies>,
     /// Per shared byte: whether a copy in flight will write it (1) or not (0).
     in_flight: Vec<u8>,
+    /// Which warps touched each shared byte since the last barrier.
+    hazards: RefCell<Hazards>,
     memory: &'a mut Memory,
+}
+
+/// Shared-memory races between warps. This interpreter runs warps in lockstep, which would
+/// hide a missing barrier; hardware runs them in any order. So a byte one warp wrote may be
+/// neither read nor written by another warp, and a byte one warp read may not be written by
+/// another, until a barrier orders them. A `cp.async` copy writes its bytes at issue (it may
+/// land any time after) and again where its issuing thread waits for it.
+struct Hazards {
+    /// Barriers passed so far.
+    epoch: u32,
+    /// Per byte: the epoch and warp of its last write.
+    written: Vec<(u32, u32)>,
+    /// Per byte: the epoch of its last reads and the warps (a bit each) that read it then.
+    read: Vec<(u32, u32)>,
+}
+
+impl Hazards {
+    fn new(bytes: usize) -> Hazards {
+        // Epochs start at 1, so no byte counts as touched before the first access.
+        Hazards {
+            epoch: 1,
+            written: vec![(0, 0); bytes],
+            read: vec![(0, 0); bytes],
+        }
+    }
+
+    fn read(&mut self, warp: usize, at: usize, len: usize) -> Result<(), String> {
+        let epoch = self.epoch;
+        for b in at..(at + len).min(self.written.len()) {
+            let (e, w) = self.written[b];
+            if e == epoch && w as usize != warp {
+                return Err(format!(
+                    "warp {warp} reads shared byte {b}, which warp {w} wrote with no barrier \
+                     between (a race on hardware)"
+                ));
+            }
+            let (e, warps) = &mut self.read[b];
+            if *e != epoch {
+                (*e, *warps) = (epoch, 0);
+            }
+            *warps |= 1 << warp;
+        }
+        Ok(())
+    }
+
+    fn write(&mut self, warp: usize, at: usize, len: usize) -> Result<(), String> {
+        let epoch = self.epoch;
+        for b in at..(at + len).min(self.written.len()) {
+            let (e, w) = self.written[b];
+            if e == epoch && w as usize != warp {
+                return Err(format!(
+                    "warp {warp} writes shared byte {b}, which warp {w} wrote with no barrier \
+                     between (a race on hardware)"
+                ));
+            }
+            let (e, warps) = self.read[b];
+            let others = warps & !(1 << warp);
+            if e == epoch && others != 0 {
+                return Err(format!(
+                    "warp {warp} writes shared byte {b}, which warp {} read with no barrier \
+                     between (a race on hardware)",
+                    others.trailing_zeros()
+                ));
+            }
+            self.written[b] = (epoch, warp as u32);
+        }
+        Ok(())
+    }
 }
 
 /// A `cp.async` copy in flight: where it lands and its 16 bytes (read at issue: global memory
@@ -212,7 +286,7 @@ impl Cta<'_> {
                 Stmt::Store(space, addr, value) => {
                     let addrs = self.eval_all(addr, mask)?;
                     let values = self.eval_all(value, mask)?;
-                    for (a, v) in addrs.into_iter().zip(values) {
+                    for (t, (a, v)) in addrs.into_iter().zip(values).enumerate() {
                         if let (Some(a), Some(v)) = (a, v) {
                             let bytes = match v {
                                 Val::F(x) => x.to_le_bytes().to_vec(),
@@ -220,7 +294,7 @@ impl Cta<'_> {
                                 Val::I64(x) => x.to_le_bytes().to_vec(),
                                 Val::P(_) => return Err("cannot store a predicate".into()),
                             };
-                            self.store(*space, a.int()?, &bytes)?;
+                            self.store(*space, a.int()?, &bytes, t / 32)?;
                         }
                     }
                 }
@@ -291,6 +365,7 @@ impl Cta<'_> {
                             for copy in group {
                                 self.shared[copy.dst..copy.dst + 16].copy_from_slice(&copy.data);
                                 self.in_flight[copy.dst..copy.dst + 16].fill(0);
+                                self.hazards.borrow_mut().write(t / 32, copy.dst, 16)?;
                             }
                         }
                     }
@@ -304,6 +379,7 @@ impl Cta<'_> {
                             mask.len()
                         ));
                     }
+                    self.hazards.borrow_mut().epoch += 1;
                 }
             }
         }
@@ -405,6 +481,7 @@ impl Cta<'_> {
                 data[..n as usize].copy_from_slice(self.memory.bytes(s, n as usize)?);
             }
             self.in_flight[d..d + 16].fill(1);
+            self.hazards.borrow_mut().write(t / 32, d, 16)?;
             self.copies[t].open.push(PendingCopy { dst: d, data });
         }
         Ok(())
@@ -462,7 +539,7 @@ impl Cta<'_> {
                     }
                     for (col, value) in values.iter_mut().enumerate() {
                         let Val::I32(bits) =
-                            self.load(Space::Shared, Ty::I32, a + 4 * (col as i64 / 2))?
+                            self.load(Space::Shared, Ty::I32, a + 4 * (col as i64 / 2), warp / 32)?
                         else {
                             unreachable!("an I32 load")
                         };
@@ -487,12 +564,14 @@ impl Cta<'_> {
         Ok(())
     }
 
-    fn store(&mut self, space: Space, addr: i64, bytes: &[u8]) -> Result<(), String> {
+    /// A store by a thread of `warp`.
+    fn store(&mut self, space: Space, addr: i64, bytes: &[u8], warp: usize) -> Result<(), String> {
         match space {
             Space::Global => self.memory.write(addr, bytes),
             Space::Shared => {
                 let a = usize::try_from(addr).map_err(|_| format!("shared address {addr}"))?;
                 self.check_not_in_flight(a, bytes.len())?;
+                self.hazards.borrow_mut().write(warp, a, bytes.len())?;
                 let dst = self.shared.get_mut(a..a + bytes.len()).ok_or_else(|| {
                     format!(
                         "shared store of {} bytes at {a} is outside {} bytes",
@@ -506,13 +585,20 @@ impl Cta<'_> {
         }
     }
 
-    /// `len` bytes at an address, as a little-endian word zero-extended to four bytes (or the
-    /// eight bytes of an I64).
-    fn load_bytes(&self, space: Space, addr: i64, len: usize) -> Result<Vec<u8>, String> {
+    /// `len` bytes at an address, read by a thread of `warp`, as a little-endian word
+    /// zero-extended to four bytes (or the eight bytes of an I64).
+    fn load_bytes(
+        &self,
+        space: Space,
+        addr: i64,
+        len: usize,
+        warp: usize,
+    ) -> Result<Vec<u8>, String> {
         if space == Space::Shared
             && let Ok(a) = usize::try_from(addr)
         {
             self.check_not_in_flight(a, len)?;
+            self.hazards.borrow_mut().read(warp, a, len)?;
         }
         let bytes: &[u8] = match space {
             Space::Global => self.memory.bytes(addr, len)?,
@@ -531,13 +617,13 @@ impl Cta<'_> {
         Ok(word)
     }
 
-    fn load(&self, space: Space, ty: Ty, addr: i64) -> Result<Val, String> {
+    fn load(&self, space: Space, ty: Ty, addr: i64, warp: usize) -> Result<Val, String> {
         let len = match ty {
             Ty::I64 => 8,
             Ty::Pred => return Err("cannot load a predicate".into()),
             _ => 4,
         };
-        let bytes = self.load_bytes(space, addr, len)?;
+        let bytes = self.load_bytes(space, addr, len, warp)?;
         let bytes = bytes.as_slice();
         Ok(match ty {
             Ty::F32 => Val::F(f32::from_le_bytes(bytes.try_into().expect("4 bytes"))),
@@ -607,14 +693,17 @@ impl Cta<'_> {
                 }
             }
             Expr::Cast(a, ty) => convert(ev(a)?, *ty)?,
-            Expr::Load(space, ty, addr) => self.load(*space, *ty, ev(addr)?.int()?)?,
+            Expr::Load(space, ty, addr) => self.load(*space, *ty, ev(addr)?.int()?, t / 32)?,
             Expr::LoadHalf(space, half, addr) => {
                 let a = ev(addr)?.int()?;
                 if a % 2 != 0 {
                     return Err(format!("16-bit load at odd address {a}"));
                 }
-                let bits =
-                    u32::from_le_bytes(self.load_bytes(*space, a, 2)?.try_into().expect("2 bytes"));
+                let bits = u32::from_le_bytes(
+                    self.load_bytes(*space, a, 2, t / 32)?
+                        .try_into()
+                        .expect("2 bytes"),
+                );
                 Val::F(match half {
                     Half::Bf16 => f32::from_bits(bits << 16),
                     Half::F16 => half::f16::from_bits(bits as u16).to_f32(),
@@ -831,6 +920,58 @@ mod tests {
             let out = mem.alloc_f32(&[0.0]);
             let err = run(&k, [1, 1, 1], &[Val::I64(out)], &mut mem).unwrap_err();
             assert!(err.contains(needle), "{err}");
+        }
+    }
+
+    /// Two warps share a word through shared memory: warp 0 writes it, warp 1 reads it, then
+    /// warp 0 writes it again. Lockstep execution gives the intended values either way; only
+    /// the barriers make it race-free on hardware, and each missing one is an error.
+    #[test]
+    fn shared_memory_races_between_warps_are_errors() {
+        let tid = cast(Expr::Special(Special::Tid), Ty::I64);
+        let warp0 = |s: Stmt| Stmt::If(bin(Bin::Eq, tid.clone(), i64(0)), vec![s], vec![]);
+        let write = warp0(Stmt::Store(Space::Shared, i64(0), f32(2.0)));
+        let read = Stmt::If(
+            bin(Bin::Eq, tid.clone(), i64(32)),
+            vec![Stmt::Store(
+                Space::Global,
+                Expr::Param(0),
+                load(Space::Shared, Ty::F32, i64(0)),
+            )],
+            vec![],
+        );
+        let body = |first: bool, second: bool| {
+            let mut body = vec![write.clone()];
+            body.extend(first.then_some(Stmt::Barrier));
+            body.push(read.clone());
+            body.extend(second.then_some(Stmt::Barrier));
+            body.push(write.clone());
+            body
+        };
+        for (first, second, needle) in [
+            (true, true, None),
+            (
+                false,
+                true,
+                Some("warp 1 reads shared byte 0, which warp 0 wrote"),
+            ),
+            (
+                true,
+                false,
+                Some("warp 0 writes shared byte 0, which warp 1 read"),
+            ),
+        ] {
+            let k = kernel(64, 4, &[], body(first, second));
+            let mut mem = Memory::default();
+            let out = mem.alloc_f32(&[0.0]);
+            let result = run(&k, [1, 1, 1], &[Val::I64(out)], &mut mem);
+            match needle {
+                None => {
+                    result.unwrap();
+                    assert_eq!(mem.read_f32(out, 1).unwrap(), [2.0]);
+                }
+                Some(needle) => assert!(result.unwrap_err().contains(needle)),
+            }
         }
     }
 }
