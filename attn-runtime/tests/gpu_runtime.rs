@@ -216,6 +216,12 @@ fn check_decode(decode: Decode) {
         "heads = 4, kv_heads = 2, head_dim = 16, mask = causal, dtype = bf16",
         "heads = 2, head_dim = 8, mask = causal, position = alibi, dtype = f16",
         "heads = 2, kv_heads = 1, head_dim = 16, position = rope, softcap = 4.0, dtype = bf16",
+        // More rows than a task takes (32 at v_dim 128): items split the query heads.
+        "heads = 12, kv_heads = 1, head_dim = 128, mask = causal, dtype = bf16",
+        // Outputs that do not tile the CTA evenly, a head dim the dot product cannot unroll,
+        // and a v_dim of two outputs per thread and row.
+        "heads = 2, head_dim = 6, v_head_dim = 24, mask = causal",
+        "heads = 2, head_dim = 32, v_head_dim = 256, mask = causal, position = rope",
     ] {
         let spec: AttentionSpec = text.parse().unwrap();
         let dtype = spec.dtype;

@@ -81,6 +81,7 @@ fn kernel(fault: Fault) -> Kernel {
         regs: vec![("t".into(), Ty::I64)],
         shared_bytes: 1024,
         threads: 32,
+        ctas_per_sm: 1,
         body,
     }
 }

@@ -403,6 +403,7 @@ fn ex2_ftz_flushes_subnormals() {
         regs: Vec::new(),
         shared_bytes: 0,
         threads: 1,
+        ctas_per_sm: 1,
         body,
     };
     let mut mem = Memory::default();

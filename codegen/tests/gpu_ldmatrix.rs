@@ -66,6 +66,7 @@ fn ldmatrix_kernel(count: usize, trans: bool, misalign: i64) -> Kernel {
         regs,
         shared_bytes: (4 * MATRIX_BYTES) as u32,
         threads: 32,
+        ctas_per_sm: 1,
         body,
     }
 }

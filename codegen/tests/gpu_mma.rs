@@ -93,6 +93,7 @@ fn mma_kernel(init: f32, half: Half) -> Kernel {
             .collect(),
         shared_bytes: 0,
         threads: 32,
+        ctas_per_sm: 1,
         body,
     }
 }

@@ -181,7 +181,8 @@ impl CpuBackend {
             )));
         }
         let kernel = self.kernel_of(spec, PlanKind::Decode)?;
-        let items = items(&kernel.plan, cache, seqs, layout.q_lens, K_TILE as usize)?;
+        let (max_rows, seg_keys) = (kernel.plan.tiles.q_rows as usize, K_TILE as usize);
+        let items = items(&kernel.plan, cache, seqs, layout.q_lens, max_rows, seg_keys)?;
         run(&kernel, cache.layout(), &items, q, layout, options)
     }
 }
@@ -380,18 +381,18 @@ fn shape(name: &str, t: &Tensor, expected: &str) -> RuntimeError {
     }
 }
 
-/// The work items of a call: per sequence and kv head, blocks of at most `q_rows` rows, with
-/// key segments of at most `seg_keys` keys.
+/// The work items of a call: per sequence and kv head, blocks of at most `max_rows` rows (query
+/// heads x queries), with key segments of at most `seg_keys` keys.
 pub(crate) fn items(
     plan: &KernelPlan,
     cache: &impl KvCache,
     seqs: &[SeqId],
     q_lens: &[usize],
+    max_rows: usize,
     seg_keys: usize,
 ) -> Result<Vec<Item>, RuntimeError> {
     let (hq, hkv) = (plan.shape.heads as usize, plan.shape.kv_heads as usize);
     let group = hq / hkv;
-    let max_rows = plan.tiles.q_rows as usize;
     let mut items = Vec::new();
     for (b, (&seq, &n)) in seqs.iter().zip(q_lens).enumerate() {
         let len = cache.seq_len(seq)?;

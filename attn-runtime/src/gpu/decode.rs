@@ -12,7 +12,7 @@ use crate::error::RuntimeError;
 use crate::tensor::Tensor;
 use attn_dsl::AttentionSpec;
 use codegen::KernelPlan;
-use codegen::gpu::decode::{SEGMENT_FIELDS, lower, segment_keys};
+use codegen::gpu::decode::{SEGMENT_FIELDS, lower, segment_keys, task_rows};
 use codegen::gpu::interp::{Memory, Val, run};
 use codegen::gpu::ir::Kernel;
 use codegen::plan::Frequencies;
@@ -298,7 +298,8 @@ pub(crate) fn run_rows(
 ) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> {
     let layout = cache.layout().clone();
     let (d, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
-    let items = items(plan, cache, seqs, call.q_lens, segment_keys(plan) as usize)?;
+    let (max_rows, seg_keys) = (task_rows(plan) as usize, segment_keys(plan) as usize);
+    let items = items(plan, cache, seqs, call.q_lens, max_rows, seg_keys)?;
     let tasks = tasks(&items, partitions(&items, options));
     let (k_stride, v_stride) = row_strides(&layout);
 

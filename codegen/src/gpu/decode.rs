@@ -1,23 +1,27 @@
 //! A decode plan lowered to GPU IR (SIMT f32): the query rows of one work item (the query
-//! heads of a kv head times a few queries, one row per thread) against a list of key segments
-//! read where a cache keeps them (the rows of its pages: no gather), for one partition of the
-//! keys; the host merges partitions by their log-sum-exp (split-KV).
+//! heads of a kv head times a few queries) against a list of key segments read where a cache
+//! keeps them (the rows of its pages: no gather), for one partition of the keys; the host
+//! merges partitions by their log-sum-exp (split-KV).
+//!
+//! Decode has few rows and many keys, so the CTA's threads split each segment's work, not the
+//! rows: a thread per (row, key) score, a thread per row for the softmax, and a thread per
+//! (row, output column) group of accumulators for `P V`. Q (rotated and scaled), the segment's
+//! K and V rows (widened to f32; K rows padded by one float, so a warp reading 32 keys' column
+//! hits 32 banks) and the scores sit in shared memory.
 //!
 //! Buffers: `q_rows` (f32 `[rows][qk_dim]`, before RoPE), `tasks` (per CTA, nine i64: first row,
 //! rows, queries per head, position and call index of query 0, batch, first head, first segment,
 //! segments), `segments` (seven i64 each: key row address, value row address, first key, keys,
 //! tile code, elements between key rows, between value rows; rows of `qk_dim` or `v_dim` values
-//! in the cache's dtype, f32, bf16 or f16), `out` (f32
-//! `[rows][v_dim]`, normalized), `lse` (f32 per row), RoPE tables for the query positions. Keys
-//! sit at the positions of their indices, rotated already.
+//! in the cache's dtype, f32, bf16 or f16), `out` (f32 `[rows][v_dim]`, normalized), `lse` (f32
+//! per row), RoPE tables for the query positions. Keys sit at the positions of their indices,
+//! rotated already.
 
-use super::forward::{
-    Env, KeyLoop, ROWS, Regs, RowState, TileShared, scaled_q_and_running_state, simt_epilogue,
-    simt_tile, special64,
-};
+use super::forward::{Env, Regs, program, reciprocal, special64};
 use super::ir::build::*;
-use super::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty};
+use super::ir::{Bin, Expr, Half, Kernel, Space, Special, Stmt, Ty, Un};
 use crate::plan::{KernelPlan, PlanKind};
+use attn_dsl::modifier::Expr as M;
 use attn_dsl::{DType, RopeLayout};
 
 /// Parameters, in order.
@@ -38,13 +42,25 @@ pub const TASK_FIELDS: usize = 9;
 /// i64 fields of a segment record.
 pub const SEGMENT_FIELDS: usize = 7;
 
-/// Keys per segment the kernel stages (K, V and scores within 48 KiB of shared memory).
+/// Threads per CTA.
+pub const THREADS: u32 = 128;
+
+/// Output accumulators a thread may hold (`task_rows x v_dim / THREADS`).
+const ACCUMULATORS: u32 = 32;
+
+/// Keys per segment the kernel stages.
 pub fn segment_keys(plan: &KernelPlan) -> u32 {
     if plan.shape.qk_dim + plan.shape.v_dim <= 256 {
         32
     } else {
         16
     }
+}
+
+/// Query rows per task (work item): at most 64, and few enough that the task's outputs fit
+/// [`ACCUMULATORS`] registers a thread (32 rows at `v_dim` 128, 8 for MLA's 512).
+pub fn task_rows(plan: &KernelPlan) -> u32 {
+    (ACCUMULATORS * THREADS / plan.shape.v_dim).clamp(1, 64)
 }
 
 fn param(name: &str) -> Expr {
@@ -60,17 +76,49 @@ fn field(base: &Expr, i: usize) -> Expr {
     load(Space::Global, Ty::I64, add(base.clone(), i64(8 * i as i64)))
 }
 
-/// Lowers the decode kernel of a plan (per-head KV; keys and values rows of `qk_dim` and
-/// `v_dim` f32 in the cache).
+/// Shared memory of the kernel, byte offsets.
+struct Layout {
+    q: i64,
+    k: i64,
+    v: i64,
+    s: i64,
+    alpha: i64,
+    bytes: i64,
+}
+
+impl Layout {
+    fn of(plan: &KernelPlan) -> Layout {
+        let (d, dv) = (i64::from(plan.shape.qk_dim), i64::from(plan.shape.v_dim));
+        let (seg, rows) = (i64::from(segment_keys(plan)), i64::from(task_rows(plan)));
+        let q = 0;
+        let k = q + rows * d * 4;
+        let v = k + seg * (d + 1) * 4;
+        let s = v + seg * dv * 4;
+        let alpha = s + rows * seg * 4;
+        Layout {
+            q,
+            k,
+            v,
+            s,
+            alpha,
+            bytes: alpha + rows * 4,
+        }
+    }
+}
+
+/// Lowers the decode kernel of a plan (per-head KV, or MLA's absorbed form: keys and values
+/// rows of `qk_dim` and `v_dim` in the cache's dtype).
 pub fn lower(plan: &KernelPlan) -> Kernel {
     assert_eq!(
         plan.kind,
         PlanKind::Decode,
         "the GPU decode kernel lowers decode plans"
     );
-    let (d, dv) = (plan.shape.qk_dim as i64, plan.shape.v_dim as i64);
+    let (d, dv) = (i64::from(plan.shape.qk_dim), i64::from(plan.shape.v_dim));
     let seg = i64::from(segment_keys(plan));
-    let rows_max = i64::from(ROWS);
+    let rows_max = i64::from(task_rows(plan));
+    let threads = i64::from(THREADS);
+    let sh = Layout::of(plan);
     let mut r = Regs { list: Vec::new() };
     let mut body = Vec::new();
     let tid = special64(Special::Tid);
@@ -87,87 +135,145 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     let names = [
         "row0", "rows", "q_len", "q_pos0", "qi0", "batch", "head0", "seg0", "nseg",
     ];
-    let f: Vec<Reg> = names.iter().map(|n| r.add(*n, Ty::I64)).collect();
+    let f: Vec<_> = names.iter().map(|n| r.add(*n, Ty::I64)).collect();
     for (i, &reg_i) in f.iter().enumerate() {
         body.push(Stmt::Set(reg_i, field(&reg(task), i)));
     }
     let [row0, rows, q_len, q_pos0, qi0, batch, head0, seg0, nseg] =
-        <[Reg; 9]>::try_from(f).expect("nine fields");
+        <[_; 9]>::try_from(f).expect("nine fields");
+    // Row `row` of the task: head head0 + row / q_len, query row % q_len.
+    let head_of = |row: Expr| add(reg(head0), bin(Bin::Div, row, reg(q_len)));
+    let query_of = |row: Expr| bin(Bin::Rem, row, reg(q_len));
 
-    // This thread's row: head head0 + r / q_len, query r % q_len.
-    let (row, head, qoff) = (
-        r.add("row", Ty::I64),
-        r.add("head", Ty::I64),
-        r.add("q_off", Ty::I64),
+    // Q: staged scaled (rotation is linear, so before it), then rotated in place by pairs.
+    let (e, row, col) = (
+        r.add("element", Ty::I64),
+        r.add("element_row", Ty::I64),
+        r.add("element_col", Ty::I64),
     );
-    body.push(Stmt::Set(
-        row,
-        bin(Bin::Min, tid.clone(), sub(reg(rows), i64(1))),
-    ));
-    body.push(Stmt::Set(
-        head,
-        add(reg(head0), bin(Bin::Div, reg(row), reg(q_len))),
-    ));
-    body.push(Stmt::Set(qoff, bin(Bin::Rem, reg(row), reg(q_len))));
-    let qpos = add(reg(q_pos0), reg(qoff));
-
-    // q: loaded, rotated, scaled.
-    let q: Vec<Reg> = (0..d).map(|i| r.add(format!("q{i}"), Ty::F32)).collect();
-    let q_row = add(param("q_rows"), mul(add(reg(row0), reg(row)), i64(4 * d)));
-    for (i, &qi) in q.iter().enumerate() {
-        body.push(Stmt::Set(
-            qi,
+    let q_sh = |row: Expr, col: Expr| add(i64(sh.q), mul(add(mul(row, i64(d)), col), i64(4)));
+    let split = |width: i64| {
+        vec![
+            Stmt::Set(row, bin(Bin::Div, reg(e), i64(width))),
+            Stmt::Set(col, bin(Bin::Rem, reg(e), i64(width))),
+        ]
+    };
+    let mut stage_q = split(d);
+    stage_q.push(Stmt::Store(
+        Space::Shared,
+        q_sh(reg(row), reg(col)),
+        mul(
             load(
                 Space::Global,
                 Ty::F32,
-                add(q_row.clone(), i64(4 * i as i64)),
+                add(
+                    param("q_rows"),
+                    mul(add(mul(add(reg(row0), reg(row)), i64(d)), reg(col)), i64(4)),
+                ),
             ),
-        ));
-    }
+            f32(plan.q_scale as f32),
+        ),
+    ));
+    body.push(Stmt::For {
+        reg: e,
+        start: tid.clone(),
+        end: mul(reg(rows), i64(d)),
+        step: threads,
+        body: stage_q,
+    });
+    body.push(Stmt::Barrier);
     if let Some(rope) = &plan.rope {
         let half = i64::from(rope.rope.dim / 2);
-        let first = rope.first_dim as usize;
+        let first = i64::from(rope.first_dim);
+        let (ia, ib) = match rope.rope.layout {
+            RopeLayout::Half => (add(i64(first), reg(col)), add(i64(first + half), reg(col))),
+            RopeLayout::Interleaved => (
+                add(i64(first), mul(reg(col), i64(2))),
+                add(i64(first + 1), mul(reg(col), i64(2))),
+            ),
+        };
+        // Pair `col` of row `row` at its query's position.
+        let pos = add(reg(q_pos0), query_of(reg(row)));
+        let entry = add(
+            mul(sub(pos, param("rope_pos0")), i64(half * 4)),
+            mul(reg(col), i64(4)),
+        );
         let (c, s, a, b) = (
             r.add("cos", Ty::F32),
             r.add("sin", Ty::F32),
             r.add("rot_a", Ty::F32),
             r.add("rot_b", Ty::F32),
         );
-        let table_row = sub(qpos.clone(), param("rope_pos0"));
-        for i in 0..half as usize {
-            let (ia, ib) = match rope.rope.layout {
-                RopeLayout::Half => (first + i, first + i + half as usize),
-                RopeLayout::Interleaved => (first + 2 * i, first + 2 * i + 1),
-            };
-            let entry = add(mul(table_row.clone(), i64(half * 4)), i64(4 * i as i64));
-            body.extend([
-                Stmt::Set(
-                    c,
-                    load(
-                        Space::Global,
-                        Ty::F32,
-                        add(param("rope_cos"), entry.clone()),
-                    ),
+        let mut rotate = split(half);
+        rotate.extend([
+            Stmt::Set(
+                c,
+                load(
+                    Space::Global,
+                    Ty::F32,
+                    add(param("rope_cos"), entry.clone()),
                 ),
-                Stmt::Set(
-                    s,
-                    load(Space::Global, Ty::F32, add(param("rope_sin"), entry)),
-                ),
-                Stmt::Set(a, reg(q[ia])),
-                Stmt::Set(b, reg(q[ib])),
-                Stmt::Set(q[ia], sub(mul(reg(a), reg(c)), mul(reg(b), reg(s)))),
-                Stmt::Set(q[ib], add(mul(reg(b), reg(c)), mul(reg(a), reg(s)))),
-            ]);
-        }
+            ),
+            Stmt::Set(
+                s,
+                load(Space::Global, Ty::F32, add(param("rope_sin"), entry)),
+            ),
+            Stmt::Set(a, load(Space::Shared, Ty::F32, q_sh(reg(row), ia.clone()))),
+            Stmt::Set(b, load(Space::Shared, Ty::F32, q_sh(reg(row), ib.clone()))),
+            Stmt::Store(
+                Space::Shared,
+                q_sh(reg(row), ia),
+                sub(mul(reg(a), reg(c)), mul(reg(b), reg(s))),
+            ),
+            Stmt::Store(
+                Space::Shared,
+                q_sh(reg(row), ib),
+                add(mul(reg(b), reg(c)), mul(reg(a), reg(s))),
+            ),
+        ]);
+        body.push(Stmt::For {
+            reg: e,
+            start: tid.clone(),
+            end: mul(reg(rows), i64(half)),
+            step: threads,
+            body: rotate,
+        });
+        body.push(Stmt::Barrier);
     }
-    let (m, l, acc) = scaled_q_and_running_state(plan, &mut r, &mut body, &q, dv);
 
-    // Shared: K [seg][d], V [seg][dv], scores [ROWS][seg].
-    let k_sh = 0;
-    let v_sh = k_sh + seg * d * 4;
-    let s_sh = v_sh + seg * dv * 4;
-    let shared_bytes = s_sh + rows_max * seg * 4;
+    // Running state: a thread per row keeps its max and sum; each thread its accumulators,
+    // outputs tid + THREADS i (row o / v_dim, column o % v_dim).
+    let (m, l) = (r.add("m", Ty::F32), r.add("l", Ty::F32));
+    body.push(Stmt::Set(m, f32(f32::NEG_INFINITY)));
+    body.push(Stmt::Set(l, f32(0.0)));
+    let n_acc = (rows_max * dv + threads - 1) / threads;
+    let acc: Vec<_> = (0..n_acc)
+        .map(|i| r.add(format!("acc{i}"), Ty::F32))
+        .collect();
+    for &a in &acc {
+        body.push(Stmt::Set(a, f32(0.0)));
+    }
+    // Output i's row and column: with v_dim dividing THREADS the column is the thread's for
+    // every i and the row steps by a constant; with THREADS dividing v_dim, the row is i's.
+    let output = |i: i64| -> (Expr, Expr) {
+        let o = add(tid.clone(), i64(threads * i));
+        if threads % dv == 0 {
+            (
+                add(bin(Bin::Div, tid.clone(), i64(dv)), i64(i * (threads / dv))),
+                bin(Bin::Rem, tid.clone(), i64(dv)),
+            )
+        } else if dv % threads == 0 {
+            let per_row = dv / threads;
+            (
+                i64(i / per_row),
+                add(tid.clone(), i64(threads * (i % per_row))),
+            )
+        } else {
+            (bin(Bin::Div, o.clone(), i64(dv)), bin(Bin::Rem, o, i64(dv)))
+        }
+    };
 
+    // The segments.
     let (si, srec, kaddr, vaddr, first, len, code) = (
         r.add("segment", Ty::I64),
         r.add("segment_record", Ty::I64),
@@ -190,9 +296,8 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         seg_body.push(Stmt::Set(x, field(&reg(srec), i)));
     }
     let mut run = Vec::new();
-    // Stage the segment's K and V rows (packed, in the cache's f32, bf16 or f16) into shared
-    // memory as f32: element c of each region by thread c % ROWS, coalesced, in a loop (an
-    // unrolled row per thread had ptxas hoist every load and spill).
+    // Stage the segment's K and V rows (in the cache's f32, bf16 or f16) as f32: element c of
+    // each region by thread c % THREADS, coalesced, in a loop.
     let half = match plan.dtype {
         DType::Bf16 => Some(Half::Bf16),
         DType::F16 => Some(Half::F16),
@@ -203,62 +308,184 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         Some(h) => Expr::LoadHalf(Space::Global, h, Box::new(addr)),
         None => load(Space::Global, Ty::F32, addr),
     };
-    let element = r.add("stage_element", Ty::I64);
-    for (base, stride, width, shared) in [(kaddr, k_stride, d, k_sh), (vaddr, v_stride, dv, v_sh)] {
-        // Element c is column c % width of row c / width, rows `stride` elements apart.
-        let at = add(
-            mul(bin(Bin::Div, reg(element), i64(width)), reg(stride)),
-            bin(Bin::Rem, reg(element), i64(width)),
+    for (base, stride, width, shared, padded) in [
+        (kaddr, k_stride, d, sh.k, d + 1),
+        (vaddr, v_stride, dv, sh.v, dv),
+    ] {
+        let mut stage = split(width);
+        let src = add(
+            reg(base),
+            mul(add(mul(reg(row), reg(stride)), reg(col)), i64(elem)),
         );
-        let src = add(reg(base), mul(at, i64(elem)));
-        let dst = add(mul(reg(element), i64(4)), i64(shared));
+        let dst = add(
+            i64(shared),
+            mul(add(mul(reg(row), i64(padded)), reg(col)), i64(4)),
+        );
+        stage.push(Stmt::Store(Space::Shared, dst, cache_load(src)));
         run.push(Stmt::For {
-            reg: element,
+            reg: e,
             start: tid.clone(),
             end: mul(reg(len), i64(width)),
-            step: i64::from(ROWS),
-            body: vec![Stmt::Store(Space::Shared, dst, cache_load(src))],
+            step: threads,
+            body: stage,
         });
     }
     run.push(Stmt::Barrier);
 
-    // Pass 1, the rescale, pass 2 (keys sit at the positions of their indices).
-    let (j, key) = (r.add("j", Ty::I64), r.add("key", Ty::I64));
-    let row_state = RowState {
-        q: &q,
-        acc: &acc,
-        m,
-        l,
+    // Scores: a thread per (row, key) pair, `q . k` over shared memory, through the score
+    // program and (on masked segments) the mask; keys sit at the positions of their indices.
+    let (dot, key) = (r.add("dot", Ty::F32), r.add("key", Ty::I64));
+    let dd = r.add("dd", Ty::I64);
+    let unroll = if d % 4 == 0 { 4 } else { 1 };
+    let mut dot_body = Vec::new();
+    for u in 0..unroll {
+        let at = add(reg(dd), i64(u));
+        dot_body.push(Stmt::Set(
+            dot,
+            fma(
+                load(Space::Shared, Ty::F32, q_sh(reg(row), at.clone())),
+                load(
+                    Space::Shared,
+                    Ty::F32,
+                    add(i64(sh.k), mul(add(mul(reg(col), i64(d + 1)), at), i64(4))),
+                ),
+                reg(dot),
+            ),
+        ));
+    }
+    let mut score = split(seg);
+    score.push(Stmt::Set(dot, f32(0.0)));
+    score.push(Stmt::For {
+        reg: dd,
+        start: i64(0),
+        end: i64(d),
+        step: unroll,
+        body: dot_body,
+    });
+    score.push(Stmt::Set(key, add(reg(first), reg(col))));
+    let env = Env {
+        score: reg(dot),
+        batch: reg(batch),
+        head: head_of(reg(row)),
+        query: add(reg(q_pos0), query_of(reg(row))),
+        key: reg(key),
+        query_index: add(reg(qi0), query_of(reg(row))),
+        key_index: reg(key),
     };
-    let shared = TileShared {
-        k: k_sh,
-        v: v_sh,
-        s: s_sh,
-        keys: seg,
-    };
-    run.extend(simt_tile(
-        &mut r,
-        plan,
-        &row_state,
-        &shared,
-        KeyLoop {
-            j,
-            key,
-            key_at: add(reg(first), reg(j)),
-            count: reg(len),
-            in_range: None,
-            masked_tile: bin(Bin::Eq, reg(code), i64(2)),
-        },
-        |score| Env {
-            score,
-            batch: reg(batch),
-            head: reg(head),
-            query: qpos.clone(),
-            key: reg(key),
-            query_index: add(reg(qi0), reg(qoff)),
-            key_index: reg(key),
-        },
+    let mut value = program(&plan.program.score, &env);
+    if !matches!(plan.program.mask, M::Bool(true)) {
+        let keep = bin(
+            Bin::Or,
+            bin(Bin::Ne, reg(code), i64(2)),
+            program(&plan.program.mask, &env),
+        );
+        value = select(keep, value, f32(f32::NEG_INFINITY));
+    }
+    let s_at = |row: Expr, key: Expr| add(i64(sh.s), mul(add(mul(row, i64(seg)), key), i64(4)));
+    score.push(Stmt::If(
+        bin(Bin::Lt, reg(col), reg(len)),
+        vec![Stmt::Store(Space::Shared, s_at(reg(row), reg(col)), value)],
+        vec![],
     ));
+    run.push(Stmt::For {
+        reg: e,
+        start: tid.clone(),
+        end: mul(reg(rows), i64(seg)),
+        step: threads,
+        body: score,
+    });
+    run.push(Stmt::Barrier);
+
+    // The softmax: thread `row` takes its row's max over the segment, rescales its sum,
+    // turns scores into probabilities `2^(s - m)` and leaves the rescale factor for `P V`.
+    let (j, mt, m_use, alpha, p) = (
+        r.add("j", Ty::I64),
+        r.add("tile_max", Ty::F32),
+        r.add("m_use", Ty::F32),
+        r.add("alpha", Ty::F32),
+        r.add("p", Ty::F32),
+    );
+    let own_s = s_at(tid.clone(), reg(j));
+    let m_new = bin(Bin::Max, reg(m), reg(mt));
+    let softmax = vec![
+        Stmt::Set(mt, f32(f32::NEG_INFINITY)),
+        Stmt::For {
+            reg: j,
+            start: i64(0),
+            end: reg(len),
+            step: 1,
+            body: vec![Stmt::Set(
+                mt,
+                bin(
+                    Bin::Max,
+                    reg(mt),
+                    load(Space::Shared, Ty::F32, own_s.clone()),
+                ),
+            )],
+        },
+        Stmt::Set(
+            m_use,
+            select(
+                bin(Bin::Eq, m_new.clone(), f32(f32::NEG_INFINITY)),
+                f32(0.0),
+                m_new.clone(),
+            ),
+        ),
+        Stmt::Set(alpha, un(Un::Ex2Ftz, sub(reg(m), reg(m_use)))),
+        Stmt::Set(m, m_new),
+        Stmt::Set(l, mul(reg(l), reg(alpha))),
+        Stmt::For {
+            reg: j,
+            start: i64(0),
+            end: reg(len),
+            step: 1,
+            body: vec![
+                Stmt::Set(
+                    p,
+                    un(
+                        Un::Ex2Ftz,
+                        sub(load(Space::Shared, Ty::F32, own_s.clone()), reg(m_use)),
+                    ),
+                ),
+                Stmt::Store(Space::Shared, own_s, reg(p)),
+                Stmt::Set(l, add(reg(l), reg(p))),
+            ],
+        },
+        Stmt::Store(Space::Shared, at(i64(sh.alpha), tid.clone(), 4), reg(alpha)),
+    ];
+    run.push(Stmt::If(
+        bin(Bin::Lt, tid.clone(), reg(rows)),
+        softmax,
+        vec![],
+    ));
+    run.push(Stmt::Barrier);
+
+    // O = O alpha + P V, a thread's outputs at once per key (rows past the task's clamped: they
+    // compute, unstored).
+    let clamp_row = |row: Expr| bin(Bin::Min, row, sub(reg(rows), i64(1)));
+    for (i, &a) in acc.iter().enumerate() {
+        let (row, _) = output(i as i64);
+        let factor = load(Space::Shared, Ty::F32, at(i64(sh.alpha), clamp_row(row), 4));
+        run.push(Stmt::Set(a, mul(reg(a), factor)));
+    }
+    let mut pv = Vec::new();
+    for (i, &a) in acc.iter().enumerate() {
+        let (row, col) = output(i as i64);
+        let pj = load(Space::Shared, Ty::F32, s_at(clamp_row(row), reg(j)));
+        let vj = load(
+            Space::Shared,
+            Ty::F32,
+            add(i64(sh.v), mul(add(mul(reg(j), i64(dv)), col), i64(4))),
+        );
+        pv.push(Stmt::Set(a, fma(pj, vj, reg(a))));
+    }
+    run.push(Stmt::For {
+        reg: j,
+        start: i64(0),
+        end: reg(len),
+        step: 1,
+        body: pv,
+    });
     run.push(Stmt::Barrier);
     seg_body.push(Stmt::If(bin(Bin::Ne, reg(code), i64(0)), run, vec![]));
     body.push(Stmt::For {
@@ -269,21 +496,54 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         body: seg_body,
     });
 
-    // Epilogue for the task's rows.
-    body.push(simt_epilogue(
-        &row_state,
-        param("out"),
-        param("lse"),
-        add(reg(row0), tid.clone()),
-        bin(Bin::Lt, tid, reg(rows)),
+    // Epilogue: row owners publish their sums (in the alpha slots) and write lse; every thread
+    // writes its outputs O / l.
+    let own_row = add(reg(row0), tid.clone());
+    let lse = mul(
+        add(reg(m), un(Un::Lg2, reg(l))),
+        f32(std::f32::consts::LN_2),
+    );
+    body.push(Stmt::If(
+        bin(Bin::Lt, tid.clone(), reg(rows)),
+        vec![
+            Stmt::Store(Space::Shared, at(i64(sh.alpha), tid.clone(), 4), reg(l)),
+            Stmt::Store(
+                Space::Global,
+                at(param("lse"), own_row, 4),
+                select(bin(Bin::Gt, reg(l), f32(0.0)), lse, f32(f32::NEG_INFINITY)),
+            ),
+        ],
+        vec![],
     ));
+    body.push(Stmt::Barrier);
+    for (i, &a) in acc.iter().enumerate() {
+        let (row, col) = output(i as i64);
+        let sum = load(Space::Shared, Ty::F32, at(i64(sh.alpha), row.clone(), 4));
+        let value = select(
+            bin(Bin::Gt, sum.clone(), f32(0.0)),
+            mul(reg(a), reciprocal(sum)),
+            f32(0.0),
+        );
+        let addr = add(
+            param("out"),
+            mul(add(mul(add(reg(row0), row.clone()), i64(dv)), col), i64(4)),
+        );
+        body.push(Stmt::If(
+            bin(Bin::Lt, row, reg(rows)),
+            vec![Stmt::Store(Space::Global, addr, value)],
+            vec![],
+        ));
+    }
 
     Kernel {
         name: "attention_decode".into(),
         params: PARAMS.iter().map(|p| (p.to_string(), Ty::I64)).collect(),
         regs: r.list,
-        shared_bytes: shared_bytes as u32,
-        threads: ROWS,
+        shared_bytes: sh.bytes as u32,
+        threads: THREADS,
+        // Decode waits on memory: three CTAs (12 warps) per SM hide more of it than two, at up
+        // to 168 registers a thread (at four, 128, the D 128 kernel spills).
+        ctas_per_sm: 3,
         body,
     }
 }

@@ -313,15 +313,14 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         regs: r.list,
         shared_bytes: shared_bytes as u32,
         threads: ROWS,
+        ctas_per_sm: 2,
         body,
     }
 }
 
-/// A thread's row of the SIMT kernels: its rotated, scaled query, output accumulator, running
-/// max and sum.
 /// The row's q scaled by the plan's hoisted score factor, then a new running state: max `-inf`,
 /// sum 0, `dv` accumulators 0. Returns `(m, l, acc)`.
-pub(super) fn scaled_q_and_running_state(
+fn scaled_q_and_running_state(
     plan: &KernelPlan,
     r: &mut Regs,
     body: &mut Vec<Stmt>,
@@ -343,7 +342,9 @@ pub(super) fn scaled_q_and_running_state(
     (m, l, acc)
 }
 
-pub(super) struct RowState<'a> {
+/// A thread's row of the SIMT kernel: its rotated, scaled query, output accumulator, running
+/// max and sum.
+struct RowState<'a> {
     pub q: &'a [Reg],
     pub acc: &'a [Reg],
     pub m: Reg,
@@ -352,7 +353,7 @@ pub(super) struct RowState<'a> {
 
 /// Byte offsets in shared memory of a staged tile: K rows, V rows, and the scores (a row of
 /// `keys` per thread).
-pub(super) struct TileShared {
+struct TileShared {
     pub k: i64,
     pub v: i64,
     pub s: i64,
@@ -362,7 +363,7 @@ pub(super) struct TileShared {
 /// The loop over a tile's keys: `j` runs over `0..count`, `key` is set to `key_at` (the key's
 /// index) each step; keys are kept where `in_range` holds (if given) and, on tiles where
 /// `masked_tile` holds, where the plan's mask holds.
-pub(super) struct KeyLoop {
+struct KeyLoop {
     pub j: Reg,
     pub key: Reg,
     pub key_at: Expr,
@@ -375,7 +376,7 @@ pub(super) struct KeyLoop {
 /// and the mask, into shared memory, and the tile's max), the online-softmax rescale of the sum
 /// and accumulator, pass 2 (probabilities `2^(s - m)`, their sum, `P V`). `env` gives the
 /// program's variables for a score.
-pub(super) fn simt_tile(
+fn simt_tile(
     r: &mut Regs,
     plan: &KernelPlan,
     row: &RowState,
@@ -479,13 +480,7 @@ pub(super) fn simt_tile(
 /// Where `valid` holds, writes the row's output `acc / l` (as `acc` times one reciprocal) to
 /// row `out_row` of `out` (f32 rows of `acc.len()`) and its log-sum-exp `(m + log2 l) ln 2` to
 /// `lse`; rows with no kept key get 0 and `-inf`.
-pub(super) fn simt_epilogue(
-    row: &RowState,
-    out: Expr,
-    lse: Expr,
-    out_row: Expr,
-    valid: Expr,
-) -> Stmt {
+fn simt_epilogue(row: &RowState, out: Expr, lse: Expr, out_row: Expr, valid: Expr) -> Stmt {
     let (m, l) = (row.m, row.l);
     let dv = row.acc.len() as i64;
     let nonempty = bin(Bin::Gt, reg(l), f32(0.0));

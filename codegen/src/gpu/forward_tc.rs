@@ -786,6 +786,8 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         regs: r.list,
         shared_bytes: shared_bytes as u32,
         threads: THREADS,
+        // Two CTAs per SM: up to 255 registers a thread.
+        ctas_per_sm: 2,
         body,
     }
 }

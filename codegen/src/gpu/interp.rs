@@ -846,6 +846,7 @@ mod tests {
                 .collect(),
             shared_bytes: shared,
             threads,
+            ctas_per_sm: 1,
             body,
         }
     }

@@ -241,6 +241,9 @@ pub struct Kernel {
     pub shared_bytes: u32,
     /// Threads per CTA.
     pub threads: u32,
+    /// CTAs per SM the kernel's registers must allow: ptxas caps a thread at 64K registers /
+    /// (`threads` x this), so a higher value trades registers for occupancy.
+    pub ctas_per_sm: u32,
     /// The program every thread runs.
     pub body: Vec<Stmt>,
 }

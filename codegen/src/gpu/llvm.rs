@@ -131,7 +131,10 @@ fn lower<'ctx>(
     let function = module.add_function(&kernel.name, ctx.void_type().fn_type(&params, false), None);
     function.set_call_conventions(PTX_KERNEL);
     // Launch bounds: the CTA size, and two CTAs per SM, so ptxas budgets registers for both.
-    for (key, value) in [("maxntidx", kernel.threads), ("minctasm", 2)] {
+    for (key, value) in [
+        ("maxntidx", kernel.threads),
+        ("minctasm", kernel.ctas_per_sm),
+    ] {
         let node = ctx.metadata_node(&[
             function.as_global_value().as_pointer_value().into(),
             ctx.metadata_string(key).into(),

@@ -192,10 +192,11 @@ impl fmt::Display for Kernel {
             .collect();
         writeln!(
             f,
-            "kernel {}({}) threads {} shared {} bytes {{",
+            "kernel {}({}) threads {} ({} CTAs per SM) shared {} bytes {{",
             self.name,
             params.join(", "),
             self.threads,
+            self.ctas_per_sm,
             self.shared_bytes
         )?;
         let regs: Vec<String> = self
