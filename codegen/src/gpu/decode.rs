@@ -48,6 +48,10 @@ pub const THREADS: u32 = 128;
 /// Output accumulators a thread may hold (`task_rows x v_dim / THREADS`).
 const ACCUMULATORS: u32 = 32;
 
+/// Accumulators updated by one key loop of `P V`, skipped together when their rows are past
+/// the task's.
+const OUTPUT_GROUP: usize = 8;
+
 /// Keys per segment the kernel stages.
 pub fn segment_keys(plan: &KernelPlan) -> u32 {
     if plan.shape.qk_dim + plan.shape.v_dim <= 256 {
@@ -460,32 +464,40 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     ));
     run.push(Stmt::Barrier);
 
-    // O = O alpha + P V, a thread's outputs at once per key (rows past the task's clamped: they
-    // compute, unstored).
+    // O = O alpha + P V: a thread's outputs in groups of OUTPUT_GROUP, each group's key loop
+    // only where its first row is one of the task's (a task of 4 rows at v_dim 128 runs one
+    // group of 8; rows past the task's inside a group are clamped: they compute, unstored).
     let clamp_row = |row: Expr| bin(Bin::Min, row, sub(reg(rows), i64(1)));
-    for (i, &a) in acc.iter().enumerate() {
-        let (row, _) = output(i as i64);
-        let factor = load(Space::Shared, Ty::F32, at(i64(sh.alpha), clamp_row(row), 4));
-        run.push(Stmt::Set(a, mul(reg(a), factor)));
+    for (g, group) in acc.chunks(OUTPUT_GROUP).enumerate() {
+        let first = (g * OUTPUT_GROUP) as i64;
+        let mut update = Vec::new();
+        let mut pv = Vec::new();
+        for (k, &a) in group.iter().enumerate() {
+            let (row, col) = output(first + k as i64);
+            let factor = load(
+                Space::Shared,
+                Ty::F32,
+                at(i64(sh.alpha), clamp_row(row.clone()), 4),
+            );
+            update.push(Stmt::Set(a, mul(reg(a), factor)));
+            let pj = load(Space::Shared, Ty::F32, s_at(clamp_row(row), reg(j)));
+            let vj = load(
+                Space::Shared,
+                Ty::F32,
+                add(i64(sh.v), mul(add(mul(reg(j), i64(dv)), col), i64(4))),
+            );
+            pv.push(Stmt::Set(a, fma(pj, vj, reg(a))));
+        }
+        update.push(Stmt::For {
+            reg: j,
+            start: i64(0),
+            end: reg(len),
+            step: 1,
+            body: pv,
+        });
+        let (row, _) = output(first);
+        run.push(Stmt::If(bin(Bin::Lt, row, reg(rows)), update, vec![]));
     }
-    let mut pv = Vec::new();
-    for (i, &a) in acc.iter().enumerate() {
-        let (row, col) = output(i as i64);
-        let pj = load(Space::Shared, Ty::F32, s_at(clamp_row(row), reg(j)));
-        let vj = load(
-            Space::Shared,
-            Ty::F32,
-            add(i64(sh.v), mul(add(mul(reg(j), i64(dv)), col), i64(4))),
-        );
-        pv.push(Stmt::Set(a, fma(pj, vj, reg(a))));
-    }
-    run.push(Stmt::For {
-        reg: j,
-        start: i64(0),
-        end: reg(len),
-        step: 1,
-        body: pv,
-    });
     run.push(Stmt::Barrier);
     seg_body.push(Stmt::If(bin(Bin::Ne, reg(code), i64(0)), run, vec![]));
     body.push(Stmt::For {
