@@ -8,7 +8,8 @@
 //! 32-bit load where RoPE leaves it as it is); the scale applies to S in f32, or inside the
 //! exponent when the score program is the scaled score alone. Per key tile, K and V tiles
 //! arrive in shared memory by `cp.async` (one buffer each: V's copies fly while S is computed,
-//! the next tile's K copies while P V is; with RoPE on K, K is rotated as it is staged instead),
+//! the next tile's K copies while P V is; with RoPE, K arrives unrotated with its cos and sin
+//! rows and is rotated in shared memory),
 //! and reach the fragments through `ldmatrix` (transposed for V), each K and V fragment serving
 //! every row block of the warp. `S = Q K^T` accumulates in f32 C fragments; the score program
 //! and mask apply per element (the mask only on tiles of code 2); the row max and sum reduce
@@ -225,7 +226,14 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     let q_sh = 0;
     let k_sh = q_sh + cta_rows as usize * q_stride;
     let v_sh = k_sh + bc * k_stride;
-    let shared_bytes = v_sh + bc * v_stride;
+    // With RoPE rotating K in shared memory, the tile's cos and sin rows ([bc][rope_dim / 2]
+    // f32 each) arrive by cp.async beside it.
+    let rope_half = rotates_k_in_shared(plan)
+        .then(|| plan.rope.as_ref().map(|r| (r.rope.dim / 2) as usize))
+        .flatten();
+    let cos_sh = v_sh + bc * v_stride;
+    let sin_sh = cos_sh + bc * 4 * rope_half.unwrap_or(0);
+    let shared_bytes = sin_sh + bc * 4 * rope_half.unwrap_or(0);
 
     // Q, rotated by RoPE, staged once: row `local` of the CTA from query row first_row + local
     // (clamped into Sq).
@@ -309,120 +317,132 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     };
     let kv_base = mul(add(mul(reg(batch), i64(hkv)), reg(kvh)), param("skv"));
 
-    // The copies of a tile's K or V rows: 16-byte chunks, chunk c = tid + THREADS i. A tile
-    // inside Skv copies without the clamp and the zero fill, every copy of a thread an offset
-    // from one source and one destination address; a last, partial tile zero-fills rows past
-    // Skv.
+    // The copies of a tile's rows (of K, V, or the RoPE tables): 16-byte chunks, chunk
+    // c = tid + THREADS i. A tile inside Skv copies without the clamp and the zero fill, every
+    // copy of a thread an offset from one source and one destination address; a last, partial
+    // tile zero-fills rows past Skv.
     let (copy_src, copy_dst) = (r.add("copy_src", Ty::I64), r.add("copy_dst", Ty::I64));
-    let copies =
-        |tile: &Expr, name: &str, width: usize, base: usize, stride: usize, bounded: bool| {
-            let mut copies = Vec::new();
-            let per_row = width / 8;
-            let total = bc * per_row;
-            let row_bytes = i64(2 * width as i64);
-            // With per_row dividing THREADS, a thread's column is the same in every copy and its
-            // row steps by THREADS / per_row.
-            if !bounded && (THREADS as usize).is_multiple_of(per_row) {
-                let (row, col) = (
-                    bin(Bin::Div, tid.clone(), i64(per_row as i64)),
-                    mul(bin(Bin::Rem, tid.clone(), i64(per_row as i64)), i64(16)),
-                );
-                let key = add(mul(tile.clone(), i64(bc64)), row.clone());
-                copies.push(Stmt::Set(
-                    copy_src,
-                    add(
-                        add(
-                            param(name),
-                            mul(add(kv_base.clone(), key), row_bytes.clone()),
-                        ),
-                        col.clone(),
+    let copies = |tile: &Expr, rows: &TileRows, bounded: bool| {
+        let mut copies = Vec::new();
+        let per_row = rows.row_bytes / 16;
+        let total = bc * per_row;
+        let src_of = |key: Expr| add(rows.src.clone(), mul(key, i64(rows.row_bytes as i64)));
+        // With per_row dividing THREADS (and THREADS the chunks), a thread's column is the
+        // same in every copy and its row steps by THREADS / per_row.
+        if !bounded
+            && (THREADS as usize).is_multiple_of(per_row)
+            && total.is_multiple_of(THREADS as usize)
+        {
+            let (row, col) = (
+                bin(Bin::Div, tid.clone(), i64(per_row as i64)),
+                mul(bin(Bin::Rem, tid.clone(), i64(per_row as i64)), i64(16)),
+            );
+            let key = add(mul(tile.clone(), i64(bc64)), row.clone());
+            copies.push(Stmt::Set(copy_src, add(src_of(key), col.clone())));
+            copies.push(Stmt::Set(
+                copy_dst,
+                add(
+                    i64(rows.dst as i64),
+                    add(mul(row, i64(rows.stride as i64)), col),
+                ),
+            ));
+            let rows_per_step = (THREADS as usize / per_row) as i64;
+            for i in 0..total.div_ceil(THREADS as usize) as i64 {
+                copies.push(Stmt::CpAsync {
+                    dst: add(reg(copy_dst), i64(i * rows_per_step * rows.stride as i64)),
+                    src: add(
+                        reg(copy_src),
+                        i64(i * rows_per_step * rows.row_bytes as i64),
                     ),
-                ));
-                copies.push(Stmt::Set(
-                    copy_dst,
-                    add(i64(base as i64), add(mul(row, i64(stride as i64)), col)),
-                ));
-                let rows_per_step = (THREADS as usize / per_row) as i64;
-                for i in 0..total.div_ceil(THREADS as usize) as i64 {
-                    copies.push(Stmt::CpAsync {
-                        dst: add(reg(copy_dst), i64(i * rows_per_step * stride as i64)),
-                        src: add(reg(copy_src), i64(i * rows_per_step * 2 * width as i64)),
-                        src_bytes: Expr::Int(16, Ty::I32),
-                    });
-                }
-                return copies;
+                    src_bytes: Expr::Int(16, Ty::I32),
+                });
             }
-            for i in 0..total.div_ceil(THREADS as usize) {
-                let c = add(tid.clone(), i64((THREADS as usize * i) as i64));
-                let (row, col) = (
-                    bin(Bin::Div, c.clone(), i64(per_row as i64)),
-                    bin(Bin::Rem, c.clone(), i64(per_row as i64)),
-                );
-                let key = add(mul(tile.clone(), i64(bc64)), row.clone());
-                let (src_key, src_bytes) = if bounded {
-                    (
-                        bin(Bin::Min, key.clone(), sub(param("skv"), i64(1))),
-                        select(
-                            bin(Bin::Lt, key, param("skv")),
-                            Expr::Int(16, Ty::I32),
-                            Expr::Int(0, Ty::I32),
-                        ),
-                    )
-                } else {
-                    (key, Expr::Int(16, Ty::I32))
-                };
-                let src = add(
-                    add(
-                        param(name),
-                        mul(add(kv_base.clone(), src_key), row_bytes.clone()),
+            return copies;
+        }
+        for i in 0..total.div_ceil(THREADS as usize) {
+            let c = add(tid.clone(), i64((THREADS as usize * i) as i64));
+            let (row, col) = (
+                bin(Bin::Div, c.clone(), i64(per_row as i64)),
+                bin(Bin::Rem, c.clone(), i64(per_row as i64)),
+            );
+            let key = add(mul(tile.clone(), i64(bc64)), row.clone());
+            let (src_key, src_bytes) = if bounded {
+                (
+                    bin(Bin::Min, key.clone(), sub(param("skv"), i64(1))),
+                    select(
+                        bin(Bin::Lt, key, param("skv")),
+                        Expr::Int(16, Ty::I32),
+                        Expr::Int(0, Ty::I32),
                     ),
-                    mul(col.clone(), i64(16)),
-                );
-                let dst = add(
-                    i64(base as i64),
-                    add(mul(row, i64(stride as i64)), mul(col, i64(16))),
-                );
-                let copy = Stmt::CpAsync {
-                    dst,
-                    src,
-                    src_bytes,
-                };
-                if total.is_multiple_of(THREADS as usize) {
-                    copies.push(copy);
-                } else {
-                    copies.push(Stmt::If(
-                        bin(Bin::Lt, c, i64(total as i64)),
-                        vec![copy],
-                        vec![],
-                    ));
-                }
+                )
+            } else {
+                (key, Expr::Int(16, Ty::I32))
+            };
+            let copy = Stmt::CpAsync {
+                dst: add(
+                    i64(rows.dst as i64),
+                    add(mul(row, i64(rows.stride as i64)), mul(col.clone(), i64(16))),
+                ),
+                src: add(src_of(src_key), mul(col, i64(16))),
+                src_bytes,
+            };
+            if total.is_multiple_of(THREADS as usize) {
+                copies.push(copy);
+            } else {
+                copies.push(Stmt::If(
+                    bin(Bin::Lt, c, i64(total as i64)),
+                    vec![copy],
+                    vec![],
+                ));
             }
-            copies
-        };
-    let issue = |tile: Expr, name: &str, width: usize, base: usize, stride: usize| {
+        }
+        copies
+    };
+    let issue = |tile: Expr, regions: &[TileRows]| {
         let inside = bin(
             Bin::Le,
             mul(add(tile.clone(), i64(1)), i64(bc64)),
             param("skv"),
         );
-        vec![
-            Stmt::If(
-                inside,
-                copies(&tile, name, width, base, stride, false),
-                copies(&tile, name, width, base, stride, true),
-            ),
-            Stmt::CpAsyncCommit,
-        ]
+        let (mut full, mut bounded) = (Vec::new(), Vec::new());
+        for rows in regions {
+            full.extend(copies(&tile, rows, false));
+            bounded.extend(copies(&tile, rows, true));
+        }
+        vec![Stmt::If(inside, full, bounded), Stmt::CpAsyncCommit]
     };
-    let issue_k = |tile: Expr| issue(tile, "k", d, k_sh, k_stride);
-    let issue_v = |tile: Expr| issue(tile, "v", dv, v_sh, v_stride);
+    let kv_rows = |name: &str, width: usize, dst: usize, stride: usize| TileRows {
+        src: add(param(name), mul(kv_base.clone(), i64(2 * width as i64))),
+        row_bytes: 2 * width,
+        dst,
+        stride,
+    };
+    let mut k_regions = vec![kv_rows("k", d, k_sh, k_stride)];
+    if let Some(half) = rope_half {
+        // Table row of key j: its position p0 + j less the tables' first position.
+        for (name, dst) in [("rope_cos", cos_sh), ("rope_sin", sin_sh)] {
+            k_regions.push(TileRows {
+                src: add(
+                    param(name),
+                    mul(sub(param("p0"), param("rope_pos0")), i64(4 * half as i64)),
+                ),
+                row_bytes: 4 * half,
+                dst,
+                stride: 4 * half,
+            });
+        }
+    }
+    let issue_k = |tile: Expr| issue(tile, &k_regions);
+    let issue_v = |tile: Expr| issue(tile, &[kv_rows("v", dv, v_sh, v_stride)]);
 
     // Per running tile (FlashAttention-2's pipeline, one buffer each): K arrives (issued while
     // the previous tile's P V ran, unless that tile did not know this one runs); a barrier
     // (K visible; every warp is done with the previous V); V's copies fly while S = Q K^T
     // and the softmax run; a barrier (V visible; every warp is done with K); the next tile's
-    // K copies fly while O += P V runs. With RoPE on K, K is rotated as it is staged instead.
-    let k_async = plan.rope.is_none();
+    // K copies fly while O += P V runs. With RoPE, K arrives unrotated with its cos and sin
+    // rows and is rotated in shared memory (one more barrier), or, where the tables' rows are
+    // not whole 16-byte chunks, rotated as it is staged.
+    let k_async = plan.rope.is_none() || rope_half.is_some();
     body.push(Stmt::Set(issued, Expr::Pred(false)));
     let mut run = Vec::new();
     if k_async {
@@ -452,7 +472,19 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     }
     run.push(Stmt::CpAsyncWait(0));
     run.push(Stmt::Barrier);
-    run.extend(issue_v(reg(t)));
+    if let Some(half) = rope_half {
+        run.extend(rotate_k(
+            plan,
+            &mut r,
+            half,
+            [k_sh, k_stride, cos_sh, sin_sh],
+            bc64,
+        ));
+        run.extend(issue_v(reg(t)));
+        run.push(Stmt::Barrier);
+    } else {
+        run.extend(issue_v(reg(t)));
+    }
 
     // `ldmatrix` addresses: lane l addresses row l % 8 of matrix l / 8; a per-lane base plus
     // constants. Q (A fragments): matrix i is rows 8 (i % 2).., columns 8 (i / 2).. of a 16 x 16
@@ -857,5 +889,114 @@ fn stage_rows(
             ),
             Stmt::If(bin(Bin::Lt, reg(local), i64(to.count)), stage, vec![]),
         ],
+    }]
+}
+
+/// Rows of a tile that `cp.async` copies: the source address of key 0's row (key `j`'s is
+/// `row_bytes j` on), and where they go in shared memory.
+struct TileRows {
+    src: Expr,
+    row_bytes: usize,
+    dst: usize,
+    stride: usize,
+}
+
+/// Whether K can arrive unrotated by `cp.async` and be rotated in shared memory: the plan has
+/// RoPE on its first dims and a table row (`rope_dim / 2` f32) is whole 16-byte chunks.
+fn rotates_k_in_shared(plan: &KernelPlan) -> bool {
+    plan.rope
+        .as_ref()
+        .is_some_and(|r| r.first_dim == 0 && (r.rope.dim / 2).is_multiple_of(4))
+}
+
+/// RoPE applied in place to the K tile in shared memory (16-bit rows at `k_sh`, `k_stride`
+/// apart) from the tile's cos and sin rows (f32, `half` per key, at `cos_sh` and `sin_sh`):
+/// each thread rotates 32-bit words of element pairs, widening to f32 and rounding back.
+/// Interleaved pairs are one word; half-split pairs (i, i + half) are rotated two at a time,
+/// words at columns 2w and half + 2w.
+fn rotate_k(
+    plan: &KernelPlan,
+    r: &mut Regs,
+    half: usize,
+    [k_sh, k_stride, cos_sh, sin_sh]: [usize; 4],
+    keys: i64,
+) -> Vec<Stmt> {
+    let rope = plan.rope.as_ref().expect("a RoPE plan");
+    let h = half_of(plan);
+    let interleaved = rope.rope.layout == RopeLayout::Interleaved;
+    // Work items per key: pairs (interleaved) or pairs of pairs.
+    let per_key = if interleaved { half } else { half / 2 } as i64;
+    let (item, key, w) = (
+        r.add("rotate_item", Ty::I64),
+        r.add("rotate_key", Ty::I64),
+        r.add("rotate_word", Ty::I64),
+    );
+    let row = add(i64(k_sh as i64), mul(reg(key), i64(k_stride as i64)));
+    let elem = |col: Expr| {
+        Expr::LoadHalf(
+            Space::Shared,
+            h,
+            Box::new(add(row.clone(), mul(col, i64(2)))),
+        )
+    };
+    let table = |base: usize, i: Expr| {
+        load(
+            Space::Shared,
+            Ty::F32,
+            add(
+                i64(base as i64),
+                mul(add(mul(reg(key), i64(half as i64)), i), i64(4)),
+            ),
+        )
+    };
+    // Pair i of the key: (a, b) rotated to (a cos - b sin, b cos + a sin).
+    let rotated = |a: Expr, b: Expr, i: Expr| {
+        let (c, s) = (table(cos_sh, i.clone()), table(sin_sh, i));
+        (
+            sub(mul(a.clone(), c.clone()), mul(b.clone(), s.clone())),
+            add(mul(b, c), mul(a, s)),
+        )
+    };
+    let word_at = |col: Expr| add(row.clone(), mul(col, i64(2)));
+    let mut body = vec![
+        Stmt::Set(key, bin(Bin::Div, reg(item), i64(per_key))),
+        Stmt::Set(w, bin(Bin::Rem, reg(item), i64(per_key))),
+    ];
+    if interleaved {
+        let col = mul(reg(w), i64(2));
+        let (a, b) = rotated(elem(col.clone()), elem(add(col.clone(), i64(1))), reg(w));
+        body.push(Stmt::Store(
+            Space::Shared,
+            word_at(col),
+            Expr::PackHalf(h, Box::new(a), Box::new(b)),
+        ));
+    } else {
+        // All four values read before either word is written.
+        let col = mul(reg(w), i64(2));
+        let other = add(col.clone(), i64(half as i64));
+        let out = [0, 1, 2, 3].map(|i| r.add(format!("rotated{i}"), Ty::F32));
+        for step in 0..2 {
+            let (a, b) = rotated(
+                elem(add(col.clone(), i64(step))),
+                elem(add(other.clone(), i64(step))),
+                add(col.clone(), i64(step)),
+            );
+            body.push(Stmt::Set(out[step as usize], a));
+            body.push(Stmt::Set(out[2 + step as usize], b));
+        }
+        for (at, [lo, hi]) in [(col, [out[0], out[1]]), (other, [out[2], out[3]])] {
+            body.push(Stmt::Store(
+                Space::Shared,
+                word_at(at),
+                Expr::PackHalf(h, Box::new(reg(lo)), Box::new(reg(hi))),
+            ));
+        }
+    }
+    vec![Stmt::For {
+        reg: item,
+        start: special64(Special::Tid),
+        end: i64(keys * per_key),
+        step: i64::from(THREADS),
+        body,
     }]
 }
