@@ -17,7 +17,7 @@
 //! per row), RoPE tables for the query positions. Keys sit at the positions of their indices,
 //! rotated already.
 
-use super::forward::{Env, Regs, program, reciprocal, special64};
+use super::forward::{Env, Regs, program, reciprocal, rotate_pair, special64};
 use super::ir::build::*;
 use super::ir::{Bin, Expr, Half, Kernel, Space, Special, Stmt, Ty, Un};
 use crate::plan::{KernelPlan, PlanKind};
@@ -224,16 +224,11 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
             ),
             Stmt::Set(a, load(Space::Shared, Ty::F32, q_sh(reg(row), ia.clone()))),
             Stmt::Set(b, load(Space::Shared, Ty::F32, q_sh(reg(row), ib.clone()))),
-            Stmt::Store(
-                Space::Shared,
-                q_sh(reg(row), ia),
-                sub(mul(reg(a), reg(c)), mul(reg(b), reg(s))),
-            ),
-            Stmt::Store(
-                Space::Shared,
-                q_sh(reg(row), ib),
-                add(mul(reg(b), reg(c)), mul(reg(a), reg(s))),
-            ),
+        ]);
+        let (ra, rb) = rotate_pair(reg(a), reg(b), reg(c), reg(s));
+        rotate.extend([
+            Stmt::Store(Space::Shared, q_sh(reg(row), ia), ra),
+            Stmt::Store(Space::Shared, q_sh(reg(row), ib), rb),
         ]);
         body.push(Stmt::For {
             reg: e,

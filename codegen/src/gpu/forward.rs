@@ -539,11 +539,20 @@ fn rotate(r: &mut Regs, rope: &RopePrologue, row: &[Reg], pos: Expr) -> Vec<Stmt
             ),
             Stmt::Set(a, reg(row[ia])),
             Stmt::Set(b, reg(row[ib])),
-            Stmt::Set(row[ia], sub(mul(reg(a), reg(c)), mul(reg(b), reg(s)))),
-            Stmt::Set(row[ib], add(mul(reg(b), reg(c)), mul(reg(a), reg(s)))),
         ]);
+        let (ra, rb) = rotate_pair(reg(a), reg(b), reg(c), reg(s));
+        out.extend([Stmt::Set(row[ia], ra), Stmt::Set(row[ib], rb)]);
     }
     out
+}
+
+/// A RoPE pair `(a, b)` rotated by the angle of cosine `c` and sine `s`:
+/// `(a c - b s, b c + a s)`.
+pub(super) fn rotate_pair(a: Expr, b: Expr, c: Expr, s: Expr) -> (Expr, Expr) {
+    (
+        sub(mul(a.clone(), c.clone()), mul(b.clone(), s.clone())),
+        add(mul(b, c), mul(a, s)),
+    )
 }
 
 /// The values of the score program's variables for one (row, key).

@@ -18,7 +18,7 @@
 //! or unmask tiles. Shared rows are padded by 16 bytes so the eight rows an `ldmatrix` reads
 //! fall in different banks.
 
-use super::forward::{Env, PARAMS, Regs, param, program, reciprocal, special64};
+use super::forward::{Env, PARAMS, Regs, param, program, reciprocal, rotate_pair, special64};
 use super::ir::build::*;
 use super::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Un};
 use crate::plan::{KernelPlan, PlanKind};
@@ -130,11 +130,8 @@ fn element(plan: &KernelPlan, row_addr: &Expr, d: usize, pos: &Expr, shift: Opti
         add(param("rope_cos"), entry.clone()),
     );
     let s = load(Space::Global, Ty::F32, add(param("rope_sin"), entry));
-    if is_a {
-        sub(mul(at_d(a), c), mul(at_d(b), s))
-    } else {
-        add(mul(at_d(b), c), mul(at_d(a), s))
-    }
+    let (ra, rb) = rotate_pair(at_d(a), at_d(b), c, s);
+    if is_a { ra } else { rb }
 }
 
 /// Columns `d` and `d + 1` (`d` even; plus `2 shift`) of a 16-bit row as a packed pair: one 32-bit
@@ -949,14 +946,9 @@ fn rotate_k(
             ),
         )
     };
-    // Pair i of the key: (a, b) rotated to (a cos - b sin, b cos + a sin).
-    let rotated = |a: Expr, b: Expr, i: Expr| {
-        let (c, s) = (table(cos_sh, i.clone()), table(sin_sh, i));
-        (
-            sub(mul(a.clone(), c.clone()), mul(b.clone(), s.clone())),
-            add(mul(b, c), mul(a, s)),
-        )
-    };
+    // Pair i of the key rotated.
+    let rotated =
+        |a: Expr, b: Expr, i: Expr| rotate_pair(a, b, table(cos_sh, i.clone()), table(sin_sh, i));
     let word_at = |col: Expr| add(row.clone(), mul(col, i64(2)));
     let mut body = vec![
         Stmt::Set(key, bin(Bin::Div, reg(item), i64(per_key))),
