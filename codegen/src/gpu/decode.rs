@@ -17,7 +17,7 @@
 //! per row), RoPE tables for the query positions. Keys sit at the positions of their indices,
 //! rotated already.
 
-use super::forward::{Env, Regs, program, reciprocal, rotate_pair, special64};
+use super::forward::{Env, Regs, cos_sin, program, reciprocal, rotate_pair, special64};
 use super::ir::build::*;
 use super::ir::{Bin, Expr, Half, Kernel, Space, Special, Stmt, Ty, Un};
 use crate::plan::{KernelPlan, PlanKind};
@@ -209,19 +209,12 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
             r.add("rot_b", Ty::F32),
         );
         let mut rotate = split(half);
+        rotate.extend(cos_sin(
+            [c, s],
+            [param("rope_cos"), param("rope_sin")],
+            entry,
+        ));
         rotate.extend([
-            Stmt::Set(
-                c,
-                load(
-                    Space::Global,
-                    Ty::F32,
-                    add(param("rope_cos"), entry.clone()),
-                ),
-            ),
-            Stmt::Set(
-                s,
-                load(Space::Global, Ty::F32, add(param("rope_sin"), entry)),
-            ),
             Stmt::Set(a, load(Space::Shared, Ty::F32, q_sh(reg(row), ia.clone()))),
             Stmt::Set(b, load(Space::Shared, Ty::F32, q_sh(reg(row), ib.clone()))),
         ]);

@@ -524,26 +524,24 @@ fn rotate(r: &mut Regs, rope: &RopePrologue, row: &[Reg], pos: Expr) -> Vec<Stmt
             RopeLayout::Interleaved => (first + 2 * i, first + 2 * i + 1),
         };
         let entry = add(mul(reg(table_row), i64(half * 4)), i64(4 * i as i64));
-        out.extend([
-            Stmt::Set(
-                c,
-                load(
-                    Space::Global,
-                    Ty::F32,
-                    add(param("rope_cos"), entry.clone()),
-                ),
-            ),
-            Stmt::Set(
-                s,
-                load(Space::Global, Ty::F32, add(param("rope_sin"), entry)),
-            ),
-            Stmt::Set(a, reg(row[ia])),
-            Stmt::Set(b, reg(row[ib])),
-        ]);
+        out.extend(cos_sin(
+            [c, s],
+            [param("rope_cos"), param("rope_sin")],
+            entry,
+        ));
+        out.extend([Stmt::Set(a, reg(row[ia])), Stmt::Set(b, reg(row[ib]))]);
         let (ra, rb) = rotate_pair(reg(a), reg(b), reg(c), reg(s));
         out.extend([Stmt::Set(row[ia], ra), Stmt::Set(row[ib], rb)]);
     }
     out
+}
+
+/// Loads of a RoPE table entry (a byte offset into both tables) into registers `c` and `s`.
+pub(super) fn cos_sin([c, s]: [Reg; 2], [cos, sin]: [Expr; 2], entry: Expr) -> [Stmt; 2] {
+    [
+        Stmt::Set(c, load(Space::Global, Ty::F32, add(cos, entry.clone()))),
+        Stmt::Set(s, load(Space::Global, Ty::F32, add(sin, entry))),
+    ]
 }
 
 /// A RoPE pair `(a, b)` rotated by the angle of cosine `c` and sine `s`:
