@@ -715,3 +715,117 @@ fn runs_lie_inside_the_regions_and_changes_move_the_generation() {
     paged.free(p).unwrap();
     assert!(paged.generation() > before);
 }
+
+/// A mirror of a cache's memory (a device copy, say), taken once and then brought up to date
+/// by `MirrorSync`, equals the memory after every change: appends, forks and the copy on write
+/// of a shared block, frees, and a contiguous sequence's reallocation. A one-token step copies
+/// a key row and a value row per kv head, not the cache.
+#[test]
+fn mirrors_brought_up_to_date_equal_the_cache() {
+    use attn_runtime::cache::MirrorSync;
+    struct Mirror {
+        bytes: Vec<Vec<u8>>,
+        regions: Vec<(usize, usize)>,
+        generation: u64,
+    }
+    impl Mirror {
+        fn of(cache: &impl KvCache) -> Mirror {
+            Mirror {
+                bytes: cache.memory().iter().map(|m| m.to_vec()).collect(),
+                regions: cache
+                    .regions()
+                    .into_iter()
+                    .map(|(p, n)| (p as usize, n))
+                    .collect(),
+                generation: cache.generation(),
+            }
+        }
+        /// Syncs and checks; returns the plan's bytes.
+        fn sync(&mut self, cache: &impl KvCache, what: &str) -> usize {
+            let plan = MirrorSync::plan(cache, &self.regions, self.generation);
+            let memory = cache.memory();
+            let copied = plan.bytes(memory.iter().map(|m| m.len()).sum());
+            match plan {
+                MirrorSync::UpToDate => {}
+                MirrorSync::Full => *self = Mirror::of(cache),
+                MirrorSync::Writes(writes) => {
+                    for w in writes {
+                        let range = w.start..w.start + w.len;
+                        self.bytes[w.region][range.clone()]
+                            .copy_from_slice(&memory[w.region][range]);
+                    }
+                    self.generation = cache.generation();
+                }
+            }
+            let now: Vec<&[u8]> = self.bytes.iter().map(|b| b.as_slice()).collect();
+            assert!(now == memory, "{what}: the mirror differs from the cache");
+            copied
+        }
+    }
+    let spec: AttentionSpec = "heads = 4, kv_heads = 2, head_dim = 16, mask = causal, \
+                               position = rope, dtype = bf16"
+        .parse()
+        .unwrap();
+    let (hkv, d, dv) = dims(&spec);
+    let row_pair = hkv * (d + dv) * 2;
+    let h = history(&spec, 40, 7);
+
+    let mut paged = PagedCache::new(&spec, 4, 32).unwrap();
+    let mut mirror = Mirror::of(&paged);
+    let a = paged.add_sequence();
+    let (k, v) = slice(&spec, &h, 0, 6);
+    paged.append(a, &k, &v).unwrap();
+    assert_eq!(mirror.sync(&paged, "paged append 6"), 6 * row_pair);
+    assert_eq!(mirror.sync(&paged, "paged unchanged"), 0);
+    let (k, v) = slice(&spec, &h, 6, 7);
+    paged.append(a, &k, &v).unwrap();
+    assert_eq!(mirror.sync(&paged, "paged step"), row_pair);
+    // A fork shares the partly filled last block; appending to it copies the block first.
+    let b = paged.fork(a).unwrap();
+    mirror.sync(&paged, "paged fork");
+    let (k, v) = slice(&spec, &h, 7, 8);
+    paged.append(b, &k, &v).unwrap();
+    let block = 4 * hkv * (d + dv) * 2;
+    assert_eq!(mirror.sync(&paged, "paged copy on write"), block + row_pair);
+    paged.free(a).unwrap();
+    let c = paged.add_sequence();
+    let (k, v) = slice(&spec, &h, 0, 9);
+    paged.append(c, &k, &v).unwrap();
+    paged.append(b, &k, &v).unwrap();
+    assert_eq!(mirror.sync(&paged, "paged two appends"), 18 * row_pair);
+
+    let mut contiguous = ContiguousCache::new(&spec).unwrap();
+    let mut mirror = Mirror::of(&contiguous);
+    let a = contiguous.add_sequence(8);
+    let total = |c: &ContiguousCache| c.memory().iter().map(|m| m.len()).sum::<usize>();
+    assert_eq!(
+        mirror.sync(&contiguous, "contiguous new"),
+        total(&contiguous)
+    );
+    let (k, v) = slice(&spec, &h, 0, 5);
+    contiguous.append(a, &k, &v).unwrap();
+    assert_eq!(mirror.sync(&contiguous, "contiguous append"), 5 * row_pair);
+    let (k, v) = slice(&spec, &h, 5, 6);
+    contiguous.append(a, &k, &v).unwrap();
+    assert_eq!(mirror.sync(&contiguous, "contiguous step"), row_pair);
+    // Past the capacity the sequence moves: everything again.
+    let (k, v) = slice(&spec, &h, 6, 12);
+    contiguous.append(a, &k, &v).unwrap();
+    assert_eq!(
+        mirror.sync(&contiguous, "contiguous grown"),
+        total(&contiguous)
+    );
+    let b = contiguous.add_sequence(4);
+    let (k, v) = slice(&spec, &h, 0, 2);
+    contiguous.append(b, &k, &v).unwrap();
+    contiguous.append(a, &k, &v).unwrap();
+    mirror.sync(&contiguous, "contiguous second sequence");
+    contiguous.free(a).unwrap();
+    mirror.sync(&contiguous, "contiguous freed");
+    let (k, v) = slice(&spec, &h, 2, 3);
+    contiguous.append(b, &k, &v).unwrap();
+    assert_eq!(
+        mirror.sync(&contiguous, "contiguous step after free"),
+        row_pair
+    );
+}

@@ -481,18 +481,23 @@ fn stale_device_copies_are_refused(gpu: &attn_runtime::gpu::cuda::CudaBackend) {
     let kv =
         |len: usize, seed: u64| Tensor::from_f32(&[2, len, 16], values(32 * len, seed)).unwrap();
     cache.append(seq, &kv(5, 1), &kv(5, 2)).unwrap();
-    let resident = gpu.upload_cache(&cache).unwrap();
+    let mut resident = gpu.upload_cache(&cache).unwrap();
     cache.append(seq, &kv(1, 3), &kv(1, 4)).unwrap();
     let q = Tensor::from_f32(&[1, 2, 1, 16], values(32, 5)).unwrap();
+    let options = DecodeOptions::default();
     let e = gpu
-        .decode_resident(
-            &spec,
-            &q,
-            &cache,
-            &resident,
-            &[seq],
-            DecodeOptions::default(),
-        )
+        .decode_resident(&spec, &q, &cache, &resident, &[seq], options)
         .unwrap_err();
     assert!(e.to_string().contains("out of date"), "{e}");
+    // Brought up to date by copying the new token's rows (a key and a value row of 16 f32 per
+    // kv head), it decodes as a fresh upload does.
+    assert_eq!(
+        gpu.sync_cache(&mut resident, &cache).unwrap(),
+        2 * 2 * 16 * 4
+    );
+    let synced = gpu
+        .decode_resident(&spec, &q, &cache, &resident, &[seq], options)
+        .unwrap();
+    let fresh = gpu.decode(&spec, &q, &cache, &[seq], options).unwrap();
+    assert_eq!(synced.out.to_f32_vec(), fresh.out.to_f32_vec());
 }

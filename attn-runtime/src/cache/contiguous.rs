@@ -1,5 +1,6 @@
 //! The contiguous cache: each sequence's tokens in one allocation.
 
+use super::changes::ChangeLog;
 use super::store::{Buffer, Slots};
 use super::{CacheLayout, KvCache, Run, SeqId, layout_of, new_tokens, unknown};
 use crate::error::RuntimeError;
@@ -14,6 +15,9 @@ pub struct ContiguousCache {
     seqs: Vec<Option<Sequence>>,
     /// Moves forward on every change (`KvCache::generation`).
     generation: u64,
+    /// Writes to the sequences' buffers (`KvCache::changes_since`); reset when the buffers
+    /// change (a sequence added, freed or reallocated).
+    changes: ChangeLog,
 }
 
 #[derive(Debug)]
@@ -30,12 +34,14 @@ impl ContiguousCache {
             layout: layout_of(spec)?,
             seqs: Vec::new(),
             generation: 0,
+            changes: ChangeLog::default(),
         })
     }
 
     /// Starts a sequence with room for `capacity` tokens before its first reallocation.
     pub fn add_sequence(&mut self, capacity: usize) -> SeqId {
         self.generation += 1;
+        self.changes.reset(self.generation);
         let slots = Slots {
             layout: &self.layout,
             size: capacity,
@@ -72,9 +78,12 @@ impl ContiguousCache {
         self.generation += 1;
         let mut tokens = new_tokens(&self.layout, k, v)?;
         self.seq(seq)?;
+        // The sequence's region among the live ones (KvCache::memory's order).
+        let region = self.seqs[..seq.0].iter().flatten().count();
         let layout = &self.layout;
         let s = self.seqs[seq.0].as_mut().expect("checked");
         if s.len + tokens.n > s.capacity {
+            self.changes.reset(self.generation);
             let capacity = (s.len + tokens.n).max(2 * s.capacity);
             let (old, new) = (
                 Slots {
@@ -102,15 +111,20 @@ impl ContiguousCache {
             size: s.capacity,
         };
         let (dk, dv) = (layout.k_dim, layout.v_dim);
+        let size = s.data.value_bytes();
         for h in 0..layout.kv_heads {
             for t in 0..tokens.n {
                 let row = (h * tokens.n + t) * dk;
-                s.data
-                    .write(slots.k(h, s.len + t), &tokens.k[row..row + dk]);
+                let at = slots.k(h, s.len + t);
+                s.data.write(at, &tokens.k[row..row + dk]);
+                self.changes
+                    .record(self.generation, region, at * size, dk * size);
                 if !layout.values_in_keys {
                     let row = (h * tokens.n + t) * dv;
-                    s.data
-                        .write(slots.v(h, s.len + t), &tokens.v[row..row + dv]);
+                    let at = slots.v(h, s.len + t);
+                    s.data.write(at, &tokens.v[row..row + dv]);
+                    self.changes
+                        .record(self.generation, region, at * size, dv * size);
                 }
             }
         }
@@ -122,6 +136,7 @@ impl ContiguousCache {
     pub fn free(&mut self, seq: SeqId) -> Result<(), RuntimeError> {
         self.generation += 1;
         self.seq(seq)?;
+        self.changes.reset(self.generation);
         self.seqs[seq.0] = None;
         Ok(())
     }
@@ -136,16 +151,20 @@ impl KvCache for ContiguousCache {
         Ok(self.seq(seq)?.len)
     }
 
-    fn regions(&self) -> Vec<(*const u8, usize)> {
+    fn memory(&self) -> Vec<&[u8]> {
         self.seqs
             .iter()
             .flatten()
-            .map(|s| (s.data.ptr(0), s.data.bytes() as usize))
+            .map(|s| s.data.as_bytes())
             .collect()
     }
 
     fn generation(&self) -> u64 {
         self.generation
+    }
+
+    fn changes_since(&self, generation: u64) -> Option<Vec<super::RegionWrite>> {
+        self.changes.since(generation)
     }
 
     fn runs(

@@ -10,6 +10,7 @@
 //! Decode kernels read either through [`KvCache::runs`], the stretches of consecutive keys
 //! that lie contiguously (a page, or a whole sequence): no gather copy.
 
+mod changes;
 mod contiguous;
 mod layout;
 mod paged;
@@ -56,13 +57,80 @@ pub trait KvCache {
         start: usize,
         end: usize,
     ) -> Result<Vec<Run>, RuntimeError>;
-    /// The memory the cached rows live in, as `(start, bytes)` ranges every run lies inside (a
-    /// paged cache's block pool; a contiguous cache's per-sequence buffers). Valid while the
-    /// cache is borrowed: a device mirror of the cache uploads them.
-    fn regions(&self) -> Vec<(*const u8, usize)>;
+    /// The memory the cached rows live in, regions every run lies inside (a paged cache's
+    /// block pool; a contiguous cache's per-sequence buffers): what a device mirror of the
+    /// cache uploads.
+    fn memory(&self) -> Vec<&[u8]>;
+    /// [`KvCache::memory`] as `(start, bytes)` ranges, for addresses that outlive the borrow
+    /// (a launch translates run pointers inside them).
+    fn regions(&self) -> Vec<(*const u8, usize)> {
+        self.memory()
+            .iter()
+            .map(|m| (m.as_ptr(), m.len()))
+            .collect()
+    }
     /// A counter every change to the cache moves forward, so that a copy of its regions can
     /// tell that it is out of date.
     fn generation(&self) -> u64;
+    /// The bytes of [`KvCache::memory`] written since the cache was at `generation`, so that a
+    /// mirror taken then can be brought up to date by copying those alone; `None` when the
+    /// cache cannot say (its regions moved or were reallocated since, or its log of writes
+    /// no longer reaches back): copy everything.
+    fn changes_since(&self, generation: u64) -> Option<Vec<RegionWrite>> {
+        let _ = generation;
+        None
+    }
+}
+
+/// What bringing a mirror of a cache's memory up to date takes (a device copy, say).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MirrorSync {
+    /// Nothing: the cache has not changed.
+    UpToDate,
+    /// Copying these bytes of the cache's regions over the mirror's.
+    Writes(Vec<RegionWrite>),
+    /// Copying all of the cache's memory (its regions moved, or it cannot say what changed).
+    Full,
+}
+
+impl MirrorSync {
+    /// The plan for a mirror of `cache` taken at `generation`, when its regions were
+    /// `regions` (`(address, bytes)`, as [`KvCache::regions`] gave them then).
+    pub fn plan(cache: &impl KvCache, regions: &[(usize, usize)], generation: u64) -> MirrorSync {
+        if cache.generation() == generation {
+            return MirrorSync::UpToDate;
+        }
+        let now: Vec<(usize, usize)> = cache
+            .regions()
+            .into_iter()
+            .map(|(start, bytes)| (start as usize, bytes))
+            .collect();
+        match cache.changes_since(generation) {
+            Some(writes) if now == regions => MirrorSync::Writes(writes),
+            _ => MirrorSync::Full,
+        }
+    }
+
+    /// Bytes the plan copies, for a cache whose memory is `total` bytes.
+    pub fn bytes(&self, total: usize) -> usize {
+        match self {
+            MirrorSync::UpToDate => 0,
+            MirrorSync::Writes(w) => w.iter().map(|w| w.len).sum(),
+            MirrorSync::Full => total,
+        }
+    }
+}
+
+/// Bytes written to a region of a cache's memory: `len` bytes from byte `start` of region
+/// `region` (an index into [`KvCache::memory`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RegionWrite {
+    /// The region.
+    pub region: usize,
+    /// First byte written.
+    pub start: usize,
+    /// Bytes written.
+    pub len: usize,
 }
 
 fn unknown(seq: SeqId) -> RuntimeError {

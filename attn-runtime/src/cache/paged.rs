@@ -1,5 +1,6 @@
 //! The paged cache: a pool of blocks of `block_size` tokens, per-sequence block tables.
 
+use super::changes::ChangeLog;
 use super::store::{Buffer, Slots};
 use super::{CacheLayout, KvCache, Run, SeqId, layout_of, new_tokens, unknown};
 use crate::error::RuntimeError;
@@ -21,6 +22,8 @@ pub struct PagedCache {
     seqs: Vec<Option<Sequence>>,
     /// Moves forward on every change (`KvCache::generation`).
     generation: u64,
+    /// Writes to the pool (`KvCache::changes_since`).
+    changes: ChangeLog,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -53,6 +56,7 @@ impl PagedCache {
             free: (0..num_blocks).rev().collect(),
             seqs: Vec::new(),
             generation: 0,
+            changes: ChangeLog::default(),
         })
     }
 
@@ -151,6 +155,7 @@ impl PagedCache {
             let block_len = self.slots().block_len();
             self.pool
                 .copy_within(old * block_len, new * block_len, block_len);
+            self.record(new * block_len, block_len);
             self.release(old);
             self.seqs[seq.0].as_mut().expect("checked").blocks[held - 1] = new;
         }
@@ -179,15 +184,24 @@ impl PagedCache {
                 let base = block * block_len;
                 self.pool
                     .write(base + slots.k(h, slot), &tokens.k[row..row + dk]);
+                self.record(base + slots.k(h, slot), dk);
                 if !layout.values_in_keys {
                     let row = (h * tokens.n + t) * dv;
                     self.pool
                         .write(base + slots.v(h, slot), &tokens.v[row..row + dv]);
+                    self.record(base + slots.v(h, slot), dv);
                 }
             }
         }
         self.seqs[seq.0].as_mut().expect("checked").len = len + tokens.n;
         Ok(())
+    }
+
+    /// Logs a write of `len` values of the pool from value `at`.
+    fn record(&mut self, at: usize, len: usize) {
+        let size = self.pool.value_bytes();
+        self.changes
+            .record(self.generation, 0, at * size, len * size);
     }
 
     /// A new sequence sharing every cached token of `seq` (no copy): for beam search and
@@ -223,12 +237,16 @@ impl KvCache for PagedCache {
         Ok(self.seq(seq)?.len)
     }
 
-    fn regions(&self) -> Vec<(*const u8, usize)> {
-        vec![(self.pool.ptr(0), self.pool.bytes() as usize)]
+    fn memory(&self) -> Vec<&[u8]> {
+        vec![self.pool.as_bytes()]
     }
 
     fn generation(&self) -> u64 {
         self.generation
+    }
+
+    fn changes_since(&self, generation: u64) -> Option<Vec<super::RegionWrite>> {
+        self.changes.since(generation)
     }
 
     fn runs(

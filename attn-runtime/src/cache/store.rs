@@ -33,11 +33,7 @@ impl Buffer {
 
     /// Bytes of the stored values.
     pub fn bytes(&self) -> u64 {
-        let size = match self {
-            Buffer::F32(_) => 4,
-            Buffer::Bf16(_) | Buffer::F16(_) => 2,
-        };
-        (self.len() * size) as u64
+        (self.len() * self.value_bytes()) as u64
     }
 
     /// Stores `values` (rounded to the dtype) from element `at`.
@@ -80,6 +76,23 @@ impl Buffer {
             Buffer::F32(v) => v.copy_within(src..src + len, dst),
             Buffer::Bf16(v) => v.copy_within(src..src + len, dst),
             Buffer::F16(v) => v.copy_within(src..src + len, dst),
+        }
+    }
+
+    /// The stored values' bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        match self {
+            Buffer::F32(v) => bytemuck::cast_slice(v),
+            Buffer::Bf16(v) => bytemuck::cast_slice(v),
+            Buffer::F16(v) => bytemuck::cast_slice(v),
+        }
+    }
+
+    /// Bytes per value.
+    pub fn value_bytes(&self) -> usize {
+        match self {
+            Buffer::F32(_) => 4,
+            Buffer::Bf16(_) | Buffer::F16(_) => 2,
         }
     }
 

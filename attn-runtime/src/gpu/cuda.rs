@@ -3,7 +3,7 @@
 
 use super::GpuCall;
 use super::decode::{self, DecodeLaunch};
-use crate::cache::{KvCache, SeqId};
+use crate::cache::{KvCache, MirrorSync, SeqId};
 use crate::cpu::{DecodeOptions, MlaQueries, MlaTensors};
 use crate::cpu::{Output, finish};
 use crate::error::RuntimeError;
@@ -133,20 +133,14 @@ impl CudaBackend {
         })
     }
 
-    /// A copy of the cache's memory on the device, for [`CudaBackend::decode_resident`]. Upload
-    /// again after the cache changes (decoding against an out-of-date copy is an error).
+    /// A copy of the cache's memory on the device, for [`CudaBackend::decode_resident`]. After
+    /// the cache changes, bring it up to date with [`CudaBackend::sync_cache`] (decoding
+    /// against an out-of-date copy is an error).
     pub fn upload_cache(&self, cache: &impl KvCache) -> Result<DeviceCache, RuntimeError> {
-        let regions: Vec<(usize, usize)> = cache
-            .regions()
+        let buffers = cache
+            .memory()
             .into_iter()
-            .map(|(start, bytes)| (start as usize, bytes))
-            .collect();
-        let buffers = regions
-            .iter()
-            .map(|&(start, bytes)| {
-                // SAFETY: `KvCache::regions` gives `bytes` readable bytes from `start`, valid
-                // while `cache` is borrowed (this call).
-                let host = unsafe { std::slice::from_raw_parts(start as *const u8, bytes) };
+            .map(|host| {
                 self.stream
                     .clone_htod(if host.is_empty() {
                         &[0u8; 16][..]
@@ -157,10 +151,42 @@ impl CudaBackend {
             })
             .collect::<Result<_, _>>()?;
         Ok(DeviceCache {
-            regions,
+            regions: cache
+                .regions()
+                .into_iter()
+                .map(|(start, bytes)| (start as usize, bytes))
+                .collect(),
             buffers,
             generation: cache.generation(),
         })
+    }
+
+    /// Brings a device copy of `cache` up to date: only the bytes written since it was taken
+    /// where the cache can say which ([`KvCache::changes_since`]; a decode step appends a row
+    /// per kv head), else the whole cache again. Returns the bytes copied.
+    pub fn sync_cache(
+        &self,
+        resident: &mut DeviceCache,
+        cache: &impl KvCache,
+    ) -> Result<usize, RuntimeError> {
+        let memory = cache.memory();
+        let total = memory.iter().map(|m| m.len()).sum();
+        let plan = MirrorSync::plan(cache, &resident.regions, resident.generation);
+        match &plan {
+            MirrorSync::UpToDate => {}
+            MirrorSync::Full => *resident = self.upload_cache(cache)?,
+            MirrorSync::Writes(writes) => {
+                for w in writes {
+                    let range = w.start..w.start + w.len;
+                    let mut dst = resident.buffers[w.region].slice_mut(range.clone());
+                    self.stream
+                        .memcpy_htod(&memory[w.region][range], &mut dst)
+                        .map_err(device)?;
+                }
+                resident.generation = cache.generation();
+            }
+        }
+        Ok(plan.bytes(total))
     }
 
     /// [`CudaBackend::decode`] against a device copy of `cache` from
@@ -193,7 +219,7 @@ impl CudaBackend {
         let uploaded: Vec<CudaSlice<u8>>;
         let buffers = match resident {
             Some(r) => {
-                if r.generation != l.generation || r.regions != l.regions {
+                if r.generation != l.generation || r.regions != l.regions() {
                     return Err(RuntimeError::Cache(
                         "the device copy of the cache is out of date (the cache changed after \
                          upload_cache): upload it again"
@@ -203,8 +229,10 @@ impl CudaBackend {
                 &r.buffers
             }
             None => {
-                uploaded = (0..l.regions.len())
-                    .map(|i| some(l.region_bytes(i)).map_err(device))
+                uploaded = l
+                    .memory
+                    .iter()
+                    .map(|m| some(m).map_err(device))
                     .collect::<Result<_, _>>()?;
                 &uploaded
             }

@@ -27,7 +27,9 @@ pub fn decode_emulated(
     seqs: &[SeqId],
     options: DecodeOptions,
 ) -> Result<Output, RuntimeError> {
-    decode_with(spec, q, cache, seqs, options, DecodeLaunch::run_emulated)
+    decode_with(spec, q, cache, seqs, options, |l: &DecodeLaunch| {
+        l.run_emulated()
+    })
 }
 
 /// `CpuBackend::decode_mla`'s call on the GPU decode kernel, run on the interpreter: the
@@ -41,14 +43,9 @@ pub fn decode_mla_emulated(
     seqs: &[SeqId],
     options: DecodeOptions,
 ) -> Result<Output, RuntimeError> {
-    decode_mla_with(
-        spec,
-        queries,
-        cache,
-        seqs,
-        options,
-        DecodeLaunch::run_emulated,
-    )
+    decode_mla_with(spec, queries, cache, seqs, options, |l: &DecodeLaunch| {
+        l.run_emulated()
+    })
 }
 
 /// `CpuBackend::attend_ragged`'s call (a ragged batch: `q [tokens, heads, head_dim]` with
@@ -68,7 +65,7 @@ pub fn attend_ragged_emulated(
         cache,
         seqs,
         options,
-        DecodeLaunch::run_emulated,
+        |l: &DecodeLaunch| l.run_emulated(),
     )
 }
 
@@ -178,9 +175,9 @@ fn checked_plan(spec: &AttentionSpec, cache: &impl KvCache) -> Result<KernelPlan
 
 /// A decode call prepared for the GPU decode kernel: its buffers as the kernel reads them. The
 /// segment records point at the cache's rows where they lie (host addresses inside the cache's
-/// `regions`); the launcher puts the regions in device memory (or finds them there) and
-/// translates the addresses.
-pub(crate) struct DecodeLaunch {
+/// `memory`, which the launch borrows); the launcher puts that memory on the device (or finds
+/// it there) and translates the addresses.
+pub(crate) struct DecodeLaunch<'a> {
     /// The kernel, for the call's plan.
     pub kernel: Kernel,
     /// CTAs: one per task.
@@ -191,8 +188,8 @@ pub(crate) struct DecodeLaunch {
     pub tasks: Vec<i64>,
     /// Segment records (`SEGMENT_FIELDS` i64 each), K and V as host addresses.
     pub segments: Vec<i64>,
-    /// The cache's memory: `(host address, bytes)` ranges every segment lies inside.
-    pub regions: Vec<(usize, usize)>,
+    /// The cache's memory: regions every segment lies inside.
+    pub memory: Vec<&'a [u8]>,
     /// The cache's generation when the launch was prepared (a device copy of the cache must be
     /// of the same; only the CUDA launcher has such copies).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -207,13 +204,22 @@ pub(crate) struct DecodeLaunch {
     pub v_dim: usize,
 }
 
-impl DecodeLaunch {
+impl DecodeLaunch<'_> {
+    /// The cache's memory as `(host address, bytes)` ranges.
+    pub fn regions(&self) -> Vec<(usize, usize)> {
+        self.memory
+            .iter()
+            .map(|m| (m.as_ptr() as usize, m.len()))
+            .collect()
+    }
+
     /// `segments` with their host addresses turned into device ones, region `i` being at
     /// `bases[i]` on the device.
     pub fn segment_records(&self, bases: &[i64]) -> Result<Vec<i64>, RuntimeError> {
+        let regions = self.regions();
         let translate = |host: i64| -> Result<i64, RuntimeError> {
             let host = host as usize;
-            self.regions
+            regions
                 .iter()
                 .zip(bases)
                 .find(|((start, bytes), _)| (*start..start + bytes).contains(&host))
@@ -230,23 +236,14 @@ impl DecodeLaunch {
         Ok(records)
     }
 
-    /// The bytes of region `i`.
-    ///
-    /// Valid only while the cache the launch was prepared from is borrowed (as it is for the
-    /// whole of `run_rows`, which calls the launcher).
-    pub fn region_bytes(&self, i: usize) -> &[u8] {
-        let (start, bytes) = self.regions[i];
-        // SAFETY: `regions` came from `KvCache::regions` of the cache `run_rows` borrows while
-        // the launch exists: `bytes` readable bytes from `start`.
-        unsafe { std::slice::from_raw_parts(start as *const u8, bytes) }
-    }
-
     /// Runs the launch on the GPU IR interpreter; returns `out` and `lse`, all rows.
     fn run_emulated(&self) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> {
         let mut mem = Memory::default();
         let i64s = |v: &[i64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-        let bases: Vec<i64> = (0..self.regions.len())
-            .map(|i| mem.alloc_bytes(self.region_bytes(i).to_vec()))
+        let bases: Vec<i64> = self
+            .memory
+            .iter()
+            .map(|m| mem.alloc_bytes(m.to_vec()))
             .collect();
         let (cos, sin) = if self.rope_cos.is_empty() {
             (0, 0)
@@ -359,11 +356,7 @@ pub(crate) fn run_rows(
         q_rows,
         tasks: task_records,
         segments: segment_records,
-        regions: cache
-            .regions()
-            .into_iter()
-            .map(|(start, bytes)| (start as usize, bytes))
-            .collect(),
+        memory: cache.memory(),
         generation: cache.generation(),
         rope_cos,
         rope_sin,

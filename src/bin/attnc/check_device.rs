@@ -30,6 +30,16 @@ trait Gpu {
         seqs: &[SeqId],
         options: DecodeOptions,
     ) -> Option<Result<Output, RuntimeError>>;
+    /// Decode against a device copy of the cache taken before `step` changed the cache, then
+    /// brought up to date (`sync_cache`), where the backend has such copies.
+    fn decode_after_sync(
+        &self,
+        spec: &AttentionSpec,
+        q: &Tensor,
+        cache: &mut PagedCache,
+        step: &dyn Fn(&mut PagedCache) -> Result<(), RuntimeError>,
+        seqs: &[SeqId],
+    ) -> Option<Result<Output, RuntimeError>>;
     fn attend_ragged(
         &self,
         spec: &AttentionSpec,
@@ -71,6 +81,17 @@ impl Gpu for Interpreter {
         _: &PagedCache,
         _: &[SeqId],
         _: DecodeOptions,
+    ) -> Option<Result<Output, RuntimeError>> {
+        None
+    }
+
+    fn decode_after_sync(
+        &self,
+        _: &AttentionSpec,
+        _: &Tensor,
+        _: &mut PagedCache,
+        _: &dyn Fn(&mut PagedCache) -> Result<(), RuntimeError>,
+        _: &[SeqId],
     ) -> Option<Result<Output, RuntimeError>> {
         None
     }
@@ -133,6 +154,23 @@ impl Gpu for attn::runtime::gpu::cuda::CudaBackend {
             self.upload_cache(cache)
                 .and_then(|r| self.decode_resident(spec, q, cache, &r, seqs, options)),
         )
+    }
+
+    fn decode_after_sync(
+        &self,
+        spec: &AttentionSpec,
+        q: &Tensor,
+        cache: &mut PagedCache,
+        step: &dyn Fn(&mut PagedCache) -> Result<(), RuntimeError>,
+        seqs: &[SeqId],
+    ) -> Option<Result<Output, RuntimeError>> {
+        let mut run = || {
+            let mut resident = self.upload_cache(cache)?;
+            step(cache)?;
+            self.sync_cache(&mut resident, cache)?;
+            self.decode_resident(spec, q, cache, &resident, seqs, DecodeOptions::default())
+        };
+        Some(run())
     }
 
     fn attend_ragged(
@@ -243,6 +281,19 @@ pub fn run(on: Backend) -> Result<bool, RuntimeError> {
             if let Some(got) = gpu.decode_resident(&spec, &q, &cache, &seqs, options) {
                 report(&format!("resident decode q_len {n}"), &spec, got?, want);
             }
+        }
+        // A decode step: one more token for the first sequence, the device copy synced.
+        let step = |c: &mut PagedCache| {
+            c.append(
+                seqs[0],
+                &random(&spec, &[hkv, 1, d], 30)?,
+                &random(&spec, &[hkv, 1, dv], 31)?,
+            )
+        };
+        let q = random(&spec, &[2, h, 1, d], 7)?;
+        if let Some(got) = gpu.decode_after_sync(&spec, &q, &mut cache, &step, &seqs) {
+            let want = cpu.decode(&spec, &q, &cache, &seqs, DecodeOptions::default())?;
+            report("resident decode after a step, synced", &spec, got?, want);
         }
         let offsets = [0, 1, 9];
         let q = random(&spec, &[9, h, d], 6)?;
