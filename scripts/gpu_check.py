@@ -136,13 +136,16 @@ def differential(attnc, backend):
             same_inf = torch.equal(finite, torch.isfinite(dev["lse"]))
             err_lse = (dev["lse"][finite] - cpu["lse"][finite]).abs().max().item() if finite.any() else 0.0
             ref = reference(spec, q, k, v)
-            err_ref = (dev["out"].double() - ref).abs().max().item() if ref is not None else float("nan")
+            err_ref = (dev["out"].double() - ref).abs().max().item() if ref is not None else None
             ok = err_out <= out_tol and err_lse <= lse_tol and same_inf
             ok = ok and (ref is None or err_ref <= out_tol)
             failures += not ok
+            # The float64 reference here covers the plain variants; the others compare with the
+            # CPU backend alone (itself tested against the reference in cargo test).
+            vs_ref = f"{err_ref:.2e}" if err_ref is not None else "- (no float64 reference here)"
             print(
                 f"{'ok  ' if ok else 'FAIL'} [B {b}, Sq {sq}, Skv {skv}] {spec}: |out - cpu| {err_out:.2e}, "
-                f"|lse - cpu| {err_lse:.2e}, |out - f64| {err_ref:.2e}"
+                f"|lse - cpu| {err_lse:.2e}, |out - f64| {vs_ref}"
             )
     print(f"== differential: {len(DIFFERENTIAL) - failures} of {len(DIFFERENTIAL)} agree")
     return failures
