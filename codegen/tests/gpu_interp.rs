@@ -370,6 +370,17 @@ fn the_tensor_core_kernel_matches_the_reference() {
             40,
             2,
         ),
+        // Two row blocks, 32-key tiles, RoPE rotated in shared memory with each tile's cos and
+        // sin rows copied beside K (llama3 scaling), over two CTAs and five tiles, GQA.
+        (
+            "heads = 4, kv_heads = 1, head_dim = 128, mask = causal, dtype = bf16, \
+             position = rope(base = 500000.0, scaling = llama3(factor = 8.0, \
+             low_freq_factor = 1.0, high_freq_factor = 4.0, original_max_position = 64))",
+            1,
+            140,
+            150,
+            3,
+        ),
         // Past head dim 128: one row block per warp, 16-key tiles.
         (
             "heads = 1, head_dim = 144, mask = causal, position = rope(dim = 32), dtype = bf16",
