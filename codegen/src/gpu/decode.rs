@@ -62,7 +62,7 @@ pub fn segment_keys(plan: &KernelPlan) -> u32 {
 }
 
 /// Query rows per task (work item): at most 64, and few enough that the task's outputs fit
-/// [`ACCUMULATORS`] registers a thread (32 rows at `v_dim` 128, 8 for MLA's 512).
+/// 32 accumulator registers a thread (32 rows at `v_dim` 128, 8 for MLA's 512).
 pub fn task_rows(plan: &KernelPlan) -> u32 {
     (ACCUMULATORS * THREADS / plan.shape.v_dim).clamp(1, 64)
 }

@@ -4,7 +4,7 @@
 //! the tensor-core (mma.sync, bf16) one.
 //!
 //! [`decode`] is the SIMT decode kernel over cache segments (split-KV). With the `cuda` feature,
-//! [`llvm`] translates the IR to LLVM IR and PTX. Still to come (issue 7): tensor-core decode,
+//! `llvm` translates the IR to LLVM IR and PTX. Still to come (issue 7): tensor-core decode,
 //! `wgmma` and TMA on sm_90a.
 
 pub mod decode;
