@@ -156,6 +156,14 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         r.add("element_col", Ty::I64),
     );
     let q_sh = |row: Expr, col: Expr| add(i64(sh.q), mul(add(mul(row, i64(d)), col), i64(4)));
+    // Element loops: thread tid takes elements tid, tid + THREADS, .. below `end`.
+    let strided = |end: Expr, body: Vec<Stmt>| Stmt::For {
+        reg: e,
+        start: tid.clone(),
+        end,
+        step: threads,
+        body,
+    };
     let split = |width: i64| {
         vec![
             Stmt::Set(row, bin(Bin::Div, reg(e), i64(width))),
@@ -178,13 +186,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
             f32(plan.q_scale as f32),
         ),
     ));
-    body.push(Stmt::For {
-        reg: e,
-        start: tid.clone(),
-        end: mul(reg(rows), i64(d)),
-        step: threads,
-        body: stage_q,
-    });
+    body.push(strided(mul(reg(rows), i64(d)), stage_q));
     body.push(Stmt::Barrier);
     if let Some(rope) = &plan.rope {
         let half = i64::from(rope.rope.dim / 2);
@@ -223,13 +225,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
             Stmt::Store(Space::Shared, q_sh(reg(row), ia), ra),
             Stmt::Store(Space::Shared, q_sh(reg(row), ib), rb),
         ]);
-        body.push(Stmt::For {
-            reg: e,
-            start: tid.clone(),
-            end: mul(reg(rows), i64(half)),
-            step: threads,
-            body: rotate,
-        });
+        body.push(strided(mul(reg(rows), i64(half)), rotate));
         body.push(Stmt::Barrier);
     }
 
@@ -314,13 +310,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
             mul(add(mul(reg(row), i64(padded)), reg(col)), i64(4)),
         );
         stage.push(Stmt::Store(Space::Shared, dst, cache_load(src)));
-        run.push(Stmt::For {
-            reg: e,
-            start: tid.clone(),
-            end: mul(reg(len), i64(width)),
-            step: threads,
-            body: stage,
-        });
+        run.push(strided(mul(reg(len), i64(width)), stage));
     }
     run.push(Stmt::Barrier);
 
@@ -379,13 +369,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         vec![Stmt::Store(Space::Shared, s_at(reg(row), reg(col)), value)],
         vec![],
     ));
-    run.push(Stmt::For {
-        reg: e,
-        start: tid.clone(),
-        end: mul(reg(rows), i64(seg)),
-        step: threads,
-        body: score,
-    });
+    run.push(strided(mul(reg(rows), i64(seg)), score));
     run.push(Stmt::Barrier);
 
     // The softmax: thread `row` takes its row's max over the segment, rescales its sum,

@@ -225,9 +225,9 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     let v_sh = k_sh + bc * k_stride;
     // With RoPE rotating K in shared memory, the tile's cos and sin rows ([bc][rope_dim / 2]
     // f32 each) arrive by cp.async beside it.
-    let rope_half = rotates_k_in_shared(plan)
-        .then(|| plan.rope.as_ref().map(|r| (r.rope.dim / 2) as usize))
-        .flatten();
+    let rope_half = (plan.rope.as_ref())
+        .filter(|_| rotates_k_in_shared(plan))
+        .map(|r| (r.rope.dim / 2) as usize);
     let cos_sh = v_sh + bc * v_stride;
     let sin_sh = cos_sh + bc * 4 * rope_half.unwrap_or(0);
     let shared_bytes = sin_sh + bc * 4 * rope_half.unwrap_or(0);

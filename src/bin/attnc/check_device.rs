@@ -21,25 +21,29 @@ trait Gpu {
         seqs: &[SeqId],
         options: DecodeOptions,
     ) -> Result<Output, RuntimeError>;
-    /// Decode against a device copy of the cache, where the backend has one.
+    /// Decode against a device copy of the cache, where the backend has one (else `None`).
     fn decode_resident(
         &self,
-        spec: &AttentionSpec,
-        q: &Tensor,
-        cache: &PagedCache,
-        seqs: &[SeqId],
-        options: DecodeOptions,
-    ) -> Option<Result<Output, RuntimeError>>;
+        _spec: &AttentionSpec,
+        _q: &Tensor,
+        _cache: &PagedCache,
+        _seqs: &[SeqId],
+        _options: DecodeOptions,
+    ) -> Option<Result<Output, RuntimeError>> {
+        None
+    }
     /// Decode against a device copy of the cache taken before `step` changed the cache, then
-    /// brought up to date (`sync_cache`), where the backend has such copies.
+    /// brought up to date (`sync_cache`), where the backend has such copies (else `None`).
     fn decode_after_sync(
         &self,
-        spec: &AttentionSpec,
-        q: &Tensor,
-        cache: &mut PagedCache,
-        step: &dyn Fn(&mut PagedCache) -> Result<(), RuntimeError>,
-        seqs: &[SeqId],
-    ) -> Option<Result<Output, RuntimeError>>;
+        _spec: &AttentionSpec,
+        _q: &Tensor,
+        _cache: &mut PagedCache,
+        _step: &dyn Fn(&mut PagedCache) -> Result<(), RuntimeError>,
+        _seqs: &[SeqId],
+    ) -> Option<Result<Output, RuntimeError>> {
+        None
+    }
     fn attend_ragged(
         &self,
         spec: &AttentionSpec,
@@ -59,7 +63,7 @@ trait Gpu {
     ) -> Result<Output, RuntimeError>;
 }
 
-/// The GPU IR interpreter.
+/// The GPU IR interpreter (no device copies of caches).
 struct Interpreter;
 
 impl Gpu for Interpreter {
@@ -72,28 +76,6 @@ impl Gpu for Interpreter {
         options: DecodeOptions,
     ) -> Result<Output, RuntimeError> {
         attn::runtime::gpu::decode_emulated(spec, q, cache, seqs, options)
-    }
-
-    fn decode_resident(
-        &self,
-        _: &AttentionSpec,
-        _: &Tensor,
-        _: &PagedCache,
-        _: &[SeqId],
-        _: DecodeOptions,
-    ) -> Option<Result<Output, RuntimeError>> {
-        None
-    }
-
-    fn decode_after_sync(
-        &self,
-        _: &AttentionSpec,
-        _: &Tensor,
-        _: &mut PagedCache,
-        _: &dyn Fn(&mut PagedCache) -> Result<(), RuntimeError>,
-        _: &[SeqId],
-    ) -> Option<Result<Output, RuntimeError>> {
-        None
     }
 
     fn attend_ragged(
