@@ -49,15 +49,30 @@ impl fmt::Display for SpecErrors {
     }
 }
 
+/// Most errors [`SpecErrors::render`] shows; it counts the rest.
+const RENDERED_ERRORS: usize = 20;
+/// Most characters of a source line shown around a caret.
+const LINE_WINDOW: usize = 100;
+
 impl SpecErrors {
-    /// Renders every error with the source line and a caret under the offending tokens, the way
-    /// compilers do.
+    /// Renders the first errors with the source line and a caret under the offending tokens,
+    /// the way compilers do, and counts the rest. Long lines are shown as a window around the
+    /// caret, so the output stays small whatever the input.
     pub fn render(&self, source: &str) -> String {
-        self.0
+        let mut out: Vec<String> = self
+            .0
             .iter()
+            .take(RENDERED_ERRORS)
             .map(|e| e.render(source))
-            .collect::<Vec<_>>()
-            .join("\n")
+            .collect();
+        let hidden = self.0.len().saturating_sub(RENDERED_ERRORS);
+        if hidden > 0 {
+            out.push(format!(
+                "... and {hidden} more error{}\n",
+                if hidden == 1 { "" } else { "s" }
+            ));
+        }
+        out.join("\n")
     }
 
     pub(crate) fn from_syn(err: syn::Error) -> SpecErrors {
@@ -84,25 +99,37 @@ impl SpecErrors {
 }
 
 impl SpecError {
-    /// Renders the error with the source line and carets under the offending tokens.
+    /// Renders the error with the source line and carets under the offending tokens. A line
+    /// longer than a screen is cut to a window around the caret, marked `...` where cut.
     pub fn render(&self, source: &str) -> String {
         let mut out = format!("error: {}\n", self.message);
-        let Some(text) = source.lines().nth(self.start.line - 1) else {
+        let Some(text) = source.lines().nth(self.start.line.saturating_sub(1)) else {
             return out;
         };
-        let gutter = self.start.line.to_string().len();
+        let chars: Vec<char> = text.chars().collect();
+        let caret = (self.start.column.max(1) - 1).min(chars.len());
         let width = if self.end.line == self.start.line && self.end.column > self.start.column {
             self.end.column - self.start.column
         } else {
             1
         };
+        // The window: up to a third of it before the caret, the rest after.
+        let from = caret.saturating_sub(LINE_WINDOW / 3);
+        let to = (from + LINE_WINDOW).min(chars.len());
+        let (lead, trail) = (
+            if from > 0 { "..." } else { "" },
+            if to < chars.len() { "..." } else { "" },
+        );
+        let shown: String = chars[from..to].iter().collect();
+        let width = width.min(to.saturating_sub(caret)).max(1);
+        let gutter = self.start.line.to_string().len();
         let pad = " ".repeat(gutter);
         out += &format!(
-            "{pad}--> {}:{}\n{pad} |\n{} | {text}\n{pad} | {}{}\n",
+            "{pad}--> {}:{}\n{pad} |\n{} | {lead}{shown}{trail}\n{pad} | {}{}\n",
             self.start.line,
             self.start.column,
             self.start.line,
-            " ".repeat(self.start.column - 1),
+            " ".repeat(lead.len() + caret - from),
             "^".repeat(width)
         );
         out

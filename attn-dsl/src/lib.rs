@@ -25,7 +25,10 @@ pub mod spec;
 mod validate;
 
 pub use error::{Invalid, Location, ReferenceError, SpecError, SpecErrors};
-pub use parse::{parse_str, parse_tokens};
+pub use parse::{
+    MAX_BRACKET_DEPTH, MAX_ERRORS, MAX_EXPR_DEPTH, MAX_LITERAL_CHARS, MAX_SPEC_BYTES, parse_str,
+    parse_tokens,
+};
 pub use spec::{
     AttentionSpec, CausalAlign, DType, KvKind, KvLayout, Mask, Mla, Position, Rope, RopeLayout,
     RopeScaling, Yarn,

@@ -2,6 +2,8 @@
 //! errors as parsed ones. The parser maps each finding's field back to the tokens that set it.
 
 use crate::error::Invalid;
+use crate::modifier::Expr;
+use crate::parse::MAX_EXPR_DEPTH;
 use crate::spec::{AttentionSpec, KvLayout, Mask, Position, Rope, RopeScaling};
 
 /// Largest number of query heads accepted.
@@ -109,6 +111,21 @@ impl AttentionSpec {
         }
         if let Some(s) = self.scale {
             f.positive("scale", s);
+        }
+        let bodies = [
+            ("score_mod", self.score_mod.as_ref().map(|m| &m.body)),
+            ("mask_mod", self.mask_mod.as_ref().map(|m| &m.body)),
+        ];
+        for (field, body) in bodies {
+            if let Some(depth) = body.map(Expr::depth).filter(|d| *d > MAX_EXPR_DEPTH) {
+                f.push(
+                    field,
+                    format!(
+                        "{field} is {depth} levels deep; allowed: at most {MAX_EXPR_DEPTH} \
+                         (every pass over it recurses once a level)"
+                    ),
+                );
+            }
         }
         if f.0.is_empty() { Ok(()) } else { Err(f.0) }
     }

@@ -14,7 +14,7 @@ fn llama3_8b_caches_4096_bytes_per_token_per_layer() {
     let s = spec("heads = 32, kv_heads = 8, head_dim = 128, dtype = bf16");
     assert_eq!(kv_cache_bytes_per_token(&s), 4096);
     // Llama-3-8B attention: 4096 -> 4096 (q), 1024 (k), 1024 (v), 4096 -> 4096 (o).
-    let params = attention_params(&s, 4096);
+    let params = attention_params(&s, 4096).unwrap();
     assert_eq!(
         params.parts,
         vec![
@@ -34,7 +34,7 @@ fn deepseek_v3_mla_caches_1152_bytes_per_token_per_layer() {
          dtype = bf16",
     );
     assert_eq!(kv_cache_bytes_per_token(&s), 1152);
-    let params = attention_params(&s, 7168);
+    let params = attention_params(&s, 7168).unwrap();
     assert_eq!(
         params.parts,
         vec![
@@ -68,18 +68,18 @@ fn cache_bytes_scale_with_dtype_and_kv_heads() {
 #[test]
 fn causal_prefill_counts_half_the_pairs_plus_the_diagonal() {
     let s = spec("heads = 16, head_dim = 128, mask = causal");
-    let f = forward_flops(&s, 2, 2048, 2048);
+    let f = forward_flops(&s, 2, 2048, 2048).unwrap();
     assert_eq!(f.dense, 4 * 2 * 16 * 2048 * 2048 * 128);
     assert_eq!(f.with_skipping, 4 * 2 * 16 * (2048 * 2049 / 2) * 128);
     assert!(!f.custom_mask);
-    let decode = forward_flops(&s, 1, 1, 4096);
+    let decode = forward_flops(&s, 1, 1, 4096).unwrap();
     assert_eq!(decode.with_skipping, decode.dense);
 }
 
 #[test]
 fn mla_flops_are_counted_in_the_absorbed_form() {
     let s = spec("heads = 4, head_dim = 16, mla(latent_rank = 32, rope_dim = 8)");
-    let f = forward_flops(&s, 1, 10, 10);
+    let f = forward_flops(&s, 1, 10, 10).unwrap();
     assert_eq!(f.dense, 2 * (40 + 32) * 4 * 100);
 }
 
@@ -115,6 +115,28 @@ fn any_mask() -> impl Strategy<Value = Mask> {
 proptest! {
     #[test]
     fn kept_pairs_agree_with_the_reference(mask in any_mask(), sq in 1usize..40, skv in 1usize..40) {
-        prop_assert_eq!(kept_pairs(mask, sq as u64, skv as u64), kept_by_reference(mask, sq, skv));
+        prop_assert_eq!(kept_pairs(mask, sq as u64, skv as u64), Some(kept_by_reference(mask, sq, skv)));
     }
+}
+
+#[test]
+fn counts_at_extreme_lengths_are_exact_or_refused() {
+    let n: u64 = 1 << 31;
+    let causal = Mask::Causal(CausalAlign::BottomRight);
+    assert_eq!(kept_pairs(causal, n, n), Some(n * (n + 1) / 2));
+    assert_eq!(
+        kept_pairs(Mask::SlidingWindow { window: 1024 }, n, n),
+        Some(1024 * n - 1024 * 1023 / 2)
+    );
+    // More keys than queries: every row keeps the prefix before the queries too.
+    assert_eq!(kept_pairs(causal, 4, 1 << 40), Some(4 * (1 << 40) - 6));
+    for mask in [causal, Mask::None, Mask::Causal(CausalAlign::TopLeft)] {
+        assert_eq!(kept_pairs(mask, u64::MAX, u64::MAX), None);
+    }
+    let s = spec("heads = 32, head_dim = 128, mask = causal");
+    assert!(forward_flops(&s, 1, u64::MAX, u64::MAX).is_none());
+    assert!(forward_flops(&s, u64::MAX, 1, 1).is_none());
+    assert!(forward_flops(&s, 1, 1 << 20, 1 << 20).is_some());
+    assert!(attention_params(&s, u64::MAX / 2).is_none());
+    assert!(attention_params(&s, 1 << 30).is_some());
 }

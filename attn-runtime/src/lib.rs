@@ -5,6 +5,7 @@
 //!
 //! - [`Tensor`]: dtype, shape and strides over CPU storage;
 //! - [`io`]: safetensors files;
+//! - [`memory`]: checks of large allocations against the memory available;
 //! - [`cache`]: KV caches for decoding (contiguous, paged, MLA latent);
 //! - [`cpu`]: the CPU backend (kernel cache, microkernels, parallel launcher, decode);
 //! - [`gpu`]: GPU calls, run on a CUDA device (feature `cuda`) or on the GPU IR interpreter;
@@ -18,6 +19,7 @@ pub mod cpu;
 mod error;
 pub mod gpu;
 pub mod io;
+pub mod memory;
 pub mod model;
 mod tensor;
 mod variant;

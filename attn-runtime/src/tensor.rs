@@ -54,8 +54,9 @@ fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
 
 impl Tensor {
     fn new(shape: &[usize], storage: Storage) -> Result<Self, RuntimeError> {
-        let n: usize = shape.iter().product();
-        if n != storage.len() {
+        let n = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+        if n != Some(storage.len()) {
+            let n = n.map_or("more than 2^64".to_string(), |n| n.to_string());
             return Err(RuntimeError::Data(format!(
                 "{} values do not fill shape {shape:?} ({n} values)",
                 storage.len()

@@ -209,6 +209,20 @@ impl KernelPlan {
         }
     }
 
+    /// The plan with its scores in half base-2 units, `score * log2(e) / 2`, for a softmax of
+    /// `2^(2 (s - m))`. Every finite f32 score then stays finite after scaling (base 2 alone
+    /// overflows past `f32::MAX / log2 e`, about 2.36e38), so any finite score is a score and
+    /// never turns into `inf`. The factor is hoisted into `q_scale` where it can be.
+    pub fn with_half_scores(&self) -> KernelPlan {
+        let mut plan = self.clone();
+        plan.program.score = fold(&scale(&plan.program.score, 0.5));
+        while let Some((score, factor)) = hoist_score_factor(&plan.program.score) {
+            plan.program.score = score;
+            plan.q_scale *= factor;
+        }
+        plan
+    }
+
     /// Plans the decode kernel of a spec: the forward plan's program, masking and RoPE (on the
     /// queries; a cache stores keys rotated), with rows of [`DECODE_ROWS`] (query heads x
     /// queries) and keys in segments of at most [`K_TILE`]. The spec must be valid.

@@ -143,7 +143,21 @@ fn lower_lit(lit: &syn::Lit) -> syn::Result<(Expr, Ty)> {
             }
         }
         syn::Lit::Float(f) => match f.suffix() {
-            "" | "f32" => Ok((Expr::Float(f.base10_parse()?), Ty::F32)),
+            "" | "f32" => {
+                let value: f64 = f.base10_parse()?;
+                // Modifiers compute in f32 on every backend: a constant past its range would be
+                // infinite there and finite in the f64 reference.
+                if value.abs() > f64::from(f32::MAX) {
+                    return Err(syn::Error::new_spanned(
+                        f,
+                        format!(
+                            "`{f}` is out of the f32 range; allowed: a magnitude of at most {:e}",
+                            f32::MAX
+                        ),
+                    ));
+                }
+                Ok((Expr::Float(value), Ty::F32))
+            }
             s => Err(syn::Error::new_spanned(
                 f,
                 format!("unsupported literal suffix `{s}`; allowed: f32 or none"),

@@ -216,6 +216,25 @@ impl Expr {
         }
     }
 
+    /// The number of nodes on the longest path from the root to a leaf, counted without
+    /// recursion (so any tree, however deep, can be measured before a recursive pass runs).
+    pub fn depth(&self) -> usize {
+        let mut deepest = 0;
+        let mut stack = vec![(self, 1)];
+        while let Some((e, d)) = stack.pop() {
+            deepest = deepest.max(d);
+            match e {
+                Expr::Var(_) | Expr::Float(_) | Expr::Int(_) | Expr::Bool(_) => {}
+                Expr::Unary(_, a) | Expr::Cast(a, _) | Expr::Table(_, a) => stack.push((a, d + 1)),
+                Expr::Binary(_, a, b) => stack.extend([(&**a, d + 1), (&**b, d + 1)]),
+                Expr::Select(c, t, o) => {
+                    stack.extend([(&**c, d + 1), (&**t, d + 1), (&**o, d + 1)]);
+                }
+            }
+        }
+        deepest
+    }
+
     /// Whether `var` occurs in the expression.
     pub fn uses(&self, var: Var) -> bool {
         match self {

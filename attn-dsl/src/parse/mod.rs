@@ -6,7 +6,10 @@
 //! bare item `mla(latent_rank = .., rope_dim = ..)`. Values are literals, identifiers, calls with
 //! `name = value` arguments, or closures (custom modifiers).
 
+mod limits;
 mod values;
+
+pub use limits::{MAX_BRACKET_DEPTH, MAX_EXPR_DEPTH, MAX_LITERAL_CHARS, MAX_SPEC_BYTES};
 
 use crate::error::SpecErrors;
 use crate::modifier::{lower_mask_mod, lower_score_mod};
@@ -20,6 +23,9 @@ use std::collections::{HashMap, HashSet};
 use syn::parse::Parser;
 use syn::punctuated::Punctuated;
 use values::{Args, Value};
+
+/// Most errors one parse reports; past these, one last error says how many more there were.
+pub const MAX_ERRORS: usize = 100;
 
 /// The top-level keys, for "did you mean" suggestions.
 const KEYS: &[&str] = &[
@@ -40,6 +46,16 @@ const KEYS: &[&str] = &[
 /// Parses a spec from a string. Errors carry line:column locations; render them with
 /// [`SpecErrors::render`].
 pub fn parse_str(source: &str) -> Result<AttentionSpec, SpecErrors> {
+    if source.len() > MAX_SPEC_BYTES {
+        return Err(SpecErrors(vec![crate::error::SpecError {
+            message: format!(
+                "the spec is {} bytes long; allowed: at most {MAX_SPEC_BYTES}",
+                source.len()
+            ),
+            start: crate::Location { line: 1, column: 1 },
+            end: crate::Location { line: 1, column: 2 },
+        }]));
+    }
     let tokens: TokenStream = source.parse().map_err(|e: proc_macro2::LexError| {
         SpecErrors::from_syn(syn::Error::new(
             e.span(),
@@ -58,12 +74,14 @@ pub fn parse_tokens(tokens: TokenStream) -> syn::Result<AttentionSpec> {
             "the spec is empty; it needs at least `heads = N, head_dim = N`",
         ));
     }
+    limits::check(&tokens)?;
     let whole = tokens.clone();
     let items = Punctuated::<syn::Expr, syn::Token![,]>::parse_terminated.parse2(tokens)?;
     let mut p = SpecParser {
         failed: HashSet::new(),
         spans: HashMap::new(),
         errors: Vec::new(),
+        more_errors: 0,
         raw: Raw::default(),
     };
     for item in &items {
@@ -74,13 +92,25 @@ pub fn parse_tokens(tokens: TokenStream) -> syn::Result<AttentionSpec> {
         // A field whose value was already rejected holds a default now: judging it again
         // would only repeat the first error in other words.
         let top = |field: &str| field.split('.').next().unwrap_or(field).to_string();
-        let findings = findings
+        let findings: Vec<_> = findings
             .into_iter()
-            .filter(|f| !p.failed.contains(top(f.field).as_str()));
+            .filter(|f| !p.failed.contains(top(f.field).as_str()))
+            .collect();
         for finding in findings {
             let at = p.tokens_of(finding.field, &whole);
-            p.errors.push(syn::Error::new_spanned(at, finding.message));
+            let err = syn::Error::new_spanned(at, finding.message);
+            p.error(err);
         }
+    }
+    if p.more_errors > 0 {
+        let more = p.more_errors;
+        p.errors.push(syn::Error::new(
+            Span::call_site(),
+            format!(
+                "and {more} more error{} not shown",
+                if more == 1 { "" } else { "s" }
+            ),
+        ));
     }
 
     let mut errors = p.errors.into_iter();
@@ -135,7 +165,10 @@ struct SpecParser {
     failed: HashSet<&'static str>,
     /// The tokens that set each field (dotted paths, as in validation findings).
     spans: HashMap<&'static str, TokenStream>,
+    /// The first [`MAX_ERRORS`] errors.
     errors: Vec<syn::Error>,
+    /// How many errors came past those.
+    more_errors: usize,
     raw: Raw,
 }
 
@@ -155,7 +188,11 @@ impl SpecParser {
     }
 
     fn error(&mut self, err: syn::Error) {
-        self.errors.push(err);
+        if self.errors.len() < MAX_ERRORS {
+            self.errors.push(err);
+        } else {
+            self.more_errors += 1;
+        }
     }
 
     fn item(&mut self, item: &syn::Expr) {

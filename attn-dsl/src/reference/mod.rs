@@ -221,6 +221,12 @@ fn attend(spec: &AttentionSpec, q: &Array, k: &Array, v: &Array, pos: &Positions
                     };
                     score(spec, &slopes, dot, at)
                 }));
+                // A NaN score of a kept key makes the row NaN; masked keys never reach it.
+                if scores.iter().flatten().any(|s| s.is_nan()) {
+                    lse.set(&[b, h, i], f64::NAN);
+                    out.row_mut(&[b, h, i]).fill(f64::NAN);
+                    continue;
+                }
                 let max = scores
                     .iter()
                     .flatten()
@@ -230,12 +236,14 @@ fn attend(spec: &AttentionSpec, q: &Array, k: &Array, v: &Array, pos: &Positions
                     lse.set(&[b, h, i], f64::NEG_INFINITY);
                     continue;
                 }
-                let denom: f64 = scores.iter().flatten().map(|s| (s - max).exp()).sum();
+                // e^(s - max), with the keys at an infinite max sharing the row.
+                let weight = |s: f64| if s == max { 1.0 } else { (s - max).exp() };
+                let denom: f64 = scores.iter().flatten().map(|s| weight(*s)).sum();
                 lse.set(&[b, h, i], max + denom.ln());
                 let row = out.row_mut(&[b, h, i]);
                 for (j, s) in scores.iter().enumerate() {
                     if let Some(s) = s {
-                        let p = (s - max).exp() / denom;
+                        let p = weight(*s) / denom;
                         for (o, x) in row.iter_mut().zip(v.row(&[b, kvh, j])) {
                             *o += p * x;
                         }

@@ -18,7 +18,7 @@ mod store;
 
 pub use contiguous::ContiguousCache;
 pub use layout::CacheLayout;
-pub use paged::PagedCache;
+pub use paged::{MAX_BLOCK_SIZE, PagedCache};
 
 use crate::error::RuntimeError;
 use crate::tensor::Tensor;

@@ -32,6 +32,9 @@ struct Sequence {
     len: usize,
 }
 
+/// Most tokens a block of a [`PagedCache`] may hold.
+pub const MAX_BLOCK_SIZE: usize = 1 << 16;
+
 impl PagedCache {
     /// A cache for `spec` with `num_blocks` blocks of `block_size` tokens (any size from 1).
     pub fn new(
@@ -39,8 +42,10 @@ impl PagedCache {
         block_size: usize,
         num_blocks: usize,
     ) -> Result<Self, RuntimeError> {
-        if block_size == 0 {
-            return Err(RuntimeError::Cache("block_size must be at least 1".into()));
+        if !(1..=MAX_BLOCK_SIZE).contains(&block_size) {
+            return Err(RuntimeError::Cache(format!(
+                "block_size = {block_size} is out of range; allowed: 1 to {MAX_BLOCK_SIZE}"
+            )));
         }
         let layout = layout_of(spec)?;
         let block_len = Slots {
@@ -48,8 +53,18 @@ impl PagedCache {
             size: block_size,
         }
         .block_len();
+        let values = block_len.checked_mul(num_blocks);
+        // The pool, and a reference count and a free-list entry per block.
+        let bytes = values
+            .and_then(|v| v.checked_mul(layout.dtype.size_bytes() as usize))
+            .and_then(|b| b.checked_add(num_blocks.checked_mul(16)?))
+            .map(|b| b as u64);
+        crate::memory::ensure_fits(
+            &format!("a paged cache of {num_blocks} blocks of {block_size} tokens"),
+            bytes,
+        )?;
         Ok(PagedCache {
-            pool: Buffer::zeros(layout.dtype, block_len * num_blocks),
+            pool: Buffer::zeros(layout.dtype, values.unwrap_or(0)),
             layout,
             block_size,
             refs: vec![0; num_blocks],

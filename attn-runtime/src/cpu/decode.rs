@@ -611,13 +611,20 @@ pub(crate) fn merge(
                 .map(|(_, l)| l[r])
                 .fold(f32::NEG_INFINITY, f32::max);
             let row = (layout.out_row)(item.b, i, h);
+            let dst = &mut out[row * dv..(row + 1) * dv];
+            // A NaN part makes the row NaN (f32::max above passes over it).
+            if parts.iter().any(|(_, l)| l[r].is_nan()) {
+                dst.fill(f32::NAN);
+                lse[row] = f32::NAN;
+                continue;
+            }
             if m == f32::NEG_INFINITY {
                 continue;
             }
-            let dst = &mut out[row * dv..(row + 1) * dv];
             let mut total = 0f32;
             for (o, l) in parts {
-                let w = (l[r] - m).exp();
+                // Parts at an infinite max share the row.
+                let w = if l[r] == m { 1.0 } else { (l[r] - m).exp() };
                 total += w;
                 for (d, x) in dst.iter_mut().zip(&o[r * dv..(r + 1) * dv]) {
                     *d += w * x;

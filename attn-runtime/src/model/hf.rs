@@ -5,7 +5,7 @@
 //! `rope_scaling` keys), `mistral` (sliding window), `qwen2` (q/k/v biases), `deepseek_v2` and
 //! `deepseek_v3` (MLA; dense layers only: mixture-of-experts layers are refused).
 
-use super::config::{MlpKind, ModelConfig, NormKind};
+use super::config::{MAX_WIDTH, MlpKind, ModelConfig, NormKind};
 use super::layers::{Linear, Mlp, Norm};
 use super::{AttentionWeights, Layer, Model};
 use crate::error::RuntimeError;
@@ -159,6 +159,12 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
     }
     let hidden = c.uint("hidden_size")?;
     let heads = c.uint("num_attention_heads")?;
+    if heads == 0 {
+        return Err(bad(
+            &path,
+            "`num_attention_heads` is 0; allowed: a whole number of at least 1",
+        ));
+    }
     let layers = c.uint("num_hidden_layers")?;
     let deepseek = family.starts_with("deepseek");
     let spec_text = if deepseek {
@@ -222,7 +228,7 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
             format!("hidden_act `{act}` is not supported for {family}; supported: silu"),
         ));
     }
-    Ok(ModelConfig {
+    let config = ModelConfig {
         vocab: c.uint("vocab_size")?,
         hidden,
         layers,
@@ -233,7 +239,11 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
         intermediate: c.uint("intermediate_size")?,
         tie_embeddings: c.flag("tie_word_embeddings"),
         qkv_bias: family == "qwen2" || c.flag("attention_bias"),
-    })
+    };
+    config
+        .validate()
+        .map_err(|e| bad(&path, e.to_string().replace("model config: ", "")))?;
+    Ok(config)
 }
 
 /// The weight files of a checkpoint and which tensor lives in which.
@@ -315,7 +325,7 @@ pub fn load(dir: &Path) -> Result<Model, RuntimeError> {
         names.push("lm_head.weight".into());
     }
     let mla = config.attention.mla().is_some();
-    let q_lora = mla && read_q_lora(dir)?;
+    let q_lora = if mla { read_q_lora(dir)? } else { None };
     for i in 0..config.layers {
         let p = format!("model.layers.{i}.");
         for n in [
@@ -328,7 +338,7 @@ pub fn load(dir: &Path) -> Result<Model, RuntimeError> {
         ] {
             names.push(format!("{p}{n}"));
         }
-        let attn: &[&str] = match (mla, q_lora, config.qkv_bias) {
+        let attn: &[&str] = match (mla, q_lora.is_some(), config.qkv_bias) {
             (true, false, _) => &[
                 "self_attn.q_proj.weight",
                 "self_attn.kv_a_proj_with_mqa.weight",
@@ -361,66 +371,72 @@ pub fn load(dir: &Path) -> Result<Model, RuntimeError> {
     }
     let mut w = Store(files.read(&names)?);
     let eps = config.norm_eps;
+    let spec = &config.attention;
+    let (d, inter, heads) = (config.hidden, config.intermediate, spec.heads as usize);
+    let (dk, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
     let mut layers = Vec::with_capacity(config.layers);
     for i in 0..config.layers {
         let p = format!("model.layers.{i}.self_attn.");
-        let attn = if mla {
-            let q_b = if q_lora {
-                let q_a_norm = w.norm(&format!("{p}q_a_layernorm.weight"), LATENT_NORM_EPS)?;
-                Some((q_a_norm, w.linear(&format!("{p}q_b_proj"), false)?))
-            } else {
-                None
-            };
-            let q_name = if q_lora { "q_a_proj" } else { "q_proj" };
-            AttentionWeights::Mla {
-                q: w.linear(&format!("{p}{q_name}"), false)?,
-                q_b,
-                kv_a: w.linear(&format!("{p}kv_a_proj_with_mqa"), false)?,
-                kv_norm: w.norm(&format!("{p}kv_a_layernorm.weight"), LATENT_NORM_EPS)?,
-                w_kv_b: {
-                    let t = w.take(&format!("{p}kv_b_proj.weight"))?;
-                    let shape = t.shape().to_vec();
-                    Tensor::from_f32_as(config.attention.dtype, &shape, t.to_f32_vec())?
-                },
-                o: w.linear(&format!("{p}o_proj"), false)?,
+        let attn = match spec.mla() {
+            Some(m) => {
+                let (r, dr) = (m.latent_rank as usize, m.rope_dim as usize);
+                let q_out = heads * (dk + dr);
+                let (q, q_b) = match q_lora {
+                    Some(qr) => {
+                        let q_a = w.linear(&format!("{p}q_a_proj"), false, [qr, d])?;
+                        let q_a_norm =
+                            w.norm(&format!("{p}q_a_layernorm.weight"), LATENT_NORM_EPS, qr)?;
+                        let q_b = w.linear(&format!("{p}q_b_proj"), false, [q_out, qr])?;
+                        (q_a, Some((q_a_norm, q_b)))
+                    }
+                    None => (w.linear(&format!("{p}q_proj"), false, [q_out, d])?, None),
+                };
+                AttentionWeights::Mla {
+                    q,
+                    q_b,
+                    kv_a: w.linear(&format!("{p}kv_a_proj_with_mqa"), false, [r + dr, d])?,
+                    kv_norm: w.norm(&format!("{p}kv_a_layernorm.weight"), LATENT_NORM_EPS, r)?,
+                    w_kv_b: {
+                        let t =
+                            w.matrix(&format!("{p}kv_b_proj.weight"), [heads * (dk + dv), r])?;
+                        let shape = t.shape().to_vec();
+                        Tensor::from_f32_as(spec.dtype, &shape, t.to_f32_vec())?
+                    },
+                    o: w.linear(&format!("{p}o_proj"), false, [d, heads * dv])?,
+                }
             }
-        } else {
-            AttentionWeights::Heads {
-                q: w.linear(&format!("{p}q_proj"), config.qkv_bias)?,
-                k: w.linear(&format!("{p}k_proj"), config.qkv_bias)?,
-                v: w.linear(&format!("{p}v_proj"), config.qkv_bias)?,
-                o: w.linear(&format!("{p}o_proj"), false)?,
+            None => {
+                let hkv = spec.kv_heads() as usize;
+                let bias = config.qkv_bias;
+                AttentionWeights::Heads {
+                    q: w.linear(&format!("{p}q_proj"), bias, [heads * dk, d])?,
+                    k: w.linear(&format!("{p}k_proj"), bias, [hkv * dk, d])?,
+                    v: w.linear(&format!("{p}v_proj"), bias, [hkv * dv, d])?,
+                    o: w.linear(&format!("{p}o_proj"), false, [d, heads * dv])?,
+                }
             }
         };
         let p = format!("model.layers.{i}.");
         let mlp = Mlp {
             kind: MlpKind::SwiGlu,
-            gate: Some(w.linear(&format!("{p}mlp.gate_proj"), false)?),
-            up: w.linear(&format!("{p}mlp.up_proj"), false)?,
-            down: w.linear(&format!("{p}mlp.down_proj"), false)?,
+            gate: Some(w.linear(&format!("{p}mlp.gate_proj"), false, [inter, d])?),
+            up: w.linear(&format!("{p}mlp.up_proj"), false, [inter, d])?,
+            down: w.linear(&format!("{p}mlp.down_proj"), false, [d, inter])?,
         };
         layers.push(Layer {
-            attn_norm: w.norm(&format!("{p}input_layernorm.weight"), eps)?,
+            attn_norm: w.norm(&format!("{p}input_layernorm.weight"), eps, d)?,
             attn,
-            mlp_norm: w.norm(&format!("{p}post_attention_layernorm.weight"), eps)?,
+            mlp_norm: w.norm(&format!("{p}post_attention_layernorm.weight"), eps, d)?,
             mlp,
         });
     }
-    let embed = w.take("model.embed_tokens.weight")?;
-    if embed.shape() != [config.vocab, config.hidden] {
-        return Err(RuntimeError::Data(format!(
-            "tensor `model.embed_tokens.weight` has shape {:?}, expected [{}, {}]",
-            embed.shape(),
-            config.vocab,
-            config.hidden
-        )));
-    }
+    let embed = w.matrix("model.embed_tokens.weight", [config.vocab, d])?;
     let lm_head = if config.tie_embeddings {
         None
     } else {
-        Some(w.linear("lm_head", false)?)
+        Some(w.linear("lm_head", false, [config.vocab, d])?)
     };
-    let final_norm = w.norm("model.norm.weight", eps)?;
+    let final_norm = w.norm("model.norm.weight", eps, d)?;
     Ok(Model::new(
         config,
         embed.to_f32_vec(),
@@ -440,46 +456,72 @@ impl Store {
             .ok_or_else(|| RuntimeError::Data(format!("tensor `{name}` is missing")))
     }
 
-    /// `{prefix}.weight` (and `{prefix}.bias`) as a linear map.
-    fn linear(&mut self, prefix: &str, with_bias: bool) -> Result<Linear, RuntimeError> {
-        let name = format!("{prefix}.weight");
-        let t = self.take(&name)?;
-        let [out, inp] = match t.shape() {
-            [o, i] => [*o, *i],
-            s => {
-                return Err(RuntimeError::Data(format!(
-                    "tensor `{name}` has shape {s:?}, expected a matrix"
-                )));
-            }
-        };
+    /// The tensor `name`, which must have `shape`.
+    fn shaped(&mut self, name: &str, shape: &[usize]) -> Result<Tensor, RuntimeError> {
+        let t = self.take(name)?;
+        if t.shape() != shape {
+            return Err(RuntimeError::Shape {
+                tensor: name.to_string(),
+                found: t.shape().to_vec(),
+                expected: format!("{shape:?} (from config.json)"),
+            });
+        }
+        Ok(t)
+    }
+
+    /// The matrix `name`, which must be `[rows, columns]`.
+    fn matrix(&mut self, name: &str, [rows, columns]: [usize; 2]) -> Result<Tensor, RuntimeError> {
+        self.shaped(name, &[rows, columns])
+    }
+
+    /// `{prefix}.weight` (`[out, in]`) and `{prefix}.bias` (`[out]`) as a linear map.
+    fn linear(
+        &mut self,
+        prefix: &str,
+        with_bias: bool,
+        [out, inp]: [usize; 2],
+    ) -> Result<Linear, RuntimeError> {
+        let w = self.matrix(&format!("{prefix}.weight"), [out, inp])?;
         let bias = if with_bias {
-            Some(self.take(&format!("{prefix}.bias"))?.to_f32_vec())
+            Some(self.shaped(&format!("{prefix}.bias"), &[out])?.to_f32_vec())
         } else {
             None
         };
         Ok(Linear {
-            w: t.to_f32_vec(),
+            w: w.to_f32_vec(),
             bias,
             out,
             inp,
         })
     }
 
-    fn norm(&mut self, name: &str, eps: f64) -> Result<Norm, RuntimeError> {
+    /// The RMSNorm weight `name`, which must have `len` values.
+    fn norm(&mut self, name: &str, eps: f64, len: usize) -> Result<Norm, RuntimeError> {
         Ok(Norm {
             kind: NormKind::Rms,
-            weight: self.take(name)?.to_f32_vec(),
+            weight: self.shaped(name, &[len])?.to_f32_vec(),
             bias: None,
             eps,
         })
     }
 }
 
-/// Whether a DeepSeek checkpoint factors its queries through a low rank (`q_lora_rank`).
-fn read_q_lora(dir: &Path) -> Result<bool, RuntimeError> {
+/// The rank through which a DeepSeek checkpoint factors its queries (`q_lora_rank`), if it
+/// does.
+fn read_q_lora(dir: &Path) -> Result<Option<usize>, RuntimeError> {
     let path = dir.join("config.json");
     let text = std::fs::read_to_string(&path).map_err(|e| bad(&path, e.to_string()))?;
     let json: Value =
         serde_json::from_str(&text).map_err(|e| bad(&path, format!("not valid JSON: {e}")))?;
-    Ok(json.get("q_lora_rank").is_some_and(|v| !v.is_null()))
+    let c = Config { path: &path, json };
+    if c.get("q_lora_rank").is_none() {
+        return Ok(None);
+    }
+    match c.uint("q_lora_rank")? {
+        rank @ 1..=MAX_WIDTH => Ok(Some(rank)),
+        rank => Err(bad(
+            &path,
+            format!("`q_lora_rank` = {rank} is out of range; allowed: 1 to {MAX_WIDTH}"),
+        )),
+    }
 }

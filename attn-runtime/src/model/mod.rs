@@ -13,7 +13,9 @@ pub mod hf;
 mod layers;
 pub mod research;
 
-pub use config::{MlpKind, ModelConfig, NormKind};
+pub use config::{
+    MAX_INTERMEDIATE, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, MlpKind, ModelConfig, NormKind,
+};
 pub use generate::{Progress, Request, Sampling};
 
 use crate::cache::{KvCache, PagedCache, SeqId};

@@ -34,6 +34,9 @@ const KEYS: &[&str] = &[
 /// The default MLP width: 8d/3 for SwiGLU (the parameters of a 4d GELU MLP), 4d for GELU,
 /// rounded up to a multiple of 64.
 pub fn default_intermediate(mlp: MlpKind, hidden: usize) -> usize {
+    // A width past the limit is refused by validation; clamped here only so the product
+    // cannot overflow first.
+    let hidden = hidden.min(super::config::MAX_WIDTH);
     let width = match mlp {
         MlpKind::SwiGlu => (8 * hidden).div_ceil(3),
         MlpKind::Gelu => 4 * hidden,
@@ -56,8 +59,9 @@ pub fn config_from_toml(text: &str) -> Result<ModelConfig, RuntimeError> {
             None => Ok(None),
             Some(v) => v
                 .as_integer()
+                .and_then(|i| usize::try_from(i).ok())
                 .filter(|&i| i > 0)
-                .map(|i| Some(i as usize))
+                .map(Some)
                 .ok_or_else(|| err(format!("`{k}` must be a positive integer, got {v}"))),
         }
     };
@@ -96,11 +100,15 @@ pub fn config_from_toml(text: &str) -> Result<ModelConfig, RuntimeError> {
         None => 1e-5,
         Some(v) => v
             .as_float()
-            .filter(|&e| e > 0.0)
-            .ok_or_else(|| err(format!("`norm_eps` must be a positive float, got {v}")))?,
+            .filter(|&e| e.is_finite() && e > 0.0)
+            .ok_or_else(|| {
+                err(format!(
+                    "`norm_eps` must be a finite float greater than 0, got {v}"
+                ))
+            })?,
     };
     let hidden = required("hidden")?;
-    Ok(ModelConfig {
+    let config = ModelConfig {
         vocab: required("vocab")?,
         hidden,
         layers: required("layers")?,
@@ -111,7 +119,9 @@ pub fn config_from_toml(text: &str) -> Result<ModelConfig, RuntimeError> {
         intermediate: int("intermediate")?.unwrap_or(default_intermediate(mlp, hidden)),
         tie_embeddings: flag("tie_embeddings", true)?,
         qkv_bias: flag("qkv_bias", false)?,
-    })
+    };
+    config.validate()?;
+    Ok(config)
 }
 
 /// Seeded uniform values with standard deviation 0.02 (GPT-2's init scale).
@@ -143,7 +153,11 @@ impl Init {
 impl Model {
     /// A model with seeded random weights (uniform, standard deviation 0.02; norms at 1).
     pub fn random(config: &ModelConfig, seed: u64) -> Result<Model, RuntimeError> {
-        crate::error::check_spec(&config.attention)?;
+        config.validate()?;
+        crate::memory::ensure_fits(
+            "the model's weights",
+            config.weight_count().and_then(|n| n.checked_mul(4)),
+        )?;
         let c = config;
         let mut init = Init(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
         let norm = |n: usize| Norm {

@@ -225,7 +225,8 @@ impl<'a> Fx<'a> {
             1.535_336_2e-4,
         ];
         let lo = self.f32x4(-127.0);
-        let x = self.pmax4(x, lo);
+        // `x < -127 ? -127 : x`: a NaN passes through (and gives NaN), never the clamp's 0.
+        let x = self.pmax4(lo, x);
         let magic = self.f32x4(MAGIC);
         let t = self.b.ins().fadd(x, magic);
         let n = self.b.ins().fsub(t, magic);

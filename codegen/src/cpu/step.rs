@@ -175,7 +175,8 @@ pub(super) fn epilogue(
         let pm = fx.elem(a.m, r);
         let mrow = fx.load(F32, pm, 0);
         let zero_f = fx.f32(0.0);
-        let nonempty = fx.b.ins().fcmp(FloatCC::GreaterThan, lsum, zero_f);
+        // A row is empty when no key was kept (sum exactly 0); a NaN sum carries NaN through.
+        let nonempty = fx.b.ins().fcmp(FloatCC::NotEqual, lsum, zero_f);
         let one = fx.f32(1.0);
         let inv = fx.b.ins().fdiv(one, lsum);
         let inv = fx.b.ins().select(nonempty, inv, zero_f);
@@ -190,8 +191,9 @@ pub(super) fn epilogue(
             |fx| {
                 let call = fx.b.ins().call(refs.logf, &[lsum]);
                 let ln = fx.b.inst_results(call)[0];
-                let ln2 = fx.f32(std::f32::consts::LN_2);
-                let value = fx.b.ins().fma(mrow, ln2, ln);
+                // The running max is in half base-2 units: 2 ln 2 turns it into natural ones.
+                let unit = fx.f32(2.0 * std::f32::consts::LN_2);
+                let value = fx.b.ins().fma(mrow, unit, ln);
                 fx.store(value, plse, 0);
             },
             |fx| fx.store(neg_inf, plse, 0),
@@ -280,22 +282,30 @@ pub(super) fn softmax_step(
         let m_old = fx.load(F32, pm, 0);
         let grew = fx.b.ins().fcmp(FloatCC::GreaterThan, tile_max, m_old);
         let m_new = fx.b.ins().select(grew, tile_max, m_old);
+        // A score that overflowed f32 (`+inf`) counts as the largest finite one: such keys share
+        // the row, and `s - m` is never `inf - inf`.
+        let largest = fx.f32(f32::MAX);
+        let over = fx.b.ins().fcmp(FloatCC::GreaterThan, m_new, largest);
+        let m_new = fx.b.ins().select(over, largest, m_new);
         fx.store(m_new, pm, 0);
         let neg_inf = fx.f32(f32::NEG_INFINITY);
         let zero_f = fx.f32(0.0);
         let empty = fx.b.ins().fcmp(FloatCC::Equal, m_new, neg_inf);
         let m_use = fx.b.ins().select(empty, zero_f, m_new);
-        // alpha = e^(m_old - m_new) rescales the row's sum and accumulator; 1 unless the max grew.
+        // alpha = 2^(2 (m_old - m_new)) rescales the row's sum and accumulator (scores are in
+        // half base-2 units); 1 unless the max grew.
         let alpha_var = fx.b.declare_var(F32);
         let one = fx.f32(1.0);
         fx.b.def_var(alpha_var, one);
         fx.if_then(grew, |fx| {
             let shift = fx.b.ins().fsub(m_old, m_use);
+            let shift = fx.b.ins().fadd(shift, shift);
             let alpha = fx.exp2_1_nonpositive(shift);
             fx.b.def_var(alpha_var, alpha);
         });
 
-        // Pass 2: probabilities and their sum.
+        // Pass 2: probabilities 2^(2 (s - m)) and their sum. NaN scores stay NaN through each
+        // step, so a NaN that reaches a row makes it NaN instead of vanishing like a masked key.
         let sum_var = fx.b.declare_var(F32X4);
         let zero4 = fx.f32x4(0.0);
         fx.b.def_var(sum_var, zero4);
@@ -308,6 +318,9 @@ pub(super) fn softmax_step(
             for offset in [0, 16] {
                 let x = fx.load(F32X4, p, offset);
                 let x = fx.b.ins().fsub(x, m4);
+                // `+inf - m` (an overflowed score) is 0, as for the row's largest score.
+                let x = fx.pmin4(zero4, x);
+                let x = fx.b.ins().fadd(x, x);
                 let e = fx.exp2_4_nonpositive(x);
                 fx.store(e, p, offset);
                 acc_sum = fx.b.ins().fadd(acc_sum, e);

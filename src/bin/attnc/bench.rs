@@ -5,6 +5,7 @@ use attn::AttentionSpec;
 use attn::dsl::Mask;
 use attn::dsl::accounting::forward_flops;
 use attn::runtime::cpu::{CpuBackend, MlaTensors};
+use attn::runtime::memory::checked_product;
 use attn::runtime::{RuntimeError, Tensor};
 use std::time::Instant;
 
@@ -37,6 +38,50 @@ pub fn random(spec: &AttentionSpec, shape: &[usize], seed: u64) -> Result<Tensor
     Tensor::from_f32_as(spec.dtype, shape, values)
 }
 
+/// Refuses a shape whose tensors would not fit in the memory available, before any is made:
+/// each input counted once as the f32 values drawn and once as stored, each output as f32.
+pub fn ensure_fits(spec: &AttentionSpec, shape: &Shape) -> Result<(), RuntimeError> {
+    let [b, sq, skv] = [shape.batch, shape.seq, shape.kv_len].map(|v| v as u64);
+    let (h, d, dv) = (
+        u64::from(spec.heads),
+        u64::from(spec.head_dim),
+        u64::from(spec.v_head_dim),
+    );
+    let inputs: Vec<Vec<u64>> = match spec.mla() {
+        Some(m) => {
+            let (r, dr) = (u64::from(m.latent_rank), u64::from(m.rope_dim));
+            vec![
+                vec![b, h, sq, d + dr],
+                vec![b, skv, r + dr],
+                vec![h, d + dv, r],
+            ]
+        }
+        None => {
+            let hkv = u64::from(spec.kv_heads());
+            vec![
+                vec![b, h, sq, d],
+                vec![b, hkv, skv, d],
+                vec![b, hkv, skv, dv],
+            ]
+        }
+    };
+    let outputs = [vec![b, h, sq, dv], vec![b, h, sq]];
+    let per_input = 4 + spec.dtype.size_bytes();
+    let bytes = inputs
+        .iter()
+        .map(|dims| checked_product(dims)?.checked_mul(per_input))
+        .chain(
+            outputs
+                .iter()
+                .map(|dims| checked_product(dims)?.checked_mul(4)),
+        )
+        .try_fold(0u64, |sum, n| sum.checked_add(n?));
+    attn::runtime::memory::ensure_fits(
+        &format!("batch {b} with {sq} queries and {skv} keys of `{spec}`"),
+        bytes,
+    )
+}
+
 /// Random q, k and v of a per-head spec for the shape.
 fn inputs(spec: &AttentionSpec, shape: &Shape) -> Result<[Tensor; 3], RuntimeError> {
     let (b, h, sq, skv) = (shape.batch, spec.heads as usize, shape.seq, shape.kv_len);
@@ -61,13 +106,14 @@ pub fn flops(spec: &AttentionSpec, shape: &Shape) -> f64 {
         shape.seq as u64,
         shape.kv_len as u64,
     )
-    .dense;
+    .map_or(f64::INFINITY, |f| f.dense as f64);
     let causal = !matches!(spec.mask, Mask::None);
-    dense as f64 * if causal { 0.5 } else { 1.0 }
+    dense * if causal { 0.5 } else { 1.0 }
 }
 
 /// Compiles (timed), warms up twice, then times `reps` calls and takes the median.
 pub fn bench(spec: &AttentionSpec, shape: &Shape, progress: bool) -> Result<Timing, RuntimeError> {
+    ensure_fits(spec, shape)?;
     let backend = CpuBackend::new();
     let kernel = backend.kernel(spec)?;
     let compile_ms = kernel.compile_time.as_secs_f64() * 1e3;
@@ -139,6 +185,7 @@ pub fn bench_cuda(spec: &AttentionSpec, shape: &Shape) -> Result<Timing, Runtime
                 .into(),
         ));
     }
+    ensure_fits(spec, shape)?;
     let backend = CudaBackend::new(0)?;
     let [q, k, v] = inputs(spec, shape)?;
     let call = GpuCall::forward(spec, &q, &k, &v, 0)?;

@@ -12,8 +12,17 @@ pub struct Shape {
     pub batch: u64,
 }
 
-/// The table, one `label  value` row per line.
-pub fn table(spec: &AttentionSpec, shape: &Shape) -> String {
+/// The error when a count of the table does not fit in 64 bits.
+fn too_large(what: &str, shape: &Shape) -> String {
+    format!(
+        "error: the {what} at --seq {}, --layers {}, --batch {}, --model-dim {} does not fit in \
+         64 bits; allowed: smaller sizes",
+        shape.seq, shape.layers, shape.batch, shape.model_dim
+    )
+}
+
+/// The table, one `label  value` row per line; an error when a count does not fit in 64 bits.
+pub fn table(spec: &AttentionSpec, shape: &Shape) -> Result<String, String> {
     let mut rows: Vec<(String, String)> = Vec::new();
     let mut row = |label: &str, value: String| rows.push((label.to_string(), value));
 
@@ -23,7 +32,10 @@ pub fn table(spec: &AttentionSpec, shape: &Shape) -> String {
 
     let per_token = kv_cache_bytes_per_token(spec);
     row("KV bytes/token/layer", per_token.to_string());
-    let cache = per_token * shape.seq * shape.layers * shape.batch;
+    let cache = [shape.seq, shape.layers, shape.batch]
+        .into_iter()
+        .try_fold(per_token, u64::checked_mul)
+        .ok_or_else(|| too_large("KV cache size", shape))?;
     row(
         "KV cache",
         format!(
@@ -35,7 +47,12 @@ pub fn table(spec: &AttentionSpec, shape: &Shape) -> String {
         ),
     );
 
-    let params = attention_params(spec, shape.model_dim);
+    let params =
+        attention_params(spec, shape.model_dim).ok_or_else(|| too_large("parameters", shape))?;
+    let all_params = params
+        .total()
+        .checked_mul(shape.layers)
+        .ok_or_else(|| too_large("parameters", shape))?;
     let parts = params
         .parts
         .iter()
@@ -52,14 +69,11 @@ pub fn table(spec: &AttentionSpec, shape: &Shape) -> String {
     );
     row(
         "attention params",
-        format!(
-            "{} in {} layers",
-            group_digits(params.total() * shape.layers),
-            shape.layers
-        ),
+        format!("{} in {} layers", group_digits(all_params), shape.layers),
     );
 
-    let flops = forward_flops(spec, shape.batch, shape.seq, shape.seq);
+    let flops = forward_flops(spec, shape.batch, shape.seq, shape.seq)
+        .ok_or_else(|| too_large("prefill FLOPs", shape))?;
     let note = if flops.custom_mask {
         " (mask_mod may skip more)"
     } else {
@@ -75,7 +89,8 @@ pub fn table(spec: &AttentionSpec, shape: &Shape) -> String {
             shape.batch
         ),
     );
-    let decode = forward_flops(spec, shape.batch, 1, shape.seq);
+    let decode = forward_flops(spec, shape.batch, 1, shape.seq)
+        .ok_or_else(|| too_large("decode FLOPs", shape))?;
     row(
         "decode FLOPs/layer",
         format!(
@@ -87,9 +102,10 @@ pub fn table(spec: &AttentionSpec, shape: &Shape) -> String {
     );
 
     let width = rows.iter().map(|(l, _)| l.len()).max().unwrap_or(0);
-    rows.iter()
+    Ok(rows
+        .iter()
         .map(|(label, value)| format!("{label:<width$}  {value}\n"))
-        .collect()
+        .collect())
 }
 
 fn kv_layout(spec: &AttentionSpec) -> String {

@@ -29,11 +29,13 @@ enum Command {
     /// Validate a spec and print it in normalized form.
     Check {
         /// The spec, in the spec language, or @FILE to read it from a file.
+        #[arg(allow_hyphen_values = true)]
         spec: String,
     },
     /// Print the modifier IR (as lowered and folded) and the forward kernel plan.
     Ir {
         /// The spec, in the spec language, or @FILE to read it from a file.
+        #[arg(allow_hyphen_values = true)]
         spec: String,
         /// Also print the tile map for this many queries (`#` all kept, `.` skipped, `/` mixed).
         #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
@@ -46,7 +48,7 @@ enum Command {
     /// safetensors file, write `out` and `lse` to another.
     Run {
         /// The spec, in the spec language, or @FILE to read it from a file.
-        #[arg(long)]
+        #[arg(long, allow_hyphen_values = true)]
         spec: String,
         /// Input safetensors file (BHSD tensors in the spec's dtype).
         #[arg(long, value_name = "FILE")]
@@ -70,6 +72,7 @@ enum Command {
     /// halved for causal masks) and the kernel's compile time (on cuda: PTX emitted and loaded).
     Bench {
         /// The spec, in the spec language, or @FILE to read it from a file.
+        #[arg(allow_hyphen_values = true)]
         spec: String,
         /// Queries per sequence.
         #[arg(long, value_name = "N", default_value_t = 2048, value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
@@ -94,6 +97,7 @@ enum Command {
     /// GB/s of K and V read (every cached token of every sequence, in the cache's dtype).
     BenchDecode {
         /// The spec, in the spec language, or @FILE to read it from a file.
+        #[arg(allow_hyphen_values = true)]
         spec: String,
         /// Cached tokens per sequence.
         #[arg(long, value_name = "L", default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
@@ -186,6 +190,7 @@ enum Command {
     /// Write the GPU forward kernel of a spec as GPU IR, LLVM IR or PTX.
     Emit {
         /// The spec, in the spec language, or @FILE to read it from a file.
+        #[arg(allow_hyphen_values = true)]
         spec: String,
         /// GPU architecture.
         #[arg(long, value_enum, default_value_t = emit::Target::Sm90)]
@@ -208,13 +213,14 @@ enum Command {
     /// Measure the FMA ceiling of this machine: the score microkernel on L1-resident tiles, per
     /// thread and on all threads.
     Peak {
-        /// Seconds per measurement.
-        #[arg(long, default_value_t = 1.0)]
+        /// Seconds per measurement (more than 0, at most 60).
+        #[arg(long, default_value_t = 1.0, value_parser = seconds_in_range)]
         seconds: f64,
     },
     /// Print what a spec costs: KV-cache bytes, cache size, parameters and FLOPs.
     Explain {
         /// The spec, in the spec language, or @FILE to read it from a file.
+        #[arg(allow_hyphen_values = true)]
         spec: String,
         /// Model width for the projection parameter count (default: heads * head_dim).
         #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
@@ -229,6 +235,16 @@ enum Command {
         #[arg(long, value_name = "B", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
         batch: u64,
     },
+}
+
+/// A number of seconds for `attnc peak`: finite, more than 0 and at most a minute.
+fn seconds_in_range(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(s) if s > 0.0 && s <= 60.0 => Ok(s),
+        _ => Err(format!(
+            "`{text}` is not a number of seconds; allowed: more than 0, at most 60"
+        )),
+    }
 }
 
 fn main() -> ExitCode {
@@ -432,14 +448,14 @@ fn main() -> ExitCode {
             layers,
             seq,
             batch,
-        } => spec_arg::load(&spec).map(|(spec, _)| {
+        } => spec_arg::load(&spec).and_then(|(spec, _)| {
             let shape = explain::Shape {
                 model_dim: model_dim.unwrap_or(u64::from(spec.heads) * u64::from(spec.head_dim)),
                 layers,
                 seq,
                 batch,
             };
-            print!("{}", explain::table(&spec, &shape));
+            explain::table(&spec, &shape).map(|table| print!("{table}"))
         }),
     };
     match result {

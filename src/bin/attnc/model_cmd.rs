@@ -8,12 +8,15 @@ use attn::runtime::model::{Model, Request, Sampling, hf, research};
 use std::io::Write;
 use std::path::Path;
 
+/// Longest research model TOML file read.
+const MAX_TOML_BYTES: usize = 1 << 20;
+
 /// A checkpoint directory, or a research model's TOML file with weights seeded by `seed`.
 pub fn load(path: &Path, seed: u64) -> Result<Model, String> {
     let err = |e: attn::runtime::RuntimeError| format!("error: {e}");
     if path.is_file() {
-        let text =
-            std::fs::read_to_string(path).map_err(|e| format!("error: {}: {e}", path.display()))?;
+        let text = crate::spec_arg::read_bounded(path, MAX_TOML_BYTES)
+            .map_err(|e| format!("error: {}: {e}", path.display()))?;
         let config = research::config_from_toml(&text)
             .map_err(|e| format!("error: {}: {e}", path.display()))?;
         return Model::random(&config, seed).map_err(err);
@@ -128,11 +131,14 @@ pub fn params(model: &Model, seq: u64) -> Result<String, String> {
         s += &format!("  {name:<10} {n:>14}{note}\n");
     }
     s += &format!("  {:<10} {total:>14}\n", "total");
-    let per_token = kv_cache_bytes_per_token(&c.attention) * c.layers as u64;
+    let per_layer = kv_cache_bytes_per_token(&c.attention);
+    let per_token = per_layer * c.layers as u64;
+    let at_seq = per_token.checked_mul(seq).ok_or_else(|| {
+        format!("error: the KV cache at --seq {seq} would exceed 2^64 bytes; allowed: less")
+    })?;
     s += &format!(
-        "KV cache: {per_token} bytes per token ({} per layer), {:.1} MiB at {seq} tokens",
-        per_token / c.layers.max(1) as u64,
-        (per_token * seq) as f64 / (1 << 20) as f64
+        "KV cache: {per_token} bytes per token ({per_layer} per layer), {:.1} MiB at {seq} tokens",
+        at_seq as f64 / (1 << 20) as f64
     );
     Ok(s)
 }

@@ -7,8 +7,8 @@ use attn::AttentionSpec;
 pub fn load(arg: &str) -> Result<(AttentionSpec, String), String> {
     let (source, origin) = match arg.strip_prefix('@') {
         Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .map_err(|e| format!("error: cannot read spec file `{path}`: {e}"))?;
+            let text = read_bounded(path, attn::dsl::MAX_SPEC_BYTES)
+                .map_err(|e| format!("error: cannot read spec file `{path}`: {e}\n"))?;
             (text, format!("spec file `{path}`"))
         }
         None => (arg.to_string(), "spec".to_string()),
@@ -25,4 +25,19 @@ pub fn load(arg: &str) -> Result<(AttentionSpec, String), String> {
             Err(message)
         }
     }
+}
+
+/// Reads a text file (a spec, a model's TOML) of at most `limit` bytes, without reading more than one byte past it (the
+/// path may name a device or pipe that never ends).
+pub fn read_bounded(path: impl AsRef<std::path::Path>, limit: usize) -> Result<String, String> {
+    use std::io::Read;
+    let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    let mut bytes = Vec::new();
+    file.take(limit as u64 + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| e.to_string())?;
+    if bytes.len() > limit {
+        return Err(format!("it is longer than {limit} bytes, the most allowed"));
+    }
+    String::from_utf8(bytes).map_err(|_| "it is not UTF-8 text".to_string())
 }

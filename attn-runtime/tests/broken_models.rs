@@ -1,0 +1,251 @@
+//! Broken checkpoints and research configs, one per class of fault: each must be refused at load
+//! with an error that names what is wrong, never a panic, an abort or a model that runs with
+//! wrong logits.
+
+use attn_runtime::io::{read_safetensors, write_safetensors};
+use attn_runtime::model::research::config_from_toml;
+use attn_runtime::model::{Model, hf};
+use attn_runtime::{RuntimeError, Tensor};
+use std::path::{Path, PathBuf};
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/fixtures/hf-tiny"
+    ))
+    .join(name)
+}
+
+/// A scratch copy of a fixture checkpoint, removed when dropped.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn of(name: &str, case: &str) -> Scratch {
+        let dir =
+            std::env::temp_dir().join(format!("attn-broken-{}-{name}-{case}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for file in ["config.json", "model.safetensors"] {
+            std::fs::copy(fixture(name).join(file), dir.join(file)).unwrap();
+        }
+        Scratch(dir)
+    }
+
+    /// Sets `key` of config.json to the JSON `value`.
+    fn config(self, key: &str, value: &str) -> Scratch {
+        let path = self.0.join("config.json");
+        let mut json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        json[key] = serde_json::from_str(value).unwrap();
+        std::fs::write(&path, json.to_string()).unwrap();
+        self
+    }
+
+    /// Replaces (or adds) tensor `name` with zeros of `shape`.
+    fn tensor(self, name: &str, shape: &[usize]) -> Scratch {
+        let path = self.0.join("model.safetensors");
+        let names = tensor_names(&path);
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        let mut tensors: Vec<(String, Tensor)> = names
+            .iter()
+            .cloned()
+            .zip(read_safetensors(&path, &refs).unwrap())
+            .filter(|(n, _)| n != name)
+            .collect();
+        let n = shape.iter().product();
+        tensors.push((
+            name.to_string(),
+            Tensor::from_f32(shape, vec![0.0; n]).unwrap(),
+        ));
+        let refs: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        write_safetensors(&path, &refs).unwrap();
+        self
+    }
+
+    fn load(&self) -> Result<Model, RuntimeError> {
+        hf::load(&self.0)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn tensor_names(path: &Path) -> Vec<String> {
+    let bytes = std::fs::read(path).unwrap();
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    meta.tensors().keys().cloned().collect()
+}
+
+fn refused(result: Result<Model, RuntimeError>, needles: &[&str], case: &str) {
+    let message = match result {
+        Ok(_) => panic!("{case}: loaded; expected an error naming {needles:?}"),
+        Err(e) => e.to_string(),
+    };
+    for needle in needles {
+        assert!(
+            message.contains(needle),
+            "{case}: the error `{message}` does not name `{needle}`"
+        );
+    }
+}
+
+#[test]
+fn configs_with_values_out_of_range_are_refused() {
+    for (key, value, needle) in [
+        ("num_attention_heads", "0", "num_attention_heads"),
+        ("rms_norm_eps", "-1", "norm_eps"),
+        ("rms_norm_eps", "0", "norm_eps"),
+        ("hidden_size", "0", "hidden"),
+        ("num_hidden_layers", "0", "layers"),
+        ("num_hidden_layers", "1000000000", "layers"),
+        ("vocab_size", "0", "vocab"),
+        ("vocab_size", "100000000000", "vocab"),
+        ("intermediate_size", "0", "intermediate"),
+        ("num_key_value_heads", "3", "kv_heads"),
+        ("head_dim", "100000", "head_dim"),
+    ] {
+        let case = format!("{key} = {value}");
+        refused(
+            Scratch::of("llama_gqa", &case.replace(' ', ""))
+                .config(key, value)
+                .load(),
+            &[needle],
+            &case,
+        );
+    }
+    refused(
+        Scratch::of("deepseek_v2_lite_mla", "lora")
+            .config("q_lora_rank", "0")
+            .load(),
+        &["q_lora_rank"],
+        "q_lora_rank = 0",
+    );
+}
+
+#[test]
+fn tensors_of_the_wrong_shape_are_refused_by_name() {
+    let layer = "model.layers.0.";
+    let cases: &[(&str, &[usize])] = &[
+        ("self_attn.q_proj.weight", &[64, 63]),
+        ("self_attn.k_proj.weight", &[32, 65]),
+        ("self_attn.v_proj.weight", &[64, 64]),
+        ("self_attn.o_proj.weight", &[64, 65]),
+        ("mlp.up_proj.weight", &[64, 128]),
+        ("mlp.gate_proj.weight", &[128]),
+        ("mlp.down_proj.weight", &[64, 100]),
+        ("input_layernorm.weight", &[8]),
+        ("post_attention_layernorm.weight", &[10]),
+    ];
+    for (name, shape) in cases {
+        let full = format!("{layer}{name}");
+        refused(
+            Scratch::of("llama_gqa", &name.replace('.', "_"))
+                .tensor(&full, shape)
+                .load(),
+            &[&full, "expected"],
+            &full,
+        );
+    }
+    refused(
+        Scratch::of("llama_gqa", "final_norm")
+            .tensor("model.norm.weight", &[100])
+            .load(),
+        &["model.norm.weight", "[64]"],
+        "final norm of 100",
+    );
+    refused(
+        Scratch::of("llama_gqa", "embed")
+            .tensor("model.embed_tokens.weight", &[256, 63])
+            .load(),
+        &["model.embed_tokens.weight", "[256, 64]"],
+        "embedding",
+    );
+    refused(
+        Scratch::of("llama_gqa", "lm_head")
+            .config("tie_word_embeddings", "false")
+            .tensor("lm_head.weight", &[255, 64])
+            .load(),
+        &["lm_head.weight", "[256, 64]"],
+        "lm_head",
+    );
+    // This fixture's o_proj is square ([64, 4 heads x 16]); k_proj is not, so a transposed
+    // matrix shows there.
+    refused(
+        Scratch::of("llama_gqa", "k_transposed")
+            .tensor(&format!("{layer}self_attn.k_proj.weight"), &[64, 32])
+            .load(),
+        &["k_proj", "[32, 64]"],
+        "k_proj transposed",
+    );
+}
+
+#[test]
+fn mla_tensors_of_the_wrong_shape_are_refused_by_name() {
+    let layer = "model.layers.1.self_attn.";
+    let cases: &[(&str, &[usize])] = &[
+        ("q_proj.weight", &[96, 63]),
+        ("kv_a_proj_with_mqa.weight", &[41, 64]),
+        ("kv_a_layernorm.weight", &[31]),
+        ("kv_b_proj.weight", &[128, 33]),
+        ("o_proj.weight", &[64, 65]),
+    ];
+    for (name, shape) in cases {
+        let full = format!("{layer}{name}");
+        refused(
+            Scratch::of("deepseek_v2_lite_mla", &name.replace('.', "_"))
+                .tensor(&full, shape)
+                .load(),
+            &[&full, "expected"],
+            &full,
+        );
+    }
+}
+
+#[test]
+fn toml_models_out_of_range_are_refused_before_allocating() {
+    let base = |extra: &str, attention: &str| {
+        format!("vocab = 97\nlayers = 2\nattention = \"{attention}\"\n{extra}")
+    };
+    let attn = "heads = 4, head_dim = 12";
+    for (text, needle) in [
+        (base("hidden = 4611686018427387904", attn), "hidden"),
+        (base("hidden = 1000000000", attn), "hidden"),
+        (
+            base("hidden = 48\nintermediate = 4611686018427387904", attn),
+            "intermediate",
+        ),
+        (
+            "vocab = 4611686018427387904\nhidden = 48\nlayers = 1\nattention = \"heads = 4, \
+             head_dim = 12\""
+                .to_string(),
+            "vocab",
+        ),
+        (
+            "vocab = 97\nhidden = 48\nlayers = 1000000000\nattention = \"heads = 4, \
+             head_dim = 12\""
+                .to_string(),
+            "layers",
+        ),
+        (base("hidden = 48\nnorm_eps = inf", attn), "norm_eps"),
+        (base("hidden = 48\nnorm_eps = nan", attn), "norm_eps"),
+        (base("hidden = 48\nnorm_eps = -1.0", attn), "norm_eps"),
+        (base("hidden = -5", attn), "hidden"),
+        (base("hidden = 48", "heads = 0, head_dim = 12"), "heads"),
+    ] {
+        let err = config_from_toml(&text).expect_err(&text).to_string();
+        assert!(
+            err.contains(needle),
+            "`{text}`: `{err}` does not name {needle}"
+        );
+    }
+    // Every field in range, but the weights need petabytes: refused before any allocation.
+    let huge = config_from_toml(
+        "vocab = 16777216\nhidden = 1048576\nlayers = 4096\nattention = \"heads = 1024, \
+         head_dim = 1024\"",
+    )
+    .unwrap();
+    let err = Model::random(&huge, 0).expect_err("too large").to_string();
+    assert!(err.contains("GiB"), "{err}");
+}

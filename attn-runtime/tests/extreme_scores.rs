@@ -1,0 +1,282 @@
+//! NaN, infinities and scores near `f32::MAX` against the stated semantics (DESIGN.md,
+//! "Semantics"): a row is empty only when the mask drops every key; a NaN that reaches a row
+//! makes it NaN; any finite score is a score, however large. On the CPU forward kernel, the
+//! decode kernel with split-KV partitions, and the reference.
+
+use attn_dsl::AttentionSpec;
+use attn_dsl::reference::{self, Array, Inputs};
+use attn_runtime::Tensor;
+use attn_runtime::cache::{KvCache, PagedCache};
+use attn_runtime::cpu::{CpuBackend, DecodeOptions, Output};
+
+/// Deterministic values in [-1, 1).
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+struct Case {
+    spec: AttentionSpec,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    sq: usize,
+    skv: usize,
+}
+
+impl Case {
+    fn new(text: &str, sq: usize, skv: usize) -> Case {
+        let spec: AttentionSpec = text.parse().unwrap();
+        let (h, hkv, d, dv) = dims(&spec);
+        Case {
+            q: values(h * sq * d, 1),
+            k: values(hkv * skv * d, 2),
+            v: values(hkv * skv * dv, 3),
+            spec,
+            sq,
+            skv,
+        }
+    }
+
+    fn tensors(&self) -> [Tensor; 3] {
+        let (h, hkv, d, dv) = dims(&self.spec);
+        [
+            Tensor::from_f32(&[1, h, self.sq, d], self.q.clone()).unwrap(),
+            Tensor::from_f32(&[1, hkv, self.skv, d], self.k.clone()).unwrap(),
+            Tensor::from_f32(&[1, hkv, self.skv, dv], self.v.clone()).unwrap(),
+        ]
+    }
+
+    fn reference(&self) -> reference::Output {
+        let (h, hkv, d, dv) = dims(&self.spec);
+        let array = |shape: &[usize], v: &[f32]| {
+            Array::from_vec(shape, v.iter().map(|x| f64::from(*x)).collect()).unwrap()
+        };
+        let (q, k, v) = (
+            array(&[1, h, self.sq, d], &self.q),
+            array(&[1, hkv, self.skv, d], &self.k),
+            array(&[1, hkv, self.skv, dv], &self.v),
+        );
+        let inputs = Inputs {
+            q: &q,
+            k: &k,
+            v: &v,
+            position_offset: 0,
+        };
+        reference::attention(&self.spec, &inputs).unwrap()
+    }
+
+    fn forward(&self) -> Output {
+        let [q, k, v] = self.tensors();
+        CpuBackend::new()
+            .forward(&self.spec, &q, &k, &v, 0)
+            .unwrap()
+    }
+
+    /// The last `sq` queries decoded against a paged cache of all `skv` keys, split into
+    /// `partitions` parts.
+    fn decode(&self, partitions: usize) -> Output {
+        let [q, k, v] = self.tensors();
+        let (_, hkv, d, dv) = dims(&self.spec);
+        let mut cache = PagedCache::new(&self.spec, 16, self.skv.div_ceil(16) + 1).unwrap();
+        let seq = cache.add_sequence();
+        let as3 =
+            |t: &Tensor, w: usize| Tensor::from_f32(&[hkv, self.skv, w], t.to_f32_vec()).unwrap();
+        cache.append(seq, &as3(&k, d), &as3(&v, dv)).unwrap();
+        let options = DecodeOptions {
+            partitions: Some(partitions),
+        };
+        CpuBackend::new()
+            .decode(&self.spec, &q, &cache, &[seq], options)
+            .unwrap()
+    }
+}
+
+fn dims(spec: &AttentionSpec) -> (usize, usize, usize, usize) {
+    (
+        spec.heads as usize,
+        spec.kv_heads() as usize,
+        spec.head_dim as usize,
+        spec.v_head_dim as usize,
+    )
+}
+
+/// `got` equals `want` within `rel` (relative, at least 1e-5 absolute), NaN where it is NaN and
+/// infinities exactly.
+fn same(what: &str, got: &[f32], want: &[f64], rel: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let g = f64::from(*g);
+        if w.is_nan() || w.is_infinite() {
+            assert!(
+                g.is_nan() == w.is_nan() && (w.is_nan() || g == *w),
+                "{what}[{i}]: got {g}, want {w}"
+            );
+        } else {
+            assert!(
+                (g - w).abs() <= 1e-5 + rel * w.abs(),
+                "{what}[{i}]: got {g}, want {w}"
+            );
+        }
+    }
+}
+
+fn matches_reference(case: &Case, what: &str) {
+    let want = case.reference();
+    let got = case.forward();
+    same(
+        &format!("{what}: out"),
+        &got.out.to_f32_vec(),
+        want.out.data(),
+        1e-4,
+    );
+    same(
+        &format!("{what}: lse"),
+        &got.lse.to_f32_vec(),
+        want.lse.data(),
+        1e-5,
+    );
+    for parts in [1, 3] {
+        let got = case.decode(parts);
+        let what = format!("{what}: decode in {parts} parts");
+        same(
+            &format!("{what}: out"),
+            &got.out.to_f32_vec(),
+            want.out.data(),
+            1e-4,
+        );
+        same(
+            &format!("{what}: lse"),
+            &got.lse.to_f32_vec(),
+            want.lse.data(),
+            1e-5,
+        );
+    }
+}
+
+/// The rows (head, query) whose lse is NaN.
+fn nan_rows(lse: &[f64], sq: usize) -> Vec<(usize, usize)> {
+    (0..lse.len())
+        .filter(|&r| lse[r].is_nan())
+        .map(|r| (r / sq, r % sq))
+        .collect()
+}
+
+#[test]
+fn a_nan_query_makes_its_row_nan() {
+    let mut case = Case::new(
+        "heads = 4, kv_heads = 2, head_dim = 16, mask = causal",
+        40,
+        70,
+    );
+    let d = 16;
+    // Head 1, query 7, one element.
+    case.q[(40 + 7) * d + 3] = f32::NAN;
+    let want = case.reference();
+    assert_eq!(nan_rows(want.lse.data(), 40), vec![(1, 7)]);
+    matches_reference(&case, "NaN in q");
+}
+
+#[test]
+fn a_nan_key_makes_every_row_that_keeps_it_nan() {
+    for (mask, rows) in [("causal", 10), ("sliding_window(8)", 8)] {
+        let text = format!("heads = 2, kv_heads = 1, head_dim = 16, mask = {mask}");
+        let mut case = Case::new(&text, 40, 40);
+        // Key 30: kept by queries 30.. (causal) or 30..38 (a window of 8).
+        case.k[30 * 16 + 5] = f32::NAN;
+        let want = case.reference();
+        let expected: Vec<_> = (0..2)
+            .flat_map(|h| (30..30 + rows).map(move |i| (h, i)))
+            .collect();
+        assert_eq!(nan_rows(want.lse.data(), 40), expected, "{mask}");
+        matches_reference(&case, &format!("NaN in k, {mask}"));
+    }
+}
+
+#[test]
+fn a_nan_value_of_a_kept_key_makes_the_row_nan() {
+    let mut case = Case::new("heads = 2, head_dim = 16, mask = causal", 20, 20);
+    case.v[(20 + 12) * 16 + 2] = f32::NAN;
+    let want = case.reference();
+    for got in [case.forward(), case.decode(1), case.decode(3)] {
+        let (out, lse) = (got.out.to_f32_vec(), got.lse.to_f32_vec());
+        same("lse (values do not touch it)", &lse, want.lse.data(), 1e-5);
+        for i in 0..20 {
+            let row = &out[(20 + i) * 16..(21 + i) * 16];
+            // Rows that keep key 12 are NaN in the value's column. Rows that mask it but share
+            // its key tile may be too (0 x NaN in the tile's value product, as in PyTorch's math
+            // path).
+            if i >= 12 {
+                assert!(row[2].is_nan(), "row {i}: {row:?}");
+            }
+        }
+        // The other head reads the other kv head: untouched.
+        same("head 0", &out[..320], &want.out.data()[..320], 1e-4);
+    }
+}
+
+#[test]
+fn scores_up_to_f32_max_are_scores() {
+    // One key scored near the top of f32 dominates every row that keeps it.
+    for big in ["2.4e38", "3.0e38", "3.4028234e38", "1e30", "-3.4e38"] {
+        let text = format!(
+            "heads = 2, head_dim = 16, mask = causal, score_mod = |s, b, h, q, k| if k == 3 \
+             {{ {big} }} else {{ s }}"
+        );
+        let case = Case::new(&text, 40, 40);
+        matches_reference(&case, &format!("score {big} at key 3"));
+    }
+    // Large q against small k: scores of about 1e37 from the dot product itself.
+    let mut case = Case::new("heads = 2, head_dim = 16", 24, 24);
+    for (i, q) in case.q.iter_mut().enumerate() {
+        *q = if i % 16 == 0 { 3e38 } else { 0.0 };
+    }
+    matches_reference(&case, "q of 3e38");
+}
+
+#[test]
+fn scores_that_overflow_f32_are_never_masks() {
+    // Every element 3e38: the dot products overflow f32. Such a row is not empty (its keys are
+    // kept): its lse is +inf or NaN (inf - inf along the sum), never -inf with out 0.
+    let mut case = Case::new("heads = 2, head_dim = 16, mask = causal", 32, 32);
+    case.q.iter_mut().for_each(|q| *q = 3e38);
+    for got in [case.forward(), case.decode(2)] {
+        for (r, lse) in got.lse.to_f32_vec().iter().enumerate() {
+            assert!(
+                *lse == f32::INFINITY || lse.is_nan() || lse.is_finite(),
+                "row {r}: lse {lse}"
+            );
+        }
+    }
+}
+
+#[test]
+fn rows_the_mask_empties_are_zero_with_lse_minus_infinity() {
+    // Top-left causal with more queries than keys: queries past the last key keep keys, but a
+    // mask_mod that drops every key of query 5 empties that row whatever the scores are.
+    let mut case = Case::new(
+        "heads = 2, head_dim = 16, mask_mod = |b, h, q, k| q != 5",
+        12,
+        12,
+    );
+    case.q.iter_mut().for_each(|q| *q *= 1e30);
+    let got = case.forward();
+    let lse = got.lse.to_f32_vec();
+    let out = got.out.to_f32_vec();
+    for h in 0..2 {
+        assert_eq!(lse[h * 12 + 5], f32::NEG_INFINITY);
+        assert!(
+            out[(h * 12 + 5) * 16..(h * 12 + 6) * 16]
+                .iter()
+                .all(|x| *x == 0.0)
+        );
+    }
+    matches_reference(&case, "a mask_mod that empties one row");
+}
