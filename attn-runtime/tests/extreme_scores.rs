@@ -6,7 +6,7 @@
 use attn_dsl::AttentionSpec;
 use attn_dsl::reference::{self, Array, Inputs};
 use attn_runtime::Tensor;
-use attn_runtime::cache::{KvCache, PagedCache};
+use attn_runtime::cache::PagedCache;
 use attn_runtime::cpu::{CpuBackend, DecodeOptions, Output};
 
 /// Deterministic values in [-1, 1).
