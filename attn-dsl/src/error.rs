@@ -167,6 +167,9 @@ pub enum ReferenceError {
     /// The spec itself is invalid.
     #[error("invalid spec: {0}")]
     Spec(String),
+    /// Positions of the call lie outside the range the kernels represent exactly.
+    #[error("{0}")]
+    Positions(String),
     /// The spec needs a different entry point (MLA vs. per-head KV).
     #[error("{0}")]
     WrongEntryPoint(&'static str),

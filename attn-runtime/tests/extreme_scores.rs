@@ -111,6 +111,11 @@ fn dims(spec: &AttentionSpec) -> (usize, usize, usize, usize) {
 /// `got` equals `want` within `rel` (relative, at least 1e-5 absolute), NaN where it is NaN and
 /// infinities exactly.
 fn same(what: &str, got: &[f32], want: &[f64], rel: f64) {
+    close(what, got, want, 1e-5, rel);
+}
+
+/// [`same`] with an absolute tolerance of `abs`.
+fn close(what: &str, got: &[f32], want: &[f64], abs: f64, rel: f64) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
         let g = f64::from(*g);
@@ -121,7 +126,7 @@ fn same(what: &str, got: &[f32], want: &[f64], rel: f64) {
             );
         } else {
             assert!(
-                (g - w).abs() <= 1e-5 + rel * w.abs(),
+                (g - w).abs() <= abs + rel * w.abs(),
                 "{what}[{i}]: got {g}, want {w}"
             );
         }
@@ -279,4 +284,124 @@ fn rows_the_mask_empties_are_zero_with_lse_minus_infinity() {
         );
     }
     matches_reference(&case, "a mask_mod that empties one row");
+}
+
+#[test]
+fn positions_past_the_representable_range_are_refused() {
+    use attn_dsl::reference::MAX_POSITION;
+    let case = Case::new(
+        "heads = 2, head_dim = 16, mask = sliding_window(5), position = rope",
+        6,
+        9,
+    );
+    let [q, k, v] = case.tensors();
+    let cpu = CpuBackend::new();
+    let (h, hkv, d, dv) = dims(&case.spec);
+    let array = |shape: &[usize], t: &Tensor| {
+        Array::from_vec(
+            shape,
+            t.to_f32_vec().iter().map(|x| f64::from(*x)).collect(),
+        )
+        .unwrap()
+    };
+    let (qa, ka, va) = (
+        array(&[1, h, 6, d], &q),
+        array(&[1, hkv, 9, d], &k),
+        array(&[1, hkv, 9, dv], &v),
+    );
+    // The last key at the largest position, and the first at the smallest: accepted, and the
+    // CPU kernel, the GPU kernel on the interpreter and the reference agree there.
+    for p0 in [MAX_POSITION - 8, -MAX_POSITION, 0] {
+        let inputs = Inputs {
+            q: &qa,
+            k: &ka,
+            v: &va,
+            position_offset: p0,
+        };
+        let want = reference::attention(&case.spec, &inputs).unwrap();
+        let got = cpu.forward(&case.spec, &q, &k, &v, p0).unwrap();
+        same(
+            &format!("p0 {p0}: out"),
+            &got.out.to_f32_vec(),
+            want.out.data(),
+            1e-3,
+        );
+        let gpu = attn_runtime::gpu::GpuCall::forward(&case.spec, &q, &k, &v, p0)
+            .unwrap()
+            .run_emulated()
+            .unwrap();
+        same(
+            &format!("p0 {p0}: gpu out"),
+            &gpu.out.to_f32_vec(),
+            want.out.data(),
+            1e-3,
+        );
+    }
+    // One past either end, and offsets whose sums would wrap i64: refused by all three.
+    for p0 in [
+        MAX_POSITION - 7,
+        -MAX_POSITION - 1,
+        i64::MAX,
+        i64::MIN,
+        i64::MAX - 3,
+    ] {
+        let inputs = Inputs {
+            q: &qa,
+            k: &ka,
+            v: &va,
+            position_offset: p0,
+        };
+        let err = reference::attention(&case.spec, &inputs)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("allowed: positions"), "p0 {p0}: {err}");
+        let err = cpu
+            .forward(&case.spec, &q, &k, &v, p0)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("allowed: positions"), "p0 {p0}: {err}");
+        let err = attn_runtime::gpu::GpuCall::forward(&case.spec, &q, &k, &v, p0)
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(err.contains("allowed: positions"), "p0 {p0}: {err}");
+    }
+}
+
+#[test]
+fn the_gpu_kernels_on_the_interpreter_carry_nan_to_rows() {
+    // f32 runs the SIMT kernel, bf16 the tensor-core one (values chosen exact in bf16).
+    for dtype in ["f32", "bf16"] {
+        let text =
+            format!("heads = 4, kv_heads = 2, head_dim = 16, mask = causal, dtype = {dtype}");
+        let mut case = Case::new(&text, 40, 40);
+        for x in case.q.iter_mut().chain(&mut case.k).chain(&mut case.v) {
+            *x = (*x * 8.0).round() / 8.0;
+        }
+        case.q[(40 + 7) * 16 + 3] = f32::NAN;
+        case.k[30 * 16 + 5] = f32::NAN;
+        let want = case.reference();
+        let (h, hkv, d, dv) = dims(&case.spec);
+        let dt = case.spec.dtype;
+        let q = Tensor::from_f32_as(dt, &[1, h, 40, d], case.q.clone()).unwrap();
+        let k = Tensor::from_f32_as(dt, &[1, hkv, 40, d], case.k.clone()).unwrap();
+        let v = Tensor::from_f32_as(dt, &[1, hkv, 40, dv], case.v.clone()).unwrap();
+        let got = attn_runtime::gpu::GpuCall::forward(&case.spec, &q, &k, &v, 0)
+            .unwrap()
+            .run_emulated()
+            .unwrap();
+        // DESIGN.md's tolerances: f32 1e-5 abs / 1e-4 rel; bf16 2e-2 abs.
+        let (abs, rel) = if dtype == "f32" {
+            (1e-5, 1e-4)
+        } else {
+            (2e-2, 0.0)
+        };
+        let lse = got.lse.to_f32_vec();
+        close(&format!("{dtype} gpu lse"), &lse, want.lse.data(), abs, rel);
+        let out = got.out.to_f32_vec();
+        close(&format!("{dtype} gpu out"), &out, want.out.data(), abs, rel);
+        // Query 7 of head 1, and every query from 30 on (kv head 0: heads 0 and 1).
+        assert!(lse[40 + 7].is_nan() && lse[30].is_nan() && lse[40 + 39].is_nan());
+        assert!(lse[29].is_finite() && lse[2 * 40 + 35].is_finite());
+    }
 }

@@ -129,6 +129,7 @@ fn concat_last(a: &Array, b: &Array) -> Array {
 /// attention runs with `q = [q_nope | q_pe]` and `k = [k_nope | k_pe]`.
 pub fn mla_expanded(spec: &AttentionSpec, x: &MlaInputs) -> Result<Output, ReferenceError> {
     let s = check(spec, x)?;
+    super::check_positions(s.sq, s.skv, x.position_offset)?;
     let pos = Positions::new(s.sq, s.skv, x.position_offset);
     let (q_pe, k_pe) = rotary_parts(spec, x, &s, &pos);
     let project = |rows: std::ops::Range<usize>| {
@@ -149,6 +150,7 @@ pub fn mla_expanded(spec: &AttentionSpec, x: &MlaInputs) -> Result<Output, Refer
 /// [`mla_expanded`] up to rounding.
 pub fn mla_absorbed(spec: &AttentionSpec, x: &MlaInputs) -> Result<MlaAbsorbed, ReferenceError> {
     let s = check(spec, x)?;
+    super::check_positions(s.sq, s.skv, x.position_offset)?;
     let pos = Positions::new(s.sq, s.skv, x.position_offset);
     let (q_pe, k_pe) = rotary_parts(spec, x, &s, &pos);
     let r = s.mla.latent_rank as usize;

@@ -38,6 +38,28 @@ pub struct Output {
     pub lse: Array,
 }
 
+/// Largest magnitude of a position: every query and key position of a call lies in
+/// `-MAX_POSITION..=MAX_POSITION` (the range of an i32, which every backend computes positions and
+/// their differences in exactly, and far past any context length in use).
+pub const MAX_POSITION: i64 = i32::MAX as i64;
+
+/// Checks that every position of a call of `sq` queries against `skv` keys at offset `p0` (keys
+/// `p0..p0 + skv`, queries ending at the last key, DESIGN.md "Positions") lies within
+/// [`MAX_POSITION`]. The error says which positions and what is allowed.
+pub fn check_positions(sq: usize, skv: usize, p0: i64) -> Result<(), ReferenceError> {
+    let (sq, skv) = (sq as i128, skv as i128);
+    let first = i128::from(p0) + (skv - sq).min(0);
+    let last = i128::from(p0) + skv - 1;
+    let limit = i128::from(MAX_POSITION);
+    if first < -limit || last.max(i128::from(p0)) > limit {
+        return Err(ReferenceError::Positions(format!(
+            "position offset {p0} with {sq} queries and {skv} keys puts positions at {first} to \
+             {last}; allowed: positions from -{limit} to {limit}"
+        )));
+    }
+    Ok(())
+}
+
 /// Computes attention for a per-head spec.
 pub fn attention(spec: &AttentionSpec, inputs: &Inputs) -> Result<Output, ReferenceError> {
     check_spec(spec)?;
@@ -56,6 +78,7 @@ pub fn attention(spec: &AttentionSpec, inputs: &Inputs) -> Result<Output, Refere
     let [_, _, skv, _] = dims4("k", inputs.k)?;
     expect("k", inputs.k, &[b, hkv, skv, d])?;
     expect("v", inputs.v, &[b, hkv, skv, dv])?;
+    check_positions(sq, skv, inputs.position_offset)?;
     let positions = Positions::new(sq, skv, inputs.position_offset);
     let (q, k) = match &spec.position {
         Position::Rope(r) => (

@@ -175,6 +175,8 @@ pub(super) fn run(
     k.check_bounds([batch, hkv, skv, dqk], "k")?;
     v.check_bounds([batch, hkv, skv, dv], "v")?;
     let p0 = call.position_offset;
+    attn_dsl::reference::check_positions(sq, skv, p0)
+        .map_err(|e| RuntimeError::Data(e.to_string()))?;
     let mut out = vec![0f32; batch * hq * sq * dv];
     let mut lse = vec![0f32; batch * hq * sq];
     if batch * hq * sq == 0 {

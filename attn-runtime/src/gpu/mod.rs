@@ -57,6 +57,11 @@ pub struct GpuCall {
     pub dtype: attn_dsl::DType,
 }
 
+/// The positions of a call, checked as the CPU backend and the reference check them.
+fn check_positions(sq: usize, skv: usize, p0: i64) -> Result<(), RuntimeError> {
+    attn_dsl::reference::check_positions(sq, skv, p0).map_err(|e| RuntimeError::Data(e.to_string()))
+}
+
 impl GpuCall {
     /// Prepares `forward(q, k, v)` for a per-head spec (the shapes of [`crate::cpu::CpuBackend::forward`]).
     pub fn forward(
@@ -75,6 +80,7 @@ impl GpuCall {
         }
         let plan = KernelPlan::forward(spec);
         let [b, sq, skv] = check_qkv(spec, q, k, v)?;
+        check_positions(sq, skv, p0)?;
         let chosen = forward_kernel(&plan);
         let inputs = chosen.inputs;
         let bytes = [q, k, v].map(|t| device_bytes(t, inputs));
@@ -98,6 +104,7 @@ impl GpuCall {
     ) -> Result<(GpuCall, AbsorbedForward), RuntimeError> {
         crate::error::check_spec(spec)?;
         let a = AbsorbedForward::of(spec, x)?;
+        check_positions(a.sq, a.skv, p0)?;
         let plan = KernelPlan::forward(spec);
         let chosen = forward_kernel(&plan);
         let f32_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();

@@ -494,7 +494,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
             Stmt::Store(
                 Space::Global,
                 at(param("lse"), own_row, 4),
-                select(bin(Bin::Gt, reg(l), f32(0.0)), lse, f32(f32::NEG_INFINITY)),
+                select(bin(Bin::Ne, reg(l), f32(0.0)), lse, f32(f32::NEG_INFINITY)),
             ),
         ],
         vec![],
@@ -504,7 +504,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         let (row, col) = output(i as i64);
         let sum = load(Space::Shared, Ty::F32, at(i64(sh.alpha), row.clone(), 4));
         let value = select(
-            bin(Bin::Gt, sum.clone(), f32(0.0)),
+            bin(Bin::Ne, sum.clone(), f32(0.0)),
             mul(reg(a), reciprocal(sum)),
             f32(0.0),
         );

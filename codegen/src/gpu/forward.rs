@@ -483,7 +483,8 @@ fn simt_tile(
 fn simt_epilogue(row: &RowState, out: Expr, lse: Expr, out_row: Expr, valid: Expr) -> Stmt {
     let (m, l) = (row.m, row.l);
     let dv = row.acc.len() as i64;
-    let nonempty = bin(Bin::Gt, reg(l), f32(0.0));
+    // The sum is 0 only when no key was kept; a NaN sum (a NaN score) carries NaN through.
+    let nonempty = bin(Bin::Ne, reg(l), f32(0.0));
     let mut store = Vec::new();
     for (i, &a) in row.acc.iter().enumerate() {
         let addr = add(

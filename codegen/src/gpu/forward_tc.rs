@@ -771,7 +771,8 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
                 mul(add(mul(reg(batch), i64(hq)), reg(head)), param("sq")),
                 row_of(rb, h),
             );
-            let nonempty = bin(Bin::Gt, reg(l), f32(0.0));
+            // The sum is 0 only when no key was kept; a NaN sum (a NaN score) carries NaN through.
+            let nonempty = bin(Bin::Ne, reg(l), f32(0.0));
             let mut store = Vec::new();
             for (vb, frag) in o[rb].iter().enumerate() {
                 for j in 0..2 {
