@@ -310,3 +310,48 @@ fn family_configs_map_to_specs() {
     let err = hf::load(&qwen).unwrap_err().to_string();
     assert!(err.contains("q_proj.bias"), "{err}");
 }
+
+/// DeepSeek-V3's YaRN, as transformers' DeepseekV3Attention computes it: the softmax scale is
+/// 1/sqrt(qk_head_dim) times mscale(factor, mscale_all_dim)^2, mscale(s, m) = 0.1 m ln s + 1,
+/// and the rotation's attention factor is mscale(factor, mscale) / mscale(factor,
+/// mscale_all_dim) (here 1).
+#[test]
+fn deepseek_v3_yarn_scales_the_softmax_by_mscale_squared() {
+    let yarn = |tag: &str, mscale_all_dim: serde_json::Value| {
+        edited("deepseek_v2_lite_mla", tag, |c| {
+            c["model_type"] = "deepseek_v3".into();
+            c["rope_interleave"] = true.into();
+            c["rope_parameters"] = serde_json::json!({
+                "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+                "mscale_all_dim": mscale_all_dim, "original_max_position_embeddings": 32,
+                "beta_fast": 32.0, "beta_slow": 1.0
+            });
+        })
+    };
+    let config = hf::config(&yarn("v3-yarn", 1.0.into())).unwrap();
+    // 1/sqrt(16 + 8) = 0.20412414523193154; mscale(4, 1) = 1 + 0.1 ln 4 = 1.138629436111989.
+    let want = 0.204_124_145_231_931_54 * 1.138_629_436_111_989 * 1.138_629_436_111_989;
+    assert!((want - 0.264_642_257_964_226_75_f64).abs() < 1e-15);
+    let scale = config.attention.scale.expect("an explicit scale");
+    assert!((scale - want).abs() < 1e-12, "scale {scale}, want {want}");
+    let rope = config.attention.rope().expect("rope");
+    let factor = attn_dsl::reference::rope::attention_factor(rope);
+    assert!((factor - 1.0).abs() < 1e-15, "attention factor {factor}");
+
+    // Without mscale_all_dim the scale is the plain one, and the rotation carries mscale(4, 1).
+    let config = hf::config(&yarn("v3-yarn-plain", serde_json::Value::Null)).unwrap();
+    assert!((config.attention.scale.unwrap() - 0.204_124_145_231_931_54).abs() < 1e-12);
+    let factor = attn_dsl::reference::rope::attention_factor(config.attention.rope().unwrap());
+    assert!((factor - 1.138_629_436_111_989).abs() < 1e-12, "{factor}");
+
+    // The model runs, and decoding token by token equals the full forward.
+    let model = hf::load(&yarn("v3-yarn-run", 1.0.into())).unwrap();
+    let tokens: Vec<u32> = (0..40).map(|t| (t * 37 % 256) as u32).collect();
+    let full = model.forward(&tokens).unwrap();
+    let mut session = model.session(tokens.len(), 16).unwrap();
+    let mut steps = session.step(&tokens[..20]).unwrap();
+    for t in 20..tokens.len() {
+        steps.extend(session.step(&tokens[t..t + 1]).unwrap());
+    }
+    assert!(max_diff(&full, &steps) < 1e-4);
+}

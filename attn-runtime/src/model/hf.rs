@@ -62,11 +62,44 @@ impl Config<'_> {
     }
 }
 
+/// YaRN's magnitude scale as transformers defines it: `0.1 m ln(s) + 1` for `s > 1`, else 1.
+fn yarn_mscale(s: f64, m: f64) -> f64 {
+    if s > 1.0 { 0.1 * m * s.ln() + 1.0 } else { 1.0 }
+}
+
+/// The RoPE parameters of a config (`rope_parameters` in transformers 5, `rope_scaling` before).
+fn rope_params<'a>(c: &'a Config) -> Option<&'a Value> {
+    c.get("rope_parameters").or_else(|| c.get("rope_scaling"))
+}
+
+/// DeepSeek-V2/V3's softmax scale: `1/sqrt(qk_dim)`, times `mscale(factor, mscale_all_dim)^2`
+/// when the RoPE scaling is not the default one and sets a nonzero `mscale_all_dim`
+/// (transformers' DeepseekV3Attention).
+fn deepseek_scale(c: &Config, qk_dim: usize) -> f64 {
+    let base = 1.0 / (qk_dim as f64).sqrt();
+    let params = rope_params(c);
+    let field = |k: &str| params.and_then(|p| p.get(k)).filter(|v| !v.is_null());
+    let kind = field("rope_type")
+        .or_else(|| field("type"))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    let all_dim = field("mscale_all_dim")
+        .and_then(Value::as_f64)
+        .unwrap_or(0.0);
+    match field("factor").and_then(Value::as_f64) {
+        Some(factor) if kind != "default" && all_dim != 0.0 => {
+            let m = yarn_mscale(factor, all_dim);
+            base * m * m
+        }
+        _ => base,
+    }
+}
+
 /// The `position = rope(...)` clause of a spec from the checkpoint's RoPE keys.
 fn rope_clause(c: &Config, dim: usize, layout: &str) -> Result<String, RuntimeError> {
     // transformers 5 nests everything in `rope_parameters`; older files use `rope_theta` and
     // `rope_scaling`.
-    let params = c.get("rope_parameters").or_else(|| c.get("rope_scaling"));
+    let params = rope_params(c);
     let field = |k: &str| params.and_then(|p| p.get(k)).filter(|v| !v.is_null());
     let num = |k: &str| field(k).and_then(Value::as_f64);
     let theta = num("rope_theta").unwrap_or_else(|| c.float_or("rope_theta", 10_000.0));
@@ -101,15 +134,18 @@ fn rope_clause(c: &Config, dim: usize, layout: &str) -> Result<String, RuntimeEr
                 factor()?,
                 original()?
             );
-            for (key, ours) in [
-                ("beta_fast", "beta_fast"),
-                ("beta_slow", "beta_slow"),
-                ("mscale", "mscale"),
-                ("mscale_all_dim", "mscale_all_dim"),
-            ] {
+            for key in ["beta_fast", "beta_slow"] {
                 if let Some(v) = num(key) {
-                    s += &format!(", {ours} = {v:?}");
+                    s += &format!(", {key} = {v:?}");
                 }
+            }
+            // transformers divides the two mscales only when both are set and nonzero; else
+            // the attention factor is mscale(factor, 1).
+            if let (Some(m), Some(all)) = (num("mscale"), num("mscale_all_dim"))
+                && m != 0.0
+                && all != 0.0
+            {
+                s += &format!(", mscale = {m:?}, mscale_all_dim = {all:?}");
             }
             s + ")"
         }
@@ -187,12 +223,12 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
             c.uint("v_head_dim")?,
             c.uint("kv_lora_rank")?,
         );
-        // DeepSeek rotates interleaved pairs; the softmax scale is 1/sqrt(nope + rope), times
-        // YaRN's mscale^2 which the rope clause's attention factor carries.
+        // DeepSeek rotates interleaved pairs; its softmax scale is 1/sqrt(nope + rope), times
+        // YaRN's mscale(factor, mscale_all_dim)^2 where the config sets mscale_all_dim.
         format!(
             "heads = {heads}, head_dim = {dn}, v_head_dim = {dv}, mla(latent_rank = {r}, \
              rope_dim = {dr}), mask = causal, scale = {:?}, {}",
-            1.0 / ((dn + dr) as f64).sqrt(),
+            deepseek_scale(&c, dn + dr),
             rope_clause(&c, dr, "interleaved")?
         )
     } else {
