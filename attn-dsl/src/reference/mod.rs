@@ -244,8 +244,13 @@ fn attend(spec: &AttentionSpec, q: &Array, k: &Array, v: &Array, pos: &Positions
                     };
                     score(spec, &slopes, dot, at)
                 }));
-                // A NaN score of a kept key makes the row NaN; masked keys never reach it.
-                if scores.iter().flatten().any(|s| s.is_nan()) {
+                // A NaN or +inf score of a kept key makes the row NaN (as in PyTorch: inf - inf);
+                // masked keys never reach it.
+                if scores
+                    .iter()
+                    .flatten()
+                    .any(|s| s.is_nan() || *s == f64::INFINITY)
+                {
                     lse.set(&[b, h, i], f64::NAN);
                     out.row_mut(&[b, h, i]).fill(f64::NAN);
                     continue;
@@ -259,14 +264,12 @@ fn attend(spec: &AttentionSpec, q: &Array, k: &Array, v: &Array, pos: &Positions
                     lse.set(&[b, h, i], f64::NEG_INFINITY);
                     continue;
                 }
-                // e^(s - max), with the keys at an infinite max sharing the row.
-                let weight = |s: f64| if s == max { 1.0 } else { (s - max).exp() };
-                let denom: f64 = scores.iter().flatten().map(|s| weight(*s)).sum();
+                let denom: f64 = scores.iter().flatten().map(|s| (s - max).exp()).sum();
                 lse.set(&[b, h, i], max + denom.ln());
                 let row = out.row_mut(&[b, h, i]);
                 for (j, s) in scores.iter().enumerate() {
                     if let Some(s) = s {
-                        let p = weight(*s) / denom;
+                        let p = (s - max).exp() / denom;
                         for (o, x) in row.iter_mut().zip(v.row(&[b, kvh, j])) {
                             *o += p * x;
                         }

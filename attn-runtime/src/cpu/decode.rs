@@ -623,8 +623,7 @@ pub(crate) fn merge(
             }
             let mut total = 0f32;
             for (o, l) in parts {
-                // Parts at an infinite max share the row.
-                let w = if l[r] == m { 1.0 } else { (l[r] - m).exp() };
+                let w = (l[r] - m).exp();
                 total += w;
                 for (d, x) in dst.iter_mut().zip(&o[r * dv..(r + 1) * dv]) {
                     *d += w * x;

@@ -206,14 +206,15 @@ impl<'a> Fx<'a> {
         self.b.ins().bitselect(over, inf, y)
     }
 
-    /// `2^x` on f32x4 for `x <= 0` or `-inf` (softmax probabilities, whose scores the kernel
-    /// keeps in base 2). `x` is clamped to -127 and split as `n + r`, `n = round(x)`,
-    /// `r in [-1/2, 1/2]`; `2^r` is `1 + r P(r)`, P of degree 5 (a relative minimax fit made
-    /// for this kernel: 2e-9 in exact arithmetic, under 1 ulp evaluated in f32); `2^n` is built
-    /// in the exponent bits. At -127 those bits are all zero, so masked scores (`-inf`) give
-    /// exactly 0 with no extra compare. 13 vector operations.
-    pub fn exp2_4_nonpositive(&mut self, x: Value) -> Value {
-        // 1.5 * 2^23 + 127: adding it rounds x to an integer n held in the low mantissa bits as
+    /// `2^(2x)` on f32x4 for `x <= 0` or `-inf` (softmax probabilities, whose scores the kernel
+    /// keeps in half base-2 units). `2x` is clamped to -127 and split as `n + r`,
+    /// `n = round(2x)`, `r in [-1/2, 1/2]`, the doubling folded into the two FMAs that split it;
+    /// `2^r` is `1 + r P(r)`, P of degree 5 (a relative minimax fit made for this kernel: 2e-9
+    /// in exact arithmetic, under 1 ulp evaluated in f32); `2^n` is built in the exponent bits.
+    /// At -127 those bits are all zero, so masked scores (`-inf`) give exactly 0 with no extra
+    /// compare, while a NaN passes the clamp and gives NaN. 13 vector operations.
+    pub fn exp2_of_double_4(&mut self, x: Value) -> Value {
+        // 1.5 * 2^23 + 127: adding it rounds 2x to an integer n held in the low mantissa bits as
         // n + 127, the biased exponent of 2^n; shifting the bits left by 23 drops the rest.
         const MAGIC: f32 = 12_583_039.0;
         const P: [f32; 6] = [
@@ -224,13 +225,15 @@ impl<'a> Fx<'a> {
             0.001_339_887_5,
             1.535_336_2e-4,
         ];
-        let lo = self.f32x4(-127.0);
-        // `x < -127 ? -127 : x`: a NaN passes through (and gives NaN), never the clamp's 0.
+        let lo = self.f32x4(-63.5);
+        // `x < lo ? lo : x`: a NaN passes through, never the clamp's 0.
         let x = self.pmax4(lo, x);
         let magic = self.f32x4(MAGIC);
-        let t = self.b.ins().fadd(x, magic);
-        let n = self.b.ins().fsub(t, magic);
-        let r = self.b.ins().fsub(x, n);
+        let two = self.f32x4(2.0);
+        let t = self.b.ins().fma(x, two, magic);
+        let neg_n = self.b.ins().fsub(magic, t);
+        // 2x - n, exact: 2x is, and it lies within 1/2 of the integer n.
+        let r = self.b.ins().fma(x, two, neg_n);
         // P(r) by Estrin's scheme: three independent FMAs, then two.
         let c = P.map(|c| self.f32x4(c));
         let r2 = self.b.ins().fmul(r, r);
@@ -247,10 +250,10 @@ impl<'a> Fx<'a> {
         self.b.ins().fmul(y, pow2)
     }
 
-    /// `2^x` for one f32 `x <= 0`, through [`Fx::exp2_4_nonpositive`].
-    pub fn exp2_1_nonpositive(&mut self, x: Value) -> Value {
+    /// `2^(2x)` for one f32 `x <= 0`, through [`Fx::exp2_of_double_4`].
+    pub fn exp2_of_double_1(&mut self, x: Value) -> Value {
         let v = self.b.ins().splat(F32X4, x);
-        let e = self.exp2_4_nonpositive(v);
+        let e = self.exp2_of_double_4(v);
         self.b.ins().extractlane(e, 0)
     }
 

@@ -282,11 +282,6 @@ pub(super) fn softmax_step(
         let m_old = fx.load(F32, pm, 0);
         let grew = fx.b.ins().fcmp(FloatCC::GreaterThan, tile_max, m_old);
         let m_new = fx.b.ins().select(grew, tile_max, m_old);
-        // A score that overflowed f32 (`+inf`) counts as the largest finite one: such keys share
-        // the row, and `s - m` is never `inf - inf`.
-        let largest = fx.f32(f32::MAX);
-        let over = fx.b.ins().fcmp(FloatCC::GreaterThan, m_new, largest);
-        let m_new = fx.b.ins().select(over, largest, m_new);
         fx.store(m_new, pm, 0);
         let neg_inf = fx.f32(f32::NEG_INFINITY);
         let zero_f = fx.f32(0.0);
@@ -299,13 +294,13 @@ pub(super) fn softmax_step(
         fx.b.def_var(alpha_var, one);
         fx.if_then(grew, |fx| {
             let shift = fx.b.ins().fsub(m_old, m_use);
-            let shift = fx.b.ins().fadd(shift, shift);
-            let alpha = fx.exp2_1_nonpositive(shift);
+            let alpha = fx.exp2_of_double_1(shift);
             fx.b.def_var(alpha_var, alpha);
         });
 
         // Pass 2: probabilities 2^(2 (s - m)) and their sum. NaN scores stay NaN through each
-        // step, so a NaN that reaches a row makes it NaN instead of vanishing like a masked key.
+        // step, so a NaN that reaches a row makes it NaN instead of vanishing like a masked key
+        // (as does a score that overflowed f32: `inf - inf`, as in PyTorch).
         let sum_var = fx.b.declare_var(F32X4);
         let zero4 = fx.f32x4(0.0);
         fx.b.def_var(sum_var, zero4);
@@ -318,10 +313,7 @@ pub(super) fn softmax_step(
             for offset in [0, 16] {
                 let x = fx.load(F32X4, p, offset);
                 let x = fx.b.ins().fsub(x, m4);
-                // `+inf - m` (an overflowed score) is 0, as for the row's largest score.
-                let x = fx.pmin4(zero4, x);
-                let x = fx.b.ins().fadd(x, x);
-                let e = fx.exp2_4_nonpositive(x);
+                let e = fx.exp2_of_double_4(x);
                 fx.store(e, p, offset);
                 acc_sum = fx.b.ins().fadd(acc_sum, e);
             }
