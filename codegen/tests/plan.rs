@@ -155,3 +155,39 @@ fn live_rows_trim_rows_that_see_no_key_of_the_tile() {
         assert!(narrowed > 0, "{text}: no tile was narrowed");
     }
 }
+
+/// Half base-2 scores cost the CPU kernel no operation where the factor can vanish into q's
+/// scale, constants and tables: the programs of the named specs keep their depth, q's scale
+/// takes what the program does not, and every score is half what the base-2 program gives.
+#[test]
+fn half_scores_add_no_operation_to_the_named_specs() {
+    use attn_dsl::modifier::{Env, eval};
+    for (name, text) in NAMED_SPECS {
+        let spec: AttentionSpec = text.parse().unwrap();
+        let plan = KernelPlan::forward(&spec);
+        let half = plan.with_half_scores();
+        assert_eq!(
+            half.program.score.depth(),
+            plan.program.score.depth(),
+            "{name}: {} became {}",
+            plan.program.score,
+            half.program.score
+        );
+        let q_ratio = half.q_scale / plan.q_scale;
+        for (h, q, k, s) in [(0, 10, 3, 1.5), (1, 100, 99, -0.25), (3, 7, 7, 4.0)] {
+            let at = |score: f64| Env {
+                score,
+                h,
+                q,
+                k,
+                ..Env::default()
+            };
+            let full = eval(&plan.program.score, &at(s)).as_f64();
+            let halved = eval(&half.program.score, &at(s * q_ratio)).as_f64();
+            assert!(
+                (halved - full / 2.0).abs() <= 1e-12 * full.abs().max(1.0),
+                "{name}: {halved} != {full} / 2"
+            );
+        }
+    }
+}
