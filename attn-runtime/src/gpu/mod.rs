@@ -15,9 +15,11 @@ use crate::error::RuntimeError;
 use crate::tensor::{Storage, Tensor};
 use attn_dsl::AttentionSpec;
 use codegen::KernelPlan;
-use codegen::gpu::forward_kernel;
+use codegen::gpu::forward_tc;
 use codegen::gpu::interp::{Memory, Val, run};
+use codegen::gpu::ir::Half;
 use codegen::gpu::ir::Kernel;
+use codegen::gpu::{forward_kernel, simt_forward_kernel};
 
 /// A forward call ready to launch: the kernel, its grid, and its inputs on the host.
 #[derive(Clone, Debug)]
@@ -57,6 +59,22 @@ pub struct GpuCall {
     pub dtype: attn_dsl::DType,
 }
 
+/// Whether q and k fit the `Q K^T` operands of the plan's tensor-core kernel: where those are
+/// f16 ([`forward_tc::qk_half`]), every rotated value must stay inside f16's range. Inputs past
+/// it run on the SIMT kernel, in f32.
+fn qk_fits(plan: &KernelPlan, q: &Tensor, k: &Tensor) -> bool {
+    if !forward_tc::supports(plan) || forward_tc::qk_half(plan) != Half::F16 {
+        return true;
+    }
+    let factor = plan
+        .rope
+        .as_ref()
+        .map_or(1.0, |r| r.attention_factor.max(1.0)) as f32;
+    let largest = |t: &Tensor| t.to_f32_vec().iter().fold(0f32, |m, x| m.max(x.abs()));
+    // f32::max passes over NaN: a NaN input keeps the tensor-core kernel, which carries it on.
+    largest(q).max(largest(k)) * factor <= forward_tc::QK_F16_LIMIT
+}
+
 /// The positions of a call, checked as the CPU backend and the reference check them.
 fn check_positions(sq: usize, skv: usize, p0: i64) -> Result<(), RuntimeError> {
     attn_dsl::reference::check_positions(sq, skv, p0).map_err(|e| RuntimeError::Data(e.to_string()))
@@ -81,7 +99,11 @@ impl GpuCall {
         let plan = KernelPlan::forward(spec);
         let [b, sq, skv] = check_qkv(spec, q, k, v)?;
         check_positions(sq, skv, p0)?;
-        let chosen = forward_kernel(&plan);
+        let chosen = if qk_fits(&plan, q, k) {
+            forward_kernel(&plan)
+        } else {
+            simt_forward_kernel(&plan)
+        };
         let inputs = chosen.inputs;
         let bytes = [q, k, v].map(|t| device_bytes(t, inputs));
         Ok(Self::prepare(

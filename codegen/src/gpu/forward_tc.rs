@@ -87,6 +87,27 @@ fn pack(plan: &KernelPlan, lo: Expr, hi: Expr) -> Expr {
     Expr::PackHalf(half_of(plan), Box::new(lo), Box::new(hi))
 }
 
+/// The 16-bit format of the `Q K^T` operands. bf16 storage under RoPE over every column gives
+/// f16: rotated q and k are rounded to 16 bits for the tensor cores either way, and f16 keeps 3
+/// more bits of them (the log-sum-exp then stays within 1e-3 of float64 where bf16 misses it),
+/// at the same speed. Every column is rotated, so every operand is written by the rotation. Its
+/// range is smaller: [`QK_F16_LIMIT`] bounds the inputs such a kernel takes.
+pub fn qk_half(plan: &KernelPlan) -> Half {
+    match &plan.rope {
+        Some(r)
+            if plan.dtype == DType::Bf16 && r.first_dim == 0 && r.rope.dim == plan.shape.qk_dim =>
+        {
+            Half::F16
+        }
+        _ => half_of(plan),
+    }
+}
+
+/// Largest magnitude of a q or k input a kernel with f16 `Q K^T` operands takes: rotated by
+/// RoPE (at most sqrt 2 times larger, times a YaRN attention factor the runtime also divides
+/// by), it stays inside f16's range (65504).
+pub const QK_F16_LIMIT: f32 = 32768.0;
+
 fn shfl(e: Expr, mask: u32) -> Expr {
     Expr::ShflXor(Box::new(e), mask)
 }
@@ -142,10 +163,10 @@ fn pair(plan: &KernelPlan, row_addr: &Expr, d: usize, pos: &Expr, shift: Option<
         d + 1 >= first && d < first + r.rope.dim as usize
     });
     if rotated {
-        return pack(
-            plan,
-            element(plan, row_addr, d, pos, shift),
-            element(plan, row_addr, d + 1, pos, shift),
+        return Expr::PackHalf(
+            qk_half(plan),
+            Box::new(element(plan, row_addr, d, pos, shift)),
+            Box::new(element(plan, row_addr, d + 1, pos, shift)),
         );
     }
     let lane = shift.map_or(i64(0), |q| mul(q.clone(), i64(4)));
@@ -571,7 +592,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
             for step in 0..used {
                 for rb in 0..blocks {
                     run.push(Stmt::Mma {
-                        half: half_of(plan),
+                        half: qk_half(plan),
                         d: s[rb][nb + step],
                         a: qa[rb],
                         b: [bm[2 * step], bm[2 * step + 1]],
@@ -920,7 +941,8 @@ fn rotate_k(
     keys: i64,
 ) -> Vec<Stmt> {
     let rope = plan.rope.as_ref().expect("a RoPE plan");
-    let h = half_of(plan);
+    // Read in the storage format, written in the Q K^T operands'.
+    let (h, to) = (half_of(plan), qk_half(plan));
     let interleaved = rope.rope.layout == RopeLayout::Interleaved;
     // Work items per key: pairs (interleaved) or pairs of pairs.
     let per_key = if interleaved { half } else { half / 2 } as i64;
@@ -961,7 +983,7 @@ fn rotate_k(
         body.push(Stmt::Store(
             Space::Shared,
             word_at(col),
-            Expr::PackHalf(h, Box::new(a), Box::new(b)),
+            Expr::PackHalf(to, Box::new(a), Box::new(b)),
         ));
     } else {
         // All four values read before either word is written.
@@ -981,7 +1003,7 @@ fn rotate_k(
             body.push(Stmt::Store(
                 Space::Shared,
                 word_at(at),
-                Expr::PackHalf(h, Box::new(reg(lo)), Box::new(reg(hi))),
+                Expr::PackHalf(to, Box::new(reg(lo)), Box::new(reg(hi))),
             ));
         }
     }

@@ -90,11 +90,16 @@ pub fn forward_kernel(plan: &crate::KernelPlan) -> ForwardKernel {
             inputs: plan.dtype,
         }
     } else {
-        ForwardKernel {
-            kernel: forward::lower(plan),
-            key_tile: forward::key_tile(plan),
-            rows: forward::ROWS,
-            inputs: attn_dsl::DType::F32,
-        }
+        simt_forward_kernel(plan)
+    }
+}
+
+/// The SIMT forward kernel of a plan, on f32 inputs: any plan runs on it.
+pub fn simt_forward_kernel(plan: &crate::KernelPlan) -> ForwardKernel {
+    ForwardKernel {
+        kernel: forward::lower(plan),
+        key_tile: forward::key_tile(plan),
+        rows: forward::ROWS,
+        inputs: attn_dsl::DType::F32,
     }
 }
