@@ -402,3 +402,79 @@ fn the_gpu_kernels_on_the_interpreter_carry_nan_to_rows() {
         assert!(lse[29].is_finite() && lse[2 * 40 + 35].is_finite());
     }
 }
+
+#[test]
+fn the_gpu_kernels_on_the_interpreter_keep_scores_up_to_f32_max() {
+    for dtype in ["f32", "bf16"] {
+        for big in ["2.4e38", "3.4028234e38", "-3.4e38"] {
+            let text = format!(
+                "heads = 2, head_dim = 16, mask = causal, dtype = {dtype}, score_mod = |s, b, \
+                 h, q, k| if k == 3 {{ {big} }} else {{ s }}"
+            );
+            let mut case = Case::new(&text, 40, 40);
+            for x in case.q.iter_mut().chain(&mut case.k).chain(&mut case.v) {
+                *x = (*x * 8.0).round() / 8.0;
+            }
+            let want = case.reference();
+            let (h, hkv, d, dv) = dims(&case.spec);
+            let dt = case.spec.dtype;
+            let q = Tensor::from_f32_as(dt, &[1, h, 40, d], case.q.clone()).unwrap();
+            let k = Tensor::from_f32_as(dt, &[1, hkv, 40, d], case.k.clone()).unwrap();
+            let v = Tensor::from_f32_as(dt, &[1, hkv, 40, dv], case.v.clone()).unwrap();
+            let got = attn_runtime::gpu::GpuCall::forward(&case.spec, &q, &k, &v, 0)
+                .unwrap()
+                .run_emulated()
+                .unwrap();
+            let what = format!("{dtype}, score {big} at key 3, GPU");
+            let (abs, rel) = if dtype == "f32" {
+                (1e-5, 1e-4)
+            } else {
+                (2e-2, 1e-5)
+            };
+            close(
+                &format!("{what} lse"),
+                &got.lse.to_f32_vec(),
+                want.lse.data(),
+                abs,
+                rel,
+            );
+            close(
+                &format!("{what} out"),
+                &got.out.to_f32_vec(),
+                want.out.data(),
+                abs,
+                rel,
+            );
+        }
+    }
+    // The GPU decode kernel on the interpreter, with split-KV partitions.
+    let text = "heads = 2, head_dim = 16, mask = causal, score_mod = |s, b, h, q, k| if k == 3 \
+                { 3.0e38 } else { s }";
+    let case = Case::new(text, 4, 40);
+    let want = case.reference();
+    let [q, k, v] = case.tensors();
+    let mut cache = PagedCache::new(&case.spec, 16, 4).unwrap();
+    let seq = cache.add_sequence();
+    let as3 = |t: &Tensor| Tensor::from_f32(&[2, 40, 16], t.to_f32_vec()).unwrap();
+    cache.append(seq, &as3(&k), &as3(&v)).unwrap();
+    for parts in [1, 3] {
+        let options = DecodeOptions {
+            partitions: Some(parts),
+        };
+        let got =
+            attn_runtime::gpu::decode_emulated(&case.spec, &q, &cache, &[seq], options).unwrap();
+        let what = format!("GPU decode in {parts} parts");
+        same(
+            &format!("{what} lse"),
+            &got.lse.to_f32_vec(),
+            want.lse.data(),
+            1e-5,
+        );
+        same(
+            &format!("{what} out"),
+            &got.out.to_f32_vec(),
+            want.out.data(),
+            1e-4,
+        );
+    }
+}

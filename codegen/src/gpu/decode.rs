@@ -17,9 +17,11 @@
 //! per row), RoPE tables for the query positions. Keys sit at the positions of their indices,
 //! rotated already.
 
-use super::forward::{Env, Regs, cos_sin, program, reciprocal, rotate_pair, special64};
+use super::forward::{
+    Env, Regs, cos_sin, exp2_twice, lse_of_half, program, reciprocal, rotate_pair, special64,
+};
 use super::ir::build::*;
-use super::ir::{Bin, Expr, Half, Kernel, Space, Special, Stmt, Ty, Un};
+use super::ir::{Bin, Expr, Half, Kernel, Space, Special, Stmt, Ty};
 use crate::plan::{KernelPlan, PlanKind};
 use attn_dsl::modifier::Expr as M;
 use attn_dsl::{DType, RopeLayout};
@@ -118,6 +120,9 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         PlanKind::Decode,
         "the GPU decode kernel lowers decode plans"
     );
+    // Scores in half base-2 units, as in the SIMT forward kernel (`forward::exp2_twice`).
+    let half = plan.with_half_scores();
+    let plan = &half;
     let (d, dv) = (i64::from(plan.shape.qk_dim), i64::from(plan.shape.v_dim));
     let seg = i64::from(segment_keys(plan));
     let rows_max = i64::from(task_rows(plan));
@@ -407,7 +412,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
                 m_new.clone(),
             ),
         ),
-        Stmt::Set(alpha, un(Un::Ex2Ftz, sub(reg(m), reg(m_use)))),
+        Stmt::Set(alpha, exp2_twice(sub(reg(m), reg(m_use)))),
         Stmt::Set(m, m_new),
         Stmt::Set(l, mul(reg(l), reg(alpha))),
         Stmt::For {
@@ -418,10 +423,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
             body: vec![
                 Stmt::Set(
                     p,
-                    un(
-                        Un::Ex2Ftz,
-                        sub(load(Space::Shared, Ty::F32, own_s.clone()), reg(m_use)),
-                    ),
+                    exp2_twice(sub(load(Space::Shared, Ty::F32, own_s.clone()), reg(m_use))),
                 ),
                 Stmt::Store(Space::Shared, own_s, reg(p)),
                 Stmt::Set(l, add(reg(l), reg(p))),
@@ -483,10 +485,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     // Epilogue: row owners publish their sums (in the alpha slots) and write lse; every thread
     // writes its outputs O / l.
     let own_row = add(reg(row0), tid.clone());
-    let lse = mul(
-        add(reg(m), un(Un::Lg2, reg(l))),
-        f32(std::f32::consts::LN_2),
-    );
+    let lse = lse_of_half(reg(m), reg(l));
     body.push(Stmt::If(
         bin(Bin::Lt, tid.clone(), reg(rows)),
         vec![

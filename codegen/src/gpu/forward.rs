@@ -76,6 +76,9 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         PlanKind::Forward,
         "the GPU forward kernel lowers forward plans"
     );
+    // Scores in half base-2 units: every finite f32 score stays finite (see `exp2_twice`).
+    let half = plan.with_half_scores();
+    let plan = &half;
     let (d, dv) = (plan.shape.qk_dim as i64, plan.shape.v_dim as i64);
     let (hq, hkv) = (plan.shape.heads as i64, plan.shape.kv_heads as i64);
     let bc = key_tile(plan) as i64;
@@ -442,7 +445,7 @@ fn simt_tile(
             m_new.clone(),
         ),
     ));
-    out.push(Stmt::Set(alpha, un(Un::Ex2Ftz, sub(reg(m), reg(m_use)))));
+    out.push(Stmt::Set(alpha, exp2_twice(sub(reg(m), reg(m_use)))));
     out.push(Stmt::Set(m, m_new));
     out.push(Stmt::Set(l, mul(reg(l), reg(alpha))));
     for &a in row.acc {
@@ -452,10 +455,7 @@ fn simt_tile(
     let mut pass2 = vec![
         Stmt::Set(
             p,
-            un(
-                Un::Ex2Ftz,
-                sub(load(Space::Shared, Ty::F32, s_addr), reg(m_use)),
-            ),
+            exp2_twice(sub(load(Space::Shared, Ty::F32, s_addr), reg(m_use))),
         ),
         Stmt::Set(l, add(reg(l), reg(p))),
     ];
@@ -494,16 +494,30 @@ fn simt_epilogue(row: &RowState, out: Expr, lse: Expr, out_row: Expr, valid: Exp
         let value = select(nonempty.clone(), mul(reg(a), reciprocal(reg(l))), f32(0.0));
         store.push(Stmt::Store(Space::Global, addr, value));
     }
-    let lse_value = mul(
-        add(reg(m), un(Un::Lg2, reg(l))),
-        f32(std::f32::consts::LN_2),
-    );
+    let lse_value = lse_of_half(reg(m), reg(l));
     store.push(Stmt::Store(
         Space::Global,
         at(lse, out_row, 4),
         select(nonempty, lse_value, f32(f32::NEG_INFINITY)),
     ));
     Stmt::If(valid, store, vec![])
+}
+
+/// `2^(2x)` for a difference `x <= 0` of scores in half base-2 units (`score * log2(e) / 2`,
+/// `KernelPlan::with_half_scores`): the softmax term of the SIMT kernels. Doubling the
+/// difference, not the scores, keeps every finite f32 score finite; `-inf` stays `-inf` and
+/// gives 0, NaN gives NaN.
+pub(super) fn exp2_twice(x: Expr) -> Expr {
+    un(Un::Ex2Ftz, mul(x, f32(2.0)))
+}
+
+/// The natural log-sum-exp of a row whose running max `m` is in half base-2 units and whose sum
+/// is `l`: `(m + log2(l) / 2) * 2 ln 2`, which stays finite for every finite score.
+pub(super) fn lse_of_half(m: Expr, l: Expr) -> Expr {
+    mul(
+        fma(un(Un::Lg2, l), f32(0.5), m),
+        f32(2.0 * std::f32::consts::LN_2),
+    )
 }
 
 /// RoPE on a row held in registers, at position `pos`, from the per-position cos/sin tables

@@ -18,7 +18,9 @@
 //! or unmask tiles. Shared rows are padded by 16 bytes so the eight rows an `ldmatrix` reads
 //! fall in different banks.
 
-use super::forward::{Env, PARAMS, Regs, param, program, reciprocal, rotate_pair, special64};
+use super::forward::{
+    Env, PARAMS, Regs, lse_of_half, param, program, reciprocal, rotate_pair, special64,
+};
 use super::ir::build::*;
 use super::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Un};
 use crate::plan::{KernelPlan, PlanKind};
@@ -53,10 +55,12 @@ pub fn row_blocks(plan: &KernelPlan) -> u32 {
     }
 }
 
-/// Whether the score program is the scaled score alone, so the scale can move into the
-/// exponent (`2^(s c - m c)`, one fused multiply-add per score) and S stays unscaled.
+/// Whether the score program of `plan` (as planned, in base 2) is the scaled score alone, so
+/// the scale `c` can move into the exponent (`2^(s c - m c)`, one fused multiply-add per score)
+/// and S stays unscaled. `c` must be at most 1, so that `m c` cannot overflow for any finite raw
+/// score `m`.
 fn scale_folds(plan: &KernelPlan) -> bool {
-    plan.program.score == M::Var(Var::Score) && plan.q_scale > 0.0
+    plan.program.score == M::Var(Var::Score) && plan.q_scale > 0.0 && plan.q_scale <= 1.0
 }
 
 /// Query rows per CTA: four warps of [`row_blocks`] x 16.
@@ -189,12 +193,17 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         supports(plan),
         "the tensor-core kernel runs bf16 and f16 per-head forward plans"
     );
-    let (d, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
-    let (hq, hkv) = (plan.shape.heads as i64, plan.shape.kv_heads as i64);
+    // The geometry, from the plan as planned (what the launch computes too).
+    let folded = scale_folds(plan);
     let bc = key_tile(plan) as usize;
-    let bc64 = bc as i64;
     let blocks = row_blocks(plan) as usize;
     let cta_rows = i64::from(rows(plan));
+    // Scores in half base-2 units, as in the SIMT kernels (`forward::exp2_twice`).
+    let half = plan.with_half_scores();
+    let plan = &half;
+    let (d, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
+    let (hq, hkv) = (plan.shape.heads as i64, plan.shape.kv_heads as i64);
+    let bc64 = bc as i64;
     let mut r = Regs { list: Vec::new() };
     let mut body = Vec::new();
     let tid = special64(Special::Tid);
@@ -608,8 +617,8 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     // the program is the scaled score itself, S stays unscaled: its max is taken raw and the
     // scale applies inside the exponent, `2^(s c - m c)`, one fused multiply-add per score.
     let scale = plan.q_scale as f32;
-    let folded = scale_folds(plan);
-    let exponent_scale = if folded { scale } else { 1.0 };
+    // The exponent is twice the half-unit difference: folded, `2 c (s - m)` on raw scores.
+    let exponent_scale = if folded { 2.0 * scale } else { 1.0 };
     let keep_mask = !matches!(plan.program.mask, M::Bool(true));
     let (mut kept, mut masked) = (Vec::new(), Vec::new());
     for (rb, block) in s.iter().enumerate() {
@@ -656,7 +665,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         if folded {
             mul(e, f32(exponent_scale))
         } else {
-            e
+            mul(e, f32(2.0))
         }
     };
     let (mt, m_use, alpha, neg_max) = (
@@ -705,7 +714,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
                     let exponent = if folded {
                         fma(reg(x), f32(exponent_scale), reg(neg_max))
                     } else {
-                        add(reg(x), reg(neg_max))
+                        scaled(add(reg(x), reg(neg_max)))
                     };
                     run.push(Stmt::Set(x, un(Un::Ex2Ftz, exponent)));
                     run.push(Stmt::Set(l[rb][h], add(reg(l[rb][h]), reg(x))));
@@ -810,10 +819,15 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
                     store.push(Stmt::Store(Space::Global, addr, value));
                 }
             }
-            let lse = mul(
-                add(scaled(reg(m[rb][h])), un(Un::Lg2, reg(l))),
-                f32(std::f32::consts::LN_2),
-            );
+            let lse = if folded {
+                // c m <= m: finite for every finite raw score.
+                mul(
+                    add(scaled(reg(m[rb][h])), un(Un::Lg2, reg(l))),
+                    f32(std::f32::consts::LN_2),
+                )
+            } else {
+                lse_of_half(reg(m[rb][h]), reg(l))
+            };
             store.push(Stmt::If(
                 bin(Bin::Eq, reg(q), i64(0)),
                 vec![Stmt::Store(
