@@ -650,6 +650,40 @@ fn hostile_inputs_are_refused_with_exit_2() {
             "GiB of memory",
         ),
         (vec!["peak", "--seconds", "inf"], "allowed: more than 0"),
+        (
+            vec![
+                "generate",
+                "--model",
+                concat!(
+                    env!("CARGO_MANIFEST_DIR"),
+                    "/tests/fixtures/hf-tiny/llama_gqa"
+                ),
+                "--tokens",
+                "1,2",
+                "--max-new-tokens",
+                "18446744073709551615",
+            ],
+            "2^64 tokens",
+        ),
+        (
+            vec![
+                "generate",
+                "--model",
+                concat!(
+                    env!("CARGO_MANIFEST_DIR"),
+                    "/tests/fixtures/hf-tiny/llama_gqa"
+                ),
+                "--tokens",
+                "1",
+                "--top-k",
+                "0",
+            ],
+            "--top-k 0",
+        ),
+        (
+            vec!["ir", "heads = 4, head_dim = 64", "--seq", "1048576"],
+            "16384",
+        ),
         (vec!["peak", "--seconds", "NaN"], "allowed: more than 0"),
     ];
     for (args, needle) in cases {

@@ -14,6 +14,11 @@ pub fn read_safetensors(path: &Path, names: &[&str]) -> Result<Vec<Tensor>, Runt
         path: shown.clone(),
         message,
     };
+    // The file is read whole, then its tensors converted: it must fit about twice over.
+    let size = std::fs::metadata(path)
+        .map_err(|e| io(e.to_string()))?
+        .len();
+    crate::memory::ensure_fits(&format!("reading {shown}"), size.checked_mul(2))?;
     let bytes = std::fs::read(path).map_err(|e| io(e.to_string()))?;
     let file = SafeTensors::deserialize(&bytes)
         .map_err(|e| io(format!("not a valid safetensors file: {e}")))?;

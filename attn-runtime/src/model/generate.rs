@@ -138,10 +138,18 @@ impl Model {
                 "request {i} has an empty prompt"
             )));
         }
-        let capacity: usize = requests
+        let capacity = requests
             .iter()
-            .map(|r| r.prompt.len() + r.max_new_tokens + 16)
-            .sum();
+            .try_fold(0usize, |sum, r| {
+                sum.checked_add(r.prompt.len())?
+                    .checked_add(r.max_new_tokens)?
+                    .checked_add(16)
+            })
+            .ok_or_else(|| {
+                RuntimeError::Data(
+                    "the requests' prompts and new tokens add up to more than 2^64 tokens".into(),
+                )
+            })?;
         let mut batch = self.batch(capacity, 16)?;
         let ids: Vec<usize> = requests.iter().map(|_| batch.add_sequence()).collect();
         let mut rng = Rng::new(sampling.seed);

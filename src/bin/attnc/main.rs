@@ -37,11 +37,12 @@ enum Command {
         /// The spec, in the spec language, or @FILE to read it from a file.
         #[arg(allow_hyphen_values = true)]
         spec: String,
-        /// Also print the tile map for this many queries (`#` all kept, `.` skipped, `/` mixed).
-        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
+        /// Also print the tile map for this many queries (`#` all kept, `.` skipped, `/` mixed;
+        /// at most 16384, a map of 256 x 256 tiles).
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=16_384))]
         seq: Option<u64>,
-        /// Keys for the tile map (default: as many as queries).
-        #[arg(long, value_name = "N", requires = "seq", value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
+        /// Keys for the tile map (default: as many as queries; at most 16384).
+        #[arg(long, value_name = "N", requires = "seq", value_parser = clap::value_parser!(u64).range(1..=16_384))]
         kv_len: Option<u64>,
     },
     /// Run attention on the CPU: read q, k, v (MLA: q_nope, q_pe, c_kv, k_pe, w_kv_b) from a
@@ -381,6 +382,8 @@ fn main() -> ExitCode {
                 Err(format!(
                     "error: --temperature {temperature}: expected 0 or more"
                 ))
+            } else if top_k == Some(0) {
+                Err("error: --top-k 0 keeps no token; expected at least 1".to_string())
             } else if top_p.is_some_and(|p| !(p > 0.0 && p <= 1.0)) {
                 Err("error: --top-p: expected a probability in (0, 1]".to_string())
             } else {
