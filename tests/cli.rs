@@ -609,6 +609,15 @@ fn hostile_inputs_are_refused_with_exit_2() {
     );
     let many = format!("heads = 8, head_dim = 64{}", ", heads = 4".repeat(5000));
     let digits = format!("heads = {}, head_dim = 64", "9".repeat(60_000));
+    let model = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/hf-tiny/llama_gqa"
+    );
+    let generate = |extra: &[&'static str]| {
+        let mut args = vec!["generate", "--model", model, "--tokens", "1,2"];
+        args.extend_from_slice(extra);
+        args
+    };
     let cases: Vec<(Vec<&str>, &str)> = vec![
         (vec!["check", &deep], "brackets nest too deeply"),
         (vec!["check", &many], "more errors"),
@@ -651,35 +660,10 @@ fn hostile_inputs_are_refused_with_exit_2() {
         ),
         (vec!["peak", "--seconds", "inf"], "allowed: more than 0"),
         (
-            vec![
-                "generate",
-                "--model",
-                concat!(
-                    env!("CARGO_MANIFEST_DIR"),
-                    "/tests/fixtures/hf-tiny/llama_gqa"
-                ),
-                "--tokens",
-                "1,2",
-                "--max-new-tokens",
-                "18446744073709551615",
-            ],
+            generate(&["--max-new-tokens", "18446744073709551615"]),
             "2^64 tokens",
         ),
-        (
-            vec![
-                "generate",
-                "--model",
-                concat!(
-                    env!("CARGO_MANIFEST_DIR"),
-                    "/tests/fixtures/hf-tiny/llama_gqa"
-                ),
-                "--tokens",
-                "1",
-                "--top-k",
-                "0",
-            ],
-            "--top-k 0",
-        ),
+        (generate(&["--top-k", "0"]), "--top-k 0"),
         (
             vec!["ir", "heads = 4, head_dim = 64", "--seq", "1048576"],
             "16384",

@@ -3,24 +3,14 @@
 //! makes it NaN; any finite score is a score, however large. On the CPU forward kernel, the
 //! decode kernel with split-KV partitions, and the reference.
 
+mod common;
+
 use attn_dsl::AttentionSpec;
 use attn_dsl::reference::{self, Array, Inputs};
 use attn_runtime::Tensor;
 use attn_runtime::cache::PagedCache;
 use attn_runtime::cpu::{CpuBackend, DecodeOptions, Output};
-
-/// Deterministic values in [-1, 1).
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
+use common::values;
 
 struct Case {
     spec: AttentionSpec,
@@ -45,13 +35,34 @@ impl Case {
         }
     }
 
+    /// The values rounded to multiples of 1/8, which bf16 holds exactly.
+    fn exact_in_bf16(mut self) -> Case {
+        for x in self.q.iter_mut().chain(&mut self.k).chain(&mut self.v) {
+            *x = (*x * 8.0).round() / 8.0;
+        }
+        self
+    }
+
+    /// q, k and v in the spec's dtype.
     fn tensors(&self) -> [Tensor; 3] {
         let (h, hkv, d, dv) = dims(&self.spec);
+        let t = |shape: &[usize], v: &[f32]| {
+            Tensor::from_f32_as(self.spec.dtype, shape, v.to_vec()).unwrap()
+        };
         [
-            Tensor::from_f32(&[1, h, self.sq, d], self.q.clone()).unwrap(),
-            Tensor::from_f32(&[1, hkv, self.skv, d], self.k.clone()).unwrap(),
-            Tensor::from_f32(&[1, hkv, self.skv, dv], self.v.clone()).unwrap(),
+            t(&[1, h, self.sq, d], &self.q),
+            t(&[1, hkv, self.skv, d], &self.k),
+            t(&[1, hkv, self.skv, dv], &self.v),
         ]
+    }
+
+    /// The GPU forward kernel the spec runs on, on the GPU IR interpreter.
+    fn gpu_forward(&self) -> Output {
+        let [q, k, v] = self.tensors();
+        attn_runtime::gpu::GpuCall::forward(&self.spec, &q, &k, &v, 0)
+            .unwrap()
+            .run_emulated()
+            .unwrap()
     }
 
     fn reference(&self) -> reference::Output {
@@ -133,36 +144,24 @@ fn close(what: &str, got: &[f32], want: &[f64], abs: f64, rel: f64) {
     }
 }
 
+/// `got`'s out and lse equal `want`'s within DESIGN.md's tolerance for the spec's dtype (f32:
+/// 1e-5 abs and 1e-4 rel; bf16 and f16: 2e-2 abs), NaN and infinities exactly.
+fn outputs_match(what: &str, spec: &AttentionSpec, got: &Output, want: &reference::Output) {
+    let (abs, rel) = match spec.dtype {
+        attn_dsl::DType::F32 => (1e-5, 1e-4),
+        _ => (2e-2, 1e-5),
+    };
+    let (out, lse) = (got.out.to_f32_vec(), got.lse.to_f32_vec());
+    close(&format!("{what}: out"), &out, want.out.data(), abs, rel);
+    close(&format!("{what}: lse"), &lse, want.lse.data(), abs, rel);
+}
+
 fn matches_reference(case: &Case, what: &str) {
     let want = case.reference();
-    let got = case.forward();
-    same(
-        &format!("{what}: out"),
-        &got.out.to_f32_vec(),
-        want.out.data(),
-        1e-4,
-    );
-    same(
-        &format!("{what}: lse"),
-        &got.lse.to_f32_vec(),
-        want.lse.data(),
-        1e-5,
-    );
+    outputs_match(what, &case.spec, &case.forward(), &want);
     for parts in [1, 3] {
-        let got = case.decode(parts);
         let what = format!("{what}: decode in {parts} parts");
-        same(
-            &format!("{what}: out"),
-            &got.out.to_f32_vec(),
-            want.out.data(),
-            1e-4,
-        );
-        same(
-            &format!("{what}: lse"),
-            &got.lse.to_f32_vec(),
-            want.lse.data(),
-            1e-5,
-        );
+        outputs_match(&what, &case.spec, &case.decode(parts), &want);
     }
 }
 
@@ -367,37 +366,17 @@ fn positions_past_the_representable_range_are_refused() {
 
 #[test]
 fn the_gpu_kernels_on_the_interpreter_carry_nan_to_rows() {
-    // f32 runs the SIMT kernel, bf16 the tensor-core one (values chosen exact in bf16).
+    // f32 runs the SIMT kernel, bf16 the tensor-core one.
     for dtype in ["f32", "bf16"] {
         let text =
             format!("heads = 4, kv_heads = 2, head_dim = 16, mask = causal, dtype = {dtype}");
-        let mut case = Case::new(&text, 40, 40);
-        for x in case.q.iter_mut().chain(&mut case.k).chain(&mut case.v) {
-            *x = (*x * 8.0).round() / 8.0;
-        }
+        let mut case = Case::new(&text, 40, 40).exact_in_bf16();
         case.q[(40 + 7) * 16 + 3] = f32::NAN;
         case.k[30 * 16 + 5] = f32::NAN;
-        let want = case.reference();
-        let (h, hkv, d, dv) = dims(&case.spec);
-        let dt = case.spec.dtype;
-        let q = Tensor::from_f32_as(dt, &[1, h, 40, d], case.q.clone()).unwrap();
-        let k = Tensor::from_f32_as(dt, &[1, hkv, 40, d], case.k.clone()).unwrap();
-        let v = Tensor::from_f32_as(dt, &[1, hkv, 40, dv], case.v.clone()).unwrap();
-        let got = attn_runtime::gpu::GpuCall::forward(&case.spec, &q, &k, &v, 0)
-            .unwrap()
-            .run_emulated()
-            .unwrap();
-        // DESIGN.md's tolerances: f32 1e-5 abs / 1e-4 rel; bf16 2e-2 abs.
-        let (abs, rel) = if dtype == "f32" {
-            (1e-5, 1e-4)
-        } else {
-            (2e-2, 0.0)
-        };
-        let lse = got.lse.to_f32_vec();
-        close(&format!("{dtype} gpu lse"), &lse, want.lse.data(), abs, rel);
-        let out = got.out.to_f32_vec();
-        close(&format!("{dtype} gpu out"), &out, want.out.data(), abs, rel);
+        let got = case.gpu_forward();
+        outputs_match(&format!("{dtype} GPU"), &case.spec, &got, &case.reference());
         // Query 7 of head 1, and every query from 30 on (kv head 0: heads 0 and 1).
+        let lse = got.lse.to_f32_vec();
         assert!(lse[40 + 7].is_nan() && lse[30].is_nan() && lse[40 + 39].is_nan());
         assert!(lse[29].is_finite() && lse[2 * 40 + 35].is_finite());
     }
@@ -411,40 +390,9 @@ fn the_gpu_kernels_on_the_interpreter_keep_scores_up_to_f32_max() {
                 "heads = 2, head_dim = 16, mask = causal, dtype = {dtype}, score_mod = |s, b, \
                  h, q, k| if k == 3 {{ {big} }} else {{ s }}"
             );
-            let mut case = Case::new(&text, 40, 40);
-            for x in case.q.iter_mut().chain(&mut case.k).chain(&mut case.v) {
-                *x = (*x * 8.0).round() / 8.0;
-            }
-            let want = case.reference();
-            let (h, hkv, d, dv) = dims(&case.spec);
-            let dt = case.spec.dtype;
-            let q = Tensor::from_f32_as(dt, &[1, h, 40, d], case.q.clone()).unwrap();
-            let k = Tensor::from_f32_as(dt, &[1, hkv, 40, d], case.k.clone()).unwrap();
-            let v = Tensor::from_f32_as(dt, &[1, hkv, 40, dv], case.v.clone()).unwrap();
-            let got = attn_runtime::gpu::GpuCall::forward(&case.spec, &q, &k, &v, 0)
-                .unwrap()
-                .run_emulated()
-                .unwrap();
+            let case = Case::new(&text, 40, 40).exact_in_bf16();
             let what = format!("{dtype}, score {big} at key 3, GPU");
-            let (abs, rel) = if dtype == "f32" {
-                (1e-5, 1e-4)
-            } else {
-                (2e-2, 1e-5)
-            };
-            close(
-                &format!("{what} lse"),
-                &got.lse.to_f32_vec(),
-                want.lse.data(),
-                abs,
-                rel,
-            );
-            close(
-                &format!("{what} out"),
-                &got.out.to_f32_vec(),
-                want.out.data(),
-                abs,
-                rel,
-            );
+            outputs_match(&what, &case.spec, &case.gpu_forward(), &case.reference());
         }
     }
     // The GPU decode kernel on the interpreter, with split-KV partitions.
