@@ -249,3 +249,125 @@ fn toml_models_out_of_range_are_refused_before_allocating() {
     let err = Model::random(&huge, 0).expect_err("too large").to_string();
     assert!(err.contains("GiB"), "{err}");
 }
+
+/// Every key of both fixtures' config.json set to every hostile value (numbers at and past
+/// the limits, wrong types, null): each load ends in a model or an error, never a panic, and a
+/// model only where the config still describes its weights.
+#[test]
+fn every_config_key_with_hostile_values_loads_or_errs() {
+    let hostile = [
+        "0",
+        "1",
+        "-1",
+        "3",
+        "0.5",
+        "1e30",
+        "-1e30",
+        "4294967296",
+        "18446744073709551615",
+        "\"text\"",
+        "null",
+        "[]",
+        "{}",
+        "true",
+    ];
+    // The RoPE parameters too, one at a time, under each scaling.
+    let scalings = [
+        r#"{"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+            "mscale_all_dim": 1.0, "original_max_position_embeddings": 32}"#,
+        r#"{"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}"#,
+        r#"{"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}"#,
+    ];
+    for name in ["llama_gqa", "deepseek_v2_lite_mla"] {
+        let text = std::fs::read_to_string(fixture(name).join("config.json")).unwrap();
+        let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let mut edits: Vec<(Vec<String>, serde_json::Value)> = json
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(|k| (vec![k.clone()], json.clone()))
+            .collect();
+        for scaling in scalings {
+            let mut base = json.clone();
+            base["rope_parameters"] = serde_json::from_str(scaling).unwrap();
+            for k in base["rope_parameters"].as_object().unwrap().keys() {
+                edits.push((vec!["rope_parameters".into(), k.clone()], base.clone()));
+            }
+        }
+        let scratch = Scratch::of(name, "hostile");
+        let original = scratch.0.join("config.json");
+        for (path, base) in &edits {
+            let key = path.join(".");
+            for value in hostile {
+                let mut edited = base.clone();
+                let slot = path.iter().fold(&mut edited, |v, k| &mut v[k.as_str()]);
+                *slot = serde_json::from_str(value).unwrap();
+                std::fs::write(&original, edited.to_string()).unwrap();
+                let result = std::panic::catch_unwind(|| scratch.load().map(|m| m.config));
+                match result {
+                    Err(_) => panic!("{name}: `{key}` = {value} panicked"),
+                    Ok(Ok(config)) => {
+                        // Whatever loaded must run.
+                        let model = scratch.load().unwrap();
+                        model
+                            .forward(&[1, 2, 3])
+                            .unwrap_or_else(|e| panic!("{name}: `{key}` = {value}: {e}"));
+                        assert!(config.validate().is_ok());
+                    }
+                    Ok(Err(_)) => {}
+                }
+            }
+        }
+    }
+}
+
+/// Every key of a research TOML config set to every hostile value: a config and a model that
+/// runs, or an error, never a panic or an allocation the machine cannot hold.
+#[test]
+fn every_toml_key_with_hostile_values_loads_or_errs() {
+    let keys = [
+        ("vocab", "97"),
+        ("hidden", "48"),
+        ("layers", "2"),
+        (
+            "attention",
+            "\"heads = 4, kv_heads = 2, head_dim = 12, mask = causal\"",
+        ),
+        ("norm", "\"rms\""),
+        ("norm_eps", "1e-5"),
+        ("mlp", "\"swiglu\""),
+        ("intermediate", "64"),
+        ("tie_embeddings", "true"),
+        ("qkv_bias", "false"),
+    ];
+    let hostile = [
+        "0",
+        "-1",
+        "1",
+        "4611686018427387904",
+        "1e30",
+        "inf",
+        "nan",
+        "-0.0",
+        "\"text\"",
+        "\"heads = 0, head_dim = 12\"",
+        "true",
+        "[]",
+    ];
+    for (key, _) in keys {
+        for value in hostile {
+            let text: String = keys
+                .iter()
+                .map(|(k, v)| format!("{k} = {}\n", if *k == key { value } else { v }))
+                .collect();
+            let loaded = std::panic::catch_unwind(|| {
+                let config = config_from_toml(&text)?;
+                let model = Model::random(&config, 1)?;
+                model.forward(&[1, 2, 3])
+            });
+            assert!(loaded.is_ok(), "`{key} = {value}` panicked");
+        }
+    }
+}

@@ -41,16 +41,24 @@ impl Config<'_> {
         self.json.get(key).filter(|v| !v.is_null())
     }
 
+    /// A whole number of at most `u32::MAX` (every count and width of a config; larger ones are
+    /// refused here, so sums of two cannot overflow).
     fn uint(&self, key: &str) -> Result<usize, RuntimeError> {
-        self.get(key)
-            .and_then(Value::as_u64)
-            .map(|v| v as usize)
-            .ok_or_else(|| {
-                bad(
-                    self.path,
-                    format!("`{key}` is missing or not a whole number"),
-                )
-            })
+        let v = self.get(key).and_then(Value::as_u64).ok_or_else(|| {
+            bad(
+                self.path,
+                format!("`{key}` is missing or not a whole number"),
+            )
+        })?;
+        u32::try_from(v).map(|v| v as usize).map_err(|_| {
+            bad(
+                self.path,
+                format!(
+                    "`{key}` = {v} is out of range; allowed: at most {}",
+                    u32::MAX
+                ),
+            )
+        })
     }
 
     fn float_or(&self, key: &str, default: f64) -> f64 {
