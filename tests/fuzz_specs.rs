@@ -329,6 +329,30 @@ fn nesting_at_the_limits_runs_every_pass() {
         let spec = attn::dsl::parse_str(&text)
             .unwrap_or_else(|e| panic!("`{}...` should parse: {e}", &text[..60]));
         exercise(&spec, true);
+        // The GPU kernels lower the same program recursively, and print it.
+        let plan = KernelPlan::forward(&spec);
+        let _ = attn::codegen::gpu::forward_kernel(&plan).kernel.to_string();
+        let _ = attn::codegen::gpu::decode::lower(&KernelPlan::decode(&spec)).to_string();
+        // And the GPU IR interpreter evaluates it recursively.
+        let t = |shape: &[usize]| {
+            let n = shape.iter().product();
+            attn::runtime::Tensor::from_f32(shape, vec![0.25; n]).unwrap()
+        };
+        attn::runtime::gpu::GpuCall::forward(
+            &spec,
+            &t(&[1, 2, 3, 8]),
+            &t(&[1, 2, 5, 8]),
+            &t(&[1, 2, 5, 8]),
+            0,
+        )
+        .and_then(|call| call.run_emulated())
+        .expect("the GPU kernel runs on the interpreter");
+        #[cfg(feature = "cuda")]
+        {
+            let kernel = attn::codegen::gpu::forward_kernel(&plan).kernel;
+            attn::codegen::gpu::llvm::emit(&kernel, attn::codegen::gpu::llvm::Arch::Sm90)
+                .expect("the PTX emits");
+        }
     }
     let outside = [
         m(format!("{}s{}", "(".repeat(40), ")".repeat(40))),

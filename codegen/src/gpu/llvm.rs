@@ -72,8 +72,27 @@ pub fn dynamic_shared_bytes(kernel: &Kernel) -> u32 {
     }
 }
 
-/// Compiles a kernel to LLVM IR and PTX for `arch`.
+/// Stack for the thread LLVM compiles on: its passes recurse along expression trees, and a score
+/// program at the spec language's depth limit needs about 4 MiB in a debug build, more than a
+/// spawned thread has by default (2 MiB).
+const LLVM_STACK_BYTES: usize = 64 << 20;
+
+/// Compiles a kernel to LLVM IR and PTX for `arch`, on a thread of its own with a stack sized
+/// for the deepest program a spec may hold.
 pub fn emit(kernel: &Kernel, arch: Arch) -> Result<Emitted, CodegenError> {
+    std::thread::scope(|scope| {
+        let worker = std::thread::Builder::new()
+            .name("attn-llvm".into())
+            .stack_size(LLVM_STACK_BYTES)
+            .spawn_scoped(scope, || emit_here(kernel, arch))
+            .map_err(|e| err(format!("cannot start the LLVM thread: {e}")))?;
+        worker
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+    })
+}
+
+fn emit_here(kernel: &Kernel, arch: Arch) -> Result<Emitted, CodegenError> {
     Target::initialize_nvptx(&InitializationConfig::default());
     let triple = TargetTriple::create("nvptx64-nvidia-cuda");
     let target = Target::from_triple(&triple).map_err(err)?;
