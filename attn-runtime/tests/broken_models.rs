@@ -371,3 +371,18 @@ fn every_toml_key_with_hostile_values_loads_or_errs() {
         }
     }
 }
+
+#[test]
+fn a_forward_pass_too_large_for_the_machine_is_refused_before_it_allocates() {
+    // 4M-token vocabulary: the logits of 100,000 tokens alone would take 1.6 TB.
+    let config = config_from_toml(
+        "vocab = 4194304\nhidden = 4\nlayers = 1\nattention = \"heads = 1, head_dim = 4, \
+         mask = causal\"",
+    )
+    .unwrap();
+    let model = Model::random(&config, 0).unwrap();
+    let tokens = vec![1u32; 100_000];
+    let err = model.forward(&tokens).expect_err("too large").to_string();
+    assert!(err.contains("100000 tokens") && err.contains("GiB"), "{err}");
+    assert_eq!(model.forward(&tokens[..3]).unwrap().len(), 3 * 4_194_304);
+}

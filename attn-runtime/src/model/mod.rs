@@ -186,6 +186,10 @@ impl Model {
         mut keys: impl FnMut(usize) -> Keys<'c>,
     ) -> Result<Vec<f32>, RuntimeError> {
         let n = tokens.len();
+        crate::memory::ensure_fits(
+            &format!("a forward pass over {n} tokens"),
+            self.activation_bytes(n),
+        )?;
         let mut x = self.embed(tokens)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let h = layer.attn_norm.apply(&x);
@@ -200,6 +204,20 @@ impl Model {
             Some(head) => head.apply(&x, n),
             None => layers::matmul_t(&self.embed, self.config.vocab, self.config.hidden, &x, n),
         })
+    }
+
+    /// Bytes a forward pass over `n` tokens holds at its peak, about: per token the residual
+    /// stream and its normed copy, the attention's q, k, v and output (queries and keys at their
+    /// widest), the MLP's hidden widths, and the logits, all f32. `None` past 64 bits.
+    fn activation_bytes(&self, n: usize) -> Option<u64> {
+        let c = &self.config;
+        let spec = &c.attention;
+        let heads = u64::from(spec.heads);
+        let qk = u64::from(spec.head_dim) + spec.mla().map_or(0, |m| u64::from(m.latent_rank));
+        let attention = 4 * heads * (qk + u64::from(spec.v_head_dim));
+        let per_token =
+            4 * c.hidden as u64 + attention + 3 * c.intermediate as u64 + c.vocab as u64;
+        per_token.checked_mul(n as u64)?.checked_mul(4)
     }
 
     /// One layer's attention over `n` rows of normed hidden states: `[n, hidden]`.
