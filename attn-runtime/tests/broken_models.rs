@@ -383,6 +383,9 @@ fn a_forward_pass_too_large_for_the_machine_is_refused_before_it_allocates() {
     let model = Model::random(&config, 0).unwrap();
     let tokens = vec![1u32; 100_000];
     let err = model.forward(&tokens).expect_err("too large").to_string();
-    assert!(err.contains("100000 tokens") && err.contains("GiB"), "{err}");
+    assert!(
+        err.contains("100000 tokens") && err.contains("GiB"),
+        "{err}"
+    );
     assert_eq!(model.forward(&tokens[..3]).unwrap().len(), 3 * 4_194_304);
 }
