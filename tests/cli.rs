@@ -683,3 +683,48 @@ fn hostile_inputs_are_refused_with_exit_2() {
         );
     }
 }
+
+/// `attnc generate --prompt` prints exactly transformers' greedy continuation of each golden
+/// prompt (the fixture's golden_generate.json), byte-level replacement characters included.
+#[test]
+fn generate_from_text_prints_transformers_continuation() {
+    let dir = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/hf-tiny/llama_tokenizer"
+    );
+    let golden: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(format!("{dir}/golden_generate.json")).unwrap(),
+    )
+    .unwrap();
+    for g in golden["generate"].as_array().unwrap() {
+        let prompt = g["prompt"].as_str().unwrap();
+        let new_tokens = g["new_ids"].as_array().unwrap().len().to_string();
+        let o = attnc(&[
+            "generate",
+            "--model",
+            dir,
+            "--prompt",
+            prompt,
+            "--max-new-tokens",
+            &new_tokens,
+        ]);
+        assert_eq!(o.status.code(), Some(0), "{prompt}: {}", stderr(&o));
+        assert_eq!(
+            stdout(&o),
+            format!("{}\n", g["new_text"].as_str().unwrap()),
+            "{prompt}"
+        );
+        assert!(stderr(&o).contains("tokens/s"), "{}", stderr(&o));
+    }
+    let research = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/examples/models/llama-100m.toml"
+    );
+    let o = attnc(&["generate", "--model", research, "--prompt", "hi"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("no tokenizer"), "{}", stderr(&o));
+    let o = attnc(&[
+        "generate", "--model", dir, "--prompt", "hi", "--tokens", "1",
+    ]);
+    assert_eq!(o.status.code(), Some(2), "--prompt and --tokens together");
+}

@@ -43,7 +43,7 @@ pub struct Request {
 }
 
 /// Where a generation stands, for progress output.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Progress {
     /// Tokens generated so far, over all requests.
     pub generated: usize,
@@ -53,6 +53,8 @@ pub struct Progress {
     pub decoding: Duration,
     /// Time the prefill took.
     pub prefill: Duration,
+    /// The tokens this step chose: `(request index, token)`.
+    pub new_tokens: Vec<(usize, u32)>,
 }
 
 /// A small seeded generator (xorshift64*), enough for sampling.
@@ -187,6 +189,7 @@ impl Model {
                 running: running.len(),
                 decoding: decode_start.elapsed(),
                 prefill,
+                new_tokens: next.clone(),
             });
             if running.is_empty() {
                 break;

@@ -12,11 +12,13 @@ mod generate;
 pub mod hf;
 mod layers;
 pub mod research;
+mod text;
 
 pub use config::{
     MAX_INTERMEDIATE, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, MlpKind, ModelConfig, NormKind,
 };
 pub use generate::{Progress, Request, Sampling};
+pub use text::{TextStream, TextTokenizer};
 
 use crate::cache::{KvCache, PagedCache, SeqId};
 use crate::cpu::{CpuBackend, DecodeOptions, MlaQueries, MlaTensors};

@@ -143,8 +143,9 @@ enum Command {
         #[arg(long, value_name = "FILE")]
         output: std::path::PathBuf,
     },
-    /// Continue a token sequence with a Hugging Face checkpoint (greedy unless --temperature).
-    /// Prints the new token ids; progress and tokens/s go to stderr.
+    /// Continue a prompt with a Hugging Face checkpoint (greedy unless --temperature). With
+    /// --prompt, streams the new text (the checkpoint's tokenizer.json reads and writes it); with
+    /// --tokens, prints the new token ids. Progress and tokens/s go to stderr.
     Generate {
         /// Checkpoint directory (config.json and *.safetensors), or a research model's TOML
         /// file (random weights).
@@ -154,8 +155,16 @@ enum Command {
         #[arg(long, value_name = "S", default_value_t = 0)]
         init_seed: u64,
         /// Prompt token ids, comma-separated.
-        #[arg(long, value_name = "IDS")]
-        tokens: String,
+        #[arg(
+            long,
+            value_name = "IDS",
+            required_unless_present = "prompt",
+            conflicts_with = "prompt"
+        )]
+        tokens: Option<String>,
+        /// Prompt text, tokenized by the checkpoint's tokenizer.json.
+        #[arg(long, value_name = "TEXT", allow_hyphen_values = true)]
+        prompt: Option<String>,
         /// Most tokens to generate.
         #[arg(long, value_name = "N", default_value_t = 32)]
         max_new_tokens: usize,
@@ -371,6 +380,7 @@ fn main() -> ExitCode {
             model,
             init_seed,
             tokens,
+            prompt,
             max_new_tokens,
             temperature,
             top_k,
@@ -390,8 +400,7 @@ fn main() -> ExitCode {
                 Ok(())
             };
             checked
-                .and_then(|()| model_cmd::parse_tokens(&tokens))
-                .and_then(|prompt| {
+                .and_then(|()| {
                     let stop = match &stop {
                         Some(s) => model_cmd::parse_tokens(s)?,
                         None => Vec::new(),
@@ -402,8 +411,17 @@ fn main() -> ExitCode {
                         top_p,
                         seed,
                     };
-                    let model = model_cmd::load(&model, init_seed)?;
-                    model_cmd::generate(&model, prompt, max_new_tokens, sampling, stop)
+                    let prompt = match (&tokens, prompt) {
+                        (Some(ids), _) => model_cmd::Prompt::Ids(model_cmd::parse_tokens(ids)?),
+                        (None, Some(text)) => model_cmd::Prompt::Text(text),
+                        (None, None) => unreachable!("clap requires --tokens or --prompt"),
+                    };
+                    let request = model_cmd::GenerateArgs {
+                        max_new_tokens,
+                        sampling,
+                        stop,
+                    };
+                    model_cmd::generate(&model, init_seed, prompt, request)
                 })
                 .map(|out| println!("{out}"))
         }

@@ -4,7 +4,7 @@
 use attn::dsl::accounting::kv_cache_bytes_per_token;
 use attn::runtime::Tensor;
 use attn::runtime::io::write_safetensors;
-use attn::runtime::model::{Model, Request, Sampling, hf, research};
+use attn::runtime::model::{Model, Progress, Request, Sampling, TextTokenizer, hf, research};
 use std::io::Write;
 use std::path::Path;
 
@@ -75,42 +75,117 @@ pub fn logits(
     ))
 }
 
-/// Generates from one prompt, printing the new tokens and a progress line on stderr.
+/// A prompt: token ids, or text for the checkpoint's tokenizer.
+pub enum Prompt {
+    Ids(Vec<u32>),
+    Text(String),
+}
+
+/// How long and how to generate.
+pub struct GenerateArgs {
+    pub max_new_tokens: usize,
+    pub sampling: Sampling,
+    pub stop: Vec<u32>,
+}
+
+/// Generates from one prompt with the model at `path`. Ids in: returns the new ids, with a
+/// progress line on stderr. Text in: streams the new text to stdout as tokens complete it,
+/// returns what is still held back, and prints the rates on stderr at the end.
 pub fn generate(
-    model: &Model,
-    prompt: Vec<u32>,
-    max_new_tokens: usize,
-    sampling: Sampling,
-    stop: Vec<u32>,
+    path: &Path,
+    seed: u64,
+    prompt: Prompt,
+    args: GenerateArgs,
 ) -> Result<String, String> {
-    let request = Request {
-        prompt,
-        max_new_tokens,
-        stop,
+    let err = |e: attn::runtime::RuntimeError| format!("error: {e}");
+    let tokenizer = match &prompt {
+        Prompt::Text(_) if path.is_file() => {
+            return Err(format!(
+                "error: {} is a research model, which has no tokenizer; use --tokens",
+                path.display()
+            ));
+        }
+        Prompt::Text(_) => Some(TextTokenizer::from_dir(path).map_err(err)?),
+        Prompt::Ids(_) => None,
     };
+    let ids = match prompt {
+        Prompt::Ids(ids) => ids,
+        Prompt::Text(text) => {
+            let ids = tokenizer
+                .as_ref()
+                .expect("read above")
+                .encode(&text)
+                .map_err(err)?;
+            if ids.is_empty() {
+                return Err("error: --prompt is empty once tokenized".to_string());
+            }
+            ids
+        }
+    };
+    let model = load(path, seed)?;
+    let request = Request {
+        prompt: ids,
+        max_new_tokens: args.max_new_tokens,
+        stop: args.stop,
+    };
+    let mut stream = tokenizer.as_ref().map(TextTokenizer::stream);
+    let mut failed = None;
+    let mut last = None;
     let out = model
-        .generate(&[request], sampling, |p| {
-            // The first token comes from the prefill; the rate is that of decode steps.
-            let decoded = p.generated.saturating_sub(1);
-            let rate = if decoded == 0 {
-                0.0
+        .generate(&[request], args.sampling, |p| {
+            if let Some(stream) = stream.as_mut() {
+                for &(_, token) in &p.new_tokens {
+                    match stream.push(token) {
+                        Ok(piece) => {
+                            print!("{piece}");
+                            let _ = std::io::stdout().flush();
+                        }
+                        Err(e) => failed = Some(e),
+                    }
+                }
             } else {
-                decoded as f64 / p.decoding.as_secs_f64()
-            };
-            eprint!(
-                "\r  {} tokens, {rate:.1} tokens/s decoding (prefill {:.1} ms)",
-                p.generated,
-                p.prefill.as_secs_f64() * 1e3
-            );
-            let _ = std::io::stderr().flush();
+                eprint!("\r  {}", rates(&p));
+                let _ = std::io::stderr().flush();
+            }
+            last = Some(p);
         })
-        .map_err(|e| format!("error: {e}"))?;
-    eprintln!();
-    Ok(out[0]
-        .iter()
-        .map(u32::to_string)
-        .collect::<Vec<_>>()
-        .join(","))
+        .map_err(err)?;
+    if let Some(e) = failed {
+        return Err(err(e));
+    }
+    match stream.as_mut() {
+        Some(stream) => {
+            let rest = stream.finish().map_err(err)?;
+            if let Some(p) = &last {
+                eprintln!("  {}", rates(p));
+            }
+            Ok(rest)
+        }
+        None => {
+            eprintln!();
+            Ok(out[0]
+                .iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(","))
+        }
+    }
+}
+
+/// Tokens so far and the decoding rate (the first token comes from the prefill; the rate is
+/// that of decode steps).
+fn rates(p: &Progress) -> String {
+    let decoded = p.generated.saturating_sub(1);
+    let rate = if decoded == 0 {
+        0.0
+    } else {
+        decoded as f64 / p.decoding.as_secs_f64()
+    };
+    format!(
+        "{} tokens, {rate:.1} tokens/s decoding (prefill {:.1} ms)",
+        p.generated,
+        p.prefill.as_secs_f64() * 1e3
+    )
 }
 
 /// The parameter breakdown and KV-cache costs of a checkpoint.
