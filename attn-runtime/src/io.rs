@@ -3,42 +3,86 @@
 use crate::error::RuntimeError;
 use crate::tensor::{Storage, Tensor};
 use half::{bf16, f16};
-use safetensors::{Dtype, SafeTensors};
+use safetensors::Dtype;
+use safetensors::tensor::Metadata;
+use std::io::{Read, Seek, SeekFrom};
 use std::path::Path;
 
+/// Largest safetensors header read (the safetensors crate's own limit).
+const MAX_HEADER_BYTES: u64 = 100_000_000;
+
 /// The named tensors of a safetensors file, in order (f32, f16 and bf16). A missing tensor or
-/// one of another dtype is an error naming it; other tensors in the file are ignored.
+/// one of another dtype is an error naming it; other tensors in the file are ignored. Only the
+/// header and the named tensors' bytes are read, one tensor at a time, so a checkpoint's weights
+/// take their own size in memory and no more.
 pub fn read_safetensors(path: &Path, names: &[&str]) -> Result<Vec<Tensor>, RuntimeError> {
     let shown = path.display().to_string();
     let io = |message: String| RuntimeError::Io {
         path: shown.clone(),
         message,
     };
-    // The file is read whole, then its tensors converted: it must fit about twice over.
-    let size = std::fs::metadata(path)
-        .map_err(|e| io(e.to_string()))?
-        .len();
-    crate::memory::ensure_fits(&format!("reading {shown}"), size.checked_mul(2))?;
-    let bytes = std::fs::read(path).map_err(|e| io(e.to_string()))?;
-    let file = SafeTensors::deserialize(&bytes)
+    let mut file = std::fs::File::open(path).map_err(|e| io(e.to_string()))?;
+    let size = file.metadata().map_err(|e| io(e.to_string()))?.len();
+    let mut word = [0u8; 8];
+    file.read_exact(&mut word)
         .map_err(|e| io(format!("not a valid safetensors file: {e}")))?;
-    names
+    let header_len = u64::from_le_bytes(word);
+    if header_len > MAX_HEADER_BYTES.min(size.saturating_sub(8)) {
+        return Err(io(format!(
+            "not a valid safetensors file: a header of {header_len} bytes in a file of {size}"
+        )));
+    }
+    let mut header = vec![0u8; header_len as usize];
+    file.read_exact(&mut header)
+        .map_err(|e| io(format!("not a valid safetensors file: {e}")))?;
+    // Deserializing validates the offsets: contiguous, each tensor's size matching its shape.
+    let metadata: Metadata = serde_json::from_slice(&header)
+        .map_err(|e| io(format!("not a valid safetensors file: {e}")))?;
+    let data_start = 8 + header_len;
+    let infos = names
         .iter()
         .map(|&name| {
-            let view = file.tensor(name).map_err(|_| {
-                let mut available = file.names();
+            metadata.info(name).ok_or_else(|| {
+                let mut available: Vec<String> = metadata.tensors().into_keys().collect();
                 available.sort();
                 RuntimeError::Missing {
                     path: shown.clone(),
                     tensor: name.to_string(),
                     available: available.join(", "),
                 }
-            })?;
-            let (data, shape) = (view.data(), view.shape());
-            match view.dtype() {
-                Dtype::F32 => Tensor::from_f32(shape, le(data, f32::from_le_bytes)),
-                Dtype::F16 => Tensor::from_f16(shape, le(data, f16::from_le_bytes)),
-                Dtype::BF16 => Tensor::from_bf16(shape, le(data, bf16::from_le_bytes)),
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let data_end = infos
+        .iter()
+        .map(|i| i.data_offsets.1 as u64)
+        .max()
+        .unwrap_or(0);
+    if data_start.saturating_add(data_end) > size {
+        return Err(io(format!(
+            "not a valid safetensors file: its tensors end at byte {}, past its {size} bytes",
+            data_start.saturating_add(data_end)
+        )));
+    }
+    let wanted = infos
+        .iter()
+        .map(|i| (i.data_offsets.1 - i.data_offsets.0) as u64)
+        .sum();
+    crate::memory::ensure_fits(&format!("the tensors of {shown}"), Some(wanted))?;
+    names
+        .iter()
+        .zip(infos)
+        .map(|(&name, info)| {
+            let (begin, end) = info.data_offsets;
+            let mut data = vec![0u8; end - begin];
+            file.seek(SeekFrom::Start(data_start + begin as u64))
+                .and_then(|_| file.read_exact(&mut data))
+                .map_err(|e| io(format!("tensor `{name}`: {e}")))?;
+            let shape = &info.shape;
+            match info.dtype {
+                Dtype::F32 => Tensor::from_f32(shape, le(&data, f32::from_le_bytes)),
+                Dtype::F16 => Tensor::from_f16(shape, le(&data, f16::from_le_bytes)),
+                Dtype::BF16 => Tensor::from_bf16(shape, le(&data, bf16::from_le_bytes)),
                 other => {
                     return Err(io(format!(
                         "tensor `{name}` is {other:?}; supported: F32, F16, BF16"

@@ -18,7 +18,7 @@ pub enum Storage {
 }
 
 impl Storage {
-    fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         match self {
             Storage::F32(v) => v.len(),
             Storage::F16(v) => v.len(),
@@ -161,6 +161,28 @@ impl Tensor {
             Storage::F16(v) => Storage::F16(at.iter().map(|&i| v[i]).collect()),
             Storage::Bf16(v) => Storage::Bf16(at.iter().map(|&i| v[i]).collect()),
         }
+    }
+
+    /// The elements in logical order, in their own dtype, taking the storage without a copy
+    /// when this tensor is its only, contiguous view.
+    pub fn into_storage(self) -> Storage {
+        let n: usize = self.shape.iter().product();
+        if self.offset == 0
+            && self.strides == contiguous_strides(&self.shape)
+            && self.storage.len() == n
+        {
+            match Arc::try_unwrap(self.storage) {
+                Ok(storage) => return storage,
+                Err(shared) => {
+                    return Tensor {
+                        storage: shared,
+                        ..self
+                    }
+                    .contiguous_storage();
+                }
+            }
+        }
+        self.contiguous_storage()
     }
 
     /// Storage offsets of the elements in logical order.

@@ -389,3 +389,34 @@ fn a_forward_pass_too_large_for_the_machine_is_refused_before_it_allocates() {
     );
     assert_eq!(model.forward(&tokens[..3]).unwrap().len(), 3 * 4_194_304);
 }
+
+/// A safetensors file cut short at every length, and with its header's bytes mangled one at a
+/// time: each read is a tensor or an error, never a panic.
+#[test]
+fn damaged_safetensors_files_are_errors() {
+    let dir = std::env::temp_dir().join(format!("attn-damaged-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("t.safetensors");
+    let t = Tensor::from_f32(&[2, 3], vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]).unwrap();
+    let u = Tensor::from_f32_as(attn_dsl::DType::Bf16, &[4], vec![1.0; 4]).unwrap();
+    write_safetensors(&path, &[("t", &t), ("u", &u)]).unwrap();
+    let whole = std::fs::read(&path).unwrap();
+    let read = |bytes: &[u8]| {
+        std::fs::write(&path, bytes).unwrap();
+        std::panic::catch_unwind(|| read_safetensors(&path, &["t", "u"]))
+            .unwrap_or_else(|_| panic!("a damaged file of {} bytes panicked", bytes.len()))
+    };
+    assert_eq!(read(&whole).unwrap()[0].to_f32_vec(), t.to_f32_vec());
+    for len in 0..whole.len() {
+        assert!(read(&whole[..len]).is_err(), "cut at {len}");
+    }
+    let header_end = 8 + u64::from_le_bytes(whole[..8].try_into().unwrap()) as usize;
+    for i in 0..header_end {
+        for byte in [0u8, b'9', b'"', b'}', 0xff] {
+            let mut bytes = whole.clone();
+            bytes[i] = byte;
+            let _ = read(&bytes);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -6,7 +6,7 @@
 //! `deepseek_v3` (MLA; dense layers only: mixture-of-experts layers are refused).
 
 use super::config::{MAX_WIDTH, MlpKind, ModelConfig, NormKind};
-use super::layers::{Linear, Mlp, Norm};
+use super::layers::{Linear, Matrix, Mlp, Norm};
 use super::{AttentionWeights, Layer, Model};
 use crate::error::RuntimeError;
 use crate::io::read_safetensors;
@@ -481,13 +481,8 @@ pub fn load(dir: &Path) -> Result<Model, RuntimeError> {
         Some(w.linear("lm_head", false, [config.vocab, d])?)
     };
     let final_norm = w.norm("model.norm.weight", eps, d)?;
-    Ok(Model::new(
-        config,
-        embed.to_f32_vec(),
-        layers,
-        final_norm,
-        lm_head,
-    ))
+    let embed = Matrix::new(config.vocab, d, embed.into_storage());
+    Ok(Model::new(config, embed, layers, final_norm, lm_head))
 }
 
 /// Tensors read from a checkpoint, taken as the model is assembled.
@@ -532,10 +527,9 @@ impl Store {
             None
         };
         Ok(Linear {
-            w: w.to_f32_vec(),
+            // Kept in the checkpoint's dtype.
+            w: Matrix::new(out, inp, w.into_storage()),
             bias,
-            out,
-            inp,
         })
     }
 

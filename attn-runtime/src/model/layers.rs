@@ -1,30 +1,102 @@
-//! The pieces of a decoder layer on f32 rows: linear maps (the `gemm` crate), norms and MLPs.
+//! The pieces of a decoder layer on f32 rows: linear maps (the `gemm` crate) over weights kept in
+//! their checkpoint's dtype, norms and MLPs.
 
 use super::config::{MlpKind, NormKind};
 use crate::cpu::gemm;
+use crate::tensor::Storage;
+use rayon::prelude::*;
 
-/// `y = x W^T (+ b)` with `W [out, in]` row-major (the PyTorch / safetensors layout).
-#[derive(Clone, Debug)]
-pub(crate) struct Linear {
-    pub w: Vec<f32>,
-    pub bias: Option<Vec<f32>>,
-    pub out: usize,
-    pub inp: usize,
+/// Weight values a 16-bit matrix converts to f32 at a time (256 KiB): a block of its rows.
+const BLOCK_VALUES: usize = 1 << 16;
+
+/// A weight matrix `[rows, cols]`, row-major, in the dtype its checkpoint stored (f32, bf16 or
+/// f16): 16-bit weights stay 16-bit in memory, and products convert them a block of rows at a
+/// time.
+#[derive(Debug)]
+pub(crate) struct Matrix {
+    pub rows: usize,
+    pub cols: usize,
+    data: Storage,
 }
 
-/// `rows x out` outputs `x W^T` for `rows x inp` inputs and `W [out, inp]`.
-pub(crate) fn matmul_t(w: &[f32], out: usize, inp: usize, x: &[f32], rows: usize) -> Vec<f32> {
-    let mut y = vec![0f32; rows * out];
-    gemm(rows, inp, out, x, (inp, 1), w, (1, inp), &mut y, out);
-    y
+impl Matrix {
+    /// A matrix over `data` (`rows * cols` values).
+    pub fn new(rows: usize, cols: usize, data: Storage) -> Matrix {
+        debug_assert_eq!(rows * cols, data.len());
+        Matrix { rows, cols, data }
+    }
+
+    /// Values stored.
+    pub fn len(&self) -> usize {
+        self.rows * self.cols
+    }
+
+    /// Rows `first..first + count` as f32.
+    fn rows_f32(&self, first: usize, count: usize) -> Vec<f32> {
+        let range = first * self.cols..(first + count) * self.cols;
+        match &self.data {
+            Storage::F32(v) => v[range].to_vec(),
+            Storage::F16(v) => v[range].iter().map(|x| x.to_f32()).collect(),
+            Storage::Bf16(v) => v[range].iter().map(|x| x.to_f32()).collect(),
+        }
+    }
+
+    /// Row `r` appended to `out` as f32 (an embedding lookup).
+    pub fn push_row(&self, r: usize, out: &mut Vec<f32>) {
+        out.extend(self.rows_f32(r, 1));
+    }
+
+    /// `n x rows` outputs `x W^T` for `n x cols` inputs `x`. f32 weights go to the GEMM as
+    /// they are; 16-bit ones in blocks of rows, each converted and multiplied on a thread of its
+    /// own.
+    pub fn matmul_t(&self, x: &[f32], n: usize) -> Vec<f32> {
+        let (out, inp) = (self.rows, self.cols);
+        let mut y = vec![0f32; n * out];
+        if let Storage::F32(w) = &self.data {
+            gemm(n, inp, out, x, (inp, 1), w, (1, inp), &mut y, out);
+            return y;
+        }
+        let block = (BLOCK_VALUES / inp.max(1)).clamp(1, out.max(1));
+        let parts: Vec<(usize, Vec<f32>)> = (0..out)
+            .step_by(block)
+            .collect::<Vec<_>>()
+            .into_par_iter()
+            .map(|first| {
+                let count = block.min(out - first);
+                let w = self.rows_f32(first, count);
+                let mut part = vec![0f32; n * count];
+                gemm(n, inp, count, x, (inp, 1), &w, (1, inp), &mut part, count);
+                (first, part)
+            })
+            .collect();
+        for (first, part) in parts {
+            let count = part.len() / n.max(1);
+            for (dst, src) in y.chunks_exact_mut(out).zip(part.chunks_exact(count.max(1))) {
+                dst[first..first + count].copy_from_slice(src);
+            }
+        }
+        y
+    }
+}
+
+/// `y = x W^T (+ b)` with `W [out, in]` row-major (the PyTorch / safetensors layout).
+#[derive(Debug)]
+pub(crate) struct Linear {
+    pub w: Matrix,
+    pub bias: Option<Vec<f32>>,
 }
 
 impl Linear {
+    /// Output features.
+    pub fn out(&self) -> usize {
+        self.w.rows
+    }
+
     /// `rows x out` outputs for `rows x inp` inputs.
     pub fn apply(&self, x: &[f32], rows: usize) -> Vec<f32> {
-        let mut y = matmul_t(&self.w, self.out, self.inp, x, rows);
+        let mut y = self.w.matmul_t(x, rows);
         if let Some(b) = &self.bias {
-            for row in y.chunks_exact_mut(self.out) {
+            for row in y.chunks_exact_mut(self.out()) {
                 for (v, b) in row.iter_mut().zip(b) {
                     *v += b;
                 }
@@ -77,7 +149,7 @@ impl Norm {
 }
 
 /// An MLP block.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub(crate) struct Mlp {
     pub kind: MlpKind,
     /// SwiGLU's gate projection.

@@ -24,10 +24,10 @@ use crate::cache::{KvCache, PagedCache, SeqId};
 use crate::cpu::{CpuBackend, DecodeOptions, MlaQueries, MlaTensors};
 use crate::error::RuntimeError;
 use crate::tensor::Tensor;
-use layers::{Linear, Mlp, Norm};
+use layers::{Linear, Matrix, Mlp, Norm};
 
 /// The attention weights of a layer.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub(crate) enum AttentionWeights {
     /// Per-head projections.
     Heads {
@@ -49,7 +49,7 @@ pub(crate) enum AttentionWeights {
 }
 
 /// One decoder layer.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub(crate) struct Layer {
     pub attn_norm: Norm,
     pub attn: AttentionWeights,
@@ -62,8 +62,8 @@ pub(crate) struct Layer {
 pub struct Model {
     /// What it is.
     pub config: ModelConfig,
-    /// `[vocab, hidden]`.
-    pub(crate) embed: Vec<f32>,
+    /// `[vocab, hidden]`, in the checkpoint's dtype.
+    pub(crate) embed: Matrix,
     pub(crate) layers: Vec<Layer>,
     pub(crate) final_norm: Norm,
     /// `[vocab, hidden]`, absent when tied to the embedding.
@@ -85,7 +85,7 @@ enum Keys<'a> {
 impl Model {
     pub(crate) fn new(
         config: ModelConfig,
-        embed: Vec<f32>,
+        embed: Matrix,
         layers: Vec<Layer>,
         final_norm: Norm,
         lm_head: Option<Linear>,
@@ -177,7 +177,7 @@ impl Model {
                     "token {i} is {t}, outside the vocabulary of {vocab}"
                 )));
             }
-            x.extend_from_slice(&self.embed[t * d..(t + 1) * d]);
+            self.embed.push_row(t, &mut x);
         }
         Ok(x)
     }
@@ -204,7 +204,7 @@ impl Model {
         let x = self.final_norm.apply(&x);
         Ok(match &self.lm_head {
             Some(head) => head.apply(&x, n),
-            None => layers::matmul_t(&self.embed, self.config.vocab, self.config.hidden, &x, n),
+            None => self.embed.matmul_t(&x, n),
         })
     }
 

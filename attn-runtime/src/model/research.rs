@@ -12,10 +12,10 @@
 //! ```
 
 use super::config::{MlpKind, ModelConfig, NormKind};
-use super::layers::{Linear, Mlp, Norm};
+use super::layers::{Linear, Matrix, Mlp, Norm};
 use super::{AttentionWeights, Layer, Model};
 use crate::error::RuntimeError;
-use crate::tensor::Tensor;
+use crate::tensor::{Storage, Tensor};
 use attn_dsl::AttentionSpec;
 
 const KEYS: &[&str] = &[
@@ -140,12 +140,14 @@ impl Init {
             .collect()
     }
 
+    fn matrix(&mut self, rows: usize, cols: usize) -> Matrix {
+        Matrix::new(rows, cols, Storage::F32(self.values(rows * cols)))
+    }
+
     fn linear(&mut self, out: usize, inp: usize, bias: bool) -> Linear {
         Linear {
-            w: self.values(out * inp),
+            w: self.matrix(out, inp),
             bias: bias.then(|| vec![0.0; out]),
-            out,
-            inp,
         }
     }
 }
@@ -212,7 +214,7 @@ impl Model {
                 })
             })
             .collect::<Result<Vec<_>, RuntimeError>>()?;
-        let embed = init.values(c.vocab * c.hidden);
+        let embed = init.matrix(c.vocab, c.hidden);
         let lm_head = (!c.tie_embeddings).then(|| init.linear(c.vocab, c.hidden, false));
         Ok(Model::new(
             config.clone(),
