@@ -11,7 +11,9 @@ use super::{AttentionWeights, Layer, Model};
 use crate::error::RuntimeError;
 use crate::io::read_safetensors;
 use crate::tensor::Tensor;
-use attn_dsl::AttentionSpec;
+use attn_dsl::{
+    AttentionSpec, CausalAlign, KvLayout, Mask, Mla, Position, Rope, RopeLayout, RopeScaling, Yarn,
+};
 use serde_json::Value;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -103,14 +105,14 @@ fn deepseek_scale(c: &Config, qk_dim: usize) -> f64 {
     }
 }
 
-/// The `position = rope(...)` clause of a spec from the checkpoint's RoPE keys.
-fn rope_clause(c: &Config, dim: usize, layout: &str) -> Result<String, RuntimeError> {
+/// The RoPE of the checkpoint's attention over the first `dim` dims, from its RoPE keys.
+fn rope(c: &Config, dim: usize, layout: RopeLayout) -> Result<Rope, RuntimeError> {
     // transformers 5 nests everything in `rope_parameters`; older files use `rope_theta` and
     // `rope_scaling`.
     let params = rope_params(c);
     let field = |k: &str| params.and_then(|p| p.get(k)).filter(|v| !v.is_null());
     let num = |k: &str| field(k).and_then(Value::as_f64);
-    let theta = num("rope_theta").unwrap_or_else(|| c.float_or("rope_theta", 10_000.0));
+    let base = num("rope_theta").unwrap_or_else(|| c.float_or("rope_theta", 10_000.0));
     let kind = field("rope_type")
         .or_else(|| field("type"))
         .and_then(Value::as_str)
@@ -129,42 +131,32 @@ fn rope_clause(c: &Config, dim: usize, layout: &str) -> Result<String, RuntimeEr
     let factor =
         || num("factor").ok_or_else(|| bad(c.path, format!("rope type `{kind}` needs a factor")));
     let scaling = match kind {
-        "default" => String::new(),
-        "linear" => format!(", scaling = linear(factor = {:?})", factor()?),
-        "dynamic" => format!(
-            ", scaling = dynamic(factor = {:?}, original_max_position = {})",
-            factor()?,
-            original()?
-        ),
+        "default" => RopeScaling::None,
+        "linear" => RopeScaling::Linear { factor: factor()? },
+        "dynamic" => RopeScaling::Dynamic {
+            factor: factor()?,
+            original_max_position: original()?,
+        },
         "yarn" => {
-            let mut s = format!(
-                ", scaling = yarn(factor = {:?}, original_max_position = {}",
-                factor()?,
-                original()?
-            );
-            for key in ["beta_fast", "beta_slow"] {
-                if let Some(v) = num(key) {
-                    s += &format!(", {key} = {v:?}");
-                }
-            }
+            let mut yarn = Yarn::new(factor()?, original()?);
+            yarn.beta_fast = num("beta_fast").unwrap_or(yarn.beta_fast);
+            yarn.beta_slow = num("beta_slow").unwrap_or(yarn.beta_slow);
             // transformers divides the two mscales only when both are set and nonzero; else
             // the attention factor is mscale(factor, 1).
             if let (Some(m), Some(all)) = (num("mscale"), num("mscale_all_dim"))
                 && m != 0.0
                 && all != 0.0
             {
-                s += &format!(", mscale = {m:?}, mscale_all_dim = {all:?}");
+                (yarn.mscale, yarn.mscale_all_dim) = (Some(m), Some(all));
             }
-            s + ")"
+            RopeScaling::Yarn(yarn)
         }
-        "llama3" => format!(
-            ", scaling = llama3(factor = {:?}, low_freq_factor = {:?}, high_freq_factor = {:?}, \
-             original_max_position = {})",
-            factor()?,
-            num("low_freq_factor").unwrap_or(1.0),
-            num("high_freq_factor").unwrap_or(4.0),
-            original()?
-        ),
+        "llama3" => RopeScaling::Llama3 {
+            factor: factor()?,
+            low_freq_factor: num("low_freq_factor").unwrap_or(1.0),
+            high_freq_factor: num("high_freq_factor").unwrap_or(4.0),
+            original_max_position: original()?,
+        },
         other => {
             return Err(bad(
                 c.path,
@@ -175,9 +167,12 @@ fn rope_clause(c: &Config, dim: usize, layout: &str) -> Result<String, RuntimeEr
             ));
         }
     };
-    Ok(format!(
-        "position = rope(base = {theta:?}, dim = {dim}, layout = {layout}{scaling})"
-    ))
+    Ok(Rope {
+        base,
+        dim: dim as u32,
+        layout,
+        scaling,
+    })
 }
 
 /// Reads `dir/config.json` into a model config and the spec of its attention.
@@ -211,7 +206,9 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
     }
     let layers = c.uint("num_hidden_layers")?;
     let deepseek = family.starts_with("deepseek");
-    let spec_text = if deepseek {
+    // The spec is built as data: counts are at most u32::MAX (`Config::uint`).
+    let as_u32 = |v: usize| v as u32;
+    let attention = if deepseek {
         if let Some(experts) = c.get("n_routed_experts").and_then(Value::as_u64) {
             let dense = c.uint("first_k_dense_replace").unwrap_or(0);
             if experts > 0 && dense < layers {
@@ -233,12 +230,17 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
         );
         // DeepSeek rotates interleaved pairs; its softmax scale is 1/sqrt(nope + rope), times
         // YaRN's mscale(factor, mscale_all_dim)^2 where the config sets mscale_all_dim.
-        format!(
-            "heads = {heads}, head_dim = {dn}, v_head_dim = {dv}, mla(latent_rank = {r}, \
-             rope_dim = {dr}), mask = causal, scale = {:?}, {}",
-            deepseek_scale(&c, dn + dr),
-            rope_clause(&c, dr, "interleaved")?
-        )
+        AttentionSpec {
+            kv: KvLayout::Mla(Mla {
+                latent_rank: as_u32(r),
+                rope_dim: as_u32(dr),
+            }),
+            v_head_dim: as_u32(dv),
+            mask: Mask::Causal(CausalAlign::BottomRight),
+            position: Position::Rope(rope(&c, dr, RopeLayout::Interleaved)?),
+            scale: Some(deepseek_scale(&c, dn + dr)),
+            ..AttentionSpec::new(as_u32(heads), as_u32(dn))
+        }
     } else {
         let kv_heads = c
             .get("num_key_value_heads")
@@ -250,18 +252,28 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
             .get("sliding_window")
             .and_then(Value::as_u64)
             .filter(|_| family == "mistral" || (family == "qwen2" && c.flag("use_sliding_window")));
-        let mask = match window {
-            Some(w) => format!("sliding_window({w})"),
-            None => "causal".into(),
-        };
-        format!(
-            "heads = {heads}, kv_heads = {kv_heads}, head_dim = {head_dim}, mask = {mask}, {}",
-            rope_clause(&c, head_dim, "half")?
-        )
+        AttentionSpec {
+            kv: KvLayout::Heads {
+                kv_heads: as_u32(kv_heads),
+            },
+            mask: match window {
+                Some(window) => Mask::SlidingWindow { window },
+                None => Mask::Causal(CausalAlign::BottomRight),
+            },
+            position: Position::Rope(rope(&c, head_dim, RopeLayout::Half)?),
+            ..AttentionSpec::new(as_u32(heads), as_u32(head_dim))
+        }
     };
-    let attention: AttentionSpec = spec_text
-        .parse()
-        .map_err(|e| bad(&path, format!("the attention it describes is invalid: {e}")))?;
+    attention.validate().map_err(|findings| {
+        let findings: Vec<String> = findings.iter().map(ToString::to_string).collect();
+        bad(
+            &path,
+            format!(
+                "the attention it describes is invalid: {}",
+                findings.join("; ")
+            ),
+        )
+    })?;
     let act = c
         .get("hidden_act")
         .and_then(Value::as_str)
