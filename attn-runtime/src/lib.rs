@@ -3,6 +3,8 @@
 //! **Invariant:** attn-runtime owns memory and launches; it is the only crate that calls
 //! generated code (and so the only one with `unsafe`, each block with a SAFETY comment).
 //!
+//! - [`backend`]: the [`Backend`](backend::Backend) trait every backend implements (CPU, CUDA,
+//!   the GPU IR interpreter);
 //! - [`Tensor`]: dtype, shape and strides over CPU storage;
 //! - [`io`]: safetensors files;
 //! - [`memory`]: checks of large allocations against the memory available;
@@ -14,6 +16,7 @@
 
 #![warn(missing_docs)]
 
+pub mod backend;
 pub mod cache;
 pub mod cpu;
 mod error;

@@ -7,20 +7,14 @@
 use crate::bench::random;
 use crate::run::Backend;
 use attn::AttentionSpec;
+use attn::runtime::backend::GpuInterpreter;
 use attn::runtime::cache::{PagedCache, SeqId};
 use attn::runtime::cpu::{CpuBackend, DecodeOptions, MlaQueries, MlaTensors, Output};
 use attn::runtime::{RuntimeError, Tensor};
 
-/// The GPU entry points under test.
-trait Gpu {
-    fn decode(
-        &self,
-        spec: &AttentionSpec,
-        q: &Tensor,
-        cache: &PagedCache,
-        seqs: &[SeqId],
-        options: DecodeOptions,
-    ) -> Result<Output, RuntimeError>;
+/// The GPU backend under test: every `Backend` call, and decoding against device copies of the
+/// cache where the backend keeps them.
+trait Gpu: attn::runtime::backend::Backend {
     /// Decode against a device copy of the cache, where the backend has one (else `None`).
     fn decode_resident(
         &self,
@@ -44,86 +38,13 @@ trait Gpu {
     ) -> Option<Result<Output, RuntimeError>> {
         None
     }
-    fn attend_ragged(
-        &self,
-        spec: &AttentionSpec,
-        q: &Tensor,
-        offsets: &[usize],
-        cache: &PagedCache,
-        seqs: &[SeqId],
-        options: DecodeOptions,
-    ) -> Result<Output, RuntimeError>;
-    fn forward_mla(&self, spec: &AttentionSpec, x: &MlaTensors) -> Result<Output, RuntimeError>;
-    fn decode_mla(
-        &self,
-        spec: &AttentionSpec,
-        queries: MlaQueries,
-        cache: &PagedCache,
-        seqs: &[SeqId],
-    ) -> Result<Output, RuntimeError>;
 }
 
-/// The GPU IR interpreter (no device copies of caches).
-struct Interpreter;
-
-impl Gpu for Interpreter {
-    fn decode(
-        &self,
-        spec: &AttentionSpec,
-        q: &Tensor,
-        cache: &PagedCache,
-        seqs: &[SeqId],
-        options: DecodeOptions,
-    ) -> Result<Output, RuntimeError> {
-        attn::runtime::gpu::decode_emulated(spec, q, cache, seqs, options)
-    }
-
-    fn attend_ragged(
-        &self,
-        spec: &AttentionSpec,
-        q: &Tensor,
-        offsets: &[usize],
-        cache: &PagedCache,
-        seqs: &[SeqId],
-        options: DecodeOptions,
-    ) -> Result<Output, RuntimeError> {
-        attn::runtime::gpu::attend_ragged_emulated(spec, q, offsets, cache, seqs, options)
-    }
-
-    fn forward_mla(&self, spec: &AttentionSpec, x: &MlaTensors) -> Result<Output, RuntimeError> {
-        attn::runtime::gpu::forward_mla_emulated(spec, x, 0)
-    }
-
-    fn decode_mla(
-        &self,
-        spec: &AttentionSpec,
-        queries: MlaQueries,
-        cache: &PagedCache,
-        seqs: &[SeqId],
-    ) -> Result<Output, RuntimeError> {
-        attn::runtime::gpu::decode_mla_emulated(
-            spec,
-            queries,
-            cache,
-            seqs,
-            DecodeOptions::default(),
-        )
-    }
-}
+/// The GPU IR interpreter keeps no device copies of caches.
+impl Gpu for GpuInterpreter {}
 
 #[cfg(feature = "cuda")]
 impl Gpu for attn::runtime::gpu::cuda::CudaBackend {
-    fn decode(
-        &self,
-        spec: &AttentionSpec,
-        q: &Tensor,
-        cache: &PagedCache,
-        seqs: &[SeqId],
-        options: DecodeOptions,
-    ) -> Result<Output, RuntimeError> {
-        self.decode(spec, q, cache, seqs, options)
-    }
-
     fn decode_resident(
         &self,
         spec: &AttentionSpec,
@@ -154,38 +75,12 @@ impl Gpu for attn::runtime::gpu::cuda::CudaBackend {
         };
         Some(run())
     }
-
-    fn attend_ragged(
-        &self,
-        spec: &AttentionSpec,
-        q: &Tensor,
-        offsets: &[usize],
-        cache: &PagedCache,
-        seqs: &[SeqId],
-        options: DecodeOptions,
-    ) -> Result<Output, RuntimeError> {
-        self.attend_ragged(spec, q, offsets, cache, seqs, options)
-    }
-
-    fn forward_mla(&self, spec: &AttentionSpec, x: &MlaTensors) -> Result<Output, RuntimeError> {
-        self.forward_mla(spec, x, 0)
-    }
-
-    fn decode_mla(
-        &self,
-        spec: &AttentionSpec,
-        queries: MlaQueries,
-        cache: &PagedCache,
-        seqs: &[SeqId],
-    ) -> Result<Output, RuntimeError> {
-        self.decode_mla(spec, queries, cache, seqs, DecodeOptions::default())
-    }
 }
 
 /// The backend to check: CUDA device 0, or the interpreter.
 fn gpu(on: Backend) -> Result<Box<dyn Gpu>, RuntimeError> {
     match on {
-        Backend::GpuSim => Ok(Box::new(Interpreter)),
+        Backend::GpuSim => Ok(Box::new(GpuInterpreter)),
         #[cfg(feature = "cuda")]
         Backend::Cuda => Ok(Box::new(attn::runtime::gpu::cuda::CudaBackend::new(0)?)),
         #[cfg(not(feature = "cuda"))]
@@ -313,7 +208,7 @@ pub fn run(on: Backend) -> Result<bool, RuntimeError> {
         w_kv_b: &w_kv_b,
     };
     let want = cpu.forward_mla(&spec, &x, 0)?;
-    report("MLA prefill", &spec, gpu.forward_mla(&spec, &x)?, want);
+    report("MLA prefill", &spec, gpu.forward_mla(&spec, &x, 0)?, want);
     let mut cache = PagedCache::new(&spec, 16, 16)?;
     let seq = cache.add_sequence();
     let rows = |t: &Tensor, w: usize| Tensor::from_f32_as(spec.dtype, &[skv, w], t.to_f32_vec());
@@ -328,7 +223,7 @@ pub fn run(on: Backend) -> Result<bool, RuntimeError> {
         w_kv_b: &w_kv_b,
     };
     let want = cpu.decode_mla(&spec, queries(), &cache, &[seq], DecodeOptions::default())?;
-    let got = gpu.decode_mla(&spec, queries(), &cache, &[seq])?;
+    let got = gpu.decode_mla(&spec, queries(), &cache, &[seq], DecodeOptions::default())?;
     report("MLA decode", &spec, got, want);
     Ok(all)
 }

@@ -1,0 +1,124 @@
+//! The `Backend` trait: the CPU backend and the GPU kernels on the interpreter, driven through
+//! the same trait objects, agree on every call (forward, MLA forward, decode, MLA decode,
+//! ragged batches); unknown or unbuilt backends are clear errors.
+
+mod common;
+
+use attn_dsl::AttentionSpec;
+use attn_runtime::Tensor;
+use attn_runtime::backend::{Backend, open};
+use attn_runtime::cache::PagedCache;
+use attn_runtime::cpu::{DecodeOptions, MlaQueries, MlaTensors, Output};
+use common::values;
+
+fn tensor(shape: &[usize], seed: u64) -> Tensor {
+    Tensor::from_f32(shape, values(shape.iter().product(), seed)).unwrap()
+}
+
+/// Every call on `backend`, in order.
+fn calls(backend: &dyn Backend) -> Vec<(&'static str, Output)> {
+    let spec: AttentionSpec = "heads = 4, kv_heads = 2, head_dim = 16, mask = causal, \
+                               position = rope"
+        .parse()
+        .unwrap();
+    let (q, k, v) = (
+        tensor(&[1, 4, 9, 16], 1),
+        tensor(&[1, 2, 21, 16], 2),
+        tensor(&[1, 2, 21, 16], 3),
+    );
+    let mut cache = PagedCache::new(&spec, 8, 8).unwrap();
+    let (a, b) = (cache.add_sequence(), cache.add_sequence());
+    cache
+        .append(a, &tensor(&[2, 13, 16], 4), &tensor(&[2, 13, 16], 5))
+        .unwrap();
+    cache
+        .append(b, &tensor(&[2, 6, 16], 6), &tensor(&[2, 6, 16], 7))
+        .unwrap();
+    let options = DecodeOptions {
+        partitions: Some(2),
+    };
+    let decode_q = tensor(&[2, 4, 1, 16], 8);
+    let ragged_q = tensor(&[3, 4, 16], 9);
+
+    let mla: AttentionSpec = "heads = 2, head_dim = 8, mla(latent_rank = 16, rope_dim = 4), \
+                              mask = causal"
+        .parse()
+        .unwrap();
+    let (q_nope, q_pe) = (tensor(&[1, 2, 5, 8], 10), tensor(&[1, 2, 5, 4], 11));
+    let (c_kv, k_pe) = (tensor(&[1, 7, 16], 12), tensor(&[1, 7, 4], 13));
+    let w_kv_b = tensor(&[2 * 16, 16], 14);
+    let x = MlaTensors {
+        q_nope: &q_nope,
+        q_pe: &q_pe,
+        c_kv: &c_kv,
+        k_pe: &k_pe,
+        w_kv_b: &w_kv_b,
+    };
+    let mut latent = PagedCache::new(&mla, 8, 4).unwrap();
+    let s = latent.add_sequence();
+    latent
+        .append(s, &tensor(&[7, 16], 15), &tensor(&[7, 4], 16))
+        .unwrap();
+    let (dq_nope, dq_pe) = (tensor(&[1, 2, 1, 8], 17), tensor(&[1, 2, 1, 4], 18));
+    let queries = MlaQueries {
+        q_nope: &dq_nope,
+        q_pe: &dq_pe,
+        w_kv_b: &w_kv_b,
+    };
+    vec![
+        ("forward", backend.forward(&spec, &q, &k, &v, 3).unwrap()),
+        ("forward_mla", backend.forward_mla(&mla, &x, 0).unwrap()),
+        (
+            "decode",
+            backend
+                .decode(&spec, &decode_q, &cache, &[a, b], options)
+                .unwrap(),
+        ),
+        (
+            "decode_mla",
+            backend
+                .decode_mla(&mla, queries, &latent, &[s], options)
+                .unwrap(),
+        ),
+        (
+            "attend_ragged",
+            backend
+                .attend_ragged(&spec, &ragged_q, &[0, 2, 3], &cache, &[a, b], options)
+                .unwrap(),
+        ),
+    ]
+}
+
+#[test]
+fn the_cpu_and_the_gpu_interpreter_agree_through_the_trait() {
+    let (cpu, sim) = (open("cpu").unwrap(), open("gpu-sim").unwrap());
+    assert_eq!((cpu.name(), sim.name()), ("cpu", "gpu-sim"));
+    for ((what, want), (_, got)) in calls(cpu.as_ref()).into_iter().zip(calls(sim.as_ref())) {
+        assert_eq!(got.out.shape(), want.out.shape(), "{what}");
+        let pairs = [
+            (got.out.to_f32_vec(), want.out.to_f32_vec()),
+            (got.lse.to_f32_vec(), want.lse.to_f32_vec()),
+        ];
+        for (g, w) in pairs {
+            for (g, w) in g.iter().zip(&w) {
+                assert!(
+                    (g - w).abs() <= 1e-4 * (1.0 + w.abs()),
+                    "{what}: {g} vs {w}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn unknown_and_unbuilt_backends_are_clear_errors() {
+    let err = open("tpu").err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(err.contains("cpu, cuda, gpu-sim"), "{err}");
+    if cfg!(not(feature = "cuda")) {
+        let err = open("cuda")
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains("--features cuda"), "{err}");
+    }
+}
