@@ -696,25 +696,30 @@ fn generate_from_text_prints_transformers_continuation() {
         &std::fs::read_to_string(format!("{dir}/golden_generate.json")).unwrap(),
     )
     .unwrap();
-    for g in golden["generate"].as_array().unwrap() {
-        let prompt = g["prompt"].as_str().unwrap();
-        let new_tokens = g["new_ids"].as_array().unwrap().len().to_string();
-        let o = attnc(&[
-            "generate",
-            "--model",
-            dir,
-            "--prompt",
-            prompt,
-            "--max-new-tokens",
-            &new_tokens,
-        ]);
-        assert_eq!(o.status.code(), Some(0), "{prompt}: {}", stderr(&o));
-        assert_eq!(
-            stdout(&o),
-            format!("{}\n", g["new_text"].as_str().unwrap()),
-            "{prompt}"
-        );
-        assert!(stderr(&o).contains("tokens/s"), "{}", stderr(&o));
+    // The attention on the CPU kernels, and on the GPU kernels run by the GPU IR interpreter.
+    for backend in ["cpu", "gpu-sim"] {
+        for g in golden["generate"].as_array().unwrap() {
+            let prompt = g["prompt"].as_str().unwrap();
+            let new_tokens = g["new_ids"].as_array().unwrap().len().to_string();
+            let o = attnc(&[
+                "generate",
+                "--model",
+                dir,
+                "--prompt",
+                prompt,
+                "--max-new-tokens",
+                &new_tokens,
+                "--backend",
+                backend,
+            ]);
+            assert_eq!(o.status.code(), Some(0), "{prompt}: {}", stderr(&o));
+            assert_eq!(
+                stdout(&o),
+                format!("{}\n", g["new_text"].as_str().unwrap()),
+                "{prompt} on {backend}"
+            );
+            assert!(stderr(&o).contains("tokens/s"), "{}", stderr(&o));
+        }
     }
     let research = concat!(
         env!("CARGO_MANIFEST_DIR"),

@@ -53,7 +53,19 @@ fn max_diff(got: &[f32], want: &[f32]) -> f32 {
 }
 
 fn check(name: &str, prefill: usize) {
-    let model = hf::load(&dir(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+    check_on(name, prefill, None);
+}
+
+/// [`check`] with the model's attention on `backend` (the CPU backend when `None`).
+fn check_on(
+    name: &str,
+    prefill: usize,
+    backend: Option<std::sync::Arc<dyn attn_runtime::backend::Backend>>,
+) {
+    let mut model = hf::load(&dir(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+    if let Some(backend) = backend {
+        model.set_backend(backend);
+    }
     let g = golden(name);
     let full = model.forward(&g.tokens).unwrap();
     let err = max_diff(&full, &g.logits);
@@ -75,6 +87,16 @@ fn llama_gqa_matches_transformers() {
 #[test]
 fn deepseek_v2_mla_matches_transformers() {
     check("deepseek_v2_lite_mla", 24);
+}
+
+/// The same checkpoints with their attention on the GPU kernels (run on the GPU IR
+/// interpreter, through the `Backend` trait): forward, ragged prefill and decode steps, MLA.
+#[test]
+fn models_on_the_gpu_kernels_match_transformers() {
+    for name in ["llama_gqa", "deepseek_v2_lite_mla"] {
+        let gpu = std::sync::Arc::new(attn_runtime::backend::GpuInterpreter);
+        check_on(name, 24, Some(gpu));
+    }
 }
 
 /// A copy of a fixture checkpoint with its config edited, in a fresh directory.

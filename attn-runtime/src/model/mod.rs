@@ -20,11 +20,13 @@ pub use config::{
 pub use generate::{Progress, Request, Sampling};
 pub use text::{TextStream, TextTokenizer};
 
+use crate::backend::Backend;
 use crate::cache::{KvCache, PagedCache, SeqId};
 use crate::cpu::{CpuBackend, DecodeOptions, MlaQueries, MlaTensors};
 use crate::error::RuntimeError;
 use crate::tensor::Tensor;
 use layers::{Linear, Matrix, Mlp, Norm};
+use std::sync::Arc;
 
 /// The attention weights of a layer.
 #[derive(Debug)]
@@ -57,8 +59,8 @@ pub(crate) struct Layer {
     pub mlp: Mlp,
 }
 
-/// A model ready to run on the CPU.
-#[derive(Debug)]
+/// A model ready to run: its weights in host memory, its attention on a [`Backend`] (the CPU
+/// unless [`Model::set_backend`] says otherwise).
 pub struct Model {
     /// What it is.
     pub config: ModelConfig,
@@ -68,7 +70,16 @@ pub struct Model {
     pub(crate) final_norm: Norm,
     /// `[vocab, hidden]`, absent when tied to the embedding.
     pub(crate) lm_head: Option<Linear>,
-    backend: CpuBackend,
+    backend: Arc<dyn Backend>,
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.debug_struct("Model")
+            .field("config", &self.config)
+            .field("backend", &self.backend.name())
+            .finish_non_exhaustive()
+    }
 }
 
 /// Where a layer's attention gets its keys: the call's own tokens (one sequence), or a cache
@@ -96,8 +107,19 @@ impl Model {
             layers,
             final_norm,
             lm_head,
-            backend: CpuBackend::new(),
+            backend: Arc::new(CpuBackend::new()),
         }
+    }
+
+    /// Runs the model's attention on `backend` from now on (the projections, norms and MLPs
+    /// stay on the CPU).
+    pub fn set_backend(&mut self, backend: Arc<dyn Backend>) {
+        self.backend = backend;
+    }
+
+    /// The backend the attention runs on.
+    pub fn backend(&self) -> &dyn Backend {
+        self.backend.as_ref()
     }
 
     /// Logits `[tokens, vocab]` of a whole sequence (causal; positions from 0).

@@ -142,6 +142,9 @@ enum Command {
         /// Output safetensors file.
         #[arg(long, value_name = "FILE")]
         output: std::path::PathBuf,
+        /// Where the attention runs (projections, norms and MLPs run on the CPU).
+        #[arg(long, value_enum, default_value_t = run::Backend::Cpu)]
+        backend: run::Backend,
     },
     /// Continue a prompt with a Hugging Face checkpoint (greedy unless --temperature). With
     /// --prompt, streams the new text (the checkpoint's tokenizer.json reads and writes it); with
@@ -183,6 +186,9 @@ enum Command {
         /// Token ids that end the generation, comma-separated.
         #[arg(long, value_name = "IDS")]
         stop: Option<String>,
+        /// Where the attention runs (projections, norms and MLPs run on the CPU).
+        #[arg(long, value_enum, default_value_t = run::Backend::Cpu)]
+        backend: run::Backend,
     },
     /// Parameters per part of a Hugging Face checkpoint, and its KV-cache bytes.
     Params {
@@ -370,9 +376,10 @@ fn main() -> ExitCode {
             tokens,
             incremental,
             output,
+            backend,
         } => model_cmd::parse_tokens(&tokens)
             .and_then(|t| {
-                let model = model_cmd::load(&model, init_seed)?;
+                let model = model_cmd::load_on(&model, init_seed, backend)?;
                 model_cmd::logits(&model, &t, incremental, &output)
             })
             .map(|summary| println!("{summary}")),
@@ -387,6 +394,7 @@ fn main() -> ExitCode {
             top_p,
             seed,
             stop,
+            backend,
         } => {
             let checked = if !(temperature >= 0.0 && temperature.is_finite()) {
                 Err(format!(
@@ -420,6 +428,7 @@ fn main() -> ExitCode {
                         max_new_tokens,
                         sampling,
                         stop,
+                        backend,
                     };
                     model_cmd::generate(&model, init_seed, prompt, request)
                 })

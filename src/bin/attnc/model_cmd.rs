@@ -24,6 +24,15 @@ pub fn load(path: &Path, seed: u64) -> Result<Model, String> {
     hf::load(path).map_err(err)
 }
 
+/// [`load`], with the model's attention on `backend`.
+pub fn load_on(path: &Path, seed: u64, backend: crate::run::Backend) -> Result<Model, String> {
+    let mut model = load(path, seed)?;
+    let backend =
+        attn::runtime::backend::open(backend.name()).map_err(|e| format!("error: {e}"))?;
+    model.set_backend(backend.into());
+    Ok(model)
+}
+
 /// Token ids from `1,2,3`.
 pub fn parse_tokens(text: &str) -> Result<Vec<u32>, String> {
     let tokens: Result<Vec<u32>, _> = text
@@ -86,6 +95,7 @@ pub struct GenerateArgs {
     pub max_new_tokens: usize,
     pub sampling: Sampling,
     pub stop: Vec<u32>,
+    pub backend: crate::run::Backend,
 }
 
 /// Generates from one prompt with the model at `path`. Ids in: returns the new ids, with a
@@ -122,7 +132,7 @@ pub fn generate(
             ids
         }
     };
-    let model = load(path, seed)?;
+    let model = load_on(path, seed, args.backend)?;
     let request = Request {
         prompt: ids,
         max_new_tokens: args.max_new_tokens,
