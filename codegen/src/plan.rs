@@ -91,6 +91,21 @@ pub struct RopePrologue {
     pub attention_factor: f64,
 }
 
+impl RopePrologue {
+    /// The RoPE of a spec's q and k rows (MLA: on the dims after the latent), if it has one.
+    pub fn of(spec: &AttentionSpec) -> Option<RopePrologue> {
+        spec.rope().map(|r| RopePrologue {
+            rope: *r,
+            first_dim: spec.mla().map_or(0, |m| m.latent_rank),
+            frequencies: match r.scaling {
+                RopeScaling::Dynamic { .. } => Frequencies::PerLaunch,
+                _ => Frequencies::Static(rope::inv_freq(r, 0)),
+            },
+            attention_factor: rope::attention_factor(r),
+        })
+    }
+}
+
 /// How tiles meet the mask.
 #[derive(Clone, Debug, PartialEq)]
 pub enum TileMasking {
@@ -169,15 +184,7 @@ impl KernelPlan {
                 }),
             ),
         };
-        let rope = spec.rope().map(|r| RopePrologue {
-            rope: *r,
-            first_dim: mla.map_or(0, |m| m.latent_rank),
-            frequencies: match r.scaling {
-                RopeScaling::Dynamic { .. } => Frequencies::PerLaunch,
-                _ => Frequencies::Static(rope::inv_freq(r, 0)),
-            },
-            attention_factor: rope::attention_factor(r),
-        });
+        let rope = RopePrologue::of(spec);
         let mut program = ScoreProgram::of(spec).folded();
         // The softmax runs in base 2: scores times log2 e, probabilities 2^(s - m).
         program.score = fold(&scale(&program.score, std::f64::consts::LOG2_E));

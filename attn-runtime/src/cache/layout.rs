@@ -2,7 +2,6 @@
 
 use crate::error::RuntimeError;
 use attn_dsl::{AttentionSpec, DType, KvLayout};
-use codegen::KernelPlan;
 use codegen::plan::RopePrologue;
 
 /// The rows a cache keeps per token and kv head, in the spec's dtype.
@@ -32,7 +31,7 @@ impl CacheLayout {
     /// outgrows the original context.
     pub fn of(spec: &AttentionSpec) -> Result<Self, RuntimeError> {
         crate::error::check_spec(spec)?;
-        let rope = KernelPlan::forward(spec).rope;
+        let rope = RopePrologue::of(spec);
         Ok(match spec.kv {
             KvLayout::Heads { kv_heads } => CacheLayout {
                 dtype: spec.dtype,
