@@ -33,7 +33,7 @@ fn check(text: &str, batch: usize, sq: usize, skv: usize, p0: i64) {
     let spec: AttentionSpec = text.parse().unwrap();
     let plan = KernelPlan::forward(&spec);
     let simt = ForwardKernel {
-        kernel: lower(&plan),
+        kernel: std::sync::Arc::new(lower(&plan)),
         key_tile: key_tile(&plan),
         rows: ROWS,
         inputs: attn_dsl::DType::F32,

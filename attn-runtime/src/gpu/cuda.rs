@@ -29,7 +29,8 @@ pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     arch: Arch,
-    loaded: Mutex<HashMap<String, CudaFunction>>,
+    /// Loaded functions by the address of their shared kernel (kept alive here).
+    loaded: Mutex<HashMap<usize, (Arc<Kernel>, CudaFunction)>>,
 }
 
 impl CudaBackend {
@@ -282,13 +283,15 @@ impl CudaBackend {
     }
 
     /// The kernel loaded on the device (its PTX emitted and loaded once per process).
-    fn load(&self, kernel: &Kernel) -> Result<CudaFunction, RuntimeError> {
-        let key = kernel.to_string();
+    fn load(&self, kernel: &Arc<Kernel>) -> Result<CudaFunction, RuntimeError> {
+        // Lowered kernels are shared (`Arc`), so the same kernel is the same allocation: its
+        // address is the key, and the map keeps the kernel alive so the address stays its own.
+        let key = Arc::as_ptr(kernel) as usize;
         let mut loaded = self
             .loaded
             .lock()
             .map_err(|_| device("kernel cache poisoned"))?;
-        if let Some(f) = loaded.get(&key) {
+        if let Some((_, f)) = loaded.get(&key) {
             return Ok(f.clone());
         }
         let ptx = emit(kernel, self.arch)?.ptx;
@@ -302,7 +305,7 @@ impl CudaBackend {
             )
             .map_err(device)?;
         }
-        loaded.insert(key, f.clone());
+        loaded.insert(key, (Arc::clone(kernel), f.clone()));
         Ok(f)
     }
 

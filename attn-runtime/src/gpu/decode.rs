@@ -12,10 +12,11 @@ use crate::error::RuntimeError;
 use crate::tensor::Tensor;
 use attn_dsl::AttentionSpec;
 use codegen::KernelPlan;
-use codegen::gpu::decode::{SEGMENT_FIELDS, lower, segment_keys, task_rows};
+use codegen::gpu::decode::{SEGMENT_FIELDS, segment_keys, task_rows};
 use codegen::gpu::interp::{Memory, Val, run};
 use codegen::gpu::ir::Kernel;
 use codegen::plan::Frequencies;
+use std::sync::Arc;
 
 /// `CpuBackend::decode`'s call (q `[B, heads, q_len, head_dim]`, the last `q_len` tokens of each
 /// sequence) on the GPU decode kernel, run on the interpreter. f32, bf16 and f16 per-head
@@ -179,7 +180,7 @@ fn checked_plan(spec: &AttentionSpec, cache: &impl KvCache) -> Result<KernelPlan
 /// it there) and translates the addresses.
 pub(crate) struct DecodeLaunch<'a> {
     /// The kernel, for the call's plan.
-    pub kernel: Kernel,
+    pub kernel: Arc<Kernel>,
     /// CTAs: one per task.
     pub ctas: u32,
     /// Query rows, f32, `qk_dim` each.
@@ -351,7 +352,7 @@ pub(crate) fn run_rows(
         .map(|r| RopeTables::new(r, 0, max_len, max_len as u64));
     let (rope_cos, rope_sin) = tables.map(|t| (t.cos, t.sin)).unwrap_or_default();
     let launch = DecodeLaunch {
-        kernel: lower(plan),
+        kernel: super::lowered_decode(plan),
         ctas: tasks.len() as u32,
         q_rows,
         tasks: task_records,

@@ -20,12 +20,15 @@ use codegen::gpu::interp::{Memory, Val, run};
 use codegen::gpu::ir::Half;
 use codegen::gpu::ir::Kernel;
 use codegen::gpu::{forward_kernel, simt_forward_kernel};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// A forward call ready to launch: the kernel, its grid, and its inputs on the host.
 #[derive(Clone, Debug)]
 pub struct GpuCall {
-    /// The GPU IR kernel (the same for every shape of a spec).
-    pub kernel: Kernel,
+    /// The GPU IR kernel (the same for every shape of a spec; lowered once per process and
+    /// shared).
+    pub kernel: Arc<Kernel>,
     /// CTAs: (query blocks, heads, batch).
     pub grid: [u32; 3],
     /// `[B, Hq, Sq, D]`, `[B, Hkv, Skv, D]`, `[B, Hkv, Skv, Dv]`, contiguous, as the bytes of
@@ -75,6 +78,46 @@ fn qk_fits(plan: &KernelPlan, q: &Tensor, k: &Tensor) -> bool {
     largest(q).max(largest(k)) * factor <= forward_tc::QK_F16_LIMIT
 }
 
+/// Lowered GPU kernels by what they were lowered from (the normalized spec and the kernel kind):
+/// each is lowered once per process, as the CPU backend compiles each kernel once.
+type Lowered<T> = Mutex<HashMap<String, Arc<T>>>;
+
+fn lowered<T>(
+    cache: &'static OnceLock<Lowered<T>>,
+    key: String,
+    lower: impl FnOnce() -> T,
+) -> Arc<T> {
+    let cache = cache.get_or_init(|| Mutex::new(HashMap::new()));
+    if let Some(found) = cache.lock().expect("lowered-kernel cache lock").get(&key) {
+        return Arc::clone(found);
+    }
+    // Lowered outside the lock; a race lowers twice and keeps the first.
+    let made = Arc::new(lower());
+    let mut cache = cache.lock().expect("lowered-kernel cache lock");
+    Arc::clone(cache.entry(key).or_insert(made))
+}
+
+/// The forward kernel of `plan`: the SIMT one where `simt`, else the one `forward_kernel` picks.
+fn lowered_forward(plan: &KernelPlan, simt: bool) -> Arc<codegen::gpu::ForwardKernel> {
+    static FORWARD: OnceLock<Lowered<codegen::gpu::ForwardKernel>> = OnceLock::new();
+    let key = format!("{} {}", if simt { "simt" } else { "chosen" }, plan.spec);
+    lowered(&FORWARD, key, || {
+        if simt {
+            simt_forward_kernel(plan)
+        } else {
+            forward_kernel(plan)
+        }
+    })
+}
+
+/// The decode kernel of `plan`, lowered once per process.
+pub(crate) fn lowered_decode(plan: &KernelPlan) -> Arc<Kernel> {
+    static DECODE: OnceLock<Lowered<Kernel>> = OnceLock::new();
+    lowered(&DECODE, plan.spec.to_string(), || {
+        codegen::gpu::decode::lower(plan)
+    })
+}
+
 /// The positions of a call, checked as the CPU backend and the reference check them.
 fn check_positions(sq: usize, skv: usize, p0: i64) -> Result<(), RuntimeError> {
     attn_dsl::reference::check_positions(sq, skv, p0).map_err(|e| RuntimeError::Data(e.to_string()))
@@ -99,11 +142,7 @@ impl GpuCall {
         let plan = KernelPlan::forward(spec);
         let [b, sq, skv] = check_qkv(spec, q, k, v)?;
         check_positions(sq, skv, p0)?;
-        let chosen = if qk_fits(&plan, q, k) {
-            forward_kernel(&plan)
-        } else {
-            simt_forward_kernel(&plan)
-        };
+        let chosen = lowered_forward(&plan, !qk_fits(&plan, q, k));
         let inputs = chosen.inputs;
         let bytes = [q, k, v].map(|t| device_bytes(t, inputs));
         Ok(Self::prepare(
@@ -128,7 +167,7 @@ impl GpuCall {
         let a = AbsorbedForward::of(spec, x)?;
         check_positions(a.sq, a.skv, p0)?;
         let plan = KernelPlan::forward(spec);
-        let chosen = forward_kernel(&plan);
+        let chosen = lowered_forward(&plan, false);
         let f32_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
         let bytes = [f32_bytes(&a.q), f32_bytes(&a.k), f32_bytes(&a.values())];
         let call = Self::prepare(
@@ -146,7 +185,7 @@ impl GpuCall {
     /// tile codes and RoPE tables of the call. `dtype` is the output's.
     fn prepare(
         plan: &KernelPlan,
-        chosen: codegen::gpu::ForwardKernel,
+        chosen: Arc<codegen::gpu::ForwardKernel>,
         [b, sq, skv]: [usize; 3],
         p0: i64,
         [q, k, v]: [Vec<u8>; 3],
@@ -155,7 +194,7 @@ impl GpuCall {
         let h = plan.shape.heads as usize;
         let dv = plan.shape.v_dim as usize;
         let codes = chosen.tile_codes(plan, [b, sq, skv], p0);
-        let (kernel, inputs) = (chosen.kernel, chosen.inputs);
+        let (kernel, inputs) = (Arc::clone(&chosen.kernel), chosen.inputs);
         let qblocks = sq.div_ceil(chosen.rows as usize);
         let first = p0.min(p0 + skv as i64 - sq as i64);
         let end = p0 + skv as i64;

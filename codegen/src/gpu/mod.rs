@@ -19,8 +19,8 @@ mod print;
 /// A forward kernel as the host launches it.
 #[derive(Clone, Debug)]
 pub struct ForwardKernel {
-    /// The kernel.
-    pub kernel: ir::Kernel,
+    /// The kernel (shared: callers keep lowered kernels and hand them to launches).
+    pub kernel: std::sync::Arc<ir::Kernel>,
     /// Keys per tile (the host's tile codes follow it).
     pub key_tile: u32,
     /// Query rows per CTA (the grid's first axis counts blocks of them).
@@ -84,7 +84,7 @@ impl ForwardKernel {
 pub fn forward_kernel(plan: &crate::KernelPlan) -> ForwardKernel {
     if forward_tc::supports(plan) {
         ForwardKernel {
-            kernel: forward_tc::lower(plan),
+            kernel: std::sync::Arc::new(forward_tc::lower(plan)),
             key_tile: forward_tc::key_tile(plan),
             rows: forward_tc::rows(plan),
             inputs: plan.dtype,
@@ -97,7 +97,7 @@ pub fn forward_kernel(plan: &crate::KernelPlan) -> ForwardKernel {
 /// The SIMT forward kernel of a plan, on f32 inputs: any plan runs on it.
 pub fn simt_forward_kernel(plan: &crate::KernelPlan) -> ForwardKernel {
     ForwardKernel {
-        kernel: forward::lower(plan),
+        kernel: std::sync::Arc::new(forward::lower(plan)),
         key_tile: forward::key_tile(plan),
         rows: forward::ROWS,
         inputs: attn_dsl::DType::F32,
