@@ -154,6 +154,15 @@ impl Tensor {
     /// The elements in logical (row-major) order, in their own dtype.
     pub fn contiguous_storage(&self) -> Storage {
         let n: usize = self.shape.iter().product();
+        if self.strides == contiguous_strides(&self.shape) {
+            // Already in logical order: one copy of the range, no index walk.
+            let range = self.offset..self.offset + n;
+            return match &*self.storage {
+                Storage::F32(v) => Storage::F32(v[range].to_vec()),
+                Storage::F16(v) => Storage::F16(v[range].to_vec()),
+                Storage::Bf16(v) => Storage::Bf16(v[range].to_vec()),
+            };
+        }
         let at = self.logical_offsets();
         debug_assert_eq!(at.len(), n);
         match &*self.storage {
