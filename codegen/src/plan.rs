@@ -144,12 +144,13 @@ pub struct KernelPlan {
     pub tiles: Tiles,
     /// RoPE on q and k as tiles are loaded.
     pub rope: Option<RopePrologue>,
-    /// Score pipeline and mask, folded. The score is in base 2 (the spec's score times
-    /// `log2 e`, for a softmax of `2^(s - m)`); a constant factor on the raw score is moved into
-    /// `q_scale`.
+    /// Score pipeline and mask, folded. The score is in half base-2 units (the spec's score
+    /// times `log2(e) / 2`, for a softmax of `2^(2 (s - m))`): every finite f32 score stays
+    /// finite once scaled, where base 2 alone overflows past `f32::MAX / log2 e` (about 2.36e38).
+    /// A constant factor on the raw score is moved into `q_scale`.
     pub program: ScoreProgram,
-    /// Factor the queries are multiplied by as they load (the score scale times `log2 e`, when
-    /// the program applies it to the raw score; else 1).
+    /// Factor the queries are multiplied by as they load (the score scale times `log2(e) / 2`,
+    /// when the program applies it to the raw score; else 1).
     pub q_scale: f64,
     /// Tile skipping and unmasking.
     pub masking: TileMasking,
@@ -186,8 +187,8 @@ impl KernelPlan {
         };
         let rope = RopePrologue::of(spec);
         let mut program = ScoreProgram::of(spec).folded();
-        // The softmax runs in base 2: scores times log2 e, probabilities 2^(s - m).
-        program.score = fold(&scale(&program.score, std::f64::consts::LOG2_E));
+        // Half base-2 units: scores times log2(e) / 2, probabilities 2^(2 (s - m)).
+        program.score = fold(&scale(&program.score, std::f64::consts::LOG2_E / 2.0));
         let mut q_scale = 1.0;
         while let Some((score, factor)) = hoist_score_factor(&program.score) {
             program.score = score;
@@ -214,20 +215,6 @@ impl KernelPlan {
                 out_dtype: spec.dtype,
             },
         }
-    }
-
-    /// The plan with its scores in half base-2 units, `score * log2(e) / 2`, for a softmax of
-    /// `2^(2 (s - m))`. Every finite f32 score then stays finite after scaling (base 2 alone
-    /// overflows past `f32::MAX / log2 e`, about 2.36e38), so any finite score is a score and
-    /// never turns into `inf`. The factor is hoisted into `q_scale` where it can be.
-    pub fn with_half_scores(&self) -> KernelPlan {
-        let mut plan = self.clone();
-        plan.program.score = fold(&scale(&plan.program.score, 0.5));
-        while let Some((score, factor)) = hoist_score_factor(&plan.program.score) {
-            plan.program.score = score;
-            plan.q_scale *= factor;
-        }
-        plan
     }
 
     /// Plans the decode kernel of a spec: the forward plan's program, masking and RoPE (on the
@@ -500,7 +487,7 @@ impl fmt::Display for KernelPlan {
         if self.q_scale != 1.0 {
             writeln!(
                 f,
-                "  prologue  q x {:?} as rows load (the score scale x log2 e, hoisted)",
+                "  prologue  q x {:?} as rows load (the score scale x log2(e) / 2, hoisted)",
                 self.q_scale
             )?;
         }
@@ -527,7 +514,11 @@ impl fmt::Display for KernelPlan {
                 )?;
             }
         }
-        writeln!(f, "  score     {}  (base 2: x log2 e)", self.program.score)?;
+        writeln!(
+            f,
+            "  score     {}  (half base 2: x log2(e) / 2)",
+            self.program.score
+        )?;
         writeln!(f, "  mask      {}", self.program.mask)?;
         match &self.masking {
             TileMasking::Unmasked => writeln!(f, "  tiling    every tile unmasked")?,
@@ -543,9 +534,9 @@ impl fmt::Display for KernelPlan {
         }
         write!(
             f,
-            "  epilogue  online softmax in base 2 (p = 2^(s - m), running max m, sum l; acc \
-             rescaled by 2^(m_old - m_new)); out = acc / l as {}, lse = m ln 2 + ln l as f32; \
-             rows with no kept key: out 0, lse -inf",
+            "  epilogue  online softmax in half base 2 (p = 2^(2 (s - m)), running max m, sum l; \
+             acc rescaled by 2^(2 (m_old - m_new))); out = acc / l as {}, lse = 2 m ln 2 + ln l \
+             as f32; rows with no kept key: out 0, lse -inf",
             self.epilogue.out_dtype.name()
         )
     }

@@ -156,25 +156,23 @@ fn live_rows_trim_rows_that_see_no_key_of_the_tile() {
     }
 }
 
-/// Half base-2 scores cost the CPU kernel no operation where the factor can vanish into q's
-/// scale, constants and tables: the programs of the named specs keep their depth, q's scale
-/// takes what the program does not, and every score is half what the base-2 program gives.
+/// Plans keep scores in half base-2 units at no cost: for every named spec the planned program
+/// is no deeper than the spec's folded one (the factor vanishes into q's scale, constants and
+/// tables), and, fed the score q's scale makes, it gives the spec's score times log2(e) / 2.
 #[test]
-fn half_scores_add_no_operation_to_the_named_specs() {
-    use attn_dsl::modifier::{Env, eval};
+fn plans_score_in_half_base_2_units_at_no_cost() {
+    use attn_dsl::modifier::{Env, ScoreProgram, eval};
     for (name, text) in NAMED_SPECS {
         let spec: AttentionSpec = text.parse().unwrap();
         let plan = KernelPlan::forward(&spec);
-        let half = plan.with_half_scores();
-        assert_eq!(
-            half.program.score.depth(),
-            plan.program.score.depth(),
-            "{name}: {} became {}",
+        let base = ScoreProgram::of(&spec).folded();
+        assert!(
+            plan.program.score.depth() <= base.score.depth(),
+            "{name}: {} is deeper than {}",
             plan.program.score,
-            half.program.score
+            base.score
         );
-        let q_ratio = half.q_scale / plan.q_scale;
-        for (h, q, k, s) in [(0, 10, 3, 1.5), (1, 100, 99, -0.25), (3, 7, 7, 4.0)] {
+        for (h, q, k, dot) in [(0, 10, 3, 1.5), (1, 100, 99, -0.25), (3, 7, 7, 4.0)] {
             let at = |score: f64| Env {
                 score,
                 h,
@@ -182,11 +180,11 @@ fn half_scores_add_no_operation_to_the_named_specs() {
                 k,
                 ..Env::default()
             };
-            let full = eval(&plan.program.score, &at(s)).as_f64();
-            let halved = eval(&half.program.score, &at(s * q_ratio)).as_f64();
+            let want = eval(&base.score, &at(dot)).as_f64() * std::f64::consts::LOG2_E / 2.0;
+            let got = eval(&plan.program.score, &at(dot * plan.q_scale)).as_f64();
             assert!(
-                (halved - full / 2.0).abs() <= 1e-12 * full.abs().max(1.0),
-                "{name}: {halved} != {full} / 2"
+                (got - want).abs() <= 1e-12 * want.abs().max(1.0),
+                "{name}: {got} != {want}"
             );
         }
     }

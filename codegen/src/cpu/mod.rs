@@ -69,9 +69,6 @@ pub enum Entry {
 /// Compiles a plan for the host CPU.
 pub fn compile(plan: &KernelPlan, imports: &Imports) -> Result<CpuKernel, CodegenError> {
     let start = Instant::now();
-    let planned = plan;
-    // The generated softmax runs on half base-2 scores (see `KernelPlan::with_half_scores`).
-    let plan = &plan.with_half_scores();
     let mut flags = settings::builder();
     for (name, value) in [
         ("opt_level", "speed"),
@@ -185,7 +182,7 @@ pub fn compile(plan: &KernelPlan, imports: &Imports) -> Result<CpuKernel, Codege
     Box::leak(Box::new(module));
     Box::leak(Box::new(tables));
     Ok(CpuKernel {
-        plan: planned.clone(),
+        plan: plan.clone(),
         entry,
         scratch: abi::ScratchLayout::of(plan),
         compile_time: start.elapsed(),

@@ -120,9 +120,6 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         PlanKind::Decode,
         "the GPU decode kernel lowers decode plans"
     );
-    // Scores in half base-2 units, as in the SIMT forward kernel (`forward::exp2_twice`).
-    let half = plan.with_half_scores();
-    let plan = &half;
     let (d, dv) = (i64::from(plan.shape.qk_dim), i64::from(plan.shape.v_dim));
     let seg = i64::from(segment_keys(plan));
     let rows_max = i64::from(task_rows(plan));

@@ -3,7 +3,7 @@
 //!
 //! A CTA handles [`ROWS`] query rows of one (batch, head), one row per thread. Per key tile the
 //! CTA stages K (rotated by RoPE as it loads) and V in shared memory; each thread computes its
-//! row's scores through the score program (base 2) and the mask, keeps its running max and sum
+//! row's scores through the score program (half base 2) and the mask, keeps its running max and sum
 //! (online softmax), and accumulates `P V` in registers. Tiles the plan classifies as all-masked
 //! are skipped (the host passes one code per (head, query block, key tile)); all-kept tiles skip
 //! the mask program. Inputs are contiguous BHSD f32.
@@ -76,9 +76,6 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         PlanKind::Forward,
         "the GPU forward kernel lowers forward plans"
     );
-    // Scores in half base-2 units: every finite f32 score stays finite (see `exp2_twice`).
-    let half = plan.with_half_scores();
-    let plan = &half;
     let (d, dv) = (plan.shape.qk_dim as i64, plan.shape.v_dim as i64);
     let (hq, hkv) = (plan.shape.heads as i64, plan.shape.kv_heads as i64);
     let bc = key_tile(plan) as i64;
@@ -503,8 +500,8 @@ fn simt_epilogue(row: &RowState, out: Expr, lse: Expr, out_row: Expr, valid: Exp
     Stmt::If(valid, store, vec![])
 }
 
-/// `2^(2x)` for a difference `x <= 0` of scores in half base-2 units (`score * log2(e) / 2`,
-/// `KernelPlan::with_half_scores`): the softmax term of the SIMT kernels. Doubling the
+/// `2^(2x)` for a difference `x <= 0` of scores in the plan's half base-2 units
+/// (`score * log2(e) / 2`): the softmax term of the SIMT kernels. Doubling the
 /// difference, not the scores, keeps every finite f32 score finite; `-inf` stays `-inf` and
 /// gives 0, NaN gives NaN.
 pub(super) fn exp2_twice(x: Expr) -> Expr {

@@ -55,12 +55,12 @@ pub fn row_blocks(plan: &KernelPlan) -> u32 {
     }
 }
 
-/// Whether the score program of `plan` (as planned, in base 2) is the scaled score alone, so
-/// the scale `c` can move into the exponent (`2^(s c - m c)`, one fused multiply-add per score)
-/// and S stays unscaled. `c` must be at most 1, so that `m c` cannot overflow for any finite raw
-/// score `m`.
+/// Whether the score program is the scaled score alone, so the scale can move into the
+/// exponent (`2^(s c - m c)`, one fused multiply-add per score, `c` twice the plan's half-unit
+/// scale) and S stays unscaled. `c` must be at most 1, so that `m c` cannot overflow for any
+/// finite raw score `m`.
 fn scale_folds(plan: &KernelPlan) -> bool {
-    plan.program.score == M::Var(Var::Score) && plan.q_scale > 0.0 && plan.q_scale <= 1.0
+    plan.program.score == M::Var(Var::Score) && plan.q_scale > 0.0 && plan.q_scale <= 0.5
 }
 
 /// Query rows per CTA: four warps of [`row_blocks`] x 16.
@@ -193,17 +193,12 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         supports(plan),
         "the tensor-core kernel runs bf16 and f16 per-head forward plans"
     );
-    // The geometry, from the plan as planned (what the launch computes too).
-    let folded = scale_folds(plan);
-    let bc = key_tile(plan) as usize;
-    let blocks = row_blocks(plan) as usize;
-    let cta_rows = i64::from(rows(plan));
-    // Scores in half base-2 units, as in the SIMT kernels (`forward::exp2_twice`).
-    let half = plan.with_half_scores();
-    let plan = &half;
     let (d, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
     let (hq, hkv) = (plan.shape.heads as i64, plan.shape.kv_heads as i64);
+    let bc = key_tile(plan) as usize;
     let bc64 = bc as i64;
+    let blocks = row_blocks(plan) as usize;
+    let cta_rows = i64::from(rows(plan));
     let mut r = Regs { list: Vec::new() };
     let mut body = Vec::new();
     let tid = special64(Special::Tid);
@@ -617,6 +612,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     // the program is the scaled score itself, S stays unscaled: its max is taken raw and the
     // scale applies inside the exponent, `2^(s c - m c)`, one fused multiply-add per score.
     let scale = plan.q_scale as f32;
+    let folded = scale_folds(plan);
     // The exponent is twice the half-unit difference: folded, `2 c (s - m)` on raw scores.
     let exponent_scale = if folded { 2.0 * scale } else { 1.0 };
     let keep_mask = !matches!(plan.program.mask, M::Bool(true));
