@@ -219,6 +219,21 @@ impl Tensor {
         out
     }
 
+    /// The largest magnitude of the values (NaN passed over), without copying a contiguous
+    /// tensor.
+    pub fn max_abs(&self) -> f32 {
+        let n: usize = self.shape.iter().product();
+        if self.strides != contiguous_strides(&self.shape) {
+            return self.to_f32_vec().iter().fold(0f32, |m, x| m.max(x.abs()));
+        }
+        let range = self.offset..self.offset + n;
+        match &*self.storage {
+            Storage::F32(v) => v[range].iter().fold(0f32, |m, x| m.max(x.abs())),
+            Storage::F16(v) => v[range].iter().fold(0f32, |m, x| m.max(x.to_f32().abs())),
+            Storage::Bf16(v) => v[range].iter().fold(0f32, |m, x| m.max(x.to_f32().abs())),
+        }
+    }
+
     /// The values in logical (row-major) order, as f32.
     pub fn to_f32_vec(&self) -> Vec<f32> {
         if self.strides == contiguous_strides(&self.shape) {
