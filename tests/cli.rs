@@ -732,4 +732,17 @@ fn generate_from_text_prints_transformers_continuation() {
         "generate", "--model", dir, "--prompt", "hi", "--tokens", "1",
     ]);
     assert_eq!(o.status.code(), Some(2), "--prompt and --tokens together");
+    let o = attnc(&["generate", "--model", dir, "--prompt", ""]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("--prompt is empty"), "{}", stderr(&o));
+    let o = attnc(&[
+        "generate",
+        "--model",
+        dir,
+        "--prompt",
+        "hi",
+        "--backend",
+        "tpu",
+    ]);
+    assert_eq!(o.status.code(), Some(2), "an unknown backend");
 }
