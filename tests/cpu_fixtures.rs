@@ -2,8 +2,9 @@
 //! low-precision cases also within 2x of PyTorch's own low-precision error.
 
 use attn::AttentionSpec;
+use attn::runtime::MlaTensors;
 use attn::runtime::Tensor;
-use attn::runtime::cpu::{CpuBackend, MlaTensors};
+use attn::runtime::cpu::CpuBackend;
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
 use std::path::PathBuf;

@@ -5,11 +5,53 @@
 //! caches are paged caches in host memory.
 
 use crate::cache::{PagedCache, SeqId};
-use crate::cpu::{CpuBackend, DecodeOptions, MlaQueries, MlaTensors, Output};
+use crate::cpu::CpuBackend;
 use crate::error::RuntimeError;
 use crate::gpu;
 use crate::tensor::Tensor;
 use attn_dsl::AttentionSpec;
+
+/// Attention outputs.
+#[derive(Clone, Debug)]
+pub struct Output {
+    /// `[B, Hq, Sq, Dv]` in the spec's dtype.
+    pub out: Tensor,
+    /// `[B, Hq, Sq]` f32: natural log of the softmax denominator, `-inf` for empty rows.
+    pub lse: Tensor,
+}
+
+/// Options of a cached call.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DecodeOptions {
+    /// Partitions of each item's keys (split-KV); `None` picks enough to keep every thread busy.
+    pub partitions: Option<usize>,
+}
+
+/// Inputs of MLA attention (DeepSeek layout; see `attn_dsl::reference::MlaInputs`).
+#[derive(Clone, Copy, Debug)]
+pub struct MlaTensors<'a> {
+    /// `[B, H, Sq, head_dim]`.
+    pub q_nope: &'a Tensor,
+    /// `[B, H, Sq, rope_dim]`, before RoPE.
+    pub q_pe: &'a Tensor,
+    /// `[B, Skv, latent_rank]`, after the latent norm.
+    pub c_kv: &'a Tensor,
+    /// `[B, Skv, rope_dim]`, before RoPE.
+    pub k_pe: &'a Tensor,
+    /// `[H * (head_dim + v_head_dim), latent_rank]`.
+    pub w_kv_b: &'a Tensor,
+}
+
+/// The queries of an MLA decoding step and the weights that absorb them.
+#[derive(Clone, Copy, Debug)]
+pub struct MlaQueries<'a> {
+    /// `[B, heads, q_len, head_dim]`.
+    pub q_nope: &'a Tensor,
+    /// `[B, heads, q_len, rope_dim]`, before RoPE.
+    pub q_pe: &'a Tensor,
+    /// `[heads * (head_dim + v_head_dim), latent_rank]`.
+    pub w_kv_b: &'a Tensor,
+}
 
 /// Attention on one backend: the calls of [`CpuBackend`], which every backend meets.
 pub trait Backend: Send + Sync {

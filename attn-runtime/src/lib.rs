@@ -9,6 +9,8 @@
 //! - [`io`]: safetensors files;
 //! - [`memory`]: checks of large allocations against the memory available;
 //! - [`cache`]: KV caches for decoding (contiguous, paged, MLA latent);
+//! - `host`: host preparation every backend shares (checks, RoPE tables, MLA absorption,
+//!   ragged layouts, work items and the lse merge);
 //! - [`cpu`]: the CPU backend (kernel cache, microkernels, parallel launcher, decode);
 //! - [`gpu`]: GPU calls, run on a CUDA device (feature `cuda`) or on the GPU IR interpreter;
 //! - [`model`]: transformers composed at run time, Hugging Face checkpoints;
@@ -21,12 +23,14 @@ pub mod cache;
 pub mod cpu;
 mod error;
 pub mod gpu;
+mod host;
 pub mod io;
 pub mod memory;
 pub mod model;
 mod tensor;
 mod variant;
 
+pub use backend::{Backend, DecodeOptions, MlaQueries, MlaTensors, Output};
 pub use codegen;
 pub use error::RuntimeError;
 pub use tensor::{Storage, Tensor};

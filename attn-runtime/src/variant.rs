@@ -1,7 +1,8 @@
 //! The typed API of an attention variant declared with `#[attention(...)]`.
 
+use crate::backend::{DecodeOptions, MlaQueries, MlaTensors, Output};
 use crate::cache::{KvCache, PagedCache, SeqId};
-use crate::cpu::{CpuBackend, DecodeOptions, MlaQueries, MlaTensors, Output};
+use crate::cpu::CpuBackend;
 use crate::{RuntimeError, Tensor};
 use attn_dsl::{AttentionSpec, DType};
 use codegen::KernelPlan;

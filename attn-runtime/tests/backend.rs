@@ -8,7 +8,7 @@ use attn_dsl::AttentionSpec;
 use attn_runtime::Tensor;
 use attn_runtime::backend::{Backend, open};
 use attn_runtime::cache::PagedCache;
-use attn_runtime::cpu::{DecodeOptions, MlaQueries, MlaTensors, Output};
+use attn_runtime::{DecodeOptions, MlaQueries, MlaTensors, Output};
 use common::values;
 
 fn tensor(shape: &[usize], seed: u64) -> Tensor {

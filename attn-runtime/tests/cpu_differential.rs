@@ -5,9 +5,10 @@ mod common;
 
 use attn_dsl::AttentionSpec;
 use attn_dsl::reference::{self, Array, Inputs, MlaInputs};
+use attn_runtime::MlaTensors;
 use attn_runtime::Tensor;
+use attn_runtime::cpu::CpuBackend;
 use attn_runtime::cpu::microkernels::Isa;
-use attn_runtime::cpu::{CpuBackend, MlaTensors};
 use common::values;
 use proptest::prelude::*;
 

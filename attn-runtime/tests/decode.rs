@@ -8,8 +8,9 @@ use attn_dsl::AttentionSpec;
 use attn_dsl::reference::{self, Array, Inputs};
 use attn_runtime::Tensor;
 use attn_runtime::cache::{ContiguousCache, KvCache, PagedCache, SeqId};
+use attn_runtime::cpu::CpuBackend;
 use attn_runtime::cpu::microkernels::Isa;
-use attn_runtime::cpu::{CpuBackend, DecodeOptions, MlaQueries};
+use attn_runtime::{DecodeOptions, MlaQueries};
 use common::values;
 
 /// A sequence's full K and V `[kv_heads, len, dim]`, rounded to the spec's dtype.
@@ -495,7 +496,7 @@ fn bad_calls_are_errors() {
 
 #[test]
 fn mla_decoding_against_a_latent_cache_equals_the_forward_kernel() {
-    use attn_runtime::cpu::MlaTensors;
+    use attn_runtime::MlaTensors;
     let backend = CpuBackend::new();
     for text in [
         "heads = 4, head_dim = 16, v_head_dim = 24, mla(latent_rank = 32, rope_dim = 8), \

@@ -9,7 +9,8 @@ use attn_dsl::AttentionSpec;
 use attn_dsl::reference::{self, Array, Inputs};
 use attn_runtime::Tensor;
 use attn_runtime::cache::PagedCache;
-use attn_runtime::cpu::{CpuBackend, DecodeOptions, Output};
+use attn_runtime::cpu::CpuBackend;
+use attn_runtime::{DecodeOptions, Output};
 use common::values;
 
 struct Case {

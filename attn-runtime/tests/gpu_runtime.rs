@@ -7,8 +7,8 @@ mod common;
 
 use attn_dsl::AttentionSpec;
 use attn_dsl::reference::{self, Array, Inputs};
+use attn_runtime::Output;
 use attn_runtime::Tensor;
-use attn_runtime::cpu::Output;
 use attn_runtime::gpu::GpuCall;
 use common::values;
 
@@ -171,7 +171,7 @@ type Decode<'a> = &'a dyn Fn(
     &Tensor,
     &attn_runtime::cache::PagedCache,
     &[attn_runtime::cache::SeqId],
-    attn_runtime::cpu::DecodeOptions,
+    attn_runtime::DecodeOptions,
 ) -> Output;
 
 /// A ragged-batch entry point under test, on a paged cache.
@@ -181,16 +181,16 @@ type AttendRagged<'a> = &'a dyn Fn(
     &[usize],
     &attn_runtime::cache::PagedCache,
     &[attn_runtime::cache::SeqId],
-    attn_runtime::cpu::DecodeOptions,
+    attn_runtime::DecodeOptions,
 ) -> Output;
 
 /// An MLA decode entry point under test, on a paged latent cache.
 type DecodeMla<'a> = &'a dyn Fn(
     &AttentionSpec,
-    attn_runtime::cpu::MlaQueries,
+    attn_runtime::MlaQueries,
     &attn_runtime::cache::PagedCache,
     &[attn_runtime::cache::SeqId],
-    attn_runtime::cpu::DecodeOptions,
+    attn_runtime::DecodeOptions,
 ) -> Output;
 
 /// The GPU decode kernel (on the interpreter) reads paged caches through their segments and
@@ -205,8 +205,9 @@ fn gpu_decode_on_the_interpreter_equals_the_cpu_decode() {
 
 /// `decode` against the CPU backend's decode, for per-head specs (f32 and bf16 caches).
 fn check_decode(decode: Decode) {
+    use attn_runtime::DecodeOptions;
     use attn_runtime::cache::PagedCache;
-    use attn_runtime::cpu::{CpuBackend, DecodeOptions};
+    use attn_runtime::cpu::CpuBackend;
     for text in [
         "heads = 4, kv_heads = 2, head_dim = 16, mask = causal",
         "heads = 2, head_dim = 8, mask = sliding_window(9), position = alibi, softcap = 4.0",
@@ -285,7 +286,8 @@ fn gpu_mla_decode_on_the_interpreter_equals_the_cpu_decode() {
 /// `decode` against the CPU backend's `decode_mla`.
 fn check_mla_decode(decode: DecodeMla) {
     use attn_runtime::cache::PagedCache;
-    use attn_runtime::cpu::{CpuBackend, DecodeOptions, MlaQueries};
+    use attn_runtime::cpu::CpuBackend;
+    use attn_runtime::{DecodeOptions, MlaQueries};
     for text in [
         "heads = 4, head_dim = 16, v_head_dim = 24, mla(latent_rank = 32, rope_dim = 8), \
          mask = causal",
@@ -344,8 +346,9 @@ fn gpu_ragged_batches_on_the_interpreter_equal_the_cpu() {
 
 /// `attend` against the CPU backend's `attend_ragged`.
 fn check_ragged(attend: AttendRagged) {
+    use attn_runtime::DecodeOptions;
     use attn_runtime::cache::PagedCache;
-    use attn_runtime::cpu::{CpuBackend, DecodeOptions};
+    use attn_runtime::cpu::CpuBackend;
     for text in [
         "heads = 4, kv_heads = 2, head_dim = 16, mask = causal",
         "heads = 2, head_dim = 16, mask = sliding_window(20), position = rope, dtype = bf16",
@@ -421,10 +424,9 @@ fn gpu_mla_forward_on_the_interpreter_equals_the_cpu() {
 }
 
 /// `forward` against the CPU backend's `forward_mla`.
-fn check_mla_forward(
-    forward: &dyn Fn(&AttentionSpec, &attn_runtime::cpu::MlaTensors, i64) -> Output,
-) {
-    use attn_runtime::cpu::{CpuBackend, MlaTensors};
+fn check_mla_forward(forward: &dyn Fn(&AttentionSpec, &attn_runtime::MlaTensors, i64) -> Output) {
+    use attn_runtime::MlaTensors;
+    use attn_runtime::cpu::CpuBackend;
     for (text, sq, skv, p0) in [
         (
             "heads = 4, head_dim = 16, v_head_dim = 24, mla(latent_rank = 32, rope_dim = 8), \
@@ -473,8 +475,8 @@ fn check_mla_forward(
 /// answer.
 #[cfg(feature = "cuda")]
 fn stale_device_copies_are_refused(gpu: &attn_runtime::gpu::cuda::CudaBackend) {
+    use attn_runtime::DecodeOptions;
     use attn_runtime::cache::PagedCache;
-    use attn_runtime::cpu::DecodeOptions;
     let spec: AttentionSpec = "heads = 2, head_dim = 16, mask = causal".parse().unwrap();
     let mut cache = PagedCache::new(&spec, 8, 4).unwrap();
     let seq = cache.add_sequence();

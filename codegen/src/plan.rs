@@ -246,6 +246,24 @@ impl KernelPlan {
         }
     }
 
+    /// The code a kernel reads for the tile of query rows `rows` and keys `keys` (see
+    /// [`KernelPlan::classify_tile`]): the one classification every backend's launch uses.
+    /// `complete` says whether the tile holds the kernel's full tile width of keys: kernels that
+    /// bound keys only on masked tiles get `Masked` for an incomplete tile whose keys are all kept.
+    pub fn tile_code(
+        &self,
+        rows: Interval,
+        keys: Interval,
+        call: CallShape,
+        complete: bool,
+    ) -> TileCode {
+        match self.classify_tile(rows, keys, call) {
+            TileClass::AllMasked => TileCode::Skip,
+            TileClass::AllKept if complete => TileCode::Full,
+            TileClass::AllKept | TileClass::Mixed => TileCode::Masked,
+        }
+    }
+
     /// The rows of a mixed tile that can keep a key: `rows` narrowed from both ends by groups of
     /// [`ROW_GROUP`] rows the classification proves all masked. Rows outside the result leave
     /// the running softmax state unchanged, so a kernel skips them (on the diagonal of a causal
@@ -314,6 +332,20 @@ pub struct CallShape {
     pub batch: Interval,
     /// Heads the classification must hold for.
     pub head: Interval,
+}
+
+/// How a block of query rows meets a tile of keys, in the one encoding every kernel reads
+/// (CPU segments and block tiles, GPU tile codes).
+#[repr(u8)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TileCode {
+    /// Every pair masked: the tile is skipped.
+    Skip = 0,
+    /// Every pair kept: no per-element mask (and, for kernels that bound keys only on masked
+    /// tiles, the tile holds a full tile width of keys).
+    Full = 1,
+    /// The mask (and the key bound) apply per element.
+    Masked = 2,
 }
 
 /// When every use of the raw score is `score * c` (or `score / d`, `c = 1/d`) with one constant

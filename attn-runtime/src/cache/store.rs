@@ -2,7 +2,7 @@
 //! rotation of keys as they are appended.
 
 use super::layout::CacheLayout;
-use crate::cpu::rope_table::RopeTables;
+use crate::host::rope_table::RopeTables;
 use attn_dsl::{DType, RopeLayout};
 use half::{bf16, f16};
 

@@ -1,13 +1,13 @@
 //! Running a compiled CPU kernel: inputs as f32 rows, RoPE tables, K packing per (batch, kv
 //! head), then every (batch, head, query block) in parallel, each classifying its key tiles.
 
-use super::rope_table::RopeTables;
 use crate::error::RuntimeError;
+use crate::host::rope_table::RopeTables;
 use crate::tensor::Tensor;
-use attn_dsl::modifier::interval::{Interval, TileClass};
-use codegen::cpu::abi::{BlockArgs, BlockTile, PackArgs, TileCode, packed_k_len};
+use attn_dsl::modifier::interval::Interval;
+use codegen::cpu::abi::{BlockArgs, BlockTile, PackArgs, packed_k_len};
 use codegen::cpu::{CpuKernel, Entry};
-use codegen::plan::{CallShape, K_TILE, KernelPlan};
+use codegen::plan::{CallShape, K_TILE, KernelPlan, TileCode};
 use rayon::prelude::*;
 
 /// f32 rows of a 4-D input: storage, offset of element 0, and strides of the three outer axes
@@ -147,10 +147,11 @@ fn block_tiles(
                 (t * tile) as i64,
                 (((t + 1) * tile).min(call.skv) - 1) as i64,
             );
-            match plan.classify_tile(rows, keys, shape) {
-                TileClass::AllMasked => skip,
-                TileClass::AllKept => record(TileCode::Full, rows),
-                TileClass::Mixed => match plan.live_rows(rows, keys, shape) {
+            // The block function bounds keys itself: an incomplete tile can be `Full`.
+            match plan.tile_code(rows, keys, shape, true) {
+                TileCode::Skip => skip,
+                TileCode::Full => record(TileCode::Full, rows),
+                TileCode::Masked => match plan.live_rows(rows, keys, shape) {
                     Some(live) => record(TileCode::Masked, live),
                     None => skip,
                 },

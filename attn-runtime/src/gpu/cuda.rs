@@ -3,10 +3,10 @@
 
 use super::GpuCall;
 use super::decode::{self, DecodeLaunch};
+use crate::backend::{DecodeOptions, MlaQueries, MlaTensors, Output};
 use crate::cache::{KvCache, MirrorSync, SeqId};
-use crate::cpu::{DecodeOptions, MlaQueries, MlaTensors};
-use crate::cpu::{Output, finish};
 use crate::error::RuntimeError;
+use crate::host::checks::finish;
 use crate::tensor::Tensor;
 use attn_dsl::AttentionSpec;
 use codegen::gpu::ir::Kernel;

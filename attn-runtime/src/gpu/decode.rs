@@ -1,14 +1,16 @@
 //! Decoding on the GPU decode kernel, run on the interpreter: the same work items, partitions
-//! and lse merge as the CPU backend (`cpu::decode`), the kernel reading the cache's segments
+//! and lse merge as the CPU backend (`host::work`), the kernel reading the cache's segments
 //! where they lie. On the interpreter the segments' rows are copied into its memory first (a
 //! device keeps the cache in its own memory; the kernel reads it through the segment table).
 
+use crate::backend::{DecodeOptions, MlaQueries, Output};
 use crate::cache::{CacheLayout, KvCache, SeqId};
-use crate::cpu::decode::{AbsorbedQueries, Ragged};
-use crate::cpu::decode::{Layout, items, merge, partitions, row_strides, tasks};
-use crate::cpu::rope_table::RopeTables;
-use crate::cpu::{DecodeOptions, MlaQueries, Output, check_dtype, finish};
 use crate::error::RuntimeError;
+use crate::host::checks::{check_dtype, finish};
+use crate::host::mla::AbsorbedQueries;
+use crate::host::ragged::{Layout, Ragged};
+use crate::host::rope_table::RopeTables;
+use crate::host::work::{items, merge, partitions, row_strides, tasks};
 use crate::tensor::Tensor;
 use attn_dsl::AttentionSpec;
 use codegen::KernelPlan;

@@ -9,9 +9,11 @@ mod decode;
 
 pub use decode::{attend_ragged_emulated, decode_emulated, decode_mla_emulated};
 
-use crate::cpu::rope_table::RopeTables;
-use crate::cpu::{AbsorbedForward, MlaTensors, Output, check_qkv, finish};
+use crate::backend::{MlaTensors, Output};
 use crate::error::RuntimeError;
+use crate::host::checks::{check_qkv, finish};
+use crate::host::mla::AbsorbedForward;
+use crate::host::rope_table::RopeTables;
 use crate::tensor::{Storage, Tensor};
 use attn_dsl::AttentionSpec;
 use codegen::KernelPlan;

@@ -2,7 +2,7 @@
 //! their checkpoint's dtype, norms and MLPs.
 
 use super::config::{MlpKind, NormKind};
-use crate::cpu::gemm;
+use crate::host::gemm::gemm;
 use crate::tensor::Storage;
 use rayon::prelude::*;
 

@@ -21,8 +21,9 @@ pub use generate::{Progress, Request, Sampling};
 pub use text::{TextStream, TextTokenizer};
 
 use crate::backend::Backend;
+use crate::backend::{DecodeOptions, MlaQueries, MlaTensors};
 use crate::cache::{KvCache, PagedCache, SeqId};
-use crate::cpu::{CpuBackend, DecodeOptions, MlaQueries, MlaTensors};
+use crate::cpu::CpuBackend;
 use crate::error::RuntimeError;
 use crate::tensor::Tensor;
 use layers::{Linear, Matrix, Mlp, Norm};

@@ -6,6 +6,8 @@
 //! decode's keys and values, which are read in the storage dtype of a cache. Strides are in
 //! elements.
 
+#[cfg(doc)]
+use crate::plan::TileCode;
 use crate::plan::{K_TILE, KernelPlan};
 
 /// Arguments of the generated `pack_k` function: rotate (RoPE) and transpose the keys of one
@@ -156,18 +158,6 @@ pub struct BlockTile {
     pub first_row: u32,
     /// One past the last.
     pub end_row: u32,
-}
-
-/// How a block meets one key tile (from the plan's interval classification).
-#[repr(u8)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TileCode {
-    /// Every pair masked: the tile is skipped.
-    Skip = 0,
-    /// Every pair kept: no per-element mask.
-    Full = 1,
-    /// The mask is evaluated per element.
-    Masked = 2,
 }
 
 /// Offsets (in f32 values) of the block function's scratch areas.

@@ -4,10 +4,11 @@
 //! list of key segments read in place, such as a paged cache's blocks) for decode plans. The
 //! per-tile work both share is in `step.rs`.
 
-use super::abi::{BlockArgs, BlockTile, DecodeArgs, PackArgs, Segment, TileCode};
+use super::abi::{BlockArgs, BlockTile, DecodeArgs, PackArgs, Segment};
 use super::fx::Fx;
 use super::score::Tables;
 use super::step::{BlockState, KeyTile, RowMap, Rows, epilogue, prologue, softmax_step};
+use crate::plan::TileCode;
 use crate::plan::{K_TILE, KernelPlan, RopePrologue};
 use attn_dsl::RopeLayout;
 use cranelift_codegen::ir::condcodes::IntCC;

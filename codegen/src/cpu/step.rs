@@ -2,10 +2,11 @@
 //! the prologue (rotated, scaled queries; empty running state), the per-tile online-softmax step
 //! (score program, mask, base-2 softmax, value product) and the epilogue (out and lse).
 
-use super::abi::{ScratchLayout, TileCode};
+use super::abi::ScratchLayout;
 use super::emit::{Refs, copy, identity_program, rotate, scale_row};
 use super::fx::Fx;
 use super::score::{GroupEnv, RowEnv, ScoreLowering, Tables};
+use crate::plan::TileCode;
 use crate::plan::{K_TILE, KernelPlan, TileMasking};
 use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use cranelift_codegen::ir::types::{F32, F32X4, I32, I32X4};

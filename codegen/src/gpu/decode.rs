@@ -22,7 +22,7 @@ use super::forward::{
 };
 use super::ir::build::*;
 use super::ir::{Bin, Expr, Half, Kernel, Space, Special, Stmt, Ty};
-use crate::plan::{KernelPlan, PlanKind};
+use crate::plan::{KernelPlan, PlanKind, TileCode};
 use attn_dsl::modifier::Expr as M;
 use attn_dsl::{DType, RopeLayout};
 
@@ -360,7 +360,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     if !matches!(plan.program.mask, M::Bool(true)) {
         let keep = bin(
             Bin::Or,
-            bin(Bin::Ne, reg(code), i64(2)),
+            bin(Bin::Ne, reg(code), i64(TileCode::Masked as i64)),
             program(&plan.program.mask, &env),
         );
         value = select(keep, value, f32(f32::NEG_INFINITY));
@@ -470,7 +470,11 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         run.push(Stmt::If(bin(Bin::Lt, row, reg(rows)), update, vec![]));
     }
     run.push(Stmt::Barrier);
-    seg_body.push(Stmt::If(bin(Bin::Ne, reg(code), i64(0)), run, vec![]));
+    seg_body.push(Stmt::If(
+        bin(Bin::Ne, reg(code), i64(TileCode::Skip as i64)),
+        run,
+        vec![],
+    ));
     body.push(Stmt::For {
         reg: si,
         start: reg(seg0),

@@ -10,7 +10,7 @@
 
 use super::ir::build::*;
 use super::ir::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty, Un};
-use crate::plan::{KernelPlan, PlanKind, RopePrologue};
+use crate::plan::{KernelPlan, PlanKind, RopePrologue, TileCode};
 use attn_dsl::RopeLayout;
 use attn_dsl::modifier::{BinOp, Expr as M, Ty as MTy, UnOp, Var};
 
@@ -153,7 +153,11 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         code,
         load(Space::Global, Ty::I32, at(param("codes"), code_index, 4)),
     ));
-    let run_tile = bin(Bin::Ne, reg(code), Expr::Int(0, Ty::I32));
+    let run_tile = bin(
+        Bin::Ne,
+        reg(code),
+        Expr::Int(TileCode::Skip as i64, Ty::I32),
+    );
     let mut run = Vec::new();
 
     // Stage the tile (zeros past Skv). Rows RoPE rotates (K with RoPE): thread j < bc loads key
@@ -272,7 +276,11 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
             key_at: add(mul(reg(t), i64(bc)), reg(j)),
             count: i64(bc),
             in_range: Some(bin(Bin::Lt, reg(key), param("skv"))),
-            masked_tile: bin(Bin::Eq, reg(code), Expr::Int(2, Ty::I32)),
+            masked_tile: bin(
+                Bin::Eq,
+                reg(code),
+                Expr::Int(TileCode::Masked as i64, Ty::I32),
+            ),
         },
         |score| Env {
             score,

@@ -23,7 +23,7 @@ use super::forward::{
 };
 use super::ir::build::*;
 use super::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Un};
-use crate::plan::{KernelPlan, PlanKind};
+use crate::plan::{KernelPlan, PlanKind, TileCode};
 use attn_dsl::modifier::{Expr as M, Var};
 use attn_dsl::{DType, RopeLayout};
 
@@ -651,7 +651,11 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         }
     }
     run.push(Stmt::If(
-        bin(Bin::Eq, reg(code), Expr::Int(2, Ty::I32)),
+        bin(
+            Bin::Eq,
+            reg(code),
+            Expr::Int(TileCode::Masked as i64, Ty::I32),
+        ),
         masked,
         kept,
     ));
@@ -729,12 +733,16 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
             select(
                 bin(Bin::Lt, next.clone(), n_tiles.clone()),
                 code_of(bin(Bin::Min, next.clone(), sub(n_tiles.clone(), i64(1)))),
-                Expr::Int(0, Ty::I32),
+                Expr::Int(TileCode::Skip as i64, Ty::I32),
             ),
         ));
         run.push(Stmt::Set(
             issued,
-            bin(Bin::Ne, reg(next_code), Expr::Int(0, Ty::I32)),
+            bin(
+                Bin::Ne,
+                reg(next_code),
+                Expr::Int(TileCode::Skip as i64, Ty::I32),
+            ),
         ));
         run.push(Stmt::If(reg(issued), issue_k(next), vec![]));
     }
@@ -782,7 +790,15 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         step: 1,
         body: vec![
             Stmt::Set(code, code_of(reg(t))),
-            Stmt::If(bin(Bin::Ne, reg(code), Expr::Int(0, Ty::I32)), run, vec![]),
+            Stmt::If(
+                bin(
+                    Bin::Ne,
+                    reg(code),
+                    Expr::Int(TileCode::Skip as i64, Ty::I32),
+                ),
+                run,
+                vec![],
+            ),
         ],
     });
 

@@ -31,18 +31,11 @@ pub struct ForwardKernel {
     pub inputs: attn_dsl::DType,
 }
 
-/// Tile code: the CTA skips the tile (every key masked for every row).
-pub const TILE_SKIP: i32 = 0;
-/// Tile code: every key of the tile is kept for every row and the tile lies inside Skv, so the
-/// kernel applies neither the mask nor the Skv bound.
-pub const TILE_FULL: i32 = 1;
-/// Tile code: the mask and the Skv bound apply per element.
-pub const TILE_MASKED: i32 = 2;
-
 impl ForwardKernel {
     /// The tile codes of a call on `[batch, Sq, Skv]` with key 0 at position `p0`: one per
     /// (head, block of [`ForwardKernel::rows`] queries, key tile), in that order, from the plan's
-    /// interval classification. A last tile that runs past Skv is [`TILE_MASKED`] at best.
+    /// interval classification ([`crate::plan::TileCode`]). A last tile that runs past Skv is
+    /// `Masked` at best.
     pub fn tile_codes(
         &self,
         plan: &crate::KernelPlan,
@@ -50,7 +43,7 @@ impl ForwardKernel {
         p0: i64,
     ) -> Vec<i32> {
         use crate::plan::CallShape;
-        use attn_dsl::modifier::interval::{Interval, TileClass};
+        use attn_dsl::modifier::interval::Interval;
         let (rows, bc) = (self.rows as usize, self.key_tile as usize);
         let (qblocks, tiles) = (sq.div_ceil(rows), skv.div_ceil(bc));
         let call = |head: usize| CallShape {
@@ -66,12 +59,9 @@ impl ForwardKernel {
                 let r = Interval::new((qb * rows) as i64, ((qb + 1) * rows).min(sq) as i64 - 1);
                 for t in 0..tiles {
                     let keys = Interval::new((t * bc) as i64, ((t + 1) * bc).min(skv) as i64 - 1);
-                    let partial = (t + 1) * bc > skv;
-                    codes.push(match plan.classify_tile(r, keys, call(head)) {
-                        TileClass::AllMasked => TILE_SKIP,
-                        TileClass::AllKept if !partial => TILE_FULL,
-                        TileClass::AllKept | TileClass::Mixed => TILE_MASKED,
-                    });
+                    // The kernels bound keys on masked tiles only.
+                    let complete = (t + 1) * bc <= skv;
+                    codes.push(plan.tile_code(r, keys, call(head), complete) as i32);
                 }
             }
         }

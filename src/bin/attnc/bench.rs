@@ -4,7 +4,8 @@
 use attn::AttentionSpec;
 use attn::dsl::Mask;
 use attn::dsl::accounting::forward_flops;
-use attn::runtime::cpu::{CpuBackend, MlaTensors};
+use attn::runtime::MlaTensors;
+use attn::runtime::cpu::CpuBackend;
 use attn::runtime::memory::checked_product;
 use attn::runtime::{RuntimeError, Tensor};
 use std::time::Instant;

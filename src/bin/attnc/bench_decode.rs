@@ -3,12 +3,13 @@
 use crate::bench::random;
 use crate::run::Backend;
 use attn::AttentionSpec;
+use attn::runtime::Output;
 use attn::runtime::RuntimeError;
 use attn::runtime::Tensor;
 use attn::runtime::cache::SeqId;
 use attn::runtime::cache::{KvCache, PagedCache};
-use attn::runtime::cpu::Output;
-use attn::runtime::cpu::{CpuBackend, DecodeOptions, MlaQueries};
+use attn::runtime::cpu::CpuBackend;
+use attn::runtime::{DecodeOptions, MlaQueries};
 use std::time::Instant;
 
 /// What to time.

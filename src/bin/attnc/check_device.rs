@@ -9,7 +9,8 @@ use crate::run::Backend;
 use attn::AttentionSpec;
 use attn::runtime::backend::GpuInterpreter;
 use attn::runtime::cache::{PagedCache, SeqId};
-use attn::runtime::cpu::{CpuBackend, DecodeOptions, MlaQueries, MlaTensors, Output};
+use attn::runtime::cpu::CpuBackend;
+use attn::runtime::{DecodeOptions, MlaQueries, MlaTensors, Output};
 use attn::runtime::{RuntimeError, Tensor};
 
 /// The GPU backend under test: every `Backend` call, and decoding against device copies of the

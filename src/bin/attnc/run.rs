@@ -1,8 +1,8 @@
 //! `attnc run`: attention on tensors from a safetensors file, written to another.
 
 use attn::AttentionSpec;
-use attn::runtime::cpu::{MlaTensors, Output};
 use attn::runtime::io::{read_safetensors, write_safetensors};
+use attn::runtime::{MlaTensors, Output};
 use attn::runtime::{RuntimeError, Tensor};
 use std::path::Path;
 

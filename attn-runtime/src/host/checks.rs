@@ -1,0 +1,102 @@
+//! Checks of a call's tensors against its spec, and the outputs in the spec's dtype.
+
+use crate::backend::Output;
+use crate::error::RuntimeError;
+use crate::tensor::Tensor;
+use attn_dsl::{AttentionSpec, DType};
+
+pub(crate) fn check_dtype(name: &str, t: &Tensor, dtype: DType) -> Result<(), RuntimeError> {
+    if t.dtype() == dtype {
+        Ok(())
+    } else {
+        Err(RuntimeError::DType {
+            tensor: name.into(),
+            found: t.dtype().name().into(),
+            expected: dtype.name().into(),
+        })
+    }
+}
+
+/// Checks per-head inputs against the spec: q `[B, heads, Sq, head_dim]`, k `[B, kv_heads, Skv,
+/// head_dim]`, v `[B, kv_heads, Skv, v_head_dim]`, all in the spec's dtype. Returns B, Sq, Skv.
+pub(crate) fn check_qkv(
+    spec: &AttentionSpec,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+) -> Result<[usize; 3], RuntimeError> {
+    let (h, hkv) = (spec.heads as usize, spec.kv_heads() as usize);
+    let (d, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
+    let [b, _, sq, _] = dims("q", q, "[B, heads, Sq, head_dim]")?;
+    expect("q", q, &[b, h, sq, d], "[B, heads, Sq, head_dim]")?;
+    let [_, _, skv, _] = dims("k", k, "[B, kv_heads, Skv, head_dim]")?;
+    expect("k", k, &[b, hkv, skv, d], "[B, kv_heads, Skv, head_dim]")?;
+    expect("v", v, &[b, hkv, skv, dv], "[B, kv_heads, Skv, v_head_dim]")?;
+    for (name, t) in [("q", q), ("k", k), ("v", v)] {
+        check_dtype(name, t, spec.dtype)?;
+    }
+    Ok([b, sq, skv])
+}
+
+pub(crate) fn finish(
+    dtype: DType,
+    shape: [usize; 4],
+    out: Vec<f32>,
+    lse: Vec<f32>,
+) -> Result<Output, RuntimeError> {
+    Ok(Output {
+        out: Tensor::from_f32_as(dtype, &shape, out)?,
+        lse: Tensor::from_f32(&shape[..3], lse)?,
+    })
+}
+
+pub(crate) fn dims(name: &str, t: &Tensor, expected: &str) -> Result<[usize; 4], RuntimeError> {
+    t.shape().try_into().map_err(|_| RuntimeError::Shape {
+        tensor: name.into(),
+        found: t.shape().to_vec(),
+        expected: expected.into(),
+    })
+}
+
+pub(crate) fn expect(
+    name: &str,
+    t: &Tensor,
+    shape: &[usize],
+    what: &str,
+) -> Result<(), RuntimeError> {
+    if t.shape() == shape {
+        Ok(())
+    } else {
+        Err(RuntimeError::Shape {
+            tensor: name.into(),
+            found: t.shape().to_vec(),
+            expected: format!("{shape:?} = {what}"),
+        })
+    }
+}
+
+/// Refuses MLA specs in the per-head entry points.
+pub(crate) fn per_head(spec: &AttentionSpec, q: &Tensor) -> Result<(), RuntimeError> {
+    if spec.mla().is_some() {
+        return Err(RuntimeError::Spec(
+            "this is an MLA spec: use decode_mla with q_nope, q_pe and w_kv_b".into(),
+        ));
+    }
+    check_dtype("q", q, spec.dtype)
+}
+
+pub(crate) fn head_dims(spec: &AttentionSpec) -> (usize, usize, usize) {
+    (
+        spec.heads as usize,
+        spec.head_dim as usize,
+        spec.v_head_dim as usize,
+    )
+}
+
+pub(crate) fn shape(name: &str, t: &Tensor, expected: &str) -> RuntimeError {
+    RuntimeError::Shape {
+        tensor: name.into(),
+        found: t.shape().to_vec(),
+        expected: expected.into(),
+    }
+}

@@ -1,0 +1,219 @@
+//! The work of a cached call, for every backend: items (sequence, kv head, block of rows, the
+//! rows being query heads of the kv head's group times queries, so each key is read once for the
+//! whole group) whose keys are the cache's runs cut into segments classified by the plan
+//! (segments all masked are never read); partitions of each item's segments (split-KV); and the
+//! merge of the partitions' outputs by their log-sum-exp.
+
+use super::ragged::Layout;
+use crate::backend::DecodeOptions;
+use crate::cache::{CacheLayout, KvCache, SeqId};
+use crate::error::RuntimeError;
+use attn_dsl::modifier::interval::Interval;
+use codegen::KernelPlan;
+use codegen::cpu::abi::Segment;
+use codegen::plan::{CallShape, TileCode};
+
+/// The rows of one work item.
+pub(crate) struct Item {
+    /// Position of the sequence in the call.
+    pub b: usize,
+    /// Cached keys of the sequence.
+    pub len: usize,
+    /// New queries of the sequence (its last `n` tokens).
+    pub n: usize,
+    /// First query head, and how many.
+    pub h0: usize,
+    pub nh: usize,
+    /// First query, and how many per head.
+    pub i0: usize,
+    pub nq: usize,
+    pub segments: Vec<Segment>,
+}
+
+/// One partition of an item's segments.
+pub(crate) struct Task {
+    pub item: usize,
+    pub segments: std::ops::Range<usize>,
+}
+
+// SAFETY: a Segment holds addresses of cache rows that tasks only read while the cache is
+// borrowed by the call.
+unsafe impl Send for Item {}
+// SAFETY: as above.
+unsafe impl Sync for Item {}
+
+/// The work items of a call: per sequence and kv head, blocks of at most `max_rows` rows (query
+/// heads x queries), with key segments of at most `seg_keys` keys.
+pub(crate) fn items(
+    plan: &KernelPlan,
+    cache: &impl KvCache,
+    seqs: &[SeqId],
+    q_lens: &[usize],
+    max_rows: usize,
+    seg_keys: usize,
+) -> Result<Vec<Item>, RuntimeError> {
+    let (hq, hkv) = (plan.shape.heads as usize, plan.shape.kv_heads as usize);
+    let group = hq / hkv;
+    let mut items = Vec::new();
+    for (b, (&seq, &n)) in seqs.iter().zip(q_lens).enumerate() {
+        let len = cache.seq_len(seq)?;
+        if n > len {
+            return Err(RuntimeError::Cache(format!(
+                "sequence {b} has {len} cached tokens but {n} queries: append the keys and \
+                 values of the new tokens before attending"
+            )));
+        }
+        if n == 0 {
+            continue;
+        }
+        let nq = n.min(max_rows);
+        let nh_max = (max_rows / nq).min(group);
+        for g in 0..hkv {
+            let runs = cache.runs(seq, g, 0, len)?;
+            for h0 in (g * group..(g + 1) * group).step_by(nh_max) {
+                let nh = nh_max.min((g + 1) * group - h0);
+                for i0 in (0..n).step_by(nq) {
+                    let nq = nq.min(n - i0);
+                    let call = CallShape {
+                        sq: n as i64,
+                        skv: len as i64,
+                        p0: 0,
+                        batch: Interval::point(b as i64),
+                        head: Interval::new(h0 as i64, (h0 + nh - 1) as i64),
+                    };
+                    let rows = Interval::new(i0 as i64, (i0 + nq - 1) as i64);
+                    let mut segments = Vec::new();
+                    for run in &runs {
+                        let size = plan.dtype.size_bytes() as usize;
+                        let (k_stride, v_stride) = row_strides(cache.layout());
+                        let (k_row, v_row) = (k_stride * size, v_stride * size);
+                        for start in (0..run.len).step_by(seg_keys) {
+                            let count = (run.len - start).min(seg_keys);
+                            let first = run.first + start;
+                            let keys = Interval::new(first as i64, (first + count - 1) as i64);
+                            // The decode function bounds keys by the segment's length.
+                            let code = plan.tile_code(rows, keys, call, true);
+                            if code == TileCode::Skip {
+                                continue;
+                            }
+                            segments.push(Segment {
+                                k: run.k.wrapping_add(start * k_row),
+                                v: run.v.wrapping_add(start * v_row),
+                                first_key: first as i64,
+                                len: count as i64,
+                                code: code as i64,
+                            });
+                        }
+                    }
+                    items.push(Item {
+                        b,
+                        len,
+                        n,
+                        h0,
+                        nh,
+                        i0,
+                        nq,
+                        segments,
+                    });
+                }
+            }
+        }
+    }
+    Ok(items)
+}
+
+/// Elements between consecutive key rows and value rows inside a run (for MLA the values are
+/// the latent part of the key rows).
+pub(crate) fn row_strides(layout: &CacheLayout) -> (usize, usize) {
+    let v = if layout.values_in_keys {
+        layout.k_dim
+    } else {
+        layout.v_dim
+    };
+    (layout.k_dim, v)
+}
+
+/// Partitions per item: enough tasks for every thread several times over, each with at least
+/// four segments (256 keys) so merging stays cheap.
+pub(crate) fn partitions(items: &[Item], options: DecodeOptions) -> usize {
+    if let Some(p) = options.partitions {
+        return p.max(1);
+    }
+    let threads = rayon::current_num_threads();
+    let most = items.iter().map(|i| i.segments.len()).max().unwrap_or(1);
+    (4 * threads)
+        .div_ceil(items.len().max(1))
+        .min(most.div_ceil(4))
+        .max(1)
+}
+
+/// Each item split into `parts` partitions of its segments (at least one, even when empty).
+pub(crate) fn tasks(items: &[Item], parts: usize) -> Vec<Task> {
+    items
+        .iter()
+        .enumerate()
+        .flat_map(|(i, item)| {
+            let n = item.segments.len();
+            let per = n.div_ceil(parts).max(1);
+            (0..parts.min(n.max(1))).map(move |p| Task {
+                item: i,
+                segments: (p * per).min(n)..((p + 1) * per).min(n),
+            })
+        })
+        .collect()
+}
+
+/// Merges the partitions of each item (`results` per task: out rows of `dv` and lse) by their
+/// lse, and scatters rows to the call's layout. Rows with no kept key stay 0 with lse `-inf`.
+pub(crate) fn merge(
+    items: &[Item],
+    tasks: &[Task],
+    results: &[(Vec<f32>, Vec<f32>)],
+    layout: &Layout,
+    dv: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    let mut out = vec![0f32; layout.out_rows * dv];
+    let mut lse = vec![f32::NEG_INFINITY; layout.out_rows];
+    let mut t = 0;
+    while t < tasks.len() {
+        let item = &items[tasks[t].item];
+        let end = (t..tasks.len())
+            .find(|&u| tasks[u].item != tasks[t].item)
+            .unwrap_or(tasks.len());
+        let parts = &results[t..end];
+        for (r, (h, i)) in (item.h0..item.h0 + item.nh)
+            .flat_map(|h| (item.i0..item.i0 + item.nq).map(move |i| (h, i)))
+            .enumerate()
+        {
+            let m = parts
+                .iter()
+                .map(|(_, l)| l[r])
+                .fold(f32::NEG_INFINITY, f32::max);
+            let row = (layout.out_row)(item.b, i, h);
+            let dst = &mut out[row * dv..(row + 1) * dv];
+            // A NaN part makes the row NaN (f32::max above passes over it).
+            if parts.iter().any(|(_, l)| l[r].is_nan()) {
+                dst.fill(f32::NAN);
+                lse[row] = f32::NAN;
+                continue;
+            }
+            if m == f32::NEG_INFINITY {
+                continue;
+            }
+            let mut total = 0f32;
+            for (o, l) in parts {
+                let w = (l[r] - m).exp();
+                total += w;
+                for (d, x) in dst.iter_mut().zip(&o[r * dv..(r + 1) * dv]) {
+                    *d += w * x;
+                }
+            }
+            for d in dst.iter_mut() {
+                *d /= total;
+            }
+            lse[row] = m + total.ln();
+        }
+        t = end;
+    }
+    (out, lse)
+}
