@@ -15,6 +15,63 @@ struct Latent {
     _label: &'static str,
 }
 
+/// Every kind of value a spec holds: floats that do not print short, every scaling's fields,
+/// a score modifier with casts, a select and both int and float constants.
+#[attention(
+    heads = 6, kv_heads = 3, head_dim = 32, v_head_dim = 16, dtype = bf16,
+    mask = sliding_window(100), softcap = 0.1, scale = 0.3,
+    position = rope(base = 500000.3, dim = 16, layout = interleaved, scaling = llama3(factor = 8.0,
+        low_freq_factor = 1.0, high_freq_factor = 4.0, original_max_position = 8192)),
+    score_mod = |s, b, h, q, k| if (q - k) % 3 == 0 { s * (h as f32 + 0.1) } else { -s.abs() / (b as f32 + 1.5) },
+    mask_mod = |b, h, q, k| !(k > q - 2 && h == 1)
+)]
+struct Everything;
+
+#[attention(
+    heads = 4, head_dim = 16, mla(latent_rank = 32, rope_dim = 8), mask = causal(top_left),
+    position = rope(scaling = yarn(factor = 4.0, original_max_position = 2048, beta_fast = 16.0,
+        beta_slow = 2.0, mscale = 0.707, mscale_all_dim = 1.0))
+)]
+struct YarnMla;
+
+#[attention(heads = 2, head_dim = 8, position = rope(scaling = dynamic(factor = 2.0,
+    original_max_position = 64)))]
+struct DynamicNtk;
+
+#[attention(heads = 2, head_dim = 8, position = rope(scaling = ntk(factor = 3.0)))]
+struct StaticNtk;
+
+#[attention(heads = 2, head_dim = 8, position = rope(scaling = linear(factor = 2.5)))]
+struct Linear;
+
+#[test]
+fn the_macro_builds_the_spec_as_data_equal_to_its_text() {
+    let specs = [
+        (Everything::spec(), Everything::SPEC_TEXT),
+        (YarnMla::spec(), YarnMla::SPEC_TEXT),
+        (DynamicNtk::spec(), DynamicNtk::SPEC_TEXT),
+        (StaticNtk::spec(), StaticNtk::SPEC_TEXT),
+        (Linear::spec(), Linear::SPEC_TEXT),
+        (Gqa::spec(), Gqa::SPEC_TEXT),
+        (Latent::spec(), Latent::SPEC_TEXT),
+    ];
+    for (data, text) in specs {
+        let parsed: AttentionSpec = text.parse().unwrap();
+        assert_eq!(*data, parsed, "{text}");
+        assert_eq!(data.to_string(), text);
+        data.validate().unwrap();
+    }
+    // Floats survive exactly, not as their printed digits.
+    assert_eq!(Everything::spec().scale, Some(0.3));
+    assert_eq!(Everything::spec().softcap, Some(0.1));
+    let m = Everything::spec().score_mod.as_ref().unwrap();
+    assert!((m.apply(2.0, 0, 2, 9, 3) - 4.2).abs() < 1e-12);
+    assert_eq!(m.apply(2.0, 1, 0, 9, 4), -2.0 / 2.5);
+    // The variant is made once and holds the spec's plans.
+    assert!(std::sync::Arc::ptr_eq(Everything::variant(), Everything::variant()));
+    assert_eq!(Everything::variant().spec(), Everything::spec());
+}
+
 #[test]
 fn each_struct_carries_its_own_validated_spec() {
     let gqa = Gqa::spec().clone();

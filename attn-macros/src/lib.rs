@@ -5,6 +5,8 @@
 //! string parser accepts, and an invalid spec fails the user's build with the error under the
 //! offending tokens.
 
+mod emit;
+
 use proc_macro::TokenStream;
 use quote::quote;
 
@@ -17,7 +19,8 @@ use quote::quote;
 ///
 /// The spec is validated at compile time; errors point at the offending tokens. The struct
 /// implements `attn::Attention`: `SPEC_TEXT` (the normalized spec), the head constants, `spec()`
-/// and `forward_plan()`.
+/// (the spec built as data, not parsed again at run time) and `variant()` (validated and planned
+/// once per process).
 #[proc_macro_attribute]
 pub fn attention(attr: TokenStream, item: TokenStream) -> TokenStream {
     let item = syn::parse_macro_input!(item as syn::ItemStruct);
@@ -29,6 +32,7 @@ pub fn attention(attr: TokenStream, item: TokenStream) -> TokenStream {
         }
     };
     let text = spec.to_string();
+    let data = emit::spec(&spec);
     let (heads, kv_heads, head_dim, v_head_dim) =
         (spec.heads, spec.kv_heads(), spec.head_dim, spec.v_head_dim);
     let dtype = match spec.dtype {
@@ -54,8 +58,14 @@ pub fn attention(attr: TokenStream, item: TokenStream) -> TokenStream {
             fn spec() -> &'static ::attn::AttentionSpec {
                 static SPEC: ::std::sync::OnceLock<::attn::AttentionSpec> =
                     ::std::sync::OnceLock::new();
-                SPEC.get_or_init(|| {
-                    ::attn::dsl::parse_str(Self::SPEC_TEXT)
+                SPEC.get_or_init(|| #data)
+            }
+
+            fn variant() -> &'static ::std::sync::Arc<::attn::runtime::Variant> {
+                static VARIANT: ::std::sync::OnceLock<::std::sync::Arc<::attn::runtime::Variant>> =
+                    ::std::sync::OnceLock::new();
+                VARIANT.get_or_init(|| {
+                    ::attn::runtime::Variant::new(Self::spec().clone())
                         .expect("#[attention] validated this spec at compile time")
                 })
             }

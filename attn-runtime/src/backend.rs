@@ -2,14 +2,14 @@
 //! it runs. [`CpuBackend`] (Cranelift kernels), [`GpuInterpreter`] (the GPU kernels on the GPU
 //! IR interpreter: slow, exact as to what the kernels compute, no GPU needed) and, with the
 //! `cuda` feature, `gpu::cuda::CudaBackend` implement it. Inputs and outputs are host tensors;
-//! caches are paged caches in host memory.
+//! caches are in host memory.
 
-use crate::cache::{PagedCache, SeqId};
+use crate::cache::{KvCache, SeqId};
 use crate::cpu::CpuBackend;
 use crate::error::RuntimeError;
 use crate::gpu;
 use crate::tensor::Tensor;
-use attn_dsl::AttentionSpec;
+use crate::variant::Variant;
 
 /// Attention outputs.
 #[derive(Clone, Debug)]
@@ -53,15 +53,18 @@ pub struct MlaQueries<'a> {
     pub w_kv_b: &'a Tensor,
 }
 
-/// Attention on one backend: the calls of [`CpuBackend`], which every backend meets.
+/// Attention on one backend. Every call takes a [`Variant`]: the spec validated and planned
+/// once, with the kernels the backend built for it the first time.
 pub trait Backend: Send + Sync {
     /// The backend's name, as the CLI spells it (`cpu`, `cuda`, `gpu-sim`).
     fn name(&self) -> &'static str;
 
-    /// Attention for a per-head spec (see [`CpuBackend::forward`]).
+    /// Attention for a per-head variant: q `[B, heads, Sq, head_dim]`, k `[B, kv_heads, Skv,
+    /// head_dim]`, v `[B, kv_heads, Skv, v_head_dim]`, keys at positions `position_offset + j`
+    /// (see [`CpuBackend::forward`]).
     fn forward(
         &self,
-        spec: &AttentionSpec,
+        variant: &Variant,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
@@ -71,7 +74,7 @@ pub trait Backend: Send + Sync {
     /// MLA attention in the absorbed form (see [`CpuBackend::forward_mla`]).
     fn forward_mla(
         &self,
-        spec: &AttentionSpec,
+        variant: &Variant,
         x: &MlaTensors,
         position_offset: i64,
     ) -> Result<Output, RuntimeError>;
@@ -79,9 +82,9 @@ pub trait Backend: Send + Sync {
     /// Queries against cached sequences (see [`CpuBackend::decode`]).
     fn decode(
         &self,
-        spec: &AttentionSpec,
+        variant: &Variant,
         q: &Tensor,
-        cache: &PagedCache,
+        cache: &dyn KvCache,
         seqs: &[SeqId],
         options: DecodeOptions,
     ) -> Result<Output, RuntimeError>;
@@ -89,9 +92,9 @@ pub trait Backend: Send + Sync {
     /// MLA queries against a latent cache (see [`CpuBackend::decode_mla`]).
     fn decode_mla(
         &self,
-        spec: &AttentionSpec,
+        variant: &Variant,
         queries: MlaQueries,
-        cache: &PagedCache,
+        cache: &dyn KvCache,
         seqs: &[SeqId],
         options: DecodeOptions,
     ) -> Result<Output, RuntimeError>;
@@ -99,84 +102,135 @@ pub trait Backend: Send + Sync {
     /// A ragged batch against cached sequences (see [`CpuBackend::attend_ragged`]).
     fn attend_ragged(
         &self,
-        spec: &AttentionSpec,
+        variant: &Variant,
         q: &Tensor,
         q_offsets: &[usize],
-        cache: &PagedCache,
+        cache: &dyn KvCache,
         seqs: &[SeqId],
         options: DecodeOptions,
     ) -> Result<Output, RuntimeError>;
 }
 
-/// Implements [`Backend`] for a type whose inherent methods have the trait's names and
-/// signatures (with generic caches).
-macro_rules! backend_by_inherent_methods {
-    ($ty:ty, $name:literal) => {
-        impl Backend for $ty {
-            fn name(&self) -> &'static str {
-                $name
-            }
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
 
-            fn forward(
-                &self,
-                spec: &AttentionSpec,
-                q: &Tensor,
-                k: &Tensor,
-                v: &Tensor,
-                position_offset: i64,
-            ) -> Result<Output, RuntimeError> {
-                <$ty>::forward(self, spec, q, k, v, position_offset)
-            }
+    fn forward(
+        &self,
+        variant: &Variant,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        position_offset: i64,
+    ) -> Result<Output, RuntimeError> {
+        self.forward_in(variant, q, k, v, position_offset)
+    }
 
-            fn forward_mla(
-                &self,
-                spec: &AttentionSpec,
-                x: &MlaTensors,
-                position_offset: i64,
-            ) -> Result<Output, RuntimeError> {
-                <$ty>::forward_mla(self, spec, x, position_offset)
-            }
+    fn forward_mla(
+        &self,
+        variant: &Variant,
+        x: &MlaTensors,
+        position_offset: i64,
+    ) -> Result<Output, RuntimeError> {
+        self.forward_mla_in(variant, x, position_offset)
+    }
 
-            fn decode(
-                &self,
-                spec: &AttentionSpec,
-                q: &Tensor,
-                cache: &PagedCache,
-                seqs: &[SeqId],
-                options: DecodeOptions,
-            ) -> Result<Output, RuntimeError> {
-                <$ty>::decode(self, spec, q, cache, seqs, options)
-            }
+    fn decode(
+        &self,
+        variant: &Variant,
+        q: &Tensor,
+        cache: &dyn KvCache,
+        seqs: &[SeqId],
+        options: DecodeOptions,
+    ) -> Result<Output, RuntimeError> {
+        self.decode_in(variant, q, cache, seqs, options)
+    }
 
-            fn decode_mla(
-                &self,
-                spec: &AttentionSpec,
-                queries: MlaQueries,
-                cache: &PagedCache,
-                seqs: &[SeqId],
-                options: DecodeOptions,
-            ) -> Result<Output, RuntimeError> {
-                <$ty>::decode_mla(self, spec, queries, cache, seqs, options)
-            }
+    fn decode_mla(
+        &self,
+        variant: &Variant,
+        queries: MlaQueries,
+        cache: &dyn KvCache,
+        seqs: &[SeqId],
+        options: DecodeOptions,
+    ) -> Result<Output, RuntimeError> {
+        self.decode_mla_in(variant, queries, cache, seqs, options)
+    }
 
-            fn attend_ragged(
-                &self,
-                spec: &AttentionSpec,
-                q: &Tensor,
-                q_offsets: &[usize],
-                cache: &PagedCache,
-                seqs: &[SeqId],
-                options: DecodeOptions,
-            ) -> Result<Output, RuntimeError> {
-                <$ty>::attend_ragged(self, spec, q, q_offsets, cache, seqs, options)
-            }
-        }
-    };
+    fn attend_ragged(
+        &self,
+        variant: &Variant,
+        q: &Tensor,
+        q_offsets: &[usize],
+        cache: &dyn KvCache,
+        seqs: &[SeqId],
+        options: DecodeOptions,
+    ) -> Result<Output, RuntimeError> {
+        self.attend_ragged_in(variant, q, q_offsets, cache, seqs, options)
+    }
 }
 
-backend_by_inherent_methods!(CpuBackend, "cpu");
 #[cfg(feature = "cuda")]
-backend_by_inherent_methods!(gpu::cuda::CudaBackend, "cuda");
+impl Backend for gpu::cuda::CudaBackend {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn forward(
+        &self,
+        variant: &Variant,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        position_offset: i64,
+    ) -> Result<Output, RuntimeError> {
+        gpu::cuda::CudaBackend::forward(self, variant, q, k, v, position_offset)
+    }
+
+    fn forward_mla(
+        &self,
+        variant: &Variant,
+        x: &MlaTensors,
+        position_offset: i64,
+    ) -> Result<Output, RuntimeError> {
+        gpu::cuda::CudaBackend::forward_mla(self, variant, x, position_offset)
+    }
+
+    fn decode(
+        &self,
+        variant: &Variant,
+        q: &Tensor,
+        cache: &dyn KvCache,
+        seqs: &[SeqId],
+        options: DecodeOptions,
+    ) -> Result<Output, RuntimeError> {
+        gpu::cuda::CudaBackend::decode(self, variant, q, cache, seqs, options)
+    }
+
+    fn decode_mla(
+        &self,
+        variant: &Variant,
+        queries: MlaQueries,
+        cache: &dyn KvCache,
+        seqs: &[SeqId],
+        options: DecodeOptions,
+    ) -> Result<Output, RuntimeError> {
+        gpu::cuda::CudaBackend::decode_mla(self, variant, queries, cache, seqs, options)
+    }
+
+    fn attend_ragged(
+        &self,
+        variant: &Variant,
+        q: &Tensor,
+        q_offsets: &[usize],
+        cache: &dyn KvCache,
+        seqs: &[SeqId],
+        options: DecodeOptions,
+    ) -> Result<Output, RuntimeError> {
+        gpu::cuda::CudaBackend::attend_ragged(self, variant, q, q_offsets, cache, seqs, options)
+    }
+}
 
 /// The GPU kernels run on the GPU IR interpreter, with the launches a device would get.
 #[derive(Clone, Copy, Debug, Default)]
@@ -189,56 +243,56 @@ impl Backend for GpuInterpreter {
 
     fn forward(
         &self,
-        spec: &AttentionSpec,
+        variant: &Variant,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
         position_offset: i64,
     ) -> Result<Output, RuntimeError> {
-        gpu::GpuCall::forward(spec, q, k, v, position_offset)?.run_emulated()
+        gpu::GpuCall::forward_in(variant, q, k, v, position_offset)?.run_emulated()
     }
 
     fn forward_mla(
         &self,
-        spec: &AttentionSpec,
+        variant: &Variant,
         x: &MlaTensors,
         position_offset: i64,
     ) -> Result<Output, RuntimeError> {
-        gpu::forward_mla_emulated(spec, x, position_offset)
+        gpu::forward_mla_emulated_in(variant, x, position_offset)
     }
 
     fn decode(
         &self,
-        spec: &AttentionSpec,
+        variant: &Variant,
         q: &Tensor,
-        cache: &PagedCache,
+        cache: &dyn KvCache,
         seqs: &[SeqId],
         options: DecodeOptions,
     ) -> Result<Output, RuntimeError> {
-        gpu::decode_emulated(spec, q, cache, seqs, options)
+        gpu::decode_with(variant, q, cache, seqs, options, &gpu::emulate)
     }
 
     fn decode_mla(
         &self,
-        spec: &AttentionSpec,
+        variant: &Variant,
         queries: MlaQueries,
-        cache: &PagedCache,
+        cache: &dyn KvCache,
         seqs: &[SeqId],
         options: DecodeOptions,
     ) -> Result<Output, RuntimeError> {
-        gpu::decode_mla_emulated(spec, queries, cache, seqs, options)
+        gpu::decode_mla_with(variant, queries, cache, seqs, options, &gpu::emulate)
     }
 
     fn attend_ragged(
         &self,
-        spec: &AttentionSpec,
+        variant: &Variant,
         q: &Tensor,
         q_offsets: &[usize],
-        cache: &PagedCache,
+        cache: &dyn KvCache,
         seqs: &[SeqId],
         options: DecodeOptions,
     ) -> Result<Output, RuntimeError> {
-        gpu::attend_ragged_emulated(spec, q, q_offsets, cache, seqs, options)
+        gpu::attend_ragged_with(variant, q, q_offsets, cache, seqs, options, &gpu::emulate)
     }
 }
 

@@ -18,6 +18,7 @@
 
 #![warn(missing_docs)]
 
+mod attention;
 pub mod backend;
 pub mod cache;
 pub mod cpu;
@@ -30,8 +31,9 @@ pub mod model;
 mod tensor;
 mod variant;
 
+pub use attention::Attention;
 pub use backend::{Backend, DecodeOptions, MlaQueries, MlaTensors, Output};
 pub use codegen;
 pub use error::RuntimeError;
 pub use tensor::{Storage, Tensor};
-pub use variant::Attention;
+pub use variant::Variant;

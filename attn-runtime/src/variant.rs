@@ -1,82 +1,149 @@
-//! The typed API of an attention variant declared with `#[attention(...)]`.
+//! A compiled attention variant: the spec validated and planned once, with the kernels each
+//! backend builds from it, built on first use and shared.
 
-use crate::backend::{DecodeOptions, MlaQueries, MlaTensors, Output};
-use crate::cache::{KvCache, PagedCache, SeqId};
-use crate::cpu::CpuBackend;
-use crate::{RuntimeError, Tensor};
-use attn_dsl::{AttentionSpec, DType};
+use crate::cache::CacheLayout;
+use crate::error::RuntimeError;
+use attn_dsl::AttentionSpec;
 use codegen::KernelPlan;
+use codegen::plan::PlanKind;
+use std::any::Any;
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex, OnceLock};
 
-/// An attention variant whose spec is fixed at compile time.
+/// An attention variant ready to run: its spec (validated), its forward and decode plans, the
+/// layout of its KV caches, and the kernels backends have built for it.
 ///
-/// `#[attention(...)]` implements it for the annotated struct; the spec is validated when the
-/// crate compiles, so [`Attention::spec`] cannot fail. The constants let code be typed by the
-/// spec (e.g. buffers sized by `HEAD_DIM`). The entry points run on the CPU backend.
-pub trait Attention {
-    /// The spec in normalized form.
-    const SPEC_TEXT: &'static str;
-    /// Query heads.
-    const HEADS: u32;
-    /// Key/value heads the kernels read (1 for MLA).
-    const KV_HEADS: u32;
-    /// Query/key head dim (the non-rotary dim for MLA).
-    const HEAD_DIM: u32;
-    /// Value head dim.
-    const V_HEAD_DIM: u32;
-    /// Storage dtype.
-    const DTYPE: DType;
+/// Build one with [`Variant::new`] (or [`Variant::shared`], which returns the process's one
+/// variant per spec) and hand it to a [`Backend`](crate::Backend): calls then neither validate,
+/// plan, lower nor compile again. Kernels are built lazily, once per backend and kind, and live
+/// as long as the variant.
+pub struct Variant {
+    spec: AttentionSpec,
+    text: String,
+    forward: KernelPlan,
+    decode: KernelPlan,
+    cache_layout: CacheLayout,
+    kernels: Mutex<HashMap<KernelKey, Arc<dyn Any + Send + Sync>>>,
+}
 
-    /// The spec (parsed once, on first use).
-    fn spec() -> &'static AttentionSpec;
+/// Which kernel of a variant a backend keeps: the backend's name, what the kernel is for, and a
+/// detail such as the CPU's instruction set or the GPU kernel's form.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct KernelKey {
+    pub backend: &'static str,
+    pub kind: PlanKind,
+    pub detail: &'static str,
+}
 
-    /// The forward kernel plan of the spec.
-    fn forward_plan() -> KernelPlan {
-        KernelPlan::forward(Self::spec())
+impl Variant {
+    /// Validates and plans `spec`.
+    pub fn new(spec: AttentionSpec) -> Result<Arc<Variant>, RuntimeError> {
+        let cache_layout = CacheLayout::of(&spec)?;
+        Ok(Arc::new(Variant {
+            text: spec.to_string(),
+            forward: KernelPlan::forward(&spec),
+            decode: KernelPlan::decode(&spec),
+            cache_layout,
+            spec,
+            kernels: Mutex::new(HashMap::new()),
+        }))
     }
 
-    /// Attention output `[B, HEADS, Sq, V_HEAD_DIM]` for q `[B, HEADS, Sq, HEAD_DIM]`, k and v
-    /// `[B, KV_HEADS, Skv, ..]`, keys at positions `0..Skv` (CPU backend).
-    fn forward(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor, RuntimeError> {
-        Ok(Self::forward_with_lse(q, k, v, 0)?.out)
+    /// Parses, validates and plans a spec's text.
+    pub fn parse(text: &str) -> Result<Arc<Variant>, RuntimeError> {
+        let spec = attn_dsl::parse_str(text).map_err(|e| RuntimeError::Spec(e.render(text)))?;
+        Variant::new(spec)
     }
 
-    /// Output and log-sum-exp, keys at positions `position_offset + j` (CPU backend).
-    fn forward_with_lse(
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        position_offset: i64,
-    ) -> Result<Output, RuntimeError> {
-        CpuBackend::new().forward(Self::spec(), q, k, v, position_offset)
+    /// The process's variant for `spec`, made on first use: every call with an equal spec
+    /// shares its plans and kernels. (The spec-taking entry points of the backends use it; it
+    /// prints the spec to find it, which a held [`Variant`] avoids.)
+    pub fn shared(spec: &AttentionSpec) -> Result<Arc<Variant>, RuntimeError> {
+        type Registry = Mutex<HashMap<String, Arc<Variant>>>;
+        static REGISTRY: OnceLock<Registry> = OnceLock::new();
+        let registry = REGISTRY.get_or_init(|| Mutex::new(HashMap::new()));
+        let text = spec.to_string();
+        if let Some(found) = registry.lock().expect("variant registry lock").get(&text) {
+            return Ok(Arc::clone(found));
+        }
+        let made = Variant::new(spec.clone())?;
+        let mut registry = registry.lock().expect("variant registry lock");
+        Ok(Arc::clone(registry.entry(text).or_insert(made)))
     }
 
-    /// MLA output and log-sum-exp (CPU backend, absorbed form).
-    fn forward_mla(x: &MlaTensors, position_offset: i64) -> Result<Output, RuntimeError> {
-        CpuBackend::new().forward_mla(Self::spec(), x, position_offset)
+    /// The spec.
+    pub fn spec(&self) -> &AttentionSpec {
+        &self.spec
     }
 
-    /// The decode kernel plan of the spec.
-    fn decode_plan() -> KernelPlan {
-        KernelPlan::decode(Self::spec())
+    /// The spec in normalized text form.
+    pub fn text(&self) -> &str {
+        &self.text
     }
 
-    /// A paged KV cache laid out for this spec: `num_blocks` blocks of `block_size` tokens.
-    fn paged_cache(block_size: usize, num_blocks: usize) -> Result<PagedCache, RuntimeError> {
-        PagedCache::new(Self::spec(), block_size, num_blocks)
+    /// The plan of the forward kernel (prefill, whole sequences).
+    pub fn forward_plan(&self) -> &KernelPlan {
+        &self.forward
     }
 
-    /// A decoding step: q `[B, HEADS, q_len, HEAD_DIM]` holds the last `q_len` tokens of each
-    /// sequence of `seqs`, whose keys and values the cache already holds (CPU backend).
-    fn decode(q: &Tensor, cache: &impl KvCache, seqs: &[SeqId]) -> Result<Output, RuntimeError> {
-        CpuBackend::new().decode(Self::spec(), q, cache, seqs, DecodeOptions::default())
+    /// The plan of the decode kernel (queries against cached keys).
+    pub fn decode_plan(&self) -> &KernelPlan {
+        &self.decode
     }
 
-    /// An MLA decoding step against a latent cache (absorbed form, CPU backend).
-    fn decode_mla(
-        queries: MlaQueries,
-        cache: &impl KvCache,
-        seqs: &[SeqId],
-    ) -> Result<Output, RuntimeError> {
-        CpuBackend::new().decode_mla(Self::spec(), queries, cache, seqs, DecodeOptions::default())
+    /// The plan of a kind.
+    pub fn plan(&self, kind: PlanKind) -> &KernelPlan {
+        match kind {
+            PlanKind::Forward => &self.forward,
+            PlanKind::Decode => &self.decode,
+        }
+    }
+
+    /// What the variant's KV caches store per token.
+    pub fn cache_layout(&self) -> &CacheLayout {
+        &self.cache_layout
+    }
+
+    /// The kernel a backend keeps under `key`, built by `build` on first use. Two threads that
+    /// miss at once both build; the first to finish is kept.
+    pub(crate) fn kernel<T: Any + Send + Sync>(
+        &self,
+        key: KernelKey,
+        build: impl FnOnce(&Variant) -> Result<T, RuntimeError>,
+    ) -> Result<Arc<T>, RuntimeError> {
+        let found = self
+            .kernels
+            .lock()
+            .expect("variant kernel lock")
+            .get(&key)
+            .cloned();
+        let kernel = match found {
+            Some(kernel) => kernel,
+            None => {
+                // Built outside the lock: compiling takes milliseconds.
+                let made: Arc<dyn Any + Send + Sync> = Arc::new(build(self)?);
+                let mut kernels = self.kernels.lock().expect("variant kernel lock");
+                Arc::clone(kernels.entry(key).or_insert(made))
+            }
+        };
+        kernel.downcast::<T>().map_err(|_| {
+            RuntimeError::Spec(format!(
+                "internal: the {} kernel kept for `{}` has another type",
+                key.backend, self.text
+            ))
+        })
+    }
+}
+
+impl fmt::Debug for Variant {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Variant").field("spec", &self.text).finish()
+    }
+}
+
+impl fmt::Display for Variant {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.text)
     }
 }

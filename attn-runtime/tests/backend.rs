@@ -5,10 +5,10 @@
 mod common;
 
 use attn_dsl::AttentionSpec;
-use attn_runtime::Tensor;
 use attn_runtime::backend::{Backend, open};
 use attn_runtime::cache::PagedCache;
 use attn_runtime::{DecodeOptions, MlaQueries, MlaTensors, Output};
+use attn_runtime::{Tensor, Variant};
 use common::values;
 
 fn tensor(shape: &[usize], seed: u64) -> Tensor {
@@ -65,6 +65,7 @@ fn calls(backend: &dyn Backend) -> Vec<(&'static str, Output)> {
         q_pe: &dq_pe,
         w_kv_b: &w_kv_b,
     };
+    let (spec, mla) = (Variant::new(spec).unwrap(), Variant::new(mla).unwrap());
     vec![
         ("forward", backend.forward(&spec, &q, &k, &v, 3).unwrap()),
         ("forward_mla", backend.forward_mla(&mla, &x, 0).unwrap()),
@@ -120,5 +121,59 @@ fn unknown_and_unbuilt_backends_are_clear_errors() {
             .map(|e| e.to_string())
             .unwrap_or_default();
         assert!(err.contains("--features cuda"), "{err}");
+    }
+}
+
+#[test]
+fn a_variant_validates_once_and_keeps_its_kernels() {
+    use attn_runtime::codegen::plan::PlanKind;
+    use attn_runtime::cpu::CpuBackend;
+    let err = Variant::parse("heads = 3, kv_heads = 2, head_dim = 16").unwrap_err();
+    assert!(err.to_string().contains("kv_heads"), "{err}");
+
+    let variant = Variant::parse("heads = 2, head_dim = 16, mask = causal").unwrap();
+    assert_eq!(variant.text(), variant.spec().to_string());
+    assert_eq!(variant.forward_plan().kind, PlanKind::Forward);
+    assert_eq!(variant.decode_plan().kind, PlanKind::Decode);
+    let cpu = CpuBackend::new();
+    let a = cpu.kernel_for(&variant, PlanKind::Forward).unwrap();
+    let b = cpu.kernel_for(&variant, PlanKind::Forward).unwrap();
+    assert!(std::sync::Arc::ptr_eq(&a, &b), "compiled twice");
+    let d = cpu.kernel_for(&variant, PlanKind::Decode).unwrap();
+    assert!(!std::sync::Arc::ptr_eq(&a, &d));
+
+    // Equal specs share the process's variant; the spec-taking entry points use it.
+    let spec = variant.spec().clone();
+    let shared = Variant::shared(&spec).unwrap();
+    assert!(std::sync::Arc::ptr_eq(
+        &shared,
+        &Variant::shared(&spec).unwrap()
+    ));
+    assert!(std::sync::Arc::ptr_eq(
+        &cpu.kernel(&spec).unwrap(),
+        &cpu.kernel_for(&shared, PlanKind::Forward).unwrap()
+    ));
+}
+
+#[test]
+fn a_cache_made_for_another_variant_is_refused_through_the_trait() {
+    let variant = Variant::parse("heads = 4, kv_heads = 2, head_dim = 16").unwrap();
+    let other: AttentionSpec = "heads = 4, kv_heads = 1, head_dim = 16".parse().unwrap();
+    let mut cache = PagedCache::new(&other, 8, 4).unwrap();
+    let seq = cache.add_sequence();
+    cache
+        .append(seq, &tensor(&[1, 3, 16], 1), &tensor(&[1, 3, 16], 2))
+        .unwrap();
+    let q = tensor(&[1, 4, 1, 16], 3);
+    for name in ["cpu", "gpu-sim"] {
+        let backend = open(name).unwrap();
+        let err = backend
+            .decode(&variant, &q, &cache, &[seq], DecodeOptions::default())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("another spec") && err.contains("2 of 16+16"),
+            "{name}: {err}"
+        );
     }
 }

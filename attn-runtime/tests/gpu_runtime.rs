@@ -130,6 +130,7 @@ fn prepared_calls_run_on_the_interpreter_match_the_reference() {
 #[cfg(feature = "cuda")]
 #[test]
 fn the_device_backend_runs_or_says_there_is_no_gpu() {
+    use attn_runtime::Variant;
     use attn_runtime::gpu::cuda::CudaBackend;
     match CudaBackend::new(0) {
         Err(e) => {
@@ -141,25 +142,54 @@ fn the_device_backend_runs_or_says_there_is_no_gpu() {
         }
         Ok(gpu) => {
             for c in cases() {
-                check(&c, &gpu.forward(&c.spec, &c.q, &c.k, &c.v, c.p0).unwrap());
+                check(
+                    &c,
+                    &gpu.forward(&Variant::shared(&c.spec).unwrap(), &c.q, &c.k, &c.v, c.p0)
+                        .unwrap(),
+                );
             }
             check_decode(&|spec, q, cache, seqs, options| {
-                gpu.decode(spec, q, cache, seqs, options).unwrap()
+                gpu.decode(&Variant::shared(spec).unwrap(), q, cache, seqs, options)
+                    .unwrap()
             });
             check_mla_decode(&|spec, queries, cache, seqs, options| {
-                gpu.decode_mla(spec, queries, cache, seqs, options).unwrap()
+                gpu.decode_mla(
+                    &Variant::shared(spec).unwrap(),
+                    queries,
+                    cache,
+                    seqs,
+                    options,
+                )
+                .unwrap()
             });
-            check_mla_forward(&|spec, x, p0| gpu.forward_mla(spec, x, p0).unwrap());
+            check_mla_forward(&|spec, x, p0| {
+                gpu.forward_mla(&Variant::shared(spec).unwrap(), x, p0)
+                    .unwrap()
+            });
             // Against a copy of the cache uploaded once; a copy older than the cache is refused.
             check_decode(&|spec, q, cache, seqs, options| {
                 let resident = gpu.upload_cache(cache).unwrap();
-                gpu.decode_resident(spec, q, cache, &resident, seqs, options)
-                    .unwrap()
+                gpu.decode_resident(
+                    &Variant::shared(spec).unwrap(),
+                    q,
+                    cache,
+                    &resident,
+                    seqs,
+                    options,
+                )
+                .unwrap()
             });
             stale_device_copies_are_refused(&gpu);
             check_ragged(&|spec, q, offsets, cache, seqs, options| {
-                gpu.attend_ragged(spec, q, offsets, cache, seqs, options)
-                    .unwrap()
+                gpu.attend_ragged(
+                    &Variant::shared(spec).unwrap(),
+                    q,
+                    offsets,
+                    cache,
+                    seqs,
+                    options,
+                )
+                .unwrap()
             });
         }
     }
@@ -478,6 +508,7 @@ fn stale_device_copies_are_refused(gpu: &attn_runtime::gpu::cuda::CudaBackend) {
     use attn_runtime::DecodeOptions;
     use attn_runtime::cache::PagedCache;
     let spec: AttentionSpec = "heads = 2, head_dim = 16, mask = causal".parse().unwrap();
+    let variant = attn_runtime::Variant::new(spec.clone()).unwrap();
     let mut cache = PagedCache::new(&spec, 8, 4).unwrap();
     let seq = cache.add_sequence();
     let kv =
@@ -488,7 +519,7 @@ fn stale_device_copies_are_refused(gpu: &attn_runtime::gpu::cuda::CudaBackend) {
     let q = Tensor::from_f32(&[1, 2, 1, 16], values(32, 5)).unwrap();
     let options = DecodeOptions::default();
     let e = gpu
-        .decode_resident(&spec, &q, &cache, &resident, &[seq], options)
+        .decode_resident(&variant, &q, &cache, &resident, &[seq], options)
         .unwrap_err();
     assert!(e.to_string().contains("out of date"), "{e}");
     // Brought up to date by copying the new token's rows (a key and a value row of 16 f32 per
@@ -498,8 +529,8 @@ fn stale_device_copies_are_refused(gpu: &attn_runtime::gpu::cuda::CudaBackend) {
         2 * 2 * 16 * 4
     );
     let synced = gpu
-        .decode_resident(&spec, &q, &cache, &resident, &[seq], options)
+        .decode_resident(&variant, &q, &cache, &resident, &[seq], options)
         .unwrap();
-    let fresh = gpu.decode(&spec, &q, &cache, &[seq], options).unwrap();
+    let fresh = gpu.decode(&variant, &q, &cache, &[seq], options).unwrap();
     assert_eq!(synced.out.to_f32_vec(), fresh.out.to_f32_vec());
 }

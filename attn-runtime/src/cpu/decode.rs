@@ -9,12 +9,13 @@ use super::CpuBackend;
 use crate::backend::{DecodeOptions, MlaQueries, Output};
 use crate::cache::{CacheLayout, KvCache, SeqId};
 use crate::error::RuntimeError;
-use crate::host::checks::{finish, head_dims, per_head, shape};
+use crate::host::checks::check_cache;
 use crate::host::mla::AbsorbedQueries;
-use crate::host::ragged::{Layout, Ragged};
+use crate::host::ragged::{Layout, Ragged, Uniform};
 use crate::host::rope_table::RopeTables;
 use crate::host::work::{Item, items, merge, partitions, row_strides, tasks};
 use crate::tensor::Tensor;
+use crate::variant::Variant;
 use attn_dsl::AttentionSpec;
 use codegen::cpu::abi::DecodeArgs;
 use codegen::cpu::{CpuKernel, Entry};
@@ -34,33 +35,29 @@ impl CpuBackend {
         seqs: &[SeqId],
         options: DecodeOptions,
     ) -> Result<Output, RuntimeError> {
-        per_head(spec, q)?;
-        let (h, d, dv) = head_dims(spec);
-        let [b, hh, n, dd] = match q.shape() {
-            [b, hh, n, dd] => [*b, *hh, *n, *dd],
-            _ => return Err(shape("q", q, "[B, heads, q_len, head_dim]")),
-        };
-        if hh != h || dd != d || b != seqs.len() {
-            return Err(RuntimeError::Shape {
-                tensor: "q".into(),
-                found: q.shape().to_vec(),
-                expected: format!("[{}, {h}, q_len, {d}] (one row per sequence)", seqs.len()),
-            });
-        }
-        let q_lens = vec![n; b];
-        let layout = Layout {
-            q_lens: &q_lens,
-            q_at: &|s, i, head| ((s * h + head) * n + i) * d,
-            out_row: &|s, i, head| (s * h + head) * n + i,
-            out_rows: b * h * n,
-        };
-        let (out, lse) = self.cached(spec, &q.to_f32_vec(), cache, seqs, &layout, options)?;
-        finish(spec.dtype, [b, h, n, dv], out, lse)
+        self.decode_in(&*Variant::shared(spec)?, q, cache, seqs, options)
+    }
+
+    /// [`CpuBackend::decode`] for a variant.
+    pub(crate) fn decode_in(
+        &self,
+        variant: &Variant,
+        q: &Tensor,
+        cache: &dyn KvCache,
+        seqs: &[SeqId],
+        options: DecodeOptions,
+    ) -> Result<Output, RuntimeError> {
+        let batch = Uniform::of(variant.spec(), q, seqs.len())?;
+        let (out, lse) = batch.with_layout(|layout| {
+            self.cached(variant, &q.to_f32_vec(), cache, seqs, layout, options)
+        })?;
+        batch.finish(variant.spec(), out, lse)
     }
 
     /// MLA decoding step(s) against a latent cache (filled with `c_kv` and `k_pe`), in the
-    /// absorbed form: the queries hold the last `q_len` tokens of each sequence. Returns out `[B, heads, q_len,
-    /// v_head_dim]` and lse, equal to [`CpuBackend::forward_mla`] over the cached latents.
+    /// absorbed form: the queries hold the last `q_len` tokens of each sequence. Returns out
+    /// `[B, heads, q_len, v_head_dim]` and lse, equal to [`CpuBackend::forward_mla`] over the
+    /// cached latents.
     pub fn decode_mla(
         &self,
         spec: &AttentionSpec,
@@ -69,10 +66,22 @@ impl CpuBackend {
         seqs: &[SeqId],
         options: DecodeOptions,
     ) -> Result<Output, RuntimeError> {
-        let a = AbsorbedQueries::of(spec, queries, seqs.len())?;
+        self.decode_mla_in(&*Variant::shared(spec)?, queries, cache, seqs, options)
+    }
+
+    /// [`CpuBackend::decode_mla`] for a variant.
+    pub(crate) fn decode_mla_in(
+        &self,
+        variant: &Variant,
+        queries: MlaQueries,
+        cache: &dyn KvCache,
+        seqs: &[SeqId],
+        options: DecodeOptions,
+    ) -> Result<Output, RuntimeError> {
+        let a = AbsorbedQueries::of(variant.spec(), queries, seqs.len())?;
         let (latent, lse) =
-            a.with_layout(|layout| self.cached(spec, &a.q, cache, seqs, layout, options))?;
-        a.finish(spec, &latent, lse)
+            a.with_layout(|layout| self.cached(variant, &a.q, cache, seqs, layout, options))?;
+        a.finish(variant.spec(), &latent, lse)
     }
 
     /// A ragged batch against a cache: `q [tokens, heads, head_dim]` holds, for each sequence
@@ -89,40 +98,40 @@ impl CpuBackend {
         seqs: &[SeqId],
         options: DecodeOptions,
     ) -> Result<Output, RuntimeError> {
-        let ragged = Ragged::of(spec, q, q_offsets, seqs.len())?;
-        let (out, lse) = ragged.with_layout(|layout| {
-            self.cached(spec, &q.to_f32_vec(), cache, seqs, layout, options)
-        })?;
-        ragged.finish(spec, out, lse)
+        let variant = Variant::shared(spec)?;
+        self.attend_ragged_in(&variant, q, q_offsets, cache, seqs, options)
     }
 
-    /// Checks the cache against the spec and runs the decode kernel on f32 queries of
+    /// [`CpuBackend::attend_ragged`] for a variant.
+    pub(crate) fn attend_ragged_in(
+        &self,
+        variant: &Variant,
+        q: &Tensor,
+        q_offsets: &[usize],
+        cache: &dyn KvCache,
+        seqs: &[SeqId],
+        options: DecodeOptions,
+    ) -> Result<Output, RuntimeError> {
+        let ragged = Ragged::of(variant.spec(), q, q_offsets, seqs.len())?;
+        let (out, lse) = ragged.with_layout(|layout| {
+            self.cached(variant, &q.to_f32_vec(), cache, seqs, layout, options)
+        })?;
+        ragged.finish(variant.spec(), out, lse)
+    }
+
+    /// Checks the cache against the variant and runs its decode kernel on f32 queries of
     /// `qk_dim` values (absorbed ones for MLA).
     fn cached(
         &self,
-        spec: &AttentionSpec,
+        variant: &Variant,
         q: &[f32],
-        cache: &impl KvCache,
+        cache: &dyn KvCache,
         seqs: &[SeqId],
         layout: &Layout,
         options: DecodeOptions,
     ) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> {
-        let expected = CacheLayout::of(spec)?;
-        if *cache.layout() != expected {
-            return Err(RuntimeError::Cache(format!(
-                "the cache was made for another spec: it stores {} kv heads of {}+{} {} values, \
-                 this spec needs {} of {}+{} {}",
-                cache.layout().kv_heads,
-                cache.layout().k_dim,
-                cache.layout().v_dim,
-                cache.layout().dtype.name(),
-                expected.kv_heads,
-                expected.k_dim,
-                expected.v_dim,
-                expected.dtype.name()
-            )));
-        }
-        let kernel = self.kernel_of(spec, PlanKind::Decode)?;
+        check_cache(variant, cache)?;
+        let kernel = self.kernel_for(variant, PlanKind::Decode)?;
         let (max_rows, seg_keys) = (kernel.plan.tiles.q_rows as usize, K_TILE as usize);
         let items = items(&kernel.plan, cache, seqs, layout.q_lens, max_rows, seg_keys)?;
         run(&kernel, cache.layout(), &items, q, layout, options)

@@ -11,27 +11,19 @@ use crate::error::RuntimeError;
 use crate::host::checks::{check_qkv, finish};
 use crate::host::mla::AbsorbedForward;
 use crate::tensor::Tensor;
+use crate::variant::{KernelKey, Variant};
 use attn_dsl::AttentionSpec;
-use codegen::KernelPlan;
 use codegen::cpu::abi::Imports;
 use codegen::cpu::{CpuKernel, compile};
 use codegen::plan::PlanKind;
 use launch::{Call, Rows};
 use microkernels::Isa;
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 
 /// The CPU backend for one instruction set of microkernels.
 #[derive(Clone, Copy, Debug)]
 pub struct CpuBackend {
     isa: Isa,
-}
-
-type Cache = Mutex<HashMap<(String, &'static str, PlanKind), Arc<CpuKernel>>>;
-
-fn cache() -> &'static Cache {
-    static CACHE: OnceLock<Cache> = OnceLock::new();
-    CACHE.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
 impl Default for CpuBackend {
@@ -61,43 +53,46 @@ impl CpuBackend {
         self.isa
     }
 
-    /// The compiled forward kernel of a spec: compiled on first use, then cached for the
-    /// process (a new shape never recompiles).
+    /// The compiled forward kernel of a spec: compiled on first use, then kept by the
+    /// process's variant of the spec ([`Variant::shared`]; a new shape never recompiles).
     pub fn kernel(&self, spec: &AttentionSpec) -> Result<Arc<CpuKernel>, RuntimeError> {
-        self.kernel_of(spec, PlanKind::Forward)
+        self.kernel_for(&*Variant::shared(spec)?, PlanKind::Forward)
     }
 
-    /// The compiled kernel of a spec for a plan kind (forward or decode), cached like
+    /// The compiled kernel of a spec for a plan kind (forward or decode), kept like
     /// [`CpuBackend::kernel`].
     pub fn kernel_of(
         &self,
         spec: &AttentionSpec,
         kind: PlanKind,
     ) -> Result<Arc<CpuKernel>, RuntimeError> {
-        crate::error::check_spec(spec)?;
-        let key = (spec.to_string(), isa_name(self.isa), kind);
-        if let Some(k) = cache().lock().expect("kernel cache lock").get(&key) {
-            return Ok(Arc::clone(k));
-        }
-        let (qk_tile, pv_tile) = microkernels::addresses(self.isa);
-        let (qk_rows, pv_rows) = row_kernels::addresses(self.isa, spec.dtype);
-        let imports = Imports {
-            qk_tile,
-            pv_tile,
-            qk_rows,
-            pv_rows,
-            logf: microkernels::logf as *const () as usize,
+        self.kernel_for(&*Variant::shared(spec)?, kind)
+    }
+
+    /// The compiled kernel of a variant for a plan kind: compiled on first use for this
+    /// backend's instruction set, then kept by the variant.
+    pub fn kernel_for(
+        &self,
+        variant: &Variant,
+        kind: PlanKind,
+    ) -> Result<Arc<CpuKernel>, RuntimeError> {
+        let key = KernelKey {
+            backend: "cpu",
+            kind,
+            detail: isa_name(self.isa),
         };
-        let plan = match kind {
-            PlanKind::Forward => KernelPlan::forward(spec),
-            PlanKind::Decode => KernelPlan::decode(spec),
-        };
-        let kernel = Arc::new(compile(&plan, &imports)?);
-        cache()
-            .lock()
-            .expect("kernel cache lock")
-            .insert(key, Arc::clone(&kernel));
-        Ok(kernel)
+        variant.kernel(key, |variant| {
+            let (qk_tile, pv_tile) = microkernels::addresses(self.isa);
+            let (qk_rows, pv_rows) = row_kernels::addresses(self.isa, variant.spec().dtype);
+            let imports = Imports {
+                qk_tile,
+                pv_tile,
+                qk_rows,
+                pv_rows,
+                logf: microkernels::logf as *const () as usize,
+            };
+            Ok(compile(variant.plan(kind), &imports)?)
+        })
     }
 
     /// Attention for a per-head spec: q `[B, Hq, Sq, D]`, k `[B, Hkv, Skv, D]`, v
@@ -111,12 +106,25 @@ impl CpuBackend {
         v: &Tensor,
         position_offset: i64,
     ) -> Result<Output, RuntimeError> {
+        self.forward_in(&*Variant::shared(spec)?, q, k, v, position_offset)
+    }
+
+    /// [`CpuBackend::forward`] for a variant.
+    pub(crate) fn forward_in(
+        &self,
+        variant: &Variant,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        position_offset: i64,
+    ) -> Result<Output, RuntimeError> {
+        let spec = variant.spec();
         if spec.mla().is_some() {
             return Err(RuntimeError::Spec(
                 "this is an MLA spec: use forward_mla with q_nope, q_pe, c_kv, k_pe, w_kv_b".into(),
             ));
         }
-        let kernel = self.kernel(spec)?;
+        let kernel = self.kernel_for(variant, PlanKind::Forward)?;
         let (h, dv) = (spec.heads as usize, spec.v_head_dim as usize);
         let [b, sq, skv] = check_qkv(spec, q, k, v)?;
         let call = Call {
@@ -138,8 +146,19 @@ impl CpuBackend {
         x: &MlaTensors,
         position_offset: i64,
     ) -> Result<Output, RuntimeError> {
+        self.forward_mla_in(&*Variant::shared(spec)?, x, position_offset)
+    }
+
+    /// [`CpuBackend::forward_mla`] for a variant.
+    pub(crate) fn forward_mla_in(
+        &self,
+        variant: &Variant,
+        x: &MlaTensors,
+        position_offset: i64,
+    ) -> Result<Output, RuntimeError> {
+        let spec = variant.spec();
         let a = AbsorbedForward::of(spec, x)?;
-        let kernel = self.kernel(spec)?;
+        let kernel = self.kernel_for(variant, PlanKind::Forward)?;
         let (wq, h, sq, skv) = (a.width(), spec.heads as usize, a.sq, a.skv);
         let call = Call {
             batch: a.b,

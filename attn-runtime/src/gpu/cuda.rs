@@ -8,7 +8,7 @@ use crate::cache::{KvCache, MirrorSync, SeqId};
 use crate::error::RuntimeError;
 use crate::host::checks::finish;
 use crate::tensor::Tensor;
-use attn_dsl::AttentionSpec;
+use crate::variant::Variant;
 use codegen::gpu::ir::Kernel;
 use codegen::gpu::llvm::{Arch, dynamic_shared_bytes, emit};
 use cudarc::driver::sys::CUfunction_attribute_enum;
@@ -67,26 +67,30 @@ impl CudaBackend {
     /// Attention on the device (inputs and outputs on the host, as the CPU backend's).
     pub fn forward(
         &self,
-        spec: &AttentionSpec,
+        variant: &Variant,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
         p0: i64,
     ) -> Result<Output, RuntimeError> {
-        self.run(&GpuCall::forward(spec, q, k, v, p0)?)
+        self.run(&GpuCall::forward_in(variant, q, k, v, p0)?)
     }
 
     /// `CpuBackend::forward_mla`'s call on the device (inputs absorbed on the host, the kernel
     /// over the shared latent head, outputs expanded on the host).
     pub fn forward_mla(
         &self,
-        spec: &AttentionSpec,
+        variant: &Variant,
         x: &MlaTensors,
         p0: i64,
     ) -> Result<Output, RuntimeError> {
-        let (call, absorbed) = GpuCall::forward_mla(spec, x, p0)?;
+        let (call, absorbed) = GpuCall::forward_mla(variant, x, p0)?;
         let latent = self.run(&call)?;
-        absorbed.finish(spec, &latent.out.to_f32_vec(), latent.lse.to_f32_vec())
+        absorbed.finish(
+            variant.spec(),
+            &latent.out.to_f32_vec(),
+            latent.lse.to_f32_vec(),
+        )
     }
 
     /// `CpuBackend::decode`'s call on the device: the GPU decode kernel over the cache's
@@ -95,27 +99,29 @@ impl CudaBackend {
     /// against a copy uploaded once.
     pub fn decode(
         &self,
-        spec: &AttentionSpec,
+        variant: &Variant,
         q: &Tensor,
-        cache: &impl KvCache,
+        cache: &dyn KvCache,
         seqs: &[SeqId],
         options: DecodeOptions,
     ) -> Result<Output, RuntimeError> {
-        decode::decode_with(spec, q, cache, seqs, options, |l| self.run_decode(l, None))
+        decode::decode_with(variant, q, cache, seqs, options, &|l| {
+            self.run_decode(l, None)
+        })
     }
 
     /// `CpuBackend::attend_ragged`'s call on the device (a ragged batch of decode and chunked
     /// prefill rows in one launch).
     pub fn attend_ragged(
         &self,
-        spec: &AttentionSpec,
+        variant: &Variant,
         q: &Tensor,
         q_offsets: &[usize],
-        cache: &impl KvCache,
+        cache: &dyn KvCache,
         seqs: &[SeqId],
         options: DecodeOptions,
     ) -> Result<Output, RuntimeError> {
-        decode::attend_ragged_with(spec, q, q_offsets, cache, seqs, options, |l| {
+        decode::attend_ragged_with(variant, q, q_offsets, cache, seqs, options, &|l| {
             self.run_decode(l, None)
         })
     }
@@ -123,13 +129,13 @@ impl CudaBackend {
     /// `CpuBackend::decode_mla`'s call on the device (queries absorbed on the host).
     pub fn decode_mla(
         &self,
-        spec: &AttentionSpec,
+        variant: &Variant,
         queries: MlaQueries,
-        cache: &impl KvCache,
+        cache: &dyn KvCache,
         seqs: &[SeqId],
         options: DecodeOptions,
     ) -> Result<Output, RuntimeError> {
-        decode::decode_mla_with(spec, queries, cache, seqs, options, |l| {
+        decode::decode_mla_with(variant, queries, cache, seqs, options, &|l| {
             self.run_decode(l, None)
         })
     }
@@ -194,14 +200,14 @@ impl CudaBackend {
     /// [`CudaBackend::upload_cache`]: nothing of the cache is uploaded.
     pub fn decode_resident(
         &self,
-        spec: &AttentionSpec,
+        variant: &Variant,
         q: &Tensor,
-        cache: &impl KvCache,
+        cache: &dyn KvCache,
         resident: &DeviceCache,
         seqs: &[SeqId],
         options: DecodeOptions,
     ) -> Result<Output, RuntimeError> {
-        decode::decode_with(spec, q, cache, seqs, options, |l| {
+        decode::decode_with(variant, q, cache, seqs, options, &|l| {
             self.run_decode(l, Some(resident))
         })
     }

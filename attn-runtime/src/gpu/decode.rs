@@ -4,14 +4,15 @@
 //! device keeps the cache in its own memory; the kernel reads it through the segment table).
 
 use crate::backend::{DecodeOptions, MlaQueries, Output};
-use crate::cache::{CacheLayout, KvCache, SeqId};
+use crate::cache::{KvCache, SeqId};
 use crate::error::RuntimeError;
-use crate::host::checks::{check_dtype, finish};
+use crate::host::checks::check_cache;
 use crate::host::mla::AbsorbedQueries;
-use crate::host::ragged::{Layout, Ragged};
+use crate::host::ragged::{Layout, Ragged, Uniform};
 use crate::host::rope_table::RopeTables;
 use crate::host::work::{items, merge, partitions, row_strides, tasks};
 use crate::tensor::Tensor;
+use crate::variant::Variant;
 use attn_dsl::AttentionSpec;
 use codegen::KernelPlan;
 use codegen::gpu::decode::{SEGMENT_FIELDS, segment_keys, task_rows};
@@ -30,9 +31,7 @@ pub fn decode_emulated(
     seqs: &[SeqId],
     options: DecodeOptions,
 ) -> Result<Output, RuntimeError> {
-    decode_with(spec, q, cache, seqs, options, |l: &DecodeLaunch| {
-        l.run_emulated()
-    })
+    decode_with(&*Variant::shared(spec)?, q, cache, seqs, options, &emulate)
 }
 
 /// `CpuBackend::decode_mla`'s call on the GPU decode kernel, run on the interpreter: the
@@ -46,9 +45,14 @@ pub fn decode_mla_emulated(
     seqs: &[SeqId],
     options: DecodeOptions,
 ) -> Result<Output, RuntimeError> {
-    decode_mla_with(spec, queries, cache, seqs, options, |l: &DecodeLaunch| {
-        l.run_emulated()
-    })
+    decode_mla_with(
+        &*Variant::shared(spec)?,
+        queries,
+        cache,
+        seqs,
+        options,
+        &emulate,
+    )
 }
 
 /// `CpuBackend::attend_ragged`'s call (a ragged batch: `q [tokens, heads, head_dim]` with
@@ -61,109 +65,77 @@ pub fn attend_ragged_emulated(
     seqs: &[SeqId],
     options: DecodeOptions,
 ) -> Result<Output, RuntimeError> {
-    attend_ragged_with(
-        spec,
-        q,
-        q_offsets,
-        cache,
-        seqs,
-        options,
-        |l: &DecodeLaunch| l.run_emulated(),
-    )
+    let variant = Variant::shared(spec)?;
+    attend_ragged_with(&variant, q, q_offsets, cache, seqs, options, &emulate)
 }
 
-/// [`attend_ragged_emulated`] with the launch run by `exec`.
-pub(crate) fn attend_ragged_with(
-    spec: &AttentionSpec,
-    q: &Tensor,
-    q_offsets: &[usize],
-    cache: &impl KvCache,
-    seqs: &[SeqId],
-    options: DecodeOptions,
-    exec: impl Fn(&DecodeLaunch) -> Result<(Vec<f32>, Vec<f32>), RuntimeError>,
-) -> Result<Output, RuntimeError> {
-    crate::error::check_spec(spec)?;
-    let ragged = Ragged::of(spec, q, q_offsets, seqs.len())?;
-    let plan = checked_plan(spec, cache)?;
-    let qv = q.to_f32_vec();
-    let (out, lse) =
-        ragged.with_layout(|layout| run_rows(&plan, &qv, layout, cache, seqs, options, &exec))?;
-    ragged.finish(spec, out, lse)
+/// Runs a launch on the interpreter.
+pub(crate) fn emulate(launch: &DecodeLaunch) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> {
+    launch.run_emulated()
 }
 
 /// How a prepared decode launch runs: on the interpreter or a device. Returns `out` and `lse`.
 pub(crate) type Exec<'a> = &'a dyn Fn(&DecodeLaunch) -> Result<(Vec<f32>, Vec<f32>), RuntimeError>;
 
-/// [`decode_emulated`] with the launch run by `exec`.
-pub(crate) fn decode_with(
-    spec: &AttentionSpec,
+/// [`attend_ragged_emulated`] for a variant, with the launch run by `exec`.
+pub(crate) fn attend_ragged_with(
+    variant: &Variant,
     q: &Tensor,
-    cache: &impl KvCache,
+    q_offsets: &[usize],
+    cache: &dyn KvCache,
     seqs: &[SeqId],
     options: DecodeOptions,
-    exec: impl Fn(&DecodeLaunch) -> Result<(Vec<f32>, Vec<f32>), RuntimeError>,
+    exec: Exec,
 ) -> Result<Output, RuntimeError> {
-    crate::error::check_spec(spec)?;
-    if spec.mla().is_some() {
-        return Err(RuntimeError::Spec(
-            "this is an MLA spec: decode it with q_nope, q_pe and w_kv_b (decode_mla)".into(),
-        ));
-    }
-    check_dtype("q", q, spec.dtype)?;
-    let plan = checked_plan(spec, cache)?;
-    let (h, d, dv) = (
-        spec.heads as usize,
-        spec.head_dim as usize,
-        spec.v_head_dim as usize,
-    );
-    let [b, n] = match q.shape() {
-        [b, hh, n, dd] if *hh == h && *dd == d && *b == seqs.len() => [*b, *n],
-        found => {
-            return Err(RuntimeError::Shape {
-                tensor: "q".into(),
-                found: found.to_vec(),
-                expected: format!("[{}, {h}, q_len, {d}]", seqs.len()),
-            });
-        }
-    };
-    let q_lens = vec![n; b];
-    let call = Layout {
-        q_lens: &q_lens,
-        q_at: &|s, i, head| ((s * h + head) * n + i) * d,
-        out_row: &|s, i, head| (s * h + head) * n + i,
-        out_rows: b * h * n,
-    };
-    let (out, lse) = run_rows(&plan, &q.to_f32_vec(), &call, cache, seqs, options, &exec)?;
-    finish(spec.dtype, [b, h, n, dv], out, lse)
+    let ragged = Ragged::of(variant.spec(), q, q_offsets, seqs.len())?;
+    let plan = checked_plan(variant, cache)?;
+    let qv = q.to_f32_vec();
+    let (out, lse) = ragged
+        .with_layout(|layout| run_rows(variant, plan, &qv, layout, cache, seqs, options, exec))?;
+    ragged.finish(variant.spec(), out, lse)
 }
 
-/// [`decode_mla_emulated`] with the launch run by `exec`.
+/// [`decode_emulated`] for a variant, with the launch run by `exec`.
+pub(crate) fn decode_with(
+    variant: &Variant,
+    q: &Tensor,
+    cache: &dyn KvCache,
+    seqs: &[SeqId],
+    options: DecodeOptions,
+    exec: Exec,
+) -> Result<Output, RuntimeError> {
+    let batch = Uniform::of(variant.spec(), q, seqs.len())?;
+    let plan = checked_plan(variant, cache)?;
+    let qv = q.to_f32_vec();
+    let (out, lse) = batch
+        .with_layout(|layout| run_rows(variant, plan, &qv, layout, cache, seqs, options, exec))?;
+    batch.finish(variant.spec(), out, lse)
+}
+
+/// [`decode_mla_emulated`] for a variant, with the launch run by `exec`.
 pub(crate) fn decode_mla_with(
-    spec: &AttentionSpec,
+    variant: &Variant,
     queries: MlaQueries,
-    cache: &impl KvCache,
+    cache: &dyn KvCache,
     seqs: &[SeqId],
     options: DecodeOptions,
-    exec: impl Fn(&DecodeLaunch) -> Result<(Vec<f32>, Vec<f32>), RuntimeError>,
+    exec: Exec,
 ) -> Result<Output, RuntimeError> {
-    crate::error::check_spec(spec)?;
-    let a = AbsorbedQueries::of(spec, queries, seqs.len())?;
-    let plan = checked_plan(spec, cache)?;
+    let a = AbsorbedQueries::of(variant.spec(), queries, seqs.len())?;
+    let plan = checked_plan(variant, cache)?;
     let (latent, lse) =
-        a.with_layout(|layout| run_rows(&plan, &a.q, layout, cache, seqs, options, &exec))?;
-    a.finish(spec, &latent, lse)
+        a.with_layout(|layout| run_rows(variant, plan, &a.q, layout, cache, seqs, options, exec))?;
+    a.finish(variant.spec(), &latent, lse)
 }
 
-/// The decode plan of a spec, after checking that the cache was made for it and that the
+/// The decode plan of a variant, after checking that the cache was made for it and that the
 /// kernel runs it.
-fn checked_plan(spec: &AttentionSpec, cache: &impl KvCache) -> Result<KernelPlan, RuntimeError> {
-    let layout = CacheLayout::of(spec)?;
-    if *cache.layout() != layout {
-        return Err(RuntimeError::Cache(
-            "the cache was made for another spec".into(),
-        ));
-    }
-    let plan = KernelPlan::decode(spec);
+fn checked_plan<'v>(
+    variant: &'v Variant,
+    cache: &dyn KvCache,
+) -> Result<&'v KernelPlan, RuntimeError> {
+    check_cache(variant, cache)?;
+    let plan = variant.decode_plan();
     if plan
         .rope
         .as_ref()
@@ -287,11 +259,13 @@ impl DecodeLaunch<'_> {
 /// Runs the decode kernel (through `exec`, on the interpreter or a device) over f32 query rows
 /// of the plan's `qk_dim` (at `call.q_at`): the work items, partitions and lse merge of the CPU
 /// backend. Returns `out` (`call.out_rows` rows of the plan's `v_dim`) and `lse`.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn run_rows(
+    variant: &Variant,
     plan: &KernelPlan,
     qv: &[f32],
     call: &Layout,
-    cache: &impl KvCache,
+    cache: &dyn KvCache,
     seqs: &[SeqId],
     options: DecodeOptions,
     exec: Exec,
@@ -354,7 +328,7 @@ pub(crate) fn run_rows(
         .map(|r| RopeTables::new(r, 0, max_len, max_len as u64));
     let (rope_cos, rope_sin) = tables.map(|t| (t.cos, t.sin)).unwrap_or_default();
     let launch = DecodeLaunch {
-        kernel: super::lowered_decode(plan),
+        kernel: super::lowered_decode(variant)?,
         ctas: tasks.len() as u32,
         q_rows,
         tasks: task_records,

@@ -8,6 +8,7 @@ pub mod cuda;
 mod decode;
 
 pub use decode::{attend_ragged_emulated, decode_emulated, decode_mla_emulated};
+pub(crate) use decode::{attend_ragged_with, decode_mla_with, decode_with, emulate};
 
 use crate::backend::{MlaTensors, Output};
 use crate::error::RuntimeError;
@@ -15,6 +16,7 @@ use crate::host::checks::{check_qkv, finish};
 use crate::host::mla::AbsorbedForward;
 use crate::host::rope_table::RopeTables;
 use crate::tensor::{Storage, Tensor};
+use crate::variant::{KernelKey, Variant};
 use attn_dsl::AttentionSpec;
 use codegen::KernelPlan;
 use codegen::gpu::forward_tc;
@@ -22,8 +24,8 @@ use codegen::gpu::interp::{Memory, Val, run};
 use codegen::gpu::ir::Half;
 use codegen::gpu::ir::Kernel;
 use codegen::gpu::{forward_kernel, simt_forward_kernel};
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use codegen::plan::PlanKind;
+use std::sync::Arc;
 
 /// A forward call ready to launch: the kernel, its grid, and its inputs on the host.
 #[derive(Clone, Debug)]
@@ -79,44 +81,34 @@ fn qk_fits(plan: &KernelPlan, q: &Tensor, k: &Tensor) -> bool {
     q.max_abs().max(k.max_abs()) * factor <= forward_tc::QK_F16_LIMIT
 }
 
-/// Lowered GPU kernels by what they were lowered from (the normalized spec and the kernel kind):
-/// each is lowered once per process, as the CPU backend compiles each kernel once.
-type Lowered<T> = Mutex<HashMap<String, Arc<T>>>;
-
-fn lowered<T>(
-    cache: &'static OnceLock<Lowered<T>>,
-    key: String,
-    lower: impl FnOnce() -> T,
-) -> Arc<T> {
-    let cache = cache.get_or_init(|| Mutex::new(HashMap::new()));
-    if let Some(found) = cache.lock().expect("lowered-kernel cache lock").get(&key) {
-        return Arc::clone(found);
-    }
-    // Lowered outside the lock; a race lowers twice and keeps the first.
-    let made = Arc::new(lower());
-    let mut cache = cache.lock().expect("lowered-kernel cache lock");
-    Arc::clone(cache.entry(key).or_insert(made))
-}
-
-/// The forward kernel of `plan`: the SIMT one where `simt`, else the one `forward_kernel` picks.
-fn lowered_forward(plan: &KernelPlan, simt: bool) -> Arc<codegen::gpu::ForwardKernel> {
-    static FORWARD: OnceLock<Lowered<codegen::gpu::ForwardKernel>> = OnceLock::new();
-    let key = format!("{} {}", if simt { "simt" } else { "chosen" }, plan.spec);
-    lowered(&FORWARD, key, || {
-        if simt {
-            simt_forward_kernel(plan)
+/// The forward kernel of a variant: the SIMT one where `simt`, else the one `forward_kernel`
+/// picks. Lowered once per variant and shared by the interpreter and CUDA backends.
+fn lowered_forward(
+    variant: &Variant,
+    simt: bool,
+) -> Result<Arc<codegen::gpu::ForwardKernel>, RuntimeError> {
+    let key = KernelKey {
+        backend: "gpu",
+        kind: PlanKind::Forward,
+        detail: if simt { "simt" } else { "chosen" },
+    };
+    variant.kernel(key, |v| {
+        Ok(if simt {
+            simt_forward_kernel(v.forward_plan())
         } else {
-            forward_kernel(plan)
-        }
+            forward_kernel(v.forward_plan())
+        })
     })
 }
 
-/// The decode kernel of `plan`, lowered once per process.
-pub(crate) fn lowered_decode(plan: &KernelPlan) -> Arc<Kernel> {
-    static DECODE: OnceLock<Lowered<Kernel>> = OnceLock::new();
-    lowered(&DECODE, plan.spec.to_string(), || {
-        codegen::gpu::decode::lower(plan)
-    })
+/// The decode kernel of a variant, lowered once per variant.
+pub(crate) fn lowered_decode(variant: &Variant) -> Result<Arc<Kernel>, RuntimeError> {
+    let key = KernelKey {
+        backend: "gpu",
+        kind: PlanKind::Decode,
+        detail: "simt",
+    };
+    variant.kernel(key, |v| Ok(codegen::gpu::decode::lower(v.decode_plan())))
 }
 
 /// The positions of a call, checked as the CPU backend and the reference check them.
@@ -125,7 +117,8 @@ fn check_positions(sq: usize, skv: usize, p0: i64) -> Result<(), RuntimeError> {
 }
 
 impl GpuCall {
-    /// Prepares `forward(q, k, v)` for a per-head spec (the shapes of [`crate::cpu::CpuBackend::forward`]).
+    /// Prepares `forward(q, k, v)` for a per-head spec (the shapes of
+    /// [`crate::cpu::CpuBackend::forward`]).
     pub fn forward(
         spec: &AttentionSpec,
         q: &Tensor,
@@ -133,21 +126,32 @@ impl GpuCall {
         v: &Tensor,
         p0: i64,
     ) -> Result<GpuCall, RuntimeError> {
-        crate::error::check_spec(spec)?;
+        Self::forward_in(&*Variant::shared(spec)?, q, k, v, p0)
+    }
+
+    /// [`GpuCall::forward`] for a variant.
+    pub(crate) fn forward_in(
+        variant: &Variant,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        p0: i64,
+    ) -> Result<GpuCall, RuntimeError> {
+        let spec = variant.spec();
         if spec.mla().is_some() {
             return Err(RuntimeError::Spec(
                 "this is an MLA spec: use forward_mla with q_nope, q_pe, c_kv, k_pe and w_kv_b"
                     .into(),
             ));
         }
-        let plan = KernelPlan::forward(spec);
+        let plan = variant.forward_plan();
         let [b, sq, skv] = check_qkv(spec, q, k, v)?;
         check_positions(sq, skv, p0)?;
-        let chosen = lowered_forward(&plan, !qk_fits(&plan, q, k));
+        let chosen = lowered_forward(variant, !qk_fits(plan, q, k))?;
         let inputs = chosen.inputs;
         let bytes = [q, k, v].map(|t| device_bytes(t, inputs));
         Ok(Self::prepare(
-            &plan,
+            plan,
             chosen,
             [b, sq, skv],
             p0,
@@ -160,19 +164,17 @@ impl GpuCall {
     /// backend does, the kernel over one shared latent head. The call's `out` is the f32 latent
     /// output; [`AbsorbedForward::finish`] expands it by `W_uv`.
     pub(crate) fn forward_mla(
-        spec: &AttentionSpec,
+        variant: &Variant,
         x: &MlaTensors,
         p0: i64,
     ) -> Result<(GpuCall, AbsorbedForward), RuntimeError> {
-        crate::error::check_spec(spec)?;
-        let a = AbsorbedForward::of(spec, x)?;
+        let a = AbsorbedForward::of(variant.spec(), x)?;
         check_positions(a.sq, a.skv, p0)?;
-        let plan = KernelPlan::forward(spec);
-        let chosen = lowered_forward(&plan, false);
+        let chosen = lowered_forward(variant, false)?;
         let f32_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
         let bytes = [f32_bytes(&a.q), f32_bytes(&a.k), f32_bytes(&a.values())];
         let call = Self::prepare(
-            &plan,
+            variant.forward_plan(),
             chosen,
             [a.b, a.sq, a.skv],
             p0,
@@ -287,9 +289,22 @@ pub fn forward_mla_emulated(
     x: &MlaTensors,
     p0: i64,
 ) -> Result<Output, RuntimeError> {
-    let (call, absorbed) = GpuCall::forward_mla(spec, x, p0)?;
+    forward_mla_emulated_in(&*Variant::shared(spec)?, x, p0)
+}
+
+/// [`forward_mla_emulated`] for a variant.
+pub(crate) fn forward_mla_emulated_in(
+    variant: &Variant,
+    x: &MlaTensors,
+    p0: i64,
+) -> Result<Output, RuntimeError> {
+    let (call, absorbed) = GpuCall::forward_mla(variant, x, p0)?;
     let latent = call.run_emulated()?;
-    absorbed.finish(spec, &latent.out.to_f32_vec(), latent.lse.to_f32_vec())
+    absorbed.finish(
+        variant.spec(),
+        &latent.out.to_f32_vec(),
+        latent.lse.to_f32_vec(),
+    )
 }
 
 /// A tensor's values in logical order as the bytes of `dtype` (f32, or bf16 or f16 rounded to

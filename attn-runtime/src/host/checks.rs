@@ -1,8 +1,10 @@
 //! Checks of a call's tensors against its spec, and the outputs in the spec's dtype.
 
 use crate::backend::Output;
+use crate::cache::KvCache;
 use crate::error::RuntimeError;
 use crate::tensor::Tensor;
+use crate::variant::Variant;
 use attn_dsl::{AttentionSpec, DType};
 
 pub(crate) fn check_dtype(name: &str, t: &Tensor, dtype: DType) -> Result<(), RuntimeError> {
@@ -99,4 +101,24 @@ pub(crate) fn shape(name: &str, t: &Tensor, expected: &str) -> RuntimeError {
         found: t.shape().to_vec(),
         expected: expected.into(),
     }
+}
+
+/// Checks that `cache` was made for `variant`.
+pub(crate) fn check_cache(variant: &Variant, cache: &dyn KvCache) -> Result<(), RuntimeError> {
+    let (found, expected) = (cache.layout(), variant.cache_layout());
+    if found == expected {
+        return Ok(());
+    }
+    Err(RuntimeError::Cache(format!(
+        "the cache was made for another spec: it stores {} kv heads of {}+{} {} values, \
+         `{variant}` needs {} of {}+{} {}",
+        found.kv_heads,
+        found.k_dim,
+        found.v_dim,
+        found.dtype.name(),
+        expected.kv_heads,
+        expected.k_dim,
+        expected.v_dim,
+        expected.dtype.name()
+    )))
 }

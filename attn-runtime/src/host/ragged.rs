@@ -1,7 +1,7 @@
 //! Where the query rows of a cached call are, and where its output rows go: uniform batches and
 //! ragged ones (each sequence with its own number of new queries).
 
-use super::checks::{head_dims, per_head, shape};
+use super::checks::{finish, head_dims, per_head, shape};
 use crate::backend::Output;
 use crate::error::RuntimeError;
 use crate::tensor::Tensor;
@@ -16,6 +16,58 @@ pub(crate) struct Layout<'a> {
     /// Row of the output for (sequence, query, head).
     pub out_row: &'a (dyn Fn(usize, usize, usize) -> usize + Sync),
     pub out_rows: usize,
+}
+
+/// A uniform batch's queries, checked: `q [B, heads, q_len, head_dim]`, the last `q_len` tokens
+/// of each of the call's `B` sequences (see `CpuBackend::decode`).
+pub(crate) struct Uniform {
+    q_lens: Vec<usize>,
+    h: usize,
+    d: usize,
+}
+
+impl Uniform {
+    /// Checks `q` against the spec and `seqs` sequences.
+    pub fn of(spec: &AttentionSpec, q: &Tensor, seqs: usize) -> Result<Self, RuntimeError> {
+        per_head(spec, q)?;
+        let (h, d, _) = head_dims(spec);
+        match q.shape() {
+            [b, hh, n, dd] if *hh == h && *dd == d && *b == seqs => Ok(Uniform {
+                q_lens: vec![*n; *b],
+                h,
+                d,
+            }),
+            _ => Err(shape(
+                "q",
+                q,
+                &format!("[{seqs}, {h}, q_len, {d}] (one row per sequence)"),
+            )),
+        }
+    }
+
+    /// Calls `f` with where the batch's query rows are and where its output rows go.
+    pub fn with_layout<R>(&self, f: impl FnOnce(&Layout) -> R) -> R {
+        let (h, d) = (self.h, self.d);
+        let (b, n) = (self.q_lens.len(), self.q_lens.first().copied().unwrap_or(0));
+        f(&Layout {
+            q_lens: &self.q_lens,
+            q_at: &|s, i, head| ((s * h + head) * n + i) * d,
+            out_row: &|s, i, head| (s * h + head) * n + i,
+            out_rows: b * h * n,
+        })
+    }
+
+    /// `out [B, heads, q_len, v_head_dim]` (the spec's dtype) and `lse [B, heads, q_len]`.
+    pub fn finish(
+        &self,
+        spec: &AttentionSpec,
+        out: Vec<f32>,
+        lse: Vec<f32>,
+    ) -> Result<Output, RuntimeError> {
+        let (_, _, dv) = head_dims(spec);
+        let (b, n) = (self.q_lens.len(), self.q_lens.first().copied().unwrap_or(0));
+        finish(spec.dtype, [b, self.h, n, dv], out, lse)
+    }
 }
 
 /// A ragged batch's queries, checked: `q [tokens, heads, head_dim]` with cumulative

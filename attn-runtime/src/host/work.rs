@@ -46,7 +46,7 @@ unsafe impl Sync for Item {}
 /// heads x queries), with key segments of at most `seg_keys` keys.
 pub(crate) fn items(
     plan: &KernelPlan,
-    cache: &impl KvCache,
+    cache: &dyn KvCache,
     seqs: &[SeqId],
     q_lens: &[usize],
     max_rows: usize,

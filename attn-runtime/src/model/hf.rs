@@ -494,7 +494,7 @@ pub fn load(dir: &Path) -> Result<Model, RuntimeError> {
     };
     let final_norm = w.norm("model.norm.weight", eps, d)?;
     let embed = Matrix::new(config.vocab, d, embed.into_storage());
-    Ok(Model::new(config, embed, layers, final_norm, lm_head))
+    Model::new(config, embed, layers, final_norm, lm_head)
 }
 
 /// Tensors read from a checkpoint, taken as the model is assembled.

@@ -26,6 +26,7 @@ use crate::cache::{KvCache, PagedCache, SeqId};
 use crate::cpu::CpuBackend;
 use crate::error::RuntimeError;
 use crate::tensor::Tensor;
+use crate::variant::Variant;
 use layers::{Linear, Matrix, Mlp, Norm};
 use std::sync::Arc;
 
@@ -71,6 +72,8 @@ pub struct Model {
     pub(crate) final_norm: Norm,
     /// `[vocab, hidden]`, absent when tied to the embedding.
     pub(crate) lm_head: Option<Linear>,
+    /// The attention of every layer, validated and planned once.
+    variant: Arc<Variant>,
     backend: Arc<dyn Backend>,
 }
 
@@ -101,15 +104,21 @@ impl Model {
         layers: Vec<Layer>,
         final_norm: Norm,
         lm_head: Option<Linear>,
-    ) -> Self {
-        Model {
+    ) -> Result<Self, RuntimeError> {
+        Ok(Model {
+            variant: Variant::new(config.attention.clone())?,
             config,
             embed,
             layers,
             final_norm,
             lm_head,
             backend: Arc::new(CpuBackend::new()),
-        }
+        })
+    }
+
+    /// The attention variant of every layer.
+    pub fn variant(&self) -> &Arc<Variant> {
+        &self.variant
     }
 
     /// Runs the model's attention on `backend` from now on (the projections, norms and MLPs
@@ -253,7 +262,8 @@ impl Model {
         n: usize,
         keys: Keys,
     ) -> Result<Vec<f32>, RuntimeError> {
-        let spec = &self.config.attention;
+        let variant = &*self.variant;
+        let spec = variant.spec();
         let heads = spec.heads as usize;
         let (d, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
         // `[n, heads, dim]` rows as a `[1, heads, n, dim]` view.
@@ -268,7 +278,7 @@ impl Model {
                     Keys::Full => {
                         let q = by_head(qs, heads, d)?;
                         let (k, v) = (by_head(ks, hkv, d)?, by_head(vs, hkv, dv)?);
-                        let out = self.backend.forward(spec, &q, &k, &v, 0)?.out;
+                        let out = self.backend.forward(variant, &q, &k, &v, 0)?.out;
                         out.permute(&[0, 2, 1, 3])?.to_f32_vec()
                     }
                     Keys::Cached {
@@ -317,7 +327,7 @@ impl Model {
                                 let q = view(rows_of(&qs, heads * d, i), heads, d)?;
                                 let k = view(rows_of(&ks, hkv * d, i), hkv, d)?;
                                 let v = view(rows_of(&vs, hkv * dv, i), hkv, dv)?;
-                                let o = self.backend.forward(spec, &q, &k, &v, 0)?.out;
+                                let o = self.backend.forward(variant, &q, &k, &v, 0)?.out;
                                 let o = o.permute(&[0, 2, 1, 3])?.to_f32_vec();
                                 out[offsets[i] * heads * dv..offsets[i + 1] * heads * dv]
                                     .copy_from_slice(&o);
@@ -334,7 +344,7 @@ impl Model {
                             let options = DecodeOptions::default();
                             let o = self
                                 .backend
-                                .attend_ragged(spec, &q, &rest_offsets, cache, &ids, options)?
+                                .attend_ragged(variant, &q, &rest_offsets, cache, &ids, options)?
                                 .out
                                 .to_f32_vec();
                             for (j, &(i, _)) in rest_seqs.iter().enumerate() {
@@ -392,7 +402,7 @@ impl Model {
                             k_pe: &k_pe,
                             w_kv_b,
                         };
-                        let out = self.backend.forward_mla(spec, &x, 0)?.out;
+                        let out = self.backend.forward_mla(variant, &x, 0)?.out;
                         out.permute(&[0, 2, 1, 3])?.to_f32_vec()
                     }
                     Keys::Cached {
@@ -420,9 +430,13 @@ impl Model {
                                 w_kv_b,
                             };
                             let options = DecodeOptions::default();
-                            let o =
-                                self.backend
-                                    .decode_mla(spec, queries, cache, &[seq], options)?;
+                            let o = self.backend.decode_mla(
+                                variant,
+                                queries,
+                                cache,
+                                &[seq],
+                                options,
+                            )?;
                             out.extend(o.out.permute(&[0, 2, 1, 3])?.to_f32_vec());
                         }
                         out

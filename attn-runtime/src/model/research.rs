@@ -216,12 +216,6 @@ impl Model {
             .collect::<Result<Vec<_>, RuntimeError>>()?;
         let embed = init.matrix(c.vocab, c.hidden);
         let lm_head = (!c.tie_embeddings).then(|| init.linear(c.vocab, c.hidden, false));
-        Ok(Model::new(
-            config.clone(),
-            embed,
-            layers,
-            norm(c.hidden),
-            lm_head,
-        ))
+        Model::new(config.clone(), embed, layers, norm(c.hidden), lm_head)
     }
 }

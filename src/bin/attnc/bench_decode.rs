@@ -3,13 +3,14 @@
 use crate::bench::random;
 use crate::run::Backend;
 use attn::AttentionSpec;
-use attn::runtime::Output;
+use attn::runtime::Backend as Attend;
 use attn::runtime::RuntimeError;
 use attn::runtime::Tensor;
 use attn::runtime::cache::SeqId;
 use attn::runtime::cache::{KvCache, PagedCache};
 use attn::runtime::cpu::CpuBackend;
 use attn::runtime::{DecodeOptions, MlaQueries};
+use attn::runtime::{Output, Variant};
 use std::time::Instant;
 
 /// What to time.
@@ -50,7 +51,8 @@ pub fn bench(
         ));
     }
     let backend = CpuBackend::new();
-    let kernel = backend.kernel_of(spec, attn::codegen::plan::PlanKind::Decode)?;
+    let variant = Variant::new(spec.clone())?;
+    let kernel = backend.kernel_for(&variant, attn::codegen::plan::PlanKind::Decode)?;
     let compile_ms = kernel.compile_time.as_secs_f64() * 1e3;
     let (b, h) = (shape.batch, spec.heads as usize);
     let hkv = spec.kv_heads() as usize;
@@ -106,9 +108,9 @@ pub fn bench(
                 q_pe,
                 w_kv_b,
             };
-            backend.decode_mla(spec, queries, &cache, &seqs, options)
+            Attend::decode_mla(&backend, &variant, queries, &cache, &seqs, options)
         }
-        (None, None) => backend.decode(spec, &q, &cache, &seqs, options),
+        (None, None) => Attend::decode(&backend, &variant, &q, &cache, &seqs, options),
     };
     step()?;
     step()?;
@@ -157,8 +159,16 @@ fn device_step<'a>(
     }
     let gpu = attn::runtime::gpu::cuda::CudaBackend::new(0)?;
     let resident = gpu.upload_cache(cache)?;
+    let variant = attn::runtime::Variant::new(spec.clone())?;
     Ok(Some(Box::new(move || {
-        gpu.decode_resident(spec, q, cache, &resident, seqs, DecodeOptions::default())
+        gpu.decode_resident(
+            &variant,
+            q,
+            cache,
+            &resident,
+            seqs,
+            DecodeOptions::default(),
+        )
     })))
 }
 

@@ -11,7 +11,7 @@ use attn::runtime::backend::GpuInterpreter;
 use attn::runtime::cache::{PagedCache, SeqId};
 use attn::runtime::cpu::CpuBackend;
 use attn::runtime::{DecodeOptions, MlaQueries, MlaTensors, Output};
-use attn::runtime::{RuntimeError, Tensor};
+use attn::runtime::{RuntimeError, Tensor, Variant};
 
 /// The GPU backend under test: every `Backend` call, and decoding against device copies of the
 /// cache where the backend keeps them.
@@ -19,7 +19,7 @@ trait Gpu: attn::runtime::backend::Backend {
     /// Decode against a device copy of the cache, where the backend has one (else `None`).
     fn decode_resident(
         &self,
-        _spec: &AttentionSpec,
+        _variant: &Variant,
         _q: &Tensor,
         _cache: &PagedCache,
         _seqs: &[SeqId],
@@ -31,7 +31,7 @@ trait Gpu: attn::runtime::backend::Backend {
     /// brought up to date (`sync_cache`), where the backend has such copies (else `None`).
     fn decode_after_sync(
         &self,
-        _spec: &AttentionSpec,
+        _variant: &Variant,
         _q: &Tensor,
         _cache: &mut PagedCache,
         _step: &dyn Fn(&mut PagedCache) -> Result<(), RuntimeError>,
@@ -48,7 +48,7 @@ impl Gpu for GpuInterpreter {}
 impl Gpu for attn::runtime::gpu::cuda::CudaBackend {
     fn decode_resident(
         &self,
-        spec: &AttentionSpec,
+        variant: &Variant,
         q: &Tensor,
         cache: &PagedCache,
         seqs: &[SeqId],
@@ -56,13 +56,13 @@ impl Gpu for attn::runtime::gpu::cuda::CudaBackend {
     ) -> Option<Result<Output, RuntimeError>> {
         Some(
             self.upload_cache(cache)
-                .and_then(|r| self.decode_resident(spec, q, cache, &r, seqs, options)),
+                .and_then(|r| self.decode_resident(variant, q, cache, &r, seqs, options)),
         )
     }
 
     fn decode_after_sync(
         &self,
-        spec: &AttentionSpec,
+        variant: &Variant,
         q: &Tensor,
         cache: &mut PagedCache,
         step: &dyn Fn(&mut PagedCache) -> Result<(), RuntimeError>,
@@ -72,7 +72,7 @@ impl Gpu for attn::runtime::gpu::cuda::CudaBackend {
             let mut resident = self.upload_cache(cache)?;
             step(cache)?;
             self.sync_cache(&mut resident, cache)?;
-            self.decode_resident(spec, q, cache, &resident, seqs, DecodeOptions::default())
+            self.decode_resident(variant, q, cache, &resident, seqs, DecodeOptions::default())
         };
         Some(run())
     }
@@ -136,6 +136,7 @@ pub fn run(on: Backend) -> Result<bool, RuntimeError> {
         let spec: AttentionSpec = text
             .parse()
             .map_err(|e| RuntimeError::Spec(format!("{e}")))?;
+        let variant = Variant::new(spec.clone())?;
         let (h, hkv) = (spec.heads as usize, spec.kv_heads() as usize);
         let (d, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
         let mut cache = PagedCache::new(&spec, 16, 64)?;
@@ -154,9 +155,9 @@ pub fn run(on: Backend) -> Result<bool, RuntimeError> {
             let q = random(&spec, &[2, h, n, d], 5)?;
             let options = DecodeOptions::default();
             let want = cpu.decode(&spec, &q, &cache, &seqs, options)?;
-            let got = gpu.decode(&spec, &q, &cache, &seqs, options)?;
+            let got = gpu.decode(&variant, &q, &cache, &seqs, options)?;
             report(&format!("decode q_len {n}"), &spec, got, want.clone());
-            if let Some(got) = gpu.decode_resident(&spec, &q, &cache, &seqs, options) {
+            if let Some(got) = gpu.decode_resident(&variant, &q, &cache, &seqs, options) {
                 report(&format!("resident decode q_len {n}"), &spec, got?, want);
             }
         }
@@ -169,7 +170,7 @@ pub fn run(on: Backend) -> Result<bool, RuntimeError> {
             )
         };
         let q = random(&spec, &[2, h, 1, d], 7)?;
-        if let Some(got) = gpu.decode_after_sync(&spec, &q, &mut cache, &step, &seqs) {
+        if let Some(got) = gpu.decode_after_sync(&variant, &q, &mut cache, &step, &seqs) {
             let want = cpu.decode(&spec, &q, &cache, &seqs, DecodeOptions::default())?;
             report("resident decode after a step, synced", &spec, got?, want);
         }
@@ -179,7 +180,7 @@ pub fn run(on: Backend) -> Result<bool, RuntimeError> {
             partitions: Some(3),
         };
         let want = cpu.attend_ragged(&spec, &q, &offsets, &cache, &seqs, options)?;
-        let got = gpu.attend_ragged(&spec, &q, &offsets, &cache, &seqs, options)?;
+        let got = gpu.attend_ragged(&variant, &q, &offsets, &cache, &seqs, options)?;
         report("ragged, split-KV", &spec, got, want);
     }
 
@@ -188,6 +189,7 @@ pub fn run(on: Backend) -> Result<bool, RuntimeError> {
     let spec: AttentionSpec = text
         .parse()
         .map_err(|e| RuntimeError::Spec(format!("{e}")))?;
+    let variant = Variant::new(spec.clone())?;
     let mla = spec.mla().expect("an MLA spec");
     let (h, dn, dv) = (16, 64, 64);
     let (r, dr) = (mla.latent_rank as usize, mla.rope_dim as usize);
@@ -209,7 +211,12 @@ pub fn run(on: Backend) -> Result<bool, RuntimeError> {
         w_kv_b: &w_kv_b,
     };
     let want = cpu.forward_mla(&spec, &x, 0)?;
-    report("MLA prefill", &spec, gpu.forward_mla(&spec, &x, 0)?, want);
+    report(
+        "MLA prefill",
+        &spec,
+        gpu.forward_mla(&variant, &x, 0)?,
+        want,
+    );
     let mut cache = PagedCache::new(&spec, 16, 16)?;
     let seq = cache.add_sequence();
     let rows = |t: &Tensor, w: usize| Tensor::from_f32_as(spec.dtype, &[skv, w], t.to_f32_vec());
@@ -224,7 +231,13 @@ pub fn run(on: Backend) -> Result<bool, RuntimeError> {
         w_kv_b: &w_kv_b,
     };
     let want = cpu.decode_mla(&spec, queries(), &cache, &[seq], DecodeOptions::default())?;
-    let got = gpu.decode_mla(&spec, queries(), &cache, &[seq], DecodeOptions::default())?;
+    let got = gpu.decode_mla(
+        &variant,
+        queries(),
+        &cache,
+        &[seq],
+        DecodeOptions::default(),
+    )?;
     report("MLA decode", &spec, got, want);
     Ok(all)
 }

@@ -38,6 +38,7 @@ pub fn run(
     backend: Backend,
 ) -> Result<String, RuntimeError> {
     let backend = attn::runtime::backend::open(backend.name())?;
+    let variant = attn::runtime::Variant::new(spec.clone())?;
     let Output { out, lse } = if spec.mla().is_some() {
         let names = ["q_nope", "q_pe", "c_kv", "k_pe", "w_kv_b"];
         let [q_nope, q_pe, c_kv, k_pe, w_kv_b]: [Tensor; 5] = read_safetensors(input, &names)?
@@ -50,12 +51,12 @@ pub fn run(
             k_pe: &k_pe,
             w_kv_b: &w_kv_b,
         };
-        backend.forward_mla(spec, &x, offset)?
+        backend.forward_mla(&variant, &x, offset)?
     } else {
         let [q, k, v]: [Tensor; 3] = read_safetensors(input, &["q", "k", "v"])?
             .try_into()
             .expect("one tensor per name");
-        backend.forward(spec, &q, &k, &v, offset)?
+        backend.forward(&variant, &q, &k, &v, offset)?
     };
     write_safetensors(output, &[("out", &out), ("lse", &lse)])?;
     Ok(format!(

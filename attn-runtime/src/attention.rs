@@ -1,0 +1,93 @@
+//! The typed API of an attention variant declared with `#[attention(...)]`.
+
+use crate::backend::{DecodeOptions, MlaQueries, MlaTensors, Output};
+use crate::cache::{KvCache, PagedCache, SeqId};
+use crate::cpu::CpuBackend;
+use crate::variant::Variant;
+use crate::{RuntimeError, Tensor};
+use attn_dsl::{AttentionSpec, DType};
+use codegen::KernelPlan;
+use std::sync::Arc;
+
+/// An attention variant whose spec is fixed at compile time.
+///
+/// `#[attention(...)]` implements it for the annotated struct; the spec is validated when the
+/// crate compiles, so [`Attention::spec`] cannot fail. The constants let code be typed by the
+/// spec (e.g. buffers sized by `HEAD_DIM`). The entry points run on the CPU backend.
+pub trait Attention {
+    /// The spec in normalized form.
+    const SPEC_TEXT: &'static str;
+    /// Query heads.
+    const HEADS: u32;
+    /// Key/value heads the kernels read (1 for MLA).
+    const KV_HEADS: u32;
+    /// Query/key head dim (the non-rotary dim for MLA).
+    const HEAD_DIM: u32;
+    /// Value head dim.
+    const V_HEAD_DIM: u32;
+    /// Storage dtype.
+    const DTYPE: DType;
+
+    /// The spec (built as data by the macro, on first use).
+    fn spec() -> &'static AttentionSpec;
+
+    /// The variant: the spec validated and planned once, with the kernels built for it.
+    fn variant() -> &'static Arc<Variant>;
+
+    /// The forward kernel plan of the spec.
+    fn forward_plan() -> &'static KernelPlan {
+        Self::variant().forward_plan()
+    }
+
+    /// Attention output `[B, HEADS, Sq, V_HEAD_DIM]` for q `[B, HEADS, Sq, HEAD_DIM]`, k and v
+    /// `[B, KV_HEADS, Skv, ..]`, keys at positions `0..Skv` (CPU backend).
+    fn forward(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor, RuntimeError> {
+        Ok(Self::forward_with_lse(q, k, v, 0)?.out)
+    }
+
+    /// Output and log-sum-exp, keys at positions `position_offset + j` (CPU backend).
+    fn forward_with_lse(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        position_offset: i64,
+    ) -> Result<Output, RuntimeError> {
+        CpuBackend::new().forward_in(Self::variant(), q, k, v, position_offset)
+    }
+
+    /// MLA output and log-sum-exp (CPU backend, absorbed form).
+    fn forward_mla(x: &MlaTensors, position_offset: i64) -> Result<Output, RuntimeError> {
+        CpuBackend::new().forward_mla_in(Self::variant(), x, position_offset)
+    }
+
+    /// The decode kernel plan of the spec.
+    fn decode_plan() -> &'static KernelPlan {
+        Self::variant().decode_plan()
+    }
+
+    /// A paged KV cache laid out for this spec: `num_blocks` blocks of `block_size` tokens.
+    fn paged_cache(block_size: usize, num_blocks: usize) -> Result<PagedCache, RuntimeError> {
+        PagedCache::new(Self::spec(), block_size, num_blocks)
+    }
+
+    /// A decoding step: q `[B, HEADS, q_len, HEAD_DIM]` holds the last `q_len` tokens of each
+    /// sequence of `seqs`, whose keys and values the cache already holds (CPU backend).
+    fn decode(q: &Tensor, cache: &impl KvCache, seqs: &[SeqId]) -> Result<Output, RuntimeError> {
+        CpuBackend::new().decode_in(Self::variant(), q, cache, seqs, DecodeOptions::default())
+    }
+
+    /// An MLA decoding step against a latent cache (absorbed form, CPU backend).
+    fn decode_mla(
+        queries: MlaQueries,
+        cache: &impl KvCache,
+        seqs: &[SeqId],
+    ) -> Result<Output, RuntimeError> {
+        CpuBackend::new().decode_mla_in(
+            Self::variant(),
+            queries,
+            cache,
+            seqs,
+            DecodeOptions::default(),
+        )
+    }
+}
