@@ -343,8 +343,12 @@ fn nesting_at_the_limits_runs_every_pass() {
         exercise(&spec, true);
         // The GPU kernels lower the same program recursively, and print it.
         let plan = KernelPlan::forward(&spec);
-        let _ = attn::codegen::gpu::forward_kernel(&plan).kernel.to_string();
-        let _ = attn::codegen::gpu::decode::lower(&KernelPlan::decode(&spec)).to_string();
+        // Lowered, verified and printed (the verifier walks the kernel recursively too).
+        let forward = attn::codegen::gpu::forward_kernel(&plan).expect("the kernel verifies");
+        let _ = forward.kernel.to_string();
+        let decode = attn::codegen::gpu::decode_kernel(&KernelPlan::decode(&spec))
+            .expect("the decode kernel verifies");
+        let _ = decode.to_string();
         // And the GPU IR interpreter evaluates it recursively.
         let t = |shape: &[usize]| {
             let n = shape.iter().product();
@@ -361,8 +365,7 @@ fn nesting_at_the_limits_runs_every_pass() {
         .expect("the GPU kernel runs on the interpreter");
         #[cfg(feature = "cuda")]
         {
-            let kernel = attn::codegen::gpu::forward_kernel(&plan).kernel;
-            attn::codegen::gpu::llvm::emit(&kernel, attn::codegen::gpu::llvm::Arch::Sm90)
+            attn::codegen::gpu::llvm::emit(&forward.kernel, attn::codegen::gpu::llvm::Arch::Sm90)
                 .expect("the PTX emits");
         }
     }

@@ -68,7 +68,10 @@ fn the_macro_builds_the_spec_as_data_equal_to_its_text() {
     assert!((m.apply(2.0, 0, 2, 9, 3) - 4.2).abs() < 1e-12);
     assert_eq!(m.apply(2.0, 1, 0, 9, 4), -2.0 / 2.5);
     // The variant is made once and holds the spec's plans.
-    assert!(std::sync::Arc::ptr_eq(Everything::variant(), Everything::variant()));
+    assert!(std::sync::Arc::ptr_eq(
+        Everything::variant(),
+        Everything::variant()
+    ));
     assert_eq!(Everything::variant().spec(), Everything::spec());
 }
 

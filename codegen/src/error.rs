@@ -6,6 +6,14 @@ pub enum CodegenError {
     /// Cranelift rejected the function or the host is not supported.
     #[error("cranelift: {0}")]
     Cranelift(String),
+    /// A lowered GPU kernel failed the GPU IR verifier (a bug in the lowering).
+    #[error("GPU IR verifier: kernel `{kernel}`: {errors}")]
+    Verify {
+        /// The kernel's name.
+        kernel: String,
+        /// What the verifier found.
+        errors: String,
+    },
     /// LLVM rejected the module or could not generate PTX.
     #[error("llvm: {0}")]
     Llvm(String),

@@ -49,7 +49,7 @@ fn check_tc(text: &str, batch: usize, sq: usize, skv: usize, p0: i64) {
     assert!(forward_tc::supports(&plan), "{text}");
     check_kernel(
         text,
-        &forward_kernel(&plan),
+        &forward_kernel(&plan).unwrap(),
         (1e-2, 2e-2),
         batch,
         sq,
@@ -290,7 +290,7 @@ fn gpu_ir_snapshots() {
         ),
     ] {
         let spec: AttentionSpec = text.parse().unwrap();
-        let kernel = forward_kernel(&KernelPlan::forward(&spec)).kernel;
+        let kernel = forward_kernel(&KernelPlan::forward(&spec)).unwrap().kernel;
         insta::assert_snapshot!(name, kernel.to_string());
     }
 }

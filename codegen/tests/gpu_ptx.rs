@@ -14,7 +14,9 @@ fn forward_kernels_compile_to_ptx_for_sm80_and_sm90() {
     for (name, text) in NAMED_SPECS {
         let spec: attn_dsl::AttentionSpec = text.parse().unwrap();
         // The kernel a forward call of the spec runs: tensor cores for bf16, else SIMT.
-        let kernel = codegen::gpu::forward_kernel(&KernelPlan::forward(&spec)).kernel;
+        let kernel = codegen::gpu::forward_kernel(&KernelPlan::forward(&spec))
+            .unwrap()
+            .kernel;
         for arch in [Arch::Sm80, Arch::Sm90] {
             let out = emit(&kernel, arch).unwrap_or_else(|e| panic!("{name} {arch:?}: {e}"));
             assert!(out.ptx.contains(".entry attention_forward"), "{name}");

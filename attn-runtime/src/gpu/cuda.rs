@@ -10,10 +10,12 @@ use crate::host::checks::finish;
 use crate::tensor::Tensor;
 use crate::variant::Variant;
 use codegen::gpu::ir::Kernel;
+use codegen::gpu::launch::{DecodeArgs, ForwardArgs, bind};
 use codegen::gpu::llvm::{Arch, dynamic_shared_bytes, emit};
 use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
+    PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
@@ -266,22 +268,35 @@ impl CudaBackend {
             block_dim: (l.kernel.threads, 1, 1),
             shared_mem_bytes: dynamic_shared_bytes(&l.kernel),
         };
-        let pos0 = 0i64;
+        let ((q_rows, _q), (tasks, _t), (segments, _s)) = (
+            q_rows.device_ptr(s),
+            tasks.device_ptr(s),
+            segments.device_ptr(s),
+        );
+        let ((rope_cos, _c), (rope_sin, _n)) = (cos.device_ptr(s), sin.device_ptr(s));
+        let ((out_ptr, _o), (lse_ptr, _l)) = (out.device_ptr_mut(s), lse.device_ptr_mut(s));
+        let record = DecodeArgs {
+            q_rows: q_rows as i64,
+            tasks: tasks as i64,
+            segments: segments as i64,
+            out: out_ptr as i64,
+            lse: lse_ptr as i64,
+            rope_cos: rope_cos as i64,
+            rope_sin: rope_sin as i64,
+            rope_pos0: 0,
+        };
+        let values = bind(&l.kernel, &record).map_err(RuntimeError::Data)?;
         let mut launch = s.launch_builder(&f);
-        launch
-            .arg(&q_rows)
-            .arg(&tasks)
-            .arg(&segments)
-            .arg(&mut out)
-            .arg(&mut lse)
-            .arg(&cos)
-            .arg(&sin)
-            .arg(&pos0);
-        // SAFETY: the arguments match the decode kernel's eight 64-bit parameters in order
-        // (codegen::gpu::decode::PARAMS): device buffers of the query rows, task and segment
-        // records (whose row addresses point into `buffers`, alive until the launch completes),
-        // outputs of `out_rows` rows, RoPE tables, and the tables' first position.
+        for value in &values {
+            launch.arg(value);
+        }
+        // SAFETY: `bind` checked that the kernel's parameters are the record's fields, in
+        // order, all 64-bit: device addresses of the query rows, task and segment records
+        // (whose row addresses point into `buffers`, alive until the launch completes), outputs
+        // of `out_rows` rows and RoPE tables, all alive past the launch (the guards `_q`..`_l`
+        // order the stream's accesses and drop after it is queued).
         unsafe { launch.launch(config) }.map_err(device)?;
+        drop((_q, _t, _s, _c, _n, _o, _l));
         let out = s.clone_dtoh(&out).map_err(device)?;
         let lse = s.clone_dtoh(&lse).map_err(device)?;
         s.synchronize().map_err(device)?;
@@ -391,23 +406,37 @@ impl CudaBackend {
             block_dim: (call.kernel.threads, 1, 1),
             shared_mem_bytes: dynamic_shared_bytes(&call.kernel),
         };
-        let mut launch = self.stream.launch_builder(f);
-        launch
-            .arg(&x.q)
-            .arg(&x.k)
-            .arg(&x.v)
-            .arg(&mut x.out)
-            .arg(&mut x.lse)
-            .arg(&x.codes)
-            .arg(&call.sq)
-            .arg(&call.skv)
-            .arg(&call.p0)
-            .arg(&x.cos)
-            .arg(&x.sin)
-            .arg(&call.rope_pos0);
-        // SAFETY: the arguments match the kernel's twelve 64-bit parameters in order (device
-        // pointers for buffers of the sizes the kernel indexes: q, k, v, out, lse, codes, the
-        // RoPE tables; i64 scalars), and the grid and CTA size are the ones it was lowered for.
+        let s = &self.stream;
+        let ((q, _q), (k, _k), (v, _v)) = (x.q.device_ptr(s), x.k.device_ptr(s), x.v.device_ptr(s));
+        let ((codes, _c), (cos, _cs), (sin, _sn)) = (
+            x.codes.device_ptr(s),
+            x.cos.device_ptr(s),
+            x.sin.device_ptr(s),
+        );
+        let ((out, _o), (lse, _l)) = (x.out.device_ptr_mut(s), x.lse.device_ptr_mut(s));
+        let record = ForwardArgs {
+            q: q as i64,
+            k: k as i64,
+            v: v as i64,
+            out: out as i64,
+            lse: lse as i64,
+            codes: codes as i64,
+            sq: call.sq,
+            skv: call.skv,
+            p0: call.p0,
+            rope_cos: cos as i64,
+            rope_sin: sin as i64,
+            rope_pos0: call.rope_pos0,
+        };
+        let values = bind(&call.kernel, &record).map_err(RuntimeError::Data)?;
+        let mut launch = s.launch_builder(f);
+        for value in &values {
+            launch.arg(value);
+        }
+        // SAFETY: `bind` checked that the kernel's parameters are the record's fields, in
+        // order, all 64-bit: device addresses of buffers of the sizes the kernel indexes (q, k,
+        // v, out, lse, codes, the RoPE tables; their guards drop after the launch is queued)
+        // and i64 scalars; the grid and CTA size are the ones it was lowered for.
         unsafe { launch.launch(config) }.map_err(device)?;
         Ok(())
     }

@@ -18,6 +18,7 @@ use codegen::KernelPlan;
 use codegen::gpu::decode::{SEGMENT_FIELDS, segment_keys, task_rows};
 use codegen::gpu::interp::{Memory, Val, run};
 use codegen::gpu::ir::Kernel;
+use codegen::gpu::launch::{DecodeArgs, bind};
 use codegen::plan::Frequencies;
 use std::sync::Arc;
 
@@ -228,23 +229,25 @@ impl DecodeLaunch<'_> {
         let segments = self.segment_records(&bases)?;
         let out = mem.alloc_f32(&vec![0.0; self.out_rows * self.v_dim]);
         let lse = mem.alloc_f32(&vec![0.0; self.out_rows]);
-        let args: Vec<Val> = [
-            mem.alloc_f32(&self.q_rows),
-            mem.alloc_bytes(i64s(&self.tasks)),
-            if segments.is_empty() {
+        let record = DecodeArgs {
+            q_rows: mem.alloc_f32(&self.q_rows),
+            tasks: mem.alloc_bytes(i64s(&self.tasks)),
+            segments: if segments.is_empty() {
                 0
             } else {
                 mem.alloc_bytes(i64s(&segments))
             },
             out,
             lse,
-            cos,
-            sin,
-            0,
-        ]
-        .into_iter()
-        .map(Val::I64)
-        .collect();
+            rope_cos: cos,
+            rope_sin: sin,
+            rope_pos0: 0,
+        };
+        let args: Vec<Val> = bind(&self.kernel, &record)
+            .map_err(RuntimeError::Data)?
+            .into_iter()
+            .map(Val::I64)
+            .collect();
         run(&self.kernel, [self.ctas, 1, 1], &args, &mut mem).map_err(RuntimeError::Data)?;
         let out = mem
             .read_f32(out, self.out_rows * self.v_dim)

@@ -23,6 +23,7 @@ use codegen::gpu::forward_tc;
 use codegen::gpu::interp::{Memory, Val, run};
 use codegen::gpu::ir::Half;
 use codegen::gpu::ir::Kernel;
+use codegen::gpu::launch::{ForwardArgs, bind};
 use codegen::gpu::{forward_kernel, simt_forward_kernel};
 use codegen::plan::PlanKind;
 use std::sync::Arc;
@@ -94,9 +95,9 @@ fn lowered_forward(
     };
     variant.kernel(key, |v| {
         Ok(if simt {
-            simt_forward_kernel(v.forward_plan())
+            simt_forward_kernel(v.forward_plan())?
         } else {
-            forward_kernel(v.forward_plan())
+            forward_kernel(v.forward_plan())?
         })
     })
 }
@@ -108,7 +109,7 @@ pub(crate) fn lowered_decode(variant: &Variant) -> Result<Arc<Kernel>, RuntimeEr
         kind: PlanKind::Decode,
         detail: "simt",
     };
-    variant.kernel(key, |v| Ok(codegen::gpu::decode::lower(v.decode_plan())))
+    variant.kernel(key, |v| Ok(codegen::gpu::decode_kernel(v.decode_plan())?))
 }
 
 /// The positions of a call, checked as the CPU backend and the reference check them.
@@ -255,23 +256,25 @@ impl GpuCall {
             buffer(&mut mem, &self.rope_cos),
             buffer(&mut mem, &self.rope_sin),
         );
-        let args: Vec<Val> = [
+        let record = ForwardArgs {
             q,
             k,
             v,
             out,
             lse,
             codes,
-            self.sq,
-            self.skv,
-            self.p0,
-            cos,
-            sin,
-            self.rope_pos0,
-        ]
-        .into_iter()
-        .map(Val::I64)
-        .collect();
+            sq: self.sq,
+            skv: self.skv,
+            p0: self.p0,
+            rope_cos: cos,
+            rope_sin: sin,
+            rope_pos0: self.rope_pos0,
+        };
+        let args: Vec<Val> = bind(&self.kernel, &record)
+            .map_err(RuntimeError::Data)?
+            .into_iter()
+            .map(Val::I64)
+            .collect();
         run(&self.kernel, self.grid, &args, &mut mem).map_err(RuntimeError::Data)?;
         let out = mem
             .read_f32(out, b * h * sq * dv)

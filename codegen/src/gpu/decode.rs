@@ -22,21 +22,10 @@ use super::forward::{
 };
 use super::ir::build::*;
 use super::ir::{Bin, Expr, Half, Kernel, Space, Special, Stmt, Ty};
+use super::launch::{DecodeArgs, LaunchRecord};
 use crate::plan::{KernelPlan, PlanKind, TileCode};
 use attn_dsl::modifier::Expr as M;
 use attn_dsl::{DType, RopeLayout};
-
-/// Parameters, in order.
-pub const PARAMS: [&str; 8] = [
-    "q_rows",
-    "tasks",
-    "segments",
-    "out",
-    "lse",
-    "rope_cos",
-    "rope_sin",
-    "rope_pos0",
-];
 
 /// i64 fields of a task record.
 pub const TASK_FIELDS: usize = 9;
@@ -70,11 +59,7 @@ pub fn task_rows(plan: &KernelPlan) -> u32 {
 }
 
 fn param(name: &str) -> Expr {
-    let i = PARAMS
-        .iter()
-        .position(|p| *p == name)
-        .expect("a known parameter");
-    Expr::Param(i as u32)
+    Expr::Param(DecodeArgs::position(name))
 }
 
 /// Field `i` of the record at `base` (i64s).
@@ -521,7 +506,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
 
     Kernel {
         name: "attention_decode".into(),
-        params: PARAMS.iter().map(|p| (p.to_string(), Ty::I64)).collect(),
+        params: DecodeArgs::params(),
         regs: r.list,
         shared_bytes: sh.bytes as u32,
         threads: THREADS,

@@ -10,6 +10,7 @@
 
 use super::ir::build::*;
 use super::ir::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty, Un};
+use super::launch::{ForwardArgs, LaunchRecord};
 use crate::plan::{KernelPlan, PlanKind, RopePrologue, TileCode};
 use attn_dsl::RopeLayout;
 use attn_dsl::modifier::{BinOp, Expr as M, Ty as MTy, UnOp, Var};
@@ -29,22 +30,6 @@ pub fn key_tile(plan: &KernelPlan) -> u32 {
     }
 }
 
-/// Parameters, in order.
-pub const PARAMS: [&str; 12] = [
-    "q",
-    "k",
-    "v",
-    "out",
-    "lse",
-    "codes",
-    "sq",
-    "skv",
-    "p0",
-    "rope_cos",
-    "rope_sin",
-    "rope_pos0",
-];
-
 /// Register allocation for the kernel being built.
 pub(super) struct Regs {
     pub list: Vec<(String, Ty)>,
@@ -58,11 +43,7 @@ impl Regs {
 }
 
 pub(super) fn param(name: &str) -> Expr {
-    let i = PARAMS
-        .iter()
-        .position(|p| *p == name)
-        .expect("a known parameter");
-    Expr::Param(i as u32)
+    Expr::Param(ForwardArgs::position(name))
 }
 
 pub(super) fn special64(s: Special) -> Expr {
@@ -317,7 +298,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
 
     Kernel {
         name: "attention_forward".into(),
-        params: PARAMS.iter().map(|p| (p.to_string(), Ty::I64)).collect(),
+        params: ForwardArgs::params(),
         regs: r.list,
         shared_bytes: shared_bytes as u32,
         threads: ROWS,

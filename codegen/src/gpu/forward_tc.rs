@@ -18,11 +18,10 @@
 //! or unmask tiles. Shared rows are padded by 16 bytes so the eight rows an `ldmatrix` reads
 //! fall in different banks.
 
-use super::forward::{
-    Env, PARAMS, Regs, lse_of_half, param, program, reciprocal, rotate_pair, special64,
-};
+use super::forward::{Env, Regs, lse_of_half, param, program, reciprocal, rotate_pair, special64};
 use super::ir::build::*;
 use super::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Un};
+use super::launch::{ForwardArgs, LaunchRecord};
 use crate::plan::{KernelPlan, PlanKind, TileCode};
 use attn_dsl::modifier::{Expr as M, Var};
 use attn_dsl::{DType, RopeLayout};
@@ -859,7 +858,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
 
     Kernel {
         name: "attention_forward_tc".into(),
-        params: PARAMS.iter().map(|p| (p.to_string(), Ty::I64)).collect(),
+        params: ForwardArgs::params(),
         regs: r.list,
         shared_bytes: shared_bytes as u32,
         threads: THREADS,

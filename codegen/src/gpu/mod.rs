@@ -7,14 +7,19 @@
 //! `llvm` translates the IR to LLVM IR and PTX. Still to come (issue 7): tensor-core decode,
 //! `wgmma` and TMA on sm_90a.
 
+use crate::CodegenError;
+
 pub mod decode;
 pub mod forward;
 pub mod forward_tc;
 pub mod interp;
 pub mod ir;
+pub mod launch;
 #[cfg(feature = "cuda")]
 pub mod llvm;
+pub mod parse;
 mod print;
+pub mod verify;
 
 /// A forward kernel as the host launches it.
 #[derive(Clone, Debug)]
@@ -70,26 +75,46 @@ impl ForwardKernel {
 }
 
 /// The forward kernel a plan runs on GPUs: tensor cores for bf16 and f16 specs, SIMT f32
-/// otherwise.
-pub fn forward_kernel(plan: &crate::KernelPlan) -> ForwardKernel {
+/// otherwise. Verified ([`verify::verify`]).
+pub fn forward_kernel(plan: &crate::KernelPlan) -> Result<ForwardKernel, CodegenError> {
     if forward_tc::supports(plan) {
-        ForwardKernel {
-            kernel: std::sync::Arc::new(forward_tc::lower(plan)),
+        Ok(ForwardKernel {
+            kernel: std::sync::Arc::new(verified(forward_tc::lower(plan))?),
             key_tile: forward_tc::key_tile(plan),
             rows: forward_tc::rows(plan),
             inputs: plan.dtype,
-        }
+        })
     } else {
         simt_forward_kernel(plan)
     }
 }
 
-/// The SIMT forward kernel of a plan, on f32 inputs: any plan runs on it.
-pub fn simt_forward_kernel(plan: &crate::KernelPlan) -> ForwardKernel {
-    ForwardKernel {
-        kernel: std::sync::Arc::new(forward::lower(plan)),
+/// The SIMT forward kernel of a plan, on f32 inputs: any plan runs on it. Verified.
+pub fn simt_forward_kernel(plan: &crate::KernelPlan) -> Result<ForwardKernel, CodegenError> {
+    Ok(ForwardKernel {
+        kernel: std::sync::Arc::new(verified(forward::lower(plan))?),
         key_tile: forward::key_tile(plan),
         rows: forward::ROWS,
         inputs: attn_dsl::DType::F32,
+    })
+}
+
+/// The decode kernel of a decode plan, verified.
+pub fn decode_kernel(plan: &crate::KernelPlan) -> Result<ir::Kernel, CodegenError> {
+    verified(decode::lower(plan))
+}
+
+/// The kernel, if the verifier passes it.
+pub fn verified(kernel: ir::Kernel) -> Result<ir::Kernel, CodegenError> {
+    match verify::verify(&kernel) {
+        Ok(()) => Ok(kernel),
+        Err(errors) => Err(CodegenError::Verify {
+            kernel: kernel.name.clone(),
+            errors: errors
+                .iter()
+                .map(|e| e.to_string())
+                .collect::<Vec<_>>()
+                .join("; "),
+        }),
     }
 }

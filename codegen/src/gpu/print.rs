@@ -21,17 +21,37 @@ fn space(s: Space) -> &'static str {
     }
 }
 
-struct Show<'a>(&'a Kernel, &'a Expr);
+/// The names registers print under: their own where unique, else `name.index` (so the text
+/// names each register once and parses back to the same kernel).
+pub(super) fn reg_names(k: &Kernel) -> Vec<String> {
+    let mut seen = std::collections::HashMap::new();
+    for (name, _) in &k.regs {
+        *seen.entry(name.as_str()).or_insert(0usize) += 1;
+    }
+    k.regs
+        .iter()
+        .enumerate()
+        .map(|(i, (name, _))| {
+            if seen[name.as_str()] > 1 {
+                format!("{name}.{i}")
+            } else {
+                name.clone()
+            }
+        })
+        .collect()
+}
+
+struct Show<'a>(&'a Kernel, &'a [String], &'a Expr);
 
 impl<'a> fmt::Display for Show<'a> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let k = self.0;
-        let sub = |e: &'a Expr| Show(k, e);
-        match self.1 {
+        let (k, names) = (self.0, self.1);
+        let sub = |e: &'a Expr| Show(k, names, e);
+        match self.2 {
             Expr::Int(x, ty) => write!(f, "{x}:{ty}"),
             Expr::F32(x) => write!(f, "{x:?}"),
             Expr::Pred(b) => write!(f, "{b}"),
-            Expr::Reg(r) => write!(f, "%{}", k.regs[r.0 as usize].0),
+            Expr::Reg(r) => write!(f, "%{}", names[r.0 as usize]),
             Expr::Param(i) => write!(f, "${}", k.params[*i as usize].0),
             Expr::Special(s) => match s {
                 Special::Tid => write!(f, "tid"),
@@ -96,20 +116,27 @@ impl<'a> fmt::Display for Show<'a> {
     }
 }
 
-fn stmts(f: &mut fmt::Formatter<'_>, k: &Kernel, body: &[Stmt], depth: usize) -> fmt::Result {
+fn stmts(
+    f: &mut fmt::Formatter<'_>,
+    k: &Kernel,
+    names: &[String],
+    body: &[Stmt],
+    depth: usize,
+) -> fmt::Result {
     let pad = "  ".repeat(depth);
+    let show = |e| Show(k, names, e);
     for s in body {
         match s {
-            Stmt::Set(r, e) => writeln!(f, "{pad}%{} = {}", k.regs[r.0 as usize].0, Show(k, e))?,
+            Stmt::Set(r, e) => writeln!(f, "{pad}%{} = {}", names[r.0 as usize], show(e))?,
             Stmt::Store(sp, a, v) => {
-                writeln!(f, "{pad}st.{}[{}] = {}", space(*sp), Show(k, a), Show(k, v))?
+                writeln!(f, "{pad}st.{}[{}] = {}", space(*sp), show(a), show(v))?
             }
             Stmt::If(c, t, e) => {
-                writeln!(f, "{pad}if {} {{", Show(k, c))?;
-                stmts(f, k, t, depth + 1)?;
+                writeln!(f, "{pad}if {} {{", show(c))?;
+                stmts(f, k, names, t, depth + 1)?;
                 if !e.is_empty() {
                     writeln!(f, "{pad}}} else {{")?;
-                    stmts(f, k, e, depth + 1)?;
+                    stmts(f, k, names, e, depth + 1)?;
                 }
                 writeln!(f, "{pad}}}")?;
             }
@@ -123,11 +150,11 @@ fn stmts(f: &mut fmt::Formatter<'_>, k: &Kernel, body: &[Stmt], depth: usize) ->
                 writeln!(
                     f,
                     "{pad}for %{} in {}..{} step {step} {{",
-                    k.regs[reg.0 as usize].0,
-                    Show(k, start),
-                    Show(k, end)
+                    names[reg.0 as usize],
+                    show(start),
+                    show(end)
                 )?;
-                stmts(f, k, body, depth + 1)?;
+                stmts(f, k, names, body, depth + 1)?;
                 writeln!(f, "{pad}}}")?;
             }
             Stmt::Barrier => writeln!(f, "{pad}bar.sync")?,
@@ -138,16 +165,16 @@ fn stmts(f: &mut fmt::Formatter<'_>, k: &Kernel, body: &[Stmt], depth: usize) ->
             } => writeln!(
                 f,
                 "{pad}cp.async.cg.shared.global [{}], [{}], 16, {}",
-                Show(k, dst),
-                Show(k, src),
-                Show(k, src_bytes)
+                show(dst),
+                show(src),
+                show(src_bytes)
             )?,
             Stmt::CpAsyncCommit => writeln!(f, "{pad}cp.async.commit_group")?,
             Stmt::CpAsyncWait(n) => writeln!(f, "{pad}cp.async.wait_group {n}")?,
             Stmt::LdMatrix { dst, addr, trans } => {
                 let names: Vec<String> = dst
                     .iter()
-                    .map(|r| format!("%{}", k.regs[r.0 as usize].0))
+                    .map(|r| format!("%{}", names[r.0 as usize]))
                     .collect();
                 writeln!(
                     f,
@@ -155,13 +182,13 @@ fn stmts(f: &mut fmt::Formatter<'_>, k: &Kernel, body: &[Stmt], depth: usize) ->
                     names.join(", "),
                     dst.len(),
                     if *trans { ".trans" } else { "" },
-                    Show(k, addr)
+                    show(addr)
                 )?
             }
             Stmt::Mma { half, d, a, b, c } => {
                 let names = |rs: &[super::ir::Reg]| {
                     rs.iter()
-                        .map(|r| format!("%{}", k.regs[r.0 as usize].0))
+                        .map(|r| format!("%{}", names[r.0 as usize]))
                         .collect::<Vec<_>>()
                         .join(", ")
                 };
@@ -199,15 +226,17 @@ impl fmt::Display for Kernel {
             self.ctas_per_sm,
             self.shared_bytes
         )?;
+        let names = reg_names(self);
         let regs: Vec<String> = self
             .regs
             .iter()
-            .map(|(n, t)| format!("%{n}: {t}"))
+            .zip(&names)
+            .map(|((_, t), n)| format!("%{n}: {t}"))
             .collect();
         for line in regs.chunks(8) {
             writeln!(f, "  reg {}", line.join(", "))?;
         }
-        stmts(f, self, &self.body, 1)?;
+        stmts(f, self, &names, &self.body, 1)?;
         writeln!(f, "}}")
     }
 }

@@ -29,7 +29,9 @@ pub enum Target {
 
 /// The text of the spec's forward kernel in the requested form.
 pub fn emit(spec: &AttentionSpec, target: Target, what: Emit) -> Result<String, String> {
-    let kernel = forward_kernel(&KernelPlan::forward(spec)).kernel;
+    let kernel = forward_kernel(&KernelPlan::forward(spec))
+        .map_err(|e| e.to_string())?
+        .kernel;
     match what {
         Emit::GpuIr => Ok(kernel.to_string()),
         Emit::LlvmIr | Emit::Ptx => compile(&kernel, target, what),

@@ -1,0 +1,148 @@
+//! Typed launch records: each kernel family's parameters as a struct with named fields. The
+//! lowering takes its parameter list from the record, and launches bind a record to a kernel by
+//! name ([`bind`]), so the host and the kernel cannot disagree on positions.
+
+use super::ir::{Kernel, Ty};
+
+/// What a parameter holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ParamKind {
+    /// A device address in global memory (bytes).
+    Address,
+    /// An integer.
+    Scalar,
+}
+
+/// One field of a launch record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Param {
+    /// The field's (and the kernel parameter's) name.
+    pub name: &'static str,
+    /// What it holds.
+    pub kind: ParamKind,
+}
+
+/// A kernel family's parameters as a record of 64-bit values (addresses and scalars are both
+/// i64 in GPU IR).
+pub trait LaunchRecord {
+    /// The fields, in the order of the kernel's parameters.
+    const FIELDS: &'static [Param];
+
+    /// The field values, in [`LaunchRecord::FIELDS`] order.
+    fn values(&self) -> Vec<i64>;
+
+    /// The kernel parameters of the record: its field names, each an I64.
+    fn params() -> Vec<(String, Ty)> {
+        Self::FIELDS
+            .iter()
+            .map(|p| (p.name.to_string(), Ty::I64))
+            .collect()
+    }
+
+    /// The position of field `name` among the kernel's parameters, for a lowering that refers
+    /// to it (a name not in the record is a bug in the lowering).
+    fn position(name: &str) -> u32 {
+        Self::FIELDS
+            .iter()
+            .position(|p| p.name == name)
+            .unwrap_or_else(|| panic!("`{name}` is not a field of the launch record"))
+            as u32
+    }
+}
+
+/// The argument values of a launch of `kernel` with `record`, in the kernel's parameter order;
+/// an error when the kernel's parameters are not the record's fields (names and types).
+pub fn bind<R: LaunchRecord>(kernel: &Kernel, record: &R) -> Result<Vec<i64>, String> {
+    let expected = R::params();
+    if kernel.params != expected {
+        let names = |p: &[(String, Ty)]| {
+            p.iter()
+                .map(|(n, t)| format!("{n}: {t}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        return Err(format!(
+            "kernel `{}` takes ({}), the launch record has ({})",
+            kernel.name,
+            names(&kernel.params),
+            names(&expected)
+        ));
+    }
+    Ok(record.values())
+}
+
+/// Defines a launch record: a struct of i64 fields and its [`LaunchRecord`] impl.
+macro_rules! launch_record {
+    (
+        $(#[$doc:meta])*
+        $name:ident { $($(#[$field_doc:meta])* $field:ident: $kind:ident),* $(,)? }
+    ) => {
+        $(#[$doc])*
+        #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+        pub struct $name {
+            $($(#[$field_doc])* pub $field: i64,)*
+        }
+
+        impl LaunchRecord for $name {
+            const FIELDS: &'static [Param] = &[
+                $(Param { name: stringify!($field), kind: ParamKind::$kind },)*
+            ];
+
+            fn values(&self) -> Vec<i64> {
+                vec![$(self.$field),*]
+            }
+        }
+    };
+}
+
+launch_record! {
+    /// A forward launch (SIMT and tensor-core kernels): one CTA per (query block, head, batch).
+    ForwardArgs {
+        /// `[B, Hq, Sq, D]` queries in the kernel's input type.
+        q: Address,
+        /// `[B, Hkv, Skv, D]` keys.
+        k: Address,
+        /// `[B, Hkv, Skv, Dv]` values.
+        v: Address,
+        /// `[B, Hq, Sq, Dv]` f32 output.
+        out: Address,
+        /// `[B, Hq, Sq]` f32 log-sum-exp.
+        lse: Address,
+        /// One i32 tile code per (head, query block, key tile) (`crate::plan::TileCode`).
+        codes: Address,
+        /// Queries per sequence.
+        sq: Scalar,
+        /// Keys per sequence.
+        skv: Scalar,
+        /// The position of key 0.
+        p0: Scalar,
+        /// RoPE cosines, rows of `rope_dim / 2` f32 from position `rope_pos0`.
+        rope_cos: Address,
+        /// RoPE sines, as `rope_cos`.
+        rope_sin: Address,
+        /// The position of the tables' first row.
+        rope_pos0: Scalar,
+    }
+}
+
+launch_record! {
+    /// A decode launch: one CTA per task.
+    DecodeArgs {
+        /// Query rows, f32, `qk_dim` each.
+        q_rows: Address,
+        /// Task records (`decode::TASK_FIELDS` i64 each).
+        tasks: Address,
+        /// Segment records (`decode::SEGMENT_FIELDS` i64 each), K and V as device addresses.
+        segments: Address,
+        /// Output rows, f32, `v_dim` each.
+        out: Address,
+        /// One f32 log-sum-exp per output row.
+        lse: Address,
+        /// RoPE cosines for the query positions.
+        rope_cos: Address,
+        /// RoPE sines.
+        rope_sin: Address,
+        /// The position of the tables' first row.
+        rope_pos0: Scalar,
+    }
+}

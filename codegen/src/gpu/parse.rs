@@ -1,0 +1,788 @@
+//! The parser of GPU IR text: the printed form ([`Kernel`]'s `Display`) back to a kernel, so
+//! that kernels can be written, stored and tested as text. `parse(&kernel.to_string())` gives
+//! the kernel back (floats print in full; NaN payloads are not kept).
+//!
+//! Errors say where (line and column) and what was expected. Input of any size or nesting is
+//! refused cleanly: nesting past [`MAX_DEPTH`] levels is an error, never a stack overflow.
+
+use super::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Un};
+use std::collections::HashMap;
+use std::fmt;
+
+/// The deepest nesting of expressions and blocks the parser accepts.
+pub const MAX_DEPTH: usize = 512;
+
+/// A parse error at a line and column (1-based).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParseError {
+    /// Line of the offending token.
+    pub line: usize,
+    /// Column of its first character.
+    pub column: usize,
+    /// What was wrong, and what was expected.
+    pub message: String,
+}
+
+impl fmt::Display for ParseError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}: {}", self.line, self.column, self.message)
+    }
+}
+
+impl std::error::Error for ParseError {}
+
+/// Stack for the parser's thread: the recursive descent takes a few KiB per level of nesting in
+/// debug builds, more than a test thread's 2 MiB at [`MAX_DEPTH`].
+const PARSER_STACK: usize = 64 << 20;
+
+/// Parses one kernel from its text form. Text after the kernel's closing brace is an error,
+/// except blank lines and `#` comment lines (which may also come before it).
+pub fn parse(text: &str) -> Result<Kernel, ParseError> {
+    let tokens = lex(text)?;
+    let spawned = std::thread::Builder::new()
+        .name("gpu-ir-parse".into())
+        .stack_size(PARSER_STACK)
+        .spawn(move || parse_tokens(tokens));
+    match spawned {
+        Ok(handle) => handle.join().unwrap_or_else(|_| {
+            Err(ParseError {
+                line: 0,
+                column: 0,
+                message: "the parser failed".into(),
+            })
+        }),
+        Err(e) => Err(ParseError {
+            line: 0,
+            column: 0,
+            message: format!("cannot start the parser's thread: {e}"),
+        }),
+    }
+}
+
+fn parse_tokens(tokens: Vec<(Tok, usize, usize)>) -> Result<Kernel, ParseError> {
+    let mut p = Parser {
+        tokens,
+        pos: 0,
+        regs: Vec::new(),
+        names: HashMap::new(),
+        params: Vec::new(),
+        depth: 0,
+    };
+    let kernel = p.kernel()?;
+    match p.peek() {
+        Tok::End => Ok(kernel),
+        _ => Err(p.error("text after the kernel's closing brace")),
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+enum Tok {
+    /// A word: letters, digits, `_` and inner `.` (`ld.global.f32`, `ctaid.x`, `inf`).
+    Word(String),
+    /// A number as written (`12`, `0.5`, `1e-5`).
+    Number(String),
+    /// `%name`.
+    Reg(String),
+    /// `$name`.
+    Param(String),
+    /// Punctuation and operators.
+    Punct(&'static str),
+    End,
+}
+
+impl fmt::Display for Tok {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Tok::Word(w) | Tok::Number(w) => write!(f, "`{w}`"),
+            Tok::Reg(r) => write!(f, "`%{r}`"),
+            Tok::Param(p) => write!(f, "`${p}`"),
+            Tok::Punct(p) => write!(f, "`{p}`"),
+            Tok::End => write!(f, "the end of the text"),
+        }
+    }
+}
+
+/// Operators, longest first.
+const PUNCT: [&str; 21] = [
+    "..", "<<", "<=", ">=", "==", "!=", "(", ")", "[", "]", "{", "}", ",", ":", "=", "+", "-", "*",
+    "/", "%", "<",
+];
+const PUNCT_MORE: [&str; 4] = [">", "&", "|", "?"];
+
+fn lex(text: &str) -> Result<Vec<(Tok, usize, usize)>, ParseError> {
+    let mut out = Vec::new();
+    for (l, line) in text.lines().enumerate() {
+        if line.trim_start().starts_with('#') {
+            continue;
+        }
+        let chars: Vec<char> = line.chars().collect();
+        let mut i = 0;
+        let word_char = |c: char| c.is_ascii_alphanumeric() || c == '_';
+        // A word continues through `.` followed by a word character (not `..`).
+        let word_end = |mut j: usize| {
+            while j < chars.len()
+                && (word_char(chars[j])
+                    || (chars[j] == '.' && chars.get(j + 1).is_some_and(|c| word_char(*c))))
+            {
+                j += 1;
+            }
+            j
+        };
+        while i < chars.len() {
+            let c = chars[i];
+            let at = (l + 1, i + 1);
+            if c.is_whitespace() {
+                i += 1;
+                continue;
+            }
+            let take = |j: usize| chars[i..j].iter().collect::<String>();
+            if (c == '%' || c == '$') && chars.get(i + 1).is_some_and(|c| word_char(*c)) {
+                let j = word_end(i + 1);
+                let name: String = chars[i + 1..j].iter().collect();
+                out.push((
+                    if c == '%' {
+                        Tok::Reg(name)
+                    } else {
+                        Tok::Param(name)
+                    },
+                    at.0,
+                    at.1,
+                ));
+                i = j;
+            } else if c.is_ascii_digit() {
+                let mut j = i;
+                while j < chars.len() && chars[j].is_ascii_digit() {
+                    j += 1;
+                }
+                if chars.get(j) == Some(&'.')
+                    && chars.get(j + 1).is_some_and(|c| c.is_ascii_digit())
+                {
+                    j += 1;
+                    while j < chars.len() && chars[j].is_ascii_digit() {
+                        j += 1;
+                    }
+                }
+                if matches!(chars.get(j), Some('e' | 'E')) {
+                    let mut k = j + 1;
+                    if matches!(chars.get(k), Some('+' | '-')) {
+                        k += 1;
+                    }
+                    if chars.get(k).is_some_and(|c| c.is_ascii_digit()) {
+                        j = k;
+                        while j < chars.len() && chars[j].is_ascii_digit() {
+                            j += 1;
+                        }
+                    }
+                }
+                out.push((Tok::Number(take(j)), at.0, at.1));
+                i = j;
+            } else if word_char(c) {
+                let j = word_end(i);
+                out.push((Tok::Word(take(j)), at.0, at.1));
+                i = j;
+            } else if let Some(p) = PUNCT
+                .iter()
+                .chain(&PUNCT_MORE)
+                .find(|p| chars[i..].iter().take(p.len()).copied().eq(p.chars()))
+            {
+                out.push((Tok::Punct(p), at.0, at.1));
+                i += p.len();
+            } else {
+                return Err(ParseError {
+                    line: at.0,
+                    column: at.1,
+                    message: format!("unexpected character `{c}`"),
+                });
+            }
+        }
+    }
+    let end = text.lines().count() + 1;
+    out.push((Tok::End, end, 1));
+    Ok(out)
+}
+
+struct Parser {
+    tokens: Vec<(Tok, usize, usize)>,
+    pos: usize,
+    regs: Vec<(String, Ty)>,
+    names: HashMap<String, Reg>,
+    params: Vec<(String, Ty)>,
+    depth: usize,
+}
+
+impl Parser {
+    fn peek(&self) -> &Tok {
+        &self.tokens[self.pos.min(self.tokens.len() - 1)].0
+    }
+
+    fn next(&mut self) -> Tok {
+        let t = self.peek().clone();
+        if self.pos < self.tokens.len() - 1 {
+            self.pos += 1;
+        }
+        t
+    }
+
+    fn error(&self, message: impl Into<String>) -> ParseError {
+        let (_, line, column) = self.tokens[self.pos.min(self.tokens.len() - 1)];
+        ParseError {
+            line,
+            column,
+            message: message.into(),
+        }
+    }
+
+    fn expected(&self, what: &str) -> ParseError {
+        self.error(format!("expected {what}, found {}", self.peek()))
+    }
+
+    fn punct(&mut self, p: &'static str) -> Result<(), ParseError> {
+        if *self.peek() == Tok::Punct(p) {
+            self.next();
+            Ok(())
+        } else {
+            Err(self.expected(&format!("`{p}`")))
+        }
+    }
+
+    fn word(&mut self, w: &str) -> Result<(), ParseError> {
+        if *self.peek() == Tok::Word(w.into()) {
+            self.next();
+            Ok(())
+        } else {
+            Err(self.expected(&format!("`{w}`")))
+        }
+    }
+
+    fn is_punct(&self, p: &str) -> bool {
+        matches!(self.peek(), Tok::Punct(q) if *q == p)
+    }
+
+    fn is_word(&self, w: &str) -> bool {
+        matches!(self.peek(), Tok::Word(x) if x == w)
+    }
+
+    fn uint<T: TryFrom<u64>>(&mut self, what: &str) -> Result<T, ParseError> {
+        match self.peek().clone() {
+            Tok::Number(n) => {
+                let value = n
+                    .parse::<u64>()
+                    .ok()
+                    .and_then(|v| T::try_from(v).ok())
+                    .ok_or_else(|| self.error(format!("{what} `{n}` is out of range")))?;
+                self.next();
+                Ok(value)
+            }
+            _ => Err(self.expected(what)),
+        }
+    }
+
+    fn ty(&mut self) -> Result<Ty, ParseError> {
+        let ty = match self.peek() {
+            Tok::Word(w) => ty_named(w),
+            _ => None,
+        };
+        match ty {
+            Some(t) => {
+                self.next();
+                Ok(t)
+            }
+            None => Err(self.expected("a type (pred, i32, i64, f32)")),
+        }
+    }
+
+    fn enter(&mut self) -> Result<(), ParseError> {
+        self.depth += 1;
+        if self.depth > MAX_DEPTH {
+            return Err(self.error(format!("nested deeper than {MAX_DEPTH} levels")));
+        }
+        Ok(())
+    }
+
+    fn kernel(&mut self) -> Result<Kernel, ParseError> {
+        self.word("kernel")?;
+        let name = match self.next() {
+            Tok::Word(w) => w,
+            _ => return Err(self.expected("the kernel's name")),
+        };
+        self.punct("(")?;
+        while !self.is_punct(")") {
+            let Tok::Param(p) = self.next() else {
+                return Err(self.expected("a parameter `$name: type`"));
+            };
+            if self.params.iter().any(|(n, _)| *n == p) {
+                return Err(self.error(format!("parameter `${p}` is declared twice")));
+            }
+            self.punct(":")?;
+            let ty = self.ty()?;
+            self.params.push((p, ty));
+            if !self.is_punct(")") {
+                self.punct(",")?;
+            }
+        }
+        self.punct(")")?;
+        self.word("threads")?;
+        let threads = self.uint::<u32>("the threads per CTA")?;
+        self.punct("(")?;
+        let ctas_per_sm = self.uint::<u32>("the CTAs per SM")?;
+        for w in ["CTAs", "per", "SM"] {
+            self.word(w)?;
+        }
+        self.punct(")")?;
+        self.word("shared")?;
+        let shared_bytes = self.uint::<u32>("the shared bytes")?;
+        self.word("bytes")?;
+        self.punct("{")?;
+        while self.is_word("reg") {
+            self.next();
+            loop {
+                let Tok::Reg(r) = self.next() else {
+                    return Err(self.expected("a register `%name: type`"));
+                };
+                self.punct(":")?;
+                let ty = self.ty()?;
+                if self.names.contains_key(&r) {
+                    return Err(self.error(format!("register `%{r}` is declared twice")));
+                }
+                self.names.insert(r.clone(), Reg(self.regs.len() as u32));
+                self.regs.push((r, ty));
+                if !self.is_punct(",") {
+                    break;
+                }
+                self.next();
+            }
+        }
+        let body = self.block()?;
+        Ok(Kernel {
+            name,
+            params: std::mem::take(&mut self.params),
+            regs: std::mem::take(&mut self.regs),
+            shared_bytes,
+            threads,
+            ctas_per_sm,
+            body,
+        })
+    }
+
+    /// Statements up to and including the closing `}`.
+    fn block(&mut self) -> Result<Vec<Stmt>, ParseError> {
+        self.enter()?;
+        let mut body = Vec::new();
+        while !self.is_punct("}") {
+            if *self.peek() == Tok::End {
+                return Err(self.expected("`}`"));
+            }
+            body.push(self.stmt()?);
+        }
+        self.next();
+        self.depth -= 1;
+        Ok(body)
+    }
+
+    fn reg(&mut self) -> Result<Reg, ParseError> {
+        match self.peek().clone() {
+            Tok::Reg(r) => match self.names.get(&r) {
+                Some(reg) => {
+                    let reg = *reg;
+                    self.next();
+                    Ok(reg)
+                }
+                None => Err(self.error(format!("register `%{r}` is not declared"))),
+            },
+            _ => Err(self.expected("a register")),
+        }
+    }
+
+    /// `{%a, %b, ..}`.
+    fn reg_list(&mut self) -> Result<Vec<Reg>, ParseError> {
+        self.punct("{")?;
+        let mut regs = vec![self.reg()?];
+        while self.is_punct(",") {
+            self.next();
+            regs.push(self.reg()?);
+        }
+        self.punct("}")?;
+        Ok(regs)
+    }
+
+    fn fixed<const N: usize>(&mut self, what: &str) -> Result<[Reg; N], ParseError> {
+        let regs = self.reg_list()?;
+        let n = regs.len();
+        regs.try_into()
+            .map_err(|_| self.error(format!("{what} takes {N} registers, found {n}")))
+    }
+
+    fn stmt(&mut self) -> Result<Stmt, ParseError> {
+        match self.peek().clone() {
+            Tok::Reg(_) => {
+                let r = self.reg()?;
+                self.punct("=")?;
+                Ok(Stmt::Set(r, self.expr()?))
+            }
+            Tok::Punct("{") => self.collective(),
+            Tok::Word(w) => {
+                self.next();
+                match w.as_str() {
+                    "st.global" | "st.shared" => {
+                        let space = if w == "st.global" {
+                            Space::Global
+                        } else {
+                            Space::Shared
+                        };
+                        self.punct("[")?;
+                        let addr = self.expr()?;
+                        self.punct("]")?;
+                        self.punct("=")?;
+                        Ok(Stmt::Store(space, addr, self.expr()?))
+                    }
+                    "if" => {
+                        let cond = self.expr()?;
+                        self.punct("{")?;
+                        let then = self.block()?;
+                        let otherwise = if self.is_word("else") {
+                            self.next();
+                            self.punct("{")?;
+                            self.block()?
+                        } else {
+                            Vec::new()
+                        };
+                        Ok(Stmt::If(cond, then, otherwise))
+                    }
+                    "for" => {
+                        let reg = self.reg()?;
+                        self.word("in")?;
+                        let start = self.expr()?;
+                        self.punct("..")?;
+                        let end = self.expr()?;
+                        self.word("step")?;
+                        let step = self.uint::<i64>("the loop's step")?;
+                        self.punct("{")?;
+                        let body = self.block()?;
+                        Ok(Stmt::For {
+                            reg,
+                            start,
+                            end,
+                            step,
+                            body,
+                        })
+                    }
+                    "bar.sync" => Ok(Stmt::Barrier),
+                    "cp.async.commit_group" => Ok(Stmt::CpAsyncCommit),
+                    "cp.async.wait_group" => Ok(Stmt::CpAsyncWait(self.uint("a group count")?)),
+                    "cp.async.cg.shared.global" => {
+                        self.punct("[")?;
+                        let dst = self.expr()?;
+                        self.punct("]")?;
+                        self.punct(",")?;
+                        self.punct("[")?;
+                        let src = self.expr()?;
+                        self.punct("]")?;
+                        self.punct(",")?;
+                        if self.uint::<u32>("the copy size 16")? != 16 {
+                            return Err(self.error("cp.async copies 16 bytes"));
+                        }
+                        self.punct(",")?;
+                        Ok(Stmt::CpAsync {
+                            dst,
+                            src,
+                            src_bytes: self.expr()?,
+                        })
+                    }
+                    _ => {
+                        self.pos -= 1;
+                        Err(self.expected("a statement"))
+                    }
+                }
+            }
+            _ => Err(self.expected("a statement")),
+        }
+    }
+
+    /// `{..} = ldmatrix.xN[.trans].shared.b16 [addr]` or `{..} = mma.m16n8k16.T({..}, {..}, {..})`.
+    fn collective(&mut self) -> Result<Stmt, ParseError> {
+        let dst = self.reg_list()?;
+        self.punct("=")?;
+        let Tok::Word(op) = self.next() else {
+            return Err(self.expected("ldmatrix or mma"));
+        };
+        if let Some(rest) = op.strip_prefix("ldmatrix.x") {
+            let (count, trans) = match rest {
+                "1.shared.b16" => (1, false),
+                "2.shared.b16" => (2, false),
+                "4.shared.b16" => (4, false),
+                "1.trans.shared.b16" => (1, true),
+                "2.trans.shared.b16" => (2, true),
+                "4.trans.shared.b16" => (4, true),
+                _ => return Err(self.error(format!("unknown ldmatrix form `{op}`"))),
+            };
+            if dst.len() != count {
+                return Err(self.error(format!(
+                    "ldmatrix.x{count} writes {count} registers, found {}",
+                    dst.len()
+                )));
+            }
+            self.punct("[")?;
+            let addr = self.expr()?;
+            self.punct("]")?;
+            return Ok(Stmt::LdMatrix { dst, addr, trans });
+        }
+        let half = match op.as_str() {
+            "mma.m16n8k16.bf16" => Half::Bf16,
+            "mma.m16n8k16.f16" => Half::F16,
+            _ => return Err(self.error(format!("unknown collective operation `{op}`"))),
+        };
+        let d: [Reg; 4] = dst
+            .try_into()
+            .map_err(|_| self.error("mma writes 4 registers"))?;
+        self.punct("(")?;
+        let a = self.fixed::<4>("mma's A")?;
+        self.punct(",")?;
+        let b = self.fixed::<2>("mma's B")?;
+        self.punct(",")?;
+        let c = self.fixed::<4>("mma's C")?;
+        self.punct(")")?;
+        Ok(Stmt::Mma { half, d, a, b, c })
+    }
+
+    fn expr(&mut self) -> Result<Expr, ParseError> {
+        self.enter()?;
+        let e = self.primary();
+        self.depth -= 1;
+        e
+    }
+
+    /// `(e)`-style argument lists: `(a, b, ..)` of `n` expressions.
+    fn args<const N: usize>(&mut self) -> Result<[Expr; N], ParseError> {
+        self.punct("(")?;
+        let mut out = Vec::with_capacity(N);
+        for i in 0..N {
+            if i > 0 {
+                self.punct(",")?;
+            }
+            out.push(self.expr()?);
+        }
+        self.punct(")")?;
+        Ok(out
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("N arguments")))
+    }
+
+    fn number(&mut self, negative: bool) -> Result<Expr, ParseError> {
+        let (text, is_number) = match self.peek().clone() {
+            Tok::Number(n) => (n, true),
+            Tok::Word(w) if w == "inf" || w == "NaN" => (w, false),
+            _ => return Err(self.expected("a number")),
+        };
+        self.next();
+        let signed = if negative { format!("-{text}") } else { text };
+        // Integers print as `digits:type`; floats always with a `.`, an exponent, inf or NaN
+        // (so `0.5 : ..` in a select is a float and the select's colon).
+        let integer = is_number && !signed.contains(['.', 'e', 'E']);
+        if integer && self.is_punct(":") {
+            self.next();
+            let ty = self.ty()?;
+            if !matches!(ty, Ty::I32 | Ty::I64) {
+                return Err(self.error(format!("an integer constant of type {ty}")));
+            }
+            let value = signed
+                .parse::<i64>()
+                .map_err(|_| self.error(format!("`{signed}` is not an integer")))?;
+            return Ok(Expr::Int(value, ty));
+        }
+        if integer {
+            return Err(self.error(format!(
+                "`{signed}` needs a type (`{signed}:i64`) or, as an f32, a point (`{signed}.0`)"
+            )));
+        }
+        signed
+            .parse::<f32>()
+            .map(Expr::F32)
+            .map_err(|_| self.error(format!("`{signed}` is not an f32")))
+    }
+
+    fn primary(&mut self) -> Result<Expr, ParseError> {
+        match self.peek().clone() {
+            Tok::Number(_) => self.number(false),
+            Tok::Punct("-") => {
+                self.next();
+                self.number(true)
+            }
+            Tok::Reg(_) => Ok(Expr::Reg(self.reg()?)),
+            Tok::Param(p) => match self.params.iter().position(|(n, _)| *n == p) {
+                Some(i) => {
+                    self.next();
+                    Ok(Expr::Param(i as u32))
+                }
+                None => Err(self.error(format!("parameter `${p}` is not declared"))),
+            },
+            Tok::Punct("(") => {
+                self.next();
+                let a = self.expr()?;
+                if self.is_punct("?") {
+                    self.next();
+                    let t = self.expr()?;
+                    self.punct(":")?;
+                    let o = self.expr()?;
+                    self.punct(")")?;
+                    return Ok(Expr::Select(Box::new(a), Box::new(t), Box::new(o)));
+                }
+                let op = match self.peek() {
+                    Tok::Punct(p) => bin_named(p),
+                    _ => None,
+                };
+                let Some(op) = op else {
+                    return Err(self.expected("a binary operator or `?`"));
+                };
+                self.next();
+                let b = self.expr()?;
+                self.punct(")")?;
+                Ok(Expr::Bin(op, Box::new(a), Box::new(b)))
+            }
+            Tok::Word(w) => {
+                self.next();
+                self.word_expr(&w)
+            }
+            _ => Err(self.expected("an expression")),
+        }
+    }
+
+    fn word_expr(&mut self, w: &str) -> Result<Expr, ParseError> {
+        let boxed = Box::new;
+        Ok(match w {
+            "true" => Expr::Pred(true),
+            "false" => Expr::Pred(false),
+            "inf" | "NaN" => {
+                self.pos -= 1;
+                return self.number(false);
+            }
+            "tid" => Expr::Special(Special::Tid),
+            "ntid" => Expr::Special(Special::Ntid),
+            "lane" => Expr::Special(Special::Lane),
+            "ctaid.x" => Expr::Special(Special::Ctaid(0)),
+            "ctaid.y" => Expr::Special(Special::Ctaid(1)),
+            "ctaid.z" => Expr::Special(Special::Ctaid(2)),
+            "min" | "max" => {
+                let [a, b] = self.args()?;
+                let op = if w == "min" { Bin::Min } else { Bin::Max };
+                Expr::Bin(op, boxed(a), boxed(b))
+            }
+            "fma" => {
+                let [a, b, c] = self.args()?;
+                Expr::Fma(boxed(a), boxed(b), boxed(c))
+            }
+            "bf16x2" | "f16x2" => {
+                let [a, b] = self.args()?;
+                let half = if w == "bf16x2" { Half::Bf16 } else { Half::F16 };
+                Expr::PackHalf(half, boxed(a), boxed(b))
+            }
+            "shfl.bfly" => {
+                self.punct("(")?;
+                let v = self.expr()?;
+                self.punct(",")?;
+                let mask = self.uint::<u32>("a lane mask")?;
+                self.punct(")")?;
+                Expr::ShflXor(boxed(v), mask)
+            }
+            "table" => {
+                self.punct("[")?;
+                let mut values = Vec::new();
+                while !self.is_punct("]") {
+                    if !values.is_empty() {
+                        self.punct(",")?;
+                    }
+                    let negative = self.is_punct("-");
+                    if negative {
+                        self.next();
+                    }
+                    match self.number(negative)? {
+                        Expr::F32(x) => values.push(x),
+                        _ => return Err(self.error("table values are f32")),
+                    }
+                }
+                self.next();
+                self.punct("[")?;
+                let index = self.expr()?;
+                self.punct("]")?;
+                Expr::Table(values, boxed(index))
+            }
+            _ => {
+                if let Some(op) = un_named(w) {
+                    let [a] = self.args()?;
+                    return Ok(Expr::Un(op, boxed(a)));
+                }
+                if let Some(ty) = ty_named(w) {
+                    let [a] = self.args()?;
+                    return Ok(Expr::Cast(boxed(a), ty));
+                }
+                if let Some(rest) = w.strip_prefix("ld.") {
+                    return self.load(w, rest);
+                }
+                self.pos -= 1;
+                return Err(self.expected("an expression"));
+            }
+        })
+    }
+
+    /// `ld.{global,shared}.{ty,bf16,f16}[addr]`, after the word.
+    fn load(&mut self, word: &str, rest: &str) -> Result<Expr, ParseError> {
+        let (space, what) = match rest.split_once('.') {
+            Some(("global", what)) => (Space::Global, what),
+            Some(("shared", what)) => (Space::Shared, what),
+            _ => return Err(self.error(format!("unknown load `{word}`"))),
+        };
+        self.punct("[")?;
+        let addr = Box::new(self.expr()?);
+        self.punct("]")?;
+        Ok(match what {
+            "bf16" => Expr::LoadHalf(space, Half::Bf16, addr),
+            "f16" => Expr::LoadHalf(space, Half::F16, addr),
+            _ => match ty_named(what) {
+                Some(ty) => Expr::Load(space, ty, addr),
+                None => return Err(self.error(format!("unknown load type `{what}`"))),
+            },
+        })
+    }
+}
+
+fn ty_named(w: &str) -> Option<Ty> {
+    Some(match w {
+        "pred" => Ty::Pred,
+        "i32" => Ty::I32,
+        "i64" => Ty::I64,
+        "f32" => Ty::F32,
+        _ => return None,
+    })
+}
+
+fn un_named(w: &str) -> Option<Un> {
+    Some(match w {
+        "neg" => Un::Neg,
+        "abs" => Un::Abs,
+        "not" => Un::Not,
+        "ex2" => Un::Ex2,
+        "ex2.ftz" => Un::Ex2Ftz,
+        "lg2" => Un::Lg2,
+        "sqrt" => Un::Sqrt,
+        _ => return None,
+    })
+}
+
+fn bin_named(p: &str) -> Option<Bin> {
+    Some(match p {
+        "+" => Bin::Add,
+        "-" => Bin::Sub,
+        "*" => Bin::Mul,
+        "/" => Bin::Div,
+        "%" => Bin::Rem,
+        "&" => Bin::And,
+        "|" => Bin::Or,
+        "<<" => Bin::Shl,
+        "<" => Bin::Lt,
+        "<=" => Bin::Le,
+        ">" => Bin::Gt,
+        ">=" => Bin::Ge,
+        "==" => Bin::Eq,
+        "!=" => Bin::Ne,
+        _ => return None,
+    })
+}
