@@ -8,6 +8,7 @@ use crate::cache::{KvCache, SeqId};
 use crate::cpu::CpuBackend;
 use crate::error::RuntimeError;
 use crate::gpu;
+use crate::model::ops::{CpuLayers, LayerOps};
 use crate::tensor::Tensor;
 use crate::variant::Variant;
 
@@ -109,6 +110,12 @@ pub trait Backend: Send + Sync {
         seqs: &[SeqId],
         options: DecodeOptions,
     ) -> Result<Output, RuntimeError>;
+
+    /// Where a model's norms, activations, residual adds, embedding lookups and greedy choice
+    /// run on this backend (the CPU unless a backend says otherwise).
+    fn layers(&self) -> &dyn LayerOps {
+        &CpuLayers
+    }
 }
 
 impl Backend for CpuBackend {
@@ -293,6 +300,10 @@ impl Backend for GpuInterpreter {
         options: DecodeOptions,
     ) -> Result<Output, RuntimeError> {
         gpu::attend_ragged_with(variant, q, q_offsets, cache, seqs, options, &gpu::emulate)
+    }
+
+    fn layers(&self) -> &dyn LayerOps {
+        &gpu::layers::InterpretedLayers
     }
 }
 

@@ -177,3 +177,65 @@ fn a_cache_made_for_another_variant_is_refused_through_the_trait() {
         );
     }
 }
+
+/// The GPU interpreter's layer kernels (norms, activations, adds, lookups, argmax) agree with
+/// the CPU's, through the trait.
+#[test]
+fn layer_operations_agree_between_the_cpu_and_the_gpu_kernels() {
+    use attn_runtime::Storage;
+    use attn_runtime::model::{MlpKind, NormKind};
+    let (cpu, sim) = (open("cpu").unwrap(), open("gpu-sim").unwrap());
+    let (cpu, sim) = (cpu.layers(), sim.layers());
+    let close = |a: &[f32], b: &[f32], tol: f32, what: &str| {
+        assert_eq!(a.len(), b.len(), "{what}");
+        for (x, y) in a.iter().zip(b) {
+            assert!((x - y).abs() <= tol * (1.0 + y.abs()), "{what}: {x} vs {y}");
+        }
+    };
+    let width = 96;
+    let x = values(3 * width, 1);
+    let (w, b) = (values(width, 2), values(width, 3));
+    for (kind, bias) in [(NormKind::Rms, None), (NormKind::Layer, Some(&b[..]))] {
+        let want = cpu.norm(kind, 1e-6, &w, bias, &x).unwrap();
+        let got = sim.norm(kind, 1e-6, &w, bias, &x).unwrap();
+        close(&got, &want, 1e-5, &format!("{kind:?}"));
+    }
+    let gate = values(x.len(), 4);
+    for kind in [MlpKind::SwiGlu, MlpKind::Gelu] {
+        let (mut a, mut c) = (x.clone(), x.clone());
+        cpu.activate(kind, &mut a, Some(&gate)).unwrap();
+        sim.activate(kind, &mut c, Some(&gate)).unwrap();
+        close(&c, &a, 1e-5, &format!("{kind:?}"));
+    }
+    let (mut a, mut c) = (x.clone(), x.clone());
+    cpu.add(&mut a, &gate).unwrap();
+    sim.add(&mut c, &gate).unwrap();
+    close(&c, &a, 0.0, "add");
+    let table = Storage::Bf16(x.iter().map(|v| half::bf16::from_f32(*v)).collect());
+    let tokens = [2, 0, 2];
+    close(
+        &sim.embed(&table, width, &tokens).unwrap(),
+        &cpu.embed(&table, width, &tokens).unwrap(),
+        0.0,
+        "embed",
+    );
+    // Mismatched sizes are errors on both, never a read past a buffer.
+    for ops in [cpu, sim] {
+        assert!(ops.embed(&table, width, &[3]).is_err());
+        assert!(
+            ops.activate(MlpKind::SwiGlu, &mut x.clone(), Some(&w))
+                .is_err()
+        );
+        assert!(ops.add(&mut x.clone(), &w).is_err());
+        assert!(ops.norm(NormKind::Rms, 1e-6, &w, None, &x[1..]).is_err());
+        assert!(ops.argmax(&x[1..], width).is_err());
+    }
+    let mut rows = x.clone();
+    rows[width + 5] = 9.0;
+    rows[width + 50] = 9.0;
+    assert_eq!(
+        sim.argmax(&rows, width).unwrap(),
+        cpu.argmax(&rows, width).unwrap()
+    );
+    assert_eq!(cpu.argmax(&rows, width).unwrap()[1], 5);
+}

@@ -66,8 +66,25 @@ fn prompts_encode_and_continuations_decode_as_transformers_does() {
 
 #[test]
 fn greedy_generation_from_text_continues_as_transformers_does() {
+    generate_on(None);
+}
+
+/// The whole decoder on the GPU kernels (run on the GPU IR interpreter): attention, and the
+/// norms, SwiGLU, residual adds, embedding lookups and the argmax of greedy decoding as the
+/// generated layer kernels.
+#[test]
+fn greedy_generation_on_the_gpu_kernels_continues_as_transformers_does() {
+    generate_on(Some(std::sync::Arc::new(
+        attn_runtime::backend::GpuInterpreter,
+    )));
+}
+
+fn generate_on(backend: Option<std::sync::Arc<dyn attn_runtime::Backend>>) {
     let tokenizer = TextTokenizer::from_dir(&dir()).unwrap();
-    let model = hf::load(&dir()).unwrap();
+    let mut model = hf::load(&dir()).unwrap();
+    if let Some(b) = backend {
+        model.set_backend(b);
+    }
     for g in goldens() {
         let request = Request {
             prompt: tokenizer.encode(&g.prompt).unwrap(),

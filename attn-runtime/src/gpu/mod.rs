@@ -6,6 +6,7 @@
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod decode;
+pub mod layers;
 
 pub use decode::{attend_ragged_emulated, decode_emulated, decode_mla_emulated};
 pub(crate) use decode::{attend_ragged_with, decode_mla_with, decode_with, emulate};

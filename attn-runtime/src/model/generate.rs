@@ -3,6 +3,7 @@
 //! token or the token budget.
 
 use super::Model;
+use super::ops::LayerOps;
 use crate::error::RuntimeError;
 use std::time::{Duration, Instant};
 
@@ -74,19 +75,19 @@ impl Rng {
     }
 }
 
-/// The next token from one row of logits.
-fn choose(logits: &[f32], sampling: &Sampling, rng: &mut Rng) -> u32 {
-    let best = || {
-        logits
-            .iter()
-            .enumerate()
-            .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| {
-                if v > bv { (i, v) } else { (bi, bv) }
-            })
-            .0 as u32
-    };
+/// The next token from one row of logits (greedy choice on `ops`).
+fn choose(
+    ops: &dyn LayerOps,
+    logits: &[f32],
+    sampling: &Sampling,
+    rng: &mut Rng,
+) -> Result<u32, RuntimeError> {
     if sampling.temperature <= 0.0 {
-        return best();
+        return ops
+            .argmax(logits, logits.len())?
+            .first()
+            .copied()
+            .ok_or_else(|| RuntimeError::Data("no logits to choose from".into()));
     }
     let t = f64::from(sampling.temperature);
     let mut ranked: Vec<(usize, f64)> = logits
@@ -118,11 +119,11 @@ fn choose(logits: &[f32], sampling: &Sampling, rng: &mut Rng) -> u32 {
     let mut u = rng.next();
     for (p, &(i, _)) in probs.iter().zip(&ranked) {
         if u < *p {
-            return i as u32;
+            return Ok(i as u32);
         }
         u -= p;
     }
-    ranked[probs.len() - 1].0 as u32
+    Ok(ranked[probs.len() - 1].0 as u32)
 }
 
 impl Model {
@@ -155,6 +156,7 @@ impl Model {
         let mut batch = self.batch(capacity, 16)?;
         let ids: Vec<usize> = requests.iter().map(|_| batch.add_sequence()).collect();
         let mut rng = Rng::new(sampling.seed);
+        let ops = self.backend().layers();
         let mut out: Vec<Vec<u32>> = vec![Vec::new(); requests.len()];
         let vocab = self.config.vocab;
         let start = Instant::now();
@@ -169,7 +171,7 @@ impl Model {
         let mut next: Vec<(usize, u32)> = Vec::new();
         for (&(s, prompt), l) in inputs.iter().zip(&logits) {
             let last = &l[(prompt.len() - 1) * vocab..];
-            next.push((s, choose(last, &sampling, &mut rng)));
+            next.push((s, choose(ops, last, &sampling, &mut rng)?));
         }
         let decode_start = Instant::now();
         let mut generated = 0;
@@ -204,8 +206,8 @@ impl Model {
             next = running
                 .iter()
                 .zip(&logits)
-                .map(|(&(s, _), l)| (s, choose(l, &sampling, &mut rng)))
-                .collect();
+                .map(|(&(s, _), l)| Ok((s, choose(ops, l, &sampling, &mut rng)?)))
+                .collect::<Result<_, RuntimeError>>()?;
         }
         Ok(out)
     }
@@ -213,13 +215,20 @@ impl Model {
 
 #[cfg(test)]
 mod tests {
+    use super::super::ops::CpuLayers;
     use super::*;
 
     #[test]
     fn greedy_takes_the_largest_logit() {
         let mut rng = Rng::new(1);
         assert_eq!(
-            choose(&[0.1, 3.0, -1.0, 2.9], &Sampling::greedy(), &mut rng),
+            choose(
+                &CpuLayers,
+                &[0.1, 3.0, -1.0, 2.9],
+                &Sampling::greedy(),
+                &mut rng
+            )
+            .unwrap(),
             1
         );
     }
@@ -235,14 +244,14 @@ mod tests {
                 top_p: None,
                 seed,
             };
-            assert!(choose(&logits, &k, &mut rng) < 2);
+            assert!(choose(&CpuLayers, &logits, &k, &mut rng).unwrap() < 2);
             // p(0) = 0.72 of all: top-p 0.5 keeps only token 0.
             let p = Sampling {
                 top_k: None,
                 top_p: Some(0.5),
                 ..k
             };
-            assert_eq!(choose(&logits, &p, &mut rng), 0);
+            assert_eq!(choose(&CpuLayers, &logits, &p, &mut rng).unwrap(), 0);
         }
     }
 
@@ -259,7 +268,7 @@ mod tests {
         let mut rng = Rng::new(7);
         let n = 20_000;
         let ones = (0..n)
-            .filter(|_| choose(&logits, &s, &mut rng) == 1)
+            .filter(|_| choose(&CpuLayers, &logits, &s, &mut rng).unwrap() == 1)
             .count();
         let want = std::f64::consts::E / (1.0 + std::f64::consts::E);
         let got = ones as f64 / n as f64;

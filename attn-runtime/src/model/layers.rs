@@ -2,6 +2,8 @@
 //! their checkpoint's dtype, norms and MLPs.
 
 use super::config::{MlpKind, NormKind};
+use super::ops::LayerOps;
+use crate::error::RuntimeError;
 use crate::host::gemm::gemm;
 use crate::tensor::Storage;
 use rayon::prelude::*;
@@ -41,9 +43,9 @@ impl Matrix {
         }
     }
 
-    /// Row `r` appended to `out` as f32 (an embedding lookup).
-    pub fn push_row(&self, r: usize, out: &mut Vec<f32>) {
-        out.extend(self.rows_f32(r, 1));
+    /// The values, in the checkpoint's dtype.
+    pub fn storage(&self) -> &Storage {
+        &self.data
     }
 
     /// `n x rows` outputs `x W^T` for `n x cols` inputs `x`. f32 weights go to the GEMM as
@@ -116,35 +118,9 @@ pub(crate) struct Norm {
 }
 
 impl Norm {
-    /// The normalized rows (statistics in f64, like the references).
-    pub fn apply(&self, x: &[f32]) -> Vec<f32> {
-        let n = self.weight.len();
-        let mut y = vec![0f32; x.len()];
-        for (src, dst) in x.chunks_exact(n).zip(y.chunks_exact_mut(n)) {
-            let (mean, centered) = match self.kind {
-                NormKind::Rms => (0.0, false),
-                NormKind::Layer => (
-                    src.iter().map(|&v| f64::from(v)).sum::<f64>() / n as f64,
-                    true,
-                ),
-            };
-            let var = src
-                .iter()
-                .map(|&v| (f64::from(v) - mean).powi(2))
-                .sum::<f64>()
-                / n as f64;
-            let inv = 1.0 / (var + self.eps).sqrt();
-            for (i, (d, &s)) in dst.iter_mut().zip(src).enumerate() {
-                let v = if centered {
-                    f64::from(s) - mean
-                } else {
-                    f64::from(s)
-                };
-                let b = self.bias.as_ref().map_or(0.0, |b| f64::from(b[i]));
-                *d = (v * inv * f64::from(self.weight[i]) + b) as f32;
-            }
-        }
-        y
+    /// The normalized rows, on `ops`.
+    pub fn apply(&self, ops: &dyn LayerOps, x: &[f32]) -> Result<Vec<f32>, RuntimeError> {
+        ops.norm(self.kind, self.eps, &self.weight, self.bias.as_deref(), x)
     }
 }
 
@@ -159,23 +135,16 @@ pub(crate) struct Mlp {
 }
 
 impl Mlp {
-    pub fn apply(&self, x: &[f32], rows: usize) -> Vec<f32> {
+    /// `down(act(up(x)))`, the activation on `ops`.
+    pub fn apply(
+        &self,
+        ops: &dyn LayerOps,
+        x: &[f32],
+        rows: usize,
+    ) -> Result<Vec<f32>, RuntimeError> {
         let mut h = self.up.apply(x, rows);
-        match (self.kind, &self.gate) {
-            (MlpKind::SwiGlu, Some(gate)) => {
-                let g = gate.apply(x, rows);
-                for (h, g) in h.iter_mut().zip(g) {
-                    *h *= g / (1.0 + (-g).exp());
-                }
-            }
-            _ => {
-                for h in h.iter_mut() {
-                    let x = *h;
-                    let inner = 0.797_884_6 * (x + 0.044_715 * x * x * x);
-                    *h = 0.5 * x * (1.0 + inner.tanh());
-                }
-            }
-        }
-        self.down.apply(&h, rows)
+        let gate = self.gate.as_ref().map(|g| g.apply(x, rows));
+        ops.activate(self.kind, &mut h, gate.as_deref())?;
+        Ok(self.down.apply(&h, rows))
     }
 }

@@ -11,6 +11,7 @@ mod config;
 mod generate;
 pub mod hf;
 mod layers;
+pub mod ops;
 pub mod research;
 mod text;
 
@@ -201,17 +202,16 @@ impl Model {
 
     fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>, RuntimeError> {
         let (vocab, d) = (self.config.vocab, self.config.hidden);
-        let mut x = Vec::with_capacity(tokens.len() * d);
-        for (i, &t) in tokens.iter().enumerate() {
-            let t = t as usize;
-            if t >= vocab {
-                return Err(RuntimeError::Data(format!(
-                    "token {i} is {t}, outside the vocabulary of {vocab}"
-                )));
-            }
-            self.embed.push_row(t, &mut x);
+        if let Some((i, t)) = tokens
+            .iter()
+            .enumerate()
+            .find(|(_, t)| **t as usize >= vocab)
+        {
+            return Err(RuntimeError::Data(format!(
+                "token {i} is {t}, outside the vocabulary of {vocab}"
+            )));
         }
-        Ok(x)
+        self.backend.layers().embed(self.embed.storage(), d, tokens)
     }
 
     fn run<'c>(
@@ -224,16 +224,17 @@ impl Model {
             &format!("a forward pass over {n} tokens"),
             self.activation_bytes(n),
         )?;
+        let ops = self.backend.layers();
         let mut x = self.embed(tokens)?;
         for (i, layer) in self.layers.iter().enumerate() {
-            let h = layer.attn_norm.apply(&x);
+            let h = layer.attn_norm.apply(ops, &x)?;
             let a = self.attention(&layer.attn, &h, n, keys(i))?;
-            add(&mut x, &a);
-            let h = layer.mlp_norm.apply(&x);
-            let m = layer.mlp.apply(&h, n);
-            add(&mut x, &m);
+            ops.add(&mut x, &a)?;
+            let h = layer.mlp_norm.apply(ops, &x)?;
+            let m = layer.mlp.apply(ops, &h, n)?;
+            ops.add(&mut x, &m)?;
         }
-        let x = self.final_norm.apply(&x);
+        let x = self.final_norm.apply(ops, &x)?;
         Ok(match &self.lm_head {
             Some(head) => head.apply(&x, n),
             None => self.embed.matmul_t(&x, n),
@@ -262,6 +263,7 @@ impl Model {
         n: usize,
         keys: Keys,
     ) -> Result<Vec<f32>, RuntimeError> {
+        let ops = self.backend.layers();
         let variant = &*self.variant;
         let spec = variant.spec();
         let heads = spec.heads as usize;
@@ -370,7 +372,7 @@ impl Model {
                 let mla = spec.mla().expect("MLA weights come with an MLA spec");
                 let (r, dr) = (mla.latent_rank as usize, mla.rope_dim as usize);
                 let qs = match q_b {
-                    Some((norm, q_b)) => q_b.apply(&norm.apply(&q.apply(h, n)), n),
+                    Some((norm, q_b)) => q_b.apply(&norm.apply(ops, &q.apply(h, n))?, n),
                     None => q.apply(h, n),
                 };
                 let (mut nope, mut pe) = (Vec::new(), Vec::new());
@@ -384,7 +386,7 @@ impl Model {
                     c_kv.extend_from_slice(&row[..r]);
                     k_pe.extend_from_slice(&row[r..]);
                 }
-                let c_kv = kv_norm.apply(&c_kv);
+                let c_kv = kv_norm.apply(ops, &c_kv)?;
                 // Rows a..b of `[n, heads, dim]` data as a `[1, heads, b - a, dim]` view.
                 let view = |data: &[f32], dim: usize, a: usize, b: usize| {
                     let rows = data[a * heads * dim..b * heads * dim].to_vec();
@@ -446,12 +448,6 @@ impl Model {
             }
         };
         Ok(out)
-    }
-}
-
-fn add(x: &mut [f32], y: &[f32]) {
-    for (a, b) in x.iter_mut().zip(y) {
-        *a += b;
     }
 }
 

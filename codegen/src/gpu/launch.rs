@@ -83,9 +83,12 @@ macro_rules! launch_record {
             $($(#[$field_doc])* pub $field: i64,)*
         }
 
-        impl LaunchRecord for $name {
-            const FIELDS: &'static [Param] = &[
-                $(Param { name: stringify!($field), kind: ParamKind::$kind },)*
+        impl $crate::gpu::launch::LaunchRecord for $name {
+            const FIELDS: &'static [$crate::gpu::launch::Param] = &[
+                $($crate::gpu::launch::Param {
+                    name: stringify!($field),
+                    kind: $crate::gpu::launch::ParamKind::$kind,
+                },)*
             ];
 
             fn values(&self) -> Vec<i64> {
@@ -94,6 +97,8 @@ macro_rules! launch_record {
         }
     };
 }
+
+pub(crate) use launch_record;
 
 launch_record! {
     /// A forward launch (SIMT and tensor-core kernels): one CTA per (query block, head, batch).

@@ -15,6 +15,7 @@ pub mod forward_tc;
 pub mod interp;
 pub mod ir;
 pub mod launch;
+pub mod layers;
 #[cfg(feature = "cuda")]
 pub mod llvm;
 pub mod parse;

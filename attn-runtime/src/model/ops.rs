@@ -1,0 +1,188 @@
+//! The decoder's operations other than attention and the projections: row norms, MLP
+//! activations, residual adds, embedding lookups and greedy choice. A [`Backend`] names where
+//! they run ([`Backend::layers`]): on the CPU here, or as the GPU IR kernels of
+//! `codegen::gpu::layers` (on the interpreter: `gpu::layers`).
+//!
+//! [`Backend`]: crate::Backend
+//! [`Backend::layers`]: crate::Backend::layers
+
+use super::config::{MlpKind, NormKind};
+use crate::error::RuntimeError;
+use crate::tensor::Storage;
+
+/// Norms, activations, adds, lookups and argmax over f32 rows.
+pub trait LayerOps: Send + Sync {
+    /// Rows of `weight.len()` values normalized (`kind`, `eps`), scaled by `weight`, plus
+    /// `bias` where given.
+    fn norm(
+        &self,
+        kind: NormKind,
+        eps: f64,
+        weight: &[f32],
+        bias: Option<&[f32]>,
+        x: &[f32],
+    ) -> Result<Vec<f32>, RuntimeError>;
+
+    /// The MLP's activation in place on `up`: `silu(gate) * up` (SwiGLU, with its gate) or
+    /// `gelu(up)`.
+    fn activate(
+        &self,
+        kind: MlpKind,
+        up: &mut [f32],
+        gate: Option<&[f32]>,
+    ) -> Result<(), RuntimeError>;
+
+    /// `x += y`.
+    fn add(&self, x: &mut [f32], y: &[f32]) -> Result<(), RuntimeError>;
+
+    /// Rows `tokens` of a `[vocab, width]` table (already checked against the vocabulary), as
+    /// f32.
+    fn embed(
+        &self,
+        table: &Storage,
+        width: usize,
+        tokens: &[u32],
+    ) -> Result<Vec<f32>, RuntimeError>;
+
+    /// The index of each row's largest value (rows of `width`), the first of equal ones; NaN
+    /// is never chosen over a number.
+    fn argmax(&self, rows: &[f32], width: usize) -> Result<Vec<u32>, RuntimeError>;
+}
+
+/// Checks that `b` has as many values as `a` (`what` names them in the error).
+pub(crate) fn same_len(a: usize, b: usize, what: &str) -> Result<(), RuntimeError> {
+    if a == b {
+        Ok(())
+    } else {
+        Err(RuntimeError::Data(format!("{what}: {a} and {b} values")))
+    }
+}
+
+/// Checks that `x` holds whole rows of `width` values.
+pub(crate) fn whole_rows(x: usize, width: usize) -> Result<usize, RuntimeError> {
+    if width > 0 && x.is_multiple_of(width) {
+        Ok(x / width)
+    } else {
+        Err(RuntimeError::Data(format!(
+            "{x} values are not rows of {width}"
+        )))
+    }
+}
+
+/// The operations on the CPU (norm statistics in f64).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CpuLayers;
+
+impl LayerOps for CpuLayers {
+    fn norm(
+        &self,
+        kind: NormKind,
+        eps: f64,
+        weight: &[f32],
+        bias: Option<&[f32]>,
+        x: &[f32],
+    ) -> Result<Vec<f32>, RuntimeError> {
+        let n = weight.len();
+        whole_rows(x.len(), n)?;
+        if let Some(b) = bias {
+            same_len(n, b.len(), "norm weight and bias")?;
+        }
+        let mut y = vec![0f32; x.len()];
+        for (src, dst) in x.chunks_exact(n).zip(y.chunks_exact_mut(n)) {
+            let mean = match kind {
+                NormKind::Rms => 0.0,
+                NormKind::Layer => src.iter().map(|&v| f64::from(v)).sum::<f64>() / n as f64,
+            };
+            let var = src
+                .iter()
+                .map(|&v| (f64::from(v) - mean).powi(2))
+                .sum::<f64>()
+                / n as f64;
+            let inv = 1.0 / (var + eps).sqrt();
+            for (i, (d, &s)) in dst.iter_mut().zip(src).enumerate() {
+                let b = bias.map_or(0.0, |b| f64::from(b[i]));
+                *d = ((f64::from(s) - mean) * inv * f64::from(weight[i]) + b) as f32;
+            }
+        }
+        Ok(y)
+    }
+
+    fn activate(
+        &self,
+        kind: MlpKind,
+        up: &mut [f32],
+        gate: Option<&[f32]>,
+    ) -> Result<(), RuntimeError> {
+        match (kind, gate) {
+            (MlpKind::SwiGlu, Some(gate)) => {
+                same_len(up.len(), gate.len(), "SwiGLU's up and gate")?;
+                for (h, g) in up.iter_mut().zip(gate) {
+                    *h *= g / (1.0 + (-g).exp());
+                }
+            }
+            (MlpKind::SwiGlu, None) => {
+                return Err(RuntimeError::Data("SwiGLU needs its gate".into()));
+            }
+            (MlpKind::Gelu, _) => {
+                for h in up.iter_mut() {
+                    let x = *h;
+                    let inner = 0.797_884_6 * (x + 0.044_715 * x * x * x);
+                    *h = 0.5 * x * (1.0 + inner.tanh());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn add(&self, x: &mut [f32], y: &[f32]) -> Result<(), RuntimeError> {
+        same_len(x.len(), y.len(), "a residual add")?;
+        for (a, b) in x.iter_mut().zip(y) {
+            *a += b;
+        }
+        Ok(())
+    }
+
+    fn embed(
+        &self,
+        table: &Storage,
+        width: usize,
+        tokens: &[u32],
+    ) -> Result<Vec<f32>, RuntimeError> {
+        let mut x = Vec::with_capacity(tokens.len() * width);
+        let outside = |t: u32| RuntimeError::Data(format!("token {t} is outside the table"));
+        for &t in tokens {
+            let range = t as usize * width..(t as usize + 1) * width;
+            match table {
+                Storage::F32(v) => x.extend_from_slice(v.get(range).ok_or_else(|| outside(t))?),
+                Storage::F16(v) => x.extend(
+                    v.get(range)
+                        .ok_or_else(|| outside(t))?
+                        .iter()
+                        .map(|x| x.to_f32()),
+                ),
+                Storage::Bf16(v) => x.extend(
+                    v.get(range)
+                        .ok_or_else(|| outside(t))?
+                        .iter()
+                        .map(|x| x.to_f32()),
+                ),
+            }
+        }
+        Ok(x)
+    }
+
+    fn argmax(&self, rows: &[f32], width: usize) -> Result<Vec<u32>, RuntimeError> {
+        whole_rows(rows.len(), width)?;
+        Ok(rows
+            .chunks(width.max(1))
+            .map(|row| {
+                row.iter()
+                    .enumerate()
+                    .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| {
+                        if v > bv { (i, v) } else { (bi, bv) }
+                    })
+                    .0 as u32
+            })
+            .collect())
+    }
+}

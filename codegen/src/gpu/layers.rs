@@ -1,0 +1,477 @@
+//! The non-attention pieces of a decoder, lowered to GPU IR like the attention kernels (no
+//! hand-written CUDA): row norms (RMSNorm, LayerNorm), the MLP activations (SwiGLU's
+//! `silu(gate) * up`, tanh-GELU), residual adds, embedding lookups and the argmax that greedy
+//! decoding samples with. All take and give f32 rows in global memory; an embedding table may be
+//! bf16 or f16 as its checkpoint stored it.
+//!
+//! Row kernels (norms, argmax) run one CTA per row, each thread striding over the row and the
+//! CTA reducing through warp shuffles and one shared slot per warp. Elementwise kernels run one
+//! thread per element.
+
+use super::forward::Regs;
+use super::ir::build::*;
+use super::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Un};
+use super::launch::LaunchRecord;
+
+/// Threads per CTA of every layer kernel (8 warps).
+pub const THREADS: u32 = 256;
+const WARPS: i64 = THREADS as i64 / 32;
+
+/// A row norm.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum NormKind {
+    /// `x / sqrt(mean(x^2) + eps) * w`.
+    Rms,
+    /// `(x - mean) / sqrt(var + eps) * w + b`.
+    Layer,
+}
+
+/// An MLP activation, in place on `up`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    /// `up = silu(gate) * up`.
+    SwiGlu,
+    /// `up = gelu(up)` (tanh approximation).
+    Gelu,
+}
+
+super::launch::launch_record! {
+    /// A norm launch: one CTA per row.
+    NormArgs {
+        /// `[rows, width]` f32 inputs.
+        x: Address,
+        /// `[width]` f32 weights.
+        weight: Address,
+        /// `[width]` f32 biases (LayerNorm), else unused.
+        bias: Address,
+        /// `[rows, width]` f32 outputs.
+        out: Address,
+    }
+}
+
+super::launch::launch_record! {
+    /// An elementwise launch: one thread per element.
+    ElementwiseArgs {
+        /// The buffer written in place (`up` for activations, the residual for adds).
+        x: Address,
+        /// The other operand (`gate`, or the added rows); unused by GELU.
+        other: Address,
+        /// Elements.
+        count: Scalar,
+    }
+}
+
+super::launch::launch_record! {
+    /// An embedding lookup: one CTA per token.
+    EmbedArgs {
+        /// `[tokens]` i32 token ids (checked against the vocabulary by the host).
+        tokens: Address,
+        /// `[vocab, width]` rows of the table's type.
+        table: Address,
+        /// `[tokens, width]` f32 outputs.
+        out: Address,
+    }
+}
+
+super::launch::launch_record! {
+    /// A row argmax: one CTA per row.
+    ArgmaxArgs {
+        /// `[rows, width]` f32 values.
+        x: Address,
+        /// `[rows]` i32 outputs: the index of each row's largest value (the first of equals).
+        out: Address,
+    }
+}
+
+fn p<R: LaunchRecord>(name: &str) -> Expr {
+    Expr::Param(R::position(name))
+}
+
+fn tid() -> Expr {
+    cast(Expr::Special(Special::Tid), Ty::I64)
+}
+
+fn row() -> Expr {
+    cast(Expr::Special(Special::Ctaid(0)), Ty::I64)
+}
+
+/// `for i in tid..width step THREADS { body(i) }`.
+fn strided(i: Reg, width: u32, body: Vec<Stmt>) -> Stmt {
+    Stmt::For {
+        reg: i,
+        start: tid(),
+        end: i64(i64::from(width)),
+        step: i64::from(THREADS),
+        body,
+    }
+}
+
+/// Sums `acc` over the CTA: a butterfly within each warp, one shared slot per warp (from byte
+/// `slot0`), then every thread adds the slots, so each ends with the total in `acc`.
+fn cta_sum(acc: Reg, slot0: i64) -> Vec<Stmt> {
+    let mut s: Vec<Stmt> = [16, 8, 4, 2, 1]
+        .into_iter()
+        .map(|m| Stmt::Set(acc, add(reg(acc), Expr::ShflXor(Box::new(reg(acc)), m))))
+        .collect();
+    let warp = bin(Bin::Div, tid(), i64(32));
+    s.push(Stmt::If(
+        bin(Bin::Eq, cast(Expr::Special(Special::Lane), Ty::I64), i64(0)),
+        vec![Stmt::Store(
+            Space::Shared,
+            add(i64(slot0), mul(warp, i64(4))),
+            reg(acc),
+        )],
+        vec![],
+    ));
+    s.push(Stmt::Barrier);
+    s.push(Stmt::Set(acc, f32(0.0)));
+    for w in 0..WARPS {
+        s.push(Stmt::Set(
+            acc,
+            add(reg(acc), load(Space::Shared, Ty::F32, i64(slot0 + 4 * w))),
+        ));
+    }
+    // The slots are read before any thread writes them again.
+    s.push(Stmt::Barrier);
+    s
+}
+
+fn kernel(
+    name: &str,
+    params: Vec<(String, Ty)>,
+    regs: Regs,
+    shared: u32,
+    body: Vec<Stmt>,
+) -> Kernel {
+    Kernel {
+        name: name.into(),
+        params,
+        regs: regs.list,
+        shared_bytes: shared,
+        threads: THREADS,
+        ctas_per_sm: 4,
+        body,
+    }
+}
+
+/// The norm of rows of `width` values with epsilon `eps` (statistics in f32, two passes for
+/// LayerNorm's variance), `bias` added when `with_bias`.
+pub fn norm(kind: NormKind, width: u32, eps: f32, with_bias: bool) -> Kernel {
+    type A = NormArgs;
+    let mut r = Regs { list: Vec::new() };
+    let (i, acc, mean, inv, v) = (
+        r.add("i", Ty::I64),
+        r.add("acc", Ty::F32),
+        r.add("mean", Ty::F32),
+        r.add("inv", Ty::F32),
+        r.add("v", Ty::F32),
+    );
+    let at = |base: Expr, i: Reg| add(base, mul(reg(i), i64(4)));
+    let x_at = |i: Reg| {
+        load(
+            Space::Global,
+            Ty::F32,
+            at(add(p::<A>("x"), mul(row(), i64(4 * i64::from(width)))), i),
+        )
+    };
+    let n = f32(width as f32);
+    let mut body = vec![Stmt::Set(mean, f32(0.0))];
+    if kind == NormKind::Layer {
+        body.push(Stmt::Set(acc, f32(0.0)));
+        body.push(strided(
+            i,
+            width,
+            vec![Stmt::Set(acc, add(reg(acc), x_at(i)))],
+        ));
+        body.extend(cta_sum(acc, 0));
+        body.push(Stmt::Set(mean, bin(Bin::Div, reg(acc), n.clone())));
+    }
+    body.push(Stmt::Set(acc, f32(0.0)));
+    body.push(strided(
+        i,
+        width,
+        vec![
+            Stmt::Set(v, sub(x_at(i), reg(mean))),
+            Stmt::Set(acc, fma(reg(v), reg(v), reg(acc))),
+        ],
+    ));
+    body.extend(cta_sum(acc, 0));
+    body.push(Stmt::Set(
+        inv,
+        bin(
+            Bin::Div,
+            f32(1.0),
+            un(Un::Sqrt, add(bin(Bin::Div, reg(acc), n), f32(eps))),
+        ),
+    ));
+    let weighted = mul(
+        mul(sub(x_at(i), reg(mean)), reg(inv)),
+        load(Space::Global, Ty::F32, at(p::<A>("weight"), i)),
+    );
+    let value = if with_bias {
+        add(
+            weighted,
+            load(Space::Global, Ty::F32, at(p::<A>("bias"), i)),
+        )
+    } else {
+        weighted
+    };
+    body.push(strided(
+        i,
+        width,
+        vec![Stmt::Store(
+            Space::Global,
+            at(add(p::<A>("out"), mul(row(), i64(4 * i64::from(width)))), i),
+            value,
+        )],
+    ));
+    let name = match kind {
+        NormKind::Rms => "rms_norm",
+        NormKind::Layer => "layer_norm",
+    };
+    kernel(name, A::params(), r, 4 * WARPS as u32, body)
+}
+
+/// `e^x` through `ex2` (`ex2.approx`).
+fn exp(x: Expr) -> Expr {
+    un(Un::Ex2, mul(x, f32(std::f32::consts::LOG2_E)))
+}
+
+/// An MLP activation over `count` elements in place on `x` (`other` is SwiGLU's gate).
+pub fn activation(kind: Activation) -> Kernel {
+    type A = ElementwiseArgs;
+    let mut r = Regs { list: Vec::new() };
+    let (i, u, g) = (
+        r.add("i", Ty::I64),
+        r.add("u", Ty::F32),
+        r.add("g", Ty::F32),
+    );
+    let x_at = add(p::<A>("x"), mul(reg(i), i64(4)));
+    let value = match kind {
+        // silu(g) * u = g u / (1 + e^-g).
+        Activation::SwiGlu => bin(
+            Bin::Div,
+            mul(reg(g), reg(u)),
+            add(f32(1.0), exp(un(Un::Neg, reg(g)))),
+        ),
+        // 0.5 u (1 + tanh(y)) = u - u / (e^{2y} + 1), y = sqrt(2/pi) (u + 0.044715 u^3).
+        Activation::Gelu => {
+            let y = mul(
+                f32(0.797_884_6),
+                fma(mul(f32(0.044_715), mul(reg(u), reg(u))), reg(u), reg(u)),
+            );
+            sub(
+                reg(u),
+                bin(Bin::Div, reg(u), add(exp(mul(y, f32(2.0))), f32(1.0))),
+            )
+        }
+    };
+    let mut run = vec![Stmt::Set(u, load(Space::Global, Ty::F32, x_at.clone()))];
+    if kind == Activation::SwiGlu {
+        run.push(Stmt::Set(
+            g,
+            load(
+                Space::Global,
+                Ty::F32,
+                add(p::<A>("other"), mul(reg(i), i64(4))),
+            ),
+        ));
+    }
+    run.push(Stmt::Store(Space::Global, x_at, value));
+    let name = match kind {
+        Activation::SwiGlu => "swiglu",
+        Activation::Gelu => "gelu",
+    };
+    kernel(name, A::params(), r, 0, elementwise(i, run))
+}
+
+/// `x += other` over `count` elements.
+pub fn residual_add() -> Kernel {
+    type A = ElementwiseArgs;
+    let mut r = Regs { list: Vec::new() };
+    let i = r.add("i", Ty::I64);
+    let x_at = add(p::<A>("x"), mul(reg(i), i64(4)));
+    let sum = add(
+        load(Space::Global, Ty::F32, x_at.clone()),
+        load(
+            Space::Global,
+            Ty::F32,
+            add(p::<A>("other"), mul(reg(i), i64(4))),
+        ),
+    );
+    kernel(
+        "residual_add",
+        A::params(),
+        r,
+        0,
+        elementwise(i, vec![Stmt::Store(Space::Global, x_at, sum)]),
+    )
+}
+
+/// The body of an elementwise kernel: `i = ctaid.x * THREADS + tid`, `body` when `i < count`.
+fn elementwise(i: Reg, body: Vec<Stmt>) -> Vec<Stmt> {
+    vec![
+        Stmt::Set(i, add(mul(row(), i64(i64::from(THREADS))), tid())),
+        Stmt::If(
+            bin(Bin::Lt, reg(i), p::<ElementwiseArgs>("count")),
+            body,
+            vec![],
+        ),
+    ]
+}
+
+/// Rows of `width` values looked up by token; `table` holds f32 rows, or 16-bit ones.
+pub fn embed(width: u32, table: Option<Half>) -> Kernel {
+    type A = EmbedArgs;
+    let mut r = Regs { list: Vec::new() };
+    let (i, token) = (r.add("i", Ty::I64), r.add("token", Ty::I64));
+    let size = if table.is_some() { 2 } else { 4 };
+    let src = add(
+        add(
+            p::<A>("table"),
+            mul(reg(token), i64(size * i64::from(width))),
+        ),
+        mul(reg(i), i64(size)),
+    );
+    let value = match table {
+        Some(half) => Expr::LoadHalf(Space::Global, half, Box::new(src)),
+        None => load(Space::Global, Ty::F32, src),
+    };
+    let body = vec![
+        Stmt::Set(
+            token,
+            cast(
+                load(
+                    Space::Global,
+                    Ty::I32,
+                    add(p::<A>("tokens"), mul(row(), i64(4))),
+                ),
+                Ty::I64,
+            ),
+        ),
+        strided(
+            i,
+            width,
+            vec![Stmt::Store(
+                Space::Global,
+                add(
+                    add(p::<A>("out"), mul(row(), i64(4 * i64::from(width)))),
+                    mul(reg(i), i64(4)),
+                ),
+                value,
+            )],
+        ),
+    ];
+    kernel("embed", A::params(), r, 0, body)
+}
+
+/// The index of each row's largest value (the first of equal ones; NaN is never chosen over a
+/// number, and a row of NaN gives 0), for rows of `width` values.
+pub fn argmax(width: u32) -> Kernel {
+    type A = ArgmaxArgs;
+    let mut r = Regs { list: Vec::new() };
+    let (i, best, at, v, ov, oi, w) = (
+        r.add("i", Ty::I64),
+        r.add("best", Ty::F32),
+        r.add("at", Ty::I32),
+        r.add("v", Ty::F32),
+        r.add("other_v", Ty::F32),
+        r.add("other_i", Ty::I32),
+        r.add("w", Ty::I64),
+    );
+    // (v, index) beats (best, at) when larger, or equal at a lower index.
+    let better = |v: Expr, idx: Expr| {
+        bin(
+            Bin::Or,
+            bin(Bin::Gt, v.clone(), reg(best)),
+            bin(
+                Bin::And,
+                bin(Bin::Eq, v, reg(best)),
+                bin(Bin::Lt, idx, reg(at)),
+            ),
+        )
+    };
+    let take = |v: Expr, idx: Expr| {
+        vec![Stmt::If(
+            better(v.clone(), idx.clone()),
+            vec![Stmt::Set(best, v), Stmt::Set(at, idx)],
+            vec![],
+        )]
+    };
+    let mut body = vec![
+        Stmt::Set(best, f32(f32::NEG_INFINITY)),
+        Stmt::Set(at, Expr::Int(i64::from(i32::MAX), Ty::I32)),
+        strided(
+            i,
+            width,
+            [
+                vec![Stmt::Set(
+                    v,
+                    load(
+                        Space::Global,
+                        Ty::F32,
+                        add(
+                            add(p::<A>("x"), mul(row(), i64(4 * i64::from(width)))),
+                            mul(reg(i), i64(4)),
+                        ),
+                    ),
+                )],
+                take(reg(v), cast(reg(i), Ty::I32)),
+            ]
+            .concat(),
+        ),
+    ];
+    for m in [16, 8, 4, 2, 1] {
+        body.push(Stmt::Set(ov, Expr::ShflXor(Box::new(reg(best)), m)));
+        body.push(Stmt::Set(oi, Expr::ShflXor(Box::new(reg(at)), m)));
+        body.extend(take(reg(ov), reg(oi)));
+    }
+    // One (value, index) pair per warp in shared memory, then thread 0 picks among them.
+    let warp = bin(Bin::Div, tid(), i64(32));
+    body.push(Stmt::If(
+        bin(Bin::Eq, cast(Expr::Special(Special::Lane), Ty::I64), i64(0)),
+        vec![
+            Stmt::Store(Space::Shared, mul(warp.clone(), i64(8)), reg(best)),
+            Stmt::Store(Space::Shared, add(mul(warp, i64(8)), i64(4)), reg(at)),
+        ],
+        vec![],
+    ));
+    body.push(Stmt::Barrier);
+    let pick = Stmt::For {
+        reg: w,
+        start: i64(0),
+        end: i64(WARPS),
+        step: 1,
+        body: [
+            vec![
+                Stmt::Set(ov, load(Space::Shared, Ty::F32, mul(reg(w), i64(8)))),
+                Stmt::Set(
+                    oi,
+                    load(Space::Shared, Ty::I32, add(mul(reg(w), i64(8)), i64(4))),
+                ),
+            ],
+            take(reg(ov), reg(oi)),
+        ]
+        .concat(),
+    };
+    let first = |e: Expr| {
+        select(
+            bin(Bin::Eq, reg(at), Expr::Int(i64::from(i32::MAX), Ty::I32)),
+            Expr::Int(0, Ty::I32),
+            e,
+        )
+    };
+    body.push(Stmt::If(
+        bin(Bin::Eq, tid(), i64(0)),
+        vec![
+            pick,
+            Stmt::Store(
+                Space::Global,
+                add(p::<A>("out"), mul(row(), i64(4))),
+                first(reg(at)),
+            ),
+        ],
+        vec![],
+    ));
+    kernel("argmax", A::params(), r, 8 * WARPS as u32, body)
+}

@@ -1,0 +1,225 @@
+//! The decoder's non-attention kernels (GPU IR), verified and run on the interpreter against
+//! the same maths in f64: RMSNorm, LayerNorm, SwiGLU, GELU, residual adds, embedding lookups
+//! (f32 and bf16 tables) and the argmax greedy decoding takes.
+
+use codegen::gpu::interp::{Memory, Val, run};
+use codegen::gpu::ir::{Half, Kernel};
+use codegen::gpu::launch::{LaunchRecord, bind};
+use codegen::gpu::layers::{
+    self, Activation, ArgmaxArgs, ElementwiseArgs, EmbedArgs, NormArgs, NormKind, THREADS,
+};
+use codegen::gpu::verify::verify;
+
+/// Values in [-2, 2) from a seed.
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+        })
+        .collect()
+}
+
+fn launch<R: LaunchRecord>(kernel: &Kernel, grid: u32, record: &R, mem: &mut Memory) {
+    verify(kernel).unwrap_or_else(|e| panic!("{}: {e:?}", kernel.name));
+    let args: Vec<Val> = bind(kernel, record)
+        .unwrap()
+        .into_iter()
+        .map(Val::I64)
+        .collect();
+    run(kernel, [grid, 1, 1], &args, mem).unwrap_or_else(|e| panic!("{}: {e}", kernel.name));
+}
+
+fn close(got: &[f32], want: &[f64], tol: f64, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (f64::from(*g) - w).abs() <= tol * (1.0 + w.abs()),
+            "{what}[{i}]: {g} vs {w}"
+        );
+    }
+}
+
+#[test]
+fn norms_match_their_definitions() {
+    for (kind, width, with_bias) in [
+        (NormKind::Rms, 300, false),
+        (NormKind::Rms, 64, false),
+        (NormKind::Layer, 1000, true),
+        (NormKind::Layer, 33, false),
+    ] {
+        let (rows, eps) = (3, 1e-5f32);
+        let x = values(rows * width, 1);
+        let (w, b) = (values(width, 2), values(width, 3));
+        let mut mem = Memory::default();
+        let record = NormArgs {
+            x: mem.alloc_f32(&x),
+            weight: mem.alloc_f32(&w),
+            bias: mem.alloc_f32(&b),
+            out: mem.alloc_f32(&vec![0.0; rows * width]),
+        };
+        let kernel = layers::norm(kind, width as u32, eps, with_bias);
+        launch(&kernel, rows as u32, &record, &mut mem);
+        let got = mem.read_f32(record.out, rows * width).unwrap();
+        let mut want = Vec::new();
+        for row in x.chunks(width) {
+            let row: Vec<f64> = row.iter().map(|v| f64::from(*v)).collect();
+            let mean = match kind {
+                NormKind::Rms => 0.0,
+                NormKind::Layer => row.iter().sum::<f64>() / width as f64,
+            };
+            let var = row.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / width as f64;
+            let inv = 1.0 / (var + f64::from(eps)).sqrt();
+            for (i, v) in row.iter().enumerate() {
+                let bias = if with_bias { f64::from(b[i]) } else { 0.0 };
+                want.push((v - mean) * inv * f64::from(w[i]) + bias);
+            }
+        }
+        close(&got, &want, 2e-5, &format!("{kind:?} width {width}"));
+    }
+}
+
+#[test]
+fn activations_and_adds_match_their_definitions() {
+    let count = 2 * THREADS as usize + 37;
+    let grid = count.div_ceil(THREADS as usize) as u32;
+    let (mut x, other) = (values(count, 4), values(count, 5));
+    // Large inputs saturate the exponentials instead of turning into NaN.
+    x[0] = 80.0;
+    x[1] = -80.0;
+    for kind in [Activation::SwiGlu, Activation::Gelu] {
+        let mut mem = Memory::default();
+        let record = ElementwiseArgs {
+            x: mem.alloc_f32(&x),
+            other: mem.alloc_f32(&other),
+            count: count as i64,
+        };
+        launch(&layers::activation(kind), grid, &record, &mut mem);
+        let got = mem.read_f32(record.x, count).unwrap();
+        let want: Vec<f64> = x
+            .iter()
+            .zip(&other)
+            .map(|(&u, &g)| {
+                let (u, g) = (f64::from(u), f64::from(g));
+                match kind {
+                    Activation::SwiGlu => u * g / (1.0 + (-g).exp()),
+                    Activation::Gelu => {
+                        let y = (2.0 / std::f64::consts::PI).sqrt() * (u + 0.044715 * u.powi(3));
+                        0.5 * u * (1.0 + y.tanh())
+                    }
+                }
+            })
+            .collect();
+        close(&got, &want, 1e-5, &format!("{kind:?}"));
+    }
+    let mut mem = Memory::default();
+    let record = ElementwiseArgs {
+        x: mem.alloc_f32(&x),
+        other: mem.alloc_f32(&other),
+        count: count as i64,
+    };
+    launch(&layers::residual_add(), grid, &record, &mut mem);
+    let got = mem.read_f32(record.x, count).unwrap();
+    let want: Vec<f64> = x
+        .iter()
+        .zip(&other)
+        .map(|(a, b)| f64::from(a + b))
+        .collect();
+    close(&got, &want, 0.0, "residual add");
+}
+
+#[test]
+fn embeddings_look_up_rows_of_f32_and_bf16_tables() {
+    let (vocab, width) = (50, 300);
+    let table = values(vocab * width, 6);
+    let tokens: Vec<i32> = vec![3, 0, 49, 3];
+    for half in [None, Some(Half::Bf16), Some(Half::F16)] {
+        let mut mem = Memory::default();
+        let bytes: Vec<u8> = match half {
+            None => table.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            Some(Half::Bf16) => table
+                .iter()
+                .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+                .collect(),
+            Some(Half::F16) => table
+                .iter()
+                .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+                .collect(),
+        };
+        let record = EmbedArgs {
+            tokens: mem.alloc_bytes(tokens.iter().flat_map(|t| t.to_le_bytes()).collect()),
+            table: mem.alloc_bytes(bytes),
+            out: mem.alloc_f32(&vec![0.0; tokens.len() * width]),
+        };
+        launch(
+            &layers::embed(width as u32, half),
+            tokens.len() as u32,
+            &record,
+            &mut mem,
+        );
+        let got = mem.read_f32(record.out, tokens.len() * width).unwrap();
+        let want: Vec<f64> = tokens
+            .iter()
+            .flat_map(|&t| table[t as usize * width..(t as usize + 1) * width].to_vec())
+            .map(|v| match half {
+                None => f64::from(v),
+                Some(Half::Bf16) => f64::from(half::bf16::from_f32(v).to_f32()),
+                Some(Half::F16) => f64::from(half::f16::from_f32(v).to_f32()),
+            })
+            .collect();
+        close(&got, &want, 0.0, &format!("embed {half:?}"));
+    }
+}
+
+#[test]
+fn argmax_takes_the_first_largest_value_of_each_row() {
+    let width = 1000;
+    let mut rows = [
+        values(width, 7),
+        values(width, 8),
+        vec![-1.0; width],
+        values(width, 9),
+        vec![f32::NAN; width],
+    ];
+    // Ties go to the first index; NaN is never chosen over a number.
+    rows[1][700] = 5.0;
+    rows[1][900] = 5.0;
+    rows[2][0] = f32::NAN;
+    rows[3][999] = 7.0;
+    let x: Vec<f32> = rows.concat();
+    let mut mem = Memory::default();
+    let record = ArgmaxArgs {
+        x: mem.alloc_f32(&x),
+        out: mem.alloc_bytes(vec![0; 4 * rows.len()]),
+    };
+    launch(
+        &layers::argmax(width as u32),
+        rows.len() as u32,
+        &record,
+        &mut mem,
+    );
+    let got: Vec<i32> = mem
+        .read_f32(record.out, rows.len())
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits() as i32)
+        .collect();
+    let first_max = |row: &[f32]| {
+        row.iter()
+            .enumerate()
+            .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| {
+                if v > bv { (i, v) } else { (bi, bv) }
+            })
+            .0 as i32
+    };
+    let want: Vec<i32> = rows.iter().map(|r| first_max(r)).collect();
+    assert_eq!(want[1], 700);
+    assert_eq!(want[2], 1);
+    assert_eq!(want[3], 999);
+    assert_eq!(got, want);
+}
