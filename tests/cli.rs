@@ -430,6 +430,27 @@ fn model_commands_run_a_checkpoint() {
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let t = attn::runtime::io::read_safetensors(&out, &["logits"]).unwrap();
     assert_eq!(t[0].shape(), [1, 4, 256]);
+    // The whole model resident on the interpreted device gives the CPU's logits.
+    let logits_on = |backend: &str| {
+        let o = attnc(&[
+            "logits",
+            "--model",
+            dir,
+            "--tokens",
+            "5,6,7,8",
+            "--backend",
+            backend,
+            "--output",
+            out.to_str().unwrap(),
+        ]);
+        assert_eq!(o.status.code(), Some(0), "{backend}: {}", stderr(&o));
+        attn::runtime::io::read_safetensors(&out, &["logits"]).unwrap()[0].to_f32_vec()
+    };
+    let (cpu, sim) = (logits_on("cpu"), logits_on("gpu-sim"));
+    assert_eq!(cpu.len(), 4 * 256);
+    for (a, b) in sim.iter().zip(&cpu) {
+        assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{a} vs {b}");
+    }
     let o = attnc(&[
         "generate",
         "--model",

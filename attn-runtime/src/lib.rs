@@ -11,6 +11,8 @@
 //! - [`cache`]: KV caches for decoding (contiguous, paged, MLA latent);
 //! - `host`: host preparation every backend shares (checks, RoPE tables, MLA absorption,
 //!   ragged layouts, work items and the lse merge);
+//! - [`device`]: device memory, launches and GEMMs for models resident on a GPU (or on the
+//!   interpreter);
 //! - [`cpu`]: the CPU backend (kernel cache, microkernels, parallel launcher, decode);
 //! - [`gpu`]: GPU calls, run on a CUDA device (feature `cuda`) or on the GPU IR interpreter;
 //! - [`model`]: transformers composed at run time, Hugging Face checkpoints;
@@ -22,6 +24,7 @@ mod attention;
 pub mod backend;
 pub mod cache;
 pub mod cpu;
+pub mod device;
 mod error;
 pub mod gpu;
 mod host;

@@ -223,3 +223,75 @@ fn argmax_takes_the_first_largest_value_of_each_row() {
     assert_eq!(want[3], 999);
     assert_eq!(got, want);
 }
+
+#[test]
+fn outer_axes_swap_into_f32_and_packed_halves() {
+    use codegen::gpu::layers::SwapArgs;
+    let (a, b, width) = (5usize, 3usize, 6usize);
+    let x = values(a * b * width, 10);
+    let want: Vec<f32> = (0..b)
+        .flat_map(|ib| (0..a).map(move |ia| (ia, ib)))
+        .flat_map(|(ia, ib)| x[(ia * b + ib) * width..(ia * b + ib + 1) * width].to_vec())
+        .collect();
+    for out in [None, Some(Half::Bf16), Some(Half::F16)] {
+        let size = if out.is_some() { 2 } else { 4 };
+        let per = if out.is_some() { 2 } else { 1 };
+        let mut mem = Memory::default();
+        let record = SwapArgs {
+            x: mem.alloc_f32(&x),
+            out: mem.alloc_bytes(vec![0; size * x.len()]),
+            a: a as i64,
+            b: b as i64,
+            width: width as i64,
+        };
+        let grid = (x.len() / per).div_ceil(THREADS as usize) as u32;
+        launch(&layers::swap_outer(out), grid, &record, &mut mem);
+        let got: Vec<f32> = match out {
+            None => mem.read_f32(record.out, x.len()).unwrap(),
+            Some(half) => mem
+                .read_f32(record.out, x.len() / 2)
+                .unwrap()
+                .iter()
+                .flat_map(|w| {
+                    let bits = w.to_bits();
+                    [bits as u16, (bits >> 16) as u16]
+                })
+                .map(|h| match half {
+                    Half::Bf16 => half::bf16::from_bits(h).to_f32(),
+                    Half::F16 => half::f16::from_bits(h).to_f32(),
+                })
+                .collect(),
+        };
+        let rounded: Vec<f64> = want
+            .iter()
+            .map(|&v| match out {
+                None => f64::from(v),
+                Some(Half::Bf16) => f64::from(half::bf16::from_f32(v).to_f32()),
+                Some(Half::F16) => f64::from(half::f16::from_f32(v).to_f32()),
+            })
+            .collect();
+        close(&got, &rounded, 0.0, &format!("swap {out:?}"));
+    }
+}
+
+#[test]
+fn biases_add_to_every_row() {
+    use codegen::gpu::layers::BiasArgs;
+    let (rows, width) = (7, 40);
+    let (x, bias) = (values(rows * width, 11), values(width, 12));
+    let mut mem = Memory::default();
+    let record = BiasArgs {
+        x: mem.alloc_f32(&x),
+        bias: mem.alloc_f32(&bias),
+        count: (rows * width) as i64,
+        width: width as i64,
+    };
+    launch(&layers::bias_add(), 2, &record, &mut mem);
+    let got = mem.read_f32(record.x, rows * width).unwrap();
+    let want: Vec<f64> = x
+        .iter()
+        .enumerate()
+        .map(|(i, v)| f64::from(v + bias[i % width]))
+        .collect();
+    close(&got, &want, 0.0, "bias");
+}

@@ -21,7 +21,7 @@ use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-fn device(e: impl std::fmt::Display) -> RuntimeError {
+pub(super) fn device(e: impl std::fmt::Display) -> RuntimeError {
     RuntimeError::Device(e.to_string())
 }
 
@@ -29,10 +29,14 @@ fn device(e: impl std::fmt::Display) -> RuntimeError {
 #[derive(Debug)]
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
+    pub(super) stream: Arc<CudaStream>,
     arch: Arch,
     /// Loaded functions by the address of their shared kernel (kept alive here).
     loaded: Mutex<HashMap<usize, (Arc<Kernel>, CudaFunction)>>,
+    /// Buffers made through the `Device` interface, by device address, with their sizes.
+    pub(super) buffers: Mutex<std::collections::BTreeMap<i64, (CudaSlice<u8>, usize)>>,
+    /// cuBLAS, made on first use.
+    pub(super) blas: std::sync::OnceLock<cudarc::cublas::CudaBlas>,
 }
 
 impl CudaBackend {
@@ -63,6 +67,8 @@ impl CudaBackend {
             stream,
             arch,
             loaded: Mutex::new(HashMap::new()),
+            buffers: Mutex::new(std::collections::BTreeMap::new()),
+            blas: std::sync::OnceLock::new(),
         })
     }
 
@@ -304,7 +310,7 @@ impl CudaBackend {
     }
 
     /// The kernel loaded on the device (its PTX emitted and loaded once per process).
-    fn load(&self, kernel: &Arc<Kernel>) -> Result<CudaFunction, RuntimeError> {
+    pub(super) fn load(&self, kernel: &Arc<Kernel>) -> Result<CudaFunction, RuntimeError> {
         // Lowered kernels are shared (`Arc`), so the same kernel is the same allocation: its
         // address is the key, and the map keeps the kernel alive so the address stays its own.
         let key = Arc::as_ptr(kernel) as usize;

@@ -5,6 +5,8 @@
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "cuda")]
+mod cuda_device;
 mod decode;
 pub mod layers;
 
@@ -68,6 +70,51 @@ pub struct GpuCall {
     pub dtype: attn_dsl::DType,
 }
 
+/// What a forward launch needs besides q, k and v: its grid, tile codes and RoPE tables.
+pub(crate) struct ForwardTables {
+    /// CTAs: (query blocks, heads, batch).
+    pub grid: [u32; 3],
+    /// One [`codegen::plan::TileCode`] per (head, query block, key tile).
+    pub codes: Vec<i32>,
+    /// RoPE tables (empty without RoPE) from position `rope_pos0`.
+    pub rope_cos: Vec<f32>,
+    /// See `rope_cos`.
+    pub rope_sin: Vec<f32>,
+    /// See `rope_cos`.
+    pub rope_pos0: i64,
+}
+
+impl ForwardTables {
+    /// The tables of a call of `chosen` (for `plan`) on `[batch, Sq, Skv]`, key 0 at `p0`.
+    pub fn of(
+        plan: &KernelPlan,
+        chosen: &codegen::gpu::ForwardKernel,
+        [b, sq, skv]: [usize; 3],
+        p0: i64,
+    ) -> Self {
+        let h = plan.shape.heads as usize;
+        let codes = chosen.tile_codes(plan, [b, sq, skv], p0);
+        let qblocks = sq.div_ceil(chosen.rows as usize);
+        let first = p0.min(p0 + skv as i64 - sq as i64);
+        let end = p0 + skv as i64;
+        let tables = plan
+            .rope
+            .as_ref()
+            .map(|r| RopeTables::new(r, first, end, end.max(0) as u64));
+        let (rope_cos, rope_sin) = match tables {
+            Some(t) => (t.cos, t.sin),
+            None => (Vec::new(), Vec::new()),
+        };
+        ForwardTables {
+            grid: [qblocks as u32, h as u32, b as u32],
+            codes,
+            rope_cos,
+            rope_sin,
+            rope_pos0: first,
+        }
+    }
+}
+
 /// Whether q and k fit the `Q K^T` operands of the plan's tensor-core kernel: where those are
 /// f16 ([`forward_tc::qk_half`]), every rotated value must stay inside f16's range. Inputs past
 /// it run on the SIMT kernel, in f32.
@@ -85,7 +132,7 @@ fn qk_fits(plan: &KernelPlan, q: &Tensor, k: &Tensor) -> bool {
 
 /// The forward kernel of a variant: the SIMT one where `simt`, else the one `forward_kernel`
 /// picks. Lowered once per variant and shared by the interpreter and CUDA backends.
-fn lowered_forward(
+pub(crate) fn lowered_forward(
     variant: &Variant,
     simt: bool,
 ) -> Result<Arc<codegen::gpu::ForwardKernel>, RuntimeError> {
@@ -198,30 +245,18 @@ impl GpuCall {
     ) -> GpuCall {
         let h = plan.shape.heads as usize;
         let dv = plan.shape.v_dim as usize;
-        let codes = chosen.tile_codes(plan, [b, sq, skv], p0);
-        let (kernel, inputs) = (Arc::clone(&chosen.kernel), chosen.inputs);
-        let qblocks = sq.div_ceil(chosen.rows as usize);
-        let first = p0.min(p0 + skv as i64 - sq as i64);
-        let end = p0 + skv as i64;
-        let tables = plan
-            .rope
-            .as_ref()
-            .map(|r| RopeTables::new(r, first, end, (end).max(0) as u64));
-        let (rope_cos, rope_sin) = match tables {
-            Some(t) => (t.cos, t.sin),
-            None => (Vec::new(), Vec::new()),
-        };
+        let t = ForwardTables::of(plan, &chosen, [b, sq, skv], p0);
         GpuCall {
-            kernel,
-            grid: [qblocks as u32, h as u32, b as u32],
+            kernel: Arc::clone(&chosen.kernel),
+            grid: t.grid,
             q,
             k,
             v,
-            inputs,
-            codes,
-            rope_cos,
-            rope_sin,
-            rope_pos0: first,
+            inputs: chosen.inputs,
+            codes: t.codes,
+            rope_cos: t.rope_cos,
+            rope_sin: t.rope_sin,
+            rope_pos0: t.rope_pos0,
             sq: sq as i64,
             skv: skv as i64,
             p0,

@@ -8,6 +8,7 @@
 //! a [`Session`] runs one incrementally against paged KV caches (one per layer), for decoding.
 
 mod config;
+pub mod device;
 mod generate;
 pub mod hf;
 mod layers;
@@ -18,6 +19,7 @@ mod text;
 pub use config::{
     MAX_INTERMEDIATE, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, MlpKind, ModelConfig, NormKind,
 };
+pub use device::DeviceModel;
 pub use generate::{Progress, Request, Sampling};
 pub use text::{TextStream, TextTokenizer};
 

@@ -38,6 +38,27 @@ impl Memory {
             .collect()
     }
 
+    /// `len` bytes from an address.
+    pub fn read_bytes(&self, addr: i64, len: usize) -> Result<Vec<u8>, String> {
+        self.bytes(addr, len).map(<[u8]>::to_vec)
+    }
+
+    /// Writes bytes at an address (inside one buffer).
+    pub fn write_bytes(&mut self, addr: i64, data: &[u8]) -> Result<(), String> {
+        self.write(addr, data)
+    }
+
+    /// Releases the buffer at `addr` (its start); later accesses to it are errors.
+    pub fn free(&mut self, addr: i64) {
+        let id = (addr >> OFFSET_BITS) - 1;
+        if let Some(b) = usize::try_from(id)
+            .ok()
+            .and_then(|i| self.buffers.get_mut(i))
+        {
+            *b = Vec::new();
+        }
+    }
+
     fn locate(&self, addr: i64, len: usize) -> Result<(usize, usize), String> {
         let id = (addr >> OFFSET_BITS) - 1;
         let off = (addr & ((1 << OFFSET_BITS) - 1)) as usize;

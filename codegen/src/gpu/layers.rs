@@ -475,3 +475,143 @@ pub fn argmax(width: u32) -> Kernel {
     ));
     kernel("argmax", A::params(), r, 8 * WARPS as u32, body)
 }
+
+super::launch::launch_record! {
+    /// A swap of the two outer axes of `[a, b, width]` rows: one thread per output element (or
+    /// pair of elements, for 16-bit outputs).
+    SwapArgs {
+        /// `[a, b, width]` f32 inputs.
+        x: Address,
+        /// `[b, a, width]` outputs.
+        out: Address,
+        /// The outer axis of the input.
+        a: Scalar,
+        /// The middle axis of the input.
+        b: Scalar,
+        /// Values per row (even for 16-bit outputs).
+        width: Scalar,
+    }
+}
+
+/// `[a, b, width]` f32 rows to `[b, a, width]`, as f32 or packed into a 16-bit format (rows of
+/// q, k and v from projections `[tokens, heads, dim]` to the attention kernels' `[heads, tokens,
+/// dim]` and back).
+pub fn swap_outer(out: Option<Half>) -> Kernel {
+    type A = SwapArgs;
+    let mut r = Regs { list: Vec::new() };
+    let (e, col, ib, ia, src, dst) = (
+        r.add("e", Ty::I64),
+        r.add("col", Ty::I64),
+        r.add("ib", Ty::I64),
+        r.add("ia", Ty::I64),
+        r.add("src", Ty::I64),
+        r.add("dst", Ty::I64),
+    );
+    // Each thread moves `per` values: one f32, or two packed 16-bit ones.
+    let per = if out.is_some() { 2 } else { 1 };
+    let total = mul(mul(p::<A>("a"), p::<A>("b")), p::<A>("width"));
+    let first = add(mul(row(), i64(i64::from(THREADS))), tid());
+    let x_at = |offset: i64| {
+        load(
+            Space::Global,
+            Ty::F32,
+            add(p::<A>("x"), mul(add(reg(src), i64(offset)), i64(4))),
+        )
+    };
+    let store = match out {
+        None => Stmt::Store(
+            Space::Global,
+            add(p::<A>("out"), mul(reg(dst), i64(4))),
+            x_at(0),
+        ),
+        Some(half) => Stmt::Store(
+            Space::Global,
+            add(p::<A>("out"), mul(reg(dst), i64(2))),
+            Expr::PackHalf(half, Box::new(x_at(0)), Box::new(x_at(1))),
+        ),
+    };
+    let body = vec![
+        Stmt::Set(e, mul(first, i64(per))),
+        Stmt::If(
+            bin(Bin::Lt, reg(e), total),
+            vec![
+                // e = (ia b + ib) width + col in the input.
+                Stmt::Set(col, bin(Bin::Rem, reg(e), p::<A>("width"))),
+                Stmt::Set(
+                    ib,
+                    bin(
+                        Bin::Rem,
+                        bin(Bin::Div, reg(e), p::<A>("width")),
+                        p::<A>("b"),
+                    ),
+                ),
+                Stmt::Set(
+                    ia,
+                    bin(
+                        Bin::Div,
+                        bin(Bin::Div, reg(e), p::<A>("width")),
+                        p::<A>("b"),
+                    ),
+                ),
+                Stmt::Set(src, reg(e)),
+                Stmt::Set(
+                    dst,
+                    add(
+                        mul(add(mul(reg(ib), p::<A>("a")), reg(ia)), p::<A>("width")),
+                        reg(col),
+                    ),
+                ),
+                store,
+            ],
+            vec![],
+        ),
+    ];
+    let name = match out {
+        None => "swap_outer_f32",
+        Some(Half::Bf16) => "swap_outer_bf16",
+        Some(Half::F16) => "swap_outer_f16",
+    };
+    kernel(name, A::params(), r, 0, body)
+}
+
+super::launch::launch_record! {
+    /// A bias added to rows: one thread per element.
+    BiasArgs {
+        /// `[rows, width]` f32 values, in place.
+        x: Address,
+        /// `[width]` f32 biases.
+        bias: Address,
+        /// Elements (`rows * width`).
+        count: Scalar,
+        /// Values per row.
+        width: Scalar,
+    }
+}
+
+/// `x[i] += bias[i % width]` over `count` elements.
+pub fn bias_add() -> Kernel {
+    type A = BiasArgs;
+    let mut r = Regs { list: Vec::new() };
+    let i = r.add("i", Ty::I64);
+    let x_at = add(p::<A>("x"), mul(reg(i), i64(4)));
+    let sum = add(
+        load(Space::Global, Ty::F32, x_at.clone()),
+        load(
+            Space::Global,
+            Ty::F32,
+            add(
+                p::<A>("bias"),
+                mul(bin(Bin::Rem, reg(i), p::<A>("width")), i64(4)),
+            ),
+        ),
+    );
+    let body = vec![
+        Stmt::Set(i, add(mul(row(), i64(i64::from(THREADS))), tid())),
+        Stmt::If(
+            bin(Bin::Lt, reg(i), p::<A>("count")),
+            vec![Stmt::Store(Space::Global, x_at, sum)],
+            vec![],
+        ),
+    ];
+    kernel("bias_add", A::params(), r, 0, body)
+}

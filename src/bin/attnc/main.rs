@@ -380,7 +380,7 @@ fn main() -> ExitCode {
         } => model_cmd::parse_tokens(&tokens)
             .and_then(|t| {
                 let model = model_cmd::load_on(&model, init_seed, backend)?;
-                model_cmd::logits(&model, &t, incremental, &output)
+                model_cmd::logits(&model, &t, incremental, &output, backend)
             })
             .map(|summary| println!("{summary}")),
         Command::Generate {

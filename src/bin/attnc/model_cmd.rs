@@ -3,8 +3,11 @@
 
 use attn::dsl::accounting::kv_cache_bytes_per_token;
 use attn::runtime::Tensor;
+use attn::runtime::device::{Device, InterpretedDevice};
 use attn::runtime::io::write_safetensors;
-use attn::runtime::model::{Model, Progress, Request, Sampling, TextTokenizer, hf, research};
+use attn::runtime::model::{
+    DeviceModel, Model, Progress, Request, Sampling, TextTokenizer, hf, research,
+};
 use std::io::Write;
 use std::path::Path;
 
@@ -48,17 +51,58 @@ pub fn parse_tokens(text: &str) -> Result<Vec<u32>, String> {
     }
 }
 
+/// The device a model can be resident on for `backend`: the interpreter for gpu-sim, CUDA
+/// device 0 for cuda; `None` on the CPU, and for models not yet resident on devices (MLA).
+fn resident_device(
+    model: &Model,
+    backend: crate::run::Backend,
+) -> Result<Option<std::sync::Arc<dyn Device>>, String> {
+    if model.variant().spec().mla().is_some() {
+        return Ok(None);
+    }
+    match backend {
+        crate::run::Backend::Cpu => Ok(None),
+        crate::run::Backend::GpuSim => Ok(Some(std::sync::Arc::new(InterpretedDevice::new()))),
+        crate::run::Backend::Cuda => cuda_device().map(Some),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_device() -> Result<std::sync::Arc<dyn Device>, String> {
+    attn::runtime::gpu::cuda::CudaBackend::new(0)
+        .map(|b| std::sync::Arc::new(b) as std::sync::Arc<dyn Device>)
+        .map_err(|e| format!("error: {e}"))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_device() -> Result<std::sync::Arc<dyn Device>, String> {
+    Err(
+        "error: this attnc was built without the `cuda` feature; rebuild with --features cuda \
+         (scripts/setup-cuda-toolchain.sh), or use --backend gpu-sim"
+            .into(),
+    )
+}
+
 /// Writes the logits of `tokens` (`[1, T, vocab]` f32 as `logits`): one full forward, or with
-/// `incremental = Some(P)` a prefill of P tokens then one token at a time.
+/// `incremental = Some(P)` a prefill of P tokens then one token at a time. A full forward on
+/// gpu-sim or cuda runs the whole model resident on the device (weights uploaded once, every
+/// activation in device memory); incremental steps run the attention there and the rest on the
+/// CPU.
 pub fn logits(
     model: &Model,
     tokens: &[u32],
     incremental: Option<usize>,
     output: &Path,
+    backend: crate::run::Backend,
 ) -> Result<String, String> {
     let err = |e: attn::runtime::RuntimeError| format!("error: {e}");
     let logits = match incremental {
-        None => model.forward(tokens).map_err(err)?,
+        None => match resident_device(model, backend)? {
+            Some(device) => DeviceModel::new(model, device)
+                .and_then(|m| m.forward(tokens))
+                .map_err(err)?,
+            None => model.forward(tokens).map_err(err)?,
+        },
         Some(p) if p == 0 || p > tokens.len() => {
             return Err(format!(
                 "error: --incremental {p}: the prefill must be 1 to {} tokens",

@@ -1,0 +1,159 @@
+//! Models resident on a device (`DeviceModel`), run on the interpreted device (GPU IR kernels on
+//! the interpreter, host GEMMs for cuBLAS): weights uploaded once, every activation in device
+//! memory, logits against transformers' and the CPU model's.
+
+use attn_runtime::device::{Device, InterpretedDevice, f32_bytes, f32s};
+use attn_runtime::model::research::config_from_toml;
+use attn_runtime::model::{DeviceModel, Model, hf};
+use safetensors::SafeTensors;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/fixtures/hf-tiny"
+    ))
+    .join(name)
+}
+
+fn max_rel(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len());
+    got.iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs() / (1.0 + b.abs()))
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn a_checkpoint_on_the_device_matches_transformers() {
+    let dir = fixture("llama_gqa");
+    let model = hf::load(&dir).unwrap();
+    let bytes = std::fs::read(dir.join("golden.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let tokens: Vec<u32> = st
+        .tensor("input_ids")
+        .unwrap()
+        .data()
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+        .collect();
+    let want = f32s(st.tensor("logits").unwrap().data());
+    let on_device = DeviceModel::new(&model, Arc::new(InterpretedDevice::new())).unwrap();
+    let got = on_device.forward(&tokens).unwrap();
+    let err = max_rel(&got, &want);
+    assert!(err < 1e-4, "max relative difference {err}");
+}
+
+/// Research models of every block kind on the device against the same model on the CPU.
+#[test]
+fn research_models_on_the_device_match_the_cpu() {
+    for (attention, extra, tol) in [
+        (
+            "heads = 4, kv_heads = 2, head_dim = 12, mask = causal, position = rope",
+            "",
+            1e-4,
+        ),
+        (
+            "heads = 2, head_dim = 24, mask = sliding_window(5), position = alibi",
+            "norm = \"layer\"\nmlp = \"gelu\"\ntie_embeddings = false\nqkv_bias = true",
+            1e-4,
+        ),
+        // bf16 attention: q, k and v packed to bf16 for the tensor-core kernel.
+        (
+            "heads = 2, head_dim = 16, mask = causal, dtype = bf16, position = rope(dim = 8)",
+            "",
+            3e-2,
+        ),
+    ] {
+        let config = config_from_toml(&format!(
+            "vocab = 61\nhidden = 48\nlayers = 2\nattention = \"{attention}\"\n{extra}"
+        ))
+        .unwrap();
+        let model = Model::random(&config, 3).unwrap();
+        let tokens: Vec<u32> = (0..19).map(|i| (i * 7 + 3) % 61).collect();
+        let want = model.forward(&tokens).unwrap();
+        let on_device = DeviceModel::new(&model, Arc::new(InterpretedDevice::new())).unwrap();
+        let got = on_device.forward(&tokens).unwrap();
+        let err = max_rel(&got, &want);
+        assert!(
+            err < tol,
+            "{attention} {extra}: max relative difference {err}"
+        );
+        // A token outside the vocabulary is an error, not a read past the table.
+        let e = on_device.forward(&[1, 61]).unwrap_err().to_string();
+        assert!(e.contains("outside the vocabulary"), "{e}");
+    }
+}
+
+#[test]
+fn models_the_device_does_not_run_yet_say_so() {
+    let config = config_from_toml(
+        "vocab = 31\nhidden = 32\nlayers = 1\nattention = \"heads = 2, head_dim = 8, \
+         mla(latent_rank = 16, rope_dim = 4), mask = causal\"",
+    )
+    .unwrap();
+    let model = Model::random(&config, 1).unwrap();
+    let err = match DeviceModel::new(&model, Arc::new(InterpretedDevice::new())) {
+        Ok(_) => panic!("MLA is not resident on a device yet"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("MLA"), "{err}");
+}
+
+/// The interpreted device's GEMM over 16-bit weights: the weights widened exactly, products in
+/// f32 against f64 sums.
+#[test]
+fn device_gemms_take_16_bit_weights() {
+    let device = InterpretedDevice::new();
+    let (n, inp, out) = (3, 20, 7);
+    let x: Vec<f32> = (0..n * inp).map(|i| (i % 13) as f32 / 13.0 - 0.4).collect();
+    let w: Vec<f32> = (0..out * inp)
+        .map(|i| (i % 11) as f32 / 11.0 - 0.5)
+        .collect();
+    for dtype in [
+        attn_dsl::DType::Bf16,
+        attn_dsl::DType::F16,
+        attn_dsl::DType::F32,
+    ] {
+        let (bytes, widened): (Vec<u8>, Vec<f32>) = match dtype {
+            attn_dsl::DType::Bf16 => (
+                w.iter()
+                    .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+                    .collect(),
+                w.iter()
+                    .map(|v| half::bf16::from_f32(*v).to_f32())
+                    .collect(),
+            ),
+            attn_dsl::DType::F16 => (
+                w.iter()
+                    .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+                    .collect(),
+                w.iter().map(|v| half::f16::from_f32(*v).to_f32()).collect(),
+            ),
+            attn_dsl::DType::F32 => (f32_bytes(&w), w.clone()),
+        };
+        let (xb, wb) = (
+            device.upload(&f32_bytes(&x)).unwrap(),
+            device.upload(&bytes).unwrap(),
+        );
+        let y = device.zeros(4 * n * out).unwrap();
+        device.gemm_t(xb, wb, dtype, y, n, inp, out).unwrap();
+        let got = f32s(&device.download(y).unwrap());
+        for r in 0..n {
+            for c in 0..out {
+                let want: f64 = (0..inp)
+                    .map(|i| f64::from(x[r * inp + i]) * f64::from(widened[c * inp + i]))
+                    .sum();
+                assert!(
+                    (f64::from(got[r * out + c]) - want).abs() < 1e-5,
+                    "{dtype:?}"
+                );
+            }
+        }
+        // A product larger than its buffers is an error.
+        assert!(device.gemm_t(xb, wb, dtype, y, n + 1, inp, out).is_err());
+        device.free(xb);
+        assert!(device.download(xb).is_err());
+    }
+}
