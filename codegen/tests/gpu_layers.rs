@@ -295,3 +295,119 @@ fn biases_add_to_every_row() {
         .collect();
     close(&got, &want, 0.0, "bias");
 }
+
+/// Rows appended to a head-major cache: rotated inside the RoPE columns (both pairings), as
+/// `(a cos - b sin, b cos + a sin)`, stored as f32 or bf16, at the cache's slots from `pos0`.
+#[test]
+fn cache_appends_rotate_and_store_rows() {
+    use attn_dsl::RopeLayout;
+    use codegen::gpu::layers::{AppendArgs, AppendRope};
+    let (tokens, kv_heads, width, capacity, pos0) = (3usize, 2usize, 12usize, 8usize, 4usize);
+    let rows = values(tokens * kv_heads * width, 13);
+    let rope = AppendRope {
+        dim: 8,
+        first_dim: 2,
+        layout: RopeLayout::Half,
+    };
+    let half = rope.dim as usize / 2;
+    let (cos, sin) = (values(tokens * half, 14), values(tokens * half, 15));
+    for (layout, dtype) in [
+        (Some(RopeLayout::Half), None),
+        (Some(RopeLayout::Interleaved), Some(Half::Bf16)),
+        (None, Some(Half::F16)),
+        (None, None),
+    ] {
+        let rope = layout.map(|layout| AppendRope { layout, ..rope });
+        let size = if dtype.is_some() { 2 } else { 4 };
+        let mut mem = Memory::default();
+        let record = AppendArgs {
+            rows: mem.alloc_f32(&rows),
+            cache: mem.alloc_bytes(vec![0; size * kv_heads * capacity * width]),
+            tokens: tokens as i64,
+            kv_heads: kv_heads as i64,
+            capacity: capacity as i64,
+            pos0: pos0 as i64,
+            rope_cos: mem.alloc_f32(&cos),
+            rope_sin: mem.alloc_f32(&sin),
+        };
+        let per = if dtype.is_some() { 2 } else { 1 };
+        let grid = (tokens * kv_heads * width / per).div_ceil(THREADS as usize) as u32;
+        launch(
+            &layers::cache_append(width as u32, dtype, rope),
+            grid,
+            &record,
+            &mut mem,
+        );
+        let stored = mem
+            .read_bytes(record.cache, size * kv_heads * capacity * width)
+            .unwrap();
+        let value = |i: usize| -> f32 {
+            match dtype {
+                None => f32::from_le_bytes(stored[4 * i..4 * i + 4].try_into().unwrap()),
+                Some(Half::Bf16) => {
+                    half::bf16::from_le_bytes([stored[2 * i], stored[2 * i + 1]]).to_f32()
+                }
+                Some(Half::F16) => {
+                    half::f16::from_le_bytes([stored[2 * i], stored[2 * i + 1]]).to_f32()
+                }
+            }
+        };
+        let round = |v: f32| match dtype {
+            None => v,
+            Some(Half::Bf16) => half::bf16::from_f32(v).to_f32(),
+            Some(Half::F16) => half::f16::from_f32(v).to_f32(),
+        };
+        for t in 0..tokens {
+            for h in 0..kv_heads {
+                let mut want =
+                    rows[(t * kv_heads + h) * width..(t * kv_heads + h + 1) * width].to_vec();
+                if let Some(r) = rope {
+                    let src = want.clone();
+                    for j in 0..half {
+                        let (a, b) = match r.layout {
+                            RopeLayout::Half => (2 + j, 2 + j + half),
+                            RopeLayout::Interleaved => (2 + 2 * j, 2 + 2 * j + 1),
+                        };
+                        let (c, s) = (cos[t * half + j], sin[t * half + j]);
+                        want[a] = src[a] * c - src[b] * s;
+                        want[b] = src[b] * c + src[a] * s;
+                    }
+                }
+                for (col, w) in want.iter().enumerate() {
+                    let got = value((h * capacity + pos0 + t) * width + col);
+                    assert_eq!(
+                        got,
+                        round(*w),
+                        "{layout:?} {dtype:?} token {t} head {h} col {col}"
+                    );
+                }
+            }
+        }
+        // Slots before pos0 are untouched.
+        assert_eq!(value(0), 0.0);
+    }
+}
+
+#[test]
+fn rows_gather_by_index() {
+    use codegen::gpu::layers::GatherArgs;
+    let width = 5;
+    let x = values(4 * width, 16);
+    let index: Vec<i32> = vec![2, 2, 0, 3, 1, 2];
+    let mut mem = Memory::default();
+    let record = GatherArgs {
+        x: mem.alloc_f32(&x),
+        index: mem.alloc_bytes(index.iter().flat_map(|i| i.to_le_bytes()).collect()),
+        out: mem.alloc_f32(&vec![0.0; index.len() * width]),
+        rows: index.len() as i64,
+        width: width as i64,
+    };
+    launch(&layers::gather_rows(), 1, &record, &mut mem);
+    let got = mem.read_f32(record.out, index.len() * width).unwrap();
+    let want: Vec<f64> = index
+        .iter()
+        .flat_map(|&i| x[i as usize * width..(i as usize + 1) * width].to_vec())
+        .map(f64::from)
+        .collect();
+    close(&got, &want, 0.0, "gather");
+}
