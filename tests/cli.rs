@@ -717,7 +717,8 @@ fn generate_from_text_prints_transformers_continuation() {
         &std::fs::read_to_string(format!("{dir}/golden_generate.json")).unwrap(),
     )
     .unwrap();
-    // The attention on the CPU kernels, and on the GPU kernels run by the GPU IR interpreter.
+    // On the CPU, and resident on the interpreted device (every layer as GPU kernels, caches
+    // and the argmax on the device).
     for backend in ["cpu", "gpu-sim"] {
         for g in golden["generate"].as_array().unwrap() {
             let prompt = g["prompt"].as_str().unwrap();

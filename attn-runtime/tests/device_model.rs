@@ -43,6 +43,49 @@ fn a_checkpoint_on_the_device_matches_transformers() {
     let got = on_device.forward(&tokens).unwrap();
     let err = max_rel(&got, &want);
     assert!(err < 1e-4, "max relative difference {err}");
+    // Prefill 24 tokens, then one at a time, against caches on the device.
+    let want = f32s(st.tensor("logits_incremental").unwrap().data());
+    let mut session = on_device.session(tokens.len()).unwrap();
+    let mut got = session.step(&tokens[..24]).unwrap();
+    for t in 24..tokens.len() {
+        got.extend(session.step(&tokens[t..t + 1]).unwrap());
+    }
+    assert_eq!(session.len(), tokens.len());
+    let err = max_rel(&got, &want);
+    assert!(err < 1e-4, "incremental: max relative difference {err}");
+    // The cache is full: one more token is an error.
+    let e = session.step(&[1]).unwrap_err().to_string();
+    assert!(e.contains("do not fit"), "{e}");
+}
+
+/// Greedy generation resident on the device (caches there, the argmax there, only the chosen
+/// ids back) continues the tokenizer fixture's prompts as transformers does.
+#[test]
+fn greedy_steps_on_the_device_continue_as_transformers_does() {
+    let dir = fixture("llama_tokenizer");
+    let model = hf::load(&dir).unwrap();
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("golden_generate.json")).unwrap())
+            .unwrap();
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let on_device = DeviceModel::new(&model, Arc::new(InterpretedDevice::new())).unwrap();
+    for g in json["generate"].as_array().unwrap() {
+        let (prompt, want) = (ids(&g["prompt_ids"]), ids(&g["new_ids"]));
+        let mut session = on_device.session(prompt.len() + want.len()).unwrap();
+        let mut next = session.step_greedy(&prompt).unwrap();
+        let mut got = vec![next];
+        while got.len() < want.len() {
+            next = session.step_greedy(&[next]).unwrap();
+            got.push(next);
+        }
+        assert_eq!(got, want, "{}", g["prompt"]);
+    }
 }
 
 /// Research models of every block kind on the device against the same model on the CPU.

@@ -467,3 +467,516 @@ impl<'m> DeviceModel<'m> {
         self.linear(s, &layer.o, rows, n)
     }
 }
+
+/// A layer's KV cache on the device: keys and values head-major, `[kv_heads, capacity, dim]`,
+/// in the spec's dtype, keys rotated as they were appended.
+struct DeviceCache {
+    k: DeviceBuffer,
+    v: DeviceBuffer,
+}
+
+/// Kernels of incremental steps.
+struct StepKernels {
+    append_k: Arc<Kernel>,
+    append_v: Arc<Kernel>,
+    gather: Arc<Kernel>,
+    decode: Arc<Kernel>,
+    argmax: Arc<Kernel>,
+}
+
+/// One sequence decoded step by step against caches resident on the device. Each step uploads
+/// its token ids and the launch tables (task and segment records, RoPE rows), and brings back
+/// the attention's partial rows for their lse merge (on the host so far) and the logits or the
+/// chosen token.
+pub struct DeviceSession<'s, 'm> {
+    model: &'s DeviceModel<'m>,
+    caches: Vec<DeviceCache>,
+    capacity: usize,
+    len: usize,
+    kernels: StepKernels,
+}
+
+impl Drop for DeviceSession<'_, '_> {
+    fn drop(&mut self) {
+        for c in self.caches.drain(..) {
+            self.model.device.free(c.k);
+            self.model.device.free(c.v);
+        }
+    }
+}
+
+/// CTAs a decode launch aims for: enough to fill a large GPU several times over.
+const DECODE_CTAS: usize = 512;
+
+impl<'m> DeviceModel<'m> {
+    /// A session for one sequence of at most `capacity` tokens, its caches on the device.
+    pub fn session(&self, capacity: usize) -> Result<DeviceSession<'_, 'm>, RuntimeError> {
+        let variant = self.model.variant();
+        let layout = variant.cache_layout();
+        if variant
+            .decode_plan()
+            .rope
+            .as_ref()
+            .is_some_and(|r| matches!(r.frequencies, codegen::plan::Frequencies::PerLaunch))
+        {
+            return Err(RuntimeError::Spec(
+                "the GPU decode kernel does not run dynamic NTK scaling yet".into(),
+            ));
+        }
+        let half = half_of(layout.dtype);
+        if half.is_some() && !(layout.k_dim.is_multiple_of(2) && layout.v_dim.is_multiple_of(2)) {
+            return Err(RuntimeError::Spec(
+                "16-bit device caches need even head dims".into(),
+            ));
+        }
+        let size = layout.dtype.size_bytes() as usize;
+        let bytes = |dim: usize| {
+            layout
+                .kv_heads
+                .checked_mul(capacity)
+                .and_then(|v| v.checked_mul(dim))
+                .and_then(|v| v.checked_mul(size))
+                .ok_or_else(|| {
+                    RuntimeError::Data(format!("a cache of {capacity} tokens overflows"))
+                })
+        };
+        let mut caches = Vec::with_capacity(self.layers.len());
+        for _ in &self.layers {
+            let k = self.device.zeros(bytes(layout.k_dim)?)?;
+            let v = match self.device.zeros(bytes(layout.v_dim)?) {
+                Ok(v) => v,
+                Err(e) => {
+                    self.device.free(k);
+                    return Err(e);
+                }
+            };
+            caches.push(DeviceCache { k, v });
+        }
+        let rope = layout.rope.as_ref().map(|r| layers::AppendRope {
+            dim: r.rope.dim,
+            first_dim: r.first_dim,
+            layout: r.rope.layout,
+        });
+        let kernel = |k: Kernel| verified(k).map(Arc::new);
+        let kernels = StepKernels {
+            append_k: kernel(layers::cache_append(width_u32(layout.k_dim)?, half, rope))?,
+            append_v: kernel(layers::cache_append(width_u32(layout.v_dim)?, half, None))?,
+            gather: kernel(layers::gather_rows())?,
+            decode: crate::gpu::lowered_decode(variant)?,
+            argmax: kernel(layers::argmax(width_u32(self.model.config.vocab)?))?,
+        };
+        Ok(DeviceSession {
+            model: self,
+            caches,
+            capacity,
+            len: 0,
+            kernels,
+        })
+    }
+}
+
+impl DeviceSession<'_, '_> {
+    /// Tokens cached.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether nothing is cached yet.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Appends `tokens` and returns their logits `[tokens, vocab]`.
+    pub fn step(&mut self, tokens: &[u32]) -> Result<Vec<f32>, RuntimeError> {
+        let mut s = Scratch::new(self.model.device.as_ref());
+        let logits = self.run(&mut s, tokens)?;
+        Ok(f32s(&self.model.device.download(logits)?))
+    }
+
+    /// Appends `tokens` and returns the greedy next token, chosen on the device: only its id
+    /// comes back.
+    pub fn step_greedy(&mut self, tokens: &[u32]) -> Result<u32, RuntimeError> {
+        let m = self.model;
+        let mut s = Scratch::new(m.device.as_ref());
+        let logits = self.run(&mut s, tokens)?;
+        let vocab = m.model.config.vocab;
+        let last = DeviceBuffer {
+            addr: logits.addr + (4 * vocab * (tokens.len() - 1)) as i64,
+            bytes: 4 * vocab,
+        };
+        let out = s.zeros(4)?;
+        m.launch(
+            &self.kernels.argmax,
+            [1, 1, 1],
+            &layers::ArgmaxArgs {
+                x: last.addr,
+                out: out.addr,
+            },
+        )?;
+        let id = m.device.download(out)?;
+        Ok(u32::from_le_bytes([id[0], id[1], id[2], id[3]]))
+    }
+
+    /// The forward pass of `tokens` at positions `len..`, appending their keys and values;
+    /// the logits buffer.
+    fn run(&mut self, s: &mut Scratch, tokens: &[u32]) -> Result<DeviceBuffer, RuntimeError> {
+        let m = self.model;
+        let c = &m.model.config;
+        let n = tokens.len();
+        if n == 0 {
+            return Err(RuntimeError::Data("a step needs at least one token".into()));
+        }
+        if self.len + n > self.capacity {
+            return Err(RuntimeError::Cache(format!(
+                "the session holds {} tokens: {} more do not fit",
+                self.capacity, n
+            )));
+        }
+        if let Some((i, t)) = tokens
+            .iter()
+            .enumerate()
+            .find(|(_, t)| **t as usize >= c.vocab)
+        {
+            return Err(RuntimeError::Data(format!(
+                "token {i} is {t}, outside the vocabulary of {}",
+                c.vocab
+            )));
+        }
+        let rows = u32::try_from(n)
+            .map_err(|_| RuntimeError::Data(format!("{n} tokens are more than a grid holds")))?;
+        let ids: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        let d = c.hidden;
+        let x = s.f32s(n * d)?;
+        m.launch(
+            &m.kernels.embed,
+            [rows, 1, 1],
+            &EmbedArgs {
+                tokens: s.upload(&ids)?.addr,
+                table: m.embed.buffer.addr,
+                out: x.addr,
+            },
+        )?;
+        for (layer, cache) in m.layers.iter().zip(&self.caches) {
+            let h = m.norm(s, &layer.attn_norm, x, rows)?;
+            let a = self.attention(s, layer, cache, h, n)?;
+            m.add(x, a, n * d)?;
+            let h = m.norm(s, &layer.mlp_norm, x, rows)?;
+            let up = m.linear(s, &layer.up, h, n)?;
+            let gate = match &layer.gate {
+                Some(g) => m.linear(s, g, h, n)?,
+                None => up,
+            };
+            let count = n * layer.up.w.rows;
+            m.launch(
+                &m.kernels.activation,
+                blocks(count)?,
+                &ElementwiseArgs {
+                    x: up.addr,
+                    other: gate.addr,
+                    count: count as i64,
+                },
+            )?;
+            let mlp = m.linear(s, &layer.down, up, n)?;
+            m.add(x, mlp, n * d)?;
+        }
+        self.len += n;
+        let h = m.norm(s, &m.final_norm, x, rows)?;
+        match &m.lm_head {
+            Some(head) => m.linear(s, head, h, n),
+            None => {
+                let y = s.f32s(n * m.embed.rows)?;
+                m.gemm(h, &m.embed, y, n)?;
+                Ok(y)
+            }
+        }
+    }
+
+    /// Appends the new tokens' keys and values to the layer's cache, then attends over the
+    /// cache with the decode kernel: work items of the plan's row blocks, segments of the
+    /// cache's rows classified by the plan, partitions merged by lse.
+    fn attention(
+        &self,
+        s: &mut Scratch,
+        layer: &DeviceLayer,
+        cache: &DeviceCache,
+        h: DeviceBuffer,
+        n: usize,
+    ) -> Result<DeviceBuffer, RuntimeError> {
+        use crate::host::ragged::Layout;
+        use crate::host::work::{Item, Task, merge};
+        use codegen::gpu::decode::{SEGMENT_FIELDS, TASK_FIELDS, segment_keys, task_rows};
+        use codegen::gpu::launch::DecodeArgs;
+        use codegen::plan::{CallShape, TileCode};
+        let m = self.model;
+        let variant = m.model.variant();
+        let (spec, layout, plan) = (
+            variant.spec(),
+            variant.cache_layout(),
+            variant.decode_plan(),
+        );
+        let (heads, kv_heads) = (spec.heads as usize, layout.kv_heads);
+        let (dim, v_dim) = (layout.k_dim, layout.v_dim);
+        let size = layout.dtype.size_bytes() as usize;
+        let group = heads / kv_heads;
+        let (q, k, v) = (
+            m.linear(s, &layer.q, h, n)?,
+            m.linear(s, &layer.k, h, n)?,
+            m.linear(s, &layer.v, h, n)?,
+        );
+        // Append at positions len.. (keys rotated there).
+        let (pos0, total) = (self.len, self.len + n);
+        let tables = layout.rope.as_ref().map(|r| {
+            crate::host::rope_table::RopeTables::new(r, pos0 as i64, total as i64, total as u64)
+        });
+        let (cos, sin) = match &tables {
+            Some(t) => (
+                s.upload(&f32_bytes(&t.cos))?.addr,
+                s.upload(&f32_bytes(&t.sin))?.addr,
+            ),
+            None => (0, 0),
+        };
+        let per = if half_of(layout.dtype).is_some() {
+            2
+        } else {
+            1
+        };
+        for (kernel, rows, buffer, width) in [
+            (&self.kernels.append_k, k, cache.k, dim),
+            (&self.kernels.append_v, v, cache.v, v_dim),
+        ] {
+            m.launch(
+                kernel,
+                blocks(n * kv_heads * width / per)?,
+                &layers::AppendArgs {
+                    rows: rows.addr,
+                    cache: buffer.addr,
+                    tokens: n as i64,
+                    kv_heads: kv_heads as i64,
+                    capacity: self.capacity as i64,
+                    pos0: pos0 as i64,
+                    rope_cos: cos,
+                    rope_sin: sin,
+                },
+            )?;
+        }
+        // Work items and their segments, as the host backends cut them.
+        let (max_rows, seg_keys) = (task_rows(plan) as usize, segment_keys(plan) as usize);
+        let nq_max = n.min(max_rows);
+        let nh_max = (max_rows / nq_max).clamp(1, group);
+        let mut items = Vec::new();
+        let mut segments: Vec<Vec<[i64; SEGMENT_FIELDS]>> = Vec::new();
+        use attn_dsl::modifier::interval::Interval;
+        for g in 0..kv_heads {
+            for h0 in (g * group..(g + 1) * group).step_by(nh_max) {
+                let nh = nh_max.min((g + 1) * group - h0);
+                for i0 in (0..n).step_by(nq_max) {
+                    let nq = nq_max.min(n - i0);
+                    let call = CallShape {
+                        sq: n as i64,
+                        skv: total as i64,
+                        p0: 0,
+                        batch: Interval::point(0),
+                        head: Interval::new(h0 as i64, (h0 + nh - 1) as i64),
+                    };
+                    let rows = Interval::new(i0 as i64, (i0 + nq - 1) as i64);
+                    let mut segs = Vec::new();
+                    for first in (0..total).step_by(seg_keys) {
+                        let count = seg_keys.min(total - first);
+                        let keys = Interval::new(first as i64, (first + count - 1) as i64);
+                        let code = plan.tile_code(rows, keys, call, true);
+                        if code == TileCode::Skip {
+                            continue;
+                        }
+                        let at = |buffer: DeviceBuffer, width: usize| {
+                            buffer.addr + ((g * self.capacity + first) * width * size) as i64
+                        };
+                        segs.push([
+                            at(cache.k, dim),
+                            at(cache.v, v_dim),
+                            first as i64,
+                            count as i64,
+                            code as i64,
+                            dim as i64,
+                            v_dim as i64,
+                        ]);
+                    }
+                    items.push(Item {
+                        b: 0,
+                        len: total,
+                        n,
+                        h0,
+                        nh,
+                        i0,
+                        nq,
+                        segments: Vec::new(),
+                    });
+                    segments.push(segs);
+                }
+            }
+        }
+        // Partitions: enough CTAs to fill the device, at least four segments each.
+        let most = segments.iter().map(Vec::len).max().unwrap_or(1);
+        let parts = DECODE_CTAS
+            .div_ceil(items.len().max(1))
+            .min(most.div_ceil(4))
+            .max(1);
+        let (mut tasks, mut task_records, mut segment_records, mut index) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut rows_of = Vec::new();
+        for (i, (item, segs)) in items.iter().zip(&segments).enumerate() {
+            let per = segs.len().div_ceil(parts).max(1);
+            for p in 0..parts.min(segs.len().max(1)) {
+                let range = (p * per).min(segs.len())..((p + 1) * per).min(segs.len());
+                let row0 = index.len();
+                // Query rows head-major: (head, query) takes row query * heads + head of q.
+                for head in item.h0..item.h0 + item.nh {
+                    for q_i in item.i0..item.i0 + item.nq {
+                        index.push((q_i * heads + head) as i32);
+                    }
+                }
+                let seg0 = segment_records.len() / SEGMENT_FIELDS;
+                for r in &segs[range.clone()] {
+                    segment_records.extend_from_slice(r);
+                }
+                let rows = item.nh * item.nq;
+                task_records.extend([
+                    row0 as i64,
+                    rows as i64,
+                    item.nq as i64,
+                    (item.len - item.n + item.i0) as i64,
+                    item.i0 as i64,
+                    0,
+                    item.h0 as i64,
+                    seg0 as i64,
+                    range.len() as i64,
+                ]);
+                debug_assert_eq!(task_records.len() % TASK_FIELDS, 0);
+                rows_of.push((row0, rows));
+                tasks.push(Task {
+                    item: i,
+                    segments: range,
+                });
+            }
+        }
+        let total_rows = index.len();
+        let i32_bytes = |v: &[i32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let i64_bytes = |v: &[i64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let q_rows = s.f32s(total_rows * dim)?;
+        m.launch(
+            &self.kernels.gather,
+            blocks(total_rows * dim)?,
+            &layers::GatherArgs {
+                x: q.addr,
+                index: s.upload(&i32_bytes(&index))?.addr,
+                out: q_rows.addr,
+                rows: total_rows as i64,
+                width: dim as i64,
+            },
+        )?;
+        let query_tables = plan.rope.as_ref().map(|r| {
+            crate::host::rope_table::RopeTables::new(r, pos0 as i64, total as i64, total as u64)
+        });
+        let (qcos, qsin) = match &query_tables {
+            Some(t) => (
+                s.upload(&f32_bytes(&t.cos))?.addr,
+                s.upload(&f32_bytes(&t.sin))?.addr,
+            ),
+            None => (0, 0),
+        };
+        let (out, lse) = (s.f32s(total_rows * v_dim)?, s.f32s(total_rows)?);
+        let ctas = u32::try_from(tasks.len())
+            .map_err(|_| RuntimeError::Data("more tasks than a grid holds".into()))?;
+        let segments_buffer = if segment_records.is_empty() {
+            0
+        } else {
+            s.upload(&i64_bytes(&segment_records))?.addr
+        };
+        m.launch(
+            &self.kernels.decode,
+            [ctas, 1, 1],
+            &DecodeArgs {
+                q_rows: q_rows.addr,
+                tasks: s.upload(&i64_bytes(&task_records))?.addr,
+                segments: segments_buffer,
+                out: out.addr,
+                lse: lse.addr,
+                rope_cos: qcos,
+                rope_sin: qsin,
+                rope_pos0: pos0 as i64,
+            },
+        )?;
+        // The partitions merged by lse (on the host so far), into [n, heads, v_dim] rows.
+        let (out, lse) = (
+            f32s(&m.device.download(out)?),
+            f32s(&m.device.download(lse)?),
+        );
+        let results: Vec<(Vec<f32>, Vec<f32>)> = rows_of
+            .iter()
+            .map(|&(row0, rows)| {
+                (
+                    out[row0 * v_dim..(row0 + rows) * v_dim].to_vec(),
+                    lse[row0..row0 + rows].to_vec(),
+                )
+            })
+            .collect();
+        let q_lens = [n];
+        let layout_rows = Layout {
+            q_lens: &q_lens,
+            q_at: &|_, _, _| 0,
+            out_row: &|_, i, head| i * heads + head,
+            out_rows: n * heads,
+        };
+        let (merged, _) = merge(&items, &tasks, &results, &layout_rows, v_dim);
+        let rows = s.upload(&f32_bytes(&merged))?;
+        m.linear(s, &layer.o, rows, n)
+    }
+}
+
+impl DeviceModel<'_> {
+    /// Greedy generation for one request, resident on the device: the prompt's prefill and
+    /// every step against device caches, each token chosen by the argmax kernel (only its id
+    /// comes back). `progress` is called after every step, as `Model::generate` calls it.
+    pub fn generate_greedy(
+        &self,
+        request: &super::Request,
+        mut progress: impl FnMut(super::Progress),
+    ) -> Result<Vec<u32>, RuntimeError> {
+        use std::time::{Duration, Instant};
+        if request.prompt.is_empty() {
+            return Err(RuntimeError::Data("the request has an empty prompt".into()));
+        }
+        if request.max_new_tokens == 0 {
+            return Ok(Vec::new());
+        }
+        let capacity = request
+            .prompt
+            .len()
+            .checked_add(request.max_new_tokens)
+            .ok_or_else(|| RuntimeError::Data("the prompt and new tokens overflow".into()))?;
+        let mut session = self.session(capacity)?;
+        let start = Instant::now();
+        let mut next = session.step_greedy(&request.prompt)?;
+        let prefill = start.elapsed();
+        let decode_start = Instant::now();
+        let mut out = Vec::with_capacity(request.max_new_tokens);
+        loop {
+            out.push(next);
+            let done = request.stop.contains(&next) || out.len() == request.max_new_tokens;
+            progress(super::Progress {
+                generated: out.len(),
+                running: usize::from(!done),
+                decoding: if out.len() > 1 {
+                    decode_start.elapsed()
+                } else {
+                    Duration::ZERO
+                },
+                prefill,
+                new_tokens: vec![(0, next)],
+            });
+            if done {
+                return Ok(out);
+            }
+            next = session.step_greedy(&[next])?;
+        }
+    }
+}

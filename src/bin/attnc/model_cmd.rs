@@ -185,25 +185,40 @@ pub fn generate(
     let mut stream = tokenizer.as_ref().map(TextTokenizer::stream);
     let mut failed = None;
     let mut last = None;
-    let out = model
-        .generate(&[request], args.sampling, |p| {
-            if let Some(stream) = stream.as_mut() {
-                for &(_, token) in &p.new_tokens {
-                    match stream.push(token) {
-                        Ok(piece) => {
-                            print!("{piece}");
-                            let _ = std::io::stdout().flush();
-                        }
-                        Err(e) => failed = Some(e),
+    let mut report = |p: Progress| {
+        if let Some(stream) = stream.as_mut() {
+            for &(_, token) in &p.new_tokens {
+                match stream.push(token) {
+                    Ok(piece) => {
+                        print!("{piece}");
+                        let _ = std::io::stdout().flush();
                     }
+                    Err(e) => failed = Some(e),
                 }
-            } else {
-                eprint!("\r  {}", rates(&p));
-                let _ = std::io::stderr().flush();
             }
-            last = Some(p);
-        })
-        .map_err(err)?;
+        } else {
+            eprint!("\r  {}", rates(&p));
+            let _ = std::io::stderr().flush();
+        }
+        last = Some(p);
+    };
+    // Greedy decoding on gpu-sim or cuda runs resident on the device; sampling still chooses
+    // on the host, with the attention on the device.
+    let device = if args.sampling.temperature <= 0.0 {
+        resident_device(&model, args.backend)?
+    } else {
+        None
+    };
+    let out = match device {
+        Some(device) => vec![
+            DeviceModel::new(&model, device)
+                .and_then(|m| m.generate_greedy(&request, &mut report))
+                .map_err(err)?,
+        ],
+        None => model
+            .generate(&[request], args.sampling, &mut report)
+            .map_err(err)?,
+    };
     if let Some(e) = failed {
         return Err(err(e));
     }
