@@ -200,3 +200,25 @@ fn device_gemms_take_16_bit_weights() {
         assert!(device.download(xb).is_err());
     }
 }
+
+/// Long enough that decode steps split the cache into several partitions per work item, merged
+/// by the device's lse merge.
+#[test]
+fn long_sequences_split_and_merge_on_the_device() {
+    let config = config_from_toml(
+        "vocab = 53\nhidden = 32\nlayers = 1\nattention = \"heads = 4, kv_heads = 1, \
+         head_dim = 8, mask = causal, position = rope\"",
+    )
+    .unwrap();
+    let model = Model::random(&config, 9).unwrap();
+    let tokens: Vec<u32> = (0..300).map(|i| (i * 11 + 5) % 53).collect();
+    let want = model.forward(&tokens).unwrap();
+    let on_device = DeviceModel::new(&model, Arc::new(InterpretedDevice::new())).unwrap();
+    let mut session = on_device.session(tokens.len()).unwrap();
+    let mut got = session.step(&tokens[..297]).unwrap();
+    for t in 297..300 {
+        got.extend(session.step(&tokens[t..t + 1]).unwrap());
+    }
+    let err = max_rel(&got, &want);
+    assert!(err < 1e-4, "max relative difference {err}");
+}

@@ -411,3 +411,65 @@ fn rows_gather_by_index() {
         .collect();
     close(&got, &want, 0.0, "gather");
 }
+
+/// Split-KV partitions merged on the device as the host merges them: weights `e^(l - max l)`,
+/// rows without a kept key 0, NaN parts NaN.
+#[test]
+fn partitions_merge_by_their_lse() {
+    use codegen::gpu::layers::MergeArgs;
+    let width = 6;
+    let parts = values(7 * width, 17);
+    let lse = [
+        0.5f32,
+        -1.0,
+        f32::NEG_INFINITY,
+        2.0,
+        f32::NAN,
+        0.0,
+        f32::NEG_INFINITY,
+    ];
+    // Output rows: parts {0, 1, 3}, {2} (no key anywhere), {4, 5} (NaN), {5, 6}.
+    let map: Vec<i32> = vec![0, 1, 3, 2, -1, -1, 4, 5, -1, 5, 6, -1];
+    let (rows, slots) = (4, 3);
+    let mut mem = Memory::default();
+    let record = MergeArgs {
+        parts: mem.alloc_f32(&parts),
+        lse: mem.alloc_f32(&lse),
+        map: mem.alloc_bytes(map.iter().flat_map(|i| i.to_le_bytes()).collect()),
+        out: mem.alloc_f32(&vec![1.0; rows * width]),
+        rows: rows as i64,
+        slots: slots as i64,
+        width: width as i64,
+    };
+    launch(&layers::merge_partitions(), 1, &record, &mut mem);
+    let got = mem.read_f32(record.out, rows * width).unwrap();
+    for r in 0..rows {
+        let ps: Vec<usize> = map[r * slots..(r + 1) * slots]
+            .iter()
+            .filter(|p| **p >= 0)
+            .map(|p| *p as usize)
+            .collect();
+        for c in 0..width {
+            let g = got[r * width + c];
+            if ps.iter().any(|&p| lse[p].is_nan()) {
+                assert!(g.is_nan(), "row {r}");
+                continue;
+            }
+            let m = ps
+                .iter()
+                .map(|&p| f64::from(lse[p]))
+                .fold(f64::NEG_INFINITY, f64::max);
+            if m == f64::NEG_INFINITY {
+                assert_eq!(g, 0.0, "row {r}");
+                continue;
+            }
+            let (mut total, mut acc) = (0.0, 0.0);
+            for &p in &ps {
+                let w = (f64::from(lse[p]) - m).exp();
+                total += w;
+                acc += w * f64::from(parts[p * width + c]);
+            }
+            close(&[g], &[acc / total], 1e-5, &format!("row {r} col {c}"));
+        }
+    }
+}

@@ -481,13 +481,13 @@ struct StepKernels {
     append_v: Arc<Kernel>,
     gather: Arc<Kernel>,
     decode: Arc<Kernel>,
+    merge: Arc<Kernel>,
     argmax: Arc<Kernel>,
 }
 
 /// One sequence decoded step by step against caches resident on the device. Each step uploads
-/// its token ids and the launch tables (task and segment records, RoPE rows), and brings back
-/// the attention's partial rows for their lse merge (on the host so far) and the logits or the
-/// chosen token.
+/// its token ids and the launch tables (task and segment records, RoPE rows, the merge map) and
+/// brings back only the logits, or only the chosen token.
 pub struct DeviceSession<'s, 'm> {
     model: &'s DeviceModel<'m>,
     caches: Vec<DeviceCache>,
@@ -563,6 +563,7 @@ impl<'m> DeviceModel<'m> {
             append_v: kernel(layers::cache_append(width_u32(layout.v_dim)?, half, None))?,
             gather: kernel(layers::gather_rows())?,
             decode: crate::gpu::lowered_decode(variant)?,
+            merge: kernel(layers::merge_partitions())?,
             argmax: kernel(layers::argmax(width_u32(self.model.config.vocab)?))?,
         };
         Ok(DeviceSession {
@@ -702,8 +703,7 @@ impl DeviceSession<'_, '_> {
         h: DeviceBuffer,
         n: usize,
     ) -> Result<DeviceBuffer, RuntimeError> {
-        use crate::host::ragged::Layout;
-        use crate::host::work::{Item, Task, merge};
+        use crate::host::work::{Item, Task};
         use codegen::gpu::decode::{SEGMENT_FIELDS, TASK_FIELDS, segment_keys, task_rows};
         use codegen::gpu::launch::DecodeArgs;
         use codegen::plan::{CallShape, TileCode};
@@ -905,29 +905,38 @@ impl DeviceSession<'_, '_> {
                 rope_pos0: pos0 as i64,
             },
         )?;
-        // The partitions merged by lse (on the host so far), into [n, heads, v_dim] rows.
-        let (out, lse) = (
-            f32s(&m.device.download(out)?),
-            f32s(&m.device.download(lse)?),
-        );
-        let results: Vec<(Vec<f32>, Vec<f32>)> = rows_of
+        // The partitions merged by lse on the device, into [n, heads, v_dim] rows: output row
+        // (query i, head) takes the partial rows of every task of its item.
+        let mut parts_of: Vec<Vec<i32>> = vec![Vec::new(); n * heads];
+        for (task, &(row0, _)) in tasks.iter().zip(&rows_of) {
+            let item = &items[task.item];
+            let mut r = row0;
+            for head in item.h0..item.h0 + item.nh {
+                for q_i in item.i0..item.i0 + item.nq {
+                    parts_of[q_i * heads + head].push(r as i32);
+                    r += 1;
+                }
+            }
+        }
+        let slots = parts_of.iter().map(Vec::len).max().unwrap_or(1).max(1);
+        let map: Vec<i32> = parts_of
             .iter()
-            .map(|&(row0, rows)| {
-                (
-                    out[row0 * v_dim..(row0 + rows) * v_dim].to_vec(),
-                    lse[row0..row0 + rows].to_vec(),
-                )
-            })
+            .flat_map(|p| p.iter().copied().chain(std::iter::repeat(-1)).take(slots))
             .collect();
-        let q_lens = [n];
-        let layout_rows = Layout {
-            q_lens: &q_lens,
-            q_at: &|_, _, _| 0,
-            out_row: &|_, i, head| i * heads + head,
-            out_rows: n * heads,
-        };
-        let (merged, _) = merge(&items, &tasks, &results, &layout_rows, v_dim);
-        let rows = s.upload(&f32_bytes(&merged))?;
+        let rows = s.f32s(n * heads * v_dim)?;
+        m.launch(
+            &self.kernels.merge,
+            blocks(n * heads * v_dim)?,
+            &layers::MergeArgs {
+                parts: out.addr,
+                lse: lse.addr,
+                map: s.upload(&i32_bytes(&map))?.addr,
+                out: rows.addr,
+                rows: (n * heads) as i64,
+                slots: slots as i64,
+                width: v_dim as i64,
+            },
+        )?;
         m.linear(s, &layer.o, rows, n)
     }
 }

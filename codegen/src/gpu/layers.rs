@@ -841,3 +841,125 @@ pub fn gather_rows() -> Kernel {
     ];
     kernel("gather_rows", A::params(), r, 0, body)
 }
+
+super::launch::launch_record! {
+    /// The partitions of split-KV attention merged by their log-sum-exp: one thread per output
+    /// value.
+    MergeArgs {
+        /// `[partial rows, width]` f32 normalized partial outputs.
+        parts: Address,
+        /// `[partial rows]` f32 log-sum-exp of each partial row (`-inf`: no kept key).
+        lse: Address,
+        /// `[rows, slots]` i32: the partial rows of each output row, `-1` past its last.
+        map: Address,
+        /// `[rows, width]` f32 merged outputs.
+        out: Address,
+        /// Output rows.
+        rows: Scalar,
+        /// Partial rows per output row, at most.
+        slots: Scalar,
+        /// Values per row.
+        width: Scalar,
+    }
+}
+
+/// Merges partial attention rows: `out = sum_p e^(l_p - m) o_p / sum_p e^(l_p - m)` with `m`
+/// the largest `l_p`; a row whose parts kept no key stays 0, and a NaN part makes it NaN (as
+/// the host merge does).
+pub fn merge_partitions() -> Kernel {
+    type A = MergeArgs;
+    let mut r = Regs { list: Vec::new() };
+    let (e, out_row, col, slot, part, m, l, total, acc, nan) = (
+        r.add("e", Ty::I64),
+        r.add("row", Ty::I64),
+        r.add("col", Ty::I64),
+        r.add("slot", Ty::I64),
+        r.add("part", Ty::I64),
+        r.add("m", Ty::F32),
+        r.add("l", Ty::F32),
+        r.add("total", Ty::F32),
+        r.add("acc", Ty::F32),
+        r.add("nan", Ty::Pred),
+    );
+    let width = p::<A>("width");
+    let part_of = add(
+        p::<A>("map"),
+        mul(add(mul(reg(out_row), p::<A>("slots")), reg(slot)), i64(4)),
+    );
+    let lse_of = |part: Expr| {
+        load(
+            Space::Global,
+            Ty::F32,
+            add(p::<A>("lse"), mul(part, i64(4))),
+        )
+    };
+    // Visits the row's parts: `body` runs with `part` and `l` set, for parts that exist.
+    let each = |body: Vec<Stmt>| Stmt::For {
+        reg: slot,
+        start: i64(0),
+        end: p::<A>("slots"),
+        step: 1,
+        body: vec![
+            Stmt::Set(
+                part,
+                cast(load(Space::Global, Ty::I32, part_of.clone()), Ty::I64),
+            ),
+            Stmt::If(
+                bin(Bin::Ge, reg(part), i64(0)),
+                [vec![Stmt::Set(l, lse_of(reg(part)))], body].concat(),
+                vec![],
+            ),
+        ],
+    };
+    let value = load(
+        Space::Global,
+        Ty::F32,
+        add(
+            p::<A>("parts"),
+            mul(add(mul(reg(part), width.clone()), reg(col)), i64(4)),
+        ),
+    );
+    let weight = exp(sub(reg(l), reg(m)));
+    let body = vec![
+        Stmt::Set(e, add(mul(row(), i64(i64::from(THREADS))), tid())),
+        Stmt::If(
+            bin(Bin::Lt, reg(e), mul(p::<A>("rows"), width.clone())),
+            vec![
+                Stmt::Set(out_row, bin(Bin::Div, reg(e), width.clone())),
+                Stmt::Set(col, bin(Bin::Rem, reg(e), width)),
+                Stmt::Set(m, f32(f32::NEG_INFINITY)),
+                Stmt::Set(nan, Expr::Pred(false)),
+                // NaN != NaN: a NaN lse marks the row.
+                each(vec![
+                    Stmt::Set(m, bin(Bin::Max, reg(m), reg(l))),
+                    Stmt::Set(nan, bin(Bin::Or, reg(nan), bin(Bin::Ne, reg(l), reg(l)))),
+                ]),
+                Stmt::Set(total, f32(0.0)),
+                Stmt::Set(acc, f32(0.0)),
+                Stmt::If(
+                    bin(Bin::Gt, reg(m), f32(f32::NEG_INFINITY)),
+                    vec![each(vec![
+                        Stmt::Set(total, add(reg(total), weight.clone())),
+                        Stmt::Set(acc, fma(weight, value, reg(acc))),
+                    ])],
+                    vec![],
+                ),
+                Stmt::Store(
+                    Space::Global,
+                    add(p::<A>("out"), mul(reg(e), i64(4))),
+                    select(
+                        reg(nan),
+                        f32(f32::NAN),
+                        select(
+                            bin(Bin::Gt, reg(total), f32(0.0)),
+                            bin(Bin::Div, reg(acc), reg(total)),
+                            f32(0.0),
+                        ),
+                    ),
+                ),
+            ],
+            vec![],
+        ),
+    ];
+    kernel("merge_partitions", A::params(), r, 0, body)
+}
