@@ -2,7 +2,10 @@
 # The GPU backend's device check: decode on the device against the CPU backend (attnc
 # check-device), prefill differential tests on the device (against the CPU backend and a float64
 # reference), then bf16 prefill and decode timings against PyTorch's
-# F.scaled_dot_product_attention on the same device (scripts/gpu_check.py).
+# F.scaled_dot_product_attention on the same device (scripts/gpu_check.py); then models resident
+# on the device: logits against the CPU backend, greedy generation against transformers'
+# continuations, and a 1B llama-shaped model's decode and prefill times next to transformers'
+# generate where it is installed (scripts/model_check.py).
 # For a machine with an NVIDIA GPU, its driver and PyTorch (with safetensors); no network.
 #
 #   scripts/gpu-check.sh [--quick]     check and time (well under 8 minutes; --quick: N 1k and 8k)
@@ -44,4 +47,8 @@ status=0
 echo "== decode on the device against the CPU backend (attnc check-device)"
 "$attnc" check-device || status=1
 PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --attnc "$attnc" --backend cuda "$@" || status=1
+skip_model_timing=()
+[[ "${1:-}" == "--quick" ]] && skip_model_timing=(--skip-timing)
+PYTHONUNBUFFERED=1 python3 scripts/model_check.py --attnc "$attnc" --backend cuda \
+  "${skip_model_timing[@]}" || status=1
 exit $status

@@ -84,10 +84,9 @@ fn cuda_device() -> Result<std::sync::Arc<dyn Device>, String> {
 }
 
 /// Writes the logits of `tokens` (`[1, T, vocab]` f32 as `logits`): one full forward, or with
-/// `incremental = Some(P)` a prefill of P tokens then one token at a time. A full forward on
-/// gpu-sim or cuda runs the whole model resident on the device (weights uploaded once, every
-/// activation in device memory); incremental steps run the attention there and the rest on the
-/// CPU.
+/// `incremental = Some(P)` a prefill of P tokens then one token at a time. On gpu-sim or cuda
+/// the whole model runs resident on the device (weights uploaded once, every activation and
+/// the KV caches in device memory).
 pub fn logits(
     model: &Model,
     tokens: &[u32],
@@ -109,14 +108,25 @@ pub fn logits(
                 tokens.len()
             ));
         }
-        Some(p) => {
-            let mut session = model.session(tokens.len(), 16).map_err(err)?;
-            let mut all = session.step(&tokens[..p]).map_err(err)?;
-            for t in p..tokens.len() {
-                all.extend(session.step(&tokens[t..t + 1]).map_err(err)?);
+        Some(p) => match resident_device(model, backend)? {
+            Some(device) => {
+                let on_device = DeviceModel::new(model, device).map_err(err)?;
+                let mut session = on_device.session(tokens.len()).map_err(err)?;
+                let mut all = session.step(&tokens[..p]).map_err(err)?;
+                for t in p..tokens.len() {
+                    all.extend(session.step(&tokens[t..t + 1]).map_err(err)?);
+                }
+                all
             }
-            all
-        }
+            None => {
+                let mut session = model.session(tokens.len(), 16).map_err(err)?;
+                let mut all = session.step(&tokens[..p]).map_err(err)?;
+                for t in p..tokens.len() {
+                    all.extend(session.step(&tokens[t..t + 1]).map_err(err)?);
+                }
+                all
+            }
+        },
     };
     let vocab = model.config.vocab;
     let t = Tensor::from_f32(&[1, tokens.len(), vocab], logits).map_err(err)?;
