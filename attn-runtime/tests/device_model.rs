@@ -222,3 +222,67 @@ fn long_sequences_split_and_merge_on_the_device() {
     let err = max_rel(&got, &want);
     assert!(err < 1e-4, "max relative difference {err}");
 }
+
+/// Sizes past what the device can hold are errors before any allocation.
+#[test]
+fn hostile_sizes_are_refused() {
+    let config = config_from_toml(
+        "vocab = 17\nhidden = 16\nlayers = 1\nattention = \"heads = 2, head_dim = 8\"",
+    )
+    .unwrap();
+    let model = Model::random(&config, 2).unwrap();
+    let on_device = DeviceModel::new(&model, Arc::new(InterpretedDevice::new())).unwrap();
+    for capacity in [usize::MAX, usize::MAX / 8, 1 << 50] {
+        assert!(on_device.session(capacity).is_err(), "capacity {capacity}");
+    }
+    let mut session = on_device.session(4).unwrap();
+    assert!(session.step(&[]).is_err());
+    assert!(session.step(&[1, 2, 3, 4, 5]).is_err());
+    assert!(session.step(&[17]).is_err());
+    assert!(session.is_empty(), "a refused step changes nothing");
+    assert!(on_device.forward(&[]).unwrap().is_empty());
+}
+
+/// Sampled and greedy generation resident on the device choose what the CPU model chooses
+/// (the same seeded sampler over logits that agree to 1e-5), and stop at stop tokens.
+#[test]
+fn resident_generation_chooses_as_the_cpu_model() {
+    use attn_runtime::model::{Request, Sampling};
+    let config = config_from_toml(
+        "vocab = 41\nhidden = 32\nlayers = 2\nattention = \"heads = 4, kv_heads = 2, \
+         head_dim = 8, mask = causal, position = rope\"",
+    )
+    .unwrap();
+    let model = Model::random(&config, 4).unwrap();
+    let on_device = DeviceModel::new(&model, Arc::new(InterpretedDevice::new())).unwrap();
+    let sampled = Sampling {
+        temperature: 0.8,
+        top_k: Some(20),
+        top_p: Some(0.95),
+        seed: 7,
+    };
+    for sampling in [Sampling::greedy(), sampled] {
+        let request = Request {
+            prompt: vec![3, 1, 4, 1, 5],
+            max_new_tokens: 12,
+            stop: Vec::new(),
+        };
+        let want = model
+            .generate(std::slice::from_ref(&request), sampling, |_| {})
+            .unwrap();
+        let mut steps = 0;
+        let got = on_device
+            .generate(&request, sampling, |_| steps += 1)
+            .unwrap();
+        assert_eq!(got, want[0], "{sampling:?}");
+        assert_eq!(steps, 12);
+        // A stop token ends the request after it.
+        let stop = Request {
+            stop: vec![got[3]],
+            ..request
+        };
+        let first = got.iter().position(|t| *t == got[3]).unwrap();
+        let short = on_device.generate(&stop, sampling, |_| {}).unwrap();
+        assert_eq!(short, got[..=first].to_vec());
+    }
+}

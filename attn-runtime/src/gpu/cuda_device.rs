@@ -98,12 +98,21 @@ impl Device for CudaBackend {
             .buffers
             .lock()
             .map_err(|_| device("the device's buffer map is poisoned"))?;
-        let (slice, bytes) = map
-            .get(&buffer.addr)
+        // The buffer holding `[addr, addr + bytes)`: a whole buffer or a range inside one.
+        let (start, (slice, size)) = map
+            .range(..=buffer.addr)
+            .next_back()
             .ok_or_else(|| device(format!("no buffer at {:#x}", buffer.addr)))?;
-        let mut host = self.stream.clone_dtoh(slice).map_err(device)?;
-        host.truncate(*bytes);
-        Ok(host)
+        let offset = (buffer.addr - start) as usize;
+        if offset + buffer.bytes > *size {
+            return Err(device(format!(
+                "{} bytes at {:#x} run past the buffer they start in",
+                buffer.bytes, buffer.addr
+            )));
+        }
+        self.stream
+            .clone_dtoh(&slice.slice(offset..offset + buffer.bytes))
+            .map_err(device)
     }
 
     fn free(&self, buffer: DeviceBuffer) {

@@ -594,6 +594,20 @@ impl DeviceSession<'_, '_> {
         Ok(f32s(&self.model.device.download(logits)?))
     }
 
+    /// Appends `tokens` and returns the logits of the last one (`[vocab]`: the only row
+    /// brought back).
+    pub fn step_last(&mut self, tokens: &[u32]) -> Result<Vec<f32>, RuntimeError> {
+        let m = self.model;
+        let mut s = Scratch::new(m.device.as_ref());
+        let logits = self.run(&mut s, tokens)?;
+        let vocab = m.model.config.vocab;
+        let last = DeviceBuffer {
+            addr: logits.addr + (4 * vocab * (tokens.len() - 1)) as i64,
+            bytes: 4 * vocab,
+        };
+        Ok(f32s(&m.device.download(last)?))
+    }
+
     /// Appends `tokens` and returns the greedy next token, chosen on the device: only its id
     /// comes back.
     pub fn step_greedy(&mut self, tokens: &[u32]) -> Result<u32, RuntimeError> {
@@ -942,12 +956,14 @@ impl DeviceSession<'_, '_> {
 }
 
 impl DeviceModel<'_> {
-    /// Greedy generation for one request, resident on the device: the prompt's prefill and
-    /// every step against device caches, each token chosen by the argmax kernel (only its id
-    /// comes back). `progress` is called after every step, as `Model::generate` calls it.
-    pub fn generate_greedy(
+    /// Generation for one request, resident on the device: the prompt's prefill and every step
+    /// against device caches. Greedy tokens are chosen by the argmax kernel (only the id comes
+    /// back); sampled ones from the last row of logits, the only row brought back. `progress` is
+    /// called after every step, as `Model::generate` calls it.
+    pub fn generate(
         &self,
         request: &super::Request,
+        sampling: super::Sampling,
         mut progress: impl FnMut(super::Progress),
     ) -> Result<Vec<u32>, RuntimeError> {
         use std::time::{Duration, Instant};
@@ -963,8 +979,18 @@ impl DeviceModel<'_> {
             .checked_add(request.max_new_tokens)
             .ok_or_else(|| RuntimeError::Data("the prompt and new tokens overflow".into()))?;
         let mut session = self.session(capacity)?;
+        let mut rng = super::generate::Rng::new(sampling.seed);
+        let ops = super::ops::CpuLayers;
+        let mut next_after = |session: &mut DeviceSession, tokens: &[u32]| {
+            if sampling.temperature <= 0.0 {
+                session.step_greedy(tokens)
+            } else {
+                let last = session.step_last(tokens)?;
+                super::generate::choose(&ops, &last, &sampling, &mut rng)
+            }
+        };
         let start = Instant::now();
-        let mut next = session.step_greedy(&request.prompt)?;
+        let mut next = next_after(&mut session, &request.prompt)?;
         let prefill = start.elapsed();
         let decode_start = Instant::now();
         let mut out = Vec::with_capacity(request.max_new_tokens);
@@ -985,7 +1011,7 @@ impl DeviceModel<'_> {
             if done {
                 return Ok(out);
             }
-            next = session.step_greedy(&[next])?;
+            next = next_after(&mut session, &[next])?;
         }
     }
 }

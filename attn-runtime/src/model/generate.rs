@@ -59,10 +59,10 @@ pub struct Progress {
 }
 
 /// A small seeded generator (xorshift64*), enough for sampling.
-struct Rng(u64);
+pub(crate) struct Rng(u64);
 
 impl Rng {
-    fn new(seed: u64) -> Self {
+    pub(crate) fn new(seed: u64) -> Self {
         Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
     }
 
@@ -76,7 +76,7 @@ impl Rng {
 }
 
 /// The next token from one row of logits (greedy choice on `ops`).
-fn choose(
+pub(crate) fn choose(
     ops: &dyn LayerOps,
     logits: &[f32],
     sampling: &Sampling,

@@ -212,17 +212,11 @@ pub fn generate(
         }
         last = Some(p);
     };
-    // Greedy decoding on gpu-sim or cuda runs resident on the device; sampling still chooses
-    // on the host, with the attention on the device.
-    let device = if args.sampling.temperature <= 0.0 {
-        resident_device(&model, args.backend)?
-    } else {
-        None
-    };
-    let out = match device {
+    // On gpu-sim or cuda the model runs resident on the device (MLA models: their attention).
+    let out = match resident_device(&model, args.backend)? {
         Some(device) => vec![
             DeviceModel::new(&model, device)
-                .and_then(|m| m.generate_greedy(&request, &mut report))
+                .and_then(|m| m.generate(&request, args.sampling, &mut report))
                 .map_err(err)?,
         ],
         None => model
