@@ -243,11 +243,32 @@ impl<'m> DeviceModel<'m> {
     /// Logits `[tokens, vocab]` of a whole sequence (causal; positions from 0), computed on the
     /// device.
     pub fn forward(&self, tokens: &[u32]) -> Result<Vec<f32>, RuntimeError> {
-        let c = &self.model.config;
-        let n = tokens.len();
-        if n == 0 {
+        if tokens.is_empty() {
             return Ok(Vec::new());
         }
+        let n = tokens.len();
+        let mut s = Scratch::new(self.device.as_ref());
+        let logits = self.run_layers(&mut s, tokens, |s, _, layer, h| {
+            self.attention(s, layer, h, n)
+        })?;
+        Ok(f32s(&self.device.download(logits)?))
+    }
+
+    /// The decoder over `tokens` with each layer's attention from `attention(scratch, layer
+    /// index, layer, normed rows)`: embedding, blocks, final norm, LM head; the logits buffer.
+    fn run_layers(
+        &self,
+        s: &mut Scratch,
+        tokens: &[u32],
+        mut attention: impl FnMut(
+            &mut Scratch,
+            usize,
+            &DeviceLayer,
+            DeviceBuffer,
+        ) -> Result<DeviceBuffer, RuntimeError>,
+    ) -> Result<DeviceBuffer, RuntimeError> {
+        let c = &self.model.config;
+        let n = tokens.len();
         if let Some((i, t)) = tokens
             .iter()
             .enumerate()
@@ -258,8 +279,6 @@ impl<'m> DeviceModel<'m> {
                 c.vocab
             )));
         }
-        let device = self.device.as_ref();
-        let mut s = Scratch::new(device);
         let d = c.hidden;
         let rows = u32::try_from(n)
             .map_err(|_| RuntimeError::Data(format!("{n} tokens are more than a grid holds")))?;
@@ -274,14 +293,14 @@ impl<'m> DeviceModel<'m> {
                 out: x.addr,
             },
         )?;
-        for layer in &self.layers {
-            let h = self.norm(&mut s, &layer.attn_norm, x, rows)?;
-            let a = self.attention(&mut s, layer, h, n)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let h = self.norm(s, &layer.attn_norm, x, rows)?;
+            let a = attention(s, i, layer, h)?;
             self.add(x, a, n * d)?;
-            let h = self.norm(&mut s, &layer.mlp_norm, x, rows)?;
-            let up = self.linear(&mut s, &layer.up, h, n)?;
+            let h = self.norm(s, &layer.mlp_norm, x, rows)?;
+            let up = self.linear(s, &layer.up, h, n)?;
             let gate = match &layer.gate {
-                Some(g) => self.linear(&mut s, g, h, n)?,
+                Some(g) => self.linear(s, g, h, n)?,
                 None => up,
             };
             let count = n * layer.up.w.rows;
@@ -294,19 +313,18 @@ impl<'m> DeviceModel<'m> {
                     count: count as i64,
                 },
             )?;
-            let m = self.linear(&mut s, &layer.down, up, n)?;
+            let m = self.linear(s, &layer.down, up, n)?;
             self.add(x, m, n * d)?;
         }
-        let h = self.norm(&mut s, &self.final_norm, x, rows)?;
-        let logits = match &self.lm_head {
-            Some(head) => self.linear(&mut s, head, h, n)?,
+        let h = self.norm(s, &self.final_norm, x, rows)?;
+        match &self.lm_head {
+            Some(head) => self.linear(s, head, h, n),
             None => {
                 let y = s.f32s(n * self.embed.rows)?;
                 self.gemm(h, &self.embed, y, n)?;
-                y
+                Ok(y)
             }
-        };
-        Ok(f32s(&device.download(logits)?))
+        }
     }
 
     fn launch<R: LaunchRecord>(
@@ -635,8 +653,6 @@ impl DeviceSession<'_, '_> {
     /// The forward pass of `tokens` at positions `len..`, appending their keys and values;
     /// the logits buffer.
     fn run(&mut self, s: &mut Scratch, tokens: &[u32]) -> Result<DeviceBuffer, RuntimeError> {
-        let m = self.model;
-        let c = &m.model.config;
         let n = tokens.len();
         if n == 0 {
             return Err(RuntimeError::Data("a step needs at least one token".into()));
@@ -647,63 +663,12 @@ impl DeviceSession<'_, '_> {
                 self.capacity, n
             )));
         }
-        if let Some((i, t)) = tokens
-            .iter()
-            .enumerate()
-            .find(|(_, t)| **t as usize >= c.vocab)
-        {
-            return Err(RuntimeError::Data(format!(
-                "token {i} is {t}, outside the vocabulary of {}",
-                c.vocab
-            )));
-        }
-        let rows = u32::try_from(n)
-            .map_err(|_| RuntimeError::Data(format!("{n} tokens are more than a grid holds")))?;
-        let ids: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
-        let d = c.hidden;
-        let x = s.f32s(n * d)?;
-        m.launch(
-            &m.kernels.embed,
-            [rows, 1, 1],
-            &EmbedArgs {
-                tokens: s.upload(&ids)?.addr,
-                table: m.embed.buffer.addr,
-                out: x.addr,
-            },
-        )?;
-        for (layer, cache) in m.layers.iter().zip(&self.caches) {
-            let h = m.norm(s, &layer.attn_norm, x, rows)?;
-            let a = self.attention(s, layer, cache, h, n)?;
-            m.add(x, a, n * d)?;
-            let h = m.norm(s, &layer.mlp_norm, x, rows)?;
-            let up = m.linear(s, &layer.up, h, n)?;
-            let gate = match &layer.gate {
-                Some(g) => m.linear(s, g, h, n)?,
-                None => up,
-            };
-            let count = n * layer.up.w.rows;
-            m.launch(
-                &m.kernels.activation,
-                blocks(count)?,
-                &ElementwiseArgs {
-                    x: up.addr,
-                    other: gate.addr,
-                    count: count as i64,
-                },
-            )?;
-            let mlp = m.linear(s, &layer.down, up, n)?;
-            m.add(x, mlp, n * d)?;
-        }
+        let session = &*self;
+        let logits = self.model.run_layers(s, tokens, |s, i, layer, h| {
+            session.attention(s, layer, &session.caches[i], h, n)
+        })?;
         self.len += n;
-        let h = m.norm(s, &m.final_norm, x, rows)?;
-        match &m.lm_head {
-            Some(head) => m.linear(s, head, h, n),
-            None => {
-                let y = s.f32s(n * m.embed.rows)?;
-                m.gemm(h, &m.embed, y, n)?;
-                Ok(y)
-            }
-        }
+        Ok(logits)
     }
 
     /// Appends the new tokens' keys and values to the layer's cache, then attends over the

@@ -282,7 +282,13 @@ pub fn activation(kind: Activation) -> Kernel {
         Activation::SwiGlu => "swiglu",
         Activation::Gelu => "gelu",
     };
-    kernel(name, A::params(), r, 0, elementwise(i, run))
+    kernel(
+        name,
+        A::params(),
+        r,
+        0,
+        per_thread(i, 1, p::<A>("count"), run),
+    )
 }
 
 /// `x += other` over `count` elements.
@@ -304,19 +310,24 @@ pub fn residual_add() -> Kernel {
         A::params(),
         r,
         0,
-        elementwise(i, vec![Stmt::Store(Space::Global, x_at, sum)]),
+        per_thread(
+            i,
+            1,
+            p::<A>("count"),
+            vec![Stmt::Store(Space::Global, x_at, sum)],
+        ),
     )
 }
 
-/// The body of an elementwise kernel: `i = ctaid.x * THREADS + tid`, `body` when `i < count`.
-fn elementwise(i: Reg, body: Vec<Stmt>) -> Vec<Stmt> {
+/// The body of a kernel with a thread per `per` consecutive values: `i = (ctaid.x * THREADS +
+/// tid) * per`, then `body` when `i < count`.
+fn per_thread(i: Reg, per: i64, count: Expr, body: Vec<Stmt>) -> Vec<Stmt> {
     vec![
-        Stmt::Set(i, add(mul(row(), i64(i64::from(THREADS))), tid())),
-        Stmt::If(
-            bin(Bin::Lt, reg(i), p::<ElementwiseArgs>("count")),
-            body,
-            vec![],
+        Stmt::Set(
+            i,
+            mul(add(mul(row(), i64(i64::from(THREADS))), tid()), i64(per)),
         ),
+        Stmt::If(bin(Bin::Lt, reg(i), count), body, vec![]),
     ]
 }
 
@@ -510,7 +521,6 @@ pub fn swap_outer(out: Option<Half>) -> Kernel {
     // Each thread moves `per` values: one f32, or two packed 16-bit ones.
     let per = if out.is_some() { 2 } else { 1 };
     let total = mul(mul(p::<A>("a"), p::<A>("b")), p::<A>("width"));
-    let first = add(mul(row(), i64(i64::from(THREADS))), tid());
     let x_at = |offset: i64| {
         load(
             Space::Global,
@@ -530,42 +540,40 @@ pub fn swap_outer(out: Option<Half>) -> Kernel {
             Expr::PackHalf(half, Box::new(x_at(0)), Box::new(x_at(1))),
         ),
     };
-    let body = vec![
-        Stmt::Set(e, mul(first, i64(per))),
-        Stmt::If(
-            bin(Bin::Lt, reg(e), total),
-            vec![
-                // e = (ia b + ib) width + col in the input.
-                Stmt::Set(col, bin(Bin::Rem, reg(e), p::<A>("width"))),
-                Stmt::Set(
-                    ib,
-                    bin(
-                        Bin::Rem,
-                        bin(Bin::Div, reg(e), p::<A>("width")),
-                        p::<A>("b"),
-                    ),
+    let body = per_thread(
+        e,
+        per,
+        total,
+        vec![
+            // e = (ia b + ib) width + col in the input.
+            Stmt::Set(col, bin(Bin::Rem, reg(e), p::<A>("width"))),
+            Stmt::Set(
+                ib,
+                bin(
+                    Bin::Rem,
+                    bin(Bin::Div, reg(e), p::<A>("width")),
+                    p::<A>("b"),
                 ),
-                Stmt::Set(
-                    ia,
-                    bin(
-                        Bin::Div,
-                        bin(Bin::Div, reg(e), p::<A>("width")),
-                        p::<A>("b"),
-                    ),
+            ),
+            Stmt::Set(
+                ia,
+                bin(
+                    Bin::Div,
+                    bin(Bin::Div, reg(e), p::<A>("width")),
+                    p::<A>("b"),
                 ),
-                Stmt::Set(src, reg(e)),
-                Stmt::Set(
-                    dst,
-                    add(
-                        mul(add(mul(reg(ib), p::<A>("a")), reg(ia)), p::<A>("width")),
-                        reg(col),
-                    ),
+            ),
+            Stmt::Set(src, reg(e)),
+            Stmt::Set(
+                dst,
+                add(
+                    mul(add(mul(reg(ib), p::<A>("a")), reg(ia)), p::<A>("width")),
+                    reg(col),
                 ),
-                store,
-            ],
-            vec![],
-        ),
-    ];
+            ),
+            store,
+        ],
+    );
     let name = match out {
         None => "swap_outer_f32",
         Some(Half::Bf16) => "swap_outer_bf16",
@@ -605,14 +613,12 @@ pub fn bias_add() -> Kernel {
             ),
         ),
     );
-    let body = vec![
-        Stmt::Set(i, add(mul(row(), i64(i64::from(THREADS))), tid())),
-        Stmt::If(
-            bin(Bin::Lt, reg(i), p::<A>("count")),
-            vec![Stmt::Store(Space::Global, x_at, sum)],
-            vec![],
-        ),
-    ];
+    let body = per_thread(
+        i,
+        1,
+        p::<A>("count"),
+        vec![Stmt::Store(Space::Global, x_at, sum)],
+    );
     kernel("bias_add", A::params(), r, 0, body)
 }
 
@@ -753,29 +759,24 @@ pub fn cache_append(width: u32, dtype: Option<Half>, rope: Option<AppendRope>) -
             ),
         ),
     };
-    let body = vec![
-        Stmt::Set(
-            e,
-            mul(add(mul(row(), i64(i64::from(THREADS))), tid()), i64(per)),
-        ),
-        Stmt::If(
-            bin(Bin::Lt, reg(e), total),
-            vec![
-                // e = (tok kv_heads + head) width + col.
-                Stmt::Set(col, bin(Bin::Rem, reg(e), i64(w))),
-                Stmt::Set(
-                    head,
-                    bin(Bin::Rem, bin(Bin::Div, reg(e), i64(w)), p::<A>("kv_heads")),
-                ),
-                Stmt::Set(
-                    tok,
-                    bin(Bin::Div, bin(Bin::Div, reg(e), i64(w)), p::<A>("kv_heads")),
-                ),
-                store,
-            ],
-            vec![],
-        ),
-    ];
+    let body = per_thread(
+        e,
+        per,
+        total,
+        vec![
+            // e = (tok kv_heads + head) width + col.
+            Stmt::Set(col, bin(Bin::Rem, reg(e), i64(w))),
+            Stmt::Set(
+                head,
+                bin(Bin::Rem, bin(Bin::Div, reg(e), i64(w)), p::<A>("kv_heads")),
+            ),
+            Stmt::Set(
+                tok,
+                bin(Bin::Div, bin(Bin::Div, reg(e), i64(w)), p::<A>("kv_heads")),
+            ),
+            store,
+        ],
+    );
     kernel("cache_append", A::params(), r, 0, body)
 }
 
@@ -801,44 +802,42 @@ pub fn gather_rows() -> Kernel {
     let mut r = Regs { list: Vec::new() };
     let (e, src) = (r.add("e", Ty::I64), r.add("src", Ty::I64));
     let width = p::<A>("width");
-    let body = vec![
-        Stmt::Set(e, add(mul(row(), i64(i64::from(THREADS))), tid())),
-        Stmt::If(
-            bin(Bin::Lt, reg(e), mul(p::<A>("rows"), width.clone())),
-            vec![
-                Stmt::Set(
-                    src,
-                    cast(
-                        load(
-                            Space::Global,
-                            Ty::I32,
-                            add(
-                                p::<A>("index"),
-                                mul(bin(Bin::Div, reg(e), width.clone()), i64(4)),
-                            ),
-                        ),
-                        Ty::I64,
-                    ),
-                ),
-                Stmt::Store(
-                    Space::Global,
-                    add(p::<A>("out"), mul(reg(e), i64(4))),
+    let body = per_thread(
+        e,
+        1,
+        mul(p::<A>("rows"), width.clone()),
+        vec![
+            Stmt::Set(
+                src,
+                cast(
                     load(
                         Space::Global,
-                        Ty::F32,
+                        Ty::I32,
                         add(
-                            p::<A>("x"),
-                            mul(
-                                add(mul(reg(src), width.clone()), bin(Bin::Rem, reg(e), width)),
-                                i64(4),
-                            ),
+                            p::<A>("index"),
+                            mul(bin(Bin::Div, reg(e), width.clone()), i64(4)),
+                        ),
+                    ),
+                    Ty::I64,
+                ),
+            ),
+            Stmt::Store(
+                Space::Global,
+                add(p::<A>("out"), mul(reg(e), i64(4))),
+                load(
+                    Space::Global,
+                    Ty::F32,
+                    add(
+                        p::<A>("x"),
+                        mul(
+                            add(mul(reg(src), width.clone()), bin(Bin::Rem, reg(e), width)),
+                            i64(4),
                         ),
                     ),
                 ),
-            ],
-            vec![],
-        ),
-    ];
+            ),
+        ],
+    );
     kernel("gather_rows", A::params(), r, 0, body)
 }
 
@@ -920,46 +919,44 @@ pub fn merge_partitions() -> Kernel {
         ),
     );
     let weight = exp(sub(reg(l), reg(m)));
-    let body = vec![
-        Stmt::Set(e, add(mul(row(), i64(i64::from(THREADS))), tid())),
-        Stmt::If(
-            bin(Bin::Lt, reg(e), mul(p::<A>("rows"), width.clone())),
-            vec![
-                Stmt::Set(out_row, bin(Bin::Div, reg(e), width.clone())),
-                Stmt::Set(col, bin(Bin::Rem, reg(e), width)),
-                Stmt::Set(m, f32(f32::NEG_INFINITY)),
-                Stmt::Set(nan, Expr::Pred(false)),
-                // NaN != NaN: a NaN lse marks the row.
-                each(vec![
-                    Stmt::Set(m, bin(Bin::Max, reg(m), reg(l))),
-                    Stmt::Set(nan, bin(Bin::Or, reg(nan), bin(Bin::Ne, reg(l), reg(l)))),
-                ]),
-                Stmt::Set(total, f32(0.0)),
-                Stmt::Set(acc, f32(0.0)),
-                Stmt::If(
-                    bin(Bin::Gt, reg(m), f32(f32::NEG_INFINITY)),
-                    vec![each(vec![
-                        Stmt::Set(total, add(reg(total), weight.clone())),
-                        Stmt::Set(acc, fma(weight, value, reg(acc))),
-                    ])],
-                    vec![],
-                ),
-                Stmt::Store(
-                    Space::Global,
-                    add(p::<A>("out"), mul(reg(e), i64(4))),
+    let body = per_thread(
+        e,
+        1,
+        mul(p::<A>("rows"), width.clone()),
+        vec![
+            Stmt::Set(out_row, bin(Bin::Div, reg(e), width.clone())),
+            Stmt::Set(col, bin(Bin::Rem, reg(e), width)),
+            Stmt::Set(m, f32(f32::NEG_INFINITY)),
+            Stmt::Set(nan, Expr::Pred(false)),
+            // NaN != NaN: a NaN lse marks the row.
+            each(vec![
+                Stmt::Set(m, bin(Bin::Max, reg(m), reg(l))),
+                Stmt::Set(nan, bin(Bin::Or, reg(nan), bin(Bin::Ne, reg(l), reg(l)))),
+            ]),
+            Stmt::Set(total, f32(0.0)),
+            Stmt::Set(acc, f32(0.0)),
+            Stmt::If(
+                bin(Bin::Gt, reg(m), f32(f32::NEG_INFINITY)),
+                vec![each(vec![
+                    Stmt::Set(total, add(reg(total), weight.clone())),
+                    Stmt::Set(acc, fma(weight, value, reg(acc))),
+                ])],
+                vec![],
+            ),
+            Stmt::Store(
+                Space::Global,
+                add(p::<A>("out"), mul(reg(e), i64(4))),
+                select(
+                    reg(nan),
+                    f32(f32::NAN),
                     select(
-                        reg(nan),
-                        f32(f32::NAN),
-                        select(
-                            bin(Bin::Gt, reg(total), f32(0.0)),
-                            bin(Bin::Div, reg(acc), reg(total)),
-                            f32(0.0),
-                        ),
+                        bin(Bin::Gt, reg(total), f32(0.0)),
+                        bin(Bin::Div, reg(acc), reg(total)),
+                        f32(0.0),
                     ),
                 ),
-            ],
-            vec![],
-        ),
-    ];
+            ),
+        ],
+    );
     kernel("merge_partitions", A::params(), r, 0, body)
 }
