@@ -12,6 +12,7 @@ use super::{AttentionWeights, Model};
 use crate::device::{Device, DeviceBuffer, Scratch, f32_bytes, f32s};
 use crate::error::RuntimeError;
 use crate::gpu::{ForwardTables, lowered_forward};
+use crate::host::rope_table::RopeTables;
 use crate::tensor::Storage;
 use attn_dsl::DType;
 use codegen::gpu::forward_tc;
@@ -605,6 +606,12 @@ impl DeviceSession<'_, '_> {
         self.len == 0
     }
 
+    /// Forgets the tokens past the first `len` (a rejected draft, say); later steps write over
+    /// their slots.
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
     /// Appends `tokens` and returns their logits `[tokens, vocab]`.
     pub fn step(&mut self, tokens: &[u32]) -> Result<Vec<f32>, RuntimeError> {
         let mut s = Scratch::new(self.model.device.as_ref());
@@ -664,30 +671,24 @@ impl DeviceSession<'_, '_> {
             )));
         }
         let session = &*self;
+        let tables = session.tables(s, n)?;
         let logits = self.model.run_layers(s, tokens, |s, i, layer, h| {
-            session.attention(s, layer, &session.caches[i], h, n)
+            session.attention(s, &tables, layer, &session.caches[i], h, n)
         })?;
         self.len += n;
         Ok(logits)
     }
 
-    /// Appends the new tokens' keys and values to the layer's cache, then attends over the
-    /// cache with the decode kernel: work items of the plan's row blocks, segments of the
-    /// cache's rows classified by the plan, partitions merged by lse.
-    fn attention(
-        &self,
-        s: &mut Scratch,
-        layer: &DeviceLayer,
-        cache: &DeviceCache,
-        h: DeviceBuffer,
-        n: usize,
-    ) -> Result<DeviceBuffer, RuntimeError> {
-        use crate::host::work::{Item, Task};
-        use codegen::gpu::decode::{SEGMENT_FIELDS, TASK_FIELDS, segment_keys, task_rows};
-        use codegen::gpu::launch::DecodeArgs;
+    /// The launch tables of a step of `n` new tokens, the same for every layer: work items of
+    /// the plan's row blocks, their segments of the cache (as offsets into a layer's cache)
+    /// classified by the plan, partitions, the query-row gather and the merge map, and the
+    /// RoPE rows of the new positions; all uploaded once per step.
+    fn tables(&self, s: &mut Scratch, n: usize) -> Result<StepTables, RuntimeError> {
+        use crate::host::work::Item;
+        use attn_dsl::modifier::interval::Interval;
+        use codegen::gpu::decode::{TASK_FIELDS, segment_keys, task_rows};
         use codegen::plan::{CallShape, TileCode};
-        let m = self.model;
-        let variant = m.model.variant();
+        let variant = self.model.model.variant();
         let (spec, layout, plan) = (
             variant.spec(),
             variant.cache_layout(),
@@ -697,23 +698,136 @@ impl DeviceSession<'_, '_> {
         let (dim, v_dim) = (layout.k_dim, layout.v_dim);
         let size = layout.dtype.size_bytes() as usize;
         let group = heads / kv_heads;
+        let (pos0, total) = (self.len, self.len + n);
+        let (max_rows, seg_keys) = (task_rows(plan) as usize, segment_keys(plan) as usize);
+        let nq_max = n.min(max_rows);
+        let nh_max = (max_rows / nq_max).clamp(1, group);
+        let mut items = Vec::new();
+        for g in 0..kv_heads {
+            for h0 in (g * group..(g + 1) * group).step_by(nh_max) {
+                let nh = nh_max.min((g + 1) * group - h0);
+                for i0 in (0..n).step_by(nq_max) {
+                    let nq = nq_max.min(n - i0);
+                    let call = CallShape {
+                        sq: n as i64,
+                        skv: total as i64,
+                        p0: 0,
+                        batch: Interval::point(0),
+                        head: Interval::new(h0 as i64, (h0 + nh - 1) as i64),
+                    };
+                    let rows = Interval::new(i0 as i64, (i0 + nq - 1) as i64);
+                    let mut segments = Vec::new();
+                    for first in (0..total).step_by(seg_keys) {
+                        let count = seg_keys.min(total - first);
+                        let keys = Interval::new(first as i64, (first + count - 1) as i64);
+                        let code = plan.tile_code(rows, keys, call, true);
+                        if code != TileCode::Skip {
+                            let row = (g * self.capacity + first) as i64;
+                            segments.push(SegmentAt {
+                                k: row * (dim * size) as i64,
+                                v: row * (v_dim * size) as i64,
+                                first: first as i64,
+                                len: count as i64,
+                                code: code as i64,
+                            });
+                        }
+                    }
+                    items.push((
+                        Item {
+                            b: 0,
+                            len: total,
+                            n,
+                            h0,
+                            nh,
+                            i0,
+                            nq,
+                            segments: Vec::new(),
+                        },
+                        segments,
+                    ));
+                }
+            }
+        }
+        // Partitions: enough CTAs to fill the device, at least four segments each.
+        let most = items.iter().map(|(_, s)| s.len()).max().unwrap_or(1);
+        let parts = DECODE_CTAS
+            .div_ceil(items.len().max(1))
+            .min(most.div_ceil(4))
+            .max(1);
+        let mut t = StepTables::default();
+        let mut index = Vec::new();
+        let mut parts_of: Vec<Vec<i32>> = vec![Vec::new(); n * heads];
+        for (item, segs) in &items {
+            let per = segs.len().div_ceil(parts).max(1);
+            for p in 0..parts.min(segs.len().max(1)) {
+                let range = (p * per).min(segs.len())..((p + 1) * per).min(segs.len());
+                let row0 = index.len();
+                // Query rows head-major: (head, query) takes row query * heads + head of q, and
+                // its partial output row feeds output row (query, head).
+                for head in item.h0..item.h0 + item.nh {
+                    for q_i in item.i0..item.i0 + item.nq {
+                        parts_of[q_i * heads + head].push(index.len() as i32);
+                        index.push((q_i * heads + head) as i32);
+                    }
+                }
+                t.task_records.extend([
+                    row0 as i64,
+                    (item.nh * item.nq) as i64,
+                    item.nq as i64,
+                    (item.len - item.n + item.i0) as i64,
+                    item.i0 as i64,
+                    0,
+                    item.h0 as i64,
+                    t.segments.len() as i64,
+                    range.len() as i64,
+                ]);
+                t.segments.extend_from_slice(&segs[range]);
+            }
+        }
+        debug_assert_eq!(t.task_records.len() % TASK_FIELDS, 0);
+        t.tasks = t.task_records.len() / TASK_FIELDS;
+        t.rows = index.len();
+        t.slots = parts_of.iter().map(Vec::len).max().unwrap_or(1).max(1);
+        let map: Vec<i32> = parts_of
+            .iter()
+            .flat_map(|p| p.iter().copied().chain(std::iter::repeat(-1)).take(t.slots))
+            .collect();
+        let i32_bytes = |v: &[i32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        t.index = s.upload(&i32_bytes(&index))?.addr;
+        t.map = s.upload(&i32_bytes(&map))?.addr;
+        t.tasks_buffer = s.upload(&i64_bytes(&t.task_records))?.addr;
+        // Keys are rotated for their positions as they are appended, and the queries of the
+        // same positions by the decode kernel: one table serves both.
+        if let Some(r) = &layout.rope {
+            let rope = RopeTables::new(r, pos0 as i64, total as i64, total as u64);
+            t.rope_cos = s.upload(&f32_bytes(&rope.cos))?.addr;
+            t.rope_sin = s.upload(&f32_bytes(&rope.sin))?.addr;
+        }
+        t.pos0 = pos0;
+        Ok(t)
+    }
+
+    /// Appends the new tokens' keys and values to the layer's cache, then attends over the
+    /// cache with the decode kernel on the step's tables and merges partitions on the device.
+    fn attention(
+        &self,
+        s: &mut Scratch,
+        t: &StepTables,
+        layer: &DeviceLayer,
+        cache: &DeviceCache,
+        h: DeviceBuffer,
+        n: usize,
+    ) -> Result<DeviceBuffer, RuntimeError> {
+        use codegen::gpu::launch::DecodeArgs;
+        let m = self.model;
+        let layout = m.model.variant().cache_layout();
+        let heads = m.model.variant().spec().heads as usize;
+        let (kv_heads, dim, v_dim) = (layout.kv_heads, layout.k_dim, layout.v_dim);
         let (q, k, v) = (
             m.linear(s, &layer.q, h, n)?,
             m.linear(s, &layer.k, h, n)?,
             m.linear(s, &layer.v, h, n)?,
         );
-        // Append at positions len.. (keys rotated there).
-        let (pos0, total) = (self.len, self.len + n);
-        let tables = layout.rope.as_ref().map(|r| {
-            crate::host::rope_table::RopeTables::new(r, pos0 as i64, total as i64, total as u64)
-        });
-        let (cos, sin) = match &tables {
-            Some(t) => (
-                s.upload(&f32_bytes(&t.cos))?.addr,
-                s.upload(&f32_bytes(&t.sin))?.addr,
-            ),
-            None => (0, 0),
-        };
         let per = if half_of(layout.dtype).is_some() {
             2
         } else {
@@ -732,176 +846,62 @@ impl DeviceSession<'_, '_> {
                     tokens: n as i64,
                     kv_heads: kv_heads as i64,
                     capacity: self.capacity as i64,
-                    pos0: pos0 as i64,
-                    rope_cos: cos,
-                    rope_sin: sin,
+                    pos0: t.pos0 as i64,
+                    rope_cos: t.rope_cos,
+                    rope_sin: t.rope_sin,
                 },
             )?;
         }
-        // Work items and their segments, as the host backends cut them.
-        let (max_rows, seg_keys) = (task_rows(plan) as usize, segment_keys(plan) as usize);
-        let nq_max = n.min(max_rows);
-        let nh_max = (max_rows / nq_max).clamp(1, group);
-        let mut items = Vec::new();
-        let mut segments: Vec<Vec<[i64; SEGMENT_FIELDS]>> = Vec::new();
-        use attn_dsl::modifier::interval::Interval;
-        for g in 0..kv_heads {
-            for h0 in (g * group..(g + 1) * group).step_by(nh_max) {
-                let nh = nh_max.min((g + 1) * group - h0);
-                for i0 in (0..n).step_by(nq_max) {
-                    let nq = nq_max.min(n - i0);
-                    let call = CallShape {
-                        sq: n as i64,
-                        skv: total as i64,
-                        p0: 0,
-                        batch: Interval::point(0),
-                        head: Interval::new(h0 as i64, (h0 + nh - 1) as i64),
-                    };
-                    let rows = Interval::new(i0 as i64, (i0 + nq - 1) as i64);
-                    let mut segs = Vec::new();
-                    for first in (0..total).step_by(seg_keys) {
-                        let count = seg_keys.min(total - first);
-                        let keys = Interval::new(first as i64, (first + count - 1) as i64);
-                        let code = plan.tile_code(rows, keys, call, true);
-                        if code == TileCode::Skip {
-                            continue;
-                        }
-                        let at = |buffer: DeviceBuffer, width: usize| {
-                            buffer.addr + ((g * self.capacity + first) * width * size) as i64
-                        };
-                        segs.push([
-                            at(cache.k, dim),
-                            at(cache.v, v_dim),
-                            first as i64,
-                            count as i64,
-                            code as i64,
-                            dim as i64,
-                            v_dim as i64,
-                        ]);
-                    }
-                    items.push(Item {
-                        b: 0,
-                        len: total,
-                        n,
-                        h0,
-                        nh,
-                        i0,
-                        nq,
-                        segments: Vec::new(),
-                    });
-                    segments.push(segs);
-                }
-            }
-        }
-        // Partitions: enough CTAs to fill the device, at least four segments each.
-        let most = segments.iter().map(Vec::len).max().unwrap_or(1);
-        let parts = DECODE_CTAS
-            .div_ceil(items.len().max(1))
-            .min(most.div_ceil(4))
-            .max(1);
-        let (mut tasks, mut task_records, mut segment_records, mut index) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let mut rows_of = Vec::new();
-        for (i, (item, segs)) in items.iter().zip(&segments).enumerate() {
-            let per = segs.len().div_ceil(parts).max(1);
-            for p in 0..parts.min(segs.len().max(1)) {
-                let range = (p * per).min(segs.len())..((p + 1) * per).min(segs.len());
-                let row0 = index.len();
-                // Query rows head-major: (head, query) takes row query * heads + head of q.
-                for head in item.h0..item.h0 + item.nh {
-                    for q_i in item.i0..item.i0 + item.nq {
-                        index.push((q_i * heads + head) as i32);
-                    }
-                }
-                let seg0 = segment_records.len() / SEGMENT_FIELDS;
-                for r in &segs[range.clone()] {
-                    segment_records.extend_from_slice(r);
-                }
-                let rows = item.nh * item.nq;
-                task_records.extend([
-                    row0 as i64,
-                    rows as i64,
-                    item.nq as i64,
-                    (item.len - item.n + item.i0) as i64,
-                    item.i0 as i64,
-                    0,
-                    item.h0 as i64,
-                    seg0 as i64,
-                    range.len() as i64,
-                ]);
-                debug_assert_eq!(task_records.len() % TASK_FIELDS, 0);
-                rows_of.push((row0, rows));
-                tasks.push(Task {
-                    item: i,
-                    segments: range,
-                });
-            }
-        }
-        let total_rows = index.len();
-        let i32_bytes = |v: &[i32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-        let i64_bytes = |v: &[i64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-        let q_rows = s.f32s(total_rows * dim)?;
+        let q_rows = s.f32s(t.rows * dim)?;
         m.launch(
             &self.kernels.gather,
-            blocks(total_rows * dim)?,
+            blocks(t.rows * dim)?,
             &layers::GatherArgs {
                 x: q.addr,
-                index: s.upload(&i32_bytes(&index))?.addr,
+                index: t.index,
                 out: q_rows.addr,
-                rows: total_rows as i64,
+                rows: t.rows as i64,
                 width: dim as i64,
             },
         )?;
-        let query_tables = plan.rope.as_ref().map(|r| {
-            crate::host::rope_table::RopeTables::new(r, pos0 as i64, total as i64, total as u64)
-        });
-        let (qcos, qsin) = match &query_tables {
-            Some(t) => (
-                s.upload(&f32_bytes(&t.cos))?.addr,
-                s.upload(&f32_bytes(&t.sin))?.addr,
-            ),
-            None => (0, 0),
-        };
-        let (out, lse) = (s.f32s(total_rows * v_dim)?, s.f32s(total_rows)?);
-        let ctas = u32::try_from(tasks.len())
-            .map_err(|_| RuntimeError::Data("more tasks than a grid holds".into()))?;
-        let segments_buffer = if segment_records.is_empty() {
+        // This layer's segment records: the step's offsets from this layer's cache.
+        let records: Vec<i64> = t
+            .segments
+            .iter()
+            .flat_map(|g| {
+                [
+                    cache.k.addr + g.k,
+                    cache.v.addr + g.v,
+                    g.first,
+                    g.len,
+                    g.code,
+                    dim as i64,
+                    v_dim as i64,
+                ]
+            })
+            .collect();
+        let segments = if records.is_empty() {
             0
         } else {
-            s.upload(&i64_bytes(&segment_records))?.addr
+            s.upload(&i64_bytes(&records))?.addr
         };
+        let (out, lse) = (s.f32s(t.rows * v_dim)?, s.f32s(t.rows)?);
+        let ctas = u32::try_from(t.tasks)
+            .map_err(|_| RuntimeError::Data("more tasks than a grid holds".into()))?;
         m.launch(
             &self.kernels.decode,
             [ctas, 1, 1],
             &DecodeArgs {
                 q_rows: q_rows.addr,
-                tasks: s.upload(&i64_bytes(&task_records))?.addr,
-                segments: segments_buffer,
+                tasks: t.tasks_buffer,
+                segments,
                 out: out.addr,
                 lse: lse.addr,
-                rope_cos: qcos,
-                rope_sin: qsin,
-                rope_pos0: pos0 as i64,
+                rope_cos: t.rope_cos,
+                rope_sin: t.rope_sin,
+                rope_pos0: t.pos0 as i64,
             },
         )?;
-        // The partitions merged by lse on the device, into [n, heads, v_dim] rows: output row
-        // (query i, head) takes the partial rows of every task of its item.
-        let mut parts_of: Vec<Vec<i32>> = vec![Vec::new(); n * heads];
-        for (task, &(row0, _)) in tasks.iter().zip(&rows_of) {
-            let item = &items[task.item];
-            let mut r = row0;
-            for head in item.h0..item.h0 + item.nh {
-                for q_i in item.i0..item.i0 + item.nq {
-                    parts_of[q_i * heads + head].push(r as i32);
-                    r += 1;
-                }
-            }
-        }
-        let slots = parts_of.iter().map(Vec::len).max().unwrap_or(1).max(1);
-        let map: Vec<i32> = parts_of
-            .iter()
-            .flat_map(|p| p.iter().copied().chain(std::iter::repeat(-1)).take(slots))
-            .collect();
         let rows = s.f32s(n * heads * v_dim)?;
         m.launch(
             &self.kernels.merge,
@@ -909,15 +909,51 @@ impl DeviceSession<'_, '_> {
             &layers::MergeArgs {
                 parts: out.addr,
                 lse: lse.addr,
-                map: s.upload(&i32_bytes(&map))?.addr,
+                map: t.map,
                 out: rows.addr,
                 rows: (n * heads) as i64,
-                slots: slots as i64,
+                slots: t.slots as i64,
                 width: v_dim as i64,
             },
         )?;
         m.linear(s, &layer.o, rows, n)
     }
+}
+
+/// A segment of a layer's cache: byte offsets of its first key and value rows from the
+/// cache's start, and its keys.
+#[derive(Clone, Copy, Debug)]
+struct SegmentAt {
+    k: i64,
+    v: i64,
+    first: i64,
+    len: i64,
+    code: i64,
+}
+
+/// What a step launches with, the same for every layer (see `DeviceSession::tables`).
+#[derive(Debug, Default)]
+struct StepTables {
+    /// Tasks (CTAs of the decode kernel), their records and buffer.
+    tasks: usize,
+    task_records: Vec<i64>,
+    tasks_buffer: i64,
+    /// Every task's segments, in task order.
+    segments: Vec<SegmentAt>,
+    /// Query rows gathered for the tasks, and the gather's index buffer.
+    rows: usize,
+    index: i64,
+    /// The merge map (`slots` partial rows per output row) buffer.
+    slots: usize,
+    map: i64,
+    /// RoPE rows of the new positions (0 without RoPE), from position `pos0`.
+    rope_cos: i64,
+    rope_sin: i64,
+    pos0: usize,
+}
+
+fn i64_bytes(v: &[i64]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
 impl DeviceModel<'_> {
