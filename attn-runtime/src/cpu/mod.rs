@@ -1,6 +1,7 @@
 //! The CPU backend: compiles plans with codegen's Cranelift backend (once per spec per process)
 //! and runs them over rayon's thread pool.
 
+pub mod bandwidth;
 mod decode;
 mod launch;
 pub mod microkernels;

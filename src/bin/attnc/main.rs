@@ -227,11 +227,15 @@ enum Command {
         backend: run::Backend,
     },
     /// Measure the FMA ceiling of this machine: the score microkernel on L1-resident tiles, per
-    /// thread and on all threads.
+    /// thread and on all threads; with --memory, the memory read ceiling instead.
     Peak {
         /// Seconds per measurement (more than 0, at most 60).
         #[arg(long, default_value_t = 1.0, value_parser = seconds_in_range)]
         seconds: f64,
+        /// Measure streaming reads from memory (GB/s, 256 MiB per thread), the ceiling decoding
+        /// is measured against.
+        #[arg(long)]
+        memory: bool,
     },
     /// Print what a spec costs: KV-cache bytes, cache size, parameters and FLOPs.
     Explain {
@@ -461,7 +465,23 @@ fn main() -> ExitCode {
             Ok(false) => return ExitCode::from(1),
             Err(e) => Err(format!("error: {e}")),
         },
-        Command::Peak { seconds } => {
+        Command::Peak {
+            seconds,
+            memory: true,
+        } => {
+            use attn::runtime::cpu::bandwidth::peak_read_gbps;
+            let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+            peak_read_gbps(1, seconds)
+                .and_then(|one| Ok((one, peak_read_gbps(threads, seconds)?)))
+                .map(|(one, all)| {
+                    println!("memory reads: {one:.1} GB/s on 1 thread, {all:.1} GB/s on {threads}")
+                })
+                .map_err(|e| format!("error: {e}"))
+        }
+        Command::Peak {
+            seconds,
+            memory: false,
+        } => {
             use attn::runtime::cpu::microkernels::{Isa, peak_gflops};
             let isa = Isa::detect();
             let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
