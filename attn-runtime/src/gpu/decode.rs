@@ -10,7 +10,7 @@ use crate::host::checks::check_cache;
 use crate::host::mla::AbsorbedQueries;
 use crate::host::ragged::{Layout, Ragged, Uniform};
 use crate::host::rope_table::RopeTables;
-use crate::host::work::{items, merge, partitions, row_strides, tasks};
+use crate::host::work::{GPU_TASKS, items, merge, partitions, row_strides, tasks};
 use crate::tensor::Tensor;
 use crate::variant::Variant;
 use attn_dsl::AttentionSpec;
@@ -277,7 +277,7 @@ pub(crate) fn run_rows(
     let (d, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
     let (max_rows, seg_keys) = (task_rows(plan) as usize, segment_keys(plan) as usize);
     let items = items(plan, cache, seqs, call.q_lens, max_rows, seg_keys)?;
-    let tasks = tasks(&items, partitions(&items, options));
+    let tasks = tasks(&items, partitions(&items, options, GPU_TASKS));
     let (k_stride, v_stride) = row_strides(&layout);
 
     let (mut q_rows, mut task_records, mut segment_records) = (Vec::new(), Vec::new(), Vec::new());
@@ -354,4 +354,39 @@ pub(crate) fn run_rows(
         })
         .collect();
     Ok(merge(&items, &tasks, &results, call, dv))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::PagedCache;
+    use crate::tensor::Tensor;
+
+    /// Issue 15's grid bar without a device: a batch of 8 at kv 4096 (bf16, 32 query heads over
+    /// 8 kv heads of 128) launches at least two waves of a 132-SM GPU, 264 CTAs.
+    #[test]
+    fn a_batch_of_eight_at_kv_4096_fills_two_waves() {
+        let spec: AttentionSpec = "heads = 32, kv_heads = 8, head_dim = 128, dtype = bf16"
+            .parse()
+            .unwrap();
+        let variant = Variant::new(spec.clone()).unwrap();
+        let mut cache = PagedCache::new(&spec, 64, 8 * 4096 / 64).unwrap();
+        let zeros =
+            Tensor::from_f32_as(spec.dtype, &[8, 4096, 128], vec![0.0; 8 * 4096 * 128]).unwrap();
+        let seqs: Vec<SeqId> = (0..8)
+            .map(|_| {
+                let s = cache.add_sequence();
+                cache.append(s, &zeros, &zeros).unwrap();
+                s
+            })
+            .collect();
+        let q = Tensor::from_f32_as(spec.dtype, &[8, 32, 1, 128], vec![0.0; 8 * 32 * 128]).unwrap();
+        let ctas = std::cell::Cell::new(0);
+        let exec = |l: &DecodeLaunch| {
+            ctas.set(l.ctas);
+            Ok((vec![0.0; l.out_rows * l.v_dim], vec![0.0; l.out_rows]))
+        };
+        decode_with(&variant, &q, &cache, &seqs, DecodeOptions::default(), &exec).unwrap();
+        assert!(ctas.get() >= 264, "{} CTAs", ctas.get());
+    }
 }

@@ -133,15 +133,18 @@ pub(crate) fn row_strides(layout: &CacheLayout) -> (usize, usize) {
     (layout.k_dim, v)
 }
 
-/// Partitions per item: enough tasks for every thread several times over, each with at least
-/// four segments (256 keys) so merging stays cheap.
-pub(crate) fn partitions(items: &[Item], options: DecodeOptions) -> usize {
+/// Tasks a GPU decode launch aims for: four per SM of a 132-SM GPU (H100, H200), so a launch
+/// is at least two waves even when each SM holds two of its CTAs.
+pub(crate) const GPU_TASKS: usize = 4 * 132;
+
+/// Partitions per item: about `target` tasks in all (the CPU: every thread several times over;
+/// a GPU: several waves of its SMs), each with at least four segments so merging stays cheap.
+pub(crate) fn partitions(items: &[Item], options: DecodeOptions, target: usize) -> usize {
     if let Some(p) = options.partitions {
         return p.max(1);
     }
-    let threads = rayon::current_num_threads();
     let most = items.iter().map(|i| i.segments.len()).max().unwrap_or(1);
-    (4 * threads)
+    target
         .div_ceil(items.len().max(1))
         .min(most.div_ceil(4))
         .max(1)

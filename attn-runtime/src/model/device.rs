@@ -524,9 +524,6 @@ impl Drop for DeviceSession<'_, '_> {
     }
 }
 
-/// CTAs a decode launch aims for: enough to fill a large GPU several times over.
-const DECODE_CTAS: usize = 512;
-
 impl<'m> DeviceModel<'m> {
     /// A session for one sequence of at most `capacity` tokens, its caches on the device.
     pub fn session(&self, capacity: usize) -> Result<DeviceSession<'_, 'm>, RuntimeError> {
@@ -750,7 +747,7 @@ impl DeviceSession<'_, '_> {
         }
         // Partitions: enough CTAs to fill the device, at least four segments each.
         let most = items.iter().map(|(_, s)| s.len()).max().unwrap_or(1);
-        let parts = DECODE_CTAS
+        let parts = crate::host::work::GPU_TASKS
             .div_ceil(items.len().max(1))
             .min(most.div_ceil(4))
             .max(1);
