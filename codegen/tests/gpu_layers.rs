@@ -437,12 +437,14 @@ fn partitions_merge_by_their_lse() {
         lse: mem.alloc_f32(&lse),
         map: mem.alloc_bytes(map.iter().flat_map(|i| i.to_le_bytes()).collect()),
         out: mem.alloc_f32(&vec![1.0; rows * width]),
+        out_lse: mem.alloc_f32(&vec![1.0; rows]),
         rows: rows as i64,
         slots: slots as i64,
         width: width as i64,
     };
     launch(&layers::merge_partitions(), 1, &record, &mut mem);
     let got = mem.read_f32(record.out, rows * width).unwrap();
+    let got_lse = mem.read_f32(record.out_lse, rows).unwrap();
     for r in 0..rows {
         let ps: Vec<usize> = map[r * slots..(r + 1) * slots]
             .iter()
@@ -452,7 +454,7 @@ fn partitions_merge_by_their_lse() {
         for c in 0..width {
             let g = got[r * width + c];
             if ps.iter().any(|&p| lse[p].is_nan()) {
-                assert!(g.is_nan(), "row {r}");
+                assert!(g.is_nan() && got_lse[r].is_nan(), "row {r}");
                 continue;
             }
             let m = ps
@@ -460,7 +462,7 @@ fn partitions_merge_by_their_lse() {
                 .map(|&p| f64::from(lse[p]))
                 .fold(f64::NEG_INFINITY, f64::max);
             if m == f64::NEG_INFINITY {
-                assert_eq!(g, 0.0, "row {r}");
+                assert_eq!((g, got_lse[r]), (0.0, f32::NEG_INFINITY), "row {r}");
                 continue;
             }
             let (mut total, mut acc) = (0.0, 0.0);
@@ -470,6 +472,12 @@ fn partitions_merge_by_their_lse() {
                 acc += w * f64::from(parts[p * width + c]);
             }
             close(&[g], &[acc / total], 1e-5, &format!("row {r} col {c}"));
+            close(
+                &[got_lse[r]],
+                &[m + total.ln()],
+                1e-5,
+                &format!("lse of row {r}"),
+            );
         }
     }
 }

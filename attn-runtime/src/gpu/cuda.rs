@@ -303,9 +303,50 @@ impl CudaBackend {
         // order the stream's accesses and drop after it is queued).
         unsafe { launch.launch(config) }.map_err(device)?;
         drop((_q, _t, _s, _c, _n, _o, _l));
-        let out = s.clone_dtoh(&out).map_err(device)?;
-        let lse = s.clone_dtoh(&lse).map_err(device)?;
+        // The partitions merged on the device; only the call's rows come back.
+        let merge = self.load(&l.merge)?;
+        let map = some(
+            &l.map
+                .iter()
+                .flat_map(|i| i.to_le_bytes())
+                .collect::<Vec<u8>>(),
+        )
+        .map_err(device)?;
+        let mut merged = s
+            .alloc_zeros::<f32>((l.merged_rows * l.v_dim).max(1))
+            .map_err(device)?;
+        let mut merged_lse = s.alloc_zeros::<f32>(l.merged_rows.max(1)).map_err(device)?;
+        let ((parts, _p), (part_lse, _pl), (map_ptr, _m)) =
+            (out.device_ptr(s), lse.device_ptr(s), map.device_ptr(s));
+        let ((merged_ptr, _o), (merged_lse_ptr, _ol)) =
+            (merged.device_ptr_mut(s), merged_lse.device_ptr_mut(s));
+        let record = l.merge_record(
+            parts as i64,
+            part_lse as i64,
+            map_ptr as i64,
+            merged_ptr as i64,
+            merged_lse_ptr as i64,
+        );
+        let values = bind(&l.merge, &record).map_err(RuntimeError::Data)?;
+        let config = LaunchConfig {
+            grid_dim: (l.merge_ctas()?, 1, 1),
+            block_dim: (l.merge.threads, 1, 1),
+            shared_mem_bytes: dynamic_shared_bytes(&l.merge),
+        };
+        let mut launch = s.launch_builder(&merge);
+        for value in &values {
+            launch.arg(value);
+        }
+        // SAFETY: `bind` checked the merge kernel's parameters against its record: device
+        // addresses of the partial rows and lse written above, the merge map, and merged
+        // outputs of `merged_rows` rows, all alive past the launch; the guards drop after it.
+        unsafe { launch.launch(config) }.map_err(device)?;
+        drop((_p, _pl, _m, _o, _ol));
+        let mut out = s.clone_dtoh(&merged).map_err(device)?;
+        let mut lse = s.clone_dtoh(&merged_lse).map_err(device)?;
         s.synchronize().map_err(device)?;
+        out.truncate(l.merged_rows * l.v_dim);
+        lse.truncate(l.merged_rows);
         Ok((out, lse))
     }
 

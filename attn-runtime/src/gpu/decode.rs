@@ -1,6 +1,6 @@
-//! Decoding on the GPU decode kernel, run on the interpreter: the same work items, partitions
-//! and lse merge as the CPU backend (`host::work`), the kernel reading the cache's segments
-//! where they lie. On the interpreter the segments' rows are copied into its memory first (a
+//! Decoding on the GPU decode kernel, run on the interpreter: the same work items as the CPU
+//! backend (`host::work`), partitions sized for a GPU and merged on the device, the kernel
+//! reading the cache's segments where they lie. On the interpreter the segments' rows are copied into its memory first (a
 //! device keeps the cache in its own memory; the kernel reads it through the segment table).
 
 use crate::backend::{DecodeOptions, MlaQueries, Output};
@@ -10,7 +10,7 @@ use crate::host::checks::check_cache;
 use crate::host::mla::AbsorbedQueries;
 use crate::host::ragged::{Layout, Ragged, Uniform};
 use crate::host::rope_table::RopeTables;
-use crate::host::work::{GPU_TASKS, items, merge, partitions, row_strides, tasks};
+use crate::host::work::{GPU_TASKS, items, partitions, row_strides, tasks};
 use crate::tensor::Tensor;
 use crate::variant::Variant;
 use attn_dsl::AttentionSpec;
@@ -19,6 +19,7 @@ use codegen::gpu::decode::{SEGMENT_FIELDS, segment_keys, task_rows};
 use codegen::gpu::interp::{Memory, Val, run};
 use codegen::gpu::ir::Kernel;
 use codegen::gpu::launch::{DecodeArgs, bind};
+use codegen::gpu::layers::{self, MergeArgs};
 use codegen::plan::Frequencies;
 use std::sync::Arc;
 
@@ -174,10 +175,18 @@ pub(crate) struct DecodeLaunch<'a> {
     pub rope_cos: Vec<f32>,
     /// See `rope_cos`.
     pub rope_sin: Vec<f32>,
-    /// Output rows (of the plan's `v_dim`).
+    /// Partial output rows the decode kernel writes (of the plan's `v_dim`).
     pub out_rows: usize,
     /// Values per output row.
     pub v_dim: usize,
+    /// The kernel that merges partial rows by their lse into the call's rows.
+    pub merge: Arc<Kernel>,
+    /// The call's output rows, and for each its partial rows (`slots` each, `-1` past the last).
+    pub merged_rows: usize,
+    /// See `merged_rows`.
+    pub map: Vec<i32>,
+    /// See `merged_rows`.
+    pub slots: usize,
 }
 
 impl DecodeLaunch<'_> {
@@ -212,7 +221,8 @@ impl DecodeLaunch<'_> {
         Ok(records)
     }
 
-    /// Runs the launch on the GPU IR interpreter; returns `out` and `lse`, all rows.
+    /// Runs the launch on the GPU IR interpreter, then the merge; returns the call's `out` and
+    /// `lse` rows.
     fn run_emulated(&self) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> {
         let mut mem = Memory::default();
         let i64s = |v: &[i64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
@@ -249,19 +259,66 @@ impl DecodeLaunch<'_> {
             .map(Val::I64)
             .collect();
         run(&self.kernel, [self.ctas, 1, 1], &args, &mut mem).map_err(RuntimeError::Data)?;
+        let (merged, merged_lse) = (
+            mem.alloc_f32(&vec![0.0; self.merged_rows * self.v_dim]),
+            mem.alloc_f32(&vec![0.0; self.merged_rows]),
+        );
+        let record = self.merge_record(
+            out,
+            lse,
+            mem.alloc_bytes(self.map.iter().flat_map(|i| i.to_le_bytes()).collect()),
+            merged,
+            merged_lse,
+        );
+        let args: Vec<Val> = bind(&self.merge, &record)
+            .map_err(RuntimeError::Data)?
+            .into_iter()
+            .map(Val::I64)
+            .collect();
+        run(&self.merge, [self.merge_ctas()?, 1, 1], &args, &mut mem)
+            .map_err(RuntimeError::Data)?;
         let out = mem
-            .read_f32(out, self.out_rows * self.v_dim)
+            .read_f32(merged, self.merged_rows * self.v_dim)
             .map_err(RuntimeError::Data)?;
         let lse = mem
-            .read_f32(lse, self.out_rows)
+            .read_f32(merged_lse, self.merged_rows)
             .map_err(RuntimeError::Data)?;
         Ok((out, lse))
+    }
+
+    /// The merge launch's record over buffers at these addresses.
+    pub fn merge_record(
+        &self,
+        parts: i64,
+        lse: i64,
+        map: i64,
+        out: i64,
+        out_lse: i64,
+    ) -> MergeArgs {
+        MergeArgs {
+            parts,
+            lse,
+            map,
+            out,
+            out_lse,
+            rows: self.merged_rows as i64,
+            slots: self.slots as i64,
+            width: self.v_dim as i64,
+        }
+    }
+
+    /// CTAs of the merge launch: a thread per merged value.
+    pub fn merge_ctas(&self) -> Result<u32, RuntimeError> {
+        let threads = (self.merged_rows * self.v_dim).div_ceil(layers::THREADS as usize);
+        u32::try_from(threads.max(1))
+            .map_err(|_| RuntimeError::Data("a merge larger than a grid".into()))
     }
 }
 
 /// Runs the decode kernel (through `exec`, on the interpreter or a device) over f32 query rows
-/// of the plan's `qk_dim` (at `call.q_at`): the work items, partitions and lse merge of the CPU
-/// backend. Returns `out` (`call.out_rows` rows of the plan's `v_dim`) and `lse`.
+/// of the plan's `qk_dim` (at `call.q_at`): the work items of the CPU backend, partitions sized
+/// for a GPU, and the lse merge as a second kernel on the device. Returns `out` (`call.out_rows`
+/// rows of the plan's `v_dim`) and `lse`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run_rows(
     variant: &Variant,
@@ -330,6 +387,23 @@ pub(crate) fn run_rows(
         .as_ref()
         .map(|r| RopeTables::new(r, 0, max_len, max_len as u64));
     let (rope_cos, rope_sin) = tables.map(|t| (t.cos, t.sin)).unwrap_or_default();
+    // Each call row's partial rows, for the merge on the device.
+    let mut parts_of: Vec<Vec<i32>> = vec![Vec::new(); call.out_rows];
+    for (task, &(row0, _)) in tasks.iter().zip(&rows_of) {
+        let item = &items[task.item];
+        let mut r = row0;
+        for head in item.h0..item.h0 + item.nh {
+            for i in item.i0..item.i0 + item.nq {
+                parts_of[(call.out_row)(item.b, i, head)].push(r as i32);
+                r += 1;
+            }
+        }
+    }
+    let slots = parts_of.iter().map(Vec::len).max().unwrap_or(1).max(1);
+    let map = parts_of
+        .iter()
+        .flat_map(|p| p.iter().copied().chain(std::iter::repeat(-1)).take(slots))
+        .collect();
     let launch = DecodeLaunch {
         kernel: super::lowered_decode(variant)?,
         ctas: tasks.len() as u32,
@@ -342,18 +416,22 @@ pub(crate) fn run_rows(
         rope_sin,
         out_rows: total_rows,
         v_dim: dv,
+        merge: merge_kernel()?,
+        merged_rows: call.out_rows,
+        map,
+        slots,
     };
-    let (out, lse) = exec(&launch)?;
-    let results: Vec<(Vec<f32>, Vec<f32>)> = rows_of
-        .iter()
-        .map(|&(row0, rows)| {
-            (
-                out[row0 * dv..(row0 + rows) * dv].to_vec(),
-                lse[row0..row0 + rows].to_vec(),
-            )
-        })
-        .collect();
-    Ok(merge(&items, &tasks, &results, call, dv))
+    exec(&launch)
+}
+
+/// The split-KV merge kernel, lowered and verified once per process.
+fn merge_kernel() -> Result<Arc<Kernel>, RuntimeError> {
+    static MERGE: std::sync::OnceLock<Arc<Kernel>> = std::sync::OnceLock::new();
+    if let Some(k) = MERGE.get() {
+        return Ok(Arc::clone(k));
+    }
+    let made = Arc::new(codegen::gpu::verified(layers::merge_partitions())?);
+    Ok(Arc::clone(MERGE.get_or_init(|| made)))
 }
 
 #[cfg(test)]
@@ -384,7 +462,7 @@ mod tests {
         let ctas = std::cell::Cell::new(0);
         let exec = |l: &DecodeLaunch| {
             ctas.set(l.ctas);
-            Ok((vec![0.0; l.out_rows * l.v_dim], vec![0.0; l.out_rows]))
+            Ok((vec![0.0; l.merged_rows * l.v_dim], vec![0.0; l.merged_rows]))
         };
         decode_with(&variant, &q, &cache, &seqs, DecodeOptions::default(), &exec).unwrap();
         assert!(ctas.get() >= 264, "{} CTAs", ctas.get());

@@ -908,6 +908,7 @@ impl DeviceSession<'_, '_> {
                 lse: lse.addr,
                 map: t.map,
                 out: rows.addr,
+                out_lse: s.f32s(n * heads)?.addr,
                 rows: (n * heads) as i64,
                 slots: t.slots as i64,
                 width: v_dim as i64,

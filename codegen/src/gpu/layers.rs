@@ -853,6 +853,8 @@ super::launch::launch_record! {
         map: Address,
         /// `[rows, width]` f32 merged outputs.
         out: Address,
+        /// `[rows]` f32 merged log-sum-exp (`-inf` for a row with no kept key, NaN for a NaN one).
+        out_lse: Address,
         /// Output rows.
         rows: Scalar,
         /// Partial rows per output row, at most.
@@ -863,8 +865,8 @@ super::launch::launch_record! {
 }
 
 /// Merges partial attention rows: `out = sum_p e^(l_p - m) o_p / sum_p e^(l_p - m)` with `m`
-/// the largest `l_p`; a row whose parts kept no key stays 0, and a NaN part makes it NaN (as
-/// the host merge does).
+/// the largest `l_p`, and `lse = m + ln(sum_p e^(l_p - m))`; a row whose parts kept no key is 0
+/// with lse `-inf`, and a NaN part makes the row NaN (as the host merge does).
 pub fn merge_partitions() -> Kernel {
     type A = MergeArgs;
     let mut r = Regs { list: Vec::new() };
@@ -955,6 +957,27 @@ pub fn merge_partitions() -> Kernel {
                         f32(0.0),
                     ),
                 ),
+            ),
+            // The row's first column writes its lse: m + ln(total).
+            Stmt::If(
+                bin(Bin::Eq, reg(col), i64(0)),
+                vec![Stmt::Store(
+                    Space::Global,
+                    add(p::<A>("out_lse"), mul(reg(out_row), i64(4))),
+                    select(
+                        reg(nan),
+                        f32(f32::NAN),
+                        select(
+                            bin(Bin::Gt, reg(total), f32(0.0)),
+                            add(
+                                reg(m),
+                                mul(un(Un::Lg2, reg(total)), f32(std::f32::consts::LN_2)),
+                            ),
+                            f32(f32::NEG_INFINITY),
+                        ),
+                    ),
+                )],
+                vec![],
             ),
         ],
     );
