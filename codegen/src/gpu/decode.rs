@@ -1,7 +1,7 @@
 //! A decode plan lowered to GPU IR (SIMT f32): the query rows of one work item (the query
 //! heads of a kv head times a few queries) against a list of key segments read where a cache
-//! keeps them (the rows of its pages: no gather), for one partition of the keys; the host
-//! merges partitions by their log-sum-exp (split-KV).
+//! keeps them (the rows of its pages: no gather), for one partition of the keys; a second
+//! kernel (`layers::merge_partitions`) merges partitions by their log-sum-exp (split-KV).
 //!
 //! Decode has few rows and many keys, so the CTA's threads split each segment's work, not the
 //! rows: a thread per (row, key) score, a thread per row for the softmax, and a thread per
