@@ -108,6 +108,12 @@ fn research_models_on_the_device_match_the_cpu() {
             "",
             3e-2,
         ),
+        // RoPE over every column (llama): bf16 Q K^T operands on the device.
+        (
+            "heads = 4, kv_heads = 2, head_dim = 16, mask = causal, dtype = bf16, position = rope",
+            "",
+            3e-2,
+        ),
     ] {
         let config = config_from_toml(&format!(
             "vocab = 61\nhidden = 48\nlayers = 2\nattention = \"{attention}\"\n{extra}"

@@ -150,6 +150,27 @@ pub(crate) fn lowered_forward(
     })
 }
 
+/// The forward kernel a resident model runs: on tensor cores with bf16 `Q K^T` operands where
+/// [`forward_tc::qk_half`] would take f16 (whose range the device does not check first), else
+/// the kernel `forward_kernel` picks. Lowered once per variant.
+pub(crate) fn resident_forward(
+    variant: &Variant,
+) -> Result<Arc<codegen::gpu::ForwardKernel>, RuntimeError> {
+    let plan = variant.forward_plan();
+    if !(forward_tc::supports(plan) && forward_tc::qk_half(plan) == Half::F16) {
+        return lowered_forward(variant, false);
+    }
+    let key = KernelKey {
+        backend: "gpu",
+        kind: PlanKind::Forward,
+        detail: "tensor cores, bf16 QK",
+    };
+    variant.kernel(key, |v| {
+        codegen::gpu::tensor_core_kernel(v.forward_plan(), Half::Bf16)?
+            .ok_or_else(|| RuntimeError::Spec("not a tensor-core plan".into()))
+    })
+}
+
 /// The decode kernel of a variant, lowered once per variant.
 pub(crate) fn lowered_decode(variant: &Variant) -> Result<Arc<Kernel>, RuntimeError> {
     let key = KernelKey {

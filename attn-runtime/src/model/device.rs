@@ -11,11 +11,10 @@ use super::layers::{Linear, Matrix, Norm};
 use super::{AttentionWeights, Model};
 use crate::device::{Device, DeviceBuffer, Scratch, f32_bytes, f32s};
 use crate::error::RuntimeError;
-use crate::gpu::{ForwardTables, lowered_forward};
+use crate::gpu::{ForwardTables, resident_forward};
 use crate::host::rope_table::RopeTables;
 use crate::tensor::Storage;
 use attn_dsl::DType;
-use codegen::gpu::forward_tc;
 use codegen::gpu::ir::{Half, Kernel};
 use codegen::gpu::launch::{ForwardArgs, LaunchRecord, bind};
 use codegen::gpu::layers::{
@@ -182,12 +181,9 @@ impl<'m> DeviceModel<'m> {
                     .into(),
             ));
         }
-        // The tensor-core kernel takes Q K^T in f16 for some bf16 specs, which activations past
-        // f16's range would overflow; on the device nothing checks them first, so those specs
-        // take the SIMT kernel.
-        let plan = variant.forward_plan();
-        let simt = forward_tc::supports(plan) && forward_tc::qk_half(plan) == Half::F16;
-        let forward = lowered_forward(variant, simt)?;
+        // bf16 specs whose RoPE rotates every column take bf16 Q K^T operands here (f16 ones
+        // would need a range check on the device first), as bf16 SDPA computes.
+        let forward = resident_forward(variant)?;
         let mut up = Uploader {
             device: device.as_ref(),
             owned: Vec::new(),

@@ -160,14 +160,21 @@ fn element(plan: &KernelPlan, row_addr: &Expr, d: usize, pos: &Expr, shift: Opti
 
 /// Columns `d` and `d + 1` (`d` even; plus `2 shift`) of a 16-bit row as a packed pair: one 32-bit
 /// load where RoPE leaves them as they are, else both rotated and repacked.
-fn pair(plan: &KernelPlan, row_addr: &Expr, d: usize, pos: &Expr, shift: Option<&Expr>) -> Expr {
+fn pair(
+    plan: &KernelPlan,
+    qk: Half,
+    row_addr: &Expr,
+    d: usize,
+    pos: &Expr,
+    shift: Option<&Expr>,
+) -> Expr {
     let rotated = plan.rope.as_ref().is_some_and(|r| {
         let first = r.first_dim as usize;
         d + 1 >= first && d < first + r.rope.dim as usize
     });
     if rotated {
         return Expr::PackHalf(
-            qk_half(plan),
+            qk,
             Box::new(element(plan, row_addr, d, pos, shift)),
             Box::new(element(plan, row_addr, d + 1, pos, shift)),
         );
@@ -188,6 +195,13 @@ fn lane_aligned(plan: &KernelPlan) -> bool {
 
 /// Lowers the tensor-core forward kernel. The plan must be [`supports`]ed.
 pub fn lower(plan: &KernelPlan) -> Kernel {
+    lower_with(plan, qk_half(plan))
+}
+
+/// [`lower`] with the `Q K^T` operands in `qk` instead of [`qk_half`]'s choice: bf16 for a
+/// bf16 plan whose RoPE rotates every column keeps no headroom check on the device (bf16 has
+/// f32's range), at bf16's precision, as bf16 SDPA computes.
+pub fn lower_with(plan: &KernelPlan, qk: Half) -> Kernel {
     assert!(
         supports(plan),
         "the tensor-core kernel runs bf16 and f16 per-head forward plans"
@@ -273,6 +287,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
             count: cta_rows,
             width: d,
             dst: i64(q_sh as i64),
+            qk,
             stride: q_stride,
         },
         |local| {
@@ -478,6 +493,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
                 width: d,
                 dst: i64(k_sh as i64),
                 stride: k_stride,
+                qk,
             },
             |local| {
                 let key = add(mul(reg(t), i64(bc64)), local);
@@ -496,6 +512,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     if let Some(half) = rope_half {
         run.extend(rotate_k(
             plan,
+            qk,
             &mut r,
             half,
             [k_sh, k_stride, cos_sh, sin_sh],
@@ -595,7 +612,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
             for step in 0..used {
                 for rb in 0..blocks {
                     run.push(Stmt::Mma {
-                        half: qk_half(plan),
+                        half: qk,
                         d: s[rb][nb + step],
                         a: qa[rb],
                         b: [bm[2 * step], bm[2 * step + 1]],
@@ -875,6 +892,8 @@ struct Staging {
     width: usize,
     dst: Expr,
     stride: usize,
+    /// The format of the `Q K^T` operands the rows are staged as.
+    qk: Half,
 }
 
 /// Synchronous staging of rows into shared memory, rotated by RoPE where the plan has it.
@@ -907,7 +926,7 @@ fn stage_rows(
     };
     let mut stage = vec![Stmt::Set(part, bin(Bin::Rem, tid.clone(), i64(per_row)))];
     for dd in (0..to.width).step_by(col_step) {
-        let value = pair(plan, &addr, dd, &pos, shift.as_ref());
+        let value = pair(plan, to.qk, &addr, dd, &pos, shift.as_ref());
         let dst = add(
             add(to.dst.clone(), mul(reg(local), i64(to.stride as i64))),
             add(i64(2 * dd as i64), mul(reg(part), i64(4))),
@@ -960,6 +979,7 @@ fn rotates_k_in_shared(plan: &KernelPlan) -> bool {
 /// words at columns 2w and half + 2w.
 fn rotate_k(
     plan: &KernelPlan,
+    qk: Half,
     r: &mut Regs,
     half: usize,
     [k_sh, k_stride, cos_sh, sin_sh]: [usize; 4],
@@ -967,7 +987,7 @@ fn rotate_k(
 ) -> Vec<Stmt> {
     let rope = plan.rope.as_ref().expect("a RoPE plan");
     // Read in the storage format, written in the Q K^T operands'.
-    let (h, to) = (half_of(plan), qk_half(plan));
+    let (h, to) = (half_of(plan), qk);
     let interleaved = rope.rope.layout == RopeLayout::Interleaved;
     // Work items per key: pairs (interleaved) or pairs of pairs.
     let per_key = if interleaved { half } else { half / 2 } as i64;

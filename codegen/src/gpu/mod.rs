@@ -90,6 +90,23 @@ pub fn forward_kernel(plan: &crate::KernelPlan) -> Result<ForwardKernel, Codegen
     }
 }
 
+/// The tensor-core forward kernel of a plan its `Q K^T` operands in `qk` (see
+/// [`forward_tc::lower_with`]); `None` when the plan does not run on tensor cores. Verified.
+pub fn tensor_core_kernel(
+    plan: &crate::KernelPlan,
+    qk: ir::Half,
+) -> Result<Option<ForwardKernel>, CodegenError> {
+    if !forward_tc::supports(plan) {
+        return Ok(None);
+    }
+    Ok(Some(ForwardKernel {
+        kernel: std::sync::Arc::new(verified(forward_tc::lower_with(plan, qk))?),
+        key_tile: forward_tc::key_tile(plan),
+        rows: forward_tc::rows(plan),
+        inputs: plan.dtype,
+    }))
+}
+
 /// The SIMT forward kernel of a plan, on f32 inputs: any plan runs on it. Verified.
 pub fn simt_forward_kernel(plan: &crate::KernelPlan) -> Result<ForwardKernel, CodegenError> {
     Ok(ForwardKernel {
