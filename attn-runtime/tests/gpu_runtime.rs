@@ -303,6 +303,94 @@ fn check_decode(decode: Decode) {
     }
 }
 
+/// The tensor-core decode kernel (16-bit per-head caches, head dims 16 to 256) over every
+/// kind of score and mask program, RoPE layouts, GQA groups that fill a task's 16 rows and
+/// split past them, pages that cut segments short, and enough segments for several rounds of
+/// its four warps and its ring: it must equal the CPU backend's decode.
+#[test]
+fn tensor_core_decode_on_the_interpreter_equals_the_cpu_for_every_variant() {
+    use attn_runtime::DecodeOptions;
+    use attn_runtime::cache::PagedCache;
+    use attn_runtime::cpu::CpuBackend;
+    for (text, page, q_len) in [
+        (
+            "heads = 32, kv_heads = 8, head_dim = 128, dtype = bf16",
+            64,
+            1,
+        ),
+        (
+            "heads = 8, kv_heads = 2, head_dim = 64, mask = causal, dtype = f16",
+            13,
+            4,
+        ),
+        (
+            "heads = 4, kv_heads = 1, head_dim = 64, mask = sliding_window(40), \
+             position = rope(layout = interleaved), dtype = bf16",
+            16,
+            2,
+        ),
+        (
+            "heads = 6, kv_heads = 2, head_dim = 32, mask = causal, position = alibi, \
+             softcap = 5.0, dtype = bf16",
+            9,
+            3,
+        ),
+        (
+            "heads = 2, head_dim = 16, v_head_dim = 48, \
+             score_mod = |s, b, h, q, k| s - 0.1 * ((q - k) as f32).abs() + (h as f32) * 0.25, \
+             mask_mod = |b, h, q, k| (k + b + h) % 5 != 0, dtype = bf16",
+            10,
+            1,
+        ),
+        (
+            "heads = 2, kv_heads = 1, head_dim = 256, mask = causal, dtype = bf16",
+            32,
+            2,
+        ),
+    ] {
+        let spec: AttentionSpec = text.parse().unwrap();
+        assert!(
+            codegen::gpu::decode_tc::supports(&codegen::KernelPlan::decode(&spec)),
+            "{text}"
+        );
+        let (h, hkv, d, dv) = (
+            spec.heads as usize,
+            spec.kv_heads() as usize,
+            spec.head_dim as usize,
+            spec.v_head_dim as usize,
+        );
+        let lens = [150usize, 37];
+        let pages = lens.iter().map(|l| l.div_ceil(page)).sum();
+        let mut cache = PagedCache::new(&spec, page, pages).unwrap();
+        let seqs: Vec<_> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &len)| {
+                let seq = cache.add_sequence();
+                let t = |w: usize, seed: u64| {
+                    Tensor::from_f32_as(spec.dtype, &[hkv, len, w], values(hkv * len * w, seed))
+                        .unwrap()
+                };
+                cache
+                    .append(seq, &t(d, 30 + i as u64), &t(dv, 40 + i as u64))
+                    .unwrap();
+                seq
+            })
+            .collect();
+        let q = Tensor::from_f32_as(spec.dtype, &[2, h, q_len, d], values(2 * h * q_len * d, 9))
+            .unwrap();
+        for parts in [None, Some(2)] {
+            let options = DecodeOptions { partitions: parts };
+            let want = CpuBackend::new()
+                .decode(&spec, &q, &cache, &seqs, options)
+                .unwrap();
+            let got =
+                attn_runtime::gpu::decode_emulated(&spec, &q, &cache, &seqs, options).unwrap();
+            assert_outputs_close(&got, &want, (1e-3, 8e-3), &format!("{text} {parts:?}"));
+        }
+    }
+}
+
 /// MLA decoding on the GPU decode kernel (queries absorbed on the host, the kernel over the
 /// latent cache) equals the CPU backend's `decode_mla`, which the decode tests check against
 /// the forward kernel and the reference.

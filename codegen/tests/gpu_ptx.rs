@@ -79,15 +79,30 @@ fn decode_kernels_compile_to_ptx() {
         "heads = 8, head_dim = 64, mask = sliding_window(128), position = rope, softcap = 30.0",
         "heads = 32, kv_heads = 8, head_dim = 128, mask = causal, dtype = bf16",
         "heads = 8, head_dim = 64, mask = causal, dtype = f16",
+        "heads = 8, kv_heads = 1, head_dim = 256, mask = causal, position = rope, dtype = bf16",
+        "heads = 8, head_dim = 64, mask = sliding_window(128), position = alibi, softcap = 30.0, \
+         dtype = bf16",
         // MLA's absorbed form: rows of 576 and 512 over the latent cache.
         "heads = 16, head_dim = 128, mla(latent_rank = 512, rope_dim = 64), mask = causal, \
          position = rope, dtype = bf16",
     ] {
         let spec: attn_dsl::AttentionSpec = text.parse().unwrap();
-        let kernel = codegen::gpu::decode::lower(&KernelPlan::decode(&spec));
+        let plan = KernelPlan::decode(&spec);
+        let kernel = codegen::gpu::decode::lower(&plan);
+        let tensor_cores = codegen::gpu::decode_tc::supports(&plan);
         for arch in [Arch::Sm80, Arch::Sm90] {
             let out = emit(&kernel, arch).unwrap_or_else(|e| panic!("{text}: {e}"));
             assert!(out.ptx.contains(".entry attention_decode"), "{text}");
+            if tensor_cores {
+                // The cache arrives by 16-byte copies (issue 15's bar without a device), and
+                // the GQA group's rows go through the tensor cores.
+                assert!(
+                    out.ptx.contains("cp.async.cg.shared.global [") && out.ptx.contains(", 16, "),
+                    "{text}: no 16-byte cp.async"
+                );
+                assert!(out.ptx.contains("mma.sync.aligned.m16n8k16"), "{text}");
+                assert!(out.ptx.contains("ldmatrix.sync.aligned"), "{text}");
+            }
             // The work is split over the CTA's threads, not held a row per thread: no spill.
             if let Some((_, spills, _)) = assemble(&out.ptx, arch, &format!("decode {text}")) {
                 assert_eq!(spills, 0, "decode {text} {arch:?} spills");

@@ -37,6 +37,10 @@ pub struct CudaBackend {
     pub(super) buffers: Mutex<std::collections::BTreeMap<i64, (CudaSlice<u8>, usize)>>,
     /// cuBLAS, made on first use.
     pub(super) blas: std::sync::OnceLock<cudarc::cublas::CudaBlas>,
+    /// Whether decode launches are timed by events ([`CudaBackend::time_kernels`]).
+    time_kernels: std::sync::atomic::AtomicBool,
+    /// The device time of the last timed decode's kernels, in microseconds.
+    last_kernel_us: Mutex<Option<f64>>,
 }
 
 impl CudaBackend {
@@ -68,6 +72,8 @@ impl CudaBackend {
             arch,
             loaded: Mutex::new(HashMap::new()),
             buffers: Mutex::new(std::collections::BTreeMap::new()),
+            time_kernels: std::sync::atomic::AtomicBool::new(false),
+            last_kernel_us: Mutex::new(None),
             blas: std::sync::OnceLock::new(),
         })
     }
@@ -220,6 +226,23 @@ impl CudaBackend {
         })
     }
 
+    /// Times every decode step's kernels (the decode kernel and the partition merge) by CUDA
+    /// events from now on, or stops; [`CudaBackend::last_kernel_us`] reads the last. The events
+    /// cost a few microseconds of host time a step, so they are off unless asked for.
+    pub fn time_kernels(&self, on: bool) {
+        self.time_kernels
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The device time, in microseconds, from the start of the last timed decode's kernel to
+    /// the end of its merge (`None` before the first timed decode).
+    pub fn last_kernel_us(&self) -> Option<f64> {
+        *self
+            .last_kernel_us
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
     /// Runs a prepared decode launch, its cache's memory uploaded now or found in `resident`;
     /// returns `out` and `lse` (all rows).
     fn run_decode(
@@ -292,6 +315,12 @@ impl CudaBackend {
             rope_pos0: 0,
         };
         let values = bind(&l.kernel, &record).map_err(RuntimeError::Data)?;
+        let timed = self.time_kernels.load(std::sync::atomic::Ordering::Relaxed);
+        let event = || {
+            s.record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(device)
+        };
+        let start = if timed { Some(event()?) } else { None };
         let mut launch = s.launch_builder(&f);
         for value in &values {
             launch.arg(value);
@@ -342,9 +371,17 @@ impl CudaBackend {
         // outputs of `merged_rows` rows, all alive past the launch; the guards drop after it.
         unsafe { launch.launch(config) }.map_err(device)?;
         drop((_p, _pl, _m, _o, _ol));
+        let end = if timed { Some(event()?) } else { None };
         let mut out = s.clone_dtoh(&merged).map_err(device)?;
         let mut lse = s.clone_dtoh(&merged_lse).map_err(device)?;
         s.synchronize().map_err(device)?;
+        if let (Some(start), Some(end)) = (start, end) {
+            let ms = start.elapsed_ms(&end).map_err(device)?;
+            *self
+                .last_kernel_us
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(f64::from(ms) * 1e3);
+        }
         out.truncate(l.merged_rows * l.v_dim);
         lse.truncate(l.merged_rows);
         Ok((out, lse))

@@ -1,9 +1,11 @@
-//! A decode plan lowered to GPU IR (SIMT f32): the query rows of one work item (the query
-//! heads of a kv head times a few queries) against a list of key segments read where a cache
-//! keeps them (the rows of its pages: no gather), for one partition of the keys; a second
-//! kernel (`layers::merge_partitions`) merges partitions by their log-sum-exp (split-KV).
+//! Decode plans lowered to GPU IR: the query rows of one work item (the query heads of a kv
+//! head times a few queries) against a list of key segments read where a cache keeps them (the
+//! rows of its pages: no gather), for one partition of the keys; a second kernel
+//! (`layers::merge_partitions`) merges partitions by their log-sum-exp (split-KV). [`lower`]
+//! picks the kernel: [`super::decode_tc`] on tensor cores for 16-bit per-head caches, else the
+//! SIMT f32 kernel of this module ([`lower_simt`]), which runs any decode plan.
 //!
-//! Decode has few rows and many keys, so the CTA's threads split each segment's work, not the
+//! In the SIMT kernel, decode has few rows and many keys, so the CTA's threads split each segment's work, not the
 //! rows: a thread per (row, key) score, a thread per row for the softmax, and a thread per
 //! (row, output column) group of accumulators for `P V`. Q (rotated and scaled), the segment's
 //! K and V rows (widened to f32; K rows padded by one float, so a warp reading 32 keys' column
@@ -17,11 +19,12 @@
 //! per row), RoPE tables for the query positions. Keys sit at the positions of their indices,
 //! rotated already.
 
+use super::decode_tc;
 use super::forward::{
     Env, Regs, cos_sin, exp2_twice, lse_of_half, program, reciprocal, rotate_pair, special64,
 };
 use super::ir::build::*;
-use super::ir::{Bin, Expr, Half, Kernel, Space, Special, Stmt, Ty};
+use super::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty};
 use super::launch::{DecodeArgs, LaunchRecord};
 use crate::plan::{KernelPlan, PlanKind, TileCode};
 use attn_dsl::modifier::Expr as M;
@@ -43,8 +46,36 @@ const ACCUMULATORS: u32 = 32;
 /// the task's.
 const OUTPUT_GROUP: usize = 8;
 
-/// Keys per segment the kernel stages.
+/// Keys per segment of a plan's decode kernel (the host's segment records follow it).
 pub fn segment_keys(plan: &KernelPlan) -> u32 {
+    if decode_tc::supports(plan) {
+        decode_tc::SEGMENT_KEYS
+    } else {
+        simt_segment_keys(plan)
+    }
+}
+
+/// Query rows per task (work item) of a plan's decode kernel.
+pub fn task_rows(plan: &KernelPlan) -> u32 {
+    if decode_tc::supports(plan) {
+        decode_tc::TASK_ROWS
+    } else {
+        simt_task_rows(plan)
+    }
+}
+
+/// Lowers the decode kernel a plan runs: on tensor cores ([`decode_tc`]) for 16-bit per-head
+/// caches of head dims up to 256, else [`lower_simt`].
+pub fn lower(plan: &KernelPlan) -> Kernel {
+    if decode_tc::supports(plan) {
+        decode_tc::lower(plan)
+    } else {
+        lower_simt(plan)
+    }
+}
+
+/// Keys per segment the SIMT kernel stages.
+fn simt_segment_keys(plan: &KernelPlan) -> u32 {
     if plan.shape.qk_dim + plan.shape.v_dim <= 256 {
         32
     } else {
@@ -52,18 +83,18 @@ pub fn segment_keys(plan: &KernelPlan) -> u32 {
     }
 }
 
-/// Query rows per task (work item): at most 64, and few enough that the task's outputs fit
-/// 32 accumulator registers a thread (32 rows at `v_dim` 128, 8 for MLA's 512).
-pub fn task_rows(plan: &KernelPlan) -> u32 {
+/// Query rows per task of the SIMT kernel: at most 64, and few enough that the task's outputs
+/// fit 32 accumulator registers a thread (32 rows at `v_dim` 128, 8 for MLA's 512).
+fn simt_task_rows(plan: &KernelPlan) -> u32 {
     (ACCUMULATORS * THREADS / plan.shape.v_dim).clamp(1, 64)
 }
 
-fn param(name: &str) -> Expr {
+pub(super) fn param(name: &str) -> Expr {
     Expr::Param(DecodeArgs::position(name))
 }
 
 /// Field `i` of the record at `base` (i64s).
-fn field(base: &Expr, i: usize) -> Expr {
+pub(super) fn field(base: &Expr, i: usize) -> Expr {
     load(Space::Global, Ty::I64, add(base.clone(), i64(8 * i as i64)))
 }
 
@@ -80,7 +111,10 @@ struct Layout {
 impl Layout {
     fn of(plan: &KernelPlan) -> Layout {
         let (d, dv) = (i64::from(plan.shape.qk_dim), i64::from(plan.shape.v_dim));
-        let (seg, rows) = (i64::from(segment_keys(plan)), i64::from(task_rows(plan)));
+        let (seg, rows) = (
+            i64::from(simt_segment_keys(plan)),
+            i64::from(simt_task_rows(plan)),
+        );
         let q = 0;
         let k = q + rows * d * 4;
         let v = k + seg * (d + 1) * 4;
@@ -97,124 +131,42 @@ impl Layout {
     }
 }
 
-/// Lowers the decode kernel of a plan (per-head KV, or MLA's absorbed form: keys and values
-/// rows of `qk_dim` and `v_dim` in the cache's dtype).
-pub fn lower(plan: &KernelPlan) -> Kernel {
+/// Lowers the SIMT decode kernel of a plan (per-head KV, or MLA's absorbed form: keys and
+/// values rows of `qk_dim` and `v_dim` in the cache's dtype); every decode plan runs on it.
+pub fn lower_simt(plan: &KernelPlan) -> Kernel {
     assert_eq!(
         plan.kind,
         PlanKind::Decode,
         "the GPU decode kernel lowers decode plans"
     );
     let (d, dv) = (i64::from(plan.shape.qk_dim), i64::from(plan.shape.v_dim));
-    let seg = i64::from(segment_keys(plan));
-    let rows_max = i64::from(task_rows(plan));
+    let seg = i64::from(simt_segment_keys(plan));
+    let rows_max = i64::from(simt_task_rows(plan));
     let threads = i64::from(THREADS);
     let sh = Layout::of(plan);
     let mut r = Regs { list: Vec::new() };
     let mut body = Vec::new();
     let tid = special64(Special::Tid);
-
-    // The task.
-    let task = r.add("task", Ty::I64);
-    body.push(Stmt::Set(
-        task,
-        add(
-            param("tasks"),
-            mul(special64(Special::Ctaid(0)), i64(8 * TASK_FIELDS as i64)),
-        ),
-    ));
-    let names = [
-        "row0", "rows", "q_len", "q_pos0", "qi0", "batch", "head0", "seg0", "nseg",
-    ];
-    let f: Vec<_> = names.iter().map(|n| r.add(*n, Ty::I64)).collect();
-    for (i, &reg_i) in f.iter().enumerate() {
-        body.push(Stmt::Set(reg_i, field(&reg(task), i)));
-    }
-    let [row0, rows, q_len, q_pos0, qi0, batch, head0, seg0, nseg] =
-        <[_; 9]>::try_from(f).expect("nine fields");
-    // Row `row` of the task: head head0 + row / q_len, query row % q_len.
-    let head_of = |row: Expr| add(reg(head0), bin(Bin::Div, row, reg(q_len)));
-    let query_of = |row: Expr| bin(Bin::Rem, row, reg(q_len));
-
-    // Q: staged scaled (rotation is linear, so before it), then rotated in place by pairs.
-    let (e, row, col) = (
-        r.add("element", Ty::I64),
-        r.add("element_row", Ty::I64),
-        r.add("element_col", Ty::I64),
-    );
+    let task = Task::load(&mut r, &mut body);
+    let Task {
+        row0,
+        rows,
+        q_len: _,
+        q_pos0,
+        qi0,
+        batch,
+        head0: _,
+        seg0,
+        nseg,
+    } = task;
+    let head_of = |row: Expr| task.head_of(row);
+    let query_of = |row: Expr| task.query_of(row);
+    let strided = Strided::new(&mut r);
+    let (row, col) = (strided.row, strided.col);
+    let split = |width: i64| strided.split(width);
+    let strided = |end: Expr, body: Vec<Stmt>| strided.over(end, body);
+    body.extend(stage_q(plan, &mut r, &task, sh.q, None));
     let q_sh = |row: Expr, col: Expr| add(i64(sh.q), mul(add(mul(row, i64(d)), col), i64(4)));
-    // Element loops: thread tid takes elements tid, tid + THREADS, .. below `end`.
-    let strided = |end: Expr, body: Vec<Stmt>| Stmt::For {
-        reg: e,
-        start: tid.clone(),
-        end,
-        step: threads,
-        body,
-    };
-    let split = |width: i64| {
-        vec![
-            Stmt::Set(row, bin(Bin::Div, reg(e), i64(width))),
-            Stmt::Set(col, bin(Bin::Rem, reg(e), i64(width))),
-        ]
-    };
-    let mut stage_q = split(d);
-    stage_q.push(Stmt::Store(
-        Space::Shared,
-        q_sh(reg(row), reg(col)),
-        mul(
-            load(
-                Space::Global,
-                Ty::F32,
-                add(
-                    param("q_rows"),
-                    mul(add(mul(add(reg(row0), reg(row)), i64(d)), reg(col)), i64(4)),
-                ),
-            ),
-            f32(plan.q_scale as f32),
-        ),
-    ));
-    body.push(strided(mul(reg(rows), i64(d)), stage_q));
-    body.push(Stmt::Barrier);
-    if let Some(rope) = &plan.rope {
-        let half = i64::from(rope.rope.dim / 2);
-        let first = i64::from(rope.first_dim);
-        let (ia, ib) = match rope.rope.layout {
-            RopeLayout::Half => (add(i64(first), reg(col)), add(i64(first + half), reg(col))),
-            RopeLayout::Interleaved => (
-                add(i64(first), mul(reg(col), i64(2))),
-                add(i64(first + 1), mul(reg(col), i64(2))),
-            ),
-        };
-        // Pair `col` of row `row` at its query's position.
-        let pos = add(reg(q_pos0), query_of(reg(row)));
-        let entry = add(
-            mul(sub(pos, param("rope_pos0")), i64(half * 4)),
-            mul(reg(col), i64(4)),
-        );
-        let (c, s, a, b) = (
-            r.add("cos", Ty::F32),
-            r.add("sin", Ty::F32),
-            r.add("rot_a", Ty::F32),
-            r.add("rot_b", Ty::F32),
-        );
-        let mut rotate = split(half);
-        rotate.extend(cos_sin(
-            [c, s],
-            [param("rope_cos"), param("rope_sin")],
-            entry,
-        ));
-        rotate.extend([
-            Stmt::Set(a, load(Space::Shared, Ty::F32, q_sh(reg(row), ia.clone()))),
-            Stmt::Set(b, load(Space::Shared, Ty::F32, q_sh(reg(row), ib.clone()))),
-        ]);
-        let (ra, rb) = rotate_pair(reg(a), reg(b), reg(c), reg(s));
-        rotate.extend([
-            Stmt::Store(Space::Shared, q_sh(reg(row), ia), ra),
-            Stmt::Store(Space::Shared, q_sh(reg(row), ib), rb),
-        ]);
-        body.push(strided(mul(reg(rows), i64(half)), rotate));
-        body.push(Stmt::Barrier);
-    }
 
     // Running state: a thread per row keeps its max and sum; each thread its accumulators,
     // outputs tid + THREADS i (row o / v_dim, column o % v_dim).
@@ -249,27 +201,17 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     };
 
     // The segments.
-    let (si, srec, kaddr, vaddr, first, len, code) = (
-        r.add("segment", Ty::I64),
-        r.add("segment_record", Ty::I64),
-        r.add("k_addr", Ty::I64),
-        r.add("v_addr", Ty::I64),
-        r.add("first_key", Ty::I64),
-        r.add("keys", Ty::I64),
-        r.add("code", Ty::I64),
-    );
-    let (k_stride, v_stride) = (r.add("k_stride", Ty::I64), r.add("v_stride", Ty::I64));
-    let mut seg_body = vec![Stmt::Set(
-        srec,
-        add(
-            param("segments"),
-            mul(reg(si), i64(8 * SEGMENT_FIELDS as i64)),
-        ),
-    )];
-    let fields = [kaddr, vaddr, first, len, code, k_stride, v_stride];
-    for (i, &x) in fields.iter().enumerate() {
-        seg_body.push(Stmt::Set(x, field(&reg(srec), i)));
-    }
+    let si = r.add("segment", Ty::I64);
+    let (segment, mut seg_body) = Segment::load(&mut r, reg(si));
+    let Segment {
+        k_addr: kaddr,
+        v_addr: vaddr,
+        first_key: first,
+        keys: len,
+        code,
+        k_stride,
+        v_stride,
+    } = segment;
     let mut run = Vec::new();
     // Stage the segment's K and V rows (in the cache's f32, bf16 or f16) as f32: element c of
     // each region by thread c % THREADS, coalesced, in a loop.
@@ -515,4 +457,247 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         ctas_per_sm: 3,
         body,
     }
+}
+
+/// The registers holding a task record's fields (see the module doc).
+#[derive(Clone, Copy)]
+pub(super) struct Task {
+    pub row0: Reg,
+    pub rows: Reg,
+    pub q_len: Reg,
+    pub q_pos0: Reg,
+    pub qi0: Reg,
+    pub batch: Reg,
+    pub head0: Reg,
+    pub seg0: Reg,
+    pub nseg: Reg,
+}
+
+impl Task {
+    /// Loads the record of this CTA's task (`tasks[ctaid.x]`).
+    pub(super) fn load(r: &mut Regs, body: &mut Vec<Stmt>) -> Task {
+        let record = r.add("task", Ty::I64);
+        body.push(Stmt::Set(
+            record,
+            add(
+                param("tasks"),
+                mul(special64(Special::Ctaid(0)), i64(8 * TASK_FIELDS as i64)),
+            ),
+        ));
+        let names = [
+            "row0", "rows", "q_len", "q_pos0", "qi0", "batch", "head0", "seg0", "nseg",
+        ];
+        let f: Vec<_> = names.iter().map(|n| r.add(*n, Ty::I64)).collect();
+        for (i, &reg_i) in f.iter().enumerate() {
+            body.push(Stmt::Set(reg_i, field(&reg(record), i)));
+        }
+        let [row0, rows, q_len, q_pos0, qi0, batch, head0, seg0, nseg] =
+            <[_; 9]>::try_from(f).expect("nine fields");
+        Task {
+            row0,
+            rows,
+            q_len,
+            q_pos0,
+            qi0,
+            batch,
+            head0,
+            seg0,
+            nseg,
+        }
+    }
+
+    /// The head of the task's row `row`: `head0 + row / q_len`.
+    pub(super) fn head_of(&self, row: Expr) -> Expr {
+        add(reg(self.head0), bin(Bin::Div, row, reg(self.q_len)))
+    }
+
+    /// The query (of the call's `q_len`) of the task's row `row`: `row % q_len`.
+    pub(super) fn query_of(&self, row: Expr) -> Expr {
+        bin(Bin::Rem, row, reg(self.q_len))
+    }
+}
+
+/// The registers of a segment record's fields (see the module doc).
+pub(super) struct Segment {
+    pub k_addr: Reg,
+    pub v_addr: Reg,
+    pub first_key: Reg,
+    pub keys: Reg,
+    pub code: Reg,
+    pub k_stride: Reg,
+    pub v_stride: Reg,
+}
+
+impl Segment {
+    /// Registers for a segment's fields, and the statements that load record `index`'s.
+    pub(super) fn load(r: &mut Regs, index: Expr) -> (Segment, Vec<Stmt>) {
+        let record = r.add("segment_record", Ty::I64);
+        let names = [
+            "k_addr",
+            "v_addr",
+            "first_key",
+            "keys",
+            "code",
+            "k_stride",
+            "v_stride",
+        ];
+        let f: Vec<_> = names.iter().map(|n| r.add(*n, Ty::I64)).collect();
+        let mut body = vec![Stmt::Set(
+            record,
+            add(
+                param("segments"),
+                mul(index, i64(8 * SEGMENT_FIELDS as i64)),
+            ),
+        )];
+        for (i, &x) in f.iter().enumerate() {
+            body.push(Stmt::Set(x, field(&reg(record), i)));
+        }
+        let [k_addr, v_addr, first_key, keys, code, k_stride, v_stride] =
+            <[_; 7]>::try_from(f).expect("seven fields");
+        (
+            Segment {
+                k_addr,
+                v_addr,
+                first_key,
+                keys,
+                code,
+                k_stride,
+                v_stride,
+            },
+            body,
+        )
+    }
+}
+
+/// Element loops over the CTA: thread `tid` takes elements `tid`, `tid + THREADS`, .. of a
+/// range, split into (row, column) of a width.
+#[derive(Clone, Copy)]
+pub(super) struct Strided {
+    pub e: Reg,
+    pub row: Reg,
+    pub col: Reg,
+}
+
+impl Strided {
+    pub(super) fn new(r: &mut Regs) -> Strided {
+        Strided {
+            e: r.add("element", Ty::I64),
+            row: r.add("element_row", Ty::I64),
+            col: r.add("element_col", Ty::I64),
+        }
+    }
+
+    /// The loop over elements below `end`.
+    pub(super) fn over(&self, end: Expr, body: Vec<Stmt>) -> Stmt {
+        Stmt::For {
+            reg: self.e,
+            start: special64(Special::Tid),
+            end,
+            step: i64::from(THREADS),
+            body,
+        }
+    }
+
+    /// Sets the element's row and column in rows of `width`.
+    pub(super) fn split(&self, width: i64) -> Vec<Stmt> {
+        vec![
+            Stmt::Set(self.row, bin(Bin::Div, reg(self.e), i64(width))),
+            Stmt::Set(self.col, bin(Bin::Rem, reg(self.e), i64(width))),
+        ]
+    }
+}
+
+/// Stages the task's query rows in shared memory at `at` (f32 `[row][qk_dim]`): scaled by the
+/// plan's `q_scale` (rotation is linear, so before it), then rotated in place by pairs at their
+/// queries' positions; rows from the task's up to `pad_to` are zeros. Ends with a barrier.
+pub(super) fn stage_q(
+    plan: &KernelPlan,
+    r: &mut Regs,
+    task: &Task,
+    at: i64,
+    pad_to: Option<i64>,
+) -> Vec<Stmt> {
+    let d = i64::from(plan.shape.qk_dim);
+    let it = Strided::new(r);
+    let (row, col) = (it.row, it.col);
+    let q_sh = |row: Expr, col: Expr| add(i64(at), mul(add(mul(row, i64(d)), col), i64(4)));
+    let mut body = Vec::new();
+    let mut stage = it.split(d);
+    stage.push(Stmt::Store(
+        Space::Shared,
+        q_sh(reg(row), reg(col)),
+        mul(
+            load(
+                Space::Global,
+                Ty::F32,
+                add(
+                    param("q_rows"),
+                    mul(
+                        add(mul(add(reg(task.row0), reg(row)), i64(d)), reg(col)),
+                        i64(4),
+                    ),
+                ),
+            ),
+            f32(plan.q_scale as f32),
+        ),
+    ));
+    let staged = mul(reg(task.rows), i64(d));
+    body.push(it.over(staged.clone(), stage));
+    if let Some(rows) = pad_to {
+        // Zeros after the task's rows: the same loop, shifted past them.
+        body.push(Stmt::For {
+            reg: it.e,
+            start: add(staged, special64(Special::Tid)),
+            end: i64(rows * d),
+            step: i64::from(THREADS),
+            body: vec![Stmt::Store(
+                Space::Shared,
+                add(i64(at), mul(reg(it.e), i64(4))),
+                f32(0.0),
+            )],
+        });
+    }
+    body.push(Stmt::Barrier);
+    let Some(rope) = &plan.rope else {
+        return body;
+    };
+    let half = i64::from(rope.rope.dim / 2);
+    let first = i64::from(rope.first_dim);
+    let (ia, ib) = match rope.rope.layout {
+        RopeLayout::Half => (add(i64(first), reg(col)), add(i64(first + half), reg(col))),
+        RopeLayout::Interleaved => (
+            add(i64(first), mul(reg(col), i64(2))),
+            add(i64(first + 1), mul(reg(col), i64(2))),
+        ),
+    };
+    // Pair `col` of row `row` at its query's position.
+    let pos = add(reg(task.q_pos0), task.query_of(reg(row)));
+    let entry = add(
+        mul(sub(pos, param("rope_pos0")), i64(half * 4)),
+        mul(reg(col), i64(4)),
+    );
+    let (c, s, a, b) = (
+        r.add("cos", Ty::F32),
+        r.add("sin", Ty::F32),
+        r.add("rot_a", Ty::F32),
+        r.add("rot_b", Ty::F32),
+    );
+    let mut rotate = it.split(half);
+    rotate.extend(cos_sin(
+        [c, s],
+        [param("rope_cos"), param("rope_sin")],
+        entry,
+    ));
+    rotate.extend([
+        Stmt::Set(a, load(Space::Shared, Ty::F32, q_sh(reg(row), ia.clone()))),
+        Stmt::Set(b, load(Space::Shared, Ty::F32, q_sh(reg(row), ib.clone()))),
+    ]);
+    let (ra, rb) = rotate_pair(reg(a), reg(b), reg(c), reg(s));
+    rotate.extend([
+        Stmt::Store(Space::Shared, q_sh(reg(row), ia), ra),
+        Stmt::Store(Space::Shared, q_sh(reg(row), ib), rb),
+    ]);
+    body.push(it.over(mul(reg(task.rows), i64(half)), rotate));
+    body.push(Stmt::Barrier);
+    body
 }

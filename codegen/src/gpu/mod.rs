@@ -3,13 +3,14 @@
 //! the semantics of the PTX it maps to. [`forward`] is the SIMT f32 forward kernel, [`forward_tc`]
 //! the tensor-core (mma.sync, bf16) one.
 //!
-//! [`decode`] is the SIMT decode kernel over cache segments (split-KV). With the `cuda` feature,
-//! `llvm` translates the IR to LLVM IR and PTX. Still to come (issue 7): tensor-core decode,
-//! `wgmma` and TMA on sm_90a.
+//! [`decode`] holds the decode kernels over cache segments (split-KV): [`decode_tc`] on tensor
+//! cores for 16-bit caches, a SIMT one for the rest. With the `cuda` feature, `llvm` translates
+//! the IR to LLVM IR and PTX. Still to come: `wgmma` and TMA on sm_90a.
 
 use crate::CodegenError;
 
 pub mod decode;
+pub mod decode_tc;
 pub mod forward;
 pub mod forward_tc;
 pub mod interp;

@@ -6,11 +6,11 @@ use attn::AttentionSpec;
 use attn::runtime::Backend as Attend;
 use attn::runtime::RuntimeError;
 use attn::runtime::Tensor;
+use attn::runtime::Variant;
 use attn::runtime::cache::SeqId;
 use attn::runtime::cache::{KvCache, PagedCache};
 use attn::runtime::cpu::CpuBackend;
 use attn::runtime::{DecodeOptions, MlaQueries};
-use attn::runtime::{Output, Variant};
 use std::time::Instant;
 
 /// What to time.
@@ -24,16 +24,20 @@ pub struct Shape {
 
 /// Timings of one step.
 pub struct Timing {
+    /// The whole step, as the host sees it (preparation, copies, launches, results back).
     pub median_us: f64,
     /// Bytes of K and V the step reads (every cached token of every sequence), per second.
     pub gbps: f64,
     pub compile_ms: f64,
+    /// On CUDA: the device time of the step's kernels (decode and merge; CUDA events), median,
+    /// and the bytes of K and V per second of it.
+    pub kernel: Option<(f64, f64)>,
 }
 
 /// Fills a paged cache with `kv_len` tokens per sequence, then times `reps` steps of `q_len`
 /// queries per sequence (median), on the CPU or on CUDA device 0 (against a copy of the cache
 /// uploaded once; a step includes its host-side preparation and the copies of queries and
-/// results).
+/// results, and its kernels are also timed alone by CUDA events).
 pub fn bench(
     spec: &AttentionSpec,
     shape: &Shape,
@@ -100,6 +104,7 @@ pub fn bench(
         None => None,
     };
     let device = device_step(on, spec, &q, &cache, &seqs)?;
+    // A step, and the device time of its kernels where a device runs it.
     let step = || match (&device, &mla_inputs) {
         (Some(device), _) => device(),
         (None, Some((q_pe, w_kv_b))) => {
@@ -108,17 +113,21 @@ pub fn bench(
                 q_pe,
                 w_kv_b,
             };
-            Attend::decode_mla(&backend, &variant, queries, &cache, &seqs, options)
+            Attend::decode_mla(&backend, &variant, queries, &cache, &seqs, options).map(|_| None)
         }
-        (None, None) => Attend::decode(&backend, &variant, &q, &cache, &seqs, options),
+        (None, None) => {
+            Attend::decode(&backend, &variant, &q, &cache, &seqs, options).map(|_| None)
+        }
     };
     step()?;
     step()?;
     let mut times = Vec::with_capacity(shape.reps);
+    let mut kernel_times = Vec::new();
     for i in 0..shape.reps {
         let start = Instant::now();
-        step()?;
+        let kernel_us = step()?;
         times.push(start.elapsed().as_secs_f64() * 1e6);
+        kernel_times.extend(kernel_us);
         if progress {
             eprint!(
                 "\r  {}/{} steps, last {:.1} us",
@@ -131,19 +140,24 @@ pub fn bench(
     if progress {
         eprintln!();
     }
-    times.sort_by(f64::total_cmp);
-    let median_us = times[times.len() / 2];
+    let median = |mut times: Vec<f64>| {
+        times.sort_by(f64::total_cmp);
+        times.get(times.len() / 2).copied()
+    };
+    let median_us = median(times).unwrap_or(0.0);
     let bytes = b as f64 * cache.seq_len(seqs[0])? as f64 * cache.layout().bytes_per_token() as f64;
+    let gbps = |us: f64| bytes / (us * 1e-6) / 1e9;
     Ok(Timing {
         median_us,
-        gbps: bytes / (median_us * 1e-6) / 1e9,
+        gbps: gbps(median_us),
         compile_ms,
+        kernel: median(kernel_times).map(|us| (us, gbps(us))),
     })
 }
 
 /// A device step, for `Backend::Cuda`: decoding on CUDA device 0 against a copy of the cache
-/// uploaded now.
-type DeviceStep<'a> = Option<Box<dyn Fn() -> Result<Output, RuntimeError> + 'a>>;
+/// uploaded now; returns the device time of its kernels, in microseconds.
+type DeviceStep<'a> = Option<Box<dyn Fn() -> Result<Option<f64>, RuntimeError> + 'a>>;
 
 /// The device step of `on` (`None` on the CPU).
 #[cfg(feature = "cuda")]
@@ -160,6 +174,7 @@ fn device_step<'a>(
     let gpu = attn::runtime::gpu::cuda::CudaBackend::new(0)?;
     let resident = gpu.upload_cache(cache)?;
     let variant = attn::runtime::Variant::new(spec.clone())?;
+    gpu.time_kernels(true);
     Ok(Some(Box::new(move || {
         gpu.decode_resident(
             &variant,
@@ -168,7 +183,8 @@ fn device_step<'a>(
             &resident,
             seqs,
             DecodeOptions::default(),
-        )
+        )?;
+        Ok(gpu.last_kernel_us())
     })))
 }
 

@@ -115,7 +115,8 @@ enum Command {
         /// Timed steps (after two warm-up steps).
         #[arg(long, value_name = "R", default_value_t = 50, value_parser = clap::value_parser!(u64).range(1..=100_000))]
         reps: u64,
-        /// Print one JSON line {"median_us", "gbps"}.
+        /// Print one JSON line {"median_us", "gbps"}, plus "kernel_us" and "kernel_gbps" (the
+        /// step's kernels alone) on cuda.
         #[arg(long)]
         json: bool,
         /// Where to run: cpu, or cuda (device 0, against a copy of the cache uploaded once; needs
@@ -362,8 +363,11 @@ fn main() -> ExitCode {
             let t = bench_decode::bench(&spec, &shape, backend, !json)
                 .map_err(|e| format!("error: {e}"))?;
             if json {
+                let kernel = t.kernel.map_or(String::new(), |(us, gbps)| {
+                    format!(", \"kernel_us\": {us:.2}, \"kernel_gbps\": {gbps:.2}")
+                });
                 println!(
-                    "{{\"median_us\": {:.2}, \"gbps\": {:.2}}}",
+                    "{{\"median_us\": {:.2}, \"gbps\": {:.2}{kernel}}}",
                     t.median_us, t.gbps
                 );
             } else {
@@ -371,6 +375,13 @@ fn main() -> ExitCode {
                     "median {:.1} us per step, {:.2} GB/s of K+V read, kernel compiled in {:.2} ms",
                     t.median_us, t.gbps, t.compile_ms
                 );
+                if let Some((us, gbps)) = t.kernel {
+                    println!(
+                        "  of which the kernels (decode and merge, CUDA events): {us:.1} us, \
+                         {gbps:.2} GB/s; host and copies: {:.1} us",
+                        t.median_us - us
+                    );
+                }
             }
             Ok(())
         }),
