@@ -313,6 +313,8 @@ impl CudaBackend {
             rope_cos: rope_cos as i64,
             rope_sin: rope_sin as i64,
             rope_pos0: 0,
+            k_base: 0,
+            v_base: 0,
         };
         let values = bind(&l.kernel, &record).map_err(RuntimeError::Data)?;
         let timed = self.time_kernels.load(std::sync::atomic::Ordering::Relaxed);

@@ -252,6 +252,8 @@ impl DecodeLaunch<'_> {
             rope_cos: cos,
             rope_sin: sin,
             rope_pos0: 0,
+            k_base: 0,
+            v_base: 0,
         };
         let args: Vec<Val> = bind(&self.kernel, &record)
             .map_err(RuntimeError::Data)?

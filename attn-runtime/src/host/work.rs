@@ -87,12 +87,10 @@ pub(crate) fn items(
                         let size = plan.dtype.size_bytes() as usize;
                         let (k_stride, v_stride) = row_strides(cache.layout());
                         let (k_row, v_row) = (k_stride * size, v_stride * size);
-                        for start in (0..run.len).step_by(seg_keys) {
+                        let codes = segment_codes(plan, rows, call, run.first, run.len, seg_keys);
+                        for (start, code) in (0..run.len).step_by(seg_keys).zip(codes) {
                             let count = (run.len - start).min(seg_keys);
                             let first = run.first + start;
-                            let keys = Interval::new(first as i64, (first + count - 1) as i64);
-                            // The decode function bounds keys by the segment's length.
-                            let code = plan.tile_code(rows, keys, call, true);
                             if code == TileCode::Skip {
                                 continue;
                             }
@@ -120,6 +118,44 @@ pub(crate) fn items(
         }
     }
     Ok(items)
+}
+
+/// The tile codes of the segments of keys `first..first + count` cut every `seg_keys` keys
+/// (each bounded by its length, as the decode kernels bound them), found by bisection: a range
+/// of segments the plan classifies as a whole as skipped or full is so in every part, so a
+/// causal or windowed row block takes a few classifications rather than one per segment (at
+/// most twice as many where every segment is masked).
+pub(crate) fn segment_codes(
+    plan: &KernelPlan,
+    rows: Interval,
+    call: CallShape,
+    first: usize,
+    count: usize,
+    seg_keys: usize,
+) -> Vec<TileCode> {
+    let n = count.div_ceil(seg_keys.max(1));
+    let mut codes = vec![TileCode::Skip; n];
+    let keys = |a: usize, b: usize| {
+        Interval::new(
+            (first + a * seg_keys) as i64,
+            (first + (b * seg_keys).min(count)) as i64 - 1,
+        )
+    };
+    // Ranges of segment indices still to classify; the stack holds at most two per level.
+    let mut ranges = vec![(0, n)];
+    while let Some((a, b)) = ranges.pop() {
+        if a == b {
+            continue;
+        }
+        let code = plan.tile_code(rows, keys(a, b), call, true);
+        if code != TileCode::Masked || b - a == 1 {
+            codes[a..b].fill(code);
+        } else {
+            let mid = a + (b - a) / 2;
+            ranges.extend([(a, mid), (mid, b)]);
+        }
+    }
+    codes
 }
 
 /// Elements between consecutive key rows and value rows inside a run (for MLA the values are

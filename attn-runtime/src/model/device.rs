@@ -677,9 +677,9 @@ impl DeviceSession<'_, '_> {
     /// classified by the plan, partitions, the query-row gather and the merge map, and the
     /// RoPE rows of the new positions; all uploaded once per step.
     fn tables(&self, s: &mut Scratch, n: usize) -> Result<StepTables, RuntimeError> {
-        use crate::host::work::Item;
+        use crate::host::work::{Item, segment_codes};
         use attn_dsl::modifier::interval::Interval;
-        use codegen::gpu::decode::{TASK_FIELDS, segment_keys, task_rows};
+        use codegen::gpu::decode::{SEGMENT_FIELDS, TASK_FIELDS, segment_keys, task_rows};
         use codegen::plan::{CallShape, TileCode};
         let variant = self.model.model.variant();
         let (spec, layout, plan) = (
@@ -710,10 +710,9 @@ impl DeviceSession<'_, '_> {
                     };
                     let rows = Interval::new(i0 as i64, (i0 + nq - 1) as i64);
                     let mut segments = Vec::new();
-                    for first in (0..total).step_by(seg_keys) {
+                    let codes = segment_codes(plan, rows, call, 0, total, seg_keys);
+                    for (first, code) in (0..total).step_by(seg_keys).zip(codes) {
                         let count = seg_keys.min(total - first);
-                        let keys = Interval::new(first as i64, (first + count - 1) as i64);
-                        let code = plan.tile_code(rows, keys, call, true);
                         if code != TileCode::Skip {
                             let row = (g * self.capacity + first) as i64;
                             segments.push(SegmentAt {
@@ -771,10 +770,13 @@ impl DeviceSession<'_, '_> {
                     item.i0 as i64,
                     0,
                     item.h0 as i64,
-                    t.segments.len() as i64,
+                    (t.segments.len() / SEGMENT_FIELDS) as i64,
                     range.len() as i64,
                 ]);
-                t.segments.extend_from_slice(&segs[range]);
+                for g in &segs[range] {
+                    t.segments
+                        .extend([g.k, g.v, g.first, g.len, g.code, dim as i64, v_dim as i64]);
+                }
             }
         }
         debug_assert_eq!(t.task_records.len() % TASK_FIELDS, 0);
@@ -789,6 +791,9 @@ impl DeviceSession<'_, '_> {
         t.index = s.upload(&i32_bytes(&index))?.addr;
         t.map = s.upload(&i32_bytes(&map))?.addr;
         t.tasks_buffer = s.upload(&i64_bytes(&t.task_records))?.addr;
+        if !t.segments.is_empty() {
+            t.segments_buffer = s.upload(&i64_bytes(&t.segments))?.addr;
+        }
         // Keys are rotated for their positions as they are appended, and the queries of the
         // same positions by the decode kernel: one table serves both.
         if let Some(r) = &layout.rope {
@@ -857,27 +862,6 @@ impl DeviceSession<'_, '_> {
                 width: dim as i64,
             },
         )?;
-        // This layer's segment records: the step's offsets from this layer's cache.
-        let records: Vec<i64> = t
-            .segments
-            .iter()
-            .flat_map(|g| {
-                [
-                    cache.k.addr + g.k,
-                    cache.v.addr + g.v,
-                    g.first,
-                    g.len,
-                    g.code,
-                    dim as i64,
-                    v_dim as i64,
-                ]
-            })
-            .collect();
-        let segments = if records.is_empty() {
-            0
-        } else {
-            s.upload(&i64_bytes(&records))?.addr
-        };
         let (out, lse) = (s.f32s(t.rows * v_dim)?, s.f32s(t.rows)?);
         let ctas = u32::try_from(t.tasks)
             .map_err(|_| RuntimeError::Data("more tasks than a grid holds".into()))?;
@@ -887,12 +871,15 @@ impl DeviceSession<'_, '_> {
             &DecodeArgs {
                 q_rows: q_rows.addr,
                 tasks: t.tasks_buffer,
-                segments,
+                // The step's records hold offsets from a layer's cache.
+                segments: t.segments_buffer,
                 out: out.addr,
                 lse: lse.addr,
                 rope_cos: t.rope_cos,
                 rope_sin: t.rope_sin,
                 rope_pos0: t.pos0 as i64,
+                k_base: cache.k.addr,
+                v_base: cache.v.addr,
             },
         )?;
         let rows = s.f32s(n * heads * v_dim)?;
@@ -932,8 +919,10 @@ struct StepTables {
     tasks: usize,
     task_records: Vec<i64>,
     tasks_buffer: i64,
-    /// Every task's segments, in task order.
-    segments: Vec<SegmentAt>,
+    /// Every task's segment records, in task order, as offsets from a layer's cache (the
+    /// launch adds the cache's start), and their buffer (0 when there are none).
+    segments: Vec<i64>,
+    segments_buffer: i64,
     /// Query rows gathered for the tasks, and the gather's index buffer.
     rows: usize,
     index: i64,

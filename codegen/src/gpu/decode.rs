@@ -13,9 +13,10 @@
 //!
 //! Buffers: `q_rows` (f32 `[rows][qk_dim]`, before RoPE), `tasks` (per CTA, nine i64: first row,
 //! rows, queries per head, position and call index of query 0, batch, first head, first segment,
-//! segments), `segments` (seven i64 each: key row address, value row address, first key, keys,
-//! tile code, elements between key rows, between value rows; rows of `qk_dim` or `v_dim` values
-//! in the cache's dtype, f32, bf16 or f16), `out` (f32 `[rows][v_dim]`, normalized), `lse` (f32
+//! segments), `segments` (seven i64 each: key row address, value row address (each plus the
+//! launch's `k_base` or `v_base`), first key, keys, tile code, elements between key rows,
+//! between value rows; rows of `qk_dim` or `v_dim` values in the cache's dtype, f32, bf16 or
+//! f16), `out` (f32 `[rows][v_dim]`, normalized), `lse` (f32
 //! per row), RoPE tables for the query positions. Keys sit at the positions of their indices,
 //! rotated already.
 
@@ -550,7 +551,15 @@ impl Segment {
             ),
         )];
         for (i, &x) in f.iter().enumerate() {
-            body.push(Stmt::Set(x, field(&reg(record), i)));
+            let value = field(&reg(record), i);
+            body.push(Stmt::Set(
+                x,
+                match i {
+                    0 => add(value, param("k_base")),
+                    1 => add(value, param("v_base")),
+                    _ => value,
+                },
+            ));
         }
         let [k_addr, v_addr, first_key, keys, code, k_stride, v_stride] =
             <[_; 7]>::try_from(f).expect("seven fields");

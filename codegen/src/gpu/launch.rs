@@ -137,7 +137,8 @@ launch_record! {
         q_rows: Address,
         /// Task records (`decode::TASK_FIELDS` i64 each).
         tasks: Address,
-        /// Segment records (`decode::SEGMENT_FIELDS` i64 each), K and V as device addresses.
+        /// Segment records (`decode::SEGMENT_FIELDS` i64 each), K and V as device addresses or
+        /// as offsets from `k_base` and `v_base`.
         segments: Address,
         /// Output rows, f32, `v_dim` each.
         out: Address,
@@ -149,5 +150,11 @@ launch_record! {
         rope_sin: Address,
         /// The position of the tables' first row.
         rope_pos0: Scalar,
+        /// Added to every segment record's key row address: the start of a cache whose
+        /// records hold offsets into it (one table of records then serves every layer of a
+        /// model), or 0 where records hold addresses.
+        k_base: Address,
+        /// Added to every segment record's value row address, as `k_base`.
+        v_base: Address,
     }
 }
