@@ -256,3 +256,49 @@ pub(crate) fn merge(
     }
     (out, lse)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Bisection gives every segment the code a classification of that segment alone gives
+    /// (interval analysis only narrows on narrower keys), for masks that leave whole ranges
+    /// full or skipped and for one that masks inside every segment.
+    #[test]
+    fn segment_codes_by_bisection_equal_one_classification_per_segment() {
+        for text in [
+            "heads = 4, kv_heads = 2, head_dim = 16, mask = causal",
+            "heads = 4, head_dim = 16, mask = sliding_window(100)",
+            "heads = 2, head_dim = 16, mask = causal, position = alibi, softcap = 5.0",
+            "heads = 2, head_dim = 16, mask_mod = |b, h, q, k| (k + b + h) % 3 != 0",
+            "heads = 2, head_dim = 16, mask_mod = |b, h, q, k| k < 40 || k > 300",
+        ] {
+            let spec: attn_dsl::AttentionSpec = text.parse().unwrap();
+            let plan = KernelPlan::decode(&spec);
+            for (len, n, first, count, seg_keys) in [
+                (1000, 1, 0, 1000, 16),
+                (1000, 4, 100, 517, 32),
+                (37, 3, 0, 37, 16),
+            ] {
+                let call = CallShape {
+                    sq: n,
+                    skv: len,
+                    p0: 0,
+                    batch: Interval::point(0),
+                    head: Interval::new(0, 1),
+                };
+                let rows = Interval::new(0, n - 1);
+                let got = segment_codes(&plan, rows, call, first, count, seg_keys);
+                let want: Vec<TileCode> = (0..count)
+                    .step_by(seg_keys)
+                    .map(|start| {
+                        let last = (start + seg_keys).min(count) - 1;
+                        let keys = Interval::new((first + start) as i64, (first + last) as i64);
+                        plan.tile_code(rows, keys, call, true)
+                    })
+                    .collect();
+                assert_eq!(got, want, "{text}, keys {first}..{}", first + count);
+            }
+        }
+    }
+}
