@@ -17,20 +17,21 @@
 //! in different banks. Q is rounded to the cache's 16-bit format for the tensor cores, and P
 //! too, as the forward kernel does; sums and O accumulate in f32.
 
-use super::decode::{Segment, THREADS, Task, param, stage_q};
-use super::forward::{Env, Regs, exp2_twice, lse_of_half, program, reciprocal, special64};
+use super::decode::{Segment, THREADS, Task, param};
+use super::decode_mma::{
+    self, Lane, QFragments, Rest, RowCopy, RowState, half_of, k_lane, runs, scores, v_lane,
+};
+use super::forward::{Regs, exp2_twice, lse_of_half, reciprocal, special64};
 use super::ir::build::*;
-use super::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty};
+use super::ir::{Bin, Expr, Kernel, Space, Special, Stmt, Ty};
 use super::launch::{DecodeArgs, LaunchRecord};
-use crate::plan::{KernelPlan, PlanKind, TileCode};
-use attn_dsl::DType;
-use attn_dsl::modifier::Expr as M;
+use crate::plan::{KernelPlan, PlanKind};
 
 /// Keys per segment: one `k16` step of `P V` (two `n8` blocks of `S`) per warp and round.
-pub const SEGMENT_KEYS: u32 = 16;
+pub const SEGMENT_KEYS: u32 = decode_mma::KEYS;
 
 /// Query rows per task: the M dimension of one `mma.sync`.
-pub const TASK_ROWS: u32 = 16;
+pub const TASK_ROWS: u32 = decode_mma::ROWS;
 
 /// Warps per CTA, each taking its own segments.
 const WARPS: i64 = THREADS as i64 / 32;
@@ -47,7 +48,7 @@ const MAX_DIM: u32 = 256;
 pub fn supports(plan: &KernelPlan) -> bool {
     let (d, dv) = (plan.shape.qk_dim, plan.shape.v_dim);
     plan.kind == PlanKind::Decode
-        && matches!(plan.dtype, DType::Bf16 | DType::F16)
+        && decode_mma::sixteen_bit(plan)
         && plan.mla.is_none()
         && d.is_multiple_of(16)
         && dv.is_multiple_of(16)
@@ -93,194 +94,76 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         "the tensor-core decode kernel runs 16-bit per-head decode plans"
     );
     let (d, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
-    let half = if plan.dtype == DType::F16 {
-        Half::F16
-    } else {
-        Half::Bf16
-    };
-    let pack = |lo: Expr, hi: Expr| Expr::PackHalf(half, Box::new(lo), Box::new(hi));
+    let half = half_of(plan);
     let sh = Layout::of(plan);
     let mut r = Regs { list: Vec::new() };
     let mut body = Vec::new();
     let tid = special64(Special::Tid);
-    let lane = cast(Expr::Special(Special::Lane), Ty::I64);
     let task = Task::load(&mut r, &mut body);
+    let lane = Lane::new(&mut r, &mut body, &task);
 
-    // Where this lane is: warp, group g (rows g and g + 8), thread-in-group q.
-    let (warp, g, q) = (
-        r.add("warp", Ty::I64),
-        r.add("g", Ty::I64),
-        r.add("q", Ty::I64),
-    );
-    body.extend([
-        Stmt::Set(warp, bin(Bin::Div, tid.clone(), i64(32))),
-        Stmt::Set(g, bin(Bin::Div, lane.clone(), i64(4))),
-        Stmt::Set(q, bin(Bin::Rem, lane.clone(), i64(4))),
-    ]);
-    // The lane's two rows' head, position and call index, for the score program.
-    let row_of = |h: usize| add(reg(g), i64(8 * h as i64));
-    let mut head = Vec::new();
-    let mut pos = Vec::new();
-    let mut index = Vec::new();
-    for h in 0..2 {
-        let (hd, p, i) = (
-            r.add(format!("head{h}"), Ty::I64),
-            r.add(format!("position{h}"), Ty::I64),
-            r.add(format!("query_index{h}"), Ty::I64),
-        );
-        body.extend([
-            Stmt::Set(hd, task.head_of(row_of(h))),
-            Stmt::Set(p, add(reg(task.q_pos0), task.query_of(row_of(h)))),
-            Stmt::Set(i, add(reg(task.qi0), task.query_of(row_of(h)))),
-        ]);
-        head.push(hd);
-        pos.push(p);
-        index.push(i);
-    }
-
-    // Q: staged in f32 (scaled, rotated, rows past the task's zero) where the second stage
-    // will be, then held as A fragments: register i of step ks is row g + 8 (i % 2), columns
-    // 16 ks + 8 (i / 2) + 2 q and the next.
-    body.extend(stage_q(
+    // Q: staged in f32 over the second stage of the ring (scaled, rotated, rows past the
+    // task's zero), then held as A fragments in two parts; past head dim 128 the second part
+    // goes to shared memory after the ring, which keeps D 128 from spilling.
+    let rest = if d >= 128 {
+        Rest::Shared(sh.bytes())
+    } else {
+        Rest::Registers
+    };
+    let qa = QFragments::stage(
         plan,
         &mut r,
+        &mut body,
         &task,
-        sh.stage,
-        Some(i64::from(TASK_ROWS)),
-    ));
-    let q_at = |row: Expr, col: i64| {
-        load(
-            Space::Shared,
-            Ty::F32,
-            add(
-                i64(sh.stage),
-                mul(
-                    add(mul(row, i64(d as i64)), add(mul(reg(q), i64(2)), i64(col))),
-                    i64(4),
-                ),
-            ),
-        )
-    };
-    // Q is held as two parts, its 16-bit rounding and the rounding of the rest, and `S = Q K^T`
-    // takes an MMA for each: K is exact in its 16-bit format, so the scores are then as exact
-    // as f32 products (the tensor cores idle in decode, which waits on memory). A lane reads
-    // its rounded pair back through its own word of shared memory to take the rest. Both
-    // parts stay in registers up to head dim 128; past it, the rest goes to shared memory
-    // (after the ring, in fragment order: conflict-free) and is read back per step.
-    let lo_shared = d >= 128;
-    let lo_temp = [0, 1, 2, 3].map(|i| r.add(format!("qa_rest{i}"), Ty::I32));
-    let qa: Vec<[[Reg; 4]; 2]> = (0..d / 16)
-        .map(|ks| {
-            let hi = [0, 1, 2, 3].map(|i| r.add(format!("qa{ks}_{i}"), Ty::I32));
-            let lo = if lo_shared {
-                lo_temp
-            } else {
-                [0, 1, 2, 3].map(|i| r.add(format!("qa{ks}_rest{i}"), Ty::I32))
-            };
-            [hi, lo]
-        })
-        .collect();
-    let lo_word = |ks: usize, i: usize| {
-        add(
-            i64(sh.bytes() + 4 * 32 * (4 * ks + i) as i64),
-            mul(lane.clone(), i64(4)),
-        )
-    };
-    let word = add(i64(sh.stage + 64 * d as i64), mul(tid.clone(), i64(4)));
-    for (ks, [hi, lo]) in qa.iter().enumerate() {
-        for i in 0..4 {
-            let (row, col) = (row_of(i % 2), (16 * ks + 8 * (i / 2)) as i64);
-            let (x0, x1) = (q_at(row.clone(), col), q_at(row, col + 1));
-            let rounded = |byte: i64| {
-                Expr::LoadHalf(Space::Shared, half, Box::new(add(word.clone(), i64(byte))))
-            };
-            let rest = pack(sub(x0.clone(), rounded(0)), sub(x1.clone(), rounded(2)));
-            body.extend([
-                Stmt::Set(hi[i], pack(x0, x1)),
-                Stmt::Store(Space::Shared, word.clone(), reg(hi[i])),
-            ]);
-            body.push(if lo_shared {
-                // Every warp holds the same fragments: warp 0 stores them.
-                Stmt::If(
-                    bin(Bin::Eq, reg(warp), i64(0)),
-                    vec![Stmt::Store(Space::Shared, lo_word(ks, i), rest)],
-                    vec![],
-                )
-            } else {
-                Stmt::Set(lo[i], rest)
-            });
-        }
-    }
-
-    // Running state of the lane's rows; O accumulators o[vb][i]: row g + 8 (i / 2), column
-    // 8 vb + 2 q + i % 2.
-    let (m, l) = (
-        [0, 1].map(|h| r.add(format!("m{h}"), Ty::F32)),
-        [0, 1].map(|h| r.add(format!("l{h}"), Ty::F32)),
+        &lane,
+        [sh.stage, sh.stage + 64 * d as i64],
+        0..d / 16,
+        rest,
     );
-    for h in 0..2 {
-        body.push(Stmt::Set(m[h], f32(f32::NEG_INFINITY)));
-        body.push(Stmt::Set(l[h], f32(0.0)));
-    }
-    let o: Vec<[Reg; 4]> = (0..dv / 8)
-        .map(|vb| [0, 1, 2, 3].map(|i| r.add(format!("o{vb}_{i}"), Ty::F32)))
-        .collect();
-    for x in o.iter().flatten() {
-        body.push(Stmt::Set(*x, f32(0.0)));
-    }
+    let state = RowState::new(&mut r, &mut body, dv / 8);
 
-    // Rounds: segment seg0 + 4 round + warp for each warp, staged in buffer round % 2.
+    // Rounds: segment seg0 + 4 round + warp for each warp, staged in its part of buffer
+    // round % 2.
     let round = r.add("round", Ty::I64);
-    let segment_of = |round: Expr| add(add(reg(task.seg0), mul(round, i64(WARPS))), reg(warp));
+    let segment_of = |round: Expr| add(add(reg(task.seg0), mul(round, i64(WARPS))), reg(lane.warp));
     let present = |segment: Expr| bin(Bin::Lt, segment, add(reg(task.seg0), reg(task.nseg)));
     let buffer_of = |round: Expr| {
         add(
             mul(bin(Bin::Rem, round, i64(STAGES)), i64(sh.stage)),
-            mul(reg(warp), i64(sh.warp)),
+            mul(reg(lane.warp), i64(sh.warp)),
         )
     };
-    let runs = |code: Reg| bin(Bin::Ne, reg(code), i64(TileCode::Skip as i64));
 
-    // A round's copies: the warp's segment's K and V rows, 16-byte chunk c = lane + 32 i of
-    // each region; rows past the segment's keys read nothing and land as zeros.
+    // A round's copies: the warp's segment's K and V rows, by the warp's lanes.
     let (next, next_buffer) = (
         r.add("next_segment", Ty::I64),
         r.add("next_buffer", Ty::I64),
     );
     let (seg_next, load_next) = Segment::load(&mut r, reg(next));
-    let mut copies = Vec::new();
-    for (addr, stride, width, offset, row_bytes) in [
-        (seg_next.k_addr, seg_next.k_stride, d, 0, sh.k_row),
-        (
-            seg_next.v_addr,
-            seg_next.v_stride,
-            dv,
-            sh.k_row * 16,
-            sh.v_row,
-        ),
-    ] {
-        let per_row = (width / 8) as i64;
-        for i in 0..(width / 16) as i64 {
-            let c = add(lane.clone(), i64(32 * i));
-            let (row, col) = (
-                bin(Bin::Div, c.clone(), i64(per_row)),
-                mul(bin(Bin::Rem, c, i64(per_row)), i64(16)),
-            );
-            let inside = bin(Bin::Lt, row.clone(), reg(seg_next.keys));
-            let src_row = select(inside.clone(), row.clone(), i64(0));
-            copies.push(Stmt::CpAsync {
-                dst: add(
-                    add(reg(next_buffer), i64(offset)),
-                    add(mul(row, i64(row_bytes)), col.clone()),
-                ),
-                src: add(add(reg(addr), mul(mul(src_row, reg(stride)), i64(2))), col),
-                src_bytes: select(inside, Expr::Int(16, Ty::I32), Expr::Int(0, Ty::I32)),
-            });
-        }
+    let lane_id = special64(Special::Lane);
+    let mut copies = RowCopy {
+        addr: seg_next.k_addr,
+        stride: seg_next.k_stride,
+        keys: seg_next.keys,
+        width: d,
+        dst: reg(next_buffer),
+        row_bytes: sh.k_row,
     }
+    .statements(&lane_id, 32);
+    copies.extend(
+        RowCopy {
+            addr: seg_next.v_addr,
+            stride: seg_next.v_stride,
+            keys: seg_next.keys,
+            width: dv,
+            dst: add(reg(next_buffer), i64(16 * sh.k_row)),
+            row_bytes: sh.v_row,
+        }
+        .statements(&lane_id, 32),
+    );
     let issue = |round: Expr| {
         let mut then = load_next.clone();
-        then.push(Stmt::If(runs(seg_next.code), copies.clone(), vec![]));
+        then.push(Stmt::If(runs(&seg_next), copies.clone(), vec![]));
         vec![
             Stmt::Set(next, segment_of(round.clone())),
             Stmt::Set(next_buffer, buffer_of(round)),
@@ -290,194 +173,35 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     };
     body.extend(issue(i64(0)));
 
-    // `ldmatrix` lane offsets inside a warp's buffer (lane l addresses row l % 8 of matrix
-    // l / 8). K, untransposed: matrix i is keys 8 (i / 2).., columns 8 (i % 2).. of a 16-column
-    // step, so registers (0, 1) are key block 0's B fragment and (2, 3) key block 1's. V,
-    // transposed: matrix i is keys 8 (i % 2).., columns 8 (i / 2).., so registers (0, 1) are
-    // column block vb's B fragment and (2, 3) vb + 1's.
-    let (k_lane, v_lane) = (r.add("k_lane", Ty::I64), r.add("v_lane", Ty::I64));
-    let (lane_row, lane_matrix) = (
-        bin(Bin::Rem, lane.clone(), i64(8)),
-        bin(Bin::Div, lane.clone(), i64(8)),
-    );
-    body.push(Stmt::Set(
-        k_lane,
-        add(
-            mul(
-                add(
-                    lane_row.clone(),
-                    mul(bin(Bin::Div, lane.clone(), i64(16)), i64(8)),
-                ),
-                i64(sh.k_row),
-            ),
-            mul(bin(Bin::Rem, lane_matrix.clone(), i64(2)), i64(16)),
-        ),
-    ));
-    body.push(Stmt::Set(
-        v_lane,
-        add(
-            add(
-                mul(
-                    add(lane_row, mul(bin(Bin::Rem, lane_matrix, i64(2)), i64(8))),
-                    i64(sh.v_row),
-                ),
-                mul(bin(Bin::Div, lane.clone(), i64(16)), i64(16)),
-            ),
-            i64(16 * sh.k_row),
-        ),
-    ));
-
-    // This round's segment, from the warp's buffer.
+    // This round's segment, from the warp's buffer: S = Q K^T, the score program, the softmax,
+    // O += P V.
+    let (k_at, v_at) = (r.add("k_lane", Ty::I64), r.add("v_lane", Ty::I64));
+    body.extend([
+        Stmt::Set(k_at, k_lane(sh.k_row)),
+        Stmt::Set(v_at, add(v_lane(sh.v_row), i64(16 * sh.k_row))),
+    ]);
     let (current, buffer) = (r.add("segment", Ty::I64), r.add("buffer", Ty::I64));
     let (seg, load_seg) = Segment::load(&mut r, reg(current));
-    let bm = [0, 1, 2, 3].map(|i| r.add(format!("bm{i}"), Ty::I32));
-    let s: Vec<[Reg; 4]> = (0..2)
-        .map(|nb| [0, 1, 2, 3].map(|i| r.add(format!("s{nb}_{i}"), Ty::F32)))
+    let [bm, pa] = ["bm", "pa"].map(|n| [0, 1, 2, 3].map(|i| r.add(format!("{n}{i}"), Ty::I32)));
+    let s: [[_; 4]; 2] =
+        [0, 1].map(|nb| [0, 1, 2, 3].map(|i| r.add(format!("s{nb}_{i}"), Ty::F32)));
+    let mut run: Vec<Stmt> = s
+        .iter()
+        .flatten()
+        .map(|&x| Stmt::Set(x, f32(0.0)))
         .collect();
-    let mut run = Vec::new();
-    // S = Q K^T: s[nb][i] for key 8 nb + 2 q + i % 2, row g + 8 (i / 2).
-    for x in s.iter().flatten() {
-        run.push(Stmt::Set(*x, f32(0.0)));
-    }
-    for (ks, a) in qa.iter().enumerate() {
-        if lo_shared {
-            for (i, &x) in lo_temp.iter().enumerate() {
-                run.push(Stmt::Set(x, load(Space::Shared, Ty::I32, lo_word(ks, i))));
-            }
-        }
-        run.push(Stmt::LdMatrix {
-            dst: bm.to_vec(),
-            addr: add(add(reg(buffer), reg(k_lane)), i64(32 * ks as i64)),
-            trans: false,
-        });
-        for nb in 0..2 {
-            for part in a {
-                run.push(Stmt::Mma {
-                    half,
-                    d: s[nb],
-                    a: *part,
-                    b: [bm[2 * nb], bm[2 * nb + 1]],
-                    c: s[nb],
-                });
-            }
-        }
-    }
-    // The score program per element; keys past the segment's never count, and the mask
-    // applies on masked segments.
-    let masks = !matches!(plan.program.mask, M::Bool(true));
-    for (nb, frag) in s.iter().enumerate() {
-        for (i, &x) in frag.iter().enumerate() {
-            let h = i / 2;
-            let local = add(mul(reg(q), i64(2)), i64((8 * nb + i % 2) as i64));
-            let key = add(reg(seg.first_key), local.clone());
-            let env = Env {
-                score: reg(x),
-                batch: reg(task.batch),
-                head: reg(head[h]),
-                query: reg(pos[h]),
-                key: key.clone(),
-                query_index: reg(index[h]),
-                key_index: key,
-            };
-            let mut keep = bin(Bin::Lt, local, reg(seg.keys));
-            if masks {
-                keep = bin(
-                    Bin::And,
-                    keep,
-                    bin(
-                        Bin::Or,
-                        bin(Bin::Ne, reg(seg.code), i64(TileCode::Masked as i64)),
-                        program(&plan.program.mask, &env),
-                    ),
-                );
-            }
-            run.push(Stmt::Set(
-                x,
-                select(
-                    keep,
-                    program(&plan.program.score, &env),
-                    f32(f32::NEG_INFINITY),
-                ),
-            ));
-        }
-    }
-    // The online softmax of the lane's rows: the segment's max over the lane's elements, then
-    // its quad; the rescale of the sum and O; P = 2^(2 (s - m)).
-    let (mt, m_use, alpha) = (
-        r.add("tile_max", Ty::F32),
-        r.add("m_use", Ty::F32),
-        r.add("alpha", Ty::F32),
-    );
-    for h in 0..2 {
-        run.push(Stmt::Set(mt, f32(f32::NEG_INFINITY)));
-        for frag in &s {
-            for x in [frag[2 * h], frag[2 * h + 1]] {
-                run.push(Stmt::Set(mt, bin(Bin::Max, reg(mt), reg(x))));
-            }
-        }
-        for lane_mask in [1, 2] {
-            run.push(Stmt::Set(
-                mt,
-                bin(
-                    Bin::Max,
-                    reg(mt),
-                    Expr::ShflXor(Box::new(reg(mt)), lane_mask),
-                ),
-            ));
-        }
-        let m_new = bin(Bin::Max, reg(m[h]), reg(mt));
-        run.extend([
-            Stmt::Set(
-                m_use,
-                select(
-                    bin(Bin::Eq, m_new.clone(), f32(f32::NEG_INFINITY)),
-                    f32(0.0),
-                    m_new.clone(),
-                ),
-            ),
-            Stmt::Set(alpha, exp2_twice(sub(reg(m[h]), reg(m_use)))),
-            Stmt::Set(m[h], m_new),
-            Stmt::Set(l[h], mul(reg(l[h]), reg(alpha))),
-        ]);
-        for frag in &o {
-            for x in [frag[2 * h], frag[2 * h + 1]] {
-                run.push(Stmt::Set(x, mul(reg(x), reg(alpha))));
-            }
-        }
-        for frag in &s {
-            for x in [frag[2 * h], frag[2 * h + 1]] {
-                run.push(Stmt::Set(x, exp2_twice(sub(reg(x), reg(m_use)))));
-                run.push(Stmt::Set(l[h], add(reg(l[h]), reg(x))));
-            }
-        }
-    }
-    // O += P V: P's C fragments of key blocks 0 and 1 are the A fragment of the one k step.
-    let pa = [0, 1, 2, 3].map(|i| r.add(format!("pa{i}"), Ty::I32));
-    let (s0, s1) = (s[0], s[1]);
-    run.extend([
-        Stmt::Set(pa[0], pack(reg(s0[0]), reg(s0[1]))),
-        Stmt::Set(pa[1], pack(reg(s0[2]), reg(s0[3]))),
-        Stmt::Set(pa[2], pack(reg(s1[0]), reg(s1[1]))),
-        Stmt::Set(pa[3], pack(reg(s1[2]), reg(s1[3]))),
-    ]);
-    for vb in (0..dv / 8).step_by(2) {
-        run.push(Stmt::LdMatrix {
-            dst: bm.to_vec(),
-            addr: add(add(reg(buffer), reg(v_lane)), i64(16 * vb as i64)),
-            trans: true,
-        });
-        for step in 0..2 {
-            run.push(Stmt::Mma {
-                half,
-                d: o[vb + step],
-                a: pa,
-                b: [bm[2 * step], bm[2 * step + 1]],
-                c: o[vb + step],
-            });
-        }
-    }
+    run.extend(qa.qk(half, bm, &add(reg(buffer), reg(k_at)), &s));
+    run.extend(scores(plan, &s, &lane, &task, &seg));
+    run.extend(state.update(&s));
+    run.extend(decode_mma::pv(
+        half,
+        &s,
+        [pa, bm],
+        &add(reg(buffer), reg(v_at)),
+        &state.o,
+    ));
     let mut compute = load_seg;
-    compute.push(Stmt::If(runs(seg.code), run, vec![]));
+    compute.push(Stmt::If(runs(&seg), run, vec![]));
 
     // Per round: this round's copies land (and are visible; every warp is done with the
     // buffer the next round's copies fill), the next round's copies fly while this one's
@@ -518,27 +242,29 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         )
     };
     body.push(Stmt::Barrier);
+    body.extend(state.quad_sums());
     for h in 0..2 {
-        for lane_mask in [1, 2] {
-            body.push(Stmt::Set(
-                l[h],
-                add(reg(l[h]), Expr::ShflXor(Box::new(reg(l[h])), lane_mask)),
-            ));
-        }
         body.push(Stmt::If(
-            bin(Bin::Eq, reg(q), i64(0)),
+            bin(Bin::Eq, reg(lane.q), i64(0)),
             vec![
-                Stmt::Store(Space::Shared, m_at(reg(warp), row_of(h)), reg(m[h])),
-                Stmt::Store(Space::Shared, l_at(reg(warp), row_of(h)), reg(l[h])),
+                Stmt::Store(
+                    Space::Shared,
+                    m_at(reg(lane.warp), lane.row(h)),
+                    reg(state.m[h]),
+                ),
+                Stmt::Store(
+                    Space::Shared,
+                    l_at(reg(lane.warp), lane.row(h)),
+                    reg(state.l[h]),
+                ),
             ],
             vec![],
         ));
-        for (vb, frag) in o.iter().enumerate() {
+        for (vb, frag) in state.o.iter().enumerate() {
             for j in 0..2 {
-                let col = add(mul(reg(q), i64(2)), i64((8 * vb + j) as i64));
                 body.push(Stmt::Store(
                     Space::Shared,
-                    o_at(reg(warp), row_of(h), col),
+                    o_at(reg(lane.warp), lane.row(h), lane.column(vb, j)),
                     reg(frag[2 * h + j]),
                 ));
             }
@@ -658,7 +384,11 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         name: "attention_decode_tc".into(),
         params: DecodeArgs::params(),
         regs: r.list,
-        shared_bytes: (sh.bytes() + if lo_shared { 32 * d as i64 } else { 0 }) as u32,
+        shared_bytes: (sh.bytes()
+            + match rest {
+                Rest::Shared(_) => QFragments::rest_bytes(d / 16),
+                Rest::Registers => 0,
+            }) as u32,
         threads: THREADS,
         // Decode waits on memory: three CTAs (12 warps) per SM up to head dim 128 (170
         // registers a thread); Q's fragments and O's accumulators need more at 256.

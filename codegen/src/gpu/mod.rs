@@ -10,6 +10,7 @@
 use crate::CodegenError;
 
 pub mod decode;
+mod decode_mma;
 pub mod decode_tc;
 pub mod forward;
 pub mod forward_tc;
