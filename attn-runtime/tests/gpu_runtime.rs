@@ -411,6 +411,13 @@ fn check_mla_decode(decode: DecodeMla) {
          mask = causal",
         "heads = 2, head_dim = 8, mla(latent_rank = 64, rope_dim = 16), mask = causal, \
          position = rope(scaling = yarn(factor = 4.0, original_max_position = 32))",
+        // 16-bit latent caches run on the wide tensor-core kernel: MLA's own widths (576 +
+        // 512) with more heads than a task's 16 rows, and a narrower one under RoPE and
+        // softcap.
+        "heads = 20, head_dim = 16, mla(latent_rank = 512, rope_dim = 64), mask = causal, \
+         dtype = bf16",
+        "heads = 3, head_dim = 16, mla(latent_rank = 128, rope_dim = 64), mask = causal, \
+         position = rope, softcap = 8.0, dtype = f16",
     ] {
         let spec: AttentionSpec = text.parse().unwrap();
         let mla = spec.mla().unwrap();
@@ -421,8 +428,10 @@ fn check_mla_decode(decode: DecodeMla) {
         );
         let (r, dr) = (mla.latent_rank as usize, mla.rope_dim as usize);
         let t = |shape: &[usize], seed: u64| {
-            Tensor::from_f32(shape, values(shape.iter().product(), seed)).unwrap()
+            Tensor::from_f32_as(spec.dtype, shape, values(shape.iter().product(), seed)).unwrap()
         };
+        let wide = codegen::gpu::decode_wide::supports(&codegen::KernelPlan::decode(&spec));
+        assert_eq!(wide, spec.dtype != attn_dsl::DType::F32, "{text}");
         let mut cache = PagedCache::new(&spec, 7, 40).unwrap();
         let seqs: Vec<_> = [37usize, 61]
             .iter()
@@ -448,7 +457,15 @@ fn check_mla_decode(decode: DecodeMla) {
                 .unwrap();
             let got = decode(&spec, queries(), &cache, &seqs, options);
             assert_eq!(got.out.shape(), [2, h, n, dv]);
-            assert_outputs_close(&got, &want, (1e-4, 1e-4), &format!("{text} n {n}"));
+            let what = format!("{text} n {n}");
+            if wide {
+                // The tensor cores take P in 16 bits, and W_uv's 512-term sums of the latent
+                // outputs cancel: each output is held to 1% of its row's largest (a 16-bit
+                // output's own rounding is 0.4% of it), the lse to 1e-4 (S is f32-exact).
+                assert_rows_close(&got, &want, dv, 1e-2, &what);
+            } else {
+                assert_outputs_close(&got, &want, (1e-4, 1e-4), &what);
+            }
         }
     }
 }
@@ -511,6 +528,27 @@ fn check_ragged(attend: AttendRagged) {
             assert_outputs_close(&got, &want, tolerance, text);
         }
     }
+}
+
+/// `out` within `rel` of the largest magnitude of its row of `width` in the other backend's,
+/// and `lse` within 1e-4 (or the same infinity).
+fn assert_rows_close(got: &Output, want: &Output, width: usize, rel: f32, what: &str) {
+    let (g, w) = (got.out.to_f32_vec(), want.out.to_f32_vec());
+    assert_eq!(g.len(), w.len(), "{what}");
+    for (row, (gr, wr)) in g.chunks(width).zip(w.chunks(width)).enumerate() {
+        let scale = wr.iter().fold(0f32, |m, x| m.max(x.abs()));
+        for (c, (a, b)) in gr.iter().zip(wr).enumerate() {
+            assert!(
+                (a - b).abs() <= rel * scale,
+                "{what} row {row} col {c}: {a} vs {b} (row scale {scale})"
+            );
+        }
+    }
+    let no_out = |o: &Output| Output {
+        out: Tensor::from_f32(&[0], vec![]).unwrap(),
+        lse: o.lse.clone(),
+    };
+    assert_outputs_close(&no_out(got), &no_out(want), (0.0, 0.0), what);
 }
 
 /// `out` within `abs + rel |want|` of the other backend's, and `lse` within 1e-4 (or the same

@@ -82,14 +82,18 @@ fn decode_kernels_compile_to_ptx() {
         "heads = 8, kv_heads = 1, head_dim = 256, mask = causal, position = rope, dtype = bf16",
         "heads = 8, head_dim = 64, mask = sliding_window(128), position = alibi, softcap = 30.0, \
          dtype = bf16",
-        // MLA's absorbed form: rows of 576 and 512 over the latent cache.
+        // MLA's absorbed form: rows of 576 and 512 over the latent cache (the wide kernel;
+        // the SIMT one for an f32 cache).
         "heads = 16, head_dim = 128, mla(latent_rank = 512, rope_dim = 64), mask = causal, \
          position = rope, dtype = bf16",
+        "heads = 16, head_dim = 128, mla(latent_rank = 512, rope_dim = 64), mask = causal, \
+         position = rope",
     ] {
         let spec: attn_dsl::AttentionSpec = text.parse().unwrap();
         let plan = KernelPlan::decode(&spec);
         let kernel = codegen::gpu::decode::lower(&plan);
-        let tensor_cores = codegen::gpu::decode_tc::supports(&plan);
+        let tensor_cores =
+            codegen::gpu::decode_tc::supports(&plan) || codegen::gpu::decode_wide::supports(&plan);
         for arch in [Arch::Sm80, Arch::Sm90] {
             let out = emit(&kernel, arch).unwrap_or_else(|e| panic!("{text}: {e}"));
             assert!(out.ptx.contains(".entry attention_decode"), "{text}");

@@ -2,8 +2,9 @@
 //! head times a few queries) against a list of key segments read where a cache keeps them (the
 //! rows of its pages: no gather), for one partition of the keys; a second kernel
 //! (`layers::merge_partitions`) merges partitions by their log-sum-exp (split-KV). [`lower`]
-//! picks the kernel: [`super::decode_tc`] on tensor cores for 16-bit per-head caches, else the
-//! SIMT f32 kernel of this module ([`lower_simt`]), which runs any decode plan.
+//! picks the kernel: on tensor cores for 16-bit caches ([`super::decode_tc`], warps over keys;
+//! [`super::decode_wide`], warps over head dims, for MLA), else the SIMT f32 kernel of this
+//! module ([`lower_simt`]), which runs any decode plan.
 //!
 //! In the SIMT kernel, decode has few rows and many keys, so the CTA's threads split each segment's work, not the
 //! rows: a thread per (row, key) score, a thread per row for the softmax, and a thread per
@@ -20,13 +21,13 @@
 //! per row), RoPE tables for the query positions. Keys sit at the positions of their indices,
 //! rotated already.
 
-use super::decode_tc;
 use super::forward::{
     Env, Regs, cos_sin, exp2_twice, lse_of_half, program, reciprocal, rotate_pair, special64,
 };
 use super::ir::build::*;
 use super::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty};
 use super::launch::{DecodeArgs, LaunchRecord};
+use super::{decode_tc, decode_wide};
 use crate::plan::{KernelPlan, PlanKind, TileCode};
 use attn_dsl::modifier::Expr as M;
 use attn_dsl::{DType, RopeLayout};
@@ -51,6 +52,8 @@ const OUTPUT_GROUP: usize = 8;
 pub fn segment_keys(plan: &KernelPlan) -> u32 {
     if decode_tc::supports(plan) {
         decode_tc::SEGMENT_KEYS
+    } else if decode_wide::supports(plan) {
+        decode_wide::SEGMENT_KEYS
     } else {
         simt_segment_keys(plan)
     }
@@ -60,16 +63,21 @@ pub fn segment_keys(plan: &KernelPlan) -> u32 {
 pub fn task_rows(plan: &KernelPlan) -> u32 {
     if decode_tc::supports(plan) {
         decode_tc::TASK_ROWS
+    } else if decode_wide::supports(plan) {
+        decode_wide::TASK_ROWS
     } else {
         simt_task_rows(plan)
     }
 }
 
-/// Lowers the decode kernel a plan runs: on tensor cores ([`decode_tc`]) for 16-bit per-head
-/// caches of head dims up to 256, else [`lower_simt`].
+/// Lowers the decode kernel a plan runs: on tensor cores for 16-bit caches ([`decode_tc`] for
+/// per-head caches of head dims up to 256, [`decode_wide`] for MLA's absorbed rows and wider
+/// heads), else [`lower_simt`].
 pub fn lower(plan: &KernelPlan) -> Kernel {
     if decode_tc::supports(plan) {
         decode_tc::lower(plan)
+    } else if decode_wide::supports(plan) {
+        decode_wide::lower(plan)
     } else {
         lower_simt(plan)
     }

@@ -113,16 +113,17 @@ pub(super) enum Rest {
 /// so the scores are as exact as f32 products (the tensor cores idle in decode, which waits on
 /// memory).
 pub(super) struct QFragments {
-    /// The first step, and per step the two parts' four registers (register `i` is row
-    /// `g + 8 (i % 2)`, columns `16 ks + 8 (i / 2) + 2 q` and the next).
-    first: usize,
+    /// The first step (the same in every lane of a warp), and per step the two parts' four
+    /// registers (register `i` is row `g + 8 (i % 2)`, columns `16 ks + 8 (i / 2) + 2 q` and
+    /// the next).
+    first: Expr,
     parts: Vec<[[Reg; 4]; 2]>,
     rest: Rest,
 }
 
 impl QFragments {
     /// Stages the task's Q (scaled, rotated; 16 rows, those past the task's zero) in f32 at
-    /// `staged` and takes the fragments of `steps` from it. A lane reads its rounded pair back
+    /// `staged` and takes the fragments of `count` steps from step `first` on. A lane reads its rounded pair back
     /// through its own word of shared memory at `words` to take the rest. Ends with a barrier,
     /// after which the staging area may be reused.
     #[allow(clippy::too_many_arguments)]
@@ -133,29 +134,28 @@ impl QFragments {
         task: &Task,
         lane: &Lane,
         [staged, words]: [i64; 2],
-        steps: std::ops::Range<usize>,
+        (first, count): (Expr, usize),
         rest: Rest,
     ) -> QFragments {
         let d = i64::from(plan.shape.qk_dim);
         let half = half_of(plan);
         let pack = |lo: Expr, hi: Expr| Expr::PackHalf(half, Box::new(lo), Box::new(hi));
         body.extend(stage_q(plan, r, task, staged, Some(i64::from(ROWS))));
-        let q_at = |row: Expr, col: i64| {
+        let q_at = |row: Expr, col: Expr| {
             load(
                 Space::Shared,
                 Ty::F32,
                 add(
                     i64(staged),
                     mul(
-                        add(mul(row, i64(d)), add(mul(reg(lane.q), i64(2)), i64(col))),
+                        add(mul(row, i64(d)), add(mul(reg(lane.q), i64(2)), col)),
                         i64(4),
                     ),
                 ),
             )
         };
         let temp = [0, 1, 2, 3].map(|i| r.add(format!("qa_rest{i}"), Ty::I32));
-        let first = steps.start;
-        let parts: Vec<[[Reg; 4]; 2]> = steps
+        let parts: Vec<[[Reg; 4]; 2]> = (0..count)
             .map(|ks| {
                 let hi = [0, 1, 2, 3].map(|i| r.add(format!("qa{ks}_{i}"), Ty::I32));
                 let lo = match rest {
@@ -170,10 +170,13 @@ impl QFragments {
         let fragments = QFragments { first, parts, rest };
         let word = add(i64(words), mul(special64(Special::Tid), i64(4)));
         for (j, [hi, lo]) in fragments.parts.iter().enumerate() {
-            let ks = first + j;
             for i in 0..4 {
-                let (row, col) = (lane.row(i % 2), (16 * ks + 8 * (i / 2)) as i64);
-                let (x0, x1) = (q_at(row.clone(), col), q_at(row, col + 1));
+                let col = add(
+                    mul(fragments.first.clone(), i64(16)),
+                    i64((16 * j + 8 * (i / 2)) as i64),
+                );
+                let row = lane.row(i % 2);
+                let (x0, x1) = (q_at(row.clone(), col.clone()), q_at(row, add(col, i64(1))));
                 let rounded = |byte: i64| {
                     Expr::LoadHalf(Space::Shared, half, Box::new(add(word.clone(), i64(byte))))
                 };
@@ -228,7 +231,10 @@ impl QFragments {
             }
             run.push(Stmt::LdMatrix {
                 dst: bm.to_vec(),
-                addr: add(k.clone(), i64(32 * (self.first + j) as i64)),
+                addr: add(
+                    add(k.clone(), mul(self.first.clone(), i64(32))),
+                    i64(32 * j as i64),
+                ),
                 trans: false,
             });
             for (nb, block) in s.iter().enumerate() {

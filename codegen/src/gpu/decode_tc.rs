@@ -117,7 +117,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         &task,
         &lane,
         [sh.stage, sh.stage + 64 * d as i64],
-        0..d / 16,
+        (i64(0), d / 16),
         rest,
     );
     let state = RowState::new(&mut r, &mut body, dv / 8);

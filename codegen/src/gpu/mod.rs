@@ -3,8 +3,8 @@
 //! the semantics of the PTX it maps to. [`forward`] is the SIMT f32 forward kernel, [`forward_tc`]
 //! the tensor-core (mma.sync, bf16) one.
 //!
-//! [`decode`] holds the decode kernels over cache segments (split-KV): [`decode_tc`] on tensor
-//! cores for 16-bit caches, a SIMT one for the rest. With the `cuda` feature, `llvm` translates
+//! [`decode`] holds the decode kernels over cache segments (split-KV): [`decode_tc`] and
+//! [`decode_wide`] (MLA) on tensor cores for 16-bit caches, a SIMT one for the rest. With the `cuda` feature, `llvm` translates
 //! the IR to LLVM IR and PTX. Still to come: `wgmma` and TMA on sm_90a.
 
 use crate::CodegenError;
@@ -12,6 +12,7 @@ use crate::CodegenError;
 pub mod decode;
 mod decode_mma;
 pub mod decode_tc;
+pub mod decode_wide;
 pub mod forward;
 pub mod forward_tc;
 pub mod interp;
