@@ -226,6 +226,22 @@ impl CudaBackend {
         })
     }
 
+    /// [`CudaBackend::decode_mla`] against a device copy of the latent cache from
+    /// [`CudaBackend::upload_cache`].
+    pub fn decode_mla_resident(
+        &self,
+        variant: &Variant,
+        queries: MlaQueries,
+        cache: &dyn KvCache,
+        resident: &DeviceCache,
+        seqs: &[SeqId],
+        options: DecodeOptions,
+    ) -> Result<Output, RuntimeError> {
+        decode::decode_mla_with(variant, queries, cache, seqs, options, &|l| {
+            self.run_decode(l, Some(resident))
+        })
+    }
+
     /// Times every decode step's kernels (the decode kernel and the partition merge) by CUDA
     /// events from now on, or stops; [`CudaBackend::last_kernel_us`] reads the last. The events
     /// cost a few microseconds of host time a step, so they are off unless asked for.

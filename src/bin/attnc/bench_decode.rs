@@ -49,11 +49,6 @@ pub fn bench(
             "--backend gpu-sim is not timed (the interpreter is no GPU); use cpu or cuda".into(),
         ));
     }
-    if on == Backend::Cuda && spec.mla().is_some() {
-        return Err(RuntimeError::Spec(
-            "bench-decode times MLA specs on the CPU only so far; use --backend cpu".into(),
-        ));
-    }
     let backend = CpuBackend::new();
     let variant = Variant::new(spec.clone())?;
     let kernel = backend.kernel_for(&variant, attn::codegen::plan::PlanKind::Decode)?;
@@ -103,7 +98,7 @@ pub fn bench(
         )),
         None => None,
     };
-    let device = device_step(on, spec, &q, &cache, &seqs)?;
+    let device = device_step(on, spec, &q, mla_inputs.as_ref(), &cache, &seqs)?;
     // A step, and the device time of its kernels where a device runs it.
     let step = || match (&device, &mla_inputs) {
         (Some(device), _) => device(),
@@ -159,12 +154,13 @@ pub fn bench(
 /// uploaded now; returns the device time of its kernels, in microseconds.
 type DeviceStep<'a> = Option<Box<dyn Fn() -> Result<Option<f64>, RuntimeError> + 'a>>;
 
-/// The device step of `on` (`None` on the CPU).
+/// The device step of `on` (`None` on the CPU); MLA specs take their `q_pe` and `W_kv_b`.
 #[cfg(feature = "cuda")]
 fn device_step<'a>(
     on: Backend,
     spec: &'a AttentionSpec,
     q: &'a Tensor,
+    mla: Option<&'a (Tensor, Tensor)>,
     cache: &'a PagedCache,
     seqs: &'a [SeqId],
 ) -> Result<DeviceStep<'a>, RuntimeError> {
@@ -175,15 +171,19 @@ fn device_step<'a>(
     let resident = gpu.upload_cache(cache)?;
     let variant = attn::runtime::Variant::new(spec.clone())?;
     gpu.time_kernels(true);
+    let options = DecodeOptions::default();
     Ok(Some(Box::new(move || {
-        gpu.decode_resident(
-            &variant,
-            q,
-            cache,
-            &resident,
-            seqs,
-            DecodeOptions::default(),
-        )?;
+        match mla {
+            Some((q_pe, w_kv_b)) => {
+                let queries = MlaQueries {
+                    q_nope: q,
+                    q_pe,
+                    w_kv_b,
+                };
+                gpu.decode_mla_resident(&variant, queries, cache, &resident, seqs, options)?
+            }
+            None => gpu.decode_resident(&variant, q, cache, &resident, seqs, options)?,
+        };
         Ok(gpu.last_kernel_us())
     })))
 }
@@ -194,6 +194,7 @@ fn device_step<'a>(
     on: Backend,
     _: &'a AttentionSpec,
     _: &'a Tensor,
+    _: Option<&'a (Tensor, Tensor)>,
     _: &'a PagedCache,
     _: &'a [SeqId],
 ) -> Result<DeviceStep<'a>, RuntimeError> {
