@@ -80,6 +80,40 @@ pub trait KvCache {
         let _ = generation;
         None
     }
+    /// Where the cache keeps rows, when it is a block table over one region (a paged cache):
+    /// kernels then find rows from the sequences' [`KvCache::blocks`] on the device. `None`
+    /// otherwise.
+    fn page_geometry(&self) -> Option<PageGeometry> {
+        None
+    }
+    /// The blocks of `seq`, in order, for a cache with a [`KvCache::page_geometry`] (empty
+    /// otherwise).
+    fn blocks(&self, seq: SeqId) -> Result<&[usize], RuntimeError> {
+        self.seq_len(seq).map(|_| &[][..])
+    }
+}
+
+/// How a block-table cache lays out rows: key `slot` of block `b` for kv head `h` starts at
+/// element `b * block_len + h * head_stride + k_offset + slot * k_row` of region `region` of
+/// [`KvCache::memory`]; its value row likewise from `v_offset`, `v_row` apart.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PageGeometry {
+    /// The region of [`KvCache::memory`] holding every block.
+    pub region: usize,
+    /// Keys per block.
+    pub block_size: usize,
+    /// Elements per block.
+    pub block_len: usize,
+    /// Elements between kv heads inside a block.
+    pub head_stride: usize,
+    /// Element offset of a kv head's first key row, and of its first value row.
+    pub k_offset: usize,
+    /// See `k_offset`.
+    pub v_offset: usize,
+    /// Elements between key rows, and between value rows.
+    pub k_row: usize,
+    /// See `k_row`.
+    pub v_row: usize,
 }
 
 /// What bringing a mirror of a cache's memory up to date takes (a device copy, say).

@@ -264,6 +264,27 @@ impl KvCache for PagedCache {
         self.changes.since(generation)
     }
 
+    fn page_geometry(&self) -> Option<super::PageGeometry> {
+        let slots = self.slots();
+        // Element offsets from the same arithmetic `runs` uses (kv head 1 of a one-head cache
+        // is past its block, but the stride between heads is still the layout's).
+        let (k0, v0) = (slots.k(0, 0), slots.v(0, 0));
+        Some(super::PageGeometry {
+            region: 0,
+            block_size: self.block_size,
+            block_len: slots.block_len(),
+            head_stride: slots.k(1, 0) - k0,
+            k_offset: k0,
+            v_offset: v0,
+            k_row: slots.k(0, 1) - k0,
+            v_row: slots.v(0, 1) - v0,
+        })
+    }
+
+    fn blocks(&self, seq: SeqId) -> Result<&[usize], RuntimeError> {
+        Ok(&self.seq(seq)?.blocks)
+    }
+
     fn runs(
         &self,
         seq: SeqId,

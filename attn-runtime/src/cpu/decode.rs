@@ -158,9 +158,10 @@ fn run(
     let plan = &kernel.plan;
     let (dqk, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
     let (k_stride, v_stride) = row_strides(cache_layout);
+    let counts: Vec<usize> = items.iter().map(|i| i.segments.len()).collect();
     let tasks = tasks(
-        items,
-        partitions(items, options, 4 * rayon::current_num_threads()),
+        &counts,
+        partitions(&counts, options, 4 * rayon::current_num_threads()),
     );
 
     let results: Vec<(Vec<f32>, Vec<f32>)> = tasks

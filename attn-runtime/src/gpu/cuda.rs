@@ -3,12 +3,14 @@
 
 use super::GpuCall;
 use super::decode::{self, DecodeLaunch};
+use super::pages::PagedSegments;
 use crate::backend::{DecodeOptions, MlaQueries, MlaTensors, Output};
 use crate::cache::{KvCache, MirrorSync, SeqId};
 use crate::error::RuntimeError;
 use crate::host::checks::finish;
 use crate::tensor::Tensor;
 use crate::variant::Variant;
+use codegen::gpu::decode::SEGMENT_FIELDS;
 use codegen::gpu::ir::Kernel;
 use codegen::gpu::launch::{DecodeArgs, ForwardArgs, bind};
 use codegen::gpu::llvm::{Arch, dynamic_shared_bytes, emit};
@@ -242,6 +244,59 @@ impl CudaBackend {
         })
     }
 
+    /// The segment records of a launch, made on the device from its page tables (the cache's
+    /// region at device address `base`).
+    fn segments_from_pages(
+        &self,
+        p: &PagedSegments,
+        base: i64,
+    ) -> Result<CudaSlice<u8>, RuntimeError> {
+        let s = &self.stream;
+        let mut records = s
+            .alloc_zeros::<u8>(p.records.max(1) * 8 * SEGMENT_FIELDS)
+            .map_err(device)?;
+        if p.records == 0 {
+            return Ok(records);
+        }
+        let f = self.load(&p.kernel)?;
+        let pieces: Vec<u8> = p.pieces.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let pages: Vec<u8> = p.pages.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let (pieces, pages) = (
+            s.clone_htod(&pieces).map_err(device)?,
+            s.clone_htod(if pages.is_empty() {
+                &[0u8; 16][..]
+            } else {
+                &pages
+            })
+            .map_err(device)?,
+        );
+        let ((pieces_ptr, _p), (pages_ptr, _g)) = (pieces.device_ptr(s), pages.device_ptr(s));
+        let (records_ptr, _r) = records.device_ptr_mut(s);
+        let record = p.args([
+            pieces_ptr as i64,
+            pages_ptr as i64,
+            records_ptr as i64,
+            base,
+        ]);
+        let values = bind(&p.kernel, &record).map_err(RuntimeError::Data)?;
+        let mut launch = s.launch_builder(&f);
+        for value in &values {
+            launch.arg(value);
+        }
+        let config = LaunchConfig {
+            grid_dim: (p.ctas()?, 1, 1),
+            block_dim: (p.kernel.threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: `bind` checked the kernel's parameters against its record: device addresses
+        // of the pieces and page tables uploaded above, and of `records`, sized for every
+        // record the pieces make; the cache region at `base`, whose blocks the page tables
+        // index, is alive (the caller's buffers). The guards drop after the launch is queued.
+        unsafe { launch.launch(config) }.map_err(device)?;
+        drop((_p, _g, _r));
+        Ok(records)
+    }
+
     /// Times every decode step's kernels (the decode kernel and the partition merge) by CUDA
     /// events from now on, or stops; [`CudaBackend::last_kernel_us`] reads the last. The events
     /// cost a few microseconds of host time a step, so they are off unless asked for.
@@ -298,7 +353,10 @@ impl CudaBackend {
                 ptr as i64
             })
             .collect();
-        let segments = some(&i64_bytes(&l.segment_records(&bases)?)).map_err(device)?;
+        let segments = match &l.pages {
+            Some(p) => self.segments_from_pages(p, bases[p.geometry.region])?,
+            None => some(&i64_bytes(&l.segment_records(&bases)?)).map_err(device)?,
+        };
         let tasks = some(&i64_bytes(&l.tasks)).map_err(device)?;
         let f32_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
         let q_rows = some(&f32_bytes(&l.q_rows)).map_err(device)?;

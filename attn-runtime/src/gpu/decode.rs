@@ -3,6 +3,7 @@
 //! reading the cache's segments where they lie. On the interpreter the segments' rows are copied into its memory first (a
 //! device keeps the cache in its own memory; the kernel reads it through the segment table).
 
+use super::pages::{PageTables, PagedSegments, pages_kernel, span_items};
 use crate::backend::{DecodeOptions, MlaQueries, Output};
 use crate::cache::{KvCache, SeqId};
 use crate::error::RuntimeError;
@@ -163,8 +164,12 @@ pub(crate) struct DecodeLaunch<'a> {
     pub q_rows: Vec<f32>,
     /// Task records (`TASK_FIELDS` i64 each).
     pub tasks: Vec<i64>,
-    /// Segment records (`SEGMENT_FIELDS` i64 each), K and V as host addresses.
+    /// Segment records (`SEGMENT_FIELDS` i64 each), K and V as host addresses; empty when
+    /// `pages` makes them on the device.
     pub segments: Vec<i64>,
+    /// The segment records' pieces and page tables, for a kernel that makes the records on the
+    /// device before the decode kernel runs.
+    pub pages: Option<PagedSegments>,
     /// The cache's memory: regions every segment lies inside.
     pub memory: Vec<&'a [u8]>,
     /// The cache's generation when the launch was prepared (a device copy of the cache must be
@@ -236,17 +241,42 @@ impl DecodeLaunch<'_> {
         } else {
             (mem.alloc_f32(&self.rope_cos), mem.alloc_f32(&self.rope_sin))
         };
-        let segments = self.segment_records(&bases)?;
+        let segments = match &self.pages {
+            Some(p) => {
+                let records = mem.alloc_bytes(vec![0; p.records.max(1) * 8 * SEGMENT_FIELDS]);
+                if p.records > 0 {
+                    let pages: Vec<u8> = p.pages.iter().flat_map(|x| x.to_le_bytes()).collect();
+                    let record = p.args([
+                        mem.alloc_bytes(i64s(&p.pieces)),
+                        mem.alloc_bytes(pages),
+                        records,
+                        bases[p.geometry.region],
+                    ]);
+                    let args: Vec<Val> = bind(&p.kernel, &record)
+                        .map_err(RuntimeError::Data)?
+                        .into_iter()
+                        .map(Val::I64)
+                        .collect();
+                    run(&p.kernel, [p.ctas()?, 1, 1], &args, &mut mem)
+                        .map_err(RuntimeError::Data)?;
+                }
+                records
+            }
+            None => {
+                let segments = self.segment_records(&bases)?;
+                if segments.is_empty() {
+                    0
+                } else {
+                    mem.alloc_bytes(i64s(&segments))
+                }
+            }
+        };
         let out = mem.alloc_f32(&vec![0.0; self.out_rows * self.v_dim]);
         let lse = mem.alloc_f32(&vec![0.0; self.out_rows]);
         let record = DecodeArgs {
             q_rows: mem.alloc_f32(&self.q_rows),
             tasks: mem.alloc_bytes(i64s(&self.tasks)),
-            segments: if segments.is_empty() {
-                0
-            } else {
-                mem.alloc_bytes(i64s(&segments))
-            },
+            segments,
             out,
             lse,
             rope_cos: cos,
@@ -335,11 +365,35 @@ pub(crate) fn run_rows(
     let layout = cache.layout().clone();
     let (d, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
     let (max_rows, seg_keys) = (task_rows(plan) as usize, segment_keys(plan) as usize);
-    let items = items(plan, cache, seqs, call.q_lens, max_rows, seg_keys)?;
-    let tasks = tasks(&items, partitions(&items, options, GPU_TASKS));
+    // The keys reach the kernel as segment records made here, or, from a paged cache whose
+    // blocks hold whole segments, made on the device from the page tables (host work then
+    // grows with pages and tasks, not keys).
+    let paged = cache
+        .page_geometry()
+        .filter(|g| g.block_size.is_multiple_of(seg_keys));
+    let (items, spans) = match paged {
+        Some(_) => {
+            let (items, spans) = span_items(plan, cache, seqs, call.q_lens, max_rows, seg_keys)?;
+            (items, Some(spans))
+        }
+        None => (
+            items(plan, cache, seqs, call.q_lens, max_rows, seg_keys)?,
+            None,
+        ),
+    };
+    let counts: Vec<usize> = match &spans {
+        Some(spans) => spans.iter().map(|s| s.count).collect(),
+        None => items.iter().map(|i| i.segments.len()).collect(),
+    };
+    let tasks = tasks(&counts, partitions(&counts, options, GPU_TASKS));
     let (k_stride, v_stride) = row_strides(&layout);
+    let page_tables = match paged {
+        Some(geometry) => Some(PageTables::of(cache, seqs, call.q_lens, geometry)?),
+        None => None,
+    };
 
     let (mut q_rows, mut task_records, mut segment_records) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut pieces, mut records) = (Vec::new(), 0);
     let mut rows_of = Vec::with_capacity(tasks.len());
     for task in &tasks {
         let item = &items[task.item];
@@ -350,18 +404,29 @@ pub(crate) fn run_rows(
                 q_rows.extend_from_slice(&qv[at..at + d]);
             }
         }
-        let seg0 = segment_records.len() / SEGMENT_FIELDS;
-        for s in &item.segments[task.segments.clone()] {
-            segment_records.extend([
-                s.k as i64,
-                s.v as i64,
-                s.first_key,
-                s.len,
-                s.code,
-                k_stride as i64,
-                v_stride as i64,
-            ]);
+        let seg0 = records;
+        match (&spans, &page_tables) {
+            (Some(spans), Some(tables)) => spans[task.item].pieces(
+                task.segments.clone(),
+                seg0,
+                [item.len, seg_keys, tables.offsets[item.b]],
+                &mut pieces,
+            ),
+            _ => {
+                for s in &item.segments[task.segments.clone()] {
+                    segment_records.extend([
+                        s.k as i64,
+                        s.v as i64,
+                        s.first_key,
+                        s.len,
+                        s.code,
+                        k_stride as i64,
+                        v_stride as i64,
+                    ]);
+                }
+            }
         }
+        records += task.segments.len();
         let rows = item.nh * item.nq;
         task_records.extend([
             row0 as i64,
@@ -406,12 +471,25 @@ pub(crate) fn run_rows(
         .iter()
         .flat_map(|p| p.iter().copied().chain(std::iter::repeat(-1)).take(slots))
         .collect();
+    let pages = match (paged, page_tables) {
+        (Some(geometry), Some(tables)) => Some(PagedSegments {
+            kernel: pages_kernel()?,
+            pieces,
+            pages: tables.pages,
+            records,
+            geometry,
+            elem_bytes: layout.dtype.size_bytes() as usize,
+            segment_keys: seg_keys,
+        }),
+        _ => None,
+    };
     let launch = DecodeLaunch {
         kernel: super::lowered_decode(variant)?,
         ctas: tasks.len() as u32,
         q_rows,
         tasks: task_records,
         segments: segment_records,
+        pages,
         memory: cache.memory(),
         generation: cache.generation(),
         rope_cos,
@@ -468,5 +546,106 @@ mod tests {
         };
         decode_with(&variant, &q, &cache, &seqs, DecodeOptions::default(), &exec).unwrap();
         assert!(ctas.get() >= 264, "{} CTAs", ctas.get());
+    }
+}
+
+#[cfg(test)]
+mod page_table_tests {
+    use super::*;
+    use crate::cache::PagedCache;
+    use crate::tensor::Tensor;
+
+    /// From a paged cache whose blocks hold whole segments, the launch carries page tables and
+    /// pieces instead of records, and the records the device makes from them (on the
+    /// interpreter) are the ones the host makes from the cache's runs: same rows, keys, lengths
+    /// and tile codes, task by task. A block size that cuts segments keeps the host records.
+    #[test]
+    fn records_made_from_page_tables_equal_the_hosts() {
+        let spec: AttentionSpec =
+            "heads = 4, kv_heads = 2, head_dim = 16, mask = sliding_window(40), dtype = bf16"
+                .parse()
+                .unwrap();
+        let variant = Variant::new(spec.clone()).unwrap();
+        let plan = variant.decode_plan();
+        for (block_size, device_made) in [(16, true), (32, true), (7, false)] {
+            let mut cache = PagedCache::new(&spec, block_size, 64).unwrap();
+            let seqs: Vec<SeqId> = [45usize, 97, 16]
+                .iter()
+                .map(|&len| {
+                    let s = cache.add_sequence();
+                    let t = Tensor::from_f32_as(spec.dtype, &[2, len, 16], vec![0.5; 2 * len * 16])
+                        .unwrap();
+                    cache.append(s, &t, &t).unwrap();
+                    s
+                })
+                .collect();
+            let q =
+                Tensor::from_f32_as(spec.dtype, &[3, 4, 3, 16], vec![0.0; 3 * 4 * 3 * 16]).unwrap();
+            let records = std::cell::RefCell::new(None);
+            let exec = |l: &DecodeLaunch| {
+                assert_eq!(l.pages.is_some(), device_made, "block size {block_size}");
+                let made = match &l.pages {
+                    Some(p) => {
+                        let mut mem = Memory::default();
+                        let base = mem.alloc_bytes(l.memory[0].to_vec());
+                        let out = mem.alloc_bytes(vec![0; p.records * 8 * SEGMENT_FIELDS]);
+                        let i64s = |v: &[i64]| v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                        let pages = p.pages.iter().flat_map(|x| x.to_le_bytes()).collect();
+                        let record = p.args([
+                            mem.alloc_bytes(i64s(&p.pieces)),
+                            mem.alloc_bytes(pages),
+                            out,
+                            base,
+                        ]);
+                        let args: Vec<Val> = bind(&p.kernel, &record)
+                            .unwrap()
+                            .into_iter()
+                            .map(Val::I64)
+                            .collect();
+                        run(&p.kernel, [p.ctas().unwrap(), 1, 1], &args, &mut mem).unwrap();
+                        let bytes = mem.read_bytes(out, p.records * 8 * SEGMENT_FIELDS).unwrap();
+                        let host = l.memory[0].as_ptr() as i64;
+                        let mut v: Vec<i64> = bytes
+                            .chunks(8)
+                            .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+                            .collect();
+                        // Device row addresses back to the host's.
+                        for r in v.chunks_mut(SEGMENT_FIELDS) {
+                            r[0] += host - base;
+                            r[1] += host - base;
+                        }
+                        v
+                    }
+                    None => l.segments.clone(),
+                };
+                *records.borrow_mut() = Some(made);
+                Ok((vec![0.0; l.merged_rows * l.v_dim], vec![0.0; l.merged_rows]))
+            };
+            let options = DecodeOptions {
+                partitions: Some(3),
+            };
+            decode_with(&variant, &q, &cache, &seqs, options, &exec).unwrap();
+            let made = records.into_inner().unwrap();
+            // The host's records, task by task, from the cache's runs.
+            let items = items(plan, &cache, &seqs, &[3, 3, 3], 16, 16).unwrap();
+            let counts: Vec<usize> = items.iter().map(|i| i.segments.len()).collect();
+            let (k_stride, v_stride) = row_strides(cache.layout());
+            let mut want = Vec::new();
+            for task in tasks(&counts, partitions(&counts, options, GPU_TASKS)) {
+                for s in &items[task.item].segments[task.segments] {
+                    want.extend([
+                        s.k as i64,
+                        s.v as i64,
+                        s.first_key,
+                        s.len,
+                        s.code,
+                        k_stride as i64,
+                        v_stride as i64,
+                    ]);
+                }
+            }
+            assert!(!want.is_empty());
+            assert_eq!(made, want, "block size {block_size}");
+        }
     }
 }

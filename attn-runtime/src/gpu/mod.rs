@@ -9,6 +9,7 @@ pub mod cuda;
 mod cuda_device;
 mod decode;
 pub mod layers;
+mod pages;
 
 pub use decode::{attend_ragged_emulated, decode_emulated, decode_mla_emulated};
 pub(crate) use decode::{attend_ragged_with, decode_mla_with, decode_with, emulate};

@@ -42,19 +42,49 @@ unsafe impl Send for Item {}
 // SAFETY: as above.
 unsafe impl Sync for Item {}
 
-/// The work items of a call: per sequence and kv head, blocks of at most `max_rows` rows (query
-/// heads x queries), with key segments of at most `seg_keys` keys.
-pub(crate) fn items(
+/// A work item's rows before its keys are cut: sequence `b` (of `len` cached keys, the last
+/// `n` of them new), kv head `g`, query heads `h0..h0 + nh`, queries `i0..i0 + nq`.
+pub(crate) struct Block {
+    pub b: usize,
+    pub len: usize,
+    pub n: usize,
+    pub g: usize,
+    pub h0: usize,
+    pub nh: usize,
+    pub i0: usize,
+    pub nq: usize,
+}
+
+impl Block {
+    /// The call as the plan's tile classification sees this block.
+    pub fn call(&self) -> CallShape {
+        CallShape {
+            sq: self.n as i64,
+            skv: self.len as i64,
+            p0: 0,
+            batch: Interval::point(self.b as i64),
+            head: Interval::new(self.h0 as i64, (self.h0 + self.nh - 1) as i64),
+        }
+    }
+
+    /// The block's query rows, as the classification sees them.
+    pub fn rows(&self) -> Interval {
+        Interval::new(self.i0 as i64, (self.i0 + self.nq - 1) as i64)
+    }
+}
+
+/// The row blocks of a call: per sequence and kv head, blocks of at most `max_rows` rows (query
+/// heads x queries; each key is then read once for the block).
+pub(crate) fn blocks(
     plan: &KernelPlan,
     cache: &dyn KvCache,
     seqs: &[SeqId],
     q_lens: &[usize],
     max_rows: usize,
-    seg_keys: usize,
-) -> Result<Vec<Item>, RuntimeError> {
+) -> Result<Vec<Block>, RuntimeError> {
     let (hq, hkv) = (plan.shape.heads as usize, plan.shape.kv_heads as usize);
     let group = hq / hkv;
-    let mut items = Vec::new();
+    let mut blocks = Vec::new();
     for (b, (&seq, &n)) in seqs.iter().zip(q_lens).enumerate() {
         let len = cache.seq_len(seq)?;
         if n > len {
@@ -66,56 +96,73 @@ pub(crate) fn items(
         if n == 0 {
             continue;
         }
-        let nq = n.min(max_rows);
-        let nh_max = (max_rows / nq).min(group);
+        let nq_max = n.min(max_rows);
+        let nh_max = (max_rows / nq_max).min(group);
         for g in 0..hkv {
-            let runs = cache.runs(seq, g, 0, len)?;
             for h0 in (g * group..(g + 1) * group).step_by(nh_max) {
                 let nh = nh_max.min((g + 1) * group - h0);
-                for i0 in (0..n).step_by(nq) {
-                    let nq = nq.min(n - i0);
-                    let call = CallShape {
-                        sq: n as i64,
-                        skv: len as i64,
-                        p0: 0,
-                        batch: Interval::point(b as i64),
-                        head: Interval::new(h0 as i64, (h0 + nh - 1) as i64),
-                    };
-                    let rows = Interval::new(i0 as i64, (i0 + nq - 1) as i64);
-                    let mut segments = Vec::new();
-                    for run in &runs {
-                        let size = plan.dtype.size_bytes() as usize;
-                        let (k_stride, v_stride) = row_strides(cache.layout());
-                        let (k_row, v_row) = (k_stride * size, v_stride * size);
-                        let codes = segment_codes(plan, rows, call, run.first, run.len, seg_keys);
-                        for (start, code) in (0..run.len).step_by(seg_keys).zip(codes) {
-                            let count = (run.len - start).min(seg_keys);
-                            let first = run.first + start;
-                            if code == TileCode::Skip {
-                                continue;
-                            }
-                            segments.push(Segment {
-                                k: run.k.wrapping_add(start * k_row),
-                                v: run.v.wrapping_add(start * v_row),
-                                first_key: first as i64,
-                                len: count as i64,
-                                code: code as i64,
-                            });
-                        }
-                    }
-                    items.push(Item {
+                for i0 in (0..n).step_by(nq_max) {
+                    let nq = nq_max.min(n - i0);
+                    blocks.push(Block {
                         b,
                         len,
                         n,
+                        g,
                         h0,
                         nh,
                         i0,
                         nq,
-                        segments,
                     });
                 }
             }
         }
+    }
+    Ok(blocks)
+}
+
+/// The work items of a call: its row [`blocks`], with key segments of at most `seg_keys` keys
+/// cut from the cache's runs.
+pub(crate) fn items(
+    plan: &KernelPlan,
+    cache: &dyn KvCache,
+    seqs: &[SeqId],
+    q_lens: &[usize],
+    max_rows: usize,
+    seg_keys: usize,
+) -> Result<Vec<Item>, RuntimeError> {
+    let size = plan.dtype.size_bytes() as usize;
+    let (k_stride, v_stride) = row_strides(cache.layout());
+    let (k_row, v_row) = (k_stride * size, v_stride * size);
+    let mut items = Vec::new();
+    for block in blocks(plan, cache, seqs, q_lens, max_rows)? {
+        let runs = cache.runs(seqs[block.b], block.g, 0, block.len)?;
+        let (rows, call) = (block.rows(), block.call());
+        let mut segments = Vec::new();
+        for run in &runs {
+            let codes = segment_codes(plan, rows, call, run.first, run.len, seg_keys);
+            for (start, code) in (0..run.len).step_by(seg_keys).zip(codes) {
+                if code == TileCode::Skip {
+                    continue;
+                }
+                segments.push(Segment {
+                    k: run.k.wrapping_add(start * k_row),
+                    v: run.v.wrapping_add(start * v_row),
+                    first_key: (run.first + start) as i64,
+                    len: (run.len - start).min(seg_keys) as i64,
+                    code: code as i64,
+                });
+            }
+        }
+        items.push(Item {
+            b: block.b,
+            len: block.len,
+            n: block.n,
+            h0: block.h0,
+            nh: block.nh,
+            i0: block.i0,
+            nq: block.nq,
+            segments,
+        });
     }
     Ok(items)
 }
@@ -173,26 +220,26 @@ pub(crate) fn row_strides(layout: &CacheLayout) -> (usize, usize) {
 /// is at least two waves even when each SM holds two of its CTAs.
 pub(crate) const GPU_TASKS: usize = 4 * 132;
 
-/// Partitions per item: about `target` tasks in all (the CPU: every thread several times over;
+/// Partitions per item (of `counts[i]` segments): about `target` tasks in all (the CPU: every thread several times over;
 /// a GPU: several waves of its SMs), each with at least four segments so merging stays cheap.
-pub(crate) fn partitions(items: &[Item], options: DecodeOptions, target: usize) -> usize {
+pub(crate) fn partitions(counts: &[usize], options: DecodeOptions, target: usize) -> usize {
     if let Some(p) = options.partitions {
         return p.max(1);
     }
-    let most = items.iter().map(|i| i.segments.len()).max().unwrap_or(1);
+    let most = counts.iter().copied().max().unwrap_or(1);
     target
-        .div_ceil(items.len().max(1))
+        .div_ceil(counts.len().max(1))
         .min(most.div_ceil(4))
         .max(1)
 }
 
-/// Each item split into `parts` partitions of its segments (at least one, even when empty).
-pub(crate) fn tasks(items: &[Item], parts: usize) -> Vec<Task> {
-    items
+/// Each item (of `counts[i]` segments) split into `parts` partitions of its segments (at least
+/// one, even when empty).
+pub(crate) fn tasks(counts: &[usize], parts: usize) -> Vec<Task> {
+    counts
         .iter()
         .enumerate()
-        .flat_map(|(i, item)| {
-            let n = item.segments.len();
+        .flat_map(|(i, &n)| {
             let per = n.div_ceil(parts).max(1);
             (0..parts.min(n.max(1))).map(move |p| Task {
                 item: i,

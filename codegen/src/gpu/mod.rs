@@ -21,6 +21,7 @@ pub mod launch;
 pub mod layers;
 #[cfg(feature = "cuda")]
 pub mod llvm;
+pub mod pages;
 pub mod parse;
 mod print;
 pub mod verify;
