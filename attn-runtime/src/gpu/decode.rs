@@ -19,7 +19,7 @@ use codegen::KernelPlan;
 use codegen::gpu::decode::{SEGMENT_FIELDS, segment_keys, task_rows};
 use codegen::gpu::interp::{Memory, Val, run};
 use codegen::gpu::ir::Kernel;
-use codegen::gpu::launch::{DecodeArgs, bind};
+use codegen::gpu::launch::{DecodeArgs, LaunchRecord, bind};
 use codegen::gpu::layers::{self, MergeArgs};
 use codegen::plan::Frequencies;
 use std::sync::Arc;
@@ -252,13 +252,7 @@ impl DecodeLaunch<'_> {
                         records,
                         bases[p.geometry.region],
                     ]);
-                    let args: Vec<Val> = bind(&p.kernel, &record)
-                        .map_err(RuntimeError::Data)?
-                        .into_iter()
-                        .map(Val::I64)
-                        .collect();
-                    run(&p.kernel, [p.ctas()?, 1, 1], &args, &mut mem)
-                        .map_err(RuntimeError::Data)?;
+                    interpret(&p.kernel, p.ctas()?, &record, &mut mem)?;
                 }
                 records
             }
@@ -285,12 +279,7 @@ impl DecodeLaunch<'_> {
             k_base: 0,
             v_base: 0,
         };
-        let args: Vec<Val> = bind(&self.kernel, &record)
-            .map_err(RuntimeError::Data)?
-            .into_iter()
-            .map(Val::I64)
-            .collect();
-        run(&self.kernel, [self.ctas, 1, 1], &args, &mut mem).map_err(RuntimeError::Data)?;
+        interpret(&self.kernel, self.ctas, &record, &mut mem)?;
         let (merged, merged_lse) = (
             mem.alloc_f32(&vec![0.0; self.merged_rows * self.v_dim]),
             mem.alloc_f32(&vec![0.0; self.merged_rows]),
@@ -302,13 +291,7 @@ impl DecodeLaunch<'_> {
             merged,
             merged_lse,
         );
-        let args: Vec<Val> = bind(&self.merge, &record)
-            .map_err(RuntimeError::Data)?
-            .into_iter()
-            .map(Val::I64)
-            .collect();
-        run(&self.merge, [self.merge_ctas()?, 1, 1], &args, &mut mem)
-            .map_err(RuntimeError::Data)?;
+        interpret(&self.merge, self.merge_ctas()?, &record, &mut mem)?;
         let out = mem
             .read_f32(merged, self.merged_rows * self.v_dim)
             .map_err(RuntimeError::Data)?;
@@ -345,6 +328,21 @@ impl DecodeLaunch<'_> {
         u32::try_from(threads.max(1))
             .map_err(|_| RuntimeError::Data("a merge larger than a grid".into()))
     }
+}
+
+/// Runs `ctas` CTAs of a kernel on the interpreter with its launch record.
+fn interpret(
+    kernel: &Kernel,
+    ctas: u32,
+    record: &impl LaunchRecord,
+    mem: &mut Memory,
+) -> Result<(), RuntimeError> {
+    let args: Vec<Val> = bind(kernel, record)
+        .map_err(RuntimeError::Data)?
+        .into_iter()
+        .map(Val::I64)
+        .collect();
+    run(kernel, [ctas, 1, 1], &args, mem).map_err(RuntimeError::Data)
 }
 
 /// Runs the decode kernel (through `exec`, on the interpreter or a device) over f32 query rows
@@ -597,12 +595,7 @@ mod page_table_tests {
                             out,
                             base,
                         ]);
-                        let args: Vec<Val> = bind(&p.kernel, &record)
-                            .unwrap()
-                            .into_iter()
-                            .map(Val::I64)
-                            .collect();
-                        run(&p.kernel, [p.ctas().unwrap(), 1, 1], &args, &mut mem).unwrap();
+                        interpret(&p.kernel, p.ctas().unwrap(), &record, &mut mem).unwrap();
                         let bytes = mem.read_bytes(out, p.records * 8 * SEGMENT_FIELDS).unwrap();
                         let host = l.memory[0].as_ptr() as i64;
                         let mut v: Vec<i64> = bytes

@@ -80,16 +80,7 @@ pub(crate) fn span_items(
             count: runs.iter().map(|r| r.1).sum(),
             runs,
         });
-        items.push(Item {
-            b: block.b,
-            len: block.len,
-            n: block.n,
-            h0: block.h0,
-            nh: block.nh,
-            i0: block.i0,
-            nq: block.nq,
-            segments: Vec::new(),
-        });
+        items.push(block.item(Vec::new()));
     }
     Ok((items, spans))
 }

@@ -67,6 +67,20 @@ impl Block {
         }
     }
 
+    /// The work item of this block's rows and these segments.
+    pub fn item(&self, segments: Vec<Segment>) -> Item {
+        Item {
+            b: self.b,
+            len: self.len,
+            n: self.n,
+            h0: self.h0,
+            nh: self.nh,
+            i0: self.i0,
+            nq: self.nq,
+            segments,
+        }
+    }
+
     /// The block's query rows, as the classification sees them.
     pub fn rows(&self) -> Interval {
         Interval::new(self.i0 as i64, (self.i0 + self.nq - 1) as i64)
@@ -153,16 +167,7 @@ pub(crate) fn items(
                 });
             }
         }
-        items.push(Item {
-            b: block.b,
-            len: block.len,
-            n: block.n,
-            h0: block.h0,
-            nh: block.nh,
-            i0: block.i0,
-            nq: block.nq,
-            segments,
-        });
+        items.push(block.item(segments));
     }
     Ok(items)
 }

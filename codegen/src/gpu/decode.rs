@@ -22,7 +22,8 @@
 //! rotated already.
 
 use super::forward::{
-    Env, Regs, cos_sin, exp2_twice, lse_of_half, program, reciprocal, rotate_pair, special64,
+    Env, Regs, cos_sin, exp2_twice, lse_of_half, program, reciprocal, rescale_to, rotate_pair,
+    special64,
 };
 use super::ir::build::*;
 use super::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty};
@@ -321,7 +322,7 @@ pub fn lower_simt(plan: &KernelPlan) -> Kernel {
     );
     let own_s = s_at(tid.clone(), reg(j));
     let m_new = bin(Bin::Max, reg(m), reg(mt));
-    let softmax = vec![
+    let mut softmax = vec![
         Stmt::Set(mt, f32(f32::NEG_INFINITY)),
         Stmt::For {
             reg: j,
@@ -337,17 +338,9 @@ pub fn lower_simt(plan: &KernelPlan) -> Kernel {
                 ),
             )],
         },
-        Stmt::Set(
-            m_use,
-            select(
-                bin(Bin::Eq, m_new.clone(), f32(f32::NEG_INFINITY)),
-                f32(0.0),
-                m_new.clone(),
-            ),
-        ),
-        Stmt::Set(alpha, exp2_twice(sub(reg(m), reg(m_use)))),
-        Stmt::Set(m, m_new),
-        Stmt::Set(l, mul(reg(l), reg(alpha))),
+    ];
+    softmax.extend(rescale_to(m_new, [m, l, m_use, alpha]));
+    softmax.extend([
         Stmt::For {
             reg: j,
             start: i64(0),
@@ -363,7 +356,7 @@ pub fn lower_simt(plan: &KernelPlan) -> Kernel {
             ],
         },
         Stmt::Store(Space::Shared, at(i64(sh.alpha), tid.clone(), 4), reg(alpha)),
-    ];
+    ]);
     run.push(Stmt::If(
         bin(Bin::Lt, tid.clone(), reg(rows)),
         softmax,

@@ -8,7 +8,7 @@
 //! is row `g + 8 (i / 2)`, column `2 q + i % 2` of its 8-column block.
 
 use super::decode::{Segment, Task, stage_q};
-use super::forward::{Env, Regs, exp2_twice, program, special64};
+use super::forward::{Env, Regs, exp2_twice, program, rescale_to, special64};
 use super::ir::build::*;
 use super::ir::{Bin, Expr, Half, Reg, Space, Special, Stmt, Ty};
 use crate::plan::{KernelPlan, TileCode};
@@ -447,20 +447,10 @@ impl RowState {
                     ),
                 ));
             }
-            let m_new = bin(Bin::Max, reg(m), reg(mt));
-            run.extend([
-                Stmt::Set(
-                    m_use,
-                    select(
-                        bin(Bin::Eq, m_new.clone(), f32(f32::NEG_INFINITY)),
-                        f32(0.0),
-                        m_new.clone(),
-                    ),
-                ),
-                Stmt::Set(alpha, exp2_twice(sub(reg(m), reg(m_use)))),
-                Stmt::Set(m, m_new),
-                Stmt::Set(l, mul(reg(l), reg(alpha))),
-            ]);
+            run.extend(rescale_to(
+                bin(Bin::Max, reg(m), reg(mt)),
+                [m, l, m_use, alpha],
+            ));
             for frag in &self.o {
                 for x in [frag[2 * h], frag[2 * h + 1]] {
                     run.push(Stmt::Set(x, mul(reg(x), reg(alpha))));

@@ -497,6 +497,25 @@ pub(super) fn exp2_twice(x: Expr) -> Expr {
     un(Un::Ex2Ftz, mul(x, f32(2.0)))
 }
 
+/// The online softmax's move to the running max `m_new` (half base-2 units): `m_use` (0 while
+/// the max is still -inf, so that no NaN appears), the rescale factor
+/// `alpha = 2^(2 (m - m_use))`, the new max, and the sum rescaled.
+pub(super) fn rescale_to(m_new: Expr, [m, l, m_use, alpha]: [Reg; 4]) -> [Stmt; 4] {
+    [
+        Stmt::Set(
+            m_use,
+            select(
+                bin(Bin::Eq, m_new.clone(), f32(f32::NEG_INFINITY)),
+                f32(0.0),
+                m_new.clone(),
+            ),
+        ),
+        Stmt::Set(alpha, exp2_twice(sub(reg(m), reg(m_use)))),
+        Stmt::Set(m, m_new),
+        Stmt::Set(l, mul(reg(l), reg(alpha))),
+    ]
+}
+
 /// The natural log-sum-exp of a row whose running max `m` is in half base-2 units and whose sum
 /// is `l`: `(m + log2(l) / 2) * 2 ln 2`, which stays finite for every finite score.
 pub(super) fn lse_of_half(m: Expr, l: Expr) -> Expr {
