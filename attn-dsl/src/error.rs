@@ -173,4 +173,7 @@ pub enum ReferenceError {
     /// The spec needs a different entry point (MLA vs. per-head KV).
     #[error("{0}")]
     WrongEntryPoint(&'static str),
+    /// The backward pass cannot be built for the spec (see [`crate::modifier::grad`]).
+    #[error("{0}")]
+    Gradient(String),
 }

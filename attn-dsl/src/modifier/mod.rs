@@ -11,6 +11,8 @@
 //! - `lower`: syn closure AST to typed IR, with spans on every error;
 //! - [`typecheck`]: the types of an IR tree built in code;
 //! - [`fold`]: constant folding and algebraic simplification;
+//! - [`grad`]: the derivative of a score program with respect to the raw score (the backward
+//!   pass's `d score_mod / d score`);
 //! - [`interval`]: interval analysis, classifying a tile of (query, key) positions as all kept,
 //!   all masked, or mixed, soundly.
 //!
@@ -19,6 +21,7 @@
 
 mod eval;
 pub mod fold;
+pub mod grad;
 pub mod interval;
 mod lower;
 mod print;

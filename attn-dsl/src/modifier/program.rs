@@ -79,6 +79,15 @@ impl ScoreProgram {
         }
     }
 
+    /// `d score / d raw score` (the raw `<q, k>` after RoPE), folded: the chain of scale,
+    /// softcap, ALiBi and the custom score modifier the backward pass multiplies by. The mask has
+    /// no derivative: masked pairs carry no gradient.
+    pub fn score_gradient(&self) -> Result<super::grad::Gradient, super::grad::GradError> {
+        let mut gradient = super::grad::derivative(&self.score)?;
+        gradient.expr = super::fold::fold(&gradient.expr);
+        Ok(gradient)
+    }
+
     /// Checks that the score is f32 and the mask bool.
     pub fn typecheck(&self) -> Result<(), TypeError> {
         let expect = |e: &Expr, want: Ty, what: &str| -> Result<(), TypeError> {

@@ -7,10 +7,12 @@
 
 pub mod alibi;
 mod array;
+mod backward;
 mod mla;
 pub mod rope;
 
 pub use array::Array;
+pub use backward::{Gradients, backward};
 pub use mla::{MlaAbsorbed, MlaInputs, mla_absorbed, mla_expanded};
 
 use crate::error::ReferenceError;
@@ -62,6 +64,16 @@ pub fn check_positions(sq: usize, skv: usize, p0: i64) -> Result<(), ReferenceEr
 
 /// Computes attention for a per-head spec.
 pub fn attention(spec: &AttentionSpec, inputs: &Inputs) -> Result<Output, ReferenceError> {
+    let (q, k, positions) = attention_inputs(spec, inputs)?;
+    Ok(attend(spec, &q, &k, inputs.v, &positions))
+}
+
+/// Checks a per-head call's spec, shapes and positions; returns q and k after RoPE and the
+/// call's positions.
+fn attention_inputs(
+    spec: &AttentionSpec,
+    inputs: &Inputs,
+) -> Result<(Array, Array, Positions), ReferenceError> {
     check_spec(spec)?;
     if spec.mla().is_some() {
         return Err(ReferenceError::WrongEntryPoint(
@@ -80,14 +92,14 @@ pub fn attention(spec: &AttentionSpec, inputs: &Inputs) -> Result<Output, Refere
     expect("v", inputs.v, &[b, hkv, skv, dv])?;
     check_positions(sq, skv, inputs.position_offset)?;
     let positions = Positions::new(sq, skv, inputs.position_offset);
-    let (q, k) = match &spec.position {
+    Ok(match &spec.position {
         Position::Rope(r) => (
             rope::apply(r, inputs.q, &positions.queries(), positions.total_len()),
             rope::apply(r, inputs.k, &positions.keys(), positions.total_len()),
+            positions,
         ),
-        _ => (inputs.q.clone(), inputs.k.clone()),
-    };
-    Ok(attend(spec, &q, &k, inputs.v, &positions))
+        _ => (inputs.q.clone(), inputs.k.clone(), positions),
+    })
 }
 
 fn check_spec(spec: &AttentionSpec) -> Result<(), ReferenceError> {
