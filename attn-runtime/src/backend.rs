@@ -21,6 +21,37 @@ pub struct Output {
     pub lse: Tensor,
 }
 
+/// The inputs of a backward call: the forward's inputs and outputs, and the gradient of the
+/// loss with respect to the output.
+#[derive(Clone, Copy, Debug)]
+pub struct BackwardInputs<'a> {
+    /// `[B, heads, Sq, head_dim]`, before RoPE.
+    pub q: &'a Tensor,
+    /// `[B, kv_heads, Skv, head_dim]`, before RoPE.
+    pub k: &'a Tensor,
+    /// `[B, kv_heads, Skv, v_head_dim]`.
+    pub v: &'a Tensor,
+    /// The forward's output, `[B, heads, Sq, v_head_dim]`.
+    pub out: &'a Tensor,
+    /// The forward's log-sum-exp, `[B, heads, Sq]`.
+    pub lse: &'a Tensor,
+    /// `dL/dout`, `[B, heads, Sq, v_head_dim]`.
+    pub dout: &'a Tensor,
+    /// Position of key 0, as in the forward call.
+    pub position_offset: i64,
+}
+
+/// Gradients of attention with respect to its inputs, in the spec's dtype.
+#[derive(Clone, Debug)]
+pub struct Gradients {
+    /// `dL/dq`, `[B, heads, Sq, head_dim]` (for q before RoPE).
+    pub dq: Tensor,
+    /// `dL/dk`, `[B, kv_heads, Skv, head_dim]` (for k before RoPE; summed over each group).
+    pub dk: Tensor,
+    /// `dL/dv`, `[B, kv_heads, Skv, v_head_dim]` (summed over each group).
+    pub dv: Tensor,
+}
+
 /// Options of a cached call.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct DecodeOptions {
@@ -111,6 +142,16 @@ pub trait Backend: Send + Sync {
         options: DecodeOptions,
     ) -> Result<Output, RuntimeError>;
 
+    /// Gradients of attention for a per-head variant (see [`CpuBackend::backward`]). Backends
+    /// without a backward kernel say so.
+    fn backward(&self, variant: &Variant, x: &BackwardInputs) -> Result<Gradients, RuntimeError> {
+        let _ = (variant, x);
+        Err(RuntimeError::Spec(format!(
+            "the backward pass is not implemented on the {} backend yet; allowed: --backend cpu",
+            self.name()
+        )))
+    }
+
     /// Where a model's norms, activations, residual adds, embedding lookups and greedy choice
     /// run on this backend (the CPU unless a backend says otherwise).
     fn layers(&self) -> &dyn LayerOps {
@@ -121,6 +162,10 @@ pub trait Backend: Send + Sync {
 impl Backend for CpuBackend {
     fn name(&self) -> &'static str {
         "cpu"
+    }
+
+    fn backward(&self, variant: &Variant, x: &BackwardInputs) -> Result<Gradients, RuntimeError> {
+        self.backward_in(variant, x)
     }
 
     fn forward(

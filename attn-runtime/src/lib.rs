@@ -35,7 +35,9 @@ mod tensor;
 mod variant;
 
 pub use attention::Attention;
-pub use backend::{Backend, DecodeOptions, MlaQueries, MlaTensors, Output};
+pub use backend::{
+    Backend, BackwardInputs, DecodeOptions, Gradients, MlaQueries, MlaTensors, Output,
+};
 pub use codegen;
 pub use error::RuntimeError;
 pub use tensor::{Storage, Tensor};

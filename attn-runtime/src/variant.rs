@@ -4,6 +4,7 @@
 use crate::cache::CacheLayout;
 use crate::error::RuntimeError;
 use attn_dsl::AttentionSpec;
+use attn_dsl::modifier::grad::GradError;
 use codegen::KernelPlan;
 use codegen::plan::PlanKind;
 use std::any::Any;
@@ -11,7 +12,8 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, OnceLock};
 
-/// An attention variant ready to run: its spec (validated), its forward and decode plans, the
+/// An attention variant ready to run: its spec (validated), its forward, decode and backward
+/// plans, the
 /// layout of its KV caches, and the kernels backends have built for it.
 ///
 /// Build one with [`Variant::new`] (or [`Variant::shared`], which returns the process's one
@@ -23,6 +25,8 @@ pub struct Variant {
     text: String,
     forward: KernelPlan,
     decode: KernelPlan,
+    /// The backward plan, or why there is none (a score derivative too large to build).
+    backward: Result<KernelPlan, GradError>,
     cache_layout: CacheLayout,
     kernels: Mutex<HashMap<KernelKey, Arc<dyn Any + Send + Sync>>>,
 }
@@ -44,6 +48,7 @@ impl Variant {
             text: spec.to_string(),
             forward: KernelPlan::forward(&spec),
             decode: KernelPlan::decode(&spec),
+            backward: KernelPlan::backward(&spec),
             cache_layout,
             spec,
             kernels: Mutex::new(HashMap::new()),
@@ -92,11 +97,19 @@ impl Variant {
         &self.decode
     }
 
+    /// The plan of the backward kernel (gradients by recomputation), or why the spec has none.
+    pub fn backward_plan(&self) -> Result<&KernelPlan, RuntimeError> {
+        self.backward
+            .as_ref()
+            .map_err(|e| RuntimeError::Spec(format!("no backward pass for `{}`: {e}", self.text)))
+    }
+
     /// The plan of a kind.
-    pub fn plan(&self, kind: PlanKind) -> &KernelPlan {
+    pub fn plan(&self, kind: PlanKind) -> Result<&KernelPlan, RuntimeError> {
         match kind {
-            PlanKind::Forward => &self.forward,
-            PlanKind::Decode => &self.decode,
+            PlanKind::Forward => Ok(&self.forward),
+            PlanKind::Decode => Ok(&self.decode),
+            PlanKind::Backward => self.backward_plan(),
         }
     }
 

@@ -9,6 +9,7 @@
 //!    the fused RoPE prologue, the tile-masking strategy and the online-softmax epilogue.
 
 use attn_dsl::modifier::fold::fold;
+use attn_dsl::modifier::grad::{GradError, derivative};
 use attn_dsl::modifier::interval::{Interval, TileBounds, TileClass, classify};
 use attn_dsl::modifier::scale::scale;
 use attn_dsl::modifier::{BinOp, Expr, ScoreProgram, Var};
@@ -26,6 +27,10 @@ pub enum PlanKind {
     /// queries each) against key segments read in place (cache pages, no gather), keys stored
     /// rotated; out and lse per partition of the keys, merged by their lse (split-KV).
     Decode,
+    /// Training backward (FlashAttention-2 recomputation): for each key tile of a kv head, every
+    /// query block of its group recomputes the probabilities from the saved lse, then
+    /// `dS = P (dP - D) * d score / d raw`; dq, dk, dv accumulate from tile products.
+    Backward,
 }
 
 /// The head geometry as the kernel sees it.
@@ -154,6 +159,11 @@ pub struct KernelPlan {
     pub q_scale: f64,
     /// Tile skipping and unmasking.
     pub masking: TileMasking,
+    /// Backward plans: `d score / d raw score` in natural units, as a program over the raw
+    /// score the kernel sees (q already scaled by `q_scale`): [`ScoreProgram::score_gradient`]
+    /// of `program.score`, times `2 ln 2` (the program is in half base-2 units). `None` for
+    /// forward and decode plans.
+    pub score_grad: Option<Expr>,
     /// Output.
     pub epilogue: Epilogue,
 }
@@ -211,6 +221,7 @@ impl KernelPlan {
             program,
             q_scale,
             masking,
+            score_grad: None,
             epilogue: Epilogue {
                 out_dtype: spec.dtype,
             },
@@ -229,6 +240,25 @@ impl KernelPlan {
             },
             ..KernelPlan::forward(spec)
         }
+    }
+
+    /// Plans the backward kernel of a spec: the forward plan's program, masking and RoPE, query
+    /// blocks of [`BACKWARD_ROWS`] rows (a block's probabilities, transposed, are rows of one key
+    /// tile's width), and the derivative of the score program. The spec must be valid; the error
+    /// says when the derivative is too large to build.
+    pub fn backward(spec: &AttentionSpec) -> Result<KernelPlan, GradError> {
+        let forward = KernelPlan::forward(spec);
+        let gradient = derivative(&forward.program.score)?;
+        let natural = fold(&scale(&gradient.expr, 2.0 * std::f64::consts::LN_2));
+        Ok(KernelPlan {
+            kind: PlanKind::Backward,
+            tiles: Tiles {
+                q_rows: BACKWARD_ROWS,
+                k_cols: K_TILE,
+            },
+            score_grad: Some(natural),
+            ..forward
+        })
     }
 
     /// How the tile of query rows `rows` and keys `keys` (inclusive index ranges) of a call with
@@ -441,6 +471,10 @@ pub const K_TILE: u32 = 64;
 /// Rows the forward kernels narrow a mixed tile's row range by ([`KernelPlan::live_rows`]).
 pub const ROW_GROUP: u32 = 8;
 
+/// Query rows per block of the backward kernel: at most [`K_TILE`], so a block's
+/// probabilities transposed are rows of one key tile's width.
+pub const BACKWARD_ROWS: u32 = 64;
+
 /// Rows (query heads of one kv head x queries) of a decode block.
 pub const DECODE_ROWS: u32 = 64;
 
@@ -552,6 +586,19 @@ impl fmt::Display for KernelPlan {
             self.program.score
         )?;
         writeln!(f, "  mask      {}", self.program.mask)?;
+        if let Some(grad) = &self.score_grad {
+            writeln!(
+                f,
+                "  backward  per key tile of a kv head, per query block of its group: recompute \
+                 p = 2^(2 (s - lse)) from the saved lse; dP = dO V^T; dS = p (dP - D) x d \
+                 score / d raw, D = rowsum(dO out); dV += p^T dO, dK += dS^T q, dQ += dS K; \
+                 dQ, dK rotated back (RoPE)"
+            )?;
+            writeln!(
+                f,
+                "  d score   {grad}  (natural units per unit of raw score)"
+            )?;
+        }
         match &self.masking {
             TileMasking::Unmasked => writeln!(f, "  tiling    every tile unmasked")?,
             TileMasking::Classified { reads } => {

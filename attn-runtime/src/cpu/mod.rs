@@ -1,15 +1,16 @@
 //! The CPU backend: compiles plans with codegen's Cranelift backend (once per spec per process)
 //! and runs them over rayon's thread pool.
 
+mod backward;
 pub mod bandwidth;
 mod decode;
 mod launch;
 pub mod microkernels;
 pub mod row_kernels;
 
-use crate::backend::{MlaTensors, Output};
+use crate::backend::{BackwardInputs, Gradients, MlaTensors, Output};
 use crate::error::RuntimeError;
-use crate::host::checks::{check_qkv, finish};
+use crate::host::checks::{check_backward, check_qkv, finish};
 use crate::host::mla::AbsorbedForward;
 use crate::tensor::Tensor;
 use crate::variant::{KernelKey, Variant};
@@ -92,7 +93,7 @@ impl CpuBackend {
                 pv_rows,
                 logf: microkernels::logf as *const () as usize,
             };
-            Ok(compile(variant.plan(kind), &imports)?)
+            Ok(compile(variant.plan(kind)?, &imports)?)
         })
     }
 
@@ -139,6 +140,50 @@ impl CpuBackend {
     }
 }
 impl CpuBackend {
+    /// Gradients of attention for a per-head spec (FlashAttention-2 recomputation): given the
+    /// forward's inputs, its `out` and `lse` (as [`CpuBackend::forward`] returned them) and
+    /// `dout = dL/dout`, returns `dL/dq`, `dL/dk` and `dL/dv` in the spec's dtype (f32
+    /// accumulation). dq and dk are with respect to the unrotated q and k.
+    pub fn backward(
+        &self,
+        spec: &AttentionSpec,
+        x: &BackwardInputs,
+    ) -> Result<Gradients, RuntimeError> {
+        self.backward_in(&*Variant::shared(spec)?, x)
+    }
+
+    /// [`CpuBackend::backward`] for a variant.
+    pub(crate) fn backward_in(
+        &self,
+        variant: &Variant,
+        x: &BackwardInputs,
+    ) -> Result<Gradients, RuntimeError> {
+        let spec = variant.spec();
+        let [b, sq, skv] = check_backward(spec, x)?;
+        let kernel = self.kernel_for(variant, PlanKind::Backward)?;
+        let (q, k, v) = (x.q.to_f32_vec(), x.k.to_f32_vec(), x.v.to_f32_vec());
+        let (out, lse, dout) = (x.out.to_f32_vec(), x.lse.to_f32_vec(), x.dout.to_f32_vec());
+        let problem = backward::Problem {
+            q: &q,
+            k: &k,
+            v: &v,
+            out: &out,
+            lse: &lse,
+            dout: &dout,
+            batch: b,
+            sq,
+            skv,
+            position_offset: x.position_offset,
+        };
+        let (dq, dk, dv) = backward::run(&kernel, self.isa, &problem)?;
+        let dtype = spec.dtype;
+        Ok(Gradients {
+            dq: Tensor::from_f32_as(dtype, x.q.shape(), dq)?,
+            dk: Tensor::from_f32_as(dtype, x.k.shape(), dk)?,
+            dv: Tensor::from_f32_as(dtype, x.v.shape(), dv)?,
+        })
+    }
+
     /// MLA attention in the absorbed form: `q_latent = W_uk^T q_nope` per head, the kernel over
     /// one shared head `[c_kv | k_pe]` with values `c_kv`, then `out = W_uv out_latent`.
     pub fn forward_mla(

@@ -1,6 +1,6 @@
 //! Checks of a call's tensors against its spec, and the outputs in the spec's dtype.
 
-use crate::backend::Output;
+use crate::backend::{BackwardInputs, Output};
 use crate::cache::KvCache;
 use crate::error::RuntimeError;
 use crate::tensor::Tensor;
@@ -37,6 +37,30 @@ pub(crate) fn check_qkv(
     for (name, t) in [("q", q), ("k", k), ("v", v)] {
         check_dtype(name, t, spec.dtype)?;
     }
+    Ok([b, sq, skv])
+}
+
+/// Checks the inputs of a backward call: q, k, v as [`check_qkv`]; `out` and `dout` `[B, heads,
+/// Sq, v_head_dim]` in the spec's dtype; `lse` `[B, heads, Sq]` (any dtype). Refuses MLA specs,
+/// whose backward is not built yet. Returns B, Sq, Skv.
+pub(crate) fn check_backward(
+    spec: &AttentionSpec,
+    x: &BackwardInputs,
+) -> Result<[usize; 3], RuntimeError> {
+    if spec.mla().is_some() {
+        return Err(RuntimeError::Spec(
+            "the backward pass of MLA specs is not implemented yet; allowed: per-head specs \
+             (MHA, GQA, MQA)"
+                .into(),
+        ));
+    }
+    let [b, sq, skv] = check_qkv(spec, x.q, x.k, x.v)?;
+    let (h, dv) = (spec.heads as usize, spec.v_head_dim as usize);
+    for (name, t) in [("out", x.out), ("dout", x.dout)] {
+        expect(name, t, &[b, h, sq, dv], "[B, heads, Sq, v_head_dim]")?;
+        check_dtype(name, t, spec.dtype)?;
+    }
+    expect("lse", x.lse, &[b, h, sq], "[B, heads, Sq]")?;
     Ok([b, sq, skv])
 }
 

@@ -226,3 +226,64 @@ pub struct Imports {
     /// modifiers).
     pub logf: usize,
 }
+
+/// Arguments of the generated `rotate_rows` function of a backward kernel: `rows` rows of
+/// `qk_dim` values in place, row `r` rotated by RoPE at position `pos0 + r` (when the plan has
+/// RoPE) and then multiplied by `factor`. With tables whose sines are negated, it applies the
+/// transposed rotation: the backward pass rotates dq and dk back with it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct RotateArgs {
+    /// Row 0.
+    pub x: *mut f32,
+    /// Elements between rows.
+    pub row_stride: i64,
+    /// Number of rows.
+    pub rows: i64,
+    /// Position of row 0.
+    pub pos0: i64,
+    /// Factor every value is multiplied by after the rotation.
+    pub factor: f32,
+    /// RoPE tables, as in [`PackArgs`]; unused without RoPE.
+    pub rope_cos: *const f32,
+    /// See `rope_cos`.
+    pub rope_sin: *const f32,
+    /// See [`PackArgs::table_pos0`].
+    pub table_pos0: i64,
+}
+
+/// Arguments of the generated `grad_tile` function of a backward kernel: one block of query
+/// rows of one (batch, head) against one key tile, in place. On entry `s` holds the raw scores
+/// (`q_scale q . k` after RoPE) and `dp` holds `dO . v`; on return `s` holds the probabilities
+/// `P = exp(score - lse)` and `dp` holds `dS = P (dP - D) * d score / d raw` (both 0 for
+/// masked pairs, for keys past the tile's end, and for rows whose lse is `-inf`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct GradTileArgs {
+    /// Scores in, probabilities out: rows of [`K_TILE`] values.
+    pub s: *mut f32,
+    /// `dP` in, `dS` out: rows of [`K_TILE`] values.
+    pub dp: *mut f32,
+    /// Rows of the block.
+    pub rows: i64,
+    /// Natural-log log-sum-exp of each row, from the forward.
+    pub lse: *const f32,
+    /// `D` of each row: `sum_d dO * out`.
+    pub delta: *const f32,
+    /// Absolute position of row 0.
+    pub q_pos0: i64,
+    /// Index of row 0 in the call.
+    pub qi0: i64,
+    /// Batch index.
+    pub batch: i64,
+    /// Query head.
+    pub head: i64,
+    /// Index of the tile's first key in the call.
+    pub first_key: i64,
+    /// Absolute position of the tile's first key.
+    pub k_pos0: i64,
+    /// Keys in the tile, 1 to [`K_TILE`].
+    pub cols: i64,
+    /// The tile's [`TileCode`] for these rows (not `Skip`).
+    pub code: i64,
+}

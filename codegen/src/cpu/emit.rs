@@ -14,7 +14,6 @@ use attn_dsl::RopeLayout;
 use cranelift_codegen::ir::condcodes::IntCC;
 use cranelift_codegen::ir::types::{F32, F32X4, I32, I64};
 use cranelift_codegen::ir::{FuncRef, InstBuilder, Value};
-use std::mem::offset_of;
 
 /// The imported functions, as referenced from one generated function.
 pub(super) struct Refs {
@@ -27,9 +26,10 @@ pub(super) struct Refs {
 
 macro_rules! field {
     ($fx:expr, $args:expr, $ty:expr, $record:ident . $field:ident) => {
-        $fx.load($ty, $args, offset_of!($record, $field) as i32)
+        $fx.load($ty, $args, std::mem::offset_of!($record, $field) as i32)
     };
 }
+pub(super) use field;
 
 /// Whether the score program leaves the (q-scaled) score as it is: the score microkernel's row
 /// maximum is then the tile's.

@@ -13,11 +13,16 @@
 //! the keys): the same steps over key segments read in place in the cache's dtype (`qk_rows`,
 //! `pv_rows`), every query head of the kv head sharing each key read.
 //!
+//! A backward kernel is two functions: `rotate_rows` (RoPE and a factor on rows in place) and
+//! `grad_tile` (one query block against one key tile: probabilities recomputed from the saved
+//! lse, and `dS`); the runtime drives the tile loop and the five tile products around them.
+//!
 //! The dense tile products are native SIMD microkernels the runtime provides ([`abi::Imports`]);
 //! everything that varies with the spec is generated. Sequence lengths and batch are runtime
 //! values: one compilation serves every shape.
 
 pub mod abi;
+mod backward;
 mod emit;
 mod fx;
 mod score;
@@ -64,6 +69,13 @@ pub enum Entry {
         /// Address of `decode`.
         decode: usize,
     },
+    /// `rotate_rows(args: *const RotateArgs)` and `grad_tile(args: *const GradTileArgs)`.
+    Backward {
+        /// Address of `rotate_rows`.
+        rotate_rows: usize,
+        /// Address of `grad_tile`.
+        grad_tile: usize,
+    },
 }
 
 /// Compiles a plan for the host CPU.
@@ -98,7 +110,8 @@ pub fn compile(plan: &KernelPlan, imports: &Imports) -> Result<CpuKernel, Codege
         s
     };
     let err = |e: cranelift_module::ModuleError| CodegenError::Cranelift(e.to_string());
-    let forward = plan.kind == PlanKind::Forward;
+    // Backward kernels call no tile product themselves; they declare the forward's.
+    let forward = plan.kind != PlanKind::Decode;
     let (qk_name, pv_name) = if forward {
         ("attn_qk_tile", "attn_pv_tile")
     } else {
@@ -116,10 +129,10 @@ pub fn compile(plan: &KernelPlan, imports: &Imports) -> Result<CpuKernel, Codege
         .map_err(err)?;
 
     let entry_sig = sig(&[I64], &[]);
-    let names: &[&str] = if forward {
-        &["pack_k", "block"]
-    } else {
-        &["decode"]
+    let names: &[&str] = match plan.kind {
+        PlanKind::Forward => &["pack_k", "block"],
+        PlanKind::Decode => &["decode"],
+        PlanKind::Backward => &["rotate_rows", "grad_tile"],
     };
     let mut ids = Vec::new();
     for name in names {
@@ -152,6 +165,8 @@ pub fn compile(plan: &KernelPlan, imports: &Imports) -> Result<CpuKernel, Codege
             match name {
                 "pack_k" => emit::pack_k(&mut fx, plan, args),
                 "block" => emit::block(&mut fx, plan, &refs, &mut tables, args),
+                "rotate_rows" => backward::rotate_rows(&mut fx, plan, args),
+                "grad_tile" => backward::grad_tile(&mut fx, plan, &refs, &mut tables, args),
                 _ => emit::decode(&mut fx, plan, &refs, &mut tables, args),
             }
             fx.b.finalize(module.target_config());
@@ -170,13 +185,16 @@ pub fn compile(plan: &KernelPlan, imports: &Imports) -> Result<CpuKernel, Codege
     }
     module.finalize_definitions().map_err(err)?;
     let address = |i: usize| module.get_finalized_function(ids[i]) as usize;
-    let entry = if forward {
-        Entry::Forward {
+    let entry = match plan.kind {
+        PlanKind::Forward => Entry::Forward {
             pack_k: address(0),
             block: address(1),
-        }
-    } else {
-        Entry::Decode { decode: address(0) }
+        },
+        PlanKind::Decode => Entry::Decode { decode: address(0) },
+        PlanKind::Backward => Entry::Backward {
+            rotate_rows: address(0),
+            grad_tile: address(1),
+        },
     };
     // The code and the constant tables it reads stay mapped for the life of the process.
     Box::leak(Box::new(module));

@@ -1,0 +1,348 @@
+//! Running a compiled CPU backward kernel (FlashAttention-2 recomputation).
+//!
+//! One task per (batch, kv head), in parallel: it owns the dk and dv rows of its kv head and the
+//! dq rows of its group's query heads, so no two tasks write the same gradient and nothing needs
+//! atomics. A task rotates and scales its queries and keys once (`rotate_rows`), packs K and V
+//! into tiles, and computes `D = rowsum(dO * out)`. Then, for each key tile (its dk and dv rows
+//! stay in cache) and each query block of each head of the group that the mask does not skip:
+//! `S = Q K^T` and `dP = dO V^T` (the `qk_tile` microkernel), `P` and `dS` (generated
+//! `grad_tile`), `dV += P^T dO`, `dK += dS^T Q` and `dQ += dS K` (the `pv_tile` microkernel on
+//! transposed or plain tiles). Last, dq is scaled and dq and dk are rotated back.
+
+use super::microkernels;
+use crate::error::RuntimeError;
+use crate::host::rope_table::RopeTables;
+use attn_dsl::modifier::interval::Interval;
+use codegen::cpu::abi::{GradTileArgs, RotateArgs};
+use codegen::cpu::{CpuKernel, Entry};
+use codegen::plan::{CallShape, K_TILE, KernelPlan, TileCode};
+use rayon::prelude::*;
+
+const K: usize = K_TILE as usize;
+
+/// The inputs of one backward call as contiguous f32 BHSD arrays, and its shape.
+pub(super) struct Problem<'a> {
+    pub q: &'a [f32],
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    pub out: &'a [f32],
+    pub lse: &'a [f32],
+    pub dout: &'a [f32],
+    pub batch: usize,
+    pub sq: usize,
+    pub skv: usize,
+    pub position_offset: i64,
+}
+
+/// Gradients as f32 BHSD arrays: dq, dk, dv.
+pub(super) type Grads = (Vec<f32>, Vec<f32>, Vec<f32>);
+
+type RotateFn = unsafe extern "C" fn(*const RotateArgs);
+type GradTileFn = unsafe extern "C" fn(*const GradTileArgs);
+type QkFn = unsafe extern "C" fn(*const f32, i64, i64, i64, *const f32, *mut f32, *mut f32);
+type PvFn = unsafe extern "C" fn(*const f32, i64, i64, *const f32, i64, *mut f32, i64);
+
+/// The functions a task calls.
+#[derive(Clone, Copy)]
+struct Kernels {
+    rotate: RotateFn,
+    grad_tile: GradTileFn,
+    qk: QkFn,
+    pv: PvFn,
+}
+
+/// RoPE tables for the call's positions, forward and transposed (sines negated).
+struct Tables {
+    forward: RopeTables,
+    transposed: RopeTables,
+}
+
+/// Runs the backward kernel.
+pub(super) fn run(
+    kernel: &CpuKernel,
+    isa: microkernels::Isa,
+    x: &Problem,
+) -> Result<Grads, RuntimeError> {
+    let plan = &kernel.plan;
+    let (hq, hkv) = (plan.shape.heads as usize, plan.shape.kv_heads as usize);
+    let (d, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
+    let (batch, sq, skv, p0) = (x.batch, x.sq, x.skv, x.position_offset);
+    attn_dsl::reference::check_positions(sq, skv, p0)
+        .map_err(|e| RuntimeError::Data(e.to_string()))?;
+    let (mut dq, mut dk, mut dvv) = (
+        vec![0f32; batch * hq * sq * d],
+        vec![0f32; batch * hkv * skv * d],
+        vec![0f32; batch * hkv * skv * dv],
+    );
+    if batch * hq * sq == 0 || skv == 0 {
+        return Ok((dq, dk, dvv));
+    }
+    let Entry::Backward {
+        rotate_rows,
+        grad_tile,
+    } = kernel.entry
+    else {
+        return Err(RuntimeError::Spec(
+            "internal: the backward call got a kernel of another kind".into(),
+        ));
+    };
+    let (qk, pv) = microkernels::addresses(isa);
+    // SAFETY: `rotate_rows` and `grad_tile` were compiled by codegen::cpu with the signature
+    // `extern "C" fn(*const Args)`, and `qk`, `pv` are the microkernels' C-ABI functions with the
+    // signatures above; all stay valid for the process.
+    let kernels = unsafe {
+        Kernels {
+            rotate: std::mem::transmute::<usize, RotateFn>(rotate_rows),
+            grad_tile: std::mem::transmute::<usize, GradTileFn>(grad_tile),
+            qk: std::mem::transmute::<usize, QkFn>(qk),
+            pv: std::mem::transmute::<usize, PvFn>(pv),
+        }
+    };
+    let first_pos = p0 + (skv as i64 - sq as i64).min(0);
+    let total_len = (skv as i64 + p0).max(0) as u64;
+    let tables = plan.rope.as_ref().map(|r| {
+        let forward = RopeTables::new(r, first_pos, p0 + skv as i64, total_len);
+        let transposed = RopeTables {
+            cos: forward.cos.clone(),
+            sin: forward.sin.iter().map(|s| -s).collect(),
+            pos0: forward.pos0,
+        };
+        Tables {
+            forward,
+            transposed,
+        }
+    });
+    let group = hq / hkv;
+    dq.par_chunks_mut(group * sq * d)
+        .zip(dk.par_chunks_mut(skv * d))
+        .zip(dvv.par_chunks_mut(skv * dv))
+        .enumerate()
+        .for_each(|(task, ((dq, dk), dv_out))| {
+            let (b, kvh) = (task / hkv, task % hkv);
+            let t = Task {
+                plan,
+                kernels,
+                tables: tables.as_ref(),
+                x,
+                b,
+                kvh,
+            };
+            t.run(dq, dk, dv_out);
+        });
+    Ok((dq, dk, dvv))
+}
+
+/// One (batch, kv head) of a call.
+struct Task<'a> {
+    plan: &'a KernelPlan,
+    kernels: Kernels,
+    tables: Option<&'a Tables>,
+    x: &'a Problem<'a>,
+    b: usize,
+    kvh: usize,
+}
+
+impl Task<'_> {
+    /// Accumulates the task's gradients into `dq` (its group's query heads), `dk` and `dv`.
+    fn run(&self, dq: &mut [f32], dk: &mut [f32], dv_acc: &mut [f32]) {
+        let plan = self.plan;
+        let x = self.x;
+        let (hq, hkv) = (plan.shape.heads as usize, plan.shape.kv_heads as usize);
+        let (d, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
+        let (sq, skv, p0) = (x.sq, x.skv, x.position_offset);
+        let group = hq / hkv;
+        let h0 = self.kvh * group;
+        let q_pos0 = p0 + skv as i64 - sq as i64;
+
+        // This task's rows: the group's queries, outputs and output gradients; its keys and
+        // values.
+        let heads_rows = |a: &[f32], width: usize| {
+            let start = (self.b * hq + h0) * sq * width;
+            a[start..start + group * sq * width].to_vec()
+        };
+        let kv_start = |width: usize| (self.b * hkv + self.kvh) * skv * width;
+        let mut q = heads_rows(x.q, d);
+        let dout = heads_rows(x.dout, dv);
+        let out = heads_rows(x.out, dv);
+        let lse = {
+            let start = (self.b * hq + h0) * sq;
+            &x.lse[start..start + group * sq]
+        };
+        let delta: Vec<f32> = dout
+            .chunks_exact(dv)
+            .zip(out.chunks_exact(dv))
+            .map(|(g, o)| g.iter().zip(o).map(|(g, o)| g * o).sum())
+            .collect();
+        for h in 0..group {
+            let rows = &mut q[h * sq * d..(h + 1) * sq * d];
+            self.rotate(rows, q_pos0, plan.q_scale as f32, false);
+        }
+        let mut k = x.k[kv_start(d)..kv_start(d) + skv * d].to_vec();
+        self.rotate(&mut k, p0, 1.0, false);
+        let kt = pack(&k, d, skv);
+        let vt = pack(&x.v[kv_start(dv)..kv_start(dv) + skv * dv], dv, skv);
+
+        let mut s = vec![0f32; K * K];
+        let mut dp = vec![0f32; K * K];
+        let mut transposed = vec![0f32; K * K];
+        let mut row_max = vec![0f32; K];
+        let blocks = sq.div_ceil(K);
+        for tile in 0..skv.div_ceil(K) {
+            let first_key = tile * K;
+            let cols = (skv - first_key).min(K);
+            let keys = Interval::new(first_key as i64, (first_key + cols - 1) as i64);
+            for h in 0..group {
+                let head = h0 + h;
+                let call = CallShape {
+                    sq: sq as i64,
+                    skv: skv as i64,
+                    p0,
+                    batch: Interval::point(self.b as i64),
+                    head: Interval::point(head as i64),
+                };
+                for block in 0..blocks {
+                    let q0 = block * K;
+                    let rows = Interval::new(q0 as i64, ((q0 + K).min(sq) - 1) as i64);
+                    let code = plan.tile_code(rows, keys, call, cols == K);
+                    let live = match code {
+                        TileCode::Skip => continue,
+                        TileCode::Full => Some(rows),
+                        TileCode::Masked => plan.live_rows(rows, keys, call),
+                    };
+                    let Some(live) = live else { continue };
+                    let (r0, n) = (live.lo as usize, (live.hi - live.lo + 1) as usize);
+                    let row = h * sq + r0;
+                    // SAFETY: every pointer addresses the ranges the microkernel and
+                    // GradTileArgs contracts require: `n <= K` rows of q (`d` wide) and of dout
+                    // (`dv` wide) from row `row` of this task's arrays, one packed tile of K and
+                    // of V, `n * K` scores and dP values, `n` lse and D values, `cols` rows of
+                    // k, and `cols` / `n` rows of the dk, dv and dq accumulators.
+                    unsafe {
+                        (self.kernels.qk)(
+                            q.as_ptr().add(row * d),
+                            d as i64,
+                            n as i64,
+                            d as i64,
+                            kt.as_ptr().add(tile * d * K),
+                            s.as_mut_ptr(),
+                            row_max.as_mut_ptr(),
+                        );
+                        (self.kernels.qk)(
+                            dout.as_ptr().add(row * dv),
+                            dv as i64,
+                            n as i64,
+                            dv as i64,
+                            vt.as_ptr().add(tile * dv * K),
+                            dp.as_mut_ptr(),
+                            row_max.as_mut_ptr(),
+                        );
+                        let args = GradTileArgs {
+                            s: s.as_mut_ptr(),
+                            dp: dp.as_mut_ptr(),
+                            rows: n as i64,
+                            lse: lse.as_ptr().add(row),
+                            delta: delta.as_ptr().add(row),
+                            q_pos0: q_pos0 + r0 as i64,
+                            qi0: r0 as i64,
+                            batch: self.b as i64,
+                            head: head as i64,
+                            first_key: first_key as i64,
+                            k_pos0: p0 + first_key as i64,
+                            cols: cols as i64,
+                            code: code as i64,
+                        };
+                        (self.kernels.grad_tile)(&args);
+                        transpose(&s, n, cols, &mut transposed);
+                        (self.kernels.pv)(
+                            transposed.as_ptr(),
+                            cols as i64,
+                            n as i64,
+                            dout.as_ptr().add(row * dv),
+                            dv as i64,
+                            dv_acc.as_mut_ptr().add(first_key * dv),
+                            dv as i64,
+                        );
+                        transpose(&dp, n, cols, &mut transposed);
+                        (self.kernels.pv)(
+                            transposed.as_ptr(),
+                            cols as i64,
+                            n as i64,
+                            q.as_ptr().add(row * d),
+                            d as i64,
+                            dk.as_mut_ptr().add(first_key * d),
+                            d as i64,
+                        );
+                        (self.kernels.pv)(
+                            dp.as_ptr(),
+                            n as i64,
+                            cols as i64,
+                            k.as_ptr().add(first_key * d),
+                            d as i64,
+                            dq.as_mut_ptr().add(row * d),
+                            d as i64,
+                        );
+                    }
+                }
+            }
+        }
+        // The scores were of q scaled by `q_scale`: so is their gradient. RoPE's transpose
+        // brings dq and dk back to the unrotated inputs.
+        for h in 0..group {
+            let rows = &mut dq[h * sq * d..(h + 1) * sq * d];
+            self.rotate(rows, q_pos0, plan.q_scale as f32, true);
+        }
+        self.rotate(dk, p0, 1.0, true);
+    }
+
+    /// Rows of `qk_dim` values in place: rotated from position `pos0` on (transposed when
+    /// `back`), then multiplied by `factor`.
+    fn rotate(&self, rows: &mut [f32], pos0: i64, factor: f32, back: bool) {
+        let width = self.plan.shape.qk_dim as usize;
+        if rows.is_empty() || (self.tables.is_none() && factor == 1.0) {
+            return;
+        }
+        let (cos, sin, table_pos0) = match self.tables {
+            Some(t) => {
+                let t = if back { &t.transposed } else { &t.forward };
+                (t.cos.as_ptr(), t.sin.as_ptr(), t.pos0)
+            }
+            None => (std::ptr::null(), std::ptr::null(), 0),
+        };
+        let args = RotateArgs {
+            x: rows.as_mut_ptr(),
+            row_stride: width as i64,
+            rows: (rows.len() / width) as i64,
+            pos0,
+            factor,
+            rope_cos: cos,
+            rope_sin: sin,
+            table_pos0,
+        };
+        // SAFETY: `args` addresses `rows.len() / width` rows of `width` values, and tables that
+        // cover every position of the call (the rows are queries or keys of it).
+        unsafe { (self.kernels.rotate)(&args) };
+    }
+}
+
+/// Rows `[n][width]` packed as the score microkernel reads keys: tiles of `K` rows,
+/// `tile[dim][row]`, zero-padded.
+fn pack(rows: &[f32], width: usize, n: usize) -> Vec<f32> {
+    let mut packed = vec![0f32; n.div_ceil(K) * width * K];
+    for (j, row) in rows.chunks_exact(width).enumerate().take(n) {
+        let tile = &mut packed[(j / K) * width * K..][..width * K];
+        for (dim, x) in row.iter().enumerate() {
+            tile[dim * K + j % K] = *x;
+        }
+    }
+    packed
+}
+
+/// `to[c][r] = from[r][c]` for `r < rows`, `c < cols`; both have rows of `K` values.
+fn transpose(from: &[f32], rows: usize, cols: usize, to: &mut [f32]) {
+    for c in 0..cols {
+        let dst = &mut to[c * K..c * K + rows];
+        for (r, x) in dst.iter_mut().enumerate() {
+            *x = from[r * K + c];
+        }
+    }
+}

@@ -1,0 +1,250 @@
+//! The CPU backward kernel against `attn_dsl::reference::backward`: every variant, lengths that
+//! break tiling, Sq != Skv, GQA/MQA, head dims 16 to 256, the three dtypes, custom score and mask
+//! modifiers, fully masked rows, and every microkernel instruction set.
+
+mod common;
+
+use attn_dsl::reference::{self, Array, Inputs};
+use attn_dsl::{AttentionSpec, DType};
+use attn_runtime::cpu::CpuBackend;
+use attn_runtime::cpu::microkernels::Isa;
+use attn_runtime::{BackwardInputs, Tensor};
+use common::values;
+
+/// A tensor of `dtype`, and the exact values it holds as a reference array.
+fn input(dtype: DType, shape: &[usize], seed: u64) -> (Tensor, Array) {
+    let t = Tensor::from_f32_as(dtype, shape, values(shape.iter().product(), seed)).unwrap();
+    let exact = t.to_f32_vec().iter().map(|x| f64::from(*x)).collect();
+    (t, Array::from_vec(shape, exact).unwrap())
+}
+
+/// The largest error of `got` against `want`, after checking each element within
+/// `abs + rel * |want|` (NaN must match NaN).
+fn compare(what: &str, got: &Tensor, want: &Array, abs: f64, rel: f64) -> f64 {
+    assert_eq!(got.shape(), want.shape(), "{what}: shape");
+    let mut max: f64 = 0.0;
+    for (i, (g, w)) in got.to_f32_vec().iter().zip(want.data()).enumerate() {
+        let g = f64::from(*g);
+        if w.is_nan() {
+            assert!(g.is_nan(), "{what}[{i}]: got {g}, want NaN");
+            continue;
+        }
+        let err = (g - w).abs();
+        assert!(err <= abs + rel * w.abs(), "{what}[{i}]: got {g}, want {w}");
+        max = max.max(err);
+    }
+    max
+}
+
+/// Forward on the backend, then backward, against the reference's gradients for the same
+/// inputs; returns the largest error.
+fn check(backend: &CpuBackend, text: &str, batch: usize, sq: usize, skv: usize, p0: i64) -> f64 {
+    let spec: AttentionSpec = text.parse().unwrap_or_else(|e| panic!("{text}: {e}"));
+    let (h, hkv) = (spec.heads as usize, spec.kv_heads() as usize);
+    let (d, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
+    let (q, qa) = input(spec.dtype, &[batch, h, sq, d], 1);
+    let (k, ka) = input(spec.dtype, &[batch, hkv, skv, d], 2);
+    let (v, va) = input(spec.dtype, &[batch, hkv, skv, dv], 3);
+    let (dout, douta) = input(spec.dtype, &[batch, h, sq, dv], 4);
+    let forward = backend.forward(&spec, &q, &k, &v, p0).unwrap();
+    let got = backend
+        .backward(
+            &spec,
+            &BackwardInputs {
+                q: &q,
+                k: &k,
+                v: &v,
+                out: &forward.out,
+                lse: &forward.lse,
+                dout: &dout,
+                position_offset: p0,
+            },
+        )
+        .unwrap();
+    let inputs = Inputs {
+        q: &qa,
+        k: &ka,
+        v: &va,
+        position_offset: p0,
+    };
+    let want = reference::backward(&spec, &inputs, &douta).unwrap();
+    let (abs, rel) = match spec.dtype {
+        DType::F32 => (2e-5, 2e-4),
+        // The output the backward reads is rounded to 16 bits, and so are the gradients.
+        DType::Bf16 => (4e-2, 2e-2),
+        DType::F16 => (1e-2, 4e-3),
+    };
+    let what = format!(
+        "{text} [B {batch}, Sq {sq}, Skv {skv}, p0 {p0}, {:?}]",
+        backend.isa()
+    );
+    let mut max: f64 = 0.0;
+    for (name, g, w) in [
+        ("dq", &got.dq, &want.dq),
+        ("dk", &got.dk, &want.dk),
+        ("dv", &got.dv, &want.dv),
+    ] {
+        assert_eq!(g.dtype(), spec.dtype, "{what} {name}");
+        max = max.max(compare(&format!("{what} {name}"), g, w, abs, rel));
+    }
+    max
+}
+
+fn backends() -> Vec<CpuBackend> {
+    [Isa::Avx512, Isa::Avx2, Isa::Portable]
+        .into_iter()
+        .filter_map(CpuBackend::with_isa)
+        .collect()
+}
+
+#[test]
+fn plain_causal_and_windowed_over_lengths_that_break_tiles() {
+    for backend in backends() {
+        for (sq, skv) in [(1, 1), (7, 7), (63, 65), (65, 63), (129, 129), (5, 130)] {
+            check(&backend, "heads = 2, head_dim = 32", 1, sq, skv, 0);
+            check(
+                &backend,
+                "heads = 2, head_dim = 32, mask = causal",
+                2,
+                sq,
+                skv,
+                0,
+            );
+        }
+        check(
+            &backend,
+            "heads = 2, head_dim = 32, mask = sliding_window(40)",
+            1,
+            150,
+            150,
+            3,
+        );
+        check(
+            &backend,
+            "heads = 2, head_dim = 32, mask = causal(top_left)",
+            1,
+            70,
+            100,
+            0,
+        );
+    }
+}
+
+#[test]
+fn gqa_mqa_and_head_dims() {
+    let backend = CpuBackend::new();
+    check(
+        &backend,
+        "heads = 8, kv_heads = 2, head_dim = 64, mask = causal",
+        1,
+        70,
+        90,
+        0,
+    );
+    check(
+        &backend,
+        "heads = 4, kv_heads = 1, head_dim = 16, v_head_dim = 24",
+        2,
+        33,
+        65,
+        0,
+    );
+    for d in [16, 40, 96, 128, 256] {
+        check(
+            &backend,
+            &format!("heads = 2, kv_heads = 1, head_dim = {d}, mask = causal"),
+            1,
+            67,
+            67,
+            0,
+        );
+    }
+}
+
+#[test]
+fn positional_schemes_and_score_modifiers() {
+    let backend = CpuBackend::new();
+    for text in [
+        "heads = 4, kv_heads = 2, head_dim = 64, mask = causal, position = rope",
+        "heads = 2, head_dim = 96, position = rope(dim = 64, layout = interleaved, scaling = \
+         yarn(factor = 4.0, original_max_position = 64, mscale = 1.0, mscale_all_dim = 0.5))",
+        "heads = 2, head_dim = 64, mask = causal, position = rope(base = 500000.0, scaling = \
+         llama3(factor = 8.0, low_freq_factor = 1.0, high_freq_factor = 4.0, \
+         original_max_position = 64))",
+        "heads = 2, head_dim = 64, position = rope(scaling = dynamic(factor = 2.0, \
+         original_max_position = 32))",
+        "heads = 4, head_dim = 64, mask = causal, position = alibi",
+        "heads = 2, head_dim = 64, mask = causal, softcap = 2.0",
+        "heads = 2, head_dim = 64, score_mod = |s, b, h, q, k| (s * 0.5).tanh() * 4.0 - 0.01 * \
+         (q - k).abs() as f32 + (s * s + 1.0).sqrt() * 0.1",
+        "heads = 2, head_dim = 64, score_mod = |s, b, h, q, k| if h == 0 { s.max(-1.0) } else \
+         { s * 2.0 }, mask_mod = |b, h, q, k| (q + k) % 5 != 2",
+    ] {
+        check(&backend, text, 2, 70, 100, 9);
+    }
+}
+
+#[test]
+fn low_precision_inputs() {
+    let backend = CpuBackend::new();
+    for dtype in ["bf16", "f16"] {
+        check(
+            &backend,
+            &format!(
+                "heads = 4, kv_heads = 2, head_dim = 64, mask = causal, position = rope, dtype = {dtype}"
+            ),
+            1,
+            80,
+            80,
+            0,
+        );
+        check(
+            &backend,
+            &format!("heads = 2, head_dim = 128, softcap = 5.0, dtype = {dtype}"),
+            1,
+            33,
+            70,
+            0,
+        );
+    }
+}
+
+#[test]
+fn fully_masked_rows_give_zero_gradient_and_no_nan() {
+    let backend = CpuBackend::new();
+    // Queries at even positions keep no key; odd ones keep the keys below them.
+    let text = "heads = 2, head_dim = 32, mask_mod = |b, h, q, k| q % 2 == 1 && k < q";
+    check(&backend, text, 1, 20, 20, 0);
+}
+
+#[test]
+fn mla_and_bad_tensors_are_refused_with_clear_errors() {
+    let backend = CpuBackend::new();
+    let mla: AttentionSpec = "heads = 2, head_dim = 16, mla(latent_rank = 32, rope_dim = 16)"
+        .parse()
+        .unwrap();
+    let t = Tensor::from_f32(&[1, 2, 1, 16], vec![0.0; 32]).unwrap();
+    let lse = Tensor::from_f32(&[1, 2, 1], vec![0.0; 2]).unwrap();
+    let x = BackwardInputs {
+        q: &t,
+        k: &t,
+        v: &t,
+        out: &t,
+        lse: &lse,
+        dout: &t,
+        position_offset: 0,
+    };
+    let err = backend.backward(&mla, &x).unwrap_err().to_string();
+    assert!(
+        err.contains("MLA") && err.contains("not implemented"),
+        "{err}"
+    );
+
+    let spec: AttentionSpec = "heads = 2, head_dim = 16".parse().unwrap();
+    let bad_lse = Tensor::from_f32(&[1, 2, 2], vec![0.0; 4]).unwrap();
+    let err = backend
+        .backward(&spec, &BackwardInputs { lse: &bad_lse, ..x })
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("lse") && err.contains("[1, 2, 1]"), "{err}");
+}
