@@ -167,3 +167,56 @@ fn the_typed_api_decodes_against_a_paged_cache() {
         attn::codegen::plan::PlanKind::Decode
     );
 }
+
+#[test]
+fn the_typed_api_gives_gradients_equal_to_the_reference() {
+    use attn::dsl::reference::{Array, Inputs, backward};
+    use attn::runtime::Tensor;
+    let s = 11;
+    let values = |n: usize, k: usize| -> Vec<f32> {
+        (0..n).map(|i| ((i * k) % 17) as f32 / 17.0 - 0.5).collect()
+    };
+    let shapes = [[1, 8, s, 64], [1, 2, s, 64], [1, 2, s, 64], [1, 8, s, 64]];
+    let data: Vec<Vec<f32>> = shapes
+        .iter()
+        .zip([3, 5, 7, 11])
+        .map(|(shape, k)| values(shape.iter().product(), k))
+        .collect();
+    let t: Vec<Tensor> = shapes
+        .iter()
+        .zip(&data)
+        .map(|(shape, d)| Tensor::from_f32(shape, d.clone()).unwrap())
+        .collect();
+    let a: Vec<Array> = shapes
+        .iter()
+        .zip(&data)
+        .map(|(shape, d)| {
+            Array::from_vec(shape, d.iter().map(|x| f64::from(*x)).collect()).unwrap()
+        })
+        .collect();
+    let saved = Gqa::forward_with_lse(&t[0], &t[1], &t[2], 0).unwrap();
+    let got = Gqa::backward(&t[0], &t[1], &t[2], &saved.out, &saved.lse, &t[3]).unwrap();
+    let inputs = Inputs {
+        q: &a[0],
+        k: &a[1],
+        v: &a[2],
+        position_offset: 0,
+    };
+    let want = backward(Gqa::spec(), &inputs, &a[3]).unwrap();
+    for (g, w) in [
+        (&got.dq, &want.dq),
+        (&got.dk, &want.dk),
+        (&got.dv, &want.dv),
+    ] {
+        assert_eq!(g.shape(), w.shape());
+        for (x, y) in g.to_f32_vec().iter().zip(w.data()) {
+            assert!(
+                (f64::from(*x) - y).abs() <= 2e-5 + 2e-4 * y.abs(),
+                "{x} vs {y}"
+            );
+        }
+    }
+    // MLA variants refuse, by name.
+    let err = Latent::backward(&t[0], &t[1], &t[2], &saved.out, &saved.lse, &t[3]).unwrap_err();
+    assert!(err.to_string().contains("MLA"), "{err}");
+}

@@ -1,6 +1,6 @@
 //! The typed API of an attention variant declared with `#[attention(...)]`.
 
-use crate::backend::{DecodeOptions, MlaQueries, MlaTensors, Output};
+use crate::backend::{BackwardInputs, DecodeOptions, Gradients, MlaQueries, MlaTensors, Output};
 use crate::cache::{KvCache, PagedCache, SeqId};
 use crate::cpu::CpuBackend;
 use crate::variant::Variant;
@@ -53,6 +53,34 @@ pub trait Attention {
         position_offset: i64,
     ) -> Result<Output, RuntimeError> {
         CpuBackend::new().forward_in(Self::variant(), q, k, v, position_offset)
+    }
+
+    /// Gradients `(dq, dk, dv)` for `dout = dL/dout`, given the forward's inputs and what
+    /// [`Attention::forward_with_lse`] returned (`out` and `lse`, which is all the backward
+    /// saves: it recomputes the probabilities tile by tile), keys at positions `0..Skv` (CPU
+    /// backend). dq and dk are with respect to q and k before RoPE.
+    fn backward(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        lse: &Tensor,
+        dout: &Tensor,
+    ) -> Result<Gradients, RuntimeError> {
+        Self::backward_with(&BackwardInputs {
+            q,
+            k,
+            v,
+            out,
+            lse,
+            dout,
+            position_offset: 0,
+        })
+    }
+
+    /// [`Attention::backward`] with every input named, keys at `x.position_offset + j`.
+    fn backward_with(x: &BackwardInputs) -> Result<Gradients, RuntimeError> {
+        CpuBackend::new().backward_in(Self::variant(), x)
     }
 
     /// MLA output and log-sum-exp (CPU backend, absorbed form).

@@ -4,13 +4,14 @@
 use attn::AttentionSpec;
 use attn::dsl::Mask;
 use attn::dsl::accounting::forward_flops;
-use attn::runtime::MlaTensors;
 use attn::runtime::cpu::CpuBackend;
 use attn::runtime::memory::checked_product;
+use attn::runtime::{BackwardInputs, MlaTensors};
 use attn::runtime::{RuntimeError, Tensor};
 use std::time::Instant;
 
 /// What to time.
+#[derive(Clone, Copy)]
 pub struct Shape {
     pub batch: usize,
     pub seq: usize,
@@ -112,6 +113,87 @@ pub fn flops(spec: &AttentionSpec, shape: &Shape) -> f64 {
     dense * if causal { 0.5 } else { 1.0 }
 }
 
+/// Times a forward that saves what the backward needs (out and lse) plus the backward, on the
+/// CPU: median ms of the pair, GFLOP/s counted as 3.5 forwards (the backward's five tile
+/// products are 2.5 forwards, FlashAttention's convention), and the compile time of both kernels.
+pub fn bench_backward(
+    spec: &AttentionSpec,
+    shape: &Shape,
+    progress: bool,
+) -> Result<Timing, RuntimeError> {
+    if spec.mla().is_some() {
+        return Err(RuntimeError::Spec(
+            "the backward pass of MLA specs is not implemented yet; allowed: per-head specs \
+             (MHA, GQA, MQA)"
+                .into(),
+        ));
+    }
+    // Inputs, dout, out and the three gradients: about three times the forward's tensors.
+    let triple = Shape {
+        batch: shape.batch.saturating_mul(3),
+        ..*shape
+    };
+    ensure_fits(spec, &triple)?;
+    let backend = CpuBackend::new();
+    let variant = attn::runtime::Variant::new(spec.clone())?;
+    let started = Instant::now();
+    backend.kernel_for(&variant, attn::codegen::plan::PlanKind::Forward)?;
+    backend.kernel_for(&variant, attn::codegen::plan::PlanKind::Backward)?;
+    let compile_ms = started.elapsed().as_secs_f64() * 1e3;
+    let [q, k, v] = inputs(spec, shape)?;
+    let (b, h, sq, dv) = (
+        shape.batch,
+        spec.heads as usize,
+        shape.seq,
+        spec.v_head_dim as usize,
+    );
+    let dout = random(spec, &[b, h, sq, dv], 4)?;
+    let call = || -> Result<(), RuntimeError> {
+        let forward = backend.forward(spec, &q, &k, &v, 0)?;
+        let x = BackwardInputs {
+            q: &q,
+            k: &k,
+            v: &v,
+            out: &forward.out,
+            lse: &forward.lse,
+            dout: &dout,
+            position_offset: 0,
+        };
+        backend.backward(spec, &x).map(drop)
+    };
+    let mut t = time_calls(call, shape.reps, progress)?;
+    t.sort_by(f64::total_cmp);
+    let median_ms = t[t.len() / 2];
+    Ok(Timing {
+        median_ms,
+        gflops: 3.5 * flops(spec, shape) / (median_ms * 1e-3) / 1e9,
+        compile_ms,
+    })
+}
+
+/// Two warm-up calls, then `reps` timed ones (ms each), with progress on stderr.
+fn time_calls(
+    mut call: impl FnMut() -> Result<(), RuntimeError>,
+    reps: usize,
+    progress: bool,
+) -> Result<Vec<f64>, RuntimeError> {
+    call()?;
+    call()?;
+    let mut times = Vec::with_capacity(reps);
+    for i in 0..reps {
+        let start = Instant::now();
+        call()?;
+        times.push(start.elapsed().as_secs_f64() * 1e3);
+        if progress {
+            eprint!("\r  {}/{} runs, last {:.2} ms", i + 1, reps, times[i]);
+        }
+    }
+    if progress {
+        eprintln!();
+    }
+    Ok(times)
+}
+
 /// Compiles (timed), warms up twice, then times `reps` calls and takes the median.
 pub fn bench(spec: &AttentionSpec, shape: &Shape, progress: bool) -> Result<Timing, RuntimeError> {
     ensure_fits(spec, shape)?;
@@ -120,7 +202,7 @@ pub fn bench(spec: &AttentionSpec, shape: &Shape, progress: bool) -> Result<Timi
     let compile_ms = kernel.compile_time.as_secs_f64() * 1e3;
     let (b, h, sq, skv) = (shape.batch, spec.heads as usize, shape.seq, shape.kv_len);
     let (d, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
-    let mut call: Box<dyn FnMut() -> Result<(), RuntimeError>> = match spec.mla() {
+    let call: Box<dyn FnMut() -> Result<(), RuntimeError>> = match spec.mla() {
         Some(mla) => {
             let (r, dr) = (mla.latent_rank as usize, mla.rope_dim as usize);
             let q_nope = random(spec, &[b, h, sq, d], 1)?;
@@ -144,20 +226,7 @@ pub fn bench(spec: &AttentionSpec, shape: &Shape, progress: bool) -> Result<Timi
             Box::new(move || backend.forward(spec, &q, &k, &v, 0).map(drop))
         }
     };
-    call()?;
-    call()?;
-    let mut times = Vec::with_capacity(shape.reps);
-    for i in 0..shape.reps {
-        let start = Instant::now();
-        call()?;
-        times.push(start.elapsed().as_secs_f64() * 1e3);
-        if progress {
-            eprint!("\r  {}/{} runs, last {:.2} ms", i + 1, shape.reps, times[i]);
-        }
-    }
-    if progress {
-        eprintln!();
-    }
+    let times = time_calls(call, shape.reps, progress)?;
     Ok(timing(spec, shape, times, compile_ms))
 }
 

@@ -3,11 +3,12 @@
 use attn::AttentionSpec;
 use attn::codegen::KernelPlan;
 use attn::dsl::modifier::ScoreProgram;
-use attn::dsl::modifier::interval::TileClass;
+use attn::dsl::modifier::interval::{Interval, Range, TileBounds, TileClass, analyze};
+use attn::dsl::reference::MAX_POSITION;
 
 /// The report: spec, modifier IR as lowered and folded, kernel plan, and optionally the tile map
 /// of a call with `(sq, skv)` queries and keys.
-pub fn report(spec: &AttentionSpec, tiles_for: Option<(u64, u64)>) -> String {
+pub fn report(spec: &AttentionSpec, tiles_for: Option<(u64, u64)>, grad: bool) -> String {
     let program = ScoreProgram::of(spec);
     let plan = KernelPlan::forward(spec);
     let mut out = format!(
@@ -15,6 +16,9 @@ pub fn report(spec: &AttentionSpec, tiles_for: Option<(u64, u64)>) -> String {
          -- kernel plan --\n{plan}\n",
         program.folded()
     );
+    if grad {
+        out += &gradient_report(spec, &program);
+    }
     if let Some((sq, skv)) = tiles_for {
         let map = plan.tile_map(sq, skv, 0);
         out += &format!(
@@ -23,6 +27,41 @@ pub fn report(spec: &AttentionSpec, tiles_for: Option<(u64, u64)>) -> String {
             map.count(TileClass::AllMasked),
             map.count(TileClass::Mixed)
         );
+    }
+    out
+}
+
+/// The backward pass's view: `d score / d raw score` folded, its range by interval analysis
+/// over every score and position, the notes on where it is only piecewise, and the backward
+/// kernel plan.
+fn gradient_report(spec: &AttentionSpec, program: &ScoreProgram) -> String {
+    let gradient = match program.folded().score_gradient() {
+        Ok(g) => g,
+        Err(e) => return format!("\n-- d score / d raw score --\nnone: {e}\n"),
+    };
+    let everywhere = Interval::new(-MAX_POSITION, MAX_POSITION);
+    let bounds = TileBounds::for_tile(everywhere, everywhere, MAX_POSITION, MAX_POSITION, 0);
+    let range = match analyze(&gradient.expr, &bounds) {
+        Range::Float { lo, hi, nan } => {
+            format!("[{lo:?}, {hi:?}]{}", if nan { ", or NaN" } else { "" })
+        }
+        other => format!("{other:?}"),
+    };
+    let mut out = format!(
+        "\n-- d score / d raw score (folded) --\n{}\nrange over every score and position: {range}\n",
+        gradient.expr
+    );
+    for note in &gradient.notes {
+        out += &format!("note: {note}\n");
+    }
+    match KernelPlan::backward(spec) {
+        Ok(plan) if spec.mla().is_none() => {
+            out += &format!("\n-- backward kernel plan --\n{plan}\n")
+        }
+        Ok(_) => {
+            out += "\n-- backward kernel plan --\nnone: the backward pass of MLA specs is not implemented yet\n"
+        }
+        Err(e) => out += &format!("\n-- backward kernel plan --\nnone: {e}\n"),
     }
     out
 }

@@ -44,6 +44,10 @@ enum Command {
         /// Keys for the tile map (default: as many as queries; at most 16384).
         #[arg(long, value_name = "N", requires = "seq", value_parser = clap::value_parser!(u64).range(1..=16_384))]
         kv_len: Option<u64>,
+        /// Also print the derivative of the score program (what the backward pass multiplies
+        /// by), its range, notes where it is only piecewise, and the backward kernel plan.
+        #[arg(long)]
+        grad: bool,
     },
     /// Run attention on the CPU: read q, k, v (MLA: q_nope, q_pe, c_kv, k_pe, w_kv_b) from a
     /// safetensors file, write `out` and `lse` to another.
@@ -66,6 +70,31 @@ enum Command {
         )]
         position_offset: i64,
         /// The backend.
+        #[arg(long, value_enum, default_value_t = run::Backend::Cpu)]
+        backend: run::Backend,
+    },
+    /// Gradients of attention: read q, k, v and dout (the gradient of the loss with respect to
+    /// the output) from a safetensors file; run the forward (which saves out and lse) and the
+    /// backward; write dq, dk, dv (input dtype), out and lse to another.
+    Grad {
+        /// The spec, in the spec language, or @FILE to read it from a file.
+        #[arg(long, allow_hyphen_values = true)]
+        spec: String,
+        /// Input safetensors file (BHSD tensors q, k, v, dout in the spec's dtype).
+        #[arg(long, value_name = "FILE")]
+        input: std::path::PathBuf,
+        /// Output safetensors file.
+        #[arg(long, value_name = "FILE")]
+        output: std::path::PathBuf,
+        /// Position of key 0.
+        #[arg(
+            long,
+            value_name = "N",
+            default_value_t = 0,
+            allow_negative_numbers = true
+        )]
+        position_offset: i64,
+        /// The backend (the backward pass runs on cpu; the others say so).
         #[arg(long, value_enum, default_value_t = run::Backend::Cpu)]
         backend: run::Backend,
     },
@@ -93,6 +122,10 @@ enum Command {
         /// Where to run: cpu, or cuda (device 0; needs the `cuda` feature and an NVIDIA GPU).
         #[arg(long, value_enum, default_value_t = run::Backend::Cpu)]
         backend: run::Backend,
+        /// Time a forward that saves out and lse plus the backward (`median_ms` of the pair;
+        /// GFLOP/s counted as 3.5 forwards). CPU only for now.
+        #[arg(long)]
+        backward: bool,
     },
     /// Time decoding steps against a paged KV cache: median time per step and the effective
     /// GB/s of K and V read (every cached token of every sequence, in the cache's dtype).
@@ -272,10 +305,15 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Check { spec } => spec_arg::load(&spec).map(|(spec, _)| println!("{spec}")),
-        Command::Ir { spec, seq, kv_len } => spec_arg::load(&spec).map(|(spec, _)| {
+        Command::Ir {
+            spec,
+            seq,
+            kv_len,
+            grad,
+        } => spec_arg::load(&spec).map(|(spec, _)| {
             print!(
                 "{}",
-                ir::report(&spec, seq.map(|sq| (sq, kv_len.unwrap_or(sq))))
+                ir::report(&spec, seq.map(|sq| (sq, kv_len.unwrap_or(sq))), grad)
             );
         }),
         Command::Run {
@@ -289,6 +327,17 @@ fn main() -> ExitCode {
                 .map(|summary| println!("{summary}"))
                 .map_err(|e| format!("error: {e}"))
         }),
+        Command::Grad {
+            spec,
+            input,
+            output,
+            position_offset,
+            backend,
+        } => spec_arg::load(&spec).and_then(|(spec, _)| {
+            run::grad(&spec, &input, &output, position_offset, backend)
+                .map(|summary| println!("{summary}"))
+                .map_err(|e| format!("error: {e}"))
+        }),
         Command::Bench {
             spec,
             seq,
@@ -297,6 +346,7 @@ fn main() -> ExitCode {
             reps,
             json,
             backend,
+            backward,
         } => spec_arg::load(&spec).and_then(|(spec, _)| {
             let shape = bench::Shape {
                 batch: batch as usize,
@@ -318,7 +368,15 @@ fn main() -> ExitCode {
                     shape.batch, shape.seq, shape.kv_len, shape.reps
                 );
             }
+            if backward && backend != run::Backend::Cpu {
+                return Err(
+                    "error: --backward is timed on the cpu backend only: the GPU backward pass \
+                     is not implemented yet"
+                        .to_string(),
+                );
+            }
             let t = match backend {
+                _ if backward => bench::bench_backward(&spec, &shape, !json),
                 run::Backend::Cuda => bench::bench_cuda(&spec, &shape),
                 _ => bench::bench(&spec, &shape, !json),
             }

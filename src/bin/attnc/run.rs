@@ -2,7 +2,7 @@
 
 use attn::AttentionSpec;
 use attn::runtime::io::{read_safetensors, write_safetensors};
-use attn::runtime::{MlaTensors, Output};
+use attn::runtime::{BackwardInputs, Gradients, MlaTensors, Output};
 use attn::runtime::{RuntimeError, Tensor};
 use std::path::Path;
 
@@ -64,6 +64,60 @@ pub fn run(
         output.display(),
         out.shape(),
         out.dtype().name(),
+        lse.shape()
+    ))
+}
+
+/// Reads `q, k, v, dout`, runs the forward (out and lse) and the backward on the backend, and
+/// writes `dq, dk, dv` (input dtype), `out` (input dtype) and `lse` (f32).
+pub fn grad(
+    spec: &AttentionSpec,
+    input: &Path,
+    output: &Path,
+    offset: i64,
+    backend: Backend,
+) -> Result<String, RuntimeError> {
+    let backend = attn::runtime::backend::open(backend.name())?;
+    let variant = attn::runtime::Variant::new(spec.clone())?;
+    if spec.mla().is_some() {
+        return Err(RuntimeError::Spec(
+            "the backward pass of MLA specs is not implemented yet; allowed: per-head specs \
+             (MHA, GQA, MQA)"
+                .into(),
+        ));
+    }
+    let [q, k, v, dout]: [Tensor; 4] = read_safetensors(input, &["q", "k", "v", "dout"])?
+        .try_into()
+        .expect("one tensor per name");
+    let Output { out, lse } = backend.forward(&variant, &q, &k, &v, offset)?;
+    let x = BackwardInputs {
+        q: &q,
+        k: &k,
+        v: &v,
+        out: &out,
+        lse: &lse,
+        dout: &dout,
+        position_offset: offset,
+    };
+    let Gradients { dq, dk, dv } = backend.backward(&variant, &x)?;
+    write_safetensors(
+        output,
+        &[
+            ("dq", &dq),
+            ("dk", &dk),
+            ("dv", &dv),
+            ("out", &out),
+            ("lse", &lse),
+        ],
+    )?;
+    Ok(format!(
+        "wrote {}: dq {:?}, dk {:?}, dv {:?} {}, out {:?}, lse {:?} f32",
+        output.display(),
+        dq.shape(),
+        dk.shape(),
+        dv.shape(),
+        dq.dtype().name(),
+        out.shape(),
         lse.shape()
     ))
 }
