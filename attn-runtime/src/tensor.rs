@@ -151,6 +151,18 @@ impl Tensor {
         }
     }
 
+    /// The values in logical (row-major) order as f32: borrowed when the tensor is contiguous
+    /// f32, else converted.
+    pub fn f32_values(&self) -> std::borrow::Cow<'_, [f32]> {
+        match &*self.storage {
+            Storage::F32(v) if self.strides == contiguous_strides(&self.shape) => {
+                let n: usize = self.shape.iter().product();
+                std::borrow::Cow::Borrowed(&v[self.offset..self.offset + n])
+            }
+            _ => std::borrow::Cow::Owned(self.to_f32_vec()),
+        }
+    }
+
     /// The elements in logical (row-major) order, in their own dtype.
     pub fn contiguous_storage(&self) -> Storage {
         let n: usize = self.shape.iter().product();

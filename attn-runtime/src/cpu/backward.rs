@@ -117,7 +117,7 @@ pub(super) fn run(
         .zip(dk.par_chunks_mut(skv * d))
         .zip(dvv.par_chunks_mut(skv * dv))
         .enumerate()
-        .for_each(|(task, ((dq, dk), dv_out))| {
+        .for_each_init(Scratch::default, |scratch, (task, ((dq, dk), dv_out))| {
             let (b, kvh) = (task / hkv, task % hkv);
             let t = Task {
                 plan,
@@ -127,9 +127,43 @@ pub(super) fn run(
                 b,
                 kvh,
             };
-            t.run(dq, dk, dv_out);
+            t.run(scratch, dq, dk, dv_out);
         });
     Ok((dq, dk, dvv))
+}
+
+/// A thread's buffers, reused from task to task (fresh memory costs page faults, and freeing it
+/// costs TLB shootdowns on every core).
+#[derive(Default)]
+struct Scratch {
+    /// The group's queries, rotated and scaled.
+    q: Vec<f32>,
+    /// The group's output gradients.
+    dout: Vec<f32>,
+    /// `D` per query row of the group.
+    delta: Vec<f32>,
+    /// The kv head's keys, rotated.
+    k: Vec<f32>,
+    /// Keys and values packed into tiles.
+    kt: Vec<f32>,
+    vt: Vec<f32>,
+    /// One tile of scores / probabilities, of dP / dS, and a transposed one.
+    s: Vec<f32>,
+    dp: Vec<f32>,
+    transposed: Vec<f32>,
+    row_max: Vec<f32>,
+}
+
+/// `buffer` holding a copy of `from`.
+fn copy_into(buffer: &mut Vec<f32>, from: &[f32]) {
+    buffer.clear();
+    buffer.extend_from_slice(from);
+}
+
+/// `buffer` as `len` values (their contents left to the caller to overwrite).
+fn sized(buffer: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    buffer.resize(len, 0.0);
+    buffer
 }
 
 /// One (batch, kv head) of a call.
@@ -144,7 +178,7 @@ struct Task<'a> {
 
 impl Task<'_> {
     /// Accumulates the task's gradients into `dq` (its group's query heads), `dk` and `dv`.
-    fn run(&self, dq: &mut [f32], dk: &mut [f32], dv_acc: &mut [f32]) {
+    fn run(&self, scratch: &mut Scratch, dq: &mut [f32], dk: &mut [f32], dv_acc: &mut [f32]) {
         let plan = self.plan;
         let x = self.x;
         let (hq, hkv) = (plan.shape.heads as usize, plan.shape.kv_heads as usize);
@@ -156,36 +190,51 @@ impl Task<'_> {
 
         // This task's rows: the group's queries, outputs and output gradients; its keys and
         // values.
-        let heads_rows = |a: &[f32], width: usize| {
+        let heads = |width: usize| {
             let start = (self.b * hq + h0) * sq * width;
-            a[start..start + group * sq * width].to_vec()
+            start..start + group * sq * width
         };
-        let kv_start = |width: usize| (self.b * hkv + self.kvh) * skv * width;
-        let mut q = heads_rows(x.q, d);
-        let dout = heads_rows(x.dout, dv);
-        let out = heads_rows(x.out, dv);
-        let lse = {
-            let start = (self.b * hq + h0) * sq;
-            &x.lse[start..start + group * sq]
+        let kv = |width: usize| {
+            let start = (self.b * hkv + self.kvh) * skv * width;
+            start..start + skv * width
         };
-        let delta: Vec<f32> = dout
-            .chunks_exact(dv)
-            .zip(out.chunks_exact(dv))
-            .map(|(g, o)| g.iter().zip(o).map(|(g, o)| g * o).sum())
-            .collect();
+        let Scratch {
+            q,
+            dout,
+            delta,
+            k,
+            kt,
+            vt,
+            s,
+            dp,
+            transposed,
+            row_max,
+        } = scratch;
+        copy_into(q, &x.q[heads(d)]);
+        copy_into(dout, &x.dout[heads(dv)]);
+        let out = &x.out[heads(dv)];
+        let lse = &x.lse[heads(1)];
+        delta.clear();
+        delta.extend(
+            dout.chunks_exact(dv)
+                .zip(out.chunks_exact(dv))
+                .map(|(g, o)| g.iter().zip(o).map(|(g, o)| g * o).sum::<f32>()),
+        );
         for h in 0..group {
-            let rows = &mut q[h * sq * d..(h + 1) * sq * d];
-            self.rotate(rows, q_pos0, plan.q_scale as f32, false);
+            self.rotate(
+                &mut q[h * sq * d..(h + 1) * sq * d],
+                q_pos0,
+                plan.q_scale as f32,
+                false,
+            );
         }
-        let mut k = x.k[kv_start(d)..kv_start(d) + skv * d].to_vec();
-        self.rotate(&mut k, p0, 1.0, false);
-        let kt = pack(&k, d, skv);
-        let vt = pack(&x.v[kv_start(dv)..kv_start(dv) + skv * dv], dv, skv);
+        copy_into(k, &x.k[kv(d)]);
+        self.rotate(k, p0, 1.0, false);
+        pack(k, d, skv, sized(kt, skv.div_ceil(K) * d * K));
+        pack(&x.v[kv(dv)], dv, skv, sized(vt, skv.div_ceil(K) * dv * K));
+        let (s, dp) = (sized(s, K * K), sized(dp, K * K));
+        let (transposed, row_max) = (sized(transposed, K * K), sized(row_max, K));
 
-        let mut s = vec![0f32; K * K];
-        let mut dp = vec![0f32; K * K];
-        let mut transposed = vec![0f32; K * K];
-        let mut row_max = vec![0f32; K];
         let blocks = sq.div_ceil(K);
         for tile in 0..skv.div_ceil(K) {
             let first_key = tile * K;
@@ -252,7 +301,7 @@ impl Task<'_> {
                             code: code as i64,
                         };
                         (self.kernels.grad_tile)(&args);
-                        transpose(&s, n, cols, &mut transposed);
+                        transpose(s, n, cols, transposed);
                         (self.kernels.pv)(
                             transposed.as_ptr(),
                             cols as i64,
@@ -262,7 +311,7 @@ impl Task<'_> {
                             dv_acc.as_mut_ptr().add(first_key * dv),
                             dv as i64,
                         );
-                        transpose(&dp, n, cols, &mut transposed);
+                        transpose(dp, n, cols, transposed);
                         (self.kernels.pv)(
                             transposed.as_ptr(),
                             cols as i64,
@@ -324,17 +373,16 @@ impl Task<'_> {
     }
 }
 
-/// Rows `[n][width]` packed as the score microkernel reads keys: tiles of `K` rows,
-/// `tile[dim][row]`, zero-padded.
-fn pack(rows: &[f32], width: usize, n: usize) -> Vec<f32> {
-    let mut packed = vec![0f32; n.div_ceil(K) * width * K];
+/// Rows `[n][width]` packed into `packed` as the score microkernel reads keys: tiles of `K`
+/// rows, `tile[dim][row]`, zero-padded.
+fn pack(rows: &[f32], width: usize, n: usize, packed: &mut [f32]) {
+    packed.fill(0.0);
     for (j, row) in rows.chunks_exact(width).enumerate().take(n) {
         let tile = &mut packed[(j / K) * width * K..][..width * K];
         for (dim, x) in row.iter().enumerate() {
             tile[dim * K + j % K] = *x;
         }
     }
-    packed
 }
 
 /// `to[c][r] = from[r][c]` for `r < rows`, `c < cols`; both have rows of `K` values.

@@ -161,8 +161,8 @@ impl CpuBackend {
         let spec = variant.spec();
         let [b, sq, skv] = check_backward(spec, x)?;
         let kernel = self.kernel_for(variant, PlanKind::Backward)?;
-        let (q, k, v) = (x.q.to_f32_vec(), x.k.to_f32_vec(), x.v.to_f32_vec());
-        let (out, lse, dout) = (x.out.to_f32_vec(), x.lse.to_f32_vec(), x.dout.to_f32_vec());
+        let (q, k, v) = (x.q.f32_values(), x.k.f32_values(), x.v.f32_values());
+        let (out, lse, dout) = (x.out.f32_values(), x.lse.f32_values(), x.dout.f32_values());
         let problem = backward::Problem {
             q: &q,
             k: &k,
