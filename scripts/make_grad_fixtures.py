@@ -1,0 +1,127 @@
+"""Golden gradient cases for the backward pass: PyTorch float64 autograd through an explicit
+attention (RoPE, GQA, masks, softcap, ALiBi, custom closures), from inputs stored in each case's
+dtype. Writes tests/fixtures/gradients/<case>.safetensors (q, k, v, dout as stored; dq, dk, dv,
+out, lse in float64) and manifest.json (the spec text, position offset, and for 16-bit cases the
+error of the same autograd run in that dtype: what PyTorch itself misses by).
+
+Run from the repository root with a PyTorch venv: $(../shared/bench/setup-torch.sh) scripts/make_grad_fixtures.py
+"""
+import json, math, os, torch
+from safetensors.torch import save_file
+
+OUT = "tests/fixtures/gradients"
+DT = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+
+
+def rope(x, pos, base, layout):
+    d = x.shape[-1]
+    inv = base ** (-torch.arange(0, d // 2, dtype=torch.float64) * 2 / d)
+    ang = pos.to(torch.float64)[:, None] * inv[None, :]
+    cos, sin = torch.cos(ang).to(x.dtype), torch.sin(ang).to(x.dtype)
+    if layout == "half":
+        a, b = x[..., : d // 2], x[..., d // 2 :]
+        return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+    a, b = x[..., 0::2], x[..., 1::2]
+    return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
+
+
+def attention(c, q, k, v, p0):
+    B, H, Sq, D = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    qpos = torch.arange(Sq) + p0 + Skv - Sq
+    kpos = torch.arange(Skv) + p0
+    if c.get("rope"):
+        q, k = rope(q, qpos, c["rope"]["base"], c["rope"]["layout"]), rope(k, kpos, c["rope"]["base"], c["rope"]["layout"])
+    k = k.repeat_interleave(H // Hkv, dim=1)
+    v = v.repeat_interleave(H // Hkv, dim=1)
+    s = (q @ k.transpose(-1, -2)) * c["scale"]
+    if c.get("softcap"):
+        s = c["softcap"] * torch.tanh(s / c["softcap"])
+    dist = (kpos[None, :] - qpos[:, None]).to(s.dtype)
+    if c.get("alibi"):
+        slopes = torch.tensor([2 ** (-8 * (i + 1) / H) for i in range(H)], dtype=s.dtype)
+        s = s + slopes[None, :, None, None] * dist
+    heads = torch.arange(H)[None, :, None, None]
+    if c.get("score_mod"):
+        s = c["score_mod"](s, heads, qpos[:, None], kpos[None, :])
+    keep = torch.ones(Sq, Skv, dtype=torch.bool)
+    mask = c.get("mask", "none")
+    if mask == "causal":
+        keep &= kpos[None, :] <= qpos[:, None]
+    elif mask == "top_left":
+        keep &= torch.arange(Skv)[None, :] <= torch.arange(Sq)[:, None]
+    elif mask.startswith("window"):
+        w = int(mask.split(":")[1])
+        keep &= (kpos[None, :] <= qpos[:, None]) & (qpos[:, None] - kpos[None, :] < w)
+    if c.get("mask_mod"):
+        keep &= c["mask_mod"](qpos[:, None], kpos[None, :])
+    keep = keep[None, None].expand(B, H, Sq, Skv)
+    any_kept = keep.any(-1, keepdim=True)
+    s = torch.where(keep, s, torch.tensor(float("-inf"), dtype=s.dtype))
+    # Fully masked rows: out 0, lse -inf, no gradient (softmax of a row of zeros, then zeroed).
+    s_safe = torch.where(any_kept, s, torch.zeros((), dtype=s.dtype))
+    p = torch.where(any_kept, torch.softmax(s_safe, dim=-1), torch.zeros((), dtype=s.dtype))
+    lse = torch.where(any_kept[..., 0], torch.logsumexp(s_safe, dim=-1), torch.tensor(float("-inf"), dtype=s.dtype))
+    return p @ v, lse
+
+
+def grads(c, tensors, dtype, p0):
+    q, k, v, dout = [t.to(dtype).detach().requires_grad_(i < 3) for i, t in enumerate(tensors)]
+    out, lse = attention(c, q, k, v, p0)
+    (out * dout).sum().backward()
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+CASES = {
+    "mha_causal_f32": dict(B=1, H=4, Hkv=4, Sq=65, Skv=65, D=64, dtype="f32", mask="causal",
+                            spec="heads = 4, head_dim = 64, mask = causal"),
+    "gqa_rope_offset_f32": dict(B=2, H=8, Hkv=2, Sq=33, Skv=70, D=64, dtype="f32", mask="causal", p0=5,
+                                rope=dict(base=10000.0, layout="half"),
+                                spec="heads = 8, kv_heads = 2, head_dim = 64, mask = causal, position = rope"),
+    "softcap_alibi_f32": dict(B=1, H=4, Hkv=4, Sq=40, Skv=40, D=32, dtype="f32", mask="causal", softcap=2.0, alibi=True,
+                              spec="heads = 4, head_dim = 32, mask = causal, softcap = 2.0, position = alibi"),
+    "custom_closures_f32": dict(
+        B=1, H=2, Hkv=1, Sq=24, Skv=30, D=32, dtype="f32",
+        score_mod=lambda s, h, q, k: torch.tanh(s * 0.5) * 4.0 - 0.05 * (q - k).abs().to(s.dtype),
+        mask_mod=lambda q, k: ((q + k) % 3 != 1) & (q != 10),
+        spec="heads = 2, kv_heads = 1, head_dim = 32, score_mod = |s, b, h, q, k| (s * 0.5).tanh() * 4.0 "
+             "- 0.05 * (q - k).abs() as f32, mask_mod = |b, h, q, k| (q + k) % 3 != 1 && q != 10"),
+    "top_left_sq_gt_skv_f32": dict(B=1, H=2, Hkv=2, Sq=20, Skv=12, D=16, dtype="f32", mask="top_left",
+                                   spec="heads = 2, head_dim = 16, mask = causal(top_left)"),
+    "window_gqa_bf16": dict(B=1, H=4, Hkv=2, Sq=50, Skv=50, D=64, dtype="bf16", mask="window:16",
+                            spec="heads = 4, kv_heads = 2, head_dim = 64, mask = sliding_window(16), dtype = bf16"),
+    "rope_interleaved_f16": dict(B=1, H=2, Hkv=2, Sq=40, Skv=40, D=64, dtype="f16", mask="causal",
+                                 rope=dict(base=500.0, layout="interleaved"),
+                                 spec="heads = 2, head_dim = 64, mask = causal, dtype = f16, "
+                                      "position = rope(base = 500.0, layout = interleaved)"),
+}
+
+
+def main():
+    os.makedirs(OUT, exist_ok=True)
+    g = torch.Generator().manual_seed(16)
+    manifest = {"_about": __doc__.strip().splitlines()[0], "_torch": torch.__version__, "cases": {}}
+    for name, c in CASES.items():
+        c.setdefault("scale", 1 / math.sqrt(c["D"]))
+        p0 = c.get("p0", 0)
+        shapes = [(c["B"], c["H"], c["Sq"], c["D"]), (c["B"], c["Hkv"], c["Skv"], c["D"]),
+                  (c["B"], c["Hkv"], c["Skv"], c["D"]), (c["B"], c["H"], c["Sq"], c["D"])]
+        stored = [torch.randn(*s, generator=g).to(DT[c["dtype"]]) for s in shapes]
+        out, lse, dq, dk, dv = grads(c, stored, torch.float64, p0)
+        entry = {"spec": c["spec"], "position_offset": p0, "dtype": c["dtype"],
+                 "file": f"{name}.safetensors"}
+        if c["dtype"] != "f32":
+            _, _, lq, lk, lv = grads(c, stored, DT[c["dtype"]], p0)
+            entry["torch_lowp_grad_max_abs_err"] = {
+                n: float((lo.to(torch.float64) - hi).abs().max()) for n, lo, hi in
+                [("dq", lq, dq), ("dk", lk, dk), ("dv", lv, dv)]}
+        tensors = dict(zip(["q", "k", "v", "dout"], stored))
+        tensors.update(dq=dq, dk=dk, dv=dv, out=out, lse=lse)
+        save_file({k: t.contiguous() for k, t in tensors.items()}, f"{OUT}/{name}.safetensors")
+        manifest["cases"][name] = entry
+    with open(f"{OUT}/manifest.json", "w") as f:
+        json.dump(manifest, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+//! Every golden gradient case (PyTorch float64 autograd, `scripts/make_grad_fixtures.py`) through
+//! `attnc grad` on the CPU: dq, dk and dv within 2e-5 abs + 2e-4 rel for f32 inputs, and for
+//! 16-bit inputs within 2x the error of PyTorch's own autograd run in that dtype. `out` and `lse`
+//! as the forward cases.
+
+use safetensors::{Dtype, SafeTensors};
+use serde_json::Value;
+use std::path::PathBuf;
+use std::process::Command;
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gradients")
+}
+
+/// A tensor's values as f64, whatever its stored dtype.
+fn values(st: &SafeTensors, name: &str) -> Vec<f64> {
+    let t = st.tensor(name).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let bytes = t.data();
+    match t.dtype() {
+        Dtype::F64 => bytes
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+            .collect(),
+        Dtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|c| f64::from(f32::from_le_bytes(c.try_into().unwrap())))
+            .collect(),
+        Dtype::BF16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_le_bytes(c.try_into().unwrap()).to_f64())
+            .collect(),
+        Dtype::F16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::f16::from_le_bytes(c.try_into().unwrap()).to_f64())
+            .collect(),
+        other => panic!("{name}: dtype {other:?}"),
+    }
+}
+
+#[test]
+fn every_golden_gradient_case_passes_through_attnc_grad() {
+    let manifest: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("manifest.json")).unwrap())
+            .unwrap();
+    let cases = manifest["cases"].as_object().unwrap();
+    assert!(cases.len() >= 7);
+    for (name, case) in cases {
+        let input = fixtures().join(case["file"].as_str().unwrap());
+        let output =
+            std::env::temp_dir().join(format!("attn-grad-{name}-{}.st", std::process::id()));
+        let o = Command::new(env!("CARGO_BIN_EXE_attnc"))
+            .args(["grad", "--spec", case["spec"].as_str().unwrap()])
+            .arg("--input")
+            .arg(&input)
+            .arg("--output")
+            .arg(&output)
+            .args([
+                "--position-offset",
+                &case["position_offset"].as_i64().unwrap().to_string(),
+            ])
+            .output()
+            .unwrap();
+        assert_eq!(
+            o.status.code(),
+            Some(0),
+            "{name}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let want_bytes = std::fs::read(&input).unwrap();
+        let got_bytes = std::fs::read(&output).unwrap();
+        std::fs::remove_file(&output).ok();
+        let (want, got) = (
+            SafeTensors::deserialize(&want_bytes).unwrap(),
+            SafeTensors::deserialize(&got_bytes).unwrap(),
+        );
+        let low_precision = case["dtype"] != "f32";
+        for grad in ["dq", "dk", "dv"] {
+            assert_eq!(got.tensor(grad).unwrap().shape(), want.tensor(grad).unwrap().shape());
+            let (g, w) = (values(&got, grad), values(&want, grad));
+            let max_err = g
+                .iter()
+                .zip(&w)
+                .map(|(g, w)| (g - w).abs())
+                .fold(0.0, f64::max);
+            if low_precision {
+                let torch = case["torch_lowp_grad_max_abs_err"][grad].as_f64().unwrap();
+                assert!(
+                    max_err <= 2.0 * torch,
+                    "{name} {grad}: max error {max_err}, PyTorch's own {torch}"
+                );
+            } else {
+                for (i, (g, w)) in g.iter().zip(&w).enumerate() {
+                    assert!(
+                        (g - w).abs() <= 2e-5 + 2e-4 * w.abs(),
+                        "{name} {grad}[{i}]: got {g}, want {w}"
+                    );
+                }
+            }
+        }
+        let (lse, want_lse) = (values(&got, "lse"), values(&want, "lse"));
+        for (g, w) in lse.iter().zip(&want_lse) {
+            assert!(
+                (w.is_infinite() && g == w) || (g - w).abs() <= 1e-4 * (1.0 + w.abs()),
+                "{name} lse: got {g}, want {w}"
+            );
+        }
+    }
+}
