@@ -785,3 +785,88 @@ fn peak_memory_reports_the_read_ceiling() {
         "{text}"
     );
 }
+
+#[test]
+fn grad_rejects_bad_inputs_with_exit_code_2() {
+    let out = temp("grad-unused.safetensors");
+    let out = out.to_str().unwrap();
+    // A forward fixture has q, k and v but no dout.
+    let o = attnc(&[
+        "grad",
+        "--spec",
+        "heads = 4, head_dim = 64, mask = causal",
+        "--input",
+        &fixture("mha_causal_f32.safetensors"),
+        "--output",
+        out,
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("dout"), "{}", stderr(&o));
+    // The spec's head count disagrees with the tensors.
+    let golden = format!(
+        "{}/tests/fixtures/gradients/mha_causal_f32.safetensors",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let o = attnc(&[
+        "grad",
+        "--spec",
+        "heads = 2, head_dim = 64",
+        "--input",
+        &golden,
+        "--output",
+        out,
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("`q`") || stderr(&o).contains("q"),
+        "{}",
+        stderr(&o)
+    );
+    // MLA and the GPU backends say what is missing.
+    let o = attnc(&[
+        "grad",
+        "--spec",
+        "heads = 2, head_dim = 16, mla(latent_rank = 32, rope_dim = 16)",
+        "--input",
+        &golden,
+        "--output",
+        out,
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("MLA"), "{}", stderr(&o));
+    let o = attnc(&[
+        "grad",
+        "--spec",
+        "heads = 4, head_dim = 64, mask = causal",
+        "--input",
+        &golden,
+        "--output",
+        out,
+        "--backend",
+        "gpu-sim",
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("not implemented on the gpu-sim backend"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
+fn ir_grad_prints_the_derivative_and_its_notes() {
+    let o = attnc(&[
+        "ir",
+        "heads = 4, head_dim = 64, softcap = 30.0, score_mod = |s, b, h, q, k| s.max(-5.0)",
+        "--grad",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let text = stdout(&o);
+    assert!(
+        text.contains("-- d score / d raw score (folded) --"),
+        "{text}"
+    );
+    assert!(text.contains("tanh"), "{text}");
+    assert!(text.contains("note: `"), "{text}");
+    assert!(text.contains("plan Backward"), "{text}");
+}

@@ -75,7 +75,10 @@ fn every_golden_gradient_case_passes_through_attnc_grad() {
         );
         let low_precision = case["dtype"] != "f32";
         for grad in ["dq", "dk", "dv"] {
-            assert_eq!(got.tensor(grad).unwrap().shape(), want.tensor(grad).unwrap().shape());
+            assert_eq!(
+                got.tensor(grad).unwrap().shape(),
+                want.tensor(grad).unwrap().shape()
+            );
             let (g, w) = (values(&got, grad), values(&want, grad));
             let max_err = g
                 .iter()

@@ -248,3 +248,94 @@ fn mla_and_bad_tensors_are_refused_with_clear_errors() {
         .to_string();
     assert!(err.contains("lse") && err.contains("[1, 2, 1]"), "{err}");
 }
+
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// A tensor of a random small shape (sometimes not 4-D, sometimes empty) and dtype, with
+    /// values that may be NaN, infinite or huge.
+    fn tensor() -> impl Strategy<Value = Tensor> {
+        (
+            prop::collection::vec(0usize..5, 1..6),
+            prop_oneof![Just(DType::F32), Just(DType::Bf16), Just(DType::F16)],
+            prop_oneof![
+                Just(0.5f32),
+                Just(f32::NAN),
+                Just(f32::INFINITY),
+                Just(3e38)
+            ],
+        )
+            .prop_map(|(shape, dtype, special)| {
+                let n: usize = shape.iter().product();
+                let mut v = values(n, n as u64);
+                if let Some(x) = v.first_mut() {
+                    *x = special;
+                }
+                Tensor::from_f32_as(dtype, &shape, v).unwrap()
+            })
+    }
+
+    /// Consistent inputs for the spec below with some of them swapped for random tensors.
+    fn inputs() -> impl Strategy<Value = (Vec<Tensor>, i64)> {
+        let consistent = (1usize..3, 1usize..5, 1usize..5).prop_map(|(b, sq, skv)| {
+            let shape = |h: usize, s: usize| [b, h, s, 8];
+            let make = |shape: [usize; 4], seed: u64| {
+                Tensor::from_f32(&shape, values(shape.iter().product(), seed)).unwrap()
+            };
+            vec![
+                make(shape(2, sq), 1),
+                make(shape(1, skv), 2),
+                make(shape(1, skv), 3),
+                make(shape(2, sq), 4),
+                Tensor::from_f32(&[b, 2, sq], vec![0.5; b * 2 * sq]).unwrap(),
+                make(shape(2, sq), 5),
+            ]
+        });
+        (
+            consistent,
+            prop::collection::vec((0usize..6, tensor()), 0..3),
+            prop_oneof![
+                Just(0i64),
+                Just(-3),
+                Just(i64::from(i32::MAX)),
+                Just(i64::MAX),
+                Just(i64::MIN)
+            ],
+        )
+            .prop_map(|(mut tensors, swaps, p0)| {
+                for (i, t) in swaps {
+                    tensors[i] = t;
+                }
+                (tensors, p0)
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(200))]
+
+        /// No input crashes the backward: it returns gradients or an error that names a tensor
+        /// or the positions.
+        #[test]
+        fn the_backward_never_panics((t, p0) in inputs()) {
+            let spec: AttentionSpec = "heads = 2, kv_heads = 1, head_dim = 8, mask = causal, \
+                position = rope, softcap = 3.0".parse().unwrap();
+            let x = BackwardInputs {
+                q: &t[0],
+                k: &t[1],
+                v: &t[2],
+                out: &t[3],
+                lse: &t[4],
+                dout: &t[5],
+                position_offset: p0,
+            };
+            match CpuBackend::new().backward(&spec, &x) {
+                Ok(g) => {
+                    prop_assert_eq!(g.dq.shape(), t[0].shape());
+                    prop_assert_eq!(g.dk.shape(), t[1].shape());
+                }
+                Err(e) => prop_assert!(!e.to_string().is_empty()),
+            }
+        }
+    }
+}
