@@ -870,3 +870,16 @@ fn ir_grad_prints_the_derivative_and_its_notes() {
     assert!(text.contains("note: `"), "{text}");
     assert!(text.contains("plan Backward"), "{text}");
 }
+
+#[test]
+fn check_notes_a_piecewise_derivative_on_stderr() {
+    let o = attnc(&[
+        "check",
+        "heads = 4, head_dim = 64, score_mod = |s, b, h, q, k| s.abs()",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stderr(&o).contains("note (backward): `"), "{}", stderr(&o));
+    assert!(stderr(&o).contains("piecewise"), "{}", stderr(&o));
+    let o = attnc(&["check", "heads = 4, head_dim = 64, softcap = 30.0"]);
+    assert_eq!(stderr(&o), "");
+}

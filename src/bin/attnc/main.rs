@@ -304,7 +304,19 @@ fn seconds_in_range(text: &str) -> Result<f64, String> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Check { spec } => spec_arg::load(&spec).map(|(spec, _)| println!("{spec}")),
+        Command::Check { spec } => spec_arg::load(&spec).map(|(spec, _)| {
+            println!("{spec}");
+            // What the backward pass will make of the score modifiers, said at spec time.
+            let program = attn::dsl::modifier::ScoreProgram::of(&spec).folded();
+            match program.score_gradient() {
+                Ok(gradient) => {
+                    for note in gradient.notes {
+                        eprintln!("note (backward): {note}");
+                    }
+                }
+                Err(e) => eprintln!("note (backward): no gradient: {e}"),
+            }
+        }),
         Command::Ir {
             spec,
             seq,
