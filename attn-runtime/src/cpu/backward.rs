@@ -6,8 +6,8 @@
 //! into tiles, and computes `D = rowsum(dO * out)`. Then, for each key tile (its dk and dv rows
 //! stay in cache) and each query block of each head of the group that the mask does not skip:
 //! `S = Q K^T` and `dP = dO V^T` (the `qk_tile` microkernel), `P` and `dS` (generated
-//! `grad_tile`), `dV += P^T dO`, `dK += dS^T Q` and `dQ += dS K` (the `pv_tile` microkernel on
-//! transposed or plain tiles). Last, dq is scaled and dq and dk are rotated back.
+//! `grad_tile`), `dV += P^T dO`, `dK += dS^T Q` (the `pv_tile` microkernel reading its weights
+//! transposed) and `dQ += dS K` (`pv_tile`). Last, dq is scaled and dq and dk are rotated back.
 
 use super::microkernels;
 use crate::error::RuntimeError;
@@ -49,6 +49,8 @@ struct Kernels {
     grad_tile: GradTileFn,
     qk: QkFn,
     pv: PvFn,
+    /// `pv` with the weights transposed.
+    pt: PvFn,
 }
 
 /// RoPE tables for the call's positions, forward and transposed (sines negated).
@@ -87,15 +89,17 @@ pub(super) fn run(
         ));
     };
     let (qk, pv) = microkernels::addresses(isa);
+    let pt = microkernels::transposed_pv(isa);
     // SAFETY: `rotate_rows` and `grad_tile` were compiled by codegen::cpu with the signature
     // `extern "C" fn(*const Args)`, and `qk`, `pv` are the microkernels' C-ABI functions with the
-    // signatures above; all stay valid for the process.
+    // signatures above (`pt` as `pv`); all stay valid for the process.
     let kernels = unsafe {
         Kernels {
             rotate: std::mem::transmute::<usize, RotateFn>(rotate_rows),
             grad_tile: std::mem::transmute::<usize, GradTileFn>(grad_tile),
             qk: std::mem::transmute::<usize, QkFn>(qk),
             pv: std::mem::transmute::<usize, PvFn>(pv),
+            pt: std::mem::transmute::<usize, PvFn>(pt),
         }
     };
     let first_pos = p0 + (skv as i64 - sq as i64).min(0);
@@ -117,7 +121,7 @@ pub(super) fn run(
         .zip(dk.par_chunks_mut(skv * d))
         .zip(dvv.par_chunks_mut(skv * dv))
         .enumerate()
-        .for_each_init(Scratch::default, |scratch, (task, ((dq, dk), dv_out))| {
+        .for_each(|(task, ((dq, dk), dv_out))| {
             let (b, kvh) = (task / hkv, task % hkv);
             let t = Task {
                 plan,
@@ -127,13 +131,24 @@ pub(super) fn run(
                 b,
                 kvh,
             };
-            t.run(scratch, dq, dk, dv_out);
+            SCRATCH.with_borrow_mut(|scratch| {
+                t.run(scratch, dq, dk, dv_out);
+                scratch.trim();
+            });
         });
     Ok((dq, dk, dvv))
 }
 
-/// A thread's buffers, reused from task to task (fresh memory costs page faults, and freeing it
-/// costs TLB shootdowns on every core).
+thread_local! {
+    /// Each thread's buffers, kept from task to task and call to call: fresh memory costs page
+    /// faults, and freeing it costs TLB shootdowns on every core.
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
+}
+
+/// Values of scratch a thread keeps between calls; a call that needed more frees the excess.
+const KEPT_SCRATCH: usize = 16 << 20;
+
+/// A thread's buffers for the tasks it runs.
 #[derive(Default)]
 struct Scratch {
     /// The group's queries, rotated and scaled.
@@ -147,11 +162,30 @@ struct Scratch {
     /// Keys and values packed into tiles.
     kt: Vec<f32>,
     vt: Vec<f32>,
-    /// One tile of scores / probabilities, of dP / dS, and a transposed one.
+    /// One tile of scores / probabilities, and of dP / dS.
     s: Vec<f32>,
     dp: Vec<f32>,
-    transposed: Vec<f32>,
     row_max: Vec<f32>,
+}
+
+impl Scratch {
+    /// Frees the buffers when together they hold more than [`KEPT_SCRATCH`] values.
+    fn trim(&mut self) {
+        let held: usize = [
+            &self.q,
+            &self.dout,
+            &self.delta,
+            &self.k,
+            &self.kt,
+            &self.vt,
+        ]
+        .iter()
+        .map(|b| b.capacity())
+        .sum();
+        if held > KEPT_SCRATCH {
+            *self = Scratch::default();
+        }
+    }
 }
 
 /// `buffer` holding a copy of `from`.
@@ -207,7 +241,6 @@ impl Task<'_> {
             vt,
             s,
             dp,
-            transposed,
             row_max,
         } = scratch;
         copy_into(q, &x.q[heads(d)]);
@@ -233,7 +266,7 @@ impl Task<'_> {
         pack(k, d, skv, sized(kt, skv.div_ceil(K) * d * K));
         pack(&x.v[kv(dv)], dv, skv, sized(vt, skv.div_ceil(K) * dv * K));
         let (s, dp) = (sized(s, K * K), sized(dp, K * K));
-        let (transposed, row_max) = (sized(transposed, K * K), sized(row_max, K));
+        let row_max = sized(row_max, K);
 
         let blocks = sq.div_ceil(K);
         for tile in 0..skv.div_ceil(K) {
@@ -301,9 +334,8 @@ impl Task<'_> {
                             code: code as i64,
                         };
                         (self.kernels.grad_tile)(&args);
-                        transpose(s, n, cols, transposed);
-                        (self.kernels.pv)(
-                            transposed.as_ptr(),
+                        (self.kernels.pt)(
+                            s.as_ptr(),
                             cols as i64,
                             n as i64,
                             dout.as_ptr().add(row * dv),
@@ -311,9 +343,8 @@ impl Task<'_> {
                             dv_acc.as_mut_ptr().add(first_key * dv),
                             dv as i64,
                         );
-                        transpose(dp, n, cols, transposed);
-                        (self.kernels.pv)(
-                            transposed.as_ptr(),
+                        (self.kernels.pt)(
+                            dp.as_ptr(),
                             cols as i64,
                             n as i64,
                             q.as_ptr().add(row * d),
@@ -381,16 +412,6 @@ fn pack(rows: &[f32], width: usize, n: usize, packed: &mut [f32]) {
         let tile = &mut packed[(j / K) * width * K..][..width * K];
         for (dim, x) in row.iter().enumerate() {
             tile[dim * K + j % K] = *x;
-        }
-    }
-}
-
-/// `to[c][r] = from[r][c]` for `r < rows`, `c < cols`; both have rows of `K` values.
-fn transpose(from: &[f32], rows: usize, cols: usize, to: &mut [f32]) {
-    for c in 0..cols {
-        let dst = &mut to[c * K..c * K + rows];
-        for (r, x) in dst.iter_mut().enumerate() {
-            *x = from[r * K + c];
         }
     }
 }

@@ -6,7 +6,8 @@
 //! writes `s[r*K + j] = sum_d q[r*q_stride + d] * kt[d*K + j]` for `r < rows`, `j < K`, and
 //! `row_max[r] = max_j s[r*K + j]`;
 //! `pv_tile(p, rows, cols, v, v_stride, acc, dv)` adds `sum_{j < cols} p[r*K + j] *
-//! v[j*v_stride + c]` to `acc[r*dv + c]` for `r < rows`, `c < dv`.
+//! v[j*v_stride + c]` to `acc[r*dv + c]` for `r < rows`, `c < dv`. The backward also uses
+//! `pv_tile` on a transposed `p` (`p[j*K + r]`): [`transposed_pv`].
 
 use codegen::plan::K_TILE;
 
@@ -44,7 +45,6 @@ impl Isa {
 /// `qk_tile` and `pv_tile` for an instruction set, as C-ABI function addresses.
 pub fn addresses(isa: Isa) -> (usize, usize) {
     type Qk = unsafe extern "C" fn(*const f32, i64, i64, i64, *const f32, *mut f32, *mut f32);
-    type Pv = unsafe extern "C" fn(*const f32, i64, i64, *const f32, i64, *mut f32, i64);
     let (qk, pv): (Qk, Pv) = match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => (x86::qk_avx512, x86::pv_avx512),
@@ -92,6 +92,48 @@ pub unsafe extern "C" fn qk_portable(
     }
 }
 
+/// The signature of `pv_tile` and of its transposed form.
+type Pv = unsafe extern "C" fn(*const f32, i64, i64, *const f32, i64, *mut f32, i64);
+
+/// `pv_tile` with `p` transposed, as a C-ABI function address: `acc[r*dv + c] += sum_{j < cols}
+/// p[j*K + r] * v[j*v_stride + c]` (so `p` holds `cols` rows of `K` values, and `rows <= K`).
+/// The backward uses it for `dV += P^T dO` and `dK += dS^T Q` without transposing tiles.
+pub fn transposed_pv(isa: Isa) -> usize {
+    let pt: Pv = match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => x86::pt_avx512,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => x86::pt_avx2,
+        _ => pt_portable,
+    };
+    pt as usize
+}
+
+/// Where `pv_tile` reads its weights: `p[r * row + j * col]` for row `r` and key `j`.
+#[derive(Clone, Copy)]
+struct Weights {
+    p: *const f32,
+    row: usize,
+    col: usize,
+}
+
+impl Weights {
+    /// The weights of `pv_tile` (`p[r*K + j]`), or transposed (`p[j*K + r]`).
+    fn new(p: *const f32, transposed: bool) -> Self {
+        let (row, col) = if transposed { (1, K) } else { (K, 1) };
+        Weights { p, row, col }
+    }
+
+    /// Row `r`, key `j`.
+    ///
+    /// # Safety
+    /// `(r, j)` must lie in the range the caller's contract gives `p`.
+    unsafe fn at(self, r: usize, j: usize) -> f32 {
+        // SAFETY: the caller's contract.
+        unsafe { *self.p.add(r * self.row + j * self.col) }
+    }
+}
+
 /// Portable `pv_tile`.
 ///
 /// # Safety
@@ -105,14 +147,45 @@ pub unsafe extern "C" fn pv_portable(
     acc: *mut f32,
     dv: i64,
 ) {
+    // SAFETY: the module contract.
+    unsafe { pv_portable_with(Weights::new(p, false), rows, cols, v, v_stride, acc, dv) }
+}
+
+/// Portable transposed `pv_tile` ([`transposed_pv`]).
+///
+/// # Safety
+/// The pointers must address the ranges in [`transposed_pv`]'s contract.
+pub unsafe extern "C" fn pt_portable(
+    p: *const f32,
+    rows: i64,
+    cols: i64,
+    v: *const f32,
+    v_stride: i64,
+    acc: *mut f32,
+    dv: i64,
+) {
+    // SAFETY: the contract of `transposed_pv`.
+    unsafe { pv_portable_with(Weights::new(p, true), rows, cols, v, v_stride, acc, dv) }
+}
+
+/// # Safety
+/// As `pv_portable` or `pt_portable`, by `w`'s layout.
+unsafe fn pv_portable_with(
+    w: Weights,
+    rows: i64,
+    cols: i64,
+    v: *const f32,
+    v_stride: i64,
+    acc: *mut f32,
+    dv: i64,
+) {
     let (rows, cols, v_stride, dv) = (rows as usize, cols as usize, v_stride as usize, dv as usize);
     if cols == 0 {
         return;
     }
-    // SAFETY: the module contract: `rows * K` probabilities, `cols` rows of V, `rows * dv` acc.
-    let (p, v, acc) = unsafe {
+    // SAFETY: the module contract: `cols` rows of V, `rows * dv` acc.
+    let (v, acc) = unsafe {
         (
-            std::slice::from_raw_parts(p, rows * K),
             std::slice::from_raw_parts(v, (cols - 1) * v_stride + dv),
             std::slice::from_raw_parts_mut(acc, rows * dv),
         )
@@ -120,7 +193,8 @@ pub unsafe extern "C" fn pv_portable(
     for r in 0..rows {
         let out = &mut acc[r * dv..(r + 1) * dv];
         for j in 0..cols {
-            let w = p[r * K + j];
+            // SAFETY: r < rows, j < cols: inside `w`'s range.
+            let w = unsafe { w.at(r, j) };
             for (o, x) in out.iter_mut().zip(&v[j * v_stride..j * v_stride + dv]) {
                 *o += w * x;
             }
@@ -133,7 +207,7 @@ pub unsafe extern "C" fn pv_portable(
 // registers; iterator chains over two arrays would obscure that.
 #[allow(clippy::needless_range_loop)]
 mod x86 {
-    use super::K;
+    use super::{K, Weights};
     use std::arch::x86_64::*;
 
     /// AVX-512 `qk_tile`: six rows by 64 keys (24 accumulators) per step.
@@ -222,6 +296,40 @@ mod x86 {
         acc: *mut f32,
         dv: i64,
     ) {
+        // SAFETY: the module contract, on a CPU with AVX-512F.
+        unsafe { pv_avx512_with(Weights::new(p, false), rows, cols, v, v_stride, acc, dv) }
+    }
+
+    /// AVX-512 transposed `pv_tile` (`super::transposed_pv`).
+    ///
+    /// # Safety
+    /// The contract of `transposed_pv`, on a CPU with AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe extern "C" fn pt_avx512(
+        p: *const f32,
+        rows: i64,
+        cols: i64,
+        v: *const f32,
+        v_stride: i64,
+        acc: *mut f32,
+        dv: i64,
+    ) {
+        // SAFETY: the contract of `transposed_pv`, on a CPU with AVX-512F.
+        unsafe { pv_avx512_with(Weights::new(p, true), rows, cols, v, v_stride, acc, dv) }
+    }
+
+    /// # Safety
+    /// As `pv_avx512` or `pt_avx512`, by `w`'s layout.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn pv_avx512_with(
+        w: Weights,
+        rows: i64,
+        cols: i64,
+        v: *const f32,
+        v_stride: i64,
+        acc: *mut f32,
+        dv: i64,
+    ) {
         let (rows, dv) = (rows as usize, dv as usize);
         let mut c0 = 0;
         while c0 < dv {
@@ -231,7 +339,7 @@ mod x86 {
                 ((1u32 << lanes) - 1) as __mmask16
             });
             let panel = Panel {
-                p,
+                w,
                 cols: cols as usize,
                 v: v.wrapping_add(c0),
                 v_stride: v_stride as usize,
@@ -261,7 +369,7 @@ mod x86 {
 
     /// One 64-dim panel of `pv_tile`: value columns `c0..c0+64` (masked past `dv`).
     struct Panel {
-        p: *const f32,
+        w: Weights,
         cols: usize,
         v: *const f32,
         v_stride: usize,
@@ -289,7 +397,7 @@ mod x86 {
                 let vj = x.v.add(j * x.v_stride);
                 let vals = [0, 1, 2, 3].map(|k| _mm512_maskz_loadu_ps(x.masks[k], vj.add(16 * k)));
                 for i in 0..R {
-                    let w = _mm512_set1_ps(*x.p.add((r + i) * K + j));
+                    let w = _mm512_set1_ps(x.w.at(r + i, j));
                     for k in 0..4 {
                         a[i][k] = _mm512_fmadd_ps(w, vals[k], a[i][k]);
                     }
@@ -387,6 +495,40 @@ mod x86 {
         acc: *mut f32,
         dv: i64,
     ) {
+        // SAFETY: the module contract, on a CPU with AVX2 and FMA.
+        unsafe { pv_avx2_with(Weights::new(p, false), rows, cols, v, v_stride, acc, dv) }
+    }
+
+    /// AVX2 transposed `pv_tile` (`super::transposed_pv`).
+    ///
+    /// # Safety
+    /// The contract of `transposed_pv`, on a CPU with AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe extern "C" fn pt_avx2(
+        p: *const f32,
+        rows: i64,
+        cols: i64,
+        v: *const f32,
+        v_stride: i64,
+        acc: *mut f32,
+        dv: i64,
+    ) {
+        // SAFETY: the contract of `transposed_pv`, on a CPU with AVX2 and FMA.
+        unsafe { pv_avx2_with(Weights::new(p, true), rows, cols, v, v_stride, acc, dv) }
+    }
+
+    /// # Safety
+    /// As `pv_avx2` or `pt_avx2`, by `w`'s layout.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn pv_avx2_with(
+        p: Weights,
+        rows: i64,
+        cols: i64,
+        v: *const f32,
+        v_stride: i64,
+        acc: *mut f32,
+        dv: i64,
+    ) {
         let (rows, cols, vs, dv) = (rows as usize, cols as usize, v_stride as usize, dv as usize);
         let vec_dims = dv / 32 * 32;
         // SAFETY: rows r..r+R < `rows`, keys j < `cols`, dims < `dv` (the module contract).
@@ -403,7 +545,7 @@ mod x86 {
             }
             for r in 0..rows {
                 for j in 0..cols {
-                    let w = *p.add(r * K + j);
+                    let w = p.at(r, j);
                     for c in vec_dims..dv {
                         *acc.add(r * dv + c) += w * *v.add(j * vs + c);
                     }
@@ -419,7 +561,7 @@ mod x86 {
     #[target_feature(enable = "avx2,fma")]
     #[inline]
     unsafe fn pv_rows_avx2<const R: usize>(
-        p: *const f32,
+        p: Weights,
         cols: usize,
         v: *const f32,
         vs: usize,
@@ -439,7 +581,7 @@ mod x86 {
                 let vj = v.add(j * vs);
                 let x = [0, 8, 16, 24].map(|o| _mm256_loadu_ps(vj.add(o)));
                 for i in 0..R {
-                    let w = _mm256_set1_ps(*p.add((r + i) * K + j));
+                    let w = _mm256_set1_ps(p.at(r + i, j));
                     for k in 0..4 {
                         a[i][k] = _mm256_fmadd_ps(w, x[k], a[i][k]);
                     }
