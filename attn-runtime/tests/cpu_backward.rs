@@ -339,3 +339,36 @@ mod fuzz {
         }
     }
 }
+
+#[test]
+fn an_f32_output_gradient_serves_a_bf16_spec() {
+    let backend = CpuBackend::new();
+    let spec: AttentionSpec = "heads = 2, head_dim = 32, mask = causal, dtype = bf16"
+        .parse()
+        .unwrap();
+    let (q, qa) = input(DType::Bf16, &[1, 2, 9, 32], 1);
+    let (k, ka) = input(DType::Bf16, &[1, 2, 9, 32], 2);
+    let (v, va) = input(DType::Bf16, &[1, 2, 9, 32], 3);
+    let (dout, douta) = input(DType::F32, &[1, 2, 9, 32], 4);
+    let saved = backend.forward(&spec, &q, &k, &v, 0).unwrap();
+    let x = BackwardInputs {
+        q: &q,
+        k: &k,
+        v: &v,
+        out: &saved.out,
+        lse: &saved.lse,
+        dout: &dout,
+        position_offset: 0,
+    };
+    let got = backend.backward(&spec, &x).unwrap();
+    let inputs = Inputs {
+        q: &qa,
+        k: &ka,
+        v: &va,
+        position_offset: 0,
+    };
+    let want = reference::backward(&spec, &inputs, &douta).unwrap();
+    assert_eq!(got.dq.dtype(), DType::Bf16);
+    compare("dq", &got.dq, &want.dq, 4e-2, 2e-2);
+    compare("dv", &got.dv, &want.dv, 4e-2, 2e-2);
+}
