@@ -611,6 +611,14 @@ impl fmt::Display for KernelPlan {
                 )?;
             }
         }
+        if self.kind == PlanKind::Backward {
+            return write!(
+                f,
+                "  epilogue  dq x the hoisted q factor; dq and dk rotated back by RoPE's transpose; \
+                 dq, dk, dv as {}; rows whose lse is -inf carry no gradient",
+                self.epilogue.out_dtype.name()
+            );
+        }
         write!(
             f,
             "  epilogue  online softmax in half base 2 (p = 2^(2 (s - m)), running max m, sum l; \

@@ -189,3 +189,33 @@ fn plans_score_in_half_base_2_units_at_no_cost() {
         }
     }
 }
+
+#[test]
+fn named_specs_plan_their_backward_as_recorded() {
+    for (name, text) in NAMED_SPECS {
+        let spec: AttentionSpec = text.parse().unwrap();
+        if spec.mla().is_some() {
+            continue;
+        }
+        let plan = KernelPlan::backward(&spec).unwrap();
+        insta::with_settings!({ omit_expression => true }, {
+            insta::assert_snapshot!(format!("backward_{name}"), plan.to_string());
+        });
+    }
+}
+
+#[test]
+fn a_backward_plan_carries_the_scaled_derivative() {
+    // No modifiers: the score is the raw dot with q scaled, so d score / d raw is 2 ln 2 in the
+    // plan's units (half base 2 after the hoisted scale).
+    let spec: AttentionSpec = "heads = 4, head_dim = 64, mask = causal".parse().unwrap();
+    let plan = KernelPlan::backward(&spec).unwrap();
+    assert_eq!(plan.kind, codegen::plan::PlanKind::Backward);
+    let want = 2.0 * std::f64::consts::LN_2;
+    match plan.score_grad {
+        Some(attn_dsl::modifier::Expr::Float(g)) => assert!((g - want).abs() < 1e-15, "{g}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(KernelPlan::forward(&spec).score_grad.is_none());
+    assert!(u64::from(plan.tiles.q_rows) <= u64::from(plan.tiles.k_cols));
+}
