@@ -2,9 +2,11 @@
 //!
 //! One task per (batch, kv head), in parallel: it owns the dk and dv rows of its kv head and the
 //! dq rows of its group's query heads, so no two tasks write the same gradient and nothing needs
-//! atomics. A task rotates and scales its queries and keys once (`rotate_rows`), packs K and V
-//! into tiles, and computes `D = rowsum(dO * out)`. Then, for each key tile (its dk and dv rows
-//! stay in cache) and each query block of each head of the group that the mask does not skip:
+//! atomics. When there are fewer (batch, kv head) units than twice the threads (MQA, small
+//! batches), each unit's key tiles are dealt to several tasks with private gradients, summed
+//! afterwards. A task rotates and scales its queries and keys once (`rotate_rows`), packs K and V
+//! into tiles, and computes `D = rowsum(dO * out)`. Then, head by head of the group (its q, dO
+//! and dq rows stay in cache), for each key tile and each query block the mask does not skip:
 //! `S = Q K^T` and `dP = dO V^T` (the `qk_tile` microkernel), `P` and `dS` (generated
 //! `grad_tile`), `dV += P^T dO`, `dK += dS^T Q` (the `pv_tile` microkernel reading its weights
 //! transposed) and `dQ += dS K` (`pv_tile`). Last, dq is scaled and dq and dk are rotated back.
@@ -117,24 +119,57 @@ pub(super) fn run(
         }
     });
     let group = hq / hkv;
-    dq.par_chunks_mut(group * sq * d)
-        .zip(dk.par_chunks_mut(skv * d))
-        .zip(dvv.par_chunks_mut(skv * dv))
-        .enumerate()
-        .for_each(|(task, ((dq, dk), dv_out))| {
-            let (b, kvh) = (task / hkv, task % hkv);
-            let t = Task {
-                plan,
-                kernels,
-                tables: tables.as_ref(),
-                x,
-                b,
-                kvh,
-            };
-            SCRATCH.with_borrow_mut(|scratch| {
-                t.run(scratch, dq, dk, dv_out);
-                scratch.trim();
-            });
+    let (q_len, k_len, v_len) = (group * sq * d, skv * d, skv * dv);
+    let splits = key_splits(batch * hkv, skv.div_ceil(K), q_len + k_len + v_len);
+    let task = |b: usize, kvh: usize, split: usize| Task {
+        plan,
+        kernels,
+        tables: tables.as_ref(),
+        x,
+        b,
+        kvh,
+        tiles: (split, splits),
+    };
+    let run = |t: Task, dq: &mut [f32], dk: &mut [f32], dv: &mut [f32]| {
+        SCRATCH.with_borrow_mut(|scratch| {
+            t.run(scratch, dq, dk, dv);
+            scratch.trim();
+        });
+    };
+    if splits == 1 {
+        dq.par_chunks_mut(q_len)
+            .zip(dk.par_chunks_mut(k_len))
+            .zip(dvv.par_chunks_mut(v_len))
+            .enumerate()
+            .for_each(|(i, ((dq, dk), dv))| run(task(i / hkv, i % hkv, 0), dq, dk, dv));
+        return Ok((dq, dk, dvv));
+    }
+    // Few (batch, kv head) units for the threads: each unit's key tiles are dealt round-robin
+    // to `splits` tasks (round-robin keeps causal work even), each with its own gradients,
+    // summed afterwards (a split's dk and dv rows are zero outside its tiles).
+    let partial: Vec<Vec<f32>> = (0..batch * hkv * splits)
+        .into_par_iter()
+        .map(|i| {
+            let (unit, split) = (i / splits, i % splits);
+            let mut grads = vec![0f32; q_len + k_len + v_len];
+            let (dq, rest) = grads.split_at_mut(q_len);
+            let (dk, dv) = rest.split_at_mut(k_len);
+            run(task(unit / hkv, unit % hkv, split), dq, dk, dv);
+            grads
+        })
+        .collect();
+    dq.par_chunks_mut(q_len)
+        .zip(dk.par_chunks_mut(k_len))
+        .zip(dvv.par_chunks_mut(v_len))
+        .zip(partial.par_chunks(splits))
+        .for_each(|(((dq, dk), dv), parts)| {
+            for part in parts {
+                let (pq, rest) = part.split_at(q_len);
+                let (pk, pv) = rest.split_at(k_len);
+                for (out, add) in [(&mut *dq, pq), (&mut *dk, pk), (&mut *dv, pv)] {
+                    out.iter_mut().zip(add).for_each(|(o, a)| *o += a);
+                }
+            }
         });
     Ok((dq, dk, dvv))
 }
@@ -200,7 +235,22 @@ fn sized(buffer: &mut Vec<f32>, len: usize) -> &mut [f32] {
     buffer
 }
 
-/// One (batch, kv head) of a call.
+/// Most values of private gradients the split tasks of one call may hold together.
+const MAX_SPLIT_VALUES: usize = 64 << 20;
+
+/// How many tasks share each (batch, kv head)'s key tiles: 1 when the units alone keep every
+/// thread busy, else enough for two tasks per thread, as far as there are tiles to deal and the
+/// private gradients (`unit_values` each) stay within [`MAX_SPLIT_VALUES`].
+fn key_splits(units: usize, tiles: usize, unit_values: usize) -> usize {
+    let wanted = 2 * rayon::current_num_threads();
+    if units >= wanted {
+        return 1;
+    }
+    let by_memory = MAX_SPLIT_VALUES / (units * unit_values).max(1);
+    wanted.div_ceil(units).min(tiles).min(by_memory).max(1)
+}
+
+/// One (batch, kv head) of a call, or one split of its key tiles.
 struct Task<'a> {
     plan: &'a KernelPlan,
     kernels: Kernels,
@@ -208,6 +258,8 @@ struct Task<'a> {
     x: &'a Problem<'a>,
     b: usize,
     kvh: usize,
+    /// `(split, splits)`: the task takes the key tiles `t` with `t % splits == split`.
+    tiles: (usize, usize),
 }
 
 impl Task<'_> {
@@ -269,12 +321,14 @@ impl Task<'_> {
         let row_max = sized(row_max, K);
 
         let blocks = sq.div_ceil(K);
-        for tile in 0..skv.div_ceil(K) {
-            let first_key = tile * K;
-            let cols = (skv - first_key).min(K);
-            let keys = Interval::new(first_key as i64, (first_key + cols - 1) as i64);
-            for h in 0..group {
-                let head = h0 + h;
+        let (split, splits) = self.tiles;
+        // Head by head: one head's q, dout and dq rows stay in cache while its key tiles pass.
+        for h in 0..group {
+            let head = h0 + h;
+            for tile in (split..skv.div_ceil(K)).step_by(splits) {
+                let first_key = tile * K;
+                let cols = (skv - first_key).min(K);
+                let keys = Interval::new(first_key as i64, (first_key + cols - 1) as i64);
                 let call = CallShape {
                     sq: sq as i64,
                     skv: skv as i64,
