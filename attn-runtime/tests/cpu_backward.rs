@@ -150,7 +150,14 @@ fn gqa_mqa_and_head_dims() {
         0,
     );
     // One (batch, kv head) unit and many key tiles: the tiles are dealt to several tasks.
-    check(&backend, "heads = 8, kv_heads = 1, head_dim = 32, mask = causal", 1, 300, 300, 0);
+    check(
+        &backend,
+        "heads = 8, kv_heads = 1, head_dim = 32, mask = causal",
+        1,
+        300,
+        300,
+        0,
+    );
     for d in [16, 40, 96, 128, 256] {
         check(
             &backend,

@@ -9,11 +9,12 @@ use super::abi::{GradTileArgs, RotateArgs};
 use super::emit::{Refs, field, rotate, scale_row};
 use super::fx::Fx;
 use super::score::{GroupEnv, RowEnv, ScoreLowering, Tables, Uniforms};
-use crate::plan::{K_TILE, KernelPlan, TileCode, TileMasking};
+use super::step::kept_lanes;
+use crate::plan::{K_TILE, KernelPlan, TileCode};
 use attn_dsl::modifier::Expr;
 use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
-use cranelift_codegen::ir::types::{F32, F32X4, I32, I32X4, I64};
-use cranelift_codegen::ir::{InstBuilder, MemFlagsData, Value};
+use cranelift_codegen::ir::types::{F32, F32X4, I64};
+use cranelift_codegen::ir::{InstBuilder, Value};
 
 /// `rotate_rows(args: *const RotateArgs)`.
 pub(super) fn rotate_rows(fx: &mut Fx, plan: &KernelPlan, args: Value) {
@@ -169,8 +170,6 @@ impl RowPass {
         uniforms: &Uniforms,
         masked: bool,
     ) {
-        let needs_mask_program = !matches!(plan.masking, TileMasking::Unmasked);
-        let lane_index = fx.vconst4(I32X4, [0, 1, 2, 3]);
         let (z, end) = (fx.i64(0), fx.i64(i64::from(K_TILE)));
         fx.for_range(z, end, 4, |fx, c| {
             let ps = fx.elem(self.s_row, c);
@@ -194,19 +193,7 @@ impl RowPass {
             let weighted = fx.b.ins().fmul(p, centered);
             let mut ds = fx.b.ins().fmul(weighted, slope);
             if masked {
-                // Lane i is inside while i < key_end - key_index0 (clamped to 0..=4).
-                let left = fx.b.ins().isub(self.key_end, g.key_index0);
-                let (lo, hi) = (fx.i64(0), fx.i64(4));
-                let left = fx.b.ins().smax(left, lo);
-                let left = fx.b.ins().smin(left, hi);
-                let left = fx.b.ins().ireduce(I32, left);
-                let left = fx.b.ins().splat(I32X4, left);
-                let mut keep = fx.b.ins().icmp(IntCC::SignedLessThan, lane_index, left);
-                if needs_mask_program {
-                    let mask = lowering.mask4(fx, uniforms, &g, &plan.program.mask);
-                    keep = fx.b.ins().band(keep, mask);
-                }
-                let keep = fx.b.ins().bitcast(F32X4, MemFlagsData::new(), keep);
+                let keep = kept_lanes(fx, plan, &mut lowering, uniforms, &g, self.key_end);
                 let zero4 = fx.f32x4(0.0);
                 p = fx.b.ins().bitselect(keep, p, zero4);
                 ds = fx.b.ins().bitselect(keep, ds, zero4);

@@ -340,6 +340,32 @@ pub(super) fn softmax_step(
         .call(refs.pv, &[p, rows, cols, k.v, k.v_stride, acc, v_dim_v]);
 }
 
+/// The lanes of a group of four keys that are kept, as an f32x4 bit mask for `bitselect`: lane
+/// `i` is inside the sequence while `i < key_end - key_index0` (clamped to 0..=4 to fit 32 bits),
+/// and the plan's mask program keeps it.
+pub(super) fn kept_lanes(
+    fx: &mut Fx,
+    plan: &KernelPlan,
+    lowering: &mut ScoreLowering,
+    uniforms: &super::score::Uniforms,
+    g: &GroupEnv,
+    key_end: Value,
+) -> Value {
+    let lane_index = fx.vconst4(I32X4, [0, 1, 2, 3]);
+    let left = fx.b.ins().isub(key_end, g.key_index0);
+    let (lo, hi) = (fx.i64(0), fx.i64(4));
+    let left = fx.b.ins().smax(left, lo);
+    let left = fx.b.ins().smin(left, hi);
+    let left = fx.b.ins().ireduce(I32, left);
+    let left = fx.b.ins().splat(I32X4, left);
+    let mut keep = fx.b.ins().icmp(IntCC::SignedLessThan, lane_index, left);
+    if !matches!(plan.masking, TileMasking::Unmasked) {
+        let mask = lowering.mask4(fx, uniforms, g, &plan.program.mask);
+        keep = fx.b.ins().band(keep, mask);
+    }
+    fx.b.ins().bitcast(F32X4, MemFlagsData::new(), keep)
+}
+
 struct ScorePass {
     s_row: Value,
     tile_key_pos: Value,
@@ -359,8 +385,6 @@ fn score_pass(
     pass: &ScorePass,
     masked: bool,
 ) {
-    let needs_mask_program = !matches!(plan.masking, TileMasking::Unmasked);
-    let lane_index = fx.vconst4(I32X4, [0, 1, 2, 3]);
     let (z, end) = (fx.i64(0), fx.i64(i64::from(K_TILE)));
     // Two groups per iteration, as in pass 2.
     fx.for_range(z, end, 8, |fx, c| {
@@ -379,20 +403,8 @@ fn score_pass(
             };
             let mut value = lowering.float4(fx, uniforms, &g, &plan.program.score);
             if masked {
-                // Keys past the end of the sequence, and keys the mask drops, get -inf: lane i
-                // is inside while i < key_end - key_index0 (clamped to 0..=4 to fit 32 bits).
-                let left = fx.b.ins().isub(pass.key_end, g.key_index0);
-                let (lo, hi) = (fx.i64(0), fx.i64(4));
-                let left = fx.b.ins().smax(left, lo);
-                let left = fx.b.ins().smin(left, hi);
-                let left = fx.b.ins().ireduce(I32, left);
-                let left = fx.b.ins().splat(I32X4, left);
-                let mut keep = fx.b.ins().icmp(IntCC::SignedLessThan, lane_index, left);
-                if needs_mask_program {
-                    let mask = lowering.mask4(fx, uniforms, &g, &plan.program.mask);
-                    keep = fx.b.ins().band(keep, mask);
-                }
-                let keep = fx.b.ins().bitcast(F32X4, MemFlagsData::new(), keep);
+                // Keys past the end of the sequence, and keys the mask drops, get -inf.
+                let keep = kept_lanes(fx, plan, &mut lowering, uniforms, &g, pass.key_end);
                 let neg_inf = fx.f32x4(f32::NEG_INFINITY);
                 value = fx.b.ins().bitselect(keep, value, neg_inf);
             }

@@ -52,51 +52,15 @@ enum Command {
     /// Run attention on the CPU: read q, k, v (MLA: q_nope, q_pe, c_kv, k_pe, w_kv_b) from a
     /// safetensors file, write `out` and `lse` to another.
     Run {
-        /// The spec, in the spec language, or @FILE to read it from a file.
-        #[arg(long, allow_hyphen_values = true)]
-        spec: String,
-        /// Input safetensors file (BHSD tensors in the spec's dtype).
-        #[arg(long, value_name = "FILE")]
-        input: std::path::PathBuf,
-        /// Output safetensors file.
-        #[arg(long, value_name = "FILE")]
-        output: std::path::PathBuf,
-        /// Position of key 0.
-        #[arg(
-            long,
-            value_name = "N",
-            default_value_t = 0,
-            allow_negative_numbers = true
-        )]
-        position_offset: i64,
-        /// The backend.
-        #[arg(long, value_enum, default_value_t = run::Backend::Cpu)]
-        backend: run::Backend,
+        #[command(flatten)]
+        files: TensorFiles,
     },
     /// Gradients of attention: read q, k, v and dout (the gradient of the loss with respect to
     /// the output) from a safetensors file; run the forward (which saves out and lse) and the
     /// backward; write dq, dk, dv (input dtype), out and lse to another.
     Grad {
-        /// The spec, in the spec language, or @FILE to read it from a file.
-        #[arg(long, allow_hyphen_values = true)]
-        spec: String,
-        /// Input safetensors file (BHSD tensors q, k, v, dout in the spec's dtype).
-        #[arg(long, value_name = "FILE")]
-        input: std::path::PathBuf,
-        /// Output safetensors file.
-        #[arg(long, value_name = "FILE")]
-        output: std::path::PathBuf,
-        /// Position of key 0.
-        #[arg(
-            long,
-            value_name = "N",
-            default_value_t = 0,
-            allow_negative_numbers = true
-        )]
-        position_offset: i64,
-        /// The backend (the backward pass runs on cpu; the others say so).
-        #[arg(long, value_enum, default_value_t = run::Backend::Cpu)]
-        backend: run::Backend,
+        #[command(flatten)]
+        files: TensorFiles,
     },
     /// Time the forward kernel of a spec on random inputs: median ms, GFLOP/s (4 B Hq Sq Skv D,
     /// halved for causal masks) and the kernel's compile time (on cuda: PTX emitted and loaded).
@@ -291,6 +255,31 @@ enum Command {
     },
 }
 
+/// What `attnc run` and `attnc grad` read and write.
+#[derive(clap::Args)]
+struct TensorFiles {
+    /// The spec, in the spec language, or @FILE to read it from a file.
+    #[arg(long, allow_hyphen_values = true)]
+    spec: String,
+    /// Input safetensors file (BHSD tensors in the spec's dtype).
+    #[arg(long, value_name = "FILE")]
+    input: std::path::PathBuf,
+    /// Output safetensors file.
+    #[arg(long, value_name = "FILE")]
+    output: std::path::PathBuf,
+    /// Position of key 0.
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 0,
+        allow_negative_numbers = true
+    )]
+    position_offset: i64,
+    /// The backend (the backward pass runs on cpu only for now; the others say so).
+    #[arg(long, value_enum, default_value_t = run::Backend::Cpu)]
+    backend: run::Backend,
+}
+
 /// A number of seconds for `attnc peak`: finite, more than 0 and at most a minute.
 fn seconds_in_range(text: &str) -> Result<f64, String> {
     match text.parse::<f64>() {
@@ -328,25 +317,13 @@ fn main() -> ExitCode {
                 ir::report(&spec, seq.map(|sq| (sq, kv_len.unwrap_or(sq))), grad)
             );
         }),
-        Command::Run {
-            spec,
-            input,
-            output,
-            position_offset,
-            backend,
-        } => spec_arg::load(&spec).and_then(|(spec, _)| {
-            run::run(&spec, &input, &output, position_offset, backend)
+        Command::Run { files: f } => spec_arg::load(&f.spec).and_then(|(spec, _)| {
+            run::run(&spec, &f.input, &f.output, f.position_offset, f.backend)
                 .map(|summary| println!("{summary}"))
                 .map_err(|e| format!("error: {e}"))
         }),
-        Command::Grad {
-            spec,
-            input,
-            output,
-            position_offset,
-            backend,
-        } => spec_arg::load(&spec).and_then(|(spec, _)| {
-            run::grad(&spec, &input, &output, position_offset, backend)
+        Command::Grad { files: f } => spec_arg::load(&f.spec).and_then(|(spec, _)| {
+            run::grad(&spec, &f.input, &f.output, f.position_offset, f.backend)
                 .map(|summary| println!("{summary}"))
                 .map_err(|e| format!("error: {e}"))
         }),
