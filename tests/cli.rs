@@ -822,7 +822,7 @@ fn grad_rejects_bad_inputs_with_exit_code_2() {
         "{}",
         stderr(&o)
     );
-    // MLA and the GPU backends say what is missing.
+    // MLA says what is missing.
     let o = attnc(&[
         "grad",
         "--spec",
@@ -834,23 +834,56 @@ fn grad_rejects_bad_inputs_with_exit_code_2() {
     ]);
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("MLA"), "{}", stderr(&o));
+}
+
+#[test]
+fn grad_runs_on_the_gpu_interpreter() {
+    let golden = format!(
+        "{}/tests/fixtures/gradients/top_left_sq_gt_skv_f32.safetensors",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let out = temp("grad-gpu-sim.safetensors");
     let o = attnc(&[
         "grad",
         "--spec",
-        "heads = 4, head_dim = 64, mask = causal",
+        "heads = 2, head_dim = 16, mask = causal(top_left)",
         "--input",
         &golden,
         "--output",
-        out,
+        out.to_str().unwrap(),
         "--backend",
         "gpu-sim",
     ]);
-    assert_eq!(o.status.code(), Some(2));
-    assert!(
-        stderr(&o).contains("not implemented on the gpu-sim backend"),
-        "{}",
-        stderr(&o)
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let (got_bytes, want_bytes) = (
+        std::fs::read(&out).unwrap(),
+        std::fs::read(&golden).unwrap(),
     );
+    let got = safetensors::SafeTensors::deserialize(&got_bytes).unwrap();
+    let want = safetensors::SafeTensors::deserialize(&want_bytes).unwrap();
+    for name in ["dq", "dk", "dv"] {
+        let g: Vec<f32> = got
+            .tensor(name)
+            .unwrap()
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        let w: Vec<f64> = want
+            .tensor(name)
+            .unwrap()
+            .data()
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(g.len(), w.len());
+        for (g, w) in g.iter().zip(&w) {
+            assert!(
+                (f64::from(*g) - w).abs() <= 1e-4 + 1e-3 * w.abs(),
+                "{name}: {g} vs {w}"
+            );
+        }
+    }
 }
 
 #[test]

@@ -142,15 +142,8 @@ pub trait Backend: Send + Sync {
         options: DecodeOptions,
     ) -> Result<Output, RuntimeError>;
 
-    /// Gradients of attention for a per-head variant (see [`CpuBackend::backward`]). Backends
-    /// without a backward kernel say so.
-    fn backward(&self, variant: &Variant, x: &BackwardInputs) -> Result<Gradients, RuntimeError> {
-        let _ = (variant, x);
-        Err(RuntimeError::Spec(format!(
-            "the backward pass is not implemented on the {} backend yet; allowed: --backend cpu",
-            self.name()
-        )))
-    }
+    /// Gradients of attention for a per-head variant (see [`CpuBackend::backward`]).
+    fn backward(&self, variant: &Variant, x: &BackwardInputs) -> Result<Gradients, RuntimeError>;
 
     /// Where a model's norms, activations, residual adds, embedding lookups and greedy choice
     /// run on this backend (the CPU unless a backend says otherwise).
@@ -229,6 +222,10 @@ impl Backend for gpu::cuda::CudaBackend {
         "cuda"
     }
 
+    fn backward(&self, variant: &Variant, x: &BackwardInputs) -> Result<Gradients, RuntimeError> {
+        gpu::cuda::CudaBackend::backward(self, variant, x)
+    }
+
     fn forward(
         &self,
         variant: &Variant,
@@ -291,6 +288,10 @@ pub struct GpuInterpreter;
 impl Backend for GpuInterpreter {
     fn name(&self) -> &'static str {
         "gpu-sim"
+    }
+
+    fn backward(&self, variant: &Variant, x: &BackwardInputs) -> Result<Gradients, RuntimeError> {
+        gpu::backward_emulated(variant, x)
     }
 
     fn forward(

@@ -2,9 +2,10 @@
 //! launched through cudarc. Without a driver, [`CudaBackend::new`] is a clean error.
 
 use super::GpuCall;
+use super::backward::{BackwardCall, Prepared};
 use super::decode::{self, DecodeLaunch};
 use super::pages::PagedSegments;
-use crate::backend::{DecodeOptions, MlaQueries, MlaTensors, Output};
+use crate::backend::{BackwardInputs, DecodeOptions, Gradients, MlaQueries, MlaTensors, Output};
 use crate::cache::{KvCache, MirrorSync, SeqId};
 use crate::error::RuntimeError;
 use crate::host::checks::finish;
@@ -488,6 +489,79 @@ impl CudaBackend {
         }
         loaded.insert(key, (Arc::clone(kernel), f.clone()));
         Ok(f)
+    }
+
+    /// Gradients through the GPU backward kernels (delta, dq, dk and dv; see
+    /// `codegen::gpu::backward`): inputs uploaded as f32, three launches, gradients downloaded.
+    pub fn backward(
+        &self,
+        variant: &Variant,
+        x: &BackwardInputs,
+    ) -> Result<Gradients, RuntimeError> {
+        let call = match BackwardCall::prepare(variant, x)? {
+            Prepared::Launch(call) => call,
+            Prepared::Empty(zeros) => return Ok(zeros),
+        };
+        let s = &self.stream;
+        let upload = |v: &[f32]| {
+            s.clone_htod(if v.is_empty() { &[0f32][..] } else { v })
+                .map_err(device)
+        };
+        let mut inputs = Vec::with_capacity(6);
+        for values in &call.inputs {
+            inputs.push(upload(values)?);
+        }
+        let tables = [upload(&call.rope_cos)?, upload(&call.rope_sin)?];
+        let lens = call.output_lens();
+        let mut outputs = Vec::with_capacity(4);
+        for n in [call.inputs[4].len(), lens[0], lens[1], lens[2]] {
+            outputs.push(s.alloc_zeros::<f32>(n.max(1)).map_err(device)?);
+        }
+        {
+            let read: Vec<_> = inputs
+                .iter()
+                .chain(&tables)
+                .map(|b| b.device_ptr(s))
+                .collect();
+            let written: Vec<_> = outputs.iter_mut().map(|b| b.device_ptr_mut(s)).collect();
+            let address = |i: usize| read[i].0 as i64;
+            let record = call.record(
+                [0, 1, 2, 3, 4, 5].map(address),
+                [0, 1, 2, 3].map(|i| written[i].0 as i64),
+                [address(6), address(7)],
+            );
+            for (kernel, grid) in call.kernels.iter().zip(call.grids) {
+                let f = self.load(kernel)?;
+                let config = LaunchConfig {
+                    grid_dim: (grid[0], grid[1], grid[2]),
+                    block_dim: (kernel.threads, 1, 1),
+                    shared_mem_bytes: dynamic_shared_bytes(kernel),
+                };
+                let values = bind(kernel, &record).map_err(RuntimeError::Data)?;
+                let mut launch = s.launch_builder(&f);
+                for value in &values {
+                    launch.arg(value);
+                }
+                // SAFETY: `bind` checked that the kernel's parameters are the record's fields,
+                // in order, all 64-bit: device addresses of the buffers above, each of the size
+                // the kernel indexes (the call's tensors as f32, one delta per query row, the
+                // gradients, the RoPE tables), held by the guards in `read` and `written` until
+                // the launches are queued, and i64 scalars; the grid and CTA size are the ones
+                // the kernel was lowered for.
+                unsafe { launch.launch(config) }.map_err(device)?;
+            }
+        }
+        let mut grads = Vec::with_capacity(3);
+        for (buffer, n) in outputs[1..].iter().zip(lens) {
+            let mut values = s.clone_dtoh(buffer).map_err(device)?;
+            values.truncate(n);
+            grads.push(values);
+        }
+        s.synchronize().map_err(device)?;
+        let [dq, dk, dv]: [Vec<f32>; 3] = grads
+            .try_into()
+            .map_err(|_| device("internal: three gradients expected"))?;
+        call.finish([dq, dk, dv])
     }
 
     /// Launches a prepared call and waits for its outputs.

@@ -3,6 +3,7 @@
 //! codegen's GPU IR interpreter ([`GpuCall::run_emulated`]), which executes exactly the kernel a
 //! device would and so tests this runtime path without a GPU.
 
+pub(crate) mod backward;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 #[cfg(feature = "cuda")]
@@ -11,6 +12,7 @@ mod decode;
 pub mod layers;
 mod pages;
 
+pub(crate) use backward::backward_emulated;
 pub use decode::{attend_ragged_emulated, decode_emulated, decode_mla_emulated};
 pub(crate) use decode::{attend_ragged_with, decode_mla_with, decode_with, emulate};
 

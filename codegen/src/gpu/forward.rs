@@ -108,7 +108,14 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         body.push(Stmt::Set(qi, load(Space::Global, Ty::F32, addr)));
     }
     if let Some(rope) = &plan.rope {
-        body.extend(rotate(&mut r, rope, &q, reg(qpos)));
+        body.extend(rotate(
+            &mut r,
+            rope,
+            &q,
+            reg(qpos),
+            &rope_params(param),
+            false,
+        ));
     }
     let (m, l, acc) = scaled_q_and_running_state(plan, &mut r, &mut body, &q, dv);
 
@@ -223,7 +230,14 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
             param("p0"),
             bin(Bin::Min, reg(key_l), sub(param("skv"), i64(1))),
         );
-        stage.extend(rotate(&mut r, rope, &kv_tmp, pos));
+        stage.extend(rotate(
+            &mut r,
+            rope,
+            &kv_tmp,
+            pos,
+            &rope_params(param),
+            false,
+        ));
         for (i, &ki) in kv_tmp.iter().enumerate() {
             let addr = add(mul(tid.clone(), i64(d * 4)), i64(k_sh + 4 * i as i64));
             stage.push(Stmt::Store(Space::Shared, addr, reg(ki)));
@@ -525,9 +539,23 @@ pub(super) fn lse_of_half(m: Expr, l: Expr) -> Expr {
     )
 }
 
+/// A kernel's RoPE table parameters, `[rope_cos, rope_sin, rope_pos0]`, from its launch
+/// record's `param` lookup.
+pub(super) fn rope_params(param: impl Fn(&str) -> Expr) -> [Expr; 3] {
+    [param("rope_cos"), param("rope_sin"), param("rope_pos0")]
+}
+
 /// RoPE on a row held in registers, at position `pos`, from the per-position cos/sin tables
-/// (`rope_cos`, `rope_sin`: rows of `dim / 2` f32 from position `rope_pos0`).
-fn rotate(r: &mut Regs, rope: &RopePrologue, row: &[Reg], pos: Expr) -> Vec<Stmt> {
+/// `[cos, sin, pos0]` (rows of `dim / 2` f32 from position `pos0`). `inverse` applies the
+/// transposed rotation (sines negated), which takes a gradient back to the unrotated input.
+pub(super) fn rotate(
+    r: &mut Regs,
+    rope: &RopePrologue,
+    row: &[Reg],
+    pos: Expr,
+    [cos, sin, pos0]: &[Expr; 3],
+    inverse: bool,
+) -> Vec<Stmt> {
     let half = i64::from(rope.rope.dim / 2);
     let first = rope.first_dim as usize;
     let table_row = r.add("rope_row", Ty::I64);
@@ -537,20 +565,17 @@ fn rotate(r: &mut Regs, rope: &RopePrologue, row: &[Reg], pos: Expr) -> Vec<Stmt
         r.add("rot_a", Ty::F32),
         r.add("rot_b", Ty::F32),
     );
-    let mut out = vec![Stmt::Set(table_row, sub(pos, param("rope_pos0")))];
+    let mut out = vec![Stmt::Set(table_row, sub(pos, pos0.clone()))];
     for i in 0..half as usize {
         let (ia, ib) = match rope.rope.layout {
             RopeLayout::Half => (first + i, first + i + half as usize),
             RopeLayout::Interleaved => (first + 2 * i, first + 2 * i + 1),
         };
         let entry = add(mul(reg(table_row), i64(half * 4)), i64(4 * i as i64));
-        out.extend(cos_sin(
-            [c, s],
-            [param("rope_cos"), param("rope_sin")],
-            entry,
-        ));
+        out.extend(cos_sin([c, s], [cos.clone(), sin.clone()], entry));
         out.extend([Stmt::Set(a, reg(row[ia])), Stmt::Set(b, reg(row[ib]))]);
-        let (ra, rb) = rotate_pair(reg(a), reg(b), reg(c), reg(s));
+        let sine = if inverse { un(Un::Neg, reg(s)) } else { reg(s) };
+        let (ra, rb) = rotate_pair(reg(a), reg(b), reg(c), sine);
         out.extend([Stmt::Set(row[ia], ra), Stmt::Set(row[ib], rb)]);
     }
     out

@@ -158,3 +158,44 @@ launch_record! {
         v_base: Address,
     }
 }
+
+launch_record! {
+    /// A backward launch, shared by its three kernels (`backward_delta`, `backward_dq`,
+    /// `backward_dkdv`); every tensor f32 and contiguous BHSD.
+    BackwardArgs {
+        /// `[B, Hq, Sq, D]` queries, before RoPE.
+        q: Address,
+        /// `[B, Hkv, Skv, D]` keys, before RoPE.
+        k: Address,
+        /// `[B, Hkv, Skv, Dv]` values.
+        v: Address,
+        /// `[B, Hq, Sq, Dv]` the forward's output.
+        out: Address,
+        /// `[B, Hq, Sq]` the forward's log-sum-exp.
+        lse: Address,
+        /// `[B, Hq, Sq, Dv]` the loss's gradient with respect to the output.
+        dout: Address,
+        /// `[B, Hq, Sq]` `D = rowsum(dout * out)`: written by `backward_delta`, read by the others.
+        delta: Address,
+        /// `[B, Hq, Sq, D]` output.
+        dq: Address,
+        /// `[B, Hkv, Skv, D]` output.
+        dk: Address,
+        /// `[B, Hkv, Skv, Dv]` output.
+        dv: Address,
+        /// Batch.
+        batch: Scalar,
+        /// Queries per sequence.
+        sq: Scalar,
+        /// Keys per sequence.
+        skv: Scalar,
+        /// The position of key 0.
+        p0: Scalar,
+        /// RoPE cosines, rows of `rope_dim / 2` f32 from position `rope_pos0`.
+        rope_cos: Address,
+        /// RoPE sines, as `rope_cos`.
+        rope_sin: Address,
+        /// The position of the tables' first row.
+        rope_pos0: Scalar,
+    }
+}

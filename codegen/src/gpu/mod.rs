@@ -5,10 +5,12 @@
 //!
 //! [`decode`] holds the decode kernels over cache segments (split-KV): [`decode_tc`] and
 //! [`decode_wide`] (MLA) on tensor cores for 16-bit caches, a SIMT one for the rest. With the `cuda` feature, `llvm` translates
-//! the IR to LLVM IR and PTX. Still to come: `wgmma` and TMA on sm_90a.
+//! the IR to LLVM IR and PTX. [`backward`] holds the SIMT backward kernels (delta, dq, dk and
+//! dv). Still to come: the backward on tensor cores, `wgmma` and TMA on sm_90a.
 
 use crate::CodegenError;
 
+pub mod backward;
 pub mod decode;
 mod decode_mma;
 pub mod decode_tc;
@@ -119,6 +121,12 @@ pub fn simt_forward_kernel(plan: &crate::KernelPlan) -> Result<ForwardKernel, Co
         rows: forward::ROWS,
         inputs: attn_dsl::DType::F32,
     })
+}
+
+/// The backward kernels of a backward plan (delta, dq, dk and dv; see [`backward`]), verified.
+pub fn backward_kernels(plan: &crate::KernelPlan) -> Result<[ir::Kernel; 3], CodegenError> {
+    let [delta, dq, dkdv] = backward::lower(plan);
+    Ok([verified(delta)?, verified(dq)?, verified(dkdv)?])
 }
 
 /// The decode kernel of a decode plan, verified.

@@ -275,7 +275,7 @@ struct TensorFiles {
         allow_negative_numbers = true
     )]
     position_offset: i64,
-    /// The backend (the backward pass runs on cpu only for now; the others say so).
+    /// The backend.
     #[arg(long, value_enum, default_value_t = run::Backend::Cpu)]
     backend: run::Backend,
 }
@@ -359,8 +359,8 @@ fn main() -> ExitCode {
             }
             if backward && backend != run::Backend::Cpu {
                 return Err(
-                    "error: --backward is timed on the cpu backend only: the GPU backward pass \
-                     is not implemented yet"
+                    "error: --backward is timed on the cpu backend only for now: the GPU backward \
+                     kernels run (attnc grad --backend gpu-sim or cuda) but are not timed yet"
                         .to_string(),
                 );
             }

@@ -1,0 +1,695 @@
+//! A backward plan lowered to GPU IR: the SIMT f32 path (no tensor cores yet), in three kernels.
+//!
+//! - `backward_delta`: `D = rowsum(dout * out)`, one thread per query row.
+//! - `backward_dq`: one thread per query row of one (batch, head), as the forward's SIMT kernel.
+//!   Per key tile, the CTA stages K (rotated) and V in shared memory. Each thread recomputes
+//!   its row's probabilities from the saved lse and takes `dS = P (dP - D) * d score / d raw`.
+//!   It accumulates `dQ += dS K` in registers, then scales dq by the hoisted q factor and
+//!   rotates it back.
+//! - `backward_dkdv`: one thread per key of one (batch, kv head). Per query tile of each head of
+//!   the group, the CTA stages Q (rotated and scaled), dout, lse and D. Each thread accumulates
+//!   `dV += P dO` and `dK += dS Q`, summed over the group in registers. Then it rotates dk back.
+//!
+//! dQ takes a separate pass instead of atomics, for two reasons. The IR has no atomics. A
+//! separate pass also keeps the gradients deterministic. The cost is recomputing `Q K^T` and
+//! `dO V^T` once more (seven tile products instead of five). Every pair evaluates the mask: no
+//! tile is skipped yet. Inputs are contiguous BHSD f32.
+
+use super::forward::{Env, Regs, exp2_twice, key_tile, program, rope_params, rotate, special64};
+use super::ir::build::*;
+use super::ir::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty};
+use super::launch::{BackwardArgs, LaunchRecord};
+use crate::plan::{KernelPlan, PlanKind};
+use attn_dsl::modifier::Expr as M;
+
+/// Threads per CTA: query rows (`backward_delta`, `backward_dq`) or keys (`backward_dkdv`).
+pub const ROWS: u32 = 64;
+
+fn param(name: &str) -> Expr {
+    Expr::Param(BackwardArgs::position(name))
+}
+
+/// The three kernels of a backward plan, in launch order: delta, dq, dk and dv.
+pub fn lower(plan: &KernelPlan) -> [Kernel; 3] {
+    assert_eq!(
+        plan.kind,
+        PlanKind::Backward,
+        "the GPU backward kernels lower backward plans"
+    );
+    [delta(plan), dq(plan), dkdv(plan)]
+}
+
+/// The grids of the three kernels for a call of `[batch, Sq, Skv]`.
+pub fn grids(plan: &KernelPlan, [b, sq, skv]: [usize; 3]) -> [[u32; 3]; 3] {
+    let rows = ROWS as usize;
+    let (hq, hkv) = (plan.shape.heads, plan.shape.kv_heads);
+    [
+        [(b * hq as usize * sq).div_ceil(rows) as u32, 1, 1],
+        [sq.div_ceil(rows) as u32, hq, b as u32],
+        [skv.div_ceil(rows) as u32, hkv, b as u32],
+    ]
+}
+
+fn kernel(name: &str, r: Regs, shared_bytes: i64, body: Vec<Stmt>) -> Kernel {
+    Kernel {
+        name: name.into(),
+        params: BackwardArgs::params(),
+        regs: r.list,
+        shared_bytes: shared_bytes as u32,
+        threads: ROWS,
+        ctas_per_sm: 1,
+        body,
+    }
+}
+
+/// `regs[c] = base[row * width + c]` for every `c` (f32, global).
+fn load_row(regs: &[Reg], base: Expr, row: Expr) -> Vec<Stmt> {
+    let width = regs.len() as i64;
+    regs.iter()
+        .enumerate()
+        .map(|(c, &x)| {
+            let addr = add(
+                base.clone(),
+                add(mul(row.clone(), i64(width * 4)), i64(4 * c as i64)),
+            );
+            Stmt::Set(x, load(Space::Global, Ty::F32, addr))
+        })
+        .collect()
+}
+
+/// `base[row * width + c] = regs[c]` for every `c` (f32, global).
+fn store_row(regs: &[Reg], base: Expr, row: Expr) -> Vec<Stmt> {
+    let width = regs.len() as i64;
+    regs.iter()
+        .enumerate()
+        .map(|(c, &x)| {
+            let addr = add(
+                base.clone(),
+                add(mul(row.clone(), i64(width * 4)), i64(4 * c as i64)),
+            );
+            Stmt::Store(Space::Global, addr, reg(x))
+        })
+        .collect()
+}
+
+/// `sum_c regs[c] * shared[at + 4 c]`.
+fn dot_shared(regs: &[Reg], at: Expr) -> Expr {
+    regs.iter().enumerate().fold(f32(0.0), |acc, (c, &x)| {
+        let y = load(Space::Shared, Ty::F32, add(at.clone(), i64(4 * c as i64)));
+        fma(reg(x), y, acc)
+    })
+}
+
+/// `acc[c] += w * shared[at + 4 c]` for every `c`.
+fn axpy_shared(acc: &[Reg], w: Expr, at: Expr) -> Vec<Stmt> {
+    acc.iter()
+        .enumerate()
+        .map(|(c, &a)| {
+            let y = load(Space::Shared, Ty::F32, add(at.clone(), i64(4 * c as i64)));
+            Stmt::Set(a, fma(w.clone(), y, reg(a)))
+        })
+        .collect()
+}
+
+fn f32_regs(r: &mut Regs, name: &str, n: i64) -> Vec<Reg> {
+    (0..n)
+        .map(|i| r.add(format!("{name}{i}"), Ty::F32))
+        .collect()
+}
+
+/// Rows `first..first + tile` of a tensor (rows of `width` f32 from `base`, `count` rows in
+/// all) into shared memory at `shared`, times `factor`, zeros past `count`. Rows to rotate when
+/// the plan has RoPE: thread `t < tile` loads row `first + t` into registers, rotates it and
+/// stores it. Otherwise every thread copies elements, coalesced.
+struct Stage<'a> {
+    base: Expr,
+    first: Expr,
+    count: Expr,
+    width: i64,
+    tile: i64,
+    shared: i64,
+    factor: f32,
+    rotation: Option<Rotation<'a>>,
+}
+
+/// How staged rows rotate: through registers `tmp`, row `r` at position `pos(r)`.
+struct Rotation<'a> {
+    tmp: &'a [Reg],
+    pos: &'a dyn Fn(Expr) -> Expr,
+}
+
+fn stage(r: &mut Regs, plan: &KernelPlan, s: Stage) -> Vec<Stmt> {
+    let tid = special64(Special::Tid);
+    let rows = i64::from(ROWS);
+    let clamp = |row: Expr| bin(Bin::Min, row, sub(s.count.clone(), i64(1)));
+    let factor = s.factor;
+    match (s.rotation, &plan.rope) {
+        (Some(Rotation { tmp, pos }), Some(rope)) => {
+            let row = r.add("stage_row", Ty::I64);
+            let mut body = vec![Stmt::Set(row, add(s.first.clone(), tid.clone()))];
+            let inside = bin(Bin::Lt, reg(row), s.count.clone());
+            for (c, &x) in tmp.iter().enumerate() {
+                let addr = add(
+                    s.base.clone(),
+                    add(mul(clamp(reg(row)), i64(s.width * 4)), i64(4 * c as i64)),
+                );
+                let value = load(Space::Global, Ty::F32, addr);
+                body.push(Stmt::Set(x, select(inside.clone(), value, f32(0.0))));
+            }
+            body.extend(rotate(
+                r,
+                rope,
+                tmp,
+                pos(clamp(reg(row))),
+                &rope_params(param),
+                false,
+            ));
+            for (c, &x) in tmp.iter().enumerate() {
+                let addr = add(
+                    mul(tid.clone(), i64(s.width * 4)),
+                    i64(s.shared + 4 * c as i64),
+                );
+                body.push(Stmt::Store(Space::Shared, addr, mul(reg(x), f32(factor))));
+            }
+            vec![Stmt::If(bin(Bin::Lt, tid, i64(s.tile)), body, vec![])]
+        }
+        _ => {
+            let element = r.add("stage_element", Ty::I64);
+            let row = add(s.first.clone(), bin(Bin::Div, reg(element), i64(s.width)));
+            let src = add(
+                s.base.clone(),
+                mul(
+                    add(
+                        mul(clamp(row.clone()), i64(s.width)),
+                        bin(Bin::Rem, reg(element), i64(s.width)),
+                    ),
+                    i64(4),
+                ),
+            );
+            vec![Stmt::For {
+                reg: element,
+                start: tid,
+                end: i64(s.tile * s.width),
+                step: rows,
+                body: vec![Stmt::Store(
+                    Space::Shared,
+                    add(mul(reg(element), i64(4)), i64(s.shared)),
+                    select(
+                        bin(Bin::Lt, row, s.count),
+                        mul(load(Space::Global, Ty::F32, src), f32(factor)),
+                        f32(0.0),
+                    ),
+                )],
+            }]
+        }
+    }
+}
+
+/// `backward_delta`: `delta[row] = sum_c dout[row][c] * out[row][c]`.
+fn delta(plan: &KernelPlan) -> Kernel {
+    let dv = i64::from(plan.shape.v_dim);
+    let hq = i64::from(plan.shape.heads);
+    let mut r = Regs { list: Vec::new() };
+    let (row, acc) = (r.add("row", Ty::I64), r.add("acc", Ty::F32));
+    let mut sum = vec![Stmt::Set(acc, f32(0.0))];
+    for c in 0..dv {
+        let at = |name| {
+            let addr = add(param(name), add(mul(reg(row), i64(dv * 4)), i64(4 * c)));
+            load(Space::Global, Ty::F32, addr)
+        };
+        sum.push(Stmt::Set(acc, fma(at("dout"), at("out"), reg(acc))));
+    }
+    sum.push(Stmt::Store(
+        Space::Global,
+        at(param("delta"), reg(row), 4),
+        reg(acc),
+    ));
+    let total = mul(mul(param("batch"), i64(hq)), param("sq"));
+    let body = vec![
+        Stmt::Set(
+            row,
+            add(
+                mul(special64(Special::Ctaid(0)), i64(i64::from(ROWS))),
+                special64(Special::Tid),
+            ),
+        ),
+        Stmt::If(bin(Bin::Lt, reg(row), total), sum, vec![]),
+    ];
+    kernel("backward_delta", r, 0, body)
+}
+
+/// The score program's variables, its derivative, and whether the pair is kept, for one
+/// (query, key) pair whose raw score is in register `s`.
+struct Pair {
+    env: Env,
+    /// The key is inside the call and the row kept some key.
+    inside: Expr,
+}
+
+/// `p = 2^(2 (score - lse))` and `ds = p (dp - D) * d score / d raw`, both 0 unless kept.
+fn probabilities(
+    plan: &KernelPlan,
+    pair: &Pair,
+    lse_half: Expr,
+    dp: Expr,
+    delta: Expr,
+) -> [Expr; 2] {
+    let grad = plan
+        .score_grad
+        .as_ref()
+        .expect("backward plans have a score derivative");
+    let mut keep = pair.inside.clone();
+    if !matches!(plan.program.mask, M::Bool(true)) {
+        keep = bin(Bin::And, keep, program(&plan.program.mask, &pair.env));
+    }
+    let score = program(&plan.program.score, &pair.env);
+    let p = select(keep.clone(), exp2_twice(sub(score, lse_half)), f32(0.0));
+    let ds = mul(mul(p.clone(), sub(dp, delta)), program(grad, &pair.env));
+    [p, select(keep, ds, f32(0.0))]
+}
+
+/// `backward_dq`: one query row per thread.
+fn dq(plan: &KernelPlan) -> Kernel {
+    let (d, dv) = (i64::from(plan.shape.qk_dim), i64::from(plan.shape.v_dim));
+    let (hq, hkv) = (i64::from(plan.shape.heads), i64::from(plan.shape.kv_heads));
+    let bc = i64::from(key_tile(plan));
+    let rows = i64::from(ROWS);
+    let mut r = Regs { list: Vec::new() };
+    let mut body = Vec::new();
+    let (row, batch, head, kvh) = (
+        r.add("row", Ty::I64),
+        r.add("batch", Ty::I64),
+        r.add("head", Ty::I64),
+        r.add("kv_head", Ty::I64),
+    );
+    body.extend([
+        Stmt::Set(
+            row,
+            add(
+                mul(special64(Special::Ctaid(0)), i64(rows)),
+                special64(Special::Tid),
+            ),
+        ),
+        Stmt::Set(batch, special64(Special::Ctaid(2))),
+        Stmt::Set(head, special64(Special::Ctaid(1))),
+        Stmt::Set(kvh, bin(Bin::Div, reg(head), i64(hq / hkv))),
+    ]);
+    // Rows past Sq compute on the last row; their results are not stored.
+    let (qrow, qpos, index) = (
+        r.add("q_row", Ty::I64),
+        r.add("q_pos", Ty::I64),
+        r.add("q_index", Ty::I64),
+    );
+    body.extend([
+        Stmt::Set(qrow, bin(Bin::Min, reg(row), sub(param("sq"), i64(1)))),
+        Stmt::Set(
+            qpos,
+            add(add(param("p0"), sub(param("skv"), param("sq"))), reg(qrow)),
+        ),
+        Stmt::Set(
+            index,
+            add(
+                mul(add(mul(reg(batch), i64(hq)), reg(head)), param("sq")),
+                reg(qrow),
+            ),
+        ),
+    ]);
+    let q = f32_regs(&mut r, "q", d);
+    let go = f32_regs(&mut r, "do", dv);
+    let acc = f32_regs(&mut r, "dq", d);
+    body.extend(load_row(&q, param("q"), reg(index)));
+    if let Some(rope) = &plan.rope {
+        body.extend(rotate(
+            &mut r,
+            rope,
+            &q,
+            reg(qpos),
+            &rope_params(param),
+            false,
+        ));
+    }
+    for &x in &q {
+        body.push(Stmt::Set(x, mul(reg(x), f32(plan.q_scale as f32))));
+    }
+    body.extend(load_row(&go, param("dout"), reg(index)));
+    let (lse_half, delta_r) = (r.add("lse_half", Ty::F32), r.add("delta_row", Ty::F32));
+    body.extend([
+        Stmt::Set(
+            lse_half,
+            mul(
+                load(Space::Global, Ty::F32, at(param("lse"), reg(index), 4)),
+                f32(std::f32::consts::LOG2_E / 2.0),
+            ),
+        ),
+        Stmt::Set(
+            delta_r,
+            load(Space::Global, Ty::F32, at(param("delta"), reg(index), 4)),
+        ),
+    ]);
+    body.extend(acc.iter().map(|&a| Stmt::Set(a, f32(0.0))));
+
+    // Shared memory: K tile [bc][d] (rotated), V tile [bc][dv].
+    let (k_sh, v_sh) = (0, bc * d * 4);
+    let kv_row0 = mul(add(mul(reg(batch), i64(hkv)), reg(kvh)), param("skv"));
+    let (t, j, key, s, dp) = (
+        r.add("tile", Ty::I64),
+        r.add("j", Ty::I64),
+        r.add("key", Ty::I64),
+        r.add("s", Ty::F32),
+        r.add("dp", Ty::F32),
+    );
+    let (p, ds) = (r.add("p", Ty::F32), r.add("ds", Ty::F32));
+    let first = mul(reg(t), i64(bc));
+    let k_tmp = f32_regs(&mut r, "k", d);
+    let key_pos = |row: Expr| add(param("p0"), row);
+    let mut tile = stage(
+        &mut r,
+        plan,
+        Stage {
+            base: add(param("k"), mul(kv_row0.clone(), i64(d * 4))),
+            first: first.clone(),
+            count: param("skv"),
+            width: d,
+            tile: bc,
+            shared: k_sh,
+            factor: 1.0,
+            rotation: Some(Rotation {
+                tmp: &k_tmp,
+                pos: &key_pos,
+            }),
+        },
+    );
+    tile.extend(stage(
+        &mut r,
+        plan,
+        Stage {
+            base: add(param("v"), mul(kv_row0, i64(dv * 4))),
+            first: first.clone(),
+            count: param("skv"),
+            width: dv,
+            tile: bc,
+            shared: v_sh,
+            factor: 1.0,
+            rotation: None,
+        },
+    ));
+    tile.push(Stmt::Barrier);
+    let pair = Pair {
+        env: Env {
+            score: reg(s),
+            batch: reg(batch),
+            head: reg(head),
+            query: reg(qpos),
+            key: add(param("p0"), reg(key)),
+            query_index: reg(qrow),
+            key_index: reg(key),
+        },
+        inside: bin(
+            Bin::And,
+            bin(Bin::Lt, reg(key), param("skv")),
+            bin(Bin::Ne, reg(lse_half), f32(f32::NEG_INFINITY)),
+        ),
+    };
+    let [pv, dsv] = probabilities(plan, &pair, reg(lse_half), reg(dp), reg(delta_r));
+    let mut per_key = vec![
+        Stmt::Set(key, add(first.clone(), reg(j))),
+        Stmt::Set(s, dot_shared(&q, add(mul(reg(j), i64(d * 4)), i64(k_sh)))),
+        Stmt::Set(
+            dp,
+            dot_shared(&go, add(mul(reg(j), i64(dv * 4)), i64(v_sh))),
+        ),
+        Stmt::Set(p, pv),
+        Stmt::Set(ds, dsv),
+    ];
+    per_key.extend(axpy_shared(
+        &acc,
+        reg(ds),
+        add(mul(reg(j), i64(d * 4)), i64(k_sh)),
+    ));
+    tile.push(Stmt::For {
+        reg: j,
+        start: i64(0),
+        end: i64(bc),
+        step: 1,
+        body: per_key,
+    });
+    tile.push(Stmt::Barrier);
+    body.push(Stmt::For {
+        reg: t,
+        start: i64(0),
+        end: bin(Bin::Div, add(param("skv"), i64(bc - 1)), i64(bc)),
+        step: 1,
+        body: tile,
+    });
+
+    // dq = q_scale * sum dS K, rotated back to the unrotated q.
+    let mut store = acc
+        .iter()
+        .map(|&a| Stmt::Set(a, mul(reg(a), f32(plan.q_scale as f32))))
+        .collect::<Vec<_>>();
+    if let Some(rope) = &plan.rope {
+        store.extend(rotate(
+            &mut r,
+            rope,
+            &acc,
+            reg(qpos),
+            &rope_params(param),
+            true,
+        ));
+    }
+    store.extend(store_row(&acc, param("dq"), reg(index)));
+    body.push(Stmt::If(bin(Bin::Lt, reg(row), param("sq")), store, vec![]));
+    kernel("backward_dq", r, bc * (d + dv) * 4, body)
+}
+
+/// `backward_dkdv`: one key per thread, every query of its group's heads.
+fn dkdv(plan: &KernelPlan) -> Kernel {
+    let (d, dv) = (i64::from(plan.shape.qk_dim), i64::from(plan.shape.v_dim));
+    let (hq, hkv) = (i64::from(plan.shape.heads), i64::from(plan.shape.kv_heads));
+    let group = hq / hkv;
+    let bq = i64::from(key_tile(plan));
+    let rows = i64::from(ROWS);
+    let mut r = Regs { list: Vec::new() };
+    let mut body = Vec::new();
+    let (row, batch, kvh) = (
+        r.add("key_row", Ty::I64),
+        r.add("batch", Ty::I64),
+        r.add("kv_head", Ty::I64),
+    );
+    body.extend([
+        Stmt::Set(
+            row,
+            add(
+                mul(special64(Special::Ctaid(0)), i64(rows)),
+                special64(Special::Tid),
+            ),
+        ),
+        Stmt::Set(batch, special64(Special::Ctaid(2))),
+        Stmt::Set(kvh, special64(Special::Ctaid(1))),
+    ]);
+    // Keys past Skv compute on the last key; their results are not stored.
+    let (krow, kpos, index) = (
+        r.add("k_row", Ty::I64),
+        r.add("k_pos", Ty::I64),
+        r.add("k_index", Ty::I64),
+    );
+    body.extend([
+        Stmt::Set(krow, bin(Bin::Min, reg(row), sub(param("skv"), i64(1)))),
+        Stmt::Set(kpos, add(param("p0"), reg(krow))),
+        Stmt::Set(
+            index,
+            add(
+                mul(add(mul(reg(batch), i64(hkv)), reg(kvh)), param("skv")),
+                reg(krow),
+            ),
+        ),
+    ]);
+    let k = f32_regs(&mut r, "k", d);
+    let v = f32_regs(&mut r, "v", dv);
+    let dk = f32_regs(&mut r, "dk", d);
+    let dvr = f32_regs(&mut r, "dv", dv);
+    body.extend(load_row(&k, param("k"), reg(index)));
+    if let Some(rope) = &plan.rope {
+        body.extend(rotate(
+            &mut r,
+            rope,
+            &k,
+            reg(kpos),
+            &rope_params(param),
+            false,
+        ));
+    }
+    body.extend(load_row(&v, param("v"), reg(index)));
+    body.extend(dk.iter().chain(&dvr).map(|&a| Stmt::Set(a, f32(0.0))));
+
+    // Shared memory: Q tile [bq][d] (rotated, scaled), dO tile [bq][dv], lse (half base 2) and
+    // D per row.
+    let (q_sh, do_sh) = (0, bq * d * 4);
+    let lse_sh = do_sh + bq * dv * 4;
+    let delta_sh = lse_sh + bq * 4;
+    let (h, head, t, i, qi) = (
+        r.add("h", Ty::I64),
+        r.add("head", Ty::I64),
+        r.add("tile", Ty::I64),
+        r.add("i", Ty::I64),
+        r.add("query", Ty::I64),
+    );
+    let (s, dp, p, ds) = (
+        r.add("s", Ty::F32),
+        r.add("dp", Ty::F32),
+        r.add("p", Ty::F32),
+        r.add("ds", Ty::F32),
+    );
+    let first = mul(reg(t), i64(bq));
+    let head_row0 = mul(add(mul(reg(batch), i64(hq)), reg(head)), param("sq"));
+    let q_offset = sub(param("skv"), param("sq"));
+    let q_pos = |row: Expr| add(add(param("p0"), q_offset.clone()), row);
+    let q_tmp = f32_regs(&mut r, "q", d);
+    let mut tile = stage(
+        &mut r,
+        plan,
+        Stage {
+            base: add(param("q"), mul(head_row0.clone(), i64(d * 4))),
+            first: first.clone(),
+            count: param("sq"),
+            width: d,
+            tile: bq,
+            shared: q_sh,
+            factor: plan.q_scale as f32,
+            rotation: Some(Rotation {
+                tmp: &q_tmp,
+                pos: &q_pos,
+            }),
+        },
+    );
+    tile.extend(stage(
+        &mut r,
+        plan,
+        Stage {
+            base: add(param("dout"), mul(head_row0.clone(), i64(dv * 4))),
+            first: first.clone(),
+            count: param("sq"),
+            width: dv,
+            tile: bq,
+            shared: do_sh,
+            factor: 1.0,
+            rotation: None,
+        },
+    ));
+    // lse (half base 2) and D of the tile's rows, by threads 0..bq.
+    let tid = special64(Special::Tid);
+    let staged_row = r.add("staged_row", Ty::I64);
+    let stats_at = add(
+        head_row0,
+        bin(Bin::Min, reg(staged_row), sub(param("sq"), i64(1))),
+    );
+    tile.push(Stmt::If(
+        bin(Bin::Lt, tid.clone(), i64(bq)),
+        vec![
+            Stmt::Set(staged_row, add(first.clone(), tid.clone())),
+            Stmt::Store(
+                Space::Shared,
+                add(mul(tid.clone(), i64(4)), i64(lse_sh)),
+                mul(
+                    load(
+                        Space::Global,
+                        Ty::F32,
+                        at(param("lse"), stats_at.clone(), 4),
+                    ),
+                    f32(std::f32::consts::LOG2_E / 2.0),
+                ),
+            ),
+            Stmt::Store(
+                Space::Shared,
+                add(mul(tid, i64(4)), i64(delta_sh)),
+                load(Space::Global, Ty::F32, at(param("delta"), stats_at, 4)),
+            ),
+        ],
+        vec![],
+    ));
+    tile.push(Stmt::Barrier);
+    let lse_i = load(
+        Space::Shared,
+        Ty::F32,
+        add(mul(reg(i), i64(4)), i64(lse_sh)),
+    );
+    let delta_i = load(
+        Space::Shared,
+        Ty::F32,
+        add(mul(reg(i), i64(4)), i64(delta_sh)),
+    );
+    let pair = Pair {
+        env: Env {
+            score: reg(s),
+            batch: reg(batch),
+            head: reg(head),
+            query: q_pos(reg(qi)),
+            key: reg(kpos),
+            query_index: reg(qi),
+            key_index: reg(krow),
+        },
+        inside: bin(
+            Bin::And,
+            bin(Bin::Lt, reg(qi), param("sq")),
+            bin(Bin::Ne, lse_i.clone(), f32(f32::NEG_INFINITY)),
+        ),
+    };
+    let [pv, dsv] = probabilities(plan, &pair, lse_i, reg(dp), delta_i);
+    let q_at = add(mul(reg(i), i64(d * 4)), i64(q_sh));
+    let do_at = add(mul(reg(i), i64(dv * 4)), i64(do_sh));
+    let mut per_query = vec![
+        Stmt::Set(qi, add(first.clone(), reg(i))),
+        Stmt::Set(s, dot_shared(&k, q_at.clone())),
+        Stmt::Set(dp, dot_shared(&v, do_at.clone())),
+        Stmt::Set(p, pv),
+        Stmt::Set(ds, dsv),
+    ];
+    per_query.extend(axpy_shared(&dvr, reg(p), do_at));
+    per_query.extend(axpy_shared(&dk, reg(ds), q_at));
+    tile.push(Stmt::For {
+        reg: i,
+        start: i64(0),
+        end: i64(bq),
+        step: 1,
+        body: per_query,
+    });
+    tile.push(Stmt::Barrier);
+    let per_head = vec![
+        Stmt::Set(head, add(mul(reg(kvh), i64(group)), reg(h))),
+        Stmt::For {
+            reg: t,
+            start: i64(0),
+            end: bin(Bin::Div, add(param("sq"), i64(bq - 1)), i64(bq)),
+            step: 1,
+            body: tile,
+        },
+    ];
+    body.push(Stmt::For {
+        reg: h,
+        start: i64(0),
+        end: i64(group),
+        step: 1,
+        body: per_head,
+    });
+
+    // dk back to the unrotated k; both stored.
+    let mut store = Vec::new();
+    if let Some(rope) = &plan.rope {
+        store.extend(rotate(
+            &mut r,
+            rope,
+            &dk,
+            reg(kpos),
+            &rope_params(param),
+            true,
+        ));
+    }
+    store.extend(store_row(&dk, param("dk"), reg(index)));
+    store.extend(store_row(&dvr, param("dv"), reg(index)));
+    body.push(Stmt::If(
+        bin(Bin::Lt, reg(row), param("skv")),
+        store,
+        vec![],
+    ));
+    kernel("backward_dkdv", r, bq * (d + dv + 2) * 4, body)
+}
