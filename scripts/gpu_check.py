@@ -4,7 +4,9 @@
    `attnc run --backend cuda` and `attnc run --backend cpu` (the CPU backend is tested against
    attn_dsl::reference in `cargo test`); outputs and lse must agree within the dtype's tolerance,
    and for the variants written out below, also with a float64 reference computed here.
-2. Timing (on CUDA only): bf16 forward for causal, ALiBi and sliding window, head dims 64 and
+2. Gradients: every golden gradient case (tests/fixtures/gradients, PyTorch float64 autograd)
+   through `attnc grad --backend cuda`, within the case's tolerance.
+3. Timing (on CUDA only): bf16 forward for causal, ALiBi and sliding window, head dims 64 and
    128, N from 1k to 16k, 16 heads and batch 16k / N (enough CTAs to fill the chip), against
    torch.nn.functional.scaled_dot_product_attention on the same device. One table: TFLOP/s
    (4 B H N^2 D, halved for the masks) and the ratio. Then decode steps (GQA, bf16) against a
@@ -280,6 +282,41 @@ def decode_timing(attnc):
               f"{ours.get('kernel_gbps', float('nan')):.1f} GB/s of latent cache read")
 
 
+def gradients(attnc, backend):
+    """The golden gradient cases (PyTorch float64 autograd) through `attnc grad --backend`."""
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures", "gradients")
+    with open(os.path.join(root, "manifest.json")) as f:
+        cases = json.load(f)["cases"]
+    print(f"== gradients: attnc grad --backend {backend} against PyTorch float64 autograd")
+    failures = 0
+    with tempfile.TemporaryDirectory() as workdir:
+        for name, case in cases.items():
+            out = os.path.join(workdir, f"{name}.safetensors")
+            inputs = os.path.join(root, case["file"])
+            r = subprocess.run(
+                [attnc, "grad", "--spec", case["spec"], "--input", inputs, "--output", out,
+                 "--position-offset", str(case["position_offset"]), "--backend", backend],
+                capture_output=True, text=True,
+            )
+            if r.returncode != 0:
+                print(f"FAIL {name}: attnc grad failed ({r.returncode}): {r.stderr.strip()}")
+                failures += 1
+                continue
+            got, want = load_file(out), load_file(inputs)
+            errors = {g: (got[g].double() - want[g]).abs().max().item() for g in ["dq", "dk", "dv"]}
+            if case["dtype"] == "f32":
+                ok = all(
+                    ((got[g].double() - want[g]).abs() <= 1e-4 + 1e-3 * want[g].abs()).all().item()
+                    for g in errors
+                )
+            else:
+                ok = all(errors[g] <= 2 * case["torch_lowp_grad_max_abs_err"][g] for g in errors)
+            failures += not ok
+            print(f"{'ok  ' if ok else 'FAIL'} {name}: " + ", ".join(f"|{g} - f64| {e:.2e}" for g, e in errors.items()))
+    print(f"== gradients: {len(cases) - failures} of {len(cases)} pass")
+    return failures
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--attnc", required=True)
@@ -289,6 +326,7 @@ def main():
     a = p.parse_args()
     start = time.time()
     failures = differential(a.attnc, a.backend)
+    failures += gradients(a.attnc, a.backend)
     if a.backend == "cuda" and not a.skip_timing:
         if not torch.cuda.is_available():
             print("no CUDA device visible to PyTorch: timing skipped")
