@@ -77,6 +77,22 @@ fn load_row(regs: &[Reg], base: Expr, row: Expr) -> Vec<Stmt> {
         .collect()
 }
 
+/// [`load_row`], then RoPE at position `pos` when the plan has it.
+fn load_rotated_row(
+    r: &mut Regs,
+    plan: &KernelPlan,
+    regs: &[Reg],
+    base: Expr,
+    row: Expr,
+    pos: Expr,
+) -> Vec<Stmt> {
+    let mut out = load_row(regs, base, row);
+    if let Some(rope) = &plan.rope {
+        out.extend(rotate(r, rope, regs, pos, &rope_params(param), false));
+    }
+    out
+}
+
 /// `base[row * width + c] = regs[c]` for every `c` (f32, global).
 fn store_row(regs: &[Reg], base: Expr, row: Expr) -> Vec<Stmt> {
     let width = regs.len() as i64;
@@ -317,17 +333,14 @@ fn dq(plan: &KernelPlan) -> Kernel {
     let q = f32_regs(&mut r, "q", d);
     let go = f32_regs(&mut r, "do", dv);
     let acc = f32_regs(&mut r, "dq", d);
-    body.extend(load_row(&q, param("q"), reg(index)));
-    if let Some(rope) = &plan.rope {
-        body.extend(rotate(
-            &mut r,
-            rope,
-            &q,
-            reg(qpos),
-            &rope_params(param),
-            false,
-        ));
-    }
+    body.extend(load_rotated_row(
+        &mut r,
+        plan,
+        &q,
+        param("q"),
+        reg(index),
+        reg(qpos),
+    ));
     for &x in &q {
         body.push(Stmt::Set(x, mul(reg(x), f32(plan.q_scale as f32))));
     }
@@ -508,17 +521,14 @@ fn dkdv(plan: &KernelPlan) -> Kernel {
     let v = f32_regs(&mut r, "v", dv);
     let dk = f32_regs(&mut r, "dk", d);
     let dvr = f32_regs(&mut r, "dv", dv);
-    body.extend(load_row(&k, param("k"), reg(index)));
-    if let Some(rope) = &plan.rope {
-        body.extend(rotate(
-            &mut r,
-            rope,
-            &k,
-            reg(kpos),
-            &rope_params(param),
-            false,
-        ));
-    }
+    body.extend(load_rotated_row(
+        &mut r,
+        plan,
+        &k,
+        param("k"),
+        reg(index),
+        reg(kpos),
+    ));
     body.extend(load_row(&v, param("v"), reg(index)));
     body.extend(dk.iter().chain(&dvr).map(|&a| Stmt::Set(a, f32(0.0))));
 
