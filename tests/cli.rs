@@ -916,3 +916,26 @@ fn check_notes_a_piecewise_derivative_on_stderr() {
     let o = attnc(&["check", "heads = 4, head_dim = 64, softcap = 30.0"]);
     assert_eq!(stderr(&o), "");
 }
+
+#[test]
+fn bench_backward_times_on_the_cpu_and_refuses_elsewhere() {
+    let spec = "heads = 2, head_dim = 32, mask = causal";
+    let o = attnc(&[
+        "bench",
+        spec,
+        "--seq",
+        "64",
+        "--reps",
+        "1",
+        "--backward",
+        "--json",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert!(v["median_ms"].as_f64().unwrap() > 0.0);
+    for (backend, said) in [("cuda", "cpu backend only"), ("gpu-sim", "is not timed")] {
+        let o = attnc(&["bench", spec, "--backward", "--backend", backend]);
+        assert_eq!(o.status.code(), Some(2));
+        assert!(stderr(&o).contains(said), "{}", stderr(&o));
+    }
+}

@@ -25,8 +25,9 @@ pub struct Variant {
     text: String,
     forward: KernelPlan,
     decode: KernelPlan,
-    /// The backward plan, or why there is none (a score derivative too large to build).
-    backward: Result<KernelPlan, GradError>,
+    /// The backward plan, or why there is none (a score derivative too large to build): made
+    /// on first use, since most variants never train.
+    backward: OnceLock<Result<KernelPlan, GradError>>,
     cache_layout: CacheLayout,
     kernels: Mutex<HashMap<KernelKey, Arc<dyn Any + Send + Sync>>>,
 }
@@ -48,7 +49,7 @@ impl Variant {
             text: spec.to_string(),
             forward: KernelPlan::forward(&spec),
             decode: KernelPlan::decode(&spec),
-            backward: KernelPlan::backward(&spec),
+            backward: OnceLock::new(),
             cache_layout,
             spec,
             kernels: Mutex::new(HashMap::new()),
@@ -100,6 +101,7 @@ impl Variant {
     /// The plan of the backward kernel (gradients by recomputation), or why the spec has none.
     pub fn backward_plan(&self) -> Result<&KernelPlan, RuntimeError> {
         self.backward
+            .get_or_init(|| KernelPlan::backward(&self.spec))
             .as_ref()
             .map_err(|e| RuntimeError::Spec(format!("no backward pass for `{}`: {e}", self.text)))
     }

@@ -121,21 +121,9 @@ pub(super) fn grad_tile(
                 }
                 .row_uniforms(fx, &row, &exprs);
                 // A masked and an unmasked version of the row.
-                let (masked_block, full_block, join) = (
-                    fx.b.create_block(),
-                    fx.b.create_block(),
-                    fx.b.create_block(),
-                );
-                fx.b.ins()
-                    .brif(per_element, masked_block, &[], full_block, &[]);
-                for (block, masked) in [(masked_block, true), (full_block, false)] {
-                    fx.b.switch_to_block(block);
-                    fx.b.seal_block(block);
+                fx.versions(per_element, |fx, masked| {
                     row_pass.emit(fx, plan, grad, refs, tables, &uniforms, masked);
-                    fx.b.ins().jump(join, &[]);
-                }
-                fx.b.switch_to_block(join);
-                fx.b.seal_block(join);
+                });
             },
         );
     });

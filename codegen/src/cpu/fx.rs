@@ -105,6 +105,25 @@ impl<'a> Fx<'a> {
         self.b.seal_block(join);
     }
 
+    /// Two versions of the same code, `body(fx, true)` where `cond` holds and `body(fx, false)`
+    /// where it does not (a masked and an unmasked version of a row's loop).
+    pub fn versions(&mut self, cond: Value, mut body: impl FnMut(&mut Self, bool)) {
+        let (when, otherwise, join) = (
+            self.b.create_block(),
+            self.b.create_block(),
+            self.b.create_block(),
+        );
+        self.b.ins().brif(cond, when, &[], otherwise, &[]);
+        for (block, holds) in [(when, true), (otherwise, false)] {
+            self.b.switch_to_block(block);
+            self.b.seal_block(block);
+            body(self, holds);
+            self.b.ins().jump(join, &[]);
+        }
+        self.b.switch_to_block(join);
+        self.b.seal_block(join);
+    }
+
     /// `if cond { then() } else { otherwise() }`.
     pub fn if_else(
         &mut self,

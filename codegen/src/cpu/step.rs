@@ -252,16 +252,7 @@ pub(super) fn softmax_step(
             key_end: k.key_end,
             max_var,
         };
-        let (masked_block, full_block, join) = (
-            fx.b.create_block(),
-            fx.b.create_block(),
-            fx.b.create_block(),
-        );
-        fx.b.ins()
-            .brif(per_element, masked_block, &[], full_block, &[]);
-        for (block, masked) in [(masked_block, true), (full_block, false)] {
-            fx.b.switch_to_block(block);
-            fx.b.seal_block(block);
+        fx.versions(per_element, |fx, masked| {
             if masked || !identity {
                 score_pass(fx, plan, refs, tables, &uniforms, &pass, masked);
             } else {
@@ -271,10 +262,7 @@ pub(super) fn softmax_step(
                 let mx = fx.splat_f32(mx);
                 fx.b.def_var(max_var, mx);
             }
-            fx.b.ins().jump(join, &[]);
-        }
-        fx.b.switch_to_block(join);
-        fx.b.seal_block(join);
+        });
 
         // New running max; `m_use` keeps exp finite while a row has seen no kept key.
         let mx = fx.b.use_var(max_var);
