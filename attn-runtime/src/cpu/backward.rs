@@ -14,6 +14,7 @@
 use super::microkernels;
 use crate::error::RuntimeError;
 use crate::host::rope_table::RopeTables;
+use crate::memory::written_zeros;
 use attn_dsl::modifier::interval::Interval;
 use codegen::cpu::abi::{GradTileArgs, RotateArgs};
 use codegen::cpu::{CpuKernel, Entry};
@@ -21,6 +22,9 @@ use codegen::plan::{CallShape, K_TILE, KernelPlan, TileCode};
 use rayon::prelude::*;
 
 const K: usize = K_TILE as usize;
+
+/// Key tiles a task takes at a time against each query block (see `Task::run`).
+const TILE_GROUP: usize = 4;
 
 /// The inputs of one backward call as contiguous f32 BHSD arrays, and its shape.
 pub(super) struct Problem<'a> {
@@ -74,9 +78,9 @@ pub(super) fn run(
     attn_dsl::reference::check_positions(sq, skv, p0)
         .map_err(|e| RuntimeError::Data(e.to_string()))?;
     let (mut dq, mut dk, mut dvv) = (
-        vec![0f32; batch * hq * sq * d],
-        vec![0f32; batch * hkv * skv * d],
-        vec![0f32; batch * hkv * skv * dv],
+        written_zeros(batch * hq * sq * d),
+        written_zeros(batch * hkv * skv * d),
+        written_zeros(batch * hkv * skv * dv),
     );
     if batch * hq * sq == 0 || skv == 0 {
         return Ok((dq, dk, dvv));
@@ -151,7 +155,7 @@ pub(super) fn run(
         .into_par_iter()
         .map(|i| {
             let (unit, split) = (i / splits, i % splits);
-            let mut grads = vec![0f32; q_len + k_len + v_len];
+            let mut grads = written_zeros(q_len + k_len + v_len);
             let (dq, rest) = grads.split_at_mut(q_len);
             let (dk, dv) = rest.split_at_mut(k_len);
             run(task(unit / hkv, unit % hkv, split), dq, dk, dv);
@@ -188,8 +192,6 @@ const KEPT_SCRATCH: usize = 16 << 20;
 struct Scratch {
     /// The group's queries, rotated and scaled.
     q: Vec<f32>,
-    /// The group's output gradients.
-    dout: Vec<f32>,
     /// `D` per query row of the group.
     delta: Vec<f32>,
     /// The kv head's keys, rotated.
@@ -206,17 +208,10 @@ struct Scratch {
 impl Scratch {
     /// Frees the buffers when together they hold more than [`KEPT_SCRATCH`] values.
     fn trim(&mut self) {
-        let held: usize = [
-            &self.q,
-            &self.dout,
-            &self.delta,
-            &self.k,
-            &self.kt,
-            &self.vt,
-        ]
-        .iter()
-        .map(|b| b.capacity())
-        .sum();
+        let held: usize = [&self.q, &self.delta, &self.k, &self.kt, &self.vt]
+            .iter()
+            .map(|b| b.capacity())
+            .sum();
         if held > KEPT_SCRATCH {
             *self = Scratch::default();
         }
@@ -286,7 +281,6 @@ impl Task<'_> {
         };
         let Scratch {
             q,
-            dout,
             delta,
             k,
             kt,
@@ -296,14 +290,14 @@ impl Task<'_> {
             row_max,
         } = scratch;
         copy_into(q, &x.q[heads(d)]);
-        copy_into(dout, &x.dout[heads(dv)]);
+        let dout = &x.dout[heads(dv)];
         let out = &x.out[heads(dv)];
         let lse = &x.lse[heads(1)];
         delta.clear();
         delta.extend(
             dout.chunks_exact(dv)
                 .zip(out.chunks_exact(dv))
-                .map(|(g, o)| g.iter().zip(o).map(|(g, o)| g * o).sum::<f32>()),
+                .map(|(g, o)| dot(g, o)),
         );
         for h in 0..group {
             self.rotate(
@@ -322,99 +316,104 @@ impl Task<'_> {
 
         let blocks = sq.div_ceil(K);
         let (split, splits) = self.tiles;
-        // Head by head: one head's q, dout and dq rows stay in cache while its key tiles pass.
+        let tiles: Vec<usize> = (split..skv.div_ceil(K)).step_by(splits).collect();
+        // Head by head, and for each head [`TILE_GROUP`] key tiles at a time: a group's keys,
+        // values and dk, dv rows stay in L2 while the head's query blocks pass, and each query
+        // block's q, dout and dq rows are read once per group rather than once per tile.
         for h in 0..group {
             let head = h0 + h;
-            for tile in (split..skv.div_ceil(K)).step_by(splits) {
-                let first_key = tile * K;
-                let cols = (skv - first_key).min(K);
-                let keys = Interval::new(first_key as i64, (first_key + cols - 1) as i64);
-                let call = CallShape {
-                    sq: sq as i64,
-                    skv: skv as i64,
-                    p0,
-                    batch: Interval::point(self.b as i64),
-                    head: Interval::point(head as i64),
-                };
+            let call = CallShape {
+                sq: sq as i64,
+                skv: skv as i64,
+                p0,
+                batch: Interval::point(self.b as i64),
+                head: Interval::point(head as i64),
+            };
+            for tile_group in tiles.chunks(TILE_GROUP) {
                 for block in 0..blocks {
-                    let q0 = block * K;
-                    let rows = Interval::new(q0 as i64, ((q0 + K).min(sq) - 1) as i64);
-                    let code = plan.tile_code(rows, keys, call, cols == K);
-                    let live = match code {
-                        TileCode::Skip => continue,
-                        TileCode::Full => Some(rows),
-                        TileCode::Masked => plan.live_rows(rows, keys, call),
-                    };
-                    let Some(live) = live else { continue };
-                    let (r0, n) = (live.lo as usize, (live.hi - live.lo + 1) as usize);
-                    let row = h * sq + r0;
-                    // SAFETY: every pointer addresses the ranges the microkernel and
-                    // GradTileArgs contracts require: `n <= K` rows of q (`d` wide) and of dout
-                    // (`dv` wide) from row `row` of this task's arrays, one packed tile of K and
-                    // of V, `n * K` scores and dP values, `n` lse and D values, `cols` rows of
-                    // k, and `cols` / `n` rows of the dk, dv and dq accumulators.
-                    unsafe {
-                        (self.kernels.qk)(
-                            q.as_ptr().add(row * d),
-                            d as i64,
-                            n as i64,
-                            d as i64,
-                            kt.as_ptr().add(tile * d * K),
-                            s.as_mut_ptr(),
-                            row_max.as_mut_ptr(),
-                        );
-                        (self.kernels.qk)(
-                            dout.as_ptr().add(row * dv),
-                            dv as i64,
-                            n as i64,
-                            dv as i64,
-                            vt.as_ptr().add(tile * dv * K),
-                            dp.as_mut_ptr(),
-                            row_max.as_mut_ptr(),
-                        );
-                        let args = GradTileArgs {
-                            s: s.as_mut_ptr(),
-                            dp: dp.as_mut_ptr(),
-                            rows: n as i64,
-                            lse: lse.as_ptr().add(row),
-                            delta: delta.as_ptr().add(row),
-                            q_pos0: q_pos0 + r0 as i64,
-                            qi0: r0 as i64,
-                            batch: self.b as i64,
-                            head: head as i64,
-                            first_key: first_key as i64,
-                            k_pos0: p0 + first_key as i64,
-                            cols: cols as i64,
-                            code: code as i64,
+                    for &tile in tile_group {
+                        let first_key = tile * K;
+                        let cols = (skv - first_key).min(K);
+                        let keys = Interval::new(first_key as i64, (first_key + cols - 1) as i64);
+                        let q0 = block * K;
+                        let rows = Interval::new(q0 as i64, ((q0 + K).min(sq) - 1) as i64);
+                        let code = plan.tile_code(rows, keys, call, cols == K);
+                        let live = match code {
+                            TileCode::Skip => continue,
+                            TileCode::Full => Some(rows),
+                            TileCode::Masked => plan.live_rows(rows, keys, call),
                         };
-                        (self.kernels.grad_tile)(&args);
-                        (self.kernels.pt)(
-                            s.as_ptr(),
-                            cols as i64,
-                            n as i64,
-                            dout.as_ptr().add(row * dv),
-                            dv as i64,
-                            dv_acc.as_mut_ptr().add(first_key * dv),
-                            dv as i64,
-                        );
-                        (self.kernels.pt)(
-                            dp.as_ptr(),
-                            cols as i64,
-                            n as i64,
-                            q.as_ptr().add(row * d),
-                            d as i64,
-                            dk.as_mut_ptr().add(first_key * d),
-                            d as i64,
-                        );
-                        (self.kernels.pv)(
-                            dp.as_ptr(),
-                            n as i64,
-                            cols as i64,
-                            k.as_ptr().add(first_key * d),
-                            d as i64,
-                            dq.as_mut_ptr().add(row * d),
-                            d as i64,
-                        );
+                        let Some(live) = live else { continue };
+                        let (r0, n) = (live.lo as usize, (live.hi - live.lo + 1) as usize);
+                        let row = h * sq + r0;
+                        // SAFETY: every pointer addresses the ranges the microkernel and
+                        // GradTileArgs contracts require: `n <= K` rows of q (`d` wide) and of dout
+                        // (`dv` wide) from row `row` of this task's arrays, one packed tile of K and
+                        // of V, `n * K` scores and dP values, `n` lse and D values, `cols` rows of
+                        // k, and `cols` / `n` rows of the dk, dv and dq accumulators.
+                        unsafe {
+                            (self.kernels.qk)(
+                                q.as_ptr().add(row * d),
+                                d as i64,
+                                n as i64,
+                                d as i64,
+                                kt.as_ptr().add(tile * d * K),
+                                s.as_mut_ptr(),
+                                row_max.as_mut_ptr(),
+                            );
+                            (self.kernels.qk)(
+                                dout.as_ptr().add(row * dv),
+                                dv as i64,
+                                n as i64,
+                                dv as i64,
+                                vt.as_ptr().add(tile * dv * K),
+                                dp.as_mut_ptr(),
+                                row_max.as_mut_ptr(),
+                            );
+                            let args = GradTileArgs {
+                                s: s.as_mut_ptr(),
+                                dp: dp.as_mut_ptr(),
+                                rows: n as i64,
+                                lse: lse.as_ptr().add(row),
+                                delta: delta.as_ptr().add(row),
+                                q_pos0: q_pos0 + r0 as i64,
+                                qi0: r0 as i64,
+                                batch: self.b as i64,
+                                head: head as i64,
+                                first_key: first_key as i64,
+                                k_pos0: p0 + first_key as i64,
+                                cols: cols as i64,
+                                code: code as i64,
+                            };
+                            (self.kernels.grad_tile)(&args);
+                            (self.kernels.pt)(
+                                s.as_ptr(),
+                                cols as i64,
+                                n as i64,
+                                dout.as_ptr().add(row * dv),
+                                dv as i64,
+                                dv_acc.as_mut_ptr().add(first_key * dv),
+                                dv as i64,
+                            );
+                            (self.kernels.pt)(
+                                dp.as_ptr(),
+                                cols as i64,
+                                n as i64,
+                                q.as_ptr().add(row * d),
+                                d as i64,
+                                dk.as_mut_ptr().add(first_key * d),
+                                d as i64,
+                            );
+                            (self.kernels.pv)(
+                                dp.as_ptr(),
+                                n as i64,
+                                cols as i64,
+                                k.as_ptr().add(first_key * d),
+                                d as i64,
+                                dq.as_mut_ptr().add(row * d),
+                                d as i64,
+                            );
+                        }
                     }
                 }
             }
@@ -458,14 +457,42 @@ impl Task<'_> {
     }
 }
 
+/// `sum_i a[i] b[i]`, in 16 partial sums the compiler keeps in vector lanes.
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut partial = [0f32; 16];
+    let (a16, b16) = (a.chunks_exact(16), b.chunks_exact(16));
+    let tail: f32 = a16
+        .remainder()
+        .iter()
+        .zip(b16.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (a, b) in a16.zip(b16) {
+        for i in 0..16 {
+            partial[i] += a[i] * b[i];
+        }
+    }
+    partial.iter().sum::<f32>() + tail
+}
+
 /// Rows `[n][width]` packed into `packed` as the score microkernel reads keys: tiles of `K`
-/// rows, `tile[dim][row]`, zero-padded.
+/// rows, `tile[dim][row]`, the last one zero-padded. Sixteen rows at a time, so the rows read
+/// stay in L1 while each dim's sixteen values are written side by side.
 fn pack(rows: &[f32], width: usize, n: usize, packed: &mut [f32]) {
-    packed.fill(0.0);
-    for (j, row) in rows.chunks_exact(width).enumerate().take(n) {
-        let tile = &mut packed[(j / K) * width * K..][..width * K];
-        for (dim, x) in row.iter().enumerate() {
-            tile[dim * K + j % K] = *x;
+    if !n.is_multiple_of(K) {
+        packed[(n / K) * width * K..].fill(0.0);
+    }
+    for (keys, tile) in rows[..n * width]
+        .chunks(K * width)
+        .zip(packed.chunks_exact_mut(width * K))
+    {
+        for (b, block) in keys.chunks(16 * width).enumerate() {
+            for dim in 0..width {
+                let out = &mut tile[dim * K + 16 * b..][..16];
+                for (o, row) in out.iter_mut().zip(block.chunks_exact(width)) {
+                    *o = row[dim];
+                }
+            }
         }
     }
 }

@@ -109,28 +109,23 @@ pub fn transposed_pv(isa: Isa) -> usize {
     pt as usize
 }
 
-/// Where `pv_tile` reads its weights: `p[r * row + j * col]` for row `r` and key `j`.
+/// Where `pv_tile` reads its weights: `p[r * K + j]` for row `r` and key `j`, or `p[j * K + r]`
+/// when `TRANSPOSED`. The layout is a constant so the microkernels address weights by constant
+/// offsets.
 #[derive(Clone, Copy)]
-struct Weights {
+struct Weights<const TRANSPOSED: bool> {
     p: *const f32,
-    row: usize,
-    col: usize,
 }
 
-impl Weights {
-    /// The weights of `pv_tile` (`p[r*K + j]`), or transposed (`p[j*K + r]`).
-    fn new(p: *const f32, transposed: bool) -> Self {
-        let (row, col) = if transposed { (1, K) } else { (K, 1) };
-        Weights { p, row, col }
-    }
-
+impl<const TRANSPOSED: bool> Weights<TRANSPOSED> {
     /// Row `r`, key `j`.
     ///
     /// # Safety
     /// `(r, j)` must lie in the range the caller's contract gives `p`.
     unsafe fn at(self, r: usize, j: usize) -> f32 {
+        let offset = if TRANSPOSED { j * K + r } else { r * K + j };
         // SAFETY: the caller's contract.
-        unsafe { *self.p.add(r * self.row + j * self.col) }
+        unsafe { *self.p.add(offset) }
     }
 }
 
@@ -148,7 +143,7 @@ pub unsafe extern "C" fn pv_portable(
     dv: i64,
 ) {
     // SAFETY: the module contract.
-    unsafe { pv_portable_with(Weights::new(p, false), rows, cols, v, v_stride, acc, dv) }
+    unsafe { pv_portable_with(Weights::<false> { p }, rows, cols, v, v_stride, acc, dv) }
 }
 
 /// Portable transposed `pv_tile` ([`transposed_pv`]).
@@ -165,13 +160,13 @@ pub unsafe extern "C" fn pt_portable(
     dv: i64,
 ) {
     // SAFETY: the contract of `transposed_pv`.
-    unsafe { pv_portable_with(Weights::new(p, true), rows, cols, v, v_stride, acc, dv) }
+    unsafe { pv_portable_with(Weights::<true> { p }, rows, cols, v, v_stride, acc, dv) }
 }
 
 /// # Safety
 /// As `pv_portable` or `pt_portable`, by `w`'s layout.
-unsafe fn pv_portable_with(
-    w: Weights,
+unsafe fn pv_portable_with<const T: bool>(
+    w: Weights<T>,
     rows: i64,
     cols: i64,
     v: *const f32,
@@ -297,7 +292,7 @@ mod x86 {
         dv: i64,
     ) {
         // SAFETY: the module contract, on a CPU with AVX-512F.
-        unsafe { pv_avx512_with(Weights::new(p, false), rows, cols, v, v_stride, acc, dv) }
+        unsafe { pv_avx512_with(Weights::<false> { p }, rows, cols, v, v_stride, acc, dv) }
     }
 
     /// AVX-512 transposed `pv_tile` (`super::transposed_pv`).
@@ -315,14 +310,14 @@ mod x86 {
         dv: i64,
     ) {
         // SAFETY: the contract of `transposed_pv`, on a CPU with AVX-512F.
-        unsafe { pv_avx512_with(Weights::new(p, true), rows, cols, v, v_stride, acc, dv) }
+        unsafe { pv_avx512_with(Weights::<true> { p }, rows, cols, v, v_stride, acc, dv) }
     }
 
     /// # Safety
     /// As `pv_avx512` or `pt_avx512`, by `w`'s layout.
     #[target_feature(enable = "avx512f")]
-    unsafe fn pv_avx512_with(
-        w: Weights,
+    unsafe fn pv_avx512_with<const T: bool>(
+        w: Weights<T>,
         rows: i64,
         cols: i64,
         v: *const f32,
@@ -347,20 +342,12 @@ mod x86 {
                 dv,
                 masks,
             };
-            let mut r = 0;
-            // SAFETY: rows r..r+R < `rows` and the panel addresses the contract's ranges.
+            // SAFETY: the panel addresses the contract's ranges.
             unsafe {
-                while r + 6 <= rows {
-                    pv_rows::<6>(&panel, r);
-                    r += 6;
-                }
-                while r + 2 <= rows {
-                    pv_rows::<2>(&panel, r);
-                    r += 2;
-                }
-                while r < rows {
-                    pv_rows::<1>(&panel, r);
-                    r += 1;
+                if width == 64 {
+                    pv_panel::<false, T>(&panel, rows);
+                } else {
+                    pv_panel::<true, T>(&panel, rows);
                 }
             }
             c0 += 64;
@@ -368,8 +355,8 @@ mod x86 {
     }
 
     /// One 64-dim panel of `pv_tile`: value columns `c0..c0+64` (masked past `dv`).
-    struct Panel {
-        w: Weights,
+    struct Panel<const T: bool> {
+        w: Weights<T>,
         cols: usize,
         v: *const f32,
         v_stride: usize,
@@ -378,24 +365,57 @@ mod x86 {
         masks: [__mmask16; 4],
     }
 
+    /// All `rows` of a panel, six at a time. `MASKED` panels are narrower than 64 dims; full ones
+    /// load without masks, since a masked load costs an extra vector uop, on the ports the FMAs
+    /// need.
+    ///
+    /// # Safety
+    /// As [`pv_avx512`]; a panel that is not `MASKED` is 64 dims wide.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn pv_panel<const MASKED: bool, const T: bool>(panel: &Panel<T>, rows: usize) {
+        let mut r = 0;
+        // SAFETY: rows r..r+R < `rows` and the panel addresses the contract's ranges.
+        unsafe {
+            while r + 6 <= rows {
+                pv_rows::<6, MASKED, T>(panel, r);
+                r += 6;
+            }
+            while r + 2 <= rows {
+                pv_rows::<2, MASKED, T>(panel, r);
+                r += 2;
+            }
+            while r < rows {
+                pv_rows::<1, MASKED, T>(panel, r);
+                r += 1;
+            }
+        }
+    }
+
     /// Rows `r..r+R` of a panel; `R` is a constant so the `4R` accumulators stay in registers.
     ///
     /// # Safety
-    /// As [`pv_avx512`], with `r + R <= rows`.
+    /// As [`pv_panel`], with `r + R <= rows`.
     #[target_feature(enable = "avx512f")]
     #[inline]
-    unsafe fn pv_rows<const R: usize>(x: &Panel, r: usize) {
+    unsafe fn pv_rows<const R: usize, const MASKED: bool, const T: bool>(x: &Panel<T>, r: usize) {
         // SAFETY: rows r..r+R, keys j < cols, value lanes masked to the panel's width.
         unsafe {
+            let load = |at: *const f32, k: usize| {
+                if MASKED {
+                    _mm512_maskz_loadu_ps(x.masks[k], at)
+                } else {
+                    _mm512_loadu_ps(at)
+                }
+            };
             let mut a = [[_mm512_setzero_ps(); 4]; R];
             for i in 0..R {
                 for k in 0..4 {
-                    a[i][k] = _mm512_maskz_loadu_ps(x.masks[k], x.acc.add((r + i) * x.dv + 16 * k));
+                    a[i][k] = load(x.acc.add((r + i) * x.dv + 16 * k), k);
                 }
             }
             for j in 0..x.cols {
                 let vj = x.v.add(j * x.v_stride);
-                let vals = [0, 1, 2, 3].map(|k| _mm512_maskz_loadu_ps(x.masks[k], vj.add(16 * k)));
+                let vals = [0, 1, 2, 3].map(|k| load(vj.add(16 * k), k));
                 for i in 0..R {
                     let w = _mm512_set1_ps(x.w.at(r + i, j));
                     for k in 0..4 {
@@ -405,7 +425,12 @@ mod x86 {
             }
             for i in 0..R {
                 for k in 0..4 {
-                    _mm512_mask_storeu_ps(x.acc.add((r + i) * x.dv + 16 * k), x.masks[k], a[i][k]);
+                    let at = x.acc.add((r + i) * x.dv + 16 * k);
+                    if MASKED {
+                        _mm512_mask_storeu_ps(at, x.masks[k], a[i][k]);
+                    } else {
+                        _mm512_storeu_ps(at, a[i][k]);
+                    }
                 }
             }
         }
@@ -496,7 +521,7 @@ mod x86 {
         dv: i64,
     ) {
         // SAFETY: the module contract, on a CPU with AVX2 and FMA.
-        unsafe { pv_avx2_with(Weights::new(p, false), rows, cols, v, v_stride, acc, dv) }
+        unsafe { pv_avx2_with(Weights::<false> { p }, rows, cols, v, v_stride, acc, dv) }
     }
 
     /// AVX2 transposed `pv_tile` (`super::transposed_pv`).
@@ -514,14 +539,14 @@ mod x86 {
         dv: i64,
     ) {
         // SAFETY: the contract of `transposed_pv`, on a CPU with AVX2 and FMA.
-        unsafe { pv_avx2_with(Weights::new(p, true), rows, cols, v, v_stride, acc, dv) }
+        unsafe { pv_avx2_with(Weights::<true> { p }, rows, cols, v, v_stride, acc, dv) }
     }
 
     /// # Safety
     /// As `pv_avx2` or `pt_avx2`, by `w`'s layout.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn pv_avx2_with(
-        p: Weights,
+    unsafe fn pv_avx2_with<const T: bool>(
+        p: Weights<T>,
         rows: i64,
         cols: i64,
         v: *const f32,
@@ -536,11 +561,11 @@ mod x86 {
             for c0 in (0..vec_dims).step_by(32) {
                 let mut r = 0;
                 while r + 2 <= rows {
-                    pv_rows_avx2::<2>(p, cols, v.add(c0), vs, acc.add(c0), dv, r);
+                    pv_rows_avx2::<2, T>(p, cols, v.add(c0), vs, acc.add(c0), dv, r);
                     r += 2;
                 }
                 if r < rows {
-                    pv_rows_avx2::<1>(p, cols, v.add(c0), vs, acc.add(c0), dv, r);
+                    pv_rows_avx2::<1, T>(p, cols, v.add(c0), vs, acc.add(c0), dv, r);
                 }
             }
             for r in 0..rows {
@@ -560,8 +585,8 @@ mod x86 {
     /// As [`pv_avx2`], with `r + R <= rows` and 32 dims from `v` and `acc`.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    unsafe fn pv_rows_avx2<const R: usize>(
-        p: Weights,
+    unsafe fn pv_rows_avx2<const R: usize, const T: bool>(
+        p: Weights<T>,
         cols: usize,
         v: *const f32,
         vs: usize,

@@ -7,6 +7,7 @@ mod decode;
 mod launch;
 pub mod microkernels;
 pub mod row_kernels;
+pub mod softmax_tiles;
 
 use crate::backend::{BackwardInputs, Gradients, MlaTensors, Output};
 use crate::error::RuntimeError;
@@ -86,12 +87,15 @@ impl CpuBackend {
         variant.kernel(key, |variant| {
             let (qk_tile, pv_tile) = microkernels::addresses(self.isa);
             let (qk_rows, pv_rows) = row_kernels::addresses(self.isa, variant.spec().dtype);
+            let (exp_tile, ds_tile) = softmax_tiles::addresses(self.isa);
             let imports = Imports {
                 qk_tile,
                 pv_tile,
                 qk_rows,
                 pv_rows,
                 logf: microkernels::logf as *const () as usize,
+                exp_tile,
+                ds_tile,
             };
             Ok(compile(variant.plan(kind)?, &imports)?)
         })

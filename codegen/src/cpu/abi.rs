@@ -225,6 +225,14 @@ pub struct Imports {
     /// `logf(x: f32) -> f32`, the natural logarithm (used once per row, and for `ln` in
     /// modifiers).
     pub logf: usize,
+    /// Forward and decode: `exp_tile(s, rows, shift, sums)`: `s[r][j] = 2^(2 (s[r][j] -
+    /// shift[r]))` and `sums[r] += sum_j s[r][j]` for `r < rows`, `j < K_TILE` (the online
+    /// softmax's probabilities, scores in half base-2 units).
+    pub exp_tile: usize,
+    /// Backward: `ds_tile(s, dp, rows, lse, delta, factor)`: with `h = lse[r] log2(e) / 2`,
+    /// `s[r][j] = 2^(2 (s[r][j] - h))` and `dp[r][j] = s[r][j] (dp[r][j] - delta[r]) factor`
+    /// for `j < K_TILE` (`delta` null: 0); rows whose `lse` is `-inf` become 0 in both.
+    pub ds_tile: usize,
 }
 
 /// Arguments of the generated `rotate_rows` function of a backward kernel: `rows` rows of

@@ -6,13 +6,13 @@
 //! `grad_tile` are the runtime's native microkernels.
 
 use super::abi::{GradTileArgs, RotateArgs};
-use super::emit::{Refs, field, rotate, scale_row};
+use super::emit::{Refs, field, identity_program, rotate, scale_row};
 use super::fx::Fx;
-use super::score::{GroupEnv, RowEnv, ScoreLowering, Tables, Uniforms};
+use super::score::{GroupEnv, RowEnv, ScoreLowering, Tables};
 use super::step::kept_lanes;
 use crate::plan::{K_TILE, KernelPlan, TileCode};
 use attn_dsl::modifier::Expr;
-use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
+use cranelift_codegen::ir::condcodes::IntCC;
 use cranelift_codegen::ir::types::{F32, F32X4, I64};
 use cranelift_codegen::ir::{InstBuilder, Value};
 
@@ -41,7 +41,9 @@ pub(super) fn rotate_rows(fx: &mut Fx, plan: &KernelPlan, args: Value) {
     fx.b.ins().return_(&[]);
 }
 
-/// `grad_tile(args: *const GradTileArgs)`.
+/// `grad_tile(args: *const GradTileArgs)`: the spec's part of the tile in generated code (the
+/// score program, its derivative and the mask, where they are more than a constant factor),
+/// then the probabilities and `dS` natively (`ds_tile`).
 pub(super) fn grad_tile(
     fx: &mut Fx,
     plan: &KernelPlan,
@@ -58,96 +60,85 @@ pub(super) fn grad_tile(
     let rows = field!(fx, args, I64, GradTileArgs.rows);
     let lse = field!(fx, args, I64, GradTileArgs.lse);
     let delta = field!(fx, args, I64, GradTileArgs.delta);
-    let q_pos0 = field!(fx, args, I64, GradTileArgs.q_pos0);
-    let qi0 = field!(fx, args, I64, GradTileArgs.qi0);
-    let batch = field!(fx, args, I64, GradTileArgs.batch);
-    let head = field!(fx, args, I64, GradTileArgs.head);
-    let first_key = field!(fx, args, I64, GradTileArgs.first_key);
-    let k_pos0 = field!(fx, args, I64, GradTileArgs.k_pos0);
-    let cols = field!(fx, args, I64, GradTileArgs.cols);
     let code = field!(fx, args, I64, GradTileArgs.code);
+    let cols = field!(fx, args, I64, GradTileArgs.cols);
+    let first_key = field!(fx, args, I64, GradTileArgs.first_key);
+    let pass = TilePass {
+        s,
+        dp,
+        rows,
+        delta,
+        q_pos0: field!(fx, args, I64, GradTileArgs.q_pos0),
+        qi0: field!(fx, args, I64, GradTileArgs.qi0),
+        batch: field!(fx, args, I64, GradTileArgs.batch),
+        head: field!(fx, args, I64, GradTileArgs.head),
+        key0: field!(fx, args, I64, GradTileArgs.k_pos0),
+        first_key,
+        key_end: fx.b.ins().iadd(first_key, cols),
+    };
 
-    let tile = i64::from(K_TILE);
-    let partial = fx.b.ins().icmp_imm_s(IntCC::SignedLessThan, cols, tile);
+    let partial =
+        fx.b.ins()
+            .icmp_imm_s(IntCC::SignedLessThan, cols, i64::from(K_TILE));
     let mixed =
         fx.b.ins()
             .icmp_imm_s(IntCC::Equal, code, TileCode::Masked as i64);
     let per_element = fx.b.ins().bor(partial, mixed);
-    let key_end = fx.b.ins().iadd(first_key, cols);
-    let tile_v = fx.i64(tile);
-    let zero = fx.i64(0);
-    fx.for_range(zero, rows, 1, |fx, r| {
-        let row = RowEnv {
-            batch,
-            head,
-            query: fx.b.ins().iadd(q_pos0, r),
-            query_index: fx.b.ins().iadd(qi0, r),
-        };
-        let s_row = fx.elem_scaled(s, r, tile_v);
-        let dp_row = fx.elem_scaled(dp, r, tile_v);
-        let at = fx.elem(lse, r);
-        let lse_r = fx.load(F32, at, 0);
-        let at = fx.elem(delta, r);
-        let delta_r = fx.load(F32, at, 0);
-        let neg_inf = fx.f32(f32::NEG_INFINITY);
-        // A row that kept no key has lse -inf and carries no gradient.
-        let empty = fx.b.ins().fcmp(FloatCC::Equal, lse_r, neg_inf);
-        let row_pass = RowPass {
-            s_row,
-            dp_row,
-            // The program is in half base-2 units: P = 2^(2 (t - lse log2(e) / 2)).
-            lse_half: {
-                let unit = fx.f32(std::f32::consts::LOG2_E / 2.0);
-                let h = fx.b.ins().fmul(lse_r, unit);
-                fx.splat_f32(h)
-            },
-            delta: fx.splat_f32(delta_r),
-            key0: k_pos0,
-            first_key,
-            key_end,
-        };
-        fx.if_else(
-            empty,
+    // After the pass, `s` holds the scores in half base-2 units and `dp` holds (dP - D) times
+    // the derivative, so `ds_tile` only exponentiates and multiplies.
+    let after_pass = |fx: &mut Fx| {
+        let (null, one) = (fx.i64(0), fx.f32(1.0));
+        fx.b.ins()
+            .call(refs.ds_tile, &[s, dp, rows, lse, null, one]);
+    };
+    let constant_slope = match grad {
+        Expr::Float(c) if identity_program(plan) => Some(*c as f32),
+        _ => None,
+    };
+    match constant_slope {
+        // Scores used as they are and a constant derivative: unmasked tiles need no pass.
+        Some(slope) => fx.if_else(
+            per_element,
             |fx| {
-                let zero_f = fx.f32(0.0);
-                scale_row(fx, s_row, tile, zero_f, true);
-                scale_row(fx, dp_row, tile, zero_f, true);
+                pass.emit(fx, plan, grad, refs, tables, true);
+                after_pass(fx);
             },
             |fx| {
-                let exprs: Vec<&Expr> = vec![&plan.program.score, grad, &plan.program.mask];
-                let uniforms = ScoreLowering {
-                    logf: refs.logf,
-                    tables: &mut *tables,
-                }
-                .row_uniforms(fx, &row, &exprs);
-                // A masked and an unmasked version of the row.
-                fx.versions(per_element, |fx, masked| {
-                    row_pass.emit(fx, plan, grad, refs, tables, &uniforms, masked);
-                });
+                let slope = fx.f32(slope);
+                fx.b.ins()
+                    .call(refs.ds_tile, &[s, dp, rows, lse, delta, slope]);
             },
-        );
-    });
+        ),
+        None => {
+            fx.versions(per_element, |fx, masked| {
+                pass.emit(fx, plan, grad, refs, tables, masked)
+            });
+            after_pass(fx);
+        }
+    }
     fx.b.ins().return_(&[]);
 }
 
-/// One row of a tile: where its scores and `dP` are, and what the row's lse and `D` are.
-struct RowPass {
-    s_row: Value,
-    dp_row: Value,
-    /// f32x4 of the row's lse in half base-2 units.
-    lse_half: Value,
-    /// f32x4 of the row's `D`.
+/// What the generated pass over a tile reads: the `GradTileArgs` fields it needs.
+struct TilePass {
+    s: Value,
+    dp: Value,
+    rows: Value,
     delta: Value,
+    q_pos0: Value,
+    qi0: Value,
+    batch: Value,
+    head: Value,
     /// Position and index of the tile's first key; keys at or past `key_end` are outside.
     key0: Value,
     first_key: Value,
     key_end: Value,
 }
 
-impl RowPass {
-    /// `P` and `dS` for the row, four keys at a time; `masked` applies the key bound and the
-    /// mask per element.
-    #[allow(clippy::too_many_arguments)] // the pieces of one lowering, passed through
+impl TilePass {
+    /// Every row, four keys at a time: `s = score(s)`, `dp = (dp - D) * d score / d raw`;
+    /// `masked` applies the key bound and the mask per element (`s = -inf`, `dp = 0` where
+    /// dropped).
     fn emit(
         &self,
         fx: &mut Fx,
@@ -155,39 +146,57 @@ impl RowPass {
         grad: &Expr,
         refs: &Refs,
         tables: &mut Tables,
-        uniforms: &Uniforms,
         masked: bool,
     ) {
-        let (z, end) = (fx.i64(0), fx.i64(i64::from(K_TILE)));
-        fx.for_range(z, end, 4, |fx, c| {
-            let ps = fx.elem(self.s_row, c);
-            let pdp = fx.elem(self.dp_row, c);
-            let raw = fx.load(F32X4, ps, 0);
-            let g = GroupEnv {
-                score: raw,
-                key0: fx.b.ins().iadd(self.key0, c),
-                key_index0: fx.b.ins().iadd(self.first_key, c),
+        let tile_v = fx.i64(i64::from(K_TILE));
+        let zero = fx.i64(0);
+        fx.for_range(zero, self.rows, 1, |fx, r| {
+            let row = RowEnv {
+                batch: self.batch,
+                head: self.head,
+                query: fx.b.ins().iadd(self.q_pos0, r),
+                query_index: fx.b.ins().iadd(self.qi0, r),
             };
-            let mut lowering = ScoreLowering {
+            let s_row = fx.elem_scaled(self.s, r, tile_v);
+            let dp_row = fx.elem_scaled(self.dp, r, tile_v);
+            let at = fx.elem(self.delta, r);
+            let delta = fx.load(F32, at, 0);
+            let delta = fx.splat_f32(delta);
+            let exprs: Vec<&Expr> = vec![&plan.program.score, grad, &plan.program.mask];
+            let uniforms = ScoreLowering {
                 logf: refs.logf,
                 tables: &mut *tables,
-            };
-            let t = lowering.float4(fx, uniforms, &g, &plan.program.score);
-            let shifted = fx.b.ins().fsub(t, self.lse_half);
-            let mut p = fx.exp2_of_double_4(shifted);
-            let slope = lowering.float4(fx, uniforms, &g, grad);
-            let dpv = fx.load(F32X4, pdp, 0);
-            let centered = fx.b.ins().fsub(dpv, self.delta);
-            let weighted = fx.b.ins().fmul(p, centered);
-            let mut ds = fx.b.ins().fmul(weighted, slope);
-            if masked {
-                let keep = kept_lanes(fx, plan, &mut lowering, uniforms, &g, self.key_end);
-                let zero4 = fx.f32x4(0.0);
-                p = fx.b.ins().bitselect(keep, p, zero4);
-                ds = fx.b.ins().bitselect(keep, ds, zero4);
             }
-            fx.store(p, ps, 0);
-            fx.store(ds, pdp, 0);
+            .row_uniforms(fx, &row, &exprs);
+            let (z, end) = (fx.i64(0), fx.i64(i64::from(K_TILE)));
+            fx.for_range(z, end, 4, |fx, c| {
+                let ps = fx.elem(s_row, c);
+                let pdp = fx.elem(dp_row, c);
+                let raw = fx.load(F32X4, ps, 0);
+                let g = GroupEnv {
+                    score: raw,
+                    key0: fx.b.ins().iadd(self.key0, c),
+                    key_index0: fx.b.ins().iadd(self.first_key, c),
+                };
+                let mut lowering = ScoreLowering {
+                    logf: refs.logf,
+                    tables: &mut *tables,
+                };
+                let mut t = lowering.float4(fx, &uniforms, &g, &plan.program.score);
+                let slope = lowering.float4(fx, &uniforms, &g, grad);
+                let dpv = fx.load(F32X4, pdp, 0);
+                let centered = fx.b.ins().fsub(dpv, delta);
+                let mut weighted = fx.b.ins().fmul(centered, slope);
+                if masked {
+                    let keep = kept_lanes(fx, plan, &mut lowering, &uniforms, &g, self.key_end);
+                    let neg_inf = fx.f32x4(f32::NEG_INFINITY);
+                    let zero4 = fx.f32x4(0.0);
+                    t = fx.b.ins().bitselect(keep, t, neg_inf);
+                    weighted = fx.b.ins().bitselect(keep, weighted, zero4);
+                }
+                fx.store(t, ps, 0);
+                fx.store(weighted, pdp, 0);
+            });
         });
     }
 }

@@ -22,6 +22,10 @@ pub(super) struct Refs {
     /// The value product of a key tile (over f32, or over the cache's dtype for decode).
     pub pv: FuncRef,
     pub logf: FuncRef,
+    /// The online softmax's exponentials of a tile (`exp_tile`).
+    pub exp_tile: FuncRef,
+    /// The backward's probabilities and `dS` of a tile (`ds_tile`).
+    pub ds_tile: FuncRef,
 }
 
 macro_rules! field {

@@ -101,6 +101,8 @@ pub fn compile(plan: &KernelPlan, imports: &Imports) -> Result<CpuKernel, Codege
     builder.symbol("attn_qk_rows", imports.qk_rows as *const u8);
     builder.symbol("attn_pv_rows", imports.pv_rows as *const u8);
     builder.symbol("attn_logf", imports.logf as *const u8);
+    builder.symbol("attn_exp_tile", imports.exp_tile as *const u8);
+    builder.symbol("attn_ds_tile", imports.ds_tile as *const u8);
     let mut module = JITModule::new(builder);
 
     let sig = |params: &[cranelift_codegen::ir::Type], returns: &[cranelift_codegen::ir::Type]| {
@@ -126,6 +128,16 @@ pub fn compile(plan: &KernelPlan, imports: &Imports) -> Result<CpuKernel, Codege
         .map_err(err)?;
     let logf = module
         .declare_function("attn_logf", Linkage::Import, &sig(&[F32], &[F32]))
+        .map_err(err)?;
+    let exp_tile = module
+        .declare_function("attn_exp_tile", Linkage::Import, &sig(&[I64; 4], &[]))
+        .map_err(err)?;
+    let ds_tile = module
+        .declare_function(
+            "attn_ds_tile",
+            Linkage::Import,
+            &sig(&[I64, I64, I64, I64, I64, F32], &[]),
+        )
         .map_err(err)?;
 
     let entry_sig = sig(&[I64], &[]);
@@ -160,6 +172,8 @@ pub fn compile(plan: &KernelPlan, imports: &Imports) -> Result<CpuKernel, Codege
                 qk: module.declare_func_in_func(qk, b.func),
                 pv: module.declare_func_in_func(pv, b.func),
                 logf: module.declare_func_in_func(logf, b.func),
+                exp_tile: module.declare_func_in_func(exp_tile, b.func),
+                ds_tile: module.declare_func_in_func(ds_tile, b.func),
             };
             let mut fx = fx::Fx { b };
             match name {

@@ -277,52 +277,31 @@ pub(super) fn softmax_step(
         let empty = fx.b.ins().fcmp(FloatCC::Equal, m_new, neg_inf);
         let m_use = fx.b.ins().select(empty, zero_f, m_new);
         // alpha = 2^(2 (m_old - m_new)) rescales the row's sum and accumulator (scores are in
-        // half base-2 units); 1 unless the max grew.
-        let alpha_var = fx.b.declare_var(F32);
-        let one = fx.f32(1.0);
-        fx.b.def_var(alpha_var, one);
+        // half base-2 units) when the max grew.
         fx.if_then(grew, |fx| {
             let shift = fx.b.ins().fsub(m_old, m_use);
             let alpha = fx.exp2_of_double_1(shift);
-            fx.b.def_var(alpha_var, alpha);
+            let pl = fx.elem(a.l, r);
+            let l_old = fx.load(F32, pl, 0);
+            let l_scaled = fx.b.ins().fmul(l_old, alpha);
+            fx.store(l_scaled, pl, 0);
+            let pa = fx.elem_scaled(a.acc, r, v_dim_v);
+            scale_row(fx, pa, v_dim, alpha, false);
         });
-
-        // Pass 2: probabilities 2^(2 (s - m)) and their sum. NaN scores stay NaN through each
-        // step, so a NaN that reaches a row makes it NaN instead of vanishing like a masked key
-        // (as does a score that overflowed f32: `inf - inf`, as in PyTorch).
-        let sum_var = fx.b.declare_var(F32X4);
-        let zero4 = fx.f32x4(0.0);
-        fx.b.def_var(sum_var, zero4);
-        let m4 = fx.splat_f32(m_use);
-        let (z, end) = (fx.i64(0), fx.i64(tile));
-        // Two groups per iteration: independent exp chains overlap in the pipeline.
-        fx.for_range(z, end, 8, |fx, c| {
-            let p = fx.elem(s_row, c);
-            let mut acc_sum = fx.b.use_var(sum_var);
-            for offset in [0, 16] {
-                let x = fx.load(F32X4, p, offset);
-                let x = fx.b.ins().fsub(x, m4);
-                let e = fx.exp2_of_double_4(x);
-                fx.store(e, p, offset);
-                acc_sum = fx.b.ins().fadd(acc_sum, e);
-            }
-            fx.b.def_var(sum_var, acc_sum);
-        });
-        let sum4 = fx.b.use_var(sum_var);
-        let tile_sum = fx.reduce(sum4, false);
-        let pl = fx.elem(a.l, r);
-        let l_old = fx.load(F32, pl, 0);
-        let alpha = fx.b.use_var(alpha_var);
-        let l_new = fx.b.ins().fma(l_old, alpha, tile_sum);
-        fx.store(l_new, pl, 0);
-
-        // Rescale the accumulator when the max grew.
-        let pa = fx.elem_scaled(a.acc, r, v_dim_v);
-        fx.if_then(grew, |fx| scale_row(fx, pa, v_dim, alpha, false));
+        // The row's shift for pass 2 replaces its tile max, now used.
+        let at = fx.elem(a.tile_max, r);
+        fx.store(m_use, at, 0);
     });
 
+    // Pass 2, natively (`exp_tile`): probabilities 2^(2 (s - m)), their sums added to the rows'
+    // sums. NaN scores stay NaN through each step, so a NaN that reaches a row makes it NaN
+    // instead of vanishing like a masked key (as does a score that overflowed f32: `inf - inf`,
+    // as in PyTorch).
     let p = fx.elem_scaled(a.s, k.first_row, tile_v);
     let rows = fx.b.ins().isub(k.end_row, k.first_row);
+    let shift = fx.elem(a.tile_max, k.first_row);
+    let sums = fx.elem(a.l, k.first_row);
+    fx.b.ins().call(refs.exp_tile, &[p, rows, shift, sums]);
     let acc = fx.elem_scaled(a.acc, k.first_row, v_dim_v);
     fx.b.ins()
         .call(refs.pv, &[p, rows, cols, k.v, k.v_stride, acc, v_dim_v]);

@@ -1,0 +1,437 @@
+//! The element-wise tile passes generated kernels call once the spec's own work on a tile is
+//! done: the exponentials of the online softmax (`exp_tile`) and of the backward's recomputed
+//! probabilities with `dS` (`ds_tile`). What varies with a spec (the score program, the mask,
+//! the modifier's derivative) stays in generated code, which is limited to 4-lane vectors; these
+//! passes are the same for every spec, so they run natively at the CPU's full vector width.
+//!
+//! Both evaluate `2^(2x)` (scores are in half base-2 units) as the generated code does
+//! (`codegen::cpu::fx::Fx::exp2_of_double_4`): clamp at -63.5 so `-inf` gives exactly 0 while
+//! NaN passes, split `2x = n + r` by the 1.5 * 2^23 rounding trick, a degree-5 polynomial for
+//! `2^r` and `2^n` built in the exponent bits.
+//!
+//! Contract (see `codegen::cpu::abi::Imports`), on rows of [`K_TILE`] values:
+//! - `exp_tile(s, rows, shift, sums)`: `s[r][c] = 2^(2 (s[r][c] - shift[r]))` and
+//!   `sums[r] += sum_c s[r][c]`, for `r < rows`, `c < K_TILE`;
+//! - `ds_tile(s, dp, rows, lse, delta, factor)`: with `h = lse[r] log2(e) / 2`,
+//!   `s[r][c] = 2^(2 (s[r][c] - h))` and `dp[r][c] = s[r][c] (dp[r][c] - delta[r]) factor`
+//!   (`delta` may be null: 0); a row whose `lse` is `-inf` becomes 0 in both.
+
+use super::microkernels::Isa;
+use codegen::plan::K_TILE;
+
+const K: usize = K_TILE as usize;
+
+/// Clamp of the exponent argument: `2^(2 * -63.5)` has all exponent bits 0.
+const LOWEST: f32 = -63.5;
+/// `1.5 * 2^23 + 127`: adding it rounds `2x` to an integer `n` held in the low mantissa bits as
+/// `n + 127`, the biased exponent of `2^n`.
+const MAGIC: f32 = 12_583_039.0;
+/// `2^r = 1 + r P(r)` on `[-1/2, 1/2]`: P's coefficients, lowest degree first.
+const P: [f32; 6] = [
+    std::f32::consts::LN_2,
+    0.240_226_48,
+    0.055_503_324,
+    0.009_618_437,
+    0.001_339_887_5,
+    1.535_336_2e-4,
+];
+/// Natural log-sum-exp to half base-2 units.
+const LSE_TO_HALF: f32 = std::f32::consts::LOG2_E / 2.0;
+
+/// The signature of `exp_tile`.
+type ExpTile = unsafe extern "C" fn(*mut f32, i64, *const f32, *mut f32);
+/// The signature of `ds_tile`.
+type DsTile = unsafe extern "C" fn(*mut f32, *mut f32, i64, *const f32, *const f32, f32);
+
+/// `exp_tile` and `ds_tile` for an instruction set, as C-ABI function addresses.
+pub fn addresses(isa: Isa) -> (usize, usize) {
+    let (exp, ds): (ExpTile, DsTile) = match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => (x86::exp_avx512, x86::ds_avx512),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => (x86::exp_avx2, x86::ds_avx2),
+        _ => (exp_portable, ds_portable),
+    };
+    (exp as usize, ds as usize)
+}
+
+/// `2^(2x)`, one lane of the vector versions.
+fn exp2_of_double(x: f32) -> f32 {
+    // `x < LOWEST ? LOWEST : x`: a NaN passes through.
+    let x = if x < LOWEST { LOWEST } else { x };
+    let t = x * 2.0 + MAGIC;
+    // 2x - n, exact: 2x is, and it lies within 1/2 of the integer n.
+    let r = x * 2.0 + (MAGIC - t);
+    let r2 = r * r;
+    let a = P[1] * r + P[0];
+    let b = P[3] * r + P[2];
+    let d = P[5] * r + P[4];
+    let p = r2 * (r2 * d + b) + a;
+    let y = r * p + 1.0;
+    y * f32::from_bits(t.to_bits() << 23)
+}
+
+/// Portable `exp_tile`.
+///
+/// # Safety
+/// The pointers must address the ranges in the module contract, valid for the access.
+pub unsafe extern "C" fn exp_portable(s: *mut f32, rows: i64, shift: *const f32, sums: *mut f32) {
+    let rows = rows as usize;
+    // SAFETY: the module contract: `rows` rows of K scores, `rows` shifts and sums.
+    let (s, shift, sums) = unsafe {
+        (
+            std::slice::from_raw_parts_mut(s, rows * K),
+            std::slice::from_raw_parts(shift, rows),
+            std::slice::from_raw_parts_mut(sums, rows),
+        )
+    };
+    for ((row, m), sum) in s.chunks_exact_mut(K).zip(shift).zip(sums) {
+        for x in row.iter_mut() {
+            *x = exp2_of_double(*x - m);
+            *sum += *x;
+        }
+    }
+}
+
+/// Portable `ds_tile`.
+///
+/// # Safety
+/// The pointers must address the ranges in the module contract, valid for the access.
+pub unsafe extern "C" fn ds_portable(
+    s: *mut f32,
+    dp: *mut f32,
+    rows: i64,
+    lse: *const f32,
+    delta: *const f32,
+    factor: f32,
+) {
+    let rows = rows as usize;
+    // SAFETY: the module contract: `rows` rows of K scores and dP values, `rows` lse and
+    // (unless null) D values.
+    let (s, dp, lse, delta) = unsafe {
+        (
+            std::slice::from_raw_parts_mut(s, rows * K),
+            std::slice::from_raw_parts_mut(dp, rows * K),
+            std::slice::from_raw_parts(lse, rows),
+            (!delta.is_null()).then(|| std::slice::from_raw_parts(delta, rows)),
+        )
+    };
+    for (r, (s, dp)) in s
+        .chunks_exact_mut(K)
+        .zip(dp.chunks_exact_mut(K))
+        .enumerate()
+    {
+        if lse[r] == f32::NEG_INFINITY {
+            s.fill(0.0);
+            dp.fill(0.0);
+            continue;
+        }
+        let (h, d) = (lse[r] * LSE_TO_HALF, delta.map_or(0.0, |d| d[r]));
+        for (s, dp) in s.iter_mut().zip(dp.iter_mut()) {
+            *s = exp2_of_double(*s - h);
+            *dp = *s * (*dp - d) * factor;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{K, LOWEST, LSE_TO_HALF, MAGIC, P};
+    use std::arch::x86_64::*;
+
+    /// `2^(2x)` on 16 lanes.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn exp2_of_double_16(x: __m512) -> __m512 {
+        // `max(lo, x)` returns `x` when it is NaN.
+        let x = _mm512_max_ps(_mm512_set1_ps(LOWEST), x);
+        let two = _mm512_set1_ps(2.0);
+        let magic = _mm512_set1_ps(MAGIC);
+        let t = _mm512_fmadd_ps(x, two, magic);
+        let r = _mm512_fmadd_ps(x, two, _mm512_sub_ps(magic, t));
+        let c = P.map(|c| _mm512_set1_ps(c));
+        let r2 = _mm512_mul_ps(r, r);
+        let a = _mm512_fmadd_ps(c[1], r, c[0]);
+        let b = _mm512_fmadd_ps(c[3], r, c[2]);
+        let d = _mm512_fmadd_ps(c[5], r, c[4]);
+        let p = _mm512_fmadd_ps(r2, _mm512_fmadd_ps(r2, d, b), a);
+        let y = _mm512_fmadd_ps(r, p, _mm512_set1_ps(1.0));
+        let pow2 = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_castps_si512(t)));
+        _mm512_mul_ps(y, pow2)
+    }
+
+    /// AVX-512 `exp_tile`.
+    ///
+    /// # Safety
+    /// The module contract, on a CPU with AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe extern "C" fn exp_avx512(s: *mut f32, rows: i64, shift: *const f32, sums: *mut f32) {
+        // SAFETY: rows r < `rows` of K values, one shift and sum each (the module contract).
+        unsafe {
+            for r in 0..rows as usize {
+                let row = s.add(r * K);
+                let m = _mm512_set1_ps(*shift.add(r));
+                let mut sum = _mm512_setzero_ps();
+                for c in (0..K).step_by(16) {
+                    let e = exp2_of_double_16(_mm512_sub_ps(_mm512_loadu_ps(row.add(c)), m));
+                    _mm512_storeu_ps(row.add(c), e);
+                    sum = _mm512_add_ps(sum, e);
+                }
+                *sums.add(r) += _mm512_reduce_add_ps(sum);
+            }
+        }
+    }
+
+    /// AVX-512 `ds_tile`.
+    ///
+    /// # Safety
+    /// The module contract, on a CPU with AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe extern "C" fn ds_avx512(
+        s: *mut f32,
+        dp: *mut f32,
+        rows: i64,
+        lse: *const f32,
+        delta: *const f32,
+        factor: f32,
+    ) {
+        // SAFETY: rows r < `rows` of K values in `s` and `dp`, one lse and D each (the module
+        // contract).
+        unsafe {
+            let factor = _mm512_set1_ps(factor);
+            for r in 0..rows as usize {
+                let (s, dp) = (s.add(r * K), dp.add(r * K));
+                let lse = *lse.add(r);
+                if lse == f32::NEG_INFINITY {
+                    for c in (0..K).step_by(16) {
+                        _mm512_storeu_ps(s.add(c), _mm512_setzero_ps());
+                        _mm512_storeu_ps(dp.add(c), _mm512_setzero_ps());
+                    }
+                    continue;
+                }
+                let h = _mm512_set1_ps(lse * LSE_TO_HALF);
+                let d = _mm512_set1_ps(if delta.is_null() { 0.0 } else { *delta.add(r) });
+                for c in (0..K).step_by(16) {
+                    let p = exp2_of_double_16(_mm512_sub_ps(_mm512_loadu_ps(s.add(c)), h));
+                    let centered = _mm512_sub_ps(_mm512_loadu_ps(dp.add(c)), d);
+                    _mm512_storeu_ps(s.add(c), p);
+                    _mm512_storeu_ps(dp.add(c), _mm512_mul_ps(_mm512_mul_ps(p, centered), factor));
+                }
+            }
+        }
+    }
+
+    /// `2^(2x)` on 8 lanes.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn exp2_of_double_8(x: __m256) -> __m256 {
+        // `max(lo, x)` returns `x` when it is NaN.
+        let x = _mm256_max_ps(_mm256_set1_ps(LOWEST), x);
+        let two = _mm256_set1_ps(2.0);
+        let magic = _mm256_set1_ps(MAGIC);
+        let t = _mm256_fmadd_ps(x, two, magic);
+        let r = _mm256_fmadd_ps(x, two, _mm256_sub_ps(magic, t));
+        let c = P.map(|c| _mm256_set1_ps(c));
+        let r2 = _mm256_mul_ps(r, r);
+        let a = _mm256_fmadd_ps(c[1], r, c[0]);
+        let b = _mm256_fmadd_ps(c[3], r, c[2]);
+        let d = _mm256_fmadd_ps(c[5], r, c[4]);
+        let p = _mm256_fmadd_ps(r2, _mm256_fmadd_ps(r2, d, b), a);
+        let y = _mm256_fmadd_ps(r, p, _mm256_set1_ps(1.0));
+        let pow2 = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_castps_si256(t)));
+        _mm256_mul_ps(y, pow2)
+    }
+
+    /// The sum of the 8 lanes.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn sum_8(x: __m256) -> f32 {
+        let pairs = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps::<1>(x));
+        let pairs = _mm_add_ps(pairs, _mm_movehl_ps(pairs, pairs));
+        _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)))
+    }
+
+    /// AVX2 `exp_tile`.
+    ///
+    /// # Safety
+    /// The module contract, on a CPU with AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe extern "C" fn exp_avx2(s: *mut f32, rows: i64, shift: *const f32, sums: *mut f32) {
+        // SAFETY: rows r < `rows` of K values, one shift and sum each (the module contract).
+        unsafe {
+            for r in 0..rows as usize {
+                let row = s.add(r * K);
+                let m = _mm256_set1_ps(*shift.add(r));
+                let mut sum = _mm256_setzero_ps();
+                for c in (0..K).step_by(8) {
+                    let e = exp2_of_double_8(_mm256_sub_ps(_mm256_loadu_ps(row.add(c)), m));
+                    _mm256_storeu_ps(row.add(c), e);
+                    sum = _mm256_add_ps(sum, e);
+                }
+                *sums.add(r) += sum_8(sum);
+            }
+        }
+    }
+
+    /// AVX2 `ds_tile`.
+    ///
+    /// # Safety
+    /// The module contract, on a CPU with AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe extern "C" fn ds_avx2(
+        s: *mut f32,
+        dp: *mut f32,
+        rows: i64,
+        lse: *const f32,
+        delta: *const f32,
+        factor: f32,
+    ) {
+        // SAFETY: rows r < `rows` of K values in `s` and `dp`, one lse and D each (the module
+        // contract).
+        unsafe {
+            let factor = _mm256_set1_ps(factor);
+            for r in 0..rows as usize {
+                let (s, dp) = (s.add(r * K), dp.add(r * K));
+                let lse = *lse.add(r);
+                if lse == f32::NEG_INFINITY {
+                    for c in (0..K).step_by(8) {
+                        _mm256_storeu_ps(s.add(c), _mm256_setzero_ps());
+                        _mm256_storeu_ps(dp.add(c), _mm256_setzero_ps());
+                    }
+                    continue;
+                }
+                let h = _mm256_set1_ps(lse * LSE_TO_HALF);
+                let d = _mm256_set1_ps(if delta.is_null() { 0.0 } else { *delta.add(r) });
+                for c in (0..K).step_by(8) {
+                    let p = exp2_of_double_8(_mm256_sub_ps(_mm256_loadu_ps(s.add(c)), h));
+                    let centered = _mm256_sub_ps(_mm256_loadu_ps(dp.add(c)), d);
+                    _mm256_storeu_ps(s.add(c), p);
+                    _mm256_storeu_ps(dp.add(c), _mm256_mul_ps(_mm256_mul_ps(p, centered), factor));
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every instruction set this CPU has, with the portable one.
+    fn isas() -> Vec<Isa> {
+        let mut isas = vec![Isa::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                isas.push(Isa::Avx2);
+            }
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                isas.push(Isa::Avx512);
+            }
+        }
+        isas
+    }
+
+    /// Scores of two rows spanning the range the kernels see, with `-inf`, NaN and values
+    /// under the clamp.
+    fn scores() -> Vec<f32> {
+        let mut s: Vec<f32> = (0..2 * K).map(|i| -30.0 + 0.47 * i as f32).collect();
+        s[3] = f32::NEG_INFINITY;
+        s[5] = -200.0;
+        s[K + 7] = f32::NAN;
+        s
+    }
+
+    #[test]
+    fn exp_tile_matches_f64_exponentials_and_sums() {
+        for isa in isas() {
+            let (exp, _) = addresses(isa);
+            // SAFETY: `addresses` returns an `exp_tile` with this signature.
+            let exp: ExpTile = unsafe { std::mem::transmute::<usize, ExpTile>(exp) };
+            let input = scores();
+            let mut s = input.clone();
+            let shift = [1.5f32, -2.0];
+            let mut sums = [10.0f32, 0.0];
+            // SAFETY: two rows of K scores, two shifts and sums.
+            unsafe { exp(s.as_mut_ptr(), 2, shift.as_ptr(), sums.as_mut_ptr()) };
+            let mut want_sum = [10.0f64, 0.0];
+            for (i, (&x, &got)) in input.iter().zip(&s).enumerate() {
+                // The argument is an f32 difference, as in the contract; its exponential exact.
+                let want = (2.0 * f64::from(x - shift[i / K])).exp2();
+                want_sum[i / K] += want;
+                if x.is_nan() {
+                    assert!(got.is_nan(), "{isa:?}: NaN score gave {got}");
+                } else if want < 1e-37 {
+                    assert!(got.abs() < 1e-37, "{isa:?}: 2^(2 {x}) gave {got}");
+                } else {
+                    let rel = (f64::from(got) - want).abs() / want;
+                    assert!(rel < 3e-7, "{isa:?}: 2^(2 ({x} - m)) = {got}, want {want}");
+                }
+            }
+            let rel = (f64::from(sums[0]) - want_sum[0]).abs() / want_sum[0];
+            assert!(
+                rel < 1e-6,
+                "{isa:?}: row sum {} want {}",
+                sums[0],
+                want_sum[0]
+            );
+            assert!(
+                sums[1].is_nan(),
+                "{isa:?}: a NaN score makes its row's sum NaN"
+            );
+        }
+    }
+
+    #[test]
+    fn ds_tile_recomputes_probabilities_and_ds() {
+        for isa in isas() {
+            let (_, ds) = addresses(isa);
+            // SAFETY: `addresses` returns a `ds_tile` with this signature.
+            let ds: DsTile = unsafe { std::mem::transmute::<usize, DsTile>(ds) };
+            for with_delta in [true, false] {
+                let input = scores();
+                let dp_in: Vec<f32> = (0..2 * K).map(|i| (i as f32 * 0.37).sin()).collect();
+                let (mut s, mut dp) = (input.clone(), dp_in.clone());
+                let lse = [3.0f32, f32::NEG_INFINITY];
+                let delta = [0.25f32, 0.5];
+                let delta_ptr = if with_delta {
+                    delta.as_ptr()
+                } else {
+                    std::ptr::null()
+                };
+                // SAFETY: two rows of K scores and dP values, two lse and D values.
+                unsafe {
+                    ds(
+                        s.as_mut_ptr(),
+                        dp.as_mut_ptr(),
+                        2,
+                        lse.as_ptr(),
+                        delta_ptr,
+                        1.5,
+                    )
+                };
+                for c in 0..K {
+                    let h = lse[0] * LSE_TO_HALF;
+                    let p = (2.0 * f64::from(input[c] - h)).exp2();
+                    let d = if with_delta { 0.25 } else { 0.0 };
+                    let want_ds = p * (f64::from(dp_in[c]) - d) * 1.5;
+                    assert!(
+                        (f64::from(s[c]) - p).abs() <= 3e-7 * p + 1e-37,
+                        "{isa:?} P[{c}]"
+                    );
+                    assert!(
+                        (f64::from(dp[c]) - want_ds).abs() <= 1e-6 * want_ds.abs() + 1e-30,
+                        "{isa:?} dS[{c}] = {} want {want_ds}",
+                        dp[c]
+                    );
+                }
+                assert!(
+                    s[K..].iter().chain(&dp[K..]).all(|&x| x == 0.0),
+                    "{isa:?}: a row with lse -inf carries nothing, even past a NaN score"
+                );
+            }
+        }
+    }
+}
