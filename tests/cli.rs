@@ -179,7 +179,7 @@ fn ir_prints_each_pass_and_the_tile_map() {
         "ir",
         "heads = 4, head_dim = 64, mask = causal",
         "--seq",
-        "256",
+        "512",
     ]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let t = stdout(&o);
@@ -187,9 +187,9 @@ fn ir_prints_each_pass_and_the_tile_map() {
         "-- modifier IR, lowered --\nscore = score * 0.125\nmask = k <= q\n",
         "-- modifier IR, folded --\n",
         "-- kernel plan --\nplan Forward\n",
-        // Blocks of 128 query rows by tiles of 64 keys.
-        "-- tiles at Sq = 256, Skv = 256 (2 all kept #, 2 skipped ., 4 mixed /) --\n\
-         //..\n##//\n",
+        // Blocks of 256 query rows by tiles of 64 keys.
+        "-- tiles at Sq = 512, Skv = 512 (4 all kept #, 4 skipped ., 8 mixed /) --\n\
+         ////....\n####////\n",
     ] {
         assert!(t.contains(section), "missing {section:?} in:\n{t}");
     }

@@ -452,11 +452,12 @@ fn hoist_score_factor(score: &Expr) -> Option<(Expr, f64)> {
 }
 
 /// Key tiles are always [`K_TILE`] keys (the CPU microkernels are specialized for it); query
-/// blocks shrink as rows widen, so a block's q, scores and accumulator stay near 64 KiB of f32.
+/// blocks of 256 rows up to width 128 (each K and V tile streamed from L3 then serves 256 rows),
+/// shrinking as rows widen so a block's q, scores and accumulator stay near 320 KiB of f32.
 fn tiles_for(width: u32) -> Tiles {
     let q_rows = match width {
-        0..=128 => 128,
-        129..=256 => 64,
+        0..=128 => 256,
+        129..=256 => 128,
         _ => 32,
     };
     Tiles {

@@ -178,7 +178,7 @@ pub(super) fn run(
     let p0 = call.position_offset;
     attn_dsl::reference::check_positions(sq, skv, p0)
         .map_err(|e| RuntimeError::Data(e.to_string()))?;
-    let mut out = vec![0f32; batch * hq * sq * dv];
+    let mut out = crate::memory::written_zeros(batch * hq * sq * dv);
     let mut lse = vec![0f32; batch * hq * sq];
     if batch * hq * sq == 0 {
         return Ok((out, lse));
