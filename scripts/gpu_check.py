@@ -10,7 +10,9 @@
    128, N from 1k to 16k, 16 heads and batch 16k / N (enough CTAs to fill the chip), against
    torch.nn.functional.scaled_dot_product_attention on the same device. One table: TFLOP/s
    (4 B H N^2 D, halved for the masks) and the ratio. Then decode steps (GQA, bf16) against a
-   device copy of a paged cache, against SDPA on contiguous K/V.
+   device copy of a paged cache, against SDPA on contiguous K/V. Then the bf16 causal backward
+   (`attnc bench --backward --backend cuda`: delta, dq, dk and dv on tensor cores) at D 64 and
+   128, N 2k and 8k, against SDPA's backward alone on the cuDNN and FlashAttention-2 backends.
 
   python3 scripts/gpu_check.py --attnc PATH [--backend cuda|gpu-sim] [--quick] [--skip-timing]
 
@@ -282,6 +284,57 @@ def decode_timing(attnc):
               f"{ours.get('kernel_gbps', float('nan')):.1f} GB/s of latent cache read")
 
 
+def time_torch_backward(b, h, n, d, reps):
+    """cuDNN SDPA's backward alone (bf16, causal): the forward once, then `reps` timed backward
+    passes of the same graph."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    dev = "cuda"
+    q, k, v = (torch.randn(b, h, n, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    dout = torch.randn(b, h, n, d, device=dev, dtype=torch.bfloat16)
+    results = {}
+    for name, backend in [("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION)]:
+        try:
+            with sdpa_kernel(backend):
+                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+                call = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+                results[name] = cuda_median_ms(call, reps)
+        except RuntimeError as e:
+            results[name] = None
+            print(f"   torch {name} backward unavailable: {e}")
+    return results
+
+
+def backward_timing(attnc):
+    print("== backward timing (bf16 causal, 16 heads, batch 16k / N; our three kernels against")
+    print("   SDPA's backward alone; TFLOP/s = 2.5 x 4 B H N^2 D / 2 / time)")
+    print(f"{'D':>4} {'N':>6} {'B':>3} {'ours ms':>9} {'ours TF/s':>10} {'cuDNN ms':>9} "
+          f"{'cuDNN TF/s':>11} {'FA2 ms':>8} {'x cuDNN':>8}")
+    for d in (64, 128):
+        for n in (2048, 8192):
+            b, h = max(1, 16384 // n), 16
+            flops = 2.5 * 4 * b * h * n * n * d / 2
+            spec = f"heads = {h}, head_dim = {d}, mask = causal, dtype = bf16"
+            r = subprocess.run(
+                [attnc, "bench", spec, "--seq", str(n), "--batch", str(b), "--reps", "5",
+                 "--backend", "cuda", "--backward", "--json"],
+                capture_output=True, text=True,
+            )
+            if r.returncode != 0:
+                print(f"{d:>4} {n:>6} {b:>3}   ours failed: {r.stderr.strip()}")
+                continue
+            ours = json.loads(r.stdout)["median_ms"]
+            theirs = time_torch_backward(b, h, n, d, 5)
+            cudnn, fa2 = theirs.get("cudnn"), theirs.get("fa2")
+            fmt = lambda x, w: f"{x:>{w}.3f}" if x else f"{'-':>{w}}"
+            print(
+                f"{d:>4} {n:>6} {b:>3} {ours:>9.3f} {flops / ours / 1e9:>10.1f} {fmt(cudnn, 9)} "
+                f"{(flops / cudnn / 1e9 if cudnn else 0):>11.1f} {fmt(fa2, 8)} "
+                f"{(cudnn / ours if cudnn else 0):>8.2f}"
+            )
+            sys.stdout.flush()
+
+
 def gradients(attnc, backend):
     """The golden gradient cases (PyTorch float64 autograd) through `attnc grad --backend`."""
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures", "gradients")
@@ -334,6 +387,7 @@ def main():
             print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
             timing(a.attnc, a.quick)
             decode_timing(a.attnc)
+            backward_timing(a.attnc)
     print(f"== done in {time.time() - start:.0f} s")
     sys.exit(1 if failures else 0)
 

@@ -1,4 +1,5 @@
-//! The GPU backward kernels (SIMT: delta, dq, dk and dv), run on the GPU IR interpreter, against
+//! The GPU backward kernels (delta, dq, dk and dv; SIMT for f32, tensor cores for the bf16 and
+//! f16 specs they support), run on the GPU IR interpreter, against
 //! `attn_dsl::reference::backward`: masks, GQA/MQA, RoPE, ALiBi, softcap, custom modifiers, fully
 //! masked rows, Sq != Skv and lengths that break the tiles.
 
@@ -17,9 +18,15 @@ fn input(dtype: DType, shape: &[usize], seed: u64) -> (Tensor, Array) {
     (t, Array::from_vec(shape, exact).unwrap())
 }
 
-fn check(text: &str, batch: usize, sq: usize, skv: usize, p0: i64) {
+/// Checks the GPU backward of `text` against the reference; returns the largest error of the
+/// gradients (absolute, past the relative part of the tolerance) and whether the kernels ran on
+/// tensor cores.
+fn check(text: &str, batch: usize, sq: usize, skv: usize, p0: i64) -> (f64, bool) {
     let spec: AttentionSpec = text.parse().unwrap();
     let variant = Variant::new(spec.clone()).unwrap();
+    let tensor_cores = codegen::gpu::backward_kernels(variant.backward_plan().unwrap())
+        .unwrap()
+        .tensor_cores;
     let (h, hkv) = (spec.heads as usize, spec.kv_heads() as usize);
     let (d, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
     let (q, qa) = input(spec.dtype, &[batch, h, sq, d], 1);
@@ -49,6 +56,7 @@ fn check(text: &str, batch: usize, sq: usize, skv: usize, p0: i64) {
         DType::F32 => (1e-4, 1e-3),
         _ => (4e-2, 2e-2),
     };
+    let mut worst = 0f64;
     for (name, g, w) in [
         ("dq", &got.dq, &want.dq),
         ("dk", &got.dk, &want.dk),
@@ -61,8 +69,17 @@ fn check(text: &str, batch: usize, sq: usize, skv: usize, p0: i64) {
                 (g - w).abs() <= abs + rel * w.abs(),
                 "{text} [B {batch}, Sq {sq}, Skv {skv}] {name}[{i}]: got {g}, want {w}"
             );
+            worst = worst.max((g - w).abs() - rel * w.abs());
         }
     }
+    (worst, tensor_cores)
+}
+
+/// [`check`] on the tensor-core kernels, which must take the spec.
+fn check_tc(text: &str, batch: usize, sq: usize, skv: usize, p0: i64) {
+    let (worst, tensor_cores) = check(text, batch, sq, skv, p0);
+    assert!(tensor_cores, "{text}: expected the tensor-core backward");
+    eprintln!("{text} [B {batch}, Sq {sq}, Skv {skv}, p0 {p0}]: max error {worst:.2e}");
 }
 
 #[test]
@@ -125,6 +142,87 @@ fn low_precision_inputs() {
         1,
         20,
         20,
+        0,
+    );
+}
+
+#[test]
+fn tensor_cores_masks_lengths_and_head_dims() {
+    check_tc(
+        "heads = 2, head_dim = 64, mask = causal, dtype = bf16",
+        1,
+        130,
+        130,
+        0,
+    );
+    check_tc("heads = 2, head_dim = 32, dtype = f16", 2, 7, 65, 0);
+    check_tc("heads = 2, head_dim = 16, dtype = bf16", 1, 1, 63, 5);
+    check_tc(
+        "heads = 2, head_dim = 128, v_head_dim = 64, mask = causal, dtype = bf16",
+        1,
+        70,
+        100,
+        0,
+    );
+    check_tc(
+        "heads = 1, head_dim = 48, v_head_dim = 112, mask = sliding_window(20), dtype = f16",
+        1,
+        90,
+        90,
+        2,
+    );
+    check_tc(
+        "heads = 2, head_dim = 32, mask = causal(top_left), dtype = bf16",
+        1,
+        40,
+        20,
+        0,
+    );
+}
+
+#[test]
+fn tensor_cores_gqa_rope_and_modifiers() {
+    check_tc(
+        "heads = 4, kv_heads = 1, head_dim = 64, mask = causal, position = rope, dtype = bf16",
+        1,
+        33,
+        80,
+        3,
+    );
+    check_tc(
+        "heads = 4, kv_heads = 2, head_dim = 32, position = rope(layout = interleaved, \
+         dim = 16), dtype = f16",
+        2,
+        20,
+        20,
+        0,
+    );
+    check_tc(
+        "heads = 3, head_dim = 32, mask = causal, position = alibi, softcap = 2.0, dtype = bf16",
+        1,
+        45,
+        45,
+        0,
+    );
+    check_tc(
+        "heads = 2, head_dim = 16, score_mod = |s, b, h, q, k| (s * 0.5).tanh() * 3.0 - 0.02 * \
+         (q - k).abs() as f32, mask_mod = |b, h, q, k| (q + k) % 3 != 1 && q != 6, dtype = bf16",
+        2,
+        12,
+        70,
+        0,
+    );
+}
+
+#[test]
+fn tensor_cores_fully_masked_rows_carry_nothing() {
+    // Queries 0..4 keep no key (the window misses every key under top-left alignment's
+    // shift), and the rows stay zero, never NaN.
+    check_tc(
+        "heads = 2, head_dim = 16, mask_mod = |b, h, q, k| q >= 5 && k <= q, dtype = bf16",
+        1,
+        24,
+        24,
         0,
     );
 }

@@ -125,7 +125,11 @@ fn backward_kernels_compile_to_ptx_and_assemble() {
         let spec: attn_dsl::AttentionSpec = text.parse().unwrap();
         let plan = KernelPlan::backward(&spec).unwrap();
         let kernels = codegen::gpu::backward_kernels(&plan).unwrap();
-        for kernel in &kernels {
+        assert!(
+            !kernels.tensor_cores,
+            "{text}: f32 specs run on the SIMT kernels"
+        );
+        for kernel in &kernels.kernels {
             for arch in [Arch::Sm80, Arch::Sm90] {
                 let out = emit(kernel, arch).unwrap_or_else(|e| panic!("{text}: {e}"));
                 assert!(
@@ -135,6 +139,40 @@ fn backward_kernels_compile_to_ptx_and_assemble() {
                 // The SIMT kernels hold whole rows per thread: registers are reported, spills
                 // allowed (the tensor-core backward is still to come).
                 assemble(&out.ptx, arch, &format!("{} {text}", kernel.name));
+            }
+        }
+    }
+}
+
+#[test]
+fn tensor_core_backward_kernels_assemble_without_spills() {
+    for text in [
+        "heads = 16, head_dim = 128, mask = causal, dtype = bf16",
+        "heads = 16, head_dim = 64, mask = causal, dtype = bf16",
+        "heads = 8, kv_heads = 2, head_dim = 128, mask = causal, position = rope, dtype = bf16",
+        "heads = 4, head_dim = 64, position = alibi, softcap = 30.0, dtype = f16",
+    ] {
+        let spec: attn_dsl::AttentionSpec = text.parse().unwrap();
+        let plan = KernelPlan::backward(&spec).unwrap();
+        let kernels = codegen::gpu::backward_kernels(&plan).unwrap();
+        assert!(kernels.tensor_cores, "{text}");
+        for kernel in &kernels.kernels {
+            for arch in [Arch::Sm80, Arch::Sm90] {
+                let out = emit(kernel, arch).unwrap_or_else(|e| panic!("{text}: {e}"));
+                if kernel.name != "backward_tc_delta" {
+                    assert!(
+                        out.ptx.contains("mma.sync.aligned.m16n8k16.row.col.f32"),
+                        "{text}: {} has no mma.sync",
+                        kernel.name
+                    );
+                    assert!(out.ptx.contains("ldmatrix.sync.aligned"), "{text}");
+                }
+                if let Some((regs, spills, _)) =
+                    assemble(&out.ptx, arch, &format!("{} {text}", kernel.name))
+                {
+                    eprintln!("{} {text} {arch:?}: {regs} registers", kernel.name);
+                    assert_eq!(spills, 0, "{} {text} {arch:?} spills", kernel.name);
+                }
             }
         }
     }

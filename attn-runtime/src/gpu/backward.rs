@@ -1,8 +1,10 @@
-//! The backward pass on the GPU kernels (`codegen::gpu::backward`): a call prepared on the host
-//! (inputs as contiguous f32, RoPE tables as the forward builds them), then `backward_delta`,
-//! `backward_dq` and `backward_dkdv` in that order, on the GPU IR interpreter
+//! The backward pass on the GPU kernels (`codegen::gpu::backward_tc` on tensor cores for bf16
+//! and f16 specs it supports, `codegen::gpu::backward` SIMT otherwise): a call prepared on the
+//! host (inputs in the kernels' formats, tile codes, RoPE tables as the forward builds them),
+//! then the delta, dq and dk/dv kernels in that order, on the GPU IR interpreter
 //! ([`BackwardCall::run_emulated`]) or on a CUDA device (`CudaBackend::backward`).
 
+use super::device_bytes;
 use crate::backend::{BackwardInputs, Gradients};
 use crate::error::RuntimeError;
 use crate::host::checks::check_backward;
@@ -10,31 +12,47 @@ use crate::host::rope_table::RopeTables;
 use crate::tensor::Tensor;
 use crate::variant::{KernelKey, Variant};
 use attn_dsl::DType;
-use codegen::gpu::backward::grids;
+use codegen::gpu::BackwardKernels;
 use codegen::gpu::interp::{Memory, Val, run};
 use codegen::gpu::ir::Kernel;
-use codegen::gpu::launch::{BackwardArgs, bind};
+use codegen::gpu::launch::{BackwardArgs, BackwardTcArgs, bind};
 use codegen::plan::PlanKind;
 use std::sync::Arc;
 
 /// The backward kernels of a variant (delta, dq, dk and dv), lowered once per variant.
-fn lowered_backward(variant: &Variant) -> Result<Arc<[Arc<Kernel>; 3]>, RuntimeError> {
+fn lowered_backward(variant: &Variant) -> Result<Arc<BackwardKernels>, RuntimeError> {
     let key = KernelKey {
         backend: "gpu",
         kind: PlanKind::Backward,
-        detail: "simt",
+        detail: "chosen",
     };
     variant.kernel(key, |v| {
-        Ok(codegen::gpu::backward_kernels(v.backward_plan()?)?.map(Arc::new))
+        Ok(codegen::gpu::backward_kernels(v.backward_plan()?)?)
     })
 }
 
-/// A backward call ready to launch: its kernels and grids, its inputs as f32 on the host (q, k,
-/// v, out, lse, dout, in [`BackwardArgs`] order), and its RoPE tables.
+/// Device addresses of a call's buffers, in the order the launch records take them.
+pub(crate) struct Buffers {
+    /// q, k, v, out, lse, dout.
+    pub inputs: [i64; 6],
+    /// delta (one f32 per query row), dq, dk, dv.
+    pub outputs: [i64; 4],
+    /// The dq and dk/dv tile codes (tensor cores only; 0 otherwise).
+    pub codes: [i64; 2],
+    /// RoPE cosines and sines.
+    pub rope: [i64; 2],
+}
+
+/// A backward call ready to launch: its kernels and grids, its inputs as the bytes the kernels
+/// read (q, k, v, out, lse, dout), its tile codes and its RoPE tables.
 pub(crate) struct BackwardCall {
-    pub kernels: Arc<[Arc<Kernel>; 3]>,
+    pub kernels: Arc<BackwardKernels>,
     pub grids: [[u32; 3]; 3],
-    pub inputs: [Vec<f32>; 6],
+    /// On tensor cores q, k, v and dout in the spec's 16-bit format, out and lse f32; SIMT:
+    /// all f32.
+    pub inputs: [Vec<u8>; 6],
+    /// Tensor cores: the dq and dk/dv kernels' tile codes as i32 bytes (empty for SIMT).
+    pub codes: [Vec<u8>; 2],
     pub rope_cos: Vec<f32>,
     pub rope_sin: Vec<f32>,
     pub rope_pos0: i64,
@@ -52,6 +70,10 @@ pub(crate) enum Prepared {
     Launch(Box<BackwardCall>),
     /// No query or no key: the gradients are zeros.
     Empty(Gradients),
+}
+
+fn i32_bytes(codes: &[i32]) -> Vec<u8> {
+    codes.iter().flat_map(|c| c.to_le_bytes()).collect()
 }
 
 impl BackwardCall {
@@ -83,14 +105,39 @@ impl BackwardCall {
             }
             None => (Vec::new(), Vec::new(), 0),
         };
+        let kernels = lowered_backward(variant)?;
+        let dims = [b, sq, skv];
+        let (inputs, codes) = if kernels.tensor_cores {
+            let half = |t: &Tensor| device_bytes(t, spec.dtype);
+            let single = |t: &Tensor| device_bytes(t, DType::F32);
+            let [dq, dkdv] = codegen::gpu::backward_tc::tile_codes(plan, dims, p0);
+            (
+                [
+                    half(x.q),
+                    half(x.k),
+                    half(x.v),
+                    single(x.out),
+                    single(x.lse),
+                    half(x.dout),
+                ],
+                [i32_bytes(&dq), i32_bytes(&dkdv)],
+            )
+        } else {
+            let single = |t: &Tensor| device_bytes(t, DType::F32);
+            (
+                [x.q, x.k, x.v, x.out, x.lse, x.dout].map(single),
+                [Vec::new(), Vec::new()],
+            )
+        };
         Ok(Prepared::Launch(Box::new(BackwardCall {
-            kernels: lowered_backward(variant)?,
-            grids: grids(plan, [b, sq, skv]),
-            inputs: [x.q, x.k, x.v, x.out, x.lse, x.dout].map(|t| t.to_f32_vec()),
+            grids: kernels.grids(plan, dims),
+            kernels,
+            inputs,
+            codes,
             rope_cos,
             rope_sin,
             rope_pos0,
-            dims: [b, sq, skv],
+            dims,
             p0,
             shapes,
             dtype: spec.dtype,
@@ -102,35 +149,68 @@ impl BackwardCall {
         [0, 1, 2].map(|i| self.shapes[i].iter().product())
     }
 
-    /// The launch record for buffers at these addresses: the six inputs, `delta` (one f32 per
-    /// query row), dq, dk, dv, and the RoPE tables.
-    pub fn record(
-        &self,
-        [q, k, v, out, lse, dout]: [i64; 6],
-        outputs: [i64; 4],
-        rope: [i64; 2],
-    ) -> BackwardArgs {
-        let [delta, dq, dk, dv] = outputs;
-        let [b, sq, skv] = self.dims;
-        BackwardArgs {
-            q,
-            k,
-            v,
-            out,
-            lse,
-            dout,
-            delta,
-            dq,
-            dk,
-            dv,
-            batch: b as i64,
-            sq: sq as i64,
-            skv: skv as i64,
-            p0: self.p0,
-            rope_cos: rope[0],
-            rope_sin: rope[1],
-            rope_pos0: self.rope_pos0,
-        }
+    /// The argument values of `kernel` (one of the call's) for buffers at these addresses.
+    pub fn args(&self, kernel: &Kernel, at: &Buffers) -> Result<Vec<i64>, RuntimeError> {
+        let [q, k, v, out, lse, dout] = at.inputs;
+        let [delta, dq, dk, dv] = at.outputs;
+        let [b, sq, skv] = self.dims.map(|n| n as i64);
+        let [rope_cos, rope_sin] = at.rope;
+        let values = if self.kernels.tensor_cores {
+            let [dq_codes, dkdv_codes] = at.codes;
+            bind(
+                kernel,
+                &BackwardTcArgs {
+                    q,
+                    k,
+                    v,
+                    out,
+                    lse,
+                    dout,
+                    delta,
+                    dq,
+                    dk,
+                    dv,
+                    dq_codes,
+                    dkdv_codes,
+                    batch: b,
+                    sq,
+                    skv,
+                    p0: self.p0,
+                    rope_cos,
+                    rope_sin,
+                    rope_pos0: self.rope_pos0,
+                },
+            )
+        } else {
+            bind(
+                kernel,
+                &BackwardArgs {
+                    q,
+                    k,
+                    v,
+                    out,
+                    lse,
+                    dout,
+                    delta,
+                    dq,
+                    dk,
+                    dv,
+                    batch: b,
+                    sq,
+                    skv,
+                    p0: self.p0,
+                    rope_cos,
+                    rope_sin,
+                    rope_pos0: self.rope_pos0,
+                },
+            )
+        };
+        values.map_err(RuntimeError::Data)
+    }
+
+    /// Query rows of the call (one `delta` each).
+    pub fn rows(&self) -> usize {
+        self.dims[0] * self.shapes[0][1] * self.dims[1]
     }
 
     /// The gradients from their f32 values.
@@ -145,22 +225,27 @@ impl BackwardCall {
     /// Runs the call on the GPU IR interpreter.
     pub fn run_emulated(&self) -> Result<Gradients, RuntimeError> {
         let mut mem = Memory::default();
-        let inputs = [0, 1, 2, 3, 4, 5].map(|i| mem.alloc_f32(&self.inputs[i]));
+        let mut alloc = |bytes: &[u8]| {
+            if bytes.is_empty() {
+                0
+            } else {
+                mem.alloc_bytes(bytes.to_vec())
+            }
+        };
+        let inputs = [0, 1, 2, 3, 4, 5].map(|i| alloc(&self.inputs[i]));
+        let codes = [alloc(&self.codes[0]), alloc(&self.codes[1])];
+        let table = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let rope = [alloc(&table(&self.rope_cos)), alloc(&table(&self.rope_sin))];
         let lens = self.output_lens();
-        let rows = self.inputs[4].len();
-        let outputs = [rows, lens[0], lens[1], lens[2]].map(|n| mem.alloc_f32(&vec![0.0; n]));
-        let table = |mem: &mut Memory, v: &[f32]| if v.is_empty() { 0 } else { mem.alloc_f32(v) };
-        let rope = [
-            table(&mut mem, &self.rope_cos),
-            table(&mut mem, &self.rope_sin),
-        ];
-        let record = self.record(inputs, outputs, rope);
-        for (kernel, grid) in self.kernels.iter().zip(self.grids) {
-            let args: Vec<Val> = bind(kernel, &record)
-                .map_err(RuntimeError::Data)?
-                .into_iter()
-                .map(Val::I64)
-                .collect();
+        let outputs = [self.rows(), lens[0], lens[1], lens[2]].map(|n| alloc(&vec![0u8; 4 * n]));
+        let at = Buffers {
+            inputs,
+            outputs,
+            codes,
+            rope,
+        };
+        for (kernel, grid) in self.kernels.kernels.iter().zip(self.grids) {
+            let args: Vec<Val> = self.args(kernel, &at)?.into_iter().map(Val::I64).collect();
             run(kernel, grid, &args, &mut mem).map_err(RuntimeError::Data)?;
         }
         let read = |i: usize| {

@@ -372,7 +372,7 @@ pub(crate) fn forward_mla_emulated_in(
 
 /// A tensor's values in logical order as the bytes of `dtype` (f32, or bf16 or f16 rounded to
 /// nearest even), little-endian: what a forward kernel reads from global memory.
-fn device_bytes(t: &Tensor, dtype: attn_dsl::DType) -> Vec<u8> {
+pub(crate) fn device_bytes(t: &Tensor, dtype: attn_dsl::DType) -> Vec<u8> {
     let values = || t.to_f32_vec().into_iter();
     match (dtype, t.contiguous_storage()) {
         (attn_dsl::DType::Bf16, Storage::Bf16(v)) => {

@@ -78,7 +78,7 @@ pub fn supports(plan: &KernelPlan) -> bool {
 }
 
 /// The 16-bit format of the plan's storage (which the tensor cores take).
-fn half_of(plan: &KernelPlan) -> Half {
+pub(super) fn half_of(plan: &KernelPlan) -> Half {
     if plan.dtype == DType::F16 {
         Half::F16
     } else {
@@ -119,7 +119,14 @@ fn shfl(e: Expr, mask: u32) -> Expr {
 /// when the plan has it. With `shift`, the column is `d + 2 shift` (a lane's offset in its
 /// fragment); the RoPE pairing is decided on `d`, which the caller guarantees is the same for
 /// every shift ([`lane_aligned`]).
-fn element(plan: &KernelPlan, row_addr: &Expr, d: usize, pos: &Expr, shift: Option<&Expr>) -> Expr {
+fn element(
+    plan: &KernelPlan,
+    param: Params,
+    row_addr: &Expr,
+    d: usize,
+    pos: &Expr,
+    shift: Option<&Expr>,
+) -> Expr {
     let lane = |bytes_per_step: i64| shift.map_or(i64(0), |q| mul(q.clone(), i64(bytes_per_step)));
     let at_d = |d: usize| {
         let addr = add(add(row_addr.clone(), i64(2 * d as i64)), lane(4));
@@ -159,24 +166,27 @@ fn element(plan: &KernelPlan, row_addr: &Expr, d: usize, pos: &Expr, shift: Opti
 }
 
 /// Columns `d` and `d + 1` (`d` even; plus `2 shift`) of a 16-bit row as a packed pair: one 32-bit
-/// load where RoPE leaves them as they are, else both rotated and repacked.
+/// load where RoPE leaves them as they are (or the row is not `rotated`), else both rotated and
+/// repacked.
 fn pair(
     plan: &KernelPlan,
-    qk: Half,
+    to: &Staging,
     row_addr: &Expr,
     d: usize,
     pos: &Expr,
     shift: Option<&Expr>,
 ) -> Expr {
-    let rotated = plan.rope.as_ref().is_some_and(|r| {
-        let first = r.first_dim as usize;
-        d + 1 >= first && d < first + r.rope.dim as usize
-    });
+    let (qk, param) = (to.qk, to.param);
+    let rotated = to.rotated
+        && plan.rope.as_ref().is_some_and(|r| {
+            let first = r.first_dim as usize;
+            d + 1 >= first && d < first + r.rope.dim as usize
+        });
     if rotated {
         return Expr::PackHalf(
             qk,
-            Box::new(element(plan, row_addr, d, pos, shift)),
-            Box::new(element(plan, row_addr, d + 1, pos, shift)),
+            Box::new(element(plan, param, row_addr, d, pos, shift)),
+            Box::new(element(plan, param, row_addr, d + 1, pos, shift)),
         );
     }
     let lane = shift.map_or(i64(0), |q| mul(q.clone(), i64(4)));
@@ -186,7 +196,7 @@ fn pair(
 
 /// Whether every lane's fragment columns (`8 j + 2 q`, `+1`) pair up under RoPE the same way as
 /// lane 0's, so a lane offset can be added to addresses instead of selecting per lane.
-fn lane_aligned(plan: &KernelPlan) -> bool {
+pub(super) fn lane_aligned(plan: &KernelPlan) -> bool {
     plan.rope.as_ref().is_none_or(|r| {
         r.first_dim.is_multiple_of(8)
             && (r.rope.layout == RopeLayout::Interleaved || (r.rope.dim / 2).is_multiple_of(8))
@@ -289,6 +299,8 @@ pub fn lower_with(plan: &KernelPlan, qk: Half) -> Kernel {
             dst: i64(q_sh as i64),
             qk,
             stride: q_stride,
+            rotated: true,
+            param,
         },
         |local| {
             let row = q_row_of(local);
@@ -494,6 +506,8 @@ pub fn lower_with(plan: &KernelPlan, qk: Half) -> Kernel {
                 dst: i64(k_sh as i64),
                 stride: k_stride,
                 qk,
+                rotated: true,
+                param,
             },
             |local| {
                 let key = add(mul(reg(t), i64(bc64)), local);
@@ -885,15 +899,22 @@ pub fn lower_with(plan: &KernelPlan, qk: Half) -> Kernel {
     }
 }
 
+/// A kernel's parameters by name (its launch record's positions).
+pub(super) type Params = fn(&str) -> Expr;
+
 /// Where [`stage_rows`] writes: `count` rows of `width` 16-bit columns at `dst`, `stride`
 /// bytes apart.
-struct Staging {
-    count: i64,
-    width: usize,
-    dst: Expr,
-    stride: usize,
+pub(super) struct Staging {
+    pub count: i64,
+    pub width: usize,
+    pub dst: Expr,
+    pub stride: usize,
     /// The format of the `Q K^T` operands the rows are staged as.
-    qk: Half,
+    pub qk: Half,
+    /// Whether the rows are rotated by the plan's RoPE (queries and keys) or copied (values).
+    pub rotated: bool,
+    /// The kernel's parameters (the RoPE tables among them).
+    pub param: Params,
 }
 
 /// Synchronous staging of rows into shared memory, rotated by RoPE where the plan has it.
@@ -901,7 +922,7 @@ struct Staging {
 /// (else zeros are stored). Where RoPE pairs line up with lane offsets, four threads share a
 /// row, thread p of them taking the column pairs 8 i + 2 p (coalesced); else thread j stages
 /// row j whole. The CTA stages THREADS / (threads per row) rows per pass.
-fn stage_rows(
+pub(super) fn stage_rows(
     plan: &KernelPlan,
     r: &mut Regs,
     name: &str,
@@ -926,7 +947,7 @@ fn stage_rows(
     };
     let mut stage = vec![Stmt::Set(part, bin(Bin::Rem, tid.clone(), i64(per_row)))];
     for dd in (0..to.width).step_by(col_step) {
-        let value = pair(plan, to.qk, &addr, dd, &pos, shift.as_ref());
+        let value = pair(plan, &to, &addr, dd, &pos, shift.as_ref());
         let dst = add(
             add(to.dst.clone(), mul(reg(local), i64(to.stride as i64))),
             add(i64(2 * dd as i64), mul(reg(part), i64(4))),

@@ -199,3 +199,49 @@ launch_record! {
         rope_pos0: Scalar,
     }
 }
+
+launch_record! {
+    /// A tensor-core backward launch, shared by its three kernels (`backward_tc_delta`,
+    /// `backward_tc_dq`, `backward_tc_dkdv`): q, k, v and dout contiguous BHSD in the spec's
+    /// 16-bit format, out, lse and the gradients f32.
+    BackwardTcArgs {
+        /// `[B, Hq, Sq, D]` queries, before RoPE.
+        q: Address,
+        /// `[B, Hkv, Skv, D]` keys, before RoPE.
+        k: Address,
+        /// `[B, Hkv, Skv, Dv]` values.
+        v: Address,
+        /// `[B, Hq, Sq, Dv]` the forward's output, f32.
+        out: Address,
+        /// `[B, Hq, Sq]` the forward's log-sum-exp, f32.
+        lse: Address,
+        /// `[B, Hq, Sq, Dv]` the loss's gradient with respect to the output.
+        dout: Address,
+        /// `[B, Hq, Sq]` f32 `D = rowsum(dout * out)`: written by `backward_tc_delta`.
+        delta: Address,
+        /// `[B, Hq, Sq, D]` f32 output.
+        dq: Address,
+        /// `[B, Hkv, Skv, D]` f32 output.
+        dk: Address,
+        /// `[B, Hkv, Skv, Dv]` f32 output.
+        dv: Address,
+        /// One i32 tile code per (query head, block of query rows, key tile) of the dq kernel.
+        dq_codes: Address,
+        /// One i32 tile code per (query head, block of keys, query tile) of the dk/dv kernel.
+        dkdv_codes: Address,
+        /// Batch.
+        batch: Scalar,
+        /// Queries per sequence.
+        sq: Scalar,
+        /// Keys per sequence.
+        skv: Scalar,
+        /// The position of key 0.
+        p0: Scalar,
+        /// RoPE cosines, rows of `rope_dim / 2` f32 from position `rope_pos0`.
+        rope_cos: Address,
+        /// RoPE sines, as `rope_cos`.
+        rope_sin: Address,
+        /// The position of the tables' first row.
+        rope_pos0: Scalar,
+    }
+}

@@ -6,11 +6,12 @@
 //! [`decode`] holds the decode kernels over cache segments (split-KV): [`decode_tc`] and
 //! [`decode_wide`] (MLA) on tensor cores for 16-bit caches, a SIMT one for the rest. With the `cuda` feature, `llvm` translates
 //! the IR to LLVM IR and PTX. [`backward`] holds the SIMT backward kernels (delta, dq, dk and
-//! dv). Still to come: the backward on tensor cores, `wgmma` and TMA on sm_90a.
+//! dv), [`backward_tc`] the tensor-core ones. Still to come: `wgmma` and TMA on sm_90a.
 
 use crate::CodegenError;
 
 pub mod backward;
+pub mod backward_tc;
 pub mod decode;
 mod decode_mma;
 pub mod decode_tc;
@@ -123,10 +124,48 @@ pub fn simt_forward_kernel(plan: &crate::KernelPlan) -> Result<ForwardKernel, Co
     })
 }
 
-/// The backward kernels of a backward plan (delta, dq, dk and dv; see [`backward`]), verified.
-pub fn backward_kernels(plan: &crate::KernelPlan) -> Result<[ir::Kernel; 3], CodegenError> {
+/// The backward kernels of a plan as the host launches them: delta, dq, and dk with dv.
+#[derive(Clone, Debug)]
+pub struct BackwardKernels {
+    /// The three kernels, in launch order.
+    pub kernels: [std::sync::Arc<ir::Kernel>; 3],
+    /// On tensor cores ([`backward_tc`]): inputs in the spec's 16-bit format (lse f32), tile
+    /// codes, [`launch::BackwardTcArgs`]. Else SIMT ([`backward`]): f32 inputs,
+    /// [`launch::BackwardArgs`].
+    pub tensor_cores: bool,
+}
+
+impl BackwardKernels {
+    /// The grids of the three kernels for a call of `[batch, Sq, Skv]`.
+    pub fn grids(&self, plan: &crate::KernelPlan, dims: [usize; 3]) -> [[u32; 3]; 3] {
+        if self.tensor_cores {
+            backward_tc::grids(plan, dims)
+        } else {
+            backward::grids(plan, dims)
+        }
+    }
+}
+
+/// The backward kernels of a backward plan: on tensor cores where [`backward_tc::supports`]
+/// the plan, else SIMT. Verified.
+pub fn backward_kernels(plan: &crate::KernelPlan) -> Result<BackwardKernels, CodegenError> {
+    if !backward_tc::supports(plan) {
+        return simt_backward_kernels(plan);
+    }
+    let [delta, dq, dkdv] = backward_tc::lower(plan);
+    Ok(BackwardKernels {
+        kernels: [verified(delta)?, verified(dq)?, verified(dkdv)?].map(std::sync::Arc::new),
+        tensor_cores: true,
+    })
+}
+
+/// The SIMT backward kernels of a backward plan (any plan runs on them), verified.
+pub fn simt_backward_kernels(plan: &crate::KernelPlan) -> Result<BackwardKernels, CodegenError> {
     let [delta, dq, dkdv] = backward::lower(plan);
-    Ok([verified(delta)?, verified(dq)?, verified(dkdv)?])
+    Ok(BackwardKernels {
+        kernels: [verified(delta)?, verified(dq)?, verified(dkdv)?].map(std::sync::Arc::new),
+        tensor_cores: false,
+    })
 }
 
 /// The decode kernel of a decode plan, verified.

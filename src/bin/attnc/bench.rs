@@ -263,12 +263,80 @@ pub fn bench_cuda(spec: &AttentionSpec, shape: &Shape) -> Result<Timing, Runtime
     Ok(timing(spec, shape, times, compile_ms))
 }
 
+/// Times the GPU backward kernels on CUDA device 0 (delta, dq, dk and dv: on tensor cores for
+/// bf16 and f16 specs they take): the forward runs once on the device for `out` and `lse`, then
+/// one warm-up pass and `reps` timed ones (median). GFLOP/s count the backward's five tile
+/// products (2.5 forwards), as FlashAttention reports them; `compile_ms` is 0 (kernels load on
+/// the warm-up pass).
+#[cfg(feature = "cuda")]
+pub fn bench_backward_cuda(spec: &AttentionSpec, shape: &Shape) -> Result<Timing, RuntimeError> {
+    use attn::runtime::gpu::GpuCall;
+    use attn::runtime::gpu::cuda::CudaBackend;
+    use attn::runtime::{BackwardInputs, Variant};
+    if spec.mla().is_some() {
+        return Err(RuntimeError::Spec(
+            "the backward pass of MLA specs is not implemented yet; allowed: per-head specs \
+             (MHA, GQA, MQA)"
+                .into(),
+        ));
+    }
+    let triple = Shape {
+        batch: shape.batch.saturating_mul(3),
+        ..*shape
+    };
+    ensure_fits(spec, &triple)?;
+    let backend = CudaBackend::new(0)?;
+    let [q, k, v] = inputs(spec, shape)?;
+    let dout = random(
+        spec,
+        &[
+            shape.batch,
+            spec.heads as usize,
+            shape.seq,
+            spec.v_head_dim as usize,
+        ],
+        4,
+    )?;
+    let saved = backend.run(&GpuCall::forward(spec, &q, &k, &v, 0)?)?;
+    let variant = Variant::shared(spec)?;
+    let x = BackwardInputs {
+        q: &q,
+        k: &k,
+        v: &v,
+        out: &saved.out,
+        lse: &saved.lse,
+        dout: &dout,
+        position_offset: 0,
+    };
+    let (mut times, _) = backend
+        .time_backward(&variant, &x, shape.reps)?
+        .ok_or_else(|| RuntimeError::Data("the call has no query or no key to time".into()))?;
+    times.sort_by(f64::total_cmp);
+    let median_ms = times[times.len() / 2];
+    Ok(Timing {
+        median_ms,
+        gflops: 2.5 * flops(spec, shape) / (median_ms * 1e-3) / 1e9,
+        compile_ms: 0.0,
+    })
+}
+
 /// Without the `cuda` feature: an error that says how to get it.
 #[cfg(not(feature = "cuda"))]
 pub fn bench_cuda(_: &AttentionSpec, _: &Shape) -> Result<Timing, RuntimeError> {
-    Err(RuntimeError::Device(
+    Err(no_cuda())
+}
+
+/// Without the `cuda` feature: an error that says how to get it.
+#[cfg(not(feature = "cuda"))]
+pub fn bench_backward_cuda(_: &AttentionSpec, _: &Shape) -> Result<Timing, RuntimeError> {
+    Err(no_cuda())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn no_cuda() -> RuntimeError {
+    RuntimeError::Device(
         "this attnc was built without the `cuda` feature; rebuild with --features cuda \
          (scripts/setup-cuda-toolchain.sh), or use --backend cpu"
             .into(),
-    ))
+    )
 }

@@ -357,14 +357,8 @@ fn main() -> ExitCode {
                     shape.batch, shape.seq, shape.kv_len, shape.reps
                 );
             }
-            if backward && backend != run::Backend::Cpu {
-                return Err(
-                    "error: --backward is timed on the cpu backend only for now: the GPU backward \
-                     kernels run (attnc grad --backend gpu-sim or cuda) but are not timed yet"
-                        .to_string(),
-                );
-            }
             let t = match backend {
+                run::Backend::Cuda if backward => bench::bench_backward_cuda(&spec, &shape),
                 _ if backward => bench::bench_backward(&spec, &shape, !json),
                 run::Backend::Cuda => bench::bench_cuda(&spec, &shape),
                 _ => bench::bench(&spec, &shape, !json),
