@@ -139,107 +139,119 @@ mod x86 {
     use super::{K, LOWEST, LSE_TO_HALF, MAGIC, P};
     use std::arch::x86_64::*;
 
-    /// `2^(2x)` on 16 lanes.
-    #[target_feature(enable = "avx512f")]
-    #[inline]
-    fn exp2_of_double_16(x: __m512) -> __m512 {
-        // `max(lo, x)` returns `x` when it is NaN.
-        let x = _mm512_max_ps(_mm512_set1_ps(LOWEST), x);
-        let two = _mm512_set1_ps(2.0);
-        let magic = _mm512_set1_ps(MAGIC);
-        let t = _mm512_fmadd_ps(x, two, magic);
-        let r = _mm512_fmadd_ps(x, two, _mm512_sub_ps(magic, t));
-        let c = P.map(|c| _mm512_set1_ps(c));
-        let r2 = _mm512_mul_ps(r, r);
-        let a = _mm512_fmadd_ps(c[1], r, c[0]);
-        let b = _mm512_fmadd_ps(c[3], r, c[2]);
-        let d = _mm512_fmadd_ps(c[5], r, c[4]);
-        let p = _mm512_fmadd_ps(r2, _mm512_fmadd_ps(r2, d, b), a);
-        let y = _mm512_fmadd_ps(r, p, _mm512_set1_ps(1.0));
-        let pow2 = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_castps_si512(t)));
-        _mm512_mul_ps(y, pow2)
-    }
-
-    /// AVX-512 `exp_tile`.
-    ///
-    /// # Safety
-    /// The module contract, on a CPU with AVX-512F.
-    #[target_feature(enable = "avx512f")]
-    pub unsafe extern "C" fn exp_avx512(s: *mut f32, rows: i64, shift: *const f32, sums: *mut f32) {
-        // SAFETY: rows r < `rows` of K values, one shift and sum each (the module contract).
-        unsafe {
-            for r in 0..rows as usize {
-                let row = s.add(r * K);
-                let m = _mm512_set1_ps(*shift.add(r));
-                let mut sum = _mm512_setzero_ps();
-                for c in (0..K).step_by(16) {
-                    let e = exp2_of_double_16(_mm512_sub_ps(_mm512_loadu_ps(row.add(c)), m));
-                    _mm512_storeu_ps(row.add(c), e);
-                    sum = _mm512_add_ps(sum, e);
-                }
-                *sums.add(r) += _mm512_reduce_add_ps(sum);
+    /// `exp_tile` and `ds_tile` for one vector width: the same steps as the portable versions,
+    /// `LANES` keys at a time, in the intrinsics named.
+    macro_rules! tile_passes {
+        (
+            feature: $feature:literal, vector: $v:ident, lanes: $lanes:literal,
+            exp: $exp_name:ident, ds: $ds_name:ident, exp2: $exp2:ident, sum: $sum:expr,
+            set1: $set1:ident, zero: $zero:ident, load: $load:ident, store: $store:ident,
+            add: $add:ident, sub: $sub:ident, mul: $mul:ident, fma: $fma:ident, max: $max:ident,
+            shl23: $shl:expr, to_int: $to_int:ident, to_float: $to_float:ident
+        ) => {
+            /// `2^(2x)`, lane by lane.
+            #[target_feature(enable = $feature)]
+            #[inline]
+            fn $exp2(x: $v) -> $v {
+                // `max(lo, x)` returns `x` when it is NaN.
+                let x = $max($set1(LOWEST), x);
+                let (two, magic) = ($set1(2.0), $set1(MAGIC));
+                let t = $fma(x, two, magic);
+                let r = $fma(x, two, $sub(magic, t));
+                let c = P.map(|c| $set1(c));
+                let r2 = $mul(r, r);
+                let a = $fma(c[1], r, c[0]);
+                let b = $fma(c[3], r, c[2]);
+                let d = $fma(c[5], r, c[4]);
+                let p = $fma(r2, $fma(r2, d, b), a);
+                let y = $fma(r, p, $set1(1.0));
+                $mul(y, $to_float($shl($to_int(t))))
             }
-        }
-    }
 
-    /// AVX-512 `ds_tile`.
-    ///
-    /// # Safety
-    /// The module contract, on a CPU with AVX-512F.
-    #[target_feature(enable = "avx512f")]
-    pub unsafe extern "C" fn ds_avx512(
-        s: *mut f32,
-        dp: *mut f32,
-        rows: i64,
-        lse: *const f32,
-        delta: *const f32,
-        factor: f32,
-    ) {
-        // SAFETY: rows r < `rows` of K values in `s` and `dp`, one lse and D each (the module
-        // contract).
-        unsafe {
-            let factor = _mm512_set1_ps(factor);
-            for r in 0..rows as usize {
-                let (s, dp) = (s.add(r * K), dp.add(r * K));
-                let lse = *lse.add(r);
-                if lse == f32::NEG_INFINITY {
-                    for c in (0..K).step_by(16) {
-                        _mm512_storeu_ps(s.add(c), _mm512_setzero_ps());
-                        _mm512_storeu_ps(dp.add(c), _mm512_setzero_ps());
+            /// `exp_tile` (the module contract).
+            ///
+            /// # Safety
+            /// The module contract, on a CPU with the target features.
+            #[target_feature(enable = $feature)]
+            pub unsafe extern "C" fn $exp_name(
+                s: *mut f32,
+                rows: i64,
+                shift: *const f32,
+                sums: *mut f32,
+            ) {
+                // SAFETY: rows r < `rows` of K values, one shift and sum each (the contract).
+                unsafe {
+                    for r in 0..rows as usize {
+                        let row = s.add(r * K);
+                        let m = $set1(*shift.add(r));
+                        let mut sum = $zero();
+                        for c in (0..K).step_by($lanes) {
+                            let e = $exp2($sub($load(row.add(c)), m));
+                            $store(row.add(c), e);
+                            sum = $add(sum, e);
+                        }
+                        *sums.add(r) += $sum(sum);
                     }
-                    continue;
-                }
-                let h = _mm512_set1_ps(lse * LSE_TO_HALF);
-                let d = _mm512_set1_ps(if delta.is_null() { 0.0 } else { *delta.add(r) });
-                for c in (0..K).step_by(16) {
-                    let p = exp2_of_double_16(_mm512_sub_ps(_mm512_loadu_ps(s.add(c)), h));
-                    let centered = _mm512_sub_ps(_mm512_loadu_ps(dp.add(c)), d);
-                    _mm512_storeu_ps(s.add(c), p);
-                    _mm512_storeu_ps(dp.add(c), _mm512_mul_ps(_mm512_mul_ps(p, centered), factor));
                 }
             }
-        }
+
+            /// `ds_tile` (the module contract).
+            ///
+            /// # Safety
+            /// The module contract, on a CPU with the target features.
+            #[target_feature(enable = $feature)]
+            pub unsafe extern "C" fn $ds_name(
+                s: *mut f32,
+                dp: *mut f32,
+                rows: i64,
+                lse: *const f32,
+                delta: *const f32,
+                factor: f32,
+            ) {
+                // SAFETY: rows r < `rows` of K values in `s` and `dp`, one lse and D each (the
+                // contract).
+                unsafe {
+                    let factor = $set1(factor);
+                    for r in 0..rows as usize {
+                        let (s, dp) = (s.add(r * K), dp.add(r * K));
+                        let lse = *lse.add(r);
+                        if lse == f32::NEG_INFINITY {
+                            for c in (0..K).step_by($lanes) {
+                                $store(s.add(c), $zero());
+                                $store(dp.add(c), $zero());
+                            }
+                            continue;
+                        }
+                        let h = $set1(lse * LSE_TO_HALF);
+                        let d = $set1(if delta.is_null() { 0.0 } else { *delta.add(r) });
+                        for c in (0..K).step_by($lanes) {
+                            let p = $exp2($sub($load(s.add(c)), h));
+                            let centered = $sub($load(dp.add(c)), d);
+                            $store(s.add(c), p);
+                            $store(dp.add(c), $mul($mul(p, centered), factor));
+                        }
+                    }
+                }
+            }
+        };
     }
 
-    /// `2^(2x)` on 8 lanes.
-    #[target_feature(enable = "avx2,fma")]
-    #[inline]
-    fn exp2_of_double_8(x: __m256) -> __m256 {
-        // `max(lo, x)` returns `x` when it is NaN.
-        let x = _mm256_max_ps(_mm256_set1_ps(LOWEST), x);
-        let two = _mm256_set1_ps(2.0);
-        let magic = _mm256_set1_ps(MAGIC);
-        let t = _mm256_fmadd_ps(x, two, magic);
-        let r = _mm256_fmadd_ps(x, two, _mm256_sub_ps(magic, t));
-        let c = P.map(|c| _mm256_set1_ps(c));
-        let r2 = _mm256_mul_ps(r, r);
-        let a = _mm256_fmadd_ps(c[1], r, c[0]);
-        let b = _mm256_fmadd_ps(c[3], r, c[2]);
-        let d = _mm256_fmadd_ps(c[5], r, c[4]);
-        let p = _mm256_fmadd_ps(r2, _mm256_fmadd_ps(r2, d, b), a);
-        let y = _mm256_fmadd_ps(r, p, _mm256_set1_ps(1.0));
-        let pow2 = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_castps_si256(t)));
-        _mm256_mul_ps(y, pow2)
+    tile_passes! {
+        feature: "avx512f", vector: __m512, lanes: 16,
+        exp: exp_avx512, ds: ds_avx512, exp2: exp2_of_double_16, sum: _mm512_reduce_add_ps,
+        set1: _mm512_set1_ps, zero: _mm512_setzero_ps, load: _mm512_loadu_ps,
+        store: _mm512_storeu_ps, add: _mm512_add_ps, sub: _mm512_sub_ps, mul: _mm512_mul_ps,
+        fma: _mm512_fmadd_ps, max: _mm512_max_ps, shl23: _mm512_slli_epi32::<23>,
+        to_int: _mm512_castps_si512, to_float: _mm512_castsi512_ps
+    }
+
+    tile_passes! {
+        feature: "avx2,fma", vector: __m256, lanes: 8,
+        exp: exp_avx2, ds: ds_avx2, exp2: exp2_of_double_8, sum: sum_8,
+        set1: _mm256_set1_ps, zero: _mm256_setzero_ps, load: _mm256_loadu_ps,
+        store: _mm256_storeu_ps, add: _mm256_add_ps, sub: _mm256_sub_ps, mul: _mm256_mul_ps,
+        fma: _mm256_fmadd_ps, max: _mm256_max_ps, shl23: _mm256_slli_epi32::<23>,
+        to_int: _mm256_castps_si256, to_float: _mm256_castsi256_ps
     }
 
     /// The sum of the 8 lanes.
@@ -249,67 +261,6 @@ mod x86 {
         let pairs = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps::<1>(x));
         let pairs = _mm_add_ps(pairs, _mm_movehl_ps(pairs, pairs));
         _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)))
-    }
-
-    /// AVX2 `exp_tile`.
-    ///
-    /// # Safety
-    /// The module contract, on a CPU with AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe extern "C" fn exp_avx2(s: *mut f32, rows: i64, shift: *const f32, sums: *mut f32) {
-        // SAFETY: rows r < `rows` of K values, one shift and sum each (the module contract).
-        unsafe {
-            for r in 0..rows as usize {
-                let row = s.add(r * K);
-                let m = _mm256_set1_ps(*shift.add(r));
-                let mut sum = _mm256_setzero_ps();
-                for c in (0..K).step_by(8) {
-                    let e = exp2_of_double_8(_mm256_sub_ps(_mm256_loadu_ps(row.add(c)), m));
-                    _mm256_storeu_ps(row.add(c), e);
-                    sum = _mm256_add_ps(sum, e);
-                }
-                *sums.add(r) += sum_8(sum);
-            }
-        }
-    }
-
-    /// AVX2 `ds_tile`.
-    ///
-    /// # Safety
-    /// The module contract, on a CPU with AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe extern "C" fn ds_avx2(
-        s: *mut f32,
-        dp: *mut f32,
-        rows: i64,
-        lse: *const f32,
-        delta: *const f32,
-        factor: f32,
-    ) {
-        // SAFETY: rows r < `rows` of K values in `s` and `dp`, one lse and D each (the module
-        // contract).
-        unsafe {
-            let factor = _mm256_set1_ps(factor);
-            for r in 0..rows as usize {
-                let (s, dp) = (s.add(r * K), dp.add(r * K));
-                let lse = *lse.add(r);
-                if lse == f32::NEG_INFINITY {
-                    for c in (0..K).step_by(8) {
-                        _mm256_storeu_ps(s.add(c), _mm256_setzero_ps());
-                        _mm256_storeu_ps(dp.add(c), _mm256_setzero_ps());
-                    }
-                    continue;
-                }
-                let h = _mm256_set1_ps(lse * LSE_TO_HALF);
-                let d = _mm256_set1_ps(if delta.is_null() { 0.0 } else { *delta.add(r) });
-                for c in (0..K).step_by(8) {
-                    let p = exp2_of_double_8(_mm256_sub_ps(_mm256_loadu_ps(s.add(c)), h));
-                    let centered = _mm256_sub_ps(_mm256_loadu_ps(dp.add(c)), d);
-                    _mm256_storeu_ps(s.add(c), p);
-                    _mm256_storeu_ps(dp.add(c), _mm256_mul_ps(_mm256_mul_ps(p, centered), factor));
-                }
-            }
-        }
     }
 }
 

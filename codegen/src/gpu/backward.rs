@@ -223,35 +223,66 @@ fn stage(r: &mut Regs, plan: &KernelPlan, s: Stage) -> Vec<Stmt> {
 
 /// `backward_delta`: `delta[row] = sum_c dout[row][c] * out[row][c]`.
 fn delta(plan: &KernelPlan) -> Kernel {
+    let (regs, body) = delta_body(plan, param, None, ROWS);
+    kernel("backward_delta", regs, 0, body)
+}
+
+/// The body of a delta kernel (one thread per query row, `threads` a CTA): `delta[row] =
+/// sum_c dout[row][c] * out[row][c]`, with out f32 and dout f32 or (`dout_half`) 16-bit, the
+/// record's fields by `param`.
+pub(super) fn delta_body(
+    plan: &KernelPlan,
+    param: fn(&str) -> Expr,
+    dout_half: Option<super::ir::Half>,
+    threads: u32,
+) -> (Regs, Vec<Stmt>) {
     let dv = i64::from(plan.shape.v_dim);
     let hq = i64::from(plan.shape.heads);
     let mut r = Regs { list: Vec::new() };
-    let (row, acc) = (r.add("row", Ty::I64), r.add("acc", Ty::F32));
-    let mut sum = vec![Stmt::Set(acc, f32(0.0))];
-    for c in 0..dv {
-        let at = |name| {
-            let addr = add(param(name), add(mul(reg(row), i64(dv * 4)), i64(4 * c)));
-            load(Space::Global, Ty::F32, addr)
-        };
-        sum.push(Stmt::Set(acc, fma(at("dout"), at("out"), reg(acc))));
-    }
-    sum.push(Stmt::Store(
-        Space::Global,
-        at(param("delta"), reg(row), 4),
-        reg(acc),
-    ));
+    let (row, acc, c) = (
+        r.add("row", Ty::I64),
+        r.add("acc", Ty::F32),
+        r.add("c", Ty::I64),
+    );
+    let element = add(mul(reg(row), i64(dv)), reg(c));
+    let dout = match dout_half {
+        Some(half) => Expr::LoadHalf(
+            Space::Global,
+            half,
+            Box::new(at(param("dout"), element.clone(), 2)),
+        ),
+        None => load(
+            Space::Global,
+            Ty::F32,
+            at(param("dout"), element.clone(), 4),
+        ),
+    };
+    let out = load(Space::Global, Ty::F32, at(param("out"), element, 4));
+    // A loop, not unrolled by hand: the kernel is bound by memory, and a row's loads held at
+    // once would take a register each.
+    let sum = vec![
+        Stmt::Set(acc, f32(0.0)),
+        Stmt::For {
+            reg: c,
+            start: i64(0),
+            end: i64(dv),
+            step: 1,
+            body: vec![Stmt::Set(acc, fma(dout, out, reg(acc)))],
+        },
+        Stmt::Store(Space::Global, at(param("delta"), reg(row), 4), reg(acc)),
+    ];
     let total = mul(mul(param("batch"), i64(hq)), param("sq"));
     let body = vec![
         Stmt::Set(
             row,
             add(
-                mul(special64(Special::Ctaid(0)), i64(i64::from(ROWS))),
+                mul(special64(Special::Ctaid(0)), i64(i64::from(threads))),
                 special64(Special::Tid),
             ),
         ),
         Stmt::If(bin(Bin::Lt, reg(row), total), sum, vec![]),
     ];
-    kernel("backward_delta", r, 0, body)
+    (r, body)
 }
 
 /// The score program's variables, its derivative, and whether the pair is kept, for one

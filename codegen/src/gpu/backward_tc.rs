@@ -151,55 +151,13 @@ fn kernel(name: &str, r: Regs, shared_bytes: usize, body: Vec<Stmt>) -> Kernel {
     }
 }
 
-fn half_load(plan: &KernelPlan, addr: Expr) -> Expr {
-    Expr::LoadHalf(Space::Global, half_of(plan), Box::new(addr))
-}
-
 fn pack(half: Half, lo: Reg, hi: Reg) -> Expr {
     Expr::PackHalf(half, Box::new(reg(lo)), Box::new(reg(hi)))
 }
 
 /// `backward_tc_delta`: `delta[row] = sum_c dout[row][c] * out[row][c]`, dout 16-bit, out f32.
 fn delta(plan: &KernelPlan) -> Kernel {
-    let dv = i64::from(plan.shape.v_dim);
-    let hq = i64::from(plan.shape.heads);
-    let mut r = Regs { list: Vec::new() };
-    let (row, acc, c) = (
-        r.add("row", Ty::I64),
-        r.add("acc", Ty::F32),
-        r.add("c", Ty::I64),
-    );
-    let element = add(mul(reg(row), i64(dv)), reg(c));
-    let dout = half_load(plan, at(param("dout"), element.clone(), 2));
-    let out = load(Space::Global, Ty::F32, at(param("out"), element, 4));
-    // A loop, not unrolled: the kernel is bound by memory, and a row's loads held at once
-    // would take a register each.
-    let mut sum = vec![
-        Stmt::Set(acc, f32(0.0)),
-        Stmt::For {
-            reg: c,
-            start: i64(0),
-            end: i64(dv),
-            step: 1,
-            body: vec![Stmt::Set(acc, fma(dout, out, reg(acc)))],
-        },
-    ];
-    sum.push(Stmt::Store(
-        Space::Global,
-        at(param("delta"), reg(row), 4),
-        reg(acc),
-    ));
-    let total = mul(mul(param("batch"), i64(hq)), param("sq"));
-    let body = vec![
-        Stmt::Set(
-            row,
-            add(
-                mul(special64(Special::Ctaid(0)), i64(i64::from(THREADS))),
-                special64(Special::Tid),
-            ),
-        ),
-        Stmt::If(bin(Bin::Lt, reg(row), total), sum, vec![]),
-    ];
+    let (r, body) = super::backward::delta_body(plan, param, Some(half_of(plan)), THREADS);
     kernel("backward_tc_delta", r, 0, body)
 }
 
@@ -528,6 +486,141 @@ fn by_code(code: Reg, masked: Vec<Stmt>, kept: Vec<Stmt>) -> Stmt {
     )
 }
 
+/// The loop over a CTA's inner tiles: `run` for each tile `t` whose code (from the i32 array
+/// `codes`, one per (query head, CTA block, tile)) is not `Skip`, with the code in `code`.
+fn tile_loop(
+    t: Reg,
+    code: Reg,
+    head: Reg,
+    codes: &str,
+    [blocks, tiles]: [Expr; 2],
+    run: Vec<Stmt>,
+) -> Stmt {
+    let index = add(
+        mul(
+            add(mul(reg(head), blocks), special64(Special::Ctaid(0))),
+            tiles.clone(),
+        ),
+        reg(t),
+    );
+    Stmt::For {
+        reg: t,
+        start: i64(0),
+        end: tiles,
+        step: 1,
+        body: vec![
+            Stmt::Set(
+                code,
+                load(Space::Global, Ty::I32, at(param(codes), index, 4)),
+            ),
+            Stmt::If(
+                bin(
+                    Bin::Ne,
+                    reg(code),
+                    Expr::Int(TileCode::Skip as i64, Ty::I32),
+                ),
+                run,
+                vec![],
+            ),
+        ],
+    }
+}
+
+/// Where one staged tile's rows come from: a tensor (by its parameter name) and whether RoPE
+/// rotates them.
+struct Source {
+    name: &'static str,
+    tile: Tile,
+    width: usize,
+    tensor: &'static str,
+    rotated: bool,
+}
+
+impl Source {
+    /// Q (rotated) and dO, `[d, dv]` wide.
+    fn queries(q: Tile, dout: Tile, [d, dv]: [usize; 2]) -> [Source; 2] {
+        Source::pair(["q_stage", "do_stage"], ["q", "dout"], [q, dout], [d, dv])
+    }
+
+    /// K (rotated) and V, `[d, dv]` wide.
+    fn keys(k: Tile, v: Tile, [d, dv]: [usize; 2]) -> [Source; 2] {
+        Source::pair(["k_stage", "v_stage"], ["k", "v"], [k, v], [d, dv])
+    }
+
+    /// A rotated source and one copied as it is.
+    fn pair(
+        names: [&'static str; 2],
+        tensors: [&'static str; 2],
+        tiles: [Tile; 2],
+        widths: [usize; 2],
+    ) -> [Source; 2] {
+        [0, 1].map(|i| Source {
+            name: names[i],
+            tile: tiles[i],
+            width: widths[i],
+            tensor: tensors[i],
+            rotated: i == 0,
+        })
+    }
+}
+
+/// The rows a staging reads: rows `first + local` (clamped into the parameter `len`, `sq` or
+/// `skv`) from row `row0` of each source tensor, at positions `pos(clamped row)`; past `len`,
+/// zeros where `bounded`, else the clamped row.
+struct RowSpan<'a> {
+    row0: Expr,
+    first: Expr,
+    len: &'static str,
+    pos: &'a dyn Fn(Expr) -> Expr,
+    bounded: bool,
+}
+
+/// Stages `count` rows of each source synchronously ([`stage_rows`]).
+fn stage_tiles(
+    plan: &KernelPlan,
+    r: &mut Regs,
+    count: i64,
+    sources: [Source; 2],
+    span: &RowSpan,
+) -> Vec<Stmt> {
+    let mut out = Vec::new();
+    for s in sources {
+        out.extend(stage_rows(
+            plan,
+            r,
+            s.name,
+            Staging {
+                count,
+                width: s.width,
+                dst: i64(s.tile.at as i64),
+                stride: s.tile.stride,
+                qk: half_of(plan),
+                rotated: s.rotated,
+                param,
+            },
+            |local| {
+                let row = add(span.first.clone(), local);
+                let clamped = bin(Bin::Min, row.clone(), sub(param(span.len), i64(1)));
+                let addr = add(
+                    param(s.tensor),
+                    mul(
+                        add(span.row0.clone(), clamped.clone()),
+                        i64(2 * s.width as i64),
+                    ),
+                );
+                let inside = span.bounded.then(|| bin(Bin::Lt, row, param(span.len)));
+                (addr, (span.pos)(clamped), inside)
+            },
+        ));
+    }
+    out
+}
+
+/// `ceil(param / n)`.
+fn blocks_of(len: &str, n: i64) -> Expr {
+    bin(Bin::Div, add(param(len), i64(n - 1)), i64(n))
+}
+
 /// `backward_tc_dq`: [`BLOCK`] query rows of one (batch, head) per CTA.
 fn dq(plan: &KernelPlan) -> Kernel {
     let half = half_of(plan);
@@ -573,40 +666,15 @@ fn dq(plan: &KernelPlan) -> Kernel {
     let v_t = Tile::new(k_t.end(bc), dv);
     let shared_bytes = v_t.end(bc);
 
-    let clamp_row = |local: Expr| {
-        bin(
-            Bin::Min,
-            add(first_row.clone(), local),
-            sub(param("sq"), i64(1)),
-        )
+    let sources = Source::queries(q_t, do_t, [d, dv]);
+    let span = RowSpan {
+        row0: head_row0.clone(),
+        first: first_row.clone(),
+        len: "sq",
+        pos: &pos_of,
+        bounded: false,
     };
-    for (name, tile, width, tensor, rotated) in [
-        ("q_stage", q_t, d, "q", true),
-        ("do_stage", do_t, dv, "dout", false),
-    ] {
-        body.extend(stage_rows(
-            plan,
-            &mut r,
-            name,
-            Staging {
-                count: block,
-                width,
-                dst: i64(tile.at as i64),
-                stride: tile.stride,
-                qk: half,
-                rotated,
-                param,
-            },
-            |local| {
-                let row = clamp_row(local);
-                let addr = add(
-                    param(tensor),
-                    mul(add(head_row0.clone(), row.clone()), i64(2 * width as i64)),
-                );
-                (addr, pos_of(row), None)
-            },
-        ));
-    }
+    body.extend(stage_tiles(plan, &mut r, block, sources, &span));
 
     // Per row half: the lse in half base-2 units, D, and whether the row kept any key.
     let lse_half = [0, 1].map(|h| r.add(format!("lse_half{h}"), Ty::F32));
@@ -657,57 +725,19 @@ fn dq(plan: &KernelPlan) -> Kernel {
     let x = Scratch::new(&mut r);
 
     let (t, code) = (r.add("tile", Ty::I64), r.add("code", Ty::I32));
-    let n_tiles = bin(
-        Bin::Div,
-        add(param("skv"), i64(bc as i64 - 1)),
-        i64(bc as i64),
-    );
-    let n_blocks = bin(Bin::Div, add(param("sq"), i64(block - 1)), i64(block));
-    let code_of = |tile: Expr| {
-        let index = add(
-            mul(
-                add(
-                    mul(reg(head), n_blocks.clone()),
-                    special64(Special::Ctaid(0)),
-                ),
-                n_tiles.clone(),
-            ),
-            tile,
-        );
-        load(Space::Global, Ty::I32, at(param("dq_codes"), index, 4))
-    };
+    let (n_tiles, n_blocks) = (blocks_of("skv", bc as i64), blocks_of("sq", block));
 
     // Per key tile: every warp is done with the last one; K (rotated) and V staged.
     let mut run = vec![Stmt::Barrier];
-    for (name, tile, width, tensor, rotated) in [
-        ("k_stage", k_t, d, "k", true),
-        ("v_stage", v_t, dv, "v", false),
-    ] {
-        run.extend(stage_rows(
-            plan,
-            &mut r,
-            name,
-            Staging {
-                count: bc as i64,
-                width,
-                dst: i64(tile.at as i64),
-                stride: tile.stride,
-                qk: half,
-                rotated,
-                param,
-            },
-            |local| {
-                let key = add(mul(reg(t), i64(bc as i64)), local);
-                let clamped = bin(Bin::Min, key.clone(), sub(param("skv"), i64(1)));
-                let addr = add(
-                    param(tensor),
-                    mul(add(kv_row0.clone(), clamped.clone()), i64(2 * width as i64)),
-                );
-                let inside = bin(Bin::Lt, key, param("skv"));
-                (addr, add(param("p0"), clamped), Some(inside))
-            },
-        ));
-    }
+    let sources = Source::keys(k_t, v_t, [d, dv]);
+    let span = RowSpan {
+        row0: kv_row0.clone(),
+        first: mul(reg(t), i64(bc as i64)),
+        len: "skv",
+        pos: &|key| add(param("p0"), key),
+        bounded: true,
+    };
+    run.extend(stage_tiles(plan, &mut r, bc as i64, sources, &span));
     run.push(Stmt::Barrier);
 
     // S = Q K^T and dP = dO V^T: s[nb][i] and dp[nb][i] for keys 8 nb + 2 q + i % 2, row half
@@ -758,24 +788,14 @@ fn dq(plan: &KernelPlan) -> Kernel {
     pack_frags(&mut run, half, &s, &ds_a);
     mma_frags(&mut run, half, &acc, &ds_a, k_bt, k_t.stride, &x);
 
-    body.push(Stmt::For {
-        reg: t,
-        start: i64(0),
-        end: n_tiles.clone(),
-        step: 1,
-        body: vec![
-            Stmt::Set(code, code_of(reg(t))),
-            Stmt::If(
-                bin(
-                    Bin::Ne,
-                    reg(code),
-                    Expr::Int(TileCode::Skip as i64, Ty::I32),
-                ),
-                run,
-                vec![],
-            ),
-        ],
-    });
+    body.push(tile_loop(
+        t,
+        code,
+        head,
+        "dq_codes",
+        [n_blocks, n_tiles],
+        run,
+    ));
 
     // dq = scale * dS K, rotated back to the unrotated q; rows inside Sq stored.
     body.extend(finish_rows(
@@ -841,37 +861,15 @@ fn dkdv(plan: &KernelPlan) -> Kernel {
     let delta_sh = lse_sh + 4 * bq;
     let shared_bytes = delta_sh + 4 * bq;
 
-    for (name, tile, width, tensor, rotated) in [
-        ("k_stage", k_t, d, "k", true),
-        ("v_stage", v_t, dv, "v", false),
-    ] {
-        body.extend(stage_rows(
-            plan,
-            &mut r,
-            name,
-            Staging {
-                count: block,
-                width,
-                dst: i64(tile.at as i64),
-                stride: tile.stride,
-                qk: half,
-                rotated,
-                param,
-            },
-            |local| {
-                let key = bin(
-                    Bin::Min,
-                    add(first_key.clone(), local),
-                    sub(param("skv"), i64(1)),
-                );
-                let addr = add(
-                    param(tensor),
-                    mul(add(kv_row0.clone(), key.clone()), i64(2 * width as i64)),
-                );
-                (addr, add(param("p0"), key), None)
-            },
-        ));
-    }
+    let sources = Source::keys(k_t, v_t, [d, dv]);
+    let span = RowSpan {
+        row0: kv_row0.clone(),
+        first: first_key.clone(),
+        len: "skv",
+        pos: &|key| add(param("p0"), key),
+        bounded: false,
+    };
+    body.extend(stage_tiles(plan, &mut r, block, sources, &span));
 
     let dk = frags(&mut r, "dk", d / 8, Ty::F32);
     let dva = frags(&mut r, "dv", dv / 8, Ty::F32);
@@ -902,60 +900,19 @@ fn dkdv(plan: &KernelPlan) -> Kernel {
         r.add("code", Ty::I32),
     );
     let head_row0 = mul(add(mul(reg(batch), i64(hq)), reg(head)), param("sq"));
-    let n_tiles = bin(
-        Bin::Div,
-        add(param("sq"), i64(bq as i64 - 1)),
-        i64(bq as i64),
-    );
-    let n_blocks = bin(Bin::Div, add(param("skv"), i64(block - 1)), i64(block));
-    let code_of = |tile: Expr| {
-        let index = add(
-            mul(
-                add(
-                    mul(reg(head), n_blocks.clone()),
-                    special64(Special::Ctaid(0)),
-                ),
-                n_tiles.clone(),
-            ),
-            tile,
-        );
-        load(Space::Global, Ty::I32, at(param("dkdv_codes"), index, 4))
-    };
+    let (n_tiles, n_blocks) = (blocks_of("sq", bq as i64), blocks_of("skv", block));
 
     // Per query tile: every warp is done with the last one; Q (rotated), dO, lse and D staged.
     let mut run = vec![Stmt::Barrier];
-    for (name, tile, width, tensor, rotated) in [
-        ("q_stage", q_t, d, "q", true),
-        ("do_stage", do_t, dv, "dout", false),
-    ] {
-        run.extend(stage_rows(
-            plan,
-            &mut r,
-            name,
-            Staging {
-                count: bq as i64,
-                width,
-                dst: i64(tile.at as i64),
-                stride: tile.stride,
-                qk: half,
-                rotated,
-                param,
-            },
-            |local| {
-                let row = add(mul(reg(t), i64(bq as i64)), local);
-                let clamped = bin(Bin::Min, row.clone(), sub(param("sq"), i64(1)));
-                let addr = add(
-                    param(tensor),
-                    mul(
-                        add(head_row0.clone(), clamped.clone()),
-                        i64(2 * width as i64),
-                    ),
-                );
-                let inside = bin(Bin::Lt, row, param("sq"));
-                (addr, q_pos(clamped), Some(inside))
-            },
-        ));
-    }
+    let sources = Source::queries(q_t, do_t, [d, dv]);
+    let span = RowSpan {
+        row0: head_row0.clone(),
+        first: mul(reg(t), i64(bq as i64)),
+        len: "sq",
+        pos: &q_pos,
+        bounded: true,
+    };
+    run.extend(stage_tiles(plan, &mut r, bq as i64, sources, &span));
     let tid = special64(Special::Tid);
     let stats_at = add(
         head_row0.clone(),
@@ -1070,24 +1027,7 @@ fn dkdv(plan: &KernelPlan) -> Kernel {
 
     let per_head = vec![
         Stmt::Set(head, add(mul(reg(kvh), i64(group)), reg(h))),
-        Stmt::For {
-            reg: t,
-            start: i64(0),
-            end: n_tiles.clone(),
-            step: 1,
-            body: vec![
-                Stmt::Set(code, code_of(reg(t))),
-                Stmt::If(
-                    bin(
-                        Bin::Ne,
-                        reg(code),
-                        Expr::Int(TileCode::Skip as i64, Ty::I32),
-                    ),
-                    run,
-                    vec![],
-                ),
-            ],
-        },
+        tile_loop(t, code, head, "dkdv_codes", [n_blocks, n_tiles], run),
     ];
     body.push(Stmt::For {
         reg: h,

@@ -113,6 +113,23 @@ pub fn flops(spec: &AttentionSpec, shape: &Shape) -> f64 {
     dense * if causal { 0.5 } else { 1.0 }
 }
 
+/// Refuses a backward timing of an MLA spec, or one whose tensors would not fit: inputs, dout,
+/// out and the three gradients are about three times the forward's tensors.
+fn backward_fits(spec: &AttentionSpec, shape: &Shape) -> Result<(), RuntimeError> {
+    if spec.mla().is_some() {
+        return Err(RuntimeError::Spec(
+            "the backward pass of MLA specs is not implemented yet; allowed: per-head specs \
+             (MHA, GQA, MQA)"
+                .into(),
+        ));
+    }
+    let triple = Shape {
+        batch: shape.batch.saturating_mul(3),
+        ..*shape
+    };
+    ensure_fits(spec, &triple)
+}
+
 /// Times a forward that saves what the backward needs (out and lse) plus the backward, on the
 /// CPU: median ms of the pair, GFLOP/s counted as 3.5 forwards (the backward's five tile
 /// products are 2.5 forwards, FlashAttention's convention), and the compile time of both kernels.
@@ -121,19 +138,7 @@ pub fn bench_backward(
     shape: &Shape,
     progress: bool,
 ) -> Result<Timing, RuntimeError> {
-    if spec.mla().is_some() {
-        return Err(RuntimeError::Spec(
-            "the backward pass of MLA specs is not implemented yet; allowed: per-head specs \
-             (MHA, GQA, MQA)"
-                .into(),
-        ));
-    }
-    // Inputs, dout, out and the three gradients: about three times the forward's tensors.
-    let triple = Shape {
-        batch: shape.batch.saturating_mul(3),
-        ..*shape
-    };
-    ensure_fits(spec, &triple)?;
+    backward_fits(spec, shape)?;
     let backend = CpuBackend::new();
     // The process's variant of the spec: the one the timed calls below use.
     let started = Instant::now();
@@ -273,18 +278,7 @@ pub fn bench_backward_cuda(spec: &AttentionSpec, shape: &Shape) -> Result<Timing
     use attn::runtime::gpu::GpuCall;
     use attn::runtime::gpu::cuda::CudaBackend;
     use attn::runtime::{BackwardInputs, Variant};
-    if spec.mla().is_some() {
-        return Err(RuntimeError::Spec(
-            "the backward pass of MLA specs is not implemented yet; allowed: per-head specs \
-             (MHA, GQA, MQA)"
-                .into(),
-        ));
-    }
-    let triple = Shape {
-        batch: shape.batch.saturating_mul(3),
-        ..*shape
-    };
-    ensure_fits(spec, &triple)?;
+    backward_fits(spec, shape)?;
     let backend = CudaBackend::new(0)?;
     let [q, k, v] = inputs(spec, shape)?;
     let dout = random(
