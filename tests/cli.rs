@@ -911,8 +911,13 @@ fn check_notes_a_piecewise_derivative_on_stderr() {
         "heads = 4, head_dim = 64, score_mod = |s, b, h, q, k| s.abs()",
     ]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
-    assert!(stderr(&o).contains("note (backward): `"), "{}", stderr(&o));
-    assert!(stderr(&o).contains("piecewise"), "{}", stderr(&o));
+    // At the tokens: `s.abs()` starts at column 55.
+    assert!(
+        stderr(&o).contains("note: backward: `score.abs()`: the derivative is piecewise")
+            && stderr(&o).contains(" --> 1:55\n"),
+        "{}",
+        stderr(&o)
+    );
     let o = attnc(&["check", "heads = 4, head_dim = 64, softcap = 30.0"]);
     assert_eq!(stderr(&o), "");
 }

@@ -264,6 +264,10 @@ fn exercise(spec: &AttentionSpec, compile: bool) {
 fn run_one(text: &str, compile: bool) {
     let start = Instant::now();
     let result = std::panic::catch_unwind(|| {
+        // The backward's notes take any text (spec-time notes in `attnc check`).
+        for note in attn::dsl::gradient_notes(text) {
+            assert!(note.render_as("note", text).len() < 64 * 1024);
+        }
         if let Ok(spec) = attn::dsl::parse_str(text) {
             exercise(&spec, compile);
         } else if let Err(errors) = attn::dsl::parse_str(text) {

@@ -78,31 +78,38 @@ impl SpecErrors {
     pub(crate) fn from_syn(err: syn::Error) -> SpecErrors {
         SpecErrors(
             err.into_iter()
-                .map(|e| {
-                    let span = e.span();
-                    let (start, end) = (span.start(), span.end());
-                    SpecError {
-                        message: e.to_string(),
-                        start: Location {
-                            line: start.line.max(1),
-                            column: start.column + 1,
-                        },
-                        end: Location {
-                            line: end.line.max(1),
-                            column: end.column + 1,
-                        },
-                    }
-                })
+                .map(|e| SpecError::at(e.to_string(), e.span()))
                 .collect(),
         )
     }
 }
 
 impl SpecError {
+    /// `message` at the tokens of `span` (a span of tokens parsed from a string).
+    pub(crate) fn at(message: String, span: proc_macro2::Span) -> SpecError {
+        let (start, end) = (span.start(), span.end());
+        SpecError {
+            message,
+            start: Location {
+                line: start.line.max(1),
+                column: start.column + 1,
+            },
+            end: Location {
+                line: end.line.max(1),
+                column: end.column + 1,
+            },
+        }
+    }
+
     /// Renders the error with the source line and carets under the offending tokens. A line
     /// longer than a screen is cut to a window around the caret, marked `...` where cut.
     pub fn render(&self, source: &str) -> String {
-        let mut out = format!("error: {}\n", self.message);
+        self.render_as("error", source)
+    }
+
+    /// [`SpecError::render`] under another label (`note` for a remark that rejects nothing).
+    pub fn render_as(&self, label: &str, source: &str) -> String {
+        let mut out = format!("{label}: {}\n", self.message);
         let Some(text) = source.lines().nth(self.start.line.saturating_sub(1)) else {
             return out;
         };

@@ -26,8 +26,8 @@ mod validate;
 
 pub use error::{Invalid, Location, ReferenceError, SpecError, SpecErrors};
 pub use parse::{
-    MAX_BRACKET_DEPTH, MAX_ERRORS, MAX_EXPR_DEPTH, MAX_LITERAL_CHARS, MAX_SPEC_BYTES, parse_str,
-    parse_tokens,
+    MAX_BRACKET_DEPTH, MAX_ERRORS, MAX_EXPR_DEPTH, MAX_LITERAL_CHARS, MAX_SPEC_BYTES,
+    gradient_notes, parse_str, parse_tokens,
 };
 pub use spec::{
     AttentionSpec, CausalAlign, DType, KvKind, KvLayout, Mask, Mla, Position, Rope, RopeLayout,

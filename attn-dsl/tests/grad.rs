@@ -122,3 +122,52 @@ fn selects_on_positions_only_are_smooth() {
     let at = |h| eval(&gradient.expr, &env(1.0, h, 0, 0)).as_f64();
     assert_eq!((at(0), at(1)), (0.25, 0.125));
 }
+
+#[test]
+fn notes_point_at_the_tokens_of_a_score_mod() {
+    use attn_dsl::{Location, gradient_notes};
+    let source = "heads = 4, head_dim = 64,\nscore_mod = |s, b, h, q, k| s.abs() - 0.5 * \
+                  (q - k).abs() as f32 + if s > 1.0 { s } else { (s * 2.0) as i64 as f32 }";
+    let notes = gradient_notes(source);
+    let at = |line, column| Location { line, column };
+    let found: Vec<(&str, Location, Location)> = notes
+        .iter()
+        .map(|n| (n.message.as_str(), n.start, n.end))
+        .collect();
+    // `s.abs()` (line 2, columns 29..36), the condition `s > 1.0` (from 71), and the rounding
+    // (from 90); the
+    // distance term has no score in it and no note.
+    assert_eq!(found.len(), 3, "{found:?}");
+    assert!(
+        found[0]
+            .0
+            .contains("`score.abs()`: the derivative is piecewise")
+    );
+    assert_eq!((found[0].1, found[0].2), (at(2, 29), at(2, 36)));
+    assert!(
+        found
+            .iter()
+            .any(|(m, start, _)| m.contains("piecewise") && *start == at(2, 71))
+    );
+    assert!(
+        found
+            .iter()
+            .any(|(m, start, _)| m.contains("rounded to an integer") && *start == at(2, 90)),
+        "{found:?}"
+    );
+    // Rendered like an error, under its own label.
+    let shown = notes[0].render_as("note", source);
+    assert!(
+        shown.starts_with("note: backward: `score.abs()`"),
+        "{shown}"
+    );
+    assert!(shown.contains("^^^^^^^"), "{shown}");
+    // Nothing to say of smooth or missing modifiers, or of text that does not parse.
+    for quiet in [
+        "heads = 4, head_dim = 64, softcap = 30.0",
+        "heads = 4, head_dim = 64, score_mod = |s, b, h, q, k| (s * 0.5).tanh()",
+        "heads = 4, head_dim = 64, score_mod = |s, b, h, q, k| s.abs(",
+    ] {
+        assert!(gradient_notes(quiet).is_empty(), "{quiet}");
+    }
+}

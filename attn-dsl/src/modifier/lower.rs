@@ -1,7 +1,9 @@
 //! Lowering from syn's closure AST to the typed modifier IR. Every error carries the span of the
 //! offending tokens.
 
+use super::grad::{GradNote, derivative};
 use super::{BinOp, Expr, MASK_MOD_PARAMS, MaskMod, SCORE_MOD_PARAMS, ScoreMod, Ty, UnOp, Var};
+use proc_macro2::Span;
 use syn::spanned::Spanned;
 
 /// Lowers `|score, b, h, q, k| body` (body of type f32).
@@ -9,6 +11,76 @@ pub(crate) fn lower_score_mod(closure: &syn::ExprClosure) -> syn::Result<ScoreMo
     let (params, body) = lower_closure(closure, &SCORE_MOD_PARAMS, Ty::F32, "score_mod")?;
     let params = params.try_into().expect("arity checked by lower_closure");
     Ok(ScoreMod { params, body })
+}
+
+/// The notes of the derivative of a `score_mod` closure with respect to its score (where it is
+/// only piecewise, or zero almost everywhere), each at the outermost subexpression of the body
+/// it is about (else at the body). Empty when the closure does not lower or has no derivative.
+pub(crate) fn score_mod_notes(closure: &syn::ExprClosure) -> Vec<(GradNote, Span)> {
+    let Ok(lowered) = lower_score_mod(closure) else {
+        return Vec::new();
+    };
+    let Ok(gradient) = derivative(&lowered.body) else {
+        return Vec::new();
+    };
+    let scope: Vec<(String, Var)> = lowered
+        .params
+        .iter()
+        .cloned()
+        .zip(SCORE_MOD_PARAMS)
+        .collect();
+    let spans = printed_spans(&closure.body, &scope);
+    gradient
+        .notes
+        .into_iter()
+        .map(|note| {
+            let span = spans
+                .get(&note.at)
+                .copied()
+                .unwrap_or_else(|| closure.body.span());
+            (note, span)
+        })
+        .collect()
+}
+
+/// The span of every subexpression of `body` by the printed form of its lowering, the
+/// outermost (then the first in the source) where several print alike. Each subexpression is
+/// lowered once, on its own: modifier bodies have no `let`, so every one is closed over the
+/// parameters. The walk keeps its own stack (the parser bounds the depth, not the width).
+fn printed_spans(body: &syn::Expr, scope: &Scope) -> std::collections::HashMap<String, Span> {
+    let mut spans = std::collections::HashMap::new();
+    let mut stack = vec![body];
+    while let Some(e) = stack.pop() {
+        if let Ok((x, _)) = lower_expr(e, scope) {
+            spans.entry(x.to_string()).or_insert_with(|| e.span());
+        }
+        let mut children: Vec<&syn::Expr> = match e {
+            syn::Expr::Paren(p) => vec![&p.expr],
+            syn::Expr::Group(g) => vec![&g.expr],
+            syn::Expr::Block(b) => block_exprs(&b.block).collect(),
+            syn::Expr::Unary(u) => vec![&u.expr],
+            syn::Expr::Binary(b) => vec![&b.left, &b.right],
+            syn::Expr::MethodCall(m) => std::iter::once(&*m.receiver).chain(&m.args).collect(),
+            syn::Expr::Cast(c) => vec![&c.expr],
+            syn::Expr::If(i) => std::iter::once(&*i.cond)
+                .chain(block_exprs(&i.then_branch))
+                .chain(i.else_branch.as_ref().map(|(_, e)| &**e))
+                .collect(),
+            _ => Vec::new(),
+        };
+        // Popped in source order.
+        children.reverse();
+        stack.extend(children);
+    }
+    spans
+}
+
+/// The expressions of a block's statements.
+fn block_exprs(block: &syn::Block) -> impl Iterator<Item = &syn::Expr> {
+    block.stmts.iter().filter_map(|s| match s {
+        syn::Stmt::Expr(e, _) => Some(e),
+        _ => None,
+    })
 }
 
 /// Lowers `|b, h, q, k| body` (body of type bool).

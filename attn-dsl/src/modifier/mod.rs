@@ -30,7 +30,7 @@ pub mod scale;
 pub mod typecheck;
 
 pub use eval::{Env, Value, eval};
-pub(crate) use lower::{lower_mask_mod, lower_score_mod};
+pub(crate) use lower::{lower_mask_mod, lower_score_mod, score_mod_notes};
 pub use program::ScoreProgram;
 
 /// The type of a modifier expression.

@@ -11,7 +11,7 @@ mod values;
 
 pub use limits::{MAX_BRACKET_DEPTH, MAX_EXPR_DEPTH, MAX_LITERAL_CHARS, MAX_SPEC_BYTES};
 
-use crate::error::SpecErrors;
+use crate::error::{SpecError, SpecErrors};
 use crate::modifier::{lower_mask_mod, lower_score_mod};
 use crate::spec::{
     AttentionSpec, CausalAlign, DType, KvLayout, Mask, Mla, Position, Rope, RopeLayout,
@@ -63,6 +63,36 @@ pub fn parse_str(source: &str) -> Result<AttentionSpec, SpecErrors> {
         ))
     })?;
     parse_tokens(tokens).map_err(SpecErrors::from_syn)
+}
+
+/// The backward pass's notes on a spec string's `score_mod`: where its derivative with respect
+/// to the score is only piecewise (`abs`, `min`, `max`, a condition on the score) or zero
+/// almost everywhere (the score made an integer), each at the tokens it is about (render them
+/// with [`SpecError::render_as`] and the label `note`). Empty for a spec without a score
+/// modifier, and for one that does not parse ([`parse_str`] says why).
+pub fn gradient_notes(source: &str) -> Vec<SpecError> {
+    let Ok(tokens) = source.parse::<TokenStream>() else {
+        return Vec::new();
+    };
+    if limits::check(&tokens).is_err() {
+        return Vec::new();
+    }
+    let Ok(items) = Punctuated::<syn::Expr, syn::Token![,]>::parse_terminated.parse2(tokens) else {
+        return Vec::new();
+    };
+    let closure = items.iter().find_map(|item| match item {
+        syn::Expr::Assign(a) => match (&*a.left, &*a.right) {
+            (syn::Expr::Path(p), syn::Expr::Closure(c)) if p.path.is_ident("score_mod") => Some(c),
+            _ => None,
+        },
+        _ => None,
+    });
+    closure.map_or_else(Vec::new, |c| {
+        crate::modifier::score_mod_notes(c)
+            .into_iter()
+            .map(|(note, span)| SpecError::at(format!("backward: {note}"), span))
+            .collect()
+    })
 }
 
 /// Parses and validates a spec from tokens (the body of `#[attention(...)]`). All errors found

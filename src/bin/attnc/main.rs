@@ -293,17 +293,16 @@ fn seconds_in_range(text: &str) -> Result<f64, String> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Check { spec } => spec_arg::load(&spec).map(|(spec, _)| {
+        Command::Check { spec } => spec_arg::load(&spec).map(|(spec, source)| {
             println!("{spec}");
-            // What the backward pass will make of the score modifiers, said at spec time.
+            // What the backward pass will make of the score modifier, said at spec time, at
+            // the tokens concerned.
+            for note in attn::dsl::gradient_notes(&source) {
+                eprint!("{}", note.render_as("note", &source));
+            }
             let program = attn::dsl::modifier::ScoreProgram::of(&spec).folded();
-            match program.score_gradient() {
-                Ok(gradient) => {
-                    for note in gradient.notes {
-                        eprintln!("note (backward): {note}");
-                    }
-                }
-                Err(e) => eprintln!("note (backward): no gradient: {e}"),
+            if let Err(e) = program.score_gradient() {
+                eprintln!("note: backward: no gradient: {e}");
             }
         }),
         Command::Ir {
