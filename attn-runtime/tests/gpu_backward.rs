@@ -198,6 +198,14 @@ fn tensor_cores_gqa_rope_and_modifiers() {
         0,
     );
     check_tc(
+        "heads = 2, kv_heads = 1, head_dim = 128, mask = causal, position = rope(dim = 32, \
+         scaling = yarn(factor = 4.0, original_max_position = 64)), dtype = f16",
+        1,
+        40,
+        72,
+        0,
+    );
+    check_tc(
         "heads = 3, head_dim = 32, mask = causal, position = alibi, softcap = 2.0, dtype = bf16",
         1,
         45,
