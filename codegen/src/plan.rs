@@ -322,6 +322,34 @@ impl KernelPlan {
         Some(Interval::new(lo, hi))
     }
 
+    /// The first row of a mixed tile's live `rows` from which the classification proves every
+    /// key kept, by groups of [`ROW_GROUP`] rows counted from `rows.lo` (`rows.hi + 1` when no
+    /// group is): a kernel runs those rows without the mask (on a causal diagonal, the rows of
+    /// a tall query block that lie below the tile's keys). A binary search over the groups,
+    /// sound for any mask: rows from a group on are all kept if the rows from an earlier group
+    /// on are.
+    pub fn kept_from(&self, rows: Interval, keys: Interval, call: CallShape) -> i64 {
+        let group = i64::from(ROW_GROUP);
+        let groups = (rows.hi - rows.lo) / group + 1;
+        let kept_from_group = |g: i64| {
+            let from = Interval::new(rows.lo + g * group, rows.hi);
+            self.classify_tile(from, keys, call) == TileClass::AllKept
+        };
+        if !kept_from_group(groups - 1) {
+            return rows.hi + 1;
+        }
+        let (mut lo, mut hi) = (0, groups - 1);
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            if kept_from_group(mid) {
+                hi = mid;
+            } else {
+                lo = mid + 1;
+            }
+        }
+        rows.lo + lo * group
+    }
+
     /// The classification of every (query block, key tile) of a call with `sq` queries against
     /// `skv` keys at offset `p0`, for all batches and heads at once (a kernel classifies per
     /// head, which can only be finer).

@@ -219,3 +219,63 @@ fn a_backward_plan_carries_the_scaled_derivative() {
     assert!(KernelPlan::forward(&spec).score_grad.is_none());
     assert!(u64::from(plan.tiles.q_rows) <= u64::from(plan.tiles.k_cols));
 }
+
+/// `kept_from` against the rows that keep every key of the tile, written out for causal and
+/// sliding-window masks: none of the rows from it on drops a key, and it lies within a row group
+/// of the first row from which they all keep every key.
+#[test]
+fn kept_from_marks_the_rows_that_keep_every_key() {
+    use attn_dsl::modifier::interval::Interval;
+    use codegen::plan::{CallShape, ROW_GROUP};
+    let n = 1024i64;
+    let call = CallShape {
+        sq: n,
+        skv: n,
+        p0: 0,
+        batch: Interval::point(0),
+        head: Interval::point(0),
+    };
+    for (text, window) in [
+        ("heads = 2, head_dim = 32, mask = causal", None),
+        (
+            "heads = 2, head_dim = 32, mask = sliding_window(300)",
+            Some(300i64),
+        ),
+    ] {
+        let p = KernelPlan::forward(&text.parse::<AttentionSpec>().unwrap());
+        let keeps = |q: i64, k: i64| k <= q && window.is_none_or(|w| q - k < w);
+        let mut unmasked = 0;
+        for q0 in (0..n).step_by(256) {
+            for k0 in (0..n).step_by(64) {
+                let (rows, keys) = (Interval::new(q0, q0 + 255), Interval::new(k0, k0 + 63));
+                if p.classify_tile(rows, keys, call) != TileClass::Mixed {
+                    continue;
+                }
+                let Some(live) = p.live_rows(rows, keys, call) else {
+                    continue;
+                };
+                let from = p.kept_from(live, keys, call);
+                let all_kept = |q: i64| (k0..k0 + 64).all(|k| keeps(q, k));
+                assert!(
+                    (from..=live.hi).all(all_kept),
+                    "{text}: rows {from}..={} of keys {k0}.. drop a key",
+                    live.hi
+                );
+                // The rows from the first that starts an all-kept run to the end.
+                let first = (live.lo..=live.hi + 1)
+                    .find(|&r| (r..=live.hi).all(all_kept))
+                    .unwrap();
+                assert!(
+                    from - first < i64::from(ROW_GROUP)
+                        && (from - live.lo) % i64::from(ROW_GROUP) == 0,
+                    "{text}: rows {q0}.., keys {k0}..: kept from {from}, first {first}"
+                );
+                unmasked += usize::from(from <= live.hi);
+            }
+        }
+        assert!(
+            unmasked > 0,
+            "{text}: no mixed tile had rows that keep every key"
+        );
+    }
+}

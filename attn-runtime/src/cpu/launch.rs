@@ -135,12 +135,13 @@ fn block_tiles(
     };
     let rows = Interval::new(q0 as i64, q1 as i64 - 1);
     let tile = K_TILE as usize;
-    let record = |code: TileCode, live: Interval| BlockTile {
+    let record = |code: TileCode, live: Interval, kept_from: i64| BlockTile {
         code: code as u32,
         first_row: (live.lo - rows.lo) as u32,
         end_row: (live.hi + 1 - rows.lo) as u32,
+        kept_from: (kept_from - rows.lo) as u32,
     };
-    let skip = record(TileCode::Skip, rows);
+    let skip = record(TileCode::Skip, rows, rows.lo);
     (0..call.skv.div_ceil(tile))
         .map(|t| {
             let keys = Interval::new(
@@ -150,9 +151,9 @@ fn block_tiles(
             // The block function bounds keys itself: an incomplete tile can be `Full`.
             match plan.tile_code(rows, keys, shape, true) {
                 TileCode::Skip => skip,
-                TileCode::Full => record(TileCode::Full, rows),
+                TileCode::Full => record(TileCode::Full, rows, rows.lo),
                 TileCode::Masked => match plan.live_rows(rows, keys, shape) {
-                    Some(live) => record(TileCode::Masked, live),
+                    Some(live) => record(TileCode::Masked, live, plan.kept_from(live, keys, shape)),
                     None => skip,
                 },
             }

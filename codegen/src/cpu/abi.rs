@@ -158,6 +158,9 @@ pub struct BlockTile {
     pub first_row: u32,
     /// One past the last.
     pub end_row: u32,
+    /// For a `Masked` tile, the first row from which every key is kept: rows from here to
+    /// `end_row` run without the mask (the tile's key bound still applies when it is partial).
+    pub kept_from: u32,
 }
 
 /// Offsets (in f32 values) of the block function's scratch areas.

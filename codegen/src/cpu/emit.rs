@@ -299,6 +299,8 @@ pub(super) fn block(fx: &mut Fx, plan: &KernelPlan, refs: &Refs, tables: &mut Ta
             let first_row = fx.b.ins().uextend(I64, first_row);
             let end_row = field!(fx, record, I32, BlockTile.end_row);
             let end_row = fx.b.ins().uextend(I64, end_row);
+            let kept_from = field!(fx, record, I32, BlockTile.kept_from);
+            let kept_from = fx.b.ins().uextend(I64, kept_from);
             let tile_len = fx.i64(qk_dim * tile);
             let kt_t = fx.elem_scaled(kt, t, tile_len);
             let qk_v = fx.i64(qk_dim);
@@ -322,6 +324,7 @@ pub(super) fn block(fx: &mut Fx, plan: &KernelPlan, refs: &Refs, tables: &mut Ta
                 v_stride,
                 first_row,
                 end_row,
+                kept_from,
             };
             softmax_step(fx, plan, refs, tables, &state, &key_tile);
         });
@@ -413,6 +416,8 @@ pub(super) fn decode(
                 v_stride,
                 first_row: fx.i64(0),
                 end_row: rows,
+                // A masked segment masks every row.
+                kept_from: rows,
             };
             softmax_step(fx, plan, refs, tables, &state, &key_tile);
         });

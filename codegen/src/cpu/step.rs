@@ -115,6 +115,8 @@ pub(super) struct KeyTile {
     /// The block's rows that meet the tile, `first_row..end_row` (the others are all masked).
     pub first_row: Value,
     pub end_row: Value,
+    /// On a `Masked` tile, rows from here on keep every key and run without the mask.
+    pub kept_from: Value,
 }
 
 /// Prologue: the block's queries copied to scratch, rotated and scaled; running max `-inf`, sum
@@ -221,13 +223,17 @@ pub(super) fn softmax_step(
     let mixed =
         fx.b.ins()
             .icmp_imm_s(IntCC::Equal, k.code, TileCode::Masked as i64);
-    let per_element = fx.b.ins().bor(partial, mixed);
     let tile_key_pos = k.position;
     let needs_mask_program = !matches!(plan.masking, TileMasking::Unmasked);
     let identity = identity_program(plan);
 
     let v_dim_v = fx.i64(v_dim);
     fx.for_range(k.first_row, k.end_row, 1, |fx, r| {
+        // Rows of a mixed tile before `kept_from`, and every row of a partial tile, take the
+        // mask and the key bound per element.
+        let masked_row = fx.b.ins().icmp(IntCC::SignedLessThan, r, k.kept_from);
+        let masked_row = fx.b.ins().band(mixed, masked_row);
+        let per_element = fx.b.ins().bor(partial, masked_row);
         let row = a.row_env(fx, r);
         let exprs: Vec<&attn_dsl::modifier::Expr> = if needs_mask_program {
             vec![&plan.program.score, &plan.program.mask]
