@@ -307,9 +307,15 @@ impl Task<'_> {
                 false,
             );
         }
-        copy_into(k, &x.k[kv(d)]);
-        self.rotate(k, p0, 1.0, false);
-        pack(k, d, skv, sized(kt, skv.div_ceil(K) * d * K));
+        // The keys as the scores saw them: rotated into scratch under RoPE, else read in place.
+        let key_rows: &[f32] = if plan.rope.is_some() {
+            copy_into(k, &x.k[kv(d)]);
+            self.rotate(k, p0, 1.0, false);
+            k
+        } else {
+            &x.k[kv(d)]
+        };
+        pack(key_rows, d, skv, sized(kt, skv.div_ceil(K) * d * K));
         pack(&x.v[kv(dv)], dv, skv, sized(vt, skv.div_ceil(K) * dv * K));
         let (s, dp) = (sized(s, K * K), sized(dp, K * K));
         let row_max = sized(row_max, K);
@@ -408,7 +414,7 @@ impl Task<'_> {
                                 dp.as_ptr(),
                                 n as i64,
                                 cols as i64,
-                                k.as_ptr().add(first_key * d),
+                                key_rows.as_ptr().add(first_key * d),
                                 d as i64,
                                 dq.as_mut_ptr().add(row * d),
                                 d as i64,
@@ -476,23 +482,16 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// Rows `[n][width]` packed into `packed` as the score microkernel reads keys: tiles of `K`
-/// rows, `tile[dim][row]`, the last one zero-padded. Sixteen rows at a time, so the rows read
-/// stay in L1 while each dim's sixteen values are written side by side.
+/// rows, `tile[dim][row]`, the last one zero-padded. Rows are read in order (the prefetcher
+/// streams them from memory; the tile being written stays in L1).
 fn pack(rows: &[f32], width: usize, n: usize, packed: &mut [f32]) {
     if !n.is_multiple_of(K) {
         packed[(n / K) * width * K..].fill(0.0);
     }
-    for (keys, tile) in rows[..n * width]
-        .chunks(K * width)
-        .zip(packed.chunks_exact_mut(width * K))
-    {
-        for (b, block) in keys.chunks(16 * width).enumerate() {
-            for dim in 0..width {
-                let out = &mut tile[dim * K + 16 * b..][..16];
-                for (o, row) in out.iter_mut().zip(block.chunks_exact(width)) {
-                    *o = row[dim];
-                }
-            }
+    for (j, row) in rows.chunks_exact(width).take(n).enumerate() {
+        let tile = &mut packed[(j / K) * width * K..][..width * K];
+        for (dim, x) in row.iter().enumerate() {
+            tile[dim * K + j % K] = *x;
         }
     }
 }
