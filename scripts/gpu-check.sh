@@ -13,14 +13,14 @@
 #                                      into .gpu-bin/ (ignored by git), for a GPU machine that has
 #                                      no Rust toolchain (carry .gpu-bin there)
 #
-# attnc comes from $ATTNC, else .gpu-bin/attnc, else a `cargo build --release --features cuda`
+# attnc comes from $ATTNC, else .gpu-bin/attnc, else a `cargo build --release --features cuda,llvm`
 # here (which needs LLVM 19: scripts/setup-cuda-toolchain.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if [[ "${1:-}" == "--prepare" ]]; then
   eval "$(scripts/setup-cuda-toolchain.sh)"
-  cargo build --release --features cuda --bin attnc
+  cargo build --release --features cuda,llvm --bin attnc
   mkdir -p .gpu-bin
   cp target/release/attnc .gpu-bin/attnc
   strip .gpu-bin/attnc
@@ -34,7 +34,7 @@ elif [[ -x .gpu-bin/attnc ]]; then
   attnc=.gpu-bin/attnc
 elif command -v cargo >/dev/null; then
   eval "$(scripts/setup-cuda-toolchain.sh)"
-  cargo build --release --features cuda --bin attnc
+  cargo build --release --features cuda,llvm --bin attnc
   attnc=target/release/attnc
 else
   echo "gpu-check: no attnc: set ATTNC, run scripts/gpu-check.sh --prepare on a machine with" \

@@ -7,7 +7,7 @@ warp, by opcode. A pass is one key tile for one warp, so "issue slots per HMMA" 
 kernel is from being bound by its tensor cores rather than by instruction issue.
 
 Needs the toolchain of scripts/setup-cuda-toolchain.sh (ptxas and nvdisasm in .cuda-toolchain/bin)
-and an attnc built with `--features cuda`.
+and an attnc built with `--features llvm`.
 
 Usage: scripts/sass_mix.py [--arch sm_90] [--attnc target/release/attnc] [--top 12] SPEC...
 """
@@ -145,7 +145,7 @@ def main():
     for tool in [args.attnc, os.path.join(TOOLS, "ptxas"), os.path.join(TOOLS, "nvdisasm")]:
         if not os.access(tool, os.X_OK):
             sys.exit(f"error: {tool} is missing: run scripts/setup-cuda-toolchain.sh and "
-                     "cargo build --release --features cuda --bin attnc")
+                     "cargo build --release --features llvm --bin attnc")
     with tempfile.TemporaryDirectory() as tmp:
         for spec in args.specs:
             try:

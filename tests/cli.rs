@@ -2,11 +2,21 @@
 
 use std::process::{Command, Output};
 
+/// attnc with `args`, its kernel cache in a directory of this test process (never the user's).
 fn attnc(args: &[&str]) -> Output {
+    attnc_with_cache(args, &test_cache())
+}
+
+fn attnc_with_cache(args: &[&str], cache: &std::path::Path) -> Output {
     Command::new(env!("CARGO_BIN_EXE_attnc"))
         .args(args)
+        .env("ATTN_CACHE_DIR", cache)
         .output()
         .expect("attnc runs")
+}
+
+fn test_cache() -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("attnc-cache-{}", std::process::id()))
 }
 
 fn stdout(o: &Output) -> String {
@@ -507,13 +517,13 @@ fn emit_writes_the_gpu_kernel() {
         "-o",
         out.to_str().unwrap(),
     ]);
-    if cfg!(feature = "cuda") {
+    if cfg!(feature = "llvm") {
         assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
         let ptx = std::fs::read_to_string(&out).unwrap();
         assert!(ptx.contains(".target sm_80") && ptx.contains(".entry attention_forward"));
     } else {
         assert_eq!(o.status.code(), Some(2));
-        assert!(stderr(&o).contains("`cuda` feature"), "{}", stderr(&o));
+        assert!(stderr(&o).contains("`llvm` feature"), "{}", stderr(&o));
     }
     let o = attnc(&["emit", spec, "--target", "sm_70"]);
     assert_eq!(o.status.code(), Some(2));
@@ -944,4 +954,111 @@ fn bench_backward_times_on_the_cpu_and_refuses_elsewhere() {
         assert_eq!(o.status.code(), Some(2));
         assert!(stderr(&o).contains(said), "{}", stderr(&o));
     }
+}
+
+#[test]
+fn emit_writes_every_kernel_and_a_manifest() {
+    let dir = temp("emit-all");
+    let spec = "heads = 4, kv_heads = 2, head_dim = 64, mask = causal, dtype = bf16";
+    let o = attnc(&[
+        "emit",
+        spec,
+        "--emit",
+        "gpu-ir",
+        "--target",
+        "sm_80",
+        "--target",
+        "sm_90",
+        "--out-dir",
+        dir.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).unwrap()).unwrap();
+    let kernels = manifest["kernels"].as_array().unwrap();
+    assert!(
+        manifest["spec"]
+            .as_str()
+            .unwrap()
+            .starts_with("heads = 4, kv_heads = 2")
+    );
+    for role in ["forward", "decode", "backward dq", "backward dkdv"] {
+        for target in ["sm_80", "sm_90"] {
+            let k = kernels
+                .iter()
+                .find(|k| k["role"] == role && k["target"] == target)
+                .unwrap_or_else(|| panic!("no {role} for {target}"));
+            let text = std::fs::read_to_string(dir.join(k["file"].as_str().unwrap())).unwrap();
+            let name = k["launch"]["name"].as_str().unwrap();
+            assert!(
+                text.starts_with(&format!("kernel {name}")),
+                "{role}: {}",
+                &text[..40]
+            );
+            assert!(k["launch"]["threads"].as_u64().unwrap() > 0);
+        }
+    }
+    // One kernel for several targets is refused.
+    let o = attnc(&["emit", spec, "--target", "sm_80", "--target", "sm_90"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("one --target"), "{}", stderr(&o));
+}
+
+#[test]
+fn the_kernel_cache_serves_a_second_process() {
+    let cache = temp("kernel-cache");
+    std::fs::remove_dir_all(&cache).ok();
+    let list = attnc_with_cache(&["cache", "list"], &cache);
+    assert_eq!(list.status.code(), Some(0), "{}", stderr(&list));
+    assert!(stdout(&list).contains("(0 entries)"), "{}", stdout(&list));
+    let spec = "heads = 4, head_dim = 64, mask = causal";
+    let out = temp("cached.ptx");
+    let emit = || {
+        attnc_with_cache(
+            &[
+                "emit",
+                spec,
+                "--target",
+                "sm_80",
+                "-o",
+                out.to_str().unwrap(),
+            ],
+            &cache,
+        )
+    };
+    let first = emit();
+    if !cfg!(feature = "llvm") {
+        // Nothing cached and no compiler: a clear error, exit 2.
+        assert_eq!(first.status.code(), Some(2));
+        assert!(
+            stderr(&first).contains("`llvm` feature"),
+            "{}",
+            stderr(&first)
+        );
+        return;
+    }
+    assert_eq!(first.status.code(), Some(0), "{}", stderr(&first));
+    assert!(
+        stderr(&first).contains("attention_forward (forward, sm_80): compiled"),
+        "{}",
+        stderr(&first)
+    );
+    let compiled = std::fs::read_to_string(&out).unwrap();
+    let second = emit();
+    assert_eq!(second.status.code(), Some(0), "{}", stderr(&second));
+    assert!(
+        stderr(&second).contains("(forward, sm_80): disk cache"),
+        "{}",
+        stderr(&second)
+    );
+    assert_eq!(std::fs::read_to_string(&out).unwrap(), compiled);
+    let list = attnc_with_cache(&["cache", "list"], &cache);
+    assert!(stdout(&list).contains("(1 entries)") && stdout(&list).contains("attention_forward"));
+    let clear = attnc_with_cache(&["cache", "clear"], &cache);
+    assert!(
+        stdout(&clear).contains("removed 1 kernels"),
+        "{}",
+        stdout(&clear)
+    );
+    assert!(stderr(&emit()).contains(": compiled"));
 }

@@ -367,7 +367,7 @@ fn nesting_at_the_limits_runs_every_pass() {
         )
         .and_then(|call| call.run_emulated())
         .expect("the GPU kernel runs on the interpreter");
-        #[cfg(feature = "cuda")]
+        #[cfg(feature = "llvm")]
         {
             attn::codegen::gpu::llvm::emit(&forward.kernel, attn::codegen::gpu::llvm::Arch::Sm90)
                 .expect("the PTX emits");

@@ -135,10 +135,10 @@ fn races_misalignment_and_forgotten_waits_are_errors() {
     assert!(e.contains("never waited"), "{e}");
 }
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "llvm")]
 mod common;
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "llvm")]
 #[test]
 fn cp_async_compiles_to_the_instructions() {
     use codegen::gpu::llvm::{Arch, emit};

@@ -140,10 +140,10 @@ fn misaligned_rows_and_partial_warps_are_errors() {
     assert!(e.contains("all 32 lanes"), "{e}");
 }
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "llvm")]
 mod common;
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "llvm")]
 #[test]
 fn ldmatrix_compiles_to_the_instruction() {
     use codegen::gpu::llvm::{Arch, emit};

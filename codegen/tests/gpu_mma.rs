@@ -169,10 +169,10 @@ fn mma_needs_the_whole_warp() {
     assert!(e.contains("all 32 lanes"), "{e}");
 }
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "llvm")]
 mod common;
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "llvm")]
 #[test]
 fn mma_compiles_to_the_tensor_core_instruction() {
     use codegen::gpu::llvm::{Arch, emit};

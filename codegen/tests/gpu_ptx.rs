@@ -1,7 +1,7 @@
-//! PTX through LLVM for the GPU kernels (feature `cuda`): every named spec's forward kernel
+//! PTX through LLVM for the GPU kernels (feature `llvm`): every named spec's forward kernel
 //! compiles for sm_80 and sm_90; with ptxas available (`scripts/setup-cuda-toolchain.sh`), the
 //! PTX assembles and ptxas's resource report is read.
-#![cfg(feature = "cuda")]
+#![cfg(feature = "llvm")]
 
 use attn_dsl::catalog::NAMED_SPECS;
 use codegen::KernelPlan;

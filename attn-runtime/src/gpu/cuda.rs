@@ -5,6 +5,7 @@ use super::GpuCall;
 use super::backward::{BackwardCall, Prepared};
 use super::decode::{self, DecodeLaunch};
 use super::pages::PagedSegments;
+use super::ptx::{PtxOrigin, ptx_for};
 use crate::backend::{BackwardInputs, DecodeOptions, Gradients, MlaQueries, MlaTensors, Output};
 use crate::cache::{KvCache, MirrorSync, SeqId};
 use crate::error::RuntimeError;
@@ -14,7 +15,7 @@ use crate::variant::Variant;
 use codegen::gpu::decode::SEGMENT_FIELDS;
 use codegen::gpu::ir::Kernel;
 use codegen::gpu::launch::{DecodeArgs, ForwardArgs, bind};
-use codegen::gpu::llvm::{Arch, dynamic_shared_bytes, emit};
+use codegen::gpu::target::{Arch, dynamic_shared_bytes};
 use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
@@ -36,6 +37,8 @@ pub struct CudaBackend {
     arch: Arch,
     /// Loaded functions by the address of their shared kernel (kept alive here).
     loaded: Mutex<HashMap<usize, (Arc<Kernel>, CudaFunction)>>,
+    /// Where each loaded kernel's PTX came from, in load order.
+    origins: Mutex<Vec<(String, PtxOrigin)>>,
     /// Buffers made through the `Device` interface, by device address, with their sizes.
     pub(super) buffers: Mutex<std::collections::BTreeMap<i64, (CudaSlice<u8>, usize)>>,
     /// cuBLAS, made on first use.
@@ -59,21 +62,18 @@ impl CudaBackend {
         }
         let ctx = CudaContext::new(ordinal).map_err(device)?;
         let (major, minor) = ctx.compute_capability().map_err(device)?;
-        let arch = match (major, minor) {
-            (9.., _) => Arch::Sm90,
-            (8, _) => Arch::Sm80,
-            _ => {
-                return Err(device(format!(
-                    "GPU {ordinal} is sm_{major}{minor}; the kernels need sm_80 or newer"
-                )));
-            }
-        };
+        let arch = Arch::for_capability(major as u32, minor as u32).ok_or_else(|| {
+            device(format!(
+                "GPU {ordinal} is sm_{major}{minor}; the kernels need sm_80 or newer"
+            ))
+        })?;
         let stream = ctx.default_stream();
         Ok(CudaBackend {
             ctx,
             stream,
             arch,
             loaded: Mutex::new(HashMap::new()),
+            origins: Mutex::new(Vec::new()),
             buffers: Mutex::new(std::collections::BTreeMap::new()),
             time_kernels: std::sync::atomic::AtomicBool::new(false),
             last_kernel_us: Mutex::new(None),
@@ -464,7 +464,22 @@ impl CudaBackend {
         Ok((out, lse))
     }
 
-    /// The kernel loaded on the device (its PTX emitted and loaded once per process).
+    /// The architecture kernels are loaded for.
+    pub fn arch(&self) -> Arch {
+        self.arch
+    }
+
+    /// Every kernel loaded so far, by entry point, and where its PTX came from (embedded,
+    /// disk cache or compiled), in load order.
+    pub fn kernel_origins(&self) -> Vec<(String, PtxOrigin)> {
+        self.origins
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// The kernel loaded on the device (its PTX found or compiled, and loaded, once per
+    /// process; see [`super::ptx`]).
     pub(super) fn load(&self, kernel: &Arc<Kernel>) -> Result<CudaFunction, RuntimeError> {
         // Lowered kernels are shared (`Arc`), so the same kernel is the same allocation: its
         // address is the key, and the map keeps the kernel alive so the address stays its own.
@@ -476,8 +491,15 @@ impl CudaBackend {
         if let Some((_, f)) = loaded.get(&key) {
             return Ok(f.clone());
         }
-        let ptx = emit(kernel, self.arch)?.ptx;
-        let module = self.ctx.load_module(Ptx::from_src(ptx)).map_err(device)?;
+        let ptx = ptx_for(kernel, self.arch, None)?;
+        self.origins
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((kernel.name.clone(), ptx.origin));
+        let module = self
+            .ctx
+            .load_module(Ptx::from_src(ptx.text.to_string()))
+            .map_err(device)?;
         let f = module.load_function(&kernel.name).map_err(device)?;
         let dynamic = dynamic_shared_bytes(kernel);
         if dynamic > 0 {

@@ -149,7 +149,7 @@ impl Device for CudaBackend {
         let config = LaunchConfig {
             grid_dim: (grid[0], grid[1], grid[2]),
             block_dim: (kernel.threads, 1, 1),
-            shared_mem_bytes: codegen::gpu::llvm::dynamic_shared_bytes(kernel),
+            shared_mem_bytes: codegen::gpu::target::dynamic_shared_bytes(kernel),
         };
         let mut launch = self.stream.launch_builder(&f);
         for value in args {

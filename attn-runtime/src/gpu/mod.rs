@@ -9,8 +9,10 @@ pub mod cuda;
 #[cfg(feature = "cuda")]
 mod cuda_device;
 mod decode;
+pub mod disk_cache;
 pub mod layers;
 mod pages;
+pub mod ptx;
 
 pub(crate) use backward::backward_emulated;
 pub use decode::{attend_ragged_emulated, decode_emulated, decode_mla_emulated};

@@ -1,4 +1,4 @@
-//! GPU IR to LLVM IR and PTX through LLVM's NVPTX backend (feature `cuda`, LLVM 19).
+//! GPU IR to LLVM IR and PTX through LLVM's NVPTX backend (feature `llvm`, LLVM 19).
 //!
 //! A direct translation: each register is an `alloca` (promoted by `mem2reg` in the O3
 //! pipeline), each operation its PTX counterpart (`llvm.nvvm.ex2.approx.f`, `lg2.approx`,
@@ -23,24 +23,7 @@ use inkwell::values::{
 use inkwell::{AddressSpace, FloatPredicate, IntPredicate, OptimizationLevel};
 use std::collections::HashMap;
 
-/// GPU architectures PTX is generated for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Arch {
-    /// Ampere (A100): `mma.sync`, `cp.async`.
-    Sm80,
-    /// Hopper (H100, H200).
-    Sm90,
-}
-
-impl Arch {
-    /// The name ptxas and LLVM use (`sm_80`).
-    pub fn name(self) -> &'static str {
-        match self {
-            Arch::Sm80 => "sm_80",
-            Arch::Sm90 => "sm_90",
-        }
-    }
-}
+pub use super::target::{Arch, STATIC_SHARED_LIMIT, dynamic_shared_bytes};
 
 /// A kernel compiled for a GPU architecture.
 #[derive(Clone, Debug)]
@@ -56,20 +39,6 @@ const PTX_KERNEL: u32 = 71;
 
 fn err(what: impl std::fmt::Display) -> CodegenError {
     CodegenError::Llvm(what.to_string())
-}
-
-/// Static shared memory per CTA is limited to 48 KiB.
-pub const STATIC_SHARED_LIMIT: u32 = 48 * 1024;
-
-/// The bytes of dynamic shared memory a launch of the kernel must ask for: its shared memory
-/// when over [`STATIC_SHARED_LIMIT`] (then also set as the function's maximum dynamic shared
-/// size), else 0 (a static array).
-pub fn dynamic_shared_bytes(kernel: &Kernel) -> u32 {
-    if kernel.shared_bytes > STATIC_SHARED_LIMIT {
-        kernel.shared_bytes
-    } else {
-        0
-    }
 }
 
 /// Stack for the thread LLVM compiles on: its passes recurse along expression trees, and a score

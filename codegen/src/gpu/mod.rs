@@ -4,12 +4,14 @@
 //! the tensor-core (mma.sync, bf16) one.
 //!
 //! [`decode`] holds the decode kernels over cache segments (split-KV): [`decode_tc`] and
-//! [`decode_wide`] (MLA) on tensor cores for 16-bit caches, a SIMT one for the rest. With the `cuda` feature, `llvm` translates
+//! [`decode_wide`] (MLA) on tensor cores for 16-bit caches, a SIMT one for the rest. With the `llvm` feature, `llvm` translates
 //! the IR to LLVM IR and PTX. [`backward`] holds the SIMT backward kernels (delta, dq, dk and
-//! dv), [`backward_tc`] the tensor-core ones. Still to come: `wgmma` and TMA on sm_90a.
+//! dv), [`backward_tc`] the tensor-core ones. [`target`] says what a GPU target needs without LLVM. Still to
+//! come: `wgmma` and TMA on sm_90a.
 
 use crate::CodegenError;
 
+pub mod artifacts;
 pub mod backward;
 pub mod backward_tc;
 pub mod decode;
@@ -22,11 +24,12 @@ pub mod interp;
 pub mod ir;
 pub mod launch;
 pub mod layers;
-#[cfg(feature = "cuda")]
+#[cfg(feature = "llvm")]
 pub mod llvm;
 pub mod pages;
 pub mod parse;
 mod print;
+pub mod target;
 pub mod verify;
 
 /// A forward kernel as the host launches it.

@@ -1,19 +1,36 @@
-//! `attnc emit`: the GPU forward kernel of a spec (tensor cores for bf16 specs, SIMT f32
-//! otherwise) as GPU IR, LLVM IR or PTX.
+//! `attnc emit`: a spec's GPU kernels as GPU IR, LLVM IR or PTX. One kernel (the forward the
+//! runtime picks) to a file or standard output, or with `--out-dir` every kernel of the spec
+//! for every target plus `manifest.json` (their launch records). PTX goes through the kernel
+//! disk cache; stderr says where each kernel came from. `attnc cache` lists and clears that
+//! cache.
 
 use attn::AttentionSpec;
-use attn::codegen::KernelPlan;
-use attn::codegen::gpu::forward_kernel;
+use attn::codegen::gpu::artifacts::{SpecKernel, json_string, launch_json, spec_kernels};
+use attn::codegen::gpu::ir::Kernel;
+use attn::codegen::gpu::target::{Arch, compiler_version};
+use attn::runtime::gpu::disk_cache::DiskCache;
+use attn::runtime::gpu::ptx::ptx_for;
+use std::path::Path;
 
 /// What to write.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Emit {
     /// The GPU kernel IR (text).
     GpuIr,
-    /// LLVM IR after the O3 pipeline (needs the `cuda` feature).
+    /// LLVM IR after the O3 pipeline (needs the `llvm` feature).
     LlvmIr,
-    /// PTX assembly (needs the `cuda` feature).
+    /// PTX assembly (from the disk cache, or compiled: needs the `llvm` feature).
     Ptx,
+}
+
+impl Emit {
+    fn extension(self) -> &'static str {
+        match self {
+            Emit::GpuIr => "gpu-ir",
+            Emit::LlvmIr => "ll",
+            Emit::Ptx => "ptx",
+        }
+    }
 }
 
 /// GPU architectures.
@@ -27,41 +44,161 @@ pub enum Target {
     Sm90,
 }
 
-/// The text of the spec's forward kernel in the requested form.
-pub fn emit(spec: &AttentionSpec, target: Target, what: Emit) -> Result<String, String> {
-    let kernel = forward_kernel(&KernelPlan::forward(spec))
-        .map_err(|e| e.to_string())?
-        .kernel;
-    match what {
-        Emit::GpuIr => Ok(kernel.to_string()),
-        Emit::LlvmIr | Emit::Ptx => compile(&kernel, target, what),
+impl Target {
+    fn arch(self) -> Arch {
+        match self {
+            Target::Sm80 => Arch::Sm80,
+            Target::Sm90 => Arch::Sm90,
+        }
     }
 }
 
-#[cfg(feature = "cuda")]
-fn compile(
-    kernel: &attn::codegen::gpu::ir::Kernel,
-    target: Target,
-    what: Emit,
-) -> Result<String, String> {
-    use attn::codegen::gpu::llvm::{Arch, emit};
-    let arch = match target {
-        Target::Sm80 => Arch::Sm80,
-        Target::Sm90 => Arch::Sm90,
+/// The spec's forward kernel (the one the runtime picks) in the requested form, for `target`.
+pub fn emit(spec: &AttentionSpec, targets: &[Target], what: Emit) -> Result<String, String> {
+    let [target] = targets else {
+        return Err(format!(
+            "error: one kernel is written for one target, {} given; allowed: one --target, or \
+             --out-dir DIR for every kernel of the spec for several\n",
+            targets.len()
+        ));
     };
-    let out = emit(kernel, arch).map_err(|e| format!("error: {e}"))?;
-    Ok(if what == Emit::Ptx {
-        out.ptx
-    } else {
-        out.llvm_ir
-    })
+    let kernels = spec_kernels(spec).map_err(|e| format!("error: {e}\n"))?;
+    let forward = &kernels[0];
+    text_of(spec, forward, target.arch(), what)
 }
 
-#[cfg(not(feature = "cuda"))]
-fn compile(_: &attn::codegen::gpu::ir::Kernel, _: Target, what: Emit) -> Result<String, String> {
-    Err(format!(
-        "error: --emit {} needs LLVM: this attnc was built without the `cuda` feature; \
-         run scripts/setup-cuda-toolchain.sh, then build with --features cuda",
-        if what == Emit::Ptx { "ptx" } else { "llvm-ir" }
-    ))
+/// Every kernel of the spec for every target, in `dir`: `<role>.<target>.<ext>` each, and
+/// `manifest.json`.
+pub fn emit_all(
+    spec: &AttentionSpec,
+    targets: &[Target],
+    what: Emit,
+    dir: &Path,
+) -> Result<(), String> {
+    let kernels = spec_kernels(spec).map_err(|e| format!("error: {e}\n"))?;
+    std::fs::create_dir_all(dir).map_err(|e| format!("error: {}: {e}\n", dir.display()))?;
+    let mut entries = Vec::new();
+    for target in targets {
+        let arch = target.arch();
+        for k in &kernels {
+            let text = text_of(spec, k, arch, what)?;
+            let file = format!(
+                "{}.{}.{}",
+                k.role.replace(' ', "-"),
+                arch.name(),
+                what.extension()
+            );
+            std::fs::write(dir.join(&file), text)
+                .map_err(|e| format!("error: {}: {e}\n", dir.join(&file).display()))?;
+            entries.push(format!(
+                "    {{\"role\": {}, \"target\": \"{}\", \"file\": {}, \"launch\": {}}}",
+                json_string(k.role),
+                arch.name(),
+                json_string(&file),
+                launch_json(&k.kernel)
+            ));
+        }
+    }
+    let manifest = format!(
+        "{{\n  \"format\": 1,\n  \"spec\": {},\n  \"compiler\": {},\n  \"kernels\": [\n{}\n  ]\n}}\n",
+        json_string(&spec.to_string()),
+        json_string(&compiler_version()),
+        entries.join(",\n")
+    );
+    std::fs::write(dir.join("manifest.json"), manifest)
+        .map_err(|e| format!("error: {}: {e}\n", dir.display()))?;
+    eprintln!(
+        "wrote {} kernels for {} target{} to {}",
+        kernels.len(),
+        targets.len(),
+        if targets.len() == 1 { "" } else { "s" },
+        dir.display()
+    );
+    Ok(())
+}
+
+/// One kernel's text; PTX through the disk cache, saying on stderr where it came from.
+fn text_of(spec: &AttentionSpec, k: &SpecKernel, arch: Arch, what: Emit) -> Result<String, String> {
+    match what {
+        Emit::GpuIr => Ok(k.kernel.to_string()),
+        Emit::LlvmIr => llvm_ir(&k.kernel, arch),
+        Emit::Ptx => {
+            let spec_text = spec.to_string();
+            let ptx =
+                ptx_for(&k.kernel, arch, Some(&spec_text)).map_err(|e| format!("error: {e}\n"))?;
+            eprintln!(
+                "{} ({}, {}): {}",
+                k.kernel.name,
+                k.role,
+                arch.name(),
+                ptx.origin
+            );
+            Ok(ptx.text.to_string())
+        }
+    }
+}
+
+#[cfg(feature = "llvm")]
+fn llvm_ir(kernel: &Kernel, arch: Arch) -> Result<String, String> {
+    attn::codegen::gpu::llvm::emit(kernel, arch)
+        .map(|out| out.llvm_ir)
+        .map_err(|e| format!("error: {e}\n"))
+}
+
+#[cfg(not(feature = "llvm"))]
+fn llvm_ir(_: &Kernel, _: Arch) -> Result<String, String> {
+    Err(
+        "error: --emit llvm-ir needs LLVM: this attnc was built without the `llvm` feature; \
+         run scripts/setup-cuda-toolchain.sh, then build with --features llvm\n"
+            .to_string(),
+    )
+}
+
+/// `attnc cache list|clear`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum CacheAction {
+    /// Every cached kernel: key, entry point, target, compiler, size, spec.
+    List,
+    /// Remove every cached kernel.
+    Clear,
+}
+
+/// Runs a cache action on the default cache (`ATTN_CACHE_DIR`, else the platform's).
+pub fn cache(action: CacheAction) -> Result<(), String> {
+    let cache = DiskCache::default_location().ok_or_else(|| {
+        "error: no kernel cache location: set ATTN_CACHE_DIR (no home directory is known)\n"
+            .to_string()
+    })?;
+    let err = |e: attn::runtime::RuntimeError| format!("error: {e}\n");
+    match action {
+        CacheAction::List => {
+            let entries = cache.list().map_err(err)?;
+            println!(
+                "kernel cache {} ({} entries)",
+                cache.dir().display(),
+                entries.len()
+            );
+            let current = compiler_version();
+            for e in entries {
+                let stale = if e.compiler == current {
+                    ""
+                } else {
+                    " (another compiler)"
+                };
+                println!(
+                    "{}  {:<28} {}  {:>9} B  {}{stale}",
+                    e.key,
+                    e.kernel,
+                    e.target,
+                    e.bytes,
+                    e.spec.as_deref().unwrap_or("-")
+                );
+            }
+        }
+        CacheAction::Clear => {
+            let n = cache.clear().map_err(err)?;
+            println!("removed {n} kernels from {}", cache.dir().display());
+        }
+    }
+    Ok(())
 }

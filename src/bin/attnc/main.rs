@@ -201,20 +201,33 @@ enum Command {
         #[arg(long, value_name = "N", default_value_t = 4096)]
         seq: u64,
     },
-    /// Write the GPU forward kernel of a spec as GPU IR, LLVM IR or PTX.
+    /// Write a spec's GPU kernels as GPU IR, LLVM IR or PTX: its forward kernel to a file or
+    /// standard output, or with --out-dir every kernel for every --target and a manifest of
+    /// launch records (manifest.json). PTX comes from the kernel disk cache or is compiled
+    /// (and cached); stderr says which.
     Emit {
         /// The spec, in the spec language, or @FILE to read it from a file.
         #[arg(allow_hyphen_values = true)]
         spec: String,
-        /// GPU architecture.
-        #[arg(long, value_enum, default_value_t = emit::Target::Sm90)]
-        target: emit::Target,
+        /// GPU architecture; repeat it with --out-dir for several (default sm_90).
+        #[arg(long, value_enum)]
+        target: Vec<emit::Target>,
         /// What to write.
         #[arg(long, value_enum, default_value_t = emit::Emit::Ptx)]
         emit: emit::Emit,
         /// Output file (default: standard output).
-        #[arg(short, long, value_name = "FILE")]
+        #[arg(short, long, value_name = "FILE", conflicts_with = "out_dir")]
         output: Option<std::path::PathBuf>,
+        /// Write every kernel of the spec, for every target, and manifest.json here.
+        #[arg(long, value_name = "DIR")]
+        out_dir: Option<std::path::PathBuf>,
+    },
+    /// List or clear the disk cache of compiled kernels (ATTN_CACHE_DIR, else the platform's
+    /// cache directory under attn/kernels).
+    Cache {
+        /// What to do.
+        #[arg(value_enum)]
+        action: emit::CacheAction,
     },
     /// Check the GPU backend on CUDA device 0 (or the GPU IR interpreter) against the CPU
     /// backend: decode (cache uploaded per call and resident), ragged batches, MLA decode and
@@ -498,19 +511,27 @@ fn main() -> ExitCode {
             .map(|summary| println!("{summary}")),
         Command::Emit {
             spec,
-            target,
+            mut target,
             emit,
             output,
-        } => spec_arg::load(&spec)
-            .and_then(|(spec, _)| emit::emit(&spec, target, emit))
-            .and_then(|text| match &output {
-                Some(path) => std::fs::write(path, text)
-                    .map_err(|e| format!("error: {}: {e}", path.display())),
-                None => {
-                    print!("{text}");
-                    Ok(())
-                }
-            }),
+            out_dir,
+        } => {
+            if target.is_empty() {
+                target.push(emit::Target::Sm90);
+            }
+            spec_arg::load(&spec).and_then(|(spec, _)| match &out_dir {
+                Some(dir) => emit::emit_all(&spec, &target, emit, dir),
+                None => emit::emit(&spec, &target, emit).and_then(|text| match &output {
+                    Some(path) => std::fs::write(path, text)
+                        .map_err(|e| format!("error: {}: {e}", path.display())),
+                    None => {
+                        print!("{text}");
+                        Ok(())
+                    }
+                }),
+            })
+        }
+        Command::Cache { action } => emit::cache(action),
         Command::CheckDevice { backend } => match check_device::run(backend) {
             Ok(true) => Ok(()),
             Ok(false) => return ExitCode::from(1),

@@ -1,0 +1,179 @@
+//! Every GPU kernel a spec's calls may load, with what a launch needs to know of each: the set
+//! `#[attention(..., targets = [..])]` embeds at cargo time and `attnc emit --out-dir` writes
+//! (PTX per target, plus a manifest of launch records).
+
+use super::ir::{Half, Kernel};
+use super::launch::{
+    BackwardArgs, BackwardTcArgs, DecodeArgs, ForwardArgs, LaunchRecord, Param, ParamKind,
+};
+use super::{
+    backward_kernels, decode_kernel, forward_kernel, forward_tc, layers, pages,
+    simt_forward_kernel, target, tensor_core_kernel, verified,
+};
+use crate::error::CodegenError;
+use crate::plan::KernelPlan;
+use attn_dsl::AttentionSpec;
+
+/// One kernel of a spec.
+#[derive(Clone, Debug)]
+pub struct SpecKernel {
+    /// What it is for: `forward`, `forward simt`, `forward bf16 qk`, `decode`, `decode merge`,
+    /// `decode pages`, `backward delta`, `backward dq`, `backward dkdv`.
+    pub role: &'static str,
+    /// The kernel, verified.
+    pub kernel: Kernel,
+}
+
+/// The kernels of `spec`, each once (a kernel two roles share is listed under the first): the
+/// forward the runtime picks, the SIMT forward it falls back to (inputs outside f16's range,
+/// f32), the tensor-core forward with bf16 `Q K^T` operands that resident models run, the
+/// decode kernel with the split-KV merge and the page-table kernel, and the backward kernels
+/// (none for MLA, whose backward is not built).
+pub fn spec_kernels(spec: &AttentionSpec) -> Result<Vec<SpecKernel>, CodegenError> {
+    let forward_plan = KernelPlan::forward(spec);
+    let mut out: Vec<SpecKernel> = Vec::new();
+    let mut add = |role: &'static str, kernel: Kernel| {
+        if !out.iter().any(|k| k.kernel == kernel) {
+            out.push(SpecKernel { role, kernel });
+        }
+    };
+    add("forward", (*forward_kernel(&forward_plan)?.kernel).clone());
+    add(
+        "forward simt",
+        (*simt_forward_kernel(&forward_plan)?.kernel).clone(),
+    );
+    if forward_tc::supports(&forward_plan)
+        && let Some(k) = tensor_core_kernel(&forward_plan, Half::Bf16)?
+    {
+        add("forward bf16 qk", (*k.kernel).clone());
+    }
+    add("decode", decode_kernel(&KernelPlan::decode(spec))?);
+    add("decode merge", verified(layers::merge_partitions())?);
+    add("decode pages", verified(pages::segments_from_pages())?);
+    if spec.mla().is_none()
+        && let Ok(plan) = KernelPlan::backward(spec)
+    {
+        let [delta, dq, dkdv] = backward_kernels(&plan)?.kernels;
+        add("backward delta", (*delta).clone());
+        add("backward dq", (*dq).clone());
+        add("backward dkdv", (*dkdv).clone());
+    }
+    Ok(out)
+}
+
+/// A kernel's launch record as JSON: entry point, parameters in order (each a 64-bit value:
+/// a device address or an integer), threads per CTA, shared memory (and how much of it a
+/// launch must ask for dynamically), CTAs per SM its registers were sized for, and its
+/// [`target::kernel_hash`].
+pub fn launch_json(kernel: &Kernel) -> String {
+    let fields = record_fields(kernel);
+    let params: Vec<String> = kernel
+        .params
+        .iter()
+        .enumerate()
+        .map(|(i, (name, ty))| {
+            let kind = match fields.map(|f| f[i].kind) {
+                Some(ParamKind::Address) => "address",
+                Some(ParamKind::Scalar) => "scalar",
+                None => "value",
+            };
+            format!(
+                "{{\"name\": {}, \"type\": \"{ty}\", \"kind\": \"{kind}\"}}",
+                json_string(name)
+            )
+        })
+        .collect();
+    format!(
+        "{{\"name\": {}, \"params\": [{}], \"threads\": {}, \"shared_bytes\": {}, \
+         \"dynamic_shared_bytes\": {}, \"ctas_per_sm\": {}, \"hash\": \"{}\"}}",
+        json_string(&kernel.name),
+        params.join(", "),
+        kernel.threads,
+        kernel.shared_bytes,
+        target::dynamic_shared_bytes(kernel),
+        kernel.ctas_per_sm,
+        target::kernel_hash(kernel)
+    )
+}
+
+/// The fields of the launch record a spec kernel takes (each kernel family's parameters are
+/// its record's fields, in order).
+fn record_fields(kernel: &Kernel) -> Option<&'static [Param]> {
+    fn of<R: LaunchRecord>(kernel: &Kernel) -> Option<&'static [Param]> {
+        (kernel.params == R::params()).then_some(R::FIELDS)
+    }
+    of::<ForwardArgs>(kernel)
+        .or_else(|| of::<DecodeArgs>(kernel))
+        .or_else(|| of::<BackwardArgs>(kernel))
+        .or_else(|| of::<BackwardTcArgs>(kernel))
+        .or_else(|| of::<layers::MergeArgs>(kernel))
+        .or_else(|| of::<pages::PagesArgs>(kernel))
+}
+
+/// `text` as a JSON string literal.
+pub fn json_string(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + 2);
+    out.push('"');
+    for c in text.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_spec_lists_each_kernel_once_with_its_roles() {
+        let spec: AttentionSpec = "heads = 8, kv_heads = 2, head_dim = 64, mask = causal, \
+                                   position = rope, dtype = bf16"
+            .parse()
+            .unwrap();
+        let kernels = spec_kernels(&spec).unwrap();
+        let roles: Vec<&str> = kernels.iter().map(|k| k.role).collect();
+        for role in [
+            "forward",
+            "forward simt",
+            "decode",
+            "backward dq",
+            "backward dkdv",
+        ] {
+            assert!(roles.contains(&role), "{roles:?}");
+        }
+        for (i, a) in kernels.iter().enumerate() {
+            assert!(kernels[i + 1..].iter().all(|b| b.kernel != a.kernel));
+            // Every parameter is known as an address or a scalar of its launch record.
+            assert!(
+                !launch_json(&a.kernel).contains("\"kind\": \"value\""),
+                "{}",
+                a.role
+            );
+        }
+        let mla: AttentionSpec = "heads = 4, head_dim = 16, mla(latent_rank = 32, rope_dim = 16)"
+            .parse()
+            .unwrap();
+        assert!(
+            spec_kernels(&mla)
+                .unwrap()
+                .iter()
+                .all(|k| !k.role.starts_with("backward"))
+        );
+    }
+
+    #[test]
+    fn launch_records_are_json() {
+        let k = super::super::layers::merge_partitions();
+        let json = launch_json(&k);
+        assert!(json.starts_with("{\"name\": \"") && json.contains("\"params\": [{\"name\": "));
+        assert!(json.contains("\"kind\": \"address\"") && !json.contains("\"kind\": \"value\""));
+        assert_eq!(json_string("a\"b\\c\n\u{1}"), "\"a\\\"b\\\\c\\n\\u0001\"");
+    }
+}
