@@ -9,9 +9,10 @@
 # For a machine with an NVIDIA GPU, its driver and PyTorch (with safetensors); no network.
 #
 #   scripts/gpu-check.sh [--quick]     check and time (well under 8 minutes; --quick: N 1k and 8k)
-#   scripts/gpu-check.sh --prepare     on a development machine: build attnc with the cuda feature
-#                                      into .gpu-bin/ (ignored by git), for a GPU machine that has
-#                                      no Rust toolchain (carry .gpu-bin there)
+#   scripts/gpu-check.sh --prepare     on a development machine: build attnc (features cuda, llvm)
+#                                      and examples/shipping-kernels (cuda, aot) into .gpu-bin/
+#                                      (ignored by git), for a GPU machine that has no Rust
+#                                      toolchain (carry .gpu-bin there)
 #
 # attnc comes from $ATTNC, else .gpu-bin/attnc, else a `cargo build --release --features cuda,llvm`
 # here (which needs LLVM 19: scripts/setup-cuda-toolchain.sh).
@@ -21,10 +22,12 @@ cd "$(dirname "$0")/.."
 if [[ "${1:-}" == "--prepare" ]]; then
   eval "$(scripts/setup-cuda-toolchain.sh)"
   cargo build --release --features cuda,llvm --bin attnc
+  # The example whose kernels are embedded at cargo time (no compiler in it).
+  cargo build --release --manifest-path examples/shipping-kernels/Cargo.toml --target-dir target
   mkdir -p .gpu-bin
-  cp target/release/attnc .gpu-bin/attnc
-  strip .gpu-bin/attnc
-  ls -l .gpu-bin/attnc
+  cp target/release/attnc target/release/shipping-kernels .gpu-bin/
+  strip .gpu-bin/attnc .gpu-bin/shipping-kernels
+  ls -l .gpu-bin/
   exit 0
 fi
 
@@ -44,6 +47,10 @@ fi
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 status=0
+if [[ -x .gpu-bin/shipping-kernels ]]; then
+  echo "== kernels embedded at cargo time, run against the CPU backend (examples/shipping-kernels)"
+  .gpu-bin/shipping-kernels | grep -v ' from: ' || status=1
+fi
 echo "== decode on the device against the CPU backend (attnc check-device)"
 "$attnc" check-device || status=1
 PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --attnc "$attnc" --backend cuda "$@" || status=1

@@ -5,7 +5,9 @@
 //! string parser accepts, and an invalid spec fails the user's build with the error under the
 //! offending tokens.
 
+mod aot;
 mod emit;
+mod targets;
 
 use proc_macro::TokenStream;
 use quote::quote;
@@ -21,15 +23,31 @@ use quote::quote;
 /// implements `attn::Attention`: `SPEC_TEXT` (the normalized spec), the head constants, `spec()`
 /// (the spec built as data, not parsed again at run time) and `variant()` (validated and planned
 /// once per process).
+///
+/// `targets = [sm_80, sm_90]` (with attn's `aot` feature) compiles every GPU kernel of the spec
+/// to PTX for those targets while the crate builds and embeds them (`embedded_kernels()`): the
+/// CUDA backend runs them with no compiler in the program.
 #[proc_macro_attribute]
 pub fn attention(attr: TokenStream, item: TokenStream) -> TokenStream {
     let item = syn::parse_macro_input!(item as syn::ItemStruct);
-    let spec = match attn_dsl::parse_tokens(attr.into()) {
+    let failed = |err: syn::Error| {
+        let err = err.to_compile_error();
+        quote!(#err #item).into()
+    };
+    let (attr, targets) = match targets::split(attr.into()) {
+        Ok(split) => split,
+        Err(err) => return failed(err),
+    };
+    let spec = match attn_dsl::parse_tokens(attr) {
         Ok(spec) => spec,
-        Err(err) => {
-            let err = err.to_compile_error();
-            return quote!(#err #item).into();
-        }
+        Err(err) => return failed(err),
+    };
+    let embedded = match &targets {
+        Some(t) => match aot::embed(&spec, &t.names, t.span) {
+            Ok(kernels) => kernels,
+            Err(err) => return failed(err),
+        },
+        None => quote!(&[]),
     };
     let text = spec.to_string();
     let data = emit::spec(&spec);
@@ -65,9 +83,14 @@ pub fn attention(attr: TokenStream, item: TokenStream) -> TokenStream {
                 static VARIANT: ::std::sync::OnceLock<::std::sync::Arc<::attn::runtime::Variant>> =
                     ::std::sync::OnceLock::new();
                 VARIANT.get_or_init(|| {
+                    ::attn::runtime::gpu::ptx::register_embedded(Self::embedded_kernels());
                     ::attn::runtime::Variant::new(Self::spec().clone())
                         .expect("#[attention] validated this spec at compile time")
                 })
+            }
+
+            fn embedded_kernels() -> &'static [::attn::runtime::gpu::ptx::EmbeddedKernel] {
+                #embedded
             }
         }
     }

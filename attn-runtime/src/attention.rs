@@ -31,8 +31,15 @@ pub trait Attention {
     /// The spec (built as data by the macro, on first use).
     fn spec() -> &'static AttentionSpec;
 
-    /// The variant: the spec validated and planned once, with the kernels built for it.
+    /// The variant: the spec validated and planned once, with the kernels built for it (and,
+    /// on first use, the embedded kernels registered with the GPU backends).
     fn variant() -> &'static Arc<Variant>;
+
+    /// The GPU kernels compiled at cargo time for the spec's `targets` (attn's `aot` feature):
+    /// PTX and launch records. Empty without targets.
+    fn embedded_kernels() -> &'static [crate::gpu::ptx::EmbeddedKernel] {
+        &[]
+    }
 
     /// The forward kernel plan of the spec.
     fn forward_plan() -> &'static KernelPlan {

@@ -1,0 +1,125 @@
+//! Two attention variants whose GPU kernels are compiled while this crate builds
+//! (`targets = [..]` with attn's `aot` feature) and embedded in the binary, which carries no
+//! compiler: attn here has the `cuda` feature (cudarc) and not `llvm`.
+//!
+//! It lists each variant's embedded kernels and, for each of its targets, where the runtime
+//! takes each kernel's PTX from (embedded, disk cache, or compiled). On a machine with an NVIDIA GPU it then runs both
+//! forwards on the device, compares them with the CPU backend, and says where every kernel the
+//! device loaded came from; it exits 1 when they disagree.
+
+use attn::runtime::Tensor;
+use attn::runtime::cpu::CpuBackend;
+use attn::runtime::gpu::ptx::ptx_for;
+use attn::{Attention, attention};
+use std::process::ExitCode;
+
+#[attention(
+    heads = 8, kv_heads = 2, head_dim = 128, mask = causal, position = rope, dtype = bf16,
+    targets = [sm_80, sm_90]
+)]
+struct Gqa;
+
+#[attention(
+    heads = 4, head_dim = 64, mask = sliding_window(256), softcap = 30.0, dtype = bf16,
+    targets = [sm_90]
+)]
+struct Windowed;
+
+fn main() -> ExitCode {
+    let mut ok = true;
+    ok &= show::<Gqa>("Gqa");
+    ok &= show::<Windowed>("Windowed");
+    if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+/// Lists a variant's kernels, then runs it on the GPU when there is one.
+fn show<A: Attention>(name: &str) -> bool {
+    println!("{name}: {}", A::SPEC_TEXT);
+    for k in A::embedded_kernels() {
+        println!(
+            "  embedded  {:<16} {:<22} {}  {} bytes of PTX",
+            k.role,
+            k.name,
+            k.target,
+            k.ptx.len()
+        );
+    }
+    // The variant registers its embedded kernels on first use.
+    let _ = A::variant();
+    let kernels = attn::codegen::gpu::artifacts::spec_kernels(A::spec()).expect("kernels lower");
+    // Its targets, and for each, where the runtime takes every kernel's PTX from.
+    let targets = attn::codegen::gpu::target::Arch::ALL
+        .into_iter()
+        .filter(|a| A::embedded_kernels().iter().any(|k| k.target == a.name()));
+    for arch in targets {
+        for k in &kernels {
+            let origin = match ptx_for(&k.kernel, arch, None) {
+                Ok(ptx) => ptx.origin.to_string(),
+                Err(_) => "not available (no compiler in this build)".to_string(),
+            };
+            println!("  {} {:<16} from: {origin}", arch.name(), k.role);
+        }
+    }
+    run_on_device::<A>()
+}
+
+/// The forward on CUDA device 0 against the CPU backend; true without a device.
+fn run_on_device<A: Attention>() -> bool {
+    use attn::runtime::gpu::cuda::CudaBackend;
+    let gpu = match CudaBackend::new(0) {
+        Ok(gpu) => gpu,
+        Err(e) => {
+            println!("  no GPU run: {e}");
+            return true;
+        }
+    };
+    let (b, sq) = (2, 100);
+    let spec = A::spec();
+    let tensor = |heads: u32, width: u32, seed: u64| {
+        let n = b * heads as usize * sq * width as usize;
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let values: Vec<f32> = (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+            })
+            .collect();
+        Tensor::from_f32_as(spec.dtype, &[b, heads as usize, sq, width as usize], values)
+            .expect("a tensor")
+    };
+    let q = tensor(A::HEADS, A::HEAD_DIM, 1);
+    let k = tensor(A::KV_HEADS, A::HEAD_DIM, 2);
+    let v = tensor(A::KV_HEADS, A::V_HEAD_DIM, 3);
+    let cpu = CpuBackend::new()
+        .forward(spec, &q, &k, &v, 0)
+        .expect("the CPU runs it");
+    let dev = match gpu.forward(A::variant(), &q, &k, &v, 0) {
+        Ok(out) => out,
+        Err(e) => {
+            println!("  GPU run failed: {e}");
+            return false;
+        }
+    };
+    let err = cpu
+        .out
+        .to_f32_vec()
+        .iter()
+        .zip(dev.out.to_f32_vec())
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    for (kernel, origin) in gpu.kernel_origins() {
+        println!("  loaded {kernel} on {}: {origin}", gpu.arch().name());
+    }
+    let ok = err <= 2e-2;
+    println!(
+        "  GPU against CPU: max |out| error {err:.2e} ({})",
+        if ok { "ok" } else { "FAIL" }
+    );
+    ok
+}

@@ -1,0 +1,49 @@
+//! Kernels compiled at cargo time (feature `aot`): a type declared with `targets` carries every
+//! GPU kernel of its spec as PTX for each target, and the runtime serves those kernels from it
+//! (the same GPU IR, lowered at run time, finds them by its hash).
+#![cfg(feature = "aot")]
+
+use attn::codegen::gpu::artifacts::spec_kernels;
+use attn::codegen::gpu::target::{Arch, kernel_hash};
+use attn::runtime::gpu::ptx::{PtxOrigin, ptx_for};
+use attn::{Attention, attention};
+
+#[attention(
+    heads = 4, kv_heads = 2, head_dim = 32, mask = causal, position = rope, dtype = bf16,
+    targets = [sm_80, sm_90]
+)]
+struct Embedded;
+
+#[test]
+fn every_kernel_of_the_spec_is_embedded_for_every_target_and_served() {
+    let embedded = Embedded::embedded_kernels();
+    let kernels = spec_kernels(Embedded::spec()).unwrap();
+    assert_eq!(embedded.len(), 2 * kernels.len());
+    let _ = Embedded::variant();
+    for arch in [Arch::Sm80, Arch::Sm90] {
+        for k in &kernels {
+            let e = embedded
+                .iter()
+                .find(|e| e.target == arch.name() && e.role == k.role)
+                .unwrap_or_else(|| panic!("{} not embedded for {}", k.role, arch.name()));
+            assert_eq!(
+                (e.name, e.hash),
+                (k.kernel.name.as_str(), kernel_hash(&k.kernel).as_str())
+            );
+            assert!(
+                e.ptx.contains(&format!(".target {}", arch.name())),
+                "{}",
+                e.role
+            );
+            assert!(e.ptx.contains(&format!(".entry {}", e.name)), "{}", e.role);
+            let launch: serde_json::Value = serde_json::from_str(e.launch).unwrap();
+            assert_eq!(
+                launch["threads"].as_u64(),
+                Some(u64::from(k.kernel.threads))
+            );
+            let ptx = ptx_for(&k.kernel, arch, None).unwrap();
+            assert_eq!(ptx.origin, PtxOrigin::Embedded, "{}", k.role);
+            assert_eq!(&*ptx.text, e.ptx);
+        }
+    }
+}

@@ -1,0 +1,6 @@
+use attn::attention;
+
+#[attention(heads = 4, head_dim = 64, targets = [sm_90])]
+struct Embedded;
+
+fn main() {}
