@@ -1,6 +1,8 @@
 //! The typed API of an attention variant declared with `#[attention(...)]`.
 
-use crate::backend::{BackwardInputs, DecodeOptions, Gradients, MlaQueries, MlaTensors, Output};
+use crate::backend::{
+    Backend, BackwardInputs, DecodeOptions, Gradients, MlaQueries, MlaTensors, Output,
+};
 use crate::cache::{KvCache, PagedCache, SeqId};
 use crate::cpu::CpuBackend;
 use crate::variant::Variant;
@@ -13,7 +15,8 @@ use std::sync::Arc;
 ///
 /// `#[attention(...)]` implements it for the annotated struct; the spec is validated when the
 /// crate compiles, so [`Attention::spec`] cannot fail. The constants let code be typed by the
-/// spec (e.g. buffers sized by `HEAD_DIM`). The entry points run on the CPU backend.
+/// spec (e.g. buffers sized by `HEAD_DIM`). The entry points run on the CPU backend; the
+/// `_on` ones on a backend given.
 pub trait Attention {
     /// The spec in normalized form.
     const SPEC_TEXT: &'static str;
@@ -88,6 +91,34 @@ pub trait Attention {
     /// [`Attention::backward`] with every input named, keys at `x.position_offset + j`.
     fn backward_with(x: &BackwardInputs) -> Result<Gradients, RuntimeError> {
         CpuBackend::new().backward_in(Self::variant(), x)
+    }
+
+    /// [`Attention::forward_with_lse`] on any backend, such as the CUDA one, which runs the
+    /// kernels embedded for the device's target (`targets = [..]`), else cached or compiled
+    /// ones, else says what is missing.
+    fn forward_on(
+        backend: &dyn Backend,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        position_offset: i64,
+    ) -> Result<Output, RuntimeError> {
+        backend.forward(Self::variant(), q, k, v, position_offset)
+    }
+
+    /// [`Attention::backward_with`] on any backend (see [`Attention::forward_on`]).
+    fn backward_on(backend: &dyn Backend, x: &BackwardInputs) -> Result<Gradients, RuntimeError> {
+        backend.backward(Self::variant(), x)
+    }
+
+    /// [`Attention::decode`] on any backend (see [`Attention::forward_on`]).
+    fn decode_on(
+        backend: &dyn Backend,
+        q: &Tensor,
+        cache: &dyn KvCache,
+        seqs: &[SeqId],
+    ) -> Result<Output, RuntimeError> {
+        backend.decode(Self::variant(), q, cache, seqs, DecodeOptions::default())
     }
 
     /// MLA output and log-sum-exp (CPU backend, absorbed form).

@@ -99,7 +99,7 @@ fn run_on_device<A: Attention>() -> bool {
     let cpu = CpuBackend::new()
         .forward(spec, &q, &k, &v, 0)
         .expect("the CPU runs it");
-    let dev = match gpu.forward(A::variant(), &q, &k, &v, 0) {
+    let dev = match A::forward_on(&gpu, &q, &k, &v, 0) {
         Ok(out) => out,
         Err(e) => {
             println!("  GPU run failed: {e}");
