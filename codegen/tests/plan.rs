@@ -106,24 +106,10 @@ fn a_per_head_mask_reads_the_head() {
 #[test]
 fn live_rows_trim_rows_that_see_no_key_of_the_tile() {
     use attn_dsl::modifier::interval::Interval;
-    use codegen::plan::{CallShape, ROW_GROUP};
+    use codegen::plan::ROW_GROUP;
     let n = 512i64;
-    let call = CallShape {
-        sq: n,
-        skv: n,
-        p0: 0,
-        batch: Interval::point(0),
-        head: Interval::point(0),
-    };
-    for (text, window) in [
-        ("heads = 2, head_dim = 32, mask = causal", None),
-        (
-            "heads = 2, head_dim = 32, mask = sliding_window(100)",
-            Some(100i64),
-        ),
-    ] {
-        let p = KernelPlan::forward(&text.parse::<AttentionSpec>().unwrap());
-        let keeps = |q: i64, k: i64| k <= q && window.is_none_or(|w| q - k < w);
+    let (call, plans) = causal_and_window(n, 100);
+    for (text, p, keeps) in plans {
         let mut narrowed = 0;
         for (q0, q1) in [(0i64, 127i64), (128, 255), (100, 227), (384, 511)] {
             for k0 in (0..n).step_by(64) {
@@ -226,24 +212,10 @@ fn a_backward_plan_carries_the_scaled_derivative() {
 #[test]
 fn kept_from_marks_the_rows_that_keep_every_key() {
     use attn_dsl::modifier::interval::Interval;
-    use codegen::plan::{CallShape, ROW_GROUP};
+    use codegen::plan::ROW_GROUP;
     let n = 1024i64;
-    let call = CallShape {
-        sq: n,
-        skv: n,
-        p0: 0,
-        batch: Interval::point(0),
-        head: Interval::point(0),
-    };
-    for (text, window) in [
-        ("heads = 2, head_dim = 32, mask = causal", None),
-        (
-            "heads = 2, head_dim = 32, mask = sliding_window(300)",
-            Some(300i64),
-        ),
-    ] {
-        let p = KernelPlan::forward(&text.parse::<AttentionSpec>().unwrap());
-        let keeps = |q: i64, k: i64| k <= q && window.is_none_or(|w| q - k < w);
+    let (call, plans) = causal_and_window(n, 300);
+    for (text, p, keeps) in plans {
         let mut unmasked = 0;
         for q0 in (0..n).step_by(256) {
             for k0 in (0..n).step_by(64) {
@@ -278,4 +250,37 @@ fn kept_from_marks_the_rows_that_keep_every_key() {
             "{text}: no mixed tile had rows that keep every key"
         );
     }
+}
+
+/// A call of `n` queries against `n` keys, and the causal and sliding-window plans with who keeps
+/// whom, written out.
+type Keeps = Box<dyn Fn(i64, i64) -> bool>;
+fn causal_and_window(
+    n: i64,
+    width: i64,
+) -> (codegen::plan::CallShape, Vec<(String, KernelPlan, Keeps)>) {
+    use attn_dsl::modifier::interval::Interval;
+    let call = codegen::plan::CallShape {
+        sq: n,
+        skv: n,
+        p0: 0,
+        batch: Interval::point(0),
+        head: Interval::point(0),
+    };
+    let plans = [
+        ("heads = 2, head_dim = 32, mask = causal".to_string(), None),
+        (
+            format!("heads = 2, head_dim = 32, mask = sliding_window({width})"),
+            Some(width),
+        ),
+    ]
+    .into_iter()
+    .map(|(text, window)| {
+        let p = KernelPlan::forward(&text.parse::<AttentionSpec>().unwrap());
+        let keeps: Keeps =
+            Box::new(move |q: i64, k: i64| k <= q && window.is_none_or(|w| q - k < w));
+        (text, p, keeps)
+    })
+    .collect();
+    (call, plans)
 }

@@ -17,24 +17,11 @@
 //!   (`delta` may be null: 0); a row whose `lse` is `-inf` becomes 0 in both.
 
 use super::microkernels::Isa;
+use codegen::cpu::abi::exp2::{LOWEST, MAGIC, P};
 use codegen::plan::K_TILE;
 
 const K: usize = K_TILE as usize;
 
-/// Clamp of the exponent argument: `2^(2 * -63.5)` has all exponent bits 0.
-const LOWEST: f32 = -63.5;
-/// `1.5 * 2^23 + 127`: adding it rounds `2x` to an integer `n` held in the low mantissa bits as
-/// `n + 127`, the biased exponent of `2^n`.
-const MAGIC: f32 = 12_583_039.0;
-/// `2^r = 1 + r P(r)` on `[-1/2, 1/2]`: P's coefficients, lowest degree first.
-const P: [f32; 6] = [
-    std::f32::consts::LN_2,
-    0.240_226_48,
-    0.055_503_324,
-    0.009_618_437,
-    0.001_339_887_5,
-    1.535_336_2e-4,
-];
 /// Natural log-sum-exp to half base-2 units.
 const LSE_TO_HALF: f32 = std::f32::consts::LOG2_E / 2.0;
 

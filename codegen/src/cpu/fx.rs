@@ -233,18 +233,8 @@ impl<'a> Fx<'a> {
     /// At -127 those bits are all zero, so masked scores (`-inf`) give exactly 0 with no extra
     /// compare, while a NaN passes the clamp and gives NaN. 13 vector operations.
     pub fn exp2_of_double_4(&mut self, x: Value) -> Value {
-        // 1.5 * 2^23 + 127: adding it rounds 2x to an integer n held in the low mantissa bits as
-        // n + 127, the biased exponent of 2^n; shifting the bits left by 23 drops the rest.
-        const MAGIC: f32 = 12_583_039.0;
-        const P: [f32; 6] = [
-            std::f32::consts::LN_2,
-            0.240_226_48,
-            0.055_503_324,
-            0.009_618_437,
-            0.001_339_887_5,
-            1.535_336_2e-4,
-        ];
-        let lo = self.f32x4(-63.5);
+        use super::abi::exp2::{LOWEST, MAGIC, P};
+        let lo = self.f32x4(LOWEST);
         // `x < lo ? lo : x`: a NaN passes through, never the clamp's 0.
         let x = self.pmax4(lo, x);
         let magic = self.f32x4(MAGIC);
