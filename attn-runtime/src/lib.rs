@@ -3,18 +3,20 @@
 //! **Invariant:** attn-runtime owns memory and launches; it is the only crate that calls
 //! generated code (and so the only one with `unsafe`, each block with a SAFETY comment).
 //!
-//! - [`backend`]: the [`Backend`](backend::Backend) trait every backend implements (CPU, CUDA,
+//! - [`backend`]: the [`Backend`] trait every backend implements (CPU, CUDA,
 //!   the GPU IR interpreter);
 //! - [`Tensor`]: dtype, shape and strides over CPU storage;
 //! - [`io`]: safetensors files;
-//! - [`memory`]: checks of large allocations against the memory available;
+//! - [`memory`]: checks of large allocations against the memory available, zeroed buffers;
 //! - [`cache`]: KV caches for decoding (contiguous, paged, MLA latent);
 //! - `host`: host preparation every backend shares (checks, RoPE tables, MLA absorption,
 //!   ragged layouts, work items and the lse merge);
 //! - [`device`]: device memory, launches and GEMMs for models resident on a GPU (or on the
 //!   interpreter);
-//! - [`cpu`]: the CPU backend (kernel cache, microkernels, parallel launcher, decode);
+//! - [`cpu`]: the CPU backend (kernel cache, microkernels, parallel launcher, decode,
+//!   backward);
 //! - [`gpu`]: GPU calls, run on a CUDA device (feature `cuda`) or on the GPU IR interpreter;
+//!   where each kernel's PTX comes from (embedded, the disk cache, or LLVM with `llvm`);
 //! - [`model`]: transformers composed at run time, Hugging Face checkpoints;
 //! - [`Attention`]: the typed API `#[attention(...)]` implements.
 
