@@ -234,3 +234,54 @@ fn tensor_cores_fully_masked_rows_carry_nothing() {
         0,
     );
 }
+
+#[test]
+fn tensor_cores_take_the_saved_lse_of_the_gpu_forward() {
+    // bf16 under RoPE over every column: the tensor-core forward computes its scores from f16
+    // operands, and the backward recomputes them the same way, so P matches the saved lse.
+    let text =
+        "heads = 4, kv_heads = 2, head_dim = 64, mask = causal, position = rope, dtype = bf16";
+    let spec: AttentionSpec = text.parse().unwrap();
+    let variant = Variant::new(spec.clone()).unwrap();
+    assert!(
+        codegen::gpu::backward_kernels(variant.backward_plan().unwrap())
+            .unwrap()
+            .tensor_cores
+    );
+    let (b, sq) = (1, 40);
+    let (q, qa) = input(spec.dtype, &[b, 4, sq, 64], 11);
+    let (k, ka) = input(spec.dtype, &[b, 2, sq, 64], 12);
+    let (v, va) = input(spec.dtype, &[b, 2, sq, 64], 13);
+    let (dout, douta) = input(spec.dtype, &[b, 4, sq, 64], 14);
+    let saved = GpuInterpreter.forward(&variant, &q, &k, &v, 0).unwrap();
+    let x = BackwardInputs {
+        q: &q,
+        k: &k,
+        v: &v,
+        out: &saved.out,
+        lse: &saved.lse,
+        dout: &dout,
+        position_offset: 0,
+    };
+    let got = GpuInterpreter.backward(&variant, &x).unwrap();
+    let inputs = Inputs {
+        q: &qa,
+        k: &ka,
+        v: &va,
+        position_offset: 0,
+    };
+    let want = reference::backward(&spec, &inputs, &douta).unwrap();
+    for (name, g, w) in [
+        ("dq", &got.dq, &want.dq),
+        ("dk", &got.dk, &want.dk),
+        ("dv", &got.dv, &want.dv),
+    ] {
+        for (i, (g, w)) in g.to_f32_vec().iter().zip(w.data()).enumerate() {
+            let g = f64::from(*g);
+            assert!(
+                (g - w).abs() <= 4e-2 + 2e-2 * w.abs(),
+                "{name}[{i}]: got {g}, want {w}"
+            );
+        }
+    }
+}

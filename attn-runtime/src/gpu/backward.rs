@@ -19,15 +19,21 @@ use codegen::gpu::launch::{BackwardArgs, BackwardTcArgs, bind};
 use codegen::plan::PlanKind;
 use std::sync::Arc;
 
-/// The backward kernels of a variant (delta, dq, dk and dv), lowered once per variant.
-fn lowered_backward(variant: &Variant) -> Result<Arc<BackwardKernels>, RuntimeError> {
+/// The backward kernels of a variant (delta, dq, dk and dv): the SIMT ones where `simt`, else
+/// the ones `backward_kernels` picks. Lowered once per variant.
+fn lowered_backward(variant: &Variant, simt: bool) -> Result<Arc<BackwardKernels>, RuntimeError> {
     let key = KernelKey {
         backend: "gpu",
         kind: PlanKind::Backward,
-        detail: "chosen",
+        detail: if simt { "simt" } else { "chosen" },
     };
     variant.kernel(key, |v| {
-        Ok(codegen::gpu::backward_kernels(v.backward_plan()?)?)
+        let plan = v.backward_plan()?;
+        Ok(if simt {
+            codegen::gpu::simt_backward_kernels(plan)?
+        } else {
+            codegen::gpu::backward_kernels(plan)?
+        })
     })
 }
 
@@ -105,7 +111,9 @@ impl BackwardCall {
             }
             None => (Vec::new(), Vec::new(), 0),
         };
-        let kernels = lowered_backward(variant)?;
+        // Inputs the tensor cores' f16 `Q K^T` operands cannot hold run on the SIMT kernels, as
+        // in the forward.
+        let kernels = lowered_backward(variant, !super::qk_fits(variant.forward_plan(), x.q, x.k))?;
         let dims = [b, sq, skv];
         let (inputs, codes) = if kernels.tensor_cores {
             let half = |t: &Tensor| device_bytes(t, spec.dtype);
@@ -264,5 +272,37 @@ pub(crate) fn backward_emulated(
     match BackwardCall::prepare(variant, x)? {
         Prepared::Launch(call) => call.run_emulated(),
         Prepared::Empty(zeros) => Ok(zeros),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn inputs_past_f16_run_on_the_simt_kernels() {
+        let text = "heads = 2, head_dim = 16, position = rope, dtype = bf16";
+        let variant = Variant::parse(text).unwrap();
+        let t = |shape: &[usize], value: f32| {
+            Tensor::from_f32_as(DType::Bf16, shape, vec![value; shape.iter().product()]).unwrap()
+        };
+        let small = t(&[1, 2, 3, 16], 0.5);
+        let lse = Tensor::from_f32(&[1, 2, 3], vec![0.0; 6]).unwrap();
+        for (q_value, tensor_cores) in [(0.5, true), (40000.0, false)] {
+            let q = t(&[1, 2, 3, 16], q_value);
+            let x = BackwardInputs {
+                q: &q,
+                k: &small,
+                v: &small,
+                out: &small,
+                lse: &lse,
+                dout: &small,
+                position_offset: 0,
+            };
+            let Prepared::Launch(call) = BackwardCall::prepare(&variant, &x).unwrap() else {
+                panic!("a call with queries and keys launches");
+            };
+            assert_eq!(call.kernels.tensor_cores, tensor_cores, "q = {q_value}");
+        }
     }
 }

@@ -17,6 +17,11 @@
 //!   for `dV += P^T dO` and `dK += dS^T Q` with no transpose in between. The group's heads sum
 //!   into the same registers.
 //!
+//! The `Q K^T` operands are in the format the forward used ([`forward_tc::qk_half`]: f16 for bf16
+//! specs whose RoPE rotates every column), so recomputed scores match the saved lse; the products
+//! with Q or K as the other operand (`dQ += dS K`, `dK += dS^T Q`) take dS in that format too.
+//! Inputs past f16's range then run on the SIMT kernels (the runtime checks, as for the forward).
+//!
 //! dQ takes its own pass instead of atomics, as on the SIMT path: the IR has no atomics, the
 //! gradients stay deterministic, and the cost is `S` and `dP` recomputed once more (seven tile
 //! products instead of five). Tiles are staged synchronously, and tile codes (from the plan's
@@ -28,7 +33,7 @@
 //! `(qk_dim + v_dim) / 4` registers a lane). Other plans run on the SIMT kernels.
 
 use super::forward::{Env, Regs, exp2_twice, program, rotate_pair, special64};
-use super::forward_tc::{Staging, half_of, lane_aligned, stage_rows};
+use super::forward_tc::{self, Staging, half_of, lane_aligned, stage_rows};
 use super::ir::build::*;
 use super::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Un};
 use super::launch::{BackwardTcArgs, LaunchRecord};
@@ -594,7 +599,7 @@ fn stage_tiles(
                 width: s.width,
                 dst: i64(s.tile.at as i64),
                 stride: s.tile.stride,
-                qk: half_of(plan),
+                qk: forward_tc::qk_half(plan),
                 rotated: s.rotated,
                 param,
             },
@@ -623,7 +628,7 @@ fn blocks_of(len: &str, n: i64) -> Expr {
 
 /// `backward_tc_dq`: [`BLOCK`] query rows of one (batch, head) per CTA.
 fn dq(plan: &KernelPlan) -> Kernel {
-    let half = half_of(plan);
+    let (half, qk) = (half_of(plan), forward_tc::qk_half(plan));
     let (d, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
     let (hq, hkv) = (i64::from(plan.shape.heads), i64::from(plan.shape.kv_heads));
     let bc = inner_tile(plan) as usize;
@@ -747,7 +752,7 @@ fn dq(plan: &KernelPlan) -> Kernel {
     for x in s.iter().chain(&dp).flatten() {
         run.push(Stmt::Set(*x, f32(0.0)));
     }
-    mma_rows(&mut run, half, &s, q_a, k_b, k_t.stride, d, &x);
+    mma_rows(&mut run, qk, &s, q_a, k_b, k_t.stride, d, &x);
     mma_rows(&mut run, half, &dp, do_a, v_b, v_t.stride, dv, &x);
 
     // dS in place of S: masked pairs, keys past Skv and rows that kept no key give 0.
@@ -785,8 +790,8 @@ fn dq(plan: &KernelPlan) -> Kernel {
 
     // dQ += dS K.
     let ds_a = frags(&mut r, "ds_a", bc / 16, Ty::I32);
-    pack_frags(&mut run, half, &s, &ds_a);
-    mma_frags(&mut run, half, &acc, &ds_a, k_bt, k_t.stride, &x);
+    pack_frags(&mut run, qk, &s, &ds_a);
+    mma_frags(&mut run, qk, &acc, &ds_a, k_bt, k_t.stride, &x);
 
     body.push(tile_loop(
         t,
@@ -820,7 +825,7 @@ fn dq(plan: &KernelPlan) -> Kernel {
 /// `backward_tc_dkdv`: [`BLOCK`] keys of one (batch, kv head) per CTA, every query of its
 /// group's heads.
 fn dkdv(plan: &KernelPlan) -> Kernel {
-    let half = half_of(plan);
+    let (half, qk) = (half_of(plan), forward_tc::qk_half(plan));
     let (d, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
     let (hq, hkv) = (i64::from(plan.shape.heads), i64::from(plan.shape.kv_heads));
     let group = hq / hkv;
@@ -954,7 +959,7 @@ fn dkdv(plan: &KernelPlan) -> Kernel {
     for x in st.iter().chain(&dpt).flatten() {
         run.push(Stmt::Set(*x, f32(0.0)));
     }
-    mma_rows(&mut run, half, &st, k_a, q_b, q_t.stride, d, &x);
+    mma_rows(&mut run, qk, &st, k_a, q_b, q_t.stride, d, &x);
     mma_rows(&mut run, half, &dpt, v_a, do_b, do_t.stride, dv, &x);
 
     // P^T in place of S^T, dS^T in place of dP^T: masked pairs, queries past Sq and rows that
@@ -1022,8 +1027,8 @@ fn dkdv(plan: &KernelPlan) -> Kernel {
     let p_a = frags(&mut r, "p_a", bq / 16, Ty::I32);
     pack_frags(&mut run, half, &st, &p_a);
     mma_frags(&mut run, half, &dva, &p_a, do_bt, do_t.stride, &x);
-    pack_frags(&mut run, half, &dpt, &p_a);
-    mma_frags(&mut run, half, &dk, &p_a, q_bt, q_t.stride, &x);
+    pack_frags(&mut run, qk, &dpt, &p_a);
+    mma_frags(&mut run, qk, &dk, &p_a, q_bt, q_t.stride, &x);
 
     let per_head = vec![
         Stmt::Set(head, add(mul(reg(kvh), i64(group)), reg(h))),
