@@ -32,10 +32,8 @@ pub fn backward(
     dout: &Array,
 ) -> Result<Gradients, ReferenceError> {
     if spec.mla().is_some() {
-        return Err(ReferenceError::Gradient(
-            "the backward pass of MLA specs is not implemented yet; allowed: per-head specs \
-             (MHA, GQA, MQA)"
-                .into(),
+        return Err(ReferenceError::WrongEntryPoint(
+            "this is an MLA spec: use reference::backward_mla",
         ));
     }
     let (q, k, positions) = attention_inputs(spec, inputs)?;
@@ -71,7 +69,7 @@ pub fn backward(
 }
 
 /// Gradients with respect to the rotated q and k (and v).
-fn rotated_gradients(
+pub(super) fn rotated_gradients(
     spec: &AttentionSpec,
     q: &Array,
     k: &Array,

@@ -1,6 +1,7 @@
 //! Multi-head latent attention (DeepSeek-V2/V3 layout) in its expanded and absorbed forms.
 
 use super::{Array, Output, Positions, attend, check_spec, dims4, expect, rope};
+use crate::modifier::ScoreProgram;
 use crate::error::ReferenceError;
 use crate::spec::{AttentionSpec, Mla, Position};
 
@@ -176,5 +177,106 @@ pub fn mla_absorbed(spec: &AttentionSpec, x: &MlaInputs) -> Result<MlaAbsorbed, 
         },
         q_latent,
         out_latent: latent.out,
+    })
+}
+
+/// Gradients with respect to the inputs of MLA attention ([`MlaInputs`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct MlaGradients {
+    /// `dL/dq_nope`, `[B, H, Sq, head_dim]`.
+    pub dq_nope: Array,
+    /// `dL/dq_pe` (before RoPE), `[B, H, Sq, rope_dim]`.
+    pub dq_pe: Array,
+    /// `dL/dc_kv`, `[B, Skv, latent_rank]`.
+    pub dc_kv: Array,
+    /// `dL/dk_pe` (before RoPE), `[B, Skv, rope_dim]`.
+    pub dk_pe: Array,
+    /// `dL/dw_kv_b`, `[H * (head_dim + v_head_dim), latent_rank]`.
+    pub dw_kv_b: Array,
+}
+
+/// The gradients of MLA attention for the output gradient `dout` (`[B, H, Sq, v_head_dim]`),
+/// through the expanded form ([`mla_expanded`]): the per-head backward on `q = [q_nope | q_pe]`,
+/// `k = [k_nope | k_pe]` and `v`, then the chain through the expansion (`k_nope = W_uk c_kv`,
+/// `v = W_uv c_kv`: `dc_kv = sum_h W_uk^T dk_nope + W_uv^T dv`, `dW_uk = dk_nope c_kv^T`,
+/// `dW_uv = dv c_kv^T`), the shared `k_pe` summed over heads, and RoPE undone on the rotary
+/// parts.
+pub fn backward_mla(
+    spec: &AttentionSpec,
+    x: &MlaInputs,
+    dout: &Array,
+) -> Result<MlaGradients, ReferenceError> {
+    let s = check(spec, x)?;
+    super::check_positions(s.sq, s.skv, x.position_offset)?;
+    expect("dout", dout, &[s.b, s.h, s.sq, s.dv])?;
+    let pos = Positions::new(s.sq, s.skv, x.position_offset);
+    let (q_pe, k_pe) = rotary_parts(spec, x, &s, &pos);
+    let project = |rows: std::ops::Range<usize>| {
+        Array::from_fn(&[s.b, s.h, s.skv, rows.len()], |ix| {
+            let w = w_row(x, &s, ix[1], rows.start + ix[3]);
+            super::dot(w, x.c_kv.row(&[ix[0], ix[2]]))
+        })
+    };
+    let v = project(s.dn..s.dn + s.dv);
+    let q = concat_last(x.q_nope, &q_pe);
+    let k = concat_last(&project(0..s.dn), &k_pe);
+    let derivative = ScoreProgram::of(spec)
+        .score_gradient()
+        .map_err(|e| ReferenceError::Gradient(e.to_string()))?
+        .expr;
+    let (dq, dk, dv) =
+        super::backward::rotated_gradients(spec, &q, &k, &v, dout, &pos, &derivative);
+    let (dn, dr, r) = (s.dn, s.mla.rope_dim as usize, s.mla.latent_rank as usize);
+    let dq_nope = Array::from_fn(&[s.b, s.h, s.sq, dn], |ix| dq.get(ix));
+    let dq_pe = Array::from_fn(&[s.b, s.h, s.sq, dr], |ix| {
+        dq.get(&[ix[0], ix[1], ix[2], dn + ix[3]])
+    });
+    // The shared rotary key gathers every head's gradient.
+    let dk_pe = Array::from_fn(&[s.b, 1, s.skv, dr], |ix| {
+        (0..s.h)
+            .map(|h| dk.get(&[ix[0], h, ix[2], dn + ix[3]]))
+            .sum()
+    });
+    let (dq_pe, dk_pe) = match &spec.position {
+        Position::Rope(rope_spec) => {
+            let negate = |p: Vec<i64>| p.into_iter().map(|x| -x).collect::<Vec<_>>();
+            let len = pos.total_len();
+            (
+                rope::apply(rope_spec, &dq_pe, &negate(pos.queries()), len),
+                rope::apply(rope_spec, &dk_pe, &negate(pos.keys()), len),
+            )
+        }
+        _ => (dq_pe, dk_pe),
+    };
+    let dk_pe = Array::from_vec(&[s.b, s.skv, dr], dk_pe.data().to_vec()).expect("same count");
+    // Through the expansion: row `row` of W for head h meets the gradient of its output.
+    let grad_of = |h: usize, row: usize, b: usize, j: usize| {
+        if row < dn {
+            dk.get(&[b, h, j, row])
+        } else {
+            dv.get(&[b, h, j, row - dn])
+        }
+    };
+    let rows = dn + s.dv;
+    let dc_kv = Array::from_fn(&[s.b, s.skv, r], |ix| {
+        let (b, j, c) = (ix[0], ix[1], ix[2]);
+        (0..s.h)
+            .flat_map(|h| (0..rows).map(move |row| (h, row)))
+            .map(|(h, row)| grad_of(h, row, b, j) * w_row(x, &s, h, row)[c])
+            .sum()
+    });
+    let dw_kv_b = Array::from_fn(&[s.h * rows, r], |ix| {
+        let (h, row, c) = (ix[0] / rows, ix[0] % rows, ix[1]);
+        (0..s.b)
+            .flat_map(|b| (0..s.skv).map(move |j| (b, j)))
+            .map(|(b, j)| grad_of(h, row, b, j) * x.c_kv.get(&[b, j, c]))
+            .sum()
+    });
+    Ok(MlaGradients {
+        dq_nope,
+        dq_pe,
+        dc_kv,
+        dk_pe,
+        dw_kv_b,
     })
 }

@@ -13,7 +13,7 @@ pub mod rope;
 
 pub use array::Array;
 pub use backward::{Gradients, backward};
-pub use mla::{MlaAbsorbed, MlaInputs, mla_absorbed, mla_expanded};
+pub use mla::{MlaAbsorbed, MlaGradients, MlaInputs, backward_mla, mla_absorbed, mla_expanded};
 
 use crate::error::ReferenceError;
 use crate::spec::{AttentionSpec, CausalAlign, Mask, Position};
