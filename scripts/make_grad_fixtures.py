@@ -1,8 +1,10 @@
 """Golden gradient cases for the backward pass: PyTorch float64 autograd through an explicit
-attention (RoPE, GQA, masks, softcap, ALiBi, custom closures), from inputs stored in each case's
-dtype. Writes tests/fixtures/gradients/<case>.safetensors (q, k, v, dout as stored; dq, dk, dv,
-out, lse in float64) and manifest.json (the spec text, position offset, and for 16-bit cases the
-error of the same autograd run in that dtype: what PyTorch itself misses by).
+attention (RoPE, GQA, masks, softcap, ALiBi, custom closures, and MLA in its expanded form), from
+inputs stored in each case's dtype. Writes tests/fixtures/gradients/<case>.safetensors (q, k, v,
+dout as stored, or MLA's q_nope, q_pe, c_kv, k_pe, w_kv_b, dout; their gradients, out and lse in
+float64) and manifest.json (the spec text, position offset, the input and gradient names of MLA
+cases, and for 16-bit cases the error of the same autograd run in that dtype: what PyTorch itself
+misses by).
 
 Run from the repository root with a PyTorch venv: $(../shared/bench/setup-torch.sh) scripts/make_grad_fixtures.py
 """
@@ -65,6 +67,36 @@ def attention(c, q, k, v, p0):
     return p @ v, lse
 
 
+def mla_attention(c, q_nope, q_pe, c_kv, k_pe, w_kv_b, p0):
+    """MLA as the model defines it (DeepSeek layout): per head, k_nope = W_uk c_kv and
+    v = W_uv c_kv; q = [q_nope | rope(q_pe)], k = [k_nope | rope(k_pe)] (k_pe shared)."""
+    B, H, Sq, dn = q_nope.shape
+    Skv, dv = c_kv.shape[1], c["dv"]
+    qpos = torch.arange(Sq) + p0 + Skv - Sq
+    kpos = torch.arange(Skv) + p0
+    w = w_kv_b.view(H, dn + dv, -1)
+    k_nope = torch.einsum("hnr,bjr->bhjn", w[:, :dn], c_kv)
+    v = torch.einsum("hmr,bjr->bhjm", w[:, dn:], c_kv)
+    rq, rk = q_pe, k_pe[:, None]
+    if c.get("rope"):
+        rq = rope(q_pe, qpos, c["rope"]["base"], c["rope"]["layout"])
+        rk = rope(k_pe[:, None], kpos, c["rope"]["base"], c["rope"]["layout"])
+    q = torch.cat([q_nope, rq], dim=-1)
+    k = torch.cat([k_nope, rk.expand(B, H, Skv, rk.shape[-1])], dim=-1)
+    inner = {key: val for key, val in c.items() if key != "rope"}
+    return attention(inner, q, k, v, p0)
+
+
+def mla_grads(c, tensors, dtype, p0):
+    xs = [t.to(dtype).detach().requires_grad_(i < 5) for i, t in enumerate(tensors)]
+    out, lse = mla_attention(c, *xs[:5], p0)
+    (out * xs[5]).sum().backward()
+    return out.detach(), lse.detach(), [x.grad for x in xs[:5]]
+
+
+MLA_INPUTS = ["q_nope", "q_pe", "c_kv", "k_pe", "w_kv_b"]
+
+
 def grads(c, tensors, dtype, p0):
     q, k, v, dout = [t.to(dtype).detach().requires_grad_(i < 3) for i, t in enumerate(tensors)]
     out, lse = attention(c, q, k, v, p0)
@@ -96,6 +128,19 @@ CASES = {
                                       "position = rope(base = 500.0, layout = interleaved)"),
 }
 
+# MLA cases (inputs q_nope, q_pe, c_kv, k_pe, w_kv_b; gradients d<input>), after the per-head
+# ones so that those keep their random inputs.
+MLA_CASES = {
+    "mla_rope_causal_f32": dict(B=1, H=4, Sq=40, Skv=40, dn=32, dv=32, r=64, dr=16, dtype="f32",
+                                mask="causal", rope=dict(base=10000.0, layout="half"),
+                                spec="heads = 4, head_dim = 32, mask = causal, "
+                                     "mla(latent_rank = 64, rope_dim = 16), position = rope"),
+    "mla_softcap_offset_bf16": dict(B=2, H=2, Sq=9, Skv=30, dn=16, dv=16, r=32, dr=16, dtype="bf16",
+                                    mask="causal", p0=3, softcap=4.0, rope=dict(base=10000.0, layout="half"),
+                                    spec="heads = 2, head_dim = 16, mask = causal, softcap = 4.0, "
+                                         "mla(latent_rank = 32, rope_dim = 16), position = rope, dtype = bf16"),
+}
+
 
 def main():
     os.makedirs(OUT, exist_ok=True)
@@ -117,6 +162,30 @@ def main():
                 [("dq", lq, dq), ("dk", lk, dk), ("dv", lv, dv)]}
         tensors = dict(zip(["q", "k", "v", "dout"], stored))
         tensors.update(dq=dq, dk=dk, dv=dv, out=out, lse=lse)
+        save_file({k: t.contiguous() for k, t in tensors.items()}, f"{OUT}/{name}.safetensors")
+        manifest["cases"][name] = entry
+    for name, c in MLA_CASES.items():
+        c.setdefault("scale", 1 / math.sqrt(c["dn"] + c["dr"]))
+        p0 = c.get("p0", 0)
+        B, H, Sq, Skv = c["B"], c["H"], c["Sq"], c["Skv"]
+        shapes = [(B, H, Sq, c["dn"]), (B, H, Sq, c["dr"]), (B, Skv, c["r"]), (B, Skv, c["dr"]),
+                  (H * (c["dn"] + c["dv"]), c["r"]), (B, H, Sq, c["dv"])]
+        # The latent projection scaled as a trained one is (its rows are O(1) dot products).
+        stored = [torch.randn(*s, generator=g) for s in shapes]
+        stored[4] = stored[4] / math.sqrt(c["r"])
+        stored = [t.to(DT[c["dtype"]]) for t in stored]
+        out, lse, gs = mla_grads(c, stored, torch.float64, p0)
+        entry = {"spec": c["spec"], "position_offset": p0, "dtype": c["dtype"],
+                 "file": f"{name}.safetensors", "inputs": MLA_INPUTS + ["dout"],
+                 "grads": ["d" + n for n in MLA_INPUTS]}
+        if c["dtype"] != "f32":
+            _, _, lows = mla_grads(c, stored, DT[c["dtype"]], p0)
+            entry["torch_lowp_grad_max_abs_err"] = {
+                "d" + n: float((lo.to(torch.float64) - hi).abs().max()) for n, lo, hi in
+                zip(MLA_INPUTS, lows, gs)}
+        tensors = dict(zip(MLA_INPUTS + ["dout"], stored))
+        tensors.update({"d" + n: t for n, t in zip(MLA_INPUTS, gs)})
+        tensors.update(out=out, lse=lse)
         save_file({k: t.contiguous() for k, t in tensors.items()}, f"{OUT}/{name}.safetensors")
         manifest["cases"][name] = entry
     with open(f"{OUT}/manifest.json", "w") as f:

@@ -1,7 +1,8 @@
 //! The typed API of an attention variant declared with `#[attention(...)]`.
 
 use crate::backend::{
-    Backend, BackwardInputs, DecodeOptions, Gradients, MlaQueries, MlaTensors, Output,
+    Backend, BackwardInputs, DecodeOptions, Gradients, MlaBackwardInputs, MlaGradients, MlaQueries,
+    MlaSaved, MlaTensors, Output,
 };
 use crate::cache::{KvCache, PagedCache, SeqId};
 use crate::cpu::CpuBackend;
@@ -124,6 +125,17 @@ pub trait Attention {
     /// MLA output and log-sum-exp (CPU backend, absorbed form).
     fn forward_mla(x: &MlaTensors, position_offset: i64) -> Result<Output, RuntimeError> {
         CpuBackend::new().forward_mla_in(Self::variant(), x, position_offset)
+    }
+
+    /// [`Attention::forward_mla`] that also keeps what the MLA backward needs (CPU backend).
+    fn forward_mla_saving(x: &MlaTensors, position_offset: i64) -> Result<MlaSaved, RuntimeError> {
+        CpuBackend::new().forward_mla_saving_in(Self::variant(), x, position_offset)
+    }
+
+    /// MLA's gradients (q_nope, q_pe, c_kv, k_pe, w_kv_b) for `x.dout`, given what
+    /// [`Attention::forward_mla_saving`] kept (CPU backend). q_pe and k_pe are before RoPE.
+    fn backward_mla(x: &MlaBackwardInputs) -> Result<MlaGradients, RuntimeError> {
+        CpuBackend::new().backward_mla_in(Self::variant(), x)
     }
 
     /// The decode kernel plan of the spec.

@@ -74,6 +74,49 @@ pub struct MlaTensors<'a> {
     pub w_kv_b: &'a Tensor,
 }
 
+/// What an MLA forward saves for its backward: the output and lse, and the latent output
+/// (`softmax @ c_kv` per head, before `W_uv`), which the gradient of `W_uv` needs.
+#[derive(Clone, Debug)]
+pub struct MlaSaved {
+    /// `[B, H, Sq, v_head_dim]` in the spec's dtype.
+    pub out: Tensor,
+    /// `[B, H, Sq]` f32.
+    pub lse: Tensor,
+    /// `[B, H, Sq, latent_rank]` f32.
+    pub out_latent: Tensor,
+}
+
+/// The inputs of an MLA backward call: the forward's inputs, what it saved, and
+/// `dout = dL/dout`.
+#[derive(Clone, Copy, Debug)]
+pub struct MlaBackwardInputs<'a> {
+    /// The forward's inputs.
+    pub x: MlaTensors<'a>,
+    /// `[B, H, Sq, latent_rank]`, from [`MlaSaved`].
+    pub out_latent: &'a Tensor,
+    /// `[B, H, Sq]`, from [`MlaSaved`].
+    pub lse: &'a Tensor,
+    /// `[B, H, Sq, v_head_dim]`.
+    pub dout: &'a Tensor,
+    /// The position of key 0.
+    pub position_offset: i64,
+}
+
+/// Gradients of MLA attention with respect to its inputs, in the spec's dtype.
+#[derive(Clone, Debug)]
+pub struct MlaGradients {
+    /// `[B, H, Sq, head_dim]`.
+    pub dq_nope: Tensor,
+    /// `[B, H, Sq, rope_dim]`, for q_pe before RoPE.
+    pub dq_pe: Tensor,
+    /// `[B, Skv, latent_rank]`.
+    pub dc_kv: Tensor,
+    /// `[B, Skv, rope_dim]`, for k_pe before RoPE (summed over heads).
+    pub dk_pe: Tensor,
+    /// `[H * (head_dim + v_head_dim), latent_rank]`.
+    pub dw_kv_b: Tensor,
+}
+
 /// The queries of an MLA decoding step and the weights that absorb them.
 #[derive(Clone, Copy, Debug)]
 pub struct MlaQueries<'a> {
@@ -145,11 +188,39 @@ pub trait Backend: Send + Sync {
     /// Gradients of attention for a per-head variant (see [`CpuBackend::backward`]).
     fn backward(&self, variant: &Variant, x: &BackwardInputs) -> Result<Gradients, RuntimeError>;
 
+    /// An MLA forward that saves what its backward needs (see
+    /// [`CpuBackend::forward_mla_saving`]); the CPU backend only, for now.
+    fn forward_mla_saving(
+        &self,
+        _variant: &Variant,
+        _x: &MlaTensors,
+        _position_offset: i64,
+    ) -> Result<MlaSaved, RuntimeError> {
+        Err(mla_backward_on(self.name()))
+    }
+
+    /// Gradients of MLA attention (see [`CpuBackend::backward_mla`]); the CPU backend only, for
+    /// now.
+    fn backward_mla(
+        &self,
+        _variant: &Variant,
+        _x: &MlaBackwardInputs,
+    ) -> Result<MlaGradients, RuntimeError> {
+        Err(mla_backward_on(self.name()))
+    }
+
     /// Where a model's norms, activations, residual adds, embedding lookups and greedy choice
     /// run on this backend (the CPU unless a backend says otherwise).
     fn layers(&self) -> &dyn LayerOps {
         &CpuLayers
     }
+}
+
+/// The error of a backend without the MLA backward.
+fn mla_backward_on(backend: &str) -> RuntimeError {
+    RuntimeError::Spec(format!(
+        "the backward pass of MLA specs runs on the cpu backend only for now, not {backend}"
+    ))
 }
 
 impl Backend for CpuBackend {
@@ -159,6 +230,23 @@ impl Backend for CpuBackend {
 
     fn backward(&self, variant: &Variant, x: &BackwardInputs) -> Result<Gradients, RuntimeError> {
         self.backward_in(variant, x)
+    }
+
+    fn forward_mla_saving(
+        &self,
+        variant: &Variant,
+        x: &MlaTensors,
+        position_offset: i64,
+    ) -> Result<MlaSaved, RuntimeError> {
+        self.forward_mla_saving_in(variant, x, position_offset)
+    }
+
+    fn backward_mla(
+        &self,
+        variant: &Variant,
+        x: &MlaBackwardInputs,
+    ) -> Result<MlaGradients, RuntimeError> {
+        self.backward_mla_in(variant, x)
     }
 
     fn forward(

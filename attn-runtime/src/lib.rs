@@ -38,7 +38,8 @@ mod variant;
 
 pub use attention::Attention;
 pub use backend::{
-    Backend, BackwardInputs, DecodeOptions, Gradients, MlaQueries, MlaTensors, Output,
+    Backend, BackwardInputs, DecodeOptions, Gradients, MlaBackwardInputs, MlaGradients, MlaQueries,
+    MlaSaved, MlaTensors, Output,
 };
 pub use codegen;
 pub use error::RuntimeError;

@@ -227,7 +227,7 @@ fn fully_masked_rows_give_zero_gradient_and_no_nan() {
 }
 
 #[test]
-fn mla_and_bad_tensors_are_refused_with_clear_errors() {
+fn mla_in_the_per_head_entry_point_and_bad_tensors_are_refused_with_clear_errors() {
     let backend = CpuBackend::new();
     let mla: AttentionSpec = "heads = 2, head_dim = 16, mla(latent_rank = 32, rope_dim = 16)"
         .parse()
@@ -244,10 +244,7 @@ fn mla_and_bad_tensors_are_refused_with_clear_errors() {
         position_offset: 0,
     };
     let err = backend.backward(&mla, &x).unwrap_err().to_string();
-    assert!(
-        err.contains("MLA") && err.contains("not implemented"),
-        "{err}"
-    );
+    assert!(err.contains("MLA") && err.contains("backward_mla"), "{err}");
 
     let spec: AttentionSpec = "heads = 2, head_dim = 16".parse().unwrap();
     let bad_lse = Tensor::from_f32(&[1, 2, 2], vec![0.0; 4]).unwrap();
@@ -346,6 +343,52 @@ mod fuzz {
                 Err(e) => prop_assert!(!e.to_string().is_empty()),
             }
         }
+
+        /// Nor the MLA backward: consistent MLA inputs with some swapped for random tensors.
+        #[test]
+        fn the_mla_backward_never_panics(
+            (b, sq, skv) in (1usize..3, 1usize..5, 1usize..5),
+            swaps in prop::collection::vec((0usize..8, tensor()), 0..3),
+            p0 in prop_oneof![Just(0i64), Just(i64::MAX), Just(i64::MIN)],
+        ) {
+            use attn_runtime::{MlaBackwardInputs, MlaTensors};
+            let spec: AttentionSpec = "heads = 2, head_dim = 4, mla(latent_rank = 8, rope_dim = 4), \
+                mask = causal, position = rope".parse().unwrap();
+            let make = |shape: &[usize], seed: u64| {
+                Tensor::from_f32(shape, values(shape.iter().product(), seed)).unwrap()
+            };
+            let mut t = [
+                make(&[b, 2, sq, 4], 1),
+                make(&[b, 2, sq, 4], 2),
+                make(&[b, skv, 8], 3),
+                make(&[b, skv, 4], 4),
+                make(&[2 * 8, 8], 5),
+                make(&[b, 2, sq, 8], 6),
+                make(&[b, 2, sq], 7),
+                make(&[b, 2, sq, 4], 8),
+            ];
+            for (i, x) in swaps {
+                t[i] = x;
+            }
+            let x = MlaTensors {
+                q_nope: &t[0],
+                q_pe: &t[1],
+                c_kv: &t[2],
+                k_pe: &t[3],
+                w_kv_b: &t[4],
+            };
+            let inputs = MlaBackwardInputs {
+                x,
+                out_latent: &t[5],
+                lse: &t[6],
+                dout: &t[7],
+                position_offset: p0,
+            };
+            match CpuBackend::new().backward_mla(&spec, &inputs) {
+                Ok(g) => prop_assert_eq!(g.dc_kv.shape(), t[2].shape()),
+                Err(e) => prop_assert!(!e.to_string().is_empty()),
+            }
+        }
     }
 }
 
@@ -380,4 +423,118 @@ fn an_f32_output_gradient_serves_a_bf16_spec() {
     assert_eq!(got.dq.dtype(), DType::Bf16);
     compare("dq", &got.dq, &want.dq, 4e-2, 2e-2);
     compare("dv", &got.dv, &want.dv, 4e-2, 2e-2);
+}
+
+/// MLA's backward (absorbed form on the CPU) against `reference::backward_mla`.
+fn check_mla(text: &str, b: usize, sq: usize, skv: usize, p0: i64) -> f64 {
+    use attn_runtime::{MlaBackwardInputs, MlaTensors};
+    let spec: AttentionSpec = text.parse().unwrap();
+    let mla = spec.mla().unwrap();
+    let (h, dn, dv) = (
+        spec.heads as usize,
+        spec.head_dim as usize,
+        spec.v_head_dim as usize,
+    );
+    let (r, dr) = (mla.latent_rank as usize, mla.rope_dim as usize);
+    let (q_nope, qa) = input(spec.dtype, &[b, h, sq, dn], 1);
+    let (q_pe, qpa) = input(spec.dtype, &[b, h, sq, dr], 2);
+    let (c_kv, ca) = input(spec.dtype, &[b, skv, r], 3);
+    let (k_pe, kpa) = input(spec.dtype, &[b, skv, dr], 4);
+    let (w_kv_b, wa) = input(spec.dtype, &[h * (dn + dv), r], 5);
+    let (dout, douta) = input(spec.dtype, &[b, h, sq, dv], 6);
+    let x = MlaTensors {
+        q_nope: &q_nope,
+        q_pe: &q_pe,
+        c_kv: &c_kv,
+        k_pe: &k_pe,
+        w_kv_b: &w_kv_b,
+    };
+    let backend = CpuBackend::new();
+    let saved = backend.forward_mla_saving(&spec, &x, p0).unwrap();
+    let got = backend
+        .backward_mla(
+            &spec,
+            &MlaBackwardInputs {
+                x,
+                out_latent: &saved.out_latent,
+                lse: &saved.lse,
+                dout: &dout,
+                position_offset: p0,
+            },
+        )
+        .unwrap();
+    let want = reference::backward_mla(
+        &spec,
+        &reference::MlaInputs {
+            q_nope: &qa,
+            q_pe: &qpa,
+            c_kv: &ca,
+            k_pe: &kpa,
+            w_kv_b: &wa,
+            position_offset: p0,
+        },
+        &douta,
+    )
+    .unwrap();
+    // Gradients sum over keys and heads of products of O(1) inputs: scale the tolerance by the
+    // gradient's own size.
+    let (abs, rel) = match spec.dtype {
+        DType::F32 => (1e-4, 1e-3),
+        _ => (6e-2, 3e-2),
+    };
+    let mut worst: f64 = 0.0;
+    for (name, g, w) in [
+        ("dq_nope", &got.dq_nope, &want.dq_nope),
+        ("dq_pe", &got.dq_pe, &want.dq_pe),
+        ("dc_kv", &got.dc_kv, &want.dc_kv),
+        ("dk_pe", &got.dk_pe, &want.dk_pe),
+        ("dw_kv_b", &got.dw_kv_b, &want.dw_kv_b),
+    ] {
+        let scale = w.data().iter().fold(1f64, |m, x| m.max(x.abs()));
+        worst = worst.max(compare(&format!("{text} {name}"), g, w, abs * scale, rel));
+    }
+    worst
+}
+
+#[test]
+fn mla_gradients_equal_the_reference() {
+    for (text, b, sq, skv, p0) in [
+        (
+            "heads = 2, head_dim = 16, mla(latent_rank = 32, rope_dim = 16), mask = causal, \
+             position = rope",
+            1,
+            65,
+            65,
+            0,
+        ),
+        (
+            "heads = 3, head_dim = 8, v_head_dim = 16, mla(latent_rank = 24, rope_dim = 8), \
+             softcap = 5.0, position = rope(scaling = yarn(factor = 4.0, \
+             original_max_position = 32))",
+            2,
+            7,
+            70,
+            3,
+        ),
+        (
+            "heads = 2, head_dim = 16, mla(latent_rank = 64, rope_dim = 16), mask = causal, \
+             position = rope, dtype = bf16",
+            1,
+            40,
+            40,
+            0,
+        ),
+        (
+            "heads = 2, head_dim = 8, mla(latent_rank = 16, rope_dim = 8), position = rope, \
+             score_mod = |s, b, h, q, k| s - 0.05 * (q - k).abs() as f32, \
+             mask_mod = |b, h, q, k| q % 3 != 1",
+            1,
+            9,
+            12,
+            0,
+        ),
+    ] {
+        let worst = check_mla(text, b, sq, skv, p0);
+        eprintln!("{text}: max error {worst:.2e}");
+    }
 }

@@ -1,8 +1,8 @@
 //! Multi-head latent attention (DeepSeek-V2/V3 layout) in its expanded and absorbed forms.
 
 use super::{Array, Output, Positions, attend, check_spec, dims4, expect, rope};
-use crate::modifier::ScoreProgram;
 use crate::error::ReferenceError;
+use crate::modifier::ScoreProgram;
 use crate::spec::{AttentionSpec, Mla, Position};
 
 /// Inputs of MLA attention.

@@ -9,7 +9,9 @@ pub mod microkernels;
 pub mod row_kernels;
 pub mod softmax_tiles;
 
-use crate::backend::{BackwardInputs, Gradients, MlaTensors, Output};
+use crate::backend::{
+    BackwardInputs, Gradients, MlaBackwardInputs, MlaGradients, MlaSaved, MlaTensors, Output,
+};
 use crate::error::RuntimeError;
 use crate::host::checks::{check_backward, check_qkv, finish};
 use crate::host::mla::AbsorbedForward;
@@ -188,6 +190,107 @@ impl CpuBackend {
         })
     }
 
+    /// [`CpuBackend::forward_mla`], also keeping the latent output (`softmax @ c_kv` per head,
+    /// f32), which [`CpuBackend::backward_mla`] needs.
+    pub fn forward_mla_saving(
+        &self,
+        spec: &AttentionSpec,
+        x: &MlaTensors,
+        position_offset: i64,
+    ) -> Result<MlaSaved, RuntimeError> {
+        self.forward_mla_saving_in(&*Variant::shared(spec)?, x, position_offset)
+    }
+
+    /// [`CpuBackend::forward_mla_saving`] for a variant.
+    pub(crate) fn forward_mla_saving_in(
+        &self,
+        variant: &Variant,
+        x: &MlaTensors,
+        position_offset: i64,
+    ) -> Result<MlaSaved, RuntimeError> {
+        let spec = variant.spec();
+        let a = AbsorbedForward::of(spec, x)?;
+        let (latent, lse) = self.absorbed_latent(variant, &a, position_offset)?;
+        let r = spec.mla().map_or(0, |m| m.latent_rank as usize);
+        let out_latent = Tensor::from_f32(&[a.b, spec.heads as usize, a.sq, r], latent.clone())?;
+        let Output { out, lse } = a.finish(spec, &latent, lse)?;
+        Ok(MlaSaved {
+            out,
+            lse,
+            out_latent,
+        })
+    }
+
+    /// Gradients of MLA attention (absorbed form): given the forward's inputs, what
+    /// [`CpuBackend::forward_mla_saving`] saved and `dout`, returns the gradients of q_nope,
+    /// q_pe (before RoPE), c_kv, k_pe (before RoPE) and w_kv_b in the spec's dtype. The backward
+    /// kernel runs over the one shared latent head (`dL/dout_latent = W_uv^T dout`); the chain
+    /// rule through the absorption is host GEMMs.
+    pub fn backward_mla(
+        &self,
+        spec: &AttentionSpec,
+        x: &MlaBackwardInputs,
+    ) -> Result<MlaGradients, RuntimeError> {
+        self.backward_mla_in(&*Variant::shared(spec)?, x)
+    }
+
+    /// [`CpuBackend::backward_mla`] for a variant.
+    pub(crate) fn backward_mla_in(
+        &self,
+        variant: &Variant,
+        x: &MlaBackwardInputs,
+    ) -> Result<MlaGradients, RuntimeError> {
+        let spec = variant.spec();
+        let a = AbsorbedForward::of(spec, &x.x)?;
+        let (h, dv) = (spec.heads as usize, spec.v_head_dim as usize);
+        let r = spec.mla().map_or(0, |m| m.latent_rank as usize);
+        for (name, t, want) in [
+            ("out_latent", x.out_latent, vec![a.b, h, a.sq, r]),
+            ("lse", x.lse, vec![a.b, h, a.sq]),
+            ("dout", x.dout, vec![a.b, h, a.sq, dv]),
+        ] {
+            if t.shape() != want.as_slice() {
+                return Err(crate::host::checks::shape(name, t, &format!("{want:?}")));
+            }
+        }
+        let kernel = self.kernel_for(variant, PlanKind::Backward)?;
+        let (out_latent, lse, dout) = (
+            x.out_latent.f32_values(),
+            x.lse.f32_values(),
+            x.dout.f32_values(),
+        );
+        let dout_latent = a.latent_dout(&dout);
+        let values = a.values();
+        let problem = backward::Problem {
+            q: &a.q,
+            k: &a.k,
+            v: &values,
+            out: &out_latent,
+            lse: &lse,
+            dout: &dout_latent,
+            batch: a.b,
+            sq: a.sq,
+            skv: a.skv,
+            position_offset: x.position_offset,
+        };
+        let (dq, dk, dvv) = backward::run(&kernel, self.isa, &problem)?;
+        let g = a.chain(
+            [&dq, &dk, &dvv],
+            &x.x.q_nope.f32_values(),
+            &dout,
+            &out_latent,
+        );
+        let dtype = spec.dtype;
+        let as_dtype = |t: &Tensor, values| Tensor::from_f32_as(dtype, t.shape(), values);
+        Ok(MlaGradients {
+            dq_nope: as_dtype(x.x.q_nope, g.dq_nope)?,
+            dq_pe: as_dtype(x.x.q_pe, g.dq_pe)?,
+            dc_kv: as_dtype(x.x.c_kv, g.dc_kv)?,
+            dk_pe: as_dtype(x.x.k_pe, g.dk_pe)?,
+            dw_kv_b: as_dtype(x.x.w_kv_b, g.dw_kv_b)?,
+        })
+    }
+
     /// MLA attention in the absorbed form: `q_latent = W_uk^T q_nope` per head, the kernel over
     /// one shared head `[c_kv | k_pe]` with values `c_kv`, then `out = W_uv out_latent`.
     pub fn forward_mla(
@@ -208,8 +311,19 @@ impl CpuBackend {
     ) -> Result<Output, RuntimeError> {
         let spec = variant.spec();
         let a = AbsorbedForward::of(spec, x)?;
+        let (latent, lse) = self.absorbed_latent(variant, &a, position_offset)?;
+        a.finish(spec, &latent, lse)
+    }
+
+    /// The forward kernel over MLA's shared latent head: the latent output and the lse.
+    fn absorbed_latent(
+        &self,
+        variant: &Variant,
+        a: &AbsorbedForward,
+        position_offset: i64,
+    ) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> {
         let kernel = self.kernel_for(variant, PlanKind::Forward)?;
-        let (wq, h, sq, skv) = (a.width(), spec.heads as usize, a.sq, a.skv);
+        let (wq, h, sq, skv) = (a.width(), variant.spec().heads as usize, a.sq, a.skv);
         let call = Call {
             batch: a.b,
             sq,
@@ -220,8 +334,7 @@ impl CpuBackend {
         // Keys and values share storage: v is the latent part of each key row.
         let k_rows = Rows::borrowed(&a.k, [skv * wq, skv * wq, wq]);
         let v_rows = Rows::borrowed(&a.k, [skv * wq, skv * wq, wq]);
-        let (latent, lse) = launch::run(&kernel, &q_rows, &k_rows, &v_rows, &call)?;
-        a.finish(spec, &latent, lse)
+        launch::run(&kernel, &q_rows, &k_rows, &v_rows, &call)
     }
 }
 

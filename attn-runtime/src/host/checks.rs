@@ -42,16 +42,16 @@ pub(crate) fn check_qkv(
 
 /// Checks the inputs of a backward call: q, k, v as [`check_qkv`]; `out` and `dout` `[B, heads,
 /// Sq, v_head_dim]` and `lse` `[B, heads, Sq]`, in any dtype (the backward reads them as f32: a
-/// gradient kept in f32 for a bf16 model is common). Refuses MLA specs, whose backward is not
-/// built yet. Returns B, Sq, Skv.
+/// gradient kept in f32 for a bf16 model is common). Refuses MLA specs, whose backward takes
+/// other tensors (`backward_mla`). Returns B, Sq, Skv.
 pub(crate) fn check_backward(
     spec: &AttentionSpec,
     x: &BackwardInputs,
 ) -> Result<[usize; 3], RuntimeError> {
     if spec.mla().is_some() {
         return Err(RuntimeError::Spec(
-            "the backward pass of MLA specs is not implemented yet; allowed: per-head specs \
-             (MHA, GQA, MQA)"
+            "this is an MLA spec: use backward_mla with q_nope, q_pe, c_kv, k_pe, w_kv_b, \
+             out_latent, lse and dout"
                 .into(),
         ));
     }

@@ -122,6 +122,132 @@ impl AbsorbedForward {
     }
 }
 
+/// The gradients of MLA's inputs from the absorbed backward kernel's, by the chain rule through
+/// the absorption (`q_latent = W_uk^T q_nope`, keys `[c_kv | k_pe]`, values `c_kv`,
+/// `out = W_uv out_latent`), as f32 values.
+pub(crate) struct MlaChain {
+    /// `[B, H, Sq, head_dim]`.
+    pub dq_nope: Vec<f32>,
+    /// `[B, H, Sq, rope_dim]`.
+    pub dq_pe: Vec<f32>,
+    /// `[B, Skv, latent_rank]`.
+    pub dc_kv: Vec<f32>,
+    /// `[B, Skv, rope_dim]`.
+    pub dk_pe: Vec<f32>,
+    /// `[H * (head_dim + v_head_dim), latent_rank]`.
+    pub dw_kv_b: Vec<f32>,
+}
+
+impl AbsorbedForward {
+    /// `dL/dout_latent = W_uv^T dout` per head: `[B, H, Sq, v_head_dim]` to `[B, H, Sq,
+    /// latent_rank]`.
+    pub fn latent_dout(&self, dout: &[f32]) -> Vec<f32> {
+        let Absorption { h, dn, dv, r, .. } = self.absorption;
+        let n = self.sq;
+        let mut out = vec![0f32; self.b * h * n * r];
+        for pair in 0..self.b * h {
+            let w_uv = &self.w[((pair % h) * (dn + dv) + dn) * r..];
+            gemm(
+                n,
+                dv,
+                r,
+                &dout[pair * n * dv..],
+                (dv, 1),
+                w_uv,
+                (r, 1),
+                &mut out[pair * n * r..],
+                r,
+            );
+        }
+        out
+    }
+
+    /// The inputs' gradients from the kernel's on the absorbed inputs (`dq [B, H, Sq, r + dr]`,
+    /// `dk [B, Skv, r + dr]`, `dv [B, Skv, r]`, q_pe and k_pe already rotated back), given the
+    /// forward's `q_nope`, `dout` and `out_latent`.
+    pub fn chain(
+        &self,
+        [dq, dk, dv]: [&[f32]; 3],
+        q_nope: &[f32],
+        dout: &[f32],
+        out_latent: &[f32],
+    ) -> MlaChain {
+        let Absorption {
+            h,
+            dn,
+            dv: dvh,
+            r,
+            dr,
+        } = self.absorption;
+        let (n, wq) = (self.sq, r + dr);
+        let mut dq_nope = vec![0f32; self.b * h * n * dn];
+        let mut dq_pe = vec![0f32; self.b * h * n * dr];
+        let mut dw_kv_b = vec![0f32; h * (dn + dvh) * r];
+        let mut part = vec![0f32; dn.max(dvh) * r];
+        for pair in 0..self.b * h {
+            let head = pair % h;
+            let w_uk = &self.w[head * (dn + dvh) * r..];
+            let dq_rows = &dq[pair * n * wq..];
+            // dq_nope = dq_latent W_uk^T (W_uk is `head_dim x latent_rank`).
+            gemm(
+                n,
+                r,
+                dn,
+                dq_rows,
+                (wq, 1),
+                w_uk,
+                (1, r),
+                &mut dq_nope[pair * n * dn..],
+                dn,
+            );
+            for i in 0..n {
+                dq_pe[(pair * n + i) * dr..(pair * n + i + 1) * dr]
+                    .copy_from_slice(&dq_rows[i * wq + r..(i + 1) * wq]);
+            }
+            // dW_uk += q_nope^T dq_latent, dW_uv += dout^T out_latent, over this pair's queries.
+            let rows = &mut dw_kv_b[head * (dn + dvh) * r..(head + 1) * (dn + dvh) * r];
+            gemm(
+                dn,
+                n,
+                r,
+                &q_nope[pair * n * dn..],
+                (1, dn),
+                dq_rows,
+                (wq, 1),
+                &mut part,
+                r,
+            );
+            add(&mut rows[..dn * r], &part[..dn * r]);
+            let (src, lat) = (&dout[pair * n * dvh..], &out_latent[pair * n * r..]);
+            gemm(dvh, n, r, src, (1, dvh), lat, (r, 1), &mut part, r);
+            add(&mut rows[dn * r..], &part[..dvh * r]);
+        }
+        // The latent is both the keys' first part and the values.
+        let keys = self.b * self.skv;
+        let mut dc_kv = vec![0f32; keys * r];
+        let mut dk_pe = vec![0f32; keys * dr];
+        for j in 0..keys {
+            let (score, value) = (&dk[j * wq..(j + 1) * wq], &dv[j * r..(j + 1) * r]);
+            for ((c, s), v) in dc_kv[j * r..(j + 1) * r].iter_mut().zip(score).zip(value) {
+                *c = s + v;
+            }
+            dk_pe[j * dr..(j + 1) * dr].copy_from_slice(&score[r..]);
+        }
+        MlaChain {
+            dq_nope,
+            dq_pe,
+            dc_kv,
+            dk_pe,
+            dw_kv_b,
+        }
+    }
+}
+
+/// `acc += x`, element by element.
+fn add(acc: &mut [f32], x: &[f32]) {
+    acc.iter_mut().zip(x).for_each(|(a, x)| *a += x);
+}
+
 /// MLA's absorbed form around the kernel (DeepSeek's `w_kv_b` layout: per head, `head_dim` rows
 /// of `W_uk` then `v_head_dim` rows of `W_uv`, each of `latent_rank` values).
 pub(crate) struct Absorption {

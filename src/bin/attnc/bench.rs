@@ -6,7 +6,7 @@ use attn::dsl::Mask;
 use attn::dsl::accounting::forward_flops;
 use attn::runtime::cpu::CpuBackend;
 use attn::runtime::memory::checked_product;
-use attn::runtime::{BackwardInputs, MlaTensors};
+use attn::runtime::{BackwardInputs, MlaBackwardInputs, MlaTensors};
 use attn::runtime::{RuntimeError, Tensor};
 use std::time::Instant;
 
@@ -113,16 +113,9 @@ pub fn flops(spec: &AttentionSpec, shape: &Shape) -> f64 {
     dense * if causal { 0.5 } else { 1.0 }
 }
 
-/// Refuses a backward timing of an MLA spec, or one whose tensors would not fit: inputs, dout,
-/// out and the three gradients are about three times the forward's tensors.
+/// Refuses a backward timing whose tensors would not fit: inputs, dout, out and the gradients
+/// are about three times the forward's tensors.
 fn backward_fits(spec: &AttentionSpec, shape: &Shape) -> Result<(), RuntimeError> {
-    if spec.mla().is_some() {
-        return Err(RuntimeError::Spec(
-            "the backward pass of MLA specs is not implemented yet; allowed: per-head specs \
-             (MHA, GQA, MQA)"
-                .into(),
-        ));
-    }
     let triple = Shape {
         batch: shape.batch.saturating_mul(3),
         ..*shape
@@ -145,7 +138,6 @@ pub fn bench_backward(
     backend.kernel_of(spec, attn::codegen::plan::PlanKind::Forward)?;
     backend.kernel_of(spec, attn::codegen::plan::PlanKind::Backward)?;
     let compile_ms = started.elapsed().as_secs_f64() * 1e3;
-    let [q, k, v] = inputs(spec, shape)?;
     let (b, h, sq, dv) = (
         shape.batch,
         spec.heads as usize,
@@ -153,6 +145,10 @@ pub fn bench_backward(
         spec.v_head_dim as usize,
     );
     let dout = random(spec, &[b, h, sq, dv], 4)?;
+    if spec.mla().is_some() {
+        return bench_backward_mla(spec, shape, &dout, compile_ms, progress);
+    }
+    let [q, k, v] = inputs(spec, shape)?;
     let call = || -> Result<(), RuntimeError> {
         let forward = backend.forward(spec, &q, &k, &v, 0)?;
         let x = BackwardInputs {
@@ -165,6 +161,45 @@ pub fn bench_backward(
             position_offset: 0,
         };
         backend.backward(spec, &x).map(drop)
+    };
+    let mut t = time_calls(call, shape.reps, progress)?;
+    t.sort_by(f64::total_cmp);
+    let median_ms = t[t.len() / 2];
+    Ok(Timing {
+        median_ms,
+        gflops: 3.5 * flops(spec, shape) / (median_ms * 1e-3) / 1e9,
+        compile_ms,
+    })
+}
+
+/// [`bench_backward`] for an MLA spec: the forward that keeps the latent output, then the
+/// backward, on random MLA inputs.
+fn bench_backward_mla(
+    spec: &AttentionSpec,
+    shape: &Shape,
+    dout: &Tensor,
+    compile_ms: f64,
+    progress: bool,
+) -> Result<Timing, RuntimeError> {
+    let backend = CpuBackend::new();
+    let [q_nope, q_pe, c_kv, k_pe, w_kv_b] = mla_inputs(spec, shape)?;
+    let x = MlaTensors {
+        q_nope: &q_nope,
+        q_pe: &q_pe,
+        c_kv: &c_kv,
+        k_pe: &k_pe,
+        w_kv_b: &w_kv_b,
+    };
+    let call = || -> Result<(), RuntimeError> {
+        let saved = backend.forward_mla_saving(spec, &x, 0)?;
+        let inputs = MlaBackwardInputs {
+            x,
+            out_latent: &saved.out_latent,
+            lse: &saved.lse,
+            dout,
+            position_offset: 0,
+        };
+        backend.backward_mla(spec, &inputs).map(drop)
     };
     let mut t = time_calls(call, shape.reps, progress)?;
     t.sort_by(f64::total_cmp);
@@ -205,16 +240,9 @@ pub fn bench(spec: &AttentionSpec, shape: &Shape, progress: bool) -> Result<Timi
     let backend = CpuBackend::new();
     let kernel = backend.kernel(spec)?;
     let compile_ms = kernel.compile_time.as_secs_f64() * 1e3;
-    let (b, h, sq, skv) = (shape.batch, spec.heads as usize, shape.seq, shape.kv_len);
-    let (d, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
     let call: Box<dyn FnMut() -> Result<(), RuntimeError>> = match spec.mla() {
-        Some(mla) => {
-            let (r, dr) = (mla.latent_rank as usize, mla.rope_dim as usize);
-            let q_nope = random(spec, &[b, h, sq, d], 1)?;
-            let q_pe = random(spec, &[b, h, sq, dr], 2)?;
-            let c_kv = random(spec, &[b, skv, r], 3)?;
-            let k_pe = random(spec, &[b, skv, dr], 4)?;
-            let w_kv_b = random(spec, &[h * (d + dv), r], 5)?;
+        Some(_) => {
+            let [q_nope, q_pe, c_kv, k_pe, w_kv_b] = mla_inputs(spec, shape)?;
             Box::new(move || {
                 let x = MlaTensors {
                     q_nope: &q_nope,
@@ -244,6 +272,23 @@ fn timing(spec: &AttentionSpec, shape: &Shape, mut times: Vec<f64>, compile_ms: 
         gflops: flops(spec, shape) / (median_ms * 1e-3) / 1e9,
         compile_ms,
     }
+}
+
+/// Random MLA inputs of a shape: q_nope, q_pe, c_kv, k_pe, w_kv_b.
+fn mla_inputs(spec: &AttentionSpec, shape: &Shape) -> Result<[Tensor; 5], RuntimeError> {
+    let mla = spec
+        .mla()
+        .ok_or_else(|| RuntimeError::Spec("not an MLA spec".into()))?;
+    let (b, h, sq, skv) = (shape.batch, spec.heads as usize, shape.seq, shape.kv_len);
+    let (d, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
+    let (r, dr) = (mla.latent_rank as usize, mla.rope_dim as usize);
+    Ok([
+        random(spec, &[b, h, sq, d], 1)?,
+        random(spec, &[b, h, sq, dr], 2)?,
+        random(spec, &[b, skv, r], 3)?,
+        random(spec, &[b, skv, dr], 4)?,
+        random(spec, &[h * (d + dv), r], 5)?,
+    ])
 }
 
 /// Times the GPU forward kernel on CUDA device 0: inputs uploaded once, one warm-up launch,

@@ -57,7 +57,9 @@ enum Command {
     },
     /// Gradients of attention: read q, k, v and dout (the gradient of the loss with respect to
     /// the output) from a safetensors file; run the forward (which saves out and lse) and the
-    /// backward; write dq, dk, dv (input dtype), out and lse to another.
+    /// backward; write dq, dk, dv (input dtype), out and lse to another. For MLA specs: q_nope,
+    /// q_pe, c_kv, k_pe, w_kv_b and dout in; dq_nope, dq_pe, dc_kv, dk_pe, dw_kv_b, out and lse
+    /// out (cpu backend).
     Grad {
         #[command(flatten)]
         files: TensorFiles,

@@ -2,7 +2,10 @@
 
 use attn::AttentionSpec;
 use attn::runtime::io::{read_safetensors, write_safetensors};
-use attn::runtime::{BackwardInputs, Gradients, MlaTensors, Output};
+use attn::runtime::{
+    BackwardInputs, Gradients, MlaBackwardInputs, MlaGradients, MlaSaved, MlaTensors, Output,
+    Variant,
+};
 use attn::runtime::{RuntimeError, Tensor};
 use std::path::Path;
 
@@ -80,11 +83,7 @@ pub fn grad(
     let backend = attn::runtime::backend::open(backend.name())?;
     let variant = attn::runtime::Variant::new(spec.clone())?;
     if spec.mla().is_some() {
-        return Err(RuntimeError::Spec(
-            "the backward pass of MLA specs is not implemented yet; allowed: per-head specs \
-             (MHA, GQA, MQA)"
-                .into(),
-        ));
+        return grad_mla(&*backend, &variant, input, output, offset);
     }
     let [q, k, v, dout]: [Tensor; 4] = read_safetensors(input, &["q", "k", "v", "dout"])?
         .try_into()
@@ -117,6 +116,68 @@ pub fn grad(
         dk.shape(),
         dv.shape(),
         dq.dtype().name(),
+        out.shape(),
+        lse.shape()
+    ))
+}
+
+/// `attnc grad` for an MLA spec: q_nope, q_pe, c_kv, k_pe, w_kv_b and dout in; the gradient of
+/// each input, out and lse out.
+fn grad_mla(
+    backend: &dyn attn::runtime::Backend,
+    variant: &Variant,
+    input: &Path,
+    output: &Path,
+    offset: i64,
+) -> Result<String, RuntimeError> {
+    let names = ["q_nope", "q_pe", "c_kv", "k_pe", "w_kv_b", "dout"];
+    let [q_nope, q_pe, c_kv, k_pe, w_kv_b, dout]: [Tensor; 6] = read_safetensors(input, &names)?
+        .try_into()
+        .expect("one tensor per name");
+    let x = MlaTensors {
+        q_nope: &q_nope,
+        q_pe: &q_pe,
+        c_kv: &c_kv,
+        k_pe: &k_pe,
+        w_kv_b: &w_kv_b,
+    };
+    let MlaSaved {
+        out,
+        lse,
+        out_latent,
+    } = backend.forward_mla_saving(variant, &x, offset)?;
+    let g: MlaGradients = backend.backward_mla(
+        variant,
+        &MlaBackwardInputs {
+            x,
+            out_latent: &out_latent,
+            lse: &lse,
+            dout: &dout,
+            position_offset: offset,
+        },
+    )?;
+    write_safetensors(
+        output,
+        &[
+            ("dq_nope", &g.dq_nope),
+            ("dq_pe", &g.dq_pe),
+            ("dc_kv", &g.dc_kv),
+            ("dk_pe", &g.dk_pe),
+            ("dw_kv_b", &g.dw_kv_b),
+            ("out", &out),
+            ("lse", &lse),
+        ],
+    )?;
+    Ok(format!(
+        "wrote {}: dq_nope {:?}, dq_pe {:?}, dc_kv {:?}, dk_pe {:?}, dw_kv_b {:?} {}, out {:?}, \
+         lse {:?} f32",
+        output.display(),
+        g.dq_nope.shape(),
+        g.dq_pe.shape(),
+        g.dc_kv.shape(),
+        g.dk_pe.shape(),
+        g.dw_kv_b.shape(),
+        g.dq_nope.dtype().name(),
         out.shape(),
         lse.shape()
     ))
