@@ -832,7 +832,7 @@ fn grad_rejects_bad_inputs_with_exit_code_2() {
         "{}",
         stderr(&o)
     );
-    // MLA says what is missing.
+    // An MLA spec reads MLA's tensors, and says which one the file lacks.
     let o = attnc(&[
         "grad",
         "--spec",
@@ -843,7 +843,7 @@ fn grad_rejects_bad_inputs_with_exit_code_2() {
         out,
     ]);
     assert_eq!(o.status.code(), Some(2));
-    assert!(stderr(&o).contains("MLA"), "{}", stderr(&o));
+    assert!(stderr(&o).contains("no tensor `q_nope`"), "{}", stderr(&o));
 }
 
 #[test]
