@@ -132,18 +132,25 @@ pub fn mla_expanded(spec: &AttentionSpec, x: &MlaInputs) -> Result<Output, Refer
     let s = check(spec, x)?;
     super::check_positions(s.sq, s.skv, x.position_offset)?;
     let pos = Positions::new(s.sq, s.skv, x.position_offset);
-    let (q_pe, k_pe) = rotary_parts(spec, x, &s, &pos);
+    let [q, k, v] = expanded(spec, x, &s, &pos);
+    Ok(attend(spec, &q, &k, &v, &pos))
+}
+
+/// The expanded form's per-head inputs: `q = [q_nope | q_pe]`, `k = [W_uk c_kv | k_pe]` and
+/// `v = W_uv c_kv` (the rotary parts rotated when the spec has RoPE).
+fn expanded(spec: &AttentionSpec, x: &MlaInputs, s: &Shapes, pos: &Positions) -> [Array; 3] {
+    let (q_pe, k_pe) = rotary_parts(spec, x, s, pos);
     let project = |rows: std::ops::Range<usize>| {
         Array::from_fn(&[s.b, s.h, s.skv, rows.len()], |ix| {
-            let w = w_row(x, &s, ix[1], rows.start + ix[3]);
+            let w = w_row(x, s, ix[1], rows.start + ix[3]);
             super::dot(w, x.c_kv.row(&[ix[0], ix[2]]))
         })
     };
-    let k_nope = project(0..s.dn);
-    let v = project(s.dn..s.dn + s.dv);
-    let q = concat_last(x.q_nope, &q_pe);
-    let k = concat_last(&k_nope, &k_pe);
-    Ok(attend(spec, &q, &k, &v, &pos))
+    [
+        concat_last(x.q_nope, &q_pe),
+        concat_last(&project(0..s.dn), &k_pe),
+        project(s.dn..s.dn + s.dv),
+    ]
 }
 
 /// MLA in the absorbed form kernels run: `q_latent = W_uk^T q_nope`, attention over the shared
@@ -210,16 +217,7 @@ pub fn backward_mla(
     super::check_positions(s.sq, s.skv, x.position_offset)?;
     expect("dout", dout, &[s.b, s.h, s.sq, s.dv])?;
     let pos = Positions::new(s.sq, s.skv, x.position_offset);
-    let (q_pe, k_pe) = rotary_parts(spec, x, &s, &pos);
-    let project = |rows: std::ops::Range<usize>| {
-        Array::from_fn(&[s.b, s.h, s.skv, rows.len()], |ix| {
-            let w = w_row(x, &s, ix[1], rows.start + ix[3]);
-            super::dot(w, x.c_kv.row(&[ix[0], ix[2]]))
-        })
-    };
-    let v = project(s.dn..s.dn + s.dv);
-    let q = concat_last(x.q_nope, &q_pe);
-    let k = concat_last(&project(0..s.dn), &k_pe);
+    let [q, k, v] = expanded(spec, x, &s, &pos);
     let derivative = ScoreProgram::of(spec)
         .score_gradient()
         .map_err(|e| ReferenceError::Gradient(e.to_string()))?

@@ -162,14 +162,8 @@ pub fn bench_backward(
         };
         backend.backward(spec, &x).map(drop)
     };
-    let mut t = time_calls(call, shape.reps, progress)?;
-    t.sort_by(f64::total_cmp);
-    let median_ms = t[t.len() / 2];
-    Ok(Timing {
-        median_ms,
-        gflops: 3.5 * flops(spec, shape) / (median_ms * 1e-3) / 1e9,
-        compile_ms,
-    })
+    let times = time_calls(call, shape.reps, progress)?;
+    Ok(backward_timing(spec, shape, times, compile_ms))
 }
 
 /// [`bench_backward`] for an MLA spec: the forward that keeps the latent output, then the
@@ -201,14 +195,24 @@ fn bench_backward_mla(
         };
         backend.backward_mla(spec, &inputs).map(drop)
     };
-    let mut t = time_calls(call, shape.reps, progress)?;
+    let times = time_calls(call, shape.reps, progress)?;
+    Ok(backward_timing(spec, shape, times, compile_ms))
+}
+
+/// The median of a forward-plus-backward timing, GFLOP/s counted as 3.5 forwards.
+fn backward_timing(
+    spec: &AttentionSpec,
+    shape: &Shape,
+    mut t: Vec<f64>,
+    compile_ms: f64,
+) -> Timing {
     t.sort_by(f64::total_cmp);
     let median_ms = t[t.len() / 2];
-    Ok(Timing {
+    Timing {
         median_ms,
         gflops: 3.5 * flops(spec, shape) / (median_ms * 1e-3) / 1e9,
         compile_ms,
-    })
+    }
 }
 
 /// Two warm-up calls, then `reps` timed ones (ms each), with progress on stderr.
