@@ -221,6 +221,42 @@ fn stage(r: &mut Regs, plan: &KernelPlan, s: Stage) -> Vec<Stmt> {
     }
 }
 
+/// Threads `0..rows` store the lse (in half base-2 units) and D of query rows `first..first +
+/// rows` (clamped into Sq) of the head whose row 0 is `head_row0`, as f32 at the shared byte
+/// offsets `[lse_sh, delta_sh]`, the record's fields found by `param`.
+pub(super) fn stage_row_stats(
+    param: fn(&str) -> Expr,
+    rows: i64,
+    first: Expr,
+    head_row0: Expr,
+    [lse_sh, delta_sh]: [i64; 2],
+) -> Stmt {
+    let tid = special64(Special::Tid);
+    let row = bin(Bin::Min, add(first, tid.clone()), sub(param("sq"), i64(1)));
+    let stats_at = add(head_row0, row);
+    let lse = load(
+        Space::Global,
+        Ty::F32,
+        at(param("lse"), stats_at.clone(), 4),
+    );
+    Stmt::If(
+        bin(Bin::Lt, tid.clone(), i64(rows)),
+        vec![
+            Stmt::Store(
+                Space::Shared,
+                add(mul(tid.clone(), i64(4)), i64(lse_sh)),
+                mul(lse, f32(std::f32::consts::LOG2_E / 2.0)),
+            ),
+            Stmt::Store(
+                Space::Shared,
+                add(mul(tid, i64(4)), i64(delta_sh)),
+                load(Space::Global, Ty::F32, at(param("delta"), stats_at, 4)),
+            ),
+        ],
+        vec![],
+    )
+}
+
 /// `backward_delta`: `delta[row] = sum_c dout[row][c] * out[row][c]`.
 fn delta(plan: &KernelPlan) -> Kernel {
     let (regs, body) = delta_body(plan, param, None, ROWS);
@@ -618,35 +654,12 @@ fn dkdv(plan: &KernelPlan) -> Kernel {
         },
     ));
     // lse (half base 2) and D of the tile's rows, by threads 0..bq.
-    let tid = special64(Special::Tid);
-    let staged_row = r.add("staged_row", Ty::I64);
-    let stats_at = add(
+    tile.push(stage_row_stats(
+        param,
+        bq,
+        first.clone(),
         head_row0,
-        bin(Bin::Min, reg(staged_row), sub(param("sq"), i64(1))),
-    );
-    tile.push(Stmt::If(
-        bin(Bin::Lt, tid.clone(), i64(bq)),
-        vec![
-            Stmt::Set(staged_row, add(first.clone(), tid.clone())),
-            Stmt::Store(
-                Space::Shared,
-                add(mul(tid.clone(), i64(4)), i64(lse_sh)),
-                mul(
-                    load(
-                        Space::Global,
-                        Ty::F32,
-                        at(param("lse"), stats_at.clone(), 4),
-                    ),
-                    f32(std::f32::consts::LOG2_E / 2.0),
-                ),
-            ),
-            Stmt::Store(
-                Space::Shared,
-                add(mul(tid, i64(4)), i64(delta_sh)),
-                load(Space::Global, Ty::F32, at(param("delta"), stats_at, 4)),
-            ),
-        ],
-        vec![],
+        [lse_sh, delta_sh],
     ));
     tile.push(Stmt::Barrier);
     let lse_i = load(

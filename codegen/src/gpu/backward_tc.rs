@@ -918,37 +918,12 @@ fn dkdv(plan: &KernelPlan) -> Kernel {
         bounded: true,
     };
     run.extend(stage_tiles(plan, &mut r, bq as i64, sources, &span));
-    let tid = special64(Special::Tid);
-    let stats_at = add(
+    run.push(super::backward::stage_row_stats(
+        param,
+        bq as i64,
+        mul(reg(t), i64(bq as i64)),
         head_row0.clone(),
-        bin(
-            Bin::Min,
-            add(mul(reg(t), i64(bq as i64)), tid.clone()),
-            sub(param("sq"), i64(1)),
-        ),
-    );
-    run.push(Stmt::If(
-        bin(Bin::Lt, tid.clone(), i64(bq as i64)),
-        vec![
-            Stmt::Store(
-                Space::Shared,
-                add(mul(tid.clone(), i64(4)), i64(lse_sh as i64)),
-                mul(
-                    load(
-                        Space::Global,
-                        Ty::F32,
-                        at(param("lse"), stats_at.clone(), 4),
-                    ),
-                    f32(std::f32::consts::LOG2_E / 2.0),
-                ),
-            ),
-            Stmt::Store(
-                Space::Shared,
-                add(mul(tid, i64(4)), i64(delta_sh as i64)),
-                load(Space::Global, Ty::F32, at(param("delta"), stats_at, 4)),
-            ),
-        ],
-        vec![],
+        [lse_sh as i64, delta_sh as i64],
     ));
     run.push(Stmt::Barrier);
 

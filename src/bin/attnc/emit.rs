@@ -5,7 +5,9 @@
 //! cache.
 
 use attn::AttentionSpec;
+use attn::codegen::KernelPlan;
 use attn::codegen::gpu::artifacts::{SpecKernel, json_string, launch_json, spec_kernels};
+use attn::codegen::gpu::forward_kernel;
 use attn::codegen::gpu::ir::Kernel;
 use attn::codegen::gpu::target::{Arch, compiler_version};
 use attn::runtime::gpu::disk_cache::DiskCache;
@@ -62,9 +64,15 @@ pub fn emit(spec: &AttentionSpec, targets: &[Target], what: Emit) -> Result<Stri
             targets.len()
         ));
     };
-    let kernels = spec_kernels(spec).map_err(|e| format!("error: {e}\n"))?;
-    let forward = &kernels[0];
-    text_of(spec, forward, target.arch(), what)
+    // The first of `spec_kernels`, lowered alone.
+    let forward = SpecKernel {
+        role: "forward",
+        kernel: (*forward_kernel(&KernelPlan::forward(spec))
+            .map_err(|e| format!("error: {e}\n"))?
+            .kernel)
+            .clone(),
+    };
+    text_of(spec, &forward, target.arch(), what)
 }
 
 /// Every kernel of the spec for every target, in `dir`: `<role>.<target>.<ext>` each, and
