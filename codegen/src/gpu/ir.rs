@@ -17,6 +17,9 @@ pub enum Ty {
     I64,
     /// 32-bit float.
     F32,
+    /// A TMA tensor map (`CUtensorMap`, 128 bytes), only as a kernel parameter, passed by value
+    /// as a `__grid_constant__`, and only an operand of [`Stmt::TmaLoad`].
+    TensorMap,
 }
 
 /// A thread-private register (a mutable variable; LLVM's mem2reg makes it SSA).
@@ -151,6 +154,44 @@ pub enum Expr {
     /// `cvt.rn.{bf16,f16}x2.f32`: two f32 rounded to the 16-bit format (to nearest even) and
     /// packed into an I32, the first in the low half.
     PackHalf(Half, Box<Expr>, Box<Expr>),
+    /// The shared-window address (I64) of a byte offset into the kernel's shared memory, as
+    /// `wgmma` matrix descriptors encode it. The kernel's shared memory starts on a 1024-byte
+    /// boundary, so swizzle patterns computed from offsets and from addresses agree.
+    SharedAddress(Box<Expr>),
+}
+
+/// The A operand of a [`Wgmma`] step.
+#[derive(Clone, Debug, PartialEq)]
+pub enum WgmmaA {
+    /// A 64x16 tile in shared memory, K-major, by its matrix descriptor (an I64).
+    Shared(Expr),
+    /// The warpgroup's registers: per thread four I32 of packed 16-bit pairs, the layout of an
+    /// `mma.m16n8k16` A fragment for the rows `16 w .. 16 w + 16` of warp `w` of the group.
+    Regs([Reg; 4]),
+}
+
+/// One `wgmma.fence; wgmma.mma_async x steps; wgmma.commit_group` sequence of a warpgroup on
+/// one accumulator, emitted as one asm block: `D = A_0 B_0 + .. + A_k B_k (+ D)`, each step a
+/// `m64nNk16` product of f32 accumulation over 16-bit inputs. Every thread of the warpgroup
+/// (128 consecutive threads from a multiple of 128) executes it. The accumulator `d` is
+/// `n / 2` F32 registers per thread: register `4 j + i` holds row `16 w + g + 8 (i / 2)`,
+/// column `8 j + 2 q + i % 2` (warp `w` of the group, `g = lane / 4`, `q = lane % 4`). The
+/// products run asynchronously: `d` and register A operands may be touched only after a
+/// [`Stmt::WgmmaWait`] completes the group, and shared operands may not be written before.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Wgmma {
+    /// The format of A and B.
+    pub half: Half,
+    /// The accumulator's columns (N): a multiple of 8 from 8 to 256.
+    pub n: u32,
+    /// The accumulator (`n / 2` F32 registers).
+    pub d: Vec<Reg>,
+    /// Whether the first step adds to `d` (a predicate; false overwrites it).
+    pub accumulate: Expr,
+    /// The steps: A, and B's matrix descriptor (16 x N, an I64).
+    pub steps: Vec<(WgmmaA, Expr)>,
+    /// B is N-major (`imm-trans-b` 1: N contiguous in shared memory), else K-major.
+    pub b_n_major: bool,
 }
 
 /// Statements. Control flow is structured; barriers must be reached by every thread of the CTA.
@@ -226,6 +267,73 @@ pub enum Stmt {
     /// `cp.async.wait_group n`: waits until at most `n` of this thread's committed groups are
     /// still in flight (the oldest complete first).
     CpAsyncWait(u32),
+    /// `mbarrier.init.shared::cta.b64 [bar], count` then `fence.mbarrier_init.release.cluster`:
+    /// an mbarrier (8 bytes, 8-aligned, at a shared byte offset) in phase 0 expecting `count`
+    /// arrivals per phase. Other threads may use it after a barrier.
+    MbarInit {
+        /// Shared byte offset (I64).
+        bar: Expr,
+        /// Arrivals per phase (1 to 2^20 - 1).
+        count: u32,
+    },
+    /// `mbarrier.arrive{.expect_tx}.shared::cta.b64 _, [bar]{, tx}`: each executing thread
+    /// arrives once; with `tx` (an I32), it first adds that many bytes the phase also waits for
+    /// (copies complete them). A phase completes when every arrival and every byte is in.
+    MbarArrive {
+        /// Shared byte offset (I64).
+        bar: Expr,
+        /// Bytes of asynchronous copies the current phase also waits for.
+        tx: Option<Expr>,
+    },
+    /// `mbarrier.try_wait.parity.shared::cta.b64` in a loop: waits until the phase of the
+    /// given parity (an I32, 0 or 1) has completed, that is, until the barrier's current phase
+    /// has the other parity. What that phase's arrivals and copies did is then visible.
+    MbarWait {
+        /// Shared byte offset (I64).
+        bar: Expr,
+        /// Parity of the phase waited for.
+        parity: Expr,
+    },
+    /// `cp.async.bulk.tensor.{n}d.shared::cluster.global.tile.mbarrier::complete_tx::bytes`:
+    /// one thread copies a box of a tensor (the tensor map parameter `map`) at the element
+    /// coordinates `coords` (I32, innermost first; elements outside the tensor read as zero) to
+    /// shared memory at `dst` (1024-aligned under the 128-byte swizzle, else 128-aligned), laid
+    /// out and swizzled as the map says. The box's bytes complete on the mbarrier at `bar`; they
+    /// land when its phase completes, and only threads that wait for that phase may read them.
+    TmaLoad {
+        /// Shared byte offset (I64).
+        dst: Expr,
+        /// The [`Ty::TensorMap`] parameter, by position.
+        map: u32,
+        /// Coordinates, innermost dimension first (one to five I32).
+        coords: Vec<Expr>,
+        /// The mbarrier's shared byte offset (I64).
+        bar: Expr,
+    },
+    /// `fence.proxy.async.shared::cta`: orders this thread's earlier ordinary shared-memory
+    /// accesses before later asynchronous ones (`wgmma` operand reads, TMA writes).
+    FenceProxyAsync,
+    /// A warpgroup's matrix products (see [`Wgmma`]).
+    Wgmma(Box<Wgmma>),
+    /// `wgmma.wait_group.sync.aligned n`: waits until at most `groups` of the warpgroup's
+    /// committed `wgmma` groups are in flight. `regs` are the accumulators the completed groups
+    /// wrote that the program reads or writes afterwards; the asm block takes them as operands
+    /// so that no access to them moves before the wait.
+    WgmmaWait {
+        /// Groups that may stay in flight.
+        groups: u32,
+        /// The accumulator registers it orders.
+        regs: Vec<Reg>,
+    },
+    /// `setmaxnreg.{inc,dec}.sync.aligned.u32 regs`: the warpgroup's threads raise or lower
+    /// their register budget (24 to 256, a multiple of 8). Every thread of the warpgroup
+    /// executes it.
+    SetMaxNReg {
+        /// Raise (else lower) the budget.
+        inc: bool,
+        /// The new budget per thread.
+        regs: u32,
+    },
 }
 
 /// A kernel: parameters, registers, the shared memory it uses, its CTA size and its program.
@@ -255,6 +363,7 @@ impl Kernel {
         match e {
             Expr::Int(_, ty) | Expr::Cast(_, ty) | Expr::Load(_, ty, _) => *ty,
             Expr::PackHalf(..) => Ty::I32,
+            Expr::SharedAddress(_) => Ty::I64,
             Expr::LoadHalf(..) => Ty::F32,
             Expr::F32(_) | Expr::Fma(..) | Expr::Table(..) => Ty::F32,
             Expr::Pred(_) => Ty::Pred,

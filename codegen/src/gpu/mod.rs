@@ -30,6 +30,7 @@ pub mod pages;
 pub mod parse;
 mod print;
 pub mod target;
+pub mod tma;
 pub mod verify;
 
 /// A forward kernel as the host launches it.

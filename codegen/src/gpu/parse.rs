@@ -5,7 +5,7 @@
 //! Errors say where (line and column) and what was expected. Input of any size or nesting is
 //! refused cleanly: nesting past [`MAX_DEPTH`] levels is an error, never a stack overflow.
 
-use super::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Un};
+use super::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Un, Wgmma, WgmmaA};
 use std::collections::HashMap;
 use std::fmt;
 
@@ -287,7 +287,7 @@ impl Parser {
                 self.next();
                 Ok(t)
             }
-            None => Err(self.expected("a type (pred, i32, i64, f32)")),
+            None => Err(self.expected("a type (pred, i32, i64, f32, tensormap)")),
         }
     }
 
@@ -469,6 +469,47 @@ impl Parser {
                     "bar.sync" => Ok(Stmt::Barrier),
                     "cp.async.commit_group" => Ok(Stmt::CpAsyncCommit),
                     "cp.async.wait_group" => Ok(Stmt::CpAsyncWait(self.uint("a group count")?)),
+                    "mbarrier.init" => {
+                        let bar = self.bracketed()?;
+                        self.punct(",")?;
+                        let count = self.uint("an arrival count")?;
+                        Ok(Stmt::MbarInit { bar, count })
+                    }
+                    "mbarrier.arrive" => Ok(Stmt::MbarArrive {
+                        bar: self.bracketed()?,
+                        tx: None,
+                    }),
+                    "mbarrier.arrive.expect_tx" => {
+                        let bar = self.bracketed()?;
+                        self.punct(",")?;
+                        Ok(Stmt::MbarArrive {
+                            bar,
+                            tx: Some(self.expr()?),
+                        })
+                    }
+                    "mbarrier.wait" => {
+                        let bar = self.bracketed()?;
+                        self.punct(",")?;
+                        Ok(Stmt::MbarWait {
+                            bar,
+                            parity: self.expr()?,
+                        })
+                    }
+                    "tma.load" => self.tma_load(),
+                    "fence.proxy.async" => Ok(Stmt::FenceProxyAsync),
+                    "wgmma.wait_group" => {
+                        let groups = self.uint("a group count")?;
+                        let regs = if self.is_punct("{") {
+                            self.reg_list()?
+                        } else {
+                            Vec::new()
+                        };
+                        Ok(Stmt::WgmmaWait { groups, regs })
+                    }
+                    "setmaxnreg.inc" | "setmaxnreg.dec" => Ok(Stmt::SetMaxNReg {
+                        inc: w == "setmaxnreg.inc",
+                        regs: self.uint("a register count")?,
+                    }),
                     "cp.async.cg.shared.global" => {
                         self.punct("[")?;
                         let dst = self.expr()?;
@@ -498,13 +539,106 @@ impl Parser {
         }
     }
 
-    /// `{..} = ldmatrix.xN[.trans].shared.b16 [addr]` or `{..} = mma.m16n8k16.T({..}, {..}, {..})`.
+    /// `[expr]`.
+    fn bracketed(&mut self) -> Result<Expr, ParseError> {
+        self.punct("[")?;
+        let e = self.expr()?;
+        self.punct("]")?;
+        Ok(e)
+    }
+
+    /// `tma.load [dst], $map[c, ..], [bar]`, after the word.
+    fn tma_load(&mut self) -> Result<Stmt, ParseError> {
+        let dst = self.bracketed()?;
+        self.punct(",")?;
+        let Tok::Param(p) = self.next() else {
+            return Err(self.expected("a tensor map parameter `$name`"));
+        };
+        let map = self
+            .params
+            .iter()
+            .position(|(n, _)| *n == p)
+            .ok_or_else(|| self.error(format!("parameter `${p}` is not declared")))?;
+        self.punct("[")?;
+        let mut coords = vec![self.expr()?];
+        while self.is_punct(",") {
+            self.next();
+            coords.push(self.expr()?);
+        }
+        self.punct("]")?;
+        self.punct(",")?;
+        let bar = self.bracketed()?;
+        Ok(Stmt::TmaLoad {
+            dst,
+            map: map as u32,
+            coords,
+            bar,
+        })
+    }
+
+    /// `{..} = wgmma.m64nNk16.T.{kmajor,nmajor}(acc) { a.shared(desc) b(desc) .. }`, after
+    /// the accumulator list and the operation's name.
+    fn wgmma(&mut self, d: Vec<Reg>, op: &str) -> Result<Stmt, ParseError> {
+        let bad = || format!("unknown wgmma form `{op}`");
+        let rest = op
+            .strip_prefix("wgmma.m64n")
+            .ok_or_else(|| self.error(bad()))?;
+        let (n, rest) = rest.split_once("k16.").ok_or_else(|| self.error(bad()))?;
+        let n = n.parse::<u32>().map_err(|_| self.error(bad()))?;
+        let (half, b_n_major) = match rest {
+            "bf16.kmajor" => (Half::Bf16, false),
+            "bf16.nmajor" => (Half::Bf16, true),
+            "f16.kmajor" => (Half::F16, false),
+            "f16.nmajor" => (Half::F16, true),
+            _ => return Err(self.error(bad())),
+        };
+        self.punct("(")?;
+        let accumulate = self.expr()?;
+        self.punct(")")?;
+        self.punct("{")?;
+        let mut steps = Vec::new();
+        while !self.is_punct("}") {
+            let a = match self.next() {
+                Tok::Word(w) if w == "a.shared" => {
+                    self.punct("(")?;
+                    let desc = self.expr()?;
+                    self.punct(")")?;
+                    WgmmaA::Shared(desc)
+                }
+                Tok::Word(w) if w == "a.regs" => WgmmaA::Regs(self.fixed::<4>("wgmma's A")?),
+                _ => {
+                    self.pos -= 1;
+                    return Err(self.expected("`a.shared(..)`, `a.regs{..}` or `}`"));
+                }
+            };
+            self.word("b")?;
+            self.punct("(")?;
+            let b = self.expr()?;
+            self.punct(")")?;
+            steps.push((a, b));
+        }
+        self.next();
+        Ok(Stmt::Wgmma(Box::new(Wgmma {
+            half,
+            n,
+            d,
+            accumulate,
+            steps,
+            b_n_major,
+        })))
+    }
+
+    /// `{..} = ldmatrix.xN[.trans].shared.b16 [addr]`, `{..} = mma.m16n8k16.T({..}, {..}, {..})`
+    /// or a `wgmma`.
     fn collective(&mut self) -> Result<Stmt, ParseError> {
         let dst = self.reg_list()?;
         self.punct("=")?;
         let Tok::Word(op) = self.next() else {
-            return Err(self.expected("ldmatrix or mma"));
+            return Err(self.expected("ldmatrix, mma or wgmma"));
         };
+        if op.starts_with("wgmma.") {
+            return self.wgmma(dst, &op);
+        }
         if let Some(rest) = op.strip_prefix("ldmatrix.x") {
             let (count, trans) = match rest {
                 "1.shared.b16" => (1, false),
@@ -661,6 +795,10 @@ impl Parser {
             "ctaid.x" => Expr::Special(Special::Ctaid(0)),
             "ctaid.y" => Expr::Special(Special::Ctaid(1)),
             "ctaid.z" => Expr::Special(Special::Ctaid(2)),
+            "shared.addr" => {
+                let [a] = self.args()?;
+                Expr::SharedAddress(boxed(a))
+            }
             "min" | "max" => {
                 let [a, b] = self.args()?;
                 let op = if w == "min" { Bin::Min } else { Bin::Max };
@@ -750,6 +888,7 @@ fn ty_named(w: &str) -> Option<Ty> {
         "i32" => Ty::I32,
         "i64" => Ty::I64,
         "f32" => Ty::F32,
+        "tensormap" => Ty::TensorMap,
         _ => return None,
     })
 }

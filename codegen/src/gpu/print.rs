@@ -10,6 +10,7 @@ impl fmt::Display for Ty {
             Ty::I32 => "i32",
             Ty::I64 => "i64",
             Ty::F32 => "f32",
+            Ty::TensorMap => "tensormap",
         })
     }
 }
@@ -112,8 +113,23 @@ impl<'a> fmt::Display for Show<'a> {
                 };
                 write!(f, "{name}({}, {})", sub(lo), sub(hi))
             }
+            Expr::SharedAddress(a) => write!(f, "shared.addr({})", sub(a)),
         }
     }
+}
+
+fn half_name(h: super::ir::Half) -> &'static str {
+    match h {
+        super::ir::Half::Bf16 => "bf16",
+        super::ir::Half::F16 => "f16",
+    }
+}
+
+fn reg_list(names: &[String], rs: &[super::ir::Reg]) -> String {
+    rs.iter()
+        .map(|r| format!("%{}", names[r.0 as usize]))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn stmts(
@@ -205,6 +221,74 @@ fn stmts(
                     names(c)
                 )?
             }
+            Stmt::MbarInit { bar, count } => {
+                writeln!(f, "{pad}mbarrier.init [{}], {count}", show(bar))?
+            }
+            Stmt::MbarArrive { bar, tx: None } => {
+                writeln!(f, "{pad}mbarrier.arrive [{}]", show(bar))?
+            }
+            Stmt::MbarArrive { bar, tx: Some(tx) } => writeln!(
+                f,
+                "{pad}mbarrier.arrive.expect_tx [{}], {}",
+                show(bar),
+                show(tx)
+            )?,
+            Stmt::MbarWait { bar, parity } => {
+                writeln!(f, "{pad}mbarrier.wait [{}], {}", show(bar), show(parity))?
+            }
+            Stmt::TmaLoad {
+                dst,
+                map,
+                coords,
+                bar,
+            } => {
+                let coords: Vec<String> = coords.iter().map(|c| show(c).to_string()).collect();
+                writeln!(
+                    f,
+                    "{pad}tma.load [{}], ${}[{}], [{}]",
+                    show(dst),
+                    k.params[*map as usize].0,
+                    coords.join(", "),
+                    show(bar)
+                )?
+            }
+            Stmt::FenceProxyAsync => writeln!(f, "{pad}fence.proxy.async")?,
+            Stmt::Wgmma(w) => {
+                writeln!(
+                    f,
+                    "{pad}{{{}}} = wgmma.m64n{}k16.{}.{}({}) {{",
+                    reg_list(names, &w.d),
+                    w.n,
+                    half_name(w.half),
+                    if w.b_n_major { "nmajor" } else { "kmajor" },
+                    show(&w.accumulate)
+                )?;
+                for (a, b) in &w.steps {
+                    match a {
+                        super::ir::WgmmaA::Shared(desc) => {
+                            write!(f, "{pad}  a.shared({})", show(desc))?
+                        }
+                        super::ir::WgmmaA::Regs(regs) => {
+                            write!(f, "{pad}  a.regs{{{}}}", reg_list(names, regs))?
+                        }
+                    }
+                    writeln!(f, " b({})", show(b))?;
+                }
+                writeln!(f, "{pad}}}")?
+            }
+            Stmt::WgmmaWait { groups, regs } if regs.is_empty() => {
+                writeln!(f, "{pad}wgmma.wait_group {groups}")?
+            }
+            Stmt::WgmmaWait { groups, regs } => writeln!(
+                f,
+                "{pad}wgmma.wait_group {groups} {{{}}}",
+                reg_list(names, regs)
+            )?,
+            Stmt::SetMaxNReg { inc, regs } => writeln!(
+                f,
+                "{pad}setmaxnreg.{} {regs}",
+                if *inc { "inc" } else { "dec" }
+            )?,
         }
     }
     Ok(())

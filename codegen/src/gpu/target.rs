@@ -11,17 +11,21 @@ pub enum Arch {
     Sm80,
     /// Hopper (H100, H200).
     Sm90,
+    /// Hopper with its architecture-specific instructions (`wgmma`, `setmaxnreg`): PTX for it
+    /// runs on compute capability 9.0 only.
+    Sm90a,
 }
 
 impl Arch {
     /// Every architecture, oldest first.
-    pub const ALL: [Arch; 2] = [Arch::Sm80, Arch::Sm90];
+    pub const ALL: [Arch; 3] = [Arch::Sm80, Arch::Sm90, Arch::Sm90a];
 
     /// The name ptxas and LLVM use (`sm_80`).
     pub fn name(self) -> &'static str {
         match self {
             Arch::Sm80 => "sm_80",
             Arch::Sm90 => "sm_90",
+            Arch::Sm90a => "sm_90a",
         }
     }
 
@@ -30,8 +34,9 @@ impl Arch {
         Arch::ALL.into_iter().find(|a| a.name() == name)
     }
 
-    /// The newest of these architectures a device of compute capability `major.minor` runs:
+    /// The newest portable architecture a device of compute capability `major.minor` runs:
     /// PTX for an older architecture runs on newer devices (the driver compiles it for them).
+    /// Never [`Arch::Sm90a`], whose PTX runs on 9.0 devices alone.
     pub fn for_capability(major: u32, minor: u32) -> Option<Arch> {
         match (major, minor) {
             (9.., _) => Some(Arch::Sm90),
@@ -60,11 +65,12 @@ pub fn dynamic_shared_bytes(kernel: &Kernel) -> u32 {
 /// becomes PTX, even within one version). The same in every build of the same source, with or
 /// without LLVM, so a build without the compiler can use what a build with it cached.
 pub fn compiler_version() -> String {
-    const LOWERING: &[u8] = include_bytes!("llvm.rs");
+    const LOWERING: &[u8] = include_bytes!("llvm/mod.rs");
+    const ASM: &[u8] = include_bytes!("llvm/asm.rs");
     format!(
         "attn-codegen {} (LLVM 19 NVPTX, lowering {:016x})",
         env!("CARGO_PKG_VERSION"),
-        fnv1a(LOWERING, FNV_OFFSET)
+        fnv1a(ASM, fnv1a(LOWERING, FNV_OFFSET))
     )
 }
 

@@ -8,11 +8,13 @@
 //!   address of their range are errors;
 //! - barriers are not under control flow that can diverge within a CTA (a condition or loop
 //!   bound that depends on the thread's index, directly or through registers and shuffles);
-//! - warp-collective operations (`mma`, `ldmatrix`) have fragments of their shapes.
+//! - warp-collective operations (`mma`, `ldmatrix`) and warpgroup ones (`wgmma`,
+//!   `setmaxnreg`) have fragments and operands of their shapes;
+//! - tensor maps are parameters and only operands of TMA copies.
 //!
 //! The interpreter checks the rest (addresses in bounds at run time, races) as it runs.
 
-use super::ir::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty, Un};
+use super::ir::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty, Un, WgmmaA};
 use std::fmt;
 
 /// What the verifier found wrong, and where (a path of statement indices from the body).
@@ -55,9 +57,16 @@ pub fn verify(kernel: &Kernel) -> Result<(), Vec<VerifyError>> {
         v.error("0 CTAs per SM".into());
     }
     for (i, (name, ty)) in kernel.params.iter().enumerate() {
-        if *ty != Ty::I64 {
+        if !matches!(ty, Ty::I64 | Ty::TensorMap) {
             v.error(format!(
-                "parameter {i} `{name}` is {ty}; parameters are i64"
+                "parameter {i} `{name}` is {ty}; parameters are i64 or tensormap"
+            ));
+        }
+    }
+    for (name, ty) in &kernel.regs {
+        if *ty == Ty::TensorMap {
+            v.error(format!(
+                "register `%{name}` is a tensormap; tensor maps are only parameters"
             ));
         }
     }
@@ -128,6 +137,12 @@ impl Verifier<'_> {
             Expr::Pred(_) => Ty::Pred,
             Expr::Reg(r) => self.reg(*r)?,
             Expr::Param(i) => match self.kernel.params.get(*i as usize) {
+                Some((name, Ty::TensorMap)) => {
+                    self.error(format!(
+                        "tensor map `${name}` used as a value (only as a TMA copy's map)"
+                    ));
+                    return None;
+                }
                 Some((_, ty)) => *ty,
                 None => {
                     self.error(format!("parameter {i} does not exist"));
@@ -159,6 +174,7 @@ impl Verifier<'_> {
                     Ty::Pred => matches!(op, Bin::And | Bin::Or | Bin::Eq | Bin::Ne),
                     Ty::F32 => !matches!(op, Bin::And | Bin::Or | Bin::Shl),
                     Ty::I32 | Ty::I64 => true,
+                    Ty::TensorMap => false,
                 };
                 if !ok {
                     self.error(format!("{op:?} on {a}"));
@@ -230,6 +246,10 @@ impl Verifier<'_> {
                 self.expect(lo, Ty::F32, "a packed half's low value");
                 self.expect(hi, Ty::F32, "a packed half's high value");
                 Ty::I32
+            }
+            Expr::SharedAddress(a) => {
+                self.address(Space::Shared, a, 0);
+                Ty::I64
             }
         })
     }
@@ -365,7 +385,87 @@ impl Verifier<'_> {
                 self.expect(src, Ty::I64, "cp.async's source");
                 self.expect(src_bytes, Ty::I32, "cp.async's byte count");
             }
-            Stmt::CpAsyncCommit | Stmt::CpAsyncWait(_) => {}
+            Stmt::CpAsyncCommit | Stmt::CpAsyncWait(_) | Stmt::FenceProxyAsync => {}
+            Stmt::MbarInit { bar, count } => {
+                self.address(Space::Shared, bar, 8);
+                if *count == 0 || *count >= 1 << 20 {
+                    self.error(format!(
+                        "an mbarrier of {count} arrivals (1 to {})",
+                        (1 << 20) - 1
+                    ));
+                }
+            }
+            Stmt::MbarArrive { bar, tx } => {
+                self.address(Space::Shared, bar, 8);
+                if let Some(tx) = tx {
+                    self.expect(tx, Ty::I32, "an mbarrier's transaction bytes");
+                }
+            }
+            Stmt::MbarWait { bar, parity } => {
+                self.address(Space::Shared, bar, 8);
+                self.expect(parity, Ty::I32, "an mbarrier wait's parity");
+            }
+            Stmt::TmaLoad {
+                dst,
+                map,
+                coords,
+                bar,
+            } => {
+                self.address(Space::Shared, dst, 16);
+                self.address(Space::Shared, bar, 8);
+                match self.kernel.params.get(*map as usize) {
+                    Some((_, Ty::TensorMap)) => {}
+                    Some((name, ty)) => {
+                        self.error(format!("a TMA copy's map `${name}` is {ty}, not tensormap"))
+                    }
+                    None => self.error(format!("a TMA copy's map parameter {map} does not exist")),
+                }
+                if !(1..=5).contains(&coords.len()) {
+                    self.error(format!(
+                        "a TMA copy with {} coordinates (1 to 5)",
+                        coords.len()
+                    ));
+                }
+                for c in coords {
+                    self.expect(c, Ty::I32, "a TMA coordinate");
+                }
+            }
+            Stmt::Wgmma(w) => {
+                if w.n == 0 || w.n > 256 || w.n % 8 != 0 {
+                    self.error(format!(
+                        "a wgmma with N {} (a multiple of 8 up to 256)",
+                        w.n
+                    ));
+                }
+                if w.d.len() != w.n as usize / 2 {
+                    self.error(format!(
+                        "a wgmma of N {} takes {} accumulator registers, found {}",
+                        w.n,
+                        w.n / 2,
+                        w.d.len()
+                    ));
+                }
+                self.regs_of(&w.d, Ty::F32, "a wgmma accumulator");
+                self.expect(&w.accumulate, Ty::Pred, "a wgmma's accumulate flag");
+                if w.steps.is_empty() {
+                    self.error("a wgmma with no steps".into());
+                }
+                for (a, b) in &w.steps {
+                    match a {
+                        WgmmaA::Shared(desc) => self.expect(desc, Ty::I64, "a wgmma A descriptor"),
+                        WgmmaA::Regs(regs) => self.regs_of(regs, Ty::I32, "a wgmma A fragment"),
+                    }
+                    self.expect(b, Ty::I64, "a wgmma B descriptor");
+                }
+            }
+            Stmt::WgmmaWait { regs, .. } => self.regs_of(regs, Ty::F32, "a wgmma wait's"),
+            Stmt::SetMaxNReg { regs, .. } => {
+                if !(24..=256).contains(regs) || regs % 8 != 0 {
+                    self.error(format!(
+                        "setmaxnreg to {regs} registers (24 to 256, a multiple of 8)"
+                    ));
+                }
+            }
         }
     }
 }
@@ -381,7 +481,8 @@ fn depends_on_thread(e: &Expr, divergent: &[bool]) -> bool {
         | Expr::Cast(a, _)
         | Expr::Load(_, _, a)
         | Expr::LoadHalf(_, _, a)
-        | Expr::Table(_, a) => depends_on_thread(a, divergent),
+        | Expr::Table(_, a)
+        | Expr::SharedAddress(a) => depends_on_thread(a, divergent),
         Expr::Bin(_, a, b) | Expr::PackHalf(_, a, b) => {
             depends_on_thread(a, divergent) || depends_on_thread(b, divergent)
         }
@@ -427,6 +528,7 @@ fn divergent_registers(kernel: &Kernel) -> Vec<bool> {
                 }
                 Stmt::Mma { d: out, .. } => out.iter().for_each(|r| mark(r, d, changed)),
                 Stmt::LdMatrix { dst, .. } => dst.iter().for_each(|r| mark(r, d, changed)),
+                Stmt::Wgmma(w) => w.d.iter().for_each(|r| mark(r, d, changed)),
                 _ => {}
             }
         }
@@ -465,6 +567,7 @@ fn register_ranges(kernel: &Kernel) -> Vec<Option<(i64, i64)>> {
                 }
                 Stmt::Mma { d, .. } => d.iter().for_each(bump),
                 Stmt::LdMatrix { dst, .. } => dst.iter().for_each(bump),
+                Stmt::Wgmma(w) => w.d.iter().for_each(bump),
                 _ => {}
             }
         }

@@ -43,7 +43,21 @@ fn resources(report: &str) -> (u32, u32, u32) {
 
 /// Assembles PTX with ptxas (`-v`) when ptxas is available: asserts it succeeds, prints and
 /// returns (registers, spill bytes, shared bytes).
+#[allow(dead_code)]
 pub fn assemble(ptx: &str, arch: Arch, label: &str) -> Option<(u32, u32, u32)> {
+    let report = assemble_report(ptx, arch, label)?;
+    let (regs, spills, smem) = resources(&report);
+    assert!(regs > 0, "{label}: no resource report in\n{report}");
+    eprintln!(
+        "{label} {}: {regs} registers, {spills} bytes spilled, {smem} bytes smem",
+        arch.name()
+    );
+    Some((regs, spills, smem))
+}
+
+/// Assembles PTX with ptxas (`-v`) when ptxas is available: asserts it succeeds and returns
+/// its report (warnings and resources).
+pub fn assemble_report(ptx: &str, arch: Arch, label: &str) -> Option<String> {
     let ptxas = ptxas()?;
     let safe: String = label
         .chars()
@@ -60,16 +74,11 @@ pub fn assemble(ptx: &str, arch: Arch, label: &str) -> Option<(u32, u32, u32)> {
         .arg(&file)
         .output()
         .unwrap();
-    let report = String::from_utf8_lossy(&run.stderr);
+    let report = String::from_utf8_lossy(&run.stderr).into_owned();
     assert!(
         run.status.success(),
         "{label} {arch:?}: ptxas failed:\n{report}"
     );
-    let (regs, spills, smem) = resources(&report);
-    assert!(regs > 0, "{label}: no resource report in\n{report}");
-    eprintln!(
-        "{label} {}: {regs} registers, {spills} bytes spilled, {smem} bytes smem",
-        arch.name()
-    );
-    Some((regs, spills, smem))
+    eprintln!("{label} {}:\n{report}", arch.name());
+    Some(report)
 }

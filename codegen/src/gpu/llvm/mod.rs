@@ -4,10 +4,15 @@
 //! pipeline), each operation its PTX counterpart (`llvm.nvvm.ex2.approx.f`, `lg2.approx`,
 //! `shfl.sync.bfly`, `barrier0`, `fma`, `minnum`/`maxnum`, saturating `fptosi`), global and
 //! shared memory in address spaces 1 and 3, structured control flow as basic blocks. The kernel
-//! uses the PTX kernel calling convention.
+//! uses the PTX kernel calling convention. Hopper's asynchronous operations are inline PTX
+//! ([`asm`]); tensor maps are `byval` parameters marked `grid_constant`, whose generic address
+//! TMA copies take.
+
+mod asm;
 
 use super::ir::{Bin, Expr, Half, Kernel, Space, Special, Stmt, Ty, Un};
 use crate::error::CodegenError;
+use inkwell::attributes::{Attribute, AttributeLoc};
 use inkwell::builder::Builder;
 use inkwell::context::Context;
 use inkwell::intrinsics::Intrinsic;
@@ -16,6 +21,7 @@ use inkwell::passes::PassBuilderOptions;
 use inkwell::targets::{
     CodeModel, FileType, InitializationConfig, RelocMode, Target, TargetTriple,
 };
+use inkwell::types::AnyType;
 use inkwell::types::BasicTypeEnum;
 use inkwell::values::{
     BasicMetadataValueEnum, BasicValue, BasicValueEnum, FunctionValue, GlobalValue, PointerValue,
@@ -118,6 +124,35 @@ fn lower<'ctx>(
         .collect();
     let function = module.add_function(&kernel.name, ctx.void_type().fn_type(&params, false), None);
     function.set_call_conventions(PTX_KERNEL);
+    // Tensor maps: 128 bytes by value, 64-aligned, read in place (`__grid_constant__`).
+    let maps: Vec<u32> = (0..kernel.params.len() as u32)
+        .filter(|&i| kernel.params[i as usize].1 == Ty::TensorMap)
+        .collect();
+    for &i in &maps {
+        let bytes = ctx.i8_type().array_type(128);
+        let byval = ctx.create_type_attribute(
+            Attribute::get_named_enum_kind_id("byval"),
+            bytes.as_any_type_enum(),
+        );
+        let align = ctx.create_enum_attribute(Attribute::get_named_enum_kind_id("align"), 64);
+        function.add_attribute(AttributeLoc::Param(i), byval);
+        function.add_attribute(AttributeLoc::Param(i), align);
+    }
+    if !maps.is_empty() {
+        // Argument indices count from 1 here.
+        let indices: Vec<_> = maps
+            .iter()
+            .map(|&i| ctx.i32_type().const_int(u64::from(i) + 1, false).into())
+            .collect();
+        let node = ctx.metadata_node(&[
+            function.as_global_value().as_pointer_value().into(),
+            ctx.metadata_string("grid_constant").into(),
+            ctx.metadata_node(&indices).into(),
+        ]);
+        module
+            .add_global_metadata("nvvm.annotations", &node)
+            .map_err(err)?;
+    }
     // Launch bounds: the CTA size, and two CTAs per SM, so ptxas budgets registers for both.
     for (key, value) in [
         ("maxntidx", kernel.threads),
@@ -154,7 +189,12 @@ fn lower<'ctx>(
             g.set_linkage(Linkage::Internal);
             g.set_initializer(&ty.get_undef());
         }
-        g.set_alignment(16);
+        // Swizzled tiles that TMA writes and `wgmma` reads follow address bits up to 1024.
+        g.set_alignment(if uses_async_proxy(&kernel.body) {
+            1024
+        } else {
+            16
+        });
         g
     });
     let mut l = Lowering {
@@ -178,7 +218,19 @@ fn basic(ctx: &Context, t: Ty) -> BasicTypeEnum<'_> {
         Ty::I32 => ctx.i32_type().into(),
         Ty::I64 => ctx.i64_type().into(),
         Ty::F32 => ctx.f32_type().into(),
+        Ty::TensorMap => ctx.ptr_type(AddressSpace::default()).into(),
     }
+}
+
+/// Whether a program has TMA copies or `wgmma` products (which need swizzle-aligned shared
+/// memory).
+fn uses_async_proxy(body: &[Stmt]) -> bool {
+    body.iter().any(|s| match s {
+        Stmt::TmaLoad { .. } | Stmt::Wgmma(_) => true,
+        Stmt::If(_, t, e) => uses_async_proxy(t) || uses_async_proxy(e),
+        Stmt::For { body, .. } => uses_async_proxy(body),
+        _ => false,
+    })
 }
 
 impl<'ctx> Lowering<'_, 'ctx> {
@@ -382,6 +434,22 @@ impl<'ctx> Lowering<'_, 'ctx> {
                     }
                 }
             }
+            Stmt::MbarInit { bar, count } => self.mbar_init(bar, *count)?,
+            Stmt::MbarArrive { bar, tx } => self.mbar_arrive(bar, tx.as_ref())?,
+            Stmt::MbarWait { bar, parity } => self.mbar_wait(bar, parity)?,
+            Stmt::TmaLoad {
+                dst,
+                map,
+                coords,
+                bar,
+            } => self.tma_load(dst, *map, coords, bar)?,
+            Stmt::FenceProxyAsync => self.plain("fence.proxy.async.shared::cta;")?,
+            Stmt::Wgmma(w) => self.wgmma(w)?,
+            Stmt::WgmmaWait { groups, regs } => self.wgmma_wait(*groups, regs)?,
+            Stmt::SetMaxNReg { inc, regs } => self.plain(&format!(
+                "setmaxnreg.{}.sync.aligned.u32 {regs};",
+                if *inc { "inc" } else { "dec" }
+            ))?,
             Stmt::Mma { half, d, a, b, c } => {
                 let mut args = Vec::with_capacity(10);
                 // bf16 operands are i32 pairs; f16 ones <2 x half>.
@@ -606,6 +674,7 @@ impl<'ctx> Lowering<'_, 'ctx> {
                 }
                 value
             }
+            Expr::SharedAddress(a) => self.shared_address(a)?,
             Expr::PackHalf(h, lo, hi) => {
                 let (lo, hi) = (self.expr(lo)?, self.expr(hi)?);
                 // cvt.rn.{bf16,f16}x2.f32 puts its first operand in the upper half.

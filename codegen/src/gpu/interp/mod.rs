@@ -3,20 +3,49 @@
 //! checks what the hardware would not: memory accesses in bounds, barriers reached by every
 //! thread, shuffles from active lanes, well-typed operands, and shared-memory races between
 //! warps that lockstep execution would hide (a byte one warp wrote or read, touched by another
-//! with no barrier between). Errors, never panics.
+//! with no barrier between, or with no mbarrier phase between; see [`hazards`]). Hopper's
+//! asynchronous operations (mbarriers, TMA, `wgmma`) follow the PTX ISA ([`hopper`]). Errors,
+//! never panics.
+
+mod hazards;
+mod hopper;
+mod stepper;
 
 use super::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Un};
+use super::tma::TensorMap;
+use hazards::Hazards;
 use std::cell::RefCell;
+use std::collections::{HashMap, VecDeque};
 
 /// Device memory: buffers addressed as `(buffer + 1) << 40 | byte offset`.
 #[derive(Clone, Debug, Default)]
 pub struct Memory {
     buffers: Vec<Vec<u8>>,
+    tensor_maps: Vec<TensorMap>,
 }
 
 const OFFSET_BITS: u32 = 40;
 
+/// Tensor map handles: `TENSOR_MAPS | index`, outside every buffer's addresses.
+const TENSOR_MAPS: i64 = 1 << 62;
+
 impl Memory {
+    /// A tensor map (checked as the driver checks it), as the value of a
+    /// [`Ty::TensorMap`] parameter.
+    pub fn alloc_tensor_map(&mut self, map: TensorMap) -> Result<i64, String> {
+        map.check()?;
+        self.tensor_maps.push(map);
+        Ok(TENSOR_MAPS | (self.tensor_maps.len() as i64 - 1))
+    }
+
+    fn tensor_map(&self, handle: i64) -> Result<&TensorMap, String> {
+        usize::try_from(handle ^ TENSOR_MAPS)
+            .ok()
+            .filter(|_| handle & TENSOR_MAPS != 0)
+            .and_then(|i| self.tensor_maps.get(i))
+            .ok_or_else(|| format!("{handle:#x} is not a tensor map"))
+    }
+
     /// A new buffer holding `values`; returns its address.
     pub fn alloc_f32(&mut self, values: &[f32]) -> i64 {
         self.alloc_bytes(values.iter().flat_map(|v| v.to_le_bytes()).collect())
@@ -120,7 +149,7 @@ impl Val {
         match ty {
             Ty::Pred => Val::P(false),
             Ty::I32 => Val::I32(0),
-            Ty::I64 => Val::I64(0),
+            Ty::I64 | Ty::TensorMap => Val::I64(0),
             Ty::F32 => Val::F(0.0),
         }
     }
@@ -166,25 +195,28 @@ pub fn run(
     for z in 0..grid[2] {
         for y in 0..grid[1] {
             for x in 0..grid[0] {
+                let (threads, bytes) = (kernel.threads as usize, kernel.shared_bytes as usize);
                 let mut cta = Cta {
                     kernel,
                     args,
                     ctaid: [x, y, z],
-                    regs: vec![
-                        kernel.regs.iter().map(|(_, t)| Val::zero(*t)).collect();
-                        kernel.threads as usize
-                    ],
-                    shared: vec![0; kernel.shared_bytes as usize],
-                    copies: (0..kernel.threads)
-                        .map(|_| ThreadCopies::default())
+                    regs: vec![kernel.regs.iter().map(|(_, t)| Val::zero(*t)).collect(); threads],
+                    shared: vec![0; bytes],
+                    copies: (0..threads).map(|_| ThreadCopies::default()).collect(),
+                    in_flight: vec![0; bytes],
+                    hazards: RefCell::new(Hazards::new(bytes, threads.div_ceil(32))),
+                    generic_writes: vec![0; bytes],
+                    mbarriers: HashMap::new(),
+                    mma_groups: (0..threads.div_ceil(128))
+                        .map(|_| VecDeque::new())
                         .collect(),
-                    in_flight: vec![0; kernel.shared_bytes as usize],
-                    hazards: RefCell::new(Hazards::new(kernel.shared_bytes as usize)),
+                    busy: vec![vec![0; kernel.regs.len()]; threads],
+                    busy_count: 0,
                     memory,
                 };
-                let all = vec![true; kernel.threads as usize];
-                cta.exec(&kernel.body, &all)
+                cta.run_body()
                     .and_then(|()| cta.all_copies_waited())
+                    .and_then(|()| cta.all_products_waited())
                     .map_err(|e| format!("{} CTA ({x}, {y}, {z}): {e}", kernel.name))?;
             }
         }
@@ -202,77 +234,20 @@ struct Cta<'a> {
     copies: Vec<ThreadCopies>,
     /// Per shared byte: whether a copy in flight will write it (1) or not (0).
     in_flight: Vec<u8>,
-    /// Which warps touched each shared byte since the last barrier.
+    /// Who touched each shared byte, and what orders the CTA's warps.
     hazards: RefCell<Hazards>,
+    /// Per shared byte: 1 + the warp whose ordinary store wrote it with no `fence.proxy.async`
+    /// after it (0: none).
+    generic_writes: Vec<u8>,
+    /// The CTA's mbarriers by shared offset.
+    mbarriers: HashMap<usize, hopper::Mbar>,
+    /// Per warpgroup: its committed `wgmma` groups in flight, oldest first.
+    mma_groups: Vec<VecDeque<hopper::MmaGroup>>,
+    /// Per thread and register: how many `wgmma` groups in flight use it.
+    busy: Vec<Vec<u16>>,
+    /// The sum of `busy`.
+    busy_count: usize,
     memory: &'a mut Memory,
-}
-
-/// Shared-memory races between warps. This interpreter runs warps in lockstep, which would
-/// hide a missing barrier; hardware runs them in any order. So a byte one warp wrote may be
-/// neither read nor written by another warp, and a byte one warp read may not be written by
-/// another, until a barrier orders them. A `cp.async` copy writes its bytes at issue (it may
-/// land any time after) and again where its issuing thread waits for it.
-struct Hazards {
-    /// Barriers passed so far.
-    epoch: u32,
-    /// Per byte: the epoch and warp of its last write.
-    written: Vec<(u32, u32)>,
-    /// Per byte: the epoch of its last reads and the warps (a bit each) that read it then.
-    read: Vec<(u32, u32)>,
-}
-
-impl Hazards {
-    fn new(bytes: usize) -> Hazards {
-        // Epochs start at 1, so no byte counts as touched before the first access.
-        Hazards {
-            epoch: 1,
-            written: vec![(0, 0); bytes],
-            read: vec![(0, 0); bytes],
-        }
-    }
-
-    fn read(&mut self, warp: usize, at: usize, len: usize) -> Result<(), String> {
-        let epoch = self.epoch;
-        for b in at..(at + len).min(self.written.len()) {
-            let (e, w) = self.written[b];
-            if e == epoch && w as usize != warp {
-                return Err(format!(
-                    "warp {warp} reads shared byte {b}, which warp {w} wrote with no barrier \
-                     between (a race on hardware)"
-                ));
-            }
-            let (e, warps) = &mut self.read[b];
-            if *e != epoch {
-                (*e, *warps) = (epoch, 0);
-            }
-            *warps |= 1 << warp;
-        }
-        Ok(())
-    }
-
-    fn write(&mut self, warp: usize, at: usize, len: usize) -> Result<(), String> {
-        let epoch = self.epoch;
-        for b in at..(at + len).min(self.written.len()) {
-            let (e, w) = self.written[b];
-            if e == epoch && w as usize != warp {
-                return Err(format!(
-                    "warp {warp} writes shared byte {b}, which warp {w} wrote with no barrier \
-                     between (a race on hardware)"
-                ));
-            }
-            let (e, warps) = self.read[b];
-            let others = warps & !(1 << warp);
-            if e == epoch && others != 0 {
-                return Err(format!(
-                    "warp {warp} writes shared byte {b}, which warp {} read with no barrier \
-                     between (a race on hardware)",
-                    others.trailing_zeros()
-                ));
-            }
-            self.written[b] = (epoch, warp as u32);
-        }
-        Ok(())
-    }
 }
 
 /// A `cp.async` copy in flight: where it lands and its 16 bytes (read at issue: global memory
@@ -290,119 +265,87 @@ struct ThreadCopies {
 }
 
 impl Cta<'_> {
-    fn exec(&mut self, body: &[Stmt], mask: &[bool]) -> Result<(), String> {
-        for stmt in body {
-            if !mask.iter().any(|&m| m) {
-                return Ok(());
-            }
-            match stmt {
-                Stmt::Set(r, e) => {
-                    let values = self.eval_all(e, mask)?;
-                    for (t, v) in values.into_iter().enumerate() {
-                        if let Some(v) = v {
-                            self.regs[t][r.0 as usize] = v;
-                        }
+    /// One statement other than `if` and `for` (which [`stepper`] runs) for the active threads.
+    fn leaf(&mut self, stmt: &Stmt, mask: &[bool]) -> Result<(), String> {
+        match stmt {
+            Stmt::Set(r, e) => {
+                let values = self.eval_all(e, mask)?;
+                for (t, v) in values.into_iter().enumerate() {
+                    if let Some(v) = v {
+                        self.check_not_busy(t, *r)?;
+                        self.regs[t][r.0 as usize] = v;
                     }
-                }
-                Stmt::Store(space, addr, value) => {
-                    let addrs = self.eval_all(addr, mask)?;
-                    let values = self.eval_all(value, mask)?;
-                    for (t, (a, v)) in addrs.into_iter().zip(values).enumerate() {
-                        if let (Some(a), Some(v)) = (a, v) {
-                            let bytes = match v {
-                                Val::F(x) => x.to_le_bytes().to_vec(),
-                                Val::I32(x) => x.to_le_bytes().to_vec(),
-                                Val::I64(x) => x.to_le_bytes().to_vec(),
-                                Val::P(_) => return Err("cannot store a predicate".into()),
-                            };
-                            self.store(*space, a.int()?, &bytes, t / 32)?;
-                        }
-                    }
-                }
-                Stmt::If(c, then, otherwise) => {
-                    let conds = self.eval_all(c, mask)?;
-                    let mut yes = vec![false; mask.len()];
-                    let mut no = vec![false; mask.len()];
-                    for (t, c) in conds.into_iter().enumerate() {
-                        if let Some(c) = c {
-                            let c = c.pred()?;
-                            yes[t] = c;
-                            no[t] = !c;
-                        }
-                    }
-                    self.exec(then, &yes)?;
-                    self.exec(otherwise, &no)?;
-                }
-                Stmt::For {
-                    reg,
-                    start,
-                    end,
-                    step,
-                    body,
-                } => {
-                    let starts = self.eval_all(start, mask)?;
-                    let ends = self.eval_all(end, mask)?;
-                    let mut ends_of = vec![0i64; mask.len()];
-                    for (t, (s, e)) in starts.into_iter().zip(ends).enumerate() {
-                        if let (Some(s), Some(e)) = (s, e) {
-                            self.regs[t][reg.0 as usize] = Val::I64(s.int()?);
-                            ends_of[t] = e.int()?;
-                        }
-                    }
-                    loop {
-                        let active = (0..mask.len())
-                            .map(
-                                |t| Ok(mask[t] && self.regs[t][reg.0 as usize].int()? < ends_of[t]),
-                            )
-                            .collect::<Result<Vec<bool>, String>>()?;
-                        if !active.iter().any(|&a| a) {
-                            break;
-                        }
-                        self.exec(body, &active)?;
-                        for (t, _) in active.iter().enumerate().filter(|(_, a)| **a) {
-                            let v = self.regs[t][reg.0 as usize].int()?;
-                            self.regs[t][reg.0 as usize] = Val::I64(v + step);
-                        }
-                    }
-                }
-                Stmt::Mma { half, d, a, b, c } => self.mma(mask, *half, *d, *a, *b, *c)?,
-                Stmt::CpAsync {
-                    dst,
-                    src,
-                    src_bytes,
-                } => self.cp_async(mask, dst, src, src_bytes)?,
-                Stmt::CpAsyncCommit => {
-                    for (t, copies) in self.copies.iter_mut().enumerate() {
-                        if mask[t] {
-                            let group = std::mem::take(&mut copies.open);
-                            copies.committed.push_back(group);
-                        }
-                    }
-                }
-                Stmt::CpAsyncWait(n) => {
-                    for t in (0..mask.len()).filter(|&t| mask[t]) {
-                        while self.copies[t].committed.len() > *n as usize {
-                            let group = self.copies[t].committed.pop_front().expect("a group");
-                            for copy in group {
-                                self.shared[copy.dst..copy.dst + 16].copy_from_slice(&copy.data);
-                                self.in_flight[copy.dst..copy.dst + 16].fill(0);
-                                self.hazards.borrow_mut().write(t / 32, copy.dst, 16)?;
-                            }
-                        }
-                    }
-                }
-                Stmt::LdMatrix { dst, addr, trans } => self.ldmatrix(mask, dst, addr, *trans)?,
-                Stmt::Barrier => {
-                    if !mask.iter().all(|&m| m) {
-                        let waiting = mask.iter().filter(|&&m| m).count();
-                        return Err(format!(
-                            "bar.sync reached by {waiting} of {} threads (divergent barrier)",
-                            mask.len()
-                        ));
-                    }
-                    self.hazards.borrow_mut().epoch += 1;
                 }
             }
+            Stmt::Store(space, addr, value) => {
+                let addrs = self.eval_all(addr, mask)?;
+                let values = self.eval_all(value, mask)?;
+                for (t, (a, v)) in addrs.into_iter().zip(values).enumerate() {
+                    if let (Some(a), Some(v)) = (a, v) {
+                        let bytes = match v {
+                            Val::F(x) => x.to_le_bytes().to_vec(),
+                            Val::I32(x) => x.to_le_bytes().to_vec(),
+                            Val::I64(x) => x.to_le_bytes().to_vec(),
+                            Val::P(_) => return Err("cannot store a predicate".into()),
+                        };
+                        self.store(*space, a.int()?, &bytes, t / 32)?;
+                    }
+                }
+            }
+            Stmt::If(..) | Stmt::For { .. } => {
+                return Err("control flow reached a leaf statement".into());
+            }
+            Stmt::Mma { half, d, a, b, c } => self.mma(mask, *half, *d, *a, *b, *c)?,
+            Stmt::CpAsync {
+                dst,
+                src,
+                src_bytes,
+            } => self.cp_async(mask, dst, src, src_bytes)?,
+            Stmt::CpAsyncCommit => {
+                for (t, copies) in self.copies.iter_mut().enumerate() {
+                    if mask[t] {
+                        let group = std::mem::take(&mut copies.open);
+                        copies.committed.push_back(group);
+                    }
+                }
+            }
+            Stmt::CpAsyncWait(n) => {
+                for t in (0..mask.len()).filter(|&t| mask[t]) {
+                    while self.copies[t].committed.len() > *n as usize {
+                        let group = self.copies[t].committed.pop_front().expect("a group");
+                        for copy in group {
+                            self.shared[copy.dst..copy.dst + 16].copy_from_slice(&copy.data);
+                            self.in_flight[copy.dst..copy.dst + 16].fill(0);
+                            self.hazards.borrow_mut().write(t / 32, copy.dst, 16)?;
+                            self.generic_writes[copy.dst..copy.dst + 16].fill((t / 32 + 1) as u8);
+                        }
+                    }
+                }
+            }
+            Stmt::LdMatrix { dst, addr, trans } => self.ldmatrix(mask, dst, addr, *trans)?,
+            Stmt::Barrier => {
+                if !mask.iter().all(|&m| m) {
+                    let waiting = mask.iter().filter(|&&m| m).count();
+                    return Err(format!(
+                        "bar.sync reached by {waiting} of {} threads (divergent barrier)",
+                        mask.len()
+                    ));
+                }
+                self.hazards.borrow_mut().barrier();
+            }
+            Stmt::MbarInit { bar, count } => self.mbar_init(mask, bar, *count)?,
+            Stmt::MbarArrive { bar, tx } => self.mbar_arrive(mask, bar, tx.as_ref())?,
+            Stmt::MbarWait { bar, parity } => self.mbar_wait(mask, bar, parity)?,
+            Stmt::TmaLoad {
+                dst,
+                map,
+                coords,
+                bar,
+            } => self.tma_load(mask, dst, *map, coords, bar)?,
+            Stmt::FenceProxyAsync => self.fence_proxy_async(mask),
+            Stmt::Wgmma(w) => self.wgmma(mask, w)?,
+            Stmt::WgmmaWait { groups, regs } => self.wgmma_wait(mask, *groups, regs)?,
+            Stmt::SetMaxNReg { regs, .. } => self.setmaxnreg(mask, *regs)?,
         }
         Ok(())
     }
@@ -522,6 +465,22 @@ impl Cta<'_> {
         }
     }
 
+    /// An mbarrier's bytes are only operands of mbarrier operations.
+    fn check_not_mbarrier(&self, a: usize, len: usize) -> Result<(), String> {
+        if self.mbarriers.is_empty() {
+            return Ok(());
+        }
+        match (a & !7..a + len)
+            .step_by(8)
+            .find(|b| self.mbarriers.contains_key(b))
+        {
+            Some(b) => Err(format!(
+                "an ordinary shared access of {len} bytes at {a} touches the mbarrier at {b}"
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// Shared bytes a copy in flight will still write may be neither read nor written.
     fn check_not_in_flight(&self, a: usize, len: usize) -> Result<(), String> {
         match self.in_flight.get(a..a + len) {
@@ -592,7 +551,11 @@ impl Cta<'_> {
             Space::Shared => {
                 let a = usize::try_from(addr).map_err(|_| format!("shared address {addr}"))?;
                 self.check_not_in_flight(a, bytes.len())?;
+                self.check_not_mbarrier(a, bytes.len())?;
                 self.hazards.borrow_mut().write(warp, a, bytes.len())?;
+                if let Some(w) = self.generic_writes.get_mut(a..a + bytes.len()) {
+                    w.fill((warp + 1) as u8);
+                }
                 let dst = self.shared.get_mut(a..a + bytes.len()).ok_or_else(|| {
                     format!(
                         "shared store of {} bytes at {a} is outside {} bytes",
@@ -619,6 +582,7 @@ impl Cta<'_> {
             && let Ok(a) = usize::try_from(addr)
         {
             self.check_not_in_flight(a, len)?;
+            self.check_not_mbarrier(a, len)?;
             self.hazards.borrow_mut().read(warp, a, len)?;
         }
         let bytes: &[u8] = match space {
@@ -673,7 +637,11 @@ impl Cta<'_> {
             Expr::Int(x, _) => Val::I64(*x),
             Expr::F32(x) => Val::F(*x),
             Expr::Pred(b) => Val::P(*b),
-            Expr::Reg(r) => self.regs[t][r.0 as usize],
+            Expr::Reg(r) => {
+                self.check_not_busy(t, *r)?;
+                self.regs[t][r.0 as usize]
+            }
+            Expr::SharedAddress(a) => Val::I64(ev(a)?.int()?),
             Expr::Param(i) => *self
                 .args
                 .get(*i as usize)
