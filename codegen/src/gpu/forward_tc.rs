@@ -637,121 +637,18 @@ pub fn lower_with(plan: &KernelPlan, qk: Half) -> Kernel {
         }
     }
 
-    // The score program, per element. A tile of code 1 keeps every key (the launch gives code
-    // 1 only to tiles inside Skv), so the mask and the Skv bound apply under code 2 alone. When
-    // the program is the scaled score itself, S stays unscaled: its max is taken raw and the
-    // scale applies inside the exponent, `2^(s c - m c)`, one fused multiply-add per score.
-    let scale = plan.q_scale as f32;
-    let folded = scale_folds(plan);
-    // The exponent is twice the half-unit difference: folded, `2 c (s - m)` on raw scores.
-    let exponent_scale = if folded { 2.0 * scale } else { 1.0 };
-    let keep_mask = !matches!(plan.program.mask, M::Bool(true));
-    let (mut kept, mut masked) = (Vec::new(), Vec::new());
-    for (rb, block) in s.iter().enumerate() {
-        for (nb, frag) in block.iter().enumerate() {
-            for (i, &x) in frag.iter().enumerate() {
-                let h = i / 2;
-                let key = add(
-                    mul(reg(t), i64(bc64)),
-                    add(mul(reg(q), i64(2)), i64((8 * nb + i % 2) as i64)),
-                );
-                let env = Env {
-                    score: mul(reg(x), f32(scale)),
-                    batch: reg(batch),
-                    head: reg(head),
-                    query: pos_of(rb, h),
-                    key: add(param("p0"), key.clone()),
-                    query_index: row_of(rb, h),
-                    key_index: key.clone(),
-                };
-                let value = if folded {
-                    reg(x)
-                } else {
-                    program(&plan.program.score, &env)
-                };
-                if !folded {
-                    kept.push(Stmt::Set(x, value.clone()));
-                }
-                let mut keep = bin(Bin::Lt, key, param("skv"));
-                if keep_mask {
-                    keep = bin(Bin::And, keep, program(&plan.program.mask, &env));
-                }
-                masked.push(Stmt::Set(x, select(keep, value, f32(f32::NEG_INFINITY))));
-            }
-        }
-    }
-    run.push(Stmt::If(
-        bin(
-            Bin::Eq,
-            reg(code),
-            Expr::Int(TileCode::Masked as i64, Ty::I32),
-        ),
-        masked,
-        kept,
-    ));
-
-    // Row max over the tile (this lane's elements, then its quad), the rescale, P.
-    let scaled = |e: Expr| {
-        if folded {
-            mul(e, f32(exponent_scale))
-        } else {
-            mul(e, f32(2.0))
-        }
+    let scores = TileScores {
+        s: &s,
+        tile: t,
+        key_tile: bc64,
+        q,
+        batch,
+        head,
+        row_of: &row_of,
+        pos_of: &pos_of,
     };
-    let (mt, m_use, alpha, neg_max) = (
-        r.add("tile_max", Ty::F32),
-        r.add("m_use", Ty::F32),
-        r.add("alpha", Ty::F32),
-        r.add("neg_max", Ty::F32),
-    );
-    for rb in 0..blocks {
-        for h in 0..2 {
-            run.push(Stmt::Set(mt, f32(f32::NEG_INFINITY)));
-            for frag in &s[rb] {
-                for x in [frag[2 * h], frag[2 * h + 1]] {
-                    run.push(Stmt::Set(mt, bin(Bin::Max, reg(mt), reg(x))));
-                }
-            }
-            for lane_mask in [1, 2] {
-                run.push(Stmt::Set(
-                    mt,
-                    bin(Bin::Max, reg(mt), shfl(reg(mt), lane_mask)),
-                ));
-            }
-            let m_new = bin(Bin::Max, reg(m[rb][h]), reg(mt));
-            run.push(Stmt::Set(
-                m_use,
-                select(
-                    bin(Bin::Eq, m_new.clone(), f32(f32::NEG_INFINITY)),
-                    f32(0.0),
-                    m_new.clone(),
-                ),
-            ));
-            run.push(Stmt::Set(
-                alpha,
-                un(Un::Ex2Ftz, scaled(sub(reg(m[rb][h]), reg(m_use)))),
-            ));
-            run.push(Stmt::Set(m[rb][h], m_new));
-            run.push(Stmt::Set(l[rb][h], mul(reg(l[rb][h]), reg(alpha))));
-            for frag in &o[rb] {
-                for x in [frag[2 * h], frag[2 * h + 1]] {
-                    run.push(Stmt::Set(x, mul(reg(x), reg(alpha))));
-                }
-            }
-            run.push(Stmt::Set(neg_max, mul(reg(m_use), f32(-exponent_scale))));
-            for frag in &s[rb] {
-                for x in [frag[2 * h], frag[2 * h + 1]] {
-                    let exponent = if folded {
-                        fma(reg(x), f32(exponent_scale), reg(neg_max))
-                    } else {
-                        scaled(add(reg(x), reg(neg_max)))
-                    };
-                    run.push(Stmt::Set(x, un(Un::Ex2Ftz, exponent)));
-                    run.push(Stmt::Set(l[rb][h], add(reg(l[rb][h]), reg(x))));
-                }
-            }
-        }
-    }
+    run.push(score_tile(plan, &scores, code));
+    run.extend(online_softmax(plan, &mut r, &s, [&m, &l], &o));
 
     // V has landed and every warp is done with K: the next tile's K copies fly during P V.
     run.push(Stmt::CpAsyncWait(0));
@@ -832,60 +729,7 @@ pub fn lower_with(plan: &KernelPlan, qk: Half) -> Kernel {
         ],
     });
 
-    // Epilogue: the quad's sums; out = O / l; lse from lane q == 0.
-    for rb in 0..blocks {
-        for h in 0..2 {
-            let l = l[rb][h];
-            for lane_mask in [1, 2] {
-                body.push(Stmt::Set(l, add(reg(l), shfl(reg(l), lane_mask))));
-            }
-            let out_row = add(
-                mul(add(mul(reg(batch), i64(hq)), reg(head)), param("sq")),
-                row_of(rb, h),
-            );
-            // The sum is 0 only when no key was kept; a NaN sum (a NaN score) carries NaN through.
-            let nonempty = bin(Bin::Ne, reg(l), f32(0.0));
-            let mut store = Vec::new();
-            for (vb, frag) in o[rb].iter().enumerate() {
-                for j in 0..2 {
-                    let col = add(mul(reg(q), i64(2)), i64((8 * vb + j) as i64));
-                    let addr = add(
-                        param("out"),
-                        mul(add(mul(out_row.clone(), i64(dv as i64)), col), i64(4)),
-                    );
-                    let value = select(
-                        nonempty.clone(),
-                        mul(reg(frag[2 * h + j]), reciprocal(reg(l))),
-                        f32(0.0),
-                    );
-                    store.push(Stmt::Store(Space::Global, addr, value));
-                }
-            }
-            let lse = if folded {
-                // c m <= m: finite for every finite raw score.
-                mul(
-                    add(scaled(reg(m[rb][h])), un(Un::Lg2, reg(l))),
-                    f32(std::f32::consts::LN_2),
-                )
-            } else {
-                lse_of_half(reg(m[rb][h]), reg(l))
-            };
-            store.push(Stmt::If(
-                bin(Bin::Eq, reg(q), i64(0)),
-                vec![Stmt::Store(
-                    Space::Global,
-                    at(param("lse"), out_row, 4),
-                    select(nonempty, lse, f32(f32::NEG_INFINITY)),
-                )],
-                vec![],
-            ));
-            body.push(Stmt::If(
-                bin(Bin::Lt, row_of(rb, h), param("sq")),
-                store,
-                vec![],
-            ));
-        }
-    }
+    body.extend(epilogue(plan, &o, [&m, &l], q, [batch, head], &row_of));
 
     Kernel {
         name: "attention_forward_tc".into(),
@@ -1080,4 +924,222 @@ fn rotate_k(
         step: i64::from(THREADS),
         body,
     }]
+}
+
+/// A tile's scores as `mma` C fragments: `s[rb][nb][i]` holds key `8 nb + 2 q + i % 2` of tile
+/// `tile` for row `h = i / 2` of row block `rb` (`row_of(rb, h)`, at position `pos_of(rb, h)`).
+pub(super) struct TileScores<'a> {
+    pub s: &'a [Vec<[Reg; 4]>],
+    pub tile: Reg,
+    pub key_tile: i64,
+    pub q: Reg,
+    pub batch: Reg,
+    pub head: Reg,
+    pub row_of: &'a dyn Fn(usize, usize) -> Expr,
+    pub pos_of: &'a dyn Fn(usize, usize) -> Expr,
+}
+
+/// The score program, per element. A tile of code 1 keeps every key (the launch gives code 1
+/// only to tiles inside Skv), so the mask and the Skv bound apply under code 2 alone. When the
+/// program is the scaled score itself, S stays unscaled: its max is taken raw and the scale
+/// applies inside the exponent, `2^(s c - m c)`, one fused multiply-add per score.
+pub(super) fn score_tile(plan: &KernelPlan, tile: &TileScores, code: Reg) -> Stmt {
+    let scale = plan.q_scale as f32;
+    let folded = scale_folds(plan);
+    let keep_mask = !matches!(plan.program.mask, M::Bool(true));
+    let (mut kept, mut masked) = (Vec::new(), Vec::new());
+    for (rb, block) in tile.s.iter().enumerate() {
+        for (nb, frag) in block.iter().enumerate() {
+            for (i, &x) in frag.iter().enumerate() {
+                let h = i / 2;
+                let key = add(
+                    mul(reg(tile.tile), i64(tile.key_tile)),
+                    add(mul(reg(tile.q), i64(2)), i64((8 * nb + i % 2) as i64)),
+                );
+                let env = Env {
+                    score: mul(reg(x), f32(scale)),
+                    batch: reg(tile.batch),
+                    head: reg(tile.head),
+                    query: (tile.pos_of)(rb, h),
+                    key: add(param("p0"), key.clone()),
+                    query_index: (tile.row_of)(rb, h),
+                    key_index: key.clone(),
+                };
+                let value = if folded {
+                    reg(x)
+                } else {
+                    program(&plan.program.score, &env)
+                };
+                if !folded {
+                    kept.push(Stmt::Set(x, value.clone()));
+                }
+                let mut keep = bin(Bin::Lt, key, param("skv"));
+                if keep_mask {
+                    keep = bin(Bin::And, keep, program(&plan.program.mask, &env));
+                }
+                masked.push(Stmt::Set(x, select(keep, value, f32(f32::NEG_INFINITY))));
+            }
+        }
+    }
+    Stmt::If(
+        bin(
+            Bin::Eq,
+            reg(code),
+            Expr::Int(TileCode::Masked as i64, Ty::I32),
+        ),
+        masked,
+        kept,
+    )
+}
+
+/// The exponent's scale: twice the half-unit difference; folded, `2 c (s - m)` on raw scores.
+fn scaled(plan: &KernelPlan, e: Expr) -> Expr {
+    if scale_folds(plan) {
+        mul(e, f32(2.0 * plan.q_scale as f32))
+    } else {
+        mul(e, f32(2.0))
+    }
+}
+
+/// One tile's online softmax over the scores `s` (laid out as in [`TileScores`]): the row max
+/// (this lane's elements, then its quad), the rescale of the running max `m`, sum `l` and the
+/// accumulators `o` (`o[rb][vb]`, rows as in `s`), and `P = 2^(S - m)` in place of S.
+pub(super) fn online_softmax(
+    plan: &KernelPlan,
+    r: &mut Regs,
+    s: &[Vec<[Reg; 4]>],
+    [m, l]: [&[[Reg; 2]]; 2],
+    o: &[Vec<[Reg; 4]>],
+) -> Vec<Stmt> {
+    let folded = scale_folds(plan);
+    let exponent_scale = if folded {
+        2.0 * plan.q_scale as f32
+    } else {
+        1.0
+    };
+    let (mt, m_use, alpha, neg_max) = (
+        r.add("tile_max", Ty::F32),
+        r.add("m_use", Ty::F32),
+        r.add("alpha", Ty::F32),
+        r.add("neg_max", Ty::F32),
+    );
+    let mut run = Vec::new();
+    for rb in 0..s.len() {
+        for h in 0..2 {
+            run.push(Stmt::Set(mt, f32(f32::NEG_INFINITY)));
+            for frag in &s[rb] {
+                for x in [frag[2 * h], frag[2 * h + 1]] {
+                    run.push(Stmt::Set(mt, bin(Bin::Max, reg(mt), reg(x))));
+                }
+            }
+            for lane_mask in [1, 2] {
+                run.push(Stmt::Set(
+                    mt,
+                    bin(Bin::Max, reg(mt), shfl(reg(mt), lane_mask)),
+                ));
+            }
+            let m_new = bin(Bin::Max, reg(m[rb][h]), reg(mt));
+            run.push(Stmt::Set(
+                m_use,
+                select(
+                    bin(Bin::Eq, m_new.clone(), f32(f32::NEG_INFINITY)),
+                    f32(0.0),
+                    m_new.clone(),
+                ),
+            ));
+            run.push(Stmt::Set(
+                alpha,
+                un(Un::Ex2Ftz, scaled(plan, sub(reg(m[rb][h]), reg(m_use)))),
+            ));
+            run.push(Stmt::Set(m[rb][h], m_new));
+            run.push(Stmt::Set(l[rb][h], mul(reg(l[rb][h]), reg(alpha))));
+            for frag in &o[rb] {
+                for x in [frag[2 * h], frag[2 * h + 1]] {
+                    run.push(Stmt::Set(x, mul(reg(x), reg(alpha))));
+                }
+            }
+            run.push(Stmt::Set(neg_max, mul(reg(m_use), f32(-exponent_scale))));
+            for frag in &s[rb] {
+                for x in [frag[2 * h], frag[2 * h + 1]] {
+                    let exponent = if folded {
+                        fma(reg(x), f32(exponent_scale), reg(neg_max))
+                    } else {
+                        scaled(plan, add(reg(x), reg(neg_max)))
+                    };
+                    run.push(Stmt::Set(x, un(Un::Ex2Ftz, exponent)));
+                    run.push(Stmt::Set(l[rb][h], add(reg(l[rb][h]), reg(x))));
+                }
+            }
+        }
+    }
+    run
+}
+
+/// The epilogue: the quad's sums; `out = O / l` (accumulators `o` as in [`online_softmax`]);
+/// lse from lane `q == 0`; rows past Sq are not stored.
+pub(super) fn epilogue(
+    plan: &KernelPlan,
+    o: &[Vec<[Reg; 4]>],
+    [m, l]: [&[[Reg; 2]]; 2],
+    q: Reg,
+    [batch, head]: [Reg; 2],
+    row_of: &dyn Fn(usize, usize) -> Expr,
+) -> Vec<Stmt> {
+    let (hq, dv) = (plan.shape.heads as i64, plan.shape.v_dim as usize);
+    let folded = scale_folds(plan);
+    let mut body = Vec::new();
+    for rb in 0..o.len() {
+        for h in 0..2 {
+            let l = l[rb][h];
+            for lane_mask in [1, 2] {
+                body.push(Stmt::Set(l, add(reg(l), shfl(reg(l), lane_mask))));
+            }
+            let out_row = add(
+                mul(add(mul(reg(batch), i64(hq)), reg(head)), param("sq")),
+                row_of(rb, h),
+            );
+            // The sum is 0 only when no key was kept; a NaN sum (a NaN score) carries NaN through.
+            let nonempty = bin(Bin::Ne, reg(l), f32(0.0));
+            let mut store = Vec::new();
+            for (vb, frag) in o[rb].iter().enumerate() {
+                for j in 0..2 {
+                    let col = add(mul(reg(q), i64(2)), i64((8 * vb + j) as i64));
+                    let addr = add(
+                        param("out"),
+                        mul(add(mul(out_row.clone(), i64(dv as i64)), col), i64(4)),
+                    );
+                    let value = select(
+                        nonempty.clone(),
+                        mul(reg(frag[2 * h + j]), reciprocal(reg(l))),
+                        f32(0.0),
+                    );
+                    store.push(Stmt::Store(Space::Global, addr, value));
+                }
+            }
+            let lse = if folded {
+                // c m <= m: finite for every finite raw score.
+                mul(
+                    add(scaled(plan, reg(m[rb][h])), un(Un::Lg2, reg(l))),
+                    f32(std::f32::consts::LN_2),
+                )
+            } else {
+                lse_of_half(reg(m[rb][h]), reg(l))
+            };
+            store.push(Stmt::If(
+                bin(Bin::Eq, reg(q), i64(0)),
+                vec![Stmt::Store(
+                    Space::Global,
+                    at(param("lse"), out_row, 4),
+                    select(nonempty, lse, f32(f32::NEG_INFINITY)),
+                )],
+                vec![],
+            ));
+            body.push(Stmt::If(
+                bin(Bin::Lt, row_of(rb, h), param("sq")),
+                store,
+                vec![],
+            ));
+        }
+    }
+    body
 }

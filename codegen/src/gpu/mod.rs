@@ -20,6 +20,7 @@ pub mod decode_tc;
 pub mod decode_wide;
 pub mod forward;
 pub mod forward_tc;
+pub mod forward_wgmma;
 pub mod interp;
 pub mod ir;
 pub mod launch;

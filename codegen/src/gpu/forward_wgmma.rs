@@ -1,0 +1,535 @@
+//! A forward plan lowered for sm_90a after FlashAttention-3's design: warp specialization, TMA
+//! and `wgmma`.
+//!
+//! A CTA of three warpgroups handles [`ROWS`] query rows of one (batch, head). Warpgroup 0 is
+//! the producer: it lowers its register budget (`setmaxnreg`) and one of its threads brings the
+//! CTA's Q once, then each running tile's K and V, by TMA into a two-stage shared ring (128-byte
+//! swizzle), each stage guarded by a full and an empty mbarrier for K and for V. Warpgroups 1
+//! and 2 are consumers of 64 rows each: they raise their budget, and per tile compute
+//! `S = Q K^T` with `wgmma` (both operands K-major in shared memory), release the K stage,
+//! apply the score program and mask and the online softmax in registers (the accumulator's
+//! layout is the `mma.sync` C fragment's, so [`super::forward_tc`]'s per-element code serves),
+//! repack P into A fragments in registers, and accumulate `O += P V` with `wgmma` (V N-major),
+//! then release the V stage. Tile codes skip or unmask tiles; producer and consumers walk the
+//! same running tiles, so stage and phase follow a count of them.
+//!
+//! Scope: bf16 and f16 per-head specs without RoPE whose head dims are multiples of 64 up to
+//! 256. RoPE, MLA and other dims stay on [`super::forward_tc`]. Not yet: ping-pong scheduling
+//! between the consumers, overlap of the softmax with the next tile's `Q K^T`, clusters.
+
+use super::forward::{Regs, param, special64};
+use super::forward_tc::{TileScores, epilogue, half_of, online_softmax, score_tile};
+use super::ir::build::*;
+use super::ir::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty, Wgmma, WgmmaA};
+use super::launch::{ForwardArgs, LaunchRecord};
+use super::tma::{Swizzle, TensorMap};
+use crate::plan::{KernelPlan, PlanKind, TileCode};
+use attn_dsl::DType;
+
+/// Threads per CTA: a producer warpgroup and two consumers.
+pub const THREADS: u32 = 384;
+
+/// Query rows per CTA: 64 per consumer warpgroup.
+pub const ROWS: u32 = 128;
+
+/// Register budgets after `setmaxnreg`: the producer's and each consumer's (128 x 24 + 256 x
+/// 240 fits the SM's 64K).
+const PRODUCER_REGS: u32 = 24;
+const CONSUMER_REGS: u32 = 240;
+
+/// Stages of the K and V ring.
+const STAGES: i64 = 2;
+
+/// Columns per TMA box and per swizzled block: 64 16-bit values, one 128-byte row.
+const BLOCK_COLS: usize = 64;
+
+/// Whether the plan runs on this kernel.
+pub fn supports(plan: &KernelPlan) -> bool {
+    let (d, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
+    plan.kind == PlanKind::Forward
+        && matches!(plan.dtype, DType::Bf16 | DType::F16)
+        && plan.mla.is_none()
+        && plan.rope.is_none()
+        && [d, dv]
+            .iter()
+            .all(|&x| x.is_multiple_of(BLOCK_COLS) && x <= 256)
+}
+
+/// Keys per tile: 128 up to head dim 128, else 64 (the O accumulator takes `v_dim / 2`
+/// registers a thread, S `key_tile / 2`).
+pub fn key_tile(plan: &KernelPlan) -> u32 {
+    if plan.shape.qk_dim.max(plan.shape.v_dim) <= 128 {
+        128
+    } else {
+        64
+    }
+}
+
+/// Where things are in shared memory (bytes, each 1024-aligned).
+struct Layout {
+    /// Q: consumer c's 64 rows at `q + c * q_per_consumer`, `d / 64` blocks of 64 x 128 bytes.
+    q_per_consumer: i64,
+    /// Stage s's K at `stage(s)`, V after it: `dims / 64` blocks of `key_tile` x 128 bytes.
+    k_bytes: i64,
+    v_bytes: i64,
+    /// The mbarriers: q_full, then per stage k_full, v_full, k_empty, v_empty.
+    bars: i64,
+}
+
+impl Layout {
+    fn new(plan: &KernelPlan) -> Layout {
+        let (d, dv) = (plan.shape.qk_dim as i64, plan.shape.v_dim as i64);
+        let bc = i64::from(key_tile(plan));
+        let q_per_consumer = 64 * d * 2;
+        let (k_bytes, v_bytes) = (bc * d * 2, bc * dv * 2);
+        Layout {
+            q_per_consumer,
+            k_bytes,
+            v_bytes,
+            bars: 2 * q_per_consumer + STAGES * (k_bytes + v_bytes),
+        }
+    }
+
+    fn stage(&self, s: Expr) -> Expr {
+        add(
+            i64(2 * self.q_per_consumer),
+            mul(s, i64(self.k_bytes + self.v_bytes)),
+        )
+    }
+
+    fn q_full(&self) -> Expr {
+        i64(self.bars)
+    }
+
+    /// Barrier `which` (0 k_full, 1 v_full, 2 k_empty, 3 v_empty) of stage `s`.
+    fn bar(&self, which: i64, s: Expr) -> Expr {
+        add(i64(self.bars + 8 + 8 * which * STAGES), mul(s, i64(8)))
+    }
+
+    fn bytes(&self) -> u32 {
+        (self.bars + 8 + 8 * 4 * STAGES) as u32
+    }
+}
+
+/// The tensor maps of a launch on `[batch, Sq, Skv]` with q, k and v at the given addresses:
+/// each tensor as `[batch * heads][rows][dims]` 16-bit, boxes of 64 columns by 64 query rows
+/// (Q) or a key tile (K, V), 128-byte swizzle. Rows past a head's end read as zeros.
+pub fn tensor_maps(
+    plan: &KernelPlan,
+    [b, sq, skv]: [usize; 3],
+    [q, k, v]: [i64; 3],
+) -> [TensorMap; 3] {
+    let (hq, hkv) = (plan.shape.heads as u64, plan.shape.kv_heads as u64);
+    let (d, dv) = (plan.shape.qk_dim as u64, plan.shape.v_dim as u64);
+    let map = |global: i64, cols: u64, rows: u64, heads: u64, box_rows: u32| TensorMap {
+        elem_bytes: 2,
+        global,
+        dims: vec![cols, rows, b as u64 * heads],
+        strides: vec![2 * cols, 2 * cols * rows],
+        boxes: vec![BLOCK_COLS as u32, box_rows, 1],
+        swizzle: Swizzle::B128,
+    };
+    let bc = key_tile(plan);
+    [
+        map(q, d, sq as u64, hq, 64),
+        map(k, d, skv as u64, hkv, bc),
+        map(v, dv, skv as u64, hkv, bc),
+    ]
+}
+
+/// The kernel's parameters: the forward launch record's, then the tensor maps of q, k and v.
+pub fn params() -> Vec<(String, Ty)> {
+    let mut p = ForwardArgs::params();
+    for name in ["q_map", "k_map", "v_map"] {
+        p.push((name.to_string(), Ty::TensorMap));
+    }
+    p
+}
+
+/// A 128-byte-swizzled matrix descriptor of the tile at shared offset `at`: 8-row groups 1024
+/// bytes apart, 64-column blocks `leading` bytes apart (N-major operands; K-major ones ignore
+/// it).
+fn descriptor(at: Expr, leading: i64) -> Expr {
+    let start = bin(
+        Bin::Div,
+        bin(Bin::And, Expr::SharedAddress(Box::new(at)), i64(0x3ffff)),
+        i64(16),
+    );
+    let fields = ((leading >> 4) << 16)
+        | ((1024 >> 4) << 32)
+        | (Swizzle::B128.descriptor_code() << 62) as i64;
+    bin(Bin::Or, start, i64(fields))
+}
+
+fn i32c(x: i64) -> Expr {
+    Expr::Int(x, Ty::I32)
+}
+
+/// Lowers the kernel. The plan must be [`supports`]ed.
+pub fn lower(plan: &KernelPlan) -> Kernel {
+    assert!(
+        supports(plan),
+        "the wgmma kernel runs bf16 and f16 per-head plans without RoPE"
+    );
+    let (d, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
+    let (hq, hkv) = (plan.shape.heads as i64, plan.shape.kv_heads as i64);
+    let bc = key_tile(plan) as usize;
+    let bc64 = bc as i64;
+    let lay = Layout::new(plan);
+    let half = half_of(plan);
+    let mut r = Regs { list: Vec::new() };
+    let tid = special64(Special::Tid);
+    let lane = cast(Expr::Special(Special::Lane), Ty::I64);
+    let p = |name: &str| {
+        let i = params()
+            .iter()
+            .position(|(n, _)| n == name)
+            .expect("a parameter");
+        i as u32
+    };
+
+    let (batch, head, kvh, tile, code, count, stage) = (
+        r.add("batch", Ty::I64),
+        r.add("head", Ty::I64),
+        r.add("kv_head", Ty::I64),
+        r.add("tile", Ty::I64),
+        r.add("code", Ty::I32),
+        r.add("running", Ty::I64),
+        r.add("stage", Ty::I64),
+    );
+    let mut body = vec![
+        Stmt::Set(batch, special64(Special::Ctaid(2))),
+        Stmt::Set(head, special64(Special::Ctaid(1))),
+        Stmt::Set(kvh, bin(Bin::Div, reg(head), i64(hq / hkv))),
+    ];
+    let first_row = mul(special64(Special::Ctaid(0)), i64(i64::from(ROWS)));
+    let n_tiles = bin(Bin::Div, add(param("skv"), i64(bc64 - 1)), i64(bc64));
+    let n_qblocks = bin(
+        Bin::Div,
+        add(param("sq"), i64(i64::from(ROWS) - 1)),
+        i64(i64::from(ROWS)),
+    );
+    let code_of = |tile: Expr| {
+        let index = add(
+            mul(
+                add(
+                    mul(reg(head), n_qblocks.clone()),
+                    special64(Special::Ctaid(0)),
+                ),
+                n_tiles.clone(),
+            ),
+            tile,
+        );
+        load(Space::Global, Ty::I32, at(param("codes"), index, 4))
+    };
+    // A walk over the running tiles: `code` and `stage` set, `count` their number so far.
+    let running_tiles = |inner: Vec<Stmt>| {
+        vec![
+            Stmt::Set(count, i64(0)),
+            Stmt::For {
+                reg: tile,
+                start: i64(0),
+                end: n_tiles.clone(),
+                step: 1,
+                body: vec![
+                    Stmt::Set(code, code_of(reg(tile))),
+                    Stmt::If(
+                        bin(Bin::Ne, reg(code), i32c(TileCode::Skip as i64)),
+                        [
+                            vec![Stmt::Set(stage, bin(Bin::Rem, reg(count), i64(STAGES)))],
+                            inner,
+                            vec![Stmt::Set(count, add(reg(count), i64(1)))],
+                        ]
+                        .concat(),
+                        vec![],
+                    ),
+                ],
+            },
+        ]
+    };
+    // The phase parity of the running tile's use of its stage, and of the release of its
+    // previous use (a fresh barrier's phase of parity 1 counts as complete).
+    let use_parity = || {
+        cast(
+            bin(Bin::Rem, bin(Bin::Div, reg(count), i64(STAGES)), i64(2)),
+            Ty::I32,
+        )
+    };
+    let release_parity = || {
+        cast(
+            bin(
+                Bin::Rem,
+                add(bin(Bin::Div, reg(count), i64(STAGES)), i64(1)),
+                i64(2),
+            ),
+            Ty::I32,
+        )
+    };
+
+    // Barriers, by thread 0.
+    let mut init = vec![Stmt::MbarInit {
+        bar: lay.q_full(),
+        count: 1,
+    }];
+    for s in 0..STAGES {
+        for which in 0..4 {
+            // Full barriers complete on the producer's arrival and its copies; empty ones on
+            // one arrival per consumer warp.
+            let count = if which < 2 { 1 } else { 8 };
+            init.push(Stmt::MbarInit {
+                bar: lay.bar(which, i64(s)),
+                count,
+            });
+        }
+    }
+    body.push(Stmt::If(bin(Bin::Eq, tid.clone(), i64(0)), init, vec![]));
+    body.push(Stmt::Barrier);
+
+    // The producer: Q once, then K and V of each running tile into its stage.
+    let q_slice = cast(add(mul(reg(batch), i64(hq)), reg(head)), Ty::I32);
+    let kv_slice = cast(add(mul(reg(batch), i64(hkv)), reg(kvh)), Ty::I32);
+    let mut load_q = vec![Stmt::MbarArrive {
+        bar: lay.q_full(),
+        tx: Some(i32c(2 * lay.q_per_consumer)),
+    }];
+    for c in 0..2 {
+        for blk in 0..d / BLOCK_COLS {
+            load_q.push(Stmt::TmaLoad {
+                dst: i64(c * lay.q_per_consumer + (blk * 64 * 128) as i64),
+                map: p("q_map"),
+                coords: vec![
+                    i32c((BLOCK_COLS * blk) as i64),
+                    cast(add(first_row.clone(), i64(64 * c)), Ty::I32),
+                    q_slice.clone(),
+                ],
+                bar: lay.q_full(),
+            });
+        }
+    }
+    let key0 = cast(mul(reg(tile), i64(bc64)), Ty::I32);
+    let mut produce = Vec::new();
+    for (which, map, cols, offset, bytes) in [
+        (0, "k_map", d, 0, lay.k_bytes),
+        (1, "v_map", dv, lay.k_bytes, lay.v_bytes),
+    ] {
+        produce.push(Stmt::MbarWait {
+            bar: lay.bar(which + 2, reg(stage)),
+            parity: release_parity(),
+        });
+        produce.push(Stmt::MbarArrive {
+            bar: lay.bar(which, reg(stage)),
+            tx: Some(i32c(bytes)),
+        });
+        for blk in 0..cols / BLOCK_COLS {
+            produce.push(Stmt::TmaLoad {
+                dst: add(lay.stage(reg(stage)), i64(offset + (blk * bc * 128) as i64)),
+                map: p(map),
+                coords: vec![
+                    i32c((BLOCK_COLS * blk) as i64),
+                    key0.clone(),
+                    kv_slice.clone(),
+                ],
+                bar: lay.bar(which, reg(stage)),
+            });
+        }
+    }
+    let producer = vec![
+        Stmt::SetMaxNReg {
+            inc: false,
+            regs: PRODUCER_REGS,
+        },
+        Stmt::If(
+            bin(Bin::Eq, tid.clone(), i64(0)),
+            [load_q, running_tiles(produce)].concat(),
+            vec![],
+        ),
+    ];
+
+    // The consumers: this thread's rows are g and g + 8 of its warp's 16 of its warpgroup's 64.
+    let (consumer, warp, g, q) = (
+        r.add("consumer", Ty::I64),
+        r.add("warp", Ty::I64),
+        r.add("g", Ty::I64),
+        r.add("q", Ty::I64),
+    );
+    let row_base = r.add("row_base", Ty::I64);
+    let mut consume_setup = vec![
+        Stmt::SetMaxNReg {
+            inc: true,
+            regs: CONSUMER_REGS,
+        },
+        Stmt::Set(consumer, sub(bin(Bin::Div, tid.clone(), i64(128)), i64(1))),
+        Stmt::Set(
+            warp,
+            bin(Bin::Rem, bin(Bin::Div, tid.clone(), i64(32)), i64(4)),
+        ),
+        Stmt::Set(g, bin(Bin::Div, lane.clone(), i64(4))),
+        Stmt::Set(q, bin(Bin::Rem, lane.clone(), i64(4))),
+        Stmt::Set(
+            row_base,
+            add(
+                add(first_row.clone(), mul(reg(consumer), i64(64))),
+                add(mul(reg(warp), i64(16)), reg(g)),
+            ),
+        ),
+    ];
+    let row_of = |_rb: usize, h: usize| add(reg(row_base), i64(8 * h as i64));
+    let pos_of = |rb: usize, h: usize| {
+        add(
+            add(param("p0"), sub(param("skv"), param("sq"))),
+            row_of(rb, h),
+        )
+    };
+    let m = vec![[0, 1].map(|h| r.add(format!("m{h}"), Ty::F32))];
+    let l = vec![[0, 1].map(|h| r.add(format!("l{h}"), Ty::F32))];
+    for h in 0..2 {
+        consume_setup.push(Stmt::Set(m[0][h], f32(f32::NEG_INFINITY)));
+        consume_setup.push(Stmt::Set(l[0][h], f32(0.0)));
+    }
+    let accumulator = |name: &str, cols: usize, r: &mut Regs| -> Vec<[Reg; 4]> {
+        (0..cols / 8)
+            .map(|j| [0, 1, 2, 3].map(|i| r.add(format!("{name}{j}_{i}"), Ty::F32)))
+            .collect()
+    };
+    let o = vec![accumulator("o", dv, &mut r)];
+    let s = vec![accumulator("s", bc, &mut r)];
+    for x in o.iter().flatten().flatten() {
+        consume_setup.push(Stmt::Set(*x, f32(0.0)));
+    }
+    let flat = |a: &[[Reg; 4]]| a.iter().flatten().copied().collect::<Vec<Reg>>();
+    let (o_regs, s_regs) = (flat(&o[0]), flat(&s[0]));
+    consume_setup.push(Stmt::MbarWait {
+        bar: lay.q_full(),
+        parity: i32c(0),
+    });
+
+    // Lane 0 of each consumer warp releases a stage.
+    let release = |which: i64| {
+        Stmt::If(
+            bin(Bin::Eq, lane.clone(), i64(0)),
+            vec![Stmt::MbarArrive {
+                bar: lay.bar(which, reg(stage)),
+                tx: None,
+            }],
+            vec![],
+        )
+    };
+    let q_at = add(i64(0), mul(reg(consumer), i64(lay.q_per_consumer)));
+    let mut consume = vec![Stmt::MbarWait {
+        bar: lay.bar(0, reg(stage)),
+        parity: use_parity(),
+    }];
+    // S = Q K^T: per 16 columns of d, Q's and K's descriptors advance 32 bytes inside a
+    // 64-column block, a block at a time past it.
+    let qk_steps = (0..d / 16)
+        .map(|ks| {
+            let inside = (32 * (ks % 4)) as i64;
+            let q_desc = descriptor(
+                add(q_at.clone(), i64((ks / 4 * 64 * 128) as i64 + inside)),
+                0,
+            );
+            let k_desc = descriptor(
+                add(
+                    lay.stage(reg(stage)),
+                    i64((ks / 4 * bc * 128) as i64 + inside),
+                ),
+                0,
+            );
+            (WgmmaA::Shared(q_desc), k_desc)
+        })
+        .collect();
+    consume.push(Stmt::Wgmma(Box::new(Wgmma {
+        half,
+        n: bc as u32,
+        d: s_regs.clone(),
+        accumulate: Expr::Pred(false),
+        steps: qk_steps,
+        b_n_major: false,
+    })));
+    consume.push(Stmt::WgmmaWait {
+        groups: 0,
+        regs: s_regs,
+    });
+    consume.push(release(2));
+    let scores = TileScores {
+        s: &s,
+        tile,
+        key_tile: bc64,
+        q,
+        batch,
+        head,
+        row_of: &row_of,
+        pos_of: &pos_of,
+    };
+    consume.push(score_tile(plan, &scores, code));
+    consume.extend(online_softmax(plan, &mut r, &s, [&m, &l], &o));
+    // P's C fragments of key blocks 2 ks and 2 ks + 1 are the A fragment of step ks.
+    let pa: Vec<[Reg; 4]> = (0..bc / 16)
+        .map(|ks| [0, 1, 2, 3].map(|i| r.add(format!("pa{ks}_{i}"), Ty::I32)))
+        .collect();
+    for (ks, frag) in pa.iter().enumerate() {
+        let (s0, s1) = (s[0][2 * ks], s[0][2 * ks + 1]);
+        for (dst, (lo, hi)) in frag.iter().zip([
+            (s0[0], s0[1]),
+            (s0[2], s0[3]),
+            (s1[0], s1[1]),
+            (s1[2], s1[3]),
+        ]) {
+            consume.push(Stmt::Set(
+                *dst,
+                Expr::PackHalf(half, Box::new(reg(lo)), Box::new(reg(hi))),
+            ));
+        }
+    }
+    consume.push(Stmt::MbarWait {
+        bar: lay.bar(1, reg(stage)),
+        parity: use_parity(),
+    });
+    // O += P V: V N-major, 16 keys (2048 bytes) a step, 64-column blocks a key tile apart.
+    let v_at = add(lay.stage(reg(stage)), i64(lay.k_bytes));
+    let pv_steps = pa
+        .iter()
+        .enumerate()
+        .map(|(ks, frag)| {
+            (
+                WgmmaA::Regs(*frag),
+                descriptor(add(v_at.clone(), i64(ks as i64 * 16 * 128)), bc64 * 128),
+            )
+        })
+        .collect();
+    consume.push(Stmt::Wgmma(Box::new(Wgmma {
+        half,
+        n: dv as u32,
+        d: o_regs.clone(),
+        accumulate: Expr::Pred(true),
+        steps: pv_steps,
+        b_n_major: true,
+    })));
+    consume.push(Stmt::WgmmaWait {
+        groups: 0,
+        regs: o_regs,
+    });
+    consume.push(release(3));
+
+    let consumer_body = [
+        consume_setup,
+        running_tiles(consume),
+        epilogue(plan, &o, [&m, &l], q, [batch, head], &row_of),
+    ]
+    .concat();
+    body.push(Stmt::If(
+        bin(Bin::Lt, tid, i64(128)),
+        producer,
+        consumer_body,
+    ));
+
+    Kernel {
+        name: "attention_forward_wgmma".into(),
+        params: params(),
+        regs: r.list,
+        shared_bytes: lay.bytes(),
+        threads: THREADS,
+        ctas_per_sm: 1,
+        body,
+    }
+}
