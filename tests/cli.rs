@@ -530,6 +530,47 @@ fn emit_writes_the_gpu_kernel() {
 }
 
 #[test]
+fn emit_for_sm_90a_writes_the_warp_specialized_forward() {
+    let spec = "heads = 8, head_dim = 128, mask = causal, dtype = bf16";
+    let o = attnc(&["emit", spec, "--target", "sm_90a", "--emit", "gpu-ir"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let ir = stdout(&o);
+    assert!(ir.starts_with("kernel attention_forward_wgmma("), "{ir}");
+    for op in [
+        "wgmma.m64n128k16.bf16",
+        "tma.load",
+        "mbarrier.wait",
+        "setmaxnreg.inc 240",
+    ] {
+        assert!(ir.contains(op), "{op}");
+    }
+    if cfg!(feature = "llvm") {
+        let o = attnc(&["emit", spec, "--target", "sm_90a", "--emit", "ptx"]);
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        let ptx = stdout(&o);
+        for op in [
+            ".target sm_90a",
+            "wgmma.mma_async",
+            "cp.async.bulk.tensor",
+            "setmaxnreg",
+        ] {
+            assert!(ptx.contains(op), "{op}");
+        }
+    }
+    // A spec the kernel does not take (RoPE) gets the mma.sync forward.
+    let o = attnc(&[
+        "emit",
+        "heads = 8, head_dim = 128, position = rope, dtype = bf16",
+        "--target",
+        "sm_90a",
+        "--emit",
+        "gpu-ir",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stdout(&o).starts_with("kernel attention_forward_tc("));
+}
+
+#[test]
 fn run_on_the_gpu_backends() {
     let out = temp("seq7-gpu.safetensors");
     let spec = "heads = 4, head_dim = 64, mask = causal, scale = 0.125";

@@ -127,6 +127,39 @@ fn prepared_calls_run_on_the_interpreter_match_the_reference() {
     assert!(err.contains("`q`"), "{err}");
 }
 
+/// The sm_90a forward through the host path: tile codes for its 128-row blocks and key tiles,
+/// the q, k and v tensor maps, the launch record with the maps after it.
+#[test]
+fn the_sm_90a_kernel_runs_through_the_host_path() {
+    for c in [
+        case(
+            "heads = 8, kv_heads = 2, head_dim = 64, mask = causal, dtype = bf16",
+            1,
+            257,
+            257,
+            0,
+        ),
+        case(
+            "heads = 2, head_dim = 128, mask = sliding_window(100), position = alibi, \
+             softcap = 20.0, dtype = f16",
+            2,
+            140,
+            300,
+            0,
+        ),
+    ] {
+        let call = GpuCall::forward_wgmma(&c.spec, &c.q, &c.k, &c.v, c.p0).unwrap();
+        assert_eq!(call.kernel.name, "attention_forward_wgmma");
+        assert_eq!(call.tensor_maps.len(), 3);
+        check(&c, &call.run_emulated().unwrap());
+    }
+    let c = cases().remove(1);
+    let err = GpuCall::forward_wgmma(&c.spec, &c.q, &c.k, &c.v, c.p0)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("without RoPE"), "{err}");
+}
+
 #[cfg(feature = "cuda")]
 #[test]
 fn the_device_backend_runs_or_says_there_is_no_gpu() {

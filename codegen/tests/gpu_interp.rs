@@ -37,6 +37,7 @@ fn check(text: &str, batch: usize, sq: usize, skv: usize, p0: i64) {
         key_tile: key_tile(&plan),
         rows: ROWS,
         inputs: attn_dsl::DType::F32,
+        tensor_maps: false,
     };
     check_kernel(text, &simt, (1e-5, 1e-4), batch, sq, skv, p0);
 }

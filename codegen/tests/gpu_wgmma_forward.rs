@@ -54,6 +54,7 @@ fn check(text: &str, batch: usize, sq: usize, skv: usize, p0: i64) {
         key_tile: key_tile(&plan),
         rows: ROWS,
         inputs: spec.dtype,
+        tensor_maps: true,
     };
     codegen::gpu::verify::verify(&chosen.kernel).unwrap();
     let (h, hkv) = (spec.heads as usize, spec.kv_heads() as usize);

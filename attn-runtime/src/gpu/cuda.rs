@@ -14,8 +14,9 @@ use crate::tensor::Tensor;
 use crate::variant::Variant;
 use codegen::gpu::decode::SEGMENT_FIELDS;
 use codegen::gpu::ir::Kernel;
-use codegen::gpu::launch::{DecodeArgs, ForwardArgs, bind};
+use codegen::gpu::launch::{DecodeArgs, ForwardArgs, bind, bind_with_maps};
 use codegen::gpu::target::{Arch, dynamic_shared_bytes};
+use codegen::gpu::tma::{Swizzle, TensorMap};
 use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
@@ -491,7 +492,21 @@ impl CudaBackend {
         if let Some((_, f)) = loaded.get(&key) {
             return Ok(f.clone());
         }
-        let ptx = ptx_for(kernel, self.arch, None)?;
+        // sm_90a kernels (wgmma) run on compute capability 9.0 alone.
+        let arch = if codegen::gpu::target::needs_sm90a(kernel) {
+            let (major, minor) = self.ctx.compute_capability().map_err(device)?;
+            if (major, minor) != (9, 0) {
+                return Err(device(format!(
+                    "kernel {} is for sm_90a, and this GPU is sm_{major}{minor}; unset \
+                     ATTN_GPU_WGMMA",
+                    kernel.name
+                )));
+            }
+            Arch::Sm90a
+        } else {
+            self.arch
+        };
+        let ptx = ptx_for(kernel, arch, None)?;
         self.origins
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -730,18 +745,91 @@ impl CudaBackend {
             rope_sin: sin as i64,
             rope_pos0: call.rope_pos0,
         };
-        let values = bind(&call.kernel, &record).map_err(RuntimeError::Data)?;
+        let values = bind_with_maps(&call.kernel, &record, call.tensor_maps.len())
+            .map_err(RuntimeError::Data)?;
+        let maps = call
+            .tensor_maps
+            .iter()
+            .zip([q, k, v])
+            .map(|(map, global)| {
+                encode_tensor_map(&TensorMap {
+                    global: global as i64,
+                    ..map.clone()
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let mut launch = s.launch_builder(f);
         for value in &values {
             launch.arg(value);
         }
-        // SAFETY: `bind` checked that the kernel's parameters are the record's fields, in
-        // order, all 64-bit: device addresses of buffers of the sizes the kernel indexes (q, k,
-        // v, out, lse, codes, the RoPE tables; their guards drop after the launch is queued)
-        // and i64 scalars; the grid and CTA size are the ones it was lowered for.
+        for map in &maps {
+            launch.arg(map);
+        }
+        // SAFETY: `bind_with_maps` checked that the kernel's parameters are the record's
+        // fields, in order, all 64-bit: device addresses of buffers of the sizes the kernel
+        // indexes (q, k, v, out, lse, codes, the RoPE tables; their guards drop after the
+        // launch is queued) and i64 scalars, then as many tensor maps as are passed, each
+        // encoded by the driver over q, k or v; the grid and CTA size are the ones it was
+        // lowered for.
         unsafe { launch.launch(config) }.map_err(device)?;
         Ok(())
     }
+}
+
+/// A tensor map as a kernel parameter: the driver's 128-byte, 64-aligned `CUtensorMap`, passed
+/// by value.
+#[repr(transparent)]
+struct TensorMapArg(cudarc::driver::sys::CUtensorMap);
+
+// SAFETY: `CUtensorMap` is plain bytes (`#[repr(C, align(64))]`, 16 u64) that the driver copies
+// into the kernel's parameter space, which declares it `.param .align 64 .b8 [128]`.
+unsafe impl cudarc::driver::DeviceRepr for TensorMapArg {}
+
+/// Encodes a map with `cuTensorMapEncodeTiled` (checked first as the interpreter checks it).
+fn encode_tensor_map(map: &TensorMap) -> Result<TensorMapArg, RuntimeError> {
+    use cudarc::driver::sys;
+    map.check().map_err(RuntimeError::Data)?;
+    let data = match map.elem_bytes {
+        2 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT16,
+        4 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT32,
+        n => {
+            return Err(RuntimeError::Data(format!(
+                "a tensor map of {n}-byte elements"
+            )));
+        }
+    };
+    let swizzle = match map.swizzle {
+        Swizzle::None => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
+        Swizzle::B32 => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_32B,
+        Swizzle::B64 => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B,
+        Swizzle::B128 => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+    };
+    let rank = map.dims.len();
+    let ones = vec![1u32; rank];
+    let mut out = sys::CUtensorMap { opaque: [0; 16] };
+    // SAFETY: `out` is a writable CUtensorMap; the dims, strides, box and element strides
+    // arrays hold rank, rank - 1, rank and rank values (`check` enforced the counts and the
+    // driver's limits); the global address is a device allocation the map describes.
+    let result = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut out,
+            data,
+            rank as u32,
+            map.global as usize as *mut std::ffi::c_void,
+            map.dims.as_ptr(),
+            map.strides.as_ptr(),
+            map.boxes.as_ptr(),
+            ones.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            swizzle,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if result != sys::CUresult::CUDA_SUCCESS {
+        return Err(device(format!("cuTensorMapEncodeTiled: {result:?}")));
+    }
+    Ok(TensorMapArg(out))
 }
 
 /// A call's buffers on the device.

@@ -31,8 +31,9 @@ use codegen::gpu::forward_tc;
 use codegen::gpu::interp::{Memory, Val, run};
 use codegen::gpu::ir::Half;
 use codegen::gpu::ir::Kernel;
-use codegen::gpu::launch::{ForwardArgs, bind};
-use codegen::gpu::{forward_kernel, simt_forward_kernel};
+use codegen::gpu::launch::{ForwardArgs, bind_with_maps};
+use codegen::gpu::tma::TensorMap;
+use codegen::gpu::{forward_kernel, forward_wgmma, simt_forward_kernel, wgmma_forward_kernel};
 use codegen::plan::PlanKind;
 use std::sync::Arc;
 
@@ -73,6 +74,9 @@ pub struct GpuCall {
     pub out_shape: [usize; 4],
     /// The spec's dtype (of `out`).
     pub dtype: attn_dsl::DType,
+    /// The TMA maps of q, k and v the kernel takes after its launch record, their addresses
+    /// left 0 (set where the inputs land); empty for kernels without them.
+    pub tensor_maps: Vec<TensorMap>,
 }
 
 /// What a forward launch needs besides q, k and v: its grid, tile codes and RoPE tables.
@@ -146,6 +150,17 @@ pub(crate) fn lowered_forward(
         kind: PlanKind::Forward,
         detail: if simt { "simt" } else { "chosen" },
     };
+    if !simt && wgmma_enabled() && forward_wgmma::supports(variant.forward_plan()) {
+        let key = KernelKey {
+            backend: "gpu",
+            kind: PlanKind::Forward,
+            detail: "wgmma",
+        };
+        return variant.kernel(key, |v| {
+            wgmma_forward_kernel(v.forward_plan())?
+                .ok_or_else(|| RuntimeError::Spec("not a wgmma plan".into()))
+        });
+    }
     variant.kernel(key, |v| {
         Ok(if simt {
             simt_forward_kernel(v.forward_plan())?
@@ -153,6 +168,27 @@ pub(crate) fn lowered_forward(
             forward_kernel(v.forward_plan())?
         })
     })
+}
+
+/// The sm_90a forward kernel of a variant it runs, lowered once per variant.
+fn wgmma_kernel(variant: &Variant) -> Result<Arc<codegen::gpu::ForwardKernel>, RuntimeError> {
+    let key = KernelKey {
+        backend: "gpu",
+        kind: PlanKind::Forward,
+        detail: "wgmma",
+    };
+    variant.kernel(key, |v| {
+        wgmma_forward_kernel(v.forward_plan())?
+            .ok_or_else(|| RuntimeError::Spec("not a wgmma plan".into()))
+    })
+}
+
+/// Whether forward calls take the sm_90a kernel ([`forward_wgmma`]) where a spec runs on it:
+/// `ATTN_GPU_WGMMA=1`. Off by default until device runs have checked and timed it; CUDA devices
+/// other than compute capability 9.0 refuse it.
+pub fn wgmma_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("ATTN_GPU_WGMMA").is_ok_and(|v| v == "1"))
 }
 
 /// The forward kernel a resident model runs: on tensor cores with bf16 `Q K^T` operands where
@@ -235,6 +271,38 @@ impl GpuCall {
         ))
     }
 
+    /// [`GpuCall::forward`] on the sm_90a kernel ([`forward_wgmma`]; what `ATTN_GPU_WGMMA=1`
+    /// selects): an error for a spec it does not run.
+    pub fn forward_wgmma(
+        spec: &AttentionSpec,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        p0: i64,
+    ) -> Result<GpuCall, RuntimeError> {
+        let variant = Variant::shared(spec)?;
+        let plan = variant.forward_plan();
+        if !forward_wgmma::supports(plan) {
+            return Err(RuntimeError::Spec(
+                "the sm_90a forward runs bf16 and f16 per-head specs without RoPE whose head \
+                 dims are multiples of 64 up to 256"
+                    .into(),
+            ));
+        }
+        let [b, sq, skv] = check_qkv(spec, q, k, v)?;
+        check_positions(sq, skv, p0)?;
+        let chosen = wgmma_kernel(&variant)?;
+        let bytes = [q, k, v].map(|t| device_bytes(t, chosen.inputs));
+        Ok(Self::prepare(
+            plan,
+            chosen,
+            [b, sq, skv],
+            p0,
+            bytes,
+            spec.dtype,
+        ))
+    }
+
     /// Prepares `CpuBackend::forward_mla`'s call: the inputs absorbed on the host as the CPU
     /// backend does, the kernel over one shared latent head. The call's `out` is the f32 latent
     /// output; [`AbsorbedForward::finish`] expands it by `W_uv`.
@@ -272,7 +340,13 @@ impl GpuCall {
         let h = plan.shape.heads as usize;
         let dv = plan.shape.v_dim as usize;
         let t = ForwardTables::of(plan, &chosen, [b, sq, skv], p0);
+        let tensor_maps = if chosen.tensor_maps {
+            forward_wgmma::tensor_maps(plan, [b, sq, skv], [0; 3]).to_vec()
+        } else {
+            Vec::new()
+        };
         GpuCall {
+            tensor_maps,
             kernel: Arc::clone(&chosen.kernel),
             grid: t.grid,
             q,
@@ -332,11 +406,20 @@ impl GpuCall {
             rope_sin: sin,
             rope_pos0: self.rope_pos0,
         };
-        let args: Vec<Val> = bind(&self.kernel, &record)
+        let mut args: Vec<Val> = bind_with_maps(&self.kernel, &record, self.tensor_maps.len())
             .map_err(RuntimeError::Data)?
             .into_iter()
             .map(Val::I64)
             .collect();
+        for (map, global) in self.tensor_maps.iter().zip([q, k, v]) {
+            let map = TensorMap {
+                global,
+                ..map.clone()
+            };
+            args.push(Val::I64(
+                mem.alloc_tensor_map(map).map_err(RuntimeError::Data)?,
+            ));
+        }
         run(&self.kernel, self.grid, &args, &mut mem).map_err(RuntimeError::Data)?;
         let out = mem
             .read_f32(out, b * h * sq * dv)

@@ -2,12 +2,14 @@
 //! `#[attention(..., targets = [..])]` embeds at cargo time and `attnc emit --out-dir` writes
 //! (PTX per target, plus a manifest of launch records).
 
+use super::ir::Ty;
 use super::ir::{Half, Kernel};
 use super::launch::{
     BackwardArgs, BackwardTcArgs, DecodeArgs, ForwardArgs, LaunchRecord, Param, ParamKind,
 };
+use super::target::Arch;
 use super::{
-    backward_kernels, decode_kernel, forward_kernel, forward_tc, layers, pages,
+    backward_kernels, decode_kernel, forward_kernel, forward_tc, forward_wgmma, layers, pages,
     simt_forward_kernel, target, tensor_core_kernel, verified,
 };
 use crate::error::CodegenError;
@@ -18,7 +20,8 @@ use attn_dsl::AttentionSpec;
 #[derive(Clone, Debug)]
 pub struct SpecKernel {
     /// What it is for: `forward`, `forward simt`, `forward bf16 qk`, `decode`, `decode merge`,
-    /// `decode pages`, `backward delta`, `backward dq`, `backward dkdv`.
+    /// `decode pages`, `backward delta`, `backward dq`, `backward dkdv`; for sm_90a also
+    /// `forward wgmma`.
     pub role: &'static str,
     /// The kernel, verified.
     pub kernel: Kernel,
@@ -61,6 +64,21 @@ pub fn spec_kernels(spec: &AttentionSpec) -> Result<Vec<SpecKernel>, CodegenErro
     Ok(out)
 }
 
+/// The kernels of `spec` for `arch`: [`spec_kernels`], and for [`Arch::Sm90a`] first the
+/// warp-specialized `wgmma` forward ([`forward_wgmma`]) where the spec runs on it.
+pub fn spec_kernels_for(spec: &AttentionSpec, arch: Arch) -> Result<Vec<SpecKernel>, CodegenError> {
+    let mut out = Vec::new();
+    let plan = KernelPlan::forward(spec);
+    if arch == Arch::Sm90a && forward_wgmma::supports(&plan) {
+        out.push(SpecKernel {
+            role: "forward wgmma",
+            kernel: verified(forward_wgmma::lower(&plan))?,
+        });
+    }
+    out.extend(spec_kernels(spec)?);
+    Ok(out)
+}
+
 /// A kernel's launch record as JSON: entry point, parameters in order (each a 64-bit value:
 /// a device address or an integer), threads per CTA, shared memory (and how much of it a
 /// launch must ask for dynamically), CTAs per SM its registers were sized for, and its
@@ -72,7 +90,8 @@ pub fn launch_json(kernel: &Kernel) -> String {
         .iter()
         .enumerate()
         .map(|(i, (name, ty))| {
-            let kind = match fields.map(|f| f[i].kind) {
+            let kind = match fields.and_then(|f| f.get(i)).map(|p| p.kind) {
+                _ if *ty == Ty::TensorMap => "tensor map",
                 Some(ParamKind::Address) => "address",
                 Some(ParamKind::Scalar) => "scalar",
                 None => "value",
@@ -99,8 +118,12 @@ pub fn launch_json(kernel: &Kernel) -> String {
 /// The fields of the launch record a spec kernel takes (each kernel family's parameters are
 /// its record's fields, in order).
 fn record_fields(kernel: &Kernel) -> Option<&'static [Param]> {
+    // A record's fields, then (sm_90a forward) tensor maps.
     fn of<R: LaunchRecord>(kernel: &Kernel) -> Option<&'static [Param]> {
-        (kernel.params == R::params()).then_some(R::FIELDS)
+        let record = R::params();
+        let maps = kernel.params.get(record.len()..)?;
+        (kernel.params[..record.len()] == record && maps.iter().all(|(_, t)| *t == Ty::TensorMap))
+            .then_some(R::FIELDS)
     }
     of::<ForwardArgs>(kernel)
         .or_else(|| of::<DecodeArgs>(kernel))
@@ -166,6 +189,31 @@ mod tests {
                 .iter()
                 .all(|k| !k.role.starts_with("backward"))
         );
+    }
+
+    #[test]
+    fn sm_90a_adds_the_wgmma_forward_whose_maps_are_named() {
+        let spec: AttentionSpec = "heads = 8, head_dim = 128, mask = causal, dtype = bf16"
+            .parse()
+            .unwrap();
+        let hopper = spec_kernels_for(&spec, Arch::Sm90a).unwrap();
+        assert_eq!(hopper[0].role, "forward wgmma");
+        let json = launch_json(&hopper[0].kernel);
+        assert!(
+            json.contains(
+                "{\"name\": \"k_map\", \"type\": \"tensormap\", \"kind\": \"tensor map\"}"
+            ),
+            "{json}"
+        );
+        assert!(json.contains("\"kind\": \"address\"") && !json.contains("\"kind\": \"value\""));
+        assert_eq!(
+            spec_kernels_for(&spec, Arch::Sm90).unwrap().len() + 1,
+            hopper.len()
+        );
+        let rope: AttentionSpec = "heads = 8, head_dim = 128, position = rope, dtype = bf16"
+            .parse()
+            .unwrap();
+        assert!(spec_kernels_for(&rope, Arch::Sm90a).unwrap()[0].role != "forward wgmma");
     }
 
     #[test]

@@ -53,8 +53,16 @@ pub trait LaunchRecord {
 /// The argument values of a launch of `kernel` with `record`, in the kernel's parameter order;
 /// an error when the kernel's parameters are not the record's fields (names and types).
 pub fn bind<R: LaunchRecord>(kernel: &Kernel, record: &R) -> Result<Vec<i64>, String> {
+    bind_params(&kernel.name, &kernel.params, record)
+}
+
+fn bind_params<R: LaunchRecord>(
+    name: &str,
+    params: &[(String, Ty)],
+    record: &R,
+) -> Result<Vec<i64>, String> {
     let expected = R::params();
-    if kernel.params != expected {
+    if params != expected {
         let names = |p: &[(String, Ty)]| {
             p.iter()
                 .map(|(n, t)| format!("{n}: {t}"))
@@ -62,13 +70,33 @@ pub fn bind<R: LaunchRecord>(kernel: &Kernel, record: &R) -> Result<Vec<i64>, St
                 .join(", ")
         };
         return Err(format!(
-            "kernel `{}` takes ({}), the launch record has ({})",
-            kernel.name,
-            names(&kernel.params),
+            "kernel `{name}` takes ({}), the launch record has ({})",
+            names(params),
             names(&expected)
         ));
     }
     Ok(record.values())
+}
+
+/// [`bind`] for a kernel that takes `maps` TMA tensor maps after the record's fields (which the
+/// caller passes after the values): an error unless it takes exactly that many.
+pub fn bind_with_maps<R: LaunchRecord>(
+    kernel: &Kernel,
+    record: &R,
+    maps: usize,
+) -> Result<Vec<i64>, String> {
+    let n = kernel.params.len();
+    let split = n.checked_sub(maps).filter(|&s| {
+        kernel.params[s..].iter().all(|(_, t)| *t == Ty::TensorMap)
+            && kernel.params[..s].iter().all(|(_, t)| *t != Ty::TensorMap)
+    });
+    let Some(split) = split else {
+        return Err(format!(
+            "kernel `{}` does not take {maps} tensor maps after its launch record",
+            kernel.name
+        ));
+    };
+    bind_params(&kernel.name, &kernel.params[..split], record)
 }
 
 /// Defines a launch record: a struct of i64 fields and its [`LaunchRecord`] impl.

@@ -1,13 +1,14 @@
 //! The GPU backend's front half, verified without a GPU: kernel plans lowered to a GPU kernel
 //! IR ([`ir`], printable), and an interpreter ([`interp`]) that runs that IR on the CPU with
 //! the semantics of the PTX it maps to. [`forward`] is the SIMT f32 forward kernel, [`forward_tc`]
-//! the tensor-core (mma.sync, bf16) one.
+//! the tensor-core (mma.sync, bf16) one, [`forward_wgmma`] the sm_90a one (TMA, `wgmma`, warp
+//! specialization).
 //!
 //! [`decode`] holds the decode kernels over cache segments (split-KV): [`decode_tc`] and
 //! [`decode_wide`] (MLA) on tensor cores for 16-bit caches, a SIMT one for the rest. With the `llvm` feature, `llvm` translates
 //! the IR to LLVM IR and PTX. [`backward`] holds the SIMT backward kernels (delta, dq, dk and
-//! dv), [`backward_tc`] the tensor-core ones. [`target`] says what a GPU target needs without LLVM. Still to
-//! come: `wgmma` and TMA on sm_90a.
+//! dv), [`backward_tc`] the tensor-core ones. [`target`] says what a GPU target needs without LLVM,
+//! [`tma`] what TMA tensor maps hold.
 
 use crate::CodegenError;
 
@@ -47,6 +48,9 @@ pub struct ForwardKernel {
     /// cores, else f32
     /// (`out` and `lse` are f32 either way).
     pub inputs: attn_dsl::DType,
+    /// The kernel takes the TMA maps of q, k and v after its launch record
+    /// ([`forward_wgmma::tensor_maps`]; sm_90a only).
+    pub tensor_maps: bool,
 }
 
 impl ForwardKernel {
@@ -96,10 +100,28 @@ pub fn forward_kernel(plan: &crate::KernelPlan) -> Result<ForwardKernel, Codegen
             key_tile: forward_tc::key_tile(plan),
             rows: forward_tc::rows(plan),
             inputs: plan.dtype,
+            tensor_maps: false,
         })
     } else {
         simt_forward_kernel(plan)
     }
+}
+
+/// The warp-specialized sm_90a forward kernel of a plan ([`forward_wgmma`]); `None` when the
+/// plan does not run on it. Verified.
+pub fn wgmma_forward_kernel(
+    plan: &crate::KernelPlan,
+) -> Result<Option<ForwardKernel>, CodegenError> {
+    if !forward_wgmma::supports(plan) {
+        return Ok(None);
+    }
+    Ok(Some(ForwardKernel {
+        kernel: std::sync::Arc::new(verified(forward_wgmma::lower(plan))?),
+        key_tile: forward_wgmma::key_tile(plan),
+        rows: forward_wgmma::ROWS,
+        inputs: plan.dtype,
+        tensor_maps: true,
+    }))
 }
 
 /// The tensor-core forward kernel of a plan its `Q K^T` operands in `qk` (see
@@ -116,6 +138,7 @@ pub fn tensor_core_kernel(
         key_tile: forward_tc::key_tile(plan),
         rows: forward_tc::rows(plan),
         inputs: plan.dtype,
+        tensor_maps: false,
     }))
 }
 
@@ -126,6 +149,7 @@ pub fn simt_forward_kernel(plan: &crate::KernelPlan) -> Result<ForwardKernel, Co
         key_tile: forward::key_tile(plan),
         rows: forward::ROWS,
         inputs: attn_dsl::DType::F32,
+        tensor_maps: false,
     })
 }
 

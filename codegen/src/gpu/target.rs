@@ -46,6 +46,20 @@ impl Arch {
     }
 }
 
+/// Whether a kernel uses instructions only sm_90a has (`wgmma`, `setmaxnreg`).
+pub fn needs_sm90a(kernel: &Kernel) -> bool {
+    use super::ir::Stmt;
+    fn any(body: &[Stmt]) -> bool {
+        body.iter().any(|s| match s {
+            Stmt::Wgmma(_) | Stmt::WgmmaWait { .. } | Stmt::SetMaxNReg { .. } => true,
+            Stmt::If(_, t, e) => any(t) || any(e),
+            Stmt::For { body, .. } => any(body),
+            _ => false,
+        })
+    }
+    any(&kernel.body)
+}
+
 /// Static shared memory per CTA is limited to 48 KiB.
 pub const STATIC_SHARED_LIMIT: u32 = 48 * 1024;
 

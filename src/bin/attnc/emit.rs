@@ -6,10 +6,10 @@
 
 use attn::AttentionSpec;
 use attn::codegen::KernelPlan;
-use attn::codegen::gpu::artifacts::{SpecKernel, json_string, launch_json, spec_kernels};
-use attn::codegen::gpu::forward_kernel;
+use attn::codegen::gpu::artifacts::{SpecKernel, json_string, launch_json, spec_kernels_for};
 use attn::codegen::gpu::ir::Kernel;
 use attn::codegen::gpu::target::{Arch, compiler_version};
+use attn::codegen::gpu::{forward_kernel, forward_wgmma, verified};
 use attn::runtime::gpu::disk_cache::DiskCache;
 use attn::runtime::gpu::ptx::ptx_for;
 use std::path::Path;
@@ -44,6 +44,11 @@ pub enum Target {
     /// Hopper.
     #[value(name = "sm_90")]
     Sm90,
+    /// Hopper's architecture-specific instructions: the forward on warpgroup MMA, TMA and
+    /// warp specialization where the spec runs on it (bf16 and f16 without RoPE, head dims
+    /// 64, 128, 192 or 256). Runs on compute capability 9.0 only.
+    #[value(name = "sm_90a")]
+    Sm90a,
 }
 
 impl Target {
@@ -51,6 +56,7 @@ impl Target {
         match self {
             Target::Sm80 => Arch::Sm80,
             Target::Sm90 => Arch::Sm90,
+            Target::Sm90a => Arch::Sm90a,
         }
     }
 }
@@ -64,13 +70,21 @@ pub fn emit(spec: &AttentionSpec, targets: &[Target], what: Emit) -> Result<Stri
             targets.len()
         ));
     };
-    // The first of `spec_kernels`, lowered alone.
-    let forward = SpecKernel {
-        role: "forward",
-        kernel: (*forward_kernel(&KernelPlan::forward(spec))
-            .map_err(|e| format!("error: {e}\n"))?
-            .kernel)
-            .clone(),
+    // The first of `spec_kernels_for`, lowered alone.
+    let plan = KernelPlan::forward(spec);
+    let forward = if target.arch() == Arch::Sm90a && forward_wgmma::supports(&plan) {
+        SpecKernel {
+            role: "forward wgmma",
+            kernel: verified(forward_wgmma::lower(&plan)).map_err(|e| format!("error: {e}\n"))?,
+        }
+    } else {
+        SpecKernel {
+            role: "forward",
+            kernel: (*forward_kernel(&plan)
+                .map_err(|e| format!("error: {e}\n"))?
+                .kernel)
+                .clone(),
+        }
     };
     text_of(spec, &forward, target.arch(), what)
 }
@@ -83,11 +97,11 @@ pub fn emit_all(
     what: Emit,
     dir: &Path,
 ) -> Result<(), String> {
-    let kernels = spec_kernels(spec).map_err(|e| format!("error: {e}\n"))?;
     std::fs::create_dir_all(dir).map_err(|e| format!("error: {}: {e}\n", dir.display()))?;
     let mut entries = Vec::new();
     for target in targets {
         let arch = target.arch();
+        let kernels = spec_kernels_for(spec, arch).map_err(|e| format!("error: {e}\n"))?;
         for k in &kernels {
             let text = text_of(spec, k, arch, what)?;
             let file = format!(
@@ -117,7 +131,7 @@ pub fn emit_all(
         .map_err(|e| format!("error: {}: {e}\n", dir.display()))?;
     eprintln!(
         "wrote {} kernels for {} target{} to {}",
-        kernels.len(),
+        entries.len(),
         targets.len(),
         if targets.len() == 1 { "" } else { "s" },
         dir.display()
