@@ -9,6 +9,10 @@
 # For a machine with an NVIDIA GPU, its driver and PyTorch (with safetensors); no network.
 #
 #   scripts/gpu-check.sh [--quick]     check and time (well under 8 minutes; --quick: N 1k and 8k)
+#   scripts/gpu-check.sh --hopper-only [--quick]
+#                                      the sm_90a forward alone (H100/H200): its differential
+#                                      cases with ATTN_GPU_WGMMA=1, then its timing against our
+#                                      sm_90 kernel, cuDNN SDPA and FlexAttention
 #   scripts/gpu-check.sh --prepare     on a development machine: build attnc (features cuda, llvm)
 #                                      and examples/shipping-kernels (cuda, aot) into .gpu-bin/
 #                                      (ignored by git), for a GPU machine that has no Rust
@@ -46,6 +50,9 @@ else
 fi
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+if [[ "${1:-}" == "--hopper-only" ]]; then
+  PYTHONUNBUFFERED=1 exec python3 scripts/gpu_check.py --attnc "$attnc" --backend cuda "$@"
+fi
 status=0
 if [[ -x .gpu-bin/shipping-kernels ]]; then
   echo "== kernels embedded at cargo time, run against the CPU backend (examples/shipping-kernels)"

@@ -13,6 +13,11 @@
    device copy of a paged cache, against SDPA on contiguous K/V. Then the bf16 causal backward
    (`attnc bench --backward --backend cuda`: delta, dq, dk and dv on tensor cores) at D 64 and
    128, N 2k and 8k, against SDPA's backward alone on the cuDNN and FlashAttention-2 backends.
+4. sm_90a (compute capability 9.0 only; `--hopper`, or `--hopper-only` for this part alone):
+   the differential cases the warp-specialized wgmma forward runs (bf16 and f16 without RoPE,
+   head dims multiples of 64) again with ATTN_GPU_WGMMA=1, then its bf16 forward timing for
+   D 64, 128 and 256, causal and non-causal, N 1k to 16k, next to our sm_90 kernel, cuDNN SDPA
+   and FlexAttention (compiled once per shape) on the same device.
 
   python3 scripts/gpu_check.py --attnc PATH [--backend cuda|gpu-sim] [--quick] [--skip-timing]
 
@@ -94,23 +99,35 @@ def reference(spec, q, k, v):
     return torch.softmax(s, dim=-1).nan_to_num(0.0) @ v
 
 
-def attnc_run(attnc, spec, inputs, backend, workdir, tag):
+def attnc_run(attnc, spec, inputs, backend, workdir, tag, env=None):
     out = os.path.join(workdir, f"{tag}-{backend}.safetensors")
     r = subprocess.run(
         [attnc, "run", "--spec", spec, "--input", inputs, "--output", out, "--backend", backend],
         capture_output=True,
         text=True,
+        env=env,
     )
     if r.returncode != 0:
         raise RuntimeError(f"attnc run --backend {backend} failed ({r.returncode}): {r.stderr.strip()}")
     return load_file(out)
 
 
-def differential(attnc, backend):
-    print(f"== differential: attnc run --backend {backend} against --backend cpu and float64")
+def wgmma_runs(spec):
+    """Whether the sm_90a forward takes the spec (codegen::gpu::forward_wgmma::supports)."""
+    d = int(spec_field(spec, "head_dim"))
+    dv = int(spec_field(spec, "v_head_dim", d))
+    return (spec_field(spec, "dtype") in ("bf16", "f16") and "rope" not in spec
+            and all(x % 64 == 0 and x <= 256 for x in (d, dv)))
+
+
+def differential(attnc, backend, wgmma=False):
+    cases = [c for c in DIFFERENTIAL if wgmma_runs(c[0])] if wgmma else DIFFERENTIAL
+    env = dict(os.environ, ATTN_GPU_WGMMA="1") if wgmma else None
+    what = " (ATTN_GPU_WGMMA=1: the sm_90a forward)" if wgmma else ""
+    print(f"== differential{what}: attnc run --backend {backend} against --backend cpu and float64")
     failures = 0
     with tempfile.TemporaryDirectory() as workdir:
-        for i, (spec, b, sq, skv) in enumerate(DIFFERENTIAL):
+        for i, (spec, b, sq, skv) in enumerate(cases):
             if backend == "gpu-sim":
                 sq, skv = min(sq, SMALL_FOR_SIM), min(skv, SMALL_FOR_SIM + (skv - sq))
             heads = int(spec_field(spec, "heads"))
@@ -128,7 +145,7 @@ def differential(attnc, backend):
             inputs = os.path.join(workdir, f"in{i}.safetensors")
             save_file({"q": q, "k": k, "v": v}, inputs)
             try:
-                dev = attnc_run(attnc, spec, inputs, backend, workdir, f"case{i}")
+                dev = attnc_run(attnc, spec, inputs, backend, workdir, f"case{i}", env)
                 cpu = attnc_run(attnc, spec, inputs, "cpu", workdir, f"case{i}")
             except RuntimeError as e:
                 print(f"FAIL {spec}: {e}")
@@ -151,7 +168,7 @@ def differential(attnc, backend):
                 f"{'ok  ' if ok else 'FAIL'} [B {b}, Sq {sq}, Skv {skv}] {spec}: |out - cpu| {err_out:.2e}, "
                 f"|lse - cpu| {err_lse:.2e}, |out - f64| {vs_ref}"
             )
-    print(f"== differential: {len(DIFFERENTIAL) - failures} of {len(DIFFERENTIAL)} agree")
+    print(f"== differential{what}: {len(cases) - failures} of {len(cases)} agree")
     return failures
 
 
@@ -335,6 +352,76 @@ def backward_timing(attnc):
             sys.stdout.flush()
 
 
+def time_flex(causal, b, h, n, d, reps):
+    """FlexAttention (torch.compile'd once per shape; the compile is not timed), bf16."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    dev = "cuda"
+    q, k, v = (torch.randn(b, h, n, d, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    flex = torch.compile(flex_attention)
+    mask = None
+    if causal:
+        mask = create_block_mask(lambda b_, h_, q_, k_: q_ >= k_, None, None, n, n, device=dev)
+    return cuda_median_ms(lambda: flex(q, k, v, block_mask=mask), reps)
+
+
+def time_cudnn(causal, b, h, n, d, reps):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        f = torch.nn.functional.scaled_dot_product_attention
+        return cuda_median_ms(lambda: f(q, k, v, is_causal=causal), reps)
+
+
+def attnc_bench(attnc, spec, n, b, env=None):
+    r = subprocess.run(
+        [attnc, "bench", spec, "--seq", str(n), "--batch", str(b), "--reps", "5",
+         "--backend", "cuda", "--json"],
+        capture_output=True, text=True, env=env,
+    )
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr.strip())
+    return json.loads(r.stdout)["median_ms"]
+
+
+def hopper_timing(attnc, quick):
+    """The sm_90a forward (ATTN_GPU_WGMMA=1) next to our sm_90 kernel, cuDNN and FlexAttention."""
+    print("== sm_90a timing (bf16 forward, 16 heads, batch 16k / N; TFLOP/s = 4 B H N^2 D, halved")
+    print("   when causal; x cuDNN and x flex are ratios of times, above 1 faster than them)")
+    print(f"{'mask':<7} {'D':>4} {'N':>6} {'B':>3} {'wgmma TF/s':>11} {'sm_90 TF/s':>11} "
+          f"{'cuDNN TF/s':>11} {'flex TF/s':>10} {'x cuDNN':>8} {'x flex':>7}")
+    env = dict(os.environ, ATTN_GPU_WGMMA="1")
+    sizes = [1024, 8192] if quick else [1024, 2048, 4096, 8192, 16384]
+    for causal in (True, False):
+        for d in (64, 128, 256):
+            for n in sizes:
+                b, h = max(1, 16384 // n), 16
+                flops = 4 * b * h * n * n * d / (2 if causal else 1)
+                mask = "causal" if causal else "none"
+                spec = f"heads = {h}, head_dim = {d}, mask = {mask}, dtype = bf16"
+                tf = lambda ms: flops / ms / 1e9 if ms else 0.0
+                try:
+                    ours = attnc_bench(attnc, spec, n, b, env)
+                    base = attnc_bench(attnc, spec, n, b)
+                except RuntimeError as e:
+                    print(f"{mask:<7} {d:>4} {n:>6} {b:>3}   ours failed: {e}")
+                    continue
+                try:
+                    cudnn = time_cudnn(causal, b, h, n, d, 5)
+                except RuntimeError:
+                    cudnn = None
+                try:
+                    flex = time_flex(causal, b, h, n, d, 5)
+                except Exception as e:  # FlexAttention needs triton; report and go on
+                    print(f"   flex unavailable: {type(e).__name__}")
+                    flex = None
+                print(
+                    f"{mask:<7} {d:>4} {n:>6} {b:>3} {tf(ours):>11.1f} {tf(base):>11.1f} "
+                    f"{tf(cudnn):>11.1f} {tf(flex):>10.1f} "
+                    f"{(cudnn / ours if cudnn else 0):>8.2f} {(flex / ours if flex else 0):>7.2f}"
+                )
+                sys.stdout.flush()
+
+
 def gradients(attnc, backend):
     """The golden gradient cases (PyTorch float64 autograd) through `attnc grad --backend`."""
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures", "gradients")
@@ -380,9 +467,20 @@ def main():
     p.add_argument("--backend", default="cuda", choices=["cuda", "gpu-sim"])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--skip-timing", action="store_true")
+    p.add_argument("--hopper", action="store_true", help="also the sm_90a part (9.0 devices)")
+    p.add_argument("--hopper-only", action="store_true", help="only the sm_90a part")
     a = p.parse_args()
     start = time.time()
+    if a.hopper_only:
+        failures = differential(a.attnc, a.backend, wgmma=True)
+        if a.backend == "cuda" and not a.skip_timing and torch.cuda.is_available():
+            print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+            hopper_timing(a.attnc, a.quick)
+        print(f"== done in {time.time() - start:.0f} s")
+        sys.exit(1 if failures else 0)
     failures = differential(a.attnc, a.backend)
+    if a.hopper:
+        failures += differential(a.attnc, a.backend, wgmma=True)
     failures += gradients(a.attnc, a.backend)
     if a.backend == "cuda" and not a.skip_timing:
         if not torch.cuda.is_available():
@@ -392,6 +490,8 @@ def main():
             timing(a.attnc, a.quick)
             decode_timing(a.attnc)
             backward_timing(a.attnc)
+            if a.hopper:
+                hopper_timing(a.attnc, a.quick)
     print(f"== done in {time.time() - start:.0f} s")
     sys.exit(1 if failures else 0)
 
