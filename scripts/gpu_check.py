@@ -14,8 +14,8 @@
    (`attnc bench --backward --backend cuda`: delta, dq, dk and dv on tensor cores) at D 64 and
    128, N 2k and 8k, against SDPA's backward alone on the cuDNN and FlashAttention-2 backends.
 4. sm_90a (compute capability 9.0 only; `--hopper`, or `--hopper-only` for this part alone):
-   the differential cases the warp-specialized wgmma forward runs (bf16 and f16 without RoPE,
-   head dims multiples of 64) again with ATTN_GPU_WGMMA=1, then its bf16 forward timing for
+   the differential cases the warp-specialized wgmma forward runs (bf16 and f16, head dims
+   multiples of 64; RoPE included) again with ATTN_GPU_WGMMA=1, then its bf16 forward timing for
    D 64, 128 and 256, causal and non-causal, N 1k to 16k, next to our sm_90 kernel, cuDNN SDPA
    and FlexAttention (compiled once per shape) on the same device.
 
@@ -116,7 +116,7 @@ def wgmma_runs(spec):
     """Whether the sm_90a forward takes the spec (codegen::gpu::forward_wgmma::supports)."""
     d = int(spec_field(spec, "head_dim"))
     dv = int(spec_field(spec, "v_head_dim", d))
-    return (spec_field(spec, "dtype") in ("bf16", "f16") and "rope" not in spec
+    return (spec_field(spec, "dtype") in ("bf16", "f16")
             and all(x % 64 == 0 and x <= 256 for x in (d, dv)))
 
 

@@ -557,10 +557,10 @@ fn emit_for_sm_90a_writes_the_warp_specialized_forward() {
             assert!(ptx.contains(op), "{op}");
         }
     }
-    // A spec the kernel does not take (RoPE) gets the mma.sync forward.
+    // A spec the kernel does not take (head dim 96) gets the mma.sync forward.
     let o = attnc(&[
         "emit",
-        "heads = 8, head_dim = 128, position = rope, dtype = bf16",
+        "heads = 8, head_dim = 96, position = rope, dtype = bf16",
         "--target",
         "sm_90a",
         "--emit",

@@ -5,11 +5,12 @@
 //! ptxas assembles it with no spills, no serialized `wgmma` and no ignored `setmaxnreg`.
 
 use attn_dsl::AttentionSpec;
-use attn_dsl::reference::{self, Array, Inputs};
+use attn_dsl::reference::{self, Array, Inputs, rope};
 use codegen::KernelPlan;
 use codegen::gpu::forward_wgmma::{self, ROWS, key_tile, lower, supports, tensor_maps};
 use codegen::gpu::interp::{Memory, Val, run};
 use codegen::gpu::{ForwardKernel, forward_tc};
+use codegen::plan::Frequencies;
 
 fn values(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -76,8 +77,29 @@ fn check(text: &str, batch: usize, sq: usize, skv: usize, p0: i64) {
         .flat_map(|c| c.to_le_bytes())
         .collect();
     let codes = mem.alloc_bytes(codes);
+    // RoPE tables for every position the call touches (cos and sin times the attention factor).
+    let first = p0.min(p0 + skv as i64 - sq as i64);
+    let end = p0 + skv as i64;
+    let (cos, sin) = match &plan.rope {
+        Some(r) => {
+            let freqs = match &r.frequencies {
+                Frequencies::Static(f) => f.clone(),
+                Frequencies::PerLaunch => rope::inv_freq(&r.rope, end as u64),
+            };
+            let (mut c, mut s) = (Vec::new(), Vec::new());
+            for pos in first..end {
+                for f in &freqs {
+                    let (sn, cs) = (pos as f64 * f).sin_cos();
+                    c.push((cs * r.attention_factor) as f32);
+                    s.push((sn * r.attention_factor) as f32);
+                }
+            }
+            (mem.alloc_f32(&c), mem.alloc_f32(&s))
+        }
+        None => (0, 0),
+    };
     let mut args: Vec<Val> = [
-        qa, ka, va, out, lse, codes, sq as i64, skv as i64, p0, 0, 0, 0,
+        qa, ka, va, out, lse, codes, sq as i64, skv as i64, p0, cos, sin, first,
     ]
     .into_iter()
     .map(Val::I64)
@@ -170,6 +192,32 @@ fn variants_match_the_reference() {
 }
 
 #[test]
+fn rope_rotated_in_place_by_the_producer_matches_the_reference() {
+    for (text, b, sq, skv, p0) in [
+        // Every column rotated: f16 Q K^T operands for a bf16 spec.
+        (
+            "heads = 2, head_dim = 64, dtype = bf16, mask = causal, position = rope",
+            1,
+            150,
+            150,
+            0,
+        ),
+        // Interleaved, partial, YaRN, f16, a position offset, Sq < Skv, GQA.
+        (
+            "heads = 4, kv_heads = 2, head_dim = 128, dtype = f16, mask = causal, \
+             position = rope(dim = 64, layout = interleaved, scaling = yarn(factor = 4.0, \
+             original_max_position = 64))",
+            1,
+            60,
+            200,
+            17,
+        ),
+    ] {
+        check(text, b, sq, skv, p0);
+    }
+}
+
+#[test]
 fn head_dims_128_and_256_match_the_reference() {
     check(
         "heads = 1, head_dim = 128, dtype = bf16, mask = causal",
@@ -182,9 +230,8 @@ fn head_dims_128_and_256_match_the_reference() {
 }
 
 #[test]
-fn rope_and_odd_head_dims_stay_on_the_mma_kernel() {
+fn odd_head_dims_and_f32_stay_on_the_other_kernels() {
     for text in [
-        "heads = 2, head_dim = 64, dtype = bf16, position = rope",
         "heads = 2, head_dim = 96, dtype = bf16",
         "heads = 2, head_dim = 64",
     ] {
@@ -207,16 +254,22 @@ fn the_kernel_compiles_for_sm_90a_without_spills() {
         "heads = 8, head_dim = 128, dtype = bf16, mask = causal",
         "heads = 8, head_dim = 256, dtype = bf16, mask = causal",
         "heads = 8, head_dim = 128, dtype = bf16, position = alibi, softcap = 30.0",
+        "heads = 8, head_dim = 128, dtype = bf16, mask = causal, position = rope",
     ] {
         let plan = KernelPlan::forward(&text.parse().unwrap());
         let out = emit(&lower(&plan), Arch::Sm90a).unwrap();
+        let (dec, inc) = if text.contains("rope") {
+            (40, 232)
+        } else {
+            (24, 240)
+        };
         for needle in [
-            "wgmma.mma_async.sync.aligned",
-            "cp.async.bulk.tensor.3d",
-            "setmaxnreg.inc.sync.aligned.u32 240",
-            "setmaxnreg.dec.sync.aligned.u32 24",
+            "wgmma.mma_async.sync.aligned".to_string(),
+            "cp.async.bulk.tensor.3d".to_string(),
+            format!("setmaxnreg.inc.sync.aligned.u32 {inc}"),
+            format!("setmaxnreg.dec.sync.aligned.u32 {dec}"),
         ] {
-            assert!(out.ptx.contains(needle), "{text}: {needle}");
+            assert!(out.ptx.contains(&needle), "{text}: {needle}");
         }
         if let Some(report) = common::assemble_report(&out.ptx, Arch::Sm90a, text) {
             for bad in ["C7515", "C7507"] {

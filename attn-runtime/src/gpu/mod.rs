@@ -284,8 +284,8 @@ impl GpuCall {
         let plan = variant.forward_plan();
         if !forward_wgmma::supports(plan) {
             return Err(RuntimeError::Spec(
-                "the sm_90a forward runs bf16 and f16 per-head specs without RoPE whose head \
-                 dims are multiples of 64 up to 256"
+                "the sm_90a forward runs bf16 and f16 per-head specs whose head dims are \
+                 multiples of 64 up to 256"
                     .into(),
             ));
         }

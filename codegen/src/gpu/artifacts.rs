@@ -210,10 +210,10 @@ mod tests {
             spec_kernels_for(&spec, Arch::Sm90).unwrap().len() + 1,
             hopper.len()
         );
-        let rope: AttentionSpec = "heads = 8, head_dim = 128, position = rope, dtype = bf16"
+        let odd: AttentionSpec = "heads = 8, head_dim = 96, position = rope, dtype = bf16"
             .parse()
             .unwrap();
-        assert!(spec_kernels_for(&rope, Arch::Sm90a).unwrap()[0].role != "forward wgmma");
+        assert!(spec_kernels_for(&odd, Arch::Sm90a).unwrap()[0].role != "forward wgmma");
     }
 
     #[test]

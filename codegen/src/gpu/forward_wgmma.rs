@@ -17,14 +17,17 @@
 //! 256. RoPE, MLA and other dims stay on [`super::forward_tc`]. Not yet: ping-pong scheduling
 //! between the consumers, overlap of the softmax with the next tile's `Q K^T`, clusters.
 
+use super::forward::rotate_pair;
 use super::forward::{Regs, param, special64};
+use super::forward_tc::qk_half;
 use super::forward_tc::{TileScores, epilogue, half_of, online_softmax, score_tile};
+use super::ir::Half;
 use super::ir::build::*;
 use super::ir::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty, Wgmma, WgmmaA};
 use super::launch::{ForwardArgs, LaunchRecord};
 use super::tma::{Swizzle, TensorMap};
 use crate::plan::{KernelPlan, PlanKind, TileCode};
-use attn_dsl::DType;
+use attn_dsl::{DType, RopeLayout};
 
 /// Threads per CTA: a producer warpgroup and two consumers.
 pub const THREADS: u32 = 384;
@@ -32,10 +35,15 @@ pub const THREADS: u32 = 384;
 /// Query rows per CTA: 64 per consumer warpgroup.
 pub const ROWS: u32 = 128;
 
-/// Register budgets after `setmaxnreg`: the producer's and each consumer's (128 x 24 + 256 x
-/// 240 fits the SM's 64K).
-const PRODUCER_REGS: u32 = 24;
-const CONSUMER_REGS: u32 = 240;
+/// Register budgets after `setmaxnreg`, the producer's and each consumer's: 24 and 240, or
+/// with RoPE (which the producer applies) 40 and 232; either way 128 p + 256 c fits the SM's 64K.
+fn budgets(plan: &KernelPlan) -> (u32, u32) {
+    if plan.rope.is_some() {
+        (40, 232)
+    } else {
+        (24, 240)
+    }
+}
 
 /// Stages of the K and V ring.
 const STAGES: i64 = 2;
@@ -49,7 +57,10 @@ pub fn supports(plan: &KernelPlan) -> bool {
     plan.kind == PlanKind::Forward
         && matches!(plan.dtype, DType::Bf16 | DType::F16)
         && plan.mla.is_none()
-        && plan.rope.is_none()
+        && plan.rope.as_ref().is_none_or(|r| {
+            r.first_dim.is_multiple_of(2)
+                && (r.rope.layout == RopeLayout::Interleaved || (r.rope.dim / 2).is_multiple_of(2))
+        })
         && [d, dv]
             .iter()
             .all(|&x| x.is_multiple_of(BLOCK_COLS) && x <= 256)
@@ -72,7 +83,8 @@ struct Layout {
     /// Stage s's K at `stage(s)`, V after it: `dims / 64` blocks of `key_tile` x 128 bytes.
     k_bytes: i64,
     v_bytes: i64,
-    /// The mbarriers: q_full, then per stage k_full, v_full, k_empty, v_empty.
+    /// The mbarriers: q_full, q_ready, then per stage k_full, v_full, k_empty, v_empty,
+    /// k_ready (the ready ones with RoPE: the tile rotated in place).
     bars: i64,
 }
 
@@ -101,13 +113,17 @@ impl Layout {
         i64(self.bars)
     }
 
-    /// Barrier `which` (0 k_full, 1 v_full, 2 k_empty, 3 v_empty) of stage `s`.
+    fn q_ready(&self) -> Expr {
+        i64(self.bars + 8)
+    }
+
+    /// Barrier `which` (0 k_full, 1 v_full, 2 k_empty, 3 v_empty, 4 k_ready) of stage `s`.
     fn bar(&self, which: i64, s: Expr) -> Expr {
-        add(i64(self.bars + 8 + 8 * which * STAGES), mul(s, i64(8)))
+        add(i64(self.bars + 16 + 8 * which * STAGES), mul(s, i64(8)))
     }
 
     fn bytes(&self) -> u32 {
-        (self.bars + 8 + 8 * 4 * STAGES) as u32
+        (self.bars + 16 + 8 * 5 * STAGES) as u32
     }
 }
 
@@ -169,7 +185,7 @@ fn i32c(x: i64) -> Expr {
 pub fn lower(plan: &KernelPlan) -> Kernel {
     assert!(
         supports(plan),
-        "the wgmma kernel runs bf16 and f16 per-head plans without RoPE"
+        "the wgmma kernel runs bf16 and f16 per-head plans with head dims of 64 to 256"
     );
     let (d, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
     let (hq, hkv) = (plan.shape.heads as i64, plan.shape.kv_heads as i64);
@@ -271,11 +287,18 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         bar: lay.q_full(),
         count: 1,
     }];
+    let rope = plan.rope.is_some();
+    if rope {
+        init.push(Stmt::MbarInit {
+            bar: lay.q_ready(),
+            count: 128,
+        });
+    }
     for s in 0..STAGES {
-        for which in 0..4 {
+        for which in 0..if rope { 5 } else { 4 } {
             // Full barriers complete on the producer's arrival and its copies; empty ones on
-            // one arrival per consumer warp.
-            let count = if which < 2 { 1 } else { 8 };
+            // one arrival per consumer warp; ready ones on every producer thread's.
+            let count = [1, 1, 8, 8, 128][which as usize];
             init.push(Stmt::MbarInit {
                 bar: lay.bar(which, i64(s)),
                 count,
@@ -333,17 +356,81 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
             });
         }
     }
-    let producer = vec![
-        Stmt::SetMaxNReg {
-            inc: false,
-            regs: PRODUCER_REGS,
-        },
-        Stmt::If(
-            bin(Bin::Eq, tid.clone(), i64(0)),
-            [load_q, running_tiles(produce)].concat(),
-            vec![],
-        ),
-    ];
+    let (producer_regs, consumer_regs) = budgets(plan);
+    let thread0 = |body: Vec<Stmt>| Stmt::If(bin(Bin::Eq, tid.clone(), i64(0)), body, vec![]);
+    let mut producer = vec![Stmt::SetMaxNReg {
+        inc: false,
+        regs: producer_regs,
+    }];
+    if !rope {
+        producer.push(thread0([load_q, running_tiles(produce)].concat()));
+    } else {
+        // Every producer thread rotates what thread 0's copies bring, in place, then fences
+        // its stores for `wgmma` and arrives at the ready barrier consumers wait for.
+        let (qk, from) = (qk_half(plan), half_of(plan));
+        let local = r.add("producer_thread", Ty::I64);
+        producer.push(Stmt::Set(local, tid.clone()));
+        producer.push(thread0(load_q));
+        producer.push(Stmt::MbarWait {
+            bar: lay.q_full(),
+            parity: i32c(0),
+        });
+        let last_row = sub(param("sq"), i64(1));
+        for c in 0..2 {
+            let row0 = add(first_row.clone(), i64(64 * c));
+            let pos = |j: Expr| {
+                add(
+                    add(param("p0"), sub(param("skv"), param("sq"))),
+                    bin(Bin::Min, add(row0.clone(), j), last_row.clone()),
+                )
+            };
+            producer.extend(rotate_in_shared(
+                plan,
+                &mut r,
+                (i64(c * lay.q_per_consumer), 64),
+                &pos,
+                [from, qk],
+                local,
+            ));
+        }
+        producer.push(Stmt::FenceProxyAsync);
+        producer.push(Stmt::MbarArrive {
+            bar: lay.q_ready(),
+            tx: None,
+        });
+        let last_key = sub(param("skv"), i64(1));
+        let key_pos = |j: Expr| {
+            add(
+                param("p0"),
+                bin(
+                    Bin::Min,
+                    add(mul(reg(tile), i64(bc64)), j),
+                    last_key.clone(),
+                ),
+            )
+        };
+        let mut each = vec![
+            thread0(produce),
+            Stmt::MbarWait {
+                bar: lay.bar(0, reg(stage)),
+                parity: use_parity(),
+            },
+        ];
+        each.extend(rotate_in_shared(
+            plan,
+            &mut r,
+            (lay.stage(reg(stage)), bc),
+            &key_pos,
+            [from, qk],
+            local,
+        ));
+        each.push(Stmt::FenceProxyAsync);
+        each.push(Stmt::MbarArrive {
+            bar: lay.bar(4, reg(stage)),
+            tx: None,
+        });
+        producer.extend(running_tiles(each));
+    }
 
     // The consumers: this thread's rows are g and g + 8 of its warp's 16 of its warpgroup's 64.
     let (consumer, warp, g, q) = (
@@ -356,7 +443,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     let mut consume_setup = vec![
         Stmt::SetMaxNReg {
             inc: true,
-            regs: CONSUMER_REGS,
+            regs: consumer_regs,
         },
         Stmt::Set(consumer, sub(bin(Bin::Div, tid.clone(), i64(128)), i64(1))),
         Stmt::Set(
@@ -398,8 +485,9 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     }
     let flat = |a: &[[Reg; 4]]| a.iter().flatten().copied().collect::<Vec<Reg>>();
     let (o_regs, s_regs) = (flat(&o[0]), flat(&s[0]));
+    // Q has landed, and under RoPE been rotated.
     consume_setup.push(Stmt::MbarWait {
-        bar: lay.q_full(),
+        bar: if rope { lay.q_ready() } else { lay.q_full() },
         parity: i32c(0),
     });
 
@@ -416,7 +504,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     };
     let q_at = add(i64(0), mul(reg(consumer), i64(lay.q_per_consumer)));
     let mut consume = vec![Stmt::MbarWait {
-        bar: lay.bar(0, reg(stage)),
+        bar: lay.bar(if rope { 4 } else { 0 }, reg(stage)),
         parity: use_parity(),
     }];
     // S = Q K^T: per 16 columns of d, Q's and K's descriptors advance 32 bytes inside a
@@ -439,7 +527,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         })
         .collect();
     consume.push(Stmt::Wgmma(Box::new(Wgmma {
-        half,
+        half: qk_half(plan),
         n: bc as u32,
         d: s_regs.clone(),
         accumulate: Expr::Pred(false),
@@ -532,4 +620,114 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         ctas_per_sm: 1,
         body,
     }
+}
+
+/// RoPE in place on a tile in shared memory: `rows` rows of `cols` 16-bit columns at `base`
+/// (64-column blocks of `rows` x 128 bytes, 128-byte swizzle), row `j` at position `pos(j)`.
+/// Values are read in the storage format `from` and written in the `Q K^T` operands' `to`.
+/// The producer warpgroup's 128 threads (`thread` 0..128) share the work. Each item is a
+/// 32-bit word: an interleaved pair, or two half-split pairs (columns `2 w, 2 w + 1` and
+/// `half + 2 w, half + 2 w + 1`), all read before either word is written.
+fn rotate_in_shared(
+    plan: &KernelPlan,
+    r: &mut Regs,
+    (base, rows): (Expr, usize),
+    pos: &dyn Fn(Expr) -> Expr,
+    [from, to]: [Half; 2],
+    thread: Reg,
+) -> Vec<Stmt> {
+    let rope = plan.rope.as_ref().expect("a RoPE plan");
+    let half = (rope.rope.dim / 2) as i64;
+    let first = i64::from(rope.first_dim);
+    let interleaved = rope.rope.layout == RopeLayout::Interleaved;
+    let per_row = if interleaved { half } else { half / 2 };
+    let (item, row, w, table) = (
+        r.add("rope_item", Ty::I64),
+        r.add("rope_row", Ty::I64),
+        r.add("rope_word", Ty::I64),
+        r.add("rope_entry", Ty::I64),
+    );
+    // The shared offset of column `col` (even) of the row: its block, then the 16-byte chunk
+    // XOR the row's place in its group of 8 (a ^ b = (a | b) - (a & b)).
+    let at = |col: Expr| {
+        let (blk, inner) = (
+            bin(Bin::Div, col.clone(), i64(64)),
+            bin(Bin::Rem, col, i64(64)),
+        );
+        let (chunk, row8) = (
+            bin(Bin::Div, inner.clone(), i64(8)),
+            bin(Bin::Rem, reg(row), i64(8)),
+        );
+        let swizzled = sub(
+            bin(Bin::Or, chunk.clone(), row8.clone()),
+            bin(Bin::And, chunk, row8),
+        );
+        add(
+            add(base.clone(), mul(blk, i64(rows as i64 * 128))),
+            add(
+                add(mul(reg(row), i64(128)), mul(swizzled, i64(16))),
+                mul(bin(Bin::Rem, inner, i64(8)), i64(2)),
+            ),
+        )
+    };
+    let elem = |col: Expr| Expr::LoadHalf(Space::Shared, from, Box::new(at(col)));
+    let table_at = |param_name: &str, f: Expr| {
+        load(
+            Space::Global,
+            Ty::F32,
+            add(param(param_name), mul(add(reg(table), f), i64(4))),
+        )
+    };
+    let rotated = |a: Expr, b: Expr, f: Expr| {
+        rotate_pair(
+            a,
+            b,
+            table_at("rope_cos", f.clone()),
+            table_at("rope_sin", f),
+        )
+    };
+    let mut body = vec![
+        Stmt::Set(row, bin(Bin::Div, reg(item), i64(per_row))),
+        Stmt::Set(w, bin(Bin::Rem, reg(item), i64(per_row))),
+        Stmt::Set(
+            table,
+            mul(sub(pos(reg(row)), param("rope_pos0")), i64(half)),
+        ),
+    ];
+    let col = add(i64(first), mul(reg(w), i64(2)));
+    if interleaved {
+        let (a, b) = rotated(elem(col.clone()), elem(add(col.clone(), i64(1))), reg(w));
+        body.push(Stmt::Store(
+            Space::Shared,
+            at(col),
+            Expr::PackHalf(to, Box::new(a), Box::new(b)),
+        ));
+    } else {
+        let other = add(col.clone(), i64(half));
+        let out = [0, 1, 2, 3].map(|i| r.add(format!("rope_out{i}"), Ty::F32));
+        for step in 0..2 {
+            let f = add(mul(reg(w), i64(2)), i64(step));
+            let (a, b) = rotated(
+                elem(add(col.clone(), i64(step))),
+                elem(add(other.clone(), i64(step))),
+                f,
+            );
+            body.push(Stmt::Set(out[step as usize], a));
+            body.push(Stmt::Set(out[2 + step as usize], b));
+        }
+        for (c, [lo, hi]) in [(col, [out[0], out[1]]), (other, [out[2], out[3]])] {
+            body.push(Stmt::Store(
+                Space::Shared,
+                at(c),
+                Expr::PackHalf(to, Box::new(reg(lo)), Box::new(reg(hi))),
+            ));
+        }
+    }
+    vec![Stmt::For {
+        reg: item,
+        start: reg(thread),
+        end: i64(rows as i64 * per_row),
+        step: 128,
+        body,
+    }]
 }

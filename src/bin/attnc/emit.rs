@@ -45,8 +45,9 @@ pub enum Target {
     #[value(name = "sm_90")]
     Sm90,
     /// Hopper's architecture-specific instructions: the forward on warpgroup MMA, TMA and
-    /// warp specialization where the spec runs on it (bf16 and f16 without RoPE, head dims
-    /// 64, 128, 192 or 256). Runs on compute capability 9.0 only.
+    /// warp specialization where the spec runs on it (bf16 and f16 per-head specs, head dims
+    /// 64, 128, 192 or 256, RoPE rotated in place by the producer). Runs on compute capability
+    /// 9.0 only.
     #[value(name = "sm_90a")]
     Sm90a,
 }
