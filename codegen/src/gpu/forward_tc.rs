@@ -1003,7 +1003,8 @@ fn scaled(plan: &KernelPlan, e: Expr) -> Expr {
 
 /// One tile's online softmax over the scores `s` (laid out as in [`TileScores`]): the row max
 /// (this lane's elements, then its quad), the rescale of the running max `m`, sum `l` and the
-/// accumulators `o` (`o[rb][vb]`, rows as in `s`), and `P = 2^(S - m)` in place of S.
+/// accumulators `o` (`o[rb][vb]`, rows as in `s`; skipped when every row of the warp keeps its
+/// maximum), and `P = 2^(S - m)` in place of S.
 pub(super) fn online_softmax(
     plan: &KernelPlan,
     r: &mut Regs,
@@ -1017,15 +1018,20 @@ pub(super) fn online_softmax(
     } else {
         1.0
     };
-    let (mt, m_use, alpha, neg_max) = (
+    let (mt, m_use, neg_max, tile_sum) = (
         r.add("tile_max", Ty::F32),
         r.add("m_use", Ty::F32),
-        r.add("alpha", Ty::F32),
         r.add("neg_max", Ty::F32),
+        r.add("tile_sum", Ty::F32),
     );
-    let mut run = Vec::new();
+    let alphas: Vec<[Reg; 2]> = (0..s.len())
+        .map(|rb| [0, 1].map(|h| r.add(format!("alpha{rb}_{h}"), Ty::F32)))
+        .collect();
+    let rescale = r.add("rescale", Ty::I32);
+    let mut run = vec![Stmt::Set(rescale, Expr::Int(0, Ty::I32))];
     for rb in 0..s.len() {
         for h in 0..2 {
+            let alpha = alphas[rb][h];
             run.push(Stmt::Set(mt, f32(f32::NEG_INFINITY)));
             for frag in &s[rb] {
                 for x in [frag[2 * h], frag[2 * h + 1]] {
@@ -1052,13 +1058,16 @@ pub(super) fn online_softmax(
                 un(Un::Ex2Ftz, scaled(plan, sub(reg(m[rb][h]), reg(m_use)))),
             ));
             run.push(Stmt::Set(m[rb][h], m_new));
-            run.push(Stmt::Set(l[rb][h], mul(reg(l[rb][h]), reg(alpha))));
-            for frag in &o[rb] {
-                for x in [frag[2 * h], frag[2 * h + 1]] {
-                    run.push(Stmt::Set(x, mul(reg(x), reg(alpha))));
-                }
-            }
+            run.push(Stmt::Set(
+                rescale,
+                bin(
+                    Bin::Or,
+                    reg(rescale),
+                    cast(bin(Bin::Ne, reg(alpha), f32(1.0)), Ty::I32),
+                ),
+            ));
             run.push(Stmt::Set(neg_max, mul(reg(m_use), f32(-exponent_scale))));
+            run.push(Stmt::Set(tile_sum, f32(0.0)));
             for frag in &s[rb] {
                 for x in [frag[2 * h], frag[2 * h + 1]] {
                     let exponent = if folded {
@@ -1067,11 +1076,40 @@ pub(super) fn online_softmax(
                         scaled(plan, add(reg(x), reg(neg_max)))
                     };
                     run.push(Stmt::Set(x, un(Un::Ex2Ftz, exponent)));
-                    run.push(Stmt::Set(l[rb][h], add(reg(l[rb][h]), reg(x))));
+                    run.push(Stmt::Set(tile_sum, add(reg(tile_sum), reg(x))));
+                }
+            }
+            // The running sum rescaled and the tile's added in one rounding.
+            run.push(Stmt::Set(
+                l[rb][h],
+                fma(reg(l[rb][h]), reg(alpha), reg(tile_sum)),
+            ));
+        }
+    }
+    // The accumulators are rescaled only when some row of the warp has a new maximum: after
+    // the first tiles a row's maximum rarely moves, and every alpha is then exactly 1 (the
+    // multiply would change nothing). The test is warp-uniform, so the branch does not diverge.
+    for lane_mask in [1, 2, 4, 8, 16] {
+        run.push(Stmt::Set(
+            rescale,
+            bin(Bin::Or, reg(rescale), shfl(reg(rescale), lane_mask)),
+        ));
+    }
+    let mut rescale_o = Vec::new();
+    for rb in 0..s.len() {
+        for h in 0..2 {
+            for frag in &o[rb] {
+                for x in [frag[2 * h], frag[2 * h + 1]] {
+                    rescale_o.push(Stmt::Set(x, mul(reg(x), reg(alphas[rb][h]))));
                 }
             }
         }
     }
+    run.push(Stmt::If(
+        bin(Bin::Ne, reg(rescale), Expr::Int(0, Ty::I32)),
+        rescale_o,
+        vec![],
+    ));
     run
 }
 
