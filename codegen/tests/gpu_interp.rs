@@ -1,13 +1,17 @@
-//! The GPU forward kernels (SIMT f32, and tensor cores with bf16 inputs), run by the GPU IR
-//! interpreter, against `attn_dsl::reference`: every kind of variant, lengths that break the
-//! tiles, RoPE.
+//! The GPU forward kernels (SIMT f32, tensor cores with bf16 inputs, and sm_90a with TMA and
+//! `wgmma`), run by the GPU IR interpreter, against `attn_dsl::reference`: every kind of
+//! variant, lengths that break the tiles, RoPE. With `llvm`, the sm_90a kernel's PTX holds
+//! `wgmma.mma_async`, `cp.async.bulk.tensor` and `setmaxnreg`, and ptxas assembles it with no
+//! spills, no serialized `wgmma` and no ignored `setmaxnreg`.
 
 use attn_dsl::AttentionSpec;
 use attn_dsl::reference::{self, Array, Inputs, rope};
 use codegen::KernelPlan;
 use codegen::gpu::forward::{ROWS, key_tile, lower};
 use codegen::gpu::interp::{Memory, Val, run};
-use codegen::gpu::{ForwardKernel, forward_kernel, forward_tc};
+use codegen::gpu::{
+    ForwardKernel, forward_kernel, forward_tc, forward_wgmma, wgmma_forward_kernel,
+};
 use codegen::plan::Frequencies;
 
 fn values(n: usize, seed: u64) -> Vec<f32> {
@@ -57,6 +61,16 @@ fn check_tc(text: &str, batch: usize, sq: usize, skv: usize, p0: i64) {
         skv,
         p0,
     );
+}
+
+/// The same through the sm_90a kernel (TMA producer, `wgmma` consumers; 16-bit inputs, P
+/// rounded to 16 bits before `P V`).
+fn check_wgmma(text: &str, batch: usize, sq: usize, skv: usize, p0: i64) {
+    let spec: AttentionSpec = text.parse().unwrap();
+    let chosen = wgmma_forward_kernel(&KernelPlan::forward(&spec))
+        .unwrap()
+        .unwrap_or_else(|| panic!("not an sm_90a spec: {text}"));
+    check_kernel(text, &chosen, (1e-2, 2e-2), batch, sq, skv, p0);
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -130,12 +144,17 @@ fn check_kernel(
         }
         None => (0, 0),
     };
-    let args: Vec<Val> = [
+    let mut args: Vec<Val> = [
         qa, ka, va, out, lse, codes, sq as i64, skv as i64, p0, cos, sin, first,
     ]
     .into_iter()
     .map(Val::I64)
     .collect();
+    if chosen.tensor_maps {
+        for map in forward_wgmma::tensor_maps(&plan, [batch, sq, skv], [qa, ka, va]) {
+            args.push(Val::I64(mem.alloc_tensor_map(map).unwrap()));
+        }
+    }
     run(
         &chosen.kernel,
         [qblocks as u32, h as u32, batch as u32],
@@ -435,4 +454,133 @@ fn ex2_ftz_flushes_subnormals() {
     assert!((got[4] - std::f32::consts::SQRT_2).abs() < 1e-6);
     assert_eq!(got[7], 1.0, "a subnormal input counts as 0");
     assert_eq!((got[8], got[9]), (0.0, 0.0));
+}
+
+#[test]
+fn the_sm_90a_kernel_matches_the_reference_causal_and_full() {
+    check_wgmma(
+        "heads = 2, head_dim = 64, dtype = bf16, mask = causal",
+        1,
+        200,
+        200,
+        0,
+    );
+    check_wgmma("heads = 1, head_dim = 64, dtype = f16", 1, 70, 300, 0);
+}
+
+#[test]
+fn the_sm_90a_kernel_matches_the_reference_for_variants() {
+    for (text, b, sq, skv, p0) in [
+        // GQA, ALiBi with a softcap, a window that skips whole tiles, two CTAs per head.
+        (
+            "heads = 4, kv_heads = 2, head_dim = 64, dtype = bf16, mask = sliding_window(150), \
+             position = alibi, softcap = 30.0",
+            1,
+            260,
+            400,
+            0,
+        ),
+        // Top-left causal with Sq < Skv, a custom score and mask, batch 2.
+        (
+            "heads = 1, head_dim = 64, dtype = bf16, mask = causal(top_left), \
+             score_mod = |s, b, h, q, k| s - ((q - k).abs() as f32) * 0.01",
+            2,
+            40,
+            150,
+            5,
+        ),
+    ] {
+        check_wgmma(text, b, sq, skv, p0);
+    }
+}
+
+#[test]
+fn the_sm_90a_kernel_matches_the_reference_under_rope() {
+    for (text, b, sq, skv, p0) in [
+        // Every column rotated: f16 Q K^T operands for a bf16 spec.
+        (
+            "heads = 2, head_dim = 64, dtype = bf16, mask = causal, position = rope",
+            1,
+            150,
+            150,
+            0,
+        ),
+        // Interleaved, partial, YaRN, f16, a position offset, Sq < Skv, GQA.
+        (
+            "heads = 4, kv_heads = 2, head_dim = 128, dtype = f16, mask = causal, \
+             position = rope(dim = 64, layout = interleaved, scaling = yarn(factor = 4.0, \
+             original_max_position = 64))",
+            1,
+            60,
+            200,
+            17,
+        ),
+    ] {
+        check_wgmma(text, b, sq, skv, p0);
+    }
+}
+
+#[test]
+fn the_sm_90a_kernel_matches_the_reference_at_head_dims_128_and_256() {
+    check_wgmma(
+        "heads = 1, head_dim = 128, dtype = bf16, mask = causal",
+        1,
+        130,
+        130,
+        0,
+    );
+    check_wgmma("heads = 1, head_dim = 256, dtype = bf16", 1, 64, 100, 0);
+}
+
+#[test]
+fn odd_head_dims_and_f32_stay_off_the_sm_90a_kernel() {
+    for text in [
+        "heads = 2, head_dim = 96, dtype = bf16",
+        "heads = 2, head_dim = 64",
+    ] {
+        let plan = KernelPlan::forward(&text.parse().unwrap());
+        assert!(!forward_wgmma::supports(&plan), "{text}");
+        assert_eq!(forward_tc::supports(&plan), text.contains("bf16"), "{text}");
+    }
+}
+
+#[cfg(feature = "llvm")]
+mod common;
+
+#[cfg(feature = "llvm")]
+#[test]
+fn the_sm_90a_kernel_compiles_without_spills() {
+    use codegen::gpu::llvm::{Arch, emit};
+    for text in [
+        "heads = 8, head_dim = 64, dtype = bf16, mask = causal",
+        "heads = 8, head_dim = 128, dtype = bf16, mask = causal",
+        "heads = 8, head_dim = 256, dtype = bf16, mask = causal",
+        "heads = 8, head_dim = 128, dtype = bf16, position = alibi, softcap = 30.0",
+        "heads = 8, head_dim = 128, dtype = bf16, mask = causal, position = rope",
+    ] {
+        let plan = KernelPlan::forward(&text.parse().unwrap());
+        let out = emit(&forward_wgmma::lower(&plan), Arch::Sm90a).unwrap();
+        let (dec, inc) = if text.contains("rope") {
+            (40, 232)
+        } else {
+            (24, 240)
+        };
+        for needle in [
+            "wgmma.mma_async.sync.aligned".to_string(),
+            "cp.async.bulk.tensor.3d".to_string(),
+            format!("setmaxnreg.inc.sync.aligned.u32 {inc}"),
+            format!("setmaxnreg.dec.sync.aligned.u32 {dec}"),
+        ] {
+            assert!(out.ptx.contains(&needle), "{text}: {needle}");
+        }
+        if let Some(report) = common::assemble_report(&out.ptx, Arch::Sm90a, text) {
+            for bad in ["C7515", "C7507"] {
+                assert!(!report.contains(bad), "{text}: {bad}\n{report}");
+            }
+            assert!(
+                report.contains(" 0 bytes spill stores"),
+                "{text}: spills\n{report}"
+            );
+        }
+    }
 }

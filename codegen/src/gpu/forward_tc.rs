@@ -349,20 +349,7 @@ pub fn lower_with(plan: &KernelPlan, qk: Half) -> Kernel {
     let (t, code) = (r.add("tile", Ty::I64), r.add("code", Ty::I32));
     let (next_code, issued) = (r.add("next_code", Ty::I32), r.add("k_issued", Ty::Pred));
     let n_tiles = bin(Bin::Div, add(param("skv"), i64(bc64 - 1)), i64(bc64));
-    let n_qblocks = bin(Bin::Div, add(param("sq"), i64(cta_rows - 1)), i64(cta_rows));
-    let code_of = |tile: Expr| {
-        let index = add(
-            mul(
-                add(
-                    mul(reg(head), n_qblocks.clone()),
-                    special64(Special::Ctaid(0)),
-                ),
-                n_tiles.clone(),
-            ),
-            tile,
-        );
-        load(Space::Global, Ty::I32, at(param("codes"), index, 4))
-    };
+    let code_of = |tile: Expr| tile_code(head, [cta_rows, bc64], tile);
     let kv_base = mul(add(mul(reg(batch), i64(hkv)), reg(kvh)), param("skv"));
 
     // The copies of a tile's rows (of K, V, or the RoPE tables): 16-byte chunks, chunk
@@ -887,36 +874,21 @@ fn rotate_k(
         Stmt::Set(key, bin(Bin::Div, reg(item), i64(per_key))),
         Stmt::Set(w, bin(Bin::Rem, reg(item), i64(per_key))),
     ];
-    if interleaved {
-        let col = mul(reg(w), i64(2));
-        let (a, b) = rotated(elem(col.clone()), elem(add(col.clone(), i64(1))), reg(w));
-        body.push(Stmt::Store(
-            Space::Shared,
-            word_at(col),
-            Expr::PackHalf(to, Box::new(a), Box::new(b)),
-        ));
+    let words = RopeWords {
+        interleaved,
+        half: half as i64,
+        to,
+        elem: &elem,
+        word: &word_at,
+        rotated: &rotated,
+    };
+    // Pair w interleaved, or pairs 2 w and 2 w + 1 half-split.
+    let f0 = if interleaved {
+        reg(w)
     } else {
-        // All four values read before either word is written.
-        let col = mul(reg(w), i64(2));
-        let other = add(col.clone(), i64(half as i64));
-        let out = [0, 1, 2, 3].map(|i| r.add(format!("rotated{i}"), Ty::F32));
-        for step in 0..2 {
-            let (a, b) = rotated(
-                elem(add(col.clone(), i64(step))),
-                elem(add(other.clone(), i64(step))),
-                add(col.clone(), i64(step)),
-            );
-            body.push(Stmt::Set(out[step as usize], a));
-            body.push(Stmt::Set(out[2 + step as usize], b));
-        }
-        for (at, [lo, hi]) in [(col, [out[0], out[1]]), (other, [out[2], out[3]])] {
-            body.push(Stmt::Store(
-                Space::Shared,
-                word_at(at),
-                Expr::PackHalf(to, Box::new(reg(lo)), Box::new(reg(hi))),
-            ));
-        }
-    }
+        mul(reg(w), i64(2))
+    };
+    body.extend(words.rotate(r, mul(reg(w), i64(2)), f0));
     vec![Stmt::For {
         reg: item,
         start: special64(Special::Tid),
@@ -1180,4 +1152,74 @@ pub(super) fn epilogue(
         }
     }
     body
+}
+
+/// One RoPE work item on 16-bit pairs in shared memory: `elem(c)` reads column `c` as f32,
+/// `word(c)` is the shared address of the 32-bit word at column `c`, and `rotated(a, b, f)`
+/// rotates a pair by table entry `f`; values are written in the format `to`.
+pub(super) struct RopeWords<'a> {
+    pub interleaved: bool,
+    pub half: i64,
+    pub to: Half,
+    pub elem: &'a dyn Fn(Expr) -> Expr,
+    pub word: &'a dyn Fn(Expr) -> Expr,
+    pub rotated: &'a dyn Fn(Expr, Expr, Expr) -> (Expr, Expr),
+}
+
+impl RopeWords<'_> {
+    /// The item at column `col` (even), whose first pair is table entry `f0`: an interleaved
+    /// pair (one word), or two half-split pairs (columns `col, col + 1` and `col + half,
+    /// col + half + 1`, entries `f0, f0 + 1`), all four values read before either word is
+    /// written.
+    pub fn rotate(&self, r: &mut Regs, col: Expr, f0: Expr) -> Vec<Stmt> {
+        let pack = |a: Expr, b: Expr| Expr::PackHalf(self.to, Box::new(a), Box::new(b));
+        if self.interleaved {
+            let (a, b) = (self.rotated)(
+                (self.elem)(col.clone()),
+                (self.elem)(add(col.clone(), i64(1))),
+                f0,
+            );
+            return vec![Stmt::Store(Space::Shared, (self.word)(col), pack(a, b))];
+        }
+        let other = add(col.clone(), i64(self.half));
+        let out = [0, 1, 2, 3].map(|i| r.add(format!("rotated{i}"), Ty::F32));
+        let mut body = Vec::new();
+        for step in 0..2 {
+            let (a, b) = (self.rotated)(
+                (self.elem)(add(col.clone(), i64(step))),
+                (self.elem)(add(other.clone(), i64(step))),
+                add(f0.clone(), i64(step)),
+            );
+            body.push(Stmt::Set(out[step as usize], a));
+            body.push(Stmt::Set(out[2 + step as usize], b));
+        }
+        for (at, [lo, hi]) in [(col, [out[0], out[1]]), (other, [out[2], out[3]])] {
+            body.push(Stmt::Store(
+                Space::Shared,
+                (self.word)(at),
+                pack(reg(lo), reg(hi)),
+            ));
+        }
+        body
+    }
+}
+
+/// The launch's code for key tile `tile` of this CTA's query block (CTA x of `rows` query rows,
+/// tiles of `key_tile` keys) and head `head`: the codes are laid out by (head, query block, key
+/// tile), as [`super::ForwardKernel::tile_codes`] makes them.
+pub(super) fn tile_code(head: Reg, [rows, key_tile]: [i64; 2], tile: Expr) -> Expr {
+    let n_tiles = bin(
+        Bin::Div,
+        add(param("skv"), i64(key_tile - 1)),
+        i64(key_tile),
+    );
+    let n_qblocks = bin(Bin::Div, add(param("sq"), i64(rows - 1)), i64(rows));
+    let index = add(
+        mul(
+            add(mul(reg(head), n_qblocks), special64(Special::Ctaid(0))),
+            n_tiles,
+        ),
+        tile,
+    );
+    load(Space::Global, Ty::I32, at(param("codes"), index, 4))
 }

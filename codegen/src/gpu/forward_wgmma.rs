@@ -20,7 +20,9 @@
 use super::forward::rotate_pair;
 use super::forward::{Regs, param, special64};
 use super::forward_tc::qk_half;
-use super::forward_tc::{TileScores, epilogue, half_of, online_softmax, score_tile};
+use super::forward_tc::{
+    RopeWords, TileScores, epilogue, half_of, online_softmax, score_tile, tile_code,
+};
 use super::ir::Half;
 use super::ir::build::*;
 use super::ir::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty, Wgmma, WgmmaA};
@@ -220,24 +222,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     ];
     let first_row = mul(special64(Special::Ctaid(0)), i64(i64::from(ROWS)));
     let n_tiles = bin(Bin::Div, add(param("skv"), i64(bc64 - 1)), i64(bc64));
-    let n_qblocks = bin(
-        Bin::Div,
-        add(param("sq"), i64(i64::from(ROWS) - 1)),
-        i64(i64::from(ROWS)),
-    );
-    let code_of = |tile: Expr| {
-        let index = add(
-            mul(
-                add(
-                    mul(reg(head), n_qblocks.clone()),
-                    special64(Special::Ctaid(0)),
-                ),
-                n_tiles.clone(),
-            ),
-            tile,
-        );
-        load(Space::Global, Ty::I32, at(param("codes"), index, 4))
-    };
+    let code_of = |tile: Expr| tile_code(head, [i64::from(ROWS), bc64], tile);
     // A walk over the running tiles: `code` and `stage` set, `count` their number so far.
     let running_tiles = |inner: Vec<Stmt>| {
         vec![
@@ -694,35 +679,21 @@ fn rotate_in_shared(
             mul(sub(pos(reg(row)), param("rope_pos0")), i64(half)),
         ),
     ];
-    let col = add(i64(first), mul(reg(w), i64(2)));
-    if interleaved {
-        let (a, b) = rotated(elem(col.clone()), elem(add(col.clone(), i64(1))), reg(w));
-        body.push(Stmt::Store(
-            Space::Shared,
-            at(col),
-            Expr::PackHalf(to, Box::new(a), Box::new(b)),
-        ));
+    let words = RopeWords {
+        interleaved,
+        half,
+        to,
+        elem: &elem,
+        word: &at,
+        rotated: &rotated,
+    };
+    // Pair w interleaved, or pairs 2 w and 2 w + 1 half-split.
+    let f0 = if interleaved {
+        reg(w)
     } else {
-        let other = add(col.clone(), i64(half));
-        let out = [0, 1, 2, 3].map(|i| r.add(format!("rope_out{i}"), Ty::F32));
-        for step in 0..2 {
-            let f = add(mul(reg(w), i64(2)), i64(step));
-            let (a, b) = rotated(
-                elem(add(col.clone(), i64(step))),
-                elem(add(other.clone(), i64(step))),
-                f,
-            );
-            body.push(Stmt::Set(out[step as usize], a));
-            body.push(Stmt::Set(out[2 + step as usize], b));
-        }
-        for (c, [lo, hi]) in [(col, [out[0], out[1]]), (other, [out[2], out[3]])] {
-            body.push(Stmt::Store(
-                Space::Shared,
-                at(c),
-                Expr::PackHalf(to, Box::new(reg(lo)), Box::new(reg(hi))),
-            ));
-        }
-    }
+        mul(reg(w), i64(2))
+    };
+    body.extend(words.rotate(r, add(i64(first), mul(reg(w), i64(2))), f0));
     vec![Stmt::For {
         reg: item,
         start: reg(thread),

@@ -356,6 +356,17 @@ pub struct Kernel {
     pub body: Vec<Stmt>,
 }
 
+/// Whether any statement of a program, inside `if`s and loops too, satisfies `f`.
+pub fn any_stmt(body: &[Stmt], f: &impl Fn(&Stmt) -> bool) -> bool {
+    body.iter().any(|s| {
+        f(s) || match s {
+            Stmt::If(_, t, e) => any_stmt(t, f) || any_stmt(e, f),
+            Stmt::For { body, .. } => any_stmt(body, f),
+            _ => false,
+        }
+    })
+}
+
 impl Kernel {
     /// The type of an expression in this kernel (operand types are assumed consistent; the
     /// interpreter checks them).

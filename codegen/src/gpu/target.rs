@@ -48,16 +48,13 @@ impl Arch {
 
 /// Whether a kernel uses instructions only sm_90a has (`wgmma`, `setmaxnreg`).
 pub fn needs_sm90a(kernel: &Kernel) -> bool {
-    use super::ir::Stmt;
-    fn any(body: &[Stmt]) -> bool {
-        body.iter().any(|s| match s {
-            Stmt::Wgmma(_) | Stmt::WgmmaWait { .. } | Stmt::SetMaxNReg { .. } => true,
-            Stmt::If(_, t, e) => any(t) || any(e),
-            Stmt::For { body, .. } => any(body),
-            _ => false,
-        })
-    }
-    any(&kernel.body)
+    use super::ir::{Stmt, any_stmt};
+    any_stmt(&kernel.body, &|s| {
+        matches!(
+            s,
+            Stmt::Wgmma(_) | Stmt::WgmmaWait { .. } | Stmt::SetMaxNReg { .. }
+        )
+    })
 }
 
 /// Static shared memory per CTA is limited to 48 KiB.

@@ -225,11 +225,8 @@ fn basic(ctx: &Context, t: Ty) -> BasicTypeEnum<'_> {
 /// Whether a program has TMA copies or `wgmma` products (which need swizzle-aligned shared
 /// memory).
 fn uses_async_proxy(body: &[Stmt]) -> bool {
-    body.iter().any(|s| match s {
-        Stmt::TmaLoad { .. } | Stmt::Wgmma(_) => true,
-        Stmt::If(_, t, e) => uses_async_proxy(t) || uses_async_proxy(e),
-        Stmt::For { body, .. } => uses_async_proxy(body),
-        _ => false,
+    super::ir::any_stmt(body, &|s| {
+        matches!(s, Stmt::TmaLoad { .. } | Stmt::Wgmma(_))
     })
 }
 
