@@ -188,6 +188,8 @@ fn every_lowered_kernel_prints_parses_back_and_verifies() {
         "heads = 2, head_dim = 8, mask = sliding_window(5), position = alibi, softcap = 20.0",
         "heads = 2, head_dim = 16, dtype = bf16, mask = causal, position = rope(dim = 8)",
         "heads = 2, head_dim = 16, dtype = f16, mask = causal(top_left)",
+        // Also the sm_90a kernel: TMA, mbarriers, wgmma, setmaxnreg.
+        "heads = 2, head_dim = 64, dtype = bf16, mask = causal, position = rope",
         "heads = 2, head_dim = 8, mla(latent_rank = 16, rope_dim = 4), mask = causal",
         "heads = 2, head_dim = 8, mask_mod = |b, h, q, k| (q / 4) == (k / 4), \
          score_mod = |s, b, h, q, k| s - ((q - k) as f32).abs() * 0.5",
@@ -200,7 +202,10 @@ fn every_lowered_kernel_prints_parses_back_and_verifies() {
             codegen::gpu::simt_forward_kernel(&forward).unwrap().kernel,
             std::sync::Arc::new(codegen::gpu::decode_kernel(&KernelPlan::decode(&spec)).unwrap()),
         ];
-        for k in kernels {
+        let hopper = codegen::gpu::wgmma_forward_kernel(&forward)
+            .unwrap()
+            .map(|k| k.kernel);
+        for k in kernels.into_iter().chain(hopper) {
             let printed = k.to_string();
             let parsed = parse(&printed).unwrap_or_else(|e| panic!("{text}: {e}"));
             assert_eq!(parsed.to_string(), printed, "{text}");
@@ -252,6 +257,14 @@ fn hostile_text_is_refused_cleanly() {
             format!("{header}  {{%x}} = ldmatrix.x2.shared.b16 [0:i64]\n}}\n"),
             "writes 2 registers",
         ),
+        (
+            format!("{header}  {{%x}} = wgmma.m64nQk16.bf16.kmajor(true) {{\n  }}\n}}\n"),
+            "unknown wgmma form",
+        ),
+        (
+            format!("{header}  tma.load [0:i64], $nope[0:i32], [8:i64]\n}}\n"),
+            "not declared",
+        ),
     ];
     for (text, expected) in cases {
         let err = parse(&text).unwrap_err().to_string();
@@ -266,13 +279,21 @@ proptest::proptest! {
     /// panic; what parses also verifies or is refused, and prints.
     #[test]
     fn mangled_text_never_panics(
+        hopper in proptest::prelude::any::<bool>(),
         cut in 0usize..4000,
         edits in proptest::collection::vec((0usize..4000, proptest::prelude::any::<char>()), 0..8),
     ) {
-        let spec: AttentionSpec = "heads = 2, head_dim = 8, mask = causal, position = rope"
-            .parse()
-            .unwrap();
-        let kernel = codegen::gpu::forward_kernel(&KernelPlan::forward(&spec)).unwrap().kernel;
+        // The mma.sync kernel, or the sm_90a one (its asynchronous statements).
+        let text = if hopper {
+            "heads = 2, head_dim = 64, dtype = bf16, mask = causal, position = rope"
+        } else {
+            "heads = 2, head_dim = 8, mask = causal, position = rope"
+        };
+        let plan = KernelPlan::forward(&text.parse::<AttentionSpec>().unwrap());
+        let kernel = match codegen::gpu::wgmma_forward_kernel(&plan).unwrap() {
+            Some(k) if hopper => k.kernel,
+            _ => codegen::gpu::forward_kernel(&plan).unwrap().kernel,
+        };
         let mut chars: Vec<char> = kernel.to_string().chars().collect();
         for (at, c) in edits {
             let at = at % chars.len();

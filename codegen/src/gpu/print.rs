@@ -247,7 +247,7 @@ fn stmts(
                     f,
                     "{pad}tma.load [{}], ${}[{}], [{}]",
                     show(dst),
-                    k.params[*map as usize].0,
+                    k.params.get(*map as usize).map_or("?", |(n, _)| n.as_str()),
                     coords.join(", "),
                     show(bar)
                 )?
