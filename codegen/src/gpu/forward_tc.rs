@@ -635,7 +635,7 @@ pub fn lower_with(plan: &KernelPlan, qk: Half) -> Kernel {
         pos_of: &pos_of,
     };
     run.push(score_tile(plan, &scores, code));
-    run.extend(online_softmax(plan, &mut r, &s, [&m, &l], &o));
+    run.extend(online_softmax(plan, &mut r, &s, [&m, &l], &o, Vec::new()));
 
     // V has landed and every warp is done with K: the next tile's K copies fly during P V.
     run.push(Stmt::CpAsyncWait(0));
@@ -976,13 +976,14 @@ fn scaled(plan: &KernelPlan, e: Expr) -> Expr {
 /// One tile's online softmax over the scores `s` (laid out as in [`TileScores`]): the row max
 /// (this lane's elements, then its quad), the rescale of the running max `m`, sum `l` and the
 /// accumulators `o` (`o[rb][vb]`, rows as in `s`; skipped when every row of the warp keeps its
-/// maximum), and `P = 2^(S - m)` in place of S.
+/// maximum; `before_rescale` runs first), and `P = 2^(S - m)` in place of S.
 pub(super) fn online_softmax(
     plan: &KernelPlan,
     r: &mut Regs,
     s: &[Vec<[Reg; 4]>],
     [m, l]: [&[[Reg; 2]]; 2],
     o: &[Vec<[Reg; 4]>],
+    before_rescale: Vec<Stmt>,
 ) -> Vec<Stmt> {
     let folded = scale_folds(plan);
     let exponent_scale = if folded {
@@ -1067,6 +1068,8 @@ pub(super) fn online_softmax(
             bin(Bin::Or, reg(rescale), shfl(reg(rescale), lane_mask)),
         ));
     }
+    // (The accumulators may be in flight until here: `before_rescale` waits for them.)
+    run.extend(before_rescale);
     let mut rescale_o = Vec::new();
     for rb in 0..s.len() {
         for h in 0..2 {

@@ -519,10 +519,77 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         steps: qk_steps,
         b_n_major: false,
     })));
-    consume.push(Stmt::WgmmaWait {
-        groups: 0,
-        regs: s_regs,
-    });
+    // Pipelined as FlashAttention-3 does within a warpgroup: the previous tile's `P V` is
+    // issued after this tile's `Q K^T`, so waiting for all but one group completes S, and the
+    // softmax of this tile overlaps the previous tile's product until its rescale of O.
+    let prev = r.add("prev_stage", Ty::I64);
+    let pa: Vec<[Reg; 4]> = (0..bc / 16)
+        .map(|ks| [0, 1, 2, 3].map(|i| r.add(format!("pa{ks}_{i}"), Ty::I32)))
+        .collect();
+    let prev_parity = || {
+        cast(
+            bin(
+                Bin::Rem,
+                bin(Bin::Div, sub(reg(count), i64(1)), i64(STAGES)),
+                i64(2),
+            ),
+            Ty::I32,
+        )
+    };
+    // O += P V of the previous running tile: V N-major, 16 keys (2048 bytes) a step, 64-column
+    // blocks a key tile apart.
+    let previous_pv = || {
+        let v_at = add(lay.stage(reg(prev)), i64(lay.k_bytes));
+        let steps = pa
+            .iter()
+            .enumerate()
+            .map(|(ks, frag)| {
+                (
+                    WgmmaA::Regs(*frag),
+                    descriptor(add(v_at.clone(), i64(ks as i64 * 16 * 128)), bc64 * 128),
+                )
+            })
+            .collect();
+        vec![
+            Stmt::Set(prev, bin(Bin::Rem, sub(reg(count), i64(1)), i64(STAGES))),
+            Stmt::MbarWait {
+                bar: lay.bar(1, reg(prev)),
+                parity: prev_parity(),
+            },
+            Stmt::Wgmma(Box::new(Wgmma {
+                half,
+                n: dv as u32,
+                d: o_regs.clone(),
+                accumulate: Expr::Pred(true),
+                steps,
+                b_n_major: true,
+            })),
+        ]
+    };
+    let release_prev_v = Stmt::If(
+        bin(Bin::Eq, lane.clone(), i64(0)),
+        vec![Stmt::MbarArrive {
+            bar: lay.bar(3, reg(prev)),
+            tx: None,
+        }],
+        vec![],
+    );
+    let has_prev = bin(Bin::Gt, reg(count), i64(0));
+    consume.push(Stmt::If(
+        has_prev.clone(),
+        [
+            previous_pv(),
+            vec![Stmt::WgmmaWait {
+                groups: 1,
+                regs: s_regs.clone(),
+            }],
+        ]
+        .concat(),
+        vec![Stmt::WgmmaWait {
+            groups: 0,
+            regs: s_regs,
+        }],
+    ));
     consume.push(release(2));
     let scores = TileScores {
         s: &s,
@@ -535,11 +602,16 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         pos_of: &pos_of,
     };
     consume.push(score_tile(plan, &scores, code));
-    consume.extend(online_softmax(plan, &mut r, &s, [&m, &l], &o));
+    // The previous product finishes (and its V stage is released) before O is rescaled.
+    let finish_prev = vec![
+        Stmt::WgmmaWait {
+            groups: 0,
+            regs: o_regs.clone(),
+        },
+        Stmt::If(has_prev.clone(), vec![release_prev_v.clone()], vec![]),
+    ];
+    consume.extend(online_softmax(plan, &mut r, &s, [&m, &l], &o, finish_prev));
     // P's C fragments of key blocks 2 ks and 2 ks + 1 are the A fragment of step ks.
-    let pa: Vec<[Reg; 4]> = (0..bc / 16)
-        .map(|ks| [0, 1, 2, 3].map(|i| r.add(format!("pa{ks}_{i}"), Ty::I32)))
-        .collect();
     for (ks, frag) in pa.iter().enumerate() {
         let (s0, s1) = (s[0][2 * ks], s[0][2 * ks + 1]);
         for (dst, (lo, hi)) in frag.iter().zip([
@@ -554,39 +626,27 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
             ));
         }
     }
-    consume.push(Stmt::MbarWait {
-        bar: lay.bar(1, reg(stage)),
-        parity: use_parity(),
-    });
-    // O += P V: V N-major, 16 keys (2048 bytes) a step, 64-column blocks a key tile apart.
-    let v_at = add(lay.stage(reg(stage)), i64(lay.k_bytes));
-    let pv_steps = pa
-        .iter()
-        .enumerate()
-        .map(|(ks, frag)| {
-            (
-                WgmmaA::Regs(*frag),
-                descriptor(add(v_at.clone(), i64(ks as i64 * 16 * 128)), bc64 * 128),
-            )
-        })
-        .collect();
-    consume.push(Stmt::Wgmma(Box::new(Wgmma {
-        half,
-        n: dv as u32,
-        d: o_regs.clone(),
-        accumulate: Expr::Pred(true),
-        steps: pv_steps,
-        b_n_major: true,
-    })));
-    consume.push(Stmt::WgmmaWait {
-        groups: 0,
-        regs: o_regs,
-    });
-    consume.push(release(3));
+    // After the last running tile (`count` of them), its product.
+    let last_pv = Stmt::If(
+        has_prev,
+        [
+            previous_pv(),
+            vec![
+                Stmt::WgmmaWait {
+                    groups: 0,
+                    regs: o_regs.clone(),
+                },
+                release_prev_v,
+            ],
+        ]
+        .concat(),
+        vec![],
+    );
 
     let consumer_body = [
         consume_setup,
         running_tiles(consume),
+        vec![last_pv],
         epilogue(plan, &o, [&m, &l], q, [batch, head], &row_of),
     ]
     .concat();
