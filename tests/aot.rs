@@ -14,6 +14,12 @@ use attn::{Attention, attention};
 )]
 struct Embedded;
 
+#[attention(
+    heads = 8, head_dim = 64, mask = causal, dtype = bf16,
+    targets = [sm_90a]
+)]
+struct Hopper;
+
 #[test]
 fn every_kernel_of_the_spec_is_embedded_for_every_target_and_served() {
     let embedded = Embedded::embedded_kernels();
@@ -46,4 +52,30 @@ fn every_kernel_of_the_spec_is_embedded_for_every_target_and_served() {
             assert_eq!(&*ptx.text, e.ptx);
         }
     }
+}
+
+#[test]
+fn sm_90a_embeds_the_warp_specialized_forward_and_serves_it() {
+    use attn::codegen::gpu::artifacts::spec_kernels_for;
+    let embedded = Hopper::embedded_kernels();
+    let kernels = spec_kernels_for(Hopper::spec(), Arch::Sm90a).unwrap();
+    assert_eq!(embedded.len(), kernels.len());
+    let _ = Hopper::variant();
+    let wgmma = embedded
+        .iter()
+        .find(|e| e.role == "forward wgmma")
+        .expect("the sm_90a forward is embedded");
+    assert_eq!(wgmma.target, "sm_90a");
+    for op in [
+        "wgmma.mma_async",
+        "cp.async.bulk.tensor",
+        "setmaxnreg",
+        ".target sm_90a",
+    ] {
+        assert!(wgmma.ptx.contains(op), "{op}");
+    }
+    let launch: serde_json::Value = serde_json::from_str(wgmma.launch).unwrap();
+    assert_eq!(launch["params"][12]["kind"], "tensor map");
+    let ptx = ptx_for(&kernels[0].kernel, Arch::Sm90a, None).unwrap();
+    assert_eq!(ptx.origin, PtxOrigin::Embedded);
 }

@@ -1,5 +1,6 @@
-//! Kernels compiled at cargo time (feature `aot`): every GPU kernel of the spec
-//! (`codegen::gpu::artifacts::spec_kernels`) through LLVM to PTX for each target, embedded as
+//! Kernels compiled at cargo time (feature `aot`): every GPU kernel of the spec for each target
+//! (`codegen::gpu::artifacts::spec_kernels_for`: for sm_90a also the warp-specialized
+//! forward) through LLVM to PTX, embedded as
 //! `attn::runtime::gpu::ptx::EmbeddedKernel` records with their launch records.
 
 use proc_macro2::{Span, TokenStream};
@@ -12,15 +13,15 @@ pub fn embed(
     targets: &[String],
     span: Span,
 ) -> syn::Result<TokenStream> {
-    use codegen::gpu::artifacts::{launch_json, spec_kernels};
+    use codegen::gpu::artifacts::{launch_json, spec_kernels_for};
     use codegen::gpu::target::{Arch, kernel_hash};
     use quote::quote;
     let fail = |what: String| syn::Error::new(span, what);
-    let kernels =
-        spec_kernels(spec).map_err(|e| fail(format!("cannot lower the spec's kernels: {e}")))?;
     let mut records = Vec::new();
     for target in targets {
         let arch = Arch::from_name(target).expect("targets are checked when parsed");
+        let kernels = spec_kernels_for(spec, arch)
+            .map_err(|e| fail(format!("cannot lower the spec's kernels: {e}")))?;
         for k in &kernels {
             let ptx = codegen::gpu::llvm::emit(&k.kernel, arch)
                 .map_err(|e| fail(format!("cannot compile {} for {target}: {e}", k.role)))?

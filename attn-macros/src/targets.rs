@@ -7,7 +7,7 @@
 use proc_macro2::{Delimiter, Span, TokenStream, TokenTree};
 
 /// Target names the macro compiles for.
-pub const TARGETS: [&str; 2] = ["sm_80", "sm_90"];
+pub const TARGETS: [&str; 3] = ["sm_80", "sm_90", "sm_90a"];
 
 /// A `targets` list: the names, and the span of the item (for errors about it as a whole).
 pub struct Targets {
