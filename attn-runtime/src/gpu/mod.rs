@@ -139,8 +139,9 @@ fn qk_fits(plan: &KernelPlan, q: &Tensor, k: &Tensor) -> bool {
     q.max_abs().max(k.max_abs()) * factor <= forward_tc::QK_F16_LIMIT
 }
 
-/// The forward kernel of a variant: the SIMT one where `simt`, else the one `forward_kernel`
-/// picks. Lowered once per variant and shared by the interpreter and CUDA backends.
+/// The forward kernel of a variant: the SIMT one where `simt`, else the sm_90a one under
+/// [`wgmma_enabled`] where the spec runs on it, else the one `forward_kernel` picks. Lowered once
+/// per variant and shared by the interpreter and CUDA backends.
 pub(crate) fn lowered_forward(
     variant: &Variant,
     simt: bool,
@@ -151,16 +152,18 @@ pub(crate) fn lowered_forward(
         detail: if simt { "simt" } else { "chosen" },
     };
     if !simt && wgmma_enabled() && forward_wgmma::supports(variant.forward_plan()) {
-        let key = KernelKey {
-            backend: "gpu",
-            kind: PlanKind::Forward,
-            detail: "wgmma",
-        };
-        return variant.kernel(key, |v| {
-            wgmma_forward_kernel(v.forward_plan())?
-                .ok_or_else(|| RuntimeError::Spec("not a wgmma plan".into()))
-        });
+        return wgmma_kernel(variant);
     }
+    portable_forward(variant, key, simt)
+}
+
+/// The SIMT or the `mma.sync` forward kernel of a variant (what runs on every target), lowered
+/// once per variant.
+fn portable_forward(
+    variant: &Variant,
+    key: KernelKey,
+    simt: bool,
+) -> Result<Arc<codegen::gpu::ForwardKernel>, RuntimeError> {
     variant.kernel(key, |v| {
         Ok(if simt {
             simt_forward_kernel(v.forward_plan())?
@@ -199,7 +202,13 @@ pub(crate) fn resident_forward(
 ) -> Result<Arc<codegen::gpu::ForwardKernel>, RuntimeError> {
     let plan = variant.forward_plan();
     if !(forward_tc::supports(plan) && forward_tc::qk_half(plan) == Half::F16) {
-        return lowered_forward(variant, false);
+        // Resident layers launch without tensor maps: never the sm_90a kernel.
+        let key = KernelKey {
+            backend: "gpu",
+            kind: PlanKind::Forward,
+            detail: "chosen",
+        };
+        return portable_forward(variant, key, false);
     }
     let key = KernelKey {
         backend: "gpu",
