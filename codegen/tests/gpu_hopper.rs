@@ -627,3 +627,79 @@ fn hopper_kernels_compile_for_sm_90a_without_spills_or_serialized_wgmma() {
     assert!(out.ptx.contains("setmaxnreg.inc.sync.aligned.u32 232"));
     assert!(out.ptx.contains("setmaxnreg.dec.sync.aligned.u32 40"));
 }
+
+/// Two warpgroups take turns through named barriers (FlashAttention-3's ping-pong): each
+/// waits at its own barrier, writes its index into a shared log at the shared cursor, and
+/// hands the turn to the other. The log alternates, the cursor's accesses are ordered by the
+/// barriers alone, and without warpgroup 1's first hand-over both wait forever.
+fn ping_pong(rounds: i64, first_handover: bool) -> Result<Vec<f32>, String> {
+    let mut r = Regs::default();
+    let (group, round) = (r.add("group", Ty::I64), r.add("round", Ty::I64));
+    let turn = |other: bool, wait: bool| Stmt::NamedBarrier {
+        id: cast(
+            if other {
+                sub(i64(2), reg(group))
+            } else {
+                add(i64(1), reg(group))
+            },
+            Ty::I32,
+        ),
+        threads: 256,
+        wait,
+    };
+    let leader = bin(Bin::Eq, bin(Bin::Rem, tid(), i64(128)), i64(0));
+    let cursor = load(Space::Shared, Ty::I32, i64(0));
+    let write = when(
+        leader,
+        vec![
+            Stmt::Store(
+                Space::Global,
+                at(Expr::Param(0), cast(cursor.clone(), Ty::I64), 4),
+                cast(reg(group), Ty::F32),
+            ),
+            Stmt::Store(Space::Shared, i64(0), add(cursor, i32c(1))),
+        ],
+    );
+    let mut body = vec![
+        Stmt::Set(group, bin(Bin::Div, tid(), i64(128))),
+        when(
+            bin(Bin::Eq, tid(), i64(0)),
+            vec![Stmt::Store(Space::Shared, i64(0), i32c(0))],
+        ),
+        Stmt::Barrier,
+    ];
+    if first_handover {
+        body.push(when(
+            bin(Bin::Eq, reg(group), i64(1)),
+            vec![turn(true, false)],
+        ));
+    }
+    body.push(Stmt::For {
+        reg: round,
+        start: i64(0),
+        end: i64(rounds),
+        step: 1,
+        body: vec![turn(false, true), write, turn(true, false)],
+    });
+    let k = Kernel {
+        name: "ping_pong".into(),
+        params: vec![("log".into(), Ty::I64)],
+        regs: r.0,
+        shared_bytes: 4,
+        threads: 256,
+        ctas_per_sm: 1,
+        body,
+    };
+    codegen::gpu::verify::verify(&k).map_err(|e| format!("{e:?}"))?;
+    let mut mem = Memory::default();
+    let log = mem.alloc_f32(&vec![-1.0; 2 * rounds as usize]);
+    run(&k, [1, 1, 1], &[Val::I64(log)], &mut mem)?;
+    mem.read_f32(log, 2 * rounds as usize)
+}
+
+#[test]
+fn named_barriers_alternate_two_warpgroups() {
+    assert_eq!(ping_pong(3, true).unwrap(), [0.0, 1.0, 0.0, 1.0, 0.0, 1.0]);
+    let e = ping_pong(3, false).unwrap_err();
+    assert!(e.contains("deadlock"), "{e}");
+}

@@ -575,16 +575,30 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         vec![],
     );
     let has_prev = bin(Bin::Gt, reg(count), i64(0));
+    // Ping-pong: a consumer issues its products only in its turn (named barrier 1 + its
+    // index), then hands the turn to the other (2 - its index), so one's softmax runs while
+    // the other's products do.
+    let turn = |of_other: bool, wait: bool| Stmt::NamedBarrier {
+        id: cast(
+            if of_other {
+                sub(i64(2), reg(consumer))
+            } else {
+                add(i64(1), reg(consumer))
+            },
+            Ty::I32,
+        ),
+        threads: 256,
+        wait,
+    };
+    consume.insert(1, turn(false, true));
+    consume.push(Stmt::If(has_prev.clone(), previous_pv(), vec![]));
+    consume.push(turn(true, false));
     consume.push(Stmt::If(
         has_prev.clone(),
-        [
-            previous_pv(),
-            vec![Stmt::WgmmaWait {
-                groups: 1,
-                regs: s_regs.clone(),
-            }],
-        ]
-        .concat(),
+        vec![Stmt::WgmmaWait {
+            groups: 1,
+            regs: s_regs.clone(),
+        }],
         vec![Stmt::WgmmaWait {
             groups: 0,
             regs: s_regs,
@@ -643,10 +657,17 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         vec![],
     );
 
+    // Consumer 0 takes the first turn; after the last tile it takes the turn consumer 1 hands
+    // back, so each barrier's arrivals and waits balance.
+    let is_consumer = |c: i64| bin(Bin::Eq, reg(consumer), i64(c));
     let consumer_body = [
         consume_setup,
+        vec![Stmt::If(is_consumer(1), vec![turn(true, false)], vec![])],
         running_tiles(consume),
-        vec![last_pv],
+        vec![
+            Stmt::If(is_consumer(0), vec![turn(false, true)], vec![]),
+            last_pv,
+        ],
         epilogue(plan, &o, [&m, &l], q, [batch, head], &row_of),
     ]
     .concat();

@@ -334,6 +334,18 @@ pub enum Stmt {
         /// The new budget per thread.
         regs: u32,
     },
+    /// `bar.sync id, threads` (`wait`) or `bar.arrive id, threads`: named barrier `id` (an I32,
+    /// 1 to 15; 0 is [`Stmt::Barrier`]'s) completes a phase when `threads` (a multiple of 32)
+    /// have arrived; `bar.sync` waits for it, `bar.arrive` does not. What the arriving threads
+    /// did is then visible to the waiting ones. Whole warps execute it.
+    NamedBarrier {
+        /// The barrier (I32).
+        id: Expr,
+        /// Threads a phase takes.
+        threads: u32,
+        /// Whether to wait for the phase (`bar.sync`).
+        wait: bool,
+    },
 }
 
 /// A kernel: parameters, registers, the shared memory it uses, its CTA size and its program.

@@ -506,6 +506,15 @@ impl Parser {
                         };
                         Ok(Stmt::WgmmaWait { groups, regs })
                     }
+                    "bar.sync.named" | "bar.arrive.named" => {
+                        let id = self.expr()?;
+                        self.punct(",")?;
+                        Ok(Stmt::NamedBarrier {
+                            id,
+                            threads: self.uint("a thread count")?,
+                            wait: w == "bar.sync.named",
+                        })
+                    }
                     "setmaxnreg.inc" | "setmaxnreg.dec" => Ok(Stmt::SetMaxNReg {
                         inc: w == "setmaxnreg.inc",
                         regs: self.uint("a register count")?,

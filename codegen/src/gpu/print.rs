@@ -284,6 +284,16 @@ fn stmts(
                 "{pad}wgmma.wait_group {groups} {{{}}}",
                 reg_list(names, regs)
             )?,
+            Stmt::NamedBarrier { id, threads, wait } => writeln!(
+                f,
+                "{pad}{} {}, {threads}",
+                if *wait {
+                    "bar.sync.named"
+                } else {
+                    "bar.arrive.named"
+                },
+                show(id)
+            )?,
             Stmt::SetMaxNReg { inc, regs } => writeln!(
                 f,
                 "{pad}setmaxnreg.{} {regs}",

@@ -459,6 +459,14 @@ impl Verifier<'_> {
                 }
             }
             Stmt::WgmmaWait { regs, .. } => self.regs_of(regs, Ty::F32, "a wgmma wait's"),
+            Stmt::NamedBarrier { id, threads, .. } => {
+                self.expect(id, Ty::I32, "a named barrier's id");
+                if *threads == 0 || !threads.is_multiple_of(32) || *threads > 1024 {
+                    self.error(format!(
+                        "a named barrier of {threads} threads (a multiple of 32 up to 1024)"
+                    ));
+                }
+            }
             Stmt::SetMaxNReg { regs, .. } => {
                 if !(24..=256).contains(regs) || regs % 8 != 0 {
                     self.error(format!(

@@ -37,6 +37,20 @@ pub(super) struct Mbar {
     landing: Vec<(usize, Vec<u8>)>,
 }
 
+/// A named barrier's state.
+pub(super) struct Named {
+    /// Threads a phase takes.
+    threads: u32,
+    /// Threads arrived in the current phase.
+    arrived: u32,
+    /// Phases completed.
+    phase: u64,
+    /// What the current phase's arrivals published.
+    clock: Clock,
+    /// What the last completed phase published.
+    done: Clock,
+}
+
 /// A committed group of a warpgroup's products.
 pub(super) struct MmaGroup {
     /// Registers the group writes or reads asynchronously (accumulators, then A fragments).
@@ -568,6 +582,83 @@ impl Cta<'_> {
             }
         }
         Ok(())
+    }
+
+    /// `bar.arrive` (or the arrival of `bar.sync`) at named barrier `id` by the active threads
+    /// that have not arrived yet; with `wait`, each records the phase it waits for.
+    pub(super) fn named_arrive(
+        &mut self,
+        mask: &[bool],
+        id: &Expr,
+        threads: u32,
+        wait: bool,
+    ) -> Result<(), String> {
+        for t in (0..mask.len()).filter(|&t| mask[t]) {
+            if self.named_wait[t].is_some() {
+                continue;
+            }
+            let id = self.eval(t, id, mask)?.int()?;
+            if !(1..16).contains(&id) || threads == 0 || !threads.is_multiple_of(32) {
+                return Err(format!(
+                    "named barrier {id} of {threads} threads (1 to 15, whole warps)"
+                ));
+            }
+            let zero = self.hazards.borrow().zero();
+            let b = self.named.entry(id).or_insert_with(|| Named {
+                threads,
+                arrived: 0,
+                phase: 0,
+                clock: zero.clone(),
+                done: zero,
+            });
+            if b.threads != threads {
+                return Err(format!(
+                    "named barrier {id} used with {threads} and {} threads in one phase",
+                    b.threads
+                ));
+            }
+            self.hazards.borrow_mut().release(t / 32, &mut b.clock);
+            b.arrived += 1;
+            if wait {
+                self.named_wait[t] = Some((id, b.phase));
+            }
+            if b.arrived == b.threads {
+                b.done = std::mem::replace(&mut b.clock, self.hazards.borrow().zero());
+                b.arrived = 0;
+                b.phase += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// `bar.sync` at a named barrier: the active threads arrive (once), and those whose phase
+    /// has completed pass (they learn what its arrivals did). Returns the threads that pass
+    /// and those still waiting.
+    pub(super) fn named_sync(
+        &mut self,
+        mask: &[bool],
+        id: &Expr,
+        threads: u32,
+    ) -> Result<[Vec<bool>; 2], String> {
+        self.named_arrive(mask, id, threads, true)?;
+        let (mut pass, mut wait) = (vec![false; mask.len()], vec![false; mask.len()]);
+        for t in (0..mask.len()).filter(|&t| mask[t]) {
+            let Some((id, phase)) = self.named_wait[t] else {
+                return Err(format!(
+                    "thread {t} waits at a named barrier it did not reach"
+                ));
+            };
+            let b = &self.named[&id];
+            if b.phase > phase {
+                let done = b.done.clone();
+                self.hazards.borrow_mut().acquire(t / 32, &done);
+                self.named_wait[t] = None;
+                pass[t] = true;
+            } else {
+                wait[t] = true;
+            }
+        }
+        Ok([pass, wait])
     }
 
     /// A register of an unfinished `wgmma` group may not be touched.

@@ -212,6 +212,8 @@ pub fn run(
                         .collect(),
                     busy: vec![vec![0; kernel.regs.len()]; threads],
                     busy_count: 0,
+                    named: HashMap::new(),
+                    named_wait: vec![None; threads],
                     memory,
                 };
                 cta.run_body()
@@ -247,6 +249,10 @@ struct Cta<'a> {
     busy: Vec<Vec<u16>>,
     /// The sum of `busy`.
     busy_count: usize,
+    /// Named barriers by id.
+    named: HashMap<i64, hopper::Named>,
+    /// Per thread: the named barrier and phase it arrived at and waits for.
+    named_wait: Vec<Option<(i64, u64)>>,
     memory: &'a mut Memory,
 }
 
@@ -346,6 +352,14 @@ impl Cta<'_> {
             Stmt::Wgmma(w) => self.wgmma(mask, w)?,
             Stmt::WgmmaWait { groups, regs } => self.wgmma_wait(mask, *groups, regs)?,
             Stmt::SetMaxNReg { regs, .. } => self.setmaxnreg(mask, *regs)?,
+            Stmt::NamedBarrier {
+                id,
+                threads,
+                wait: false,
+            } => self.named_arrive(mask, id, *threads, false)?,
+            Stmt::NamedBarrier { wait: true, .. } => {
+                return Err("bar.sync on a named barrier reached a leaf statement".into());
+            }
         }
         Ok(())
     }

@@ -14,10 +14,12 @@ use super::{Cta, Val};
 use crate::gpu::ir::{Reg, Stmt};
 
 /// A resumable run of statements.
+#[derive(Clone)]
 pub(super) struct Stepper<'k> {
     frames: Vec<Frame<'k>>,
 }
 
+#[derive(Clone)]
 enum Frame<'k> {
     /// `body[next..]` for the threads of `mask`.
     Block {
@@ -61,6 +63,48 @@ impl<'k> Stepper<'k> {
             }],
         }
     }
+
+    /// The same run for the threads of `keep` only.
+    fn restricted(&self, keep: &[bool]) -> Stepper<'k> {
+        let and = |m: &[bool]| {
+            m.iter()
+                .zip(keep)
+                .map(|(a, b)| *a && *b)
+                .collect::<Vec<_>>()
+        };
+        let frames = self
+            .frames
+            .iter()
+            .map(|f| match f {
+                Frame::Block { body, next, mask } => Frame::Block {
+                    body,
+                    next: *next,
+                    mask: and(mask),
+                },
+                Frame::Loop {
+                    reg,
+                    step,
+                    body,
+                    mask,
+                    ends,
+                    last,
+                } => Frame::Loop {
+                    reg: *reg,
+                    step: *step,
+                    body,
+                    mask: and(mask),
+                    ends: ends.clone(),
+                    last: last.as_deref().map(and),
+                },
+                Frame::Fork { sides, done, turn } => Frame::Fork {
+                    sides: Box::new([sides[0].restricted(keep), sides[1].restricted(keep)]),
+                    done: *done,
+                    turn: *turn,
+                },
+            })
+            .collect();
+        Stepper { frames }
+    }
 }
 
 impl<'a> Cta<'a> {
@@ -78,6 +122,9 @@ impl<'a> Cta<'a> {
     pub(super) fn step(&mut self, s: &mut Stepper<'a>) -> Result<Run, String> {
         let mut moved = false;
         loop {
+            // Threads of one run that part at a named barrier (some pass, some wait) continue
+            // as two runs, the passing one past the barrier.
+            let mut split: Option<[Vec<bool>; 2]> = None;
             let Some(frame) = s.frames.last_mut() else {
                 return Ok(Run::Done);
             };
@@ -141,6 +188,26 @@ impl<'a> Cta<'a> {
                                 ends: ends_of,
                                 last: None,
                             });
+                        }
+                        Stmt::NamedBarrier {
+                            id,
+                            threads,
+                            wait: true,
+                        } => {
+                            let [pass, wait] = self.named_sync(mask_now, id, *threads)?;
+                            if !wait.contains(&true) {
+                                *next += 1;
+                            } else if !pass.contains(&true) {
+                                return Ok(Run::Blocked {
+                                    why: format!(
+                                        "threads wait at a named barrier that not enough \
+                                         threads reach ({threads} needed)"
+                                    ),
+                                    moved,
+                                });
+                            } else {
+                                split = Some([pass, wait]);
+                            }
                         }
                         Stmt::MbarWait { bar, parity } => {
                             if let Some(why) = self.mbar_pending(mask_now, bar, parity)? {
@@ -218,6 +285,18 @@ impl<'a> Cta<'a> {
                     }
                     s.frames.pop();
                 }
+            }
+            if let Some([pass, wait]) = split {
+                let mut passing = s.restricted(&pass);
+                if let Some(Frame::Block { next, .. }) = passing.frames.last_mut() {
+                    *next += 1;
+                }
+                let waiting = s.restricted(&wait);
+                s.frames = vec![Frame::Fork {
+                    sides: Box::new([passing, waiting]),
+                    done: [false; 2],
+                    turn: 0,
+                }];
             }
         }
     }

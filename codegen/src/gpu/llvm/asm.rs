@@ -264,6 +264,20 @@ impl<'ctx> Lowering<'_, 'ctx> {
         self.store_results(&w.d, results)
     }
 
+    pub(super) fn named_barrier(
+        &mut self,
+        id: &Expr,
+        threads: u32,
+        wait: bool,
+    ) -> Result<(), CodegenError> {
+        let mut ops = Operands::default();
+        let id = self.expr(id)?;
+        let id = ops.push(0, id, "r");
+        let op = if wait { "bar.sync" } else { "bar.arrive" };
+        self.asm(&format!("{op} {id}, {threads};"), 0, ops)
+            .map(drop)
+    }
+
     pub(super) fn wgmma_wait(&mut self, groups: u32, regs: &[Reg]) -> Result<(), CodegenError> {
         let outputs = regs.len();
         let mut ops = Operands::default();

@@ -443,6 +443,7 @@ impl<'ctx> Lowering<'_, 'ctx> {
             Stmt::FenceProxyAsync => self.plain("fence.proxy.async.shared::cta;")?,
             Stmt::Wgmma(w) => self.wgmma(w)?,
             Stmt::WgmmaWait { groups, regs } => self.wgmma_wait(*groups, regs)?,
+            Stmt::NamedBarrier { id, threads, wait } => self.named_barrier(id, *threads, *wait)?,
             Stmt::SetMaxNReg { inc, regs } => self.plain(&format!(
                 "setmaxnreg.{}.sync.aligned.u32 {regs};",
                 if *inc { "inc" } else { "dec" }
