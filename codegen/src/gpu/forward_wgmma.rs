@@ -13,19 +13,25 @@
 //! then release the V stage. Tile codes skip or unmask tiles; producer and consumers walk the
 //! same running tiles, so stage and phase follow a count of them.
 //!
-//! Scope: bf16 and f16 per-head specs without RoPE whose head dims are multiples of 64 up to
-//! 256. RoPE, MLA and other dims stay on [`super::forward_tc`]. Not yet: ping-pong scheduling
-//! between the consumers, overlap of the softmax with the next tile's `Q K^T`, clusters.
+//! With RoPE, the producer warpgroup rotates Q and each K tile in place once its copies land
+//! (in the `Q K^T` operands' format: f16 for bf16 specs whose RoPE rotates every column, as
+//! [`super::forward_tc::qk_half`] says), fences its stores for the async proxy, and releases
+//! them to the consumers through ready barriers.
+//!
+//! Scheduling, as FlashAttention-3's: within a consumer, tile t's `Q K^T` is issued before tile
+//! t-1's `P V`, so the softmax overlaps that product; between the consumers, named barriers
+//! ping-pong (one issues its products while the other's softmax runs).
+//!
+//! Scope: bf16 and f16 per-head specs whose head dims are multiples of 64 up to 256 (RoPE
+//! pairs on even columns). MLA and other dims stay on [`super::forward_tc`]. Not yet: clusters,
+//! more than two stages.
 
-use super::forward::rotate_pair;
-use super::forward::{Regs, param, special64};
-use super::forward_tc::qk_half;
+use super::forward::{Regs, param, rotate_pair, special64};
 use super::forward_tc::{
-    RopeWords, TileScores, epilogue, half_of, online_softmax, score_tile, tile_code,
+    RopeWords, TileScores, epilogue, half_of, online_softmax, qk_half, score_tile, tile_code,
 };
-use super::ir::Half;
 use super::ir::build::*;
-use super::ir::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty, Wgmma, WgmmaA};
+use super::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Wgmma, WgmmaA};
 use super::launch::{ForwardArgs, LaunchRecord};
 use super::tma::{Swizzle, TensorMap};
 use crate::plan::{KernelPlan, PlanKind, TileCode};
