@@ -19,6 +19,34 @@ fn test_cache() -> std::path::PathBuf {
     std::env::temp_dir().join(format!("attnc-cache-{}", std::process::id()))
 }
 
+/// Tensor `name` of a safetensors file as f64 values (f64, f32, bf16 or f16 stored).
+fn tensor_values(path: impl AsRef<std::path::Path>, name: &str) -> Vec<f64> {
+    let bytes = std::fs::read(path).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let t = file.tensor(name).unwrap();
+    let data = t.data();
+    let half = |c: &[u8]| u16::from_le_bytes([c[0], c[1]]);
+    match t.dtype() {
+        safetensors::Dtype::F64 => data
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+            .collect(),
+        safetensors::Dtype::F32 => data
+            .chunks_exact(4)
+            .map(|c| f64::from(f32::from_le_bytes(c.try_into().unwrap())))
+            .collect(),
+        safetensors::Dtype::BF16 => data
+            .chunks_exact(2)
+            .map(|c| f64::from(f32::from_bits(u32::from(half(c)) << 16)))
+            .collect(),
+        safetensors::Dtype::F16 => data
+            .chunks_exact(2)
+            .map(|c| f64::from(half::f16::from_bits(half(c)).to_f32()))
+            .collect(),
+        other => panic!("{name}: a {other:?} tensor"),
+    }
+}
+
 fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
@@ -592,30 +620,14 @@ fn the_sm_90a_forward_meets_the_bf16_golden_case_on_the_interpreter() {
         .output()
         .expect("attnc runs");
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
-    let bytes = std::fs::read(&out).unwrap();
-    let got = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let golden_bytes = std::fs::read(fixture("gqa_8q2kv_causal_bf16.safetensors")).unwrap();
-    let golden = safetensors::SafeTensors::deserialize(&golden_bytes).unwrap();
     // bf16 output against the float64 one; PyTorch's own bf16 error on this case is 7.5e-3.
-    let g: Vec<f32> = got
-        .tensor("out")
-        .unwrap()
-        .data()
-        .chunks_exact(2)
-        .map(|c| f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16))
-        .collect();
-    let w: Vec<f64> = golden
-        .tensor("out")
-        .unwrap()
-        .data()
-        .chunks_exact(8)
-        .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
-        .collect();
+    let g = tensor_values(&out, "out");
+    let w = tensor_values(fixture("gqa_8q2kv_causal_bf16.safetensors"), "out");
     assert_eq!(g.len(), w.len());
     let worst = g
         .iter()
         .zip(&w)
-        .map(|(g, w)| (f64::from(*g) - w).abs())
+        .map(|(g, w)| (g - w).abs())
         .fold(0.0, f64::max);
     assert!(worst <= 2.0 * 7.531473600546956e-3, "max error {worst}");
 }
@@ -643,30 +655,11 @@ fn run_on_the_gpu_backends() {
     };
     let o = run("gpu-sim");
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
-    let bytes = std::fs::read(&out).unwrap();
-    let got = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let golden_bytes = std::fs::read(fixture("seq7_causal_f32.safetensors")).unwrap();
-    let golden = safetensors::SafeTensors::deserialize(&golden_bytes).unwrap();
-    let g: Vec<f32> = got
-        .tensor("out")
-        .unwrap()
-        .data()
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect();
-    let w: Vec<f64> = golden
-        .tensor("out")
-        .unwrap()
-        .data()
-        .chunks_exact(8)
-        .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
-        .collect();
+    let g = tensor_values(&out, "out");
+    let w = tensor_values(fixture("seq7_causal_f32.safetensors"), "out");
     assert_eq!(g.len(), w.len());
     for (g, w) in g.iter().zip(&w) {
-        assert!(
-            (f64::from(*g) - w).abs() < 1e-5 + 1e-4 * w.abs(),
-            "{g} vs {w}"
-        );
+        assert!((g - w).abs() < 1e-5 + 1e-4 * w.abs(), "{g} vs {w}");
     }
     // Without a GPU (CI has none), the device backend is a clean error.
     let o = run("cuda");
@@ -956,33 +949,11 @@ fn grad_runs_on_the_gpu_interpreter() {
         "gpu-sim",
     ]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
-    let (got_bytes, want_bytes) = (
-        std::fs::read(&out).unwrap(),
-        std::fs::read(&golden).unwrap(),
-    );
-    let got = safetensors::SafeTensors::deserialize(&got_bytes).unwrap();
-    let want = safetensors::SafeTensors::deserialize(&want_bytes).unwrap();
     for name in ["dq", "dk", "dv"] {
-        let g: Vec<f32> = got
-            .tensor(name)
-            .unwrap()
-            .data()
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect();
-        let w: Vec<f64> = want
-            .tensor(name)
-            .unwrap()
-            .data()
-            .chunks_exact(8)
-            .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
-            .collect();
+        let (g, w) = (tensor_values(&out, name), tensor_values(&golden, name));
         assert_eq!(g.len(), w.len());
         for (g, w) in g.iter().zip(&w) {
-            assert!(
-                (f64::from(*g) - w).abs() <= 1e-4 + 1e-3 * w.abs(),
-                "{name}: {g} vs {w}"
-            );
+            assert!((g - w).abs() <= 1e-4 + 1e-3 * w.abs(), "{name}: {g} vs {w}");
         }
     }
 }
