@@ -106,7 +106,7 @@ pub fn write_safetensors(path: &Path, tensors: &[(&str, &Tensor)]) -> Result<(),
     let buffers: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = tensors
         .iter()
         .map(|(name, t)| {
-            let (dtype, bytes) = match t.contiguous_storage() {
+            let (dtype, bytes) = match &t.contiguous_storage() {
                 Storage::F32(v) => (Dtype::F32, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
                 Storage::F16(v) => (Dtype::F16, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
                 Storage::Bf16(v) => (

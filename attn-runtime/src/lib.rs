@@ -7,7 +7,8 @@
 //!   the GPU IR interpreter);
 //! - [`Tensor`]: dtype, shape and strides over CPU storage;
 //! - [`io`]: safetensors files;
-//! - [`memory`]: checks of large allocations against the memory available, zeroed buffers;
+//! - [`memory`]: checks of large allocations against the memory available, zeroed buffers
+//!   reused from a pool of dropped ones;
 //! - [`cache`]: KV caches for decoding (contiguous, paged, MLA latent);
 //! - `host`: host preparation every backend shares (checks, RoPE tables, MLA absorption,
 //!   ragged layouts, work items and the lse merge);

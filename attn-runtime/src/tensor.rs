@@ -17,6 +17,16 @@ pub enum Storage {
     Bf16(Vec<bf16>),
 }
 
+/// Large f32 storage goes back to the runtime's buffer pool ([`crate::memory::recycle`]), so
+/// the outputs of one call become the outputs of the next without fresh page faults.
+impl Drop for Storage {
+    fn drop(&mut self) {
+        if let Storage::F32(values) = self {
+            crate::memory::recycle(std::mem::take(values));
+        }
+    }
+}
+
 impl Storage {
     pub(crate) fn len(&self) -> usize {
         match self {
@@ -93,9 +103,15 @@ impl Tensor {
     ) -> Result<Self, RuntimeError> {
         match dtype {
             DType::F32 => Tensor::from_f32(shape, data),
-            DType::F16 => Tensor::from_f16(shape, data.iter().map(|x| f16::from_f32(*x)).collect()),
+            DType::F16 => {
+                let t = Tensor::from_f16(shape, data.iter().map(|x| f16::from_f32(*x)).collect());
+                crate::memory::recycle(data);
+                t
+            }
             DType::Bf16 => {
-                Tensor::from_bf16(shape, data.iter().map(|x| bf16::from_f32(*x)).collect())
+                let t = Tensor::from_bf16(shape, data.iter().map(|x| bf16::from_f32(*x)).collect());
+                crate::memory::recycle(data);
+                t
             }
         }
     }

@@ -181,7 +181,7 @@ pub(super) fn run(
         .map_err(|e| RuntimeError::Data(e.to_string()))?;
     // Every row is written once by its block (never added to): calloc's untouched zero pages
     // fault in on that first write, with no zeroing pass before it.
-    let mut out = vec![0f32; batch * hq * sq * dv];
+    let mut out = crate::memory::written_zeros(batch * hq * sq * dv);
     let mut lse = vec![0f32; batch * hq * sq];
     if batch * hq * sq == 0 {
         return Ok((out, lse));

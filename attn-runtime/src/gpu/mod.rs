@@ -468,7 +468,7 @@ pub(crate) fn forward_mla_emulated_in(
 /// nearest even), little-endian: what a forward kernel reads from global memory.
 pub(crate) fn device_bytes(t: &Tensor, dtype: attn_dsl::DType) -> Vec<u8> {
     let values = || t.to_f32_vec().into_iter();
-    match (dtype, t.contiguous_storage()) {
+    match (dtype, &t.contiguous_storage()) {
         (attn_dsl::DType::Bf16, Storage::Bf16(v)) => {
             v.iter().flat_map(|x| x.to_le_bytes()).collect()
         }
