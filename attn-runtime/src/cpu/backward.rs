@@ -202,7 +202,6 @@ struct Scratch {
     /// One tile of scores / probabilities, and of dP / dS.
     s: Vec<f32>,
     dp: Vec<f32>,
-    row_max: Vec<f32>,
 }
 
 impl Scratch {
@@ -287,7 +286,6 @@ impl Task<'_> {
             vt,
             s,
             dp,
-            row_max,
         } = scratch;
         copy_into(q, &x.q[heads(d)]);
         let dout = &x.dout[heads(dv)];
@@ -318,7 +316,6 @@ impl Task<'_> {
         pack(key_rows, d, skv, sized(kt, skv.div_ceil(K) * d * K));
         pack(&x.v[kv(dv)], dv, skv, sized(vt, skv.div_ceil(K) * dv * K));
         let (s, dp) = (sized(s, K * K), sized(dp, K * K));
-        let row_max = sized(row_max, K);
 
         let blocks = sq.div_ceil(K);
         let (split, splits) = self.tiles;
@@ -365,7 +362,7 @@ impl Task<'_> {
                                 d as i64,
                                 kt.as_ptr().add(tile * d * K),
                                 s.as_mut_ptr(),
-                                row_max.as_mut_ptr(),
+                                std::ptr::null_mut(),
                             );
                             (self.kernels.qk)(
                                 dout.as_ptr().add(row * dv),
@@ -374,7 +371,7 @@ impl Task<'_> {
                                 dv as i64,
                                 vt.as_ptr().add(tile * dv * K),
                                 dp.as_mut_ptr(),
-                                row_max.as_mut_ptr(),
+                                std::ptr::null_mut(),
                             );
                             let args = GradTileArgs {
                                 s: s.as_mut_ptr(),

@@ -4,7 +4,7 @@
 //!
 //! Contract (see `codegen::cpu::abi::Imports`): `qk_tile(q, q_stride, rows, dim, kt, s, row_max)`
 //! writes `s[r*K + j] = sum_d q[r*q_stride + d] * kt[d*K + j]` for `r < rows`, `j < K`, and
-//! `row_max[r] = max_j s[r*K + j]`;
+//! `row_max[r] = max_j s[r*K + j]` (unless `row_max` is null: the backward needs no maxima);
 //! `pv_tile(p, rows, cols, v, v_stride, acc, dv)` adds `sum_{j < cols} p[r*K + j] *
 //! v[j*v_stride + c]` to `acc[r*dv + c]` for `r < rows`, `c < dv`. The backward also uses
 //! `pv_tile` on a transposed `p` (`p[j*K + r]`): [`transposed_pv`].
@@ -76,7 +76,10 @@ pub unsafe extern "C" fn qk_portable(
             std::slice::from_raw_parts(q, (rows.max(1) - 1) * q_stride + dim),
             std::slice::from_raw_parts(kt, dim * K),
             std::slice::from_raw_parts_mut(s, rows * K),
-            std::slice::from_raw_parts_mut(row_max, rows),
+            match row_max.is_null() {
+                true => &mut [][..],
+                false => std::slice::from_raw_parts_mut(row_max, rows),
+            },
         )
     };
     for r in 0..rows {
@@ -88,7 +91,9 @@ pub unsafe extern "C" fn qk_portable(
                 *o += x * k;
             }
         }
-        row_max[r] = out.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        if let Some(m) = row_max.get_mut(r) {
+            *m = out.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        }
     }
 }
 
@@ -270,9 +275,11 @@ mod x86 {
                 for j in 0..4 {
                     _mm512_storeu_ps(s.add((r + i) * K + 16 * j), acc[i][j]);
                 }
-                let m01 = _mm512_max_ps(acc[i][0], acc[i][1]);
-                let m23 = _mm512_max_ps(acc[i][2], acc[i][3]);
-                *row_max.add(r + i) = _mm512_reduce_max_ps(_mm512_max_ps(m01, m23));
+                if !row_max.is_null() {
+                    let m01 = _mm512_max_ps(acc[i][0], acc[i][1]);
+                    let m23 = _mm512_max_ps(acc[i][2], acc[i][3]);
+                    *row_max.add(r + i) = _mm512_reduce_max_ps(_mm512_max_ps(m01, m23));
+                }
             }
         }
     }
@@ -463,9 +470,11 @@ mod x86 {
                     qk_rows_avx2::<1>(q, qs, dim, kt, s, r, half);
                 }
             }
-            for r in 0..rows {
-                let row = std::slice::from_raw_parts(s.add(r * K), K);
-                *row_max.add(r) = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            if !row_max.is_null() {
+                for r in 0..rows {
+                    let row = std::slice::from_raw_parts(s.add(r * K), K);
+                    *row_max.add(r) = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                }
             }
         }
     }

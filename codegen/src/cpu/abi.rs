@@ -213,8 +213,8 @@ pub fn packed_k_len(plan: &KernelPlan, skv: usize) -> usize {
 #[derive(Clone, Copy, Debug)]
 pub struct Imports {
     /// Forward: `qk_tile(q, q_row_stride, rows, dim, kt, s, row_max)`: `s[r][j] = sum_d q[r][d] *
-    /// kt[d][j]` for `r < rows`, `j < K_TILE`, and `row_max[r] = max_j s[r][j]`; `s` has rows of
-    /// `K_TILE` values.
+    /// kt[d][j]` for `r < rows`, `j < K_TILE`, and `row_max[r] = max_j s[r][j]` (none when
+    /// `row_max` is null, as the backward passes it); `s` has rows of `K_TILE` values.
     pub qk_tile: usize,
     /// Forward: `pv_tile(p, rows, cols, v, v_row_stride, acc, dv)`: `acc[r][:dv] += sum_{j <
     /// cols} p[r][j] * v[j][:dv]`; `p` has rows of `K_TILE` values, `acc` rows of `dv`, `v` is f32.
