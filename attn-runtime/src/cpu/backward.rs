@@ -9,7 +9,9 @@
 //! and dq rows stay in cache), for each key tile and each query block the mask does not skip:
 //! `S = Q K^T` and `dP = dO V^T` (the `qk_tile` microkernel), `P` and `dS` (generated
 //! `grad_tile`), `dV += P^T dO`, `dK += dS^T Q` (the `pv_tile` microkernel reading its weights
-//! transposed) and `dQ += dS K` (`pv_tile`). Last, dq is scaled and dq and dk are rotated back.
+//! transposed) and `dQ += dS K` (`pv_tile`); on tiles the mask cuts, those three skip the keys
+//! (or query rows) where P and dS are zero (`microkernels::nonzero_spans`: half of a causal
+//! diagonal tile). Last, dq is scaled and dq and dk are rotated back.
 
 use super::microkernels;
 use crate::error::RuntimeError;
@@ -46,7 +48,7 @@ pub(super) type Grads = (Vec<f32>, Vec<f32>, Vec<f32>);
 type RotateFn = unsafe extern "C" fn(*const RotateArgs);
 type GradTileFn = unsafe extern "C" fn(*const GradTileArgs);
 type QkFn = unsafe extern "C" fn(*const f32, i64, i64, i64, *const f32, *mut f32, *mut f32);
-type PvFn = unsafe extern "C" fn(*const f32, i64, i64, *const f32, i64, *mut f32, i64);
+type PvFn = unsafe extern "C" fn(*const f32, i64, i64, *const f32, i64, *mut f32, i64, *const u32);
 
 /// The functions a task calls.
 #[derive(Clone, Copy)]
@@ -54,9 +56,12 @@ struct Kernels {
     rotate: RotateFn,
     grad_tile: GradTileFn,
     qk: QkFn,
+    /// `pv_tile` with spans (`microkernels::spanned_pv`).
     pv: PvFn,
     /// `pv` with the weights transposed.
     pt: PvFn,
+    /// The instruction set of the microkernels (whether spans are worth computing).
+    isa: microkernels::Isa,
 }
 
 /// RoPE tables for the call's positions, forward and transposed (sines negated).
@@ -94,8 +99,8 @@ pub(super) fn run(
             "internal: the backward call got a kernel of another kind".into(),
         ));
     };
-    let (qk, pv) = microkernels::addresses(isa);
-    let pt = microkernels::transposed_pv(isa);
+    let (qk, _) = microkernels::addresses(isa);
+    let (pv, pt) = microkernels::spanned_pv(isa);
     // SAFETY: `rotate_rows` and `grad_tile` were compiled by codegen::cpu with the signature
     // `extern "C" fn(*const Args)`, and `qk`, `pv` are the microkernels' C-ABI functions with the
     // signatures above (`pt` as `pv`); all stay valid for the process.
@@ -106,6 +111,7 @@ pub(super) fn run(
             qk: std::mem::transmute::<usize, QkFn>(qk),
             pv: std::mem::transmute::<usize, PvFn>(pv),
             pt: std::mem::transmute::<usize, PvFn>(pt),
+            isa,
         }
     };
     let first_pos = p0 + (skv as i64 - sq as i64).min(0);
@@ -316,6 +322,7 @@ impl Task<'_> {
         pack(key_rows, d, skv, sized(kt, skv.div_ceil(K) * d * K));
         pack(&x.v[kv(dv)], dv, skv, sized(vt, skv.div_ceil(K) * dv * K));
         let (s, dp) = (sized(s, K * K), sized(dp, K * K));
+        let (mut by_row, mut by_col) = ([0u32; 2 * K], [0u32; 2 * K]);
 
         let blocks = sq.div_ceil(K);
         let (split, splits) = self.tiles;
@@ -389,6 +396,25 @@ impl Task<'_> {
                                 code: code as i64,
                             };
                             (self.kernels.grad_tile)(&args);
+                        }
+                        // Where a mask zeroes part of the tile, the products below skip the keys
+                        // (rows, for the transposed ones) whose P and dS are all zero.
+                        let spanned = matches!(code, TileCode::Masked)
+                            && microkernels::nonzero_spans(
+                                self.kernels.isa,
+                                [s, dp],
+                                n,
+                                cols,
+                                &mut by_row,
+                                &mut by_col,
+                            );
+                        let (row_spans, col_spans) = match spanned {
+                            true => (by_row.as_ptr(), by_col.as_ptr()),
+                            false => (std::ptr::null(), std::ptr::null()),
+                        };
+                        // SAFETY: as above; the spans are null or hold `n` (rows) and `cols`
+                        // (columns) pairs.
+                        unsafe {
                             (self.kernels.pt)(
                                 s.as_ptr(),
                                 cols as i64,
@@ -397,6 +423,7 @@ impl Task<'_> {
                                 dv as i64,
                                 dv_acc.as_mut_ptr().add(first_key * dv),
                                 dv as i64,
+                                col_spans,
                             );
                             (self.kernels.pt)(
                                 dp.as_ptr(),
@@ -406,6 +433,7 @@ impl Task<'_> {
                                 d as i64,
                                 dk.as_mut_ptr().add(first_key * d),
                                 d as i64,
+                                col_spans,
                             );
                             (self.kernels.pv)(
                                 dp.as_ptr(),
@@ -415,6 +443,7 @@ impl Task<'_> {
                                 d as i64,
                                 dq.as_mut_ptr().add(row * d),
                                 d as i64,
+                                row_spans,
                             );
                         }
                     }

@@ -7,7 +7,8 @@
 //! `row_max[r] = max_j s[r*K + j]` (unless `row_max` is null: the backward needs no maxima);
 //! `pv_tile(p, rows, cols, v, v_stride, acc, dv)` adds `sum_{j < cols} p[r*K + j] *
 //! v[j*v_stride + c]` to `acc[r*dv + c]` for `r < rows`, `c < dv`. The backward also uses
-//! `pv_tile` on a transposed `p` (`p[j*K + r]`): [`transposed_pv`].
+//! `pv_tile` on a transposed `p` (`p[j*K + r]`): [`transposed_pv`], and both forms with the
+//! key range of each row where its weights may be nonzero: [`spanned_pv`].
 
 use codegen::plan::K_TILE;
 
@@ -114,6 +115,88 @@ pub fn transposed_pv(isa: Isa) -> usize {
     pt as usize
 }
 
+/// `pv_tile` and its transposed form with one more argument, `spans`: null, or per row `r` of
+/// `acc` the range `spans[2r]..spans[2r + 1]` of `j` outside which the row's weights are zero
+/// (from [`nonzero_spans`]). The sums skip those keys, which changes nothing but the time: on
+/// a causal diagonal, half the tile. Only the AVX-512 kernels use the spans; the others run
+/// every key. Returns the addresses of `(pv, pt)`.
+pub fn spanned_pv(isa: Isa) -> (usize, usize) {
+    let (pv, pt): (SpannedPv, SpannedPv) = match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => (x86::pv_spans_avx512, x86::pt_spans_avx512),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => (
+            every_key::<{ Isa::Avx2 as u8 }, false>,
+            every_key::<{ Isa::Avx2 as u8 }, true>,
+        ),
+        _ => (
+            every_key::<{ Isa::Portable as u8 }, false>,
+            every_key::<{ Isa::Portable as u8 }, true>,
+        ),
+    };
+    (pv as usize, pt as usize)
+}
+
+/// The signature of [`spanned_pv`]'s functions.
+type SpannedPv =
+    unsafe extern "C" fn(*const f32, i64, i64, *const f32, i64, *mut f32, i64, *const u32);
+
+/// A spanned `pv_tile` (transposed when `T`) that ignores the spans: the `pv_tile` of `ISA`.
+///
+/// # Safety
+/// The contract of [`spanned_pv`], on a CPU with `ISA`.
+unsafe extern "C" fn every_key<const ISA: u8, const T: bool>(
+    p: *const f32,
+    rows: i64,
+    cols: i64,
+    v: *const f32,
+    v_stride: i64,
+    acc: *mut f32,
+    dv: i64,
+    _spans: *const u32,
+) {
+    let isa = if ISA == Isa::Avx2 as u8 {
+        Isa::Avx2
+    } else {
+        Isa::Portable
+    };
+    let f = if T {
+        transposed_pv(isa)
+    } else {
+        addresses(isa).1
+    };
+    // SAFETY: `transposed_pv` and `addresses` give `pv_tile` functions of this signature (less
+    // the spans), for an instruction set the caller's CPU has.
+    unsafe { std::mem::transmute::<usize, Pv>(f)(p, rows, cols, v, v_stride, acc, dv) }
+}
+
+/// The spans [`spanned_pv`] takes, of two tiles of `rows <= K` rows of `K` values (`cols <= K`
+/// of them used) where a weight is nonzero if it is in either tile: `by_row[2r..2r + 2]` the
+/// columns from the first to one past the last nonzero weight of row `r`, `by_col[2c..2c + 2]`
+/// the rows from the first to one past the last nonzero weight of column `c` (`0..0` where all
+/// are zero; NaN counts as nonzero). The backward passes P and dS, so a NaN that reaches either
+/// still reaches the gradients. Only the AVX-512 kernels use spans, so only there are they
+/// computed: `false` elsewhere, with the arrays left as they were.
+pub fn nonzero_spans(
+    isa: Isa,
+    tiles: [&[f32]; 2],
+    rows: usize,
+    cols: usize,
+    by_row: &mut [u32],
+    by_col: &mut [u32],
+) -> bool {
+    let (rows, cols) = (rows.min(K), cols.min(K));
+    let tiles = tiles.map(|t| &t[..rows * K]);
+    let (by_row, by_col) = (&mut by_row[..2 * rows], &mut by_col[..2 * cols]);
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU has AVX-512F (it is `isa`); the slices hold the values above.
+        Isa::Avx512 => unsafe { x86::nonzero_spans(tiles, cols, by_row, by_col) },
+        _ => return false,
+    }
+    true
+}
+
 /// Where `pv_tile` reads its weights: `p[r * K + j]` for row `r` and key `j`, or `p[j * K + r]`
 /// when `TRANSPOSED`. The layout is a constant so the microkernels address weights by constant
 /// offsets.
@@ -209,6 +292,7 @@ unsafe fn pv_portable_with<const T: bool>(
 mod x86 {
     use super::{K, Weights};
     use std::arch::x86_64::*;
+    use std::ptr::null;
 
     /// AVX-512 `qk_tile`: six rows by 64 keys (24 accumulators) per step.
     ///
@@ -299,7 +383,18 @@ mod x86 {
         dv: i64,
     ) {
         // SAFETY: the module contract, on a CPU with AVX-512F.
-        unsafe { pv_avx512_with(Weights::<false> { p }, rows, cols, v, v_stride, acc, dv) }
+        unsafe {
+            pv_avx512_with(
+                Weights::<false> { p },
+                rows,
+                cols,
+                v,
+                v_stride,
+                acc,
+                dv,
+                null(),
+            )
+        }
     }
 
     /// AVX-512 transposed `pv_tile` (`super::transposed_pv`).
@@ -317,11 +412,85 @@ mod x86 {
         dv: i64,
     ) {
         // SAFETY: the contract of `transposed_pv`, on a CPU with AVX-512F.
-        unsafe { pv_avx512_with(Weights::<true> { p }, rows, cols, v, v_stride, acc, dv) }
+        unsafe {
+            pv_avx512_with(
+                Weights::<true> { p },
+                rows,
+                cols,
+                v,
+                v_stride,
+                acc,
+                dv,
+                null(),
+            )
+        }
+    }
+
+    /// AVX-512 spanned `pv_tile` (`super::spanned_pv`).
+    ///
+    /// # Safety
+    /// The contract of `spanned_pv`, on a CPU with AVX-512F.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f")]
+    pub unsafe extern "C" fn pv_spans_avx512(
+        p: *const f32,
+        rows: i64,
+        cols: i64,
+        v: *const f32,
+        v_stride: i64,
+        acc: *mut f32,
+        dv: i64,
+        spans: *const u32,
+    ) {
+        // SAFETY: the contract of `spanned_pv`, on a CPU with AVX-512F.
+        unsafe {
+            pv_avx512_with(
+                Weights::<false> { p },
+                rows,
+                cols,
+                v,
+                v_stride,
+                acc,
+                dv,
+                spans,
+            )
+        }
+    }
+
+    /// AVX-512 spanned transposed `pv_tile` (`super::spanned_pv`).
+    ///
+    /// # Safety
+    /// The contract of `spanned_pv`, on a CPU with AVX-512F.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f")]
+    pub unsafe extern "C" fn pt_spans_avx512(
+        p: *const f32,
+        rows: i64,
+        cols: i64,
+        v: *const f32,
+        v_stride: i64,
+        acc: *mut f32,
+        dv: i64,
+        spans: *const u32,
+    ) {
+        // SAFETY: the contract of `spanned_pv`, on a CPU with AVX-512F.
+        unsafe {
+            pv_avx512_with(
+                Weights::<true> { p },
+                rows,
+                cols,
+                v,
+                v_stride,
+                acc,
+                dv,
+                spans,
+            )
+        }
     }
 
     /// # Safety
-    /// As `pv_avx512` or `pt_avx512`, by `w`'s layout.
+    /// As `pv_avx512` or `pt_avx512`, by `w`'s layout; `spans` null or as `spanned_pv` says.
+    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f")]
     unsafe fn pv_avx512_with<const T: bool>(
         w: Weights<T>,
@@ -331,6 +500,7 @@ mod x86 {
         v_stride: i64,
         acc: *mut f32,
         dv: i64,
+        spans: *const u32,
     ) {
         let (rows, dv) = (rows as usize, dv as usize);
         let mut c0 = 0;
@@ -343,6 +513,7 @@ mod x86 {
             let panel = Panel {
                 w,
                 cols: cols as usize,
+                spans,
                 v: v.wrapping_add(c0),
                 v_stride: v_stride as usize,
                 acc: acc.wrapping_add(c0),
@@ -365,11 +536,31 @@ mod x86 {
     struct Panel<const T: bool> {
         w: Weights<T>,
         cols: usize,
+        /// Null, or per row the range of keys outside which its weights are zero.
+        spans: *const u32,
         v: *const f32,
         v_stride: usize,
         acc: *mut f32,
         dv: usize,
         masks: [__mmask16; 4],
+    }
+
+    impl<const T: bool> Panel<T> {
+        /// The keys rows `r..r + n` sum over: every key, or the union of their spans.
+        ///
+        /// # Safety
+        /// `spans` is null or holds the spans of rows `r..r + n`.
+        unsafe fn keys(&self, r: usize, n: usize) -> std::ops::Range<usize> {
+            if self.spans.is_null() {
+                return 0..self.cols;
+            }
+            // SAFETY: the caller's contract.
+            let spans = unsafe { std::slice::from_raw_parts(self.spans.add(2 * r), 2 * n) };
+            let live = || spans.chunks_exact(2).filter(|s| s[0] < s[1]);
+            let lo = live().map(|s| s[0]).min().unwrap_or(0) as usize;
+            let hi = live().map(|s| s[1]).max().unwrap_or(0) as usize;
+            lo.min(hi)..hi.min(self.cols)
+        }
     }
 
     /// All `rows` of a panel, six at a time. `MASKED` panels are narrower than 64 dims; full ones
@@ -420,7 +611,7 @@ mod x86 {
                     a[i][k] = load(x.acc.add((r + i) * x.dv + 16 * k), k);
                 }
             }
-            for j in 0..x.cols {
+            for j in x.keys(r, R) {
                 let vj = x.v.add(j * x.v_stride);
                 let vals = [0, 1, 2, 3].map(|k| load(vj.add(16 * k), k));
                 for i in 0..R {
@@ -440,6 +631,62 @@ mod x86 {
                     }
                 }
             }
+        }
+    }
+
+    /// [`super::nonzero_spans`]: each row's nonzero weights as a 64-bit mask (four compares a
+    /// tile), its span from the mask's lowest and highest bits, and each column's first and
+    /// last row from the bits that appear first going down and going up.
+    ///
+    /// # Safety
+    /// A CPU with AVX-512F; each tile holds `by_row.len() / 2` rows of `K` values, `cols <= K`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn nonzero_spans(
+        tiles: [&[f32]; 2],
+        cols: usize,
+        by_row: &mut [u32],
+        by_col: &mut [u32],
+    ) {
+        let used = if cols == K {
+            u64::MAX
+        } else {
+            (1u64 << cols) - 1
+        };
+        let mut all = [0u64; K];
+        let masks = &mut all[..by_row.len() / 2];
+        for (r, m) in masks.iter_mut().enumerate() {
+            *m = (0..8).fold(0u64, |m, i| {
+                let (tile, k) = (tiles[i / 4], i % 4);
+                // SAFETY: 16 values from lane 16 k of row r < rows, rows of K = 64.
+                let x = unsafe { _mm512_loadu_ps(tile.as_ptr().add(r * K + 16 * k)) };
+                let nonzero = _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(x, _mm512_setzero_ps());
+                m | (u64::from(nonzero) << (16 * k))
+            }) & used;
+        }
+        for (r, m) in masks.iter().enumerate() {
+            let span = match m {
+                0 => [0, 0],
+                m => [m.trailing_zeros(), 64 - m.leading_zeros()],
+            };
+            by_row[2 * r..2 * r + 2].copy_from_slice(&span);
+        }
+        by_col.fill(0);
+        let (mut seen_down, mut seen_up) = (0u64, 0u64);
+        for (r, m) in masks.iter().enumerate() {
+            for_each_bit(m & !seen_down, |c| by_col[2 * c] = r as u32);
+            seen_down |= m;
+        }
+        for (r, m) in masks.iter().enumerate().rev() {
+            for_each_bit(m & !seen_up, |c| by_col[2 * c + 1] = r as u32 + 1);
+            seen_up |= m;
+        }
+    }
+
+    /// Calls `f` with the index of each set bit of `bits`.
+    fn for_each_bit(mut bits: u64, mut f: impl FnMut(usize)) {
+        while bits != 0 {
+            f(bits.trailing_zeros() as usize);
+            bits &= bits - 1;
         }
     }
 
@@ -684,4 +931,128 @@ pub fn peak_gflops(isa: Isa, threads: usize, seconds: f64) -> f64 {
 /// `logf` for generated code.
 pub extern "C" fn logf(x: f32) -> f32 {
     x.ln()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    type Spanned =
+        unsafe extern "C" fn(*const f32, i64, i64, *const f32, i64, *mut f32, i64, *const u32);
+
+    /// Two tiles whose weights are zero outside a band, as a sliding causal window leaves them,
+    /// with NaN in the second, once inside the band and once outside it.
+    fn banded(rows: usize, cols: usize, seed: f32) -> [Vec<f32>; 2] {
+        let mut tiles = [vec![0f32; K * K], vec![0f32; K * K]];
+        for r in 0..rows {
+            for c in 0..cols {
+                if c <= r + 3 && r < c + 20 {
+                    tiles[0][r * K + c] = ((r * 7 + c * 3) as f32 * seed).sin();
+                    tiles[1][r * K + c] = if c % 5 == 0 {
+                        0.0
+                    } else {
+                        0.5 - tiles[0][r * K + c]
+                    };
+                }
+            }
+        }
+        tiles[1][9 * K + 8] = f32::NAN;
+        tiles[1][2 * K + 40] = f32::NAN;
+        tiles
+    }
+
+    /// The spans bound each row's and each column's nonzero weights, in either tile.
+    #[test]
+    fn spans_cover_every_nonzero_weight_and_no_more() {
+        let (rows, cols) = (61, 50);
+        let tiles = banded(rows, cols, 0.37);
+        let (mut by_row, mut by_col) = ([7u32; 2 * K], [7u32; 2 * K]);
+        let isa = Isa::detect();
+        if !nonzero_spans(
+            isa,
+            [&tiles[0], &tiles[1]],
+            rows,
+            cols,
+            &mut by_row,
+            &mut by_col,
+        ) {
+            assert_ne!(isa, Isa::Avx512);
+            return;
+        }
+        let nonzero = |r: usize, c: usize| tiles[0][r * K + c] != 0.0 || tiles[1][r * K + c] != 0.0;
+        for r in 0..rows {
+            let cs: Vec<u32> = (0..cols)
+                .filter(|&c| nonzero(r, c))
+                .map(|c| c as u32)
+                .collect();
+            let want = cs.first().map_or([0, 0], |&f| [f, cs[cs.len() - 1] + 1]);
+            assert_eq!(by_row[2 * r..2 * r + 2], want, "row {r}");
+        }
+        for c in 0..cols {
+            let rs: Vec<u32> = (0..rows)
+                .filter(|&r| nonzero(r, c))
+                .map(|r| r as u32)
+                .collect();
+            let want = rs.first().map_or([0, 0], |&f| [f, rs[rs.len() - 1] + 1]);
+            assert_eq!(by_col[2 * c..2 * c + 2], want, "column {c}");
+        }
+    }
+
+    /// Products that skip keys outside the spans equal the products over every key, NaN
+    /// included, on every instruction set here, for both weight layouts.
+    #[test]
+    fn spanned_products_equal_the_full_ones() {
+        let (rows, cols, dv) = (61, 50, 72);
+        let tiles = banded(rows, cols, 0.71);
+        let v: Vec<f32> = (0..K * dv).map(|i| (i as f32 * 0.013).cos()).collect();
+        for isa in [Isa::detect(), Isa::Portable] {
+            let (mut by_row, mut by_col) = ([0u32; 2 * K], [0u32; 2 * K]);
+            let spanned = nonzero_spans(
+                isa,
+                [&tiles[0], &tiles[1]],
+                rows,
+                cols,
+                &mut by_row,
+                &mut by_col,
+            );
+            let (pv, pt) = spanned_pv(isa);
+            // (function, rows of acc, keys, spans): `pt` sums over the tile's rows.
+            let cases = [
+                (pv, rows, cols, by_row.as_ptr()),
+                (pt, cols, rows, by_col.as_ptr()),
+            ];
+            for (f, out_rows, keys, spans) in cases {
+                // SAFETY: `spanned_pv` returns functions of this signature.
+                let f: Spanned = unsafe { std::mem::transmute::<usize, Spanned>(f) };
+                for tile in &tiles {
+                    let run = |spans: *const u32| {
+                        let mut acc: Vec<f32> = (0..out_rows * dv).map(|i| i as f32).collect();
+                        // SAFETY: a tile of K x K weights, `keys` rows of v (`dv` wide), `out_rows`
+                        // rows of acc, spans null or one pair per acc row.
+                        unsafe {
+                            f(
+                                tile.as_ptr(),
+                                out_rows as i64,
+                                keys as i64,
+                                v.as_ptr(),
+                                dv as i64,
+                                acc.as_mut_ptr(),
+                                dv as i64,
+                                spans,
+                            )
+                        };
+                        acc
+                    };
+                    let (full, skipping) = (run(std::ptr::null()), run(spans));
+                    assert!(spanned || isa != Isa::Avx512);
+                    for (i, (a, b)) in full.iter().zip(&skipping).enumerate() {
+                        assert!(
+                            a == b || (a.is_nan() && b.is_nan()),
+                            "{isa:?} [{i}]: {a} vs {b}"
+                        );
+                    }
+                }
+            }
+        }
+    }
 }
