@@ -10,7 +10,7 @@
 //! `S = Q K^T` and `dP = dO V^T` (the `qk_tile` microkernel), `P` and `dS` (generated
 //! `grad_tile`), `dV += P^T dO`, `dK += dS^T Q` (the `pv_tile` microkernel reading its weights
 //! transposed) and `dQ += dS K` (`pv_tile`); on tiles the mask cuts, those three skip the keys
-//! (or query rows) where P and dS are zero (`microkernels::nonzero_spans`: half of a causal
+//! (or query rows) where P and dS are zero (`spans::nonzero_spans`: half of a causal
 //! diagonal tile). Last, dq is scaled and dq and dk are rotated back.
 
 use super::microkernels;
@@ -400,7 +400,7 @@ impl Task<'_> {
                         // Where a mask zeroes part of the tile, the products below skip the keys
                         // (rows, for the transposed ones) whose P and dS are all zero.
                         let spanned = matches!(code, TileCode::Masked)
-                            && microkernels::nonzero_spans(
+                            && super::spans::nonzero_spans(
                                 self.kernels.isa,
                                 [s, dp],
                                 n,

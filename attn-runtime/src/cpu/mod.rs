@@ -8,6 +8,7 @@ mod launch;
 pub mod microkernels;
 pub mod row_kernels;
 pub mod softmax_tiles;
+pub mod spans;
 
 use crate::backend::{
     BackwardInputs, Gradients, MlaBackwardInputs, MlaGradients, MlaSaved, MlaTensors, Output,
