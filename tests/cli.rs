@@ -633,6 +633,31 @@ fn the_sm_90a_forward_meets_the_bf16_golden_case_on_the_interpreter() {
 }
 
 #[test]
+fn a_mistyped_wgmma_setting_is_refused_not_ignored() {
+    let out = temp("gqa-wgmma-bad.safetensors");
+    let o = Command::new(env!("CARGO_BIN_EXE_attnc"))
+        .args([
+            "run",
+            "--spec",
+            "heads = 8, kv_heads = 2, head_dim = 64, scale = 0.125, dtype = bf16, mask = causal",
+            "--input",
+            &fixture("gqa_8q2kv_causal_bf16.safetensors"),
+            "--output",
+            out.to_str().unwrap(),
+            "--backend",
+            "gpu-sim",
+        ])
+        .env("ATTN_CACHE_DIR", test_cache())
+        .env("ATTN_GPU_WGMMA", "yes")
+        .output()
+        .expect("attnc runs");
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("ATTN_GPU_WGMMA is `yes`"), "{err}");
+    assert!(!out.exists(), "no output is written");
+}
+
+#[test]
 fn run_on_the_gpu_backends() {
     let out = temp("seq7-gpu.safetensors");
     let spec = "heads = 4, head_dim = 64, mask = causal, scale = 0.125";

@@ -151,7 +151,7 @@ pub(crate) fn lowered_forward(
         kind: PlanKind::Forward,
         detail: if simt { "simt" } else { "chosen" },
     };
-    if !simt && wgmma_enabled() && forward_wgmma::supports(variant.forward_plan()) {
+    if !simt && wgmma_enabled()? && forward_wgmma::supports(variant.forward_plan()) {
         return wgmma_kernel(variant);
     }
     portable_forward(variant, key, simt)
@@ -187,11 +187,28 @@ fn wgmma_kernel(variant: &Variant) -> Result<Arc<codegen::gpu::ForwardKernel>, R
 }
 
 /// Whether forward calls take the sm_90a kernel ([`forward_wgmma`]) where a spec runs on it:
-/// `ATTN_GPU_WGMMA=1`. Off by default until device runs have checked and timed it; CUDA devices
-/// other than compute capability 9.0 refuse it.
-pub fn wgmma_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("ATTN_GPU_WGMMA").is_ok_and(|v| v == "1"))
+/// `ATTN_GPU_WGMMA=1`. Off by default (unset, empty or `0`) until device runs have checked and
+/// timed it; CUDA devices other than compute capability 9.0 refuse it. Any other value is an
+/// error, so a mistyped setting is never silently off.
+pub fn wgmma_enabled() -> Result<bool, RuntimeError> {
+    static ON: std::sync::OnceLock<Result<bool, String>> = std::sync::OnceLock::new();
+    ON.get_or_init(|| wgmma_setting(std::env::var_os("ATTN_GPU_WGMMA").as_deref()))
+        .clone()
+        .map_err(RuntimeError::Spec)
+}
+
+/// What a value of `ATTN_GPU_WGMMA` means (`None`: unset).
+fn wgmma_setting(value: Option<&std::ffi::OsStr>) -> Result<bool, String> {
+    match value.map(|v| v.to_str()) {
+        None => Ok(false),
+        Some(Some("" | "0")) => Ok(false),
+        Some(Some("1")) => Ok(true),
+        Some(other) => Err(format!(
+            "ATTN_GPU_WGMMA is `{}`: set it to 1 to take the sm_90a forward kernel, or to 0 \
+             (or leave it unset) for the default mma.sync kernel",
+            other.unwrap_or("(not UTF-8)")
+        )),
+    }
 }
 
 /// The forward kernel a resident model runs: on tensor cores with bf16 `Q K^T` operands where
@@ -480,5 +497,23 @@ pub(crate) fn device_bytes(t: &Tensor, dtype: attn_dsl::DType) -> Vec<u8> {
             .flat_map(|x| half::f16::from_f32(x).to_le_bytes())
             .collect(),
         (attn_dsl::DType::F32, _) => values().flat_map(|x| x.to_le_bytes()).collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::wgmma_setting;
+    use std::ffi::OsStr;
+
+    #[test]
+    fn only_unset_empty_0_and_1_are_wgmma_settings() {
+        assert_eq!(wgmma_setting(None), Ok(false));
+        assert_eq!(wgmma_setting(Some(OsStr::new(""))), Ok(false));
+        assert_eq!(wgmma_setting(Some(OsStr::new("0"))), Ok(false));
+        assert_eq!(wgmma_setting(Some(OsStr::new("1"))), Ok(true));
+        for bad in ["yes", "true", " 1", "2", "on"] {
+            let err = wgmma_setting(Some(OsStr::new(bad))).unwrap_err();
+            assert!(err.contains("ATTN_GPU_WGMMA") && err.contains(bad), "{err}");
+        }
     }
 }
