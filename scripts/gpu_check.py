@@ -15,9 +15,10 @@
    128, N 2k and 8k, against SDPA's backward alone on the cuDNN and FlashAttention-2 backends.
 4. sm_90a (compute capability 9.0 only; `--hopper`, or `--hopper-only` for this part alone):
    the differential cases the warp-specialized wgmma forward runs (bf16 and f16, head dims
-   multiples of 64; RoPE included) again with ATTN_GPU_WGMMA=1, then its bf16 forward timing for
-   D 64, 128 and 256, causal and non-causal, N 1k to 16k, next to our sm_90 kernel, cuDNN SDPA
-   and FlexAttention (compiled once per shape) on the same device.
+   multiples of 64; RoPE included) again with ATTN_GPU_WGMMA=1, and the 16-bit cases with
+   ATTN_GPU_MMA_WARPS=12 (the mma.sync forward at twelve warps per SM), then the bf16 forward
+   timing of both for D 64, 128 and 256, causal and non-causal, N 1k to 16k, next to our sm_90
+   kernel, cuDNN SDPA and FlexAttention (compiled once per shape) on the same device.
 
   python3 scripts/gpu_check.py --attnc PATH [--backend cuda|gpu-sim] [--quick] [--skip-timing]
 
@@ -120,10 +121,24 @@ def wgmma_runs(spec):
             and all(x % 64 == 0 and x <= 256 for x in (d, dv)))
 
 
-def differential(attnc, backend, wgmma=False):
-    cases = [c for c in DIFFERENTIAL if wgmma_runs(c[0])] if wgmma else DIFFERENTIAL
-    env = dict(os.environ, ATTN_GPU_WGMMA="1") if wgmma else None
-    what = " (ATTN_GPU_WGMMA=1: the sm_90a forward)" if wgmma else ""
+# The differential runs besides the default: which cases each takes, its setting, and its name.
+MODES = {
+    "wgmma": (wgmma_runs, {"ATTN_GPU_WGMMA": "1"}, "the sm_90a forward"),
+    "twelve": (
+        lambda spec: spec_field(spec, "dtype") in ("bf16", "f16"),
+        {"ATTN_GPU_MMA_WARPS": "12"},
+        "the mma.sync forward at twelve warps per SM",
+    ),
+}
+
+
+def differential(attnc, backend, mode=None):
+    cases, env, what = DIFFERENTIAL, None, ""
+    if mode:
+        takes, setting, name = MODES[mode]
+        cases = [c for c in DIFFERENTIAL if takes(c[0])]
+        env = dict(os.environ, **setting)
+        what = f" ({' '.join(f'{k}={v}' for k, v in setting.items())}: {name})"
     print(f"== differential{what}: attnc run --backend {backend} against --backend cpu and float64")
     failures = 0
     with tempfile.TemporaryDirectory() as workdir:
@@ -384,12 +399,14 @@ def attnc_bench(attnc, spec, n, b, env=None):
 
 
 def hopper_timing(attnc, quick):
-    """The sm_90a forward (ATTN_GPU_WGMMA=1) next to our sm_90 kernel, cuDNN and FlexAttention."""
+    """The sm_90a forward (ATTN_GPU_WGMMA=1) next to our sm_90 kernel (at eight warps per SM and
+    at twelve, ATTN_GPU_MMA_WARPS=12), cuDNN and FlexAttention."""
     print("== sm_90a timing (bf16 forward, 16 heads, batch 16k / N; TFLOP/s = 4 B H N^2 D, halved")
     print("   when causal; x cuDNN and x flex are ratios of times, above 1 faster than them)")
     print(f"{'mask':<7} {'D':>4} {'N':>6} {'B':>3} {'wgmma TF/s':>11} {'sm_90 TF/s':>11} "
-          f"{'cuDNN TF/s':>11} {'flex TF/s':>10} {'x cuDNN':>8} {'x flex':>7}")
+          f"{'12 warps':>9} {'cuDNN TF/s':>11} {'flex TF/s':>10} {'x cuDNN':>8} {'x flex':>7}")
     env = dict(os.environ, ATTN_GPU_WGMMA="1")
+    twelve_env = dict(os.environ, ATTN_GPU_MMA_WARPS="12")
     sizes = [1024, 8192] if quick else [1024, 2048, 4096, 8192, 16384]
     for causal in (True, False):
         for d in (64, 128, 256):
@@ -402,6 +419,7 @@ def hopper_timing(attnc, quick):
                 try:
                     ours = attnc_bench(attnc, spec, n, b, env)
                     base = attnc_bench(attnc, spec, n, b)
+                    twelve = attnc_bench(attnc, spec, n, b, twelve_env)
                 except RuntimeError as e:
                     print(f"{mask:<7} {d:>4} {n:>6} {b:>3}   ours failed: {e}")
                     continue
@@ -416,7 +434,7 @@ def hopper_timing(attnc, quick):
                     flex = None
                 print(
                     f"{mask:<7} {d:>4} {n:>6} {b:>3} {tf(ours):>11.1f} {tf(base):>11.1f} "
-                    f"{tf(cudnn):>11.1f} {tf(flex):>10.1f} "
+                    f"{tf(twelve):>9.1f} {tf(cudnn):>11.1f} {tf(flex):>10.1f} "
                     f"{(cudnn / ours if cudnn else 0):>8.2f} {(flex / ours if flex else 0):>7.2f}"
                 )
                 sys.stdout.flush()
@@ -472,7 +490,8 @@ def main():
     a = p.parse_args()
     start = time.time()
     if a.hopper_only:
-        failures = differential(a.attnc, a.backend, wgmma=True)
+        failures = differential(a.attnc, a.backend, "wgmma")
+        failures += differential(a.attnc, a.backend, "twelve")
         if a.backend == "cuda" and not a.skip_timing and torch.cuda.is_available():
             print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
             hopper_timing(a.attnc, a.quick)
@@ -480,7 +499,8 @@ def main():
         sys.exit(1 if failures else 0)
     failures = differential(a.attnc, a.backend)
     if a.hopper:
-        failures += differential(a.attnc, a.backend, wgmma=True)
+        failures += differential(a.attnc, a.backend, "wgmma")
+        failures += differential(a.attnc, a.backend, "twelve")
     failures += gradients(a.attnc, a.backend)
     if a.backend == "cuda" and not a.skip_timing:
         if not torch.cuda.is_available():

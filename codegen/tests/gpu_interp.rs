@@ -414,6 +414,43 @@ fn the_tensor_core_kernel_matches_the_reference() {
     }
 }
 
+/// The twelve-warp tiling (one row block per warp, three CTAs per SM) on specs whose default
+/// takes two row blocks, and on one that takes one: the same results as the reference.
+#[test]
+fn the_twelve_warp_tiling_matches_the_reference() {
+    use codegen::gpu::forward_kernel_tiled;
+    use codegen::gpu::forward_tc::Tiling;
+    for (text, b, sq, skv, p0) in [
+        (
+            "heads = 4, kv_heads = 2, head_dim = 64, mask = causal, dtype = bf16",
+            1,
+            150,
+            150,
+            0,
+        ),
+        ("heads = 2, head_dim = 128, dtype = f16", 2, 70, 90, 0),
+        (
+            "heads = 2, head_dim = 64, mask = causal, position = rope, dtype = bf16",
+            1,
+            40,
+            100,
+            9,
+        ),
+        (
+            "heads = 2, head_dim = 32, position = alibi, softcap = 20.0, dtype = bf16",
+            1,
+            33,
+            65,
+            0,
+        ),
+    ] {
+        let plan = KernelPlan::forward(&text.parse::<AttentionSpec>().unwrap());
+        let kernel = forward_kernel_tiled(&plan, Tiling::TWELVE_WARPS).unwrap();
+        assert_eq!((kernel.rows, kernel.kernel.ctas_per_sm), (64, 3), "{text}");
+        check_kernel(text, &kernel, (1e-2, 2e-2), b, sq, skv, p0);
+    }
+}
+
 /// `ex2.ftz` flushes what `ex2` keeps: a subnormal result (2^-130) becomes 0, and a subnormal
 /// input counts as 0; normal values agree with `ex2`.
 #[test]

@@ -33,7 +33,9 @@ use codegen::gpu::ir::Half;
 use codegen::gpu::ir::Kernel;
 use codegen::gpu::launch::{ForwardArgs, bind_with_maps};
 use codegen::gpu::tma::TensorMap;
-use codegen::gpu::{forward_kernel, forward_wgmma, simt_forward_kernel, wgmma_forward_kernel};
+use codegen::gpu::{
+    forward_kernel_tiled, forward_wgmma, simt_forward_kernel, wgmma_forward_kernel,
+};
 use codegen::plan::PlanKind;
 use std::sync::Arc;
 
@@ -168,7 +170,8 @@ fn portable_forward(
         Ok(if simt {
             simt_forward_kernel(v.forward_plan())?
         } else {
-            forward_kernel(v.forward_plan())?
+            let plan = v.forward_plan();
+            forward_kernel_tiled(plan, mma_tiling(plan)?)?
         })
     })
 }
@@ -199,16 +202,63 @@ pub fn wgmma_enabled() -> Result<bool, RuntimeError> {
 
 /// What a value of `ATTN_GPU_WGMMA` means (`None`: unset).
 fn wgmma_setting(value: Option<&std::ffi::OsStr>) -> Result<bool, String> {
-    match value.map(|v| v.to_str()) {
-        None => Ok(false),
-        Some(Some("" | "0")) => Ok(false),
-        Some(Some("1")) => Ok(true),
-        Some(other) => Err(format!(
-            "ATTN_GPU_WGMMA is `{}`: set it to 1 to take the sm_90a forward kernel, or to 0 \
-             (or leave it unset) for the default mma.sync kernel",
-            other.unwrap_or("(not UTF-8)")
-        )),
-    }
+    env_setting(
+        "ATTN_GPU_WGMMA",
+        value,
+        &[("", false), ("0", false), ("1", true)],
+        "set it to 1 to take the sm_90a forward kernel, or to 0 (or leave it unset) for the \
+         default mma.sync kernel",
+    )
+}
+
+/// How the `mma.sync` forward kernel of forward calls is tiled: `ATTN_GPU_MMA_WARPS=12` takes
+/// [`Tiling::TWELVE_WARPS`](codegen::gpu::forward_tc::Tiling::TWELVE_WARPS) (twelve warps per
+/// SM, at most 168 registers a thread), unset, empty or `8` the default eight. Any other value is
+/// an error. Here so that a device can time the two side by side.
+pub fn mma_tiling(
+    plan: &codegen::KernelPlan,
+) -> Result<codegen::gpu::forward_tc::Tiling, RuntimeError> {
+    use codegen::gpu::forward_tc::Tiling;
+    static TWELVE: std::sync::OnceLock<Result<bool, String>> = std::sync::OnceLock::new();
+    let twelve = TWELVE
+        .get_or_init(|| mma_warps_setting(std::env::var_os("ATTN_GPU_MMA_WARPS").as_deref()))
+        .clone()
+        .map_err(RuntimeError::Spec)?;
+    Ok(if twelve {
+        Tiling::TWELVE_WARPS
+    } else {
+        Tiling::of(plan)
+    })
+}
+
+/// What a value of `ATTN_GPU_MMA_WARPS` means (`None`: unset): whether it asks for twelve warps.
+fn mma_warps_setting(value: Option<&std::ffi::OsStr>) -> Result<bool, String> {
+    env_setting(
+        "ATTN_GPU_MMA_WARPS",
+        value,
+        &[("", false), ("8", false), ("12", true)],
+        "set it to 12 for twelve warps per SM in the mma.sync forward kernel, or to 8 (or leave \
+         it unset) for the default eight",
+    )
+}
+
+/// The meaning of environment setting `name`'s `value` among `choices` (unset: the first), or
+/// an error that names the value and says what is allowed (`help`).
+fn env_setting<T: Copy>(
+    name: &str,
+    value: Option<&std::ffi::OsStr>,
+    choices: &[(&str, T)],
+    help: &str,
+) -> Result<T, String> {
+    let Some(value) = value else {
+        return Ok(choices[0].1);
+    };
+    let text = value.to_str();
+    choices
+        .iter()
+        .find(|(spelling, _)| Some(*spelling) == text)
+        .map(|(_, meaning)| *meaning)
+        .ok_or_else(|| format!("{name} is `{}`: {help}", text.unwrap_or("(not UTF-8)")))
 }
 
 /// The forward kernel a resident model runs: on tensor cores with bf16 `Q K^T` operands where
@@ -502,8 +552,22 @@ pub(crate) fn device_bytes(t: &Tensor, dtype: attn_dsl::DType) -> Vec<u8> {
 
 #[cfg(test)]
 mod tests {
-    use super::wgmma_setting;
+    use super::{mma_warps_setting, wgmma_setting};
     use std::ffi::OsStr;
+
+    #[test]
+    fn only_unset_empty_8_and_12_are_mma_warps_settings() {
+        assert_eq!(mma_warps_setting(None), Ok(false));
+        assert_eq!(mma_warps_setting(Some(OsStr::new("8"))), Ok(false));
+        assert_eq!(mma_warps_setting(Some(OsStr::new("12"))), Ok(true));
+        for bad in ["16", "twelve", "1"] {
+            let err = mma_warps_setting(Some(OsStr::new(bad))).unwrap_err();
+            assert!(
+                err.contains("ATTN_GPU_MMA_WARPS") && err.contains(bad),
+                "{err}"
+            );
+        }
+    }
 
     #[test]
     fn only_unset_empty_0_and_1_are_wgmma_settings() {

@@ -29,17 +29,55 @@ use attn_dsl::{DType, RopeLayout};
 /// Threads per CTA: four warps.
 pub const THREADS: u32 = 128;
 
-/// Keys per tile. With two row blocks per warp: 64 while `qk_dim + v_dim` is at most 128, else
-/// 32 (S then takes 32 registers beside O's 128 at D 128; 64 keys spill). With one: 64 up to
-/// 256, else 16.
-pub fn key_tile(plan: &KernelPlan) -> u32 {
-    let dims = plan.shape.qk_dim + plan.shape.v_dim;
-    match row_blocks(plan) {
-        2 if dims <= 128 => 64,
-        2 => 32,
-        _ if dims <= 256 => 64,
-        _ => 16,
+/// How the kernel divides its work: blocks of 16 query rows per warp, and the CTAs an SM is to
+/// hold (the launch bound ptxas fits each thread's registers to).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tiling {
+    /// Blocks of 16 query rows per warp: 1 or 2.
+    pub row_blocks: u32,
+    /// CTAs of four warps per SM.
+    pub ctas_per_sm: u32,
+}
+
+impl Tiling {
+    /// Twelve warps per SM: one row block per warp and three CTAs per SM, so at most 168
+    /// registers a thread (ptxas 12.9: none spilled at head dim 64, 12 to 24 bytes at 128),
+    /// against the default's eight warps of up to 255. Here to be timed against it on a device.
+    pub const TWELVE_WARPS: Tiling = Tiling {
+        row_blocks: 1,
+        ctas_per_sm: 3,
+    };
+
+    /// The default: [`row_blocks`] per warp, two CTAs (eight warps) per SM.
+    pub fn of(plan: &KernelPlan) -> Tiling {
+        Tiling {
+            row_blocks: row_blocks(plan),
+            ctas_per_sm: 2,
+        }
     }
+
+    /// Keys per tile. With two row blocks per warp: 64 while `qk_dim + v_dim` is at most 128,
+    /// else 32 (S then takes 32 registers beside O's 128 at D 128; 64 keys spill). With one: 64
+    /// up to 256, else 16.
+    pub fn key_tile(self, plan: &KernelPlan) -> u32 {
+        let dims = plan.shape.qk_dim + plan.shape.v_dim;
+        match self.row_blocks {
+            2 if dims <= 128 => 64,
+            2 => 32,
+            _ if dims <= 256 => 64,
+            _ => 16,
+        }
+    }
+
+    /// Query rows per CTA: four warps of `row_blocks` x 16.
+    pub fn rows(self) -> u32 {
+        THREADS / 32 * 16 * self.row_blocks
+    }
+}
+
+/// Keys per tile of the default tiling ([`Tiling::key_tile`]).
+pub fn key_tile(plan: &KernelPlan) -> u32 {
+    Tiling::of(plan).key_tile(plan)
 }
 
 /// Blocks of 16 query rows per warp: two up to head dim 128 when the score program is the
@@ -62,9 +100,9 @@ fn scale_folds(plan: &KernelPlan) -> bool {
     plan.program.score == M::Var(Var::Score) && plan.q_scale > 0.0 && plan.q_scale <= 0.5
 }
 
-/// Query rows per CTA: four warps of [`row_blocks`] x 16.
+/// Query rows per CTA of the default tiling: four warps of [`row_blocks`] x 16.
 pub fn rows(plan: &KernelPlan) -> u32 {
-    THREADS / 32 * 16 * row_blocks(plan)
+    Tiling::of(plan).rows()
 }
 
 /// Whether the plan can run on this kernel: bf16 or f16 storage, `qk_dim` a multiple of 16 and `v_dim`
@@ -212,16 +250,25 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
 /// bf16 plan whose RoPE rotates every column keeps no headroom check on the device (bf16 has
 /// f32's range), at bf16's precision, as bf16 SDPA computes.
 pub fn lower_with(plan: &KernelPlan, qk: Half) -> Kernel {
+    lower_tiled(plan, qk, Tiling::of(plan))
+}
+
+/// [`lower_with`] on a given tiling (the default is [`Tiling::of`] the plan).
+pub fn lower_tiled(plan: &KernelPlan, qk: Half, tiling: Tiling) -> Kernel {
     assert!(
         supports(plan),
         "the tensor-core kernel runs bf16 and f16 per-head forward plans"
     );
+    assert!(
+        matches!(tiling.row_blocks, 1 | 2) && tiling.ctas_per_sm > 0,
+        "one or two row blocks per warp, at least one CTA per SM"
+    );
     let (d, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
     let (hq, hkv) = (plan.shape.heads as i64, plan.shape.kv_heads as i64);
-    let bc = key_tile(plan) as usize;
+    let bc = tiling.key_tile(plan) as usize;
     let bc64 = bc as i64;
-    let blocks = row_blocks(plan) as usize;
-    let cta_rows = i64::from(rows(plan));
+    let blocks = tiling.row_blocks as usize;
+    let cta_rows = i64::from(tiling.rows());
     let mut r = Regs { list: Vec::new() };
     let mut body = Vec::new();
     let tid = special64(Special::Tid);
@@ -724,8 +771,8 @@ pub fn lower_with(plan: &KernelPlan, qk: Half) -> Kernel {
         regs: r.list,
         shared_bytes: shared_bytes as u32,
         threads: THREADS,
-        // Two CTAs per SM: up to 255 registers a thread.
-        ctas_per_sm: 2,
+        // Two CTAs per SM by default: up to 255 registers a thread.
+        ctas_per_sm: tiling.ctas_per_sm,
         body,
     }
 }

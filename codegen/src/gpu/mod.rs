@@ -94,11 +94,21 @@ impl ForwardKernel {
 /// The forward kernel a plan runs on GPUs: tensor cores for bf16 and f16 specs, SIMT f32
 /// otherwise. Verified ([`verify::verify`]).
 pub fn forward_kernel(plan: &crate::KernelPlan) -> Result<ForwardKernel, CodegenError> {
+    forward_kernel_tiled(plan, forward_tc::Tiling::of(plan))
+}
+
+/// [`forward_kernel`] with the tensor-core kernel on `tiling` (such as
+/// [`forward_tc::Tiling::TWELVE_WARPS`]) where the plan runs on tensor cores.
+pub fn forward_kernel_tiled(
+    plan: &crate::KernelPlan,
+    tiling: forward_tc::Tiling,
+) -> Result<ForwardKernel, CodegenError> {
     if forward_tc::supports(plan) {
+        let kernel = forward_tc::lower_tiled(plan, forward_tc::qk_half(plan), tiling);
         Ok(ForwardKernel {
-            kernel: std::sync::Arc::new(verified(forward_tc::lower(plan))?),
-            key_tile: forward_tc::key_tile(plan),
-            rows: forward_tc::rows(plan),
+            kernel: std::sync::Arc::new(verified(kernel)?),
+            key_tile: tiling.key_tile(plan),
+            rows: tiling.rows(),
             inputs: plan.dtype,
             tensor_maps: false,
         })
