@@ -600,10 +600,10 @@ fn emit_for_sm_90a_writes_the_warp_specialized_forward() {
 
 /// `ATTN_GPU_WGMMA=1` sends forward calls to the sm_90a kernel; on the interpreter the bf16
 /// GQA golden case still meets twice PyTorch's own bf16 error.
-#[test]
-fn the_sm_90a_forward_meets_the_bf16_golden_case_on_the_interpreter() {
-    let out = temp("gqa-wgmma.safetensors");
-    let o = Command::new(env!("CARGO_BIN_EXE_attnc"))
+/// `attnc run` of the bf16 GQA golden case on `gpu-sim` with `ATTN_GPU_WGMMA` set to `wgmma`,
+/// writing `out`.
+fn run_gqa_bf16_on_the_interpreter(wgmma: &str, out: &std::path::Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_attnc"))
         .args([
             "run",
             "--spec",
@@ -616,9 +616,15 @@ fn the_sm_90a_forward_meets_the_bf16_golden_case_on_the_interpreter() {
             "gpu-sim",
         ])
         .env("ATTN_CACHE_DIR", test_cache())
-        .env("ATTN_GPU_WGMMA", "1")
+        .env("ATTN_GPU_WGMMA", wgmma)
         .output()
-        .expect("attnc runs");
+        .expect("attnc runs")
+}
+
+#[test]
+fn the_sm_90a_forward_meets_the_bf16_golden_case_on_the_interpreter() {
+    let out = temp("gqa-wgmma.safetensors");
+    let o = run_gqa_bf16_on_the_interpreter("1", &out);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     // bf16 output against the float64 one; PyTorch's own bf16 error on this case is 7.5e-3.
     let g = tensor_values(&out, "out");
@@ -635,22 +641,7 @@ fn the_sm_90a_forward_meets_the_bf16_golden_case_on_the_interpreter() {
 #[test]
 fn a_mistyped_wgmma_setting_is_refused_not_ignored() {
     let out = temp("gqa-wgmma-bad.safetensors");
-    let o = Command::new(env!("CARGO_BIN_EXE_attnc"))
-        .args([
-            "run",
-            "--spec",
-            "heads = 8, kv_heads = 2, head_dim = 64, scale = 0.125, dtype = bf16, mask = causal",
-            "--input",
-            &fixture("gqa_8q2kv_causal_bf16.safetensors"),
-            "--output",
-            out.to_str().unwrap(),
-            "--backend",
-            "gpu-sim",
-        ])
-        .env("ATTN_CACHE_DIR", test_cache())
-        .env("ATTN_GPU_WGMMA", "yes")
-        .output()
-        .expect("attnc runs");
+    let o = run_gqa_bf16_on_the_interpreter("yes", &out);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     let err = stderr(&o);
     assert!(err.contains("ATTN_GPU_WGMMA is `yes`"), "{err}");

@@ -123,7 +123,7 @@ pub fn transposed_pv(isa: Isa) -> usize {
 pub fn spanned_pv(isa: Isa) -> (usize, usize) {
     let (pv, pt): (SpannedPv, SpannedPv) = match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => (x86::pv_spans_avx512, x86::pt_spans_avx512),
+        Isa::Avx512 => (x86::spanned_avx512::<false>, x86::spanned_avx512::<true>),
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => (
             every_key::<{ Isa::Avx2 as u8 }, false>,
@@ -399,13 +399,13 @@ mod x86 {
         }
     }
 
-    /// AVX-512 spanned `pv_tile` (`super::spanned_pv`).
+    /// AVX-512 spanned `pv_tile`, transposed when `T` (`super::spanned_pv`).
     ///
     /// # Safety
     /// The contract of `spanned_pv`, on a CPU with AVX-512F.
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f")]
-    pub unsafe extern "C" fn pv_spans_avx512(
+    pub unsafe extern "C" fn spanned_avx512<const T: bool>(
         p: *const f32,
         rows: i64,
         cols: i64,
@@ -415,50 +415,9 @@ mod x86 {
         dv: i64,
         spans: *const u32,
     ) {
+        let w = Weights::<T> { p };
         // SAFETY: the contract of `spanned_pv`, on a CPU with AVX-512F.
-        unsafe {
-            pv_avx512_with(
-                Weights::<false> { p },
-                rows,
-                cols,
-                v,
-                v_stride,
-                acc,
-                dv,
-                spans,
-            )
-        }
-    }
-
-    /// AVX-512 spanned transposed `pv_tile` (`super::spanned_pv`).
-    ///
-    /// # Safety
-    /// The contract of `spanned_pv`, on a CPU with AVX-512F.
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx512f")]
-    pub unsafe extern "C" fn pt_spans_avx512(
-        p: *const f32,
-        rows: i64,
-        cols: i64,
-        v: *const f32,
-        v_stride: i64,
-        acc: *mut f32,
-        dv: i64,
-        spans: *const u32,
-    ) {
-        // SAFETY: the contract of `spanned_pv`, on a CPU with AVX-512F.
-        unsafe {
-            pv_avx512_with(
-                Weights::<true> { p },
-                rows,
-                cols,
-                v,
-                v_stride,
-                acc,
-                dv,
-                spans,
-            )
-        }
+        unsafe { pv_avx512_with(w, rows, cols, v, v_stride, acc, dv, spans) }
     }
 
     /// # Safety

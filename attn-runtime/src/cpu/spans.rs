@@ -148,20 +148,17 @@ mod tests {
             return;
         }
         let nonzero = |r: usize, c: usize| tiles[0][r * K + c] != 0.0 || tiles[1][r * K + c] != 0.0;
+        // From the first index to one past the last of those where `keep` holds.
+        let span = |n: usize, keep: &dyn Fn(usize) -> bool| {
+            let at: Vec<u32> = (0..n).filter(|&i| keep(i)).map(|i| i as u32).collect();
+            at.first().map_or([0, 0], |&f| [f, at[at.len() - 1] + 1])
+        };
         for r in 0..rows {
-            let cs: Vec<u32> = (0..cols)
-                .filter(|&c| nonzero(r, c))
-                .map(|c| c as u32)
-                .collect();
-            let want = cs.first().map_or([0, 0], |&f| [f, cs[cs.len() - 1] + 1]);
+            let want = span(cols, &|c| nonzero(r, c));
             assert_eq!(by_row[2 * r..2 * r + 2], want, "row {r}");
         }
         for c in 0..cols {
-            let rs: Vec<u32> = (0..rows)
-                .filter(|&r| nonzero(r, c))
-                .map(|r| r as u32)
-                .collect();
-            let want = rs.first().map_or([0, 0], |&f| [f, rs[rs.len() - 1] + 1]);
+            let want = span(rows, &|r| nonzero(r, c));
             assert_eq!(by_col[2 * c..2 * c + 2], want, "column {c}");
         }
     }
