@@ -50,7 +50,7 @@ pub fn checked_product(factors: &[u64]) -> Option<u64> {
 /// to the kernel's shared zero page, and a kernel that then reads and adds to each page takes a
 /// copy-on-write fault per page, each of which flushes the TLB of every core running the process
 /// (measured: 30% of a backward pass on a 2-core VM). Written pages fault once, locally, on
-/// whichever thread writes them; a reused buffer does not fault at all (measured: 8% of a
+/// whichever thread writes them; a reused buffer does not fault at all (measured: 6% of a
 /// forward plus backward pass).
 pub fn written_zeros(len: usize) -> Vec<f32> {
     use rayon::prelude::*;
