@@ -600,9 +600,9 @@ fn emit_for_sm_90a_writes_the_warp_specialized_forward() {
 
 /// `ATTN_GPU_WGMMA=1` sends forward calls to the sm_90a kernel; on the interpreter the bf16
 /// GQA golden case still meets twice PyTorch's own bf16 error.
-/// `attnc run` of the bf16 GQA golden case on `gpu-sim` with `ATTN_GPU_WGMMA` set to `wgmma`,
-/// writing `out`.
-fn run_gqa_bf16_on_the_interpreter(wgmma: &str, out: &std::path::Path) -> Output {
+/// `attnc run` of the bf16 GQA golden case on `gpu-sim` with the environment setting `name`
+/// set to `value`, writing `out`.
+fn run_gqa_bf16_on_the_interpreter(name: &str, value: &str, out: &std::path::Path) -> Output {
     Command::new(env!("CARGO_BIN_EXE_attnc"))
         .args([
             "run",
@@ -616,7 +616,7 @@ fn run_gqa_bf16_on_the_interpreter(wgmma: &str, out: &std::path::Path) -> Output
             "gpu-sim",
         ])
         .env("ATTN_CACHE_DIR", test_cache())
-        .env("ATTN_GPU_WGMMA", wgmma)
+        .env(name, value)
         .output()
         .expect("attnc runs")
 }
@@ -624,10 +624,15 @@ fn run_gqa_bf16_on_the_interpreter(wgmma: &str, out: &std::path::Path) -> Output
 #[test]
 fn the_sm_90a_forward_meets_the_bf16_golden_case_on_the_interpreter() {
     let out = temp("gqa-wgmma.safetensors");
-    let o = run_gqa_bf16_on_the_interpreter("1", &out);
+    let o = run_gqa_bf16_on_the_interpreter("ATTN_GPU_WGMMA", "1", &out);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
-    // bf16 output against the float64 one; PyTorch's own bf16 error on this case is 7.5e-3.
-    let g = tensor_values(&out, "out");
+    assert_meets_the_gqa_bf16_case(&out);
+}
+
+/// `out` in `file` within twice PyTorch's own bf16 error on the bf16 GQA golden case (7.5e-3)
+/// of its float64 output.
+fn assert_meets_the_gqa_bf16_case(file: &std::path::Path) {
+    let g = tensor_values(file, "out");
     let w = tensor_values(fixture("gqa_8q2kv_causal_bf16.safetensors"), "out");
     assert_eq!(g.len(), w.len());
     let worst = g
@@ -641,11 +646,28 @@ fn the_sm_90a_forward_meets_the_bf16_golden_case_on_the_interpreter() {
 #[test]
 fn a_mistyped_wgmma_setting_is_refused_not_ignored() {
     let out = temp("gqa-wgmma-bad.safetensors");
-    let o = run_gqa_bf16_on_the_interpreter("yes", &out);
+    let o = run_gqa_bf16_on_the_interpreter("ATTN_GPU_WGMMA", "yes", &out);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     let err = stderr(&o);
     assert!(err.contains("ATTN_GPU_WGMMA is `yes`"), "{err}");
     assert!(!out.exists(), "no output is written");
+}
+
+#[test]
+fn a_mistyped_warps_setting_is_refused_and_twelve_warps_run() {
+    let out = temp("gqa-warps-bad.safetensors");
+    let o = run_gqa_bf16_on_the_interpreter("ATTN_GPU_MMA_WARPS", "16", &out);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("ATTN_GPU_MMA_WARPS is `16`"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(!out.exists(), "no output is written");
+    let out = temp("gqa-warps-12.safetensors");
+    let o = run_gqa_bf16_on_the_interpreter("ATTN_GPU_MMA_WARPS", "12", &out);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_meets_the_gqa_bf16_case(&out);
 }
 
 #[test]
