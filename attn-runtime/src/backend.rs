@@ -8,6 +8,7 @@ use crate::cache::{KvCache, SeqId};
 use crate::cpu::CpuBackend;
 use crate::error::RuntimeError;
 use crate::gpu;
+use crate::gpu::sim_cost;
 use crate::model::ops::{CpuLayers, LayerOps};
 use crate::tensor::Tensor;
 use crate::variant::Variant;
@@ -379,6 +380,9 @@ impl Backend for GpuInterpreter {
     }
 
     fn backward(&self, variant: &Variant, x: &BackwardInputs) -> Result<Gradients, RuntimeError> {
+        let [b, _, sq, skv] = bhss(x.q, x.k);
+        let seconds = sim_cost::attention_seconds(variant.spec(), b, sq, skv, true);
+        sim_cost::check("this forward and backward", seconds)?;
         gpu::backward_emulated(variant, x)
     }
 
@@ -390,6 +394,9 @@ impl Backend for GpuInterpreter {
         v: &Tensor,
         position_offset: i64,
     ) -> Result<Output, RuntimeError> {
+        let [b, _, sq, skv] = bhss(q, k);
+        let seconds = sim_cost::attention_seconds(variant.spec(), b, sq, skv, false);
+        sim_cost::check("this forward", seconds)?;
         gpu::GpuCall::forward_in(variant, q, k, v, position_offset)?.run_emulated()
     }
 
@@ -399,6 +406,10 @@ impl Backend for GpuInterpreter {
         x: &MlaTensors,
         position_offset: i64,
     ) -> Result<Output, RuntimeError> {
+        let dim = |t: &Tensor, i: usize| t.shape().get(i).map_or(0, |&d| d as u64);
+        let (b, sq, skv) = (dim(x.q_nope, 0), dim(x.q_nope, 2), dim(x.c_kv, 1));
+        let seconds = sim_cost::attention_seconds(variant.spec(), b, sq, skv, false);
+        sim_cost::check("this forward", seconds)?;
         gpu::forward_mla_emulated_in(variant, x, position_offset)
     }
 
@@ -410,6 +421,8 @@ impl Backend for GpuInterpreter {
         seqs: &[SeqId],
         options: DecodeOptions,
     ) -> Result<Output, RuntimeError> {
+        let q_len = q.shape().get(2).map_or(0, |&n| n as u64);
+        check_decode(variant, cache, seqs.iter().map(|&s| (s, q_len)))?;
         gpu::decode_with(variant, q, cache, seqs, options, &gpu::emulate)
     }
 
@@ -421,6 +434,8 @@ impl Backend for GpuInterpreter {
         seqs: &[SeqId],
         options: DecodeOptions,
     ) -> Result<Output, RuntimeError> {
+        let q_len = queries.q_nope.shape().get(2).map_or(0, |&n| n as u64);
+        check_decode(variant, cache, seqs.iter().map(|&s| (s, q_len)))?;
         gpu::decode_mla_with(variant, queries, cache, seqs, options, &gpu::emulate)
     }
 
@@ -433,12 +448,39 @@ impl Backend for GpuInterpreter {
         seqs: &[SeqId],
         options: DecodeOptions,
     ) -> Result<Output, RuntimeError> {
+        let queries = q_offsets
+            .windows(2)
+            .map(|w| w[1].saturating_sub(w[0]) as u64);
+        check_decode(variant, cache, seqs.iter().copied().zip(queries))?;
         gpu::attend_ragged_with(variant, q, q_offsets, cache, seqs, options, &gpu::emulate)
     }
 
     fn layers(&self) -> &dyn LayerOps {
         &gpu::layers::InterpretedLayers
     }
+}
+
+/// `[batch, heads, queries, keys]` of q `[B, H, Sq, D]` and k `[B, Hkv, Skv, D]`, 0 where a
+/// tensor has fewer dims (the call's own checks refuse it after).
+fn bhss(q: &Tensor, k: &Tensor) -> [u64; 4] {
+    let dim = |t: &Tensor, i: usize| t.shape().get(i).map_or(0, |&d| d as u64);
+    [dim(q, 0), dim(q, 1), dim(q, 2), dim(k, 2)]
+}
+
+/// Refuses decode work on the interpreter (`(sequence, queries)` pairs against the cache) that
+/// would take it too long.
+fn check_decode(
+    variant: &Variant,
+    cache: &dyn KvCache,
+    work: impl Iterator<Item = (SeqId, u64)>,
+) -> Result<(), RuntimeError> {
+    let seconds: f64 = work
+        .map(|(seq, queries)| {
+            let keys = cache.seq_len(seq).unwrap_or(0) as u64 + queries;
+            sim_cost::attention_seconds(variant.spec(), 1, queries, keys, false)
+        })
+        .sum();
+    sim_cost::check("this decode step", seconds)
 }
 
 /// The backend the CLI and tools name `name`: `cpu`, `gpu-sim`, or `cuda` (CUDA device 0; with

@@ -35,6 +35,9 @@ pub enum RuntimeError {
     /// The spec is invalid, or needs another entry point.
     #[error("spec: {0}")]
     Spec(String),
+    /// An environment setting (`ATTN_*`) has a value it does not take.
+    #[error("environment setting {0}")]
+    Setting(String),
     /// Kernel generation failed.
     #[error(transparent)]
     Codegen(#[from] codegen::CodegenError),

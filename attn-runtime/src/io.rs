@@ -11,17 +11,22 @@ use std::path::Path;
 /// Largest safetensors header read (the safetensors crate's own limit).
 const MAX_HEADER_BYTES: u64 = 100_000_000;
 
-/// The named tensors of a safetensors file, in order (f32, f16 and bf16). A missing tensor or
-/// one of another dtype is an error naming it; other tensors in the file are ignored. Only the
-/// header and the named tensors' bytes are read, one tensor at a time, so a checkpoint's weights
-/// take their own size in memory and no more.
-pub fn read_safetensors(path: &Path, names: &[&str]) -> Result<Vec<Tensor>, RuntimeError> {
-    let shown = path.display().to_string();
+/// An open safetensors file with its parsed header.
+struct Opened {
+    file: std::fs::File,
+    size: u64,
+    metadata: Metadata,
+    /// Where the tensor data begins.
+    data_start: u64,
+}
+
+/// Opens a safetensors file (a regular file only) and reads its header.
+fn open(path: &Path) -> Result<Opened, RuntimeError> {
     let io = |message: String| RuntimeError::Io {
-        path: shown.clone(),
+        path: path.display().to_string(),
         message,
     };
-    let mut file = std::fs::File::open(path).map_err(|e| io(e.to_string()))?;
+    let mut file = crate::files::open_regular(path)?;
     let size = file.metadata().map_err(|e| io(e.to_string()))?.len();
     let mut word = [0u8; 8];
     file.read_exact(&mut word)
@@ -38,18 +43,70 @@ pub fn read_safetensors(path: &Path, names: &[&str]) -> Result<Vec<Tensor>, Runt
     // Deserializing validates the offsets: contiguous, each tensor's size matching its shape.
     let metadata: Metadata = serde_json::from_slice(&header)
         .map_err(|e| io(format!("not a valid safetensors file: {e}")))?;
-    let data_start = 8 + header_len;
+    Ok(Opened {
+        file,
+        size,
+        metadata,
+        data_start: 8 + header_len,
+    })
+}
+
+/// The names of the tensors in a safetensors file, sorted; only its header is read.
+pub fn tensor_names(path: &Path) -> Result<Vec<String>, RuntimeError> {
+    let mut names: Vec<String> = open(path)?.metadata.tensors().into_keys().collect();
+    names.sort();
+    Ok(names)
+}
+
+/// Most names an error lists of a file's tensors.
+const NAMES_SHOWN: usize = 8;
+
+/// Up to [`NAMES_SHOWN`] of `available` in words, those sharing the longest prefix with
+/// `missing` first, and how many there are in all: a checkpoint may hold 10^5 tensors.
+fn some_names(missing: &str, mut available: Vec<String>) -> String {
+    let shared = |name: &str| {
+        name.bytes()
+            .zip(missing.bytes())
+            .take_while(|(a, b)| a == b)
+            .count()
+    };
+    available.sort_by(|a, b| shared(b).cmp(&shared(a)).then_with(|| a.cmp(b)));
+    let total = available.len();
+    let mut shown = available
+        .iter()
+        .take(NAMES_SHOWN)
+        .map(String::as_str)
+        .collect::<Vec<_>>()
+        .join(", ");
+    if total > NAMES_SHOWN {
+        shown += &format!(", ... ({total} tensors in all)");
+    }
+    shown
+}
+
+/// The named tensors of a safetensors file, in order (f32, f16 and bf16). A missing tensor or
+/// one of another dtype is an error naming it; other tensors in the file are ignored. Only the
+/// header and the named tensors' bytes are read, one tensor at a time, so a checkpoint's weights
+/// take their own size in memory and no more.
+pub fn read_safetensors(path: &Path, names: &[&str]) -> Result<Vec<Tensor>, RuntimeError> {
+    let shown = path.display().to_string();
+    let io = |message: String| RuntimeError::Io {
+        path: shown.clone(),
+        message,
+    };
+    let Opened {
+        mut file,
+        size,
+        metadata,
+        data_start,
+    } = open(path)?;
     let infos = names
         .iter()
         .map(|&name| {
-            metadata.info(name).ok_or_else(|| {
-                let mut available: Vec<String> = metadata.tensors().into_keys().collect();
-                available.sort();
-                RuntimeError::Missing {
-                    path: shown.clone(),
-                    tensor: name.to_string(),
-                    available: available.join(", "),
-                }
+            metadata.info(name).ok_or_else(|| RuntimeError::Missing {
+                path: shown.clone(),
+                tensor: name.to_string(),
+                available: some_names(name, metadata.tensors().into_keys().collect()),
             })
         })
         .collect::<Result<Vec<_>, _>>()?;
@@ -131,4 +188,22 @@ pub fn write_safetensors(path: &Path, tensors: &[(&str, &Tensor)]) -> Result<(),
         })
         .collect::<Result<_, _>>()?;
     safetensors::serialize_to_file(views, None, path).map_err(|e| err(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_tensor_lists_a_few_names_nearest_first_and_the_count() {
+        let names: Vec<String> = (0..200_000)
+            .map(|i| format!("model.layers.{i}.mlp.weight"))
+            .chain(["lm_head.weight".to_string()])
+            .collect();
+        let listed = some_names("lm_head.bias", names);
+        assert!(listed.starts_with("lm_head.weight, "), "{listed}");
+        assert!(listed.ends_with("... (200001 tensors in all)"), "{listed}");
+        assert_eq!(listed.matches(", ").count(), NAMES_SHOWN);
+        assert_eq!(some_names("x", vec!["b".into(), "a".into()]), "a, b");
+    }
 }

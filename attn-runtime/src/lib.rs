@@ -6,6 +6,7 @@
 //! - [`backend`]: the [`Backend`] trait every backend implements (CPU, CUDA,
 //!   the GPU IR interpreter);
 //! - [`Tensor`]: dtype, shape and strides over CPU storage;
+//! - [`files`]: reads of user paths (regular files only, bounded);
 //! - [`io`]: safetensors files;
 //! - [`memory`]: checks of large allocations against the memory available, zeroed buffers
 //!   reused from a pool of dropped ones;
@@ -29,6 +30,7 @@ pub mod cache;
 pub mod cpu;
 pub mod device;
 mod error;
+pub mod files;
 pub mod gpu;
 mod host;
 pub mod io;

@@ -6,17 +6,158 @@
 
 use crate::error::RuntimeError;
 
-/// Bytes of memory available for new allocations (Linux: `MemAvailable` in /proc/meminfo);
-/// `None` where it cannot be read.
+/// How much memory a new allocation may take, and which limit says so.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Available {
+    /// Bytes.
+    pub bytes: u64,
+    /// The limit in words: "this machine", "the process's address-space limit (RLIMIT_AS)" or
+    /// "the memory limit of this process's cgroup".
+    pub limit: &'static str,
+}
+
+/// The memory available for new allocations: the least of the machine's free memory
+/// (`MemAvailable`), what the process's address-space limit (`RLIMIT_AS`) leaves above its
+/// present size, and what its cgroup's memory limit (v2 or v1, at every level up to the root)
+/// leaves above the group's working set. `None` where none can be read (not Linux).
+pub fn available() -> Option<Available> {
+    [
+        machine_available().map(|bytes| Available {
+            bytes,
+            limit: "this machine",
+        }),
+        address_space_headroom().map(|bytes| Available {
+            bytes,
+            limit: "the process's address-space limit (RLIMIT_AS)",
+        }),
+        cgroup_headroom().map(|bytes| Available {
+            bytes,
+            limit: "the memory limit of this process's cgroup",
+        }),
+    ]
+    .into_iter()
+    .flatten()
+    .min_by_key(|a| a.bytes)
+}
+
+/// Bytes of memory available for new allocations ([`available`]); `None` where it cannot be
+/// read.
 pub fn available_bytes() -> Option<u64> {
+    available().map(|a| a.bytes)
+}
+
+/// `MemAvailable` in /proc/meminfo.
+fn machine_available() -> Option<u64> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    kib_field(&info, "MemAvailable:")
+}
+
+/// The value of a `Name:   N kB` line, in bytes.
+fn kib_field(text: &str, name: &str) -> Option<u64> {
+    let line = text.lines().find(|l| l.starts_with(name))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     kib.checked_mul(1024)
 }
 
+/// What `RLIMIT_AS` leaves above the process's present virtual size; `None` when unlimited.
+#[cfg(unix)]
+fn address_space_headroom() -> Option<u64> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `limit` is a valid rlimit for getrlimit to write; it reads nothing else.
+    if unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut limit) } != 0
+        || limit.rlim_cur == libc::RLIM_INFINITY
+    {
+        return None;
+    }
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let size = kib_field(&status, "VmSize:").unwrap_or(0);
+    Some(limit.rlim_cur.saturating_sub(size))
+}
+
+#[cfg(not(unix))]
+fn address_space_headroom() -> Option<u64> {
+    None
+}
+
+/// Most cgroup levels looked at (a path deeper than this is cut at it).
+const MAX_CGROUP_DEPTH: usize = 64;
+
+/// The least headroom (limit minus working set) of the cgroups this process is in, at every
+/// level from its own up to the root; `None` when no level has a limit.
+fn cgroup_headroom() -> Option<u64> {
+    let membership = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let mut least: Option<u64> = None;
+    for line in membership.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (Some(_), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next())
+        else {
+            continue;
+        };
+        // v2: `0::/path`, files memory.max and memory.current; v1: `N:memory:/path` (the
+        // controller may share its line), files memory.limit_in_bytes and
+        // memory.usage_in_bytes.
+        let (root, files) = if controllers.is_empty() {
+            ("/sys/fs/cgroup", V2)
+        } else if controllers.split(',').any(|c| c == "memory") {
+            ("/sys/fs/cgroup/memory", V1)
+        } else {
+            continue;
+        };
+        let mut dir = std::path::PathBuf::from(root);
+        let mut levels = vec![dir.clone()];
+        for part in path
+            .split('/')
+            .filter(|p| !p.is_empty())
+            .take(MAX_CGROUP_DEPTH)
+        {
+            dir.push(part);
+            levels.push(dir.clone());
+        }
+        for level in levels {
+            if let Some(room) = headroom_at(&level, files) {
+                least = Some(least.map_or(room, |l| l.min(room)));
+            }
+        }
+    }
+    least
+}
+
+/// A cgroup version's file names: limit, usage, and the memory.stat key of reclaimable page
+/// cache.
+type CgroupFiles = (&'static str, &'static str, &'static str);
+const V2: CgroupFiles = ("memory.max", "memory.current", "inactive_file");
+const V1: CgroupFiles = (
+    "memory.limit_in_bytes",
+    "memory.usage_in_bytes",
+    "total_inactive_file",
+);
+
+/// Limit minus working set (usage less inactive page cache, which the kernel reclaims before it
+/// refuses memory) of the cgroup at `dir`; `None` when it has no limit or no files.
+fn headroom_at(dir: &std::path::Path, (limit, usage, inactive): CgroupFiles) -> Option<u64> {
+    let read = |name: &str| std::fs::read_to_string(dir.join(name)).ok();
+    let limit: u64 = read(limit)?.trim().parse().ok()?; // "max" (no limit) does not parse
+    // v1 writes "no limit" as a number near 2^63.
+    if limit >= 1 << 60 {
+        return None;
+    }
+    let usage: u64 = read(usage)?.trim().parse().ok()?;
+    let cache = read("memory.stat")
+        .and_then(|stat| {
+            stat.lines().find_map(|l| {
+                let (key, value) = l.split_once(' ')?;
+                (key == inactive).then(|| value.trim().parse::<u64>().ok())?
+            })
+        })
+        .unwrap_or(0);
+    Some(limit.saturating_sub(usage.saturating_sub(cache)))
+}
+
 /// Refuses `bytes` (`None`: a count that overflowed) of `what` when they exceed the memory
-/// available, naming both.
+/// [available], naming both and the limit that binds.
 pub fn ensure_fits(what: &str, bytes: Option<u64>) -> Result<(), RuntimeError> {
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     let Some(bytes) = bytes else {
@@ -28,11 +169,12 @@ pub fn ensure_fits(what: &str, bytes: Option<u64>) -> Result<(), RuntimeError> {
     if available_bytes().is_some_and(|free| bytes > free) {
         release_pooled();
     }
-    match available_bytes() {
-        Some(free) if bytes > free => Err(RuntimeError::Data(format!(
-            "{what} would need {:.2} GiB of memory; this machine has {:.2} GiB available",
+    match available() {
+        Some(free) if bytes > free.bytes => Err(RuntimeError::Data(format!(
+            "{what} would need {:.2} GiB of memory; {} leaves {:.2} GiB available",
             gib(bytes),
-            gib(free)
+            free.limit,
+            gib(free.bytes)
         ))),
         _ => Ok(()),
     }
@@ -147,6 +289,41 @@ mod tests {
 
     /// A size no other test of this binary asks for, so the shared pool's buffer stays ours.
     const LEN: usize = POOLED_MIN_VALUES + 4099;
+
+    #[test]
+    fn a_cgroup_limit_leaves_its_limit_less_the_working_set() {
+        let dir = std::env::temp_dir().join(format!("attn-cgroup-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let write = |name: &str, text: &str| std::fs::write(dir.join(name), text).unwrap();
+        write("memory.max", "1000000\n");
+        write("memory.current", "600000\n");
+        write(
+            "memory.stat",
+            "anon 500000\ninactive_file 100000\nactive_file 0\n",
+        );
+        // 1000000 - (600000 - 100000): the inactive page cache is reclaimable.
+        assert_eq!(headroom_at(&dir, V2), Some(500_000));
+        write("memory.max", "max\n");
+        assert_eq!(headroom_at(&dir, V2), None, "no limit");
+        write("memory.limit_in_bytes", "9223372036854771712\n");
+        write("memory.usage_in_bytes", "10\n");
+        assert_eq!(headroom_at(&dir, V1), None, "v1's number for no limit");
+        write("memory.limit_in_bytes", "100\n");
+        write("memory.usage_in_bytes", "300\n");
+        assert_eq!(
+            headroom_at(&dir, V1),
+            Some(0),
+            "over the limit: nothing left"
+        );
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn the_memory_available_is_at_most_the_machines() {
+        let all = available().expect("Linux has /proc/meminfo");
+        assert!(all.bytes <= machine_available().unwrap());
+    }
 
     #[test]
     fn a_recycled_buffer_comes_back_as_zeros() {

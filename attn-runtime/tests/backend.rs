@@ -239,3 +239,42 @@ fn layer_operations_agree_between_the_cpu_and_the_gpu_kernels() {
     );
     assert_eq!(cpu.argmax(&rows, width).unwrap()[1], 5);
 }
+
+/// The interpreter estimates a call's cost before it runs: a size it would spend many minutes
+/// on is refused at once, with the estimate and what to use instead.
+#[test]
+fn calls_too_large_for_the_interpreter_are_refused_before_they_run() {
+    let sim = open("gpu-sim").unwrap();
+    let variant = Variant::parse("heads = 4, head_dim = 64, mask = causal").unwrap();
+    let big = tensor(&[1, 4, 4096, 64], 1);
+    let started = std::time::Instant::now();
+    let e = sim
+        .forward(&variant, &big, &big, &big, 0)
+        .expect_err("refused")
+        .to_string();
+    assert!(e.contains("gpu-sim: this forward would take about"), "{e}");
+    assert!(e.contains("--backend cpu"), "{e}");
+    let out = open("cpu")
+        .unwrap()
+        .forward(&variant, &big, &big, &big, 0)
+        .unwrap();
+    let x = attn_runtime::BackwardInputs {
+        q: &big,
+        k: &big,
+        v: &big,
+        out: &out.out,
+        lse: &out.lse,
+        dout: &big,
+        position_offset: 0,
+    };
+    let e = sim.backward(&variant, &x).expect_err("refused").to_string();
+    assert!(e.contains("forward and backward would take"), "{e}");
+    assert!(
+        started.elapsed().as_secs() < 60,
+        "the refusals took {:?}",
+        started.elapsed()
+    );
+    // A small call runs.
+    let small = tensor(&[1, 4, 32, 64], 2);
+    assert!(sim.forward(&variant, &small, &small, &small, 0).is_ok());
+}

@@ -420,3 +420,138 @@ fn damaged_safetensors_files_are_errors() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Every config.json key the loader reads, given a value of another JSON type: an error that
+/// names the key and the type expected, never a default standing in for it (a string
+/// `"rope_theta": "500000"` must not run as 10000).
+#[test]
+fn a_config_key_of_the_wrong_json_type_is_an_error_naming_it() {
+    let uint = ["\"2\"", "0.5", "-1", "true", "[]", "{}"].as_slice();
+    let float = ["\"1e-5\"", "true", "[]", "{}"].as_slice();
+    let flag = ["\"true\"", "1", "[]"].as_slice();
+    let text = ["5", "true", "[]"].as_slice();
+    let object = ["\"{}\"", "[]", "5"].as_slice();
+    let (uints, floats, flags) = (
+        [
+            "hidden_size",
+            "num_attention_heads",
+            "num_hidden_layers",
+            "num_key_value_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+            "max_position_embeddings",
+            "sliding_window",
+        ],
+        ["rms_norm_eps", "rope_theta"],
+        [
+            "tie_word_embeddings",
+            "attention_bias",
+            "use_sliding_window",
+        ],
+    );
+    let mut cases: Vec<(&str, Vec<&str>, &[&str], &str)> = Vec::new();
+    for key in uints {
+        cases.push(("llama_gqa", vec![key], uint, "a whole number"));
+    }
+    for key in floats {
+        cases.push(("llama_gqa", vec![key], float, "a number"));
+    }
+    for key in flags {
+        cases.push(("llama_gqa", vec![key], flag, "true or false"));
+    }
+    for key in ["model_type", "hidden_act"] {
+        cases.push(("llama_gqa", vec![key], text, "a string"));
+    }
+    for key in ["rope_parameters", "rope_scaling"] {
+        cases.push(("llama_gqa", vec![key], object, "an object"));
+    }
+    for key in ["rope_type", "type"] {
+        cases.push(("llama_gqa", vec!["rope_parameters", key], text, "a string"));
+    }
+    for key in [
+        "rope_theta",
+        "factor",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "low_freq_factor",
+        "high_freq_factor",
+    ] {
+        cases.push(("llama_gqa", vec!["rope_parameters", key], float, "a number"));
+    }
+    cases.push((
+        "llama_gqa",
+        vec!["rope_parameters", "original_max_position_embeddings"],
+        uint,
+        "a whole number",
+    ));
+    for key in [
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "kv_lora_rank",
+        "q_lora_rank",
+        "n_routed_experts",
+        "first_k_dense_replace",
+    ] {
+        cases.push(("deepseek_v2_lite_mla", vec![key], uint, "a whole number"));
+    }
+    for name in ["llama_gqa", "deepseek_v2_lite_mla"] {
+        let scratch = Scratch::of(name, "typed");
+        let path = scratch.0.join("config.json");
+        let original: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        for (_, keys, values, expected) in cases.iter().filter(|c| c.0 == name) {
+            for value in values.iter() {
+                let mut json = original.clone();
+                if keys.len() == 2 && !json[keys[0]].is_object() {
+                    json[keys[0]] = serde_json::json!({"rope_type": "default"});
+                }
+                let slot = keys.iter().fold(&mut json, |v, k| &mut v[*k]);
+                *slot = serde_json::from_str(value).unwrap();
+                std::fs::write(&path, json.to_string()).unwrap();
+                let key = keys.join(".");
+                let case = format!("{name}: `{key}` = {value}");
+                refused(scratch.load(), &[&format!("`{key}` is"), expected], &case);
+            }
+        }
+    }
+}
+
+/// The silent wrong answers this check replaced, each by its logits: a `rope_theta` given as a
+/// string ran as the default base.
+#[test]
+fn a_string_rope_theta_is_refused_not_read_as_the_default() {
+    let scratch = Scratch::of("llama_gqa", "theta-string").config(
+        "rope_parameters",
+        r#"{"rope_type": "default", "rope_theta": "500000"}"#,
+    );
+    refused(
+        scratch.load(),
+        &["`rope_parameters.rope_theta` is a string (\"500000\"); expected a number"],
+        "rope_theta as a string",
+    );
+}
+
+/// A checkpoint that ties its LM head to the embedding but also holds an `lm_head.weight`:
+/// transformers ties the head and ignores the tensor; so does the loader, and says so.
+#[test]
+fn a_tied_checkpoint_with_its_own_lm_head_warns_and_uses_the_embedding() {
+    let plain = hf::load(&fixture("llama_gqa")).unwrap();
+    assert!(plain.config.tie_embeddings && plain.warnings().is_empty());
+    let scratch = Scratch::of("llama_gqa", "tied-head").tensor("lm_head.weight", &[256, 64]);
+    let model = scratch.load().unwrap();
+    let warnings = model.warnings().join("\n");
+    assert!(
+        warnings.contains("`lm_head.weight`") && warnings.contains("ignored"),
+        "{warnings:?}"
+    );
+    // The zero head was not used: the logits are the tied model's.
+    let tokens = [1, 2, 3];
+    assert_eq!(
+        model.forward(&tokens).unwrap(),
+        plain.forward(&tokens).unwrap()
+    );
+}

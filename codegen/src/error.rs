@@ -14,6 +14,9 @@ pub enum CodegenError {
         /// What the verifier found.
         errors: String,
     },
+    /// An environment setting has a value it does not take.
+    #[error("environment setting {0}")]
+    Setting(String),
     /// LLVM rejected the module or could not generate PTX.
     #[error("llvm: {0}")]
     Llvm(String),

@@ -15,6 +15,7 @@ pub mod cpu;
 mod error;
 pub mod gpu;
 pub mod plan;
+pub mod settings;
 
 pub use attn_dsl;
 pub use error::CodegenError;

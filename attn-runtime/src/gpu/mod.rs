@@ -13,6 +13,7 @@ pub mod disk_cache;
 pub mod layers;
 mod pages;
 pub mod ptx;
+pub mod sim_cost;
 
 pub(crate) use backward::backward_emulated;
 pub use decode::{attend_ragged_emulated, decode_emulated, decode_mla_emulated};
@@ -197,15 +198,14 @@ pub fn wgmma_enabled() -> Result<bool, RuntimeError> {
     static ON: std::sync::OnceLock<Result<bool, String>> = std::sync::OnceLock::new();
     ON.get_or_init(|| wgmma_setting(std::env::var_os("ATTN_GPU_WGMMA").as_deref()))
         .clone()
-        .map_err(RuntimeError::Spec)
+        .map_err(RuntimeError::Setting)
 }
 
 /// What a value of `ATTN_GPU_WGMMA` means (`None`: unset).
 fn wgmma_setting(value: Option<&std::ffi::OsStr>) -> Result<bool, String> {
-    env_setting(
+    codegen::settings::flag(
         "ATTN_GPU_WGMMA",
         value,
-        &[("", false), ("0", false), ("1", true)],
         "set it to 1 to take the sm_90a forward kernel, or to 0 (or leave it unset) for the \
          default mma.sync kernel",
     )
@@ -223,7 +223,7 @@ pub fn mma_tiling(
     let twelve = TWELVE
         .get_or_init(|| mma_warps_setting(std::env::var_os("ATTN_GPU_MMA_WARPS").as_deref()))
         .clone()
-        .map_err(RuntimeError::Spec)?;
+        .map_err(RuntimeError::Setting)?;
     Ok(if twelve {
         Tiling::TWELVE_WARPS
     } else {
@@ -233,32 +233,13 @@ pub fn mma_tiling(
 
 /// What a value of `ATTN_GPU_MMA_WARPS` means (`None`: unset): whether it asks for twelve warps.
 fn mma_warps_setting(value: Option<&std::ffi::OsStr>) -> Result<bool, String> {
-    env_setting(
+    codegen::settings::choice(
         "ATTN_GPU_MMA_WARPS",
         value,
         &[("", false), ("8", false), ("12", true)],
         "set it to 12 for twelve warps per SM in the mma.sync forward kernel, or to 8 (or leave \
          it unset) for the default eight",
     )
-}
-
-/// The meaning of environment setting `name`'s `value` among `choices` (unset: the first), or
-/// an error that names the value and says what is allowed (`help`).
-fn env_setting<T: Copy>(
-    name: &str,
-    value: Option<&std::ffi::OsStr>,
-    choices: &[(&str, T)],
-    help: &str,
-) -> Result<T, String> {
-    let Some(value) = value else {
-        return Ok(choices[0].1);
-    };
-    let text = value.to_str();
-    choices
-        .iter()
-        .find(|(spelling, _)| Some(*spelling) == text)
-        .map(|(_, meaning)| *meaning)
-        .ok_or_else(|| format!("{name} is `{}`: {help}", text.unwrap_or("(not UTF-8)")))
 }
 
 /// The forward kernel a resident model runs: on tensor cores with bf16 `Q K^T` operands where

@@ -94,7 +94,13 @@ pub fn ptx_for(kernel: &Kernel, arch: Arch, spec: Option<&str>) -> Result<Ptx, R
             origin: PtxOrigin::Embedded,
         });
     }
-    let cache = DiskCache::default_location();
+    let cache = DiskCache::default_location().filter(|c| match c.check_trusted() {
+        Ok(()) => true,
+        Err(e) => {
+            warn_untrusted_once(&e);
+            false
+        }
+    });
     if let Some(text) = cache.as_ref().and_then(|c| c.get(kernel, arch)) {
         return Ok(Ptx {
             text: Arc::from(text),
@@ -102,6 +108,12 @@ pub fn ptx_for(kernel: &Kernel, arch: Arch, spec: Option<&str>) -> Result<Ptx, R
         });
     }
     compile(kernel, arch, spec, cache.as_ref())
+}
+
+/// Says once per process that the disk cache is not used, and why.
+fn warn_untrusted_once(e: &RuntimeError) {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    WARNED.call_once(|| eprintln!("warning: {e}"));
 }
 
 #[cfg(feature = "llvm")]

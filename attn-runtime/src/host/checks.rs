@@ -76,7 +76,13 @@ pub(crate) fn finish(
     })
 }
 
-pub(crate) fn dims(name: &str, t: &Tensor, expected: &str) -> Result<[usize; 4], RuntimeError> {
+/// The `N` dims of `t`; a tensor of another rank is a shape error that says what was
+/// `expected`.
+pub(crate) fn dims<const N: usize>(
+    name: &str,
+    t: &Tensor,
+    expected: &str,
+) -> Result<[usize; N], RuntimeError> {
     t.shape().try_into().map_err(|_| RuntimeError::Shape {
         tensor: name.into(),
         found: t.shape().to_vec(),

@@ -48,10 +48,11 @@ impl AbsorbedForward {
             "[B, heads, Sq, head_dim]",
         )?;
         expect("q_pe", x.q_pe, &[b, h, sq, dr], "[B, heads, Sq, rope_dim]")?;
-        let skv = match x.c_kv.shape() {
-            [_, skv, _] => *skv,
-            _ => 0,
-        };
+        let [_, skv, _] = dims(
+            "c_kv",
+            x.c_kv,
+            &format!("[{b}, Skv, {r}] = [B, Skv, latent_rank]"),
+        )?;
         expect("c_kv", x.c_kv, &[b, skv, r], "[B, Skv, latent_rank]")?;
         expect("k_pe", x.k_pe, &[b, skv, dr], "[B, Skv, rope_dim]")?;
         expect(

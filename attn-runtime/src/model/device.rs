@@ -237,6 +237,27 @@ impl<'m> DeviceModel<'m> {
         })
     }
 
+    /// On the interpreter, refuses a pass of `tokens` new tokens against `keys` keys that would
+    /// take it longer than [`sim_cost::MAX_SECONDS`](crate::gpu::sim_cost::MAX_SECONDS).
+    fn check_interpreted_cost(&self, tokens: usize, keys: usize) -> Result<(), RuntimeError> {
+        if self.device.name() != "gpu-sim" {
+            return Ok(());
+        }
+        let c = &self.model.config;
+        let seconds = crate::gpu::sim_cost::layers_seconds(
+            &c.attention,
+            c.layers as u64,
+            c.hidden as u64,
+            c.intermediate as u64,
+            tokens as u64,
+            keys as u64,
+        );
+        crate::gpu::sim_cost::check(
+            &format!("a pass of {tokens} tokens through {} layers", c.layers),
+            seconds,
+        )
+    }
+
     /// Logits `[tokens, vocab]` of a whole sequence (causal; positions from 0), computed on the
     /// device.
     pub fn forward(&self, tokens: &[u32]) -> Result<Vec<f32>, RuntimeError> {
@@ -244,6 +265,7 @@ impl<'m> DeviceModel<'m> {
             return Ok(Vec::new());
         }
         let n = tokens.len();
+        self.check_interpreted_cost(n, n)?;
         let mut s = Scratch::new(self.device.as_ref());
         let logits = self.run_layers(&mut s, tokens, |s, _, layer, h| {
             self.attention(s, layer, h, n)
@@ -663,6 +685,7 @@ impl DeviceSession<'_, '_> {
                 self.capacity, n
             )));
         }
+        self.model.check_interpreted_cost(n, self.len + n)?;
         let session = &*self;
         let tables = session.tables(s, n)?;
         let logits = self.model.run_layers(s, tokens, |s, i, layer, h| {

@@ -6,9 +6,11 @@
 //! `deepseek_v3` (MLA; dense layers only: mixture-of-experts layers are refused).
 
 use super::config::{MAX_WIDTH, MlpKind, ModelConfig, NormKind};
+use super::json_fields::{Fields, bad};
 use super::layers::{Linear, Matrix, Mlp, Norm};
 use super::{AttentionWeights, Layer, Model};
 use crate::error::RuntimeError;
+use crate::files::{MAX_CONFIG_BYTES, read_text};
 use crate::io::read_safetensors;
 use crate::tensor::Tensor;
 use attn_dsl::{
@@ -25,50 +27,25 @@ const LATENT_NORM_EPS: f64 = 1e-6;
 /// Families this loader knows.
 pub const FAMILIES: &[&str] = &["llama", "mistral", "qwen2", "deepseek_v2", "deepseek_v3"];
 
-fn bad(path: &Path, message: impl Into<String>) -> RuntimeError {
-    RuntimeError::Io {
-        path: path.display().to_string(),
-        message: message.into(),
-    }
-}
-
-/// A parsed `config.json`, with lookups that name the missing key.
-struct Config<'a> {
-    path: &'a Path,
+/// A checkpoint's parsed `config.json`.
+struct Config {
+    path: PathBuf,
     json: Value,
 }
 
-impl Config<'_> {
-    fn get(&self, key: &str) -> Option<&Value> {
-        self.json.get(key).filter(|v| !v.is_null())
+impl Config {
+    /// Reads and parses `dir/config.json` (a regular file of at most
+    /// [`MAX_CONFIG_BYTES`](crate::files::MAX_CONFIG_BYTES)).
+    fn read(dir: &Path) -> Result<Config, RuntimeError> {
+        let path = dir.join("config.json");
+        let text = read_text(&path, MAX_CONFIG_BYTES, "config.json")?;
+        let json =
+            serde_json::from_str(&text).map_err(|e| bad(&path, format!("not valid JSON: {e}")))?;
+        Ok(Config { path, json })
     }
 
-    /// A whole number of at most `u32::MAX` (every count and width of a config; larger ones are
-    /// refused here, so sums of two cannot overflow).
-    fn uint(&self, key: &str) -> Result<usize, RuntimeError> {
-        let v = self.get(key).and_then(Value::as_u64).ok_or_else(|| {
-            bad(
-                self.path,
-                format!("`{key}` is missing or not a whole number"),
-            )
-        })?;
-        u32::try_from(v).map(|v| v as usize).map_err(|_| {
-            bad(
-                self.path,
-                format!(
-                    "`{key}` = {v} is out of range; allowed: at most {}",
-                    u32::MAX
-                ),
-            )
-        })
-    }
-
-    fn float_or(&self, key: &str, default: f64) -> f64 {
-        self.get(key).and_then(Value::as_f64).unwrap_or(default)
-    }
-
-    fn flag(&self, key: &str) -> bool {
-        self.get(key).and_then(Value::as_bool).unwrap_or(false)
+    fn fields(&self) -> Result<Fields<'_>, RuntimeError> {
+        Fields::top(&self.path, &self.json)
     }
 }
 
@@ -77,59 +54,88 @@ fn yarn_mscale(s: f64, m: f64) -> f64 {
     if s > 1.0 { 0.1 * m * s.ln() + 1.0 } else { 1.0 }
 }
 
-/// The RoPE parameters of a config (`rope_parameters` in transformers 5, `rope_scaling` before).
-fn rope_params<'a>(c: &'a Config) -> Option<&'a Value> {
-    c.get("rope_parameters").or_else(|| c.get("rope_scaling"))
+/// The RoPE parameters of a config (`rope_parameters` in transformers 5, `rope_scaling`
+/// before), with `rope_type` (or the older `type`; `default` when absent).
+fn rope_params<'a>(c: Fields<'a>) -> Result<(Option<Fields<'a>>, &'a str), RuntimeError> {
+    let newer = c.object("rope_parameters", "rope_parameters.")?;
+    let older = c.object("rope_scaling", "rope_scaling.")?;
+    let params = newer.or(older);
+    let kind = match params {
+        Some(p) => {
+            let (newer, older) = (p.str_opt("rope_type")?, p.str_opt("type")?);
+            newer.or(older)
+        }
+        None => None,
+    };
+    Ok((params, kind.unwrap_or("default")))
 }
 
 /// DeepSeek-V2/V3's softmax scale: `1/sqrt(qk_dim)`, times `mscale(factor, mscale_all_dim)^2`
 /// when the RoPE scaling is not the default one and sets a nonzero `mscale_all_dim`
 /// (transformers' DeepseekV3Attention).
-fn deepseek_scale(c: &Config, qk_dim: usize) -> f64 {
+fn deepseek_scale(c: Fields, qk_dim: usize) -> Result<f64, RuntimeError> {
     let base = 1.0 / (qk_dim as f64).sqrt();
-    let params = rope_params(c);
-    let field = |k: &str| params.and_then(|p| p.get(k)).filter(|v| !v.is_null());
-    let kind = field("rope_type")
-        .or_else(|| field("type"))
-        .and_then(Value::as_str)
-        .unwrap_or("default");
-    let all_dim = field("mscale_all_dim")
-        .and_then(Value::as_f64)
-        .unwrap_or(0.0);
-    match field("factor").and_then(Value::as_f64) {
+    let (params, kind) = rope_params(c)?;
+    let Some(params) = params else {
+        return Ok(base);
+    };
+    let all_dim = params.float_or("mscale_all_dim", 0.0)?;
+    Ok(match params.float_opt("factor")? {
         Some(factor) if kind != "default" && all_dim != 0.0 => {
             let m = yarn_mscale(factor, all_dim);
             base * m * m
         }
         _ => base,
-    }
+    })
 }
 
+/// The numeric keys of the RoPE parameters, across every scaling.
+const ROPE_NUMBERS: &[&str] = &[
+    "rope_theta",
+    "factor",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "low_freq_factor",
+    "high_freq_factor",
+];
+
 /// The RoPE of the checkpoint's attention over the first `dim` dims, from its RoPE keys.
-fn rope(c: &Config, dim: usize, layout: RopeLayout) -> Result<Rope, RuntimeError> {
+fn rope(c: Fields, dim: usize, layout: RopeLayout) -> Result<Rope, RuntimeError> {
     // transformers 5 nests everything in `rope_parameters`; older files use `rope_theta` and
     // `rope_scaling`.
-    let params = rope_params(c);
-    let field = |k: &str| params.and_then(|p| p.get(k)).filter(|v| !v.is_null());
-    let num = |k: &str| field(k).and_then(Value::as_f64);
-    let base = num("rope_theta").unwrap_or_else(|| c.float_or("rope_theta", 10_000.0));
-    let kind = field("rope_type")
-        .or_else(|| field("type"))
-        .and_then(Value::as_str)
-        .unwrap_or("default");
+    let (params, kind) = rope_params(c)?;
+    let num = |k: &str| params.map_or(Ok(None), |p| p.float_opt(k));
+    // Every key a scaling reads is type-checked whatever the scaling, and so is the position
+    // count any of them may fall back on.
+    for key in ROPE_NUMBERS {
+        num(key)?;
+    }
+    if let Some(p) = params {
+        p.uint_opt("original_max_position_embeddings")?;
+    }
+    c.uint_opt("max_position_embeddings")?;
+    let outer_base = c.float_opt("rope_theta")?;
+    let base = num("rope_theta")?.or(outer_base).unwrap_or(10_000.0);
     let original = || {
-        field("original_max_position_embeddings")
-            .and_then(Value::as_u64)
-            .or_else(|| c.get("max_position_embeddings").and_then(Value::as_u64))
-            .ok_or_else(|| {
-                bad(
-                    c.path,
-                    format!("rope type `{kind}` needs original_max_position_embeddings"),
-                )
-            })
+        let nested = params.map_or(Ok(None), |p| p.uint_opt("original_max_position_embeddings"))?;
+        match nested {
+            Some(n) => Ok(n as u64),
+            None => c
+                .uint_opt("max_position_embeddings")?
+                .map(|n| n as u64)
+                .ok_or_else(|| {
+                    bad(
+                        c.path(),
+                        format!("rope type `{kind}` needs original_max_position_embeddings"),
+                    )
+                }),
+        }
     };
-    let factor =
-        || num("factor").ok_or_else(|| bad(c.path, format!("rope type `{kind}` needs a factor")));
+    let factor = || {
+        num("factor")?.ok_or_else(|| bad(c.path(), format!("rope type `{kind}` needs a factor")))
+    };
     let scaling = match kind {
         "default" => RopeScaling::None,
         "linear" => RopeScaling::Linear { factor: factor()? },
@@ -139,11 +145,11 @@ fn rope(c: &Config, dim: usize, layout: RopeLayout) -> Result<Rope, RuntimeError
         },
         "yarn" => {
             let mut yarn = Yarn::new(factor()?, original()?);
-            yarn.beta_fast = num("beta_fast").unwrap_or(yarn.beta_fast);
-            yarn.beta_slow = num("beta_slow").unwrap_or(yarn.beta_slow);
+            yarn.beta_fast = num("beta_fast")?.unwrap_or(yarn.beta_fast);
+            yarn.beta_slow = num("beta_slow")?.unwrap_or(yarn.beta_slow);
             // transformers divides the two mscales only when both are set and nonzero; else
             // the attention factor is mscale(factor, 1).
-            if let (Some(m), Some(all)) = (num("mscale"), num("mscale_all_dim"))
+            if let (Some(m), Some(all)) = (num("mscale")?, num("mscale_all_dim")?)
                 && m != 0.0
                 && all != 0.0
             {
@@ -153,13 +159,13 @@ fn rope(c: &Config, dim: usize, layout: RopeLayout) -> Result<Rope, RuntimeError
         }
         "llama3" => RopeScaling::Llama3 {
             factor: factor()?,
-            low_freq_factor: num("low_freq_factor").unwrap_or(1.0),
-            high_freq_factor: num("high_freq_factor").unwrap_or(4.0),
+            low_freq_factor: num("low_freq_factor")?.unwrap_or(1.0),
+            high_freq_factor: num("high_freq_factor")?.unwrap_or(4.0),
             original_max_position: original()?,
         },
         other => {
             return Err(bad(
-                c.path,
+                c.path(),
                 format!(
                     "rope type `{other}` is not supported; supported: default, linear, dynamic, \
                      yarn, llama3"
@@ -175,21 +181,20 @@ fn rope(c: &Config, dim: usize, layout: RopeLayout) -> Result<Rope, RuntimeError
     })
 }
 
-/// Reads `dir/config.json` into a model config and the spec of its attention.
+/// Reads `dir/config.json` into a model config and the spec of its attention. Keys the model
+/// needs must be there; optional ones take transformers' defaults when absent, and any key
+/// present with the wrong JSON type is an error naming it.
 pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
-    let path = dir.join("config.json");
-    let text = std::fs::read_to_string(&path).map_err(|e| bad(&path, e.to_string()))?;
-    let json: Value =
-        serde_json::from_str(&text).map_err(|e| bad(&path, format!("not valid JSON: {e}")))?;
-    let c = Config { path: &path, json };
+    let file = Config::read(dir)?;
+    let c = file.fields()?;
+    let path = file.path.as_path();
     let family = c
-        .get("model_type")
-        .and_then(Value::as_str)
-        .ok_or_else(|| bad(&path, "`model_type` is missing"))?
+        .str_opt("model_type")?
+        .ok_or_else(|| bad(path, "`model_type` is missing"))?
         .to_string();
     if !FAMILIES.contains(&family.as_str()) {
         return Err(bad(
-            &path,
+            path,
             format!(
                 "model family `{family}` is not supported; supported: {}",
                 FAMILIES.join(", ")
@@ -200,20 +205,20 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
     let heads = c.uint("num_attention_heads")?;
     if heads == 0 {
         return Err(bad(
-            &path,
+            path,
             "`num_attention_heads` is 0; allowed: a whole number of at least 1",
         ));
     }
     let layers = c.uint("num_hidden_layers")?;
     let deepseek = family.starts_with("deepseek");
-    // The spec is built as data: counts are at most u32::MAX (`Config::uint`).
+    // The spec is built as data: counts are at most u32::MAX (`Fields::uint`).
     let as_u32 = |v: usize| v as u32;
     let attention = if deepseek {
-        if let Some(experts) = c.get("n_routed_experts").and_then(Value::as_u64) {
-            let dense = c.uint("first_k_dense_replace").unwrap_or(0);
+        if let Some(experts) = c.uint_opt("n_routed_experts")? {
+            let dense = c.uint_opt("first_k_dense_replace")?.unwrap_or(0);
             if experts > 0 && dense < layers {
                 return Err(bad(
-                    &path,
+                    path,
                     format!(
                         "layers {dense}..{layers} are mixture-of-experts ({experts} routed \
                          experts), which this runtime does not run yet; only dense layers are \
@@ -237,50 +242,45 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
             }),
             v_head_dim: as_u32(dv),
             mask: Mask::Causal(CausalAlign::BottomRight),
-            position: Position::Rope(rope(&c, dr, RopeLayout::Interleaved)?),
-            scale: Some(deepseek_scale(&c, dn + dr)),
+            position: Position::Rope(rope(c, dr, RopeLayout::Interleaved)?),
+            scale: Some(deepseek_scale(c, dn + dr)?),
             ..AttentionSpec::new(as_u32(heads), as_u32(dn))
         }
     } else {
-        let kv_heads = c
-            .get("num_key_value_heads")
-            .map_or(Ok(heads), |_| c.uint("num_key_value_heads"))?;
-        let head_dim = c
-            .get("head_dim")
-            .map_or(Ok(hidden / heads), |_| c.uint("head_dim"))?;
-        let window = c
-            .get("sliding_window")
-            .and_then(Value::as_u64)
-            .filter(|_| family == "mistral" || (family == "qwen2" && c.flag("use_sliding_window")));
+        let kv_heads = c.uint_opt("num_key_value_heads")?.unwrap_or(heads);
+        let head_dim = c.uint_opt("head_dim")?.unwrap_or(hidden / heads);
+        // Read (and type-checked) whatever the family; used where the family has windows.
+        let window = c.uint_opt("sliding_window")?;
+        let use_window = c.flag("use_sliding_window")?;
+        let windowed = family == "mistral" || (family == "qwen2" && use_window);
         AttentionSpec {
             kv: KvLayout::Heads {
                 kv_heads: as_u32(kv_heads),
             },
-            mask: match window {
-                Some(window) => Mask::SlidingWindow { window },
+            mask: match window.filter(|_| windowed) {
+                Some(window) => Mask::SlidingWindow {
+                    window: window as u64,
+                },
                 None => Mask::Causal(CausalAlign::BottomRight),
             },
-            position: Position::Rope(rope(&c, head_dim, RopeLayout::Half)?),
+            position: Position::Rope(rope(c, head_dim, RopeLayout::Half)?),
             ..AttentionSpec::new(as_u32(heads), as_u32(head_dim))
         }
     };
     attention.validate().map_err(|findings| {
         let findings: Vec<String> = findings.iter().map(ToString::to_string).collect();
         bad(
-            &path,
+            path,
             format!(
                 "the attention it describes is invalid: {}",
                 findings.join("; ")
             ),
         )
     })?;
-    let act = c
-        .get("hidden_act")
-        .and_then(Value::as_str)
-        .unwrap_or("silu");
+    let act = c.str_opt("hidden_act")?.unwrap_or("silu");
     if act != "silu" {
         return Err(bad(
-            &path,
+            path,
             format!("hidden_act `{act}` is not supported for {family}; supported: silu"),
         ));
     }
@@ -290,15 +290,15 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
         layers,
         attention,
         norm: NormKind::Rms,
-        norm_eps: c.float_or("rms_norm_eps", 1e-6),
+        norm_eps: c.float_or("rms_norm_eps", 1e-6)?,
         mlp: MlpKind::SwiGlu,
         intermediate: c.uint("intermediate_size")?,
-        tie_embeddings: c.flag("tie_word_embeddings"),
-        qkv_bias: family == "qwen2" || c.flag("attention_bias"),
+        tie_embeddings: c.flag("tie_word_embeddings")?,
+        qkv_bias: c.flag("attention_bias")? || family == "qwen2",
     };
     config
         .validate()
-        .map_err(|e| bad(&path, e.to_string().replace("model config: ", "")))?;
+        .map_err(|e| bad(path, e.to_string().replace("model config: ", "")))?;
     Ok(config)
 }
 
@@ -311,8 +311,10 @@ struct Files {
 impl Files {
     fn of(dir: &Path) -> Result<Files, RuntimeError> {
         let index = dir.join("model.safetensors.index.json");
-        if index.exists() {
-            let text = std::fs::read_to_string(&index).map_err(|e| bad(&index, e.to_string()))?;
+        // Present even as a link to nothing (a Hugging Face cache whose blob is gone): then it
+        // is read, and its error names it, rather than another file being used instead.
+        if std::fs::symlink_metadata(&index).is_ok() {
+            let text = read_text(&index, MAX_CONFIG_BYTES, "the shard index")?;
             let json: Value = serde_json::from_str(&text)
                 .map_err(|e| bad(&index, format!("not valid JSON: {e}")))?;
             let map = json
@@ -321,8 +323,27 @@ impl Files {
                 .ok_or_else(|| bad(&index, "`weight_map` is missing"))?;
             let by_name = map
                 .iter()
-                .filter_map(|(k, v)| v.as_str().map(|f| (k.clone(), dir.join(f))))
-                .collect();
+                .map(|(name, file)| {
+                    let file = file.as_str().ok_or_else(|| {
+                        bad(
+                            &index,
+                            format!("`weight_map.{name}` is not a string; expected a file name"),
+                        )
+                    })?;
+                    shard_path(dir, file)
+                        .ok_or_else(|| {
+                            bad(
+                                &index,
+                                format!(
+                                    "`weight_map.{name}` = {file:?} is not a file name in the \
+                                 checkpoint's directory; allowed: a plain name such as \
+                                 model-00001-of-00002.safetensors"
+                                ),
+                            )
+                        })
+                        .map(|path| (name.clone(), path))
+                })
+                .collect::<Result<_, _>>()?;
             return Ok(Files {
                 by_name,
                 single: None,
@@ -339,6 +360,14 @@ impl Files {
             by_name: HashMap::new(),
             single: Some(single),
         })
+    }
+
+    /// Whether the checkpoint holds a tensor `name` (the single file's header is read).
+    fn holds(&self, name: &str) -> Result<bool, RuntimeError> {
+        match &self.single {
+            Some(file) => Ok(crate::io::tensor_names(file)?.iter().any(|n| n == name)),
+            None => Ok(self.by_name.contains_key(name)),
+        }
     }
 
     /// Reads the named tensors, file by file.
@@ -366,6 +395,16 @@ impl Files {
             }
         }
         Ok(out)
+    }
+}
+
+/// `dir/file` when `file` is one plain file name (no directories, no `..`, not absolute): a shard
+/// index names files beside it, never elsewhere.
+fn shard_path(dir: &Path, file: &str) -> Option<PathBuf> {
+    let mut parts = Path::new(file).components();
+    match (parts.next(), parts.next()) {
+        (Some(std::path::Component::Normal(name)), None) => Some(dir.join(name)),
+        _ => None,
     }
 }
 
@@ -494,7 +533,17 @@ pub fn load(dir: &Path) -> Result<Model, RuntimeError> {
     };
     let final_norm = w.norm("model.norm.weight", eps, d)?;
     let embed = Matrix::new(config.vocab, d, embed.into_storage());
-    Model::new(config, embed, layers, final_norm, lm_head)
+    let tied = config.tie_embeddings;
+    let mut model = Model::new(config, embed, layers, final_norm, lm_head)?;
+    if tied && files.holds("lm_head.weight")? {
+        model.warn(
+            "the checkpoint holds `lm_head.weight`, but config.json ties the LM head to the \
+             embedding (`tie_word_embeddings` = true): the embedding is used and \
+             `lm_head.weight` is ignored, as transformers does"
+                .to_string(),
+        );
+    }
+    Ok(model)
 }
 
 /// Tensors read from a checkpoint, taken as the model is assembled.
@@ -559,18 +608,12 @@ impl Store {
 /// The rank through which a DeepSeek checkpoint factors its queries (`q_lora_rank`), if it
 /// does.
 fn read_q_lora(dir: &Path) -> Result<Option<usize>, RuntimeError> {
-    let path = dir.join("config.json");
-    let text = std::fs::read_to_string(&path).map_err(|e| bad(&path, e.to_string()))?;
-    let json: Value =
-        serde_json::from_str(&text).map_err(|e| bad(&path, format!("not valid JSON: {e}")))?;
-    let c = Config { path: &path, json };
-    if c.get("q_lora_rank").is_none() {
-        return Ok(None);
-    }
-    match c.uint("q_lora_rank")? {
-        rank @ 1..=MAX_WIDTH => Ok(Some(rank)),
-        rank => Err(bad(
-            &path,
+    let file = Config::read(dir)?;
+    match file.fields()?.uint_opt("q_lora_rank")? {
+        None => Ok(None),
+        Some(rank @ 1..=MAX_WIDTH) => Ok(Some(rank)),
+        Some(rank) => Err(bad(
+            &file.path,
             format!("`q_lora_rank` = {rank} is out of range; allowed: 1 to {MAX_WIDTH}"),
         )),
     }

@@ -11,6 +11,7 @@ mod config;
 pub mod device;
 mod generate;
 pub mod hf;
+mod json_fields;
 mod layers;
 pub mod ops;
 pub mod research;
@@ -78,6 +79,8 @@ pub struct Model {
     /// The attention of every layer, validated and planned once.
     variant: Arc<Variant>,
     backend: Arc<dyn Backend>,
+    /// What loading noticed and did not refuse ([`Model::warnings`]).
+    warnings: Vec<String>,
 }
 
 impl std::fmt::Debug for Model {
@@ -116,7 +119,19 @@ impl Model {
             final_norm,
             lm_head,
             backend: Arc::new(CpuBackend::new()),
+            warnings: Vec::new(),
         })
+    }
+
+    /// What loading the model noticed and did not refuse (a checkpoint tensor it ignores, as
+    /// transformers does): for a front end to show.
+    pub fn warnings(&self) -> &[String] {
+        &self.warnings
+    }
+
+    /// Adds a load warning.
+    pub(crate) fn warn(&mut self, warning: String) {
+        self.warnings.push(warning);
     }
 
     /// The attention variant of every layer.

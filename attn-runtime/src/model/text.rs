@@ -7,34 +7,67 @@ use std::path::Path;
 /// Largest tokenizer.json read (real ones are a few MiB).
 const MAX_TOKENIZER_BYTES: u64 = 256 << 20;
 
+/// Most tokens a stream holds back while they add no text or end in a partial character: no
+/// character takes more than 4 bytes, so a longer run is not one that will complete, and is
+/// given out as decoded (with its U+FFFD) rather than decoded again and again.
+const MAX_HELD_TOKENS: usize = 16;
+
 /// A checkpoint's tokenizer.
 pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
+    /// One past the largest token id it knows (added tokens included).
+    ids: u64,
 }
 
 impl TextTokenizer {
-    /// Reads `dir/tokenizer.json`.
+    /// Reads `dir/tokenizer.json` (a regular file of at most 256 MiB). Its `padding` and
+    /// `truncation` settings are dropped: transformers' `tokenizer(text)` applies neither.
     pub fn from_dir(dir: &Path) -> Result<TextTokenizer, RuntimeError> {
         let path = dir.join("tokenizer.json");
         let bad = |message: String| RuntimeError::Io {
             path: path.display().to_string(),
             message,
         };
-        let size = std::fs::metadata(&path)
-            .map_err(|e| {
-                bad(format!(
-                    "{e} (the checkpoint needs its tokenizer.json for text)"
-                ))
-            })?
-            .len();
-        if size > MAX_TOKENIZER_BYTES {
-            return Err(bad(format!(
-                "{size} bytes; allowed: at most {MAX_TOKENIZER_BYTES}"
+        let bytes = crate::files::read_bounded(&path, MAX_TOKENIZER_BYTES, "tokenizer.json")
+            .map_err(|e| match e {
+                RuntimeError::Io { message, .. } => bad(format!(
+                    "{message} (the checkpoint needs its tokenizer.json for text)"
+                )),
+                other => other,
+            })?;
+        let mut inner = tokenizers::Tokenizer::from_bytes(&bytes)
+            .map_err(|e| bad(format!("not a tokenizer this library reads: {e}")))?;
+        inner.with_padding(None);
+        inner
+            .with_truncation(None)
+            .map_err(|e| bad(format!("cannot turn truncation off: {e}")))?;
+        let ids = inner
+            .get_vocab(true)
+            .values()
+            .map(|&id| u64::from(id) + 1)
+            .max()
+            .unwrap_or(0);
+        Ok(TextTokenizer { inner, ids })
+    }
+
+    /// One past the largest token id the tokenizer knows (added tokens included).
+    pub fn id_count(&self) -> u64 {
+        self.ids
+    }
+
+    /// Refuses a tokenizer that names tokens past a model's vocabulary of `vocab` ids: its
+    /// prompts would hold ids the model has no embedding for, so it is not the model's. A
+    /// smaller tokenizer is allowed (checkpoints often pad their embedding to a round size);
+    /// [`TextStream::push`] refuses a generated id it has no token for.
+    pub fn check_fits(&self, vocab: usize) -> Result<(), RuntimeError> {
+        if self.ids > vocab as u64 {
+            return Err(RuntimeError::Data(format!(
+                "tokenizer.json knows token ids up to {}, but the model's vocabulary has {vocab} \
+                 ids: the tokenizer is not this model's",
+                self.ids - 1
             )));
         }
-        let inner = tokenizers::Tokenizer::from_file(&path)
-            .map_err(|e| bad(format!("not a tokenizer this library reads: {e}")))?;
-        Ok(TextTokenizer { inner })
+        Ok(())
     }
 
     /// The token ids of `text`, with the special tokens the tokenizer's post-processor adds
@@ -49,54 +82,137 @@ impl TextTokenizer {
 
     /// The text of `ids` (special tokens kept, as transformers' `decode` does by default).
     pub fn decode(&self, ids: &[u32]) -> Result<String, RuntimeError> {
-        self.inner
-            .decode(ids, false)
-            .map_err(|e| RuntimeError::Data(format!("cannot decode tokens {ids:?}: {e}")))
+        self.inner.decode(ids, false).map_err(|e| {
+            let shown: Vec<u32> = ids.iter().copied().take(16).collect();
+            RuntimeError::Data(format!("cannot decode tokens {shown:?}: {e}"))
+        })
     }
 
     /// A decoder for a stream of generated tokens.
     pub fn stream(&self) -> TextStream<'_> {
         TextStream {
             tokenizer: self,
-            ids: Vec::new(),
-            shown: 0,
+            window: Vec::new(),
+            settled: 0,
+            settled_text: String::new(),
         }
     }
 }
 
-/// Generated text, piece by piece. Byte-level tokens may split a character: the text of the
-/// tokens so far then ends in U+FFFD until the rest arrives, so that tail is held back (it may
-/// still change) and given out by [`TextStream::finish`] if it never completes. The pieces add up
-/// to the decoding of all the tokens at once.
+/// Generated text, piece by piece, in time linear in the tokens.
+///
+/// Each token is decoded in a short window that starts at the tokens of the last piece given
+/// out (their text is known, so the new piece is what the window's text adds to it: a decoder
+/// that joins tokens with spaces or strips a leading one sees the same context as it would in
+/// the whole text). Byte-level tokens may split a character: the window's text then ends in
+/// U+FFFD until the rest arrives, so that tail is held back and given out by
+/// [`TextStream::finish`] if it never completes. The pieces add up to the decoding of all the
+/// tokens at once.
 pub struct TextStream<'t> {
     tokenizer: &'t TextTokenizer,
-    ids: Vec<u32>,
-    /// Bytes of the decoded text already given out.
-    shown: usize,
+    /// The tokens of the last piece given out, then those held back.
+    window: Vec<u32>,
+    /// How many of `window` were given out already.
+    settled: usize,
+    /// The text of `window[..settled]`.
+    settled_text: String,
 }
 
 impl TextStream<'_> {
-    /// Adds a token; returns the text it completes (possibly empty).
+    /// Adds a token; returns the text it completes (possibly empty). A token the tokenizer has
+    /// no text for is an error: the model and the tokenizer do not belong together.
     pub fn push(&mut self, id: u32) -> Result<String, RuntimeError> {
-        self.ids.push(id);
-        let text = self.tokenizer.decode(&self.ids)?;
-        let stable = text.trim_end_matches('\u{fffd}').len();
-        Ok(self.take(&text, stable))
+        if u64::from(id) >= self.tokenizer.ids {
+            return Err(RuntimeError::Data(format!(
+                "the model produced token {id}, which tokenizer.json has no text for (it knows \
+                 ids below {}): the tokenizer is not this model's",
+                self.tokenizer.ids
+            )));
+        }
+        self.window.push(id);
+        let text = self.tokenizer.decode(&self.window)?;
+        let held = self.window.len() - self.settled;
+        let adds = text.len() > self.settled_text.len() && !text.ends_with('\u{fffd}');
+        if !adds && held < MAX_HELD_TOKENS {
+            return Ok(String::new());
+        }
+        Ok(self.settle(text))
     }
 
     /// The text still held back, once no token will follow.
     pub fn finish(&mut self) -> Result<String, RuntimeError> {
-        let text = self.tokenizer.decode(&self.ids)?;
-        Ok(self.take(&text, text.len()))
+        let text = self.tokenizer.decode(&self.window)?;
+        Ok(self.settle(text))
     }
 
-    /// `text[shown..upto]`: the part not given out yet.
-    fn take(&mut self, text: &str, upto: usize) -> String {
-        if upto <= self.shown || !text.is_char_boundary(self.shown) {
-            return String::new();
-        }
-        let piece = text[self.shown..upto].to_string();
-        self.shown = upto;
+    /// Gives out what `text` (the window's text) adds to the settled text, and starts the next
+    /// window at the tokens just given out.
+    fn settle(&mut self, text: String) -> String {
+        let piece = match text.strip_prefix(self.settled_text.as_str()) {
+            Some(piece) => piece.to_string(),
+            // A decoder that rewrote earlier text: what was given out stands; the rest is the
+            // text past its length.
+            None => text
+                .get(self.settled_text.len().min(text.len())..)
+                .unwrap_or_default()
+                .to_string(),
+        };
+        self.window.drain(..self.settled);
+        self.settled = self.window.len();
+        self.settled_text = self
+            .tokenizer
+            .decode(&self.window)
+            .unwrap_or_else(|_| text[text.len() - piece.len()..].to_string());
         piece
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tokenizer() -> TextTokenizer {
+        let dir =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hf-tiny/llama_tokenizer");
+        TextTokenizer::from_dir(&dir).unwrap()
+    }
+
+    /// Each token is decoded in a window of the last piece's tokens and those held back, never
+    /// in the whole text so far: a long stream costs time linear in its length.
+    #[test]
+    fn the_decoding_window_stays_short_however_long_the_stream() {
+        let t = tokenizer();
+        let ids = t
+            .encode(&"the quick brown fox, héllo wörld. ".repeat(200))
+            .unwrap();
+        let mut stream = t.stream();
+        let mut text = String::new();
+        let mut widest = 0;
+        for &id in &ids {
+            text += &stream.push(id).unwrap();
+            widest = widest.max(stream.window.len());
+        }
+        text += &stream.finish().unwrap();
+        assert!(ids.len() > 1000, "{}", ids.len());
+        assert!(widest <= 2 * MAX_HELD_TOKENS, "a window of {widest} tokens");
+        assert_eq!(text, t.decode(&ids).unwrap());
+    }
+
+    #[test]
+    fn a_run_of_tokens_that_never_completes_a_character_is_given_out_after_a_bound() {
+        let t = tokenizer();
+        // A lone UTF-8 lead byte, over and over: the text ends in U+FFFD for good.
+        let lead = t
+            .encode("é")
+            .unwrap()
+            .into_iter()
+            .find(|&id| t.decode(&[id]).unwrap().ends_with('\u{fffd}'))
+            .expect("the byte-level vocabulary splits é into byte tokens");
+        let mut stream = t.stream();
+        let given: usize = (0..4 * MAX_HELD_TOKENS)
+            .map(|_| stream.push(lead).unwrap().len())
+            .sum();
+        assert!(given > 0, "nothing was given out");
+        assert!(stream.window.len() <= 2 * MAX_HELD_TOKENS);
     }
 }

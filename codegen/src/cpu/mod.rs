@@ -187,7 +187,7 @@ pub fn compile(plan: &KernelPlan, imports: &Imports) -> Result<CpuKernel, Codege
         }
         // `ATTN_DUMP_ASM=1` prints each generated function's machine code to stderr (for
         // reading what Cranelift made of a loop: spills, hoisting).
-        let dump = std::env::var_os("ATTN_DUMP_ASM").is_some();
+        let dump = crate::settings::dump_asm().map_err(CodegenError::Setting)?;
         ctx.set_disasm(dump);
         module
             .define_function(id, &mut ctx)

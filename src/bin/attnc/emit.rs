@@ -99,6 +99,20 @@ pub fn emit_all(
     dir: &Path,
 ) -> Result<(), String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("error: {}: {e}\n", dir.display()))?;
+    // A target given twice is written once.
+    let mut unique: Vec<Target> = Vec::new();
+    for &t in targets {
+        if !unique.contains(&t) {
+            unique.push(t);
+        }
+    }
+    let targets = unique.as_slice();
+    let write = |path: &Path, text: &str| {
+        attn::runtime::files::ensure_writable_target(path)
+            .map_err(|e| e.to_string())
+            .and_then(|()| std::fs::write(path, text).map_err(|e| e.to_string()))
+            .map_err(|e| format!("error: {}: {e}\n", path.display()))
+    };
     let mut entries = Vec::new();
     for target in targets {
         let arch = target.arch();
@@ -111,8 +125,7 @@ pub fn emit_all(
                 arch.name(),
                 what.extension()
             );
-            std::fs::write(dir.join(&file), text)
-                .map_err(|e| format!("error: {}: {e}\n", dir.join(&file).display()))?;
+            write(&dir.join(&file), &text)?;
             entries.push(format!(
                 "    {{\"role\": {}, \"target\": \"{}\", \"file\": {}, \"launch\": {}}}",
                 json_string(k.role),
@@ -128,8 +141,7 @@ pub fn emit_all(
         json_string(&compiler_version()),
         entries.join(",\n")
     );
-    std::fs::write(dir.join("manifest.json"), manifest)
-        .map_err(|e| format!("error: {}: {e}\n", dir.display()))?;
+    write(&dir.join("manifest.json"), &manifest)?;
     eprintln!(
         "wrote {} kernels for {} target{} to {}",
         entries.len(),
@@ -208,19 +220,29 @@ pub fn cache(action: CacheAction) -> Result<(), String> {
                 } else {
                     " (another compiler)"
                 };
+                // Every field comes from a file: escaped, so no control character reaches the
+                // terminal.
                 println!(
                     "{}  {:<28} {}  {:>9} B  {}{stale}",
                     e.key,
-                    e.kernel,
-                    e.target,
+                    e.kernel.escape_debug(),
+                    e.target.escape_debug(),
                     e.bytes,
-                    e.spec.as_deref().unwrap_or("-")
+                    e.spec.as_deref().unwrap_or("-").escape_debug()
                 );
             }
         }
         CacheAction::Clear => {
-            let n = cache.clear().map_err(err)?;
-            println!("removed {n} kernels from {}", cache.dir().display());
+            let cleared = cache.clear().map_err(err)?;
+            print!(
+                "removed {} kernels from {}",
+                cleared.removed,
+                cache.dir().display()
+            );
+            match cleared.kept {
+                0 => println!(),
+                n => println!(" (left {n} files it did not write)"),
+            }
         }
     }
     Ok(())

@@ -10,6 +10,7 @@ mod emit;
 mod explain;
 mod ir;
 mod model_cmd;
+mod outputs;
 mod run;
 mod spec_arg;
 
@@ -295,6 +296,23 @@ struct TensorFiles {
     backend: run::Backend,
 }
 
+impl TensorFiles {
+    /// Refuses an output that is not a regular file or that is one of the inputs.
+    fn check_output(&self) -> Result<(), String> {
+        let mut inputs = vec![self.input.as_path()];
+        inputs.extend(spec_file(&self.spec));
+        outputs::check(&self.output, &inputs)
+    }
+}
+
+/// The file a SPEC argument names (`@FILE`), if any.
+fn spec_file(spec: &str) -> Vec<&std::path::Path> {
+    spec.strip_prefix('@')
+        .map(std::path::Path::new)
+        .into_iter()
+        .collect()
+}
+
 /// A number of seconds for `attnc peak`: finite, more than 0 and at most a minute.
 fn seconds_in_range(text: &str) -> Result<f64, String> {
     match text.parse::<f64>() {
@@ -331,16 +349,22 @@ fn main() -> ExitCode {
                 ir::report(&spec, seq.map(|sq| (sq, kv_len.unwrap_or(sq))), grad)
             );
         }),
-        Command::Run { files: f } => spec_arg::load(&f.spec).and_then(|(spec, _)| {
-            run::run(&spec, &f.input, &f.output, f.position_offset, f.backend)
-                .map(|summary| println!("{summary}"))
-                .map_err(|e| format!("error: {e}"))
-        }),
-        Command::Grad { files: f } => spec_arg::load(&f.spec).and_then(|(spec, _)| {
-            run::grad(&spec, &f.input, &f.output, f.position_offset, f.backend)
-                .map(|summary| println!("{summary}"))
-                .map_err(|e| format!("error: {e}"))
-        }),
+        Command::Run { files: f } => f
+            .check_output()
+            .and_then(|()| spec_arg::load(&f.spec))
+            .and_then(|(spec, _)| {
+                run::run(&spec, &f.input, &f.output, f.position_offset, f.backend)
+                    .map(|summary| println!("{summary}"))
+                    .map_err(|e| format!("error: {e}"))
+            }),
+        Command::Grad { files: f } => f
+            .check_output()
+            .and_then(|()| spec_arg::load(&f.spec))
+            .and_then(|(spec, _)| {
+                run::grad(&spec, &f.input, &f.output, f.position_offset, f.backend)
+                    .map(|summary| println!("{summary}"))
+                    .map_err(|e| format!("error: {e}"))
+            }),
         Command::Bench {
             spec,
             seq,
@@ -447,7 +471,8 @@ fn main() -> ExitCode {
             incremental,
             output,
             backend,
-        } => model_cmd::parse_tokens(&tokens)
+        } => outputs::check(&output, &[&model])
+            .and_then(|()| model_cmd::parse_tokens(&tokens))
             .and_then(|t| {
                 let model = model_cmd::load_on(&model, init_seed, backend)?;
                 model_cmd::logits(&model, &t, incremental, &output, backend)
@@ -521,11 +546,14 @@ fn main() -> ExitCode {
             if target.is_empty() {
                 target.push(emit::Target::Sm90);
             }
+            let spec_text = spec.clone();
             spec_arg::load(&spec).and_then(|(spec, _)| match &out_dir {
                 Some(dir) => emit::emit_all(&spec, &target, emit, dir),
                 None => emit::emit(&spec, &target, emit).and_then(|text| match &output {
-                    Some(path) => std::fs::write(path, text)
-                        .map_err(|e| format!("error: {}: {e}", path.display())),
+                    Some(path) => outputs::check(path, &spec_file(&spec_text)).and_then(|()| {
+                        std::fs::write(path, text)
+                            .map_err(|e| format!("error: {}: {e}", path.display()))
+                    }),
                     None => {
                         print!("{text}");
                         Ok(())

@@ -24,7 +24,11 @@ pub fn load(path: &Path, seed: u64) -> Result<Model, String> {
             .map_err(|e| format!("error: {}: {e}", path.display()))?;
         return Model::random(&config, seed).map_err(err);
     }
-    hf::load(path).map_err(err)
+    let model = hf::load(path).map_err(err)?;
+    for warning in model.warnings() {
+        eprintln!("warning: {warning}");
+    }
+    Ok(model)
 }
 
 /// [`load`], with the model's attention on `backend`.
@@ -187,6 +191,9 @@ pub fn generate(
         }
     };
     let model = load_on(path, seed, args.backend)?;
+    if let Some(tokenizer) = &tokenizer {
+        tokenizer.check_fits(model.config.vocab).map_err(err)?;
+    }
     let request = Request {
         prompt: ids,
         max_new_tokens: args.max_new_tokens,

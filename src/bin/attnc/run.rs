@@ -31,6 +31,23 @@ impl Backend {
     }
 }
 
+/// On gpu-sim, says on stderr how long the interpreter will take when that is more than a few
+/// seconds (calls it would take too long on are refused by the backend).
+fn note_interpreted(on: Backend, spec: &AttentionSpec, q: &Tensor, k: &Tensor, backward: bool) {
+    use attn::runtime::gpu::sim_cost;
+    if on != Backend::GpuSim {
+        return;
+    }
+    let dim = |t: &Tensor, i: usize| t.shape().get(i).map_or(0, |&d| d as u64);
+    let seconds = sim_cost::attention_seconds(spec, dim(q, 0), dim(q, 2), dim(k, 2), backward);
+    if (10.0..=sim_cost::MAX_SECONDS).contains(&seconds) {
+        eprintln!(
+            "note: the GPU IR interpreter will take about {} for this",
+            sim_cost::duration(seconds)
+        );
+    }
+}
+
 /// Reads the inputs the spec needs (`q, k, v`, or for MLA `q_nope, q_pe, c_kv, k_pe, w_kv_b`),
 /// runs the backend and writes `out` (input dtype) and `lse` (f32).
 pub fn run(
@@ -40,6 +57,7 @@ pub fn run(
     offset: i64,
     backend: Backend,
 ) -> Result<String, RuntimeError> {
+    let on = backend;
     let backend = attn::runtime::backend::open(backend.name())?;
     let variant = attn::runtime::Variant::new(spec.clone())?;
     let Output { out, lse } = if spec.mla().is_some() {
@@ -59,6 +77,7 @@ pub fn run(
         let [q, k, v]: [Tensor; 3] = read_safetensors(input, &["q", "k", "v"])?
             .try_into()
             .expect("one tensor per name");
+        note_interpreted(on, spec, &q, &k, false);
         backend.forward(&variant, &q, &k, &v, offset)?
     };
     write_safetensors(output, &[("out", &out), ("lse", &lse)])?;
@@ -80,6 +99,7 @@ pub fn grad(
     offset: i64,
     backend: Backend,
 ) -> Result<String, RuntimeError> {
+    let on = backend;
     let backend = attn::runtime::backend::open(backend.name())?;
     let variant = attn::runtime::Variant::new(spec.clone())?;
     if spec.mla().is_some() {
@@ -88,6 +108,7 @@ pub fn grad(
     let [q, k, v, dout]: [Tensor; 4] = read_safetensors(input, &["q", "k", "v", "dout"])?
         .try_into()
         .expect("one tensor per name");
+    note_interpreted(on, spec, &q, &k, true);
     let Output { out, lse } = backend.forward(&variant, &q, &k, &v, offset)?;
     let x = BackwardInputs {
         q: &q,

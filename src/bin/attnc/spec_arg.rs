@@ -27,17 +27,12 @@ pub fn load(arg: &str) -> Result<(AttentionSpec, String), String> {
     }
 }
 
-/// Reads a text file (a spec, a model's TOML) of at most `limit` bytes, without reading more than one byte past it (the
-/// path may name a device or pipe that never ends).
+/// Reads a text file (a spec, a model's TOML) of at most `limit` bytes: a regular file only
+/// (a FIFO or device is refused, never waited on or read without end).
 pub fn read_bounded(path: impl AsRef<std::path::Path>, limit: usize) -> Result<String, String> {
-    use std::io::Read;
-    let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
-    let mut bytes = Vec::new();
-    file.take(limit as u64 + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|e| e.to_string())?;
-    if bytes.len() > limit {
-        return Err(format!("it is longer than {limit} bytes, the most allowed"));
-    }
-    String::from_utf8(bytes).map_err(|_| "it is not UTF-8 text".to_string())
+    let path = path.as_ref();
+    attn::runtime::files::read_text(path, limit as u64, "the file").map_err(|e| match e {
+        attn::runtime::RuntimeError::Io { message, .. } => message,
+        other => other.to_string(),
+    })
 }
