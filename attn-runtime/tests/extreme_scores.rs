@@ -99,8 +99,9 @@ impl Case {
         let (_, hkv, d, dv) = dims(&self.spec);
         let mut cache = PagedCache::new(&self.spec, 16, self.skv.div_ceil(16) + 1).unwrap();
         let seq = cache.add_sequence();
-        let as3 =
-            |t: &Tensor, w: usize| Tensor::from_f32(&[hkv, self.skv, w], t.to_f32_vec()).unwrap();
+        let as3 = |t: &Tensor, w: usize| {
+            Tensor::from_f32_as(self.spec.dtype, &[hkv, self.skv, w], t.to_f32_vec()).unwrap()
+        };
         cache.append(seq, &as3(&k, d), &as3(&v, dv)).unwrap();
         let options = DecodeOptions {
             partitions: Some(partitions),
@@ -425,5 +426,166 @@ fn the_gpu_kernels_on_the_interpreter_keep_scores_up_to_f32_max() {
             want.out.data(),
             1e-4,
         );
+    }
+}
+
+/// The GPU decode kernel on the interpreter, against a paged cache of all keys, in `parts`
+/// partitions.
+fn gpu_decode(case: &Case, parts: usize) -> Output {
+    let [q, k, v] = case.tensors();
+    let (_, hkv, d, dv) = dims(&case.spec);
+    let mut cache = PagedCache::new(&case.spec, 16, case.skv.div_ceil(16) + 1).unwrap();
+    let seq = cache.add_sequence();
+    let as3 = |t: &Tensor, w: usize| {
+        Tensor::from_f32_as(case.spec.dtype, &[hkv, case.skv, w], t.to_f32_vec()).unwrap()
+    };
+    cache.append(seq, &as3(&k, d), &as3(&v, dv)).unwrap();
+    let options = DecodeOptions {
+        partitions: Some(parts),
+    };
+    attn_runtime::gpu::decode_emulated(&case.spec, &q, &cache, &[seq], options).unwrap()
+}
+
+/// A score past `f32::MAX` is +inf and makes its row NaN, out and lse, on every backend: the
+/// CPU forward and decode, the GPU forward and decode kernels (split-KV too), as in the
+/// reference. The kernels' scaled units keep such a score finite inside, so without the rule
+/// their rows came out as lse +inf with a finite out (forward), NaN (CPU decode) or an empty
+/// row (GPU decode's merge).
+#[test]
+fn scores_past_f32_max_make_their_rows_nan_on_every_backend() {
+    for dtype in ["f32", "bf16"] {
+        let text = format!(
+            "heads = 2, head_dim = 16, mask = causal, dtype = {dtype}, score_mod = |s, b, h, \
+             q, k| s * 1.0e38 + 3.0e38"
+        );
+        let case = Case::new(&text, 24, 24).exact_in_bf16();
+        let want = case.reference();
+        let nan = nan_rows(want.lse.data(), 24);
+        assert!(
+            !nan.is_empty() && nan.len() < 48,
+            "some rows overflow, not all: {nan:?}"
+        );
+        let mut got = vec![
+            ("CPU forward", case.forward()),
+            ("GPU forward", case.gpu_forward()),
+        ];
+        for parts in [1, 3] {
+            got.push(("CPU decode", case.decode(parts)));
+            got.push(("GPU decode", gpu_decode(&case, parts)));
+        }
+        for (what, out) in got {
+            outputs_match(&format!("{dtype} {what}"), &case.spec, &out, &want);
+        }
+    }
+}
+
+/// A score below `-f32::MAX` is -inf and weighs nothing, as a masked key; a row whose every
+/// kept score is -inf is empty (out 0, lse -inf), as a row the masks empty.
+#[test]
+fn scores_below_minus_f32_max_weigh_nothing() {
+    for (modifier, empty) in [
+        ("if k == 3 { s * 1.0e38 - 3.0e38 } else { s }", false),
+        ("(s - 3.0e38) * 2.0", true),
+    ] {
+        let text = format!(
+            "heads = 2, head_dim = 16, mask = causal, score_mod = |s, b, h, q, k| {modifier}"
+        );
+        let case = Case::new(&text, 24, 24);
+        let want = case.reference();
+        if empty {
+            assert!(want.lse.data().iter().all(|l| *l == f64::NEG_INFINITY));
+        }
+        let mut got = vec![
+            ("CPU forward", case.forward()),
+            ("GPU forward", case.gpu_forward()),
+        ];
+        for parts in [1, 3] {
+            got.push(("CPU decode", case.decode(parts)));
+            got.push(("GPU decode", gpu_decode(&case, parts)));
+        }
+        for (what, out) in got {
+            outputs_match(&format!("{modifier}: {what}"), &case.spec, &out, &want);
+        }
+    }
+}
+
+/// Which rows (keys) of a `[1, H, N, width]` gradient hold a NaN.
+fn nan_vectors(t: &[f64], width: usize) -> Vec<usize> {
+    (0..t.len() / width)
+        .filter(|r| t[r * width..(r + 1) * width].iter().any(|x| x.is_nan()))
+        .collect()
+}
+
+/// NaN scores (a NaN key under a sliding window): the backward gives its rows NaN
+/// probabilities and dS at the pairs they keep and exactly 0 at the pairs they mask, so dk and
+/// dv are NaN for the keys those rows keep and for no other, on the CPU and on the GPU kernels,
+/// as in the reference. (dq of a row that masks the NaN key may also be NaN where a kernel's
+/// tile holds the pair: 0 x NaN in dS K.)
+#[test]
+fn nan_scores_reach_only_the_key_gradients_of_pairs_their_rows_keep() {
+    use attn_runtime::BackwardInputs;
+    for dtype in ["f32", "bf16"] {
+        for (mask, n) in [("sliding_window(8)", 40), ("sliding_window(8)", 130)] {
+            let text = format!("heads = 2, head_dim = 16, mask = {mask}, dtype = {dtype}");
+            let mut case = Case::new(&text, n, n).exact_in_bf16();
+            case.k[20 * 16 + 3] = f32::NAN;
+            let [q, k, v] = case.tensors();
+            let dout_values: Vec<f32> = values(2 * n * 16, 9)
+                .iter()
+                .map(|x| (x * 8.0).round() / 8.0)
+                .collect();
+            let dout =
+                Tensor::from_f32_as(case.spec.dtype, &[1, 2, n, 16], dout_values.clone()).unwrap();
+            let array = |shape: &[usize], v: &[f32]| {
+                Array::from_vec(shape, v.iter().map(|x| f64::from(*x)).collect()).unwrap()
+            };
+            let (qa, ka, va) = (
+                array(&[1, 2, n, 16], &case.q),
+                array(&[1, 2, n, 16], &case.k),
+                array(&[1, 2, n, 16], &case.v),
+            );
+            let inputs = Inputs {
+                q: &qa,
+                k: &ka,
+                v: &va,
+                position_offset: 0,
+            };
+            let want =
+                reference::backward(&case.spec, &inputs, &array(&[1, 2, n, 16], &dout_values))
+                    .unwrap();
+            // Rows 20..28 keep key 20 (a window of 8), so keys 13..28 of kv head 0.
+            let nan_keys = nan_vectors(want.dk.data(), 16);
+            assert_eq!(nan_keys, (13..28).collect::<Vec<_>>());
+            assert_eq!(nan_vectors(want.dv.data(), 16), nan_keys);
+            let forward = CpuBackend::new()
+                .forward(&case.spec, &q, &k, &v, 0)
+                .unwrap();
+            let x = BackwardInputs {
+                q: &q,
+                k: &k,
+                v: &v,
+                out: &forward.out,
+                lse: &forward.lse,
+                dout: &dout,
+                position_offset: 0,
+            };
+            let variant = attn_runtime::Variant::new(case.spec.clone()).unwrap();
+            for backend in ["cpu", "gpu-sim"] {
+                let g = attn_runtime::backend::open(backend)
+                    .unwrap()
+                    .backward(&variant, &x)
+                    .unwrap();
+                let f64s = |t: &Tensor| -> Vec<f64> {
+                    t.to_f32_vec().iter().map(|x| f64::from(*x)).collect()
+                };
+                let what = format!("{dtype} {mask} n {n} {backend}");
+                assert_eq!(nan_vectors(&f64s(&g.dk), 16), nan_keys, "{what}: dk");
+                assert_eq!(nan_vectors(&f64s(&g.dv), 16), nan_keys, "{what}: dv");
+                let nan_queries = nan_vectors(&f64s(&g.dq), 16);
+                for row in nan_vectors(want.dq.data(), 16) {
+                    assert!(nan_queries.contains(&row), "{what}: dq row {row}");
+                }
+            }
+        }
     }
 }

@@ -107,7 +107,10 @@ pub(super) fn rotated_gradients(
                         (at, raw, score(spec, &slopes, raw, at))
                     })
                     .collect();
-                let kept: Vec<f64> = pairs.iter().filter_map(|p| p.2).collect();
+                // A -inf score weighs nothing, as a masked key: its pair carries no gradient.
+                let kept_score =
+                    |p: &(Pair, f64, Option<f64>)| p.2.filter(|s| *s != f64::NEG_INFINITY);
+                let kept: Vec<f64> = pairs.iter().filter_map(kept_score).collect();
                 if kept.is_empty() {
                     continue;
                 }
@@ -115,7 +118,7 @@ pub(super) fn rotated_gradients(
                 let denom: f64 = kept.iter().map(|s| (s - max).exp()).sum();
                 let probs: Vec<Option<f64>> = pairs
                     .iter()
-                    .map(|p| p.2.map(|s| (s - max).exp() / denom))
+                    .map(|p| kept_score(p).map(|s| (s - max).exp() / denom))
                     .collect();
                 let dps: Vec<f64> = (0..pos.skv)
                     .map(|j| dot(&go, v.row(&[b, kvh, j])))

@@ -224,6 +224,11 @@ fn score(spec: &AttentionSpec, slopes: &[f64], dot: f64, at: Pair) -> Option<f64
     if let Some(m) = &spec.score_mod {
         s = m.apply(s, bi, hi, pq, pk);
     }
+    // Scores are f32 values: one past f32::MAX is +inf (its row is NaN), one below -f32::MAX
+    // is -inf (it weighs nothing, as a masked key).
+    if s.abs() > f64::from(f32::MAX) {
+        s = s.signum() * f64::INFINITY;
+    }
     Some(s)
 }
 

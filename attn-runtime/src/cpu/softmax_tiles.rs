@@ -14,7 +14,8 @@
 //!   `sums[r] += sum_c s[r][c]`, for `r < rows`, `c < K_TILE`;
 //! - `ds_tile(s, dp, rows, lse, delta, factor)`: with `h = lse[r] log2(e) / 2`,
 //!   `s[r][c] = 2^(2 (s[r][c] - h))` and `dp[r][c] = s[r][c] (dp[r][c] - delta[r]) factor`
-//!   (`delta` may be null: 0); a row whose `lse` is `-inf` becomes 0 in both.
+//!   (`delta` may be null: 0); a row whose `lse` is `-inf` becomes 0 in both, and one whose `lse`
+//!   is NaN becomes NaN where its score is kept and 0 where it is `-inf` (masked).
 
 use super::microkernels::Isa;
 use codegen::cpu::abi::exp2::{LOWEST, MAGIC, P};
@@ -113,6 +114,10 @@ pub unsafe extern "C" fn ds_portable(
             dp.fill(0.0);
             continue;
         }
+        if lse[r].is_nan() {
+            nan_row(s, dp);
+            continue;
+        }
         let (h, d) = (lse[r] * LSE_TO_HALF, delta.map_or(0.0, |d| d[r]));
         for (s, dp) in s.iter_mut().zip(dp.iter_mut()) {
             *s = exp2_of_double(*s - h);
@@ -121,9 +126,23 @@ pub unsafe extern "C" fn ds_portable(
     }
 }
 
+/// A row whose lse is NaN (a NaN or +inf score it keeps): its kept pairs' probabilities and `dS`
+/// are NaN, and its masked pairs' (score `-inf`) are exactly 0, never `2^(-inf - NaN)`, so that
+/// NaN reaches only the gradients of pairs the row keeps (DESIGN.md, "Semantics").
+fn nan_row(s: &mut [f32], dp: &mut [f32]) {
+    for (s, dp) in s.iter_mut().zip(dp.iter_mut()) {
+        let value = if *s == f32::NEG_INFINITY {
+            0.0
+        } else {
+            f32::NAN
+        };
+        (*s, *dp) = (value, value);
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{K, LOWEST, LSE_TO_HALF, MAGIC, P};
+    use super::{K, LOWEST, LSE_TO_HALF, MAGIC, P, nan_row};
     use std::arch::x86_64::*;
 
     /// `exp_tile` and `ds_tile` for one vector width: the same steps as the portable versions,
@@ -207,6 +226,13 @@ mod x86 {
                                 $store(s.add(c), $zero());
                                 $store(dp.add(c), $zero());
                             }
+                            continue;
+                        }
+                        if lse.is_nan() {
+                            nan_row(
+                                std::slice::from_raw_parts_mut(s, K),
+                                std::slice::from_raw_parts_mut(dp, K),
+                            );
                             continue;
                         }
                         let h = $set1(lse * LSE_TO_HALF);

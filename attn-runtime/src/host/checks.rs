@@ -64,12 +64,15 @@ pub(crate) fn check_backward(
     Ok([b, sq, skv])
 }
 
+/// The output tensors of a call: `out` `[B, H, Sq, Dv]` in `dtype` and `lse` `[B, H, Sq]` in f32,
+/// after [`overflowed_rows_are_nan`].
 pub(crate) fn finish(
     dtype: DType,
     shape: [usize; 4],
-    out: Vec<f32>,
-    lse: Vec<f32>,
+    mut out: Vec<f32>,
+    mut lse: Vec<f32>,
 ) -> Result<Output, RuntimeError> {
+    overflowed_rows_are_nan(&mut out, &mut lse, shape[3]);
     Ok(Output {
         out: Tensor::from_f32_as(dtype, &shape, out)?,
         lse: Tensor::from_f32(&shape[..3], lse)?,
@@ -151,4 +154,23 @@ pub(crate) fn check_cache(variant: &Variant, cache: &dyn KvCache) -> Result<(), 
         expected.v_dim,
         expected.dtype.name()
     )))
+}
+
+/// Rows with a score past `f32::MAX` (a +inf score) are NaN in `out` and `lse` (DESIGN.md,
+/// "Semantics": `inf - inf` in the softmax, as in PyTorch's math path).
+///
+/// The kernels compute scores in scaled units (base 2, halved on the GPU) in which a score just
+/// past `f32::MAX` is still finite, so their softmax weights stay defined; but such a row's
+/// log-sum-exp, at least its largest score, comes out +inf, and only such a row's does (up to
+/// rounding within one unit of `f32::MAX`). Every backend's output passes through here, so all
+/// of them give the rule's NaN whatever units their kernels use.
+pub(crate) fn overflowed_rows_are_nan(out: &mut [f32], lse: &mut [f32], dv: usize) {
+    for (row, l) in lse.iter_mut().enumerate() {
+        if *l == f32::INFINITY {
+            *l = f32::NAN;
+            if let Some(o) = out.get_mut(row * dv..(row + 1) * dv) {
+                o.fill(f32::NAN);
+            }
+        }
+    }
 }

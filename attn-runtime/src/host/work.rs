@@ -255,7 +255,8 @@ pub(crate) fn tasks(counts: &[usize], parts: usize) -> Vec<Task> {
 }
 
 /// Merges the partitions of each item (`results` per task: out rows of `dv` and lse) by their
-/// lse, and scatters rows to the call's layout. Rows with no kept key stay 0 with lse `-inf`.
+/// lse, and scatters rows to the call's layout. Rows with no kept key stay 0 with lse `-inf`;
+/// a NaN or +inf part makes its row NaN.
 pub(crate) fn merge(
     items: &[Item],
     tasks: &[Task],
@@ -282,8 +283,12 @@ pub(crate) fn merge(
                 .fold(f32::NEG_INFINITY, f32::max);
             let row = (layout.out_row)(item.b, i, h);
             let dst = &mut out[row * dv..(row + 1) * dv];
-            // A NaN part makes the row NaN (f32::max above passes over it).
-            if parts.iter().any(|(_, l)| l[r].is_nan()) {
+            // A NaN part makes the row NaN (f32::max above passes over it), and so does a +inf
+            // one: a score past f32::MAX (DESIGN.md, "Semantics").
+            if parts
+                .iter()
+                .any(|(_, l)| l[r].is_nan() || l[r] == f32::INFINITY)
+            {
                 dst.fill(f32::NAN);
                 lse[row] = f32::NAN;
                 continue;

@@ -866,7 +866,8 @@ super::launch::launch_record! {
 
 /// Merges partial attention rows: `out = sum_p e^(l_p - m) o_p / sum_p e^(l_p - m)` with `m`
 /// the largest `l_p`, and `lse = m + ln(sum_p e^(l_p - m))`; a row whose parts kept no key is 0
-/// with lse `-inf`, and a NaN part makes the row NaN (as the host merge does).
+/// with lse `-inf`, and a NaN or +inf part (a score past `f32::MAX`) makes the row NaN (as the
+/// host merge does).
 pub fn merge_partitions() -> Kernel {
     type A = MergeArgs;
     let mut r = Regs { list: Vec::new() };
@@ -930,10 +931,14 @@ pub fn merge_partitions() -> Kernel {
             Stmt::Set(col, bin(Bin::Rem, reg(e), width)),
             Stmt::Set(m, f32(f32::NEG_INFINITY)),
             Stmt::Set(nan, Expr::Pred(false)),
-            // NaN != NaN: a NaN lse marks the row.
+            // NaN != NaN: a NaN lse marks the row, and so does +inf (a score past f32::MAX).
             each(vec![
                 Stmt::Set(m, bin(Bin::Max, reg(m), reg(l))),
                 Stmt::Set(nan, bin(Bin::Or, reg(nan), bin(Bin::Ne, reg(l), reg(l)))),
+                Stmt::Set(
+                    nan,
+                    bin(Bin::Or, reg(nan), bin(Bin::Eq, reg(l), f32(f32::INFINITY))),
+                ),
             ]),
             Stmt::Set(total, f32(0.0)),
             Stmt::Set(acc, f32(0.0)),
