@@ -141,29 +141,42 @@ MLA_CASES = {
                                          "mla(latent_rank = 32, rope_dim = 16), position = rope, dtype = bf16"),
 }
 
+# Cases added later, drawn from a generator of their own so that every case above keeps its
+# inputs.
+LATER_CASES = {
+    "softcap_alibi_gqa_f16": dict(B=1, H=8, Hkv=2, Sq=96, Skv=96, D=64, dtype="f16", mask="causal", p0=3,
+                                  softcap=20.0, alibi=True,
+                                  spec="heads = 8, kv_heads = 2, head_dim = 64, mask = causal, softcap = 20.0, "
+                                       "position = alibi, dtype = f16"),
+}
+
+
+def per_head_case(name, c, g, manifest):
+    c.setdefault("scale", 1 / math.sqrt(c["D"]))
+    p0 = c.get("p0", 0)
+    shapes = [(c["B"], c["H"], c["Sq"], c["D"]), (c["B"], c["Hkv"], c["Skv"], c["D"]),
+              (c["B"], c["Hkv"], c["Skv"], c["D"]), (c["B"], c["H"], c["Sq"], c["D"])]
+    stored = [torch.randn(*s, generator=g).to(DT[c["dtype"]]) for s in shapes]
+    out, lse, dq, dk, dv = grads(c, stored, torch.float64, p0)
+    entry = {"spec": c["spec"], "position_offset": p0, "dtype": c["dtype"],
+             "file": f"{name}.safetensors"}
+    if c["dtype"] != "f32":
+        _, _, lq, lk, lv = grads(c, stored, DT[c["dtype"]], p0)
+        entry["torch_lowp_grad_max_abs_err"] = {
+            n: float((lo.to(torch.float64) - hi).abs().max()) for n, lo, hi in
+            [("dq", lq, dq), ("dk", lk, dk), ("dv", lv, dv)]}
+    tensors = dict(zip(["q", "k", "v", "dout"], stored))
+    tensors.update(dq=dq, dk=dk, dv=dv, out=out, lse=lse)
+    save_file({k: t.contiguous() for k, t in tensors.items()}, f"{OUT}/{name}.safetensors")
+    manifest["cases"][name] = entry
+
 
 def main():
     os.makedirs(OUT, exist_ok=True)
     g = torch.Generator().manual_seed(16)
     manifest = {"_about": __doc__.strip().splitlines()[0], "_torch": torch.__version__, "cases": {}}
     for name, c in CASES.items():
-        c.setdefault("scale", 1 / math.sqrt(c["D"]))
-        p0 = c.get("p0", 0)
-        shapes = [(c["B"], c["H"], c["Sq"], c["D"]), (c["B"], c["Hkv"], c["Skv"], c["D"]),
-                  (c["B"], c["Hkv"], c["Skv"], c["D"]), (c["B"], c["H"], c["Sq"], c["D"])]
-        stored = [torch.randn(*s, generator=g).to(DT[c["dtype"]]) for s in shapes]
-        out, lse, dq, dk, dv = grads(c, stored, torch.float64, p0)
-        entry = {"spec": c["spec"], "position_offset": p0, "dtype": c["dtype"],
-                 "file": f"{name}.safetensors"}
-        if c["dtype"] != "f32":
-            _, _, lq, lk, lv = grads(c, stored, DT[c["dtype"]], p0)
-            entry["torch_lowp_grad_max_abs_err"] = {
-                n: float((lo.to(torch.float64) - hi).abs().max()) for n, lo, hi in
-                [("dq", lq, dq), ("dk", lk, dk), ("dv", lv, dv)]}
-        tensors = dict(zip(["q", "k", "v", "dout"], stored))
-        tensors.update(dq=dq, dk=dk, dv=dv, out=out, lse=lse)
-        save_file({k: t.contiguous() for k, t in tensors.items()}, f"{OUT}/{name}.safetensors")
-        manifest["cases"][name] = entry
+        per_head_case(name, c, g, manifest)
     for name, c in MLA_CASES.items():
         c.setdefault("scale", 1 / math.sqrt(c["dn"] + c["dr"]))
         p0 = c.get("p0", 0)
@@ -188,6 +201,9 @@ def main():
         tensors.update(out=out, lse=lse)
         save_file({k: t.contiguous() for k, t in tensors.items()}, f"{OUT}/{name}.safetensors")
         manifest["cases"][name] = entry
+    later = torch.Generator().manual_seed(17)
+    for name, c in LATER_CASES.items():
+        per_head_case(name, c, later, manifest)
     with open(f"{OUT}/manifest.json", "w") as f:
         json.dump(manifest, f, indent=1)
 
