@@ -558,13 +558,15 @@ pub fn lower_tiled(plan: &KernelPlan, qk: Half, tiling: Tiling) -> Kernel {
     run.push(Stmt::CpAsyncWait(0));
     run.push(Stmt::Barrier);
     if let Some(half) = rope_half {
+        // Rows a tile can hold: `bc`, or all the keys when there are fewer.
+        let keys = bin(Bin::Min, i64(bc64), param("skv"));
         run.extend(rotate_k(
             plan,
             qk,
             &mut r,
             half,
             [k_sh, k_stride, cos_sh, sin_sh],
-            bc64,
+            keys,
         ));
         run.extend(issue_v(reg(t)));
         run.push(Stmt::Barrier);
@@ -875,14 +877,15 @@ fn rotates_k_in_shared(plan: &KernelPlan) -> bool {
 /// apart) from the tile's cos and sin rows (f32, `half` per key, at `cos_sh` and `sin_sh`):
 /// each thread rotates 32-bit words of element pairs, widening to f32 and rounding back.
 /// Interleaved pairs are one word; half-split pairs (i, i + half) are rotated two at a time,
-/// words at columns 2w and half + 2w.
+/// words at columns 2w and half + 2w. The first `keys` rows are rotated (rows past the last
+/// key are masked).
 fn rotate_k(
     plan: &KernelPlan,
     qk: Half,
     r: &mut Regs,
     half: usize,
     [k_sh, k_stride, cos_sh, sin_sh]: [usize; 4],
-    keys: i64,
+    keys: Expr,
 ) -> Vec<Stmt> {
     let rope = plan.rope.as_ref().expect("a RoPE plan");
     // Read in the storage format, written in the Q K^T operands'.
@@ -936,10 +939,12 @@ fn rotate_k(
         mul(reg(w), i64(2))
     };
     body.extend(words.rotate(r, mul(reg(w), i64(2)), f0));
+    // A trip count known only at run time keeps ptxas from unrolling the loop: unrolled, its
+    // loads were scheduled together and the head dim 128 kernel spilled at 255 registers.
     vec![Stmt::For {
         reg: item,
         start: special64(Special::Tid),
-        end: i64(keys * per_key),
+        end: mul(keys, i64(per_key)),
         step: i64::from(THREADS),
         body,
     }]
