@@ -92,10 +92,9 @@ impl Case {
             .unwrap()
     }
 
-    /// The last `sq` queries decoded against a paged cache of all `skv` keys, split into
-    /// `partitions` parts.
-    fn decode(&self, partitions: usize) -> Output {
-        let [q, k, v] = self.tensors();
+    /// A paged cache holding all `skv` keys and values, and its one sequence.
+    fn cache(&self) -> (PagedCache, attn_runtime::cache::SeqId) {
+        let [_, k, v] = self.tensors();
         let (_, hkv, d, dv) = dims(&self.spec);
         let mut cache = PagedCache::new(&self.spec, 16, self.skv.div_ceil(16) + 1).unwrap();
         let seq = cache.add_sequence();
@@ -103,6 +102,14 @@ impl Case {
             Tensor::from_f32_as(self.spec.dtype, &[hkv, self.skv, w], t.to_f32_vec()).unwrap()
         };
         cache.append(seq, &as3(&k, d), &as3(&v, dv)).unwrap();
+        (cache, seq)
+    }
+
+    /// The last `sq` queries decoded against a paged cache of all `skv` keys, split into
+    /// `partitions` parts.
+    fn decode(&self, partitions: usize) -> Output {
+        let [q, _, _] = self.tensors();
+        let (cache, seq) = self.cache();
         let options = DecodeOptions {
             partitions: Some(partitions),
         };
@@ -432,14 +439,8 @@ fn the_gpu_kernels_on_the_interpreter_keep_scores_up_to_f32_max() {
 /// The GPU decode kernel on the interpreter, against a paged cache of all keys, in `parts`
 /// partitions.
 fn gpu_decode(case: &Case, parts: usize) -> Output {
-    let [q, k, v] = case.tensors();
-    let (_, hkv, d, dv) = dims(&case.spec);
-    let mut cache = PagedCache::new(&case.spec, 16, case.skv.div_ceil(16) + 1).unwrap();
-    let seq = cache.add_sequence();
-    let as3 = |t: &Tensor, w: usize| {
-        Tensor::from_f32_as(case.spec.dtype, &[hkv, case.skv, w], t.to_f32_vec()).unwrap()
-    };
-    cache.append(seq, &as3(&k, d), &as3(&v, dv)).unwrap();
+    let [q, _, _] = case.tensors();
+    let (cache, seq) = case.cache();
     let options = DecodeOptions {
         partitions: Some(parts),
     };

@@ -225,8 +225,9 @@ enum Command {
         #[arg(long, value_name = "DIR")]
         out_dir: Option<std::path::PathBuf>,
     },
-    /// List or clear the disk cache of compiled kernels (ATTN_CACHE_DIR, else the platform's
-    /// cache directory under attn/kernels).
+    /// List or clear the disk cache of compiled kernels: the folder attn-kernels under
+    /// ATTN_CACHE_DIR, else under the platform's cache directory's attn/ (~/.cache/attn on
+    /// Linux). Only files it wrote are listed or removed.
     Cache {
         /// What to do.
         #[arg(value_enum)]
