@@ -156,8 +156,12 @@ fn headroom_at(dir: &std::path::Path, (limit, usage, inactive): CgroupFiles) -> 
     Some(limit.saturating_sub(usage.saturating_sub(cache)))
 }
 
+/// Requests of fewer bytes are not checked ([`ensure_fits`]).
+pub const CHECKED_FROM: u64 = 16 << 20;
+
 /// Refuses `bytes` (`None`: a count that overflowed) of `what` when they exceed the memory
-/// [available], naming both and the limit that binds.
+/// [available], naming both and the limit that binds. Requests under [`CHECKED_FROM`] (16 MiB)
+/// pass unchecked.
 pub fn ensure_fits(what: &str, bytes: Option<u64>) -> Result<(), RuntimeError> {
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     let Some(bytes) = bytes else {
@@ -165,6 +169,11 @@ pub fn ensure_fits(what: &str, bytes: Option<u64>) -> Result<(), RuntimeError> {
             "{what} would need more than 2^64 bytes of memory"
         )));
     };
+    // Below this, a request is not worth the files the limits are read from (a decode step
+    // asks once per token): if memory is that short, the process is at its end anyway.
+    if bytes < CHECKED_FROM {
+        return Ok(());
+    }
     // Pooled buffers count as used: free them before refusing.
     if available_bytes().is_some_and(|free| bytes > free) {
         release_pooled();
