@@ -17,6 +17,7 @@
 //! ```
 
 #![warn(missing_docs)]
+#![forbid(unsafe_code)]
 
 pub use attn_dsl as dsl;
 pub use attn_dsl::{AttentionSpec, DType, KvLayout, Mask, Position, Rope, RopeScaling};

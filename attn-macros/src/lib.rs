@@ -5,6 +5,8 @@
 //! string parser accepts, and an invalid spec fails the user's build with the error under the
 //! offending tokens.
 
+#![forbid(unsafe_code)]
+
 mod aot;
 mod emit;
 mod targets;

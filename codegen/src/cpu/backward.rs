@@ -6,8 +6,8 @@
 //! `grad_tile` are the runtime's native microkernels.
 
 use super::abi::{GradTileArgs, RotateArgs};
-use super::emit::{Refs, field, identity_program, rotate, scale_row};
 use super::fx::Fx;
+use super::rows::{Refs, field, identity_program, rotate, scale_row};
 use super::score::{GroupEnv, RowEnv, ScoreLowering, Tables};
 use super::step::kept_lanes;
 use crate::plan::{K_TILE, KernelPlan, TileCode};

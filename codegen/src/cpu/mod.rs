@@ -25,6 +25,7 @@ pub mod abi;
 mod backward;
 mod emit;
 mod fx;
+mod rows;
 mod score;
 mod step;
 
@@ -168,7 +169,7 @@ pub fn compile(plan: &KernelPlan, imports: &Imports) -> Result<CpuKernel, Codege
             b.switch_to_block(entry);
             b.seal_block(entry);
             let args = b.block_params(entry)[0];
-            let refs = emit::Refs {
+            let refs = rows::Refs {
                 qk: module.declare_func_in_func(qk, b.func),
                 pv: module.declare_func_in_func(pv, b.func),
                 logf: module.declare_func_in_func(logf, b.func),

@@ -3,8 +3,8 @@
 //! (score program, mask, base-2 softmax, value product) and the epilogue (out and lse).
 
 use super::abi::ScratchLayout;
-use super::emit::{Refs, copy, identity_program, rotate, scale_row};
 use super::fx::Fx;
+use super::rows::{Refs, copy, identity_program, rotate, scale_row};
 use super::score::{GroupEnv, RowEnv, ScoreLowering, Tables};
 use crate::plan::TileCode;
 use crate::plan::{K_TILE, KernelPlan, TileMasking};

@@ -7,7 +7,7 @@
 //! `g = l / 4` (rows `g` and `g + 8`) at thread `q = l % 4` of it; a C fragment's register `i`
 //! is row `g + 8 (i / 2)`, column `2 q + i % 2` of its 8-column block.
 
-use super::decode::{Segment, Task, stage_q};
+use super::decode_records::{Segment, Task, stage_q};
 use super::forward::{Env, Regs, exp2_twice, program, rescale_to, special64};
 use super::ir::build::*;
 use super::ir::{Bin, Expr, Half, Reg, Space, Special, Stmt, Ty};

@@ -17,10 +17,10 @@
 //! in different banks. Q is rounded to the cache's 16-bit format for the tensor cores, and P
 //! too, as the forward kernel does; sums and O accumulate in f32.
 
-use super::decode::{Segment, THREADS, Task, param};
 use super::decode_mma::{
     self, Lane, QFragments, Rest, RowCopy, RowState, half_of, k_lane, runs, scores, v_lane,
 };
+use super::decode_records::{Segment, THREADS, Task, param};
 use super::forward::{Regs, exp2_twice, lse_of_half, reciprocal, special64};
 use super::ir::build::*;
 use super::ir::{Bin, Expr, Kernel, Space, Special, Stmt, Ty};

@@ -13,10 +13,10 @@
 //! program and the online softmax, then `O += P V` for its quarter of the value columns. No
 //! merge at the end: each warp writes its own columns. Two barriers a round.
 
-use super::decode::{Segment, THREADS, Task, param};
 use super::decode_mma::{
     self, Lane, QFragments, Rest, RowCopy, RowState, half_of, k_lane, runs, scores, v_lane,
 };
+use super::decode_records::{Segment, THREADS, Task, param};
 use super::decode_tc;
 use super::forward::{Regs, lse_of_half, reciprocal, special64};
 use super::ir::build::*;

@@ -17,6 +17,7 @@ pub mod backward;
 pub mod backward_tc;
 pub mod decode;
 mod decode_mma;
+mod decode_records;
 pub mod decode_tc;
 pub mod decode_wide;
 pub mod forward;

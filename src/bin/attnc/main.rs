@@ -3,6 +3,8 @@
 //! Exit codes: 0 on success, 2 on bad input (an invalid spec, an unreadable file, bad flags),
 //! with a message on stderr that says what was wrong and where.
 
+#![forbid(unsafe_code)]
+
 mod bench;
 mod bench_decode;
 mod check_device;

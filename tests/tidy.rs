@@ -1,0 +1,522 @@
+//! The workspace's structural invariants, checked on its source text (ARCHITECTURE.md,
+//! "Invariants"): module imports form no cycle in any crate; attn-dsl knows no backend; in
+//! attn-runtime, `host/` imports neither `cpu/` nor `gpu/`, and `cpu/` and `gpu/` do not import
+//! each other; `unsafe` appears only in attn-runtime, each block under a `SAFETY:` comment.
+//!
+//! A module is a source file (`a/mod.rs` is `a`). Module `m` imports module `n` when a `use` of
+//! `m`, or a `crate::`, `super::` or `self::` path in its code, names an item of `n`. Paths are
+//! followed through `pub use` re-exports to the module that defines the item, so a parent that
+//! only declares and re-exports its children imports nothing. Test modules (`#[cfg(test)]`
+//! onwards) are not read.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+
+/// The crates of the workspace: name, source folder.
+const CRATES: [(&str, &str); 5] = [
+    ("attn", "src"),
+    ("attn_dsl", "attn-dsl/src"),
+    ("attn_macros", "attn-macros/src"),
+    ("codegen", "codegen/src"),
+    ("attn_runtime", "attn-runtime/src"),
+];
+
+type Module = Vec<String>;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn name(m: &[String]) -> String {
+    if m.is_empty() {
+        "<root>".to_string()
+    } else {
+        m.join("::")
+    }
+}
+
+/// Every `.rs` file below `dir`, recursively.
+fn rust_files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                out.push(path);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// A crate's modules by path, each with its source text (binaries under `bin/` are their own
+/// crates and left out).
+fn modules(src: &Path) -> BTreeMap<Module, String> {
+    let mut out = BTreeMap::new();
+    for path in rust_files(src) {
+        let rel = path.strip_prefix(src).unwrap().with_extension("");
+        let mut parts: Module = rel
+            .components()
+            .map(|c| c.as_os_str().to_string_lossy().into_owned())
+            .collect();
+        if parts.first().is_some_and(|p| p == "bin") {
+            continue;
+        }
+        if parts
+            .last()
+            .is_some_and(|p| p == "mod" || p == "lib" || p == "main")
+        {
+            parts.pop();
+        }
+        out.insert(parts, std::fs::read_to_string(&path).unwrap());
+    }
+    out
+}
+
+/// `text` without comments, string and char contents, and everything from `#[cfg(test)]` on.
+fn code(text: &str) -> String {
+    let text = text.split("#[cfg(test)]").next().unwrap();
+    let bytes = text.as_bytes();
+    let mut out = String::with_capacity(text.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'/' if bytes.get(i + 1) == Some(&b'/') => {
+                while i < bytes.len() && bytes[i] != b'\n' {
+                    i += 1;
+                }
+            }
+            b'/' if bytes.get(i + 1) == Some(&b'*') => {
+                i += 2;
+                while i + 1 < bytes.len() && !(bytes[i] == b'*' && bytes[i + 1] == b'/') {
+                    i += 1;
+                }
+                i += 2;
+            }
+            b'"' => {
+                out.push_str("\"\"");
+                i += 1;
+                while i < bytes.len() && bytes[i] != b'"' {
+                    i += if bytes[i] == b'\\' { 2 } else { 1 };
+                }
+                i += 1;
+            }
+            c => {
+                out.push(c as char);
+                i += 1;
+            }
+        }
+    }
+    out
+}
+
+/// The paths a `use` tree names (`a::{b, c::{d as e}}` gives `a::b` and `a::c::d`).
+fn use_paths(tree: &str, prefix: &[String]) -> Vec<Module> {
+    let tree = tree.trim();
+    if let Some(open) = tree.find('{')
+        && tree.ends_with('}')
+    {
+        let mut base = prefix.to_vec();
+        base.extend(segments(tree[..open].trim_end_matches("::")));
+        let inner = &tree[open + 1..tree.len() - 1];
+        let (mut depth, mut start, mut out) = (0, 0, Vec::new());
+        for (i, c) in inner.char_indices() {
+            match c {
+                '{' => depth += 1,
+                '}' => depth -= 1,
+                ',' if depth == 0 => {
+                    out.extend(use_paths(&inner[start..i], &base));
+                    start = i + 1;
+                }
+                _ => {}
+            }
+        }
+        out.extend(use_paths(&inner[start..], &base));
+        return out;
+    }
+    if tree.is_empty() {
+        return Vec::new();
+    }
+    let tree = tree.split(" as ").next().unwrap();
+    let mut path = prefix.to_vec();
+    path.extend(segments(tree));
+    vec![path]
+}
+
+fn segments(path: &str) -> Vec<String> {
+    path.split("::")
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(String::from)
+        .collect()
+}
+
+/// A crate's module graph: for each module, the modules it imports.
+struct Graph {
+    edges: BTreeMap<Module, BTreeSet<Module>>,
+}
+
+impl Graph {
+    fn of(src: &Path) -> Graph {
+        let mods = modules(src);
+        let codes: BTreeMap<&Module, String> = mods.iter().map(|(m, t)| (m, code(t))).collect();
+        // Each module's `use` declarations, re-exports (`pub use`) apart.
+        let mut uses: HashMap<&Module, Vec<Module>> = HashMap::new();
+        let mut reexports: HashMap<&Module, HashMap<String, Module>> = HashMap::new();
+        for (m, text) in &codes {
+            for (public, tree) in use_declarations(text) {
+                for path in use_paths(&tree, &[]) {
+                    if public {
+                        if let Some(last) = path.last() {
+                            reexports.entry(m).or_default().insert(last.clone(), path);
+                        }
+                    } else {
+                        uses.entry(m).or_default().push(path);
+                    }
+                }
+            }
+        }
+        let absolute = |m: &Module, path: &[String]| -> Option<Module> {
+            match path.first()?.as_str() {
+                "crate" => Some(path[1..].to_vec()),
+                "self" => Some([m.as_slice(), &path[1..]].concat()),
+                "super" => {
+                    let mut base = m.clone();
+                    let mut rest = path;
+                    while rest.first().is_some_and(|s| s == "super") {
+                        base.pop();
+                        rest = &rest[1..];
+                    }
+                    Some([base.as_slice(), rest].concat())
+                }
+                child => {
+                    let mut own = m.clone();
+                    own.push(child.to_string());
+                    mods.contains_key(&own)
+                        .then(|| [m.as_slice(), path].concat())
+                }
+            }
+        };
+        // The module that defines what `path` names: its longest module prefix, through
+        // re-exports of the next segment.
+        let resolve = |path: Module| -> Option<Module> {
+            let mut path = path;
+            for _ in 0..16 {
+                let n = (0..=path.len())
+                    .rev()
+                    .find(|&n| mods.contains_key(&path[..n]))?;
+                let module = path[..n].to_vec();
+                let target = path.get(n).and_then(|item| {
+                    let via = reexports.get(&module)?.get(item)?;
+                    absolute(&module, via)
+                });
+                match target {
+                    Some(target) => path = [target.as_slice(), &path[n + 1..]].concat(),
+                    None => return Some(module),
+                }
+            }
+            None
+        };
+        let mut edges: BTreeMap<Module, BTreeSet<Module>> = BTreeMap::new();
+        for (m, text) in &codes {
+            let mut refs = uses.get(m).cloned().unwrap_or_default();
+            refs.extend(qualified_paths(text));
+            let targets = edges.entry((*m).clone()).or_default();
+            for path in refs {
+                if let Some(target) = absolute(m, &path).and_then(&resolve)
+                    && &target != *m
+                {
+                    targets.insert(target);
+                }
+            }
+        }
+        Graph { edges }
+    }
+
+    /// The import cycles: each strongly connected set of two or more modules, sorted.
+    fn cycles(&self) -> Vec<Vec<String>> {
+        struct Tarjan<'g> {
+            graph: &'g Graph,
+            index: HashMap<&'g Module, usize>,
+            low: HashMap<&'g Module, usize>,
+            stack: Vec<&'g Module>,
+            on_stack: BTreeSet<&'g Module>,
+            out: Vec<Vec<String>>,
+        }
+        impl<'g> Tarjan<'g> {
+            fn visit(&mut self, v: &'g Module) {
+                let i = self.index.len();
+                self.index.insert(v, i);
+                self.low.insert(v, i);
+                self.stack.push(v);
+                self.on_stack.insert(v);
+                for w in self.graph.edges.get(v).into_iter().flatten() {
+                    if !self.index.contains_key(w) {
+                        self.visit(w);
+                        let lw = self.low[w];
+                        self.low.entry(v).and_modify(|l| *l = (*l).min(lw));
+                    } else if self.on_stack.contains(w) {
+                        let iw = self.index[w];
+                        self.low.entry(v).and_modify(|l| *l = (*l).min(iw));
+                    }
+                }
+                if self.low[v] == self.index[v] {
+                    let mut set = Vec::new();
+                    while let Some(w) = self.stack.pop() {
+                        self.on_stack.remove(w);
+                        set.push(name(w));
+                        if w == v {
+                            break;
+                        }
+                    }
+                    if set.len() > 1 {
+                        set.sort();
+                        self.out.push(set);
+                    }
+                }
+            }
+        }
+        let mut t = Tarjan {
+            graph: self,
+            index: HashMap::new(),
+            low: HashMap::new(),
+            stack: Vec::new(),
+            on_stack: BTreeSet::new(),
+            out: Vec::new(),
+        };
+        for v in self.edges.keys() {
+            if !t.index.contains_key(v) {
+                t.visit(v);
+            }
+        }
+        t.out.sort();
+        t.out
+    }
+
+    /// The imports from modules under `from` into modules under `to`, as `a -> b` lines.
+    fn imports_between(&self, from: &str, to: &str) -> Vec<String> {
+        let under = |m: &Module, top: &str| m.first().is_some_and(|p| p == top);
+        self.edges
+            .iter()
+            .filter(|(m, _)| under(m, from))
+            .flat_map(|(m, targets)| {
+                targets
+                    .iter()
+                    .filter(|t| under(t, to))
+                    .map(move |t| format!("{} -> {}", name(m), name(t)))
+            })
+            .collect()
+    }
+}
+
+/// The `use` declarations of `code`: whether each is public (`pub` or `pub(...)`), and its
+/// tree.
+fn use_declarations(code: &str) -> Vec<(bool, String)> {
+    let mut out = Vec::new();
+    let mut rest = code;
+    while let Some(at) = rest.find("use ") {
+        let before = &rest[..at];
+        let boundary = before
+            .chars()
+            .last()
+            .is_none_or(|c| !(c.is_alphanumeric() || c == '_'));
+        let Some(end) = rest[at..].find(';') else {
+            break;
+        };
+        if boundary {
+            let head = before.trim_end();
+            let public = head.ends_with("pub") || (head.ends_with(')') && head.contains("pub("));
+            let line_start = before.rfind(['\n', ';', '{', '}']).map_or(0, |i| i + 1);
+            let statement_start = before[line_start..].trim();
+            if statement_start.is_empty() || statement_start.starts_with("pub") {
+                out.push((public, rest[at + 4..at + end].to_string()));
+            }
+        }
+        rest = &rest[at + end + 1..];
+    }
+    out
+}
+
+/// Every `crate::…`, `super::…` and `self::…` path in `code`.
+fn qualified_paths(code: &str) -> Vec<Module> {
+    let bytes = code.as_bytes();
+    let mut out = Vec::new();
+    for start in ["crate::", "super::", "self::"] {
+        let mut from = 0;
+        while let Some(at) = code[from..].find(start) {
+            let at = from + at;
+            from = at + start.len();
+            if at > 0 && (bytes[at - 1].is_ascii_alphanumeric() || bytes[at - 1] == b'_') {
+                continue;
+            }
+            let end = code[at..]
+                .find(|c: char| !(c.is_alphanumeric() || c == '_' || c == ':'))
+                .map_or(code.len(), |e| at + e);
+            let path = segments(&code[at..end]);
+            if path.len() > 1 {
+                out.push(path);
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn no_crate_has_a_module_import_cycle() {
+    let mut found = Vec::new();
+    for (krate, src) in CRATES {
+        for cycle in Graph::of(&root().join(src)).cycles() {
+            found.push(format!("{krate}: {}", cycle.join(", ")));
+        }
+    }
+    // The cycles not broken yet; each goes as it is broken, and the list ends empty.
+    let known = [
+        "attn_runtime: backend, cpu, cpu::microkernels, gpu, host::checks, host::mla, host::ragged",
+    ];
+    assert_eq!(found, known, "module import cycles");
+}
+
+#[test]
+fn the_host_layer_imports_neither_backend_and_the_backends_not_each_other() {
+    let graph = Graph::of(&root().join("attn-runtime/src"));
+    for (from, to) in [
+        ("host", "cpu"),
+        ("host", "gpu"),
+        ("cpu", "gpu"),
+        ("gpu", "cpu"),
+    ] {
+        assert_eq!(
+            graph.imports_between(from, to),
+            Vec::<String>::new(),
+            "{from}/ imports {to}/"
+        );
+    }
+}
+
+#[test]
+fn attn_dsl_knows_no_backend() {
+    let manifest = std::fs::read_to_string(root().join("attn-dsl/Cargo.toml")).unwrap();
+    let sources: String = rust_files(&root().join("attn-dsl/src"))
+        .iter()
+        .map(|p| code(&std::fs::read_to_string(p).unwrap()))
+        .collect();
+    for backend in [
+        "attn-codegen",
+        "attn-runtime",
+        "cranelift",
+        "cudarc",
+        "inkwell",
+    ] {
+        assert!(!manifest.contains(backend), "attn-dsl depends on {backend}");
+        let ident = backend.replace('-', "_");
+        assert!(!sources.contains(&ident), "attn-dsl names {ident}");
+    }
+    assert!(!sources.contains("codegen::"), "attn-dsl names codegen");
+}
+
+/// Whether line `i` of `lines` has a `SAFETY:` comment on it, or in the comment lines right
+/// above the statement it continues (attributes between are allowed).
+fn has_safety_comment(lines: &[&str], i: usize) -> bool {
+    if lines[i].contains("SAFETY:") {
+        return true;
+    }
+    let mut j = i;
+    // Up to the first line of the statement: a line that continues the one above.
+    while j > 0 {
+        let above = lines[j - 1].split("//").next().unwrap().trim();
+        if above.is_empty() || above.ends_with([';', '{', '}']) {
+            break;
+        }
+        j -= 1;
+    }
+    while j > 0 {
+        j -= 1;
+        let l = lines[j].trim();
+        if l.contains("SAFETY:") {
+            return true;
+        }
+        if !(l.starts_with("//") || l.starts_with("#[")) {
+            return false;
+        }
+    }
+    false
+}
+
+#[test]
+fn unsafe_is_only_in_attn_runtime_each_block_under_a_safety_comment() {
+    for (krate, src) in CRATES {
+        let dir = root().join(src);
+        if krate == "attn_runtime" {
+            let mut missing = Vec::new();
+            for path in rust_files(&dir) {
+                let text = std::fs::read_to_string(&path).unwrap();
+                let lines: Vec<&str> = text.lines().collect();
+                for (i, line) in lines.iter().enumerate() {
+                    let code = line.split("//").next().unwrap();
+                    let block = code
+                        .match_indices("unsafe")
+                        .any(|(at, _)| code[at + "unsafe".len()..].trim_start().starts_with('{'));
+                    if block && !has_safety_comment(&lines, i) {
+                        missing.push(format!("{}:{}", path.display(), i + 1));
+                    }
+                }
+            }
+            assert_eq!(
+                missing,
+                Vec::<String>::new(),
+                "unsafe blocks without SAFETY"
+            );
+            continue;
+        }
+        let root_file = ["lib.rs", "main.rs"]
+            .iter()
+            .map(|f| dir.join(f))
+            .find(|p| p.exists())
+            .unwrap();
+        let text = std::fs::read_to_string(&root_file).unwrap();
+        assert!(
+            text.contains("#![forbid(unsafe_code)]"),
+            "{krate} does not forbid unsafe code"
+        );
+    }
+    // The CLI is a crate of its own.
+    let cli = std::fs::read_to_string(root().join("src/bin/attnc/main.rs")).unwrap();
+    assert!(
+        cli.contains("#![forbid(unsafe_code)]"),
+        "attnc allows unsafe code"
+    );
+}
+
+/// The parser itself, on small sources: a cycle through a child's `super::` import, and none
+/// where a parent only re-exports.
+#[test]
+fn the_module_graph_follows_imports_and_re_exports() {
+    let dir = std::env::temp_dir().join(format!("attn-tidy-{}", std::process::id()));
+    std::fs::remove_dir_all(&dir).ok();
+    std::fs::create_dir_all(dir.join("a")).unwrap();
+    let write = |path: &str, text: &str| std::fs::write(dir.join(path), text).unwrap();
+    write("lib.rs", "mod a;\nmod b;\npub use a::Thing;\n");
+    write("a/mod.rs", "mod inner;\npub use inner::Thing;\n");
+    write("a/inner.rs", "use crate::b::helper;\npub struct Thing;\n");
+    write("b.rs", "pub fn helper() {}\n");
+    assert!(Graph::of(&dir).cycles().is_empty());
+    // b now uses the root's re-export of a::inner::Thing: a cycle b <-> a::inner.
+    write("b.rs", "pub fn helper() -> crate::Thing { crate::Thing }\n");
+    assert_eq!(
+        Graph::of(&dir).cycles(),
+        vec![vec!["a::inner".to_string(), "b".to_string()]]
+    );
+    // A `use` inside a function and a grouped tree count too; comments and strings do not.
+    write(
+        "b.rs",
+        "// use crate::a::Thing;\npub fn helper() { let _ = \"crate::a::Thing\"; }\n",
+    );
+    assert!(Graph::of(&dir).cycles().is_empty());
+    write("b.rs", "pub fn helper() { use crate::{a::{Thing}}; }\n");
+    assert_eq!(Graph::of(&dir).cycles().len(), 1);
+    std::fs::remove_dir_all(&dir).ok();
+}
