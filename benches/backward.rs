@@ -5,9 +5,7 @@
 //!
 //! `cargo bench --bench backward` (all), or filter: `cargo bench --bench backward -- causal/f32`.
 
-use attn::AttentionSpec;
-use attn::runtime::cpu::CpuBackend;
-use attn::runtime::{BackwardInputs, Tensor};
+use attn::prelude::*;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 
 fn tensor(spec: &AttentionSpec, n: usize, seed: usize) -> Tensor {
@@ -29,6 +27,7 @@ fn backward(c: &mut Criterion) {
         for dtype in ["f32", "bf16"] {
             let text = format!("heads = 16, head_dim = 128, {body}, dtype = {dtype}");
             let spec: AttentionSpec = text.parse().unwrap();
+            let variant = Variant::shared(&spec).unwrap();
             let mut group = c.benchmark_group(format!("{name}/{dtype}"));
             group.sample_size(10);
             for n in [512, 1024, 2048] {
@@ -36,8 +35,9 @@ fn backward(c: &mut Criterion) {
                 group.throughput(Throughput::Elements((16 * n * n / 2) as u64));
                 group.bench_with_input(BenchmarkId::from_parameter(n), &n, |b, _| {
                     b.iter(|| {
-                        let saved = backend.forward(&spec, &q, &k, &v, 0).unwrap();
-                        let x = BackwardInputs {
+                        let inputs = Inputs::heads(&q, &k, &v);
+                        let saved = backend.forward(&variant, inputs, 0).unwrap();
+                        let x = BackwardInputs::Heads(HeadsBackward {
                             q: &q,
                             k: &k,
                             v: &v,
@@ -45,8 +45,8 @@ fn backward(c: &mut Criterion) {
                             lse: &saved.lse,
                             dout: &dout,
                             position_offset: 0,
-                        };
-                        backend.backward(&spec, &x).unwrap()
+                        });
+                        backend.backward(&variant, &x).unwrap()
                     })
                 });
             }

@@ -4,9 +4,7 @@
 //!
 //! `cargo bench --bench prefill` (all), or filter: `cargo bench --bench prefill -- causal/d128`.
 
-use attn::AttentionSpec;
-use attn::runtime::Tensor;
-use attn::runtime::cpu::CpuBackend;
+use attn::prelude::*;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 
 fn inputs(spec: &AttentionSpec, n: usize) -> [Tensor; 3] {
@@ -33,13 +31,17 @@ fn prefill(c: &mut Criterion) {
                 let text = format!("heads = 16, head_dim = {d}, {body}, dtype = {dtype}");
                 let spec: AttentionSpec = text.parse().unwrap();
                 backend.kernel(&spec).unwrap();
+                let variant = Variant::shared(&spec).unwrap();
                 let mut group = c.benchmark_group(format!("{name}/d{d}/{dtype}"));
                 group.sample_size(10);
                 for n in [512, 1024, 2048, 4096] {
                     let [q, k, v] = inputs(&spec, n);
                     group.throughput(Throughput::Elements((16 * n * n / 2) as u64));
                     group.bench_with_input(BenchmarkId::from_parameter(n), &n, |b, _| {
-                        b.iter(|| backend.forward(&spec, &q, &k, &v, 0).unwrap())
+                        b.iter(|| {
+                            let inputs = Inputs::heads(&q, &k, &v);
+                            backend.forward(&variant, inputs, 0).unwrap()
+                        })
                     });
                 }
                 group.finish();

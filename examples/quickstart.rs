@@ -3,10 +3,8 @@
 //! Run with `cargo run --release --example quickstart`.
 
 use attn::dsl::accounting::{forward_flops, kv_cache_bytes_per_token};
-use attn::dsl::reference::{self, Array, Inputs};
-use attn::runtime::Tensor;
-use attn::runtime::cpu::CpuBackend;
-use attn::{Attention, AttentionSpec, attention};
+use attn::dsl::reference::{self, Array};
+use attn::prelude::*;
 
 /// A Llama-3-8B-shaped attention layer, declared (and validated) at compile time.
 #[attention(
@@ -64,14 +62,18 @@ fn main() {
         let values = a.data().iter().map(|x| *x as f32).collect();
         Tensor::from_f32(a.shape(), values).expect("shape matches data")
     };
+    // A variant is the spec validated and planned once (`shared`: the process's one for this
+    // spec); a backend compiles its kernels on first use (here, ahead of the call, to time it).
+    let variant = Variant::shared(&spec).expect("a valid spec");
     let backend = CpuBackend::new();
     let kernel = backend.kernel(&spec).expect("compiles");
+    let (qt, kt, vt) = (tensor(&q), tensor(&k), tensor(&v));
     let got = backend
-        .forward(&spec, &tensor(&q), &tensor(&k), &tensor(&v), 0)
+        .forward(&variant, Inputs::heads(&qt, &kt, &vt), 0)
         .expect("shapes match the spec");
     let want = reference::attention(
         &spec,
-        &Inputs {
+        &reference::Inputs {
             q: &q,
             k: &k,
             v: &v,

@@ -7,6 +7,11 @@
 //! - [`runtime`] (attn-runtime): tensors, launches, caches and models; [`Attention`], the typed
 //!   API of a declared variant.
 //!
+//! The types a program uses are at the root: a [`Variant`] (a spec validated and planned once)
+//! runs on a [`Backend`] ([`CpuBackend`], [`GpuSim`], or one [`backends::open`] names) over
+//! [`Inputs`] or cached [`Queries`]; a [`Model`] composes variants into a transformer.
+//! [`prelude`] holds the common ones.
+//!
 //! The `attnc` binary is the command-line front end.
 //!
 //! ```
@@ -23,5 +28,21 @@ pub use attn_dsl as dsl;
 pub use attn_dsl::{AttentionSpec, DType, KvLayout, Mask, Position, Rope, RopeScaling};
 pub use attn_macros::attention;
 pub use attn_runtime as runtime;
-pub use attn_runtime::Attention;
+pub use attn_runtime::cpu::CpuBackend;
+pub use attn_runtime::gpu::sim::GpuSim;
+pub use attn_runtime::model::Model;
+pub use attn_runtime::{
+    Attention, Backend, BackwardInputs, DecodeOptions, Gradients, HeadGradients, HeadsBackward,
+    Inputs, MlaBackward, MlaGradients, MlaQueries, MlaTensors, Output, Queries, RuntimeError,
+    Tensor, Variant, backends,
+};
 pub use codegen;
+
+/// What most programs use: `use attn::prelude::*;`.
+pub mod prelude {
+    pub use crate::{
+        Attention, AttentionSpec, Backend, BackwardInputs, CpuBackend, DType, DecodeOptions,
+        GpuSim, HeadsBackward, Inputs, MlaTensors, Model, Output, Queries, RuntimeError, Tensor,
+        Variant, attention,
+    };
+}

@@ -1,10 +1,7 @@
 //! Every golden case (PyTorch float64) through the CPU backend, within the case's tolerance; the
 //! low-precision cases also within 2x of PyTorch's own low-precision error.
 
-use attn::AttentionSpec;
-use attn::runtime::MlaTensors;
-use attn::runtime::Tensor;
-use attn::runtime::cpu::CpuBackend;
+use attn::prelude::*;
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
 use std::path::PathBuf;
@@ -129,10 +126,14 @@ fn cpu_backend_meets_every_fixture_tolerance() {
                 k_pe: &k_pe,
                 w_kv_b: &w_kv_b,
             };
-            backend.forward_mla(&spec, &x, offset).unwrap()
+            let variant = Variant::new(spec.clone()).unwrap();
+            backend.forward(&variant, Inputs::Mla(x), offset).unwrap()
         } else {
             let (q, k, v) = (load(&st, "q").0, load(&st, "k").0, load(&st, "v").0);
-            backend.forward(&spec, &q, &k, &v, offset).unwrap()
+            let variant = Variant::new(spec.clone()).unwrap();
+            backend
+                .forward(&variant, Inputs::heads(&q, &k, &v), offset)
+                .unwrap()
         };
         // RoPE angles are computed in f64, so the strict tolerance applies to RoPE cases too.
         let tol = &case["suggested_tol"];

@@ -365,7 +365,7 @@ fn nesting_at_the_limits_runs_every_pass() {
             &t(&[1, 2, 5, 8]),
             0,
         )
-        .and_then(|call| call.run_emulated())
+        .and_then(|call| call.run_on_sim())
         .expect("the GPU kernel runs on the interpreter");
         #[cfg(feature = "llvm")]
         {

@@ -1,10 +1,11 @@
 //! The typed API of an attention variant declared with `#[attention(...)]`.
 
-use crate::backend::{
-    Backend, BackwardInputs, DecodeOptions, Gradients, MlaBackwardInputs, MlaGradients, MlaQueries,
-    MlaSaved, MlaTensors, Output,
-};
+use crate::backend::Backend;
 use crate::cache::{KvCache, PagedCache, SeqId};
+use crate::calls::{
+    BackwardInputs, DecodeOptions, HeadGradients, HeadsBackward, Inputs, MlaBackward, MlaGradients,
+    MlaQueries, MlaTensors, Output, Queries,
+};
 use crate::cpu::CpuBackend;
 use crate::variant::Variant;
 use crate::{RuntimeError, Tensor};
@@ -63,7 +64,7 @@ pub trait Attention {
         v: &Tensor,
         position_offset: i64,
     ) -> Result<Output, RuntimeError> {
-        CpuBackend::new().forward_in(Self::variant(), q, k, v, position_offset)
+        Self::forward_on(&CpuBackend::new(), q, k, v, position_offset)
     }
 
     /// Gradients `(dq, dk, dv)` for `dout = dL/dout`, given the forward's inputs and what
@@ -77,8 +78,8 @@ pub trait Attention {
         out: &Tensor,
         lse: &Tensor,
         dout: &Tensor,
-    ) -> Result<Gradients, RuntimeError> {
-        Self::backward_with(&BackwardInputs {
+    ) -> Result<HeadGradients, RuntimeError> {
+        Self::backward_with(&HeadsBackward {
             q,
             k,
             v,
@@ -90,8 +91,8 @@ pub trait Attention {
     }
 
     /// [`Attention::backward`] with every input named, keys at `x.position_offset + j`.
-    fn backward_with(x: &BackwardInputs) -> Result<Gradients, RuntimeError> {
-        CpuBackend::new().backward_in(Self::variant(), x)
+    fn backward_with(x: &HeadsBackward) -> Result<HeadGradients, RuntimeError> {
+        Self::backward_on(&CpuBackend::new(), x)
     }
 
     /// [`Attention::forward_with_lse`] on any backend, such as the CUDA one, which runs the
@@ -104,12 +105,17 @@ pub trait Attention {
         v: &Tensor,
         position_offset: i64,
     ) -> Result<Output, RuntimeError> {
-        backend.forward(Self::variant(), q, k, v, position_offset)
+        backend.forward(Self::variant(), Inputs::heads(q, k, v), position_offset)
     }
 
     /// [`Attention::backward_with`] on any backend (see [`Attention::forward_on`]).
-    fn backward_on(backend: &dyn Backend, x: &BackwardInputs) -> Result<Gradients, RuntimeError> {
-        backend.backward(Self::variant(), x)
+    fn backward_on(
+        backend: &dyn Backend,
+        x: &HeadsBackward,
+    ) -> Result<HeadGradients, RuntimeError> {
+        backend
+            .backward(Self::variant(), &BackwardInputs::Heads(*x))?
+            .heads()
     }
 
     /// [`Attention::decode`] on any backend (see [`Attention::forward_on`]).
@@ -119,23 +125,28 @@ pub trait Attention {
         cache: &dyn KvCache,
         seqs: &[SeqId],
     ) -> Result<Output, RuntimeError> {
-        backend.decode(Self::variant(), q, cache, seqs, DecodeOptions::default())
+        let queries = Queries::Uniform(q);
+        backend.attend_cached(
+            Self::variant(),
+            queries,
+            cache,
+            seqs,
+            DecodeOptions::default(),
+        )
     }
 
-    /// MLA output and log-sum-exp (CPU backend, absorbed form).
+    /// MLA output and log-sum-exp, and the latent output the MLA backward takes (CPU backend,
+    /// absorbed form).
     fn forward_mla(x: &MlaTensors, position_offset: i64) -> Result<Output, RuntimeError> {
-        CpuBackend::new().forward_mla_in(Self::variant(), x, position_offset)
-    }
-
-    /// [`Attention::forward_mla`] that also keeps what the MLA backward needs (CPU backend).
-    fn forward_mla_saving(x: &MlaTensors, position_offset: i64) -> Result<MlaSaved, RuntimeError> {
-        CpuBackend::new().forward_mla_saving_in(Self::variant(), x, position_offset)
+        CpuBackend::new().forward(Self::variant(), Inputs::Mla(*x), position_offset)
     }
 
     /// MLA's gradients (q_nope, q_pe, c_kv, k_pe, w_kv_b) for `x.dout`, given what
-    /// [`Attention::forward_mla_saving`] kept (CPU backend). q_pe and k_pe are before RoPE.
-    fn backward_mla(x: &MlaBackwardInputs) -> Result<MlaGradients, RuntimeError> {
-        CpuBackend::new().backward_mla_in(Self::variant(), x)
+    /// [`Attention::forward_mla`] returned (CPU backend). q_pe and k_pe are before RoPE.
+    fn backward_mla(x: &MlaBackward) -> Result<MlaGradients, RuntimeError> {
+        CpuBackend::new()
+            .backward(Self::variant(), &BackwardInputs::Mla(*x))?
+            .mla()
     }
 
     /// The decode kernel plan of the spec.
@@ -151,7 +162,7 @@ pub trait Attention {
     /// A decoding step: q `[B, HEADS, q_len, HEAD_DIM]` holds the last `q_len` tokens of each
     /// sequence of `seqs`, whose keys and values the cache already holds (CPU backend).
     fn decode(q: &Tensor, cache: &impl KvCache, seqs: &[SeqId]) -> Result<Output, RuntimeError> {
-        CpuBackend::new().decode_in(Self::variant(), q, cache, seqs, DecodeOptions::default())
+        Self::decode_on(&CpuBackend::new(), q, cache, seqs)
     }
 
     /// An MLA decoding step against a latent cache (absorbed form, CPU backend).
@@ -160,7 +171,8 @@ pub trait Attention {
         cache: &impl KvCache,
         seqs: &[SeqId],
     ) -> Result<Output, RuntimeError> {
-        CpuBackend::new().decode_mla_in(
+        let queries = Queries::Mla(queries);
+        CpuBackend::new().attend_cached(
             Self::variant(),
             queries,
             cache,

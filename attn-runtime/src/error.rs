@@ -32,6 +32,14 @@ pub enum RuntimeError {
     /// A KV cache cannot do what was asked (unknown sequence, no free block).
     #[error("cache: {0}")]
     Cache(String),
+    /// A backend does not run this kind of call (the MLA backward on a GPU backend, say).
+    #[error("the {backend} backend does not run {what}")]
+    Unsupported {
+        /// The backend's name.
+        backend: &'static str,
+        /// The call, in words.
+        what: String,
+    },
     /// The spec is invalid, or needs another entry point.
     #[error("spec: {0}")]
     Spec(String),

@@ -4,7 +4,8 @@
 //! generated code (and so the only one with `unsafe`, each block with a SAFETY comment).
 //!
 //! - [`backend`]: the [`Backend`] trait every backend implements (CPU, CUDA,
-//!   the GPU IR interpreter);
+//!   the GPU IR interpreter); [`calls`], what its calls take and give; [`backends`], opening
+//!   one by name;
 //! - [`Tensor`]: dtype, shape and strides over CPU storage;
 //! - [`files`]: reads of user paths (regular files only, bounded);
 //! - [`io`]: safetensors files;
@@ -19,6 +20,7 @@
 //!   backward);
 //! - [`gpu`]: GPU calls, run on a CUDA device (feature `cuda`) or on the GPU IR interpreter;
 //!   where each kernel's PTX comes from (embedded, the disk cache, or LLVM with `llvm`);
+//! - [`ops`]: a decoder's norms, activations, adds, lookups and argmax ([`ops::LayerOps`]);
 //! - [`model`]: transformers composed at run time, Hugging Face checkpoints;
 //! - [`Attention`]: the typed API `#[attention(...)]` implements.
 
@@ -26,7 +28,9 @@
 
 mod attention;
 pub mod backend;
+pub mod backends;
 pub mod cache;
+pub mod calls;
 pub mod cpu;
 pub mod device;
 mod error;
@@ -36,13 +40,15 @@ mod host;
 pub mod io;
 pub mod memory;
 pub mod model;
+pub mod ops;
 mod tensor;
 mod variant;
 
 pub use attention::Attention;
-pub use backend::{
-    Backend, BackwardInputs, DecodeOptions, Gradients, MlaBackwardInputs, MlaGradients, MlaQueries,
-    MlaSaved, MlaTensors, Output,
+pub use backend::Backend;
+pub use calls::{
+    BackwardInputs, DecodeOptions, Gradients, HeadGradients, HeadsBackward, Inputs, MlaBackward,
+    MlaGradients, MlaQueries, MlaTensors, Output, Queries,
 };
 pub use codegen;
 pub use error::RuntimeError;

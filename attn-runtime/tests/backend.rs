@@ -1,13 +1,14 @@
 //! The `Backend` trait: the CPU backend and the GPU kernels on the interpreter, driven through
-//! the same trait objects, agree on every call (forward, MLA forward, decode, MLA decode,
-//! ragged batches); unknown or unbuilt backends are clear errors.
+//! the same trait objects, agree on every call (forward over per-head and MLA inputs, cached
+//! calls over uniform, MLA and ragged queries); unknown or unbuilt backends are clear errors.
 
 mod common;
 
 use attn_dsl::AttentionSpec;
-use attn_runtime::backend::{Backend, open};
+use attn_runtime::Backend;
+use attn_runtime::backends::{layer_ops, open};
 use attn_runtime::cache::PagedCache;
-use attn_runtime::{DecodeOptions, MlaQueries, MlaTensors, Output};
+use attn_runtime::{DecodeOptions, Inputs, MlaQueries, MlaTensors, Output, Queries};
 use attn_runtime::{Tensor, Variant};
 use common::values;
 
@@ -67,24 +68,41 @@ fn calls(backend: &dyn Backend) -> Vec<(&'static str, Output)> {
     };
     let (spec, mla) = (Variant::new(spec).unwrap(), Variant::new(mla).unwrap());
     vec![
-        ("forward", backend.forward(&spec, &q, &k, &v, 3).unwrap()),
-        ("forward_mla", backend.forward_mla(&mla, &x, 0).unwrap()),
         (
-            "decode",
+            "forward",
             backend
-                .decode(&spec, &decode_q, &cache, &[a, b], options)
+                .forward(&spec, Inputs::heads(&q, &k, &v), 3)
                 .unwrap(),
         ),
         (
-            "decode_mla",
+            "forward MLA",
+            backend.forward(&mla, Inputs::Mla(x), 0).unwrap(),
+        ),
+        (
+            "uniform queries",
             backend
-                .decode_mla(&mla, queries, &latent, &[s], options)
+                .attend_cached(&spec, Queries::Uniform(&decode_q), &cache, &[a, b], options)
                 .unwrap(),
         ),
         (
-            "attend_ragged",
+            "MLA queries",
             backend
-                .attend_ragged(&spec, &ragged_q, &[0, 2, 3], &cache, &[a, b], options)
+                .attend_cached(&mla, Queries::Mla(queries), &latent, &[s], options)
+                .unwrap(),
+        ),
+        (
+            "ragged queries",
+            backend
+                .attend_cached(
+                    &spec,
+                    Queries::Ragged {
+                        q: &ragged_q,
+                        offsets: &[0, 2, 3],
+                    },
+                    &cache,
+                    &[a, b],
+                    options,
+                )
                 .unwrap(),
         ),
     ]
@@ -168,7 +186,13 @@ fn a_cache_made_for_another_variant_is_refused_through_the_trait() {
     for name in ["cpu", "gpu-sim"] {
         let backend = open(name).unwrap();
         let err = backend
-            .decode(&variant, &q, &cache, &[seq], DecodeOptions::default())
+            .attend_cached(
+                &variant,
+                Queries::Uniform(&q),
+                &cache,
+                &[seq],
+                DecodeOptions::default(),
+            )
             .unwrap_err()
             .to_string();
         assert!(
@@ -179,13 +203,12 @@ fn a_cache_made_for_another_variant_is_refused_through_the_trait() {
 }
 
 /// The GPU interpreter's layer kernels (norms, activations, adds, lookups, argmax) agree with
-/// the CPU's, through the trait.
+/// the CPU's, through `LayerOps`.
 #[test]
 fn layer_operations_agree_between_the_cpu_and_the_gpu_kernels() {
     use attn_runtime::Storage;
     use attn_runtime::model::{MlpKind, NormKind};
-    let (cpu, sim) = (open("cpu").unwrap(), open("gpu-sim").unwrap());
-    let (cpu, sim) = (cpu.layers(), sim.layers());
+    let (cpu, sim) = (layer_ops("cpu"), layer_ops("gpu-sim"));
     let close = |a: &[f32], b: &[f32], tol: f32, what: &str| {
         assert_eq!(a.len(), b.len(), "{what}");
         for (x, y) in a.iter().zip(b) {
@@ -220,7 +243,7 @@ fn layer_operations_agree_between_the_cpu_and_the_gpu_kernels() {
         "embed",
     );
     // Mismatched sizes are errors on both, never a read past a buffer.
-    for ops in [cpu, sim] {
+    for ops in [&cpu, &sim] {
         assert!(ops.embed(&table, width, &[3]).is_err());
         assert!(
             ops.activate(MlpKind::SwiGlu, &mut x.clone(), Some(&w))
@@ -249,16 +272,16 @@ fn calls_too_large_for_the_interpreter_are_refused_before_they_run() {
     let big = tensor(&[1, 4, 4096, 64], 1);
     let started = std::time::Instant::now();
     let e = sim
-        .forward(&variant, &big, &big, &big, 0)
+        .forward(&variant, Inputs::heads(&big, &big, &big), 0)
         .expect_err("refused")
         .to_string();
     assert!(e.contains("gpu-sim: this forward would take about"), "{e}");
     assert!(e.contains("--backend cpu"), "{e}");
     let out = open("cpu")
         .unwrap()
-        .forward(&variant, &big, &big, &big, 0)
+        .forward(&variant, Inputs::heads(&big, &big, &big), 0)
         .unwrap();
-    let x = attn_runtime::BackwardInputs {
+    let x = attn_runtime::BackwardInputs::Heads(attn_runtime::HeadsBackward {
         q: &big,
         k: &big,
         v: &big,
@@ -266,7 +289,7 @@ fn calls_too_large_for_the_interpreter_are_refused_before_they_run() {
         lse: &out.lse,
         dout: &big,
         position_offset: 0,
-    };
+    });
     let e = sim.backward(&variant, &x).expect_err("refused").to_string();
     assert!(e.contains("forward and backward would take"), "{e}");
     assert!(
@@ -276,5 +299,6 @@ fn calls_too_large_for_the_interpreter_are_refused_before_they_run() {
     );
     // A small call runs.
     let small = tensor(&[1, 4, 32, 64], 2);
-    assert!(sim.forward(&variant, &small, &small, &small, 0).is_ok());
+    let small = Inputs::heads(&small, &small, &small);
+    assert!(sim.forward(&variant, small, 0).is_ok());
 }

@@ -8,7 +8,7 @@ use attn_dsl::reference::{self, Array, Inputs};
 use attn_dsl::{AttentionSpec, DType};
 use attn_runtime::cpu::CpuBackend;
 use attn_runtime::cpu::microkernels::Isa;
-use attn_runtime::{BackwardInputs, Tensor};
+use attn_runtime::{HeadsBackward, MlaBackward, Tensor};
 use common::values;
 
 /// A tensor of `dtype`, and the exact values it holds as a reference array.
@@ -46,21 +46,17 @@ fn check(backend: &CpuBackend, text: &str, batch: usize, sq: usize, skv: usize, 
     let (k, ka) = input(spec.dtype, &[batch, hkv, skv, d], 2);
     let (v, va) = input(spec.dtype, &[batch, hkv, skv, dv], 3);
     let (dout, douta) = input(spec.dtype, &[batch, h, sq, dv], 4);
-    let forward = backend.forward(&spec, &q, &k, &v, p0).unwrap();
-    let got = backend
-        .backward(
-            &spec,
-            &BackwardInputs {
-                q: &q,
-                k: &k,
-                v: &v,
-                out: &forward.out,
-                lse: &forward.lse,
-                dout: &dout,
-                position_offset: p0,
-            },
-        )
-        .unwrap();
+    let forward = common::forward(backend, &spec, &q, &k, &v, p0).unwrap();
+    let x = HeadsBackward {
+        q: &q,
+        k: &k,
+        v: &v,
+        out: &forward.out,
+        lse: &forward.lse,
+        dout: &dout,
+        position_offset: p0,
+    };
+    let got = common::backward(backend, &spec, &x).unwrap();
     let inputs = Inputs {
         q: &qa,
         k: &ka,
@@ -234,7 +230,7 @@ fn mla_in_the_per_head_entry_point_and_bad_tensors_are_refused_with_clear_errors
         .unwrap();
     let t = Tensor::from_f32(&[1, 2, 1, 16], vec![0.0; 32]).unwrap();
     let lse = Tensor::from_f32(&[1, 2, 1], vec![0.0; 2]).unwrap();
-    let x = BackwardInputs {
+    let x = HeadsBackward {
         q: &t,
         k: &t,
         v: &t,
@@ -243,13 +239,14 @@ fn mla_in_the_per_head_entry_point_and_bad_tensors_are_refused_with_clear_errors
         dout: &t,
         position_offset: 0,
     };
-    let err = backend.backward(&mla, &x).unwrap_err().to_string();
-    assert!(err.contains("MLA") && err.contains("backward_mla"), "{err}");
+    let err = common::backward(&backend, &mla, &x)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("MLA") && err.contains("Inputs::Mla"), "{err}");
 
     let spec: AttentionSpec = "heads = 2, head_dim = 16".parse().unwrap();
     let bad_lse = Tensor::from_f32(&[1, 2, 2], vec![0.0; 4]).unwrap();
-    let err = backend
-        .backward(&spec, &BackwardInputs { lse: &bad_lse, ..x })
+    let err = common::backward(&backend, &spec, &HeadsBackward { lse: &bad_lse, ..x })
         .unwrap_err()
         .to_string();
     assert!(err.contains("lse") && err.contains("[1, 2, 1]"), "{err}");
@@ -326,7 +323,7 @@ mod fuzz {
         fn the_backward_never_panics((t, p0) in inputs()) {
             let spec: AttentionSpec = "heads = 2, kv_heads = 1, head_dim = 8, mask = causal, \
                 position = rope, softcap = 3.0".parse().unwrap();
-            let x = BackwardInputs {
+            let x = HeadsBackward {
                 q: &t[0],
                 k: &t[1],
                 v: &t[2],
@@ -335,7 +332,7 @@ mod fuzz {
                 dout: &t[5],
                 position_offset: p0,
             };
-            match CpuBackend::new().backward(&spec, &x) {
+            match common::backward(&CpuBackend::new(), &spec, &x) {
                 Ok(g) => {
                     prop_assert_eq!(g.dq.shape(), t[0].shape());
                     prop_assert_eq!(g.dk.shape(), t[1].shape());
@@ -351,7 +348,7 @@ mod fuzz {
             swaps in prop::collection::vec((0usize..8, tensor()), 0..3),
             p0 in prop_oneof![Just(0i64), Just(i64::MAX), Just(i64::MIN)],
         ) {
-            use attn_runtime::{MlaBackwardInputs, MlaTensors};
+            use attn_runtime::MlaTensors;
             let spec: AttentionSpec = "heads = 2, head_dim = 4, mla(latent_rank = 8, rope_dim = 4), \
                 mask = causal, position = rope".parse().unwrap();
             let make = |shape: &[usize], seed: u64| {
@@ -377,14 +374,14 @@ mod fuzz {
                 k_pe: &t[3],
                 w_kv_b: &t[4],
             };
-            let inputs = MlaBackwardInputs {
+            let inputs = MlaBackward {
                 x,
-                out_latent: &t[5],
+                latent: &t[5],
                 lse: &t[6],
                 dout: &t[7],
                 position_offset: p0,
             };
-            match CpuBackend::new().backward_mla(&spec, &inputs) {
+            match common::backward_mla(&CpuBackend::new(), &spec, &inputs) {
                 Ok(g) => prop_assert_eq!(g.dc_kv.shape(), t[2].shape()),
                 Err(e) => prop_assert!(!e.to_string().is_empty()),
             }
@@ -402,8 +399,8 @@ fn an_f32_output_gradient_serves_a_bf16_spec() {
     let (k, ka) = input(DType::Bf16, &[1, 2, 9, 32], 2);
     let (v, va) = input(DType::Bf16, &[1, 2, 9, 32], 3);
     let (dout, douta) = input(DType::F32, &[1, 2, 9, 32], 4);
-    let saved = backend.forward(&spec, &q, &k, &v, 0).unwrap();
-    let x = BackwardInputs {
+    let saved = common::forward(&backend, &spec, &q, &k, &v, 0).unwrap();
+    let x = HeadsBackward {
         q: &q,
         k: &k,
         v: &v,
@@ -412,7 +409,7 @@ fn an_f32_output_gradient_serves_a_bf16_spec() {
         dout: &dout,
         position_offset: 0,
     };
-    let got = backend.backward(&spec, &x).unwrap();
+    let got = common::backward(&backend, &spec, &x).unwrap();
     let inputs = Inputs {
         q: &qa,
         k: &ka,
@@ -427,7 +424,7 @@ fn an_f32_output_gradient_serves_a_bf16_spec() {
 
 /// MLA's backward (absorbed form on the CPU) against `reference::backward_mla`.
 fn check_mla(text: &str, b: usize, sq: usize, skv: usize, p0: i64) -> f64 {
-    use attn_runtime::{MlaBackwardInputs, MlaTensors};
+    use attn_runtime::MlaTensors;
     let spec: AttentionSpec = text.parse().unwrap();
     let mla = spec.mla().unwrap();
     let (h, dn, dv) = (
@@ -450,19 +447,15 @@ fn check_mla(text: &str, b: usize, sq: usize, skv: usize, p0: i64) -> f64 {
         w_kv_b: &w_kv_b,
     };
     let backend = CpuBackend::new();
-    let saved = backend.forward_mla_saving(&spec, &x, p0).unwrap();
-    let got = backend
-        .backward_mla(
-            &spec,
-            &MlaBackwardInputs {
-                x,
-                out_latent: &saved.out_latent,
-                lse: &saved.lse,
-                dout: &dout,
-                position_offset: p0,
-            },
-        )
-        .unwrap();
+    let saved = common::forward_mla(&backend, &spec, &x, p0).unwrap();
+    let inputs = MlaBackward {
+        x,
+        latent: saved.latent.as_ref().unwrap(),
+        lse: &saved.lse,
+        dout: &dout,
+        position_offset: p0,
+    };
+    let got = common::backward_mla(&backend, &spec, &inputs).unwrap();
     let want = reference::backward_mla(
         &spec,
         &reference::MlaInputs {

@@ -56,7 +56,7 @@ fn check(backend: &CpuBackend, text: &str, batch: usize, sq: usize, skv: usize, 
     let (q, qa) = input(&spec, &[batch, h, sq, d], 1, 1.0);
     let (k, ka) = input(&spec, &[batch, hkv, skv, d], 2, 1.0);
     let (v, va) = input(&spec, &[batch, hkv, skv, dv], 3, 1.0);
-    let got = backend.forward(&spec, &q, &k, &v, p0).unwrap();
+    let got = common::forward(backend, &spec, &q, &k, &v, p0).unwrap();
     let want = reference::attention(
         &spec,
         &Inputs {
@@ -239,19 +239,19 @@ fn mla_absorbed_matches_the_reference() {
         let (c_kv, ck) = input(&spec, &[b, skv, r], 3, 1.0);
         let (k_pe, kp) = input(&spec, &[b, skv, dr], 4, 1.0);
         let (w_kv_b, w) = input(&spec, &[h * (dn + dv), r], 5, 0.3);
-        let got = backend
-            .forward_mla(
-                &spec,
-                &MlaTensors {
-                    q_nope: &q_nope,
-                    q_pe: &q_pe,
-                    c_kv: &c_kv,
-                    k_pe: &k_pe,
-                    w_kv_b: &w_kv_b,
-                },
-                11,
-            )
-            .unwrap();
+        let got = common::forward_mla(
+            &backend,
+            &spec,
+            &MlaTensors {
+                q_nope: &q_nope,
+                q_pe: &q_pe,
+                c_kv: &c_kv,
+                k_pe: &k_pe,
+                w_kv_b: &w_kv_b,
+            },
+            11,
+        )
+        .unwrap();
         let want = reference::mla_expanded(
             &spec,
             &MlaInputs {
@@ -274,22 +274,28 @@ fn wrong_inputs_are_errors_naming_the_tensor() {
     let backend = CpuBackend::new();
     let spec: AttentionSpec = "heads = 4, kv_heads = 2, head_dim = 8".parse().unwrap();
     let t = |shape: &[usize]| Tensor::from_f32(shape, vec![0.0; shape.iter().product()]).unwrap();
-    let err = backend
-        .forward(
-            &spec,
-            &t(&[1, 4, 3, 8]),
-            &t(&[1, 4, 3, 8]),
-            &t(&[1, 2, 3, 8]),
-            0,
-        )
-        .unwrap_err()
-        .to_string();
+    let err = common::forward(
+        &backend,
+        &spec,
+        &t(&[1, 4, 3, 8]),
+        &t(&[1, 4, 3, 8]),
+        &t(&[1, 2, 3, 8]),
+        0,
+    )
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("`k`") && err.contains("[1, 2, 3, 8]"), "{err}");
     let half = Tensor::from_f32_as(attn_dsl::DType::Bf16, &[1, 4, 3, 8], vec![0.0; 96]).unwrap();
-    let err = backend
-        .forward(&spec, &half, &t(&[1, 2, 3, 8]), &t(&[1, 2, 3, 8]), 0)
-        .unwrap_err()
-        .to_string();
+    let err = common::forward(
+        &backend,
+        &spec,
+        &half,
+        &t(&[1, 2, 3, 8]),
+        &t(&[1, 2, 3, 8]),
+        0,
+    )
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("`q` is bf16, expected f32"), "{err}");
 }
 
@@ -301,12 +307,8 @@ fn strided_bshd_inputs_are_read_in_place() {
     let bshd = Tensor::from_f32(&[b, s, h, d], values(b * s * h * d, 9)).unwrap();
     let bhsd_view = bshd.permute(&[0, 2, 1, 3]).unwrap();
     let bhsd_copy = Tensor::from_f32(&[b, h, s, d], bhsd_view.to_f32_vec()).unwrap();
-    let a = backend
-        .forward(&spec, &bhsd_view, &bhsd_view, &bhsd_view, 0)
-        .unwrap();
-    let c = backend
-        .forward(&spec, &bhsd_copy, &bhsd_copy, &bhsd_copy, 0)
-        .unwrap();
+    let a = common::forward(&backend, &spec, &bhsd_view, &bhsd_view, &bhsd_view, 0).unwrap();
+    let c = common::forward(&backend, &spec, &bhsd_copy, &bhsd_copy, &bhsd_copy, 0).unwrap();
     assert_eq!(a.out.to_f32_vec(), c.out.to_f32_vec());
 }
 
@@ -411,17 +413,17 @@ fn softmax_probabilities_are_accurate_to_a_few_ulp() {
             let f: Vec<f32> = data.iter().map(|&x| x as f32).collect();
             Tensor::from_f32_as(spec.dtype, &[1, 1, n, d], f).unwrap()
         };
-        let got = backend
-            .forward(
-                &spec,
-                &tensor(sq, &q),
-                &tensor(skv, &k),
-                &tensor(skv, &v),
-                0,
-            )
-            .unwrap()
-            .out
-            .to_f32_vec();
+        let got = common::forward(
+            &backend,
+            &spec,
+            &tensor(sq, &q),
+            &tensor(skv, &k),
+            &tensor(skv, &v),
+            0,
+        )
+        .unwrap()
+        .out
+        .to_f32_vec();
         let array = |n: usize, data: Vec<f64>| Array::from_vec(&[1, 1, n, d], data).unwrap();
         let want = reference::attention(
             &spec,

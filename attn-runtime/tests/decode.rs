@@ -175,12 +175,10 @@ fn check_ragged_on(backend: &CpuBackend, spec_text: &str, block: usize, parts: O
         offsets.push(offsets.last().unwrap() + n);
     }
     let options = DecodeOptions { partitions: parts };
-    let from_paged = backend
-        .attend_ragged(&spec, &q, &offsets, &paged, &p_ids, options)
-        .unwrap();
-    let from_contiguous = backend
-        .attend_ragged(&spec, &q, &offsets, &contiguous, &c_ids, options)
-        .unwrap();
+    let from_paged =
+        common::attend_ragged(backend, &spec, &q, &offsets, &paged, &p_ids, options).unwrap();
+    let from_contiguous =
+        common::attend_ragged(backend, &spec, &q, &offsets, &contiguous, &c_ids, options).unwrap();
     let tol = tolerance(&spec);
     for got in [&from_paged, &from_contiguous] {
         let (out, lse) = (got.out.to_f32_vec(), got.lse.to_f32_vec());
@@ -254,15 +252,15 @@ fn step_by_step_decoding_equals_one_prefill() {
         let len = 130;
         let h = history(&spec, len, 3);
         let q_all = values(heads * len * d, 4);
-        let prefill = backend
-            .forward(
-                &spec,
-                &Tensor::from_f32(&[1, heads, len, d], q_all.clone()).unwrap(),
-                &Tensor::from_f32(&[1, hkv, len, d], h.k.clone()).unwrap(),
-                &Tensor::from_f32(&[1, hkv, len, dv], h.v.clone()).unwrap(),
-                0,
-            )
-            .unwrap();
+        let prefill = common::forward(
+            &backend,
+            &spec,
+            &Tensor::from_f32(&[1, heads, len, d], q_all.clone()).unwrap(),
+            &Tensor::from_f32(&[1, hkv, len, d], h.k.clone()).unwrap(),
+            &Tensor::from_f32(&[1, hkv, len, dv], h.v.clone()).unwrap(),
+            0,
+        )
+        .unwrap();
         let (want, want_lse) = (prefill.out.to_f32_vec(), prefill.lse.to_f32_vec());
         let mut cache = PagedCache::new(&spec, 16, 16).unwrap();
         let seq = cache.add_sequence();
@@ -273,9 +271,15 @@ fn step_by_step_decoding_equals_one_prefill() {
                 .flat_map(|head| q_all[(head * len + t) * d..(head * len + t + 1) * d].to_vec())
                 .collect();
             let q = Tensor::from_f32(&[1, heads, 1, d], q).unwrap();
-            let got = backend
-                .decode(&spec, &q, &cache, &[seq], DecodeOptions::default())
-                .unwrap();
+            let got = common::decode(
+                &backend,
+                &spec,
+                &q,
+                &cache,
+                &[seq],
+                DecodeOptions::default(),
+            )
+            .unwrap();
             let (out, lse) = (got.out.to_f32_vec(), got.lse.to_f32_vec());
             for head in 0..heads {
                 let row = head * len + t;
@@ -343,15 +347,15 @@ fn forks_share_blocks_and_diverge_on_write() {
     let heads = spec.heads as usize;
     for (seq, full) in &branches {
         let q = values(heads * d, 8);
-        let got = backend
-            .decode(
-                &spec,
-                &Tensor::from_f32(&[1, heads, 1, d], q.clone()).unwrap(),
-                &cache,
-                &[*seq],
-                DecodeOptions::default(),
-            )
-            .unwrap();
+        let got = common::decode(
+            &backend,
+            &spec,
+            &Tensor::from_f32(&[1, heads, 1, d], q.clone()).unwrap(),
+            &cache,
+            &[*seq],
+            DecodeOptions::default(),
+        )
+        .unwrap();
         let (want, _) = expected(&spec, full, &q, 1);
         for (i, (g, w)) in got.out.to_f32_vec().iter().zip(&want).enumerate() {
             close(
@@ -444,9 +448,8 @@ fn the_decode_fixture_cases() {
         };
         cache.append(seq, &drop_batch(k), &drop_batch(v)).unwrap();
         assert_eq!(cache.seq_len(seq).unwrap(), skv);
-        let got = backend
-            .decode(&spec, q, &cache, &[seq], DecodeOptions::default())
-            .unwrap();
+        let got =
+            common::decode(&backend, &spec, q, &cache, &[seq], DecodeOptions::default()).unwrap();
         assert_eq!(got.out.shape(), [1, 4, n, 64]);
         for (i, (g, w)) in got.out.to_f32_vec().iter().zip(&want_out).enumerate() {
             close(&format!("{file} out[{i}]"), f64::from(*g), *w, (1e-5, 1e-4));
@@ -478,16 +481,28 @@ fn bad_calls_are_errors() {
     let err = cache.append(seq, &wrong, &v).unwrap_err().to_string();
     assert!(err.contains("`k`") && err.contains("[2, n, 64]"), "{err}");
     let q = Tensor::from_f32(&[1, 8, 5, 64], vec![0.0; 8 * 5 * 64]).unwrap();
-    let err = backend
-        .decode(&spec, &q, &cache, &[seq], DecodeOptions::default())
-        .unwrap_err()
-        .to_string();
+    let err = common::decode(
+        &backend,
+        &spec,
+        &q,
+        &cache,
+        &[seq],
+        DecodeOptions::default(),
+    )
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("4 cached tokens but 5 queries"), "{err}");
     let other = PagedCache::new(&SPECS[2].parse().unwrap(), 16, 2).unwrap();
-    let err = backend
-        .decode(&spec, &q, &other, &[seq], DecodeOptions::default())
-        .unwrap_err()
-        .to_string();
+    let err = common::decode(
+        &backend,
+        &spec,
+        &q,
+        &other,
+        &[seq],
+        DecodeOptions::default(),
+    )
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("another spec"), "{err}");
     cache.free(seq).unwrap();
     let err = cache.free(seq).unwrap_err().to_string();
@@ -537,27 +552,35 @@ fn mla_decoding_against_a_latent_cache_equals_the_forward_kernel() {
             let (q_nope, q_pe) = (t(&[1, h, n, dn], 4), t(&[1, h, n, dr], 5));
             let with_batch =
                 |x: &Tensor, w: usize| Tensor::from_f32(&[1, len, w], x.to_f32_vec()).unwrap();
-            let want = backend
-                .forward_mla(
-                    &spec,
-                    &MlaTensors {
-                        q_nope: &q_nope,
-                        q_pe: &q_pe,
-                        c_kv: &with_batch(&c_kv, r),
-                        k_pe: &with_batch(&k_pe, dr),
-                        w_kv_b: &w_kv_b,
-                    },
-                    0,
-                )
-                .unwrap();
+            let want = common::forward_mla(
+                &backend,
+                &spec,
+                &MlaTensors {
+                    q_nope: &q_nope,
+                    q_pe: &q_pe,
+                    c_kv: &with_batch(&c_kv, r),
+                    k_pe: &with_batch(&k_pe, dr),
+                    w_kv_b: &w_kv_b,
+                },
+                0,
+            )
+            .unwrap();
             let queries = MlaQueries {
                 q_nope: &q_nope,
                 q_pe: &q_pe,
                 w_kv_b: &w_kv_b,
             };
             let runs = [
-                backend.decode_mla(&spec, queries, &paged, &[p], DecodeOptions::default()),
-                backend.decode_mla(
+                common::decode_mla(
+                    &backend,
+                    &spec,
+                    queries,
+                    &paged,
+                    &[p],
+                    DecodeOptions::default(),
+                ),
+                common::decode_mla(
+                    &backend,
                     &spec,
                     queries,
                     &contiguous,
@@ -635,15 +658,15 @@ fn dynamic_ntk_keys_keep_the_rotation_of_their_step() {
         rope::rotate(&r, &mut key, t as i64, &freqs, rope::attention_factor(&r));
         rotated_k.extend(key.iter().map(|&x| x as f32));
         let q = values(2 * d, 100 + t as u64);
-        let got = backend
-            .decode(
-                &spec,
-                &Tensor::from_f32(&[1, 2, 1, d], q.clone()).unwrap(),
-                &cache,
-                &[seq],
-                DecodeOptions::default(),
-            )
-            .unwrap();
+        let got = common::decode(
+            &backend,
+            &spec,
+            &Tensor::from_f32(&[1, 2, 1, d], q.clone()).unwrap(),
+            &cache,
+            &[seq],
+            DecodeOptions::default(),
+        )
+        .unwrap();
         // The reference: the same attention without RoPE over keys and a query rotated as above.
         let freqs = rope::inv_freq(&r, t as u64 + 1);
         let mut q_rot = Vec::new();

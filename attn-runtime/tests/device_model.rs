@@ -2,7 +2,7 @@
 //! the interpreter, host GEMMs for cuBLAS): weights uploaded once, every activation in device
 //! memory, logits against transformers' and the CPU model's.
 
-use attn_runtime::device::{Device, InterpretedDevice, f32_bytes, f32s};
+use attn_runtime::device::{Device, SimDevice, f32_bytes, f32s};
 use attn_runtime::model::research::config_from_toml;
 use attn_runtime::model::{DeviceModel, Model, hf};
 use safetensors::SafeTensors;
@@ -39,7 +39,7 @@ fn a_checkpoint_on_the_device_matches_transformers() {
         .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
         .collect();
     let want = f32s(st.tensor("logits").unwrap().data());
-    let on_device = DeviceModel::new(&model, Arc::new(InterpretedDevice::new())).unwrap();
+    let on_device = DeviceModel::new(&model, Arc::new(SimDevice::new())).unwrap();
     let got = on_device.forward(&tokens).unwrap();
     let err = max_rel(&got, &want);
     assert!(err < 1e-4, "max relative difference {err}");
@@ -74,7 +74,7 @@ fn greedy_steps_on_the_device_continue_as_transformers_does() {
             .map(|x| x.as_u64().unwrap() as u32)
             .collect()
     };
-    let on_device = DeviceModel::new(&model, Arc::new(InterpretedDevice::new())).unwrap();
+    let on_device = DeviceModel::new(&model, Arc::new(SimDevice::new())).unwrap();
     for g in json["generate"].as_array().unwrap() {
         let (prompt, want) = (ids(&g["prompt_ids"]), ids(&g["new_ids"]));
         let mut session = on_device.session(prompt.len() + want.len()).unwrap();
@@ -122,7 +122,7 @@ fn research_models_on_the_device_match_the_cpu() {
         let model = Model::random(&config, 3).unwrap();
         let tokens: Vec<u32> = (0..19).map(|i| (i * 7 + 3) % 61).collect();
         let want = model.forward(&tokens).unwrap();
-        let on_device = DeviceModel::new(&model, Arc::new(InterpretedDevice::new())).unwrap();
+        let on_device = DeviceModel::new(&model, Arc::new(SimDevice::new())).unwrap();
         let got = on_device.forward(&tokens).unwrap();
         let err = max_rel(&got, &want);
         assert!(
@@ -143,7 +143,7 @@ fn models_the_device_does_not_run_yet_say_so() {
     )
     .unwrap();
     let model = Model::random(&config, 1).unwrap();
-    let err = match DeviceModel::new(&model, Arc::new(InterpretedDevice::new())) {
+    let err = match DeviceModel::new(&model, Arc::new(SimDevice::new())) {
         Ok(_) => panic!("MLA is not resident on a device yet"),
         Err(e) => e.to_string(),
     };
@@ -154,7 +154,7 @@ fn models_the_device_does_not_run_yet_say_so() {
 /// f32 against f64 sums.
 #[test]
 fn device_gemms_take_16_bit_weights() {
-    let device = InterpretedDevice::new();
+    let device = SimDevice::new();
     let (n, inp, out) = (3, 20, 7);
     let x: Vec<f32> = (0..n * inp).map(|i| (i % 13) as f32 / 13.0 - 0.4).collect();
     let w: Vec<f32> = (0..out * inp)
@@ -219,7 +219,7 @@ fn long_sequences_split_and_merge_on_the_device() {
     let model = Model::random(&config, 9).unwrap();
     let tokens: Vec<u32> = (0..300).map(|i| (i * 11 + 5) % 53).collect();
     let want = model.forward(&tokens).unwrap();
-    let on_device = DeviceModel::new(&model, Arc::new(InterpretedDevice::new())).unwrap();
+    let on_device = DeviceModel::new(&model, Arc::new(SimDevice::new())).unwrap();
     let mut session = on_device.session(tokens.len()).unwrap();
     let mut got = session.step(&tokens[..297]).unwrap();
     for t in 297..300 {
@@ -237,7 +237,7 @@ fn hostile_sizes_are_refused() {
     )
     .unwrap();
     let model = Model::random(&config, 2).unwrap();
-    let on_device = DeviceModel::new(&model, Arc::new(InterpretedDevice::new())).unwrap();
+    let on_device = DeviceModel::new(&model, Arc::new(SimDevice::new())).unwrap();
     for capacity in [usize::MAX, usize::MAX / 8, 1 << 50] {
         assert!(on_device.session(capacity).is_err(), "capacity {capacity}");
     }
@@ -260,7 +260,7 @@ fn resident_generation_chooses_as_the_cpu_model() {
     )
     .unwrap();
     let model = Model::random(&config, 4).unwrap();
-    let on_device = DeviceModel::new(&model, Arc::new(InterpretedDevice::new())).unwrap();
+    let on_device = DeviceModel::new(&model, Arc::new(SimDevice::new())).unwrap();
     let sampled = Sampling {
         temperature: 0.8,
         top_k: Some(20),

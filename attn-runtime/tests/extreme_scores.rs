@@ -10,6 +10,7 @@ use attn_dsl::reference::{self, Array, Inputs};
 use attn_runtime::Tensor;
 use attn_runtime::cache::PagedCache;
 use attn_runtime::cpu::CpuBackend;
+use attn_runtime::gpu::sim::GpuSim;
 use attn_runtime::{DecodeOptions, Output};
 use common::values;
 
@@ -62,7 +63,7 @@ impl Case {
         let [q, k, v] = self.tensors();
         attn_runtime::gpu::GpuCall::forward(&self.spec, &q, &k, &v, 0)
             .unwrap()
-            .run_emulated()
+            .run_on_sim()
             .unwrap()
     }
 
@@ -87,9 +88,7 @@ impl Case {
 
     fn forward(&self) -> Output {
         let [q, k, v] = self.tensors();
-        CpuBackend::new()
-            .forward(&self.spec, &q, &k, &v, 0)
-            .unwrap()
+        common::forward(&CpuBackend::new(), &self.spec, &q, &k, &v, 0).unwrap()
     }
 
     /// A paged cache holding all `skv` keys and values, and its one sequence.
@@ -113,9 +112,7 @@ impl Case {
         let options = DecodeOptions {
             partitions: Some(partitions),
         };
-        CpuBackend::new()
-            .decode(&self.spec, &q, &cache, &[seq], options)
-            .unwrap()
+        common::decode(&CpuBackend::new(), &self.spec, &q, &cache, &[seq], options).unwrap()
     }
 }
 
@@ -324,7 +321,7 @@ fn positions_past_the_representable_range_are_refused() {
             position_offset: p0,
         };
         let want = reference::attention(&case.spec, &inputs).unwrap();
-        let got = cpu.forward(&case.spec, &q, &k, &v, p0).unwrap();
+        let got = common::forward(&cpu, &case.spec, &q, &k, &v, p0).unwrap();
         same(
             &format!("p0 {p0}: out"),
             &got.out.to_f32_vec(),
@@ -333,7 +330,7 @@ fn positions_past_the_representable_range_are_refused() {
         );
         let gpu = attn_runtime::gpu::GpuCall::forward(&case.spec, &q, &k, &v, p0)
             .unwrap()
-            .run_emulated()
+            .run_on_sim()
             .unwrap();
         same(
             &format!("p0 {p0}: gpu out"),
@@ -360,8 +357,7 @@ fn positions_past_the_representable_range_are_refused() {
             .unwrap_err()
             .to_string();
         assert!(err.contains("allowed: positions"), "p0 {p0}: {err}");
-        let err = cpu
-            .forward(&case.spec, &q, &k, &v, p0)
+        let err = common::forward(&cpu, &case.spec, &q, &k, &v, p0)
             .unwrap_err()
             .to_string();
         assert!(err.contains("allowed: positions"), "p0 {p0}: {err}");
@@ -418,8 +414,7 @@ fn the_gpu_kernels_on_the_interpreter_keep_scores_up_to_f32_max() {
         let options = DecodeOptions {
             partitions: Some(parts),
         };
-        let got =
-            attn_runtime::gpu::decode_emulated(&case.spec, &q, &cache, &[seq], options).unwrap();
+        let got = common::decode(&GpuSim, &case.spec, &q, &cache, &[seq], options).unwrap();
         let what = format!("GPU decode in {parts} parts");
         same(
             &format!("{what} lse"),
@@ -444,7 +439,7 @@ fn gpu_decode(case: &Case, parts: usize) -> Output {
     let options = DecodeOptions {
         partitions: Some(parts),
     };
-    attn_runtime::gpu::decode_emulated(&case.spec, &q, &cache, &[seq], options).unwrap()
+    common::decode(&GpuSim, &case.spec, &q, &cache, &[seq], options).unwrap()
 }
 
 /// A score past `f32::MAX` is +inf and makes its row NaN, out and lse, on every backend: the
@@ -524,7 +519,8 @@ fn nan_vectors(t: &[f64], width: usize) -> Vec<usize> {
 /// tile holds the pair: 0 x NaN in dS K.)
 #[test]
 fn nan_scores_reach_only_the_key_gradients_of_pairs_their_rows_keep() {
-    use attn_runtime::BackwardInputs;
+    use attn_runtime::HeadsBackward;
+    use attn_runtime::backends::open;
     for dtype in ["f32", "bf16"] {
         for (mask, n) in [("sliding_window(8)", 40), ("sliding_window(8)", 130)] {
             let text = format!("heads = 2, head_dim = 16, mask = {mask}, dtype = {dtype}");
@@ -558,10 +554,8 @@ fn nan_scores_reach_only_the_key_gradients_of_pairs_their_rows_keep() {
             let nan_keys = nan_vectors(want.dk.data(), 16);
             assert_eq!(nan_keys, (13..28).collect::<Vec<_>>());
             assert_eq!(nan_vectors(want.dv.data(), 16), nan_keys);
-            let forward = CpuBackend::new()
-                .forward(&case.spec, &q, &k, &v, 0)
-                .unwrap();
-            let x = BackwardInputs {
+            let forward = common::forward(&CpuBackend::new(), &case.spec, &q, &k, &v, 0).unwrap();
+            let x = HeadsBackward {
                 q: &q,
                 k: &k,
                 v: &v,
@@ -570,12 +564,8 @@ fn nan_scores_reach_only_the_key_gradients_of_pairs_their_rows_keep() {
                 dout: &dout,
                 position_offset: 0,
             };
-            let variant = attn_runtime::Variant::new(case.spec.clone()).unwrap();
             for backend in ["cpu", "gpu-sim"] {
-                let g = attn_runtime::backend::open(backend)
-                    .unwrap()
-                    .backward(&variant, &x)
-                    .unwrap();
+                let g = common::backward(&*open(backend).unwrap(), &case.spec, &x).unwrap();
                 let f64s = |t: &Tensor| -> Vec<f64> {
                     t.to_f32_vec().iter().map(|x| f64::from(*x)).collect()
                 };

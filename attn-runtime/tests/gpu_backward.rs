@@ -7,9 +7,9 @@ mod common;
 
 use attn_dsl::reference::{self, Array, Inputs};
 use attn_dsl::{AttentionSpec, DType};
-use attn_runtime::backend::{Backend, GpuInterpreter};
 use attn_runtime::cpu::CpuBackend;
-use attn_runtime::{BackwardInputs, Tensor, Variant};
+use attn_runtime::gpu::sim::GpuSim;
+use attn_runtime::{HeadsBackward, Tensor, Variant};
 use common::values;
 
 fn input(dtype: DType, shape: &[usize], seed: u64) -> (Tensor, Array) {
@@ -33,8 +33,8 @@ fn check(text: &str, batch: usize, sq: usize, skv: usize, p0: i64) -> (f64, bool
     let (k, ka) = input(spec.dtype, &[batch, hkv, skv, d], 2);
     let (v, va) = input(spec.dtype, &[batch, hkv, skv, dv], 3);
     let (dout, douta) = input(spec.dtype, &[batch, h, sq, dv], 4);
-    let saved = CpuBackend::new().forward(&spec, &q, &k, &v, p0).unwrap();
-    let x = BackwardInputs {
+    let saved = common::forward(&CpuBackend::new(), &spec, &q, &k, &v, p0).unwrap();
+    let x = HeadsBackward {
         q: &q,
         k: &k,
         v: &v,
@@ -43,7 +43,7 @@ fn check(text: &str, batch: usize, sq: usize, skv: usize, p0: i64) -> (f64, bool
         dout: &dout,
         position_offset: p0,
     };
-    let got = GpuInterpreter.backward(&variant, &x).unwrap();
+    let got = common::backward(&GpuSim, variant.spec(), &x).unwrap();
     let inputs = Inputs {
         q: &qa,
         k: &ka,
@@ -253,8 +253,8 @@ fn tensor_cores_take_the_saved_lse_of_the_gpu_forward() {
     let (k, ka) = input(spec.dtype, &[b, 2, sq, 64], 12);
     let (v, va) = input(spec.dtype, &[b, 2, sq, 64], 13);
     let (dout, douta) = input(spec.dtype, &[b, 4, sq, 64], 14);
-    let saved = GpuInterpreter.forward(&variant, &q, &k, &v, 0).unwrap();
-    let x = BackwardInputs {
+    let saved = common::forward(&GpuSim, variant.spec(), &q, &k, &v, 0).unwrap();
+    let x = HeadsBackward {
         q: &q,
         k: &k,
         v: &v,
@@ -263,7 +263,7 @@ fn tensor_cores_take_the_saved_lse_of_the_gpu_forward() {
         dout: &dout,
         position_offset: 0,
     };
-    let got = GpuInterpreter.backward(&variant, &x).unwrap();
+    let got = common::backward(&GpuSim, variant.spec(), &x).unwrap();
     let inputs = Inputs {
         q: &qa,
         k: &ka,

@@ -75,11 +75,9 @@ fn lse_errors(spec: &AttentionSpec, x: &Inputs3) -> (f64, f64) {
     };
     let gpu = GpuCall::forward(spec, &x.q, &x.k, &x.v, 0)
         .unwrap()
-        .run_emulated()
+        .run_on_sim()
         .unwrap();
-    let cpu = CpuBackend::new()
-        .forward(spec, &x.q, &x.k, &x.v, 0)
-        .unwrap();
+    let cpu = common::forward(&CpuBackend::new(), spec, &x.q, &x.k, &x.v, 0).unwrap();
     (error(&gpu.lse), error(&cpu.lse))
 }
 

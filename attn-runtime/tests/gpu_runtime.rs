@@ -10,6 +10,7 @@ use attn_dsl::reference::{self, Array, Inputs};
 use attn_runtime::Output;
 use attn_runtime::Tensor;
 use attn_runtime::gpu::GpuCall;
+use attn_runtime::gpu::sim::GpuSim;
 use common::values;
 
 struct Case {
@@ -118,7 +119,7 @@ fn cases() -> Vec<Case> {
 fn prepared_calls_run_on_the_interpreter_match_the_reference() {
     for c in cases() {
         let call = GpuCall::forward(&c.spec, &c.q, &c.k, &c.v, c.p0).unwrap();
-        check(&c, &call.run_emulated().unwrap());
+        check(&c, &call.run_on_sim().unwrap());
     }
     let c = cases().remove(0);
     let err = GpuCall::forward(&c.spec, &c.k, &c.k, &c.v, 0)
@@ -160,7 +161,7 @@ fn the_sm_90a_kernel_runs_through_the_host_path() {
         let call = GpuCall::forward_wgmma(&c.spec, &c.q, &c.k, &c.v, c.p0).unwrap();
         assert_eq!(call.kernel.name, "attention_forward_wgmma");
         assert_eq!(call.tensor_maps.len(), 3);
-        check(&c, &call.run_emulated().unwrap());
+        check(&c, &call.run_on_sim().unwrap());
     }
     let c = cases().remove(1);
     let err = GpuCall::forward_wgmma(&c.spec, &c.q, &c.k, &c.v, c.p0)
@@ -186,28 +187,16 @@ fn the_device_backend_runs_or_says_there_is_no_gpu() {
             for c in cases() {
                 check(
                     &c,
-                    &gpu.forward(&Variant::shared(&c.spec).unwrap(), &c.q, &c.k, &c.v, c.p0)
-                        .unwrap(),
+                    &common::forward(&gpu, &c.spec, &c.q, &c.k, &c.v, c.p0).unwrap(),
                 );
             }
             check_decode(&|spec, q, cache, seqs, options| {
-                gpu.decode(&Variant::shared(spec).unwrap(), q, cache, seqs, options)
-                    .unwrap()
+                common::decode(&gpu, spec, q, cache, seqs, options).unwrap()
             });
             check_mla_decode(&|spec, queries, cache, seqs, options| {
-                gpu.decode_mla(
-                    &Variant::shared(spec).unwrap(),
-                    queries,
-                    cache,
-                    seqs,
-                    options,
-                )
-                .unwrap()
+                common::decode_mla(&gpu, spec, queries, cache, seqs, options).unwrap()
             });
-            check_mla_forward(&|spec, x, p0| {
-                gpu.forward_mla(&Variant::shared(spec).unwrap(), x, p0)
-                    .unwrap()
-            });
+            check_mla_forward(&|spec, x, p0| common::forward_mla(&gpu, spec, x, p0).unwrap());
             // Against a copy of the cache uploaded once; a copy older than the cache is refused.
             check_decode(&|spec, q, cache, seqs, options| {
                 let resident = gpu.upload_cache(cache).unwrap();
@@ -223,15 +212,7 @@ fn the_device_backend_runs_or_says_there_is_no_gpu() {
             });
             stale_device_copies_are_refused(&gpu);
             check_ragged(&|spec, q, offsets, cache, seqs, options| {
-                gpu.attend_ragged(
-                    &Variant::shared(spec).unwrap(),
-                    q,
-                    offsets,
-                    cache,
-                    seqs,
-                    options,
-                )
-                .unwrap()
+                common::attend_ragged(&gpu, spec, q, offsets, cache, seqs, options).unwrap()
             });
         }
     }
@@ -271,7 +252,7 @@ type DecodeMla<'a> = &'a dyn Fn(
 #[test]
 fn gpu_decode_on_the_interpreter_equals_the_cpu_decode() {
     check_decode(&|spec, q, cache, seqs, options| {
-        attn_runtime::gpu::decode_emulated(spec, q, cache, seqs, options).unwrap()
+        common::decode(&GpuSim, spec, q, cache, seqs, options).unwrap()
     });
 }
 
@@ -336,9 +317,8 @@ fn check_decode(decode: Decode) {
         for (n, parts) in [(1, None), (3, Some(3))] {
             let q = Tensor::from_f32_as(dtype, &[2, h, n, d], values(2 * h * n * d, 5)).unwrap();
             let options = DecodeOptions { partitions: parts };
-            let want = CpuBackend::new()
-                .decode(&spec, &q, &cache, &seqs, options)
-                .unwrap();
+            let want =
+                common::decode(&CpuBackend::new(), &spec, &q, &cache, &seqs, options).unwrap();
             let got = decode(&spec, &q, &cache, &seqs, options);
             assert_outputs_close(&got, &want, (abs, rel), &format!("{text} n {n}"));
         }
@@ -423,11 +403,9 @@ fn tensor_core_decode_on_the_interpreter_equals_the_cpu_for_every_variant() {
             .unwrap();
         for parts in [None, Some(2)] {
             let options = DecodeOptions { partitions: parts };
-            let want = CpuBackend::new()
-                .decode(&spec, &q, &cache, &seqs, options)
-                .unwrap();
-            let got =
-                attn_runtime::gpu::decode_emulated(&spec, &q, &cache, &seqs, options).unwrap();
+            let want =
+                common::decode(&CpuBackend::new(), &spec, &q, &cache, &seqs, options).unwrap();
+            let got = common::decode(&GpuSim, &spec, &q, &cache, &seqs, options).unwrap();
             assert_outputs_close(&got, &want, (1e-3, 8e-3), &format!("{text} {parts:?}"));
         }
     }
@@ -439,7 +417,7 @@ fn tensor_core_decode_on_the_interpreter_equals_the_cpu_for_every_variant() {
 #[test]
 fn gpu_mla_decode_on_the_interpreter_equals_the_cpu_decode() {
     check_mla_decode(&|spec, queries, cache, seqs, options| {
-        attn_runtime::gpu::decode_mla_emulated(spec, queries, cache, seqs, options).unwrap()
+        common::decode_mla(&GpuSim, spec, queries, cache, seqs, options).unwrap()
     });
 }
 
@@ -494,9 +472,8 @@ fn check_mla_decode(decode: DecodeMla) {
                 w_kv_b: &w_kv_b,
             };
             let options = DecodeOptions { partitions: parts };
-            let want = CpuBackend::new()
-                .decode_mla(&spec, queries(), &cache, &seqs, options)
-                .unwrap();
+            let cpu = CpuBackend::new();
+            let want = common::decode_mla(&cpu, &spec, queries(), &cache, &seqs, options).unwrap();
             let got = decode(&spec, queries(), &cache, &seqs, options);
             assert_eq!(got.out.shape(), [2, h, n, dv]);
             let what = format!("{text} n {n}");
@@ -517,7 +494,7 @@ fn check_mla_decode(decode: DecodeMla) {
 #[test]
 fn gpu_ragged_batches_on_the_interpreter_equal_the_cpu() {
     check_ragged(&|spec, q, offsets, cache, seqs, options| {
-        attn_runtime::gpu::attend_ragged_emulated(spec, q, offsets, cache, seqs, options).unwrap()
+        common::attend_ragged(&GpuSim, spec, q, offsets, cache, seqs, options).unwrap()
     });
 }
 
@@ -557,9 +534,9 @@ fn check_ragged(attend: AttendRagged) {
         let q = Tensor::from_f32_as(spec.dtype, &[18, h, d], values(18 * h * d, 7)).unwrap();
         for parts in [None, Some(2)] {
             let options = DecodeOptions { partitions: parts };
-            let want = CpuBackend::new()
-                .attend_ragged(&spec, &q, &offsets, &cache, &seqs, options)
-                .unwrap();
+            let cpu = CpuBackend::new();
+            let want =
+                common::attend_ragged(&cpu, &spec, &q, &offsets, &cache, &seqs, options).unwrap();
             let got = attend(&spec, &q, &offsets, &cache, &seqs, options);
             assert_eq!(got.out.shape(), [18, h, dv]);
             let tolerance = if spec.dtype == attn_dsl::DType::Bf16 {
@@ -589,6 +566,7 @@ fn assert_rows_close(got: &Output, want: &Output, width: usize, rel: f32, what: 
     let no_out = |o: &Output| Output {
         out: Tensor::from_f32(&[0], vec![]).unwrap(),
         lse: o.lse.clone(),
+        latent: None,
     };
     assert_outputs_close(&no_out(got), &no_out(want), (0.0, 0.0), what);
 }
@@ -618,7 +596,7 @@ fn assert_outputs_close(got: &Output, want: &Output, (abs, rel): (f32, f32), wha
 /// differential tests check against the reference.
 #[test]
 fn gpu_mla_forward_on_the_interpreter_equals_the_cpu() {
-    check_mla_forward(&|spec, x, p0| attn_runtime::gpu::forward_mla_emulated(spec, x, p0).unwrap());
+    check_mla_forward(&|spec, x, p0| common::forward_mla(&GpuSim, spec, x, p0).unwrap());
 }
 
 /// `forward` against the CPU backend's `forward_mla`.
@@ -662,7 +640,7 @@ fn check_mla_forward(forward: &dyn Fn(&AttentionSpec, &attn_runtime::MlaTensors,
             k_pe: &k_pe,
             w_kv_b: &w_kv_b,
         };
-        let want = CpuBackend::new().forward_mla(&spec, &x, p0).unwrap();
+        let want = common::forward_mla(&CpuBackend::new(), &spec, &x, p0).unwrap();
         let got = forward(&spec, &x, p0);
         assert_eq!(got.out.shape(), [2, h, sq, dv]);
         assert_outputs_close(&got, &want, (1e-4, 1e-4), text);
@@ -699,6 +677,6 @@ fn stale_device_copies_are_refused(gpu: &attn_runtime::gpu::cuda::CudaBackend) {
     let synced = gpu
         .decode_resident(&variant, &q, &cache, &resident, &[seq], options)
         .unwrap();
-    let fresh = gpu.decode(&variant, &q, &cache, &[seq], options).unwrap();
+    let fresh = common::decode(gpu, &variant.spec().clone(), &q, &cache, &[seq], options).unwrap();
     assert_eq!(synced.out.to_f32_vec(), fresh.out.to_f32_vec());
 }

@@ -94,7 +94,7 @@ fn deepseek_v2_mla_matches_transformers() {
 #[test]
 fn models_on_the_gpu_kernels_match_transformers() {
     for name in ["llama_gqa", "deepseek_v2_lite_mla"] {
-        let gpu = std::sync::Arc::new(attn_runtime::backend::GpuInterpreter);
+        let gpu = std::sync::Arc::new(attn_runtime::gpu::sim::GpuSim);
         check_on(name, 24, Some(gpu));
     }
 }

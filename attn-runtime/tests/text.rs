@@ -74,9 +74,7 @@ fn greedy_generation_from_text_continues_as_transformers_does() {
 /// generated layer kernels.
 #[test]
 fn greedy_generation_on_the_gpu_kernels_continues_as_transformers_does() {
-    generate_on(Some(std::sync::Arc::new(
-        attn_runtime::backend::GpuInterpreter,
-    )));
+    generate_on(Some(std::sync::Arc::new(attn_runtime::gpu::sim::GpuSim)));
 }
 
 fn generate_on(backend: Option<std::sync::Arc<dyn attn_runtime::Backend>>) {

@@ -6,8 +6,8 @@
 //! compiled decode function over rayon's threads.
 
 use super::CpuBackend;
-use crate::backend::{DecodeOptions, MlaQueries, Output};
 use crate::cache::{CacheLayout, KvCache, SeqId};
+use crate::calls::{DecodeOptions, MlaQueries, Output};
 use crate::error::RuntimeError;
 use crate::host::checks::check_cache;
 use crate::host::mla::AbsorbedQueries;
@@ -16,30 +16,15 @@ use crate::host::rope_table::RopeTables;
 use crate::host::work::{Item, items, merge, partitions, row_strides, tasks};
 use crate::tensor::Tensor;
 use crate::variant::Variant;
-use attn_dsl::AttentionSpec;
-use codegen::cpu::abi::DecodeArgs;
+use codegen::cpu::abi::{DecodeArgs, Segment};
 use codegen::cpu::{CpuKernel, Entry};
 use codegen::plan::{K_TILE, PlanKind};
 use rayon::prelude::*;
 
 impl CpuBackend {
-    /// Decoding step(s) against a cache: `q [B, heads, q_len, head_dim]` holds the last `q_len`
-    /// tokens of each sequence in `seqs` (their keys and values already appended). Returns out
-    /// `[B, heads, q_len, v_head_dim]` and lse `[B, heads, q_len]`, equal to
-    /// [`CpuBackend::forward`] over each sequence's cached keys and values.
-    pub fn decode(
-        &self,
-        spec: &AttentionSpec,
-        q: &Tensor,
-        cache: &impl KvCache,
-        seqs: &[SeqId],
-        options: DecodeOptions,
-    ) -> Result<Output, RuntimeError> {
-        self.decode_in(&*Variant::shared(spec)?, q, cache, seqs, options)
-    }
-
-    /// [`CpuBackend::decode`] for a variant.
-    pub(crate) fn decode_in(
+    /// [`Queries::Uniform`](crate::calls::Queries::Uniform): `q [B, heads, q_len, head_dim]`
+    /// holds the last `q_len` tokens of each sequence of `seqs`.
+    pub(super) fn decode_uniform(
         &self,
         variant: &Variant,
         q: &Tensor,
@@ -54,23 +39,8 @@ impl CpuBackend {
         batch.finish(variant.spec(), out, lse)
     }
 
-    /// MLA decoding step(s) against a latent cache (filled with `c_kv` and `k_pe`), in the
-    /// absorbed form: the queries hold the last `q_len` tokens of each sequence. Returns out
-    /// `[B, heads, q_len, v_head_dim]` and lse, equal to [`CpuBackend::forward_mla`] over the
-    /// cached latents.
-    pub fn decode_mla(
-        &self,
-        spec: &AttentionSpec,
-        queries: MlaQueries,
-        cache: &impl KvCache,
-        seqs: &[SeqId],
-        options: DecodeOptions,
-    ) -> Result<Output, RuntimeError> {
-        self.decode_mla_in(&*Variant::shared(spec)?, queries, cache, seqs, options)
-    }
-
-    /// [`CpuBackend::decode_mla`] for a variant.
-    pub(crate) fn decode_mla_in(
+    /// [`Queries::Mla`](crate::calls::Queries::Mla), in the absorbed form.
+    pub(super) fn decode_mla(
         &self,
         variant: &Variant,
         queries: MlaQueries,
@@ -84,26 +54,9 @@ impl CpuBackend {
         a.finish(variant.spec(), &latent, lse)
     }
 
-    /// A ragged batch against a cache: `q [tokens, heads, head_dim]` holds, for each sequence
-    /// `b` of `seqs`, its last `q_offsets[b + 1] - q_offsets[b]` tokens at rows
-    /// `q_offsets[b]..q_offsets[b + 1]` (cumulative offsets, starting at 0). Serves decode and
-    /// chunked prefill in one launch. Returns out `[tokens, heads, v_head_dim]` and lse
-    /// `[tokens, heads]`.
-    pub fn attend_ragged(
-        &self,
-        spec: &AttentionSpec,
-        q: &Tensor,
-        q_offsets: &[usize],
-        cache: &impl KvCache,
-        seqs: &[SeqId],
-        options: DecodeOptions,
-    ) -> Result<Output, RuntimeError> {
-        let variant = Variant::shared(spec)?;
-        self.attend_ragged_in(&variant, q, q_offsets, cache, seqs, options)
-    }
-
-    /// [`CpuBackend::attend_ragged`] for a variant.
-    pub(crate) fn attend_ragged_in(
+    /// [`Queries::Ragged`](crate::calls::Queries::Ragged): decode and chunked prefill in one
+    /// launch.
+    pub(super) fn decode_ragged(
         &self,
         variant: &Variant,
         q: &Tensor,
@@ -190,7 +143,17 @@ fn run(
                 };
                 let mut out = vec![0f32; rows * dv];
                 let mut lse = vec![0f32; rows];
-                let segments = &item.segments[task.segments.clone()];
+                // The kernel's records of the item's neutral ones (addresses as pointers).
+                let segments: Vec<Segment> = item.segments[task.segments.clone()]
+                    .iter()
+                    .map(|s| Segment {
+                        k: s.k as *const u8,
+                        v: s.v as *const u8,
+                        first_key: s.first_key,
+                        len: s.len,
+                        code: s.code as i64,
+                    })
+                    .collect();
                 let args = DecodeArgs {
                     q: q_rows.as_ptr(),
                     q_row_stride: dqk as i64,

@@ -10,11 +10,14 @@ pub mod row_kernels;
 pub mod softmax_tiles;
 pub mod spans;
 
-use crate::backend::{
-    BackwardInputs, Gradients, MlaBackwardInputs, MlaGradients, MlaSaved, MlaTensors, Output,
+use crate::backend::Backend;
+use crate::cache::{KvCache, SeqId};
+use crate::calls::{
+    BackwardInputs, DecodeOptions, Gradients, HeadGradients, HeadsBackward, Inputs, MlaBackward,
+    MlaGradients, MlaTensors, Output, Queries,
 };
 use crate::error::RuntimeError;
-use crate::host::checks::{check_backward, check_qkv, finish};
+use crate::host::checks::{check_backward, check_qkv, finish, per_head};
 use crate::host::mla::AbsorbedForward;
 use crate::tensor::Tensor;
 use crate::variant::{KernelKey, Variant};
@@ -103,23 +106,54 @@ impl CpuBackend {
             Ok(compile(variant.plan(kind)?, &imports)?)
         })
     }
+}
 
-    /// Attention for a per-head spec: q `[B, Hq, Sq, D]`, k `[B, Hkv, Skv, D]`, v
-    /// `[B, Hkv, Skv, Dv]` (any strides with contiguous rows are read in place; other layouts and
-    /// dtypes are converted), keys at positions `position_offset + j`.
-    pub fn forward(
-        &self,
-        spec: &AttentionSpec,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        position_offset: i64,
-    ) -> Result<Output, RuntimeError> {
-        self.forward_in(&*Variant::shared(spec)?, q, k, v, position_offset)
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        "cpu"
     }
 
-    /// [`CpuBackend::forward`] for a variant.
-    pub(crate) fn forward_in(
+    fn forward(
+        &self,
+        variant: &Variant,
+        inputs: Inputs,
+        position_offset: i64,
+    ) -> Result<Output, RuntimeError> {
+        match inputs {
+            Inputs::Heads { q, k, v } => self.forward_heads(variant, q, k, v, position_offset),
+            Inputs::Mla(x) => self.forward_mla(variant, &x, position_offset),
+        }
+    }
+
+    fn attend_cached(
+        &self,
+        variant: &Variant,
+        queries: Queries,
+        cache: &dyn KvCache,
+        seqs: &[SeqId],
+        options: DecodeOptions,
+    ) -> Result<Output, RuntimeError> {
+        match queries {
+            Queries::Uniform(q) => self.decode_uniform(variant, q, cache, seqs, options),
+            Queries::Ragged { q, offsets } => {
+                self.decode_ragged(variant, q, offsets, cache, seqs, options)
+            }
+            Queries::Mla(queries) => self.decode_mla(variant, queries, cache, seqs, options),
+        }
+    }
+
+    fn backward(&self, variant: &Variant, x: &BackwardInputs) -> Result<Gradients, RuntimeError> {
+        match x {
+            BackwardInputs::Heads(x) => self.backward_heads(variant, x).map(Gradients::Heads),
+            BackwardInputs::Mla(x) => self.backward_mla(variant, x).map(Gradients::Mla),
+        }
+    }
+}
+
+impl CpuBackend {
+    /// A per-head forward: any strides with contiguous rows are read in place; other layouts
+    /// and dtypes are converted.
+    fn forward_heads(
         &self,
         variant: &Variant,
         q: &Tensor,
@@ -128,11 +162,7 @@ impl CpuBackend {
         position_offset: i64,
     ) -> Result<Output, RuntimeError> {
         let spec = variant.spec();
-        if spec.mla().is_some() {
-            return Err(RuntimeError::Spec(
-                "this is an MLA spec: use forward_mla with q_nope, q_pe, c_kv, k_pe, w_kv_b".into(),
-            ));
-        }
+        per_head(spec, q)?;
         let kernel = self.kernel_for(variant, PlanKind::Forward)?;
         let (h, dv) = (spec.heads as usize, spec.v_head_dim as usize);
         let [b, sq, skv] = check_qkv(spec, q, k, v)?;
@@ -145,26 +175,13 @@ impl CpuBackend {
         let (out, lse) = launch::run(&kernel, &Rows::of(q), &Rows::of(k), &Rows::of(v), &call)?;
         finish(spec.dtype, [b, h, sq, dv], out, lse)
     }
-}
-impl CpuBackend {
-    /// Gradients of attention for a per-head spec (FlashAttention-2 recomputation): given the
-    /// forward's inputs, its `out` and `lse` (as [`CpuBackend::forward`] returned them) and
-    /// `dout = dL/dout`, returns `dL/dq`, `dL/dk` and `dL/dv` in the spec's dtype (f32
-    /// accumulation). dq and dk are with respect to the unrotated q and k.
-    pub fn backward(
-        &self,
-        spec: &AttentionSpec,
-        x: &BackwardInputs,
-    ) -> Result<Gradients, RuntimeError> {
-        self.backward_in(&*Variant::shared(spec)?, x)
-    }
 
-    /// [`CpuBackend::backward`] for a variant.
-    pub(crate) fn backward_in(
+    /// A per-head backward (FlashAttention-2 recomputation), f32 accumulation.
+    fn backward_heads(
         &self,
         variant: &Variant,
-        x: &BackwardInputs,
-    ) -> Result<Gradients, RuntimeError> {
+        x: &HeadsBackward,
+    ) -> Result<HeadGradients, RuntimeError> {
         let spec = variant.spec();
         let [b, sq, skv] = check_backward(spec, x)?;
         let kernel = self.kernel_for(variant, PlanKind::Backward)?;
@@ -184,69 +201,27 @@ impl CpuBackend {
         };
         let (dq, dk, dv) = backward::run(&kernel, self.isa, &problem)?;
         let dtype = spec.dtype;
-        Ok(Gradients {
+        Ok(HeadGradients {
             dq: Tensor::from_f32_as(dtype, x.q.shape(), dq)?,
             dk: Tensor::from_f32_as(dtype, x.k.shape(), dk)?,
             dv: Tensor::from_f32_as(dtype, x.v.shape(), dv)?,
         })
     }
 
-    /// [`CpuBackend::forward_mla`], also keeping the latent output (`softmax @ c_kv` per head,
-    /// f32), which [`CpuBackend::backward_mla`] needs.
-    pub fn forward_mla_saving(
-        &self,
-        spec: &AttentionSpec,
-        x: &MlaTensors,
-        position_offset: i64,
-    ) -> Result<MlaSaved, RuntimeError> {
-        self.forward_mla_saving_in(&*Variant::shared(spec)?, x, position_offset)
-    }
-
-    /// [`CpuBackend::forward_mla_saving`] for a variant.
-    pub(crate) fn forward_mla_saving_in(
+    /// MLA's backward in the absorbed form: the backward kernel runs over the one shared latent
+    /// head (`dL/dout_latent = W_uv^T dout`); the chain rule through the absorption is host
+    /// GEMMs.
+    fn backward_mla(
         &self,
         variant: &Variant,
-        x: &MlaTensors,
-        position_offset: i64,
-    ) -> Result<MlaSaved, RuntimeError> {
-        let spec = variant.spec();
-        let a = AbsorbedForward::of(spec, x)?;
-        let (latent, lse) = self.absorbed_latent(variant, &a, position_offset)?;
-        let r = spec.mla().map_or(0, |m| m.latent_rank as usize);
-        let out_latent = Tensor::from_f32(&[a.b, spec.heads as usize, a.sq, r], latent.clone())?;
-        let Output { out, lse } = a.finish(spec, &latent, lse)?;
-        Ok(MlaSaved {
-            out,
-            lse,
-            out_latent,
-        })
-    }
-
-    /// Gradients of MLA attention (absorbed form): given the forward's inputs, what
-    /// [`CpuBackend::forward_mla_saving`] saved and `dout`, returns the gradients of q_nope,
-    /// q_pe (before RoPE), c_kv, k_pe (before RoPE) and w_kv_b in the spec's dtype. The backward
-    /// kernel runs over the one shared latent head (`dL/dout_latent = W_uv^T dout`); the chain
-    /// rule through the absorption is host GEMMs.
-    pub fn backward_mla(
-        &self,
-        spec: &AttentionSpec,
-        x: &MlaBackwardInputs,
-    ) -> Result<MlaGradients, RuntimeError> {
-        self.backward_mla_in(&*Variant::shared(spec)?, x)
-    }
-
-    /// [`CpuBackend::backward_mla`] for a variant.
-    pub(crate) fn backward_mla_in(
-        &self,
-        variant: &Variant,
-        x: &MlaBackwardInputs,
+        x: &MlaBackward,
     ) -> Result<MlaGradients, RuntimeError> {
         let spec = variant.spec();
         let a = AbsorbedForward::of(spec, &x.x)?;
         let (h, dv) = (spec.heads as usize, spec.v_head_dim as usize);
         let r = spec.mla().map_or(0, |m| m.latent_rank as usize);
         for (name, t, want) in [
-            ("out_latent", x.out_latent, vec![a.b, h, a.sq, r]),
+            ("latent", x.latent, vec![a.b, h, a.sq, r]),
             ("lse", x.lse, vec![a.b, h, a.sq]),
             ("dout", x.dout, vec![a.b, h, a.sq, dv]),
         ] {
@@ -256,7 +231,7 @@ impl CpuBackend {
         }
         let kernel = self.kernel_for(variant, PlanKind::Backward)?;
         let (out_latent, lse, dout) = (
-            x.out_latent.f32_values(),
+            x.latent.f32_values(),
             x.lse.f32_values(),
             x.dout.f32_values(),
         );
@@ -294,17 +269,7 @@ impl CpuBackend {
 
     /// MLA attention in the absorbed form: `q_latent = W_uk^T q_nope` per head, the kernel over
     /// one shared head `[c_kv | k_pe]` with values `c_kv`, then `out = W_uv out_latent`.
-    pub fn forward_mla(
-        &self,
-        spec: &AttentionSpec,
-        x: &MlaTensors,
-        position_offset: i64,
-    ) -> Result<Output, RuntimeError> {
-        self.forward_mla_in(&*Variant::shared(spec)?, x, position_offset)
-    }
-
-    /// [`CpuBackend::forward_mla`] for a variant.
-    pub(crate) fn forward_mla_in(
+    fn forward_mla(
         &self,
         variant: &Variant,
         x: &MlaTensors,
@@ -313,7 +278,7 @@ impl CpuBackend {
         let spec = variant.spec();
         let a = AbsorbedForward::of(spec, x)?;
         let (latent, lse) = self.absorbed_latent(variant, &a, position_offset)?;
-        a.finish(spec, &latent, lse)
+        a.finish(spec, latent, lse)
     }
 
     /// The forward kernel over MLA's shared latent head: the latent output and the lse.

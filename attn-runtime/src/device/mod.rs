@@ -1,11 +1,11 @@
 //! A device as a model runs on it: memory addressed like a GPU's, kernel launches and matrix
-//! products. [`InterpretedDevice`] is the GPU IR interpreter with host GEMMs standing in for
+//! products. [`SimDevice`] is the GPU IR interpreter with host GEMMs standing in for
 //! cuBLAS (no GPU needed; what the tests run); with the `cuda` feature,
 //! `gpu::cuda::CudaBackend` is one (cudarc, cuBLAS).
 
-mod interp;
+mod sim;
 
-pub use interp::InterpretedDevice;
+pub use sim::SimDevice;
 
 use crate::error::RuntimeError;
 use attn_dsl::DType;

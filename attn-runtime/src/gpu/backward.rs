@@ -2,10 +2,10 @@
 //! and f16 specs it supports, `codegen::gpu::backward` SIMT otherwise): a call prepared on the
 //! host (inputs in the kernels' formats, tile codes, RoPE tables as the forward builds them),
 //! then the delta, dq and dk/dv kernels in that order, on the GPU IR interpreter
-//! ([`BackwardCall::run_emulated`]) or on a CUDA device (`CudaBackend::backward`).
+//! ([`BackwardCall::run_on_sim`]) or on a CUDA device (`CudaBackend::backward`).
 
 use super::device_bytes;
-use crate::backend::{BackwardInputs, Gradients};
+use crate::calls::{HeadGradients, HeadsBackward};
 use crate::error::RuntimeError;
 use crate::host::checks::check_backward;
 use crate::host::rope_table::RopeTables;
@@ -75,7 +75,7 @@ pub(crate) enum Prepared {
     /// Kernels to launch.
     Launch(Box<BackwardCall>),
     /// No query or no key: the gradients are zeros.
-    Empty(Gradients),
+    Empty(HeadGradients),
 }
 
 fn i32_bytes(codes: &[i32]) -> Vec<u8> {
@@ -84,7 +84,7 @@ fn i32_bytes(codes: &[i32]) -> Vec<u8> {
 
 impl BackwardCall {
     /// Checks a backward call's tensors and prepares it.
-    pub fn prepare(variant: &Variant, x: &BackwardInputs) -> Result<Prepared, RuntimeError> {
+    pub fn prepare(variant: &Variant, x: &HeadsBackward) -> Result<Prepared, RuntimeError> {
         let spec = variant.spec();
         let [b, sq, skv] = check_backward(spec, x)?;
         let p0 = x.position_offset;
@@ -95,7 +95,7 @@ impl BackwardCall {
             let zeros = |shape: &[usize]| {
                 Tensor::from_f32_as(spec.dtype, shape, vec![0.0; shape.iter().product()])
             };
-            return Ok(Prepared::Empty(Gradients {
+            return Ok(Prepared::Empty(HeadGradients {
                 dq: zeros(&shapes[0])?,
                 dk: zeros(&shapes[1])?,
                 dv: zeros(&shapes[2])?,
@@ -222,8 +222,8 @@ impl BackwardCall {
     }
 
     /// The gradients from their f32 values.
-    pub fn finish(&self, [dq, dk, dv]: [Vec<f32>; 3]) -> Result<Gradients, RuntimeError> {
-        Ok(Gradients {
+    pub fn finish(&self, [dq, dk, dv]: [Vec<f32>; 3]) -> Result<HeadGradients, RuntimeError> {
+        Ok(HeadGradients {
             dq: Tensor::from_f32_as(self.dtype, &self.shapes[0], dq)?,
             dk: Tensor::from_f32_as(self.dtype, &self.shapes[1], dk)?,
             dv: Tensor::from_f32_as(self.dtype, &self.shapes[2], dv)?,
@@ -231,7 +231,7 @@ impl BackwardCall {
     }
 
     /// Runs the call on the GPU IR interpreter.
-    pub fn run_emulated(&self) -> Result<Gradients, RuntimeError> {
+    pub fn run_on_sim(&self) -> Result<HeadGradients, RuntimeError> {
         let mut mem = Memory::default();
         let mut alloc = |bytes: &[u8]| {
             if bytes.is_empty() {
@@ -264,13 +264,13 @@ impl BackwardCall {
     }
 }
 
-/// `CpuBackend::backward`'s call on the GPU backward kernels, run on the interpreter.
-pub(crate) fn backward_emulated(
+/// A per-head backward on the GPU backward kernels, run on the interpreter.
+pub(crate) fn backward_on_sim(
     variant: &Variant,
-    x: &BackwardInputs,
-) -> Result<Gradients, RuntimeError> {
+    x: &HeadsBackward,
+) -> Result<HeadGradients, RuntimeError> {
     match BackwardCall::prepare(variant, x)? {
-        Prepared::Launch(call) => call.run_emulated(),
+        Prepared::Launch(call) => call.run_on_sim(),
         Prepared::Empty(zeros) => Ok(zeros),
     }
 }
@@ -290,7 +290,7 @@ mod tests {
         let lse = Tensor::from_f32(&[1, 2, 3], vec![0.0; 6]).unwrap();
         for (q_value, tensor_cores) in [(0.5, true), (40000.0, false)] {
             let q = t(&[1, 2, 3, 16], q_value);
-            let x = BackwardInputs {
+            let x = HeadsBackward {
                 q: &q,
                 k: &small,
                 v: &small,

@@ -6,8 +6,12 @@ use super::backward::{BackwardCall, Prepared};
 use super::decode::{self, DecodeLaunch};
 use super::pages::PagedSegments;
 use super::ptx::{PtxOrigin, ptx_for};
-use crate::backend::{BackwardInputs, DecodeOptions, Gradients, MlaQueries, MlaTensors, Output};
+use crate::backend::Backend;
 use crate::cache::{KvCache, MirrorSync, SeqId};
+use crate::calls::{
+    BackwardInputs, DecodeOptions, Gradients, HeadGradients, HeadsBackward, Inputs, MlaQueries,
+    Output, Queries,
+};
 use crate::error::RuntimeError;
 use crate::host::checks::finish;
 use crate::tensor::Tensor;
@@ -82,82 +86,6 @@ impl CudaBackend {
         })
     }
 
-    /// Attention on the device (inputs and outputs on the host, as the CPU backend's).
-    pub fn forward(
-        &self,
-        variant: &Variant,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        p0: i64,
-    ) -> Result<Output, RuntimeError> {
-        self.run(&GpuCall::forward_in(variant, q, k, v, p0)?)
-    }
-
-    /// `CpuBackend::forward_mla`'s call on the device (inputs absorbed on the host, the kernel
-    /// over the shared latent head, outputs expanded on the host).
-    pub fn forward_mla(
-        &self,
-        variant: &Variant,
-        x: &MlaTensors,
-        p0: i64,
-    ) -> Result<Output, RuntimeError> {
-        let (call, absorbed) = GpuCall::forward_mla(variant, x, p0)?;
-        let latent = self.run(&call)?;
-        absorbed.finish(
-            variant.spec(),
-            &latent.out.to_f32_vec(),
-            latent.lse.to_f32_vec(),
-        )
-    }
-
-    /// `CpuBackend::decode`'s call on the device: the GPU decode kernel over the cache's
-    /// segments, with the CPU backend's work items, partitions and lse merge. The cache lives in
-    /// host memory, so each call uploads its memory; [`CudaBackend::decode_resident`] decodes
-    /// against a copy uploaded once.
-    pub fn decode(
-        &self,
-        variant: &Variant,
-        q: &Tensor,
-        cache: &dyn KvCache,
-        seqs: &[SeqId],
-        options: DecodeOptions,
-    ) -> Result<Output, RuntimeError> {
-        decode::decode_with(variant, q, cache, seqs, options, &|l| {
-            self.run_decode(l, None)
-        })
-    }
-
-    /// `CpuBackend::attend_ragged`'s call on the device (a ragged batch of decode and chunked
-    /// prefill rows in one launch).
-    pub fn attend_ragged(
-        &self,
-        variant: &Variant,
-        q: &Tensor,
-        q_offsets: &[usize],
-        cache: &dyn KvCache,
-        seqs: &[SeqId],
-        options: DecodeOptions,
-    ) -> Result<Output, RuntimeError> {
-        decode::attend_ragged_with(variant, q, q_offsets, cache, seqs, options, &|l| {
-            self.run_decode(l, None)
-        })
-    }
-
-    /// `CpuBackend::decode_mla`'s call on the device (queries absorbed on the host).
-    pub fn decode_mla(
-        &self,
-        variant: &Variant,
-        queries: MlaQueries,
-        cache: &dyn KvCache,
-        seqs: &[SeqId],
-        options: DecodeOptions,
-    ) -> Result<Output, RuntimeError> {
-        decode::decode_mla_with(variant, queries, cache, seqs, options, &|l| {
-            self.run_decode(l, None)
-        })
-    }
-
     /// A copy of the cache's memory on the device, for [`CudaBackend::decode_resident`]. After
     /// the cache changes, bring it up to date with [`CudaBackend::sync_cache`] (decoding
     /// against an out-of-date copy is an error).
@@ -214,7 +142,7 @@ impl CudaBackend {
         Ok(plan.bytes(total))
     }
 
-    /// [`CudaBackend::decode`] against a device copy of `cache` from
+    /// [`Queries::Uniform`] against a device copy of `cache` from
     /// [`CudaBackend::upload_cache`]: nothing of the cache is uploaded.
     pub fn decode_resident(
         &self,
@@ -230,7 +158,7 @@ impl CudaBackend {
         })
     }
 
-    /// [`CudaBackend::decode_mla`] against a device copy of the latent cache from
+    /// [`Queries::Mla`] against a device copy of the latent cache from
     /// [`CudaBackend::upload_cache`].
     pub fn decode_mla_resident(
         &self,
@@ -531,11 +459,11 @@ impl CudaBackend {
     /// Gradients through the GPU backward kernels (delta, dq, dk and dv: on tensor cores for
     /// the bf16 and f16 specs `codegen::gpu::backward_tc` supports, else SIMT): inputs uploaded,
     /// three launches, gradients downloaded.
-    pub fn backward(
+    fn backward_heads(
         &self,
         variant: &Variant,
-        x: &BackwardInputs,
-    ) -> Result<Gradients, RuntimeError> {
+        x: &HeadsBackward,
+    ) -> Result<HeadGradients, RuntimeError> {
         let call = match BackwardCall::prepare(variant, x)? {
             Prepared::Launch(call) => call,
             Prepared::Empty(zeros) => return Ok(zeros),
@@ -563,7 +491,7 @@ impl CudaBackend {
     pub fn time_backward(
         &self,
         variant: &Variant,
-        x: &BackwardInputs,
+        x: &HeadsBackward,
         reps: usize,
     ) -> Result<Option<(Vec<f64>, bool)>, RuntimeError> {
         let call = match BackwardCall::prepare(variant, x)? {
@@ -859,4 +787,67 @@ pub struct DeviceCache {
 struct BackwardBuffers {
     inputs: Vec<CudaSlice<u8>>,
     outputs: Vec<CudaSlice<f32>>,
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    /// Inputs and outputs on the host; MLA's inputs are absorbed on the host, the kernel runs
+    /// over the shared latent head, and its output is expanded on the host.
+    fn forward(
+        &self,
+        variant: &Variant,
+        inputs: Inputs,
+        position_offset: i64,
+    ) -> Result<Output, RuntimeError> {
+        match inputs {
+            Inputs::Heads { q, k, v } => {
+                self.run(&GpuCall::forward_in(variant, q, k, v, position_offset)?)
+            }
+            Inputs::Mla(x) => {
+                let (call, absorbed) = GpuCall::forward_mla(variant, &x, position_offset)?;
+                let latent = self.run(&call)?;
+                absorbed.finish(
+                    variant.spec(),
+                    latent.out.to_f32_vec(),
+                    latent.lse.to_f32_vec(),
+                )
+            }
+        }
+    }
+
+    /// The GPU decode kernel over the cache's segments, with the CPU backend's work items,
+    /// partitions and lse merge. The cache lives in host memory, so each call uploads its
+    /// memory; [`CudaBackend::decode_resident`] decodes against a copy uploaded once.
+    fn attend_cached(
+        &self,
+        variant: &Variant,
+        queries: Queries,
+        cache: &dyn KvCache,
+        seqs: &[SeqId],
+        options: DecodeOptions,
+    ) -> Result<Output, RuntimeError> {
+        let run = &|l: &DecodeLaunch| self.run_decode(l, None);
+        match queries {
+            Queries::Uniform(q) => decode::decode_with(variant, q, cache, seqs, options, run),
+            Queries::Ragged { q, offsets } => {
+                decode::attend_ragged_with(variant, q, offsets, cache, seqs, options, run)
+            }
+            Queries::Mla(queries) => {
+                decode::decode_mla_with(variant, queries, cache, seqs, options, run)
+            }
+        }
+    }
+
+    fn backward(&self, variant: &Variant, x: &BackwardInputs) -> Result<Gradients, RuntimeError> {
+        match x {
+            BackwardInputs::Heads(x) => self.backward_heads(variant, x).map(Gradients::Heads),
+            BackwardInputs::Mla(_) => Err(RuntimeError::Unsupported {
+                backend: "cuda",
+                what: "the MLA backward (the cpu backend does)".into(),
+            }),
+        }
+    }
 }

@@ -4,8 +4,8 @@
 //! device keeps the cache in its own memory; the kernel reads it through the segment table).
 
 use super::pages::{PageTables, PagedSegments, pages_kernel, span_items};
-use crate::backend::{DecodeOptions, MlaQueries, Output};
 use crate::cache::{KvCache, SeqId};
+use crate::calls::{DecodeOptions, MlaQueries, Output};
 use crate::error::RuntimeError;
 use crate::host::checks::check_cache;
 use crate::host::mla::AbsorbedQueries;
@@ -14,7 +14,6 @@ use crate::host::rope_table::RopeTables;
 use crate::host::work::{GPU_TASKS, items, partitions, row_strides, tasks};
 use crate::tensor::Tensor;
 use crate::variant::Variant;
-use attn_dsl::AttentionSpec;
 use codegen::KernelPlan;
 use codegen::gpu::decode::{SEGMENT_FIELDS, segment_keys, task_rows};
 use codegen::gpu::interp::{Memory, Val, run};
@@ -24,63 +23,16 @@ use codegen::gpu::layers::{self, MergeArgs};
 use codegen::plan::Frequencies;
 use std::sync::Arc;
 
-/// `CpuBackend::decode`'s call (q `[B, heads, q_len, head_dim]`, the last `q_len` tokens of each
-/// sequence) on the GPU decode kernel, run on the interpreter. f32, bf16 and f16 per-head
-/// caches with static RoPE frequencies.
-pub fn decode_emulated(
-    spec: &AttentionSpec,
-    q: &Tensor,
-    cache: &impl KvCache,
-    seqs: &[SeqId],
-    options: DecodeOptions,
-) -> Result<Output, RuntimeError> {
-    decode_with(&*Variant::shared(spec)?, q, cache, seqs, options, &emulate)
-}
-
-/// `CpuBackend::decode_mla`'s call on the GPU decode kernel, run on the interpreter: the
-/// queries absorbed on the host as the CPU backend does, the kernel over the latent cache
-/// (latent plus RoPE key per token; values are the latent part of the key rows), the latent
-/// outputs expanded by `W_uv` on the host.
-pub fn decode_mla_emulated(
-    spec: &AttentionSpec,
-    queries: MlaQueries,
-    cache: &impl KvCache,
-    seqs: &[SeqId],
-    options: DecodeOptions,
-) -> Result<Output, RuntimeError> {
-    decode_mla_with(
-        &*Variant::shared(spec)?,
-        queries,
-        cache,
-        seqs,
-        options,
-        &emulate,
-    )
-}
-
-/// `CpuBackend::attend_ragged`'s call (a ragged batch: `q [tokens, heads, head_dim]` with
-/// cumulative `q_offsets` per sequence) on the GPU decode kernel, run on the interpreter.
-pub fn attend_ragged_emulated(
-    spec: &AttentionSpec,
-    q: &Tensor,
-    q_offsets: &[usize],
-    cache: &impl KvCache,
-    seqs: &[SeqId],
-    options: DecodeOptions,
-) -> Result<Output, RuntimeError> {
-    let variant = Variant::shared(spec)?;
-    attend_ragged_with(&variant, q, q_offsets, cache, seqs, options, &emulate)
-}
-
-/// Runs a launch on the interpreter.
-pub(crate) fn emulate(launch: &DecodeLaunch) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> {
-    launch.run_emulated()
+/// Runs a launch on the interpreter (the `gpu-sim` backend's [`Exec`]).
+pub(crate) fn run_on_sim(launch: &DecodeLaunch) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> {
+    launch.run_on_sim()
 }
 
 /// How a prepared decode launch runs: on the interpreter or a device. Returns `out` and `lse`.
 pub(crate) type Exec<'a> = &'a dyn Fn(&DecodeLaunch) -> Result<(Vec<f32>, Vec<f32>), RuntimeError>;
 
-/// [`attend_ragged_emulated`] for a variant, with the launch run by `exec`.
+/// A ragged batch (`q [tokens, heads, head_dim]`, cumulative `q_offsets` per sequence) on the
+/// GPU decode kernel, the launch run by `exec`.
 pub(crate) fn attend_ragged_with(
     variant: &Variant,
     q: &Tensor,
@@ -98,7 +50,9 @@ pub(crate) fn attend_ragged_with(
     ragged.finish(variant.spec(), out, lse)
 }
 
-/// [`decode_emulated`] for a variant, with the launch run by `exec`.
+/// Uniform queries (`q [B, heads, q_len, head_dim]`, the last `q_len` tokens of each
+/// sequence) on the GPU decode kernel, the launch run by `exec`. f32, bf16 and f16 per-head
+/// caches with static RoPE frequencies.
 pub(crate) fn decode_with(
     variant: &Variant,
     q: &Tensor,
@@ -115,7 +69,10 @@ pub(crate) fn decode_with(
     batch.finish(variant.spec(), out, lse)
 }
 
-/// [`decode_mla_emulated`] for a variant, with the launch run by `exec`.
+/// MLA queries on the GPU decode kernel, the launch run by `exec`: the queries absorbed on
+/// the host as the CPU backend does, the kernel over the latent cache (latent plus RoPE key per
+/// token; values are the latent part of the key rows), the latent outputs expanded by `W_uv`
+/// on the host.
 pub(crate) fn decode_mla_with(
     variant: &Variant,
     queries: MlaQueries,
@@ -228,7 +185,7 @@ impl DecodeLaunch<'_> {
 
     /// Runs the launch on the GPU IR interpreter, then the merge; returns the call's `out` and
     /// `lse` rows.
-    fn run_emulated(&self) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> {
+    fn run_on_sim(&self) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> {
         let mut mem = Memory::default();
         let i64s = |v: &[i64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
         let bases: Vec<i64> = self
@@ -417,7 +374,7 @@ pub(crate) fn run_rows(
                         s.v as i64,
                         s.first_key,
                         s.len,
-                        s.code,
+                        s.code as i64,
                         k_stride as i64,
                         v_stride as i64,
                     ]);
@@ -517,6 +474,7 @@ mod tests {
     use super::*;
     use crate::cache::PagedCache;
     use crate::tensor::Tensor;
+    use attn_dsl::AttentionSpec;
 
     /// Issue 15's grid bar without a device: a batch of 8 at kv 4096 (bf16, 32 query heads over
     /// 8 kv heads of 128) launches at least two waves of a 132-SM GPU, 264 CTAs.
@@ -552,6 +510,7 @@ mod page_table_tests {
     use super::*;
     use crate::cache::PagedCache;
     use crate::tensor::Tensor;
+    use attn_dsl::AttentionSpec;
 
     /// From a paged cache whose blocks hold whole segments, the launch carries page tables and
     /// pieces instead of records, and the records the device makes from them (on the
@@ -631,7 +590,7 @@ mod page_table_tests {
                         s.v as i64,
                         s.first_key,
                         s.len,
-                        s.code,
+                        s.code as i64,
                         k_stride as i64,
                         v_stride as i64,
                     ]);

@@ -3,8 +3,7 @@
 //! get (the GPU-interpreter backend's [`LayerOps`]).
 
 use crate::error::RuntimeError;
-use crate::model::ops::{LayerOps, same_len, whole_rows};
-use crate::model::{MlpKind, NormKind};
+use crate::ops::{LayerOps, MlpKind, NormKind, same_len, whole_rows};
 use crate::tensor::Storage;
 use codegen::gpu::interp::{Memory, Val, run};
 use codegen::gpu::ir::{Half, Kernel};
@@ -16,7 +15,7 @@ use codegen::gpu::verified;
 
 /// The layer kernels on the GPU IR interpreter.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct InterpretedLayers;
+pub struct SimLayers;
 
 /// Runs a verified kernel over `ctas` CTAs with `record`'s arguments.
 fn launch<R: LaunchRecord>(
@@ -50,7 +49,7 @@ fn read(mem: &Memory, addr: i64, n: usize) -> Result<Vec<f32>, RuntimeError> {
     mem.read_f32(addr, n).map_err(RuntimeError::Data)
 }
 
-impl LayerOps for InterpretedLayers {
+impl LayerOps for SimLayers {
     fn norm(
         &self,
         kind: NormKind,

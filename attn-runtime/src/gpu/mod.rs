@@ -1,6 +1,6 @@
 //! Running the GPU kernels: a call prepared on the host (inputs as contiguous f32, tile codes
 //! from the plan's classification, RoPE tables), then run on a CUDA device (feature `cuda`) or on
-//! codegen's GPU IR interpreter ([`GpuCall::run_emulated`]), which executes exactly the kernel a
+//! codegen's GPU IR interpreter ([`GpuCall::run_on_sim`]), which executes exactly the kernel a
 //! device would and so tests this runtime path without a GPU.
 
 pub(crate) mod backward;
@@ -15,11 +15,9 @@ mod pages;
 pub mod ptx;
 pub mod sim_cost;
 
-pub(crate) use backward::backward_emulated;
-pub use decode::{attend_ragged_emulated, decode_emulated, decode_mla_emulated};
-pub(crate) use decode::{attend_ragged_with, decode_mla_with, decode_with, emulate};
+pub mod sim;
 
-use crate::backend::{MlaTensors, Output};
+use crate::calls::{MlaTensors, Output};
 use crate::error::RuntimeError;
 use crate::host::checks::{check_qkv, finish};
 use crate::host::mla::AbsorbedForward;
@@ -308,7 +306,7 @@ impl GpuCall {
         let spec = variant.spec();
         if spec.mla().is_some() {
             return Err(RuntimeError::Spec(
-                "this is an MLA spec: use forward_mla with q_nope, q_pe, c_kv, k_pe and w_kv_b"
+                "this is an MLA spec: its forward takes Inputs::Mla (q_nope, q_pe, c_kv, k_pe, w_kv_b)"
                     .into(),
             ));
         }
@@ -423,7 +421,7 @@ impl GpuCall {
     }
 
     /// Runs the call on the GPU IR interpreter (every CTA, every thread; slow, exact).
-    pub fn run_emulated(&self) -> Result<Output, RuntimeError> {
+    pub fn run_on_sim(&self) -> Result<Output, RuntimeError> {
         let [b, h, sq, dv] = self.out_shape;
         if b * h * sq == 0 {
             return finish(self.dtype, self.out_shape, Vec::new(), Vec::new());
@@ -486,28 +484,19 @@ impl GpuCall {
     }
 }
 
-/// `CpuBackend::forward_mla`'s call on the GPU forward kernel, run on the interpreter: the
-/// inputs absorbed on the host, the kernel over the shared latent head, the latent output
-/// expanded by `W_uv` on the host.
-pub fn forward_mla_emulated(
-    spec: &AttentionSpec,
-    x: &MlaTensors,
-    p0: i64,
-) -> Result<Output, RuntimeError> {
-    forward_mla_emulated_in(&*Variant::shared(spec)?, x, p0)
-}
-
-/// [`forward_mla_emulated`] for a variant.
-pub(crate) fn forward_mla_emulated_in(
+/// MLA's forward on the GPU forward kernel, run on the interpreter: the inputs absorbed on the
+/// host, the kernel over the shared latent head, the latent output expanded by `W_uv` on the
+/// host (and returned too).
+pub(crate) fn forward_mla_on_sim(
     variant: &Variant,
     x: &MlaTensors,
     p0: i64,
 ) -> Result<Output, RuntimeError> {
     let (call, absorbed) = GpuCall::forward_mla(variant, x, p0)?;
-    let latent = call.run_emulated()?;
+    let latent = call.run_on_sim()?;
     absorbed.finish(
         variant.spec(),
-        &latent.out.to_f32_vec(),
+        latent.out.to_f32_vec(),
         latent.lse.to_f32_vec(),
     )
 }

@@ -1,7 +1,7 @@
 //! Checks of a call's tensors against its spec, and the outputs in the spec's dtype.
 
-use crate::backend::{BackwardInputs, Output};
 use crate::cache::KvCache;
+use crate::calls::{HeadsBackward, Output};
 use crate::error::RuntimeError;
 use crate::tensor::Tensor;
 use crate::variant::Variant;
@@ -46,12 +46,12 @@ pub(crate) fn check_qkv(
 /// other tensors (`backward_mla`). Returns B, Sq, Skv.
 pub(crate) fn check_backward(
     spec: &AttentionSpec,
-    x: &BackwardInputs,
+    x: &HeadsBackward,
 ) -> Result<[usize; 3], RuntimeError> {
     if spec.mla().is_some() {
         return Err(RuntimeError::Spec(
-            "this is an MLA spec: use backward_mla with q_nope, q_pe, c_kv, k_pe, w_kv_b, \
-             out_latent, lse and dout"
+            "this is an MLA spec: its backward takes BackwardInputs::Mla (the forward's MLA \
+             inputs, its latent output and lse, and dout)"
                 .into(),
         ));
     }
@@ -76,6 +76,7 @@ pub(crate) fn finish(
     Ok(Output {
         out: Tensor::from_f32_as(dtype, &shape, out)?,
         lse: Tensor::from_f32(&shape[..3], lse)?,
+        latent: None,
     })
 }
 
@@ -114,7 +115,7 @@ pub(crate) fn expect(
 pub(crate) fn per_head(spec: &AttentionSpec, q: &Tensor) -> Result<(), RuntimeError> {
     if spec.mla().is_some() {
         return Err(RuntimeError::Spec(
-            "this is an MLA spec: use decode_mla with q_nope, q_pe and w_kv_b".into(),
+            "this is an MLA spec: its calls take MLA inputs (Inputs::Mla, Queries::Mla)".into(),
         ));
     }
     check_dtype("q", q, spec.dtype)

@@ -4,8 +4,9 @@
 use super::checks::{check_dtype, dims, expect, finish, head_dims, shape};
 use super::gemm::gemm;
 use super::ragged::Layout;
-use crate::backend::{MlaQueries, MlaTensors, Output};
+use crate::calls::{MlaQueries, MlaTensors, Output};
 use crate::error::RuntimeError;
+use crate::tensor::Tensor;
 use attn_dsl::AttentionSpec;
 
 /// An MLA forward call's inputs, checked and absorbed: queries `[W_uk^T q_nope | q_pe]`
@@ -31,7 +32,7 @@ impl AbsorbedForward {
     pub fn of(spec: &AttentionSpec, x: &MlaTensors) -> Result<Self, RuntimeError> {
         let Some(mla) = spec.mla() else {
             return Err(RuntimeError::Spec(
-                "this spec has per-head KV: use forward with q, k, v".into(),
+                "this spec has per-head KV: its forward takes Inputs::Heads (q, k, v)".into(),
             ));
         };
         let (h, dn, dv) = (
@@ -111,15 +112,22 @@ impl AbsorbedForward {
             .collect()
     }
 
-    /// `out = W_uv out_latent` per head, in the spec's dtype.
+    /// `out = W_uv out_latent` per head, in the spec's dtype, and the latent output itself
+    /// (`[B, heads, Sq, latent_rank]` f32), which the backward takes.
     pub fn finish(
         &self,
         spec: &AttentionSpec,
-        latent: &[f32],
+        latent: Vec<f32>,
         lse: Vec<f32>,
     ) -> Result<Output, RuntimeError> {
-        self.absorption
-            .finish(spec, &self.w, latent, lse, self.b, self.sq)
+        let output = self
+            .absorption
+            .finish(spec, &self.w, &latent, lse, self.b, self.sq)?;
+        let shape = [self.b, self.absorption.h, self.sq, self.absorption.r];
+        Ok(Output {
+            latent: Some(Tensor::from_f32(&shape, latent)?),
+            ..output
+        })
     }
 }
 
@@ -350,7 +358,7 @@ impl AbsorbedQueries {
     ) -> Result<Self, RuntimeError> {
         let Some(mla) = spec.mla() else {
             return Err(RuntimeError::Spec(
-                "this spec has per-head KV: use decode with q".into(),
+                "this spec has per-head KV: its cached calls take Queries::Uniform or Queries::Ragged".into(),
             ));
         };
         let MlaQueries {

@@ -2,7 +2,7 @@
 //! ragged ones (each sequence with its own number of new queries).
 
 use super::checks::{finish, head_dims, per_head, shape};
-use crate::backend::Output;
+use crate::calls::Output;
 use crate::error::RuntimeError;
 use crate::tensor::Tensor;
 use attn_dsl::AttentionSpec;
@@ -135,8 +135,14 @@ impl<'a> Ragged<'a> {
         lse: Vec<f32>,
     ) -> Result<Output, RuntimeError> {
         let (_, _, dv) = head_dims(spec);
+        let (mut out, mut lse) = (out, lse);
+        super::checks::overflowed_rows_are_nan(&mut out, &mut lse, dv);
         let out = Tensor::from_f32_as(spec.dtype, &[self.tokens, self.h, dv], out)?;
         let lse = Tensor::from_f32(&[self.tokens, self.h], lse)?;
-        Ok(Output { out, lse })
+        Ok(Output {
+            out,
+            lse,
+            latent: None,
+        })
     }
 }

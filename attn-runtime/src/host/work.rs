@@ -5,12 +5,11 @@
 //! merge of the partitions' outputs by their log-sum-exp.
 
 use super::ragged::Layout;
-use crate::backend::DecodeOptions;
 use crate::cache::{CacheLayout, KvCache, SeqId};
+use crate::calls::DecodeOptions;
 use crate::error::RuntimeError;
 use attn_dsl::modifier::interval::Interval;
 use codegen::KernelPlan;
-use codegen::cpu::abi::Segment;
 use codegen::plan::{CallShape, TileCode};
 
 /// The rows of one work item.
@@ -27,7 +26,19 @@ pub(crate) struct Item {
     /// First query, and how many per head.
     pub i0: usize,
     pub nq: usize,
-    pub segments: Vec<Segment>,
+    pub segments: Vec<KeySegment>,
+}
+
+/// One segment of an item's keys, as every backend reads it: where its key and value rows
+/// start (host addresses into the cache's memory, borrowed for the call), the index of its
+/// first key, its length (1 to the plan's segment keys) and its tile code.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct KeySegment {
+    pub k: usize,
+    pub v: usize,
+    pub first_key: i64,
+    pub len: i64,
+    pub code: TileCode,
 }
 
 /// One partition of an item's segments.
@@ -35,12 +46,6 @@ pub(crate) struct Task {
     pub item: usize,
     pub segments: std::ops::Range<usize>,
 }
-
-// SAFETY: a Segment holds addresses of cache rows that tasks only read while the cache is
-// borrowed by the call.
-unsafe impl Send for Item {}
-// SAFETY: as above.
-unsafe impl Sync for Item {}
 
 /// A work item's rows before its keys are cut: sequence `b` (of `len` cached keys, the last
 /// `n` of them new), kv head `g`, query heads `h0..h0 + nh`, queries `i0..i0 + nq`.
@@ -68,7 +73,7 @@ impl Block {
     }
 
     /// The work item of this block's rows and these segments.
-    pub fn item(&self, segments: Vec<Segment>) -> Item {
+    pub fn item(&self, segments: Vec<KeySegment>) -> Item {
         Item {
             b: self.b,
             len: self.len,
@@ -158,12 +163,12 @@ pub(crate) fn items(
                 if code == TileCode::Skip {
                     continue;
                 }
-                segments.push(Segment {
-                    k: run.k.wrapping_add(start * k_row),
-                    v: run.v.wrapping_add(start * v_row),
+                segments.push(KeySegment {
+                    k: (run.k as usize).wrapping_add(start * k_row),
+                    v: (run.v as usize).wrapping_add(start * v_row),
                     first_key: (run.first + start) as i64,
                     len: (run.len - start).min(seg_keys) as i64,
-                    code: code as i64,
+                    code,
                 });
             }
         }

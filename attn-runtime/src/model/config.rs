@@ -1,25 +1,8 @@
 //! What a model is made of: widths, layer count, norms, MLP and the attention spec.
 
 use crate::error::RuntimeError;
+pub use crate::ops::{MlpKind, NormKind};
 use attn_dsl::AttentionSpec;
-
-/// Normalization layers.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum NormKind {
-    /// `x / sqrt(mean(x^2) + eps) * w` (Llama and most current families).
-    Rms,
-    /// `(x - mean) / sqrt(var + eps) * w + b` (older families).
-    Layer,
-}
-
-/// MLP blocks.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum MlpKind {
-    /// `down(silu(gate(x)) * up(x))`.
-    SwiGlu,
-    /// `down(gelu(up(x)))` (tanh approximation).
-    Gelu,
-}
 
 /// A decoder-only transformer: token embedding, `layers` pre-norm blocks (norm, attention,
 /// residual; norm, MLP, residual), a final norm and the LM head.

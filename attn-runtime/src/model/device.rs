@@ -987,7 +987,7 @@ impl DeviceModel<'_> {
             .ok_or_else(|| RuntimeError::Data("the prompt and new tokens overflow".into()))?;
         let mut session = self.session(capacity)?;
         let mut rng = super::generate::Rng::new(sampling.seed);
-        let ops = super::ops::CpuLayers;
+        let ops = crate::ops::CpuLayers;
         let mut next_after = |session: &mut DeviceSession, tokens: &[u32]| {
             if sampling.temperature <= 0.0 {
                 session.step_greedy(tokens)

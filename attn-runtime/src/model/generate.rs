@@ -3,8 +3,8 @@
 //! token or the token budget.
 
 use super::Model;
-use super::ops::LayerOps;
 use crate::error::RuntimeError;
+use crate::ops::LayerOps;
 use std::time::{Duration, Instant};
 
 /// How the next token is chosen.
@@ -156,7 +156,7 @@ impl Model {
         let mut batch = self.batch(capacity, 16)?;
         let ids: Vec<usize> = requests.iter().map(|_| batch.add_sequence()).collect();
         let mut rng = Rng::new(sampling.seed);
-        let ops = self.backend().layers();
+        let ops = self.layer_ops();
         let mut out: Vec<Vec<u32>> = vec![Vec::new(); requests.len()];
         let vocab = self.config.vocab;
         let start = Instant::now();
@@ -215,8 +215,8 @@ impl Model {
 
 #[cfg(test)]
 mod tests {
-    use super::super::ops::CpuLayers;
     use super::*;
+    use crate::ops::CpuLayers;
 
     #[test]
     fn greedy_takes_the_largest_logit() {

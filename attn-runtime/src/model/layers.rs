@@ -2,9 +2,9 @@
 //! their checkpoint's dtype, norms and MLPs.
 
 use super::config::{MlpKind, NormKind};
-use super::ops::LayerOps;
 use crate::error::RuntimeError;
 use crate::host::gemm::gemm;
+use crate::ops::LayerOps;
 use crate::tensor::Storage;
 use rayon::prelude::*;
 

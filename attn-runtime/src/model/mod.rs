@@ -13,7 +13,6 @@ mod generate;
 pub mod hf;
 mod json_fields;
 mod layers;
-pub mod ops;
 pub mod research;
 mod text;
 
@@ -25,10 +24,11 @@ pub use generate::{Progress, Request, Sampling};
 pub use text::{TextStream, TextTokenizer};
 
 use crate::backend::Backend;
-use crate::backend::{DecodeOptions, MlaQueries, MlaTensors};
 use crate::cache::{KvCache, PagedCache, SeqId};
+use crate::calls::{DecodeOptions, Inputs, MlaQueries, MlaTensors, Queries};
 use crate::cpu::CpuBackend;
 use crate::error::RuntimeError;
+use crate::ops::{CpuLayers, LayerOps};
 use crate::tensor::Tensor;
 use crate::variant::Variant;
 use layers::{Linear, Matrix, Mlp, Norm};
@@ -79,6 +79,8 @@ pub struct Model {
     /// The attention of every layer, validated and planned once.
     variant: Arc<Variant>,
     backend: Arc<dyn Backend>,
+    /// Where the norms, activations, adds, lookups and greedy choice run.
+    ops: Arc<dyn LayerOps>,
     /// What loading noticed and did not refuse ([`Model::warnings`]).
     warnings: Vec<String>,
 }
@@ -119,6 +121,7 @@ impl Model {
             final_norm,
             lm_head,
             backend: Arc::new(CpuBackend::new()),
+            ops: Arc::new(CpuLayers),
             warnings: Vec::new(),
         })
     }
@@ -139,8 +142,8 @@ impl Model {
         &self.variant
     }
 
-    /// Runs the model's attention on `backend` from now on (the projections, norms and MLPs
-    /// stay on the CPU).
+    /// Runs the model's attention on `backend` from now on (the projections stay on the CPU,
+    /// and the other layer operations where [`Model::set_layer_ops`] put them).
     pub fn set_backend(&mut self, backend: Arc<dyn Backend>) {
         self.backend = backend;
     }
@@ -148,6 +151,17 @@ impl Model {
     /// The backend the attention runs on.
     pub fn backend(&self) -> &dyn Backend {
         self.backend.as_ref()
+    }
+
+    /// Runs the norms, activations, residual adds, embedding lookups and greedy choice on `ops`
+    /// from now on (the CPU's until then; [`crate::backends::layer_ops`] gives a backend's).
+    pub fn set_layer_ops(&mut self, ops: Arc<dyn LayerOps>) {
+        self.ops = ops;
+    }
+
+    /// Where the layer operations run.
+    pub fn layer_ops(&self) -> &dyn LayerOps {
+        self.ops.as_ref()
     }
 
     /// Logits `[tokens, vocab]` of a whole sequence (causal; positions from 0).
@@ -228,7 +242,7 @@ impl Model {
                 "token {i} is {t}, outside the vocabulary of {vocab}"
             )));
         }
-        self.backend.layers().embed(self.embed.storage(), d, tokens)
+        self.ops.embed(self.embed.storage(), d, tokens)
     }
 
     fn run<'c>(
@@ -241,7 +255,7 @@ impl Model {
             &format!("a forward pass over {n} tokens"),
             self.activation_bytes(n),
         )?;
-        let ops = self.backend.layers();
+        let ops = self.ops.as_ref();
         let mut x = self.embed(tokens)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let h = layer.attn_norm.apply(ops, &x)?;
@@ -280,7 +294,7 @@ impl Model {
         n: usize,
         keys: Keys,
     ) -> Result<Vec<f32>, RuntimeError> {
-        let ops = self.backend.layers();
+        let ops = self.ops.as_ref();
         let variant = &*self.variant;
         let spec = variant.spec();
         let heads = spec.heads as usize;
@@ -297,7 +311,8 @@ impl Model {
                     Keys::Full => {
                         let q = by_head(qs, heads, d)?;
                         let (k, v) = (by_head(ks, hkv, d)?, by_head(vs, hkv, dv)?);
-                        let out = self.backend.forward(variant, &q, &k, &v, 0)?.out;
+                        let inputs = Inputs::heads(&q, &k, &v);
+                        let out = self.backend.forward(variant, inputs, 0)?.out;
                         out.permute(&[0, 2, 1, 3])?.to_f32_vec()
                     }
                     Keys::Cached {
@@ -346,7 +361,8 @@ impl Model {
                                 let q = view(rows_of(&qs, heads * d, i), heads, d)?;
                                 let k = view(rows_of(&ks, hkv * d, i), hkv, d)?;
                                 let v = view(rows_of(&vs, hkv * dv, i), hkv, dv)?;
-                                let o = self.backend.forward(variant, &q, &k, &v, 0)?.out;
+                                let inputs = Inputs::heads(&q, &k, &v);
+                                let o = self.backend.forward(variant, inputs, 0)?.out;
                                 let o = o.permute(&[0, 2, 1, 3])?.to_f32_vec();
                                 out[offsets[i] * heads * dv..offsets[i + 1] * heads * dv]
                                     .copy_from_slice(&o);
@@ -361,9 +377,13 @@ impl Model {
                             let q = Tensor::from_f32_as(spec.dtype, &[total, heads, d], rest_q)?;
                             let ids: Vec<SeqId> = rest_seqs.iter().map(|&(_, s)| s).collect();
                             let options = DecodeOptions::default();
+                            let queries = Queries::Ragged {
+                                q: &q,
+                                offsets: &rest_offsets,
+                            };
                             let o = self
                                 .backend
-                                .attend_ragged(variant, &q, &rest_offsets, cache, &ids, options)?
+                                .attend_cached(variant, queries, cache, &ids, options)?
                                 .out
                                 .to_f32_vec();
                             for (j, &(i, _)) in rest_seqs.iter().enumerate() {
@@ -421,7 +441,7 @@ impl Model {
                             k_pe: &k_pe,
                             w_kv_b,
                         };
-                        let out = self.backend.forward_mla(variant, &x, 0)?.out;
+                        let out = self.backend.forward(variant, Inputs::Mla(x), 0)?.out;
                         out.permute(&[0, 2, 1, 3])?.to_f32_vec()
                     }
                     Keys::Cached {
@@ -449,9 +469,9 @@ impl Model {
                                 w_kv_b,
                             };
                             let options = DecodeOptions::default();
-                            let o = self.backend.decode_mla(
+                            let o = self.backend.attend_cached(
                                 variant,
-                                queries,
+                                Queries::Mla(queries),
                                 cache,
                                 &[seq],
                                 options,

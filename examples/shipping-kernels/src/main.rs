@@ -7,10 +7,8 @@
 //! forwards on the device, compares them with the CPU backend, and says where every kernel the
 //! device loaded came from; it exits 1 when they disagree.
 
-use attn::runtime::Tensor;
-use attn::runtime::cpu::CpuBackend;
+use attn::prelude::*;
 use attn::runtime::gpu::ptx::ptx_for;
-use attn::{Attention, attention};
 use std::process::ExitCode;
 
 #[attention(
@@ -96,9 +94,7 @@ fn run_on_device<A: Attention>() -> bool {
     let q = tensor(A::HEADS, A::HEAD_DIM, 1);
     let k = tensor(A::KV_HEADS, A::HEAD_DIM, 2);
     let v = tensor(A::KV_HEADS, A::V_HEAD_DIM, 3);
-    let cpu = CpuBackend::new()
-        .forward(spec, &q, &k, &v, 0)
-        .expect("the CPU runs it");
+    let cpu = A::forward_on(&CpuBackend::new(), &q, &k, &v, 0).expect("the CPU runs it");
     let dev = match A::forward_on(&gpu, &q, &k, &v, 0) {
         Ok(out) => out,
         Err(e) => {

@@ -6,7 +6,9 @@ use attn::dsl::Mask;
 use attn::dsl::accounting::forward_flops;
 use attn::runtime::cpu::CpuBackend;
 use attn::runtime::memory::checked_product;
-use attn::runtime::{BackwardInputs, MlaBackwardInputs, MlaTensors};
+use attn::runtime::{
+    Backend, BackwardInputs, HeadsBackward, Inputs, MlaBackward, MlaTensors, Variant,
+};
 use attn::runtime::{RuntimeError, Tensor};
 use std::time::Instant;
 
@@ -149,9 +151,10 @@ pub fn bench_backward(
         return bench_backward_mla(spec, shape, &dout, compile_ms, progress);
     }
     let [q, k, v] = inputs(spec, shape)?;
+    let variant = Variant::shared(spec)?;
     let call = || -> Result<(), RuntimeError> {
-        let forward = backend.forward(spec, &q, &k, &v, 0)?;
-        let x = BackwardInputs {
+        let forward = backend.forward(&variant, Inputs::heads(&q, &k, &v), 0)?;
+        let x = BackwardInputs::Heads(HeadsBackward {
             q: &q,
             k: &k,
             v: &v,
@@ -159,8 +162,8 @@ pub fn bench_backward(
             lse: &forward.lse,
             dout: &dout,
             position_offset: 0,
-        };
-        backend.backward(spec, &x).map(drop)
+        });
+        backend.backward(&variant, &x).map(drop)
     };
     let times = time_calls(call, shape.reps, progress)?;
     Ok(backward_timing(spec, shape, times, compile_ms))
@@ -184,16 +187,20 @@ fn bench_backward_mla(
         k_pe: &k_pe,
         w_kv_b: &w_kv_b,
     };
+    let variant = Variant::shared(spec)?;
     let call = || -> Result<(), RuntimeError> {
-        let saved = backend.forward_mla_saving(spec, &x, 0)?;
-        let inputs = MlaBackwardInputs {
+        let saved = backend.forward(&variant, Inputs::Mla(x), 0)?;
+        let latent = saved.latent.as_ref().ok_or_else(|| {
+            RuntimeError::Data("the MLA forward returned no latent output".into())
+        })?;
+        let inputs = BackwardInputs::Mla(MlaBackward {
             x,
-            out_latent: &saved.out_latent,
+            latent,
             lse: &saved.lse,
             dout,
             position_offset: 0,
-        };
-        backend.backward_mla(spec, &inputs).map(drop)
+        });
+        backend.backward(&variant, &inputs).map(drop)
     };
     let times = time_calls(call, shape.reps, progress)?;
     Ok(backward_timing(spec, shape, times, compile_ms))
@@ -244,6 +251,7 @@ pub fn bench(spec: &AttentionSpec, shape: &Shape, progress: bool) -> Result<Timi
     let backend = CpuBackend::new();
     let kernel = backend.kernel(spec)?;
     let compile_ms = kernel.compile_time.as_secs_f64() * 1e3;
+    let variant = Variant::shared(spec)?;
     let call: Box<dyn FnMut() -> Result<(), RuntimeError>> = match spec.mla() {
         Some(_) => {
             let [q_nope, q_pe, c_kv, k_pe, w_kv_b] = mla_inputs(spec, shape)?;
@@ -255,12 +263,16 @@ pub fn bench(spec: &AttentionSpec, shape: &Shape, progress: bool) -> Result<Timi
                     k_pe: &k_pe,
                     w_kv_b: &w_kv_b,
                 };
-                backend.forward_mla(spec, &x, 0).map(drop)
+                backend.forward(&variant, Inputs::Mla(x), 0).map(drop)
             })
         }
         None => {
             let [q, k, v] = inputs(spec, shape)?;
-            Box::new(move || backend.forward(spec, &q, &k, &v, 0).map(drop))
+            Box::new(move || {
+                backend
+                    .forward(&variant, Inputs::heads(&q, &k, &v), 0)
+                    .map(drop)
+            })
         }
     };
     let times = time_calls(call, shape.reps, progress)?;
@@ -326,7 +338,6 @@ pub fn bench_cuda(spec: &AttentionSpec, shape: &Shape) -> Result<Timing, Runtime
 pub fn bench_backward_cuda(spec: &AttentionSpec, shape: &Shape) -> Result<Timing, RuntimeError> {
     use attn::runtime::gpu::GpuCall;
     use attn::runtime::gpu::cuda::CudaBackend;
-    use attn::runtime::{BackwardInputs, Variant};
     backward_fits(spec, shape)?;
     let backend = CudaBackend::new(0)?;
     let [q, k, v] = inputs(spec, shape)?;
@@ -342,7 +353,7 @@ pub fn bench_backward_cuda(spec: &AttentionSpec, shape: &Shape) -> Result<Timing
     )?;
     let saved = backend.run(&GpuCall::forward(spec, &q, &k, &v, 0)?)?;
     let variant = Variant::shared(spec)?;
-    let x = BackwardInputs {
+    let x = HeadsBackward {
         q: &q,
         k: &k,
         v: &v,

@@ -10,7 +10,7 @@ use attn::runtime::Variant;
 use attn::runtime::cache::SeqId;
 use attn::runtime::cache::{KvCache, PagedCache};
 use attn::runtime::cpu::CpuBackend;
-use attn::runtime::{DecodeOptions, MlaQueries};
+use attn::runtime::{DecodeOptions, MlaQueries, Queries};
 use std::time::Instant;
 
 /// What to time.
@@ -108,10 +108,12 @@ pub fn bench(
                 q_pe,
                 w_kv_b,
             };
-            Attend::decode_mla(&backend, &variant, queries, &cache, &seqs, options).map(|_| None)
+            let queries = Queries::Mla(queries);
+            Attend::attend_cached(&backend, &variant, queries, &cache, &seqs, options).map(|_| None)
         }
         (None, None) => {
-            Attend::decode(&backend, &variant, &q, &cache, &seqs, options).map(|_| None)
+            let queries = Queries::Uniform(&q);
+            Attend::attend_cached(&backend, &variant, queries, &cache, &seqs, options).map(|_| None)
         }
     };
     step()?;

@@ -7,15 +7,15 @@
 use crate::bench::random;
 use crate::run::Backend;
 use attn::AttentionSpec;
-use attn::runtime::backend::GpuInterpreter;
 use attn::runtime::cache::{PagedCache, SeqId};
 use attn::runtime::cpu::CpuBackend;
-use attn::runtime::{DecodeOptions, MlaQueries, MlaTensors, Output};
+use attn::runtime::gpu::sim::GpuSim;
+use attn::runtime::{Backend as _, DecodeOptions, Inputs, MlaQueries, MlaTensors, Output, Queries};
 use attn::runtime::{RuntimeError, Tensor, Variant};
 
 /// The GPU backend under test: every `Backend` call, and decoding against device copies of the
 /// cache where the backend keeps them.
-trait Gpu: attn::runtime::backend::Backend {
+trait Gpu: attn::runtime::Backend {
     /// Decode against a device copy of the cache, where the backend has one (else `None`).
     fn decode_resident(
         &self,
@@ -42,7 +42,7 @@ trait Gpu: attn::runtime::backend::Backend {
 }
 
 /// The GPU IR interpreter keeps no device copies of caches.
-impl Gpu for GpuInterpreter {}
+impl Gpu for GpuSim {}
 
 #[cfg(feature = "cuda")]
 impl Gpu for attn::runtime::gpu::cuda::CudaBackend {
@@ -81,7 +81,7 @@ impl Gpu for attn::runtime::gpu::cuda::CudaBackend {
 /// The backend to check: CUDA device 0, or the interpreter.
 fn gpu(on: Backend) -> Result<Box<dyn Gpu>, RuntimeError> {
     match on {
-        Backend::GpuSim => Ok(Box::new(GpuInterpreter)),
+        Backend::GpuSim => Ok(Box::new(GpuSim)),
         #[cfg(feature = "cuda")]
         Backend::Cuda => Ok(Box::new(attn::runtime::gpu::cuda::CudaBackend::new(0)?)),
         #[cfg(not(feature = "cuda"))]
@@ -154,8 +154,9 @@ pub fn run(on: Backend) -> Result<bool, RuntimeError> {
         for n in [1, 3] {
             let q = random(&spec, &[2, h, n, d], 5)?;
             let options = DecodeOptions::default();
-            let want = cpu.decode(&spec, &q, &cache, &seqs, options)?;
-            let got = gpu.decode(&variant, &q, &cache, &seqs, options)?;
+            let queries = Queries::Uniform(&q);
+            let want = cpu.attend_cached(&variant, queries, &cache, &seqs, options)?;
+            let got = gpu.attend_cached(&variant, queries, &cache, &seqs, options)?;
             report(&format!("decode q_len {n}"), &spec, got, want.clone());
             if let Some(got) = gpu.decode_resident(&variant, &q, &cache, &seqs, options) {
                 report(&format!("resident decode q_len {n}"), &spec, got?, want);
@@ -171,7 +172,9 @@ pub fn run(on: Backend) -> Result<bool, RuntimeError> {
         };
         let q = random(&spec, &[2, h, 1, d], 7)?;
         if let Some(got) = gpu.decode_after_sync(&variant, &q, &mut cache, &step, &seqs) {
-            let want = cpu.decode(&spec, &q, &cache, &seqs, DecodeOptions::default())?;
+            let queries = Queries::Uniform(&q);
+            let want =
+                cpu.attend_cached(&variant, queries, &cache, &seqs, DecodeOptions::default())?;
             report("resident decode after a step, synced", &spec, got?, want);
         }
         let offsets = [0, 1, 9];
@@ -179,8 +182,12 @@ pub fn run(on: Backend) -> Result<bool, RuntimeError> {
         let options = DecodeOptions {
             partitions: Some(3),
         };
-        let want = cpu.attend_ragged(&spec, &q, &offsets, &cache, &seqs, options)?;
-        let got = gpu.attend_ragged(&variant, &q, &offsets, &cache, &seqs, options)?;
+        let queries = Queries::Ragged {
+            q: &q,
+            offsets: &offsets,
+        };
+        let want = cpu.attend_cached(&variant, queries, &cache, &seqs, options)?;
+        let got = gpu.attend_cached(&variant, queries, &cache, &seqs, options)?;
         report("ragged, split-KV", &spec, got, want);
     }
 
@@ -210,11 +217,11 @@ pub fn run(on: Backend) -> Result<bool, RuntimeError> {
         k_pe: &k_pe,
         w_kv_b: &w_kv_b,
     };
-    let want = cpu.forward_mla(&spec, &x, 0)?;
+    let want = cpu.forward(&variant, Inputs::Mla(x), 0)?;
     report(
         "MLA prefill",
         &spec,
-        gpu.forward_mla(&variant, &x, 0)?,
+        gpu.forward(&variant, Inputs::Mla(x), 0)?,
         want,
     );
     let mut cache = PagedCache::new(&spec, 16, 16)?;
@@ -230,14 +237,9 @@ pub fn run(on: Backend) -> Result<bool, RuntimeError> {
         q_pe: &q_pe,
         w_kv_b: &w_kv_b,
     };
-    let want = cpu.decode_mla(&spec, queries(), &cache, &[seq], DecodeOptions::default())?;
-    let got = gpu.decode_mla(
-        &variant,
-        queries(),
-        &cache,
-        &[seq],
-        DecodeOptions::default(),
-    )?;
+    let options = DecodeOptions::default();
+    let want = cpu.attend_cached(&variant, Queries::Mla(queries()), &cache, &[seq], options)?;
+    let got = gpu.attend_cached(&variant, Queries::Mla(queries()), &cache, &[seq], options)?;
     report("MLA decode", &spec, got, want);
     Ok(all)
 }

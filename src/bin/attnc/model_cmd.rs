@@ -3,7 +3,7 @@
 
 use attn::dsl::accounting::kv_cache_bytes_per_token;
 use attn::runtime::Tensor;
-use attn::runtime::device::{Device, InterpretedDevice};
+use attn::runtime::device::{Device, SimDevice};
 use attn::runtime::io::write_safetensors;
 use attn::runtime::model::{
     DeviceModel, Model, Progress, Request, Sampling, TextTokenizer, hf, research,
@@ -34,9 +34,10 @@ pub fn load(path: &Path, seed: u64) -> Result<Model, String> {
 /// [`load`], with the model's attention on `backend`.
 pub fn load_on(path: &Path, seed: u64, backend: crate::run::Backend) -> Result<Model, String> {
     let mut model = load(path, seed)?;
-    let backend =
-        attn::runtime::backend::open(backend.name()).map_err(|e| format!("error: {e}"))?;
-    model.set_backend(backend.into());
+    let name = backend.name();
+    let opened = attn::runtime::backends::open(name).map_err(|e| format!("error: {e}"))?;
+    model.set_backend(opened.into());
+    model.set_layer_ops(attn::runtime::backends::layer_ops(name));
     Ok(model)
 }
 
@@ -66,7 +67,7 @@ fn resident_device(
     }
     match backend {
         crate::run::Backend::Cpu => Ok(None),
-        crate::run::Backend::GpuSim => Ok(Some(std::sync::Arc::new(InterpretedDevice::new()))),
+        crate::run::Backend::GpuSim => Ok(Some(std::sync::Arc::new(SimDevice::new()))),
         crate::run::Backend::Cuda => cuda_device().map(Some),
     }
 }

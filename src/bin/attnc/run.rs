@@ -3,8 +3,7 @@
 use attn::AttentionSpec;
 use attn::runtime::io::{read_safetensors, write_safetensors};
 use attn::runtime::{
-    BackwardInputs, Gradients, MlaBackwardInputs, MlaGradients, MlaSaved, MlaTensors, Output,
-    Variant,
+    BackwardInputs, HeadGradients, HeadsBackward, Inputs, MlaBackward, MlaTensors, Output, Variant,
 };
 use attn::runtime::{RuntimeError, Tensor};
 use std::path::Path;
@@ -21,7 +20,7 @@ pub enum Backend {
 }
 
 impl Backend {
-    /// The backend's name, as `attn::runtime::backend::open` takes it.
+    /// The backend's name, as `attn::runtime::backends::open` takes it.
     pub fn name(self) -> &'static str {
         match self {
             Backend::Cpu => "cpu",
@@ -58,9 +57,9 @@ pub fn run(
     backend: Backend,
 ) -> Result<String, RuntimeError> {
     let on = backend;
-    let backend = attn::runtime::backend::open(backend.name())?;
+    let backend = attn::runtime::backends::open(backend.name())?;
     let variant = attn::runtime::Variant::new(spec.clone())?;
-    let Output { out, lse } = if spec.mla().is_some() {
+    let Output { out, lse, .. } = if spec.mla().is_some() {
         let names = ["q_nope", "q_pe", "c_kv", "k_pe", "w_kv_b"];
         let [q_nope, q_pe, c_kv, k_pe, w_kv_b]: [Tensor; 5] = read_safetensors(input, &names)?
             .try_into()
@@ -72,13 +71,13 @@ pub fn run(
             k_pe: &k_pe,
             w_kv_b: &w_kv_b,
         };
-        backend.forward_mla(&variant, &x, offset)?
+        backend.forward(&variant, Inputs::Mla(x), offset)?
     } else {
         let [q, k, v]: [Tensor; 3] = read_safetensors(input, &["q", "k", "v"])?
             .try_into()
             .expect("one tensor per name");
         note_interpreted(on, spec, &q, &k, false);
-        backend.forward(&variant, &q, &k, &v, offset)?
+        backend.forward(&variant, Inputs::heads(&q, &k, &v), offset)?
     };
     write_safetensors(output, &[("out", &out), ("lse", &lse)])?;
     Ok(format!(
@@ -100,7 +99,7 @@ pub fn grad(
     backend: Backend,
 ) -> Result<String, RuntimeError> {
     let on = backend;
-    let backend = attn::runtime::backend::open(backend.name())?;
+    let backend = attn::runtime::backends::open(backend.name())?;
     let variant = attn::runtime::Variant::new(spec.clone())?;
     if spec.mla().is_some() {
         return grad_mla(&*backend, &variant, input, output, offset);
@@ -109,8 +108,8 @@ pub fn grad(
         .try_into()
         .expect("one tensor per name");
     note_interpreted(on, spec, &q, &k, true);
-    let Output { out, lse } = backend.forward(&variant, &q, &k, &v, offset)?;
-    let x = BackwardInputs {
+    let Output { out, lse, .. } = backend.forward(&variant, Inputs::heads(&q, &k, &v), offset)?;
+    let x = BackwardInputs::Heads(HeadsBackward {
         q: &q,
         k: &k,
         v: &v,
@@ -118,8 +117,8 @@ pub fn grad(
         lse: &lse,
         dout: &dout,
         position_offset: offset,
-    };
-    let Gradients { dq, dk, dv } = backend.backward(&variant, &x)?;
+    });
+    let HeadGradients { dq, dk, dv } = backend.backward(&variant, &x)?.heads()?;
     write_safetensors(
         output,
         &[
@@ -162,21 +161,18 @@ fn grad_mla(
         k_pe: &k_pe,
         w_kv_b: &w_kv_b,
     };
-    let MlaSaved {
-        out,
-        lse,
-        out_latent,
-    } = backend.forward_mla_saving(variant, &x, offset)?;
-    let g: MlaGradients = backend.backward_mla(
-        variant,
-        &MlaBackwardInputs {
-            x,
-            out_latent: &out_latent,
-            lse: &lse,
-            dout: &dout,
-            position_offset: offset,
-        },
-    )?;
+    let Output { out, lse, latent } = backend.forward(variant, Inputs::Mla(x), offset)?;
+    let latent = latent.ok_or_else(|| {
+        RuntimeError::Data("the MLA forward returned no latent output".to_string())
+    })?;
+    let x = BackwardInputs::Mla(MlaBackward {
+        x,
+        latent: &latent,
+        lse: &lse,
+        dout: &dout,
+        position_offset: offset,
+    });
+    let g = backend.backward(variant, &x)?.mla()?;
     write_safetensors(
         output,
         &[

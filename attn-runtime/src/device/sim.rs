@@ -12,11 +12,11 @@ use std::sync::{Arc, Mutex};
 
 /// The interpreter's memory and launches.
 #[derive(Debug, Default)]
-pub struct InterpretedDevice {
+pub struct SimDevice {
     memory: Mutex<Memory>,
 }
 
-impl InterpretedDevice {
+impl SimDevice {
     /// A device with empty memory.
     pub fn new() -> Self {
         Self::default()
@@ -29,7 +29,7 @@ impl InterpretedDevice {
     }
 }
 
-impl Device for InterpretedDevice {
+impl Device for SimDevice {
     fn name(&self) -> &'static str {
         "gpu-sim"
     }

@@ -1,14 +1,30 @@
 //! The decoder's operations other than attention and the projections: row norms, MLP
-//! activations, residual adds, embedding lookups and greedy choice. A [`Backend`] names where
-//! they run ([`Backend::layers`]): on the CPU here, or as the GPU IR kernels of
-//! `codegen::gpu::layers` (on the interpreter: `gpu::layers`).
-//!
-//! [`Backend`]: crate::Backend
-//! [`Backend::layers`]: crate::Backend::layers
+//! activations, residual adds, embedding lookups and greedy choice, behind [`LayerOps`]. They
+//! run on the CPU here ([`CpuLayers`]), or as the GPU IR kernels of `codegen::gpu::layers` on
+//! the interpreter (`gpu::layers::SimLayers`); a model takes them apart from its attention's
+//! backend (`Model::set_layer_ops`), and [`crate::backends::layer_ops`] gives the ones a
+//! backend name goes with.
 
-use super::config::{MlpKind, NormKind};
 use crate::error::RuntimeError;
 use crate::tensor::Storage;
+
+/// Normalization layers.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum NormKind {
+    /// `x / sqrt(mean(x^2) + eps) * w` (Llama and most current families).
+    Rms,
+    /// `(x - mean) / sqrt(var + eps) * w + b` (older families).
+    Layer,
+}
+
+/// MLP blocks.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum MlpKind {
+    /// `down(silu(gate(x)) * up(x))`.
+    SwiGlu,
+    /// `down(gelu(up(x)))` (tanh approximation).
+    Gelu,
+}
 
 /// Norms, activations, adds, lookups and argmax over f32 rows.
 pub trait LayerOps: Send + Sync {
