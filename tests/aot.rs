@@ -4,7 +4,7 @@
 #![cfg(feature = "aot")]
 
 use attn::codegen::gpu::artifacts::spec_kernels;
-use attn::codegen::gpu::target::{Arch, kernel_hash};
+use attn::codegen::gpu::ir::target::{Arch, kernel_hash};
 use attn::runtime::gpu::ptx::{PtxOrigin, ptx_for};
 use attn::{Attention, attention};
 

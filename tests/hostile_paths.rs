@@ -116,7 +116,7 @@ fn fill_with_foreign_files(dir: &Path) {
 /// A cache entry as attnc writes one (format, fields, PTX hash), for kernel `name` on sm_80,
 /// with `spec` recorded.
 fn entry(name: &str, spec: &str) -> String {
-    use attn::codegen::gpu::target::{compiler_version, text_hash};
+    use attn::codegen::gpu::ir::target::{compiler_version, text_hash};
     let ptx = format!(".version 8.0\n.target sm_80\n.visible .entry {name}(\n)\n{{\n}}\n");
     serde_json::json!({
         "format": 2, "kernel": name, "target": "sm_80", "compiler": compiler_version(),

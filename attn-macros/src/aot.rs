@@ -14,7 +14,7 @@ pub fn embed(
     span: Span,
 ) -> syn::Result<TokenStream> {
     use codegen::gpu::artifacts::{launch_json, spec_kernels_for};
-    use codegen::gpu::target::{Arch, kernel_hash};
+    use codegen::gpu::ir::target::{Arch, kernel_hash};
     use quote::quote;
     let fail = |what: String| syn::Error::new(span, what);
     let mut records = Vec::new();

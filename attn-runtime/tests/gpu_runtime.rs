@@ -372,7 +372,7 @@ fn tensor_core_decode_on_the_interpreter_equals_the_cpu_for_every_variant() {
     ] {
         let spec: AttentionSpec = text.parse().unwrap();
         assert!(
-            codegen::gpu::decode_tc::supports(&codegen::KernelPlan::decode(&spec)),
+            codegen::gpu::kernels::decode::tc::supports(&codegen::KernelPlan::decode(&spec)),
             "{text}"
         );
         let (h, hkv, d, dv) = (
@@ -450,7 +450,8 @@ fn check_mla_decode(decode: DecodeMla) {
         let t = |shape: &[usize], seed: u64| {
             Tensor::from_f32_as(spec.dtype, shape, values(shape.iter().product(), seed)).unwrap()
         };
-        let wide = codegen::gpu::decode_wide::supports(&codegen::KernelPlan::decode(&spec));
+        let wide =
+            codegen::gpu::kernels::decode::wide::supports(&codegen::KernelPlan::decode(&spec));
         assert_eq!(wide, spec.dtype != attn_dsl::DType::F32, "{text}");
         let mut cache = PagedCache::new(&spec, 7, 40).unwrap();
         let seqs: Vec<_> = [37usize, 61]

@@ -10,8 +10,8 @@
 
 use codegen::gpu::interp::{Memory, Val, run};
 use codegen::gpu::ir::build::*;
+use codegen::gpu::ir::tma::{Swizzle, TensorMap};
 use codegen::gpu::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Wgmma, WgmmaA};
-use codegen::gpu::tma::{Swizzle, TensorMap};
 
 /// Registers of a kernel under construction.
 #[derive(Default)]
@@ -569,9 +569,9 @@ fn hopper_kernels_print_and_parse_back() {
         product_kernel(128, 3, Omit::Nothing),
         pv_kernel(128, true, false),
     ] {
-        codegen::gpu::verify::verify(&k).unwrap();
+        codegen::gpu::ir::verify::verify(&k).unwrap();
         let text = k.to_string();
-        assert_eq!(codegen::gpu::parse::parse(&text).unwrap(), k, "{text}");
+        assert_eq!(codegen::gpu::ir::parse::parse(&text).unwrap(), k, "{text}");
     }
 }
 
@@ -690,7 +690,7 @@ fn ping_pong(rounds: i64, first_handover: bool) -> Result<Vec<f32>, String> {
         ctas_per_sm: 1,
         body,
     };
-    codegen::gpu::verify::verify(&k).map_err(|e| format!("{e:?}"))?;
+    codegen::gpu::ir::verify::verify(&k).map_err(|e| format!("{e:?}"))?;
     let mut mem = Memory::default();
     let log = mem.alloc_f32(&vec![-1.0; 2 * rounds as usize]);
     run(&k, [1, 1, 1], &[Val::I64(log)], &mut mem)?;

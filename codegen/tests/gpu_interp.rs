@@ -7,11 +7,10 @@
 use attn_dsl::AttentionSpec;
 use attn_dsl::reference::{self, Array, Inputs, rope};
 use codegen::KernelPlan;
-use codegen::gpu::forward::{ROWS, key_tile, lower};
 use codegen::gpu::interp::{Memory, Val, run};
-use codegen::gpu::{
-    ForwardKernel, forward_kernel, forward_tc, forward_wgmma, wgmma_forward_kernel,
-};
+use codegen::gpu::kernels::forward::{ROWS, key_tile, lower};
+use codegen::gpu::kernels::{forward_tc, forward_wgmma};
+use codegen::gpu::{ForwardKernel, forward_kernel, wgmma_forward_kernel};
 use codegen::plan::Frequencies;
 
 fn values(n: usize, seed: u64) -> Vec<f32> {
@@ -419,7 +418,7 @@ fn the_tensor_core_kernel_matches_the_reference() {
 #[test]
 fn the_twelve_warp_tiling_matches_the_reference() {
     use codegen::gpu::forward_kernel_tiled;
-    use codegen::gpu::forward_tc::Tiling;
+    use codegen::gpu::kernels::forward_tc::Tiling;
     for (text, b, sq, skv, p0) in [
         (
             "heads = 4, kv_heads = 2, head_dim = 64, mask = causal, dtype = bf16",

@@ -14,8 +14,8 @@ use attn_dsl::AttentionSpec;
 use codegen::KernelPlan;
 use codegen::gpu::interp::{Memory, Val, run};
 use codegen::gpu::ir::Kernel;
-use codegen::gpu::parse::{MAX_DEPTH, parse};
-use codegen::gpu::verify::verify;
+use codegen::gpu::ir::parse::{MAX_DEPTH, parse};
+use codegen::gpu::ir::verify::verify;
 use std::collections::HashMap;
 
 #[derive(Default)]

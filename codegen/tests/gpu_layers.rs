@@ -3,12 +3,12 @@
 //! (f32 and bf16 tables) and the argmax greedy decoding takes.
 
 use codegen::gpu::interp::{Memory, Val, run};
+use codegen::gpu::ir::verify::verify;
 use codegen::gpu::ir::{Half, Kernel};
-use codegen::gpu::launch::{LaunchRecord, bind};
-use codegen::gpu::layers::{
+use codegen::gpu::kernels::layers::{
     self, Activation, ArgmaxArgs, ElementwiseArgs, EmbedArgs, NormArgs, NormKind, THREADS,
 };
-use codegen::gpu::verify::verify;
+use codegen::gpu::launch::{LaunchRecord, bind};
 
 /// Values in [-2, 2) from a seed.
 fn values(n: usize, seed: u64) -> Vec<f32> {
@@ -226,7 +226,7 @@ fn argmax_takes_the_first_largest_value_of_each_row() {
 
 #[test]
 fn outer_axes_swap_into_f32_and_packed_halves() {
-    use codegen::gpu::layers::SwapArgs;
+    use codegen::gpu::kernels::layers::SwapArgs;
     let (a, b, width) = (5usize, 3usize, 6usize);
     let x = values(a * b * width, 10);
     let want: Vec<f32> = (0..b)
@@ -276,7 +276,7 @@ fn outer_axes_swap_into_f32_and_packed_halves() {
 
 #[test]
 fn biases_add_to_every_row() {
-    use codegen::gpu::layers::BiasArgs;
+    use codegen::gpu::kernels::layers::BiasArgs;
     let (rows, width) = (7, 40);
     let (x, bias) = (values(rows * width, 11), values(width, 12));
     let mut mem = Memory::default();
@@ -301,7 +301,7 @@ fn biases_add_to_every_row() {
 #[test]
 fn cache_appends_rotate_and_store_rows() {
     use attn_dsl::RopeLayout;
-    use codegen::gpu::layers::{AppendArgs, AppendRope};
+    use codegen::gpu::kernels::layers::{AppendArgs, AppendRope};
     let (tokens, kv_heads, width, capacity, pos0) = (3usize, 2usize, 12usize, 8usize, 4usize);
     let rows = values(tokens * kv_heads * width, 13);
     let rope = AppendRope {
@@ -390,7 +390,7 @@ fn cache_appends_rotate_and_store_rows() {
 
 #[test]
 fn rows_gather_by_index() {
-    use codegen::gpu::layers::GatherArgs;
+    use codegen::gpu::kernels::layers::GatherArgs;
     let width = 5;
     let x = values(4 * width, 16);
     let index: Vec<i32> = vec![2, 2, 0, 3, 1, 2];
@@ -416,7 +416,7 @@ fn rows_gather_by_index() {
 /// rows without a kept key 0, NaN parts NaN.
 #[test]
 fn partitions_merge_by_their_lse() {
-    use codegen::gpu::layers::MergeArgs;
+    use codegen::gpu::kernels::layers::MergeArgs;
     let width = 6;
     let parts = values(7 * width, 17);
     let lse = [

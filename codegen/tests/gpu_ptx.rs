@@ -34,7 +34,7 @@ fn forward_kernels_compile_to_ptx_for_sm80_and_sm90() {
 
 #[test]
 fn tensor_core_kernels_compile_and_report_their_resources() {
-    use codegen::gpu::forward_tc;
+    use codegen::gpu::kernels::forward_tc;
     for d in [64, 128] {
         let text = format!("heads = 16, head_dim = {d}, mask = causal, dtype = bf16");
         let spec: attn_dsl::AttentionSpec = text.parse().unwrap();
@@ -77,7 +77,7 @@ fn tensor_core_kernels_compile_and_report_their_resources() {
 /// RoPE layout and scaling, at head dims 64 and 128, assembles without spills.
 #[test]
 fn tensor_core_kernels_with_rope_assemble_without_spills() {
-    use codegen::gpu::forward_tc;
+    use codegen::gpu::kernels::forward_tc;
     for rope in [
         "rope",
         "rope(layout = interleaved)",
@@ -108,7 +108,7 @@ fn tensor_core_kernels_with_rope_assemble_without_spills() {
 /// dim 64 (at 128 ptxas 12.9 spills a few bytes, which only a device timing can weigh).
 #[test]
 fn the_twelve_warp_tiling_fits_168_registers() {
-    use codegen::gpu::forward_tc::{self, Tiling};
+    use codegen::gpu::kernels::forward_tc::{self, Tiling};
     for d in [64, 128] {
         let text = format!("heads = 16, head_dim = {d}, mask = causal, dtype = bf16");
         let plan = KernelPlan::forward(&text.parse::<attn_dsl::AttentionSpec>().unwrap());
@@ -152,9 +152,9 @@ fn decode_kernels_compile_to_ptx() {
     ] {
         let spec: attn_dsl::AttentionSpec = text.parse().unwrap();
         let plan = KernelPlan::decode(&spec);
-        let kernel = codegen::gpu::decode::lower(&plan);
-        let tensor_cores =
-            codegen::gpu::decode_tc::supports(&plan) || codegen::gpu::decode_wide::supports(&plan);
+        let kernel = codegen::gpu::kernels::decode::lower(&plan);
+        let tensor_cores = codegen::gpu::kernels::decode::tc::supports(&plan)
+            || codegen::gpu::kernels::decode::wide::supports(&plan);
         for arch in [Arch::Sm80, Arch::Sm90] {
             let out = emit(&kernel, arch).unwrap_or_else(|e| panic!("{text}: {e}"));
             assert!(out.ptx.contains(".entry attention_decode"), "{text}");

@@ -1,5 +1,5 @@
-//! The backward pass on the GPU kernels (`codegen::gpu::backward_tc` on tensor cores for bf16
-//! and f16 specs it supports, `codegen::gpu::backward` SIMT otherwise): a call prepared on the
+//! The backward pass on the GPU kernels (`codegen::gpu::kernels::backward_tc` on tensor cores for bf16
+//! and f16 specs it supports, `codegen::gpu::kernels::backward` SIMT otherwise): a call prepared on the
 //! host (inputs in the kernels' formats, tile codes, RoPE tables as the forward builds them),
 //! then the delta, dq and dk/dv kernels in that order, on the GPU IR interpreter
 //! ([`BackwardCall::run_on_sim`]) or on a CUDA device (`CudaBackend::backward`).
@@ -118,7 +118,7 @@ impl BackwardCall {
         let (inputs, codes) = if kernels.tensor_cores {
             let half = |t: &Tensor| device_bytes(t, spec.dtype);
             let single = |t: &Tensor| device_bytes(t, DType::F32);
-            let [dq, dkdv] = codegen::gpu::backward_tc::tile_codes(plan, dims, p0);
+            let [dq, dkdv] = codegen::gpu::kernels::backward_tc::tile_codes(plan, dims, p0);
             (
                 [
                     half(x.q),

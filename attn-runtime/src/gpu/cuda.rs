@@ -16,11 +16,11 @@ use crate::error::RuntimeError;
 use crate::host::checks::finish;
 use crate::tensor::Tensor;
 use crate::variant::Variant;
-use codegen::gpu::decode::SEGMENT_FIELDS;
 use codegen::gpu::ir::Kernel;
+use codegen::gpu::ir::target::{Arch, dynamic_shared_bytes};
+use codegen::gpu::ir::tma::{Swizzle, TensorMap};
+use codegen::gpu::kernels::decode::SEGMENT_FIELDS;
 use codegen::gpu::launch::{DecodeArgs, ForwardArgs, bind, bind_with_maps};
-use codegen::gpu::target::{Arch, dynamic_shared_bytes};
-use codegen::gpu::tma::{Swizzle, TensorMap};
 use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
@@ -421,7 +421,7 @@ impl CudaBackend {
             return Ok(f.clone());
         }
         // sm_90a kernels (wgmma) run on compute capability 9.0 alone.
-        let arch = if codegen::gpu::target::needs_sm90a(kernel) {
+        let arch = if codegen::gpu::ir::target::needs_sm90a(kernel) {
             let (major, minor) = self.ctx.compute_capability().map_err(device)?;
             if (major, minor) != (9, 0) {
                 return Err(device(format!(
@@ -457,7 +457,7 @@ impl CudaBackend {
     }
 
     /// Gradients through the GPU backward kernels (delta, dq, dk and dv: on tensor cores for
-    /// the bf16 and f16 specs `codegen::gpu::backward_tc` supports, else SIMT): inputs uploaded,
+    /// the bf16 and f16 specs `codegen::gpu::kernels::backward_tc` supports, else SIMT): inputs uploaded,
     /// three launches, gradients downloaded.
     fn backward_heads(
         &self,

@@ -8,8 +8,8 @@ use crate::device::{Device, DeviceBuffer};
 use crate::error::RuntimeError;
 use attn_dsl::DType;
 use codegen::gpu::ir::{Half, Kernel};
+use codegen::gpu::kernels::layers::{self, SwapArgs, THREADS};
 use codegen::gpu::launch::{LaunchRecord, Param, ParamKind, bind};
-use codegen::gpu::layers::{self, SwapArgs, THREADS};
 use cudarc::cublas::CudaBlas;
 use cudarc::cublas::sys::{
     cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
@@ -149,7 +149,7 @@ impl Device for CudaBackend {
         let config = LaunchConfig {
             grid_dim: (grid[0], grid[1], grid[2]),
             block_dim: (kernel.threads, 1, 1),
-            shared_mem_bytes: codegen::gpu::target::dynamic_shared_bytes(kernel),
+            shared_mem_bytes: codegen::gpu::ir::target::dynamic_shared_bytes(kernel),
         };
         let mut launch = self.stream.launch_builder(&f);
         for value in args {

@@ -15,11 +15,11 @@ use crate::host::work::{GPU_TASKS, items, partitions, row_strides, tasks};
 use crate::tensor::Tensor;
 use crate::variant::Variant;
 use codegen::KernelPlan;
-use codegen::gpu::decode::{SEGMENT_FIELDS, segment_keys, task_rows};
 use codegen::gpu::interp::{Memory, Val, run};
 use codegen::gpu::ir::Kernel;
+use codegen::gpu::kernels::decode::{SEGMENT_FIELDS, segment_keys, task_rows};
+use codegen::gpu::kernels::layers::{self, MergeArgs};
 use codegen::gpu::launch::{DecodeArgs, LaunchRecord, bind};
-use codegen::gpu::layers::{self, MergeArgs};
 use codegen::plan::Frequencies;
 use std::sync::Arc;
 

@@ -23,7 +23,7 @@
 
 use crate::error::RuntimeError;
 use codegen::gpu::ir::Kernel;
-use codegen::gpu::target::{Arch, compiler_version, text_hash};
+use codegen::gpu::ir::target::{Arch, compiler_version, text_hash};
 use std::path::{Path, PathBuf};
 
 /// Largest cache file read back: no kernel's PTX comes near it.

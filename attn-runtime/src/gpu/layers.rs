@@ -1,5 +1,5 @@
 //! A model's norms, activations, residual adds, embedding lookups and argmax as the GPU IR
-//! kernels of `codegen::gpu::layers`, run on the interpreter with the launches a device would
+//! kernels of `codegen::gpu::kernels::layers`, run on the interpreter with the launches a device would
 //! get (the GPU-interpreter backend's [`LayerOps`]).
 
 use crate::error::RuntimeError;
@@ -7,10 +7,10 @@ use crate::ops::{LayerOps, MlpKind, NormKind, same_len, whole_rows};
 use crate::tensor::Storage;
 use codegen::gpu::interp::{Memory, Val, run};
 use codegen::gpu::ir::{Half, Kernel};
-use codegen::gpu::launch::{LaunchRecord, bind};
-use codegen::gpu::layers::{
+use codegen::gpu::kernels::layers::{
     self, Activation, ArgmaxArgs, ElementwiseArgs, EmbedArgs, NormArgs, THREADS,
 };
+use codegen::gpu::launch::{LaunchRecord, bind};
 use codegen::gpu::verified;
 
 /// The layer kernels on the GPU IR interpreter.

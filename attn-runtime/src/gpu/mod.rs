@@ -26,15 +26,14 @@ use crate::tensor::{Storage, Tensor};
 use crate::variant::{KernelKey, Variant};
 use attn_dsl::AttentionSpec;
 use codegen::KernelPlan;
-use codegen::gpu::forward_tc;
 use codegen::gpu::interp::{Memory, Val, run};
 use codegen::gpu::ir::Half;
 use codegen::gpu::ir::Kernel;
+use codegen::gpu::ir::tma::TensorMap;
+use codegen::gpu::kernels::forward_tc;
+use codegen::gpu::kernels::forward_wgmma;
 use codegen::gpu::launch::{ForwardArgs, bind_with_maps};
-use codegen::gpu::tma::TensorMap;
-use codegen::gpu::{
-    forward_kernel_tiled, forward_wgmma, simt_forward_kernel, wgmma_forward_kernel,
-};
+use codegen::gpu::{forward_kernel_tiled, simt_forward_kernel, wgmma_forward_kernel};
 use codegen::plan::PlanKind;
 use std::sync::Arc;
 
@@ -210,13 +209,13 @@ fn wgmma_setting(value: Option<&std::ffi::OsStr>) -> Result<bool, String> {
 }
 
 /// How the `mma.sync` forward kernel of forward calls is tiled: `ATTN_GPU_MMA_WARPS=12` takes
-/// [`Tiling::TWELVE_WARPS`](codegen::gpu::forward_tc::Tiling::TWELVE_WARPS) (twelve warps per
+/// [`Tiling::TWELVE_WARPS`](codegen::gpu::kernels::forward_tc::Tiling::TWELVE_WARPS) (twelve warps per
 /// SM, at most 168 registers a thread), unset, empty or `8` the default eight. Any other value is
 /// an error. Here so that a device can time the two side by side.
 pub fn mma_tiling(
     plan: &codegen::KernelPlan,
-) -> Result<codegen::gpu::forward_tc::Tiling, RuntimeError> {
-    use codegen::gpu::forward_tc::Tiling;
+) -> Result<codegen::gpu::kernels::forward_tc::Tiling, RuntimeError> {
+    use codegen::gpu::kernels::forward_tc::Tiling;
     static TWELVE: std::sync::OnceLock<Result<bool, String>> = std::sync::OnceLock::new();
     let twelve = TWELVE
         .get_or_init(|| mma_warps_setting(std::env::var_os("ATTN_GPU_MMA_WARPS").as_deref()))

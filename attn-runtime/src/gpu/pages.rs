@@ -1,4 +1,4 @@
-//! A decode call's keys described by page tables, for `codegen::gpu::pages`' kernel to turn
+//! A decode call's keys described by page tables, for `codegen::gpu::kernels::decode::pages`' kernel to turn
 //! into segment records on the device: per work item, runs of segments that share a tile code
 //! (spans); per task, the pieces of those spans its partition takes; per sequence, its blocks.
 //! The host's work then grows with items, tasks and pages, not with keys.
@@ -8,7 +8,7 @@ use crate::error::RuntimeError;
 use crate::host::work::{Item, blocks, segment_codes};
 use codegen::KernelPlan;
 use codegen::gpu::ir::Kernel;
-use codegen::gpu::pages::{PIECE_FIELDS, PagesArgs};
+use codegen::gpu::kernels::decode::pages::{PIECE_FIELDS, PagesArgs};
 use codegen::plan::TileCode;
 use std::sync::Arc;
 
@@ -130,7 +130,7 @@ impl PageTables {
 
 /// What the device needs to make a launch's segment records from page tables.
 pub(crate) struct PagedSegments {
-    /// `codegen::gpu::pages::segments_from_pages`, verified.
+    /// `codegen::gpu::kernels::decode::pages::segments_from_pages`, verified.
     pub kernel: Arc<Kernel>,
     /// Pieces, `PIECE_FIELDS` i64 each: one CTA each.
     pub pieces: Vec<i64>,
@@ -179,7 +179,7 @@ pub(crate) fn pages_kernel() -> Result<Arc<Kernel>, RuntimeError> {
         return Ok(Arc::clone(k));
     }
     let made = Arc::new(codegen::gpu::verified(
-        codegen::gpu::pages::segments_from_pages(),
+        codegen::gpu::kernels::decode::pages::segments_from_pages(),
     )?);
     Ok(Arc::clone(KERNEL.get_or_init(|| made)))
 }

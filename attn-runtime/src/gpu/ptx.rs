@@ -7,7 +7,7 @@
 use super::disk_cache::DiskCache;
 use crate::error::RuntimeError;
 use codegen::gpu::ir::Kernel;
-use codegen::gpu::target::{Arch, kernel_hash};
+use codegen::gpu::ir::target::{Arch, kernel_hash};
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, OnceLock};

@@ -16,10 +16,10 @@ use crate::host::rope_table::RopeTables;
 use crate::tensor::Storage;
 use attn_dsl::DType;
 use codegen::gpu::ir::{Half, Kernel};
-use codegen::gpu::launch::{ForwardArgs, LaunchRecord, bind};
-use codegen::gpu::layers::{
+use codegen::gpu::kernels::layers::{
     self, Activation, BiasArgs, ElementwiseArgs, EmbedArgs, NormArgs, SwapArgs, THREADS,
 };
+use codegen::gpu::launch::{ForwardArgs, LaunchRecord, bind};
 use codegen::gpu::verified;
 use std::sync::Arc;
 
@@ -702,7 +702,7 @@ impl DeviceSession<'_, '_> {
     fn tables(&self, s: &mut Scratch, n: usize) -> Result<StepTables, RuntimeError> {
         use crate::host::work::{Item, segment_codes};
         use attn_dsl::modifier::interval::Interval;
-        use codegen::gpu::decode::{SEGMENT_FIELDS, TASK_FIELDS, segment_keys, task_rows};
+        use codegen::gpu::kernels::decode::{SEGMENT_FIELDS, TASK_FIELDS, segment_keys, task_rows};
         use codegen::plan::{CallShape, TileCode};
         let variant = self.model.model.variant();
         let (spec, layout, plan) = (

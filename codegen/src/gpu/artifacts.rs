@@ -3,14 +3,17 @@
 //! (PTX per target, plus a manifest of launch records).
 
 use super::ir::Ty;
+use super::ir::target;
+use super::ir::target::Arch;
 use super::ir::{Half, Kernel};
+use super::kernels::decode::pages;
+use super::kernels::{forward_tc, forward_wgmma, layers};
 use super::launch::{
     BackwardArgs, BackwardTcArgs, DecodeArgs, ForwardArgs, LaunchRecord, Param, ParamKind,
 };
-use super::target::Arch;
 use super::{
-    backward_kernels, decode_kernel, forward_kernel, forward_tc, forward_wgmma, layers, pages,
-    simt_forward_kernel, target, tensor_core_kernel, verified,
+    backward_kernels, decode_kernel, forward_kernel, simt_forward_kernel, tensor_core_kernel,
+    verified,
 };
 use crate::error::CodegenError;
 use crate::plan::KernelPlan;
@@ -218,7 +221,7 @@ mod tests {
 
     #[test]
     fn launch_records_are_json() {
-        let k = super::super::layers::merge_partitions();
+        let k = super::super::kernels::layers::merge_partitions();
         let json = launch_json(&k);
         assert!(json.starts_with("{\"name\": \"") && json.contains("\"params\": [{\"name\": "));
         assert!(json.contains("\"kind\": \"address\"") && !json.contains("\"kind\": \"value\""));

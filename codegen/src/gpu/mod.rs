@@ -1,40 +1,32 @@
-//! The GPU backend's front half, verified without a GPU: kernel plans lowered to a GPU kernel
-//! IR ([`ir`], printable), and an interpreter ([`interp`]) that runs that IR on the CPU with
-//! the semantics of the PTX it maps to. [`forward`] is the SIMT f32 forward kernel, [`forward_tc`]
-//! the tensor-core (mma.sync, bf16) one, [`forward_wgmma`] the sm_90a one (TMA, `wgmma`, warp
-//! specialization).
+//! The GPU backend's front half, verified without a GPU.
 //!
-//! [`decode`] holds the decode kernels over cache segments (split-KV): [`decode_tc`] and
-//! [`decode_wide`] (MLA) on tensor cores for 16-bit caches, a SIMT one for the rest. With the `llvm` feature, `llvm` translates
-//! the IR to LLVM IR and PTX. [`backward`] holds the SIMT backward kernels (delta, dq, dk and
-//! dv), [`backward_tc`] the tensor-core ones. [`target`] says what a GPU target needs without LLVM,
-//! [`tma`] what TMA tensor maps hold.
+//! - [`ir`]: the GPU kernel IR, printable (`ir::print`) and parsed back ([`ir::parse`]),
+//!   checked by [`ir::verify`]; [`ir::target`] says what a target needs without LLVM, [`ir::tma`]
+//!   what TMA tensor maps hold.
+//! - [`kernels`]: plans lowered to that IR. [`kernels::forward`] is the SIMT f32 forward,
+//!   [`kernels::forward_tc`] the tensor-core (mma.sync) one, [`kernels::forward_wgmma`] the
+//!   sm_90a one (TMA, `wgmma`, warp specialization); [`kernels::decode`] the decode kernels over
+//!   cache segments (split-KV); [`kernels::backward`] and [`kernels::backward_tc`] the backward
+//!   kernels (delta, dq, dk and dv); [`kernels::layers`] a model's other layers.
+//! - [`interp`]: runs the IR on the CPU with the semantics of the PTX it maps to.
+//! - `llvm` (feature `llvm`): the IR to LLVM IR and PTX.
+//! - [`launch`]: the typed launch records; [`artifacts`]: every kernel of a spec, as embedded
+//!   and emitted.
+//!
+//! Here: which kernel a plan runs ([`forward_kernel`], [`backward_kernels`],
+//! [`decode_kernel`]), each [`verified`].
 
 use crate::CodegenError;
 
 pub mod artifacts;
-pub mod backward;
-pub mod backward_tc;
-pub mod decode;
-mod decode_mma;
-mod decode_records;
-pub mod decode_tc;
-pub mod decode_wide;
-pub mod forward;
-pub mod forward_tc;
-pub mod forward_wgmma;
 pub mod interp;
 pub mod ir;
+pub mod kernels;
 pub mod launch;
-pub mod layers;
 #[cfg(feature = "llvm")]
 pub mod llvm;
-pub mod pages;
-pub mod parse;
-mod print;
-pub mod target;
-pub mod tma;
-pub mod verify;
+
+use kernels::{backward, backward_tc, decode, forward, forward_tc, forward_wgmma};
 
 /// A forward kernel as the host launches it.
 #[derive(Clone, Debug)]
@@ -93,7 +85,7 @@ impl ForwardKernel {
 }
 
 /// The forward kernel a plan runs on GPUs: tensor cores for bf16 and f16 specs, SIMT f32
-/// otherwise. Verified ([`verify::verify`]).
+/// otherwise. Verified ([`ir::verify::verify`]).
 pub fn forward_kernel(plan: &crate::KernelPlan) -> Result<ForwardKernel, CodegenError> {
     forward_kernel_tiled(plan, forward_tc::Tiling::of(plan))
 }
@@ -215,7 +207,7 @@ pub fn decode_kernel(plan: &crate::KernelPlan) -> Result<ir::Kernel, CodegenErro
 
 /// The kernel, if the verifier passes it.
 pub fn verified(kernel: ir::Kernel) -> Result<ir::Kernel, CodegenError> {
-    match verify::verify(&kernel) {
+    match ir::verify::verify(&kernel) {
         Ok(()) => Ok(kernel),
         Err(errors) => Err(CodegenError::Verify {
             kernel: kernel.name.clone(),

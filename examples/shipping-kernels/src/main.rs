@@ -50,7 +50,7 @@ fn show<A: Attention>(name: &str) -> bool {
     let _ = A::variant();
     let kernels = attn::codegen::gpu::artifacts::spec_kernels(A::spec()).expect("kernels lower");
     // Its targets, and for each, where the runtime takes every kernel's PTX from.
-    let targets = attn::codegen::gpu::target::Arch::ALL
+    let targets = attn::codegen::gpu::ir::target::Arch::ALL
         .into_iter()
         .filter(|a| A::embedded_kernels().iter().any(|k| k.target == a.name()));
     for arch in targets {

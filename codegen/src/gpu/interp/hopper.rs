@@ -12,8 +12,8 @@
 
 use super::hazards::Clock;
 use super::{Cta, Val};
+use crate::gpu::ir::tma::{Swizzle, TensorMap};
 use crate::gpu::ir::{Expr, Half, Reg, Wgmma, WgmmaA};
-use crate::gpu::tma::{Swizzle, TensorMap};
 
 /// Threads of a warpgroup.
 const WARPGROUP: usize = 128;

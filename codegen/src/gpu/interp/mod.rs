@@ -11,8 +11,8 @@ mod hazards;
 mod hopper;
 mod stepper;
 
+use super::ir::tma::TensorMap;
 use super::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Un};
-use super::tma::TensorMap;
 use hazards::Hazards;
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};

@@ -29,7 +29,7 @@ use inkwell::values::{
 use inkwell::{AddressSpace, FloatPredicate, IntPredicate, OptimizationLevel};
 use std::collections::HashMap;
 
-pub use super::target::{Arch, STATIC_SHARED_LIMIT, dynamic_shared_bytes};
+pub use super::ir::target::{Arch, STATIC_SHARED_LIMIT, dynamic_shared_bytes};
 
 /// A kernel compiled for a GPU architecture.
 #[derive(Clone, Debug)]

@@ -14,7 +14,7 @@
 //!
 //! The interpreter checks the rest (addresses in bounds at run time, races) as it runs.
 
-use super::ir::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty, Un, WgmmaA};
+use super::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty, Un, WgmmaA};
 use std::fmt;
 
 /// What the verifier found wrong, and where (a path of statement indices from the body).

@@ -32,11 +32,11 @@
 //! that are multiples of 16 and at most 128 (the dk and dv accumulators of 16 keys take
 //! `(qk_dim + v_dim) / 4` registers a lane). Other plans run on the SIMT kernels.
 
-use super::forward::{Env, Regs, exp2_twice, program, rotate_pair, special64};
 use super::forward_tc::{self, Staging, half_of, lane_aligned, stage_rows};
-use super::ir::build::*;
-use super::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Un};
-use super::launch::{BackwardTcArgs, LaunchRecord};
+use crate::gpu::ir::build::*;
+use crate::gpu::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Un};
+use crate::gpu::kernels::{Env, Regs, exp2_twice, program, rotate_pair, special64};
+use crate::gpu::launch::{BackwardTcArgs, LaunchRecord};
 use crate::plan::{CallShape, KernelPlan, PlanKind, TileCode};
 use attn_dsl::modifier::Expr as M;
 use attn_dsl::modifier::interval::Interval;

@@ -5,7 +5,7 @@
 //! Errors say where (line and column) and what was expected. Input of any size or nesting is
 //! refused cleanly: nesting past [`MAX_DEPTH`] levels is an error, never a stack overflow.
 
-use super::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Un, Wgmma, WgmmaA};
+use super::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Un, Wgmma, WgmmaA};
 use std::collections::HashMap;
 use std::fmt;
 

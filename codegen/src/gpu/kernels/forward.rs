@@ -8,12 +8,14 @@
 //! are skipped (the host passes one code per (head, query block, key tile)); all-kept tiles skip
 //! the mask program. Inputs are contiguous BHSD f32.
 
-use super::ir::build::*;
-use super::ir::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty, Un};
-use super::launch::{ForwardArgs, LaunchRecord};
-use crate::plan::{KernelPlan, PlanKind, RopePrologue, TileCode};
-use attn_dsl::RopeLayout;
-use attn_dsl::modifier::{BinOp, Expr as M, Ty as MTy, UnOp, Var};
+use super::{
+    Env, Regs, exp2_twice, lse_of_half, param, program, reciprocal, rope_params, rotate, special64,
+};
+use crate::gpu::ir::build::*;
+use crate::gpu::ir::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty, Un};
+use crate::gpu::launch::{ForwardArgs, LaunchRecord};
+use crate::plan::{KernelPlan, PlanKind, TileCode};
+use attn_dsl::modifier::Expr as M;
 
 /// Query rows (threads) per CTA.
 pub const ROWS: u32 = 64;
@@ -28,26 +30,6 @@ pub fn key_tile(plan: &KernelPlan) -> u32 {
     } else {
         8
     }
-}
-
-/// Register allocation for the kernel being built.
-pub(super) struct Regs {
-    pub list: Vec<(String, Ty)>,
-}
-
-impl Regs {
-    pub fn add(&mut self, name: impl Into<String>, ty: Ty) -> Reg {
-        self.list.push((name.into(), ty));
-        Reg(self.list.len() as u32 - 1)
-    }
-}
-
-pub(super) fn param(name: &str) -> Expr {
-    Expr::Param(ForwardArgs::position(name))
-}
-
-pub(super) fn special64(s: Special) -> Expr {
-    cast(Expr::Special(s), Ty::I64)
 }
 
 /// Lowers the forward plan's SIMT f32 kernel.
@@ -501,199 +483,4 @@ fn simt_epilogue(row: &RowState, out: Expr, lse: Expr, out_row: Expr, valid: Exp
         select(nonempty, lse_value, f32(f32::NEG_INFINITY)),
     ));
     Stmt::If(valid, store, vec![])
-}
-
-/// `2^(2x)` for a difference `x <= 0` of scores in the plan's half base-2 units
-/// (`score * log2(e) / 2`): the softmax term of the SIMT kernels. Doubling the
-/// difference, not the scores, keeps every finite f32 score finite; `-inf` stays `-inf` and
-/// gives 0, NaN gives NaN.
-pub(super) fn exp2_twice(x: Expr) -> Expr {
-    un(Un::Ex2Ftz, mul(x, f32(2.0)))
-}
-
-/// The online softmax's move to the running max `m_new` (half base-2 units): `m_use` (0 while
-/// the max is still -inf, so that no NaN appears), the rescale factor
-/// `alpha = 2^(2 (m - m_use))`, the new max, and the sum rescaled.
-pub(super) fn rescale_to(m_new: Expr, [m, l, m_use, alpha]: [Reg; 4]) -> [Stmt; 4] {
-    [
-        Stmt::Set(
-            m_use,
-            select(
-                bin(Bin::Eq, m_new.clone(), f32(f32::NEG_INFINITY)),
-                f32(0.0),
-                m_new.clone(),
-            ),
-        ),
-        Stmt::Set(alpha, exp2_twice(sub(reg(m), reg(m_use)))),
-        Stmt::Set(m, m_new),
-        Stmt::Set(l, mul(reg(l), reg(alpha))),
-    ]
-}
-
-/// The natural log-sum-exp of a row whose running max `m` is in half base-2 units and whose sum
-/// is `l`: `(m + log2(l) / 2) * 2 ln 2`, which stays finite for every finite score.
-pub(super) fn lse_of_half(m: Expr, l: Expr) -> Expr {
-    mul(
-        fma(un(Un::Lg2, l), f32(0.5), m),
-        f32(2.0 * std::f32::consts::LN_2),
-    )
-}
-
-/// A kernel's RoPE table parameters, `[rope_cos, rope_sin, rope_pos0]`, from its launch
-/// record's `param` lookup.
-pub(super) fn rope_params(param: impl Fn(&str) -> Expr) -> [Expr; 3] {
-    [param("rope_cos"), param("rope_sin"), param("rope_pos0")]
-}
-
-/// RoPE on a row held in registers, at position `pos`, from the per-position cos/sin tables
-/// `[cos, sin, pos0]` (rows of `dim / 2` f32 from position `pos0`). `inverse` applies the
-/// transposed rotation (sines negated), which takes a gradient back to the unrotated input.
-pub(super) fn rotate(
-    r: &mut Regs,
-    rope: &RopePrologue,
-    row: &[Reg],
-    pos: Expr,
-    [cos, sin, pos0]: &[Expr; 3],
-    inverse: bool,
-) -> Vec<Stmt> {
-    let half = i64::from(rope.rope.dim / 2);
-    let first = rope.first_dim as usize;
-    let table_row = r.add("rope_row", Ty::I64);
-    let (c, s, a, b) = (
-        r.add("cos", Ty::F32),
-        r.add("sin", Ty::F32),
-        r.add("rot_a", Ty::F32),
-        r.add("rot_b", Ty::F32),
-    );
-    let mut out = vec![Stmt::Set(table_row, sub(pos, pos0.clone()))];
-    for i in 0..half as usize {
-        let (ia, ib) = match rope.rope.layout {
-            RopeLayout::Half => (first + i, first + i + half as usize),
-            RopeLayout::Interleaved => (first + 2 * i, first + 2 * i + 1),
-        };
-        let entry = add(mul(reg(table_row), i64(half * 4)), i64(4 * i as i64));
-        out.extend(cos_sin([c, s], [cos.clone(), sin.clone()], entry));
-        out.extend([Stmt::Set(a, reg(row[ia])), Stmt::Set(b, reg(row[ib]))]);
-        let sine = if inverse { un(Un::Neg, reg(s)) } else { reg(s) };
-        let (ra, rb) = rotate_pair(reg(a), reg(b), reg(c), sine);
-        out.extend([Stmt::Set(row[ia], ra), Stmt::Set(row[ib], rb)]);
-    }
-    out
-}
-
-/// Loads of a RoPE table entry (a byte offset into both tables) into registers `c` and `s`.
-pub(super) fn cos_sin([c, s]: [Reg; 2], [cos, sin]: [Expr; 2], entry: Expr) -> [Stmt; 2] {
-    [
-        Stmt::Set(c, load(Space::Global, Ty::F32, add(cos, entry.clone()))),
-        Stmt::Set(s, load(Space::Global, Ty::F32, add(sin, entry))),
-    ]
-}
-
-/// A RoPE pair `(a, b)` rotated by the angle of cosine `c` and sine `s`:
-/// `(a c - b s, b c + a s)`.
-pub(super) fn rotate_pair(a: Expr, b: Expr, c: Expr, s: Expr) -> (Expr, Expr) {
-    (
-        sub(mul(a.clone(), c.clone()), mul(b.clone(), s.clone())),
-        add(mul(b, c), mul(a, s)),
-    )
-}
-
-/// The values of the score program's variables for one (row, key).
-pub(super) struct Env {
-    pub score: Expr,
-    pub batch: Expr,
-    pub head: Expr,
-    pub query: Expr,
-    pub key: Expr,
-    pub query_index: Expr,
-    pub key_index: Expr,
-}
-
-/// A modifier-IR expression as GPU IR, with the reference evaluator's semantics: wrapping i64,
-/// integer division and remainder by zero give 0, tables clamp their index; `exp`, `ln` and
-/// `tanh` through `ex2` and `lg2`.
-pub(super) fn program(e: &M, env: &Env) -> Expr {
-    let go = |e: &M| program(e, env);
-    match e {
-        M::Var(v) => match v {
-            Var::Score => env.score.clone(),
-            Var::Batch => env.batch.clone(),
-            Var::Head => env.head.clone(),
-            Var::Query => env.query.clone(),
-            Var::Key => env.key.clone(),
-            Var::QueryIndex => env.query_index.clone(),
-            Var::KeyIndex => env.key_index.clone(),
-        },
-        M::Float(x) => f32(*x as f32),
-        M::Int(x) => i64(*x),
-        M::Bool(b) => Expr::Pred(*b),
-        M::Unary(op, a) => {
-            let a = go(a);
-            match op {
-                UnOp::Neg => un(Un::Neg, a),
-                UnOp::Abs => un(Un::Abs, a),
-                UnOp::Not => un(Un::Not, a),
-                UnOp::Sqrt => un(Un::Sqrt, a),
-                UnOp::Exp => un(Un::Ex2, mul(a, f32(std::f32::consts::LOG2_E))),
-                UnOp::Ln => mul(un(Un::Lg2, a), f32(std::f32::consts::LN_2)),
-                UnOp::Tanh => {
-                    // tanh|x| = (1 - e) / (1 + e), e = 2^(-2 |x| log2 e); the sign of x.
-                    let e = un(
-                        Un::Ex2,
-                        mul(un(Un::Abs, a.clone()), f32(-2.0 * std::f32::consts::LOG2_E)),
-                    );
-                    let t = bin(Bin::Div, sub(f32(1.0), e.clone()), add(f32(1.0), e));
-                    select(bin(Bin::Lt, a, f32(0.0)), un(Un::Neg, t.clone()), t)
-                }
-            }
-        }
-        M::Binary(op, a, b) => {
-            let float = attn_dsl::modifier::typecheck::typecheck(a).ok() == Some(MTy::F32);
-            let (x, y) = (go(a), go(b));
-            let op_ir = match op {
-                BinOp::Add => Bin::Add,
-                BinOp::Sub => Bin::Sub,
-                BinOp::Mul => Bin::Mul,
-                BinOp::Div => Bin::Div,
-                BinOp::Rem => Bin::Rem,
-                BinOp::Min => Bin::Min,
-                BinOp::Max => Bin::Max,
-                BinOp::Lt => Bin::Lt,
-                BinOp::Le => Bin::Le,
-                BinOp::Gt => Bin::Gt,
-                BinOp::Ge => Bin::Ge,
-                BinOp::Eq => Bin::Eq,
-                BinOp::Ne => Bin::Ne,
-                BinOp::And => Bin::And,
-                BinOp::Or => Bin::Or,
-            };
-            if !float && matches!(op, BinOp::Div | BinOp::Rem) {
-                // PTX leaves integer division by zero undefined; the semantics say 0.
-                let zero = bin(Bin::Eq, y.clone(), i64(0));
-                let safe = select(zero.clone(), i64(1), y);
-                select(zero, i64(0), bin(op_ir, x, safe))
-            } else {
-                bin(op_ir, x, y)
-            }
-        }
-        M::Select(c, a, b) => select(go(c), go(a), go(b)),
-        M::Cast(a, ty) => cast(
-            go(a),
-            match ty {
-                MTy::F32 => Ty::F32,
-                MTy::I64 => Ty::I64,
-                MTy::Bool => Ty::Pred,
-            },
-        ),
-        M::Table(values, index) => Expr::Table(
-            values.iter().map(|v| *v as f32).collect(),
-            Box::new(go(index)),
-        ),
-    }
-}
-
-/// `1 / x`, for an epilogue to multiply a row by: one division per row (LLVM merges the
-/// repeats) rather than one per element, each of which is a full IEEE division on the GPU.
-pub(super) fn reciprocal(x: Expr) -> Expr {
-    bin(Bin::Div, f32(1.0), x)
 }

@@ -1,5 +1,5 @@
 //! The decode kernel on tensor cores for wide rows: MLA's absorbed form (576-wide keys, whose
-//! first 512 columns are the values) and 16-bit heads wider than [`super::decode_tc`] takes.
+//! first 512 columns are the values) and 16-bit heads wider than [`super::tc`] takes.
 //! After FlashMLA's design: all of a task's query heads are the M rows of `mma.sync` (a task of
 //! up to [`TASK_ROWS`]), the latent and RoPE key of each key read once per task, and the rows'
 //! work split across warps rather than the keys.
@@ -13,22 +13,22 @@
 //! program and the online softmax, then `O += P V` for its quarter of the value columns. No
 //! merge at the end: each warp writes its own columns. Two barriers a round.
 
-use super::decode_mma::{
+use super::mma::{
     self, Lane, QFragments, Rest, RowCopy, RowState, half_of, k_lane, runs, scores, v_lane,
 };
-use super::decode_records::{Segment, THREADS, Task, param};
-use super::decode_tc;
-use super::forward::{Regs, lse_of_half, reciprocal, special64};
-use super::ir::build::*;
-use super::ir::{Bin, Expr, Kernel, Space, Special, Stmt, Ty};
-use super::launch::{DecodeArgs, LaunchRecord};
+use super::records::{Segment, THREADS, Task, param};
+use super::tc;
+use crate::gpu::ir::build::*;
+use crate::gpu::ir::{Bin, Expr, Kernel, Space, Special, Stmt, Ty};
+use crate::gpu::kernels::{Regs, lse_of_half, reciprocal, special64};
+use crate::gpu::launch::{DecodeArgs, LaunchRecord};
 use crate::plan::{KernelPlan, PlanKind};
 
 /// Keys per segment (every warp's, each round).
-pub const SEGMENT_KEYS: u32 = decode_mma::KEYS;
+pub const SEGMENT_KEYS: u32 = mma::KEYS;
 
 /// Query rows per task.
-pub const TASK_ROWS: u32 = decode_mma::ROWS;
+pub const TASK_ROWS: u32 = mma::ROWS;
 
 /// Warps per CTA, each a quarter of the head dims.
 const WARPS: usize = THREADS as usize / 32;
@@ -41,13 +41,13 @@ const STAGES: i64 = 2;
 const MAX_DIMS: u32 = 1280;
 
 /// Whether a decode plan runs on this kernel: a 16-bit cache too wide for
-/// [`decode_tc::supports`] (MLA's absorbed rows, or heads past 256), with `qk_dim` and `v_dim`
+/// [`tc::supports`] (MLA's absorbed rows, or heads past 256), with `qk_dim` and `v_dim`
 /// multiples of 64 (a warp's quarter of whole `k16` steps and pairs of 8-column blocks).
 pub fn supports(plan: &KernelPlan) -> bool {
     let (d, dv) = (plan.shape.qk_dim, plan.shape.v_dim);
     plan.kind == PlanKind::Decode
-        && decode_mma::sixteen_bit(plan)
-        && !decode_tc::supports(plan)
+        && mma::sixteen_bit(plan)
+        && !tc::supports(plan)
         && d.is_multiple_of(64)
         && dv.is_multiple_of(64)
         && d + dv <= MAX_DIMS
@@ -232,7 +232,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     }
     run.extend(scores(plan, &s, &lane, &task, &seg));
     run.extend(state.update(&s));
-    run.extend(decode_mma::pv(
+    run.extend(mma::pv(
         half,
         &s,
         [pa, bm],

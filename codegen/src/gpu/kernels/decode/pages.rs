@@ -3,16 +3,16 @@
 //!
 //! The host describes each task's keys as pieces: runs of consecutive segments that share a tile
 //! code (a causal or windowed row block has one to three per task). One CTA per piece writes its
-//! segments' records (the [`super::decode`] format) by looking each segment's block up in the
+//! segments' records (the [`super`] format) by looking each segment's block up in the
 //! sequence's page table: row `slot` of block `b` for kv head `h` starts at element
 //! `b * block_len + h * head_stride + k_offset + slot * k_row` (values likewise). A segment never
 //! straddles blocks: the block size is a multiple of the segment's keys.
 
-use super::decode::SEGMENT_FIELDS;
-use super::forward::Regs;
-use super::ir::build::*;
-use super::ir::{Bin, Expr, Kernel, Space, Special, Stmt, Ty};
-use super::launch::LaunchRecord;
+use super::SEGMENT_FIELDS;
+use crate::gpu::ir::build::*;
+use crate::gpu::ir::{Bin, Expr, Kernel, Space, Special, Stmt, Ty};
+use crate::gpu::kernels::Regs;
+use crate::gpu::launch::LaunchRecord;
 
 /// i64 fields of a piece: its first record (index into `records`), first key, end key
 /// (exclusive), tile code, offset of its sequence's page table in `pages`, kv head.
@@ -21,7 +21,7 @@ pub const PIECE_FIELDS: usize = 6;
 /// Threads per CTA.
 pub const THREADS: u32 = 128;
 
-super::launch::launch_record! {
+crate::gpu::launch::launch_record! {
     /// Segment records from page tables: one CTA per piece.
     PagesArgs {
         /// Pieces, `PIECE_FIELDS` i64 each.

@@ -1,35 +1,18 @@
-//! Decode plans lowered to GPU IR: the query rows of one work item (the query heads of a kv
-//! head times a few queries) against a list of key segments read where a cache keeps them (the
-//! rows of its pages: no gather), for one partition of the keys; a second kernel
-//! (`layers::merge_partitions`) merges partitions by their log-sum-exp (split-KV). [`lower`]
-//! picks the kernel: on tensor cores for 16-bit caches ([`super::decode_tc`], warps over keys;
-//! [`super::decode_wide`], warps over head dims, for MLA), else the SIMT f32 kernel of this
-//! module ([`lower_simt`]), which runs any decode plan.
+//! The SIMT f32 decode kernel, which runs any decode plan (see [`super`] for the buffers).
 //!
-//! In the SIMT kernel, decode has few rows and many keys, so the CTA's threads split each segment's work, not the
+//! Decode has few rows and many keys, so the CTA's threads split each segment's work, not the
 //! rows: a thread per (row, key) score, a thread per row for the softmax, and a thread per
 //! (row, output column) group of accumulators for `P V`. Q (rotated and scaled), the segment's
 //! K and V rows (widened to f32; K rows padded by one float, so a warp reading 32 keys' column
 //! hits 32 banks) and the scores sit in shared memory.
-//!
-//! Buffers: `q_rows` (f32 `[rows][qk_dim]`, before RoPE), `tasks` (per CTA, nine i64: first row,
-//! rows, queries per head, position and call index of query 0, batch, first head, first segment,
-//! segments), `segments` (seven i64 each: key row address, value row address (each plus the
-//! launch's `k_base` or `v_base`), first key, keys, tile code, elements between key rows,
-//! between value rows; rows of `qk_dim` or `v_dim` values in the cache's dtype, f32, bf16 or
-//! f16), `out` (f32 `[rows][v_dim]`, normalized), `lse` (f32
-//! per row), RoPE tables for the query positions. Keys sit at the positions of their indices,
-//! rotated already.
 
-pub use super::decode_records::{SEGMENT_FIELDS, TASK_FIELDS, THREADS};
-use super::decode_records::{Segment, Strided, Task, param, stage_q};
-use super::forward::{
+use super::records::{Segment, Strided, THREADS, Task, param, stage_q};
+use crate::gpu::ir::build::*;
+use crate::gpu::ir::{Bin, Expr, Half, Kernel, Space, Special, Stmt, Ty};
+use crate::gpu::kernels::{
     Env, Regs, exp2_twice, lse_of_half, program, reciprocal, rescale_to, special64,
 };
-use super::ir::build::*;
-use super::ir::{Bin, Expr, Half, Kernel, Space, Special, Stmt, Ty};
-use super::launch::{DecodeArgs, LaunchRecord};
-use super::{decode_tc, decode_wide};
+use crate::gpu::launch::{DecodeArgs, LaunchRecord};
 use crate::plan::{KernelPlan, PlanKind, TileCode};
 use attn_dsl::DType;
 use attn_dsl::modifier::Expr as M;
@@ -41,43 +24,8 @@ const ACCUMULATORS: u32 = 32;
 /// the task's.
 const OUTPUT_GROUP: usize = 8;
 
-/// Keys per segment of a plan's decode kernel (the host's segment records follow it).
-pub fn segment_keys(plan: &KernelPlan) -> u32 {
-    if decode_tc::supports(plan) {
-        decode_tc::SEGMENT_KEYS
-    } else if decode_wide::supports(plan) {
-        decode_wide::SEGMENT_KEYS
-    } else {
-        simt_segment_keys(plan)
-    }
-}
-
-/// Query rows per task (work item) of a plan's decode kernel.
-pub fn task_rows(plan: &KernelPlan) -> u32 {
-    if decode_tc::supports(plan) {
-        decode_tc::TASK_ROWS
-    } else if decode_wide::supports(plan) {
-        decode_wide::TASK_ROWS
-    } else {
-        simt_task_rows(plan)
-    }
-}
-
-/// Lowers the decode kernel a plan runs: on tensor cores for 16-bit caches ([`decode_tc`] for
-/// per-head caches of head dims up to 256, [`decode_wide`] for MLA's absorbed rows and wider
-/// heads), else [`lower_simt`].
-pub fn lower(plan: &KernelPlan) -> Kernel {
-    if decode_tc::supports(plan) {
-        decode_tc::lower(plan)
-    } else if decode_wide::supports(plan) {
-        decode_wide::lower(plan)
-    } else {
-        lower_simt(plan)
-    }
-}
-
 /// Keys per segment the SIMT kernel stages.
-fn simt_segment_keys(plan: &KernelPlan) -> u32 {
+pub(super) fn simt_segment_keys(plan: &KernelPlan) -> u32 {
     if plan.shape.qk_dim + plan.shape.v_dim <= 256 {
         32
     } else {
@@ -87,7 +35,7 @@ fn simt_segment_keys(plan: &KernelPlan) -> u32 {
 
 /// Query rows per task of the SIMT kernel: at most 64, and few enough that the task's outputs
 /// fit 32 accumulator registers a thread (32 rows at `v_dim` 128, 8 for MLA's 512).
-fn simt_task_rows(plan: &KernelPlan) -> u32 {
+pub(super) fn simt_task_rows(plan: &KernelPlan) -> u32 {
     (ACCUMULATORS * THREADS / plan.shape.v_dim).clamp(1, 64)
 }
 

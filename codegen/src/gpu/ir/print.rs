@@ -1,6 +1,6 @@
 //! The text form of GPU IR (`attnc emit --emit gpu-ir`, snapshots).
 
-use super::ir::{Bin, Expr, Kernel, Space, Special, Stmt, Ty, Un};
+use super::{Bin, Expr, Kernel, Space, Special, Stmt, Ty, Un};
 use std::fmt;
 
 impl fmt::Display for Ty {
@@ -99,8 +99,8 @@ impl<'a> fmt::Display for Show<'a> {
             Expr::Load(s, ty, a) => write!(f, "ld.{}.{ty}[{}]", space(*s), sub(a)),
             Expr::LoadHalf(s, h, a) => {
                 let name = match h {
-                    super::ir::Half::Bf16 => "bf16",
-                    super::ir::Half::F16 => "f16",
+                    super::Half::Bf16 => "bf16",
+                    super::Half::F16 => "f16",
                 };
                 write!(f, "ld.{}.{name}[{}]", space(*s), sub(a))
             }
@@ -108,8 +108,8 @@ impl<'a> fmt::Display for Show<'a> {
             Expr::ShflXor(v, m) => write!(f, "shfl.bfly({}, {m})", sub(v)),
             Expr::PackHalf(h, lo, hi) => {
                 let name = match h {
-                    super::ir::Half::Bf16 => "bf16x2",
-                    super::ir::Half::F16 => "f16x2",
+                    super::Half::Bf16 => "bf16x2",
+                    super::Half::F16 => "f16x2",
                 };
                 write!(f, "{name}({}, {})", sub(lo), sub(hi))
             }
@@ -118,14 +118,14 @@ impl<'a> fmt::Display for Show<'a> {
     }
 }
 
-fn half_name(h: super::ir::Half) -> &'static str {
+fn half_name(h: super::Half) -> &'static str {
     match h {
-        super::ir::Half::Bf16 => "bf16",
-        super::ir::Half::F16 => "f16",
+        super::Half::Bf16 => "bf16",
+        super::Half::F16 => "f16",
     }
 }
 
-fn reg_list(names: &[String], rs: &[super::ir::Reg]) -> String {
+fn reg_list(names: &[String], rs: &[super::Reg]) -> String {
     rs.iter()
         .map(|r| format!("%{}", names[r.0 as usize]))
         .collect::<Vec<_>>()
@@ -202,7 +202,7 @@ fn stmts(
                 )?
             }
             Stmt::Mma { half, d, a, b, c } => {
-                let names = |rs: &[super::ir::Reg]| {
+                let names = |rs: &[super::Reg]| {
                     rs.iter()
                         .map(|r| format!("%{}", names[r.0 as usize]))
                         .collect::<Vec<_>>()
@@ -213,8 +213,8 @@ fn stmts(
                     "{pad}{{{}}} = mma.m16n8k16.{}({{{}}}, {{{}}}, {{{}}})",
                     names(d),
                     match half {
-                        super::ir::Half::Bf16 => "bf16",
-                        super::ir::Half::F16 => "f16",
+                        super::Half::Bf16 => "bf16",
+                        super::Half::F16 => "f16",
                     },
                     names(a),
                     names(b),
@@ -265,10 +265,10 @@ fn stmts(
                 )?;
                 for (a, b) in &w.steps {
                     match a {
-                        super::ir::WgmmaA::Shared(desc) => {
+                        super::WgmmaA::Shared(desc) => {
                             write!(f, "{pad}  a.shared({})", show(desc))?
                         }
-                        super::ir::WgmmaA::Regs(regs) => {
+                        super::WgmmaA::Regs(regs) => {
                             write!(f, "{pad}  a.regs{{{}}}", reg_list(names, regs))?
                         }
                     }

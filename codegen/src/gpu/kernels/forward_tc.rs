@@ -18,10 +18,12 @@
 //! or unmask tiles. Shared rows are padded by 16 bytes so the eight rows an `ldmatrix` reads
 //! fall in different banks.
 
-use super::forward::{Env, Regs, lse_of_half, param, program, reciprocal, rotate_pair, special64};
-use super::ir::build::*;
-use super::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Un};
-use super::launch::{ForwardArgs, LaunchRecord};
+use crate::gpu::ir::build::*;
+use crate::gpu::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Un};
+use crate::gpu::kernels::{
+    Env, Regs, lse_of_half, param, program, reciprocal, rotate_pair, special64,
+};
+use crate::gpu::launch::{ForwardArgs, LaunchRecord};
 use crate::plan::{KernelPlan, PlanKind, TileCode};
 use attn_dsl::modifier::{Expr as M, Var};
 use attn_dsl::{DType, RopeLayout};
@@ -1261,7 +1263,7 @@ impl RopeWords<'_> {
 
 /// The launch's code for key tile `tile` of this CTA's query block (CTA x of `rows` query rows,
 /// tiles of `key_tile` keys) and head `head`: the codes are laid out by (head, query block, key
-/// tile), as [`super::ForwardKernel::tile_codes`] makes them.
+/// tile), as [`crate::gpu::ForwardKernel::tile_codes`] makes them.
 pub(super) fn tile_code(head: Reg, [rows, key_tile]: [i64; 2], tile: Expr) -> Expr {
     let n_tiles = bin(
         Bin::Div,

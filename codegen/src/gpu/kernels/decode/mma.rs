@@ -1,5 +1,5 @@
-//! What the two tensor-core decode kernels ([`super::decode_tc`], warps over keys, and
-//! [`super::decode_wide`], warps over head dims) share: a lane's place in the `mma.sync`
+//! What the two tensor-core decode kernels ([`super::tc`], warps over keys, and
+//! [`super::wide`], warps over head dims) share: a lane's place in the `mma.sync`
 //! fragments of a 16-row task, Q's A fragments in two 16-bit parts, `cp.async` copies of a
 //! segment's rows, `S = Q K^T`, the score program and mask, the online softmax and `O += P V`.
 //!
@@ -7,10 +7,10 @@
 //! `g = l / 4` (rows `g` and `g + 8`) at thread `q = l % 4` of it; a C fragment's register `i`
 //! is row `g + 8 (i / 2)`, column `2 q + i % 2` of its 8-column block.
 
-use super::decode_records::{Segment, Task, stage_q};
-use super::forward::{Env, Regs, exp2_twice, program, rescale_to, special64};
-use super::ir::build::*;
-use super::ir::{Bin, Expr, Half, Reg, Space, Special, Stmt, Ty};
+use super::records::{Segment, Task, stage_q};
+use crate::gpu::ir::build::*;
+use crate::gpu::ir::{Bin, Expr, Half, Reg, Space, Special, Stmt, Ty};
+use crate::gpu::kernels::{Env, Regs, exp2_twice, program, rescale_to, special64};
 use crate::plan::{KernelPlan, TileCode};
 use attn_dsl::DType;
 use attn_dsl::modifier::Expr as M;

@@ -15,10 +15,11 @@
 //! `dO V^T` once more (seven tile products instead of five). Every pair evaluates the mask: no
 //! tile is skipped yet. Inputs are contiguous BHSD f32.
 
-use super::forward::{Env, Regs, exp2_twice, key_tile, program, rope_params, rotate, special64};
-use super::ir::build::*;
-use super::ir::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty};
-use super::launch::{BackwardArgs, LaunchRecord};
+use super::forward::key_tile;
+use super::{Env, Regs, exp2_twice, program, rope_params, rotate, special64};
+use crate::gpu::ir::build::*;
+use crate::gpu::ir::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty};
+use crate::gpu::launch::{BackwardArgs, LaunchRecord};
 use crate::plan::{KernelPlan, PlanKind};
 use attn_dsl::modifier::Expr as M;
 
@@ -269,7 +270,7 @@ fn delta(plan: &KernelPlan) -> Kernel {
 pub(super) fn delta_body(
     plan: &KernelPlan,
     param: fn(&str) -> Expr,
-    dout_half: Option<super::ir::Half>,
+    dout_half: Option<crate::gpu::ir::Half>,
     threads: u32,
 ) -> (Regs, Vec<Stmt>) {
     let dv = i64::from(plan.shape.v_dim);

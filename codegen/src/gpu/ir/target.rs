@@ -2,7 +2,7 @@
 //! for, how a launch sizes dynamic shared memory, and the identity of the PTX compiler and of
 //! a kernel, which caches of compiled PTX are keyed by.
 
-use super::ir::Kernel;
+use super::Kernel;
 
 /// GPU architectures PTX is generated for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -48,7 +48,7 @@ impl Arch {
 
 /// Whether a kernel uses instructions only sm_90a has (`wgmma`, `setmaxnreg`).
 pub fn needs_sm90a(kernel: &Kernel) -> bool {
-    use super::ir::{Stmt, any_stmt};
+    use super::{Stmt, any_stmt};
     any_stmt(&kernel.body, &|s| {
         matches!(
             s,
@@ -76,8 +76,8 @@ pub fn dynamic_shared_bytes(kernel: &Kernel) -> u32 {
 /// becomes PTX, even within one version). The same in every build of the same source, with or
 /// without LLVM, so a build without the compiler can use what a build with it cached.
 pub fn compiler_version() -> String {
-    const LOWERING: &[u8] = include_bytes!("llvm/mod.rs");
-    const ASM: &[u8] = include_bytes!("llvm/asm.rs");
+    const LOWERING: &[u8] = include_bytes!("../llvm/mod.rs");
+    const ASM: &[u8] = include_bytes!("../llvm/asm.rs");
     format!(
         "attn-codegen {} (LLVM 19 NVPTX, lowering {:016x})",
         env!("CARGO_PKG_VERSION"),

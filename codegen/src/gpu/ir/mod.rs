@@ -6,6 +6,12 @@
 //! global and shared spaces), so [`super::interp`], which runs this IR on the CPU, proves what
 //! the LLVM lowering will run.
 
+pub mod parse;
+mod print;
+pub mod target;
+pub mod tma;
+pub mod verify;
+
 /// Types of values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Ty {

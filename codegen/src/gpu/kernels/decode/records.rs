@@ -1,11 +1,11 @@
 //! What every decode kernel reads and shares: the task and segment records a launch passes (see
-//! [`super::decode`] for their fields), the registers that hold them, strided row staging, and Q
+//! [`super`] for their fields), the registers that hold them, strided row staging, and Q
 //! staged (rotated and scaled) in shared memory.
 
-use super::forward::{Regs, cos_sin, rotate_pair, special64};
-use super::ir::build::*;
-use super::ir::{Bin, Expr, Reg, Space, Special, Stmt, Ty};
-use super::launch::{DecodeArgs, LaunchRecord};
+use crate::gpu::ir::build::*;
+use crate::gpu::ir::{Bin, Expr, Reg, Space, Special, Stmt, Ty};
+use crate::gpu::kernels::{Regs, cos_sin, rotate_pair, special64};
+use crate::gpu::launch::{DecodeArgs, LaunchRecord};
 use crate::plan::KernelPlan;
 use attn_dsl::RopeLayout;
 

@@ -26,14 +26,14 @@
 //! pairs on even columns). MLA and other dims stay on [`super::forward_tc`]. Not yet: clusters,
 //! more than two stages.
 
-use super::forward::{Regs, param, rotate_pair, special64};
 use super::forward_tc::{
     RopeWords, TileScores, epilogue, half_of, online_softmax, qk_half, score_tile, tile_code,
 };
-use super::ir::build::*;
-use super::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Wgmma, WgmmaA};
-use super::launch::{ForwardArgs, LaunchRecord};
-use super::tma::{Swizzle, TensorMap};
+use crate::gpu::ir::build::*;
+use crate::gpu::ir::tma::{Swizzle, TensorMap};
+use crate::gpu::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Wgmma, WgmmaA};
+use crate::gpu::kernels::{Regs, param, rotate_pair, special64};
+use crate::gpu::launch::{ForwardArgs, LaunchRecord};
 use crate::plan::{KernelPlan, PlanKind, TileCode};
 use attn_dsl::{DType, RopeLayout};
 

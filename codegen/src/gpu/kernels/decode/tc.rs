@@ -3,7 +3,7 @@
 //! the M rows of `mma.sync`, so a CTA reads each of its kv head's keys and values once).
 //!
 //! A task (the query rows of one work item, at most [`TASK_ROWS`], against a list of segments
-//! of at most [`SEGMENT_KEYS`] keys; the records of [`super::decode`]) runs on four warps. Each
+//! of at most [`SEGMENT_KEYS`] keys; the records of [`super`]) runs on four warps. Each
 //! warp takes every fourth segment: per round, segment `4 i + warp`. A segment's K and V rows
 //! arrive in the warp's part of a two-stage ring in shared memory by 16-byte `cp.async`
 //! (rows past the segment's keys zero-filled), the next round's copies flying while this
@@ -17,21 +17,21 @@
 //! in different banks. Q is rounded to the cache's 16-bit format for the tensor cores, and P
 //! too, as the forward kernel does; sums and O accumulate in f32.
 
-use super::decode_mma::{
+use super::mma::{
     self, Lane, QFragments, Rest, RowCopy, RowState, half_of, k_lane, runs, scores, v_lane,
 };
-use super::decode_records::{Segment, THREADS, Task, param};
-use super::forward::{Regs, exp2_twice, lse_of_half, reciprocal, special64};
-use super::ir::build::*;
-use super::ir::{Bin, Expr, Kernel, Space, Special, Stmt, Ty};
-use super::launch::{DecodeArgs, LaunchRecord};
+use super::records::{Segment, THREADS, Task, param};
+use crate::gpu::ir::build::*;
+use crate::gpu::ir::{Bin, Expr, Kernel, Space, Special, Stmt, Ty};
+use crate::gpu::kernels::{Regs, exp2_twice, lse_of_half, reciprocal, special64};
+use crate::gpu::launch::{DecodeArgs, LaunchRecord};
 use crate::plan::{KernelPlan, PlanKind};
 
 /// Keys per segment: one `k16` step of `P V` (two `n8` blocks of `S`) per warp and round.
-pub const SEGMENT_KEYS: u32 = decode_mma::KEYS;
+pub const SEGMENT_KEYS: u32 = mma::KEYS;
 
 /// Query rows per task: the M dimension of one `mma.sync`.
-pub const TASK_ROWS: u32 = decode_mma::ROWS;
+pub const TASK_ROWS: u32 = mma::ROWS;
 
 /// Warps per CTA, each taking its own segments.
 const WARPS: i64 = THREADS as i64 / 32;
@@ -48,7 +48,7 @@ const MAX_DIM: u32 = 256;
 pub fn supports(plan: &KernelPlan) -> bool {
     let (d, dv) = (plan.shape.qk_dim, plan.shape.v_dim);
     plan.kind == PlanKind::Decode
-        && decode_mma::sixteen_bit(plan)
+        && mma::sixteen_bit(plan)
         && plan.mla.is_none()
         && d.is_multiple_of(16)
         && dv.is_multiple_of(16)
@@ -193,7 +193,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     run.extend(qa.qk(half, bm, &add(reg(buffer), reg(k_at)), &s));
     run.extend(scores(plan, &s, &lane, &task, &seg));
     run.extend(state.update(&s));
-    run.extend(decode_mma::pv(
+    run.extend(mma::pv(
         half,
         &s,
         [pa, bm],

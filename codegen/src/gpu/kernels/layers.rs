@@ -8,10 +8,10 @@
 //! CTA reducing through warp shuffles and one shared slot per warp. Elementwise kernels run one
 //! thread per element.
 
-use super::forward::Regs;
-use super::ir::build::*;
-use super::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Un};
-use super::launch::LaunchRecord;
+use crate::gpu::ir::build::*;
+use crate::gpu::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Un};
+use crate::gpu::kernels::Regs;
+use crate::gpu::launch::LaunchRecord;
 
 /// Threads per CTA of every layer kernel (8 warps).
 pub const THREADS: u32 = 256;
@@ -35,7 +35,7 @@ pub enum Activation {
     Gelu,
 }
 
-super::launch::launch_record! {
+crate::gpu::launch::launch_record! {
     /// A norm launch: one CTA per row.
     NormArgs {
         /// `[rows, width]` f32 inputs.
@@ -49,7 +49,7 @@ super::launch::launch_record! {
     }
 }
 
-super::launch::launch_record! {
+crate::gpu::launch::launch_record! {
     /// An elementwise launch: one thread per element.
     ElementwiseArgs {
         /// The buffer written in place (`up` for activations, the residual for adds).
@@ -61,7 +61,7 @@ super::launch::launch_record! {
     }
 }
 
-super::launch::launch_record! {
+crate::gpu::launch::launch_record! {
     /// An embedding lookup: one CTA per token.
     EmbedArgs {
         /// `[tokens]` i32 token ids (checked against the vocabulary by the host).
@@ -73,7 +73,7 @@ super::launch::launch_record! {
     }
 }
 
-super::launch::launch_record! {
+crate::gpu::launch::launch_record! {
     /// A row argmax: one CTA per row.
     ArgmaxArgs {
         /// `[rows, width]` f32 values.
@@ -487,7 +487,7 @@ pub fn argmax(width: u32) -> Kernel {
     kernel("argmax", A::params(), r, 8 * WARPS as u32, body)
 }
 
-super::launch::launch_record! {
+crate::gpu::launch::launch_record! {
     /// A swap of the two outer axes of `[a, b, width]` rows: one thread per output element (or
     /// pair of elements, for 16-bit outputs).
     SwapArgs {
@@ -582,7 +582,7 @@ pub fn swap_outer(out: Option<Half>) -> Kernel {
     kernel(name, A::params(), r, 0, body)
 }
 
-super::launch::launch_record! {
+crate::gpu::launch::launch_record! {
     /// A bias added to rows: one thread per element.
     BiasArgs {
         /// `[rows, width]` f32 values, in place.
@@ -634,7 +634,7 @@ pub struct AppendRope {
     pub layout: attn_dsl::RopeLayout,
 }
 
-super::launch::launch_record! {
+crate::gpu::launch::launch_record! {
     /// New tokens' rows appended to a head-major cache `[kv_heads, capacity, width]`: one
     /// thread per stored value (or pair, for 16-bit caches).
     AppendArgs {
@@ -780,7 +780,7 @@ pub fn cache_append(width: u32, dtype: Option<Half>, rope: Option<AppendRope>) -
     kernel("cache_append", A::params(), r, 0, body)
 }
 
-super::launch::launch_record! {
+crate::gpu::launch::launch_record! {
     /// Rows gathered by index: one thread per value.
     GatherArgs {
         /// `[.., width]` f32 rows.
@@ -841,7 +841,7 @@ pub fn gather_rows() -> Kernel {
     kernel("gather_rows", A::params(), r, 0, body)
 }
 
-super::launch::launch_record! {
+crate::gpu::launch::launch_record! {
     /// The partitions of split-KV attention merged by their log-sum-exp: one thread per output
     /// value.
     MergeArgs {

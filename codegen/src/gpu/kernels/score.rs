@@ -1,0 +1,100 @@
+//! The score program (modifier IR) lowered to GPU IR, with the reference evaluator's
+//! semantics.
+
+use crate::gpu::ir::build::*;
+use crate::gpu::ir::{Bin, Expr, Ty, Un};
+use attn_dsl::modifier::{BinOp, Expr as M, Ty as MTy, UnOp, Var};
+
+/// The values of the score program's variables for one (row, key).
+pub(crate) struct Env {
+    pub score: Expr,
+    pub batch: Expr,
+    pub head: Expr,
+    pub query: Expr,
+    pub key: Expr,
+    pub query_index: Expr,
+    pub key_index: Expr,
+}
+
+/// A modifier-IR expression as GPU IR, with the reference evaluator's semantics: wrapping i64,
+/// integer division and remainder by zero give 0, tables clamp their index; `exp`, `ln` and
+/// `tanh` through `ex2` and `lg2`.
+pub(crate) fn program(e: &M, env: &Env) -> Expr {
+    let go = |e: &M| program(e, env);
+    match e {
+        M::Var(v) => match v {
+            Var::Score => env.score.clone(),
+            Var::Batch => env.batch.clone(),
+            Var::Head => env.head.clone(),
+            Var::Query => env.query.clone(),
+            Var::Key => env.key.clone(),
+            Var::QueryIndex => env.query_index.clone(),
+            Var::KeyIndex => env.key_index.clone(),
+        },
+        M::Float(x) => f32(*x as f32),
+        M::Int(x) => i64(*x),
+        M::Bool(b) => Expr::Pred(*b),
+        M::Unary(op, a) => {
+            let a = go(a);
+            match op {
+                UnOp::Neg => un(Un::Neg, a),
+                UnOp::Abs => un(Un::Abs, a),
+                UnOp::Not => un(Un::Not, a),
+                UnOp::Sqrt => un(Un::Sqrt, a),
+                UnOp::Exp => un(Un::Ex2, mul(a, f32(std::f32::consts::LOG2_E))),
+                UnOp::Ln => mul(un(Un::Lg2, a), f32(std::f32::consts::LN_2)),
+                UnOp::Tanh => {
+                    // tanh|x| = (1 - e) / (1 + e), e = 2^(-2 |x| log2 e); the sign of x.
+                    let e = un(
+                        Un::Ex2,
+                        mul(un(Un::Abs, a.clone()), f32(-2.0 * std::f32::consts::LOG2_E)),
+                    );
+                    let t = bin(Bin::Div, sub(f32(1.0), e.clone()), add(f32(1.0), e));
+                    select(bin(Bin::Lt, a, f32(0.0)), un(Un::Neg, t.clone()), t)
+                }
+            }
+        }
+        M::Binary(op, a, b) => {
+            let float = attn_dsl::modifier::typecheck::typecheck(a).ok() == Some(MTy::F32);
+            let (x, y) = (go(a), go(b));
+            let op_ir = match op {
+                BinOp::Add => Bin::Add,
+                BinOp::Sub => Bin::Sub,
+                BinOp::Mul => Bin::Mul,
+                BinOp::Div => Bin::Div,
+                BinOp::Rem => Bin::Rem,
+                BinOp::Min => Bin::Min,
+                BinOp::Max => Bin::Max,
+                BinOp::Lt => Bin::Lt,
+                BinOp::Le => Bin::Le,
+                BinOp::Gt => Bin::Gt,
+                BinOp::Ge => Bin::Ge,
+                BinOp::Eq => Bin::Eq,
+                BinOp::Ne => Bin::Ne,
+                BinOp::And => Bin::And,
+                BinOp::Or => Bin::Or,
+            };
+            if !float && matches!(op, BinOp::Div | BinOp::Rem) {
+                // PTX leaves integer division by zero undefined; the semantics say 0.
+                let zero = bin(Bin::Eq, y.clone(), i64(0));
+                let safe = select(zero.clone(), i64(1), y);
+                select(zero, i64(0), bin(op_ir, x, safe))
+            } else {
+                bin(op_ir, x, y)
+            }
+        }
+        M::Select(c, a, b) => select(go(c), go(a), go(b)),
+        M::Cast(a, ty) => cast(
+            go(a),
+            match ty {
+                MTy::F32 => Ty::F32,
+                MTy::I64 => Ty::I64,
+                MTy::Bool => Ty::Pred,
+            },
+        ),
+        M::Table(values, index) => Expr::Table(
+            values.iter().map(|v| *v as f32).collect(),
+            Box::new(go(index)),
+        ),
+    }
+}
