@@ -30,7 +30,7 @@ pub use parse::{
     gradient_notes, parse_str, parse_tokens,
 };
 pub use spec::{
-    AttentionSpec, CausalAlign, DType, KvKind, KvLayout, Mask, Mla, Position, Rope, RopeLayout,
-    RopeScaling, Yarn,
+    AttentionSpec, CausalAlign, DType, KvKind, KvLayout, Mask, Mla, Pairing, Position, Rope,
+    RopeLayout, RopeScaling, Yarn,
 };
 pub use validate::{MAX_HEAD_DIM, MAX_HEADS, MAX_LATENT_RANK};

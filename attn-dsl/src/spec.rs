@@ -124,6 +124,70 @@ pub enum RopeLayout {
     Interleaved,
 }
 
+impl RopeLayout {
+    /// Which dims each pair of a rotated span of `dim` dims takes: every backend rotates by
+    /// this, so a layout is defined here and nowhere else.
+    pub fn pairing(self, dim: u32) -> Pairing {
+        let half = dim as usize / 2;
+        match self {
+            RopeLayout::Half => Pairing {
+                stride: 1,
+                partner: half,
+                half,
+            },
+            RopeLayout::Interleaved => Pairing {
+                stride: 2,
+                partner: 1,
+                half,
+            },
+        }
+    }
+}
+
+/// The pairs of a rotated span: pair `i` (for `i < half`, rotated at frequency `i`) is dims
+/// `stride * i` and `stride * i + partner` from the span's first dim.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pairing {
+    /// Dims between the first elements of consecutive pairs.
+    pub stride: usize,
+    /// Dims from a pair's first element to its second.
+    pub partner: usize,
+    /// Pairs in the span.
+    pub half: usize,
+}
+
+impl Pairing {
+    /// The dims of pair `i`, from the span's first dim.
+    pub fn pair(self, i: usize) -> (usize, usize) {
+        let a = self.stride * i;
+        (a, a + self.partner)
+    }
+
+    /// The pair dim `d` (from the span's first dim, below `2 * half`) belongs to, and whether
+    /// it is the pair's first element.
+    pub fn owner(self, d: usize) -> (usize, bool) {
+        let (i, first) = if self.stride == 1 {
+            (d % self.half, d < self.half)
+        } else {
+            (d / self.stride, d.is_multiple_of(self.stride))
+        };
+        debug_assert_eq!(
+            self.pair(i),
+            if first {
+                (d, d + self.partner)
+            } else {
+                (d - self.partner, d)
+            }
+        );
+        (i, first)
+    }
+
+    /// Whether a pair's elements are adjacent (one 32-bit word of two 16-bit values).
+    pub fn adjacent(self) -> bool {
+        self.partner == 1
+    }
+}
+
 /// RoPE context-extension scalings, as the transformers library defines them.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum RopeScaling {

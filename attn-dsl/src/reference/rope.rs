@@ -2,7 +2,7 @@
 //! defines them).
 
 use super::Array;
-use crate::spec::{Rope, RopeLayout, RopeScaling};
+use crate::spec::{Rope, RopeScaling};
 use std::f64::consts::PI;
 
 /// The inverse frequencies `inv_freq[i]`, `i < dim/2`, after scaling. `seq_len` is the current
@@ -94,14 +94,11 @@ pub fn attention_factor(rope: &Rope) -> f64 {
 
 /// Rotates the first `rope.dim` entries of `x` for position `pos`.
 pub fn rotate(rope: &Rope, x: &mut [f64], pos: i64, inv_freq: &[f64], factor: f64) {
-    let half = inv_freq.len();
+    let pairing = rope.layout.pairing(rope.dim);
     for (i, &f) in inv_freq.iter().enumerate() {
         let angle = pos as f64 * f;
         let (sin, cos) = (angle.sin() * factor, angle.cos() * factor);
-        let (a, b) = match rope.layout {
-            RopeLayout::Half => (i, i + half),
-            RopeLayout::Interleaved => (2 * i, 2 * i + 1),
-        };
+        let (a, b) = pairing.pair(i);
         let (xa, xb) = (x[a], x[b]);
         x[a] = xa * cos - xb * sin;
         x[b] = xb * cos + xa * sin;

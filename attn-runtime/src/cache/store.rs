@@ -3,7 +3,7 @@
 
 use super::layout::CacheLayout;
 use crate::host::rope_table::RopeTables;
-use attn_dsl::{DType, RopeLayout};
+use attn_dsl::DType;
 use half::{bf16, f16};
 
 /// Values in the cache's dtype.
@@ -155,6 +155,7 @@ impl NewTokens {
         let tables = RopeTables::new(rope, first, end, end as u64);
         let half = (rope.rope.dim / 2) as usize;
         let base = rope.first_dim as usize;
+        let pairing = rope.rope.layout.pairing(rope.rope.dim);
         for (i, row) in self.k.chunks_exact_mut(layout.k_dim).enumerate() {
             let t = i % self.n;
             let (cos, sin) = (
@@ -162,10 +163,8 @@ impl NewTokens {
                 &tables.sin[t * half..(t + 1) * half],
             );
             for j in 0..half {
-                let (a, b) = match rope.rope.layout {
-                    RopeLayout::Half => (base + j, base + j + half),
-                    RopeLayout::Interleaved => (base + 2 * j, base + 2 * j + 1),
-                };
+                let (a, b) = pairing.pair(j);
+                let (a, b) = (base + a, base + b);
                 let (xa, xb) = (row[a], row[b]);
                 // The generated kernels' order of operations, so cached keys equal packed ones.
                 row[a] = xa * cos[j] - xb * sin[j];

@@ -5,7 +5,6 @@
 
 use super::fx::Fx;
 use crate::plan::{KernelPlan, RopePrologue};
-use attn_dsl::RopeLayout;
 use cranelift_codegen::ir::types::{F32, F32X4};
 use cranelift_codegen::ir::{FuncRef, InstBuilder, Value};
 
@@ -45,18 +44,17 @@ pub(super) fn rotate(fx: &mut Fx, rope: &RopePrologue, row: Value, pos: Value, t
     let sin_row = fx.elem_scaled(sin, table_row, half_v);
     let first = i64::from(rope.first_dim);
     let (zero, end) = (fx.i64(0), fx.i64(half));
+    let pairing = rope.rope.layout.pairing(rope.rope.dim);
+    // Pair i is dims `first + stride i` and that plus `partner` (strides are powers of two).
+    let shift = pairing.stride.trailing_zeros() as i64;
     fx.for_range(zero, end, 1, |fx, i| {
-        let (a, b) = match rope.rope.layout {
-            RopeLayout::Half => {
-                let a = fx.b.ins().iadd_imm_s(i, first);
-                (a, fx.b.ins().iadd_imm_s(a, half))
-            }
-            RopeLayout::Interleaved => {
-                let a = fx.b.ins().ishl_imm_s(i, 1);
-                let a = fx.b.ins().iadd_imm_s(a, first);
-                (a, fx.b.ins().iadd_imm_s(a, 1))
-            }
+        let scaled = if shift == 0 {
+            i
+        } else {
+            fx.b.ins().ishl_imm_s(i, shift)
         };
+        let a = fx.b.ins().iadd_imm_s(scaled, first);
+        let b = fx.b.ins().iadd_imm_s(a, pairing.partner as i64);
         let (pa, pb) = (fx.elem(row, a), fx.elem(row, b));
         let (xa, xb) = (fx.load(F32, pa, 0), fx.load(F32, pb, 0));
         let pc = fx.elem(cos_row, i);

@@ -38,9 +38,9 @@ use crate::gpu::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Un}
 use crate::gpu::kernels::{Env, Regs, exp2_twice, program, rotate_pair, special64};
 use crate::gpu::launch::{BackwardTcArgs, LaunchRecord};
 use crate::plan::{CallShape, KernelPlan, PlanKind, TileCode};
+use attn_dsl::DType;
 use attn_dsl::modifier::Expr as M;
 use attn_dsl::modifier::interval::Interval;
-use attn_dsl::{DType, RopeLayout};
 
 /// Threads per CTA: four warps.
 pub const THREADS: u32 = 128;
@@ -397,20 +397,21 @@ fn finish_rows(
         r.add("back_b", Ty::F32),
     );
     // (a's block, b's block, j of a, j of b, the frequency index at q = 0, its step per q).
+    let pairing = rope.rope.layout.pairing(rope.rope.dim);
     let mut pairs = Vec::new();
     for cb in 0..acc.len() {
         let col = 8 * cb;
         if col < first || col >= first + 2 * half {
             continue;
         }
-        match rope.rope.layout {
-            RopeLayout::Half if col < first + half => {
-                for j in 0..2 {
-                    pairs.push((cb, cb + half / 8, j, j, col - first + j, 2));
-                }
+        let (pair, is_first) = pairing.owner(col - first);
+        if pairing.adjacent() {
+            pairs.push((cb, cb, 0, 1, pair, 1));
+        } else if is_first {
+            // The block's partner block, `partner` columns on.
+            for j in 0..2 {
+                pairs.push((cb, cb + pairing.partner / 8, j, j, pair + j, 2));
             }
-            RopeLayout::Half => {}
-            RopeLayout::Interleaved => pairs.push((cb, cb, 0, 1, (col - first) / 2, 1)),
         }
     }
     for (h, pos) in pos.iter().enumerate() {

@@ -21,12 +21,12 @@
 use crate::gpu::ir::build::*;
 use crate::gpu::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Un};
 use crate::gpu::kernels::{
-    Env, Regs, lse_of_half, param, program, reciprocal, rotate_pair, special64,
+    Env, Regs, RopeWords, lse_of_half, param, program, reciprocal, rotate_pair, special64,
 };
 use crate::gpu::launch::{ForwardArgs, LaunchRecord};
 use crate::plan::{KernelPlan, PlanKind, TileCode};
+use attn_dsl::DType;
 use attn_dsl::modifier::{Expr as M, Var};
-use attn_dsl::{DType, RopeLayout};
 
 /// Threads per CTA: four warps.
 pub const THREADS: u32 = 128;
@@ -182,12 +182,10 @@ fn element(
     let i = d - first;
     // The pair (a, b) this element belongs to, whether it is a, its frequency index, and how
     // far the index moves per step of `shift`.
-    let (a, b, is_a, f, f_step) = match rope.rope.layout {
-        RopeLayout::Half if i < half => (d, d + half, true, i, 2),
-        RopeLayout::Half => (d - half, d, false, i - half, 2),
-        RopeLayout::Interleaved if i.is_multiple_of(2) => (d, d + 1, true, i / 2, 1),
-        RopeLayout::Interleaved => (d - 1, d, false, i / 2, 1),
-    };
+    let pairing = rope.rope.layout.pairing(rope.rope.dim);
+    let (f, is_a) = pairing.owner(i);
+    let (a, b) = pairing.pair(f);
+    let (a, b, f_step) = (first + a, first + b, (2 / pairing.stride) as i64);
     let entry = add(
         add(
             mul(sub(pos.clone(), param("rope_pos0")), i64(4 * half as i64)),
@@ -238,8 +236,8 @@ fn pair(
 /// lane 0's, so a lane offset can be added to addresses instead of selecting per lane.
 pub(super) fn lane_aligned(plan: &KernelPlan) -> bool {
     plan.rope.as_ref().is_none_or(|r| {
-        r.first_dim.is_multiple_of(8)
-            && (r.rope.layout == RopeLayout::Interleaved || (r.rope.dim / 2).is_multiple_of(8))
+        let pairing = r.rope.layout.pairing(r.rope.dim);
+        r.first_dim.is_multiple_of(8) && (pairing.adjacent() || pairing.partner.is_multiple_of(8))
     })
 }
 
@@ -892,9 +890,9 @@ fn rotate_k(
     let rope = plan.rope.as_ref().expect("a RoPE plan");
     // Read in the storage format, written in the Q K^T operands'.
     let (h, to) = (half_of(plan), qk);
-    let interleaved = rope.rope.layout == RopeLayout::Interleaved;
-    // Work items per key: pairs (interleaved) or pairs of pairs.
-    let per_key = if interleaved { half } else { half / 2 } as i64;
+    let pairing = rope.rope.layout.pairing(rope.rope.dim);
+    // Work items per key: pairs (adjacent elements) or pairs of pairs.
+    let per_key = if pairing.adjacent() { half } else { half / 2 } as i64;
     let (item, key, w) = (
         r.add("rotate_item", Ty::I64),
         r.add("rotate_key", Ty::I64),
@@ -927,15 +925,14 @@ fn rotate_k(
         Stmt::Set(w, bin(Bin::Rem, reg(item), i64(per_key))),
     ];
     let words = RopeWords {
-        interleaved,
-        half: half as i64,
+        pairing,
         to,
         elem: &elem,
         word: &word_at,
         rotated: &rotated,
     };
-    // Pair w interleaved, or pairs 2 w and 2 w + 1 half-split.
-    let f0 = if interleaved {
+    // Pair w (adjacent elements), or pairs 2 w and 2 w + 1 (split).
+    let f0 = if pairing.adjacent() {
         reg(w)
     } else {
         mul(reg(w), i64(2))
@@ -1209,56 +1206,6 @@ pub(super) fn epilogue(
         }
     }
     body
-}
-
-/// One RoPE work item on 16-bit pairs in shared memory: `elem(c)` reads column `c` as f32,
-/// `word(c)` is the shared address of the 32-bit word at column `c`, and `rotated(a, b, f)`
-/// rotates a pair by table entry `f`; values are written in the format `to`.
-pub(super) struct RopeWords<'a> {
-    pub interleaved: bool,
-    pub half: i64,
-    pub to: Half,
-    pub elem: &'a dyn Fn(Expr) -> Expr,
-    pub word: &'a dyn Fn(Expr) -> Expr,
-    pub rotated: &'a dyn Fn(Expr, Expr, Expr) -> (Expr, Expr),
-}
-
-impl RopeWords<'_> {
-    /// The item at column `col` (even), whose first pair is table entry `f0`: an interleaved
-    /// pair (one word), or two half-split pairs (columns `col, col + 1` and `col + half,
-    /// col + half + 1`, entries `f0, f0 + 1`), all four values read before either word is
-    /// written.
-    pub fn rotate(&self, r: &mut Regs, col: Expr, f0: Expr) -> Vec<Stmt> {
-        let pack = |a: Expr, b: Expr| Expr::PackHalf(self.to, Box::new(a), Box::new(b));
-        if self.interleaved {
-            let (a, b) = (self.rotated)(
-                (self.elem)(col.clone()),
-                (self.elem)(add(col.clone(), i64(1))),
-                f0,
-            );
-            return vec![Stmt::Store(Space::Shared, (self.word)(col), pack(a, b))];
-        }
-        let other = add(col.clone(), i64(self.half));
-        let out = [0, 1, 2, 3].map(|i| r.add(format!("rotated{i}"), Ty::F32));
-        let mut body = Vec::new();
-        for step in 0..2 {
-            let (a, b) = (self.rotated)(
-                (self.elem)(add(col.clone(), i64(step))),
-                (self.elem)(add(other.clone(), i64(step))),
-                add(f0.clone(), i64(step)),
-            );
-            body.push(Stmt::Set(out[step as usize], a));
-            body.push(Stmt::Set(out[2 + step as usize], b));
-        }
-        for (at, [lo, hi]) in [(col, [out[0], out[1]]), (other, [out[2], out[3]])] {
-            body.push(Stmt::Store(
-                Space::Shared,
-                (self.word)(at),
-                pack(reg(lo), reg(hi)),
-            ));
-        }
-        body
-    }
 }
 
 /// The launch's code for key tile `tile` of this CTA's query block (CTA x of `rows` query rows,

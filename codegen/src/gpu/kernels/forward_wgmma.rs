@@ -26,8 +26,9 @@
 //! pairs on even columns). MLA and other dims stay on [`super::forward_tc`]. Not yet: clusters,
 //! more than two stages.
 
+use super::RopeWords;
 use super::forward_tc::{
-    RopeWords, TileScores, epilogue, half_of, online_softmax, qk_half, score_tile, tile_code,
+    TileScores, epilogue, half_of, online_softmax, qk_half, score_tile, tile_code,
 };
 use crate::gpu::ir::build::*;
 use crate::gpu::ir::tma::{Swizzle, TensorMap};
@@ -35,7 +36,7 @@ use crate::gpu::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Wgm
 use crate::gpu::kernels::{Regs, param, rotate_pair, special64};
 use crate::gpu::launch::{ForwardArgs, LaunchRecord};
 use crate::plan::{KernelPlan, PlanKind, TileCode};
-use attn_dsl::{DType, RopeLayout};
+use attn_dsl::DType;
 
 /// Threads per CTA: a producer warpgroup and two consumers.
 pub const THREADS: u32 = 384;
@@ -66,8 +67,9 @@ pub fn supports(plan: &KernelPlan) -> bool {
         && matches!(plan.dtype, DType::Bf16 | DType::F16)
         && plan.mla.is_none()
         && plan.rope.as_ref().is_none_or(|r| {
+            let pairing = r.rope.layout.pairing(r.rope.dim);
             r.first_dim.is_multiple_of(2)
-                && (r.rope.layout == RopeLayout::Interleaved || (r.rope.dim / 2).is_multiple_of(2))
+                && (pairing.adjacent() || pairing.partner.is_multiple_of(2))
         })
         && [d, dv]
             .iter()
@@ -711,8 +713,8 @@ fn rotate_in_shared(
     let rope = plan.rope.as_ref().expect("a RoPE plan");
     let half = (rope.rope.dim / 2) as i64;
     let first = i64::from(rope.first_dim);
-    let interleaved = rope.rope.layout == RopeLayout::Interleaved;
-    let per_row = if interleaved { half } else { half / 2 };
+    let pairing = rope.rope.layout.pairing(rope.rope.dim);
+    let per_row = if pairing.adjacent() { half } else { half / 2 };
     let (item, row, w, table) = (
         r.add("rope_item", Ty::I64),
         r.add("rope_row", Ty::I64),
@@ -767,15 +769,14 @@ fn rotate_in_shared(
         ),
     ];
     let words = RopeWords {
-        interleaved,
-        half,
+        pairing,
         to,
         elem: &elem,
         word: &at,
         rotated: &rotated,
     };
-    // Pair w interleaved, or pairs 2 w and 2 w + 1 half-split.
-    let f0 = if interleaved {
+    // Pair w (adjacent elements), or pairs 2 w and 2 w + 1 (split).
+    let f0 = if pairing.adjacent() {
         reg(w)
     } else {
         mul(reg(w), i64(2))

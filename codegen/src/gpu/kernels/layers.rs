@@ -696,26 +696,31 @@ pub fn cache_append(width: u32, dtype: Option<Half>, rope: Option<AppendRope>) -
             bin(Bin::Ge, rel.clone(), i64(0)),
             bin(Bin::Lt, rel.clone(), i64(dim)),
         );
-        let (first, j, partner) = match rope.layout {
-            attn_dsl::RopeLayout::Half => (
-                bin(Bin::Lt, rel.clone(), i64(half)),
-                bin(Bin::Rem, rel.clone(), i64(half)),
-                select(
-                    bin(Bin::Lt, rel.clone(), i64(half)),
-                    add(c.clone(), i64(half)),
-                    sub(c.clone(), i64(half)),
-                ),
-            ),
-            attn_dsl::RopeLayout::Interleaved => (
-                bin(Bin::Eq, bin(Bin::Rem, rel.clone(), i64(2)), i64(0)),
-                bin(Bin::Div, rel.clone(), i64(2)),
-                select(
-                    bin(Bin::Eq, bin(Bin::Rem, rel.clone(), i64(2)), i64(0)),
-                    add(c.clone(), i64(1)),
-                    sub(c.clone(), i64(1)),
-                ),
-            ),
+        // Column `rel` of the span: whether it is its pair's first element, the pair (its
+        // table entry), and its partner's column.
+        let pairing = rope.layout.pairing(rope.dim);
+        let is_first = || {
+            if pairing.stride == 1 {
+                bin(Bin::Lt, rel.clone(), i64(pairing.half as i64))
+            } else {
+                let stride = i64(pairing.stride as i64);
+                bin(Bin::Eq, bin(Bin::Rem, rel.clone(), stride), i64(0))
+            }
         };
+        let j = if pairing.stride == 1 {
+            bin(Bin::Rem, rel.clone(), i64(pairing.half as i64))
+        } else {
+            bin(Bin::Div, rel.clone(), i64(pairing.stride as i64))
+        };
+        let to_partner = i64(pairing.partner as i64);
+        let (first, partner) = (
+            is_first(),
+            select(
+                is_first(),
+                add(c.clone(), to_partner.clone()),
+                sub(c.clone(), to_partner),
+            ),
+        );
         // Outside the rotated columns the table index is clamped to 0 (and unused).
         let entry = mul(
             add(mul(reg(tok), i64(half)), select(inside.clone(), j, i64(0))),

@@ -15,6 +15,6 @@ mod score;
 mod softmax;
 
 pub(crate) use build::{Regs, param, special64};
-pub(crate) use rope::{cos_sin, rope_params, rotate, rotate_pair};
+pub(crate) use rope::{RopeWords, cos_sin, rope_params, rotate, rotate_pair};
 pub(crate) use score::{Env, program};
 pub(crate) use softmax::{exp2_twice, lse_of_half, reciprocal, rescale_to};

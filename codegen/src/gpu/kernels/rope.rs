@@ -2,10 +2,11 @@
 //! loads of a table entry, and the rotation of one pair.
 
 use super::build::Regs;
+use crate::gpu::ir::Half;
 use crate::gpu::ir::build::*;
 use crate::gpu::ir::{Expr, Reg, Space, Stmt, Ty, Un};
 use crate::plan::RopePrologue;
-use attn_dsl::RopeLayout;
+use attn_dsl::Pairing;
 
 /// A kernel's RoPE table parameters, `[rope_cos, rope_sin, rope_pos0]`, from its launch
 /// record's `param` lookup.
@@ -34,11 +35,10 @@ pub(crate) fn rotate(
         r.add("rot_b", Ty::F32),
     );
     let mut out = vec![Stmt::Set(table_row, sub(pos, pos0.clone()))];
+    let pairing = rope.rope.layout.pairing(rope.rope.dim);
     for i in 0..half as usize {
-        let (ia, ib) = match rope.rope.layout {
-            RopeLayout::Half => (first + i, first + i + half as usize),
-            RopeLayout::Interleaved => (first + 2 * i, first + 2 * i + 1),
-        };
+        let (ia, ib) = pairing.pair(i);
+        let (ia, ib) = (first + ia, first + ib);
         let entry = add(mul(reg(table_row), i64(half * 4)), i64(4 * i as i64));
         out.extend(cos_sin([c, s], [cos.clone(), sin.clone()], entry));
         out.extend([Stmt::Set(a, reg(row[ia])), Stmt::Set(b, reg(row[ib]))]);
@@ -64,4 +64,53 @@ pub(crate) fn rotate_pair(a: Expr, b: Expr, c: Expr, s: Expr) -> (Expr, Expr) {
         sub(mul(a.clone(), c.clone()), mul(b.clone(), s.clone())),
         add(mul(b, c), mul(a, s)),
     )
+}
+
+/// One RoPE work item on 16-bit pairs in shared memory: `elem(c)` reads column `c` as f32,
+/// `word(c)` is the shared address of the 32-bit word at column `c`, and `rotated(a, b, f)`
+/// rotates a pair by table entry `f`; values are written in the format `to`.
+pub(crate) struct RopeWords<'a> {
+    pub pairing: Pairing,
+    pub to: Half,
+    pub elem: &'a dyn Fn(Expr) -> Expr,
+    pub word: &'a dyn Fn(Expr) -> Expr,
+    pub rotated: &'a dyn Fn(Expr, Expr, Expr) -> (Expr, Expr),
+}
+
+impl RopeWords<'_> {
+    /// The item at column `col` (even), whose first pair is table entry `f0`: a pair of
+    /// adjacent elements (one word), or two pairs split `partner` apart (columns `col, col + 1`
+    /// and `col + partner, col + partner + 1`, entries `f0, f0 + 1`), all four values read before
+    /// either word is written.
+    pub fn rotate(&self, r: &mut Regs, col: Expr, f0: Expr) -> Vec<Stmt> {
+        let pack = |a: Expr, b: Expr| Expr::PackHalf(self.to, Box::new(a), Box::new(b));
+        if self.pairing.adjacent() {
+            let (a, b) = (self.rotated)(
+                (self.elem)(col.clone()),
+                (self.elem)(add(col.clone(), i64(1))),
+                f0,
+            );
+            return vec![Stmt::Store(Space::Shared, (self.word)(col), pack(a, b))];
+        }
+        let other = add(col.clone(), i64(self.pairing.partner as i64));
+        let out = [0, 1, 2, 3].map(|i| r.add(format!("rotated{i}"), Ty::F32));
+        let mut body = Vec::new();
+        for step in 0..2 {
+            let (a, b) = (self.rotated)(
+                (self.elem)(add(col.clone(), i64(step))),
+                (self.elem)(add(other.clone(), i64(step))),
+                add(f0.clone(), i64(step)),
+            );
+            body.push(Stmt::Set(out[step as usize], a));
+            body.push(Stmt::Set(out[2 + step as usize], b));
+        }
+        for (at, [lo, hi]) in [(col, [out[0], out[1]]), (other, [out[2], out[3]])] {
+            body.push(Stmt::Store(
+                Space::Shared,
+                (self.word)(at),
+                pack(reg(lo), reg(hi)),
+            ));
+        }
+        body
+    }
 }

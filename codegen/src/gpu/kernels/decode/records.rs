@@ -7,7 +7,6 @@ use crate::gpu::ir::{Bin, Expr, Reg, Space, Special, Stmt, Ty};
 use crate::gpu::kernels::{Regs, cos_sin, rotate_pair, special64};
 use crate::gpu::launch::{DecodeArgs, LaunchRecord};
 use crate::plan::KernelPlan;
-use attn_dsl::RopeLayout;
 
 /// i64 fields of a task record.
 pub const TASK_FIELDS: usize = 9;
@@ -239,13 +238,16 @@ pub(super) fn stage_q(
     };
     let half = i64::from(rope.rope.dim / 2);
     let first = i64::from(rope.first_dim);
-    let (ia, ib) = match rope.rope.layout {
-        RopeLayout::Half => (add(i64(first), reg(col)), add(i64(first + half), reg(col))),
-        RopeLayout::Interleaved => (
-            add(i64(first), mul(reg(col), i64(2))),
-            add(i64(first + 1), mul(reg(col), i64(2))),
-        ),
+    // Pair `col` is dims `first + stride col` and that plus `partner`.
+    let pairing = rope.rope.layout.pairing(rope.rope.dim);
+    let scaled = || match pairing.stride {
+        1 => reg(col),
+        stride => mul(reg(col), i64(stride as i64)),
     };
+    let (ia, ib) = (
+        add(i64(first), scaled()),
+        add(i64(first + pairing.partner as i64), scaled()),
+    );
     // Pair `col` of row `row` at its query's position.
     let pos = add(reg(task.q_pos0), task.query_of(reg(row)));
     let entry = add(
