@@ -1,6 +1,7 @@
 //! `attnc bench`: times the forward kernel of a spec on random inputs, on the CPU or a CUDA
 //! device.
 
+use crate::backend_arg::Backend as On;
 use attn::AttentionSpec;
 use attn::dsl::Mask;
 use attn::dsl::accounting::forward_flops;
@@ -12,9 +13,81 @@ use attn::runtime::{
 use attn::runtime::{RuntimeError, Tensor};
 use std::time::Instant;
 
+/// `attnc bench`'s arguments.
+#[derive(clap::Args)]
+pub struct Args {
+    /// The spec, in the spec language, or @FILE to read it from a file.
+    #[arg(allow_hyphen_values = true)]
+    spec: String,
+    /// Queries per sequence.
+    #[arg(long, value_name = "N", default_value_t = 2048, value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
+    seq: u64,
+    /// Keys per sequence (default: as many as queries).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
+    kv_len: Option<u64>,
+    /// Sequences.
+    #[arg(long, value_name = "B", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    batch: u64,
+    /// Timed runs (after two warm-up runs).
+    #[arg(long, value_name = "R", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=10_000))]
+    reps: u64,
+    /// Print one JSON line {"median_ms", "gflops", "compile_ms"}.
+    #[arg(long)]
+    json: bool,
+    /// Where to run: cpu, or cuda (device 0; needs the `cuda` feature and an NVIDIA GPU).
+    #[arg(long, value_enum, default_value_t = On::Cpu)]
+    backend: On,
+    /// Time a forward that saves out and lse plus the backward (`median_ms` of the pair;
+    /// GFLOP/s counted as 3.5 forwards). CPU only for now.
+    #[arg(long)]
+    backward: bool,
+}
+
+/// `attnc bench`.
+pub fn command(args: Args) -> Result<(), String> {
+    let (spec, _) = crate::spec_arg::load(&args.spec)?;
+    let shape = Shape {
+        batch: args.batch as usize,
+        seq: args.seq as usize,
+        kv_len: args.kv_len.unwrap_or(args.seq) as usize,
+        reps: args.reps as usize,
+    };
+    if args.backend == On::GpuSim {
+        return Err(
+            "error: --backend gpu-sim is not timed (the interpreter is no GPU); use cpu or cuda"
+                .to_string(),
+        );
+    }
+    if !args.json {
+        eprintln!(
+            "timing {spec}\n  batch {}, Sq {}, Skv {}, {} runs",
+            shape.batch, shape.seq, shape.kv_len, shape.reps
+        );
+    }
+    let t = match args.backend {
+        On::Cuda if args.backward => bench_backward_cuda(&spec, &shape),
+        _ if args.backward => bench_backward(&spec, &shape, !args.json),
+        On::Cuda => bench_cuda(&spec, &shape),
+        _ => bench(&spec, &shape, !args.json),
+    }
+    .map_err(|e| format!("error: {e}"))?;
+    if args.json {
+        println!(
+            "{{\"median_ms\": {:.4}, \"gflops\": {:.2}, \"compile_ms\": {:.3}}}",
+            t.median_ms, t.gflops, t.compile_ms
+        );
+    } else {
+        println!(
+            "median {:.3} ms, {:.1} GFLOP/s, kernel compiled in {:.2} ms",
+            t.median_ms, t.gflops, t.compile_ms
+        );
+    }
+    Ok(())
+}
+
 /// What to time.
 #[derive(Clone, Copy)]
-pub struct Shape {
+struct Shape {
     pub batch: usize,
     pub seq: usize,
     pub kv_len: usize,
@@ -22,7 +95,7 @@ pub struct Shape {
 }
 
 /// Timings.
-pub struct Timing {
+struct Timing {
     pub median_ms: f64,
     pub gflops: f64,
     pub compile_ms: f64,
@@ -44,7 +117,7 @@ pub fn random(spec: &AttentionSpec, shape: &[usize], seed: u64) -> Result<Tensor
 
 /// Refuses a shape whose tensors would not fit in the memory available, before any is made:
 /// each input counted once as the f32 values drawn and once as stored, each output as f32.
-pub fn ensure_fits(spec: &AttentionSpec, shape: &Shape) -> Result<(), RuntimeError> {
+fn ensure_fits(spec: &AttentionSpec, shape: &Shape) -> Result<(), RuntimeError> {
     let [b, sq, skv] = [shape.batch, shape.seq, shape.kv_len].map(|v| v as u64);
     let (h, d, dv) = (
         u64::from(spec.heads),
@@ -103,7 +176,7 @@ fn inputs(spec: &AttentionSpec, shape: &Shape) -> Result<[Tensor; 3], RuntimeErr
 
 /// FLOPs counted as `4 B Hq Sq Skv D` (MLA: the absorbed widths), halved for causal masks, the
 /// convention of FlashAttention and PyTorch's benchmarks.
-pub fn flops(spec: &AttentionSpec, shape: &Shape) -> f64 {
+fn flops(spec: &AttentionSpec, shape: &Shape) -> f64 {
     let dense = forward_flops(
         spec,
         shape.batch as u64,
@@ -128,7 +201,7 @@ fn backward_fits(spec: &AttentionSpec, shape: &Shape) -> Result<(), RuntimeError
 /// Times a forward that saves what the backward needs (out and lse) plus the backward, on the
 /// CPU: median ms of the pair, GFLOP/s counted as 3.5 forwards (the backward's five tile
 /// products are 2.5 forwards, FlashAttention's convention), and the compile time of both kernels.
-pub fn bench_backward(
+fn bench_backward(
     spec: &AttentionSpec,
     shape: &Shape,
     progress: bool,
@@ -246,7 +319,7 @@ fn time_calls(
 }
 
 /// Compiles (timed), warms up twice, then times `reps` calls and takes the median.
-pub fn bench(spec: &AttentionSpec, shape: &Shape, progress: bool) -> Result<Timing, RuntimeError> {
+fn bench(spec: &AttentionSpec, shape: &Shape, progress: bool) -> Result<Timing, RuntimeError> {
     ensure_fits(spec, shape)?;
     let backend = CpuBackend::new();
     let kernel = backend.kernel(spec)?;
@@ -311,7 +384,7 @@ fn mla_inputs(spec: &AttentionSpec, shape: &Shape) -> Result<[Tensor; 5], Runtim
 /// then `reps` launches each timed to completion (median). `compile_ms` is the time to emit the
 /// kernel's PTX and load it.
 #[cfg(feature = "cuda")]
-pub fn bench_cuda(spec: &AttentionSpec, shape: &Shape) -> Result<Timing, RuntimeError> {
+fn bench_cuda(spec: &AttentionSpec, shape: &Shape) -> Result<Timing, RuntimeError> {
     use attn::runtime::gpu::GpuCall;
     use attn::runtime::gpu::cuda::CudaBackend;
     if spec.mla().is_some() {
@@ -335,7 +408,7 @@ pub fn bench_cuda(spec: &AttentionSpec, shape: &Shape) -> Result<Timing, Runtime
 /// products (2.5 forwards), as FlashAttention reports them; `compile_ms` is 0 (kernels load on
 /// the warm-up pass).
 #[cfg(feature = "cuda")]
-pub fn bench_backward_cuda(spec: &AttentionSpec, shape: &Shape) -> Result<Timing, RuntimeError> {
+fn bench_backward_cuda(spec: &AttentionSpec, shape: &Shape) -> Result<Timing, RuntimeError> {
     use attn::runtime::gpu::GpuCall;
     use attn::runtime::gpu::cuda::CudaBackend;
     backward_fits(spec, shape)?;
@@ -376,13 +449,13 @@ pub fn bench_backward_cuda(spec: &AttentionSpec, shape: &Shape) -> Result<Timing
 
 /// Without the `cuda` feature: an error that says how to get it.
 #[cfg(not(feature = "cuda"))]
-pub fn bench_cuda(_: &AttentionSpec, _: &Shape) -> Result<Timing, RuntimeError> {
+fn bench_cuda(_: &AttentionSpec, _: &Shape) -> Result<Timing, RuntimeError> {
     Err(no_cuda())
 }
 
 /// Without the `cuda` feature: an error that says how to get it.
 #[cfg(not(feature = "cuda"))]
-pub fn bench_backward_cuda(_: &AttentionSpec, _: &Shape) -> Result<Timing, RuntimeError> {
+fn bench_backward_cuda(_: &AttentionSpec, _: &Shape) -> Result<Timing, RuntimeError> {
     Err(no_cuda())
 }
 

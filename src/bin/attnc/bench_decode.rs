@@ -1,7 +1,7 @@
 //! `attnc bench-decode`: times decoding steps against a paged KV cache filled with random keys.
 
+use crate::backend_arg::Backend;
 use crate::bench::random;
-use crate::run::Backend;
 use attn::AttentionSpec;
 use attn::runtime::Backend as Attend;
 use attn::runtime::RuntimeError;
@@ -13,8 +13,81 @@ use attn::runtime::cpu::CpuBackend;
 use attn::runtime::{DecodeOptions, MlaQueries, Queries};
 use std::time::Instant;
 
+/// `attnc bench-decode`'s arguments.
+#[derive(clap::Args)]
+pub struct Args {
+    /// The spec, in the spec language, or @FILE to read it from a file.
+    #[arg(allow_hyphen_values = true)]
+    spec: String,
+    /// Cached tokens per sequence.
+    #[arg(long, value_name = "L", default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
+    kv_len: u64,
+    /// Sequences.
+    #[arg(long, value_name = "B", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    batch: u64,
+    /// New queries per sequence and step.
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
+    q_len: u64,
+    /// Tokens per cache block.
+    #[arg(long, value_name = "T", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=65_536))]
+    block_size: u64,
+    /// Timed steps (after two warm-up steps).
+    #[arg(long, value_name = "R", default_value_t = 50, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+    reps: u64,
+    /// Print one JSON line {"median_us", "gbps"}, plus "kernel_us" and "kernel_gbps" (the
+    /// step's kernels alone) on cuda.
+    #[arg(long)]
+    json: bool,
+    /// Where to run: cpu, or cuda (device 0, against a copy of the cache uploaded once; needs
+    /// the `cuda` feature and an NVIDIA GPU).
+    #[arg(long, value_enum, default_value_t = Backend::Cpu)]
+    backend: Backend,
+}
+
+/// `attnc bench-decode`.
+pub fn command(args: Args) -> Result<(), String> {
+    let (spec, _) = crate::spec_arg::load(&args.spec)?;
+    let shape = Shape {
+        batch: args.batch as usize,
+        kv_len: args.kv_len as usize,
+        q_len: args.q_len as usize,
+        block_size: args.block_size as usize,
+        reps: args.reps as usize,
+    };
+    if !args.json {
+        eprintln!(
+            "timing decode steps of {spec}\n  batch {}, cache {} tokens in blocks of {}, {} \
+             queries per step, {} steps",
+            shape.batch, shape.kv_len, shape.block_size, shape.q_len, shape.reps
+        );
+    }
+    let t = bench(&spec, &shape, args.backend, !args.json).map_err(|e| format!("error: {e}"))?;
+    if args.json {
+        let kernel = t.kernel.map_or(String::new(), |(us, gbps)| {
+            format!(", \"kernel_us\": {us:.2}, \"kernel_gbps\": {gbps:.2}")
+        });
+        println!(
+            "{{\"median_us\": {:.2}, \"gbps\": {:.2}{kernel}}}",
+            t.median_us, t.gbps
+        );
+    } else {
+        println!(
+            "median {:.1} us per step, {:.2} GB/s of K+V read, kernel compiled in {:.2} ms",
+            t.median_us, t.gbps, t.compile_ms
+        );
+        if let Some((us, gbps)) = t.kernel {
+            println!(
+                "  of which the kernels (decode and merge, CUDA events): {us:.1} us, {gbps:.2} \
+                 GB/s; host and copies: {:.1} us",
+                t.median_us - us
+            );
+        }
+    }
+    Ok(())
+}
+
 /// What to time.
-pub struct Shape {
+struct Shape {
     pub batch: usize,
     pub kv_len: usize,
     pub q_len: usize,
@@ -23,7 +96,7 @@ pub struct Shape {
 }
 
 /// Timings of one step.
-pub struct Timing {
+struct Timing {
     /// The whole step, as the host sees it (preparation, copies, launches, results back).
     pub median_us: f64,
     /// Bytes of K and V the step reads (every cached token of every sequence), per second.
@@ -38,7 +111,7 @@ pub struct Timing {
 /// queries per sequence (median), on the CPU or on CUDA device 0 (against a copy of the cache
 /// uploaded once; a step includes its host-side preparation and the copies of queries and
 /// results, and its kernels are also timed alone by CUDA events).
-pub fn bench(
+fn bench(
     spec: &AttentionSpec,
     shape: &Shape,
     on: Backend,

@@ -4,14 +4,27 @@
 //! MLA decode and MLA prefill, in f32, bf16 and f16. One line per case; `scripts/gpu-check.sh`
 //! runs it next to the prefill differential tests.
 
+use crate::backend_arg::Backend;
 use crate::bench::random;
-use crate::run::Backend;
 use attn::AttentionSpec;
 use attn::runtime::cache::{PagedCache, SeqId};
 use attn::runtime::cpu::CpuBackend;
 use attn::runtime::gpu::sim::GpuSim;
 use attn::runtime::{Backend as _, DecodeOptions, Inputs, MlaQueries, MlaTensors, Output, Queries};
 use attn::runtime::{RuntimeError, Tensor, Variant};
+
+/// `attnc check-device`'s arguments.
+#[derive(clap::Args)]
+pub struct Args {
+    /// Where to run: cuda (device 0), or gpu-sim (the interpreter; slow, no GPU needed).
+    #[arg(long, value_enum, default_value_t = Backend::Cuda)]
+    backend: Backend,
+}
+
+/// `attnc check-device`: `Ok(true)` when every case agrees with the CPU.
+pub fn command(args: Args) -> Result<bool, String> {
+    run(args.backend).map_err(|e| format!("error: {e}"))
+}
 
 /// The GPU backend under test: every `Backend` call, and decoding against device copies of the
 /// cache where the backend keeps them.
@@ -98,7 +111,7 @@ fn gpu(on: Backend) -> Result<Box<dyn Gpu>, RuntimeError> {
 }
 
 /// Runs every case; `Ok(true)` when all agree.
-pub fn run(on: Backend) -> Result<bool, RuntimeError> {
+fn run(on: Backend) -> Result<bool, RuntimeError> {
     let gpu = gpu(on)?;
     let cpu = CpuBackend::new();
     let mut all = true;

@@ -1,8 +1,7 @@
 //! `attnc emit`: a spec's GPU kernels as GPU IR, LLVM IR or PTX. One kernel (the forward the
 //! runtime picks) to a file or standard output, or with `--out-dir` every kernel of the spec
 //! for every target plus `manifest.json` (their launch records). PTX goes through the kernel
-//! disk cache; stderr says where each kernel came from. `attnc cache` lists and clears that
-//! cache.
+//! disk cache; stderr says where each kernel came from.
 
 use attn::AttentionSpec;
 use attn::codegen::KernelPlan;
@@ -11,9 +10,50 @@ use attn::codegen::gpu::ir::Kernel;
 use attn::codegen::gpu::ir::target::{Arch, compiler_version};
 use attn::codegen::gpu::kernels::forward_wgmma;
 use attn::codegen::gpu::{forward_kernel, verified};
-use attn::runtime::gpu::disk_cache::DiskCache;
 use attn::runtime::gpu::ptx::ptx_for;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+/// `attnc emit`'s arguments.
+#[derive(clap::Args)]
+pub struct Args {
+    /// The spec, in the spec language, or @FILE to read it from a file.
+    #[arg(allow_hyphen_values = true)]
+    spec: String,
+    /// GPU architecture; repeat it with --out-dir for several (default sm_90).
+    #[arg(long, value_enum)]
+    target: Vec<Target>,
+    /// What to write.
+    #[arg(long, value_enum, default_value_t = Emit::Ptx)]
+    emit: Emit,
+    /// Output file (default: standard output).
+    #[arg(short, long, value_name = "FILE", conflicts_with = "out_dir")]
+    output: Option<PathBuf>,
+    /// Write every kernel of the spec, for every target, and manifest.json here.
+    #[arg(long, value_name = "DIR")]
+    out_dir: Option<PathBuf>,
+}
+
+/// `attnc emit`.
+pub fn command(mut args: Args) -> Result<(), String> {
+    if args.target.is_empty() {
+        args.target.push(Target::Sm90);
+    }
+    let (spec, _) = crate::spec_arg::load(&args.spec)?;
+    if let Some(dir) = &args.out_dir {
+        return emit_all(&spec, &args.target, args.emit, dir);
+    }
+    let text = emit(&spec, &args.target, args.emit)?;
+    match &args.output {
+        Some(path) => {
+            crate::outputs::check(path, &crate::spec_arg::spec_file(&args.spec))?;
+            std::fs::write(path, text).map_err(|e| format!("error: {}: {e}", path.display()))
+        }
+        None => {
+            print!("{text}");
+            Ok(())
+        }
+    }
+}
 
 /// What to write.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -64,7 +104,7 @@ impl Target {
 }
 
 /// The spec's forward kernel (the one the runtime picks) in the requested form, for `target`.
-pub fn emit(spec: &AttentionSpec, targets: &[Target], what: Emit) -> Result<String, String> {
+fn emit(spec: &AttentionSpec, targets: &[Target], what: Emit) -> Result<String, String> {
     let [target] = targets else {
         return Err(format!(
             "error: one kernel is written for one target, {} given; allowed: one --target, or \
@@ -93,7 +133,7 @@ pub fn emit(spec: &AttentionSpec, targets: &[Target], what: Emit) -> Result<Stri
 
 /// Every kernel of the spec for every target, in `dir`: `<role>.<target>.<ext>` each, and
 /// `manifest.json`.
-pub fn emit_all(
+fn emit_all(
     spec: &AttentionSpec,
     targets: &[Target],
     what: Emit,
@@ -188,63 +228,4 @@ fn llvm_ir(_: &Kernel, _: Arch) -> Result<String, String> {
          run scripts/setup-cuda-toolchain.sh, then build with --features llvm\n"
             .to_string(),
     )
-}
-
-/// `attnc cache list|clear`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum CacheAction {
-    /// Every cached kernel: key, entry point, target, compiler, size, spec.
-    List,
-    /// Remove every cached kernel.
-    Clear,
-}
-
-/// Runs a cache action on the default cache (`ATTN_CACHE_DIR`, else the platform's).
-pub fn cache(action: CacheAction) -> Result<(), String> {
-    let cache = DiskCache::default_location().ok_or_else(|| {
-        "error: no kernel cache location: set ATTN_CACHE_DIR (no home directory is known)\n"
-            .to_string()
-    })?;
-    let err = |e: attn::runtime::RuntimeError| format!("error: {e}\n");
-    match action {
-        CacheAction::List => {
-            let entries = cache.list().map_err(err)?;
-            println!(
-                "kernel cache {} ({} entries)",
-                cache.dir().display(),
-                entries.len()
-            );
-            let current = compiler_version();
-            for e in entries {
-                let stale = if e.compiler == current {
-                    ""
-                } else {
-                    " (another compiler)"
-                };
-                // Every field comes from a file: escaped, so no control character reaches the
-                // terminal.
-                println!(
-                    "{}  {:<28} {}  {:>9} B  {}{stale}",
-                    e.key,
-                    e.kernel.escape_debug(),
-                    e.target.escape_debug(),
-                    e.bytes,
-                    e.spec.as_deref().unwrap_or("-").escape_debug()
-                );
-            }
-        }
-        CacheAction::Clear => {
-            let cleared = cache.clear().map_err(err)?;
-            print!(
-                "removed {} kernels from {}",
-                cleared.removed,
-                cache.dir().display()
-            );
-            match cleared.kept {
-                0 => println!(),
-                n => println!(" (left {n} files it did not write)"),
-            }
-        }
-    }
-    Ok(())
 }

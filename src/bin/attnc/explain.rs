@@ -4,8 +4,43 @@ use attn::AttentionSpec;
 use attn::dsl::KvKind;
 use attn::dsl::accounting::{attention_params, forward_flops, kv_cache_bytes_per_token};
 
+/// `attnc explain`'s arguments.
+#[derive(clap::Args)]
+pub struct Args {
+    /// The spec, in the spec language, or @FILE to read it from a file.
+    #[arg(allow_hyphen_values = true)]
+    spec: String,
+    /// Model width for the projection parameter count (default: heads * head_dim).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    model_dim: Option<u64>,
+    /// Number of layers.
+    #[arg(long, value_name = "L", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    layers: u64,
+    /// Sequence length for the cache size and the prefill FLOPs.
+    #[arg(long, value_name = "S", default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..))]
+    seq: u64,
+    /// Number of sequences.
+    #[arg(long, value_name = "B", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    batch: u64,
+}
+
+/// `attnc explain`.
+pub fn command(args: Args) -> Result<(), String> {
+    let (spec, _) = crate::spec_arg::load(&args.spec)?;
+    let shape = Shape {
+        model_dim: args
+            .model_dim
+            .unwrap_or(u64::from(spec.heads) * u64::from(spec.head_dim)),
+        layers: args.layers,
+        seq: args.seq,
+        batch: args.batch,
+    };
+    print!("{}", table(&spec, &shape)?);
+    Ok(())
+}
+
 /// The model shape the accounting is for.
-pub struct Shape {
+struct Shape {
     pub model_dim: u64,
     pub layers: u64,
     pub seq: u64,
@@ -22,7 +57,7 @@ fn too_large(what: &str, shape: &Shape) -> String {
 }
 
 /// The table, one `label  value` row per line; an error when a count does not fit in 64 bits.
-pub fn table(spec: &AttentionSpec, shape: &Shape) -> Result<String, String> {
+fn table(spec: &AttentionSpec, shape: &Shape) -> Result<String, String> {
     let mut rows: Vec<(String, String)> = Vec::new();
     let mut row = |label: &str, value: String| rows.push((label.to_string(), value));
 

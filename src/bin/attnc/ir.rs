@@ -6,9 +6,36 @@ use attn::dsl::modifier::ScoreProgram;
 use attn::dsl::modifier::interval::{Interval, Range, TileBounds, TileClass, analyze};
 use attn::dsl::reference::MAX_POSITION;
 
+/// `attnc ir`'s arguments.
+#[derive(clap::Args)]
+pub struct Args {
+    /// The spec, in the spec language, or @FILE to read it from a file.
+    #[arg(allow_hyphen_values = true)]
+    spec: String,
+    /// Also print the tile map for this many queries (`#` all kept, `.` skipped, `/` mixed;
+    /// at most 16384, a map of 256 x 256 tiles).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=16_384))]
+    seq: Option<u64>,
+    /// Keys for the tile map (default: as many as queries; at most 16384).
+    #[arg(long, value_name = "N", requires = "seq", value_parser = clap::value_parser!(u64).range(1..=16_384))]
+    kv_len: Option<u64>,
+    /// Also print the derivative of the score program (what the backward pass multiplies
+    /// by), its range, notes where it is only piecewise, and the backward kernel plan.
+    #[arg(long)]
+    grad: bool,
+}
+
+/// `attnc ir`.
+pub fn command(args: Args) -> Result<(), String> {
+    let (spec, _) = crate::spec_arg::load(&args.spec)?;
+    let tiles_for = args.seq.map(|sq| (sq, args.kv_len.unwrap_or(sq)));
+    print!("{}", report(&spec, tiles_for, args.grad));
+    Ok(())
+}
+
 /// The report: spec, modifier IR as lowered and folded, kernel plan, and optionally the tile map
 /// of a call with `(sq, skv)` queries and keys.
-pub fn report(spec: &AttentionSpec, tiles_for: Option<(u64, u64)>, grad: bool) -> String {
+fn report(spec: &AttentionSpec, tiles_for: Option<(u64, u64)>, grad: bool) -> String {
     let program = ScoreProgram::of(spec);
     let plan = KernelPlan::forward(spec);
     let mut out = format!(

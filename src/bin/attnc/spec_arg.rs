@@ -36,3 +36,11 @@ pub fn read_bounded(path: impl AsRef<std::path::Path>, limit: usize) -> Result<S
         other => other.to_string(),
     })
 }
+
+/// The file a SPEC argument names (`@FILE`), if any: an input no output may overwrite.
+pub fn spec_file(arg: &str) -> Vec<&std::path::Path> {
+    arg.strip_prefix('@')
+        .map(std::path::Path::new)
+        .into_iter()
+        .collect()
+}

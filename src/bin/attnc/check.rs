@@ -1,0 +1,28 @@
+//! `attnc check`: a spec validated and printed in normalized form, with notes on what the
+//! backward pass will make of its score modifier.
+
+use crate::spec_arg;
+
+/// `attnc check`'s arguments.
+#[derive(clap::Args)]
+pub struct Args {
+    /// The spec, in the spec language, or @FILE to read it from a file.
+    #[arg(allow_hyphen_values = true)]
+    spec: String,
+}
+
+/// `attnc check`.
+pub fn command(args: Args) -> Result<(), String> {
+    let (spec, source) = spec_arg::load(&args.spec)?;
+    println!("{spec}");
+    // What the backward pass will make of the score modifier, said at spec time, at the
+    // tokens concerned.
+    for note in attn::dsl::gradient_notes(&source) {
+        eprint!("{}", note.render_as("note", &source));
+    }
+    let program = attn::dsl::modifier::ScoreProgram::of(&spec).folded();
+    if let Err(e) = program.score_gradient() {
+        eprintln!("note: backward: no gradient: {e}");
+    }
+    Ok(())
+}

@@ -1,0 +1,215 @@
+//! `attnc generate`: a prompt continued by a checkpoint or research model, streamed as text
+//! (through the checkpoint's tokenizer) or printed as token ids.
+
+use crate::backend_arg::Backend;
+use crate::model_load::{load_on, parse_tokens, resident_device};
+use attn::runtime::model::{DeviceModel, Progress, Request, Sampling, TextTokenizer};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// `attnc generate`'s arguments.
+#[derive(clap::Args)]
+pub struct Args {
+    /// Checkpoint directory (config.json and *.safetensors), or a research model's TOML
+    /// file (random weights).
+    #[arg(long, value_name = "PATH")]
+    model: PathBuf,
+    /// Seed of a research model's random weights.
+    #[arg(long, value_name = "S", default_value_t = 0)]
+    init_seed: u64,
+    /// Prompt token ids, comma-separated.
+    #[arg(
+        long,
+        value_name = "IDS",
+        required_unless_present = "prompt",
+        conflicts_with = "prompt"
+    )]
+    tokens: Option<String>,
+    /// Prompt text, tokenized by the checkpoint's tokenizer.json.
+    #[arg(long, value_name = "TEXT", allow_hyphen_values = true)]
+    prompt: Option<String>,
+    /// Most tokens to generate.
+    #[arg(long, value_name = "N", default_value_t = 32)]
+    max_new_tokens: usize,
+    /// Sampling temperature (0: greedy).
+    #[arg(long, value_name = "T", default_value_t = 0.0)]
+    temperature: f32,
+    /// Sample among the K most likely tokens.
+    #[arg(long, value_name = "K")]
+    top_k: Option<usize>,
+    /// Sample among the most likely tokens that reach probability P.
+    #[arg(long, value_name = "P")]
+    top_p: Option<f32>,
+    /// Sampler seed.
+    #[arg(long, value_name = "S", default_value_t = 0)]
+    seed: u64,
+    /// Token ids that end the generation, comma-separated.
+    #[arg(long, value_name = "IDS")]
+    stop: Option<String>,
+    /// Where the attention runs (projections, norms and MLPs run on the CPU).
+    #[arg(long, value_enum, default_value_t = Backend::Cpu)]
+    backend: Backend,
+}
+
+/// `attnc generate`.
+pub fn command(args: Args) -> Result<(), String> {
+    if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
+        return Err(format!(
+            "error: --temperature {}: expected 0 or more",
+            args.temperature
+        ));
+    }
+    if args.top_k == Some(0) {
+        return Err("error: --top-k 0 keeps no token; expected at least 1".to_string());
+    }
+    if args.top_p.is_some_and(|p| !(p > 0.0 && p <= 1.0)) {
+        return Err("error: --top-p: expected a probability in (0, 1]".to_string());
+    }
+    let stop = match &args.stop {
+        Some(s) => parse_tokens(s)?,
+        None => Vec::new(),
+    };
+    let sampling = Sampling {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.seed,
+    };
+    let prompt = match (&args.tokens, args.prompt) {
+        (Some(ids), _) => Prompt::Ids(parse_tokens(ids)?),
+        (None, Some(text)) => Prompt::Text(text),
+        (None, None) => {
+            return Err("error: a prompt is needed: --tokens IDS or --prompt TEXT".into());
+        }
+    };
+    let generation = Generation {
+        max_new_tokens: args.max_new_tokens,
+        sampling,
+        stop,
+        backend: args.backend,
+    };
+    let out = generate(&args.model, args.init_seed, prompt, generation)?;
+    println!("{out}");
+    Ok(())
+}
+
+/// A prompt: token ids, or text for the checkpoint's tokenizer.
+enum Prompt {
+    Ids(Vec<u32>),
+    Text(String),
+}
+
+/// How long and how to generate.
+struct Generation {
+    max_new_tokens: usize,
+    sampling: Sampling,
+    stop: Vec<u32>,
+    backend: Backend,
+}
+
+/// Generates from one prompt with the model at `path`. Ids in: returns the new ids, with a
+/// progress line on stderr. Text in: streams the new text to stdout as tokens complete it,
+/// returns what is still held back, and prints the rates on stderr at the end.
+fn generate(path: &Path, seed: u64, prompt: Prompt, args: Generation) -> Result<String, String> {
+    let err = |e: attn::runtime::RuntimeError| format!("error: {e}");
+    let tokenizer = match &prompt {
+        Prompt::Text(_) if path.is_file() => {
+            return Err(format!(
+                "error: {} is a research model, which has no tokenizer; use --tokens",
+                path.display()
+            ));
+        }
+        Prompt::Text(_) => Some(TextTokenizer::from_dir(path).map_err(err)?),
+        Prompt::Ids(_) => None,
+    };
+    let ids = match prompt {
+        Prompt::Ids(ids) => ids,
+        Prompt::Text(text) => {
+            let ids = tokenizer
+                .as_ref()
+                .expect("read above")
+                .encode(&text)
+                .map_err(err)?;
+            if ids.is_empty() {
+                return Err("error: --prompt is empty once tokenized".to_string());
+            }
+            ids
+        }
+    };
+    let model = load_on(path, seed, args.backend)?;
+    if let Some(tokenizer) = &tokenizer {
+        tokenizer.check_fits(model.config.vocab).map_err(err)?;
+    }
+    let request = Request {
+        prompt: ids,
+        max_new_tokens: args.max_new_tokens,
+        stop: args.stop,
+    };
+    let mut stream = tokenizer.as_ref().map(TextTokenizer::stream);
+    let mut failed = None;
+    let mut last = None;
+    let mut report = |p: Progress| {
+        if let Some(stream) = stream.as_mut() {
+            for &(_, token) in &p.new_tokens {
+                match stream.push(token) {
+                    Ok(piece) => {
+                        print!("{piece}");
+                        let _ = std::io::stdout().flush();
+                    }
+                    Err(e) => failed = Some(e),
+                }
+            }
+        } else {
+            eprint!("\r  {}", rates(&p));
+            let _ = std::io::stderr().flush();
+        }
+        last = Some(p);
+    };
+    // On gpu-sim or cuda the model runs resident on the device (MLA models: their attention).
+    let out = match resident_device(&model, args.backend)? {
+        Some(device) => vec![
+            DeviceModel::new(&model, device)
+                .and_then(|m| m.generate(&request, args.sampling, &mut report))
+                .map_err(err)?,
+        ],
+        None => model
+            .generate(&[request], args.sampling, &mut report)
+            .map_err(err)?,
+    };
+    if let Some(e) = failed {
+        return Err(err(e));
+    }
+    match stream.as_mut() {
+        Some(stream) => {
+            let rest = stream.finish().map_err(err)?;
+            if let Some(p) = &last {
+                eprintln!("  {}", rates(p));
+            }
+            Ok(rest)
+        }
+        None => {
+            eprintln!();
+            Ok(out[0]
+                .iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(","))
+        }
+    }
+}
+
+/// Tokens so far and the decoding rate (the first token comes from the prefill; the rate is
+/// that of decode steps).
+fn rates(p: &Progress) -> String {
+    let decoded = p.generated.saturating_sub(1);
+    let rate = if decoded == 0 {
+        0.0
+    } else {
+        decoded as f64 / p.decoding.as_secs_f64()
+    };
+    format!(
+        "{} tokens, {rate:.1} tokens/s decoding (prefill {:.1} ms)",
+        p.generated,
+        p.prefill.as_secs_f64() * 1e3
+    )
+}

@@ -1,0 +1,138 @@
+//! `attnc grad`: the forward and backward of attention on tensors from a safetensors file, the
+//! gradients written to another.
+
+use crate::backend_arg::Backend;
+use crate::run::{Files, note_interpreted};
+use attn::AttentionSpec;
+use attn::runtime::io::{read_safetensors, write_safetensors};
+use attn::runtime::{
+    BackwardInputs, HeadGradients, HeadsBackward, Inputs, MlaBackward, MlaTensors, Output, Variant,
+};
+use attn::runtime::{RuntimeError, Tensor};
+use std::path::Path;
+
+/// `attnc grad`.
+pub fn command(files: Files) -> Result<(), String> {
+    let spec = files.checked_spec()?;
+    let summary = grad(
+        &spec,
+        &files.input,
+        &files.output,
+        files.position_offset,
+        files.backend,
+    )
+    .map_err(|e| format!("error: {e}"))?;
+    println!("{summary}");
+    Ok(())
+}
+
+/// Reads `q, k, v, dout`, runs the forward (out and lse) and the backward on the backend, and
+/// writes `dq, dk, dv` (input dtype), `out` (input dtype) and `lse` (f32).
+fn grad(
+    spec: &AttentionSpec,
+    input: &Path,
+    output: &Path,
+    offset: i64,
+    backend: Backend,
+) -> Result<String, RuntimeError> {
+    let on = backend;
+    let backend = attn::runtime::backends::open(backend.name())?;
+    let variant = attn::runtime::Variant::new(spec.clone())?;
+    if spec.mla().is_some() {
+        return grad_mla(&*backend, &variant, input, output, offset);
+    }
+    let [q, k, v, dout]: [Tensor; 4] = read_safetensors(input, &["q", "k", "v", "dout"])?
+        .try_into()
+        .expect("one tensor per name");
+    note_interpreted(on, spec, &q, &k, true);
+    let Output { out, lse, .. } = backend.forward(&variant, Inputs::heads(&q, &k, &v), offset)?;
+    let x = BackwardInputs::Heads(HeadsBackward {
+        q: &q,
+        k: &k,
+        v: &v,
+        out: &out,
+        lse: &lse,
+        dout: &dout,
+        position_offset: offset,
+    });
+    let HeadGradients { dq, dk, dv } = backend.backward(&variant, &x)?.heads()?;
+    write_safetensors(
+        output,
+        &[
+            ("dq", &dq),
+            ("dk", &dk),
+            ("dv", &dv),
+            ("out", &out),
+            ("lse", &lse),
+        ],
+    )?;
+    Ok(format!(
+        "wrote {}: dq {:?}, dk {:?}, dv {:?} {}, out {:?}, lse {:?} f32",
+        output.display(),
+        dq.shape(),
+        dk.shape(),
+        dv.shape(),
+        dq.dtype().name(),
+        out.shape(),
+        lse.shape()
+    ))
+}
+
+/// `attnc grad` for an MLA spec: q_nope, q_pe, c_kv, k_pe, w_kv_b and dout in; the gradient of
+/// each input, out and lse out.
+fn grad_mla(
+    backend: &dyn attn::runtime::Backend,
+    variant: &Variant,
+    input: &Path,
+    output: &Path,
+    offset: i64,
+) -> Result<String, RuntimeError> {
+    let names = ["q_nope", "q_pe", "c_kv", "k_pe", "w_kv_b", "dout"];
+    let [q_nope, q_pe, c_kv, k_pe, w_kv_b, dout]: [Tensor; 6] = read_safetensors(input, &names)?
+        .try_into()
+        .expect("one tensor per name");
+    let x = MlaTensors {
+        q_nope: &q_nope,
+        q_pe: &q_pe,
+        c_kv: &c_kv,
+        k_pe: &k_pe,
+        w_kv_b: &w_kv_b,
+    };
+    let Output { out, lse, latent } = backend.forward(variant, Inputs::Mla(x), offset)?;
+    let latent = latent.ok_or_else(|| {
+        RuntimeError::Data("the MLA forward returned no latent output".to_string())
+    })?;
+    let x = BackwardInputs::Mla(MlaBackward {
+        x,
+        latent: &latent,
+        lse: &lse,
+        dout: &dout,
+        position_offset: offset,
+    });
+    let g = backend.backward(variant, &x)?.mla()?;
+    write_safetensors(
+        output,
+        &[
+            ("dq_nope", &g.dq_nope),
+            ("dq_pe", &g.dq_pe),
+            ("dc_kv", &g.dc_kv),
+            ("dk_pe", &g.dk_pe),
+            ("dw_kv_b", &g.dw_kv_b),
+            ("out", &out),
+            ("lse", &lse),
+        ],
+    )?;
+    Ok(format!(
+        "wrote {}: dq_nope {:?}, dq_pe {:?}, dc_kv {:?}, dk_pe {:?}, dw_kv_b {:?} {}, out {:?}, \
+         lse {:?} f32",
+        output.display(),
+        g.dq_nope.shape(),
+        g.dq_pe.shape(),
+        g.dc_kv.shape(),
+        g.dk_pe.shape(),
+        g.dw_kv_b.shape(),
+        g.dq_nope.dtype().name(),
+        out.shape(),
+        lse.shape()
+    ))
+}
