@@ -4,9 +4,9 @@
 //!
 //! Run with `cargo run --release --example attention_variants`.
 
-use attn::dsl::accounting::kv_cache_bytes_per_token;
-use attn::runtime::model::research::config_from_toml;
-use attn::runtime::model::{Model, Request, Sampling};
+use attn::accounting::kv_cache_bytes_per_token;
+use attn::research::config_from_toml;
+use attn::{Model, Request, Sampling};
 
 const VARIANTS: &[(&str, &str)] = &[
     (

@@ -3,8 +3,7 @@
 //!
 //! Run with `cargo run --release --example gradients`.
 
-use attn::runtime::{RuntimeError, Tensor};
-use attn::{Attention, attention};
+use attn::{Attention, RuntimeError, Tensor, attention};
 
 /// Grouped-query attention with RoPE, a soft cap and a custom distance penalty.
 #[attention(

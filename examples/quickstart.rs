@@ -2,9 +2,9 @@
 //!
 //! Run with `cargo run --release --example quickstart`.
 
-use attn::dsl::accounting::{forward_flops, kv_cache_bytes_per_token};
-use attn::dsl::reference::{self, Array};
+use attn::accounting::{forward_flops, kv_cache_bytes_per_token};
 use attn::prelude::*;
+use attn::reference::{self, Array};
 
 /// A Llama-3-8B-shaped attention layer, declared (and validated) at compile time.
 #[attention(

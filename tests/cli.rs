@@ -468,7 +468,7 @@ fn model_commands_run_a_checkpoint() {
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let t = attn::runtime::io::read_safetensors(&out, &["logits"]).unwrap();
     assert_eq!(t[0].shape(), [1, 4, 256]);
-    // The whole model resident on the interpreted device gives the CPU's logits.
+    // The whole model resident on the gpu-sim device gives the CPU's logits.
     let logits_on = |backend: &str| {
         let o = attnc(&[
             "logits",
@@ -849,7 +849,7 @@ fn generate_from_text_prints_transformers_continuation() {
         &std::fs::read_to_string(format!("{dir}/golden_generate.json")).unwrap(),
     )
     .unwrap();
-    // On the CPU, and resident on the interpreted device (every layer as GPU kernels, caches
+    // On the CPU, and resident on the gpu-sim device (every layer as GPU kernels, caches
     // and the argmax on the device).
     for backend in ["cpu", "gpu-sim"] {
         for g in golden["generate"].as_array().unwrap() {

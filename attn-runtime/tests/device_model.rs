@@ -1,4 +1,4 @@
-//! Models resident on a device (`DeviceModel`), run on the interpreted device (GPU IR kernels on
+//! Models resident on a device (`DeviceModel`), run on gpu-sim (`SimDevice`: GPU IR kernels on
 //! the interpreter, host GEMMs for cuBLAS): weights uploaded once, every activation in device
 //! memory, logits against transformers' and the CPU model's.
 
@@ -150,7 +150,7 @@ fn models_the_device_does_not_run_yet_say_so() {
     assert!(err.contains("MLA"), "{err}");
 }
 
-/// The interpreted device's GEMM over 16-bit weights: the weights widened exactly, products in
+/// The gpu-sim device's GEMM over 16-bit weights: the weights widened exactly, products in
 /// f32 against f64 sums.
 #[test]
 fn device_gemms_take_16_bit_weights() {

@@ -239,7 +239,7 @@ impl<'m> DeviceModel<'m> {
 
     /// On the interpreter, refuses a pass of `tokens` new tokens against `keys` keys that would
     /// take it longer than [`sim_cost::MAX_SECONDS`](crate::gpu::sim_cost::MAX_SECONDS).
-    fn check_interpreted_cost(&self, tokens: usize, keys: usize) -> Result<(), RuntimeError> {
+    fn check_sim_cost(&self, tokens: usize, keys: usize) -> Result<(), RuntimeError> {
         if self.device.name() != "gpu-sim" {
             return Ok(());
         }
@@ -265,7 +265,7 @@ impl<'m> DeviceModel<'m> {
             return Ok(Vec::new());
         }
         let n = tokens.len();
-        self.check_interpreted_cost(n, n)?;
+        self.check_sim_cost(n, n)?;
         let mut s = Scratch::new(self.device.as_ref());
         let logits = self.run_layers(&mut s, tokens, |s, _, layer, h| {
             self.attention(s, layer, h, n)
@@ -685,7 +685,7 @@ impl DeviceSession<'_, '_> {
                 self.capacity, n
             )));
         }
-        self.model.check_interpreted_cost(n, self.len + n)?;
+        self.model.check_sim_cost(n, self.len + n)?;
         let session = &*self;
         let tables = session.tables(s, n)?;
         let logits = self.model.run_layers(s, tokens, |s, i, layer, h| {

@@ -7,8 +7,8 @@
 //! forwards on the device, compares them with the CPU backend, and says where every kernel the
 //! device loaded came from; it exits 1 when they disagree.
 
+use attn::gpu::{Arch, ptx_for, spec_kernels};
 use attn::prelude::*;
-use attn::runtime::gpu::ptx::ptx_for;
 use std::process::ExitCode;
 
 #[attention(
@@ -48,9 +48,9 @@ fn show<A: Attention>(name: &str) -> bool {
     }
     // The variant registers its embedded kernels on first use.
     let _ = A::variant();
-    let kernels = attn::codegen::gpu::artifacts::spec_kernels(A::spec()).expect("kernels lower");
+    let kernels = spec_kernels(A::spec()).expect("kernels lower");
     // Its targets, and for each, where the runtime takes every kernel's PTX from.
-    let targets = attn::codegen::gpu::ir::target::Arch::ALL
+    let targets = Arch::ALL
         .into_iter()
         .filter(|a| A::embedded_kernels().iter().any(|k| k.target == a.name()));
     for arch in targets {
@@ -67,7 +67,7 @@ fn show<A: Attention>(name: &str) -> bool {
 
 /// The forward on CUDA device 0 against the CPU backend; true without a device.
 fn run_on_device<A: Attention>() -> bool {
-    use attn::runtime::gpu::cuda::CudaBackend;
+    use attn::gpu::CudaBackend;
     let gpu = match CudaBackend::new(0) {
         Ok(gpu) => gpu,
         Err(e) => {

@@ -2,7 +2,7 @@
 //! gradients written to another.
 
 use crate::backend_arg::Backend;
-use crate::run::{Files, note_interpreted};
+use crate::run::{Files, note_sim_time};
 use attn::AttentionSpec;
 use attn::runtime::io::{read_safetensors, write_safetensors};
 use attn::runtime::{
@@ -44,7 +44,7 @@ fn grad(
     let [q, k, v, dout]: [Tensor; 4] = read_safetensors(input, &["q", "k", "v", "dout"])?
         .try_into()
         .expect("one tensor per name");
-    note_interpreted(on, spec, &q, &k, true);
+    note_sim_time(on, spec, &q, &k, true);
     let Output { out, lse, .. } = backend.forward(&variant, Inputs::heads(&q, &k, &v), offset)?;
     let x = BackwardInputs::Heads(HeadsBackward {
         q: &q,

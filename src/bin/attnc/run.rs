@@ -60,7 +60,7 @@ pub fn command(files: Files) -> Result<(), String> {
 
 /// On gpu-sim, says on stderr how long the interpreter will take when that is more than a few
 /// seconds (calls it would take too long on are refused by the backend).
-pub fn note_interpreted(on: Backend, spec: &AttentionSpec, q: &Tensor, k: &Tensor, backward: bool) {
+pub fn note_sim_time(on: Backend, spec: &AttentionSpec, q: &Tensor, k: &Tensor, backward: bool) {
     use attn::runtime::gpu::sim_cost;
     if on != Backend::GpuSim {
         return;
@@ -104,7 +104,7 @@ fn run(
         let [q, k, v]: [Tensor; 3] = read_safetensors(input, &["q", "k", "v"])?
             .try_into()
             .expect("one tensor per name");
-        note_interpreted(on, spec, &q, &k, false);
+        note_sim_time(on, spec, &q, &k, false);
         backend.forward(&variant, Inputs::heads(&q, &k, &v), offset)?
     };
     write_safetensors(output, &[("out", &out), ("lse", &lse)])?;
