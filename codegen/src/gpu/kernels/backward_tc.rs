@@ -32,7 +32,8 @@
 //! that are multiples of 16 and at most 128 (the dk and dv accumulators of 16 keys take
 //! `(qk_dim + v_dim) / 4` registers a lane). Other plans run on the SIMT kernels.
 
-use super::forward_tc::{self, Staging, half_of, lane_aligned, stage_rows};
+use super::forward_tc;
+use super::{Staging, half_of, lane_aligned, stage_rows};
 use crate::gpu::ir::build::*;
 use crate::gpu::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Un};
 use crate::gpu::kernels::{Env, Regs, exp2_twice, program, rotate_pair, special64};
@@ -603,6 +604,7 @@ fn stage_tiles(
                 qk: forward_tc::qk_half(plan),
                 rotated: s.rotated,
                 param,
+                threads: THREADS,
             },
             |local| {
                 let row = add(span.first.clone(), local);

@@ -27,9 +27,8 @@
 //! more than two stages.
 
 use super::RopeWords;
-use super::forward_tc::{
-    TileScores, epilogue, half_of, online_softmax, qk_half, score_tile, tile_code,
-};
+use super::forward_tc::qk_half;
+use super::{TileScores, epilogue, half_of, online_softmax, score_tile, tile_code};
 use crate::gpu::ir::build::*;
 use crate::gpu::ir::tma::{Swizzle, TensorMap};
 use crate::gpu::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Wgmma, WgmmaA};
@@ -197,53 +196,135 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         supports(plan),
         "the wgmma kernel runs bf16 and f16 per-head plans with head dims of 64 to 256"
     );
-    let (d, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
-    let (hq, hkv) = (plan.shape.heads as i64, plan.shape.kv_heads as i64);
-    let bc = key_tile(plan) as usize;
-    let bc64 = bc as i64;
-    let lay = Layout::new(plan);
-    let half = half_of(plan);
     let mut r = Regs { list: Vec::new() };
-    let tid = special64(Special::Tid);
-    let lane = cast(Expr::Special(Special::Lane), Ty::I64);
-    let p = |name: &str| {
-        let i = params()
-            .iter()
-            .position(|(n, _)| n == name)
-            .expect("a parameter");
-        i as u32
-    };
+    let (k, mut body) = Cta::locate(plan, &mut r);
+    body.push(thread0(k.init_barriers()));
+    body.push(Stmt::Barrier);
+    let producer = k.producer(&mut r);
+    let (c, setup) = k.consumer(&mut r);
+    let consumer_body = [setup, k.consume(&mut r, &c)].concat();
+    body.push(Stmt::If(
+        bin(Bin::Lt, special64(Special::Tid), i64(128)),
+        producer,
+        consumer_body,
+    ));
 
-    let (batch, head, kvh, tile, code, count, stage) = (
-        r.add("batch", Ty::I64),
-        r.add("head", Ty::I64),
-        r.add("kv_head", Ty::I64),
-        r.add("tile", Ty::I64),
-        r.add("code", Ty::I32),
-        r.add("running", Ty::I64),
-        r.add("stage", Ty::I64),
-    );
-    let mut body = vec![
-        Stmt::Set(batch, special64(Special::Ctaid(2))),
-        Stmt::Set(head, special64(Special::Ctaid(1))),
-        Stmt::Set(kvh, bin(Bin::Div, reg(head), i64(hq / hkv))),
-    ];
-    let first_row = mul(special64(Special::Ctaid(0)), i64(i64::from(ROWS)));
-    let n_tiles = bin(Bin::Div, add(param("skv"), i64(bc64 - 1)), i64(bc64));
-    let code_of = |tile: Expr| tile_code(head, [i64::from(ROWS), bc64], tile);
-    // A walk over the running tiles: `code` and `stage` set, `count` their number so far.
-    let running_tiles = |inner: Vec<Stmt>| {
+    Kernel {
+        name: "attention_forward_wgmma".into(),
+        params: params(),
+        regs: r.list,
+        shared_bytes: k.lay.bytes(),
+        threads: THREADS,
+        ctas_per_sm: 1,
+        body,
+    }
+}
+
+/// The kernel being built: the plan, its shared layout, and the registers every thread of the
+/// CTA has (its batch, head and KV head, and the walk over running tiles: the tile, its code,
+/// how many ran before it, its stage). Each phase of [`lower`] is a method.
+struct Cta<'a> {
+    plan: &'a KernelPlan,
+    lay: Layout,
+    /// Head dims of Q and K, and of V.
+    d: usize,
+    dv: usize,
+    /// Query and KV heads.
+    hq: i64,
+    hkv: i64,
+    /// Keys per tile.
+    bc: usize,
+    batch: Reg,
+    head: Reg,
+    kvh: Reg,
+    tile: Reg,
+    code: Reg,
+    count: Reg,
+    stage: Reg,
+}
+
+/// A consumer thread: its warpgroup (`consumer`, 0 or 1), its thread-in-group `q`, its first
+/// row (`row_base`: row `g` of its warp's 16), the running max and sum of its rows `g` and
+/// `g + 8`, and its O and S accumulators.
+struct Consumer {
+    consumer: Reg,
+    q: Reg,
+    row_base: Reg,
+    m: Vec<[Reg; 2]>,
+    l: Vec<[Reg; 2]>,
+    o: Vec<Vec<[Reg; 4]>>,
+    s: Vec<Vec<[Reg; 4]>>,
+}
+
+impl Consumer {
+    /// Row `h` (0 or 1: `g` or `g + 8`) of the thread.
+    fn row_of(&self, h: usize) -> Expr {
+        add(reg(self.row_base), i64(8 * h as i64))
+    }
+
+    fn o_regs(&self) -> Vec<Reg> {
+        self.o[0].iter().flatten().copied().collect()
+    }
+
+    fn s_regs(&self) -> Vec<Reg> {
+        self.s[0].iter().flatten().copied().collect()
+    }
+}
+
+impl<'a> Cta<'a> {
+    /// The kernel's sizes and the CTA's registers, with the statements that set where it is.
+    fn locate(plan: &'a KernelPlan, r: &mut Regs) -> (Cta<'a>, Vec<Stmt>) {
+        let (hq, hkv) = (plan.shape.heads as i64, plan.shape.kv_heads as i64);
+        let k = Cta {
+            plan,
+            lay: Layout::new(plan),
+            d: plan.shape.qk_dim as usize,
+            dv: plan.shape.v_dim as usize,
+            hq,
+            hkv,
+            bc: key_tile(plan) as usize,
+            batch: r.add("batch", Ty::I64),
+            head: r.add("head", Ty::I64),
+            kvh: r.add("kv_head", Ty::I64),
+            tile: r.add("tile", Ty::I64),
+            code: r.add("code", Ty::I32),
+            count: r.add("running", Ty::I64),
+            stage: r.add("stage", Ty::I64),
+        };
+        let body = vec![
+            Stmt::Set(k.batch, special64(Special::Ctaid(2))),
+            Stmt::Set(k.head, special64(Special::Ctaid(1))),
+            Stmt::Set(k.kvh, bin(Bin::Div, reg(k.head), i64(hq / hkv))),
+        ];
+        (k, body)
+    }
+
+    fn rope(&self) -> bool {
+        self.plan.rope.is_some()
+    }
+
+    /// The CTA's first query row.
+    fn first_row(&self) -> Expr {
+        mul(special64(Special::Ctaid(0)), i64(i64::from(ROWS)))
+    }
+
+    /// A walk over the running tiles: `code` and `stage` set, `count` their number so far.
+    fn running_tiles(&self, inner: Vec<Stmt>) -> Vec<Stmt> {
+        let bc64 = self.bc as i64;
+        let n_tiles = bin(Bin::Div, add(param("skv"), i64(bc64 - 1)), i64(bc64));
+        let code_of = tile_code(self.head, [i64::from(ROWS), bc64], reg(self.tile));
+        let (count, stage) = (self.count, self.stage);
         vec![
             Stmt::Set(count, i64(0)),
             Stmt::For {
-                reg: tile,
+                reg: self.tile,
                 start: i64(0),
-                end: n_tiles.clone(),
+                end: n_tiles,
                 step: 1,
                 body: vec![
-                    Stmt::Set(code, code_of(reg(tile))),
+                    Stmt::Set(self.code, code_of),
                     Stmt::If(
-                        bin(Bin::Ne, reg(code), i32c(TileCode::Skip as i64)),
+                        bin(Bin::Ne, reg(self.code), i32c(TileCode::Skip as i64)),
                         [
                             vec![Stmt::Set(stage, bin(Bin::Rem, reg(count), i64(STAGES)))],
                             inner,
@@ -255,136 +336,155 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
                 ],
             },
         ]
-    };
-    // The phase parity of the running tile's use of its stage, and of the release of its
-    // previous use (a fresh barrier's phase of parity 1 counts as complete).
-    let use_parity = || {
-        cast(
-            bin(Bin::Rem, bin(Bin::Div, reg(count), i64(STAGES)), i64(2)),
-            Ty::I32,
-        )
-    };
-    let release_parity = || {
+    }
+
+    /// The phase parity of the running tile's use of its stage.
+    fn use_parity(&self) -> Expr {
+        let uses = bin(Bin::Div, reg(self.count), i64(STAGES));
+        cast(bin(Bin::Rem, uses, i64(2)), Ty::I32)
+    }
+
+    /// The phase parity of the release of the stage's previous use (a fresh barrier's phase of
+    /// parity 1 counts as complete).
+    fn release_parity(&self) -> Expr {
         cast(
             bin(
                 Bin::Rem,
-                add(bin(Bin::Div, reg(count), i64(STAGES)), i64(1)),
+                add(bin(Bin::Div, reg(self.count), i64(STAGES)), i64(1)),
                 i64(2),
             ),
             Ty::I32,
         )
-    };
-
-    // Barriers, by thread 0.
-    let mut init = vec![Stmt::MbarInit {
-        bar: lay.q_full(),
-        count: 1,
-    }];
-    let rope = plan.rope.is_some();
-    if rope {
-        init.push(Stmt::MbarInit {
-            bar: lay.q_ready(),
-            count: 128,
-        });
     }
-    for s in 0..STAGES {
-        for which in 0..if rope { 5 } else { 4 } {
-            // Full barriers complete on the producer's arrival and its copies; empty ones on
-            // one arrival per consumer warp; ready ones on every producer thread's.
-            let count = [1, 1, 8, 8, 128][which as usize];
+
+    /// The barriers, initialized by thread 0.
+    fn init_barriers(&self) -> Vec<Stmt> {
+        let lay = &self.lay;
+        let mut init = vec![Stmt::MbarInit {
+            bar: lay.q_full(),
+            count: 1,
+        }];
+        if self.rope() {
             init.push(Stmt::MbarInit {
-                bar: lay.bar(which, i64(s)),
-                count,
+                bar: lay.q_ready(),
+                count: 128,
             });
         }
+        for s in 0..STAGES {
+            for which in 0..if self.rope() { 5 } else { 4 } {
+                // Full barriers complete on the producer's arrival and its copies; empty ones
+                // on one arrival per consumer warp; ready ones on every producer thread's.
+                let count = [1, 1, 8, 8, 128][which as usize];
+                init.push(Stmt::MbarInit {
+                    bar: lay.bar(which, i64(s)),
+                    count,
+                });
+            }
+        }
+        init
     }
-    body.push(Stmt::If(bin(Bin::Eq, tid.clone(), i64(0)), init, vec![]));
-    body.push(Stmt::Barrier);
 
-    // The producer: Q once, then K and V of each running tile into its stage.
-    let q_slice = cast(add(mul(reg(batch), i64(hq)), reg(head)), Ty::I32);
-    let kv_slice = cast(add(mul(reg(batch), i64(hkv)), reg(kvh)), Ty::I32);
-    let mut load_q = vec![Stmt::MbarArrive {
-        bar: lay.q_full(),
-        tx: Some(i32c(2 * lay.q_per_consumer)),
-    }];
-    for c in 0..2 {
-        for blk in 0..d / BLOCK_COLS {
-            load_q.push(Stmt::TmaLoad {
-                dst: i64(c * lay.q_per_consumer + (blk * 64 * 128) as i64),
-                map: p("q_map"),
-                coords: vec![
-                    i32c((BLOCK_COLS * blk) as i64),
-                    cast(add(first_row.clone(), i64(64 * c)), Ty::I32),
-                    q_slice.clone(),
-                ],
-                bar: lay.q_full(),
-            });
+    /// Thread 0's copies of Q (both consumers' rows), by TMA.
+    fn load_q(&self) -> Vec<Stmt> {
+        let lay = &self.lay;
+        let q_slice = cast(
+            add(mul(reg(self.batch), i64(self.hq)), reg(self.head)),
+            Ty::I32,
+        );
+        let mut load_q = vec![Stmt::MbarArrive {
+            bar: lay.q_full(),
+            tx: Some(i32c(2 * lay.q_per_consumer)),
+        }];
+        for c in 0..2 {
+            for blk in 0..self.d / BLOCK_COLS {
+                load_q.push(Stmt::TmaLoad {
+                    dst: i64(c * lay.q_per_consumer + (blk * 64 * 128) as i64),
+                    map: map_param("q_map"),
+                    coords: vec![
+                        i32c((BLOCK_COLS * blk) as i64),
+                        cast(add(self.first_row(), i64(64 * c)), Ty::I32),
+                        q_slice.clone(),
+                    ],
+                    bar: lay.q_full(),
+                });
+            }
         }
+        load_q
     }
-    let key0 = cast(mul(reg(tile), i64(bc64)), Ty::I32);
-    let mut produce = Vec::new();
-    for (which, map, cols, offset, bytes) in [
-        (0, "k_map", d, 0, lay.k_bytes),
-        (1, "v_map", dv, lay.k_bytes, lay.v_bytes),
-    ] {
-        produce.push(Stmt::MbarWait {
-            bar: lay.bar(which + 2, reg(stage)),
-            parity: release_parity(),
-        });
-        produce.push(Stmt::MbarArrive {
-            bar: lay.bar(which, reg(stage)),
-            tx: Some(i32c(bytes)),
-        });
-        for blk in 0..cols / BLOCK_COLS {
-            produce.push(Stmt::TmaLoad {
-                dst: add(lay.stage(reg(stage)), i64(offset + (blk * bc * 128) as i64)),
-                map: p(map),
-                coords: vec![
-                    i32c((BLOCK_COLS * blk) as i64),
-                    key0.clone(),
-                    kv_slice.clone(),
-                ],
+
+    /// Thread 0's copies of a running tile's K and V into its stage, each once the stage's
+    /// previous use released it.
+    fn load_kv(&self) -> Vec<Stmt> {
+        let (lay, stage, bc) = (&self.lay, self.stage, self.bc);
+        let kv_slice = cast(
+            add(mul(reg(self.batch), i64(self.hkv)), reg(self.kvh)),
+            Ty::I32,
+        );
+        let key0 = cast(mul(reg(self.tile), i64(bc as i64)), Ty::I32);
+        let mut produce = Vec::new();
+        for (which, map, cols, offset, bytes) in [
+            (0, "k_map", self.d, 0, lay.k_bytes),
+            (1, "v_map", self.dv, lay.k_bytes, lay.v_bytes),
+        ] {
+            produce.push(Stmt::MbarWait {
+                bar: lay.bar(which + 2, reg(stage)),
+                parity: self.release_parity(),
+            });
+            produce.push(Stmt::MbarArrive {
                 bar: lay.bar(which, reg(stage)),
+                tx: Some(i32c(bytes)),
             });
+            for blk in 0..cols / BLOCK_COLS {
+                produce.push(Stmt::TmaLoad {
+                    dst: add(lay.stage(reg(stage)), i64(offset + (blk * bc * 128) as i64)),
+                    map: map_param(map),
+                    coords: vec![
+                        i32c((BLOCK_COLS * blk) as i64),
+                        key0.clone(),
+                        kv_slice.clone(),
+                    ],
+                    bar: lay.bar(which, reg(stage)),
+                });
+            }
         }
+        produce
     }
-    let (producer_regs, consumer_regs) = budgets(plan);
-    let thread0 = |body: Vec<Stmt>| Stmt::If(bin(Bin::Eq, tid.clone(), i64(0)), body, vec![]);
-    let mut producer = vec![Stmt::SetMaxNReg {
-        inc: false,
-        regs: producer_regs,
-    }];
-    if !rope {
-        producer.push(thread0([load_q, running_tiles(produce)].concat()));
-    } else {
-        // Every producer thread rotates what thread 0's copies bring, in place, then fences
-        // its stores for `wgmma` and arrives at the ready barrier consumers wait for.
+
+    /// The producer warpgroup: Q once, then K and V of each running tile into its stage; with
+    /// RoPE, every producer thread rotates what thread 0's copies bring, in place, then fences
+    /// its stores for `wgmma` and arrives at the ready barrier consumers wait for.
+    fn producer(&self, r: &mut Regs) -> Vec<Stmt> {
+        let (plan, lay, bc64) = (self.plan, &self.lay, self.bc as i64);
+        let (producer_regs, _) = budgets(plan);
+        let mut producer = vec![Stmt::SetMaxNReg {
+            inc: false,
+            regs: producer_regs,
+        }];
+        if !self.rope() {
+            producer.push(thread0(
+                [self.load_q(), self.running_tiles(self.load_kv())].concat(),
+            ));
+            return producer;
+        }
         let (qk, from) = (qk_half(plan), half_of(plan));
         let local = r.add("producer_thread", Ty::I64);
-        producer.push(Stmt::Set(local, tid.clone()));
-        producer.push(thread0(load_q));
+        producer.push(Stmt::Set(local, special64(Special::Tid)));
+        producer.push(thread0(self.load_q()));
         producer.push(Stmt::MbarWait {
             bar: lay.q_full(),
             parity: i32c(0),
         });
         let last_row = sub(param("sq"), i64(1));
         for c in 0..2 {
-            let row0 = add(first_row.clone(), i64(64 * c));
+            let row0 = add(self.first_row(), i64(64 * c));
             let pos = |j: Expr| {
                 add(
                     add(param("p0"), sub(param("skv"), param("sq"))),
                     bin(Bin::Min, add(row0.clone(), j), last_row.clone()),
                 )
             };
-            producer.extend(rotate_in_shared(
-                plan,
-                &mut r,
-                (i64(c * lay.q_per_consumer), 64),
-                &pos,
-                [from, qk],
-                local,
-            ));
+            let at = (i64(c * lay.q_per_consumer), 64);
+            producer.extend(rotate_in_shared(plan, r, at, &pos, [from, qk], local));
         }
         producer.push(Stmt::FenceProxyAsync);
         producer.push(Stmt::MbarArrive {
@@ -393,307 +493,319 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         });
         let last_key = sub(param("skv"), i64(1));
         let key_pos = |j: Expr| {
-            add(
-                param("p0"),
-                bin(
-                    Bin::Min,
-                    add(mul(reg(tile), i64(bc64)), j),
-                    last_key.clone(),
-                ),
-            )
+            let key = add(mul(reg(self.tile), i64(bc64)), j);
+            add(param("p0"), bin(Bin::Min, key, last_key.clone()))
         };
         let mut each = vec![
-            thread0(produce),
+            thread0(self.load_kv()),
             Stmt::MbarWait {
-                bar: lay.bar(0, reg(stage)),
-                parity: use_parity(),
+                bar: lay.bar(0, reg(self.stage)),
+                parity: self.use_parity(),
             },
         ];
-        each.extend(rotate_in_shared(
-            plan,
-            &mut r,
-            (lay.stage(reg(stage)), bc),
-            &key_pos,
-            [from, qk],
-            local,
-        ));
+        let at = (lay.stage(reg(self.stage)), self.bc);
+        each.extend(rotate_in_shared(plan, r, at, &key_pos, [from, qk], local));
         each.push(Stmt::FenceProxyAsync);
         each.push(Stmt::MbarArrive {
-            bar: lay.bar(4, reg(stage)),
+            bar: lay.bar(4, reg(self.stage)),
             tx: None,
         });
-        producer.extend(running_tiles(each));
+        producer.extend(self.running_tiles(each));
+        producer
     }
 
-    // The consumers: this thread's rows are g and g + 8 of its warp's 16 of its warpgroup's 64.
-    let (consumer, warp, g, q) = (
-        r.add("consumer", Ty::I64),
-        r.add("warp", Ty::I64),
-        r.add("g", Ty::I64),
-        r.add("q", Ty::I64),
-    );
-    let row_base = r.add("row_base", Ty::I64);
-    let mut consume_setup = vec![
-        Stmt::SetMaxNReg {
-            inc: true,
-            regs: consumer_regs,
-        },
-        Stmt::Set(consumer, sub(bin(Bin::Div, tid.clone(), i64(128)), i64(1))),
-        Stmt::Set(
-            warp,
-            bin(Bin::Rem, bin(Bin::Div, tid.clone(), i64(32)), i64(4)),
-        ),
-        Stmt::Set(g, bin(Bin::Div, lane.clone(), i64(4))),
-        Stmt::Set(q, bin(Bin::Rem, lane.clone(), i64(4))),
-        Stmt::Set(
-            row_base,
-            add(
-                add(first_row.clone(), mul(reg(consumer), i64(64))),
-                add(mul(reg(warp), i64(16)), reg(g)),
-            ),
-        ),
-    ];
-    let row_of = |_rb: usize, h: usize| add(reg(row_base), i64(8 * h as i64));
-    let pos_of = |rb: usize, h: usize| {
-        add(
-            add(param("p0"), sub(param("skv"), param("sq"))),
-            row_of(rb, h),
-        )
-    };
-    let m = vec![[0, 1].map(|h| r.add(format!("m{h}"), Ty::F32))];
-    let l = vec![[0, 1].map(|h| r.add(format!("l{h}"), Ty::F32))];
-    for h in 0..2 {
-        consume_setup.push(Stmt::Set(m[0][h], f32(f32::NEG_INFINITY)));
-        consume_setup.push(Stmt::Set(l[0][h], f32(0.0)));
-    }
-    let accumulator = |name: &str, cols: usize, r: &mut Regs| -> Vec<[Reg; 4]> {
-        (0..cols / 8)
-            .map(|j| [0, 1, 2, 3].map(|i| r.add(format!("{name}{j}_{i}"), Ty::F32)))
-            .collect()
-    };
-    let o = vec![accumulator("o", dv, &mut r)];
-    let s = vec![accumulator("s", bc, &mut r)];
-    for x in o.iter().flatten().flatten() {
-        consume_setup.push(Stmt::Set(*x, f32(0.0)));
-    }
-    let flat = |a: &[[Reg; 4]]| a.iter().flatten().copied().collect::<Vec<Reg>>();
-    let (o_regs, s_regs) = (flat(&o[0]), flat(&s[0]));
-    // Q has landed, and under RoPE been rotated.
-    consume_setup.push(Stmt::MbarWait {
-        bar: if rope { lay.q_ready() } else { lay.q_full() },
-        parity: i32c(0),
-    });
-
-    // Lane 0 of each consumer warp releases a stage.
-    let release = |which: i64| {
-        Stmt::If(
-            bin(Bin::Eq, lane.clone(), i64(0)),
-            vec![Stmt::MbarArrive {
-                bar: lay.bar(which, reg(stage)),
-                tx: None,
-            }],
-            vec![],
-        )
-    };
-    let q_at = add(i64(0), mul(reg(consumer), i64(lay.q_per_consumer)));
-    let mut consume = vec![Stmt::MbarWait {
-        bar: lay.bar(if rope { 4 } else { 0 }, reg(stage)),
-        parity: use_parity(),
-    }];
-    // S = Q K^T: per 16 columns of d, Q's and K's descriptors advance 32 bytes inside a
-    // 64-column block, a block at a time past it.
-    let qk_steps = (0..d / 16)
-        .map(|ks| {
-            let inside = (32 * (ks % 4)) as i64;
-            let q_desc = descriptor(
-                add(q_at.clone(), i64((ks / 4 * 64 * 128) as i64 + inside)),
-                0,
-            );
-            let k_desc = descriptor(
+    /// A consumer's registers, and its setup: its rows are g and g + 8 of its warp's 16 of its
+    /// warpgroup's 64; the running state starts empty; it waits for Q (under RoPE, rotated).
+    fn consumer(&self, r: &mut Regs) -> (Consumer, Vec<Stmt>) {
+        let tid = special64(Special::Tid);
+        let lane = cast(Expr::Special(Special::Lane), Ty::I64);
+        let (consumer, warp, g, q) = (
+            r.add("consumer", Ty::I64),
+            r.add("warp", Ty::I64),
+            r.add("g", Ty::I64),
+            r.add("q", Ty::I64),
+        );
+        let row_base = r.add("row_base", Ty::I64);
+        let (_, consumer_regs) = budgets(self.plan);
+        let mut setup = vec![
+            Stmt::SetMaxNReg {
+                inc: true,
+                regs: consumer_regs,
+            },
+            Stmt::Set(consumer, sub(bin(Bin::Div, tid.clone(), i64(128)), i64(1))),
+            Stmt::Set(warp, bin(Bin::Rem, bin(Bin::Div, tid, i64(32)), i64(4))),
+            Stmt::Set(g, bin(Bin::Div, lane.clone(), i64(4))),
+            Stmt::Set(q, bin(Bin::Rem, lane, i64(4))),
+            Stmt::Set(
+                row_base,
                 add(
-                    lay.stage(reg(stage)),
-                    i64((ks / 4 * bc * 128) as i64 + inside),
+                    add(self.first_row(), mul(reg(consumer), i64(64))),
+                    add(mul(reg(warp), i64(16)), reg(g)),
                 ),
-                0,
-            );
-            (WgmmaA::Shared(q_desc), k_desc)
-        })
-        .collect();
-    consume.push(Stmt::Wgmma(Box::new(Wgmma {
-        half: qk_half(plan),
-        n: bc as u32,
-        d: s_regs.clone(),
-        accumulate: Expr::Pred(false),
-        steps: qk_steps,
-        b_n_major: false,
-    })));
-    // Pipelined as FlashAttention-3 does within a warpgroup: the previous tile's `P V` is
-    // issued after this tile's `Q K^T`, so waiting for all but one group completes S, and the
-    // softmax of this tile overlaps the previous tile's product until its rescale of O.
-    let prev = r.add("prev_stage", Ty::I64);
-    let pa: Vec<[Reg; 4]> = (0..bc / 16)
-        .map(|ks| [0, 1, 2, 3].map(|i| r.add(format!("pa{ks}_{i}"), Ty::I32)))
-        .collect();
-    let prev_parity = || {
-        cast(
-            bin(
-                Bin::Rem,
-                bin(Bin::Div, sub(reg(count), i64(1)), i64(STAGES)),
-                i64(2),
             ),
-            Ty::I32,
-        )
-    };
-    // O += P V of the previous running tile: V N-major, 16 keys (2048 bytes) a step, 64-column
-    // blocks a key tile apart.
-    let previous_pv = || {
+        ];
+        let m = vec![[0, 1].map(|h| r.add(format!("m{h}"), Ty::F32))];
+        let l = vec![[0, 1].map(|h| r.add(format!("l{h}"), Ty::F32))];
+        for h in 0..2 {
+            setup.push(Stmt::Set(m[0][h], f32(f32::NEG_INFINITY)));
+            setup.push(Stmt::Set(l[0][h], f32(0.0)));
+        }
+        let accumulator = |name: &str, cols: usize, r: &mut Regs| -> Vec<[Reg; 4]> {
+            (0..cols / 8)
+                .map(|j| [0, 1, 2, 3].map(|i| r.add(format!("{name}{j}_{i}"), Ty::F32)))
+                .collect()
+        };
+        let o = vec![accumulator("o", self.dv, r)];
+        let s = vec![accumulator("s", self.bc, r)];
+        for x in o.iter().flatten().flatten() {
+            setup.push(Stmt::Set(*x, f32(0.0)));
+        }
+        let lay = &self.lay;
+        setup.push(Stmt::MbarWait {
+            bar: if self.rope() {
+                lay.q_ready()
+            } else {
+                lay.q_full()
+            },
+            parity: i32c(0),
+        });
+        let c = Consumer {
+            consumer,
+            q,
+            row_base,
+            m,
+            l,
+            o,
+            s,
+        };
+        (c, setup)
+    }
+
+    /// S = Q K^T of the running tile, issued asynchronously: per 16 columns of d, Q's and K's
+    /// descriptors advance 32 bytes inside a 64-column block, a block at a time past it.
+    fn q_times_k(&self, c: &Consumer) -> Stmt {
+        let (lay, bc) = (&self.lay, self.bc);
+        let q_at = add(i64(0), mul(reg(c.consumer), i64(lay.q_per_consumer)));
+        let steps = (0..self.d / 16)
+            .map(|ks| {
+                let inside = (32 * (ks % 4)) as i64;
+                let q_desc = descriptor(
+                    add(q_at.clone(), i64((ks / 4 * 64 * 128) as i64 + inside)),
+                    0,
+                );
+                let k_desc = descriptor(
+                    add(
+                        lay.stage(reg(self.stage)),
+                        i64((ks / 4 * bc * 128) as i64 + inside),
+                    ),
+                    0,
+                );
+                (WgmmaA::Shared(q_desc), k_desc)
+            })
+            .collect();
+        Stmt::Wgmma(Box::new(Wgmma {
+            half: qk_half(self.plan),
+            n: bc as u32,
+            d: c.s_regs(),
+            accumulate: Expr::Pred(false),
+            steps,
+            b_n_major: false,
+        }))
+    }
+
+    /// O += P V of the previous running tile (its stage in `prev`), once its V has landed: V
+    /// N-major, 16 keys (2048 bytes) a step, 64-column blocks a key tile apart.
+    fn previous_p_times_v(&self, c: &Consumer, prev: Reg, pa: &[[Reg; 4]]) -> Vec<Stmt> {
+        let lay = &self.lay;
         let v_at = add(lay.stage(reg(prev)), i64(lay.k_bytes));
         let steps = pa
             .iter()
             .enumerate()
             .map(|(ks, frag)| {
-                (
-                    WgmmaA::Regs(*frag),
-                    descriptor(add(v_at.clone(), i64(ks as i64 * 16 * 128)), bc64 * 128),
-                )
+                let at = add(v_at.clone(), i64(ks as i64 * 16 * 128));
+                (WgmmaA::Regs(*frag), descriptor(at, self.bc as i64 * 128))
             })
             .collect();
+        let previous = sub(reg(self.count), i64(1));
         vec![
-            Stmt::Set(prev, bin(Bin::Rem, sub(reg(count), i64(1)), i64(STAGES))),
+            Stmt::Set(prev, bin(Bin::Rem, previous.clone(), i64(STAGES))),
             Stmt::MbarWait {
                 bar: lay.bar(1, reg(prev)),
-                parity: prev_parity(),
+                parity: cast(
+                    bin(Bin::Rem, bin(Bin::Div, previous, i64(STAGES)), i64(2)),
+                    Ty::I32,
+                ),
             },
             Stmt::Wgmma(Box::new(Wgmma {
-                half,
-                n: dv as u32,
-                d: o_regs.clone(),
+                half: half_of(self.plan),
+                n: self.dv as u32,
+                d: c.o_regs(),
                 accumulate: Expr::Pred(true),
                 steps,
                 b_n_major: true,
             })),
         ]
-    };
-    let release_prev_v = Stmt::If(
-        bin(Bin::Eq, lane.clone(), i64(0)),
-        vec![Stmt::MbarArrive {
-            bar: lay.bar(3, reg(prev)),
-            tx: None,
-        }],
-        vec![],
-    );
-    let has_prev = bin(Bin::Gt, reg(count), i64(0));
-    // Ping-pong: a consumer issues its products only in its turn (named barrier 1 + its
-    // index), then hands the turn to the other (2 - its index), so one's softmax runs while
-    // the other's products do.
-    let turn = |of_other: bool, wait: bool| Stmt::NamedBarrier {
-        id: cast(
-            if of_other {
-                sub(i64(2), reg(consumer))
-            } else {
-                add(i64(1), reg(consumer))
+    }
+
+    /// Lane 0 of each consumer warp releases barrier `which` of `stage`.
+    fn release(&self, which: i64, stage: Reg) -> Stmt {
+        let lane = cast(Expr::Special(Special::Lane), Ty::I64);
+        Stmt::If(
+            bin(Bin::Eq, lane, i64(0)),
+            vec![Stmt::MbarArrive {
+                bar: self.lay.bar(which, reg(stage)),
+                tx: None,
+            }],
+            vec![],
+        )
+    }
+
+    /// Every running tile and the epilogue, for a consumer. Pipelined as FlashAttention-3 does
+    /// within a warpgroup: the previous tile's `P V` is issued after this tile's `Q K^T`, so
+    /// waiting for all but one group completes S, and the softmax of this tile overlaps the
+    /// previous tile's product until its rescale of O. Ping-pong between the two consumers: a
+    /// consumer issues its products only in its turn (named barrier 1 + its index), then
+    /// hands the turn to the other (2 - its index), so one's softmax runs while the other's
+    /// products do.
+    fn consume(&self, r: &mut Regs, c: &Consumer) -> Vec<Stmt> {
+        let plan = self.plan;
+        let prev = r.add("prev_stage", Ty::I64);
+        let pa: Vec<[Reg; 4]> = (0..self.bc / 16)
+            .map(|ks| [0, 1, 2, 3].map(|i| r.add(format!("pa{ks}_{i}"), Ty::I32)))
+            .collect();
+        let turn = |of_other: bool, wait: bool| Stmt::NamedBarrier {
+            id: cast(
+                if of_other {
+                    sub(i64(2), reg(c.consumer))
+                } else {
+                    add(i64(1), reg(c.consumer))
+                },
+                Ty::I32,
+            ),
+            threads: 256,
+            wait,
+        };
+        let has_prev = bin(Bin::Gt, reg(self.count), i64(0));
+        let s_regs = c.s_regs();
+        let mut consume = vec![
+            Stmt::MbarWait {
+                bar: self
+                    .lay
+                    .bar(if self.rope() { 4 } else { 0 }, reg(self.stage)),
+                parity: self.use_parity(),
             },
-            Ty::I32,
-        ),
-        threads: 256,
-        wait,
-    };
-    consume.insert(1, turn(false, true));
-    consume.push(Stmt::If(has_prev.clone(), previous_pv(), vec![]));
-    consume.push(turn(true, false));
-    consume.push(Stmt::If(
-        has_prev.clone(),
-        vec![Stmt::WgmmaWait {
-            groups: 1,
-            regs: s_regs.clone(),
-        }],
-        vec![Stmt::WgmmaWait {
+            turn(false, true),
+            self.q_times_k(c),
+            Stmt::If(
+                has_prev.clone(),
+                self.previous_p_times_v(c, prev, &pa),
+                vec![],
+            ),
+            turn(true, false),
+            Stmt::If(
+                has_prev.clone(),
+                vec![Stmt::WgmmaWait {
+                    groups: 1,
+                    regs: s_regs.clone(),
+                }],
+                vec![Stmt::WgmmaWait {
+                    groups: 0,
+                    regs: s_regs,
+                }],
+            ),
+            self.release(2, self.stage),
+        ];
+        let row_of = |_rb: usize, h: usize| c.row_of(h);
+        let pos_of = |_rb: usize, h: usize| {
+            add(
+                add(param("p0"), sub(param("skv"), param("sq"))),
+                c.row_of(h),
+            )
+        };
+        let scores = TileScores {
+            s: &c.s,
+            tile: self.tile,
+            key_tile: self.bc as i64,
+            q: c.q,
+            batch: self.batch,
+            head: self.head,
+            row_of: &row_of,
+            pos_of: &pos_of,
+        };
+        consume.push(score_tile(plan, &scores, self.code));
+        // The previous product finishes (and its V stage is released) before O is rescaled.
+        let o_done = Stmt::WgmmaWait {
             groups: 0,
-            regs: s_regs,
-        }],
-    ));
-    consume.push(release(2));
-    let scores = TileScores {
-        s: &s,
-        tile,
-        key_tile: bc64,
-        q,
-        batch,
-        head,
-        row_of: &row_of,
-        pos_of: &pos_of,
-    };
-    consume.push(score_tile(plan, &scores, code));
-    // The previous product finishes (and its V stage is released) before O is rescaled.
-    let finish_prev = vec![
-        Stmt::WgmmaWait {
-            groups: 0,
-            regs: o_regs.clone(),
-        },
-        Stmt::If(has_prev.clone(), vec![release_prev_v.clone()], vec![]),
-    ];
-    consume.extend(online_softmax(plan, &mut r, &s, [&m, &l], &o, finish_prev));
-    // P's C fragments of key blocks 2 ks and 2 ks + 1 are the A fragment of step ks.
+            regs: c.o_regs(),
+        };
+        let release_prev_v = self.release(3, prev);
+        let finish_prev = vec![
+            o_done.clone(),
+            Stmt::If(has_prev.clone(), vec![release_prev_v.clone()], vec![]),
+        ];
+        let (m, l, o) = (&c.m, &c.l, &c.o);
+        consume.extend(online_softmax(plan, r, &c.s, [m, l], o, finish_prev));
+        consume.extend(pack_p(plan, &c.s[0], &pa));
+        // After the last running tile (`count` of them), its product.
+        let last_pv = Stmt::If(
+            has_prev,
+            [
+                self.previous_p_times_v(c, prev, &pa),
+                vec![o_done, release_prev_v],
+            ]
+            .concat(),
+            vec![],
+        );
+        // Consumer 0 takes the first turn; after the last tile it takes the turn consumer 1
+        // hands back, so each barrier's arrivals and waits balance.
+        let is_consumer = |i: i64| bin(Bin::Eq, reg(c.consumer), i64(i));
+        [
+            vec![Stmt::If(is_consumer(1), vec![turn(true, false)], vec![])],
+            self.running_tiles(consume),
+            vec![
+                Stmt::If(is_consumer(0), vec![turn(false, true)], vec![]),
+                last_pv,
+            ],
+            epilogue(plan, o, [m, l], c.q, [self.batch, self.head], &row_of),
+        ]
+        .concat()
+    }
+}
+
+/// P's C fragments of key blocks 2 ks and 2 ks + 1 packed into the A fragment `pa[ks]` of step
+/// ks.
+fn pack_p(plan: &KernelPlan, s: &[[Reg; 4]], pa: &[[Reg; 4]]) -> Vec<Stmt> {
+    let half = half_of(plan);
+    let mut packed = Vec::new();
     for (ks, frag) in pa.iter().enumerate() {
-        let (s0, s1) = (s[0][2 * ks], s[0][2 * ks + 1]);
+        let (s0, s1) = (s[2 * ks], s[2 * ks + 1]);
         for (dst, (lo, hi)) in frag.iter().zip([
             (s0[0], s0[1]),
             (s0[2], s0[3]),
             (s1[0], s1[1]),
             (s1[2], s1[3]),
         ]) {
-            consume.push(Stmt::Set(
+            packed.push(Stmt::Set(
                 *dst,
                 Expr::PackHalf(half, Box::new(reg(lo)), Box::new(reg(hi))),
             ));
         }
     }
-    // After the last running tile (`count` of them), its product.
-    let last_pv = Stmt::If(
-        has_prev,
-        [
-            previous_pv(),
-            vec![
-                Stmt::WgmmaWait {
-                    groups: 0,
-                    regs: o_regs.clone(),
-                },
-                release_prev_v,
-            ],
-        ]
-        .concat(),
-        vec![],
-    );
+    packed
+}
 
-    // Consumer 0 takes the first turn; after the last tile it takes the turn consumer 1 hands
-    // back, so each barrier's arrivals and waits balance.
-    let is_consumer = |c: i64| bin(Bin::Eq, reg(consumer), i64(c));
-    let consumer_body = [
-        consume_setup,
-        vec![Stmt::If(is_consumer(1), vec![turn(true, false)], vec![])],
-        running_tiles(consume),
-        vec![
-            Stmt::If(is_consumer(0), vec![turn(false, true)], vec![]),
-            last_pv,
-        ],
-        epilogue(plan, &o, [&m, &l], q, [batch, head], &row_of),
-    ]
-    .concat();
-    body.push(Stmt::If(
-        bin(Bin::Lt, tid, i64(128)),
-        producer,
-        consumer_body,
-    ));
+/// `body` on thread 0 alone.
+fn thread0(body: Vec<Stmt>) -> Stmt {
+    Stmt::If(bin(Bin::Eq, special64(Special::Tid), i64(0)), body, vec![])
+}
 
-    Kernel {
-        name: "attention_forward_wgmma".into(),
-        params: params(),
-        regs: r.list,
-        shared_bytes: lay.bytes(),
-        threads: THREADS,
-        ctas_per_sm: 1,
-        body,
-    }
+/// The position of the tensor map `name` among the kernel's parameters.
+fn map_param(name: &str) -> u32 {
+    let i = params()
+        .iter()
+        .position(|(n, _)| n == name)
+        .expect("a parameter");
+    i as u32
 }
 
 /// RoPE in place on a tile in shared memory: `rows` rows of `cols` 16-bit columns at `base`

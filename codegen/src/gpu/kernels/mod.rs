@@ -10,11 +10,17 @@ pub mod forward_wgmma;
 pub mod layers;
 
 mod build;
+mod epilogue;
 mod rope;
 mod score;
 mod softmax;
+mod staging;
 
-pub(crate) use build::{Regs, param, special64};
+pub(crate) use build::{Regs, half_of, param, special64, tile_code};
+pub(crate) use epilogue::epilogue;
 pub(crate) use rope::{RopeWords, cos_sin, rope_params, rotate, rotate_pair};
-pub(crate) use score::{Env, program};
-pub(crate) use softmax::{exp2_twice, lse_of_half, reciprocal, rescale_to};
+pub(crate) use score::{Env, TileScores, program, score_tile};
+pub(crate) use softmax::{
+    exp2_twice, lse_of_half, online_softmax, reciprocal, rescale_to, scale_folds,
+};
+pub(crate) use staging::{Staging, lane_aligned, stage_rows};

@@ -1,8 +1,11 @@
 //! The score program (modifier IR) lowered to GPU IR, with the reference evaluator's
-//! semantics.
+//! semantics, and applied with the mask to a tensor-core tile of scores ([`score_tile`]).
 
+use super::build::param;
+use super::softmax::scale_folds;
 use crate::gpu::ir::build::*;
-use crate::gpu::ir::{Bin, Expr, Ty, Un};
+use crate::gpu::ir::{Bin, Expr, Reg, Stmt, Ty, Un};
+use crate::plan::{KernelPlan, TileCode};
 use attn_dsl::modifier::{BinOp, Expr as M, Ty as MTy, UnOp, Var};
 
 /// The values of the score program's variables for one (row, key).
@@ -97,4 +100,70 @@ pub(crate) fn program(e: &M, env: &Env) -> Expr {
             Box::new(go(index)),
         ),
     }
+}
+
+/// A tile's scores as `mma` C fragments: `s[rb][nb][i]` holds key `8 nb + 2 q + i % 2` of tile
+/// `tile` for row `h = i / 2` of row block `rb` (`row_of(rb, h)`, at position `pos_of(rb, h)`).
+pub(crate) struct TileScores<'a> {
+    pub s: &'a [Vec<[Reg; 4]>],
+    pub tile: Reg,
+    pub key_tile: i64,
+    pub q: Reg,
+    pub batch: Reg,
+    pub head: Reg,
+    pub row_of: &'a dyn Fn(usize, usize) -> Expr,
+    pub pos_of: &'a dyn Fn(usize, usize) -> Expr,
+}
+
+/// The score program, per element. A tile of code 1 keeps every key (the launch gives code 1
+/// only to tiles inside Skv), so the mask and the Skv bound apply under code 2 alone. When the
+/// program is the scaled score itself, S stays unscaled: its max is taken raw and the scale
+/// applies inside the exponent, `2^(s c - m c)`, one fused multiply-add per score.
+pub(crate) fn score_tile(plan: &KernelPlan, tile: &TileScores, code: Reg) -> Stmt {
+    let scale = plan.q_scale as f32;
+    let folded = scale_folds(plan);
+    let keep_mask = !matches!(plan.program.mask, M::Bool(true));
+    let (mut kept, mut masked) = (Vec::new(), Vec::new());
+    for (rb, block) in tile.s.iter().enumerate() {
+        for (nb, frag) in block.iter().enumerate() {
+            for (i, &x) in frag.iter().enumerate() {
+                let h = i / 2;
+                let key = add(
+                    mul(reg(tile.tile), i64(tile.key_tile)),
+                    add(mul(reg(tile.q), i64(2)), i64((8 * nb + i % 2) as i64)),
+                );
+                let env = Env {
+                    score: mul(reg(x), f32(scale)),
+                    batch: reg(tile.batch),
+                    head: reg(tile.head),
+                    query: (tile.pos_of)(rb, h),
+                    key: add(param("p0"), key.clone()),
+                    query_index: (tile.row_of)(rb, h),
+                    key_index: key.clone(),
+                };
+                let value = if folded {
+                    reg(x)
+                } else {
+                    program(&plan.program.score, &env)
+                };
+                if !folded {
+                    kept.push(Stmt::Set(x, value.clone()));
+                }
+                let mut keep = bin(Bin::Lt, key, param("skv"));
+                if keep_mask {
+                    keep = bin(Bin::And, keep, program(&plan.program.mask, &env));
+                }
+                masked.push(Stmt::Set(x, select(keep, value, f32(f32::NEG_INFINITY))));
+            }
+        }
+    }
+    Stmt::If(
+        bin(
+            Bin::Eq,
+            reg(code),
+            Expr::Int(TileCode::Masked as i64, Ty::I32),
+        ),
+        masked,
+        kept,
+    )
 }
