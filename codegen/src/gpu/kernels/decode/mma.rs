@@ -336,6 +336,64 @@ impl RowCopy {
     }
 }
 
+/// The ring of staged segments: the registers of the next round's segment (its index, the
+/// buffer it fills, its record) and the copies of its rows (`copies`, which the kernel sets:
+/// they address [`SegmentRing::seg`] and [`SegmentRing::buffer`]).
+pub(super) struct SegmentRing {
+    next: Reg,
+    pub buffer: Reg,
+    pub seg: Segment,
+    load: Vec<Stmt>,
+    pub copies: Vec<Stmt>,
+}
+
+impl SegmentRing {
+    pub(super) fn new(r: &mut Regs) -> SegmentRing {
+        let (next, buffer) = (
+            r.add("next_segment", Ty::I64),
+            r.add("next_buffer", Ty::I64),
+        );
+        let (seg, load) = Segment::load(r, reg(next));
+        SegmentRing {
+            next,
+            buffer,
+            seg,
+            load,
+            copies: Vec::new(),
+        }
+    }
+
+    /// Issues the copies of segment `segment` into the buffer at `buffer`, where the task has
+    /// that segment and it runs, and commits them as one group (empty where it has none).
+    pub(super) fn issue(&self, task: &Task, segment: Expr, buffer: Expr) -> Vec<Stmt> {
+        let mut then = self.load.clone();
+        then.push(Stmt::If(runs(&self.seg), self.copies.clone(), vec![]));
+        let present = bin(Bin::Lt, reg(self.next), add(reg(task.seg0), reg(task.nseg)));
+        vec![
+            Stmt::Set(self.next, segment),
+            Stmt::Set(self.buffer, buffer),
+            Stmt::If(present, then, vec![]),
+            Stmt::CpAsyncCommit,
+        ]
+    }
+}
+
+/// The score program, the online softmax and `O += P V` over a segment's `S` (see [`scores`],
+/// [`RowState::update`], [`pv`]).
+pub(super) fn softmax_pv(
+    plan: &KernelPlan,
+    s: &[[Reg; 4]; 2],
+    (lane, task, seg): (&Lane, &Task, &Segment),
+    state: &RowState,
+    [pa, bm]: [[Reg; 4]; 2],
+    v: &Expr,
+) -> Vec<Stmt> {
+    let mut run = scores(plan, s, lane, task, seg);
+    run.extend(state.update(s));
+    run.extend(pv(half_of(plan), s, [pa, bm], v, &state.o));
+    run
+}
+
 /// Whether a segment runs (is not skipped).
 pub(super) fn runs(seg: &Segment) -> Expr {
     bin(Bin::Ne, reg(seg.code), i64(TileCode::Skip as i64))

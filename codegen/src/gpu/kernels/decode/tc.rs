@@ -18,7 +18,7 @@
 //! too, as the forward kernel does; sums and O accumulate in f32.
 
 use super::mma::{
-    self, Lane, QFragments, Rest, RowCopy, RowState, half_of, k_lane, runs, scores, v_lane,
+    self, Lane, QFragments, Rest, RowCopy, RowState, SegmentRing, half_of, k_lane, runs, v_lane,
 };
 use super::records::{Segment, THREADS, Task, param};
 use crate::gpu::ir::build::*;
@@ -85,6 +85,33 @@ impl Layout {
     fn bytes(&self) -> i64 {
         STAGES * self.stage
     }
+
+    /// A round's copies: the warp's segment's K and V rows, by the warp's lanes, into the
+    /// ring's buffer.
+    fn copies(&self, ring: &SegmentRing, d: usize, dv: usize) -> Vec<Stmt> {
+        let (seg, lane_id) = (&ring.seg, special64(Special::Lane));
+        let mut copies = RowCopy {
+            addr: seg.k_addr,
+            stride: seg.k_stride,
+            keys: seg.keys,
+            width: d,
+            dst: reg(ring.buffer),
+            row_bytes: self.k_row,
+        }
+        .statements(&lane_id, 32);
+        copies.extend(
+            RowCopy {
+                addr: seg.v_addr,
+                stride: seg.v_stride,
+                keys: seg.keys,
+                width: dv,
+                dst: add(reg(ring.buffer), i64(16 * self.k_row)),
+                row_bytes: self.v_row,
+            }
+            .statements(&lane_id, 32),
+        );
+        copies
+    }
 }
 
 /// Lowers the tensor-core decode kernel. The plan must be [`supports`]ed.
@@ -94,11 +121,9 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         "the tensor-core decode kernel runs 16-bit per-head decode plans"
     );
     let (d, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
-    let half = half_of(plan);
     let sh = Layout::of(plan);
     let mut r = Regs { list: Vec::new() };
     let mut body = Vec::new();
-    let tid = special64(Special::Tid);
     let task = Task::load(&mut r, &mut body);
     let lane = Lane::new(&mut r, &mut body, &task);
 
@@ -126,52 +151,15 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     // round % 2.
     let round = r.add("round", Ty::I64);
     let segment_of = |round: Expr| add(add(reg(task.seg0), mul(round, i64(WARPS))), reg(lane.warp));
-    let present = |segment: Expr| bin(Bin::Lt, segment, add(reg(task.seg0), reg(task.nseg)));
     let buffer_of = |round: Expr| {
         add(
             mul(bin(Bin::Rem, round, i64(STAGES)), i64(sh.stage)),
             mul(reg(lane.warp), i64(sh.warp)),
         )
     };
-
-    // A round's copies: the warp's segment's K and V rows, by the warp's lanes.
-    let (next, next_buffer) = (
-        r.add("next_segment", Ty::I64),
-        r.add("next_buffer", Ty::I64),
-    );
-    let (seg_next, load_next) = Segment::load(&mut r, reg(next));
-    let lane_id = special64(Special::Lane);
-    let mut copies = RowCopy {
-        addr: seg_next.k_addr,
-        stride: seg_next.k_stride,
-        keys: seg_next.keys,
-        width: d,
-        dst: reg(next_buffer),
-        row_bytes: sh.k_row,
-    }
-    .statements(&lane_id, 32);
-    copies.extend(
-        RowCopy {
-            addr: seg_next.v_addr,
-            stride: seg_next.v_stride,
-            keys: seg_next.keys,
-            width: dv,
-            dst: add(reg(next_buffer), i64(16 * sh.k_row)),
-            row_bytes: sh.v_row,
-        }
-        .statements(&lane_id, 32),
-    );
-    let issue = |round: Expr| {
-        let mut then = load_next.clone();
-        then.push(Stmt::If(runs(&seg_next), copies.clone(), vec![]));
-        vec![
-            Stmt::Set(next, segment_of(round.clone())),
-            Stmt::Set(next_buffer, buffer_of(round)),
-            Stmt::If(present(reg(next)), then, vec![]),
-            Stmt::CpAsyncCommit,
-        ]
-    };
-    body.extend(issue(i64(0)));
+    let mut ring = SegmentRing::new(&mut r);
+    ring.copies = sh.copies(&ring, d, dv);
+    body.extend(ring.issue(&task, segment_of(i64(0)), buffer_of(i64(0))));
 
     // This round's segment, from the warp's buffer: S = Q K^T, the score program, the softmax,
     // O += P V.
@@ -190,16 +178,10 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         .flatten()
         .map(|&x| Stmt::Set(x, f32(0.0)))
         .collect();
-    run.extend(qa.qk(half, bm, &add(reg(buffer), reg(k_at)), &s));
-    run.extend(scores(plan, &s, &lane, &task, &seg));
-    run.extend(state.update(&s));
-    run.extend(mma::pv(
-        half,
-        &s,
-        [pa, bm],
-        &add(reg(buffer), reg(v_at)),
-        &state.o,
-    ));
+    run.extend(qa.qk(half_of(plan), bm, &add(reg(buffer), reg(k_at)), &s));
+    let at = (&lane, &task, &seg);
+    let v = add(reg(buffer), reg(v_at));
+    run.extend(mma::softmax_pv(plan, &s, at, &state, [pa, bm], &v));
     let mut compute = load_seg;
     compute.push(Stmt::If(runs(&seg), run, vec![]));
 
@@ -207,12 +189,14 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     // buffer the next round's copies fill), the next round's copies fly while this one's
     // segment computes.
     let rounds = bin(Bin::Div, add(reg(task.nseg), i64(WARPS - 1)), i64(WARPS));
+    let present = bin(Bin::Lt, reg(current), add(reg(task.seg0), reg(task.nseg)));
+    let next = add(reg(round), i64(1));
     let mut round_body = vec![Stmt::CpAsyncWait(0), Stmt::Barrier];
-    round_body.extend(issue(add(reg(round), i64(1))));
+    round_body.extend(ring.issue(&task, segment_of(next.clone()), buffer_of(next)));
     round_body.extend([
         Stmt::Set(current, segment_of(reg(round))),
         Stmt::Set(buffer, buffer_of(reg(round))),
-        Stmt::If(present(reg(current)), compute, vec![]),
+        Stmt::If(present, compute, vec![]),
     ]);
     body.push(Stmt::For {
         reg: round,
@@ -225,160 +209,12 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     // The warps meet: each publishes its rows' max, sum (over its quad) and O in shared memory
     // (over the ring, which every warp is done with), then every thread merges outputs
     // tid + THREADS j across the four warps.
-    let rows = i64::from(TASK_ROWS);
-    let o_at = |w: Expr, row: Expr, col: Expr| {
-        mul(
-            add(mul(add(mul(w, i64(rows)), row), i64(dv as i64)), col),
-            i64(4),
-        )
-    };
-    let ml_base = WARPS * rows * dv as i64 * 4;
-    let m_at = |w: Expr, row: Expr| at(i64(ml_base), add(mul(w, i64(rows)), row), 4);
-    let l_at = |w: Expr, row: Expr| {
-        at(
-            i64(ml_base + WARPS * rows * 4),
-            add(mul(w, i64(rows)), row),
-            4,
-        )
-    };
+    let meeting = Meeting { dv: dv as i64 };
     body.push(Stmt::Barrier);
     body.extend(state.quad_sums());
-    for h in 0..2 {
-        body.push(Stmt::If(
-            bin(Bin::Eq, reg(lane.q), i64(0)),
-            vec![
-                Stmt::Store(
-                    Space::Shared,
-                    m_at(reg(lane.warp), lane.row(h)),
-                    reg(state.m[h]),
-                ),
-                Stmt::Store(
-                    Space::Shared,
-                    l_at(reg(lane.warp), lane.row(h)),
-                    reg(state.l[h]),
-                ),
-            ],
-            vec![],
-        ));
-        for (vb, frag) in state.o.iter().enumerate() {
-            for j in 0..2 {
-                body.push(Stmt::Store(
-                    Space::Shared,
-                    o_at(reg(lane.warp), lane.row(h), lane.column(vb, j)),
-                    reg(frag[2 * h + j]),
-                ));
-            }
-        }
-    }
+    body.extend(meeting.publish(&state, &lane));
     body.push(Stmt::Barrier);
-    let (e, row, col) = (
-        r.add("element", Ty::I64),
-        r.add("element_row", Ty::I64),
-        r.add("element_col", Ty::I64),
-    );
-    let (big_m, m_all, sum, acc, factor) = (
-        r.add("merged_max", Ty::F32),
-        r.add("merged_use", Ty::F32),
-        r.add("merged_sum", Ty::F32),
-        r.add("merged_out", Ty::F32),
-        r.add("factor", Ty::F32),
-    );
-    let mut merge = vec![
-        Stmt::Set(row, bin(Bin::Div, reg(e), i64(dv as i64))),
-        Stmt::Set(col, bin(Bin::Rem, reg(e), i64(dv as i64))),
-        Stmt::Set(big_m, f32(f32::NEG_INFINITY)),
-    ];
-    let mut valid = Vec::new();
-    for w in 0..WARPS {
-        valid.push(Stmt::Set(
-            big_m,
-            bin(
-                Bin::Max,
-                reg(big_m),
-                load(Space::Shared, Ty::F32, m_at(i64(w), reg(row))),
-            ),
-        ));
-    }
-    valid.extend([
-        Stmt::Set(
-            m_all,
-            select(
-                bin(Bin::Eq, reg(big_m), f32(f32::NEG_INFINITY)),
-                f32(0.0),
-                reg(big_m),
-            ),
-        ),
-        Stmt::Set(sum, f32(0.0)),
-        Stmt::Set(acc, f32(0.0)),
-    ]);
-    for w in 0..WARPS {
-        valid.extend([
-            Stmt::Set(
-                factor,
-                exp2_twice(sub(
-                    load(Space::Shared, Ty::F32, m_at(i64(w), reg(row))),
-                    reg(m_all),
-                )),
-            ),
-            Stmt::Set(
-                sum,
-                fma(
-                    load(Space::Shared, Ty::F32, l_at(i64(w), reg(row))),
-                    reg(factor),
-                    reg(sum),
-                ),
-            ),
-            Stmt::Set(
-                acc,
-                fma(
-                    load(Space::Shared, Ty::F32, o_at(i64(w), reg(row), reg(col))),
-                    reg(factor),
-                    reg(acc),
-                ),
-            ),
-        ]);
-    }
-    // The sum is 0 only when no key was kept; a NaN score carries NaN through.
-    let nonempty = bin(Bin::Ne, reg(sum), f32(0.0));
-    let out_row = add(reg(task.row0), reg(row));
-    valid.push(Stmt::Store(
-        Space::Global,
-        at(
-            param("out"),
-            add(mul(out_row.clone(), i64(dv as i64)), reg(col)),
-            4,
-        ),
-        select(
-            nonempty.clone(),
-            mul(reg(acc), reciprocal(reg(sum))),
-            f32(0.0),
-        ),
-    ));
-    valid.push(Stmt::If(
-        bin(Bin::Eq, reg(col), i64(0)),
-        vec![Stmt::Store(
-            Space::Global,
-            at(param("lse"), out_row, 4),
-            select(
-                nonempty,
-                lse_of_half(reg(big_m), reg(sum)),
-                f32(f32::NEG_INFINITY),
-            ),
-        )],
-        vec![],
-    ));
-    merge.push(Stmt::If(
-        bin(Bin::Lt, reg(row), reg(task.rows)),
-        valid,
-        vec![],
-    ));
-    body.push(Stmt::For {
-        reg: e,
-        start: tid,
-        end: i64(rows * dv as i64),
-        step: i64::from(THREADS),
-        body: merge,
-    });
+    body.push(meeting.merge(&mut r, &task));
 
     Kernel {
         name: "attention_decode_tc".into(),
@@ -394,6 +230,153 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         // registers a thread); Q's fragments and O's accumulators need more at 256.
         ctas_per_sm: if d + dv <= 256 { 3 } else { 2 },
         body,
+    }
+}
+
+/// Where the four warps' rows meet in shared memory at the end (over the ring): each warp's
+/// unnormalized O (`[warp][row][v_dim]` f32), then the rows' maxima, then their sums.
+struct Meeting {
+    dv: i64,
+}
+
+impl Meeting {
+    const ROWS: i64 = TASK_ROWS as i64;
+
+    fn o_at(&self, w: Expr, row: Expr, col: Expr) -> Expr {
+        let (rows, dv) = (Self::ROWS, self.dv);
+        mul(add(mul(add(mul(w, i64(rows)), row), i64(dv)), col), i64(4))
+    }
+
+    fn m_at(&self, w: Expr, row: Expr) -> Expr {
+        let base = WARPS * Self::ROWS * self.dv * 4;
+        at(i64(base), add(mul(w, i64(Self::ROWS)), row), 4)
+    }
+
+    fn l_at(&self, w: Expr, row: Expr) -> Expr {
+        let base = WARPS * Self::ROWS * self.dv * 4 + WARPS * Self::ROWS * 4;
+        at(i64(base), add(mul(w, i64(Self::ROWS)), row), 4)
+    }
+
+    /// Each warp's rows: max and sum from the lane of `q = 0`, O from every lane.
+    fn publish(&self, state: &RowState, lane: &Lane) -> Vec<Stmt> {
+        let mut body = Vec::new();
+        for h in 0..2 {
+            body.push(Stmt::If(
+                bin(Bin::Eq, reg(lane.q), i64(0)),
+                vec![
+                    Stmt::Store(
+                        Space::Shared,
+                        self.m_at(reg(lane.warp), lane.row(h)),
+                        reg(state.m[h]),
+                    ),
+                    Stmt::Store(
+                        Space::Shared,
+                        self.l_at(reg(lane.warp), lane.row(h)),
+                        reg(state.l[h]),
+                    ),
+                ],
+                vec![],
+            ));
+            for (vb, frag) in state.o.iter().enumerate() {
+                for j in 0..2 {
+                    body.push(Stmt::Store(
+                        Space::Shared,
+                        self.o_at(reg(lane.warp), lane.row(h), lane.column(vb, j)),
+                        reg(frag[2 * h + j]),
+                    ));
+                }
+            }
+        }
+        body
+    }
+
+    /// Every thread merges outputs `tid + THREADS j` across the warps by their maxima, and
+    /// writes `out` (and from column 0, `lse`) for the task's rows.
+    fn merge(&self, r: &mut Regs, task: &Task) -> Stmt {
+        let dv = self.dv;
+        let (e, row, col) = (
+            r.add("element", Ty::I64),
+            r.add("element_row", Ty::I64),
+            r.add("element_col", Ty::I64),
+        );
+        let (big_m, m_all, sum, acc, factor) = (
+            r.add("merged_max", Ty::F32),
+            r.add("merged_use", Ty::F32),
+            r.add("merged_sum", Ty::F32),
+            r.add("merged_out", Ty::F32),
+            r.add("factor", Ty::F32),
+        );
+        let shared = |addr: Expr| load(Space::Shared, Ty::F32, addr);
+        let mut valid = Vec::new();
+        for w in 0..WARPS {
+            let m_w = shared(self.m_at(i64(w), reg(row)));
+            valid.push(Stmt::Set(big_m, bin(Bin::Max, reg(big_m), m_w)));
+        }
+        valid.extend([
+            Stmt::Set(
+                m_all,
+                select(
+                    bin(Bin::Eq, reg(big_m), f32(f32::NEG_INFINITY)),
+                    f32(0.0),
+                    reg(big_m),
+                ),
+            ),
+            Stmt::Set(sum, f32(0.0)),
+            Stmt::Set(acc, f32(0.0)),
+        ]);
+        for w in 0..WARPS {
+            let m_w = shared(self.m_at(i64(w), reg(row)));
+            let (l_w, o_w) = (
+                shared(self.l_at(i64(w), reg(row))),
+                shared(self.o_at(i64(w), reg(row), reg(col))),
+            );
+            valid.extend([
+                Stmt::Set(factor, exp2_twice(sub(m_w, reg(m_all)))),
+                Stmt::Set(sum, fma(l_w, reg(factor), reg(sum))),
+                Stmt::Set(acc, fma(o_w, reg(factor), reg(acc))),
+            ]);
+        }
+        // The sum is 0 only when no key was kept; a NaN score carries NaN through.
+        let nonempty = bin(Bin::Ne, reg(sum), f32(0.0));
+        let out_row = add(reg(task.row0), reg(row));
+        valid.push(Stmt::Store(
+            Space::Global,
+            at(
+                param("out"),
+                add(mul(out_row.clone(), i64(dv)), reg(col)),
+                4,
+            ),
+            select(
+                nonempty.clone(),
+                mul(reg(acc), reciprocal(reg(sum))),
+                f32(0.0),
+            ),
+        ));
+        valid.push(Stmt::If(
+            bin(Bin::Eq, reg(col), i64(0)),
+            vec![Stmt::Store(
+                Space::Global,
+                at(param("lse"), out_row, 4),
+                select(
+                    nonempty,
+                    lse_of_half(reg(big_m), reg(sum)),
+                    f32(f32::NEG_INFINITY),
+                ),
+            )],
+            vec![],
+        ));
+        Stmt::For {
+            reg: e,
+            start: special64(Special::Tid),
+            end: i64(Self::ROWS * dv),
+            step: i64::from(THREADS),
+            body: vec![
+                Stmt::Set(row, bin(Bin::Div, reg(e), i64(dv))),
+                Stmt::Set(col, bin(Bin::Rem, reg(e), i64(dv))),
+                Stmt::Set(big_m, f32(f32::NEG_INFINITY)),
+                Stmt::If(bin(Bin::Lt, reg(row), reg(task.rows)), valid, vec![]),
+            ],
+        }
     }
 }
 

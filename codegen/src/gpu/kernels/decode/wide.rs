@@ -14,12 +14,12 @@
 //! merge at the end: each warp writes its own columns. Two barriers a round.
 
 use super::mma::{
-    self, Lane, QFragments, Rest, RowCopy, RowState, half_of, k_lane, runs, scores, v_lane,
+    self, Lane, QFragments, Rest, RowCopy, RowState, SegmentRing, half_of, k_lane, runs, v_lane,
 };
 use super::records::{Segment, THREADS, Task, param};
 use super::tc;
 use crate::gpu::ir::build::*;
-use crate::gpu::ir::{Bin, Expr, Kernel, Space, Special, Stmt, Ty};
+use crate::gpu::ir::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty};
 use crate::gpu::kernels::{Regs, lse_of_half, reciprocal, special64};
 use crate::gpu::launch::{DecodeArgs, LaunchRecord};
 use crate::plan::{KernelPlan, PlanKind};
@@ -91,6 +91,71 @@ impl Layout {
             bytes: (partial + partial_bytes).max(words + 4 * i64::from(THREADS)),
         }
     }
+
+    /// A round's copies: the segment's K rows (and V rows, unless the values are the keys'
+    /// first columns), by every thread, into the ring's buffer.
+    fn copies(&self, plan: &KernelPlan, ring: &SegmentRing, d: usize, dv: usize) -> Vec<Stmt> {
+        let (seg, tid) = (&ring.seg, special64(Special::Tid));
+        let mut copies = RowCopy {
+            addr: seg.k_addr,
+            stride: seg.k_stride,
+            keys: seg.keys,
+            width: d,
+            dst: reg(ring.buffer),
+            row_bytes: self.k_row,
+        }
+        .statements(&tid, THREADS as usize);
+        if plan.mla.is_none() {
+            copies.extend(
+                RowCopy {
+                    addr: seg.v_addr,
+                    stride: seg.v_stride,
+                    keys: seg.keys,
+                    width: dv,
+                    dst: add(reg(ring.buffer), i64(i64::from(SEGMENT_KEYS) * self.k_row)),
+                    row_bytes: self.v_row,
+                }
+                .statements(&tid, THREADS as usize),
+            );
+        }
+        copies
+    }
+
+    /// Element `i` of fragment `nb` of warp `warp`'s partial S, for this lane.
+    fn partial_at(&self, warp: Expr, nb: usize, i: usize) -> Expr {
+        let slot = add(mul(warp, i64(8)), i64((4 * nb + i) as i64));
+        add(
+            i64(self.partial),
+            mul(add(mul(slot, i64(32)), special64(Special::Lane)), i64(4)),
+        )
+    }
+
+    /// The warp's partial S, published.
+    fn publish_partial(&self, s: &[[Reg; 4]; 2], lane: &Lane) -> Vec<Stmt> {
+        let mut stores = Vec::new();
+        for (nb, frag) in s.iter().enumerate() {
+            for (i, &x) in frag.iter().enumerate() {
+                let at = self.partial_at(reg(lane.warp), nb, i);
+                stores.push(Stmt::Store(Space::Shared, at, reg(x)));
+            }
+        }
+        stores
+    }
+
+    /// S, the sum of the four warps' partial S.
+    fn sum_partials(&self, s: &[[Reg; 4]; 2]) -> Vec<Stmt> {
+        let mut sums = Vec::new();
+        for (nb, frag) in s.iter().enumerate() {
+            for (i, &x) in frag.iter().enumerate() {
+                let sum = (0..WARPS).fold(f32(0.0), |acc, w| {
+                    let part = self.partial_at(i64(w as i64), nb, i);
+                    add(acc, load(Space::Shared, Ty::F32, part))
+                });
+                sums.push(Stmt::Set(x, sum));
+            }
+        }
+        sums
+    }
 }
 
 /// Lowers the wide tensor-core decode kernel. The plan must be [`supports`]ed.
@@ -101,11 +166,9 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     );
     let (d, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
     let (steps, columns) = (d / 16 / WARPS, dv / WARPS);
-    let half = half_of(plan);
     let sh = Layout::of(plan);
     let mut r = Regs { list: Vec::new() };
     let mut body = Vec::new();
-    let tid = special64(Special::Tid);
     let task = Task::load(&mut r, &mut body);
     let lane = Lane::new(&mut r, &mut body, &task);
 
@@ -122,48 +185,12 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     );
     let state = RowState::new(&mut r, &mut body, columns / 8);
 
-    // A round's copies: the segment's K rows (and V rows), by every thread.
+    // Rounds: segment seg0 + round, staged in buffer round % 2.
     let round = r.add("round", Ty::I64);
-    let present = |segment: Expr| bin(Bin::Lt, segment, add(reg(task.seg0), reg(task.nseg)));
     let buffer_of = |round: Expr| mul(bin(Bin::Rem, round, i64(STAGES)), i64(sh.stage));
-    let (next, next_buffer) = (
-        r.add("next_segment", Ty::I64),
-        r.add("next_buffer", Ty::I64),
-    );
-    let (seg_next, load_next) = Segment::load(&mut r, reg(next));
-    let mut copies = RowCopy {
-        addr: seg_next.k_addr,
-        stride: seg_next.k_stride,
-        keys: seg_next.keys,
-        width: d,
-        dst: reg(next_buffer),
-        row_bytes: sh.k_row,
-    }
-    .statements(&tid, THREADS as usize);
-    if plan.mla.is_none() {
-        copies.extend(
-            RowCopy {
-                addr: seg_next.v_addr,
-                stride: seg_next.v_stride,
-                keys: seg_next.keys,
-                width: dv,
-                dst: add(reg(next_buffer), i64(i64::from(SEGMENT_KEYS) * sh.k_row)),
-                row_bytes: sh.v_row,
-            }
-            .statements(&tid, THREADS as usize),
-        );
-    }
-    let issue = |round: Expr| {
-        let mut then = load_next.clone();
-        then.push(Stmt::If(runs(&seg_next), copies.clone(), vec![]));
-        vec![
-            Stmt::Set(next, add(reg(task.seg0), round.clone())),
-            Stmt::Set(next_buffer, buffer_of(round)),
-            Stmt::If(present(reg(next)), then, vec![]),
-            Stmt::CpAsyncCommit,
-        ]
-    };
-    body.extend(issue(i64(0)));
+    let mut ring = SegmentRing::new(&mut r);
+    ring.copies = sh.copies(plan, &ring, d, dv);
+    body.extend(ring.issue(&task, add(reg(task.seg0), i64(0)), buffer_of(i64(0))));
 
     // The lane's `ldmatrix` addresses in a buffer: K rows; V rows (for MLA the K rows' first
     // columns), at the warp's quarter of the value columns.
@@ -191,59 +218,23 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     let [bm, pa] = ["bm", "pa"].map(|n| [0, 1, 2, 3].map(|i| r.add(format!("{n}{i}"), Ty::I32)));
     let s: [[_; 4]; 2] =
         [0, 1].map(|nb| [0, 1, 2, 3].map(|i| r.add(format!("s{nb}_{i}"), Ty::F32)));
-    let partial_at = |warp: Expr, nb: usize, i: usize| {
-        add(
-            i64(sh.partial),
-            mul(
-                add(
-                    mul(add(mul(warp, i64(8)), i64((4 * nb + i) as i64)), i64(32)),
-                    special64(Special::Lane),
-                ),
-                i64(4),
-            ),
-        )
-    };
     let mut partial: Vec<Stmt> = s
         .iter()
         .flatten()
         .map(|&x| Stmt::Set(x, f32(0.0)))
         .collect();
-    partial.extend(qa.qk(half, bm, &add(reg(buffer), reg(k_at)), &s));
-    for (nb, frag) in s.iter().enumerate() {
-        for (i, &x) in frag.iter().enumerate() {
-            partial.push(Stmt::Store(
-                Space::Shared,
-                partial_at(reg(lane.warp), nb, i),
-                reg(x),
-            ));
-        }
-    }
-    let mut run = Vec::new();
-    for (nb, frag) in s.iter().enumerate() {
-        for (i, &x) in frag.iter().enumerate() {
-            let sum = (0..WARPS).fold(f32(0.0), |acc, w| {
-                add(
-                    acc,
-                    load(Space::Shared, Ty::F32, partial_at(i64(w as i64), nb, i)),
-                )
-            });
-            run.push(Stmt::Set(x, sum));
-        }
-    }
-    run.extend(scores(plan, &s, &lane, &task, &seg));
-    run.extend(state.update(&s));
-    run.extend(mma::pv(
-        half,
-        &s,
-        [pa, bm],
-        &add(reg(buffer), reg(v_at)),
-        &state.o,
-    ));
+    partial.extend(qa.qk(half_of(plan), bm, &add(reg(buffer), reg(k_at)), &s));
+    partial.extend(sh.publish_partial(&s, &lane));
+    let mut run = sh.sum_partials(&s);
+    let at = (&lane, &task, &seg);
+    let v = add(reg(buffer), reg(v_at));
+    run.extend(mma::softmax_pv(plan, &s, at, &state, [pa, bm], &v));
 
     // Per round: the copies land and are visible (every warp is done with the buffer the next
     // round's copies fill), the next round's fly while this one computes.
+    let next = add(reg(round), i64(1));
     let mut round_body = vec![Stmt::CpAsyncWait(0), Stmt::Barrier];
-    round_body.extend(issue(add(reg(round), i64(1))));
+    round_body.extend(ring.issue(&task, add(reg(task.seg0), next.clone()), buffer_of(next)));
     round_body.push(Stmt::Set(buffer, buffer_of(reg(round))));
     round_body.extend(load_seg);
     round_body.extend([
@@ -258,9 +249,26 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         step: 1,
         body: round_body,
     });
-
-    // Every warp holds the same sums: each writes its columns of O / l, warp 0 the lse.
     body.extend(state.quad_sums());
+    body.extend(store_rows(&state, &lane, &task, dv));
+
+    Kernel {
+        name: "attention_decode_wide".into(),
+        params: DecodeArgs::params(),
+        regs: r.list,
+        shared_bytes: sh.bytes as u32,
+        threads: THREADS,
+        // Two CTAs per SM: up to 255 registers a thread (Q's parts and O take 136 at MLA's
+        // 576 + 512).
+        ctas_per_sm: 2,
+        body,
+    }
+}
+
+/// Every warp holds the same sums: each writes its columns of `O / l`, warp 0 the lse.
+fn store_rows(state: &RowState, lane: &Lane, task: &Task, dv: usize) -> Vec<Stmt> {
+    let columns = dv / WARPS;
+    let mut body = Vec::new();
     for h in 0..2 {
         let l = state.l[h];
         let nonempty = bin(Bin::Ne, reg(l), f32(0.0));
@@ -307,18 +315,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
             vec![],
         ));
     }
-
-    Kernel {
-        name: "attention_decode_wide".into(),
-        params: DecodeArgs::params(),
-        regs: r.list,
-        shared_bytes: sh.bytes as u32,
-        threads: THREADS,
-        // Two CTAs per SM: up to 255 registers a thread (Q's parts and O take 136 at MLA's
-        // 576 + 512).
-        ctas_per_sm: 2,
-        body,
-    }
+    body
 }
 
 #[cfg(test)]
