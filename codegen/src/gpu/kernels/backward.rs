@@ -355,396 +355,466 @@ fn probabilities(
 /// `backward_dq`: one query row per thread.
 fn dq(plan: &KernelPlan) -> Kernel {
     let (d, dv) = (i64::from(plan.shape.qk_dim), i64::from(plan.shape.v_dim));
-    let (hq, hkv) = (i64::from(plan.shape.heads), i64::from(plan.shape.kv_heads));
     let bc = i64::from(key_tile(plan));
-    let rows = i64::from(ROWS);
     let mut r = Regs { list: Vec::new() };
-    let mut body = Vec::new();
-    let (row, batch, head, kvh) = (
-        r.add("row", Ty::I64),
-        r.add("batch", Ty::I64),
-        r.add("head", Ty::I64),
-        r.add("kv_head", Ty::I64),
-    );
-    body.extend([
-        Stmt::Set(
-            row,
-            add(
-                mul(special64(Special::Ctaid(0)), i64(rows)),
-                special64(Special::Tid),
-            ),
-        ),
-        Stmt::Set(batch, special64(Special::Ctaid(2))),
-        Stmt::Set(head, special64(Special::Ctaid(1))),
-        Stmt::Set(kvh, bin(Bin::Div, reg(head), i64(hq / hkv))),
-    ]);
-    // Rows past Sq compute on the last row; their results are not stored.
-    let (qrow, qpos, index) = (
-        r.add("q_row", Ty::I64),
-        r.add("q_pos", Ty::I64),
-        r.add("q_index", Ty::I64),
-    );
-    body.extend([
-        Stmt::Set(qrow, bin(Bin::Min, reg(row), sub(param("sq"), i64(1)))),
-        Stmt::Set(
-            qpos,
-            add(add(param("p0"), sub(param("skv"), param("sq"))), reg(qrow)),
-        ),
-        Stmt::Set(
-            index,
-            add(
-                mul(add(mul(reg(batch), i64(hq)), reg(head)), param("sq")),
-                reg(qrow),
-            ),
-        ),
-    ]);
-    let q = f32_regs(&mut r, "q", d);
-    let go = f32_regs(&mut r, "do", dv);
-    let acc = f32_regs(&mut r, "dq", d);
-    body.extend(load_rotated_row(
-        &mut r,
-        plan,
-        &q,
-        param("q"),
-        reg(index),
-        reg(qpos),
-    ));
-    for &x in &q {
-        body.push(Stmt::Set(x, mul(reg(x), f32(plan.q_scale as f32))));
-    }
-    body.extend(load_row(&go, param("dout"), reg(index)));
-    let (lse_half, delta_r) = (r.add("lse_half", Ty::F32), r.add("delta_row", Ty::F32));
-    body.extend([
-        Stmt::Set(
-            lse_half,
-            mul(
-                load(Space::Global, Ty::F32, at(param("lse"), reg(index), 4)),
-                f32(std::f32::consts::LOG2_E / 2.0),
-            ),
-        ),
-        Stmt::Set(
-            delta_r,
-            load(Space::Global, Ty::F32, at(param("delta"), reg(index), 4)),
-        ),
-    ]);
-    body.extend(acc.iter().map(|&a| Stmt::Set(a, f32(0.0))));
-
-    // Shared memory: K tile [bc][d] (rotated), V tile [bc][dv].
-    let (k_sh, v_sh) = (0, bc * d * 4);
-    let kv_row0 = mul(add(mul(reg(batch), i64(hkv)), reg(kvh)), param("skv"));
-    let (t, j, key, s, dp) = (
-        r.add("tile", Ty::I64),
-        r.add("j", Ty::I64),
-        r.add("key", Ty::I64),
-        r.add("s", Ty::F32),
-        r.add("dp", Ty::F32),
-    );
-    let (p, ds) = (r.add("p", Ty::F32), r.add("ds", Ty::F32));
-    let first = mul(reg(t), i64(bc));
-    let k_tmp = f32_regs(&mut r, "k", d);
-    let key_pos = |row: Expr| add(param("p0"), row);
-    let mut tile = stage(
-        &mut r,
-        plan,
-        Stage {
-            base: add(param("k"), mul(kv_row0.clone(), i64(d * 4))),
-            first: first.clone(),
-            count: param("skv"),
-            width: d,
-            tile: bc,
-            shared: k_sh,
-            factor: 1.0,
-            rotation: Some(Rotation {
-                tmp: &k_tmp,
-                pos: &key_pos,
-            }),
-        },
-    );
-    tile.extend(stage(
-        &mut r,
-        plan,
-        Stage {
-            base: add(param("v"), mul(kv_row0, i64(dv * 4))),
-            first: first.clone(),
-            count: param("skv"),
-            width: dv,
-            tile: bc,
-            shared: v_sh,
-            factor: 1.0,
-            rotation: None,
-        },
-    ));
-    tile.push(Stmt::Barrier);
-    let pair = Pair {
-        env: Env {
-            score: reg(s),
-            batch: reg(batch),
-            head: reg(head),
-            query: reg(qpos),
-            key: add(param("p0"), reg(key)),
-            query_index: reg(qrow),
-            key_index: reg(key),
-        },
-        inside: bin(
-            Bin::And,
-            bin(Bin::Lt, reg(key), param("skv")),
-            bin(Bin::Ne, reg(lse_half), f32(f32::NEG_INFINITY)),
-        ),
-    };
-    let [pv, dsv] = probabilities(plan, &pair, reg(lse_half), reg(dp), reg(delta_r));
-    let mut per_key = vec![
-        Stmt::Set(key, add(first.clone(), reg(j))),
-        Stmt::Set(s, dot_shared(&q, add(mul(reg(j), i64(d * 4)), i64(k_sh)))),
-        Stmt::Set(
-            dp,
-            dot_shared(&go, add(mul(reg(j), i64(dv * 4)), i64(v_sh))),
-        ),
-        Stmt::Set(p, pv),
-        Stmt::Set(ds, dsv),
-    ];
-    per_key.extend(axpy_shared(
-        &acc,
-        reg(ds),
-        add(mul(reg(j), i64(d * 4)), i64(k_sh)),
-    ));
-    tile.push(Stmt::For {
-        reg: j,
-        start: i64(0),
-        end: i64(bc),
-        step: 1,
-        body: per_key,
-    });
-    tile.push(Stmt::Barrier);
-    body.push(Stmt::For {
-        reg: t,
-        start: i64(0),
-        end: bin(Bin::Div, add(param("skv"), i64(bc - 1)), i64(bc)),
-        step: 1,
-        body: tile,
-    });
-
-    // dq = q_scale * sum dS K, rotated back to the unrotated q.
-    let mut store = acc
-        .iter()
-        .map(|&a| Stmt::Set(a, mul(reg(a), f32(plan.q_scale as f32))))
-        .collect::<Vec<_>>();
-    if let Some(rope) = &plan.rope {
-        store.extend(rotate(
-            &mut r,
-            rope,
-            &acc,
-            reg(qpos),
-            &rope_params(param),
-            true,
-        ));
-    }
-    store.extend(store_row(&acc, param("dq"), reg(index)));
-    body.push(Stmt::If(bin(Bin::Lt, reg(row), param("sq")), store, vec![]));
+    let (row, mut body) = QueryRow::load(plan, &mut r);
+    let tiles = row.key_tiles(plan, &mut r);
+    body.push(tiles);
+    body.push(row.store_dq(plan, &mut r));
     kernel("backward_dq", r, bc * (d + dv) * 4, body)
+}
+
+/// A thread's query row in `backward_dq`: where it is (rows past Sq compute on the last row,
+/// `qrow`; their results are not stored), its position and index in the call, its q (rotated
+/// and scaled), dO, dq accumulator, lse (half base 2) and D.
+struct QueryRow {
+    row: Reg,
+    batch: Reg,
+    head: Reg,
+    kvh: Reg,
+    qrow: Reg,
+    qpos: Reg,
+    index: Reg,
+    q: Vec<Reg>,
+    go: Vec<Reg>,
+    acc: Vec<Reg>,
+    lse_half: Reg,
+    delta: Reg,
+}
+
+impl QueryRow {
+    /// The row's registers, and the statements that load it.
+    fn load(plan: &KernelPlan, r: &mut Regs) -> (QueryRow, Vec<Stmt>) {
+        let (d, dv) = (i64::from(plan.shape.qk_dim), i64::from(plan.shape.v_dim));
+        let (hq, hkv) = (i64::from(plan.shape.heads), i64::from(plan.shape.kv_heads));
+        let (row, batch, head, kvh) = (
+            r.add("row", Ty::I64),
+            r.add("batch", Ty::I64),
+            r.add("head", Ty::I64),
+            r.add("kv_head", Ty::I64),
+        );
+        let mut body = vec![
+            Stmt::Set(
+                row,
+                add(
+                    mul(special64(Special::Ctaid(0)), i64(i64::from(ROWS))),
+                    special64(Special::Tid),
+                ),
+            ),
+            Stmt::Set(batch, special64(Special::Ctaid(2))),
+            Stmt::Set(head, special64(Special::Ctaid(1))),
+            Stmt::Set(kvh, bin(Bin::Div, reg(head), i64(hq / hkv))),
+        ];
+        let (qrow, qpos, index) = (
+            r.add("q_row", Ty::I64),
+            r.add("q_pos", Ty::I64),
+            r.add("q_index", Ty::I64),
+        );
+        body.extend([
+            Stmt::Set(qrow, bin(Bin::Min, reg(row), sub(param("sq"), i64(1)))),
+            Stmt::Set(
+                qpos,
+                add(add(param("p0"), sub(param("skv"), param("sq"))), reg(qrow)),
+            ),
+            Stmt::Set(
+                index,
+                add(
+                    mul(add(mul(reg(batch), i64(hq)), reg(head)), param("sq")),
+                    reg(qrow),
+                ),
+            ),
+        ]);
+        let q = f32_regs(r, "q", d);
+        let go = f32_regs(r, "do", dv);
+        let acc = f32_regs(r, "dq", d);
+        body.extend(load_rotated_row(
+            r,
+            plan,
+            &q,
+            param("q"),
+            reg(index),
+            reg(qpos),
+        ));
+        for &x in &q {
+            body.push(Stmt::Set(x, mul(reg(x), f32(plan.q_scale as f32))));
+        }
+        body.extend(load_row(&go, param("dout"), reg(index)));
+        let (lse_half, delta) = (r.add("lse_half", Ty::F32), r.add("delta_row", Ty::F32));
+        body.extend([
+            Stmt::Set(
+                lse_half,
+                mul(
+                    load(Space::Global, Ty::F32, at(param("lse"), reg(index), 4)),
+                    f32(std::f32::consts::LOG2_E / 2.0),
+                ),
+            ),
+            Stmt::Set(
+                delta,
+                load(Space::Global, Ty::F32, at(param("delta"), reg(index), 4)),
+            ),
+        ]);
+        body.extend(acc.iter().map(|&a| Stmt::Set(a, f32(0.0))));
+        let row = QueryRow {
+            row,
+            batch,
+            head,
+            kvh,
+            qrow,
+            qpos,
+            index,
+            q,
+            go,
+            acc,
+            lse_half,
+            delta,
+        };
+        (row, body)
+    }
+
+    /// The loop over key tiles: each staged in shared memory (K `[bc][d]` rotated, V
+    /// `[bc][dv]`), then per key `p`, `ds`, and `dq += ds k`.
+    fn key_tiles(&self, plan: &KernelPlan, r: &mut Regs) -> Stmt {
+        let (d, dv) = (i64::from(plan.shape.qk_dim), i64::from(plan.shape.v_dim));
+        let hkv = i64::from(plan.shape.kv_heads);
+        let bc = i64::from(key_tile(plan));
+        let (k_sh, v_sh) = (0, bc * d * 4);
+        let kv_row0 = mul(
+            add(mul(reg(self.batch), i64(hkv)), reg(self.kvh)),
+            param("skv"),
+        );
+        let (t, j, key, s, dp) = (
+            r.add("tile", Ty::I64),
+            r.add("j", Ty::I64),
+            r.add("key", Ty::I64),
+            r.add("s", Ty::F32),
+            r.add("dp", Ty::F32),
+        );
+        let (p, ds) = (r.add("p", Ty::F32), r.add("ds", Ty::F32));
+        let first = mul(reg(t), i64(bc));
+        let k_tmp = f32_regs(r, "k", d);
+        let key_pos = |row: Expr| add(param("p0"), row);
+        let mut tile = stage(
+            r,
+            plan,
+            Stage {
+                base: add(param("k"), mul(kv_row0.clone(), i64(d * 4))),
+                first: first.clone(),
+                count: param("skv"),
+                width: d,
+                tile: bc,
+                shared: k_sh,
+                factor: 1.0,
+                rotation: Some(Rotation {
+                    tmp: &k_tmp,
+                    pos: &key_pos,
+                }),
+            },
+        );
+        tile.extend(stage(
+            r,
+            plan,
+            Stage {
+                base: add(param("v"), mul(kv_row0, i64(dv * 4))),
+                first: first.clone(),
+                count: param("skv"),
+                width: dv,
+                tile: bc,
+                shared: v_sh,
+                factor: 1.0,
+                rotation: None,
+            },
+        ));
+        tile.push(Stmt::Barrier);
+        let pair = Pair {
+            env: Env {
+                score: reg(s),
+                batch: reg(self.batch),
+                head: reg(self.head),
+                query: reg(self.qpos),
+                key: add(param("p0"), reg(key)),
+                query_index: reg(self.qrow),
+                key_index: reg(key),
+            },
+            inside: bin(
+                Bin::And,
+                bin(Bin::Lt, reg(key), param("skv")),
+                bin(Bin::Ne, reg(self.lse_half), f32(f32::NEG_INFINITY)),
+            ),
+        };
+        let [pv, dsv] = probabilities(plan, &pair, reg(self.lse_half), reg(dp), reg(self.delta));
+        let k_at = add(mul(reg(j), i64(d * 4)), i64(k_sh));
+        let mut per_key = vec![
+            Stmt::Set(key, add(first, reg(j))),
+            Stmt::Set(s, dot_shared(&self.q, k_at.clone())),
+            Stmt::Set(
+                dp,
+                dot_shared(&self.go, add(mul(reg(j), i64(dv * 4)), i64(v_sh))),
+            ),
+            Stmt::Set(p, pv),
+            Stmt::Set(ds, dsv),
+        ];
+        per_key.extend(axpy_shared(&self.acc, reg(ds), k_at));
+        tile.push(Stmt::For {
+            reg: j,
+            start: i64(0),
+            end: i64(bc),
+            step: 1,
+            body: per_key,
+        });
+        tile.push(Stmt::Barrier);
+        Stmt::For {
+            reg: t,
+            start: i64(0),
+            end: bin(Bin::Div, add(param("skv"), i64(bc - 1)), i64(bc)),
+            step: 1,
+            body: tile,
+        }
+    }
+
+    /// dq = q_scale * sum dS K, rotated back to the unrotated q, stored for rows inside Sq.
+    fn store_dq(&self, plan: &KernelPlan, r: &mut Regs) -> Stmt {
+        let acc = &self.acc;
+        let mut store = acc
+            .iter()
+            .map(|&a| Stmt::Set(a, mul(reg(a), f32(plan.q_scale as f32))))
+            .collect::<Vec<_>>();
+        if let Some(rope) = &plan.rope {
+            let tables = rope_params(param);
+            store.extend(rotate(r, rope, acc, reg(self.qpos), &tables, true));
+        }
+        store.extend(store_row(acc, param("dq"), reg(self.index)));
+        Stmt::If(bin(Bin::Lt, reg(self.row), param("sq")), store, vec![])
+    }
 }
 
 /// `backward_dkdv`: one key per thread, every query of its group's heads.
 fn dkdv(plan: &KernelPlan) -> Kernel {
     let (d, dv) = (i64::from(plan.shape.qk_dim), i64::from(plan.shape.v_dim));
-    let (hq, hkv) = (i64::from(plan.shape.heads), i64::from(plan.shape.kv_heads));
-    let group = hq / hkv;
     let bq = i64::from(key_tile(plan));
-    let rows = i64::from(ROWS);
     let mut r = Regs { list: Vec::new() };
-    let mut body = Vec::new();
-    let (row, batch, kvh) = (
-        r.add("key_row", Ty::I64),
-        r.add("batch", Ty::I64),
-        r.add("kv_head", Ty::I64),
-    );
-    body.extend([
-        Stmt::Set(
-            row,
-            add(
-                mul(special64(Special::Ctaid(0)), i64(rows)),
-                special64(Special::Tid),
-            ),
-        ),
-        Stmt::Set(batch, special64(Special::Ctaid(2))),
-        Stmt::Set(kvh, special64(Special::Ctaid(1))),
-    ]);
-    // Keys past Skv compute on the last key; their results are not stored.
-    let (krow, kpos, index) = (
-        r.add("k_row", Ty::I64),
-        r.add("k_pos", Ty::I64),
-        r.add("k_index", Ty::I64),
-    );
-    body.extend([
-        Stmt::Set(krow, bin(Bin::Min, reg(row), sub(param("skv"), i64(1)))),
-        Stmt::Set(kpos, add(param("p0"), reg(krow))),
-        Stmt::Set(
-            index,
-            add(
-                mul(add(mul(reg(batch), i64(hkv)), reg(kvh)), param("skv")),
-                reg(krow),
-            ),
-        ),
-    ]);
-    let k = f32_regs(&mut r, "k", d);
-    let v = f32_regs(&mut r, "v", dv);
-    let dk = f32_regs(&mut r, "dk", d);
-    let dvr = f32_regs(&mut r, "dv", dv);
-    body.extend(load_rotated_row(
-        &mut r,
-        plan,
-        &k,
-        param("k"),
-        reg(index),
-        reg(kpos),
-    ));
-    body.extend(load_row(&v, param("v"), reg(index)));
-    body.extend(dk.iter().chain(&dvr).map(|&a| Stmt::Set(a, f32(0.0))));
-
-    // Shared memory: Q tile [bq][d] (rotated, scaled), dO tile [bq][dv], lse (half base 2) and
-    // D per row.
-    let (q_sh, do_sh) = (0, bq * d * 4);
-    let lse_sh = do_sh + bq * dv * 4;
-    let delta_sh = lse_sh + bq * 4;
-    let (h, head, t, i, qi) = (
-        r.add("h", Ty::I64),
-        r.add("head", Ty::I64),
-        r.add("tile", Ty::I64),
-        r.add("i", Ty::I64),
-        r.add("query", Ty::I64),
-    );
-    let (s, dp, p, ds) = (
-        r.add("s", Ty::F32),
-        r.add("dp", Ty::F32),
-        r.add("p", Ty::F32),
-        r.add("ds", Ty::F32),
-    );
-    let first = mul(reg(t), i64(bq));
-    let head_row0 = mul(add(mul(reg(batch), i64(hq)), reg(head)), param("sq"));
-    let q_offset = sub(param("skv"), param("sq"));
-    let q_pos = |row: Expr| add(add(param("p0"), q_offset.clone()), row);
-    let q_tmp = f32_regs(&mut r, "q", d);
-    let mut tile = stage(
-        &mut r,
-        plan,
-        Stage {
-            base: add(param("q"), mul(head_row0.clone(), i64(d * 4))),
-            first: first.clone(),
-            count: param("sq"),
-            width: d,
-            tile: bq,
-            shared: q_sh,
-            factor: plan.q_scale as f32,
-            rotation: Some(Rotation {
-                tmp: &q_tmp,
-                pos: &q_pos,
-            }),
-        },
-    );
-    tile.extend(stage(
-        &mut r,
-        plan,
-        Stage {
-            base: add(param("dout"), mul(head_row0.clone(), i64(dv * 4))),
-            first: first.clone(),
-            count: param("sq"),
-            width: dv,
-            tile: bq,
-            shared: do_sh,
-            factor: 1.0,
-            rotation: None,
-        },
-    ));
-    // lse (half base 2) and D of the tile's rows, by threads 0..bq.
-    tile.push(stage_row_stats(
-        param,
-        bq,
-        first.clone(),
-        head_row0,
-        [lse_sh, delta_sh],
-    ));
-    tile.push(Stmt::Barrier);
-    let lse_i = load(
-        Space::Shared,
-        Ty::F32,
-        add(mul(reg(i), i64(4)), i64(lse_sh)),
-    );
-    let delta_i = load(
-        Space::Shared,
-        Ty::F32,
-        add(mul(reg(i), i64(4)), i64(delta_sh)),
-    );
-    let pair = Pair {
-        env: Env {
-            score: reg(s),
-            batch: reg(batch),
-            head: reg(head),
-            query: q_pos(reg(qi)),
-            key: reg(kpos),
-            query_index: reg(qi),
-            key_index: reg(krow),
-        },
-        inside: bin(
-            Bin::And,
-            bin(Bin::Lt, reg(qi), param("sq")),
-            bin(Bin::Ne, lse_i.clone(), f32(f32::NEG_INFINITY)),
-        ),
-    };
-    let [pv, dsv] = probabilities(plan, &pair, lse_i, reg(dp), delta_i);
-    let q_at = add(mul(reg(i), i64(d * 4)), i64(q_sh));
-    let do_at = add(mul(reg(i), i64(dv * 4)), i64(do_sh));
-    let mut per_query = vec![
-        Stmt::Set(qi, add(first.clone(), reg(i))),
-        Stmt::Set(s, dot_shared(&k, q_at.clone())),
-        Stmt::Set(dp, dot_shared(&v, do_at.clone())),
-        Stmt::Set(p, pv),
-        Stmt::Set(ds, dsv),
-    ];
-    per_query.extend(axpy_shared(&dvr, reg(p), do_at));
-    per_query.extend(axpy_shared(&dk, reg(ds), q_at));
-    tile.push(Stmt::For {
-        reg: i,
-        start: i64(0),
-        end: i64(bq),
-        step: 1,
-        body: per_query,
-    });
-    tile.push(Stmt::Barrier);
-    let per_head = vec![
-        Stmt::Set(head, add(mul(reg(kvh), i64(group)), reg(h))),
-        Stmt::For {
-            reg: t,
-            start: i64(0),
-            end: bin(Bin::Div, add(param("sq"), i64(bq - 1)), i64(bq)),
-            step: 1,
-            body: tile,
-        },
-    ];
-    body.push(Stmt::For {
-        reg: h,
-        start: i64(0),
-        end: i64(group),
-        step: 1,
-        body: per_head,
-    });
-
-    // dk back to the unrotated k; both stored.
-    let mut store = Vec::new();
-    if let Some(rope) = &plan.rope {
-        store.extend(rotate(
-            &mut r,
-            rope,
-            &dk,
-            reg(kpos),
-            &rope_params(param),
-            true,
-        ));
-    }
-    store.extend(store_row(&dk, param("dk"), reg(index)));
-    store.extend(store_row(&dvr, param("dv"), reg(index)));
-    body.push(Stmt::If(
-        bin(Bin::Lt, reg(row), param("skv")),
-        store,
-        vec![],
-    ));
+    let (row, mut body) = KeyRow::load(plan, &mut r);
+    body.push(row.query_tiles(plan, &mut r));
+    body.push(row.store(plan, &mut r));
     kernel("backward_dkdv", r, bq * (d + dv + 2) * 4, body)
+}
+
+/// A thread's key in `backward_dkdv`: where it is (keys past Skv compute on the last key,
+/// `krow`; their results are not stored), its position and index in the call, its k (rotated)
+/// and v, and the dk and dv accumulators.
+struct KeyRow {
+    row: Reg,
+    batch: Reg,
+    kvh: Reg,
+    krow: Reg,
+    kpos: Reg,
+    index: Reg,
+    k: Vec<Reg>,
+    v: Vec<Reg>,
+    dk: Vec<Reg>,
+    dv: Vec<Reg>,
+}
+
+impl KeyRow {
+    /// The key's registers, and the statements that load it.
+    fn load(plan: &KernelPlan, r: &mut Regs) -> (KeyRow, Vec<Stmt>) {
+        let (d, dv) = (i64::from(plan.shape.qk_dim), i64::from(plan.shape.v_dim));
+        let hkv = i64::from(plan.shape.kv_heads);
+        let (row, batch, kvh) = (
+            r.add("key_row", Ty::I64),
+            r.add("batch", Ty::I64),
+            r.add("kv_head", Ty::I64),
+        );
+        let mut body = vec![
+            Stmt::Set(
+                row,
+                add(
+                    mul(special64(Special::Ctaid(0)), i64(i64::from(ROWS))),
+                    special64(Special::Tid),
+                ),
+            ),
+            Stmt::Set(batch, special64(Special::Ctaid(2))),
+            Stmt::Set(kvh, special64(Special::Ctaid(1))),
+        ];
+        let (krow, kpos, index) = (
+            r.add("k_row", Ty::I64),
+            r.add("k_pos", Ty::I64),
+            r.add("k_index", Ty::I64),
+        );
+        body.extend([
+            Stmt::Set(krow, bin(Bin::Min, reg(row), sub(param("skv"), i64(1)))),
+            Stmt::Set(kpos, add(param("p0"), reg(krow))),
+            Stmt::Set(
+                index,
+                add(
+                    mul(add(mul(reg(batch), i64(hkv)), reg(kvh)), param("skv")),
+                    reg(krow),
+                ),
+            ),
+        ]);
+        let k = f32_regs(r, "k", d);
+        let v = f32_regs(r, "v", dv);
+        let dk = f32_regs(r, "dk", d);
+        let dvr = f32_regs(r, "dv", dv);
+        body.extend(load_rotated_row(
+            r,
+            plan,
+            &k,
+            param("k"),
+            reg(index),
+            reg(kpos),
+        ));
+        body.extend(load_row(&v, param("v"), reg(index)));
+        body.extend(dk.iter().chain(&dvr).map(|&a| Stmt::Set(a, f32(0.0))));
+        let key = KeyRow {
+            row,
+            batch,
+            kvh,
+            krow,
+            kpos,
+            index,
+            k,
+            v,
+            dk,
+            dv: dvr,
+        };
+        (key, body)
+    }
+
+    /// The loops over the group's heads and their query tiles: each tile staged in shared
+    /// memory (Q `[bq][d]` rotated and scaled, dO `[bq][dv]`, lse in half base 2 and D per
+    /// row), then per query `p`, `ds`, `dv += p dO` and `dk += ds q`.
+    fn query_tiles(&self, plan: &KernelPlan, r: &mut Regs) -> Stmt {
+        let (d, dv) = (i64::from(plan.shape.qk_dim), i64::from(plan.shape.v_dim));
+        let (hq, hkv) = (i64::from(plan.shape.heads), i64::from(plan.shape.kv_heads));
+        let group = hq / hkv;
+        let bq = i64::from(key_tile(plan));
+        let (q_sh, do_sh) = (0, bq * d * 4);
+        let lse_sh = do_sh + bq * dv * 4;
+        let delta_sh = lse_sh + bq * 4;
+        let (h, head, t, i, qi) = (
+            r.add("h", Ty::I64),
+            r.add("head", Ty::I64),
+            r.add("tile", Ty::I64),
+            r.add("i", Ty::I64),
+            r.add("query", Ty::I64),
+        );
+        let (s, dp, p, ds) = (
+            r.add("s", Ty::F32),
+            r.add("dp", Ty::F32),
+            r.add("p", Ty::F32),
+            r.add("ds", Ty::F32),
+        );
+        let first = mul(reg(t), i64(bq));
+        let head_row0 = mul(add(mul(reg(self.batch), i64(hq)), reg(head)), param("sq"));
+        let q_offset = sub(param("skv"), param("sq"));
+        let q_pos = |row: Expr| add(add(param("p0"), q_offset.clone()), row);
+        let q_tmp = f32_regs(r, "q", d);
+        let mut tile = stage(
+            r,
+            plan,
+            Stage {
+                base: add(param("q"), mul(head_row0.clone(), i64(d * 4))),
+                first: first.clone(),
+                count: param("sq"),
+                width: d,
+                tile: bq,
+                shared: q_sh,
+                factor: plan.q_scale as f32,
+                rotation: Some(Rotation {
+                    tmp: &q_tmp,
+                    pos: &q_pos,
+                }),
+            },
+        );
+        tile.extend(stage(
+            r,
+            plan,
+            Stage {
+                base: add(param("dout"), mul(head_row0.clone(), i64(dv * 4))),
+                first: first.clone(),
+                count: param("sq"),
+                width: dv,
+                tile: bq,
+                shared: do_sh,
+                factor: 1.0,
+                rotation: None,
+            },
+        ));
+        // lse (half base 2) and D of the tile's rows, by threads 0..bq.
+        tile.push(stage_row_stats(
+            param,
+            bq,
+            first.clone(),
+            head_row0,
+            [lse_sh, delta_sh],
+        ));
+        tile.push(Stmt::Barrier);
+        let row_stat = |at: i64| load(Space::Shared, Ty::F32, add(mul(reg(i), i64(4)), i64(at)));
+        let (lse_i, delta_i) = (row_stat(lse_sh), row_stat(delta_sh));
+        let pair = Pair {
+            env: Env {
+                score: reg(s),
+                batch: reg(self.batch),
+                head: reg(head),
+                query: q_pos(reg(qi)),
+                key: reg(self.kpos),
+                query_index: reg(qi),
+                key_index: reg(self.krow),
+            },
+            inside: bin(
+                Bin::And,
+                bin(Bin::Lt, reg(qi), param("sq")),
+                bin(Bin::Ne, lse_i.clone(), f32(f32::NEG_INFINITY)),
+            ),
+        };
+        let [pv, dsv] = probabilities(plan, &pair, lse_i, reg(dp), delta_i);
+        let q_at = add(mul(reg(i), i64(d * 4)), i64(q_sh));
+        let do_at = add(mul(reg(i), i64(dv * 4)), i64(do_sh));
+        let mut per_query = vec![
+            Stmt::Set(qi, add(first, reg(i))),
+            Stmt::Set(s, dot_shared(&self.k, q_at.clone())),
+            Stmt::Set(dp, dot_shared(&self.v, do_at.clone())),
+            Stmt::Set(p, pv),
+            Stmt::Set(ds, dsv),
+        ];
+        per_query.extend(axpy_shared(&self.dv, reg(p), do_at));
+        per_query.extend(axpy_shared(&self.dk, reg(ds), q_at));
+        tile.push(Stmt::For {
+            reg: i,
+            start: i64(0),
+            end: i64(bq),
+            step: 1,
+            body: per_query,
+        });
+        tile.push(Stmt::Barrier);
+        let per_head = vec![
+            Stmt::Set(head, add(mul(reg(self.kvh), i64(group)), reg(h))),
+            Stmt::For {
+                reg: t,
+                start: i64(0),
+                end: bin(Bin::Div, add(param("sq"), i64(bq - 1)), i64(bq)),
+                step: 1,
+                body: tile,
+            },
+        ];
+        Stmt::For {
+            reg: h,
+            start: i64(0),
+            end: i64(group),
+            step: 1,
+            body: per_head,
+        }
+    }
+
+    /// dk back to the unrotated k; both stored, for keys inside Skv.
+    fn store(&self, plan: &KernelPlan, r: &mut Regs) -> Stmt {
+        let mut store = Vec::new();
+        if let Some(rope) = &plan.rope {
+            let tables = rope_params(param);
+            store.extend(rotate(r, rope, &self.dk, reg(self.kpos), &tables, true));
+        }
+        store.extend(store_row(&self.dk, param("dk"), reg(self.index)));
+        store.extend(store_row(&self.dv, param("dv"), reg(self.index)));
+        Stmt::If(bin(Bin::Lt, reg(self.row), param("skv")), store, vec![])
+    }
 }

@@ -191,6 +191,20 @@ impl Lane {
         ]);
         l
     }
+
+    /// A register `name` set to the lane's first row (or key): row `g` of its warp's 16 from
+    /// the CTA's `first`.
+    fn first_row(&self, r: &mut Regs, body: &mut Vec<Stmt>, name: &str, first: &Expr) -> Reg {
+        let base = r.add(name, Ty::I64);
+        body.push(Stmt::Set(
+            base,
+            add(
+                first.clone(),
+                add(mul(reg(self.warp), i64(16)), reg(self.g)),
+            ),
+        ));
+        base
+    }
 }
 
 /// A 16-bit tile in shared memory: rows `stride` bytes apart from byte `at`.
@@ -624,6 +638,202 @@ fn stage_tiles(
     out
 }
 
+/// Registers `name` set to each `ldmatrix` base address (see [`Tile::a_base`] and
+/// [`Tile::b_base`]), in order.
+fn ldmatrix_bases<const N: usize>(
+    r: &mut Regs,
+    body: &mut Vec<Stmt>,
+    bases: [(&str, Expr); N],
+) -> [Reg; N] {
+    bases.map(|(name, e)| {
+        let base = r.add(name, Ty::I64);
+        body.push(Stmt::Set(base, e));
+        base
+    })
+}
+
+/// Per row half of a `backward_tc_dq` lane: the lse in half base-2 units, D, and whether the
+/// row kept any key.
+struct RowStats {
+    lse_half: [Reg; 2],
+    delta: [Reg; 2],
+    live: [Reg; 2],
+}
+
+impl RowStats {
+    /// Loads the stats of the lane's rows `row_of(h)` (clamped into Sq) from the head's row
+    /// `head_row0`.
+    fn load(
+        r: &mut Regs,
+        body: &mut Vec<Stmt>,
+        head_row0: &Expr,
+        row_of: &dyn Fn(usize) -> Expr,
+    ) -> RowStats {
+        let lse_half = [0, 1].map(|h| r.add(format!("lse_half{h}"), Ty::F32));
+        let delta = [0, 1].map(|h| r.add(format!("delta{h}"), Ty::F32));
+        let live = [0, 1].map(|h| r.add(format!("live{h}"), Ty::Pred));
+        for h in 0..2 {
+            let index = add(
+                head_row0.clone(),
+                bin(Bin::Min, row_of(h), sub(param("sq"), i64(1))),
+            );
+            body.extend([
+                Stmt::Set(
+                    lse_half[h],
+                    mul(
+                        load(Space::Global, Ty::F32, at(param("lse"), index.clone(), 4)),
+                        f32(std::f32::consts::LOG2_E / 2.0),
+                    ),
+                ),
+                Stmt::Set(
+                    delta[h],
+                    load(Space::Global, Ty::F32, at(param("delta"), index, 4)),
+                ),
+                Stmt::Set(
+                    live[h],
+                    bin(Bin::Ne, reg(lse_half[h]), f32(f32::NEG_INFINITY)),
+                ),
+            ]);
+        }
+        RowStats {
+            lse_half,
+            delta,
+            live,
+        }
+    }
+}
+
+/// A `backward_tc_dq` key tile's products for the lane: `s[nb][i]` (S) and `dp[nb][i]` (dP)
+/// for keys `8 nb + 2 q + i % 2` of tile `tile` (`keys` keys), row half `i / 2` (row
+/// `row_of(h)` at position `pos_of(row)`).
+struct DqScores<'a> {
+    s: &'a [[Reg; 4]],
+    dp: &'a [[Reg; 4]],
+    tile: Reg,
+    keys: usize,
+    q: Reg,
+    batch: Reg,
+    head: Reg,
+    row_of: &'a dyn Fn(usize) -> Expr,
+    pos_of: &'a dyn Fn(Expr) -> Expr,
+}
+
+impl DqScores<'_> {
+    /// dS in place of S: masked pairs, keys past Skv and rows that kept no key give 0 (the
+    /// mask only on tiles of code `Masked`).
+    fn ds(&self, plan: &KernelPlan, stats: &RowStats, code: Reg) -> Stmt {
+        let scale = plan.q_scale as f32;
+        let (s, dp) = (self.s, self.dp);
+        let (mut masked, mut kept) = (Vec::new(), Vec::new());
+        let keep_mask = !matches!(plan.program.mask, M::Bool(true));
+        for nb in 0..self.keys / 8 {
+            for i in 0..4 {
+                let h = i / 2;
+                let key = add(
+                    mul(reg(self.tile), i64(self.keys as i64)),
+                    add(mul(reg(self.q), i64(2)), i64((8 * nb + i % 2) as i64)),
+                );
+                let row = (self.row_of)(h);
+                let env = Env {
+                    score: mul(reg(s[nb][i]), f32(scale)),
+                    batch: reg(self.batch),
+                    head: reg(self.head),
+                    query: (self.pos_of)(row.clone()),
+                    key: add(param("p0"), key.clone()),
+                    query_index: row,
+                    key_index: key.clone(),
+                };
+                let (lse, delta, live) = (stats.lse_half[h], stats.delta[h], stats.live[h]);
+                let (_, ds) = p_and_ds(plan, &env, reg(lse), reg(dp[nb][i]), reg(delta));
+                kept.push(Stmt::Set(s[nb][i], select(reg(live), ds.clone(), f32(0.0))));
+                let mut keep = bin(Bin::And, reg(live), bin(Bin::Lt, key, param("skv")));
+                if keep_mask {
+                    keep = bin(Bin::And, keep, program(&plan.program.mask, &env));
+                }
+                masked.push(Stmt::Set(s[nb][i], select(keep, ds, f32(0.0))));
+            }
+        }
+        by_code(code, masked, kept)
+    }
+}
+
+/// A `backward_tc_dkdv` query tile's products for the lane: `st[nb][i]` (S^T) and `dpt[nb][i]`
+/// (dP^T) for key half `i / 2` (key `key_of(h)`) and query `8 nb + 2 q + i % 2` of tile `tile`
+/// (`queries` queries, at positions `q_pos(query)`), with the tile's lse and D staged in
+/// shared memory at `stats`.
+struct DkdvScores<'a> {
+    st: &'a [[Reg; 4]],
+    dpt: &'a [[Reg; 4]],
+    tile: Reg,
+    queries: usize,
+    q: Reg,
+    batch: Reg,
+    head: Reg,
+    key_of: &'a dyn Fn(usize) -> Expr,
+    q_pos: &'a dyn Fn(Expr) -> Expr,
+    stats: [i64; 2],
+}
+
+impl DkdvScores<'_> {
+    /// P^T in place of S^T, dS^T in place of dP^T: masked pairs, queries past Sq and rows that
+    /// kept no key give 0 (the mask only on tiles of code `Masked`).
+    fn p_and_ds(&self, plan: &KernelPlan, r: &mut Regs, code: Reg) -> Stmt {
+        let (lse_q, delta_q, live) = (
+            r.add("lse_q", Ty::F32),
+            r.add("delta_q", Ty::F32),
+            r.add("live", Ty::Pred),
+        );
+        let scale = plan.q_scale as f32;
+        let (st, dpt, [lse_sh, delta_sh]) = (self.st, self.dpt, self.stats);
+        let (mut masked, mut kept) = (Vec::new(), Vec::new());
+        let keep_mask = !matches!(plan.program.mask, M::Bool(true));
+        for nb in 0..self.queries / 8 {
+            for i in 0..4 {
+                let local = add(mul(reg(self.q), i64(2)), i64((8 * nb + i % 2) as i64));
+                let query = add(mul(reg(self.tile), i64(self.queries as i64)), local.clone());
+                let key = (self.key_of)(i / 2);
+                let env = Env {
+                    score: mul(reg(st[nb][i]), f32(scale)),
+                    batch: reg(self.batch),
+                    head: reg(self.head),
+                    query: (self.q_pos)(query.clone()),
+                    key: add(param("p0"), key.clone()),
+                    query_index: query.clone(),
+                    key_index: key,
+                };
+                let stat = |at: i64| {
+                    load(
+                        Space::Shared,
+                        Ty::F32,
+                        add(mul(local.clone(), i64(4)), i64(at)),
+                    )
+                };
+                let stats = [
+                    Stmt::Set(lse_q, stat(lse_sh)),
+                    Stmt::Set(delta_q, stat(delta_sh)),
+                    Stmt::Set(live, bin(Bin::Ne, reg(lse_q), f32(f32::NEG_INFINITY))),
+                ];
+                let (p, ds) = p_and_ds(plan, &env, reg(lse_q), reg(dpt[nb][i]), reg(delta_q));
+                kept.extend(stats.clone());
+                kept.extend([
+                    Stmt::Set(dpt[nb][i], select(reg(live), ds.clone(), f32(0.0))),
+                    Stmt::Set(st[nb][i], select(reg(live), p.clone(), f32(0.0))),
+                ]);
+                let mut keep = bin(Bin::And, reg(live), bin(Bin::Lt, query, param("sq")));
+                if keep_mask {
+                    keep = bin(Bin::And, keep, program(&plan.program.mask, &env));
+                }
+                masked.extend(stats);
+                masked.extend([
+                    Stmt::Set(dpt[nb][i], select(keep.clone(), ds, f32(0.0))),
+                    Stmt::Set(st[nb][i], select(keep, p, f32(0.0))),
+                ]);
+            }
+        }
+        by_code(code, masked, kept)
+    }
+}
+
 /// `ceil(param / n)`.
 fn blocks_of(len: &str, n: i64) -> Expr {
     bin(Bin::Div, add(param(len), i64(n - 1)), i64(n))
@@ -651,14 +861,7 @@ fn dq(plan: &KernelPlan) -> Kernel {
         Stmt::Set(kvh, bin(Bin::Div, reg(head), i64(hq / hkv))),
     ]);
     let first_row = mul(special64(Special::Ctaid(0)), i64(block));
-    let row_base = r.add("row_base", Ty::I64);
-    body.push(Stmt::Set(
-        row_base,
-        add(
-            first_row.clone(),
-            add(mul(reg(lane.warp), i64(16)), reg(lane.g)),
-        ),
-    ));
+    let row_base = lane.first_row(&mut r, &mut body, "row_base", &first_row);
     // The lane's rows g and g + 8 of its warp's 16. Rows past Sq compute on the last row and
     // are not stored.
     let row_of = |h: usize| add(reg(row_base), i64(8 * h as i64));
@@ -684,52 +887,24 @@ fn dq(plan: &KernelPlan) -> Kernel {
     };
     body.extend(stage_tiles(plan, &mut r, block, sources, &span));
 
-    // Per row half: the lse in half base-2 units, D, and whether the row kept any key.
-    let lse_half = [0, 1].map(|h| r.add(format!("lse_half{h}"), Ty::F32));
-    let delta = [0, 1].map(|h| r.add(format!("delta{h}"), Ty::F32));
-    let live = [0, 1].map(|h| r.add(format!("live{h}"), Ty::Pred));
-    for h in 0..2 {
-        let index = add(
-            head_row0.clone(),
-            bin(Bin::Min, row_of(h), sub(param("sq"), i64(1))),
-        );
-        body.extend([
-            Stmt::Set(
-                lse_half[h],
-                mul(
-                    load(Space::Global, Ty::F32, at(param("lse"), index.clone(), 4)),
-                    f32(std::f32::consts::LOG2_E / 2.0),
-                ),
-            ),
-            Stmt::Set(
-                delta[h],
-                load(Space::Global, Ty::F32, at(param("delta"), index, 4)),
-            ),
-            Stmt::Set(
-                live[h],
-                bin(Bin::Ne, reg(lse_half[h]), f32(f32::NEG_INFINITY)),
-            ),
-        ]);
-    }
+    let stats = RowStats::load(&mut r, &mut body, &head_row0, &row_of);
 
     let acc = frags(&mut r, "dq", d / 8, Ty::F32);
     for x in acc.iter().flatten() {
         body.push(Stmt::Set(*x, f32(0.0)));
     }
     let warp_row = mul(reg(lane.warp), i64(16));
-    let bases = [
-        ("q_a", q_t.a_base(warp_row.clone())),
-        ("do_a", do_t.a_base(warp_row)),
-        ("k_b", k_t.b_base()),
-        ("v_b", v_t.b_base()),
-        ("k_bt", k_t.a_base(i64(0))),
-    ]
-    .map(|(name, e)| {
-        let base = r.add(name, Ty::I64);
-        body.push(Stmt::Set(base, e));
-        base
-    });
-    let [q_a, do_a, k_b, v_b, k_bt] = bases;
+    let [q_a, do_a, k_b, v_b, k_bt] = ldmatrix_bases(
+        &mut r,
+        &mut body,
+        [
+            ("q_a", q_t.a_base(warp_row.clone())),
+            ("do_a", do_t.a_base(warp_row)),
+            ("k_b", k_t.b_base()),
+            ("v_b", v_t.b_base()),
+            ("k_bt", k_t.a_base(i64(0))),
+        ],
+    );
     let x = Scratch::new(&mut r);
 
     let (t, code) = (r.add("tile", Ty::I64), r.add("code", Ty::I32));
@@ -758,38 +933,18 @@ fn dq(plan: &KernelPlan) -> Kernel {
     mma_rows(&mut run, qk, &s, q_a, k_b, k_t.stride, d, &x);
     mma_rows(&mut run, half, &dp, do_a, v_b, v_t.stride, dv, &x);
 
-    // dS in place of S: masked pairs, keys past Skv and rows that kept no key give 0.
-    let (mut masked, mut kept) = (Vec::new(), Vec::new());
-    let keep_mask = !matches!(plan.program.mask, M::Bool(true));
-    for nb in 0..bc / 8 {
-        for i in 0..4 {
-            let h = i / 2;
-            let key = add(
-                mul(reg(t), i64(bc as i64)),
-                add(mul(reg(lane.q), i64(2)), i64((8 * nb + i % 2) as i64)),
-            );
-            let env = Env {
-                score: mul(reg(s[nb][i]), f32(scale)),
-                batch: reg(batch),
-                head: reg(head),
-                query: pos_of(row_of(h)),
-                key: add(param("p0"), key.clone()),
-                query_index: row_of(h),
-                key_index: key.clone(),
-            };
-            let (_, ds) = p_and_ds(plan, &env, reg(lse_half[h]), reg(dp[nb][i]), reg(delta[h]));
-            kept.push(Stmt::Set(
-                s[nb][i],
-                select(reg(live[h]), ds.clone(), f32(0.0)),
-            ));
-            let mut keep = bin(Bin::And, reg(live[h]), bin(Bin::Lt, key, param("skv")));
-            if keep_mask {
-                keep = bin(Bin::And, keep, program(&plan.program.mask, &env));
-            }
-            masked.push(Stmt::Set(s[nb][i], select(keep, ds, f32(0.0))));
-        }
-    }
-    run.push(by_code(code, masked, kept));
+    let scores = DqScores {
+        s: &s,
+        dp: &dp,
+        tile: t,
+        keys: bc,
+        q: lane.q,
+        batch,
+        head,
+        row_of: &row_of,
+        pos_of: &pos_of,
+    };
+    run.push(scores.ds(plan, &stats, code));
 
     // dQ += dS K.
     let ds_a = frags(&mut r, "ds_a", bc / 16, Ty::I32);
@@ -834,7 +989,6 @@ fn dkdv(plan: &KernelPlan) -> Kernel {
     let group = hq / hkv;
     let bq = inner_tile(plan) as usize;
     let block = i64::from(BLOCK);
-    let scale = plan.q_scale as f32;
     let mut r = Regs { list: Vec::new() };
     let mut body = Vec::new();
     let lane = Lane::new(&mut r, &mut body);
@@ -844,14 +998,7 @@ fn dkdv(plan: &KernelPlan) -> Kernel {
         Stmt::Set(kvh, special64(Special::Ctaid(1))),
     ]);
     let first_key = mul(special64(Special::Ctaid(0)), i64(block));
-    let key_base = r.add("key_base", Ty::I64);
-    body.push(Stmt::Set(
-        key_base,
-        add(
-            first_key.clone(),
-            add(mul(reg(lane.warp), i64(16)), reg(lane.g)),
-        ),
-    ));
+    let key_base = lane.first_row(&mut r, &mut body, "key_base", &first_key);
     // The lane's keys g and g + 8 of its warp's 16; keys past Skv compute on the last key and
     // are not stored.
     let key_of = |h: usize| add(reg(key_base), i64(8 * h as i64));
@@ -885,20 +1032,18 @@ fn dkdv(plan: &KernelPlan) -> Kernel {
         body.push(Stmt::Set(*x, f32(0.0)));
     }
     let warp_row = mul(reg(lane.warp), i64(16));
-    let bases = [
-        ("k_a", k_t.a_base(warp_row.clone())),
-        ("v_a", v_t.a_base(warp_row)),
-        ("q_b", q_t.b_base()),
-        ("do_b", do_t.b_base()),
-        ("q_bt", q_t.a_base(i64(0))),
-        ("do_bt", do_t.a_base(i64(0))),
-    ]
-    .map(|(name, e)| {
-        let base = r.add(name, Ty::I64);
-        body.push(Stmt::Set(base, e));
-        base
-    });
-    let [k_a, v_a, q_b, do_b, q_bt, do_bt] = bases;
+    let [k_a, v_a, q_b, do_b, q_bt, do_bt] = ldmatrix_bases(
+        &mut r,
+        &mut body,
+        [
+            ("k_a", k_t.a_base(warp_row.clone())),
+            ("v_a", v_t.a_base(warp_row)),
+            ("q_b", q_t.b_base()),
+            ("do_b", do_t.b_base()),
+            ("q_bt", q_t.a_base(i64(0))),
+            ("do_bt", do_t.a_base(i64(0))),
+        ],
+    );
     let x = Scratch::new(&mut r);
 
     let (h, head, t, code) = (
@@ -942,64 +1087,19 @@ fn dkdv(plan: &KernelPlan) -> Kernel {
 
     // P^T in place of S^T, dS^T in place of dP^T: masked pairs, queries past Sq and rows that
     // kept no key give 0.
-    let (lse_q, delta_q, live) = (
-        r.add("lse_q", Ty::F32),
-        r.add("delta_q", Ty::F32),
-        r.add("live", Ty::Pred),
-    );
-    let (mut masked, mut kept) = (Vec::new(), Vec::new());
-    let keep_mask = !matches!(plan.program.mask, M::Bool(true));
-    for nb in 0..bq / 8 {
-        for i in 0..4 {
-            let local = add(mul(reg(lane.q), i64(2)), i64((8 * nb + i % 2) as i64));
-            let query = add(mul(reg(t), i64(bq as i64)), local.clone());
-            let key = key_of(i / 2);
-            let env = Env {
-                score: mul(reg(st[nb][i]), f32(scale)),
-                batch: reg(batch),
-                head: reg(head),
-                query: q_pos(query.clone()),
-                key: add(param("p0"), key.clone()),
-                query_index: query.clone(),
-                key_index: key,
-            };
-            let stats = [
-                Stmt::Set(
-                    lse_q,
-                    load(
-                        Space::Shared,
-                        Ty::F32,
-                        add(mul(local.clone(), i64(4)), i64(lse_sh as i64)),
-                    ),
-                ),
-                Stmt::Set(
-                    delta_q,
-                    load(
-                        Space::Shared,
-                        Ty::F32,
-                        add(mul(local, i64(4)), i64(delta_sh as i64)),
-                    ),
-                ),
-                Stmt::Set(live, bin(Bin::Ne, reg(lse_q), f32(f32::NEG_INFINITY))),
-            ];
-            let (p, ds) = p_and_ds(plan, &env, reg(lse_q), reg(dpt[nb][i]), reg(delta_q));
-            kept.extend(stats.clone());
-            kept.extend([
-                Stmt::Set(dpt[nb][i], select(reg(live), ds.clone(), f32(0.0))),
-                Stmt::Set(st[nb][i], select(reg(live), p.clone(), f32(0.0))),
-            ]);
-            let mut keep = bin(Bin::And, reg(live), bin(Bin::Lt, query, param("sq")));
-            if keep_mask {
-                keep = bin(Bin::And, keep, program(&plan.program.mask, &env));
-            }
-            masked.extend(stats);
-            masked.extend([
-                Stmt::Set(dpt[nb][i], select(keep.clone(), ds, f32(0.0))),
-                Stmt::Set(st[nb][i], select(keep, p, f32(0.0))),
-            ]);
-        }
-    }
-    run.push(by_code(code, masked, kept));
+    let scores = DkdvScores {
+        st: &st,
+        dpt: &dpt,
+        tile: t,
+        queries: bq,
+        q: lane.q,
+        batch,
+        head,
+        key_of: &key_of,
+        q_pos: &q_pos,
+        stats: [lse_sh as i64, delta_sh as i64],
+    };
+    run.push(scores.p_and_ds(plan, &mut r, code));
 
     // dV += P^T dO and dK += dS^T Q.
     let p_a = frags(&mut r, "p_a", bq / 16, Ty::I32);
@@ -1020,30 +1120,39 @@ fn dkdv(plan: &KernelPlan) -> Kernel {
         body: per_head,
     });
 
-    // dk = scale * dS^T Q, rotated back to the unrotated k; dv as it is; keys inside Skv
-    // stored.
-    body.extend(finish_rows(
+    body.extend(store_dkdv(
         &mut r,
         plan,
-        &dk,
+        [&dk, &dva],
         lane.q,
-        [0, 1].map(|h| {
-            add(
-                param("p0"),
-                bin(Bin::Min, key_of(h), sub(param("skv"), i64(1))),
-            )
-        }),
-        scale,
+        &kv_row0,
+        &key_of,
     ));
+    kernel("backward_tc_dkdv", r, shared_bytes, body)
+}
+
+/// dk = scale * dS^T Q, rotated back to the unrotated k; dv as it is; the lane's keys
+/// `key_of(h)` inside Skv stored (at `kv_row0` plus the key).
+fn store_dkdv(
+    r: &mut Regs,
+    plan: &KernelPlan,
+    [dk, dv]: [&[[Reg; 4]]; 2],
+    q: Reg,
+    kv_row0: &Expr,
+    key_of: &dyn Fn(usize) -> Expr,
+) -> Vec<Stmt> {
+    let last_key = sub(param("skv"), i64(1));
+    let pos = [0, 1].map(|h| add(param("p0"), bin(Bin::Min, key_of(h), last_key.clone())));
+    let mut body = finish_rows(r, plan, dk, q, pos, plan.q_scale as f32);
     for h in 0..2 {
         let row = add(kv_row0.clone(), key_of(h));
-        let mut store = store_rows(&dk, h, lane.q, param("dk"), row.clone());
-        store.extend(store_rows(&dva, h, lane.q, param("dv"), row));
+        let mut store = store_rows(dk, h, q, param("dk"), row.clone());
+        store.extend(store_rows(dv, h, q, param("dv"), row));
         body.push(Stmt::If(
             bin(Bin::Lt, key_of(h), param("skv")),
             store,
             vec![],
         ));
     }
-    kernel("backward_tc_dkdv", r, shared_bytes, body)
+    body
 }

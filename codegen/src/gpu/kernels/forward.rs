@@ -10,11 +10,12 @@
 
 use super::{
     Env, Regs, exp2_twice, lse_of_half, param, program, reciprocal, rope_params, rotate, special64,
+    tile_code,
 };
 use crate::gpu::ir::build::*;
 use crate::gpu::ir::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty, Un};
 use crate::gpu::launch::{ForwardArgs, LaunchRecord};
-use crate::plan::{KernelPlan, PlanKind, TileCode};
+use crate::plan::{KernelPlan, PlanKind, RopePrologue, TileCode};
 use attn_dsl::modifier::Expr as M;
 
 /// Query rows (threads) per CTA.
@@ -39,194 +40,24 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         PlanKind::Forward,
         "the GPU forward kernel lowers forward plans"
     );
-    let (d, dv) = (plan.shape.qk_dim as i64, plan.shape.v_dim as i64);
-    let (hq, hkv) = (plan.shape.heads as i64, plan.shape.kv_heads as i64);
-    let bc = key_tile(plan) as i64;
-    let rows = i64::from(ROWS);
     let mut r = Regs { list: Vec::new() };
-    let mut body = Vec::new();
-
-    // Where this thread is.
-    let (row, batch, head, kvh) = (
-        r.add("row", Ty::I64),
-        r.add("batch", Ty::I64),
-        r.add("head", Ty::I64),
-        r.add("kv_head", Ty::I64),
-    );
-    body.push(Stmt::Set(
-        row,
-        add(
-            mul(special64(Special::Ctaid(0)), i64(rows)),
-            special64(Special::Tid),
-        ),
-    ));
-    body.push(Stmt::Set(batch, special64(Special::Ctaid(2))));
-    body.push(Stmt::Set(head, special64(Special::Ctaid(1))));
-    body.push(Stmt::Set(kvh, bin(Bin::Div, reg(head), i64(hq / hkv))));
-    let valid = bin(Bin::Lt, reg(row), param("sq"));
-    // Rows past Sq compute on the last row (their results are not stored).
-    let qrow = r.add("q_row", Ty::I64);
-    body.push(Stmt::Set(
-        qrow,
-        bin(Bin::Min, reg(row), sub(param("sq"), i64(1))),
-    ));
-    let qpos = r.add("q_pos", Ty::I64);
-    body.push(Stmt::Set(
-        qpos,
-        add(add(param("p0"), sub(param("skv"), param("sq"))), reg(qrow)),
-    ));
-
-    // q: loaded, rotated, scaled (the score scale and log2 e, hoisted by the plan).
-    let q: Vec<Reg> = (0..d).map(|i| r.add(format!("q{i}"), Ty::F32)).collect();
-    let q_base = mul(
-        add(
-            mul(add(mul(reg(batch), i64(hq)), reg(head)), param("sq")),
-            reg(qrow),
-        ),
-        i64(d * 4),
-    );
-    for (i, &qi) in q.iter().enumerate() {
-        let addr = add(param("q"), add(q_base.clone(), i64(4 * i as i64)));
-        body.push(Stmt::Set(qi, load(Space::Global, Ty::F32, addr)));
-    }
-    if let Some(rope) = &plan.rope {
-        body.extend(rotate(
-            &mut r,
-            rope,
-            &q,
-            reg(qpos),
-            &rope_params(param),
-            false,
-        ));
-    }
+    let (at, mut body) = Thread::locate(plan, &mut r);
+    let (d, dv, bc) = (at.d, at.dv, at.bc);
+    let rows = i64::from(ROWS);
+    let q = at.load_q(plan, &mut r, &mut body);
     let (m, l, acc) = scaled_q_and_running_state(plan, &mut r, &mut body, &q, dv);
 
     // Shared memory: K tile [bc][d], V tile [bc][dv], scores [ROWS][bc].
-    let k_sh = 0;
-    let v_sh = k_sh + bc * d * 4;
-    let s_sh = v_sh + bc * dv * 4;
-    let shared_bytes = s_sh + rows * bc * 4;
+    let shared = TileShared {
+        k: 0,
+        v: bc * d * 4,
+        s: bc * d * 4 + bc * dv * 4,
+        keys: bc,
+    };
+    let shared_bytes = shared.s + rows * bc * 4;
 
     let (t, code) = (r.add("tile", Ty::I64), r.add("code", Ty::I32));
-    let n_tiles = bin(Bin::Div, add(param("skv"), i64(bc - 1)), i64(bc));
-    let n_qblocks = bin(Bin::Div, add(param("sq"), i64(rows - 1)), i64(rows));
-    let mut tile_body = Vec::new();
-    // codes[head][qblock][tile], one i32 each.
-    let code_index = add(
-        mul(
-            add(mul(reg(head), n_qblocks), special64(Special::Ctaid(0))),
-            n_tiles.clone(),
-        ),
-        reg(t),
-    );
-    tile_body.push(Stmt::Set(
-        code,
-        load(Space::Global, Ty::I32, at(param("codes"), code_index, 4)),
-    ));
-    let run_tile = bin(
-        Bin::Ne,
-        reg(code),
-        Expr::Int(TileCode::Skip as i64, Ty::I32),
-    );
-    let mut run = Vec::new();
-
-    // Stage the tile (zeros past Skv). Rows RoPE rotates (K with RoPE): thread j < bc loads key
-    // t*bc + j into registers, rotates it and stores it. Everything else: element c of the
-    // tile's region by thread c % ROWS in a loop, coalesced (an unrolled row per thread had
-    // ptxas hoist every load and spill).
-    let rotated = plan.rope.is_some();
-    let tid = special64(Special::Tid);
-    let element = r.add("stage_element", Ty::I64);
-    let kv_base = mul(add(mul(reg(batch), i64(hkv)), reg(kvh)), param("skv"));
-    let regions = [(!rotated, "k", d, k_sh), (true, "v", dv, v_sh)];
-    for (by_element, name, width, shared) in regions {
-        if !by_element {
-            continue;
-        }
-        let key = add(
-            mul(reg(t), i64(bc)),
-            bin(Bin::Div, reg(element), i64(width)),
-        );
-        let src = add(
-            param(name),
-            mul(
-                add(
-                    mul(
-                        add(
-                            kv_base.clone(),
-                            bin(Bin::Min, key.clone(), sub(param("skv"), i64(1))),
-                        ),
-                        i64(width),
-                    ),
-                    bin(Bin::Rem, reg(element), i64(width)),
-                ),
-                i64(4),
-            ),
-        );
-        run.push(Stmt::For {
-            reg: element,
-            start: tid.clone(),
-            end: i64(bc * width),
-            step: rows,
-            body: vec![Stmt::Store(
-                Space::Shared,
-                add(mul(reg(element), i64(4)), i64(shared)),
-                select(
-                    bin(Bin::Lt, key, param("skv")),
-                    load(Space::Global, Ty::F32, src),
-                    f32(0.0),
-                ),
-            )],
-        });
-    }
-    if let Some(rope) = &plan.rope {
-        let (key_l, kv_row) = (r.add("load_key", Ty::I64), r.add("load_row", Ty::I64));
-        let kv_tmp: Vec<Reg> = (0..d).map(|i| r.add(format!("k{i}"), Ty::F32)).collect();
-        let mut stage = vec![
-            Stmt::Set(key_l, add(mul(reg(t), i64(bc)), tid.clone())),
-            Stmt::Set(
-                kv_row,
-                add(
-                    mul(add(mul(reg(batch), i64(hkv)), reg(kvh)), param("skv")),
-                    bin(Bin::Min, reg(key_l), sub(param("skv"), i64(1))),
-                ),
-            ),
-        ];
-        let inside_l = bin(Bin::Lt, reg(key_l), param("skv"));
-        for (i, &ki) in kv_tmp.iter().enumerate() {
-            let addr = add(
-                param("k"),
-                add(mul(reg(kv_row), i64(d * 4)), i64(4 * i as i64)),
-            );
-            stage.push(Stmt::Set(
-                ki,
-                select(
-                    inside_l.clone(),
-                    load(Space::Global, Ty::F32, addr),
-                    f32(0.0),
-                ),
-            ));
-        }
-        // Keys past Skv (zeros) rotate at the last position, inside the tables.
-        let pos = add(
-            param("p0"),
-            bin(Bin::Min, reg(key_l), sub(param("skv"), i64(1))),
-        );
-        stage.extend(rotate(
-            &mut r,
-            rope,
-            &kv_tmp,
-            pos,
-            &rope_params(param),
-            false,
-        ));
-        for (i, &ki) in kv_tmp.iter().enumerate() {
-            let addr = add(mul(tid.clone(), i64(d * 4)), i64(k_sh + 4 * i as i64));
-            stage.push(Stmt::Store(Space::Shared, addr, reg(ki)));
-        }
-        run.push(Stmt::If(bin(Bin::Lt, tid.clone(), i64(bc)), stage, vec![]));
-    }
-    run.push(Stmt::Barrier);
+    let mut run = at.stage_tile(plan, &mut r, t, &shared);
 
     // Pass 1 (scores through the program and mask, into shared; the max), the rescale, pass 2.
     let (j, key) = (r.add("j", Ty::I64), r.add("key", Ty::I64));
@@ -235,12 +66,6 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         acc: &acc,
         m,
         l,
-    };
-    let shared = TileShared {
-        k: k_sh,
-        v: v_sh,
-        s: s_sh,
-        keys: bc,
     };
     run.extend(simt_tile(
         &mut r,
@@ -261,29 +86,40 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         },
         |score| Env {
             score,
-            batch: reg(batch),
-            head: reg(head),
-            query: reg(qpos),
+            batch: reg(at.batch),
+            head: reg(at.head),
+            query: reg(at.qpos),
             key: add(param("p0"), reg(key)),
-            query_index: reg(row),
+            query_index: reg(at.row),
             key_index: reg(key),
         },
     ));
     run.push(Stmt::Barrier);
-    tile_body.push(Stmt::If(run_tile, run, vec![]));
+    let run_tile = bin(
+        Bin::Ne,
+        reg(code),
+        Expr::Int(TileCode::Skip as i64, Ty::I32),
+    );
     body.push(Stmt::For {
         reg: t,
         start: i64(0),
-        end: n_tiles,
+        end: bin(Bin::Div, add(param("skv"), i64(bc - 1)), i64(bc)),
         step: 1,
-        body: tile_body,
+        body: vec![
+            Stmt::Set(code, tile_code(at.head, [rows, bc], reg(t))),
+            Stmt::If(run_tile, run, vec![]),
+        ],
     });
 
     // Epilogue: out = acc / l, lse = (m + log2 l) ln 2; rows with no kept key: 0 and -inf.
     let out_row = add(
-        mul(add(mul(reg(batch), i64(hq)), reg(head)), param("sq")),
-        reg(row),
+        mul(
+            add(mul(reg(at.batch), i64(at.hq)), reg(at.head)),
+            param("sq"),
+        ),
+        reg(at.row),
     );
+    let valid = bin(Bin::Lt, reg(at.row), param("sq"));
     body.push(simt_epilogue(
         &row_state,
         param("out"),
@@ -300,6 +136,199 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         threads: ROWS,
         ctas_per_sm: 2,
         body,
+    }
+}
+
+/// Where this thread is: its row (and the row it computes on, `qrow`: rows past Sq compute on
+/// the last row, their results not stored), that row's position, its batch, head and KV head;
+/// with the plan's sizes.
+struct Thread {
+    row: Reg,
+    batch: Reg,
+    head: Reg,
+    kvh: Reg,
+    qrow: Reg,
+    qpos: Reg,
+    /// Head dims of Q and K, and of V.
+    d: i64,
+    dv: i64,
+    /// Query and KV heads.
+    hq: i64,
+    hkv: i64,
+    /// Keys per tile.
+    bc: i64,
+}
+
+impl Thread {
+    /// The thread's registers, and the statements that set them.
+    fn locate(plan: &KernelPlan, r: &mut Regs) -> (Thread, Vec<Stmt>) {
+        let (hq, hkv) = (plan.shape.heads as i64, plan.shape.kv_heads as i64);
+        let at = Thread {
+            row: r.add("row", Ty::I64),
+            batch: r.add("batch", Ty::I64),
+            head: r.add("head", Ty::I64),
+            kvh: r.add("kv_head", Ty::I64),
+            qrow: r.add("q_row", Ty::I64),
+            qpos: r.add("q_pos", Ty::I64),
+            d: plan.shape.qk_dim as i64,
+            dv: plan.shape.v_dim as i64,
+            hq,
+            hkv,
+            bc: key_tile(plan) as i64,
+        };
+        let body = vec![
+            Stmt::Set(
+                at.row,
+                add(
+                    mul(special64(Special::Ctaid(0)), i64(i64::from(ROWS))),
+                    special64(Special::Tid),
+                ),
+            ),
+            Stmt::Set(at.batch, special64(Special::Ctaid(2))),
+            Stmt::Set(at.head, special64(Special::Ctaid(1))),
+            Stmt::Set(at.kvh, bin(Bin::Div, reg(at.head), i64(hq / hkv))),
+            Stmt::Set(
+                at.qrow,
+                bin(Bin::Min, reg(at.row), sub(param("sq"), i64(1))),
+            ),
+            Stmt::Set(
+                at.qpos,
+                add(
+                    add(param("p0"), sub(param("skv"), param("sq"))),
+                    reg(at.qrow),
+                ),
+            ),
+        ];
+        (at, body)
+    }
+
+    /// q: loaded and rotated (the scale comes with the running state).
+    fn load_q(&self, plan: &KernelPlan, r: &mut Regs, body: &mut Vec<Stmt>) -> Vec<Reg> {
+        let d = self.d;
+        let q: Vec<Reg> = (0..d).map(|i| r.add(format!("q{i}"), Ty::F32)).collect();
+        let q_base = mul(
+            add(
+                mul(
+                    add(mul(reg(self.batch), i64(self.hq)), reg(self.head)),
+                    param("sq"),
+                ),
+                reg(self.qrow),
+            ),
+            i64(d * 4),
+        );
+        for (i, &qi) in q.iter().enumerate() {
+            let addr = add(param("q"), add(q_base.clone(), i64(4 * i as i64)));
+            body.push(Stmt::Set(qi, load(Space::Global, Ty::F32, addr)));
+        }
+        if let Some(rope) = &plan.rope {
+            let tables = rope_params(param);
+            body.extend(rotate(r, rope, &q, reg(self.qpos), &tables, false));
+        }
+        q
+    }
+
+    /// Row 0 of (batch, KV head) in K and V.
+    fn kv_base(&self) -> Expr {
+        mul(
+            add(mul(reg(self.batch), i64(self.hkv)), reg(self.kvh)),
+            param("skv"),
+        )
+    }
+
+    /// Stage tile `t` (zeros past Skv). Rows RoPE rotates (K with RoPE): thread j < bc loads
+    /// key t*bc + j into registers, rotates it and stores it. Everything else: element c of
+    /// the tile's region by thread c % ROWS in a loop, coalesced (an unrolled row per thread
+    /// had ptxas hoist every load and spill). Ends with a barrier.
+    fn stage_tile(&self, plan: &KernelPlan, r: &mut Regs, t: Reg, sh: &TileShared) -> Vec<Stmt> {
+        let (d, dv, bc) = (self.d, self.dv, self.bc);
+        let rotated = plan.rope.is_some();
+        let tid = special64(Special::Tid);
+        let element = r.add("stage_element", Ty::I64);
+        let mut run = Vec::new();
+        let regions = [(!rotated, "k", d, sh.k), (true, "v", dv, sh.v)];
+        for (by_element, name, width, shared) in regions {
+            if !by_element {
+                continue;
+            }
+            let key = add(
+                mul(reg(t), i64(bc)),
+                bin(Bin::Div, reg(element), i64(width)),
+            );
+            let row = add(
+                self.kv_base(),
+                bin(Bin::Min, key.clone(), sub(param("skv"), i64(1))),
+            );
+            let src = add(
+                param(name),
+                mul(
+                    add(
+                        mul(row, i64(width)),
+                        bin(Bin::Rem, reg(element), i64(width)),
+                    ),
+                    i64(4),
+                ),
+            );
+            run.push(Stmt::For {
+                reg: element,
+                start: tid.clone(),
+                end: i64(bc * width),
+                step: i64::from(ROWS),
+                body: vec![Stmt::Store(
+                    Space::Shared,
+                    add(mul(reg(element), i64(4)), i64(shared)),
+                    select(
+                        bin(Bin::Lt, key, param("skv")),
+                        load(Space::Global, Ty::F32, src),
+                        f32(0.0),
+                    ),
+                )],
+            });
+        }
+        if let Some(rope) = &plan.rope {
+            let stage = self.stage_rotated_k(r, rope, t, sh.k);
+            run.push(Stmt::If(bin(Bin::Lt, tid, i64(bc)), stage, vec![]));
+        }
+        run.push(Stmt::Barrier);
+        run
+    }
+
+    /// Thread j's key of tile `t` loaded, rotated by RoPE and stored at row j of the K tile
+    /// (at `k_sh`).
+    fn stage_rotated_k(&self, r: &mut Regs, rope: &RopePrologue, t: Reg, k_sh: i64) -> Vec<Stmt> {
+        let (d, bc, tid) = (self.d, self.bc, special64(Special::Tid));
+        let (key_l, kv_row) = (r.add("load_key", Ty::I64), r.add("load_row", Ty::I64));
+        let kv_tmp: Vec<Reg> = (0..d).map(|i| r.add(format!("k{i}"), Ty::F32)).collect();
+        let last_key = sub(param("skv"), i64(1));
+        let mut stage = vec![
+            Stmt::Set(key_l, add(mul(reg(t), i64(bc)), tid.clone())),
+            Stmt::Set(
+                kv_row,
+                add(self.kv_base(), bin(Bin::Min, reg(key_l), last_key.clone())),
+            ),
+        ];
+        let inside_l = bin(Bin::Lt, reg(key_l), param("skv"));
+        for (i, &ki) in kv_tmp.iter().enumerate() {
+            let addr = add(
+                param("k"),
+                add(mul(reg(kv_row), i64(d * 4)), i64(4 * i as i64)),
+            );
+            stage.push(Stmt::Set(
+                ki,
+                select(
+                    inside_l.clone(),
+                    load(Space::Global, Ty::F32, addr),
+                    f32(0.0),
+                ),
+            ));
+        }
+        // Keys past Skv (zeros) rotate at the last position, inside the tables.
+        let pos = add(param("p0"), bin(Bin::Min, reg(key_l), last_key));
+        stage.extend(rotate(r, rope, &kv_tmp, pos, &rope_params(param), false));
+        for (i, &ki) in kv_tmp.iter().enumerate() {
+            let addr = add(mul(tid.clone(), i64(d * 4)), i64(k_sh + 4 * i as i64));
+            stage.push(Stmt::Store(Space::Shared, addr, reg(ki)));
+        }
+        stage
     }
 }
 
