@@ -250,6 +250,39 @@ fn key_splits(units: usize, tiles: usize, unit_values: usize) -> usize {
     wanted.div_ceil(units).min(tiles).min(by_memory).max(1)
 }
 
+/// A task's rows once prepared ([`Task::prepare`]): the group's queries (rotated and scaled),
+/// output gradients, lse and D; its keys as the scores saw them; K and V packed into tiles.
+struct TaskRows<'s> {
+    q: &'s [f32],
+    dout: &'s [f32],
+    lse: &'s [f32],
+    delta: &'s [f32],
+    keys: &'s [f32],
+    kt: &'s [f32],
+    vt: &'s [f32],
+}
+
+/// A tile's scores and probabilities (`s`), dP and dS (`dp`), and the spans of their nonzero
+/// rows and columns.
+struct Products<'s> {
+    s: &'s mut [f32],
+    dp: &'s mut [f32],
+    by_row: [u32; 2 * K],
+    by_col: [u32; 2 * K],
+}
+
+/// Where a tile is: head `h` of the group (`head` in the call), key tile `tile` of `cols` keys,
+/// the `n` live query rows from `r0`, and its code.
+struct TileAt {
+    h: usize,
+    head: usize,
+    tile: usize,
+    cols: usize,
+    r0: usize,
+    n: usize,
+    code: TileCode,
+}
+
 /// One (batch, kv head) of a call, or one split of its key tiles.
 struct Task<'a> {
     plan: &'a KernelPlan,
@@ -266,24 +299,10 @@ impl Task<'_> {
     /// Accumulates the task's gradients into `dq` (its group's query heads), `dk` and `dv`.
     fn run(&self, scratch: &mut Scratch, dq: &mut [f32], dk: &mut [f32], dv_acc: &mut [f32]) {
         let plan = self.plan;
-        let x = self.x;
         let (hq, hkv) = (plan.shape.heads as usize, plan.shape.kv_heads as usize);
-        let (d, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
-        let (sq, skv, p0) = (x.sq, x.skv, x.position_offset);
+        let (sq, skv, p0) = (self.x.sq, self.x.skv, self.x.position_offset);
         let group = hq / hkv;
         let h0 = self.kvh * group;
-        let q_pos0 = p0 + skv as i64 - sq as i64;
-
-        // This task's rows: the group's queries, outputs and output gradients; its keys and
-        // values.
-        let heads = |width: usize| {
-            let start = (self.b * hq + h0) * sq * width;
-            start..start + group * sq * width
-        };
-        let kv = |width: usize| {
-            let start = (self.b * hkv + self.kvh) * skv * width;
-            start..start + skv * width
-        };
         let Scratch {
             q,
             delta,
@@ -293,36 +312,14 @@ impl Task<'_> {
             s,
             dp,
         } = scratch;
-        copy_into(q, &x.q[heads(d)]);
-        let dout = &x.dout[heads(dv)];
-        let out = &x.out[heads(dv)];
-        let lse = &x.lse[heads(1)];
-        delta.clear();
-        delta.extend(
-            dout.chunks_exact(dv)
-                .zip(out.chunks_exact(dv))
-                .map(|(g, o)| dot(g, o)),
-        );
-        for h in 0..group {
-            self.rotate(
-                &mut q[h * sq * d..(h + 1) * sq * d],
-                q_pos0,
-                plan.q_scale as f32,
-                false,
-            );
-        }
-        // The keys as the scores saw them: rotated into scratch under RoPE, else read in place.
-        let key_rows: &[f32] = if plan.rope.is_some() {
-            copy_into(k, &x.k[kv(d)]);
-            self.rotate(k, p0, 1.0, false);
-            k
-        } else {
-            &x.k[kv(d)]
+        let rows = self.prepare([q, delta, k, kt, vt]);
+        let mut products = Products {
+            s: sized(s, K * K),
+            dp: sized(dp, K * K),
+            by_row: [0u32; 2 * K],
+            by_col: [0u32; 2 * K],
         };
-        pack(key_rows, d, skv, sized(kt, skv.div_ceil(K) * d * K));
-        pack(&x.v[kv(dv)], dv, skv, sized(vt, skv.div_ceil(K) * dv * K));
-        let (s, dp) = (sized(s, K * K), sized(dp, K * K));
-        let (mut by_row, mut by_col) = ([0u32; 2 * K], [0u32; 2 * K]);
+        let mut grads = [dq, dk, dv_acc];
 
         let blocks = sq.div_ceil(K);
         let (split, splits) = self.tiles;
@@ -346,117 +343,202 @@ impl Task<'_> {
                         let cols = (skv - first_key).min(K);
                         let keys = Interval::new(first_key as i64, (first_key + cols - 1) as i64);
                         let q0 = block * K;
-                        let rows = Interval::new(q0 as i64, ((q0 + K).min(sq) - 1) as i64);
-                        let code = plan.tile_code(rows, keys, call, cols == K);
+                        let span = Interval::new(q0 as i64, ((q0 + K).min(sq) - 1) as i64);
+                        let code = plan.tile_code(span, keys, call, cols == K);
                         let live = match code {
                             TileCode::Skip => continue,
-                            TileCode::Full => Some(rows),
-                            TileCode::Masked => plan.live_rows(rows, keys, call),
+                            TileCode::Full => Some(span),
+                            TileCode::Masked => plan.live_rows(span, keys, call),
                         };
                         let Some(live) = live else { continue };
-                        let (r0, n) = (live.lo as usize, (live.hi - live.lo + 1) as usize);
-                        let row = h * sq + r0;
-                        // SAFETY: every pointer addresses the ranges the microkernel and
-                        // GradTileArgs contracts require: `n <= K` rows of q (`d` wide) and of dout
-                        // (`dv` wide) from row `row` of this task's arrays, one packed tile of K and
-                        // of V, `n * K` scores and dP values, `n` lse and D values, `cols` rows of
-                        // k, and `cols` / `n` rows of the dk, dv and dq accumulators.
-                        unsafe {
-                            (self.kernels.qk)(
-                                q.as_ptr().add(row * d),
-                                d as i64,
-                                n as i64,
-                                d as i64,
-                                kt.as_ptr().add(tile * d * K),
-                                s.as_mut_ptr(),
-                                std::ptr::null_mut(),
-                            );
-                            (self.kernels.qk)(
-                                dout.as_ptr().add(row * dv),
-                                dv as i64,
-                                n as i64,
-                                dv as i64,
-                                vt.as_ptr().add(tile * dv * K),
-                                dp.as_mut_ptr(),
-                                std::ptr::null_mut(),
-                            );
-                            let args = GradTileArgs {
-                                s: s.as_mut_ptr(),
-                                dp: dp.as_mut_ptr(),
-                                rows: n as i64,
-                                lse: lse.as_ptr().add(row),
-                                delta: delta.as_ptr().add(row),
-                                q_pos0: q_pos0 + r0 as i64,
-                                qi0: r0 as i64,
-                                batch: self.b as i64,
-                                head: head as i64,
-                                first_key: first_key as i64,
-                                k_pos0: p0 + first_key as i64,
-                                cols: cols as i64,
-                                code: code as i64,
-                            };
-                            (self.kernels.grad_tile)(&args);
-                        }
-                        // Where a mask zeroes part of the tile, the products below skip the keys
-                        // (rows, for the transposed ones) whose P and dS are all zero.
-                        let spanned = matches!(code, TileCode::Masked)
-                            && super::spans::nonzero_spans(
-                                self.kernels.isa,
-                                [s, dp],
-                                n,
-                                cols,
-                                &mut by_row,
-                                &mut by_col,
-                            );
-                        let (row_spans, col_spans) = match spanned {
-                            true => (by_row.as_ptr(), by_col.as_ptr()),
-                            false => (std::ptr::null(), std::ptr::null()),
+                        let at = TileAt {
+                            h,
+                            head,
+                            tile,
+                            cols,
+                            r0: live.lo as usize,
+                            n: (live.hi - live.lo + 1) as usize,
+                            code,
                         };
-                        // SAFETY: as above; the spans are null or hold `n` (rows) and `cols`
-                        // (columns) pairs.
-                        unsafe {
-                            (self.kernels.pt)(
-                                s.as_ptr(),
-                                cols as i64,
-                                n as i64,
-                                dout.as_ptr().add(row * dv),
-                                dv as i64,
-                                dv_acc.as_mut_ptr().add(first_key * dv),
-                                dv as i64,
-                                col_spans,
-                            );
-                            (self.kernels.pt)(
-                                dp.as_ptr(),
-                                cols as i64,
-                                n as i64,
-                                q.as_ptr().add(row * d),
-                                d as i64,
-                                dk.as_mut_ptr().add(first_key * d),
-                                d as i64,
-                                col_spans,
-                            );
-                            (self.kernels.pv)(
-                                dp.as_ptr(),
-                                n as i64,
-                                cols as i64,
-                                key_rows.as_ptr().add(first_key * d),
-                                d as i64,
-                                dq.as_mut_ptr().add(row * d),
-                                d as i64,
-                                row_spans,
-                            );
-                        }
+                        self.tile(&rows, &mut products, &at, &mut grads);
                     }
                 }
             }
         }
+        let [dq, dk, _] = grads;
         // The scores were of q scaled by `q_scale`: so is their gradient. RoPE's transpose
         // brings dq and dk back to the unrotated inputs.
+        let d = plan.shape.qk_dim as usize;
         for h in 0..group {
             let rows = &mut dq[h * sq * d..(h + 1) * sq * d];
-            self.rotate(rows, q_pos0, plan.q_scale as f32, true);
+            self.rotate(rows, self.q_pos0(), plan.q_scale as f32, true);
         }
         self.rotate(dk, p0, 1.0, true);
+    }
+
+    /// The position of the call's first query.
+    fn q_pos0(&self) -> i64 {
+        self.x.position_offset + self.x.skv as i64 - self.x.sq as i64
+    }
+
+    /// This task's rows, ready for the tiles: the group's queries (rotated and scaled), output
+    /// gradients, lse and `D = rowsum(dO * out)`; its keys as the scores saw them (rotated into
+    /// scratch under RoPE, else read in place), and its keys and values packed into tiles.
+    fn prepare<'s>(&'s self, [q, delta, k, kt, vt]: [&'s mut Vec<f32>; 5]) -> TaskRows<'s> {
+        let (plan, x) = (self.plan, self.x);
+        let (hq, hkv) = (plan.shape.heads as usize, plan.shape.kv_heads as usize);
+        let (d, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
+        let (sq, skv, p0) = (x.sq, x.skv, x.position_offset);
+        let group = hq / hkv;
+        let h0 = self.kvh * group;
+        let heads = |width: usize| {
+            let start = (self.b * hq + h0) * sq * width;
+            start..start + group * sq * width
+        };
+        let kv = |width: usize| {
+            let start = (self.b * hkv + self.kvh) * skv * width;
+            start..start + skv * width
+        };
+        copy_into(q, &x.q[heads(d)]);
+        let dout = &x.dout[heads(dv)];
+        let out = &x.out[heads(dv)];
+        delta.clear();
+        delta.extend(
+            dout.chunks_exact(dv)
+                .zip(out.chunks_exact(dv))
+                .map(|(g, o)| dot(g, o)),
+        );
+        for h in 0..group {
+            self.rotate(
+                &mut q[h * sq * d..(h + 1) * sq * d],
+                self.q_pos0(),
+                plan.q_scale as f32,
+                false,
+            );
+        }
+        let keys: &[f32] = if plan.rope.is_some() {
+            copy_into(k, &x.k[kv(d)]);
+            self.rotate(k, p0, 1.0, false);
+            k
+        } else {
+            &x.k[kv(d)]
+        };
+        pack(keys, d, skv, sized(kt, skv.div_ceil(K) * d * K));
+        pack(&x.v[kv(dv)], dv, skv, sized(vt, skv.div_ceil(K) * dv * K));
+        TaskRows {
+            q,
+            dout,
+            lse: &x.lse[heads(1)],
+            delta,
+            keys,
+            kt,
+            vt,
+        }
+    }
+
+    /// One tile: `S = Q K^T` and `dP = dO V^T`, `P` and `dS` (`grad_tile`), then `dV += P^T
+    /// dO`, `dK += dS^T Q` and `dQ += dS K` into `[dq, dk, dv]`.
+    fn tile(
+        &self,
+        rows: &TaskRows,
+        products: &mut Products,
+        at: &TileAt,
+        [dq, dk, dv_acc]: &mut [&mut [f32]; 3],
+    ) {
+        let plan = self.plan;
+        let (d, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
+        let (sq, p0) = (self.x.sq, self.x.position_offset);
+        let (n, cols, tile, code) = (at.n, at.cols, at.tile, at.code);
+        let first_key = tile * K;
+        let row = at.h * sq + at.r0;
+        let Products {
+            s,
+            dp,
+            by_row,
+            by_col,
+        } = products;
+        // SAFETY: every pointer addresses the ranges the microkernel and GradTileArgs
+        // contracts require: `n <= K` rows of q (`d` wide) and of dout (`dv` wide) from row
+        // `row` of this task's arrays, one packed tile of K and of V, `n * K` scores and dP
+        // values, `n` lse and D values, `cols` rows of k, and `cols` / `n` rows of the dk, dv
+        // and dq accumulators.
+        unsafe {
+            (self.kernels.qk)(
+                rows.q.as_ptr().add(row * d),
+                d as i64,
+                n as i64,
+                d as i64,
+                rows.kt.as_ptr().add(tile * d * K),
+                s.as_mut_ptr(),
+                std::ptr::null_mut(),
+            );
+            (self.kernels.qk)(
+                rows.dout.as_ptr().add(row * dv),
+                dv as i64,
+                n as i64,
+                dv as i64,
+                rows.vt.as_ptr().add(tile * dv * K),
+                dp.as_mut_ptr(),
+                std::ptr::null_mut(),
+            );
+            let args = GradTileArgs {
+                s: s.as_mut_ptr(),
+                dp: dp.as_mut_ptr(),
+                rows: n as i64,
+                lse: rows.lse.as_ptr().add(row),
+                delta: rows.delta.as_ptr().add(row),
+                q_pos0: self.q_pos0() + at.r0 as i64,
+                qi0: at.r0 as i64,
+                batch: self.b as i64,
+                head: at.head as i64,
+                first_key: first_key as i64,
+                k_pos0: p0 + first_key as i64,
+                cols: cols as i64,
+                code: code as i64,
+            };
+            (self.kernels.grad_tile)(&args);
+        }
+        // Where a mask zeroes part of the tile, the products below skip the keys (rows, for
+        // the transposed ones) whose P and dS are all zero.
+        let spanned = matches!(code, TileCode::Masked)
+            && super::spans::nonzero_spans(self.kernels.isa, [s, dp], n, cols, by_row, by_col);
+        let (row_spans, col_spans) = match spanned {
+            true => (by_row.as_ptr(), by_col.as_ptr()),
+            false => (std::ptr::null(), std::ptr::null()),
+        };
+        // SAFETY: as above; the spans are null or hold `n` (rows) and `cols` (columns) pairs.
+        unsafe {
+            (self.kernels.pt)(
+                s.as_ptr(),
+                cols as i64,
+                n as i64,
+                rows.dout.as_ptr().add(row * dv),
+                dv as i64,
+                dv_acc.as_mut_ptr().add(first_key * dv),
+                dv as i64,
+                col_spans,
+            );
+            (self.kernels.pt)(
+                dp.as_ptr(),
+                cols as i64,
+                n as i64,
+                rows.q.as_ptr().add(row * d),
+                d as i64,
+                dk.as_mut_ptr().add(first_key * d),
+                d as i64,
+                col_spans,
+            );
+            (self.kernels.pv)(
+                dp.as_ptr(),
+                n as i64,
+                cols as i64,
+                rows.keys.as_ptr().add(first_key * d),
+                d as i64,
+                dq.as_mut_ptr().add(row * d),
+                d as i64,
+                row_spans,
+            );
+        }
     }
 
     /// Rows of `qk_dim` values in place: rotated from position `pos0` on (transposed when

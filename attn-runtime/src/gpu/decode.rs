@@ -11,7 +11,7 @@ use crate::host::checks::check_cache;
 use crate::host::mla::AbsorbedQueries;
 use crate::host::ragged::{Layout, Ragged, Uniform};
 use crate::host::rope_table::RopeTables;
-use crate::host::work::{GPU_TASKS, items, partitions, row_strides, tasks};
+use crate::host::work::{GPU_TASKS, Item, Task, items, partitions, row_strides, tasks};
 use crate::tensor::Tensor;
 use crate::variant::Variant;
 use codegen::KernelPlan;
@@ -302,6 +302,33 @@ fn interpret(
     run(kernel, [ctas, 1, 1], &args, mem).map_err(RuntimeError::Data)
 }
 
+/// The merge's map: for each call row (`call.out_row`), the kernel's partial rows of it (task
+/// `t`'s rows start at `rows_of[t].0`), padded with -1 to the most any row has (`slots`).
+fn merge_map(
+    call: &Layout,
+    tasks: &[Task],
+    items: &[Item],
+    rows_of: &[(usize, usize)],
+) -> (Vec<i32>, usize) {
+    let mut parts_of: Vec<Vec<i32>> = vec![Vec::new(); call.out_rows];
+    for (task, &(row0, _)) in tasks.iter().zip(rows_of) {
+        let item = &items[task.item];
+        let mut r = row0;
+        for head in item.h0..item.h0 + item.nh {
+            for i in item.i0..item.i0 + item.nq {
+                parts_of[(call.out_row)(item.b, i, head)].push(r as i32);
+                r += 1;
+            }
+        }
+    }
+    let slots = parts_of.iter().map(Vec::len).max().unwrap_or(1).max(1);
+    let map = parts_of
+        .iter()
+        .flat_map(|p| p.iter().copied().chain(std::iter::repeat(-1)).take(slots))
+        .collect();
+    (map, slots)
+}
+
 /// Runs the decode kernel (through `exec`, on the interpreter or a device) over f32 query rows
 /// of the plan's `qk_dim` (at `call.q_at`): the work items of the CPU backend, partitions sized
 /// for a GPU, and the lse merge as a second kernel on the device. Returns `out` (`call.out_rows`
@@ -409,23 +436,7 @@ pub(crate) fn run_rows(
         .as_ref()
         .map(|r| RopeTables::new(r, 0, max_len, max_len as u64));
     let (rope_cos, rope_sin) = tables.map(|t| (t.cos, t.sin)).unwrap_or_default();
-    // Each call row's partial rows, for the merge on the device.
-    let mut parts_of: Vec<Vec<i32>> = vec![Vec::new(); call.out_rows];
-    for (task, &(row0, _)) in tasks.iter().zip(&rows_of) {
-        let item = &items[task.item];
-        let mut r = row0;
-        for head in item.h0..item.h0 + item.nh {
-            for i in item.i0..item.i0 + item.nq {
-                parts_of[(call.out_row)(item.b, i, head)].push(r as i32);
-                r += 1;
-            }
-        }
-    }
-    let slots = parts_of.iter().map(Vec::len).max().unwrap_or(1).max(1);
-    let map = parts_of
-        .iter()
-        .flat_map(|p| p.iter().copied().chain(std::iter::repeat(-1)).take(slots))
-        .collect();
+    let (map, slots) = merge_map(call, &tasks, &items, &rows_of);
     let pages = match (paged, page_tables) {
         (Some(geometry), Some(tables)) => Some(PagedSegments {
             kernel: pages_kernel()?,

@@ -7,6 +7,7 @@
 //! (DeepSeek's low-rank KV with its absorbed kernels). [`Model::forward`] runs a whole sequence;
 //! a [`Session`] runs one incrementally against paged KV caches (one per layer), for decoding.
 
+mod attention;
 mod config;
 pub mod device;
 mod generate;
@@ -24,8 +25,8 @@ pub use generate::{Progress, Request, Sampling};
 pub use text::{TextStream, TextTokenizer};
 
 use crate::backend::Backend;
-use crate::cache::{KvCache, PagedCache, SeqId};
-use crate::calls::{DecodeOptions, Inputs, MlaQueries, MlaTensors, Queries};
+use crate::cache::{PagedCache, SeqId};
+
 use crate::cpu::CpuBackend;
 use crate::error::RuntimeError;
 use crate::ops::{CpuLayers, LayerOps};
@@ -284,207 +285,6 @@ impl Model {
         let per_token =
             4 * c.hidden as u64 + attention + 3 * c.intermediate as u64 + c.vocab as u64;
         per_token.checked_mul(n as u64)?.checked_mul(4)
-    }
-
-    /// One layer's attention over `n` rows of normed hidden states: `[n, hidden]`.
-    fn attention(
-        &self,
-        weights: &AttentionWeights,
-        h: &[f32],
-        n: usize,
-        keys: Keys,
-    ) -> Result<Vec<f32>, RuntimeError> {
-        let ops = self.ops.as_ref();
-        let variant = &*self.variant;
-        let spec = variant.spec();
-        let heads = spec.heads as usize;
-        let (d, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
-        // `[n, heads, dim]` rows as a `[1, heads, n, dim]` view.
-        let by_head = |data: Vec<f32>, heads: usize, dim: usize| {
-            Tensor::from_f32_as(spec.dtype, &[1, n, heads, dim], data)?.permute(&[0, 2, 1, 3])
-        };
-        let out = match weights {
-            AttentionWeights::Heads { q, k, v, o } => {
-                let hkv = spec.kv_heads() as usize;
-                let (qs, ks, vs) = (q.apply(h, n), k.apply(h, n), v.apply(h, n));
-                let out = match keys {
-                    Keys::Full => {
-                        let q = by_head(qs, heads, d)?;
-                        let (k, v) = (by_head(ks, hkv, d)?, by_head(vs, hkv, dv)?);
-                        let inputs = Inputs::heads(&q, &k, &v);
-                        let out = self.backend.forward(variant, inputs, 0)?.out;
-                        out.permute(&[0, 2, 1, 3])?.to_f32_vec()
-                    }
-                    Keys::Cached {
-                        cache,
-                        seqs,
-                        offsets,
-                    } => {
-                        // Sequences with nothing cached yet attend only to their own tokens:
-                        // the packed prefill kernel serves them. The rest read the cache in one
-                        // ragged launch.
-                        let mut fresh = Vec::with_capacity(seqs.len());
-                        for &seq in seqs.iter() {
-                            fresh.push(cache.seq_len(seq)? == 0);
-                        }
-                        // Each sequence's new keys and values, as [kv_heads, tokens, dim].
-                        for (i, &seq) in seqs.iter().enumerate() {
-                            let rows = offsets[i]..offsets[i + 1];
-                            let part = |data: &[f32], dim: usize| {
-                                let rows =
-                                    data[rows.start * hkv * dim..rows.end * hkv * dim].to_vec();
-                                Tensor::from_f32_as(
-                                    spec.dtype,
-                                    &[rows.len() / (hkv * dim), hkv, dim],
-                                    rows,
-                                )?
-                                .permute(&[1, 0, 2])
-                            };
-                            cache.append(seq, &part(&ks, d)?, &part(&vs, dv)?)?;
-                        }
-                        let mut out = vec![0f32; n * heads * dv];
-                        let rows_of = |data: &[f32], width: usize, i: usize| {
-                            data[offsets[i] * width..offsets[i + 1] * width].to_vec()
-                        };
-                        let (mut rest_q, mut rest_offsets, mut rest_seqs) =
-                            (Vec::new(), vec![0], Vec::new());
-                        for (i, &seq) in seqs.iter().enumerate() {
-                            let len = offsets[i + 1] - offsets[i];
-                            if len == 0 {
-                                continue;
-                            }
-                            if fresh[i] {
-                                let view = |data: Vec<f32>, h: usize, dim: usize| {
-                                    Tensor::from_f32_as(spec.dtype, &[1, len, h, dim], data)?
-                                        .permute(&[0, 2, 1, 3])
-                                };
-                                let q = view(rows_of(&qs, heads * d, i), heads, d)?;
-                                let k = view(rows_of(&ks, hkv * d, i), hkv, d)?;
-                                let v = view(rows_of(&vs, hkv * dv, i), hkv, dv)?;
-                                let inputs = Inputs::heads(&q, &k, &v);
-                                let o = self.backend.forward(variant, inputs, 0)?.out;
-                                let o = o.permute(&[0, 2, 1, 3])?.to_f32_vec();
-                                out[offsets[i] * heads * dv..offsets[i + 1] * heads * dv]
-                                    .copy_from_slice(&o);
-                            } else {
-                                rest_q.extend(rows_of(&qs, heads * d, i));
-                                rest_offsets.push(rest_offsets.last().copied().unwrap_or(0) + len);
-                                rest_seqs.push((i, seq));
-                            }
-                        }
-                        if !rest_seqs.is_empty() {
-                            let total = rest_q.len() / (heads * d);
-                            let q = Tensor::from_f32_as(spec.dtype, &[total, heads, d], rest_q)?;
-                            let ids: Vec<SeqId> = rest_seqs.iter().map(|&(_, s)| s).collect();
-                            let options = DecodeOptions::default();
-                            let queries = Queries::Ragged {
-                                q: &q,
-                                offsets: &rest_offsets,
-                            };
-                            let o = self
-                                .backend
-                                .attend_cached(variant, queries, cache, &ids, options)?
-                                .out
-                                .to_f32_vec();
-                            for (j, &(i, _)) in rest_seqs.iter().enumerate() {
-                                let width = heads * dv;
-                                let src = &o[rest_offsets[j] * width..rest_offsets[j + 1] * width];
-                                out[offsets[i] * width..offsets[i + 1] * width]
-                                    .copy_from_slice(src);
-                            }
-                        }
-                        out
-                    }
-                };
-                o.apply(&out, n)
-            }
-            AttentionWeights::Mla {
-                q,
-                q_b,
-                kv_a,
-                kv_norm,
-                w_kv_b,
-                o,
-            } => {
-                let mla = spec.mla().expect("MLA weights come with an MLA spec");
-                let (r, dr) = (mla.latent_rank as usize, mla.rope_dim as usize);
-                let qs = match q_b {
-                    Some((norm, q_b)) => q_b.apply(&norm.apply(ops, &q.apply(h, n))?, n),
-                    None => q.apply(h, n),
-                };
-                let (mut nope, mut pe) = (Vec::new(), Vec::new());
-                for row in qs.chunks_exact(d + dr) {
-                    nope.extend_from_slice(&row[..d]);
-                    pe.extend_from_slice(&row[d..]);
-                }
-                let kv = kv_a.apply(h, n);
-                let (mut c_kv, mut k_pe) = (Vec::new(), Vec::new());
-                for row in kv.chunks_exact(r + dr) {
-                    c_kv.extend_from_slice(&row[..r]);
-                    k_pe.extend_from_slice(&row[r..]);
-                }
-                let c_kv = kv_norm.apply(ops, &c_kv)?;
-                // Rows a..b of `[n, heads, dim]` data as a `[1, heads, b - a, dim]` view.
-                let view = |data: &[f32], dim: usize, a: usize, b: usize| {
-                    let rows = data[a * heads * dim..b * heads * dim].to_vec();
-                    Tensor::from_f32_as(spec.dtype, &[1, b - a, heads, dim], rows)?
-                        .permute(&[0, 2, 1, 3])
-                };
-                let out = match keys {
-                    Keys::Full => {
-                        let c_kv = Tensor::from_f32_as(spec.dtype, &[1, n, r], c_kv)?;
-                        let k_pe = Tensor::from_f32_as(spec.dtype, &[1, n, dr], k_pe)?;
-                        let x = MlaTensors {
-                            q_nope: &view(&nope, d, 0, n)?,
-                            q_pe: &view(&pe, dr, 0, n)?,
-                            c_kv: &c_kv,
-                            k_pe: &k_pe,
-                            w_kv_b,
-                        };
-                        let out = self.backend.forward(variant, Inputs::Mla(x), 0)?.out;
-                        out.permute(&[0, 2, 1, 3])?.to_f32_vec()
-                    }
-                    Keys::Cached {
-                        cache,
-                        seqs,
-                        offsets,
-                    } => {
-                        // One decode call per sequence (MLA has no ragged entry point yet).
-                        let mut out = Vec::with_capacity(n * heads * dv);
-                        for (i, &seq) in seqs.iter().enumerate() {
-                            let (a, b) = (offsets[i], offsets[i + 1]);
-                            if a == b {
-                                continue;
-                            }
-                            let latent = c_kv[a * r..b * r].to_vec();
-                            let rope = k_pe[a * dr..b * dr].to_vec();
-                            cache.append(
-                                seq,
-                                &Tensor::from_f32_as(spec.dtype, &[b - a, r], latent)?,
-                                &Tensor::from_f32_as(spec.dtype, &[b - a, dr], rope)?,
-                            )?;
-                            let queries = MlaQueries {
-                                q_nope: &view(&nope, d, a, b)?,
-                                q_pe: &view(&pe, dr, a, b)?,
-                                w_kv_b,
-                            };
-                            let options = DecodeOptions::default();
-                            let o = self.backend.attend_cached(
-                                variant,
-                                Queries::Mla(queries),
-                                cache,
-                                &[seq],
-                                options,
-                            )?;
-                            out.extend(o.out.permute(&[0, 2, 1, 3])?.to_f32_vec());
-                        }
-                        out
-                    }
-                };
-                o.apply(&out, n)
-            }
-        };
-        Ok(out)
     }
 }
 

@@ -138,27 +138,8 @@ impl<'a> Cta<'a> {
                     let stmt = &body[*next];
                     match stmt {
                         Stmt::If(c, then, otherwise) => {
-                            let mut sides =
-                                [vec![false; mask_now.len()], vec![false; mask_now.len()]];
-                            for (t, c) in self.eval_all(c, mask_now)?.into_iter().enumerate() {
-                                if let Some(c) = c {
-                                    sides[usize::from(!c.pred()?)][t] = true;
-                                }
-                            }
+                            let frame = self.if_frame(c, [then, otherwise], mask_now)?;
                             *next += 1;
-                            let [yes, no] = sides;
-                            let frame = match (yes.contains(&true), no.contains(&true)) {
-                                (true, false) => Stepper::new(then, yes).frames.remove(0),
-                                (false, true) => Stepper::new(otherwise, no).frames.remove(0),
-                                _ => Frame::Fork {
-                                    sides: Box::new([
-                                        Stepper::new(then, yes),
-                                        Stepper::new(otherwise, no),
-                                    ]),
-                                    done: [false; 2],
-                                    turn: 0,
-                                },
-                            };
                             s.frames.push(frame);
                         }
                         Stmt::For {
@@ -168,26 +149,10 @@ impl<'a> Cta<'a> {
                             step,
                             body: inner,
                         } => {
-                            let starts = self.eval_all(start, mask_now)?;
-                            let ends = self.eval_all(end, mask_now)?;
-                            let mut ends_of = vec![0i64; mask_now.len()];
-                            for (t, (st, e)) in starts.into_iter().zip(ends).enumerate() {
-                                if let (Some(st), Some(e)) = (st, e) {
-                                    self.check_not_busy(t, *reg)?;
-                                    self.regs[t][reg.0 as usize] = Val::I64(st.int()?);
-                                    ends_of[t] = e.int()?;
-                                }
-                            }
-                            let mask = mask_now.clone();
+                            let frame =
+                                self.loop_frame(*reg, [start, end], *step, inner, mask_now)?;
                             *next += 1;
-                            s.frames.push(Frame::Loop {
-                                reg: *reg,
-                                step: *step,
-                                body: inner,
-                                mask,
-                                ends: ends_of,
-                                last: None,
-                            });
+                            s.frames.push(frame);
                         }
                         Stmt::NamedBarrier {
                             id,
@@ -231,16 +196,7 @@ impl<'a> Cta<'a> {
                     ends,
                     last,
                 } => {
-                    let r = reg.0 as usize;
-                    if let Some(ran) = last.take() {
-                        for t in (0..ran.len()).filter(|&t| ran[t]) {
-                            let v = self.regs[t][r].int()?;
-                            self.regs[t][r] = Val::I64(v + *step);
-                        }
-                    }
-                    let active = (0..mask.len())
-                        .map(|t| Ok(mask[t] && self.regs[t][r].int()? < ends[t]))
-                        .collect::<Result<Vec<bool>, String>>()?;
+                    let active = self.next_pass(*reg, *step, mask, ends, last)?;
                     if !active.contains(&true) {
                         s.frames.pop();
                         continue;
@@ -254,34 +210,8 @@ impl<'a> Cta<'a> {
                     });
                 }
                 Frame::Fork { sides, done, turn } => {
-                    // Each side runs until it finishes or blocks; the fork blocks when both
-                    // sides in turn (or the one left) ran without moving.
-                    let mut still = 0;
-                    while !(done[0] && done[1]) {
-                        let side = *turn;
-                        *turn = 1 - side;
-                        if done[side] {
-                            continue;
-                        }
-                        let run = self.step(&mut sides[side])?;
-                        let progressed = match &run {
-                            Run::Done => {
-                                done[side] = true;
-                                true
-                            }
-                            Run::Blocked { moved: m, .. } => *m,
-                        };
-                        if progressed {
-                            moved = true;
-                            still = 0;
-                        } else {
-                            still += 1;
-                        }
-                        if let Run::Blocked { why, .. } = run
-                            && (still >= 2 || (still >= 1 && done[1 - side]))
-                        {
-                            return Ok(Run::Blocked { why, moved });
-                        }
+                    if let Some(why) = self.run_fork(sides, done, turn, &mut moved)? {
+                        return Ok(Run::Blocked { why, moved });
                     }
                     s.frames.pop();
                 }
@@ -299,5 +229,123 @@ impl<'a> Cta<'a> {
                 }];
             }
         }
+    }
+
+    /// The frame of an `if` for the threads of `mask`: one side's block when every thread
+    /// takes it, else a fork of both.
+    fn if_frame(
+        &mut self,
+        c: &crate::gpu::ir::Expr,
+        [then, otherwise]: [&'a [Stmt]; 2],
+        mask: &[bool],
+    ) -> Result<Frame<'a>, String> {
+        let mut sides = [vec![false; mask.len()], vec![false; mask.len()]];
+        for (t, c) in self.eval_all(c, mask)?.into_iter().enumerate() {
+            if let Some(c) = c {
+                sides[usize::from(!c.pred()?)][t] = true;
+            }
+        }
+        let [yes, no] = sides;
+        Ok(match (yes.contains(&true), no.contains(&true)) {
+            (true, false) => Stepper::new(then, yes).frames.remove(0),
+            (false, true) => Stepper::new(otherwise, no).frames.remove(0),
+            _ => Frame::Fork {
+                sides: Box::new([Stepper::new(then, yes), Stepper::new(otherwise, no)]),
+                done: [false; 2],
+                turn: 0,
+            },
+        })
+    }
+
+    /// The frame of a loop for the threads of `mask`: each thread's counter set to its start,
+    /// its end kept.
+    fn loop_frame(
+        &mut self,
+        reg: Reg,
+        [start, end]: [&crate::gpu::ir::Expr; 2],
+        step: i64,
+        body: &'a [Stmt],
+        mask: &[bool],
+    ) -> Result<Frame<'a>, String> {
+        let starts = self.eval_all(start, mask)?;
+        let ends = self.eval_all(end, mask)?;
+        let mut ends_of = vec![0i64; mask.len()];
+        for (t, (st, e)) in starts.into_iter().zip(ends).enumerate() {
+            if let (Some(st), Some(e)) = (st, e) {
+                self.check_not_busy(t, reg)?;
+                self.regs[t][reg.0 as usize] = Val::I64(st.int()?);
+                ends_of[t] = e.int()?;
+            }
+        }
+        Ok(Frame::Loop {
+            reg,
+            step,
+            body,
+            mask: mask.to_vec(),
+            ends: ends_of,
+            last: None,
+        })
+    }
+
+    /// A loop's next pass: the counters of the threads that ran the last one (`last`, taken)
+    /// advance by `step`; the threads of `mask` still below their ends run it.
+    fn next_pass(
+        &mut self,
+        reg: Reg,
+        step: i64,
+        mask: &[bool],
+        ends: &[i64],
+        last: &mut Option<Vec<bool>>,
+    ) -> Result<Vec<bool>, String> {
+        let r = reg.0 as usize;
+        if let Some(ran) = last.take() {
+            for t in (0..ran.len()).filter(|&t| ran[t]) {
+                let v = self.regs[t][r].int()?;
+                self.regs[t][r] = Val::I64(v + step);
+            }
+        }
+        (0..mask.len())
+            .map(|t| Ok(mask[t] && self.regs[t][r].int()? < ends[t]))
+            .collect()
+    }
+
+    /// The two sides of a fork in turn, each until it finishes or blocks: `None` once both
+    /// finished, or why the fork blocks (both sides in turn, or the one left, ran without
+    /// moving). `moved` is set when either side ran a statement.
+    fn run_fork(
+        &mut self,
+        sides: &mut [Stepper<'a>; 2],
+        done: &mut [bool; 2],
+        turn: &mut usize,
+        moved: &mut bool,
+    ) -> Result<Option<String>, String> {
+        let mut still = 0;
+        while !(done[0] && done[1]) {
+            let side = *turn;
+            *turn = 1 - side;
+            if done[side] {
+                continue;
+            }
+            let run = self.step(&mut sides[side])?;
+            let progressed = match &run {
+                Run::Done => {
+                    done[side] = true;
+                    true
+                }
+                Run::Blocked { moved: m, .. } => *m,
+            };
+            if progressed {
+                *moved = true;
+                still = 0;
+            } else {
+                still += 1;
+            }
+            if let Run::Blocked { why, .. } = run
+                && (still >= 2 || (still >= 1 && done[1 - side]))
+            {
+                return Ok(Some(why));
+            }
+        }
+        Ok(None)
     }
 }

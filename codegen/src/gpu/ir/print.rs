@@ -139,169 +139,165 @@ fn stmts(
     body: &[Stmt],
     depth: usize,
 ) -> fmt::Result {
-    let pad = "  ".repeat(depth);
-    let show = |e| Show(k, names, e);
     for s in body {
-        match s {
-            Stmt::Set(r, e) => writeln!(f, "{pad}%{} = {}", names[r.0 as usize], show(e))?,
-            Stmt::Store(sp, a, v) => {
-                writeln!(f, "{pad}st.{}[{}] = {}", space(*sp), show(a), show(v))?
-            }
-            Stmt::If(c, t, e) => {
-                writeln!(f, "{pad}if {} {{", show(c))?;
-                stmts(f, k, names, t, depth + 1)?;
-                if !e.is_empty() {
-                    writeln!(f, "{pad}}} else {{")?;
-                    stmts(f, k, names, e, depth + 1)?;
-                }
-                writeln!(f, "{pad}}}")?;
-            }
-            Stmt::For {
-                reg,
-                start,
-                end,
-                step,
-                body,
-            } => {
-                writeln!(
-                    f,
-                    "{pad}for %{} in {}..{} step {step} {{",
-                    names[reg.0 as usize],
-                    show(start),
-                    show(end)
-                )?;
-                stmts(f, k, names, body, depth + 1)?;
-                writeln!(f, "{pad}}}")?;
-            }
-            Stmt::Barrier => writeln!(f, "{pad}bar.sync")?,
-            Stmt::CpAsync {
-                dst,
-                src,
-                src_bytes,
-            } => writeln!(
-                f,
-                "{pad}cp.async.cg.shared.global [{}], [{}], 16, {}",
-                show(dst),
-                show(src),
-                show(src_bytes)
-            )?,
-            Stmt::CpAsyncCommit => writeln!(f, "{pad}cp.async.commit_group")?,
-            Stmt::CpAsyncWait(n) => writeln!(f, "{pad}cp.async.wait_group {n}")?,
-            Stmt::LdMatrix { dst, addr, trans } => {
-                let names: Vec<String> = dst
-                    .iter()
-                    .map(|r| format!("%{}", names[r.0 as usize]))
-                    .collect();
-                writeln!(
-                    f,
-                    "{pad}{{{}}} = ldmatrix.x{}{}.shared.b16 [{}]",
-                    names.join(", "),
-                    dst.len(),
-                    if *trans { ".trans" } else { "" },
-                    show(addr)
-                )?
-            }
-            Stmt::Mma { half, d, a, b, c } => {
-                let names = |rs: &[super::Reg]| {
-                    rs.iter()
-                        .map(|r| format!("%{}", names[r.0 as usize]))
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                };
-                writeln!(
-                    f,
-                    "{pad}{{{}}} = mma.m16n8k16.{}({{{}}}, {{{}}}, {{{}}})",
-                    names(d),
-                    match half {
-                        super::Half::Bf16 => "bf16",
-                        super::Half::F16 => "f16",
-                    },
-                    names(a),
-                    names(b),
-                    names(c)
-                )?
-            }
-            Stmt::MbarInit { bar, count } => {
-                writeln!(f, "{pad}mbarrier.init [{}], {count}", show(bar))?
-            }
-            Stmt::MbarArrive { bar, tx: None } => {
-                writeln!(f, "{pad}mbarrier.arrive [{}]", show(bar))?
-            }
-            Stmt::MbarArrive { bar, tx: Some(tx) } => writeln!(
-                f,
-                "{pad}mbarrier.arrive.expect_tx [{}], {}",
-                show(bar),
-                show(tx)
-            )?,
-            Stmt::MbarWait { bar, parity } => {
-                writeln!(f, "{pad}mbarrier.wait [{}], {}", show(bar), show(parity))?
-            }
-            Stmt::TmaLoad {
-                dst,
-                map,
-                coords,
-                bar,
-            } => {
-                let coords: Vec<String> = coords.iter().map(|c| show(c).to_string()).collect();
-                writeln!(
-                    f,
-                    "{pad}tma.load [{}], ${}[{}], [{}]",
-                    show(dst),
-                    k.params.get(*map as usize).map_or("?", |(n, _)| n.as_str()),
-                    coords.join(", "),
-                    show(bar)
-                )?
-            }
-            Stmt::FenceProxyAsync => writeln!(f, "{pad}fence.proxy.async")?,
-            Stmt::Wgmma(w) => {
-                writeln!(
-                    f,
-                    "{pad}{{{}}} = wgmma.m64n{}k16.{}.{}({}) {{",
-                    reg_list(names, &w.d),
-                    w.n,
-                    half_name(w.half),
-                    if w.b_n_major { "nmajor" } else { "kmajor" },
-                    show(&w.accumulate)
-                )?;
-                for (a, b) in &w.steps {
-                    match a {
-                        super::WgmmaA::Shared(desc) => {
-                            write!(f, "{pad}  a.shared({})", show(desc))?
-                        }
-                        super::WgmmaA::Regs(regs) => {
-                            write!(f, "{pad}  a.regs{{{}}}", reg_list(names, regs))?
-                        }
-                    }
-                    writeln!(f, " b({})", show(b))?;
-                }
-                writeln!(f, "{pad}}}")?
-            }
-            Stmt::WgmmaWait { groups, regs } if regs.is_empty() => {
-                writeln!(f, "{pad}wgmma.wait_group {groups}")?
-            }
-            Stmt::WgmmaWait { groups, regs } => writeln!(
-                f,
-                "{pad}wgmma.wait_group {groups} {{{}}}",
-                reg_list(names, regs)
-            )?,
-            Stmt::NamedBarrier { id, threads, wait } => writeln!(
-                f,
-                "{pad}{} {}, {threads}",
-                if *wait {
-                    "bar.sync.named"
-                } else {
-                    "bar.arrive.named"
-                },
-                show(id)
-            )?,
-            Stmt::SetMaxNReg { inc, regs } => writeln!(
-                f,
-                "{pad}setmaxnreg.{} {regs}",
-                if *inc { "inc" } else { "dec" }
-            )?,
-        }
+        stmt(f, k, names, s, depth)?;
     }
     Ok(())
+}
+
+/// One statement (and what it nests, a level deeper) at indentation `depth`.
+fn stmt(
+    f: &mut fmt::Formatter<'_>,
+    k: &Kernel,
+    names: &[String],
+    s: &Stmt,
+    depth: usize,
+) -> fmt::Result {
+    let pad = "  ".repeat(depth);
+    let show = |e| Show(k, names, e);
+    match s {
+        Stmt::Set(r, e) => writeln!(f, "{pad}%{} = {}", names[r.0 as usize], show(e)),
+        Stmt::Store(sp, a, v) => {
+            writeln!(f, "{pad}st.{}[{}] = {}", space(*sp), show(a), show(v))
+        }
+        Stmt::If(c, t, e) => {
+            writeln!(f, "{pad}if {} {{", show(c))?;
+            stmts(f, k, names, t, depth + 1)?;
+            if !e.is_empty() {
+                writeln!(f, "{pad}}} else {{")?;
+                stmts(f, k, names, e, depth + 1)?;
+            }
+            writeln!(f, "{pad}}}")
+        }
+        Stmt::For {
+            reg,
+            start,
+            end,
+            step,
+            body,
+        } => {
+            writeln!(
+                f,
+                "{pad}for %{} in {}..{} step {step} {{",
+                names[reg.0 as usize],
+                show(start),
+                show(end)
+            )?;
+            stmts(f, k, names, body, depth + 1)?;
+            writeln!(f, "{pad}}}")
+        }
+        Stmt::Barrier => writeln!(f, "{pad}bar.sync"),
+        Stmt::CpAsync {
+            dst,
+            src,
+            src_bytes,
+        } => writeln!(
+            f,
+            "{pad}cp.async.cg.shared.global [{}], [{}], 16, {}",
+            show(dst),
+            show(src),
+            show(src_bytes)
+        ),
+        Stmt::CpAsyncCommit => writeln!(f, "{pad}cp.async.commit_group"),
+        Stmt::CpAsyncWait(n) => writeln!(f, "{pad}cp.async.wait_group {n}"),
+        Stmt::LdMatrix { dst, addr, trans } => writeln!(
+            f,
+            "{pad}{{{}}} = ldmatrix.x{}{}.shared.b16 [{}]",
+            reg_list(names, dst),
+            dst.len(),
+            if *trans { ".trans" } else { "" },
+            show(addr)
+        ),
+        Stmt::Mma { half, d, a, b, c } => writeln!(
+            f,
+            "{pad}{{{}}} = mma.m16n8k16.{}({{{}}}, {{{}}}, {{{}}})",
+            reg_list(names, d),
+            half_name(*half),
+            reg_list(names, a),
+            reg_list(names, b),
+            reg_list(names, c)
+        ),
+        Stmt::MbarInit { bar, count } => writeln!(f, "{pad}mbarrier.init [{}], {count}", show(bar)),
+        Stmt::MbarArrive { bar, tx: None } => writeln!(f, "{pad}mbarrier.arrive [{}]", show(bar)),
+        Stmt::MbarArrive { bar, tx: Some(tx) } => writeln!(
+            f,
+            "{pad}mbarrier.arrive.expect_tx [{}], {}",
+            show(bar),
+            show(tx)
+        ),
+        Stmt::MbarWait { bar, parity } => {
+            writeln!(f, "{pad}mbarrier.wait [{}], {}", show(bar), show(parity))
+        }
+        Stmt::TmaLoad {
+            dst,
+            map,
+            coords,
+            bar,
+        } => {
+            let coords: Vec<String> = coords.iter().map(|c| show(c).to_string()).collect();
+            writeln!(
+                f,
+                "{pad}tma.load [{}], ${}[{}], [{}]",
+                show(dst),
+                k.params.get(*map as usize).map_or("?", |(n, _)| n.as_str()),
+                coords.join(", "),
+                show(bar)
+            )
+        }
+        Stmt::FenceProxyAsync => writeln!(f, "{pad}fence.proxy.async"),
+        Stmt::Wgmma(w) => wgmma(f, k, names, w, &pad),
+        Stmt::WgmmaWait { groups, regs } if regs.is_empty() => {
+            writeln!(f, "{pad}wgmma.wait_group {groups}")
+        }
+        Stmt::WgmmaWait { groups, regs } => writeln!(
+            f,
+            "{pad}wgmma.wait_group {groups} {{{}}}",
+            reg_list(names, regs)
+        ),
+        Stmt::NamedBarrier { id, threads, wait } => writeln!(
+            f,
+            "{pad}{} {}, {threads}",
+            if *wait {
+                "bar.sync.named"
+            } else {
+                "bar.arrive.named"
+            },
+            show(id)
+        ),
+        Stmt::SetMaxNReg { inc, regs } => writeln!(
+            f,
+            "{pad}setmaxnreg.{} {regs}",
+            if *inc { "inc" } else { "dec" }
+        ),
+    }
+}
+
+/// A `wgmma` and its steps, one a line.
+fn wgmma(
+    f: &mut fmt::Formatter<'_>,
+    k: &Kernel,
+    names: &[String],
+    w: &super::Wgmma,
+    pad: &str,
+) -> fmt::Result {
+    let show = |e| Show(k, names, e);
+    writeln!(
+        f,
+        "{pad}{{{}}} = wgmma.m64n{}k16.{}.{}({}) {{",
+        reg_list(names, &w.d),
+        w.n,
+        half_name(w.half),
+        if w.b_n_major { "nmajor" } else { "kmajor" },
+        show(&w.accumulate)
+    )?;
+    for (a, b) in &w.steps {
+        match a {
+            super::WgmmaA::Shared(desc) => write!(f, "{pad}  a.shared({})", show(desc))?,
+            super::WgmmaA::Regs(regs) => write!(f, "{pad}  a.regs{{{}}}", reg_list(names, regs))?,
+        }
+        writeln!(f, " b({})", show(b))?;
+    }
+    writeln!(f, "{pad}}}")
 }
 
 impl fmt::Display for Kernel {

@@ -14,7 +14,7 @@
 //!
 //! The interpreter checks the rest (addresses in bounds at run time, races) as it runs.
 
-use super::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty, Un, WgmmaA};
+use super::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty, Un, Wgmma, WgmmaA};
 use std::fmt;
 
 /// What the verifier found wrong, and where (a path of statement indices from the body).
@@ -298,6 +298,85 @@ impl Verifier<'_> {
         }
     }
 
+    /// A loop: an i64 counter, start and end; a positive step; its body divergent when either
+    /// bound depends on the thread.
+    fn for_loop(
+        &mut self,
+        reg: Reg,
+        [start, end]: [&Expr; 2],
+        step: i64,
+        body: &[Stmt],
+        divergent: bool,
+    ) {
+        if let Some(t) = self.reg(reg)
+            && t != Ty::I64
+        {
+            self.error(format!("a loop counter of type {t}"));
+        }
+        self.expect(start, Ty::I64, "a loop's start");
+        self.expect(end, Ty::I64, "a loop's end");
+        if step <= 0 {
+            self.error(format!("a loop step of {step} (it must be positive)"));
+        }
+        let inner = divergent
+            || depends_on_thread(start, &self.divergent)
+            || depends_on_thread(end, &self.divergent);
+        self.block(body, inner);
+    }
+
+    /// A TMA copy: shared destination and barrier, a tensor-map parameter, 1 to 5 i32
+    /// coordinates.
+    fn tma_load(&mut self, dst: &Expr, map: u32, coords: &[Expr], bar: &Expr) {
+        self.address(Space::Shared, dst, 16);
+        self.address(Space::Shared, bar, 8);
+        match self.kernel.params.get(map as usize) {
+            Some((_, Ty::TensorMap)) => {}
+            Some((name, ty)) => {
+                self.error(format!("a TMA copy's map `${name}` is {ty}, not tensormap"))
+            }
+            None => self.error(format!("a TMA copy's map parameter {map} does not exist")),
+        }
+        if !(1..=5).contains(&coords.len()) {
+            self.error(format!(
+                "a TMA copy with {} coordinates (1 to 5)",
+                coords.len()
+            ));
+        }
+        for c in coords {
+            self.expect(c, Ty::I32, "a TMA coordinate");
+        }
+    }
+
+    /// A `wgmma`: N a multiple of 8 up to 256, N / 2 f32 accumulators, and its steps' operands.
+    fn wgmma(&mut self, w: &Wgmma) {
+        if w.n == 0 || w.n > 256 || !w.n.is_multiple_of(8) {
+            self.error(format!(
+                "a wgmma with N {} (a multiple of 8 up to 256)",
+                w.n
+            ));
+        }
+        if w.d.len() != w.n as usize / 2 {
+            self.error(format!(
+                "a wgmma of N {} takes {} accumulator registers, found {}",
+                w.n,
+                w.n / 2,
+                w.d.len()
+            ));
+        }
+        self.regs_of(&w.d, Ty::F32, "a wgmma accumulator");
+        self.expect(&w.accumulate, Ty::Pred, "a wgmma's accumulate flag");
+        if w.steps.is_empty() {
+            self.error("a wgmma with no steps".into());
+        }
+        for (a, b) in &w.steps {
+            match a {
+                WgmmaA::Shared(desc) => self.expect(desc, Ty::I64, "a wgmma A descriptor"),
+                WgmmaA::Regs(regs) => self.regs_of(regs, Ty::I32, "a wgmma A fragment"),
+            }
+            self.expect(b, Ty::I64, "a wgmma B descriptor");
+        }
+    }
+
     fn stmt(&mut self, s: &Stmt, divergent: bool) {
         match s {
             Stmt::Set(r, e) => {
@@ -338,22 +417,7 @@ impl Verifier<'_> {
                 end,
                 step,
                 body,
-            } => {
-                if let Some(t) = self.reg(*reg)
-                    && t != Ty::I64
-                {
-                    self.error(format!("a loop counter of type {t}"));
-                }
-                self.expect(start, Ty::I64, "a loop's start");
-                self.expect(end, Ty::I64, "a loop's end");
-                if *step <= 0 {
-                    self.error(format!("a loop step of {step} (it must be positive)"));
-                }
-                let inner = divergent
-                    || depends_on_thread(start, &self.divergent)
-                    || depends_on_thread(end, &self.divergent);
-                self.block(body, inner);
-            }
+            } => self.for_loop(*reg, [start, end], *step, body, divergent),
             Stmt::Barrier => {
                 if divergent {
                     self.error(
@@ -410,54 +474,8 @@ impl Verifier<'_> {
                 map,
                 coords,
                 bar,
-            } => {
-                self.address(Space::Shared, dst, 16);
-                self.address(Space::Shared, bar, 8);
-                match self.kernel.params.get(*map as usize) {
-                    Some((_, Ty::TensorMap)) => {}
-                    Some((name, ty)) => {
-                        self.error(format!("a TMA copy's map `${name}` is {ty}, not tensormap"))
-                    }
-                    None => self.error(format!("a TMA copy's map parameter {map} does not exist")),
-                }
-                if !(1..=5).contains(&coords.len()) {
-                    self.error(format!(
-                        "a TMA copy with {} coordinates (1 to 5)",
-                        coords.len()
-                    ));
-                }
-                for c in coords {
-                    self.expect(c, Ty::I32, "a TMA coordinate");
-                }
-            }
-            Stmt::Wgmma(w) => {
-                if w.n == 0 || w.n > 256 || w.n % 8 != 0 {
-                    self.error(format!(
-                        "a wgmma with N {} (a multiple of 8 up to 256)",
-                        w.n
-                    ));
-                }
-                if w.d.len() != w.n as usize / 2 {
-                    self.error(format!(
-                        "a wgmma of N {} takes {} accumulator registers, found {}",
-                        w.n,
-                        w.n / 2,
-                        w.d.len()
-                    ));
-                }
-                self.regs_of(&w.d, Ty::F32, "a wgmma accumulator");
-                self.expect(&w.accumulate, Ty::Pred, "a wgmma's accumulate flag");
-                if w.steps.is_empty() {
-                    self.error("a wgmma with no steps".into());
-                }
-                for (a, b) in &w.steps {
-                    match a {
-                        WgmmaA::Shared(desc) => self.expect(desc, Ty::I64, "a wgmma A descriptor"),
-                        WgmmaA::Regs(regs) => self.regs_of(regs, Ty::I32, "a wgmma A fragment"),
-                    }
-                    self.expect(b, Ty::I64, "a wgmma B descriptor");
-                }
-            }
+            } => self.tma_load(dst, *map, coords, bar),
+            Stmt::Wgmma(w) => self.wgmma(w),
             Stmt::WgmmaWait { regs, .. } => self.regs_of(regs, Ty::F32, "a wgmma wait's"),
             Stmt::NamedBarrier { id, threads, .. } => {
                 self.expect(id, Ty::I32, "a named barrier's id");

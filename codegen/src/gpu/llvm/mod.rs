@@ -10,7 +10,7 @@
 
 mod asm;
 
-use super::ir::{Bin, Expr, Half, Kernel, Space, Special, Stmt, Ty, Un};
+use super::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Un};
 use crate::error::CodegenError;
 use inkwell::attributes::{Attribute, AttributeLoc};
 use inkwell::builder::Builder;
@@ -24,7 +24,8 @@ use inkwell::targets::{
 use inkwell::types::AnyType;
 use inkwell::types::BasicTypeEnum;
 use inkwell::values::{
-    BasicMetadataValueEnum, BasicValue, BasicValueEnum, FunctionValue, GlobalValue, PointerValue,
+    BasicMetadataValueEnum, BasicValue, BasicValueEnum, FunctionValue, GlobalValue, IntValue,
+    PointerValue,
 };
 use inkwell::{AddressSpace, FloatPredicate, IntPredicate, OptimizationLevel};
 use std::collections::HashMap;
@@ -307,130 +308,27 @@ impl<'ctx> Lowering<'_, 'ctx> {
                 let p = self.pointer(*space, a)?;
                 self.b.build_store(p, v).map_err(err)?;
             }
-            Stmt::If(c, then, otherwise) => {
-                let c = self.expr(c)?.into_int_value();
-                let (t, e, join) = (
-                    self.ctx.append_basic_block(self.function, "then"),
-                    self.ctx.append_basic_block(self.function, "else"),
-                    self.ctx.append_basic_block(self.function, "join"),
-                );
-                self.b.build_conditional_branch(c, t, e).map_err(err)?;
-                for (block, body) in [(t, then), (e, otherwise)] {
-                    self.b.position_at_end(block);
-                    self.stmts(body)?;
-                    self.b.build_unconditional_branch(join).map_err(err)?;
-                }
-                self.b.position_at_end(join);
-            }
+            Stmt::If(c, then, otherwise) => self.branch(c, then, otherwise)?,
             Stmt::For {
                 reg,
                 start,
                 end,
                 step,
                 body,
-            } => {
-                let slot = self.regs[reg.0 as usize];
-                let start = self.expr(start)?;
-                let end = self.expr(end)?.into_int_value();
-                self.b.build_store(slot, start).map_err(err)?;
-                let (head, block, exit) = (
-                    self.ctx.append_basic_block(self.function, "loop"),
-                    self.ctx.append_basic_block(self.function, "body"),
-                    self.ctx.append_basic_block(self.function, "exit"),
-                );
-                self.b.build_unconditional_branch(head).map_err(err)?;
-                self.b.position_at_end(head);
-                let i64t = self.ctx.i64_type();
-                let i = self
-                    .b
-                    .build_load(i64t, slot, "i")
-                    .map_err(err)?
-                    .into_int_value();
-                let more = self
-                    .b
-                    .build_int_compare(IntPredicate::SLT, i, end, "more")
-                    .map_err(err)?;
-                self.b
-                    .build_conditional_branch(more, block, exit)
-                    .map_err(err)?;
-                self.b.position_at_end(block);
-                self.stmts(body)?;
-                let i = self
-                    .b
-                    .build_load(i64t, slot, "i")
-                    .map_err(err)?
-                    .into_int_value();
-                let next = self
-                    .b
-                    .build_int_add(i, i64t.const_int(*step as u64, true), "next")
-                    .map_err(err)?;
-                self.b.build_store(slot, next).map_err(err)?;
-                self.b.build_unconditional_branch(head).map_err(err)?;
-                self.b.position_at_end(exit);
-            }
+            } => self.for_loop(*reg, [start, end], *step, body)?,
             Stmt::Barrier => self.call_void("llvm.nvvm.barrier0")?,
             Stmt::CpAsync {
                 dst,
                 src,
                 src_bytes,
-            } => {
-                let name = "llvm.nvvm.cp.async.cg.shared.global.16.s";
-                let f = Intrinsic::find(name)
-                    .and_then(|i| i.get_declaration(self.module, &[]))
-                    .ok_or_else(|| err(format!("LLVM has no intrinsic {name}")))?;
-                let (dst, src) = (self.expr(dst)?, self.expr(src)?);
-                let dst = self.pointer(Space::Shared, dst)?;
-                let src = self.pointer(Space::Global, src)?;
-                let bytes = self.expr(src_bytes)?;
-                self.b
-                    .build_call(f, &[dst.into(), src.into(), bytes.into()], "")
-                    .map_err(err)?;
-            }
+            } => self.cp_async(dst, src, src_bytes)?,
             Stmt::CpAsyncCommit => self.call_void("llvm.nvvm.cp.async.commit.group")?,
             Stmt::CpAsyncWait(n) => {
-                let name = "llvm.nvvm.cp.async.wait.group";
-                let f = Intrinsic::find(name)
-                    .and_then(|i| i.get_declaration(self.module, &[]))
-                    .ok_or_else(|| err(format!("LLVM has no intrinsic {name}")))?;
+                let f = self.declaration("llvm.nvvm.cp.async.wait.group", &[])?;
                 let n = self.ctx.i32_type().const_int(u64::from(*n), false);
                 self.b.build_call(f, &[n.into()], "").map_err(err)?;
             }
-            Stmt::LdMatrix { dst, addr, trans } => {
-                let name = format!(
-                    "llvm.nvvm.ldmatrix.sync.aligned.m8n8.x{}{}.b16",
-                    dst.len(),
-                    if *trans { ".trans" } else { "" }
-                );
-                // Overloaded on the pointer type: the shared address space's.
-                let shared_ptr = self.ctx.ptr_type(AddressSpace::from(3u16));
-                let f = Intrinsic::find(&name)
-                    .and_then(|i| i.get_declaration(self.module, &[shared_ptr.into()]))
-                    .ok_or_else(|| err(format!("LLVM has no intrinsic {name}")))?;
-                let addr = self.expr(addr)?;
-                let ptr = self.pointer(Space::Shared, addr)?;
-                let result = self
-                    .b
-                    .build_call(f, &[ptr.into()], "ldmatrix")
-                    .map_err(err)?
-                    .try_as_basic_value()
-                    .basic()
-                    .ok_or_else(|| err("ldmatrix returns nothing"))?;
-                if let [r] = dst.as_slice() {
-                    self.b
-                        .build_store(self.regs[r.0 as usize], result)
-                        .map_err(err)?;
-                } else {
-                    for (i, r) in dst.iter().enumerate() {
-                        let v = self
-                            .b
-                            .build_extract_value(result.into_struct_value(), i as u32, "m")
-                            .map_err(err)?;
-                        self.b
-                            .build_store(self.regs[r.0 as usize], v)
-                            .map_err(err)?;
-                    }
-                }
-            }
+            Stmt::LdMatrix { dst, addr, trans } => self.ldmatrix(dst, addr, *trans)?,
             Stmt::MbarInit { bar, count } => self.mbar_init(bar, *count)?,
             Stmt::MbarArrive { bar, tx } => self.mbar_arrive(bar, tx.as_ref())?,
             Stmt::MbarWait { bar, parity } => self.mbar_wait(bar, parity)?,
@@ -448,46 +346,184 @@ impl<'ctx> Lowering<'_, 'ctx> {
                 "setmaxnreg.{}.sync.aligned.u32 {regs};",
                 if *inc { "inc" } else { "dec" }
             ))?,
-            Stmt::Mma { half, d, a, b, c } => {
-                let mut args = Vec::with_capacity(10);
-                // bf16 operands are i32 pairs; f16 ones <2 x half>.
-                let pair_type = self.ctx.f16_type().vec_type(2);
-                for r in a.iter().chain(b) {
-                    let v = self.expr(&Expr::Reg(*r))?;
-                    args.push(match half {
-                        Half::Bf16 => v,
-                        Half::F16 => self.b.build_bit_cast(v, pair_type, "f16x2").map_err(err)?,
-                    });
-                }
-                for r in c {
-                    args.push(self.expr(&Expr::Reg(*r))?);
-                }
-                let name = match half {
-                    Half::Bf16 => "llvm.nvvm.mma.m16n8k16.row.col.bf16",
-                    Half::F16 => "llvm.nvvm.mma.m16n8k16.row.col.f32.f32",
-                };
-                let f = Intrinsic::find(name)
-                    .and_then(|i| i.get_declaration(self.module, &[]))
-                    .ok_or_else(|| err(format!("LLVM has no intrinsic {name}")))?;
-                let args: Vec<BasicMetadataValueEnum> = args.iter().map(|v| (*v).into()).collect();
-                let result = self
+            Stmt::Mma { half, d, a, b, c } => self.mma(*half, [d, c], a, b)?,
+        }
+        Ok(())
+    }
+
+    /// The declaration of intrinsic `name` for `overloads`.
+    fn declaration(
+        &self,
+        name: &str,
+        overloads: &[BasicTypeEnum<'ctx>],
+    ) -> Result<FunctionValue<'ctx>, CodegenError> {
+        Intrinsic::find(name)
+            .and_then(|i| i.get_declaration(self.module, overloads))
+            .ok_or_else(|| err(format!("LLVM has no intrinsic {name}")))
+    }
+
+    /// `if c { then } else { otherwise }`: both arms join.
+    fn branch(&mut self, c: &Expr, then: &[Stmt], otherwise: &[Stmt]) -> Result<(), CodegenError> {
+        let c = self.expr(c)?.into_int_value();
+        let (t, e, join) = (
+            self.ctx.append_basic_block(self.function, "then"),
+            self.ctx.append_basic_block(self.function, "else"),
+            self.ctx.append_basic_block(self.function, "join"),
+        );
+        self.b.build_conditional_branch(c, t, e).map_err(err)?;
+        for (block, body) in [(t, then), (e, otherwise)] {
+            self.b.position_at_end(block);
+            self.stmts(body)?;
+            self.b.build_unconditional_branch(join).map_err(err)?;
+        }
+        self.b.position_at_end(join);
+        Ok(())
+    }
+
+    /// `for reg in start..end by step { body }`: the bound evaluated once, the counter in the
+    /// register's slot (the body may read it).
+    fn for_loop(
+        &mut self,
+        reg: Reg,
+        [start, end]: [&Expr; 2],
+        step: i64,
+        body: &[Stmt],
+    ) -> Result<(), CodegenError> {
+        let slot = self.regs[reg.0 as usize];
+        let start = self.expr(start)?;
+        let end = self.expr(end)?.into_int_value();
+        self.b.build_store(slot, start).map_err(err)?;
+        let (head, block, exit) = (
+            self.ctx.append_basic_block(self.function, "loop"),
+            self.ctx.append_basic_block(self.function, "body"),
+            self.ctx.append_basic_block(self.function, "exit"),
+        );
+        self.b.build_unconditional_branch(head).map_err(err)?;
+        self.b.position_at_end(head);
+        let i64t = self.ctx.i64_type();
+        let i = self
+            .b
+            .build_load(i64t, slot, "i")
+            .map_err(err)?
+            .into_int_value();
+        let more = self
+            .b
+            .build_int_compare(IntPredicate::SLT, i, end, "more")
+            .map_err(err)?;
+        self.b
+            .build_conditional_branch(more, block, exit)
+            .map_err(err)?;
+        self.b.position_at_end(block);
+        self.stmts(body)?;
+        let i = self
+            .b
+            .build_load(i64t, slot, "i")
+            .map_err(err)?
+            .into_int_value();
+        let next = self
+            .b
+            .build_int_add(i, i64t.const_int(step as u64, true), "next")
+            .map_err(err)?;
+        self.b.build_store(slot, next).map_err(err)?;
+        self.b.build_unconditional_branch(head).map_err(err)?;
+        self.b.position_at_end(exit);
+        Ok(())
+    }
+
+    /// A 16-byte `cp.async` from global `src` to shared `dst`, `src_bytes` of it read.
+    fn cp_async(&mut self, dst: &Expr, src: &Expr, src_bytes: &Expr) -> Result<(), CodegenError> {
+        let f = self.declaration("llvm.nvvm.cp.async.cg.shared.global.16.s", &[])?;
+        let (dst, src) = (self.expr(dst)?, self.expr(src)?);
+        let dst = self.pointer(Space::Shared, dst)?;
+        let src = self.pointer(Space::Global, src)?;
+        let bytes = self.expr(src_bytes)?;
+        self.b
+            .build_call(f, &[dst.into(), src.into(), bytes.into()], "")
+            .map_err(err)?;
+        Ok(())
+    }
+
+    /// `ldmatrix` of `dst.len()` 8 x 8 matrices (transposed with `trans`) from this lane's
+    /// shared row address.
+    fn ldmatrix(&mut self, dst: &[Reg], addr: &Expr, trans: bool) -> Result<(), CodegenError> {
+        let name = format!(
+            "llvm.nvvm.ldmatrix.sync.aligned.m8n8.x{}{}.b16",
+            dst.len(),
+            if trans { ".trans" } else { "" }
+        );
+        // Overloaded on the pointer type: the shared address space's.
+        let shared_ptr = self.ctx.ptr_type(AddressSpace::from(3u16));
+        let f = self.declaration(&name, &[shared_ptr.into()])?;
+        let addr = self.expr(addr)?;
+        let ptr = self.pointer(Space::Shared, addr)?;
+        let result = self
+            .b
+            .build_call(f, &[ptr.into()], "ldmatrix")
+            .map_err(err)?
+            .try_as_basic_value()
+            .basic()
+            .ok_or_else(|| err("ldmatrix returns nothing"))?;
+        if let [r] = dst {
+            self.b
+                .build_store(self.regs[r.0 as usize], result)
+                .map_err(err)?;
+        } else {
+            for (i, r) in dst.iter().enumerate() {
+                let v = self
                     .b
-                    .build_call(f, &args, "mma")
-                    .map_err(err)?
-                    .try_as_basic_value()
-                    .basic()
-                    .ok_or_else(|| err("mma returns nothing"))?
-                    .into_struct_value();
-                for (i, r) in d.iter().enumerate() {
-                    let v = self
-                        .b
-                        .build_extract_value(result, i as u32, "d")
-                        .map_err(err)?;
-                    self.b
-                        .build_store(self.regs[r.0 as usize], v)
-                        .map_err(err)?;
-                }
+                    .build_extract_value(result.into_struct_value(), i as u32, "m")
+                    .map_err(err)?;
+                self.b
+                    .build_store(self.regs[r.0 as usize], v)
+                    .map_err(err)?;
             }
+        }
+        Ok(())
+    }
+
+    /// `d = a b + c` by `mma.sync.m16n8k16` (f32 accumulators, `half` operands).
+    fn mma(
+        &mut self,
+        half: Half,
+        [d, c]: [&[Reg; 4]; 2],
+        a: &[Reg; 4],
+        b: &[Reg; 2],
+    ) -> Result<(), CodegenError> {
+        let mut args = Vec::with_capacity(10);
+        // bf16 operands are i32 pairs; f16 ones <2 x half>.
+        let pair_type = self.ctx.f16_type().vec_type(2);
+        for r in a.iter().chain(b) {
+            let v = self.expr(&Expr::Reg(*r))?;
+            args.push(match half {
+                Half::Bf16 => v,
+                Half::F16 => self.b.build_bit_cast(v, pair_type, "f16x2").map_err(err)?,
+            });
+        }
+        for r in c {
+            args.push(self.expr(&Expr::Reg(*r))?);
+        }
+        let name = match half {
+            Half::Bf16 => "llvm.nvvm.mma.m16n8k16.row.col.bf16",
+            Half::F16 => "llvm.nvvm.mma.m16n8k16.row.col.f32.f32",
+        };
+        let f = self.declaration(name, &[])?;
+        let args: Vec<BasicMetadataValueEnum> = args.iter().map(|v| (*v).into()).collect();
+        let result = self
+            .b
+            .build_call(f, &args, "mma")
+            .map_err(err)?
+            .try_as_basic_value()
+            .basic()
+            .ok_or_else(|| err("mma returns nothing"))?
+            .into_struct_value();
+        for (i, r) in d.iter().enumerate() {
+            let v = self
+                .b
+                .build_extract_value(result, i as u32, "d")
+                .map_err(err)?;
+            self.b
+                .build_store(self.regs[r.0 as usize], v)
+                .map_err(err)?;
         }
         Ok(())
     }
@@ -526,32 +562,7 @@ impl<'ctx> Lowering<'_, 'ctx> {
             Expr::Un(op, a) => {
                 let ty = self.kernel.type_of(a);
                 let v = self.expr(a)?;
-                match (op, ty) {
-                    (Un::Not, _) => self
-                        .b
-                        .build_not(v.into_int_value(), "not")
-                        .map_err(err)?
-                        .into(),
-                    (Un::Neg, Ty::F32) => self
-                        .b
-                        .build_float_neg(v.into_float_value(), "neg")
-                        .map_err(err)?
-                        .into(),
-                    (Un::Neg, _) => self
-                        .b
-                        .build_int_neg(v.into_int_value(), "neg")
-                        .map_err(err)?
-                        .into(),
-                    (Un::Abs, Ty::F32) => self.intrinsic("llvm.fabs", &[f32t.into()], &[v])?,
-                    (Un::Abs, t) => {
-                        let poison = ctx.bool_type().const_int(0, false).into();
-                        self.intrinsic("llvm.abs", &[basic(ctx, t)], &[v, poison])?
-                    }
-                    (Un::Ex2, _) => self.intrinsic("llvm.nvvm.ex2.approx.f", &[], &[v])?,
-                    (Un::Ex2Ftz, _) => self.intrinsic("llvm.nvvm.ex2.approx.ftz.f", &[], &[v])?,
-                    (Un::Lg2, _) => self.intrinsic("llvm.nvvm.lg2.approx.f", &[], &[v])?,
-                    (Un::Sqrt, _) => self.intrinsic("llvm.sqrt", &[f32t.into()], &[v])?,
-                }
+                self.unary(*op, ty, v)?
             }
             Expr::Bin(op, a, b) => {
                 let ty = self.kernel.type_of(a);
@@ -577,100 +588,14 @@ impl<'ctx> Lowering<'_, 'ctx> {
                 let p = self.pointer(*space, a)?;
                 self.b.build_load(basic(ctx, *ty), p, "ld").map_err(err)?
             }
-            Expr::LoadHalf(space, Half::F16, addr) => {
+            Expr::LoadHalf(space, half, addr) => {
                 let a = self.expr(addr)?;
                 let p = self.pointer(*space, a)?;
-                let h = self
-                    .b
-                    .build_load(ctx.f16_type(), p, "f16")
-                    .map_err(err)?
-                    .into_float_value();
-                self.b.build_float_ext(h, f32t, "f16f").map_err(err)?.into()
-            }
-            Expr::LoadHalf(space, Half::Bf16, addr) => {
-                // bf16 bits are the upper half of the f32 they widen to.
-                let a = self.expr(addr)?;
-                let p = self.pointer(*space, a)?;
-                let bits = self
-                    .b
-                    .build_load(ctx.i16_type(), p, "bf16")
-                    .map_err(err)?
-                    .into_int_value();
-                let wide = self
-                    .b
-                    .build_int_z_extend(bits, ctx.i32_type(), "bf16w")
-                    .map_err(err)?;
-                let shifted = self
-                    .b
-                    .build_left_shift(wide, ctx.i32_type().const_int(16, false), "bf16s")
-                    .map_err(err)?;
-                self.b.build_bit_cast(shifted, f32t, "bf16f").map_err(err)?
+                self.load_half(*half, p)?
             }
             Expr::Table(values, index) => {
                 let i = self.expr(index)?.into_int_value();
-                let i64t = ctx.i64_type();
-                let hi = i64t.const_int(values.len() as u64 - 1, false);
-                let zero = i64t.const_zero();
-                let i = self
-                    .b
-                    .build_int_s_extend_or_bit_cast(i, i64t, "ix")
-                    .map_err(err)?;
-                let lo_ok = self
-                    .b
-                    .build_int_compare(IntPredicate::SLT, i, zero, "neg")
-                    .map_err(err)?;
-                let i = self
-                    .b
-                    .build_select(lo_ok, zero, i, "ix0")
-                    .map_err(err)?
-                    .into_int_value();
-                let hi_ok = self
-                    .b
-                    .build_int_compare(IntPredicate::SGT, i, hi, "big")
-                    .map_err(err)?;
-                let i = self
-                    .b
-                    .build_select(hi_ok, hi, i, "ix1")
-                    .map_err(err)?
-                    .into_int_value();
-                // One constant global per distinct table, its loads marked invariant: the loads
-                // of one table at one index merge (ALiBi's slope, once per tile rather than
-                // once per score).
-                let key: Vec<u32> = values.iter().map(|v| v.to_bits()).collect();
-                let next = self.tables.len();
-                let g = *self.tables.entry(key).or_insert_with(|| {
-                    let consts: Vec<_> = values
-                        .iter()
-                        .map(|v| f32t.const_float(f64::from(*v)))
-                        .collect();
-                    let array = f32t.const_array(&consts);
-                    let g = self.module.add_global(
-                        array.get_type(),
-                        Some(AddressSpace::from(1u16)),
-                        &format!("table{next}"),
-                    );
-                    g.set_linkage(Linkage::Internal);
-                    g.set_constant(true);
-                    g.set_initializer(&array);
-                    g
-                });
-                let base = self
-                    .b
-                    .build_ptr_to_int(g.as_pointer_value(), i64t, "tbase")
-                    .map_err(err)?;
-                let off = self
-                    .b
-                    .build_int_mul(i, i64t.const_int(4, false), "toff")
-                    .map_err(err)?;
-                let a = self.b.build_int_add(base, off, "taddr").map_err(err)?;
-                let p = self.pointer(Space::Global, a.into())?;
-                let value = self.b.build_load(f32t, p, "tv").map_err(err)?;
-                if let Some(load) = value.as_instruction_value() {
-                    let kind = ctx.get_kind_id("invariant.load");
-                    load.set_metadata(ctx.metadata_node(&[]), kind)
-                        .map_err(|e| err(format!("invariant.load metadata: {e:?}")))?;
-                }
-                value
+                self.table(values, i)?
             }
             Expr::SharedAddress(a) => self.shared_address(a)?,
             Expr::PackHalf(h, lo, hi) => {
@@ -688,21 +613,174 @@ impl<'ctx> Lowering<'_, 'ctx> {
             Expr::ShflXor(v, mask) => {
                 let ty = self.kernel.type_of(v);
                 let v = self.expr(v)?;
-                let i32t = ctx.i32_type();
-                let args = [
-                    i32t.const_int(0xffff_ffff, false).into(),
-                    v,
-                    i32t.const_int(u64::from(*mask), false).into(),
-                    i32t.const_int(0x1f, false).into(),
-                ];
-                let name = if ty == Ty::F32 {
-                    "llvm.nvvm.shfl.sync.bfly.f32"
-                } else {
-                    "llvm.nvvm.shfl.sync.bfly.i32"
-                };
-                self.intrinsic(name, &[], &args)?
+                self.shuffle_xor(ty, v, *mask)?
             }
         })
+    }
+
+    /// A unary operation on `v` (of type `ty`).
+    fn unary(
+        &mut self,
+        op: Un,
+        ty: Ty,
+        v: BasicValueEnum<'ctx>,
+    ) -> Result<BasicValueEnum<'ctx>, CodegenError> {
+        let (ctx, f32t) = (self.ctx, self.ctx.f32_type());
+        Ok(match (op, ty) {
+            (Un::Not, _) => self
+                .b
+                .build_not(v.into_int_value(), "not")
+                .map_err(err)?
+                .into(),
+            (Un::Neg, Ty::F32) => self
+                .b
+                .build_float_neg(v.into_float_value(), "neg")
+                .map_err(err)?
+                .into(),
+            (Un::Neg, _) => self
+                .b
+                .build_int_neg(v.into_int_value(), "neg")
+                .map_err(err)?
+                .into(),
+            (Un::Abs, Ty::F32) => self.intrinsic("llvm.fabs", &[f32t.into()], &[v])?,
+            (Un::Abs, t) => {
+                let poison = ctx.bool_type().const_int(0, false).into();
+                self.intrinsic("llvm.abs", &[basic(ctx, t)], &[v, poison])?
+            }
+            (Un::Ex2, _) => self.intrinsic("llvm.nvvm.ex2.approx.f", &[], &[v])?,
+            (Un::Ex2Ftz, _) => self.intrinsic("llvm.nvvm.ex2.approx.ftz.f", &[], &[v])?,
+            (Un::Lg2, _) => self.intrinsic("llvm.nvvm.lg2.approx.f", &[], &[v])?,
+            (Un::Sqrt, _) => self.intrinsic("llvm.sqrt", &[f32t.into()], &[v])?,
+        })
+    }
+
+    /// A 16-bit value at `p`, widened to f32.
+    fn load_half(
+        &mut self,
+        half: Half,
+        p: PointerValue<'ctx>,
+    ) -> Result<BasicValueEnum<'ctx>, CodegenError> {
+        let (ctx, f32t) = (self.ctx, self.ctx.f32_type());
+        match half {
+            Half::F16 => {
+                let h = self
+                    .b
+                    .build_load(ctx.f16_type(), p, "f16")
+                    .map_err(err)?
+                    .into_float_value();
+                Ok(self.b.build_float_ext(h, f32t, "f16f").map_err(err)?.into())
+            }
+            Half::Bf16 => {
+                // bf16 bits are the upper half of the f32 they widen to.
+                let bits = self
+                    .b
+                    .build_load(ctx.i16_type(), p, "bf16")
+                    .map_err(err)?
+                    .into_int_value();
+                let wide = self
+                    .b
+                    .build_int_z_extend(bits, ctx.i32_type(), "bf16w")
+                    .map_err(err)?;
+                let shifted = self
+                    .b
+                    .build_left_shift(wide, ctx.i32_type().const_int(16, false), "bf16s")
+                    .map_err(err)?;
+                self.b.build_bit_cast(shifted, f32t, "bf16f").map_err(err)
+            }
+        }
+    }
+
+    /// Entry `i` (clamped into the table) of a constant table.
+    fn table(
+        &mut self,
+        values: &[f32],
+        i: IntValue<'ctx>,
+    ) -> Result<BasicValueEnum<'ctx>, CodegenError> {
+        let (ctx, f32t) = (self.ctx, self.ctx.f32_type());
+        let i64t = ctx.i64_type();
+        let hi = i64t.const_int(values.len() as u64 - 1, false);
+        let zero = i64t.const_zero();
+        let i = self
+            .b
+            .build_int_s_extend_or_bit_cast(i, i64t, "ix")
+            .map_err(err)?;
+        let lo_ok = self
+            .b
+            .build_int_compare(IntPredicate::SLT, i, zero, "neg")
+            .map_err(err)?;
+        let i = self
+            .b
+            .build_select(lo_ok, zero, i, "ix0")
+            .map_err(err)?
+            .into_int_value();
+        let hi_ok = self
+            .b
+            .build_int_compare(IntPredicate::SGT, i, hi, "big")
+            .map_err(err)?;
+        let i = self
+            .b
+            .build_select(hi_ok, hi, i, "ix1")
+            .map_err(err)?
+            .into_int_value();
+        // One constant global per distinct table, its loads marked invariant: the loads of one
+        // table at one index merge (ALiBi's slope, once per tile rather than once per score).
+        let key: Vec<u32> = values.iter().map(|v| v.to_bits()).collect();
+        let next = self.tables.len();
+        let g = *self.tables.entry(key).or_insert_with(|| {
+            let consts: Vec<_> = values
+                .iter()
+                .map(|v| f32t.const_float(f64::from(*v)))
+                .collect();
+            let array = f32t.const_array(&consts);
+            let g = self.module.add_global(
+                array.get_type(),
+                Some(AddressSpace::from(1u16)),
+                &format!("table{next}"),
+            );
+            g.set_linkage(Linkage::Internal);
+            g.set_constant(true);
+            g.set_initializer(&array);
+            g
+        });
+        let base = self
+            .b
+            .build_ptr_to_int(g.as_pointer_value(), i64t, "tbase")
+            .map_err(err)?;
+        let off = self
+            .b
+            .build_int_mul(i, i64t.const_int(4, false), "toff")
+            .map_err(err)?;
+        let a = self.b.build_int_add(base, off, "taddr").map_err(err)?;
+        let p = self.pointer(Space::Global, a.into())?;
+        let value = self.b.build_load(f32t, p, "tv").map_err(err)?;
+        if let Some(load) = value.as_instruction_value() {
+            let kind = ctx.get_kind_id("invariant.load");
+            load.set_metadata(ctx.metadata_node(&[]), kind)
+                .map_err(|e| err(format!("invariant.load metadata: {e:?}")))?;
+        }
+        Ok(value)
+    }
+
+    /// `v` (of type `ty`) from lane `lane ^ mask` of the warp.
+    fn shuffle_xor(
+        &mut self,
+        ty: Ty,
+        v: BasicValueEnum<'ctx>,
+        mask: u32,
+    ) -> Result<BasicValueEnum<'ctx>, CodegenError> {
+        let i32t = self.ctx.i32_type();
+        let args = [
+            i32t.const_int(0xffff_ffff, false).into(),
+            v,
+            i32t.const_int(u64::from(mask), false).into(),
+            i32t.const_int(0x1f, false).into(),
+        ];
+        let name = if ty == Ty::F32 {
+            "llvm.nvvm.shfl.sync.bfly.f32"
+        } else {
+            "llvm.nvvm.shfl.sync.bfly.i32"
+        };
+        self.intrinsic(name, &[], &args)
     }
 
     fn binary(
