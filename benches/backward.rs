@@ -8,12 +8,9 @@
 use attn::prelude::*;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 
-fn tensor(spec: &AttentionSpec, n: usize, seed: usize) -> Tensor {
+fn tensor(spec: &AttentionSpec, n: usize, seed: u64) -> Tensor {
     let (h, d) = (spec.heads as usize, spec.head_dim as usize);
-    let values: Vec<f32> = (0..h * n * d)
-        .map(|i| (((i + seed) * 7919) % 1024) as f32 / 512.0 - 1.0)
-        .collect();
-    Tensor::from_f32_as(spec.dtype, &[1, h, n, d], values).unwrap()
+    attn::inputs::tensor(spec.dtype, &[1, h, n, d], seed).unwrap()
 }
 
 fn backward(c: &mut Criterion) {

@@ -9,12 +9,7 @@ use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_m
 
 fn inputs(spec: &AttentionSpec, n: usize) -> [Tensor; 3] {
     let (h, d) = (spec.heads as usize, spec.head_dim as usize);
-    let len = h * n * d;
-    let values: Vec<f32> = (0..len)
-        .map(|i| ((i * 7919) % 1024) as f32 / 512.0 - 1.0)
-        .collect();
-    let t = Tensor::from_f32_as(spec.dtype, &[1, h, n, d], values).unwrap();
-    [t.clone(), t.clone(), t]
+    [1, 2, 3].map(|seed| attn::inputs::tensor(spec.dtype, &[1, h, n, d], seed).unwrap())
 }
 
 fn prefill(c: &mut Criterion) {

@@ -3,6 +3,7 @@
 //!
 //! Run with `cargo run --release --example gradients`.
 
+use attn::inputs::values;
 use attn::{Attention, RuntimeError, Tensor, attention};
 
 /// Grouped-query attention with RoPE, a soft cap and a custom distance penalty.
@@ -11,19 +12,6 @@ use attn::{Attention, RuntimeError, Tensor, attention};
     score_mod = |s, b, h, q, k| s - 0.01 * (q - k) as f32
 )]
 struct Layer;
-
-/// Deterministic values in [-1, 1).
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-        })
-        .collect()
-}
 
 /// The loss `sum(out * dout)` for queries `q`.
 fn loss(q: &[f32], k: &Tensor, v: &Tensor, dout: &[f32], shape: &[usize]) -> f64 {

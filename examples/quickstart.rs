@@ -14,17 +14,10 @@ use attn::reference::{self, Array};
 )]
 struct Llama3Attention;
 
-/// Small deterministic pseudo-random inputs (no RNG dependency needed for a demo).
+/// Small deterministic pseudo-random inputs, as float64 arrays for the reference.
 fn inputs(shape: &[usize], seed: u64) -> Array {
-    let mut state = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    Array::from_fn(shape, |_| {
-        state = state
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((state >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
-    })
+    let n = shape.iter().product();
+    Array::from_vec(shape, attn::inputs::values_f64(n, seed)).expect("the values fill the shape")
 }
 
 fn main() {

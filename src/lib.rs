@@ -11,7 +11,8 @@
 //! runs on a [`Backend`] ([`CpuBackend`], [`GpuSim`], or one [`backends::open`] names) over
 //! [`Inputs`] or cached [`Queries`]; a [`Model`] composes variants into a transformer
 //! ([`hf`] loads checkpoints, [`research`] reads model files) and generates under a [`Request`]
-//! and [`Sampling`]. A spec's costs are in [`accounting`], its meaning in [`reference`].
+//! and [`Sampling`]. A spec's costs are in [`accounting`], its meaning in [`reference`];
+//! [`inputs`] draws deterministic test inputs.
 //! [`prelude`] holds the common ones.
 //!
 //! The `attnc` binary is the command-line front end.
@@ -31,7 +32,6 @@ pub use attn_dsl::{AttentionSpec, DType, KvLayout, Mask, Position, Rope, RopeSca
 pub use attn_dsl::{accounting, reference};
 pub use attn_macros::attention;
 pub use attn_runtime as runtime;
-pub use attn_runtime::cache;
 pub use attn_runtime::cpu::CpuBackend;
 pub use attn_runtime::gpu::sim::GpuSim;
 pub use attn_runtime::model::{DeviceModel, Model, Request, Sampling, hf, research};
@@ -40,6 +40,7 @@ pub use attn_runtime::{
     Inputs, MlaBackward, MlaGradients, MlaQueries, MlaTensors, Output, Queries, RuntimeError,
     Tensor, Variant, backends,
 };
+pub use attn_runtime::{cache, inputs};
 pub use codegen;
 
 /// A spec's GPU kernels and where the runtime takes their PTX from (embedded at cargo time, the

@@ -17,6 +17,7 @@
 pub mod accounting;
 pub mod catalog;
 mod error;
+pub mod inputs;
 pub mod modifier;
 mod parse;
 mod print;

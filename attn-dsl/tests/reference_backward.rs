@@ -1,18 +1,14 @@
 //! The reference backward pass checked by central finite differences of the reference forward:
 //! for the loss `L = sum(out * dout)`, every gradient entry against `(L(x + e) - L(x - e)) / 2e`.
 
+use attn_dsl::inputs::values_f64;
 use attn_dsl::parse_str;
 use attn_dsl::reference::{Array, Inputs, attention, backward};
 
 /// A deterministic pseudo-random array in [-1, 1).
 fn array(shape: &[usize], seed: u64) -> Array {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    Array::from_fn(shape, |_| {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        (state >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
-    })
+    let n = shape.iter().product();
+    Array::from_vec(shape, values_f64(n, seed)).expect("the values fill the shape")
 }
 
 fn loss(

@@ -1,6 +1,7 @@
 //! The reference on small cases computed by hand, one semantic rule at a time.
 
 use attn_dsl::AttentionSpec;
+use attn_dsl::inputs::values_f64;
 use attn_dsl::reference::{self, Array, Inputs, MlaInputs};
 
 fn spec(text: &str) -> AttentionSpec {
@@ -170,13 +171,8 @@ fn custom_modifiers_see_heads_and_absolute_positions() {
 }
 
 fn pseudo_random(shape: &[usize], seed: u64) -> Array {
-    let mut state = seed;
-    Array::from_fn(shape, |_| {
-        state = state
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((state >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
-    })
+    let n = shape.iter().product();
+    Array::from_vec(shape, values_f64(n, seed)).expect("the values fill the shape")
 }
 
 #[test]

@@ -37,6 +37,7 @@ mod error;
 pub mod files;
 pub mod gpu;
 mod host;
+pub mod inputs;
 pub mod io;
 pub mod memory;
 pub mod model;

@@ -5,6 +5,7 @@
 //! spills, no serialized `wgmma` and no ignored `setmaxnreg`.
 
 use attn_dsl::AttentionSpec;
+use attn_dsl::inputs::values;
 use attn_dsl::reference::{self, Array, Inputs, rope};
 use codegen::KernelPlan;
 use codegen::gpu::interp::{Memory, Val, run};
@@ -12,18 +13,6 @@ use codegen::gpu::kernels::forward::{ROWS, key_tile, lower};
 use codegen::gpu::kernels::{forward_tc, forward_wgmma};
 use codegen::gpu::{ForwardKernel, forward_kernel, wgmma_forward_kernel};
 use codegen::plan::Frequencies;
-
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
 
 /// bf16 rounding (to nearest even).
 fn bf16(x: f32) -> f32 {

@@ -12,16 +12,9 @@ use codegen::gpu::launch::{LaunchRecord, bind};
 
 /// Values in [-2, 2) from a seed.
 fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
-        })
+    attn_dsl::inputs::values(n, seed)
+        .into_iter()
+        .map(|x| 2.0 * x)
         .collect()
 }
 

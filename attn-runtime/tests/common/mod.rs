@@ -10,18 +10,7 @@ use attn_runtime::{
     MlaTensors, Output, Queries, RuntimeError, Tensor, Variant,
 };
 
-/// Deterministic values in [-1, 1) (xorshift; a seed picks the sequence).
-pub fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
+pub use attn_runtime::inputs::values;
 
 fn variant(spec: &AttentionSpec) -> Result<std::sync::Arc<Variant>, RuntimeError> {
     Variant::shared(spec)

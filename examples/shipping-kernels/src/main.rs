@@ -78,18 +78,8 @@ fn run_on_device<A: Attention>() -> bool {
     let (b, sq) = (2, 100);
     let spec = A::spec();
     let tensor = |heads: u32, width: u32, seed: u64| {
-        let n = b * heads as usize * sq * width as usize;
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        let values: Vec<f32> = (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-            })
-            .collect();
-        Tensor::from_f32_as(spec.dtype, &[b, heads as usize, sq, width as usize], values)
-            .expect("a tensor")
+        let shape = [b, heads as usize, sq, width as usize];
+        attn::inputs::tensor(spec.dtype, &shape, seed).expect("a tensor")
     };
     let q = tensor(A::HEADS, A::HEAD_DIM, 1);
     let k = tensor(A::KV_HEADS, A::HEAD_DIM, 2);

@@ -5,6 +5,7 @@ use crate::backend_arg::Backend as On;
 use attn::AttentionSpec;
 use attn::dsl::Mask;
 use attn::dsl::accounting::forward_flops;
+use attn::inputs::tensor as random;
 use attn::runtime::cpu::CpuBackend;
 use attn::runtime::memory::checked_product;
 use attn::runtime::{
@@ -101,20 +102,6 @@ struct Timing {
     pub compile_ms: f64,
 }
 
-/// Random values in [-1, 1) of the spec's dtype (deterministic per seed).
-pub fn random(spec: &AttentionSpec, shape: &[usize], seed: u64) -> Result<Tensor, RuntimeError> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let values = (0..shape.iter().product::<usize>())
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect();
-    Tensor::from_f32_as(spec.dtype, shape, values)
-}
-
 /// Refuses a shape whose tensors would not fit in the memory available, before any is made:
 /// each input counted once as the f32 values drawn and once as stored, each output as f32.
 fn ensure_fits(spec: &AttentionSpec, shape: &Shape) -> Result<(), RuntimeError> {
@@ -168,9 +155,9 @@ fn inputs(spec: &AttentionSpec, shape: &Shape) -> Result<[Tensor; 3], RuntimeErr
         spec.kv_heads() as usize,
     );
     Ok([
-        random(spec, &[b, h, sq, d], 1)?,
-        random(spec, &[b, hkv, skv, d], 2)?,
-        random(spec, &[b, hkv, skv, dv], 3)?,
+        random(spec.dtype, &[b, h, sq, d], 1)?,
+        random(spec.dtype, &[b, hkv, skv, d], 2)?,
+        random(spec.dtype, &[b, hkv, skv, dv], 3)?,
     ])
 }
 
@@ -219,7 +206,7 @@ fn bench_backward(
         shape.seq,
         spec.v_head_dim as usize,
     );
-    let dout = random(spec, &[b, h, sq, dv], 4)?;
+    let dout = random(spec.dtype, &[b, h, sq, dv], 4)?;
     if spec.mla().is_some() {
         return bench_backward_mla(spec, shape, &dout, compile_ms, progress);
     }
@@ -372,11 +359,11 @@ fn mla_inputs(spec: &AttentionSpec, shape: &Shape) -> Result<[Tensor; 5], Runtim
     let (d, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
     let (r, dr) = (mla.latent_rank as usize, mla.rope_dim as usize);
     Ok([
-        random(spec, &[b, h, sq, d], 1)?,
-        random(spec, &[b, h, sq, dr], 2)?,
-        random(spec, &[b, skv, r], 3)?,
-        random(spec, &[b, skv, dr], 4)?,
-        random(spec, &[h * (d + dv), r], 5)?,
+        random(spec.dtype, &[b, h, sq, d], 1)?,
+        random(spec.dtype, &[b, h, sq, dr], 2)?,
+        random(spec.dtype, &[b, skv, r], 3)?,
+        random(spec.dtype, &[b, skv, dr], 4)?,
+        random(spec.dtype, &[h * (d + dv), r], 5)?,
     ])
 }
 

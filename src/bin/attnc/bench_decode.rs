@@ -1,8 +1,8 @@
 //! `attnc bench-decode`: times decoding steps against a paged KV cache filled with random keys.
 
 use crate::backend_arg::Backend;
-use crate::bench::random;
 use attn::AttentionSpec;
+use attn::inputs::tensor as random;
 use attn::runtime::Backend as Attend;
 use attn::runtime::RuntimeError;
 use attn::runtime::Tensor;
@@ -143,12 +143,12 @@ fn bench(
             // MLA caches take the latent and the RoPE key; others per-head keys and values.
             let (k, v) = match spec.mla() {
                 Some(m) => (
-                    random(spec, &[n, m.latent_rank as usize], seed)?,
-                    random(spec, &[n, m.rope_dim as usize], seed + 7)?,
+                    random(spec.dtype, &[n, m.latent_rank as usize], seed)?,
+                    random(spec.dtype, &[n, m.rope_dim as usize], seed + 7)?,
                 ),
                 None => (
-                    random(spec, &[hkv, n, d], seed)?,
-                    random(spec, &[hkv, n, dv], seed + 7)?,
+                    random(spec.dtype, &[hkv, n, d], seed)?,
+                    random(spec.dtype, &[hkv, n, dv], seed + 7)?,
                 ),
             };
             cache.append(seq, &k, &v)?;
@@ -162,12 +162,12 @@ fn bench(
     if progress {
         eprintln!();
     }
-    let q = random(spec, &[b, h, shape.q_len, d], 1)?;
+    let q = random(spec.dtype, &[b, h, shape.q_len, d], 1)?;
     let options = DecodeOptions::default();
     let mla_inputs = match spec.mla() {
         Some(m) => Some((
-            random(spec, &[b, h, shape.q_len, m.rope_dim as usize], 2)?,
-            random(spec, &[h * (d + dv), m.latent_rank as usize], 3)?,
+            random(spec.dtype, &[b, h, shape.q_len, m.rope_dim as usize], 2)?,
+            random(spec.dtype, &[h * (d + dv), m.latent_rank as usize], 3)?,
         )),
         None => None,
     };

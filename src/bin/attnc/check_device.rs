@@ -5,8 +5,8 @@
 //! runs it next to the prefill differential tests.
 
 use crate::backend_arg::Backend;
-use crate::bench::random;
 use attn::AttentionSpec;
+use attn::inputs::tensor as random;
 use attn::runtime::cache::{PagedCache, SeqId};
 use attn::runtime::cpu::CpuBackend;
 use attn::runtime::gpu::sim::GpuSim;
@@ -159,13 +159,13 @@ fn run(on: Backend) -> Result<bool, RuntimeError> {
             let seed = 10 * i as u64;
             cache.append(
                 seq,
-                &random(&spec, &[hkv, len, d], seed)?,
-                &random(&spec, &[hkv, len, dv], seed + 1)?,
+                &random(spec.dtype, &[hkv, len, d], seed)?,
+                &random(spec.dtype, &[hkv, len, dv], seed + 1)?,
             )?;
             seqs.push(seq);
         }
         for n in [1, 3] {
-            let q = random(&spec, &[2, h, n, d], 5)?;
+            let q = random(spec.dtype, &[2, h, n, d], 5)?;
             let options = DecodeOptions::default();
             let queries = Queries::Uniform(&q);
             let want = cpu.attend_cached(&variant, queries, &cache, &seqs, options)?;
@@ -179,11 +179,11 @@ fn run(on: Backend) -> Result<bool, RuntimeError> {
         let step = |c: &mut PagedCache| {
             c.append(
                 seqs[0],
-                &random(&spec, &[hkv, 1, d], 30)?,
-                &random(&spec, &[hkv, 1, dv], 31)?,
+                &random(spec.dtype, &[hkv, 1, d], 30)?,
+                &random(spec.dtype, &[hkv, 1, dv], 31)?,
             )
         };
-        let q = random(&spec, &[2, h, 1, d], 7)?;
+        let q = random(spec.dtype, &[2, h, 1, d], 7)?;
         if let Some(got) = gpu.decode_after_sync(&variant, &q, &mut cache, &step, &seqs) {
             let queries = Queries::Uniform(&q);
             let want =
@@ -191,7 +191,7 @@ fn run(on: Backend) -> Result<bool, RuntimeError> {
             report("resident decode after a step, synced", &spec, got?, want);
         }
         let offsets = [0, 1, 9];
-        let q = random(&spec, &[9, h, d], 6)?;
+        let q = random(spec.dtype, &[9, h, d], 6)?;
         let options = DecodeOptions {
             partitions: Some(3),
         };
@@ -215,13 +215,13 @@ fn run(on: Backend) -> Result<bool, RuntimeError> {
     let (r, dr) = (mla.latent_rank as usize, mla.rope_dim as usize);
     let (sq, skv) = (40, 200);
     let (c_kv, k_pe) = (
-        random(&spec, &[1, skv, r], 1)?,
-        random(&spec, &[1, skv, dr], 2)?,
+        random(spec.dtype, &[1, skv, r], 1)?,
+        random(spec.dtype, &[1, skv, dr], 2)?,
     );
-    let w_kv_b = random(&spec, &[h * (dn + dv), r], 3)?;
+    let w_kv_b = random(spec.dtype, &[h * (dn + dv), r], 3)?;
     let (q_nope, q_pe) = (
-        random(&spec, &[1, h, sq, dn], 4)?,
-        random(&spec, &[1, h, sq, dr], 5)?,
+        random(spec.dtype, &[1, h, sq, dn], 4)?,
+        random(spec.dtype, &[1, h, sq, dr], 5)?,
     );
     let x = MlaTensors {
         q_nope: &q_nope,
@@ -242,8 +242,8 @@ fn run(on: Backend) -> Result<bool, RuntimeError> {
     let rows = |t: &Tensor, w: usize| Tensor::from_f32_as(spec.dtype, &[skv, w], t.to_f32_vec());
     cache.append(seq, &rows(&c_kv, r)?, &rows(&k_pe, dr)?)?;
     let (q_nope, q_pe) = (
-        random(&spec, &[1, h, 1, dn], 6)?,
-        random(&spec, &[1, h, 1, dr], 7)?,
+        random(spec.dtype, &[1, h, 1, dn], 6)?,
+        random(spec.dtype, &[1, h, 1, dr], 7)?,
     );
     let queries = || MlaQueries {
         q_nope: &q_nope,
