@@ -1,0 +1,153 @@
+//! The model commands (`logits`, `generate`, `params`) on a checkpoint, and generation from text.
+
+use crate::{attnc, stderr, stdout};
+
+#[test]
+fn model_commands_run_a_checkpoint() {
+    let dir = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/hf-tiny/llama_gqa"
+    );
+    let o = attnc(&["params", "--model", dir, "--seq", "1024"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let text = stdout(&o);
+    // 2 layers x (q 64x64 + k, v 32x64 + o 64x64) = 24576 attention parameters.
+    assert!(text.contains("attention           24576"), "{text}");
+    assert!(text.contains("512 bytes per token"), "{text}");
+    let out = std::env::temp_dir().join(format!(
+        "attn-cli-logits-{}.safetensors",
+        std::process::id()
+    ));
+    let o = attnc(&[
+        "logits",
+        "--model",
+        dir,
+        "--tokens",
+        "5,6,7,8",
+        "--incremental",
+        "2",
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let t = attn::runtime::io::read_safetensors(&out, &["logits"]).unwrap();
+    assert_eq!(t[0].shape(), [1, 4, 256]);
+    // The whole model resident on the gpu-sim device gives the CPU's logits.
+    let logits_on = |backend: &str| {
+        let o = attnc(&[
+            "logits",
+            "--model",
+            dir,
+            "--tokens",
+            "5,6,7,8",
+            "--backend",
+            backend,
+            "--output",
+            out.to_str().unwrap(),
+        ]);
+        assert_eq!(o.status.code(), Some(0), "{backend}: {}", stderr(&o));
+        attn::runtime::io::read_safetensors(&out, &["logits"]).unwrap()[0].to_f32_vec()
+    };
+    let (cpu, sim) = (logits_on("cpu"), logits_on("gpu-sim"));
+    assert_eq!(cpu.len(), 4 * 256);
+    for (a, b) in sim.iter().zip(&cpu) {
+        assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{a} vs {b}");
+    }
+    let o = attnc(&[
+        "generate",
+        "--model",
+        dir,
+        "--tokens",
+        "1,2,3",
+        "--max-new-tokens",
+        "5",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(stdout(&o).trim().split(',').count(), 5, "{}", stdout(&o));
+    for bad in [
+        vec!["generate", "--model", dir, "--tokens", "1,x"],
+        vec![
+            "generate", "--model", dir, "--tokens", "1", "--top-p", "1.5",
+        ],
+        vec![
+            "logits",
+            "--model",
+            dir,
+            "--tokens",
+            "1,2",
+            "--incremental",
+            "3",
+            "--output",
+            "/tmp/x",
+        ],
+        vec!["params", "--model", "/nonexistent-model-dir"],
+    ] {
+        let o = attnc(&bad);
+        assert_eq!(o.status.code(), Some(2), "{bad:?}: {}", stderr(&o));
+        assert!(stderr(&o).starts_with("error:"), "{bad:?}: {}", stderr(&o));
+    }
+}
+
+/// `attnc generate --prompt` prints exactly transformers' greedy continuation of each golden
+/// prompt (the fixture's golden_generate.json), byte-level replacement characters included.
+#[test]
+fn generate_from_text_prints_transformers_continuation() {
+    let dir = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/hf-tiny/llama_tokenizer"
+    );
+    let golden: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(format!("{dir}/golden_generate.json")).unwrap(),
+    )
+    .unwrap();
+    // On the CPU, and resident on the gpu-sim device (every layer as GPU kernels, caches
+    // and the argmax on the device).
+    for backend in ["cpu", "gpu-sim"] {
+        for g in golden["generate"].as_array().unwrap() {
+            let prompt = g["prompt"].as_str().unwrap();
+            let new_tokens = g["new_ids"].as_array().unwrap().len().to_string();
+            let o = attnc(&[
+                "generate",
+                "--model",
+                dir,
+                "--prompt",
+                prompt,
+                "--max-new-tokens",
+                &new_tokens,
+                "--backend",
+                backend,
+            ]);
+            assert_eq!(o.status.code(), Some(0), "{prompt}: {}", stderr(&o));
+            assert_eq!(
+                stdout(&o),
+                format!("{}\n", g["new_text"].as_str().unwrap()),
+                "{prompt} on {backend}"
+            );
+            assert!(stderr(&o).contains("tokens/s"), "{}", stderr(&o));
+        }
+    }
+    let research = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/examples/models/llama-100m.toml"
+    );
+    let o = attnc(&["generate", "--model", research, "--prompt", "hi"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("no tokenizer"), "{}", stderr(&o));
+    let o = attnc(&[
+        "generate", "--model", dir, "--prompt", "hi", "--tokens", "1",
+    ]);
+    assert_eq!(o.status.code(), Some(2), "--prompt and --tokens together");
+    let o = attnc(&["generate", "--model", dir, "--prompt", ""]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("--prompt is empty"), "{}", stderr(&o));
+    let o = attnc(&[
+        "generate",
+        "--model",
+        dir,
+        "--prompt",
+        "hi",
+        "--backend",
+        "tpu",
+    ]);
+    assert_eq!(o.status.code(), Some(2), "an unknown backend");
+}
