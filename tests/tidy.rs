@@ -1,7 +1,8 @@
 //! The workspace's structural invariants, checked on its source text (ARCHITECTURE.md,
-//! "Invariants"): module imports form no cycle in any crate; attn-dsl knows no backend; in
-//! attn-runtime, `host/` imports neither `cpu/` nor `gpu/`, and `cpu/` and `gpu/` do not import
-//! each other; `unsafe` appears only in attn-runtime, each block under a `SAFETY:` comment.
+//! "Invariants"): module imports form no cycle in any crate; attn-dsl knows no backend; crates
+//! depend one way; in attn-runtime, `host/` imports neither `cpu/` nor `gpu/`, and `cpu/` and
+//! `gpu/` do not import each other; `unsafe` appears only in attn-runtime, each block under a
+//! `SAFETY:` comment; ARCHITECTURE.md stays a short map of files that exist.
 //!
 //! A module is a source file (`a/mod.rs` is `a`). Module `m` imports module `n` when a `use` of
 //! `m`, or a `crate::`, `super::` or `self::` path in its code, names an item of `n`. Paths are
@@ -13,8 +14,9 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
 /// The crates of the workspace: name, source folder.
-const CRATES: [(&str, &str); 5] = [
+const CRATES: [(&str, &str); 6] = [
     ("attn", "src"),
+    ("attnc", "src/bin/attnc"),
     ("attn_dsl", "attn-dsl/src"),
     ("attn_macros", "attn-macros/src"),
     ("codegen", "codegen/src"),
@@ -455,25 +457,178 @@ fn the_host_layer_imports_neither_backend_and_the_backends_not_each_other() {
     }
 }
 
+/// The packages a manifest depends on, in any dependency table (normal, dev, build, per
+/// target); a `[workspace.dependencies]` table only declares versions and is not read.
+fn dependencies(manifest: &str) -> Vec<String> {
+    let text = std::fs::read_to_string(root().join(manifest)).unwrap();
+    let mut out = Vec::new();
+    let mut in_table = false;
+    for line in text.lines().map(str::trim) {
+        if line.starts_with('[') {
+            let table = line.trim_matches(|c| c == '[' || c == ']');
+            in_table = !table.starts_with("workspace")
+                && table.split('.').any(|part| part.ends_with("dependencies"));
+        } else if in_table && !line.starts_with('#') {
+            if let Some(key) = line.split(['=', '.', ' ']).next().filter(|k| !k.is_empty()) {
+                out.push(key.to_string());
+            }
+        }
+    }
+    out
+}
+
 #[test]
 fn attn_dsl_knows_no_backend() {
-    let manifest = std::fs::read_to_string(root().join("attn-dsl/Cargo.toml")).unwrap();
     let sources: String = rust_files(&root().join("attn-dsl/src"))
         .iter()
         .map(|p| code(&std::fs::read_to_string(p).unwrap()))
         .collect();
+    let deps = dependencies("attn-dsl/Cargo.toml");
     for backend in [
         "attn-codegen",
         "attn-runtime",
+        "attn-macros",
         "cranelift",
         "cudarc",
         "inkwell",
+        "llvm-sys",
     ] {
-        assert!(!manifest.contains(backend), "attn-dsl depends on {backend}");
+        assert!(
+            !deps.iter().any(|d| d.starts_with(backend)),
+            "attn-dsl depends on {backend}"
+        );
         let ident = backend.replace('-', "_");
         assert!(!sources.contains(&ident), "attn-dsl names {ident}");
     }
     assert!(!sources.contains("codegen::"), "attn-dsl names codegen");
+}
+
+#[test]
+fn crates_depend_one_way_and_only_the_runtime_on_cudarc() {
+    for (manifest, forbidden) in [
+        ("codegen/Cargo.toml", ["attn-runtime", "cudarc"]),
+        ("attn-macros/Cargo.toml", ["attn-runtime", "cudarc"]),
+        ("Cargo.toml", ["cudarc", "cudarc"]),
+    ] {
+        let deps = dependencies(manifest);
+        for name in forbidden {
+            assert!(
+                !deps.iter().any(|d| d == name),
+                "{manifest} depends on {name}"
+            );
+        }
+    }
+    // The reader finds what is there: the runtime does depend on codegen and cudarc.
+    let runtime = dependencies("attn-runtime/Cargo.toml");
+    assert!(runtime.iter().any(|d| d == "attn-codegen"), "{runtime:?}");
+    assert!(runtime.iter().any(|d| d == "cudarc"), "{runtime:?}");
+}
+
+/// Paragraphs of a Markdown text: runs of lines between blank lines, a list item each.
+fn paragraphs(text: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    let mut open = false;
+    for line in text.lines() {
+        let trimmed = line.trim_start();
+        let item = trimmed.starts_with("- ")
+            || trimmed
+                .split_once(". ")
+                .is_some_and(|(n, _)| !n.is_empty() && n.chars().all(|c| c.is_ascii_digit()));
+        if trimmed.is_empty() {
+            open = false;
+        } else if open && !item {
+            let last = out.last_mut().unwrap();
+            last.push(' ');
+            last.push_str(trimmed);
+        } else {
+            out.push(trimmed.to_string());
+            open = true;
+        }
+    }
+    out
+}
+
+/// The file paths a Markdown text names in backticks: a token with no spaces that has a `/` or
+/// a file extension of the tree's, globs left out.
+fn named_paths(text: &str) -> Vec<String> {
+    text.split('`')
+        .skip(1)
+        .step_by(2)
+        .filter(|t| !t.contains(char::is_whitespace) && !t.contains('*') && !t.contains("::"))
+        .filter(|t| t.chars().any(char::is_alphanumeric))
+        .filter(|t| {
+            t.contains('/')
+                || [".rs", ".md", ".sh", ".toml", ".py"]
+                    .iter()
+                    .any(|e| t.ends_with(e))
+        })
+        .map(|t| t.trim_end_matches('/').to_string())
+        .collect()
+}
+
+/// Every file and folder of the tree, relative to the root (build output and `.git` left out).
+fn tree_paths() -> Vec<String> {
+    let mut out = Vec::new();
+    let mut stack = vec![root()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).unwrap() {
+            let path = entry.unwrap().path();
+            let rel = path
+                .strip_prefix(root())
+                .unwrap()
+                .to_string_lossy()
+                .into_owned();
+            if rel == "target" || rel == ".git" {
+                continue;
+            }
+            if path.is_dir() {
+                stack.push(path.clone());
+            }
+            out.push(rel);
+        }
+    }
+    out
+}
+
+#[test]
+fn architecture_md_is_a_short_map_of_files_that_exist() {
+    let text = std::fs::read_to_string(root().join("ARCHITECTURE.md")).unwrap();
+    let words = text.split_whitespace().count();
+    assert!(words < 3000, "ARCHITECTURE.md has {words} words");
+    for p in paragraphs(&text) {
+        let words = p.split_whitespace().count();
+        assert!(words <= 150, "a paragraph of {words} words: {p}");
+    }
+    let tree = tree_paths();
+    let missing: Vec<String> = named_paths(&text)
+        .into_iter()
+        .filter(|name| {
+            !tree
+                .iter()
+                .any(|p| p == name || p.ends_with(&format!("/{name}")))
+        })
+        .collect();
+    assert_eq!(
+        missing,
+        Vec::<String>::new(),
+        "ARCHITECTURE.md names files that do not exist"
+    );
+}
+
+#[test]
+fn the_map_readers_find_paragraphs_and_paths() {
+    let text =
+        "One\ntwo.\n\n- an item\n  continued\n- `a/b.rs` and `c.rs`\n1. `x y/z` `*.gir` `//!`\n";
+    assert_eq!(
+        paragraphs(text),
+        [
+            "One two.",
+            "- an item continued",
+            "- `a/b.rs` and `c.rs`",
+            "1. `x y/z` `*.gir` `//!`"
+        ]
+    );
+    assert_eq!(named_paths(text), ["a/b.rs", "c.rs"]);
 }
 
 /// Whether line `i` of `lines` has a `SAFETY:` comment on it, or in the comment lines right

@@ -1,5 +1,9 @@
 //! Running a compiled CPU kernel: inputs as f32 rows, RoPE tables, K packing per (batch, kv
 //! head), then every (batch, head, query block) in parallel, each classifying its key tiles.
+//!
+//! RoPE tables are built in f64 for the call's positions (`host::rope_table`). Packed keys go to
+//! buffers kept between calls. Blocks run on rayon last block first: under a causal mask the
+//! last query blocks see the most keys, and started first they do not finish last.
 
 use crate::error::RuntimeError;
 use crate::host::rope_table::RopeTables;
