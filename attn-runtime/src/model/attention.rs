@@ -3,18 +3,11 @@
 //! output projection. Per-head (MHA, GQA, MQA) and MLA weights.
 
 use super::layers::{Linear, Norm};
-use super::{AttentionWeights, Keys, Model};
-use crate::cache::{KvCache, PagedCache, SeqId};
+use super::{AttentionWeights, Keys, Model, Step};
+use crate::cache::{KvCache, SeqId};
 use crate::calls::{DecodeOptions, Inputs, MlaQueries, MlaTensors, Queries};
 use crate::error::RuntimeError;
 use crate::tensor::Tensor;
-
-/// Each sequence's rows of a step: sequence `i`'s are `offsets[i]..offsets[i + 1]`.
-struct Step<'a> {
-    cache: &'a mut PagedCache,
-    seqs: &'a [SeqId],
-    offsets: &'a [usize],
-}
 
 impl Model {
     /// One layer's attention over `n` rows of normed hidden states: `[n, hidden]`.
@@ -30,18 +23,7 @@ impl Model {
                 let (qs, ks, vs) = (q.apply(h, n), k.apply(h, n), v.apply(h, n));
                 let out = match keys {
                     Keys::Full => self.heads_over_all(qs, ks, vs, n)?,
-                    Keys::Cached {
-                        cache,
-                        seqs,
-                        offsets,
-                    } => {
-                        let step = Step {
-                            cache,
-                            seqs,
-                            offsets,
-                        };
-                        self.heads_over_caches([&qs, &ks, &vs], n, step)?
-                    }
+                    Keys::Cached(step) => self.heads_over_caches([&qs, &ks, &vs], n, step)?,
                 };
                 Ok(o.apply(&out, n))
             }
@@ -56,18 +38,7 @@ impl Model {
                 let rows = self.mla_rows([q, kv_a], q_b.as_ref(), kv_norm, h, n)?;
                 let out = match keys {
                     Keys::Full => self.mla_over_all(&rows, w_kv_b, n)?,
-                    Keys::Cached {
-                        cache,
-                        seqs,
-                        offsets,
-                    } => {
-                        let step = Step {
-                            cache,
-                            seqs,
-                            offsets,
-                        };
-                        self.mla_over_caches(&rows, w_kv_b, n, step)?
-                    }
+                    Keys::Cached(step) => self.mla_over_caches(&rows, w_kv_b, n, step)?,
                 };
                 Ok(o.apply(&out, n))
             }

@@ -96,14 +96,18 @@ impl std::fmt::Debug for Model {
 }
 
 /// Where a layer's attention gets its keys: the call's own tokens (one sequence), or a cache
-/// holding the sequences whose new tokens are rows `offsets[i]..offsets[i + 1]` of the call.
+/// holding the sequences of a step.
 enum Keys<'a> {
     Full,
-    Cached {
-        cache: &'a mut PagedCache,
-        seqs: &'a [SeqId],
-        offsets: &'a [usize],
-    },
+    Cached(Step<'a>),
+}
+
+/// The sequences of a step in one layer's cache: sequence `i`'s new tokens are rows
+/// `offsets[i]..offsets[i + 1]` of the call.
+struct Step<'a> {
+    cache: &'a mut PagedCache,
+    seqs: &'a [SeqId],
+    offsets: &'a [usize],
 }
 
 impl Model {
@@ -350,10 +354,12 @@ impl Batch<'_> {
             .map(|layer| inputs.iter().map(|&(s, _)| self.ids[s][layer]).collect())
             .collect();
         let mut caches = self.caches.iter_mut();
-        let logits = self.model.run(&tokens, |layer| Keys::Cached {
-            cache: caches.next().expect("one cache per layer"),
-            seqs: &per_layer[layer],
-            offsets: &offsets,
+        let logits = self.model.run(&tokens, |layer| {
+            Keys::Cached(Step {
+                cache: caches.next().expect("one cache per layer"),
+                seqs: &per_layer[layer],
+                offsets: &offsets,
+            })
         })?;
         let vocab = self.model.config.vocab;
         for &(s, t) in inputs {
