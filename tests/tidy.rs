@@ -468,10 +468,11 @@ fn dependencies(manifest: &str) -> Vec<String> {
             let table = line.trim_matches(|c| c == '[' || c == ']');
             in_table = !table.starts_with("workspace")
                 && table.split('.').any(|part| part.ends_with("dependencies"));
-        } else if in_table && !line.starts_with('#') {
-            if let Some(key) = line.split(['=', '.', ' ']).next().filter(|k| !k.is_empty()) {
-                out.push(key.to_string());
-            }
+        } else if in_table
+            && !line.starts_with('#')
+            && let Some(key) = line.split(['=', '.', ' ']).next().filter(|k| !k.is_empty())
+        {
+            out.push(key.to_string());
         }
     }
     out
