@@ -402,7 +402,7 @@ fn bench_backward_cuda(spec: &AttentionSpec, shape: &Shape) -> Result<Timing, Ru
     let backend = CudaBackend::new(0)?;
     let [q, k, v] = inputs(spec, shape)?;
     let dout = random(
-        spec,
+        spec.dtype,
         &[
             shape.batch,
             spec.heads as usize,
