@@ -29,6 +29,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "{:<5} {:>12} {:>12} {:>16} {:>18}",
         "", "parameters", "attention", "KV bytes/token", "KV at 32k tokens"
     );
+    println!(
+        "{:<5} {:>12} {:>12} {:>16} {:>18}",
+        "", "(all)", "(params)", "(all layers)", "(one sequence)"
+    );
     let mut models = Vec::new();
     for (name, attention) in VARIANTS {
         let config = config_from_toml(&format!(
@@ -53,9 +57,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         max_new_tokens: 8,
         stop: Vec::new(),
     };
+    println!(
+        "\ngreedy continuations of the prompt {:?} (random weights: the ids only show that \
+         each model runs end to end)",
+        request.prompt
+    );
     for (name, model) in &models {
         let tokens = model.generate(std::slice::from_ref(&request), Sampling::greedy(), |_| {})?;
-        println!("{name}: {:?}", tokens[0]);
+        println!("{name:<5} new token ids {:?}", tokens[0]);
     }
     Ok(())
 }

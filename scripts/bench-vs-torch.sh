@@ -3,12 +3,12 @@
 # ALiBi), alternating runs so both see the same machine load. Prints one table row per config:
 # the median over ROUNDS alternations of each side's median, and our ratio.
 #
-#   scripts/bench-vs-torch.sh [ROUNDS]        (default 5; needs ../shared/bench/setup-torch.sh)
+#   scripts/bench-vs-torch.sh [ROUNDS]        (default 5; installs PyTorch with scripts/setup-torch.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${1:-5}
-PY=$(bash ../shared/bench/setup-torch.sh)
-REF=../shared/bench/torch_ref.py
+PY=$(bash scripts/setup-torch.sh)
+REF=scripts/torch_ref.py
 cargo build --release --quiet --bin attnc
 ATTNC=target/release/attnc
 

@@ -6,7 +6,7 @@ float64) and manifest.json (the spec text, position offset, the input and gradie
 cases, and for 16-bit cases the error of the same autograd run in that dtype: what PyTorch itself
 misses by).
 
-Run from the repository root with a PyTorch venv: $(../shared/bench/setup-torch.sh) scripts/make_grad_fixtures.py
+Run from the repository root with a PyTorch venv: $(scripts/setup-torch.sh) scripts/make_grad_fixtures.py
 """
 import json, math, os, torch
 from safetensors.torch import save_file

@@ -1,36 +1,66 @@
 //! attn: a compiler for attention variants.
 //!
-//! This facade re-exports the crates of the workspace:
-//! - [`dsl`] (attn-dsl): the spec language, validation, accounting and the reference semantics;
-//! - [`attention`] (attn-macros): `#[attention(...)]` on a struct;
-//! - [`codegen`]: kernel plans and backends;
-//! - [`runtime`] (attn-runtime): tensors, launches, caches and models; [`Attention`], the typed
-//!   API of a declared variant.
-//!
-//! The types a program uses are at the root: a [`Variant`] (a spec validated and planned once)
-//! runs on a [`Backend`] ([`CpuBackend`], [`GpuSim`], or one [`backends::open`] names) over
-//! [`Inputs`] or cached [`Queries`]; a [`Model`] composes variants into a transformer
-//! ([`hf`] loads checkpoints, [`research`] reads model files) and generates under a [`Request`]
-//! and [`Sampling`]. A spec's costs are in [`accounting`], its meaning in [`reference`];
-//! [`inputs`] draws deterministic test inputs.
-//! [`prelude`] holds the common ones.
-//!
-//! The `attnc` binary is the command-line front end.
+//! Declare a variant, and attn validates it when your crate compiles, compiles its kernels on
+//! first use (a few milliseconds on the CPU, once per process), and runs it:
 //!
 //! ```
-//! let spec: attn::AttentionSpec = "heads = 8, kv_heads = 2, head_dim = 64, mask = causal"
-//!     .parse()
-//!     .unwrap();
-//! assert_eq!(attn::accounting::kv_cache_bytes_per_token(&spec), 2 * 2 * 64 * 4);
+//! use attn::prelude::*;
+//!
+//! #[attention(heads = 8, kv_heads = 2, head_dim = 64, mask = causal, position = rope)]
+//! struct Layer;
+//!
+//! # fn main() -> Result<(), RuntimeError> {
+//! // Tensors are [batch, heads, sequence, head dim], here of deterministic test values.
+//! let q = Tensor::from_f32(&[1, 8, 32, 64], attn::inputs::values(8 * 32 * 64, 1))?;
+//! let k = attn::inputs::tensor(DType::F32, &[1, 2, 32, 64], 2)?;
+//! let v = attn::inputs::tensor(DType::F32, &[1, 2, 32, 64], 3)?;
+//! let out = Layer::forward(&q, &k, &v)?;
+//! assert_eq!(out.shape(), &[1, 8, 32, 64]);
+//!
+//! // The same variant through the Backend interface, on any backend.
+//! let got = CpuBackend::new().forward(Layer::variant(), Inputs::heads(&q, &k, &v), 0)?;
+//! assert_eq!(got.out.to_f32_vec(), out.to_f32_vec());
+//! # Ok(())
+//! # }
 //! ```
+//!
+//! Where to go next:
+//! - [`Attention`]: what a declared variant offers (forward, backward, decode, costs);
+//! - [`Variant`] and [`Backend`]: a spec planned once, run on [`CpuBackend`], [`GpuSim`] (the
+//!   GPU kernels on an interpreter) or a backend [`backends::open`] names, over [`Inputs`] or
+//!   cached [`Queries`];
+//! - [`cache`]: KV caches for decoding; [`Model`]: transformers of such variants ([`hf`] loads
+//!   Hugging Face checkpoints, [`research`] TOML models) that generate under a [`Request`];
+//! - [`accounting`] and [`reference`](mod@reference): a spec's costs and its exact meaning;
+//! - [`gpu`]: a spec's GPU kernels and where their PTX comes from;
+//! - the crates themselves: [`dsl`] (the spec language), [`codegen`] (plans and kernels),
+//!   [`runtime`] (memory, launches, caches, models). [`prelude`] holds the common names.
+//!
+//! The `attnc` binary is the command-line front end; the README has a guide to both.
 
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
+#[doc(inline)]
 pub use attn_dsl as dsl;
 pub use attn_dsl::{AttentionSpec, DType, KvLayout, Mask, Position, Rope, RopeScaling};
 pub use attn_dsl::{accounting, reference};
+/// Declares an attention variant on a struct; the spec is validated when the crate compiles:
+///
+/// ```
+/// use attn::{Attention, attention};
+///
+/// #[attention(heads = 8, kv_heads = 2, head_dim = 64, mask = causal)]
+/// struct MyAttention;
+///
+/// assert_eq!(MyAttention::KV_HEADS, 2);
+/// assert_eq!(MyAttention::spec().to_string(), MyAttention::SPEC_TEXT);
+/// let bytes = attn::accounting::kv_cache_bytes_per_token(MyAttention::spec());
+/// assert_eq!(bytes, 2 * 2 * 64 * 4); // K and V, 2 kv heads, 64 dims, f32
+/// ```
+#[doc(inline)]
 pub use attn_macros::attention;
+#[doc(inline)]
 pub use attn_runtime as runtime;
 pub use attn_runtime::cpu::CpuBackend;
 pub use attn_runtime::gpu::sim::GpuSim;
@@ -41,6 +71,7 @@ pub use attn_runtime::{
     Tensor, Variant, backends,
 };
 pub use attn_runtime::{cache, inputs};
+#[doc(inline)]
 pub use codegen;
 
 /// A spec's GPU kernels and where the runtime takes their PTX from (embedded at cargo time, the

@@ -1,5 +1,5 @@
 //! The reference semantics against the golden cases computed by PyTorch in float64
-//! (tests/fixtures/attention, copied from ../shared/fixtures). The spec of each case is derived
+//! (tests/fixtures/attention). The spec of each case is derived
 //! from its manifest entry, so a new case is covered without touching this file.
 
 use attn::AttentionSpec;

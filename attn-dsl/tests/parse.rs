@@ -178,6 +178,28 @@ fn heads_must_be_a_multiple_of_kv_heads() {
 }
 
 #[test]
+fn a_colon_after_a_key_asks_for_equals() {
+    rejects(
+        "heads: 32, head_dim = 64",
+        "expected `=` between a key and its value: `heads = ...`",
+        "",
+        ":",
+    );
+    rejects(
+        "heads = 32, head_dim: 64",
+        "`head_dim = ...`",
+        "32, head_dim",
+        ":",
+    );
+    // A typed closure parameter is not a key: another error stays the one reported.
+    let errs = errors("heads = 2 head_dim = 8, score_mod = |s: f32, b, h, q, k| s");
+    assert!(
+        !errs.0[0].message.contains("between a key and its value"),
+        "{errs}"
+    );
+}
+
+#[test]
 fn unknown_keys_get_a_suggestion() {
     rejects(
         "heads = 32, kv_hedas = 8, head_dim = 128",

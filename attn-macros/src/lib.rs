@@ -16,10 +16,12 @@ use quote::quote;
 
 /// Declares an attention variant:
 ///
-/// ```ignore
+/// ```text
 /// #[attention(heads = 8, kv_heads = 2, head_dim = 64, mask = causal)]
 /// struct MyAttention;
 /// ```
+///
+/// (`attn::attention`, this macro re-exported, has the same example as a doctest that runs.)
 ///
 /// The spec is validated at compile time; errors point at the offending tokens. The struct
 /// implements `attn::Attention`: `SPEC_TEXT` (the normalized spec), the head constants, `spec()`

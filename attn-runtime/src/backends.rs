@@ -43,9 +43,14 @@ fn open_cuda() -> Result<Box<dyn Backend>, RuntimeError> {
 
 #[cfg(not(feature = "cuda"))]
 fn open_cuda() -> Result<Box<dyn Backend>, RuntimeError> {
-    Err(RuntimeError::Device(
-        "this build has no `cuda` feature; rebuild with --features cuda \
+    Err(no_cuda_feature())
+}
+
+/// The error every entry point gives for the cuda backend in a build without it.
+pub fn no_cuda_feature() -> RuntimeError {
+    RuntimeError::NotBuilt(
+        "this build is without the `cuda` feature: rebuild with --features cuda \
          (scripts/setup-cuda-toolchain.sh), or use the cpu or gpu-sim backend"
             .into(),
-    ))
+    )
 }

@@ -29,6 +29,9 @@ pub enum RuntimeError {
     /// No usable GPU, or the device failed.
     #[error("device: {0}")]
     Device(String),
+    /// This build lacks what the call needs: a cargo feature, or a kernel's PTX.
+    #[error("{0}")]
+    NotBuilt(String),
     /// A KV cache cannot do what was asked (unknown sequence, no free block).
     #[error("cache: {0}")]
     Cache(String),

@@ -11,6 +11,7 @@ mod hostile;
 mod ir;
 mod model;
 mod peak;
+mod readme;
 mod run;
 
 use std::process::{Command, Output};

@@ -151,3 +151,49 @@ fn generate_from_text_prints_transformers_continuation() {
     ]);
     assert_eq!(o.status.code(), Some(2), "an unknown backend");
 }
+
+/// `--prompt-file` reads the prompt `--prompt` would take; a prompt is asked for by every way
+/// of giving one; a mistyped `--model` path says it does not exist, not that a config.json is
+/// missing inside it.
+#[test]
+fn prompts_from_files_and_clear_words_for_missing_inputs() {
+    let dir = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/hf-tiny/llama_tokenizer"
+    );
+    let file = crate::temp("prompt.txt");
+    std::fs::write(&file, "attention is").unwrap();
+    let from_text = attnc(&[
+        "generate",
+        "--model",
+        dir,
+        "--prompt",
+        "attention is",
+        "--max-new-tokens",
+        "4",
+    ]);
+    let from_file = attnc(&[
+        "generate",
+        "--model",
+        dir,
+        "--prompt-file",
+        file.to_str().unwrap(),
+        "--max-new-tokens",
+        "4",
+    ]);
+    assert_eq!(from_file.status.code(), Some(0), "{}", stderr(&from_file));
+    assert_eq!(stdout(&from_file), stdout(&from_text));
+    let o = attnc(&["generate", "--model", dir]);
+    assert_eq!(o.status.code(), Some(2));
+    for way in ["--tokens", "--prompt ", "--prompt-file"] {
+        assert!(stderr(&o).contains(way), "{way}: {}", stderr(&o));
+    }
+    let typo = crate::temp("llama-100.toml");
+    let o = attnc(&["params", "--model", typo.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("no such file or folder") && !stderr(&o).contains("config.json:"),
+        "{}",
+        stderr(&o)
+    );
+}

@@ -17,7 +17,7 @@ use crate::spec::{
     AttentionSpec, CausalAlign, DType, KvLayout, Mask, Mla, Position, Rope, RopeLayout,
     RopeScaling, Yarn,
 };
-use proc_macro2::{Span, TokenStream};
+use proc_macro2::{Spacing, Span, TokenStream, TokenTree};
 use quote::ToTokens;
 use std::collections::{HashMap, HashSet};
 use syn::parse::Parser;
@@ -95,6 +95,27 @@ pub fn gradient_notes(source: &str) -> Vec<SpecError> {
     })
 }
 
+/// A key followed by `:` (`heads: 32`, as in JSON or YAML): the error that says to write `=`.
+/// Only where a key stands (the first item, or after a top-level comma), so a typed closure
+/// parameter is never taken for one.
+fn colon_after_key(tokens: &TokenStream) -> Option<syn::Error> {
+    let trees: Vec<TokenTree> = tokens.clone().into_iter().collect();
+    (0..trees.len().saturating_sub(1)).find_map(|i| {
+        let at_key = i == 0 || matches!(&trees[i - 1], TokenTree::Punct(p) if p.as_char() == ',');
+        match (&trees[i], &trees[i + 1]) {
+            (TokenTree::Ident(key), TokenTree::Punct(colon))
+                if at_key && colon.as_char() == ':' && colon.spacing() == Spacing::Alone =>
+            {
+                Some(syn::Error::new(
+                    colon.span(),
+                    format!("expected `=` between a key and its value: `{key} = ...`"),
+                ))
+            }
+            _ => None,
+        }
+    })
+}
+
 /// Parses and validates a spec from tokens (the body of `#[attention(...)]`). All errors found
 /// are combined into one `syn::Error`, each at the span of its tokens.
 pub fn parse_tokens(tokens: TokenStream) -> syn::Result<AttentionSpec> {
@@ -106,7 +127,9 @@ pub fn parse_tokens(tokens: TokenStream) -> syn::Result<AttentionSpec> {
     }
     limits::check(&tokens)?;
     let whole = tokens.clone();
-    let items = Punctuated::<syn::Expr, syn::Token![,]>::parse_terminated.parse2(tokens)?;
+    let items = Punctuated::<syn::Expr, syn::Token![,]>::parse_terminated
+        .parse2(tokens)
+        .map_err(|e| colon_after_key(&whole).unwrap_or(e))?;
     let mut p = SpecParser {
         failed: HashSet::new(),
         spans: HashMap::new(),

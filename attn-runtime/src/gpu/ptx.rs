@@ -153,7 +153,7 @@ fn compile(
         Some(c) => format!("not in the disk cache ({})", c.dir().display()),
         None => "no disk cache (set ATTN_CACHE_DIR)".to_string(),
     };
-    Err(RuntimeError::Device(format!(
+    Err(RuntimeError::NotBuilt(format!(
         "no PTX for kernel `{}` on {}: it is not embedded (declare the spec with \
          `#[attention(..., targets = [{}])]` and the `aot` feature), {cached}, and this build \
          has no PTX compiler (enable the `llvm` feature)",

@@ -11,6 +11,24 @@ pub enum Backend {
     GpuSim,
 }
 
+/// Where a timing command runs: the interpreter is no GPU, so it is not one of them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Timed {
+    /// Cranelift-compiled kernels on this machine's CPU.
+    Cpu,
+    /// The GPU kernels on CUDA device 0 (needs the `cuda` feature and an NVIDIA GPU).
+    Cuda,
+}
+
+impl From<Timed> for Backend {
+    fn from(t: Timed) -> Backend {
+        match t {
+            Timed::Cpu => Backend::Cpu,
+            Timed::Cuda => Backend::Cuda,
+        }
+    }
+}
+
 impl Backend {
     /// The backend's name, as `attn::runtime::backends::open` takes it.
     pub fn name(self) -> &'static str {

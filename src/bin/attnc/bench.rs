@@ -1,7 +1,7 @@
 //! `attnc bench`: times the forward kernel of a spec on random inputs, on the CPU or a CUDA
 //! device.
 
-use crate::backend_arg::Backend as On;
+use crate::backend_arg::{Backend as On, Timed};
 use attn::AttentionSpec;
 use attn::dsl::Mask;
 use attn::dsl::accounting::forward_flops;
@@ -36,10 +36,10 @@ pub struct Args {
     #[arg(long)]
     json: bool,
     /// Where to run: cpu, or cuda (device 0; needs the `cuda` feature and an NVIDIA GPU).
-    #[arg(long, value_enum, default_value_t = On::Cpu)]
-    backend: On,
+    #[arg(long, value_enum, default_value_t = Timed::Cpu)]
+    backend: Timed,
     /// Time a forward that saves out and lse plus the backward (`median_ms` of the pair;
-    /// GFLOP/s counted as 3.5 forwards). CPU only for now.
+    /// GFLOP/s counted as 3.5 forwards), on either backend.
     #[arg(long)]
     backward: bool,
 }
@@ -53,19 +53,13 @@ pub fn command(args: Args) -> Result<(), String> {
         kv_len: args.kv_len.unwrap_or(args.seq) as usize,
         reps: args.reps as usize,
     };
-    if args.backend == On::GpuSim {
-        return Err(
-            "error: --backend gpu-sim is not timed (the interpreter is no GPU); use cpu or cuda"
-                .to_string(),
-        );
-    }
     if !args.json {
         eprintln!(
             "timing {spec}\n  batch {}, Sq {}, Skv {}, {} runs",
             shape.batch, shape.seq, shape.kv_len, shape.reps
         );
     }
-    let t = match args.backend {
+    let t = match On::from(args.backend) {
         On::Cuda if args.backward => bench_backward_cuda(&spec, &shape),
         _ if args.backward => bench_backward(&spec, &shape, !args.json),
         On::Cuda => bench_cuda(&spec, &shape),
@@ -437,20 +431,11 @@ fn bench_backward_cuda(spec: &AttentionSpec, shape: &Shape) -> Result<Timing, Ru
 /// Without the `cuda` feature: an error that says how to get it.
 #[cfg(not(feature = "cuda"))]
 fn bench_cuda(_: &AttentionSpec, _: &Shape) -> Result<Timing, RuntimeError> {
-    Err(no_cuda())
+    Err(attn::runtime::backends::no_cuda_feature())
 }
 
 /// Without the `cuda` feature: an error that says how to get it.
 #[cfg(not(feature = "cuda"))]
 fn bench_backward_cuda(_: &AttentionSpec, _: &Shape) -> Result<Timing, RuntimeError> {
-    Err(no_cuda())
-}
-
-#[cfg(not(feature = "cuda"))]
-fn no_cuda() -> RuntimeError {
-    RuntimeError::Device(
-        "this attnc was built without the `cuda` feature; rebuild with --features cuda \
-         (scripts/setup-cuda-toolchain.sh), or use --backend cpu"
-            .into(),
-    )
+    Err(attn::runtime::backends::no_cuda_feature())
 }

@@ -1,6 +1,6 @@
 //! `attnc bench-decode`: times decoding steps against a paged KV cache filled with random keys.
 
-use crate::backend_arg::Backend;
+use crate::backend_arg::{Backend, Timed};
 use attn::AttentionSpec;
 use attn::inputs::tensor as random;
 use attn::runtime::Backend as Attend;
@@ -40,8 +40,8 @@ pub struct Args {
     json: bool,
     /// Where to run: cpu, or cuda (device 0, against a copy of the cache uploaded once; needs
     /// the `cuda` feature and an NVIDIA GPU).
-    #[arg(long, value_enum, default_value_t = Backend::Cpu)]
-    backend: Backend,
+    #[arg(long, value_enum, default_value_t = Timed::Cpu)]
+    backend: Timed,
 }
 
 /// `attnc bench-decode`.
@@ -61,7 +61,8 @@ pub fn command(args: Args) -> Result<(), String> {
             shape.batch, shape.kv_len, shape.block_size, shape.q_len, shape.reps
         );
     }
-    let t = bench(&spec, &shape, args.backend, !args.json).map_err(|e| format!("error: {e}"))?;
+    let t =
+        bench(&spec, &shape, args.backend.into(), !args.json).map_err(|e| format!("error: {e}"))?;
     if args.json {
         let kernel = t.kernel.map_or(String::new(), |(us, gbps)| {
             format!(", \"kernel_us\": {us:.2}, \"kernel_gbps\": {gbps:.2}")
@@ -117,11 +118,6 @@ fn bench(
     on: Backend,
     progress: bool,
 ) -> Result<Timing, RuntimeError> {
-    if on == Backend::GpuSim {
-        return Err(RuntimeError::Spec(
-            "--backend gpu-sim is not timed (the interpreter is no GPU); use cpu or cuda".into(),
-        ));
-    }
     let backend = CpuBackend::new();
     let variant = Variant::new(spec.clone())?;
     let kernel = backend.kernel_for(&variant, attn::codegen::plan::PlanKind::Decode)?;
@@ -274,11 +270,7 @@ fn device_step<'a>(
     _: &'a [SeqId],
 ) -> Result<DeviceStep<'a>, RuntimeError> {
     if on == Backend::Cuda {
-        return Err(RuntimeError::Device(
-            "this attnc was built without the `cuda` feature; rebuild with --features cuda \
-             (scripts/setup-cuda-toolchain.sh), or use --backend cpu"
-                .into(),
-        ));
+        return Err(attn::runtime::backends::no_cuda_feature());
     }
     Ok(None)
 }

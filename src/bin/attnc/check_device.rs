@@ -98,11 +98,7 @@ fn gpu(on: Backend) -> Result<Box<dyn Gpu>, RuntimeError> {
         #[cfg(feature = "cuda")]
         Backend::Cuda => Ok(Box::new(attn::runtime::gpu::cuda::CudaBackend::new(0)?)),
         #[cfg(not(feature = "cuda"))]
-        Backend::Cuda => Err(RuntimeError::Device(
-            "this attnc was built without the `cuda` feature; rebuild with --features cuda \
-             (scripts/setup-cuda-toolchain.sh), or use --backend gpu-sim"
-                .into(),
-        )),
+        Backend::Cuda => Err(attn::runtime::backends::no_cuda_feature()),
         Backend::Cpu => Err(RuntimeError::Spec(
             "check-device compares a GPU backend with the CPU: use --backend cuda or gpu-sim"
                 .into(),

@@ -18,16 +18,19 @@ pub struct Args {
     #[arg(long, value_name = "S", default_value_t = 0)]
     init_seed: u64,
     /// Prompt token ids, comma-separated.
-    #[arg(
-        long,
-        value_name = "IDS",
-        required_unless_present = "prompt",
-        conflicts_with = "prompt"
-    )]
+    #[arg(long, value_name = "IDS", conflicts_with_all = ["prompt", "prompt_file"])]
     tokens: Option<String>,
     /// Prompt text, tokenized by the checkpoint's tokenizer.json.
-    #[arg(long, value_name = "TEXT", allow_hyphen_values = true)]
+    #[arg(
+        long,
+        value_name = "TEXT",
+        allow_hyphen_values = true,
+        conflicts_with = "prompt_file"
+    )]
     prompt: Option<String>,
+    /// Prompt text read from a file (UTF-8, at most 16 MiB), tokenized as --prompt is.
+    #[arg(long, value_name = "PATH")]
+    prompt_file: Option<PathBuf>,
     /// Most tokens to generate.
     #[arg(long, value_name = "N", default_value_t = 32)]
     max_new_tokens: usize,
@@ -46,7 +49,8 @@ pub struct Args {
     /// Token ids that end the generation, comma-separated.
     #[arg(long, value_name = "IDS")]
     stop: Option<String>,
-    /// Where the attention runs (projections, norms and MLPs run on the CPU).
+    /// Where the model runs: cpu; gpu-sim or cuda hold the whole model on the device (weights,
+    /// activations and KV caches; MLA models: only their attention runs there).
     #[arg(long, value_enum, default_value_t = Backend::Cpu)]
     backend: Backend,
 }
@@ -75,11 +79,15 @@ pub fn command(args: Args) -> Result<(), String> {
         top_p: args.top_p,
         seed: args.seed,
     };
-    let prompt = match (&args.tokens, args.prompt) {
-        (Some(ids), _) => Prompt::Ids(parse_tokens(ids)?),
-        (None, Some(text)) => Prompt::Text(text),
-        (None, None) => {
-            return Err("error: a prompt is needed: --tokens IDS or --prompt TEXT".into());
+    let prompt = match (&args.tokens, args.prompt, &args.prompt_file) {
+        (Some(ids), _, _) => Prompt::Ids(parse_tokens(ids)?),
+        (None, Some(text), _) => Prompt::Text(text),
+        (None, None, Some(path)) => Prompt::Text(read_prompt(path)?),
+        (None, None, None) => {
+            return Err(
+                "error: a prompt is needed: --tokens IDS, --prompt TEXT or --prompt-file PATH"
+                    .into(),
+            );
         }
     };
     let generation = Generation {
@@ -91,6 +99,15 @@ pub fn command(args: Args) -> Result<(), String> {
     let out = generate(&args.model, args.init_seed, prompt, generation)?;
     println!("{out}");
     Ok(())
+}
+
+/// Longest prompt file read.
+const MAX_PROMPT_BYTES: usize = 16 << 20;
+
+/// The text of a prompt file: a regular file of UTF-8, bounded.
+fn read_prompt(path: &Path) -> Result<String, String> {
+    crate::spec_arg::read_bounded(path, MAX_PROMPT_BYTES)
+        .map_err(|e| format!("error: --prompt-file {}: {e}", path.display()))
 }
 
 /// A prompt: token ids, or text for the checkpoint's tokenizer.

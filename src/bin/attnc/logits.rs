@@ -27,7 +27,8 @@ pub struct Args {
     /// Output safetensors file.
     #[arg(long, value_name = "FILE")]
     output: PathBuf,
-    /// Where the attention runs (projections, norms and MLPs run on the CPU).
+    /// Where the model runs: cpu; gpu-sim or cuda hold the whole model on the device (weights,
+    /// activations and KV caches; MLA models: only their attention runs there).
     #[arg(long, value_enum, default_value_t = Backend::Cpu)]
     backend: Backend,
 }

@@ -42,8 +42,8 @@ enum Command {
     Check(check::Args),
     /// Print the modifier IR (as lowered and folded) and the forward kernel plan.
     Ir(ir::Args),
-    /// Run attention on the CPU: read q, k, v (MLA: q_nope, q_pe, c_kv, k_pe, w_kv_b) from a
-    /// safetensors file, write `out` and `lse` to another.
+    /// Run attention: read q, k, v (MLA: q_nope, q_pe, c_kv, k_pe, w_kv_b) from a safetensors
+    /// file, write `out` and `lse` to another (on the CPU, or the GPU kernels with --backend).
     Run(run::Files),
     /// Gradients of attention: read q, k, v and dout (the gradient of the loss with respect to
     /// the output) from a safetensors file; run the forward (which saves out and lse) and the
@@ -57,14 +57,17 @@ enum Command {
     /// Time decoding steps against a paged KV cache: median time per step and the effective
     /// GB/s of K and V read (every cached token of every sequence, in the cache's dtype).
     BenchDecode(bench_decode::Args),
-    /// Logits of a token sequence from a Hugging Face checkpoint: one full forward, or a prefill
+    /// Logits of a token sequence from a model (a Hugging Face checkpoint folder or a research
+    /// model's TOML file): one full forward, or a prefill
     /// then one token at a time (`--incremental P`). Writes `logits` [1, T, vocab] (f32).
     Logits(logits::Args),
-    /// Continue a prompt with a Hugging Face checkpoint (greedy unless --temperature). With
+    /// Continue a prompt with a model (a Hugging Face checkpoint folder or a research model's
+    /// TOML file; greedy unless --temperature). With
     /// --prompt, streams the new text (the checkpoint's tokenizer.json reads and writes it); with
     /// --tokens, prints the new token ids. Progress and tokens/s go to stderr.
     Generate(generate::Args),
-    /// Parameters per part of a Hugging Face checkpoint, and its KV-cache bytes.
+    /// Parameters per part of a model (a Hugging Face checkpoint folder or a research model's
+    /// TOML file), and its KV-cache bytes.
     Params(params::Args),
     /// Write a spec's GPU kernels as GPU IR, LLVM IR or PTX: its forward kernel to a file or
     /// standard output, or with --out-dir every kernel for every --target and a manifest of

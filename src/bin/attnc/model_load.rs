@@ -12,6 +12,13 @@ const MAX_TOML_BYTES: usize = 1 << 20;
 /// A checkpoint directory, or a research model's TOML file with weights seeded by `seed`.
 pub fn load(path: &Path, seed: u64) -> Result<Model, String> {
     let err = |e: attn::runtime::RuntimeError| format!("error: {e}");
+    if !path.exists() {
+        return Err(format!(
+            "error: --model {}: no such file or folder; expected a Hugging Face checkpoint folder \
+             (config.json and *.safetensors) or a research model's .toml file",
+            path.display()
+        ));
+    }
     if path.is_file() {
         let text = crate::spec_arg::read_bounded(path, MAX_TOML_BYTES)
             .map_err(|e| format!("error: {}: {e}", path.display()))?;
@@ -76,9 +83,8 @@ fn cuda_device() -> Result<std::sync::Arc<dyn Device>, String> {
 
 #[cfg(not(feature = "cuda"))]
 fn cuda_device() -> Result<std::sync::Arc<dyn Device>, String> {
-    Err(
-        "error: this attnc was built without the `cuda` feature; rebuild with --features cuda \
-         (scripts/setup-cuda-toolchain.sh), or use --backend gpu-sim"
-            .into(),
-    )
+    Err(format!(
+        "error: {}",
+        attn::runtime::backends::no_cuda_feature()
+    ))
 }

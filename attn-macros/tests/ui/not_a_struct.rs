@@ -1,4 +1,4 @@
-use attn::attention;
+use attn_macros::attention;
 
 #[attention(heads = 8, head_dim = 64)]
 enum NotAStruct {

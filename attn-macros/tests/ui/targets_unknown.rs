@@ -1,4 +1,4 @@
-use attn::attention;
+use attn_macros::attention;
 
 #[attention(heads = 4, head_dim = 64, targets = [sm_90, sm_75])]
 struct Unknown;

@@ -1,6 +1,0 @@
-use attn::attention;
-
-#[attention(heads = 8, head_dim = 64, heads = 4)]
-struct Variant;
-
-fn main() {}
