@@ -251,6 +251,8 @@ fn special_files_at_every_input_path_are_refused() {
     let spec = "heads = 4, head_dim = 64, mask = causal, scale = 0.125";
     let input = fixture("attention/mha_causal_f32.safetensors");
     let input = input.to_str().unwrap();
+    let model = fixture("hf-tiny/llama_tokenizer");
+    let model = model.to_str().unwrap();
     for (what, path) in special_files(&dir) {
         let p = path.to_str().unwrap();
         let at = format!("@{p}");
@@ -264,6 +266,7 @@ fn special_files_at_every_input_path_are_refused() {
             vec!["logits", "--model", p, "--tokens", "1,2", "--output", out],
             vec!["generate", "--model", p, "--prompt", "hi"],
             vec!["generate", "--model", p, "--tokens", "1"],
+            vec!["generate", "--model", model, "--prompt-file", p],
         ];
         for args in cases {
             let case = format!("{what}: attnc {}", args.join(" "));

@@ -183,6 +183,25 @@ fn prompts_from_files_and_clear_words_for_missing_inputs() {
     ]);
     assert_eq!(from_file.status.code(), Some(0), "{}", stderr(&from_file));
     assert_eq!(stdout(&from_file), stdout(&from_text));
+    // A prompt file that is missing or not UTF-8 text: exit 2, naming the flag.
+    let binary = crate::temp("prompt.bin");
+    std::fs::write(&binary, [0x61, 0xff, 0xfe]).unwrap();
+    let missing = crate::temp("no-such-prompt.txt");
+    for bad in [&binary, &missing] {
+        let o = attnc(&[
+            "generate",
+            "--model",
+            dir,
+            "--prompt-file",
+            bad.to_str().unwrap(),
+        ]);
+        assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+        assert!(
+            stderr(&o).starts_with("error: --prompt-file"),
+            "{}",
+            stderr(&o)
+        );
+    }
     let o = attnc(&["generate", "--model", dir]);
     assert_eq!(o.status.code(), Some(2));
     for way in ["--tokens", "--prompt ", "--prompt-file"] {
