@@ -33,6 +33,8 @@
 //!   Hugging Face checkpoints, [`research`] TOML models) that generate under a [`Request`];
 //! - [`accounting`] and [`reference`](mod@reference): a spec's costs and its exact meaning;
 //! - [`gpu`]: a spec's GPU kernels and where their PTX comes from;
+//! - `candle` (feature `candle`): attention with gradients as an op on candle tensors, for
+//!   models that candle trains;
 //! - the crates themselves: [`dsl`] (the spec language), [`codegen`] (plans and kernels),
 //!   [`runtime`] (memory, launches, caches, models). [`prelude`] holds the common names.
 //!
@@ -71,6 +73,9 @@ pub use attn_runtime::{
     Tensor, Variant, backends,
 };
 pub use attn_runtime::{cache, inputs};
+
+#[cfg(feature = "candle")]
+pub mod candle;
 #[doc(inline)]
 pub use codegen;
 

@@ -1,0 +1,114 @@
+//! attn's attention as a [candle](https://github.com/huggingface/candle) op, with gradients:
+//! put a declared variant inside a model that candle trains (feature `candle`).
+//!
+//! ```
+//! use attn::candle::{attention, core::{Device, Tensor, Var}};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let variant = attn::Variant::parse("heads = 4, kv_heads = 2, head_dim = 16, mask = causal")?;
+//! let dev = Device::Cpu;
+//! // [batch, heads, sequence, head dim], as `attnc run` takes them.
+//! let q = Var::randn(0f32, 1.0, (1, 4, 8, 16), &dev)?;
+//! let k = Var::randn(0f32, 1.0, (1, 2, 8, 16), &dev)?;
+//! let v = Var::randn(0f32, 1.0, (1, 2, 8, 16), &dev)?;
+//! let out = attention(&variant, &q, &k, &v)?;
+//! assert_eq!(out.dims(), &[1, 4, 8, 16]);
+//! let grads = out.sqr()?.sum_all()?.backward()?;
+//! assert_eq!(grads.get(&k).unwrap().dims(), &[1, 2, 8, 16]);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! **Layout** (BHSD): q `[B, heads, Sq, head_dim]`, k `[B, kv_heads, Skv, head_dim]`, v `[B,
+//! kv_heads, Skv, v_head_dim]`, out `[B, heads, Sq, v_head_dim]`, all in the spec's dtype; lse
+//! `[B, heads, Sq]` in f32. q and k are taken before RoPE. Strided inputs (a BSHD tensor
+//! transposed to BHSD, say) are read as they are: each input is copied once into attn's own
+//! storage, gathering rows where the layout is not contiguous, and never made contiguous by
+//! candle first.
+//!
+//! **Gradients.** [`attention`] is a candle `CustomOp3` whose backward runs attn's backward
+//! kernels: FlashAttention-2 recomputation from the forward's log-sum-exp, so nothing of size
+//! `Sq x Skv` is ever stored. candle gives a custom op's backward its three inputs, its output
+//! and the output's gradient, but no room for a second output: the op itself keeps the lse
+//! (`[B, heads, Sq]` f32, O(B·H·S)) from its forward, and candle keeps the op in the graph
+//! until the graph is dropped. Gradients of q and k are for q and k before RoPE; those of k
+//! and v are summed over each GQA group. The lse that [`attention_with_lse`] returns is
+//! detached: no gradient flows back through it.
+//!
+//! **Devices.** CPU tensors run on attn's CPU kernels (rayon's global pool, as candle's own CPU
+//! ops). Tensors on another device are refused with an error.
+//!
+//! **MLA** variants are refused: their five inputs do not fit a candle op of at most three.
+//! Train MLA in its expanded form (per-head keys and values made from the latent with candle
+//! matmuls) with a per-head variant.
+
+mod convert;
+mod op;
+
+pub use candle_core as core;
+pub use candle_nn as nn;
+
+use crate::{Attention, Variant};
+use candle_core::Tensor;
+use std::sync::Arc;
+
+/// Attention of `variant` over q, k and v, keys at positions `0..Skv`. See the [module
+/// docs](self) for layouts and gradients.
+pub fn attention(
+    variant: &Arc<Variant>,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+) -> candle_core::Result<Tensor> {
+    attention_at(variant, q, k, v, 0)
+}
+
+/// Attention with key `j` at position `position_offset + j` (the queries are the last `Sq` of
+/// those positions): what RoPE, ALiBi and the masks see.
+pub fn attention_at(
+    variant: &Arc<Variant>,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    position_offset: i64,
+) -> candle_core::Result<Tensor> {
+    Ok(attention_with_lse(variant, q, k, v, position_offset)?.0)
+}
+
+/// Attention and its log-sum-exp: `(out [B, heads, Sq, v_head_dim], lse [B, heads, Sq] f32)`,
+/// with `-inf` in the lse of a row that sees no key (its output row is 0). The lse is detached.
+pub fn attention_with_lse(
+    variant: &Arc<Variant>,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    position_offset: i64,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    op::check_inputs(variant, q, k, v)?;
+    let op = op::AttentionOp::new(variant, position_offset);
+    let saved = op.saved();
+    let out = q.apply_op3(k, v, op)?;
+    let lse = saved.lse_tensor(q.device())?;
+    Ok((out, lse))
+}
+
+/// [`attention`] on the type an `#[attention]` struct declares: `MyLayer::candle_forward(&q,
+/// &k, &v)`.
+pub trait CandleAttention: Attention {
+    /// [`attention`] of this type's variant.
+    fn candle_forward(q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<Tensor> {
+        attention(Self::variant(), q, k, v)
+    }
+
+    /// [`attention_at`] of this type's variant.
+    fn candle_forward_at(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        position_offset: i64,
+    ) -> candle_core::Result<Tensor> {
+        attention_at(Self::variant(), q, k, v, position_offset)
+    }
+}
+
+impl<A: Attention> CandleAttention for A {}
