@@ -217,6 +217,19 @@ pub fn written_zeros(len: usize) -> Vec<f32> {
     zeros
 }
 
+/// An empty buffer with room for `len` values, from the [pool](recycle) when it holds one of
+/// about that size: a copy into it touches no fresh pages (an input copied in once per
+/// training step, say).
+pub fn with_capacity(len: usize) -> Vec<f32> {
+    match pooled(len) {
+        Some(mut buffer) => {
+            buffer.clear();
+            buffer
+        }
+        None => Vec::with_capacity(len),
+    }
+}
+
 /// Buffers of fewer values are left to the allocator, which reuses small blocks itself.
 const POOLED_MIN_VALUES: usize = 1 << 18;
 
@@ -332,6 +345,21 @@ mod tests {
     fn the_memory_available_is_at_most_the_machines() {
         let all = available().expect("Linux has /proc/meminfo");
         assert!(all.bytes <= machine_available().unwrap());
+    }
+
+    #[test]
+    fn a_recycled_buffer_comes_back_empty_with_room() {
+        // A size of its own: the pool is shared by the tests of this binary.
+        let len = 5 * LEN + 77;
+        let used = vec![1f32; len];
+        let address = used.as_ptr();
+        recycle(used);
+        let again = with_capacity(len - 10);
+        assert_eq!(again.as_ptr(), address, "the pooled buffer was not reused");
+        assert!(again.is_empty() && again.capacity() >= len - 10);
+        // Nothing pooled of this size: a new buffer, with room all the same.
+        let fresh = with_capacity(len * 3);
+        assert!(fresh.is_empty() && fresh.capacity() >= len * 3);
     }
 
     #[test]

@@ -20,10 +20,21 @@ pub(super) fn candle_dtype(dtype: DType) -> candle_core::DType {
 /// at a time where the last dimension is contiguous. The storage's dtype was checked already.
 pub(super) fn to_attn(storage: &CpuStorage, layout: &Layout) -> candle_core::Result<AttnTensor> {
     let dims = layout.dims();
+    let n = layout.shape().elem_count();
     let converted = match storage {
-        CpuStorage::F32(_) => AttnTensor::from_f32(dims, gather::<f32>(storage, layout)?),
-        CpuStorage::F16(_) => AttnTensor::from_f16(dims, gather::<f16>(storage, layout)?),
-        CpuStorage::BF16(_) => AttnTensor::from_bf16(dims, gather::<bf16>(storage, layout)?),
+        // f32 copies go into buffers from attn's pool, to which f32 tensors return when
+        // dropped: a training loop then copies into memory that is already mapped.
+        CpuStorage::F32(_) => {
+            let into = crate::runtime::memory::with_capacity(n);
+            AttnTensor::from_f32(dims, gather::<f32>(storage, layout, into)?)
+        }
+        CpuStorage::F16(_) => {
+            AttnTensor::from_f16(dims, gather::<f16>(storage, layout, Vec::with_capacity(n))?)
+        }
+        CpuStorage::BF16(_) => AttnTensor::from_bf16(
+            dims,
+            gather::<bf16>(storage, layout, Vec::with_capacity(n))?,
+        ),
         other => {
             return Err(candle_core::Error::Msg(format!(
                 "attn takes f32, f16 or bf16 tensors, not {:?}",
@@ -34,11 +45,16 @@ pub(super) fn to_attn(storage: &CpuStorage, layout: &Layout) -> candle_core::Res
     converted.map_err(candle_core::Error::wrap)
 }
 
-/// The elements of a rank-4 view in logical order.
-fn gather<T: WithDType>(storage: &CpuStorage, layout: &Layout) -> candle_core::Result<Vec<T>> {
+/// The elements of a rank-4 view in logical order, appended to `out` (empty).
+fn gather<T: WithDType>(
+    storage: &CpuStorage,
+    layout: &Layout,
+    mut out: Vec<T>,
+) -> candle_core::Result<Vec<T>> {
     let data = storage.as_slice::<T>()?;
     if let Some((start, end)) = layout.contiguous_offsets() {
-        return Ok(data[start..end].to_vec());
+        out.extend_from_slice(&data[start..end]);
+        return Ok(out);
     }
     let (dims, strides) = (layout.dims(), layout.stride());
     let &[d0, d1, d2, d3] = dims else {
@@ -46,7 +62,6 @@ fn gather<T: WithDType>(storage: &CpuStorage, layout: &Layout) -> candle_core::R
             "attn takes rank-4 tensors, found shape {dims:?}"
         )));
     };
-    let mut out = Vec::with_capacity(d0 * d1 * d2 * d3);
     for i0 in 0..d0 {
         for i1 in 0..d1 {
             for i2 in 0..d2 {
