@@ -1,5 +1,6 @@
-//! A custom `score_mod` and `mask_mod`, differentiated by attn's derivative pass: candle's
-//! gradients equal central differences of the loss.
+//! Gradients through candle equal central differences of the loss: for a custom `score_mod`
+//! and `mask_mod` (differentiated by attn's derivative pass), and for every RoPE scaling,
+//! ALiBi with softcap, and a sliding window.
 
 use super::{tensor, values, var};
 use attn::candle::core::{Tensor, Var};
@@ -23,11 +24,9 @@ fn nudged(x: &Var, i: usize, by: f32) -> Tensor {
     Tensor::from_vec(flat, x.dims(), x.device()).unwrap()
 }
 
-#[test]
-fn gradients_of_a_custom_score_mod_equal_central_differences() {
-    let spec = "heads = 2, kv_heads = 1, head_dim = 16, \
-                score_mod = |s, b, h, q, k| (s * 0.7).tanh() * 3.0 + 0.1 * s * s - 0.05 * (q - k) as f32, \
-                mask_mod = |b, h, q, k| k <= q && (q + k) % 5 != 2";
+/// candle's gradients of `sum(out * w)` for q, k and v, each at a spread of elements, equal
+/// central differences (f32, so to 2e-3 abs + 2e-2 rel).
+fn gradients_match_central_differences(spec: &str) {
     let variant = attn::Variant::parse(spec).unwrap();
     let q = var(&[1, 2, 12, 16], 11);
     let k = var(&[1, 1, 12, 16], 12);
@@ -53,12 +52,52 @@ fn gradients_of_a_custom_score_mod_equal_central_differences() {
             let a = analytic[i];
             assert!(
                 (a - numeric).abs() <= 2e-3 + 2e-2 * numeric.abs(),
-                "d{name}[{i}]: candle's gradient {a}, central difference {numeric}"
+                "{spec}: d{name}[{i}]: candle's gradient {a}, central difference {numeric}"
             );
         }
         assert!(
             analytic.iter().any(|g| g.abs() > 1e-3),
-            "d{name} is all zero"
+            "{spec}: d{name} is all zero"
         );
     }
+}
+
+#[test]
+fn gradients_of_a_custom_score_mod_equal_central_differences() {
+    gradients_match_central_differences(
+        "heads = 2, kv_heads = 1, head_dim = 16, \
+         score_mod = |s, b, h, q, k| (s * 0.7).tanh() * 3.0 + 0.1 * s * s - 0.05 * (q - k) as f32, \
+         mask_mod = |b, h, q, k| k <= q && (q + k) % 5 != 2",
+    );
+}
+
+#[test]
+fn gradients_under_every_rope_scaling_equal_central_differences() {
+    let scalings = [
+        "linear(factor = 4.0)",
+        "ntk(factor = 3.5)",
+        "dynamic(factor = 2.0, original_max_position = 8)",
+        "yarn(factor = 8.0, original_max_position = 8)",
+        "llama3(factor = 8.0, low_freq_factor = 1.0, high_freq_factor = 4.0, original_max_position = 8)",
+    ];
+    for scaling in scalings {
+        gradients_match_central_differences(&format!(
+            "heads = 2, kv_heads = 1, head_dim = 16, mask = causal, \
+             position = rope(base = 100.0, scaling = {scaling})"
+        ));
+    }
+    gradients_match_central_differences(
+        "heads = 2, kv_heads = 1, head_dim = 16, mask = causal, \
+         position = rope(dim = 8, layout = interleaved)",
+    );
+}
+
+#[test]
+fn gradients_with_alibi_softcap_and_a_window_equal_central_differences() {
+    gradients_match_central_differences(
+        "heads = 2, kv_heads = 1, head_dim = 16, mask = causal, position = alibi, softcap = 1.5",
+    );
+    gradients_match_central_differences(
+        "heads = 2, kv_heads = 1, head_dim = 16, mask = sliding_window(4), scale = 0.5",
+    );
 }
