@@ -68,24 +68,14 @@ impl Step {
     /// One forward and backward on `path`.
     fn run(&self, path: &str) {
         match path {
-            "attn_candle" => {
-                let out =
-                    attn::candle::attention(&self.variant, &self.q, &self.k, &self.v).unwrap();
-                out.mul(&self.w)
-                    .unwrap()
-                    .sum_all()
-                    .unwrap()
-                    .backward()
-                    .unwrap();
-            }
-            "naive" => {
-                let out = naive_causal(&self.q, &self.k, &self.v);
-                out.mul(&self.w)
-                    .unwrap()
-                    .sum_all()
-                    .unwrap()
-                    .backward()
-                    .unwrap();
+            "attn_candle" | "naive" => {
+                let out = if path == "naive" {
+                    naive_causal(&self.q, &self.k, &self.v)
+                } else {
+                    attn::candle::attention(&self.variant, &self.q, &self.k, &self.v).unwrap()
+                };
+                let loss = out.mul(&self.w).unwrap().sum_all().unwrap();
+                loss.backward().unwrap();
             }
             _ => {
                 let backend = CpuBackend::new();

@@ -38,6 +38,13 @@
 //! **Devices.** CPU tensors run on attn's CPU kernels (rayon's global pool, as candle's own CPU
 //! ops). Tensors on another device are refused with an error.
 //!
+//! **Cost.** Beside the kernels, each call copies its inputs into attn's storage (buffers from
+//! attn's pool, so a training loop copies into memory already mapped), and candle's autograd
+//! makes and frees a few tensors of the inputs' size per gradient. glibc gives that memory back
+//! to the system between steps and faults it in again; raising its thresholds
+//! (`GLIBC_TUNABLES=glibc.malloc.trim_threshold=1073741824:glibc.malloc.mmap_threshold=33554432`)
+//! keeps it, which measured 1.1-1.4x faster steps (BENCHMARKS.md).
+//!
 //! **MLA** variants are refused: their five inputs do not fit a candle op of at most three.
 //! Train MLA in its expanded form (per-head keys and values made from the latent with candle
 //! matmuls) with a per-head variant.
