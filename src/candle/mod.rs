@@ -43,7 +43,7 @@
 //! makes and frees a few tensors of the inputs' size per gradient. glibc gives that memory back
 //! to the system between steps and faults it in again; raising its thresholds
 //! (`GLIBC_TUNABLES=glibc.malloc.trim_threshold=1073741824:glibc.malloc.mmap_threshold=33554432`)
-//! keeps it, which measured 1.1-1.4x faster steps (BENCHMARKS.md).
+//! keeps it, which made steps 1.1-2.1x faster in the benchmark (BENCHMARKS.md).
 //!
 //! **MLA** variants are refused: their five inputs do not fit a candle op of at most three.
 //! Train MLA in its expanded form (per-head keys and values made from the latent with candle
