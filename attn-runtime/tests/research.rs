@@ -124,3 +124,52 @@ fn seeds_and_parameter_counts() {
     assert_eq!(parts["embedding"], 97 * 48);
     assert_eq!(parts["lm_head"], 97 * 48);
 }
+
+#[test]
+fn a_config_written_as_toml_reads_back_equal() {
+    use attn_runtime::model::research::config_to_toml;
+    for extra in [
+        "",
+        "norm = \"layer\"\nmlp = \"gelu\"\ntie_embeddings = false\nqkv_bias = true\nnorm_eps = 1e-6",
+    ] {
+        let c = config(
+            "heads = 4, kv_heads = 2, head_dim = 12, mask = sliding_window(8), position = alibi",
+            extra,
+        );
+        let text = config_to_toml(&c, Some("model.safetensors"));
+        assert_eq!(config_from_toml(&text).unwrap(), c, "{text}");
+        assert!(text.contains("weights = \"model.safetensors\""), "{text}");
+    }
+}
+
+#[test]
+fn a_weights_key_names_a_file_beside_the_toml_or_is_an_error() {
+    use attn_runtime::model::research::{load, weights_file};
+    let base = "vocab = 10\nhidden = 8\nlayers = 1\nattention = \"heads = 2, head_dim = 4\"\n";
+    assert_eq!(weights_file(base).unwrap(), None);
+    let named = format!("{base}weights = \"w.safetensors\"");
+    assert_eq!(
+        weights_file(&named).unwrap().as_deref(),
+        Some("w.safetensors")
+    );
+    for bad in [
+        "\"../w.safetensors\"",
+        "\"/etc/passwd\"",
+        "\"a/b.safetensors\"",
+        "\"\"",
+        "3",
+    ] {
+        let text = format!("{base}weights = {bad}");
+        let said = weights_file(&text).unwrap_err().to_string();
+        assert!(said.contains("`weights`"), "{bad}: {said}");
+    }
+    // A named file that is not there: an error naming it, not random weights.
+    let dir = std::env::temp_dir().join(format!("attn-research-weights-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("m.toml"), &named).unwrap();
+    let said = load(&dir.join("m.toml"), 0).err().unwrap().to_string();
+    assert!(said.contains("w.safetensors"), "{said}");
+    std::fs::write(dir.join("w.safetensors"), b"not safetensors").unwrap();
+    assert!(load(&dir.join("m.toml"), 0).is_err());
+    std::fs::remove_dir_all(&dir).ok();
+}

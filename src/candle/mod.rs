@@ -50,7 +50,10 @@
 //! matmuls) with a per-head variant.
 
 mod convert;
+mod model;
 mod op;
+
+pub use model::CandleModel;
 
 pub use candle_core as core;
 pub use candle_nn as nn;

@@ -9,6 +9,7 @@ mod adamw;
 mod bad_input;
 mod finite_difference;
 mod golden;
+mod model;
 mod naive;
 
 use attn::candle::core::{Device, Tensor, Var};

@@ -5,10 +5,10 @@
 //! `rope_scaling` keys), `mistral` (sliding window), `qwen2` (q/k/v biases), `deepseek_v2` and
 //! `deepseek_v3` (MLA; dense layers only: mixture-of-experts layers are refused).
 
+use super::Model;
 use super::config::{MAX_WIDTH, MlpKind, ModelConfig, NormKind};
 use super::json_fields::{Fields, bad};
-use super::layers::{Linear, Matrix, Mlp, Norm};
-use super::{AttentionWeights, Layer, Model};
+use super::weights;
 use crate::error::RuntimeError;
 use crate::files::{MAX_CONFIG_BYTES, read_text};
 use crate::io::read_safetensors;
@@ -19,10 +19,6 @@ use attn_dsl::{
 use serde_json::Value;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-
-/// The epsilon of DeepSeek's latent norms (`q_a_layernorm`, `kv_a_layernorm`): transformers
-/// builds them with the RMSNorm default, not `rms_norm_eps`.
-const LATENT_NORM_EPS: f64 = 1e-6;
 
 /// Families this loader knows.
 pub const FAMILIES: &[&str] = &["llama", "mistral", "qwen2", "deepseek_v2", "deepseek_v3"];
@@ -412,129 +408,14 @@ fn shard_path(dir: &Path, file: &str) -> Option<PathBuf> {
 pub fn load(dir: &Path) -> Result<Model, RuntimeError> {
     let config = config(dir)?;
     let files = Files::of(dir)?;
-    let mut names = vec![
-        "model.embed_tokens.weight".to_string(),
-        "model.norm.weight".into(),
-    ];
-    if !config.tie_embeddings {
-        names.push("lm_head.weight".into());
-    }
-    let mla = config.attention.mla().is_some();
-    let q_lora = if mla { read_q_lora(dir)? } else { None };
-    for i in 0..config.layers {
-        let p = format!("model.layers.{i}.");
-        for n in [
-            "input_layernorm.weight",
-            "post_attention_layernorm.weight",
-            "mlp.gate_proj.weight",
-            "mlp.up_proj.weight",
-            "mlp.down_proj.weight",
-            "self_attn.o_proj.weight",
-        ] {
-            names.push(format!("{p}{n}"));
-        }
-        let attn: &[&str] = match (mla, q_lora.is_some(), config.qkv_bias) {
-            (true, false, _) => &[
-                "self_attn.q_proj.weight",
-                "self_attn.kv_a_proj_with_mqa.weight",
-                "self_attn.kv_a_layernorm.weight",
-                "self_attn.kv_b_proj.weight",
-            ],
-            (true, true, _) => &[
-                "self_attn.q_a_proj.weight",
-                "self_attn.q_a_layernorm.weight",
-                "self_attn.q_b_proj.weight",
-                "self_attn.kv_a_proj_with_mqa.weight",
-                "self_attn.kv_a_layernorm.weight",
-                "self_attn.kv_b_proj.weight",
-            ],
-            (false, _, false) => &[
-                "self_attn.q_proj.weight",
-                "self_attn.k_proj.weight",
-                "self_attn.v_proj.weight",
-            ],
-            (false, _, true) => &[
-                "self_attn.q_proj.weight",
-                "self_attn.k_proj.weight",
-                "self_attn.v_proj.weight",
-                "self_attn.q_proj.bias",
-                "self_attn.k_proj.bias",
-                "self_attn.v_proj.bias",
-            ],
-        };
-        names.extend(attn.iter().map(|n| format!("{p}{n}")));
-    }
-    let mut w = Store(files.read(&names)?);
-    let eps = config.norm_eps;
-    let spec = &config.attention;
-    let (d, inter, heads) = (config.hidden, config.intermediate, spec.heads as usize);
-    let (dk, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
-    let mut layers = Vec::with_capacity(config.layers);
-    for i in 0..config.layers {
-        let p = format!("model.layers.{i}.self_attn.");
-        let attn = match spec.mla() {
-            Some(m) => {
-                let (r, dr) = (m.latent_rank as usize, m.rope_dim as usize);
-                let q_out = heads * (dk + dr);
-                let (q, q_b) = match q_lora {
-                    Some(qr) => {
-                        let q_a = w.linear(&format!("{p}q_a_proj"), false, [qr, d])?;
-                        let q_a_norm =
-                            w.norm(&format!("{p}q_a_layernorm.weight"), LATENT_NORM_EPS, qr)?;
-                        let q_b = w.linear(&format!("{p}q_b_proj"), false, [q_out, qr])?;
-                        (q_a, Some((q_a_norm, q_b)))
-                    }
-                    None => (w.linear(&format!("{p}q_proj"), false, [q_out, d])?, None),
-                };
-                AttentionWeights::Mla {
-                    q,
-                    q_b,
-                    kv_a: w.linear(&format!("{p}kv_a_proj_with_mqa"), false, [r + dr, d])?,
-                    kv_norm: w.norm(&format!("{p}kv_a_layernorm.weight"), LATENT_NORM_EPS, r)?,
-                    w_kv_b: {
-                        let t =
-                            w.matrix(&format!("{p}kv_b_proj.weight"), [heads * (dk + dv), r])?;
-                        let shape = t.shape().to_vec();
-                        Tensor::from_f32_as(spec.dtype, &shape, t.to_f32_vec())?
-                    },
-                    o: w.linear(&format!("{p}o_proj"), false, [d, heads * dv])?,
-                }
-            }
-            None => {
-                let hkv = spec.kv_heads() as usize;
-                let bias = config.qkv_bias;
-                AttentionWeights::Heads {
-                    q: w.linear(&format!("{p}q_proj"), bias, [heads * dk, d])?,
-                    k: w.linear(&format!("{p}k_proj"), bias, [hkv * dk, d])?,
-                    v: w.linear(&format!("{p}v_proj"), bias, [hkv * dv, d])?,
-                    o: w.linear(&format!("{p}o_proj"), false, [d, heads * dv])?,
-                }
-            }
-        };
-        let p = format!("model.layers.{i}.");
-        let mlp = Mlp {
-            kind: MlpKind::SwiGlu,
-            gate: Some(w.linear(&format!("{p}mlp.gate_proj"), false, [inter, d])?),
-            up: w.linear(&format!("{p}mlp.up_proj"), false, [inter, d])?,
-            down: w.linear(&format!("{p}mlp.down_proj"), false, [d, inter])?,
-        };
-        layers.push(Layer {
-            attn_norm: w.norm(&format!("{p}input_layernorm.weight"), eps, d)?,
-            attn,
-            mlp_norm: w.norm(&format!("{p}post_attention_layernorm.weight"), eps, d)?,
-            mlp,
-        });
-    }
-    let embed = w.matrix("model.embed_tokens.weight", [config.vocab, d])?;
-    let lm_head = if config.tie_embeddings {
-        None
-    } else {
-        Some(w.linear("lm_head", false, [config.vocab, d])?)
+    let q_lora = match config.attention.mla() {
+        Some(_) => read_q_lora(dir)?,
+        None => None,
     };
-    let final_norm = w.norm("model.norm.weight", eps, d)?;
-    let embed = Matrix::new(config.vocab, d, embed.into_storage());
+    let names = weights::tensor_names(&config, q_lora);
+    let tensors = files.read(&names)?;
     let tied = config.tie_embeddings;
-    let mut model = Model::new(config, embed, layers, final_norm, lm_head)?;
+    let mut model = weights::assemble(config, tensors, q_lora, "config.json")?;
     if tied && files.holds("lm_head.weight")? {
         model.warn(
             "the checkpoint holds `lm_head.weight`, but config.json ties the LM head to the \
@@ -544,65 +425,6 @@ pub fn load(dir: &Path) -> Result<Model, RuntimeError> {
         );
     }
     Ok(model)
-}
-
-/// Tensors read from a checkpoint, taken as the model is assembled.
-struct Store(HashMap<String, Tensor>);
-
-impl Store {
-    fn take(&mut self, name: &str) -> Result<Tensor, RuntimeError> {
-        self.0
-            .remove(name)
-            .ok_or_else(|| RuntimeError::Data(format!("tensor `{name}` is missing")))
-    }
-
-    /// The tensor `name`, which must have `shape`.
-    fn shaped(&mut self, name: &str, shape: &[usize]) -> Result<Tensor, RuntimeError> {
-        let t = self.take(name)?;
-        if t.shape() != shape {
-            return Err(RuntimeError::Shape {
-                tensor: name.to_string(),
-                found: t.shape().to_vec(),
-                expected: format!("{shape:?} (from config.json)"),
-            });
-        }
-        Ok(t)
-    }
-
-    /// The matrix `name`, which must be `[rows, columns]`.
-    fn matrix(&mut self, name: &str, [rows, columns]: [usize; 2]) -> Result<Tensor, RuntimeError> {
-        self.shaped(name, &[rows, columns])
-    }
-
-    /// `{prefix}.weight` (`[out, in]`) and `{prefix}.bias` (`[out]`) as a linear map.
-    fn linear(
-        &mut self,
-        prefix: &str,
-        with_bias: bool,
-        [out, inp]: [usize; 2],
-    ) -> Result<Linear, RuntimeError> {
-        let w = self.matrix(&format!("{prefix}.weight"), [out, inp])?;
-        let bias = if with_bias {
-            Some(self.shaped(&format!("{prefix}.bias"), &[out])?.to_f32_vec())
-        } else {
-            None
-        };
-        Ok(Linear {
-            // Kept in the checkpoint's dtype.
-            w: Matrix::new(out, inp, w.into_storage()),
-            bias,
-        })
-    }
-
-    /// The RMSNorm weight `name`, which must have `len` values.
-    fn norm(&mut self, name: &str, eps: f64, len: usize) -> Result<Norm, RuntimeError> {
-        Ok(Norm {
-            kind: NormKind::Rms,
-            weight: self.shaped(name, &[len])?.to_f32_vec(),
-            bias: None,
-            eps,
-        })
-    }
 }
 
 /// The rank through which a DeepSeek checkpoint factors its queries (`q_lora_rank`), if it

@@ -16,6 +16,7 @@ mod json_fields;
 mod layers;
 pub mod research;
 mod text;
+mod weights;
 
 pub use config::{
     MAX_INTERMEDIATE, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, MlpKind, ModelConfig, NormKind,

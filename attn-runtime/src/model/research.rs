@@ -9,14 +9,18 @@
 //! # optional: norm = "rms" | "layer", norm_eps = 1e-5, mlp = "swiglu" | "gelu",
 //! # intermediate = 2048 (default 8d/3 for SwiGLU, 4d for GELU, rounded up to 64),
 //! # tie_embeddings = true, qkv_bias = false
+//! # weights = "model.safetensors": trained weights, a file beside this one (see `load`)
 //! ```
 
 use super::config::{MlpKind, ModelConfig, NormKind};
 use super::layers::{Linear, Matrix, Mlp, Norm};
 use super::{AttentionWeights, Layer, Model};
 use crate::error::RuntimeError;
+use crate::files::read_text;
+use crate::io::read_safetensors;
 use crate::tensor::{Storage, Tensor};
 use attn_dsl::AttentionSpec;
+use std::path::{Component, Path};
 
 const KEYS: &[&str] = &[
     "vocab",
@@ -29,7 +33,11 @@ const KEYS: &[&str] = &[
     "intermediate",
     "tie_embeddings",
     "qkv_bias",
+    "weights",
 ];
+
+/// Longest research model TOML file read.
+pub const MAX_TOML_BYTES: u64 = 1 << 20;
 
 /// The default MLP width: 8d/3 for SwiGLU (the parameters of a 4d GELU MLP), 4d for GELU,
 /// rounded up to a multiple of 64.
@@ -122,6 +130,87 @@ pub fn config_from_toml(text: &str) -> Result<ModelConfig, RuntimeError> {
     };
     config.validate()?;
     Ok(config)
+}
+
+/// A research model from its TOML file. With `weights = "FILE"`, the weights are read from FILE,
+/// a safetensors file in the TOML's folder, whose tensors have the names of a Hugging Face
+/// llama checkpoint (`model.embed_tokens.weight`, `model.layers.0.self_attn.q_proj.weight`, ...;
+/// LayerNorm models also a `.bias` per norm, GELU MLPs no `gate_proj`): what `attnc train`
+/// writes. Without it, the weights are seeded random ones ([`Model::random`]).
+pub fn load(path: &Path, seed: u64) -> Result<Model, RuntimeError> {
+    let text = read_text(path, MAX_TOML_BYTES, "the model config")?;
+    let config = config_from_toml(&text).map_err(|e| in_file(path, e))?;
+    let Some(file) = weights_file(&text).map_err(|e| in_file(path, e))? else {
+        return Model::random(&config, seed);
+    };
+    let folder = path.parent().unwrap_or(Path::new("."));
+    let file = folder.join(file);
+    let names = super::weights::tensor_names(&config, None);
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let tensors = read_safetensors(&file, &refs)?;
+    let shapes_from = path.display().to_string();
+    super::weights::assemble(
+        config,
+        names.into_iter().zip(tensors).collect(),
+        None,
+        &shapes_from,
+    )
+}
+
+/// A config as research model TOML, naming `weights` when given: what [`config_from_toml`]
+/// and [`load`] read back.
+pub fn config_to_toml(config: &ModelConfig, weights: Option<&str>) -> String {
+    let c = config;
+    let norm = match c.norm {
+        NormKind::Rms => "rms",
+        NormKind::Layer => "layer",
+    };
+    let mlp = match c.mlp {
+        MlpKind::SwiGlu => "swiglu",
+        MlpKind::Gelu => "gelu",
+    };
+    let text = toml::toml! {
+        vocab = (c.vocab as i64)
+        hidden = (c.hidden as i64)
+        layers = (c.layers as i64)
+        attention = (c.attention.to_string())
+        norm = norm
+        norm_eps = (c.norm_eps)
+        mlp = mlp
+        intermediate = (c.intermediate as i64)
+        tie_embeddings = (c.tie_embeddings)
+        qkv_bias = (c.qkv_bias)
+    };
+    let mut table = text;
+    if let Some(w) = weights {
+        table.insert("weights".into(), toml::Value::String(w.to_string()));
+    }
+    table.to_string()
+}
+
+/// `path`'s name in front of a config error.
+fn in_file(path: &Path, e: RuntimeError) -> RuntimeError {
+    RuntimeError::Data(format!("{}: {e}", path.display()))
+}
+
+/// The `weights` key of a research model's TOML: a plain file name (no folders), if given.
+pub fn weights_file(text: &str) -> Result<Option<String>, RuntimeError> {
+    let err = |m: String| RuntimeError::Data(format!("model config: {m}"));
+    let table: toml::Table = text.parse().map_err(|e| err(format!("{e}")))?;
+    let Some(value) = table.get("weights") else {
+        return Ok(None);
+    };
+    let name = value
+        .as_str()
+        .ok_or_else(|| err(format!("`weights` must be a string, got {value}")))?;
+    let mut parts = Path::new(name).components();
+    match (parts.next(), parts.next()) {
+        (Some(Component::Normal(_)), None) => Ok(Some(name.to_string())),
+        _ => Err(err(format!(
+            "`weights` = {name:?} is not a file name; allowed: a plain name of a file beside \
+             the TOML, such as model.safetensors"
+        ))),
+    }
 }
 
 /// Seeded uniform values with standard deviation 0.02 (GPT-2's init scale).

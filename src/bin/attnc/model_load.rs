@@ -6,10 +6,8 @@ use attn::runtime::device::{Device, SimDevice};
 use attn::runtime::model::{Model, hf, research};
 use std::path::Path;
 
-/// Longest research model TOML file read.
-const MAX_TOML_BYTES: usize = 1 << 20;
-
-/// A checkpoint directory, or a research model's TOML file with weights seeded by `seed`.
+/// A checkpoint directory, or a research model's TOML file (its `weights` file, or weights
+/// seeded by `seed`).
 pub fn load(path: &Path, seed: u64) -> Result<Model, String> {
     let err = |e: attn::runtime::RuntimeError| format!("error: {e}");
     if !path.exists() {
@@ -20,11 +18,7 @@ pub fn load(path: &Path, seed: u64) -> Result<Model, String> {
         ));
     }
     if path.is_file() {
-        let text = crate::spec_arg::read_bounded(path, MAX_TOML_BYTES)
-            .map_err(|e| format!("error: {}: {e}", path.display()))?;
-        let config = research::config_from_toml(&text)
-            .map_err(|e| format!("error: {}: {e}", path.display()))?;
-        return Model::random(&config, seed).map_err(err);
+        return research::load(path, seed).map_err(err);
     }
     let model = hf::load(path).map_err(err)?;
     for warning in model.warnings() {

@@ -1,0 +1,244 @@
+//! A model's weights under Hugging Face's llama-family tensor names (`model.embed_tokens.weight`,
+//! `model.layers.{i}.self_attn.q_proj.weight`, ...): which tensors a config needs, and the
+//! model assembled from them. Checkpoints (`hf`) and research models with trained weights
+//! (`research`) both load through here.
+
+use super::config::{MlpKind, ModelConfig, NormKind};
+use super::layers::{Linear, Matrix, Mlp, Norm};
+use super::{AttentionWeights, Layer, Model};
+use crate::error::RuntimeError;
+use crate::tensor::Tensor;
+use std::collections::HashMap;
+
+/// The epsilon of DeepSeek's latent norms (`q_a_layernorm`, `kv_a_layernorm`): transformers
+/// builds them with the RMSNorm default, not `rms_norm_eps`.
+const LATENT_NORM_EPS: f64 = 1e-6;
+
+/// The tensors a model of `config` is made of; `q_lora` is the rank of DeepSeek's factored
+/// queries, if they are factored. LayerNorm models also have a `.bias` beside each norm's
+/// `.weight`; GELU MLPs have no `gate_proj`.
+pub(crate) fn tensor_names(config: &ModelConfig, q_lora: Option<usize>) -> Vec<String> {
+    let norm = |name: &str| {
+        let mut names = vec![format!("{name}.weight")];
+        if config.norm == NormKind::Layer {
+            names.push(format!("{name}.bias"));
+        }
+        names
+    };
+    let mut names = vec!["model.embed_tokens.weight".to_string()];
+    names.extend(norm("model.norm"));
+    if !config.tie_embeddings {
+        names.push("lm_head.weight".into());
+    }
+    let mla = config.attention.mla().is_some();
+    for i in 0..config.layers {
+        let p = format!("model.layers.{i}.");
+        names.extend(norm(&format!("{p}input_layernorm")));
+        names.extend(norm(&format!("{p}post_attention_layernorm")));
+        let mut mlp = vec!["mlp.up_proj.weight", "mlp.down_proj.weight"];
+        if config.mlp == MlpKind::SwiGlu {
+            mlp.push("mlp.gate_proj.weight");
+        }
+        let attn: &[&str] = match (mla, q_lora.is_some(), config.qkv_bias) {
+            (true, false, _) => &[
+                "self_attn.q_proj.weight",
+                "self_attn.kv_a_proj_with_mqa.weight",
+                "self_attn.kv_a_layernorm.weight",
+                "self_attn.kv_b_proj.weight",
+            ],
+            (true, true, _) => &[
+                "self_attn.q_a_proj.weight",
+                "self_attn.q_a_layernorm.weight",
+                "self_attn.q_b_proj.weight",
+                "self_attn.kv_a_proj_with_mqa.weight",
+                "self_attn.kv_a_layernorm.weight",
+                "self_attn.kv_b_proj.weight",
+            ],
+            (false, _, false) => &[
+                "self_attn.q_proj.weight",
+                "self_attn.k_proj.weight",
+                "self_attn.v_proj.weight",
+            ],
+            (false, _, true) => &[
+                "self_attn.q_proj.weight",
+                "self_attn.k_proj.weight",
+                "self_attn.v_proj.weight",
+                "self_attn.q_proj.bias",
+                "self_attn.k_proj.bias",
+                "self_attn.v_proj.bias",
+            ],
+        };
+        let all = mlp.iter().chain(attn).chain(&["self_attn.o_proj.weight"]);
+        names.extend(all.map(|n| format!("{p}{n}")));
+    }
+    names
+}
+
+/// The model of `config` made of the tensors in `w` ([`tensor_names`]), each checked against
+/// the shape the config gives it; `shapes_from` names where the config came from, for errors.
+pub(crate) fn assemble(
+    config: ModelConfig,
+    w: HashMap<String, Tensor>,
+    q_lora: Option<usize>,
+    shapes_from: &str,
+) -> Result<Model, RuntimeError> {
+    let mut w = Store {
+        tensors: w,
+        shapes_from,
+        norm: config.norm,
+    };
+    let eps = config.norm_eps;
+    let spec = &config.attention;
+    let (d, inter, heads) = (config.hidden, config.intermediate, spec.heads as usize);
+    let (dk, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
+    let mut layers = Vec::with_capacity(config.layers);
+    for i in 0..config.layers {
+        let p = format!("model.layers.{i}.self_attn.");
+        let attn = match spec.mla() {
+            Some(m) => {
+                let (r, dr) = (m.latent_rank as usize, m.rope_dim as usize);
+                let q_out = heads * (dk + dr);
+                let (q, q_b) = match q_lora {
+                    Some(qr) => {
+                        let q_a = w.linear(&format!("{p}q_a_proj"), false, [qr, d])?;
+                        let q_a_norm =
+                            w.rms_norm(&format!("{p}q_a_layernorm"), LATENT_NORM_EPS, qr)?;
+                        let q_b = w.linear(&format!("{p}q_b_proj"), false, [q_out, qr])?;
+                        (q_a, Some((q_a_norm, q_b)))
+                    }
+                    None => (w.linear(&format!("{p}q_proj"), false, [q_out, d])?, None),
+                };
+                AttentionWeights::Mla {
+                    q,
+                    q_b,
+                    kv_a: w.linear(&format!("{p}kv_a_proj_with_mqa"), false, [r + dr, d])?,
+                    kv_norm: w.rms_norm(&format!("{p}kv_a_layernorm"), LATENT_NORM_EPS, r)?,
+                    w_kv_b: {
+                        let t =
+                            w.matrix(&format!("{p}kv_b_proj.weight"), [heads * (dk + dv), r])?;
+                        let shape = t.shape().to_vec();
+                        Tensor::from_f32_as(spec.dtype, &shape, t.to_f32_vec())?
+                    },
+                    o: w.linear(&format!("{p}o_proj"), false, [d, heads * dv])?,
+                }
+            }
+            None => {
+                let hkv = spec.kv_heads() as usize;
+                let bias = config.qkv_bias;
+                AttentionWeights::Heads {
+                    q: w.linear(&format!("{p}q_proj"), bias, [heads * dk, d])?,
+                    k: w.linear(&format!("{p}k_proj"), bias, [hkv * dk, d])?,
+                    v: w.linear(&format!("{p}v_proj"), bias, [hkv * dv, d])?,
+                    o: w.linear(&format!("{p}o_proj"), false, [d, heads * dv])?,
+                }
+            }
+        };
+        let p = format!("model.layers.{i}.");
+        let gate = match config.mlp {
+            MlpKind::SwiGlu => Some(w.linear(&format!("{p}mlp.gate_proj"), false, [inter, d])?),
+            MlpKind::Gelu => None,
+        };
+        let mlp = Mlp {
+            kind: config.mlp,
+            gate,
+            up: w.linear(&format!("{p}mlp.up_proj"), false, [inter, d])?,
+            down: w.linear(&format!("{p}mlp.down_proj"), false, [d, inter])?,
+        };
+        layers.push(Layer {
+            attn_norm: w.norm(&format!("{p}input_layernorm"), eps, d)?,
+            attn,
+            mlp_norm: w.norm(&format!("{p}post_attention_layernorm"), eps, d)?,
+            mlp,
+        });
+    }
+    let embed = w.matrix("model.embed_tokens.weight", [config.vocab, d])?;
+    let lm_head = if config.tie_embeddings {
+        None
+    } else {
+        Some(w.linear("lm_head", false, [config.vocab, d])?)
+    };
+    let final_norm = w.norm("model.norm", eps, d)?;
+    let embed = Matrix::new(config.vocab, d, embed.into_storage());
+    Model::new(config, embed, layers, final_norm, lm_head)
+}
+
+/// Tensors read from a file, taken as the model is assembled.
+struct Store<'a> {
+    tensors: HashMap<String, Tensor>,
+    shapes_from: &'a str,
+    norm: NormKind,
+}
+
+impl Store<'_> {
+    fn take(&mut self, name: &str) -> Result<Tensor, RuntimeError> {
+        self.tensors
+            .remove(name)
+            .ok_or_else(|| RuntimeError::Data(format!("tensor `{name}` is missing")))
+    }
+
+    /// The tensor `name`, which must have `shape`.
+    fn shaped(&mut self, name: &str, shape: &[usize]) -> Result<Tensor, RuntimeError> {
+        let t = self.take(name)?;
+        if t.shape() != shape {
+            return Err(RuntimeError::Shape {
+                tensor: name.to_string(),
+                found: t.shape().to_vec(),
+                expected: format!("{shape:?} (from {})", self.shapes_from),
+            });
+        }
+        Ok(t)
+    }
+
+    /// The matrix `name`, which must be `[rows, columns]`.
+    fn matrix(&mut self, name: &str, [rows, columns]: [usize; 2]) -> Result<Tensor, RuntimeError> {
+        self.shaped(name, &[rows, columns])
+    }
+
+    /// `{prefix}.weight` (`[out, in]`) and `{prefix}.bias` (`[out]`) as a linear map.
+    fn linear(
+        &mut self,
+        prefix: &str,
+        with_bias: bool,
+        [out, inp]: [usize; 2],
+    ) -> Result<Linear, RuntimeError> {
+        let w = self.matrix(&format!("{prefix}.weight"), [out, inp])?;
+        let bias = if with_bias {
+            Some(self.shaped(&format!("{prefix}.bias"), &[out])?.to_f32_vec())
+        } else {
+            None
+        };
+        Ok(Linear {
+            // Kept in the checkpoint's dtype.
+            w: Matrix::new(out, inp, w.into_storage()),
+            bias,
+        })
+    }
+
+    /// The model's norm `{prefix}` over `len` values: `.weight`, and `.bias` for LayerNorm.
+    fn norm(&mut self, prefix: &str, eps: f64, len: usize) -> Result<Norm, RuntimeError> {
+        let bias = match self.norm {
+            NormKind::Layer => Some(self.shaped(&format!("{prefix}.bias"), &[len])?.to_f32_vec()),
+            NormKind::Rms => None,
+        };
+        Ok(Norm {
+            kind: self.norm,
+            weight: self
+                .shaped(&format!("{prefix}.weight"), &[len])?
+                .to_f32_vec(),
+            bias,
+            eps,
+        })
+    }
+
+    /// The RMSNorm `{prefix}.weight` over `len` values (DeepSeek's latent norms).
+    fn rms_norm(&mut self, prefix: &str, eps: f64, len: usize) -> Result<Norm, RuntimeError> {
+        Ok(Norm {
+            kind: NormKind::Rms,
+            weight: self
+                .shaped(&format!("{prefix}.weight"), &[len])?
+                .to_f32_vec(),
+            bias: None,
+            eps,
+        })
+    }
+}

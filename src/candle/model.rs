@@ -1,0 +1,228 @@
+//! A research model ([`ModelConfig`]) as a candle model that trains, its attention attn's op.
+//! Its variables have the names of a Hugging Face llama checkpoint, so the safetensors file its
+//! `VarMap` saves loads in attn's runtime (`attn::research::load`, with `weights = FILE` in the
+//! model's TOML) and gives the same logits.
+
+use super::attention_at;
+use crate::Variant;
+use crate::runtime::model::{MlpKind, ModelConfig, NormKind};
+use candle_core::{D, DType, Module, Result, Tensor};
+use candle_nn::{Init, VarBuilder};
+use std::sync::Arc;
+
+/// GPT-2's initialization scale, as the runtime's random research models.
+const INIT_STD: f64 = 0.02;
+
+/// A decoder-only transformer of a [`ModelConfig`]: embedding, pre-norm blocks (norm, attention,
+/// residual; norm, MLP, residual), final norm, LM head (the embedding when tied). Per-head
+/// attention only: MLA configs are refused.
+pub struct CandleModel {
+    config: ModelConfig,
+    variant: Arc<Variant>,
+    embed: Tensor,
+    layers: Vec<Block>,
+    norm: Norm,
+    lm_head: Option<Tensor>,
+}
+
+/// `x W^T + b`.
+struct Linear {
+    w: Tensor,
+    b: Option<Tensor>,
+}
+
+impl Linear {
+    fn new(vb: &VarBuilder, name: &str, out: usize, inp: usize, bias: bool) -> Result<Linear> {
+        let w = vb.get_with_hints((out, inp), &format!("{name}.weight"), normal())?;
+        let b = match bias {
+            true => Some(vb.get_with_hints(out, &format!("{name}.bias"), Init::Const(0.0))?),
+            false => None,
+        };
+        Ok(Linear { w, b })
+    }
+}
+
+impl Module for Linear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = x.broadcast_matmul(&self.w.t()?)?;
+        match &self.b {
+            Some(b) => y.broadcast_add(b),
+            None => Ok(y),
+        }
+    }
+}
+
+/// RMSNorm or LayerNorm over the last dimension, in f32, written with candle's ops (which
+/// carry gradients).
+struct Norm {
+    kind: NormKind,
+    weight: Tensor,
+    bias: Option<Tensor>,
+    eps: f64,
+}
+
+impl Norm {
+    fn new(vb: &VarBuilder, name: &str, len: usize, config: &ModelConfig) -> Result<Norm> {
+        let weight = vb.get_with_hints(len, &format!("{name}.weight"), Init::Const(1.0))?;
+        let bias = match config.norm {
+            NormKind::Layer => {
+                Some(vb.get_with_hints(len, &format!("{name}.bias"), Init::Const(0.0))?)
+            }
+            NormKind::Rms => None,
+        };
+        Ok(Norm {
+            kind: config.norm,
+            weight,
+            bias,
+            eps: config.norm_eps,
+        })
+    }
+}
+
+impl Module for Norm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let x = match self.kind {
+            NormKind::Rms => x.clone(),
+            NormKind::Layer => x.broadcast_sub(&x.mean_keepdim(D::Minus1)?)?,
+        };
+        let scale = (x.sqr()?.mean_keepdim(D::Minus1)? + self.eps)?.sqrt()?;
+        let y = x.broadcast_div(&scale)?.broadcast_mul(&self.weight)?;
+        match &self.bias {
+            Some(b) => y.broadcast_add(b),
+            None => Ok(y),
+        }
+    }
+}
+
+/// One pre-norm block.
+struct Block {
+    attn_norm: Norm,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    mlp_norm: Norm,
+    gate: Option<Linear>,
+    up: Linear,
+    down: Linear,
+}
+
+fn normal() -> Init {
+    Init::Randn {
+        mean: 0.0,
+        stdev: INIT_STD,
+    }
+}
+
+impl CandleModel {
+    /// The model of `config`, its variables made (or found) in `vb` under Hugging Face's names:
+    /// normal(0, 0.02) matrices and embeddings, norms at 1, biases at 0.
+    pub fn new(config: &ModelConfig, vb: VarBuilder) -> Result<CandleModel> {
+        config.validate().map_err(candle_core::Error::wrap)?;
+        let spec = &config.attention;
+        if spec.mla().is_some() {
+            candle_core::bail!("attn::candle: MLA models do not train through candle yet");
+        }
+        let variant = Variant::shared(spec).map_err(candle_core::Error::wrap)?;
+        let (d, inter) = (config.hidden, config.intermediate);
+        let (h, hkv) = (spec.heads as usize, spec.kv_heads() as usize);
+        let (dk, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
+        let bias = config.qkv_bias;
+        let layers = (0..config.layers)
+            .map(|i| {
+                let p = format!("model.layers.{i}");
+                let a = format!("{p}.self_attn");
+                Ok(Block {
+                    attn_norm: Norm::new(&vb, &format!("{p}.input_layernorm"), d, config)?,
+                    q: Linear::new(&vb, &format!("{a}.q_proj"), h * dk, d, bias)?,
+                    k: Linear::new(&vb, &format!("{a}.k_proj"), hkv * dk, d, bias)?,
+                    v: Linear::new(&vb, &format!("{a}.v_proj"), hkv * dv, d, bias)?,
+                    o: Linear::new(&vb, &format!("{a}.o_proj"), d, h * dv, false)?,
+                    mlp_norm: Norm::new(&vb, &format!("{p}.post_attention_layernorm"), d, config)?,
+                    gate: match config.mlp {
+                        MlpKind::SwiGlu => Some(Linear::new(
+                            &vb,
+                            &format!("{p}.mlp.gate_proj"),
+                            inter,
+                            d,
+                            false,
+                        )?),
+                        MlpKind::Gelu => None,
+                    },
+                    up: Linear::new(&vb, &format!("{p}.mlp.up_proj"), inter, d, false)?,
+                    down: Linear::new(&vb, &format!("{p}.mlp.down_proj"), d, inter, false)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let embed = vb.get_with_hints((config.vocab, d), "model.embed_tokens.weight", normal())?;
+        let lm_head = match config.tie_embeddings {
+            true => None,
+            false => Some(vb.get_with_hints((config.vocab, d), "lm_head.weight", normal())?),
+        };
+        Ok(CandleModel {
+            config: config.clone(),
+            variant,
+            embed,
+            layers,
+            norm: Norm::new(&vb, "model.norm", d, config)?,
+            lm_head,
+        })
+    }
+
+    /// The config.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// Logits `[B, S, vocab]` (f32) of token ids `[B, S]` (u32), positions from 0.
+    pub fn forward(&self, tokens: &Tensor) -> Result<Tensor> {
+        let (b, s) = tokens.dims2()?;
+        if let Some(max) = tokens.flatten_all()?.max(0)?.to_scalar::<u32>().ok()
+            && max as usize >= self.config.vocab
+        {
+            candle_core::bail!(
+                "token id {max} is out of range; the model's vocabulary has {} ids",
+                self.config.vocab
+            );
+        }
+        let mut x = self
+            .embed
+            .embedding(&tokens.flatten_all()?)?
+            .reshape((b, s, ()))?;
+        for block in &self.layers {
+            x = self.block(block, &x)?;
+        }
+        let x = self.norm.forward(&x)?;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        x.broadcast_matmul(&head.t()?)
+    }
+
+    fn block(&self, block: &Block, x: &Tensor) -> Result<Tensor> {
+        let spec = &self.config.attention;
+        let (b, s, _) = x.dims3()?;
+        let dtype = super::convert::candle_dtype(spec.dtype);
+        // [B, S, heads * dim] as [B, heads, S, dim]: a strided view attn reads as it is.
+        let heads = |t: Tensor, h: u32, dim: u32| {
+            t.reshape((b, s, h as usize, dim as usize))?
+                .transpose(1, 2)?
+                .to_dtype(dtype)
+        };
+        let hkv = spec.kv_heads();
+        let h = block.attn_norm.forward(x)?;
+        let q = heads(block.q.forward(&h)?, spec.heads, spec.head_dim)?;
+        let k = heads(block.k.forward(&h)?, hkv, spec.head_dim)?;
+        let v = heads(block.v.forward(&h)?, hkv, spec.v_head_dim)?;
+        let a = attention_at(&self.variant, &q, &k, &v, 0)?
+            .to_dtype(DType::F32)?
+            .transpose(1, 2)?
+            .reshape((b, s, ()))?;
+        let x = (x + block.o.forward(&a)?)?;
+        let h = block.mlp_norm.forward(&x)?;
+        let up = block.up.forward(&h)?;
+        let act = match &block.gate {
+            Some(gate) => (candle_nn::ops::silu(&gate.forward(&h)?)? * up)?,
+            None => up.gelu()?,
+        };
+        x + block.down.forward(&act)?
+    }
+}

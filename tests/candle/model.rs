@@ -1,0 +1,112 @@
+//! A research model trained through candle and the same weights in attn's runtime: the
+//! safetensors file candle's `VarMap` saves, named by `weights` in the model's TOML, loads
+//! with `research::load` and gives the same logits, for each norm, MLP and head kind.
+
+use attn::candle::CandleModel;
+use attn::candle::core::{DType, Device, Tensor};
+use attn::candle::nn::{VarBuilder, VarMap};
+use attn::research;
+
+fn same_logits(toml: &str) {
+    let config = research::config_from_toml(toml).unwrap();
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let model = CandleModel::new(&config, vb).unwrap();
+    let tokens: Vec<u32> = (0..11u32)
+        .map(|i| (i * 5 + 3) % config.vocab as u32)
+        .collect();
+    let ids = Tensor::from_vec(tokens.clone(), (1, tokens.len()), &Device::Cpu).unwrap();
+    let ours = model
+        .forward(&ids)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+
+    let dir = std::env::temp_dir().join(format!(
+        "attn-candle-model-{}-{}",
+        std::process::id(),
+        ours.len()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    varmap.save(dir.join("model.safetensors")).unwrap();
+    let path = dir.join("model.toml");
+    std::fs::write(
+        &path,
+        research::config_to_toml(&config, Some("model.safetensors")),
+    )
+    .unwrap();
+    let runtime = research::load(&path, 0).unwrap();
+    let theirs = runtime.forward(&tokens).unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+
+    assert_eq!(ours.len(), theirs.len());
+    for (i, (a, b)) in ours.iter().zip(&theirs).enumerate() {
+        assert!(
+            (a - b).abs() <= 1e-4 + 1e-4 * b.abs(),
+            "{toml}\nlogit {i}: candle {a}, runtime {b}"
+        );
+    }
+    // The weights were trained ones, not the runtime's seeded random ones.
+    let random = research::load(
+        &{
+            let p = std::env::temp_dir()
+                .join(format!("attn-candle-random-{}.toml", std::process::id()));
+            std::fs::write(&p, research::config_to_toml(&config, None)).unwrap();
+            p
+        },
+        0,
+    )
+    .unwrap()
+    .forward(&tokens)
+    .unwrap();
+    assert!(
+        random
+            .iter()
+            .zip(&theirs)
+            .any(|(a, b)| (a - b).abs() > 1e-3)
+    );
+}
+
+#[test]
+fn an_rms_swiglu_gqa_rope_model_gives_the_runtimes_logits() {
+    same_logits(
+        "vocab = 40\nhidden = 64\nlayers = 2\n\
+         attention = \"heads = 4, kv_heads = 2, head_dim = 16, mask = causal, position = rope\"",
+    );
+}
+
+#[test]
+fn a_layernorm_gelu_untied_biased_alibi_model_gives_the_runtimes_logits() {
+    same_logits(
+        "vocab = 33\nhidden = 32\nlayers = 2\nnorm = \"layer\"\nmlp = \"gelu\"\n\
+         tie_embeddings = false\nqkv_bias = true\n\
+         attention = \"heads = 2, head_dim = 16, mask = causal, position = alibi, softcap = 5.0\"",
+    );
+}
+
+#[test]
+fn a_bf16_sliding_window_model_gives_the_runtimes_logits() {
+    same_logits(
+        "vocab = 50\nhidden = 32\nlayers = 1\n\
+         attention = \"heads = 2, head_dim = 16, mask = sliding_window(4), dtype = bf16\"",
+    );
+}
+
+#[test]
+fn a_token_past_the_vocabulary_is_an_error() {
+    let config = research::config_from_toml(
+        "vocab = 10\nhidden = 16\nlayers = 1\nattention = \"heads = 1, head_dim = 16, mask = causal\"",
+    )
+    .unwrap();
+    let varmap = VarMap::new();
+    let model = CandleModel::new(
+        &config,
+        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+    )
+    .unwrap();
+    let ids = Tensor::from_vec(vec![1u32, 10], (1, 2), &Device::Cpu).unwrap();
+    let said = model.forward(&ids).unwrap_err().to_string();
+    assert!(said.contains("token id 10 is out of range"), "{said}");
+}
