@@ -23,16 +23,26 @@ impl TextTokenizer {
     /// Reads `dir/tokenizer.json` (a regular file of at most 256 MiB). Its `padding` and
     /// `truncation` settings are dropped: transformers' `tokenizer(text)` applies neither.
     pub fn from_dir(dir: &Path) -> Result<TextTokenizer, RuntimeError> {
-        let path = dir.join("tokenizer.json");
+        TextTokenizer::read(
+            &dir.join("tokenizer.json"),
+            " (the checkpoint needs its tokenizer.json for text)",
+        )
+    }
+
+    /// Reads a `tokenizer.json` file, as [`TextTokenizer::from_dir`].
+    pub fn from_file(path: &Path) -> Result<TextTokenizer, RuntimeError> {
+        TextTokenizer::read(path, "")
+    }
+
+    /// Reads `path`; `hint` follows a read error's message.
+    fn read(path: &Path, hint: &str) -> Result<TextTokenizer, RuntimeError> {
         let bad = |message: String| RuntimeError::Io {
             path: path.display().to_string(),
             message,
         };
-        let bytes = crate::files::read_bounded(&path, MAX_TOKENIZER_BYTES, "tokenizer.json")
+        let bytes = crate::files::read_bounded(path, MAX_TOKENIZER_BYTES, "tokenizer.json")
             .map_err(|e| match e {
-                RuntimeError::Io { message, .. } => bad(format!(
-                    "{message} (the checkpoint needs its tokenizer.json for text)"
-                )),
+                RuntimeError::Io { message, .. } => bad(format!("{message}{hint}")),
                 other => other,
             })?;
         let mut inner = tokenizers::Tokenizer::from_bytes(&bytes)

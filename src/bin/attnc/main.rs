@@ -24,6 +24,7 @@ mod params;
 mod peak;
 mod run;
 mod spec_arg;
+mod train;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -87,6 +88,10 @@ enum Command {
     Peak(peak::Args),
     /// Print what a spec costs: KV-cache bytes, cache size, parameters and FLOPs.
     Explain(explain::Args),
+    /// Train a research model (its TOML) on a text file through candle, with its attention on
+    /// attn's kernels: metrics, checkpoints `attnc generate` loads, and a loss plot (needs the
+    /// `candle` feature).
+    Train(train::Args),
 }
 
 fn main() -> ExitCode {
@@ -109,6 +114,7 @@ fn main() -> ExitCode {
         },
         Command::Peak(args) => peak::command(args),
         Command::Explain(args) => explain::command(args),
+        Command::Train(args) => train::command(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
