@@ -7,7 +7,7 @@ use super::attention_at;
 use crate::Variant;
 use crate::runtime::model::{MlpKind, ModelConfig, NormKind};
 use candle_core::{D, DType, Module, Result, Tensor};
-use candle_nn::{Init, VarBuilder};
+use candle_nn::{Init, VarBuilder, VarMap};
 use std::sync::Arc;
 
 /// GPT-2's initialization scale, as the runtime's random research models.
@@ -167,6 +167,45 @@ impl CandleModel {
             norm: Norm::new(&vb, "model.norm", d, config)?,
             lm_head,
         })
+    }
+
+    /// Sets every matrix of `varmap` (rank 2: projections, embeddings, the head) to values
+    /// from normal(0, 0.02) drawn from `seed`, in the order of the variables' names, so that a
+    /// model's initial weights depend on the seed alone: candle's CPU generator cannot be
+    /// seeded. Norms and biases keep their values.
+    pub fn seed_weights(varmap: &VarMap, seed: u64) -> Result<()> {
+        let vars = varmap
+            .data()
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("the variables' lock is poisoned".into()))?;
+        let mut names: Vec<&String> = vars.keys().collect();
+        names.sort();
+        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let mut uniform = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            // In (0, 1]: a logarithm of it is finite.
+            ((state >> 11) as f64 + 1.0) / (1u64 << 53) as f64
+        };
+        for name in names {
+            let var = &vars[name];
+            if var.rank() != 2 {
+                continue;
+            }
+            // Box-Muller: two uniforms make one standard normal value.
+            let values: Vec<f32> = (0..var.elem_count())
+                .map(|_| {
+                    let (u, v) = (uniform(), uniform());
+                    let z = (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos();
+                    (z * INIT_STD) as f32
+                })
+                .collect();
+            let seeded =
+                Tensor::from_vec(values, var.shape(), var.device())?.to_dtype(var.dtype())?;
+            var.set(&seeded)?;
+        }
+        Ok(())
     }
 
     /// The config.

@@ -119,6 +119,39 @@ fn a_run_writes_metrics_a_checkpoint_and_a_plot_and_resumes() {
 
 #[cfg(feature = "candle")]
 #[test]
+fn a_seed_fixes_the_initial_weights_and_the_batches() {
+    let dir = folder("seed");
+    let (m, data) = (model(&dir, 256), corpus(&dir));
+    let losses = |seed: &str, name: &str| {
+        let out = dir.join(name);
+        let mut args = vec![
+            "train",
+            "--model",
+            &m,
+            "--data",
+            &data,
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        args.extend(["--steps", "3", "--seed", seed]);
+        args.extend(SMALL);
+        let o = attnc(&args);
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        let line = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        let v: serde_json::Value = serde_json::from_str(line.trim()).unwrap();
+        (
+            v["train_loss"].as_f64().unwrap(),
+            v["val_loss"].as_f64().unwrap(),
+        )
+    };
+    let (a, b, c) = (losses("7", "a"), losses("7", "b"), losses("8", "c"));
+    assert_eq!(a, b, "the same seed");
+    assert_ne!(a, c, "another seed");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[cfg(feature = "candle")]
+#[test]
 fn bad_corpora_models_and_folders_are_errors_that_say_what_is_wrong() {
     let dir = folder("bad");
     let (m, data) = (model(&dir, 256), corpus(&dir));

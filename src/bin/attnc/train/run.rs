@@ -110,9 +110,11 @@ impl Trainer {
     ) -> Result<Trainer, String> {
         let candle = |e: attn::candle::core::Error| format!("error: {e}");
         let mut varmap = VarMap::new();
-        seed_init(options.seed);
         let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
         let model = CandleModel::new(&config, vb).map_err(candle)?;
+        if resumed.is_none() {
+            CandleModel::seed_weights(&varmap, options.seed).map_err(candle)?;
+        }
         let (step, rng, metrics) = match &resumed {
             Some(state) => {
                 varmap.load(out.join("model.safetensors")).map_err(|e| {
@@ -339,11 +341,4 @@ impl Trainer {
     fn parameter_count(&self) -> usize {
         self.varmap.all_vars().iter().map(|v| v.elem_count()).sum()
     }
-}
-
-/// candle draws its initial weights from its CPU device's generator: seeded, a run's initial
-/// weights depend on `seed` alone.
-fn seed_init(seed: u64) {
-    // The CPU device always takes a seed.
-    Device::Cpu.set_seed(seed).ok();
 }
