@@ -33,6 +33,15 @@ fn corpus(dir: &Path) -> String {
     path.to_str().unwrap().to_string()
 }
 
+/// `attnc train` of `model` on `data` into `out`, small and quick, with `extra` flags.
+#[cfg(feature = "candle")]
+fn train(model: &str, data: &str, out: &str, extra: &[&str]) -> std::process::Output {
+    let mut args = vec!["train", "--model", model, "--data", data, "--out", out];
+    args.extend(SMALL);
+    args.extend(extra);
+    attnc(&args)
+}
+
 #[cfg(feature = "candle")]
 const SMALL: &[&str] = &[
     "--seq",
@@ -52,11 +61,7 @@ fn a_run_writes_metrics_a_checkpoint_and_a_plot_and_resumes() {
     let (m, data) = (model(&dir, 256), corpus(&dir));
     let out = dir.join("run");
     let out_s = out.to_str().unwrap();
-    let mut args = vec![
-        "train", "--model", &m, "--data", &data, "--out", out_s, "--steps", "6",
-    ];
-    args.extend(SMALL);
-    let o = attnc(&args);
+    let o = train(&m, &data, out_s, &["--steps", "6"]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
     let lines: Vec<serde_json::Value> = metrics
@@ -124,18 +129,12 @@ fn a_seed_fixes_the_initial_weights_and_the_batches() {
     let (m, data) = (model(&dir, 256), corpus(&dir));
     let losses = |seed: &str, name: &str| {
         let out = dir.join(name);
-        let mut args = vec![
-            "train",
-            "--model",
+        let o = train(
             &m,
-            "--data",
             &data,
-            "--out",
             out.to_str().unwrap(),
-        ];
-        args.extend(["--steps", "3", "--seed", seed]);
-        args.extend(SMALL);
-        let o = attnc(&args);
+            &["--steps", "3", "--seed", seed],
+        );
         assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
         let line = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
         let v: serde_json::Value = serde_json::from_str(line.trim()).unwrap();
@@ -158,12 +157,9 @@ fn bad_corpora_models_and_folders_are_errors_that_say_what_is_wrong() {
     let out = dir.join("out");
     let out_s = out.to_str().unwrap().to_string();
     let run = |model: &str, data: &str, out: &str, extra: &[&str]| {
-        let mut args = vec![
-            "train", "--model", model, "--data", data, "--out", out, "--steps", "2",
-        ];
-        args.extend(SMALL);
-        args.extend(extra);
-        attnc(&args)
+        let mut flags = vec!["--steps", "2"];
+        flags.extend(extra);
+        train(model, data, out, &flags)
     };
     let write = |name: &str, bytes: &[u8]| {
         let p = dir.join(name);
