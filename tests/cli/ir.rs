@@ -44,3 +44,78 @@ fn ir_grad_prints_the_derivative_and_its_notes() {
     assert!(text.contains("note: `"), "{text}");
     assert!(text.contains("plan Backward"), "{text}");
 }
+
+/// The blue runs of kept pairs an `attnc ir --svg` picture holds, one per run along a row
+/// (every pair a cell of its own at these sizes).
+fn kept_runs(spec: &str, seq: &str, tag: &str) -> (usize, String) {
+    let path = std::env::temp_dir().join(format!("attnc-mask-{tag}-{}.svg", std::process::id()));
+    let o = attnc(&["ir", spec, "--seq", seq, "--svg", path.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let svg = std::fs::read_to_string(&path).unwrap();
+    std::fs::remove_file(&path).ok();
+    (svg.matches("fill=\"#19326E\"").count(), svg)
+}
+
+#[test]
+fn a_mask_picture_shows_the_kept_pairs_and_the_tiles() {
+    // Causal: row i keeps keys 0..=i, one run per row.
+    let (runs, svg) = kept_runs("heads = 1, head_dim = 16, mask = causal", "8", "causal");
+    assert_eq!(runs, 8);
+    assert!(
+        svg.starts_with("<svg") && svg.contains("masked per element"),
+        "{svg}"
+    );
+    // Even keys only: four runs in each of 8 rows.
+    let (runs, _) = kept_runs(
+        "heads = 1, head_dim = 16, mask_mod = |b, h, q, k| k % 2 == 0",
+        "8",
+        "even",
+    );
+    assert_eq!(runs, 32);
+    // A long call: a bounded picture (cells cover blocks of pairs), tiles counted.
+    let (_, svg) = kept_runs(
+        "heads = 1, head_dim = 16, mask = sliding_window(128)",
+        "4096",
+        "long",
+    );
+    assert!(svg.len() < 2_000_000, "{} bytes", svg.len());
+    assert!(svg.contains("skipped (grey)"), "{svg}");
+}
+
+#[test]
+fn a_mask_picture_needs_seq_and_a_writable_file() {
+    let o = attnc(&["ir", "heads = 1, head_dim = 16", "--svg", "x.svg"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("--seq"), "{}", stderr(&o));
+    let dir = std::env::temp_dir();
+    let o = attnc(&[
+        "ir",
+        "heads = 1, head_dim = 16",
+        "--seq",
+        "8",
+        "--svg",
+        dir.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    // More queries than keys (the first queries before every key): drawn all the same.
+    let path = std::env::temp_dir().join(format!("attnc-mask-kv-{}.svg", std::process::id()));
+    let spec = "heads = 1, head_dim = 16, mask = causal";
+    let o = attnc(&[
+        "ir",
+        spec,
+        "--seq",
+        "8",
+        "--kv-len",
+        "4",
+        "--svg",
+        path.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let svg = std::fs::read_to_string(&path).unwrap();
+    std::fs::remove_file(&path).ok();
+    assert_eq!(
+        svg.matches("fill=\"#19326E\"").count(),
+        4,
+        "rows 4 to 7 see keys"
+    );
+}

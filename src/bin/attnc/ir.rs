@@ -19,6 +19,10 @@ pub struct Args {
     /// Keys for the tile map (default: as many as queries; at most 16384).
     #[arg(long, value_name = "N", requires = "seq", value_parser = clap::value_parser!(u64).range(1..=16_384))]
     kv_len: Option<u64>,
+    /// Also draw the mask at --seq (and --kv-len) into this SVG file: kept pairs over the
+    /// kernel's tiles, coloured by what the kernel does with each (skip, unmasked, masked).
+    #[arg(long, value_name = "FILE", requires = "seq")]
+    svg: Option<std::path::PathBuf>,
     /// Also print the derivative of the score program (what the backward pass multiplies
     /// by), its range, notes where it is only piecewise, and the backward kernel plan.
     #[arg(long)]
@@ -29,6 +33,10 @@ pub struct Args {
 pub fn command(args: Args) -> Result<(), String> {
     let (spec, _) = crate::spec_arg::load(&args.spec)?;
     let tiles_for = args.seq.map(|sq| (sq, args.kv_len.unwrap_or(sq)));
+    if let (Some(path), Some((sq, skv))) = (&args.svg, tiles_for) {
+        crate::outputs::check(path, &crate::spec_arg::spec_file(&args.spec))?;
+        crate::mask_svg::draw(&spec, sq, skv, path)?;
+    }
     print!("{}", report(&spec, tiles_for, args.grad));
     Ok(())
 }

@@ -18,6 +18,7 @@ mod generate;
 mod grad;
 mod ir;
 mod logits;
+mod mask_svg;
 mod model_load;
 mod outputs;
 mod params;
