@@ -217,6 +217,18 @@ fn bad_corpora_models_and_folders_are_errors_that_say_what_is_wrong() {
             stderr(&o)
         );
     }
+    // A run folder whose model.toml is the --model file: refused, the input kept.
+    let same = dir.join("same");
+    std::fs::create_dir_all(&same).unwrap();
+    std::fs::copy(&m, same.join("model.toml")).unwrap();
+    let input = same.join("model.toml");
+    let o = run(input.to_str().unwrap(), &data, same.to_str().unwrap(), &[]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("overwrite"), "{}", stderr(&o));
+    assert_eq!(
+        std::fs::read_to_string(&input).unwrap(),
+        std::fs::read_to_string(&m).unwrap()
+    );
     let o = attnc(&[
         "train",
         "--resume",

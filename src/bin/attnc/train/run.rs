@@ -18,6 +18,15 @@ const EVAL_BATCHES: usize = 8;
 /// Gradients are scaled down to this global norm when larger.
 const CLIP_NORM: f64 = 1.0;
 
+/// The files a run writes into its folder.
+const OUTPUTS: [&str; 5] = [
+    "model.safetensors",
+    "model.toml",
+    "state.json",
+    "metrics.jsonl",
+    "loss.svg",
+];
+
 /// Trains as `args` say.
 pub fn train(args: Args) -> Result<(), String> {
     let (config, options, out, resumed) = setup(&args)?;
@@ -28,6 +37,14 @@ pub fn train(args: Args) -> Result<(), String> {
         options.seq,
     )?;
     check_fits(&config, &options)?;
+    let inputs: Vec<&std::path::Path> = [args.model.as_deref(), Some(args.data.as_path())]
+        .into_iter()
+        .chain([options.tokenizer.as_deref()])
+        .flatten()
+        .collect();
+    for name in OUTPUTS {
+        crate::outputs::check(&out.join(name), &inputs)?;
+    }
     std::fs::create_dir_all(&out).map_err(|e| {
         format!(
             "error: --out {}: cannot make the folder: {e}",
