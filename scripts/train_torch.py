@@ -7,6 +7,11 @@ Run with the python scripts/setup-torch.sh prints.
 
 usage: train_torch.py CORPUS [--layers 4] [--hidden 128] [--heads 4] [--steps 300] [--batch 16]
        [--seq 128] [--lr 3e-3] [--warmup 30] [--weight-decay 0.1] [--eval-every 50] [--seed 0]
+       [--attn-batches] [--init-from model.safetensors]
+--attn-batches draws the training windows with attnc train's generator (the same windows for
+the same --seed); --init-from starts from a safetensors file of attnc train's (the weights of
+`attnc train --steps 1 --lr 1e-9 --warmup 0`): with both, the two runs start equal and see
+the same batches.
 Prints one JSON line per evaluation: step, train_loss, val_loss, tokens_per_s, elapsed_s."""
 import argparse, json, math, time
 import numpy as np
@@ -20,6 +25,8 @@ for name, default in [("layers", 4), ("hidden", 128), ("heads", 4), ("steps", 30
     p.add_argument("--" + name, type=int, default=default)
 p.add_argument("--lr", type=float, default=3e-3)
 p.add_argument("--weight-decay", type=float, default=0.1)
+p.add_argument("--attn-batches", action="store_true")
+p.add_argument("--init-from")
 a = p.parse_args()
 torch.set_num_threads(2)
 torch.manual_seed(a.seed)
@@ -27,11 +34,35 @@ torch.manual_seed(a.seed)
 data = np.frombuffer(open(a.corpus, "rb").read(), dtype=np.uint8).astype(np.int64)
 split = len(data) - len(data) // 10
 train, val = torch.from_numpy(data[:split]), torch.from_numpy(data[split:])
-rng = np.random.default_rng(a.seed)
+MASK = (1 << 64) - 1
+
+class AttnRng:
+    """attnc train's batch generator (xorshift64), state for state."""
+    def __init__(self, seed): self.s = ((seed * 0x9E3779B97F4A7C15) & MASK) | 1
+    def next(self):
+        s = self.s
+        s ^= (s << 13) & MASK; s ^= s >> 7; s ^= (s << 17) & MASK
+        self.s = s
+        return s
+
+rng = AttnRng(a.seed) if a.attn_batches else np.random.default_rng(a.seed)
 
 def windows(tokens, g):
-    starts = g.integers(0, len(tokens) - a.seq, a.batch)
+    if isinstance(g, AttnRng):
+        starts = [g.next() % (len(tokens) - a.seq) for _ in range(a.batch)]
+    else:
+        starts = g.integers(0, len(tokens) - a.seq, a.batch)
     return torch.stack([tokens[s:s + a.seq + 1] for s in starts])
+
+def read_safetensors(path):
+    raw = open(path, "rb").read()
+    n = int.from_bytes(raw[:8], "little")
+    out = {}
+    for name, v in json.loads(raw[8:8 + n]).items():
+        if name == "__metadata__": continue
+        lo, hi = v["data_offsets"]
+        out[name] = torch.from_numpy(np.frombuffer(raw[8 + n + lo:8 + n + hi], dtype=np.float32).reshape(v["shape"]).copy())
+    return out
 
 D, H = a.hidden, a.heads
 HD = D // H
@@ -82,6 +113,15 @@ class Model(torch.nn.Module):
         return F.cross_entropy(logits.reshape(-1, 256), w[:, 1:].reshape(-1))
 
 model = Model()
+if a.init_from:
+    w = read_safetensors(a.init_from)
+    with torch.no_grad():
+        model.embed.weight.copy_(w["model.embed_tokens.weight"]); model.norm.weight.copy_(w["model.norm.weight"])
+        for i, b in enumerate(model.blocks):
+            p_ = f"model.layers.{i}."
+            b.n1.weight.copy_(w[p_ + "input_layernorm.weight"]); b.n2.weight.copy_(w[p_ + "post_attention_layernorm.weight"])
+            for name in "qkvo": getattr(b, name).weight.copy_(w[p_ + f"self_attn.{name}_proj.weight"])
+            for name in ("gate", "up", "down"): getattr(b, name).weight.copy_(w[p_ + f"mlp.{name}_proj.weight"])
 mats = [p_ for p_ in model.parameters() if p_.dim() >= 2]
 vecs = [p_ for p_ in model.parameters() if p_.dim() < 2]
 opt = torch.optim.AdamW([{"params": mats, "weight_decay": a.weight_decay}, {"params": vecs, "weight_decay": 0.0}],
