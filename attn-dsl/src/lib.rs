@@ -5,6 +5,7 @@
 //! - [`AttentionSpec`] and its parts are plain data ([`spec`]).
 //! - [`parse_str`] and [`parse_tokens`] are the one parser, for strings and for the
 //!   `#[attention(...)]` macro; `Display` prints a spec back so that `parse(print(s)) == s`.
+//! - [`set_key`] edits one item of a spec's text (what a sweep varies).
 //! - [`AttentionSpec::validate`] checks the rules; the parser points its findings at tokens.
 //! - [`accounting`] counts KV-cache bytes, parameters and FLOPs.
 //! - [`catalog`] names well-known specs for tests and benchmarks.
@@ -28,7 +29,7 @@ mod validate;
 pub use error::{Invalid, Location, ReferenceError, SpecError, SpecErrors};
 pub use parse::{
     MAX_BRACKET_DEPTH, MAX_ERRORS, MAX_EXPR_DEPTH, MAX_LITERAL_CHARS, MAX_SPEC_BYTES,
-    gradient_notes, parse_str, parse_tokens,
+    gradient_notes, parse_str, parse_tokens, set_key, settable_keys,
 };
 pub use spec::{
     AttentionSpec, CausalAlign, DType, KvKind, KvLayout, Mask, Mla, Pairing, Position, Rope,

@@ -13,6 +13,7 @@ mod model;
 mod peak;
 mod readme;
 mod run;
+mod sweep;
 mod train;
 
 use std::process::{Command, Output};

@@ -6,8 +6,11 @@
 //! bare item `mla(latent_rank = .., rope_dim = ..)`. Values are literals, identifiers, calls with
 //! `name = value` arguments, or closures (custom modifiers).
 
+mod edit;
 mod limits;
 mod values;
+
+pub use edit::{set_key, settable_keys};
 
 pub use limits::{MAX_BRACKET_DEPTH, MAX_EXPR_DEPTH, MAX_LITERAL_CHARS, MAX_SPEC_BYTES};
 

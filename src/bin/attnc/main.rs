@@ -25,6 +25,7 @@ mod params;
 mod peak;
 mod run;
 mod spec_arg;
+mod sweep;
 mod train;
 
 use clap::{Parser, Subcommand};
@@ -93,6 +94,9 @@ enum Command {
     /// attn's kernels: metrics, checkpoints `attnc generate` loads, and a loss plot (needs the
     /// `candle` feature).
     Train(train::Args),
+    /// Train every combination of a grid of model and attention settings over several seeds,
+    /// and compare them by validation loss, cost and measured speed (table and plots).
+    Sweep(sweep::Args),
 }
 
 fn main() -> ExitCode {
@@ -116,6 +120,7 @@ fn main() -> ExitCode {
         Command::Peak(args) => peak::command(args),
         Command::Explain(args) => explain::command(args),
         Command::Train(args) => train::command(args),
+        Command::Sweep(args) => sweep::command(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -2,15 +2,15 @@
 //! model's attention on attn's kernels, and writes checkpoints `attnc generate` loads.
 
 #[cfg(feature = "candle")]
-mod corpus;
+pub mod corpus;
 #[cfg(feature = "candle")]
 mod plot;
 #[cfg(feature = "candle")]
-mod run;
+pub mod run;
 #[cfg(feature = "candle")]
 mod schedule;
 #[cfg(feature = "candle")]
-mod state;
+pub mod state;
 
 use crate::backend_arg::Timed;
 use std::path::PathBuf;
@@ -40,6 +40,14 @@ pub struct Args {
     /// (--steps may raise its length). AdamW's moments start again from zero.
     #[arg(long, value_name = "DIR", conflicts_with_all = ["model", "out", "tokenizer", "batch", "seq", "lr", "warmup", "weight_decay", "seed", "eval_every"])]
     pub resume: Option<PathBuf>,
+    /// How to train.
+    #[command(flatten)]
+    pub training: Training,
+}
+
+/// The options of a training run, shared by `attnc train` and `attnc sweep`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct Training {
     /// A tokenizer.json to tokenize with (default: bytes).
     #[arg(long, value_name = "FILE")]
     pub tokenizer: Option<PathBuf>,
@@ -94,14 +102,20 @@ fn weight_decay(text: &str) -> Result<f64, String> {
 
 /// `attnc train`.
 pub fn command(args: Args) -> Result<(), String> {
-    if args.backend == Timed::Cuda {
+    refuse_cuda(&args.training)?;
+    train(args)
+}
+
+/// The error for `--backend cuda`, which training does not support yet.
+pub fn refuse_cuda(training: &Training) -> Result<(), String> {
+    if training.backend == Timed::Cuda {
         return Err(
             "error: --backend cuda: attnc train runs on the CPU; attn's candle op does \
                     not take CUDA tensors yet"
                 .into(),
         );
     }
-    train(args)
+    Ok(())
 }
 
 #[cfg(feature = "candle")]
@@ -109,11 +123,13 @@ fn train(args: Args) -> Result<(), String> {
     run::train(args)
 }
 
+/// The error of a command that trains, in an attnc built without candle.
+#[cfg(not(feature = "candle"))]
+pub const WITHOUT_CANDLE: &str = "error: this attnc was built without the `candle` feature, \
+    which training needs: cargo install --path . --features candle (or cargo run --features \
+    candle -- train ...)";
+
 #[cfg(not(feature = "candle"))]
 fn train(_: Args) -> Result<(), String> {
-    Err(
-        "error: this attnc was built without the `candle` feature, which training needs: \
-         cargo install --path . --features candle (or cargo run --features candle -- train ...)"
-            .into(),
-    )
+    Err(WITHOUT_CANDLE.into())
 }

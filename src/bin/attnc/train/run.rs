@@ -3,7 +3,7 @@
 
 use super::corpus::{self, Corpus, Rng};
 use super::state::{Metrics, Options, State, read_metrics, write_atomically};
-use super::{Args, DEFAULT_STEPS};
+use super::{Args, DEFAULT_STEPS, Training};
 use attn::candle::CandleModel;
 use attn::candle::core::{DType, Device, Tensor, Var};
 use attn::candle::nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap, loss};
@@ -30,6 +30,7 @@ const OUTPUTS: [&str; 5] = [
 /// Trains as `args` say.
 pub fn train(args: Args) -> Result<(), String> {
     let (config, options, out, resumed) = setup(&args)?;
+    let config_vocab = config.vocab;
     let corpus = corpus::read(
         &args.data,
         options.tokenizer.as_deref(),
@@ -53,14 +54,55 @@ pub fn train(args: Args) -> Result<(), String> {
     })?;
     write_atomically(&out, ".write-test", b"")?;
     std::fs::remove_file(out.join(".write-test")).ok();
-    Trainer::new(config, options, out, resumed)?.run(&corpus)
+    let metrics = Trainer::new(config, options, out.clone(), resumed)?.run(&corpus, "")?;
+    if let Some(last) = metrics.last() {
+        eprintln!(
+            "validation loss {:.4} against the unigram model's {:.4}",
+            last.val_loss,
+            corpus.unigram_loss(config_vocab)
+        );
+    }
+    eprintln!(
+        "wrote {}: model.toml (attnc generate --model {}), metrics.jsonl, loss.svg",
+        out.display(),
+        out.join("model.toml").display()
+    );
+    Ok(())
+}
+
+/// The options of a new run from the command line's, with the given seed.
+pub fn options(training: &Training, seed: u64) -> Options {
+    Options {
+        tokenizer: training.tokenizer.clone(),
+        steps: training.steps.unwrap_or(DEFAULT_STEPS),
+        batch: training.batch as usize,
+        seq: training.seq as usize,
+        lr: training.lr,
+        warmup: training.warmup,
+        weight_decay: training.weight_decay,
+        seed,
+        eval_every: training.eval_every,
+    }
+}
+
+/// Trains `config` in the folder `out` (which exists) from scratch or from `resumed`, with
+/// `label` in front of its progress lines; returns every evaluation of the run.
+pub fn train_in(
+    config: ModelConfig,
+    options: Options,
+    out: PathBuf,
+    resumed: Option<State>,
+    corpus: &Corpus,
+    label: &str,
+) -> Result<Vec<Metrics>, String> {
+    Trainer::new(config, options, out, resumed)?.run(corpus, label)
 }
 
 /// The config, options and folder of a new run, or of the one `--resume` names.
 fn setup(args: &Args) -> Result<(ModelConfig, Options, PathBuf, Option<State>), String> {
     if let Some(dir) = &args.resume {
-        let mut state = State::read(dir)?;
-        if let Some(steps) = args.steps {
+        let mut state = State::read(dir, "--resume")?;
+        if let Some(steps) = args.training.steps {
             state.options.steps = steps;
         }
         let text = attn::runtime::files::read_text(
@@ -80,23 +122,13 @@ fn setup(args: &Args) -> Result<(ModelConfig, Options, PathBuf, Option<State>), 
         .map_err(|e| format!("error: --model: {e}"))?;
     let config = research::config_from_toml(&text)
         .map_err(|e| format!("error: --model {}: {e}", model.display()))?;
-    let options = Options {
-        tokenizer: args.tokenizer.clone(),
-        steps: args.steps.unwrap_or(DEFAULT_STEPS),
-        batch: args.batch as usize,
-        seq: args.seq as usize,
-        lr: args.lr,
-        warmup: args.warmup,
-        weight_decay: args.weight_decay,
-        seed: args.seed,
-        eval_every: args.eval_every,
-    };
+    let options = options(&args.training, args.training.seed);
     Ok((config, options, out.clone(), None))
 }
 
 /// Refuses a batch whose activations would not fit: the logits and their gradient, and per
 /// layer about 16 hidden-wide and 6 MLP-wide f32 values per token, kept for the backward.
-fn check_fits(config: &ModelConfig, o: &Options) -> Result<(), String> {
+pub fn check_fits(config: &ModelConfig, o: &Options) -> Result<(), String> {
     let tokens = (o.batch * o.seq) as u64;
     let per_token = 3 * config.vocab as u64
         + config.layers as u64 * (16 * config.hidden as u64 + 6 * config.intermediate as u64);
@@ -180,7 +212,12 @@ impl Trainer {
         })
     }
 
-    fn run(mut self, corpus: &Corpus) -> Result<(), String> {
+    fn run(mut self, corpus: &Corpus, label: &str) -> Result<Vec<Metrics>, String> {
+        let label = if label.is_empty() {
+            String::new()
+        } else {
+            format!("{label}: ")
+        };
         let o = self.options.clone();
         if self.step >= o.steps {
             return Err(format!(
@@ -193,7 +230,7 @@ impl Trainer {
         }
         let unigram = corpus.unigram_loss(self.config.vocab);
         eprintln!(
-            "training {} ({} parameters) on {} tokens ({} for validation, where a unigram model \
+            "{label}training {} ({} parameters) on {} tokens ({} for validation, where a unigram model \
              scores {unigram:.4}), from step {} to {}",
             self.config.attention,
             self.parameter_count(),
@@ -242,7 +279,7 @@ impl Trainer {
                     elapsed_s: elapsed_before + started.elapsed().as_secs_f64(),
                 };
                 let line = format!(
-                    "step {step}: train loss {:.4}, validation loss {:.4}, {:.0} tokens/s",
+                    "{label}step {step}: train loss {:.4}, validation loss {:.4}, {:.0} tokens/s",
                     metrics.train_loss, metrics.val_loss, metrics.tokens_per_s
                 );
                 bar.suspend(|| println!("{line}"));
@@ -252,18 +289,7 @@ impl Trainer {
             }
         }
         bar.finish();
-        if let Some(last) = self.metrics.last() {
-            eprintln!(
-                "validation loss {:.4} against the unigram model's {unigram:.4}",
-                last.val_loss
-            );
-        }
-        eprintln!(
-            "wrote {}: model.toml (attnc generate --model {}), metrics.jsonl, loss.svg",
-            self.out.display(),
-            self.out.join("model.toml").display()
-        );
-        Ok(())
+        Ok(self.metrics)
     }
 
     /// One optimizer step at `step` (from 1); returns its training loss.

@@ -84,17 +84,18 @@ impl State {
         serde_json::to_string_pretty(&state).expect("a JSON value prints")
     }
 
-    /// `dir/state.json`, checked field by field.
-    pub fn read(dir: &Path) -> Result<State, String> {
+    /// `dir/state.json`, checked field by field; errors start with `context` (the flag that
+    /// named `dir`).
+    pub fn read(dir: &Path, context: &str) -> Result<State, String> {
         let path = dir.join("state.json");
         let bad = |what: &str| {
             format!(
-                "error: --resume: {}: {what}; expected the state.json attnc train writes",
+                "error: {context}: {}: {what}; expected the state.json attnc train writes",
                 path.display()
             )
         };
         let text = attn::runtime::files::read_text(&path, MAX_BYTES, "the run's state")
-            .map_err(|e| format!("error: --resume: {e}"))?;
+            .map_err(|e| format!("error: {context}: {e}"))?;
         let v: Value = serde_json::from_str(&text).map_err(|e| bad(&format!("not JSON ({e})")))?;
         let o = &v["options"];
         let uint = |v: &Value, k: &str| {

@@ -1,0 +1,155 @@
+//! What a variant costs (from the accounting) and how fast attn's CPU runtime runs it (timed on
+//! the trained model's own shape).
+
+use attn::dsl::accounting::{forward_flops, kv_cache_bytes_per_token};
+use attn::runtime::model::Model;
+use std::time::Instant;
+
+/// A model's size and costs per token.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Cost {
+    /// Every stored parameter (a tied LM head counted once).
+    pub params: u64,
+    /// KV-cache bytes one token takes, over all layers.
+    pub kv_bytes_per_token: u64,
+    /// Forward FLOPs per token at a context of `seq` tokens: two per weight of every matrix
+    /// (the LM head included, tied or not) plus the attention core's average per token.
+    pub flops_per_token: u64,
+}
+
+/// The costs of `model` at a context of `seq` tokens; `None` when a count passes 64 bits.
+pub fn cost(model: &Model, seq: u64) -> Option<Cost> {
+    let c = &model.config;
+    let parts = model.parameters();
+    let part = |name: &str| parts.iter().find(|(n, _)| *n == name).map_or(0, |p| p.1);
+    let params = parts
+        .iter()
+        .try_fold(0u64, |sum, (_, n)| sum.checked_add(*n))?;
+    let layers = c.layers as u64;
+    let head = (c.vocab as u64).checked_mul(c.hidden as u64)?;
+    let matrices = part("attention")
+        .checked_add(part("mlp"))?
+        .checked_add(head)?;
+    let core = forward_flops(&c.attention, 1, seq, seq)?.with_skipping / seq.max(1);
+    Some(Cost {
+        params,
+        kv_bytes_per_token: kv_cache_bytes_per_token(&c.attention).checked_mul(layers)?,
+        flops_per_token: matrices
+            .checked_mul(2)?
+            .checked_add(core.checked_mul(layers)?)?,
+    })
+}
+
+/// Measured speed of attn's CPU runtime on a model.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Speed {
+    /// A forward over `seq` tokens: `flops_per_token * seq` over its median time.
+    pub prefill_gflops: f64,
+    /// One token at a time after a prompt, through the paged KV cache: one over the median
+    /// step time.
+    pub decode_tokens_per_s: f64,
+}
+
+/// Timed forwards over a prompt.
+const PREFILL_RUNS: usize = 3;
+/// Decode steps timed (fewer when `seq` is short).
+const DECODE_STEPS: usize = 32;
+
+/// Times `model` at `seq` tokens: prefill (after one untimed run) and decode steps that end at
+/// `seq` tokens in the cache.
+pub fn speed(model: &Model, seq: usize, flops_per_token: u64) -> Result<Speed, String> {
+    let err = |e: attn::runtime::RuntimeError| format!("error: timing the model: {e}");
+    let vocab = model.config.vocab as u32;
+    let tokens: Vec<u32> = (0..seq as u32).map(|i| (i * 7 + 3) % vocab).collect();
+    model.forward(&tokens).map_err(err)?;
+    let mut prefill: Vec<f64> = (0..PREFILL_RUNS)
+        .map(|_| {
+            let start = Instant::now();
+            model
+                .forward(&tokens)
+                .map(|_| start.elapsed().as_secs_f64())
+        })
+        .collect::<Result<_, _>>()
+        .map_err(err)?;
+    let steps = DECODE_STEPS.min(seq / 2).max(1);
+    let prompt = seq.saturating_sub(steps).max(1);
+    let mut session = model.session(prompt + steps, 16).map_err(err)?;
+    session.step(&tokens[..prompt]).map_err(err)?;
+    let mut decode: Vec<f64> = tokens[prompt..]
+        .iter()
+        .chain(std::iter::repeat(&0))
+        .take(steps)
+        .map(|&t| {
+            let start = Instant::now();
+            session.step(&[t]).map(|_| start.elapsed().as_secs_f64())
+        })
+        .collect::<Result<_, _>>()
+        .map_err(err)?;
+    Ok(Speed {
+        prefill_gflops: flops_per_token as f64 * seq as f64 / median(&mut prefill) / 1e9,
+        decode_tokens_per_s: 1.0 / median(&mut decode),
+    })
+}
+
+fn median(times: &mut [f64]) -> f64 {
+    times.sort_by(f64::total_cmp);
+    times[times.len() / 2]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use attn::runtime::model::ModelConfig;
+
+    fn model(spec: &str, tie: bool) -> Model {
+        let text = format!(
+            "vocab = 256\nhidden = 32\nlayers = 2\nintermediate = 64\ntie_embeddings = {tie}\n\
+             attention = \"{spec}\"\n"
+        );
+        let config: ModelConfig = attn::research::config_from_toml(&text).unwrap();
+        Model::random(&config, 0).unwrap()
+    }
+
+    #[test]
+    fn costs_count_every_part_by_hand() {
+        let m = model("heads = 4, kv_heads = 2, head_dim = 8, mask = none", true);
+        let c = cost(&m, 16).unwrap();
+        // Per layer: q 32x32, k and v 32x16 each, o 32x32; SwiGLU 3 x 32x64; two norms of 32.
+        let attention = 32 * 32 * 2 + 32 * 16 * 2;
+        let mlp = 3 * 32 * 64;
+        let layer = attention + mlp + 2 * 32;
+        assert_eq!(c.params, 256 * 32 + 2 * layer + 32);
+        // kv_heads * (head_dim + v_head_dim) * 4 bytes, per layer.
+        assert_eq!(c.kv_bytes_per_token, 2 * 2 * 16 * 4);
+        // Dense attention over 16 keys: 2 * (8 + 8) per key and head, 4 heads.
+        let core = 2 * 16 * 16 * 4;
+        assert_eq!(
+            c.flops_per_token,
+            2 * (2 * (attention + mlp) + 256 * 32) + 2 * core
+        );
+        let untied = cost(
+            &model("heads = 4, kv_heads = 2, head_dim = 8, mask = none", false),
+            16,
+        )
+        .unwrap();
+        assert_eq!(untied.params, c.params + 256 * 32);
+        assert_eq!(untied.flops_per_token, c.flops_per_token);
+    }
+
+    #[test]
+    fn speeds_are_positive_and_finite() {
+        let m = model(
+            "heads = 4, head_dim = 8, mask = causal, position = rope",
+            true,
+        );
+        let flops = cost(&m, 8).unwrap().flops_per_token;
+        for seq in [1, 2, 8] {
+            let s = speed(&m, seq, flops).unwrap();
+            assert!(
+                s.prefill_gflops > 0.0 && s.prefill_gflops.is_finite(),
+                "{s:?}"
+            );
+            assert!(s.decode_tokens_per_s > 0.0 && s.decode_tokens_per_s.is_finite());
+        }
+    }
+}

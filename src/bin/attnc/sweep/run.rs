@@ -1,0 +1,261 @@
+//! The sweep itself: checks the grid, trains each variant's seeds (keeping finished runs),
+//! measures it, and rewrites the results after every variant.
+
+use super::Args;
+use super::grid::{self, Variant};
+use super::measure::{self, Speed};
+use super::report::{self, Curve, Row};
+use crate::train::corpus::{self, Corpus};
+use crate::train::run::{check_fits, options, train_in};
+use crate::train::state::{Metrics, Options, State, read_metrics, write_atomically};
+use attn::candle::CandleModel;
+use attn::candle::core::{DType, Device};
+use attn::candle::nn::{VarBuilder, VarMap};
+use attn::research;
+use attn::runtime::model::ModelConfig;
+use serde_json::json;
+use std::path::{Path, PathBuf};
+
+/// The files a sweep writes into its folder (besides `runs/`).
+const OUTPUTS: [&str; 6] = [
+    "results.csv",
+    "results.jsonl",
+    "loss.svg",
+    "pareto.svg",
+    "speed.svg",
+    "index.html",
+];
+
+/// A variant the rules accept, ready to train.
+struct Planned {
+    variant: Variant,
+    config: ModelConfig,
+}
+
+/// Runs the sweep `args` describe.
+pub fn sweep(args: Args) -> Result<(), String> {
+    let axes = grid::axes(&args.vary)?;
+    let variants = grid::variants(&axes)?;
+    let text =
+        attn::runtime::files::read_text(&args.base, research::MAX_TOML_BYTES, "the base model")
+            .map_err(|e| format!("error: --base: {e}"))?;
+    let base = grid::base(&text)?;
+    let probe = options(&args.training, args.training.seed);
+    let mut planned = Vec::new();
+    for variant in variants {
+        match plan(&base, &variant, &probe) {
+            Ok(config) => planned.push(Planned { variant, config }),
+            Err(e) => eprintln!("skipped {}: {e}", variant.name()),
+        }
+    }
+    let Some(first) = planned.first() else {
+        return Err("error: --vary: every combination was refused (the reasons are above)".into());
+    };
+    let corpus = corpus::read(
+        &args.data,
+        args.training.tokenizer.as_deref(),
+        first.config.vocab,
+        probe.seq,
+    )?;
+    prepare(&args)?;
+    let runs = planned.len() as u64 * args.seeds;
+    eprintln!(
+        "sweep: {} variant{} x {} seed{} = {runs} runs of {} steps, into {}",
+        planned.len(),
+        if planned.len() == 1 { "" } else { "s" },
+        args.seeds,
+        if args.seeds == 1 { "" } else { "s" },
+        probe.steps,
+        args.out.display()
+    );
+    let mut rows = Vec::new();
+    let mut failed = Vec::new();
+    for (i, p) in planned.iter().enumerate() {
+        let label = format!("[{}/{}] {}", i + 1, planned.len(), p.variant.name());
+        match variant_row(&args, p, &corpus, &label) {
+            Ok(row) => {
+                rows.push(row);
+                write_results(&args.out, &rows)?;
+            }
+            Err(e) => {
+                eprintln!("{label}: failed: {e}");
+                failed.push(format!("{}: {e}", p.variant.name()));
+            }
+        }
+    }
+    if !rows.is_empty() {
+        print!("{}", report::table(&rows));
+        eprintln!(
+            "wrote {}: results.csv, results.jsonl, loss.svg, pareto.svg, speed.svg, index.html",
+            args.out.display()
+        );
+    }
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "error: {} of {} variants failed:\n  {}",
+            failed.len(),
+            planned.len(),
+            failed.join("\n  ")
+        ))
+    }
+}
+
+/// The config of `variant`, refused when the rules, the candle model or the memory check
+/// refuse it.
+fn plan(base: &toml::Table, variant: &Variant, probe: &Options) -> Result<ModelConfig, String> {
+    let (config, _) = grid::apply(base, variant)?;
+    let varmap = VarMap::new();
+    CandleModel::new(
+        &config,
+        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+    )
+    .map_err(|e| e.to_string())?;
+    check_fits(&config, probe)?;
+    Ok(config)
+}
+
+/// Makes the sweep's folder and refuses outputs that would overwrite an input.
+fn prepare(args: &Args) -> Result<(), String> {
+    let inputs: Vec<&Path> = [args.base.as_path(), args.data.as_path()]
+        .into_iter()
+        .chain(args.training.tokenizer.as_deref())
+        .collect();
+    for name in OUTPUTS {
+        crate::outputs::check(&args.out.join(name), &inputs)?;
+    }
+    std::fs::create_dir_all(args.out.join("runs")).map_err(|e| {
+        format!(
+            "error: --out {}: cannot make the folder: {e}",
+            args.out.display()
+        )
+    })?;
+    write_atomically(&args.out, ".write-test", b"")?;
+    std::fs::remove_file(args.out.join(".write-test")).ok();
+    Ok(())
+}
+
+/// Trains (or takes the finished runs of) every seed of a variant, then measures it.
+fn variant_row(args: &Args, p: &Planned, corpus: &Corpus, label: &str) -> Result<Row, String> {
+    let folder = p.variant.folder();
+    let dir = args.out.join("runs").join(&folder);
+    let mut curves = Vec::new();
+    for seed in (0..args.seeds).map(|s| args.training.seed.wrapping_add(s)) {
+        let run = dir.join(format!("seed{seed}"));
+        let points = run_seed(
+            &p.config,
+            options(&args.training, seed),
+            &run,
+            corpus,
+            &format!("{label} seed {seed}"),
+        )?;
+        if points.is_empty() {
+            return Err(format!("{}: the run has no evaluation", run.display()));
+        }
+        curves.push(Curve { seed, points });
+    }
+    let first = dir.join(format!("seed{}", args.training.seed));
+    let model = research::load(&first.join("model.toml"), 0).map_err(|e| format!("error: {e}"))?;
+    let seq = args.training.seq;
+    let cost = measure::cost(&model, seq).ok_or("error: the model's costs pass 2^64")?;
+    let speed = match read_speed(&dir) {
+        Some(speed) => speed,
+        None => {
+            eprintln!("{label}: timing prefill and decode at {seq} tokens");
+            let speed = measure::speed(&model, seq as usize, cost.flops_per_token)?;
+            let text = json!({
+                "prefill_gflops": speed.prefill_gflops,
+                "decode_tokens_per_s": speed.decode_tokens_per_s,
+            });
+            write_atomically(&dir, "speed.json", text.to_string().as_bytes())?;
+            speed
+        }
+    };
+    Ok(Row::new(
+        p.variant.name(),
+        folder,
+        p.config.attention.to_string(),
+        cost,
+        speed,
+        curves,
+    ))
+}
+
+/// One seed's run in `dir`: its evaluations when it has finished; otherwise trained from its
+/// last checkpoint, or from the start. A folder holding another model's or options' run is an
+/// error, never overwritten.
+fn run_seed(
+    config: &ModelConfig,
+    options: Options,
+    dir: &Path,
+    corpus: &Corpus,
+    label: &str,
+) -> Result<Vec<Metrics>, String> {
+    let resumed = if dir.join("state.json").exists() {
+        let state = State::read(dir, "--out")?;
+        let kept = attn::runtime::files::read_text(
+            &dir.join("model.toml"),
+            research::MAX_TOML_BYTES,
+            "the run's model",
+        )
+        .map_err(|e| format!("error: --out: {e}"))?;
+        let same_model = research::config_from_toml(&kept).is_ok_and(|c| c == *config);
+        if !same_model || state.options != options {
+            return Err(format!(
+                "error: --out: {} holds a run of another model or other options; give another \
+                 --out, or remove that folder to train it again",
+                dir.display()
+            ));
+        }
+        if state.step >= options.steps {
+            return read_metrics(dir, state.step);
+        }
+        Some(state)
+    } else {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| format!("error: --out: cannot make {}: {e}", dir.display()))?;
+        None
+    };
+    train_in(
+        config.clone(),
+        options,
+        PathBuf::from(dir),
+        resumed,
+        corpus,
+        label,
+    )
+}
+
+/// The speeds measured on an earlier run of the sweep, if it wrote them.
+fn read_speed(dir: &Path) -> Option<Speed> {
+    let text = std::fs::read_to_string(dir.join("speed.json")).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    Some(Speed {
+        prefill_gflops: v["prefill_gflops"].as_f64()?,
+        decode_tokens_per_s: v["decode_tokens_per_s"].as_f64()?,
+    })
+}
+
+/// Rewrites every result file from `rows`.
+fn write_results(out: &Path, rows: &[Row]) -> Result<(), String> {
+    write_atomically(out, "results.csv", report::csv(rows).as_bytes())?;
+    write_atomically(out, "results.jsonl", report::jsonl(rows).as_bytes())?;
+    super::plots::loss(&out.join("loss.svg"), rows)?;
+    super::plots::pareto(&out.join("pareto.svg"), rows)?;
+    super::plots::speed(&out.join("speed.svg"), rows)?;
+    let svgs: Vec<(&str, String)> = [
+        ("Validation loss", "loss.svg"),
+        ("KV cache and loss", "pareto.svg"),
+        ("Speed", "speed.svg"),
+    ]
+    .iter()
+    .map(|(title, file)| {
+        std::fs::read_to_string(out.join(file))
+            .map(|svg| (*title, svg))
+            .map_err(|e| format!("error: cannot read back {}: {e}", out.join(file).display()))
+    })
+    .collect::<Result<_, _>>()?;
+    let page = report::html(rows, "attnc sweep", &svgs);
+    write_atomically(out, "index.html", page.as_bytes())
+}
