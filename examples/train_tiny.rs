@@ -16,6 +16,7 @@ use attn::candle::nn::{
     AdamW, Embedding, Linear, Optimizer, ParamsAdamW, VarBuilder, VarMap, embedding,
     linear_no_bias, loss, ops,
 };
+use attn::inputs::XorShift;
 use attn::{Attention, attention};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::collections::BTreeMap;
@@ -187,13 +188,10 @@ impl Corpus {
 }
 
 /// `BATCH` windows of `CONTEXT + 1` ids from random places in `ids` (xorshift, fixed seed).
-fn windows(ids: &[u32], state: &mut u64) -> Result<Tensor> {
+fn windows(ids: &[u32], rng: &mut XorShift) -> Result<Tensor> {
     let mut batch = Vec::with_capacity(BATCH * (CONTEXT + 1));
     for _ in 0..BATCH {
-        *state ^= *state << 13;
-        *state ^= *state >> 7;
-        *state ^= *state << 17;
-        let start = (*state % (ids.len() - CONTEXT) as u64) as usize;
+        let start = (rng.next_u64() % (ids.len() - CONTEXT) as u64) as usize;
         batch.extend_from_slice(&ids[start..start + CONTEXT + 1]);
     }
     Tensor::from_vec(batch, (BATCH, CONTEXT + 1), &Device::Cpu)
@@ -225,7 +223,7 @@ fn train(corpus: &Corpus) -> Result<bool> {
         ProgressStyle::with_template("{bar:40} {pos}/{len} steps, {elapsed} {msg}")
             .expect("a fixed, valid template"),
     );
-    let mut rng = 0x2545_F491_4F6C_DD1D;
+    let mut rng = XorShift::from_state(0x2545_F491_4F6C_DD1D).expect("a nonzero state");
     for step in 1..=STEPS {
         let loss = model.loss(&windows(train, &mut rng)?)?;
         opt.backward_step(&loss)?;
@@ -239,7 +237,7 @@ fn train(corpus: &Corpus) -> Result<bool> {
     }
     bar.finish();
 
-    let mut rng = 0x9E37_79B9_7F4A_7C15;
+    let mut rng = XorShift::from_state(0x9E37_79B9_7F4A_7C15).expect("a nonzero state");
     let mut held_out_loss = 0.0;
     for _ in 0..8 {
         held_out_loss += f64::from(

@@ -1,7 +1,7 @@
 //! Deterministic pseudo-random inputs for tests, benchmarks, examples and `attnc bench`:
 //! attn-dsl's value sequences, and tensors of them.
 
-pub use attn_dsl::inputs::{values, values_f64};
+pub use attn_dsl::inputs::{XorShift, values, values_f64};
 
 use crate::error::RuntimeError;
 use crate::memory::checked_product;

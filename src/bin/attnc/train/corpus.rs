@@ -84,30 +84,15 @@ impl Corpus {
     }
 }
 
-/// A seeded xorshift generator: the batches a run draws depend on its seed alone.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Rng(pub u64);
-
-impl Rng {
-    /// The generator of `seed` (any value, 0 included).
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-}
+/// The batches' generator: the windows a run draws depend on its seed alone.
+pub type Rng = attn::inputs::XorShift;
 
 /// `batch` windows of `seq + 1` tokens from random places in `tokens`, `[batch, seq + 1]`.
 pub fn windows(tokens: &[u32], batch: usize, seq: usize, rng: &mut Rng) -> Tensor {
     let starts = tokens.len() - seq;
     let mut ids = Vec::with_capacity(batch * (seq + 1));
     for _ in 0..batch {
-        let start = (rng.next() % starts as u64) as usize;
+        let start = (rng.next_u64() % starts as u64) as usize;
         ids.extend_from_slice(&tokens[start..start + seq + 1]);
     }
     Tensor::from_vec(ids, (batch, seq + 1), &Device::Cpu)

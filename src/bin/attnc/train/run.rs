@@ -54,7 +54,7 @@ pub fn train(args: Args) -> Result<(), String> {
     })?;
     write_atomically(&out, ".write-test", b"")?;
     std::fs::remove_file(out.join(".write-test")).ok();
-    let metrics = Trainer::new(config, options, out.clone(), resumed)?.run(&corpus, "")?;
+    let metrics = train_in(config, options, out.clone(), resumed, &corpus, "")?;
     if let Some(last) = metrics.last() {
         eprintln!(
             "validation loss {:.4} against the unigram model's {:.4}",
@@ -95,6 +95,9 @@ pub fn train_in(
     corpus: &Corpus,
     label: &str,
 ) -> Result<Vec<Metrics>, String> {
+    // Each step frees and allocates the same tensors: keep the memory rather than fault it in
+    // again.
+    attn::runtime::memory::keep_freed_memory();
     Trainer::new(config, options, out, resumed)?.run(corpus, label)
 }
 

@@ -68,7 +68,7 @@ impl State {
         let o = &self.options;
         let state = json!({
             "step": self.step,
-            "rng": self.rng.0,
+            "rng": self.rng.state(),
             "options": {
                 "tokenizer": o.tokenizer.as_ref().map(|p| p.display().to_string()),
                 "steps": o.steps,
@@ -133,7 +133,8 @@ impl State {
         Ok(State {
             options,
             step: uint(&v, "step")?,
-            rng: Rng(uint(&v, "rng")?),
+            rng: Rng::from_state(uint(&v, "rng")?)
+                .ok_or_else(|| bad("`rng` is 0, which no generator reaches"))?,
         })
     }
 }
