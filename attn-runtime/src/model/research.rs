@@ -23,7 +23,8 @@ use attn_dsl::AttentionSpec;
 use attn_dsl::inputs::XorShift;
 use std::path::{Component, Path};
 
-const KEYS: &[&str] = &[
+/// The keys a research model's TOML may hold.
+pub const KEYS: &[&str] = &[
     "vocab",
     "hidden",
     "layers",

@@ -4,18 +4,14 @@
 use attn::research;
 use attn::runtime::model::ModelConfig;
 
-/// Model TOML keys a sweep may vary (the vocabulary follows the tokenizer, and a sweep trains
-/// from random weights).
-const TOML_KEYS: &[&str] = &[
-    "hidden",
-    "layers",
-    "norm",
-    "norm_eps",
-    "mlp",
-    "intermediate",
-    "tie_embeddings",
-    "qkv_bias",
-];
+/// Model TOML keys a sweep may not vary: the vocabulary follows the tokenizer, the spec is
+/// varied key by key, and a sweep trains from random weights.
+const FIXED_KEYS: &[&str] = &["vocab", "attention", "weights"];
+
+/// Whether `key` is a model TOML key a sweep varies.
+fn is_toml_key(key: &str) -> bool {
+    research::KEYS.contains(&key) && !FIXED_KEYS.contains(&key)
+}
 
 /// Most combinations one sweep trains.
 pub const MAX_VARIANTS: usize = 256;
@@ -70,9 +66,10 @@ impl Variant {
 
 /// Every key `--vary` takes, TOML keys first.
 pub fn allowed_keys() -> Vec<&'static str> {
-    TOML_KEYS
+    research::KEYS
         .iter()
         .copied()
+        .filter(|k| is_toml_key(k))
         .chain(attn::dsl::settable_keys())
         .collect()
 }
@@ -188,7 +185,7 @@ pub fn apply(base: &toml::Table, variant: &Variant) -> Result<(ModelConfig, Stri
         .unwrap_or_default()
         .to_string();
     for (key, value) in &variant.settings {
-        if TOML_KEYS.contains(&key.as_str()) {
+        if is_toml_key(key) {
             table.insert(key.clone(), toml_value(value));
         } else {
             spec = attn::dsl::set_key(&spec, key, value).map_err(|e| e.to_string())?;

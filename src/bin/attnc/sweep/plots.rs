@@ -2,6 +2,7 @@
 //! loss, and measured speeds.
 
 use super::report::Row;
+use crate::train::plot::{Series, line_chart};
 use plotters::prelude::*;
 use std::path::Path;
 
@@ -40,58 +41,20 @@ fn padded(values: impl Iterator<Item = f64>) -> (f64, f64) {
 
 /// `loss.svg`: each variant's mean validation curve over its seeds, one colour each.
 pub fn loss(path: &Path, rows: &[Row]) -> Result<(), String> {
-    let fail = failure(path);
-    let curves: Vec<Vec<(f64, f64)>> = rows
+    let series: Vec<Series> = rows
         .iter()
-        .map(|r| {
-            r.mean_curve()
+        .enumerate()
+        .map(|(i, r)| Series {
+            name: r.variant.clone(),
+            colour: Palette99::pick(i).to_rgba(),
+            points: r
+                .mean_curve()
                 .into_iter()
                 .map(|(s, l)| (s as f64, l))
-                .collect()
+                .collect(),
         })
         .collect();
-    let last = curves.iter().flatten().map(|p| p.0).fold(1.0, f64::max);
-    let (lo, hi) = padded(curves.iter().flatten().map(|p| p.1));
-    let root = SVGBackend::new(path, (800, 480)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| fail(e.to_string()))?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption("validation loss (mean over seeds)", ("sans-serif", 20))
-        .margin(12)
-        .x_label_area_size(36)
-        .y_label_area_size(52)
-        .build_cartesian_2d(0f64..last, lo..hi)
-        .map_err(|e| fail(e.to_string()))?;
-    chart
-        .configure_mesh()
-        .x_desc("step")
-        .y_desc("loss (nats per token)")
-        .x_label_formatter(&|v| format!("{v:.0}"))
-        .y_label_formatter(&|v| format!("{v:.3}"))
-        .draw()
-        .map_err(|e| fail(e.to_string()))?;
-    for (i, (row, points)) in rows.iter().zip(curves).enumerate() {
-        let colour = Palette99::pick(i).to_rgba();
-        chart
-            .draw_series(LineSeries::new(points.clone(), colour.stroke_width(2)))
-            .map_err(|e| fail(e.to_string()))?
-            .label(row.variant.clone())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], colour));
-        chart
-            .draw_series(
-                points
-                    .into_iter()
-                    .map(|p| Circle::new(p, 3, colour.filled())),
-            )
-            .map_err(|e| fail(e.to_string()))?;
-    }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()
-        .map_err(|e| fail(e.to_string()))?;
-    root.present().map_err(|e| fail(e.to_string()))
+    line_chart(path, "validation loss (mean over seeds)", &series)
 }
 
 /// `pareto.svg`: KV-cache bytes per token against validation loss, a labelled point per

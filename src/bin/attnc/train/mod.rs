@@ -4,7 +4,7 @@
 #[cfg(feature = "candle")]
 pub mod corpus;
 #[cfg(feature = "candle")]
-mod plot;
+pub mod plot;
 #[cfg(feature = "candle")]
 pub mod run;
 #[cfg(feature = "candle")]
