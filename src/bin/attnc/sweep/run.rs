@@ -229,7 +229,7 @@ fn run_seed(
 
 /// The speeds measured on an earlier run of the sweep, if it wrote them.
 fn read_speed(dir: &Path) -> Option<Speed> {
-    let text = std::fs::read_to_string(dir.join("speed.json")).ok()?;
+    let text = attn::runtime::files::read_text(&dir.join("speed.json"), 4096, "speeds").ok()?;
     let v: serde_json::Value = serde_json::from_str(&text).ok()?;
     Some(Speed {
         prefill_gflops: v["prefill_gflops"].as_f64()?,
