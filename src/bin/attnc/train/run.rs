@@ -140,6 +140,36 @@ pub fn check_fits(config: &ModelConfig, o: &Options) -> Result<(), String> {
         .map_err(|e| format!("error: --batch {} --seq {}: {e}", o.batch, o.seq))
 }
 
+/// The steps since the last evaluation: their losses and how long they took.
+struct Window {
+    loss: f64,
+    steps: u64,
+    start: Instant,
+}
+
+impl Window {
+    fn new() -> Window {
+        Window {
+            loss: 0.0,
+            steps: 0,
+            start: Instant::now(),
+        }
+    }
+
+    fn add(&mut self, loss: f64) {
+        self.loss += loss;
+        self.steps += 1;
+    }
+
+    fn mean_loss(&self) -> f64 {
+        self.loss / self.steps as f64
+    }
+
+    fn tokens_per_s(&self, tokens_per_step: usize) -> f64 {
+        (self.steps as usize * tokens_per_step) as f64 / self.start.elapsed().as_secs_f64()
+    }
+}
+
 struct Trainer {
     config: ModelConfig,
     options: Options,
@@ -231,52 +261,27 @@ impl Trainer {
                 self.step
             ));
         }
-        let unigram = corpus.unigram_loss(self.config.vocab);
-        eprintln!(
-            "{label}training {} ({} parameters) on {} tokens ({} for validation, where a unigram model \
-             scores {unigram:.4}), from step {} to {}",
-            self.config.attention,
-            self.parameter_count(),
-            corpus.train.len() + corpus.validation.len(),
-            corpus.validation.len(),
-            self.step,
-            o.steps
-        );
-        let bar = ProgressBar::new(o.steps);
-        bar.set_position(self.step);
-        bar.set_style(
-            ProgressStyle::with_template("{bar:30} {pos}/{len} steps {elapsed} {msg}")
-                .expect("a fixed, valid template"),
-        );
+        self.announce(corpus, &label);
+        let bar = self.progress_bar();
         let started = Instant::now();
         let elapsed_before = self.metrics.last().map_or(0.0, |m| m.elapsed_s);
-        let (mut window_loss, mut window_steps, mut window_start) = (0.0, 0u64, Instant::now());
+        let mut window = Window::new();
         while self.step < o.steps {
             let step = self.step + 1;
             let loss = self.train_step(corpus, step)?;
             if !loss.is_finite() {
                 bar.abandon();
-                let last = self
-                    .metrics
-                    .last()
-                    .map_or("none yet".to_string(), |m| format!("step {}", m.step));
-                return Err(format!(
-                    "error: the training loss is {loss} at step {step}; the last good checkpoint \
-                     in {} is {last} (continue from it with --resume and a lower --lr)",
-                    self.out.display()
-                ));
+                return Err(self.diverged(loss, step));
             }
             self.step = step;
-            window_loss += loss;
-            window_steps += 1;
-            let tokens_per_s = (window_steps as usize * o.batch * o.seq) as f64
-                / window_start.elapsed().as_secs_f64();
+            window.add(loss);
+            let tokens_per_s = window.tokens_per_s(o.batch * o.seq);
             bar.set_message(format!("loss {loss:.3}, {tokens_per_s:.0} tokens/s"));
             bar.inc(1);
             if step.is_multiple_of(o.eval_every) || step == o.steps {
                 let metrics = Metrics {
                     step,
-                    train_loss: window_loss / window_steps as f64,
+                    train_loss: window.mean_loss(),
                     val_loss: self.validation_loss(corpus)?,
                     tokens_per_s,
                     elapsed_s: elapsed_before + started.elapsed().as_secs_f64(),
@@ -288,11 +293,49 @@ impl Trainer {
                 bar.suspend(|| println!("{line}"));
                 self.metrics.push(metrics);
                 self.checkpoint()?;
-                (window_loss, window_steps, window_start) = (0.0, 0, Instant::now());
+                window = Window::new();
             }
         }
         bar.finish();
         Ok(self.metrics)
+    }
+
+    /// The line that opens a run: the model, its size, the data and the steps ahead.
+    fn announce(&self, corpus: &Corpus, label: &str) {
+        eprintln!(
+            "{label}training {} ({} parameters) on {} tokens ({} for validation, where a unigram \
+             model scores {:.4}), from step {} to {}",
+            self.config.attention,
+            self.parameter_count(),
+            corpus.train.len() + corpus.validation.len(),
+            corpus.validation.len(),
+            corpus.unigram_loss(self.config.vocab),
+            self.step,
+            self.options.steps
+        );
+    }
+
+    fn progress_bar(&self) -> ProgressBar {
+        let bar = ProgressBar::new(self.options.steps);
+        bar.set_position(self.step);
+        bar.set_style(
+            ProgressStyle::with_template("{bar:30} {pos}/{len} steps {elapsed} {msg}")
+                .expect("a fixed, valid template"),
+        );
+        bar
+    }
+
+    /// The error of a loss that is not finite at `step`, naming the last good checkpoint.
+    fn diverged(&self, loss: f64, step: u64) -> String {
+        let last = self
+            .metrics
+            .last()
+            .map_or("none yet".to_string(), |m| format!("step {}", m.step));
+        format!(
+            "error: the training loss is {loss} at step {step}; the last good checkpoint in {} is \
+             {last} (continue from it with --resume and a lower --lr)",
+            self.out.display()
+        )
     }
 
     /// One optimizer step at `step` (from 1); returns its training loss.
