@@ -13,6 +13,7 @@ mod model;
 mod peak;
 mod readme;
 mod run;
+#[cfg(feature = "candle")]
 mod sweep;
 mod train;
 

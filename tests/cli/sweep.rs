@@ -1,5 +1,6 @@
 //! `attnc sweep`: a grid's results against its runs' own files and hand-counted costs,
-//! skipped combinations, resuming, and bad input. Needs the `candle` feature, as training does.
+//! skipped combinations, resuming, and bad input. Needs the `candle` feature, as training does
+//! (`train.rs` checks what an attnc without it says).
 
 use crate::{attnc, stderr};
 use std::path::{Path, PathBuf};
@@ -30,7 +31,6 @@ fn inputs(dir: &Path) -> (String, String) {
 }
 
 /// `attnc sweep` of `base` on `data` into `out`, small and quick, with `extra` flags.
-#[cfg(feature = "candle")]
 fn sweep(base: &str, data: &str, out: &Path, extra: &[&str]) -> std::process::Output {
     let mut args = vec![
         "sweep",
@@ -56,7 +56,6 @@ fn sweep(base: &str, data: &str, out: &Path, extra: &[&str]) -> std::process::Ou
 }
 
 /// The fields of a CSV line (RFC 4180 quoting).
-#[cfg(feature = "candle")]
 fn fields(line: &str) -> Vec<String> {
     let (mut out, mut field, mut quoted, mut chars) =
         (Vec::new(), String::new(), false, line.chars().peekable());
@@ -76,14 +75,12 @@ fn fields(line: &str) -> Vec<String> {
 }
 
 /// The last validation loss in a run folder's metrics.jsonl.
-#[cfg(feature = "candle")]
 fn last_val_loss(run: &Path) -> f64 {
     let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
     let last: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
     last["val_loss"].as_f64().unwrap()
 }
 
-#[cfg(feature = "candle")]
 #[test]
 fn a_sweep_reports_every_valid_variant_from_its_runs_and_resumes() {
     let dir = folder("grid");
@@ -201,7 +198,6 @@ fn a_sweep_reports_every_valid_variant_from_its_runs_and_resumes() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-#[cfg(feature = "candle")]
 #[test]
 fn bad_grids_are_refused_with_what_is_allowed() {
     let dir = folder("bad");
@@ -244,25 +240,5 @@ fn bad_grids_are_refused_with_what_is_allowed() {
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("overwrite"), "{}", stderr(&o));
     assert!(!dir.join("runs").exists());
-    std::fs::remove_dir_all(&dir).ok();
-}
-
-#[cfg(not(feature = "candle"))]
-#[test]
-fn without_the_candle_feature_sweep_says_what_it_needs() {
-    let dir = folder("nocandle");
-    let (base, data) = inputs(&dir);
-    let out = dir.join("out");
-    let o = attnc(&[
-        "sweep",
-        "--base",
-        &base,
-        "--data",
-        &data,
-        "--out",
-        out.to_str().unwrap(),
-    ]);
-    assert_eq!(o.status.code(), Some(2));
-    assert!(stderr(&o).contains("`candle` feature"), "{}", stderr(&o));
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -280,20 +280,23 @@ fn a_nan_loss_stops_the_run_and_names_the_last_checkpoint() {
 
 #[cfg(not(feature = "candle"))]
 #[test]
-fn without_the_candle_feature_train_says_what_it_needs() {
+fn without_the_candle_feature_train_and_sweep_say_what_they_need() {
     let dir = folder("nocandle");
     let (m, data) = (model(&dir, 256), corpus(&dir));
     let out = dir.join("out");
-    let o = attnc(&[
-        "train",
-        "--model",
-        &m,
-        "--data",
-        &data,
-        "--out",
-        out.to_str().unwrap(),
-    ]);
-    assert_eq!(o.status.code(), Some(2));
-    assert!(stderr(&o).contains("`candle` feature"), "{}", stderr(&o));
+    for (command, model_flag) in [("train", "--model"), ("sweep", "--base")] {
+        let o = attnc(&[
+            command,
+            model_flag,
+            &m,
+            "--data",
+            &data,
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert_eq!(o.status.code(), Some(2), "{command}");
+        assert!(stderr(&o).contains("`candle` feature"), "{}", stderr(&o));
+    }
+    assert!(!out.exists());
     std::fs::remove_dir_all(&dir).ok();
 }
