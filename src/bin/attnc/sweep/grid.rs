@@ -175,9 +175,9 @@ pub fn base(text: &str) -> Result<toml::Table, String> {
     Ok(table)
 }
 
-/// The base with `variant`'s settings applied, as a checked config and its TOML text; an error
-/// says which setting the config refused and why.
-pub fn apply(base: &toml::Table, variant: &Variant) -> Result<(ModelConfig, String), String> {
+/// The base with `variant`'s settings applied, as a checked config; an error says which
+/// setting the config refused and why.
+pub fn apply(base: &toml::Table, variant: &Variant) -> Result<ModelConfig, String> {
     let mut table = base.clone();
     let mut spec = table
         .get("attention")
@@ -197,9 +197,7 @@ pub fn apply(base: &toml::Table, variant: &Variant) -> Result<(ModelConfig, Stri
         return Err(format!("attention \"{spec}\": {}", messages.join("; ")));
     }
     table.insert("attention".into(), toml::Value::String(spec));
-    let text = table.to_string();
-    let config = research::config_from_toml(&text).map_err(|e| e.to_string())?;
-    Ok((config, text))
+    research::config_from_toml(&table.to_string()).map_err(|e| e.to_string())
 }
 
 /// A value as a TOML scalar: an integer, a float or a boolean when it reads as one, else a
@@ -264,7 +262,7 @@ mod tests {
             "tie_embeddings=false",
         ])
         .unwrap();
-        let (config, _) = apply(&base, &variants(&axes).unwrap()[0]).unwrap();
+        let config = apply(&base, &variants(&axes).unwrap()[0]).unwrap();
         assert_eq!(config.mlp, attn::runtime::model::MlpKind::Gelu);
         assert!(!config.tie_embeddings);
         assert_eq!(config.layers, 2);
@@ -275,7 +273,7 @@ mod tests {
                 .unwrap()
         );
         // The MLP width follows the varied width when the base leaves it to the default.
-        let (config, _) = apply(
+        let config = apply(
             &base,
             &variants(&vary(&["hidden=128"]).unwrap()).unwrap()[0],
         )
@@ -340,7 +338,7 @@ mod tests {
         assert!(e.contains("position = alibi"), "the whole edited spec: {e}");
         // Settings are applied together: heads = 2 is only valid once kv_heads follows.
         let grid = variants(&vary(&["heads=2", "kv_heads=2"]).unwrap()).unwrap();
-        assert_eq!(apply(&base, &grid[0]).unwrap().0.attention.heads, 2);
+        assert_eq!(apply(&base, &grid[0]).unwrap().attention.heads, 2);
         let grid = variants(&vary(&["layers=-1"]).unwrap()).unwrap();
         assert!(apply(&base, &grid[0]).unwrap_err().contains("layers"));
         let weights = format!("{BASE}weights = \"model.safetensors\"\n");

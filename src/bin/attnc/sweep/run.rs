@@ -105,7 +105,7 @@ pub fn sweep(args: Args) -> Result<(), String> {
 /// The config of `variant`, refused when the rules, the candle model or the memory check
 /// refuse it.
 fn plan(base: &toml::Table, variant: &Variant, probe: &Options) -> Result<ModelConfig, String> {
-    let (config, _) = grid::apply(base, variant)?;
+    let config = grid::apply(base, variant)?;
     let varmap = VarMap::new();
     CandleModel::new(
         &config,
