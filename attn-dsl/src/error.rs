@@ -183,4 +183,7 @@ pub enum ReferenceError {
     /// The backward pass cannot be built for the spec (see [`crate::modifier::grad`]).
     #[error("{0}")]
     Gradient(String),
+    /// A learnable tensor (a parameter or the sinks) is missing, unexpected or misshapen.
+    #[error("{0}")]
+    Learned(String),
 }

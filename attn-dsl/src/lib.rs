@@ -19,6 +19,7 @@ pub mod accounting;
 pub mod catalog;
 mod error;
 pub mod inputs;
+pub mod learnable;
 pub mod modifier;
 mod parse;
 mod print;
@@ -32,7 +33,7 @@ pub use parse::{
     gradient_notes, parse_str, parse_tokens, set_key, settable_keys,
 };
 pub use spec::{
-    AttentionSpec, CausalAlign, DType, KvKind, KvLayout, Mask, Mla, Pairing, Position, Rope,
-    RopeLayout, RopeScaling, Yarn,
+    AttentionSpec, CausalAlign, DType, KvKind, KvLayout, Mask, Mla, Pairing, ParamDecl, ParamDim,
+    Position, Rope, RopeLayout, RopeScaling, SINKS_NAME, Sinks, Yarn,
 };
 pub use validate::{MAX_HEAD_DIM, MAX_HEADS, MAX_LATENT_RANK};

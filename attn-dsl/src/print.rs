@@ -2,7 +2,8 @@
 //! so that `parse(print(spec)) == spec`.
 
 use crate::spec::{
-    AttentionSpec, CausalAlign, KvLayout, Mask, Position, Rope, RopeLayout, RopeScaling,
+    AttentionSpec, CausalAlign, KvLayout, Mask, ParamDim, Position, Rope, RopeLayout, RopeScaling,
+    Sinks,
 };
 use std::fmt;
 
@@ -39,6 +40,26 @@ impl fmt::Display for AttentionSpec {
             write!(f, ", scale = {}", F(s))?;
         }
         write!(f, ", dtype = {}", self.dtype.name())?;
+        if self.sinks == Sinks::Learned {
+            write!(f, ", sinks = learned")?;
+        }
+        if !self.params.is_empty() {
+            write!(f, ", params(")?;
+            for (i, p) in self.params.iter().enumerate() {
+                let dims: Vec<String> = p
+                    .dims
+                    .iter()
+                    .map(|d| match d {
+                        ParamDim::Fixed(n) => n.to_string(),
+                        ParamDim::Heads => "heads".to_string(),
+                        ParamDim::KvHeads => "kv_heads".to_string(),
+                    })
+                    .collect();
+                let sep = if i == 0 { "" } else { ", " };
+                write!(f, "{sep}{}: [{}]", p.name, dims.join(", "))?;
+            }
+            write!(f, ")")?;
+        }
         if let Some(m) = &self.score_mod {
             write!(f, ", score_mod = {m}")?;
         }

@@ -32,7 +32,46 @@ pub struct AttentionSpec {
     pub score_mod: Option<ScoreMod>,
     /// A custom mask predicate, ANDed with the built-in mask.
     pub mask_mod: Option<MaskMod>,
+    /// Learnable f32 tensors the score modifier reads (`params(NAME: [DIM, ..], ..)`), in the
+    /// order declared.
+    pub params: Vec<ParamDecl>,
+    /// Whether each query head has a learned sink logit (`sinks = learned`).
+    pub sinks: Sinks,
 }
+
+/// One learnable parameter tensor: `NAME: [DIM, ...]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParamDecl {
+    /// The name modifiers read it by (`NAME[i, j]`) and tensors carry it by.
+    pub name: String,
+    /// The dimensions, outermost first (row-major).
+    pub dims: Vec<ParamDim>,
+}
+
+/// A dimension of a [`ParamDecl`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ParamDim {
+    /// A fixed size.
+    Fixed(u32),
+    /// The number of query heads.
+    Heads,
+    /// The number of key/value heads.
+    KvHeads,
+}
+
+/// Whether rows have a learned sink: an extra softmax logit per query head with no value.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Sinks {
+    /// No sink.
+    #[default]
+    None,
+    /// A tensor `sinks` of shape `[heads]`: row `i` of head `h` has softmax denominator
+    /// `sum_j exp(s_ij) + exp(sinks[h])`, and the sink contributes no value.
+    Learned,
+}
+
+/// The name of the sink tensor in inputs and (as `dsinks`) in gradients.
+pub const SINKS_NAME: &str = "sinks";
 
 /// How keys and values are laid out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -288,7 +327,40 @@ impl AttentionSpec {
             dtype: DType::F32,
             score_mod: None,
             mask_mod: None,
+            params: Vec::new(),
+            sinks: Sinks::None,
         }
+    }
+
+    /// The shape of a declared parameter, its dimensions resolved against this spec.
+    pub fn param_shape(&self, decl: &ParamDecl) -> Vec<usize> {
+        decl.dims
+            .iter()
+            .map(|d| match d {
+                ParamDim::Fixed(n) => *n as usize,
+                ParamDim::Heads => self.heads as usize,
+                ParamDim::KvHeads => self.kv_heads() as usize,
+            })
+            .collect()
+    }
+
+    /// The declared parameter called `name`.
+    pub fn param(&self, name: &str) -> Option<&ParamDecl> {
+        self.params.iter().find(|p| p.name == name)
+    }
+
+    /// Every learnable tensor the spec takes, with its shape: the declared parameters in order,
+    /// then `sinks` (`[heads]`) when the spec has learned sinks.
+    pub fn learnable_tensors(&self) -> Vec<(String, Vec<usize>)> {
+        let mut all: Vec<_> = self
+            .params
+            .iter()
+            .map(|p| (p.name.clone(), self.param_shape(p)))
+            .collect();
+        if self.sinks == Sinks::Learned {
+            all.push((SINKS_NAME.to_string(), vec![self.heads as usize]));
+        }
+        all
     }
 
     /// Number of distinct key/value heads a kernel reads (1 for MLA: the latent is shared).

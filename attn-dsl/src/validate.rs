@@ -2,6 +2,7 @@
 //! errors as parsed ones. The parser maps each finding's field back to the tokens that set it.
 
 use crate::error::Invalid;
+use crate::learnable::Subject;
 use crate::modifier::Expr;
 use crate::parse::MAX_EXPR_DEPTH;
 use crate::spec::{AttentionSpec, KvLayout, Mask, Position, Rope, RopeScaling};
@@ -126,6 +127,15 @@ impl AttentionSpec {
                     ),
                 );
             }
+        }
+        for (subject, message) in crate::learnable::findings(self) {
+            let field = match subject {
+                Subject::Decl(_) => "params",
+                Subject::Read(_) => "score_mod",
+                Subject::MaskMod => "mask_mod",
+                Subject::Spec => "mla",
+            };
+            f.push(field, message);
         }
         if f.0.is_empty() { Ok(()) } else { Err(f.0) }
     }

@@ -20,7 +20,7 @@ const SPECS: &[&str] = &[
     "heads = 4, head_dim = 64, score_mod = |s, b, h, q, k| 2.0 / (s * s + 1.0) + s % 0.75",
 ];
 
-fn env(score: f64, h: i64, q: i64, k: i64) -> Env {
+fn env(score: f64, h: i64, q: i64, k: i64) -> Env<'static> {
     Env {
         score,
         h,

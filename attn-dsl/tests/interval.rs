@@ -30,6 +30,7 @@ fn elements(bounds: &TileBounds) -> impl Iterator<Item = Env> + '_ {
                     k: ki + kshift,
                     qi,
                     ki,
+                    params: &[],
                 })
             })
         })

@@ -485,7 +485,7 @@ fn syntax_errors_are_located() {
     );
     rejects(
         "heads = 8, 64, head_dim = 64",
-        "expected `key = value` or `mla(...)`",
+        "expected `key = value`, `mla(...)` or `params(...)`",
         "",
         "64",
     );
@@ -556,7 +556,7 @@ fn modifier_errors_point_into_the_closure() {
     );
     rejects(
         &format!("{m}mask_mod = |b, h, q, k| q[0] < k"),
-        "unsupported syntax in a modifier",
+        "`q` is a closure parameter and cannot be indexed",
         "| ",
         "q[0]",
     );

@@ -46,6 +46,7 @@ proptest! {
             k: pos_k,
             qi: i as i64,
             ki: j as i64,
+            ..Env::default()
         };
         let program = ScoreProgram::of(&spec);
         program.typecheck().map_err(|e| TestCaseError::fail(e.to_string()))?;
@@ -68,7 +69,7 @@ proptest! {
         score in -10.0f64..10.0,
         b in 0i64..3, h in 0i64..8, q in -100i64..100, k in -100i64..100,
     ) {
-        let env = Env { score, b, h, q, k, qi: 0, ki: 0 };
+        let env = Env { score, b, h, q, k, ..Env::default() };
         let folded = fold(&e);
         prop_assert!(same(eval(&e, &env).as_f64(), eval(&folded, &env).as_f64()), "{} -> {}", e, folded);
         // Compared as text: a folded NaN constant is not == to itself.
@@ -82,7 +83,7 @@ proptest! {
         score in -10.0f64..10.0,
         b in 0i64..3, h in 0i64..8, q in -100i64..100, k in -100i64..100,
     ) {
-        let env = Env { score, b, h, q, k, qi: 0, ki: 0 };
+        let env = Env { score, b, h, q, k, ..Env::default() };
         let scaled = scale(&e, c);
         let ty = typecheck(&scaled).map_err(|err| TestCaseError::fail(format!("{scaled}: {err}")))?;
         prop_assert_eq!(ty, attn_dsl::modifier::Ty::F32);

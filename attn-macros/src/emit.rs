@@ -6,7 +6,8 @@
 
 use attn_dsl::modifier::{BinOp, Expr, Ty, UnOp, Var};
 use attn_dsl::{
-    AttentionSpec, CausalAlign, DType, KvLayout, Mask, Position, Rope, RopeLayout, RopeScaling,
+    AttentionSpec, CausalAlign, DType, KvLayout, Mask, ParamDim, Position, Rope, RopeLayout,
+    RopeScaling, Sinks,
 };
 use proc_macro2::TokenStream;
 use quote::{format_ident, quote};
@@ -25,6 +26,8 @@ pub fn spec(spec: &AttentionSpec) -> TokenStream {
         dtype,
         score_mod,
         mask_mod,
+        params,
+        sinks,
     } = spec;
     let (kv, mask, position) = (kv_layout(kv), self::mask(mask), self::position(position));
     let (softcap, scale, dtype) = (
@@ -54,6 +57,22 @@ pub fn spec(spec: &AttentionSpec) -> TokenStream {
         }
         None => quote!(::core::option::Option::None),
     };
+    let params = params.iter().map(|p| {
+        let name = &p.name;
+        let dims = p.dims.iter().map(|d| match d {
+            ParamDim::Fixed(n) => quote!(::attn::dsl::ParamDim::Fixed(#n)),
+            ParamDim::Heads => quote!(::attn::dsl::ParamDim::Heads),
+            ParamDim::KvHeads => quote!(::attn::dsl::ParamDim::KvHeads),
+        });
+        quote!(::attn::dsl::ParamDecl {
+            name: ::std::string::String::from(#name),
+            dims: ::std::vec![#(#dims),*],
+        })
+    });
+    let sinks = match sinks {
+        Sinks::None => quote!(::attn::dsl::Sinks::None),
+        Sinks::Learned => quote!(::attn::dsl::Sinks::Learned),
+    };
     quote! {
         ::attn::AttentionSpec {
             heads: #heads,
@@ -67,6 +86,8 @@ pub fn spec(spec: &AttentionSpec) -> TokenStream {
             dtype: #dtype,
             score_mod: #score_mod,
             mask_mod: #mask_mod,
+            params: ::std::vec![#(#params),*],
+            sinks: #sinks,
         }
     }
 }
@@ -245,6 +266,14 @@ fn node(e: &Expr, lets: &mut Vec<TokenStream>) -> proc_macro2::Ident {
             let values = values.iter().map(|v| f64_lit(*v));
             let i = node(i, lets);
             quote!(#m::Expr::Table(::std::vec![#(#values),*], ::std::boxed::Box::new(#i)))
+        }
+        Expr::Param(read) => {
+            let name = &read.name;
+            let indices: Vec<_> = read.indices.iter().map(|i| node(i, lets)).collect();
+            quote!(#m::Expr::Param(#m::ParamRead {
+                name: ::std::string::String::from(#name),
+                indices: ::std::vec![#(#indices),*],
+            }))
         }
     };
     let name = format_ident!("e{}", lets.len());

@@ -8,12 +8,19 @@
 use crate::cache::{KvCache, SeqId};
 use crate::calls::{BackwardInputs, DecodeOptions, Gradients, Inputs, Output, Queries};
 use crate::error::RuntimeError;
+use crate::learned::{Bound, Learned};
+use crate::tensor::Tensor;
 use crate::variant::Variant;
 
 /// Attention on one backend. Every call takes a [`Variant`]: the spec validated and planned
 /// once, with the kernels the backend built for it the first time. Inputs of the other kind
 /// than the variant's (per-head for an MLA variant, or the reverse) are a spec error; what a
 /// backend does not run is [`RuntimeError::Unsupported`].
+///
+/// A spec with learnable tensors (`params(...)`, `sinks = learned`) takes them with each call
+/// ([`Backend::forward_learned`] and the like); the calls without them refuse such a spec,
+/// naming what is missing. A backend implements the `*_bound` methods, which receive the
+/// parameters laid out for its kernels; sinks are added around them here.
 pub trait Backend: Send + Sync {
     /// The backend's name, as the CLI spells it (`cpu`, `cuda`, `gpu-sim`).
     fn name(&self) -> &'static str;
@@ -26,6 +33,36 @@ pub trait Backend: Send + Sync {
         variant: &Variant,
         inputs: Inputs,
         position_offset: i64,
+    ) -> Result<Output, RuntimeError> {
+        self.forward_learned(variant, inputs, position_offset, Learned::none())
+    }
+
+    /// [`Backend::forward`] with the spec's learnable tensors.
+    fn forward_learned(
+        &self,
+        variant: &Variant,
+        inputs: Inputs,
+        position_offset: i64,
+        learned: Learned,
+    ) -> Result<Output, RuntimeError> {
+        let bound = learned.bind(variant.spec())?;
+        let mut output = self.forward_bound(variant, inputs, position_offset, &bound.params)?;
+        bound.apply_sinks(
+            &mut output.out,
+            &mut output.lse,
+            variant.spec().heads as usize,
+        )?;
+        Ok(output)
+    }
+
+    /// The backend's forward, with the parameters laid out as the plan's
+    /// [`codegen::plan::ParamLayout`] says (empty without parameters), and no sinks.
+    fn forward_bound(
+        &self,
+        variant: &Variant,
+        inputs: Inputs,
+        position_offset: i64,
+        params: &[f32],
     ) -> Result<Output, RuntimeError>;
 
     /// Queries against cached sequences `seqs` (their keys and values appended already):
@@ -38,9 +75,109 @@ pub trait Backend: Send + Sync {
         cache: &dyn KvCache,
         seqs: &[SeqId],
         options: DecodeOptions,
+    ) -> Result<Output, RuntimeError> {
+        self.attend_cached_learned(variant, queries, cache, seqs, options, Learned::none())
+    }
+
+    /// [`Backend::attend_cached`] with the spec's learnable tensors. Each row's sink is added
+    /// once, after the partitions are merged.
+    fn attend_cached_learned(
+        &self,
+        variant: &Variant,
+        queries: Queries,
+        cache: &dyn KvCache,
+        seqs: &[SeqId],
+        options: DecodeOptions,
+        learned: Learned,
+    ) -> Result<Output, RuntimeError> {
+        let bound = learned.bind(variant.spec())?;
+        let mut output =
+            self.attend_cached_bound(variant, queries, cache, seqs, options, &bound.params)?;
+        bound.apply_sinks(
+            &mut output.out,
+            &mut output.lse,
+            variant.spec().heads as usize,
+        )?;
+        Ok(output)
+    }
+
+    /// The backend's cached call, parameters as in [`Backend::forward_bound`], no sinks.
+    fn attend_cached_bound(
+        &self,
+        variant: &Variant,
+        queries: Queries,
+        cache: &dyn KvCache,
+        seqs: &[SeqId],
+        options: DecodeOptions,
+        params: &[f32],
     ) -> Result<Output, RuntimeError>;
 
     /// Gradients for `dL/dout` (FlashAttention-2 recomputation from the saved lse); dq and dk
     /// (MLA: q_pe and k_pe) are with respect to the inputs before RoPE.
-    fn backward(&self, variant: &Variant, x: &BackwardInputs) -> Result<Gradients, RuntimeError>;
+    fn backward(&self, variant: &Variant, x: &BackwardInputs) -> Result<Gradients, RuntimeError> {
+        self.backward_learned(variant, x, Learned::none())
+    }
+
+    /// [`Backend::backward`] with the spec's learnable tensors (the values the forward took;
+    /// `out` and `lse` are the forward's, sinks included). Their gradients are in
+    /// [`crate::calls::HeadGradients::learned`], each exact and the same for any thread count.
+    fn backward_learned(
+        &self,
+        variant: &Variant,
+        x: &BackwardInputs,
+        learned: Learned,
+    ) -> Result<Gradients, RuntimeError> {
+        let spec = variant.spec();
+        let bound = learned.bind(spec)?;
+        let (mut gradients, dparams) = self.backward_bound(variant, x, &bound.params)?;
+        if let (Gradients::Heads(g), BackwardInputs::Heads(x)) = (&mut gradients, x) {
+            g.learned = learned_gradients(spec, &bound, dparams, x)?;
+        }
+        Ok(gradients)
+    }
+
+    /// The backend's backward, parameters as in [`Backend::forward_bound`]: the gradients and,
+    /// laid out as the parameters, the parameters' gradients (empty without parameters).
+    fn backward_bound(
+        &self,
+        variant: &Variant,
+        x: &BackwardInputs,
+        params: &[f32],
+    ) -> Result<(Gradients, Vec<f32>), RuntimeError>;
+}
+
+/// The gradient tensors of a call's learnable tensors, `d<name>` in the spec's order.
+fn learned_gradients(
+    spec: &attn_dsl::AttentionSpec,
+    bound: &Bound,
+    dparams: Vec<f32>,
+    x: &crate::calls::HeadsBackward,
+) -> Result<Vec<(String, Tensor)>, RuntimeError> {
+    let layout = codegen::plan::ParamLayout::of(spec);
+    let mut out = Vec::new();
+    for slot in &layout.slots {
+        let n: usize = slot.shape.iter().product();
+        let values = dparams
+            .get(slot.offset..slot.offset + n)
+            .map(<[f32]>::to_vec)
+            .ok_or_else(|| {
+                RuntimeError::Data(format!(
+                    "the backward returned {} parameter gradients; the spec has {}",
+                    dparams.len(),
+                    layout.len()
+                ))
+            })?;
+        out.push((
+            format!("d{}", slot.name),
+            Tensor::from_f32(&slot.shape, values)?,
+        ));
+    }
+    if let Some(d) = bound.sink_gradient(x.out, x.lse, x.dout, spec.heads as usize)? {
+        let shape = [d.len()];
+        out.push((
+            format!("d{}", attn_dsl::SINKS_NAME),
+            Tensor::from_f32(&shape, d)?,
+        ));
+    }
+    Ok(out)
 }

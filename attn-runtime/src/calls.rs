@@ -180,6 +180,9 @@ pub struct HeadGradients {
     pub dk: Tensor,
     /// `dL/dv`, `[B, kv_heads, Skv, v_head_dim]` (summed over each group).
     pub dv: Tensor,
+    /// The gradient of each learnable tensor, `d<name>` (`dsinks` for the sinks), f32, in the
+    /// spec's order; empty without learnable tensors.
+    pub learned: Vec<(String, Tensor)>,
 }
 
 /// Gradients of MLA attention.

@@ -39,6 +39,7 @@ pub mod gpu;
 mod host;
 pub mod inputs;
 pub mod io;
+pub mod learned;
 pub mod memory;
 pub mod model;
 pub mod ops;
@@ -53,5 +54,6 @@ pub use calls::{
 };
 pub use codegen;
 pub use error::RuntimeError;
+pub use learned::Learned;
 pub use tensor::{Storage, Tensor};
 pub use variant::Variant;

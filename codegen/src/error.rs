@@ -20,4 +20,7 @@ pub enum CodegenError {
     /// LLVM rejected the module or could not generate PTX.
     #[error("llvm: {0}")]
     Llvm(String),
+    /// The spec uses something this kind of kernel does not implement.
+    #[error("{0}")]
+    Unsupported(String),
 }

@@ -12,10 +12,68 @@ use attn_dsl::modifier::fold::fold;
 use attn_dsl::modifier::grad::{GradError, derivative};
 use attn_dsl::modifier::interval::{Interval, TileBounds, TileClass, classify};
 use attn_dsl::modifier::scale::scale;
-use attn_dsl::modifier::{BinOp, Expr, ScoreProgram, Var};
+use attn_dsl::modifier::{BinOp, Expr, ParamRead, ScoreProgram, Var};
 use attn_dsl::reference::rope;
 use attn_dsl::{AttentionSpec, DType, KvLayout, Rope, RopeScaling};
 use std::fmt;
+
+/// Where a spec's parameters lie in the one f32 buffer kernels read them from: each tensor
+/// row-major, in declaration order, back to back.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ParamLayout {
+    /// One slot per declared parameter.
+    pub slots: Vec<ParamSlot>,
+}
+
+/// One parameter's place in a [`ParamLayout`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParamSlot {
+    /// The declared name.
+    pub name: String,
+    /// The resolved shape.
+    pub shape: Vec<usize>,
+    /// Index of its first element in the buffer.
+    pub offset: usize,
+}
+
+impl ParamLayout {
+    /// The layout of a valid spec's parameters (validation bounds the total to 2^24).
+    pub fn of(spec: &AttentionSpec) -> ParamLayout {
+        let mut offset = 0;
+        let slots = spec
+            .params
+            .iter()
+            .map(|p| {
+                let shape = spec.param_shape(p);
+                let slot = ParamSlot {
+                    name: p.name.clone(),
+                    offset,
+                    shape,
+                };
+                offset += slot.shape.iter().product::<usize>();
+                slot
+            })
+            .collect();
+        ParamLayout { slots }
+    }
+
+    /// Elements in the buffer.
+    pub fn len(&self) -> usize {
+        self.slots
+            .last()
+            .map_or(0, |s| s.offset + s.shape.iter().product::<usize>())
+    }
+
+    /// Whether the spec has no parameters.
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    /// The slot of the parameter `name`.
+    pub fn slot(&self, name: &str) -> Option<&ParamSlot> {
+        self.slots.iter().find(|s| s.name == name)
+    }
+}
 
 /// Which kernel a plan is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -164,6 +222,12 @@ pub struct KernelPlan {
     /// of `program.score`, times `2 ln 2` (the program is in half base-2 units). `None` for
     /// forward and decode plans.
     pub score_grad: Option<Expr>,
+    /// Backward plans: for each distinct parameter read of the score, `d score / d read` in
+    /// natural units, over the raw score the kernel sees ([`ScoreProgram::param_gradients`]
+    /// of `program.score`, times `2 ln 2`). Empty for forward and decode plans.
+    pub param_grads: Vec<(ParamRead, Expr)>,
+    /// Where each parameter lies in the one f32 buffer kernels read them from.
+    pub params: ParamLayout,
     /// Output.
     pub epilogue: Epilogue,
 }
@@ -222,6 +286,8 @@ impl KernelPlan {
             q_scale,
             masking,
             score_grad: None,
+            param_grads: Vec::new(),
+            params: ParamLayout::of(spec),
             epilogue: Epilogue {
                 out_dtype: spec.dtype,
             },
@@ -250,6 +316,12 @@ impl KernelPlan {
         let forward = KernelPlan::forward(spec);
         let gradient = derivative(&forward.program.score)?;
         let natural = fold(&scale(&gradient.expr, 2.0 * std::f64::consts::LN_2));
+        let param_grads = forward
+            .program
+            .param_gradients()?
+            .into_iter()
+            .map(|(read, d)| (read, fold(&scale(&d, 2.0 * std::f64::consts::LN_2))))
+            .collect();
         Ok(KernelPlan {
             kind: PlanKind::Backward,
             tiles: Tiles {
@@ -257,6 +329,7 @@ impl KernelPlan {
                 k_cols: K_TILE,
             },
             score_grad: Some(natural),
+            param_grads,
             ..forward
         })
     }
@@ -429,7 +502,8 @@ fn hoist_score_factor(score: &Expr) -> Option<(Expr, f64)> {
                 }
             },
             Expr::Var(Var::Score) => found.push(None),
-            Expr::Var(_) | Expr::Float(_) | Expr::Int(_) | Expr::Bool(_) => {}
+            // Indices never read the score.
+            Expr::Var(_) | Expr::Float(_) | Expr::Int(_) | Expr::Bool(_) | Expr::Param(_) => {}
             Expr::Unary(_, a) | Expr::Cast(a, _) | Expr::Table(_, a) => factors(a, found),
             Expr::Binary(_, a, b) => {
                 factors(a, found);
@@ -627,6 +701,27 @@ impl fmt::Display for KernelPlan {
                 f,
                 "  d score   {grad}  (natural units per unit of raw score)"
             )?;
+            for (read, d) in &self.param_grads {
+                writeln!(
+                    f,
+                    "  d {}[..] += dS_final x {d}  at [{}]  (dS_final = p (dP - D))",
+                    read.name,
+                    read.indices
+                        .iter()
+                        .map(ToString::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )?;
+            }
+        }
+        if !self.params.is_empty() {
+            let slots: Vec<String> = self
+                .params
+                .slots
+                .iter()
+                .map(|s| format!("{} {:?} at {}", s.name, s.shape, s.offset))
+                .collect();
+            writeln!(f, "  params    one f32 buffer: {}", slots.join(", "))?;
         }
         match &self.masking {
             TileMasking::Unmasked => writeln!(f, "  tiling    every tile unmasked")?,

@@ -33,9 +33,53 @@ impl Value {
     }
 }
 
+/// The values of a learnable parameter tensor, as evaluation reads them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParamValues {
+    /// The declared name.
+    pub name: String,
+    /// The resolved shape (row-major).
+    pub shape: Vec<usize>,
+    /// `shape.iter().product()` values.
+    pub values: Vec<f64>,
+}
+
+impl ParamValues {
+    /// The element at `indices`, each clamped into its dimension as kernels clamp; NaN when the
+    /// tensor is empty or the arity is wrong (a spec that was validated never reads those).
+    pub fn at(&self, indices: &[i64]) -> f64 {
+        if indices.len() != self.shape.len() {
+            return f64::NAN;
+        }
+        let mut flat = 0usize;
+        for (&i, &dim) in indices.iter().zip(&self.shape) {
+            if dim == 0 {
+                return f64::NAN;
+            }
+            flat = flat * dim + (i.max(0) as usize).min(dim - 1);
+        }
+        self.values.get(flat).copied().unwrap_or(f64::NAN)
+    }
+
+    /// The flat (row-major) position of `indices`, clamped like [`ParamValues::at`].
+    pub fn flat_index(&self, indices: &[i64]) -> Option<usize> {
+        if indices.len() != self.shape.len() || self.shape.contains(&0) {
+            return None;
+        }
+        Some(
+            indices
+                .iter()
+                .zip(&self.shape)
+                .fold(0usize, |flat, (&i, &dim)| {
+                    flat * dim + (i.max(0) as usize).min(dim - 1)
+                }),
+        )
+    }
+}
+
 /// The values of the variables at one (batch, head, query, key) point.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct Env {
+pub struct Env<'p> {
     /// [`Var::Score`].
     pub score: f64,
     /// [`Var::Batch`].
@@ -50,12 +94,14 @@ pub struct Env {
     pub qi: i64,
     /// [`Var::KeyIndex`].
     pub ki: i64,
+    /// The parameters [`Expr::Param`] reads, by name (a missing one reads as NaN).
+    pub params: &'p [ParamValues],
 }
 
 /// Evaluates a well-typed expression, in f64 for floats (the reference meaning of f32 IR).
 /// Integer arithmetic wraps; integer division or remainder by zero gives 0; table indices are
 /// clamped. Evaluation never panics.
-pub fn eval(expr: &Expr, env: &Env) -> Value {
+pub fn eval(expr: &Expr, env: &Env<'_>) -> Value {
     match expr {
         Expr::Var(var) => match var {
             Var::Score => Value::F(env.score),
@@ -90,6 +136,22 @@ pub fn eval(expr: &Expr, env: &Env) -> Value {
                     .get((i.max(0) as usize).min(last))
                     .copied()
                     .unwrap_or(0.0),
+            )
+        }
+        Expr::Param(read) => {
+            let indices: Vec<i64> = read
+                .indices
+                .iter()
+                .map(|i| match eval(i, env) {
+                    Value::I(i) => i,
+                    other => other.as_f64() as i64,
+                })
+                .collect();
+            Value::F(
+                env.params
+                    .iter()
+                    .find(|p| p.name == read.name)
+                    .map_or(f64::NAN, |p| p.at(&indices)),
             )
         }
     }

@@ -27,6 +27,10 @@ pub fn fold(expr: &Expr) -> Expr {
                 Expr::Table(values.clone(), Box::new(index))
             }
         }
+        Expr::Param(read) => Expr::Param(super::ParamRead {
+            name: read.name.clone(),
+            indices: read.indices.iter().map(fold).collect(),
+        }),
     };
     if is_constant(&folded) {
         constant(eval(&folded, &Env::default()))
@@ -43,6 +47,8 @@ fn is_constant(expr: &Expr) -> bool {
         Expr::Unary(_, a) | Expr::Cast(a, _) | Expr::Table(_, a) => is_constant(a),
         Expr::Binary(_, a, b) => is_constant(a) && is_constant(b),
         Expr::Select(c, t, e) => is_constant(c) && is_constant(t) && is_constant(e),
+        // A parameter's value is known only at run time.
+        Expr::Param(_) => false,
     }
 }
 

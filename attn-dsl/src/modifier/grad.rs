@@ -13,7 +13,7 @@
 //! condition) or zero almost everywhere (the score is rounded to an integer), a [`GradNote`] says
 //! where.
 
-use super::{BinOp, Expr, Ty, UnOp, Var};
+use super::{BinOp, Expr, ParamRead, Ty, UnOp, Var};
 use std::fmt;
 
 /// Largest derivative, in expression nodes, the pass builds: the product and chain rules copy
@@ -79,7 +79,41 @@ pub enum GradError {
 
 /// `d expr / d score` for a float-typed expression.
 pub fn derivative(expr: &Expr) -> Result<Gradient, GradError> {
-    let mut pass = Pass { notes: Vec::new() };
+    run(expr, Wrt::Score)
+}
+
+/// `d expr / d read` for a float-typed expression: the derivative with respect to the value of
+/// one parameter element read, `read` (reads equal to it read the same element, so they count
+/// together). The notes are the same as for the score.
+pub fn derivative_wrt_param(expr: &Expr, read: &ParamRead) -> Result<Gradient, GradError> {
+    run(expr, Wrt::Param(read))
+}
+
+/// What a derivative is taken with respect to.
+#[derive(Clone, Copy)]
+enum Wrt<'r> {
+    Score,
+    Param(&'r ParamRead),
+}
+
+impl Wrt<'_> {
+    fn occurs_in(self, e: &Expr) -> bool {
+        match self {
+            Wrt::Score => e.uses(Var::Score),
+            Wrt::Param(read) => {
+                let mut found = false;
+                e.visit(&mut |x| found |= matches!(x, Expr::Param(r) if r == read));
+                found
+            }
+        }
+    }
+}
+
+fn run(expr: &Expr, wrt: Wrt<'_>) -> Result<Gradient, GradError> {
+    let mut pass = Pass {
+        notes: Vec::new(),
+        wrt,
+    };
     let expr = pass.d(expr).unwrap_or(Expr::Float(0.0));
     if node_count(&expr) > MAX_GRAD_NODES {
         return Err(GradError::TooLarge);
@@ -90,11 +124,12 @@ pub fn derivative(expr: &Expr) -> Result<Gradient, GradError> {
     })
 }
 
-struct Pass {
+struct Pass<'r> {
     notes: Vec<GradNote>,
+    wrt: Wrt<'r>,
 }
 
-impl Pass {
+impl Pass<'_> {
     fn note(&mut self, at: &Expr, kind: GradNoteKind) {
         let at = at.to_string();
         if !self.notes.iter().any(|n| n.at == at && n.kind == kind) {
@@ -105,16 +140,18 @@ impl Pass {
     /// The derivative, or `None` where it is identically 0 (so zeros never reach the program:
     /// `0 * x` is not 0 for an infinite `x`, and fold rightly keeps it).
     fn d(&mut self, e: &Expr) -> Option<Expr> {
-        if !e.uses(Var::Score) {
+        if !self.wrt.occurs_in(e) {
             return None;
         }
         match e {
             Expr::Var(Var::Score) => Some(Expr::Float(1.0)),
+            // The read itself (indices never hold the score or a parameter).
+            Expr::Param(_) => Some(Expr::Float(1.0)),
             Expr::Var(_) | Expr::Float(_) | Expr::Int(_) | Expr::Bool(_) => None,
             Expr::Unary(op, a) => self.unary(e, *op, a),
             Expr::Binary(op, a, b) => self.binary(e, *op, a, b),
             Expr::Select(c, t, f) => {
-                if c.uses(Var::Score) {
+                if self.wrt.occurs_in(c) {
                     self.note(c, GradNoteKind::Piecewise);
                 }
                 let (dt, df) = (self.d(t), self.d(f));
@@ -129,7 +166,7 @@ impl Pass {
             }
             Expr::Cast(a, Ty::F32) if is_float(a) => self.d(a),
             Expr::Cast(a, _) | Expr::Table(_, a) => {
-                if is_float(a) || a.uses(Var::Score) {
+                if is_float(a) || self.wrt.occurs_in(a) {
                     self.note(e, GradNoteKind::Discrete);
                 }
                 None
@@ -250,7 +287,7 @@ impl Pass {
 fn is_float(e: &Expr) -> bool {
     match e {
         Expr::Var(v) => v.ty() == Ty::F32,
-        Expr::Float(_) | Expr::Table(..) => true,
+        Expr::Float(_) | Expr::Table(..) | Expr::Param(_) => true,
         Expr::Int(_) | Expr::Bool(_) => false,
         Expr::Cast(_, ty) => *ty == Ty::F32,
         Expr::Unary(UnOp::Not, _) => false,
@@ -299,6 +336,7 @@ fn node_count(e: &Expr) -> usize {
             Expr::Unary(_, a) | Expr::Cast(a, _) | Expr::Table(_, a) => stack.push(a),
             Expr::Binary(_, a, b) => stack.extend([&**a, &**b]),
             Expr::Select(c, t, f) => stack.extend([&**c, &**t, &**f]),
+            Expr::Param(read) => stack.extend(&read.indices),
         }
     }
     count

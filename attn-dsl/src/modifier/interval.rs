@@ -182,6 +182,8 @@ pub fn analyze(expr: &Expr, bounds: &TileBounds) -> Range {
                 nan: slice.iter().any(|v| v.is_nan()),
             }
         }
+        // A parameter may hold any value, NaN included.
+        Expr::Param(_) => FLOAT_ANY,
     }
 }
 

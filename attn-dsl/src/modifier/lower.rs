@@ -2,33 +2,64 @@
 //! offending tokens.
 
 use super::grad::{GradNote, derivative};
-use super::{BinOp, Expr, MASK_MOD_PARAMS, MaskMod, SCORE_MOD_PARAMS, ScoreMod, Ty, UnOp, Var};
+use super::{
+    BinOp, Expr, MASK_MOD_PARAMS, MaskMod, ParamRead, SCORE_MOD_PARAMS, ScoreMod, Ty, UnOp, Var,
+};
+use crate::spec::ParamDecl;
 use proc_macro2::Span;
+use std::cell::RefCell;
 use syn::spanned::Spanned;
 
-/// Lowers `|score, b, h, q, k| body` (body of type f32).
-pub(crate) fn lower_score_mod(closure: &syn::ExprClosure) -> syn::Result<ScoreMod> {
-    let (params, body) = lower_closure(closure, &SCORE_MOD_PARAMS, Ty::F32, "score_mod")?;
-    let params = params.try_into().expect("arity checked by lower_closure");
-    Ok(ScoreMod { params, body })
+/// A lowered score modifier and the parameter reads in it, each with the span of its tokens
+/// (for the index bounds the spec proves once every dimension is known).
+pub(crate) struct LoweredScoreMod {
+    pub score_mod: ScoreMod,
+    pub reads: Vec<(ParamRead, Span)>,
+}
+
+/// Lowers `|score, b, h, q, k| body` (body of type f32); `NAME[i, ..]` reads one of `params`.
+pub(crate) fn lower_score_mod(
+    closure: &syn::ExprClosure,
+    params: &[ParamDecl],
+) -> syn::Result<LoweredScoreMod> {
+    let (names, body, reads) =
+        lower_closure(closure, &SCORE_MOD_PARAMS, Ty::F32, "score_mod", params)?;
+    let names = names.try_into().expect("arity checked by lower_closure");
+    Ok(LoweredScoreMod {
+        score_mod: ScoreMod {
+            params: names,
+            body,
+        },
+        reads,
+    })
 }
 
 /// The notes of the derivative of a `score_mod` closure with respect to its score (where it is
 /// only piecewise, or zero almost everywhere), each at the outermost subexpression of the body
 /// it is about (else at the body). Empty when the closure does not lower or has no derivative.
-pub(crate) fn score_mod_notes(closure: &syn::ExprClosure) -> Vec<(GradNote, Span)> {
-    let Ok(lowered) = lower_score_mod(closure) else {
+pub(crate) fn score_mod_notes(
+    closure: &syn::ExprClosure,
+    params: &[ParamDecl],
+) -> Vec<(GradNote, Span)> {
+    let Ok(LoweredScoreMod {
+        score_mod: lowered, ..
+    }) = lower_score_mod(closure, params)
+    else {
         return Vec::new();
     };
     let Ok(gradient) = derivative(&lowered.body) else {
         return Vec::new();
     };
-    let scope: Vec<(String, Var)> = lowered
-        .params
-        .iter()
-        .cloned()
-        .zip(SCORE_MOD_PARAMS)
-        .collect();
+    let scope = Scope {
+        vars: lowered
+            .params
+            .iter()
+            .cloned()
+            .zip(SCORE_MOD_PARAMS)
+            .collect(),
+        params,
+        reads: RefCell::new(Vec::new()),
+    };
     let spans = printed_spans(&closure.body, &scope);
     gradient
         .notes
@@ -62,6 +93,7 @@ fn printed_spans(body: &syn::Expr, scope: &Scope) -> std::collections::HashMap<S
             syn::Expr::Binary(b) => vec![&b.left, &b.right],
             syn::Expr::MethodCall(m) => std::iter::once(&*m.receiver).chain(&m.args).collect(),
             syn::Expr::Cast(c) => vec![&c.expr],
+            syn::Expr::Call(c) => c.args.iter().collect(),
             syn::Expr::If(i) => std::iter::once(&*i.cond)
                 .chain(block_exprs(&i.then_branch))
                 .chain(i.else_branch.as_ref().map(|(_, e)| &**e))
@@ -83,19 +115,26 @@ fn block_exprs(block: &syn::Block) -> impl Iterator<Item = &syn::Expr> {
     })
 }
 
-/// Lowers `|b, h, q, k| body` (body of type bool).
-pub(crate) fn lower_mask_mod(closure: &syn::ExprClosure) -> syn::Result<MaskMod> {
-    let (params, body) = lower_closure(closure, &MASK_MOD_PARAMS, Ty::Bool, "mask_mod")?;
+/// Lowers `|b, h, q, k| body` (body of type bool). Reads of `params` lower, so that validation
+/// can say why a mask may not read them (masks are not differentiable).
+pub(crate) fn lower_mask_mod(
+    closure: &syn::ExprClosure,
+    params: &[ParamDecl],
+) -> syn::Result<MaskMod> {
+    let (params, body, _) = lower_closure(closure, &MASK_MOD_PARAMS, Ty::Bool, "mask_mod", params)?;
     let params = params.try_into().expect("arity checked by lower_closure");
     Ok(MaskMod { params, body })
 }
+
+type Lowered = (Vec<String>, Expr, Vec<(ParamRead, Span)>);
 
 fn lower_closure(
     closure: &syn::ExprClosure,
     roles: &[Var],
     want: Ty,
     what: &str,
-) -> syn::Result<(Vec<String>, Expr)> {
+    params: &[ParamDecl],
+) -> syn::Result<Lowered> {
     let signature = match roles.len() {
         5 => "|score, b, h, q, k|",
         _ => "|b, h, q, k|",
@@ -145,8 +184,22 @@ fn lower_closure(
                 ));
             }
         };
+        if params.iter().any(|p| p.name == name) {
+            return Err(syn::Error::new_spanned(
+                pat,
+                format!(
+                    "`{name}` is both a closure parameter and a declared parameter in \
+                     params(...); rename one"
+                ),
+            ));
+        }
         scope.push((name, *role));
     }
+    let scope = Scope {
+        vars: scope,
+        params,
+        reads: RefCell::new(Vec::new()),
+    };
     let (body, ty) = lower_expr(&closure.body, &scope)?;
     if ty != want {
         return Err(syn::Error::new_spanned(
@@ -158,11 +211,19 @@ fn lower_closure(
             ),
         ));
     }
-    let names = scope.into_iter().map(|(name, _)| name).collect();
-    Ok((names, body))
+    let names = scope.vars.into_iter().map(|(name, _)| name).collect();
+    Ok((names, body, scope.reads.into_inner()))
 }
 
-type Scope = [(String, Var)];
+/// What names mean inside a closure body.
+struct Scope<'p> {
+    /// The closure's parameters and the variables they stand for.
+    vars: Vec<(String, Var)>,
+    /// The parameters `NAME[..]` may read.
+    params: &'p [ParamDecl],
+    /// The reads lowered so far, with their spans.
+    reads: RefCell<Vec<(ParamRead, Span)>>,
+}
 
 fn lower_expr(expr: &syn::Expr, scope: &Scope) -> syn::Result<(Expr, Ty)> {
     match expr {
@@ -176,13 +237,121 @@ fn lower_expr(expr: &syn::Expr, scope: &Scope) -> syn::Result<(Expr, Ty)> {
         syn::Expr::MethodCall(m) => lower_method(m, scope),
         syn::Expr::Cast(c) => lower_cast(c, scope),
         syn::Expr::If(i) => lower_if(i, scope),
+        syn::Expr::Index(i) => lower_index(i, scope),
+        syn::Expr::Call(c) => lower_call(c, scope),
         other => Err(syn::Error::new_spanned(
             other,
             "unsupported syntax in a modifier; allowed: parameters, numbers, true/false, \
-             + - * / %, comparisons, && || !, if/else, `as f32`/`as i64`, and the methods \
-             abs, min, max, exp, ln, tanh, sqrt",
+             + - * / %, comparisons, && || !, if/else, `as f32`/`as i64`, the methods \
+             abs, min, max, exp, ln, tanh, sqrt, `min(a, b)`, `max(a, b)`, and reads \
+             `NAME[i, ..]` of tensors declared in params(...)",
         )),
     }
+}
+
+/// `NAME[i]` or `NAME[i, j, ..]` (the parser turns the latter into a tuple index).
+fn lower_index(i: &syn::ExprIndex, scope: &Scope) -> syn::Result<(Expr, Ty)> {
+    let name = match &*i.expr {
+        syn::Expr::Path(p) => p.path.get_ident().map(ToString::to_string),
+        _ => None,
+    };
+    let Some(name) = name else {
+        return Err(syn::Error::new_spanned(
+            &i.expr,
+            "only a parameter declared in params(...) can be indexed",
+        ));
+    };
+    if scope.vars.iter().any(|(n, _)| *n == name) {
+        return Err(syn::Error::new_spanned(
+            &i.expr,
+            format!(
+                "`{name}` is a closure parameter and cannot be indexed; only tensors declared \
+                 in params(...) can"
+            ),
+        ));
+    }
+    let Some(decl) = scope.params.iter().find(|p| p.name == name) else {
+        let declared: Vec<&str> = scope.params.iter().map(|p| p.name.as_str()).collect();
+        let known = if declared.is_empty() {
+            "no parameters are declared (add `params(NAME: [DIM, ..])` to the spec)".to_string()
+        } else {
+            format!("declared: {}", declared.join(", "))
+        };
+        return Err(syn::Error::new_spanned(
+            &i.expr,
+            format!("unknown parameter `{name}`; {known}"),
+        ));
+    };
+    let written: Vec<&syn::Expr> = match &*i.index {
+        syn::Expr::Tuple(t) => t.elems.iter().collect(),
+        one => vec![one],
+    };
+    if written.len() != decl.dims.len() {
+        return Err(syn::Error::new_spanned(
+            &i.index,
+            format!(
+                "`{name}` has {} dimension{}, this reads it with {} ind{}",
+                decl.dims.len(),
+                if decl.dims.len() == 1 { "" } else { "s" },
+                written.len(),
+                if written.len() == 1 { "ex" } else { "ices" }
+            ),
+        ));
+    }
+    let mut indices = Vec::with_capacity(written.len());
+    for index in written {
+        let (e, ty) = lower_expr(index, scope)?;
+        if ty != Ty::I64 {
+            return Err(syn::Error::new_spanned(
+                index,
+                format!("an index of `{name}` must be i64, this is {}", ty.name()),
+            ));
+        }
+        if e.uses(Var::Score) || e.reads_params() {
+            return Err(syn::Error::new_spanned(
+                index,
+                format!(
+                    "an index of `{name}` may use only b, h, q, k and constants, not the score \
+                     or another parameter"
+                ),
+            ));
+        }
+        indices.push(e);
+    }
+    let read = ParamRead { name, indices };
+    scope.reads.borrow_mut().push((read.clone(), i.span()));
+    Ok((Expr::Param(read), Ty::F32))
+}
+
+/// `min(a, b)` and `max(a, b)`, the free-function spellings of the methods.
+fn lower_call(c: &syn::ExprCall, scope: &Scope) -> syn::Result<(Expr, Ty)> {
+    let name = match &*c.func {
+        syn::Expr::Path(p) => p.path.get_ident().map(ToString::to_string),
+        _ => None,
+    };
+    let op = match name.as_deref() {
+        Some("min") => BinOp::Min,
+        Some("max") => BinOp::Max,
+        _ => {
+            return Err(syn::Error::new_spanned(
+                &c.func,
+                "unknown function; allowed: min(a, b), max(a, b)",
+            ));
+        }
+    };
+    if c.args.len() != 2 {
+        return Err(syn::Error::new_spanned(
+            &c.func,
+            format!(
+                "`{}` takes 2 arguments, found {}",
+                op.symbol(),
+                c.args.len()
+            ),
+        ));
+    }
+    let a = lower_expr(&c.args[0], scope)?;
+    let b = lower_expr(&c.args[1], scope)?;
+    combine(op, a, b, c.func.span())
 }
 
 fn lower_block(block: &syn::Block, scope: &Scope) -> syn::Result<(Expr, Ty)> {
@@ -251,10 +420,16 @@ fn lower_path(path: &syn::ExprPath, scope: &Scope) -> syn::Result<(Expr, Ty)> {
         ));
     };
     let name = ident.to_string();
-    match scope.iter().rev().find(|(n, _)| *n == name && n != "_") {
+    match scope
+        .vars
+        .iter()
+        .rev()
+        .find(|(n, _)| *n == name && n != "_")
+    {
         Some((_, var)) => Ok((Expr::Var(*var), var.ty())),
         None => {
             let known: Vec<&str> = scope
+                .vars
                 .iter()
                 .map(|(n, _)| n.as_str())
                 .filter(|n| *n != "_")

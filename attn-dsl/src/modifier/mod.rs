@@ -29,7 +29,7 @@ mod program;
 pub mod scale;
 pub mod typecheck;
 
-pub use eval::{Env, Value, eval};
+pub use eval::{Env, ParamValues, Value, eval};
 pub(crate) use lower::{lower_mask_mod, lower_score_mod, score_mod_notes};
 pub use program::ScoreProgram;
 
@@ -187,6 +187,18 @@ pub enum Expr {
     /// `[v0, v1, ..][index]`: a constant f32 table (e.g. ALiBi slopes by head); the index is
     /// clamped into the table.
     Table(Vec<f64>, Box<Expr>),
+    /// `name[i, ..]`: one element of a learnable parameter tensor (f32), indices i64 and
+    /// clamped into each dimension (the spec proves they are in range).
+    Param(ParamRead),
+}
+
+/// A read of one element of a learnable parameter: `name[i, j, ..]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParamRead {
+    /// The parameter's name, as declared in `params(...)`.
+    pub name: String,
+    /// One i64 index per dimension, outermost first.
+    pub indices: Vec<Expr>,
 }
 
 impl Expr {
@@ -216,6 +228,14 @@ impl Expr {
             Expr::Select(c, t, e) => Expr::Select(sub(c), sub(t), sub(e)),
             Expr::Cast(a, ty) => Expr::Cast(sub(a), *ty),
             Expr::Table(values, i) => Expr::Table(values.clone(), sub(i)),
+            Expr::Param(read) => Expr::Param(ParamRead {
+                name: read.name.clone(),
+                indices: read
+                    .indices
+                    .iter()
+                    .map(|i| i.substitute(var, with))
+                    .collect(),
+            }),
         }
     }
 
@@ -233,6 +253,7 @@ impl Expr {
                 Expr::Select(c, t, o) => {
                     stack.extend([(&**c, d + 1), (&**t, d + 1), (&**o, d + 1)]);
                 }
+                Expr::Param(read) => stack.extend(read.indices.iter().map(|i| (i, d + 1))),
             }
         }
         deepest
@@ -246,6 +267,43 @@ impl Expr {
             Expr::Unary(_, a) | Expr::Cast(a, _) | Expr::Table(_, a) => a.uses(var),
             Expr::Binary(_, a, b) => a.uses(var) || b.uses(var),
             Expr::Select(c, t, e) => c.uses(var) || t.uses(var) || e.uses(var),
+            Expr::Param(read) => read.indices.iter().any(|i| i.uses(var)),
+        }
+    }
+
+    /// Whether the expression reads a learnable parameter.
+    pub fn reads_params(&self) -> bool {
+        let mut found = false;
+        self.visit(&mut |e| found |= matches!(e, Expr::Param(_)));
+        found
+    }
+
+    /// Every distinct parameter read in the expression (equal reads once), in first-seen
+    /// preorder.
+    pub fn param_reads(&self) -> Vec<ParamRead> {
+        let mut reads: Vec<ParamRead> = Vec::new();
+        self.visit(&mut |e| {
+            if let Expr::Param(read) = e
+                && !reads.contains(read)
+            {
+                reads.push(read.clone());
+            }
+        });
+        reads
+    }
+
+    /// Calls `f` on every node, parents before children, without recursion.
+    pub fn visit(&self, f: &mut dyn FnMut(&Expr)) {
+        let mut stack = vec![self];
+        while let Some(e) = stack.pop() {
+            f(e);
+            match e {
+                Expr::Var(_) | Expr::Float(_) | Expr::Int(_) | Expr::Bool(_) => {}
+                Expr::Unary(_, a) | Expr::Cast(a, _) | Expr::Table(_, a) => stack.push(a),
+                Expr::Binary(_, a, b) => stack.extend([&**b, &**a]),
+                Expr::Select(c, t, o) => stack.extend([&**o, &**t, &**c]),
+                Expr::Param(read) => stack.extend(read.indices.iter().rev()),
+            }
         }
     }
 }
@@ -269,14 +327,29 @@ pub struct MaskMod {
 }
 
 impl ScoreMod {
-    /// The modified score for one (batch, head, query position, key position).
+    /// The modified score for one (batch, head, query position, key position), for a modifier
+    /// that reads no parameter.
     pub fn apply(&self, score: f64, b: i64, h: i64, q: i64, k: i64) -> f64 {
+        self.apply_with(score, b, h, q, k, &[])
+    }
+
+    /// [`ScoreMod::apply`] with the values of the parameters the modifier reads.
+    pub fn apply_with(
+        &self,
+        score: f64,
+        b: i64,
+        h: i64,
+        q: i64,
+        k: i64,
+        params: &[ParamValues],
+    ) -> f64 {
         let env = Env {
             score,
             b,
             h,
             q,
             k,
+            params,
             ..Env::default()
         };
         eval(&self.body, &env).as_f64()

@@ -167,6 +167,16 @@ impl<'a> Printer<'a> {
                 self.expr(f, index)?;
                 write!(f, "]")
             }
+            Expr::Param(read) => {
+                write!(f, "{}[", read.name)?;
+                for (i, index) in read.indices.iter().enumerate() {
+                    if i > 0 {
+                        write!(f, ", ")?;
+                    }
+                    self.expr(f, index)?;
+                }
+                write!(f, "]")
+            }
         }
     }
 }

@@ -2,7 +2,7 @@
 //! composed, so a backend applies one score expression and one mask expression.
 
 use super::typecheck::{TypeError, typecheck};
-use super::{BinOp, Expr, Ty, UnOp, Var};
+use super::{BinOp, Expr, ParamRead, Ty, UnOp, Var};
 use crate::reference::alibi;
 use crate::spec::{AttentionSpec, CausalAlign, Mask, Position};
 use std::fmt;
@@ -86,6 +86,20 @@ impl ScoreProgram {
         let mut gradient = super::grad::derivative(&self.score)?;
         gradient.expr = super::fold::fold(&gradient.expr);
         Ok(gradient)
+    }
+
+    /// For each distinct parameter read of the score, `d score / d read` (the value read),
+    /// folded, in first-read order. A parameter's gradient sums `dS * d score / d read` over
+    /// every kept pair, into the element each read reads at that pair.
+    pub fn param_gradients(&self) -> Result<Vec<(ParamRead, Expr)>, super::grad::GradError> {
+        self.score
+            .param_reads()
+            .into_iter()
+            .map(|read| {
+                let gradient = super::grad::derivative_wrt_param(&self.score, &read)?;
+                Ok((read, super::fold::fold(&gradient.expr)))
+            })
+            .collect()
     }
 
     /// Checks that the score is f32 and the mask bool.

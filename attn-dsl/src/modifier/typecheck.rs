@@ -110,5 +110,28 @@ pub fn typecheck(expr: &Expr) -> Result<Ty, TypeError> {
                 )),
             }
         }
+        Expr::Param(read) => {
+            for index in &read.indices {
+                match typecheck(index)? {
+                    Ty::I64 if !index.uses(super::Var::Score) && !index.reads_params() => {}
+                    Ty::I64 => {
+                        return Err(error(
+                            expr,
+                            format!(
+                                "an index of `{}` may not depend on the score or on a parameter",
+                                read.name
+                            ),
+                        ));
+                    }
+                    t => {
+                        return Err(error(
+                            expr,
+                            format!("an index of `{}` must be i64, not {}", read.name, t.name()),
+                        ));
+                    }
+                }
+            }
+            Ok(Ty::F32)
+        }
     }
 }

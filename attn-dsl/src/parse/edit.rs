@@ -4,12 +4,13 @@ use super::KEYS;
 use crate::error::SpecErrors;
 use proc_macro2::TokenStream;
 use quote::ToTokens;
-use syn::parse::Parser;
-use syn::punctuated::Punctuated;
 
-/// The keys a `key = value` item can set: every top-level key but `mla(...)`, which is a call.
+/// The keys a `key = value` item can set: every top-level key but the items `mla(...)` and
+/// `params(...)`.
 pub fn settable_keys() -> impl Iterator<Item = &'static str> {
-    KEYS.iter().copied().filter(|k| *k != "mla")
+    KEYS.iter()
+        .copied()
+        .filter(|k| !super::CALL_ITEMS.contains(k))
 }
 
 /// The spec `source` with its item `key = ...` replaced by `key = value`, or with that item
@@ -35,13 +36,18 @@ pub fn set_key(source: &str, key: &str, value: &str) -> Result<String, SpecError
         ))
     })?;
     super::limits::check(&tokens).map_err(SpecErrors::from_syn)?;
-    let items = Punctuated::<syn::Expr, syn::Token![,]>::parse_terminated
-        .parse2(tokens)
-        .map_err(SpecErrors::from_syn)?;
+    let items = super::params::split_items(tokens).map_err(SpecErrors::from_syn)?;
     let mut kept: Vec<String> = items
+        .params
         .iter()
-        .filter(|item| !sets(item, key))
-        .map(|item| item.to_token_stream().to_string())
+        .map(ToString::to_string)
+        .chain(
+            items
+                .rest
+                .iter()
+                .filter(|item| !sets(item, key))
+                .map(|item| item.to_token_stream().to_string()),
+        )
         .collect();
     kept.push(format!("{key} = {value}"));
     Ok(kept.join(", "))

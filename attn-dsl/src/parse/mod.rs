@@ -8,6 +8,7 @@
 
 mod edit;
 mod limits;
+mod params;
 mod values;
 
 pub use edit::{set_key, settable_keys};
@@ -15,16 +16,15 @@ pub use edit::{set_key, settable_keys};
 pub use limits::{MAX_BRACKET_DEPTH, MAX_EXPR_DEPTH, MAX_LITERAL_CHARS, MAX_SPEC_BYTES};
 
 use crate::error::{SpecError, SpecErrors};
+use crate::learnable::Subject;
 use crate::modifier::{lower_mask_mod, lower_score_mod};
 use crate::spec::{
-    AttentionSpec, CausalAlign, DType, KvLayout, Mask, Mla, Position, Rope, RopeLayout,
-    RopeScaling, Yarn,
+    AttentionSpec, CausalAlign, DType, KvLayout, Mask, Mla, ParamDecl, Position, Rope, RopeLayout,
+    RopeScaling, Sinks, Yarn,
 };
 use proc_macro2::{Spacing, Span, TokenStream, TokenTree};
 use quote::ToTokens;
 use std::collections::{HashMap, HashSet};
-use syn::parse::Parser;
-use syn::punctuated::Punctuated;
 use values::{Args, Value};
 
 /// Most errors one parse reports; past these, one last error says how many more there were.
@@ -43,8 +43,13 @@ const KEYS: &[&str] = &[
     "dtype",
     "score_mod",
     "mask_mod",
+    "sinks",
     "mla",
+    "params",
 ];
+
+/// The keys that are items of their own, `NAME(...)`, not `key = value`.
+const CALL_ITEMS: &[&str] = &["mla", "params"];
 
 /// Parses a spec from a string. Errors carry line:column locations; render them with
 /// [`SpecErrors::render`].
@@ -80,10 +85,17 @@ pub fn gradient_notes(source: &str) -> Vec<SpecError> {
     if limits::check(&tokens).is_err() {
         return Vec::new();
     }
-    let Ok(items) = Punctuated::<syn::Expr, syn::Token![,]>::parse_terminated.parse2(tokens) else {
+    let Ok(items) = params::split_items(tokens) else {
         return Vec::new();
     };
-    let closure = items.iter().find_map(|item| match item {
+    let declared: Vec<ParamDecl> = items
+        .params
+        .iter()
+        .filter_map(|item| params::declarations(item).ok())
+        .flatten()
+        .map(|(decl, _)| decl)
+        .collect();
+    let closure = items.rest.iter().find_map(|item| match item {
         syn::Expr::Assign(a) => match (&*a.left, &*a.right) {
             (syn::Expr::Path(p), syn::Expr::Closure(c)) if p.path.is_ident("score_mod") => Some(c),
             _ => None,
@@ -91,7 +103,7 @@ pub fn gradient_notes(source: &str) -> Vec<SpecError> {
         _ => None,
     });
     closure.map_or_else(Vec::new, |c| {
-        crate::modifier::score_mod_notes(c)
+        crate::modifier::score_mod_notes(c, &declared)
             .into_iter()
             .map(|(note, span)| SpecError::at(format!("backward: {note}"), span))
             .collect()
@@ -130,27 +142,37 @@ pub fn parse_tokens(tokens: TokenStream) -> syn::Result<AttentionSpec> {
     }
     limits::check(&tokens)?;
     let whole = tokens.clone();
-    let items = Punctuated::<syn::Expr, syn::Token![,]>::parse_terminated
-        .parse2(tokens)
-        .map_err(|e| colon_after_key(&whole).unwrap_or(e))?;
+    let items = params::split_items(tokens).map_err(|e| colon_after_key(&whole).unwrap_or(e))?;
     let mut p = SpecParser {
         failed: HashSet::new(),
         spans: HashMap::new(),
         errors: Vec::new(),
         more_errors: 0,
         raw: Raw::default(),
+        decl_tokens: Vec::new(),
+        reads: Vec::new(),
     };
-    for item in &items {
+    // Declarations first: the score modifier's reads are resolved against them.
+    for item in &items.params {
+        p.params_item(item);
+    }
+    for item in &items.rest {
         p.item(item);
     }
     let spec = p.resolve(&whole);
+    let placed = match &spec {
+        Some(spec) => p.place_learnable_findings(spec),
+        None => HashSet::new(),
+    };
     if let Some(Err(findings)) = spec.as_ref().map(AttentionSpec::validate) {
         // A field whose value was already rejected holds a default now: judging it again
-        // would only repeat the first error in other words.
+        // would only repeat the first error in other words. Findings about parameters were
+        // placed at their tokens already.
         let top = |field: &str| field.split('.').next().unwrap_or(field).to_string();
         let findings: Vec<_> = findings
             .into_iter()
             .filter(|f| !p.failed.contains(top(f.field).as_str()))
+            .filter(|f| !placed.contains(&f.message))
             .collect();
         for finding in findings {
             let at = p.tokens_of(finding.field, &whole);
@@ -202,6 +224,8 @@ struct Raw {
     dtype: Option<DType>,
     score_mod: Option<crate::modifier::ScoreMod>,
     mask_mod: Option<crate::modifier::MaskMod>,
+    params: Vec<ParamDecl>,
+    sinks: Option<Sinks>,
 }
 
 /// RoPE as written: the dim may default to the rotated head dimension, known only at the end.
@@ -226,6 +250,10 @@ struct SpecParser {
     /// How many errors came past those.
     more_errors: usize,
     raw: Raw,
+    /// The tokens of each declaration in `raw.params`.
+    decl_tokens: Vec<TokenStream>,
+    /// The score modifier's parameter reads, with their spans.
+    reads: Vec<(crate::modifier::ParamRead, Span)>,
 }
 
 impl SpecParser {
@@ -276,7 +304,10 @@ impl SpecParser {
                         "`mla` needs its parameters: mla(latent_rank = 512, rope_dim = 64)"
                             .to_string()
                     }
-                    _ => "expected `key = value` or `mla(...)`".to_string(),
+                    Some(i) if i == "params" => {
+                        "`params` needs its declarations: params(NAME: [DIM, ..], ..)".to_string()
+                    }
+                    _ => "expected `key = value`, `mla(...)` or `params(...)`".to_string(),
                 };
                 self.error(syn::Error::new_spanned(other, hint));
             }
@@ -303,7 +334,11 @@ impl SpecParser {
 
     fn key(&mut self, key: &syn::Ident, value: &syn::Expr) -> syn::Result<()> {
         let name = key.to_string();
-        let Some(field) = KEYS.iter().copied().find(|k| *k == name && *k != "mla") else {
+        let Some(field) = KEYS
+            .iter()
+            .copied()
+            .find(|k| *k == name && !CALL_ITEMS.contains(k))
+        else {
             return Err(unknown_key(key, &name));
         };
         // Claimed before the value is read, so an invalid value is not also reported missing.
@@ -333,8 +368,20 @@ impl SpecParser {
             }
             "mask" => self.raw.mask = Some(self.mask(&v)?),
             "position" => self.raw.position = Some(self.position(&v)?),
-            "score_mod" => self.raw.score_mod = Some(lower_score_mod(v.closure()?)?),
-            "mask_mod" => self.raw.mask_mod = Some(lower_mask_mod(v.closure()?)?),
+            "score_mod" => {
+                let lowered = lower_score_mod(v.closure()?, &self.raw.params)?;
+                self.raw.score_mod = Some(lowered.score_mod);
+                self.reads = lowered.reads;
+            }
+            "sinks" => {
+                self.raw.sinks = Some(match v.word(&["none", "learned"])? {
+                    "learned" => Sinks::Learned,
+                    _ => Sinks::None,
+                })
+            }
+            "mask_mod" => {
+                self.raw.mask_mod = Some(lower_mask_mod(v.closure()?, &self.raw.params)?);
+            }
             _ => unreachable!("every key in KEYS is handled"),
         }
         Ok(())
@@ -548,6 +595,55 @@ impl SpecParser {
         Ok(())
     }
 
+    /// Reads a `params(...)` item's declarations.
+    fn params_item(&mut self, item: &TokenStream) {
+        if self.claim("params", item, item.clone()).is_err() {
+            self.error(syn::Error::new_spanned(
+                item,
+                "params(...) appears twice; declare every parameter in one params(...)",
+            ));
+            return;
+        }
+        match params::declarations(item) {
+            Ok(decls) => {
+                for (decl, tokens) in decls {
+                    self.raw.params.push(decl);
+                    self.decl_tokens.push(tokens);
+                }
+            }
+            Err(e) => {
+                self.failed.insert("params");
+                self.error(e);
+            }
+        }
+    }
+
+    /// Reports the rules about parameters at the tokens each is about; returns the messages,
+    /// so validation does not repeat them.
+    fn place_learnable_findings(&mut self, spec: &AttentionSpec) -> HashSet<String> {
+        let mut placed = HashSet::new();
+        for (subject, message) in crate::learnable::findings(spec) {
+            let tokens = match &subject {
+                Subject::Decl(i) => self.decl_tokens.get(*i).or(self.spans.get("params")),
+                Subject::MaskMod => self.spans.get("mask_mod"),
+                Subject::Spec => self.spans.get("mla"),
+                Subject::Read(_) => None,
+            };
+            let read_span = match &subject {
+                Subject::Read(read) => self.reads.iter().find(|(r, _)| r == read).map(|r| r.1),
+                _ => None,
+            };
+            let err = match (tokens, read_span) {
+                (Some(tokens), _) => syn::Error::new_spanned(tokens, &message),
+                (None, Some(span)) => syn::Error::new(span, &message),
+                (None, None) => syn::Error::new(Span::call_site(), &message),
+            };
+            self.error(err);
+            placed.insert(message);
+        }
+        placed
+    }
+
     /// Fills in defaults and checks that required keys are present. Keys that were rejected
     /// take their defaults, so the rest of the spec can still be validated.
     fn resolve(&mut self, whole: &TokenStream) -> Option<AttentionSpec> {
@@ -608,6 +704,8 @@ impl SpecParser {
             dtype: raw.dtype.unwrap_or(DType::F32),
             score_mod: raw.score_mod,
             mask_mod: raw.mask_mod,
+            params: raw.params,
+            sinks: raw.sinks.unwrap_or_default(),
         })
     }
 }
@@ -620,6 +718,7 @@ fn unknown_key(key: &syn::Ident, name: &str) -> syn::Error {
         .filter(|(d, k)| *d <= 2.max(k.len() / 3));
     let hint = match best {
         Some((_, "mla")) => "; did you mean `mla(latent_rank = .., rope_dim = ..)`?".to_string(),
+        Some((_, "params")) => "; did you mean `params(NAME: [DIM, ..])`?".to_string(),
         Some((_, k)) => format!("; did you mean `{k}`?"),
         None => format!("; allowed keys: {}", KEYS.join(", ")),
     };

@@ -7,11 +7,15 @@
 //! `dq_i += dS_ij k_j`, `dk_j += dS_ij q_i` on the rotated q and k; GQA sums dk and dv over the
 //! group, and RoPE's rotation is undone (dq and dk are for the unrotated inputs). Masked pairs and
 //! fully masked rows carry no gradient.
+//!
+//! Learnable tensors: a parameter element gains `P_ij (dP_ij - D_i) * d score / d read` from
+//! every kept pair at which a read of the score reads it ([`ScoreProgram::param_gradients`]);
+//! a sink gains `-exp(sinks[h] - lse_i) * D_i` from every row of its head.
 
-use super::{Array, Inputs, Pair, Positions, attention_inputs, dot, rope, score};
+use super::{Array, Inputs, Learned, Pair, Positions, attention_inputs, dot, rope, score};
 use crate::error::ReferenceError;
-use crate::modifier::{Env, Expr, ScoreProgram, eval};
-use crate::spec::{AttentionSpec, Position};
+use crate::modifier::{Env, Expr, ParamRead, ParamValues, ScoreProgram, eval};
+use crate::spec::{AttentionSpec, Position, SINKS_NAME};
 
 /// Gradients with respect to the inputs of [`super::attention`].
 #[derive(Clone, Debug, PartialEq)]
@@ -22,14 +26,28 @@ pub struct Gradients {
     pub dk: Array,
     /// `dL/dv`, `[B, Hkv, Skv, Dv]`.
     pub dv: Array,
+    /// The gradient of each learnable tensor, named `d<name>` (`dsinks` for the sinks), in the
+    /// order of [`AttentionSpec::learnable_tensors`]; empty without learnable tensors.
+    pub learned: Vec<ParamValues>,
 }
 
 /// The gradients of a per-head spec's attention for the output gradient `dout`
-/// (`[B, Hq, Sq, Dv]`).
+/// (`[B, Hq, Sq, Dv]`), for a spec without learnable tensors.
 pub fn backward(
     spec: &AttentionSpec,
     inputs: &Inputs,
     dout: &Array,
+) -> Result<Gradients, ReferenceError> {
+    backward_learned(spec, inputs, dout, &[])
+}
+
+/// [`backward`] with the values of the spec's learnable tensors; their gradients are in
+/// [`Gradients::learned`].
+pub fn backward_learned(
+    spec: &AttentionSpec,
+    inputs: &Inputs,
+    dout: &Array,
+    learned: &[ParamValues],
 ) -> Result<Gradients, ReferenceError> {
     if spec.mla().is_some() {
         return Err(ReferenceError::WrongEntryPoint(
@@ -47,11 +65,21 @@ pub fn backward(
             spec.v_head_dim as usize,
         ],
     )?;
+    let learned = Learned::check(spec, learned)?;
     let derivative = ScoreProgram::of(spec)
         .score_gradient()
         .map_err(|e| ReferenceError::Gradient(e.to_string()))?
         .expr;
-    let (dq, dk, dv) = rotated_gradients(spec, &q, &k, inputs.v, dout, &positions, &derivative);
+    let ((dq, dk, dv), learned) = rotated_gradients(
+        spec,
+        &q,
+        &k,
+        inputs.v,
+        dout,
+        &positions,
+        &derivative,
+        &learned,
+    );
     let (dq, dk) = match &spec.position {
         Position::Rope(r) => {
             // The rotation at position p times the attention factor `a` has the transpose
@@ -65,10 +93,16 @@ pub fn backward(
         }
         _ => (dq, dk),
     };
-    Ok(Gradients { dq, dk, dv })
+    Ok(Gradients {
+        dq,
+        dk,
+        dv,
+        learned,
+    })
 }
 
-/// Gradients with respect to the rotated q and k (and v).
+/// Gradients with respect to the rotated q and k (and v), and of the learnable tensors.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn rotated_gradients(
     spec: &AttentionSpec,
     q: &Array,
@@ -77,7 +111,20 @@ pub(super) fn rotated_gradients(
     dout: &Array,
     pos: &Positions,
     derivative: &Expr,
-) -> (Array, Array, Array) {
+    learned: &Learned,
+) -> ((Array, Array, Array), Vec<ParamValues>) {
+    let param_derivatives: Vec<(ParamRead, Expr)> =
+        ScoreProgram::of(spec).param_gradients().unwrap_or_default();
+    let mut dparams: Vec<ParamValues> = learned
+        .params
+        .iter()
+        .map(|p| ParamValues {
+            name: format!("d{}", p.name),
+            shape: p.shape.clone(),
+            values: vec![0.0; p.values.len()],
+        })
+        .collect();
+    let mut dsinks = learned.sinks.as_ref().map(|s| vec![0.0; s.len()]);
     let [b_n, hq, sq, _]: [usize; 4] = q.shape().try_into().expect("checked by the caller");
     let hkv = k.shape()[1];
     let group = hq / hkv;
@@ -104,18 +151,24 @@ pub(super) fn rotated_gradients(
                             j,
                         };
                         let raw = dot(&qi, k.row(&[b, kvh, j]));
-                        (at, raw, score(spec, &slopes, raw, at))
+                        (at, raw, score(spec, &slopes, raw, at, &learned.params))
                     })
                     .collect();
+                let sink = learned.sink(h).filter(|s| *s != f64::NEG_INFINITY);
                 // A -inf score weighs nothing, as a masked key: its pair carries no gradient.
                 let kept_score =
                     |p: &(Pair, f64, Option<f64>)| p.2.filter(|s| *s != f64::NEG_INFINITY);
                 let kept: Vec<f64> = pairs.iter().filter_map(kept_score).collect();
                 if kept.is_empty() {
+                    // Only the sink (if any) is left: out is 0, so D and every gradient are 0.
                     continue;
                 }
-                let max = kept.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                let denom: f64 = kept.iter().map(|s| (s - max).exp()).sum();
+                let max = kept
+                    .iter()
+                    .chain(&sink)
+                    .copied()
+                    .fold(f64::NEG_INFINITY, f64::max);
+                let denom: f64 = kept.iter().chain(&sink).map(|s| (s - max).exp()).sum();
                 let probs: Vec<Option<f64>> = pairs
                     .iter()
                     .map(|p| kept_score(p).map(|s| (s - max).exp() / denom))
@@ -128,6 +181,9 @@ pub(super) fn rotated_gradients(
                     .zip(&dps)
                     .filter_map(|(p, dp)| p.map(|p| p * dp))
                     .sum();
+                if let (Some(s), Some(d)) = (sink, dsinks.as_mut()) {
+                    d[h] -= (s - max).exp() / denom * d_row;
+                }
                 for (j, (p, (at, raw, _))) in probs.iter().zip(&pairs).enumerate() {
                     let Some(p) = *p else { continue };
                     let env = Env {
@@ -138,8 +194,19 @@ pub(super) fn rotated_gradients(
                         k: at.pos_k,
                         qi: i as i64,
                         ki: j as i64,
+                        params: &learned.params,
                     };
-                    let ds = p * (dps[j] - d_row) * eval(derivative, &env).as_f64();
+                    let ds_final = p * (dps[j] - d_row);
+                    for (read, d) in &param_derivatives {
+                        accumulate(
+                            &mut dparams,
+                            learned,
+                            read,
+                            &env,
+                            ds_final * eval(d, &env).as_f64(),
+                        );
+                    }
+                    let ds = ds_final * eval(derivative, &env).as_f64();
                     axpy(dv.row_mut(&[b, kvh, j]), p, &go);
                     axpy(dq.row_mut(&[b, h, i]), ds, k.row(&[b, kvh, j]));
                     axpy(dk.row_mut(&[b, kvh, j]), ds, &qi);
@@ -147,7 +214,29 @@ pub(super) fn rotated_gradients(
             }
         }
     }
-    (dq, dk, dv)
+    if let Some(values) = dsinks {
+        dparams.push(ParamValues {
+            name: format!("d{SINKS_NAME}"),
+            shape: vec![values.len()],
+            values,
+        });
+    }
+    ((dq, dk, dv), dparams)
+}
+
+/// Adds `x` to the element of `dparams` that `read` reads at `env`.
+fn accumulate(dparams: &mut [ParamValues], learned: &Learned, read: &ParamRead, env: &Env, x: f64) {
+    let Some(slot) = learned.params.iter().position(|p| p.name == read.name) else {
+        return;
+    };
+    let indices: Vec<i64> = read
+        .indices
+        .iter()
+        .map(|i| eval(i, env).as_f64() as i64)
+        .collect();
+    if let Some(flat) = learned.params[slot].flat_index(&indices) {
+        dparams[slot].values[flat] += x;
+    }
 }
 
 /// `y += a x`.

@@ -1,6 +1,6 @@
 //! Multi-head latent attention (DeepSeek-V2/V3 layout) in its expanded and absorbed forms.
 
-use super::{Array, Output, Positions, attend, check_spec, dims4, expect, rope};
+use super::{Array, Learned, Output, Positions, attend, check_spec, dims4, expect, rope};
 use crate::error::ReferenceError;
 use crate::modifier::ScoreProgram;
 use crate::spec::{AttentionSpec, Mla, Position};
@@ -133,7 +133,7 @@ pub fn mla_expanded(spec: &AttentionSpec, x: &MlaInputs) -> Result<Output, Refer
     super::check_positions(s.sq, s.skv, x.position_offset)?;
     let pos = Positions::new(s.sq, s.skv, x.position_offset);
     let [q, k, v] = expanded(spec, x, &s, &pos);
-    Ok(attend(spec, &q, &k, &v, &pos))
+    Ok(attend(spec, &q, &k, &v, &pos, &Learned::default()))
 }
 
 /// The expanded form's per-head inputs: `q = [q_nope | q_pe]`, `k = [W_uk c_kv | k_pe]` and
@@ -172,7 +172,7 @@ pub fn mla_absorbed(spec: &AttentionSpec, x: &MlaInputs) -> Result<MlaAbsorbed, 
         Array::from_vec(&[s.b, 1, s.skv, r], x.c_kv.data().to_vec()).expect("same element count");
     let q = concat_last(&q_latent, &q_pe);
     let k = concat_last(&c_kv, &k_pe);
-    let latent = attend(spec, &q, &k, &c_kv, &pos);
+    let latent = attend(spec, &q, &k, &c_kv, &pos, &Learned::default());
     let out = Array::from_fn(&[s.b, s.h, s.sq, s.dv], |ix| {
         let w = w_row(x, &s, ix[1], s.dn + ix[3]);
         super::dot(w, latent.out.row(&[ix[0], ix[1], ix[2]]))
@@ -222,8 +222,17 @@ pub fn backward_mla(
         .score_gradient()
         .map_err(|e| ReferenceError::Gradient(e.to_string()))?
         .expr;
-    let (dq, dk, dv) =
-        super::backward::rotated_gradients(spec, &q, &k, &v, dout, &pos, &derivative);
+    let (dq, dk, dv) = super::backward::rotated_gradients(
+        spec,
+        &q,
+        &k,
+        &v,
+        dout,
+        &pos,
+        &derivative,
+        &Learned::default(),
+    )
+    .0;
     let (dn, dr, r) = (s.dn, s.mla.rope_dim as usize, s.mla.latent_rank as usize);
     let dq_nope = Array::from_fn(&[s.b, s.h, s.sq, dn], |ix| dq.get(ix));
     let dq_pe = Array::from_fn(&[s.b, s.h, s.sq, dr], |ix| {

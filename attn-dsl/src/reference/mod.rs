@@ -8,14 +8,17 @@
 pub mod alibi;
 mod array;
 mod backward;
+mod learned;
 mod mla;
 pub mod rope;
 
 pub use array::Array;
-pub use backward::{Gradients, backward};
+pub use backward::{Gradients, backward, backward_learned};
+pub use learned::Learned;
 pub use mla::{MlaAbsorbed, MlaGradients, MlaInputs, backward_mla, mla_absorbed, mla_expanded};
 
 use crate::error::ReferenceError;
+use crate::modifier::ParamValues;
 use crate::spec::{AttentionSpec, CausalAlign, Mask, Position};
 
 /// Inputs of per-head attention (MHA/GQA/MQA).
@@ -62,10 +65,21 @@ pub fn check_positions(sq: usize, skv: usize, p0: i64) -> Result<(), ReferenceEr
     Ok(())
 }
 
-/// Computes attention for a per-head spec.
+/// Computes attention for a per-head spec without learnable tensors.
 pub fn attention(spec: &AttentionSpec, inputs: &Inputs) -> Result<Output, ReferenceError> {
+    attention_learned(spec, inputs, &[])
+}
+
+/// Computes attention for a per-head spec, with the values of its learnable tensors
+/// (parameters by their declared names, and `sinks`).
+pub fn attention_learned(
+    spec: &AttentionSpec,
+    inputs: &Inputs,
+    learned: &[ParamValues],
+) -> Result<Output, ReferenceError> {
     let (q, k, positions) = attention_inputs(spec, inputs)?;
-    Ok(attend(spec, &q, &k, inputs.v, &positions))
+    let learned = Learned::check(spec, learned)?;
+    Ok(attend(spec, &q, &k, inputs.v, &positions, &learned))
 }
 
 /// Checks a per-head call's spec, shapes and positions; returns q and k after RoPE and the
@@ -193,11 +207,18 @@ pub fn pair_score(spec: &AttentionSpec, dot: f64, at: Pair) -> Option<f64> {
         Position::Alibi => alibi::slopes(spec.heads),
         _ => Vec::new(),
     };
-    score(spec, &slopes, dot, at)
+    score(spec, &slopes, dot, at, &[])
 }
 
-/// [`pair_score`] with the ALiBi slopes computed once by the caller.
-fn score(spec: &AttentionSpec, slopes: &[f64], dot: f64, at: Pair) -> Option<f64> {
+/// [`pair_score`] with the ALiBi slopes computed once by the caller, and the parameters the
+/// score modifier reads.
+fn score(
+    spec: &AttentionSpec,
+    slopes: &[f64],
+    dot: f64,
+    at: Pair,
+    params: &[ParamValues],
+) -> Option<f64> {
     let (pq, pk) = (at.pos_q, at.pos_k);
     let keep = match spec.mask {
         Mask::None => true,
@@ -222,7 +243,7 @@ fn score(spec: &AttentionSpec, slopes: &[f64], dot: f64, at: Pair) -> Option<f64
         s += slopes[at.h] * (pk - pq) as f64;
     }
     if let Some(m) = &spec.score_mod {
-        s = m.apply(s, bi, hi, pq, pk);
+        s = m.apply_with(s, bi, hi, pq, pk, params);
     }
     // Scores are f32 values: one past f32::MAX is +inf (its row is NaN), one below -f32::MAX
     // is -inf (it weighs nothing, as a masked key).
@@ -233,8 +254,16 @@ fn score(spec: &AttentionSpec, slopes: &[f64], dot: f64, at: Pair) -> Option<f64
 }
 
 /// Softmax attention over already-rotated q `[B, Hq, Sq, Dqk]`, k `[B, Hkv, Skv, Dqk]` and
-/// v `[B, Hkv, Skv, Dv]`; query head `h` reads KV head `h / (Hq / Hkv)`.
-fn attend(spec: &AttentionSpec, q: &Array, k: &Array, v: &Array, pos: &Positions) -> Output {
+/// v `[B, Hkv, Skv, Dv]`; query head `h` reads KV head `h / (Hq / Hkv)`. A sink joins each
+/// row's softmax as one more logit with no value.
+fn attend(
+    spec: &AttentionSpec,
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    pos: &Positions,
+    learned: &Learned,
+) -> Output {
     let [b_n, hq, sq, _]: [usize; 4] = q.shape().try_into().expect("checked by the caller");
     let hkv = k.shape()[1];
     let dv = v.shape()[3];
@@ -259,13 +288,15 @@ fn attend(spec: &AttentionSpec, q: &Array, k: &Array, v: &Array, pos: &Positions
                         i,
                         j,
                     };
-                    score(spec, &slopes, dot, at)
+                    score(spec, &slopes, dot, at, &learned.params)
                 }));
-                // A NaN or +inf score of a kept key makes the row NaN (as in PyTorch: inf - inf);
-                // masked keys never reach it.
+                let sink = learned.sink(h);
+                // A NaN or +inf score of a kept key (or sink) makes the row NaN (as in PyTorch:
+                // inf - inf); masked keys never reach it.
                 if scores
                     .iter()
                     .flatten()
+                    .chain(&sink)
                     .any(|s| s.is_nan() || *s == f64::INFINITY)
                 {
                     lse.set(&[b, h, i], f64::NAN);
@@ -275,13 +306,19 @@ fn attend(spec: &AttentionSpec, q: &Array, k: &Array, v: &Array, pos: &Positions
                 let max = scores
                     .iter()
                     .flatten()
+                    .chain(&sink)
                     .copied()
                     .fold(f64::NEG_INFINITY, f64::max);
                 if max == f64::NEG_INFINITY {
                     lse.set(&[b, h, i], f64::NEG_INFINITY);
                     continue;
                 }
-                let denom: f64 = scores.iter().flatten().map(|s| (s - max).exp()).sum();
+                let denom: f64 = scores
+                    .iter()
+                    .flatten()
+                    .chain(&sink)
+                    .map(|s| (s - max).exp())
+                    .sum();
                 lse.set(&[b, h, i], max + denom.ln());
                 let row = out.row_mut(&[b, h, i]);
                 for (j, s) in scores.iter().enumerate() {

@@ -40,10 +40,13 @@ pub(super) struct Problem<'a> {
     pub sq: usize,
     pub skv: usize,
     pub position_offset: i64,
+    /// Laid out as the plan's `ParamLayout`; empty without parameters.
+    pub params: &'a [f32],
 }
 
-/// Gradients as f32 BHSD arrays: dq, dk, dv.
-pub(super) type Grads = (Vec<f32>, Vec<f32>, Vec<f32>);
+/// Gradients as f32 BHSD arrays: dq, dk, dv; and the parameters' gradients, laid out as the
+/// parameters.
+pub(super) type Grads = ((Vec<f32>, Vec<f32>, Vec<f32>), Vec<f32>);
 
 type RotateFn = unsafe extern "C" fn(*const RotateArgs);
 type GradTileFn = unsafe extern "C" fn(*const GradTileArgs);
@@ -82,13 +85,15 @@ pub(super) fn run(
     let (batch, sq, skv, p0) = (x.batch, x.sq, x.skv, x.position_offset);
     attn_dsl::reference::check_positions(sq, skv, p0)
         .map_err(|e| RuntimeError::Data(e.to_string()))?;
+    let params = super::launch::param_pointer(plan, x.params)?;
     let (mut dq, mut dk, mut dvv) = (
         written_zeros(batch * hq * sq * d),
         written_zeros(batch * hkv * skv * d),
         written_zeros(batch * hkv * skv * dv),
     );
+    let mut dparams = vec![0f32; plan.params.len()];
     if batch * hq * sq == 0 || skv == 0 {
-        return Ok((dq, dk, dvv));
+        return Ok(((dq, dk, dvv), dparams));
     }
     let Entry::Backward {
         rotate_rows,
@@ -130,7 +135,13 @@ pub(super) fn run(
     });
     let group = hq / hkv;
     let (q_len, k_len, v_len) = (group * sq * d, skv * d, skv * dv);
-    let splits = key_splits(batch * hkv, skv.div_ceil(K), q_len + k_len + v_len);
+    // Parameter gradients are summed per (batch, kv head) and then in unit order, so the units
+    // are the tasks whatever the thread count (no key splits).
+    let splits = if plan.params.is_empty() {
+        key_splits(batch * hkv, skv.div_ceil(K), q_len + k_len + v_len)
+    } else {
+        1
+    };
     let task = |b: usize, kvh: usize, split: usize| Task {
         plan,
         kernels,
@@ -139,20 +150,50 @@ pub(super) fn run(
         b,
         kvh,
         tiles: (split, splits),
+        params,
     };
-    let run = |t: Task, dq: &mut [f32], dk: &mut [f32], dv: &mut [f32]| {
+    let run = |t: Task, grads: [&mut [f32]; 4]| {
         SCRATCH.with_borrow_mut(|scratch| {
-            t.run(scratch, dq, dk, dv);
+            t.run(scratch, grads);
             scratch.trim();
         });
     };
+    if !plan.params.is_empty() {
+        // Units in chunks whose private sums fit MAX_SPLIT_VALUES; each chunk's sums are added
+        // in unit order, which is the order of a single chunk: the result does not depend on
+        // the chunk size either.
+        let p = plan.params.len();
+        let chunk = (MAX_SPLIT_VALUES / p).max(1);
+        let units = batch * hkv;
+        for start in (0..units).step_by(chunk) {
+            let end = (start + chunk).min(units);
+            let sums: Vec<Vec<f32>> = dq[start * q_len..end * q_len]
+                .par_chunks_mut(q_len)
+                .zip(dk[start * k_len..end * k_len].par_chunks_mut(k_len))
+                .zip(dvv[start * v_len..end * v_len].par_chunks_mut(v_len))
+                .enumerate()
+                .map(|(i, ((dq, dk), dv))| {
+                    let unit = start + i;
+                    let mut sums = vec![0f32; p];
+                    run(task(unit / hkv, unit % hkv, 0), [dq, dk, dv, &mut sums]);
+                    sums
+                })
+                .collect();
+            for unit_sums in &sums {
+                dparams.iter_mut().zip(unit_sums).for_each(|(t, x)| *t += x);
+            }
+        }
+        return Ok(((dq, dk, dvv), dparams));
+    }
     if splits == 1 {
         dq.par_chunks_mut(q_len)
             .zip(dk.par_chunks_mut(k_len))
             .zip(dvv.par_chunks_mut(v_len))
             .enumerate()
-            .for_each(|(i, ((dq, dk), dv))| run(task(i / hkv, i % hkv, 0), dq, dk, dv));
-        return Ok((dq, dk, dvv));
+            .for_each(|(i, ((dq, dk), dv))| {
+                run(task(i / hkv, i % hkv, 0), [dq, dk, dv, &mut []]);
+            });
+        return Ok(((dq, dk, dvv), dparams));
     }
     // Few (batch, kv head) units for the threads: each unit's key tiles are dealt round-robin
     // to `splits` tasks (round-robin keeps causal work even), each with its own gradients,
@@ -164,7 +205,7 @@ pub(super) fn run(
             let mut grads = written_zeros(q_len + k_len + v_len);
             let (dq, rest) = grads.split_at_mut(q_len);
             let (dk, dv) = rest.split_at_mut(k_len);
-            run(task(unit / hkv, unit % hkv, split), dq, dk, dv);
+            run(task(unit / hkv, unit % hkv, split), [dq, dk, dv, &mut []]);
             grads
         })
         .collect();
@@ -181,7 +222,7 @@ pub(super) fn run(
                 }
             }
         });
-    Ok((dq, dk, dvv))
+    Ok(((dq, dk, dvv), dparams))
 }
 
 thread_local! {
@@ -293,11 +334,14 @@ struct Task<'a> {
     kvh: usize,
     /// `(split, splits)`: the task takes the key tiles `t` with `t % splits == split`.
     tiles: (usize, usize),
+    /// The call's parameters, as the kernel reads them.
+    params: super::launch::ParamPtr,
 }
 
 impl Task<'_> {
-    /// Accumulates the task's gradients into `dq` (its group's query heads), `dk` and `dv`.
-    fn run(&self, scratch: &mut Scratch, dq: &mut [f32], dk: &mut [f32], dv_acc: &mut [f32]) {
+    /// Accumulates the task's gradients into `dq` (its group's query heads), `dk`, `dv` and
+    /// (with parameters; else empty) the parameters' gradients, in a fixed order of tiles.
+    fn run(&self, scratch: &mut Scratch, [dq, dk, dv_acc, dparams]: [&mut [f32]; 4]) {
         let plan = self.plan;
         let (hq, hkv) = (plan.shape.heads as usize, plan.shape.kv_heads as usize);
         let (sq, skv, p0) = (self.x.sq, self.x.skv, self.x.position_offset);
@@ -319,7 +363,7 @@ impl Task<'_> {
             by_row: [0u32; 2 * K],
             by_col: [0u32; 2 * K],
         };
-        let mut grads = [dq, dk, dv_acc];
+        let mut grads = [dq, dk, dv_acc, dparams];
 
         let blocks = sq.div_ceil(K);
         let (split, splits) = self.tiles;
@@ -365,7 +409,7 @@ impl Task<'_> {
                 }
             }
         }
-        let [dq, dk, _] = grads;
+        let [dq, dk, _, _] = grads;
         // The scores were of q scaled by `q_scale`: so is their gradient. RoPE's transpose
         // brings dq and dk back to the unrotated inputs.
         let d = plan.shape.qk_dim as usize;
@@ -443,7 +487,7 @@ impl Task<'_> {
         rows: &TaskRows,
         products: &mut Products,
         at: &TileAt,
-        [dq, dk, dv_acc]: &mut [&mut [f32]; 3],
+        [dq, dk, dv_acc, dparams]: &mut [&mut [f32]; 4],
     ) {
         let plan = self.plan;
         let (d, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
@@ -495,6 +539,12 @@ impl Task<'_> {
                 k_pos0: p0 + first_key as i64,
                 cols: cols as i64,
                 code: code as i64,
+                params: self.params.get(),
+                dparams: if dparams.is_empty() {
+                    std::ptr::null_mut()
+                } else {
+                    dparams.as_mut_ptr()
+                },
             };
             (self.kernels.grad_tile)(&args);
         }

@@ -6,7 +6,7 @@
 //! compiled decode function over rayon's threads.
 
 use super::CpuBackend;
-use crate::cache::{CacheLayout, KvCache, SeqId};
+use crate::cache::{KvCache, SeqId};
 use crate::calls::{DecodeOptions, MlaQueries, Output};
 use crate::error::RuntimeError;
 use crate::host::checks::check_cache;
@@ -21,6 +21,15 @@ use codegen::cpu::{CpuKernel, Entry};
 use codegen::plan::{K_TILE, PlanKind};
 use rayon::prelude::*;
 
+/// What a cached call attends over, and the parameters its kernels read.
+pub(super) struct Cached<'a> {
+    pub cache: &'a dyn KvCache,
+    pub seqs: &'a [SeqId],
+    pub options: DecodeOptions,
+    /// Laid out as the plan's `ParamLayout`; empty without parameters.
+    pub params: &'a [f32],
+}
+
 impl CpuBackend {
     /// [`Queries::Uniform`](crate::calls::Queries::Uniform): `q [B, heads, q_len, head_dim]`
     /// holds the last `q_len` tokens of each sequence of `seqs`.
@@ -28,14 +37,11 @@ impl CpuBackend {
         &self,
         variant: &Variant,
         q: &Tensor,
-        cache: &dyn KvCache,
-        seqs: &[SeqId],
-        options: DecodeOptions,
+        call: &Cached,
     ) -> Result<Output, RuntimeError> {
-        let batch = Uniform::of(variant.spec(), q, seqs.len())?;
-        let (out, lse) = batch.with_layout(|layout| {
-            self.cached(variant, &q.to_f32_vec(), cache, seqs, layout, options)
-        })?;
+        let batch = Uniform::of(variant.spec(), q, call.seqs.len())?;
+        let (out, lse) =
+            batch.with_layout(|layout| self.cached(variant, &q.to_f32_vec(), call, layout))?;
         batch.finish(variant.spec(), out, lse)
     }
 
@@ -44,13 +50,10 @@ impl CpuBackend {
         &self,
         variant: &Variant,
         queries: MlaQueries,
-        cache: &dyn KvCache,
-        seqs: &[SeqId],
-        options: DecodeOptions,
+        call: &Cached,
     ) -> Result<Output, RuntimeError> {
-        let a = AbsorbedQueries::of(variant.spec(), queries, seqs.len())?;
-        let (latent, lse) =
-            a.with_layout(|layout| self.cached(variant, &a.q, cache, seqs, layout, options))?;
+        let a = AbsorbedQueries::of(variant.spec(), queries, call.seqs.len())?;
+        let (latent, lse) = a.with_layout(|layout| self.cached(variant, &a.q, call, layout))?;
         a.finish(variant.spec(), &latent, lse)
     }
 
@@ -61,14 +64,11 @@ impl CpuBackend {
         variant: &Variant,
         q: &Tensor,
         q_offsets: &[usize],
-        cache: &dyn KvCache,
-        seqs: &[SeqId],
-        options: DecodeOptions,
+        call: &Cached,
     ) -> Result<Output, RuntimeError> {
-        let ragged = Ragged::of(variant.spec(), q, q_offsets, seqs.len())?;
-        let (out, lse) = ragged.with_layout(|layout| {
-            self.cached(variant, &q.to_f32_vec(), cache, seqs, layout, options)
-        })?;
+        let ragged = Ragged::of(variant.spec(), q, q_offsets, call.seqs.len())?;
+        let (out, lse) =
+            ragged.with_layout(|layout| self.cached(variant, &q.to_f32_vec(), call, layout))?;
         ragged.finish(variant.spec(), out, lse)
     }
 
@@ -78,32 +78,38 @@ impl CpuBackend {
         &self,
         variant: &Variant,
         q: &[f32],
-        cache: &dyn KvCache,
-        seqs: &[SeqId],
+        call: &Cached,
         layout: &Layout,
-        options: DecodeOptions,
     ) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> {
-        check_cache(variant, cache)?;
+        check_cache(variant, call.cache)?;
         let kernel = self.kernel_for(variant, PlanKind::Decode)?;
         let (max_rows, seg_keys) = (kernel.plan.tiles.q_rows as usize, K_TILE as usize);
-        let items = items(&kernel.plan, cache, seqs, layout.q_lens, max_rows, seg_keys)?;
-        run(&kernel, cache.layout(), &items, q, layout, options)
+        let items = items(
+            &kernel.plan,
+            call.cache,
+            call.seqs,
+            layout.q_lens,
+            max_rows,
+            seg_keys,
+        )?;
+        run(&kernel, call, &items, q, layout)
     }
 }
 
 fn run(
     kernel: &CpuKernel,
-    cache_layout: &CacheLayout,
+    call: &Cached,
     items: &[Item],
     q: &[f32],
     layout: &Layout,
-    options: DecodeOptions,
 ) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> {
     let Entry::Decode { decode } = kernel.entry else {
         return Err(RuntimeError::Spec(
             "a forward kernel cannot run a decode call".into(),
         ));
     };
+    let params = super::launch::param_pointer(&kernel.plan, call.params)?;
+    let (cache_layout, options) = (call.cache.layout(), call.options);
     // SAFETY: `decode` was compiled by codegen::cpu with the signature
     // `extern "C" fn(*const DecodeArgs)`; the address stays valid for the process.
     let decode =
@@ -174,10 +180,12 @@ fn run(
                     rope_cos: cos,
                     rope_sin: sin,
                     table_pos0,
+                    params: params.get(),
                 };
                 // SAFETY: `rows` query rows of `dqk` values; segments whose rows lie in the
                 // cache, borrowed for the call; `rows` output rows and lse values; a scratch of
-                // `ScratchLayout::total` values; RoPE tables covering the queries' positions.
+                // `ScratchLayout::total` values; RoPE tables covering the queries' positions;
+                // parameters as long as the plan's layout (checked by `param_pointer`).
                 unsafe { decode(&args) };
                 (out, lse)
             },

@@ -103,12 +103,47 @@ impl PackedPool {
     }
 }
 
+/// The parameter buffer as a kernel reads it (null without parameters), after checking that
+/// it holds exactly the plan's layout: generated code clamps each index into its parameter, so
+/// a buffer of that length is never read past.
+pub(super) fn param_pointer(plan: &KernelPlan, params: &[f32]) -> Result<ParamPtr, RuntimeError> {
+    if params.len() != plan.params.len() {
+        return Err(RuntimeError::Data(format!(
+            "{} parameter values given; the spec's parameters hold {}",
+            params.len(),
+            plan.params.len()
+        )));
+    }
+    Ok(ParamPtr(if params.is_empty() {
+        std::ptr::null()
+    } else {
+        params.as_ptr()
+    }))
+}
+
+/// A read-only parameter buffer shared by the parallel tasks.
+#[derive(Clone, Copy)]
+pub(super) struct ParamPtr(*const f32);
+
+impl ParamPtr {
+    /// The pointer (a method, so closures capture the whole `Send` wrapper).
+    pub fn get(self) -> *const f32 {
+        self.0
+    }
+}
+// SAFETY: the buffer is only read, and outlives the parallel loops of the call.
+unsafe impl Send for ParamPtr {}
+// SAFETY: as above.
+unsafe impl Sync for ParamPtr {}
+
 /// Shapes of one call.
-pub(super) struct Call {
+pub(super) struct Call<'a> {
     pub batch: usize,
     pub sq: usize,
     pub skv: usize,
     pub position_offset: i64,
+    /// Laid out as the plan's `ParamLayout`; empty without parameters.
+    pub params: &'a [f32],
 }
 
 /// A pointer shared by the parallel tasks, each of which writes rows no other task writes.
@@ -177,6 +212,7 @@ pub(super) fn run(
     let (hq, hkv) = (plan.shape.heads as usize, plan.shape.kv_heads as usize);
     let (dqk, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
     let Call { batch, sq, skv, .. } = *call;
+    let params = param_pointer(plan, call.params)?;
     q.check_bounds([batch, hq, sq, dqk], "q")?;
     k.check_bounds([batch, hkv, skv, dqk], "k")?;
     v.check_bounds([batch, hkv, skv, dv], "v")?;
@@ -283,11 +319,13 @@ pub(super) fn run(
                 rope_cos: cos,
                 rope_sin: sin,
                 table_pos0,
+                params: params.get(),
             };
             // SAFETY: every pointer in `args` addresses memory of the sizes the ABI requires:
             // rows q0..q1 of q, the packed keys and the values of this (batch, kv head), one record
             // per key tile (rows within the block), rows q0..q1 of out and lse (written by this task only), a scratch of
-            // `ScratchLayout::total` values, and tables covering every query position.
+            // `ScratchLayout::total` values, tables covering every query position, and the
+            // parameters of the plan's layout.
             unsafe { block(&args) };
         },
     );

@@ -113,39 +113,56 @@ impl Backend for CpuBackend {
         "cpu"
     }
 
-    fn forward(
+    fn forward_bound(
         &self,
         variant: &Variant,
         inputs: Inputs,
         position_offset: i64,
+        params: &[f32],
     ) -> Result<Output, RuntimeError> {
         match inputs {
-            Inputs::Heads { q, k, v } => self.forward_heads(variant, q, k, v, position_offset),
+            Inputs::Heads { q, k, v } => {
+                self.forward_heads(variant, q, k, v, position_offset, params)
+            }
             Inputs::Mla(x) => self.forward_mla(variant, &x, position_offset),
         }
     }
 
-    fn attend_cached(
+    fn attend_cached_bound(
         &self,
         variant: &Variant,
         queries: Queries,
         cache: &dyn KvCache,
         seqs: &[SeqId],
         options: DecodeOptions,
+        params: &[f32],
     ) -> Result<Output, RuntimeError> {
+        let call = decode::Cached {
+            cache,
+            seqs,
+            options,
+            params,
+        };
         match queries {
-            Queries::Uniform(q) => self.decode_uniform(variant, q, cache, seqs, options),
-            Queries::Ragged { q, offsets } => {
-                self.decode_ragged(variant, q, offsets, cache, seqs, options)
-            }
-            Queries::Mla(queries) => self.decode_mla(variant, queries, cache, seqs, options),
+            Queries::Uniform(q) => self.decode_uniform(variant, q, &call),
+            Queries::Ragged { q, offsets } => self.decode_ragged(variant, q, offsets, &call),
+            Queries::Mla(queries) => self.decode_mla(variant, queries, &call),
         }
     }
 
-    fn backward(&self, variant: &Variant, x: &BackwardInputs) -> Result<Gradients, RuntimeError> {
+    fn backward_bound(
+        &self,
+        variant: &Variant,
+        x: &BackwardInputs,
+        params: &[f32],
+    ) -> Result<(Gradients, Vec<f32>), RuntimeError> {
         match x {
-            BackwardInputs::Heads(x) => self.backward_heads(variant, x).map(Gradients::Heads),
-            BackwardInputs::Mla(x) => self.backward_mla(variant, x).map(Gradients::Mla),
+            BackwardInputs::Heads(x) => self
+                .backward_heads(variant, x, params)
+                .map(|(g, d)| (Gradients::Heads(g), d)),
+            BackwardInputs::Mla(x) => self
+                .backward_mla(variant, x)
+                .map(|g| (Gradients::Mla(g), Vec::new())),
         }
     }
 }
@@ -160,6 +177,7 @@ impl CpuBackend {
         k: &Tensor,
         v: &Tensor,
         position_offset: i64,
+        params: &[f32],
     ) -> Result<Output, RuntimeError> {
         let spec = variant.spec();
         per_head(spec, q)?;
@@ -171,6 +189,7 @@ impl CpuBackend {
             sq,
             skv,
             position_offset,
+            params,
         };
         let (out, lse) = launch::run(&kernel, &Rows::of(q), &Rows::of(k), &Rows::of(v), &call)?;
         finish(spec.dtype, [b, h, sq, dv], out, lse)
@@ -181,7 +200,8 @@ impl CpuBackend {
         &self,
         variant: &Variant,
         x: &HeadsBackward,
-    ) -> Result<HeadGradients, RuntimeError> {
+        params: &[f32],
+    ) -> Result<(HeadGradients, Vec<f32>), RuntimeError> {
         let spec = variant.spec();
         let [b, sq, skv] = check_backward(spec, x)?;
         let kernel = self.kernel_for(variant, PlanKind::Backward)?;
@@ -198,14 +218,17 @@ impl CpuBackend {
             sq,
             skv,
             position_offset: x.position_offset,
+            params,
         };
-        let (dq, dk, dv) = backward::run(&kernel, self.isa, &problem)?;
+        let ((dq, dk, dv), dparams) = backward::run(&kernel, self.isa, &problem)?;
         let dtype = spec.dtype;
-        Ok(HeadGradients {
+        let gradients = HeadGradients {
             dq: Tensor::from_f32_as(dtype, x.q.shape(), dq)?,
             dk: Tensor::from_f32_as(dtype, x.k.shape(), dk)?,
             dv: Tensor::from_f32_as(dtype, x.v.shape(), dv)?,
-        })
+            learned: Vec::new(),
+        };
+        Ok((gradients, dparams))
     }
 
     /// MLA's backward in the absorbed form: the backward kernel runs over the one shared latent
@@ -248,8 +271,9 @@ impl CpuBackend {
             sq: a.sq,
             skv: a.skv,
             position_offset: x.position_offset,
+            params: &[],
         };
-        let (dq, dk, dvv) = backward::run(&kernel, self.isa, &problem)?;
+        let ((dq, dk, dvv), _) = backward::run(&kernel, self.isa, &problem)?;
         let g = a.chain(
             [&dq, &dk, &dvv],
             &x.x.q_nope.f32_values(),
@@ -295,6 +319,7 @@ impl CpuBackend {
             sq,
             skv,
             position_offset,
+            params: &[],
         };
         let q_rows = Rows::borrowed(&a.q, [h * sq * wq, sq * wq, wq]);
         // Keys and values share storage: v is the latent part of each key row.

@@ -75,7 +75,7 @@ pub(crate) enum Prepared {
     /// Kernels to launch.
     Launch(Box<BackwardCall>),
     /// No query or no key: the gradients are zeros.
-    Empty(HeadGradients),
+    Empty(Box<HeadGradients>),
 }
 
 fn i32_bytes(codes: &[i32]) -> Vec<u8> {
@@ -95,11 +95,12 @@ impl BackwardCall {
             let zeros = |shape: &[usize]| {
                 Tensor::from_f32_as(spec.dtype, shape, vec![0.0; shape.iter().product()])
             };
-            return Ok(Prepared::Empty(HeadGradients {
+            return Ok(Prepared::Empty(Box::new(HeadGradients {
+                learned: Vec::new(),
                 dq: zeros(&shapes[0])?,
                 dk: zeros(&shapes[1])?,
                 dv: zeros(&shapes[2])?,
-            }));
+            })));
         }
         let plan = variant.backward_plan()?;
         let first_pos = p0 + (skv as i64 - sq as i64).min(0);
@@ -224,6 +225,7 @@ impl BackwardCall {
     /// The gradients from their f32 values.
     pub fn finish(&self, [dq, dk, dv]: [Vec<f32>; 3]) -> Result<HeadGradients, RuntimeError> {
         Ok(HeadGradients {
+            learned: Vec::new(),
             dq: Tensor::from_f32_as(self.dtype, &self.shapes[0], dq)?,
             dk: Tensor::from_f32_as(self.dtype, &self.shapes[1], dk)?,
             dv: Tensor::from_f32_as(self.dtype, &self.shapes[2], dv)?,
@@ -271,7 +273,7 @@ pub(crate) fn backward_on_sim(
 ) -> Result<HeadGradients, RuntimeError> {
     match BackwardCall::prepare(variant, x)? {
         Prepared::Launch(call) => call.run_on_sim(),
-        Prepared::Empty(zeros) => Ok(zeros),
+        Prepared::Empty(zeros) => Ok(*zeros),
     }
 }
 

@@ -466,7 +466,7 @@ impl CudaBackend {
     ) -> Result<HeadGradients, RuntimeError> {
         let call = match BackwardCall::prepare(variant, x)? {
             Prepared::Launch(call) => call,
-            Prepared::Empty(zeros) => return Ok(zeros),
+            Prepared::Empty(zeros) => return Ok(*zeros),
         };
         let mut buffers = self.upload_backward(&call)?;
         self.launch_backward(&call, &mut buffers)?;
@@ -796,12 +796,14 @@ impl Backend for CudaBackend {
 
     /// Inputs and outputs on the host; MLA's inputs are absorbed on the host, the kernel runs
     /// over the shared latent head, and its output is expanded on the host.
-    fn forward(
+    fn forward_bound(
         &self,
         variant: &Variant,
         inputs: Inputs,
         position_offset: i64,
+        params: &[f32],
     ) -> Result<Output, RuntimeError> {
+        super::refuse_params(self.name(), params)?;
         match inputs {
             Inputs::Heads { q, k, v } => {
                 self.run(&GpuCall::forward_in(variant, q, k, v, position_offset)?)
@@ -821,14 +823,16 @@ impl Backend for CudaBackend {
     /// The GPU decode kernel over the cache's segments, with the CPU backend's work items,
     /// partitions and lse merge. The cache lives in host memory, so each call uploads its
     /// memory; [`CudaBackend::decode_resident`] decodes against a copy uploaded once.
-    fn attend_cached(
+    fn attend_cached_bound(
         &self,
         variant: &Variant,
         queries: Queries,
         cache: &dyn KvCache,
         seqs: &[SeqId],
         options: DecodeOptions,
+        params: &[f32],
     ) -> Result<Output, RuntimeError> {
+        super::refuse_params(self.name(), params)?;
         let run = &|l: &DecodeLaunch| self.run_decode(l, None);
         match queries {
             Queries::Uniform(q) => decode::decode_with(variant, q, cache, seqs, options, run),
@@ -841,9 +845,17 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn backward(&self, variant: &Variant, x: &BackwardInputs) -> Result<Gradients, RuntimeError> {
+    fn backward_bound(
+        &self,
+        variant: &Variant,
+        x: &BackwardInputs,
+        params: &[f32],
+    ) -> Result<(Gradients, Vec<f32>), RuntimeError> {
+        super::refuse_params(self.name(), params)?;
         match x {
-            BackwardInputs::Heads(x) => self.backward_heads(variant, x).map(Gradients::Heads),
+            BackwardInputs::Heads(x) => self
+                .backward_heads(variant, x)
+                .map(|g| (Gradients::Heads(g), Vec::new())),
             BackwardInputs::Mla(_) => Err(RuntimeError::Unsupported {
                 backend: "cuda",
                 what: "the MLA backward (the cpu backend does)".into(),

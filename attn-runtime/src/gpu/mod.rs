@@ -139,6 +139,17 @@ fn qk_fits(plan: &KernelPlan, q: &Tensor, k: &Tensor) -> bool {
     q.max_abs().max(k.max_abs()) * factor <= forward_tc::QK_F16_LIMIT
 }
 
+/// GPU kernels do not read parameters yet: a call with any is refused before anything runs.
+pub(crate) fn refuse_params(backend: &'static str, params: &[f32]) -> Result<(), RuntimeError> {
+    if params.is_empty() {
+        return Ok(());
+    }
+    Err(RuntimeError::Unsupported {
+        backend,
+        what: "specs with params(...) yet (the cpu backend does; sinks alone run here)".into(),
+    })
+}
+
 /// The forward kernel of a variant: the SIMT one where `simt`, else the sm_90a one under
 /// [`wgmma_enabled`] where the spec runs on it, else the one `forward_kernel` picks. Lowered once
 /// per variant and shared by the interpreter and CUDA backends.

@@ -20,12 +20,14 @@ impl Backend for GpuSim {
         "gpu-sim"
     }
 
-    fn forward(
+    fn forward_bound(
         &self,
         variant: &Variant,
         inputs: Inputs,
         position_offset: i64,
+        params: &[f32],
     ) -> Result<Output, RuntimeError> {
+        super::refuse_params(self.name(), params)?;
         let spec = variant.spec();
         match inputs {
             Inputs::Heads { q, k, v } => {
@@ -43,14 +45,16 @@ impl Backend for GpuSim {
         }
     }
 
-    fn attend_cached(
+    fn attend_cached_bound(
         &self,
         variant: &Variant,
         queries: Queries,
         cache: &dyn KvCache,
         seqs: &[SeqId],
         options: DecodeOptions,
+        params: &[f32],
     ) -> Result<Output, RuntimeError> {
+        super::refuse_params(self.name(), params)?;
         let run = &super::decode::run_on_sim;
         match queries {
             Queries::Uniform(q) => {
@@ -71,13 +75,20 @@ impl Backend for GpuSim {
         }
     }
 
-    fn backward(&self, variant: &Variant, x: &BackwardInputs) -> Result<Gradients, RuntimeError> {
+    fn backward_bound(
+        &self,
+        variant: &Variant,
+        x: &BackwardInputs,
+        params: &[f32],
+    ) -> Result<(Gradients, Vec<f32>), RuntimeError> {
+        super::refuse_params(self.name(), params)?;
         match x {
             BackwardInputs::Heads(x) => {
                 let [b, _, sq, skv] = bhss(x.q, x.k);
                 let seconds = sim_cost::attention_seconds(variant.spec(), b, sq, skv, true);
                 sim_cost::check("this forward and backward", seconds)?;
-                super::backward::backward_on_sim(variant, x).map(Gradients::Heads)
+                super::backward::backward_on_sim(variant, x)
+                    .map(|g| (Gradients::Heads(g), Vec::new()))
             }
             BackwardInputs::Mla(_) => Err(RuntimeError::Unsupported {
                 backend: "gpu-sim",

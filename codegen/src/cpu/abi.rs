@@ -79,6 +79,9 @@ pub struct BlockArgs {
     pub rope_sin: *const f32,
     /// See [`PackArgs::table_pos0`].
     pub table_pos0: i64,
+    /// The spec's parameters, concatenated in the order of [`crate::plan::ParamLayout`] (null without
+    /// parameters).
+    pub params: *const f32,
 }
 
 /// Arguments of the generated `decode` function: the query rows of some query heads of one kv
@@ -128,6 +131,8 @@ pub struct DecodeArgs {
     pub rope_sin: *const f32,
     /// See [`PackArgs::table_pos0`].
     pub table_pos0: i64,
+    /// As [`BlockArgs::params`].
+    pub params: *const f32,
 }
 
 /// A run of at most [`K_TILE`] consecutive keys stored contiguously (rows of the storage dtype),
@@ -297,6 +302,11 @@ pub struct GradTileArgs {
     pub cols: i64,
     /// The tile's [`TileCode`] for these rows (not `Skip`).
     pub code: i64,
+    /// As [`BlockArgs::params`].
+    pub params: *const f32,
+    /// With parameters: their gradients, laid out as `params`, which the tile's pairs add to
+    /// in a fixed order (the caller's private sums); null without parameters.
+    pub dparams: *mut f32,
 }
 
 /// The constants of `2^(2x)` as generated code (`Fx::exp2_of_double_4`) and the native passes

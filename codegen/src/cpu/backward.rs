@@ -12,7 +12,7 @@ use super::score::{GroupEnv, RowEnv, ScoreLowering, Tables};
 use super::step::kept_lanes;
 use crate::plan::{K_TILE, KernelPlan, TileCode};
 use attn_dsl::modifier::Expr;
-use cranelift_codegen::ir::condcodes::IntCC;
+use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use cranelift_codegen::ir::types::{F32, F32X4, I64};
 use cranelift_codegen::ir::{InstBuilder, Value};
 
@@ -63,11 +63,20 @@ pub(super) fn grad_tile(
     let code = field!(fx, args, I64, GradTileArgs.code);
     let cols = field!(fx, args, I64, GradTileArgs.cols);
     let first_key = field!(fx, args, I64, GradTileArgs.first_key);
+    let dparams = (!plan.params.is_empty()).then(|| {
+        tables.params = Some((
+            field!(fx, args, I64, GradTileArgs.params),
+            plan.params.clone(),
+        ));
+        field!(fx, args, I64, GradTileArgs.dparams)
+    });
     let pass = TilePass {
         s,
         dp,
         rows,
         delta,
+        lse,
+        dparams,
         q_pos0: field!(fx, args, I64, GradTileArgs.q_pos0),
         qi0: field!(fx, args, I64, GradTileArgs.qi0),
         batch: field!(fx, args, I64, GradTileArgs.batch),
@@ -92,7 +101,7 @@ pub(super) fn grad_tile(
             .call(refs.ds_tile, &[s, dp, rows, lse, null, one]);
     };
     let constant_slope = match grad {
-        Expr::Float(c) if identity_program(plan) => Some(*c as f32),
+        Expr::Float(c) if identity_program(plan) && dparams.is_none() => Some(*c as f32),
         _ => None,
     };
     match constant_slope {
@@ -125,6 +134,10 @@ struct TilePass {
     dp: Value,
     rows: Value,
     delta: Value,
+    /// Natural-log lse of each row (for the probabilities the parameter gradients need).
+    lse: Value,
+    /// The task's parameter-gradient sums, for specs with parameters.
+    dparams: Option<Value>,
     q_pos0: Value,
     qi0: Value,
     batch: Value,
@@ -162,7 +175,17 @@ impl TilePass {
             let at = fx.elem(self.delta, r);
             let delta = fx.load(F32, at, 0);
             let delta = fx.splat_f32(delta);
-            let exprs: Vec<&Expr> = vec![&plan.program.score, grad, &plan.program.mask];
+            let row_lse = self.dparams.map(|_| {
+                let at = fx.elem(self.lse, r);
+                fx.load(F32, at, 0)
+            });
+            let mut exprs: Vec<&Expr> = vec![&plan.program.score, grad, &plan.program.mask];
+            exprs.extend(plan.param_grads.iter().map(|(_, d)| d));
+            exprs.extend(
+                plan.param_grads
+                    .iter()
+                    .flat_map(|(read, _)| read.indices.iter()),
+            );
             let uniforms = ScoreLowering {
                 logf: refs.logf,
                 tables: &mut *tables,
@@ -187,8 +210,19 @@ impl TilePass {
                 let dpv = fx.load(F32X4, pdp, 0);
                 let centered = fx.b.ins().fsub(dpv, delta);
                 let mut weighted = fx.b.ins().fmul(centered, slope);
-                if masked {
-                    let keep = kept_lanes(fx, plan, &mut lowering, &uniforms, &g, self.key_end);
+                let keep = masked
+                    .then(|| kept_lanes(fx, plan, &mut lowering, &uniforms, &g, self.key_end));
+                if let (Some(dparams), Some(lse)) = (self.dparams, row_lse) {
+                    let pass = ParamPass {
+                        dparams,
+                        lse,
+                        score: t,
+                        centered,
+                        keep,
+                    };
+                    pass.emit(fx, plan, &mut lowering, &uniforms, &g);
+                }
+                if let Some(keep) = keep {
                     let neg_inf = fx.f32x4(f32::NEG_INFINITY);
                     let zero4 = fx.f32x4(0.0);
                     t = fx.b.ins().bitselect(keep, t, neg_inf);
@@ -198,5 +232,60 @@ impl TilePass {
                 fx.store(weighted, pdp, 0);
             });
         });
+    }
+}
+
+/// One group of four keys' parameter gradients: `p = 2^(2 (score - lse'))` with
+/// `lse' = lse log2(e) / 2` (as `ds_tile` recomputes it), `dS = p (dP - D)`, and for each
+/// parameter read, `dparams[element] += dS * d score / d read`, lane by lane in key order, so
+/// the sums do not depend on anything but the task's order of tiles. Dropped keys, and rows
+/// with no kept key (lse `-inf`), add nothing.
+struct ParamPass {
+    dparams: Value,
+    /// The row's natural-log lse (scalar).
+    lse: Value,
+    /// The four scores, in half base-2 units.
+    score: Value,
+    /// `dP - D` of the four keys.
+    centered: Value,
+    /// Kept lanes (all-ones f32 bits), on tiles masked per element.
+    keep: Option<Value>,
+}
+
+impl ParamPass {
+    fn emit(
+        &self,
+        fx: &mut Fx,
+        plan: &KernelPlan,
+        lowering: &mut ScoreLowering,
+        uniforms: &super::score::Uniforms,
+        g: &GroupEnv,
+    ) {
+        let half = fx.f32(std::f32::consts::LOG2_E / 2.0);
+        let h = fx.b.ins().fmul(self.lse, half);
+        let h = fx.splat_f32(h);
+        let x = fx.b.ins().fsub(self.score, h);
+        let p = fx.exp2_of_double_4(x);
+        let ds = fx.b.ins().fmul(p, self.centered);
+        let neg_inf = fx.f32(f32::NEG_INFINITY);
+        let row_kept = fx.b.ins().fcmp(FloatCC::NotEqual, self.lse, neg_inf);
+        for (read, d) in &plan.param_grads {
+            let dv = lowering.float4(fx, uniforms, g, d);
+            let mut c = fx.b.ins().fmul(ds, dv);
+            if let Some(keep) = self.keep {
+                let zero4 = fx.f32x4(0.0);
+                c = fx.b.ins().bitselect(keep, c, zero4);
+            }
+            let flat = lowering.param_flat4(fx, uniforms, g, read);
+            let lanes = fx.lanes(c);
+            for (lane, at) in lanes.into_iter().zip(flat) {
+                let zero = fx.f32(0.0);
+                let lane = fx.b.ins().select(row_kept, lane, zero);
+                let addr = fx.elem(self.dparams, at);
+                let old = fx.load(F32, addr, 0);
+                let new = fx.b.ins().fadd(old, lane);
+                fx.store(new, addr, 0);
+            }
+        }
     }
 }

@@ -138,6 +138,10 @@ pub(super) fn pack_k(fx: &mut Fx, plan: &KernelPlan, args: Value) {
 
 /// `block(args: *const BlockArgs)`.
 pub(super) fn block(fx: &mut Fx, plan: &KernelPlan, refs: &Refs, tables: &mut Tables, args: Value) {
+    if !plan.params.is_empty() {
+        let base = field!(fx, args, I64, BlockArgs.params);
+        tables.params = Some((base, plan.params.clone()));
+    }
     let qk_dim = i64::from(plan.shape.qk_dim);
     let tile = i64::from(K_TILE);
     let rows = field!(fx, args, I64, BlockArgs.rows);
@@ -236,6 +240,10 @@ pub(super) fn decode(
     tables: &mut Tables,
     args: Value,
 ) {
+    if !plan.params.is_empty() {
+        let base = field!(fx, args, I64, DecodeArgs.params);
+        tables.params = Some((base, plan.params.clone()));
+    }
     let qk_dim = i64::from(plan.shape.qk_dim);
     let rows = field!(fx, args, I64, DecodeArgs.rows);
     let q_pos0 = field!(fx, args, I64, DecodeArgs.q_pos0);

@@ -155,7 +155,10 @@ pub fn compile(plan: &KernelPlan, imports: &Imports) -> Result<CpuKernel, Codege
                 .map_err(err)?,
         );
     }
-    let mut tables = score::Tables { data: Vec::new() };
+    let mut tables = score::Tables {
+        data: Vec::new(),
+        params: None,
+    };
     let mut fctx = FunctionBuilderContext::new();
 
     for (&id, &name) in ids.iter().zip(names) {

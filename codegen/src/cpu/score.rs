@@ -7,7 +7,8 @@
 //! 0 and wrap like the reference evaluator; table indices are clamped.
 
 use super::fx::Fx;
-use attn_dsl::modifier::{BinOp, Expr, Ty, UnOp, Var};
+use crate::plan::ParamLayout;
+use attn_dsl::modifier::{BinOp, Expr, ParamRead, Ty, UnOp, Var};
 use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use cranelift_codegen::ir::types::{F32, F32X4, I8, I32, I32X4, I64};
 use cranelift_codegen::ir::{FuncRef, InstBuilder, MemFlagsData, Value};
@@ -33,9 +34,13 @@ pub(super) struct GroupEnv {
     pub key_index0: Value,
 }
 
-/// Addresses of constant tables (ALiBi slopes and the like), kept alive by the kernel.
+/// Addresses of constant tables (ALiBi slopes and the like), kept alive by the kernel, and the
+/// parameter buffer of the function being emitted.
 pub(super) struct Tables {
     pub data: Vec<Box<[f32]>>,
+    /// The function's parameter buffer (loaded from its launch record at entry) and where
+    /// each parameter lies in it; `None` for specs without parameters.
+    pub params: Option<(Value, ParamLayout)>,
 }
 
 impl Tables {
@@ -105,6 +110,11 @@ impl ScoreLowering<'_> {
         }
         match e {
             Expr::Unary(_, a) | Expr::Cast(a, _) | Expr::Table(_, a) => self.collect(fx, row, a, u),
+            Expr::Param(read) => {
+                for i in &read.indices {
+                    self.collect(fx, row, i, u);
+                }
+            }
             Expr::Binary(_, a, b) => {
                 self.collect(fx, row, a, u);
                 self.collect(fx, row, b, u);
@@ -246,6 +256,15 @@ impl ScoreLowering<'_> {
                 let base = self.tables.address(values);
                 let len = values.len() as i64;
                 let f = ix.map(|i| table_load(fx, base, len, i));
+                Lanes::F(fx.gather4(F32X4, f))
+            }
+            Expr::Param(read) => {
+                let flat = self.param_flat4(fx, u, g, read);
+                let base = self.param_base();
+                let f = flat.map(|i| {
+                    let addr = fx.elem(base, i);
+                    fx.load(F32, addr, 0)
+                });
                 Lanes::F(fx.gather4(F32X4, f))
             }
             // Constants and row variables are uniform and were looked up above.
@@ -438,7 +457,75 @@ impl ScoreLowering<'_> {
                 let base = self.tables.address(values);
                 Scalar::F(table_load(fx, base, values.len() as i64, i))
             }
+            Expr::Param(read) => {
+                let indices: Vec<Value> = read
+                    .indices
+                    .iter()
+                    .map(|i| match self.scalar(fx, row, i) {
+                        Scalar::I(v) => v,
+                        _ => unreachable!("parameter indices are i64"),
+                    })
+                    .collect();
+                let flat = self.flat_index(fx, &read.name, &indices);
+                let base = self.param_base();
+                let addr = fx.elem(base, flat);
+                Scalar::F(fx.load(F32, addr, 0))
+            }
         }
+    }
+
+    /// The function's parameter buffer.
+    fn param_base(&self) -> Value {
+        self.tables
+            .params
+            .as_ref()
+            .expect("a program that reads parameters is emitted with a parameter buffer")
+            .0
+    }
+
+    /// For each of four keys, the element of the buffer `read` reads (each index clamped into
+    /// its dimension, as the reference does; the spec proved they are in range).
+    pub fn param_flat4(
+        &mut self,
+        fx: &mut Fx,
+        u: &Uniforms,
+        g: &GroupEnv,
+        read: &ParamRead,
+    ) -> [Value; 4] {
+        let per_index: Vec<[Value; 4]> = read
+            .indices
+            .iter()
+            .map(|i| {
+                let l = self.lanes(fx, u, g, i);
+                ints(fx, l)
+            })
+            .collect();
+        [0, 1, 2, 3].map(|lane| {
+            let indices: Vec<Value> = per_index.iter().map(|l| l[lane]).collect();
+            self.flat_index(fx, &read.name, &indices)
+        })
+    }
+
+    /// `offset + sum(clamp(i_d) * stride_d)` of parameter `name`.
+    fn flat_index(&self, fx: &mut Fx, name: &str, indices: &[Value]) -> Value {
+        let slot = self
+            .tables
+            .params
+            .as_ref()
+            .and_then(|(_, layout)| layout.slot(name))
+            .expect("validation resolves every read to a declared parameter");
+        let mut flat = fx.i64(slot.offset as i64);
+        let mut stride = 1i64;
+        for (&i, &dim) in indices.iter().zip(&slot.shape).rev() {
+            let zero = fx.i64(0);
+            let last = fx.i64(dim as i64 - 1);
+            let i = fx.b.ins().smax(i, zero);
+            let i = fx.b.ins().smin(i, last);
+            let scaled = fx.b.ins().imul_imm_s(i, stride);
+            flat = fx.b.ins().iadd(flat, scaled);
+            stride *= dim as i64;
+        }
+        flat
     }
 }
 

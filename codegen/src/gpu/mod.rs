@@ -96,6 +96,7 @@ pub fn forward_kernel_tiled(
     plan: &crate::KernelPlan,
     tiling: forward_tc::Tiling,
 ) -> Result<ForwardKernel, CodegenError> {
+    refuse_params(plan)?;
     if forward_tc::supports(plan) {
         let kernel = forward_tc::lower_tiled(plan, forward_tc::qk_half(plan), tiling);
         Ok(ForwardKernel {
@@ -115,6 +116,7 @@ pub fn forward_kernel_tiled(
 pub fn wgmma_forward_kernel(
     plan: &crate::KernelPlan,
 ) -> Result<Option<ForwardKernel>, CodegenError> {
+    refuse_params(plan)?;
     if !forward_wgmma::supports(plan) {
         return Ok(None);
     }
@@ -133,6 +135,7 @@ pub fn tensor_core_kernel(
     plan: &crate::KernelPlan,
     qk: ir::Half,
 ) -> Result<Option<ForwardKernel>, CodegenError> {
+    refuse_params(plan)?;
     if !forward_tc::supports(plan) {
         return Ok(None);
     }
@@ -147,6 +150,7 @@ pub fn tensor_core_kernel(
 
 /// The SIMT forward kernel of a plan, on f32 inputs: any plan runs on it. Verified.
 pub fn simt_forward_kernel(plan: &crate::KernelPlan) -> Result<ForwardKernel, CodegenError> {
+    refuse_params(plan)?;
     Ok(ForwardKernel {
         kernel: std::sync::Arc::new(verified(forward::lower(plan))?),
         key_tile: forward::key_tile(plan),
@@ -181,6 +185,7 @@ impl BackwardKernels {
 /// The backward kernels of a backward plan: on tensor cores where [`backward_tc::supports`]
 /// the plan, else SIMT. Verified.
 pub fn backward_kernels(plan: &crate::KernelPlan) -> Result<BackwardKernels, CodegenError> {
+    refuse_params(plan)?;
     if !backward_tc::supports(plan) {
         return simt_backward_kernels(plan);
     }
@@ -193,6 +198,7 @@ pub fn backward_kernels(plan: &crate::KernelPlan) -> Result<BackwardKernels, Cod
 
 /// The SIMT backward kernels of a backward plan (any plan runs on them), verified.
 pub fn simt_backward_kernels(plan: &crate::KernelPlan) -> Result<BackwardKernels, CodegenError> {
+    refuse_params(plan)?;
     let [delta, dq, dkdv] = backward::lower(plan);
     Ok(BackwardKernels {
         kernels: [verified(delta)?, verified(dq)?, verified(dkdv)?].map(std::sync::Arc::new),
@@ -202,7 +208,19 @@ pub fn simt_backward_kernels(plan: &crate::KernelPlan) -> Result<BackwardKernels
 
 /// The decode kernel of a decode plan, verified.
 pub fn decode_kernel(plan: &crate::KernelPlan) -> Result<ir::Kernel, CodegenError> {
+    refuse_params(plan)?;
     verified(decode::lower(plan))
+}
+
+/// GPU kernels do not read parameters yet: a plan with `params(...)` is refused before any
+/// lowering sees a read.
+fn refuse_params(plan: &crate::KernelPlan) -> Result<(), CodegenError> {
+    if plan.params.is_empty() {
+        return Ok(());
+    }
+    Err(CodegenError::Unsupported(
+        "GPU kernels do not read params(...) yet; run this spec on the cpu backend".to_string(),
+    ))
 }
 
 /// The kernel, if the verifier passes it.

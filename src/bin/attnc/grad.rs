@@ -2,11 +2,12 @@
 //! gradients written to another.
 
 use crate::backend_arg::Backend;
-use crate::run::{Files, note_sim_time};
+use crate::run::{Files, note_sim_time, read_with_learned};
 use attn::AttentionSpec;
 use attn::runtime::io::{read_safetensors, write_safetensors};
 use attn::runtime::{
-    BackwardInputs, HeadGradients, HeadsBackward, Inputs, MlaBackward, MlaTensors, Output, Variant,
+    BackwardInputs, HeadGradients, HeadsBackward, Inputs, Learned, MlaBackward, MlaTensors, Output,
+    Variant,
 };
 use attn::runtime::{RuntimeError, Tensor};
 use std::path::Path;
@@ -26,8 +27,9 @@ pub fn command(files: Files) -> Result<(), String> {
     Ok(())
 }
 
-/// Reads `q, k, v, dout`, runs the forward (out and lse) and the backward on the backend, and
-/// writes `dq, dk, dv` (input dtype), `out` (input dtype) and `lse` (f32).
+/// Reads `q, k, v, dout` and the spec's learnable tensors, runs the forward (out and lse) and
+/// the backward on the backend, and writes `dq, dk, dv` (input dtype), `out` (input dtype),
+/// `lse` (f32) and each learnable tensor's gradient `d<name>` (f32).
 fn grad(
     spec: &AttentionSpec,
     input: &Path,
@@ -41,11 +43,13 @@ fn grad(
     if spec.mla().is_some() {
         return grad_mla(&*backend, &variant, input, output, offset);
     }
-    let [q, k, v, dout]: [Tensor; 4] = read_safetensors(input, &["q", "k", "v", "dout"])?
-        .try_into()
-        .expect("one tensor per name");
+    let (tensors, learned) = read_with_learned(input, spec, &["q", "k", "v", "dout"])?;
+    let [q, k, v, dout]: [Tensor; 4] = tensors.try_into().expect("one tensor per name");
     note_sim_time(on, spec, &q, &k, true);
-    let Output { out, lse, .. } = backend.forward(&variant, Inputs::heads(&q, &k, &v), offset)?;
+    let learned: Vec<(&str, &Tensor)> = learned.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let learned = Learned::new(&learned);
+    let Output { out, lse, .. } =
+        backend.forward_learned(&variant, Inputs::heads(&q, &k, &v), offset, learned)?;
     let x = BackwardInputs::Heads(HeadsBackward {
         q: &q,
         k: &k,
@@ -55,19 +59,27 @@ fn grad(
         dout: &dout,
         position_offset: offset,
     });
-    let HeadGradients { dq, dk, dv } = backend.backward(&variant, &x)?.heads()?;
-    write_safetensors(
-        output,
-        &[
-            ("dq", &dq),
-            ("dk", &dk),
-            ("dv", &dv),
-            ("out", &out),
-            ("lse", &lse),
-        ],
-    )?;
+    let HeadGradients {
+        dq,
+        dk,
+        dv,
+        learned,
+    } = backend.backward_learned(&variant, &x, learned)?.heads()?;
+    let mut written = vec![
+        ("dq", &dq),
+        ("dk", &dk),
+        ("dv", &dv),
+        ("out", &out),
+        ("lse", &lse),
+    ];
+    written.extend(learned.iter().map(|(n, t)| (n.as_str(), t)));
+    write_safetensors(output, &written)?;
+    let extra: String = learned
+        .iter()
+        .map(|(n, t)| format!(", {n} {:?} f32", t.shape()))
+        .collect();
     Ok(format!(
-        "wrote {}: dq {:?}, dk {:?}, dv {:?} {}, out {:?}, lse {:?} f32",
+        "wrote {}: dq {:?}, dk {:?}, dv {:?} {}, out {:?}, lse {:?} f32{extra}",
         output.display(),
         dq.shape(),
         dk.shape(),

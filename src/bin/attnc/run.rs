@@ -4,7 +4,7 @@ use crate::backend_arg::Backend;
 use crate::{outputs, spec_arg};
 use attn::AttentionSpec;
 use attn::runtime::io::{read_safetensors, write_safetensors};
-use attn::runtime::{Inputs, MlaTensors, Output};
+use attn::runtime::{Inputs, Learned, MlaTensors, Output};
 use attn::runtime::{RuntimeError, Tensor};
 use std::path::{Path, PathBuf};
 
@@ -75,8 +75,34 @@ pub fn note_sim_time(on: Backend, spec: &AttentionSpec, q: &Tensor, k: &Tensor, 
     }
 }
 
-/// Reads the inputs the spec needs (`q, k, v`, or for MLA `q_nope, q_pe, c_kv, k_pe, w_kv_b`),
-/// runs the backend and writes `out` (input dtype) and `lse` (f32).
+/// Tensors by name.
+pub type Named = Vec<(String, Tensor)>;
+
+/// The tensors `names` of `input`, and the spec's learnable tensors (its parameters by their
+/// names, and `sinks`) by name.
+pub fn read_with_learned(
+    input: &Path,
+    spec: &AttentionSpec,
+    names: &[&str],
+) -> Result<(Vec<Tensor>, Named), RuntimeError> {
+    let learned_names: Vec<String> = spec
+        .learnable_tensors()
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    let all: Vec<&str> = names
+        .iter()
+        .copied()
+        .chain(learned_names.iter().map(String::as_str))
+        .collect();
+    let mut tensors = read_safetensors(input, &all)?;
+    let learned = tensors.split_off(names.len());
+    Ok((tensors, learned_names.into_iter().zip(learned).collect()))
+}
+
+/// Reads the inputs the spec needs (`q, k, v`, or for MLA `q_nope, q_pe, c_kv, k_pe, w_kv_b`;
+/// and the spec's learnable tensors by name), runs the backend and writes `out` (input dtype)
+/// and `lse` (f32).
 fn run(
     spec: &AttentionSpec,
     input: &Path,
@@ -101,11 +127,16 @@ fn run(
         };
         backend.forward(&variant, Inputs::Mla(x), offset)?
     } else {
-        let [q, k, v]: [Tensor; 3] = read_safetensors(input, &["q", "k", "v"])?
-            .try_into()
-            .expect("one tensor per name");
+        let (tensors, learned) = read_with_learned(input, spec, &["q", "k", "v"])?;
+        let [q, k, v]: [Tensor; 3] = tensors.try_into().expect("one tensor per name");
         note_sim_time(on, spec, &q, &k, false);
-        backend.forward(&variant, Inputs::heads(&q, &k, &v), offset)?
+        let learned: Vec<(&str, &Tensor)> = learned.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        backend.forward_learned(
+            &variant,
+            Inputs::heads(&q, &k, &v),
+            offset,
+            Learned::new(&learned),
+        )?
     };
     write_safetensors(output, &[("out", &out), ("lse", &lse)])?;
     Ok(format!(

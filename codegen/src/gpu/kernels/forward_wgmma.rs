@@ -65,6 +65,7 @@ pub fn supports(plan: &KernelPlan) -> bool {
     plan.kind == PlanKind::Forward
         && matches!(plan.dtype, DType::Bf16 | DType::F16)
         && plan.mla.is_none()
+        && plan.params.is_empty()
         && plan.rope.as_ref().is_none_or(|r| {
             let pairing = r.rope.layout.pairing(r.rope.dim);
             r.first_dim.is_multiple_of(2)

@@ -37,6 +37,7 @@ pub(crate) fn program(e: &M, env: &Env) -> Expr {
         M::Float(x) => f32(*x as f32),
         M::Int(x) => i64(*x),
         M::Bool(b) => Expr::Pred(*b),
+        M::Param(_) => unreachable!("GPU kernels refuse plans with parameters before lowering"),
         M::Unary(op, a) => {
             let a = go(a);
             match op {
