@@ -1,6 +1,6 @@
 """Golden gradient cases for the backward pass: PyTorch float64 autograd through an explicit
-attention (RoPE, GQA, masks, softcap, ALiBi, custom closures, and MLA in its expanded form), from
-inputs stored in each case's dtype. Writes tests/fixtures/gradients/<case>.safetensors (q, k, v,
+attention (RoPE, GQA, masks, softcap, ALiBi, custom closures, learnable parameters and sinks, and
+MLA in its expanded form), from inputs stored in each case's dtype. Writes tests/fixtures/gradients/<case>.safetensors (q, k, v,
 dout as stored, or MLA's q_nope, q_pe, c_kv, k_pe, w_kv_b, dout; their gradients, out and lse in
 float64) and manifest.json (the spec text, position offset, the input and gradient names of MLA
 cases, and for 16-bit cases the error of the same autograd run in that dtype: what PyTorch itself
@@ -27,7 +27,8 @@ def rope(x, pos, base, layout):
     return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
 
 
-def attention(c, q, k, v, p0):
+def attention(c, q, k, v, p0, learned=None):
+    learned = learned or {}
     B, H, Sq, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
     qpos = torch.arange(Sq) + p0 + Skv - Sq
@@ -46,6 +47,8 @@ def attention(c, q, k, v, p0):
     heads = torch.arange(H)[None, :, None, None]
     if c.get("score_mod"):
         s = c["score_mod"](s, heads, qpos[:, None], kpos[None, :])
+    if c.get("learned_mod"):
+        s = c["learned_mod"](s, heads, qpos[:, None], kpos[None, :], learned)
     keep = torch.ones(Sq, Skv, dtype=torch.bool)
     mask = c.get("mask", "none")
     if mask == "causal":
@@ -58,6 +61,12 @@ def attention(c, q, k, v, p0):
     if c.get("mask_mod"):
         keep &= c["mask_mod"](qpos[:, None], kpos[None, :])
     keep = keep[None, None].expand(B, H, Sq, Skv)
+    if "sinks" in learned:
+        # gpt-oss: the sink is one more logit per head, with no value; its column is dropped.
+        s = torch.where(keep, s, torch.tensor(float("-inf"), dtype=s.dtype))
+        sink = learned["sinks"].view(1, H, 1, 1).expand(B, H, Sq, 1)
+        full = torch.cat([s, sink], dim=-1)
+        return torch.softmax(full, dim=-1)[..., :-1] @ v, torch.logsumexp(full, dim=-1)
     any_kept = keep.any(-1, keepdim=True)
     s = torch.where(keep, s, torch.tensor(float("-inf"), dtype=s.dtype))
     # Fully masked rows: out 0, lse -inf, no gradient (softmax of a row of zeros, then zeroed).
@@ -97,11 +106,12 @@ def mla_grads(c, tensors, dtype, p0):
 MLA_INPUTS = ["q_nope", "q_pe", "c_kv", "k_pe", "w_kv_b"]
 
 
-def grads(c, tensors, dtype, p0):
+def grads(c, tensors, dtype, p0, learned=None):
     q, k, v, dout = [t.to(dtype).detach().requires_grad_(i < 3) for i, t in enumerate(tensors)]
-    out, lse = attention(c, q, k, v, p0)
+    params = {n: t.to(dtype).detach().requires_grad_(True) for n, t in (learned or {}).items()}
+    out, lse = attention(c, q, k, v, p0, params)
     (out * dout).sum().backward()
-    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad, {n: t.grad for n, t in params.items()}
 
 
 CASES = {
@@ -157,18 +167,56 @@ def per_head_case(name, c, g, manifest):
     shapes = [(c["B"], c["H"], c["Sq"], c["D"]), (c["B"], c["Hkv"], c["Skv"], c["D"]),
               (c["B"], c["Hkv"], c["Skv"], c["D"]), (c["B"], c["H"], c["Sq"], c["D"])]
     stored = [torch.randn(*s, generator=g).to(DT[c["dtype"]]) for s in shapes]
-    out, lse, dq, dk, dv = grads(c, stored, torch.float64, p0)
+    # Learnable tensors are f32 whatever the case's dtype (as attn takes them).
+    learned = {n: init(g).to(torch.float32) for n, init in c.get("learned", {}).items()}
+    out, lse, dq, dk, dv, dl = grads(c, stored, torch.float64, p0, learned)
     entry = {"spec": c["spec"], "position_offset": p0, "dtype": c["dtype"],
              "file": f"{name}.safetensors"}
+    if learned:
+        entry["learned"] = list(learned)
     if c["dtype"] != "f32":
-        _, _, lq, lk, lv = grads(c, stored, DT[c["dtype"]], p0)
+        _, _, lq, lk, lv, ll = grads(c, stored, DT[c["dtype"]], p0, learned)
+        pairs = [("dq", lq, dq), ("dk", lk, dk), ("dv", lv, dv)]
+        pairs += [("d" + n, ll[n], dl[n]) for n in learned]
         entry["torch_lowp_grad_max_abs_err"] = {
-            n: float((lo.to(torch.float64) - hi).abs().max()) for n, lo, hi in
-            [("dq", lq, dq), ("dk", lk, dk), ("dv", lv, dv)]}
+            n: float((lo.to(torch.float64) - hi).abs().max()) for n, lo, hi in pairs}
     tensors = dict(zip(["q", "k", "v", "dout"], stored))
     tensors.update(dq=dq, dk=dk, dv=dv, out=out, lse=lse)
+    tensors.update(learned)
+    tensors.update({"d" + n: t for n, t in dl.items()})
     save_file({k: t.contiguous() for k, t in tensors.items()}, f"{OUT}/{name}.safetensors")
     manifest["cases"][name] = entry
+
+
+# Learnable parameters and sinks, from a third generator. `learned` maps each tensor to how its
+# values are drawn; `learned_mod` reads them.
+LEARNED_CASES = {
+    "learned_slopes_gqa_f32": dict(
+        B=2, H=4, Hkv=2, Sq=40, Skv=48, D=32, dtype="f32", mask="causal", p0=2,
+        learned=dict(slopes=lambda g: torch.rand(4, generator=g) * 0.5),
+        learned_mod=lambda s, h, q, k, P: s + P["slopes"][h] * (k - q).to(s.dtype),
+        spec="heads = 4, kv_heads = 2, head_dim = 32, mask = causal, params(slopes: [heads]), "
+             "score_mod = |s, b, h, q, k| s + slopes[h] * (k - q) as f32"),
+    "relative_bias_clamped_f32": dict(
+        B=1, H=2, Hkv=2, Sq=60, Skv=60, D=32, dtype="f32", mask="causal",
+        learned=dict(rel=lambda g: torch.randn(2, 32, generator=g)),
+        learned_mod=lambda s, h, q, k, P: s + P["rel"][h, (q - k).clamp(0, 31)],
+        spec="heads = 2, head_dim = 32, mask = causal, params(rel: [heads, 32]), "
+             "score_mod = |s, b, h, q, k| s + rel[h, max(min(q - k, 31), 0)]"),
+    "head_temperature_f32": dict(
+        B=1, H=4, Hkv=4, Sq=30, Skv=37, D=32, dtype="f32",
+        learned=dict(temp=lambda g: 1.0 + 0.3 * torch.randn(4, generator=g)),
+        learned_mod=lambda s, h, q, k, P: s * P["temp"][h],
+        spec="heads = 4, head_dim = 32, params(temp: [heads]), score_mod = |s, b, h, q, k| s * temp[h]"),
+    "sinks_window_gqa_f32": dict(
+        B=1, H=4, Hkv=1, Sq=50, Skv=50, D=32, dtype="f32", mask="window:16",
+        learned=dict(sinks=lambda g: torch.randn(4, generator=g)),
+        spec="heads = 4, kv_heads = 1, head_dim = 32, mask = sliding_window(16), sinks = learned"),
+    "sinks_causal_bf16": dict(
+        B=1, H=4, Hkv=2, Sq=64, Skv=64, D=64, dtype="bf16", mask="causal",
+        learned=dict(sinks=lambda g: torch.randn(4, generator=g)),
+        spec="heads = 4, kv_heads = 2, head_dim = 64, mask = causal, sinks = learned, dtype = bf16"),
+}
 
 
 def main():
@@ -204,6 +252,9 @@ def main():
     later = torch.Generator().manual_seed(17)
     for name, c in LATER_CASES.items():
         per_head_case(name, c, later, manifest)
+    learned = torch.Generator().manual_seed(18)
+    for name, c in LEARNED_CASES.items():
+        per_head_case(name, c, learned, manifest)
     with open(f"{OUT}/manifest.json", "w") as f:
         json.dump(manifest, f, indent=1)
 

@@ -69,8 +69,8 @@ pub use attn_runtime::gpu::sim::GpuSim;
 pub use attn_runtime::model::{DeviceModel, Model, Request, Sampling, hf, research};
 pub use attn_runtime::{
     Attention, Backend, BackwardInputs, DecodeOptions, Gradients, HeadGradients, HeadsBackward,
-    Inputs, MlaBackward, MlaGradients, MlaQueries, MlaTensors, Output, Queries, RuntimeError,
-    Tensor, Variant, backends,
+    Inputs, Learned, MlaBackward, MlaGradients, MlaQueries, MlaTensors, Output, Queries,
+    RuntimeError, Tensor, Variant, backends,
 };
 pub use attn_runtime::{cache, inputs};
 
@@ -93,7 +93,7 @@ pub mod gpu {
 pub mod prelude {
     pub use crate::{
         Attention, AttentionSpec, Backend, BackwardInputs, CpuBackend, DType, DecodeOptions,
-        GpuSim, HeadsBackward, Inputs, MlaTensors, Model, Output, Queries, RuntimeError, Tensor,
-        Variant, attention,
+        GpuSim, HeadsBackward, Inputs, Learned, MlaTensors, Model, Output, Queries, RuntimeError,
+        Tensor, Variant, attention,
     };
 }

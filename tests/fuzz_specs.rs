@@ -7,7 +7,7 @@
 
 use attn::AttentionSpec;
 use attn::codegen::plan::KernelPlan;
-use attn::dsl::modifier::ScoreProgram;
+use attn::dsl::modifier::{ParamValues, ScoreProgram};
 use attn::dsl::reference::{self, Array, Inputs};
 use attn::runtime::cpu::CpuBackend;
 use std::time::{Duration, Instant};
@@ -32,6 +32,11 @@ const SEEDS: &[&str] = &[
      if q == k { s.exp().ln() } else { s.max(-1.0).min(1.0).sqrt() }",
     "heads = 6, kv_heads = 2, head_dim = 24, position = rope(dim = 16, scaling = \
      dynamic(factor = 2.0, original_max_position = 64))",
+    "heads = 4, kv_heads = 2, head_dim = 16, mask = causal, sinks = learned, \
+     params(rel: [heads, 32], t: [kv_heads, 2, 3]), \
+     score_mod = |s, b, h, q, k| s * t[h / 2, 1, 2] + rel[h, max(min(q - k, 31), 0)]",
+    "heads = 2, head_dim = 8, params(score: [2], w: [heads]), \
+     score_mod = |s, b, h, q, k| s * w[h] + w[(k - q).abs().min(1)]",
 ];
 
 /// Tokens inserted by mutations: extremes, wrong kinds, unicode, unbalanced brackets.
@@ -80,6 +85,14 @@ const INSERTS: &[&str] = &[
     "q",
     "k",
     "i64::MIN",
+    "params",
+    "sinks",
+    "learned",
+    ":",
+    "rel",
+    "rel[h, 0]",
+    "[heads, 0]",
+    "kv_heads",
 ];
 
 struct Rng(attn::inputs::XorShift);
@@ -219,6 +232,29 @@ fn extremes() -> Vec<String> {
         "é".repeat(1000)
     ));
     out.push("-heads = 4, head_dim = 64".to_string());
+    let p = |decls: String, body: String| {
+        format!("heads = 2, head_dim = 8, params({decls}), score_mod = |s, b, h, q, k| {body}")
+    };
+    for n in [16, 17, 1000] {
+        let decls: Vec<String> = (0..n).map(|i| format!("p{i}: [2]")).collect();
+        out.push(p(decls.join(", "), "s + p0[0]".into()));
+    }
+    for n in [4, 5, 100] {
+        out.push(p(format!("a: [{}]", vec!["2"; n].join(", ")), "s".into()));
+    }
+    out.push(p("a: [4294967295, 4294967295]".into(), "s".into()));
+    out.push(p("a: [4294967296]".into(), "s".into()));
+    out.push(p(format!("{}: [2]", "a".repeat(100_000)), "s".into()));
+    for n in [10, 31, 32, 200] {
+        out.push(p(
+            "a: [2]".into(),
+            format!("s + {}0{}", "a[".repeat(n), "]".repeat(n)),
+        ));
+        out.push(p(
+            "a: [2]".into(),
+            format!("s + a[{}0{}]", "(".repeat(n), ")".repeat(n)),
+        ));
+    }
     out
 }
 
@@ -249,7 +285,23 @@ fn exercise(spec: &AttentionSpec, compile: bool) {
             v: &v,
             position_offset: 0,
         };
-        reference::attention(spec, &inputs).expect("the reference runs a valid spec");
+        // Learnable tensors of up to 2^16 elements, each a small constant.
+        let learned: Vec<ParamValues> = spec
+            .learnable_tensors()
+            .into_iter()
+            .map(|(name, shape)| {
+                let n: usize = shape.iter().product();
+                ParamValues {
+                    name,
+                    shape,
+                    values: vec![0.25; n],
+                }
+            })
+            .collect();
+        if learned.iter().map(|t| t.values.len()).sum::<usize>() <= 1 << 16 {
+            reference::attention_learned(spec, &inputs, &learned)
+                .expect("the reference runs a valid spec");
+        }
     }
     if compile {
         CpuBackend::new()

@@ -21,12 +21,15 @@ pub fn kv_cache_bytes_per_token(spec: &AttentionSpec) -> u64 {
 pub struct AttentionParams {
     /// `(name, count)` per weight, in the order a layer applies them.
     pub parts: Vec<(&'static str, u64)>,
+    /// `(name, count)` per learnable tensor of the spec (`params(...)`, then `sinks`).
+    pub learned: Vec<(String, u64)>,
 }
 
 impl AttentionParams {
-    /// The total over all parts (checked to fit when the parts were counted).
+    /// The total over all parts and learnable tensors (checked to fit when they were counted).
     pub fn total(&self) -> u64 {
-        self.parts.iter().map(|(_, n)| n).sum()
+        self.parts.iter().map(|(_, n)| n).sum::<u64>()
+            + self.learned.iter().map(|(_, n)| n).sum::<u64>()
     }
 }
 
@@ -36,7 +39,7 @@ impl AttentionParams {
 /// Per-head layouts: `q_proj`, `k_proj`, `v_proj`, `o_proj`. MLA (DeepSeek layout, without a
 /// query low-rank compression): `q_proj` to `heads * (head_dim + rope_dim)`, `kv_a_proj` (down to
 /// `latent_rank + rope_dim`), `kv_a_norm` (RMSNorm weight of the latent), `kv_b_proj` (up to
-/// `heads * (head_dim + v_head_dim)`), `o_proj`.
+/// `heads * (head_dim + v_head_dim)`), `o_proj`. Learnable tensors count by their elements.
 pub fn attention_params(spec: &AttentionSpec, model_dim: u64) -> Option<AttentionParams> {
     let d = model_dim;
     let h = u64::from(spec.heads);
@@ -63,10 +66,18 @@ pub fn attention_params(spec: &AttentionSpec, model_dim: u64) -> Option<Attentio
             ]
         }
     };
+    // Validation bounds learnable tensors to 2^24 elements in all.
+    let learned: Vec<(String, u64)> = spec
+        .learnable_tensors()
+        .into_iter()
+        .map(|(name, shape)| (name, shape.iter().map(|&d| d as u64).product()))
+        .collect();
     parts
         .iter()
-        .try_fold(0u64, |sum, (_, n)| sum.checked_add(*n))?;
-    Some(AttentionParams { parts })
+        .map(|(_, n)| *n)
+        .chain(learned.iter().map(|(_, n)| *n))
+        .try_fold(0u64, |sum, n| sum.checked_add(n))?;
+    Some(AttentionParams { parts, learned })
 }
 
 /// Floating-point operations of one forward attention call.

@@ -144,6 +144,10 @@ fn read_finding(spec: &AttentionSpec, read: &ParamRead) -> Option<String> {
     }
     let bounds = everywhere(spec);
     for (axis, (index, dim)) in read.indices.iter().zip(spec.param_shape(decl)).enumerate() {
+        if dim == 0 {
+            // An empty dimension is the declaration's error; no index fits it.
+            continue;
+        }
         let allowed = Interval::new(0, dim as i64 - 1);
         match analyze(index, &bounds) {
             Range::Int(r) if r.lo >= allowed.lo && r.hi <= allowed.hi => {}

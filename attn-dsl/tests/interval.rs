@@ -15,7 +15,7 @@ fn mask_of(spec: &str) -> Expr {
 }
 
 /// Every element of the tile, for one batch and head.
-fn elements(bounds: &TileBounds) -> impl Iterator<Item = Env> + '_ {
+fn elements(bounds: &TileBounds) -> impl Iterator<Item = Env<'static>> + '_ {
     let shift = bounds.query.lo - bounds.query_index.lo;
     let kshift = bounds.key.lo - bounds.key_index.lo;
     let rows = bounds.query_index.lo..=bounds.query_index.hi;

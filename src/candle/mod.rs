@@ -45,6 +45,14 @@
 //! (`GLIBC_TUNABLES=glibc.malloc.trim_threshold=1073741824:glibc.malloc.mmap_threshold=33554432`)
 //! keeps it, which made steps 1.1-2.1x faster in the benchmark (BENCHMARKS.md).
 //!
+//! **Learnable tensors.** A spec's parameters (`params(...)`) and sinks (`sinks = learned`) are
+//! candle tensors, usually `Var`s, passed by name to [`attention_learned`]; their gradients come
+//! from attn's backward (exact, the same bits for any thread count) through `backward()`.
+//! candle's custom ops take at most three tensors, so with learnable tensors the op's third
+//! input is one f32 vector: v's elements followed by each learnable tensor's, made by candle's
+//! `cat` (whose backward splits the gradient back into dv and each tensor's). That costs one
+//! copy of v per call, and only with learnable tensors.
+//!
 //! **MLA** variants are refused: their five inputs do not fit a candle op of at most three.
 //! Train MLA in its expanded form (per-head keys and values made from the latent with candle
 //! matmuls) with a per-head variant.
@@ -94,10 +102,52 @@ pub fn attention_with_lse(
     v: &Tensor,
     position_offset: i64,
 ) -> candle_core::Result<(Tensor, Tensor)> {
+    attention_learned_with_lse(variant, q, k, v, &[], position_offset)
+}
+
+/// Attention of a variant with learnable tensors (`params(...)`, `sinks = learned`): `learned`
+/// names each (f32, the spec's shape, on the CPU), and gradients flow into them as into q, k
+/// and v. See the [module docs](self) for how they travel through candle.
+pub fn attention_learned(
+    variant: &Arc<Variant>,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    learned: &[(&str, &Tensor)],
+    position_offset: i64,
+) -> candle_core::Result<Tensor> {
+    Ok(attention_learned_with_lse(variant, q, k, v, learned, position_offset)?.0)
+}
+
+/// [`attention_learned`] and its log-sum-exp (detached; the sinks included).
+pub fn attention_learned_with_lse(
+    variant: &Arc<Variant>,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    learned: &[(&str, &Tensor)],
+    position_offset: i64,
+) -> candle_core::Result<(Tensor, Tensor)> {
     op::check_inputs(variant, q, k, v)?;
-    let op = op::AttentionOp::new(variant, position_offset);
+    let ordered = op::check_learned(variant, learned)?;
+    let (op, third) = if ordered.is_empty() {
+        (op::AttentionOp::new(variant, position_offset), v.clone())
+    } else {
+        let mut parts = vec![v.to_dtype(candle_core::DType::F32)?.flatten_all()?];
+        for t in &ordered {
+            parts.push(t.flatten_all()?);
+        }
+        let packing = op::Packing {
+            v_dims: v.dims().to_vec(),
+            tensors: variant.spec().learnable_tensors(),
+        };
+        (
+            op::AttentionOp::packed(variant, position_offset, packing),
+            Tensor::cat(&parts, 0)?,
+        )
+    };
     let saved = op.saved();
-    let out = q.apply_op3(k, v, op)?;
+    let out = q.apply_op3(k, &third, op)?;
     let lse = saved.lse_tensor(q.device())?;
     Ok((out, lse))
 }

@@ -3,7 +3,7 @@
 
 use super::convert::{candle_dtype, to_attn, to_candle};
 use crate::runtime::Tensor as AttnTensor;
-use crate::{Backend, BackwardInputs, CpuBackend, HeadsBackward, Inputs, Variant};
+use crate::{Backend, BackwardInputs, CpuBackend, HeadsBackward, Inputs, Learned, Variant};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Device, Layout, Shape, Tensor};
 use std::sync::{Arc, Mutex};
@@ -118,11 +118,123 @@ fn lost() -> candle_core::Error {
     candle_core::Error::Msg("attn::candle: the forward's lse was not saved".into())
 }
 
-/// Attention as a candle op over (q, k, v).
+/// Checks a spec's learnable tensors (each by its name, f32, on the CPU, with the spec's shape)
+/// and returns them in the spec's order.
+pub(super) fn check_learned<'t>(
+    variant: &Variant,
+    learned: &[(&str, &'t Tensor)],
+) -> candle_core::Result<Vec<&'t Tensor>> {
+    let refuse = |what: String| {
+        Err(candle_core::Error::Msg(format!(
+            "attn::candle: {what} (spec `{}`)",
+            variant.text()
+        )))
+    };
+    let wanted = variant.spec().learnable_tensors();
+    let names: Vec<String> = wanted.iter().map(|(n, s)| format!("{n} {s:?}")).collect();
+    for (name, _) in learned {
+        if !wanted.iter().any(|(w, _)| w == name) {
+            return refuse(format!(
+                "`{name}` is not a learnable tensor of this spec; it takes: {}",
+                if names.is_empty() {
+                    "none".into()
+                } else {
+                    names.join(", ")
+                }
+            ));
+        }
+    }
+    let mut ordered = Vec::with_capacity(wanted.len());
+    for (name, shape) in &wanted {
+        let mut found = learned.iter().filter(|(n, _)| n == name);
+        let Some((_, t)) = found.next() else {
+            return refuse(format!(
+                "the learnable tensor `{name}` {shape:?} is missing"
+            ));
+        };
+        if found.next().is_some() {
+            return refuse(format!("the learnable tensor `{name}` is given twice"));
+        }
+        if !t.device().is_cpu() || t.dtype() != candle_core::DType::F32 || t.dims() != shape {
+            return refuse(format!(
+                "`{name}` is {:?} {:?} on {:?}; expected f32 {shape:?} on the CPU",
+                t.dtype(),
+                t.dims(),
+                t.device().location()
+            ));
+        }
+        ordered.push(*t);
+    }
+    Ok(ordered)
+}
+
+/// How v and the learnable tensors travel as the op's third input: candle's custom ops take
+/// three tensors, so with learnable tensors the third is one f32 vector, v's elements (in its
+/// logical order, as f32) followed by each learnable tensor's. candle's `cat` makes it and its
+/// backward splits the gradient back.
+pub(super) struct Packing {
+    /// v's shape, `[B, kv_heads, Skv, v_head_dim]`.
+    pub v_dims: Vec<usize>,
+    /// Each learnable tensor's name and shape, in the spec's order.
+    pub tensors: Vec<(String, Vec<usize>)>,
+}
+
+impl Packing {
+    /// v (in the spec's dtype) and the learnable tensors (f32) out of the packed values.
+    fn unpack(
+        &self,
+        dtype: crate::DType,
+        packed: &[f32],
+    ) -> candle_core::Result<(AttnTensor, Vec<(String, AttnTensor)>)> {
+        let n_v: usize = self.v_dims.iter().product();
+        let total = n_v
+            + self
+                .tensors
+                .iter()
+                .map(|(_, s)| s.iter().product::<usize>())
+                .sum::<usize>();
+        if packed.len() != total {
+            return Err(candle_core::Error::Msg(format!(
+                "attn::candle: the packed v and learnable tensors hold {} values, expected {total}",
+                packed.len()
+            )));
+        }
+        let v = AttnTensor::from_f32_as(dtype, &self.v_dims, packed[..n_v].to_vec())
+            .map_err(candle_core::Error::wrap)?;
+        let mut at = n_v;
+        let mut learned = Vec::with_capacity(self.tensors.len());
+        for (name, shape) in &self.tensors {
+            let n: usize = shape.iter().product();
+            let t = AttnTensor::from_f32(shape, packed[at..at + n].to_vec())
+                .map_err(candle_core::Error::wrap)?;
+            learned.push((name.clone(), t));
+            at += n;
+        }
+        Ok((v, learned))
+    }
+}
+
+/// The values of a contiguous f32 vector.
+fn packed_values(storage: &CpuStorage, layout: &Layout) -> candle_core::Result<Vec<f32>> {
+    let data = storage.as_slice::<f32>()?;
+    match layout.contiguous_offsets() {
+        Some((start, end)) => Ok(data[start..end].to_vec()),
+        None => Err(candle_core::Error::Msg(
+            "attn::candle: the packed v and learnable tensors are not contiguous".into(),
+        )),
+    }
+}
+
+fn named(learned: &[(String, AttnTensor)]) -> Vec<(&str, &AttnTensor)> {
+    learned.iter().map(|(n, t)| (n.as_str(), t)).collect()
+}
+
+/// Attention as a candle op over (q, k, v), or (q, k, packed v and learnable tensors).
 pub(super) struct AttentionOp {
     variant: Arc<Variant>,
     position_offset: i64,
     saved: Arc<Saved>,
+    packing: Option<Packing>,
 }
 
 impl AttentionOp {
@@ -131,6 +243,15 @@ impl AttentionOp {
             variant: Arc::clone(variant),
             position_offset,
             saved: Arc::default(),
+            packing: None,
+        }
+    }
+
+    /// The op over a packed third input.
+    pub(super) fn packed(variant: &Arc<Variant>, position_offset: i64, packing: Packing) -> Self {
+        AttentionOp {
+            packing: Some(packing),
+            ..AttentionOp::new(variant, position_offset)
         }
     }
 
@@ -154,16 +275,17 @@ impl CustomOp3 for AttentionOp {
         v: &CpuStorage,
         v_layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (q, k, v) = (
-            to_attn(q, q_layout)?,
-            to_attn(k, k_layout)?,
-            to_attn(v, v_layout)?,
-        );
+        let (q, k) = (to_attn(q, q_layout)?, to_attn(k, k_layout)?);
+        let (v, learned) = match &self.packing {
+            None => (to_attn(v, v_layout)?, Vec::new()),
+            Some(p) => p.unpack(self.variant.spec().dtype, &packed_values(v, v_layout)?)?,
+        };
         let output = CpuBackend::new()
-            .forward(
+            .forward_learned(
                 &self.variant,
                 Inputs::heads(&q, &k, &v),
                 self.position_offset,
+                Learned::new(&named(&learned)),
             )
             .map_err(candle_core::Error::wrap)?;
         *self.saved.lse.lock().map_err(|_| lost())? = Some(output.lse);
@@ -180,13 +302,19 @@ impl CustomOp3 for AttentionOp {
         dout: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let lse = self.saved.lse()?;
-        let (q, k, v, out, dout) = (
-            attn_of(q)?,
-            attn_of(k)?,
-            attn_of(v)?,
-            attn_of(out)?,
-            attn_of(dout)?,
-        );
+        let (q, k, out, dout) = (attn_of(q)?, attn_of(k)?, attn_of(out)?, attn_of(dout)?);
+        let (v, learned) = match &self.packing {
+            None => (attn_of(v)?, Vec::new()),
+            Some(p) => {
+                let (storage, layout) = v.storage_and_layout();
+                let candle_core::Storage::Cpu(s) = &*storage else {
+                    return Err(candle_core::Error::Msg(
+                        "attn::candle runs CPU tensors".into(),
+                    ));
+                };
+                p.unpack(self.variant.spec().dtype, &packed_values(s, layout)?)?
+            }
+        };
         let x = HeadsBackward {
             q: &q,
             k: &k,
@@ -197,14 +325,30 @@ impl CustomOp3 for AttentionOp {
             position_offset: self.position_offset,
         };
         let grads = CpuBackend::new()
-            .backward(&self.variant, &BackwardInputs::Heads(x))
+            .backward_learned(
+                &self.variant,
+                &BackwardInputs::Heads(x),
+                Learned::new(&named(&learned)),
+            )
             .and_then(|g| g.heads())
             .map_err(candle_core::Error::wrap)?;
         let device = Device::Cpu;
+        let third = match &self.packing {
+            None => candle_of(grads.dv, &device)?,
+            Some(_) => {
+                // The packed gradient: dv as f32, then each learnable tensor's, in order.
+                let mut packed = grads.dv.to_f32_vec();
+                for (_, g) in &grads.learned {
+                    packed.extend(g.to_f32_vec());
+                }
+                let n = packed.len();
+                Tensor::from_vec(packed, n, &device)?
+            }
+        };
         Ok((
             Some(candle_of(grads.dq, &device)?),
             Some(candle_of(grads.dk, &device)?),
-            Some(candle_of(grads.dv, &device)?),
+            Some(third),
         ))
     }
 }

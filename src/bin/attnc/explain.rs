@@ -91,7 +91,9 @@ fn table(spec: &AttentionSpec, shape: &Shape) -> Result<String, String> {
     let parts = params
         .parts
         .iter()
-        .map(|(name, n)| format!("{name} {}", group_digits(*n)))
+        .map(|(name, n)| (*name, *n))
+        .chain(params.learned.iter().map(|(name, n)| (name.as_str(), *n)))
+        .map(|(name, n)| format!("{name} {}", group_digits(n)))
         .collect::<Vec<_>>()
         .join(", ");
     row(

@@ -24,7 +24,8 @@ pub struct Args {
     #[arg(long, value_name = "FILE", requires = "seq")]
     svg: Option<std::path::PathBuf>,
     /// Also print the derivative of the score program (what the backward pass multiplies
-    /// by), its range, notes where it is only piecewise, and the backward kernel plan.
+    /// by), its range, notes where it is only piecewise, the derivative with respect to each
+    /// parameter read (params(...)), the sinks' gradient, and the backward kernel plan.
     #[arg(long)]
     grad: bool,
 }
@@ -88,6 +89,19 @@ fn gradient_report(spec: &AttentionSpec, program: &ScoreProgram) -> String {
     );
     for note in &gradient.notes {
         out += &format!("note: {note}\n");
+    }
+    match program.folded().param_gradients() {
+        Ok(grads) => {
+            for (read, d) in grads {
+                let read = attn::dsl::modifier::Expr::Param(read);
+                out += &format!("\n-- d score / d {read} (folded) --\n{d}\n");
+            }
+        }
+        Err(e) => out += &format!("\n-- d score / d parameters --\nnone: {e}\n"),
+    }
+    if spec.sinks == attn::dsl::Sinks::Learned {
+        out += "\n-- d score / d sinks --\nd sinks[h] = -sum over rows of exp(sinks[h] - lse) * \
+                rowsum(dout * out)\n";
     }
     match KernelPlan::backward(spec) {
         // MLA's backward runs over the absorbed latent head; the chain rule around it is host
