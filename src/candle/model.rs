@@ -3,7 +3,7 @@
 //! `VarMap` saves loads in attn's runtime (`attn::research::load`, with `weights = FILE` in the
 //! model's TOML) and gives the same logits.
 
-use super::attention_at;
+use super::attention_learned;
 use crate::Variant;
 use crate::runtime::model::{MlpKind, ModelConfig, NormKind};
 use candle_core::{D, DType, Module, Result, Tensor};
@@ -117,6 +117,8 @@ struct Block {
     gate: Option<Linear>,
     up: Linear,
     down: Linear,
+    /// The spec's learnable tensors (`self_attn.{name}`), starting at 0.
+    learned: Vec<(String, Tensor)>,
 }
 
 fn normal() -> Init {
@@ -163,6 +165,15 @@ impl CandleModel {
                     },
                     up: Linear::new(&vb, &format!("{p}.mlp.up_proj"), inter, d, false)?,
                     down: Linear::new(&vb, &format!("{p}.mlp.down_proj"), d, inter, false)?,
+                    learned: spec
+                        .learnable_tensors()
+                        .into_iter()
+                        .map(|(name, shape)| {
+                            let t =
+                                vb.get_with_hints(shape, &format!("{a}.{name}"), Init::Const(0.0))?;
+                            Ok((name, t))
+                        })
+                        .collect::<Result<Vec<_>>>()?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -184,7 +195,8 @@ impl CandleModel {
     /// Sets every matrix of `varmap` (rank 2: projections, embeddings, the head) to values
     /// from normal(0, 0.02) drawn from `seed`, in the order of the variables' names, so that a
     /// model's initial weights depend on the seed alone: candle's CPU generator cannot be
-    /// seeded. Norms and biases keep their values.
+    /// seeded. Norms, biases and learnable attention tensors (`params(...)`, `sinks`, which
+    /// start at 0) keep their values.
     pub fn seed_weights(varmap: &VarMap, seed: u64) -> Result<()> {
         let vars = varmap
             .data()
@@ -199,7 +211,8 @@ impl CandleModel {
         };
         for name in names {
             let var = &vars[name];
-            if var.rank() != 2 {
+            // Matrices only: norms keep 1 and learnable attention tensors 0.
+            if var.rank() != 2 || is_learned(name) {
                 continue;
             }
             // Box-Muller: two uniforms make one standard normal value.
@@ -260,7 +273,9 @@ impl CandleModel {
         let q = heads(block.q.forward(&h)?, spec.heads, spec.head_dim)?;
         let k = heads(block.k.forward(&h)?, hkv, spec.head_dim)?;
         let v = heads(block.v.forward(&h)?, hkv, spec.v_head_dim)?;
-        let a = attention_at(&self.variant, &q, &k, &v, 0)?
+        let learned: Vec<(&str, &Tensor)> =
+            block.learned.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        let a = attention_learned(&self.variant, &q, &k, &v, &learned, 0)?
             .to_dtype(DType::F32)?
             .transpose(1, 2)?
             .reshape((b, s, ()))?;
@@ -273,4 +288,11 @@ impl CandleModel {
         };
         x + block.down.forward(&act)?
     }
+}
+
+/// Whether a variable is a learnable attention tensor: `...self_attn.{name}` with no
+/// `.weight` or `.bias` (projections end in those).
+fn is_learned(name: &str) -> bool {
+    name.rsplit_once(".self_attn.")
+        .is_some_and(|(_, rest)| !rest.contains('.'))
 }

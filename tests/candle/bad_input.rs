@@ -174,3 +174,51 @@ fn no_combination_of_shapes_dtypes_and_offsets_panics() {
     let (q, k, v) = qkv(8, 8);
     assert!(attn::candle::attention(&variant, &q, &k, &v).is_ok());
 }
+
+#[test]
+fn learnable_tensors_are_checked_by_name_shape_and_dtype() {
+    let variant = attn::Variant::parse(
+        "heads = 4, kv_heads = 2, head_dim = 16, mask = causal, sinks = learned, \
+         params(slopes: [heads]), score_mod = |s, b, h, q, k| s + slopes[h] * (k - q) as f32",
+    )
+    .unwrap();
+    let (q, k, v) = qkv(8, 8);
+    let slopes = tensor(&[4], 7);
+    let sinks = tensor(&[4], 8);
+    let refused = |learned: &[(&str, &Tensor)]| {
+        attn::candle::attention_learned(&variant, &q, &k, &v, learned, 0)
+            .unwrap_err()
+            .to_string()
+    };
+    let said = refused(&[("slopes", &slopes)]);
+    assert!(said.contains("`sinks` [4] is missing"), "{said}");
+    let said = refused(&[("slopes", &tensor(&[2, 2], 7)), ("sinks", &sinks)]);
+    assert!(
+        said.contains("`slopes` is F32 [2, 2]") && said.contains("expected f32 [4]"),
+        "{said}"
+    );
+    let said = refused(&[
+        ("slopes", &slopes),
+        ("sinks", &sinks.to_dtype(DType::BF16).unwrap()),
+    ]);
+    assert!(said.contains("`sinks` is BF16"), "{said}");
+    let said = refused(&[("slopes", &slopes), ("sinks", &sinks), ("bias", &sinks)]);
+    assert!(
+        said.contains("`bias` is not a learnable tensor") && said.contains("slopes [4], sinks [4]"),
+        "{said}"
+    );
+    // The op without learnable tensors names what the spec needs.
+    let said = attn::candle::attention(&variant, &q, &k, &v)
+        .unwrap_err()
+        .to_string();
+    assert!(said.contains("`slopes` [4] is missing"), "{said}");
+    let ok = attn::candle::attention_learned(
+        &variant,
+        &q,
+        &k,
+        &v,
+        &[("sinks", &sinks), ("slopes", &slopes)],
+        0,
+    );
+    assert!(ok.is_ok());
+}

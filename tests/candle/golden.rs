@@ -1,7 +1,8 @@
 //! Every golden gradient case (PyTorch float64 autograd) through candle's autograd: the loss
 //! `sum(out * dout)` has the fixture's dout as its gradient, so candle's gradients of q, k and
-//! v must be the fixture's dq, dk and dv, within the tolerance `attnc grad` meets: 2e-5 abs +
-//! 2e-4 rel for f32, and 2x PyTorch's own error in the case's dtype for f16 and bf16.
+//! v (and of each learnable tensor, a `Var` too) must be the fixture's dq, dk and dv (and
+//! d<name>), within the tolerance `attnc grad` meets: 2e-5 abs + 2e-4 rel for f32, and 2x
+//! PyTorch's own error in the case's dtype for f16 and bf16.
 
 use super::values;
 use attn::candle::core::{DType, Device, Tensor, Var};
@@ -39,7 +40,21 @@ fn every_golden_gradient_case_passes_through_candle_autograd() {
             Var::from_tensor(&t["v"]).unwrap(),
         );
         let offset = case["position_offset"].as_i64().unwrap();
-        let out = attn::candle::attention_at(&variant, &q, &k, &v, offset).unwrap();
+        let names: Vec<&str> = case
+            .get("learned")
+            .and_then(Value::as_array)
+            .map(|a| a.iter().filter_map(Value::as_str).collect())
+            .unwrap_or_default();
+        let learned: Vec<Var> = names
+            .iter()
+            .map(|n| Var::from_tensor(&t[*n]).unwrap())
+            .collect();
+        let by_name: Vec<(&str, &Tensor)> = names
+            .iter()
+            .zip(&learned)
+            .map(|(n, v)| (*n, v.as_tensor()))
+            .collect();
+        let out = attn::candle::attention_learned(&variant, &q, &k, &v, &by_name, offset).unwrap();
         let dout = t["dout"].to_dtype(DType::F32).unwrap();
         let loss = out
             .to_dtype(DType::F32)
@@ -49,7 +64,11 @@ fn every_golden_gradient_case_passes_through_candle_autograd() {
             .sum_all()
             .unwrap();
         let grads = loss.backward().unwrap();
-        for (grad, var) in [("dq", &q), ("dk", &k), ("dv", &v)] {
+        let learned_grads: Vec<String> = names.iter().map(|n| format!("d{n}")).collect();
+        let checked = [("dq", &q), ("dk", &k), ("dv", &v)]
+            .into_iter()
+            .chain(learned_grads.iter().map(String::as_str).zip(&learned));
+        for (grad, var) in checked {
             let got = grads.get(var).unwrap();
             assert_eq!(got.dtype(), var.dtype(), "{name} {grad}: dtype");
             assert_eq!(got.dims(), t[grad].dims(), "{name} {grad}: shape");

@@ -12,6 +12,18 @@ fn same_logits(toml: &str) {
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
     let model = CandleModel::new(&config, vb).unwrap();
+    // Learnable attention tensors start at 0: give them values that matter.
+    for (name, var) in varmap.data().lock().unwrap().iter() {
+        if name
+            .rsplit_once(".self_attn.")
+            .is_some_and(|(_, rest)| !rest.contains('.'))
+        {
+            let n = var.elem_count();
+            let values: Vec<f32> = (0..n).map(|i| 0.3 - 0.2 * i as f32).collect();
+            var.set(&Tensor::from_vec(values, var.shape(), &Device::Cpu).unwrap())
+                .unwrap();
+        }
+    }
     let tokens: Vec<u32> = (0..11u32)
         .map(|i| (i * 5 + 3) % config.vocab as u32)
         .collect();
@@ -91,6 +103,15 @@ fn a_bf16_sliding_window_model_gives_the_runtimes_logits() {
     same_logits(
         "vocab = 50\nhidden = 32\nlayers = 1\n\
          attention = \"heads = 2, head_dim = 16, mask = sliding_window(4), dtype = bf16\"",
+    );
+}
+
+#[test]
+fn a_model_with_learned_slopes_and_sinks_gives_the_runtimes_logits() {
+    same_logits(
+        "vocab = 40\nhidden = 32\nlayers = 2\nintermediate = 64\n\
+         attention = \"heads = 4, kv_heads = 2, head_dim = 8, mask = causal, sinks = learned, \
+         params(slopes: [heads]), score_mod = |s, b, h, q, k| s + slopes[h] * (k - q) as f32\"",
     );
 }
 

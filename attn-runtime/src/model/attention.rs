@@ -7,6 +7,7 @@ use super::{AttentionWeights, Keys, Model, Step};
 use crate::cache::{KvCache, SeqId};
 use crate::calls::{DecodeOptions, Inputs, MlaQueries, MlaTensors, Queries};
 use crate::error::RuntimeError;
+use crate::learned::Learned;
 use crate::tensor::Tensor;
 
 impl Model {
@@ -19,11 +20,22 @@ impl Model {
         keys: Keys,
     ) -> Result<Vec<f32>, RuntimeError> {
         match weights {
-            AttentionWeights::Heads { q, k, v, o } => {
+            AttentionWeights::Heads {
+                q,
+                k,
+                v,
+                o,
+                learned,
+            } => {
                 let (qs, ks, vs) = (q.apply(h, n), k.apply(h, n), v.apply(h, n));
+                let learned: Vec<(&str, &Tensor)> =
+                    learned.iter().map(|(n, t)| (n.as_str(), t)).collect();
+                let learned = Learned::new(&learned);
                 let out = match keys {
-                    Keys::Full => self.heads_over_all(qs, ks, vs, n)?,
-                    Keys::Cached(step) => self.heads_over_caches([&qs, &ks, &vs], n, step)?,
+                    Keys::Full => self.heads_over_all(qs, ks, vs, n, learned)?,
+                    Keys::Cached(step) => {
+                        self.heads_over_caches([&qs, &ks, &vs], n, step, learned)?
+                    }
                 };
                 Ok(o.apply(&out, n))
             }
@@ -63,6 +75,7 @@ impl Model {
         ks: Vec<f32>,
         vs: Vec<f32>,
         n: usize,
+        learned: Learned,
     ) -> Result<Vec<f32>, RuntimeError> {
         let spec = self.variant.spec();
         let (heads, hkv) = (spec.heads as usize, spec.kv_heads() as usize);
@@ -72,7 +85,7 @@ impl Model {
         let v = self.by_head(vs, [n, hkv, dv])?;
         let out = self
             .backend
-            .forward(&self.variant, Inputs::heads(&q, &k, &v), 0)?
+            .forward_learned(&self.variant, Inputs::heads(&q, &k, &v), 0, learned)?
             .out;
         Ok(out.permute(&[0, 2, 1, 3])?.to_f32_vec())
     }
@@ -85,6 +98,7 @@ impl Model {
         [qs, ks, vs]: [&[f32]; 3],
         n: usize,
         step: Step,
+        learned: Learned,
     ) -> Result<Vec<f32>, RuntimeError> {
         let spec = self.variant.spec();
         let (heads, hkv) = (spec.heads as usize, spec.kv_heads() as usize);
@@ -123,7 +137,10 @@ impl Model {
                 let k = self.by_head(rows_of(ks, hkv * d, i), [len, hkv, d])?;
                 let v = self.by_head(rows_of(vs, hkv * dv, i), [len, hkv, dv])?;
                 let inputs = Inputs::heads(&q, &k, &v);
-                let o = self.backend.forward(&self.variant, inputs, 0)?.out;
+                let o = self
+                    .backend
+                    .forward_learned(&self.variant, inputs, 0, learned)?
+                    .out;
                 let o = o.permute(&[0, 2, 1, 3])?.to_f32_vec();
                 out[offsets[i] * heads * dv..offsets[i + 1] * heads * dv].copy_from_slice(&o);
             } else {
@@ -145,7 +162,7 @@ impl Model {
         let options = DecodeOptions::default();
         let o = self
             .backend
-            .attend_cached(&self.variant, queries, cache, &ids, options)?
+            .attend_cached_learned(&self.variant, queries, cache, &ids, options, learned)?
             .out
             .to_f32_vec();
         for (j, &(i, _)) in rest_seqs.iter().enumerate() {

@@ -181,6 +181,13 @@ impl<'m> DeviceModel<'m> {
                     .into(),
             ));
         }
+        if !variant.spec().learnable_tensors().is_empty() {
+            return Err(RuntimeError::Spec(
+                "models with learnable attention tensors (params(...), sinks) do not run \
+                 resident on a device yet; use the cpu backend"
+                    .into(),
+            ));
+        }
         // bf16 specs whose RoPE rotates every column take bf16 Q K^T operands here (f16 ones
         // would need a range check on the device first), as bf16 SDPA computes.
         let forward = resident_forward(variant)?;
@@ -190,7 +197,7 @@ impl<'m> DeviceModel<'m> {
         };
         let mut layers_on_device = Vec::with_capacity(model.layers.len());
         for layer in &model.layers {
-            let AttentionWeights::Heads { q, k, v, o } = &layer.attn else {
+            let AttentionWeights::Heads { q, k, v, o, .. } = &layer.attn else {
                 return Err(RuntimeError::Spec("MLA layers in a per-head model".into()));
             };
             layers_on_device.push(DeviceLayer {

@@ -45,6 +45,9 @@ pub(crate) enum AttentionWeights {
         k: Linear,
         v: Linear,
         o: Linear,
+        /// The spec's learnable tensors (`params(...)`, `sinks`), f32, by name
+        /// (`model.layers.{i}.self_attn.{name}` in a file).
+        learned: Vec<(String, Tensor)>,
     },
     /// DeepSeek MLA: queries (directly, or through a low-rank `q_a` / norm / `q_b`), the joint
     /// `[latent | rope key]` projection, the latent norm, `w_kv_b` and the output projection.
@@ -206,7 +209,22 @@ impl Model {
         let (mut attn, mut mlp, mut norms) = (0, 0, norm(&self.final_norm));
         for layer in &self.layers {
             attn += match &layer.attn {
-                AttentionWeights::Heads { q, k, v, o } => lin(q) + lin(k) + lin(v) + lin(o),
+                AttentionWeights::Heads {
+                    q,
+                    k,
+                    v,
+                    o,
+                    learned,
+                } => {
+                    lin(q)
+                        + lin(k)
+                        + lin(v)
+                        + lin(o)
+                        + learned
+                            .iter()
+                            .map(|(_, t)| t.shape().iter().product::<usize>() as u64)
+                            .sum::<u64>()
+                }
                 AttentionWeights::Mla {
                     q,
                     q_b,

@@ -280,6 +280,15 @@ impl Model {
                             k: init.linear(hkv * d, c.hidden, c.qkv_bias),
                             v: init.linear(hkv * dv, c.hidden, c.qkv_bias),
                             o: init.linear(c.hidden, heads * dv, false),
+                            // Learnable tensors start at 0 (a sink of weight exp(0)).
+                            learned: spec
+                                .learnable_tensors()
+                                .into_iter()
+                                .map(|(name, shape)| {
+                                    let n = shape.iter().product();
+                                    Ok((name, Tensor::from_f32(&shape, vec![0.0; n])?))
+                                })
+                                .collect::<Result<_, RuntimeError>>()?,
                         })
                     }
                 }?;

@@ -70,6 +70,8 @@ pub(crate) fn tensor_names(config: &ModelConfig, q_lora: Option<usize>) -> Vec<S
         };
         let all = mlp.iter().chain(attn).chain(&["self_attn.o_proj.weight"]);
         names.extend(all.map(|n| format!("{p}{n}")));
+        let learned = config.attention.learnable_tensors();
+        names.extend(learned.iter().map(|(n, _)| format!("{p}self_attn.{n}")));
     }
     names
 }
@@ -130,6 +132,14 @@ pub(crate) fn assemble(
                     k: w.linear(&format!("{p}k_proj"), bias, [hkv * dk, d])?,
                     v: w.linear(&format!("{p}v_proj"), bias, [hkv * dv, d])?,
                     o: w.linear(&format!("{p}o_proj"), false, [d, heads * dv])?,
+                    learned: spec
+                        .learnable_tensors()
+                        .into_iter()
+                        .map(|(name, shape)| {
+                            let t = w.shaped(&format!("{p}{name}"), &shape)?;
+                            Ok((name, Tensor::from_f32(&shape, t.to_f32_vec())?))
+                        })
+                        .collect::<Result<_, RuntimeError>>()?,
                 }
             }
         };
