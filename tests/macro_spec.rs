@@ -225,3 +225,70 @@ fn the_typed_api_gives_gradients_equal_to_the_reference() {
     let err = Latent::backward(&t[0], &t[1], &t[2], &saved.out, &saved.lse, &t[3]).unwrap_err();
     assert!(err.to_string().contains("MLA"), "{err}");
 }
+
+/// Learnable tensors: a relative-position table read with a clamp, and sinks.
+#[attention(
+    heads = 2, head_dim = 16, mask = causal, sinks = learned, params(rel: [heads, 8]),
+    score_mod = |s, b, h, q, k| s + rel[h, max(min(q - k, 7), 0)]
+)]
+struct Learned;
+
+#[test]
+fn the_typed_api_names_and_shapes_the_learnable_tensors() {
+    use attn::dsl::modifier::ParamValues;
+    use attn::dsl::reference::{Array, Inputs, attention_learned};
+    use attn::runtime::Tensor;
+    assert_eq!(
+        Learned::LEARNED,
+        &[("rel", &[2usize, 8][..]), ("sinks", &[2][..])]
+    );
+    assert!(Gqa::LEARNED.is_empty());
+    let parsed: AttentionSpec = Learned::SPEC_TEXT.parse().unwrap();
+    assert_eq!(*Learned::spec(), parsed);
+
+    let (s, values) = (9, |n: usize, k: usize| -> Vec<f32> {
+        (0..n).map(|i| ((i * k) % 13) as f32 / 13.0 - 0.5).collect()
+    });
+    let shapes = [[1, 2, s, 16]; 3];
+    let data: Vec<Vec<f32>> = (0..3).map(|i| values(2 * s * 16, 3 + 2 * i)).collect();
+    let t: Vec<Tensor> = data
+        .iter()
+        .map(|d| Tensor::from_f32(&shapes[0], d.clone()).unwrap())
+        .collect();
+    let rel = Tensor::from_f32(&[2, 8], values(16, 5)).unwrap();
+    let sinks = Tensor::from_f32(&[2], vec![0.5, -1.0]).unwrap();
+    let got = Learned::forward_learned(&t[0], &t[1], &t[2], &[("rel", &rel), ("sinks", &sinks)], 0)
+        .unwrap();
+    let arrays: Vec<Array> = data
+        .iter()
+        .map(|d| Array::from_vec(&shapes[0], d.iter().map(|x| f64::from(*x)).collect()).unwrap())
+        .collect();
+    let learned = [
+        ParamValues {
+            name: "rel".into(),
+            shape: vec![2, 8],
+            values: rel.to_f32_vec().iter().map(|x| f64::from(*x)).collect(),
+        },
+        ParamValues {
+            name: "sinks".into(),
+            shape: vec![2],
+            values: vec![0.5, -1.0],
+        },
+    ];
+    let inputs = Inputs {
+        q: &arrays[0],
+        k: &arrays[1],
+        v: &arrays[2],
+        position_offset: 0,
+    };
+    let want = attention_learned(Learned::spec(), &inputs, &learned).unwrap();
+    for (x, y) in got.out.to_f32_vec().iter().zip(want.out.data()) {
+        assert!(
+            (f64::from(*x) - y).abs() <= 2e-5 + 2e-4 * y.abs(),
+            "{x} vs {y}"
+        );
+    }
+    // Without them, the call names what is missing.
+    let err = Learned::forward(&t[0], &t[1], &t[2]).unwrap_err();
+    assert!(err.to_string().contains("`rel`"), "{err}");
+}

@@ -24,9 +24,9 @@ use quote::quote;
 /// (`attn::attention`, this macro re-exported, has the same example as a doctest that runs.)
 ///
 /// The spec is validated at compile time; errors point at the offending tokens. The struct
-/// implements `attn::Attention`: `SPEC_TEXT` (the normalized spec), the head constants, `spec()`
-/// (the spec built as data, not parsed again at run time) and `variant()` (validated and planned
-/// once per process).
+/// implements `attn::Attention`: `SPEC_TEXT` (the normalized spec), the head constants,
+/// `LEARNED` (the names and shapes of its learnable tensors), `spec()` (the spec built as data,
+/// not parsed again at run time) and `variant()` (validated and planned once per process).
 ///
 /// `targets = [sm_80, sm_90]` (with attn's `aot` feature) compiles every GPU kernel of the spec
 /// to PTX for those targets while the crate builds and embeds them (`embedded_kernels()`): the
@@ -62,6 +62,10 @@ pub fn attention(attr: TokenStream, item: TokenStream) -> TokenStream {
         attn_dsl::DType::F16 => quote!(F16),
         attn_dsl::DType::Bf16 => quote!(Bf16),
     };
+    let learned = spec
+        .learnable_tensors()
+        .into_iter()
+        .map(|(name, shape)| quote!((#name, &[#(#shape),*])));
     let name = &item.ident;
     let (impl_generics, ty_generics, where_clause) = item.generics.split_for_impl();
     let doc = format!("Attention variant `{text}`.");
@@ -76,6 +80,7 @@ pub fn attention(attr: TokenStream, item: TokenStream) -> TokenStream {
             const HEAD_DIM: u32 = #head_dim;
             const V_HEAD_DIM: u32 = #v_head_dim;
             const DTYPE: ::attn::DType = ::attn::DType::#dtype;
+            const LEARNED: &'static [(&'static str, &'static [usize])] = &[#(#learned),*];
 
             fn spec() -> &'static ::attn::AttentionSpec {
                 static SPEC: ::std::sync::OnceLock<::attn::AttentionSpec> =

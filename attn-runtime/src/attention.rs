@@ -7,6 +7,7 @@ use crate::calls::{
     MlaQueries, MlaTensors, Output, Queries,
 };
 use crate::cpu::CpuBackend;
+use crate::learned::Learned;
 use crate::variant::Variant;
 use crate::{RuntimeError, Tensor};
 use attn_dsl::{AttentionSpec, DType};
@@ -32,6 +33,10 @@ pub trait Attention {
     const V_HEAD_DIM: u32;
     /// Storage dtype.
     const DTYPE: DType;
+    /// The spec's learnable tensors, `(name, shape)`: each parameter of `params(...)`, then
+    /// `sinks` (`[HEADS]`) with `sinks = learned`. Empty for most specs. The `*_learned`
+    /// methods take a tensor of each, by name.
+    const LEARNED: &'static [(&'static str, &'static [usize])] = &[];
 
     /// The spec (built as data by the macro, on first use).
     fn spec() -> &'static AttentionSpec;
@@ -106,6 +111,38 @@ pub trait Attention {
         position_offset: i64,
     ) -> Result<Output, RuntimeError> {
         backend.forward(Self::variant(), Inputs::heads(q, k, v), position_offset)
+    }
+
+    /// [`Attention::forward_with_lse`] with the spec's learnable tensors, one for each entry of
+    /// [`Attention::LEARNED`] (f32, that shape), by name (CPU backend).
+    fn forward_learned(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        learned: &[(&str, &Tensor)],
+        position_offset: i64,
+    ) -> Result<Output, RuntimeError> {
+        CpuBackend::new().forward_learned(
+            Self::variant(),
+            Inputs::heads(q, k, v),
+            position_offset,
+            Learned::new(learned),
+        )
+    }
+
+    /// [`Attention::backward_with`] with the learnable tensors the forward took; their
+    /// gradients are [`HeadGradients::learned`] (CPU backend).
+    fn backward_learned(
+        x: &HeadsBackward,
+        learned: &[(&str, &Tensor)],
+    ) -> Result<HeadGradients, RuntimeError> {
+        CpuBackend::new()
+            .backward_learned(
+                Self::variant(),
+                &BackwardInputs::Heads(*x),
+                Learned::new(learned),
+            )?
+            .heads()
     }
 
     /// [`Attention::backward_with`] on any backend (see [`Attention::forward_on`]).

@@ -79,3 +79,57 @@ fn grad_runs_on_the_gpu_interpreter() {
         }
     }
 }
+
+#[test]
+fn grad_names_a_missing_or_misshapen_learnable_tensor() {
+    let golden = format!(
+        "{}/tests/fixtures/gradients/learned_slopes_gqa_f32.safetensors",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let out = temp("grad-learned.safetensors");
+    let run = |spec: &str| {
+        attnc(&[
+            "grad",
+            "--spec",
+            spec,
+            "--input",
+            &golden,
+            "--output",
+            out.to_str().unwrap(),
+            "--position-offset",
+            "2",
+        ])
+    };
+    let base = "heads = 4, kv_heads = 2, head_dim = 32, mask = causal";
+    let o = run(&format!(
+        "{base}, params(slopes: [heads], extra: [2]), \
+         score_mod = |s, b, h, q, k| s + slopes[h] * (k - q) as f32 + extra[0]"
+    ));
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("no tensor `extra`"), "{}", stderr(&o));
+    let o = run(&format!(
+        "{base}, params(slopes: [2]), score_mod = |s, b, h, q, k| s + slopes[h / 2]"
+    ));
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("`slopes` has shape [4], expected [2]"),
+        "{}",
+        stderr(&o)
+    );
+    // The right spec writes the gradient of the slopes beside dq, dk and dv.
+    let o = run(&format!(
+        "{base}, params(slopes: [heads]), score_mod = |s, b, h, q, k| s + slopes[h] * (k - q) as f32"
+    ));
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let (got, want) = (
+        tensor_values(&out, "dslopes"),
+        tensor_values(&golden, "dslopes"),
+    );
+    assert_eq!(got.len(), 4);
+    for (g, w) in got.iter().zip(&want) {
+        assert!(
+            (g - w).abs() <= 1e-4 + 2e-4 * w.abs(),
+            "dslopes: {g} vs {w}"
+        );
+    }
+}

@@ -68,4 +68,17 @@ struct MaskModUnknownName;
 )]
 struct NestingTooDeep;
 
+// A parameter read whose index interval analysis cannot prove in range: an error at the read.
+#[attention(
+    heads = 2,
+    head_dim = 8,
+    params(rel: [heads, 32]),
+    score_mod = |s, b, h, q, k| s + rel[h, q - k],
+)]
+struct IndexNotProved;
+
+// A parameter declared twice: an error at the second declaration.
+#[attention(heads = 2, head_dim = 8, params(a: [2], a: [heads]), score_mod = |s, b, h, q, k| s * a[0])]
+struct ParamTwice;
+
 fn main() {}

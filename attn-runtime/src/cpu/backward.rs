@@ -4,8 +4,13 @@
 //! dq rows of its group's query heads, so no two tasks write the same gradient and nothing needs
 //! atomics. When there are fewer (batch, kv head) units than twice the threads (MQA, small
 //! batches), each unit's key tiles are dealt to several tasks with private gradients, summed
-//! afterwards. A task rotates and scales its queries and keys once (`rotate_rows`), packs K and V
-//! into tiles, and computes `D = rowsum(dO * out)`. Then, head by head of the group (its q, dO
+//! afterwards. With parameters (`params(...)`), each task also sums their gradients over its
+//! tiles in a fixed order (`grad_tile` adds each pair's share), the tasks' sums are added in
+//! task order, and the split count depends on the call's shape alone: the result is the same
+//! bits for any thread count.
+//!
+//! A task rotates and scales its queries and keys once (`rotate_rows`), packs K and V into
+//! tiles, and computes `D = rowsum(dO * out)`. Then, head by head of the group (its q, dO
 //! and dq rows stay in cache), for each key tile and each query block the mask does not skip:
 //! `S = Q K^T` and `dP = dO V^T` (the `qk_tile` microkernel), `P` and `dS` (generated
 //! `grad_tile`), `dV += P^T dO`, `dK += dS^T Q` (the `pv_tile` microkernel reading its weights
@@ -135,12 +140,14 @@ pub(super) fn run(
     });
     let group = hq / hkv;
     let (q_len, k_len, v_len) = (group * sq * d, skv * d, skv * dv);
-    // Parameter gradients are summed per (batch, kv head) and then in unit order, so the units
-    // are the tasks whatever the thread count (no key splits).
-    let splits = if plan.params.is_empty() {
-        key_splits(batch * hkv, skv.div_ceil(K), q_len + k_len + v_len)
+    let (units, tiles, p) = (batch * hkv, skv.div_ceil(K), plan.params.len());
+    // Parameter gradients are summed per task in a fixed order of tiles, then over the tasks in
+    // order; with parameters the tasks therefore depend on the call's shape alone, never on the
+    // thread count.
+    let splits = if p == 0 {
+        key_splits(units, tiles, q_len + k_len + v_len)
     } else {
-        1
+        fixed_splits(units, tiles, q_len + k_len + v_len + p)
     };
     let task = |b: usize, kvh: usize, split: usize| Task {
         plan,
@@ -158,13 +165,21 @@ pub(super) fn run(
             scratch.trim();
         });
     };
-    if !plan.params.is_empty() {
+    if splits == 1 && p == 0 {
+        dq.par_chunks_mut(q_len)
+            .zip(dk.par_chunks_mut(k_len))
+            .zip(dvv.par_chunks_mut(v_len))
+            .enumerate()
+            .for_each(|(i, ((dq, dk), dv))| {
+                run(task(i / hkv, i % hkv, 0), [dq, dk, dv, &mut []]);
+            });
+        return Ok(((dq, dk, dvv), dparams));
+    }
+    if splits == 1 {
         // Units in chunks whose private sums fit MAX_SPLIT_VALUES; each chunk's sums are added
         // in unit order, which is the order of a single chunk: the result does not depend on
         // the chunk size either.
-        let p = plan.params.len();
         let chunk = (MAX_SPLIT_VALUES / p).max(1);
-        let units = batch * hkv;
         for start in (0..units).step_by(chunk) {
             let end = (start + chunk).min(units);
             let sums: Vec<Vec<f32>> = dq[start * q_len..end * q_len]
@@ -185,27 +200,18 @@ pub(super) fn run(
         }
         return Ok(((dq, dk, dvv), dparams));
     }
-    if splits == 1 {
-        dq.par_chunks_mut(q_len)
-            .zip(dk.par_chunks_mut(k_len))
-            .zip(dvv.par_chunks_mut(v_len))
-            .enumerate()
-            .for_each(|(i, ((dq, dk), dv))| {
-                run(task(i / hkv, i % hkv, 0), [dq, dk, dv, &mut []]);
-            });
-        return Ok(((dq, dk, dvv), dparams));
-    }
     // Few (batch, kv head) units for the threads: each unit's key tiles are dealt round-robin
     // to `splits` tasks (round-robin keeps causal work even), each with its own gradients,
     // summed afterwards (a split's dk and dv rows are zero outside its tiles).
-    let partial: Vec<Vec<f32>> = (0..batch * hkv * splits)
+    let partial: Vec<Vec<f32>> = (0..units * splits)
         .into_par_iter()
         .map(|i| {
             let (unit, split) = (i / splits, i % splits);
-            let mut grads = written_zeros(q_len + k_len + v_len);
+            let mut grads = written_zeros(q_len + k_len + v_len + p);
             let (dq, rest) = grads.split_at_mut(q_len);
-            let (dk, dv) = rest.split_at_mut(k_len);
-            run(task(unit / hkv, unit % hkv, split), [dq, dk, dv, &mut []]);
+            let (dk, rest) = rest.split_at_mut(k_len);
+            let (dv, sums) = rest.split_at_mut(v_len);
+            run(task(unit / hkv, unit % hkv, split), [dq, dk, dv, sums]);
             grads
         })
         .collect();
@@ -216,12 +222,18 @@ pub(super) fn run(
         .for_each(|(((dq, dk), dv), parts)| {
             for part in parts {
                 let (pq, rest) = part.split_at(q_len);
-                let (pk, pv) = rest.split_at(k_len);
+                let (pk, rest) = rest.split_at(k_len);
+                let pv = &rest[..v_len];
                 for (out, add) in [(&mut *dq, pq), (&mut *dk, pk), (&mut *dv, pv)] {
                     out.iter_mut().zip(add).for_each(|(o, a)| *o += a);
                 }
             }
         });
+    // The tasks' parameter sums, in task order.
+    for part in &partial {
+        let sums = &part[q_len + k_len + v_len..];
+        dparams.iter_mut().zip(sums).for_each(|(t, x)| *t += x);
+    }
     Ok(((dq, dk, dvv), dparams))
 }
 
@@ -289,6 +301,20 @@ fn key_splits(units: usize, tiles: usize, unit_values: usize) -> usize {
     }
     let by_memory = MAX_SPLIT_VALUES / (units * unit_values).max(1);
     wanted.div_ceil(units).min(tiles).min(by_memory).max(1)
+}
+
+/// Tasks a call with parameters aims for: enough to keep a few threads busy however few
+/// (batch, kv head) units it has, fixed so that the tasks (and the order in which the parameter
+/// gradients add up) do not depend on the thread count.
+const FIXED_TASKS: usize = 16;
+
+/// [`key_splits`] for a call with parameters: [`FIXED_TASKS`] in place of the thread count.
+fn fixed_splits(units: usize, tiles: usize, unit_values: usize) -> usize {
+    if units >= FIXED_TASKS {
+        return 1;
+    }
+    let by_memory = MAX_SPLIT_VALUES / (units * unit_values).max(1);
+    FIXED_TASKS.div_ceil(units).min(tiles).min(by_memory).max(1)
 }
 
 /// A task's rows once prepared ([`Task::prepare`]): the group's queries (rotated and scaled),

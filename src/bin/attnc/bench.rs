@@ -11,7 +11,7 @@ use attn::runtime::memory::checked_product;
 use attn::runtime::{
     Backend, BackwardInputs, HeadsBackward, Inputs, MlaBackward, MlaTensors, Variant,
 };
-use attn::runtime::{RuntimeError, Tensor};
+use attn::runtime::{Learned, RuntimeError, Tensor};
 use std::time::Instant;
 
 /// `attnc bench`'s arguments.
@@ -59,7 +59,15 @@ pub fn command(args: Args) -> Result<(), String> {
             shape.batch, shape.seq, shape.kv_len, shape.reps
         );
     }
-    let t = match On::from(args.backend) {
+    let on = On::from(args.backend);
+    if on == On::Cuda && !spec.learnable_tensors().is_empty() {
+        return Err(
+            "error: attnc bench does not time specs with learnable tensors (params(...), sinks) \
+             on the GPU yet; use --backend cpu"
+                .to_string(),
+        );
+    }
+    let t = match on {
         On::Cuda if args.backward => bench_backward_cuda(&spec, &shape),
         _ if args.backward => bench_backward(&spec, &shape, !args.json),
         On::Cuda => bench_cuda(&spec, &shape),
@@ -155,6 +163,22 @@ fn inputs(spec: &AttentionSpec, shape: &Shape) -> Result<[Tensor; 3], RuntimeErr
     ])
 }
 
+/// The spec's learnable tensors (parameters and sinks), small random values (seed 5 on).
+fn learned(spec: &AttentionSpec) -> Result<Vec<(String, Tensor)>, RuntimeError> {
+    spec.learnable_tensors()
+        .into_iter()
+        .enumerate()
+        .map(|(i, (name, shape))| {
+            let t = random(attn::DType::F32, &shape, 5 + i as u64)?;
+            Ok((name, t))
+        })
+        .collect()
+}
+
+fn by_name(learned: &[(String, Tensor)]) -> Vec<(&str, &Tensor)> {
+    learned.iter().map(|(n, t)| (n.as_str(), t)).collect()
+}
+
 /// FLOPs counted as `4 B Hq Sq Skv D` (MLA: the absorbed widths), halved for causal masks, the
 /// convention of FlashAttention and PyTorch's benchmarks.
 fn flops(spec: &AttentionSpec, shape: &Shape) -> f64 {
@@ -206,8 +230,15 @@ fn bench_backward(
     }
     let [q, k, v] = inputs(spec, shape)?;
     let variant = Variant::shared(spec)?;
+    let tensors = learned(spec)?;
+    let named = by_name(&tensors);
     let call = || -> Result<(), RuntimeError> {
-        let forward = backend.forward(&variant, Inputs::heads(&q, &k, &v), 0)?;
+        let forward = backend.forward_learned(
+            &variant,
+            Inputs::heads(&q, &k, &v),
+            0,
+            Learned::new(&named),
+        )?;
         let x = BackwardInputs::Heads(HeadsBackward {
             q: &q,
             k: &k,
@@ -217,7 +248,9 @@ fn bench_backward(
             dout: &dout,
             position_offset: 0,
         });
-        backend.backward(&variant, &x).map(drop)
+        backend
+            .backward_learned(&variant, &x, Learned::new(&named))
+            .map(drop)
     };
     let times = time_calls(call, shape.reps, progress)?;
     Ok(backward_timing(spec, shape, times, compile_ms))
@@ -322,9 +355,11 @@ fn bench(spec: &AttentionSpec, shape: &Shape, progress: bool) -> Result<Timing, 
         }
         None => {
             let [q, k, v] = inputs(spec, shape)?;
+            let tensors = learned(spec)?;
             Box::new(move || {
+                let named = by_name(&tensors);
                 backend
-                    .forward(&variant, Inputs::heads(&q, &k, &v), 0)
+                    .forward_learned(&variant, Inputs::heads(&q, &k, &v), 0, Learned::new(&named))
                     .map(drop)
             })
         }

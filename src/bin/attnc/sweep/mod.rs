@@ -20,8 +20,8 @@ use std::path::PathBuf;
 #[command(
     after_help = "KEY is a model TOML key (hidden, layers, norm, norm_eps, mlp, \
     intermediate, tie_embeddings, qkv_bias) or a spec key (heads, kv_heads, head_dim, \
-    v_head_dim, mask, position, softcap, scale, dtype, score_mod, mask_mod); values are split \
-    at the commas outside brackets, so --vary \"mask=causal,sliding_window(64)\" is two values. \
+    v_head_dim, mask, position, softcap, scale, dtype, score_mod, mask_mod, sinks); values are \
+    split at the commas outside brackets, so --vary \"mask=causal,sliding_window(64)\" is two values. \
     The grid is the product of the --vary lists (at most 256 combinations); a combination the \
     model or spec rules refuse is reported and skipped. Each variant trains once per seed \
     (--seed, --seed + 1, ...) as attnc train would, into runs/NNN-NAME/seedS/. Writes into \
