@@ -14,7 +14,7 @@
 //!   row order, so it is the same from run to run and for any thread count.
 
 use crate::error::RuntimeError;
-use crate::tensor::Tensor;
+use crate::tensor::{Storage, Tensor};
 use attn_dsl::{AttentionSpec, SINKS_NAME, Sinks};
 use codegen::plan::ParamLayout;
 
@@ -115,8 +115,15 @@ impl Bound {
             return Ok(());
         };
         let head_of = head_index(lse.shape(), heads)?;
+        let (shape, dtype) = (out.shape().to_vec(), out.dtype());
         let mut l = lse.to_f32_vec();
-        let mut o = out.to_f32_vec();
+        // f32 outputs are scaled in their own buffer (a fresh output is its only view).
+        let taken = std::mem::replace(out, Tensor::from_f32(&[0], Vec::new())?);
+        let mut storage = taken.into_storage();
+        let mut o = match &mut storage {
+            Storage::F32(values) => std::mem::take(values),
+            _ => Tensor::new(&shape, storage)?.to_f32_vec(),
+        };
         let width = o.len().checked_div(l.len()).unwrap_or(0);
         for (r, lse_r) in l.iter_mut().enumerate() {
             let sink = sinks[head_of(r)];
@@ -138,7 +145,7 @@ impl Bound {
             }
             *lse_r = merged;
         }
-        *out = Tensor::from_f32_as(out.dtype(), out.shape(), o)?;
+        *out = Tensor::from_f32_as(dtype, &shape, o)?;
         *lse = Tensor::from_f32(lse.shape(), l)?;
         Ok(())
     }

@@ -63,7 +63,7 @@ fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
 }
 
 impl Tensor {
-    fn new(shape: &[usize], storage: Storage) -> Result<Self, RuntimeError> {
+    pub(crate) fn new(shape: &[usize], storage: Storage) -> Result<Self, RuntimeError> {
         let n = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
         if n != Some(storage.len()) {
             let n = n.map_or("more than 2^64".to_string(), |n| n.to_string());

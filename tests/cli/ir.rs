@@ -119,3 +119,25 @@ fn a_mask_picture_needs_seq_and_a_writable_file() {
         "rows 4 to 7 see keys"
     );
 }
+
+#[test]
+fn ir_grad_prints_the_derivative_with_respect_to_each_parameter_read() {
+    let o = attnc(&[
+        "ir",
+        "heads = 4, head_dim = 64, scale = 1.0, sinks = learned, params(t: [heads]), \
+         score_mod = |s, b, h, q, k| s * t[h] + t[h]",
+        "--grad",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let text = stdout(&o);
+    // d (s t + t) / d t = s + 1.
+    assert!(
+        text.contains("-- d score / d t[h] (folded) --\nscore + 1.0\n"),
+        "{text}"
+    );
+    assert!(text.contains("-- d score / d sinks --"), "{text}");
+    assert!(
+        text.contains("params    one f32 buffer: t [4] at 0"),
+        "{text}"
+    );
+}
