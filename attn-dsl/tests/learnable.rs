@@ -1,37 +1,17 @@
 //! `params(...)`, reads `NAME[i, ..]` and `sinks = learned`: what parses, how it prints, and
 //! where each error points.
 
+mod common;
+
 use attn_dsl::modifier::{Env, ParamValues, ScoreProgram, eval};
-use attn_dsl::{Location, ParamDim, Sinks, parse_str};
+use attn_dsl::{ParamDim, Sinks, parse_str};
+use common::rejects;
 
 const REL: &str = "heads = 4, head_dim = 16, mask = causal, params(rel: [heads, 32]), \
                    score_mod = |s, b, h, q, k| s + rel[h, max(min(q - k, 31), 0)]";
 
 fn ok(text: &str) -> attn_dsl::AttentionSpec {
     parse_str(text).unwrap_or_else(|e| panic!("`{text}` should parse:\n{}", e.render(text)))
-}
-
-/// Asserts exactly one error, containing `message`, starting at the first `at` after `after`.
-fn rejects(text: &str, message: &str, after: &str, at: &str) {
-    let errs = match parse_str(text) {
-        Ok(spec) => panic!("`{text}` should be rejected, parsed as {spec}"),
-        Err(e) => e,
-    };
-    assert_eq!(errs.0.len(), 1, "one error expected for `{text}`:\n{errs}");
-    let e = &errs.0[0];
-    assert!(
-        e.message.contains(message),
-        "`{text}`: message `{}` lacks `{message}`",
-        e.message
-    );
-    let base = text.find(after).expect("`after` occurs") + after.len();
-    let offset = base + text[base..].find(at).expect("`at` occurs after `after`");
-    let column = offset - text[..offset].rfind('\n').map_or(0, |i| i + 1) + 1;
-    assert_eq!(
-        e.start,
-        Location { line: 1, column },
-        "`{text}`: location of `{at}`"
-    );
 }
 
 #[test]

@@ -1,9 +1,12 @@
 //! The spec language: what it accepts, how it prints, and where its errors point.
 
+mod common;
+
 use attn_dsl::{
-    AttentionSpec, CausalAlign, DType, KvKind, KvLayout, Location, Mask, Mla, Position, RopeLayout,
+    AttentionSpec, CausalAlign, DType, KvKind, KvLayout, Mask, Mla, Position, RopeLayout,
     RopeScaling, SpecErrors, parse_str,
 };
+use common::rejects;
 
 fn ok(text: &str) -> AttentionSpec {
     parse_str(text).unwrap_or_else(|e| panic!("`{text}` should parse:\n{}", e.render(text)))
@@ -14,28 +17,6 @@ fn errors(text: &str) -> SpecErrors {
         Ok(spec) => panic!("`{text}` should be rejected, parsed as {spec}"),
         Err(e) => e,
     }
-}
-
-/// Asserts the spec is rejected with exactly one error whose message contains `message` and
-/// whose carets start at the first occurrence of `at` after `after` in the text.
-fn rejects(text: &str, message: &str, after: &str, at: &str) {
-    let errs = errors(text);
-    assert_eq!(errs.0.len(), 1, "one error expected for `{text}`:\n{errs}");
-    let e = &errs.0[0];
-    assert!(
-        e.message.contains(message),
-        "`{text}`: message `{}` lacks `{message}`",
-        e.message
-    );
-    let base = text.find(after).expect("`after` occurs in the text") + after.len();
-    let offset = base + text[base..].find(at).expect("`at` occurs after `after`");
-    let line = text[..offset].matches('\n').count() + 1;
-    let column = offset - text[..offset].rfind('\n').map_or(0, |i| i + 1) + 1;
-    assert_eq!(
-        e.start,
-        Location { line, column },
-        "`{text}`: location of `{at}`"
-    );
 }
 
 #[test]

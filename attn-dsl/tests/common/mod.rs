@@ -1,5 +1,5 @@
-//! Proptest generators shared by the attn-dsl tests: valid specs, and well-typed modifier
-//! expressions.
+//! Helpers shared by the attn-dsl tests: proptest generators of valid specs and well-typed
+//! modifier expressions, and the check that a spec is refused at the right tokens.
 
 #![allow(dead_code)] // each test binary uses part of this module
 
@@ -201,4 +201,29 @@ pub fn spec() -> impl Strategy<Value = AttentionSpec> {
             s
         },
     )
+}
+
+/// Asserts the spec is rejected with exactly one error whose message contains `message` and
+/// whose carets start at the first occurrence of `at` after `after` in the text.
+pub fn rejects(text: &str, message: &str, after: &str, at: &str) {
+    let errs = match attn_dsl::parse_str(text) {
+        Ok(spec) => panic!("`{text}` should be rejected, parsed as {spec}"),
+        Err(e) => e,
+    };
+    assert_eq!(errs.0.len(), 1, "one error expected for `{text}`:\n{errs}");
+    let e = &errs.0[0];
+    assert!(
+        e.message.contains(message),
+        "`{text}`: message `{}` lacks `{message}`",
+        e.message
+    );
+    let base = text.find(after).expect("`after` occurs in the text") + after.len();
+    let offset = base + text[base..].find(at).expect("`at` occurs after `after`");
+    let line = text[..offset].matches('\n').count() + 1;
+    let column = offset - text[..offset].rfind('\n').map_or(0, |i| i + 1) + 1;
+    assert_eq!(
+        e.start,
+        attn_dsl::Location { line, column },
+        "`{text}`: location of `{at}`"
+    );
 }
