@@ -17,6 +17,7 @@ use crate::error::RuntimeError;
 use crate::tensor::{Storage, Tensor};
 use attn_dsl::{AttentionSpec, SINKS_NAME, Sinks};
 use codegen::plan::ParamLayout;
+use rayon::prelude::*;
 
 /// The learnable tensors of one call, by name.
 #[derive(Clone, Copy, Debug, Default)]
@@ -125,25 +126,29 @@ impl Bound {
             _ => Tensor::new(&shape, storage)?.to_f32_vec(),
         };
         let width = o.len().checked_div(l.len()).unwrap_or(0);
-        for (r, lse_r) in l.iter_mut().enumerate() {
-            let sink = sinks[head_of(r)];
-            // A +inf logit makes its row NaN, as a +inf score does (inf - inf in the softmax).
-            let merged = if sink == f32::INFINITY {
-                f32::NAN
-            } else {
-                logaddexp(*lse_r, sink)
-            };
-            let keep = if merged.is_nan() {
-                f32::NAN
-            } else if *lse_r == f32::NEG_INFINITY {
-                0.0
-            } else {
-                (*lse_r - merged).exp()
-            };
-            for x in &mut o[r * width..(r + 1) * width] {
-                *x *= keep;
-            }
-            *lse_r = merged;
+        if width > 0 {
+            o.par_chunks_mut(width)
+                .zip(l.par_iter_mut())
+                .enumerate()
+                .for_each(|(r, (row, lse_r))| {
+                    let sink = sinks[head_of(r)];
+                    // A +inf logit makes its row NaN, as a +inf score does (inf - inf in the
+                    // softmax).
+                    let merged = if sink == f32::INFINITY {
+                        f32::NAN
+                    } else {
+                        logaddexp(*lse_r, sink)
+                    };
+                    let keep = if merged.is_nan() {
+                        f32::NAN
+                    } else if *lse_r == f32::NEG_INFINITY {
+                        0.0
+                    } else {
+                        (*lse_r - merged).exp()
+                    };
+                    row.iter_mut().for_each(|x| *x *= keep);
+                    *lse_r = merged;
+                });
         }
         *out = Tensor::from_f32_as(dtype, &shape, o)?;
         *lse = Tensor::from_f32(lse.shape(), l)?;
@@ -163,26 +168,33 @@ impl Bound {
             return Ok(None);
         };
         let head_of = head_index(lse.shape(), heads)?;
-        let (o, l, g) = (out.to_f32_vec(), lse.to_f32_vec(), dout.to_f32_vec());
+        let (o, l, g) = (out.f32_values(), lse.to_f32_vec(), dout.f32_values());
         let width = o.len().checked_div(l.len()).unwrap_or(0);
+        // Each row's share in parallel, then summed in row order: the same bits for any thread
+        // count.
+        let shares: Vec<f64> = (0..l.len())
+            .into_par_iter()
+            .map(|r| {
+                if l[r] == f32::NEG_INFINITY {
+                    return 0.0;
+                }
+                let p_sink = (f64::from(sinks[head_of(r)]) - f64::from(l[r])).exp();
+                let rows = (
+                    &o[r * width..(r + 1) * width],
+                    &g[r * width..(r + 1) * width],
+                );
+                let delta: f64 = rows
+                    .0
+                    .iter()
+                    .zip(rows.1)
+                    .map(|(x, y)| f64::from(*x) * f64::from(*y))
+                    .sum();
+                p_sink * delta
+            })
+            .collect();
         let mut d = vec![0f64; sinks.len()];
-        for (r, &lse_r) in l.iter().enumerate() {
-            let h = head_of(r);
-            if lse_r == f32::NEG_INFINITY {
-                continue;
-            }
-            let p_sink = (f64::from(sinks[h]) - f64::from(lse_r)).exp();
-            let rows = (
-                &o[r * width..(r + 1) * width],
-                &g[r * width..(r + 1) * width],
-            );
-            let delta: f64 = rows
-                .0
-                .iter()
-                .zip(rows.1)
-                .map(|(x, y)| f64::from(*x) * f64::from(*y))
-                .sum();
-            d[h] -= p_sink * delta;
+        for (r, share) in shares.iter().enumerate() {
+            d[head_of(r)] -= share;
         }
         Ok(Some(d.into_iter().map(|x| x as f32).collect()))
     }
@@ -205,7 +217,7 @@ fn logaddexp(a: f32, b: f32) -> f32 {
 fn head_index(
     shape: &[usize],
     heads: usize,
-) -> Result<impl Fn(usize) -> usize + use<>, RuntimeError> {
+) -> Result<impl Fn(usize) -> usize + Sync + use<>, RuntimeError> {
     let per_head = match shape {
         [_, h, s] if *h == heads => *s,
         [_, h] if *h == heads => 1,
