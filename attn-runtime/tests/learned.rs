@@ -303,9 +303,16 @@ fn same_bits_for_any_thread_count(case: &Case) {
 
 #[test]
 fn cached_calls_add_each_sink_once_across_partitions() {
-    let case = Case::new(BOTH, 1, 9, 61, 0);
     let cpu = CpuBackend::new();
-    let forward = case.forward(&cpu);
+    cached_against_forward(&Case::new(BOTH, 1, 9, 61, 0), &cpu);
+    // The GPU kernels on the interpreter: sinks added once after the partitions merge.
+    cached_against_forward(&Case::new(SINKS_WINDOW, 1, 3, 40, 0), &GpuSim);
+}
+
+/// The case's last queries against a paged cache of its keys, in 1, 3 and 4 partitions, equal
+/// to the CPU forward.
+fn cached_against_forward(case: &Case, backend: &dyn Backend) {
+    let forward = case.forward(&CpuBackend::new());
     let spec = &case.spec;
     let [(q, _), (k, _), (v, _), _] = &case.tensors;
     let mut cache = PagedCache::new(spec, 16, 8).unwrap();
@@ -318,7 +325,7 @@ fn cached_calls_add_each_sink_once_across_partitions() {
     cache.append(seq, &as_cache(k), &as_cache(v)).unwrap();
     let learned = by_name(&case.learned.0);
     for partitions in [1, 3, 4] {
-        let got = cpu
+        let got = backend
             .attend_cached_learned(
                 &case.variant,
                 Queries::Uniform(q),
@@ -330,7 +337,7 @@ fn cached_calls_add_each_sink_once_across_partitions() {
                 Learned::new(&learned),
             )
             .unwrap();
-        let what = format!("{partitions} partitions");
+        let what = format!("{} on {}, {partitions} partitions", spec, backend.name());
         let want_out: Vec<f64> = forward
             .out
             .to_f32_vec()
