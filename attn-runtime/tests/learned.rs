@@ -244,19 +244,60 @@ fn cpu_parameters_and_sinks_match_the_reference() {
 }
 
 #[test]
-fn gpu_sim_runs_sinks_and_refuses_parameters_by_name() {
+fn gpu_sim_runs_parameters_and_sinks_forward_and_refuses_a_parameter_backward() {
     let sim = GpuSim;
+    // Sinks everywhere: the host passes around the kernels.
     Case::new(SINKS_WINDOW, 1, 24, 24, 0).check(&sim);
+    // Parameters in the SIMT forward kernel, f32 and bf16 inputs.
+    for (text, sq, skv) in [(SLOPES, 20, 37), (REL, 40, 40), (BOTH, 17, 17)] {
+        let case = Case::new(text, 1, sq, skv, 0);
+        let forward = case.forward(&sim);
+        let want =
+            reference::attention_learned(&case.spec, &case.reference_inputs(), &case.learned.1)
+                .unwrap();
+        let what = format!("{} on gpu-sim", case.spec);
+        compare(
+            &format!("{what}: out"),
+            &forward.out.to_f32_vec(),
+            want.out.data(),
+            5e-5,
+            5e-4,
+        );
+        compare(
+            &format!("{what}: lse"),
+            &forward.lse.to_f32_vec(),
+            want.lse.data(),
+            1e-4,
+            1e-5,
+        );
+    }
+    let bf16 = SLOPES.replace("mask = causal", "mask = causal, dtype = bf16");
+    let case = Case::new(&bf16, 1, 16, 16, 0);
+    let want = reference::attention_learned(&case.spec, &case.reference_inputs(), &case.learned.1)
+        .unwrap();
+    compare(
+        "bf16 slopes on gpu-sim: out",
+        &case.forward(&sim).out.to_f32_vec(),
+        want.out.data(),
+        4e-2,
+        2e-2,
+    );
+    // The backward with parameters runs on the CPU only, and says so.
     let case = Case::new(SLOPES, 1, 8, 8, 0);
-    let [(q, _), (k, _), (v, _), _] = &case.tensors;
+    let forward = case.forward(&sim);
+    let [(q, _), (k, _), (v, _), (dout, _)] = &case.tensors;
+    let x = BackwardInputs::Heads(HeadsBackward {
+        q,
+        k,
+        v,
+        out: &forward.out,
+        lse: &forward.lse,
+        dout,
+        position_offset: 0,
+    });
     let learned = by_name(&case.learned.0);
     let err = sim
-        .forward_learned(
-            &case.variant,
-            Call::heads(q, k, v),
-            0,
-            Learned::new(&learned),
-        )
+        .backward_learned(&case.variant, &x, Learned::new(&learned))
         .unwrap_err()
         .to_string();
     assert!(

@@ -319,6 +319,7 @@ impl CudaBackend {
             rope_pos0: 0,
             k_base: 0,
             v_base: 0,
+            params: 0,
         };
         let values = bind(&l.kernel, &record).map_err(RuntimeError::Data)?;
         let timed = self.time_kernels.load(std::sync::atomic::Ordering::Relaxed);
@@ -612,6 +613,7 @@ impl CudaBackend {
     }
 
     fn upload(&self, call: &GpuCall) -> Result<Buffers, RuntimeError> {
+        call.check_params()?;
         let [b, h, sq, dv] = call.out_shape;
         let s = &self.stream;
         let upload = |v: &[f32]| s.clone_htod(if v.is_empty() { &[0f32][..] } else { v });
@@ -628,6 +630,7 @@ impl CudaBackend {
         );
         let out = s.alloc_zeros::<f32>(b * h * sq * dv).map_err(device)?;
         let lse = s.alloc_zeros::<f32>(b * h * sq).map_err(device)?;
+        let params = upload(&call.params).map_err(device)?;
         Ok(Buffers {
             q,
             k,
@@ -637,6 +640,7 @@ impl CudaBackend {
             sin,
             out,
             lse,
+            params,
         })
     }
 
@@ -659,6 +663,7 @@ impl CudaBackend {
             x.sin.device_ptr(s),
         );
         let ((out, _o), (lse, _l)) = (x.out.device_ptr_mut(s), x.lse.device_ptr_mut(s));
+        let (params, _p) = x.params.device_ptr(s);
         let record = ForwardArgs {
             q: q as i64,
             k: k as i64,
@@ -672,6 +677,11 @@ impl CudaBackend {
             rope_cos: cos as i64,
             rope_sin: sin as i64,
             rope_pos0: call.rope_pos0,
+            params: if call.params.is_empty() {
+                0
+            } else {
+                params as i64
+            },
         };
         let values = bind_with_maps(&call.kernel, &record, call.tensor_maps.len())
             .map_err(RuntimeError::Data)?;
@@ -695,7 +705,8 @@ impl CudaBackend {
         }
         // SAFETY: `bind_with_maps` checked that the kernel's parameters are the record's
         // fields, in order, all 64-bit: device addresses of buffers of the sizes the kernel
-        // indexes (q, k, v, out, lse, codes, the RoPE tables; their guards drop after the
+        // indexes (q, k, v, out, lse, codes, the RoPE tables, the parameters, whose length
+        // `with_params` checked against the plan's layout; their guards drop after the
         // launch is queued) and i64 scalars, then as many tensor maps as are passed, each
         // encoded by the driver over q, k or v; the grid and CTA size are the ones it was
         // lowered for.
@@ -770,6 +781,8 @@ struct Buffers {
     sin: CudaSlice<f32>,
     out: CudaSlice<f32>,
     lse: CudaSlice<f32>,
+    /// The spec's parameters (one unused value without).
+    params: CudaSlice<f32>,
 }
 
 /// A KV cache's memory on the device (from [`CudaBackend::upload_cache`]).
@@ -803,11 +816,9 @@ impl Backend for CudaBackend {
         position_offset: i64,
         params: &[f32],
     ) -> Result<Output, RuntimeError> {
-        super::refuse_params(self.name(), params)?;
         match inputs {
-            Inputs::Heads { q, k, v } => {
-                self.run(&GpuCall::forward_in(variant, q, k, v, position_offset)?)
-            }
+            Inputs::Heads { q, k, v } => self
+                .run(&GpuCall::forward_in(variant, q, k, v, position_offset)?.with_params(params)?),
             Inputs::Mla(x) => {
                 let (call, absorbed) = GpuCall::forward_mla(variant, &x, position_offset)?;
                 let latent = self.run(&call)?;
@@ -832,7 +843,7 @@ impl Backend for CudaBackend {
         options: DecodeOptions,
         params: &[f32],
     ) -> Result<Output, RuntimeError> {
-        super::refuse_params(self.name(), params)?;
+        super::refuse_params(self.name(), "the cached calls", params)?;
         let run = &|l: &DecodeLaunch| self.run_decode(l, None);
         match queries {
             Queries::Uniform(q) => decode::decode_with(variant, q, cache, seqs, options, run),
@@ -851,7 +862,7 @@ impl Backend for CudaBackend {
         x: &BackwardInputs,
         params: &[f32],
     ) -> Result<(Gradients, Vec<f32>), RuntimeError> {
-        super::refuse_params(self.name(), params)?;
+        super::refuse_params(self.name(), "the backward", params)?;
         match x {
             BackwardInputs::Heads(x) => self
                 .backward_heads(variant, x)

@@ -235,6 +235,7 @@ impl DecodeLaunch<'_> {
             rope_pos0: 0,
             k_base: 0,
             v_base: 0,
+            params: 0,
         };
         interpret(&self.kernel, self.ctas, &record, &mut mem)?;
         let (merged, merged_lse) = (

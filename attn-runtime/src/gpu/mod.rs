@@ -77,6 +77,10 @@ pub struct GpuCall {
     /// The TMA maps of q, k and v the kernel takes after its launch record, their addresses
     /// left 0 (set where the inputs land); empty for kernels without them.
     pub tensor_maps: Vec<TensorMap>,
+    /// The spec's parameters, laid out as the plan's `ParamLayout` (empty without).
+    pub params: Vec<f32>,
+    /// How many values the kernel reads from `params` (the layout's length).
+    pub param_len: usize,
 }
 
 /// What a forward launch needs besides q, k and v: its grid, tile codes and RoPE tables.
@@ -139,14 +143,22 @@ fn qk_fits(plan: &KernelPlan, q: &Tensor, k: &Tensor) -> bool {
     q.max_abs().max(k.max_abs()) * factor <= forward_tc::QK_F16_LIMIT
 }
 
-/// GPU kernels do not read parameters yet: a call with any is refused before anything runs.
-pub(crate) fn refuse_params(backend: &'static str, params: &[f32]) -> Result<(), RuntimeError> {
+/// The GPU decode and backward calls do not take parameters yet (the forward does): such a
+/// call is refused before anything runs.
+pub(crate) fn refuse_params(
+    backend: &'static str,
+    call: &str,
+    params: &[f32],
+) -> Result<(), RuntimeError> {
     if params.is_empty() {
         return Ok(());
     }
     Err(RuntimeError::Unsupported {
         backend,
-        what: "specs with params(...) yet (the cpu backend does; sinks alone run here)".into(),
+        what: format!(
+            "{call} of specs with params(...) yet (the forward does, and the cpu backend does \
+             all)"
+        ),
     })
 }
 
@@ -427,11 +439,35 @@ impl GpuCall {
             p0,
             out_shape: [b, h, sq, dv],
             dtype,
+            params: Vec::new(),
+            param_len: plan.params.len(),
         }
+    }
+
+    /// An error unless the call holds the parameters its kernel reads (a call prepared without
+    /// [`GpuCall::with_params`] for a spec that has some).
+    pub(crate) fn check_params(&self) -> Result<(), RuntimeError> {
+        if self.params.len() == self.param_len {
+            return Ok(());
+        }
+        Err(RuntimeError::Data(format!(
+            "the call holds {} parameter values; its kernel reads {}",
+            self.params.len(),
+            self.param_len
+        )))
+    }
+
+    /// The call with the spec's parameters (laid out as the plan's `ParamLayout`; its
+    /// length checked here, since the kernel reads that many).
+    pub(crate) fn with_params(mut self, params: &[f32]) -> Result<GpuCall, RuntimeError> {
+        self.params = params.to_vec();
+        self.check_params()?;
+        Ok(self)
     }
 
     /// Runs the call on the GPU IR interpreter (every CTA, every thread; slow, exact).
     pub fn run_on_sim(&self) -> Result<Output, RuntimeError> {
+        self.check_params()?;
         let [b, h, sq, dv] = self.out_shape;
         if b * h * sq == 0 {
             return finish(self.dtype, self.out_shape, Vec::new(), Vec::new());
@@ -457,6 +493,7 @@ impl GpuCall {
             buffer(&mut mem, &self.rope_cos),
             buffer(&mut mem, &self.rope_sin),
         );
+        let params = buffer(&mut mem, &self.params);
         let record = ForwardArgs {
             q,
             k,
@@ -470,6 +507,7 @@ impl GpuCall {
             rope_cos: cos,
             rope_sin: sin,
             rope_pos0: self.rope_pos0,
+            params,
         };
         let mut args: Vec<Val> = bind_with_maps(&self.kernel, &record, self.tensor_maps.len())
             .map_err(RuntimeError::Data)?

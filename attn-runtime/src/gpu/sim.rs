@@ -27,14 +27,15 @@ impl Backend for GpuSim {
         position_offset: i64,
         params: &[f32],
     ) -> Result<Output, RuntimeError> {
-        super::refuse_params(self.name(), params)?;
         let spec = variant.spec();
         match inputs {
             Inputs::Heads { q, k, v } => {
                 let [b, _, sq, skv] = bhss(q, k);
                 let seconds = sim_cost::attention_seconds(spec, b, sq, skv, false);
                 sim_cost::check("this forward", seconds)?;
-                super::GpuCall::forward_in(variant, q, k, v, position_offset)?.run_on_sim()
+                super::GpuCall::forward_in(variant, q, k, v, position_offset)?
+                    .with_params(params)?
+                    .run_on_sim()
             }
             Inputs::Mla(x) => {
                 let (b, sq, skv) = (dim(x.q_nope, 0), dim(x.q_nope, 2), dim(x.c_kv, 1));
@@ -54,7 +55,7 @@ impl Backend for GpuSim {
         options: DecodeOptions,
         params: &[f32],
     ) -> Result<Output, RuntimeError> {
-        super::refuse_params(self.name(), params)?;
+        super::refuse_params(self.name(), "the cached calls", params)?;
         let run = &super::decode::run_on_sim;
         match queries {
             Queries::Uniform(q) => {
@@ -81,7 +82,7 @@ impl Backend for GpuSim {
         x: &BackwardInputs,
         params: &[f32],
     ) -> Result<(Gradients, Vec<f32>), RuntimeError> {
-        super::refuse_params(self.name(), params)?;
+        super::refuse_params(self.name(), "the backward", params)?;
         match x {
             BackwardInputs::Heads(x) => {
                 let [b, _, sq, skv] = bhss(x.q, x.k);

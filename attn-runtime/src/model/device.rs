@@ -505,6 +505,8 @@ impl<'m> DeviceModel<'m> {
             rope_cos: table(s, &t.rope_cos)?,
             rope_sin: table(s, &t.rope_sin)?,
             rope_pos0: t.rope_pos0,
+            // Resident models refuse specs with parameters.
+            params: 0,
         };
         self.launch(&self.forward.kernel, t.grid, &record)?;
         let rows = self.swap(s, &self.kernels.from_heads, out, [heads, n, v_dim], 4)?;
@@ -910,6 +912,7 @@ impl DeviceSession<'_, '_> {
                 rope_pos0: t.pos0 as i64,
                 k_base: cache.k.addr,
                 v_base: cache.v.addr,
+                params: 0,
             },
         )?;
         let rows = s.f32s(n * heads * v_dim)?;

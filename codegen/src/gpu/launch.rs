@@ -155,6 +155,8 @@ launch_record! {
         rope_sin: Address,
         /// The position of the tables' first row.
         rope_pos0: Scalar,
+        /// The spec's parameters, f32, laid out as `crate::plan::ParamLayout` (0 without).
+        params: Address,
     }
 }
 
@@ -184,6 +186,8 @@ launch_record! {
         k_base: Address,
         /// Added to every segment record's value row address, as `k_base`.
         v_base: Address,
+        /// The spec's parameters, as [`ForwardArgs::params`].
+        params: Address,
     }
 }
 

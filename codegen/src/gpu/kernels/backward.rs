@@ -534,6 +534,7 @@ impl QueryRow {
                 key: add(param("p0"), reg(key)),
                 query_index: reg(self.qrow),
                 key_index: reg(key),
+                params: None,
             },
             inside: bin(
                 Bin::And,
@@ -760,6 +761,7 @@ impl KeyRow {
                 key: reg(self.kpos),
                 query_index: reg(qi),
                 key_index: reg(self.krow),
+                params: None,
             },
             inside: bin(
                 Bin::And,

@@ -742,6 +742,7 @@ impl DqScores<'_> {
                     key: add(param("p0"), key.clone()),
                     query_index: row,
                     key_index: key.clone(),
+                    params: None,
                 };
                 let (lse, delta, live) = (stats.lse_half[h], stats.delta[h], stats.live[h]);
                 let (_, ds) = p_and_ds(plan, &env, reg(lse), reg(dp[nb][i]), reg(delta));
@@ -800,6 +801,7 @@ impl DkdvScores<'_> {
                     key: add(param("p0"), key.clone()),
                     query_index: query.clone(),
                     key_index: key,
+                    params: None,
                 };
                 let stat = |at: i64| {
                     load(

@@ -92,6 +92,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
             key: add(param("p0"), reg(key)),
             query_index: reg(at.row),
             key_index: reg(key),
+            params: (!plan.params.is_empty()).then(|| (param("params"), plan.params.clone())),
         },
     ));
     run.push(Stmt::Barrier);

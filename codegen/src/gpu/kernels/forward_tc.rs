@@ -105,6 +105,8 @@ pub fn supports(plan: &KernelPlan) -> bool {
     plan.kind == PlanKind::Forward
         && matches!(plan.dtype, DType::Bf16 | DType::F16)
         && plan.mla.is_none()
+        // Parameters are read by the SIMT kernels only.
+        && plan.params.is_empty()
         && plan.shape.qk_dim.is_multiple_of(16)
         && plan.shape.v_dim.is_multiple_of(8)
 }

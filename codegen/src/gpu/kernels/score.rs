@@ -4,7 +4,7 @@
 use super::build::param;
 use super::softmax::scale_folds;
 use crate::gpu::ir::build::*;
-use crate::gpu::ir::{Bin, Expr, Reg, Stmt, Ty, Un};
+use crate::gpu::ir::{Bin, Expr, Reg, Space, Stmt, Ty, Un};
 use crate::plan::{KernelPlan, TileCode};
 use attn_dsl::modifier::{BinOp, Expr as M, Ty as MTy, UnOp, Var};
 
@@ -17,6 +17,9 @@ pub(crate) struct Env {
     pub key: Expr,
     pub query_index: Expr,
     pub key_index: Expr,
+    /// The parameter buffer's global address and its layout, for plans with parameters (the
+    /// kernels that read them: the SIMT forward and decode).
+    pub params: Option<(Expr, crate::plan::ParamLayout)>,
 }
 
 /// A modifier-IR expression as GPU IR, with the reference evaluator's semantics: wrapping i64,
@@ -37,7 +40,28 @@ pub(crate) fn program(e: &M, env: &Env) -> Expr {
         M::Float(x) => f32(*x as f32),
         M::Int(x) => i64(*x),
         M::Bool(b) => Expr::Pred(*b),
-        M::Param(_) => unreachable!("GPU kernels refuse plans with parameters before lowering"),
+        M::Param(read) => {
+            let (base, layout) = env
+                .params
+                .as_ref()
+                .expect("only kernels given a parameter buffer lower plans with parameters");
+            let slot = layout
+                .slot(&read.name)
+                .expect("validation resolves every read to a declared parameter");
+            // Row-major, each index clamped into its dimension (the spec proved it in range).
+            let mut flat = i64(slot.offset as i64);
+            let mut stride = 1i64;
+            for (index, &dim) in read.indices.iter().zip(&slot.shape).rev() {
+                let clamped = bin(
+                    Bin::Min,
+                    bin(Bin::Max, go(index), i64(0)),
+                    i64(dim as i64 - 1),
+                );
+                flat = add(flat, mul(clamped, i64(stride)));
+                stride *= dim as i64;
+            }
+            load(Space::Global, Ty::F32, at(base.clone(), flat, 4))
+        }
         M::Unary(op, a) => {
             let a = go(a);
             match op {
@@ -141,6 +165,7 @@ pub(crate) fn score_tile(plan: &KernelPlan, tile: &TileScores, code: Reg) -> Stm
                     key: add(param("p0"), key.clone()),
                     query_index: (tile.row_of)(rb, h),
                     key_index: key.clone(),
+                    params: None,
                 };
                 let value = if folded {
                     reg(x)

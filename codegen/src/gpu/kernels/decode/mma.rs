@@ -423,6 +423,7 @@ pub(super) fn scores(
                 key: key.clone(),
                 query_index: reg(lane.index[h]),
                 key_index: key,
+                params: None,
             };
             let mut keep = bin(Bin::Lt, local, reg(seg.keys));
             if masks {

@@ -283,6 +283,8 @@ impl<'a> Simt<'a> {
             key: reg(key),
             query_index: add(reg(task.qi0), task.query_of(reg(row))),
             key_index: reg(key),
+            params: (!plan.params.is_empty())
+                .then(|| (super::records::param("params"), plan.params.clone())),
         };
         let mut value = program(&plan.program.score, &env);
         if !matches!(plan.program.mask, M::Bool(true)) {

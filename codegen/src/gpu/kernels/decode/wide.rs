@@ -48,6 +48,8 @@ pub fn supports(plan: &KernelPlan) -> bool {
     plan.kind == PlanKind::Decode
         && mma::sixteen_bit(plan)
         && !tc::supports(plan)
+        // Parameters are read by the SIMT kernels only.
+        && plan.params.is_empty()
         && d.is_multiple_of(64)
         && dv.is_multiple_of(64)
         && d + dv <= MAX_DIMS
