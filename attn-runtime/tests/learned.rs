@@ -346,8 +346,10 @@ fn same_bits_for_any_thread_count(case: &Case) {
 fn cached_calls_add_each_sink_once_across_partitions() {
     let cpu = CpuBackend::new();
     cached_against_forward(&Case::new(BOTH, 1, 9, 61, 0), &cpu);
-    // The GPU kernels on the interpreter: sinks added once after the partitions merge.
+    // The GPU kernels on the interpreter: sinks added once after the partitions merge, and
+    // parameters read by the SIMT decode kernel.
     cached_against_forward(&Case::new(SINKS_WINDOW, 1, 3, 40, 0), &GpuSim);
+    cached_against_forward(&Case::new(BOTH, 1, 2, 45, 0), &GpuSim);
 }
 
 /// The case's last queries against a paged cache of its keys, in 1, 3 and 4 partitions, equal
@@ -467,5 +469,27 @@ fn a_nan_parameter_reaches_only_the_rows_that_read_it() {
         let head = i / 6;
         // Row 0 of head 1 keeps only its own key, at distance 0: NaN * 0 is NaN all the same.
         assert_eq!(l.is_nan(), head == 1, "lse[{i}] = {l}");
+    }
+}
+
+#[test]
+fn a_spec_with_parameters_ships_its_gpu_forward_and_decode_kernels_without_a_backward() {
+    use attn_runtime::codegen::gpu::artifacts::spec_kernels;
+    let kernels = spec_kernels(&parse(BOTH)).unwrap();
+    let roles: Vec<&str> = kernels.iter().map(|k| k.role).collect();
+    assert!(
+        roles.contains(&"forward") && roles.contains(&"decode"),
+        "{roles:?}"
+    );
+    assert!(
+        !roles.iter().any(|r| r.starts_with("backward")),
+        "{roles:?}"
+    );
+    // Each reads the parameters through the last field of its launch record.
+    for k in kernels
+        .iter()
+        .filter(|k| k.role == "forward" || k.role == "decode")
+    {
+        assert_eq!(k.kernel.params.last().map(|p| p.0.as_str()), Some("params"));
     }
 }

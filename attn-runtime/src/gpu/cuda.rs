@@ -154,7 +154,7 @@ impl CudaBackend {
         options: DecodeOptions,
     ) -> Result<Output, RuntimeError> {
         decode::decode_with(variant, q, cache, seqs, options, &|l| {
-            self.run_decode(l, Some(resident))
+            self.run_decode(l, Some(resident), &[])
         })
     }
 
@@ -170,7 +170,7 @@ impl CudaBackend {
         options: DecodeOptions,
     ) -> Result<Output, RuntimeError> {
         decode::decode_mla_with(variant, queries, cache, seqs, options, &|l| {
-            self.run_decode(l, Some(resident))
+            self.run_decode(l, Some(resident), &[])
         })
     }
 
@@ -250,7 +250,9 @@ impl CudaBackend {
         &self,
         l: &DecodeLaunch,
         resident: Option<&DeviceCache>,
+        params: &[f32],
     ) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> {
+        l.check_params(params)?;
         let f = self.load(&l.kernel)?;
         let s = &self.stream;
         let some = |v: &[u8]| s.clone_htod(if v.is_empty() { &[0u8; 16][..] } else { v });
@@ -294,6 +296,7 @@ impl CudaBackend {
             some(&f32_bytes(&l.rope_cos)).map_err(device)?,
             some(&f32_bytes(&l.rope_sin)).map_err(device)?,
         );
+        let param_buffer = some(&f32_bytes(params)).map_err(device)?;
         let mut out = s.alloc_zeros::<f32>(l.out_rows * l.v_dim).map_err(device)?;
         let mut lse = s.alloc_zeros::<f32>(l.out_rows).map_err(device)?;
         let config = LaunchConfig {
@@ -308,6 +311,7 @@ impl CudaBackend {
         );
         let ((rope_cos, _c), (rope_sin, _n)) = (cos.device_ptr(s), sin.device_ptr(s));
         let ((out_ptr, _o), (lse_ptr, _l)) = (out.device_ptr_mut(s), lse.device_ptr_mut(s));
+        let (param_ptr, _p) = param_buffer.device_ptr(s);
         let record = DecodeArgs {
             q_rows: q_rows as i64,
             tasks: tasks as i64,
@@ -319,7 +323,11 @@ impl CudaBackend {
             rope_pos0: 0,
             k_base: 0,
             v_base: 0,
-            params: 0,
+            params: if params.is_empty() {
+                0
+            } else {
+                param_ptr as i64
+            },
         };
         let values = bind(&l.kernel, &record).map_err(RuntimeError::Data)?;
         let timed = self.time_kernels.load(std::sync::atomic::Ordering::Relaxed);
@@ -335,10 +343,11 @@ impl CudaBackend {
         // SAFETY: `bind` checked that the kernel's parameters are the record's fields, in
         // order, all 64-bit: device addresses of the query rows, task and segment records
         // (whose row addresses point into `buffers`, alive until the launch completes), outputs
-        // of `out_rows` rows and RoPE tables, all alive past the launch (the guards `_q`..`_l`
-        // order the stream's accesses and drop after it is queued).
+        // of `out_rows` rows, RoPE tables and the parameters (as many as the kernel reads,
+        // checked above), all alive past the launch (the guards `_q`..`_p` order the stream's
+        // accesses and drop after it is queued).
         unsafe { launch.launch(config) }.map_err(device)?;
-        drop((_q, _t, _s, _c, _n, _o, _l));
+        drop((_q, _t, _s, _c, _n, _o, _l, _p));
         // The partitions merged on the device; only the call's rows come back.
         let merge = self.load(&l.merge)?;
         let map = some(
@@ -843,8 +852,7 @@ impl Backend for CudaBackend {
         options: DecodeOptions,
         params: &[f32],
     ) -> Result<Output, RuntimeError> {
-        super::refuse_params(self.name(), "the cached calls", params)?;
-        let run = &|l: &DecodeLaunch| self.run_decode(l, None);
+        let run = &|l: &DecodeLaunch| self.run_decode(l, None, params);
         match queries {
             Queries::Uniform(q) => decode::decode_with(variant, q, cache, seqs, options, run),
             Queries::Ragged { q, offsets } => {

@@ -23,11 +23,6 @@ use codegen::gpu::launch::{DecodeArgs, LaunchRecord, bind};
 use codegen::plan::Frequencies;
 use std::sync::Arc;
 
-/// Runs a launch on the interpreter (the `gpu-sim` backend's [`Exec`]).
-pub(crate) fn run_on_sim(launch: &DecodeLaunch) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> {
-    launch.run_on_sim()
-}
-
 /// How a prepared decode launch runs: on the interpreter or a device. Returns `out` and `lse`.
 pub(crate) type Exec<'a> = &'a dyn Fn(&DecodeLaunch) -> Result<(Vec<f32>, Vec<f32>), RuntimeError>;
 
@@ -149,6 +144,8 @@ pub(crate) struct DecodeLaunch<'a> {
     pub map: Vec<i32>,
     /// See `merged_rows`.
     pub slots: usize,
+    /// How many parameter values the kernel reads (the plan's `ParamLayout` length).
+    pub param_len: usize,
 }
 
 impl DecodeLaunch<'_> {
@@ -183,9 +180,22 @@ impl DecodeLaunch<'_> {
         Ok(records)
     }
 
-    /// Runs the launch on the GPU IR interpreter, then the merge; returns the call's `out` and
-    /// `lse` rows.
-    fn run_on_sim(&self) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> {
+    /// An error unless `params` holds the values the kernel reads.
+    pub fn check_params(&self, params: &[f32]) -> Result<(), RuntimeError> {
+        if params.len() == self.param_len {
+            return Ok(());
+        }
+        Err(RuntimeError::Data(format!(
+            "{} parameter values given; the decode kernel reads {}",
+            params.len(),
+            self.param_len
+        )))
+    }
+
+    /// Runs the launch on the GPU IR interpreter (the `gpu-sim` backend's [`Exec`]) with the
+    /// spec's parameters, then the merge; returns the call's `out` and `lse` rows.
+    pub fn run_on_sim(&self, params: &[f32]) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> {
+        self.check_params(params)?;
         let mut mem = Memory::default();
         let i64s = |v: &[i64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
         let bases: Vec<i64> = self
@@ -235,7 +245,11 @@ impl DecodeLaunch<'_> {
             rope_pos0: 0,
             k_base: 0,
             v_base: 0,
-            params: 0,
+            params: if params.is_empty() {
+                0
+            } else {
+                mem.alloc_f32(params)
+            },
         };
         interpret(&self.kernel, self.ctas, &record, &mut mem)?;
         let (merged, merged_lse) = (
@@ -451,6 +465,7 @@ pub(crate) fn run_rows(
         _ => None,
     };
     let launch = DecodeLaunch {
+        param_len: plan.params.len(),
         kernel: super::lowered_decode(variant)?,
         ctas: tasks.len() as u32,
         q_rows,

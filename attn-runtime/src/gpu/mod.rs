@@ -143,7 +143,7 @@ fn qk_fits(plan: &KernelPlan, q: &Tensor, k: &Tensor) -> bool {
     q.max_abs().max(k.max_abs()) * factor <= forward_tc::QK_F16_LIMIT
 }
 
-/// The GPU decode and backward calls do not take parameters yet (the forward does): such a
+/// The GPU backward does not take parameters yet (the forward and cached calls do): such a
 /// call is refused before anything runs.
 pub(crate) fn refuse_params(
     backend: &'static str,
@@ -156,8 +156,8 @@ pub(crate) fn refuse_params(
     Err(RuntimeError::Unsupported {
         backend,
         what: format!(
-            "{call} of specs with params(...) yet (the forward does, and the cpu backend does \
-             all)"
+            "{call} of specs with params(...) yet (the forward and cached calls do, and the cpu \
+             backend does all)"
         ),
     })
 }

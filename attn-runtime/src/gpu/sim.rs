@@ -55,8 +55,7 @@ impl Backend for GpuSim {
         options: DecodeOptions,
         params: &[f32],
     ) -> Result<Output, RuntimeError> {
-        super::refuse_params(self.name(), "the cached calls", params)?;
-        let run = &super::decode::run_on_sim;
+        let run = &|l: &super::decode::DecodeLaunch| l.run_on_sim(params);
         match queries {
             Queries::Uniform(q) => {
                 let q_len = dim(q, 2);

@@ -34,7 +34,7 @@ pub struct SpecKernel {
 /// forward the runtime picks, the SIMT forward it falls back to (inputs outside f16's range,
 /// f32), the tensor-core forward with bf16 `Q K^T` operands that resident models run, the
 /// decode kernel with the split-KV merge and the page-table kernel, and the backward kernels
-/// (none for MLA, whose backward is not built).
+/// (none for MLA, or for a spec with parameters: those backwards are not built on GPUs).
 pub fn spec_kernels(spec: &AttentionSpec) -> Result<Vec<SpecKernel>, CodegenError> {
     let forward_plan = KernelPlan::forward(spec);
     let mut out: Vec<SpecKernel> = Vec::new();
@@ -57,6 +57,7 @@ pub fn spec_kernels(spec: &AttentionSpec) -> Result<Vec<SpecKernel>, CodegenErro
     add("decode merge", verified(layers::merge_partitions())?);
     add("decode pages", verified(pages::segments_from_pages())?);
     if spec.mla().is_none()
+        && spec.params.is_empty()
         && let Ok(plan) = KernelPlan::backward(spec)
     {
         let [delta, dq, dkdv] = backward_kernels(&plan)?.kernels;
