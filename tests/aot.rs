@@ -75,7 +75,10 @@ fn sm_90a_embeds_the_warp_specialized_forward_and_serves_it() {
         assert!(wgmma.ptx.contains(op), "{op}");
     }
     let launch: serde_json::Value = serde_json::from_str(wgmma.launch).unwrap();
-    assert_eq!(launch["params"][12]["kind"], "tensor map");
+    // The launch record's fields (the last, `params`, an address), then the tensor maps.
+    assert_eq!(launch["params"][12]["name"], "params");
+    assert_eq!(launch["params"][12]["kind"], "address");
+    assert_eq!(launch["params"][13]["kind"], "tensor map");
     let ptx = ptx_for(&kernels[0].kernel, Arch::Sm90a, None).unwrap();
     assert_eq!(ptx.origin, PtxOrigin::Embedded);
 }
