@@ -48,17 +48,9 @@ impl ParamValues {
     /// The element at `indices`, each clamped into its dimension as kernels clamp; NaN when the
     /// tensor is empty or the arity is wrong (a spec that was validated never reads those).
     pub fn at(&self, indices: &[i64]) -> f64 {
-        if indices.len() != self.shape.len() {
-            return f64::NAN;
-        }
-        let mut flat = 0usize;
-        for (&i, &dim) in indices.iter().zip(&self.shape) {
-            if dim == 0 {
-                return f64::NAN;
-            }
-            flat = flat * dim + (i.max(0) as usize).min(dim - 1);
-        }
-        self.values.get(flat).copied().unwrap_or(f64::NAN)
+        self.flat_index(indices)
+            .and_then(|flat| self.values.get(flat).copied())
+            .unwrap_or(f64::NAN)
     }
 
     /// The flat (row-major) position of `indices`, clamped like [`ParamValues::at`].
