@@ -244,66 +244,35 @@ fn cpu_parameters_and_sinks_match_the_reference() {
 }
 
 #[test]
-fn gpu_sim_runs_parameters_and_sinks_forward_and_refuses_a_parameter_backward() {
+fn gpu_sim_parameters_and_sinks_match_the_reference() {
     let sim = GpuSim;
-    // Sinks everywhere: the host passes around the kernels.
+    // Sinks: the host passes around the kernels. Parameters: the SIMT kernels read them, and
+    // the dq kernel's threads sum their gradients, f32 and bf16 inputs alike.
     Case::new(SINKS_WINDOW, 1, 24, 24, 0).check(&sim);
-    // Parameters in the SIMT forward kernel, f32 and bf16 inputs.
-    for (text, sq, skv) in [(SLOPES, 20, 37), (REL, 40, 40), (BOTH, 17, 17)] {
-        let case = Case::new(text, 1, sq, skv, 0);
-        let forward = case.forward(&sim);
-        let want =
-            reference::attention_learned(&case.spec, &case.reference_inputs(), &case.learned.1)
-                .unwrap();
-        let what = format!("{} on gpu-sim", case.spec);
-        compare(
-            &format!("{what}: out"),
-            &forward.out.to_f32_vec(),
-            want.out.data(),
-            5e-5,
-            5e-4,
-        );
-        compare(
-            &format!("{what}: lse"),
-            &forward.lse.to_f32_vec(),
-            want.lse.data(),
-            1e-4,
-            1e-5,
-        );
-    }
+    Case::new(SLOPES, 2, 20, 37, 0).check(&sim);
+    Case::new(REL, 1, 70, 70, 5).check(&sim);
+    Case::new(TEMP, 1, 20, 45, 0).check(&sim);
+    Case::new(BOTH, 1, 17, 17, 0).check(&sim);
+    Case::new(MQA_REL, 1, 65, 65, 0).check(&sim);
     let bf16 = SLOPES.replace("mask = causal", "mask = causal, dtype = bf16");
-    let case = Case::new(&bf16, 1, 16, 16, 0);
-    let want = reference::attention_learned(&case.spec, &case.reference_inputs(), &case.learned.1)
-        .unwrap();
-    compare(
-        "bf16 slopes on gpu-sim: out",
-        &case.forward(&sim).out.to_f32_vec(),
-        want.out.data(),
-        4e-2,
-        2e-2,
-    );
-    // The backward with parameters runs on the CPU only, and says so.
-    let case = Case::new(SLOPES, 1, 8, 8, 0);
-    let forward = case.forward(&sim);
-    let [(q, _), (k, _), (v, _), (dout, _)] = &case.tensors;
-    let x = BackwardInputs::Heads(HeadsBackward {
-        q,
-        k,
-        v,
-        out: &forward.out,
-        lse: &forward.lse,
-        dout,
-        position_offset: 0,
-    });
-    let learned = by_name(&case.learned.0);
-    let err = sim
-        .backward_learned(&case.variant, &x, Learned::new(&learned))
-        .unwrap_err()
-        .to_string();
-    assert!(
-        err.contains("gpu-sim") && err.contains("params(...)"),
-        "{err}"
-    );
+    Case::new(&bf16, 1, 16, 16, 0).check(&sim);
+}
+
+#[test]
+fn gpu_parameter_gradients_are_the_same_bits_every_run() {
+    let case = Case::new(REL, 2, 70, 70, 0);
+    let forward = case.forward(&GpuSim);
+    let first = case.backward(&GpuSim, &forward);
+    let again = case.backward(&GpuSim, &forward);
+    for ((name, a), (_, b)) in first.learned.iter().zip(&again.learned) {
+        let bits = |t: &Tensor| {
+            t.to_f32_vec()
+                .iter()
+                .map(|x| x.to_bits())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(bits(a), bits(b), "{name}");
+    }
 }
 
 #[test]
@@ -473,23 +442,26 @@ fn a_nan_parameter_reaches_only_the_rows_that_read_it() {
 }
 
 #[test]
-fn a_spec_with_parameters_ships_its_gpu_forward_and_decode_kernels_without_a_backward() {
+fn a_spec_with_parameters_ships_its_gpu_forward_decode_and_backward_kernels() {
     use attn_runtime::codegen::gpu::artifacts::spec_kernels;
     let kernels = spec_kernels(&parse(BOTH)).unwrap();
     let roles: Vec<&str> = kernels.iter().map(|k| k.role).collect();
-    assert!(
-        roles.contains(&"forward") && roles.contains(&"decode"),
-        "{roles:?}"
-    );
-    assert!(
-        !roles.iter().any(|r| r.starts_with("backward")),
-        "{roles:?}"
-    );
-    // Each reads the parameters through the last field of its launch record.
-    for k in kernels
-        .iter()
-        .filter(|k| k.role == "forward" || k.role == "decode")
-    {
-        assert_eq!(k.kernel.params.last().map(|p| p.0.as_str()), Some("params"));
+    for role in ["forward", "decode", "backward dq", "backward dparams"] {
+        assert!(roles.contains(&role), "{role}: {roles:?}");
+    }
+    // The forward and decode read the parameters through the last field of their launch
+    // records; the backward's record carries them, their partial sums and their gradients.
+    for k in &kernels {
+        let names: Vec<&str> = k.kernel.params.iter().map(|p| p.0.as_str()).collect();
+        match k.role {
+            "forward" | "decode" => assert_eq!(names.last(), Some(&"params"), "{}", k.role),
+            r if r.starts_with("backward") => {
+                assert!(
+                    names.ends_with(&["params", "param_partials", "param_copies", "dparams"]),
+                    "{r}: {names:?}"
+                )
+            }
+            _ => {}
+        }
     }
 }

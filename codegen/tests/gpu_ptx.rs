@@ -182,13 +182,21 @@ fn backward_kernels_compile_to_ptx_and_assemble() {
         "heads = 8, kv_heads = 2, head_dim = 64, mask = causal, position = rope",
         "heads = 4, head_dim = 32, mask = causal, position = alibi, softcap = 30.0, \
          score_mod = |s, b, h, q, k| s - 0.01 * (q - k).abs() as f32",
+        // Parameters: the dq kernel adds their gradients, `backward_dparams` sums them.
+        "heads = 4, head_dim = 64, mask = causal, dtype = bf16, sinks = learned, \
+         params(slopes: [heads], rel: [heads, 16]), \
+         score_mod = |s, b, h, q, k| s + slopes[h] * (k - q) as f32 + rel[h, min(q - k, 15).max(0)]",
     ] {
         let spec: attn_dsl::AttentionSpec = text.parse().unwrap();
         let plan = KernelPlan::backward(&spec).unwrap();
         let kernels = codegen::gpu::backward_kernels(&plan).unwrap();
         assert!(
             !kernels.tensor_cores,
-            "{text}: f32 specs run on the SIMT kernels"
+            "{text}: f32 specs and specs with parameters run on the SIMT kernels"
+        );
+        assert_eq!(
+            kernels.kernels.len(),
+            3 + usize::from(!spec.params.is_empty())
         );
         for kernel in &kernels.kernels {
             for arch in [Arch::Sm80, Arch::Sm90] {

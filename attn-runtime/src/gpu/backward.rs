@@ -47,13 +47,17 @@ pub(crate) struct Buffers {
     pub codes: [i64; 2],
     /// RoPE cosines and sines.
     pub rope: [i64; 2],
+    /// The parameters, their gradients' per-thread partial sums and their gradients (0 each
+    /// without parameters).
+    pub params: [i64; 3],
 }
 
 /// A backward call ready to launch: its kernels and grids, its inputs as the bytes the kernels
 /// read (q, k, v, out, lse, dout), its tile codes and its RoPE tables.
 pub(crate) struct BackwardCall {
     pub kernels: Arc<BackwardKernels>,
-    pub grids: [[u32; 3]; 3],
+    /// One per kernel, in launch order.
+    pub grids: Vec<[u32; 3]>,
     /// On tensor cores q, k, v and dout in the spec's 16-bit format, out and lse f32; SIMT:
     /// all f32.
     pub inputs: [Vec<u8>; 6],
@@ -68,6 +72,11 @@ pub(crate) struct BackwardCall {
     /// The shapes of dq, dk and dv, and their dtype.
     pub shapes: [Vec<usize>; 3],
     pub dtype: DType,
+    /// The spec's parameters (laid out as `codegen::plan::ParamLayout`; empty without).
+    pub params: Vec<f32>,
+    /// Copies of the parameters' gradients the dq kernel's threads keep
+    /// (`codegen::gpu::kernels::backward::param_copies`; 0 without parameters).
+    pub param_copies: usize,
 }
 
 /// A prepared backward call, or the gradients of one with nothing to compute.
@@ -83,10 +92,22 @@ fn i32_bytes(codes: &[i32]) -> Vec<u8> {
 }
 
 impl BackwardCall {
-    /// Checks a backward call's tensors and prepares it.
-    pub fn prepare(variant: &Variant, x: &HeadsBackward) -> Result<Prepared, RuntimeError> {
+    /// Checks a backward call's tensors and parameters (laid out as
+    /// `codegen::plan::ParamLayout`) and prepares it.
+    pub fn prepare(
+        variant: &Variant,
+        x: &HeadsBackward,
+        params: &[f32],
+    ) -> Result<Prepared, RuntimeError> {
         let spec = variant.spec();
         let [b, sq, skv] = check_backward(spec, x)?;
+        let expected = codegen::plan::ParamLayout::of(spec).len();
+        if params.len() != expected {
+            return Err(RuntimeError::Data(format!(
+                "the backward got {} parameter values; the spec's params(...) hold {expected}",
+                params.len()
+            )));
+        }
         let p0 = x.position_offset;
         attn_dsl::reference::check_positions(sq, skv, p0)
             .map_err(|e| RuntimeError::Data(e.to_string()))?;
@@ -103,6 +124,7 @@ impl BackwardCall {
             })));
         }
         let plan = variant.backward_plan()?;
+        let param_copies = codegen::gpu::kernels::backward::param_copies(plan, [b, sq, skv]);
         let first_pos = p0 + (skv as i64 - sq as i64).min(0);
         let total_len = (skv as i64 + p0).max(0) as u64;
         let (rope_cos, rope_sin, rope_pos0) = match &plan.rope {
@@ -150,6 +172,8 @@ impl BackwardCall {
             p0,
             shapes,
             dtype: spec.dtype,
+            params: params.to_vec(),
+            param_copies,
         })))
     }
 
@@ -211,6 +235,10 @@ impl BackwardCall {
                     rope_cos,
                     rope_sin,
                     rope_pos0: self.rope_pos0,
+                    params: at.params[0],
+                    param_partials: at.params[1],
+                    param_copies: self.param_copies as i64,
+                    dparams: at.params[2],
                 },
             )
         };
@@ -232,8 +260,13 @@ impl BackwardCall {
         })
     }
 
-    /// Runs the call on the GPU IR interpreter.
-    pub fn run_on_sim(&self) -> Result<HeadGradients, RuntimeError> {
+    /// Floats in the parameters' partial sums.
+    pub fn partials_len(&self) -> usize {
+        self.param_copies * self.params.len()
+    }
+
+    /// Runs the call on the GPU IR interpreter: the gradients and the parameters' gradients.
+    pub fn run_on_sim(&self) -> Result<(HeadGradients, Vec<f32>), RuntimeError> {
         let mut mem = Memory::default();
         let mut alloc = |bytes: &[u8]| {
             if bytes.is_empty() {
@@ -248,13 +281,19 @@ impl BackwardCall {
         let rope = [alloc(&table(&self.rope_cos)), alloc(&table(&self.rope_sin))];
         let lens = self.output_lens();
         let outputs = [self.rows(), lens[0], lens[1], lens[2]].map(|n| alloc(&vec![0u8; 4 * n]));
+        let params = [
+            alloc(&table(&self.params)),
+            alloc(&vec![0u8; 4 * self.partials_len()]),
+            alloc(&vec![0u8; 4 * self.params.len()]),
+        ];
         let at = Buffers {
             inputs,
             outputs,
             codes,
             rope,
+            params,
         };
-        for (kernel, grid) in self.kernels.kernels.iter().zip(self.grids) {
+        for (kernel, &grid) in self.kernels.kernels.iter().zip(&self.grids) {
             let args: Vec<Val> = self.args(kernel, &at)?.into_iter().map(Val::I64).collect();
             run(kernel, grid, &args, &mut mem).map_err(RuntimeError::Data)?;
         }
@@ -262,24 +301,33 @@ impl BackwardCall {
             mem.read_f32(outputs[i + 1], lens[i])
                 .map_err(RuntimeError::Data)
         };
-        self.finish([read(0)?, read(1)?, read(2)?])
+        let dparams = if self.params.is_empty() {
+            Vec::new()
+        } else {
+            mem.read_f32(params[2], self.params.len())
+                .map_err(RuntimeError::Data)?
+        };
+        Ok((self.finish([read(0)?, read(1)?, read(2)?])?, dparams))
     }
 }
 
-/// A per-head backward on the GPU backward kernels, run on the interpreter.
+/// A per-head backward on the GPU backward kernels, run on the interpreter: the gradients and
+/// the parameters' gradients.
 pub(crate) fn backward_on_sim(
     variant: &Variant,
     x: &HeadsBackward,
-) -> Result<HeadGradients, RuntimeError> {
-    match BackwardCall::prepare(variant, x)? {
+    params: &[f32],
+) -> Result<(HeadGradients, Vec<f32>), RuntimeError> {
+    match BackwardCall::prepare(variant, x, params)? {
         Prepared::Launch(call) => call.run_on_sim(),
-        Prepared::Empty(zeros) => Ok(*zeros),
+        Prepared::Empty(zeros) => Ok((*zeros, vec![0.0; params.len()])),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Backend;
 
     #[test]
     fn inputs_past_f16_run_on_the_simt_kernels() {
@@ -301,10 +349,57 @@ mod tests {
                 dout: &small,
                 position_offset: 0,
             };
-            let Prepared::Launch(call) = BackwardCall::prepare(&variant, &x).unwrap() else {
+            let Prepared::Launch(call) = BackwardCall::prepare(&variant, &x, &[]).unwrap() else {
                 panic!("a call with queries and keys launches");
             };
             assert_eq!(call.kernels.tensor_cores, tensor_cores, "q = {q_value}");
+        }
+    }
+
+    #[test]
+    fn one_cta_striding_over_every_block_sums_the_same_parameter_gradients() {
+        let text = "heads = 3, head_dim = 8, mask = causal, params(rel: [heads, 4]), \
+                    score_mod = |s, b, h, q, k| s + rel[h, max(min(q - k, 3), 0)]";
+        let variant = Variant::parse(text).unwrap();
+        let t = |shape: &[usize], seed: usize| {
+            let n: usize = shape.iter().product();
+            let values = (0..n).map(|i| ((i * 7 + seed * 13) % 17) as f32 / 17.0 - 0.5);
+            Tensor::from_f32(shape, values.collect()).unwrap()
+        };
+        let (q, k, v, dout) = (
+            t(&[2, 3, 70, 8], 1),
+            t(&[2, 3, 70, 8], 2),
+            t(&[2, 3, 70, 8], 3),
+            t(&[2, 3, 70, 8], 4),
+        );
+        let params: Vec<f32> = (0..12).map(|i| i as f32 / 10.0 - 0.6).collect();
+        let forward = crate::gpu::sim::GpuSim
+            .forward_bound(&variant, crate::Inputs::heads(&q, &k, &v), 0, &params)
+            .unwrap();
+        let x = HeadsBackward {
+            q: &q,
+            k: &k,
+            v: &v,
+            out: &forward.out,
+            lse: &forward.lse,
+            dout: &dout,
+            position_offset: 0,
+        };
+        let Prepared::Launch(mut call) = BackwardCall::prepare(&variant, &x, &params).unwrap()
+        else {
+            panic!("a call with queries and keys launches");
+        };
+        // Twelve blocks of query rows (2 batches x 3 heads x 2), one CTA each.
+        assert_eq!(call.param_copies, 12 * 64);
+        let (spread, spread_dparams) = call.run_on_sim().unwrap();
+        // One CTA walks all twelve blocks into one set of 64 copies.
+        call.param_copies = 64;
+        call.grids[1] = [1, 1, 1];
+        let (strided, strided_dparams) = call.run_on_sim().unwrap();
+        assert_eq!(spread.dq.to_f32_vec(), strided.dq.to_f32_vec());
+        assert!(spread_dparams.iter().any(|x| *x != 0.0));
+        for (a, b) in spread_dparams.iter().zip(&strided_dparams) {
+            assert!((a - b).abs() <= 1e-5 * (1.0 + a.abs()), "{a} vs {b}");
         }
     }
 }

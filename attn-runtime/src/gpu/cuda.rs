@@ -473,10 +473,11 @@ impl CudaBackend {
         &self,
         variant: &Variant,
         x: &HeadsBackward,
-    ) -> Result<HeadGradients, RuntimeError> {
-        let call = match BackwardCall::prepare(variant, x)? {
+        params: &[f32],
+    ) -> Result<(HeadGradients, Vec<f32>), RuntimeError> {
+        let call = match BackwardCall::prepare(variant, x, params)? {
             Prepared::Launch(call) => call,
-            Prepared::Empty(zeros) => return Ok(*zeros),
+            Prepared::Empty(zeros) => return Ok((*zeros, vec![0.0; params.len()])),
         };
         let mut buffers = self.upload_backward(&call)?;
         self.launch_backward(&call, &mut buffers)?;
@@ -487,11 +488,13 @@ impl CudaBackend {
             values.truncate(n);
             grads.push(values);
         }
+        let mut dparams = s.clone_dtoh(&buffers.params[2]).map_err(device)?;
+        dparams.truncate(call.params.len());
         s.synchronize().map_err(device)?;
         let [dq, dk, dv]: [Vec<f32>; 3] = grads
             .try_into()
             .map_err(|_| device("internal: three gradients expected"))?;
-        call.finish([dq, dk, dv])
+        Ok((call.finish([dq, dk, dv])?, dparams))
     }
 
     /// Times the backward kernels of a call on the device: inputs uploaded and kernels loaded
@@ -504,7 +507,7 @@ impl CudaBackend {
         x: &HeadsBackward,
         reps: usize,
     ) -> Result<Option<(Vec<f64>, bool)>, RuntimeError> {
-        let call = match BackwardCall::prepare(variant, x)? {
+        let call = match BackwardCall::prepare(variant, x, &[])? {
             Prepared::Launch(call) => call,
             Prepared::Empty(_) => return Ok(None),
         };
@@ -540,7 +543,23 @@ impl CudaBackend {
         for n in [call.rows(), lens[0], lens[1], lens[2]] {
             outputs.push(s.alloc_zeros::<f32>(n.max(1)).map_err(device)?);
         }
-        Ok(BackwardBuffers { inputs, outputs })
+        let params = [
+            s.clone_htod(if call.params.is_empty() {
+                &[0.0f32][..]
+            } else {
+                &call.params
+            })
+            .map_err(device)?,
+            s.alloc_zeros::<f32>(call.partials_len().max(1))
+                .map_err(device)?,
+            s.alloc_zeros::<f32>(call.params.len().max(1))
+                .map_err(device)?,
+        ];
+        Ok(BackwardBuffers {
+            inputs,
+            outputs,
+            params,
+        })
     }
 
     fn launch_backward(
@@ -551,6 +570,9 @@ impl CudaBackend {
         let s = &self.stream;
         let read: Vec<_> = x.inputs.iter().map(|b| b.device_ptr(s)).collect();
         let written: Vec<_> = x.outputs.iter_mut().map(|b| b.device_ptr_mut(s)).collect();
+        let [params, partials, dparams] = &mut x.params;
+        let params = params.device_ptr(s);
+        let [partials, dparams] = [partials, dparams].map(|b| b.device_ptr_mut(s));
         let address = |i: usize| read[i].0 as i64;
         let at = super::backward::Buffers {
             inputs: [0, 1, 2, 3, 4, 5].map(address),
@@ -561,8 +583,9 @@ impl CudaBackend {
                 [0, 0]
             },
             rope: [address(8), address(9)],
+            params: [params.0, partials.0, dparams.0].map(|a| a as i64),
         };
-        for (kernel, grid) in call.kernels.kernels.iter().zip(call.grids) {
+        for (kernel, &grid) in call.kernels.kernels.iter().zip(&call.grids) {
             let f = self.load(kernel)?;
             let config = LaunchConfig {
                 grid_dim: (grid[0], grid[1], grid[2]),
@@ -577,9 +600,10 @@ impl CudaBackend {
             // SAFETY: `args` bound the kernel's parameters to its launch record's fields, in
             // order, all 64-bit: device addresses of the buffers above, each of the size the
             // kernel indexes (the call's tensors in the kernels' formats, the tile codes, one
-            // delta per query row, the f32 gradients, the RoPE tables), held by the guards in
-            // `read` and `written` until the launches are queued, and i64 scalars; the grid and
-            // CTA size are the ones the kernel was lowered for.
+            // delta per query row, the f32 gradients, the RoPE tables, the parameters, their
+            // `param_copies` partial sums and their gradients), held by the guards in `read`,
+            // `written`, `params`, `partials` and `dparams` until the launches are queued, and
+            // i64 scalars; the grid and CTA size are the ones the kernel was lowered for.
             unsafe { launch.launch(config) }.map_err(device)?;
         }
         Ok(())
@@ -809,6 +833,8 @@ pub struct DeviceCache {
 struct BackwardBuffers {
     inputs: Vec<CudaSlice<u8>>,
     outputs: Vec<CudaSlice<f32>>,
+    /// The parameters, their gradients' partial sums, their gradients.
+    params: [CudaSlice<f32>; 3],
 }
 
 impl Backend for CudaBackend {
@@ -870,11 +896,10 @@ impl Backend for CudaBackend {
         x: &BackwardInputs,
         params: &[f32],
     ) -> Result<(Gradients, Vec<f32>), RuntimeError> {
-        super::refuse_params(self.name(), "the backward", params)?;
         match x {
             BackwardInputs::Heads(x) => self
-                .backward_heads(variant, x)
-                .map(|g| (Gradients::Heads(g), Vec::new())),
+                .backward_heads(variant, x, params)
+                .map(|(g, dparams)| (Gradients::Heads(g), dparams)),
             BackwardInputs::Mla(_) => Err(RuntimeError::Unsupported {
                 backend: "cuda",
                 what: "the MLA backward (the cpu backend does)".into(),

@@ -143,25 +143,6 @@ fn qk_fits(plan: &KernelPlan, q: &Tensor, k: &Tensor) -> bool {
     q.max_abs().max(k.max_abs()) * factor <= forward_tc::QK_F16_LIMIT
 }
 
-/// The GPU backward does not take parameters yet (the forward and cached calls do): such a
-/// call is refused before anything runs.
-pub(crate) fn refuse_params(
-    backend: &'static str,
-    call: &str,
-    params: &[f32],
-) -> Result<(), RuntimeError> {
-    if params.is_empty() {
-        return Ok(());
-    }
-    Err(RuntimeError::Unsupported {
-        backend,
-        what: format!(
-            "{call} of specs with params(...) yet (the forward and cached calls do, and the cpu \
-             backend does all)"
-        ),
-    })
-}
-
 /// The forward kernel of a variant: the SIMT one where `simt`, else the sm_90a one under
 /// [`wgmma_enabled`] where the spec runs on it, else the one `forward_kernel` picks. Lowered once
 /// per variant and shared by the interpreter and CUDA backends.

@@ -81,14 +81,13 @@ impl Backend for GpuSim {
         x: &BackwardInputs,
         params: &[f32],
     ) -> Result<(Gradients, Vec<f32>), RuntimeError> {
-        super::refuse_params(self.name(), "the backward", params)?;
         match x {
             BackwardInputs::Heads(x) => {
                 let [b, _, sq, skv] = bhss(x.q, x.k);
                 let seconds = sim_cost::attention_seconds(variant.spec(), b, sq, skv, true);
                 sim_cost::check("this forward and backward", seconds)?;
-                super::backward::backward_on_sim(variant, x)
-                    .map(|g| (Gradients::Heads(g), Vec::new()))
+                super::backward::backward_on_sim(variant, x, params)
+                    .map(|(g, dparams)| (Gradients::Heads(g), dparams))
             }
             BackwardInputs::Mla(_) => Err(RuntimeError::Unsupported {
                 backend: "gpu-sim",

@@ -57,13 +57,17 @@ pub fn spec_kernels(spec: &AttentionSpec) -> Result<Vec<SpecKernel>, CodegenErro
     add("decode merge", verified(layers::merge_partitions())?);
     add("decode pages", verified(pages::segments_from_pages())?);
     if spec.mla().is_none()
-        && spec.params.is_empty()
         && let Ok(plan) = KernelPlan::backward(spec)
     {
-        let [delta, dq, dkdv] = backward_kernels(&plan)?.kernels;
-        add("backward delta", (*delta).clone());
-        add("backward dq", (*dq).clone());
-        add("backward dkdv", (*dkdv).clone());
+        let roles = [
+            "backward delta",
+            "backward dq",
+            "backward dkdv",
+            "backward dparams",
+        ];
+        for (role, kernel) in roles.into_iter().zip(backward_kernels(&plan)?.kernels) {
+            add(role, (*kernel).clone());
+        }
     }
     Ok(out)
 }

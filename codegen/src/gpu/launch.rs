@@ -192,8 +192,9 @@ launch_record! {
 }
 
 launch_record! {
-    /// A backward launch, shared by its three kernels (`backward_delta`, `backward_dq`,
-    /// `backward_dkdv`); every tensor f32 and contiguous BHSD.
+    /// A backward launch, shared by its kernels (`backward_delta`, `backward_dq`,
+    /// `backward_dkdv`, and `backward_dparams` for specs with parameters); every tensor f32
+    /// and contiguous BHSD.
     BackwardArgs {
         /// `[B, Hq, Sq, D]` queries, before RoPE.
         q: Address,
@@ -229,6 +230,16 @@ launch_record! {
         rope_sin: Address,
         /// The position of the tables' first row.
         rope_pos0: Scalar,
+        /// The spec's parameters, as [`ForwardArgs::params`] (0 without).
+        params: Address,
+        /// `[param_copies, params]` f32: each `backward_dq` thread's own sums of the
+        /// parameters' gradients, written by it alone (0 without parameters).
+        param_partials: Address,
+        /// Copies in `param_partials`: the `backward_dq` grid's threads (0 without parameters).
+        param_copies: Scalar,
+        /// The parameters' gradients, f32, laid out as `params`: the partials summed in copy
+        /// order by `backward_dparams` (0 without parameters).
+        dparams: Address,
     }
 }
 

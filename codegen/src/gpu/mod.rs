@@ -156,11 +156,12 @@ pub fn simt_forward_kernel(plan: &crate::KernelPlan) -> Result<ForwardKernel, Co
     })
 }
 
-/// The backward kernels of a plan as the host launches them: delta, dq, and dk with dv.
+/// The backward kernels of a plan as the host launches them: delta, dq, and dk with dv, then
+/// (SIMT, plans with parameters) the sum of the parameters' gradients.
 #[derive(Clone, Debug)]
 pub struct BackwardKernels {
-    /// The three kernels, in launch order.
-    pub kernels: [std::sync::Arc<ir::Kernel>; 3],
+    /// The kernels, in launch order.
+    pub kernels: Vec<std::sync::Arc<ir::Kernel>>,
     /// On tensor cores ([`backward_tc`]): inputs in the spec's 16-bit format (lse f32), tile
     /// codes, [`launch::BackwardTcArgs`]. Else SIMT ([`backward`]): f32 inputs,
     /// [`launch::BackwardArgs`].
@@ -168,10 +169,10 @@ pub struct BackwardKernels {
 }
 
 impl BackwardKernels {
-    /// The grids of the three kernels for a call of `[batch, Sq, Skv]`.
-    pub fn grids(&self, plan: &crate::KernelPlan, dims: [usize; 3]) -> [[u32; 3]; 3] {
+    /// The grids of the kernels for a call of `[batch, Sq, Skv]`, in launch order.
+    pub fn grids(&self, plan: &crate::KernelPlan, dims: [usize; 3]) -> Vec<[u32; 3]> {
         if self.tensor_cores {
-            backward_tc::grids(plan, dims)
+            backward_tc::grids(plan, dims).to_vec()
         } else {
             backward::grids(plan, dims)
         }
@@ -181,44 +182,34 @@ impl BackwardKernels {
 /// The backward kernels of a backward plan: on tensor cores where [`backward_tc::supports`]
 /// the plan, else SIMT. Verified.
 pub fn backward_kernels(plan: &crate::KernelPlan) -> Result<BackwardKernels, CodegenError> {
-    refuse_params(plan)?;
     if !backward_tc::supports(plan) {
         return simt_backward_kernels(plan);
     }
-    let [delta, dq, dkdv] = backward_tc::lower(plan);
+    let kernels = backward_tc::lower(plan);
     Ok(BackwardKernels {
-        kernels: [verified(delta)?, verified(dq)?, verified(dkdv)?].map(std::sync::Arc::new),
+        kernels: verified_all(kernels.into())?,
         tensor_cores: true,
     })
 }
 
 /// The SIMT backward kernels of a backward plan (any plan runs on them), verified.
 pub fn simt_backward_kernels(plan: &crate::KernelPlan) -> Result<BackwardKernels, CodegenError> {
-    refuse_params(plan)?;
-    let [delta, dq, dkdv] = backward::lower(plan);
     Ok(BackwardKernels {
-        kernels: [verified(delta)?, verified(dq)?, verified(dkdv)?].map(std::sync::Arc::new),
+        kernels: verified_all(backward::lower(plan))?,
         tensor_cores: false,
     })
+}
+
+fn verified_all(kernels: Vec<ir::Kernel>) -> Result<Vec<std::sync::Arc<ir::Kernel>>, CodegenError> {
+    kernels
+        .into_iter()
+        .map(|k| verified(k).map(std::sync::Arc::new))
+        .collect()
 }
 
 /// The decode kernel of a decode plan, verified.
 pub fn decode_kernel(plan: &crate::KernelPlan) -> Result<ir::Kernel, CodegenError> {
     verified(decode::lower(plan))
-}
-
-/// The GPU backward kernels do not take parameters' gradients yet: a plan with `params(...)`
-/// is refused before any lowering sees a read. (The SIMT forward and decode kernels read them;
-/// the tensor-core ones decline such plans.)
-fn refuse_params(plan: &crate::KernelPlan) -> Result<(), CodegenError> {
-    if plan.params.is_empty() {
-        return Ok(());
-    }
-    Err(CodegenError::Unsupported(
-        "the GPU backward kernels do not take params(...) yet; run this spec's backward on the \
-         cpu backend"
-            .to_string(),
-    ))
 }
 
 /// The kernel, if the verifier passes it.

@@ -1,4 +1,4 @@
-//! A backward plan lowered to GPU IR: the SIMT f32 path (no tensor cores yet), in three kernels.
+//! A backward plan lowered to GPU IR: the SIMT f32 path, in three kernels (four with parameters).
 //!
 //! - `backward_delta`: `D = rowsum(dout * out)`, one thread per query row.
 //! - `backward_dq`: one thread per query row of one (batch, head), as the forward's SIMT kernel.
@@ -10,17 +10,23 @@
 //!   the group, the CTA stages Q (rotated and scaled), dout, lse and D. Each thread accumulates
 //!   `dV += P dO` and `dK += dS Q`, summed over the group in registers. Then it rotates dk back.
 //!
+//! - `backward_dparams` (plans with parameters): the parameters' gradients. `backward_dq` then
+//!   runs [`param_copies`] threads, each striding over blocks of query rows, and each adds
+//!   `dS * d score / d read` of its own rows into its own copy of every parameter's gradient
+//!   (`param_partials`). This kernel sums the copies in copy order, one thread per element.
+//!
 //! dQ takes a separate pass instead of atomics, for two reasons. The IR has no atomics. A
-//! separate pass also keeps the gradients deterministic. The cost is recomputing `Q K^T` and
+//! separate pass also keeps the gradients deterministic, as do the parameters' per-thread copies. The cost is recomputing `Q K^T` and
 //! `dO V^T` once more (seven tile products instead of five). Every pair evaluates the mask: no
 //! tile is skipped yet. Inputs are contiguous BHSD f32.
 
 use super::forward::key_tile;
+use super::score::param_element;
 use super::{Env, Regs, exp2_twice, program, rope_params, rotate, special64};
 use crate::gpu::ir::build::*;
 use crate::gpu::ir::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty};
 use crate::gpu::launch::{BackwardArgs, LaunchRecord};
-use crate::plan::{KernelPlan, PlanKind};
+use crate::plan::{KernelPlan, ParamLayout, PlanKind};
 use attn_dsl::modifier::Expr as M;
 
 /// Threads per CTA: query rows (`backward_delta`, `backward_dq`) or keys (`backward_dkdv`).
@@ -30,25 +36,55 @@ fn param(name: &str) -> Expr {
     Expr::Param(BackwardArgs::position(name))
 }
 
-/// The three kernels of a backward plan, in launch order: delta, dq, dk and dv.
-pub fn lower(plan: &KernelPlan) -> [Kernel; 3] {
+/// The kernels of a backward plan, in launch order: delta, dq, dk and dv, and for a plan with
+/// parameters `backward_dparams`, which sums the dq kernel's partial parameter gradients.
+pub fn lower(plan: &KernelPlan) -> Vec<Kernel> {
     assert_eq!(
         plan.kind,
         PlanKind::Backward,
         "the GPU backward kernels lower backward plans"
     );
-    [delta(plan), dq(plan), dkdv(plan)]
+    let mut kernels = vec![delta(plan), dq(plan), dkdv(plan)];
+    if !plan.params.is_empty() {
+        kernels.push(dparams(plan));
+    }
+    kernels
 }
 
-/// The grids of the three kernels for a call of `[batch, Sq, Skv]`.
-pub fn grids(plan: &KernelPlan, [b, sq, skv]: [usize; 3]) -> [[u32; 3]; 3] {
+/// The grids of [`lower`]'s kernels for a call of `[batch, Sq, Skv]`.
+pub fn grids(plan: &KernelPlan, [b, sq, skv]: [usize; 3]) -> Vec<[u32; 3]> {
     let rows = ROWS as usize;
     let (hq, hkv) = (plan.shape.heads, plan.shape.kv_heads);
-    [
-        [(b * hq as usize * sq).div_ceil(rows) as u32, 1, 1],
-        [sq.div_ceil(rows) as u32, hq, b as u32],
-        [skv.div_ceil(rows) as u32, hkv, b as u32],
-    ]
+    let delta = [(b * hq as usize * sq).div_ceil(rows) as u32, 1, 1];
+    let dkdv = [skv.div_ceil(rows) as u32, hkv, b as u32];
+    if plan.params.is_empty() {
+        return vec![delta, [sq.div_ceil(rows) as u32, hq, b as u32], dkdv];
+    }
+    let ctas = (param_copies(plan, [b, sq, skv]) / rows) as u32;
+    let sums = [plan.params.len().div_ceil(rows) as u32, 1, 1];
+    vec![delta, [ctas, 1, 1], dkdv, sums]
+}
+
+/// Bytes of partial parameter gradients a call may hold: each `backward_dq` thread keeps its
+/// own copy of every parameter's gradient, so the copies are capped by this.
+const PARTIALS_BYTES: usize = 1 << 28;
+
+/// `backward_dq` CTAs at most for a plan with parameters: enough to fill a large GPU.
+const MAX_PARAM_CTAS: usize = 1024;
+
+/// The copies of the parameters' gradients a call of `[batch, Sq, Skv]` sums (`backward_dq`'s
+/// threads: a CTA of [`ROWS`] per block of query rows, down to what [`PARTIALS_BYTES`] holds, at
+/// least one CTA), 0 for a plan without parameters. It depends on the plan and the call's shape
+/// alone, so the sums are the same from run to run.
+pub fn param_copies(plan: &KernelPlan, [b, sq, _]: [usize; 3]) -> usize {
+    let len = plan.params.len();
+    if len == 0 {
+        return 0;
+    }
+    let rows = ROWS as usize;
+    let blocks = b * plan.shape.heads as usize * sq.div_ceil(rows);
+    let fits = PARTIALS_BYTES / (rows * len * 4);
+    blocks.min(fits).clamp(1, MAX_PARAM_CTAS) * rows
 }
 
 fn kernel(name: &str, r: Regs, shared_bytes: i64, body: Vec<Stmt>) -> Kernel {
@@ -330,38 +366,200 @@ struct Pair {
     inside: Expr,
 }
 
-/// `p = 2^(2 (score - lse))` and `ds = p (dp - D) * d score / d raw`, both 0 unless kept.
+/// `keep = ` whether the pair is kept, then `p = 2^(2 (score - lse))` and `ds = p (dp - D) * d
+/// score / d raw`, both 0 unless kept.
 fn probabilities(
     plan: &KernelPlan,
     pair: &Pair,
+    keep: Reg,
     lse_half: Expr,
     dp: Expr,
     delta: Expr,
-) -> [Expr; 2] {
+) -> (Stmt, [Expr; 2]) {
     let grad = plan
         .score_grad
         .as_ref()
         .expect("backward plans have a score derivative");
-    let mut keep = pair.inside.clone();
+    let mut kept = pair.inside.clone();
     if !matches!(plan.program.mask, M::Bool(true)) {
-        keep = bin(Bin::And, keep, program(&plan.program.mask, &pair.env));
+        kept = bin(Bin::And, kept, program(&plan.program.mask, &pair.env));
     }
     let score = program(&plan.program.score, &pair.env);
-    let p = select(keep.clone(), exp2_twice(sub(score, lse_half)), f32(0.0));
+    let p = select(reg(keep), exp2_twice(sub(score, lse_half)), f32(0.0));
     let ds = mul(mul(p.clone(), sub(dp, delta)), program(grad, &pair.env));
-    [p, select(keep, ds, f32(0.0))]
+    (Stmt::Set(keep, kept), [p, select(reg(keep), ds, f32(0.0))])
 }
 
-/// `backward_dq`: one query row per thread.
+/// The parameter buffer of a plan's score program, for the kernels' [`Env`].
+fn param_buffer(plan: &KernelPlan) -> Option<(Expr, ParamLayout)> {
+    (!plan.params.is_empty()).then(|| (param("params"), plan.params.clone()))
+}
+
+/// A `backward_dq` thread's own copy of the parameters' gradients, in `param_partials` (plans
+/// with parameters): copy `ctaid.x * ROWS + tid`, written by that thread alone, in the order
+/// of its rows and keys, so the sums need no atomics and come out the same every run.
+struct ParamPartials {
+    /// The thread's copy.
+    copy: Reg,
+    /// Floats per copy.
+    len: i64,
+}
+
+impl ParamPartials {
+    fn new(plan: &KernelPlan, r: &mut Regs) -> Option<ParamPartials> {
+        (!plan.params.is_empty()).then(|| ParamPartials {
+            copy: r.add("param_copy", Ty::I64),
+            len: plan.params.len() as i64,
+        })
+    }
+
+    /// The address of element `element` of the thread's copy.
+    fn at(&self, element: Expr) -> Expr {
+        let first = mul(reg(self.copy), i64(self.len));
+        at(param("param_partials"), add(first, element), 4)
+    }
+
+    /// Sets the thread's copy and zeros it.
+    fn zero(&self, r: &mut Regs) -> Vec<Stmt> {
+        let e = r.add("param_element", Ty::I64);
+        vec![
+            Stmt::Set(
+                self.copy,
+                add(
+                    mul(special64(Special::Ctaid(0)), i64(i64::from(ROWS))),
+                    special64(Special::Tid),
+                ),
+            ),
+            Stmt::For {
+                reg: e,
+                start: i64(0),
+                end: i64(self.len),
+                step: 1,
+                body: vec![Stmt::Store(Space::Global, self.at(reg(e)), f32(0.0))],
+            },
+        ]
+    }
+
+    /// For each parameter read of the score program, `partial[element] += dS * d score / d
+    /// read` where `counted` (the pair is kept and the row is the thread's own), `dS = p (dP -
+    /// D)` (`centered`).
+    fn scatter(&self, plan: &KernelPlan, env: &Env, counted: Expr, centered: Expr) -> Vec<Stmt> {
+        let layout = &plan.params;
+        plan.param_grads
+            .iter()
+            .map(|(read, d)| {
+                let addr = self.at(param_element(read, layout, env));
+                let term = mul(centered.clone(), program(d, env));
+                let old = load(Space::Global, Ty::F32, addr.clone());
+                Stmt::Store(
+                    Space::Global,
+                    addr,
+                    add(old, select(counted.clone(), term, f32(0.0))),
+                )
+            })
+            .collect()
+    }
+}
+
+/// `backward_dparams`: one thread per parameter element, `dparams[e] = sum over copies c, in
+/// order, of param_partials[c][e]`.
+fn dparams(plan: &KernelPlan) -> Kernel {
+    let len = plan.params.len() as i64;
+    let mut r = Regs { list: Vec::new() };
+    let (e, c, acc) = (
+        r.add("element", Ty::I64),
+        r.add("copy", Ty::I64),
+        r.add("acc", Ty::F32),
+    );
+    let partial = at(
+        param("param_partials"),
+        add(mul(reg(c), i64(len)), reg(e)),
+        4,
+    );
+    let sum = vec![
+        Stmt::Set(acc, f32(0.0)),
+        Stmt::For {
+            reg: c,
+            start: i64(0),
+            end: param("param_copies"),
+            step: 1,
+            body: vec![Stmt::Set(
+                acc,
+                add(reg(acc), load(Space::Global, Ty::F32, partial)),
+            )],
+        },
+        Stmt::Store(Space::Global, at(param("dparams"), reg(e), 4), reg(acc)),
+    ];
+    let body = vec![
+        Stmt::Set(
+            e,
+            add(
+                mul(special64(Special::Ctaid(0)), i64(i64::from(ROWS))),
+                special64(Special::Tid),
+            ),
+        ),
+        Stmt::If(bin(Bin::Lt, reg(e), i64(len)), sum, vec![]),
+    ];
+    kernel("backward_dparams", r, 0, body)
+}
+
+/// `backward_dq`: one query row per thread. With parameters, a CTA strides over the blocks of
+/// query rows (the grid is [`param_copies`] threads) and each thread adds its rows' parameter
+/// gradients into its own copy.
 fn dq(plan: &KernelPlan) -> Kernel {
     let (d, dv) = (i64::from(plan.shape.qk_dim), i64::from(plan.shape.v_dim));
     let bc = i64::from(key_tile(plan));
+    let shared = bc * (d + dv) * 4;
     let mut r = Regs { list: Vec::new() };
-    let (row, mut body) = QueryRow::load(plan, &mut r);
-    let tiles = row.key_tiles(plan, &mut r);
-    body.push(tiles);
-    body.push(row.store_dq(plan, &mut r));
-    kernel("backward_dq", r, bc * (d + dv) * 4, body)
+    let Some(partials) = ParamPartials::new(plan, &mut r) else {
+        let (row, mut body) = QueryRow::load(plan, &mut r, None);
+        body.push(row.key_tiles(plan, &mut r, None));
+        body.push(row.store_dq(plan, &mut r));
+        return kernel("backward_dq", r, shared, body);
+    };
+    let (step, block) = (r.add("block_step", Ty::I64), r.add("block", Ty::I64));
+    let (row, mut per_block) = QueryRow::load(plan, &mut r, Some(block));
+    per_block.push(row.key_tiles(plan, &mut r, Some(&partials)));
+    per_block.push(row.store_dq(plan, &mut r));
+    per_block.insert(
+        0,
+        Stmt::Set(
+            block,
+            add(special64(Special::Ctaid(0)), mul(reg(step), ctas())),
+        ),
+    );
+    let hq = i64::from(plan.shape.heads);
+    let blocks = mul(mul(param("batch"), i64(hq)), query_blocks());
+    let mut body = partials.zero(&mut r);
+    body.push(Stmt::For {
+        reg: step,
+        start: i64(0),
+        end: bin(
+            Bin::Div,
+            add(
+                sub(blocks, special64(Special::Ctaid(0))),
+                sub(ctas(), i64(1)),
+            ),
+            ctas(),
+        ),
+        step: 1,
+        body: per_block,
+    });
+    kernel("backward_dq", r, shared, body)
+}
+
+/// Blocks of [`ROWS`] query rows per (batch, head).
+fn query_blocks() -> Expr {
+    bin(
+        Bin::Div,
+        add(param("sq"), i64(i64::from(ROWS) - 1)),
+        i64(i64::from(ROWS)),
+    )
+}
+
+/// CTAs of a `backward_dq` grid that strides over blocks (plans with parameters).
+fn ctas() -> Expr {
+    bin(Bin::Div, param("param_copies"), i64(i64::from(ROWS)))
 }
 
 /// A thread's query row in `backward_dq`: where it is (rows past Sq compute on the last row,
@@ -383,8 +581,10 @@ struct QueryRow {
 }
 
 impl QueryRow {
-    /// The row's registers, and the statements that load it.
-    fn load(plan: &KernelPlan, r: &mut Regs) -> (QueryRow, Vec<Stmt>) {
+    /// The row's registers, and the statements that load it: in the block of query rows the
+    /// CTA's grid position names, or in block `block` (blocks numbered by batch, head, then
+    /// rows).
+    fn load(plan: &KernelPlan, r: &mut Regs, block: Option<Reg>) -> (QueryRow, Vec<Stmt>) {
         let (d, dv) = (i64::from(plan.shape.qk_dim), i64::from(plan.shape.v_dim));
         let (hq, hkv) = (i64::from(plan.shape.heads), i64::from(plan.shape.kv_heads));
         let (row, batch, head, kvh) = (
@@ -393,16 +593,27 @@ impl QueryRow {
             r.add("head", Ty::I64),
             r.add("kv_head", Ty::I64),
         );
+        let [row_block, head_of, batch_of] = match block {
+            None => [0, 1, 2].map(|i| special64(Special::Ctaid(i))),
+            Some(block) => {
+                let batch_head = bin(Bin::Div, reg(block), query_blocks());
+                [
+                    bin(Bin::Rem, reg(block), query_blocks()),
+                    bin(Bin::Rem, batch_head.clone(), i64(hq)),
+                    bin(Bin::Div, batch_head, i64(hq)),
+                ]
+            }
+        };
         let mut body = vec![
             Stmt::Set(
                 row,
                 add(
-                    mul(special64(Special::Ctaid(0)), i64(i64::from(ROWS))),
+                    mul(row_block, i64(i64::from(ROWS))),
                     special64(Special::Tid),
                 ),
             ),
-            Stmt::Set(batch, special64(Special::Ctaid(2))),
-            Stmt::Set(head, special64(Special::Ctaid(1))),
+            Stmt::Set(batch, batch_of),
+            Stmt::Set(head, head_of),
             Stmt::Set(kvh, bin(Bin::Div, reg(head), i64(hq / hkv))),
         ];
         let (qrow, qpos, index) = (
@@ -473,7 +684,9 @@ impl QueryRow {
 
     /// The loop over key tiles: each staged in shared memory (K `[bc][d]` rotated, V
     /// `[bc][dv]`), then per key `p`, `ds`, and `dq += ds k`.
-    fn key_tiles(&self, plan: &KernelPlan, r: &mut Regs) -> Stmt {
+    /// With `partials`, each kept pair of the thread's own row also adds its parameter
+    /// gradients there.
+    fn key_tiles(&self, plan: &KernelPlan, r: &mut Regs, partials: Option<&ParamPartials>) -> Stmt {
         let (d, dv) = (i64::from(plan.shape.qk_dim), i64::from(plan.shape.v_dim));
         let hkv = i64::from(plan.shape.kv_heads);
         let bc = i64::from(key_tile(plan));
@@ -489,7 +702,11 @@ impl QueryRow {
             r.add("s", Ty::F32),
             r.add("dp", Ty::F32),
         );
-        let (p, ds) = (r.add("p", Ty::F32), r.add("ds", Ty::F32));
+        let (p, ds, keep) = (
+            r.add("p", Ty::F32),
+            r.add("ds", Ty::F32),
+            r.add("keep", Ty::Pred),
+        );
         let first = mul(reg(t), i64(bc));
         let k_tmp = f32_regs(r, "k", d);
         let key_pos = |row: Expr| add(param("p0"), row);
@@ -534,7 +751,7 @@ impl QueryRow {
                 key: add(param("p0"), reg(key)),
                 query_index: reg(self.qrow),
                 key_index: reg(key),
-                params: None,
+                params: param_buffer(plan),
             },
             inside: bin(
                 Bin::And,
@@ -542,7 +759,14 @@ impl QueryRow {
                 bin(Bin::Ne, reg(self.lse_half), f32(f32::NEG_INFINITY)),
             ),
         };
-        let [pv, dsv] = probabilities(plan, &pair, reg(self.lse_half), reg(dp), reg(self.delta));
+        let (set_keep, [pv, dsv]) = probabilities(
+            plan,
+            &pair,
+            keep,
+            reg(self.lse_half),
+            reg(dp),
+            reg(self.delta),
+        );
         let k_at = add(mul(reg(j), i64(d * 4)), i64(k_sh));
         let mut per_key = vec![
             Stmt::Set(key, add(first, reg(j))),
@@ -551,9 +775,20 @@ impl QueryRow {
                 dp,
                 dot_shared(&self.go, add(mul(reg(j), i64(dv * 4)), i64(v_sh))),
             ),
+            set_keep,
             Stmt::Set(p, pv),
             Stmt::Set(ds, dsv),
         ];
+        if let Some(partials) = partials {
+            // Rows past Sq compute on the last row; only the row's own thread counts it.
+            let counted = bin(
+                Bin::And,
+                reg(keep),
+                bin(Bin::Lt, reg(self.row), param("sq")),
+            );
+            let centered = mul(reg(p), sub(reg(dp), reg(self.delta)));
+            per_key.extend(partials.scatter(plan, &pair.env, counted, centered));
+        }
         per_key.extend(axpy_shared(&self.acc, reg(ds), k_at));
         tile.push(Stmt::For {
             reg: j,
@@ -699,11 +934,12 @@ impl KeyRow {
             r.add("i", Ty::I64),
             r.add("query", Ty::I64),
         );
-        let (s, dp, p, ds) = (
+        let (s, dp, p, ds, keep) = (
             r.add("s", Ty::F32),
             r.add("dp", Ty::F32),
             r.add("p", Ty::F32),
             r.add("ds", Ty::F32),
+            r.add("keep", Ty::Pred),
         );
         let first = mul(reg(t), i64(bq));
         let head_row0 = mul(add(mul(reg(self.batch), i64(hq)), reg(head)), param("sq"));
@@ -761,7 +997,7 @@ impl KeyRow {
                 key: reg(self.kpos),
                 query_index: reg(qi),
                 key_index: reg(self.krow),
-                params: None,
+                params: param_buffer(plan),
             },
             inside: bin(
                 Bin::And,
@@ -769,13 +1005,14 @@ impl KeyRow {
                 bin(Bin::Ne, lse_i.clone(), f32(f32::NEG_INFINITY)),
             ),
         };
-        let [pv, dsv] = probabilities(plan, &pair, lse_i, reg(dp), delta_i);
+        let (set_keep, [pv, dsv]) = probabilities(plan, &pair, keep, lse_i, reg(dp), delta_i);
         let q_at = add(mul(reg(i), i64(d * 4)), i64(q_sh));
         let do_at = add(mul(reg(i), i64(dv * 4)), i64(do_sh));
         let mut per_query = vec![
             Stmt::Set(qi, add(first, reg(i))),
             Stmt::Set(s, dot_shared(&self.k, q_at.clone())),
             Stmt::Set(dp, dot_shared(&self.v, do_at.clone())),
+            set_keep,
             Stmt::Set(p, pv),
             Stmt::Set(ds, dsv),
         ];

@@ -5,8 +5,8 @@ use super::build::param;
 use super::softmax::scale_folds;
 use crate::gpu::ir::build::*;
 use crate::gpu::ir::{Bin, Expr, Reg, Space, Stmt, Ty, Un};
-use crate::plan::{KernelPlan, TileCode};
-use attn_dsl::modifier::{BinOp, Expr as M, Ty as MTy, UnOp, Var};
+use crate::plan::{KernelPlan, ParamLayout, TileCode};
+use attn_dsl::modifier::{BinOp, Expr as M, ParamRead, Ty as MTy, UnOp, Var};
 
 /// The values of the score program's variables for one (row, key).
 pub(crate) struct Env {
@@ -18,7 +18,7 @@ pub(crate) struct Env {
     pub query_index: Expr,
     pub key_index: Expr,
     /// The parameter buffer's global address and its layout, for plans with parameters (the
-    /// kernels that read them: the SIMT forward and decode).
+    /// kernels that read them: the SIMT forward, decode and backward).
     pub params: Option<(Expr, crate::plan::ParamLayout)>,
 }
 
@@ -45,22 +45,11 @@ pub(crate) fn program(e: &M, env: &Env) -> Expr {
                 .params
                 .as_ref()
                 .expect("only kernels given a parameter buffer lower plans with parameters");
-            let slot = layout
-                .slot(&read.name)
-                .expect("validation resolves every read to a declared parameter");
-            // Row-major, each index clamped into its dimension (the spec proved it in range).
-            let mut flat = i64(slot.offset as i64);
-            let mut stride = 1i64;
-            for (index, &dim) in read.indices.iter().zip(&slot.shape).rev() {
-                let clamped = bin(
-                    Bin::Min,
-                    bin(Bin::Max, go(index), i64(0)),
-                    i64(dim as i64 - 1),
-                );
-                flat = add(flat, mul(clamped, i64(stride)));
-                stride *= dim as i64;
-            }
-            load(Space::Global, Ty::F32, at(base.clone(), flat, 4))
+            load(
+                Space::Global,
+                Ty::F32,
+                at(base.clone(), param_element(read, layout, env), 4),
+            )
         }
         M::Unary(op, a) => {
             let a = go(a);
@@ -125,6 +114,27 @@ pub(crate) fn program(e: &M, env: &Env) -> Expr {
             Box::new(go(index)),
         ),
     }
+}
+
+/// The element of the parameter buffer (laid out as `layout`) that `read` reads: row-major,
+/// each index clamped into its dimension (the spec proved it in range; the clamp keeps memory
+/// safety from resting on the proof).
+pub(crate) fn param_element(read: &ParamRead, layout: &ParamLayout, env: &Env) -> Expr {
+    let slot = layout
+        .slot(&read.name)
+        .expect("validation resolves every read to a declared parameter");
+    let mut flat = i64(slot.offset as i64);
+    let mut stride = 1i64;
+    for (index, &dim) in read.indices.iter().zip(&slot.shape).rev() {
+        let clamped = bin(
+            Bin::Min,
+            bin(Bin::Max, program(index, env), i64(0)),
+            i64(dim as i64 - 1),
+        );
+        flat = add(flat, mul(clamped, i64(stride)));
+        stride *= dim as i64;
+    }
+    flat
 }
 
 /// A tile's scores as `mma` C fragments: `s[rb][nb][i]` holds key `8 nb + 2 q + i % 2` of tile
