@@ -7,6 +7,7 @@
 //!   `#[attention(...)]` macro; `Display` prints a spec back so that `parse(print(s)) == s`.
 //! - [`set_key`] edits one item of a spec's text (what a sweep varies).
 //! - [`AttentionSpec::validate`] checks the rules; the parser points its findings at tokens.
+//! - [`match_learned`] checks a call's learnable tensors against the spec, for every caller.
 //! - [`accounting`] counts KV-cache bytes, parameters and FLOPs.
 //! - [`catalog`] names well-known specs for tests and benchmarks.
 //! - [`modifier`] is the IR of score modifiers and masks (built-in and custom), with its passes.
@@ -18,6 +19,7 @@
 pub mod accounting;
 pub mod catalog;
 mod error;
+mod given;
 pub mod inputs;
 pub mod learnable;
 pub mod modifier;
@@ -28,6 +30,7 @@ pub mod spec;
 mod validate;
 
 pub use error::{Invalid, Location, ReferenceError, SpecError, SpecErrors};
+pub use given::{Mismatch, match_learned};
 pub use parse::{
     MAX_BRACKET_DEPTH, MAX_ERRORS, MAX_EXPR_DEPTH, MAX_LITERAL_CHARS, MAX_SPEC_BYTES,
     gradient_notes, parse_str, parse_tokens, set_key, settable_keys,

@@ -15,7 +15,7 @@
 
 use crate::error::RuntimeError;
 use crate::tensor::{Storage, Tensor};
-use attn_dsl::{AttentionSpec, SINKS_NAME, Sinks};
+use attn_dsl::{AttentionSpec, Mismatch, SINKS_NAME, Sinks, match_learned};
 use codegen::plan::ParamLayout;
 use rayon::prelude::*;
 
@@ -38,40 +38,24 @@ impl<'a> Learned<'a> {
 
     /// Checks the tensors against `spec` and lays them out for the kernels.
     pub fn bind(&self, spec: &AttentionSpec) -> Result<Bound, RuntimeError> {
-        let wanted = spec.learnable_tensors();
-        for (name, t) in self.tensors {
-            if !wanted.iter().any(|(w, _)| w == name) {
-                return Err(RuntimeError::Spec(format!(
-                    "tensor `{name}` {:?} is not a learnable tensor of this spec; it takes: {}",
-                    t.shape(),
-                    describe(&wanted)
-                )));
-            }
-        }
-        let layout = ParamLayout::of(spec);
-        let mut params = Vec::with_capacity(layout.len());
+        let named: Vec<(&str, &[usize])> =
+            self.tensors.iter().map(|(n, t)| (*n, t.shape())).collect();
+        let order = match_learned(spec, &named).map_err(|e| match e {
+            Mismatch::Shape {
+                name,
+                found,
+                expected,
+            } => RuntimeError::Shape {
+                tensor: name,
+                found,
+                expected: format!("{expected:?} (from the spec)"),
+            },
+            other => RuntimeError::Spec(other.to_string()),
+        })?;
+        let mut params = Vec::with_capacity(ParamLayout::of(spec).len());
         let mut sinks = None;
-        for (name, shape) in &wanted {
-            let mut found = self.tensors.iter().filter(|(n, _)| n == name);
-            let Some((_, t)) = found.next() else {
-                return Err(RuntimeError::Spec(format!(
-                    "the spec reads a learnable tensor `{name}` of shape {shape:?}, which is \
-                     missing; it takes: {}",
-                    describe(&wanted)
-                )));
-            };
-            if found.next().is_some() {
-                return Err(RuntimeError::Spec(format!(
-                    "learnable tensor `{name}` is given twice"
-                )));
-            }
-            if t.shape() != shape.as_slice() {
-                return Err(RuntimeError::Shape {
-                    tensor: name.clone(),
-                    found: t.shape().to_vec(),
-                    expected: format!("{shape:?} (from the spec)"),
-                });
-            }
+        for i in order {
+            let (name, t) = self.tensors[i];
             let values = t.to_f32_vec();
             if name == SINKS_NAME && spec.sinks == Sinks::Learned {
                 sinks = Some(values);
@@ -81,17 +65,6 @@ impl<'a> Learned<'a> {
         }
         Ok(Bound { params, sinks })
     }
-}
-
-fn describe(wanted: &[(String, Vec<usize>)]) -> String {
-    if wanted.is_empty() {
-        return "none".to_string();
-    }
-    wanted
-        .iter()
-        .map(|(n, s)| format!("{n} {s:?}"))
-        .collect::<Vec<_>>()
-        .join(", ")
 }
 
 /// A call's learnable tensors, checked and laid out.

@@ -4,6 +4,7 @@
 use super::convert::{candle_dtype, to_attn, to_candle};
 use crate::runtime::Tensor as AttnTensor;
 use crate::{Backend, BackwardInputs, CpuBackend, HeadsBackward, Inputs, Learned, Variant};
+use attn_dsl::match_learned;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Device, Layout, Shape, Tensor};
 use std::sync::{Arc, Mutex};
@@ -130,40 +131,22 @@ pub(super) fn check_learned<'t>(
             variant.text()
         )))
     };
-    let wanted = variant.spec().learnable_tensors();
-    let names: Vec<String> = wanted.iter().map(|(n, s)| format!("{n} {s:?}")).collect();
-    for (name, _) in learned {
-        if !wanted.iter().any(|(w, _)| w == name) {
+    let named: Vec<(&str, &[usize])> = learned.iter().map(|(n, t)| (*n, t.dims())).collect();
+    let order = match match_learned(variant.spec(), &named) {
+        Ok(order) => order,
+        Err(e) => return refuse(e.to_string()),
+    };
+    let mut ordered = Vec::with_capacity(order.len());
+    for i in order {
+        let (name, t) = learned[i];
+        if !t.device().is_cpu() || t.dtype() != candle_core::DType::F32 {
             return refuse(format!(
-                "`{name}` is not a learnable tensor of this spec; it takes: {}",
-                if names.is_empty() {
-                    "none".into()
-                } else {
-                    names.join(", ")
-                }
-            ));
-        }
-    }
-    let mut ordered = Vec::with_capacity(wanted.len());
-    for (name, shape) in &wanted {
-        let mut found = learned.iter().filter(|(n, _)| n == name);
-        let Some((_, t)) = found.next() else {
-            return refuse(format!(
-                "the learnable tensor `{name}` {shape:?} is missing"
-            ));
-        };
-        if found.next().is_some() {
-            return refuse(format!("the learnable tensor `{name}` is given twice"));
-        }
-        if !t.device().is_cpu() || t.dtype() != candle_core::DType::F32 || t.dims() != shape {
-            return refuse(format!(
-                "`{name}` is {:?} {:?} on {:?}; expected f32 {shape:?} on the CPU",
+                "`{name}` is {:?} on {:?}; expected f32 on the CPU",
                 t.dtype(),
-                t.dims(),
                 t.device().location()
             ));
         }
-        ordered.push(*t);
+        ordered.push(t);
     }
     Ok(ordered)
 }

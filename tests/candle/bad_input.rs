@@ -191,27 +191,37 @@ fn learnable_tensors_are_checked_by_name_shape_and_dtype() {
             .to_string()
     };
     let said = refused(&[("slopes", &slopes)]);
-    assert!(said.contains("`sinks` [4] is missing"), "{said}");
+    assert!(
+        said.contains("`sinks` of shape [4], which is missing"),
+        "{said}"
+    );
     let said = refused(&[("slopes", &tensor(&[2, 2], 7)), ("sinks", &sinks)]);
     assert!(
-        said.contains("`slopes` is F32 [2, 2]") && said.contains("expected f32 [4]"),
+        said.contains("`slopes` has shape [2, 2]; the spec gives it shape [4]"),
         "{said}"
     );
     let said = refused(&[
         ("slopes", &slopes),
         ("sinks", &sinks.to_dtype(DType::BF16).unwrap()),
     ]);
-    assert!(said.contains("`sinks` is BF16"), "{said}");
+    assert!(
+        said.contains("`sinks` is BF16") && said.contains("expected f32"),
+        "{said}"
+    );
     let said = refused(&[("slopes", &slopes), ("sinks", &sinks), ("bias", &sinks)]);
     assert!(
-        said.contains("`bias` is not a learnable tensor") && said.contains("slopes [4], sinks [4]"),
+        said.contains("`bias` [4] is not a learnable tensor")
+            && said.contains("slopes [4], sinks [4]"),
         "{said}"
     );
     // The op without learnable tensors names what the spec needs.
     let said = attn::candle::attention(&variant, &q, &k, &v)
         .unwrap_err()
         .to_string();
-    assert!(said.contains("`slopes` [4] is missing"), "{said}");
+    assert!(
+        said.contains("`slopes` of shape [4], which is missing"),
+        "{said}"
+    );
     let ok = attn::candle::attention_learned(
         &variant,
         &q,

@@ -7,6 +7,7 @@
 //! `d sinks[h] = -sum_rows exp(sinks[h] - lse_i) * rowsum(dout_i * out_i)`.
 
 use crate::error::ReferenceError;
+use crate::given::match_learned;
 use crate::modifier::ParamValues;
 use crate::spec::{AttentionSpec, SINKS_NAME, Sinks};
 
@@ -23,55 +24,33 @@ impl Learned {
     /// Checks `given` against what `spec` declares: every declared tensor present once, with
     /// its shape, and nothing else.
     pub fn check(spec: &AttentionSpec, given: &[ParamValues]) -> Result<Learned, ReferenceError> {
-        let wanted = spec.learnable_tensors();
-        for t in given {
-            if !wanted.iter().any(|(name, _)| *name == t.name) {
-                let names: Vec<&str> = wanted.iter().map(|(n, _)| n.as_str()).collect();
-                return Err(ReferenceError::Learned(format!(
-                    "tensor `{}` is not a learnable tensor of this spec; it takes: {}",
-                    t.name,
-                    if names.is_empty() {
-                        "none".to_string()
-                    } else {
-                        names.join(", ")
-                    }
-                )));
-            }
-            if t.values.len() != t.shape.iter().product::<usize>() {
-                return Err(ReferenceError::Learned(format!(
-                    "tensor `{}` has {} values for shape {:?}",
-                    t.name,
-                    t.values.len(),
-                    t.shape
-                )));
-            }
+        let learned = |e: String| ReferenceError::Learned(e);
+        if let Some(t) = given
+            .iter()
+            .find(|t| t.values.len() != t.shape.iter().product::<usize>())
+        {
+            return Err(learned(format!(
+                "tensor `{}` has {} values for shape {:?}",
+                t.name,
+                t.values.len(),
+                t.shape
+            )));
         }
-        let mut learned = Learned::default();
-        for (name, shape) in wanted {
-            let mut found = given.iter().filter(|t| t.name == name);
-            let Some(t) = found.next() else {
-                return Err(ReferenceError::Learned(format!(
-                    "the spec reads a tensor `{name}` of shape {shape:?}, which is missing"
-                )));
-            };
-            if found.next().is_some() {
-                return Err(ReferenceError::Learned(format!(
-                    "tensor `{name}` is given twice"
-                )));
-            }
-            if t.shape != shape {
-                return Err(ReferenceError::Learned(format!(
-                    "tensor `{name}` has shape {:?}; the spec gives it shape {shape:?}",
-                    t.shape
-                )));
-            }
-            if name == SINKS_NAME && spec.sinks == Sinks::Learned {
-                learned.sinks = Some(t.values.clone());
+        let named: Vec<(&str, &[usize])> = given
+            .iter()
+            .map(|t| (t.name.as_str(), t.shape.as_slice()))
+            .collect();
+        let order = match_learned(spec, &named).map_err(|e| learned(e.to_string()))?;
+        let mut out = Learned::default();
+        for i in order {
+            let t = &given[i];
+            if t.name == SINKS_NAME && spec.sinks == Sinks::Learned {
+                out.sinks = Some(t.values.clone());
             } else {
-                learned.params.push(t.clone());
+                out.params.push(t.clone());
             }
         }
-        Ok(learned)
+        Ok(out)
     }
 
     /// The sink logit of head `h`, if the spec has sinks.

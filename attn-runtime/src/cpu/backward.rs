@@ -87,19 +87,77 @@ pub(super) fn run(
     let plan = &kernel.plan;
     let (hq, hkv) = (plan.shape.heads as usize, plan.shape.kv_heads as usize);
     let (d, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
-    let (batch, sq, skv, p0) = (x.batch, x.sq, x.skv, x.position_offset);
-    attn_dsl::reference::check_positions(sq, skv, p0)
+    let (batch, sq, skv) = (x.batch, x.sq, x.skv);
+    attn_dsl::reference::check_positions(sq, skv, x.position_offset)
         .map_err(|e| RuntimeError::Data(e.to_string()))?;
     let params = super::launch::param_pointer(plan, x.params)?;
-    let (mut dq, mut dk, mut dvv) = (
-        written_zeros(batch * hq * sq * d),
-        written_zeros(batch * hkv * skv * d),
-        written_zeros(batch * hkv * skv * dv),
+    let mut grads = (
+        (
+            written_zeros(batch * hq * sq * d),
+            written_zeros(batch * hkv * skv * d),
+            written_zeros(batch * hkv * skv * dv),
+        ),
+        vec![0f32; plan.params.len()],
     );
-    let mut dparams = vec![0f32; plan.params.len()];
     if batch * hq * sq == 0 || skv == 0 {
-        return Ok(((dq, dk, dvv), dparams));
+        return Ok(grads);
     }
+    let kernels = task_kernels(kernel, isa)?;
+    let tables = rope_tables(plan, sq, skv, x.position_offset);
+    let group = hq / hkv;
+    let lens = Lens {
+        q: group * sq * d,
+        k: skv * d,
+        v: skv * dv,
+        params: plan.params.len(),
+    };
+    let (units, tiles) = (batch * hkv, skv.div_ceil(K));
+    // Parameter gradients are summed per task in a fixed order of tiles, then over the tasks in
+    // order; with parameters the tasks therefore depend on the call's shape alone, never on the
+    // thread count.
+    let splits = if lens.params == 0 {
+        key_splits(units, tiles, lens.q + lens.k + lens.v)
+    } else {
+        fixed_splits(units, tiles, lens.q + lens.k + lens.v + lens.params)
+    };
+    let run_task = |unit: usize, split: usize, grads: [&mut [f32]; 4]| {
+        let task = Task {
+            plan,
+            kernels,
+            tables: tables.as_ref(),
+            x,
+            b: unit / hkv,
+            kvh: unit % hkv,
+            tiles: (split, splits),
+            params,
+        };
+        SCRATCH.with_borrow_mut(|scratch| {
+            task.run(scratch, grads);
+            scratch.trim();
+        });
+    };
+    match (splits, lens.params) {
+        (1, 0) => whole_units(&mut grads, lens, &run_task),
+        (1, _) => whole_units_summing_params(&mut grads, lens, units, &run_task),
+        _ => split_units(&mut grads, lens, units, splits, &run_task),
+    }
+    Ok(grads)
+}
+
+/// Runs a task: (unit, split, [dq, dk, dv, parameter sums]).
+type RunTask<'a> = dyn Fn(usize, usize, [&mut [f32]; 4]) + Sync + 'a;
+
+/// Values per (batch, kv head) unit of dq (its group's heads), dk and dv, and the parameters.
+#[derive(Clone, Copy)]
+struct Lens {
+    q: usize,
+    k: usize,
+    v: usize,
+    params: usize,
+}
+
+/// The functions a task calls: the kernel's entries and the microkernels of `isa`.
+fn task_kernels(kernel: &CpuKernel, isa: microkernels::Isa) -> Result<Kernels, RuntimeError> {
     let Entry::Backward {
         rotate_rows,
         grad_tile,
@@ -114,7 +172,7 @@ pub(super) fn run(
     // SAFETY: `rotate_rows` and `grad_tile` were compiled by codegen::cpu with the signature
     // `extern "C" fn(*const Args)`, and `qk`, `pv` are the microkernels' C-ABI functions with the
     // signatures above (`pt` as `pv`); all stay valid for the process.
-    let kernels = unsafe {
+    Ok(unsafe {
         Kernels {
             rotate: std::mem::transmute::<usize, RotateFn>(rotate_rows),
             grad_tile: std::mem::transmute::<usize, GradTileFn>(grad_tile),
@@ -123,10 +181,14 @@ pub(super) fn run(
             pt: std::mem::transmute::<usize, PvFn>(pt),
             isa,
         }
-    };
+    })
+}
+
+/// The RoPE tables of a call's positions, when the plan has RoPE.
+fn rope_tables(plan: &KernelPlan, sq: usize, skv: usize, p0: i64) -> Option<Tables> {
     let first_pos = p0 + (skv as i64 - sq as i64).min(0);
     let total_len = (skv as i64 + p0).max(0) as u64;
-    let tables = plan.rope.as_ref().map(|r| {
+    plan.rope.as_ref().map(|r| {
         let forward = RopeTables::new(r, first_pos, p0 + skv as i64, total_len);
         let transposed = RopeTables {
             cos: forward.cos.clone(),
@@ -137,104 +199,88 @@ pub(super) fn run(
             forward,
             transposed,
         }
-    });
-    let group = hq / hkv;
-    let (q_len, k_len, v_len) = (group * sq * d, skv * d, skv * dv);
-    let (units, tiles, p) = (batch * hkv, skv.div_ceil(K), plan.params.len());
-    // Parameter gradients are summed per task in a fixed order of tiles, then over the tasks in
-    // order; with parameters the tasks therefore depend on the call's shape alone, never on the
-    // thread count.
-    let splits = if p == 0 {
-        key_splits(units, tiles, q_len + k_len + v_len)
-    } else {
-        fixed_splits(units, tiles, q_len + k_len + v_len + p)
-    };
-    let task = |b: usize, kvh: usize, split: usize| Task {
-        plan,
-        kernels,
-        tables: tables.as_ref(),
-        x,
-        b,
-        kvh,
-        tiles: (split, splits),
-        params,
-    };
-    let run = |t: Task, grads: [&mut [f32]; 4]| {
-        SCRATCH.with_borrow_mut(|scratch| {
-            t.run(scratch, grads);
-            scratch.trim();
-        });
-    };
-    if splits == 1 && p == 0 {
-        dq.par_chunks_mut(q_len)
-            .zip(dk.par_chunks_mut(k_len))
-            .zip(dvv.par_chunks_mut(v_len))
+    })
+}
+
+/// One task per unit, each writing its own rows of dq, dk and dv (no parameters).
+fn whole_units(((dq, dk, dv), _): &mut Grads, lens: Lens, run_task: &RunTask) {
+    dq.par_chunks_mut(lens.q)
+        .zip(dk.par_chunks_mut(lens.k))
+        .zip(dv.par_chunks_mut(lens.v))
+        .enumerate()
+        .for_each(|(unit, ((dq, dk), dv))| run_task(unit, 0, [dq, dk, dv, &mut []]));
+}
+
+/// One task per unit, as [`whole_units`], each also summing the parameters' gradients
+/// privately; the sums are added in unit order. Units run in chunks whose private sums fit
+/// [`MAX_SPLIT_VALUES`]; the order of additions is that of a single chunk, so the result does
+/// not depend on the chunk size either.
+fn whole_units_summing_params(
+    ((dq, dk, dv), dparams): &mut Grads,
+    lens: Lens,
+    units: usize,
+    run_task: &RunTask,
+) {
+    let chunk = (MAX_SPLIT_VALUES / lens.params).max(1);
+    for start in (0..units).step_by(chunk) {
+        let end = (start + chunk).min(units);
+        let sums: Vec<Vec<f32>> = dq[start * lens.q..end * lens.q]
+            .par_chunks_mut(lens.q)
+            .zip(dk[start * lens.k..end * lens.k].par_chunks_mut(lens.k))
+            .zip(dv[start * lens.v..end * lens.v].par_chunks_mut(lens.v))
             .enumerate()
-            .for_each(|(i, ((dq, dk), dv))| {
-                run(task(i / hkv, i % hkv, 0), [dq, dk, dv, &mut []]);
-            });
-        return Ok(((dq, dk, dvv), dparams));
-    }
-    if splits == 1 {
-        // Units in chunks whose private sums fit MAX_SPLIT_VALUES; each chunk's sums are added
-        // in unit order, which is the order of a single chunk: the result does not depend on
-        // the chunk size either.
-        let chunk = (MAX_SPLIT_VALUES / p).max(1);
-        for start in (0..units).step_by(chunk) {
-            let end = (start + chunk).min(units);
-            let sums: Vec<Vec<f32>> = dq[start * q_len..end * q_len]
-                .par_chunks_mut(q_len)
-                .zip(dk[start * k_len..end * k_len].par_chunks_mut(k_len))
-                .zip(dvv[start * v_len..end * v_len].par_chunks_mut(v_len))
-                .enumerate()
-                .map(|(i, ((dq, dk), dv))| {
-                    let unit = start + i;
-                    let mut sums = vec![0f32; p];
-                    run(task(unit / hkv, unit % hkv, 0), [dq, dk, dv, &mut sums]);
-                    sums
-                })
-                .collect();
-            for unit_sums in &sums {
-                dparams.iter_mut().zip(unit_sums).for_each(|(t, x)| *t += x);
-            }
+            .map(|(i, ((dq, dk), dv))| {
+                let mut sums = vec![0f32; lens.params];
+                run_task(start + i, 0, [dq, dk, dv, &mut sums]);
+                sums
+            })
+            .collect();
+        for unit_sums in &sums {
+            dparams.iter_mut().zip(unit_sums).for_each(|(t, x)| *t += x);
         }
-        return Ok(((dq, dk, dvv), dparams));
     }
-    // Few (batch, kv head) units for the threads: each unit's key tiles are dealt round-robin
-    // to `splits` tasks (round-robin keeps causal work even), each with its own gradients,
-    // summed afterwards (a split's dk and dv rows are zero outside its tiles).
+}
+
+/// Few units for the threads: each unit's key tiles are dealt round-robin to `splits` tasks
+/// (round-robin keeps causal work even), each with its own gradients, summed afterwards (a
+/// split's dk and dv rows are zero outside its tiles); the parameters' sums in task order.
+fn split_units(
+    ((dq, dk, dv), dparams): &mut Grads,
+    lens: Lens,
+    units: usize,
+    splits: usize,
+    run_task: &RunTask,
+) {
+    let Lens { q, k, v, params } = lens;
     let partial: Vec<Vec<f32>> = (0..units * splits)
         .into_par_iter()
         .map(|i| {
-            let (unit, split) = (i / splits, i % splits);
-            let mut grads = written_zeros(q_len + k_len + v_len + p);
-            let (dq, rest) = grads.split_at_mut(q_len);
-            let (dk, rest) = rest.split_at_mut(k_len);
-            let (dv, sums) = rest.split_at_mut(v_len);
-            run(task(unit / hkv, unit % hkv, split), [dq, dk, dv, sums]);
+            let mut grads = written_zeros(q + k + v + params);
+            let (dq, rest) = grads.split_at_mut(q);
+            let (dk, rest) = rest.split_at_mut(k);
+            let (dv, sums) = rest.split_at_mut(v);
+            run_task(i / splits, i % splits, [dq, dk, dv, sums]);
             grads
         })
         .collect();
-    dq.par_chunks_mut(q_len)
-        .zip(dk.par_chunks_mut(k_len))
-        .zip(dvv.par_chunks_mut(v_len))
+    dq.par_chunks_mut(q)
+        .zip(dk.par_chunks_mut(k))
+        .zip(dv.par_chunks_mut(v))
         .zip(partial.par_chunks(splits))
         .for_each(|(((dq, dk), dv), parts)| {
             for part in parts {
-                let (pq, rest) = part.split_at(q_len);
-                let (pk, rest) = rest.split_at(k_len);
-                let pv = &rest[..v_len];
+                let (pq, rest) = part.split_at(q);
+                let (pk, rest) = rest.split_at(k);
+                let pv = &rest[..v];
                 for (out, add) in [(&mut *dq, pq), (&mut *dk, pk), (&mut *dv, pv)] {
                     out.iter_mut().zip(add).for_each(|(o, a)| *o += a);
                 }
             }
         });
-    // The tasks' parameter sums, in task order.
     for part in &partial {
-        let sums = &part[q_len + k_len + v_len..];
+        let sums = &part[q + k + v..];
         dparams.iter_mut().zip(sums).for_each(|(t, x)| *t += x);
     }
-    Ok(((dq, dk, dvv), dparams))
 }
 
 thread_local! {
