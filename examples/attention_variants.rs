@@ -45,7 +45,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .iter()
             .find(|(p, _)| *p == "attention")
             .map_or(0, |p| p.1);
-        let kv = kv_cache_bytes_per_token(&config.attention) * config.layers as u64;
+        let kv: u64 = (0..config.layers)
+            .map(|i| kv_cache_bytes_per_token(config.layer_attention(i)))
+            .sum();
         println!(
             "{name:<5} {total:>12} {attn:>12} {kv:>16} {:>15.1} MiB",
             (kv * 32_768) as f64 / (1 << 20) as f64

@@ -89,11 +89,35 @@ fn deepseek_v2_mla_matches_transformers() {
     check("deepseek_v2_lite_mla", 24);
 }
 
+/// qwen3: per-head RMSNorm on q and k before RoPE, and layers that differ (layer 0 full
+/// attention, layers 1 and 2 a sliding window of 8 over 40 tokens): two attention kinds.
+#[test]
+fn qwen3_with_qk_norms_and_sliding_layers_matches_transformers() {
+    let config = hf::config(&dir("qwen3_sliding")).unwrap();
+    assert_eq!(config.attention.len(), 2);
+    assert_eq!(config.pattern, [0, 1, 1]);
+    check("qwen3_sliding", 24);
+}
+
+/// smollm3: every other layer without RoPE (`no_rope_layers`).
+#[test]
+fn smollm3_with_layers_without_rope_matches_transformers() {
+    let config = hf::config(&dir("smollm3_nope")).unwrap();
+    assert_eq!(config.pattern, [0, 1, 0, 1]);
+    assert_eq!(config.attention[1].position, attn_dsl::Position::None);
+    check("smollm3_nope", 24);
+}
+
 /// The same checkpoints with their attention on the GPU kernels (run on the GPU IR
 /// interpreter, through the `Backend` trait): forward, ragged prefill and decode steps, MLA.
 #[test]
 fn models_on_the_gpu_kernels_match_transformers() {
-    for name in ["llama_gqa", "deepseek_v2_lite_mla"] {
+    for name in [
+        "llama_gqa",
+        "deepseek_v2_lite_mla",
+        "qwen3_sliding",
+        "smollm3_nope",
+    ] {
         let gpu = std::sync::Arc::new(attn_runtime::gpu::sim::GpuSim);
         check_on(name, 24, Some(gpu));
     }
@@ -288,7 +312,7 @@ fn sharded_checkpoints_load_like_single_files() {
 fn family_configs_map_to_specs() {
     let spec_of = |tag: &str, edit: &dyn Fn(&mut serde_json::Value)| {
         let d = edited("llama_gqa", tag, |c| edit(c));
-        hf::config(&d).map(|c| c.attention.to_string())
+        hf::config(&d).map(|c| c.attention_summary())
     };
     let mistral = spec_of("mistral", &|c| {
         c["model_type"] = "mistral".into();
@@ -354,16 +378,16 @@ fn deepseek_v3_yarn_scales_the_softmax_by_mscale_squared() {
     // 1/sqrt(16 + 8) = 0.20412414523193154; mscale(4, 1) = 1 + 0.1 ln 4 = 1.138629436111989.
     let want = 0.204_124_145_231_931_54 * 1.138_629_436_111_989 * 1.138_629_436_111_989;
     assert!((want - 0.264_642_257_964_226_75_f64).abs() < 1e-15);
-    let scale = config.attention.scale.expect("an explicit scale");
+    let scale = config.attention[0].scale.expect("an explicit scale");
     assert!((scale - want).abs() < 1e-12, "scale {scale}, want {want}");
-    let rope = config.attention.rope().expect("rope");
+    let rope = config.attention[0].rope().expect("rope");
     let factor = attn_dsl::reference::rope::attention_factor(rope);
     assert!((factor - 1.0).abs() < 1e-15, "attention factor {factor}");
 
     // Without mscale_all_dim the scale is the plain one, and the rotation carries mscale(4, 1).
     let config = hf::config(&yarn("v3-yarn-plain", serde_json::Value::Null)).unwrap();
-    assert!((config.attention.scale.unwrap() - 0.204_124_145_231_931_54).abs() < 1e-12);
-    let factor = attn_dsl::reference::rope::attention_factor(config.attention.rope().unwrap());
+    assert!((config.attention[0].scale.unwrap() - 0.204_124_145_231_931_54).abs() < 1e-12);
+    let factor = attn_dsl::reference::rope::attention_factor(config.attention[0].rope().unwrap());
     assert!((factor - 1.138_629_436_111_989).abs() < 1e-12, "{factor}");
 
     // The model runs, and decoding token by token equals the full forward.

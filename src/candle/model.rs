@@ -14,11 +14,11 @@ use std::sync::Arc;
 const INIT_STD: f64 = 0.02;
 
 /// A decoder-only transformer of a [`ModelConfig`]: embedding, pre-norm blocks (norm, attention,
-/// residual; norm, MLP, residual), final norm, LM head (the embedding when tied). Per-head
-/// attention only: MLA configs are refused.
+/// residual; norm, MLP, residual), final norm, LM head (the embedding when tied). Layers may
+/// differ in attention (the config's kinds and pattern); each kind's variant is made once.
+/// Per-head attention only: MLA configs are refused.
 pub struct CandleModel {
     config: ModelConfig,
-    variant: Arc<Variant>,
     embed: Tensor,
     layers: Vec<Block>,
     norm: Norm,
@@ -89,6 +89,16 @@ impl Norm {
             eps: config.norm_eps,
         })
     }
+
+    /// An RMSNorm `{name}.weight` over `len` values (the per-head norms on q and k).
+    fn rms(vb: &VarBuilder, name: &str, len: usize, eps: f64) -> Result<Norm> {
+        Ok(Norm {
+            kind: NormKind::Rms,
+            weight: vb.get_with_hints(len, &format!("{name}.weight"), Init::Const(1.0))?,
+            bias: None,
+            eps,
+        })
+    }
 }
 
 impl Module for Norm {
@@ -108,7 +118,11 @@ impl Module for Norm {
 
 /// One pre-norm block.
 struct Block {
+    /// Its attention kind's variant, shared by the layers of that kind.
+    variant: Arc<Variant>,
     attn_norm: Norm,
+    /// Per-head norms on q and k, before RoPE.
+    qk_norm: Option<[Norm; 2]>,
     q: Linear,
     k: Linear,
     v: Linear,
@@ -133,25 +147,38 @@ impl CandleModel {
     /// normal(0, 0.02) matrices and embeddings, norms at 1, biases at 0.
     pub fn new(config: &ModelConfig, vb: VarBuilder) -> Result<CandleModel> {
         config.validate().map_err(candle_core::Error::wrap)?;
-        let spec = &config.attention;
-        if spec.mla().is_some() {
+        if config.attention.iter().any(|spec| spec.mla().is_some()) {
             candle_core::bail!("attn::candle: MLA models do not train through candle yet");
         }
-        let variant = Variant::shared(spec).map_err(candle_core::Error::wrap)?;
+        let variants = config
+            .attention
+            .iter()
+            .map(|spec| Variant::shared(spec).map_err(candle_core::Error::wrap))
+            .collect::<Result<Vec<_>>>()?;
         let (d, inter) = (config.hidden, config.intermediate);
-        let (h, hkv) = (spec.heads as usize, spec.kv_heads() as usize);
-        let (dk, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
         let bias = config.qkv_bias;
         let layers = (0..config.layers)
             .map(|i| {
+                let variant = variants[config.kind_of(i)].clone();
+                let spec = variant.spec();
+                let (h, hkv) = (spec.heads as usize, spec.kv_heads() as usize);
+                let (dk, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
                 let p = format!("model.layers.{i}");
                 let a = format!("{p}.self_attn");
+                let eps = config.norm_eps;
                 Ok(Block {
                     attn_norm: Norm::new(&vb, &format!("{p}.input_layernorm"), d, config)?,
+                    qk_norm: match config.qk_norm {
+                        Some(_) => Some([
+                            Norm::rms(&vb, &format!("{a}.q_norm"), dk, eps)?,
+                            Norm::rms(&vb, &format!("{a}.k_norm"), dk, eps)?,
+                        ]),
+                        None => None,
+                    },
                     q: Linear::new(&vb, &format!("{a}.q_proj"), h * dk, d, bias)?,
                     k: Linear::new(&vb, &format!("{a}.k_proj"), hkv * dk, d, bias)?,
                     v: Linear::new(&vb, &format!("{a}.v_proj"), hkv * dv, d, bias)?,
-                    o: Linear::new(&vb, &format!("{a}.o_proj"), d, h * dv, false)?,
+                    o: Linear::new(&vb, &format!("{a}.o_proj"), d, h * dv, config.o_bias)?,
                     mlp_norm: Norm::new(&vb, &format!("{p}.post_attention_layernorm"), d, config)?,
                     gate: match config.mlp {
                         MlpKind::SwiGlu => Some(Linear::new(
@@ -174,6 +201,7 @@ impl CandleModel {
                             Ok((name, t))
                         })
                         .collect::<Result<Vec<_>>>()?,
+                    variant,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -184,7 +212,6 @@ impl CandleModel {
         };
         Ok(CandleModel {
             config: config.clone(),
-            variant,
             embed,
             layers,
             norm: Norm::new(&vb, "model.norm", d, config)?,
@@ -259,23 +286,36 @@ impl CandleModel {
     }
 
     fn block(&self, block: &Block, x: &Tensor) -> Result<Tensor> {
-        let spec = &self.config.attention;
+        let spec = block.variant.spec();
         let (b, s, _) = x.dims3()?;
         let dtype = super::convert::candle_dtype(spec.dtype);
-        // [B, S, heads * dim] as [B, heads, S, dim]: a strided view attn reads as it is.
-        let heads = |t: Tensor, h: u32, dim: u32| {
-            t.reshape((b, s, h as usize, dim as usize))?
-                .transpose(1, 2)?
-                .to_dtype(dtype)
+        // [B, S, heads * dim] as [B, S, heads, dim], normed per head where the model does.
+        let split = |t: Tensor, h: u32, dim: u32, norm: Option<&Norm>| {
+            let t = t.reshape((b, s, h as usize, dim as usize))?;
+            match norm {
+                Some(n) => n.forward(&t),
+                None => Ok(t),
+            }
+        };
+        // [B, S, heads, dim] as [B, heads, S, dim]: a strided view attn reads as it is.
+        let heads = |t: Tensor| t.transpose(1, 2)?.to_dtype(dtype);
+        let [q_norm, k_norm] = match &block.qk_norm {
+            Some([q, k]) => [Some(q), Some(k)],
+            None => [None, None],
         };
         let hkv = spec.kv_heads();
         let h = block.attn_norm.forward(x)?;
-        let q = heads(block.q.forward(&h)?, spec.heads, spec.head_dim)?;
-        let k = heads(block.k.forward(&h)?, hkv, spec.head_dim)?;
-        let v = heads(block.v.forward(&h)?, hkv, spec.v_head_dim)?;
+        let q = heads(split(
+            block.q.forward(&h)?,
+            spec.heads,
+            spec.head_dim,
+            q_norm,
+        )?)?;
+        let k = heads(split(block.k.forward(&h)?, hkv, spec.head_dim, k_norm)?)?;
+        let v = heads(split(block.v.forward(&h)?, hkv, spec.v_head_dim, None)?)?;
         let learned: Vec<(&str, &Tensor)> =
             block.learned.iter().map(|(n, t)| (n.as_str(), t)).collect();
-        let a = attention_learned(&self.variant, &q, &k, &v, &learned, 0)?
+        let a = attention_learned(&block.variant, &q, &k, &v, &learned, 0)?
             .to_dtype(DType::F32)?
             .transpose(1, 2)?
             .reshape((b, s, ()))?;

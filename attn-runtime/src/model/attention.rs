@@ -9,11 +9,14 @@ use crate::calls::{DecodeOptions, Inputs, MlaQueries, MlaTensors, Queries};
 use crate::error::RuntimeError;
 use crate::learned::Learned;
 use crate::tensor::Tensor;
+use crate::variant::Variant;
+use std::sync::Arc;
 
 impl Model {
     /// One layer's attention over `n` rows of normed hidden states: `[n, hidden]`.
     pub(super) fn attention(
         &self,
+        variant: &Arc<Variant>,
         weights: &AttentionWeights,
         h: &[f32],
         n: usize,
@@ -25,16 +28,22 @@ impl Model {
                 k,
                 v,
                 o,
+                qk_norm,
                 learned,
             } => {
-                let (qs, ks, vs) = (q.apply(h, n), k.apply(h, n), v.apply(h, n));
+                let (mut qs, mut ks, vs) = (q.apply(h, n), k.apply(h, n), v.apply(h, n));
+                // Per-head norms on q and k come before RoPE, which the kernels apply.
+                if let Some([q_norm, k_norm]) = qk_norm {
+                    qs = q_norm.apply(self.layer_ops(), &qs)?;
+                    ks = k_norm.apply(self.layer_ops(), &ks)?;
+                }
                 let learned: Vec<(&str, &Tensor)> =
                     learned.iter().map(|(n, t)| (n.as_str(), t)).collect();
                 let learned = Learned::new(&learned);
                 let out = match keys {
-                    Keys::Full => self.heads_over_all(qs, ks, vs, n, learned)?,
+                    Keys::Full => self.heads_over_all(variant, qs, ks, vs, n, learned)?,
                     Keys::Cached(step) => {
-                        self.heads_over_caches([&qs, &ks, &vs], n, step, learned)?
+                        self.heads_over_caches(variant, [&qs, &ks, &vs], n, step, learned)?
                     }
                 };
                 Ok(o.apply(&out, n))
@@ -47,10 +56,10 @@ impl Model {
                 w_kv_b,
                 o,
             } => {
-                let rows = self.mla_rows([q, kv_a], q_b.as_ref(), kv_norm, h, n)?;
+                let rows = self.mla_rows(variant, [q, kv_a], q_b.as_ref(), kv_norm, h, n)?;
                 let out = match keys {
-                    Keys::Full => self.mla_over_all(&rows, w_kv_b, n)?,
-                    Keys::Cached(step) => self.mla_over_caches(&rows, w_kv_b, n, step)?,
+                    Keys::Full => self.mla_over_all(variant, &rows, w_kv_b, n)?,
+                    Keys::Cached(step) => self.mla_over_caches(variant, &rows, w_kv_b, n, step)?,
                 };
                 Ok(o.apply(&out, n))
             }
@@ -60,10 +69,11 @@ impl Model {
     /// `[rows, heads, dim]` data as a `[1, heads, rows, dim]` view in the spec's dtype.
     fn by_head(
         &self,
+        variant: &Arc<Variant>,
         data: Vec<f32>,
         [rows, heads, dim]: [usize; 3],
     ) -> Result<Tensor, RuntimeError> {
-        let dtype = self.variant.spec().dtype;
+        let dtype = variant.spec().dtype;
         Tensor::from_f32_as(dtype, &[1, rows, heads, dim], data)?.permute(&[0, 2, 1, 3])
     }
 
@@ -71,21 +81,22 @@ impl Model {
     /// * v_dim]`.
     fn heads_over_all(
         &self,
+        variant: &Arc<Variant>,
         qs: Vec<f32>,
         ks: Vec<f32>,
         vs: Vec<f32>,
         n: usize,
         learned: Learned,
     ) -> Result<Vec<f32>, RuntimeError> {
-        let spec = self.variant.spec();
+        let spec = variant.spec();
         let (heads, hkv) = (spec.heads as usize, spec.kv_heads() as usize);
         let (d, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
-        let q = self.by_head(qs, [n, heads, d])?;
-        let k = self.by_head(ks, [n, hkv, d])?;
-        let v = self.by_head(vs, [n, hkv, dv])?;
+        let q = self.by_head(variant, qs, [n, heads, d])?;
+        let k = self.by_head(variant, ks, [n, hkv, d])?;
+        let v = self.by_head(variant, vs, [n, hkv, dv])?;
         let out = self
             .backend
-            .forward_learned(&self.variant, Inputs::heads(&q, &k, &v), 0, learned)?
+            .forward_learned(variant, Inputs::heads(&q, &k, &v), 0, learned)?
             .out;
         Ok(out.permute(&[0, 2, 1, 3])?.to_f32_vec())
     }
@@ -95,12 +106,13 @@ impl Model {
     /// kernel serves them), the rest read the cache in one ragged launch.
     fn heads_over_caches(
         &self,
+        variant: &Arc<Variant>,
         [qs, ks, vs]: [&[f32]; 3],
         n: usize,
         step: Step,
         learned: Learned,
     ) -> Result<Vec<f32>, RuntimeError> {
-        let spec = self.variant.spec();
+        let spec = variant.spec();
         let (heads, hkv) = (spec.heads as usize, spec.kv_heads() as usize);
         let (d, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
         let Step {
@@ -133,13 +145,13 @@ impl Model {
                 continue;
             }
             if fresh[i] {
-                let q = self.by_head(rows_of(qs, heads * d, i), [len, heads, d])?;
-                let k = self.by_head(rows_of(ks, hkv * d, i), [len, hkv, d])?;
-                let v = self.by_head(rows_of(vs, hkv * dv, i), [len, hkv, dv])?;
+                let q = self.by_head(variant, rows_of(qs, heads * d, i), [len, heads, d])?;
+                let k = self.by_head(variant, rows_of(ks, hkv * d, i), [len, hkv, d])?;
+                let v = self.by_head(variant, rows_of(vs, hkv * dv, i), [len, hkv, dv])?;
                 let inputs = Inputs::heads(&q, &k, &v);
                 let o = self
                     .backend
-                    .forward_learned(&self.variant, inputs, 0, learned)?
+                    .forward_learned(variant, inputs, 0, learned)?
                     .out;
                 let o = o.permute(&[0, 2, 1, 3])?.to_f32_vec();
                 out[offsets[i] * heads * dv..offsets[i + 1] * heads * dv].copy_from_slice(&o);
@@ -162,7 +174,7 @@ impl Model {
         let options = DecodeOptions::default();
         let o = self
             .backend
-            .attend_cached_learned(&self.variant, queries, cache, &ids, options, learned)?
+            .attend_cached_learned(variant, queries, cache, &ids, options, learned)?
             .out
             .to_f32_vec();
         for (j, &(i, _)) in rest_seqs.iter().enumerate() {
@@ -177,13 +189,14 @@ impl Model {
     /// low-rank `q_b` where the model has it), and the normed latent and shared RoPE key.
     fn mla_rows(
         &self,
+        variant: &Arc<Variant>,
         [q, kv_a]: [&Linear; 2],
         q_b: Option<&(Norm, Linear)>,
         kv_norm: &Norm,
         h: &[f32],
         n: usize,
     ) -> Result<MlaRows, RuntimeError> {
-        let spec = self.variant.spec();
+        let spec = variant.spec();
         let mla = spec.mla().expect("MLA weights come with an MLA spec");
         let (d, r, dr) = (
             spec.head_dim as usize,
@@ -218,24 +231,26 @@ impl Model {
     /// Rows `a..b` of `[n, heads, dim]` data as a `[1, heads, b - a, dim]` view.
     fn mla_view(
         &self,
+        variant: &Arc<Variant>,
         data: &[f32],
         dim: usize,
         a: usize,
         b: usize,
     ) -> Result<Tensor, RuntimeError> {
-        let heads = self.variant.spec().heads as usize;
+        let heads = variant.spec().heads as usize;
         let rows = data[a * heads * dim..b * heads * dim].to_vec();
-        self.by_head(rows, [b - a, heads, dim])
+        self.by_head(variant, rows, [b - a, heads, dim])
     }
 
     /// MLA attention of `n` tokens over themselves (one sequence, no cache).
     fn mla_over_all(
         &self,
+        variant: &Arc<Variant>,
         rows: &MlaRows,
         w_kv_b: &Tensor,
         n: usize,
     ) -> Result<Vec<f32>, RuntimeError> {
-        let spec = self.variant.spec();
+        let spec = variant.spec();
         let mla = spec.mla().expect("MLA weights come with an MLA spec");
         let (d, r, dr) = (
             spec.head_dim as usize,
@@ -245,13 +260,13 @@ impl Model {
         let c_kv = Tensor::from_f32_as(spec.dtype, &[1, n, r], rows.c_kv.clone())?;
         let k_pe = Tensor::from_f32_as(spec.dtype, &[1, n, dr], rows.k_pe.clone())?;
         let x = MlaTensors {
-            q_nope: &self.mla_view(&rows.nope, d, 0, n)?,
-            q_pe: &self.mla_view(&rows.pe, dr, 0, n)?,
+            q_nope: &self.mla_view(variant, &rows.nope, d, 0, n)?,
+            q_pe: &self.mla_view(variant, &rows.pe, dr, 0, n)?,
             c_kv: &c_kv,
             k_pe: &k_pe,
             w_kv_b,
         };
-        let out = self.backend.forward(&self.variant, Inputs::Mla(x), 0)?.out;
+        let out = self.backend.forward(variant, Inputs::Mla(x), 0)?.out;
         Ok(out.permute(&[0, 2, 1, 3])?.to_f32_vec())
     }
 
@@ -259,12 +274,13 @@ impl Model {
     /// call per sequence (MLA has no ragged entry point yet).
     fn mla_over_caches(
         &self,
+        variant: &Arc<Variant>,
         rows: &MlaRows,
         w_kv_b: &Tensor,
         n: usize,
         step: Step,
     ) -> Result<Vec<f32>, RuntimeError> {
-        let spec = self.variant.spec();
+        let spec = variant.spec();
         let mla = spec.mla().expect("MLA weights come with an MLA spec");
         let (heads, d, dv) = (
             spec.heads as usize,
@@ -291,13 +307,13 @@ impl Model {
                 &Tensor::from_f32_as(spec.dtype, &[b - a, dr], rope)?,
             )?;
             let queries = MlaQueries {
-                q_nope: &self.mla_view(&rows.nope, d, a, b)?,
-                q_pe: &self.mla_view(&rows.pe, dr, a, b)?,
+                q_nope: &self.mla_view(variant, &rows.nope, d, a, b)?,
+                q_pe: &self.mla_view(variant, &rows.pe, dr, a, b)?,
                 w_kv_b,
             };
             let options = DecodeOptions::default();
             let o = self.backend.attend_cached(
-                &self.variant,
+                variant,
                 Queries::Mla(queries),
                 cache,
                 &[seq],

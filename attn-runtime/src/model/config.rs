@@ -5,7 +5,8 @@ pub use crate::ops::{MlpKind, NormKind};
 use attn_dsl::AttentionSpec;
 
 /// A decoder-only transformer: token embedding, `layers` pre-norm blocks (norm, attention,
-/// residual; norm, MLP, residual), a final norm and the LM head.
+/// residual; norm, MLP, residual), a final norm and the LM head. Layers may differ in their
+/// attention: each has one of the config's attention kinds, as `pattern` says.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelConfig {
     /// Tokens in the vocabulary.
@@ -14,8 +15,13 @@ pub struct ModelConfig {
     pub hidden: usize,
     /// Decoder layers.
     pub layers: usize,
-    /// The attention of every layer.
-    pub attention: AttentionSpec,
+    /// The attention of each kind of layer (at least one, at most [`MAX_KINDS`]; each used by
+    /// some layer). Layers of one kind share its compiled kernels.
+    pub attention: Vec<AttentionSpec>,
+    /// The kind of each layer, repeating: layer `i` has `attention[pattern[i % pattern.len()]]`.
+    pub pattern: Vec<usize>,
+    /// Norms on the queries and keys before RoPE (RMSNorm, with the model's epsilon).
+    pub qk_norm: Option<QkNorm>,
     /// Norm layers.
     pub norm: NormKind,
     /// Norm epsilon.
@@ -28,7 +34,20 @@ pub struct ModelConfig {
     pub tie_embeddings: bool,
     /// Biases on the q, k and v projections (Qwen2).
     pub qkv_bias: bool,
+    /// A bias on the attention's output projection (`attention_bias` in llama-like families).
+    pub o_bias: bool,
 }
+
+/// Where a model normalizes its queries and keys.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QkNorm {
+    /// Each head's `head_dim` values, one weight of `[head_dim]` shared by the heads (qwen3,
+    /// gemma3): `self_attn.q_norm.weight` and `self_attn.k_norm.weight`.
+    PerHead,
+}
+
+/// Most attention kinds a config may have.
+pub const MAX_KINDS: usize = 64;
 
 /// Largest residual width a config may have.
 pub const MAX_WIDTH: usize = 1 << 20;
@@ -63,26 +82,125 @@ impl ModelConfig {
                 self.norm_eps
             )));
         }
-        crate::error::check_spec(&self.attention)
+        self.check_kinds()?;
+        for spec in &self.attention {
+            crate::error::check_spec(spec)?;
+            if self.qk_norm.is_some() && spec.mla().is_some() {
+                return Err(RuntimeError::Data(
+                    "model config: norms on q and k (`qk_norm`) with MLA attention are not                      supported"
+                        .into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The attention of layer `i`.
+    pub fn layer_attention(&self, i: usize) -> &AttentionSpec {
+        &self.attention[self.kind_of(i)]
+    }
+
+    /// The attention kind of layer `i` (an index into `attention`).
+    pub fn kind_of(&self, i: usize) -> usize {
+        self.pattern[i % self.pattern.len()]
+    }
+
+    /// The one attention of every layer, when the layers do not differ.
+    pub fn single_attention(&self) -> Option<&AttentionSpec> {
+        match self.attention.as_slice() {
+            [one] => Some(one),
+            _ => None,
+        }
+    }
+
+    /// The attention in words: the one spec of every layer, or each kind's spec and the
+    /// pattern of kinds (`kinds 0 0 1: 0 = ..., 1 = ...`).
+    pub fn attention_summary(&self) -> String {
+        if let Some(spec) = self.single_attention() {
+            return spec.to_string();
+        }
+        let pattern: Vec<String> = self.pattern.iter().map(ToString::to_string).collect();
+        let kinds: Vec<String> = self
+            .attention
+            .iter()
+            .enumerate()
+            .map(|(k, spec)| format!("{k} = `{spec}`"))
+            .collect();
+        format!(
+            "layer kinds {} (repeating): {}",
+            pattern.join(" "),
+            kinds.join("; ")
+        )
+    }
+
+    /// The kinds and the pattern: kinds 1 to [`MAX_KINDS`], a pattern of 1 to [`MAX_LAYERS`]
+    /// entries, each naming a kind, and every kind some layer's.
+    fn check_kinds(&self) -> Result<(), RuntimeError> {
+        let err = |m: String| Err(RuntimeError::Data(format!("model config: {m}")));
+        let kinds = self.attention.len();
+        if !(1..=MAX_KINDS).contains(&kinds) {
+            return err(format!(
+                "{kinds} attention kinds; allowed: 1 to {MAX_KINDS}"
+            ));
+        }
+        if !(1..=MAX_LAYERS).contains(&self.pattern.len()) {
+            return err(format!(
+                "a layer pattern of {} entries; allowed: 1 to {MAX_LAYERS}",
+                self.pattern.len()
+            ));
+        }
+        if let Some((i, k)) = self.pattern.iter().enumerate().find(|(_, k)| **k >= kinds) {
+            return err(format!(
+                "layer pattern entry {i} is kind {k}; there are {kinds} kinds (0 to {})",
+                kinds - 1
+            ));
+        }
+        let used = |kind: usize| (0..self.layers.min(MAX_LAYERS)).any(|i| self.kind_of(i) == kind);
+        if let Some(kind) = (0..kinds).find(|&k| !used(k)) {
+            return err(format!(
+                "attention kind {kind} (`{}`) is used by no layer",
+                self.attention[kind]
+            ));
+        }
+        Ok(())
     }
 
     /// The number of weights (biases and norms included) a model of this config holds,
     /// counted without overflow; `None` when it does not fit in 64 bits. DeepSeek's optional
     /// low-rank query factoring is not counted (the checkpoint's files bound that one).
     pub fn weight_count(&self) -> Option<u64> {
-        let spec = &self.attention;
         let [d, inter, vocab] = [self.hidden, self.intermediate, self.vocab].map(|v| v as u64);
-        let (h, dk, dv) = (
-            u64::from(spec.heads),
-            u64::from(spec.head_dim),
-            u64::from(spec.v_head_dim),
-        );
         let norm = if self.norm == NormKind::Layer {
             2 * d
         } else {
             d
         };
-        let attention = match spec.mla() {
+        let mlp_mats = if self.mlp == MlpKind::SwiGlu { 3 } else { 2 };
+        let mut total = 0u64;
+        for i in 0..self.layers {
+            // In a validated config every product fits easily (widths below 2^20, vocabularies
+            // below 2^24, MLP widths below 2^22, heads and head dims below 2^11); the sums are
+            // checked all the same.
+            let layer = self
+                .attention_weights(self.layer_attention(i))
+                .checked_add(mlp_mats * d * inter)?
+                .checked_add(2 * norm)?;
+            total = total.checked_add(layer)?;
+        }
+        let heads = if self.tie_embeddings { 1 } else { 2 };
+        total.checked_add(heads * vocab * d)?.checked_add(norm)
+    }
+
+    /// The weights of one layer's attention of `spec`: projections, biases, q/k norms and
+    /// learnable tensors.
+    fn attention_weights(&self, spec: &AttentionSpec) -> u64 {
+        let d = self.hidden as u64;
+        let (h, dk, dv) = (
+            u64::from(spec.heads),
+            u64::from(spec.head_dim),
+            u64::from(spec.v_head_dim),
+        );
+        match spec.mla() {
             Some(m) => {
                 let (r, dr) = (u64::from(m.latent_rank), u64::from(m.rope_dim));
                 d * h * (dk + dr) + d * (r + dr) + r + r * h * (dk + dv) + h * dv * d
@@ -94,19 +212,15 @@ impl ModelConfig {
                 } else {
                     0
                 };
-                d * (h * dk + hkv * dk + hkv * dv) + bias + h * dv * d
+                let qk_norm = if self.qk_norm.is_some() { 2 * dk } else { 0 };
+                let o_bias = if self.o_bias { d } else { 0 };
+                let learned: u64 = spec
+                    .learnable_tensors()
+                    .iter()
+                    .map(|(_, s)| s.iter().product::<usize>() as u64)
+                    .sum();
+                d * (h * dk + hkv * dk + hkv * dv) + bias + qk_norm + learned + h * dv * d + o_bias
             }
-        };
-        let mlp_mats = if self.mlp == MlpKind::SwiGlu { 3 } else { 2 };
-        // In a validated config every product fits easily (widths below 2^20, vocabularies
-        // below 2^24, MLP widths below 2^22, heads and head dims below 2^11); the sums are checked all the same.
-        let layer = attention
-            .checked_add(mlp_mats * d * inter)?
-            .checked_add(2 * norm)?;
-        let heads = if self.tie_embeddings { 1 } else { 2 };
-        layer
-            .checked_mul(self.layers as u64)?
-            .checked_add(heads * vocab * d)?
-            .checked_add(norm)
+        }
     }
 }

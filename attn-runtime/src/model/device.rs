@@ -174,7 +174,21 @@ fn half_of(dtype: DType) -> Option<Half> {
 impl<'m> DeviceModel<'m> {
     /// Uploads `model`'s weights to `device` and prepares its kernels.
     pub fn new(model: &'m Model, device: Arc<dyn Device>) -> Result<Self, RuntimeError> {
-        let variant = model.variant();
+        if model.config.single_attention().is_none() {
+            return Err(RuntimeError::Spec(
+                "models whose layers differ in attention do not run resident on a device yet; \
+                 use the cpu or gpu-sim backend"
+                    .into(),
+            ));
+        }
+        if model.config.qk_norm.is_some() {
+            return Err(RuntimeError::Spec(
+                "models with norms on q and k do not run resident on a device yet; use the cpu \
+                 or gpu-sim backend"
+                    .into(),
+            ));
+        }
+        let variant = model.layer_variant(0);
         if variant.spec().mla().is_some() {
             return Err(RuntimeError::Spec(
                 "MLA models do not run resident on a device yet; use the cpu or gpu-sim backend"
@@ -252,7 +266,7 @@ impl<'m> DeviceModel<'m> {
         }
         let c = &self.model.config;
         let seconds = crate::gpu::sim_cost::layers_seconds(
-            &c.attention,
+            c.layer_attention(0),
             c.layers as u64,
             c.hidden as u64,
             c.intermediate as u64,
@@ -468,7 +482,7 @@ impl<'m> DeviceModel<'m> {
         h: DeviceBuffer,
         n: usize,
     ) -> Result<DeviceBuffer, RuntimeError> {
-        let spec = self.model.variant().spec();
+        let spec = self.model.layer_variant(0).spec();
         let (heads, kv_heads) = (spec.heads as usize, spec.kv_heads() as usize);
         let (dim, v_dim) = (spec.head_dim as usize, spec.v_head_dim as usize);
         let size = self.forward.inputs.size_bytes() as usize;
@@ -481,7 +495,7 @@ impl<'m> DeviceModel<'m> {
         let q = self.swap(s, to, q, [n, heads, dim], size)?;
         let k = self.swap(s, to, k, [n, kv_heads, dim], size)?;
         let v = self.swap(s, to, v, [n, kv_heads, v_dim], size)?;
-        let plan = self.model.variant().forward_plan();
+        let plan = self.model.layer_variant(0).forward_plan();
         let t = ForwardTables::of(plan, &self.forward, [1, n, n], 0);
         let codes: Vec<u8> = t.codes.iter().flat_map(|c| c.to_le_bytes()).collect();
         let table = |s: &mut Scratch, v: &[f32]| -> Result<i64, RuntimeError> {
@@ -554,7 +568,7 @@ impl Drop for DeviceSession<'_, '_> {
 impl<'m> DeviceModel<'m> {
     /// A session for one sequence of at most `capacity` tokens, its caches on the device.
     pub fn session(&self, capacity: usize) -> Result<DeviceSession<'_, 'm>, RuntimeError> {
-        let variant = self.model.variant();
+        let variant = self.model.layer_variant(0);
         let layout = variant.cache_layout();
         if variant
             .decode_plan()
@@ -713,7 +727,7 @@ impl DeviceSession<'_, '_> {
         use attn_dsl::modifier::interval::Interval;
         use codegen::gpu::kernels::decode::{SEGMENT_FIELDS, TASK_FIELDS, segment_keys, task_rows};
         use codegen::plan::{CallShape, TileCode};
-        let variant = self.model.model.variant();
+        let variant = self.model.model.layer_variant(0);
         let (spec, layout, plan) = (
             variant.spec(),
             variant.cache_layout(),
@@ -850,8 +864,8 @@ impl DeviceSession<'_, '_> {
     ) -> Result<DeviceBuffer, RuntimeError> {
         use codegen::gpu::launch::DecodeArgs;
         let m = self.model;
-        let layout = m.model.variant().cache_layout();
-        let heads = m.model.variant().spec().heads as usize;
+        let layout = m.model.layer_variant(0).cache_layout();
+        let heads = m.model.layer_variant(0).spec().heads as usize;
         let (kv_heads, dim, v_dim) = (layout.kv_heads, layout.k_dim, layout.v_dim);
         let (q, k, v) = (
             m.linear(s, &layer.q, h, n)?,

@@ -2,11 +2,14 @@
 //! `model.safetensors.index.json`; f32, bf16 or f16 weights, computed in f32).
 //!
 //! Families: `llama` (every RoPE scaling, from `rope_parameters` or the older `rope_theta` /
-//! `rope_scaling` keys), `mistral` (sliding window), `qwen2` (q/k/v biases), `deepseek_v2` and
-//! `deepseek_v3` (MLA; dense layers only: mixture-of-experts layers are refused).
+//! `rope_scaling` keys), `mistral` (sliding window), `qwen2` (q/k/v biases), `qwen3` (per-head
+//! norms on q and k), `smollm3` (layers without RoPE), `deepseek_v2` and `deepseek_v3` (MLA;
+//! dense layers only: mixture-of-experts layers are refused). Layers differ where the config
+//! says so (`layer_types`: sliding and full attention; `no_rope_layers`): each distinct
+//! attention is one kind of the [`ModelConfig`], and the layers point at their kinds.
 
 use super::Model;
-use super::config::{MAX_WIDTH, MlpKind, ModelConfig, NormKind};
+use super::config::{MAX_LAYERS, MAX_WIDTH, MlpKind, ModelConfig, NormKind, QkNorm};
 use super::json_fields::{Fields, bad};
 use super::weights;
 use crate::error::RuntimeError;
@@ -21,7 +24,15 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 /// Families this loader knows.
-pub const FAMILIES: &[&str] = &["llama", "mistral", "qwen2", "deepseek_v2", "deepseek_v3"];
+pub const FAMILIES: &[&str] = &[
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "smollm3",
+    "deepseek_v2",
+    "deepseek_v3",
+];
 
 /// A checkpoint's parsed `config.json`.
 struct Config {
@@ -206,73 +217,36 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
         ));
     }
     let layers = c.uint("num_hidden_layers")?;
-    let deepseek = family.starts_with("deepseek");
-    // The spec is built as data: counts are at most u32::MAX (`Fields::uint`).
-    let as_u32 = |v: usize| v as u32;
-    let attention = if deepseek {
-        if let Some(experts) = c.uint_opt("n_routed_experts")? {
-            let dense = c.uint_opt("first_k_dense_replace")?.unwrap_or(0);
-            if experts > 0 && dense < layers {
-                return Err(bad(
-                    path,
-                    format!(
-                        "layers {dense}..{layers} are mixture-of-experts ({experts} routed \
-                         experts), which this runtime does not run yet; only dense layers are \
-                         supported"
-                    ),
-                ));
-            }
-        }
-        let (dn, dr, dv, r) = (
-            c.uint("qk_nope_head_dim")?,
-            c.uint("qk_rope_head_dim")?,
-            c.uint("v_head_dim")?,
-            c.uint("kv_lora_rank")?,
-        );
-        // DeepSeek rotates interleaved pairs; its softmax scale is 1/sqrt(nope + rope), times
-        // YaRN's mscale(factor, mscale_all_dim)^2 where the config sets mscale_all_dim.
-        AttentionSpec {
-            kv: KvLayout::Mla(Mla {
-                latent_rank: as_u32(r),
-                rope_dim: as_u32(dr),
-            }),
-            v_head_dim: as_u32(dv),
-            mask: Mask::Causal(CausalAlign::BottomRight),
-            position: Position::Rope(rope(c, dr, RopeLayout::Interleaved)?),
-            scale: Some(deepseek_scale(c, dn + dr)?),
-            ..AttentionSpec::new(as_u32(heads), as_u32(dn))
-        }
-    } else {
-        let kv_heads = c.uint_opt("num_key_value_heads")?.unwrap_or(heads);
-        let head_dim = c.uint_opt("head_dim")?.unwrap_or(hidden / heads);
-        // Read (and type-checked) whatever the family; used where the family has windows.
-        let window = c.uint_opt("sliding_window")?;
-        let use_window = c.flag("use_sliding_window")?;
-        let windowed = family == "mistral" || (family == "qwen2" && use_window);
-        AttentionSpec {
-            kv: KvLayout::Heads {
-                kv_heads: as_u32(kv_heads),
-            },
-            mask: match window.filter(|_| windowed) {
-                Some(window) => Mask::SlidingWindow {
-                    window: window as u64,
-                },
-                None => Mask::Causal(CausalAlign::BottomRight),
-            },
-            position: Position::Rope(rope(c, head_dim, RopeLayout::Half)?),
-            ..AttentionSpec::new(as_u32(heads), as_u32(head_dim))
-        }
-    };
-    attention.validate().map_err(|findings| {
-        let findings: Vec<String> = findings.iter().map(ToString::to_string).collect();
-        bad(
+    if !(1..=MAX_LAYERS).contains(&layers) {
+        return Err(bad(
             path,
-            format!(
-                "the attention it describes is invalid: {}",
-                findings.join("; ")
-            ),
-        )
-    })?;
+            format!("`num_hidden_layers` = {layers} is out of range; allowed: 1 to {MAX_LAYERS}"),
+        ));
+    }
+    let deepseek = family.starts_with("deepseek");
+    let (attention, pattern) = if deepseek {
+        (vec![deepseek_attention(c, heads, layers)?], vec![0])
+    } else {
+        per_head_layers(c, &family, heads, hidden, layers)?
+    };
+    for spec in &attention {
+        spec.validate().map_err(|findings| {
+            let findings: Vec<String> = findings.iter().map(ToString::to_string).collect();
+            bad(
+                path,
+                format!(
+                    "the attention it describes is invalid: {}",
+                    findings.join("; ")
+                ),
+            )
+        })?;
+    }
+    if c.flag("mlp_bias")? {
+        return Err(bad(
+            path,
+            "`mlp_bias` = true (biases on the MLP's projections) is not supported yet",
+        ));
+    }
     let act = c.str_opt("hidden_act")?.unwrap_or("silu");
     if act != "silu" {
         return Err(bad(
@@ -280,22 +254,180 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
             format!("hidden_act `{act}` is not supported for {family}; supported: silu"),
         ));
     }
+    // qwen2 has biases on q, k and v only; elsewhere `attention_bias` puts them on all four.
+    let attention_bias = c.flag("attention_bias")?;
     let config = ModelConfig {
         vocab: c.uint("vocab_size")?,
         hidden,
         layers,
         attention,
+        pattern,
+        qk_norm: (family == "qwen3").then_some(QkNorm::PerHead),
         norm: NormKind::Rms,
         norm_eps: c.float_or("rms_norm_eps", 1e-6)?,
         mlp: MlpKind::SwiGlu,
         intermediate: c.uint("intermediate_size")?,
         tie_embeddings: c.flag("tie_word_embeddings")?,
-        qkv_bias: c.flag("attention_bias")? || family == "qwen2",
+        qkv_bias: attention_bias || family == "qwen2",
+        o_bias: attention_bias && family != "qwen2",
     };
     config
         .validate()
         .map_err(|e| bad(path, e.to_string().replace("model config: ", "")))?;
     Ok(config)
+}
+
+/// DeepSeek-V2/V3's MLA attention (every layer's); mixture-of-experts layers are refused.
+fn deepseek_attention(
+    c: Fields,
+    heads: usize,
+    layers: usize,
+) -> Result<AttentionSpec, RuntimeError> {
+    if let Some(experts) = c.uint_opt("n_routed_experts")? {
+        let dense = c.uint_opt("first_k_dense_replace")?.unwrap_or(0);
+        if experts > 0 && dense < layers {
+            return Err(bad(
+                c.path(),
+                format!(
+                    "layers {dense}..{layers} are mixture-of-experts ({experts} routed \
+                     experts), which this runtime does not run yet; only dense layers are \
+                     supported"
+                ),
+            ));
+        }
+    }
+    let (dn, dr, dv, r) = (
+        c.uint("qk_nope_head_dim")?,
+        c.uint("qk_rope_head_dim")?,
+        c.uint("v_head_dim")?,
+        c.uint("kv_lora_rank")?,
+    );
+    // Counts are at most u32::MAX (`Fields::uint`). DeepSeek rotates interleaved pairs; its
+    // softmax scale is 1/sqrt(nope + rope), times YaRN's mscale(factor, mscale_all_dim)^2 where
+    // the config sets mscale_all_dim.
+    Ok(AttentionSpec {
+        kv: KvLayout::Mla(Mla {
+            latent_rank: r as u32,
+            rope_dim: dr as u32,
+        }),
+        v_head_dim: dv as u32,
+        mask: Mask::Causal(CausalAlign::BottomRight),
+        position: Position::Rope(rope(c, dr, RopeLayout::Interleaved)?),
+        scale: Some(deepseek_scale(c, dn + dr)?),
+        ..AttentionSpec::new(heads as u32, dn as u32)
+    })
+}
+
+/// The attention of each layer of a per-head family, as distinct kinds and each layer's kind
+/// (`layers` is at most [`MAX_LAYERS`]).
+fn per_head_layers(
+    c: Fields,
+    family: &str,
+    heads: usize,
+    hidden: usize,
+    layers: usize,
+) -> Result<(Vec<AttentionSpec>, Vec<usize>), RuntimeError> {
+    let kv_heads = c.uint_opt("num_key_value_heads")?.unwrap_or(heads);
+    let head_dim = c.uint_opt("head_dim")?.unwrap_or(hidden / heads);
+    let rope = rope(c, head_dim, RopeLayout::Half)?;
+    let has_rope = rope_layers(c, family, layers)?;
+    let sliding = sliding_layers(c, family, layers, &has_rope)?;
+    // Read (and type-checked) whatever the family; used where a layer slides.
+    let window = c.uint_opt("sliding_window")?;
+    let mut kinds: Vec<AttentionSpec> = Vec::new();
+    let mut pattern = Vec::with_capacity(layers);
+    for i in 0..layers {
+        // Counts are at most u32::MAX (`Fields::uint`).
+        let spec = AttentionSpec {
+            kv: KvLayout::Heads {
+                kv_heads: kv_heads as u32,
+            },
+            mask: match window.filter(|_| sliding[i]) {
+                Some(window) => Mask::SlidingWindow {
+                    window: window as u64,
+                },
+                None => Mask::Causal(CausalAlign::BottomRight),
+            },
+            position: if has_rope[i] {
+                Position::Rope(rope)
+            } else {
+                Position::None
+            },
+            ..AttentionSpec::new(heads as u32, head_dim as u32)
+        };
+        let kind = match kinds.iter().position(|k| *k == spec) {
+            Some(kind) => kind,
+            None => {
+                kinds.push(spec);
+                kinds.len() - 1
+            }
+        };
+        pattern.push(kind);
+    }
+    Ok((kinds, pattern))
+}
+
+/// Which layers rotate q and k: all, except where smollm3's `no_rope_layers` (1 = RoPE) says
+/// otherwise (by default every `no_rope_layer_interval`-th layer, 4, has none).
+fn rope_layers(c: Fields, family: &str, layers: usize) -> Result<Vec<bool>, RuntimeError> {
+    if family != "smollm3" {
+        return Ok(vec![true; layers]);
+    }
+    let listed = c.list_opt(
+        "no_rope_layers",
+        layers,
+        |v| v.as_u64().filter(|&x| x <= 1).map(|x| x == 1),
+        "0 or 1",
+    )?;
+    if let Some(listed) = listed {
+        return Ok(listed);
+    }
+    let interval = c.uint_opt("no_rope_layer_interval")?.unwrap_or(4);
+    if interval == 0 {
+        return Err(bad(
+            c.path(),
+            "`no_rope_layer_interval` is 0; allowed: a whole number of at least 1",
+        ));
+    }
+    Ok((0..layers).map(|i| (i + 1) % interval != 0).collect())
+}
+
+/// Which layers use the sliding window, as transformers decides for the family: mistral's all
+/// of them (where it has a window); qwen2's, qwen3's and smollm3's those `layer_types` calls
+/// `sliding_attention` (by default qwen's from `max_window_layers` on, smollm3's those without
+/// RoPE), and only with `use_sliding_window`.
+fn sliding_layers(
+    c: Fields,
+    family: &str,
+    layers: usize,
+    has_rope: &[bool],
+) -> Result<Vec<bool>, RuntimeError> {
+    let window = c.uint_opt("sliding_window")?.is_some();
+    let use_window = c.flag("use_sliding_window")?;
+    let max_window_layers = c.uint_opt("max_window_layers")?.unwrap_or(28);
+    let types = c.list_opt(
+        "layer_types",
+        layers,
+        |v| match v.as_str()? {
+            "full_attention" => Some(false),
+            "sliding_attention" => Some(true),
+            _ => None,
+        },
+        "\"full_attention\" or \"sliding_attention\"",
+    )?;
+    let typed = |default: &dyn Fn(usize) -> bool| {
+        let on = use_window && window;
+        match &types {
+            Some(t) => t.iter().map(|&s| s && on).collect(),
+            None => (0..layers).map(|i| default(i) && on).collect(),
+        }
+    };
+    Ok(match family {
+        "mistral" => vec![window; layers],
+        "qwen2" | "qwen3" => typed(&|i| i >= max_window_layers),
+        "smollm3" => typed(&|i| !has_rope[i]),
+        _ => vec![false; layers],
+    })
 }
 
 /// The weight files of a checkpoint and which tensor lives in which.
@@ -408,7 +540,7 @@ fn shard_path(dir: &Path, file: &str) -> Option<PathBuf> {
 pub fn load(dir: &Path) -> Result<Model, RuntimeError> {
     let config = config(dir)?;
     let files = Files::of(dir)?;
-    let q_lora = match config.attention.mla() {
+    let q_lora = match config.attention[0].mla() {
         Some(_) => read_q_lora(dir)?,
         None => None,
     };

@@ -144,6 +144,52 @@ impl<'a> Fields<'a> {
     }
 }
 
+impl<'a> Fields<'a> {
+    /// An array of exactly `len` items, each read by `item` (given the item and its index, for
+    /// errors); `None` when absent.
+    pub(crate) fn list_opt<T>(
+        &self,
+        key: &str,
+        len: usize,
+        item: impl Fn(&'a Value) -> Option<T>,
+        expected: &str,
+    ) -> Result<Option<Vec<T>>, RuntimeError> {
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
+        let Value::Array(items) = v else {
+            return Err(self.wrong(key, v, &format!("an array of {len} {expected}")));
+        };
+        if items.len() != len {
+            return Err(bad(
+                self.path,
+                format!(
+                    "`{}{key}` has {} entries; expected one per layer, {len}",
+                    self.scope,
+                    items.len()
+                ),
+            ));
+        }
+        items
+            .iter()
+            .enumerate()
+            .map(|(i, x)| {
+                item(x).ok_or_else(|| {
+                    bad(
+                        self.path,
+                        format!(
+                            "`{}{key}[{i}]` is {}; expected {expected}",
+                            self.scope,
+                            found(x)
+                        ),
+                    )
+                })
+            })
+            .collect::<Result<Vec<T>, _>>()
+            .map(Some)
+    }
+}
+
 /// An error about the file at `path`.
 pub(crate) fn bad(path: &Path, message: impl Into<String>) -> RuntimeError {
     RuntimeError::Io {

@@ -19,7 +19,8 @@ mod text;
 mod weights;
 
 pub use config::{
-    MAX_INTERMEDIATE, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, MlpKind, ModelConfig, NormKind,
+    MAX_INTERMEDIATE, MAX_KINDS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, MlpKind, ModelConfig, NormKind,
+    QkNorm,
 };
 pub use device::DeviceModel;
 pub use generate::{Progress, Request, Sampling};
@@ -45,6 +46,8 @@ pub(crate) enum AttentionWeights {
         k: Linear,
         v: Linear,
         o: Linear,
+        /// Norms on q and k per head, before RoPE (`QkNorm::PerHead`).
+        qk_norm: Option<[Norm; 2]>,
         /// The spec's learnable tensors (`params(...)`, `sinks`), f32, by name
         /// (`model.layers.{i}.self_attn.{name}` in a file).
         learned: Vec<(String, Tensor)>,
@@ -81,8 +84,8 @@ pub struct Model {
     pub(crate) final_norm: Norm,
     /// `[vocab, hidden]`, absent when tied to the embedding.
     pub(crate) lm_head: Option<Linear>,
-    /// The attention of every layer, validated and planned once.
-    variant: Arc<Variant>,
+    /// Each attention kind's variant, validated and planned once, shared by its layers.
+    variants: Vec<Arc<Variant>>,
     backend: Arc<dyn Backend>,
     /// Where the norms, activations, adds, lookups and greedy choice run.
     ops: Arc<dyn LayerOps>,
@@ -123,7 +126,11 @@ impl Model {
         lm_head: Option<Linear>,
     ) -> Result<Self, RuntimeError> {
         Ok(Model {
-            variant: Variant::new(config.attention.clone())?,
+            variants: config
+                .attention
+                .iter()
+                .map(|spec| Variant::new(spec.clone()))
+                .collect::<Result<_, _>>()?,
             config,
             embed,
             layers,
@@ -146,9 +153,14 @@ impl Model {
         self.warnings.push(warning);
     }
 
-    /// The attention variant of every layer.
-    pub fn variant(&self) -> &Arc<Variant> {
-        &self.variant
+    /// The attention variant of layer `i` (shared by the layers of its kind).
+    pub fn layer_variant(&self, i: usize) -> &Arc<Variant> {
+        &self.variants[self.config.kind_of(i)]
+    }
+
+    /// The variant of each attention kind, in the config's order.
+    pub fn variants(&self) -> &[Arc<Variant>] {
+        &self.variants
     }
 
     /// Runs the model's attention on `backend` from now on (the projections stay on the CPU,
@@ -191,7 +203,7 @@ impl Model {
     pub fn batch(&self, capacity: usize, block_size: usize) -> Result<Batch<'_>, RuntimeError> {
         let blocks = capacity.div_ceil(block_size.max(1));
         let caches = (0..self.layers.len())
-            .map(|_| PagedCache::new(&self.config.attention, block_size, blocks))
+            .map(|i| PagedCache::new(self.config.layer_attention(i), block_size, blocks))
             .collect::<Result<_, _>>()?;
         Ok(Batch {
             model: self,
@@ -214,12 +226,14 @@ impl Model {
                     k,
                     v,
                     o,
+                    qk_norm,
                     learned,
                 } => {
                     lin(q)
                         + lin(k)
                         + lin(v)
                         + lin(o)
+                        + qk_norm.as_ref().map_or(0, |[a, b]| norm(a) + norm(b))
                         + learned
                             .iter()
                             .map(|(_, t)| t.shape().iter().product::<usize>() as u64)
@@ -283,7 +297,7 @@ impl Model {
         let mut x = self.embed(tokens)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let h = layer.attn_norm.apply(ops, &x)?;
-            let a = self.attention(&layer.attn, &h, n, keys(i))?;
+            let a = self.attention(self.layer_variant(i), &layer.attn, &h, n, keys(i))?;
             ops.add(&mut x, &a)?;
             let h = layer.mlp_norm.apply(ops, &x)?;
             let m = layer.mlp.apply(ops, &h, n)?;
@@ -301,10 +315,17 @@ impl Model {
     /// widest), the MLP's hidden widths, and the logits, all f32. `None` past 64 bits.
     fn activation_bytes(&self, n: usize) -> Option<u64> {
         let c = &self.config;
-        let spec = &c.attention;
-        let heads = u64::from(spec.heads);
-        let qk = u64::from(spec.head_dim) + spec.mla().map_or(0, |m| u64::from(m.latent_rank));
-        let attention = 4 * heads * (qk + u64::from(spec.v_head_dim));
+        let attention = c
+            .attention
+            .iter()
+            .map(|spec| {
+                let heads = u64::from(spec.heads);
+                let qk =
+                    u64::from(spec.head_dim) + spec.mla().map_or(0, |m| u64::from(m.latent_rank));
+                4 * heads * (qk + u64::from(spec.v_head_dim))
+            })
+            .max()
+            .unwrap_or(0);
         let per_token =
             4 * c.hidden as u64 + attention + 3 * c.intermediate as u64 + c.vocab as u64;
         per_token.checked_mul(n as u64)?.checked_mul(4)

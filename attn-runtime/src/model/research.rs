@@ -8,11 +8,21 @@
 //! attention = "heads = 12, kv_heads = 4, head_dim = 64, mask = causal, position = rope"
 //! # optional: norm = "rms" | "layer", norm_eps = 1e-5, mlp = "swiglu" | "gelu",
 //! # intermediate = 2048 (default 8d/3 for SwiGLU, 4d for GELU, rounded up to 64),
-//! # tie_embeddings = true, qkv_bias = false
+//! # tie_embeddings = true, qkv_bias = false, qk_norm = "per_head"
 //! # weights = "model.safetensors": trained weights, a file beside this one (see `load`)
 //! ```
+//!
+//! Layers that differ: `attention` is a table of named kinds, and `pattern` lists the kinds of
+//! the layers, repeating (here layers 0, 1, 3, 4, ... slide and 2, 5, ... see everything):
+//!
+//! ```toml
+//! pattern = ["local", "local", "global"]
+//! [attention]
+//! local = "heads = 12, head_dim = 64, mask = sliding_window(512), position = rope"
+//! global = "heads = 12, head_dim = 64, mask = causal, position = rope"
+//! ```
 
-use super::config::{MlpKind, ModelConfig, NormKind};
+use super::config::{MlpKind, ModelConfig, NormKind, QkNorm};
 use super::layers::{Linear, Matrix, Mlp, Norm};
 use super::{AttentionWeights, Layer, Model};
 use crate::error::RuntimeError;
@@ -29,6 +39,8 @@ pub const KEYS: &[&str] = &[
     "hidden",
     "layers",
     "attention",
+    "pattern",
+    "qk_norm",
     "norm",
     "norm_eps",
     "mlp",
@@ -93,9 +105,12 @@ pub fn config_from_toml(text: &str) -> Result<ModelConfig, RuntimeError> {
                 .ok_or_else(|| err(format!("`{k}` must be a string, got {v}"))),
         }
     };
-    let attention: AttentionSpec = word("attention", "")?
-        .parse()
-        .map_err(|e| err(format!("`attention`: {e}")))?;
+    let (attention, pattern) = attention_kinds(&table)?;
+    let qk_norm = match table.get("qk_norm") {
+        None => None,
+        Some(v) if v.as_str() == Some("per_head") => Some(QkNorm::PerHead),
+        Some(v) => return Err(err(format!("`qk_norm` is {v}; allowed: \"per_head\""))),
+    };
     let norm = match word("norm", "rms")?.as_str() {
         "rms" => NormKind::Rms,
         "layer" => NormKind::Layer,
@@ -123,15 +138,87 @@ pub fn config_from_toml(text: &str) -> Result<ModelConfig, RuntimeError> {
         hidden,
         layers: required("layers")?,
         attention,
+        pattern,
+        qk_norm,
         norm,
         norm_eps,
         mlp,
         intermediate: int("intermediate")?.unwrap_or(default_intermediate(mlp, hidden)),
         tie_embeddings: flag("tie_embeddings", true)?,
         qkv_bias: flag("qkv_bias", false)?,
+        o_bias: false,
     };
     config.validate()?;
     Ok(config)
+}
+
+/// Most characters of an attention kind's name in a research model's TOML.
+const MAX_KIND_NAME: usize = 64;
+
+/// The attention kinds and the layer pattern of a research model's TOML: one spec string
+/// (every layer's), or a table of named specs with `pattern` naming a kind per layer. Kinds are
+/// numbered in the order the pattern first names them.
+fn attention_kinds(table: &toml::Table) -> Result<(Vec<AttentionSpec>, Vec<usize>), RuntimeError> {
+    let err = |m: String| RuntimeError::Data(format!("model config: {m}"));
+    let parse = |name: &str, v: &toml::Value| -> Result<AttentionSpec, RuntimeError> {
+        let text = v
+            .as_str()
+            .ok_or_else(|| err(format!("`{name}` must be a spec string, got {v}")))?;
+        text.parse().map_err(|e| err(format!("`{name}`: {e}")))
+    };
+    match (table.get("attention"), table.get("pattern")) {
+        (None, _) => Err(err("`attention` is missing".into())),
+        (Some(toml::Value::Table(kinds)), Some(pattern)) => {
+            let names = pattern
+                .as_array()
+                .filter(|a| !a.is_empty() && a.len() <= super::config::MAX_LAYERS)
+                .ok_or_else(|| {
+                    err(format!(
+                        "`pattern` must be a list of 1 to {} kind names, got {pattern}",
+                        super::config::MAX_LAYERS
+                    ))
+                })?;
+            let (mut order, mut specs, mut layers) = (Vec::new(), Vec::new(), Vec::new());
+            for (i, name) in names.iter().enumerate() {
+                let name = name.as_str().ok_or_else(|| {
+                    err(format!("`pattern[{i}]` must be a kind name, got {name}"))
+                })?;
+                let kind = match order.iter().position(|n| n == name) {
+                    Some(kind) => kind,
+                    None => {
+                        let spec = kinds.get(name).ok_or_else(|| {
+                            let known: Vec<&str> = kinds.keys().map(String::as_str).collect();
+                            err(format!(
+                                "`pattern[{i}]` is `{name}`, which is not a kind of \
+                                 `[attention]`; its kinds: {}",
+                                known.join(", ")
+                            ))
+                        })?;
+                        specs.push(parse(&format!("attention.{name}"), spec)?);
+                        order.push(name.to_string());
+                        order.len() - 1
+                    }
+                };
+                layers.push(kind);
+            }
+            if let Some(unused) = kinds.keys().find(|k| !order.contains(k)) {
+                return Err(err(format!(
+                    "attention kind `{}` is in no layer of `pattern`",
+                    unused.chars().take(MAX_KIND_NAME).collect::<String>()
+                )));
+            }
+            Ok((specs, layers))
+        }
+        (Some(toml::Value::Table(_)), None) => Err(err(
+            "`attention` is a table of kinds, so `pattern` must list each layer's kind".into(),
+        )),
+        (Some(_), Some(_)) => Err(err(
+            "`pattern` needs `attention` to be a table of named kinds, e.g. [attention] \
+             local = \"...\""
+                .into(),
+        )),
+        (Some(v), None) => Ok((vec![parse("attention", v)?], vec![0])),
+    }
 }
 
 /// A research model from its TOML file. With `weights = "FILE"`, the weights are read from FILE,
@@ -175,7 +262,6 @@ pub fn config_to_toml(config: &ModelConfig, weights: Option<&str>) -> String {
         vocab = (c.vocab as i64)
         hidden = (c.hidden as i64)
         layers = (c.layers as i64)
-        attention = (c.attention.to_string())
         norm = norm
         norm_eps = (c.norm_eps)
         mlp = mlp
@@ -184,6 +270,26 @@ pub fn config_to_toml(config: &ModelConfig, weights: Option<&str>) -> String {
         qkv_bias = (c.qkv_bias)
     };
     let mut table = text;
+    match c.single_attention() {
+        Some(spec) => {
+            table.insert("attention".into(), toml::Value::String(spec.to_string()));
+        }
+        None => {
+            let name = |kind: usize| format!("kind{kind}");
+            let kinds = c
+                .attention
+                .iter()
+                .enumerate()
+                .map(|(k, spec)| (name(k), toml::Value::String(spec.to_string())))
+                .collect();
+            let pattern = c.pattern.iter().map(|&k| toml::Value::String(name(k)));
+            table.insert("attention".into(), toml::Value::Table(kinds));
+            table.insert("pattern".into(), toml::Value::Array(pattern.collect()));
+        }
+    }
+    if c.qk_norm == Some(QkNorm::PerHead) {
+        table.insert("qk_norm".into(), toml::Value::String("per_head".into()));
+    }
     if let Some(w) = weights {
         table.insert("weights".into(), toml::Value::String(w.to_string()));
     }
@@ -252,14 +358,14 @@ impl Model {
             bias: (c.norm == NormKind::Layer).then(|| vec![0.0; n]),
             eps: c.norm_eps,
         };
-        let spec = &c.attention;
-        let (heads, d, dv) = (
-            spec.heads as usize,
-            spec.head_dim as usize,
-            spec.v_head_dim as usize,
-        );
         let layers = (0..c.layers)
-            .map(|_| {
+            .map(|i| {
+                let spec = c.layer_attention(i);
+                let (heads, d, dv) = (
+                    spec.heads as usize,
+                    spec.head_dim as usize,
+                    spec.v_head_dim as usize,
+                );
                 let attn = match spec.mla() {
                     Some(m) => {
                         let (r, dr) = (m.latent_rank as usize, m.rope_dim as usize);
@@ -279,7 +385,15 @@ impl Model {
                             q: init.linear(heads * d, c.hidden, c.qkv_bias),
                             k: init.linear(hkv * d, c.hidden, c.qkv_bias),
                             v: init.linear(hkv * dv, c.hidden, c.qkv_bias),
-                            o: init.linear(c.hidden, heads * dv, false),
+                            o: init.linear(c.hidden, heads * dv, c.o_bias),
+                            qk_norm: c.qk_norm.map(|_| [norm(d), norm(d)]).map(|[q, k]| {
+                                // RMSNorm whatever the model's norm kind (as qwen3).
+                                [q, k].map(|n| Norm {
+                                    kind: NormKind::Rms,
+                                    bias: None,
+                                    ..n
+                                })
+                            }),
                             // Learnable tensors start at 0 (a sink of weight exp(0)).
                             learned: spec
                                 .learnable_tensors()

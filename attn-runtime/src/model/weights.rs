@@ -3,7 +3,7 @@
 //! model assembled from them. Checkpoints (`hf`) and research models with trained weights
 //! (`research`) both load through here.
 
-use super::config::{MlpKind, ModelConfig, NormKind};
+use super::config::{MlpKind, ModelConfig, NormKind, QkNorm};
 use super::layers::{Linear, Matrix, Mlp, Norm};
 use super::{AttentionWeights, Layer, Model};
 use crate::error::RuntimeError;
@@ -30,8 +30,9 @@ pub(crate) fn tensor_names(config: &ModelConfig, q_lora: Option<usize>) -> Vec<S
     if !config.tie_embeddings {
         names.push("lm_head.weight".into());
     }
-    let mla = config.attention.mla().is_some();
     for i in 0..config.layers {
+        let spec = config.layer_attention(i);
+        let mla = spec.mla().is_some();
         let p = format!("model.layers.{i}.");
         names.extend(norm(&format!("{p}input_layernorm")));
         names.extend(norm(&format!("{p}post_attention_layernorm")));
@@ -68,9 +69,16 @@ pub(crate) fn tensor_names(config: &ModelConfig, q_lora: Option<usize>) -> Vec<S
                 "self_attn.v_proj.bias",
             ],
         };
-        let all = mlp.iter().chain(attn).chain(&["self_attn.o_proj.weight"]);
+        let mut extra = vec!["self_attn.o_proj.weight"];
+        if config.o_bias {
+            extra.push("self_attn.o_proj.bias");
+        }
+        if config.qk_norm.is_some() {
+            extra.extend(["self_attn.q_norm.weight", "self_attn.k_norm.weight"]);
+        }
+        let all = mlp.iter().chain(attn).chain(&extra);
         names.extend(all.map(|n| format!("{p}{n}")));
-        let learned = config.attention.learnable_tensors();
+        let learned = spec.learnable_tensors();
         names.extend(learned.iter().map(|(n, _)| format!("{p}self_attn.{n}")));
     }
     names
@@ -90,11 +98,12 @@ pub(crate) fn assemble(
         norm: config.norm,
     };
     let eps = config.norm_eps;
-    let spec = &config.attention;
-    let (d, inter, heads) = (config.hidden, config.intermediate, spec.heads as usize);
-    let (dk, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
+    let (d, inter) = (config.hidden, config.intermediate);
     let mut layers = Vec::with_capacity(config.layers);
     for i in 0..config.layers {
+        let spec = config.layer_attention(i);
+        let heads = spec.heads as usize;
+        let (dk, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
         let p = format!("model.layers.{i}.self_attn.");
         let attn = match spec.mla() {
             Some(m) => {
@@ -131,7 +140,14 @@ pub(crate) fn assemble(
                     q: w.linear(&format!("{p}q_proj"), bias, [heads * dk, d])?,
                     k: w.linear(&format!("{p}k_proj"), bias, [hkv * dk, d])?,
                     v: w.linear(&format!("{p}v_proj"), bias, [hkv * dv, d])?,
-                    o: w.linear(&format!("{p}o_proj"), false, [d, heads * dv])?,
+                    o: w.linear(&format!("{p}o_proj"), config.o_bias, [d, heads * dv])?,
+                    qk_norm: match config.qk_norm {
+                        Some(QkNorm::PerHead) => Some([
+                            w.rms_norm(&format!("{p}q_norm"), eps, dk)?,
+                            w.rms_norm(&format!("{p}k_norm"), eps, dk)?,
+                        ]),
+                        None => None,
+                    },
                     learned: spec
                         .learnable_tensors()
                         .into_iter()
@@ -240,7 +256,8 @@ impl Store<'_> {
         })
     }
 
-    /// The RMSNorm `{prefix}.weight` over `len` values (DeepSeek's latent norms).
+    /// The RMSNorm `{prefix}.weight` over `len` values (DeepSeek's latent norms, per-head q/k
+    /// norms).
     fn rms_norm(&mut self, prefix: &str, eps: f64, len: usize) -> Result<Norm, RuntimeError> {
         Ok(Norm {
             kind: NormKind::Rms,

@@ -53,12 +53,15 @@ pub fn parse_tokens(text: &str) -> Result<Vec<u32>, String> {
 }
 
 /// The device a model can be resident on for `backend`: the interpreter for gpu-sim, CUDA
-/// device 0 for cuda; `None` on the CPU, and for models not yet resident on devices (MLA).
+/// device 0 for cuda; `None` on the CPU, and for models not yet resident on devices (MLA,
+/// layers that differ in attention, norms on q and k).
 pub fn resident_device(
     model: &Model,
     backend: Backend,
 ) -> Result<Option<std::sync::Arc<dyn Device>>, String> {
-    if model.variant().spec().mla().is_some() {
+    // The device model runs one attention kind, per-head, without q/k norms.
+    let c = &model.config;
+    if c.single_attention().is_none_or(|spec| spec.mla().is_some()) || c.qk_norm.is_some() {
         return Ok(None);
     }
     match backend {

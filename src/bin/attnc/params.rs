@@ -27,12 +27,32 @@ pub fn command(args: Args) -> Result<(), String> {
     Ok(())
 }
 
+/// The KV cache of a model: bytes per token over all layers, and bytes at `seq` tokens, where
+/// a sliding-window layer holds at most its window; `None` past 64 bits.
+fn kv_cache(c: &attn::runtime::model::ModelConfig, seq: u64) -> Option<(u64, u64)> {
+    let (mut per_token, mut at_seq) = (0u64, 0u64);
+    for i in 0..c.layers {
+        let spec = c.layer_attention(i);
+        let bytes = kv_cache_bytes_per_token(spec);
+        let held = match spec.mask {
+            attn::Mask::SlidingWindow { window } => seq.min(window),
+            _ => seq,
+        };
+        per_token = per_token.checked_add(bytes)?;
+        at_seq = at_seq.checked_add(bytes.checked_mul(held)?)?;
+    }
+    Some((per_token, at_seq))
+}
+
 /// The parameter breakdown and KV-cache costs of a checkpoint.
 fn params(model: &Model, seq: u64) -> Result<String, String> {
     let c = &model.config;
     let mut s = format!(
         "{} layers, width {}, vocabulary {}, attention: {}\n",
-        c.layers, c.hidden, c.vocab, c.attention
+        c.layers,
+        c.hidden,
+        c.vocab,
+        c.attention_summary()
     );
     let parts = model.parameters();
     let total: u64 = parts.iter().map(|(_, n)| n).sum();
@@ -45,13 +65,15 @@ fn params(model: &Model, seq: u64) -> Result<String, String> {
         s += &format!("  {name:<10} {n:>14}{note}\n");
     }
     s += &format!("  {:<10} {total:>14}\n", "total");
-    let per_layer = kv_cache_bytes_per_token(&c.attention);
-    let per_token = per_layer * c.layers as u64;
-    let at_seq = per_token.checked_mul(seq).ok_or_else(|| {
+    let (per_token, at_seq) = kv_cache(c, seq).ok_or_else(|| {
         format!("error: the KV cache at --seq {seq} would exceed 2^64 bytes; allowed: less")
     })?;
+    let per_layer = match c.single_attention() {
+        Some(spec) => format!("{} per layer", kv_cache_bytes_per_token(spec)),
+        None => "summed over the layers' kinds; a sliding layer holds at most its window".into(),
+    };
     s += &format!(
-        "KV cache: {per_token} bytes per token ({per_layer} per layer), {:.1} MiB at {seq} tokens",
+        "KV cache: {per_token} bytes per token ({per_layer}), {:.1} MiB at {seq} tokens",
         at_seq as f64 / (1 << 20) as f64
     );
     Ok(s)

@@ -179,24 +179,41 @@ pub fn base(text: &str) -> Result<toml::Table, String> {
 /// setting the config refused and why.
 pub fn apply(base: &toml::Table, variant: &Variant) -> Result<ModelConfig, String> {
     let mut table = base.clone();
-    let mut spec = table
-        .get("attention")
-        .and_then(toml::Value::as_str)
-        .unwrap_or_default()
-        .to_string();
+    // One spec, or a table of named kinds: a spec key applies to every kind.
+    let text = |v: &toml::Value| v.as_str().unwrap_or_default().to_string();
+    let mut specs: Vec<(Option<String>, String)> = match table.get("attention") {
+        Some(toml::Value::Table(kinds)) => kinds
+            .iter()
+            .map(|(name, v)| (Some(name.clone()), text(v)))
+            .collect(),
+        other => vec![(None, other.map(text).unwrap_or_default())],
+    };
     for (key, value) in &variant.settings {
         if is_toml_key(key) {
             table.insert(key.clone(), toml_value(value));
         } else {
-            spec = attn::dsl::set_key(&spec, key, value).map_err(|e| e.to_string())?;
+            for (_, spec) in &mut specs {
+                *spec = attn::dsl::set_key(spec, key, value).map_err(|e| e.to_string())?;
+            }
         }
     }
     // The edited text is the sweep's, not the user's: say what it is rather than where.
-    if let Err(e) = attn::dsl::parse_str(&spec) {
-        let messages: Vec<String> = e.0.into_iter().map(|e| e.message).collect();
-        return Err(format!("attention \"{spec}\": {}", messages.join("; ")));
+    for (_, spec) in &specs {
+        if let Err(e) = attn::dsl::parse_str(spec) {
+            let messages: Vec<String> = e.0.into_iter().map(|e| e.message).collect();
+            return Err(format!("attention \"{spec}\": {}", messages.join("; ")));
+        }
     }
-    table.insert("attention".into(), toml::Value::String(spec));
+    let attention = match specs.as_slice() {
+        [(None, spec)] => toml::Value::String(spec.clone()),
+        _ => toml::Value::Table(
+            specs
+                .into_iter()
+                .map(|(name, spec)| (name.unwrap_or_default(), toml::Value::String(spec)))
+                .collect(),
+        ),
+    };
+    table.insert("attention".into(), attention);
     research::config_from_toml(&table.to_string()).map_err(|e| e.to_string())
 }
 
@@ -268,9 +285,11 @@ mod tests {
         assert_eq!(config.layers, 2);
         assert_eq!(
             config.attention,
-            "heads = 4, kv_heads = 2, head_dim = 16, mask = sliding_window(8), position = rope"
-                .parse()
-                .unwrap()
+            vec![
+                "heads = 4, kv_heads = 2, head_dim = 16, mask = sliding_window(8), position = rope"
+                    .parse()
+                    .unwrap()
+            ]
         );
         // The MLP width follows the varied width when the base leaves it to the default.
         let config = apply(
@@ -338,7 +357,7 @@ mod tests {
         assert!(e.contains("position = alibi"), "the whole edited spec: {e}");
         // Settings are applied together: heads = 2 is only valid once kv_heads follows.
         let grid = variants(&vary(&["heads=2", "kv_heads=2"]).unwrap()).unwrap();
-        assert_eq!(apply(&base, &grid[0]).unwrap().attention.heads, 2);
+        assert_eq!(apply(&base, &grid[0]).unwrap().attention[0].heads, 2);
         let grid = variants(&vary(&["layers=-1"]).unwrap()).unwrap();
         assert!(apply(&base, &grid[0]).unwrap_err().contains("layers"));
         let weights = format!("{BASE}weights = \"model.safetensors\"\n");

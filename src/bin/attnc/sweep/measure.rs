@@ -25,18 +25,20 @@ pub fn cost(model: &Model, seq: u64) -> Option<Cost> {
     let params = parts
         .iter()
         .try_fold(0u64, |sum, (_, n)| sum.checked_add(*n))?;
-    let layers = c.layers as u64;
     let head = (c.vocab as u64).checked_mul(c.hidden as u64)?;
     let matrices = part("attention")
         .checked_add(part("mlp"))?
         .checked_add(head)?;
-    let core = forward_flops(&c.attention, 1, seq, seq)?.with_skipping / seq.max(1);
+    let (mut core, mut kv_bytes_per_token) = (0u64, 0u64);
+    for i in 0..c.layers {
+        let spec = c.layer_attention(i);
+        core = core.checked_add(forward_flops(spec, 1, seq, seq)?.with_skipping / seq.max(1))?;
+        kv_bytes_per_token = kv_bytes_per_token.checked_add(kv_cache_bytes_per_token(spec))?;
+    }
     Some(Cost {
         params,
-        kv_bytes_per_token: kv_cache_bytes_per_token(&c.attention).checked_mul(layers)?,
-        flops_per_token: matrices
-            .checked_mul(2)?
-            .checked_add(core.checked_mul(layers)?)?,
+        kv_bytes_per_token,
+        flops_per_token: matrices.checked_mul(2)?.checked_add(core)?,
     })
 }
 

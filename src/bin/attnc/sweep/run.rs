@@ -175,7 +175,7 @@ fn variant_row(args: &Args, p: &Planned, corpus: &Corpus, label: &str) -> Result
     Ok(Row::new(
         p.variant.name(),
         folder,
-        p.config.attention.to_string(),
+        p.config.attention_summary(),
         cost,
         speed,
         curves,

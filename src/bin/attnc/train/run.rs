@@ -305,7 +305,7 @@ impl Trainer {
         eprintln!(
             "{label}training {} ({} parameters) on {} tokens ({} for validation, where a unigram \
              model scores {:.4}), from step {} to {}",
-            self.config.attention,
+            self.config.attention_summary(),
             self.parameter_count(),
             corpus.train.len() + corpus.validation.len(),
             corpus.validation.len(),

@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""Writes a tiny Hugging Face checkpoint of one model family with random weights, and the logits
+transformers computes for it, as a test fixture (tests/fixtures/hf-tiny/NAME):
+
+- config.json and model.safetensors (f32 weights, saved by save_pretrained);
+- golden.safetensors: input_ids int64 [1, T]; logits f32 [1, T, V] (eager, one full forward);
+  logits_incremental f32 [1, T, V] (the first PREFILL tokens with a cache, then one token at a
+  time);
+- an entry in tests/fixtures/hf-tiny/manifest.json (what was made, and how far the incremental
+  logits are from the full forward's in transformers itself).
+
+Weights are normal(0, 0.1), and every norm weight 1 + normal(0, 0.3) (so a norm read wrongly
+shows in the logits). Needs PyTorch and transformers (scripts/setup-torch.sh, then
+`pip install transformers`).
+
+usage: make_hf_fixture.py NAME   (NAME one of the FIXTURES below)
+"""
+
+import json
+import os
+import sys
+
+import torch
+import transformers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT = os.path.join(ROOT, "tests", "fixtures", "hf-tiny")
+T, PREFILL, SEED = 40, 24, 7
+
+COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
+
+# name: (config class, model class, config keys beyond COMMON, notes)
+FIXTURES = {
+    "qwen3_sliding": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=8, max_window_layers=1,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        "qwen3: per-head RMSNorm on q and k; layer 0 full attention, layers 1-2 a window of 8",
+    ),
+    "smollm3_nope": (
+        "SmolLM3Config",
+        "SmolLM3ForCausalLM",
+        dict(num_hidden_layers=4, no_rope_layer_interval=2, pad_token_id=None, bos_token_id=None,
+             eos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        "smollm3: layers 1 and 3 without RoPE (no_rope_layer_interval 2)",
+    ),
+}
+
+
+def randomize(model):
+    g = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float64)
+            if "norm" in name:
+                p.copy_((1.0 + 0.3 * noise).to(p.dtype))
+            else:
+                p.copy_((0.1 * noise).to(p.dtype))
+
+
+def main():
+    if len(sys.argv) != 2 or sys.argv[1] not in FIXTURES:
+        sys.exit(f"usage: make_hf_fixture.py NAME; NAME one of {', '.join(FIXTURES)}")
+    name = sys.argv[1]
+    config_class, model_class, keys, notes = FIXTURES[name]
+    config = getattr(transformers, config_class)(**COMMON, **keys)
+    config._attn_implementation = "eager"
+    torch.manual_seed(SEED)
+    model = getattr(transformers, model_class)(config).eval()
+    randomize(model)
+    out = os.path.join(OUT, name)
+    model.save_pretrained(out, safe_serialization=True)
+
+    g = torch.Generator().manual_seed(SEED + 1)
+    ids = torch.randint(0, config.vocab_size, (1, T), generator=g)
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        step = model(ids[:, :PREFILL], use_cache=True)
+        parts, cache = [step.logits], step.past_key_values
+        for t in range(PREFILL, T):
+            step = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            parts.append(step.logits)
+            cache = step.past_key_values
+        incremental = torch.cat(parts, dim=1)
+    from safetensors.torch import save_file
+
+    save_file(
+        {
+            "input_ids": ids.to(torch.int64).contiguous(),
+            "logits": full.to(torch.float32).contiguous(),
+            "logits_incremental": incremental.to(torch.float32).contiguous(),
+        },
+        os.path.join(out, "golden.safetensors"),
+    )
+    manifest_path = os.path.join(OUT, "manifest.json")
+    with open(manifest_path) as f:
+        manifest = json.load(f)
+    manifest[name] = {
+        "T": T,
+        "prefill": PREFILL,
+        "hf_class": model_class,
+        "notes": notes,
+        "made_by": "scripts/make_hf_fixture.py",
+        "checks": {
+            "logits_abs_max": full.abs().max().item(),
+            "max_abs_incremental_vs_full_f32": (incremental - full).abs().max().item(),
+        },
+        "files": {
+            "config": f"{name}/config.json",
+            "golden": f"{name}/golden.safetensors",
+            "weights": f"{name}/model.safetensors",
+        },
+    }
+    with open(manifest_path, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.write("\n")
+    print(name, manifest[name]["checks"])
+
+
+if __name__ == "__main__":
+    main()
