@@ -280,7 +280,12 @@ fn every_config_key_with_hostile_values_loads_or_errs() {
             "original_max_position_embeddings": 64}"#,
         r#"{"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}"#,
     ];
-    for name in ["llama_gqa", "deepseek_v2_lite_mla"] {
+    for name in [
+        "llama_gqa",
+        "deepseek_v2_lite_mla",
+        "qwen3_sliding",
+        "smollm3_nope",
+    ] {
         let text = std::fs::read_to_string(fixture(name).join("config.json")).unwrap();
         let json: serde_json::Value = serde_json::from_str(&text).unwrap();
         let mut edits: Vec<(Vec<String>, serde_json::Value)> = json
@@ -553,5 +558,56 @@ fn a_tied_checkpoint_with_its_own_lm_head_warns_and_uses_the_embedding() {
     assert_eq!(
         model.forward(&tokens).unwrap(),
         plain.forward(&tokens).unwrap()
+    );
+}
+
+/// Per-layer keys that do not fit the model, and the pieces qwen3 adds, are errors naming them.
+#[test]
+fn per_layer_keys_and_qk_norms_that_do_not_fit_are_refused() {
+    for (key, value, needles) in [
+        (
+            "layer_types",
+            r#"["full_attention", "sliding_attention"]"#,
+            &["`layer_types` has 2 entries; expected one per layer, 3"][..],
+        ),
+        (
+            "layer_types",
+            r#"["full_attention", "chunked_attention", "full_attention"]"#,
+            &[
+                "`layer_types[1]`",
+                "\"full_attention\" or \"sliding_attention\"",
+            ][..],
+        ),
+        ("layer_types", "7", &["`layer_types`", "an array"][..]),
+        ("mlp_bias", "true", &["`mlp_bias`", "not supported"][..]),
+    ] {
+        refused(
+            Scratch::of("qwen3_sliding", key).config(key, value).load(),
+            needles,
+            &format!("{key} = {value}"),
+        );
+    }
+    for (value, needle) in [
+        (
+            "[1, 0, 2, 1]",
+            "`no_rope_layers[2]` is a number (2); expected 0 or 1",
+        ),
+        ("[1, 0]", "`no_rope_layers` has 2 entries"),
+    ] {
+        refused(
+            Scratch::of("smollm3_nope", "no_rope")
+                .config("no_rope_layers", value)
+                .load(),
+            &[needle],
+            value,
+        );
+    }
+    let name = "model.layers.1.self_attn.k_norm.weight";
+    refused(
+        Scratch::of("qwen3_sliding", "k_norm")
+            .tensor(name, &[64])
+            .load(),
+        &[name, "[16]"],
+        "a k_norm over the whole projection",
     );
 }

@@ -173,3 +173,112 @@ fn a_weights_key_names_a_file_beside_the_toml_or_is_an_error() {
     assert!(load(&dir.join("m.toml"), 0).is_err());
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Layers that differ: named attention kinds and a repeating pattern, q/k norms; the pattern's
+/// errors name what is wrong.
+#[test]
+fn layer_patterns_in_toml_and_their_errors() {
+    let base = "vocab = 97\nhidden = 48\nlayers = 5\nqk_norm = \"per_head\"\n";
+    let kinds = "[attention]\n\
+                 local = \"heads = 4, head_dim = 12, mask = sliding_window(4), position = rope\"\n\
+                 global = \"heads = 4, kv_heads = 2, head_dim = 12, mask = causal\"\n";
+    let text = format!("{base}pattern = [\"local\", \"local\", \"global\"]\n{kinds}");
+    let c = config_from_toml(&text).unwrap();
+    assert_eq!(c.attention.len(), 2);
+    assert_eq!(
+        c.attention[0].mask,
+        attn_dsl::Mask::SlidingWindow { window: 4 }
+    );
+    assert_eq!(c.pattern, [0, 0, 1]);
+    assert_eq!(
+        (0..5).map(|i| c.kind_of(i)).collect::<Vec<_>>(),
+        [0, 0, 1, 0, 0]
+    );
+    // Written back and read again, the same config.
+    let again = attn_runtime::model::research::config_to_toml(&c, None);
+    assert_eq!(config_from_toml(&again).unwrap(), c, "{again}");
+    // A random model of it decodes as its full forward does.
+    let model = Model::random(&c, 3).unwrap();
+    assert_eq!(model.variants().len(), 2);
+    let tokens: Vec<u32> = (0..12).map(|i| (i * 7 % 97) as u32).collect();
+    let full = model.forward(&tokens).unwrap();
+    let mut session = model.session(16, 4).unwrap();
+    let mut steps = session.step(&tokens[..5]).unwrap();
+    for t in 5..tokens.len() {
+        steps.extend(session.step(&tokens[t..t + 1]).unwrap());
+    }
+    let err = full
+        .iter()
+        .zip(&steps)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(err < 1e-4, "incremental against full: {err}");
+    let parts: std::collections::HashMap<_, _> = model.parameters().into_iter().collect();
+    assert_eq!(
+        parts.values().sum::<u64>(),
+        c.weight_count().unwrap(),
+        "the config counts what the model holds, q/k norms included"
+    );
+    for (text, needle) in [
+        (format!("{base}{kinds}"), "`pattern` must list each layer's kind"),
+        (
+            format!("{base}pattern = []\n{kinds}"),
+            "`pattern` must be a list of 1 to",
+        ),
+        (
+            format!("{base}pattern = [\"local\", \"middle\"]\n{kinds}"),
+            "`pattern[1]` is `middle`, which is not a kind of `[attention]`; its kinds: global, local",
+        ),
+        (
+            format!("{base}pattern = [\"local\"]\n{kinds}"),
+            "attention kind `global` is in no layer of `pattern`",
+        ),
+        (
+            format!("{base}pattern = [\"local\", 3]\n{kinds}"),
+            "`pattern[1]` must be a kind name",
+        ),
+        (
+            format!("{base}pattern = [\"local\"]\nattention = \"heads = 2, head_dim = 4\""),
+            "`pattern` needs `attention` to be a table",
+        ),
+        (
+            format!("{base}pattern = [\"a\"]\n[attention]\na = \"heads = 3, kv_heads = 2, head_dim = 4\""),
+            "`attention.a`",
+        ),
+        (
+            "vocab = 9\nhidden = 8\nlayers = 1\nqk_norm = \"whole\"\nattention = \"heads = 2, head_dim = 4\"".to_string(),
+            "allowed: \"per_head\"",
+        ),
+    ] {
+        let err = config_from_toml(&text).unwrap_err().to_string();
+        assert!(err.contains(needle), "{text}: {err}");
+    }
+}
+
+/// Built in code, a config's kinds and pattern are checked too.
+#[test]
+fn kinds_and_patterns_built_in_code_are_checked() {
+    let mut c = config("heads = 4, head_dim = 12, mask = causal", "");
+    for (pattern, kinds, needle) in [
+        (vec![], 1, "a layer pattern of 0 entries"),
+        (
+            vec![0, 1],
+            1,
+            "layer pattern entry 1 is kind 1; there are 1 kinds",
+        ),
+        (vec![0, 0], 2, "attention kind 1"),
+        (vec![0], 0, "0 attention kinds"),
+    ] {
+        c.pattern = pattern;
+        c.attention = vec![
+            c.attention
+                .first()
+                .cloned()
+                .unwrap_or_else(|| { "heads = 4, head_dim = 12".parse().unwrap() });
+            kinds
+        ];
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains(needle), "{err}");
+        assert!(Model::random(&c, 0).is_err());
+    }
+}
