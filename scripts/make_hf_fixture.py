@@ -55,6 +55,41 @@ FIXTURES = {
              eos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
         "smollm3: layers 1 and 3 without RoPE (no_rope_layer_interval 2)",
     ),
+    "gemma": (
+        "GemmaConfig",
+        "GemmaForCausalLM",
+        dict(num_hidden_layers=2, pad_token_id=0, bos_token_id=None, eos_token_id=None),
+        "gemma: GeGLU (tanh GELU), norms of 1 + w, the embedding times sqrt(hidden)",
+    ),
+    "gemma2_softcap": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=24,
+             attn_logit_softcapping=5.0, final_logit_softcapping=3.0, pad_token_id=0,
+             bos_token_id=None, eos_token_id=None),
+        "gemma2: sandwich norms, attention softcap 5 and final softcap 3, scale 24^-1/2, "
+        "layers 0 and 2 a window of 8",
+    ),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=24,
+             layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+             rope_parameters={
+                 "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+             },
+             pad_token_id=0, bos_token_id=None, eos_token_id=None),
+        "gemma3 text: q/k norms of 1 + w, a RoPE per layer type (linear x2 base 1e5 for full "
+        "layers, 1e4 for sliding ones), layers 0 and 1 a window of 8",
+    ),
+    "olmo2": (
+        "Olmo2Config",
+        "Olmo2ForCausalLM",
+        dict(num_hidden_layers=2, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        "olmo2: norms after attention and the MLP, q/k RMSNorm over the whole projection",
+    ),
 }
 
 

@@ -24,6 +24,8 @@ pub enum MlpKind {
     SwiGlu,
     /// `down(gelu(up(x)))` (tanh approximation).
     Gelu,
+    /// `down(gelu(gate(x)) * up(x))`, GELU in its tanh approximation (gemma).
+    GeGlu,
 }
 
 /// Norms, activations, adds, lookups and argmax over f32 rows.
@@ -63,6 +65,12 @@ pub trait LayerOps: Send + Sync {
     /// The index of each row's largest value (rows of `width`), the first of equal ones; NaN
     /// is never chosen over a number.
     fn argmax(&self, rows: &[f32], width: usize) -> Result<Vec<u32>, RuntimeError>;
+}
+
+/// GELU in its tanh approximation: `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
+fn gelu_tanh(x: f32) -> f32 {
+    let inner = 0.797_884_6 * (x + 0.044_715 * x * x * x);
+    0.5 * x * (1.0 + inner.tanh())
 }
 
 /// Checks that `b` has as many values as `a` (`what` names them in the error).
@@ -136,14 +144,18 @@ impl LayerOps for CpuLayers {
                     *h *= g / (1.0 + (-g).exp());
                 }
             }
-            (MlpKind::SwiGlu, None) => {
-                return Err(RuntimeError::Data("SwiGLU needs its gate".into()));
+            (MlpKind::GeGlu, Some(gate)) => {
+                same_len(up.len(), gate.len(), "GeGLU's up and gate")?;
+                for (h, &g) in up.iter_mut().zip(gate) {
+                    *h *= gelu_tanh(g);
+                }
+            }
+            (MlpKind::SwiGlu | MlpKind::GeGlu, None) => {
+                return Err(RuntimeError::Data(format!("{kind:?} needs its gate")));
             }
             (MlpKind::Gelu, _) => {
                 for h in up.iter_mut() {
-                    let x = *h;
-                    let inner = 0.797_884_6 * (x + 0.044_715 * x * x * x);
-                    *h = 0.5 * x * (1.0 + inner.tanh());
+                    *h = gelu_tanh(*h);
                 }
             }
         }

@@ -108,6 +108,42 @@ fn smollm3_with_layers_without_rope_matches_transformers() {
     check("smollm3_nope", 24);
 }
 
+/// gemma: GeGLU, RMSNorm of `1 + w`, the embedding times `sqrt(hidden)`.
+#[test]
+fn gemma_matches_transformers() {
+    let config = hf::config(&dir("gemma")).unwrap();
+    assert_eq!(config.mlp, attn_runtime::model::MlpKind::GeGlu);
+    check("gemma", 24);
+}
+
+/// gemma2: sandwich norms, the attention's softcap and scale from the config, a final logit
+/// softcap, sliding and full layers alternating.
+#[test]
+fn gemma2_matches_transformers() {
+    let config = hf::config(&dir("gemma2_softcap")).unwrap();
+    assert_eq!(config.pattern, [0, 1, 0]);
+    assert_eq!(config.attention[0].softcap, Some(5.0));
+    assert_eq!(config.final_softcap, Some(3.0));
+    check("gemma2_softcap", 24);
+}
+
+/// gemma3 (text): q/k norms of `1 + w` and a RoPE per layer type (linear scaling on full
+/// layers only).
+#[test]
+fn gemma3_text_matches_transformers() {
+    let config = hf::config(&dir("gemma3_text")).unwrap();
+    assert_eq!(config.pattern, [0, 0, 1]);
+    let base = |k: usize| config.attention[k].rope().unwrap().base;
+    assert_eq!((base(0), base(1)), (10_000.0, 100_000.0));
+    check("gemma3_text", 24);
+}
+
+/// olmo2: norms after each sublayer, q/k norms over the whole projection.
+#[test]
+fn olmo2_matches_transformers() {
+    check("olmo2", 24);
+}
+
 /// The same checkpoints with their attention on the GPU kernels (run on the GPU IR
 /// interpreter, through the `Backend` trait): forward, ragged prefill and decode steps, MLA.
 #[test]
@@ -117,6 +153,8 @@ fn models_on_the_gpu_kernels_match_transformers() {
         "deepseek_v2_lite_mla",
         "qwen3_sliding",
         "smollm3_nope",
+        "gemma2_softcap",
+        "olmo2",
     ] {
         let gpu = std::sync::Arc::new(attn_runtime::gpu::sim::GpuSim);
         check_on(name, 24, Some(gpu));

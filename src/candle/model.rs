@@ -5,7 +5,7 @@
 
 use super::attention_learned;
 use crate::Variant;
-use crate::runtime::model::{MlpKind, ModelConfig, NormKind};
+use crate::runtime::model::{MlpKind, ModelConfig, NormKind, QkNorm};
 use candle_core::{D, DType, Module, Result, Tensor};
 use candle_nn::{Init, VarBuilder, VarMap};
 use std::sync::Arc;
@@ -116,18 +116,21 @@ impl Module for Norm {
     }
 }
 
-/// One pre-norm block.
+/// One block, its norms where the config's placement puts them.
 struct Block {
     /// Its attention kind's variant, shared by the layers of that kind.
     variant: Arc<Variant>,
-    attn_norm: Norm,
-    /// Per-head norms on q and k, before RoPE.
-    qk_norm: Option<[Norm; 2]>,
+    attn_norm: Option<Norm>,
+    post_attn_norm: Option<Norm>,
+    /// Norms on q and k, before RoPE: per head, or over the whole projection.
+    qk_norm: Option<(QkNorm, [Norm; 2])>,
     q: Linear,
     k: Linear,
     v: Linear,
     o: Linear,
-    mlp_norm: Norm,
+    mlp_norm: Option<Norm>,
+    post_mlp_norm: Option<Norm>,
+    /// The gate of SwiGLU and GeGLU.
     gate: Option<Linear>,
     up: Linear,
     down: Linear,
@@ -150,6 +153,15 @@ impl CandleModel {
         if config.attention.iter().any(|spec| spec.mla().is_some()) {
             candle_core::bail!("attn::candle: MLA models do not train through candle yet");
         }
+        if config.norm_unit_offset
+            || config.embed_multiplier.is_some()
+            || config.final_softcap.is_some()
+        {
+            candle_core::bail!(
+                "attn::candle: norms of 1 + w, embedding multipliers and final logit softcaps \
+                 (gemma's) do not train through candle yet"
+            );
+        }
         let variants = config
             .attention
             .iter()
@@ -166,22 +178,36 @@ impl CandleModel {
                 let p = format!("model.layers.{i}");
                 let a = format!("{p}.self_attn");
                 let eps = config.norm_eps;
+                let [attn_norm, post_attn_norm, mlp_norm, post_mlp_norm] =
+                    config.placement.norm_names().map(|name| {
+                        name.map(|n| Norm::new(&vb, &format!("{p}.{n}"), d, config))
+                            .transpose()
+                    });
+                let qk_width = |heads: usize| match config.qk_norm {
+                    Some(QkNorm::Whole) => heads * dk,
+                    _ => dk,
+                };
                 Ok(Block {
-                    attn_norm: Norm::new(&vb, &format!("{p}.input_layernorm"), d, config)?,
+                    attn_norm: attn_norm?,
+                    post_attn_norm: post_attn_norm?,
+                    mlp_norm: mlp_norm?,
+                    post_mlp_norm: post_mlp_norm?,
                     qk_norm: match config.qk_norm {
-                        Some(_) => Some([
-                            Norm::rms(&vb, &format!("{a}.q_norm"), dk, eps)?,
-                            Norm::rms(&vb, &format!("{a}.k_norm"), dk, eps)?,
-                        ]),
+                        Some(kind) => Some((
+                            kind,
+                            [
+                                Norm::rms(&vb, &format!("{a}.q_norm"), qk_width(h), eps)?,
+                                Norm::rms(&vb, &format!("{a}.k_norm"), qk_width(hkv), eps)?,
+                            ],
+                        )),
                         None => None,
                     },
                     q: Linear::new(&vb, &format!("{a}.q_proj"), h * dk, d, bias)?,
                     k: Linear::new(&vb, &format!("{a}.k_proj"), hkv * dk, d, bias)?,
                     v: Linear::new(&vb, &format!("{a}.v_proj"), hkv * dv, d, bias)?,
                     o: Linear::new(&vb, &format!("{a}.o_proj"), d, h * dv, config.o_bias)?,
-                    mlp_norm: Norm::new(&vb, &format!("{p}.post_attention_layernorm"), d, config)?,
                     gate: match config.mlp {
-                        MlpKind::SwiGlu => Some(Linear::new(
+                        MlpKind::SwiGlu | MlpKind::GeGlu => Some(Linear::new(
                             &vb,
                             &format!("{p}.mlp.gate_proj"),
                             inter,
@@ -289,22 +315,26 @@ impl CandleModel {
         let spec = block.variant.spec();
         let (b, s, _) = x.dims3()?;
         let dtype = super::convert::candle_dtype(spec.dtype);
-        // [B, S, heads * dim] as [B, S, heads, dim], normed per head where the model does.
-        let split = |t: Tensor, h: u32, dim: u32, norm: Option<&Norm>| {
+        // [B, S, heads * dim] as [B, S, heads, dim], normed where the model norms q and k.
+        let split = |t: Tensor, h: u32, dim: u32, norm: Option<(QkNorm, &Norm)>| {
+            let t = match norm {
+                Some((QkNorm::Whole, n)) => n.forward(&t)?,
+                _ => t,
+            };
             let t = t.reshape((b, s, h as usize, dim as usize))?;
             match norm {
-                Some(n) => n.forward(&t),
-                None => Ok(t),
+                Some((QkNorm::PerHead, n)) => n.forward(&t),
+                _ => Ok(t),
             }
         };
         // [B, S, heads, dim] as [B, heads, S, dim]: a strided view attn reads as it is.
         let heads = |t: Tensor| t.transpose(1, 2)?.to_dtype(dtype);
         let [q_norm, k_norm] = match &block.qk_norm {
-            Some([q, k]) => [Some(q), Some(k)],
+            Some((kind, [q, k])) => [Some((*kind, q)), Some((*kind, k))],
             None => [None, None],
         };
         let hkv = spec.kv_heads();
-        let h = block.attn_norm.forward(x)?;
+        let h = normed(&block.attn_norm, x)?;
         let q = heads(split(
             block.q.forward(&h)?,
             spec.heads,
@@ -319,14 +349,23 @@ impl CandleModel {
             .to_dtype(DType::F32)?
             .transpose(1, 2)?
             .reshape((b, s, ()))?;
-        let x = (x + block.o.forward(&a)?)?;
-        let h = block.mlp_norm.forward(&x)?;
+        let x = (x + normed(&block.post_attn_norm, &block.o.forward(&a)?)?)?;
+        let h = normed(&block.mlp_norm, &x)?;
         let up = block.up.forward(&h)?;
-        let act = match &block.gate {
-            Some(gate) => (candle_nn::ops::silu(&gate.forward(&h)?)? * up)?,
-            None => up.gelu()?,
+        let act = match (&block.gate, self.config.mlp) {
+            (Some(gate), MlpKind::GeGlu) => (gate.forward(&h)?.gelu()? * up)?,
+            (Some(gate), _) => (candle_nn::ops::silu(&gate.forward(&h)?)? * up)?,
+            (None, _) => up.gelu()?,
         };
-        x + block.down.forward(&act)?
+        x + normed(&block.post_mlp_norm, &block.down.forward(&act)?)?
+    }
+}
+
+/// `x` through `norm` where there is one.
+fn normed(norm: &Option<Norm>, x: &Tensor) -> Result<Tensor> {
+    match norm {
+        Some(n) => n.forward(x),
+        None => Ok(x.clone()),
     }
 }
 

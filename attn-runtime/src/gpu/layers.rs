@@ -93,8 +93,12 @@ impl LayerOps for SimLayers {
                 same_len(up.len(), g.len(), "SwiGLU's up and gate")?;
                 (Activation::SwiGlu, g)
             }
-            (MlpKind::SwiGlu, None) => {
-                return Err(RuntimeError::Data("SwiGLU needs its gate".into()));
+            (MlpKind::GeGlu, Some(g)) => {
+                same_len(up.len(), g.len(), "GeGLU's up and gate")?;
+                (Activation::GeGlu, g)
+            }
+            (MlpKind::SwiGlu | MlpKind::GeGlu, None) => {
+                return Err(RuntimeError::Data(format!("{kind:?} needs its gate")));
             }
             (MlpKind::Gelu, _) => (Activation::Gelu, &*up),
         };

@@ -32,7 +32,8 @@ impl Model {
                 learned,
             } => {
                 let (mut qs, mut ks, vs) = (q.apply(h, n), k.apply(h, n), v.apply(h, n));
-                // Per-head norms on q and k come before RoPE, which the kernels apply.
+                // Norms on q and k (per head: rows of head_dim; whole: rows of the projection)
+                // come before RoPE, which the kernels apply.
                 if let Some([q_norm, k_norm]) = qk_norm {
                     qs = q_norm.apply(self.layer_ops(), &qs)?;
                     ks = k_norm.apply(self.layer_ops(), &ks)?;

@@ -4,9 +4,9 @@ use crate::error::RuntimeError;
 pub use crate::ops::{MlpKind, NormKind};
 use attn_dsl::AttentionSpec;
 
-/// A decoder-only transformer: token embedding, `layers` pre-norm blocks (norm, attention,
-/// residual; norm, MLP, residual), a final norm and the LM head. Layers may differ in their
-/// attention: each has one of the config's attention kinds, as `pattern` says.
+/// A decoder-only transformer: token embedding, `layers` blocks (attention and MLP, each with
+/// its norms as `placement` says, and a residual add), a final norm and the LM head. Layers may
+/// differ in their attention: each has one of the config's attention kinds, as `pattern` says.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelConfig {
     /// Tokens in the vocabulary.
@@ -22,10 +22,15 @@ pub struct ModelConfig {
     pub pattern: Vec<usize>,
     /// Norms on the queries and keys before RoPE (RMSNorm, with the model's epsilon).
     pub qk_norm: Option<QkNorm>,
+    /// Where the norms sit around each sublayer.
+    pub placement: NormPlacement,
     /// Norm layers.
     pub norm: NormKind,
     /// Norm epsilon.
     pub norm_eps: f64,
+    /// Norm weights (the q/k norms' too) are stored as offsets from 1: a norm multiplies by
+    /// `1 + w` (gemma). Loading adds the 1.
+    pub norm_unit_offset: bool,
     /// MLP block.
     pub mlp: MlpKind,
     /// MLP hidden width.
@@ -36,6 +41,51 @@ pub struct ModelConfig {
     pub qkv_bias: bool,
     /// A bias on the attention's output projection (`attention_bias` in llama-like families).
     pub o_bias: bool,
+    /// The token embedding's rows times this, before the first layer (gemma: `sqrt(hidden)`,
+    /// rounded to the embedding's dtype as transformers does).
+    pub embed_multiplier: Option<f64>,
+    /// Logits become `c tanh(logits / c)` (gemma2's `final_logit_softcapping`).
+    pub final_softcap: Option<f64>,
+}
+
+/// Where a layer's norms sit (each norm over the residual width, of the model's kind).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NormPlacement {
+    /// `x += attn(norm(x))`, `x += mlp(norm(x))` (llama and most families).
+    Pre,
+    /// `x += norm(attn(norm(x)))`, `x += norm(mlp(norm(x)))` (gemma2, gemma3).
+    Sandwich,
+    /// `x += norm(attn(x))`, `x += norm(mlp(x))` (olmo2).
+    Post,
+}
+
+impl NormPlacement {
+    /// Whether a sublayer's input is normed.
+    pub fn before(self) -> bool {
+        self != NormPlacement::Post
+    }
+
+    /// Whether a sublayer's output is normed before the residual add.
+    pub fn after(self) -> bool {
+        self != NormPlacement::Pre
+    }
+
+    /// A layer's norms in Hugging Face's names: before attention, after it, before the MLP,
+    /// after it (`None` where this placement has none). A pre-norm model's MLP norm is its
+    /// `post_attention_layernorm`; a sandwich model's is `pre_feedforward_layernorm`.
+    pub fn norm_names(self) -> [Option<&'static str>; 4] {
+        let mlp_before = match self {
+            NormPlacement::Pre => "post_attention_layernorm",
+            _ => "pre_feedforward_layernorm",
+        };
+        let (before, after) = (self.before(), self.after());
+        [
+            before.then_some("input_layernorm"),
+            after.then_some("post_attention_layernorm"),
+            before.then_some(mlp_before),
+            after.then_some("post_feedforward_layernorm"),
+        ]
+    }
 }
 
 /// Where a model normalizes its queries and keys.
@@ -44,6 +94,8 @@ pub enum QkNorm {
     /// Each head's `head_dim` values, one weight of `[head_dim]` shared by the heads (qwen3,
     /// gemma3): `self_attn.q_norm.weight` and `self_attn.k_norm.weight`.
     PerHead,
+    /// The whole projection, `[heads * head_dim]` and `[kv_heads * head_dim]` weights (olmo2).
+    Whole,
 }
 
 /// Most attention kinds a config may have.
@@ -75,6 +127,19 @@ impl ModelConfig {
         range("hidden", self.hidden, MAX_WIDTH)?;
         range("layers", self.layers, MAX_LAYERS)?;
         range("intermediate", self.intermediate, MAX_INTERMEDIATE)?;
+        for (field, value) in [
+            ("embed_multiplier", self.embed_multiplier),
+            ("final_softcap", self.final_softcap),
+        ] {
+            if let Some(v) = value
+                && !(v.is_finite() && v > 0.0)
+            {
+                return Err(RuntimeError::Data(format!(
+                    "model config: `{field}` = {v} is invalid; allowed: a finite number greater \
+                     than 0"
+                )));
+            }
+        }
         if !(self.norm_eps.is_finite() && self.norm_eps > 0.0) {
             return Err(RuntimeError::Data(format!(
                 "model config: `norm_eps` = {} is invalid; allowed: a finite number greater \
@@ -111,6 +176,32 @@ impl ModelConfig {
             [one] => Some(one),
             _ => None,
         }
+    }
+
+    /// What a model of this config has that models resident on a device do not run yet, in
+    /// words; `None` when it runs there.
+    pub fn not_resident(&self) -> Option<&'static str> {
+        let Some(spec) = self.single_attention() else {
+            return Some("layers that differ in attention");
+        };
+        let checks = [
+            (spec.mla().is_some(), "MLA attention"),
+            (
+                !spec.learnable_tensors().is_empty(),
+                "learnable attention tensors (params(...), sinks)",
+            ),
+            (self.qk_norm.is_some(), "norms on q and k"),
+            (
+                self.placement != NormPlacement::Pre,
+                "norms after the sublayers",
+            ),
+            (self.embed_multiplier.is_some(), "an embedding multiplier"),
+            (self.final_softcap.is_some(), "a final logit softcap"),
+        ];
+        checks
+            .into_iter()
+            .find(|(has, _)| *has)
+            .map(|(_, what)| what)
     }
 
     /// The attention in words: the one spec of every layer, or each kind's spec and the
@@ -175,7 +266,11 @@ impl ModelConfig {
         } else {
             d
         };
-        let mlp_mats = if self.mlp == MlpKind::SwiGlu { 3 } else { 2 };
+        let mlp_mats = if self.mlp == MlpKind::Gelu { 2 } else { 3 };
+        let norms = match self.placement {
+            NormPlacement::Pre | NormPlacement::Post => 2,
+            NormPlacement::Sandwich => 4,
+        };
         let mut total = 0u64;
         for i in 0..self.layers {
             // In a validated config every product fits easily (widths below 2^20, vocabularies
@@ -184,7 +279,7 @@ impl ModelConfig {
             let layer = self
                 .attention_weights(self.layer_attention(i))
                 .checked_add(mlp_mats * d * inter)?
-                .checked_add(2 * norm)?;
+                .checked_add(norms * norm)?;
             total = total.checked_add(layer)?;
         }
         let heads = if self.tie_embeddings { 1 } else { 2 };
@@ -212,7 +307,11 @@ impl ModelConfig {
                 } else {
                     0
                 };
-                let qk_norm = if self.qk_norm.is_some() { 2 * dk } else { 0 };
+                let qk_norm = match self.qk_norm {
+                    Some(QkNorm::PerHead) => 2 * dk,
+                    Some(QkNorm::Whole) => (h + hkv) * dk,
+                    None => 0,
+                };
                 let o_bias = if self.o_bias { d } else { 0 };
                 let learned: u64 = spec
                     .learnable_tensors()

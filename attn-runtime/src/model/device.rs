@@ -174,34 +174,13 @@ fn half_of(dtype: DType) -> Option<Half> {
 impl<'m> DeviceModel<'m> {
     /// Uploads `model`'s weights to `device` and prepares its kernels.
     pub fn new(model: &'m Model, device: Arc<dyn Device>) -> Result<Self, RuntimeError> {
-        if model.config.single_attention().is_none() {
-            return Err(RuntimeError::Spec(
-                "models whose layers differ in attention do not run resident on a device yet; \
-                 use the cpu or gpu-sim backend"
-                    .into(),
-            ));
-        }
-        if model.config.qk_norm.is_some() {
-            return Err(RuntimeError::Spec(
-                "models with norms on q and k do not run resident on a device yet; use the cpu \
-                 or gpu-sim backend"
-                    .into(),
-            ));
+        if let Some(what) = model.config.not_resident() {
+            return Err(RuntimeError::Spec(format!(
+                "models with {what} do not run resident on a device yet; use the cpu or gpu-sim \
+                 backend"
+            )));
         }
         let variant = model.layer_variant(0);
-        if variant.spec().mla().is_some() {
-            return Err(RuntimeError::Spec(
-                "MLA models do not run resident on a device yet; use the cpu or gpu-sim backend"
-                    .into(),
-            ));
-        }
-        if !variant.spec().learnable_tensors().is_empty() {
-            return Err(RuntimeError::Spec(
-                "models with learnable attention tensors (params(...), sinks) do not run \
-                 resident on a device yet; use the cpu backend"
-                    .into(),
-            ));
-        }
         // bf16 specs whose RoPE rotates every column take bf16 Q K^T operands here (f16 ones
         // would need a range check on the device first), as bf16 SDPA computes.
         let forward = resident_forward(variant)?;
@@ -214,13 +193,18 @@ impl<'m> DeviceModel<'m> {
             let AttentionWeights::Heads { q, k, v, o, .. } = &layer.attn else {
                 return Err(RuntimeError::Spec("MLA layers in a per-head model".into()));
             };
+            let (Some(attn_norm), Some(mlp_norm)) = (&layer.attn_norm, &layer.mlp_norm) else {
+                return Err(RuntimeError::Spec(
+                    "a pre-norm model without its norms".into(),
+                ));
+            };
             layers_on_device.push(DeviceLayer {
-                attn_norm: up.norm(&layer.attn_norm)?,
+                attn_norm: up.norm(attn_norm)?,
                 q: up.linear(q)?,
                 k: up.linear(k)?,
                 v: up.linear(v)?,
                 o: up.linear(o)?,
-                mlp_norm: up.norm(&layer.mlp_norm)?,
+                mlp_norm: up.norm(mlp_norm)?,
                 gate: layer.mlp.gate.as_ref().map(|g| up.linear(g)).transpose()?,
                 up: up.linear(&layer.mlp.up)?,
                 down: up.linear(&layer.mlp.down)?,
@@ -232,6 +216,7 @@ impl<'m> DeviceModel<'m> {
         let activation = match model.config.mlp {
             super::MlpKind::SwiGlu => Activation::SwiGlu,
             super::MlpKind::Gelu => Activation::Gelu,
+            super::MlpKind::GeGlu => Activation::GeGlu,
         };
         let kernel = |k: Kernel| verified(k).map(Arc::new);
         let kernels = Kernels {

@@ -3,13 +3,16 @@
 //!
 //! Families: `llama` (every RoPE scaling, from `rope_parameters` or the older `rope_theta` /
 //! `rope_scaling` keys), `mistral` (sliding window), `qwen2` (q/k/v biases), `qwen3` (per-head
-//! norms on q and k), `smollm3` (layers without RoPE), `deepseek_v2` and `deepseek_v3` (MLA;
+//! norms on q and k), `smollm3` (layers without RoPE), `gemma` (GeGLU, norms of `1 + w`, a
+//! scaled embedding), `gemma2` (sandwich norms, softcaps, alternating sliding layers),
+//! `gemma3_text` (q/k norms, a RoPE per layer type), `olmo2` (norms after the sublayers, q/k
+//! norms over the whole projection), `deepseek_v2` and `deepseek_v3` (MLA;
 //! dense layers only: mixture-of-experts layers are refused). Layers differ where the config
 //! says so (`layer_types`: sliding and full attention; `no_rope_layers`): each distinct
 //! attention is one kind of the [`ModelConfig`], and the layers point at their kinds.
 
 use super::Model;
-use super::config::{MAX_LAYERS, MAX_WIDTH, MlpKind, ModelConfig, NormKind, QkNorm};
+use super::config::{MAX_LAYERS, MAX_WIDTH, MlpKind, ModelConfig, NormKind, NormPlacement, QkNorm};
 use super::json_fields::{Fields, bad};
 use super::weights;
 use crate::error::RuntimeError;
@@ -30,6 +33,10 @@ pub const FAMILIES: &[&str] = &[
     "qwen2",
     "qwen3",
     "smollm3",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "olmo2",
     "deepseek_v2",
     "deepseek_v3",
 ];
@@ -113,6 +120,43 @@ fn rope(c: Fields, dim: usize, layout: RopeLayout) -> Result<Rope, RuntimeError>
     // transformers 5 nests everything in `rope_parameters`; older files use `rope_theta` and
     // `rope_scaling`.
     let (params, kind) = rope_params(c)?;
+    rope_from(c, params, kind, dim, layout)
+}
+
+/// The RoPE of the layers of `layer_type` (gemma3 keys `rope_parameters` by layer type:
+/// `full_attention`, `sliding_attention`), or the model's one RoPE where it does not.
+fn rope_of_type(
+    c: Fields,
+    layer_type: &'static str,
+    dim: usize,
+    layout: RopeLayout,
+) -> Result<Rope, RuntimeError> {
+    let nested = match c.object("rope_parameters", "rope_parameters.")? {
+        Some(all) if all.has(layer_type) => all.object(
+            layer_type,
+            match layer_type {
+                "full_attention" => "rope_parameters.full_attention.",
+                _ => "rope_parameters.sliding_attention.",
+            },
+        )?,
+        _ => None,
+    };
+    let Some(params) = nested else {
+        return rope(c, dim, layout);
+    };
+    let (newer, older) = (params.str_opt("rope_type")?, params.str_opt("type")?);
+    let kind = newer.or(older).unwrap_or("default");
+    rope_from(c, Some(params), kind, dim, layout)
+}
+
+/// The RoPE of `kind` from its parameters `params` (and the top-level keys it falls back on).
+fn rope_from(
+    c: Fields,
+    params: Option<Fields>,
+    kind: &str,
+    dim: usize,
+    layout: RopeLayout,
+) -> Result<Rope, RuntimeError> {
     let num = |k: &str| params.map_or(Ok(None), |p| p.float_opt(k));
     // Every key a scaling reads is type-checked whatever the scaling, and so is the position
     // count any of them may fall back on.
@@ -247,11 +291,12 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
             "`mlp_bias` = true (biases on the MLP's projections) is not supported yet",
         ));
     }
-    let act = c.str_opt("hidden_act")?.unwrap_or("silu");
-    if act != "silu" {
+    let gemma = family.starts_with("gemma");
+    let mlp = activation(c, &family)?;
+    if c.flag("use_bidirectional_attention")? {
         return Err(bad(
             path,
-            format!("hidden_act `{act}` is not supported for {family}; supported: silu"),
+            "`use_bidirectional_attention` = true is not supported; supported: causal decoders",
         ));
     }
     // qwen2 has biases on q, k and v only; elsewhere `attention_bias` puts them on all four.
@@ -262,19 +307,73 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
         layers,
         attention,
         pattern,
-        qk_norm: (family == "qwen3").then_some(QkNorm::PerHead),
+        qk_norm: match family.as_str() {
+            "qwen3" | "gemma3_text" => Some(QkNorm::PerHead),
+            "olmo2" => Some(QkNorm::Whole),
+            _ => None,
+        },
+        placement: match family.as_str() {
+            "gemma2" | "gemma3_text" => NormPlacement::Sandwich,
+            "olmo2" => NormPlacement::Post,
+            _ => NormPlacement::Pre,
+        },
         norm: NormKind::Rms,
         norm_eps: c.float_or("rms_norm_eps", 1e-6)?,
-        mlp: MlpKind::SwiGlu,
+        norm_unit_offset: gemma,
+        mlp,
         intermediate: c.uint("intermediate_size")?,
         tie_embeddings: c.flag("tie_word_embeddings")?,
         qkv_bias: attention_bias || family == "qwen2",
         o_bias: attention_bias && family != "qwen2",
+        embed_multiplier: gemma.then(|| (hidden as f64).sqrt()),
+        final_softcap: match family.as_str() {
+            "gemma2" => defaulted(c, "final_logit_softcapping", Some(30.0))?,
+            "gemma3_text" => c.float_opt("final_logit_softcapping")?,
+            _ => None,
+        },
     };
     config
         .validate()
         .map_err(|e| bad(path, e.to_string().replace("model config: ", "")))?;
     Ok(config)
+}
+
+/// The MLP of the family from its activation: SwiGLU (`silu`), or GeGLU for gemma
+/// (`gelu_pytorch_tanh`; gemma's legacy `gelu` means the same, as transformers reads it).
+fn activation(c: Fields, family: &str) -> Result<MlpKind, RuntimeError> {
+    if !family.starts_with("gemma") {
+        let act = c.str_opt("hidden_act")?.unwrap_or("silu");
+        return match act {
+            "silu" => Ok(MlpKind::SwiGlu),
+            _ => Err(bad(
+                c.path(),
+                format!("hidden_act `{act}` is not supported for {family}; supported: silu"),
+            )),
+        };
+    }
+    let key = if family == "gemma" {
+        "hidden_act"
+    } else {
+        "hidden_activation"
+    };
+    match c.str_opt(key)?.unwrap_or("gelu_pytorch_tanh") {
+        "gelu_pytorch_tanh" => Ok(MlpKind::GeGlu),
+        "gelu" if family == "gemma" => Ok(MlpKind::GeGlu),
+        act => Err(bad(
+            c.path(),
+            format!("{key} `{act}` is not supported for {family}; supported: gelu_pytorch_tanh"),
+        )),
+    }
+}
+
+/// A number that takes `default` when the key is absent (transformers' default) and none when
+/// it is `null`.
+fn defaulted(c: Fields, key: &str, default: Option<f64>) -> Result<Option<f64>, RuntimeError> {
+    if c.has(key) {
+        c.float_opt(key)
+    } else {
+        Ok(default)
+    }
 }
 
 /// DeepSeek-V2/V3's MLA attention (every layer's); mixture-of-experts layers are refused.
@@ -329,11 +428,25 @@ fn per_head_layers(
 ) -> Result<(Vec<AttentionSpec>, Vec<usize>), RuntimeError> {
     let kv_heads = c.uint_opt("num_key_value_heads")?.unwrap_or(heads);
     let head_dim = c.uint_opt("head_dim")?.unwrap_or(hidden / heads);
-    let rope = rope(c, head_dim, RopeLayout::Half)?;
+    let ropes = [
+        rope_of_type(c, "full_attention", head_dim, RopeLayout::Half)?,
+        rope_of_type(c, "sliding_attention", head_dim, RopeLayout::Half)?,
+    ];
     let has_rope = rope_layers(c, family, layers)?;
     let sliding = sliding_layers(c, family, layers, &has_rope)?;
     // Read (and type-checked) whatever the family; used where a layer slides.
     let window = c.uint_opt("sliding_window")?;
+    // gemma2 and gemma3 scale by `query_pre_attn_scalar^-1/2` and may softcap the scores.
+    let later_gemma = matches!(family, "gemma2" | "gemma3_text");
+    let scale = match later_gemma {
+        true => Some(1.0 / c.float_or("query_pre_attn_scalar", 256.0)?.sqrt()),
+        false => None,
+    };
+    let softcap = match family {
+        "gemma2" => defaulted(c, "attn_logit_softcapping", Some(50.0))?,
+        "gemma3_text" => c.float_opt("attn_logit_softcapping")?,
+        _ => None,
+    };
     let mut kinds: Vec<AttentionSpec> = Vec::new();
     let mut pattern = Vec::with_capacity(layers);
     for i in 0..layers {
@@ -349,10 +462,12 @@ fn per_head_layers(
                 None => Mask::Causal(CausalAlign::BottomRight),
             },
             position: if has_rope[i] {
-                Position::Rope(rope)
+                Position::Rope(ropes[usize::from(sliding[i])])
             } else {
                 Position::None
             },
+            scale,
+            softcap,
             ..AttentionSpec::new(heads as u32, head_dim as u32)
         };
         let kind = match kinds.iter().position(|k| *k == spec) {
@@ -395,7 +510,8 @@ fn rope_layers(c: Fields, family: &str, layers: usize) -> Result<Vec<bool>, Runt
 /// Which layers use the sliding window, as transformers decides for the family: mistral's all
 /// of them (where it has a window); qwen2's, qwen3's and smollm3's those `layer_types` calls
 /// `sliding_attention` (by default qwen's from `max_window_layers` on, smollm3's those without
-/// RoPE), and only with `use_sliding_window`.
+/// RoPE), and only with `use_sliding_window`; gemma2's and gemma3's those `layer_types` calls
+/// so (by default every other layer, and five of every six).
 fn sliding_layers(
     c: Fields,
     family: &str,
@@ -422,10 +538,22 @@ fn sliding_layers(
             None => (0..layers).map(|i| default(i) && on).collect(),
         }
     };
+    // gemma2 and gemma3 slide where `layer_types` says, whatever `use_sliding_window`.
+    let gemma_typed = |default: &dyn Fn(usize) -> bool| -> Vec<bool> {
+        match &types {
+            Some(t) => t.iter().map(|&s| s && window).collect(),
+            None => (0..layers).map(|i| default(i) && window).collect(),
+        }
+    };
     Ok(match family {
         "mistral" => vec![window; layers],
         "qwen2" | "qwen3" => typed(&|i| i >= max_window_layers),
         "smollm3" => typed(&|i| !has_rope[i]),
+        "gemma2" => gemma_typed(&|i| (i + 1) % 2 != 0),
+        "gemma3_text" => {
+            let every = c.uint_opt("sliding_window_pattern")?.unwrap_or(6).max(1);
+            gemma_typed(&|i| (i + 1) % every != 0)
+        }
         _ => vec![false; layers],
     })
 }

@@ -73,6 +73,11 @@ impl<'a> Fields<'a> {
         self.path
     }
 
+    /// Whether `key` is there at all (`null` included).
+    pub(crate) fn has(&self, key: &str) -> bool {
+        self.map.contains_key(key)
+    }
+
     /// The value at `key`, `None` when absent or `null`.
     pub(crate) fn get(&self, key: &str) -> Option<&'a Value> {
         self.map.get(key).filter(|v| !v.is_null())

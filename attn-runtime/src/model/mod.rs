@@ -20,7 +20,7 @@ mod weights;
 
 pub use config::{
     MAX_INTERMEDIATE, MAX_KINDS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, MlpKind, ModelConfig, NormKind,
-    QkNorm,
+    NormPlacement, QkNorm,
 };
 pub use device::DeviceModel;
 pub use generate::{Progress, Request, Sampling};
@@ -64,13 +64,29 @@ pub(crate) enum AttentionWeights {
     },
 }
 
-/// One decoder layer.
+/// One decoder layer; its norms as the config's [`NormPlacement`] places them.
 #[derive(Debug)]
 pub(crate) struct Layer {
-    pub attn_norm: Norm,
+    pub attn_norm: Option<Norm>,
     pub attn: AttentionWeights,
-    pub mlp_norm: Norm,
+    pub post_attn_norm: Option<Norm>,
+    pub mlp_norm: Option<Norm>,
     pub mlp: Mlp,
+    pub post_mlp_norm: Option<Norm>,
+}
+
+impl Layer {
+    /// Its norms, in order.
+    pub fn norms(&self) -> impl Iterator<Item = &Norm> {
+        [
+            &self.attn_norm,
+            &self.post_attn_norm,
+            &self.mlp_norm,
+            &self.post_mlp_norm,
+        ]
+        .into_iter()
+        .flatten()
+    }
 }
 
 /// A model ready to run: its weights in host memory, its attention on a [`Backend`] (the CPU
@@ -258,7 +274,7 @@ impl Model {
             };
             mlp +=
                 layer.mlp.gate.as_ref().map_or(0, lin) + lin(&layer.mlp.up) + lin(&layer.mlp.down);
-            norms += norm(&layer.attn_norm) + norm(&layer.mlp_norm);
+            norms += layer.norms().map(norm).sum::<u64>();
         }
         vec![
             ("embedding", self.embed.len() as u64),
@@ -280,7 +296,17 @@ impl Model {
                 "token {i} is {t}, outside the vocabulary of {vocab}"
             )));
         }
-        self.ops.embed(self.embed.storage(), d, tokens)
+        let mut x = self.ops.embed(self.embed.storage(), d, tokens)?;
+        if let Some(m) = self.config.embed_multiplier {
+            // In the embedding's dtype, as transformers multiplies.
+            let m = match self.embed.storage() {
+                crate::tensor::Storage::F32(_) => m as f32,
+                crate::tensor::Storage::Bf16(_) => half::bf16::from_f64(m).to_f32(),
+                crate::tensor::Storage::F16(_) => half::f16::from_f64(m).to_f32(),
+            };
+            x.iter_mut().for_each(|v| *v *= m);
+        }
+        Ok(x)
     }
 
     fn run<'c>(
@@ -295,19 +321,28 @@ impl Model {
         )?;
         let ops = self.ops.as_ref();
         let mut x = self.embed(tokens)?;
+        let normed = |norm: &Option<Norm>, x: Vec<f32>| match norm {
+            Some(norm) => norm.apply(ops, &x),
+            None => Ok(x),
+        };
         for (i, layer) in self.layers.iter().enumerate() {
-            let h = layer.attn_norm.apply(ops, &x)?;
+            let h = normed(&layer.attn_norm, x.clone())?;
             let a = self.attention(self.layer_variant(i), &layer.attn, &h, n, keys(i))?;
-            ops.add(&mut x, &a)?;
-            let h = layer.mlp_norm.apply(ops, &x)?;
+            ops.add(&mut x, &normed(&layer.post_attn_norm, a)?)?;
+            let h = normed(&layer.mlp_norm, x.clone())?;
             let m = layer.mlp.apply(ops, &h, n)?;
-            ops.add(&mut x, &m)?;
+            ops.add(&mut x, &normed(&layer.post_mlp_norm, m)?)?;
         }
         let x = self.final_norm.apply(ops, &x)?;
-        Ok(match &self.lm_head {
+        let mut logits = match &self.lm_head {
             Some(head) => head.apply(&x, n),
             None => self.embed.matmul_t(&x, n),
-        })
+        };
+        if let Some(c) = self.config.final_softcap {
+            let c = c as f32;
+            logits.iter_mut().for_each(|v| *v = c * (*v / c).tanh());
+        }
+        Ok(logits)
     }
 
     /// Bytes a forward pass over `n` tokens holds at its peak, about: per token the residual

@@ -6,9 +6,10 @@
 //! hidden = 768
 //! layers = 12
 //! attention = "heads = 12, kv_heads = 4, head_dim = 64, mask = causal, position = rope"
-//! # optional: norm = "rms" | "layer", norm_eps = 1e-5, mlp = "swiglu" | "gelu",
+//! # optional: norm = "rms" | "layer", norm_eps = 1e-5, mlp = "swiglu" | "geglu" | "gelu",
+//! # norm_placement = "pre" | "sandwich" | "post",
 //! # intermediate = 2048 (default 8d/3 for SwiGLU, 4d for GELU, rounded up to 64),
-//! # tie_embeddings = true, qkv_bias = false, qk_norm = "per_head"
+//! # tie_embeddings = true, qkv_bias = false, qk_norm = "per_head" | "whole"
 //! # weights = "model.safetensors": trained weights, a file beside this one (see `load`)
 //! ```
 //!
@@ -22,7 +23,7 @@
 //! global = "heads = 12, head_dim = 64, mask = causal, position = rope"
 //! ```
 
-use super::config::{MlpKind, ModelConfig, NormKind, QkNorm};
+use super::config::{MlpKind, ModelConfig, NormKind, NormPlacement, QkNorm};
 use super::layers::{Linear, Matrix, Mlp, Norm};
 use super::{AttentionWeights, Layer, Model};
 use crate::error::RuntimeError;
@@ -42,6 +43,7 @@ pub const KEYS: &[&str] = &[
     "pattern",
     "qk_norm",
     "norm",
+    "norm_placement",
     "norm_eps",
     "mlp",
     "intermediate",
@@ -60,7 +62,7 @@ pub fn default_intermediate(mlp: MlpKind, hidden: usize) -> usize {
     // cannot overflow first.
     let hidden = hidden.min(super::config::MAX_WIDTH);
     let width = match mlp {
-        MlpKind::SwiGlu => (8 * hidden).div_ceil(3),
+        MlpKind::SwiGlu | MlpKind::GeGlu => (8 * hidden).div_ceil(3),
         MlpKind::Gelu => 4 * hidden,
     };
     width.div_ceil(64) * 64
@@ -109,7 +111,12 @@ pub fn config_from_toml(text: &str) -> Result<ModelConfig, RuntimeError> {
     let qk_norm = match table.get("qk_norm") {
         None => None,
         Some(v) if v.as_str() == Some("per_head") => Some(QkNorm::PerHead),
-        Some(v) => return Err(err(format!("`qk_norm` is {v}; allowed: \"per_head\""))),
+        Some(v) if v.as_str() == Some("whole") => Some(QkNorm::Whole),
+        Some(v) => {
+            return Err(err(format!(
+                "`qk_norm` is {v}; allowed: \"per_head\", \"whole\""
+            )));
+        }
     };
     let norm = match word("norm", "rms")?.as_str() {
         "rms" => NormKind::Rms,
@@ -118,8 +125,23 @@ pub fn config_from_toml(text: &str) -> Result<ModelConfig, RuntimeError> {
     };
     let mlp = match word("mlp", "swiglu")?.as_str() {
         "swiglu" => MlpKind::SwiGlu,
+        "geglu" => MlpKind::GeGlu,
         "gelu" => MlpKind::Gelu,
-        other => return Err(err(format!("`mlp` is `{other}`; allowed: swiglu, gelu"))),
+        other => {
+            return Err(err(format!(
+                "`mlp` is `{other}`; allowed: swiglu, geglu, gelu"
+            )));
+        }
+    };
+    let placement = match word("norm_placement", "pre")?.as_str() {
+        "pre" => NormPlacement::Pre,
+        "sandwich" => NormPlacement::Sandwich,
+        "post" => NormPlacement::Post,
+        other => {
+            return Err(err(format!(
+                "`norm_placement` is `{other}`; allowed: pre, sandwich, post"
+            )));
+        }
     };
     let norm_eps = match table.get("norm_eps") {
         None => 1e-5,
@@ -140,6 +162,7 @@ pub fn config_from_toml(text: &str) -> Result<ModelConfig, RuntimeError> {
         attention,
         pattern,
         qk_norm,
+        placement,
         norm,
         norm_eps,
         mlp,
@@ -147,6 +170,9 @@ pub fn config_from_toml(text: &str) -> Result<ModelConfig, RuntimeError> {
         tie_embeddings: flag("tie_embeddings", true)?,
         qkv_bias: flag("qkv_bias", false)?,
         o_bias: false,
+        norm_unit_offset: false,
+        embed_multiplier: None,
+        final_softcap: None,
     };
     config.validate()?;
     Ok(config)
@@ -256,13 +282,20 @@ pub fn config_to_toml(config: &ModelConfig, weights: Option<&str>) -> String {
     };
     let mlp = match c.mlp {
         MlpKind::SwiGlu => "swiglu",
+        MlpKind::GeGlu => "geglu",
         MlpKind::Gelu => "gelu",
+    };
+    let placement = match c.placement {
+        NormPlacement::Pre => "pre",
+        NormPlacement::Sandwich => "sandwich",
+        NormPlacement::Post => "post",
     };
     let text = toml::toml! {
         vocab = (c.vocab as i64)
         hidden = (c.hidden as i64)
         layers = (c.layers as i64)
         norm = norm
+        norm_placement = placement
         norm_eps = (c.norm_eps)
         mlp = mlp
         intermediate = (c.intermediate as i64)
@@ -287,8 +320,12 @@ pub fn config_to_toml(config: &ModelConfig, weights: Option<&str>) -> String {
             table.insert("pattern".into(), toml::Value::Array(pattern.collect()));
         }
     }
-    if c.qk_norm == Some(QkNorm::PerHead) {
-        table.insert("qk_norm".into(), toml::Value::String("per_head".into()));
+    if let Some(qk) = c.qk_norm {
+        let name = match qk {
+            QkNorm::PerHead => "per_head",
+            QkNorm::Whole => "whole",
+        };
+        table.insert("qk_norm".into(), toml::Value::String(name.into()));
     }
     if let Some(w) = weights {
         table.insert("weights".into(), toml::Value::String(w.to_string()));
@@ -386,12 +423,16 @@ impl Model {
                             k: init.linear(hkv * d, c.hidden, c.qkv_bias),
                             v: init.linear(hkv * dv, c.hidden, c.qkv_bias),
                             o: init.linear(c.hidden, heads * dv, c.o_bias),
-                            qk_norm: c.qk_norm.map(|_| [norm(d), norm(d)]).map(|[q, k]| {
-                                // RMSNorm whatever the model's norm kind (as qwen3).
+                            qk_norm: c.qk_norm.map(|qk| {
+                                let [q, k] = match qk {
+                                    QkNorm::PerHead => [d, d],
+                                    QkNorm::Whole => [heads * d, hkv * d],
+                                };
+                                // RMSNorm whatever the model's norm kind (as qwen3, olmo2).
                                 [q, k].map(|n| Norm {
                                     kind: NormKind::Rms,
                                     bias: None,
-                                    ..n
+                                    ..norm(n)
                                 })
                             }),
                             // Learnable tensors start at 0 (a sink of weight exp(0)).
@@ -408,16 +449,19 @@ impl Model {
                 }?;
                 let mlp = Mlp {
                     kind: c.mlp,
-                    gate: (c.mlp == MlpKind::SwiGlu)
+                    gate: (c.mlp != MlpKind::Gelu)
                         .then(|| init.linear(c.intermediate, c.hidden, false)),
                     up: init.linear(c.intermediate, c.hidden, false),
                     down: init.linear(c.hidden, c.intermediate, false),
                 };
+                let (before, after) = (c.placement.before(), c.placement.after());
                 Ok(Layer {
-                    attn_norm: norm(c.hidden),
+                    attn_norm: before.then(|| norm(c.hidden)),
                     attn,
-                    mlp_norm: norm(c.hidden),
+                    post_attn_norm: after.then(|| norm(c.hidden)),
+                    mlp_norm: before.then(|| norm(c.hidden)),
                     mlp,
+                    post_mlp_norm: after.then(|| norm(c.hidden)),
                 })
             })
             .collect::<Result<Vec<_>, RuntimeError>>()?;

@@ -34,10 +34,11 @@ pub(crate) fn tensor_names(config: &ModelConfig, q_lora: Option<usize>) -> Vec<S
         let spec = config.layer_attention(i);
         let mla = spec.mla().is_some();
         let p = format!("model.layers.{i}.");
-        names.extend(norm(&format!("{p}input_layernorm")));
-        names.extend(norm(&format!("{p}post_attention_layernorm")));
+        for name in config.placement.norm_names().into_iter().flatten() {
+            names.extend(norm(&format!("{p}{name}")));
+        }
         let mut mlp = vec!["mlp.up_proj.weight", "mlp.down_proj.weight"];
-        if config.mlp == MlpKind::SwiGlu {
+        if config.mlp != MlpKind::Gelu {
             mlp.push("mlp.gate_proj.weight");
         }
         let attn: &[&str] = match (mla, q_lora.is_some(), config.qkv_bias) {
@@ -96,6 +97,7 @@ pub(crate) fn assemble(
         tensors: w,
         shapes_from,
         norm: config.norm,
+        unit_offset: config.norm_unit_offset,
     };
     let eps = config.norm_eps;
     let (d, inter) = (config.hidden, config.intermediate);
@@ -143,8 +145,12 @@ pub(crate) fn assemble(
                     o: w.linear(&format!("{p}o_proj"), config.o_bias, [d, heads * dv])?,
                     qk_norm: match config.qk_norm {
                         Some(QkNorm::PerHead) => Some([
-                            w.rms_norm(&format!("{p}q_norm"), eps, dk)?,
-                            w.rms_norm(&format!("{p}k_norm"), eps, dk)?,
+                            w.qk_norm(&format!("{p}q_norm"), eps, dk)?,
+                            w.qk_norm(&format!("{p}k_norm"), eps, dk)?,
+                        ]),
+                        Some(QkNorm::Whole) => Some([
+                            w.qk_norm(&format!("{p}q_norm"), eps, heads * dk)?,
+                            w.qk_norm(&format!("{p}k_norm"), eps, hkv * dk)?,
                         ]),
                         None => None,
                     },
@@ -161,7 +167,9 @@ pub(crate) fn assemble(
         };
         let p = format!("model.layers.{i}.");
         let gate = match config.mlp {
-            MlpKind::SwiGlu => Some(w.linear(&format!("{p}mlp.gate_proj"), false, [inter, d])?),
+            MlpKind::SwiGlu | MlpKind::GeGlu => {
+                Some(w.linear(&format!("{p}mlp.gate_proj"), false, [inter, d])?)
+            }
             MlpKind::Gelu => None,
         };
         let mlp = Mlp {
@@ -170,11 +178,17 @@ pub(crate) fn assemble(
             up: w.linear(&format!("{p}mlp.up_proj"), false, [inter, d])?,
             down: w.linear(&format!("{p}mlp.down_proj"), false, [d, inter])?,
         };
+        let [attn_norm, post_attn_norm, mlp_norm, post_mlp_norm] = config
+            .placement
+            .norm_names()
+            .map(|name| name.map(|n| w.norm(&format!("{p}{n}"), eps, d)).transpose());
         layers.push(Layer {
-            attn_norm: w.norm(&format!("{p}input_layernorm"), eps, d)?,
+            attn_norm: attn_norm?,
             attn,
-            mlp_norm: w.norm(&format!("{p}post_attention_layernorm"), eps, d)?,
+            post_attn_norm: post_attn_norm?,
+            mlp_norm: mlp_norm?,
             mlp,
+            post_mlp_norm: post_mlp_norm?,
         });
     }
     let embed = w.matrix("model.embed_tokens.weight", [config.vocab, d])?;
@@ -193,6 +207,8 @@ struct Store<'a> {
     tensors: HashMap<String, Tensor>,
     shapes_from: &'a str,
     norm: NormKind,
+    /// Norm weights are offsets from 1 ([`ModelConfig::norm_unit_offset`]).
+    unit_offset: bool,
 }
 
 impl Store<'_> {
@@ -248,22 +264,42 @@ impl Store<'_> {
         };
         Ok(Norm {
             kind: self.norm,
-            weight: self
-                .shaped(&format!("{prefix}.weight"), &[len])?
-                .to_f32_vec(),
+            weight: self.norm_weight(prefix, len)?,
             bias,
             eps,
         })
     }
 
-    /// The RMSNorm `{prefix}.weight` over `len` values (DeepSeek's latent norms, per-head q/k
-    /// norms).
+    /// `{prefix}.weight` over `len` values as the norm multiplies by it: plus 1 where the
+    /// model stores offsets from 1.
+    fn norm_weight(&mut self, prefix: &str, len: usize) -> Result<Vec<f32>, RuntimeError> {
+        let mut w = self
+            .shaped(&format!("{prefix}.weight"), &[len])?
+            .to_f32_vec();
+        if self.unit_offset {
+            w.iter_mut().for_each(|x| *x += 1.0);
+        }
+        Ok(w)
+    }
+
+    /// The RMSNorm `{prefix}.weight` over `len` values (DeepSeek's latent norms, which are
+    /// plain weights).
     fn rms_norm(&mut self, prefix: &str, eps: f64, len: usize) -> Result<Norm, RuntimeError> {
         Ok(Norm {
             kind: NormKind::Rms,
             weight: self
                 .shaped(&format!("{prefix}.weight"), &[len])?
                 .to_f32_vec(),
+            bias: None,
+            eps,
+        })
+    }
+
+    /// The q/k RMSNorm `{prefix}.weight` over `len` values, stored as the model's norms are.
+    fn qk_norm(&mut self, prefix: &str, eps: f64, len: usize) -> Result<Norm, RuntimeError> {
+        Ok(Norm {
+            kind: NormKind::Rms,
+            weight: self.norm_weight(prefix, len)?,
             bias: None,
             eps,
         })

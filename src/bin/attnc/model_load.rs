@@ -53,15 +53,13 @@ pub fn parse_tokens(text: &str) -> Result<Vec<u32>, String> {
 }
 
 /// The device a model can be resident on for `backend`: the interpreter for gpu-sim, CUDA
-/// device 0 for cuda; `None` on the CPU, and for models not yet resident on devices (MLA,
-/// layers that differ in attention, norms on q and k).
+/// device 0 for cuda; `None` on the CPU, and for models not yet resident on devices
+/// (`ModelConfig::not_resident`: they run with only the attention on the backend).
 pub fn resident_device(
     model: &Model,
     backend: Backend,
 ) -> Result<Option<std::sync::Arc<dyn Device>>, String> {
-    // The device model runs one attention kind, per-head, without q/k norms.
-    let c = &model.config;
-    if c.single_attention().is_none_or(|spec| spec.mla().is_some()) || c.qk_norm.is_some() {
+    if model.config.not_resident().is_some() {
         return Ok(None);
     }
     match backend {

@@ -33,6 +33,8 @@ pub enum Activation {
     SwiGlu,
     /// `up = gelu(up)` (tanh approximation).
     Gelu,
+    /// `up = gelu(gate) * up` (tanh approximation).
+    GeGlu,
 }
 
 crate::gpu::launch::launch_record! {
@@ -247,6 +249,17 @@ pub fn activation(kind: Activation) -> Kernel {
         r.add("g", Ty::F32),
     );
     let x_at = add(p::<A>("x"), mul(reg(i), i64(4)));
+    // 0.5 x (1 + tanh(y)) = x - x / (e^{2y} + 1), y = sqrt(2/pi) (x + 0.044715 x^3).
+    let gelu = |x: Reg| {
+        let y = mul(
+            f32(0.797_884_6),
+            fma(mul(f32(0.044_715), mul(reg(x), reg(x))), reg(x), reg(x)),
+        );
+        sub(
+            reg(x),
+            bin(Bin::Div, reg(x), add(exp(mul(y, f32(2.0))), f32(1.0))),
+        )
+    };
     let value = match kind {
         // silu(g) * u = g u / (1 + e^-g).
         Activation::SwiGlu => bin(
@@ -254,20 +267,11 @@ pub fn activation(kind: Activation) -> Kernel {
             mul(reg(g), reg(u)),
             add(f32(1.0), exp(un(Un::Neg, reg(g)))),
         ),
-        // 0.5 u (1 + tanh(y)) = u - u / (e^{2y} + 1), y = sqrt(2/pi) (u + 0.044715 u^3).
-        Activation::Gelu => {
-            let y = mul(
-                f32(0.797_884_6),
-                fma(mul(f32(0.044_715), mul(reg(u), reg(u))), reg(u), reg(u)),
-            );
-            sub(
-                reg(u),
-                bin(Bin::Div, reg(u), add(exp(mul(y, f32(2.0))), f32(1.0))),
-            )
-        }
+        Activation::Gelu => gelu(u),
+        Activation::GeGlu => mul(gelu(g), reg(u)),
     };
     let mut run = vec![Stmt::Set(u, load(Space::Global, Ty::F32, x_at.clone()))];
-    if kind == Activation::SwiGlu {
+    if kind != Activation::Gelu {
         run.push(Stmt::Set(
             g,
             load(
@@ -281,6 +285,7 @@ pub fn activation(kind: Activation) -> Kernel {
     let name = match kind {
         Activation::SwiGlu => "swiglu",
         Activation::Gelu => "gelu",
+        Activation::GeGlu => "geglu",
     };
     kernel(
         name,
