@@ -602,6 +602,44 @@ fn per_layer_keys_and_qk_norms_that_do_not_fit_are_refused() {
             value,
         );
     }
+    for (fixture, key, value, needle) in [
+        (
+            "gemma2_softcap",
+            "hidden_activation",
+            "\"relu\"",
+            "hidden_activation `relu` is not supported for gemma2",
+        ),
+        (
+            "gemma3_text",
+            "use_bidirectional_attention",
+            "true",
+            "`use_bidirectional_attention`",
+        ),
+        (
+            "gemma2_softcap",
+            "final_logit_softcapping",
+            "-3.0",
+            "`final_softcap` = -3 is invalid",
+        ),
+        (
+            "gemma3_text",
+            "rope_parameters",
+            r#"{"full_attention": {"rope_type": "longrope"}}"#,
+            "rope type `longrope` is not supported",
+        ),
+    ] {
+        refused(
+            Scratch::of(fixture, key).config(key, value).load(),
+            &[needle],
+            &format!("{fixture}: {key} = {value}"),
+        );
+    }
+    let name = "model.layers.0.self_attn.q_norm.weight";
+    refused(
+        Scratch::of("olmo2", "q_norm").tensor(name, &[16]).load(),
+        &[name, "[64]"],
+        "an olmo2 q_norm per head",
+    );
     let name = "model.layers.1.self_attn.k_norm.weight";
     refused(
         Scratch::of("qwen3_sliding", "k_norm")

@@ -246,8 +246,8 @@ fn layer_patterns_in_toml_and_their_errors() {
             "`attention.a`",
         ),
         (
-            "vocab = 9\nhidden = 8\nlayers = 1\nqk_norm = \"whole\"\nattention = \"heads = 2, head_dim = 4\"".to_string(),
-            "allowed: \"per_head\"",
+            "vocab = 9\nhidden = 8\nlayers = 1\nqk_norm = \"all\"\nattention = \"heads = 2, head_dim = 4\"".to_string(),
+            "allowed: \"per_head\", \"whole\"",
         ),
     ] {
         let err = config_from_toml(&text).unwrap_err().to_string();
@@ -280,5 +280,38 @@ fn kinds_and_patterns_built_in_code_are_checked() {
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains(needle), "{err}");
         assert!(Model::random(&c, 0).is_err());
+    }
+}
+
+/// Each norm placement, GeGLU and both q/k norms: incremental decoding equals the full forward,
+/// and the config counts the weights the model holds.
+#[test]
+fn norm_placements_geglu_and_qk_norms_decode_as_their_full_forward() {
+    for extra in [
+        "norm_placement = \"sandwich\"\nmlp = \"geglu\"\nqk_norm = \"per_head\"",
+        "norm_placement = \"post\"\nqk_norm = \"whole\"\nnorm = \"layer\"",
+    ] {
+        let c = config(
+            "heads = 4, kv_heads = 2, head_dim = 12, mask = causal, position = rope",
+            extra,
+        );
+        let model = Model::random(&c, 5).unwrap();
+        let parts: u64 = model.parameters().iter().map(|(_, n)| n).sum();
+        assert_eq!(parts, c.weight_count().unwrap(), "{extra}");
+        let tokens: Vec<u32> = (0..9).map(|i| (i * 11 % 97) as u32).collect();
+        let full = model.forward(&tokens).unwrap();
+        let mut session = model.session(16, 4).unwrap();
+        let mut steps = session.step(&tokens[..4]).unwrap();
+        for t in 4..tokens.len() {
+            steps.extend(session.step(&tokens[t..t + 1]).unwrap());
+        }
+        let err = full
+            .iter()
+            .zip(&steps)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(err < 1e-4, "{extra}: incremental against full: {err}");
+        let back = attn_runtime::model::research::config_to_toml(&c, None);
+        assert_eq!(config_from_toml(&back).unwrap(), c, "{back}");
     }
 }

@@ -116,6 +116,24 @@ fn a_model_with_learned_slopes_and_sinks_gives_the_runtimes_logits() {
 }
 
 #[test]
+fn per_layer_kinds_sandwich_norms_geglu_and_qk_norms_give_the_runtimes_logits() {
+    same_logits(
+        "vocab = 41\nhidden = 32\nlayers = 3\nmlp = \"geglu\"\nnorm_placement = \"sandwich\"\n\
+         qk_norm = \"per_head\"\npattern = [\"local\", \"global\"]\n[attention]\n\
+         local = \"heads = 4, kv_heads = 2, head_dim = 8, mask = sliding_window(3), position = rope\"\n\
+         global = \"heads = 2, head_dim = 16, mask = causal\"",
+    );
+}
+
+#[test]
+fn post_norms_and_whole_projection_qk_norms_give_the_runtimes_logits() {
+    same_logits(
+        "vocab = 43\nhidden = 32\nlayers = 2\nnorm_placement = \"post\"\nqk_norm = \"whole\"\n\
+         attention = \"heads = 4, kv_heads = 2, head_dim = 8, mask = causal, position = rope\"",
+    );
+}
+
+#[test]
 fn a_token_past_the_vocabulary_is_an_error() {
     let config = research::config_from_toml(
         "vocab = 10\nhidden = 16\nlayers = 1\nattention = \"heads = 1, head_dim = 16, mask = causal\"",
