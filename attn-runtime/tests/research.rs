@@ -315,3 +315,17 @@ fn norm_placements_geglu_and_qk_norms_decode_as_their_full_forward() {
         assert_eq!(config_from_toml(&back).unwrap(), c, "{back}");
     }
 }
+
+/// The README's per-layer TOML example is a valid config.
+#[test]
+fn the_readmes_layer_pattern_example_reads() {
+    let readme = include_str!("../../README.md");
+    let block = readme
+        .split("```toml\n")
+        .skip(1)
+        .filter_map(|rest| rest.split("```").next())
+        .find(|b| b.contains("pattern = ["))
+        .expect("the README shows a TOML with a layer pattern");
+    let c = config_from_toml(block).unwrap();
+    assert_eq!((c.attention.len(), c.pattern.len(), c.layers), (2, 3, 12));
+}
