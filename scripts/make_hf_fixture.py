@@ -90,6 +90,21 @@ FIXTURES = {
              rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
         "olmo2: norms after attention and the MLP, q/k RMSNorm over the whole projection",
     ),
+    "mixtral_moe": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        "mixtral: 4 experts, top 2, weights renormalized",
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(num_hidden_layers=3, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=48,
+             norm_topk_prob=False, mlp_only_layers=[1],
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        "qwen3_moe: 6 experts of width 48, top 3, weights not renormalized; layer 1 dense",
+    ),
 }
 
 

@@ -285,6 +285,9 @@ fn every_config_key_with_hostile_values_loads_or_errs() {
         "deepseek_v2_lite_mla",
         "qwen3_sliding",
         "smollm3_nope",
+        "gemma3_text",
+        "olmo2",
+        "qwen3_moe",
     ] {
         let text = std::fs::read_to_string(fixture(name).join("config.json")).unwrap();
         let json: serde_json::Value = serde_json::from_str(&text).unwrap();
@@ -634,6 +637,36 @@ fn per_layer_keys_and_qk_norms_that_do_not_fit_are_refused() {
             &format!("{fixture}: {key} = {value}"),
         );
     }
+    for (key, value, needle) in [
+        ("num_local_experts", "0", "an expert count of 0"),
+        (
+            "num_experts_per_tok",
+            "5",
+            "5 experts per token (top-k) with 4 experts",
+        ),
+        ("num_experts_per_tok", "0", "0 experts per token"),
+    ] {
+        refused(
+            Scratch::of("mixtral_moe", key).config(key, value).load(),
+            &[needle],
+            &format!("mixtral: {key} = {value}"),
+        );
+    }
+    refused(
+        Scratch::of("qwen3_moe", "sparse_step")
+            .config("decoder_sparse_step", "0")
+            .load(),
+        &["`decoder_sparse_step` is 0"],
+        "decoder_sparse_step = 0",
+    );
+    let name = "model.layers.1.block_sparse_moe.experts.3.w2.weight";
+    refused(
+        Scratch::of("mixtral_moe", "w2")
+            .tensor(name, &[64, 64])
+            .load(),
+        &[name, "[64, 128]"],
+        "an expert's down projection of the wrong width",
+    );
     let name = "model.layers.0.self_attn.q_norm.weight";
     refused(
         Scratch::of("olmo2", "q_norm").tensor(name, &[16]).load(),

@@ -144,6 +144,26 @@ fn olmo2_matches_transformers() {
     check("olmo2", 24);
 }
 
+/// mixtral: every layer a mixture of 4 experts, top 2, the chosen weights renormalized.
+#[test]
+fn mixtral_matches_transformers() {
+    let config = hf::config(&dir("mixtral_moe")).unwrap();
+    let moe = config.moe.as_ref().unwrap();
+    assert_eq!((moe.experts, moe.top_k, moe.normalize), (4, 2, true));
+    check("mixtral_moe", 24);
+}
+
+/// qwen3_moe: 6 experts, top 3, weights as the softmax gives them; layer 1 dense
+/// (`mlp_only_layers`).
+#[test]
+fn qwen3_moe_matches_transformers() {
+    let config = hf::config(&dir("qwen3_moe")).unwrap();
+    let moe = config.moe.as_ref().unwrap();
+    assert_eq!((moe.top_k, moe.normalize), (3, false));
+    assert_eq!(moe.sparse, [true, false, true]);
+    check("qwen3_moe", 24);
+}
+
 /// The same checkpoints with their attention on the GPU kernels (run on the GPU IR
 /// interpreter, through the `Backend` trait): forward, ragged prefill and decode steps, MLA.
 #[test]
@@ -155,6 +175,7 @@ fn models_on_the_gpu_kernels_match_transformers() {
         "smollm3_nope",
         "gemma2_softcap",
         "olmo2",
+        "qwen3_moe",
     ] {
         let gpu = std::sync::Arc::new(attn_runtime::gpu::sim::GpuSim);
         check_on(name, 24, Some(gpu));

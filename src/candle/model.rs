@@ -153,6 +153,11 @@ impl CandleModel {
         if config.attention.iter().any(|spec| spec.mla().is_some()) {
             candle_core::bail!("attn::candle: MLA models do not train through candle yet");
         }
+        if config.moe.is_some() {
+            candle_core::bail!(
+                "attn::candle: mixture-of-experts models do not train through candle yet"
+            );
+        }
         if config.norm_unit_offset
             || config.embed_multiplier.is_some()
             || config.final_softcap.is_some()

@@ -46,6 +46,91 @@ pub struct ModelConfig {
     pub embed_multiplier: Option<f64>,
     /// Logits become `c tanh(logits / c)` (gemma2's `final_logit_softcapping`).
     pub final_softcap: Option<f64>,
+    /// Mixture-of-experts MLPs, in the layers it names.
+    pub moe: Option<Moe>,
+}
+
+/// Mixture-of-experts MLPs: a router picks `top_k` of `experts` MLPs (each of the model's MLP
+/// kind, `intermediate` wide) per token by the softmax of its logits; the token's output is the
+/// chosen experts' outputs weighted by their probabilities (renormalized to sum to 1 where
+/// `normalize`). Each expert runs only on the tokens routed to it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Moe {
+    /// Experts per MoE layer.
+    pub experts: usize,
+    /// Experts chosen per token.
+    pub top_k: usize,
+    /// Each expert's MLP width.
+    pub intermediate: usize,
+    /// The chosen experts' weights are divided by their sum.
+    pub normalize: bool,
+    /// Which layers are MoE (one entry per layer); the others have the dense MLP.
+    pub sparse: Vec<bool>,
+    /// The checkpoint's names for the router and the experts.
+    pub names: ExpertNames,
+}
+
+/// How a checkpoint names a MoE layer's tensors (`model.layers.{i}.` then these).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertNames {
+    /// `block_sparse_moe.gate`, `block_sparse_moe.experts.{j}.w1` (gate), `w3` (up), `w2`
+    /// (down): mixtral.
+    Mixtral,
+    /// `mlp.gate`, `mlp.experts.{j}.gate_proj`, `up_proj`, `down_proj`: qwen2_moe, qwen3_moe.
+    Qwen,
+}
+
+/// Most experts a MoE layer may have.
+pub const MAX_EXPERTS: usize = 1024;
+
+impl Moe {
+    /// The router's and experts' tensor names of layer `i` (`model.layers.{i}.` prefix): the
+    /// router, then each expert's gate, up and down projections (no `.weight`).
+    pub fn tensor_prefixes(&self, i: usize) -> (String, Vec<[String; 3]>) {
+        let p = format!("model.layers.{i}.");
+        let (router, expert) = match self.names {
+            ExpertNames::Mixtral => ("block_sparse_moe.gate", "block_sparse_moe.experts"),
+            ExpertNames::Qwen => ("mlp.gate", "mlp.experts"),
+        };
+        let [gate, up, down] = match self.names {
+            ExpertNames::Mixtral => ["w1", "w3", "w2"],
+            ExpertNames::Qwen => ["gate_proj", "up_proj", "down_proj"],
+        };
+        let experts = (0..self.experts)
+            .map(|j| [gate, up, down].map(|n| format!("{p}{expert}.{j}.{n}")))
+            .collect();
+        (format!("{p}{router}"), experts)
+    }
+
+    /// Checks the counts against a model of `layers` layers.
+    fn validate(&self, layers: usize) -> Result<(), RuntimeError> {
+        let err = |m: String| Err(RuntimeError::Data(format!("model config: {m}")));
+        if !(1..=MAX_EXPERTS).contains(&self.experts) {
+            return err(format!(
+                "an expert count of {}; allowed: 1 to {MAX_EXPERTS}",
+                self.experts
+            ));
+        }
+        if !(1..=self.experts).contains(&self.top_k) {
+            return err(format!(
+                "{} experts per token (top-k) with {} experts; allowed: 1 to {}",
+                self.top_k, self.experts, self.experts
+            ));
+        }
+        if !(1..=MAX_INTERMEDIATE).contains(&self.intermediate) {
+            return err(format!(
+                "an expert MLP width of {}; allowed: 1 to {MAX_INTERMEDIATE}",
+                self.intermediate
+            ));
+        }
+        if self.sparse.len() != layers {
+            return err(format!(
+                "MoE layers are listed for {} layers; the model has {layers}",
+                self.sparse.len()
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// Where a layer's norms sit (each norm over the residual width, of the model's kind).
@@ -148,6 +233,9 @@ impl ModelConfig {
             )));
         }
         self.check_kinds()?;
+        if let Some(moe) = &self.moe {
+            moe.validate(self.layers)?;
+        }
         for spec in &self.attention {
             crate::error::check_spec(spec)?;
             if self.qk_norm.is_some() && spec.mla().is_some() {
@@ -197,6 +285,7 @@ impl ModelConfig {
             ),
             (self.embed_multiplier.is_some(), "an embedding multiplier"),
             (self.final_softcap.is_some(), "a final logit softcap"),
+            (self.moe.is_some(), "mixture-of-experts MLPs"),
         ];
         checks
             .into_iter()
@@ -276,9 +365,16 @@ impl ModelConfig {
             // In a validated config every product fits easily (widths below 2^20, vocabularies
             // below 2^24, MLP widths below 2^22, heads and head dims below 2^11); the sums are
             // checked all the same.
+            let mlp = match &self.moe {
+                Some(moe) if moe.sparse[i] => {
+                    let (e, w) = (moe.experts as u64, moe.intermediate as u64);
+                    e * d + e * mlp_mats * d * w
+                }
+                _ => mlp_mats * d * inter,
+            };
             let layer = self
                 .attention_weights(self.layer_attention(i))
-                .checked_add(mlp_mats * d * inter)?
+                .checked_add(mlp)?
                 .checked_add(norms * norm)?;
             total = total.checked_add(layer)?;
         }

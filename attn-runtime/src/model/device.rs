@@ -7,7 +7,7 @@
 //! against device-resident caches, device sampling and MLA are not built yet.
 
 use super::config::NormKind;
-use super::layers::{Linear, Matrix, Norm};
+use super::layers::{LayerMlp, Linear, Matrix, Norm};
 use super::{AttentionWeights, Model};
 use crate::device::{Device, DeviceBuffer, Scratch, f32_bytes, f32s};
 use crate::error::RuntimeError;
@@ -193,9 +193,11 @@ impl<'m> DeviceModel<'m> {
             let AttentionWeights::Heads { q, k, v, o, .. } = &layer.attn else {
                 return Err(RuntimeError::Spec("MLA layers in a per-head model".into()));
             };
-            let (Some(attn_norm), Some(mlp_norm)) = (&layer.attn_norm, &layer.mlp_norm) else {
+            let (Some(attn_norm), Some(mlp_norm), LayerMlp::Dense(mlp)) =
+                (&layer.attn_norm, &layer.mlp_norm, &layer.mlp)
+            else {
                 return Err(RuntimeError::Spec(
-                    "a pre-norm model without its norms".into(),
+                    "a pre-norm dense model without its norms or MLP".into(),
                 ));
             };
             layers_on_device.push(DeviceLayer {
@@ -205,9 +207,9 @@ impl<'m> DeviceModel<'m> {
                 v: up.linear(v)?,
                 o: up.linear(o)?,
                 mlp_norm: up.norm(mlp_norm)?,
-                gate: layer.mlp.gate.as_ref().map(|g| up.linear(g)).transpose()?,
-                up: up.linear(&layer.mlp.up)?,
-                down: up.linear(&layer.mlp.down)?,
+                gate: mlp.gate.as_ref().map(|g| up.linear(g)).transpose()?,
+                up: up.linear(&mlp.up)?,
+                down: up.linear(&mlp.down)?,
             });
         }
         let embed = up.matrix(&model.embed)?;

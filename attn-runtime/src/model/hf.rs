@@ -6,13 +6,16 @@
 //! norms on q and k), `smollm3` (layers without RoPE), `gemma` (GeGLU, norms of `1 + w`, a
 //! scaled embedding), `gemma2` (sandwich norms, softcaps, alternating sliding layers),
 //! `gemma3_text` (q/k norms, a RoPE per layer type), `olmo2` (norms after the sublayers, q/k
-//! norms over the whole projection), `deepseek_v2` and `deepseek_v3` (MLA;
+//! norms over the whole projection), `mixtral` and `qwen3_moe` (mixture-of-experts MLPs),
+//! `deepseek_v2` and `deepseek_v3` (MLA;
 //! dense layers only: mixture-of-experts layers are refused). Layers differ where the config
 //! says so (`layer_types`: sliding and full attention; `no_rope_layers`): each distinct
 //! attention is one kind of the [`ModelConfig`], and the layers point at their kinds.
 
 use super::Model;
-use super::config::{MAX_LAYERS, MAX_WIDTH, MlpKind, ModelConfig, NormKind, NormPlacement, QkNorm};
+use super::config::{
+    ExpertNames, MAX_LAYERS, MAX_WIDTH, MlpKind, ModelConfig, Moe, NormKind, NormPlacement, QkNorm,
+};
 use super::json_fields::{Fields, bad};
 use super::weights;
 use crate::error::RuntimeError;
@@ -37,6 +40,8 @@ pub const FAMILIES: &[&str] = &[
     "gemma2",
     "gemma3_text",
     "olmo2",
+    "mixtral",
+    "qwen3_moe",
     "deepseek_v2",
     "deepseek_v3",
 ];
@@ -308,7 +313,7 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
         attention,
         pattern,
         qk_norm: match family.as_str() {
-            "qwen3" | "gemma3_text" => Some(QkNorm::PerHead),
+            "qwen3" | "qwen3_moe" | "gemma3_text" => Some(QkNorm::PerHead),
             "olmo2" => Some(QkNorm::Whole),
             _ => None,
         },
@@ -331,6 +336,7 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
             "gemma3_text" => c.float_opt("final_logit_softcapping")?,
             _ => None,
         },
+        moe: experts(c, &family, layers)?,
     };
     config
         .validate()
@@ -364,6 +370,74 @@ fn activation(c: Fields, family: &str) -> Result<MlpKind, RuntimeError> {
             format!("{key} `{act}` is not supported for {family}; supported: gelu_pytorch_tanh"),
         )),
     }
+}
+
+/// The mixture-of-experts MLPs of the family: mixtral's in every layer (the chosen experts'
+/// weights renormalized); qwen3_moe's every `decoder_sparse_step`-th layer outside
+/// `mlp_only_layers` (renormalized where `norm_topk_prob`); none elsewhere.
+fn experts(c: Fields, family: &str, layers: usize) -> Result<Option<Moe>, RuntimeError> {
+    let top_k = c.uint_opt("num_experts_per_tok")?.unwrap_or(2);
+    Ok(Some(match family {
+        "mixtral" => Moe {
+            experts: c.uint_opt("num_local_experts")?.unwrap_or(8),
+            top_k,
+            intermediate: c.uint("intermediate_size")?,
+            normalize: true,
+            sparse: vec![true; layers],
+            names: ExpertNames::Mixtral,
+        },
+        "qwen3_moe" => {
+            let step = c.uint_opt("decoder_sparse_step")?.unwrap_or(1);
+            if step == 0 {
+                return Err(bad(
+                    c.path(),
+                    "`decoder_sparse_step` is 0; allowed: a whole number of at least 1",
+                ));
+            }
+            let dense = layer_list(c, "mlp_only_layers")?;
+            // transformers 5 writes `num_local_experts`; older files `num_experts`.
+            let newer = c.uint_opt("num_local_experts")?;
+            Moe {
+                experts: newer.or(c.uint_opt("num_experts")?).unwrap_or(128),
+                top_k,
+                intermediate: c.uint("moe_intermediate_size")?,
+                normalize: c.flag("norm_topk_prob")?,
+                sparse: (0..layers)
+                    .map(|i| !dense.contains(&i) && (i + 1) % step == 0)
+                    .collect(),
+                names: ExpertNames::Qwen,
+            }
+        }
+        _ => return Ok(None),
+    }))
+}
+
+/// A list of layer indices (`[]` when absent; at most [`MAX_LAYERS`] of them).
+fn layer_list(c: Fields, key: &str) -> Result<Vec<usize>, RuntimeError> {
+    let Some(v) = c.get(key) else {
+        return Ok(Vec::new());
+    };
+    let items = v
+        .as_array()
+        .filter(|a| a.len() <= MAX_LAYERS)
+        .ok_or_else(|| {
+            bad(
+                c.path(),
+                format!("`{key}` must be a list of at most {MAX_LAYERS} layer indices"),
+            )
+        })?;
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, x)| {
+            x.as_u64().map(|x| x as usize).ok_or_else(|| {
+                bad(
+                    c.path(),
+                    format!("`{key}[{i}]` is {x}; expected a layer index"),
+                )
+            })
+        })
+        .collect()
 }
 
 /// A number that takes `default` when the key is absent (transformers' default) and none when
@@ -546,8 +620,8 @@ fn sliding_layers(
         }
     };
     Ok(match family {
-        "mistral" => vec![window; layers],
-        "qwen2" | "qwen3" => typed(&|i| i >= max_window_layers),
+        "mistral" | "mixtral" => vec![window; layers],
+        "qwen2" | "qwen3" | "qwen3_moe" => typed(&|i| i >= max_window_layers),
         "smollm3" => typed(&|i| !has_rope[i]),
         "gemma2" => gemma_typed(&|i| (i + 1) % 2 != 0),
         "gemma3_text" => {

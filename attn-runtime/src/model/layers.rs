@@ -148,3 +148,114 @@ impl Mlp {
         Ok(self.down.apply(&h, rows))
     }
 }
+
+/// A layer's MLP: dense, or a mixture of experts.
+#[derive(Debug)]
+pub(crate) enum LayerMlp {
+    Dense(Mlp),
+    Moe(MoeMlp),
+}
+
+impl LayerMlp {
+    /// The MLP's output for `rows` rows of `x`.
+    pub fn apply(
+        &self,
+        ops: &dyn LayerOps,
+        x: &[f32],
+        rows: usize,
+    ) -> Result<Vec<f32>, RuntimeError> {
+        match self {
+            LayerMlp::Dense(mlp) => mlp.apply(ops, x, rows),
+            LayerMlp::Moe(moe) => moe.apply(ops, x, rows),
+        }
+    }
+
+    /// Its linear maps: every expert's and the router's for MoE.
+    pub fn linears(&self) -> Vec<&Linear> {
+        fn dense(m: &Mlp) -> Vec<&Linear> {
+            let mut all: Vec<&Linear> = m.gate.iter().collect();
+            all.extend([&m.up, &m.down]);
+            all
+        }
+        match self {
+            LayerMlp::Dense(mlp) => dense(mlp),
+            LayerMlp::Moe(moe) => std::iter::once(&moe.router)
+                .chain(moe.experts.iter().flat_map(dense))
+                .collect(),
+        }
+    }
+}
+
+/// A mixture-of-experts MLP (`ModelConfig::moe`).
+#[derive(Debug)]
+pub(crate) struct MoeMlp {
+    /// `[experts, hidden]`: the router's logits.
+    pub router: Linear,
+    pub experts: Vec<Mlp>,
+    pub top_k: usize,
+    pub normalize: bool,
+}
+
+impl MoeMlp {
+    /// Each row's top-k experts by router probability (the lower index first among equal
+    /// ones), with their weights.
+    fn route(&self, x: &[f32], rows: usize) -> Vec<Vec<(usize, f32)>> {
+        let n = self.experts.len();
+        let logits = self.router.apply(x, rows);
+        logits
+            .chunks_exact(n.max(1))
+            .map(|row| {
+                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let exps: Vec<f32> = row.iter().map(|&l| (l - max).exp()).collect();
+                let sum: f32 = exps.iter().sum();
+                let mut order: Vec<usize> = (0..n).collect();
+                // NaN sorts last, never chosen over a number.
+                order.sort_by(|&a, &b| exps[b].total_cmp(&exps[a]).then(a.cmp(&b)));
+                let chosen: Vec<(usize, f32)> = order[..self.top_k]
+                    .iter()
+                    .map(|&e| (e, exps[e] / sum))
+                    .collect();
+                if !self.normalize {
+                    return chosen;
+                }
+                let total: f32 = chosen.iter().map(|(_, w)| w).sum();
+                chosen.into_iter().map(|(e, w)| (e, w / total)).collect()
+            })
+            .collect()
+    }
+
+    /// The weighted sum of the chosen experts' outputs per row. Each expert runs once, on the
+    /// rows routed to it (gathered), and its outputs are added back in expert order.
+    pub fn apply(
+        &self,
+        ops: &dyn LayerOps,
+        x: &[f32],
+        rows: usize,
+    ) -> Result<Vec<f32>, RuntimeError> {
+        let width = x.len() / rows.max(1);
+        let mut routed: Vec<Vec<(usize, f32)>> = vec![Vec::new(); self.experts.len()];
+        for (row, chosen) in self.route(x, rows).into_iter().enumerate() {
+            for (e, w) in chosen {
+                routed[e].push((row, w));
+            }
+        }
+        let mut out = vec![0f32; x.len()];
+        for (expert, list) in self.experts.iter().zip(&routed) {
+            if list.is_empty() {
+                continue;
+            }
+            let gathered: Vec<f32> = list
+                .iter()
+                .flat_map(|&(row, _)| &x[row * width..(row + 1) * width])
+                .copied()
+                .collect();
+            let y = expert.apply(ops, &gathered, list.len())?;
+            for (&(row, w), part) in list.iter().zip(y.chunks_exact(width)) {
+                for (o, v) in out[row * width..(row + 1) * width].iter_mut().zip(part) {
+                    *o += w * v;
+                }
+            }
+        }
+        Ok(out)
+    }
+}

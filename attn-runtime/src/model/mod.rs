@@ -19,8 +19,8 @@ mod text;
 mod weights;
 
 pub use config::{
-    MAX_INTERMEDIATE, MAX_KINDS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, MlpKind, ModelConfig, NormKind,
-    NormPlacement, QkNorm,
+    ExpertNames, MAX_EXPERTS, MAX_INTERMEDIATE, MAX_KINDS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH,
+    MlpKind, ModelConfig, Moe, NormKind, NormPlacement, QkNorm,
 };
 pub use device::DeviceModel;
 pub use generate::{Progress, Request, Sampling};
@@ -34,7 +34,7 @@ use crate::error::RuntimeError;
 use crate::ops::{CpuLayers, LayerOps};
 use crate::tensor::Tensor;
 use crate::variant::Variant;
-use layers::{Linear, Matrix, Mlp, Norm};
+use layers::{LayerMlp, Linear, Matrix, Norm};
 use std::sync::Arc;
 
 /// The attention weights of a layer.
@@ -71,7 +71,7 @@ pub(crate) struct Layer {
     pub attn: AttentionWeights,
     pub post_attn_norm: Option<Norm>,
     pub mlp_norm: Option<Norm>,
-    pub mlp: Mlp,
+    pub mlp: LayerMlp,
     pub post_mlp_norm: Option<Norm>,
 }
 
@@ -272,8 +272,7 @@ impl Model {
                         + lin(o)
                 }
             };
-            mlp +=
-                layer.mlp.gate.as_ref().map_or(0, lin) + lin(&layer.mlp.up) + lin(&layer.mlp.down);
+            mlp += layer.mlp.linears().into_iter().map(lin).sum::<u64>();
             norms += layer.norms().map(norm).sum::<u64>();
         }
         vec![
@@ -283,6 +282,24 @@ impl Model {
             ("norms", norms),
             ("lm_head", self.lm_head.as_ref().map_or(0, lin)),
         ]
+    }
+
+    /// The weights of one expert of the model's MoE layers (0 without experts).
+    pub fn expert_weights(&self) -> u64 {
+        self.layers
+            .iter()
+            .find_map(|layer| match &layer.mlp {
+                LayerMlp::Moe(moe) => moe.experts.first(),
+                LayerMlp::Dense(_) => None,
+            })
+            .map_or(0, |expert| {
+                expert
+                    .gate
+                    .iter()
+                    .chain([&expert.up, &expert.down])
+                    .map(|l| l.w.len() as u64)
+                    .sum()
+            })
     }
 
     fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>, RuntimeError> {

@@ -24,7 +24,7 @@
 //! ```
 
 use super::config::{MlpKind, ModelConfig, NormKind, NormPlacement, QkNorm};
-use super::layers::{Linear, Matrix, Mlp, Norm};
+use super::layers::{LayerMlp, Linear, Matrix, Mlp, MoeMlp, Norm};
 use super::{AttentionWeights, Layer, Model};
 use crate::error::RuntimeError;
 use crate::files::read_text;
@@ -173,6 +173,7 @@ pub fn config_from_toml(text: &str) -> Result<ModelConfig, RuntimeError> {
         norm_unit_offset: false,
         embed_multiplier: None,
         final_softcap: None,
+        moe: None,
     };
     config.validate()?;
     Ok(config)
@@ -447,12 +448,20 @@ impl Model {
                         })
                     }
                 }?;
-                let mlp = Mlp {
+                let mut mlp = |width: usize| Mlp {
                     kind: c.mlp,
-                    gate: (c.mlp != MlpKind::Gelu)
-                        .then(|| init.linear(c.intermediate, c.hidden, false)),
-                    up: init.linear(c.intermediate, c.hidden, false),
-                    down: init.linear(c.hidden, c.intermediate, false),
+                    gate: (c.mlp != MlpKind::Gelu).then(|| init.linear(width, c.hidden, false)),
+                    up: init.linear(width, c.hidden, false),
+                    down: init.linear(c.hidden, width, false),
+                };
+                let mlp = match c.moe.as_ref().filter(|m| m.sparse[i]) {
+                    Some(moe) => LayerMlp::Moe(MoeMlp {
+                        experts: (0..moe.experts).map(|_| mlp(moe.intermediate)).collect(),
+                        router: init.linear(moe.experts, c.hidden, false),
+                        top_k: moe.top_k,
+                        normalize: moe.normalize,
+                    }),
+                    None => LayerMlp::Dense(mlp(c.intermediate)),
                 };
                 let (before, after) = (c.placement.before(), c.placement.after());
                 Ok(Layer {

@@ -4,7 +4,7 @@
 //! (`research`) both load through here.
 
 use super::config::{MlpKind, ModelConfig, NormKind, QkNorm};
-use super::layers::{Linear, Matrix, Mlp, Norm};
+use super::layers::{LayerMlp, Linear, Matrix, Mlp, MoeMlp, Norm};
 use super::{AttentionWeights, Layer, Model};
 use crate::error::RuntimeError;
 use crate::tensor::Tensor;
@@ -40,6 +40,17 @@ pub(crate) fn tensor_names(config: &ModelConfig, q_lora: Option<usize>) -> Vec<S
         let mut mlp = vec!["mlp.up_proj.weight", "mlp.down_proj.weight"];
         if config.mlp != MlpKind::Gelu {
             mlp.push("mlp.gate_proj.weight");
+        }
+        if let Some(moe) = config.moe.as_ref().filter(|m| m.sparse[i]) {
+            mlp.clear();
+            let (router, experts) = moe.tensor_prefixes(i);
+            names.push(format!("{router}.weight"));
+            for [gate, up, down] in experts {
+                if config.mlp != MlpKind::Gelu {
+                    names.push(format!("{gate}.weight"));
+                }
+                names.extend([format!("{up}.weight"), format!("{down}.weight")]);
+            }
         }
         let attn: &[&str] = match (mla, q_lora.is_some(), config.qkv_bias) {
             (true, false, _) => &[
@@ -166,17 +177,31 @@ pub(crate) fn assemble(
             }
         };
         let p = format!("model.layers.{i}.");
-        let gate = match config.mlp {
-            MlpKind::SwiGlu | MlpKind::GeGlu => {
-                Some(w.linear(&format!("{p}mlp.gate_proj"), false, [inter, d])?)
+        let mlp = match config.moe.as_ref().filter(|m| m.sparse[i]) {
+            Some(moe) => {
+                let (router, experts) = moe.tensor_prefixes(i);
+                LayerMlp::Moe(MoeMlp {
+                    router: w.linear(&router, false, [moe.experts, d])?,
+                    experts: experts
+                        .iter()
+                        .map(|[gate, up, down]| {
+                            w.mlp(config.mlp, [gate, up, down], d, moe.intermediate)
+                        })
+                        .collect::<Result<_, _>>()?,
+                    top_k: moe.top_k,
+                    normalize: moe.normalize,
+                })
             }
-            MlpKind::Gelu => None,
-        };
-        let mlp = Mlp {
-            kind: config.mlp,
-            gate,
-            up: w.linear(&format!("{p}mlp.up_proj"), false, [inter, d])?,
-            down: w.linear(&format!("{p}mlp.down_proj"), false, [d, inter])?,
+            None => LayerMlp::Dense(w.mlp(
+                config.mlp,
+                [
+                    &format!("{p}mlp.gate_proj"),
+                    &format!("{p}mlp.up_proj"),
+                    &format!("{p}mlp.down_proj"),
+                ],
+                d,
+                inter,
+            )?),
         };
         let [attn_norm, post_attn_norm, mlp_norm, post_mlp_norm] = config
             .placement
@@ -253,6 +278,26 @@ impl Store<'_> {
             // Kept in the checkpoint's dtype.
             w: Matrix::new(out, inp, w.into_storage()),
             bias,
+        })
+    }
+
+    /// An MLP of `kind` from the projections named `[gate, up, down]` (the gate only where the
+    /// kind has one), `width` wide over rows of `d`.
+    fn mlp(
+        &mut self,
+        kind: MlpKind,
+        [gate, up, down]: [&str; 3],
+        d: usize,
+        width: usize,
+    ) -> Result<Mlp, RuntimeError> {
+        Ok(Mlp {
+            kind,
+            gate: match kind {
+                MlpKind::SwiGlu | MlpKind::GeGlu => Some(self.linear(gate, false, [width, d])?),
+                MlpKind::Gelu => None,
+            },
+            up: self.linear(up, false, [width, d])?,
+            down: self.linear(down, false, [d, width])?,
         })
     }
 

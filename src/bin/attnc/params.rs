@@ -65,6 +65,21 @@ fn params(model: &Model, seq: u64) -> Result<String, String> {
         s += &format!("  {name:<10} {n:>14}{note}\n");
     }
     s += &format!("  {:<10} {total:>14}\n", "total");
+    if let Some(moe) = &c.moe {
+        // Each MoE layer runs top_k of its experts per token.
+        let per_expert: u64 = model.expert_weights();
+        let idle = moe.sparse.iter().filter(|&&s| s).count() as u64
+            * (moe.experts - moe.top_k) as u64
+            * per_expert;
+        s += &format!(
+            "  {:<10} {:>14} (per token: {} of {} experts in {} MoE layers)\n",
+            "active",
+            total - idle,
+            moe.top_k,
+            moe.experts,
+            moe.sparse.iter().filter(|&&s| s).count()
+        );
+    }
     let (per_token, at_seq) = kv_cache(c, seq).ok_or_else(|| {
         format!("error: the KV cache at --seq {seq} would exceed 2^64 bytes; allowed: less")
     })?;
