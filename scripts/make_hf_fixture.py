@@ -105,6 +105,22 @@ FIXTURES = {
              rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
         "qwen3_moe: 6 experts of width 48, top 3, weights not renormalized; layer 1 dense",
     ),
+    "granite": (
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        dict(num_hidden_layers=2, embedding_multiplier=3.0, attention_multiplier=0.2,
+             residual_multiplier=0.5, logits_scaling=4.0,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        "granite: embedding x3, attention scale 0.2, residual x0.5, logits / 4",
+    ),
+    "cohere": (
+        "CohereConfig",
+        "CohereForCausalLM",
+        dict(num_hidden_layers=2, logit_scale=0.5, pad_token_id=0, bos_token_id=None,
+             eos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        "cohere: attention and MLP in parallel on one LayerNorm (no bias), interleaved RoPE, "
+        "logits x0.5",
+    ),
 }
 
 

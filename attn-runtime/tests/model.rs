@@ -164,6 +164,22 @@ fn qwen3_moe_matches_transformers() {
     check("qwen3_moe", 24);
 }
 
+/// granite: embedding, attention, residual and logit multipliers.
+#[test]
+fn granite_matches_transformers() {
+    let config = hf::config(&dir("granite")).unwrap();
+    assert_eq!(config.attention[0].scale, Some(0.2));
+    assert_eq!(config.logit_multiplier, Some(0.25));
+    check("granite", 24);
+}
+
+/// cohere: attention and MLP in parallel on one bias-free LayerNorm, interleaved RoPE, a logit
+/// scale.
+#[test]
+fn cohere_matches_transformers() {
+    check("cohere", 24);
+}
+
 /// The same checkpoints with their attention on the GPU kernels (run on the GPU IR
 /// interpreter, through the `Backend` trait): forward, ragged prefill and decode steps, MLA.
 #[test]

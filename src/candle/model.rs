@@ -5,7 +5,7 @@
 
 use super::attention_learned;
 use crate::Variant;
-use crate::runtime::model::{MlpKind, ModelConfig, NormKind, QkNorm};
+use crate::runtime::model::{MlpKind, ModelConfig, NormKind, NormPlacement, QkNorm};
 use candle_core::{D, DType, Module, Result, Tensor};
 use candle_nn::{Init, VarBuilder, VarMap};
 use std::sync::Arc;
@@ -77,10 +77,10 @@ impl Norm {
     fn new(vb: &VarBuilder, name: &str, len: usize, config: &ModelConfig) -> Result<Norm> {
         let weight = vb.get_with_hints(len, &format!("{name}.weight"), Init::Const(1.0))?;
         let bias = match config.norm {
-            NormKind::Layer => {
+            NormKind::Layer if config.norm_bias => {
                 Some(vb.get_with_hints(len, &format!("{name}.bias"), Init::Const(0.0))?)
             }
-            NormKind::Rms => None,
+            NormKind::Layer | NormKind::Rms => None,
         };
         Ok(Norm {
             kind: config.norm,
@@ -161,10 +161,12 @@ impl CandleModel {
         if config.norm_unit_offset
             || config.embed_multiplier.is_some()
             || config.final_softcap.is_some()
+            || config.residual_multiplier.is_some()
+            || config.logit_multiplier.is_some()
         {
             candle_core::bail!(
-                "attn::candle: norms of 1 + w, embedding multipliers and final logit softcaps \
-                 (gemma's) do not train through candle yet"
+                "attn::candle: norms of 1 + w, multipliers and final logit softcaps (gemma's, \
+                 granite's, cohere's) do not train through candle yet"
             );
         }
         let variants = config
@@ -354,15 +356,25 @@ impl CandleModel {
             .to_dtype(DType::F32)?
             .transpose(1, 2)?
             .reshape((b, s, ()))?;
-        let x = (x + normed(&block.post_attn_norm, &block.o.forward(&a)?)?)?;
+        let a = block.o.forward(&a)?;
+        if self.config.placement == NormPlacement::Parallel {
+            // The MLP reads the attention's normed input; both add to the stream together.
+            return x + (a + self.mlp(block, &h)?)?;
+        }
+        let x = (x + normed(&block.post_attn_norm, &a)?)?;
         let h = normed(&block.mlp_norm, &x)?;
-        let up = block.up.forward(&h)?;
+        x + normed(&block.post_mlp_norm, &self.mlp(block, &h)?)?
+    }
+
+    /// The block's MLP on `h`.
+    fn mlp(&self, block: &Block, h: &Tensor) -> Result<Tensor> {
+        let up = block.up.forward(h)?;
         let act = match (&block.gate, self.config.mlp) {
-            (Some(gate), MlpKind::GeGlu) => (gate.forward(&h)?.gelu()? * up)?,
-            (Some(gate), _) => (candle_nn::ops::silu(&gate.forward(&h)?)? * up)?,
+            (Some(gate), MlpKind::GeGlu) => (gate.forward(h)?.gelu()? * up)?,
+            (Some(gate), _) => (candle_nn::ops::silu(&gate.forward(h)?)? * up)?,
             (None, _) => up.gelu()?,
         };
-        x + normed(&block.post_mlp_norm, &block.down.forward(&act)?)?
+        block.down.forward(&act)
     }
 }
 

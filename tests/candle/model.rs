@@ -134,6 +134,14 @@ fn post_norms_and_whole_projection_qk_norms_give_the_runtimes_logits() {
 }
 
 #[test]
+fn parallel_attention_and_mlp_give_the_runtimes_logits() {
+    same_logits(
+        "vocab = 47\nhidden = 32\nlayers = 2\nnorm_placement = \"parallel\"\nnorm = \"layer\"\n\
+         attention = \"heads = 4, head_dim = 8, mask = causal, position = rope\"",
+    );
+}
+
+#[test]
 fn a_token_past_the_vocabulary_is_an_error() {
     let config = research::config_from_toml(
         "vocab = 10\nhidden = 16\nlayers = 1\nattention = \"heads = 1, head_dim = 16, mask = causal\"",

@@ -46,6 +46,12 @@ pub struct ModelConfig {
     pub embed_multiplier: Option<f64>,
     /// Logits become `c tanh(logits / c)` (gemma2's `final_logit_softcapping`).
     pub final_softcap: Option<f64>,
+    /// Each sublayer's output times this before the residual add (granite).
+    pub residual_multiplier: Option<f64>,
+    /// Logits times this (cohere's `logit_scale`; granite's `1 / logits_scaling`).
+    pub logit_multiplier: Option<f64>,
+    /// LayerNorms have a bias (`.bias` beside each `.weight`); RMSNorms never do.
+    pub norm_bias: bool,
     /// Mixture-of-experts MLPs, in the layers it names.
     pub moe: Option<Moe>,
 }
@@ -142,6 +148,9 @@ pub enum NormPlacement {
     Sandwich,
     /// `x += norm(attn(x))`, `x += norm(mlp(x))` (olmo2).
     Post,
+    /// `h = norm(x)`, `x += attn(h) + mlp(h)`: attention and MLP side by side on one norm
+    /// (cohere).
+    Parallel,
 }
 
 impl NormPlacement {
@@ -152,7 +161,7 @@ impl NormPlacement {
 
     /// Whether a sublayer's output is normed before the residual add.
     pub fn after(self) -> bool {
-        self != NormPlacement::Pre
+        matches!(self, NormPlacement::Sandwich | NormPlacement::Post)
     }
 
     /// A layer's norms in Hugging Face's names: before attention, after it, before the MLP,
@@ -160,14 +169,16 @@ impl NormPlacement {
     /// `post_attention_layernorm`; a sandwich model's is `pre_feedforward_layernorm`.
     pub fn norm_names(self) -> [Option<&'static str>; 4] {
         let mlp_before = match self {
-            NormPlacement::Pre => "post_attention_layernorm",
-            _ => "pre_feedforward_layernorm",
+            NormPlacement::Pre => Some("post_attention_layernorm"),
+            // The attention's norm serves the MLP too.
+            NormPlacement::Parallel => None,
+            _ => Some("pre_feedforward_layernorm"),
         };
         let (before, after) = (self.before(), self.after());
         [
             before.then_some("input_layernorm"),
             after.then_some("post_attention_layernorm"),
-            before.then_some(mlp_before),
+            mlp_before.filter(|_| before),
             after.then_some("post_feedforward_layernorm"),
         ]
     }
@@ -215,6 +226,8 @@ impl ModelConfig {
         for (field, value) in [
             ("embed_multiplier", self.embed_multiplier),
             ("final_softcap", self.final_softcap),
+            ("residual_multiplier", self.residual_multiplier),
+            ("logit_multiplier", self.logit_multiplier),
         ] {
             if let Some(v) = value
                 && !(v.is_finite() && v > 0.0)
@@ -285,6 +298,14 @@ impl ModelConfig {
             ),
             (self.embed_multiplier.is_some(), "an embedding multiplier"),
             (self.final_softcap.is_some(), "a final logit softcap"),
+            (
+                self.residual_multiplier.is_some() || self.logit_multiplier.is_some(),
+                "residual or logit multipliers",
+            ),
+            (
+                self.norm == NormKind::Layer && !self.norm_bias,
+                "LayerNorms without biases",
+            ),
             (self.moe.is_some(), "mixture-of-experts MLPs"),
         ];
         checks
@@ -350,16 +371,13 @@ impl ModelConfig {
     /// low-rank query factoring is not counted (the checkpoint's files bound that one).
     pub fn weight_count(&self) -> Option<u64> {
         let [d, inter, vocab] = [self.hidden, self.intermediate, self.vocab].map(|v| v as u64);
-        let norm = if self.norm == NormKind::Layer {
+        let norm = if self.norm == NormKind::Layer && self.norm_bias {
             2 * d
         } else {
             d
         };
         let mlp_mats = if self.mlp == MlpKind::Gelu { 2 } else { 3 };
-        let norms = match self.placement {
-            NormPlacement::Pre | NormPlacement::Post => 2,
-            NormPlacement::Sandwich => 4,
-        };
+        let norms = self.placement.norm_names().iter().flatten().count() as u64;
         let mut total = 0u64;
         for i in 0..self.layers {
             // In a validated config every product fits easily (widths below 2^20, vocabularies

@@ -7,6 +7,8 @@
 //! scaled embedding), `gemma2` (sandwich norms, softcaps, alternating sliding layers),
 //! `gemma3_text` (q/k norms, a RoPE per layer type), `olmo2` (norms after the sublayers, q/k
 //! norms over the whole projection), `mixtral` and `qwen3_moe` (mixture-of-experts MLPs),
+//! `granite` (embedding, attention, residual and logit multipliers), `cohere` (attention and
+//! MLP in parallel on one LayerNorm without bias, interleaved RoPE, a logit scale),
 //! `deepseek_v2` and `deepseek_v3` (MLA;
 //! dense layers only: mixture-of-experts layers are refused). Layers differ where the config
 //! says so (`layer_types`: sliding and full attention; `no_rope_layers`): each distinct
@@ -42,6 +44,8 @@ pub const FAMILIES: &[&str] = &[
     "olmo2",
     "mixtral",
     "qwen3_moe",
+    "granite",
+    "cohere",
     "deepseek_v2",
     "deepseek_v3",
 ];
@@ -297,6 +301,13 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
         ));
     }
     let gemma = family.starts_with("gemma");
+    let cohere = family == "cohere";
+    if cohere && c.flag("use_qk_norm")? {
+        return Err(bad(
+            path,
+            "`use_qk_norm` = true (cohere's per-head LayerNorms on q and k) is not supported yet",
+        ));
+    }
     let mlp = activation(c, &family)?;
     if c.flag("use_bidirectional_attention")? {
         return Err(bad(
@@ -320,17 +331,39 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
         placement: match family.as_str() {
             "gemma2" | "gemma3_text" => NormPlacement::Sandwich,
             "olmo2" => NormPlacement::Post,
+            "cohere" => NormPlacement::Parallel,
             _ => NormPlacement::Pre,
         },
-        norm: NormKind::Rms,
-        norm_eps: c.float_or("rms_norm_eps", 1e-6)?,
+        norm: if cohere {
+            NormKind::Layer
+        } else {
+            NormKind::Rms
+        },
+        norm_eps: if cohere {
+            c.float_or("layer_norm_eps", 1e-5)?
+        } else {
+            c.float_or("rms_norm_eps", 1e-6)?
+        },
+        norm_bias: false,
         norm_unit_offset: gemma,
         mlp,
         intermediate: c.uint("intermediate_size")?,
         tie_embeddings: c.flag("tie_word_embeddings")?,
         qkv_bias: attention_bias || family == "qwen2",
         o_bias: attention_bias && family != "qwen2",
-        embed_multiplier: gemma.then(|| (hidden as f64).sqrt()),
+        embed_multiplier: match family.as_str() {
+            "granite" => c.float_opt("embedding_multiplier")?,
+            _ => gemma.then(|| (hidden as f64).sqrt()),
+        },
+        residual_multiplier: match family.as_str() {
+            "granite" => c.float_opt("residual_multiplier")?,
+            _ => None,
+        },
+        logit_multiplier: match family.as_str() {
+            "granite" => c.float_opt("logits_scaling")?.map(|s| 1.0 / s),
+            "cohere" => Some(c.float_or("logit_scale", 0.0625)?),
+            _ => None,
+        },
         final_softcap: match family.as_str() {
             "gemma2" => defaulted(c, "final_logit_softcapping", Some(30.0))?,
             "gemma3_text" => c.float_opt("final_logit_softcapping")?,
@@ -502,9 +535,14 @@ fn per_head_layers(
 ) -> Result<(Vec<AttentionSpec>, Vec<usize>), RuntimeError> {
     let kv_heads = c.uint_opt("num_key_value_heads")?.unwrap_or(heads);
     let head_dim = c.uint_opt("head_dim")?.unwrap_or(hidden / heads);
+    // cohere rotates interleaved pairs; the others rotate halves.
+    let layout = match family {
+        "cohere" => RopeLayout::Interleaved,
+        _ => RopeLayout::Half,
+    };
     let ropes = [
-        rope_of_type(c, "full_attention", head_dim, RopeLayout::Half)?,
-        rope_of_type(c, "sliding_attention", head_dim, RopeLayout::Half)?,
+        rope_of_type(c, "full_attention", head_dim, layout)?,
+        rope_of_type(c, "sliding_attention", head_dim, layout)?,
     ];
     let has_rope = rope_layers(c, family, layers)?;
     let sliding = sliding_layers(c, family, layers, &has_rope)?;
@@ -512,9 +550,11 @@ fn per_head_layers(
     let window = c.uint_opt("sliding_window")?;
     // gemma2 and gemma3 scale by `query_pre_attn_scalar^-1/2` and may softcap the scores.
     let later_gemma = matches!(family, "gemma2" | "gemma3_text");
-    let scale = match later_gemma {
-        true => Some(1.0 / c.float_or("query_pre_attn_scalar", 256.0)?.sqrt()),
-        false => None,
+    let scale = match (later_gemma, family) {
+        (true, _) => Some(1.0 / c.float_or("query_pre_attn_scalar", 256.0)?.sqrt()),
+        // granite's scores are scaled by `attention_multiplier`.
+        (false, "granite") => c.float_opt("attention_multiplier")?,
+        (false, _) => None,
     };
     let softcap = match family {
         "gemma2" => defaulted(c, "attn_logit_softcapping", Some(50.0))?,

@@ -342,19 +342,38 @@ impl Model {
             Some(norm) => norm.apply(ops, &x),
             None => Ok(x),
         };
+        let scaled = |mut y: Vec<f32>| {
+            if let Some(m) = self.config.residual_multiplier {
+                let m = m as f32;
+                y.iter_mut().for_each(|v| *v *= m);
+            }
+            y
+        };
+        let parallel = self.config.placement == NormPlacement::Parallel;
         for (i, layer) in self.layers.iter().enumerate() {
             let h = normed(&layer.attn_norm, x.clone())?;
             let a = self.attention(self.layer_variant(i), &layer.attn, &h, n, keys(i))?;
-            ops.add(&mut x, &normed(&layer.post_attn_norm, a)?)?;
+            if parallel {
+                // Both sublayers read the one normed input, and add to the stream together.
+                let mut both = a;
+                ops.add(&mut both, &layer.mlp.apply(ops, &h, n)?)?;
+                ops.add(&mut x, &both)?;
+                continue;
+            }
+            ops.add(&mut x, &scaled(normed(&layer.post_attn_norm, a)?))?;
             let h = normed(&layer.mlp_norm, x.clone())?;
             let m = layer.mlp.apply(ops, &h, n)?;
-            ops.add(&mut x, &normed(&layer.post_mlp_norm, m)?)?;
+            ops.add(&mut x, &scaled(normed(&layer.post_mlp_norm, m)?))?;
         }
         let x = self.final_norm.apply(ops, &x)?;
         let mut logits = match &self.lm_head {
             Some(head) => head.apply(&x, n),
             None => self.embed.matmul_t(&x, n),
         };
+        if let Some(m) = self.config.logit_multiplier {
+            let m = m as f32;
+            logits.iter_mut().for_each(|v| *v *= m);
+        }
         if let Some(c) = self.config.final_softcap {
             let c = c as f32;
             logits.iter_mut().for_each(|v| *v = c * (*v / c).tanh());

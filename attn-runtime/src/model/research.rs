@@ -7,7 +7,7 @@
 //! layers = 12
 //! attention = "heads = 12, kv_heads = 4, head_dim = 64, mask = causal, position = rope"
 //! # optional: norm = "rms" | "layer", norm_eps = 1e-5, mlp = "swiglu" | "geglu" | "gelu",
-//! # norm_placement = "pre" | "sandwich" | "post",
+//! # norm_placement = "pre" | "sandwich" | "post" | "parallel",
 //! # intermediate = 2048 (default 8d/3 for SwiGLU, 4d for GELU, rounded up to 64),
 //! # tie_embeddings = true, qkv_bias = false, qk_norm = "per_head" | "whole"
 //! # weights = "model.safetensors": trained weights, a file beside this one (see `load`)
@@ -137,9 +137,10 @@ pub fn config_from_toml(text: &str) -> Result<ModelConfig, RuntimeError> {
         "pre" => NormPlacement::Pre,
         "sandwich" => NormPlacement::Sandwich,
         "post" => NormPlacement::Post,
+        "parallel" => NormPlacement::Parallel,
         other => {
             return Err(err(format!(
-                "`norm_placement` is `{other}`; allowed: pre, sandwich, post"
+                "`norm_placement` is `{other}`; allowed: pre, sandwich, post, parallel"
             )));
         }
     };
@@ -173,6 +174,9 @@ pub fn config_from_toml(text: &str) -> Result<ModelConfig, RuntimeError> {
         norm_unit_offset: false,
         embed_multiplier: None,
         final_softcap: None,
+        residual_multiplier: None,
+        logit_multiplier: None,
+        norm_bias: true,
         moe: None,
     };
     config.validate()?;
@@ -290,6 +294,7 @@ pub fn config_to_toml(config: &ModelConfig, weights: Option<&str>) -> String {
         NormPlacement::Pre => "pre",
         NormPlacement::Sandwich => "sandwich",
         NormPlacement::Post => "post",
+        NormPlacement::Parallel => "parallel",
     };
     let text = toml::toml! {
         vocab = (c.vocab as i64)
@@ -393,7 +398,7 @@ impl Model {
         let norm = |n: usize| Norm {
             kind: c.norm,
             weight: vec![1.0; n],
-            bias: (c.norm == NormKind::Layer).then(|| vec![0.0; n]),
+            bias: (c.norm == NormKind::Layer && c.norm_bias).then(|| vec![0.0; n]),
             eps: c.norm_eps,
         };
         let layers = (0..c.layers)

@@ -15,12 +15,12 @@ use std::collections::HashMap;
 const LATENT_NORM_EPS: f64 = 1e-6;
 
 /// The tensors a model of `config` is made of; `q_lora` is the rank of DeepSeek's factored
-/// queries, if they are factored. LayerNorm models also have a `.bias` beside each norm's
-/// `.weight`; GELU MLPs have no `gate_proj`.
+/// queries, if they are factored. LayerNorm models with norm biases also have a `.bias` beside
+/// each norm's `.weight`; GELU MLPs have no `gate_proj`.
 pub(crate) fn tensor_names(config: &ModelConfig, q_lora: Option<usize>) -> Vec<String> {
     let norm = |name: &str| {
         let mut names = vec![format!("{name}.weight")];
-        if config.norm == NormKind::Layer {
+        if config.norm == NormKind::Layer && config.norm_bias {
             names.push(format!("{name}.bias"));
         }
         names
@@ -108,6 +108,7 @@ pub(crate) fn assemble(
         tensors: w,
         shapes_from,
         norm: config.norm,
+        norm_bias: config.norm_bias,
         unit_offset: config.norm_unit_offset,
     };
     let eps = config.norm_eps;
@@ -232,6 +233,8 @@ struct Store<'a> {
     tensors: HashMap<String, Tensor>,
     shapes_from: &'a str,
     norm: NormKind,
+    /// LayerNorms have biases.
+    norm_bias: bool,
     /// Norm weights are offsets from 1 ([`ModelConfig::norm_unit_offset`]).
     unit_offset: bool,
 }
@@ -304,8 +307,10 @@ impl Store<'_> {
     /// The model's norm `{prefix}` over `len` values: `.weight`, and `.bias` for LayerNorm.
     fn norm(&mut self, prefix: &str, eps: f64, len: usize) -> Result<Norm, RuntimeError> {
         let bias = match self.norm {
-            NormKind::Layer => Some(self.shaped(&format!("{prefix}.bias"), &[len])?.to_f32_vec()),
-            NormKind::Rms => None,
+            NormKind::Layer if self.norm_bias => {
+                Some(self.shaped(&format!("{prefix}.bias"), &[len])?.to_f32_vec())
+            }
+            NormKind::Layer | NormKind::Rms => None,
         };
         Ok(Norm {
             kind: self.norm,
