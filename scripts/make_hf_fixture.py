@@ -121,6 +121,15 @@ FIXTURES = {
         "cohere: attention and MLP in parallel on one LayerNorm (no bias), interleaved RoPE, "
         "logits x0.5",
     ),
+    "starcoder2": (
+        "Starcoder2Config",
+        "Starcoder2ForCausalLM",
+        dict(num_hidden_layers=2, sliding_window=8, use_bias=True, pad_token_id=None,
+             bos_token_id=None, eos_token_id=None,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        "starcoder2: LayerNorms with biases, GELU MLP c_fc/c_proj with biases, biased "
+        "attention projections, a window of 8",
+    ),
 }
 
 

@@ -582,7 +582,6 @@ fn per_layer_keys_and_qk_norms_that_do_not_fit_are_refused() {
             ][..],
         ),
         ("layer_types", "7", &["`layer_types`", "an array"][..]),
-        ("mlp_bias", "true", &["`mlp_bias`", "not supported"][..]),
     ] {
         refused(
             Scratch::of("qwen3_sliding", key).config(key, value).load(),

@@ -27,7 +27,18 @@ fn max_rel(got: &[f32], want: &[f32]) -> f32 {
 
 #[test]
 fn a_checkpoint_on_the_device_matches_transformers() {
-    let dir = fixture("llama_gqa");
+    checkpoint_on_the_device("llama_gqa");
+}
+
+/// starcoder2 runs resident too: LayerNorms with biases, a biased GELU MLP, biased attention
+/// projections, a sliding window.
+#[test]
+fn starcoder2_on_the_device_matches_transformers() {
+    checkpoint_on_the_device("starcoder2");
+}
+
+fn checkpoint_on_the_device(name: &str) {
+    let dir = fixture(name);
     let model = hf::load(&dir).unwrap();
     let bytes = std::fs::read(dir.join("golden.safetensors")).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
@@ -148,6 +159,16 @@ fn models_the_device_does_not_run_yet_say_so() {
         Err(e) => e.to_string(),
     };
     assert!(err.contains("MLA"), "{err}");
+    // A model with what the device does not run yet names it.
+    let model = hf::load(&fixture("gemma2_softcap")).unwrap();
+    let err = match DeviceModel::new(&model, Arc::new(SimDevice::new())) {
+        Ok(_) => panic!("gemma2 is not resident on a device yet"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains("layers that differ in attention") && err.contains("gpu-sim"),
+        "{err}"
+    );
 }
 
 /// The gpu-sim device's GEMM over 16-bit weights: the weights widened exactly, products in

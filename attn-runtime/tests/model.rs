@@ -180,6 +180,15 @@ fn cohere_matches_transformers() {
     check("cohere", 24);
 }
 
+/// starcoder2: LayerNorms with biases, a biased GELU MLP named `c_fc`/`c_proj`, biased
+/// attention projections, a sliding window.
+#[test]
+fn starcoder2_matches_transformers() {
+    let config = hf::config(&dir("starcoder2")).unwrap();
+    assert!(config.mlp_bias && config.o_bias && config.norm_bias);
+    check("starcoder2", 24);
+}
+
 /// The same checkpoints with their attention on the GPU kernels (run on the GPU IR
 /// interpreter, through the `Backend` trait): forward, ragged prefill and decode steps, MLA.
 #[test]

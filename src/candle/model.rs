@@ -5,7 +5,7 @@
 
 use super::attention_learned;
 use crate::Variant;
-use crate::runtime::model::{MlpKind, ModelConfig, NormKind, NormPlacement, QkNorm};
+use crate::runtime::model::{MlpKind, MlpNames, ModelConfig, NormKind, NormPlacement, QkNorm};
 use candle_core::{D, DType, Module, Result, Tensor};
 use candle_nn::{Init, VarBuilder, VarMap};
 use std::sync::Arc;
@@ -152,6 +152,12 @@ impl CandleModel {
         config.validate().map_err(candle_core::Error::wrap)?;
         if config.attention.iter().any(|spec| spec.mla().is_some()) {
             candle_core::bail!("attn::candle: MLA models do not train through candle yet");
+        }
+        if config.mlp_bias || config.mlp_names != MlpNames::GateUpDown {
+            candle_core::bail!(
+                "attn::candle: MLP biases and starcoder2's MLP names do not train through candle \
+                 yet"
+            );
         }
         if config.moe.is_some() {
             candle_core::bail!(

@@ -35,6 +35,10 @@ pub struct ModelConfig {
     pub mlp: MlpKind,
     /// MLP hidden width.
     pub intermediate: usize,
+    /// Biases on the MLP's projections (starcoder2), experts' included.
+    pub mlp_bias: bool,
+    /// How the checkpoint names the dense MLP's projections.
+    pub mlp_names: MlpNames,
     /// The LM head is the token embedding.
     pub tie_embeddings: bool,
     /// Biases on the q, k and v projections (Qwen2).
@@ -84,6 +88,27 @@ pub enum ExpertNames {
     Mixtral,
     /// `mlp.gate`, `mlp.experts.{j}.gate_proj`, `up_proj`, `down_proj`: qwen2_moe, qwen3_moe.
     Qwen,
+}
+
+/// How a checkpoint names a dense MLP's projections.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MlpNames {
+    /// `mlp.gate_proj`, `mlp.up_proj`, `mlp.down_proj` (llama and most families).
+    GateUpDown,
+    /// `mlp.c_fc` (up), `mlp.c_proj` (down), no gate (starcoder2).
+    FcProj,
+}
+
+impl MlpNames {
+    /// Layer `i`'s gate, up and down projections (no `.weight`); the gate is named even where
+    /// the MLP has none.
+    pub fn prefixes(self, i: usize) -> [String; 3] {
+        let names = match self {
+            MlpNames::GateUpDown => ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"],
+            MlpNames::FcProj => ["mlp.c_gate", "mlp.c_fc", "mlp.c_proj"],
+        };
+        names.map(|n| format!("model.layers.{i}.{n}"))
+    }
 }
 
 /// Most experts a MoE layer may have.
@@ -377,6 +402,11 @@ impl ModelConfig {
             d
         };
         let mlp_mats = if self.mlp == MlpKind::Gelu { 2 } else { 3 };
+        // The biases of one MLP `w` wide: one per output of each projection.
+        let mlp_bias = |w: u64| match self.mlp_bias {
+            true => (mlp_mats - 1) * w + d,
+            false => 0,
+        };
         let norms = self.placement.norm_names().iter().flatten().count() as u64;
         let mut total = 0u64;
         for i in 0..self.layers {
@@ -386,9 +416,9 @@ impl ModelConfig {
             let mlp = match &self.moe {
                 Some(moe) if moe.sparse[i] => {
                     let (e, w) = (moe.experts as u64, moe.intermediate as u64);
-                    e * d + e * mlp_mats * d * w
+                    e * d + e * (mlp_mats * d * w + mlp_bias(w))
                 }
-                _ => mlp_mats * d * inter,
+                _ => mlp_mats * d * inter + mlp_bias(inter),
             };
             let layer = self
                 .attention_weights(self.layer_attention(i))

@@ -9,6 +9,7 @@
 //! norms over the whole projection), `mixtral` and `qwen3_moe` (mixture-of-experts MLPs),
 //! `granite` (embedding, attention, residual and logit multipliers), `cohere` (attention and
 //! MLP in parallel on one LayerNorm without bias, interleaved RoPE, a logit scale),
+//! `starcoder2` (LayerNorms with biases, a GELU MLP `c_fc`/`c_proj`, biases everywhere),
 //! `deepseek_v2` and `deepseek_v3` (MLA;
 //! dense layers only: mixture-of-experts layers are refused). Layers differ where the config
 //! says so (`layer_types`: sliding and full attention; `no_rope_layers`): each distinct
@@ -16,7 +17,8 @@
 
 use super::Model;
 use super::config::{
-    ExpertNames, MAX_LAYERS, MAX_WIDTH, MlpKind, ModelConfig, Moe, NormKind, NormPlacement, QkNorm,
+    ExpertNames, MAX_LAYERS, MAX_WIDTH, MlpKind, MlpNames, ModelConfig, Moe, NormKind,
+    NormPlacement, QkNorm,
 };
 use super::json_fields::{Fields, bad};
 use super::weights;
@@ -46,6 +48,7 @@ pub const FAMILIES: &[&str] = &[
     "qwen3_moe",
     "granite",
     "cohere",
+    "starcoder2",
     "deepseek_v2",
     "deepseek_v3",
 ];
@@ -294,14 +297,10 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
             )
         })?;
     }
-    if c.flag("mlp_bias")? {
-        return Err(bad(
-            path,
-            "`mlp_bias` = true (biases on the MLP's projections) is not supported yet",
-        ));
-    }
     let gemma = family.starts_with("gemma");
     let cohere = family == "cohere";
+    let starcoder = family == "starcoder2";
+    let use_bias = starcoder && (!c.has("use_bias") || c.flag("use_bias")?);
     if cohere && c.flag("use_qk_norm")? {
         return Err(bad(
             path,
@@ -334,23 +333,34 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
             "cohere" => NormPlacement::Parallel,
             _ => NormPlacement::Pre,
         },
-        norm: if cohere {
+        norm: if cohere || starcoder {
             NormKind::Layer
         } else {
             NormKind::Rms
         },
-        norm_eps: if cohere {
-            c.float_or("layer_norm_eps", 1e-5)?
-        } else {
-            c.float_or("rms_norm_eps", 1e-6)?
+        norm_eps: match family.as_str() {
+            "cohere" => c.float_or("layer_norm_eps", 1e-5)?,
+            "starcoder2" => c.float_or("norm_epsilon", 1e-5)?,
+            _ => c.float_or("rms_norm_eps", 1e-6)?,
         },
-        norm_bias: false,
+        norm_bias: starcoder,
+        // starcoder2's `use_bias` (default true) puts biases on every projection; llama,
+        // smollm3 and granite read `mlp_bias`; the other families have none.
+        mlp_bias: match family.as_str() {
+            "llama" | "smollm3" | "granite" => c.flag("mlp_bias")?,
+            _ => use_bias,
+        },
+        mlp_names: if starcoder {
+            MlpNames::FcProj
+        } else {
+            MlpNames::GateUpDown
+        },
         norm_unit_offset: gemma,
         mlp,
         intermediate: c.uint("intermediate_size")?,
         tie_embeddings: c.flag("tie_word_embeddings")?,
-        qkv_bias: attention_bias || family == "qwen2",
-        o_bias: attention_bias && family != "qwen2",
+        qkv_bias: attention_bias || family == "qwen2" || use_bias,
+        o_bias: (attention_bias && family != "qwen2") || use_bias,
         embed_multiplier: match family.as_str() {
             "granite" => c.float_opt("embedding_multiplier")?,
             _ => gemma.then(|| (hidden as f64).sqrt()),
@@ -380,6 +390,18 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
 /// The MLP of the family from its activation: SwiGLU (`silu`), or GeGLU for gemma
 /// (`gelu_pytorch_tanh`; gemma's legacy `gelu` means the same, as transformers reads it).
 fn activation(c: Fields, family: &str) -> Result<MlpKind, RuntimeError> {
+    if family == "starcoder2" {
+        return match c.str_opt("hidden_act")?.unwrap_or("gelu_pytorch_tanh") {
+            "gelu_pytorch_tanh" => Ok(MlpKind::Gelu),
+            act => Err(bad(
+                c.path(),
+                format!(
+                    "hidden_act `{act}` is not supported for {family}; supported: \
+                     gelu_pytorch_tanh"
+                ),
+            )),
+        };
+    }
     if !family.starts_with("gemma") {
         let act = c.str_opt("hidden_act")?.unwrap_or("silu");
         return match act {
@@ -660,7 +682,7 @@ fn sliding_layers(
         }
     };
     Ok(match family {
-        "mistral" | "mixtral" => vec![window; layers],
+        "mistral" | "mixtral" | "starcoder2" => vec![window; layers],
         "qwen2" | "qwen3" | "qwen3_moe" => typed(&|i| i >= max_window_layers),
         "smollm3" => typed(&|i| !has_rope[i]),
         "gemma2" => gemma_typed(&|i| (i + 1) % 2 != 0),

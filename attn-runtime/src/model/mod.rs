@@ -20,7 +20,7 @@ mod weights;
 
 pub use config::{
     ExpertNames, MAX_EXPERTS, MAX_INTERMEDIATE, MAX_KINDS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH,
-    MlpKind, ModelConfig, Moe, NormKind, NormPlacement, QkNorm,
+    MlpKind, MlpNames, ModelConfig, Moe, NormKind, NormPlacement, QkNorm,
 };
 pub use device::DeviceModel;
 pub use generate::{Progress, Request, Sampling};

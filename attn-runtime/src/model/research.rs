@@ -23,7 +23,7 @@
 //! global = "heads = 12, head_dim = 64, mask = causal, position = rope"
 //! ```
 
-use super::config::{MlpKind, ModelConfig, NormKind, NormPlacement, QkNorm};
+use super::config::{MlpKind, MlpNames, ModelConfig, NormKind, NormPlacement, QkNorm};
 use super::layers::{LayerMlp, Linear, Matrix, Mlp, MoeMlp, Norm};
 use super::{AttentionWeights, Layer, Model};
 use crate::error::RuntimeError;
@@ -177,6 +177,8 @@ pub fn config_from_toml(text: &str) -> Result<ModelConfig, RuntimeError> {
         residual_multiplier: None,
         logit_multiplier: None,
         norm_bias: true,
+        mlp_bias: false,
+        mlp_names: MlpNames::GateUpDown,
         moe: None,
     };
     config.validate()?;
@@ -453,11 +455,12 @@ impl Model {
                         })
                     }
                 }?;
+                let bias = c.mlp_bias;
                 let mut mlp = |width: usize| Mlp {
                     kind: c.mlp,
-                    gate: (c.mlp != MlpKind::Gelu).then(|| init.linear(width, c.hidden, false)),
-                    up: init.linear(width, c.hidden, false),
-                    down: init.linear(c.hidden, width, false),
+                    gate: (c.mlp != MlpKind::Gelu).then(|| init.linear(width, c.hidden, bias)),
+                    up: init.linear(width, c.hidden, bias),
+                    down: init.linear(c.hidden, width, bias),
                 };
                 let mlp = match c.moe.as_ref().filter(|m| m.sparse[i]) {
                     Some(moe) => LayerMlp::Moe(MoeMlp {

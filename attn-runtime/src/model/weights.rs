@@ -37,20 +37,27 @@ pub(crate) fn tensor_names(config: &ModelConfig, q_lora: Option<usize>) -> Vec<S
         for name in config.placement.norm_names().into_iter().flatten() {
             names.extend(norm(&format!("{p}{name}")));
         }
-        let mut mlp = vec!["mlp.up_proj.weight", "mlp.down_proj.weight"];
-        if config.mlp != MlpKind::Gelu {
-            mlp.push("mlp.gate_proj.weight");
-        }
-        if let Some(moe) = config.moe.as_ref().filter(|m| m.sparse[i]) {
-            mlp.clear();
-            let (router, experts) = moe.tensor_prefixes(i);
-            names.push(format!("{router}.weight"));
-            for [gate, up, down] in experts {
-                if config.mlp != MlpKind::Gelu {
-                    names.push(format!("{gate}.weight"));
+        // An MLP's projections, `.weight` and (with MLP biases) `.bias` each; a gate only
+        // where the MLP kind has one.
+        let mut mlp_names = |[gate, up, down]: [String; 3]| {
+            let gated = config.mlp != MlpKind::Gelu;
+            for prefix in [gated.then_some(gate), Some(up), Some(down)]
+                .into_iter()
+                .flatten()
+            {
+                names.push(format!("{prefix}.weight"));
+                if config.mlp_bias {
+                    names.push(format!("{prefix}.bias"));
                 }
-                names.extend([format!("{up}.weight"), format!("{down}.weight")]);
             }
+        };
+        match config.moe.as_ref().filter(|m| m.sparse[i]) {
+            Some(moe) => {
+                let (router, experts) = moe.tensor_prefixes(i);
+                experts.into_iter().for_each(&mut mlp_names);
+                names.push(format!("{router}.weight"));
+            }
+            None => mlp_names(config.mlp_names.prefixes(i)),
         }
         let attn: &[&str] = match (mla, q_lora.is_some(), config.qkv_bias) {
             (true, false, _) => &[
@@ -88,7 +95,7 @@ pub(crate) fn tensor_names(config: &ModelConfig, q_lora: Option<usize>) -> Vec<S
         if config.qk_norm.is_some() {
             extra.extend(["self_attn.q_norm.weight", "self_attn.k_norm.weight"]);
         }
-        let all = mlp.iter().chain(attn).chain(&extra);
+        let all = attn.iter().chain(&extra);
         names.extend(all.map(|n| format!("{p}{n}")));
         let learned = spec.learnable_tensors();
         names.extend(learned.iter().map(|(n, _)| format!("{p}self_attn.{n}")));
@@ -186,23 +193,17 @@ pub(crate) fn assemble(
                     experts: experts
                         .iter()
                         .map(|[gate, up, down]| {
-                            w.mlp(config.mlp, [gate, up, down], d, moe.intermediate)
+                            w.mlp(&config, [gate, up, down], d, moe.intermediate)
                         })
                         .collect::<Result<_, _>>()?,
                     top_k: moe.top_k,
                     normalize: moe.normalize,
                 })
             }
-            None => LayerMlp::Dense(w.mlp(
-                config.mlp,
-                [
-                    &format!("{p}mlp.gate_proj"),
-                    &format!("{p}mlp.up_proj"),
-                    &format!("{p}mlp.down_proj"),
-                ],
-                d,
-                inter,
-            )?),
+            None => {
+                let [gate, up, down] = config.mlp_names.prefixes(i);
+                LayerMlp::Dense(w.mlp(&config, [&gate, &up, &down], d, inter)?)
+            }
         };
         let [attn_norm, post_attn_norm, mlp_norm, post_mlp_norm] = config
             .placement
@@ -284,23 +285,25 @@ impl Store<'_> {
         })
     }
 
-    /// An MLP of `kind` from the projections named `[gate, up, down]` (the gate only where the
-    /// kind has one), `width` wide over rows of `d`.
+    /// An MLP of the config's kind from the projections named `[gate, up, down]` (the gate only
+    /// where the kind has one, biases where the config has them), `width` wide over rows of
+    /// `d`.
     fn mlp(
         &mut self,
-        kind: MlpKind,
+        config: &ModelConfig,
         [gate, up, down]: [&str; 3],
         d: usize,
         width: usize,
     ) -> Result<Mlp, RuntimeError> {
+        let bias = config.mlp_bias;
         Ok(Mlp {
-            kind,
-            gate: match kind {
-                MlpKind::SwiGlu | MlpKind::GeGlu => Some(self.linear(gate, false, [width, d])?),
+            kind: config.mlp,
+            gate: match config.mlp {
+                MlpKind::SwiGlu | MlpKind::GeGlu => Some(self.linear(gate, bias, [width, d])?),
                 MlpKind::Gelu => None,
             },
-            up: self.linear(up, false, [width, d])?,
-            down: self.linear(down, false, [d, width])?,
+            up: self.linear(up, bias, [width, d])?,
+            down: self.linear(down, bias, [d, width])?,
         })
     }
 
