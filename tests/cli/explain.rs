@@ -62,3 +62,37 @@ fn explain_counts_causal_skipping() {
         "256.00 MFLOP dense, 128.13 MFLOP with masked pairs skipped (Sq = Skv = 1000, batch 1)"
     );
 }
+
+#[test]
+fn explain_model_shows_each_attention_kind_and_its_layers() {
+    let model = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/hf-tiny/qwen3_sliding"
+    );
+    let o = attnc(&["explain", "--model", model, "--seq", "64"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let t = stdout(&o);
+    assert!(
+        t.starts_with("3 layers, width 64, 2 attention kinds"),
+        "{t}"
+    );
+    assert!(
+        t.contains("kind 0: layers 0\n") && t.contains("kind 1: layers 1, 2\n"),
+        "{t}"
+    );
+    // The sliding kind's cache holds its window of 8 tokens: 256 bytes x 8 x 2 layers.
+    assert!(
+        t.contains("4.00 KiB (4096 bytes) at 8 tokens (the window; --seq 64) x 2 layers"),
+        "{t}"
+    );
+    // A spec and a model together are refused.
+    let o = attnc(&["explain", "heads = 2, head_dim = 8", "--model", model]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    let o = attnc(&["explain", "--model", "/nonexistent/model"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("no such file or folder"),
+        "{}",
+        stderr(&o)
+    );
+}

@@ -254,6 +254,12 @@ fn attention_kinds(table: &toml::Table) -> Result<(Vec<AttentionSpec>, Vec<usize
     }
 }
 
+/// A research model's config from its TOML file (its weights are not read).
+pub fn config_from_file(path: &Path) -> Result<ModelConfig, RuntimeError> {
+    let text = read_text(path, MAX_TOML_BYTES, "the model config")?;
+    config_from_toml(&text).map_err(|e| in_file(path, e))
+}
+
 /// A research model from its TOML file. With `weights = "FILE"`, the weights are read from FILE,
 /// a safetensors file in the TOML's folder, whose tensors have the names of a Hugging Face
 /// llama checkpoint (`model.embed_tokens.weight`, `model.layers.0.self_attn.q_proj.weight`, ...;

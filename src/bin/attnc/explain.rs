@@ -8,8 +8,12 @@ use attn::dsl::accounting::{attention_params, forward_flops, kv_cache_bytes_per_
 #[derive(clap::Args)]
 pub struct Args {
     /// The spec, in the spec language, or @FILE to read it from a file.
-    #[arg(allow_hyphen_values = true)]
-    spec: String,
+    #[arg(allow_hyphen_values = true, required_unless_present = "model")]
+    spec: Option<String>,
+    /// Instead of a spec, a model (a Hugging Face checkpoint folder or a research model's TOML):
+    /// each of its attention kinds, with the layers that have it, at the model's width.
+    #[arg(long, value_name = "PATH", conflicts_with_all = ["spec", "model_dim", "layers"])]
+    model: Option<std::path::PathBuf>,
     /// Model width for the projection parameter count (default: heads * head_dim).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     model_dim: Option<u64>,
@@ -26,7 +30,12 @@ pub struct Args {
 
 /// `attnc explain`.
 pub fn command(args: Args) -> Result<(), String> {
-    let (spec, _) = crate::spec_arg::load(&args.spec)?;
+    if let Some(path) = &args.model {
+        print!("{}", model_tables(path, &args)?);
+        return Ok(());
+    }
+    let text = args.spec.as_deref().unwrap_or_default();
+    let (spec, _) = crate::spec_arg::load(text)?;
     let shape = Shape {
         model_dim: args
             .model_dim
@@ -37,6 +46,34 @@ pub fn command(args: Args) -> Result<(), String> {
     };
     print!("{}", table(&spec, &shape)?);
     Ok(())
+}
+
+/// One table per attention kind of the model at `path`, each headed by the layers of that kind,
+/// at the model's width and that kind's layer count.
+fn model_tables(path: &std::path::Path, args: &Args) -> Result<String, String> {
+    let config = crate::model_load::load_config(path)?;
+    let mut out = format!(
+        "{} layers, width {}, {} attention kind{}\n",
+        config.layers,
+        config.hidden,
+        config.attention.len(),
+        if config.attention.len() == 1 { "" } else { "s" }
+    );
+    for (kind, spec) in config.attention.iter().enumerate() {
+        let layers: Vec<String> = (0..config.layers)
+            .filter(|&i| config.kind_of(i) == kind)
+            .map(|i| i.to_string())
+            .collect();
+        let shape = Shape {
+            model_dim: config.hidden as u64,
+            layers: layers.len() as u64,
+            seq: args.seq,
+            batch: args.batch,
+        };
+        out += &format!("\nkind {kind}: layers {}\n", layers.join(", "));
+        out += &table(spec, &shape)?;
+    }
+    Ok(out)
 }
 
 /// The model shape the accounting is for.
@@ -67,16 +104,24 @@ fn table(spec: &AttentionSpec, shape: &Shape) -> Result<String, String> {
 
     let per_token = kv_cache_bytes_per_token(spec);
     row("KV bytes/token/layer", per_token.to_string());
-    let cache = [shape.seq, shape.layers, shape.batch]
+    // A sliding layer's cache holds at most its window.
+    let held = match spec.mask {
+        attn::Mask::SlidingWindow { window } => shape.seq.min(window),
+        _ => shape.seq,
+    };
+    let cache = [held, shape.layers, shape.batch]
         .into_iter()
         .try_fold(per_token, u64::checked_mul)
         .ok_or_else(|| too_large("KV cache size", shape))?;
+    let tokens = match held < shape.seq {
+        true => format!("{held} tokens (the window; --seq {})", shape.seq),
+        false => format!("{} tokens", shape.seq),
+    };
     row(
         "KV cache",
         format!(
-            "{} ({cache} bytes) at {} tokens x {} layers x batch {}",
+            "{} ({cache} bytes) at {tokens} x {} layers x batch {}",
             human_bytes(cache),
-            shape.seq,
             shape.layers,
             shape.batch
         ),

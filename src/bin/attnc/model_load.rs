@@ -27,6 +27,23 @@ pub fn load(path: &Path, seed: u64) -> Result<Model, String> {
     Ok(model)
 }
 
+/// The config of the model at `path` (a checkpoint folder or a research model's TOML), without
+/// its weights.
+pub fn load_config(path: &Path) -> Result<attn::runtime::model::ModelConfig, String> {
+    let err = |e: attn::runtime::RuntimeError| format!("error: {e}");
+    if !path.exists() {
+        return Err(format!(
+            "error: --model {}: no such file or folder; expected a Hugging Face checkpoint folder \
+             (config.json and *.safetensors) or a research model's .toml file",
+            path.display()
+        ));
+    }
+    if path.is_file() {
+        return research::config_from_file(path).map_err(err);
+    }
+    hf::config(path).map_err(err)
+}
+
 /// [`load`], with the model's attention on `backend`.
 pub fn load_on(path: &Path, seed: u64, backend: Backend) -> Result<Model, String> {
     let mut model = load(path, seed)?;
