@@ -200,18 +200,7 @@ fn layer_patterns_in_toml_and_their_errors() {
     // A random model of it decodes as its full forward does.
     let model = Model::random(&c, 3).unwrap();
     assert_eq!(model.variants().len(), 2);
-    let tokens: Vec<u32> = (0..12).map(|i| (i * 7 % 97) as u32).collect();
-    let full = model.forward(&tokens).unwrap();
-    let mut session = model.session(16, 4).unwrap();
-    let mut steps = session.step(&tokens[..5]).unwrap();
-    for t in 5..tokens.len() {
-        steps.extend(session.step(&tokens[t..t + 1]).unwrap());
-    }
-    let err = full
-        .iter()
-        .zip(&steps)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0f32, f32::max);
+    let err = incremental_error(&model, 12, 5);
     assert!(err < 1e-4, "incremental against full: {err}");
     let parts: std::collections::HashMap<_, _> = model.parameters().into_iter().collect();
     assert_eq!(
@@ -298,18 +287,7 @@ fn norm_placements_geglu_and_qk_norms_decode_as_their_full_forward() {
         let model = Model::random(&c, 5).unwrap();
         let parts: u64 = model.parameters().iter().map(|(_, n)| n).sum();
         assert_eq!(parts, c.weight_count().unwrap(), "{extra}");
-        let tokens: Vec<u32> = (0..9).map(|i| (i * 11 % 97) as u32).collect();
-        let full = model.forward(&tokens).unwrap();
-        let mut session = model.session(16, 4).unwrap();
-        let mut steps = session.step(&tokens[..4]).unwrap();
-        for t in 4..tokens.len() {
-            steps.extend(session.step(&tokens[t..t + 1]).unwrap());
-        }
-        let err = full
-            .iter()
-            .zip(&steps)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
+        let err = incremental_error(&model, 9, 4);
         assert!(err < 1e-4, "{extra}: incremental against full: {err}");
         let back = attn_runtime::model::research::config_to_toml(&c, None);
         assert_eq!(config_from_toml(&back).unwrap(), c, "{back}");
@@ -328,4 +306,20 @@ fn the_readmes_layer_pattern_example_reads() {
         .expect("the README shows a TOML with a layer pattern");
     let c = config_from_toml(block).unwrap();
     assert_eq!((c.attention.len(), c.pattern.len(), c.layers), (2, 3, 12));
+}
+
+/// The largest difference between `model`'s logits over `n` tokens in one forward pass and in
+/// a session (a prefill of `prefill` tokens, then one token at a time).
+fn incremental_error(model: &Model, n: usize, prefill: usize) -> f32 {
+    let tokens: Vec<u32> = (0..n).map(|i| (i * 7 % 97) as u32).collect();
+    let full = model.forward(&tokens).unwrap();
+    let mut session = model.session(16, 4).unwrap();
+    let mut steps = session.step(&tokens[..prefill]).unwrap();
+    for t in prefill..n {
+        steps.extend(session.step(&tokens[t..t + 1]).unwrap());
+    }
+    full.iter()
+        .zip(&steps)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max)
 }

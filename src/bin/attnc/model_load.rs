@@ -10,13 +10,7 @@ use std::path::Path;
 /// seeded by `seed`).
 pub fn load(path: &Path, seed: u64) -> Result<Model, String> {
     let err = |e: attn::runtime::RuntimeError| format!("error: {e}");
-    if !path.exists() {
-        return Err(format!(
-            "error: --model {}: no such file or folder; expected a Hugging Face checkpoint folder \
-             (config.json and *.safetensors) or a research model's .toml file",
-            path.display()
-        ));
-    }
+    exists(path)?;
     if path.is_file() {
         return research::load(path, seed).map_err(err);
     }
@@ -31,17 +25,23 @@ pub fn load(path: &Path, seed: u64) -> Result<Model, String> {
 /// its weights.
 pub fn load_config(path: &Path) -> Result<attn::runtime::model::ModelConfig, String> {
     let err = |e: attn::runtime::RuntimeError| format!("error: {e}");
-    if !path.exists() {
-        return Err(format!(
-            "error: --model {}: no such file or folder; expected a Hugging Face checkpoint folder \
-             (config.json and *.safetensors) or a research model's .toml file",
-            path.display()
-        ));
-    }
+    exists(path)?;
     if path.is_file() {
         return research::config_from_file(path).map_err(err);
     }
     hf::config(path).map_err(err)
+}
+
+/// An error naming `--model` when nothing is at `path`.
+fn exists(path: &Path) -> Result<(), String> {
+    if path.exists() {
+        return Ok(());
+    }
+    Err(format!(
+        "error: --model {}: no such file or folder; expected a Hugging Face checkpoint folder \
+         (config.json and *.safetensors) or a research model's .toml file",
+        path.display()
+    ))
 }
 
 /// [`load`], with the model's attention on `backend`.
