@@ -85,7 +85,11 @@ fn activations_and_adds_match_their_definitions() {
     // Large inputs saturate the exponentials instead of turning into NaN.
     x[0] = 80.0;
     x[1] = -80.0;
-    for kind in [Activation::SwiGlu, Activation::Gelu] {
+    let gelu = |u: f64| {
+        let y = (2.0 / std::f64::consts::PI).sqrt() * (u + 0.044715 * u.powi(3));
+        0.5 * u * (1.0 + y.tanh())
+    };
+    for kind in [Activation::SwiGlu, Activation::Gelu, Activation::GeGlu] {
         let mut mem = Memory::default();
         let record = ElementwiseArgs {
             x: mem.alloc_f32(&x),
@@ -101,10 +105,8 @@ fn activations_and_adds_match_their_definitions() {
                 let (u, g) = (f64::from(u), f64::from(g));
                 match kind {
                     Activation::SwiGlu => u * g / (1.0 + (-g).exp()),
-                    Activation::Gelu => {
-                        let y = (2.0 / std::f64::consts::PI).sqrt() * (u + 0.044715 * u.powi(3));
-                        0.5 * u * (1.0 + y.tanh())
-                    }
+                    Activation::Gelu => gelu(u),
+                    Activation::GeGlu => gelu(g) * u,
                 }
             })
             .collect();
