@@ -130,6 +130,15 @@ FIXTURES = {
         "starcoder2: LayerNorms with biases, GELU MLP c_fc/c_proj with biases, biased "
         "attention projections, a window of 8",
     ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+             shared_expert_intermediate_size=80, norm_topk_prob=True,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        "qwen2_moe: 4 experts of width 32, top 2 renormalized, a shared expert of width 80 "
+        "gated by a sigmoid, q/k/v biases",
+    ),
 }
 
 

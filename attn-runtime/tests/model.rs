@@ -189,6 +189,14 @@ fn starcoder2_matches_transformers() {
     check("starcoder2", 24);
 }
 
+/// qwen2_moe: routed experts beside a shared expert gated by a sigmoid.
+#[test]
+fn qwen2_moe_matches_transformers() {
+    let config = hf::config(&dir("qwen2_moe")).unwrap();
+    assert_eq!(config.moe.as_ref().unwrap().shared, Some(80));
+    check("qwen2_moe", 24);
+}
+
 /// The same checkpoints with their attention on the GPU kernels (run on the GPU IR
 /// interpreter, through the `Backend` trait): forward, ragged prefill and decode steps, MLA.
 #[test]

@@ -76,6 +76,9 @@ pub struct Moe {
     pub normalize: bool,
     /// Which layers are MoE (one entry per layer); the others have the dense MLP.
     pub sparse: Vec<bool>,
+    /// A shared expert of this width that every token runs, its output times
+    /// `sigmoid(shared_expert_gate(x))`, added to the routed experts' (qwen2_moe).
+    pub shared: Option<usize>,
     /// The checkpoint's names for the router and the experts.
     pub names: ExpertNames,
 }
@@ -115,6 +118,17 @@ impl MlpNames {
 pub const MAX_EXPERTS: usize = 1024;
 
 impl Moe {
+    /// Layer `i`'s shared expert's gate, up and down projections and its gate's linear map
+    /// (no `.weight`), where the layer has one.
+    pub fn shared_prefixes(&self, i: usize) -> Option<([String; 3], String)> {
+        self.shared?;
+        let p = format!("model.layers.{i}.mlp.shared_expert");
+        Some((
+            ["gate_proj", "up_proj", "down_proj"].map(|n| format!("{p}.{n}")),
+            format!("{p}_gate"),
+        ))
+    }
+
     /// The router's and experts' tensor names of layer `i` (`model.layers.{i}.` prefix): the
     /// router, then each expert's gate, up and down projections (no `.weight`).
     pub fn tensor_prefixes(&self, i: usize) -> (String, Vec<[String; 3]>) {
@@ -152,6 +166,13 @@ impl Moe {
             return err(format!(
                 "an expert MLP width of {}; allowed: 1 to {MAX_INTERMEDIATE}",
                 self.intermediate
+            ));
+        }
+        if let Some(width) = self.shared
+            && !(1..=MAX_INTERMEDIATE).contains(&width)
+        {
+            return err(format!(
+                "a shared expert MLP width of {width}; allowed: 1 to {MAX_INTERMEDIATE}"
             ));
         }
         if self.sparse.len() != layers {
@@ -416,7 +437,11 @@ impl ModelConfig {
             let mlp = match &self.moe {
                 Some(moe) if moe.sparse[i] => {
                     let (e, w) = (moe.experts as u64, moe.intermediate as u64);
-                    e * d + e * (mlp_mats * d * w + mlp_bias(w))
+                    let shared = moe.shared.map_or(0, |s| {
+                        let s = s as u64;
+                        mlp_mats * d * s + mlp_bias(s) + d
+                    });
+                    e * d + e * (mlp_mats * d * w + mlp_bias(w)) + shared
                 }
                 _ => mlp_mats * d * inter + mlp_bias(inter),
             };

@@ -6,7 +6,8 @@
 //! norms on q and k), `smollm3` (layers without RoPE), `gemma` (GeGLU, norms of `1 + w`, a
 //! scaled embedding), `gemma2` (sandwich norms, softcaps, alternating sliding layers),
 //! `gemma3_text` (q/k norms, a RoPE per layer type), `olmo2` (norms after the sublayers, q/k
-//! norms over the whole projection), `mixtral` and `qwen3_moe` (mixture-of-experts MLPs),
+//! norms over the whole projection), `mixtral`, `qwen2_moe` (with a gated shared expert) and
+//! `qwen3_moe` (mixture-of-experts MLPs),
 //! `granite` (embedding, attention, residual and logit multipliers), `cohere` (attention and
 //! MLP in parallel on one LayerNorm without bias, interleaved RoPE, a logit scale),
 //! `starcoder2` (LayerNorms with biases, a GELU MLP `c_fc`/`c_proj`, biases everywhere),
@@ -45,6 +46,7 @@ pub const FAMILIES: &[&str] = &[
     "gemma3_text",
     "olmo2",
     "mixtral",
+    "qwen2_moe",
     "qwen3_moe",
     "granite",
     "cohere",
@@ -359,8 +361,16 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
         mlp,
         intermediate: c.uint("intermediate_size")?,
         tie_embeddings: c.flag("tie_word_embeddings")?,
-        qkv_bias: attention_bias || family == "qwen2" || use_bias,
-        o_bias: (attention_bias && family != "qwen2") || use_bias,
+        qkv_bias: match family.as_str() {
+            "qwen2" => true,
+            // qwen2_moe's `qkv_bias` defaults to true.
+            "qwen2_moe" => !c.has("qkv_bias") || c.flag("qkv_bias")?,
+            _ => attention_bias || use_bias,
+        },
+        o_bias: match family.as_str() {
+            "qwen2" | "qwen2_moe" => false,
+            _ => attention_bias || use_bias,
+        },
         embed_multiplier: match family.as_str() {
             "granite" => c.float_opt("embedding_multiplier")?,
             _ => gemma.then(|| (hidden as f64).sqrt()),
@@ -428,8 +438,9 @@ fn activation(c: Fields, family: &str) -> Result<MlpKind, RuntimeError> {
 }
 
 /// The mixture-of-experts MLPs of the family: mixtral's in every layer (the chosen experts'
-/// weights renormalized); qwen3_moe's every `decoder_sparse_step`-th layer outside
-/// `mlp_only_layers` (renormalized where `norm_topk_prob`); none elsewhere.
+/// weights renormalized); qwen2_moe's and qwen3_moe's every `decoder_sparse_step`-th layer
+/// outside `mlp_only_layers` (renormalized where `norm_topk_prob`; qwen2_moe's with its gated
+/// shared expert); none elsewhere.
 fn experts(c: Fields, family: &str, layers: usize) -> Result<Option<Moe>, RuntimeError> {
     let top_k = c.uint_opt("num_experts_per_tok")?.unwrap_or(2);
     Ok(Some(match family {
@@ -439,9 +450,10 @@ fn experts(c: Fields, family: &str, layers: usize) -> Result<Option<Moe>, Runtim
             intermediate: c.uint("intermediate_size")?,
             normalize: true,
             sparse: vec![true; layers],
+            shared: None,
             names: ExpertNames::Mixtral,
         },
-        "qwen3_moe" => {
+        "qwen3_moe" | "qwen2_moe" => {
             let step = c.uint_opt("decoder_sparse_step")?.unwrap_or(1);
             if step == 0 {
                 return Err(bad(
@@ -460,6 +472,10 @@ fn experts(c: Fields, family: &str, layers: usize) -> Result<Option<Moe>, Runtim
                 sparse: (0..layers)
                     .map(|i| !dense.contains(&i) && (i + 1) % step == 0)
                     .collect(),
+                shared: match family {
+                    "qwen2_moe" => Some(c.uint("shared_expert_intermediate_size")?),
+                    _ => None,
+                },
                 names: ExpertNames::Qwen,
             }
         }
@@ -684,6 +700,7 @@ fn sliding_layers(
     Ok(match family {
         "mistral" | "mixtral" | "starcoder2" => vec![window; layers],
         "qwen2" | "qwen3" | "qwen3_moe" => typed(&|i| i >= max_window_layers),
+        "qwen2_moe" => typed(&|i| (i + 1) % 2 != 0 && i < max_window_layers),
         "smollm3" => typed(&|i| !has_rope[i]),
         "gemma2" => gemma_typed(&|i| (i + 1) % 2 != 0),
         "gemma3_text" => {

@@ -181,6 +181,11 @@ impl LayerMlp {
             LayerMlp::Dense(mlp) => dense(mlp),
             LayerMlp::Moe(moe) => std::iter::once(&moe.router)
                 .chain(moe.experts.iter().flat_map(dense))
+                .chain(
+                    moe.shared
+                        .iter()
+                        .flat_map(|(e, gate)| dense(e).into_iter().chain([gate])),
+                )
                 .collect(),
         }
     }
@@ -194,6 +199,8 @@ pub(crate) struct MoeMlp {
     pub experts: Vec<Mlp>,
     pub top_k: usize,
     pub normalize: bool,
+    /// A shared expert every token runs, and the `[1, hidden]` map whose sigmoid scales it.
+    pub shared: Option<(Mlp, Linear)>,
 }
 
 impl MoeMlp {
@@ -224,8 +231,9 @@ impl MoeMlp {
             .collect()
     }
 
-    /// The weighted sum of the chosen experts' outputs per row. Each expert runs once, on the
-    /// rows routed to it (gathered), and its outputs are added back in expert order.
+    /// The weighted sum of the chosen experts' outputs per row, on top of the gated shared
+    /// expert's where there is one. Each expert runs once, on the rows routed to it
+    /// (gathered), and its outputs are added back in expert order.
     pub fn apply(
         &self,
         ops: &dyn LayerOps,
@@ -239,7 +247,18 @@ impl MoeMlp {
                 routed[e].push((row, w));
             }
         }
-        let mut out = vec![0f32; x.len()];
+        let mut out = match &self.shared {
+            Some((expert, gate)) => {
+                let mut y = expert.apply(ops, x, rows)?;
+                let g = gate.apply(x, rows);
+                for (row, &g) in y.chunks_exact_mut(width.max(1)).zip(&g) {
+                    let s = 1.0 / (1.0 + (-g).exp());
+                    row.iter_mut().for_each(|v| *v *= s);
+                }
+                y
+            }
+            None => vec![0f32; x.len()],
+        };
         for (expert, list) in self.experts.iter().zip(&routed) {
             if list.is_empty() {
                 continue;

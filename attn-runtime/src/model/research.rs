@@ -469,12 +469,17 @@ impl Model {
                     down: init.linear(c.hidden, width, bias),
                 };
                 let mlp = match c.moe.as_ref().filter(|m| m.sparse[i]) {
-                    Some(moe) => LayerMlp::Moe(MoeMlp {
-                        experts: (0..moe.experts).map(|_| mlp(moe.intermediate)).collect(),
-                        router: init.linear(moe.experts, c.hidden, false),
-                        top_k: moe.top_k,
-                        normalize: moe.normalize,
-                    }),
+                    Some(moe) => {
+                        let experts = (0..moe.experts).map(|_| mlp(moe.intermediate)).collect();
+                        let shared = moe.shared.map(&mut mlp);
+                        LayerMlp::Moe(MoeMlp {
+                            experts,
+                            shared: shared.map(|m| (m, init.linear(1, c.hidden, false))),
+                            router: init.linear(moe.experts, c.hidden, false),
+                            top_k: moe.top_k,
+                            normalize: moe.normalize,
+                        })
+                    }
                     None => LayerMlp::Dense(mlp(c.intermediate)),
                 };
                 let (before, after) = (c.placement.before(), c.placement.after());

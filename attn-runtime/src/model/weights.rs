@@ -55,6 +55,10 @@ pub(crate) fn tensor_names(config: &ModelConfig, q_lora: Option<usize>) -> Vec<S
             Some(moe) => {
                 let (router, experts) = moe.tensor_prefixes(i);
                 experts.into_iter().for_each(&mut mlp_names);
+                if let Some((shared, gate)) = moe.shared_prefixes(i) {
+                    mlp_names(shared);
+                    names.push(format!("{gate}.weight"));
+                }
                 names.push(format!("{router}.weight"));
             }
             None => mlp_names(config.mlp_names.prefixes(i)),
@@ -198,6 +202,13 @@ pub(crate) fn assemble(
                         .collect::<Result<_, _>>()?,
                     top_k: moe.top_k,
                     normalize: moe.normalize,
+                    shared: match (moe.shared_prefixes(i), moe.shared) {
+                        (Some(([g, u, dn], gate)), Some(width)) => Some((
+                            w.mlp(&config, [&g, &u, &dn], d, width)?,
+                            w.linear(&gate, false, [1, d])?,
+                        )),
+                        _ => None,
+                    },
                 })
             }
             None => {
