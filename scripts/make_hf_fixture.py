@@ -139,6 +139,15 @@ FIXTURES = {
         "qwen2_moe: 4 experts of width 32, top 2 renormalized, a shared expert of width 80 "
         "gated by a sigmoid, q/k/v biases",
     ),
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(num_hidden_layers=2, sliding_window=8, pad_token_id=None, bos_token_id=None,
+             eos_token_id=None,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                              "partial_rotary_factor": 0.5}),
+        "phi3: fused qkv_proj and gate_up_proj, RoPE on half of each head, a window of 8",
+    ),
 }
 
 

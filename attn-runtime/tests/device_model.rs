@@ -37,6 +37,12 @@ fn starcoder2_on_the_device_matches_transformers() {
     checkpoint_on_the_device("starcoder2");
 }
 
+/// phi3 too: projections fused in the checkpoint (split at load), RoPE on half of each head.
+#[test]
+fn phi3_on_the_device_matches_transformers() {
+    checkpoint_on_the_device("phi3");
+}
+
 fn checkpoint_on_the_device(name: &str) {
     let dir = fixture(name);
     let model = hf::load(&dir).unwrap();

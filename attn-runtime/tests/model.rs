@@ -197,6 +197,14 @@ fn qwen2_moe_matches_transformers() {
     check("qwen2_moe", 24);
 }
 
+/// phi3: fused `qkv_proj` and `gate_up_proj` split at load, RoPE on half of each head.
+#[test]
+fn phi3_matches_transformers() {
+    let config = hf::config(&dir("phi3")).unwrap();
+    assert_eq!(config.attention[0].rope().unwrap().dim, 8);
+    check("phi3", 24);
+}
+
 /// The same checkpoints with their attention on the GPU kernels (run on the GPU IR
 /// interpreter, through the `Backend` trait): forward, ragged prefill and decode steps, MLA.
 #[test]

@@ -153,10 +153,10 @@ impl CandleModel {
         if config.attention.iter().any(|spec| spec.mla().is_some()) {
             candle_core::bail!("attn::candle: MLA models do not train through candle yet");
         }
-        if config.mlp_bias || config.mlp_names != MlpNames::GateUpDown {
+        if config.mlp_bias || config.mlp_names != MlpNames::GateUpDown || config.fused_projections {
             candle_core::bail!(
-                "attn::candle: MLP biases and starcoder2's MLP names do not train through candle \
-                 yet"
+                "attn::candle: MLP biases, starcoder2's MLP names and phi3's fused projections do \
+                 not train through candle yet"
             );
         }
         if config.moe.is_some() {

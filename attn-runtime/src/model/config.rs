@@ -39,6 +39,10 @@ pub struct ModelConfig {
     pub mlp_bias: bool,
     /// How the checkpoint names the dense MLP's projections.
     pub mlp_names: MlpNames,
+    /// The checkpoint stores q, k and v as one `self_attn.qkv_proj` (rows of q, then k, then
+    /// v) and the MLP's gate and up as one `mlp.gate_up_proj` (gate rows, then up): phi3.
+    /// Loading splits them.
+    pub fused_projections: bool,
     /// The LM head is the token embedding.
     pub tie_embeddings: bool,
     /// Biases on the q, k and v projections (Qwen2).
@@ -292,6 +296,11 @@ impl ModelConfig {
             )));
         }
         self.check_kinds()?;
+        if self.fused_projections && self.mlp == MlpKind::Gelu {
+            return Err(RuntimeError::Data(
+                "model config: fused `gate_up_proj` needs a gated MLP (swiglu or geglu)".into(),
+            ));
+        }
         if let Some(moe) = &self.moe {
             moe.validate(self.layers)?;
         }

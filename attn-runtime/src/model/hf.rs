@@ -11,6 +11,7 @@
 //! `granite` (embedding, attention, residual and logit multipliers), `cohere` (attention and
 //! MLP in parallel on one LayerNorm without bias, interleaved RoPE, a logit scale),
 //! `starcoder2` (LayerNorms with biases, a GELU MLP `c_fc`/`c_proj`, biases everywhere),
+//! `phi3` (fused `qkv_proj` and `gate_up_proj`, partial RoPE; not longrope),
 //! `deepseek_v2` and `deepseek_v3` (MLA;
 //! dense layers only: mixture-of-experts layers are refused). Layers differ where the config
 //! says so (`layer_types`: sliding and full attention; `no_rope_layers`): each distinct
@@ -51,6 +52,7 @@ pub const FAMILIES: &[&str] = &[
     "granite",
     "cohere",
     "starcoder2",
+    "phi3",
     "deepseek_v2",
     "deepseek_v3",
 ];
@@ -357,6 +359,7 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
         } else {
             MlpNames::GateUpDown
         },
+        fused_projections: family == "phi3",
         norm_unit_offset: gemma,
         mlp,
         intermediate: c.uint("intermediate_size")?,
@@ -578,9 +581,10 @@ fn per_head_layers(
         "cohere" => RopeLayout::Interleaved,
         _ => RopeLayout::Half,
     };
+    let rope_dim = rotary_dims(c, head_dim)?;
     let ropes = [
-        rope_of_type(c, "full_attention", head_dim, layout)?,
-        rope_of_type(c, "sliding_attention", head_dim, layout)?,
+        rope_of_type(c, "full_attention", rope_dim, layout)?,
+        rope_of_type(c, "sliding_attention", rope_dim, layout)?,
     ];
     let has_rope = rope_layers(c, family, layers)?;
     let sliding = sliding_layers(c, family, layers, &has_rope)?;
@@ -632,6 +636,28 @@ fn per_head_layers(
         pattern.push(kind);
     }
     Ok((kinds, pattern))
+}
+
+/// The head dims RoPE rotates: `head_dim` times `partial_rotary_factor` (in `rope_parameters`,
+/// or at the top in older files; 1 by default), rounded down as transformers does.
+fn rotary_dims(c: Fields, head_dim: usize) -> Result<usize, RuntimeError> {
+    let nested = match c.object("rope_parameters", "rope_parameters.")? {
+        Some(p) => p.float_opt("partial_rotary_factor")?,
+        None => None,
+    };
+    let factor = match nested {
+        Some(f) => f,
+        None => c.float_or("partial_rotary_factor", 1.0)?,
+    };
+    if !(factor > 0.0 && factor <= 1.0) {
+        return Err(bad(
+            c.path(),
+            format!(
+                "`partial_rotary_factor` = {factor} is out of range; allowed: above 0, up to 1"
+            ),
+        ));
+    }
+    Ok((head_dim as f64 * factor) as usize)
 }
 
 /// Which layers rotate q and k: all, except where smollm3's `no_rope_layers` (1 = RoPE) says
@@ -698,7 +724,7 @@ fn sliding_layers(
         }
     };
     Ok(match family {
-        "mistral" | "mixtral" | "starcoder2" => vec![window; layers],
+        "mistral" | "mixtral" | "starcoder2" | "phi3" => vec![window; layers],
         "qwen2" | "qwen3" | "qwen3_moe" => typed(&|i| i >= max_window_layers),
         "qwen2_moe" => typed(&|i| (i + 1) % 2 != 0 && i < max_window_layers),
         "smollm3" => typed(&|i| !has_rope[i]),

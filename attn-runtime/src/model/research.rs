@@ -179,6 +179,7 @@ pub fn config_from_toml(text: &str) -> Result<ModelConfig, RuntimeError> {
         norm_bias: true,
         mlp_bias: false,
         mlp_names: MlpNames::GateUpDown,
+        fused_projections: false,
         moe: None,
     };
     config.validate()?;

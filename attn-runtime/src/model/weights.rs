@@ -7,7 +7,7 @@ use super::config::{MlpKind, ModelConfig, NormKind, QkNorm};
 use super::layers::{LayerMlp, Linear, Matrix, Mlp, MoeMlp, Norm};
 use super::{AttentionWeights, Layer, Model};
 use crate::error::RuntimeError;
-use crate::tensor::Tensor;
+use crate::tensor::{Storage, Tensor};
 use std::collections::HashMap;
 
 /// The epsilon of DeepSeek's latent norms (`q_a_layernorm`, `kv_a_layernorm`): transformers
@@ -61,9 +61,22 @@ pub(crate) fn tensor_names(config: &ModelConfig, q_lora: Option<usize>) -> Vec<S
                 }
                 names.push(format!("{router}.weight"));
             }
+            None if config.fused_projections => {
+                let bias = config.mlp_bias;
+                for n in ["mlp.gate_up_proj", "mlp.down_proj"] {
+                    names.push(format!("{p}{n}.weight"));
+                    if bias {
+                        names.push(format!("{p}{n}.bias"));
+                    }
+                }
+            }
             None => mlp_names(config.mlp_names.prefixes(i)),
         }
         let attn: &[&str] = match (mla, q_lora.is_some(), config.qkv_bias) {
+            (false, _, false) if config.fused_projections => &["self_attn.qkv_proj.weight"],
+            (false, _, true) if config.fused_projections => {
+                &["self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias"]
+            }
             (true, false, _) => &[
                 "self_attn.q_proj.weight",
                 "self_attn.kv_a_proj_with_mqa.weight",
@@ -161,10 +174,26 @@ pub(crate) fn assemble(
             None => {
                 let hkv = spec.kv_heads() as usize;
                 let bias = config.qkv_bias;
+                let [q, k, v] = match config.fused_projections {
+                    true => w
+                        .fused(
+                            &format!("{p}qkv_proj"),
+                            bias,
+                            [heads * dk, hkv * dk, hkv * dv],
+                            d,
+                        )?
+                        .try_into()
+                        .map_err(|_| RuntimeError::Data("internal: three projections".into()))?,
+                    false => [
+                        w.linear(&format!("{p}q_proj"), bias, [heads * dk, d])?,
+                        w.linear(&format!("{p}k_proj"), bias, [hkv * dk, d])?,
+                        w.linear(&format!("{p}v_proj"), bias, [hkv * dv, d])?,
+                    ],
+                };
                 AttentionWeights::Heads {
-                    q: w.linear(&format!("{p}q_proj"), bias, [heads * dk, d])?,
-                    k: w.linear(&format!("{p}k_proj"), bias, [hkv * dk, d])?,
-                    v: w.linear(&format!("{p}v_proj"), bias, [hkv * dv, d])?,
+                    q,
+                    k,
+                    v,
                     o: w.linear(&format!("{p}o_proj"), config.o_bias, [d, heads * dv])?,
                     qk_norm: match config.qk_norm {
                         Some(QkNorm::PerHead) => Some([
@@ -209,6 +238,19 @@ pub(crate) fn assemble(
                         )),
                         _ => None,
                     },
+                })
+            }
+            None if config.fused_projections => {
+                let bias = config.mlp_bias;
+                let [gate, up]: [Linear; 2] = w
+                    .fused(&format!("{p}mlp.gate_up_proj"), bias, [inter, inter], d)?
+                    .try_into()
+                    .map_err(|_| RuntimeError::Data("internal: two projections".into()))?;
+                LayerMlp::Dense(Mlp {
+                    kind: config.mlp,
+                    gate: Some(gate),
+                    up,
+                    down: w.linear(&format!("{p}mlp.down_proj"), bias, [d, inter])?,
                 })
             }
             None => {
@@ -294,6 +336,44 @@ impl Store<'_> {
             w: Matrix::new(out, inp, w.into_storage()),
             bias,
         })
+    }
+
+    /// `{prefix}.weight` (and `.bias`) holding several linear maps' rows one after another,
+    /// `rows[j]` rows each over `cols` inputs: the maps, split.
+    fn fused(
+        &mut self,
+        prefix: &str,
+        with_bias: bool,
+        rows: impl AsRef<[usize]>,
+        cols: usize,
+    ) -> Result<Vec<Linear>, RuntimeError> {
+        let rows = rows.as_ref();
+        let total: usize = rows.iter().sum();
+        let w = self.matrix(&format!("{prefix}.weight"), [total, cols])?;
+        let bias = match with_bias {
+            true => Some(
+                self.shaped(&format!("{prefix}.bias"), &[total])?
+                    .to_f32_vec(),
+            ),
+            false => None,
+        };
+        let storage = w.into_storage();
+        let mut first = 0;
+        let mut out = Vec::with_capacity(rows.len());
+        for &n in rows {
+            let range = first * cols..(first + n) * cols;
+            let part = match &storage {
+                Storage::F32(v) => Storage::F32(v[range].to_vec()),
+                Storage::F16(v) => Storage::F16(v[range].to_vec()),
+                Storage::Bf16(v) => Storage::Bf16(v[range].to_vec()),
+            };
+            out.push(Linear {
+                w: Matrix::new(n, cols, part),
+                bias: bias.as_ref().map(|b| b[first..first + n].to_vec()),
+            });
+            first += n;
+        }
+        Ok(out)
     }
 
     /// An MLP of the config's kind from the projections named `[gate, up, down]` (the gate only
