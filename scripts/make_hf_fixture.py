@@ -148,6 +148,31 @@ FIXTURES = {
                               "partial_rotary_factor": 0.5}),
         "phi3: fused qkv_proj and gate_up_proj, RoPE on half of each head, a window of 8",
     ),
+    "deepseek_v2_moe": (
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        dict(num_hidden_layers=2, num_key_value_heads=4, head_dim=None, kv_lora_rank=32,
+             q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+             first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+             moe_intermediate_size=32, n_shared_experts=1, n_group=4, topk_group=1,
+             topk_method="group_limited_greedy", routed_scaling_factor=1.5,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        "deepseek_v2: MLA; layer 1 a mixture of 8 experts in 4 groups, top 2 within the best "
+        "group, weights x1.5, one shared expert",
+    ),
+    "deepseek_v3_moe": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(num_hidden_layers=2, num_key_value_heads=4, head_dim=8, kv_lora_rank=32,
+             q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+             first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+             moe_intermediate_size=32, n_shared_experts=1, n_group=4, topk_group=2,
+             norm_topk_prob=True, routed_scaling_factor=2.5,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        "deepseek_v3: MLA with factored queries; layer 1 a mixture of 8 experts routed by "
+        "sigmoid plus a correction bias within the best 2 of 4 groups, renormalized, x2.5, one "
+        "shared expert",
+    ),
 }
 
 
@@ -160,6 +185,11 @@ def randomize(model):
                 p.copy_((1.0 + 0.3 * noise).to(p.dtype))
             else:
                 p.copy_((0.1 * noise).to(p.dtype))
+        # DeepSeek-V3's router correction bias is a saved buffer, not a parameter.
+        for name, b in sorted(model.named_buffers()):
+            if "e_score_correction_bias" in name:
+                noise = torch.randn(b.shape, generator=g, dtype=torch.float64)
+                b.copy_((0.1 * noise).to(b.dtype))
 
 
 def main():
@@ -167,7 +197,7 @@ def main():
         sys.exit(f"usage: make_hf_fixture.py NAME; NAME one of {', '.join(FIXTURES)}")
     name = sys.argv[1]
     config_class, model_class, keys, notes = FIXTURES[name]
-    config = getattr(transformers, config_class)(**COMMON, **keys)
+    config = getattr(transformers, config_class)(**{**COMMON, **keys})
     config._attn_implementation = "eager"
     torch.manual_seed(SEED)
     model = getattr(transformers, model_class)(config).eval()

@@ -651,6 +651,28 @@ fn per_layer_keys_and_qk_norms_that_do_not_fit_are_refused() {
             &format!("mixtral: {key} = {value}"),
         );
     }
+    for (key, value, needle) in [
+        ("n_group", "3", "3 expert groups for 8 experts"),
+        ("topk_group", "0", "0 chosen groups"),
+        (
+            "topk_method",
+            "\"noaux\"",
+            "topk_method `noaux` is not supported",
+        ),
+        (
+            "routed_scaling_factor",
+            "-1.0",
+            "a routed scaling factor of -1",
+        ),
+    ] {
+        refused(
+            Scratch::of("deepseek_v2_moe", key)
+                .config(key, value)
+                .load(),
+            &[needle],
+            &format!("deepseek_v2: {key} = {value}"),
+        );
+    }
     refused(
         Scratch::of("qwen3_moe", "sparse_step")
             .config("decoder_sparse_step", "0")

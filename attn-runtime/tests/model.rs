@@ -193,7 +193,8 @@ fn starcoder2_matches_transformers() {
 #[test]
 fn qwen2_moe_matches_transformers() {
     let config = hf::config(&dir("qwen2_moe")).unwrap();
-    assert_eq!(config.moe.as_ref().unwrap().shared, Some(80));
+    let shared = config.moe.as_ref().unwrap().shared.unwrap();
+    assert_eq!((shared.width, shared.gated), (80, true));
     check("qwen2_moe", 24);
 }
 
@@ -203,6 +204,23 @@ fn phi3_matches_transformers() {
     let config = hf::config(&dir("phi3")).unwrap();
     assert_eq!(config.attention[0].rope().unwrap().dim, 8);
     check("phi3", 24);
+}
+
+/// deepseek_v2 with MoE: softmax routing within the best groups, a routed scaling factor, a
+/// shared expert.
+#[test]
+fn deepseek_v2_moe_matches_transformers() {
+    let config = hf::config(&dir("deepseek_v2_moe")).unwrap();
+    let moe = config.moe.as_ref().unwrap();
+    assert_eq!(moe.sparse, [false, true]);
+    check("deepseek_v2_moe", 24);
+}
+
+/// deepseek_v3 with MoE: sigmoid routing with a correction bias within the best groups,
+/// renormalized and scaled; factored queries.
+#[test]
+fn deepseek_v3_moe_matches_transformers() {
+    check("deepseek_v3_moe", 24);
 }
 
 /// The same checkpoints with their attention on the GPU kernels (run on the GPU IR
@@ -250,11 +268,12 @@ fn bad_checkpoints_are_clear_errors() {
         err.contains("`gpt_neox`") && err.contains("llama, mistral"),
         "{err}"
     );
+    // A dense checkpoint whose config says layer 1 is MoE: the missing expert is named.
     let moe = edited("deepseek_v2_lite_mla", "moe", |c| {
         c["first_k_dense_replace"] = 1.into()
     });
     let err = hf::load(&moe).unwrap_err().to_string();
-    assert!(err.contains("mixture-of-experts"), "{err}");
+    assert!(err.contains("model.layers.1.mlp.experts.0"), "{err}");
     let untied = edited("llama_gqa", "untied", |c| {
         c["tie_word_embeddings"] = false.into()
     });

@@ -65,10 +65,11 @@ pub struct ModelConfig {
 }
 
 /// Mixture-of-experts MLPs: a router picks `top_k` of `experts` MLPs (each of the model's MLP
-/// kind, `intermediate` wide) per token by the softmax of its logits; the token's output is the
-/// chosen experts' outputs weighted by their probabilities (renormalized to sum to 1 where
-/// `normalize`). Each expert runs only on the tokens routed to it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// kind, `intermediate` wide) per token from its logits, as `router` says; the token's output is
+/// the chosen experts' outputs weighted by their scores (renormalized to sum to 1 where
+/// `normalize`, then times `scale`), plus a shared expert's where there is one. Each expert
+/// runs only on the tokens routed to it.
+#[derive(Clone, Debug, PartialEq)]
 pub struct Moe {
     /// Experts per MoE layer.
     pub experts: usize,
@@ -78,13 +79,50 @@ pub struct Moe {
     pub intermediate: usize,
     /// The chosen experts' weights are divided by their sum.
     pub normalize: bool,
+    /// How the router scores and chooses experts.
+    pub router: Router,
+    /// The chosen experts' weights times this (DeepSeek's `routed_scaling_factor`; 1 elsewhere).
+    pub scale: f64,
     /// Which layers are MoE (one entry per layer); the others have the dense MLP.
     pub sparse: Vec<bool>,
-    /// A shared expert of this width that every token runs, its output times
-    /// `sigmoid(shared_expert_gate(x))`, added to the routed experts' (qwen2_moe).
-    pub shared: Option<usize>,
+    /// A shared expert every token runs, added to the routed experts' output.
+    pub shared: Option<SharedExpert>,
     /// The checkpoint's names for the router and the experts.
     pub names: ExpertNames,
+}
+
+/// How a MoE router scores the experts and chooses among them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Router {
+    /// Softmax of the logits; the top k (mixtral, qwen, DeepSeek-V2's `greedy`).
+    Softmax,
+    /// Softmax; the top k among the experts of the `topk_group` groups (of `groups` equal ones)
+    /// whose best score is highest (DeepSeek-V2's `group_limited_greedy`).
+    SoftmaxGroups {
+        /// Groups the experts fall into, in order.
+        groups: usize,
+        /// Groups chosen.
+        topk_group: usize,
+    },
+    /// Sigmoid of the logits; experts chosen by score plus a learned correction bias
+    /// (`e_score_correction_bias`), the top k among the `topk_group` groups whose two best
+    /// biased scores sum highest; weighted by their unbiased scores (DeepSeek-V3).
+    SigmoidGroups {
+        /// Groups the experts fall into, in order.
+        groups: usize,
+        /// Groups chosen.
+        topk_group: usize,
+    },
+}
+
+/// A MoE layer's shared expert.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SharedExpert {
+    /// Its MLP width.
+    pub width: usize,
+    /// Its output is scaled by `sigmoid(shared_expert_gate(x))` (qwen2_moe); else added as it
+    /// is (DeepSeek).
+    pub gated: bool,
 }
 
 /// How a checkpoint names a MoE layer's tensors (`model.layers.{i}.` then these).
@@ -93,7 +131,9 @@ pub enum ExpertNames {
     /// `block_sparse_moe.gate`, `block_sparse_moe.experts.{j}.w1` (gate), `w3` (up), `w2`
     /// (down): mixtral.
     Mixtral,
-    /// `mlp.gate`, `mlp.experts.{j}.gate_proj`, `up_proj`, `down_proj`: qwen2_moe, qwen3_moe.
+    /// `mlp.gate`, `mlp.experts.{j}.gate_proj`, `up_proj`, `down_proj`: qwen2_moe, qwen3_moe
+    /// (a shared expert `mlp.shared_expert`, its gate `mlp.shared_expert_gate`), DeepSeek (shared
+    /// experts `mlp.shared_experts`, a correction bias `mlp.gate.e_score_correction_bias`).
     Qwen,
 }
 
@@ -124,12 +164,15 @@ pub const MAX_EXPERTS: usize = 1024;
 impl Moe {
     /// Layer `i`'s shared expert's gate, up and down projections and its gate's linear map
     /// (no `.weight`), where the layer has one.
-    pub fn shared_prefixes(&self, i: usize) -> Option<([String; 3], String)> {
-        self.shared?;
-        let p = format!("model.layers.{i}.mlp.shared_expert");
+    pub fn shared_prefixes(&self, i: usize) -> Option<([String; 3], Option<String>)> {
+        let shared = self.shared?;
+        let p = match shared.gated {
+            true => format!("model.layers.{i}.mlp.shared_expert"),
+            false => format!("model.layers.{i}.mlp.shared_experts"),
+        };
         Some((
             ["gate_proj", "up_proj", "down_proj"].map(|n| format!("{p}.{n}")),
-            format!("{p}_gate"),
+            shared.gated.then(|| format!("{p}_gate")),
         ))
     }
 
@@ -172,7 +215,31 @@ impl Moe {
                 self.intermediate
             ));
         }
-        if let Some(width) = self.shared
+        if let Router::SoftmaxGroups { groups, topk_group }
+        | Router::SigmoidGroups { groups, topk_group } = self.router
+        {
+            let per_group = self.experts / groups.max(1);
+            if groups == 0 || !self.experts.is_multiple_of(groups) {
+                return err(format!(
+                    "{groups} expert groups for {} experts; allowed: a divisor of the expert count",
+                    self.experts
+                ));
+            }
+            if !(1..=groups).contains(&topk_group) || topk_group * per_group < self.top_k {
+                return err(format!(
+                    "{topk_group} chosen groups of {per_group} experts for a top-k of {}; \
+                     allowed: 1 to {groups} groups holding at least top-k experts",
+                    self.top_k
+                ));
+            }
+        }
+        if !(self.scale.is_finite() && self.scale > 0.0) {
+            return err(format!(
+                "a routed scaling factor of {}; allowed: a finite number above 0",
+                self.scale
+            ));
+        }
+        if let Some(width) = self.shared.map(|s| s.width)
             && !(1..=MAX_INTERMEDIATE).contains(&width)
         {
             return err(format!(
@@ -447,10 +514,15 @@ impl ModelConfig {
                 Some(moe) if moe.sparse[i] => {
                     let (e, w) = (moe.experts as u64, moe.intermediate as u64);
                     let shared = moe.shared.map_or(0, |s| {
-                        let s = s as u64;
-                        mlp_mats * d * s + mlp_bias(s) + d
+                        let gate = if s.gated { d } else { 0 };
+                        let s = s.width as u64;
+                        mlp_mats * d * s + mlp_bias(s) + gate
                     });
-                    e * d + e * (mlp_mats * d * w + mlp_bias(w)) + shared
+                    let correction = match moe.router {
+                        Router::SigmoidGroups { .. } => e,
+                        _ => 0,
+                    };
+                    e * d + correction + e * (mlp_mats * d * w + mlp_bias(w)) + shared
                 }
                 _ => mlp_mats * d * inter + mlp_bias(inter),
             };

@@ -12,15 +12,14 @@
 //! MLP in parallel on one LayerNorm without bias, interleaved RoPE, a logit scale),
 //! `starcoder2` (LayerNorms with biases, a GELU MLP `c_fc`/`c_proj`, biases everywhere),
 //! `phi3` (fused `qkv_proj` and `gate_up_proj`, partial RoPE; not longrope),
-//! `deepseek_v2` and `deepseek_v3` (MLA;
-//! dense layers only: mixture-of-experts layers are refused). Layers differ where the config
-//! says so (`layer_types`: sliding and full attention; `no_rope_layers`): each distinct
+//! `deepseek_v2` and `deepseek_v3` (MLA; grouped mixture-of-experts routing with shared
+//! experts). Layers differ where the config says so (`layer_types`: sliding and full attention; `no_rope_layers`): each distinct
 //! attention is one kind of the [`ModelConfig`], and the layers point at their kinds.
 
 use super::Model;
 use super::config::{
     ExpertNames, MAX_LAYERS, MAX_WIDTH, MlpKind, MlpNames, ModelConfig, Moe, NormKind,
-    NormPlacement, QkNorm,
+    NormPlacement, QkNorm, Router, SharedExpert,
 };
 use super::json_fields::{Fields, bad};
 use super::weights;
@@ -285,7 +284,7 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
     }
     let deepseek = family.starts_with("deepseek");
     let (attention, pattern) = if deepseek {
-        (vec![deepseek_attention(c, heads, layers)?], vec![0])
+        (vec![deepseek_attention(c, heads)?], vec![0])
     } else {
         per_head_layers(c, &family, heads, hidden, layers)?
     };
@@ -453,6 +452,8 @@ fn experts(c: Fields, family: &str, layers: usize) -> Result<Option<Moe>, Runtim
             intermediate: c.uint("intermediate_size")?,
             normalize: true,
             sparse: vec![true; layers],
+            router: Router::Softmax,
+            scale: 1.0,
             shared: None,
             names: ExpertNames::Mixtral,
         },
@@ -475,14 +476,76 @@ fn experts(c: Fields, family: &str, layers: usize) -> Result<Option<Moe>, Runtim
                 sparse: (0..layers)
                     .map(|i| !dense.contains(&i) && (i + 1) % step == 0)
                     .collect(),
+                router: Router::Softmax,
+                scale: 1.0,
                 shared: match family {
-                    "qwen2_moe" => Some(c.uint("shared_expert_intermediate_size")?),
+                    "qwen2_moe" => Some(SharedExpert {
+                        width: c.uint("shared_expert_intermediate_size")?,
+                        gated: true,
+                    }),
                     _ => None,
                 },
                 names: ExpertNames::Qwen,
             }
         }
+        "deepseek_v2" | "deepseek_v3" => return deepseek_experts(c, family, layers),
         _ => return Ok(None),
+    }))
+}
+
+/// DeepSeek-V2/V3's mixture-of-experts MLPs, from layer `first_k_dense_replace` on (none
+/// without `n_routed_experts`): V2 routes by softmax, greedily or within the best
+/// `topk_group` groups, weights not renormalized; V3 by sigmoid plus a correction bias within
+/// the best groups, weights renormalized where `norm_topk_prob`; both scale them by
+/// `routed_scaling_factor` and add `n_shared_experts` shared experts' MLP.
+fn deepseek_experts(c: Fields, family: &str, layers: usize) -> Result<Option<Moe>, RuntimeError> {
+    let Some(experts) = c.uint_opt("n_routed_experts")? else {
+        return Ok(None);
+    };
+    let dense = c.uint_opt("first_k_dense_replace")?.unwrap_or(0);
+    let groups = || -> Result<(usize, usize), RuntimeError> {
+        Ok((
+            c.uint_opt("n_group")?.unwrap_or(1),
+            c.uint_opt("topk_group")?.unwrap_or(1),
+        ))
+    };
+    let v3 = family == "deepseek_v3";
+    let router = if v3 {
+        let (groups, topk_group) = groups()?;
+        Router::SigmoidGroups { groups, topk_group }
+    } else {
+        match c.str_opt("topk_method")?.unwrap_or("greedy") {
+            "greedy" => Router::Softmax,
+            "group_limited_greedy" => {
+                let (groups, topk_group) = groups()?;
+                Router::SoftmaxGroups { groups, topk_group }
+            }
+            other => {
+                return Err(bad(
+                    c.path(),
+                    format!(
+                        "topk_method `{other}` is not supported; supported: greedy, \
+                         group_limited_greedy"
+                    ),
+                ));
+            }
+        }
+    };
+    let width = c.uint("moe_intermediate_size")?;
+    let shared = c.uint_opt("n_shared_experts")?.unwrap_or(0);
+    Ok(Some(Moe {
+        experts,
+        top_k: c.uint_opt("num_experts_per_tok")?.unwrap_or(2),
+        intermediate: width,
+        normalize: v3 && (!c.has("norm_topk_prob") || c.flag("norm_topk_prob")?),
+        router,
+        scale: c.float_or("routed_scaling_factor", if v3 { 2.5 } else { 1.0 })?,
+        sparse: (0..layers).map(|i| i >= dense).collect(),
+        shared: (shared > 0).then_some(SharedExpert {
+            width: width.saturating_mul(shared),
+            gated: false,
+        }),
+        names: ExpertNames::Qwen,
     }))
 }
 
@@ -524,25 +587,8 @@ fn defaulted(c: Fields, key: &str, default: Option<f64>) -> Result<Option<f64>, 
     }
 }
 
-/// DeepSeek-V2/V3's MLA attention (every layer's); mixture-of-experts layers are refused.
-fn deepseek_attention(
-    c: Fields,
-    heads: usize,
-    layers: usize,
-) -> Result<AttentionSpec, RuntimeError> {
-    if let Some(experts) = c.uint_opt("n_routed_experts")? {
-        let dense = c.uint_opt("first_k_dense_replace")?.unwrap_or(0);
-        if experts > 0 && dense < layers {
-            return Err(bad(
-                c.path(),
-                format!(
-                    "layers {dense}..{layers} are mixture-of-experts ({experts} routed \
-                     experts), which this runtime does not run yet; only dense layers are \
-                     supported"
-                ),
-            ));
-        }
-    }
+/// DeepSeek-V2/V3's MLA attention (every layer's).
+fn deepseek_attention(c: Fields, heads: usize) -> Result<AttentionSpec, RuntimeError> {
     let (dn, dr, dv, r) = (
         c.uint("qk_nope_head_dim")?,
         c.uint("qk_rope_head_dim")?,

@@ -1,7 +1,7 @@
 //! The pieces of a decoder layer on f32 rows: linear maps (the `gemm` crate) over weights kept in
 //! their checkpoint's dtype, norms and MLPs.
 
-use super::config::{MlpKind, NormKind};
+use super::config::{MlpKind, NormKind, Router};
 use crate::error::RuntimeError;
 use crate::host::gemm::gemm;
 use crate::ops::LayerOps;
@@ -170,6 +170,16 @@ impl LayerMlp {
         }
     }
 
+    /// Weights it holds: its linear maps', and a router's correction bias.
+    pub fn weight_count(&self) -> u64 {
+        let lin = |l: &Linear| (l.w.len() + l.bias.as_ref().map_or(0, Vec::len)) as u64;
+        let correction = match self {
+            LayerMlp::Moe(moe) => moe.correction.len() as u64,
+            LayerMlp::Dense(_) => 0,
+        };
+        self.linears().into_iter().map(lin).sum::<u64>() + correction
+    }
+
     /// Its linear maps: every expert's and the router's for MoE.
     pub fn linears(&self) -> Vec<&Linear> {
         fn dense(m: &Mlp) -> Vec<&Linear> {
@@ -184,7 +194,7 @@ impl LayerMlp {
                 .chain(
                     moe.shared
                         .iter()
-                        .flat_map(|(e, gate)| dense(e).into_iter().chain([gate])),
+                        .flat_map(|(e, gate)| dense(e).into_iter().chain(gate)),
                 )
                 .collect(),
         }
@@ -199,36 +209,86 @@ pub(crate) struct MoeMlp {
     pub experts: Vec<Mlp>,
     pub top_k: usize,
     pub normalize: bool,
-    /// A shared expert every token runs, and the `[1, hidden]` map whose sigmoid scales it.
-    pub shared: Option<(Mlp, Linear)>,
+    pub router_kind: Router,
+    /// DeepSeek-V3's `e_score_correction_bias`, one per expert (`Router::SigmoidGroups`).
+    pub correction: Vec<f32>,
+    pub scale: f32,
+    /// A shared expert every token runs, and where it is gated the `[1, hidden]` map whose
+    /// sigmoid scales it.
+    pub shared: Option<(Mlp, Option<Linear>)>,
 }
 
 impl MoeMlp {
-    /// Each row's top-k experts by router probability (the lower index first among equal
-    /// ones), with their weights.
+    /// Each row's chosen experts with their weights, as the router kind says (ties go to the
+    /// lower index; NaN is never chosen over a number).
     fn route(&self, x: &[f32], rows: usize) -> Vec<Vec<(usize, f32)>> {
         let n = self.experts.len();
         let logits = self.router.apply(x, rows);
         logits
             .chunks_exact(n.max(1))
             .map(|row| {
-                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let exps: Vec<f32> = row.iter().map(|&l| (l - max).exp()).collect();
-                let sum: f32 = exps.iter().sum();
-                let mut order: Vec<usize> = (0..n).collect();
-                // NaN sorts last, never chosen over a number.
-                order.sort_by(|&a, &b| exps[b].total_cmp(&exps[a]).then(a.cmp(&b)));
-                let chosen: Vec<(usize, f32)> = order[..self.top_k]
-                    .iter()
-                    .map(|&e| (e, exps[e] / sum))
+                let scores: Vec<f32> = match self.router_kind {
+                    Router::Softmax | Router::SoftmaxGroups { .. } => {
+                        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                        let exps: Vec<f32> = row.iter().map(|&l| (l - max).exp()).collect();
+                        let sum: f32 = exps.iter().sum();
+                        exps.iter().map(|e| e / sum).collect()
+                    }
+                    Router::SigmoidGroups { .. } => {
+                        row.iter().map(|&l| 1.0 / (1.0 + (-l).exp())).collect()
+                    }
+                };
+                let choice: Vec<f32> = match self.router_kind {
+                    Router::SigmoidGroups { .. } => scores
+                        .iter()
+                        .zip(&self.correction)
+                        .map(|(s, b)| s + b)
+                        .collect(),
+                    _ => scores.clone(),
+                };
+                let allowed = self.allowed(&choice);
+                let mut order: Vec<usize> = (0..n).filter(|&e| allowed[e]).collect();
+                order.sort_by(|&a, &b| choice[b].total_cmp(&choice[a]).then(a.cmp(&b)));
+                let chosen: Vec<(usize, f32)> = order
+                    .into_iter()
+                    .take(self.top_k)
+                    .map(|e| (e, scores[e]))
                     .collect();
-                if !self.normalize {
-                    return chosen;
-                }
                 let total: f32 = chosen.iter().map(|(_, w)| w).sum();
-                chosen.into_iter().map(|(e, w)| (e, w / total)).collect()
+                let norm = if self.normalize { total } else { 1.0 };
+                chosen
+                    .into_iter()
+                    .map(|(e, w)| (e, w / norm * self.scale))
+                    .collect()
             })
             .collect()
+    }
+
+    /// Which experts a row may choose: all, or those of its best groups (by their best choice
+    /// score, or the sum of their two best).
+    fn allowed(&self, choice: &[f32]) -> Vec<bool> {
+        let (groups, topk_group, top_two) = match self.router_kind {
+            Router::Softmax => return vec![true; choice.len()],
+            Router::SoftmaxGroups { groups, topk_group } => (groups, topk_group, false),
+            Router::SigmoidGroups { groups, topk_group } => (groups, topk_group, true),
+        };
+        let per = choice.len() / groups.max(1);
+        let group_score = |g: usize| {
+            let mut best: Vec<f32> = choice[g * per..(g + 1) * per].to_vec();
+            best.sort_by(|a, b| b.total_cmp(a));
+            match top_two {
+                true => best.iter().take(2).sum::<f32>(),
+                false => best.first().copied().unwrap_or(f32::NEG_INFINITY),
+            }
+        };
+        let scores: Vec<f32> = (0..groups).map(group_score).collect();
+        let mut order: Vec<usize> = (0..groups).collect();
+        order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+        let mut allowed = vec![false; choice.len()];
+        for &g in order.iter().take(topk_group) {
+            allowed[g * per..(g + 1) * per].fill(true);
+        }
+        allowed
     }
 
     /// The weighted sum of the chosen experts' outputs per row, on top of the gated shared
@@ -250,10 +310,12 @@ impl MoeMlp {
         let mut out = match &self.shared {
             Some((expert, gate)) => {
                 let mut y = expert.apply(ops, x, rows)?;
-                let g = gate.apply(x, rows);
-                for (row, &g) in y.chunks_exact_mut(width.max(1)).zip(&g) {
-                    let s = 1.0 / (1.0 + (-g).exp());
-                    row.iter_mut().for_each(|v| *v *= s);
+                if let Some(gate) = gate {
+                    let g = gate.apply(x, rows);
+                    for (row, &g) in y.chunks_exact_mut(width.max(1)).zip(&g) {
+                        let s = 1.0 / (1.0 + (-g).exp());
+                        row.iter_mut().for_each(|v| *v *= s);
+                    }
                 }
                 y
             }

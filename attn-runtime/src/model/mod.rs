@@ -20,7 +20,7 @@ mod weights;
 
 pub use config::{
     ExpertNames, MAX_EXPERTS, MAX_INTERMEDIATE, MAX_KINDS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH,
-    MlpKind, MlpNames, ModelConfig, Moe, NormKind, NormPlacement, QkNorm,
+    MlpKind, MlpNames, ModelConfig, Moe, NormKind, NormPlacement, QkNorm, Router, SharedExpert,
 };
 pub use device::DeviceModel;
 pub use generate::{Progress, Request, Sampling};
@@ -272,7 +272,7 @@ impl Model {
                         + lin(o)
                 }
             };
-            mlp += layer.mlp.linears().into_iter().map(lin).sum::<u64>();
+            mlp += layer.mlp.weight_count();
             norms += layer.norms().map(norm).sum::<u64>();
         }
         vec![

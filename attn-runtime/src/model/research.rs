@@ -23,7 +23,7 @@
 //! global = "heads = 12, head_dim = 64, mask = causal, position = rope"
 //! ```
 
-use super::config::{MlpKind, MlpNames, ModelConfig, NormKind, NormPlacement, QkNorm};
+use super::config::{MlpKind, MlpNames, ModelConfig, NormKind, NormPlacement, QkNorm, Router};
 use super::layers::{LayerMlp, Linear, Matrix, Mlp, MoeMlp, Norm};
 use super::{AttentionWeights, Layer, Model};
 use crate::error::RuntimeError;
@@ -472,13 +472,21 @@ impl Model {
                 let mlp = match c.moe.as_ref().filter(|m| m.sparse[i]) {
                     Some(moe) => {
                         let experts = (0..moe.experts).map(|_| mlp(moe.intermediate)).collect();
-                        let shared = moe.shared.map(&mut mlp);
+                        let shared = moe.shared.map(|s| (s.gated, mlp(s.width)));
                         LayerMlp::Moe(MoeMlp {
                             experts,
-                            shared: shared.map(|m| (m, init.linear(1, c.hidden, false))),
+                            shared: shared.map(|(gated, m)| {
+                                (m, gated.then(|| init.linear(1, c.hidden, false)))
+                            }),
                             router: init.linear(moe.experts, c.hidden, false),
                             top_k: moe.top_k,
                             normalize: moe.normalize,
+                            router_kind: moe.router,
+                            correction: match moe.router {
+                                Router::SigmoidGroups { .. } => vec![0.0; moe.experts],
+                                _ => Vec::new(),
+                            },
+                            scale: moe.scale as f32,
                         })
                     }
                     None => LayerMlp::Dense(mlp(c.intermediate)),

@@ -3,7 +3,7 @@
 //! model assembled from them. Checkpoints (`hf`) and research models with trained weights
 //! (`research`) both load through here.
 
-use super::config::{MlpKind, ModelConfig, NormKind, QkNorm};
+use super::config::{MlpKind, ModelConfig, NormKind, QkNorm, Router};
 use super::layers::{LayerMlp, Linear, Matrix, Mlp, MoeMlp, Norm};
 use super::{AttentionWeights, Layer, Model};
 use crate::error::RuntimeError;
@@ -57,9 +57,12 @@ pub(crate) fn tensor_names(config: &ModelConfig, q_lora: Option<usize>) -> Vec<S
                 experts.into_iter().for_each(&mut mlp_names);
                 if let Some((shared, gate)) = moe.shared_prefixes(i) {
                     mlp_names(shared);
-                    names.push(format!("{gate}.weight"));
+                    names.extend(gate.map(|g| format!("{g}.weight")));
                 }
                 names.push(format!("{router}.weight"));
+                if let Router::SigmoidGroups { .. } = moe.router {
+                    names.push(format!("{router}.e_score_correction_bias"));
+                }
             }
             None if config.fused_projections => {
                 let bias = config.mlp_bias;
@@ -231,10 +234,19 @@ pub(crate) fn assemble(
                         .collect::<Result<_, _>>()?,
                     top_k: moe.top_k,
                     normalize: moe.normalize,
+                    router_kind: moe.router,
+                    correction: match moe.router {
+                        Router::SigmoidGroups { .. } => w
+                            .shaped(&format!("{router}.e_score_correction_bias"), &[moe.experts])?
+                            .to_f32_vec(),
+                        _ => Vec::new(),
+                    },
+                    scale: moe.scale as f32,
                     shared: match (moe.shared_prefixes(i), moe.shared) {
-                        (Some(([g, u, dn], gate)), Some(width)) => Some((
-                            w.mlp(&config, [&g, &u, &dn], d, width)?,
-                            w.linear(&gate, false, [1, d])?,
+                        (Some(([g, u, dn], gate)), Some(shared)) => Some((
+                            w.mlp(&config, [&g, &u, &dn], d, shared.width)?,
+                            gate.map(|gate| w.linear(&gate, false, [1, d]))
+                                .transpose()?,
                         )),
                         _ => None,
                     },
