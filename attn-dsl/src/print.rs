@@ -139,6 +139,9 @@ impl fmt::Display for RopeScaling {
                 if let Some(m) = y.mscale_all_dim {
                     write!(f, ", mscale_all_dim = {}", F(m))?;
                 }
+                if !y.truncate {
+                    write!(f, ", truncate = false")?;
+                }
                 write!(f, ")")
             }
             RopeScaling::Llama3 {

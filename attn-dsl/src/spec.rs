@@ -279,6 +279,9 @@ pub struct Yarn {
     pub mscale: Option<f64>,
     /// Optional attention-factor denominator parameter.
     pub mscale_all_dim: Option<f64>,
+    /// The correction range's ends are rounded outward to whole dims (true, the default);
+    /// gpt-oss keeps them fractional.
+    pub truncate: bool,
 }
 
 /// Storage dtype.
@@ -444,6 +447,7 @@ impl Yarn {
             beta_slow: 1.0,
             mscale: None,
             mscale_all_dim: None,
+            truncate: true,
         }
     }
 }

@@ -103,6 +103,33 @@ fn yarn_blends_interpolation_by_a_ramp_and_scales_by_its_attention_factor() {
     let r = rope_with(4, 10000.0, RopeScaling::Yarn(with_mscale));
     let g = |m: f64| 0.1 * m * 4f64.ln() + 1.0;
     assert!((rope::attention_factor(&r) - g(2.0) / g(1.0)).abs() < 1e-15);
+
+    // truncate = false (gpt-oss) keeps the range [0.35, 1.11] unrounded:
+    // ramp[1] = (1 - 0.3526) / (1.1130 - 0.3526).
+    let exact = Yarn {
+        truncate: false,
+        ..Yarn::new(4.0, 1024)
+    };
+    let r = rope_with(4, 10000.0, RopeScaling::Yarn(exact));
+    let corr =
+        |rot: f64| 4.0 * (1024.0 / (2.0 * std::f64::consts::PI * rot)).ln() / (2.0 * 10000f64.ln());
+    let ramp = (1.0 - corr(32.0)) / (corr(1.0) - corr(32.0));
+    let want = 0.01 / 4.0 * ramp + 0.01 * (1.0 - ramp);
+    let got = rope::inv_freq(&r, 0);
+    // Dim 0 is below the range: it keeps its frequency of 1.
+    assert_all_close(&got, &[1.0, want]);
+    assert!((got[1] - 0.00625).abs() > 1e-4, "the rounding matters here");
+    // It prints and parses back.
+    let spec: attn_dsl::AttentionSpec =
+        "heads = 2, head_dim = 8, position = rope(scaling = yarn(factor = 4.0, \
+         original_max_position = 1024, truncate = false))"
+            .parse()
+            .unwrap();
+    assert_eq!(
+        spec.to_string().parse::<attn_dsl::AttentionSpec>().unwrap(),
+        spec
+    );
+    assert!(spec.to_string().contains("truncate = false"), "{spec}");
 }
 
 #[test]

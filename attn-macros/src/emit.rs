@@ -189,6 +189,7 @@ fn rope(r: &Rope) -> TokenStream {
             );
             let (mscale, all_dim) = (option_f64(y.mscale), option_f64(y.mscale_all_dim));
             let original = y.original_max_position;
+            let truncate = y.truncate;
             quote!(::attn::RopeScaling::Yarn(::attn::dsl::Yarn {
                 factor: #factor,
                 original_max_position: #original,
@@ -196,6 +197,7 @@ fn rope(r: &Rope) -> TokenStream {
                 beta_slow: #slow,
                 mscale: #mscale,
                 mscale_all_dim: #all_dim,
+                truncate: #truncate,
             }))
         }
         RopeScaling::Llama3 {

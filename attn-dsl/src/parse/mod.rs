@@ -492,6 +492,7 @@ impl SpecParser {
                 "beta_slow",
                 "mscale",
                 "mscale_all_dim",
+                "truncate",
             ],
             "llama3" => &[
                 "factor",
@@ -548,6 +549,9 @@ impl SpecParser {
                 }
                 if let Some(v) = get("mscale_all_dim", "position.scaling.mscale_all_dim") {
                     y.mscale_all_dim = Some(v.float()?);
+                }
+                if let Some(v) = get("truncate", "position.scaling.truncate") {
+                    y.truncate = v.boolean()?;
                 }
                 RopeScaling::Yarn(y)
             }

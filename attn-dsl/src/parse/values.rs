@@ -100,6 +100,17 @@ impl<'a> Value<'a> {
         Ok(if negated { -value } else { value })
     }
 
+    /// `true` or `false`.
+    pub(super) fn boolean(&self) -> syn::Result<bool> {
+        match self.expr {
+            syn::Expr::Lit(syn::ExprLit {
+                lit: syn::Lit::Bool(b),
+                ..
+            }) => Ok(b.value),
+            _ => Err(self.expected("true or false")),
+        }
+    }
+
     /// The identifier, if the value is a plain identifier.
     pub(super) fn as_word(&self) -> Option<String> {
         ident_of(self.expr).map(|i| i.to_string())

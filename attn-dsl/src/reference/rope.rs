@@ -38,8 +38,12 @@ pub fn inv_freq(rope: &Rope, seq_len: u64) -> Vec<f64> {
             let correction = |rotations: f64| {
                 dim * (orig / (2.0 * PI * rotations)).ln() / (2.0 * rope.base.ln())
             };
-            let lo = correction(y.beta_fast).floor().max(0.0);
-            let mut hi = correction(y.beta_slow).ceil().min(dim - 1.0);
+            let (lo, hi) = (correction(y.beta_fast), correction(y.beta_slow));
+            let (lo, hi) = match y.truncate {
+                true => (lo.floor(), hi.ceil()),
+                false => (lo, hi),
+            };
+            let (lo, mut hi) = (lo.max(0.0), hi.min(dim - 1.0));
             if lo == hi {
                 hi += 0.001;
             }

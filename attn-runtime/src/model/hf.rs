@@ -213,6 +213,10 @@ fn rope_from(
             let mut yarn = Yarn::new(factor()?, original()?);
             yarn.beta_fast = num("beta_fast")?.unwrap_or(yarn.beta_fast);
             yarn.beta_slow = num("beta_slow")?.unwrap_or(yarn.beta_slow);
+            // transformers rounds the correction range outward unless `truncate` is false.
+            if let Some(p) = params {
+                yarn.truncate = !p.has("truncate") || p.flag("truncate")?;
+            }
             // transformers divides the two mscales only when both are set and nonzero; else
             // the attention factor is mscale(factor, 1).
             if let (Some(m), Some(all)) = (num("mscale")?, num("mscale_all_dim")?)
