@@ -173,6 +173,15 @@ FIXTURES = {
         "sigmoid plus a correction bias within the best 2 of 4 groups, renormalized, x2.5, one "
         "shared expert",
     ),
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+             sliding_window=8, tie_word_embeddings=False, pad_token_id=None, bos_token_id=None,
+             eos_token_id=None),
+        "gpt-oss: learned sinks, layer 0 a window of 8, 4 experts top 2 behind a biased router "
+        "(softmax of the chosen logits), clamped SwiGLU, YaRN x32 with truncate = false",
+    ),
 }
 
 
@@ -183,6 +192,8 @@ def randomize(model):
             noise = torch.randn(p.shape, generator=g, dtype=torch.float64)
             if "norm" in name:
                 p.copy_((1.0 + 0.3 * noise).to(p.dtype))
+            elif name.endswith("sinks"):
+                p.copy_(noise.to(p.dtype))
             else:
                 p.copy_((0.1 * noise).to(p.dtype))
         # DeepSeek-V3's router correction bias is a saved buffer, not a parameter.

@@ -26,6 +26,14 @@ pub enum MlpKind {
     Gelu,
     /// `down(gelu(gate(x)) * up(x))`, GELU in its tanh approximation (gemma).
     GeGlu,
+    /// gpt-oss's SwiGLU: `g = min(gate, limit)`, `u = clamp(up, -limit, limit)`,
+    /// `down((u + 1) g sigmoid(alpha g))`.
+    ClampedSwiGlu {
+        /// The sigmoid's slope.
+        alpha: f32,
+        /// The clamp.
+        limit: f32,
+    },
 }
 
 /// Norms, activations, adds, lookups and argmax over f32 rows.
@@ -150,7 +158,15 @@ impl LayerOps for CpuLayers {
                     *h *= gelu_tanh(g);
                 }
             }
-            (MlpKind::SwiGlu | MlpKind::GeGlu, None) => {
+            (MlpKind::ClampedSwiGlu { alpha, limit }, Some(gate)) => {
+                same_len(up.len(), gate.len(), "the clamped SwiGLU's up and gate")?;
+                for (h, &g) in up.iter_mut().zip(gate) {
+                    let g = g.min(limit);
+                    let u = h.clamp(-limit, limit);
+                    *h = (u + 1.0) * g / (1.0 + (-alpha * g).exp());
+                }
+            }
+            (MlpKind::SwiGlu | MlpKind::GeGlu | MlpKind::ClampedSwiGlu { .. }, None) => {
                 return Err(RuntimeError::Data(format!("{kind:?} needs its gate")));
             }
             (MlpKind::Gelu, _) => {

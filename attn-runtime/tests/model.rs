@@ -223,6 +223,15 @@ fn deepseek_v3_moe_matches_transformers() {
     check("deepseek_v3_moe", 24);
 }
 
+/// gpt-oss: learned sinks, experts in three-dimensional tensors behind a biased router, the
+/// clamped SwiGLU, YaRN with `truncate = false`, sliding and full layers.
+#[test]
+fn gpt_oss_matches_transformers() {
+    let config = hf::config(&dir("gpt_oss")).unwrap();
+    assert_eq!(config.attention[0].sinks, attn_dsl::Sinks::Learned);
+    check("gpt_oss", 24);
+}
+
 /// The same checkpoints with their attention on the GPU kernels (run on the GPU IR
 /// interpreter, through the `Backend` trait): forward, ragged prefill and decode steps, MLA.
 #[test]

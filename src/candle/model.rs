@@ -159,7 +159,7 @@ impl CandleModel {
                  not train through candle yet"
             );
         }
-        if config.moe.is_some() {
+        if config.moe.is_some() || matches!(config.mlp, MlpKind::ClampedSwiGlu { .. }) {
             candle_core::bail!(
                 "attn::candle: mixture-of-experts models do not train through candle yet"
             );
@@ -220,13 +220,9 @@ impl CandleModel {
                     v: Linear::new(&vb, &format!("{a}.v_proj"), hkv * dv, d, bias)?,
                     o: Linear::new(&vb, &format!("{a}.o_proj"), d, h * dv, config.o_bias)?,
                     gate: match config.mlp {
-                        MlpKind::SwiGlu | MlpKind::GeGlu => Some(Linear::new(
-                            &vb,
-                            &format!("{p}.mlp.gate_proj"),
-                            inter,
-                            d,
-                            false,
-                        )?),
+                        MlpKind::SwiGlu | MlpKind::GeGlu | MlpKind::ClampedSwiGlu { .. } => Some(
+                            Linear::new(&vb, &format!("{p}.mlp.gate_proj"), inter, d, false)?,
+                        ),
                         MlpKind::Gelu => None,
                     },
                     up: Linear::new(&vb, &format!("{p}.mlp.up_proj"), inter, d, false)?,

@@ -97,8 +97,14 @@ impl LayerOps for SimLayers {
                 same_len(up.len(), g.len(), "GeGLU's up and gate")?;
                 (Activation::GeGlu, g)
             }
-            (MlpKind::SwiGlu | MlpKind::GeGlu, None) => {
+            (MlpKind::SwiGlu | MlpKind::GeGlu | MlpKind::ClampedSwiGlu { .. }, None) => {
                 return Err(RuntimeError::Data(format!("{kind:?} needs its gate")));
+            }
+            (MlpKind::ClampedSwiGlu { .. }, Some(_)) => {
+                return Err(RuntimeError::Unsupported {
+                    backend: "gpu-sim",
+                    what: "gpt-oss's clamped SwiGLU (the cpu backend runs it)".into(),
+                });
             }
             (MlpKind::Gelu, _) => (Activation::Gelu, &*up),
         };

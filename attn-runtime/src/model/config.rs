@@ -96,6 +96,8 @@ pub struct Moe {
 pub enum Router {
     /// Softmax of the logits; the top k (mixtral, qwen, DeepSeek-V2's `greedy`).
     Softmax,
+    /// The top k logits (the router has a bias), then the softmax of those k (gpt-oss).
+    TopKSoftmax,
     /// Softmax; the top k among the experts of the `topk_group` groups (of `groups` equal ones)
     /// whose best score is highest (DeepSeek-V2's `group_limited_greedy`).
     SoftmaxGroups {
@@ -135,6 +137,11 @@ pub enum ExpertNames {
     /// (a shared expert `mlp.shared_expert`, its gate `mlp.shared_expert_gate`), DeepSeek (shared
     /// experts `mlp.shared_experts`, a correction bias `mlp.gate.e_score_correction_bias`).
     Qwen,
+    /// `mlp.router` (with a bias), and every expert in three-dimensional tensors:
+    /// `mlp.experts.gate_up_proj` `[experts, hidden, 2 width]` (gate and up columns
+    /// interleaved) with `gate_up_proj_bias`, `mlp.experts.down_proj` `[experts, width,
+    /// hidden]` with `down_proj_bias`: gpt-oss.
+    GptOss,
 }
 
 /// How a checkpoint names a dense MLP's projections.
@@ -183,10 +190,11 @@ impl Moe {
         let (router, expert) = match self.names {
             ExpertNames::Mixtral => ("block_sparse_moe.gate", "block_sparse_moe.experts"),
             ExpertNames::Qwen => ("mlp.gate", "mlp.experts"),
+            ExpertNames::GptOss => ("mlp.router", "mlp.experts"),
         };
         let [gate, up, down] = match self.names {
             ExpertNames::Mixtral => ["w1", "w3", "w2"],
-            ExpertNames::Qwen => ["gate_proj", "up_proj", "down_proj"],
+            ExpertNames::Qwen | ExpertNames::GptOss => ["gate_proj", "up_proj", "down_proj"],
         };
         let experts = (0..self.experts)
             .map(|j| [gate, up, down].map(|n| format!("{p}{expert}.{j}.{n}")))
@@ -518,11 +526,12 @@ impl ModelConfig {
                         let s = s.width as u64;
                         mlp_mats * d * s + mlp_bias(s) + gate
                     });
-                    let correction = match moe.router {
-                        Router::SigmoidGroups { .. } => e,
+                    // DeepSeek-V3's correction bias, gpt-oss's router bias: one per expert.
+                    let per_expert = match (moe.router, moe.names) {
+                        (Router::SigmoidGroups { .. }, _) | (_, ExpertNames::GptOss) => e,
                         _ => 0,
                     };
-                    e * d + correction + e * (mlp_mats * d * w + mlp_bias(w)) + shared
+                    e * d + per_expert + e * (mlp_mats * d * w + mlp_bias(w)) + shared
                 }
                 _ => mlp_mats * d * inter + mlp_bias(inter),
             };

@@ -219,6 +219,11 @@ impl<'m> DeviceModel<'m> {
             super::MlpKind::SwiGlu => Activation::SwiGlu,
             super::MlpKind::Gelu => Activation::Gelu,
             super::MlpKind::GeGlu => Activation::GeGlu,
+            super::MlpKind::ClampedSwiGlu { .. } => {
+                return Err(RuntimeError::Spec(
+                    "gpt-oss's clamped SwiGLU does not run resident on a device yet".into(),
+                ));
+            }
         };
         let kernel = |k: Kernel| verified(k).map(Arc::new);
         let kernels = Kernels {

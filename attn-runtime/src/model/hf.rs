@@ -11,7 +11,9 @@
 //! `granite` (embedding, attention, residual and logit multipliers), `cohere` (attention and
 //! MLP in parallel on one LayerNorm without bias, interleaved RoPE, a logit scale),
 //! `starcoder2` (LayerNorms with biases, a GELU MLP `c_fc`/`c_proj`, biases everywhere),
-//! `phi3` (fused `qkv_proj` and `gate_up_proj`, partial RoPE; not longrope),
+//! `phi3` (fused `qkv_proj` and `gate_up_proj`, partial RoPE; not longrope), `gpt_oss`
+//! (learned sinks, experts in three-dimensional tensors behind a biased router, a clamped
+//! SwiGLU, YaRN unrounded),
 //! `deepseek_v2` and `deepseek_v3` (MLA; grouped mixture-of-experts routing with shared
 //! experts). Layers differ where the config says so (`layer_types`: sliding and full attention; `no_rope_layers`): each distinct
 //! attention is one kind of the [`ModelConfig`], and the layers point at their kinds.
@@ -28,7 +30,8 @@ use crate::files::{MAX_CONFIG_BYTES, read_text};
 use crate::io::read_safetensors;
 use crate::tensor::Tensor;
 use attn_dsl::{
-    AttentionSpec, CausalAlign, KvLayout, Mask, Mla, Position, Rope, RopeLayout, RopeScaling, Yarn,
+    AttentionSpec, CausalAlign, KvLayout, Mask, Mla, Position, Rope, RopeLayout, RopeScaling,
+    Sinks, Yarn,
 };
 use serde_json::Value;
 use std::collections::HashMap;
@@ -52,6 +55,7 @@ pub const FAMILIES: &[&str] = &[
     "cohere",
     "starcoder2",
     "phi3",
+    "gpt_oss",
     "deepseek_v2",
     "deepseek_v3",
 ];
@@ -322,7 +326,11 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
         ));
     }
     // qwen2 has biases on q, k and v only; elsewhere `attention_bias` puts them on all four.
-    let attention_bias = c.flag("attention_bias")?;
+    // gpt-oss's `attention_bias` defaults to true.
+    let attention_bias = match family.as_str() {
+        "gpt_oss" => !c.has("attention_bias") || c.flag("attention_bias")?,
+        _ => c.flag("attention_bias")?,
+    };
     let config = ModelConfig {
         vocab: c.uint("vocab_size")?,
         hidden,
@@ -355,6 +363,8 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
         // smollm3 and granite read `mlp_bias`; the other families have none.
         mlp_bias: match family.as_str() {
             "llama" | "smollm3" | "granite" => c.flag("mlp_bias")?,
+            // gpt-oss's experts have biases (its only MLPs).
+            "gpt_oss" => true,
             _ => use_bias,
         },
         mlp_names: if starcoder {
@@ -406,6 +416,12 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
 /// The MLP of the family from its activation: SwiGLU (`silu`), or GeGLU for gemma
 /// (`gelu_pytorch_tanh`; gemma's legacy `gelu` means the same, as transformers reads it).
 fn activation(c: Fields, family: &str) -> Result<MlpKind, RuntimeError> {
+    if family == "gpt_oss" {
+        return Ok(MlpKind::ClampedSwiGlu {
+            alpha: c.float_or("swiglu_alpha", 1.702)? as f32,
+            limit: c.float_or("swiglu_limit", 7.0)? as f32,
+        });
+    }
     if family == "starcoder2" {
         return match c.str_opt("hidden_act")?.unwrap_or("gelu_pytorch_tanh") {
             "gelu_pytorch_tanh" => Ok(MlpKind::Gelu),
@@ -492,6 +508,17 @@ fn experts(c: Fields, family: &str, layers: usize) -> Result<Option<Moe>, Runtim
                 names: ExpertNames::Qwen,
             }
         }
+        "gpt_oss" => Moe {
+            experts: c.uint_opt("num_local_experts")?.unwrap_or(128),
+            top_k: c.uint_opt("num_experts_per_tok")?.unwrap_or(4),
+            intermediate: c.uint("intermediate_size")?,
+            normalize: false,
+            router: Router::TopKSoftmax,
+            scale: 1.0,
+            sparse: vec![true; layers],
+            shared: None,
+            names: ExpertNames::GptOss,
+        },
         "deepseek_v2" | "deepseek_v3" => return deepseek_experts(c, family, layers),
         _ => return Ok(None),
     }))
@@ -674,6 +701,10 @@ fn per_head_layers(
             },
             scale,
             softcap,
+            sinks: match family {
+                "gpt_oss" => Sinks::Learned,
+                _ => Sinks::None,
+            },
             ..AttentionSpec::new(heads as u32, head_dim as u32)
         };
         let kind = match kinds.iter().position(|k| *k == spec) {
@@ -778,7 +809,7 @@ fn sliding_layers(
         "qwen2" | "qwen3" | "qwen3_moe" => typed(&|i| i >= max_window_layers),
         "qwen2_moe" => typed(&|i| (i + 1) % 2 != 0 && i < max_window_layers),
         "smollm3" => typed(&|i| !has_rope[i]),
-        "gemma2" => gemma_typed(&|i| (i + 1) % 2 != 0),
+        "gemma2" | "gpt_oss" => gemma_typed(&|i| (i + 1) % 2 != 0),
         "gemma3_text" => {
             let every = c.uint_opt("sliding_window_pattern")?.unwrap_or(6).max(1);
             gemma_typed(&|i| (i + 1) % every != 0)

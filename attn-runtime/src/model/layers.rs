@@ -149,6 +149,14 @@ impl Mlp {
     }
 }
 
+/// The softmax of `row`, in f32.
+fn softmax(row: &[f32]) -> Vec<f32> {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let exps: Vec<f32> = row.iter().map(|&l| (l - max).exp()).collect();
+    let sum: f32 = exps.iter().sum();
+    exps.iter().map(|e| e / sum).collect()
+}
+
 /// A layer's MLP: dense, or a mixture of experts.
 #[derive(Debug)]
 pub(crate) enum LayerMlp {
@@ -228,12 +236,9 @@ impl MoeMlp {
             .chunks_exact(n.max(1))
             .map(|row| {
                 let scores: Vec<f32> = match self.router_kind {
-                    Router::Softmax | Router::SoftmaxGroups { .. } => {
-                        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                        let exps: Vec<f32> = row.iter().map(|&l| (l - max).exp()).collect();
-                        let sum: f32 = exps.iter().sum();
-                        exps.iter().map(|e| e / sum).collect()
-                    }
+                    Router::Softmax | Router::SoftmaxGroups { .. } => softmax(row),
+                    // Chosen by logit; the weights are the softmax of the chosen logits.
+                    Router::TopKSoftmax => row.to_vec(),
                     Router::SigmoidGroups { .. } => {
                         row.iter().map(|&l| 1.0 / (1.0 + (-l).exp())).collect()
                     }
@@ -249,11 +254,17 @@ impl MoeMlp {
                 let allowed = self.allowed(&choice);
                 let mut order: Vec<usize> = (0..n).filter(|&e| allowed[e]).collect();
                 order.sort_by(|&a, &b| choice[b].total_cmp(&choice[a]).then(a.cmp(&b)));
-                let chosen: Vec<(usize, f32)> = order
+                let mut chosen: Vec<(usize, f32)> = order
                     .into_iter()
                     .take(self.top_k)
                     .map(|e| (e, scores[e]))
                     .collect();
+                if self.router_kind == Router::TopKSoftmax {
+                    let logits: Vec<f32> = chosen.iter().map(|(_, l)| *l).collect();
+                    for ((_, w), p) in chosen.iter_mut().zip(softmax(&logits)) {
+                        *w = p;
+                    }
+                }
                 let total: f32 = chosen.iter().map(|(_, w)| w).sum();
                 let norm = if self.normalize { total } else { 1.0 };
                 chosen
@@ -268,7 +279,7 @@ impl MoeMlp {
     /// score, or the sum of their two best).
     fn allowed(&self, choice: &[f32]) -> Vec<bool> {
         let (groups, topk_group, top_two) = match self.router_kind {
-            Router::Softmax => return vec![true; choice.len()],
+            Router::Softmax | Router::TopKSoftmax => return vec![true; choice.len()],
             Router::SoftmaxGroups { groups, topk_group } => (groups, topk_group, false),
             Router::SigmoidGroups { groups, topk_group } => (groups, topk_group, true),
         };

@@ -62,8 +62,8 @@ pub fn default_intermediate(mlp: MlpKind, hidden: usize) -> usize {
     // cannot overflow first.
     let hidden = hidden.min(super::config::MAX_WIDTH);
     let width = match mlp {
-        MlpKind::SwiGlu | MlpKind::GeGlu => (8 * hidden).div_ceil(3),
         MlpKind::Gelu => 4 * hidden,
+        _ => (8 * hidden).div_ceil(3),
     };
     width.div_ceil(64) * 64
 }
@@ -287,7 +287,8 @@ pub fn load(path: &Path, seed: u64) -> Result<Model, RuntimeError> {
 }
 
 /// A config as research model TOML, naming `weights` when given: what [`config_from_toml`]
-/// and [`load`] read back.
+/// and [`load`] read back. Only the research keys are written: a checkpoint's own pieces
+/// (experts, multipliers, fused or renamed projections, gpt-oss's clamped SwiGLU) are not.
 pub fn config_to_toml(config: &ModelConfig, weights: Option<&str>) -> String {
     let c = config;
     let norm = match c.norm {
@@ -295,7 +296,7 @@ pub fn config_to_toml(config: &ModelConfig, weights: Option<&str>) -> String {
         NormKind::Layer => "layer",
     };
     let mlp = match c.mlp {
-        MlpKind::SwiGlu => "swiglu",
+        MlpKind::SwiGlu | MlpKind::ClampedSwiGlu { .. } => "swiglu",
         MlpKind::GeGlu => "geglu",
         MlpKind::Gelu => "gelu",
     };

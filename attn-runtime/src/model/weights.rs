@@ -3,7 +3,7 @@
 //! model assembled from them. Checkpoints (`hf`) and research models with trained weights
 //! (`research`) both load through here.
 
-use super::config::{MlpKind, ModelConfig, NormKind, QkNorm, Router};
+use super::config::{ExpertNames, MlpKind, ModelConfig, NormKind, QkNorm, Router};
 use super::layers::{LayerMlp, Linear, Matrix, Mlp, MoeMlp, Norm};
 use super::{AttentionWeights, Layer, Model};
 use crate::error::RuntimeError;
@@ -52,6 +52,14 @@ pub(crate) fn tensor_names(config: &ModelConfig, q_lora: Option<usize>) -> Vec<S
             }
         };
         match config.moe.as_ref().filter(|m| m.sparse[i]) {
+            Some(moe) if moe.names == ExpertNames::GptOss => {
+                let (router, _) = moe.tensor_prefixes(i);
+                names.extend([format!("{router}.weight"), format!("{router}.bias")]);
+                for n in ["gate_up_proj", "down_proj"] {
+                    let t = format!("{p}mlp.experts.{n}");
+                    names.extend([t.clone(), format!("{t}_bias")]);
+                }
+            }
             Some(moe) => {
                 let (router, experts) = moe.tensor_prefixes(i);
                 experts.into_iter().for_each(&mut mlp_names);
@@ -224,14 +232,18 @@ pub(crate) fn assemble(
         let mlp = match config.moe.as_ref().filter(|m| m.sparse[i]) {
             Some(moe) => {
                 let (router, experts) = moe.tensor_prefixes(i);
+                let gpt_oss = moe.names == ExpertNames::GptOss;
                 LayerMlp::Moe(MoeMlp {
-                    router: w.linear(&router, false, [moe.experts, d])?,
-                    experts: experts
-                        .iter()
-                        .map(|[gate, up, down]| {
-                            w.mlp(&config, [gate, up, down], d, moe.intermediate)
-                        })
-                        .collect::<Result<_, _>>()?,
+                    router: w.linear(&router, gpt_oss, [moe.experts, d])?,
+                    experts: match gpt_oss {
+                        true => w.stacked_experts(&config, &p, moe, d)?,
+                        false => experts
+                            .iter()
+                            .map(|[gate, up, down]| {
+                                w.mlp(&config, [gate, up, down], d, moe.intermediate)
+                            })
+                            .collect::<Result<_, _>>()?,
+                    },
                     top_k: moe.top_k,
                     normalize: moe.normalize,
                     router_kind: moe.router,
@@ -388,6 +400,59 @@ impl Store<'_> {
         Ok(out)
     }
 
+    /// gpt-oss's experts of layer `{p}` (`model.layers.{i}.`), stored in three-dimensional
+    /// tensors ([`ExpertNames::GptOss`]), as one MLP each: gate and up from the interleaved
+    /// columns of `gate_up_proj` (`x W` form, so transposed here), down from `down_proj`, with
+    /// their biases.
+    fn stacked_experts(
+        &mut self,
+        config: &ModelConfig,
+        p: &str,
+        moe: &super::config::Moe,
+        d: usize,
+    ) -> Result<Vec<Mlp>, RuntimeError> {
+        let (e, w) = (moe.experts, moe.intermediate);
+        let at = |n: &str| format!("{p}mlp.experts.{n}");
+        let gate_up = self
+            .shaped(&at("gate_up_proj"), &[e, d, 2 * w])?
+            .to_f32_vec();
+        let gate_up_bias = self
+            .shaped(&at("gate_up_proj_bias"), &[e, 2 * w])?
+            .to_f32_vec();
+        let down = self.shaped(&at("down_proj"), &[e, w, d])?.to_f32_vec();
+        let down_bias = self.shaped(&at("down_proj_bias"), &[e, d])?.to_f32_vec();
+        let linear = |values: Vec<f32>, rows: usize, cols: usize, bias: Vec<f32>| Linear {
+            w: Matrix::new(rows, cols, Storage::F32(values)),
+            bias: Some(bias),
+        };
+        let mut experts = Vec::with_capacity(e);
+        for j in 0..e {
+            let gu = &gate_up[j * d * 2 * w..(j + 1) * d * 2 * w];
+            let gu_bias = &gate_up_bias[j * 2 * w..(j + 1) * 2 * w];
+            // Output r of the gate is column 2r of gate_up; of up, column 2r + 1.
+            let half = |first: usize| -> (Vec<f32>, Vec<f32>) {
+                let values = (0..w)
+                    .flat_map(|r| (0..d).map(move |c| gu[c * 2 * w + 2 * r + first]))
+                    .collect();
+                let bias = (0..w).map(|r| gu_bias[2 * r + first]).collect();
+                (values, bias)
+            };
+            let (gate, gate_bias) = half(0);
+            let (up, up_bias) = half(1);
+            let dn = &down[j * w * d..(j + 1) * w * d];
+            let down_t = (0..d)
+                .flat_map(|r| (0..w).map(move |c| dn[c * d + r]))
+                .collect();
+            experts.push(Mlp {
+                kind: config.mlp,
+                gate: Some(linear(gate, w, d, gate_bias)),
+                up: linear(up, w, d, up_bias),
+                down: linear(down_t, d, w, down_bias[j * d..(j + 1) * d].to_vec()),
+            });
+        }
+        Ok(experts)
+    }
+
     /// An MLP of the config's kind from the projections named `[gate, up, down]` (the gate only
     /// where the kind has one, biases where the config has them), `width` wide over rows of
     /// `d`.
@@ -402,8 +467,8 @@ impl Store<'_> {
         Ok(Mlp {
             kind: config.mlp,
             gate: match config.mlp {
-                MlpKind::SwiGlu | MlpKind::GeGlu => Some(self.linear(gate, bias, [width, d])?),
                 MlpKind::Gelu => None,
+                _ => Some(self.linear(gate, bias, [width, d])?),
             },
             up: self.linear(up, bias, [width, d])?,
             down: self.linear(down, bias, [d, width])?,
