@@ -89,7 +89,16 @@ fn activations_and_adds_match_their_definitions() {
         let y = (2.0 / std::f64::consts::PI).sqrt() * (u + 0.044715 * u.powi(3));
         0.5 * u * (1.0 + y.tanh())
     };
-    for kind in [Activation::SwiGlu, Activation::Gelu, Activation::GeGlu] {
+    let clamped = Activation::ClampedSwiGlu {
+        alpha: 1.702f32.to_bits(),
+        limit: 0.3f32.to_bits(),
+    };
+    for kind in [
+        Activation::SwiGlu,
+        Activation::Gelu,
+        Activation::GeGlu,
+        clamped,
+    ] {
         let mut mem = Memory::default();
         let record = ElementwiseArgs {
             x: mem.alloc_f32(&x),
@@ -107,6 +116,10 @@ fn activations_and_adds_match_their_definitions() {
                     Activation::SwiGlu => u * g / (1.0 + (-g).exp()),
                     Activation::Gelu => gelu(u),
                     Activation::GeGlu => gelu(g) * u,
+                    Activation::ClampedSwiGlu { .. } => {
+                        let g = g.min(0.3);
+                        (u.clamp(-0.3, 0.3) + 1.0) * g / (1.0 + (-1.702 * g).exp())
+                    }
                 }
             })
             .collect();

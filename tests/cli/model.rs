@@ -216,3 +216,43 @@ fn prompts_from_files_and_clear_words_for_missing_inputs() {
         stderr(&o)
     );
 }
+
+/// Families that do not run resident on a device yet run on gpu-sim with the attention and the
+/// layer operations there (projections on the host), and give the CPU's logits.
+#[test]
+fn families_not_yet_resident_run_on_gpu_sim_as_on_the_cpu() {
+    for name in ["gpt_oss", "gemma2_softcap", "qwen3_moe"] {
+        let dir = format!(
+            "{}/tests/fixtures/hf-tiny/{name}",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let out = std::env::temp_dir().join(format!(
+            "attn-cli-families-{name}-{}.safetensors",
+            std::process::id()
+        ));
+        let logits_on = |backend: &str| {
+            let o = attnc(&[
+                "logits",
+                "--model",
+                &dir,
+                "--tokens",
+                "5,6,7,8,9",
+                "--backend",
+                backend,
+                "--output",
+                out.to_str().unwrap(),
+            ]);
+            assert_eq!(o.status.code(), Some(0), "{name} {backend}: {}", stderr(&o));
+            attn::runtime::io::read_safetensors(&out, &["logits"]).unwrap()[0].to_f32_vec()
+        };
+        let (cpu, sim) = (logits_on("cpu"), logits_on("gpu-sim"));
+        std::fs::remove_file(&out).ok();
+        assert_eq!(cpu.len(), 5 * 256);
+        for (a, b) in sim.iter().zip(&cpu) {
+            assert!(
+                (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
+                "{name}: {a} vs {b}"
+            );
+        }
+    }
+}

@@ -100,11 +100,10 @@ impl LayerOps for SimLayers {
             (MlpKind::SwiGlu | MlpKind::GeGlu | MlpKind::ClampedSwiGlu { .. }, None) => {
                 return Err(RuntimeError::Data(format!("{kind:?} needs its gate")));
             }
-            (MlpKind::ClampedSwiGlu { .. }, Some(_)) => {
-                return Err(RuntimeError::Unsupported {
-                    backend: "gpu-sim",
-                    what: "gpt-oss's clamped SwiGLU (the cpu backend runs it)".into(),
-                });
+            (MlpKind::ClampedSwiGlu { alpha, limit }, Some(g)) => {
+                same_len(up.len(), g.len(), "the clamped SwiGLU's up and gate")?;
+                let (alpha, limit) = (alpha.to_bits(), limit.to_bits());
+                (Activation::ClampedSwiGlu { alpha, limit }, g)
             }
             (MlpKind::Gelu, _) => (Activation::Gelu, &*up),
         };

@@ -219,11 +219,10 @@ impl<'m> DeviceModel<'m> {
             super::MlpKind::SwiGlu => Activation::SwiGlu,
             super::MlpKind::Gelu => Activation::Gelu,
             super::MlpKind::GeGlu => Activation::GeGlu,
-            super::MlpKind::ClampedSwiGlu { .. } => {
-                return Err(RuntimeError::Spec(
-                    "gpt-oss's clamped SwiGLU does not run resident on a device yet".into(),
-                ));
-            }
+            super::MlpKind::ClampedSwiGlu { alpha, limit } => Activation::ClampedSwiGlu {
+                alpha: alpha.to_bits(),
+                limit: limit.to_bits(),
+            },
         };
         let kernel = |k: Kernel| verified(k).map(Arc::new);
         let kernels = Kernels {

@@ -35,6 +35,14 @@ pub enum Activation {
     Gelu,
     /// `up = gelu(gate) * up` (tanh approximation).
     GeGlu,
+    /// gpt-oss: `g = min(gate, limit)`, `up = (clamp(up, -limit, limit) + 1) g sigmoid(alpha
+    /// g)`; the two constants as f32 bits (so the kind compares exactly).
+    ClampedSwiGlu {
+        /// `alpha.to_bits()`.
+        alpha: u32,
+        /// `limit.to_bits()`.
+        limit: u32,
+    },
 }
 
 crate::gpu::launch::launch_record! {
@@ -269,6 +277,17 @@ pub fn activation(kind: Activation) -> Kernel {
         ),
         Activation::Gelu => gelu(u),
         Activation::GeGlu => mul(gelu(g), reg(u)),
+        Activation::ClampedSwiGlu { alpha, limit } => {
+            let (alpha, limit) = (f32::from_bits(alpha), f32::from_bits(limit));
+            let gate = bin(Bin::Min, reg(g), f32(limit));
+            let up = bin(Bin::Max, bin(Bin::Min, reg(u), f32(limit)), f32(-limit));
+            // (up + 1) g / (1 + e^(-alpha g)).
+            bin(
+                Bin::Div,
+                mul(add(up, f32(1.0)), gate.clone()),
+                add(f32(1.0), exp(mul(gate, f32(-alpha)))),
+            )
+        }
     };
     let mut run = vec![Stmt::Set(u, load(Space::Global, Ty::F32, x_at.clone()))];
     if kind != Activation::Gelu {
@@ -286,6 +305,7 @@ pub fn activation(kind: Activation) -> Kernel {
         Activation::SwiGlu => "swiglu",
         Activation::Gelu => "gelu",
         Activation::GeGlu => "geglu",
+        Activation::ClampedSwiGlu { .. } => "clamped_swiglu",
     };
     kernel(
         name,
