@@ -182,6 +182,16 @@ FIXTURES = {
         "gpt-oss: learned sinks, layer 0 a window of 8, 4 experts top 2 behind a biased router "
         "(softmax of the chosen logits), clamped SwiGLU, YaRN x32 with truncate = false",
     ),
+    "gpt_neox": (
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        dict(num_hidden_layers=2, num_key_value_heads=None, head_dim=None, use_parallel_residual=True,
+             pad_token_id=None, bos_token_id=None, eos_token_id=None, tie_word_embeddings=False,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                              "partial_rotary_factor": 0.25}),
+        "gpt_neox: its own tensor names, q, k, v fused head by head, attention and MLP in "
+        "parallel with a LayerNorm each, RoPE on a quarter of each head, the exact GELU",
+    ),
 }
 
 

@@ -24,6 +24,8 @@ pub enum MlpKind {
     SwiGlu,
     /// `down(gelu(up(x)))` (tanh approximation).
     Gelu,
+    /// `down(gelu(up(x)))`, GELU exactly: `0.5 x (1 + erf(x / sqrt 2))` (gpt_neox).
+    GeluExact,
     /// `down(gelu(gate(x)) * up(x))`, GELU in its tanh approximation (gemma).
     GeGlu,
     /// gpt-oss's SwiGLU: `g = min(gate, limit)`, `u = clamp(up, -limit, limit)`,
@@ -34,6 +36,13 @@ pub enum MlpKind {
         /// The clamp.
         limit: f32,
     },
+}
+
+impl MlpKind {
+    /// Whether the MLP has a gate projection (the GLU kinds).
+    pub fn gated(self) -> bool {
+        !matches!(self, MlpKind::Gelu | MlpKind::GeluExact)
+    }
 }
 
 /// Norms, activations, adds, lookups and argmax over f32 rows.
@@ -172,6 +181,11 @@ impl LayerOps for CpuLayers {
             (MlpKind::Gelu, _) => {
                 for h in up.iter_mut() {
                     *h = gelu_tanh(*h);
+                }
+            }
+            (MlpKind::GeluExact, _) => {
+                for h in up.iter_mut() {
+                    *h = 0.5 * *h * (1.0 + libm::erff(*h * std::f32::consts::FRAC_1_SQRT_2));
                 }
             }
         }

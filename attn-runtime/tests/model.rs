@@ -232,6 +232,15 @@ fn gpt_oss_matches_transformers() {
     check("gpt_oss", 24);
 }
 
+/// gpt_neox: its own tensor names, q, k and v fused head by head, attention and MLP in parallel
+/// with a LayerNorm each, RoPE on a quarter of each head, the exact GELU.
+#[test]
+fn gpt_neox_matches_transformers() {
+    let config = hf::config(&dir("gpt_neox")).unwrap();
+    assert_eq!(config.attention[0].rope().unwrap().dim, 4);
+    check("gpt_neox", 24);
+}
+
 /// The same checkpoints with their attention on the GPU kernels (run on the GPU IR
 /// interpreter, through the `Backend` trait): forward, ragged prefill and decode steps, MLA.
 #[test]

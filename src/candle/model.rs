@@ -5,7 +5,9 @@
 
 use super::attention_learned;
 use crate::Variant;
-use crate::runtime::model::{MlpKind, MlpNames, ModelConfig, NormKind, NormPlacement, QkNorm};
+use crate::runtime::model::{
+    MlpKind, MlpNames, ModelConfig, NormKind, Projections, QkNorm, TensorNames,
+};
 use candle_core::{D, DType, Module, Result, Tensor};
 use candle_nn::{Init, VarBuilder, VarMap};
 use std::sync::Arc;
@@ -153,7 +155,11 @@ impl CandleModel {
         if config.attention.iter().any(|spec| spec.mla().is_some()) {
             candle_core::bail!("attn::candle: MLA models do not train through candle yet");
         }
-        if config.mlp_bias || config.mlp_names != MlpNames::GateUpDown || config.fused_projections {
+        if config.mlp_bias
+            || config.mlp_names != MlpNames::GateUpDown
+            || config.projections != Projections::Separate
+            || config.tensor_names != TensorNames::Llama
+        {
             candle_core::bail!(
                 "attn::candle: MLP biases, starcoder2's MLP names and phi3's fused projections do \
                  not train through candle yet"
@@ -223,7 +229,7 @@ impl CandleModel {
                         MlpKind::SwiGlu | MlpKind::GeGlu | MlpKind::ClampedSwiGlu { .. } => Some(
                             Linear::new(&vb, &format!("{p}.mlp.gate_proj"), inter, d, false)?,
                         ),
-                        MlpKind::Gelu => None,
+                        MlpKind::Gelu | MlpKind::GeluExact => None,
                     },
                     up: Linear::new(&vb, &format!("{p}.mlp.up_proj"), inter, d, false)?,
                     down: Linear::new(&vb, &format!("{p}.mlp.down_proj"), d, inter, false)?,
@@ -359,9 +365,14 @@ impl CandleModel {
             .transpose(1, 2)?
             .reshape((b, s, ()))?;
         let a = block.o.forward(&a)?;
-        if self.config.placement == NormPlacement::Parallel {
-            // The MLP reads the attention's normed input; both add to the stream together.
-            return x + (a + self.mlp(block, &h)?)?;
+        if self.config.placement.parallel() {
+            // The MLP reads the stream normed by its own norm, or the attention's input; both
+            // add to the stream together.
+            let hm = match &block.mlp_norm {
+                Some(n) => n.forward(x)?,
+                None => h,
+            };
+            return x + (a + self.mlp(block, &hm)?)?;
         }
         let x = (x + normed(&block.post_attn_norm, &a)?)?;
         let h = normed(&block.mlp_norm, &x)?;
@@ -374,6 +385,7 @@ impl CandleModel {
         let act = match (&block.gate, self.config.mlp) {
             (Some(gate), MlpKind::GeGlu) => (gate.forward(h)?.gelu()? * up)?,
             (Some(gate), _) => (candle_nn::ops::silu(&gate.forward(h)?)? * up)?,
+            (None, MlpKind::GeluExact) => up.gelu_erf()?,
             (None, _) => up.gelu()?,
         };
         block.down.forward(&act)

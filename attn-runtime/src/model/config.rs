@@ -39,10 +39,10 @@ pub struct ModelConfig {
     pub mlp_bias: bool,
     /// How the checkpoint names the dense MLP's projections.
     pub mlp_names: MlpNames,
-    /// The checkpoint stores q, k and v as one `self_attn.qkv_proj` (rows of q, then k, then
-    /// v) and the MLP's gate and up as one `mlp.gate_up_proj` (gate rows, then up): phi3.
-    /// Loading splits them.
-    pub fused_projections: bool,
+    /// How the checkpoint stores the q, k, v and MLP projections; loading splits fused ones.
+    pub projections: Projections,
+    /// The checkpoint's naming scheme.
+    pub tensor_names: TensorNames,
     /// The LM head is the token embedding.
     pub tie_embeddings: bool,
     /// Biases on the q, k and v projections (Qwen2).
@@ -142,6 +142,54 @@ pub enum ExpertNames {
     /// interleaved) with `gate_up_proj_bias`, `mlp.experts.down_proj` `[experts, width,
     /// hidden]` with `down_proj_bias`: gpt-oss.
     GptOss,
+}
+
+/// How a checkpoint stores the q, k and v projections (and the MLP's gate and up).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Projections {
+    /// Each its own tensor (llama and most families).
+    Separate,
+    /// `self_attn.qkv_proj` (all of q's rows, then k's, then v's) and `mlp.gate_up_proj` (gate
+    /// rows, then up rows): phi3.
+    Fused,
+    /// One q, k, v tensor whose rows go head by head, q, k and v of each in turn: gpt_neox's
+    /// `attention.query_key_value`.
+    FusedPerHead,
+}
+
+/// A checkpoint's naming scheme for its tensors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TensorNames {
+    /// `model.embed_tokens`, `model.layers.{i}.self_attn.q_proj`, `lm_head`, ...: llama and
+    /// most families (the names this crate uses inside).
+    Llama,
+    /// `gpt_neox.embed_in`, `gpt_neox.layers.{i}.attention.query_key_value`, `.dense`,
+    /// `mlp.dense_h_to_4h`, `mlp.dense_4h_to_h`, `gpt_neox.final_layer_norm`, `embed_out`.
+    GptNeox,
+}
+
+impl TensorNames {
+    /// The checkpoint's name for the tensor this crate calls `name` (a llama name).
+    pub fn of(self, name: &str) -> String {
+        match self {
+            TensorNames::Llama => name.to_string(),
+            TensorNames::GptNeox => {
+                let renames = [
+                    ("model.embed_tokens.", "gpt_neox.embed_in."),
+                    ("model.norm.", "gpt_neox.final_layer_norm."),
+                    ("lm_head.", "embed_out."),
+                    ("model.layers.", "gpt_neox.layers."),
+                    (".self_attn.qkv_proj.", ".attention.query_key_value."),
+                    (".self_attn.o_proj.", ".attention.dense."),
+                    (".mlp.up_proj.", ".mlp.dense_h_to_4h."),
+                    (".mlp.down_proj.", ".mlp.dense_4h_to_h."),
+                ];
+                renames
+                    .iter()
+                    .fold(name.to_string(), |n, (from, to)| n.replacen(from, to, 1))
+            }
+        }
+    }
 }
 
 /// How a checkpoint names a dense MLP's projections.
@@ -276,12 +324,22 @@ pub enum NormPlacement {
     /// `h = norm(x)`, `x += attn(h) + mlp(h)`: attention and MLP side by side on one norm
     /// (cohere).
     Parallel,
+    /// `x += attn(norm1(x)) + mlp(norm2(x))`: side by side, each with its own norm (gpt_neox).
+    ParallelTwoNorms,
 }
 
 impl NormPlacement {
     /// Whether a sublayer's input is normed.
     pub fn before(self) -> bool {
         self != NormPlacement::Post
+    }
+
+    /// Whether attention and MLP read the same stream and add to it together.
+    pub fn parallel(self) -> bool {
+        matches!(
+            self,
+            NormPlacement::Parallel | NormPlacement::ParallelTwoNorms
+        )
     }
 
     /// Whether a sublayer's output is normed before the residual add.
@@ -294,7 +352,9 @@ impl NormPlacement {
     /// `post_attention_layernorm`; a sandwich model's is `pre_feedforward_layernorm`.
     pub fn norm_names(self) -> [Option<&'static str>; 4] {
         let mlp_before = match self {
-            NormPlacement::Pre => Some("post_attention_layernorm"),
+            NormPlacement::Pre | NormPlacement::ParallelTwoNorms => {
+                Some("post_attention_layernorm")
+            }
             // The attention's norm serves the MLP too.
             NormPlacement::Parallel => None,
             _ => Some("pre_feedforward_layernorm"),
@@ -371,7 +431,7 @@ impl ModelConfig {
             )));
         }
         self.check_kinds()?;
-        if self.fused_projections && self.mlp == MlpKind::Gelu {
+        if self.projections == Projections::Fused && !self.mlp.gated() {
             return Err(RuntimeError::Data(
                 "model config: fused `gate_up_proj` needs a gated MLP (swiglu or geglu)".into(),
             ));
@@ -424,8 +484,9 @@ impl ModelConfig {
             (self.qk_norm.is_some(), "norms on q and k"),
             (
                 self.placement != NormPlacement::Pre,
-                "norms after the sublayers",
+                "norms placed other than before each sublayer",
             ),
+            (self.mlp == MlpKind::GeluExact, "the exact (erf) GELU"),
             (self.embed_multiplier.is_some(), "an embedding multiplier"),
             (self.final_softcap.is_some(), "a final logit softcap"),
             (
@@ -506,7 +567,7 @@ impl ModelConfig {
         } else {
             d
         };
-        let mlp_mats = if self.mlp == MlpKind::Gelu { 2 } else { 3 };
+        let mlp_mats = if self.mlp.gated() { 3 } else { 2 };
         // The biases of one MLP `w` wide: one per output of each projection.
         let mlp_bias = |w: u64| match self.mlp_bias {
             true => (mlp_mats - 1) * w + d,

@@ -218,6 +218,11 @@ impl<'m> DeviceModel<'m> {
         let activation = match model.config.mlp {
             super::MlpKind::SwiGlu => Activation::SwiGlu,
             super::MlpKind::Gelu => Activation::Gelu,
+            super::MlpKind::GeluExact => {
+                return Err(RuntimeError::Spec(
+                    "the exact (erf) GELU does not run resident on a device yet".into(),
+                ));
+            }
             super::MlpKind::GeGlu => Activation::GeGlu,
             super::MlpKind::ClampedSwiGlu { alpha, limit } => Activation::ClampedSwiGlu {
                 alpha: alpha.to_bits(),

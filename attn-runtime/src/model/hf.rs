@@ -13,7 +13,8 @@
 //! `starcoder2` (LayerNorms with biases, a GELU MLP `c_fc`/`c_proj`, biases everywhere),
 //! `phi3` (fused `qkv_proj` and `gate_up_proj`, partial RoPE; not longrope), `gpt_oss`
 //! (learned sinks, experts in three-dimensional tensors behind a biased router, a clamped
-//! SwiGLU, YaRN unrounded),
+//! SwiGLU, YaRN unrounded), `gpt_neox` (its own tensor names, q, k, v fused head by head,
+//! attention and MLP in parallel with a LayerNorm each, partial RoPE, the exact GELU),
 //! `deepseek_v2` and `deepseek_v3` (MLA; grouped mixture-of-experts routing with shared
 //! experts). Layers differ where the config says so (`layer_types`: sliding and full attention; `no_rope_layers`): each distinct
 //! attention is one kind of the [`ModelConfig`], and the layers point at their kinds.
@@ -21,7 +22,7 @@
 use super::Model;
 use super::config::{
     ExpertNames, MAX_LAYERS, MAX_WIDTH, MlpKind, MlpNames, ModelConfig, Moe, NormKind,
-    NormPlacement, QkNorm, Router, SharedExpert,
+    NormPlacement, Projections, QkNorm, Router, SharedExpert, TensorNames,
 };
 use super::json_fields::{Fields, bad};
 use super::weights;
@@ -56,6 +57,7 @@ pub const FAMILIES: &[&str] = &[
     "starcoder2",
     "phi3",
     "gpt_oss",
+    "gpt_neox",
     "deepseek_v2",
     "deepseek_v3",
 ];
@@ -186,7 +188,10 @@ fn rope_from(
         p.uint_opt("original_max_position_embeddings")?;
     }
     c.uint_opt("max_position_embeddings")?;
-    let outer_base = c.float_opt("rope_theta")?;
+    // Older gpt_neox files name the base `rotary_emb_base`.
+    let outer_base = c
+        .float_opt("rope_theta")?
+        .or(c.float_opt("rotary_emb_base")?);
     let base = num("rope_theta")?.or(outer_base).unwrap_or(10_000.0);
     let original = || {
         let nested = params.map_or(Ok(None), |p| p.uint_opt("original_max_position_embeddings"))?;
@@ -310,6 +315,7 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
     }
     let gemma = family.starts_with("gemma");
     let cohere = family == "cohere";
+    let neox = family == "gpt_neox";
     let starcoder = family == "starcoder2";
     let use_bias = starcoder && (!c.has("use_bias") || c.flag("use_bias")?);
     if cohere && c.flag("use_qk_norm")? {
@@ -326,9 +332,9 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
         ));
     }
     // qwen2 has biases on q, k and v only; elsewhere `attention_bias` puts them on all four.
-    // gpt-oss's `attention_bias` defaults to true.
+    // gpt-oss's and gpt_neox's `attention_bias` default to true.
     let attention_bias = match family.as_str() {
-        "gpt_oss" => !c.has("attention_bias") || c.flag("attention_bias")?,
+        "gpt_oss" | "gpt_neox" => !c.has("attention_bias") || c.flag("attention_bias")?,
         _ => c.flag("attention_bias")?,
     };
     let config = ModelConfig {
@@ -346,9 +352,12 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
             "gemma2" | "gemma3_text" => NormPlacement::Sandwich,
             "olmo2" => NormPlacement::Post,
             "cohere" => NormPlacement::Parallel,
+            "gpt_neox" if !c.has("use_parallel_residual") || c.flag("use_parallel_residual")? => {
+                NormPlacement::ParallelTwoNorms
+            }
             _ => NormPlacement::Pre,
         },
-        norm: if cohere || starcoder {
+        norm: if cohere || starcoder || neox {
             NormKind::Layer
         } else {
             NormKind::Rms
@@ -356,15 +365,16 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
         norm_eps: match family.as_str() {
             "cohere" => c.float_or("layer_norm_eps", 1e-5)?,
             "starcoder2" => c.float_or("norm_epsilon", 1e-5)?,
+            "gpt_neox" => c.float_or("layer_norm_eps", 1e-5)?,
             _ => c.float_or("rms_norm_eps", 1e-6)?,
         },
-        norm_bias: starcoder,
+        norm_bias: starcoder || neox,
         // starcoder2's `use_bias` (default true) puts biases on every projection; llama,
         // smollm3 and granite read `mlp_bias`; the other families have none.
         mlp_bias: match family.as_str() {
             "llama" | "smollm3" | "granite" => c.flag("mlp_bias")?,
-            // gpt-oss's experts have biases (its only MLPs).
-            "gpt_oss" => true,
+            // gpt-oss's experts and gpt_neox's MLP have biases.
+            "gpt_oss" | "gpt_neox" => true,
             _ => use_bias,
         },
         mlp_names: if starcoder {
@@ -372,7 +382,15 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
         } else {
             MlpNames::GateUpDown
         },
-        fused_projections: family == "phi3",
+        projections: match family.as_str() {
+            "phi3" => Projections::Fused,
+            "gpt_neox" => Projections::FusedPerHead,
+            _ => Projections::Separate,
+        },
+        tensor_names: match family.as_str() {
+            "gpt_neox" => TensorNames::GptNeox,
+            _ => TensorNames::Llama,
+        },
         norm_unit_offset: gemma,
         mlp,
         intermediate: c.uint("intermediate_size")?,
@@ -416,6 +434,19 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
 /// The MLP of the family from its activation: SwiGLU (`silu`), or GeGLU for gemma
 /// (`gelu_pytorch_tanh`; gemma's legacy `gelu` means the same, as transformers reads it).
 fn activation(c: Fields, family: &str) -> Result<MlpKind, RuntimeError> {
+    if family == "gpt_neox" {
+        return match c.str_opt("hidden_act")?.unwrap_or("gelu") {
+            "gelu" => Ok(MlpKind::GeluExact),
+            "gelu_new" | "gelu_fast" | "gelu_pytorch_tanh" => Ok(MlpKind::Gelu),
+            act => Err(bad(
+                c.path(),
+                format!(
+                    "hidden_act `{act}` is not supported for gpt_neox; supported: gelu, gelu_new, \
+                     gelu_fast, gelu_pytorch_tanh"
+                ),
+            )),
+        };
+    }
     if family == "gpt_oss" {
         return Ok(MlpKind::ClampedSwiGlu {
             alpha: c.float_or("swiglu_alpha", 1.702)? as f32,
@@ -728,7 +759,14 @@ fn rotary_dims(c: Fields, head_dim: usize) -> Result<usize, RuntimeError> {
     };
     let factor = match nested {
         Some(f) => f,
-        None => c.float_or("partial_rotary_factor", 1.0)?,
+        // Older gpt_neox files say `rotary_pct` (transformers' default 0.25).
+        None => match c.float_opt("partial_rotary_factor")? {
+            Some(f) => f,
+            None if c.has("rotary_pct") || c.str_opt("model_type")? == Some("gpt_neox") => {
+                c.float_or("rotary_pct", 0.25)?
+            }
+            None => 1.0,
+        },
     };
     if !(factor > 0.0 && factor <= 1.0) {
         return Err(bad(
@@ -935,14 +973,14 @@ pub fn load(dir: &Path) -> Result<Model, RuntimeError> {
     let names = weights::tensor_names(&config, q_lora);
     let tensors = files.read(&names)?;
     let tied = config.tie_embeddings;
+    let head = config.tensor_names.of("lm_head.weight");
     let mut model = weights::assemble(config, tensors, q_lora, "config.json")?;
-    if tied && files.holds("lm_head.weight")? {
-        model.warn(
-            "the checkpoint holds `lm_head.weight`, but config.json ties the LM head to the \
-             embedding (`tie_word_embeddings` = true): the embedding is used and \
-             `lm_head.weight` is ignored, as transformers does"
-                .to_string(),
-        );
+    if tied && files.holds(&head)? {
+        model.warn(format!(
+            "the checkpoint holds `{head}`, but config.json ties the LM head to the embedding \
+             (`tie_word_embeddings` = true): the embedding is used and `{head}` is ignored, as \
+             transformers does"
+        ));
     }
     Ok(model)
 }

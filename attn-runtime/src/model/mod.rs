@@ -20,7 +20,8 @@ mod weights;
 
 pub use config::{
     ExpertNames, MAX_EXPERTS, MAX_INTERMEDIATE, MAX_KINDS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH,
-    MlpKind, MlpNames, ModelConfig, Moe, NormKind, NormPlacement, QkNorm, Router, SharedExpert,
+    MlpKind, MlpNames, ModelConfig, Moe, NormKind, NormPlacement, Projections, QkNorm, Router,
+    SharedExpert, TensorNames,
 };
 pub use device::DeviceModel;
 pub use generate::{Progress, Request, Sampling};
@@ -349,12 +350,17 @@ impl Model {
             }
             y
         };
-        let parallel = self.config.placement == NormPlacement::Parallel;
+        let parallel = self.config.placement.parallel();
         for (i, layer) in self.layers.iter().enumerate() {
             let h = normed(&layer.attn_norm, x.clone())?;
             let a = self.attention(self.layer_variant(i), &layer.attn, &h, n, keys(i))?;
             if parallel {
-                // Both sublayers read the one normed input, and add to the stream together.
+                // Both sublayers read the stream (normed once, or each by its own norm) and
+                // add to it together.
+                let h = match &layer.mlp_norm {
+                    Some(norm) => norm.apply(ops, &x)?,
+                    None => h,
+                };
                 let mut both = a;
                 ops.add(&mut both, &layer.mlp.apply(ops, &h, n)?)?;
                 ops.add(&mut x, &both)?;

@@ -7,7 +7,7 @@
 //! layers = 12
 //! attention = "heads = 12, kv_heads = 4, head_dim = 64, mask = causal, position = rope"
 //! # optional: norm = "rms" | "layer", norm_eps = 1e-5, mlp = "swiglu" | "geglu" | "gelu",
-//! # norm_placement = "pre" | "sandwich" | "post" | "parallel",
+//! # norm_placement = "pre" | "sandwich" | "post" | "parallel" | "parallel_two_norms",
 //! # intermediate = 2048 (default 8d/3 for SwiGLU, 4d for GELU, rounded up to 64),
 //! # tie_embeddings = true, qkv_bias = false, qk_norm = "per_head" | "whole"
 //! # weights = "model.safetensors": trained weights, a file beside this one (see `load`)
@@ -23,7 +23,10 @@
 //! global = "heads = 12, head_dim = 64, mask = causal, position = rope"
 //! ```
 
-use super::config::{MlpKind, MlpNames, ModelConfig, NormKind, NormPlacement, QkNorm, Router};
+use super::config::{
+    MlpKind, MlpNames, ModelConfig, NormKind, NormPlacement, Projections, QkNorm, Router,
+    TensorNames,
+};
 use super::layers::{LayerMlp, Linear, Matrix, Mlp, MoeMlp, Norm};
 use super::{AttentionWeights, Layer, Model};
 use crate::error::RuntimeError;
@@ -62,7 +65,7 @@ pub fn default_intermediate(mlp: MlpKind, hidden: usize) -> usize {
     // cannot overflow first.
     let hidden = hidden.min(super::config::MAX_WIDTH);
     let width = match mlp {
-        MlpKind::Gelu => 4 * hidden,
+        kind if !kind.gated() => 4 * hidden,
         _ => (8 * hidden).div_ceil(3),
     };
     width.div_ceil(64) * 64
@@ -138,9 +141,11 @@ pub fn config_from_toml(text: &str) -> Result<ModelConfig, RuntimeError> {
         "sandwich" => NormPlacement::Sandwich,
         "post" => NormPlacement::Post,
         "parallel" => NormPlacement::Parallel,
+        "parallel_two_norms" => NormPlacement::ParallelTwoNorms,
         other => {
             return Err(err(format!(
-                "`norm_placement` is `{other}`; allowed: pre, sandwich, post, parallel"
+                "`norm_placement` is `{other}`; allowed: pre, sandwich, post, parallel, \
+                 parallel_two_norms"
             )));
         }
     };
@@ -179,7 +184,8 @@ pub fn config_from_toml(text: &str) -> Result<ModelConfig, RuntimeError> {
         norm_bias: true,
         mlp_bias: false,
         mlp_names: MlpNames::GateUpDown,
-        fused_projections: false,
+        projections: Projections::Separate,
+        tensor_names: TensorNames::Llama,
         moe: None,
     };
     config.validate()?;
@@ -298,13 +304,14 @@ pub fn config_to_toml(config: &ModelConfig, weights: Option<&str>) -> String {
     let mlp = match c.mlp {
         MlpKind::SwiGlu | MlpKind::ClampedSwiGlu { .. } => "swiglu",
         MlpKind::GeGlu => "geglu",
-        MlpKind::Gelu => "gelu",
+        MlpKind::Gelu | MlpKind::GeluExact => "gelu",
     };
     let placement = match c.placement {
         NormPlacement::Pre => "pre",
         NormPlacement::Sandwich => "sandwich",
         NormPlacement::Post => "post",
         NormPlacement::Parallel => "parallel",
+        NormPlacement::ParallelTwoNorms => "parallel_two_norms",
     };
     let text = toml::toml! {
         vocab = (c.vocab as i64)
@@ -466,7 +473,7 @@ impl Model {
                 let bias = c.mlp_bias;
                 let mut mlp = |width: usize| Mlp {
                     kind: c.mlp,
-                    gate: (c.mlp != MlpKind::Gelu).then(|| init.linear(width, c.hidden, bias)),
+                    gate: c.mlp.gated().then(|| init.linear(width, c.hidden, bias)),
                     up: init.linear(width, c.hidden, bias),
                     down: init.linear(c.hidden, width, bias),
                 };
@@ -492,14 +499,18 @@ impl Model {
                     }
                     None => LayerMlp::Dense(mlp(c.intermediate)),
                 };
-                let (before, after) = (c.placement.before(), c.placement.after());
+                // The norms the placement has, where a checkpoint has them.
+                let [attn_norm, post_attn_norm, mlp_norm, post_mlp_norm] = c
+                    .placement
+                    .norm_names()
+                    .map(|name| name.map(|_| norm(c.hidden)));
                 Ok(Layer {
-                    attn_norm: before.then(|| norm(c.hidden)),
+                    attn_norm,
                     attn,
-                    post_attn_norm: after.then(|| norm(c.hidden)),
-                    mlp_norm: before.then(|| norm(c.hidden)),
+                    post_attn_norm,
+                    mlp_norm,
                     mlp,
-                    post_mlp_norm: after.then(|| norm(c.hidden)),
+                    post_mlp_norm,
                 })
             })
             .collect::<Result<Vec<_>, RuntimeError>>()?;

@@ -3,7 +3,7 @@
 //! model assembled from them. Checkpoints (`hf`) and research models with trained weights
 //! (`research`) both load through here.
 
-use super::config::{ExpertNames, MlpKind, ModelConfig, NormKind, QkNorm, Router};
+use super::config::{ExpertNames, ModelConfig, NormKind, Projections, QkNorm, Router, TensorNames};
 use super::layers::{LayerMlp, Linear, Matrix, Mlp, MoeMlp, Norm};
 use super::{AttentionWeights, Layer, Model};
 use crate::error::RuntimeError;
@@ -40,7 +40,7 @@ pub(crate) fn tensor_names(config: &ModelConfig, q_lora: Option<usize>) -> Vec<S
         // An MLP's projections, `.weight` and (with MLP biases) `.bias` each; a gate only
         // where the MLP kind has one.
         let mut mlp_names = |[gate, up, down]: [String; 3]| {
-            let gated = config.mlp != MlpKind::Gelu;
+            let gated = config.mlp.gated();
             for prefix in [gated.then_some(gate), Some(up), Some(down)]
                 .into_iter()
                 .flatten()
@@ -72,7 +72,7 @@ pub(crate) fn tensor_names(config: &ModelConfig, q_lora: Option<usize>) -> Vec<S
                     names.push(format!("{router}.e_score_correction_bias"));
                 }
             }
-            None if config.fused_projections => {
+            None if config.projections == Projections::Fused => {
                 let bias = config.mlp_bias;
                 for n in ["mlp.gate_up_proj", "mlp.down_proj"] {
                     names.push(format!("{p}{n}.weight"));
@@ -84,8 +84,10 @@ pub(crate) fn tensor_names(config: &ModelConfig, q_lora: Option<usize>) -> Vec<S
             None => mlp_names(config.mlp_names.prefixes(i)),
         }
         let attn: &[&str] = match (mla, q_lora.is_some(), config.qkv_bias) {
-            (false, _, false) if config.fused_projections => &["self_attn.qkv_proj.weight"],
-            (false, _, true) if config.fused_projections => {
+            (false, _, false) if config.projections != Projections::Separate => {
+                &["self_attn.qkv_proj.weight"]
+            }
+            (false, _, true) if config.projections != Projections::Separate => {
                 &["self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias"]
             }
             (true, false, _) => &[
@@ -128,7 +130,11 @@ pub(crate) fn tensor_names(config: &ModelConfig, q_lora: Option<usize>) -> Vec<S
         let learned = spec.learnable_tensors();
         names.extend(learned.iter().map(|(n, _)| format!("{p}self_attn.{n}")));
     }
+    // In the checkpoint's own naming scheme.
     names
+        .into_iter()
+        .map(|n| config.tensor_names.of(&n))
+        .collect()
 }
 
 /// The model of `config` made of the tensors in `w` ([`tensor_names`]), each checked against
@@ -142,6 +148,7 @@ pub(crate) fn assemble(
     let mut w = Store {
         tensors: w,
         shapes_from,
+        names: config.tensor_names,
         norm: config.norm,
         norm_bias: config.norm_bias,
         unit_offset: config.norm_unit_offset,
@@ -185,17 +192,23 @@ pub(crate) fn assemble(
             None => {
                 let hkv = spec.kv_heads() as usize;
                 let bias = config.qkv_bias;
-                let [q, k, v] = match config.fused_projections {
-                    true => w
-                        .fused(
-                            &format!("{p}qkv_proj"),
-                            bias,
-                            [heads * dk, hkv * dk, hkv * dv],
-                            d,
-                        )?
+                let qkv = format!("{p}qkv_proj");
+                let [q, k, v] = match config.projections {
+                    Projections::Fused => w
+                        .fused(&qkv, bias, [heads * dk, hkv * dk, hkv * dv], d)?
                         .try_into()
                         .map_err(|_| RuntimeError::Data("internal: three projections".into()))?,
-                    false => [
+                    Projections::FusedPerHead => {
+                        // Rows go head by head: q, k and v of each (heads == kv heads).
+                        let per_head: Vec<usize> = (0..heads).flat_map(|_| [dk, dk, dv]).collect();
+                        let parts = w.fused(&qkv, bias, per_head, d)?;
+                        let [mut q, mut k, mut v] = [Vec::new(), Vec::new(), Vec::new()];
+                        for (j, part) in parts.into_iter().enumerate() {
+                            [&mut q, &mut k, &mut v][j % 3].push(part);
+                        }
+                        [stack(q), stack(k), stack(v)]
+                    }
+                    Projections::Separate => [
                         w.linear(&format!("{p}q_proj"), bias, [heads * dk, d])?,
                         w.linear(&format!("{p}k_proj"), bias, [hkv * dk, d])?,
                         w.linear(&format!("{p}v_proj"), bias, [hkv * dv, d])?,
@@ -264,7 +277,7 @@ pub(crate) fn assemble(
                     },
                 })
             }
-            None if config.fused_projections => {
+            None if config.projections == Projections::Fused => {
                 let bias = config.mlp_bias;
                 let [gate, up]: [Linear; 2] = w
                     .fused(&format!("{p}mlp.gate_up_proj"), bias, [inter, inter], d)?
@@ -306,10 +319,56 @@ pub(crate) fn assemble(
     Model::new(config, embed, layers, final_norm, lm_head)
 }
 
+/// Linear maps stacked by rows (their inputs the same).
+fn stack(parts: Vec<Linear>) -> Linear {
+    let rows = parts.iter().map(|l| l.w.rows).sum();
+    let cols = parts.first().map_or(0, |l| l.w.cols);
+    let bias = parts
+        .iter()
+        .map(|l| l.bias.clone())
+        .collect::<Option<Vec<_>>>()
+        .map(|b| b.concat());
+    let data = match parts.first().map(|l| l.w.storage()) {
+        Some(Storage::F16(_)) => Storage::F16(
+            parts
+                .iter()
+                .flat_map(|l| match l.w.storage() {
+                    Storage::F16(v) => v.clone(),
+                    _ => Vec::new(),
+                })
+                .collect(),
+        ),
+        Some(Storage::Bf16(_)) => Storage::Bf16(
+            parts
+                .iter()
+                .flat_map(|l| match l.w.storage() {
+                    Storage::Bf16(v) => v.clone(),
+                    _ => Vec::new(),
+                })
+                .collect(),
+        ),
+        _ => Storage::F32(
+            parts
+                .iter()
+                .flat_map(|l| match l.w.storage() {
+                    Storage::F32(v) => v.clone(),
+                    _ => Vec::new(),
+                })
+                .collect(),
+        ),
+    };
+    Linear {
+        w: Matrix::new(rows, cols, data),
+        bias,
+    }
+}
+
 /// Tensors read from a file, taken as the model is assembled.
 struct Store<'a> {
     tensors: HashMap<String, Tensor>,
     shapes_from: &'a str,
+    /// The checkpoint's naming scheme: tensors are asked for by their llama names.
+    names: TensorNames,
     norm: NormKind,
     /// LayerNorms have biases.
     norm_bias: bool,
@@ -318,15 +377,18 @@ struct Store<'a> {
 }
 
 impl Store<'_> {
+    /// The tensor this crate calls `name` (its checkpoint name in errors).
     fn take(&mut self, name: &str) -> Result<Tensor, RuntimeError> {
+        let name = self.names.of(name);
         self.tensors
-            .remove(name)
+            .remove(&name)
             .ok_or_else(|| RuntimeError::Data(format!("tensor `{name}` is missing")))
     }
 
     /// The tensor `name`, which must have `shape`.
     fn shaped(&mut self, name: &str, shape: &[usize]) -> Result<Tensor, RuntimeError> {
         let t = self.take(name)?;
+        let name = self.names.of(name);
         if t.shape() != shape {
             return Err(RuntimeError::Shape {
                 tensor: name.to_string(),
@@ -467,7 +529,7 @@ impl Store<'_> {
         Ok(Mlp {
             kind: config.mlp,
             gate: match config.mlp {
-                MlpKind::Gelu => None,
+                kind if !kind.gated() => None,
                 _ => Some(self.linear(gate, bias, [width, d])?),
             },
             up: self.linear(up, bias, [width, d])?,
