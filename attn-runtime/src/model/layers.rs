@@ -160,8 +160,8 @@ fn softmax(row: &[f32]) -> Vec<f32> {
 /// A layer's MLP: dense, or a mixture of experts.
 #[derive(Debug)]
 pub(crate) enum LayerMlp {
-    Dense(Mlp),
-    Moe(MoeMlp),
+    Dense(Box<Mlp>),
+    Moe(Box<MoeMlp>),
 }
 
 impl LayerMlp {

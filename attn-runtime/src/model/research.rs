@@ -481,7 +481,7 @@ impl Model {
                     Some(moe) => {
                         let experts = (0..moe.experts).map(|_| mlp(moe.intermediate)).collect();
                         let shared = moe.shared.map(|s| (s.gated, mlp(s.width)));
-                        LayerMlp::Moe(MoeMlp {
+                        LayerMlp::Moe(Box::new(MoeMlp {
                             experts,
                             shared: shared.map(|(gated, m)| {
                                 (m, gated.then(|| init.linear(1, c.hidden, false)))
@@ -495,9 +495,9 @@ impl Model {
                                 _ => Vec::new(),
                             },
                             scale: moe.scale as f32,
-                        })
+                        }))
                     }
-                    None => LayerMlp::Dense(mlp(c.intermediate)),
+                    None => LayerMlp::Dense(Box::new(mlp(c.intermediate))),
                 };
                 // The norms the placement has, where a checkpoint has them.
                 let [attn_norm, post_attn_norm, mlp_norm, post_mlp_norm] = c

@@ -246,7 +246,7 @@ pub(crate) fn assemble(
             Some(moe) => {
                 let (router, experts) = moe.tensor_prefixes(i);
                 let gpt_oss = moe.names == ExpertNames::GptOss;
-                LayerMlp::Moe(MoeMlp {
+                LayerMlp::Moe(Box::new(MoeMlp {
                     router: w.linear(&router, gpt_oss, [moe.experts, d])?,
                     experts: match gpt_oss {
                         true => w.stacked_experts(&config, &p, moe, d)?,
@@ -275,7 +275,7 @@ pub(crate) fn assemble(
                         )),
                         _ => None,
                     },
-                })
+                }))
             }
             None if config.projections == Projections::Fused => {
                 let bias = config.mlp_bias;
@@ -283,16 +283,16 @@ pub(crate) fn assemble(
                     .fused(&format!("{p}mlp.gate_up_proj"), bias, [inter, inter], d)?
                     .try_into()
                     .map_err(|_| RuntimeError::Data("internal: two projections".into()))?;
-                LayerMlp::Dense(Mlp {
+                LayerMlp::Dense(Box::new(Mlp {
                     kind: config.mlp,
                     gate: Some(gate),
                     up,
                     down: w.linear(&format!("{p}mlp.down_proj"), bias, [d, inter])?,
-                })
+                }))
             }
             None => {
                 let [gate, up, down] = config.mlp_names.prefixes(i);
-                LayerMlp::Dense(w.mlp(&config, [&gate, &up, &down], d, inter)?)
+                LayerMlp::Dense(Box::new(w.mlp(&config, [&gate, &up, &down], d, inter)?))
             }
         };
         let [attn_norm, post_attn_norm, mlp_norm, post_mlp_norm] = config
