@@ -192,6 +192,20 @@ FIXTURES = {
         "gpt_neox: its own tensor names, q, k, v fused head by head, attention and MLP in "
         "parallel with a LayerNorm each, RoPE on a quarter of each head, the exact GELU",
     ),
+    "mistral": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(num_hidden_layers=2, sliding_window=8,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        "mistral: a window of 8 on every layer",
+    ),
+    "qwen2_sliding": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=8, max_window_layers=2,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        "qwen2: q/k/v biases; layers 0-1 full attention, layer 2 a window of 8",
+    ),
 }
 
 

@@ -241,6 +241,21 @@ fn gpt_neox_matches_transformers() {
     check("gpt_neox", 24);
 }
 
+/// mistral: a sliding window on every layer.
+#[test]
+fn mistral_matches_transformers() {
+    check("mistral", 24);
+}
+
+/// qwen2: q/k/v biases, and the window only on the layers `layer_types` names (from
+/// `max_window_layers` on), not on every layer.
+#[test]
+fn qwen2_with_sliding_layers_matches_transformers() {
+    let config = hf::config(&dir("qwen2_sliding")).unwrap();
+    assert_eq!(config.pattern, [0, 0, 1]);
+    check("qwen2_sliding", 24);
+}
+
 /// The same checkpoints with their attention on the GPU kernels (run on the GPU IR
 /// interpreter, through the `Backend` trait): forward, ragged prefill and decode steps, MLA.
 #[test]
