@@ -293,12 +293,17 @@ fn edited(name: &str, tag: &str, edit: impl FnOnce(&mut serde_json::Value)) -> P
 
 #[test]
 fn bad_checkpoints_are_clear_errors() {
-    let unknown = edited("llama_gqa", "family", |c| {
-        c["model_type"] = "gpt_neox".into()
-    });
+    let unknown = edited("llama_gqa", "family", |c| c["model_type"] = "bloom".into());
     let err = hf::load(&unknown).unwrap_err().to_string();
     assert!(
-        err.contains("`gpt_neox`") && err.contains("llama, mistral"),
+        err.contains("`bloom`") && err.contains("llama, mistral"),
+        "{err}"
+    );
+    // A known family with an activation it does not have.
+    let act = edited("llama_gqa", "act", |c| c["model_type"] = "gpt_neox".into());
+    let err = hf::load(&act).unwrap_err().to_string();
+    assert!(
+        err.contains("hidden_act `silu` is not supported for gpt_neox"),
         "{err}"
     );
     // A dense checkpoint whose config says layer 1 is MoE: the missing expert is named.
