@@ -36,6 +36,21 @@ impl Storage {
         }
     }
 
+    /// The values in `ranges`, one after another, in their dtype.
+    pub(crate) fn gather(&self, ranges: &[std::ops::Range<usize>]) -> Storage {
+        fn take<T: Copy>(v: &[T], ranges: &[std::ops::Range<usize>]) -> Vec<T> {
+            ranges
+                .iter()
+                .flat_map(|r| v[r.clone()].iter().copied())
+                .collect()
+        }
+        match self {
+            Storage::F32(v) => Storage::F32(take(v, ranges)),
+            Storage::F16(v) => Storage::F16(take(v, ranges)),
+            Storage::Bf16(v) => Storage::Bf16(take(v, ranges)),
+        }
+    }
+
     fn get(&self, i: usize) -> f32 {
         match self {
             Storage::F32(v) => v[i],
@@ -185,11 +200,7 @@ impl Tensor {
         if self.strides == contiguous_strides(&self.shape) {
             // Already in logical order: one copy of the range, no index walk.
             let range = self.offset..self.offset + n;
-            return match &*self.storage {
-                Storage::F32(v) => Storage::F32(v[range].to_vec()),
-                Storage::F16(v) => Storage::F16(v[range].to_vec()),
-                Storage::Bf16(v) => Storage::Bf16(v[range].to_vec()),
-            };
+            return self.storage.gather(std::slice::from_ref(&range));
         }
         let at = self.logical_offsets();
         debug_assert_eq!(at.len(), n);

@@ -154,147 +154,12 @@ pub(crate) fn assemble(
         unit_offset: config.norm_unit_offset,
     };
     let eps = config.norm_eps;
-    let (d, inter) = (config.hidden, config.intermediate);
+    let d = config.hidden;
     let mut layers = Vec::with_capacity(config.layers);
     for i in 0..config.layers {
-        let spec = config.layer_attention(i);
-        let heads = spec.heads as usize;
-        let (dk, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
-        let p = format!("model.layers.{i}.self_attn.");
-        let attn = match spec.mla() {
-            Some(m) => {
-                let (r, dr) = (m.latent_rank as usize, m.rope_dim as usize);
-                let q_out = heads * (dk + dr);
-                let (q, q_b) = match q_lora {
-                    Some(qr) => {
-                        let q_a = w.linear(&format!("{p}q_a_proj"), false, [qr, d])?;
-                        let q_a_norm =
-                            w.rms_norm(&format!("{p}q_a_layernorm"), LATENT_NORM_EPS, qr)?;
-                        let q_b = w.linear(&format!("{p}q_b_proj"), false, [q_out, qr])?;
-                        (q_a, Some((q_a_norm, q_b)))
-                    }
-                    None => (w.linear(&format!("{p}q_proj"), false, [q_out, d])?, None),
-                };
-                AttentionWeights::Mla {
-                    q,
-                    q_b,
-                    kv_a: w.linear(&format!("{p}kv_a_proj_with_mqa"), false, [r + dr, d])?,
-                    kv_norm: w.rms_norm(&format!("{p}kv_a_layernorm"), LATENT_NORM_EPS, r)?,
-                    w_kv_b: {
-                        let t =
-                            w.matrix(&format!("{p}kv_b_proj.weight"), [heads * (dk + dv), r])?;
-                        let shape = t.shape().to_vec();
-                        Tensor::from_f32_as(spec.dtype, &shape, t.to_f32_vec())?
-                    },
-                    o: w.linear(&format!("{p}o_proj"), false, [d, heads * dv])?,
-                }
-            }
-            None => {
-                let hkv = spec.kv_heads() as usize;
-                let bias = config.qkv_bias;
-                let qkv = format!("{p}qkv_proj");
-                let [q, k, v] = match config.projections {
-                    Projections::Fused => w
-                        .fused(&qkv, bias, [heads * dk, hkv * dk, hkv * dv], d)?
-                        .try_into()
-                        .map_err(|_| RuntimeError::Data("internal: three projections".into()))?,
-                    Projections::FusedPerHead => {
-                        // Rows go head by head: q, k and v of each (heads == kv heads).
-                        let per_head: Vec<usize> = (0..heads).flat_map(|_| [dk, dk, dv]).collect();
-                        let parts = w.fused(&qkv, bias, per_head, d)?;
-                        let [mut q, mut k, mut v] = [Vec::new(), Vec::new(), Vec::new()];
-                        for (j, part) in parts.into_iter().enumerate() {
-                            [&mut q, &mut k, &mut v][j % 3].push(part);
-                        }
-                        [stack(q), stack(k), stack(v)]
-                    }
-                    Projections::Separate => [
-                        w.linear(&format!("{p}q_proj"), bias, [heads * dk, d])?,
-                        w.linear(&format!("{p}k_proj"), bias, [hkv * dk, d])?,
-                        w.linear(&format!("{p}v_proj"), bias, [hkv * dv, d])?,
-                    ],
-                };
-                AttentionWeights::Heads {
-                    q,
-                    k,
-                    v,
-                    o: w.linear(&format!("{p}o_proj"), config.o_bias, [d, heads * dv])?,
-                    qk_norm: match config.qk_norm {
-                        Some(QkNorm::PerHead) => Some([
-                            w.qk_norm(&format!("{p}q_norm"), eps, dk)?,
-                            w.qk_norm(&format!("{p}k_norm"), eps, dk)?,
-                        ]),
-                        Some(QkNorm::Whole) => Some([
-                            w.qk_norm(&format!("{p}q_norm"), eps, heads * dk)?,
-                            w.qk_norm(&format!("{p}k_norm"), eps, hkv * dk)?,
-                        ]),
-                        None => None,
-                    },
-                    learned: spec
-                        .learnable_tensors()
-                        .into_iter()
-                        .map(|(name, shape)| {
-                            let t = w.shaped(&format!("{p}{name}"), &shape)?;
-                            Ok((name, Tensor::from_f32(&shape, t.to_f32_vec())?))
-                        })
-                        .collect::<Result<_, RuntimeError>>()?,
-                }
-            }
-        };
+        let attn = w.attention(&config, i, q_lora)?;
+        let mlp = w.layer_mlp(&config, i)?;
         let p = format!("model.layers.{i}.");
-        let mlp = match config.moe.as_ref().filter(|m| m.sparse[i]) {
-            Some(moe) => {
-                let (router, experts) = moe.tensor_prefixes(i);
-                let gpt_oss = moe.names == ExpertNames::GptOss;
-                LayerMlp::Moe(Box::new(MoeMlp {
-                    router: w.linear(&router, gpt_oss, [moe.experts, d])?,
-                    experts: match gpt_oss {
-                        true => w.stacked_experts(&config, &p, moe, d)?,
-                        false => experts
-                            .iter()
-                            .map(|[gate, up, down]| {
-                                w.mlp(&config, [gate, up, down], d, moe.intermediate)
-                            })
-                            .collect::<Result<_, _>>()?,
-                    },
-                    top_k: moe.top_k,
-                    normalize: moe.normalize,
-                    router_kind: moe.router,
-                    correction: match moe.router {
-                        Router::SigmoidGroups { .. } => w
-                            .shaped(&format!("{router}.e_score_correction_bias"), &[moe.experts])?
-                            .to_f32_vec(),
-                        _ => Vec::new(),
-                    },
-                    scale: moe.scale as f32,
-                    shared: match (moe.shared_prefixes(i), moe.shared) {
-                        (Some(([g, u, dn], gate)), Some(shared)) => Some((
-                            w.mlp(&config, [&g, &u, &dn], d, shared.width)?,
-                            gate.map(|gate| w.linear(&gate, false, [1, d]))
-                                .transpose()?,
-                        )),
-                        _ => None,
-                    },
-                }))
-            }
-            None if config.projections == Projections::Fused => {
-                let bias = config.mlp_bias;
-                let [gate, up]: [Linear; 2] = w
-                    .fused(&format!("{p}mlp.gate_up_proj"), bias, [inter, inter], d)?
-                    .try_into()
-                    .map_err(|_| RuntimeError::Data("internal: two projections".into()))?;
-                LayerMlp::Dense(Box::new(Mlp {
-                    kind: config.mlp,
-                    gate: Some(gate),
-                    up,
-                    down: w.linear(&format!("{p}mlp.down_proj"), bias, [d, inter])?,
-                }))
-            }
-            None => {
-                let [gate, up, down] = config.mlp_names.prefixes(i);
-                LayerMlp::Dense(Box::new(w.mlp(&config, [&gate, &up, &down], d, inter)?))
-            }
-        };
         let [attn_norm, post_attn_norm, mlp_norm, post_mlp_norm] = config
             .placement
             .norm_names()
@@ -317,50 +182,6 @@ pub(crate) fn assemble(
     let final_norm = w.norm("model.norm", eps, d)?;
     let embed = Matrix::new(config.vocab, d, embed.into_storage());
     Model::new(config, embed, layers, final_norm, lm_head)
-}
-
-/// Linear maps stacked by rows (their inputs the same).
-fn stack(parts: Vec<Linear>) -> Linear {
-    let rows = parts.iter().map(|l| l.w.rows).sum();
-    let cols = parts.first().map_or(0, |l| l.w.cols);
-    let bias = parts
-        .iter()
-        .map(|l| l.bias.clone())
-        .collect::<Option<Vec<_>>>()
-        .map(|b| b.concat());
-    let data = match parts.first().map(|l| l.w.storage()) {
-        Some(Storage::F16(_)) => Storage::F16(
-            parts
-                .iter()
-                .flat_map(|l| match l.w.storage() {
-                    Storage::F16(v) => v.clone(),
-                    _ => Vec::new(),
-                })
-                .collect(),
-        ),
-        Some(Storage::Bf16(_)) => Storage::Bf16(
-            parts
-                .iter()
-                .flat_map(|l| match l.w.storage() {
-                    Storage::Bf16(v) => v.clone(),
-                    _ => Vec::new(),
-                })
-                .collect(),
-        ),
-        _ => Storage::F32(
-            parts
-                .iter()
-                .flat_map(|l| match l.w.storage() {
-                    Storage::F32(v) => v.clone(),
-                    _ => Vec::new(),
-                })
-                .collect(),
-        ),
-    };
-    Linear {
-        w: Matrix::new(rows, cols, data),
-        bias,
-    }
 }
 
 /// Tensors read from a file, taken as the model is assembled.
@@ -424,17 +245,16 @@ impl Store<'_> {
         })
     }
 
-    /// `{prefix}.weight` (and `.bias`) holding several linear maps' rows one after another,
-    /// `rows[j]` rows each over `cols` inputs: the maps, split.
+    /// `{prefix}.weight` (and `.bias`) holding several linear maps' rows, `total` rows over
+    /// `cols` inputs in all: map `j` made of the row ranges `maps[j]`, in order.
     fn fused(
         &mut self,
         prefix: &str,
         with_bias: bool,
-        rows: impl AsRef<[usize]>,
+        total: usize,
         cols: usize,
+        maps: &[Vec<std::ops::Range<usize>>],
     ) -> Result<Vec<Linear>, RuntimeError> {
-        let rows = rows.as_ref();
-        let total: usize = rows.iter().sum();
         let w = self.matrix(&format!("{prefix}.weight"), [total, cols])?;
         let bias = match with_bias {
             true => Some(
@@ -444,22 +264,181 @@ impl Store<'_> {
             false => None,
         };
         let storage = w.into_storage();
-        let mut first = 0;
-        let mut out = Vec::with_capacity(rows.len());
-        for &n in rows {
-            let range = first * cols..(first + n) * cols;
-            let part = match &storage {
-                Storage::F32(v) => Storage::F32(v[range].to_vec()),
-                Storage::F16(v) => Storage::F16(v[range].to_vec()),
-                Storage::Bf16(v) => Storage::Bf16(v[range].to_vec()),
-            };
-            out.push(Linear {
-                w: Matrix::new(n, cols, part),
-                bias: bias.as_ref().map(|b| b[first..first + n].to_vec()),
-            });
-            first += n;
-        }
-        Ok(out)
+        Ok(maps
+            .iter()
+            .map(|rows| {
+                let n = rows.iter().map(|r| r.len()).sum();
+                let values: Vec<_> = rows.iter().map(|r| r.start * cols..r.end * cols).collect();
+                Linear {
+                    w: Matrix::new(n, cols, storage.gather(&values)),
+                    bias: bias
+                        .as_ref()
+                        .map(|b| rows.iter().flat_map(|r| &b[r.clone()]).copied().collect()),
+                }
+            })
+            .collect())
+    }
+
+    /// Layer `i`'s attention weights (per head, or MLA with `q_lora` its query rank).
+    fn attention(
+        &mut self,
+        config: &ModelConfig,
+        i: usize,
+        q_lora: Option<usize>,
+    ) -> Result<AttentionWeights, RuntimeError> {
+        let w = self;
+        let (d, eps) = (config.hidden, config.norm_eps);
+        let spec = config.layer_attention(i);
+        let heads = spec.heads as usize;
+        let (dk, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
+        let p = format!("model.layers.{i}.self_attn.");
+        Ok(match spec.mla() {
+            Some(m) => {
+                let (r, dr) = (m.latent_rank as usize, m.rope_dim as usize);
+                let q_out = heads * (dk + dr);
+                let (q, q_b) = match q_lora {
+                    Some(qr) => {
+                        let q_a = w.linear(&format!("{p}q_a_proj"), false, [qr, d])?;
+                        let q_a_norm =
+                            w.rms_norm(&format!("{p}q_a_layernorm"), LATENT_NORM_EPS, qr)?;
+                        let q_b = w.linear(&format!("{p}q_b_proj"), false, [q_out, qr])?;
+                        (q_a, Some((q_a_norm, q_b)))
+                    }
+                    None => (w.linear(&format!("{p}q_proj"), false, [q_out, d])?, None),
+                };
+                AttentionWeights::Mla {
+                    q,
+                    q_b,
+                    kv_a: w.linear(&format!("{p}kv_a_proj_with_mqa"), false, [r + dr, d])?,
+                    kv_norm: w.rms_norm(&format!("{p}kv_a_layernorm"), LATENT_NORM_EPS, r)?,
+                    w_kv_b: {
+                        let t =
+                            w.matrix(&format!("{p}kv_b_proj.weight"), [heads * (dk + dv), r])?;
+                        let shape = t.shape().to_vec();
+                        Tensor::from_f32_as(spec.dtype, &shape, t.to_f32_vec())?
+                    },
+                    o: w.linear(&format!("{p}o_proj"), false, [d, heads * dv])?,
+                }
+            }
+            None => {
+                let hkv = spec.kv_heads() as usize;
+                let bias = config.qkv_bias;
+                let qkv = format!("{p}qkv_proj");
+                let (q_rows, kv_rows) = (heads * dk, hkv * dk);
+                let [q, k, v] = match config.projections {
+                    Projections::Fused => {
+                        let kv_end = q_rows + kv_rows;
+                        let maps =
+                            [0..q_rows, q_rows..kv_end, kv_end..kv_end + hkv * dv].map(|r| vec![r]);
+                        w.fused(&qkv, bias, kv_end + hkv * dv, d, &maps)?
+                    }
+                    // Rows go head by head: q, k and v of each (heads == kv heads).
+                    Projections::FusedPerHead => {
+                        let per_head = 2 * dk + dv;
+                        let of = |first: usize, n: usize| -> Vec<_> {
+                            (0..heads)
+                                .map(|h| h * per_head + first..h * per_head + first + n)
+                                .collect()
+                        };
+                        let maps = [of(0, dk), of(dk, dk), of(2 * dk, dv)];
+                        w.fused(&qkv, bias, heads * per_head, d, &maps)?
+                    }
+                    Projections::Separate => vec![
+                        w.linear(&format!("{p}q_proj"), bias, [q_rows, d])?,
+                        w.linear(&format!("{p}k_proj"), bias, [kv_rows, d])?,
+                        w.linear(&format!("{p}v_proj"), bias, [hkv * dv, d])?,
+                    ],
+                }
+                .try_into()
+                .map_err(|_| RuntimeError::Data("internal: three projections".into()))?;
+                AttentionWeights::Heads {
+                    q,
+                    k,
+                    v,
+                    o: w.linear(&format!("{p}o_proj"), config.o_bias, [d, heads * dv])?,
+                    qk_norm: match config.qk_norm {
+                        Some(QkNorm::PerHead) => Some([
+                            w.qk_norm(&format!("{p}q_norm"), eps, dk)?,
+                            w.qk_norm(&format!("{p}k_norm"), eps, dk)?,
+                        ]),
+                        Some(QkNorm::Whole) => Some([
+                            w.qk_norm(&format!("{p}q_norm"), eps, heads * dk)?,
+                            w.qk_norm(&format!("{p}k_norm"), eps, hkv * dk)?,
+                        ]),
+                        None => None,
+                    },
+                    learned: spec
+                        .learnable_tensors()
+                        .into_iter()
+                        .map(|(name, shape)| {
+                            let t = w.shaped(&format!("{p}{name}"), &shape)?;
+                            Ok((name, Tensor::from_f32(&shape, t.to_f32_vec())?))
+                        })
+                        .collect::<Result<_, RuntimeError>>()?,
+                }
+            }
+        })
+    }
+
+    /// Layer `i`'s MLP: dense (separate or fused projections) or a mixture of experts.
+    fn layer_mlp(&mut self, config: &ModelConfig, i: usize) -> Result<LayerMlp, RuntimeError> {
+        let w = self;
+        let (d, inter) = (config.hidden, config.intermediate);
+        let p = format!("model.layers.{i}.");
+        Ok(match config.moe.as_ref().filter(|m| m.sparse[i]) {
+            Some(moe) => {
+                let (router, experts) = moe.tensor_prefixes(i);
+                let gpt_oss = moe.names == ExpertNames::GptOss;
+                LayerMlp::Moe(Box::new(MoeMlp {
+                    router: w.linear(&router, gpt_oss, [moe.experts, d])?,
+                    experts: match gpt_oss {
+                        true => w.stacked_experts(config, &p, moe, d)?,
+                        false => experts
+                            .iter()
+                            .map(|[gate, up, down]| {
+                                w.mlp(config, [gate, up, down], d, moe.intermediate)
+                            })
+                            .collect::<Result<_, _>>()?,
+                    },
+                    top_k: moe.top_k,
+                    normalize: moe.normalize,
+                    router_kind: moe.router,
+                    correction: match moe.router {
+                        Router::SigmoidGroups { .. } => w
+                            .shaped(&format!("{router}.e_score_correction_bias"), &[moe.experts])?
+                            .to_f32_vec(),
+                        _ => Vec::new(),
+                    },
+                    scale: moe.scale as f32,
+                    shared: match (moe.shared_prefixes(i), moe.shared) {
+                        (Some(([g, u, dn], gate)), Some(shared)) => Some((
+                            w.mlp(config, [&g, &u, &dn], d, shared.width)?,
+                            gate.map(|gate| w.linear(&gate, false, [1, d]))
+                                .transpose()?,
+                        )),
+                        _ => None,
+                    },
+                }))
+            }
+            None if config.projections == Projections::Fused => {
+                let bias = config.mlp_bias;
+                let maps = [0..inter, inter..2 * inter].map(|r| vec![r]);
+                let [gate, up]: [Linear; 2] = w
+                    .fused(&format!("{p}mlp.gate_up_proj"), bias, 2 * inter, d, &maps)?
+                    .try_into()
+                    .map_err(|_| RuntimeError::Data("internal: two projections".into()))?;
+                LayerMlp::Dense(Box::new(Mlp {
+                    kind: config.mlp,
+                    gate: Some(gate),
+                    up,
+                    down: w.linear(&format!("{p}mlp.down_proj"), bias, [d, inter])?,
+                }))
+            }
+            None => {
+                let [gate, up, down] = config.mlp_names.prefixes(i);
+                LayerMlp::Dense(Box::new(w.mlp(config, [&gate, &up, &down], d, inter)?))
+            }
+        })
     }
 
     /// gpt-oss's experts of layer `{p}` (`model.layers.{i}.`), stored in three-dimensional
