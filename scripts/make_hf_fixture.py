@@ -192,6 +192,15 @@ FIXTURES = {
         "gpt_neox: its own tensor names, q, k, v fused head by head, attention and MLP in "
         "parallel with a LayerNorm each, RoPE on a quarter of each head, the exact GELU",
     ),
+    "bloom": (
+        "BloomConfig",
+        "BloomForCausalLM",
+        # bloom's own keys only: COMMON's llama keys would land in its config.json unused.
+        dict(_common=False, vocab_size=256, hidden_size=96, n_layer=2, n_head=6,
+             layer_norm_epsilon=1e-5, pad_token_id=None, bos_token_id=None, eos_token_id=None),
+        "bloom: ALiBi over 6 heads (not a power of 2), a LayerNorm on the embedding, q, k, v fused head by head, biases, "
+        "the tanh GELU, tied embedding",
+    ),
     "mistral": (
         "MistralConfig",
         "MistralForCausalLM",
@@ -232,7 +241,9 @@ def main():
         sys.exit(f"usage: make_hf_fixture.py NAME; NAME one of {', '.join(FIXTURES)}")
     name = sys.argv[1]
     config_class, model_class, keys, notes = FIXTURES[name]
-    config = getattr(transformers, config_class)(**{**COMMON, **keys})
+    keys = dict(keys)
+    base = COMMON if keys.pop("_common", True) else {}
+    config = getattr(transformers, config_class)(**{**base, **keys})
     config._attn_implementation = "eager"
     torch.manual_seed(SEED)
     model = getattr(transformers, model_class)(config).eval()

@@ -241,6 +241,40 @@ fn gpt_neox_matches_transformers() {
     check("gpt_neox", 24);
 }
 
+/// bloom: ALiBi over 6 heads (the slopes of a head count that is not a power of two), a
+/// LayerNorm on the embedding, q, k and v fused head by head, biases everywhere, tied.
+#[test]
+fn bloom_matches_transformers() {
+    let config = hf::config(&dir("bloom")).unwrap();
+    assert_eq!(config.attention[0].position, attn_dsl::Position::Alibi);
+    assert!(config.embed_norm);
+    assert_eq!(config.intermediate, 4 * config.hidden);
+    check("bloom", 24);
+}
+
+/// A bloom checkpoint saved from the bare `BloomModel` names its tensors without the
+/// `transformer.` prefix; it loads to the same logits.
+#[test]
+fn bloom_without_the_prefix_loads_alike() {
+    use attn_runtime::io::{read_safetensors, tensor_names, write_safetensors};
+    let file = dir("bloom").join("model.safetensors");
+    let names = tensor_names(&file).unwrap();
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let tensors = read_safetensors(&file, &refs).unwrap();
+    let bare: Vec<String> = names
+        .iter()
+        .map(|n| n.strip_prefix("transformer.").unwrap().to_string())
+        .collect();
+    let out = edited("bloom", "bare", |_| ());
+    let pairs: Vec<(&str, &attn_runtime::Tensor)> =
+        bare.iter().map(String::as_str).zip(&tensors).collect();
+    write_safetensors(&out.join("model.safetensors"), &pairs).unwrap();
+    let g = golden("bloom");
+    let logits = hf::load(&out).unwrap().forward(&g.tokens).unwrap();
+    let err = max_diff(&logits, &g.logits);
+    assert!(err < 1e-4, "unprefixed bloom: max |diff| {err}");
+}
+
 /// mistral: a sliding window on every layer.
 #[test]
 fn mistral_matches_transformers() {
@@ -293,10 +327,10 @@ fn edited(name: &str, tag: &str, edit: impl FnOnce(&mut serde_json::Value)) -> P
 
 #[test]
 fn bad_checkpoints_are_clear_errors() {
-    let unknown = edited("llama_gqa", "family", |c| c["model_type"] = "bloom".into());
+    let unknown = edited("llama_gqa", "family", |c| c["model_type"] = "rwkv".into());
     let err = hf::load(&unknown).unwrap_err().to_string();
     assert!(
-        err.contains("`bloom`") && err.contains("llama, mistral"),
+        err.contains("`rwkv`") && err.contains("llama, mistral"),
         "{err}"
     );
     // A known family with an activation it does not have.

@@ -6,7 +6,8 @@ use codegen::gpu::interp::{Memory, Val, run};
 use codegen::gpu::ir::verify::verify;
 use codegen::gpu::ir::{Half, Kernel};
 use codegen::gpu::kernels::layers::{
-    self, Activation, ArgmaxArgs, ElementwiseArgs, EmbedArgs, NormArgs, NormKind, THREADS,
+    self, Activation, ArgmaxArgs, ElementwiseArgs, EmbedArgs, NormArgs, NormKind, Pointwise,
+    SinkArgs, THREADS,
 };
 use codegen::gpu::launch::{LaunchRecord, bind};
 
@@ -97,6 +98,7 @@ fn activations_and_adds_match_their_definitions() {
         Activation::SwiGlu,
         Activation::Gelu,
         Activation::GeGlu,
+        Activation::GeluExact,
         clamped,
     ] {
         let mut mem = Memory::default();
@@ -116,6 +118,9 @@ fn activations_and_adds_match_their_definitions() {
                     Activation::SwiGlu => u * g / (1.0 + (-g).exp()),
                     Activation::Gelu => gelu(u),
                     Activation::GeGlu => gelu(g) * u,
+                    Activation::GeluExact => {
+                        0.5 * u * (1.0 + libm::erf(u / std::f64::consts::SQRT_2))
+                    }
                     Activation::ClampedSwiGlu { .. } => {
                         let g = g.min(0.3);
                         (u.clamp(-0.3, 0.3) + 1.0) * g / (1.0 + (-1.702 * g).exp())
@@ -131,6 +136,25 @@ fn activations_and_adds_match_their_definitions() {
         other: mem.alloc_f32(&other),
         count: count as i64,
     };
+    // Multipliers and the logit softcap, in place.
+    for op in [Pointwise::Scale(-0.37), Pointwise::Softcap(3.0)] {
+        let mut mem = Memory::default();
+        let record = ElementwiseArgs {
+            x: mem.alloc_f32(&x),
+            other: 0,
+            count: count as i64,
+        };
+        launch(&layers::pointwise(op), grid, &record, &mut mem);
+        let got = mem.read_f32(record.x, count).unwrap();
+        let want: Vec<f64> = x
+            .iter()
+            .map(|&v| match op {
+                Pointwise::Scale(f) => f64::from(v) * f64::from(f),
+                Pointwise::Softcap(c) => 3.0 * (f64::from(v) / f64::from(c)).tanh(),
+            })
+            .collect();
+        close(&got, &want, 1e-6, &format!("{op:?}"));
+    }
     launch(&layers::residual_add(), grid, &record, &mut mem);
     let got = mem.read_f32(record.x, count).unwrap();
     let want: Vec<f64> = x
@@ -139,6 +163,57 @@ fn activations_and_adds_match_their_definitions() {
         .map(|(a, b)| f64::from(a + b))
         .collect();
     close(&got, &want, 0.0, "residual add");
+}
+
+/// Sinks scale each row by `e^lse / (e^lse + e^sink)` of the row's head, for head-major and
+/// token-major rows; an empty row (`lse = -inf`) stays 0.
+#[test]
+fn sinks_scale_rows_by_their_heads_share() {
+    let (heads, tokens, width) = (3usize, 5usize, 7usize);
+    let rows = heads * tokens;
+    let out = values(rows * width, 6);
+    let mut lse = values(rows, 7);
+    lse[4] = f32::NEG_INFINITY;
+    let sinks = [0.5f32, -1.25, 2.0];
+    for (per_head, head_of) in [
+        (
+            tokens,
+            Box::new(|r: usize| r / tokens) as Box<dyn Fn(usize) -> usize>,
+        ),
+        (1, Box::new(|r: usize| r % heads)),
+    ] {
+        let mut mem = Memory::default();
+        let record = SinkArgs {
+            out: mem.alloc_f32(&out),
+            lse: mem.alloc_f32(&lse),
+            sinks: mem.alloc_f32(&sinks),
+            count: (rows * width) as i64,
+            width: width as i64,
+            per_head: per_head as i64,
+            heads: heads as i64,
+        };
+        let grid = (rows * width).div_ceil(THREADS as usize) as u32;
+        launch(&layers::sink_rows(), grid, &record, &mut mem);
+        let got = mem.read_f32(record.out, rows * width).unwrap();
+        let want: Vec<f64> = (0..rows * width)
+            .map(|e| {
+                let r = e / width;
+                let (l, s) = (f64::from(lse[r]), f64::from(sinks[head_of(r)]));
+                let keep = if l == f64::NEG_INFINITY {
+                    0.0
+                } else {
+                    l.exp() / (l.exp() + s.exp())
+                };
+                f64::from(out[e]) * keep
+            })
+            .collect();
+        close(
+            &got,
+            &want,
+            1e-6,
+            &format!("sinks, {per_head} rows per head"),
+        );
+    }
 }
 
 #[test]

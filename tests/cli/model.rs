@@ -221,7 +221,7 @@ fn prompts_from_files_and_clear_words_for_missing_inputs() {
 /// layer operations there (projections on the host), and give the CPU's logits.
 #[test]
 fn families_not_yet_resident_run_on_gpu_sim_as_on_the_cpu() {
-    for name in ["gpt_oss", "gemma2_softcap", "qwen3_moe"] {
+    for name in ["gpt_oss", "qwen3_moe", "deepseek_v2_moe"] {
         let dir = format!(
             "{}/tests/fixtures/hf-tiny/{name}",
             env!("CARGO_MANIFEST_DIR")

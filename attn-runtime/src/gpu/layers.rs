@@ -106,12 +106,7 @@ impl LayerOps for SimLayers {
                 (Activation::ClampedSwiGlu { alpha, limit }, g)
             }
             (MlpKind::Gelu, _) => (Activation::Gelu, &*up),
-            (MlpKind::GeluExact, _) => {
-                return Err(RuntimeError::Unsupported {
-                    backend: "gpu-sim",
-                    what: "the exact (erf) GELU of gpt_neox (the cpu backend runs it)".into(),
-                });
-            }
+            (MlpKind::GeluExact, _) => (Activation::GeluExact, &*up),
         };
         let mut mem = Memory::default();
         let other = mem.alloc_f32(other);

@@ -52,6 +52,9 @@ pub struct ModelConfig {
     /// The token embedding's rows times this, before the first layer (gemma: `sqrt(hidden)`,
     /// rounded to the embedding's dtype as transformers does).
     pub embed_multiplier: Option<f64>,
+    /// A norm on the embedded rows before the first layer (bloom's
+    /// `word_embeddings_layernorm`), of the model's norm kind.
+    pub embed_norm: bool,
     /// Logits become `c tanh(logits / c)` (gemma2's `final_logit_softcapping`).
     pub final_softcap: Option<f64>,
     /// Each sublayer's output times this before the residual add (granite).
@@ -166,6 +169,14 @@ pub enum TensorNames {
     /// `gpt_neox.embed_in`, `gpt_neox.layers.{i}.attention.query_key_value`, `.dense`,
     /// `mlp.dense_h_to_4h`, `mlp.dense_4h_to_h`, `gpt_neox.final_layer_norm`, `embed_out`.
     GptNeox,
+    /// `transformer.word_embeddings`, `transformer.word_embeddings_layernorm`,
+    /// `transformer.h.{i}.self_attention.query_key_value`, `.dense`, `mlp.dense_h_to_4h`,
+    /// `mlp.dense_4h_to_h`, `transformer.ln_f` (bloom); without the `transformer.` prefix when
+    /// `prefixed` is false (checkpoints saved from the bare `BloomModel`).
+    Bloom {
+        /// The names start with `transformer.`.
+        prefixed: bool,
+    },
 }
 
 impl TensorNames {
@@ -187,6 +198,28 @@ impl TensorNames {
                 renames
                     .iter()
                     .fold(name.to_string(), |n, (from, to)| n.replacen(from, to, 1))
+            }
+            TensorNames::Bloom { prefixed } => {
+                let renames = [
+                    ("model.embed_tokens.", "transformer.word_embeddings."),
+                    (
+                        "model.embed_norm.",
+                        "transformer.word_embeddings_layernorm.",
+                    ),
+                    ("model.norm.", "transformer.ln_f."),
+                    ("model.layers.", "transformer.h."),
+                    (".self_attn.qkv_proj.", ".self_attention.query_key_value."),
+                    (".self_attn.o_proj.", ".self_attention.dense."),
+                    (".mlp.up_proj.", ".mlp.dense_h_to_4h."),
+                    (".mlp.down_proj.", ".mlp.dense_4h_to_h."),
+                ];
+                let n = renames
+                    .iter()
+                    .fold(name.to_string(), |n, (from, to)| n.replacen(from, to, 1));
+                match n.strip_prefix("transformer.") {
+                    Some(bare) if !prefixed => bare.to_string(),
+                    _ => n,
+                }
             }
         }
     }
@@ -472,30 +505,10 @@ impl ModelConfig {
     /// What a model of this config has that models resident on a device do not run yet, in
     /// words; `None` when it runs there.
     pub fn not_resident(&self) -> Option<&'static str> {
-        let Some(spec) = self.single_attention() else {
-            return Some("layers that differ in attention");
-        };
         let checks = [
-            (spec.mla().is_some(), "MLA attention"),
             (
-                !spec.learnable_tensors().is_empty(),
-                "learnable attention tensors (params(...), sinks)",
-            ),
-            (self.qk_norm.is_some(), "norms on q and k"),
-            (
-                self.placement != NormPlacement::Pre,
-                "norms placed other than before each sublayer",
-            ),
-            (self.mlp == MlpKind::GeluExact, "the exact (erf) GELU"),
-            (self.embed_multiplier.is_some(), "an embedding multiplier"),
-            (self.final_softcap.is_some(), "a final logit softcap"),
-            (
-                self.residual_multiplier.is_some() || self.logit_multiplier.is_some(),
-                "residual or logit multipliers",
-            ),
-            (
-                self.norm == NormKind::Layer && !self.norm_bias,
-                "LayerNorms without biases",
+                self.attention.iter().any(|spec| spec.mla().is_some()),
+                "MLA attention",
             ),
             (self.moe.is_some(), "mixture-of-experts MLPs"),
         ];

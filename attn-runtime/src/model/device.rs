@@ -1,10 +1,16 @@
 //! A model resident on a [`Device`]: weights uploaded once in their checkpoint's dtype, every
 //! activation kept in device memory from the embedding lookup to the logits, projections as
-//! device GEMMs and everything else as generated GPU IR kernels (norms, activations, residual
-//! adds, relayouts, attention). Only the token ids go up and the logits come back.
+//! device GEMMs and everything else as generated GPU IR kernels (norms, q/k norms, activations,
+//! multipliers, softcaps, residual adds, relayouts, attention, sinks). Only the token ids go up
+//! and the logits come back.
 //!
-//! So far: whole-sequence forward passes (logits) for per-head attention. Incremental decoding
-//! against device-resident caches, device sampling and MLA are not built yet.
+//! Layers may differ in attention: each kind has its own kernels, shared by its layers, and
+//! each layer its own cache. Every norm placement, MLP kind and multiplier of [`ModelConfig`]
+//! runs here; [`ModelConfig::not_resident`] names what does not yet (MLA, mixture-of-experts
+//! MLPs).
+//!
+//! [`ModelConfig`]: super::ModelConfig
+//! [`ModelConfig::not_resident`]: super::ModelConfig::not_resident
 
 use super::config::NormKind;
 use super::layers::{LayerMlp, Linear, Matrix, Norm};
@@ -13,11 +19,13 @@ use crate::device::{Device, DeviceBuffer, Scratch, f32_bytes, f32s};
 use crate::error::RuntimeError;
 use crate::gpu::{ForwardTables, resident_forward};
 use crate::host::rope_table::RopeTables;
-use crate::tensor::Storage;
+use crate::learned::Learned;
+use crate::tensor::{Storage, Tensor};
 use attn_dsl::DType;
 use codegen::gpu::ir::{Half, Kernel};
 use codegen::gpu::kernels::layers::{
-    self, Activation, BiasArgs, ElementwiseArgs, EmbedArgs, NormArgs, SwapArgs, THREADS,
+    self, Activation, BiasArgs, ElementwiseArgs, EmbedArgs, NormArgs, Pointwise, SinkArgs,
+    SwapArgs, THREADS,
 };
 use codegen::gpu::launch::{ForwardArgs, LaunchRecord, bind};
 use codegen::gpu::verified;
@@ -45,16 +53,38 @@ struct DeviceNorm {
     width: usize,
 }
 
+/// A layer's learnable attention tensors on the device.
+struct DeviceLearned {
+    /// The parameters as the kernels read them (0 when the spec has none).
+    params: i64,
+    /// `[heads]` sink logits, for specs with learned sinks.
+    sinks: Option<DeviceBuffer>,
+}
+
 struct DeviceLayer {
-    attn_norm: DeviceNorm,
+    /// Its attention kind (an index into the model's kinds).
+    kind: usize,
+    attn_norm: Option<DeviceNorm>,
+    post_attn_norm: Option<DeviceNorm>,
+    mlp_norm: Option<DeviceNorm>,
+    post_mlp_norm: Option<DeviceNorm>,
     q: DeviceLinear,
     k: DeviceLinear,
     v: DeviceLinear,
     o: DeviceLinear,
-    mlp_norm: DeviceNorm,
+    /// Norms on the q and k projections (per head or over the whole projection).
+    qk_norm: Option<[DeviceNorm; 2]>,
+    learned: DeviceLearned,
     gate: Option<DeviceLinear>,
     up: DeviceLinear,
     down: DeviceLinear,
+}
+
+/// One attention kind's forward kernel and the relayout into its inputs.
+struct DeviceKind {
+    forward: Arc<codegen::gpu::ForwardKernel>,
+    /// `[tokens, heads, dim]` f32 to the forward kernel's `[heads, tokens, dim]` inputs.
+    to_heads: Arc<Kernel>,
 }
 
 /// The layer kernels a model uses, lowered and verified once.
@@ -63,10 +93,15 @@ struct Kernels {
     activation: Arc<Kernel>,
     add: Arc<Kernel>,
     bias: Arc<Kernel>,
-    /// `[tokens, heads, dim]` f32 to the attention kernel's `[heads, tokens, dim]` inputs.
-    to_heads: Arc<Kernel>,
     /// The attention output `[heads, tokens, dim]` back to `[tokens, heads, dim]`, f32.
     from_heads: Arc<Kernel>,
+    sinks: Arc<Kernel>,
+    /// The embedding, residual and logit multipliers and the final softcap, where the model
+    /// has them.
+    embed_scale: Option<Arc<Kernel>>,
+    residual_scale: Option<Arc<Kernel>>,
+    logit_scale: Option<Arc<Kernel>>,
+    softcap: Option<Arc<Kernel>>,
 }
 
 /// A model whose weights live on a device (see the module's documentation).
@@ -74,11 +109,12 @@ pub struct DeviceModel<'m> {
     model: &'m Model,
     device: Arc<dyn Device>,
     embed: DeviceMatrix,
+    embed_norm: Option<DeviceNorm>,
     layers: Vec<DeviceLayer>,
     final_norm: DeviceNorm,
     lm_head: Option<DeviceLinear>,
     kernels: Kernels,
-    forward: Arc<codegen::gpu::ForwardKernel>,
+    kinds: Vec<DeviceKind>,
     /// Every weight buffer, freed with the model.
     owned: Vec<DeviceBuffer>,
 }
@@ -150,6 +186,35 @@ impl Uploader<'_> {
             width,
         })
     }
+
+    fn norms(&mut self, n: Option<&Norm>) -> Result<Option<DeviceNorm>, RuntimeError> {
+        n.map(|n| self.norm(n)).transpose()
+    }
+
+    /// Layer `i`'s learnable tensors, checked against its spec; its sinks must be finite.
+    fn learned(
+        &mut self,
+        spec: &attn_dsl::AttentionSpec,
+        learned: &[(String, Tensor)],
+        i: usize,
+    ) -> Result<DeviceLearned, RuntimeError> {
+        let named: Vec<(&str, &Tensor)> = learned.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        let bound = Learned::new(&named).bind(spec)?;
+        let params = match bound.params.is_empty() {
+            true => 0,
+            false => self.bytes(&f32_bytes(&bound.params))?.addr,
+        };
+        let sinks = match &bound.sinks {
+            Some(s) if s.iter().any(|v| !v.is_finite()) => {
+                return Err(RuntimeError::Data(format!(
+                    "layer {i}'s sinks are not all finite; a resident model needs finite sinks"
+                )));
+            }
+            Some(s) => Some(self.bytes(&f32_bytes(s))?),
+            None => None,
+        };
+        Ok(DeviceLearned { params, sinks })
+    }
 }
 
 fn width_u32(width: usize) -> Result<u32, RuntimeError> {
@@ -174,83 +239,106 @@ fn half_of(dtype: DType) -> Option<Half> {
 impl<'m> DeviceModel<'m> {
     /// Uploads `model`'s weights to `device` and prepares its kernels.
     pub fn new(model: &'m Model, device: Arc<dyn Device>) -> Result<Self, RuntimeError> {
-        if let Some(what) = model.config.not_resident() {
+        let c = &model.config;
+        if let Some(what) = c.not_resident() {
             return Err(RuntimeError::Spec(format!(
                 "models with {what} do not run resident on a device yet; use the cpu or gpu-sim \
                  backend"
             )));
         }
-        let variant = model.layer_variant(0);
-        // bf16 specs whose RoPE rotates every column take bf16 Q K^T operands here (f16 ones
-        // would need a range check on the device first), as bf16 SDPA computes.
-        let forward = resident_forward(variant)?;
+        let kernel = |k: Kernel| verified(k).map(Arc::new);
+        let kinds = model
+            .variants()
+            .iter()
+            .map(|variant| {
+                // bf16 specs whose RoPE rotates every column take bf16 Q K^T operands here
+                // (f16 ones would need a range check on the device first), as bf16 SDPA
+                // computes.
+                let forward = resident_forward(variant)?;
+                let to_heads = kernel(layers::swap_outer(half_of(forward.inputs)))?;
+                Ok(DeviceKind { forward, to_heads })
+            })
+            .collect::<Result<Vec<_>, RuntimeError>>()?;
         let mut up = Uploader {
             device: device.as_ref(),
             owned: Vec::new(),
         };
         let mut layers_on_device = Vec::with_capacity(model.layers.len());
-        for layer in &model.layers {
-            let AttentionWeights::Heads { q, k, v, o, .. } = &layer.attn else {
+        for (i, layer) in model.layers.iter().enumerate() {
+            let AttentionWeights::Heads {
+                q,
+                k,
+                v,
+                o,
+                qk_norm,
+                learned,
+            } = &layer.attn
+            else {
                 return Err(RuntimeError::Spec("MLA layers in a per-head model".into()));
             };
-            let (Some(attn_norm), Some(mlp_norm), LayerMlp::Dense(mlp)) =
-                (&layer.attn_norm, &layer.mlp_norm, &layer.mlp)
-            else {
-                return Err(RuntimeError::Spec(
-                    "a pre-norm dense model without its norms or MLP".into(),
-                ));
+            let LayerMlp::Dense(mlp) = &layer.mlp else {
+                return Err(RuntimeError::Spec("a mixture-of-experts layer".into()));
+            };
+            let qk_norm = match qk_norm {
+                Some([qn, kn]) => Some([up.norm(qn)?, up.norm(kn)?]),
+                None => None,
             };
             layers_on_device.push(DeviceLayer {
-                attn_norm: up.norm(attn_norm)?,
+                kind: c.kind_of(i),
+                attn_norm: up.norms(layer.attn_norm.as_ref())?,
+                post_attn_norm: up.norms(layer.post_attn_norm.as_ref())?,
+                mlp_norm: up.norms(layer.mlp_norm.as_ref())?,
+                post_mlp_norm: up.norms(layer.post_mlp_norm.as_ref())?,
                 q: up.linear(q)?,
                 k: up.linear(k)?,
                 v: up.linear(v)?,
                 o: up.linear(o)?,
-                mlp_norm: up.norm(mlp_norm)?,
+                qk_norm,
+                learned: up.learned(c.layer_attention(i), learned, i)?,
                 gate: mlp.gate.as_ref().map(|g| up.linear(g)).transpose()?,
                 up: up.linear(&mlp.up)?,
                 down: up.linear(&mlp.down)?,
             });
         }
         let embed = up.matrix(&model.embed)?;
+        let embed_norm = up.norms(model.embed_norm.as_ref())?;
         let final_norm = up.norm(&model.final_norm)?;
         let lm_head = model.lm_head.as_ref().map(|l| up.linear(l)).transpose()?;
-        let activation = match model.config.mlp {
+        let activation = match c.mlp {
             super::MlpKind::SwiGlu => Activation::SwiGlu,
             super::MlpKind::Gelu => Activation::Gelu,
-            super::MlpKind::GeluExact => {
-                return Err(RuntimeError::Spec(
-                    "the exact (erf) GELU does not run resident on a device yet".into(),
-                ));
-            }
+            super::MlpKind::GeluExact => Activation::GeluExact,
             super::MlpKind::GeGlu => Activation::GeGlu,
             super::MlpKind::ClampedSwiGlu { alpha, limit } => Activation::ClampedSwiGlu {
                 alpha: alpha.to_bits(),
                 limit: limit.to_bits(),
             },
         };
-        let kernel = |k: Kernel| verified(k).map(Arc::new);
+        let pointwise =
+            |op: Option<Pointwise>| op.map(|op| kernel(layers::pointwise(op))).transpose();
         let kernels = Kernels {
-            embed: kernel(layers::embed(
-                width_u32(model.config.hidden)?,
-                half_of(embed.dtype),
-            ))?,
+            embed: kernel(layers::embed(width_u32(c.hidden)?, half_of(embed.dtype)))?,
             activation: kernel(layers::activation(activation))?,
             add: kernel(layers::residual_add())?,
             bias: kernel(layers::bias_add())?,
-            to_heads: kernel(layers::swap_outer(half_of(forward.inputs)))?,
             from_heads: kernel(layers::swap_outer(None))?,
+            sinks: kernel(layers::sink_rows())?,
+            embed_scale: pointwise(model.embed_multiplier().map(Pointwise::Scale))?,
+            residual_scale: pointwise(c.residual_multiplier.map(|m| Pointwise::Scale(m as f32)))?,
+            logit_scale: pointwise(c.logit_multiplier.map(|m| Pointwise::Scale(m as f32)))?,
+            softcap: pointwise(c.final_softcap.map(|cap| Pointwise::Softcap(cap as f32)))?,
         };
         Ok(DeviceModel {
             model,
             owned: up.owned,
             device,
             embed,
+            embed_norm,
             layers: layers_on_device,
             final_norm,
             lm_head,
             kernels,
-            forward,
+            kinds,
         })
     }
 
@@ -261,14 +349,18 @@ impl<'m> DeviceModel<'m> {
             return Ok(());
         }
         let c = &self.model.config;
-        let seconds = crate::gpu::sim_cost::layers_seconds(
-            c.layer_attention(0),
-            c.layers as u64,
-            c.hidden as u64,
-            c.intermediate as u64,
-            tokens as u64,
-            keys as u64,
-        );
+        let seconds: f64 = (0..c.layers)
+            .map(|i| {
+                crate::gpu::sim_cost::layers_seconds(
+                    c.layer_attention(i),
+                    1,
+                    c.hidden as u64,
+                    c.intermediate as u64,
+                    tokens as u64,
+                    keys as u64,
+                )
+            })
+            .sum();
         crate::gpu::sim_cost::check(
             &format!("a pass of {tokens} tokens through {} layers", c.layers),
             seconds,
@@ -292,6 +384,7 @@ impl<'m> DeviceModel<'m> {
 
     /// The decoder over `tokens` with each layer's attention from `attention(scratch, layer
     /// index, layer, normed rows)`: embedding, blocks, final norm, LM head; the logits buffer.
+    /// The blocks place their norms as the CPU model does (`Model::run`).
     fn run_layers(
         &self,
         s: &mut Scratch,
@@ -319,7 +412,7 @@ impl<'m> DeviceModel<'m> {
         let rows = u32::try_from(n)
             .map_err(|_| RuntimeError::Data(format!("{n} tokens are more than a grid holds")))?;
         let ids: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
-        let x = s.f32s(n * d)?;
+        let mut x = s.f32s(n * d)?;
         self.launch(
             &self.kernels.embed,
             [rows, 1, 1],
@@ -329,38 +422,75 @@ impl<'m> DeviceModel<'m> {
                 out: x.addr,
             },
         )?;
+        self.pointwise(self.kernels.embed_scale.as_ref(), x, n * d)?;
+        if let Some(norm) = &self.embed_norm {
+            x = self.norm(s, norm, x, n * d)?;
+        }
+        let parallel = c.placement.parallel();
         for (i, layer) in self.layers.iter().enumerate() {
-            let h = self.norm(s, &layer.attn_norm, x, rows)?;
+            // Without a norm before it, a sublayer reads the stream itself (it only reads).
+            let h = self.normed(s, layer.attn_norm.as_ref(), x, n * d)?;
             let a = attention(s, i, layer, h)?;
+            if parallel {
+                // Both sublayers read the stream (normed once, or each by its own norm) and
+                // add to it together.
+                let h = match &layer.mlp_norm {
+                    Some(norm) => self.norm(s, norm, x, n * d)?,
+                    None => h,
+                };
+                let m = self.mlp(s, layer, h, n)?;
+                self.add(a, m, n * d)?;
+                self.add(x, a, n * d)?;
+                continue;
+            }
+            let a = self.normed(s, layer.post_attn_norm.as_ref(), a, n * d)?;
+            self.pointwise(self.kernels.residual_scale.as_ref(), a, n * d)?;
             self.add(x, a, n * d)?;
-            let h = self.norm(s, &layer.mlp_norm, x, rows)?;
-            let up = self.linear(s, &layer.up, h, n)?;
-            let gate = match &layer.gate {
-                Some(g) => self.linear(s, g, h, n)?,
-                None => up,
-            };
-            let count = n * layer.up.w.rows;
-            self.launch(
-                &self.kernels.activation,
-                blocks(count)?,
-                &ElementwiseArgs {
-                    x: up.addr,
-                    other: gate.addr,
-                    count: count as i64,
-                },
-            )?;
-            let m = self.linear(s, &layer.down, up, n)?;
+            let h = self.normed(s, layer.mlp_norm.as_ref(), x, n * d)?;
+            let m = self.mlp(s, layer, h, n)?;
+            let m = self.normed(s, layer.post_mlp_norm.as_ref(), m, n * d)?;
+            self.pointwise(self.kernels.residual_scale.as_ref(), m, n * d)?;
             self.add(x, m, n * d)?;
         }
-        let h = self.norm(s, &self.final_norm, x, rows)?;
-        match &self.lm_head {
-            Some(head) => self.linear(s, head, h, n),
+        let h = self.norm(s, &self.final_norm, x, n * d)?;
+        let logits = match &self.lm_head {
+            Some(head) => self.linear(s, head, h, n)?,
             None => {
                 let y = s.f32s(n * self.embed.rows)?;
                 self.gemm(h, &self.embed, y, n)?;
-                Ok(y)
+                y
             }
-        }
+        };
+        let count = n * c.vocab;
+        self.pointwise(self.kernels.logit_scale.as_ref(), logits, count)?;
+        self.pointwise(self.kernels.softcap.as_ref(), logits, count)?;
+        Ok(logits)
+    }
+
+    /// A dense MLP over `n` rows `h`: up (and gate), the activation, down.
+    fn mlp(
+        &self,
+        s: &mut Scratch,
+        layer: &DeviceLayer,
+        h: DeviceBuffer,
+        n: usize,
+    ) -> Result<DeviceBuffer, RuntimeError> {
+        let up = self.linear(s, &layer.up, h, n)?;
+        let gate = match &layer.gate {
+            Some(g) => self.linear(s, g, h, n)?,
+            None => up,
+        };
+        let count = n * layer.up.w.rows;
+        self.launch(
+            &self.kernels.activation,
+            blocks(count)?,
+            &ElementwiseArgs {
+                x: up.addr,
+                other: gate.addr,
+                count: count as i64,
+            },
+        )?;
+        self.linear(s, &layer.down, up, n)
     }
 
     fn launch<R: LaunchRecord>(
@@ -410,14 +540,18 @@ impl<'m> DeviceModel<'m> {
         Ok(y)
     }
 
+    /// `count` values of `x` normed in rows of the norm's width, into a new buffer.
     fn norm(
         &self,
         s: &mut Scratch,
         norm: &DeviceNorm,
         x: DeviceBuffer,
-        rows: u32,
+        count: usize,
     ) -> Result<DeviceBuffer, RuntimeError> {
-        let out = s.f32s(rows as usize * norm.width)?;
+        let rows = u32::try_from(count / norm.width).map_err(|_| {
+            RuntimeError::Data(format!("{count} values are more than a grid holds"))
+        })?;
+        let out = s.f32s(count)?;
         self.launch(
             &norm.kernel,
             [rows, 1, 1],
@@ -429,6 +563,41 @@ impl<'m> DeviceModel<'m> {
             },
         )?;
         Ok(out)
+    }
+
+    /// [`DeviceModel::norm`] where there is a norm; `x` itself where there is none.
+    fn normed(
+        &self,
+        s: &mut Scratch,
+        norm: Option<&DeviceNorm>,
+        x: DeviceBuffer,
+        count: usize,
+    ) -> Result<DeviceBuffer, RuntimeError> {
+        match norm {
+            Some(norm) => self.norm(s, norm, x, count),
+            None => Ok(x),
+        }
+    }
+
+    /// A multiplier or softcap in place over `count` values, where the model has it.
+    fn pointwise(
+        &self,
+        kernel: Option<&Arc<Kernel>>,
+        x: DeviceBuffer,
+        count: usize,
+    ) -> Result<(), RuntimeError> {
+        let Some(kernel) = kernel else {
+            return Ok(());
+        };
+        self.launch(
+            kernel,
+            blocks(count)?,
+            &ElementwiseArgs {
+                x: x.addr,
+                other: x.addr,
+                count: count as i64,
+            },
+        )
     }
 
     fn add(&self, x: DeviceBuffer, y: DeviceBuffer, count: usize) -> Result<(), RuntimeError> {
@@ -469,8 +638,59 @@ impl<'m> DeviceModel<'m> {
         Ok(out)
     }
 
+    /// A layer's q, k and v projections of `n` normed rows `h`, q and k normed where the
+    /// model norms them (before RoPE, which the attention kernels apply).
+    fn qkv(
+        &self,
+        s: &mut Scratch,
+        layer: &DeviceLayer,
+        h: DeviceBuffer,
+        n: usize,
+    ) -> Result<[DeviceBuffer; 3], RuntimeError> {
+        let (mut q, mut k, v) = (
+            self.linear(s, &layer.q, h, n)?,
+            self.linear(s, &layer.k, h, n)?,
+            self.linear(s, &layer.v, h, n)?,
+        );
+        if let Some([q_norm, k_norm]) = &layer.qk_norm {
+            q = self.norm(s, q_norm, q, n * layer.q.w.rows)?;
+            k = self.norm(s, k_norm, k, n * layer.k.w.rows)?;
+        }
+        Ok([q, k, v])
+    }
+
+    /// Folds a layer's sinks into its attention rows `out` (`rows` rows of `width`, row `r`
+    /// of head `(r / per_head) % heads`) by their `lse`; nothing without sinks.
+    #[allow(clippy::too_many_arguments)]
+    fn sinks(
+        &self,
+        layer: &DeviceLayer,
+        out: DeviceBuffer,
+        lse: DeviceBuffer,
+        [rows, width]: [usize; 2],
+        per_head: usize,
+        heads: usize,
+    ) -> Result<(), RuntimeError> {
+        let Some(sinks) = layer.learned.sinks else {
+            return Ok(());
+        };
+        self.launch(
+            &self.kernels.sinks,
+            blocks(rows * width)?,
+            &SinkArgs {
+                out: out.addr,
+                lse: lse.addr,
+                sinks: sinks.addr,
+                count: (rows * width) as i64,
+                width: width as i64,
+                per_head: per_head as i64,
+                heads: heads as i64,
+            },
+        )
+    }
+
     /// One layer's attention over `n` normed rows `h`: the projections, the relayout to
-    /// heads, the forward kernel, the relayout back and the output projection.
+    /// heads, the forward kernel (and sinks), the relayout back and the output projection.
     fn attention(
         &self,
         s: &mut Scratch,
@@ -478,21 +698,18 @@ impl<'m> DeviceModel<'m> {
         h: DeviceBuffer,
         n: usize,
     ) -> Result<DeviceBuffer, RuntimeError> {
-        let spec = self.model.layer_variant(0).spec();
+        let variant = &self.model.variants()[layer.kind];
+        let kind = &self.kinds[layer.kind];
+        let spec = variant.spec();
         let (heads, kv_heads) = (spec.heads as usize, spec.kv_heads() as usize);
         let (dim, v_dim) = (spec.head_dim as usize, spec.v_head_dim as usize);
-        let size = self.forward.inputs.size_bytes() as usize;
-        let (q, k, v) = (
-            self.linear(s, &layer.q, h, n)?,
-            self.linear(s, &layer.k, h, n)?,
-            self.linear(s, &layer.v, h, n)?,
-        );
-        let to = &self.kernels.to_heads;
+        let size = kind.forward.inputs.size_bytes() as usize;
+        let [q, k, v] = self.qkv(s, layer, h, n)?;
+        let to = &kind.to_heads;
         let q = self.swap(s, to, q, [n, heads, dim], size)?;
         let k = self.swap(s, to, k, [n, kv_heads, dim], size)?;
         let v = self.swap(s, to, v, [n, kv_heads, v_dim], size)?;
-        let plan = self.model.layer_variant(0).forward_plan();
-        let t = ForwardTables::of(plan, &self.forward, [1, n, n], 0);
+        let t = ForwardTables::of(variant.forward_plan(), &kind.forward, [1, n, n], 0);
         let codes: Vec<u8> = t.codes.iter().flat_map(|c| c.to_le_bytes()).collect();
         let table = |s: &mut Scratch, v: &[f32]| -> Result<i64, RuntimeError> {
             Ok(if v.is_empty() {
@@ -501,13 +718,13 @@ impl<'m> DeviceModel<'m> {
                 s.upload(&f32_bytes(v))?.addr
             })
         };
-        let out = s.f32s(heads * n * v_dim)?;
+        let (out, lse) = (s.f32s(heads * n * v_dim)?, s.f32s(heads * n)?);
         let record = ForwardArgs {
             q: q.addr,
             k: k.addr,
             v: v.addr,
             out: out.addr,
-            lse: s.f32s(heads * n)?.addr,
+            lse: lse.addr,
             codes: s.upload(&codes)?.addr,
             sq: n as i64,
             skv: n as i64,
@@ -515,10 +732,11 @@ impl<'m> DeviceModel<'m> {
             rope_cos: table(s, &t.rope_cos)?,
             rope_sin: table(s, &t.rope_sin)?,
             rope_pos0: t.rope_pos0,
-            // Resident models refuse specs with parameters.
-            params: 0,
+            params: layer.learned.params,
         };
-        self.launch(&self.forward.kernel, t.grid, &record)?;
+        self.launch(&kind.forward.kernel, t.grid, &record)?;
+        // Rows head-major: `n` rows per head.
+        self.sinks(layer, out, lse, [heads * n, v_dim], n, heads)?;
         let rows = self.swap(s, &self.kernels.from_heads, out, [heads, n, v_dim], 4)?;
         self.linear(s, &layer.o, rows, n)
     }
@@ -531,12 +749,17 @@ struct DeviceCache {
     v: DeviceBuffer,
 }
 
-/// Kernels of incremental steps.
-struct StepKernels {
+/// One attention kind's kernels of incremental steps.
+struct KindStep {
     append_k: Arc<Kernel>,
     append_v: Arc<Kernel>,
-    gather: Arc<Kernel>,
     decode: Arc<Kernel>,
+}
+
+/// Kernels of incremental steps.
+struct StepKernels {
+    kinds: Vec<KindStep>,
+    gather: Arc<Kernel>,
     merge: Arc<Kernel>,
     argmax: Arc<Kernel>,
 }
@@ -564,61 +787,82 @@ impl Drop for DeviceSession<'_, '_> {
 impl<'m> DeviceModel<'m> {
     /// A session for one sequence of at most `capacity` tokens, its caches on the device.
     pub fn session(&self, capacity: usize) -> Result<DeviceSession<'_, 'm>, RuntimeError> {
-        let variant = self.model.layer_variant(0);
-        let layout = variant.cache_layout();
-        if variant
-            .decode_plan()
-            .rope
-            .as_ref()
-            .is_some_and(|r| matches!(r.frequencies, codegen::plan::Frequencies::PerLaunch))
-        {
-            return Err(RuntimeError::Spec(
-                "the GPU decode kernel does not run dynamic NTK scaling yet".into(),
-            ));
+        let kernel = |k: Kernel| verified(k).map(Arc::new);
+        let mut kinds = Vec::new();
+        for variant in self.model.variants() {
+            let layout = variant.cache_layout();
+            if variant
+                .decode_plan()
+                .rope
+                .as_ref()
+                .is_some_and(|r| matches!(r.frequencies, codegen::plan::Frequencies::PerLaunch))
+            {
+                return Err(RuntimeError::Spec(
+                    "the GPU decode kernel does not run dynamic NTK scaling yet".into(),
+                ));
+            }
+            let half = half_of(layout.dtype);
+            if half.is_some() && !(layout.k_dim.is_multiple_of(2) && layout.v_dim.is_multiple_of(2))
+            {
+                return Err(RuntimeError::Spec(
+                    "16-bit device caches need even head dims".into(),
+                ));
+            }
+            let rope = layout.rope.as_ref().map(|r| layers::AppendRope {
+                dim: r.rope.dim,
+                first_dim: r.first_dim,
+                layout: r.rope.layout,
+            });
+            kinds.push(KindStep {
+                append_k: kernel(layers::cache_append(width_u32(layout.k_dim)?, half, rope))?,
+                append_v: kernel(layers::cache_append(width_u32(layout.v_dim)?, half, None))?,
+                decode: crate::gpu::lowered_decode(variant)?,
+            });
         }
-        let half = half_of(layout.dtype);
-        if half.is_some() && !(layout.k_dim.is_multiple_of(2) && layout.v_dim.is_multiple_of(2)) {
-            return Err(RuntimeError::Spec(
-                "16-bit device caches need even head dims".into(),
-            ));
-        }
-        let size = layout.dtype.size_bytes() as usize;
-        let bytes = |dim: usize| {
-            layout
-                .kv_heads
-                .checked_mul(capacity)
-                .and_then(|v| v.checked_mul(dim))
-                .and_then(|v| v.checked_mul(size))
-                .ok_or_else(|| {
-                    RuntimeError::Data(format!("a cache of {capacity} tokens overflows"))
-                })
+        let kernels = StepKernels {
+            kinds,
+            gather: kernel(layers::gather_rows())?,
+            merge: kernel(layers::merge_partitions())?,
+            argmax: kernel(layers::argmax(width_u32(self.model.config.vocab)?))?,
         };
-        let mut caches = Vec::with_capacity(self.layers.len());
-        for _ in &self.layers {
-            let k = self.device.zeros(bytes(layout.k_dim)?)?;
-            let v = match self.device.zeros(bytes(layout.v_dim)?) {
+        // Every kernel is ready before any cache is allocated: a failure below frees what was.
+        let mut caches: Vec<DeviceCache> = Vec::with_capacity(self.layers.len());
+        let free = |caches: &mut Vec<DeviceCache>| {
+            for c in caches.drain(..) {
+                self.device.free(c.k);
+                self.device.free(c.v);
+            }
+        };
+        for layer in &self.layers {
+            let layout = self.model.variants()[layer.kind].cache_layout();
+            let size = layout.dtype.size_bytes() as usize;
+            let bytes = |dim: usize| {
+                layout
+                    .kv_heads
+                    .checked_mul(capacity)
+                    .and_then(|v| v.checked_mul(dim))
+                    .and_then(|v| v.checked_mul(size))
+                    .ok_or_else(|| {
+                        RuntimeError::Data(format!("a cache of {capacity} tokens overflows"))
+                    })
+            };
+            let k = match bytes(layout.k_dim).and_then(|b| self.device.zeros(b)) {
+                Ok(k) => k,
+                Err(e) => {
+                    free(&mut caches);
+                    return Err(e);
+                }
+            };
+            let v = match bytes(layout.v_dim).and_then(|b| self.device.zeros(b)) {
                 Ok(v) => v,
                 Err(e) => {
                     self.device.free(k);
+                    free(&mut caches);
                     return Err(e);
                 }
             };
             caches.push(DeviceCache { k, v });
         }
-        let rope = layout.rope.as_ref().map(|r| layers::AppendRope {
-            dim: r.rope.dim,
-            first_dim: r.first_dim,
-            layout: r.rope.layout,
-        });
-        let kernel = |k: Kernel| verified(k).map(Arc::new);
-        let kernels = StepKernels {
-            append_k: kernel(layers::cache_append(width_u32(layout.k_dim)?, half, rope))?,
-            append_v: kernel(layers::cache_append(width_u32(layout.v_dim)?, half, None))?,
-            gather: kernel(layers::gather_rows())?,
-            decode: crate::gpu::lowered_decode(variant)?,
-            merge: kernel(layers::merge_partitions())?,
-            argmax: kernel(layers::argmax(width_u32(self.model.config.vocab)?))?,
-        };
         Ok(DeviceSession {
             model: self,
             caches,
@@ -706,24 +950,28 @@ impl DeviceSession<'_, '_> {
         }
         self.model.check_sim_cost(n, self.len + n)?;
         let session = &*self;
-        let tables = session.tables(s, n)?;
+        let tables = (0..self.kernels.kinds.len())
+            .map(|kind| session.tables(s, n, kind))
+            .collect::<Result<Vec<_>, _>>()?;
         let logits = self.model.run_layers(s, tokens, |s, i, layer, h| {
-            session.attention(s, &tables, layer, &session.caches[i], h, n)
+            let t = &tables[layer.kind];
+            session.attention(s, t, layer, &session.caches[i], h, n)
         })?;
         self.len += n;
         Ok(logits)
     }
 
-    /// The launch tables of a step of `n` new tokens, the same for every layer: work items of
+    /// The launch tables of a step of `n` new tokens, the same for every layer of attention
+    /// kind `kind`: work items of
     /// the plan's row blocks, their segments of the cache (as offsets into a layer's cache)
     /// classified by the plan, partitions, the query-row gather and the merge map, and the
     /// RoPE rows of the new positions; all uploaded once per step.
-    fn tables(&self, s: &mut Scratch, n: usize) -> Result<StepTables, RuntimeError> {
+    fn tables(&self, s: &mut Scratch, n: usize, kind: usize) -> Result<StepTables, RuntimeError> {
         use crate::host::work::{Item, segment_codes};
         use attn_dsl::modifier::interval::Interval;
         use codegen::gpu::kernels::decode::{SEGMENT_FIELDS, TASK_FIELDS, segment_keys, task_rows};
         use codegen::plan::{CallShape, TileCode};
-        let variant = self.model.model.layer_variant(0);
+        let variant = &self.model.model.variants()[kind];
         let (spec, layout, plan) = (
             variant.spec(),
             variant.cache_layout(),
@@ -860,22 +1108,20 @@ impl DeviceSession<'_, '_> {
     ) -> Result<DeviceBuffer, RuntimeError> {
         use codegen::gpu::launch::DecodeArgs;
         let m = self.model;
-        let layout = m.model.layer_variant(0).cache_layout();
-        let heads = m.model.layer_variant(0).spec().heads as usize;
+        let variant = &m.model.variants()[layer.kind];
+        let kernels = &self.kernels.kinds[layer.kind];
+        let layout = variant.cache_layout();
+        let heads = variant.spec().heads as usize;
         let (kv_heads, dim, v_dim) = (layout.kv_heads, layout.k_dim, layout.v_dim);
-        let (q, k, v) = (
-            m.linear(s, &layer.q, h, n)?,
-            m.linear(s, &layer.k, h, n)?,
-            m.linear(s, &layer.v, h, n)?,
-        );
+        let [q, k, v] = m.qkv(s, layer, h, n)?;
         let per = if half_of(layout.dtype).is_some() {
             2
         } else {
             1
         };
         for (kernel, rows, buffer, width) in [
-            (&self.kernels.append_k, k, cache.k, dim),
-            (&self.kernels.append_v, v, cache.v, v_dim),
+            (&kernels.append_k, k, cache.k, dim),
+            (&kernels.append_v, v, cache.v, v_dim),
         ] {
             m.launch(
                 kernel,
@@ -908,7 +1154,7 @@ impl DeviceSession<'_, '_> {
         let ctas = u32::try_from(t.tasks)
             .map_err(|_| RuntimeError::Data("more tasks than a grid holds".into()))?;
         m.launch(
-            &self.kernels.decode,
+            &kernels.decode,
             [ctas, 1, 1],
             &DecodeArgs {
                 q_rows: q_rows.addr,
@@ -922,10 +1168,10 @@ impl DeviceSession<'_, '_> {
                 rope_pos0: t.pos0 as i64,
                 k_base: cache.k.addr,
                 v_base: cache.v.addr,
-                params: 0,
+                params: layer.learned.params,
             },
         )?;
-        let rows = s.f32s(n * heads * v_dim)?;
+        let (rows, rows_lse) = (s.f32s(n * heads * v_dim)?, s.f32s(n * heads)?);
         m.launch(
             &self.kernels.merge,
             blocks(n * heads * v_dim)?,
@@ -934,12 +1180,14 @@ impl DeviceSession<'_, '_> {
                 lse: lse.addr,
                 map: t.map,
                 out: rows.addr,
-                out_lse: s.f32s(n * heads)?.addr,
+                out_lse: rows_lse.addr,
                 rows: (n * heads) as i64,
                 slots: t.slots as i64,
                 width: v_dim as i64,
             },
         )?;
+        // Rows token-major: row `i * heads + h` is head `h`'s.
+        m.sinks(layer, rows, rows_lse, [n * heads, v_dim], 1, heads)?;
         m.linear(s, &layer.o, rows, n)
     }
 }
@@ -1040,5 +1288,65 @@ impl DeviceModel<'_> {
             }
             next = next_after(&mut session, &[next])?;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::SimDevice;
+    use crate::model::research::config_from_toml;
+
+    /// Learned slopes read inside the kernels and learned sinks folded in after them, on the
+    /// device's forward and its cached steps, against the same model on the CPU.
+    #[test]
+    fn learned_parameters_and_sinks_run_resident() {
+        let config = config_from_toml(
+            "vocab = 37\nhidden = 32\nlayers = 2\nattention = \"heads = 4, kv_heads = 2, \
+             head_dim = 8, mask = causal, position = rope, sinks = learned, params(slopes: \
+             [heads]), score_mod = |s, b, h, q, k| s + slopes[h] * (k - q) as f32\"",
+        )
+        .unwrap();
+        let mut model = Model::random(&config, 5).unwrap();
+        for (l, layer) in model.layers.iter_mut().enumerate() {
+            let AttentionWeights::Heads { learned, .. } = &mut layer.attn else {
+                unreachable!("a per-head model");
+            };
+            for (t, (_, tensor)) in learned.iter_mut().enumerate() {
+                let values = (0..4).map(|h| 0.3 * (h + l + t) as f32 - 0.5).collect();
+                *tensor = Tensor::from_f32(&[4], values).unwrap();
+            }
+        }
+        let tokens: Vec<u32> = (0..13).map(|i| (i * 5 + 2) % 37).collect();
+        let want = model.forward(&tokens).unwrap();
+        let on_device = DeviceModel::new(&model, Arc::new(SimDevice::new())).unwrap();
+        let close = |got: &[f32], what: &str| {
+            let err = got
+                .iter()
+                .zip(&want)
+                .map(|(g, w)| (g - w).abs() / (1.0 + w.abs()))
+                .fold(0.0f32, f32::max);
+            assert!(err < 1e-4, "{what}: max relative difference {err}");
+        };
+        close(&on_device.forward(&tokens).unwrap(), "forward");
+        let mut session = on_device.session(tokens.len()).unwrap();
+        let mut steps = session.step(&tokens[..6]).unwrap();
+        for t in 6..tokens.len() {
+            steps.extend(session.step(&tokens[t..t + 1]).unwrap());
+        }
+        close(&steps, "cached steps");
+        drop(session);
+        drop(on_device);
+        // A sink of +inf would make rows NaN on the CPU: the device refuses it up front.
+        let AttentionWeights::Heads { learned, .. } = &mut model.layers[1].attn else {
+            unreachable!("a per-head model");
+        };
+        let sinks = learned.iter_mut().find(|(n, _)| n == "sinks").unwrap();
+        sinks.1 = Tensor::from_f32(&[4], vec![0.0, f32::INFINITY, 0.0, 0.0]).unwrap();
+        let err = match DeviceModel::new(&model, Arc::new(SimDevice::new())) {
+            Ok(_) => panic!("an infinite sink is refused"),
+            Err(e) => e.to_string(),
+        };
+        assert!(err.contains("layer 1's sinks"), "{err}");
     }
 }

@@ -15,7 +15,8 @@
 //! (learned sinks, experts in three-dimensional tensors behind a biased router, a clamped
 //! SwiGLU, YaRN unrounded), `gpt_neox` (its own tensor names, q, k, v fused head by head,
 //! attention and MLP in parallel with a LayerNorm each, partial RoPE, the exact GELU),
-//! `deepseek_v2` and `deepseek_v3` (MLA; grouped mixture-of-experts routing with shared
+//! `bloom` (ALiBi, a LayerNorm on the embedding, q, k, v fused head by head, checkpoints with
+//! or without the `transformer.` prefix), `deepseek_v2` and `deepseek_v3` (MLA; grouped mixture-of-experts routing with shared
 //! experts). Layers differ where the config says so (`layer_types`: sliding and full attention; `no_rope_layers`): each distinct
 //! attention is one kind of the [`ModelConfig`], and the layers point at their kinds.
 
@@ -58,6 +59,7 @@ pub const FAMILIES: &[&str] = &[
     "phi3",
     "gpt_oss",
     "gpt_neox",
+    "bloom",
     "deepseek_v2",
     "deepseek_v3",
 ];
@@ -280,15 +282,16 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
             ),
         ));
     }
-    let hidden = c.uint("hidden_size")?;
-    let heads = c.uint("num_attention_heads")?;
+    // bloom's files may use its older names.
+    let hidden = c.uint_or_alias("hidden_size", "n_embed")?;
+    let heads = c.uint_or_alias("num_attention_heads", "n_head")?;
     if heads == 0 {
         return Err(bad(
             path,
             "`num_attention_heads` is 0; allowed: a whole number of at least 1",
         ));
     }
-    let layers = c.uint("num_hidden_layers")?;
+    let layers = c.uint_or_alias("num_hidden_layers", "n_layer")?;
     if !(1..=MAX_LAYERS).contains(&layers) {
         return Err(bad(
             path,
@@ -316,6 +319,14 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
     let gemma = family.starts_with("gemma");
     let cohere = family == "cohere";
     let neox = family == "gpt_neox";
+    let bloom = family == "bloom";
+    if bloom && c.flag("apply_residual_connection_post_layernorm")? {
+        return Err(bad(
+            path,
+            "`apply_residual_connection_post_layernorm` = true (bloom's residual taken after \
+             the norm) is not supported; supported: false",
+        ));
+    }
     let starcoder = family == "starcoder2";
     let use_bias = starcoder && (!c.has("use_bias") || c.flag("use_bias")?);
     if cohere && c.flag("use_qk_norm")? {
@@ -335,6 +346,7 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
     // gpt-oss's and gpt_neox's `attention_bias` default to true.
     let attention_bias = match family.as_str() {
         "gpt_oss" | "gpt_neox" => !c.has("attention_bias") || c.flag("attention_bias")?,
+        "bloom" => true,
         _ => c.flag("attention_bias")?,
     };
     let config = ModelConfig {
@@ -357,7 +369,7 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
             }
             _ => NormPlacement::Pre,
         },
-        norm: if cohere || starcoder || neox {
+        norm: if cohere || starcoder || neox || bloom {
             NormKind::Layer
         } else {
             NormKind::Rms
@@ -366,15 +378,16 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
             "cohere" => c.float_or("layer_norm_eps", 1e-5)?,
             "starcoder2" => c.float_or("norm_epsilon", 1e-5)?,
             "gpt_neox" => c.float_or("layer_norm_eps", 1e-5)?,
+            "bloom" => c.float_or("layer_norm_epsilon", 1e-5)?,
             _ => c.float_or("rms_norm_eps", 1e-6)?,
         },
-        norm_bias: starcoder || neox,
+        norm_bias: starcoder || neox || bloom,
         // starcoder2's `use_bias` (default true) puts biases on every projection; llama,
         // smollm3 and granite read `mlp_bias`; the other families have none.
         mlp_bias: match family.as_str() {
             "llama" | "smollm3" | "granite" => c.flag("mlp_bias")?,
-            // gpt-oss's experts and gpt_neox's MLP have biases.
-            "gpt_oss" | "gpt_neox" => true,
+            // gpt-oss's experts and gpt_neox's and bloom's MLPs have biases.
+            "gpt_oss" | "gpt_neox" | "bloom" => true,
             _ => use_bias,
         },
         mlp_names: if starcoder {
@@ -384,17 +397,27 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
         },
         projections: match family.as_str() {
             "phi3" => Projections::Fused,
-            "gpt_neox" => Projections::FusedPerHead,
+            "gpt_neox" | "bloom" => Projections::FusedPerHead,
             _ => Projections::Separate,
         },
         tensor_names: match family.as_str() {
             "gpt_neox" => TensorNames::GptNeox,
+            // `load` drops the prefix where the checkpoint's names lack it.
+            "bloom" => TensorNames::Bloom { prefixed: true },
             _ => TensorNames::Llama,
         },
         norm_unit_offset: gemma,
         mlp,
-        intermediate: c.uint("intermediate_size")?,
-        tie_embeddings: c.flag("tie_word_embeddings")?,
+        // bloom's MLP is four times as wide as the model.
+        intermediate: match bloom {
+            true => hidden.saturating_mul(4),
+            false => c.uint("intermediate_size")?,
+        },
+        // bloom ties them unless told otherwise (transformers' base default).
+        tie_embeddings: match bloom {
+            true => !c.has("tie_word_embeddings") || c.flag("tie_word_embeddings")?,
+            false => c.flag("tie_word_embeddings")?,
+        },
         qkv_bias: match family.as_str() {
             "qwen2" => true,
             // qwen2_moe's `qkv_bias` defaults to true.
@@ -409,6 +432,7 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
             "granite" => c.float_opt("embedding_multiplier")?,
             _ => gemma.then(|| (hidden as f64).sqrt()),
         },
+        embed_norm: bloom,
         residual_multiplier: match family.as_str() {
             "granite" => c.float_opt("residual_multiplier")?,
             _ => None,
@@ -434,6 +458,10 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
 /// The MLP of the family from its activation: SwiGLU (`silu`), or GeGLU for gemma
 /// (`gelu_pytorch_tanh`; gemma's legacy `gelu` means the same, as transformers reads it).
 fn activation(c: Fields, family: &str) -> Result<MlpKind, RuntimeError> {
+    // bloom has no activation key: its GELU is the tanh one.
+    if family == "bloom" {
+        return Ok(MlpKind::Gelu);
+    }
     if family == "gpt_neox" {
         return match c.str_opt("hidden_act")?.unwrap_or("gelu") {
             "gelu" => Ok(MlpKind::GeluExact),
@@ -725,7 +753,10 @@ fn per_head_layers(
                 },
                 None => Mask::Causal(CausalAlign::BottomRight),
             },
-            position: if has_rope[i] {
+            // bloom's heads add ALiBi's slopes times the key's position.
+            position: if family == "bloom" {
+                Position::Alibi
+            } else if has_rope[i] {
                 Position::Rope(ropes[usize::from(sliding[i])])
             } else {
                 Position::None
@@ -964,12 +995,16 @@ fn shard_path(dir: &Path, file: &str) -> Option<PathBuf> {
 
 /// Loads a checkpoint directory.
 pub fn load(dir: &Path) -> Result<Model, RuntimeError> {
-    let config = config(dir)?;
+    let mut config = config(dir)?;
     let files = Files::of(dir)?;
     let q_lora = match config.attention[0].mla() {
         Some(_) => read_q_lora(dir)?,
         None => None,
     };
+    if let TensorNames::Bloom { .. } = config.tensor_names {
+        let prefixed = files.holds("transformer.word_embeddings.weight")?;
+        config.tensor_names = TensorNames::Bloom { prefixed };
+    }
     let names = weights::tensor_names(&config, q_lora);
     let tensors = files.read(&names)?;
     let tied = config.tie_embeddings;

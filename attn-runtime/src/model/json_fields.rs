@@ -118,6 +118,23 @@ impl<'a> Fields<'a> {
             .ok_or_else(|| bad(self.path, format!("`{}{key}` is missing", self.scope)))
     }
 
+    /// A whole number under `key`, or under its older name `alias` where `key` is absent
+    /// (bloom's `n_layer` for `num_hidden_layers`); an error naming both when neither is there.
+    pub(crate) fn uint_or_alias(&self, key: &str, alias: &str) -> Result<usize, RuntimeError> {
+        match self.uint_opt(key)? {
+            Some(n) => Ok(n),
+            None => self.uint_opt(alias)?.ok_or_else(|| {
+                bad(
+                    self.path,
+                    format!(
+                        "`{}{key}` (or `{}{alias}`) is missing",
+                        self.scope, self.scope
+                    ),
+                )
+            }),
+        }
+    }
+
     /// A number; `None` when absent.
     pub(crate) fn float_opt(&self, key: &str) -> Result<Option<f64>, RuntimeError> {
         self.get(key)

@@ -97,6 +97,8 @@ pub struct Model {
     pub config: ModelConfig,
     /// `[vocab, hidden]`, in the checkpoint's dtype.
     pub(crate) embed: Matrix,
+    /// The norm on the embedded rows ([`ModelConfig::embed_norm`]).
+    pub(crate) embed_norm: Option<Norm>,
     pub(crate) layers: Vec<Layer>,
     pub(crate) final_norm: Norm,
     /// `[vocab, hidden]`, absent when tied to the embedding.
@@ -150,6 +152,7 @@ impl Model {
                 .collect::<Result<_, _>>()?,
             config,
             embed,
+            embed_norm: None,
             layers,
             final_norm,
             lm_head,
@@ -235,7 +238,8 @@ impl Model {
     pub fn parameters(&self) -> Vec<(&'static str, u64)> {
         let lin = |l: &Linear| (l.w.len() + l.bias.as_ref().map_or(0, Vec::len)) as u64;
         let norm = |n: &Norm| (n.weight.len() + n.bias.as_ref().map_or(0, Vec::len)) as u64;
-        let (mut attn, mut mlp, mut norms) = (0, 0, norm(&self.final_norm));
+        let embed_norm = self.embed_norm.as_ref().map_or(0, norm);
+        let (mut attn, mut mlp, mut norms) = (0, 0, norm(&self.final_norm) + embed_norm);
         for layer in &self.layers {
             attn += match &layer.attn {
                 AttentionWeights::Heads {
@@ -303,6 +307,17 @@ impl Model {
             })
     }
 
+    /// The embedding multiplier in the embedding's dtype, as transformers multiplies.
+    pub(crate) fn embed_multiplier(&self) -> Option<f32> {
+        self.config
+            .embed_multiplier
+            .map(|m| match self.embed.storage() {
+                crate::tensor::Storage::F32(_) => m as f32,
+                crate::tensor::Storage::Bf16(_) => half::bf16::from_f64(m).to_f32(),
+                crate::tensor::Storage::F16(_) => half::f16::from_f64(m).to_f32(),
+            })
+    }
+
     fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>, RuntimeError> {
         let (vocab, d) = (self.config.vocab, self.config.hidden);
         if let Some((i, t)) = tokens
@@ -315,16 +330,13 @@ impl Model {
             )));
         }
         let mut x = self.ops.embed(self.embed.storage(), d, tokens)?;
-        if let Some(m) = self.config.embed_multiplier {
-            // In the embedding's dtype, as transformers multiplies.
-            let m = match self.embed.storage() {
-                crate::tensor::Storage::F32(_) => m as f32,
-                crate::tensor::Storage::Bf16(_) => half::bf16::from_f64(m).to_f32(),
-                crate::tensor::Storage::F16(_) => half::f16::from_f64(m).to_f32(),
-            };
+        if let Some(m) = self.embed_multiplier() {
             x.iter_mut().for_each(|v| *v *= m);
         }
-        Ok(x)
+        match &self.embed_norm {
+            Some(norm) => norm.apply(self.ops.as_ref(), &x),
+            None => Ok(x),
+        }
     }
 
     fn run<'c>(

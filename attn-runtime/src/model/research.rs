@@ -178,6 +178,7 @@ pub fn config_from_toml(text: &str) -> Result<ModelConfig, RuntimeError> {
         o_bias: false,
         norm_unit_offset: false,
         embed_multiplier: None,
+        embed_norm: false,
         final_softcap: None,
         residual_multiplier: None,
         logit_multiplier: None,

@@ -27,6 +27,9 @@ pub(crate) fn tensor_names(config: &ModelConfig, q_lora: Option<usize>) -> Vec<S
     };
     let mut names = vec!["model.embed_tokens.weight".to_string()];
     names.extend(norm("model.norm"));
+    if config.embed_norm {
+        names.extend(norm("model.embed_norm"));
+    }
     if !config.tie_embeddings {
         names.push("lm_head.weight".into());
     }
@@ -180,8 +183,14 @@ pub(crate) fn assemble(
         Some(w.linear("lm_head", false, [config.vocab, d])?)
     };
     let final_norm = w.norm("model.norm", eps, d)?;
+    let embed_norm = match config.embed_norm {
+        true => Some(w.norm("model.embed_norm", eps, d)?),
+        false => None,
+    };
     let embed = Matrix::new(config.vocab, d, embed.into_storage());
-    Model::new(config, embed, layers, final_norm, lm_head)
+    let mut model = Model::new(config, embed, layers, final_norm, lm_head)?;
+    model.embed_norm = embed_norm;
+    Ok(model)
 }
 
 /// Tensors read from a file, taken as the model is assembled.

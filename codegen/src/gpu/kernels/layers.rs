@@ -33,6 +33,9 @@ pub enum Activation {
     SwiGlu,
     /// `up = gelu(up)` (tanh approximation).
     Gelu,
+    /// `up = up Phi(up)`, the exact GELU (the normal distribution's `Phi` through erf, by
+    /// Abramowitz and Stegun's 7.1.26: at most 1.5e-7 from the true erf).
+    GeluExact,
     /// `up = gelu(gate) * up` (tanh approximation).
     GeGlu,
     /// gpt-oss: `g = min(gate, limit)`, `up = (clamp(up, -limit, limit) + 1) g sigmoid(alpha
@@ -268,6 +271,8 @@ pub fn activation(kind: Activation) -> Kernel {
             bin(Bin::Div, reg(x), add(exp(mul(y, f32(2.0))), f32(1.0))),
         )
     };
+    // The exact GELU's erf keeps its `t` in `g` (set once `u` is loaded).
+    let (set_t, phi) = normal_cdf(u, g);
     let value = match kind {
         // silu(g) * u = g u / (1 + e^-g).
         Activation::SwiGlu => bin(
@@ -276,6 +281,7 @@ pub fn activation(kind: Activation) -> Kernel {
             add(f32(1.0), exp(un(Un::Neg, reg(g)))),
         ),
         Activation::Gelu => gelu(u),
+        Activation::GeluExact => mul(reg(u), phi),
         Activation::GeGlu => mul(gelu(g), reg(u)),
         Activation::ClampedSwiGlu { alpha, limit } => {
             let (alpha, limit) = (f32::from_bits(alpha), f32::from_bits(limit));
@@ -290,7 +296,7 @@ pub fn activation(kind: Activation) -> Kernel {
         }
     };
     let mut run = vec![Stmt::Set(u, load(Space::Global, Ty::F32, x_at.clone()))];
-    if kind != Activation::Gelu {
+    if !matches!(kind, Activation::Gelu | Activation::GeluExact) {
         run.push(Stmt::Set(
             g,
             load(
@@ -300,10 +306,14 @@ pub fn activation(kind: Activation) -> Kernel {
             ),
         ));
     }
+    if kind == Activation::GeluExact {
+        run.push(set_t);
+    }
     run.push(Stmt::Store(Space::Global, x_at, value));
     let name = match kind {
         Activation::SwiGlu => "swiglu",
         Activation::Gelu => "gelu",
+        Activation::GeluExact => "gelu_exact",
         Activation::GeGlu => "geglu",
         Activation::ClampedSwiGlu { .. } => "clamped_swiglu",
     };
@@ -313,6 +323,147 @@ pub fn activation(kind: Activation) -> Kernel {
         r,
         0,
         per_thread(i, 1, p::<A>("count"), run),
+    )
+}
+
+/// The standard normal distribution's `Phi(x) = (1 + erf(x / sqrt 2)) / 2`, with `t` a scratch
+/// register: for `z = |x| / sqrt 2`, `1 - erf(z) = poly(1 / (1 + 0.3275911 z)) e^(-z^2)`
+/// (Abramowitz and Stegun 7.1.26), so `Phi(x)` is `1 - tail / 2` for `x >= 0` and `tail / 2`
+/// below. The statement sets `t` and must run before the expression.
+fn normal_cdf(x: Reg, t: Reg) -> (Stmt, Expr) {
+    const A: [f32; 5] = [
+        0.254_829_6,
+        -0.284_496_74,
+        1.421_413_8,
+        -1.453_152,
+        1.061_405_4,
+    ];
+    let z = mul(un(Un::Abs, reg(x)), f32(std::f32::consts::FRAC_1_SQRT_2));
+    let t_of = bin(
+        Bin::Div,
+        f32(1.0),
+        fma(f32(0.327_591_1), z.clone(), f32(1.0)),
+    );
+    // Horner: ((((a5 t + a4) t + a3) t + a2) t + a1) t.
+    let poly = A[..4]
+        .iter()
+        .rev()
+        .fold(f32(A[4]), |acc, &a| fma(acc, reg(t), f32(a)));
+    let half_tail = mul(
+        mul(mul(poly, reg(t)), f32(0.5)),
+        exp(un(Un::Neg, mul(z.clone(), z))),
+    );
+    let phi = select(
+        bin(Bin::Ge, reg(x), f32(0.0)),
+        sub(f32(1.0), half_tail.clone()),
+        half_tail,
+    );
+    (Stmt::Set(t, t_of), phi)
+}
+
+/// A map of `count` elements in place on `x` (`other` unused).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Pointwise {
+    /// `x = factor x` (embedding, residual and logit multipliers).
+    Scale(f32),
+    /// `x = cap tanh(x / cap)` (a final logit softcap).
+    Softcap(f32),
+}
+
+/// `op` over `count` elements in place on `x`.
+pub fn pointwise(op: Pointwise) -> Kernel {
+    type A = ElementwiseArgs;
+    let mut r = Regs { list: Vec::new() };
+    let (i, v) = (r.add("i", Ty::I64), r.add("v", Ty::F32));
+    let x_at = add(p::<A>("x"), mul(reg(i), i64(4)));
+    let (name, value) = match op {
+        Pointwise::Scale(factor) => ("scale", mul(reg(v), f32(factor))),
+        // cap tanh(y) = cap - 2 cap / (e^{2y} + 1), y = x / cap: +-cap where e^{2y} overflows
+        // or vanishes.
+        Pointwise::Softcap(cap) => (
+            "softcap",
+            sub(
+                f32(cap),
+                bin(
+                    Bin::Div,
+                    f32(2.0 * cap),
+                    add(exp(mul(reg(v), f32(2.0 / cap))), f32(1.0)),
+                ),
+            ),
+        ),
+    };
+    let body = vec![
+        Stmt::Set(v, load(Space::Global, Ty::F32, x_at.clone())),
+        Stmt::Store(Space::Global, x_at, value),
+    ];
+    kernel(
+        name,
+        A::params(),
+        r,
+        0,
+        per_thread(i, 1, p::<A>("count"), body),
+    )
+}
+
+crate::gpu::launch::launch_record! {
+    /// Learned sinks folded into attention rows: one thread per output element.
+    SinkArgs {
+        /// `[rows, width]` f32 attention outputs, scaled in place.
+        out: Address,
+        /// `[rows]` f32 log-sum-exps of the rows (without the sink).
+        lse: Address,
+        /// `[heads]` f32 sink logits.
+        sinks: Address,
+        /// `rows * width`.
+        count: Scalar,
+        /// Values per row.
+        width: Scalar,
+        /// Row `r` is of head `(r / per_head) % heads`: the rows of one head's queries
+        /// (head-major rows), or 1 (token-major rows).
+        per_head: Scalar,
+        /// Query heads.
+        heads: Scalar,
+    }
+}
+
+/// A learned sink per head added to each row's softmax as one more logit with no value: the
+/// row times `e^lse / (e^lse + e^sink) = 1 / (1 + e^(sink - lse))` (0 for an empty row, whose
+/// `lse` is `-inf`). The sinks must be finite (the host checks).
+pub fn sink_rows() -> Kernel {
+    type A = SinkArgs;
+    let mut r = Regs { list: Vec::new() };
+    let (i, row_i, head) = (
+        r.add("i", Ty::I64),
+        r.add("row", Ty::I64),
+        r.add("head", Ty::I64),
+    );
+    let f32_at = |base: Expr, index: Expr| add(base, mul(index, i64(4)));
+    let x_at = f32_at(p::<A>("out"), reg(i));
+    let lse = load(Space::Global, Ty::F32, f32_at(p::<A>("lse"), reg(row_i)));
+    let sink = load(Space::Global, Ty::F32, f32_at(p::<A>("sinks"), reg(head)));
+    let keep = bin(Bin::Div, f32(1.0), add(f32(1.0), exp(sub(sink, lse))));
+    let body = vec![
+        Stmt::Set(row_i, bin(Bin::Div, reg(i), p::<A>("width"))),
+        Stmt::Set(
+            head,
+            bin(
+                Bin::Rem,
+                bin(Bin::Div, reg(row_i), p::<A>("per_head")),
+                p::<A>("heads"),
+            ),
+        ),
+        Stmt::Store(
+            Space::Global,
+            x_at.clone(),
+            mul(load(Space::Global, Ty::F32, x_at), keep),
+        ),
+    ];
+    kernel(
+        "sink_rows",
+        A::params(),
+        r,
+        0,
+        per_thread(i, 1, p::<A>("count"), body),
     )
 }
 
