@@ -148,6 +148,20 @@ FIXTURES = {
                               "partial_rotary_factor": 0.5}),
         "phi3: fused qkv_proj and gate_up_proj, RoPE on half of each head, a window of 8",
     ),
+    "phi3_longrope": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(num_hidden_layers=2, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+             original_max_position_embeddings=32, max_position_embeddings=256,
+             rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                              "partial_rotary_factor": 1.0,
+                              "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+                              "long_factor": [1.0, 1.5, 2.4, 3.9, 6.0, 9.5, 14.0, 21.0]}),
+        "phi3 with longrope: short factors while the sequence fits 32 tokens, long ones past it "
+        "(the full forward of 40 tokens uses the long ones throughout; the incremental pass "
+        "switches at position 32 with the earlier keys cached as rotated), attention factor "
+        "sqrt(1 + ln 8 / ln 32)",
+    ),
     "deepseek_v2_moe": (
         "DeepseekV2Config",
         "DeepseekV2ForCausalLM",

@@ -36,7 +36,7 @@ pub use parse::{
     gradient_notes, parse_str, parse_tokens, set_key, settable_keys,
 };
 pub use spec::{
-    AttentionSpec, CausalAlign, DType, KvKind, KvLayout, Mask, Mla, Pairing, ParamDecl, ParamDim,
-    Position, Rope, RopeLayout, RopeScaling, SINKS_NAME, Sinks, Yarn,
+    AttentionSpec, CausalAlign, DType, KvKind, KvLayout, LongRope, Mask, Mla, Pairing, ParamDecl,
+    ParamDim, Position, Rope, RopeLayout, RopeScaling, SINKS_NAME, Sinks, Yarn,
 };
 pub use validate::{MAX_HEAD_DIM, MAX_HEADS, MAX_LATENT_RANK};

@@ -157,6 +157,21 @@ impl fmt::Display for RopeScaling {
                 F(low_freq_factor),
                 F(high_freq_factor)
             ),
+            RopeScaling::LongRope(ref l) => {
+                let list = |v: &[f64]| {
+                    let items: Vec<String> = v.iter().map(|x| F(*x).to_string()).collect();
+                    items.join(", ")
+                };
+                write!(
+                    f,
+                    "longrope(short = [{}], long = [{}], original_max_position = {}, \
+                     attention_factor = {})",
+                    list(&l.short),
+                    list(&l.long),
+                    l.original_max_position,
+                    F(l.attention_factor)
+                )
+            }
         }
     }
 }

@@ -131,7 +131,7 @@ pub enum Mask {
 }
 
 /// The positional scheme.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum Position {
     /// No positional information inside attention.
     None,
@@ -142,7 +142,7 @@ pub enum Position {
 }
 
 /// Rotary position embedding parameters.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Rope {
     /// Frequency base (theta).
     pub base: f64,
@@ -228,7 +228,7 @@ impl Pairing {
 }
 
 /// RoPE context-extension scalings, as the transformers library defines them.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum RopeScaling {
     /// Plain RoPE.
     None,
@@ -262,6 +262,25 @@ pub enum RopeScaling {
         /// Context length the model was trained with.
         original_max_position: u64,
     },
+    /// LongRoPE (Phi-3): each frequency divided by its own factor, from `short` while the
+    /// sequence fits the original context and from `long` beyond it, and cos and sin times an
+    /// attention factor.
+    LongRope(LongRope),
+}
+
+/// LongRoPE parameters.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LongRope {
+    /// One factor per rotated pair (`dim / 2`), for sequences of at most
+    /// `original_max_position` tokens.
+    pub short: std::sync::Arc<[f64]>,
+    /// One factor per rotated pair, for longer sequences.
+    pub long: std::sync::Arc<[f64]>,
+    /// Context length the model was trained with: a call whose sequence (`Skv + p0`) is longer
+    /// uses the long factors.
+    pub original_max_position: u64,
+    /// The factor on cos and sin.
+    pub attention_factor: f64,
 }
 
 /// YaRN parameters.

@@ -260,6 +260,37 @@ impl AttentionSpec {
                     u32::MAX.into(),
                 );
             }
+            RopeScaling::LongRope(ref l) => {
+                let pairs = rope.dim as usize / 2;
+                for (field, list) in [
+                    ("position.scaling.short", &l.short),
+                    ("position.scaling.long", &l.long),
+                ] {
+                    if list.len() != pairs {
+                        f.push(
+                            field,
+                            format!(
+                                "{field} has {} factors; allowed: one per rotated pair, {pairs} \
+                                 (rope dim / 2)",
+                                list.len()
+                            ),
+                        );
+                    }
+                    if let Some(bad) = list.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
+                        f.push(
+                            field,
+                            format!("{field} holds {bad}; allowed: finite factors greater than 0"),
+                        );
+                    }
+                }
+                f.range(
+                    "position.scaling.original_max_position",
+                    l.original_max_position,
+                    1,
+                    u32::MAX.into(),
+                );
+                f.positive("position.scaling.attention_factor", l.attention_factor);
+            }
         }
     }
 }

@@ -306,6 +306,54 @@ fn scaling_parameters_are_checked() {
     );
 }
 
+/// LongRoPE's factor lists: one per rotated pair, each finite and above 0, a list where a list
+/// belongs; the spec prints back to itself.
+#[test]
+fn longrope_parses_prints_and_checks_its_factors() {
+    let text = "heads = 2, head_dim = 8, position = rope(dim = 8, scaling = longrope(short = \
+                [1.0, 1.5, 2, 4.25], long = [1, 3, 9, 27], original_max_position = 4096, \
+                attention_factor = 1.19))";
+    let spec = ok(text);
+    let Position::Rope(rope) = &spec.position else {
+        panic!("a rope, not {:?}", spec.position);
+    };
+    let RopeScaling::LongRope(l) = &rope.scaling else {
+        panic!("longrope, not {:?}", rope.scaling);
+    };
+    assert_eq!(&*l.short, &[1.0, 1.5, 2.0, 4.25]);
+    assert_eq!(&*l.long, &[1.0, 3.0, 9.0, 27.0]);
+    assert_eq!((l.original_max_position, l.attention_factor), (4096, 1.19));
+    assert_eq!(ok(&spec.to_string()), spec);
+    rejects(
+        "heads = 2, head_dim = 8, position = rope(dim = 8, scaling = longrope(short = [1, 2], \
+         long = [1, 3, 9, 27], original_max_position = 4096, attention_factor = 1))",
+        "position.scaling.short has 2 factors; allowed: one per rotated pair, 4",
+        "short = ",
+        "[",
+    );
+    rejects(
+        "heads = 2, head_dim = 8, position = rope(dim = 8, scaling = longrope(short = [1, 2, \
+         3, 4], long = [1, 3, 0, 27], original_max_position = 4096, attention_factor = 1))",
+        "position.scaling.long holds 0; allowed: finite factors greater than 0",
+        "long = ",
+        "[",
+    );
+    rejects(
+        "heads = 2, head_dim = 8, position = rope(dim = 8, scaling = longrope(short = 2, long = \
+         [1, 3, 9, 27], original_max_position = 4096, attention_factor = 1))",
+        "allowed: a list of numbers",
+        "short = ",
+        "2",
+    );
+    rejects(
+        "heads = 2, head_dim = 8, position = rope(dim = 8, scaling = longrope(short = [1, 2, \
+         3, 4], long = [1, 3, 9, 27], original_max_position = 4096))",
+        "longrope(...) needs `attention_factor = ..`",
+        "longrope",
+        "(",
+    );
+}
+
 #[test]
 fn masks_windows_and_softcaps_are_checked() {
     rejects(

@@ -65,6 +65,25 @@ fn linear_divides_frequencies_by_the_factor() {
     assert_all_close(&rope::inv_freq(&r, 0), &[0.25, 0.025, 0.0025, 0.00025]);
 }
 
+/// LongRoPE divides each frequency by its pair's factor: the short ones while the length fits
+/// the original context, the long ones past it; cos and sin scale by its attention factor.
+#[test]
+fn longrope_picks_its_factors_by_the_length() {
+    let r = rope_with(
+        4,
+        10000.0,
+        RopeScaling::LongRope(attn_dsl::LongRope {
+            short: vec![2.0, 4.0].into(),
+            long: vec![8.0, 16.0].into(),
+            original_max_position: 100,
+            attention_factor: 1.25,
+        }),
+    );
+    assert_all_close(&rope::inv_freq(&r, 100), &[0.5, 0.0025]);
+    assert_all_close(&rope::inv_freq(&r, 101), &[0.125, 0.000625]);
+    assert_eq!(rope::attention_factor(&r), 1.25);
+}
+
 #[test]
 fn static_ntk_raises_the_base() {
     // dim 4, factor 4: base' = base * 4^(4/2) = 16 * base.

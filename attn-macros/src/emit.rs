@@ -218,6 +218,20 @@ fn rope(r: &Rope) -> TokenStream {
                 original_max_position: #original_max_position,
             })
         }
+        RopeScaling::LongRope(l) => {
+            let list = |v: &[f64]| {
+                let items = v.iter().map(|x| f64_lit(*x));
+                quote!(::std::sync::Arc::<[f64]>::from([#(#items),*]))
+            };
+            let (short, long) = (list(&l.short), list(&l.long));
+            let (original, factor) = (l.original_max_position, f64_lit(l.attention_factor));
+            quote!(::attn::RopeScaling::LongRope(::attn::dsl::LongRope {
+                short: #short,
+                long: #long,
+                original_max_position: #original,
+                attention_factor: #factor,
+            }))
+        }
     };
     quote!(::attn::Rope { base: #base, dim: #dim, layout: #layout, scaling: #scaling })
 }

@@ -627,7 +627,27 @@ fn per_layer_keys_and_qk_norms_that_do_not_fit_are_refused() {
             "gemma3_text",
             "rope_parameters",
             r#"{"full_attention": {"rope_type": "longrope"}}"#,
-            "rope type `longrope` is not supported",
+            "rope type `longrope` needs `short_factor`",
+        ),
+        (
+            "gemma3_text",
+            "rope_parameters",
+            r#"{"full_attention": {"rope_type": "cubic"}}"#,
+            "rope type `cubic` is not supported",
+        ),
+        (
+            "phi3_longrope",
+            "rope_parameters",
+            r#"{"rope_type": "longrope", "short_factor": [1, 1, 1, 1, 1, 1, 1, 1],
+                "long_factor": [1, 2, 3]}"#,
+            "`rope_parameters.long_factor` has 3 entries; expected one per rotated pair, 8",
+        ),
+        (
+            "phi3_longrope",
+            "rope_parameters",
+            r#"{"rope_type": "longrope", "short_factor": [1, 1, 1, 1, 1, 1, 1, -1],
+                "long_factor": [1, 1, 1, 1, 1, 1, 1, 1]}"#,
+            "position.scaling.short holds -1",
         ),
     ] {
         refused(

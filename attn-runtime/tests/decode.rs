@@ -640,7 +640,7 @@ fn dynamic_ntk_keys_keep_the_rotation_of_their_step() {
     )
     .parse()
     .unwrap();
-    let r = *spec.rope().unwrap();
+    let r = spec.rope().unwrap().clone();
     let backend = CpuBackend::new();
     let (d, len) = (16, 80);
     let h = history(&spec, len, 11);

@@ -43,11 +43,13 @@ fn phi3_on_the_device_matches_transformers() {
     checkpoint_on_the_device("phi3");
 }
 
-/// Every dense per-head family runs resident: layers of several attention kinds (sliding and
+/// Every per-head family runs resident: layers of several attention kinds (sliding and
 /// full, with and without RoPE, a RoPE per kind), every norm placement, q/k norms, bias-free
-/// LayerNorms, GeGLU and the exact GELU, multipliers and softcaps, an embedding norm and ALiBi.
+/// LayerNorms, GeGLU and the exact GELU, multipliers and softcaps, an embedding norm, ALiBi
+/// and LongRoPE (frequencies chosen by the length of each call), mixtures of experts (routed on
+/// the host; shared experts, gated or not; gpt-oss's biased experts beside its sinks).
 #[test]
-fn every_dense_family_runs_resident_and_matches_transformers() {
+fn every_per_head_family_runs_resident_and_matches_transformers() {
     for name in [
         "mistral",
         "qwen2_sliding",
@@ -61,6 +63,11 @@ fn every_dense_family_runs_resident_and_matches_transformers() {
         "cohere",
         "gpt_neox",
         "bloom",
+        "phi3_longrope",
+        "mixtral_moe",
+        "qwen2_moe",
+        "qwen3_moe",
+        "gpt_oss",
     ] {
         checkpoint_on_the_device(name);
     }
@@ -192,15 +199,12 @@ fn models_the_device_does_not_run_yet_say_so() {
     };
     assert!(err.contains("MLA"), "{err}");
     // A model with what the device does not run yet names it.
-    let model = hf::load(&fixture("mixtral_moe")).unwrap();
+    let model = hf::load(&fixture("deepseek_v2_moe")).unwrap();
     let err = match DeviceModel::new(&model, Arc::new(SimDevice::new())) {
-        Ok(_) => panic!("mixtral is not resident on a device yet"),
+        Ok(_) => panic!("DeepSeek's MLA is not resident on a device yet"),
         Err(e) => e.to_string(),
     };
-    assert!(
-        err.contains("mixture-of-experts") && err.contains("gpu-sim"),
-        "{err}"
-    );
+    assert!(err.contains("MLA") && err.contains("gpu-sim"), "{err}");
 }
 
 /// The gpu-sim device's GEMM over 16-bit weights: the weights widened exactly, products in

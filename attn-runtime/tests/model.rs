@@ -275,6 +275,21 @@ fn bloom_without_the_prefix_loads_alike() {
     assert!(err < 1e-4, "unprefixed bloom: max |diff| {err}");
 }
 
+/// phi3 with LongRoPE: the full forward of 40 tokens past the original 32 rotates with the long
+/// factors throughout; the incremental pass rotates with the short ones until the sequence
+/// passes 32 tokens (keys cached as rotated then), as transformers does.
+#[test]
+fn phi3_longrope_matches_transformers() {
+    let config = hf::config(&dir("phi3_longrope")).unwrap();
+    let rope = config.attention[0].rope().unwrap();
+    let attn_dsl::RopeScaling::LongRope(l) = &rope.scaling else {
+        panic!("longrope, not {:?}", rope.scaling);
+    };
+    assert_eq!(l.original_max_position, 32);
+    assert!((l.attention_factor - (1.0 + 8f64.ln() / 32f64.ln()).sqrt()).abs() < 1e-12);
+    check("phi3_longrope", 24);
+}
+
 /// mistral: a sliding window on every layer.
 #[test]
 fn mistral_matches_transformers() {

@@ -137,7 +137,8 @@ pub struct Tiles {
 pub enum Frequencies {
     /// Fixed for the spec: computed at plan time in f64.
     Static(Vec<f64>),
-    /// Dynamic NTK: the base depends on the total length `Skv + p0`, computed per launch.
+    /// Dynamic NTK and LongRoPE: the frequencies depend on the total length `Skv + p0`,
+    /// computed per launch.
     PerLaunch,
 }
 
@@ -158,10 +159,10 @@ impl RopePrologue {
     /// The RoPE of a spec's q and k rows (MLA: on the dims after the latent), if it has one.
     pub fn of(spec: &AttentionSpec) -> Option<RopePrologue> {
         spec.rope().map(|r| RopePrologue {
-            rope: *r,
+            rope: r.clone(),
             first_dim: spec.mla().map_or(0, |m| m.latent_rank),
             frequencies: match r.scaling {
-                RopeScaling::Dynamic { .. } => Frequencies::PerLaunch,
+                RopeScaling::Dynamic { .. } | RopeScaling::LongRope(_) => Frequencies::PerLaunch,
                 _ => Frequencies::Static(rope::inv_freq(r, 0)),
             },
             attention_factor: rope::attention_factor(r),

@@ -7,7 +7,7 @@ use codegen::gpu::ir::verify::verify;
 use codegen::gpu::ir::{Half, Kernel};
 use codegen::gpu::kernels::layers::{
     self, Activation, ArgmaxArgs, ElementwiseArgs, EmbedArgs, NormArgs, NormKind, Pointwise,
-    SinkArgs, THREADS,
+    ScatterArgs, SinkArgs, THREADS,
 };
 use codegen::gpu::launch::{LaunchRecord, bind};
 
@@ -163,6 +163,35 @@ fn activations_and_adds_match_their_definitions() {
         .map(|(a, b)| f64::from(a + b))
         .collect();
     close(&got, &want, 0.0, "residual add");
+}
+
+/// Weighted rows add back into the rows they were gathered from; other rows keep their values.
+#[test]
+fn weighted_rows_scatter_back() {
+    let (width, rows) = (37usize, 3usize);
+    let out = values(5 * width, 8);
+    let x = values(rows * width, 9);
+    let (index, weights) = ([4i32, 0, 2], [0.5f32, -1.5, 2.0]);
+    let mut mem = Memory::default();
+    let index_bytes: Vec<u8> = index.iter().flat_map(|i| i.to_le_bytes()).collect();
+    let record = ScatterArgs {
+        out: mem.alloc_f32(&out),
+        x: mem.alloc_f32(&x),
+        index: mem.alloc_bytes(index_bytes),
+        weights: mem.alloc_f32(&weights),
+        rows: rows as i64,
+        width: width as i64,
+    };
+    let grid = (rows * width).div_ceil(THREADS as usize) as u32;
+    launch(&layers::scatter_add_rows(), grid, &record, &mut mem);
+    let got = mem.read_f32(record.out, 5 * width).unwrap();
+    let mut want: Vec<f64> = out.iter().map(|&v| f64::from(v)).collect();
+    for (r, (&i, &w)) in index.iter().zip(&weights).enumerate() {
+        for c in 0..width {
+            want[i as usize * width + c] += f64::from(w) * f64::from(x[r * width + c]);
+        }
+    }
+    close(&got, &want, 1e-6, "scatter");
 }
 
 /// Sinks scale each row by `e^lse / (e^lse + e^sink)` of the row's head, for head-major and

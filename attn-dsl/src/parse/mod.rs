@@ -19,8 +19,8 @@ use crate::error::{SpecError, SpecErrors};
 use crate::learnable::Subject;
 use crate::modifier::{lower_mask_mod, lower_score_mod};
 use crate::spec::{
-    AttentionSpec, CausalAlign, DType, KvLayout, Mask, Mla, ParamDecl, Position, Rope, RopeLayout,
-    RopeScaling, Sinks, Yarn,
+    AttentionSpec, CausalAlign, DType, KvLayout, LongRope, Mask, Mla, ParamDecl, Position, Rope,
+    RopeLayout, RopeScaling, Sinks, Yarn,
 };
 use proc_macro2::{Spacing, Span, TokenStream, TokenTree};
 use quote::ToTokens;
@@ -475,7 +475,9 @@ impl SpecParser {
         const FORMS: &str = "none, linear(factor = ..), ntk(factor = ..), dynamic(factor = .., \
                              original_max_position = ..), yarn(factor = .., \
                              original_max_position = .., ..), llama3(factor = .., \
-                             low_freq_factor = .., high_freq_factor = .., original_max_position = ..)";
+                             low_freq_factor = .., high_freq_factor = .., original_max_position = ..), \
+                             longrope(short = [..], long = [..], original_max_position = .., \
+                             attention_factor = ..)";
         if v.as_word().as_deref() == Some("none") {
             return Ok(RopeScaling::None);
         }
@@ -500,6 +502,7 @@ impl SpecParser {
                 "high_freq_factor",
                 "original_max_position",
             ],
+            "longrope" => &["short", "long", "original_max_position", "attention_factor"],
             _ => return Err(v.expected(FORMS)),
         };
         let mut named = args.named(&name, allowed)?;
@@ -523,12 +526,28 @@ impl SpecParser {
                 ),
             )
         };
-        let factor = factor.ok_or_else(|| missing("factor"))?.float()?;
         let need_orig = || -> syn::Result<u64> {
             orig.as_ref()
                 .ok_or_else(|| missing("original_max_position"))?
                 .u64()
         };
+        if name == "longrope" {
+            let mut list = |key: &'static str, field: &'static str| {
+                get(key, field).ok_or_else(|| missing(key))?.floats()
+            };
+            let short = list("short", "position.scaling.short")?;
+            let long = list("long", "position.scaling.long")?;
+            let attention_factor = get("attention_factor", "position.scaling.attention_factor")
+                .ok_or_else(|| missing("attention_factor"))?
+                .float()?;
+            return Ok(RopeScaling::LongRope(LongRope {
+                short: short.into(),
+                long: long.into(),
+                original_max_position: need_orig()?,
+                attention_factor,
+            }));
+        }
+        let factor = factor.ok_or_else(|| missing("factor"))?.float()?;
         Ok(match name.as_str() {
             "linear" => RopeScaling::Linear { factor },
             "ntk" => RopeScaling::Ntk { factor },

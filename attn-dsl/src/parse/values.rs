@@ -100,6 +100,18 @@ impl<'a> Value<'a> {
         Ok(if negated { -value } else { value })
     }
 
+    /// A list of numbers, `[a, b, ..]`.
+    pub(super) fn floats(&self) -> syn::Result<Vec<f64>> {
+        match self.expr {
+            syn::Expr::Array(a) => a
+                .elems
+                .iter()
+                .map(|e| Value::new(&self.what, e).float())
+                .collect(),
+            _ => Err(self.expected("a list of numbers, [a, b, ..]")),
+        }
+    }
+
     /// `true` or `false`.
     pub(super) fn boolean(&self) -> syn::Result<bool> {
         match self.expr {

@@ -6,7 +6,7 @@ use crate::spec::{Rope, RopeScaling};
 use std::f64::consts::PI;
 
 /// The inverse frequencies `inv_freq[i]`, `i < dim/2`, after scaling. `seq_len` is the current
-/// total length (`Skv + position_offset`); only dynamic NTK scaling reads it.
+/// total length (`Skv + position_offset`); only dynamic NTK scaling and LongRoPE read it.
 pub fn inv_freq(rope: &Rope, seq_len: u64) -> Vec<f64> {
     let dim = f64::from(rope.dim);
     let half = rope.dim as usize / 2;
@@ -17,6 +17,18 @@ pub fn inv_freq(rope: &Rope, seq_len: u64) -> Vec<f64> {
     };
     match rope.scaling {
         RopeScaling::None => plain(rope.base),
+        RopeScaling::LongRope(ref l) => {
+            let factors = if seq_len > l.original_max_position {
+                &l.long
+            } else {
+                &l.short
+            };
+            plain(rope.base)
+                .iter()
+                .zip(factors.iter())
+                .map(|(f, s)| f / s)
+                .collect()
+        }
         RopeScaling::Linear { factor } => plain(rope.base).iter().map(|f| f / factor).collect(),
         RopeScaling::Ntk { factor } => plain(rope.base * factor.powf(dim / (dim - 2.0))),
         RopeScaling::Dynamic {
@@ -84,7 +96,8 @@ pub fn inv_freq(rope: &Rope, seq_len: u64) -> Vec<f64> {
     }
 }
 
-/// The factor cos and sin are multiplied by: YaRN's attention factor, 1 otherwise.
+/// The factor cos and sin are multiplied by: YaRN's and LongRoPE's attention factors, 1
+/// otherwise.
 pub fn attention_factor(rope: &Rope) -> f64 {
     let g = |s: f64, m: f64| if s > 1.0 { 0.1 * m * s.ln() + 1.0 } else { 1.0 };
     match rope.scaling {
@@ -92,6 +105,7 @@ pub fn attention_factor(rope: &Rope) -> f64 {
             (Some(m), Some(all)) => g(y.factor, m) / g(y.factor, all),
             _ => g(y.factor, 1.0),
         },
+        RopeScaling::LongRope(ref l) => l.attention_factor,
         _ => 1.0,
     }
 }

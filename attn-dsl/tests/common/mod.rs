@@ -5,7 +5,7 @@
 
 use attn_dsl::modifier::{BinOp, Expr, MaskMod, ScoreMod, Ty, UnOp, Var};
 use attn_dsl::{
-    AttentionSpec, CausalAlign, DType, KvLayout, Mask, Mla, Position, Rope, RopeLayout,
+    AttentionSpec, CausalAlign, DType, KvLayout, LongRope, Mask, Mla, Position, Rope, RopeLayout,
     RopeScaling, Yarn,
 };
 use proptest::prelude::*;
@@ -120,6 +120,19 @@ pub fn scaling() -> impl Strategy<Value = RopeScaling> {
                 original_max_position: o,
             }
         }),
+        // Factors for the widest rope; `spec` keeps one per pair of its rope.
+        (
+            proptest::collection::vec(float(), 128),
+            proptest::collection::vec(float(), 128),
+            1u64..100_000,
+            float()
+        )
+            .prop_map(|(short, long, o, a)| RopeScaling::LongRope(LongRope {
+                short: short.into(),
+                long: long.into(),
+                original_max_position: o,
+                attention_factor: a,
+            })),
     ]
 }
 
@@ -173,6 +186,15 @@ pub fn spec() -> impl Strategy<Value = AttentionSpec> {
                 _ if span < 4 => Position::None,
                 _ => {
                     let dim = (((span / 2) as f64 * dim_frac) as u32).clamp(2, span / 2) * 2;
+                    let pairs = dim as usize / 2;
+                    let scaling = match scaling {
+                        RopeScaling::LongRope(l) => RopeScaling::LongRope(LongRope {
+                            short: l.short[..pairs].into(),
+                            long: l.long[..pairs].into(),
+                            ..l
+                        }),
+                        other => other,
+                    };
                     Position::Rope(Rope {
                         base,
                         dim,

@@ -97,7 +97,7 @@ fn checked_plan<'v>(
         .is_some_and(|r| matches!(r.frequencies, Frequencies::PerLaunch))
     {
         return Err(RuntimeError::Spec(
-            "the GPU decode kernel does not run dynamic NTK scaling yet".into(),
+            "the GPU decode kernel over paged caches does not run RoPE frequencies that depend on the length (dynamic NTK, LongRoPE) yet".into(),
         ));
     }
     Ok(plan)

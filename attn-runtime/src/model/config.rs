@@ -505,13 +505,10 @@ impl ModelConfig {
     /// What a model of this config has that models resident on a device do not run yet, in
     /// words; `None` when it runs there.
     pub fn not_resident(&self) -> Option<&'static str> {
-        let checks = [
-            (
-                self.attention.iter().any(|spec| spec.mla().is_some()),
-                "MLA attention",
-            ),
-            (self.moe.is_some(), "mixture-of-experts MLPs"),
-        ];
+        let checks = [(
+            self.attention.iter().any(|spec| spec.mla().is_some()),
+            "MLA attention",
+        )];
         checks
             .into_iter()
             .find(|(has, _)| *has)

@@ -6,14 +6,15 @@
 //!
 //! Layers may differ in attention: each kind has its own kernels, shared by its layers, and
 //! each layer its own cache. Every norm placement, MLP kind and multiplier of [`ModelConfig`]
-//! runs here; [`ModelConfig::not_resident`] names what does not yet (MLA, mixture-of-experts
-//! MLPs).
+//! runs here, and mixture-of-experts MLPs with their routing on the host (the router's logits
+//! come back, the experts run on the device); [`ModelConfig::not_resident`] names what does
+//! not yet (MLA).
 //!
 //! [`ModelConfig`]: super::ModelConfig
 //! [`ModelConfig::not_resident`]: super::ModelConfig::not_resident
 
 use super::config::NormKind;
-use super::layers::{LayerMlp, Linear, Matrix, Norm};
+use super::layers::{LayerMlp, Linear, Matrix, Mlp, Norm};
 use super::{AttentionWeights, Model};
 use crate::device::{Device, DeviceBuffer, Scratch, f32_bytes, f32s};
 use crate::error::RuntimeError;
@@ -75,9 +76,30 @@ struct DeviceLayer {
     /// Norms on the q and k projections (per head or over the whole projection).
     qk_norm: Option<[DeviceNorm; 2]>,
     learned: DeviceLearned,
+    mlp: DeviceLayerMlp,
+}
+
+/// A dense MLP, or one expert, on the device.
+struct DeviceMlp {
     gate: Option<DeviceLinear>,
     up: DeviceLinear,
     down: DeviceLinear,
+}
+
+/// A mixture-of-experts MLP on the device. The router's logits come back to the host, which
+/// routes (`MoeMlp::route`); each expert then runs on the device over the rows routed to it,
+/// gathered, and its weighted outputs are added back in expert order.
+struct DeviceMoe {
+    router: DeviceLinear,
+    experts: Vec<DeviceMlp>,
+    /// The shared expert, and the `[1, hidden]` map whose sigmoid gates it where it is gated.
+    shared: Option<(DeviceMlp, Option<DeviceLinear>)>,
+}
+
+/// A layer's MLP on the device.
+enum DeviceLayerMlp {
+    Dense(DeviceMlp),
+    Moe(Box<DeviceMoe>),
 }
 
 /// One attention kind's forward kernel and the relayout into its inputs.
@@ -96,6 +118,10 @@ struct Kernels {
     /// The attention output `[heads, tokens, dim]` back to `[tokens, heads, dim]`, f32.
     from_heads: Arc<Kernel>,
     sinks: Arc<Kernel>,
+    /// Rows gathered by index (a decode step's query rows, an expert's tokens) and weighted
+    /// rows added back (an expert's outputs).
+    gather: Arc<Kernel>,
+    scatter: Arc<Kernel>,
     /// The embedding, residual and logit multipliers and the final softcap, where the model
     /// has them.
     embed_scale: Option<Arc<Kernel>>,
@@ -191,6 +217,35 @@ impl Uploader<'_> {
         n.map(|n| self.norm(n)).transpose()
     }
 
+    fn mlp(&mut self, m: &Mlp) -> Result<DeviceMlp, RuntimeError> {
+        Ok(DeviceMlp {
+            gate: m.gate.as_ref().map(|g| self.linear(g)).transpose()?,
+            up: self.linear(&m.up)?,
+            down: self.linear(&m.down)?,
+        })
+    }
+
+    fn layer_mlp(&mut self, m: &LayerMlp) -> Result<DeviceLayerMlp, RuntimeError> {
+        Ok(match m {
+            LayerMlp::Dense(m) => DeviceLayerMlp::Dense(self.mlp(m)?),
+            LayerMlp::Moe(moe) => DeviceLayerMlp::Moe(Box::new(DeviceMoe {
+                router: self.linear(&moe.router)?,
+                experts: moe
+                    .experts
+                    .iter()
+                    .map(|e| self.mlp(e))
+                    .collect::<Result<_, _>>()?,
+                shared: match &moe.shared {
+                    Some((e, gate)) => Some((
+                        self.mlp(e)?,
+                        gate.as_ref().map(|g| self.linear(g)).transpose()?,
+                    )),
+                    None => None,
+                },
+            })),
+        })
+    }
+
     /// Layer `i`'s learnable tensors, checked against its spec; its sinks must be finite.
     fn learned(
         &mut self,
@@ -276,9 +331,6 @@ impl<'m> DeviceModel<'m> {
             else {
                 return Err(RuntimeError::Spec("MLA layers in a per-head model".into()));
             };
-            let LayerMlp::Dense(mlp) = &layer.mlp else {
-                return Err(RuntimeError::Spec("a mixture-of-experts layer".into()));
-            };
             let qk_norm = match qk_norm {
                 Some([qn, kn]) => Some([up.norm(qn)?, up.norm(kn)?]),
                 None => None,
@@ -295,9 +347,7 @@ impl<'m> DeviceModel<'m> {
                 o: up.linear(o)?,
                 qk_norm,
                 learned: up.learned(c.layer_attention(i), learned, i)?,
-                gate: mlp.gate.as_ref().map(|g| up.linear(g)).transpose()?,
-                up: up.linear(&mlp.up)?,
-                down: up.linear(&mlp.down)?,
+                mlp: up.layer_mlp(&layer.mlp)?,
             });
         }
         let embed = up.matrix(&model.embed)?;
@@ -323,6 +373,8 @@ impl<'m> DeviceModel<'m> {
             bias: kernel(layers::bias_add())?,
             from_heads: kernel(layers::swap_outer(None))?,
             sinks: kernel(layers::sink_rows())?,
+            gather: kernel(layers::gather_rows())?,
+            scatter: kernel(layers::scatter_add_rows())?,
             embed_scale: pointwise(model.embed_multiplier().map(Pointwise::Scale))?,
             residual_scale: pointwise(c.residual_multiplier.map(|m| Pointwise::Scale(m as f32)))?,
             logit_scale: pointwise(c.logit_multiplier.map(|m| Pointwise::Scale(m as f32)))?,
@@ -438,7 +490,7 @@ impl<'m> DeviceModel<'m> {
                     Some(norm) => self.norm(s, norm, x, n * d)?,
                     None => h,
                 };
-                let m = self.mlp(s, layer, h, n)?;
+                let m = self.mlp(s, i, layer, h, n)?;
                 self.add(a, m, n * d)?;
                 self.add(x, a, n * d)?;
                 continue;
@@ -447,7 +499,7 @@ impl<'m> DeviceModel<'m> {
             self.pointwise(self.kernels.residual_scale.as_ref(), a, n * d)?;
             self.add(x, a, n * d)?;
             let h = self.normed(s, layer.mlp_norm.as_ref(), x, n * d)?;
-            let m = self.mlp(s, layer, h, n)?;
+            let m = self.mlp(s, i, layer, h, n)?;
             let m = self.normed(s, layer.post_mlp_norm.as_ref(), m, n * d)?;
             self.pointwise(self.kernels.residual_scale.as_ref(), m, n * d)?;
             self.add(x, m, n * d)?;
@@ -467,20 +519,35 @@ impl<'m> DeviceModel<'m> {
         Ok(logits)
     }
 
-    /// A dense MLP over `n` rows `h`: up (and gate), the activation, down.
+    /// Layer `i`'s MLP over `n` rows `h`.
     fn mlp(
         &self,
         s: &mut Scratch,
+        i: usize,
         layer: &DeviceLayer,
         h: DeviceBuffer,
         n: usize,
     ) -> Result<DeviceBuffer, RuntimeError> {
-        let up = self.linear(s, &layer.up, h, n)?;
-        let gate = match &layer.gate {
+        match &layer.mlp {
+            DeviceLayerMlp::Dense(m) => self.dense(s, m, h, n),
+            DeviceLayerMlp::Moe(moe) => self.moe(s, i, moe, h, n),
+        }
+    }
+
+    /// A dense MLP over `n` rows `h`: up (and gate), the activation, down.
+    fn dense(
+        &self,
+        s: &mut Scratch,
+        m: &DeviceMlp,
+        h: DeviceBuffer,
+        n: usize,
+    ) -> Result<DeviceBuffer, RuntimeError> {
+        let up = self.linear(s, &m.up, h, n)?;
+        let gate = match &m.gate {
             Some(g) => self.linear(s, g, h, n)?,
             None => up,
         };
-        let count = n * layer.up.w.rows;
+        let count = n * m.up.w.rows;
         self.launch(
             &self.kernels.activation,
             blocks(count)?,
@@ -490,7 +557,94 @@ impl<'m> DeviceModel<'m> {
                 count: count as i64,
             },
         )?;
-        self.linear(s, &layer.down, up, n)
+        self.linear(s, &m.down, up, n)
+    }
+
+    /// Layer `i`'s mixture of experts over `n` rows `h` (see [`DeviceMoe`]): the shared
+    /// expert's rows (gated), then each routed expert's weighted rows added in expert order,
+    /// as `MoeMlp::apply` computes on the host.
+    fn moe(
+        &self,
+        s: &mut Scratch,
+        i: usize,
+        moe: &DeviceMoe,
+        h: DeviceBuffer,
+        n: usize,
+    ) -> Result<DeviceBuffer, RuntimeError> {
+        let LayerMlp::Moe(host) = &self.model.layers[i].mlp else {
+            return Err(RuntimeError::Spec(format!(
+                "layer {i} has experts on the device but not in the model"
+            )));
+        };
+        let d = self.model.config.hidden;
+        let logits = self.linear(s, &moe.router, h, n)?;
+        let routed = host.route(&f32s(&self.device.download(logits)?));
+        let out = match &moe.shared {
+            Some((expert, gate)) => {
+                let y = self.dense(s, expert, h, n)?;
+                match gate {
+                    Some(gate) => {
+                        let g = self.linear(s, gate, h, n)?;
+                        let rows: Vec<(usize, f32)> = f32s(&self.device.download(g)?)
+                            .into_iter()
+                            .map(|g| 1.0 / (1.0 + (-g).exp()))
+                            .enumerate()
+                            .collect();
+                        let out = s.zeros(4 * n * d)?;
+                        self.scatter(s, out, y, &rows, d)?;
+                        out
+                    }
+                    None => y,
+                }
+            }
+            None => s.zeros(4 * n * d)?,
+        };
+        for (expert, rows) in moe.experts.iter().zip(&routed) {
+            if rows.is_empty() {
+                continue;
+            }
+            let index = s.upload(&i32_bytes(rows.iter().map(|&(r, _)| r)))?;
+            let gathered = s.f32s(rows.len() * d)?;
+            self.launch(
+                &self.kernels.gather,
+                blocks(rows.len() * d)?,
+                &layers::GatherArgs {
+                    x: h.addr,
+                    index: index.addr,
+                    out: gathered.addr,
+                    rows: rows.len() as i64,
+                    width: d as i64,
+                },
+            )?;
+            let y = self.dense(s, expert, gathered, rows.len())?;
+            self.scatter(s, out, y, rows, d)?;
+        }
+        Ok(out)
+    }
+
+    /// `out[row] += weight * x[r]` for the `r`-th `(row, weight)` of `rows` (rows of `width`).
+    fn scatter(
+        &self,
+        s: &mut Scratch,
+        out: DeviceBuffer,
+        x: DeviceBuffer,
+        rows: &[(usize, f32)],
+        width: usize,
+    ) -> Result<(), RuntimeError> {
+        let index = s.upload(&i32_bytes(rows.iter().map(|&(r, _)| r)))?;
+        let weights: Vec<f32> = rows.iter().map(|&(_, w)| w).collect();
+        self.launch(
+            &self.kernels.scatter,
+            blocks(rows.len() * width)?,
+            &layers::ScatterArgs {
+                out: out.addr,
+                x: x.addr,
+                index: index.addr,
+                weights: s.upload(&f32_bytes(&weights))?.addr,
+                rows: rows.len() as i64,
+                width: width as i64,
+            },
+        )
     }
 
     fn launch<R: LaunchRecord>(
@@ -759,7 +913,6 @@ struct KindStep {
 /// Kernels of incremental steps.
 struct StepKernels {
     kinds: Vec<KindStep>,
-    gather: Arc<Kernel>,
     merge: Arc<Kernel>,
     argmax: Arc<Kernel>,
 }
@@ -791,16 +944,6 @@ impl<'m> DeviceModel<'m> {
         let mut kinds = Vec::new();
         for variant in self.model.variants() {
             let layout = variant.cache_layout();
-            if variant
-                .decode_plan()
-                .rope
-                .as_ref()
-                .is_some_and(|r| matches!(r.frequencies, codegen::plan::Frequencies::PerLaunch))
-            {
-                return Err(RuntimeError::Spec(
-                    "the GPU decode kernel does not run dynamic NTK scaling yet".into(),
-                ));
-            }
             let half = half_of(layout.dtype);
             if half.is_some() && !(layout.k_dim.is_multiple_of(2) && layout.v_dim.is_multiple_of(2))
             {
@@ -821,7 +964,6 @@ impl<'m> DeviceModel<'m> {
         }
         let kernels = StepKernels {
             kinds,
-            gather: kernel(layers::gather_rows())?,
             merge: kernel(layers::merge_partitions())?,
             argmax: kernel(layers::argmax(width_u32(self.model.config.vocab)?))?,
         };
@@ -1085,7 +1227,9 @@ impl DeviceSession<'_, '_> {
             t.segments_buffer = s.upload(&i64_bytes(&t.segments))?.addr;
         }
         // Keys are rotated for their positions as they are appended, and the queries of the
-        // same positions by the decode kernel: one table serves both.
+        // same positions by the decode kernel: one table serves both. Frequencies that depend
+        // on the length (dynamic NTK, LongRoPE) are those of the sequence's length after the
+        // step, as transformers rotates each step; earlier keys keep their rotation.
         if let Some(r) = &layout.rope {
             let rope = RopeTables::new(r, pos0 as i64, total as i64, total as u64);
             t.rope_cos = s.upload(&f32_bytes(&rope.cos))?.addr;
@@ -1140,7 +1284,7 @@ impl DeviceSession<'_, '_> {
         }
         let q_rows = s.f32s(t.rows * dim)?;
         m.launch(
-            &self.kernels.gather,
+            &m.kernels.gather,
             blocks(t.rows * dim)?,
             &layers::GatherArgs {
                 x: q.addr,
@@ -1228,6 +1372,11 @@ struct StepTables {
 
 fn i64_bytes(v: &[i64]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// Row indices as the gather and scatter kernels read them (i32; rows of a call fit).
+fn i32_bytes(rows: impl Iterator<Item = usize>) -> Vec<u8> {
+    rows.flat_map(|r| (r as i32).to_le_bytes()).collect()
 }
 
 impl DeviceModel<'_> {

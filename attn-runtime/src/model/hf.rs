@@ -11,7 +11,7 @@
 //! `granite` (embedding, attention, residual and logit multipliers), `cohere` (attention and
 //! MLP in parallel on one LayerNorm without bias, interleaved RoPE, a logit scale),
 //! `starcoder2` (LayerNorms with biases, a GELU MLP `c_fc`/`c_proj`, biases everywhere),
-//! `phi3` (fused `qkv_proj` and `gate_up_proj`, partial RoPE; not longrope), `gpt_oss`
+//! `phi3` (fused `qkv_proj` and `gate_up_proj`, partial RoPE, LongRoPE), `gpt_oss`
 //! (learned sinks, experts in three-dimensional tensors behind a biased router, a clamped
 //! SwiGLU, YaRN unrounded), `gpt_neox` (its own tensor names, q, k, v fused head by head,
 //! attention and MLP in parallel with a LayerNorm each, partial RoPE, the exact GELU),
@@ -32,8 +32,8 @@ use crate::files::{MAX_CONFIG_BYTES, read_text};
 use crate::io::read_safetensors;
 use crate::tensor::Tensor;
 use attn_dsl::{
-    AttentionSpec, CausalAlign, KvLayout, Mask, Mla, Position, Rope, RopeLayout, RopeScaling,
-    Sinks, Yarn,
+    AttentionSpec, CausalAlign, KvLayout, LongRope, Mask, Mla, Position, Rope, RopeLayout,
+    RopeScaling, Sinks, Yarn,
 };
 use serde_json::Value;
 use std::collections::HashMap;
@@ -220,6 +220,9 @@ fn rope_from(
             factor: factor()?,
             original_max_position: original()?,
         },
+        // LongRoPE; phi3 reads the older `su` and `yarn` as it.
+        "longrope" | "su" => longrope(c, params, dim)?,
+        "yarn" if c.str_opt("model_type")? == Some("phi3") => longrope(c, params, dim)?,
         "yarn" => {
             let mut yarn = Yarn::new(factor()?, original()?);
             yarn.beta_fast = num("beta_fast")?.unwrap_or(yarn.beta_fast);
@@ -249,7 +252,7 @@ fn rope_from(
                 c.path(),
                 format!(
                     "rope type `{other}` is not supported; supported: default, linear, dynamic, \
-                     yarn, llama3"
+                     yarn, llama3, longrope"
                 ),
             ));
         }
@@ -260,6 +263,53 @@ fn rope_from(
         layout,
         scaling,
     })
+}
+
+/// LongRoPE over `dim` rotated dims, as transformers reads it: `short_factor` and `long_factor`
+/// (one per rotated pair), `original_max_position_embeddings` (in the parameters, or at the
+/// top as phi3 keeps it), and `attention_factor`, by default `sqrt(1 + ln s / ln original)`
+/// for `s = factor` (by default `max_position_embeddings / original`) above 1, else 1.
+fn longrope(c: Fields, params: Option<Fields>, dim: usize) -> Result<RopeScaling, RuntimeError> {
+    let path = c.path();
+    let p = params.ok_or_else(|| bad(path, "rope type `longrope` needs its parameters"))?;
+    let pairs = dim / 2;
+    let list = |key: &str| {
+        p.list_opt(
+            key,
+            (pairs, "rotated pair"),
+            serde_json::Value::as_f64,
+            "numbers",
+        )?
+        .ok_or_else(|| bad(path, format!("rope type `longrope` needs `{key}`")))
+    };
+    let (short, long) = (list("short_factor")?, list("long_factor")?);
+    let original = match p.uint_opt("original_max_position_embeddings")? {
+        Some(n) => n,
+        None => c
+            .uint_opt("original_max_position_embeddings")?
+            .ok_or_else(|| {
+                bad(
+                    path,
+                    "rope type `longrope` needs original_max_position_embeddings",
+                )
+            })?,
+    };
+    let factor = match p.float_opt("factor")? {
+        Some(f) => f,
+        None => c.uint("max_position_embeddings")? as f64 / original as f64,
+    };
+    let attention_factor = match p.float_opt("attention_factor")? {
+        Some(a) => a,
+        None if factor <= 1.0 => 1.0,
+        // An original of 0 or 1 makes this NaN or infinite, which validation refuses.
+        None => (1.0 + factor.ln() / (original as f64).ln()).sqrt(),
+    };
+    Ok(RopeScaling::LongRope(LongRope {
+        short: short.into(),
+        long: long.into(),
+        original_max_position: original as u64,
+        attention_factor,
+    }))
 }
 
 /// Reads `dir/config.json` into a model config and the spec of its attention. Keys the model
@@ -757,7 +807,7 @@ fn per_head_layers(
             position: if family == "bloom" {
                 Position::Alibi
             } else if has_rope[i] {
-                Position::Rope(ropes[usize::from(sliding[i])])
+                Position::Rope(ropes[usize::from(sliding[i])].clone())
             } else {
                 Position::None
             },
@@ -818,7 +868,7 @@ fn rope_layers(c: Fields, family: &str, layers: usize) -> Result<Vec<bool>, Runt
     }
     let listed = c.list_opt(
         "no_rope_layers",
-        layers,
+        (layers, "layer"),
         |v| v.as_u64().filter(|&x| x <= 1).map(|x| x == 1),
         "0 or 1",
     )?;
@@ -851,7 +901,7 @@ fn sliding_layers(
     let max_window_layers = c.uint_opt("max_window_layers")?.unwrap_or(28);
     let types = c.list_opt(
         "layer_types",
-        layers,
+        (layers, "layer"),
         |v| match v.as_str()? {
             "full_attention" => Some(false),
             "sliding_attention" => Some(true),

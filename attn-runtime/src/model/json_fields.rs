@@ -167,12 +167,12 @@ impl<'a> Fields<'a> {
 }
 
 impl<'a> Fields<'a> {
-    /// An array of exactly `len` items, each read by `item` (given the item and its index, for
-    /// errors); `None` when absent.
+    /// An array of exactly `len` items, one per `per` (a layer, a rotated pair; for errors),
+    /// each read by `item`; `None` when absent.
     pub(crate) fn list_opt<T>(
         &self,
         key: &str,
-        len: usize,
+        (len, per): (usize, &str),
         item: impl Fn(&'a Value) -> Option<T>,
         expected: &str,
     ) -> Result<Option<Vec<T>>, RuntimeError> {
@@ -186,7 +186,7 @@ impl<'a> Fields<'a> {
             return Err(bad(
                 self.path,
                 format!(
-                    "`{}{key}` has {} entries; expected one per layer, {len}",
+                    "`{}{key}` has {} entries; expected one per {per}, {len}",
                     self.scope,
                     items.len()
                 ),

@@ -227,11 +227,22 @@ pub(crate) struct MoeMlp {
 }
 
 impl MoeMlp {
-    /// Each row's chosen experts with their weights, as the router kind says (ties go to the
-    /// lower index; NaN is never chosen over a number).
-    fn route(&self, x: &[f32], rows: usize) -> Vec<Vec<(usize, f32)>> {
+    /// Each expert's rows (`(row, weight)`, in row order) for the router's `logits` (`[rows,
+    /// experts]`), as the router kind says (ties go to the lower index; NaN is never chosen
+    /// over a number).
+    pub fn route(&self, logits: &[f32]) -> Vec<Vec<(usize, f32)>> {
+        let mut routed: Vec<Vec<(usize, f32)>> = vec![Vec::new(); self.experts.len()];
+        for (row, chosen) in self.choose(logits).into_iter().enumerate() {
+            for (e, w) in chosen {
+                routed[e].push((row, w));
+            }
+        }
+        routed
+    }
+
+    /// Each row's chosen experts with their weights.
+    fn choose(&self, logits: &[f32]) -> Vec<Vec<(usize, f32)>> {
         let n = self.experts.len();
-        let logits = self.router.apply(x, rows);
         logits
             .chunks_exact(n.max(1))
             .map(|row| {
@@ -312,12 +323,7 @@ impl MoeMlp {
         rows: usize,
     ) -> Result<Vec<f32>, RuntimeError> {
         let width = x.len() / rows.max(1);
-        let mut routed: Vec<Vec<(usize, f32)>> = vec![Vec::new(); self.experts.len()];
-        for (row, chosen) in self.route(x, rows).into_iter().enumerate() {
-            for (e, w) in chosen {
-                routed[e].push((row, w));
-            }
-        }
+        let routed = self.route(&self.router.apply(x, rows));
         let mut out = match &self.shared {
             Some((expert, gate)) => {
                 let mut y = expert.apply(ops, x, rows)?;

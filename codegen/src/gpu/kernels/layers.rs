@@ -1023,6 +1023,73 @@ pub fn gather_rows() -> Kernel {
 }
 
 crate::gpu::launch::launch_record! {
+    /// Weighted rows added back where they were gathered from (an expert's outputs into the
+    /// mixture): one thread per value.
+    ScatterArgs {
+        /// `[.., width]` f32 rows added to.
+        out: Address,
+        /// `[rows, width]` f32 rows to add.
+        x: Address,
+        /// `[rows]` i32: the row of `out` each row of `x` adds to (distinct within a launch).
+        index: Address,
+        /// `[rows]` f32 weights.
+        weights: Address,
+        /// Rows added.
+        rows: Scalar,
+        /// Values per row.
+        width: Scalar,
+    }
+}
+
+/// `out[index[r]] += weights[r] x[r]` for rows of `width` values (the indices of one launch
+/// distinct, so no two threads write one value).
+pub fn scatter_add_rows() -> Kernel {
+    type A = ScatterArgs;
+    let mut r = Regs { list: Vec::new() };
+    let (e, row, dst) = (
+        r.add("e", Ty::I64),
+        r.add("row", Ty::I64),
+        r.add("dst", Ty::I64),
+    );
+    let width = p::<A>("width");
+    let f32_at = |base: Expr, index: Expr| add(base, mul(index, i64(4)));
+    let body = per_thread(
+        e,
+        1,
+        mul(p::<A>("rows"), width.clone()),
+        vec![
+            Stmt::Set(row, bin(Bin::Div, reg(e), width.clone())),
+            Stmt::Set(
+                dst,
+                f32_at(
+                    p::<A>("out"),
+                    add(
+                        mul(
+                            cast(
+                                load(Space::Global, Ty::I32, f32_at(p::<A>("index"), reg(row))),
+                                Ty::I64,
+                            ),
+                            width.clone(),
+                        ),
+                        bin(Bin::Rem, reg(e), width),
+                    ),
+                ),
+            ),
+            Stmt::Store(
+                Space::Global,
+                reg(dst),
+                fma(
+                    load(Space::Global, Ty::F32, f32_at(p::<A>("weights"), reg(row))),
+                    load(Space::Global, Ty::F32, f32_at(p::<A>("x"), reg(e))),
+                    load(Space::Global, Ty::F32, reg(dst)),
+                ),
+            ),
+        ],
+    );
+    kernel("scatter_add_rows", A::params(), r, 0, body)
+}
+
+crate::gpu::launch::launch_record! {
     /// The partitions of split-KV attention merged by their log-sum-exp: one thread per output
     /// value.
     MergeArgs {
