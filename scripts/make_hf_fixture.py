@@ -121,6 +121,14 @@ FIXTURES = {
         "cohere: attention and MLP in parallel on one LayerNorm (no bias), interleaved RoPE, "
         "logits x0.5",
     ),
+    "cohere_qk_norm": (
+        "CohereConfig",
+        "CohereForCausalLM",
+        dict(num_hidden_layers=2, logit_scale=0.5, use_qk_norm=True, pad_token_id=0,
+             bos_token_id=None, eos_token_id=None,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        "cohere with use_qk_norm: a bias-free LayerNorm on each head's q and k, weights per head",
+    ),
     "starcoder2": (
         "Starcoder2Config",
         "Starcoder2ForCausalLM",

@@ -722,4 +722,13 @@ fn per_layer_keys_and_qk_norms_that_do_not_fit_are_refused() {
         &[name, "[16]"],
         "a k_norm over the whole projection",
     );
+    // cohere's per-head norms hold a row of weights per head.
+    let name = "model.layers.0.self_attn.q_norm.weight";
+    refused(
+        Scratch::of("cohere_qk_norm", "q_norm")
+            .tensor(name, &[16])
+            .load(),
+        &[name, "[4, 16]"],
+        "a cohere q_norm shared by the heads",
+    );
 }

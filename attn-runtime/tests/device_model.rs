@@ -61,6 +61,7 @@ fn every_per_head_family_runs_resident_and_matches_transformers() {
         "olmo2",
         "granite",
         "cohere",
+        "cohere_qk_norm",
         "gpt_neox",
         "bloom",
         "phi3_longrope",

@@ -290,6 +290,18 @@ fn phi3_longrope_matches_transformers() {
     check("phi3_longrope", 24);
 }
 
+/// cohere with `use_qk_norm`: a bias-free LayerNorm over each head's q and k, each head with its
+/// own weights.
+#[test]
+fn cohere_with_qk_norms_matches_transformers() {
+    let config = hf::config(&dir("cohere_qk_norm")).unwrap();
+    assert_eq!(
+        config.qk_norm,
+        Some(attn_runtime::model::QkNorm::PerHeadLayer)
+    );
+    check("cohere_qk_norm", 24);
+}
+
 /// mistral: a sliding window on every layer.
 #[test]
 fn mistral_matches_transformers() {

@@ -6,8 +6,8 @@ use codegen::gpu::interp::{Memory, Val, run};
 use codegen::gpu::ir::verify::verify;
 use codegen::gpu::ir::{Half, Kernel};
 use codegen::gpu::kernels::layers::{
-    self, Activation, ArgmaxArgs, ElementwiseArgs, EmbedArgs, NormArgs, NormKind, Pointwise,
-    ScatterArgs, SinkArgs, THREADS,
+    self, Activation, ArgmaxArgs, ColumnsArgs, ElementwiseArgs, EmbedArgs, NormArgs, NormKind,
+    Pointwise, ScatterArgs, SinkArgs, THREADS,
 };
 use codegen::gpu::launch::{LaunchRecord, bind};
 
@@ -41,15 +41,22 @@ fn close(got: &[f32], want: &[f64], tol: f64, what: &str) {
 
 #[test]
 fn norms_match_their_definitions() {
-    for (kind, width, with_bias) in [
-        (NormKind::Rms, 300, false),
-        (NormKind::Rms, 64, false),
-        (NormKind::Layer, 1000, true),
-        (NormKind::Layer, 33, false),
+    // (kind, width, bias, weight rows): one row of weights for every row, or rows of weights
+    // repeating down the rows (cohere's per-head q/k norms).
+    for (kind, width, with_bias, weight_rows) in [
+        (NormKind::Rms, 300, false, 1),
+        (NormKind::Rms, 64, false, 1),
+        (NormKind::Layer, 1000, true, 1),
+        (NormKind::Layer, 33, false, 1),
+        (NormKind::Layer, 16, false, 3),
+        (NormKind::Rms, 24, true, 2),
     ] {
-        let (rows, eps) = (3, 1e-5f32);
+        let (rows, eps) = (6, 1e-5f32);
         let x = values(rows * width, 1);
-        let (w, b) = (values(width, 2), values(width, 3));
+        let (w, b) = (
+            values(weight_rows * width, 2),
+            values(weight_rows * width, 3),
+        );
         let mut mem = Memory::default();
         let record = NormArgs {
             x: mem.alloc_f32(&x),
@@ -57,11 +64,11 @@ fn norms_match_their_definitions() {
             bias: mem.alloc_f32(&b),
             out: mem.alloc_f32(&vec![0.0; rows * width]),
         };
-        let kernel = layers::norm(kind, width as u32, eps, with_bias);
+        let kernel = layers::norm(kind, width as u32, eps, with_bias, weight_rows as u32);
         launch(&kernel, rows as u32, &record, &mut mem);
         let got = mem.read_f32(record.out, rows * width).unwrap();
         let mut want = Vec::new();
-        for row in x.chunks(width) {
+        for (r, row) in x.chunks(width).enumerate() {
             let row: Vec<f64> = row.iter().map(|v| f64::from(*v)).collect();
             let mean = match kind {
                 NormKind::Rms => 0.0,
@@ -69,12 +76,18 @@ fn norms_match_their_definitions() {
             };
             let var = row.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / width as f64;
             let inv = 1.0 / (var + f64::from(eps)).sqrt();
+            let w0 = (r % weight_rows) * width;
             for (i, v) in row.iter().enumerate() {
-                let bias = if with_bias { f64::from(b[i]) } else { 0.0 };
-                want.push((v - mean) * inv * f64::from(w[i]) + bias);
+                let bias = if with_bias { f64::from(b[w0 + i]) } else { 0.0 };
+                want.push((v - mean) * inv * f64::from(w[w0 + i]) + bias);
             }
         }
-        close(&got, &want, 2e-5, &format!("{kind:?} width {width}"));
+        close(
+            &got,
+            &want,
+            2e-5,
+            &format!("{kind:?} width {width}, {weight_rows} weight rows"),
+        );
     }
 }
 
@@ -163,6 +176,41 @@ fn activations_and_adds_match_their_definitions() {
         .map(|(a, b)| f64::from(a + b))
         .collect();
     close(&got, &want, 0.0, "residual add");
+}
+
+/// A column range of rows lands at its offset in the swapped layout; the other output columns
+/// keep their values.
+#[test]
+fn column_ranges_copy_across_layouts() {
+    let (a, b, in_width, out_width) = (3usize, 4usize, 10usize, 7usize);
+    let (in_first, out_first, width) = (6usize, 2usize, 4usize);
+    let x = values(a * b * in_width, 10);
+    let out = values(b * a * out_width, 11);
+    let mut mem = Memory::default();
+    let record = ColumnsArgs {
+        x: mem.alloc_f32(&x),
+        out: mem.alloc_f32(&out),
+        a: a as i64,
+        b: b as i64,
+        in_width: in_width as i64,
+        in_first: in_first as i64,
+        out_width: out_width as i64,
+        out_first: out_first as i64,
+        width: width as i64,
+    };
+    let grid = (a * b * width).div_ceil(THREADS as usize) as u32;
+    launch(&layers::columns(), grid, &record, &mut mem);
+    let got = mem.read_f32(record.out, b * a * out_width).unwrap();
+    let mut want: Vec<f64> = out.iter().map(|&v| f64::from(v)).collect();
+    for i in 0..a {
+        for j in 0..b {
+            for c in 0..width {
+                want[(j * a + i) * out_width + out_first + c] =
+                    f64::from(x[(i * b + j) * in_width + in_first + c]);
+            }
+        }
+    }
+    close(&got, &want, 0.0, "columns");
 }
 
 /// Weighted rows add back into the rows they were gathered from; other rows keep their values.

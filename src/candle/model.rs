@@ -170,6 +170,12 @@ impl CandleModel {
                 "attn::candle: mixture-of-experts models do not train through candle yet"
             );
         }
+        if config.qk_norm == Some(QkNorm::PerHeadLayer) || config.embed_norm {
+            candle_core::bail!(
+                "attn::candle: cohere's per-head q/k LayerNorms and bloom's embedding norm do \
+                 not train through candle yet"
+            );
+        }
         if config.norm_unit_offset
             || config.embed_multiplier.is_some()
             || config.final_softcap.is_some()

@@ -77,7 +77,7 @@ impl LayerOps for SimLayers {
             bias: mem.alloc_f32(bias.unwrap_or(weight)),
             out: mem.alloc_f32(&vec![0.0; x.len()]),
         };
-        let kernel = layers::norm(kind, width_u32(width)?, eps as f32, bias.is_some());
+        let kernel = layers::norm(kind, width_u32(width)?, eps as f32, bias.is_some(), 1);
         launch(kernel, rows, &record, &mut mem)?;
         read(&mem, record.out, x.len())
     }

@@ -410,6 +410,9 @@ pub enum QkNorm {
     PerHead,
     /// The whole projection, `[heads * head_dim]` and `[kv_heads * head_dim]` weights (olmo2).
     Whole,
+    /// Each head's `head_dim` values by a LayerNorm without bias, each head with its own
+    /// weights: `[heads, head_dim]` and `[kv_heads, head_dim]` (cohere's `use_qk_norm`).
+    PerHeadLayer,
 }
 
 /// Most attention kinds a config may have.
@@ -639,7 +642,7 @@ impl ModelConfig {
                 };
                 let qk_norm = match self.qk_norm {
                     Some(QkNorm::PerHead) => 2 * dk,
-                    Some(QkNorm::Whole) => (h + hkv) * dk,
+                    Some(QkNorm::Whole | QkNorm::PerHeadLayer) => (h + hkv) * dk,
                     None => 0,
                 };
                 let o_bias = if self.o_bias { d } else { 0 };

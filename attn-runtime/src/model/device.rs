@@ -199,8 +199,16 @@ impl Uploader<'_> {
             NormKind::Rms => layers::NormKind::Rms,
             NormKind::Layer => layers::NormKind::Layer,
         };
-        let width = n.weight.len();
-        let kernel = layers::norm(kind, width_u32(width)?, n.eps as f32, n.bias.is_some());
+        // Each row of weights serves `groups` rows of the input (cohere's heads).
+        let groups = n.groups.max(1);
+        let width = n.weight.len() / groups;
+        let kernel = layers::norm(
+            kind,
+            width_u32(width)?,
+            n.eps as f32,
+            n.bias.is_some(),
+            width_u32(groups)?,
+        );
         Ok(DeviceNorm {
             kernel: Arc::new(verified(kernel)?),
             weight: self.bytes(&f32_bytes(&n.weight))?,

@@ -379,12 +379,6 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
     }
     let starcoder = family == "starcoder2";
     let use_bias = starcoder && (!c.has("use_bias") || c.flag("use_bias")?);
-    if cohere && c.flag("use_qk_norm")? {
-        return Err(bad(
-            path,
-            "`use_qk_norm` = true (cohere's per-head LayerNorms on q and k) is not supported yet",
-        ));
-    }
     let mlp = activation(c, &family)?;
     if c.flag("use_bidirectional_attention")? {
         return Err(bad(
@@ -408,6 +402,7 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
         qk_norm: match family.as_str() {
             "qwen3" | "qwen3_moe" | "gemma3_text" => Some(QkNorm::PerHead),
             "olmo2" => Some(QkNorm::Whole),
+            "cohere" if c.flag("use_qk_norm")? => Some(QkNorm::PerHeadLayer),
             _ => None,
         },
         placement: match family.as_str() {

@@ -108,19 +108,40 @@ impl Linear {
     }
 }
 
-/// A norm over rows of `weight.len()` values.
+/// A norm over rows of `weight.len()` values, each row normalized in `groups` equal segments.
 #[derive(Clone, Debug)]
 pub(crate) struct Norm {
     pub kind: NormKind,
     pub weight: Vec<f32>,
     pub bias: Option<Vec<f32>>,
     pub eps: f64,
+    /// Segments per row with their own statistics: 1, or the heads of cohere's q/k norms
+    /// (each head normalized alone, with its own weights).
+    pub groups: usize,
 }
 
 impl Norm {
-    /// The normalized rows, on `ops`.
+    /// The normalized rows, on `ops`. With several groups, `ops` normalizes each segment with
+    /// unit weights and the segments' own weights (and biases) apply on the host.
     pub fn apply(&self, ops: &dyn LayerOps, x: &[f32]) -> Result<Vec<f32>, RuntimeError> {
-        ops.norm(self.kind, self.eps, &self.weight, self.bias.as_deref(), x)
+        if self.groups <= 1 {
+            return ops.norm(self.kind, self.eps, &self.weight, self.bias.as_deref(), x);
+        }
+        let row = self.weight.len();
+        if row == 0 || !x.len().is_multiple_of(row) {
+            return Err(RuntimeError::Data(format!(
+                "{} values are not whole rows of {row}",
+                x.len()
+            )));
+        }
+        let unit = vec![1.0; row / self.groups];
+        let mut y = ops.norm(self.kind, self.eps, &unit, None, x)?;
+        for values in y.chunks_exact_mut(row) {
+            for (i, v) in values.iter_mut().enumerate() {
+                *v = *v * self.weight[i] + self.bias.as_ref().map_or(0.0, |b| b[i]);
+            }
+        }
+        Ok(y)
     }
 }
 

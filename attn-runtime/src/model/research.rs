@@ -344,11 +344,13 @@ pub fn config_to_toml(config: &ModelConfig, weights: Option<&str>) -> String {
             table.insert("pattern".into(), toml::Value::Array(pattern.collect()));
         }
     }
-    if let Some(qk) = c.qk_norm {
-        let name = match qk {
-            QkNorm::PerHead => "per_head",
-            QkNorm::Whole => "whole",
-        };
+    // Cohere's per-head LayerNorms are a checkpoint's own piece, not written.
+    let qk_name = match c.qk_norm {
+        Some(QkNorm::PerHead) => Some("per_head"),
+        Some(QkNorm::Whole) => Some("whole"),
+        Some(QkNorm::PerHeadLayer) | None => None,
+    };
+    if let Some(name) = qk_name {
         table.insert("qk_norm".into(), toml::Value::String(name.into()));
     }
     if let Some(w) = weights {
@@ -418,6 +420,7 @@ impl Model {
             weight: vec![1.0; n],
             bias: (c.norm == NormKind::Layer && c.norm_bias).then(|| vec![0.0; n]),
             eps: c.norm_eps,
+            groups: 1,
         };
         let layers = (0..c.layers)
             .map(|i| {
@@ -447,17 +450,26 @@ impl Model {
                             k: init.linear(hkv * d, c.hidden, c.qkv_bias),
                             v: init.linear(hkv * dv, c.hidden, c.qkv_bias),
                             o: init.linear(c.hidden, heads * dv, c.o_bias),
-                            qk_norm: c.qk_norm.map(|qk| {
-                                let [q, k] = match qk {
-                                    QkNorm::PerHead => [d, d],
-                                    QkNorm::Whole => [heads * d, hkv * d],
-                                };
+                            qk_norm: c.qk_norm.map(|qk| match qk {
                                 // RMSNorm whatever the model's norm kind (as qwen3, olmo2).
-                                [q, k].map(|n| Norm {
-                                    kind: NormKind::Rms,
+                                QkNorm::PerHead | QkNorm::Whole => {
+                                    let [q, k] = match qk {
+                                        QkNorm::PerHead => [d, d],
+                                        _ => [heads * d, hkv * d],
+                                    };
+                                    [q, k].map(|n| Norm {
+                                        kind: NormKind::Rms,
+                                        bias: None,
+                                        ..norm(n)
+                                    })
+                                }
+                                // A bias-free LayerNorm per head, each its own weights (cohere).
+                                QkNorm::PerHeadLayer => [heads, hkv].map(|h| Norm {
+                                    kind: NormKind::Layer,
                                     bias: None,
-                                    ..norm(n)
-                                })
+                                    groups: h,
+                                    ..norm(h * d)
+                                }),
                             }),
                             // Learnable tensors start at 0 (a sink of weight exp(0)).
                             learned: spec

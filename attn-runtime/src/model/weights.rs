@@ -374,6 +374,10 @@ impl Store<'_> {
                             w.qk_norm(&format!("{p}q_norm"), eps, heads * dk)?,
                             w.qk_norm(&format!("{p}k_norm"), eps, hkv * dk)?,
                         ]),
+                        Some(QkNorm::PerHeadLayer) => Some([
+                            w.head_norms(&format!("{p}q_norm"), eps, [heads, dk])?,
+                            w.head_norms(&format!("{p}k_norm"), eps, [hkv, dk])?,
+                        ]),
                         None => None,
                     },
                     learned: spec
@@ -538,6 +542,7 @@ impl Store<'_> {
             weight: self.norm_weight(prefix, len)?,
             bias,
             eps,
+            groups: 1,
         })
     }
 
@@ -563,6 +568,26 @@ impl Store<'_> {
                 .to_f32_vec(),
             bias: None,
             eps,
+            groups: 1,
+        })
+    }
+
+    /// Cohere's q/k norms `{prefix}.weight`, `[heads, dim]`: a LayerNorm without bias over each
+    /// head's `dim` values, with the head's own weights.
+    fn head_norms(
+        &mut self,
+        prefix: &str,
+        eps: f64,
+        [heads, dim]: [usize; 2],
+    ) -> Result<Norm, RuntimeError> {
+        Ok(Norm {
+            kind: NormKind::Layer,
+            weight: self
+                .shaped(&format!("{prefix}.weight"), &[heads, dim])?
+                .to_f32_vec(),
+            bias: None,
+            eps,
+            groups: heads,
         })
     }
 
@@ -573,6 +598,7 @@ impl Store<'_> {
             weight: self.norm_weight(prefix, len)?,
             bias: None,
             eps,
+            groups: 1,
         })
     }
 }

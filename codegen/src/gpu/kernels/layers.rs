@@ -168,8 +168,10 @@ fn kernel(
 }
 
 /// The norm of rows of `width` values with epsilon `eps` (statistics in f32, two passes for
-/// LayerNorm's variance), `bias` added when `with_bias`.
-pub fn norm(kind: NormKind, width: u32, eps: f32, with_bias: bool) -> Kernel {
+/// LayerNorm's variance), `bias` added when `with_bias`. The weights (and biases) hold
+/// `weight_rows` rows of `width` that repeat down the rows: row `r` takes weight row
+/// `r % weight_rows` (1: one row for all; a head count: cohere's per-head q/k norms).
+pub fn norm(kind: NormKind, width: u32, eps: f32, with_bias: bool, weight_rows: u32) -> Kernel {
     type A = NormArgs;
     let mut r = Regs { list: Vec::new() };
     let (i, acc, mean, inv, v) = (
@@ -217,15 +219,26 @@ pub fn norm(kind: NormKind, width: u32, eps: f32, with_bias: bool) -> Kernel {
             un(Un::Sqrt, add(bin(Bin::Div, reg(acc), n), f32(eps))),
         ),
     ));
+    // The row's weights: the one row, or row `r % weight_rows`.
+    let w_at = |base: Expr| match weight_rows {
+        1 => at(base, i),
+        n => at(
+            add(
+                base,
+                mul(
+                    bin(Bin::Rem, row(), i64(i64::from(n))),
+                    i64(4 * i64::from(width)),
+                ),
+            ),
+            i,
+        ),
+    };
     let weighted = mul(
         mul(sub(x_at(i), reg(mean)), reg(inv)),
-        load(Space::Global, Ty::F32, at(p::<A>("weight"), i)),
+        load(Space::Global, Ty::F32, w_at(p::<A>("weight"))),
     );
     let value = if with_bias {
-        add(
-            weighted,
-            load(Space::Global, Ty::F32, at(p::<A>("bias"), i)),
-        )
+        add(weighted, load(Space::Global, Ty::F32, w_at(p::<A>("bias"))))
     } else {
         weighted
     };
@@ -1020,6 +1033,73 @@ pub fn gather_rows() -> Kernel {
         ],
     );
     kernel("gather_rows", A::params(), r, 0, body)
+}
+
+crate::gpu::launch::launch_record! {
+    /// A column range of `[a, b, in_width]` f32 rows copied into `[b, a, out_width]` rows at a
+    /// column offset (MLA's queries and keys split and joined): one thread per copied value.
+    ColumnsArgs {
+        /// `[a, b, in_width]` f32 inputs.
+        x: Address,
+        /// `[b, a, out_width]` f32 outputs (the other columns untouched).
+        out: Address,
+        /// Outer axis of `x` (1: rows keep their order).
+        a: Scalar,
+        /// Middle axis of `x`.
+        b: Scalar,
+        /// Values per input row.
+        in_width: Scalar,
+        /// First input column copied.
+        in_first: Scalar,
+        /// Values per output row.
+        out_width: Scalar,
+        /// Output column of the first copied value.
+        out_first: Scalar,
+        /// Columns copied per row.
+        width: Scalar,
+    }
+}
+
+/// `out[j, i, out_first + c] = x[i, j, in_first + c]` for `c < width`: columns of rows copied
+/// with the two outer axes swapped (`a = 1`: in order).
+pub fn columns() -> Kernel {
+    type A = ColumnsArgs;
+    let mut r = Regs { list: Vec::new() };
+    let (e, row, c, i, j) = (
+        r.add("e", Ty::I64),
+        r.add("row", Ty::I64),
+        r.add("c", Ty::I64),
+        r.add("i", Ty::I64),
+        r.add("j", Ty::I64),
+    );
+    let width = p::<A>("width");
+    let f32_at = |base: Expr, index: Expr| add(base, mul(index, i64(4)));
+    let src = add(
+        mul(add(mul(reg(i), p::<A>("b")), reg(j)), p::<A>("in_width")),
+        add(p::<A>("in_first"), reg(c)),
+    );
+    let dst = add(
+        mul(add(mul(reg(j), p::<A>("a")), reg(i)), p::<A>("out_width")),
+        add(p::<A>("out_first"), reg(c)),
+    );
+    let body = per_thread(
+        e,
+        1,
+        mul(mul(p::<A>("a"), p::<A>("b")), width.clone()),
+        vec![
+            // Input row `row = i b + j`, column `c`.
+            Stmt::Set(row, bin(Bin::Div, reg(e), width.clone())),
+            Stmt::Set(c, bin(Bin::Rem, reg(e), width)),
+            Stmt::Set(i, bin(Bin::Div, reg(row), p::<A>("b"))),
+            Stmt::Set(j, bin(Bin::Rem, reg(row), p::<A>("b"))),
+            Stmt::Store(
+                Space::Global,
+                f32_at(p::<A>("out"), dst),
+                load(Space::Global, Ty::F32, f32_at(p::<A>("x"), src)),
+            ),
+        ],
+    );
+    kernel("columns", A::params(), r, 0, body)
 }
 
 crate::gpu::launch::launch_record! {
