@@ -43,13 +43,14 @@ fn phi3_on_the_device_matches_transformers() {
     checkpoint_on_the_device("phi3");
 }
 
-/// Every per-head family runs resident: layers of several attention kinds (sliding and
+/// Every family runs resident: layers of several attention kinds (sliding and
 /// full, with and without RoPE, a RoPE per kind), every norm placement, q/k norms, bias-free
 /// LayerNorms, GeGLU and the exact GELU, multipliers and softcaps, an embedding norm, ALiBi
 /// and LongRoPE (frequencies chosen by the length of each call), mixtures of experts (routed on
-/// the host; shared experts, gated or not; gpt-oss's biased experts beside its sinks).
+/// the host; shared experts, gated or not; gpt-oss's biased experts beside its sinks) and MLA
+/// (absorbed by per-head GEMMs, with factored queries in DeepSeek-V3).
 #[test]
-fn every_per_head_family_runs_resident_and_matches_transformers() {
+fn every_family_runs_resident_and_matches_transformers() {
     for name in [
         "mistral",
         "qwen2_sliding",
@@ -69,6 +70,9 @@ fn every_per_head_family_runs_resident_and_matches_transformers() {
         "qwen2_moe",
         "qwen3_moe",
         "gpt_oss",
+        "deepseek_v2_lite_mla",
+        "deepseek_v2_moe",
+        "deepseek_v3_moe",
     ] {
         checkpoint_on_the_device(name);
     }
@@ -165,6 +169,12 @@ fn research_models_on_the_device_match_the_cpu() {
             "",
             3e-2,
         ),
+        // MLA: absorbed on the device, one latent head through the kernel.
+        (
+            "heads = 2, head_dim = 8, mla(latent_rank = 16, rope_dim = 4), mask = causal",
+            "",
+            1e-4,
+        ),
     ] {
         let config = config_from_toml(&format!(
             "vocab = 61\nhidden = 48\nlayers = 2\nattention = \"{attention}\"\n{extra}"
@@ -184,28 +194,6 @@ fn research_models_on_the_device_match_the_cpu() {
         let e = on_device.forward(&[1, 61]).unwrap_err().to_string();
         assert!(e.contains("outside the vocabulary"), "{e}");
     }
-}
-
-#[test]
-fn models_the_device_does_not_run_yet_say_so() {
-    let config = config_from_toml(
-        "vocab = 31\nhidden = 32\nlayers = 1\nattention = \"heads = 2, head_dim = 8, \
-         mla(latent_rank = 16, rope_dim = 4), mask = causal\"",
-    )
-    .unwrap();
-    let model = Model::random(&config, 1).unwrap();
-    let err = match DeviceModel::new(&model, Arc::new(SimDevice::new())) {
-        Ok(_) => panic!("MLA is not resident on a device yet"),
-        Err(e) => e.to_string(),
-    };
-    assert!(err.contains("MLA"), "{err}");
-    // A model with what the device does not run yet names it.
-    let model = hf::load(&fixture("deepseek_v2_moe")).unwrap();
-    let err = match DeviceModel::new(&model, Arc::new(SimDevice::new())) {
-        Ok(_) => panic!("DeepSeek's MLA is not resident on a device yet"),
-        Err(e) => e.to_string(),
-    };
-    assert!(err.contains("MLA") && err.contains("gpu-sim"), "{err}");
 }
 
 /// The gpu-sim device's GEMM over 16-bit weights: the weights widened exactly, products in

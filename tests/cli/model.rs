@@ -217,11 +217,10 @@ fn prompts_from_files_and_clear_words_for_missing_inputs() {
     );
 }
 
-/// On gpu-sim, mixture-of-experts families run resident (routing on the host) and MLA ones with
-/// the attention and the layer operations there (projections on the host): both give the
-/// CPU's logits.
+/// On gpu-sim, mixture-of-experts families (routing on the host) and MLA ones run resident and
+/// give the CPU's logits.
 #[test]
-fn moe_and_mla_families_run_on_gpu_sim_as_on_the_cpu() {
+fn moe_and_mla_families_run_resident_on_gpu_sim_as_on_the_cpu() {
     for name in ["gpt_oss", "qwen3_moe", "deepseek_v2_moe"] {
         let dir = format!(
             "{}/tests/fixtures/hf-tiny/{name}",

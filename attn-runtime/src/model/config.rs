@@ -505,19 +505,6 @@ impl ModelConfig {
         }
     }
 
-    /// What a model of this config has that models resident on a device do not run yet, in
-    /// words; `None` when it runs there.
-    pub fn not_resident(&self) -> Option<&'static str> {
-        let checks = [(
-            self.attention.iter().any(|spec| spec.mla().is_some()),
-            "MLA attention",
-        )];
-        checks
-            .into_iter()
-            .find(|(has, _)| *has)
-            .map(|(_, what)| what)
-    }
-
     /// The attention in words: the one spec of every layer, or each kind's spec and the
     /// pattern of kinds (`kinds 0 0 1: 0 = ..., 1 = ...`).
     pub fn attention_summary(&self) -> String {

@@ -6,12 +6,11 @@
 //!
 //! Layers may differ in attention: each kind has its own kernels, shared by its layers, and
 //! each layer its own cache. Every norm placement, MLP kind and multiplier of [`ModelConfig`]
-//! runs here, and mixture-of-experts MLPs with their routing on the host (the router's logits
-//! come back, the experts run on the device); [`ModelConfig::not_resident`] names what does
-//! not yet (MLA).
+//! runs here, MLA in its absorbed form (a GEMM per head on each side of the kernels over the
+//! shared latent head), and mixture-of-experts MLPs with their routing on the host (the
+//! router's logits come back, the experts run on the device).
 //!
 //! [`ModelConfig`]: super::ModelConfig
-//! [`ModelConfig::not_resident`]: super::ModelConfig::not_resident
 
 use super::config::NormKind;
 use super::layers::{LayerMlp, Linear, Matrix, Mlp, Norm};
@@ -69,6 +68,18 @@ struct DeviceLayer {
     post_attn_norm: Option<DeviceNorm>,
     mlp_norm: Option<DeviceNorm>,
     post_mlp_norm: Option<DeviceNorm>,
+    attn: DeviceAttention,
+    mlp: DeviceLayerMlp,
+}
+
+/// A layer's attention weights on the device.
+enum DeviceAttention {
+    Heads(Box<DeviceHeads>),
+    Mla(Box<DeviceMla>),
+}
+
+/// Per-head attention: q, k and v projections, the output projection.
+struct DeviceHeads {
     q: DeviceLinear,
     k: DeviceLinear,
     v: DeviceLinear,
@@ -76,7 +87,57 @@ struct DeviceLayer {
     /// Norms on the q and k projections (per head or over the whole projection).
     qk_norm: Option<[DeviceNorm; 2]>,
     learned: DeviceLearned,
-    mlp: DeviceLayerMlp,
+}
+
+/// MLA attention in its absorbed form: queries `[W_uk^T q_nope | q_pe]` and keys `[c_kv |
+/// k_pe]` over one shared latent head, outputs expanded by `W_uv`; the per-head maps are one
+/// device GEMM per head.
+struct DeviceMla {
+    /// `q_proj`, or `q_a_proj` when the queries are factored.
+    q: DeviceLinear,
+    /// The factored queries' norm and `q_b_proj`.
+    q_b: Option<(DeviceNorm, DeviceLinear)>,
+    /// `kv_a_proj_with_mqa`: `[c_kv | k_pe]` before the latent's norm.
+    kv_a: DeviceLinear,
+    kv_norm: DeviceNorm,
+    /// `W_uk^T` per head, `[heads, latent_rank, head_dim]` f32.
+    w_uk_t: DeviceBuffer,
+    /// `W_uv` per head, `[heads, v_head_dim, latent_rank]` f32.
+    w_uv: DeviceBuffer,
+    o: DeviceLinear,
+}
+
+/// MLA's shapes: heads, `head_dim`, `v_head_dim`, `latent_rank`, `rope_dim`.
+#[derive(Clone, Copy)]
+struct MlaDims {
+    heads: usize,
+    d: usize,
+    dv: usize,
+    r: usize,
+    dr: usize,
+}
+
+impl MlaDims {
+    fn of(spec: &attn_dsl::AttentionSpec) -> Result<MlaDims, RuntimeError> {
+        let mla = spec
+            .mla()
+            .ok_or_else(|| RuntimeError::Spec("MLA weights with a per-head spec".into()))?;
+        Ok(MlaDims {
+            heads: spec.heads as usize,
+            d: spec.head_dim as usize,
+            dv: spec.v_head_dim as usize,
+            r: mla.latent_rank as usize,
+            dr: mla.rope_dim as usize,
+        })
+    }
+}
+
+/// `bytes` bytes of `b` from byte `offset` on.
+fn sub(b: DeviceBuffer, offset: usize, bytes: usize) -> DeviceBuffer {
+    DeviceBuffer {
+        addr: b.addr + offset as i64,
+        bytes,
+    }
 }
 
 /// A dense MLP, or one expert, on the device.
@@ -122,6 +183,8 @@ struct Kernels {
     /// rows added back (an expert's outputs).
     gather: Arc<Kernel>,
     scatter: Arc<Kernel>,
+    /// Column ranges copied between layouts (MLA's queries and keys).
+    columns: Arc<Kernel>,
     /// The embedding, residual and logit multipliers and the final softcap, where the model
     /// has them.
     embed_scale: Option<Arc<Kernel>>,
@@ -225,6 +288,69 @@ impl Uploader<'_> {
         n.map(|n| self.norm(n)).transpose()
     }
 
+    /// Layer `i`'s attention weights (its spec `spec`).
+    fn attention(
+        &mut self,
+        spec: &attn_dsl::AttentionSpec,
+        attn: &AttentionWeights,
+        i: usize,
+    ) -> Result<DeviceAttention, RuntimeError> {
+        Ok(match attn {
+            AttentionWeights::Heads {
+                q,
+                k,
+                v,
+                o,
+                qk_norm,
+                learned,
+            } => DeviceAttention::Heads(Box::new(DeviceHeads {
+                q: self.linear(q)?,
+                k: self.linear(k)?,
+                v: self.linear(v)?,
+                o: self.linear(o)?,
+                qk_norm: match qk_norm {
+                    Some([qn, kn]) => Some([self.norm(qn)?, self.norm(kn)?]),
+                    None => None,
+                },
+                learned: self.learned(spec, learned, i)?,
+            })),
+            AttentionWeights::Mla {
+                q,
+                q_b,
+                kv_a,
+                kv_norm,
+                w_kv_b,
+                o,
+            } => {
+                let MlaDims {
+                    heads, d, dv, r, ..
+                } = MlaDims::of(spec)?;
+                // `w_kv_b` holds per head `d` rows of W_uk, then `dv` rows of W_uv (`[rows, r]`).
+                let w = w_kv_b.to_f32_vec();
+                let mut uk_t = Vec::with_capacity(heads * r * d);
+                let mut uv = Vec::with_capacity(heads * dv * r);
+                for head in w.chunks_exact((d + dv) * r) {
+                    for col in 0..r {
+                        uk_t.extend((0..d).map(|row| head[row * r + col]));
+                    }
+                    uv.extend_from_slice(&head[d * r..]);
+                }
+                DeviceAttention::Mla(Box::new(DeviceMla {
+                    q: self.linear(q)?,
+                    q_b: match q_b {
+                        Some((norm, l)) => Some((self.norm(norm)?, self.linear(l)?)),
+                        None => None,
+                    },
+                    kv_a: self.linear(kv_a)?,
+                    kv_norm: self.norm(kv_norm)?,
+                    w_uk_t: self.bytes(&f32_bytes(&uk_t))?,
+                    w_uv: self.bytes(&f32_bytes(&uv))?,
+                    o: self.linear(o)?,
+                }))
+            }
+        })
+    }
+
     fn mlp(&mut self, m: &Mlp) -> Result<DeviceMlp, RuntimeError> {
         Ok(DeviceMlp {
             gate: m.gate.as_ref().map(|g| self.linear(g)).transpose()?,
@@ -303,12 +429,6 @@ impl<'m> DeviceModel<'m> {
     /// Uploads `model`'s weights to `device` and prepares its kernels.
     pub fn new(model: &'m Model, device: Arc<dyn Device>) -> Result<Self, RuntimeError> {
         let c = &model.config;
-        if let Some(what) = c.not_resident() {
-            return Err(RuntimeError::Spec(format!(
-                "models with {what} do not run resident on a device yet; use the cpu or gpu-sim \
-                 backend"
-            )));
-        }
         let kernel = |k: Kernel| verified(k).map(Arc::new);
         let kinds = model
             .variants()
@@ -328,33 +448,14 @@ impl<'m> DeviceModel<'m> {
         };
         let mut layers_on_device = Vec::with_capacity(model.layers.len());
         for (i, layer) in model.layers.iter().enumerate() {
-            let AttentionWeights::Heads {
-                q,
-                k,
-                v,
-                o,
-                qk_norm,
-                learned,
-            } = &layer.attn
-            else {
-                return Err(RuntimeError::Spec("MLA layers in a per-head model".into()));
-            };
-            let qk_norm = match qk_norm {
-                Some([qn, kn]) => Some([up.norm(qn)?, up.norm(kn)?]),
-                None => None,
-            };
+            let attn = up.attention(c.layer_attention(i), &layer.attn, i)?;
             layers_on_device.push(DeviceLayer {
                 kind: c.kind_of(i),
                 attn_norm: up.norms(layer.attn_norm.as_ref())?,
                 post_attn_norm: up.norms(layer.post_attn_norm.as_ref())?,
                 mlp_norm: up.norms(layer.mlp_norm.as_ref())?,
                 post_mlp_norm: up.norms(layer.post_mlp_norm.as_ref())?,
-                q: up.linear(q)?,
-                k: up.linear(k)?,
-                v: up.linear(v)?,
-                o: up.linear(o)?,
-                qk_norm,
-                learned: up.learned(c.layer_attention(i), learned, i)?,
+                attn,
                 mlp: up.layer_mlp(&layer.mlp)?,
             });
         }
@@ -383,6 +484,7 @@ impl<'m> DeviceModel<'m> {
             sinks: kernel(layers::sink_rows())?,
             gather: kernel(layers::gather_rows())?,
             scatter: kernel(layers::scatter_add_rows())?,
+            columns: kernel(layers::columns())?,
             embed_scale: pointwise(model.embed_multiplier().map(Pointwise::Scale))?,
             residual_scale: pointwise(c.residual_multiplier.map(|m| Pointwise::Scale(m as f32)))?,
             logit_scale: pointwise(c.logit_multiplier.map(|m| Pointwise::Scale(m as f32)))?,
@@ -805,20 +907,141 @@ impl<'m> DeviceModel<'m> {
     fn qkv(
         &self,
         s: &mut Scratch,
-        layer: &DeviceLayer,
+        a: &DeviceHeads,
         h: DeviceBuffer,
         n: usize,
     ) -> Result<[DeviceBuffer; 3], RuntimeError> {
         let (mut q, mut k, v) = (
-            self.linear(s, &layer.q, h, n)?,
-            self.linear(s, &layer.k, h, n)?,
-            self.linear(s, &layer.v, h, n)?,
+            self.linear(s, &a.q, h, n)?,
+            self.linear(s, &a.k, h, n)?,
+            self.linear(s, &a.v, h, n)?,
         );
-        if let Some([q_norm, k_norm]) = &layer.qk_norm {
-            q = self.norm(s, q_norm, q, n * layer.q.w.rows)?;
-            k = self.norm(s, k_norm, k, n * layer.k.w.rows)?;
+        if let Some([q_norm, k_norm]) = &a.qk_norm {
+            q = self.norm(s, q_norm, q, n * a.q.w.rows)?;
+            k = self.norm(s, k_norm, k, n * a.k.w.rows)?;
         }
         Ok([q, k, v])
+    }
+
+    /// `out[j, i, out_first..] = x[i, j, in_first..]` for `width` columns of `[a, b, in_width]`
+    /// rows into `[b, a, out_width]` rows (`a = 1`: rows in order).
+    fn columns(
+        &self,
+        out: DeviceBuffer,
+        x: DeviceBuffer,
+        [a, b]: [usize; 2],
+        [in_width, in_first]: [usize; 2],
+        [out_width, out_first]: [usize; 2],
+        width: usize,
+    ) -> Result<(), RuntimeError> {
+        self.launch(
+            &self.kernels.columns,
+            blocks(a * b * width)?,
+            &layers::ColumnsArgs {
+                x: x.addr,
+                out: out.addr,
+                a: a as i64,
+                b: b as i64,
+                in_width: in_width as i64,
+                in_first: in_first as i64,
+                out_width: out_width as i64,
+                out_first: out_first as i64,
+                width: width as i64,
+            },
+        )
+    }
+
+    /// MLA's rows of `n` normed tokens `h`: the queries `[n, heads, d + dr]`, the keys `[c_kv |
+    /// k_pe]` `[n, r + dr]` (the latent normed) and the latent `c_kv` `[n, r]` (the values).
+    fn mla_rows(
+        &self,
+        s: &mut Scratch,
+        m: &DeviceMla,
+        x: MlaDims,
+        h: DeviceBuffer,
+        n: usize,
+    ) -> Result<[DeviceBuffer; 3], RuntimeError> {
+        let MlaDims { r, dr, .. } = x;
+        let qs = self.linear(s, &m.q, h, n)?;
+        let qs = match &m.q_b {
+            Some((norm, q_b)) => {
+                let normed = self.norm(s, norm, qs, n * m.q.w.rows)?;
+                self.linear(s, q_b, normed, n)?
+            }
+            None => qs,
+        };
+        let kv = self.linear(s, &m.kv_a, h, n)?;
+        let c_kv = s.f32s(n * r)?;
+        self.columns(c_kv, kv, [1, n], [r + dr, 0], [r, 0], r)?;
+        let c_kv = self.norm(s, &m.kv_norm, c_kv, n * r)?;
+        let k = s.f32s(n * (r + dr))?;
+        self.columns(k, c_kv, [1, n], [r, 0], [r + dr, 0], r)?;
+        self.columns(k, kv, [1, n], [r + dr, r], [r + dr, r], dr)?;
+        Ok([qs, k, c_kv])
+    }
+
+    /// MLA's absorbed queries `[W_uk^T q_nope | q_pe]` of `n` tokens from their query rows
+    /// `qs` (`[n, heads, d + dr]`): `[heads, n, r + dr]` when `head_major`, else `[n, heads,
+    /// r + dr]`.
+    fn mla_queries(
+        &self,
+        s: &mut Scratch,
+        m: &DeviceMla,
+        x: MlaDims,
+        qs: DeviceBuffer,
+        n: usize,
+        head_major: bool,
+    ) -> Result<DeviceBuffer, RuntimeError> {
+        let MlaDims {
+            heads, d, r, dr, ..
+        } = x;
+        let q_nope = s.f32s(heads * n * d)?;
+        self.columns(q_nope, qs, [n, heads], [d + dr, 0], [d, 0], d)?;
+        let q_lat = s.f32s(heads * n * r)?;
+        for head in 0..heads {
+            let w_uk_t = DeviceMatrix {
+                buffer: sub(m.w_uk_t, 4 * head * r * d, 4 * r * d),
+                dtype: DType::F32,
+                rows: r,
+                cols: d,
+            };
+            let x = sub(q_nope, 4 * head * n * d, 4 * n * d);
+            self.gemm(x, &w_uk_t, sub(q_lat, 4 * head * n * r, 4 * n * r), n)?;
+        }
+        let q = s.f32s(heads * n * (r + dr))?;
+        let w = r + dr;
+        if head_major {
+            self.columns(q, q_lat, [1, heads * n], [r, 0], [w, 0], r)?;
+            self.columns(q, qs, [n, heads], [d + dr, d], [w, r], dr)?;
+        } else {
+            self.columns(q, q_lat, [heads, n], [r, 0], [w, 0], r)?;
+            self.columns(q, qs, [1, n * heads], [d + dr, d], [w, r], dr)?;
+        }
+        Ok(q)
+    }
+
+    /// MLA's outputs `[n, heads * dv]` from the latent outputs `[heads, n, r]`: `W_uv` per head.
+    fn mla_outputs(
+        &self,
+        s: &mut Scratch,
+        m: &DeviceMla,
+        x: MlaDims,
+        latent: DeviceBuffer,
+        n: usize,
+    ) -> Result<DeviceBuffer, RuntimeError> {
+        let MlaDims { heads, dv, r, .. } = x;
+        let out = s.f32s(heads * n * dv)?;
+        for head in 0..heads {
+            let w_uv = DeviceMatrix {
+                buffer: sub(m.w_uv, 4 * head * dv * r, 4 * dv * r),
+                dtype: DType::F32,
+                rows: dv,
+                cols: r,
+            };
+            let x = sub(latent, 4 * head * n * r, 4 * n * r);
+            self.gemm(x, &w_uv, sub(out, 4 * head * n * dv, 4 * n * dv), n)?;
+        }
+        self.swap(s, &self.kernels.from_heads, out, [heads, n, dv], 4)
     }
 
     /// Folds a layer's sinks into its attention rows `out` (`rows` rows of `width`, row `r`
@@ -826,14 +1049,14 @@ impl<'m> DeviceModel<'m> {
     #[allow(clippy::too_many_arguments)]
     fn sinks(
         &self,
-        layer: &DeviceLayer,
+        learned: &DeviceLearned,
         out: DeviceBuffer,
         lse: DeviceBuffer,
         [rows, width]: [usize; 2],
         per_head: usize,
         heads: usize,
     ) -> Result<(), RuntimeError> {
-        let Some(sinks) = layer.learned.sinks else {
+        let Some(sinks) = learned.sinks else {
             return Ok(());
         };
         self.launch(
@@ -863,15 +1086,53 @@ impl<'m> DeviceModel<'m> {
         let variant = &self.model.variants()[layer.kind];
         let kind = &self.kinds[layer.kind];
         let spec = variant.spec();
+        let size = kind.forward.inputs.size_bytes() as usize;
+        let to = &kind.to_heads;
+        let a = match &layer.attn {
+            DeviceAttention::Heads(a) => a,
+            DeviceAttention::Mla(m) => {
+                let x = MlaDims::of(spec)?;
+                let [qs, k, c_kv] = self.mla_rows(s, m, x, h, n)?;
+                let q = self.mla_queries(s, m, x, qs, n, true)?;
+                // One shared latent head: its rows go to the kernel in order, in its dtype.
+                let w = x.r + x.dr;
+                let q = self.swap(s, to, q, [1, x.heads * n, w], size)?;
+                let k = self.swap(s, to, k, [1, n, w], size)?;
+                let v = self.swap(s, to, c_kv, [1, n, x.r], size)?;
+                let (latent, _) = self.forward_kernel(s, layer.kind, [q, k, v], n, 0)?;
+                let rows = self.mla_outputs(s, m, x, latent, n)?;
+                return self.linear(s, &m.o, rows, n);
+            }
+        };
         let (heads, kv_heads) = (spec.heads as usize, spec.kv_heads() as usize);
         let (dim, v_dim) = (spec.head_dim as usize, spec.v_head_dim as usize);
-        let size = kind.forward.inputs.size_bytes() as usize;
-        let [q, k, v] = self.qkv(s, layer, h, n)?;
-        let to = &kind.to_heads;
+        let [q, k, v] = self.qkv(s, a, h, n)?;
         let q = self.swap(s, to, q, [n, heads, dim], size)?;
         let k = self.swap(s, to, k, [n, kv_heads, dim], size)?;
         let v = self.swap(s, to, v, [n, kv_heads, v_dim], size)?;
-        let t = ForwardTables::of(variant.forward_plan(), &kind.forward, [1, n, n], 0);
+        let (out, lse) = self.forward_kernel(s, layer.kind, [q, k, v], n, a.learned.params)?;
+        // Rows head-major: `n` rows per head.
+        self.sinks(&a.learned, out, lse, [heads * n, v_dim], n, heads)?;
+        let rows = self.swap(s, &self.kernels.from_heads, out, [heads, n, v_dim], 4)?;
+        self.linear(s, &a.o, rows, n)
+    }
+
+    /// Attention kind `kind`'s forward kernel over `n` tokens (positions from 0) of inputs in
+    /// its layout and dtype, reading the parameters at `params`: its f32 outputs `[heads, n,
+    /// v_dim]` and their log-sum-exps.
+    fn forward_kernel(
+        &self,
+        s: &mut Scratch,
+        kind: usize,
+        [q, k, v]: [DeviceBuffer; 3],
+        n: usize,
+        params: i64,
+    ) -> Result<(DeviceBuffer, DeviceBuffer), RuntimeError> {
+        let variant = &self.model.variants()[kind];
+        let forward = &self.kinds[kind].forward;
+        let plan = variant.forward_plan();
+        let (heads, v_dim) = (plan.shape.heads as usize, plan.shape.v_dim as usize);
+        let t = ForwardTables::of(plan, forward, [1, n, n], 0);
         let codes: Vec<u8> = t.codes.iter().flat_map(|c| c.to_le_bytes()).collect();
         let table = |s: &mut Scratch, v: &[f32]| -> Result<i64, RuntimeError> {
             Ok(if v.is_empty() {
@@ -894,21 +1155,28 @@ impl<'m> DeviceModel<'m> {
             rope_cos: table(s, &t.rope_cos)?,
             rope_sin: table(s, &t.rope_sin)?,
             rope_pos0: t.rope_pos0,
-            params: layer.learned.params,
+            params,
         };
-        self.launch(&kind.forward.kernel, t.grid, &record)?;
-        // Rows head-major: `n` rows per head.
-        self.sinks(layer, out, lse, [heads * n, v_dim], n, heads)?;
-        let rows = self.swap(s, &self.kernels.from_heads, out, [heads, n, v_dim], 4)?;
-        self.linear(s, &layer.o, rows, n)
+        self.launch(&forward.kernel, t.grid, &record)?;
+        Ok((out, lse))
     }
 }
 
 /// A layer's KV cache on the device: keys and values head-major, `[kv_heads, capacity, dim]`,
-/// in the spec's dtype, keys rotated as they were appended.
+/// in the spec's dtype, keys rotated as they were appended. MLA's values are the latent part
+/// of its key rows, not stored again (`v` is `None`).
 struct DeviceCache {
     k: DeviceBuffer,
-    v: DeviceBuffer,
+    v: Option<DeviceBuffer>,
+}
+
+impl DeviceCache {
+    fn free(self, device: &dyn Device) {
+        device.free(self.k);
+        if let Some(v) = self.v {
+            device.free(v);
+        }
+    }
 }
 
 /// One attention kind's kernels of incremental steps.
@@ -939,8 +1207,7 @@ pub struct DeviceSession<'s, 'm> {
 impl Drop for DeviceSession<'_, '_> {
     fn drop(&mut self) {
         for c in self.caches.drain(..) {
-            self.model.device.free(c.k);
-            self.model.device.free(c.v);
+            c.free(self.model.device.as_ref());
         }
     }
 }
@@ -979,8 +1246,7 @@ impl<'m> DeviceModel<'m> {
         let mut caches: Vec<DeviceCache> = Vec::with_capacity(self.layers.len());
         let free = |caches: &mut Vec<DeviceCache>| {
             for c in caches.drain(..) {
-                self.device.free(c.k);
-                self.device.free(c.v);
+                c.free(self.device.as_ref());
             }
         };
         for layer in &self.layers {
@@ -1003,7 +1269,13 @@ impl<'m> DeviceModel<'m> {
                     return Err(e);
                 }
             };
-            let v = match bytes(layout.v_dim).and_then(|b| self.device.zeros(b)) {
+            let v = match layout.values_in_keys {
+                true => Ok(None),
+                false => bytes(layout.v_dim)
+                    .and_then(|b| self.device.zeros(b))
+                    .map(Some),
+            };
+            let v = match v {
                 Ok(v) => v,
                 Err(e) => {
                     self.device.free(k);
@@ -1128,7 +1400,9 @@ impl DeviceSession<'_, '_> {
             variant.decode_plan(),
         );
         let (heads, kv_heads) = (spec.heads as usize, layout.kv_heads);
-        let (dim, v_dim) = (layout.k_dim, layout.v_dim);
+        // MLA's values are the latent part of its key rows: a value row starts where its key
+        // row does, a key row apart.
+        let (dim, v_stride) = crate::host::work::row_strides(layout);
         let size = layout.dtype.size_bytes() as usize;
         let group = heads / kv_heads;
         let (pos0, total) = (self.len, self.len + n);
@@ -1157,7 +1431,7 @@ impl DeviceSession<'_, '_> {
                             let row = (g * self.capacity + first) as i64;
                             segments.push(SegmentAt {
                                 k: row * (dim * size) as i64,
-                                v: row * (v_dim * size) as i64,
+                                v: row * (v_stride * size) as i64,
                                 first: first as i64,
                                 len: count as i64,
                                 code: code as i64,
@@ -1214,8 +1488,15 @@ impl DeviceSession<'_, '_> {
                     range.len() as i64,
                 ]);
                 for g in &segs[range] {
-                    t.segments
-                        .extend([g.k, g.v, g.first, g.len, g.code, dim as i64, v_dim as i64]);
+                    t.segments.extend([
+                        g.k,
+                        g.v,
+                        g.first,
+                        g.len,
+                        g.code,
+                        dim as i64,
+                        v_stride as i64,
+                    ]);
                 }
             }
         }
@@ -1249,6 +1530,8 @@ impl DeviceSession<'_, '_> {
 
     /// Appends the new tokens' keys and values to the layer's cache, then attends over the
     /// cache with the decode kernel on the step's tables and merges partitions on the device.
+    /// MLA appends `[c_kv | k_pe]` rows, attends with absorbed queries and expands the latent
+    /// outputs by `W_uv`.
     fn attention(
         &self,
         s: &mut Scratch,
@@ -1258,38 +1541,93 @@ impl DeviceSession<'_, '_> {
         h: DeviceBuffer,
         n: usize,
     ) -> Result<DeviceBuffer, RuntimeError> {
-        use codegen::gpu::launch::DecodeArgs;
         let m = self.model;
-        let variant = &m.model.variants()[layer.kind];
-        let kernels = &self.kernels.kinds[layer.kind];
-        let layout = variant.cache_layout();
-        let heads = variant.spec().heads as usize;
-        let (kv_heads, dim, v_dim) = (layout.kv_heads, layout.k_dim, layout.v_dim);
-        let [q, k, v] = m.qkv(s, layer, h, n)?;
+        let spec = m.model.variants()[layer.kind].spec();
+        match &layer.attn {
+            DeviceAttention::Heads(a) => {
+                let [q, k, v] = m.qkv(s, a, h, n)?;
+                self.append(t, layer.kind, true, [k, cache.k], n)?;
+                if let Some(v_cache) = cache.v {
+                    self.append(t, layer.kind, false, [v, v_cache], n)?;
+                }
+                let (rows, rows_lse) =
+                    self.decode(s, t, layer.kind, cache, q, n, a.learned.params)?;
+                let (heads, v_dim) = (spec.heads as usize, spec.v_head_dim as usize);
+                // Rows token-major: row `i * heads + h` is head `h`'s.
+                m.sinks(&a.learned, rows, rows_lse, [n * heads, v_dim], 1, heads)?;
+                m.linear(s, &a.o, rows, n)
+            }
+            DeviceAttention::Mla(mla) => {
+                let x = MlaDims::of(spec)?;
+                let [qs, k, _] = m.mla_rows(s, mla, x, h, n)?;
+                self.append(t, layer.kind, true, [k, cache.k], n)?;
+                let q = m.mla_queries(s, mla, x, qs, n, false)?;
+                let (rows, _) = self.decode(s, t, layer.kind, cache, q, n, 0)?;
+                // Token-major latent rows to head-major for the per-head `W_uv`.
+                let latent = m.swap(s, &m.kernels.from_heads, rows, [n, x.heads, x.r], 4)?;
+                let rows = m.mla_outputs(s, mla, x, latent, n)?;
+                m.linear(s, &mla.o, rows, n)
+            }
+        }
+    }
+
+    /// Appends `n` rows (`[n, kv_heads, width]` f32) to a layer's key cache (`keys`: rotated
+    /// for their positions) or value cache.
+    fn append(
+        &self,
+        t: &StepTables,
+        kind: usize,
+        keys: bool,
+        [rows, cache]: [DeviceBuffer; 2],
+        n: usize,
+    ) -> Result<(), RuntimeError> {
+        let layout = self.model.model.variants()[kind].cache_layout();
+        let kernels = &self.kernels.kinds[kind];
+        let (kernel, width) = match keys {
+            true => (&kernels.append_k, layout.k_dim),
+            false => (&kernels.append_v, layout.v_dim),
+        };
         let per = if half_of(layout.dtype).is_some() {
             2
         } else {
             1
         };
-        for (kernel, rows, buffer, width) in [
-            (&kernels.append_k, k, cache.k, dim),
-            (&kernels.append_v, v, cache.v, v_dim),
-        ] {
-            m.launch(
-                kernel,
-                blocks(n * kv_heads * width / per)?,
-                &layers::AppendArgs {
-                    rows: rows.addr,
-                    cache: buffer.addr,
-                    tokens: n as i64,
-                    kv_heads: kv_heads as i64,
-                    capacity: self.capacity as i64,
-                    pos0: t.pos0 as i64,
-                    rope_cos: t.rope_cos,
-                    rope_sin: t.rope_sin,
-                },
-            )?;
-        }
+        self.model.launch(
+            kernel,
+            blocks(n * layout.kv_heads * width / per)?,
+            &layers::AppendArgs {
+                rows: rows.addr,
+                cache: cache.addr,
+                tokens: n as i64,
+                kv_heads: layout.kv_heads as i64,
+                capacity: self.capacity as i64,
+                pos0: t.pos0 as i64,
+                rope_cos: t.rope_cos,
+                rope_sin: t.rope_sin,
+            },
+        )
+    }
+
+    /// The decode kernel over a layer's cache for `n` new tokens' queries `q` (`[n, heads,
+    /// k_dim]` f32), partitions merged: the output rows `[n, heads, v_dim]` and their
+    /// log-sum-exps.
+    #[allow(clippy::too_many_arguments)]
+    fn decode(
+        &self,
+        s: &mut Scratch,
+        t: &StepTables,
+        kind: usize,
+        cache: &DeviceCache,
+        q: DeviceBuffer,
+        n: usize,
+        params: i64,
+    ) -> Result<(DeviceBuffer, DeviceBuffer), RuntimeError> {
+        use codegen::gpu::launch::DecodeArgs;
+        let m = self.model;
+        let variant = &m.model.variants()[kind];
+        let layout = variant.cache_layout();
+        let heads = variant.spec().heads as usize;
+        let (dim, v_dim) = (layout.k_dim, layout.v_dim);
         let q_rows = s.f32s(t.rows * dim)?;
         m.launch(
             &m.kernels.gather,
@@ -1306,7 +1644,7 @@ impl DeviceSession<'_, '_> {
         let ctas = u32::try_from(t.tasks)
             .map_err(|_| RuntimeError::Data("more tasks than a grid holds".into()))?;
         m.launch(
-            &kernels.decode,
+            &self.kernels.kinds[kind].decode,
             [ctas, 1, 1],
             &DecodeArgs {
                 q_rows: q_rows.addr,
@@ -1319,8 +1657,9 @@ impl DeviceSession<'_, '_> {
                 rope_sin: t.rope_sin,
                 rope_pos0: t.pos0 as i64,
                 k_base: cache.k.addr,
-                v_base: cache.v.addr,
-                params: layer.learned.params,
+                // MLA's values lie in its key rows.
+                v_base: cache.v.unwrap_or(cache.k).addr,
+                params,
             },
         )?;
         let (rows, rows_lse) = (s.f32s(n * heads * v_dim)?, s.f32s(n * heads)?);
@@ -1338,9 +1677,7 @@ impl DeviceSession<'_, '_> {
                 width: v_dim as i64,
             },
         )?;
-        // Rows token-major: row `i * heads + h` is head `h`'s.
-        m.sinks(layer, rows, rows_lse, [n * heads, v_dim], 1, heads)?;
-        m.linear(s, &layer.o, rows, n)
+        Ok((rows, rows_lse))
     }
 }
 

@@ -50,7 +50,7 @@ pub struct Args {
     #[arg(long, value_name = "IDS")]
     stop: Option<String>,
     /// Where the model runs: cpu; gpu-sim or cuda hold the whole model on the device (weights,
-    /// activations and KV caches; MLA models: only their attention runs there).
+    /// activations and KV caches).
     #[arg(long, value_enum, default_value_t = Backend::Cpu)]
     backend: Backend,
 }
@@ -182,8 +182,8 @@ fn generate(path: &Path, seed: u64, prompt: Prompt, args: Generation) -> Result<
         }
         last = Some(p);
     };
-    // On gpu-sim or cuda the model runs resident on the device (MLA models: their attention).
-    let out = match resident_device(&model, args.backend)? {
+    // On gpu-sim or cuda the model runs resident on the device.
+    let out = match resident_device(args.backend)? {
         Some(device) => vec![
             DeviceModel::new(&model, device)
                 .and_then(|m| m.generate(&request, args.sampling, &mut report))

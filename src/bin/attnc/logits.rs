@@ -28,7 +28,7 @@ pub struct Args {
     #[arg(long, value_name = "FILE")]
     output: PathBuf,
     /// Where the model runs: cpu; gpu-sim or cuda hold the whole model on the device (weights,
-    /// activations and KV caches; MLA models: only their attention runs there).
+    /// activations and KV caches).
     #[arg(long, value_enum, default_value_t = Backend::Cpu)]
     backend: Backend,
 }
@@ -62,7 +62,7 @@ fn logits(
 ) -> Result<String, String> {
     let err = |e: attn::runtime::RuntimeError| format!("error: {e}");
     let logits = match incremental {
-        None => match resident_device(model, backend)? {
+        None => match resident_device(backend)? {
             Some(device) => DeviceModel::new(model, device)
                 .and_then(|m| m.forward(tokens))
                 .map_err(err)?,
@@ -74,7 +74,7 @@ fn logits(
                 tokens.len()
             ));
         }
-        Some(p) => match resident_device(model, backend)? {
+        Some(p) => match resident_device(backend)? {
             Some(device) => {
                 let on_device = DeviceModel::new(model, device).map_err(err)?;
                 let mut session = on_device.session(tokens.len()).map_err(err)?;

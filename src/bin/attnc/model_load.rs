@@ -69,16 +69,9 @@ pub fn parse_tokens(text: &str) -> Result<Vec<u32>, String> {
     }
 }
 
-/// The device a model can be resident on for `backend`: the interpreter for gpu-sim, CUDA
-/// device 0 for cuda; `None` on the CPU, and for models not yet resident on devices
-/// (`ModelConfig::not_resident`: they run with only the attention on the backend).
-pub fn resident_device(
-    model: &Model,
-    backend: Backend,
-) -> Result<Option<std::sync::Arc<dyn Device>>, String> {
-    if model.config.not_resident().is_some() {
-        return Ok(None);
-    }
+/// The device a model is resident on for `backend`: the interpreter for gpu-sim, CUDA device 0
+/// for cuda; `None` on the CPU.
+pub fn resident_device(backend: Backend) -> Result<Option<std::sync::Arc<dyn Device>>, String> {
     match backend {
         Backend::Cpu => Ok(None),
         Backend::GpuSim => Ok(Some(std::sync::Arc::new(SimDevice::new()))),
