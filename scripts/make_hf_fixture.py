@@ -204,6 +204,16 @@ FIXTURES = {
         "gpt-oss: learned sinks, layer 0 a window of 8, 4 experts top 2 behind a biased router "
         "(softmax of the chosen logits), clamped SwiGLU, YaRN x32 with truncate = false",
     ),
+    "gpt_oss_mxfp4": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(_mxfp4=True, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+             intermediate_size=32, sliding_window=8, tie_word_embeddings=False, pad_token_id=None,
+             bos_token_id=None, eos_token_id=None),
+        "gpt-oss with its experts stored as OpenAI's checkpoints store them: MXFP4 blocks and "
+        "scales (random), the logits those dequantize to (transformers' "
+        "convert_moe_packed_tensors)",
+    ),
     "gpt_neox": (
         "GPTNeoXConfig",
         "GPTNeoXForCausalLM",
@@ -258,6 +268,53 @@ def randomize(model):
                 b.copy_((0.1 * noise).to(b.dtype))
 
 
+def pack_experts(model):
+    """Random MXFP4 blocks and scales for every layer's experts, the model's expert weights set
+    to what they dequantize to; returns the packed tensors by checkpoint name."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(SEED + 2)
+    packed = {}
+    for i, layer in enumerate(model.model.layers):
+        experts = layer.mlp.experts
+        for proj in ["gate_up_proj", "down_proj"]:
+            weight = getattr(experts, proj)
+            e, cols, rows = weight.shape  # x W form: [experts, in, out]
+            blocks = torch.randint(0, 256, (e, rows, cols // 32, 16), generator=g, dtype=torch.uint8)
+            # Exponents around 2^-4: weights of about a tenth, as the other fixtures' are.
+            scales = torch.randint(121, 126, (e, rows, cols // 32), generator=g, dtype=torch.uint8)
+            with torch.no_grad():
+                weight.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+            prefix = f"model.layers.{i}.mlp.experts.{proj}"
+            packed[prefix + "_blocks"] = blocks
+            packed[prefix + "_scales"] = scales
+    return packed
+
+
+def store_packed(out, packed):
+    """Replaces the saved experts' weights by their MXFP4 blocks and scales, and says so in
+    config.json as OpenAI's checkpoints do."""
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(out, "model.safetensors")
+    tensors = load_file(path)
+    for name in packed:
+        tensors.pop(name.rsplit("_", 1)[0], None)
+    tensors.update(packed)
+    save_file(tensors, path, metadata={"format": "pt"})
+    config_path = os.path.join(out, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                   "model.embed_tokens", "lm_head"],
+    }
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2)
+        f.write("\n")
+
+
 def main():
     if len(sys.argv) != 2 or sys.argv[1] not in FIXTURES:
         sys.exit(f"usage: make_hf_fixture.py NAME; NAME one of {', '.join(FIXTURES)}")
@@ -265,13 +322,17 @@ def main():
     config_class, model_class, keys, notes = FIXTURES[name]
     keys = dict(keys)
     base = COMMON if keys.pop("_common", True) else {}
+    mxfp4 = keys.pop("_mxfp4", False)
     config = getattr(transformers, config_class)(**{**base, **keys})
     config._attn_implementation = "eager"
     torch.manual_seed(SEED)
     model = getattr(transformers, model_class)(config).eval()
     randomize(model)
+    packed = pack_experts(model) if mxfp4 else None
     out = os.path.join(OUT, name)
     model.save_pretrained(out, safe_serialization=True)
+    if packed is not None:
+        store_packed(out, packed)
 
     g = torch.Generator().manual_seed(SEED + 1)
     ids = torch.randint(0, config.vocab_size, (1, T), generator=g)

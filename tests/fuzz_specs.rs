@@ -37,6 +37,9 @@ const SEEDS: &[&str] = &[
      score_mod = |s, b, h, q, k| s * t[h / 2, 1, 2] + rel[h, max(min(q - k, 31), 0)]",
     "heads = 2, head_dim = 8, params(score: [2], w: [heads]), \
      score_mod = |s, b, h, q, k| s * w[h] + w[(k - q).abs().min(1)]",
+    "heads = 4, head_dim = 8, mask = causal, position = rope(dim = 8, scaling = \
+     longrope(short = [1.0, 1.5, 2, 3], long = [1, 4, 16, 64], original_max_position = 32, \
+     attention_factor = 1.2))",
 ];
 
 /// Tokens inserted by mutations: extremes, wrong kinds, unicode, unbalanced brackets.

@@ -89,6 +89,44 @@ fn some_names(missing: &str, mut available: Vec<String>) -> String {
 /// header and the named tensors' bytes are read, one tensor at a time, so a checkpoint's weights
 /// take their own size in memory and no more.
 pub fn read_safetensors(path: &Path, names: &[&str]) -> Result<Vec<Tensor>, RuntimeError> {
+    let io = |message: String| RuntimeError::Io {
+        path: path.display().to_string(),
+        message,
+    };
+    read_raw(path, names)?
+        .into_iter()
+        .zip(names)
+        .map(|(raw, name)| {
+            let (shape, data) = (&raw.shape, &raw.data);
+            match raw.dtype {
+                Dtype::F32 => Tensor::from_f32(shape, le(data, f32::from_le_bytes)),
+                Dtype::F16 => Tensor::from_f16(shape, le(data, f16::from_le_bytes)),
+                Dtype::BF16 => Tensor::from_bf16(shape, le(data, bf16::from_le_bytes)),
+                other => {
+                    return Err(io(format!(
+                        "tensor `{name}` is {other:?}; supported: F32, F16, BF16"
+                    )));
+                }
+            }
+            .map_err(|e| io(format!("tensor `{name}`: {e}")))
+        })
+        .collect()
+}
+
+/// A tensor as stored: its dtype, shape and little-endian bytes.
+#[derive(Debug)]
+pub(crate) struct RawTensor {
+    /// The stored dtype.
+    pub(crate) dtype: Dtype,
+    /// Its shape.
+    pub(crate) shape: Vec<usize>,
+    /// Its bytes (`shape`'s product times the dtype's size, as the header was checked).
+    pub(crate) data: Vec<u8>,
+}
+
+/// The named tensors of a safetensors file as stored, in order, whatever their dtype (packed
+/// quantized weights are `U8`): what [`read_safetensors`] reads, before any conversion.
+pub(crate) fn read_raw(path: &Path, names: &[&str]) -> Result<Vec<RawTensor>, RuntimeError> {
     let shown = path.display().to_string();
     let io = |message: String| RuntimeError::Io {
         path: shown.clone(),
@@ -135,18 +173,11 @@ pub fn read_safetensors(path: &Path, names: &[&str]) -> Result<Vec<Tensor>, Runt
             file.seek(SeekFrom::Start(data_start + begin as u64))
                 .and_then(|_| file.read_exact(&mut data))
                 .map_err(|e| io(format!("tensor `{name}`: {e}")))?;
-            let shape = &info.shape;
-            match info.dtype {
-                Dtype::F32 => Tensor::from_f32(shape, le(&data, f32::from_le_bytes)),
-                Dtype::F16 => Tensor::from_f16(shape, le(&data, f16::from_le_bytes)),
-                Dtype::BF16 => Tensor::from_bf16(shape, le(&data, bf16::from_le_bytes)),
-                other => {
-                    return Err(io(format!(
-                        "tensor `{name}` is {other:?}; supported: F32, F16, BF16"
-                    )));
-                }
-            }
-            .map_err(|e| io(format!("tensor `{name}`: {e}")))
+            Ok(RawTensor {
+                dtype: info.dtype,
+                shape: info.shape.clone(),
+                data,
+            })
         })
         .collect()
 }

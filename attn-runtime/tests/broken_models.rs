@@ -279,6 +279,9 @@ fn every_config_key_with_hostile_values_loads_or_errs() {
             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64}"#,
         r#"{"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}"#,
+        r#"{"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1, 1, 1, 1, 1, 1,
+            1, 1], "long_factor": [1, 2, 3, 4, 5, 6, 7, 8], "factor": 4.0,
+            "attention_factor": 1.2, "original_max_position_embeddings": 16}"#,
     ];
     for name in [
         "llama_gqa",
@@ -288,6 +291,9 @@ fn every_config_key_with_hostile_values_loads_or_errs() {
         "gemma3_text",
         "olmo2",
         "qwen3_moe",
+        "bloom",
+        "phi3_longrope",
+        "cohere_qk_norm",
     ] {
         let text = std::fs::read_to_string(fixture(name).join("config.json")).unwrap();
         let json: serde_json::Value = serde_json::from_str(&text).unwrap();

@@ -232,6 +232,21 @@ fn gpt_oss_matches_transformers() {
     check("gpt_oss", 24);
 }
 
+/// gpt-oss as OpenAI ships it: experts packed as MXFP4 blocks and scales, dequantized at load.
+#[test]
+fn gpt_oss_with_mxfp4_experts_matches_transformers() {
+    check("gpt_oss_mxfp4", 24);
+    // Another quantization is refused by name.
+    let gptq = edited("gpt_oss_mxfp4", "gptq", |c| {
+        c["quantization_config"]["quant_method"] = "gptq".into()
+    });
+    let err = hf::load(&gptq).unwrap_err().to_string();
+    assert!(
+        err.contains("`quantization_config.quant_method` = `gptq`"),
+        "{err}"
+    );
+}
+
 /// gpt_neox: its own tensor names, q, k and v fused head by head, attention and MLP in parallel
 /// with a LayerNorm each, RoPE on a quarter of each head, the exact GELU.
 #[test]

@@ -379,6 +379,7 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
     }
     let starcoder = family == "starcoder2";
     let use_bias = starcoder && (!c.has("use_bias") || c.flag("use_bias")?);
+    packed_experts(c, &family)?;
     let mlp = activation(c, &family)?;
     if c.flag("use_bidirectional_attention")? {
         return Err(bad(
@@ -498,6 +499,25 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
         .validate()
         .map_err(|e| bad(path, e.to_string().replace("model config: ", "")))?;
     Ok(config)
+}
+
+/// Whether the checkpoint stores gpt-oss's experts packed as MXFP4 (`quantization_config` with
+/// `quant_method` `mxfp4`); any other quantization is an error naming it.
+fn packed_experts(c: Fields, family: &str) -> Result<bool, RuntimeError> {
+    let Some(q) = c.object("quantization_config", "quantization_config.")? else {
+        return Ok(false);
+    };
+    match q.str_opt("quant_method")? {
+        Some("mxfp4") if family == "gpt_oss" => Ok(true),
+        method => Err(bad(
+            c.path(),
+            format!(
+                "quantized weights (`quantization_config.quant_method` = {}) are not supported; \
+                 supported: unquantized weights, and gpt-oss's experts in mxfp4",
+                method.map_or("none".to_string(), |m| format!("`{m}`"))
+            ),
+        )),
+    }
 }
 
 /// The MLP of the family from its activation: SwiGLU (`silu`), or GeGLU for gemma
@@ -1000,6 +1020,27 @@ impl Files {
         }
     }
 
+    /// Reads the named tensors as stored, in order.
+    fn read_raw(&self, names: &[String]) -> Result<Vec<crate::io::RawTensor>, RuntimeError> {
+        let mut out = Vec::with_capacity(names.len());
+        for name in names {
+            out.extend(crate::io::read_raw(&self.file_of(name)?, &[name.as_str()])?);
+        }
+        Ok(out)
+    }
+
+    /// The file holding tensor `name`.
+    fn file_of(&self, name: &str) -> Result<PathBuf, RuntimeError> {
+        match &self.single {
+            Some(f) => Ok(f.clone()),
+            None => self.by_name.get(name).cloned().ok_or_else(|| {
+                RuntimeError::Data(format!(
+                    "tensor `{name}` is not in the checkpoint's weight map"
+                ))
+            }),
+        }
+    }
+
     /// Reads the named tensors, file by file.
     fn read(&self, names: &[String]) -> Result<HashMap<String, Tensor>, RuntimeError> {
         let mut by_file: HashMap<&Path, Vec<&str>> = HashMap::new();
@@ -1050,8 +1091,34 @@ pub fn load(dir: &Path) -> Result<Model, RuntimeError> {
         let prefixed = files.holds("transformer.word_embeddings.weight")?;
         config.tensor_names = TensorNames::Bloom { prefixed };
     }
-    let names = weights::tensor_names(&config, q_lora);
-    let tensors = files.read(&names)?;
+    let mut names = weights::tensor_names(&config, q_lora);
+    // gpt-oss's experts packed as MXFP4 are read packed and dequantized.
+    let packed: Vec<String> = match read_packed(dir)? {
+        true => {
+            let is_packed = |n: &String| {
+                n.ends_with("mlp.experts.gate_up_proj") || n.ends_with("mlp.experts.down_proj")
+            };
+            let packed = names.iter().filter(|n| is_packed(n)).cloned().collect();
+            names.retain(|n| !is_packed(n));
+            packed
+        }
+        false => Vec::new(),
+    };
+    let mut tensors = files.read(&names)?;
+    if let Some(moe) = &config.moe {
+        let (d, w) = (config.hidden, moe.intermediate);
+        for name in packed {
+            let parts = [format!("{name}_blocks"), format!("{name}_scales")];
+            let [blocks, scales] = <[_; 2]>::try_from(files.read_raw(&parts)?)
+                .map_err(|_| RuntimeError::Data("internal: two packed tensors".into()))?;
+            let [cols, rows] = match name.ends_with("gate_up_proj") {
+                true => [d, 2 * w],
+                false => [w, d],
+            };
+            let t = super::mxfp4::dequantize(&name, &blocks, &scales, [moe.experts, cols, rows])?;
+            tensors.insert(name, t);
+        }
+    }
     let tied = config.tie_embeddings;
     let head = config.tensor_names.of("lm_head.weight");
     let mut model = weights::assemble(config, tensors, q_lora, "config.json")?;
@@ -1063,6 +1130,13 @@ pub fn load(dir: &Path) -> Result<Model, RuntimeError> {
         ));
     }
     Ok(model)
+}
+
+/// Whether a checkpoint stores its experts packed as MXFP4 ([`packed_experts`]).
+fn read_packed(dir: &Path) -> Result<bool, RuntimeError> {
+    let file = Config::read(dir)?;
+    let c = file.fields()?;
+    packed_experts(c, c.str_opt("model_type")?.unwrap_or_default())
 }
 
 /// The rank through which a DeepSeek checkpoint factors its queries (`q_lora_rank`), if it

@@ -285,7 +285,14 @@ impl MoeMlp {
                 };
                 let allowed = self.allowed(&choice);
                 let mut order: Vec<usize> = (0..n).filter(|&e| allowed[e]).collect();
-                order.sort_by(|&a, &b| choice[b].total_cmp(&choice[a]).then(a.cmp(&b)));
+                // Best first, ties to the lower index: a total order, so selecting the top k
+                // before sorting them gives what sorting all would.
+                let best = |&a: &usize, &b: &usize| choice[b].total_cmp(&choice[a]).then(a.cmp(&b));
+                if self.top_k < order.len() {
+                    order.select_nth_unstable_by(self.top_k, best);
+                    order.truncate(self.top_k);
+                }
+                order.sort_by(best);
                 let mut chosen: Vec<(usize, f32)> = order
                     .into_iter()
                     .take(self.top_k)

@@ -14,6 +14,7 @@ mod generate;
 pub mod hf;
 mod json_fields;
 mod layers;
+mod mxfp4;
 pub mod research;
 mod text;
 mod weights;
