@@ -51,6 +51,15 @@ impl Storage {
         }
     }
 
+    /// The values at `indices`, in order, in their dtype.
+    pub(crate) fn pick(&self, indices: impl Iterator<Item = usize>) -> Storage {
+        match self {
+            Storage::F32(v) => Storage::F32(indices.map(|i| v[i]).collect()),
+            Storage::F16(v) => Storage::F16(indices.map(|i| v[i]).collect()),
+            Storage::Bf16(v) => Storage::Bf16(indices.map(|i| v[i]).collect()),
+        }
+    }
+
     fn get(&self, i: usize) -> f32 {
         match self {
             Storage::F32(v) => v[i],

@@ -467,36 +467,35 @@ impl Store<'_> {
     ) -> Result<Vec<Mlp>, RuntimeError> {
         let (e, w) = (moe.experts, moe.intermediate);
         let at = |n: &str| format!("{p}mlp.experts.{n}");
+        // Weights stay in their stored dtype (bf16 for MXFP4 checkpoints), rearranged.
         let gate_up = self
             .shaped(&at("gate_up_proj"), &[e, d, 2 * w])?
-            .to_f32_vec();
+            .contiguous_storage();
         let gate_up_bias = self
             .shaped(&at("gate_up_proj_bias"), &[e, 2 * w])?
             .to_f32_vec();
-        let down = self.shaped(&at("down_proj"), &[e, w, d])?.to_f32_vec();
+        let down = self
+            .shaped(&at("down_proj"), &[e, w, d])?
+            .contiguous_storage();
         let down_bias = self.shaped(&at("down_proj_bias"), &[e, d])?.to_f32_vec();
-        let linear = |values: Vec<f32>, rows: usize, cols: usize, bias: Vec<f32>| Linear {
-            w: Matrix::new(rows, cols, Storage::F32(values)),
+        let linear = |values: Storage, rows: usize, cols: usize, bias: Vec<f32>| Linear {
+            w: Matrix::new(rows, cols, values),
             bias: Some(bias),
         };
         let mut experts = Vec::with_capacity(e);
         for j in 0..e {
-            let gu = &gate_up[j * d * 2 * w..(j + 1) * d * 2 * w];
-            let gu_bias = &gate_up_bias[j * 2 * w..(j + 1) * 2 * w];
+            let (gu, gu_bias) = (j * d * 2 * w, &gate_up_bias[j * 2 * w..(j + 1) * 2 * w]);
             // Output r of the gate is column 2r of gate_up; of up, column 2r + 1.
-            let half = |first: usize| -> (Vec<f32>, Vec<f32>) {
-                let values = (0..w)
-                    .flat_map(|r| (0..d).map(move |c| gu[c * 2 * w + 2 * r + first]))
-                    .collect();
+            let half = |first: usize| -> (Storage, Vec<f32>) {
+                let values = gate_up
+                    .pick((0..w).flat_map(|r| (0..d).map(move |c| gu + c * 2 * w + 2 * r + first)));
                 let bias = (0..w).map(|r| gu_bias[2 * r + first]).collect();
                 (values, bias)
             };
             let (gate, gate_bias) = half(0);
             let (up, up_bias) = half(1);
-            let dn = &down[j * w * d..(j + 1) * w * d];
-            let down_t = (0..d)
-                .flat_map(|r| (0..w).map(move |c| dn[c * d + r]))
-                .collect();
+            let dn = j * w * d;
+            let down_t = down.pick((0..d).flat_map(|r| (0..w).map(move |c| dn + c * d + r)));
             experts.push(Mlp {
                 kind: config.mlp,
                 gate: Some(linear(gate, w, d, gate_bias)),
