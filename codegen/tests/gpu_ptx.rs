@@ -176,6 +176,59 @@ fn decode_kernels_compile_to_ptx() {
     }
 }
 
+/// Every layer kernel a resident model launches lowers to PTX and assembles.
+#[test]
+fn layer_kernels_compile_to_ptx_and_assemble() {
+    use codegen::gpu::ir::Half;
+    use codegen::gpu::kernels::layers::{self, Activation, AppendRope, NormKind, Pointwise};
+    let clamped = Activation::ClampedSwiGlu {
+        alpha: 1.702f32.to_bits(),
+        limit: 7f32.to_bits(),
+    };
+    let mut kernels = vec![
+        layers::norm(NormKind::Rms, 4096, 1e-6, false, 1),
+        layers::norm(NormKind::Layer, 128, 1e-5, false, 8),
+        layers::norm(NormKind::Layer, 1024, 1e-5, true, 1),
+        layers::residual_add(),
+        layers::bias_add(),
+        layers::embed(4096, Some(Half::Bf16)),
+        layers::argmax(32000),
+        layers::swap_outer(Some(Half::Bf16)),
+        layers::swap_outer(None),
+        layers::gather_rows(),
+        layers::scatter_add_rows(),
+        layers::columns(),
+        layers::sink_rows(),
+        layers::merge_partitions(),
+        layers::pointwise(Pointwise::Scale(0.25)),
+        layers::pointwise(Pointwise::Softcap(30.0)),
+        layers::cache_append(
+            576,
+            Some(Half::Bf16),
+            Some(AppendRope {
+                dim: 64,
+                first_dim: 512,
+                layout: attn_dsl::RopeLayout::Interleaved,
+            }),
+        ),
+    ];
+    for kind in [
+        Activation::SwiGlu,
+        Activation::Gelu,
+        Activation::GeluExact,
+        Activation::GeGlu,
+        clamped,
+    ] {
+        kernels.push(layers::activation(kind));
+    }
+    for kernel in kernels {
+        let name = kernel.name.clone();
+        let out = emit(&kernel, Arch::Sm90).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(out.ptx.contains(&format!(".entry {name}")), "{name}");
+        assemble(&out.ptx, Arch::Sm90, &name);
+    }
+}
+
 #[test]
 fn backward_kernels_compile_to_ptx_and_assemble() {
     for text in [
