@@ -294,6 +294,65 @@ fn norm_placements_geglu_and_qk_norms_decode_as_their_full_forward() {
     }
 }
 
+/// A `[moe]` table: experts every `every`-th layer, a shared expert; the model decodes as its
+/// full forward, counts its parameters, and its TOML reads back equal. Bad tables are errors
+/// naming the key.
+#[test]
+fn mixture_of_experts_in_toml_and_its_errors() {
+    let c = config(
+        "heads = 4, kv_heads = 2, head_dim = 12, mask = causal, position = rope",
+        "[moe]\nexperts = 4\ntop_k = 2\nintermediate = 32\nshared = 16\nevery = 2",
+    );
+    let moe = c.moe.as_ref().unwrap();
+    assert_eq!((moe.experts, moe.top_k, moe.intermediate), (4, 2, 32));
+    assert_eq!(moe.sparse, [false, true]);
+    let model = Model::random(&c, 5).unwrap();
+    let parts: u64 = model.parameters().iter().map(|(_, n)| n).sum();
+    assert_eq!(parts, c.weight_count().unwrap());
+    let err = incremental_error(&model, 9, 4);
+    assert!(err < 1e-4, "incremental against full: {err}");
+    let back = attn_runtime::model::research::config_to_toml(&c, None);
+    assert_eq!(config_from_toml(&back).unwrap(), c, "{back}");
+    let base = "vocab = 10\nhidden = 8\nlayers = 2\nattention = \"heads = 2, head_dim = 4\"\n";
+    for (moe, needle) in [
+        ("moe = 3", "`moe` must be a table"),
+        ("[moe]\nexperts = 4", "`moe.top_k` is missing"),
+        (
+            "[moe]\nexperts = 0\ntop_k = 1",
+            "`moe.experts` must be a positive integer",
+        ),
+        ("[moe]\nexperts = 4\ntop_k = 5", "top-k"),
+        (
+            "[moe]\nexperts = 4\ntop_k = 2\nevery = 3",
+            "`moe.every` = 3 leaves no MoE layer",
+        ),
+        (
+            "[moe]\nexperts = 4\ntop_k = 2\nrouter = \"sigmoid\"",
+            "unknown key `moe.router`",
+        ),
+        (
+            "[moe]\nexperts = 4\ntop_k = 2\nnormalize = 1",
+            "`moe.normalize` must be true or false",
+        ),
+        ("[moe]\nexperts = 100000\ntop_k = 2", "expert count"),
+    ] {
+        let text = format!("{base}{moe}");
+        let err = config_from_toml(&text).unwrap_err().to_string();
+        assert!(err.contains(needle), "{text}: {err}");
+    }
+    // A layer count past the limit is refused before anything per layer is made.
+    let err = config_from_toml(
+        "vocab = 10\nhidden = 8\nlayers = 100000000000\nattention = \"heads = 2, head_dim = 4\"\n\
+         [moe]\nexperts = 4\ntop_k = 2",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("`layers` = 100000000000 is out of range"),
+        "{err}"
+    );
+}
+
 /// The README's per-layer TOML example is a valid config.
 #[test]
 fn the_readmes_layer_pattern_example_reads() {

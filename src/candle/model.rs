@@ -6,7 +6,7 @@
 use super::attention_learned;
 use crate::Variant;
 use crate::runtime::model::{
-    MlpKind, MlpNames, ModelConfig, NormKind, Projections, QkNorm, TensorNames,
+    ExpertNames, MlpKind, MlpNames, ModelConfig, NormKind, Projections, QkNorm, Router, TensorNames,
 };
 use candle_core::{D, DType, Module, Result, Tensor};
 use candle_nn::{Init, VarBuilder, VarMap};
@@ -132,12 +132,58 @@ struct Block {
     o: Linear,
     mlp_norm: Option<Norm>,
     post_mlp_norm: Option<Norm>,
+    mlp: BlockMlp,
+    /// The spec's learnable tensors (`self_attn.{name}`), starting at 0.
+    learned: Vec<(String, Tensor)>,
+}
+
+/// A dense MLP, or one expert.
+struct Mlp {
     /// The gate of SwiGLU and GeGLU.
     gate: Option<Linear>,
     up: Linear,
     down: Linear,
-    /// The spec's learnable tensors (`self_attn.{name}`), starting at 0.
-    learned: Vec<(String, Tensor)>,
+}
+
+impl Mlp {
+    /// The MLP `{prefix}.gate_proj`, `.up_proj`, `.down_proj`, `width` wide.
+    fn new(vb: &VarBuilder, prefix: &str, config: &ModelConfig, width: usize) -> Result<Mlp> {
+        let d = config.hidden;
+        Ok(Mlp {
+            gate: match config.mlp {
+                MlpKind::SwiGlu | MlpKind::GeGlu | MlpKind::ClampedSwiGlu { .. } => Some(
+                    Linear::new(vb, &format!("{prefix}.gate_proj"), width, d, false)?,
+                ),
+                MlpKind::Gelu | MlpKind::GeluExact => None,
+            },
+            up: Linear::new(vb, &format!("{prefix}.up_proj"), width, d, false)?,
+            down: Linear::new(vb, &format!("{prefix}.down_proj"), d, width, false)?,
+        })
+    }
+
+    fn forward(&self, kind: MlpKind, h: &Tensor) -> Result<Tensor> {
+        let up = self.up.forward(h)?;
+        let act = match (&self.gate, kind) {
+            (Some(gate), MlpKind::GeGlu) => (gate.forward(h)?.gelu()? * up)?,
+            (Some(gate), _) => (candle_nn::ops::silu(&gate.forward(h)?)? * up)?,
+            (None, MlpKind::GeluExact) => up.gelu_erf()?,
+            (None, _) => up.gelu()?,
+        };
+        self.down.forward(&act)
+    }
+}
+
+/// A block's MLP: dense, or a mixture of experts (a research model's `[moe]`: softmax routing
+/// to the top k, an ungated shared expert if any).
+enum BlockMlp {
+    Dense(Mlp),
+    Moe {
+        router: Linear,
+        experts: Vec<Mlp>,
+        shared: Option<Mlp>,
+        top_k: usize,
+        normalize: bool,
+    },
 }
 
 fn normal() -> Init {
@@ -165,9 +211,19 @@ impl CandleModel {
                  not train through candle yet"
             );
         }
-        if config.moe.is_some() || matches!(config.mlp, MlpKind::ClampedSwiGlu { .. }) {
+        let research_moe = |m: &crate::runtime::model::Moe| {
+            m.router == Router::Softmax
+                && m.scale == 1.0
+                && m.names == ExpertNames::Qwen
+                && m.shared.is_none_or(|s| !s.gated)
+        };
+        if config.moe.as_ref().is_some_and(|m| !research_moe(m))
+            || matches!(config.mlp, MlpKind::ClampedSwiGlu { .. })
+        {
             candle_core::bail!(
-                "attn::candle: mixture-of-experts models do not train through candle yet"
+                "attn::candle: checkpoints' mixtures of experts (grouped, sigmoid or biased \
+                 routers, scaled or gated experts) and gpt-oss's clamped SwiGLU do not train \
+                 through candle yet; a research model's [moe] does"
             );
         }
         if config.qk_norm == Some(QkNorm::PerHeadLayer) || config.embed_norm {
@@ -231,14 +287,31 @@ impl CandleModel {
                     k: Linear::new(&vb, &format!("{a}.k_proj"), hkv * dk, d, bias)?,
                     v: Linear::new(&vb, &format!("{a}.v_proj"), hkv * dv, d, bias)?,
                     o: Linear::new(&vb, &format!("{a}.o_proj"), d, h * dv, config.o_bias)?,
-                    gate: match config.mlp {
-                        MlpKind::SwiGlu | MlpKind::GeGlu | MlpKind::ClampedSwiGlu { .. } => Some(
-                            Linear::new(&vb, &format!("{p}.mlp.gate_proj"), inter, d, false)?,
-                        ),
-                        MlpKind::Gelu | MlpKind::GeluExact => None,
+                    mlp: match config.moe.as_ref().filter(|m| m.sparse[i]) {
+                        None => BlockMlp::Dense(Mlp::new(&vb, &format!("{p}.mlp"), config, inter)?),
+                        Some(moe) => {
+                            let (router, experts) = moe.tensor_prefixes(i);
+                            let expert = |names: &[String; 3]| {
+                                let prefix = names[0].trim_end_matches(".gate_proj");
+                                Mlp::new(&vb, prefix, config, moe.intermediate)
+                            };
+                            BlockMlp::Moe {
+                                router: Linear::new(&vb, &router, moe.experts, d, false)?,
+                                experts: experts.iter().map(expert).collect::<Result<_>>()?,
+                                shared: match moe.shared_prefixes(i) {
+                                    Some((names, _)) => Some(Mlp::new(
+                                        &vb,
+                                        names[0].trim_end_matches(".gate_proj"),
+                                        config,
+                                        moe.shared.map_or(inter, |s| s.width),
+                                    )?),
+                                    None => None,
+                                },
+                                top_k: moe.top_k,
+                                normalize: moe.normalize,
+                            }
+                        }
                     },
-                    up: Linear::new(&vb, &format!("{p}.mlp.up_proj"), inter, d, false)?,
-                    down: Linear::new(&vb, &format!("{p}.mlp.down_proj"), d, inter, false)?,
                     learned: spec
                         .learnable_tensors()
                         .into_iter()
@@ -387,15 +460,91 @@ impl CandleModel {
 
     /// The block's MLP on `h`.
     fn mlp(&self, block: &Block, h: &Tensor) -> Result<Tensor> {
-        let up = block.up.forward(h)?;
-        let act = match (&block.gate, self.config.mlp) {
-            (Some(gate), MlpKind::GeGlu) => (gate.forward(h)?.gelu()? * up)?,
-            (Some(gate), _) => (candle_nn::ops::silu(&gate.forward(h)?)? * up)?,
-            (None, MlpKind::GeluExact) => up.gelu_erf()?,
-            (None, _) => up.gelu()?,
-        };
-        block.down.forward(&act)
+        let kind = self.config.mlp;
+        match &block.mlp {
+            BlockMlp::Dense(mlp) => mlp.forward(kind, h),
+            BlockMlp::Moe {
+                router,
+                experts,
+                shared,
+                top_k,
+                normalize,
+            } => moe(
+                kind,
+                router,
+                experts,
+                shared.as_ref(),
+                (*top_k, *normalize),
+                h,
+            ),
+        }
     }
+}
+
+/// A mixture of experts on `h`: each token's top-k experts by the router's softmax, each expert
+/// over its tokens (gathered), their outputs weighted and added back, on top of the shared
+/// expert's.
+fn moe(
+    kind: MlpKind,
+    router: &Linear,
+    experts: &[Mlp],
+    shared: Option<&Mlp>,
+    (top_k, normalize): (usize, bool),
+    h: &Tensor,
+) -> Result<Tensor> {
+    // Tokens as rows: `[N, d]`.
+    let shape = h.shape().clone();
+    let d = *shape.dims().last().unwrap_or(&1);
+    let rows = h.reshape(((), d))?;
+    let probs = candle_nn::ops::softmax(&router.forward(&rows)?, D::Minus1)?;
+    // The choice is made on the values (ties to the lower index, as the runtime chooses);
+    // the weights stay on the graph, so the router learns through them.
+    let (chosen, weights) = choose(&probs, top_k, normalize)?;
+    let mut out = match shared {
+        Some(mlp) => mlp.forward(kind, &rows)?,
+        None => rows.zeros_like()?,
+    };
+    for (e, expert) in experts.iter().enumerate() {
+        let (token, slot): (Vec<u32>, Vec<u32>) = chosen
+            .iter()
+            .enumerate()
+            .flat_map(|(t, c)| {
+                c.iter()
+                    .position(|&x| x == e)
+                    .map(|s| (t as u32, (t * top_k + s) as u32))
+            })
+            .unzip();
+        if token.is_empty() {
+            continue;
+        }
+        let index = Tensor::new(token.as_slice(), rows.device())?;
+        let w = weights.index_select(&Tensor::new(slot.as_slice(), rows.device())?, 0)?;
+        let y = expert.forward(kind, &rows.index_select(&index, 0)?)?;
+        out = out.index_add(&index, &y.broadcast_mul(&w.unsqueeze(1)?)?, 0)?;
+    }
+    out.reshape(shape)
+}
+
+/// Each row's `top_k` experts by probability (ties to the lower index) and their weights
+/// `[rows * top_k]` (row-major, on the graph; divided by their row's sum when `normalize`).
+fn choose(probs: &Tensor, top_k: usize, normalize: bool) -> Result<(Vec<Vec<usize>>, Tensor)> {
+    let values = probs.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    let chosen: Vec<Vec<usize>> = values
+        .iter()
+        .map(|row| {
+            let mut order: Vec<usize> = (0..row.len()).collect();
+            order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+            order.truncate(top_k);
+            order
+        })
+        .collect();
+    let index: Vec<u32> = chosen.iter().flatten().map(|&e| e as u32).collect();
+    let index = Tensor::from_vec(index, (chosen.len(), top_k), probs.device())?;
+    let mut weights = probs.gather(&index, 1)?;
+    if normalize {
+        weights = weights.broadcast_div(&weights.sum_keepdim(1)?)?;
+    }
+    Ok((chosen, weights.flatten_all()?))
 }
 
 /// `x` through `norm` where there is one.

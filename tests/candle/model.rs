@@ -157,3 +157,53 @@ fn a_token_past_the_vocabulary_is_an_error() {
     let said = model.forward(&ids).unwrap_err().to_string();
     assert!(said.contains("token id 10 is out of range"), "{said}");
 }
+
+/// A research model's `[moe]` (a shared expert, every other layer MoE) trains through candle:
+/// the runtime gives the same logits from its saved weights, and the router and the chosen
+/// experts get gradients.
+#[test]
+fn a_mixture_of_experts_gives_the_runtimes_logits_and_trains() {
+    let toml = "vocab = 40\nhidden = 32\nlayers = 2\nintermediate = 48\n\
+                attention = \"heads = 2, head_dim = 16, mask = causal, position = rope\"\n\
+                [moe]\nexperts = 4\ntop_k = 2\nintermediate = 24\nshared = 16\nevery = 2\n";
+    same_logits(toml);
+    let config = research::config_from_toml(toml).unwrap();
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let model = CandleModel::new(&config, vb).unwrap();
+    let ids = Tensor::from_vec((0..9u32).collect::<Vec<_>>(), (1, 9), &Device::Cpu).unwrap();
+    let loss = model
+        .forward(&ids)
+        .unwrap()
+        .sqr()
+        .unwrap()
+        .sum_all()
+        .unwrap();
+    let grads = loss.backward().unwrap();
+    let vars = varmap.data().lock().unwrap();
+    let grad_norm = |name: &str| {
+        let var = vars
+            .get(name)
+            .unwrap_or_else(|| panic!("no variable {name}"));
+        let g = grads
+            .get(var)
+            .unwrap_or_else(|| panic!("no gradient for {name}"));
+        g.sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    };
+    // Layer 1 is the MoE layer (every = 2); layer 0 is dense.
+    assert!(grad_norm("model.layers.1.mlp.gate.weight") > 0.0);
+    assert!(grad_norm("model.layers.1.mlp.shared_experts.up_proj.weight") > 0.0);
+    let experts_with_gradients = (0..4)
+        .filter(|j| grad_norm(&format!("model.layers.1.mlp.experts.{j}.down_proj.weight")) > 0.0)
+        .count();
+    assert!(
+        experts_with_gradients >= 2,
+        "{experts_with_gradients} experts learn"
+    );
+    assert!(vars.contains_key("model.layers.0.mlp.up_proj.weight"));
+}

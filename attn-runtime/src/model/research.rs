@@ -22,10 +22,21 @@
 //! local = "heads = 12, head_dim = 64, mask = sliding_window(512), position = rope"
 //! global = "heads = 12, head_dim = 64, mask = causal, position = rope"
 //! ```
+//!
+//! Mixture-of-experts MLPs: a `[moe]` table (softmax routing to the top k, the chosen weights
+//! renormalized unless `normalize = false`; `intermediate` each expert's width, by default the
+//! model's; `shared` the width of an expert every token runs; every `every`-th layer MoE,
+//! by default all):
+//!
+//! ```toml
+//! [moe]
+//! experts = 8
+//! top_k = 2
+//! ```
 
 use super::config::{
-    MlpKind, MlpNames, ModelConfig, NormKind, NormPlacement, Projections, QkNorm, Router,
-    TensorNames,
+    ExpertNames, MAX_LAYERS, MlpKind, MlpNames, ModelConfig, Moe, NormKind, NormPlacement,
+    Projections, QkNorm, Router, SharedExpert, TensorNames,
 };
 use super::layers::{LayerMlp, Linear, Matrix, Mlp, MoeMlp, Norm};
 use super::{AttentionWeights, Layer, Model};
@@ -52,7 +63,18 @@ pub const KEYS: &[&str] = &[
     "intermediate",
     "tie_embeddings",
     "qkv_bias",
+    "moe",
     "weights",
+];
+
+/// The keys of a research model's `[moe]` table.
+pub const MOE_KEYS: &[&str] = &[
+    "experts",
+    "top_k",
+    "intermediate",
+    "shared",
+    "every",
+    "normalize",
 ];
 
 /// Longest research model TOML file read.
@@ -161,10 +183,17 @@ pub fn config_from_toml(text: &str) -> Result<ModelConfig, RuntimeError> {
             })?,
     };
     let hidden = required("hidden")?;
+    let layers = required("layers")?;
+    if layers > MAX_LAYERS {
+        return Err(err(format!(
+            "`layers` = {layers} is out of range; allowed: 1 to {MAX_LAYERS}"
+        )));
+    }
+    let mlp_width = int("intermediate")?.unwrap_or(default_intermediate(mlp, hidden));
     let config = ModelConfig {
         vocab: required("vocab")?,
         hidden,
-        layers: required("layers")?,
+        layers,
         attention,
         pattern,
         qk_norm,
@@ -172,7 +201,7 @@ pub fn config_from_toml(text: &str) -> Result<ModelConfig, RuntimeError> {
         norm,
         norm_eps,
         mlp,
-        intermediate: int("intermediate")?.unwrap_or(default_intermediate(mlp, hidden)),
+        intermediate: mlp_width,
         tie_embeddings: flag("tie_embeddings", true)?,
         qkv_bias: flag("qkv_bias", false)?,
         o_bias: false,
@@ -187,10 +216,104 @@ pub fn config_from_toml(text: &str) -> Result<ModelConfig, RuntimeError> {
         mlp_names: MlpNames::GateUpDown,
         projections: Projections::Separate,
         tensor_names: TensorNames::Llama,
-        moe: None,
+        moe: moe_of(&table, layers, mlp_width)?,
     };
     config.validate()?;
     Ok(config)
+}
+
+/// The `[moe]` table of a research model's TOML, for `layers` layers whose dense MLP is
+/// `intermediate` wide.
+fn moe_of(
+    table: &toml::Table,
+    layers: usize,
+    intermediate: usize,
+) -> Result<Option<Moe>, RuntimeError> {
+    let err = |m: String| RuntimeError::Data(format!("model config: {m}"));
+    let Some(value) = table.get("moe") else {
+        return Ok(None);
+    };
+    let moe = value.as_table().ok_or_else(|| {
+        err(format!(
+            "`moe` must be a table ([moe] with {}), got {value}",
+            MOE_KEYS.join(", ")
+        ))
+    })?;
+    if let Some(k) = moe.keys().find(|k| !MOE_KEYS.contains(&k.as_str())) {
+        return Err(err(format!(
+            "unknown key `moe.{k}`; allowed: {}",
+            MOE_KEYS.join(", ")
+        )));
+    }
+    let int = |k: &str| -> Result<Option<usize>, RuntimeError> {
+        match moe.get(k) {
+            None => Ok(None),
+            Some(v) => v
+                .as_integer()
+                .and_then(|i| usize::try_from(i).ok())
+                .filter(|&i| i > 0)
+                .map(Some)
+                .ok_or_else(|| err(format!("`moe.{k}` must be a positive integer, got {v}"))),
+        }
+    };
+    let required = |k: &str| int(k)?.ok_or_else(|| err(format!("`moe.{k}` is missing")));
+    let every = int("every")?.unwrap_or(1);
+    if every > layers {
+        return Err(err(format!(
+            "`moe.every` = {every} leaves no MoE layer among {layers}; allowed: 1 to {layers}"
+        )));
+    }
+    let normalize = match moe.get("normalize") {
+        None => true,
+        Some(v) => v
+            .as_bool()
+            .ok_or_else(|| err(format!("`moe.normalize` must be true or false, got {v}")))?,
+    };
+    Ok(Some(Moe {
+        experts: required("experts")?,
+        top_k: required("top_k")?,
+        intermediate: int("intermediate")?.unwrap_or(intermediate),
+        normalize,
+        router: Router::Softmax,
+        scale: 1.0,
+        sparse: (0..layers).map(|i| (i + 1) % every == 0).collect(),
+        shared: int("shared")?.map(|width| SharedExpert {
+            width,
+            gated: false,
+        }),
+        names: ExpertNames::Qwen,
+    }))
+}
+
+/// A config's MoE as a research model's `[moe]` table, where it is one (softmax routing, the
+/// layers every `every`-th, an ungated shared expert if any).
+fn moe_table(moe: &Moe) -> Option<toml::Table> {
+    let every = moe.sparse.iter().position(|&s| s)? + 1;
+    let regular = moe
+        .sparse
+        .iter()
+        .enumerate()
+        .all(|(i, &s)| s == (i + 1).is_multiple_of(every));
+    let research = moe.router == Router::Softmax
+        && moe.scale == 1.0
+        && moe.names == ExpertNames::Qwen
+        && moe.shared.is_none_or(|s| !s.gated);
+    if !(regular && research) {
+        return None;
+    }
+    let mut t = toml::Table::new();
+    t.insert("experts".into(), toml::Value::Integer(moe.experts as i64));
+    t.insert("top_k".into(), toml::Value::Integer(moe.top_k as i64));
+    t.insert(
+        "intermediate".into(),
+        toml::Value::Integer(moe.intermediate as i64),
+    );
+    t.insert("every".into(), toml::Value::Integer(every as i64));
+    t.insert("normalize".into(), toml::Value::Boolean(moe.normalize));
+    if let Some(s) = moe.shared {
+        t.insert("shared".into(), toml::Value::Integer(s.width as i64));
+    }
+    Some(t)
 }
 
 /// Most characters of an attention kind's name in a research model's TOML.
@@ -352,6 +475,9 @@ pub fn config_to_toml(config: &ModelConfig, weights: Option<&str>) -> String {
     };
     if let Some(name) = qk_name {
         table.insert("qk_norm".into(), toml::Value::String(name.into()));
+    }
+    if let Some(moe) = c.moe.as_ref().and_then(moe_table) {
+        table.insert("moe".into(), toml::Value::Table(moe));
     }
     if let Some(w) = weights {
         table.insert("weights".into(), toml::Value::String(w.to_string()));
