@@ -998,16 +998,7 @@ impl<'m> DeviceModel<'m> {
         let q_nope = s.f32s(heads * n * d)?;
         self.columns(q_nope, qs, [n, heads], [d + dr, 0], [d, 0], d)?;
         let q_lat = s.f32s(heads * n * r)?;
-        for head in 0..heads {
-            let w_uk_t = DeviceMatrix {
-                buffer: sub(m.w_uk_t, 4 * head * r * d, 4 * r * d),
-                dtype: DType::F32,
-                rows: r,
-                cols: d,
-            };
-            let x = sub(q_nope, 4 * head * n * d, 4 * n * d);
-            self.gemm(x, &w_uk_t, sub(q_lat, 4 * head * n * r, 4 * n * r), n)?;
-        }
+        self.per_head_gemm(q_nope, m.w_uk_t, [r, d], q_lat, [heads, n])?;
         let q = s.f32s(heads * n * (r + dr))?;
         let w = r + dr;
         if head_major {
@@ -1031,17 +1022,31 @@ impl<'m> DeviceModel<'m> {
     ) -> Result<DeviceBuffer, RuntimeError> {
         let MlaDims { heads, dv, r, .. } = x;
         let out = s.f32s(heads * n * dv)?;
-        for head in 0..heads {
-            let w_uv = DeviceMatrix {
-                buffer: sub(m.w_uv, 4 * head * dv * r, 4 * dv * r),
-                dtype: DType::F32,
-                rows: dv,
-                cols: r,
-            };
-            let x = sub(latent, 4 * head * n * r, 4 * n * r);
-            self.gemm(x, &w_uv, sub(out, 4 * head * n * dv, 4 * n * dv), n)?;
-        }
+        self.per_head_gemm(latent, m.w_uv, [dv, r], out, [heads, n])?;
         self.swap(s, &self.kernels.from_heads, out, [heads, n, dv], 4)
+    }
+
+    /// `y[h] = x[h] W[h]^T` for each head `h`: `x` `[heads, n, cols]`, `w` `[heads, rows, cols]`
+    /// f32, `y` `[heads, n, rows]`.
+    fn per_head_gemm(
+        &self,
+        x: DeviceBuffer,
+        w: DeviceBuffer,
+        [rows, cols]: [usize; 2],
+        y: DeviceBuffer,
+        [heads, n]: [usize; 2],
+    ) -> Result<(), RuntimeError> {
+        for head in 0..heads {
+            let w_h = DeviceMatrix {
+                buffer: sub(w, 4 * head * rows * cols, 4 * rows * cols),
+                dtype: DType::F32,
+                rows,
+                cols,
+            };
+            let x_h = sub(x, 4 * head * n * cols, 4 * n * cols);
+            self.gemm(x_h, &w_h, sub(y, 4 * head * n * rows, 4 * n * rows), n)?;
+        }
+        Ok(())
     }
 
     /// Folds a layer's sinks into its attention rows `out` (`rows` rows of `width`, row `r`

@@ -103,17 +103,7 @@ pub fn config_from_toml(text: &str) -> Result<ModelConfig, RuntimeError> {
             KEYS.join(", ")
         )));
     }
-    let int = |k: &str| -> Result<Option<usize>, RuntimeError> {
-        match table.get(k) {
-            None => Ok(None),
-            Some(v) => v
-                .as_integer()
-                .and_then(|i| usize::try_from(i).ok())
-                .filter(|&i| i > 0)
-                .map(Some)
-                .ok_or_else(|| err(format!("`{k}` must be a positive integer, got {v}"))),
-        }
-    };
+    let int = |k: &str| positive_int(&table, "", k);
     let required = |k: &str| int(k)?.ok_or_else(|| err(format!("`{k}` is missing")));
     let flag = |k: &str, default: bool| -> Result<bool, RuntimeError> {
         match table.get(k) {
@@ -222,6 +212,28 @@ pub fn config_from_toml(text: &str) -> Result<ModelConfig, RuntimeError> {
     Ok(config)
 }
 
+/// The positive integer under `key` in `table` (whose keys are shown after `scope`), `None`
+/// when absent.
+fn positive_int(
+    table: &toml::Table,
+    scope: &str,
+    key: &str,
+) -> Result<Option<usize>, RuntimeError> {
+    match table.get(key) {
+        None => Ok(None),
+        Some(v) => v
+            .as_integer()
+            .and_then(|i| usize::try_from(i).ok())
+            .filter(|&i| i > 0)
+            .map(Some)
+            .ok_or_else(|| {
+                RuntimeError::Data(format!(
+                    "model config: `{scope}{key}` must be a positive integer, got {v}"
+                ))
+            }),
+    }
+}
+
 /// The `[moe]` table of a research model's TOML, for `layers` layers whose dense MLP is
 /// `intermediate` wide.
 fn moe_of(
@@ -245,17 +257,7 @@ fn moe_of(
             MOE_KEYS.join(", ")
         )));
     }
-    let int = |k: &str| -> Result<Option<usize>, RuntimeError> {
-        match moe.get(k) {
-            None => Ok(None),
-            Some(v) => v
-                .as_integer()
-                .and_then(|i| usize::try_from(i).ok())
-                .filter(|&i| i > 0)
-                .map(Some)
-                .ok_or_else(|| err(format!("`moe.{k}` must be a positive integer, got {v}"))),
-        }
-    };
+    let int = |k: &str| positive_int(moe, "moe.", k);
     let required = |k: &str| int(k)?.ok_or_else(|| err(format!("`moe.{k}` is missing")));
     let every = int("every")?.unwrap_or(1);
     if every > layers {
