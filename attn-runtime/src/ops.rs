@@ -47,13 +47,14 @@ impl MlpKind {
 
 /// Norms, activations, adds, lookups and argmax over f32 rows.
 pub trait LayerOps: Send + Sync {
-    /// Rows of `weight.len()` values normalized (`kind`, `eps`), scaled by `weight`, plus
-    /// `bias` where given.
+    /// Rows of `w.len()` values (`weight = (w, groups)`) normalized (`kind`, `eps`) in `groups`
+    /// equal segments with their own statistics (1: the whole row; cohere's q/k norms: one per
+    /// head), scaled by `w`, plus `bias` where given.
     fn norm(
         &self,
         kind: NormKind,
         eps: f64,
-        weight: &[f32],
+        weight: (&[f32], usize),
         bias: Option<&[f32]>,
         x: &[f32],
     ) -> Result<Vec<f32>, RuntimeError>;
@@ -99,6 +100,17 @@ pub(crate) fn same_len(a: usize, b: usize, what: &str) -> Result<(), RuntimeErro
     }
 }
 
+/// The width of each of `groups` equal segments of a `width`-value row; an error unless they
+/// divide it.
+pub(crate) fn segment(width: usize, groups: usize) -> Result<usize, RuntimeError> {
+    match width.checked_div(groups) {
+        Some(n) if n > 0 && n * groups == width => Ok(n),
+        _ => Err(RuntimeError::Data(format!(
+            "a norm of {width} weights in {groups} segments; allowed: segments that divide it"
+        ))),
+    }
+}
+
 /// Checks that `x` holds whole rows of `width` values.
 pub(crate) fn whole_rows(x: usize, width: usize) -> Result<usize, RuntimeError> {
     if width > 0 && x.is_multiple_of(width) {
@@ -119,17 +131,21 @@ impl LayerOps for CpuLayers {
         &self,
         kind: NormKind,
         eps: f64,
-        weight: &[f32],
+        (weight, groups): (&[f32], usize),
         bias: Option<&[f32]>,
         x: &[f32],
     ) -> Result<Vec<f32>, RuntimeError> {
-        let n = weight.len();
-        whole_rows(x.len(), n)?;
+        let n = segment(weight.len(), groups)?;
+        whole_rows(x.len(), weight.len())?;
         if let Some(b) = bias {
-            same_len(n, b.len(), "norm weight and bias")?;
+            same_len(weight.len(), b.len(), "norm weight and bias")?;
         }
         let mut y = vec![0f32; x.len()];
-        for (src, dst) in x.chunks_exact(n).zip(y.chunks_exact_mut(n)) {
+        // Segment `j` of the input takes segment `j % groups` of the weights.
+        let weights = weight.chunks_exact(n).cycle();
+        let biases = (0..).map(|j| bias.map(|b| &b[(j % groups) * n..][..n]));
+        let segments = x.chunks_exact(n).zip(y.chunks_exact_mut(n));
+        for (((src, dst), weight), bias) in segments.zip(weights).zip(biases) {
             let mean = match kind {
                 NormKind::Rms => 0.0,
                 NormKind::Layer => src.iter().map(|&v| f64::from(v)).sum::<f64>() / n as f64,

@@ -218,10 +218,23 @@ fn layer_operations_agree_between_the_cpu_and_the_gpu_kernels() {
     let width = 96;
     let x = values(3 * width, 1);
     let (w, b) = (values(width, 2), values(width, 3));
-    for (kind, bias) in [(NormKind::Rms, None), (NormKind::Layer, Some(&b[..]))] {
-        let want = cpu.norm(kind, 1e-6, &w, bias, &x).unwrap();
-        let got = sim.norm(kind, 1e-6, &w, bias, &x).unwrap();
-        close(&got, &want, 1e-5, &format!("{kind:?}"));
+    // Whole rows, and rows normalized in segments with their own weights (cohere's heads).
+    for (kind, bias, groups) in [
+        (NormKind::Rms, None, 1),
+        (NormKind::Layer, Some(&b[..]), 1),
+        (NormKind::Layer, None, 4),
+        (NormKind::Rms, Some(&b[..]), 3),
+    ] {
+        let want = cpu.norm(kind, 1e-6, (&w, groups), bias, &x).unwrap();
+        let got = sim.norm(kind, 1e-6, (&w, groups), bias, &x).unwrap();
+        close(&got, &want, 1e-5, &format!("{kind:?} in {groups} segments"));
+    }
+    // Segments that do not divide the weights are errors on both.
+    for ops in [&cpu, &sim] {
+        let e = ops
+            .norm(NormKind::Rms, 1e-6, (&w, 5), None, &x)
+            .unwrap_err();
+        assert!(e.to_string().contains("5 segments"), "{e}");
     }
     let gate = values(x.len(), 4);
     for kind in [MlpKind::SwiGlu, MlpKind::Gelu] {
@@ -250,7 +263,10 @@ fn layer_operations_agree_between_the_cpu_and_the_gpu_kernels() {
                 .is_err()
         );
         assert!(ops.add(&mut x.clone(), &w).is_err());
-        assert!(ops.norm(NormKind::Rms, 1e-6, &w, None, &x[1..]).is_err());
+        assert!(
+            ops.norm(NormKind::Rms, 1e-6, (&w, 1), None, &x[1..])
+                .is_err()
+        );
         assert!(ops.argmax(&x[1..], width).is_err());
     }
     let mut rows = x.clone();

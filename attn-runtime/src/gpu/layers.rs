@@ -54,14 +54,16 @@ impl LayerOps for SimLayers {
         &self,
         kind: NormKind,
         eps: f64,
-        weight: &[f32],
+        (weight, groups): (&[f32], usize),
         bias: Option<&[f32]>,
         x: &[f32],
     ) -> Result<Vec<f32>, RuntimeError> {
-        let width = weight.len();
+        // The kernel's rows are segments; its weight rows repeat every `groups` of them.
+        let width = crate::ops::segment(weight.len(), groups)?;
+        whole_rows(x.len(), weight.len())?;
         let rows = whole_rows(x.len(), width)?;
         if let Some(b) = bias {
-            same_len(width, b.len(), "norm weight and bias")?;
+            same_len(weight.len(), b.len(), "norm weight and bias")?;
         }
         if rows == 0 {
             return Ok(Vec::new());
@@ -77,7 +79,13 @@ impl LayerOps for SimLayers {
             bias: mem.alloc_f32(bias.unwrap_or(weight)),
             out: mem.alloc_f32(&vec![0.0; x.len()]),
         };
-        let kernel = layers::norm(kind, width_u32(width)?, eps as f32, bias.is_some(), 1);
+        let kernel = layers::norm(
+            kind,
+            width_u32(width)?,
+            eps as f32,
+            bias.is_some(),
+            width_u32(groups)?,
+        );
         launch(kernel, rows, &record, &mut mem)?;
         read(&mem, record.out, x.len())
     }

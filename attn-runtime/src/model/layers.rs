@@ -121,27 +121,10 @@ pub(crate) struct Norm {
 }
 
 impl Norm {
-    /// The normalized rows, on `ops`. With several groups, `ops` normalizes each segment with
-    /// unit weights and the segments' own weights (and biases) apply on the host.
+    /// The normalized rows, on `ops`.
     pub fn apply(&self, ops: &dyn LayerOps, x: &[f32]) -> Result<Vec<f32>, RuntimeError> {
-        if self.groups <= 1 {
-            return ops.norm(self.kind, self.eps, &self.weight, self.bias.as_deref(), x);
-        }
-        let row = self.weight.len();
-        if row == 0 || !x.len().is_multiple_of(row) {
-            return Err(RuntimeError::Data(format!(
-                "{} values are not whole rows of {row}",
-                x.len()
-            )));
-        }
-        let unit = vec![1.0; row / self.groups];
-        let mut y = ops.norm(self.kind, self.eps, &unit, None, x)?;
-        for values in y.chunks_exact_mut(row) {
-            for (i, v) in values.iter_mut().enumerate() {
-                *v = *v * self.weight[i] + self.bias.as_ref().map_or(0.0, |b| b[i]);
-            }
-        }
-        Ok(y)
+        let weight = (self.weight.as_slice(), self.groups);
+        ops.norm(self.kind, self.eps, weight, self.bias.as_deref(), x)
     }
 }
 
