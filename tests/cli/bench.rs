@@ -140,3 +140,111 @@ fn bench_backward_times_on_the_cpu_and_refuses_elsewhere() {
         assert!(stderr(&o).contains(said), "{}", stderr(&o));
     }
 }
+
+fn tiny_llama() -> String {
+    concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/hf-tiny/llama_gqa"
+    )
+    .to_string()
+}
+
+/// `bench-model --json`: one object with a positive rate per prompt and context length, the
+/// weights a step reads (the fixture's projections and LM head, f32) and the roofline they give.
+#[test]
+fn bench_model_prints_rates_per_length() {
+    let model = tiny_llama();
+    let o = attnc(&[
+        "bench-model",
+        "--model",
+        &model,
+        "--prefill",
+        "4,16",
+        "--contexts",
+        "8",
+        "--steps",
+        "2",
+        "--reps",
+        "1",
+        "--json",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let line = stdout(&o);
+    let v: serde_json::Value = serde_json::from_str(line.trim()).unwrap();
+    let prefill = v["attn"]["prefill"].as_array().unwrap();
+    let lengths: Vec<u64> = prefill
+        .iter()
+        .map(|r| r["tokens"].as_u64().unwrap())
+        .collect();
+    assert_eq!(lengths, [4, 16]);
+    let decode = v["attn"]["decode"].as_array().unwrap();
+    assert_eq!(decode.len(), 1);
+    assert_eq!(decode[0]["context"].as_u64(), Some(8));
+    for r in prefill.iter().chain(decode) {
+        assert!(r["tokens_per_s"].as_f64().unwrap() > 0.0, "{line}");
+    }
+    // The fixture's config: every projection and the LM head, in f32.
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(format!("{model}/config.json")).unwrap())
+            .unwrap();
+    let n = |k: &str| config[k].as_u64().unwrap();
+    let (d, heads, kv) = (
+        n("hidden_size"),
+        n("num_attention_heads"),
+        n("num_key_value_heads"),
+    );
+    let head_dim = config["head_dim"].as_u64().unwrap_or(d / heads);
+    let attention = d * head_dim * (2 * heads + 2 * kv);
+    let mlp = 3 * d * n("intermediate_size");
+    let weights = n("num_hidden_layers") * (attention + mlp) + n("vocab_size") * d;
+    assert_eq!(v["step_weight_bytes"].as_u64(), Some(4 * weights), "{line}");
+    let roofline = v["decode_roofline_tokens_per_s"].as_f64().unwrap();
+    let gbps = v["memory_gbps"].as_f64().unwrap();
+    // Both printed to two decimals.
+    assert!((roofline / (gbps * 1e9 / (4 * weights) as f64) - 1.0).abs() < 1e-3, "{line}");
+    assert!(v.get("transformers").is_none());
+}
+
+/// Bad lengths, a missing model, a research model against transformers and a Python that is
+/// not there are refused by name, with exit code 2 and nothing on stdout.
+#[test]
+fn bench_model_refuses_bad_input() {
+    let model = tiny_llama();
+    let toml = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/examples/models/llama-100m.toml"
+    );
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["--model", &model, "--prefill", "0"], "--prefill 0"),
+        (vec!["--model", &model, "--contexts", "9x"], "--contexts 9x"),
+        (vec!["--model", &model, "--prefill", "70000"], "1 to 65536"),
+        (vec!["--model", "/no/such/model"], "no such file or folder"),
+        (vec!["--model", toml, "--against-torch"], "research model"),
+        (
+            vec![
+                "--model",
+                &model,
+                "--against-torch",
+                "--python",
+                "/no/such/python",
+                "--prefill",
+                "4",
+                "--contexts",
+                "4",
+                "--steps",
+                "1",
+                "--reps",
+                "1",
+            ],
+            "--python /no/such/python",
+        ),
+    ];
+    for (args, expect) in cases {
+        let mut all = vec!["bench-model"];
+        all.extend(&args);
+        let o = attnc(&all);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains(expect), "{args:?}: {}", stderr(&o));
+        assert!(stdout(&o).is_empty(), "{args:?}");
+    }
+}

@@ -4,6 +4,7 @@
 mod backward;
 pub mod bandwidth;
 mod decode;
+pub(crate) mod gemv;
 mod launch;
 pub mod microkernels;
 pub mod row_kernels;
@@ -28,6 +29,11 @@ use codegen::plan::PlanKind;
 use launch::{Call, Rows};
 use microkernels::Isa;
 use std::sync::Arc;
+
+/// Threads the CPU work runs on (rayon's pool: `RAYON_NUM_THREADS`, else one per core).
+pub fn threads() -> usize {
+    rayon::current_num_threads()
+}
 
 /// The CPU backend for one instruction set of microkernels.
 #[derive(Clone, Copy, Debug)]

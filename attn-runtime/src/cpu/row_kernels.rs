@@ -153,14 +153,14 @@ unsafe extern "C" fn pv_portable<E: Elem>(
 #[cfg(target_arch = "x86_64")]
 // Index loops mirror the register blocking (rows x vectors).
 #[allow(clippy::needless_range_loop)]
-mod x86 {
+pub(crate) mod x86 {
     use super::{Elem, K};
     use half::{bf16, f16};
     use std::arch::x86_64::*;
 
     /// Sixteen elements at `ptr` as f32 lanes; lanes at or past `count` (< 16 only at a row's
     /// end) are zero and not read.
-    pub(super) trait Load16: Elem {
+    pub(crate) trait Load16: Elem {
         /// # Safety
         /// `ptr..ptr + count.min(16)` must be readable; AVX-512F must be present.
         unsafe fn load16(ptr: *const Self, count: usize) -> __m512;

@@ -31,7 +31,7 @@ impl Model {
                 qk_norm,
                 learned,
             } => {
-                let (mut qs, mut ks, vs) = (q.apply(h, n), k.apply(h, n), v.apply(h, n));
+                let [mut qs, mut ks, vs] = Linear::apply_all([q, k, v], h, n);
                 // Norms on q and k (per head: rows of head_dim; whole: rows of the projection)
                 // come before RoPE, which the kernels apply.
                 if let Some([q_norm, k_norm]) = qk_norm {

@@ -2,6 +2,8 @@
 //! their checkpoint's dtype, norms and MLPs.
 
 use super::config::{MlpKind, NormKind, Router};
+use crate::cpu::gemv;
+use crate::cpu::microkernels::Isa;
 use crate::error::RuntimeError;
 use crate::host::gemm::gemm;
 use crate::ops::LayerOps;
@@ -33,6 +35,15 @@ impl Matrix {
         self.rows * self.cols
     }
 
+    /// Bytes stored.
+    pub fn bytes(&self) -> u64 {
+        let size = match &self.data {
+            Storage::F32(_) => 4,
+            Storage::F16(_) | Storage::Bf16(_) => 2,
+        };
+        (self.len() * size) as u64
+    }
+
     /// Rows `first..first + count` as f32.
     fn rows_f32(&self, first: usize, count: usize) -> Vec<f32> {
         let range = first * self.cols..(first + count) * self.cols;
@@ -48,11 +59,15 @@ impl Matrix {
         &self.data
     }
 
-    /// `n x rows` outputs `x W^T` for `n x cols` inputs `x`. f32 weights go to the GEMM as
-    /// they are; 16-bit ones in blocks of rows, each converted and multiplied on a thread of its
-    /// own.
+    /// `n x rows` outputs `x W^T` for `n x cols` inputs `x`. A few rows (decoding) take the
+    /// matrix-vector products, which read the weights once in their stored dtype. More go to
+    /// the GEMM: f32 weights as they are, 16-bit ones in blocks of rows, each converted and
+    /// multiplied on a thread of its own.
     pub fn matmul_t(&self, x: &[f32], n: usize) -> Vec<f32> {
         let (out, inp) = (self.rows, self.cols);
+        if n <= gemv::MAX_ROWS {
+            return gemv::matmul_t(Isa::detect(), &self.data, out, inp, x, n);
+        }
         let mut y = vec![0f32; n * out];
         if let Storage::F32(w) = &self.data {
             gemm(n, inp, out, x, (inp, 1), w, (1, inp), &mut y, out);
@@ -96,7 +111,24 @@ impl Linear {
 
     /// `rows x out` outputs for `rows x inp` inputs.
     pub fn apply(&self, x: &[f32], rows: usize) -> Vec<f32> {
-        let mut y = self.w.matmul_t(x, rows);
+        let y = self.w.matmul_t(x, rows);
+        self.biased(y)
+    }
+
+    /// [`Linear::apply`] of each of `maps` (which share their input width) to the same
+    /// inputs: for a few rows, one matrix-vector pass over all of them.
+    pub fn apply_all<const N: usize>(maps: [&Linear; N], x: &[f32], rows: usize) -> [Vec<f32>; N] {
+        let cols = maps[0].w.cols;
+        if rows > gemv::MAX_ROWS || maps.iter().any(|m| m.w.cols != cols) {
+            return maps.map(|m| m.apply(x, rows));
+        }
+        let mats: Vec<(&Storage, usize)> = maps.iter().map(|m| (&m.w.data, m.w.rows)).collect();
+        let mut ys = gemv::matmul_t_many(Isa::detect(), &mats, cols, x, rows).into_iter();
+        maps.map(|m| m.biased(ys.next().expect("one output per map")))
+    }
+
+    /// `y` with the bias added to each row.
+    fn biased(&self, mut y: Vec<f32>) -> Vec<f32> {
         if let Some(b) = &self.bias {
             for row in y.chunks_exact_mut(self.out()) {
                 for (v, b) in row.iter_mut().zip(b) {
@@ -146,8 +178,13 @@ impl Mlp {
         x: &[f32],
         rows: usize,
     ) -> Result<Vec<f32>, RuntimeError> {
-        let mut h = self.up.apply(x, rows);
-        let gate = self.gate.as_ref().map(|g| g.apply(x, rows));
+        let (mut h, gate) = match &self.gate {
+            Some(g) => {
+                let [h, gate] = Linear::apply_all([&self.up, g], x, rows);
+                (h, Some(gate))
+            }
+            None => (self.up.apply(x, rows), None),
+        };
         ops.activate(self.kind, &mut h, gate.as_deref())?;
         Ok(self.down.apply(&h, rows))
     }

@@ -308,6 +308,47 @@ impl Model {
             })
     }
 
+    /// Bytes of weights one decoding step reads for one token, in their stored dtypes: every
+    /// projection of every layer (of an MoE layer: the router, the shared experts and `top_k`
+    /// experts' worth) and the LM head (the embedding when tied); norms and the embedding row
+    /// are left out. What a step costs at the memory's read rate.
+    pub fn step_weight_bytes(&self) -> u64 {
+        let bytes = |l: &Linear| l.w.bytes();
+        let mut total = match &self.lm_head {
+            Some(head) => bytes(head),
+            None => self.embed.bytes(),
+        };
+        for layer in &self.layers {
+            total += match &layer.attn {
+                AttentionWeights::Heads { q, k, v, o, .. } => [q, k, v, o].map(bytes).iter().sum(),
+                AttentionWeights::Mla {
+                    q, q_b, kv_a, o, ..
+                } => {
+                    let q_b = q_b.as_ref().map_or(0, |(_, l)| bytes(l));
+                    bytes(q) + q_b + bytes(kv_a) + bytes(o)
+                }
+            };
+            total += match &layer.mlp {
+                LayerMlp::Dense(mlp) => {
+                    mlp.gate.iter().chain([&mlp.up, &mlp.down]).map(bytes).sum()
+                }
+                LayerMlp::Moe(moe) => {
+                    let expert: u64 = moe.experts.first().map_or(0, |e| {
+                        e.gate.iter().chain([&e.up, &e.down]).map(bytes).sum()
+                    });
+                    let shared: u64 = moe
+                        .shared
+                        .iter()
+                        .flat_map(|(e, gate)| e.gate.iter().chain([&e.up, &e.down]).chain(gate))
+                        .map(bytes)
+                        .sum();
+                    bytes(&moe.router) + shared + expert * moe.top_k as u64
+                }
+            };
+        }
+        total
+    }
+
     /// The embedding multiplier in the embedding's dtype, as transformers multiplies.
     pub(crate) fn embed_multiplier(&self) -> Option<f32> {
         self.config
@@ -484,11 +525,14 @@ impl Batch<'_> {
             .map(|layer| inputs.iter().map(|&(s, _)| self.ids[s][layer]).collect())
             .collect();
         let mut caches = self.caches.iter_mut();
-        let logits = self.model.run(&tokens, |layer| {
-            Keys::Cached(Step {
-                cache: caches.next().expect("one cache per layer"),
-                seqs: &per_layer[layer],
-                offsets: &offsets,
+        let model = self.model;
+        let logits = rayon::scope(|_| {
+            model.run(&tokens, |layer| {
+                Keys::Cached(Step {
+                    cache: caches.next().expect("one cache per layer"),
+                    seqs: &per_layer[layer],
+                    offsets: &offsets,
+                })
             })
         })?;
         let vocab = self.model.config.vocab;

@@ -9,6 +9,7 @@
 mod backend_arg;
 mod bench;
 mod bench_decode;
+mod bench_model;
 mod cache;
 mod check;
 mod check_device;
@@ -60,6 +61,11 @@ enum Command {
     /// Time decoding steps against a paged KV cache: median time per step and the effective
     /// GB/s of K and V read (every cached token of every sequence, in the cache's dtype).
     BenchDecode(bench_decode::Args),
+    /// Time a whole model on the CPU: prefill tokens/s at each prompt length and decode
+    /// tokens/s after each context length (the median step), against the weight-reading
+    /// roofline (`peak --memory`); with --against-torch, transformers on the same checkpoint
+    /// side by side.
+    BenchModel(bench_model::Args),
     /// Logits of a token sequence from a model (a Hugging Face checkpoint folder or a research
     /// model's TOML file): one full forward, or a prefill
     /// then one token at a time (`--incremental P`). Writes `logits` [1, T, vocab] (f32).
@@ -107,6 +113,7 @@ fn main() -> ExitCode {
         Command::Grad(args) => grad::command(args),
         Command::Bench(args) => bench::command(args),
         Command::BenchDecode(args) => bench_decode::command(args),
+        Command::BenchModel(args) => bench_model::command(args),
         Command::Logits(args) => logits::command(args),
         Command::Generate(args) => generate::command(args),
         Command::Params(args) => params::command(args),
