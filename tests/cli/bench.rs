@@ -201,7 +201,10 @@ fn bench_model_prints_rates_per_length() {
     let roofline = v["decode_roofline_tokens_per_s"].as_f64().unwrap();
     let gbps = v["memory_gbps"].as_f64().unwrap();
     // Both printed to two decimals.
-    assert!((roofline / (gbps * 1e9 / (4 * weights) as f64) - 1.0).abs() < 1e-3, "{line}");
+    assert!(
+        (roofline / (gbps * 1e9 / (4 * weights) as f64) - 1.0).abs() < 1e-3,
+        "{line}"
+    );
     assert!(v.get("transformers").is_none());
 }
 
