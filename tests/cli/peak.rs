@@ -18,3 +18,31 @@ fn peak_memory_reports_the_read_ceiling() {
         "{text}"
     );
 }
+
+/// `ATTN_CPU_ISA` picks the CPU kernels' instruction set; a name that is not one, or one this
+/// CPU lacks, is refused before any work (exit 2, naming what this CPU runs).
+#[test]
+fn the_instruction_set_is_chosen_by_name() {
+    let run = |isa: &str, args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_attnc"))
+            .args(args)
+            .env("ATTN_CPU_ISA", isa)
+            .env("ATTN_CACHE_DIR", crate::test_cache())
+            .output()
+            .expect("attnc runs")
+    };
+    let o = run("portable", &["peak", "--seconds", "0.05"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stdout(&o).starts_with("Portable microkernel:"),
+        "{}",
+        stdout(&o)
+    );
+    for bad in ["avx3", "", "AVX512 "] {
+        let o = run(bad, &["check", "heads = 2, head_dim = 32"]);
+        assert_eq!(o.status.code(), Some(2), "{bad:?}: {}", stderr(&o));
+        let e = stderr(&o);
+        assert!(e.contains("ATTN_CPU_ISA") && e.contains("portable"), "{e}");
+        assert!(stdout(&o).is_empty());
+    }
+}

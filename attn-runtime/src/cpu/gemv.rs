@@ -139,10 +139,13 @@ impl Kernel<'_> {
         let w = &w[..count * self.cols];
         match self.isa {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: `isa` is AVX-512 only when the CPU has it (`Isa::detect`, or a backend
+            // SAFETY: `isa` is AVX-512 only when the CPU has it (`Isa::chosen`, or a backend
             // built for it); the slices hold `count` weight rows, `n` inputs and `count * n`
             // outputs of `cols` values each, the ranges the kernel reads and writes.
             Isa::Avx512 => unsafe { E::avx512(w, self.cols, &self.x, out) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `isa` is AVX2 only when the CPU has AVX2 and FMA (`Isa::runs_here`).
+            Isa::Avx2 => unsafe { portable_avx2(w, self.cols, self.x.x, self.x.n, out) },
             _ => portable(w, self.cols, self.x.x, self.x.n, out),
         }
     }
@@ -150,6 +153,9 @@ impl Kernel<'_> {
 
 /// A stored weight: f32, bf16 or f16.
 trait Weight: Elem + Sync {
+    /// The value as f32 (bf16: its bits shifted into the upper half, which vectorizes).
+    fn widen(self) -> f32;
+
     /// [`x86::block_rows`] for this dtype.
     ///
     /// # Safety
@@ -159,6 +165,10 @@ trait Weight: Elem + Sync {
 }
 
 impl Weight for f32 {
+    fn widen(self) -> f32 {
+        self
+    }
+
     #[cfg(target_arch = "x86_64")]
     unsafe fn avx512(w: &[Self], cols: usize, x: &Inputs, out: &mut [f32]) {
         // SAFETY: the trait's contract.
@@ -167,6 +177,10 @@ impl Weight for f32 {
 }
 
 impl Weight for f16 {
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+
     #[cfg(target_arch = "x86_64")]
     unsafe fn avx512(w: &[Self], cols: usize, x: &Inputs, out: &mut [f32]) {
         // SAFETY: the trait's contract.
@@ -175,6 +189,10 @@ impl Weight for f16 {
 }
 
 impl Weight for bf16 {
+    fn widen(self) -> f32 {
+        f32::from_bits((self.to_bits() as u32) << 16)
+    }
+
     #[cfg(target_arch = "x86_64")]
     unsafe fn avx512(w: &[Self], cols: usize, x: &Inputs, out: &mut [f32]) {
         // SAFETY: the trait's contract.
@@ -182,29 +200,53 @@ impl Weight for bf16 {
     }
 }
 
-/// Portable products: each weight row widened in short pieces and summed with eight partial
-/// sums (which the compiler vectorizes).
-fn portable<E: Elem>(w: &[E], cols: usize, x: &[f32], n: usize, out: &mut [f32]) {
-    const PIECE: usize = 64;
+/// Portable products: each weight row widened a piece at a time into a buffer, then summed
+/// against each input in sixteen lanes (fixed-width loops the compiler vectorizes for whatever
+/// the function is compiled for: [`portable_avx2`] instantiates it for AVX2).
+#[inline(always)]
+fn portable<E: Weight>(w: &[E], cols: usize, x: &[f32], n: usize, out: &mut [f32]) {
+    const PIECE: usize = 256;
+    const LANES: usize = 16;
     let mut wide = [0f32; PIECE];
+    let mut sums = vec![[0f32; LANES]; n];
     for (row, y) in w.chunks_exact(cols).zip(out.chunks_exact_mut(n)) {
-        let mut sums = vec![[0f32; 8]; n];
+        sums.iter_mut().for_each(|s| *s = [0.0; LANES]);
+        let mut tail = vec![0f32; n];
         for start in (0..cols).step_by(PIECE) {
             let len = PIECE.min(cols - start);
             for (d, s) in wide.iter_mut().zip(&row[start..start + len]) {
-                *d = s.to_f32();
+                *d = s.widen();
             }
-            for (t, sum) in sums.iter_mut().enumerate() {
+            let whole = len / LANES * LANES;
+            for (t, (sum, tail)) in sums.iter_mut().zip(&mut tail).enumerate() {
                 let xs = &x[t * cols + start..t * cols + start + len];
-                for (i, (a, b)) in wide[..len].iter().zip(xs).enumerate() {
-                    sum[i % 8] += a * b;
+                for (a, b) in wide[..whole]
+                    .chunks_exact(LANES)
+                    .zip(xs.chunks_exact(LANES))
+                {
+                    for i in 0..LANES {
+                        sum[i] += a[i] * b[i];
+                    }
+                }
+                for (a, b) in wide[whole..len].iter().zip(&xs[whole..]) {
+                    *tail += a * b;
                 }
             }
         }
-        for (y, sum) in y.iter_mut().zip(&sums) {
-            *y = sum.iter().sum();
+        for ((y, sum), tail) in y.iter_mut().zip(&sums).zip(&tail) {
+            *y = sum.iter().sum::<f32>() + tail;
         }
     }
+}
+
+/// [`portable`] compiled for AVX2 with FMA.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn portable_avx2<E: Weight>(w: &[E], cols: usize, x: &[f32], n: usize, out: &mut [f32]) {
+    portable(w, cols, x, n, out)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -459,10 +501,10 @@ mod tests {
     /// rows and partial pieces of columns matches the f64 product of the stored weights.
     #[test]
     fn matches_the_f64_product() {
-        let mut isas = vec![Isa::Portable];
-        if Isa::detect() == Isa::Avx512 {
-            isas.push(Isa::Avx512);
-        }
+        let isas: Vec<Isa> = [Isa::Portable, Isa::Avx2, Isa::Avx512]
+            .into_iter()
+            .filter(|isa| isa.runs_here())
+            .collect();
         for (rows, cols) in [(1, 1), (5, 17), (37, 70), (130, 256), (3, 0), (0, 5)] {
             let raw = values(rows * cols, 7);
             for n in [1, 2, 3, 4, 5, 8] {

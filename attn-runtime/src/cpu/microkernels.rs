@@ -41,7 +41,66 @@ impl Isa {
         }
         Isa::Portable
     }
+
+    /// Its name, as [`ISA_VARIABLE`] takes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Avx512 => "avx512",
+            Isa::Avx2 => "avx2",
+            Isa::Portable => "portable",
+        }
+    }
+
+    /// Whether this CPU has the instructions.
+    pub fn runs_here(self) -> bool {
+        match (self, Isa::detect()) {
+            (Isa::Portable, _) | (_, Isa::Avx512) => true,
+            (Isa::Avx2, best) => best == Isa::Avx2,
+            (Isa::Avx512, _) => false,
+        }
+    }
+
+    /// The set [`ISA_VARIABLE`] names, when set (an unknown name, or one this CPU lacks, is an
+    /// error that says what is allowed); else the best this CPU supports.
+    pub fn from_env() -> Result<Isa, String> {
+        let Ok(name) = std::env::var(ISA_VARIABLE) else {
+            return Ok(Isa::detect());
+        };
+        let all = [Isa::Avx512, Isa::Avx2, Isa::Portable];
+        let here: Vec<&str> = all
+            .iter()
+            .filter(|i| i.runs_here())
+            .map(|i| i.name())
+            .collect();
+        match all.iter().find(|i| i.name() == name.trim()) {
+            Some(isa) if isa.runs_here() => Ok(*isa),
+            found => Err(format!(
+                "{ISA_VARIABLE}={name:?}: {}; this CPU runs: {}",
+                match found {
+                    Some(_) => "this CPU lacks those instructions",
+                    None => "no such instruction set",
+                },
+                here.join(", ")
+            )),
+        }
+    }
+
+    /// [`Isa::from_env`], read once per process. A bad value warns on stderr, once, and the
+    /// best set is used (attnc refuses it before any work).
+    pub fn chosen() -> Isa {
+        static CHOSEN: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+        *CHOSEN.get_or_init(|| {
+            Isa::from_env().unwrap_or_else(|e| {
+                eprintln!("warning: {e}; using {}", Isa::detect().name());
+                Isa::detect()
+            })
+        })
+    }
 }
+
+/// The environment variable that picks the CPU kernels' instruction set: `avx512`, `avx2` or
+/// `portable` (default: the best this CPU has).
+pub const ISA_VARIABLE: &str = "ATTN_CPU_ISA";
 
 /// `qk_tile` and `pv_tile` for an instruction set, as C-ABI function addresses.
 pub fn addresses(isa: Isa) -> (usize, usize) {

@@ -48,19 +48,15 @@ impl Default for CpuBackend {
 }
 
 impl CpuBackend {
-    /// The backend with the best microkernels this CPU supports.
+    /// The backend with the microkernels `ATTN_CPU_ISA` names, else the best this CPU
+    /// supports ([`Isa::chosen`]).
     pub fn new() -> Self {
-        CpuBackend { isa: Isa::detect() }
+        CpuBackend { isa: Isa::chosen() }
     }
 
     /// The backend with the given microkernels; `None` if this CPU lacks the instructions.
     pub fn with_isa(isa: Isa) -> Option<Self> {
-        let supported = match (isa, Isa::detect()) {
-            (Isa::Portable, _) | (_, Isa::Avx512) => true,
-            (Isa::Avx2, best) => best == Isa::Avx2,
-            (Isa::Avx512, _) => false,
-        };
-        supported.then_some(CpuBackend { isa })
+        isa.runs_here().then_some(CpuBackend { isa })
     }
 
     /// The microkernels in use.
@@ -94,7 +90,7 @@ impl CpuBackend {
         let key = KernelKey {
             backend: "cpu",
             kind,
-            detail: isa_name(self.isa),
+            detail: self.isa.name(),
         };
         variant.kernel(key, |variant| {
             let (qk_tile, pv_tile) = microkernels::addresses(self.isa);
@@ -332,13 +328,5 @@ impl CpuBackend {
         let k_rows = Rows::borrowed(&a.k, [skv * wq, skv * wq, wq]);
         let v_rows = Rows::borrowed(&a.k, [skv * wq, skv * wq, wq]);
         launch::run(&kernel, &q_rows, &k_rows, &v_rows, &call)
-    }
-}
-
-fn isa_name(isa: Isa) -> &'static str {
-    match isa {
-        Isa::Avx512 => "avx512",
-        Isa::Avx2 => "avx2",
-        Isa::Portable => "portable",
     }
 }

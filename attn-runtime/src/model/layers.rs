@@ -71,7 +71,7 @@ impl Matrix {
     pub fn matmul_t(&self, x: &[f32], n: usize) -> Vec<f32> {
         let (out, inp) = (self.rows, self.cols);
         if n <= gemv::MAX_ROWS {
-            return gemv::matmul_t(Isa::detect(), &self.data, out, inp, x, n);
+            return gemv::matmul_t(Isa::chosen(), &self.data, out, inp, x, n);
         }
         let mut y = vec![0f32; n * out];
         if let Storage::F32(w) = &self.data {
@@ -134,7 +134,7 @@ impl Linear {
             return maps.map(|m| m.apply(x, rows));
         }
         let mats: Vec<(&Storage, usize)> = maps.iter().map(|m| (&m.w.data, m.w.rows)).collect();
-        let mut ys = gemv::matmul_t_many(Isa::detect(), &mats, cols, x, rows).into_iter();
+        let mut ys = gemv::matmul_t_many(Isa::chosen(), &mats, cols, x, rows).into_iter();
         maps.map(|m| m.biased(ys.next().expect("one output per map")))
     }
 

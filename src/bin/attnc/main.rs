@@ -106,7 +106,13 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    let result = match Cli::parse().command {
+    let command = Cli::parse().command;
+    // The CPU kernels' instruction set, refused before any work when ATTN_CPU_ISA is bad.
+    if let Err(e) = attn::runtime::cpu::microkernels::Isa::from_env() {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
+    let result = match command {
         Command::Check(args) => check::command(args),
         Command::Ir(args) => ir::command(args),
         Command::Run(args) => run::command(args),
