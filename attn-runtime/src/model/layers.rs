@@ -1,5 +1,6 @@
-//! The pieces of a decoder layer on f32 rows: linear maps (the `gemm` crate) over weights kept in
-//! their checkpoint's dtype, norms and MLPs.
+//! The pieces of a decoder layer on f32 rows: linear maps over weights kept in their
+//! checkpoint's dtype (matrix-vector products for a few rows, the `gemm` crate for more), norms
+//! and MLPs.
 
 use super::config::{MlpKind, NormKind, Router};
 use crate::cpu::gemv;
