@@ -2,7 +2,9 @@
 //! for `n` (a handful of) rows `x` and `W [rows, cols]` of f32, bf16 or f16. Decoding runs one
 //! token at a time, so each weight is used once per step and the product is bound by how fast
 //! the weights stream from memory: each weight is read once per four rows of `x`, widened to f32
-//! in registers (bf16 and f16 are never converted into a buffer) and summed in f32.
+//! in registers (bf16 and f16 are never converted into a buffer) and summed in f32. Products
+//! with bf16 weights take their inputs rounded to bf16, as every bf16 product here does
+//! ([`round_to_bf16`]).
 //!
 //! AVX-512 where the CPU has it; portable Rust otherwise (the compiler vectorizes the sums).
 
@@ -22,7 +24,8 @@ pub(crate) const MAX_ROWS: usize = 8;
 
 /// `n x rows` outputs `x W^T` for `n x cols` inputs `x` (row-major) and `W` the `rows x cols`
 /// row-major matrix `w`, on `isa` (the portable code when the CPU lacks it). Output rows are
-/// split across rayon's threads.
+/// split across rayon's threads. With `round`, bf16 weights multiply the inputs rounded to
+/// bf16 ([`round_to_bf16`]); without, the inputs as they are.
 pub(crate) fn matmul_t(
     isa: Isa,
     w: &Storage,
@@ -30,8 +33,9 @@ pub(crate) fn matmul_t(
     cols: usize,
     x: &[f32],
     n: usize,
+    round: bool,
 ) -> Vec<f32> {
-    matmul_t_many(isa, &[(w, rows)], cols, x, n).remove(0)
+    matmul_t_many(isa, &[(w, rows)], cols, x, n, round).remove(0)
 }
 
 /// [`matmul_t`] for several matrices of `cols` columns (`(weights, rows)` each) against the
@@ -43,6 +47,7 @@ pub(crate) fn matmul_t_many(
     cols: usize,
     x: &[f32],
     n: usize,
+    round: bool,
 ) -> Vec<Vec<f32>> {
     for (w, rows) in mats {
         assert_eq!(w.len(), rows * cols, "weights of {rows} x {cols}");
@@ -57,11 +62,11 @@ pub(crate) fn matmul_t_many(
     // Chunks of whole blocks of rows, several per thread so that uneven cores balance.
     let threads = rayon::current_num_threads().max(1);
     let chunk = (total.div_ceil(threads * 8).div_ceil(4) * 4).max(16);
-    let split = isa == Isa::Avx512 && mats.iter().any(|(w, _)| matches!(w, Storage::Bf16(_)));
+    let bf16 = mats.iter().any(|(w, _)| matches!(w, Storage::Bf16(_)));
     let kernel = Kernel {
         isa,
         cols,
-        x: Inputs::new(x, n, cols, split),
+        x: Inputs::new(x, n, cols, bf16, round, isa == Isa::Avx512),
     };
     let mut pieces = Vec::new();
     for ((w, _), yt) in mats.iter().zip(&mut yts) {
@@ -98,13 +103,16 @@ struct Kernel<'a> {
     x: Inputs<'a>,
 }
 
-/// The rows `x` of a product, and for bf16 weights on AVX-512 the same rows split by column
-/// parity: per row, the even columns of its whole pieces of [`PAIR_PIECE`] columns, then the
-/// odd ones (a bf16 pair read as one 32-bit lane widens to f32 with one shift for the even
-/// column and one mask for the odd one, so no lane is moved).
+/// The rows `x` of a product; for bf16 weights the same rows rounded to bf16 when the product
+/// rounds (a bf16 weight's product takes its input in bf16, as PyTorch's bf16 products do:
+/// [`round_to_bf16`]), and on AVX-512 the rows bf16 weights read split by column parity: per
+/// row, the even columns of its whole pieces of [`PAIR_PIECE`] columns, then the odd ones (a
+/// bf16 pair read as one 32-bit lane widens to f32 with one shift for the even column and one
+/// mask for the odd one, so no lane is moved).
 struct Inputs<'a> {
     x: &'a [f32],
     n: usize,
+    rounded: Vec<f32>,
     split: Vec<f32>,
 }
 
@@ -112,23 +120,53 @@ struct Inputs<'a> {
 const PAIR_PIECE: usize = 32;
 
 impl<'a> Inputs<'a> {
-    /// `n` rows of `cols` inputs, split by parity when `split`.
-    fn new(x: &'a [f32], n: usize, cols: usize, split: bool) -> Inputs<'a> {
-        let half = cols / PAIR_PIECE * PAIR_PIECE / 2;
-        let mut parted = Vec::new();
-        if split {
-            parted.reserve(n * 2 * half);
-            for row in x.chunks_exact(cols.max(1)).take(n) {
+    /// `n` rows of `cols` inputs; for products with bf16 weights (`bf16`), rounded copies when
+    /// `round`, split by parity when `split`.
+    fn new(x: &'a [f32], n: usize, cols: usize, bf16: bool, round: bool, split: bool) -> Self {
+        let rounded = match bf16 && round {
+            true => x.iter().map(|&v| round_to_bf16(v)).collect(),
+            false => Vec::new(),
+        };
+        let mut inputs = Inputs {
+            x,
+            n,
+            rounded,
+            split: Vec::new(),
+        };
+        if bf16 && split {
+            let half = cols / PAIR_PIECE * PAIR_PIECE / 2;
+            let mut parted = Vec::with_capacity(n * 2 * half);
+            for row in inputs.bf16_rows().chunks_exact(cols.max(1)).take(n) {
                 parted.extend(row[..2 * half].iter().step_by(2));
                 parted.extend(row[..2 * half].iter().skip(1).step_by(2));
             }
+            inputs.split = parted;
         }
-        Inputs {
-            x,
-            n,
-            split: parted,
+        inputs
+    }
+
+    /// The rows bf16 weights multiply: rounded, or as given.
+    fn bf16_rows(&self) -> &[f32] {
+        match self.rounded.is_empty() {
+            true => self.x,
+            false => &self.rounded,
         }
     }
+
+    /// The rows a product with weights `E` reads.
+    fn rows<E: Weight>(&self) -> &[f32] {
+        match E::BF16 {
+            true => self.bf16_rows(),
+            false => self.x,
+        }
+    }
+}
+
+/// `v` rounded to the nearest bf16 (ties to even), as f32: what a product with bf16 weights
+/// multiplies. A bf16 times a bf16 is exact in f32, so every path computes the same products
+/// and differs only in the order of the f32 sums.
+pub(crate) fn round_to_bf16(v: f32) -> f32 {
+    bf16::from_f32(v).to_f32()
 }
 
 impl Kernel<'_> {
@@ -145,14 +183,17 @@ impl Kernel<'_> {
             Isa::Avx512 => unsafe { E::avx512(w, self.cols, &self.x, out) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `isa` is AVX2 only when the CPU has AVX2 and FMA (`Isa::runs_here`).
-            Isa::Avx2 => unsafe { portable_avx2(w, self.cols, self.x.x, self.x.n, out) },
-            _ => portable(w, self.cols, self.x.x, self.x.n, out),
+            Isa::Avx2 => unsafe { portable_avx2(w, self.cols, self.x.rows::<E>(), self.x.n, out) },
+            _ => portable(w, self.cols, self.x.rows::<E>(), self.x.n, out),
         }
     }
 }
 
 /// A stored weight: f32, bf16 or f16.
 trait Weight: Elem + Sync {
+    /// Whether the weights are bf16 (whose products may round their inputs).
+    const BF16: bool;
+
     /// The value as f32 (bf16: its bits shifted into the upper half, which vectorizes).
     fn widen(self) -> f32;
 
@@ -165,6 +206,7 @@ trait Weight: Elem + Sync {
 }
 
 impl Weight for f32 {
+    const BF16: bool = false;
     fn widen(self) -> f32 {
         self
     }
@@ -177,6 +219,7 @@ impl Weight for f32 {
 }
 
 impl Weight for f16 {
+    const BF16: bool = false;
     fn widen(self) -> f32 {
         self.to_f32()
     }
@@ -189,6 +232,7 @@ impl Weight for f16 {
 }
 
 impl Weight for bf16 {
+    const BF16: bool = true;
     fn widen(self) -> f32 {
         f32::from_bits((self.to_bits() as u32) << 16)
     }
@@ -319,7 +363,9 @@ mod x86 {
         let n = x.n;
         let rows = out.len() / n;
         let whole = cols / PAIR_PIECE * PAIR_PIECE;
-        assert!(w.len() >= rows * cols && x.split.len() == n * whole);
+        assert!(
+            w.len() >= rows * cols && x.split.len() == n * whole && x.bf16_rows().len() >= n * cols
+        );
         for r in 0..rows {
             let mut t = 0;
             while t < n {
@@ -345,7 +391,7 @@ mod x86 {
                         w: w[r * cols + whole..].as_ptr(),
                         stride: cols,
                         cols: cols - whole,
-                        x: x.x[t * cols + whole..].as_ptr(),
+                        x: x.bf16_rows()[t * cols + whole..].as_ptr(),
                         x_stride: cols,
                         y: out[r * n + t..].as_mut_ptr(),
                         n,
@@ -498,7 +544,8 @@ mod tests {
     }
 
     /// Every dtype, ISA, count of inputs (one to past a group) and shape with partial blocks of
-    /// rows and partial pieces of columns matches the f64 product of the stored weights.
+    /// rows and partial pieces of columns matches the f64 product of the stored weights (bf16:
+    /// with the inputs rounded to bf16, or as they are).
     #[test]
     fn matches_the_f64_product() {
         let isas: Vec<Isa> = [Isa::Portable, Isa::Avx2, Isa::Avx512]
@@ -520,9 +567,16 @@ mod tests {
                         Storage::Bf16(v) => v.iter().map(|b| b.to_f32()).collect(),
                         Storage::F16(v) => v.iter().map(|b| b.to_f32()).collect(),
                     };
-                    let want = reference(&wide, rows, cols, &x, n);
-                    for &isa in &isas {
-                        let got = matmul_t(isa, store, rows, cols, &x, n);
+                    for (&isa, round) in isas.iter().flat_map(|i| [(i, true), (i, false)]) {
+                        // bf16 weights multiply inputs rounded to bf16 when asked.
+                        let inputs: Vec<f32> = match store {
+                            Storage::Bf16(_) if round => {
+                                x.iter().map(|&v| round_to_bf16(v)).collect()
+                            }
+                            _ => x.clone(),
+                        };
+                        let want = reference(&wide, rows, cols, &inputs, n);
+                        let got = matmul_t(isa, store, rows, cols, &x, n, round);
                         assert_eq!(got.len(), want.len());
                         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                             let tol = 1e-5 * (1.0 + w.abs()) * (cols as f64).sqrt();
@@ -556,11 +610,11 @@ mod tests {
                 .collect(),
         );
         let isa = Isa::detect();
-        let many = matmul_t_many(isa, &[(&a, 40), (&b, 7), (&c, 64)], cols, &x, 3);
+        let many = matmul_t_many(isa, &[(&a, 40), (&b, 7), (&c, 64)], cols, &x, 3, true);
         let one = [
-            matmul_t(isa, &a, 40, cols, &x, 3),
-            matmul_t(isa, &b, 7, cols, &x, 3),
-            matmul_t(isa, &c, 64, cols, &x, 3),
+            matmul_t(isa, &a, 40, cols, &x, 3, true),
+            matmul_t(isa, &b, 7, cols, &x, 3, true),
+            matmul_t(isa, &c, 64, cols, &x, 3, true),
         ];
         assert_eq!(many.len(), 3);
         for (m, o) in many.iter().zip(&one) {

@@ -3,6 +3,7 @@
 
 mod backward;
 pub mod bandwidth;
+pub(crate) mod bf16_gemm;
 mod decode;
 pub(crate) mod gemv;
 mod launch;

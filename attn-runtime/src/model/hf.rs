@@ -1105,6 +1105,7 @@ pub fn load(dir: &Path) -> Result<Model, RuntimeError> {
         false => Vec::new(),
     };
     let mut tensors = files.read(&names)?;
+    let dequantized = !packed.is_empty();
     if let Some(moe) = &config.moe {
         let (d, w) = (config.hidden, moe.intermediate);
         for name in packed {
@@ -1122,6 +1123,10 @@ pub fn load(dir: &Path) -> Result<Model, RuntimeError> {
     let tied = config.tie_embeddings;
     let head = config.tensor_names.of("lm_head.weight");
     let mut model = weights::assemble(config, tensors, q_lora, "config.json")?;
+    if dequantized {
+        // Held in bf16 exactly; transformers' reference multiplies them in f32.
+        model.keep_expert_inputs_exact();
+    }
     if tied && files.holds(&head)? {
         model.warn(format!(
             "the checkpoint holds `{head}`, but config.json ties the LM head to the embedding \

@@ -3,8 +3,8 @@
 //! and MLPs.
 
 use super::config::{MlpKind, NormKind, Router};
-use crate::cpu::gemv;
 use crate::cpu::microkernels::Isa;
+use crate::cpu::{bf16_gemm, gemv};
 use crate::error::RuntimeError;
 use crate::host::gemm::gemm;
 use crate::ops::LayerOps;
@@ -25,13 +25,29 @@ pub(crate) struct Matrix {
     pub rows: usize,
     pub cols: usize,
     data: Storage,
+    /// Whether products with bf16 weights round their inputs to bf16 (as PyTorch's bf16
+    /// products do); false for weights that are bf16 only as a way to hold exact values
+    /// (dequantized MXFP4).
+    round_inputs: bool,
 }
 
 impl Matrix {
     /// A matrix over `data` (`rows * cols` values).
     pub fn new(rows: usize, cols: usize, data: Storage) -> Matrix {
         debug_assert_eq!(rows * cols, data.len());
-        Matrix { rows, cols, data }
+        Matrix {
+            rows,
+            cols,
+            data,
+            round_inputs: true,
+        }
+    }
+
+    /// Products multiply the inputs as they are, even with bf16 weights: for weights whose
+    /// values bf16 holds exactly and whose reference multiplies them in f32 (dequantized
+    /// MXFP4).
+    pub fn keep_inputs_exact(&mut self) {
+        self.round_inputs = false;
     }
 
     /// Values stored.
@@ -67,18 +83,39 @@ impl Matrix {
 
     /// `n x rows` outputs `x W^T` for `n x cols` inputs `x`. A few rows (decoding) take the
     /// matrix-vector products, which read the weights once in their stored dtype. More go to
-    /// the GEMM: f32 weights as they are, 16-bit ones in blocks of rows ([`BLOCK_VALUES`]),
-    /// each converted and then multiplied on every thread.
+    /// a GEMM: `vdpbf16ps` for bf16 weights where the CPU has it; else the gemm crate, f32
+    /// weights as they are and 16-bit ones in blocks of rows ([`BLOCK_VALUES`]), each
+    /// converted and then multiplied on every thread. Products with bf16 weights take their
+    /// inputs rounded to bf16 on every path (`gemv::round_to_bf16`), unless
+    /// [`Matrix::keep_inputs_exact`].
     pub fn matmul_t(&self, x: &[f32], n: usize) -> Vec<f32> {
         let (out, inp) = (self.rows, self.cols);
         if n <= gemv::MAX_ROWS {
-            return gemv::matmul_t(Isa::chosen(), &self.data, out, inp, x, n);
+            return gemv::matmul_t(Isa::chosen(), &self.data, out, inp, x, n, self.round_inputs);
         }
-        let mut y = vec![0f32; n * out];
         if let Storage::F32(w) = &self.data {
+            let mut y = vec![0f32; n * out];
             gemm(n, inp, out, x, (inp, 1), w, (1, inp), &mut y, out);
             return y;
         }
+        let Storage::Bf16(w) = &self.data else {
+            return self.widened_product(x, n);
+        };
+        if !self.round_inputs {
+            return self.widened_product(x, n);
+        }
+        if let Some(y) = bf16_gemm::matmul_t(w, out, inp, x, n) {
+            return y;
+        }
+        // As every product with bf16 weights: the inputs rounded to bf16.
+        let rounded: Vec<f32> = x.iter().map(|&v| gemv::round_to_bf16(v)).collect();
+        self.widened_product(&rounded, n)
+    }
+
+    /// The GEMM over 16-bit weights widened a block of rows at a time.
+    fn widened_product(&self, x: &[f32], n: usize) -> Vec<f32> {
+        let (out, inp) = (self.rows, self.cols);
+        let mut y = vec![0f32; n * out];
         let block = (BLOCK_VALUES / inp.max(1)).clamp(1, out.max(1));
         let mut w = vec![0f32; block * inp];
         for first in (0..out).step_by(block) {
@@ -130,12 +167,15 @@ impl Linear {
     /// [`Linear::apply`] of each of `maps` (which share their input width) to the same
     /// inputs: for a few rows, one matrix-vector pass over all of them.
     pub fn apply_all<const N: usize>(maps: [&Linear; N], x: &[f32], rows: usize) -> [Vec<f32>; N] {
-        let cols = maps[0].w.cols;
-        if rows > gemv::MAX_ROWS || maps.iter().any(|m| m.w.cols != cols) {
+        let (cols, round) = (maps[0].w.cols, maps[0].w.round_inputs);
+        let alike = maps
+            .iter()
+            .all(|m| m.w.cols == cols && m.w.round_inputs == round);
+        if rows > gemv::MAX_ROWS || !alike {
             return maps.map(|m| m.apply(x, rows));
         }
         let mats: Vec<(&Storage, usize)> = maps.iter().map(|m| (&m.w.data, m.w.rows)).collect();
-        let mut ys = gemv::matmul_t_many(Isa::chosen(), &mats, cols, x, rows).into_iter();
+        let mut ys = gemv::matmul_t_many(Isa::chosen(), &mats, cols, x, rows, round).into_iter();
         maps.map(|m| m.biased(ys.next().expect("one output per map")))
     }
 
@@ -425,7 +465,8 @@ mod tests {
 
     /// Every dtype, through the matrix-vector products (up to `gemv::MAX_ROWS` rows) and the
     /// GEMM (more rows; a 16-bit matrix past one block of `BLOCK_VALUES`, so converted in
-    /// two), gives the f64 product of the stored weights.
+    /// two), gives the f64 product of the stored weights (and, for bf16, of the inputs rounded
+    /// to bf16). With `ATTN_CPU_ISA=avx2` the bf16 GEMM is the widened one.
     #[test]
     fn products_match_the_f64_product_in_every_dtype() {
         let value = |i: usize, seed: usize| {
@@ -445,6 +486,12 @@ mod tests {
                 Storage::Bf16(v) => v.iter().map(|x| x.to_f64()).collect(),
                 Storage::F16(v) => v.iter().map(|x| x.to_f64()).collect(),
             };
+            // bf16 weights multiply inputs rounded to bf16.
+            let bf16_weights = matches!(store, Storage::Bf16(_));
+            let input = |v: f32| match bf16_weights {
+                true => gemv::round_to_bf16(v) as f64,
+                false => v as f64,
+            };
             let m = Matrix::new(out, inp, store);
             for n in [1, gemv::MAX_ROWS, gemv::MAX_ROWS + 1] {
                 let x: Vec<f32> = (0..n * inp).map(|i| value(i, 7)).collect();
@@ -454,7 +501,7 @@ mod tests {
                 for o in (0..out).step_by(997).chain(out - 3..out) {
                     for t in 0..n {
                         let want: f64 = (0..inp)
-                            .map(|i| wide[o * inp + i] * x[t * inp + i] as f64)
+                            .map(|i| wide[o * inp + i] * input(x[t * inp + i]))
                             .sum();
                         let got = y[t * out + o] as f64;
                         assert!(

@@ -308,6 +308,24 @@ impl Model {
             })
     }
 
+    /// Marks every expert's matrices of the MoE layers as held exactly in their dtype
+    /// ([`layers::Matrix::keep_inputs_exact`]): experts dequantized from MXFP4.
+    pub(crate) fn keep_expert_inputs_exact(&mut self) {
+        for layer in &mut self.layers {
+            if let LayerMlp::Moe(moe) = &mut layer.mlp {
+                for expert in &mut moe.experts {
+                    for linear in expert
+                        .gate
+                        .iter_mut()
+                        .chain([&mut expert.up, &mut expert.down])
+                    {
+                        linear.w.keep_inputs_exact();
+                    }
+                }
+            }
+        }
+    }
+
     /// Bytes of weights one decoding step reads for one token, in their stored dtypes: every
     /// projection of every layer (of an MoE layer: the router, the shared experts and `top_k`
     /// experts' worth) and the LM head (the embedding when tied); norms and the embedding row
