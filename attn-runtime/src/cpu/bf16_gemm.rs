@@ -19,17 +19,29 @@ use rayon::prelude::*;
 const PANEL: usize = 32;
 /// Inputs per kernel call.
 const ROWS: usize = 12;
-/// Panels computed before their outputs are copied out (2048 weight rows).
-const BATCH: usize = 64;
 
 /// Whether [`matmul_t`] runs here: `avx512_bf16`, and AVX-512 chosen (`ATTN_CPU_ISA`).
 pub(crate) fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
-    if Isa::chosen() == Isa::Avx512 && std::arch::is_x86_feature_detected!("avx512bf16") {
+    if Isa::chosen() == Isa::Avx512
+        && std::arch::is_x86_feature_detected!("avx512bf16")
+        && std::arch::is_x86_feature_detected!("avx512bw")
+    {
         return true;
     }
     false
 }
+
+/// The output buffer, written by every panel's task at its own columns.
+#[cfg(target_arch = "x86_64")]
+struct Outputs(*mut f32);
+// SAFETY: each task writes only the columns of its own panel, so writes never overlap, and the
+// buffer outlives the parallel loop.
+#[cfg(target_arch = "x86_64")]
+unsafe impl Send for Outputs {}
+// SAFETY: as above.
+#[cfg(target_arch = "x86_64")]
+unsafe impl Sync for Outputs {}
 
 /// `n x rows` outputs `x W^T` for `n x cols` inputs `x` and the `rows x cols` bf16 matrix `w`
 /// (both row-major); `None` where [`available`] is false.
@@ -40,9 +52,16 @@ pub(crate) fn matmul_t(
     x: &[f32],
     n: usize,
 ) -> Option<Vec<f32>> {
-    if !available() {
-        return None;
+    #[cfg(target_arch = "x86_64")]
+    if available() {
+        return Some(run(w, rows, cols, x, n));
     }
+    None
+}
+
+/// [`matmul_t`] where it runs.
+#[cfg(target_arch = "x86_64")]
+fn run(w: &[bf16], rows: usize, cols: usize, x: &[f32], n: usize) -> Vec<f32> {
     assert_eq!(w.len(), rows * cols, "weights of {rows} x {cols}");
     assert_eq!(x.len(), n * cols, "inputs of {n} x {cols}");
     let pairs = cols.div_ceil(2);
@@ -52,88 +71,206 @@ pub(crate) fn matmul_t(
     inputs
         .par_chunks_mut(pairs.max(1))
         .zip(x.par_chunks(cols.max(1)))
-        .for_each(|(out, row)| {
-            for (o, pair) in out.iter_mut().zip(row.chunks(2)) {
-                let lo = bf16::from_f32(pair[0]).to_bits() as u32;
-                let hi = pair
-                    .get(1)
-                    .map_or(0, |&v| bf16::from_f32(v).to_bits() as u32);
-                *o = lo | hi << 16;
+        // SAFETY: `available` checked AVX-512F and BW; each chunk holds `cols.div_ceil(2)` pairs for a row of `cols`.
+        .for_each(|(out, row)| unsafe { x86::round_pairs(row, out) });
+    // Every output is stored by exactly one kernel call below, so the buffer starts
+    // uninitialized (zeroing it cost 3% of a prefill's products).
+    let mut y: Vec<f32> = Vec::with_capacity(n * rows);
+    let outputs = Outputs(y.as_mut_ptr());
+    (0..rows.div_ceil(PANEL)).into_par_iter().for_each_init(
+        || vec![0u32; pairs * PANEL],
+        |packed, panel| {
+            let first = panel * PANEL;
+            let count = PANEL.min(rows - first);
+            let at = &outputs;
+            // SAFETY: AVX-512F and BW checked by `available`; the panel's rows are whole
+            // rows of `w`.
+            unsafe { x86::pack(&w[first * cols..(first + count) * cols], cols, packed) };
+            // The next panel (usually this task's next) comes from memory while this one
+            // computes, a share of its lines before each call.
+            let next = w.get((first + PANEL) * cols..).unwrap_or(&[]);
+            let next = &next[..next.len().min(PANEL * cols)];
+            let calls = n.div_ceil(ROWS);
+            for (call, start) in (0..n).step_by(ROWS).enumerate() {
+                x86::prefetch(next, call, calls);
+                // SAFETY: AVX-512F and AVX512-BF16 checked by `available`. `inputs` holds
+                // ROWS rows of `pairs` from `start` (padded); the outputs of rows
+                // `start..start + live` at columns `first..first + count` lie inside `y`
+                // (`n x rows`) and belong to this panel's task alone.
+                unsafe {
+                    x86::kernel(
+                        packed,
+                        &inputs[start * pairs..(start + ROWS) * pairs],
+                        pairs,
+                        x86::Out {
+                            at: at.0.add(start * rows + first),
+                            stride: rows,
+                            live: ROWS.min(n - start),
+                            count,
+                        },
+                    )
+                };
             }
-        });
-    let mut y = vec![0f32; n * rows];
-    // Panels in batches, each batch's outputs copied into y before the next: the panels'
-    // outputs never hold more than a batch of columns.
-    let all = rows.div_ceil(PANEL);
-    for batch in (0..all).step_by(BATCH) {
-        let panels: Vec<Vec<f32>> = (batch..all.min(batch + BATCH))
-            .into_par_iter()
-            .map(|panel| {
-                let first = panel * PANEL;
-                let count = PANEL.min(rows - first);
-                let packed = pack(&w[first * cols..(first + count) * cols], cols, pairs);
-                let mut out = vec![0f32; padded * PANEL];
-                for start in (0..padded).step_by(ROWS) {
-                    // SAFETY: `available` checked AVX-512F and AVX512-BF16; `packed` holds
-                    // `pairs * PANEL` lanes, `inputs` ROWS rows of `pairs` from `start`, and
-                    // `out` ROWS rows of PANEL from `start`.
-                    #[cfg(target_arch = "x86_64")]
-                    unsafe {
-                        x86::kernel(
-                            &packed,
-                            &inputs[start * pairs..(start + ROWS) * pairs],
-                            pairs,
-                            &mut out[start * PANEL..(start + ROWS) * PANEL],
-                        )
-                    };
-                }
-                out
-            })
-            .collect();
-        y.par_chunks_mut(rows.max(1))
-            .enumerate()
-            .for_each(|(t, dst)| {
-                for (i, out) in panels.iter().enumerate() {
-                    let first = (batch + i) * PANEL;
-                    let count = PANEL.min(rows - first);
-                    dst[first..first + count].copy_from_slice(&out[t * PANEL..t * PANEL + count]);
-                }
-            });
-    }
-    Some(y)
-}
-
-/// The `count <= PANEL` rows `w` (of `cols`) pair-major: lane `j` of pair `p` is row `j`'s
-/// columns `2p` (low half) and `2p + 1` (high half); missing rows and an odd last column are 0.
-fn pack(w: &[bf16], cols: usize, pairs: usize) -> Vec<u32> {
-    let mut packed = vec![0u32; pairs * PANEL];
-    for (j, row) in w.chunks_exact(cols.max(1)).enumerate() {
-        for (p, pair) in row.chunks(2).enumerate() {
-            let lo = pair[0].to_bits() as u32;
-            let hi = pair.get(1).map_or(0, |v| v.to_bits() as u32);
-            packed[p * PANEL + j] = lo | hi << 16;
-        }
-    }
-    packed
+        },
+    );
+    // SAFETY: the panels cover columns 0..rows and each panel's calls cover rows 0..n, so all
+    // `n * rows` values were written.
+    unsafe { y.set_len(n * rows) };
+    y
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::{PANEL, ROWS};
+    use half::bf16;
     use std::arch::x86_64::*;
 
-    /// `out[i * PANEL + j] = sum_p` of the pair products of input `i` and panel row `j`.
+    /// Where a kernel call's sums go: `live` rows `stride` apart, `count` columns each.
+    pub(super) struct Out {
+        pub at: *mut f32,
+        pub stride: usize,
+        pub live: usize,
+        pub count: usize,
+    }
+
+    /// `row` rounded to bf16 (to nearest even, NaNs kept quiet: bit for bit what
+    /// `half::bf16::from_f32` gives) into `out` as pairs: pair `p` holds columns `2p` (low half)
+    /// and `2p + 1` (high half, 0 past an odd end).
     ///
     /// # Safety
-    /// AVX-512F and AVX512-BF16 must be present. `packed` holds `pairs * PANEL` lanes,
-    /// `inputs` `ROWS * pairs` and `out` `ROWS * PANEL` (asserted).
+    /// AVX-512F and AVX-512BW must be present; `out.len() == row.len().div_ceil(2)`
+    /// (asserted).
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn round_pairs(row: &[f32], out: &mut [u32]) {
+        assert_eq!(out.len(), row.len().div_ceil(2));
+        let whole = row.len() / 16 * 16;
+        let dst = out.as_mut_ptr().cast::<u16>();
+        // SAFETY: lanes `i..i + 16` of `row` exist for `i < whole`, and `out` holds
+        // `row.len()` halves or one more.
+        unsafe {
+            let (one, bias) = (_mm512_set1_epi32(1), _mm512_set1_epi32(0x7fff));
+            let (abs, inf) = (
+                _mm512_set1_epi32(0x7fff_ffff),
+                _mm512_set1_epi32(0x7f80_0000),
+            );
+            let quiet = _mm512_set1_epi32(0x40);
+            for i in (0..whole).step_by(16) {
+                let bits = _mm512_castps_si512(_mm512_loadu_ps(row.as_ptr().add(i)));
+                let high = _mm512_srli_epi32::<16>(bits);
+                let up = _mm512_add_epi32(bias, _mm512_and_si512(high, one));
+                let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(bits, up));
+                let nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, abs), inf);
+                let kept = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(high, quiet));
+                _mm256_storeu_si256(dst.add(i).cast(), _mm512_cvtepi32_epi16(kept));
+            }
+        }
+        for (i, &v) in row.iter().enumerate().skip(whole) {
+            // SAFETY: i < row.len() <= 2 * out.len().
+            unsafe { *dst.add(i) = bf16::from_f32(v).to_bits() };
+        }
+        if row.len() % 2 == 1 {
+            out[row.len() / 2] &= 0xffff;
+        }
+    }
+
+    /// Asks for share `part` of `parts` of the cache lines of `w`, into the L2 cache.
+    pub(super) fn prefetch(w: &[bf16], part: usize, parts: usize) {
+        let lines = (w.len() * 2).div_ceil(64);
+        let base = w.as_ptr().cast::<i8>();
+        for line in lines * part / parts..lines * (part + 1) / parts {
+            // SAFETY: a prefetch never faults; the address is inside `w`.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(base.wrapping_add(64 * line)) };
+        }
+    }
+
+    /// The `count <= PANEL` rows `w` (of `cols`) pair-major into `packed`: lane `j` of pair `p`
+    /// is row `j`'s columns `2p` (low half) and `2p + 1` (high half); missing rows and an odd
+    /// last column are 0. Sixteen rows by sixteen pairs are loaded and transposed at a time.
+    ///
+    /// # Safety
+    /// AVX-512F and AVX-512BW must be present; `w.len()` is a multiple of `cols` up to
+    /// `PANEL * cols` and `packed.len() == cols.div_ceil(2) * PANEL` (asserted).
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn pack(w: &[bf16], cols: usize, packed: &mut [u32]) {
+        let count = w.len() / cols.max(1);
+        let pairs = cols.div_ceil(2);
+        assert!(count <= PANEL && count * cols == w.len());
+        assert_eq!(packed.len(), pairs * PANEL);
+        let src = w.as_ptr().cast::<u16>();
+        for block in (0..pairs).step_by(16) {
+            // Columns of this block: 32 halves, fewer at the end (the rest load as 0).
+            let halves = (cols - 2 * block).min(32);
+            let mask = (u64::MAX >> (64 - halves)) as __mmask32;
+            for half in 0..2 {
+                let mut rows = [_mm512_setzero_si512(); 16];
+                for (j, row) in rows.iter_mut().enumerate() {
+                    let r = 16 * half + j;
+                    if r < count {
+                        // SAFETY: row r < count of `w`, halves `2 * block..2 * block + halves`
+                        // (inside the row); masked lanes are not read.
+                        *row = unsafe {
+                            _mm512_maskz_loadu_epi16(mask, src.add(r * cols + 2 * block).cast())
+                        };
+                    }
+                }
+                let lanes = transpose(rows);
+                for (k, lane) in lanes.iter().enumerate().take(pairs - block) {
+                    // SAFETY: pair block + k < pairs; lanes 16 * half.. of it are in `packed`.
+                    unsafe {
+                        let to = packed.as_mut_ptr().add((block + k) * PANEL + 16 * half);
+                        _mm512_storeu_si512(to.cast(), *lane);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The 16 x 16 transpose of 32-bit lanes: `out[k]` lane `j` is `rows[j]` lane `k`.
+    #[target_feature(enable = "avx512f")]
+    fn transpose(rows: [__m512i; 16]) -> [__m512i; 16] {
+        // Within each 128-bit lane L: after the 32- and 64-bit interleaves, `by4[4 * g + m]`
+        // holds column 4L + m of rows 4g..4g + 4.
+        let mut by2 = [_mm512_setzero_si512(); 16];
+        for i in 0..8 {
+            by2[2 * i] = _mm512_unpacklo_epi32(rows[2 * i], rows[2 * i + 1]);
+            by2[2 * i + 1] = _mm512_unpackhi_epi32(rows[2 * i], rows[2 * i + 1]);
+        }
+        let mut by4 = [_mm512_setzero_si512(); 16];
+        for g in 0..4 {
+            let b = &by2[4 * g..4 * g + 4];
+            by4[4 * g] = _mm512_unpacklo_epi64(b[0], b[2]);
+            by4[4 * g + 1] = _mm512_unpackhi_epi64(b[0], b[2]);
+            by4[4 * g + 2] = _mm512_unpacklo_epi64(b[1], b[3]);
+            by4[4 * g + 3] = _mm512_unpackhi_epi64(b[1], b[3]);
+        }
+        // Then column 4L + m gathers 128-bit lane L of by4[m], by4[4 + m], by4[8 + m] and
+        // by4[12 + m].
+        let mut out = [_mm512_setzero_si512(); 16];
+        for m in 0..4 {
+            let low01 = _mm512_shuffle_i32x4::<0b01_00_01_00>(by4[m], by4[4 + m]);
+            let high01 = _mm512_shuffle_i32x4::<0b11_10_11_10>(by4[m], by4[4 + m]);
+            let low23 = _mm512_shuffle_i32x4::<0b01_00_01_00>(by4[8 + m], by4[12 + m]);
+            let high23 = _mm512_shuffle_i32x4::<0b11_10_11_10>(by4[8 + m], by4[12 + m]);
+            out[m] = _mm512_shuffle_i32x4::<0b10_00_10_00>(low01, low23);
+            out[4 + m] = _mm512_shuffle_i32x4::<0b11_01_11_01>(low01, low23);
+            out[8 + m] = _mm512_shuffle_i32x4::<0b10_00_10_00>(high01, high23);
+            out[12 + m] = _mm512_shuffle_i32x4::<0b11_01_11_01>(high01, high23);
+        }
+        out
+    }
+
+    /// The sums of ROWS inputs against a packed panel: output `i`'s column `j` is the sum over
+    /// pairs `p` of the pair products of input `i` and panel row `j`; rows `live..` and columns
+    /// `count..` are not stored.
+    ///
+    /// # Safety
+    /// AVX-512F and AVX512-BF16 must be present. `packed` holds `pairs * PANEL` lanes and
+    /// `inputs` `ROWS * pairs` (asserted); `out` names `live <= ROWS` writable rows of
+    /// `count <= PANEL` columns.
     #[target_feature(enable = "avx512f,avx512bf16")]
-    pub(super) unsafe fn kernel(packed: &[u32], inputs: &[u32], pairs: usize, out: &mut [f32]) {
-        assert!(
-            packed.len() >= pairs * PANEL
-                && inputs.len() >= ROWS * pairs
-                && out.len() >= ROWS * PANEL
-        );
+    pub(super) unsafe fn kernel(packed: &[u32], inputs: &[u32], pairs: usize, out: Out) {
+        assert!(packed.len() >= pairs * PANEL && inputs.len() >= ROWS * pairs);
+        assert!(out.live <= ROWS && out.count <= PANEL);
         let (w, x) = (packed.as_ptr(), inputs.as_ptr());
         let mut acc = [[_mm512_setzero_ps(); 2]; ROWS];
         // SAFETY: pair p < pairs of the panel and of each input row: in the asserted ranges.
@@ -154,9 +291,17 @@ mod x86 {
                     sums[1] = _mm512_dpbf16_ps(sums[1], w1, pair);
                 }
             }
-            for (i, sums) in acc.iter().enumerate() {
-                _mm512_storeu_ps(out.as_mut_ptr().add(i * PANEL), sums[0]);
-                _mm512_storeu_ps(out.as_mut_ptr().add(i * PANEL + 16), sums[1]);
+        }
+        let mask = |from: usize| {
+            (((1u32 << out.count.saturating_sub(from).min(16)) - 1) & 0xffff) as __mmask16
+        };
+        let (m0, m1) = (mask(0), mask(16));
+        for (i, sums) in acc.iter().take(out.live).enumerate() {
+            // SAFETY: row i < live, columns below `count`: writable by the caller's contract.
+            unsafe {
+                let row = out.at.add(i * out.stride);
+                _mm512_mask_storeu_ps(row, m0, sums[0]);
+                _mm512_mask_storeu_ps(row.add(16), m1, sums[1]);
             }
         }
     }
@@ -175,7 +320,14 @@ mod tests {
             let h = (i.wrapping_mul(2654435761).wrapping_add(seed) >> 7) % 2001;
             h as f32 / 1000.0 - 1.0
         };
-        for (rows, cols, n) in [(1, 1, 1), (33, 7, 13), (70, 64, 25), (40, 301, 9)] {
+        let shapes = [
+            (1, 1, 1),
+            (33, 7, 13),
+            (70, 64, 25),
+            (40, 301, 9),
+            (50, 33, 30),
+        ];
+        for (rows, cols, n) in shapes {
             let w: Vec<bf16> = (0..rows * cols)
                 .map(|i| bf16::from_f32(value(i, 3)))
                 .collect();
@@ -194,6 +346,44 @@ mod tests {
                         (got - want).abs() <= tol,
                         "{rows}x{cols} n={n} [{t}, {o}]: {got} against {want}"
                     );
+                }
+            }
+        }
+    }
+
+    /// The vector rounding of inputs gives `half`'s bf16 bits exactly: ties to even both ways,
+    /// overflow to infinity, NaNs quiet, subnormals, and rows of every length around a vector.
+    #[test]
+    fn inputs_round_as_half_rounds_them() {
+        #[cfg(target_arch = "x86_64")]
+        if available() {
+            let specials = [
+                f32::from_bits(0x3f80_8000), // a tie, even below
+                f32::from_bits(0x3f81_8000), // a tie, odd below
+                f32::from_bits(0x3f80_8001),
+                f32::from_bits(0x7f7f_ffff), // rounds to infinity
+                f32::from_bits(0xff7f_ffff),
+                f32::from_bits(0x7f80_0001), // a signalling NaN
+                f32::from_bits(0xffc0_0000),
+                f32::INFINITY,
+                f32::NEG_INFINITY,
+                f32::from_bits(0x0000_8001), // a subnormal
+                -0.0,
+            ];
+            let mut values: Vec<f32> = specials.to_vec();
+            values.extend((0..100).map(|i| (i as f32 * 0.7319).sin() * 1e3));
+            for len in [1, 15, 16, 17, 33, values.len()] {
+                let row = &values[..len];
+                let mut pairs = vec![u32::MAX; len.div_ceil(2)];
+                // SAFETY: `available` checked AVX-512F and BW; `pairs` has the length asked.
+                unsafe { x86::round_pairs(row, &mut pairs) };
+                for (i, &v) in row.iter().enumerate() {
+                    let got = (pairs[i / 2] >> (16 * (i % 2))) as u16;
+                    let want = bf16::from_f32(v).to_bits();
+                    assert_eq!(got, want, "value {i} ({v:e}) of {len}");
+                }
+                if len % 2 == 1 {
+                    assert_eq!(pairs[len / 2] >> 16, 0, "the pad of an odd row is 0");
                 }
             }
         }

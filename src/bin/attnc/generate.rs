@@ -153,6 +153,9 @@ fn generate(path: &Path, seed: u64, prompt: Prompt, args: Generation) -> Result<
             ids
         }
     };
+    // Each step frees and allocates the same activations: keep the memory rather than fault
+    // it in again.
+    attn::runtime::memory::keep_freed_memory();
     let model = load_on(path, seed, args.backend)?;
     if let Some(tokenizer) = &tokenizer {
         tokenizer.check_fits(model.config.vocab).map_err(err)?;
