@@ -7,6 +7,7 @@
 
 use crate::error::RuntimeError;
 use crate::tensor::Storage;
+use rayon::prelude::*;
 
 /// Normalization layers.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -91,6 +92,27 @@ fn gelu_tanh(x: f32) -> f32 {
     0.5 * x * (1.0 + inner.tanh())
 }
 
+/// Values per task of the CPU's elementwise operations and norms: a decoding step's few rows
+/// stay on one thread, a prefill's spread over all.
+const CHUNK: usize = 1 << 14;
+
+/// `up[i] = f(up[i], gate[i])` for all `i`, over rayon's threads (equal lengths).
+fn with_gate(up: &mut [f32], gate: &[f32], f: impl Fn(f32, f32) -> f32 + Sync) {
+    up.par_chunks_mut(CHUNK)
+        .zip(gate.par_chunks(CHUNK))
+        .for_each(|(up, gate)| {
+            for (h, &g) in up.iter_mut().zip(gate) {
+                *h = f(*h, g);
+            }
+        });
+}
+
+/// `up[i] = f(up[i])` for all `i`, over rayon's threads.
+fn each(up: &mut [f32], f: impl Fn(f32) -> f32 + Sync) {
+    up.par_chunks_mut(CHUNK)
+        .for_each(|up| up.iter_mut().for_each(|h| *h = f(*h)));
+}
+
 /// Checks that `b` has as many values as `a` (`what` names them in the error).
 pub(crate) fn same_len(a: usize, b: usize, what: &str) -> Result<(), RuntimeError> {
     if a == b {
@@ -141,11 +163,12 @@ impl LayerOps for CpuLayers {
             same_len(weight.len(), b.len(), "norm weight and bias")?;
         }
         let mut y = vec![0f32; x.len()];
-        // Segment `j` of the input takes segment `j % groups` of the weights.
-        let weights = weight.chunks_exact(n).cycle();
-        let biases = (0..).map(|j| bias.map(|b| &b[(j % groups) * n..][..n]));
-        let segments = x.chunks_exact(n).zip(y.chunks_exact_mut(n));
-        for (((src, dst), weight), bias) in segments.zip(weights).zip(biases) {
+        let segments = x.par_chunks_exact(n).zip(y.par_chunks_exact_mut(n));
+        let segments = segments.enumerate().with_min_len(CHUNK / n.max(1));
+        segments.for_each(|(j, (src, dst))| {
+            // Segment `j` of the input takes segment `j % groups` of the weights.
+            let weight = &weight[(j % groups) * n..][..n];
+            let bias = bias.map(|b| &b[(j % groups) * n..][..n]);
             let mean = match kind {
                 NormKind::Rms => 0.0,
                 NormKind::Layer => src.iter().map(|&v| f64::from(v)).sum::<f64>() / n as f64,
@@ -160,7 +183,7 @@ impl LayerOps for CpuLayers {
                 let b = bias.map_or(0.0, |b| f64::from(b[i]));
                 *d = ((f64::from(s) - mean) * inv * f64::from(weight[i]) + b) as f32;
             }
-        }
+        });
         Ok(y)
     }
 
@@ -173,37 +196,27 @@ impl LayerOps for CpuLayers {
         match (kind, gate) {
             (MlpKind::SwiGlu, Some(gate)) => {
                 same_len(up.len(), gate.len(), "SwiGLU's up and gate")?;
-                for (h, g) in up.iter_mut().zip(gate) {
-                    *h *= g / (1.0 + (-g).exp());
-                }
+                with_gate(up, gate, |h, g| h * (g / (1.0 + (-g).exp())));
             }
             (MlpKind::GeGlu, Some(gate)) => {
                 same_len(up.len(), gate.len(), "GeGLU's up and gate")?;
-                for (h, &g) in up.iter_mut().zip(gate) {
-                    *h *= gelu_tanh(g);
-                }
+                with_gate(up, gate, |h, g| h * gelu_tanh(g));
             }
             (MlpKind::ClampedSwiGlu { alpha, limit }, Some(gate)) => {
                 same_len(up.len(), gate.len(), "the clamped SwiGLU's up and gate")?;
-                for (h, &g) in up.iter_mut().zip(gate) {
+                with_gate(up, gate, |h, g| {
                     let g = g.min(limit);
                     let u = h.clamp(-limit, limit);
-                    *h = (u + 1.0) * g / (1.0 + (-alpha * g).exp());
-                }
+                    (u + 1.0) * g / (1.0 + (-alpha * g).exp())
+                });
             }
             (MlpKind::SwiGlu | MlpKind::GeGlu | MlpKind::ClampedSwiGlu { .. }, None) => {
                 return Err(RuntimeError::Data(format!("{kind:?} needs its gate")));
             }
-            (MlpKind::Gelu, _) => {
-                for h in up.iter_mut() {
-                    *h = gelu_tanh(*h);
-                }
-            }
-            (MlpKind::GeluExact, _) => {
-                for h in up.iter_mut() {
-                    *h = 0.5 * *h * (1.0 + libm::erff(*h * std::f32::consts::FRAC_1_SQRT_2));
-                }
-            }
+            (MlpKind::Gelu, _) => each(up, gelu_tanh),
+            (MlpKind::GeluExact, _) => each(up, |h| {
+                0.5 * h * (1.0 + libm::erff(h * std::f32::consts::FRAC_1_SQRT_2))
+            }),
         }
         Ok(())
     }
