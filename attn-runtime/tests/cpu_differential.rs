@@ -198,7 +198,7 @@ fn half_precision_storage() {
 
 #[test]
 fn every_instruction_set_this_cpu_has() {
-    for isa in [Isa::Portable, Isa::Avx2, Isa::Avx512] {
+    for isa in Isa::ALL {
         let Some(backend) = CpuBackend::with_isa(isa) else {
             continue;
         };

@@ -38,6 +38,24 @@ fn the_instruction_set_is_chosen_by_name() {
         "{}",
         stdout(&o)
     );
+    // Every set the refusal lists as running here is taken; avx512_bf16 times avx512's f32
+    // microkernel.
+    let refusal = stderr(&run("avx3", &["check", "heads = 2, head_dim = 32"]));
+    let (_, here) = refusal
+        .trim()
+        .split_once("this CPU runs: ")
+        .expect("the sets listed");
+    for isa in here.split(", ") {
+        let o = run(isa, &["peak", "--seconds", "0.05"]);
+        assert_eq!(o.status.code(), Some(0), "{isa}: {}", stderr(&o));
+        let label = if isa == "avx512_bf16" { "avx512" } else { isa };
+        let out = stdout(&o).to_lowercase();
+        assert!(out.starts_with(&format!("{label} microkernel:")), "{out}");
+    }
+    // No kernel uses AMX: refused, with the reason, on any CPU.
+    let o = run("amx", &["check", "heads = 2, head_dim = 32"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("AMX"), "{}", stderr(&o));
     for bad in ["avx3", "", "AVX512 "] {
         let o = run(bad, &["check", "heads = 2, head_dim = 32"]);
         assert_eq!(o.status.code(), Some(2), "{bad:?}: {}", stderr(&o));

@@ -20,16 +20,9 @@ const PANEL: usize = 32;
 /// Inputs per kernel call.
 const ROWS: usize = 12;
 
-/// Whether [`matmul_t`] runs here: `avx512_bf16`, and AVX-512 chosen (`ATTN_CPU_ISA`).
-pub(crate) fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    if Isa::chosen() == Isa::Avx512
-        && std::arch::is_x86_feature_detected!("avx512bf16")
-        && std::arch::is_x86_feature_detected!("avx512bw")
-    {
-        return true;
-    }
-    false
+/// Whether [`matmul_t`] runs for `isa`: [`Isa::Avx512Bf16`], on a CPU that has it.
+pub(crate) fn available(isa: Isa) -> bool {
+    isa == Isa::Avx512Bf16 && isa.runs_here()
 }
 
 /// The output buffer, written by every panel's task at its own columns.
@@ -44,8 +37,9 @@ unsafe impl Send for Outputs {}
 unsafe impl Sync for Outputs {}
 
 /// `n x rows` outputs `x W^T` for `n x cols` inputs `x` and the `rows x cols` bf16 matrix `w`
-/// (both row-major); `None` where [`available`] is false.
+/// (both row-major) with `isa`'s kernels; `None` where [`available`] is false for it.
 pub(crate) fn matmul_t(
+    isa: Isa,
     w: &[bf16],
     rows: usize,
     cols: usize,
@@ -53,7 +47,7 @@ pub(crate) fn matmul_t(
     n: usize,
 ) -> Option<Vec<f32>> {
     #[cfg(target_arch = "x86_64")]
-    if available() {
+    if available(isa) {
         return Some(run(w, rows, cols, x, n));
     }
     None
@@ -71,7 +65,7 @@ fn run(w: &[bf16], rows: usize, cols: usize, x: &[f32], n: usize) -> Vec<f32> {
     inputs
         .par_chunks_mut(pairs.max(1))
         .zip(x.par_chunks(cols.max(1)))
-        // SAFETY: `available` checked AVX-512F and BW; each chunk holds `cols.div_ceil(2)` pairs for a row of `cols`.
+        // SAFETY: `matmul_t` checked `available`, so AVX-512F, BW and BF16 are here; each chunk holds `cols.div_ceil(2)` pairs for a row of `cols`.
         .for_each(|(out, row)| unsafe { x86::round_pairs(row, out) });
     // Every output is stored by exactly one kernel call below, so the buffer starts
     // uninitialized (zeroing it cost 3% of a prefill's products).
@@ -83,7 +77,7 @@ fn run(w: &[bf16], rows: usize, cols: usize, x: &[f32], n: usize) -> Vec<f32> {
             let first = panel * PANEL;
             let count = PANEL.min(rows - first);
             let at = &outputs;
-            // SAFETY: AVX-512F and BW checked by `available`; the panel's rows are whole
+            // SAFETY: AVX-512F and BW are here (`available`); the panel's rows are whole
             // rows of `w`.
             unsafe { x86::pack(&w[first * cols..(first + count) * cols], cols, packed) };
             // The next panel (usually this task's next) comes from memory while this one
@@ -93,7 +87,7 @@ fn run(w: &[bf16], rows: usize, cols: usize, x: &[f32], n: usize) -> Vec<f32> {
             let calls = n.div_ceil(ROWS);
             for (call, start) in (0..n).step_by(ROWS).enumerate() {
                 x86::prefetch(next, call, calls);
-                // SAFETY: AVX-512F and AVX512-BF16 checked by `available`. `inputs` holds
+                // SAFETY: AVX-512F and AVX512-BF16 are here (`available`). `inputs` holds
                 // ROWS rows of `pairs` from `start` (padded); the outputs of rows
                 // `start..start + live` at columns `first..first + count` lie inside `y`
                 // (`n x rows`) and belong to this panel's task alone.
@@ -332,7 +326,7 @@ mod tests {
                 .map(|i| bf16::from_f32(value(i, 3)))
                 .collect();
             let x: Vec<f32> = (0..n * cols).map(|i| value(i, 5)).collect();
-            let Some(y) = matmul_t(&w, rows, cols, &x, n) else {
+            let Some(y) = matmul_t(Isa::Avx512Bf16, &w, rows, cols, &x, n) else {
                 return; // no avx512_bf16 here: the GEMM falls back, tested with Matrix
             };
             for t in 0..n {
@@ -356,7 +350,7 @@ mod tests {
     #[test]
     fn inputs_round_as_half_rounds_them() {
         #[cfg(target_arch = "x86_64")]
-        if available() {
+        if available(Isa::Avx512Bf16) {
             let specials = [
                 f32::from_bits(0x3f80_8000), // a tie, even below
                 f32::from_bits(0x3f81_8000), // a tie, odd below
@@ -375,7 +369,7 @@ mod tests {
             for len in [1, 15, 16, 17, 33, values.len()] {
                 let row = &values[..len];
                 let mut pairs = vec![u32::MAX; len.div_ceil(2)];
-                // SAFETY: `available` checked AVX-512F and BW; `pairs` has the length asked.
+                // SAFETY: `available` means AVX-512F and BW are here; `pairs` has the length asked.
                 unsafe { x86::round_pairs(row, &mut pairs) };
                 for (i, &v) in row.iter().enumerate() {
                     let got = (pairs[i / 2] >> (16 * (i % 2))) as u16;

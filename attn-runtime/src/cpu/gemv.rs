@@ -66,7 +66,7 @@ pub(crate) fn matmul_t_many(
     let kernel = Kernel {
         isa,
         cols,
-        x: Inputs::new(x, n, cols, bf16, round, isa == Isa::Avx512),
+        x: Inputs::new(x, n, cols, bf16, round, isa.vectors() == Isa::Avx512),
     };
     let mut pieces = Vec::new();
     for ((w, _), yt) in mats.iter().zip(&mut yts) {
@@ -175,7 +175,7 @@ impl Kernel<'_> {
     fn rows<E: Weight>(&self, w: &[E], out: &mut [f32]) {
         let count = out.len() / self.x.n;
         let w = &w[..count * self.cols];
-        match self.isa {
+        match self.isa.vectors() {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `isa` is AVX-512 only when the CPU has it (`Isa::chosen`, or a backend
             // built for it); the slices hold `count` weight rows, `n` inputs and `count * n`

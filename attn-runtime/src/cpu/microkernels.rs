@@ -14,9 +14,12 @@ use codegen::plan::K_TILE;
 
 const K: usize = K_TILE as usize;
 
-/// Instruction sets the microkernels can use, best first.
+/// Instruction sets the CPU kernels can use, best first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
+    /// AVX-512 with the bf16 dot products of `avx512_bf16` (`vdpbf16ps`), which a prefill's
+    /// products with bf16 weights use; every other kernel is [`Isa::Avx512`]'s.
+    Avx512Bf16,
     /// AVX-512F (16 f32 lanes).
     Avx512,
     /// AVX2 with FMA (8 lanes).
@@ -30,6 +33,12 @@ impl Isa {
     pub fn detect() -> Isa {
         #[cfg(target_arch = "x86_64")]
         {
+            if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bw")
+                && std::arch::is_x86_feature_detected!("avx512bf16")
+            {
+                return Isa::Avx512Bf16;
+            }
             if std::arch::is_x86_feature_detected!("avx512f") {
                 return Isa::Avx512;
             }
@@ -45,18 +54,25 @@ impl Isa {
     /// Its name, as [`ISA_VARIABLE`] takes it.
     pub fn name(self) -> &'static str {
         match self {
+            Isa::Avx512Bf16 => "avx512_bf16",
             Isa::Avx512 => "avx512",
             Isa::Avx2 => "avx2",
             Isa::Portable => "portable",
         }
     }
 
-    /// Whether this CPU has the instructions.
+    /// Whether this CPU has the instructions (each set's instructions include those of the
+    /// sets after it).
     pub fn runs_here(self) -> bool {
-        match (self, Isa::detect()) {
-            (Isa::Portable, _) | (_, Isa::Avx512) => true,
-            (Isa::Avx2, best) => best == Isa::Avx2,
-            (Isa::Avx512, _) => false,
+        self as u8 >= Isa::detect() as u8
+    }
+
+    /// The set of its f32 vector kernels: [`Isa::Avx512`] for [`Isa::Avx512Bf16`], which
+    /// differs only in its bf16 products; otherwise itself.
+    pub fn vectors(self) -> Isa {
+        match self {
+            Isa::Avx512Bf16 => Isa::Avx512,
+            isa => isa,
         }
     }
 
@@ -66,23 +82,24 @@ impl Isa {
         let Ok(name) = std::env::var(ISA_VARIABLE) else {
             return Ok(Isa::detect());
         };
-        let all = [Isa::Avx512, Isa::Avx2, Isa::Portable];
-        let here: Vec<&str> = all
+        let here: Vec<&str> = Isa::ALL
             .iter()
             .filter(|i| i.runs_here())
             .map(|i| i.name())
             .collect();
-        match all.iter().find(|i| i.name() == name.trim()) {
-            Some(isa) if isa.runs_here() => Ok(*isa),
-            found => Err(format!(
-                "{ISA_VARIABLE}={name:?}: {}; this CPU runs: {}",
-                match found {
-                    Some(_) => "this CPU lacks those instructions",
-                    None => "no such instruction set",
-                },
-                here.join(", ")
-            )),
-        }
+        let why = match Isa::ALL.iter().find(|i| i.name() == name.trim()) {
+            Some(isa) if isa.runs_here() => return Ok(*isa),
+            Some(_) => "this CPU lacks those instructions",
+            None if name.trim() == "amx" && amx_here() => {
+                "no kernel uses the AMX tiles yet (bf16 products use avx512_bf16)"
+            }
+            None if name.trim() == "amx" => "this CPU lacks AMX-BF16",
+            None => "no such instruction set (avx512_bf16, avx512, avx2, portable)",
+        };
+        Err(format!(
+            "{ISA_VARIABLE}={name:?}: {why}; this CPU runs: {}",
+            here.join(", ")
+        ))
     }
 
     /// [`Isa::from_env`], read once per process. A bad value warns on stderr, once, and the
@@ -98,14 +115,33 @@ impl Isa {
     }
 }
 
-/// The environment variable that picks the CPU kernels' instruction set: `avx512`, `avx2` or
-/// `portable` (default: the best this CPU has).
+impl Isa {
+    /// Every set, best first.
+    pub const ALL: [Isa; 4] = [Isa::Avx512Bf16, Isa::Avx512, Isa::Avx2, Isa::Portable];
+}
+
+/// Whether the CPU has AMX-BF16 tiles (which no kernel uses yet; `amx` as [`ISA_VARIABLE`] is
+/// refused either way, with the reason).
+fn amx_here() -> bool {
+    // CPUID leaf 7, EDX bit 22: AMX-BF16 (std's detection of it is not stable yet).
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{__cpuid_count, __get_cpuid_max};
+        if __get_cpuid_max(0).0 >= 7 && __cpuid_count(7, 0).edx >> 22 & 1 == 1 {
+            return true;
+        }
+    }
+    false
+}
+
+/// The environment variable that picks the CPU kernels' instruction set: `avx512_bf16`,
+/// `avx512`, `avx2` or `portable` (default: the best this CPU has).
 pub const ISA_VARIABLE: &str = "ATTN_CPU_ISA";
 
 /// `qk_tile` and `pv_tile` for an instruction set, as C-ABI function addresses.
 pub fn addresses(isa: Isa) -> (usize, usize) {
     type Qk = unsafe extern "C" fn(*const f32, i64, i64, i64, *const f32, *mut f32, *mut f32);
-    let (qk, pv): (Qk, Pv) = match isa {
+    let (qk, pv): (Qk, Pv) = match isa.vectors() {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => (x86::qk_avx512, x86::pv_avx512),
         #[cfg(target_arch = "x86_64")]
@@ -164,7 +200,7 @@ type Pv = unsafe extern "C" fn(*const f32, i64, i64, *const f32, i64, *mut f32, 
 /// p[j*K + r] * v[j*v_stride + c]` (so `p` holds `cols` rows of `K` values, and `rows <= K`).
 /// The backward uses it for `dV += P^T dO` and `dK += dS^T Q` without transposing tiles.
 pub fn transposed_pv(isa: Isa) -> usize {
-    let pt: Pv = match isa {
+    let pt: Pv = match isa.vectors() {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => x86::pt_avx512,
         #[cfg(target_arch = "x86_64")]
@@ -180,7 +216,7 @@ pub fn transposed_pv(isa: Isa) -> usize {
 /// a causal diagonal, half the tile. Only the AVX-512 kernels use the spans; the others run
 /// every key. Returns the addresses of `(pv, pt)`.
 pub fn spanned_pv(isa: Isa) -> (usize, usize) {
-    let (pv, pt): (SpannedPv, SpannedPv) = match isa {
+    let (pv, pt): (SpannedPv, SpannedPv) = match isa.vectors() {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => (x86::spanned_avx512::<false>, x86::spanned_avx512::<true>),
         #[cfg(target_arch = "x86_64")]
@@ -922,7 +958,7 @@ mod tests {
                         acc
                     };
                     let (full, skipping) = (run(std::ptr::null()), run(spans));
-                    assert!(spanned || isa != Isa::Avx512);
+                    assert!(spanned || isa.vectors() != Isa::Avx512);
                     for (i, (a, b)) in full.iter().zip(&skipping).enumerate() {
                         assert!(
                             a == b || (a.is_nan() && b.is_nan()),

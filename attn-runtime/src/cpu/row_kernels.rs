@@ -44,7 +44,7 @@ type PvRows = unsafe extern "C" fn(*const f32, i64, i64, *const u8, i64, *mut f3
 
 /// `qk_rows` and `pv_rows` for an instruction set and storage dtype, as C-ABI addresses.
 pub fn addresses(isa: Isa, dtype: DType) -> (usize, usize) {
-    let (qk, pv): (QkRows, PvRows) = match (isa, dtype) {
+    let (qk, pv): (QkRows, PvRows) = match (isa.vectors(), dtype) {
         #[cfg(target_arch = "x86_64")]
         (Isa::Avx512, DType::F32) => (x86::qk_rows::<f32>, x86::pv_rows::<f32>),
         #[cfg(target_arch = "x86_64")]

@@ -33,7 +33,7 @@ type DsTile = unsafe extern "C" fn(*mut f32, *mut f32, i64, *const f32, *const f
 
 /// `exp_tile` and `ds_tile` for an instruction set, as C-ABI function addresses.
 pub fn addresses(isa: Isa) -> (usize, usize) {
-    let (exp, ds): (ExpTile, DsTile) = match isa {
+    let (exp, ds): (ExpTile, DsTile) = match isa.vectors() {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => (x86::exp_avx512, x86::ds_avx512),
         #[cfg(target_arch = "x86_64")]

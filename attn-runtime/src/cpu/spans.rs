@@ -25,7 +25,7 @@ pub fn nonzero_spans(
     let (rows, cols) = (rows.min(K), cols.min(K));
     let tiles = tiles.map(|t| &t[..rows * K]);
     let (by_row, by_col) = (&mut by_row[..2 * rows], &mut by_col[..2 * cols]);
-    match isa {
+    match isa.vectors() {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the CPU has AVX-512F (it is `isa`); the slices hold the values above.
         Isa::Avx512 => unsafe { x86::nonzero_spans(tiles, cols, by_row, by_col) },
@@ -144,7 +144,7 @@ mod tests {
             &mut by_row,
             &mut by_col,
         ) {
-            assert_ne!(isa, Isa::Avx512);
+            assert_ne!(isa.vectors(), Isa::Avx512);
             return;
         }
         let nonzero = |r: usize, c: usize| tiles[0][r * K + c] != 0.0 || tiles[1][r * K + c] != 0.0;

@@ -89,9 +89,14 @@ impl Matrix {
     /// inputs rounded to bf16 on every path (`gemv::round_to_bf16`), unless
     /// [`Matrix::keep_inputs_exact`].
     pub fn matmul_t(&self, x: &[f32], n: usize) -> Vec<f32> {
+        self.matmul_t_on(Isa::chosen(), x, n)
+    }
+
+    /// [`Matrix::matmul_t`] with the kernels of `isa` (one this CPU runs).
+    fn matmul_t_on(&self, isa: Isa, x: &[f32], n: usize) -> Vec<f32> {
         let (out, inp) = (self.rows, self.cols);
         if n <= gemv::MAX_ROWS {
-            return gemv::matmul_t(Isa::chosen(), &self.data, out, inp, x, n, self.round_inputs);
+            return gemv::matmul_t(isa, &self.data, out, inp, x, n, self.round_inputs);
         }
         if let Storage::F32(w) = &self.data {
             let mut y = vec![0f32; n * out];
@@ -104,7 +109,7 @@ impl Matrix {
         if !self.round_inputs {
             return self.widened_product(x, n);
         }
-        if let Some(y) = bf16_gemm::matmul_t(w, out, inp, x, n) {
+        if let Some(y) = bf16_gemm::matmul_t(isa, w, out, inp, x, n) {
             return y;
         }
         // As every product with bf16 weights: the inputs rounded to bf16.
@@ -466,7 +471,8 @@ mod tests {
     /// Every dtype, through the matrix-vector products (up to `gemv::MAX_ROWS` rows) and the
     /// GEMM (more rows; a 16-bit matrix past one block of `BLOCK_VALUES`, so converted in
     /// two), gives the f64 product of the stored weights (and, for bf16, of the inputs rounded
-    /// to bf16). With `ATTN_CPU_ISA=avx2` the bf16 GEMM is the widened one.
+    /// to bf16), with the kernels of every instruction set this CPU runs (the bf16 GEMM is
+    /// `vdpbf16ps` with avx512_bf16, the widened one otherwise).
     #[test]
     fn products_match_the_f64_product_in_every_dtype() {
         let value = |i: usize, seed: usize| {
@@ -493,9 +499,12 @@ mod tests {
                 false => v as f64,
             };
             let m = Matrix::new(out, inp, store);
-            for n in [1, gemv::MAX_ROWS, gemv::MAX_ROWS + 1] {
+            let isas = Isa::ALL.into_iter().filter(|isa| isa.runs_here());
+            let runs =
+                isas.flat_map(|isa| [1, gemv::MAX_ROWS, gemv::MAX_ROWS + 1].map(|n| (isa, n)));
+            for (isa, n) in runs {
                 let x: Vec<f32> = (0..n * inp).map(|i| value(i, 7)).collect();
-                let y = m.matmul_t(&x, n);
+                let y = m.matmul_t_on(isa, &x, n);
                 assert_eq!(y.len(), n * out);
                 // Every output of a few rows; a sample of the rest (both blocks).
                 for o in (0..out).step_by(997).chain(out - 3..out) {
@@ -506,7 +515,7 @@ mod tests {
                         let got = y[t * out + o] as f64;
                         assert!(
                             (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
-                            "n={n} [{t}, {o}]: {got} against {want}"
+                            "{isa:?} n={n} [{t}, {o}]: {got} against {want}"
                         );
                     }
                 }

@@ -35,7 +35,8 @@ pub fn command(args: Args) -> Result<(), String> {
         let all = peak_read_gbps(threads, args.seconds).map_err(err)?;
         println!("memory reads: {one:.1} GB/s on 1 thread, {all:.1} GB/s on {threads}");
     } else {
-        let isa = Isa::chosen();
+        // The f32 microkernel (avx512_bf16's is avx512's).
+        let isa = Isa::chosen().vectors();
         let one = peak_gflops(isa, 1, args.seconds);
         let all = peak_gflops(isa, threads, args.seconds);
         println!(
