@@ -287,6 +287,32 @@ impl Tensor {
         }
     }
 
+    /// [`Tensor::to_f32_vec`] into a buffer from the runtime's pool ([`crate::memory`]), a
+    /// contiguous 16-bit tensor converted on rayon's threads: the copy a kernel makes of its
+    /// inputs touches no fresh pages when the same shapes come again.
+    pub(crate) fn widened(&self) -> Vec<f32> {
+        use rayon::prelude::*;
+        let n: usize = self.shape.iter().product();
+        if self.strides != contiguous_strides(&self.shape) {
+            return self.to_f32_vec();
+        }
+        let range = self.offset..self.offset + n;
+        let mut out = crate::memory::with_capacity(n);
+        out.resize(n, 0.0);
+        const PIECE: usize = 1 << 14;
+        let chunks = out.par_chunks_mut(PIECE);
+        match &*self.storage {
+            Storage::F32(v) => out.copy_from_slice(&v[range]),
+            Storage::F16(v) => chunks.zip(v[range].par_chunks(PIECE)).for_each(|(o, s)| {
+                o.iter_mut().zip(s).for_each(|(o, s)| *o = s.to_f32());
+            }),
+            Storage::Bf16(v) => chunks.zip(v[range].par_chunks(PIECE)).for_each(|(o, s)| {
+                o.iter_mut().zip(s).for_each(|(o, s)| *o = s.to_f32());
+            }),
+        }
+        out
+    }
+
     /// The values in logical (row-major) order, as f32.
     pub fn to_f32_vec(&self) -> Vec<f32> {
         if self.strides == contiguous_strides(&self.shape) {

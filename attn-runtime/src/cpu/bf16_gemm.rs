@@ -114,7 +114,7 @@ fn run(w: &[bf16], rows: usize, cols: usize, x: &[f32], n: usize) -> Vec<f32> {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(crate) mod x86 {
     use super::{PANEL, ROWS};
     use half::bf16;
     use std::arch::x86_64::*;
@@ -127,34 +127,38 @@ mod x86 {
         pub count: usize,
     }
 
-    /// `row` rounded to bf16 (to nearest even, NaNs kept quiet: bit for bit what
-    /// `half::bf16::from_f32` gives) into `out` as pairs: pair `p` holds columns `2p` (low half)
-    /// and `2p + 1` (high half, 0 past an odd end).
+    /// Sixteen f32 lanes rounded to bf16 (to nearest even, NaNs kept quiet: bit for bit what
+    /// `half::bf16::from_f32` gives), as the bf16 bits in the low half of each 32-bit lane.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(crate) fn round_lanes(v: __m512) -> __m512i {
+        let bits = _mm512_castps_si512(v);
+        let high = _mm512_srli_epi32::<16>(bits);
+        let odd = _mm512_and_si512(high, _mm512_set1_epi32(1));
+        let up = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd);
+        let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(bits, up));
+        let magnitude = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fff_ffff));
+        let nan = _mm512_cmpgt_epu32_mask(magnitude, _mm512_set1_epi32(0x7f80_0000));
+        let quiet = _mm512_or_si512(high, _mm512_set1_epi32(0x40));
+        _mm512_mask_mov_epi32(rounded, nan, quiet)
+    }
+
+    /// `row` rounded to bf16 as [`round_lanes`] rounds, into `out` as pairs: pair `p` holds
+    /// columns `2p` (low half) and `2p + 1` (high half, 0 past an odd end).
     ///
     /// # Safety
     /// AVX-512F and AVX-512BW must be present; `out.len() == row.len().div_ceil(2)`
     /// (asserted).
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) unsafe fn round_pairs(row: &[f32], out: &mut [u32]) {
+    pub(crate) unsafe fn round_pairs(row: &[f32], out: &mut [u32]) {
         assert_eq!(out.len(), row.len().div_ceil(2));
         let whole = row.len() / 16 * 16;
         let dst = out.as_mut_ptr().cast::<u16>();
         // SAFETY: lanes `i..i + 16` of `row` exist for `i < whole`, and `out` holds
         // `row.len()` halves or one more.
         unsafe {
-            let (one, bias) = (_mm512_set1_epi32(1), _mm512_set1_epi32(0x7fff));
-            let (abs, inf) = (
-                _mm512_set1_epi32(0x7fff_ffff),
-                _mm512_set1_epi32(0x7f80_0000),
-            );
-            let quiet = _mm512_set1_epi32(0x40);
             for i in (0..whole).step_by(16) {
-                let bits = _mm512_castps_si512(_mm512_loadu_ps(row.as_ptr().add(i)));
-                let high = _mm512_srli_epi32::<16>(bits);
-                let up = _mm512_add_epi32(bias, _mm512_and_si512(high, one));
-                let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(bits, up));
-                let nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, abs), inf);
-                let kept = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(high, quiet));
+                let kept = round_lanes(_mm512_loadu_ps(row.as_ptr().add(i)));
                 _mm256_storeu_si256(dst.add(i).cast(), _mm512_cvtepi32_epi16(kept));
             }
         }

@@ -22,6 +22,15 @@ pub(super) struct Rows<'a> {
     strides: [usize; 3],
 }
 
+/// A converted copy goes back to the buffer pool, for the next call's copy.
+impl Drop for Rows<'_> {
+    fn drop(&mut self) {
+        if let std::borrow::Cow::Owned(data) = &mut self.data {
+            crate::memory::recycle(std::mem::take(data));
+        }
+    }
+}
+
 impl<'a> Rows<'a> {
     /// Reads a 4-D tensor without a copy when it is f32 with contiguous rows, else converts it.
     pub fn of(t: &'a Tensor) -> Self {
@@ -35,7 +44,7 @@ impl<'a> Rows<'a> {
             None => {
                 let sh = t.shape();
                 Rows {
-                    data: std::borrow::Cow::Owned(t.to_f32_vec()),
+                    data: std::borrow::Cow::Owned(t.widened()),
                     offset: 0,
                     strides: [sh[1] * sh[2] * sh[3], sh[2] * sh[3], sh[3]],
                 }

@@ -4,6 +4,7 @@
 mod backward;
 pub mod bandwidth;
 pub(crate) mod bf16_gemm;
+pub mod bf16_tiles;
 mod decode;
 pub(crate) mod gemv;
 mod launch;
@@ -94,7 +95,8 @@ impl CpuBackend {
             detail: self.isa.name(),
         };
         variant.kernel(key, |variant| {
-            let (qk_tile, pv_tile) = microkernels::addresses(self.isa);
+            let plan = variant.plan(kind)?;
+            let (qk_tile, pv_tile) = tile_products(self.isa, plan, kind);
             let (qk_rows, pv_rows) = row_kernels::addresses(self.isa, variant.spec().dtype);
             let (exp_tile, ds_tile) = softmax_tiles::addresses(self.isa);
             let imports = Imports {
@@ -106,8 +108,19 @@ impl CpuBackend {
                 exp_tile,
                 ds_tile,
             };
-            Ok(compile(variant.plan(kind)?, &imports)?)
+            Ok(compile(plan, &imports)?)
         })
+    }
+}
+
+/// The `qk_tile` and `pv_tile` a plan's kernel imports: the forward of a bf16 spec takes its
+/// `pv_tile` on `vdpbf16ps` where `isa` has it ([`bf16_tiles`]); everything else the f32
+/// microkernels.
+fn tile_products(isa: Isa, plan: &codegen::plan::KernelPlan, kind: PlanKind) -> (usize, usize) {
+    let (qk, pv) = microkernels::addresses(isa);
+    match bf16_tiles::pv_address(isa, plan.dtype) {
+        Some(bf16_pv) if kind == PlanKind::Forward => (qk, bf16_pv),
+        _ => (qk, pv),
     }
 }
 
