@@ -52,6 +52,23 @@ impl Storage {
         }
     }
 
+    /// Values `range` as f32 into `out` (as long as the range), 16-bit ones widened in pieces
+    /// on rayon's threads.
+    pub(crate) fn widen_into(&self, range: std::ops::Range<usize>, out: &mut [f32]) {
+        use rayon::prelude::*;
+        fn widen<T: Copy + Sync>(src: &[T], out: &mut [f32], f: impl Fn(T) -> f32 + Sync) {
+            const PIECE: usize = 1 << 14;
+            out.par_chunks_mut(PIECE)
+                .zip(src.par_chunks(PIECE))
+                .for_each(|(o, s)| o.iter_mut().zip(s).for_each(|(o, &s)| *o = f(s)));
+        }
+        match self {
+            Storage::F32(v) => out.copy_from_slice(&v[range]),
+            Storage::F16(v) => widen(&v[range], out, |x| x.to_f32()),
+            Storage::Bf16(v) => widen(&v[range], out, |x| x.to_f32()),
+        }
+    }
+
     /// The values at `indices`, in order, in their dtype.
     pub(crate) fn pick(&self, indices: impl Iterator<Item = usize>) -> Storage {
         match self {
@@ -291,25 +308,14 @@ impl Tensor {
     /// contiguous 16-bit tensor converted on rayon's threads: the copy a kernel makes of its
     /// inputs touches no fresh pages when the same shapes come again.
     pub(crate) fn widened(&self) -> Vec<f32> {
-        use rayon::prelude::*;
         let n: usize = self.shape.iter().product();
         if self.strides != contiguous_strides(&self.shape) {
             return self.to_f32_vec();
         }
-        let range = self.offset..self.offset + n;
         let mut out = crate::memory::with_capacity(n);
         out.resize(n, 0.0);
-        const PIECE: usize = 1 << 14;
-        let chunks = out.par_chunks_mut(PIECE);
-        match &*self.storage {
-            Storage::F32(v) => out.copy_from_slice(&v[range]),
-            Storage::F16(v) => chunks.zip(v[range].par_chunks(PIECE)).for_each(|(o, s)| {
-                o.iter_mut().zip(s).for_each(|(o, s)| *o = s.to_f32());
-            }),
-            Storage::Bf16(v) => chunks.zip(v[range].par_chunks(PIECE)).for_each(|(o, s)| {
-                o.iter_mut().zip(s).for_each(|(o, s)| *o = s.to_f32());
-            }),
-        }
+        self.storage
+            .widen_into(self.offset..self.offset + n, &mut out);
         out
     }
 

@@ -17,8 +17,9 @@ const K: usize = K_TILE as usize;
 /// Instruction sets the CPU kernels can use, best first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
-    /// AVX-512 with the bf16 dot products of `avx512_bf16` (`vdpbf16ps`), which a prefill's
-    /// products with bf16 weights use; every other kernel is [`Isa::Avx512`]'s.
+    /// AVX-512 with the bf16 dot products of `avx512_bf16` (`vdpbf16ps`), which a prompt's
+    /// products with bf16 weights and a bf16 forward's `P V` use; every other kernel is
+    /// [`Isa::Avx512`]'s.
     Avx512Bf16,
     /// AVX-512F (16 f32 lanes).
     Avx512,
@@ -29,6 +30,9 @@ pub enum Isa {
 }
 
 impl Isa {
+    /// Every set, best first.
+    pub const ALL: [Isa; 4] = [Isa::Avx512Bf16, Isa::Avx512, Isa::Avx2, Isa::Portable];
+
     /// The best set this CPU supports.
     pub fn detect() -> Isa {
         #[cfg(target_arch = "x86_64")]
@@ -87,14 +91,15 @@ impl Isa {
             .filter(|i| i.runs_here())
             .map(|i| i.name())
             .collect();
+        let names: Vec<&str> = Isa::ALL.iter().map(|i| i.name()).collect();
         let why = match Isa::ALL.iter().find(|i| i.name() == name.trim()) {
             Some(isa) if isa.runs_here() => return Ok(*isa),
-            Some(_) => "this CPU lacks those instructions",
+            Some(_) => "this CPU lacks those instructions".to_string(),
             None if name.trim() == "amx" && amx_here() => {
-                "no kernel uses the AMX tiles yet (bf16 products use avx512_bf16)"
+                "no kernel uses the AMX tiles yet (bf16 products use avx512_bf16)".to_string()
             }
-            None if name.trim() == "amx" => "this CPU lacks AMX-BF16",
-            None => "no such instruction set (avx512_bf16, avx512, avx2, portable)",
+            None if name.trim() == "amx" => "this CPU lacks AMX-BF16".to_string(),
+            None => format!("no such instruction set ({})", names.join(", ")),
         };
         Err(format!(
             "{ISA_VARIABLE}={name:?}: {why}; this CPU runs: {}",
@@ -113,11 +118,6 @@ impl Isa {
             })
         })
     }
-}
-
-impl Isa {
-    /// Every set, best first.
-    pub const ALL: [Isa; 4] = [Isa::Avx512Bf16, Isa::Avx512, Isa::Avx2, Isa::Portable];
 }
 
 /// Whether the CPU has AMX-BF16 tiles (which no kernel uses yet; `amx` as [`ISA_VARIABLE`] is

@@ -96,7 +96,7 @@ impl CpuBackend {
         };
         variant.kernel(key, |variant| {
             let plan = variant.plan(kind)?;
-            let (qk_tile, pv_tile) = tile_products(self.isa, plan, kind);
+            let (qk_tile, pv_tile) = tile_products(self.isa, plan);
             let (qk_rows, pv_rows) = row_kernels::addresses(self.isa, variant.spec().dtype);
             let (exp_tile, ds_tile) = softmax_tiles::addresses(self.isa);
             let imports = Imports {
@@ -116,10 +116,10 @@ impl CpuBackend {
 /// The `qk_tile` and `pv_tile` a plan's kernel imports: the forward of a bf16 spec takes its
 /// `pv_tile` on `vdpbf16ps` where `isa` has it ([`bf16_tiles`]); everything else the f32
 /// microkernels.
-fn tile_products(isa: Isa, plan: &codegen::plan::KernelPlan, kind: PlanKind) -> (usize, usize) {
+fn tile_products(isa: Isa, plan: &codegen::plan::KernelPlan) -> (usize, usize) {
     let (qk, pv) = microkernels::addresses(isa);
     match bf16_tiles::pv_address(isa, plan.dtype) {
-        Some(bf16_pv) if kind == PlanKind::Forward => (qk, bf16_pv),
+        Some(bf16_pv) if plan.kind == PlanKind::Forward => (qk, bf16_pv),
         _ => (qk, pv),
     }
 }

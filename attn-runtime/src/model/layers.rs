@@ -9,7 +9,6 @@ use crate::error::RuntimeError;
 use crate::host::gemm::gemm;
 use crate::ops::LayerOps;
 use crate::tensor::Storage;
-use rayon::prelude::*;
 
 /// Weight values a 16-bit matrix converts to f32 at a time for a GEMM (16 MiB as f32): a block
 /// of its rows, multiplied with every thread before the next is converted. Smaller blocks make
@@ -66,14 +65,8 @@ impl Matrix {
 
     /// Rows from `first` on, widened to f32 into `out` (whole rows), on rayon's threads.
     fn widen_rows(&self, first: usize, out: &mut [f32]) {
-        const PIECE: usize = 1 << 14;
         let start = first * self.cols;
-        let values = start..start + out.len();
-        match &self.data {
-            Storage::F32(v) => out.copy_from_slice(&v[values]),
-            Storage::F16(v) => widen(&v[values], out, PIECE, |x| x.to_f32()),
-            Storage::Bf16(v) => widen(&v[values], out, PIECE, |x| x.to_f32()),
-        }
+        self.data.widen_into(start..start + out.len(), out);
     }
 
     /// The values, in the checkpoint's dtype.
@@ -141,13 +134,6 @@ impl Matrix {
         }
         y
     }
-}
-
-/// `out[i] = f(src[i])`, in pieces of `piece` values on rayon's threads.
-fn widen<T: Copy + Sync>(src: &[T], out: &mut [f32], piece: usize, f: impl Fn(T) -> f32 + Sync) {
-    out.par_chunks_mut(piece)
-        .zip(src.par_chunks(piece))
-        .for_each(|(o, s)| o.iter_mut().zip(s).for_each(|(o, &s)| *o = f(s)));
 }
 
 /// `y = x W^T (+ b)` with `W [out, in]` row-major (the PyTorch / safetensors layout).
