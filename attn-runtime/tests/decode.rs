@@ -226,13 +226,23 @@ fn paged_and_contiguous_caches_match_the_reference() {
     }
 }
 
+/// Every instruction set's row kernels this CPU runs, on every dtype, and on rotated bf16
+/// queries.
 #[test]
-fn portable_row_kernels_match_the_reference() {
-    let portable = CpuBackend::with_isa(Isa::Portable).unwrap();
-    for spec in [SPECS[0], SPECS[1], SPECS[5], SPECS[6]] {
-        check_ragged_on(&portable, spec, 16, None);
+fn every_instruction_sets_row_kernels_match_the_reference() {
+    for isa in Isa::ALL {
+        let Some(backend) = CpuBackend::with_isa(isa) else {
+            continue;
+        };
+        for spec in [SPECS[0], SPECS[1], SPECS[5], SPECS[6], ROPE_BF16] {
+            check_ragged_on(&backend, spec, 16, None);
+        }
     }
 }
+
+/// A bf16 cache of rotated keys.
+const ROPE_BF16: &str =
+    "heads = 8, kv_heads = 2, head_dim = 64, mask = causal, position = rope, dtype = bf16";
 
 #[test]
 fn split_kv_partitions_merge_to_the_same_result() {

@@ -3,10 +3,12 @@
 //! portable Rust (also what AVX2-only CPUs use: decoding is bound by memory, not arithmetic).
 //!
 //! Contract (see `codegen::cpu::abi::Imports`): `qk_rows(q, q_stride, rows, dim, k, k_stride, n,
-//! s, row_max)` writes `s[r*K + j] = sum_d q[r*q_stride + d] * k[j*k_stride + d]` for
-//! `r < rows`, `j < n <= K`, and `row_max[r] = max_{j < n} s[r*K + j]`;
-//! `pv_rows(p, rows, cols, v, v_stride, acc, dv)` adds `sum_{j < cols} p[r*K + j] *
-//! v[j*v_stride + c]` to `acc[r*dv + c]`.
+//! s, row_max, then, then_stride)` writes `s[r*K + j] = sum_d q[r*q_stride + d]
+//! k[j*k_stride + d]` for `r < rows`, `j < n <= K`, and
+//! `row_max[r] = max_{j < n} s[r*K + j]`; `pv_rows(p, rows, cols, v, v_stride, acc, dv, then,
+//! then_stride)` adds `sum_{j < cols} p[r*K + j] * v[j*v_stride + c]` to `acc[r*dv + c]`.
+//! `then` (rows `then_stride` elements apart, or null) is what the caller reads next, only ever
+//! prefetched.
 
 use super::microkernels::Isa;
 use attn_dsl::DType;
@@ -38,9 +40,21 @@ impl Elem for f16 {
     }
 }
 
-type QkRows =
-    unsafe extern "C" fn(*const f32, i64, i64, i64, *const u8, i64, i64, *mut f32, *mut f32);
-type PvRows = unsafe extern "C" fn(*const f32, i64, i64, *const u8, i64, *mut f32, i64);
+type QkRows = unsafe extern "C" fn(
+    *const f32,
+    i64,
+    i64,
+    i64,
+    *const u8,
+    i64,
+    i64,
+    *mut f32,
+    *mut f32,
+    *const u8,
+    i64,
+);
+type PvRows =
+    unsafe extern "C" fn(*const f32, i64, i64, *const u8, i64, *mut f32, i64, *const u8, i64);
 
 /// `qk_rows` and `pv_rows` for an instruction set and storage dtype, as C-ABI addresses.
 pub fn addresses(isa: Isa, dtype: DType) -> (usize, usize) {
@@ -72,6 +86,8 @@ unsafe extern "C" fn qk_portable<E: Elem>(
     n: i64,
     s: *mut f32,
     row_max: *mut f32,
+    _then: *const u8,
+    _then_stride: i64,
 ) {
     let (rows, dim, q_stride, k_stride, n) = (
         rows as usize,
@@ -123,6 +139,8 @@ unsafe extern "C" fn pv_portable<E: Elem>(
     v_stride: i64,
     acc: *mut f32,
     dv: i64,
+    _then: *const u8,
+    _then_stride: i64,
 ) {
     let (rows, cols, v_stride, dv) = (rows as usize, cols as usize, v_stride as usize, dv as usize);
     if rows == 0 || cols == 0 {
@@ -169,16 +187,82 @@ pub(crate) mod x86 {
     /// How far ahead of the row being computed `qk_rows` and `pv_rows` prefetch (into L2), in
     /// bytes of rows: the hardware prefetcher restarts at every 4 KiB page (16 bf16 or 8 f32
     /// rows of 128), so without this a row's lines are asked for only when it is read.
-    /// Measured at kv 32768 on a 2-core Xeon: f32 +20-40% and bf16 +50-70% over none; 16 KiB
-    /// ahead no better, 4 KiB worse, and into L1 a little worse for f32.
-    const PREFETCH_BYTES: usize = 8192;
+    /// Measured at kv 32768 on a 2-core Xeon: f32 +20-40% and bf16 +50-70% over none, into L1
+    /// a little worse for f32. Once the prefetch ran on into the rows read next ([`Ahead`]),
+    /// 16 KiB beat 8 (bf16 14-16 -> 16-21 GB/s on a 2-core Zen 4) and 32 was worse.
+    const PREFETCH_BYTES: usize = 16384;
 
-    /// The row `PREFETCH_BYTES` ahead of row `j` of rows `row_bytes` long, `stride` elements
-    /// apart.
-    #[inline]
-    fn ahead<E>(base: *const E, j: usize, stride: usize, row_bytes: usize) -> *const u8 {
-        let rows = (PREFETCH_BYTES / row_bytes.max(1)).max(1);
-        base.wrapping_add((j + rows) * stride).cast()
+    /// Where prefetching runs ahead of a kernel's rows: `PREFETCH_BYTES` further on, through its
+    /// own rows and then the rows its caller reads next (a segment's values after its keys, the
+    /// next segment's keys after the values), since the two are not adjacent in a paged cache.
+    #[derive(Clone, Copy)]
+    struct Ahead {
+        own: *const u8,
+        own_stride: usize,
+        own_rows: usize,
+        then: *const u8,
+        then_stride: usize,
+        /// Rows ahead.
+        distance: usize,
+    }
+
+    impl Ahead {
+        /// Rows `stride` elements `E` apart, `rows` of them, followed by `then`'s (null: none);
+        /// rows of `row_bytes` set the distance.
+        fn new<E>(
+            own: *const E,
+            stride: usize,
+            rows: usize,
+            (then, then_stride): (*const u8, i64),
+            row_bytes: usize,
+        ) -> Self {
+            let size = size_of::<E>();
+            Ahead {
+                own: own.cast(),
+                own_stride: stride * size,
+                own_rows: rows,
+                then,
+                then_stride: (then_stride as usize).wrapping_mul(size),
+                distance: (PREFETCH_BYTES / row_bytes.max(1)).max(1),
+            }
+        }
+
+        /// The same rows from element `offset` of each (a panel of columns).
+        fn columns<E>(self, offset: usize) -> Self {
+            let skip = offset * size_of::<E>();
+            Ahead {
+                own: self.own.wrapping_add(skip),
+                then: if self.then.is_null() {
+                    self.then
+                } else {
+                    self.then.wrapping_add(skip)
+                },
+                ..self
+            }
+        }
+
+        /// The row `distance` past row `j < own_rows`; `None` past the last when there is no
+        /// `then`. Addresses are only computed (wrapping), never read.
+        fn row(&self, j: usize) -> Option<*const u8> {
+            let t = j + self.distance;
+            if t < self.own_rows {
+                Some(self.own.wrapping_add(t * self.own_stride))
+            } else if self.then.is_null() {
+                None
+            } else {
+                Some(
+                    self.then
+                        .wrapping_add((t - self.own_rows) * self.then_stride),
+                )
+            }
+        }
+
+        /// Prefetches `bytes` of the row `distance` past row `j`.
+        fn prefetch(&self, j: usize, bytes: usize) {
+            if let Some(row) = self.row(j) {
+                prefetch_row(row, bytes);
+            }
+        }
     }
 
     /// Prefetches the `bytes` of a row at `ptr` into L2 (never faults, so the row may lie past
@@ -262,6 +346,8 @@ pub(crate) mod x86 {
         n: i64,
         s: *mut f32,
         row_max: *mut f32,
+        then: *const u8,
+        then_stride: i64,
     ) {
         let (rows, dim, q_stride, k_stride, n) = (
             rows as usize,
@@ -271,6 +357,7 @@ pub(crate) mod x86 {
             n as usize,
         );
         let k = k.cast::<E>();
+        let row_bytes = dim * size_of::<E>();
         let x = Qk {
             q,
             q_stride,
@@ -278,6 +365,7 @@ pub(crate) mod x86 {
             k,
             k_stride,
             s,
+            ahead: Ahead::new(k, k_stride, n, (then, then_stride), row_bytes),
         };
         // SAFETY: rows r < rows, keys j < n, dims d < dim (tails masked): the contract's ranges.
         unsafe {
@@ -327,6 +415,7 @@ pub(crate) mod x86 {
         k: *const E,
         k_stride: usize,
         s: *mut f32,
+        ahead: Ahead,
     }
 
     /// Scores of key `j` for rows `r..r+R`; `R` is a constant so the accumulators stay in
@@ -341,8 +430,7 @@ pub(crate) mod x86 {
         unsafe {
             let key = x.k.add(j * x.k_stride);
             if r == 0 {
-                let bytes = x.dim * size_of::<E>();
-                prefetch_row(ahead(x.k, j, x.k_stride, bytes), bytes);
+                x.ahead.prefetch(j, x.dim * size_of::<E>());
             }
             let mut acc = [_mm512_setzero_ps(); R];
             let mut d = 0;
@@ -374,9 +462,8 @@ pub(crate) mod x86 {
         unsafe {
             let (key0, key1) = (x.k.add(j * x.k_stride), x.k.add((j + 1) * x.k_stride));
             if r == 0 {
-                let bytes = x.dim * size_of::<E>();
                 for key in [j, j + 1] {
-                    prefetch_row(ahead(x.k, key, x.k_stride, bytes), bytes);
+                    x.ahead.prefetch(key, x.dim * size_of::<E>());
                 }
             }
             let mut a0 = [_mm512_setzero_ps(); 4];
@@ -435,10 +522,14 @@ pub(crate) mod x86 {
         v_stride: i64,
         acc: *mut f32,
         dv: i64,
+        then: *const u8,
+        then_stride: i64,
     ) {
         let (rows, cols, v_stride, dv) =
             (rows as usize, cols as usize, v_stride as usize, dv as usize);
         let v = v.cast::<E>();
+        // Whole rows set the distance; each panel prefetches its own columns.
+        let ahead = Ahead::new(v, v_stride, cols, (then, then_stride), dv * size_of::<E>());
         // SAFETY: rows r < rows, value rows j < cols, columns c < dv (tails masked).
         unsafe {
             let mut c0 = 0;
@@ -452,6 +543,7 @@ pub(crate) mod x86 {
                     acc: acc.add(c0),
                     dv,
                     counts: [0, 1, 2, 3].map(|q| width.saturating_sub(16 * q).min(16)),
+                    ahead: ahead.columns::<E>(c0),
                 };
                 let mut r = 0;
                 while r + 4 <= rows {
@@ -477,6 +569,7 @@ pub(crate) mod x86 {
         dv: usize,
         /// Lanes of each of the panel's four vectors (0 past `dv`).
         counts: [usize; 4],
+        ahead: Ahead,
     }
 
     /// Rows `r..r+R` of a panel; `R` is a constant so the `4R` accumulators stay in registers.
@@ -498,9 +591,8 @@ pub(crate) mod x86 {
             for j in 0..x.cols {
                 let row = x.v.add(j * x.v_stride);
                 if r == 0 {
-                    // This panel's columns of the row ahead (whole rows set the distance).
-                    let bytes = x.counts.iter().sum::<usize>() * size_of::<E>();
-                    prefetch_row(ahead(x.v, j, x.v_stride, x.dv * size_of::<E>()), bytes);
+                    x.ahead
+                        .prefetch(j, x.counts.iter().sum::<usize>() * size_of::<E>());
                 }
                 let mut vals = [_mm512_setzero_ps(); 4];
                 for q in 0..4 {

@@ -224,11 +224,15 @@ pub struct Imports {
     /// Forward: `pv_tile(p, rows, cols, v, v_row_stride, acc, dv)`: `acc[r][:dv] += sum_{j <
     /// cols} p[r][j] * v[j][:dv]`; `p` has rows of `K_TILE` values, `acc` rows of `dv`, `v` is f32.
     pub pv_tile: usize,
-    /// Decode: `qk_rows(q, q_row_stride, rows, dim, k, k_row_stride, n, s, row_max)`: `s[r][j] =
-    /// sum_d q[r][d] * k[j][d]` for `j < n <= K_TILE`, `row_max[r] = max_{j < n} s[r][j]`; `k`
-    /// in the plan's storage dtype.
+    /// Decode: `qk_rows(q, q_row_stride, rows, dim, k, k_row_stride, n, s, row_max, then,
+    /// then_row_stride)`: `s[r][j] = sum_d q[r][d] * k[j][d]` for `j < n <= K_TILE`,
+    /// `row_max[r] = max_{j < n} s[r][j]`; `k` in the plan's storage dtype. `then` (rows
+    /// `then_row_stride` apart, or null) is what the kernel reads next, the segment's values:
+    /// a hint to prefetch, never dereferenced.
     pub qk_rows: usize,
-    /// Decode: `pv_tile`'s contract with `v` in the plan's storage dtype.
+    /// Decode: `pv_rows(p, rows, cols, v, v_row_stride, acc, dv, then, then_row_stride)`:
+    /// `pv_tile`'s contract with `v` in the plan's storage dtype; `then` as for `qk_rows` (the
+    /// next segment's keys, null after the last).
     pub pv_rows: usize,
     /// `logf(x: f32) -> f32`, the natural logarithm (used once per row, and for `ln` in
     /// modifiers).

@@ -220,6 +220,7 @@ pub(super) fn block(fx: &mut Fx, plan: &KernelPlan, refs: &Refs, tables: &mut Ta
                 first_row,
                 end_row,
                 kept_from,
+                then: None,
             };
             softmax_step(fx, plan, refs, tables, &state, &key_tile);
         });
@@ -288,9 +289,20 @@ pub(super) fn decode(
                 .icmp_imm_s(IntCC::NotEqual, code, TileCode::Skip as i64);
         fx.if_then(run, |fx| {
             let k = field!(fx, seg, I64, Segment.k);
+            let v = field!(fx, seg, I64, Segment.v);
             let first_key = field!(fx, seg, I64, Segment.first_key);
             let cols = field!(fx, seg, I64, Segment.len);
             let qk_v = fx.i64(qk_dim);
+            // The next segment's keys (null after the last), which `pv_rows` prefetches.
+            let next = fx.b.ins().iadd_imm_s(i, 1);
+            let last =
+                fx.b.ins()
+                    .icmp(IntCC::SignedGreaterThanOrEqual, next, n_segments);
+            let next_i = fx.b.ins().select(last, i, next);
+            let next_at = fx.b.ins().imul(next_i, record);
+            let next_seg = fx.b.ins().iadd(segments, next_at);
+            let next_k = field!(fx, next_seg, I64, Segment.k);
+            let next_k = fx.b.ins().select(last, zero, next_k);
             fx.b.ins().call(
                 refs.qk,
                 &[
@@ -303,6 +315,8 @@ pub(super) fn decode(
                     cols,
                     state.s,
                     state.tile_max,
+                    v,
+                    v_stride,
                 ],
             );
             let key_tile = KeyTile {
@@ -311,12 +325,13 @@ pub(super) fn decode(
                 position: first_key,
                 cols,
                 key_end: fx.b.ins().iadd(first_key, cols),
-                v: field!(fx, seg, I64, Segment.v),
+                v,
                 v_stride,
                 first_row: fx.i64(0),
                 end_row: rows,
                 // A masked segment masks every row.
                 kept_from: rows,
+                then: Some([next_k, k_stride]),
             };
             softmax_step(fx, plan, refs, tables, &state, &key_tile);
         });

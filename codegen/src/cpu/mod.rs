@@ -120,12 +120,17 @@ pub fn compile(plan: &KernelPlan, imports: &Imports) -> Result<CpuKernel, Codege
     } else {
         ("attn_qk_rows", "attn_pv_rows")
     };
-    let qk_params: &[_] = if forward { &[I64; 7] } else { &[I64; 9] };
+    // Decode's row products take two more: the rows read next, which they prefetch.
+    let (qk_params, pv_params): (&[_], &[_]) = if forward {
+        (&[I64; 7], &[I64; 7])
+    } else {
+        (&[I64; 11], &[I64; 9])
+    };
     let qk = module
         .declare_function(qk_name, Linkage::Import, &sig(qk_params, &[]))
         .map_err(err)?;
     let pv = module
-        .declare_function(pv_name, Linkage::Import, &sig(&[I64; 7], &[]))
+        .declare_function(pv_name, Linkage::Import, &sig(pv_params, &[]))
         .map_err(err)?;
     let logf = module
         .declare_function("attn_logf", Linkage::Import, &sig(&[F32], &[F32]))

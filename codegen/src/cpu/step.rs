@@ -117,6 +117,10 @@ pub(super) struct KeyTile {
     pub end_row: Value,
     /// On a `Masked` tile, rows from here on keep every key and run without the mask.
     pub kept_from: Value,
+    /// Decode: the rows read after this tile's values (the next segment's keys, null after the
+    /// last) and the elements between them, which `pv_rows` prefetches as it ends. `None` in
+    /// forward kernels, whose `pv_tile` reads packed tiles.
+    pub then: Option<[Value; 2]>,
 }
 
 /// Prologue: the block's queries copied to scratch, rotated and scaled; running max `-inf`, sum
@@ -309,8 +313,9 @@ pub(super) fn softmax_step(
     let sums = fx.elem(a.l, k.first_row);
     fx.b.ins().call(refs.exp_tile, &[p, rows, shift, sums]);
     let acc = fx.elem_scaled(a.acc, k.first_row, v_dim_v);
-    fx.b.ins()
-        .call(refs.pv, &[p, rows, cols, k.v, k.v_stride, acc, v_dim_v]);
+    let mut args = vec![p, rows, cols, k.v, k.v_stride, acc, v_dim_v];
+    args.extend(k.then.iter().flatten());
+    fx.b.ins().call(refs.pv, &args);
 }
 
 /// The lanes of a group of four keys that are kept, as an f32x4 bit mask for `bitselect`: lane
