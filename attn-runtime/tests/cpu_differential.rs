@@ -183,6 +183,9 @@ fn half_precision_storage() {
         for text in [
             "heads = 4, kv_heads = 2, head_dim = 64, mask = causal",
             "heads = 2, head_dim = 48, mask = sliding_window(50), position = alibi, softcap = 20.0",
+            // Odd and past the widest dim bf16's `qk_tile` takes (which scales scores after).
+            "heads = 2, head_dim = 33, mask = causal, scale = 0.3",
+            "heads = 1, head_dim = 264",
         ] {
             check(
                 &backend,

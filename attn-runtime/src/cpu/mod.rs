@@ -114,14 +114,20 @@ impl CpuBackend {
 }
 
 /// The `qk_tile` and `pv_tile` a plan's kernel imports: the forward of a bf16 spec takes its
-/// `pv_tile` on `vdpbf16ps` where `isa` has it ([`bf16_tiles`]); everything else the f32
-/// microkernels.
+/// `pv_tile` on `vdpbf16ps` where `isa` has it ([`bf16_tiles`]), and its `qk_tile` too where
+/// the kernel multiplies the queries and keys as given ([`codegen::cpu::scales_scores`]);
+/// everything else the f32 microkernels.
 fn tile_products(isa: Isa, plan: &codegen::plan::KernelPlan) -> (usize, usize) {
     let (qk, pv) = microkernels::addresses(isa);
-    match bf16_tiles::pv_address(isa, plan.dtype) {
-        Some(bf16_pv) if plan.kind == PlanKind::Forward => (qk, bf16_pv),
-        _ => (qk, pv),
+    if plan.kind != PlanKind::Forward {
+        return (qk, pv);
     }
+    let bf16_qk = bf16_tiles::qk_address(isa, plan.dtype, plan.shape.qk_dim as usize)
+        .filter(|_| codegen::cpu::scales_scores(plan));
+    (
+        bf16_qk.unwrap_or(qk),
+        bf16_tiles::pv_address(isa, plan.dtype).unwrap_or(pv),
+    )
 }
 
 impl Backend for CpuBackend {

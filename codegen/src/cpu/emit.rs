@@ -136,6 +136,28 @@ pub(super) fn pack_k(fx: &mut Fx, plan: &KernelPlan, args: Value) {
     fx.b.ins().return_(&[]);
 }
 
+/// Multiplies `rows` rows of a key tile's raw scores (`K_TILE` values each from `s`) and their
+/// maxima by `factor`, for plans that [`scales_scores`](super::scales_scores) (the factor is
+/// positive, so the maxima stay the rows' maxima).
+fn scale_scores(fx: &mut Fx, factor: f32, s: Value, row_max: Value, rows: Value) {
+    let factor = fx.f32(factor);
+    let factor4 = fx.splat_f32(factor);
+    let zero = fx.i64(0);
+    let values = fx.b.ins().imul_imm_s(rows, i64::from(K_TILE));
+    fx.for_range(zero, values, 4, |fx, i| {
+        let at = fx.elem(s, i);
+        let x = fx.load(F32X4, at, 0);
+        let y = fx.b.ins().fmul(x, factor4);
+        fx.store(y, at, 0);
+    });
+    fx.for_range(zero, rows, 1, |fx, r| {
+        let at = fx.elem(row_max, r);
+        let m = fx.load(F32, at, 0);
+        let y = fx.b.ins().fmul(m, factor);
+        fx.store(y, at, 0);
+    });
+}
+
 /// `block(args: *const BlockArgs)`.
 pub(super) fn block(fx: &mut Fx, plan: &KernelPlan, refs: &Refs, tables: &mut Tables, args: Value) {
     if !plan.params.is_empty() {
@@ -206,6 +228,9 @@ pub(super) fn block(fx: &mut Fx, plan: &KernelPlan, refs: &Refs, tables: &mut Ta
             let max_rows = fx.elem(state.tile_max, first_row);
             fx.b.ins()
                 .call(refs.qk, &[q_rows, qk_v, live, qk_v, kt_t, s_rows, max_rows]);
+            if super::scales_scores(plan) && plan.q_scale != 1.0 {
+                scale_scores(fx, plan.q_scale as f32, s_rows, max_rows, live);
+            }
             let first_key = fx.b.ins().imul_imm_s(t, tile);
             let left = fx.b.ins().isub(skv, first_key);
             let cols = fx.b.ins().smin(left, tile_v);

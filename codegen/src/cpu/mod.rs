@@ -7,7 +7,8 @@
 //! - `block`, once per (batch, head, block of query rows): RoPE on the queries, then for every
 //!   key tile the plan does not skip, the scores (`qk_tile`), the score program and the mask
 //!   (vectorized, masked only on mixed or partial tiles), the online-softmax update, and the
-//!   value product (`pv_tile`); finally `out` and `lse`.
+//!   value product (`pv_tile`); finally `out` and `lse`. Plans that [`scales_scores`] leave
+//!   the queries unscaled and multiply each tile's scores by the plan's `q_scale` instead.
 //!
 //! A decode kernel is one function, `decode`, once per (sequence, kv head, rows, partition of
 //! the keys): the same steps over key segments read in place in the cache's dtype (`qk_rows`,
@@ -77,6 +78,18 @@ pub enum Entry {
         /// Address of `grad_tile`.
         grad_tile: usize,
     },
+}
+
+/// Whether a plan's `block` multiplies the raw scores by `q_scale` after `qk_tile` instead of
+/// scaling the queries before it: forwards of bf16 specs whose queries and keys reach the
+/// product as given (no RoPE, no MLA absorption), so that a `qk_tile` on bf16 pairs multiplies
+/// them exactly (the runtime imports one only for these plans).
+pub fn scales_scores(plan: &KernelPlan) -> bool {
+    plan.kind == PlanKind::Forward
+        && plan.dtype == attn_dsl::DType::Bf16
+        && plan.rope.is_none()
+        && plan.mla.is_none()
+        && plan.q_scale > 0.0
 }
 
 /// Compiles a plan for the host CPU.
