@@ -306,16 +306,7 @@ mod x86 {
         // `row_max`.
         unsafe {
             let mut a = [[_mm512_setzero_ps(); 4]; N];
-            for t in 0..x.pairs {
-                let keys = [0, 16, 32, 48]
-                    .map(|o| bh(_mm512_loadu_si512(x.kp.as_ptr().add(t * K + o).cast())));
-                for i in 0..N {
-                    let w = bh(_mm512_set1_epi32(qp[i][t] as i32));
-                    for g in 0..4 {
-                        a[i][g] = _mm512_dpbf16_ps(a[i][g], keys[g], w);
-                    }
-                }
-            }
+            accumulate(&mut a, x.kp, x.pairs, qp);
             for i in 0..N {
                 for g in 0..4 {
                     _mm512_storeu_ps(x.s.add((r + i) * K + 16 * g), a[i][g]);
@@ -324,6 +315,34 @@ mod x86 {
                     let m01 = _mm512_max_ps(a[i][0], a[i][1]);
                     let m23 = _mm512_max_ps(a[i][2], a[i][3]);
                     *x.row_max.add(r + i) = _mm512_reduce_max_ps(_mm512_max_ps(m01, m23));
+                }
+            }
+        }
+    }
+
+    /// The product both tiles run: `a[i][g]` gains, for pairs `t < pairs`, row `i`'s pair
+    /// `w[i][t]` (broadcast) times lanes `16 g..16 g + 16` of the panel's pair row
+    /// `panel[64 t..64 t + 64]`.
+    ///
+    /// # Safety
+    /// `panel` holds `64 * pairs` values and each `w[i]` at least `pairs`; AVX-512F and BF16
+    /// must be present.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    unsafe fn accumulate<const N: usize, const W: usize>(
+        a: &mut [[__m512; 4]; N],
+        panel: &[u32],
+        pairs: usize,
+        w: &[[u32; W]],
+    ) {
+        for t in 0..pairs {
+            // SAFETY: 64 values of `panel` from 64 t (the caller).
+            let cols = [0, 16, 32, 48]
+                .map(|o| unsafe { bh(_mm512_loadu_si512(panel.as_ptr().add(64 * t + o).cast())) });
+            for i in 0..N {
+                let wi = bh(_mm512_set1_epi32(w[i][t] as i32));
+                for g in 0..4 {
+                    a[i][g] = _mm512_dpbf16_ps(a[i][g], cols[g], wi);
                 }
             }
         }
@@ -355,16 +374,7 @@ mod x86 {
                     a[i][g] = _mm512_maskz_loadu_ps(x.masks[g], at);
                 }
             }
-            for t in 0..x.pairs {
-                let vals = [0, 16, 32, 48]
-                    .map(|o| bh(_mm512_loadu_si512(x.vp.as_ptr().add(t * 64 + o).cast())));
-                for i in 0..N {
-                    let w = bh(_mm512_set1_epi32(wp[i][t] as i32));
-                    for g in 0..4 {
-                        a[i][g] = _mm512_dpbf16_ps(a[i][g], vals[g], w);
-                    }
-                }
-            }
+            accumulate(&mut a, x.vp, x.pairs, wp);
             for i in 0..N {
                 for g in 0..4 {
                     let at = x.acc.add((r + i) * x.dv + 16 * g);
