@@ -18,10 +18,11 @@
 //! (or query rows) where P and dS are zero (`spans::nonzero_spans`: half of a causal
 //! diagonal tile). Last, dq is scaled and dq and dk are rotated back.
 
-use super::microkernels;
+use super::{bf16_tiles, microkernels};
 use crate::error::RuntimeError;
 use crate::host::rope_table::RopeTables;
 use crate::memory::written_zeros;
+use attn_dsl::DType;
 use attn_dsl::modifier::interval::Interval;
 use codegen::cpu::abi::{GradTileArgs, RotateArgs};
 use codegen::cpu::{CpuKernel, Entry};
@@ -41,6 +42,9 @@ pub(super) struct Problem<'a> {
     pub out: &'a [f32],
     pub lse: &'a [f32],
     pub dout: &'a [f32],
+    /// Whether `dout` and `v` hold bf16 values (both tensors were bf16), so that `dO V^T`
+    /// may take `vdpbf16ps` ([`bf16_tiles::qk_address`]), exactly.
+    pub bf16_dout_and_v: bool,
     pub batch: usize,
     pub sq: usize,
     pub skv: usize,
@@ -64,6 +68,9 @@ struct Kernels {
     rotate: RotateFn,
     grad_tile: GradTileFn,
     qk: QkFn,
+    /// `qk` for `dP = dO V^T`: on `vdpbf16ps` where dO and V are bf16 values and the CPU has
+    /// avx512_bf16.
+    dp: QkFn,
     /// `pv_tile` with spans (`microkernels::spanned_pv`).
     pv: PvFn,
     /// `pv` with the weights transposed.
@@ -102,7 +109,7 @@ pub(super) fn run(
     if batch * hq * sq == 0 || skv == 0 {
         return Ok(grads);
     }
-    let kernels = task_kernels(kernel, isa)?;
+    let kernels = task_kernels(kernel, isa, x.bf16_dout_and_v)?;
     let tables = rope_tables(plan, sq, skv, x.position_offset);
     let group = hq / hkv;
     let lens = Lens {
@@ -156,8 +163,13 @@ struct Lens {
     params: usize,
 }
 
-/// The functions a task calls: the kernel's entries and the microkernels of `isa`.
-fn task_kernels(kernel: &CpuKernel, isa: microkernels::Isa) -> Result<Kernels, RuntimeError> {
+/// The functions a task calls: the kernel's entries and the microkernels of `isa` (for `dO V^T`
+/// on bf16 values, `bf16_tiles`' where `isa` has it).
+fn task_kernels(
+    kernel: &CpuKernel,
+    isa: microkernels::Isa,
+    bf16_dout_and_v: bool,
+) -> Result<Kernels, RuntimeError> {
     let Entry::Backward {
         rotate_rows,
         grad_tile,
@@ -168,6 +180,10 @@ fn task_kernels(kernel: &CpuKernel, isa: microkernels::Isa) -> Result<Kernels, R
         ));
     };
     let (qk, _) = microkernels::addresses(isa);
+    let dp = match bf16_dout_and_v {
+        true => bf16_tiles::qk_address(isa, DType::Bf16, kernel.plan.shape.v_dim as usize),
+        false => None,
+    };
     let (pv, pt) = microkernels::spanned_pv(isa);
     // SAFETY: `rotate_rows` and `grad_tile` were compiled by codegen::cpu with the signature
     // `extern "C" fn(*const Args)`, and `qk`, `pv` are the microkernels' C-ABI functions with the
@@ -177,6 +193,7 @@ fn task_kernels(kernel: &CpuKernel, isa: microkernels::Isa) -> Result<Kernels, R
             rotate: std::mem::transmute::<usize, RotateFn>(rotate_rows),
             grad_tile: std::mem::transmute::<usize, GradTileFn>(grad_tile),
             qk: std::mem::transmute::<usize, QkFn>(qk),
+            dp: std::mem::transmute::<usize, QkFn>(dp.unwrap_or(qk)),
             pv: std::mem::transmute::<usize, PvFn>(pv),
             pt: std::mem::transmute::<usize, PvFn>(pt),
             isa,
@@ -588,7 +605,7 @@ impl Task<'_> {
                 s.as_mut_ptr(),
                 std::ptr::null_mut(),
             );
-            (self.kernels.qk)(
+            (self.kernels.dp)(
                 rows.dout.as_ptr().add(row * dv),
                 dv as i64,
                 n as i64,

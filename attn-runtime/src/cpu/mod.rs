@@ -24,7 +24,7 @@ use crate::host::checks::{check_backward, check_qkv, finish, per_head};
 use crate::host::mla::AbsorbedForward;
 use crate::tensor::Tensor;
 use crate::variant::{KernelKey, Variant};
-use attn_dsl::AttentionSpec;
+use attn_dsl::{AttentionSpec, DType};
 use codegen::cpu::abi::Imports;
 use codegen::cpu::{CpuKernel, compile};
 use codegen::plan::PlanKind;
@@ -236,6 +236,7 @@ impl CpuBackend {
             out: &out,
             lse: &lse,
             dout: &dout,
+            bf16_dout_and_v: spec.dtype == DType::Bf16 && x.dout.dtype() == DType::Bf16,
             batch: b,
             sq,
             skv,
@@ -289,6 +290,7 @@ impl CpuBackend {
             out: &out_latent,
             lse: &lse,
             dout: &dout_latent,
+            bf16_dout_and_v: false,
             batch: a.b,
             sq: a.sq,
             skv: a.skv,
