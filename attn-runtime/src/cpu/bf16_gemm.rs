@@ -12,29 +12,20 @@
 //! 176-196 for the gemm crate's f32 kernel on widened weights.
 
 use super::microkernels::Isa;
+#[cfg(target_arch = "x86_64")]
+use super::panels::{self, Out, PANEL, PanelKernel};
 use half::bf16;
+#[cfg(target_arch = "x86_64")]
 use rayon::prelude::*;
 
-/// Weight rows per panel: two vectors of sixteen f32 lanes.
-const PANEL: usize = 32;
 /// Inputs per kernel call.
+#[cfg(target_arch = "x86_64")]
 const ROWS: usize = 12;
 
 /// Whether [`matmul_t`] runs for `isa`: [`Isa::Avx512Bf16`], on a CPU that has it.
 pub(crate) fn available(isa: Isa) -> bool {
     isa == Isa::Avx512Bf16 && isa.runs_here()
 }
-
-/// The output buffer, written by every panel's task at its own columns.
-#[cfg(target_arch = "x86_64")]
-struct Outputs(*mut f32);
-// SAFETY: each task writes only the columns of its own panel, so writes never overlap, and the
-// buffer outlives the parallel loop.
-#[cfg(target_arch = "x86_64")]
-unsafe impl Send for Outputs {}
-// SAFETY: as above.
-#[cfg(target_arch = "x86_64")]
-unsafe impl Sync for Outputs {}
 
 /// `n x rows` outputs `x W^T` for `n x cols` inputs `x` and the `rows x cols` bf16 matrix `w`
 /// (both row-major) with `isa`'s kernels; `None` where [`available`] is false for it.
@@ -67,65 +58,61 @@ fn run(w: &[bf16], rows: usize, cols: usize, x: &[f32], n: usize) -> Vec<f32> {
         .zip(x.par_chunks(cols.max(1)))
         // SAFETY: `matmul_t` checked `available`, so AVX-512F, BW and BF16 are here; each chunk holds `cols.div_ceil(2)` pairs for a row of `cols`.
         .for_each(|(out, row)| unsafe { x86::round_pairs(row, out) });
-    // Every output is stored by exactly one kernel call below, so the buffer starts
-    // uninitialized (zeroing it cost 3% of a prefill's products).
-    let mut y: Vec<f32> = Vec::with_capacity(n * rows);
-    let outputs = Outputs(y.as_mut_ptr());
-    (0..rows.div_ceil(PANEL)).into_par_iter().for_each_init(
-        || vec![0u32; pairs * PANEL],
-        |packed, panel| {
-            let first = panel * PANEL;
-            let count = PANEL.min(rows - first);
-            let at = &outputs;
-            // SAFETY: AVX-512F and BW are here (`available`); the panel's rows are whole
-            // rows of `w`.
-            unsafe { x86::pack(&w[first * cols..(first + count) * cols], cols, packed) };
-            // The next panel (usually this task's next) comes from memory while this one
-            // computes, a share of its lines before each call.
-            let next = w.get((first + PANEL) * cols..).unwrap_or(&[]);
-            let next = &next[..next.len().min(PANEL * cols)];
-            let calls = n.div_ceil(ROWS);
-            for (call, start) in (0..n).step_by(ROWS).enumerate() {
-                x86::prefetch(next, call, calls);
-                // SAFETY: AVX-512F and AVX512-BF16 are here (`available`). `inputs` holds
-                // ROWS rows of `pairs` from `start` (padded); the outputs of rows
-                // `start..start + live` at columns `first..first + count` lie inside `y`
-                // (`n x rows`) and belong to this panel's task alone.
-                unsafe {
-                    x86::kernel(
-                        packed,
-                        &inputs[start * pairs..(start + ROWS) * pairs],
-                        pairs,
-                        x86::Out {
-                            at: at.0.add(start * rows + first),
-                            stride: rows,
-                            live: ROWS.min(n - start),
-                            count,
-                        },
-                    )
-                };
-            }
-        },
-    );
-    // SAFETY: the panels cover columns 0..rows and each panel's calls cover rows 0..n, so all
-    // `n * rows` values were written.
-    unsafe { y.set_len(n * rows) };
-    y
+    let kernel = Pairs {
+        w,
+        cols,
+        pairs,
+        inputs: &inputs,
+    };
+    panels::by_panels(&kernel, rows, n)
+}
+
+/// The bf16 products by panels: weights packed pair-major, inputs as rounded bf16 pairs
+/// (`pairs` per row, padded to whole calls).
+#[cfg(target_arch = "x86_64")]
+struct Pairs<'a> {
+    w: &'a [bf16],
+    cols: usize,
+    pairs: usize,
+    inputs: &'a [u32],
+}
+
+#[cfg(target_arch = "x86_64")]
+impl PanelKernel for Pairs<'_> {
+    type Packed = u32;
+    const ROWS: usize = ROWS;
+
+    fn packed_len(&self) -> usize {
+        self.pairs * PANEL
+    }
+
+    fn pack(&self, first: usize, count: usize, packed: &mut [u32]) {
+        let rows = &self.w[first * self.cols..(first + count) * self.cols];
+        // SAFETY: AVX-512F and BW are here (`available`, checked by `matmul_t`); the panel's
+        // rows are whole rows of `w`.
+        unsafe { x86::pack(rows, self.cols, packed) };
+    }
+
+    fn prefetch(&self, first: usize, part: usize, parts: usize) {
+        let next = self.w.get(first * self.cols..).unwrap_or(&[]);
+        panels::x86::prefetch(&next[..next.len().min(PANEL * self.cols)], part, parts);
+    }
+
+    unsafe fn multiply(&self, packed: &[u32], start: usize, out: Out) {
+        let inputs = &self.inputs[start * self.pairs..(start + ROWS) * self.pairs];
+        // SAFETY: AVX-512F and AVX512-BF16 are here (`available`); `inputs` holds ROWS rows of
+        // `pairs` (padded); `out` is the caller's to write.
+        unsafe { x86::kernel(packed, inputs, self.pairs, out) };
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86 {
-    use super::{PANEL, ROWS};
+    use super::ROWS;
+    use crate::cpu::panels::x86::{store, transpose};
+    use crate::cpu::panels::{Out, PANEL};
     use half::bf16;
     use std::arch::x86_64::*;
-
-    /// Where a kernel call's sums go: `live` rows `stride` apart, `count` columns each.
-    pub(super) struct Out {
-        pub at: *mut f32,
-        pub stride: usize,
-        pub live: usize,
-        pub count: usize,
-    }
 
     /// Sixteen f32 lanes rounded to bf16 (to nearest even, NaNs kept quiet: bit for bit what
     /// `half::bf16::from_f32` gives), as the bf16 bits in the low half of each 32-bit lane.
@@ -171,16 +158,6 @@ pub(crate) mod x86 {
         }
     }
 
-    /// Asks for share `part` of `parts` of the cache lines of `w`, into the L2 cache.
-    pub(super) fn prefetch(w: &[bf16], part: usize, parts: usize) {
-        let lines = (w.len() * 2).div_ceil(64);
-        let base = w.as_ptr().cast::<i8>();
-        for line in lines * part / parts..lines * (part + 1) / parts {
-            // SAFETY: a prefetch never faults; the address is inside `w`.
-            unsafe { _mm_prefetch::<_MM_HINT_T1>(base.wrapping_add(64 * line)) };
-        }
-    }
-
     /// The `count <= PANEL` rows `w` (of `cols`) pair-major into `packed`: lane `j` of pair `p`
     /// is row `j`'s columns `2p` (low half) and `2p + 1` (high half); missing rows and an odd
     /// last column are 0. Sixteen rows by sixteen pairs are loaded and transposed at a time.
@@ -223,40 +200,6 @@ pub(crate) mod x86 {
         }
     }
 
-    /// The 16 x 16 transpose of 32-bit lanes: `out[k]` lane `j` is `rows[j]` lane `k`.
-    #[target_feature(enable = "avx512f")]
-    fn transpose(rows: [__m512i; 16]) -> [__m512i; 16] {
-        // Within each 128-bit lane L: after the 32- and 64-bit interleaves, `by4[4 * g + m]`
-        // holds column 4L + m of rows 4g..4g + 4.
-        let mut by2 = [_mm512_setzero_si512(); 16];
-        for i in 0..8 {
-            by2[2 * i] = _mm512_unpacklo_epi32(rows[2 * i], rows[2 * i + 1]);
-            by2[2 * i + 1] = _mm512_unpackhi_epi32(rows[2 * i], rows[2 * i + 1]);
-        }
-        let mut by4 = [_mm512_setzero_si512(); 16];
-        for g in 0..4 {
-            let b = &by2[4 * g..4 * g + 4];
-            by4[4 * g] = _mm512_unpacklo_epi64(b[0], b[2]);
-            by4[4 * g + 1] = _mm512_unpackhi_epi64(b[0], b[2]);
-            by4[4 * g + 2] = _mm512_unpacklo_epi64(b[1], b[3]);
-            by4[4 * g + 3] = _mm512_unpackhi_epi64(b[1], b[3]);
-        }
-        // Then column 4L + m gathers 128-bit lane L of by4[m], by4[4 + m], by4[8 + m] and
-        // by4[12 + m].
-        let mut out = [_mm512_setzero_si512(); 16];
-        for m in 0..4 {
-            let low01 = _mm512_shuffle_i32x4::<0b01_00_01_00>(by4[m], by4[4 + m]);
-            let high01 = _mm512_shuffle_i32x4::<0b11_10_11_10>(by4[m], by4[4 + m]);
-            let low23 = _mm512_shuffle_i32x4::<0b01_00_01_00>(by4[8 + m], by4[12 + m]);
-            let high23 = _mm512_shuffle_i32x4::<0b11_10_11_10>(by4[8 + m], by4[12 + m]);
-            out[m] = _mm512_shuffle_i32x4::<0b10_00_10_00>(low01, low23);
-            out[4 + m] = _mm512_shuffle_i32x4::<0b11_01_11_01>(low01, low23);
-            out[8 + m] = _mm512_shuffle_i32x4::<0b10_00_10_00>(high01, high23);
-            out[12 + m] = _mm512_shuffle_i32x4::<0b11_01_11_01>(high01, high23);
-        }
-        out
-    }
-
     /// The sums of ROWS inputs against a packed panel: output `i`'s column `j` is the sum over
     /// pairs `p` of the pair products of input `i` and panel row `j`; rows `live..` and columns
     /// `count..` are not stored.
@@ -290,18 +233,8 @@ pub(crate) mod x86 {
                 }
             }
         }
-        let mask = |from: usize| {
-            (((1u32 << out.count.saturating_sub(from).min(16)) - 1) & 0xffff) as __mmask16
-        };
-        let (m0, m1) = (mask(0), mask(16));
-        for (i, sums) in acc.iter().take(out.live).enumerate() {
-            // SAFETY: row i < live, columns below `count`: writable by the caller's contract.
-            unsafe {
-                let row = out.at.add(i * out.stride);
-                _mm512_mask_storeu_ps(row, m0, sums[0]);
-                _mm512_mask_storeu_ps(row.add(16), m1, sums[1]);
-            }
-        }
+        // SAFETY: `out` is writable as the caller promised.
+        unsafe { store(&acc, out) };
     }
 }
 

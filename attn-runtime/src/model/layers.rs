@@ -1,10 +1,9 @@
 //! The pieces of a decoder layer on f32 rows: linear maps over weights kept in their
-//! checkpoint's dtype (matrix-vector products for a few rows, the `gemm` crate for more), norms
-//! and MLPs.
+//! checkpoint's dtype (matrix-vector products for a few rows, a GEMM for more), norms and MLPs.
 
 use super::config::{MlpKind, NormKind, Router};
 use crate::cpu::microkernels::Isa;
-use crate::cpu::{bf16_gemm, gemv};
+use crate::cpu::{bf16_gemm, f32_gemm, gemv};
 use crate::error::RuntimeError;
 use crate::host::gemm::gemm;
 use crate::ops::LayerOps;
@@ -76,7 +75,8 @@ impl Matrix {
 
     /// `n x rows` outputs `x W^T` for `n x cols` inputs `x`. A few rows (decoding) take the
     /// matrix-vector products, which read the weights once in their stored dtype. More go to
-    /// a GEMM: `vdpbf16ps` for bf16 weights where the CPU has it; else the gemm crate, f32
+    /// a GEMM: `vdpbf16ps` for bf16 weights where the CPU has it; else, on AVX-512, f32 FMAs
+    /// over panels of weights widened once each (`cpu::f32_gemm`); else the gemm crate, f32
     /// weights as they are and 16-bit ones in blocks of rows ([`BLOCK_VALUES`]), each
     /// converted and then multiplied on every thread. Products with bf16 weights take their
     /// inputs rounded to bf16 on every path (`gemv::round_to_bf16`), unless
@@ -91,23 +91,28 @@ impl Matrix {
         if n <= gemv::MAX_ROWS {
             return gemv::matmul_t(isa, &self.data, out, inp, x, n, self.round_inputs);
         }
-        if let Storage::F32(w) = &self.data {
-            let mut y = vec![0f32; n * out];
-            gemm(n, inp, out, x, (inp, 1), w, (1, inp), &mut y, out);
-            return y;
-        }
-        let Storage::Bf16(w) = &self.data else {
-            return self.widened_product(x, n);
-        };
-        if !self.round_inputs {
-            return self.widened_product(x, n);
-        }
-        if let Some(y) = bf16_gemm::matmul_t(isa, w, out, inp, x, n) {
-            return y;
-        }
         // As every product with bf16 weights: the inputs rounded to bf16.
-        let rounded: Vec<f32> = x.iter().map(|&v| gemv::round_to_bf16(v)).collect();
-        self.widened_product(&rounded, n)
+        let round = self.round_inputs && matches!(self.data, Storage::Bf16(_));
+        if let (Storage::Bf16(w), true) = (&self.data, round)
+            && let Some(y) = bf16_gemm::matmul_t(isa, w, out, inp, x, n)
+        {
+            return y;
+        }
+        if let Some(y) = f32_gemm::matmul_t(isa, &self.data, out, inp, x, n, round) {
+            return y;
+        }
+        match &self.data {
+            Storage::F32(w) => {
+                let mut y = vec![0f32; n * out];
+                gemm(n, inp, out, x, (inp, 1), w, (1, inp), &mut y, out);
+                y
+            }
+            _ if round => {
+                let rounded: Vec<f32> = x.iter().map(|&v| gemv::round_to_bf16(v)).collect();
+                self.widened_product(&rounded, n)
+            }
+            _ => self.widened_product(x, n),
+        }
     }
 
     /// The GEMM over 16-bit weights widened a block of rows at a time.
@@ -457,8 +462,9 @@ mod tests {
     /// Every dtype, through the matrix-vector products (up to `gemv::MAX_ROWS` rows) and the
     /// GEMM (more rows; a 16-bit matrix past one block of `BLOCK_VALUES`, so converted in
     /// two), gives the f64 product of the stored weights (and, for bf16, of the inputs rounded
-    /// to bf16), with the kernels of every instruction set this CPU runs (the bf16 GEMM is
-    /// `vdpbf16ps` with avx512_bf16, the widened one otherwise).
+    /// to bf16), with the kernels of every instruction set this CPU runs (the GEMM: `vdpbf16ps`
+    /// for bf16 with avx512_bf16, f32 FMAs on widened panels with AVX-512, the gemm crate on
+    /// widened blocks below).
     #[test]
     fn products_match_the_f64_product_in_every_dtype() {
         let value = |i: usize, seed: usize| {
