@@ -109,7 +109,7 @@ impl PanelKernel for Pairs<'_> {
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86 {
     use super::ROWS;
-    use crate::cpu::panels::x86::{store, transpose};
+    use crate::cpu::panels::x86::{pack_transposed, store};
     use crate::cpu::panels::{Out, PANEL};
     use half::bf16;
     use std::arch::x86_64::*;
@@ -172,32 +172,16 @@ pub(crate) mod x86 {
         assert!(count <= PANEL && count * cols == w.len());
         assert_eq!(packed.len(), pairs * PANEL);
         let src = w.as_ptr().cast::<u16>();
-        for block in (0..pairs).step_by(16) {
-            // Columns of this block: 32 halves, fewer at the end (the rest load as 0).
-            let halves = (cols - 2 * block).min(32);
+        // SAFETY: row r < count of `w`, pairs `block..block + width` inside it (an odd last
+        // column: its missing half is masked); masked lanes are not read.
+        let load = |r: usize, block: usize, width: usize| unsafe {
+            let halves = (cols - 2 * block).min(2 * width);
             let mask = (u64::MAX >> (64 - halves)) as __mmask32;
-            for half in 0..2 {
-                let mut rows = [_mm512_setzero_si512(); 16];
-                for (j, row) in rows.iter_mut().enumerate() {
-                    let r = 16 * half + j;
-                    if r < count {
-                        // SAFETY: row r < count of `w`, halves `2 * block..2 * block + halves`
-                        // (inside the row); masked lanes are not read.
-                        *row = unsafe {
-                            _mm512_maskz_loadu_epi16(mask, src.add(r * cols + 2 * block).cast())
-                        };
-                    }
-                }
-                let lanes = transpose(rows);
-                for (k, lane) in lanes.iter().enumerate().take(pairs - block) {
-                    // SAFETY: pair block + k < pairs; lanes 16 * half.. of it are in `packed`.
-                    unsafe {
-                        let to = packed.as_mut_ptr().add((block + k) * PANEL + 16 * half);
-                        _mm512_storeu_si512(to.cast(), *lane);
-                    }
-                }
-            }
-        }
+            _mm512_maskz_loadu_epi16(mask, src.add(r * cols + 2 * block).cast())
+        };
+        // SAFETY: `load` reads rows below `count`, pairs below `pairs`; `packed` holds
+        // `pairs * PANEL` lanes (asserted).
+        unsafe { pack_transposed(count, pairs, packed, load) };
     }
 
     /// The sums of ROWS inputs against a packed panel: output `i`'s column `j` is the sum over

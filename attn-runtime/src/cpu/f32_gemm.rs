@@ -112,7 +112,7 @@ impl PanelKernel for Widened<'_> {
 mod x86 {
     use super::ROWS;
     use crate::cpu::bf16_gemm::x86::round_lanes;
-    use crate::cpu::panels::x86::{store, transpose};
+    use crate::cpu::panels::x86::{pack_transposed, store, transpose};
     use crate::cpu::panels::{Out, PANEL};
     use crate::tensor::Storage;
     use std::arch::x86_64::*;
@@ -215,29 +215,14 @@ mod x86 {
         packed: &mut [f32],
     ) {
         assert!(count <= PANEL && (first + count) * cols <= w.len());
-        assert_eq!(packed.len(), cols * PANEL);
-        for block in (0..cols).step_by(16) {
-            let width = (cols - block).min(16);
-            for half in 0..2 {
-                let mut rows = [_mm512_setzero_si512(); 16];
-                for (j, row) in rows.iter_mut().enumerate() {
-                    let r = 16 * half + j;
-                    if r < count {
-                        // SAFETY: row first + r is inside `w` (asserted), columns
-                        // block..block + width inside the row.
-                        *row = unsafe { lanes(w, (first + r) * cols + block, width) };
-                    }
-                }
-                let columns = transpose(rows);
-                for (k, column) in columns.iter().enumerate().take(width) {
-                    // SAFETY: column block + k < cols; its lanes 16 * half.. are in `packed`.
-                    unsafe {
-                        let to = packed.as_mut_ptr().add((block + k) * PANEL + 16 * half);
-                        _mm512_storeu_si512(to.cast(), *column);
-                    }
-                }
-            }
-        }
+        // SAFETY: row first + r is inside `w` (asserted), columns block..block + width inside
+        // the row.
+        let load = |r: usize, block: usize, width: usize| unsafe {
+            lanes(w, (first + r) * cols + block, width)
+        };
+        // SAFETY: `load` reads rows below `count`, columns below `cols`; `packed` holds
+        // `cols * PANEL` values (asserted there).
+        unsafe { pack_transposed(count, cols, packed, load) };
     }
 
     /// The sums of ROWS inputs against a packed panel: output `i`'s column `j` is the sum over

@@ -138,6 +138,48 @@ pub(crate) mod x86 {
         out
     }
 
+    /// Packs a panel of `count <= PANEL` rows of `lanes` 32-bit values each lane-major into
+    /// `packed`: lane `k` of row `j` at `k * PANEL + j`, rows past `count` 0. `load(r, k, n)`
+    /// gives row `r`'s lanes `k..k + n` (`n <= 16`, 0 past `n`); sixteen rows by sixteen lanes
+    /// are loaded and transposed at a time.
+    ///
+    /// # Safety
+    /// `load` may be called for rows below `count` and lanes below `lanes`; `T` is 32 bits and
+    /// `packed.len() == lanes * PANEL` (asserted).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(crate) unsafe fn pack_transposed<T>(
+        count: usize,
+        lanes: usize,
+        packed: &mut [T],
+        load: impl Fn(usize, usize, usize) -> __m512i,
+    ) {
+        assert!(count <= super::PANEL && std::mem::size_of::<T>() == 4);
+        assert_eq!(packed.len(), lanes * super::PANEL);
+        for block in (0..lanes).step_by(16) {
+            let width = (lanes - block).min(16);
+            for half in 0..2 {
+                let mut rows = [_mm512_setzero_si512(); 16];
+                for (j, row) in rows
+                    .iter_mut()
+                    .enumerate()
+                    .take(count.saturating_sub(16 * half))
+                {
+                    *row = load(16 * half + j, block, width);
+                }
+                let columns = transpose(rows);
+                for (k, column) in columns.iter().enumerate().take(width) {
+                    // SAFETY: lane block + k < lanes; its values 16 * half.. are in `packed`,
+                    // 32 bits each (asserted).
+                    unsafe {
+                        let at = (block + k) * super::PANEL + 16 * half;
+                        _mm512_storeu_si512(packed.as_mut_ptr().add(at).cast(), *column);
+                    }
+                }
+            }
+        }
+    }
+
     /// Stores `ROWS` rows of two vectors of sums at `out`: rows `live..` and columns `count..`
     /// are left alone.
     ///
