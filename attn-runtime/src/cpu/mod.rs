@@ -98,7 +98,7 @@ impl CpuBackend {
         };
         variant.kernel(key, |variant| {
             let plan = variant.plan(kind)?;
-            let (qk_tile, pv_tile) = tile_products(self.isa, plan);
+            let (qk_tile, pv_tile, scores_after_qk) = tile_products(self.isa, plan);
             let (qk_rows, pv_rows) = row_kernels::addresses(self.isa, variant.spec().dtype);
             let (exp_tile, ds_tile) = softmax_tiles::addresses(self.isa);
             let imports = Imports {
@@ -109,6 +109,7 @@ impl CpuBackend {
                 logf: microkernels::logf as *const () as usize,
                 exp_tile,
                 ds_tile,
+                scores_after_qk,
             };
             Ok(compile(plan, &imports)?)
         })
@@ -118,17 +119,19 @@ impl CpuBackend {
 /// The `qk_tile` and `pv_tile` a plan's kernel imports: the forward of a bf16 spec takes its
 /// `pv_tile` on `vdpbf16ps` where `isa` has it ([`bf16_tiles`]), and its `qk_tile` too where
 /// the kernel multiplies the queries and keys as given ([`codegen::cpu::scales_scores`]);
-/// everything else the f32 microkernels.
-fn tile_products(isa: Isa, plan: &codegen::plan::KernelPlan) -> (usize, usize) {
+/// everything else the f32 microkernels. The flag: whether the `qk_tile` is the bf16 one, so
+/// that the kernel scales the scores after it (`Imports::scores_after_qk`).
+fn tile_products(isa: Isa, plan: &codegen::plan::KernelPlan) -> (usize, usize, bool) {
     let (qk, pv) = microkernels::addresses(isa);
     if plan.kind != PlanKind::Forward {
-        return (qk, pv);
+        return (qk, pv, false);
     }
     let bf16_qk = bf16_tiles::qk_address(isa, plan.dtype, plan.shape.qk_dim as usize)
         .filter(|_| codegen::cpu::scales_scores(plan));
     (
         bf16_qk.unwrap_or(qk),
         bf16_tiles::pv_address(isa, plan.dtype).unwrap_or(pv),
+        bf16_qk.is_some(),
     )
 }
 

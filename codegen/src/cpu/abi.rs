@@ -241,6 +241,11 @@ pub struct Imports {
     /// shift[r]))` and `sums[r] += sum_j s[r][j]` for `r < rows`, `j < K_TILE` (the online
     /// softmax's probabilities, scores in half base-2 units).
     pub exp_tile: usize,
+    /// Forward: whether `qk_tile` multiplies the queries and keys exactly as stored (bf16
+    /// pairs), so that the kernel leaves the queries unscaled and multiplies each tile's scores
+    /// by `q_scale` after it; honoured only for plans that
+    /// [`scales_scores`](super::scales_scores) allows.
+    pub scores_after_qk: bool,
     /// Backward: `ds_tile(s, dp, rows, lse, delta, factor)`: with `h = lse[r] log2(e) / 2`,
     /// `s[r][j] = 2^(2 (s[r][j] - h))` and `dp[r][j] = s[r][j] (dp[r][j] - delta[r]) factor`
     /// for `j < K_TILE` (`delta` null: 0); rows whose `lse` is `-inf` become 0 in both.

@@ -137,8 +137,8 @@ pub(super) fn pack_k(fx: &mut Fx, plan: &KernelPlan, args: Value) {
 }
 
 /// Multiplies `rows` rows of a key tile's raw scores (`K_TILE` values each from `s`) and their
-/// maxima by `factor`, for plans that [`scales_scores`](super::scales_scores) (the factor is
-/// positive, so the maxima stay the rows' maxima).
+/// maxima by `factor`, for kernels that scale the scores after `qk_tile`
+/// ([`Refs::scales_scores`]; the factor is positive, so the maxima stay the rows' maxima).
 fn scale_scores(fx: &mut Fx, factor: f32, s: Value, row_max: Value, rows: Value) {
     let factor = fx.f32(factor);
     let factor4 = fx.splat_f32(factor);
@@ -191,7 +191,14 @@ pub(super) fn block(fx: &mut Fx, plan: &KernelPlan, refs: &Refs, tables: &mut Ta
         field!(fx, args, I64, BlockArgs.rope_sin),
         field!(fx, args, I64, BlockArgs.table_pos0),
     ];
-    prologue(fx, plan, &state, q, q_stride, rope_tables);
+    prologue(
+        fx,
+        plan,
+        &state,
+        [q, q_stride],
+        rope_tables,
+        refs.scales_scores,
+    );
 
     let kt = field!(fx, args, I64, BlockArgs.kt);
     let v = field!(fx, args, I64, BlockArgs.v);
@@ -228,7 +235,7 @@ pub(super) fn block(fx: &mut Fx, plan: &KernelPlan, refs: &Refs, tables: &mut Ta
             let max_rows = fx.elem(state.tile_max, first_row);
             fx.b.ins()
                 .call(refs.qk, &[q_rows, qk_v, live, qk_v, kt_t, s_rows, max_rows]);
-            if super::scales_scores(plan) && plan.q_scale != 1.0 {
+            if refs.scales_scores && plan.q_scale != 1.0 {
                 scale_scores(fx, plan.q_scale as f32, s_rows, max_rows, live);
             }
             let first_key = fx.b.ins().imul_imm_s(t, tile);
@@ -297,7 +304,14 @@ pub(super) fn decode(
         field!(fx, args, I64, DecodeArgs.rope_sin),
         field!(fx, args, I64, DecodeArgs.table_pos0),
     ];
-    prologue(fx, plan, &state, q, q_stride, rope_tables);
+    prologue(
+        fx,
+        plan,
+        &state,
+        [q, q_stride],
+        rope_tables,
+        refs.scales_scores,
+    );
 
     let segments = field!(fx, args, I64, DecodeArgs.segments);
     let n_segments = field!(fx, args, I64, DecodeArgs.n_segments);

@@ -7,8 +7,9 @@
 //! - `block`, once per (batch, head, block of query rows): RoPE on the queries, then for every
 //!   key tile the plan does not skip, the scores (`qk_tile`), the score program and the mask
 //!   (vectorized, masked only on mixed or partial tiles), the online-softmax update, and the
-//!   value product (`pv_tile`); finally `out` and `lse`. Plans that [`scales_scores`] leave
-//!   the queries unscaled and multiply each tile's scores by the plan's `q_scale` instead.
+//!   value product (`pv_tile`); finally `out` and `lse`. Plans that [`scales_scores`] allows,
+//!   given an exact bf16 `qk_tile`, leave the queries unscaled and multiply each tile's scores
+//!   by the plan's `q_scale` instead.
 //!
 //! A decode kernel is one function, `decode`, once per (sequence, kv head, rows, partition of
 //! the keys): the same steps over key segments read in place in the cache's dtype (`qk_rows`,
@@ -80,10 +81,12 @@ pub enum Entry {
     },
 }
 
-/// Whether a plan's `block` multiplies the raw scores by `q_scale` after `qk_tile` instead of
+/// Whether a plan's `block` may multiply the raw scores by `q_scale` after `qk_tile` instead of
 /// scaling the queries before it: forwards of bf16 specs whose queries and keys reach the
 /// product as given (no RoPE, no MLA absorption), so that a `qk_tile` on bf16 pairs multiplies
-/// them exactly (the runtime imports one only for these plans).
+/// them exactly. It does where the runtime imports such a `qk_tile`
+/// ([`Imports::scores_after_qk`](abi::Imports)); with an f32 one, scaling the queries once
+/// costs less than scaling every tile's scores.
 pub fn scales_scores(plan: &KernelPlan) -> bool {
     plan.kind == PlanKind::Forward
         && plan.dtype == attn_dsl::DType::Bf16
@@ -196,6 +199,7 @@ pub fn compile(plan: &KernelPlan, imports: &Imports) -> Result<CpuKernel, Codege
                 logf: module.declare_func_in_func(logf, b.func),
                 exp_tile: module.declare_func_in_func(exp_tile, b.func),
                 ds_tile: module.declare_func_in_func(ds_tile, b.func),
+                scales_scores: imports.scores_after_qk && scales_scores(plan),
             };
             let mut fx = fx::Fx { b };
             match name {

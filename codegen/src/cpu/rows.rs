@@ -19,6 +19,10 @@ pub(super) struct Refs {
     pub exp_tile: FuncRef,
     /// The backward's probabilities and `dS` of a tile (`ds_tile`).
     pub ds_tile: FuncRef,
+    /// Whether `qk` gives unscaled scores, which the kernel multiplies by `q_scale` after it
+    /// (the queries stay unscaled): [`Imports::scores_after_qk`](super::abi::Imports) where the
+    /// plan allows it.
+    pub scales_scores: bool,
 }
 
 macro_rules! field {

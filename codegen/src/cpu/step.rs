@@ -123,15 +123,16 @@ pub(super) struct KeyTile {
     pub then: Option<[Value; 2]>,
 }
 
-/// Prologue: the block's queries copied to scratch, rotated and scaled (unless the plan
-/// [`scales_scores`](super::scales_scores)); running max `-inf`, sum and accumulator 0. `q` has rows of `q_stride` values.
+/// Prologue: the block's queries copied to scratch, rotated and scaled (unless the kernel
+/// `scales_scores` after `qk_tile` instead); running max `-inf`, sum and accumulator 0. `q`
+/// has rows of `q_stride` values.
 pub(super) fn prologue(
     fx: &mut Fx,
     plan: &KernelPlan,
     a: &BlockState,
-    q: Value,
-    q_stride: Value,
+    [q, q_stride]: [Value; 2],
     rope_tables: [Value; 3],
+    scales_scores: bool,
 ) {
     let qk_dim = i64::from(plan.shape.qk_dim);
     let v_dim = i64::from(plan.shape.v_dim);
@@ -147,7 +148,7 @@ pub(super) fn prologue(
             let pos = fx.b.ins().iadd(a.q_pos0, offset);
             rotate(fx, rope, dst, pos, rope_tables);
         }
-        if plan.q_scale != 1.0 && !super::scales_scores(plan) {
+        if plan.q_scale != 1.0 && !scales_scores {
             let factor = fx.f32(plan.q_scale as f32);
             scale_row(fx, dst, qk_dim, factor, false);
         }
