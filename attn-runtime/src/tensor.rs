@@ -52,21 +52,37 @@ impl Storage {
         }
     }
 
-    /// Values `range` as f32 into `out` (as long as the range), 16-bit ones widened in pieces
-    /// on rayon's threads.
-    pub(crate) fn widen_into(&self, range: std::ops::Range<usize>, out: &mut [f32]) {
+    /// Values `range` as f32 in `out` (emptied first), widened in pieces on rayon's threads
+    /// straight into its spare capacity: no pass zeroes it first.
+    pub(crate) fn widen_to(&self, range: std::ops::Range<usize>, out: &mut Vec<f32>) {
         use rayon::prelude::*;
-        fn widen<T: Copy + Sync>(src: &[T], out: &mut [f32], f: impl Fn(T) -> f32 + Sync) {
+        use std::mem::MaybeUninit;
+        fn widen<T: Copy + Sync>(
+            src: &[T],
+            out: &mut [MaybeUninit<f32>],
+            f: impl Fn(T) -> f32 + Sync,
+        ) {
             const PIECE: usize = 1 << 14;
             out.par_chunks_mut(PIECE)
                 .zip(src.par_chunks(PIECE))
-                .for_each(|(o, s)| o.iter_mut().zip(s).for_each(|(o, &s)| *o = f(s)));
+                .for_each(|(o, s)| {
+                    for (o, &s) in o.iter_mut().zip(s) {
+                        o.write(f(s));
+                    }
+                });
         }
+        let n = range.len();
+        out.clear();
+        out.reserve(n);
+        let spare = &mut out.spare_capacity_mut()[..n];
         match self {
-            Storage::F32(v) => out.copy_from_slice(&v[range]),
-            Storage::F16(v) => widen(&v[range], out, |x| x.to_f32()),
-            Storage::Bf16(v) => widen(&v[range], out, |x| x.to_f32()),
+            Storage::F32(v) => widen(&v[range], spare, |x| x),
+            Storage::F16(v) => widen(&v[range], spare, |x| x.to_f32()),
+            Storage::Bf16(v) => widen(&v[range], spare, |x| x.to_f32()),
         }
+        // SAFETY: `range` holds n values (the slices above would have panicked otherwise), and
+        // the pieces wrote every one of the first n spare values.
+        unsafe { out.set_len(n) };
     }
 
     /// The values at `indices`, in order, in their dtype.
@@ -313,9 +329,8 @@ impl Tensor {
             return self.to_f32_vec();
         }
         let mut out = crate::memory::with_capacity(n);
-        out.resize(n, 0.0);
         self.storage
-            .widen_into(self.offset..self.offset + n, &mut out);
+            .widen_to(self.offset..self.offset + n, &mut out);
         out
     }
 

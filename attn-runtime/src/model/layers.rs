@@ -62,12 +62,6 @@ impl Matrix {
         (self.len() * size) as u64
     }
 
-    /// Rows from `first` on, widened to f32 into `out` (whole rows), on rayon's threads.
-    fn widen_rows(&self, first: usize, out: &mut [f32]) {
-        let start = first * self.cols;
-        self.data.widen_into(start..start + out.len(), out);
-    }
-
     /// The values, in the checkpoint's dtype.
     pub fn storage(&self) -> &Storage {
         &self.data
@@ -120,10 +114,11 @@ impl Matrix {
         let (out, inp) = (self.rows, self.cols);
         let mut y = vec![0f32; n * out];
         let block = (BLOCK_VALUES / inp.max(1)).clamp(1, out.max(1));
-        let mut w = vec![0f32; block * inp];
+        let mut w = Vec::with_capacity(block * inp);
         for first in (0..out).step_by(block) {
             let count = block.min(out - first);
-            self.widen_rows(first, &mut w[..count * inp]);
+            self.data
+                .widen_to(first * inp..(first + count) * inp, &mut w);
             // Columns first..first + count of every output row.
             gemm(
                 n,
