@@ -55,34 +55,30 @@ impl Storage {
     /// Values `range` as f32 in `out` (emptied first), widened in pieces on rayon's threads
     /// straight into its spare capacity: no pass zeroes it first.
     pub(crate) fn widen_to(&self, range: std::ops::Range<usize>, out: &mut Vec<f32>) {
-        use rayon::prelude::*;
-        use std::mem::MaybeUninit;
-        fn widen<T: Copy + Sync>(
-            src: &[T],
-            out: &mut [MaybeUninit<f32>],
-            f: impl Fn(T) -> f32 + Sync,
-        ) {
-            const PIECE: usize = 1 << 14;
-            out.par_chunks_mut(PIECE)
-                .zip(src.par_chunks(PIECE))
-                .for_each(|(o, s)| {
-                    for (o, &s) in o.iter_mut().zip(s) {
-                        o.write(f(s));
-                    }
-                });
-        }
-        let n = range.len();
-        out.clear();
-        out.reserve(n);
-        let spare = &mut out.spare_capacity_mut()[..n];
         match self {
-            Storage::F32(v) => widen(&v[range], spare, |x| x),
-            Storage::F16(v) => widen(&v[range], spare, |x| x.to_f32()),
-            Storage::Bf16(v) => widen(&v[range], spare, |x| x.to_f32()),
+            Storage::F32(v) => convert_into(&v[range], out, |x| x),
+            Storage::F16(v) => convert_into(&v[range], out, |x| x.to_f32()),
+            Storage::Bf16(v) => convert_into(&v[range], out, |x| x.to_f32()),
         }
-        // SAFETY: `range` holds n values (the slices above would have panicked otherwise), and
-        // the pieces wrote every one of the first n spare values.
-        unsafe { out.set_len(n) };
+    }
+
+    /// `values` in `dtype`, rounded to nearest even, narrowed in pieces on rayon's threads.
+    pub(crate) fn narrowed(dtype: DType, values: Vec<f32>) -> Storage {
+        let storage = match dtype {
+            DType::F32 => return Storage::F32(values),
+            DType::F16 => {
+                let mut out = Vec::new();
+                convert_into(&values, &mut out, f16::from_f32);
+                Storage::F16(out)
+            }
+            DType::Bf16 => {
+                let mut out = Vec::new();
+                convert_into(&values, &mut out, |x| bf16::from_bits(bf16_bits(x)));
+                Storage::Bf16(out)
+            }
+        };
+        crate::memory::recycle(values);
+        storage
     }
 
     /// The values at `indices`, in order, in their dtype.
@@ -93,6 +89,39 @@ impl Storage {
             Storage::Bf16(v) => Storage::Bf16(indices.map(|i| v[i]).collect()),
         }
     }
+}
+
+/// `f(x)` of every `src` value into `out` (emptied first), in pieces on rayon's threads,
+/// straight into its spare capacity: no pass zeroes it first.
+fn convert_into<S: Copy + Sync, T: Send>(src: &[S], out: &mut Vec<T>, f: impl Fn(S) -> T + Sync) {
+    use rayon::prelude::*;
+    use std::mem::MaybeUninit;
+    /// Values per rayon task.
+    const PIECE: usize = 1 << 14;
+    let n = src.len();
+    out.clear();
+    out.reserve(n);
+    let spare: &mut [MaybeUninit<T>] = &mut out.spare_capacity_mut()[..n];
+    spare
+        .par_chunks_mut(PIECE)
+        .zip(src.par_chunks(PIECE))
+        .for_each(|(o, s)| {
+            for (o, &s) in o.iter_mut().zip(s) {
+                o.write(f(s));
+            }
+        });
+    // SAFETY: the pieces wrote every one of the first n spare values.
+    unsafe { out.set_len(n) };
+}
+
+/// The bf16 bits of `x` rounded to nearest even, NaNs kept quiet: bit for bit what
+/// `half::bf16::from_f32` gives, without its branches, so a loop of it vectorizes.
+fn bf16_bits(x: f32) -> u16 {
+    let bits = x.to_bits();
+    let high = bits >> 16;
+    let rounded = bits.wrapping_add(0x7fff + (high & 1)) >> 16;
+    let nan = bits & 0x7fff_ffff > 0x7f80_0000;
+    (if nan { high | 0x40 } else { rounded }) as u16
 }
 
 /// A strided view of CPU storage.
@@ -145,25 +174,14 @@ impl Tensor {
         Tensor::new(shape, Storage::Bf16(data))
     }
 
-    /// A contiguous tensor of `dtype` from f32 values (rounded to nearest even).
+    /// A contiguous tensor of `dtype` from f32 values (rounded to nearest even), narrowed on
+    /// rayon's threads: a kernel's whole output passes through here.
     pub fn from_f32_as(
         dtype: DType,
         shape: &[usize],
         data: Vec<f32>,
     ) -> Result<Self, RuntimeError> {
-        match dtype {
-            DType::F32 => Tensor::from_f32(shape, data),
-            DType::F16 => {
-                let t = Tensor::from_f16(shape, data.iter().map(|x| f16::from_f32(*x)).collect());
-                crate::memory::recycle(data);
-                t
-            }
-            DType::Bf16 => {
-                let t = Tensor::from_bf16(shape, data.iter().map(|x| bf16::from_f32(*x)).collect());
-                crate::memory::recycle(data);
-                t
-            }
-        }
+        Tensor::new(shape, Storage::narrowed(dtype, data))
     }
 
     /// The element type.
@@ -320,9 +338,9 @@ impl Tensor {
         }
     }
 
-    /// [`Tensor::to_f32_vec`] into a buffer from the runtime's pool ([`crate::memory`]), a
-    /// contiguous 16-bit tensor converted on rayon's threads: the copy a kernel makes of its
-    /// inputs touches no fresh pages when the same shapes come again.
+    /// [`Tensor::to_f32_vec`] into a buffer from the runtime's pool ([`crate::memory`]): the
+    /// copy a kernel makes of its inputs touches no fresh pages when the same shapes come
+    /// again.
     pub(crate) fn widened(&self) -> Vec<f32> {
         let n: usize = self.shape.iter().product();
         if self.strides != contiguous_strides(&self.shape) {
@@ -334,16 +352,15 @@ impl Tensor {
         out
     }
 
-    /// The values in logical (row-major) order, as f32.
+    /// The values in logical (row-major) order, as f32 (a contiguous tensor converted on
+    /// rayon's threads).
     pub fn to_f32_vec(&self) -> Vec<f32> {
         if self.strides == contiguous_strides(&self.shape) {
             let n: usize = self.shape.iter().product();
-            let range = self.offset..self.offset + n;
-            return match &*self.storage {
-                Storage::F32(v) => v[range].to_vec(),
-                Storage::F16(v) => v[range].iter().map(|x| x.to_f32()).collect(),
-                Storage::Bf16(v) => v[range].iter().map(|x| x.to_f32()).collect(),
-            };
+            let mut out = Vec::new();
+            self.storage
+                .widen_to(self.offset..self.offset + n, &mut out);
+            return out;
         }
         match &mut self.contiguous_storage() {
             Storage::F32(v) => std::mem::take(v),
@@ -356,6 +373,45 @@ impl Tensor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The branch-free rounding agrees with `half` on every high half, each with the low
+    /// halves around the rounding tie (NaNs, infinities, subnormals and carries included).
+    #[test]
+    fn bf16_bits_round_as_half_does() {
+        for high in 0..=u16::MAX as u32 {
+            for low in [0, 1, 0x7fff, 0x8000, 0x8001, 0xffff] {
+                let x = f32::from_bits(high << 16 | low);
+                assert_eq!(
+                    bf16_bits(x),
+                    bf16::from_f32(x).to_bits(),
+                    "{:#010x}",
+                    x.to_bits()
+                );
+            }
+        }
+    }
+
+    /// Narrowing in pieces on rayon's threads keeps every value in place, in each dtype,
+    /// for lengths around the piece size.
+    #[test]
+    fn narrowed_storage_matches_each_value_rounded() {
+        for n in [0, 1, 1 << 14, (1 << 15) + 3] {
+            let values: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin() * 1e3).collect();
+            let (bf16s, f16s) = (
+                Storage::narrowed(DType::Bf16, values.clone()),
+                Storage::narrowed(DType::F16, values.clone()),
+            );
+            let (Storage::Bf16(b), Storage::F16(h)) = (&bf16s, &f16s) else {
+                panic!("bf16 and f16 storage expected");
+            };
+            assert_eq!(b.len(), n);
+            assert_eq!(h.len(), n);
+            for (i, &v) in values.iter().enumerate() {
+                assert_eq!(b[i], bf16::from_f32(v), "bf16 value {i} of {n}");
+                assert_eq!(h[i], f16::from_f32(v), "f16 value {i} of {n}");
+            }
+        }
+    }
 
     /// Every permutation of a 2 x 3 x 4 tensor, in each dtype, reads back in logical order:
     /// element `[i, j, k]` of the view is element `[..]` of the source at the permuted index.
