@@ -236,14 +236,15 @@ impl Tensor {
     }
 
     /// The values in logical (row-major) order as f32: borrowed when the tensor is contiguous
-    /// f32, else converted.
+    /// f32, else converted into a buffer from the runtime's pool (which
+    /// [`crate::memory::recycle`] takes back).
     pub fn f32_values(&self) -> std::borrow::Cow<'_, [f32]> {
         match &*self.storage {
             Storage::F32(v) if self.strides == contiguous_strides(&self.shape) => {
                 let n: usize = self.shape.iter().product();
                 std::borrow::Cow::Borrowed(&v[self.offset..self.offset + n])
             }
-            _ => std::borrow::Cow::Owned(self.to_f32_vec()),
+            _ => std::borrow::Cow::Owned(self.widened()),
         }
     }
 

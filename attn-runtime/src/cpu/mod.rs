@@ -249,6 +249,12 @@ impl CpuBackend {
             params,
         };
         let ((dq, dk, dv), dparams) = backward::run(&kernel, self.isa, &problem)?;
+        // Converted copies go back to the pool, for the next step's inputs.
+        for values in [q, k, v, out, lse, dout] {
+            if let std::borrow::Cow::Owned(buffer) = values {
+                crate::memory::recycle(buffer);
+            }
+        }
         let dtype = spec.dtype;
         let gradients = HeadGradients {
             dq: Tensor::from_f32_as(dtype, x.q.shape(), dq)?,
