@@ -98,21 +98,28 @@ impl CpuBackend {
         };
         variant.kernel(key, |variant| {
             let plan = variant.plan(kind)?;
-            let (qk_tile, pv_tile, scores_after_qk) = tile_products(self.isa, plan);
-            let (qk_rows, pv_rows) = row_kernels::addresses(self.isa, variant.spec().dtype);
-            let (exp_tile, ds_tile) = softmax_tiles::addresses(self.isa);
-            let imports = Imports {
-                qk_tile,
-                pv_tile,
-                qk_rows,
-                pv_rows,
-                logf: microkernels::logf as *const () as usize,
-                exp_tile,
-                ds_tile,
-                scores_after_qk,
-            };
-            Ok(compile(plan, &imports)?)
+            Ok(compile(
+                plan,
+                &imports(self.isa, plan, variant.spec().dtype),
+            )?)
         })
+    }
+}
+
+/// The microkernels a plan's kernel calls, with `isa`'s instructions.
+fn imports(isa: Isa, plan: &codegen::plan::KernelPlan, dtype: DType) -> Imports {
+    let (qk_tile, pv_tile, scores_after_qk) = tile_products(isa, plan);
+    let (qk_rows, pv_rows) = row_kernels::addresses(isa, dtype);
+    let (exp_tile, ds_tile) = softmax_tiles::addresses(isa);
+    Imports {
+        qk_tile,
+        pv_tile,
+        qk_rows,
+        pv_rows,
+        logf: microkernels::logf as *const () as usize,
+        exp_tile,
+        ds_tile,
+        scores_after_qk,
     }
 }
 
@@ -361,5 +368,77 @@ impl CpuBackend {
         let k_rows = Rows::borrowed(&a.k, [skv * wq, skv * wq, wq]);
         let v_rows = Rows::borrowed(&a.k, [skv * wq, skv * wq, wq]);
         launch::run(&kernel, &q_rows, &k_rows, &v_rows, &call)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use attn_dsl::reference::{self, Array, Inputs};
+
+    /// A bf16 tensor of `shape` and the exact values it holds.
+    fn input(shape: &[usize], seed: usize) -> (Tensor, Array) {
+        let n = shape.iter().product();
+        let values = (0..n)
+            .map(|i| ((i.wrapping_mul(2654435761).wrapping_add(seed) >> 7) % 2001) as f32)
+            .map(|h| h / 1000.0 - 1.0)
+            .collect();
+        let t = Tensor::from_f32_as(DType::Bf16, shape, values).unwrap();
+        let exact = t.to_f32_vec().iter().map(|&x| f64::from(x)).collect();
+        (t, Array::from_vec(shape, exact).unwrap())
+    }
+
+    /// The bf16 forward that scales its scores after `qk_tile` (`Imports::scores_after_qk`,
+    /// taken only with the `vdpbf16ps` products) meets the reference with the f32 tile
+    /// products of every instruction set this CPU runs too, so that path is checked on CPUs
+    /// without `avx512_bf16`: masks, ALiBi, soft-capping, an explicit scale and GQA.
+    #[test]
+    fn scores_scaled_after_the_products_meet_the_reference_on_every_isa() {
+        for text in [
+            "heads = 4, kv_heads = 2, head_dim = 72, mask = causal, dtype = bf16",
+            "heads = 2, head_dim = 64, mask = causal, softcap = 2.0, scale = 0.5, dtype = bf16",
+            "heads = 3, head_dim = 48, mask = sliding_window(37), position = alibi, dtype = bf16",
+        ] {
+            let spec: AttentionSpec = text.parse().unwrap();
+            let variant = Variant::shared(&spec).unwrap();
+            let plan = variant.plan(PlanKind::Forward).unwrap();
+            assert!(codegen::cpu::scales_scores(plan), "{text}");
+            let (h, hkv) = (spec.heads as usize, spec.kv_heads() as usize);
+            let d = spec.head_dim as usize;
+            let (sq, skv) = (70, 90);
+            let (q, qa) = input(&[1, h, sq, d], 1);
+            let (k, ka) = input(&[1, hkv, skv, d], 2);
+            let (v, va) = input(&[1, hkv, skv, d], 3);
+            let inputs = Inputs {
+                q: &qa,
+                k: &ka,
+                v: &va,
+                position_offset: 0,
+            };
+            let want = reference::attention(&spec, &inputs).unwrap();
+            for isa in Isa::ALL.into_iter().filter(|isa| isa.runs_here()) {
+                let mut imports = imports(isa, plan, DType::Bf16);
+                (imports.qk_tile, imports.pv_tile) = microkernels::addresses(isa);
+                imports.scores_after_qk = true;
+                let kernel = compile(plan, &imports).unwrap();
+                let call = Call {
+                    batch: 1,
+                    sq,
+                    skv,
+                    position_offset: 0,
+                    params: &[],
+                };
+                let (rows_q, rows_k, rows_v) = (Rows::of(&q), Rows::of(&k), Rows::of(&v));
+                let (out, lse) = launch::run(&kernel, &rows_q, &rows_k, &rows_v, &call).unwrap();
+                for (i, (got, want)) in out.iter().zip(want.out.data()).enumerate() {
+                    let err = (f64::from(*got) - want).abs();
+                    assert!(err <= 1e-3, "{text} {isa:?} out[{i}]: {got} against {want}");
+                }
+                for (i, (got, want)) in lse.iter().zip(want.lse.data()).enumerate() {
+                    let err = (f64::from(*got) - want).abs();
+                    assert!(err <= 1e-3, "{text} {isa:?} lse[{i}]: {got} against {want}");
+                }
+            }
+        }
     }
 }
