@@ -208,6 +208,17 @@ fn layer_patterns_in_toml_and_their_errors() {
         c.weight_count().unwrap(),
         "the config counts what the model holds, q/k norms included"
     );
+    // A step after 10 tokens reads the 11 rows of every global layer's 2 kv heads and the
+    // last 4 of each local layer's 4 heads: keys and values of 12 f32 values.
+    let row = 2 * 12 * 4;
+    assert_eq!(
+        model.step_cache_bytes(10),
+        (4 * 4 * 4 * row + 11 * 2 * row) as u64
+    );
+    assert_eq!(
+        model.step_cache_bytes(1),
+        (4 * 2 * 4 * row + 2 * 2 * row) as u64
+    );
     for (text, needle) in [
         (format!("{base}{kinds}"), "`pattern` must list each layer's kind"),
         (

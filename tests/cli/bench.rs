@@ -205,6 +205,13 @@ fn bench_model_prints_rates_per_length() {
         (roofline / (gbps * 1e9 / (4 * weights) as f64) - 1.0).abs() < 1e-3,
         "{line}"
     );
+    // After 8 tokens a step reads 9 rows of keys and values per layer and kv head.
+    let cache = n("num_hidden_layers") * kv * 2 * head_dim * 4 * 9;
+    assert_eq!(
+        decode[0]["step_cache_bytes"].as_u64(),
+        Some(cache),
+        "{line}"
+    );
     assert!(v.get("transformers").is_none());
 }
 

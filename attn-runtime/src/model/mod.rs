@@ -367,6 +367,25 @@ impl Model {
         total
     }
 
+    /// Bytes of cached keys and values one decoding step reads with `context` tokens in the
+    /// cache (the new token's included): every layer's rows of each kv head in its spec's
+    /// dtype, for the keys its mask lets the query see (the last `window` under a sliding
+    /// window). With [`Model::step_weight_bytes`], what a step reads from memory.
+    pub fn step_cache_bytes(&self, context: usize) -> u64 {
+        let seen = context as u64 + 1;
+        (0..self.layers.len())
+            .map(|i| {
+                let spec = self.layer_variant(i).spec();
+                let keys = match spec.mask {
+                    attn_dsl::Mask::SlidingWindow { window } => window.min(seen),
+                    _ => seen,
+                };
+                let row = crate::cache::CacheLayout::of(spec).map_or(0, |l| l.bytes_per_token());
+                row.saturating_mul(keys)
+            })
+            .fold(0u64, u64::saturating_add)
+    }
+
     /// The embedding multiplier in the embedding's dtype, as transformers multiplies.
     pub(crate) fn embed_multiplier(&self) -> Option<f32> {
         self.config

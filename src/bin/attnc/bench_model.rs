@@ -87,6 +87,10 @@ pub fn command(args: Args) -> Result<(), String> {
     let threads = attn::runtime::cpu::threads();
     let ours = time_model(&model, &prefill, &contexts, &args, !args.json)?;
     let step_bytes = model.step_weight_bytes();
+    let cache_bytes = contexts
+        .iter()
+        .map(|&c| model.step_cache_bytes(c))
+        .collect();
     drop(model);
     let ceiling = peak_read_gbps(threads, 1.0).map_err(|e| format!("error: {e}"))?;
     let theirs = match args.against_torch {
@@ -97,6 +101,7 @@ pub fn command(args: Args) -> Result<(), String> {
         model: &args.model,
         threads,
         step_bytes,
+        cache_bytes,
         ceiling,
         ours: &ours,
         theirs: theirs.as_ref(),
@@ -270,6 +275,8 @@ struct Report<'a> {
     threads: usize,
     /// Weight bytes a decoding step reads.
     step_bytes: u64,
+    /// Cache bytes a decoding step reads after each of `ours.decode`'s contexts.
+    cache_bytes: Vec<u64>,
     /// `attnc peak --memory` on `threads` threads, GB/s.
     ceiling: f64,
     ours: &'a Rates,
@@ -282,13 +289,26 @@ impl Report<'_> {
         self.ceiling * 1e9 / self.step_bytes.max(1) as f64
     }
 
+    /// [`Report::roofline`] with decode `i`'s cache reads added to the weights'.
+    fn roofline_with_cache(&self, i: usize) -> f64 {
+        let cache = self.cache_bytes.get(i).copied().unwrap_or(0);
+        self.ceiling * 1e9 / self.step_bytes.saturating_add(cache).max(1) as f64
+    }
+
     fn json(&self) -> String {
         let rates = |list: &[Rate], length: &str| {
             let items: Vec<String> = list
                 .iter()
-                .map(|r| {
+                .enumerate()
+                .map(|(i, r)| {
+                    // A decode entry says what its step reads from the cache (the same
+                    // checkpoint on both sides).
+                    let cache = match (length, self.cache_bytes.get(i)) {
+                        ("context", Some(bytes)) => format!(", \"step_cache_bytes\": {bytes}"),
+                        _ => String::new(),
+                    };
                     format!(
-                        "{{\"{length}\": {}, \"tokens_per_s\": {:.2}}}",
+                        "{{\"{length}\": {}, \"tokens_per_s\": {:.2}{cache}}}",
                         r.tokens, r.per_s
                     )
                 })
@@ -318,22 +338,25 @@ impl Report<'_> {
     }
 
     fn table(&self) -> String {
+        /// Width of the row labels.
+        const LABEL: usize = 30;
         let mut out = format!(
             "{} on {} threads; a decoding step reads {:.1} MB of weights: {:.1} tokens/s at \
-             {:.1} GB/s (attnc peak --memory)\n",
+             {:.1} GB/s (attnc peak --memory)\n\
+             decode (% of that roofline, % of the roofline of the weights and the cache read)\n",
             self.model.display(),
             self.threads,
             self.step_bytes as f64 / 1e6,
             self.roofline(),
             self.ceiling
         );
-        out += &format!("{:<22} {:>14}", "", "attn tokens/s");
+        out += &format!("{:<LABEL$} {:>14}", "", "attn tokens/s");
         if self.theirs.is_some() {
             out += &format!(" {:>22} {:>8}", "transformers tokens/s", "ratio");
         }
         out += "\n";
         let mut row = |label: String, ours: &Rate, theirs: Option<&Rate>| {
-            out += &format!("{label:<22} {:>14.1}", ours.per_s);
+            out += &format!("{label:<LABEL$} {:>14.1}", ours.per_s);
             if let Some(t) = theirs {
                 out += &format!(" {:>22.1} {:>8.2}", t.per_s, ours.per_s / t.per_s);
             }
@@ -351,8 +374,9 @@ impl Report<'_> {
         for (i, r) in self.ours.decode.iter().enumerate() {
             let label = format!("decode after {}", r.tokens);
             let share = 100.0 * r.per_s / self.roofline();
+            let with_cache = 100.0 * r.per_s / self.roofline_with_cache(i);
             row(
-                format!("{label} ({share:.0}%)"),
+                format!("{label} ({share:.0}%, {with_cache:.0}%)"),
                 r,
                 theirs(|t| &t.decode, i),
             );

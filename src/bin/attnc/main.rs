@@ -62,9 +62,9 @@ enum Command {
     /// GB/s of K and V read (every cached token of every sequence, in the cache's dtype).
     BenchDecode(bench_decode::Args),
     /// Time a whole model on the CPU: prefill tokens/s at each prompt length and decode
-    /// tokens/s after each context length (the median step), against the weight-reading
-    /// roofline (`peak --memory`); with --against-torch, transformers on the same checkpoint
-    /// side by side.
+    /// tokens/s after each context length (the median step), against the roofline of reading
+    /// the weights, and the weights and the KV cache, at `peak --memory`'s rate; with
+    /// --against-torch, transformers on the same checkpoint side by side.
     BenchModel(bench_model::Args),
     /// Logits of a token sequence from a model (a Hugging Face checkpoint folder or a research
     /// model's TOML file): one full forward, or a prefill
