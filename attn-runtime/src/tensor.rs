@@ -62,6 +62,22 @@ impl Storage {
         }
     }
 
+    /// Values `start..start + out.len()` as f32 into `out`, on this thread.
+    pub(crate) fn widen_into(&self, start: usize, out: &mut [f32]) {
+        let range = start..start + out.len();
+        match self {
+            Storage::F32(v) => out.copy_from_slice(&v[range]),
+            Storage::F16(v) => out
+                .iter_mut()
+                .zip(&v[range])
+                .for_each(|(o, x)| *o = x.to_f32()),
+            Storage::Bf16(v) => out
+                .iter_mut()
+                .zip(&v[range])
+                .for_each(|(o, x)| *o = x.to_f32()),
+        }
+    }
+
     /// `values` in `dtype`, rounded to nearest even, narrowed in pieces on rayon's threads.
     pub(crate) fn narrowed(dtype: DType, values: Vec<f32>) -> Storage {
         let storage = match dtype {
@@ -230,6 +246,17 @@ impl Tensor {
         match &*self.storage {
             Storage::F32(v) if self.strides.last().is_none_or(|s| *s == 1) => {
                 Some((v, self.offset))
+            }
+            _ => None,
+        }
+    }
+
+    /// 16-bit storage whose rows (the innermost axis) are contiguous, and the offset of
+    /// element 0 in it.
+    pub(crate) fn narrow_rows(&self) -> Option<(&Storage, usize)> {
+        match &*self.storage {
+            Storage::F16(_) | Storage::Bf16(_) if self.strides.last().is_none_or(|s| *s == 1) => {
+                Some((&self.storage, self.offset))
             }
             _ => None,
         }

@@ -7,17 +7,19 @@
 
 use crate::error::RuntimeError;
 use crate::host::rope_table::RopeTables;
-use crate::tensor::Tensor;
+use crate::tensor::{Storage, Tensor};
 use attn_dsl::modifier::interval::Interval;
 use codegen::cpu::abi::{BlockArgs, BlockTile, PackArgs, packed_k_len};
 use codegen::cpu::{CpuKernel, Entry};
 use codegen::plan::{CallShape, K_TILE, KernelPlan, TileCode};
 use rayon::prelude::*;
 
-/// f32 rows of a 4-D input: storage, offset of element 0, and strides of the three outer axes
-/// (the innermost is contiguous).
+/// Rows of a 4-D input as a kernel reads them: f32 storage, offset of element 0, and strides
+/// of the three outer axes (the innermost is contiguous). Rows of 16-bit storage taken
+/// [`Rows::by_slab`] stay in it (`narrow`) and are widened a slab at a time ([`Rows::slab`]).
 pub(super) struct Rows<'a> {
     data: std::borrow::Cow<'a, [f32]>,
+    narrow: Option<&'a Storage>,
     offset: usize,
     strides: [usize; 3],
 }
@@ -38,6 +40,7 @@ impl<'a> Rows<'a> {
         match t.f32_rows() {
             Some((data, offset)) => Rows {
                 data: std::borrow::Cow::Borrowed(data),
+                narrow: None,
                 offset,
                 strides: [s[0], s[1], s[2]],
             },
@@ -45,6 +48,7 @@ impl<'a> Rows<'a> {
                 let sh = t.shape();
                 Rows {
                     data: std::borrow::Cow::Owned(t.widened()),
+                    narrow: None,
                     offset: 0,
                     strides: [sh[1] * sh[2] * sh[3], sh[2] * sh[3], sh[3]],
                 }
@@ -52,18 +56,63 @@ impl<'a> Rows<'a> {
         }
     }
 
+    /// [`Rows::of`], except that 16-bit rows are not converted up front: [`Rows::slab`]
+    /// widens the rows a task reads as it reads them, so they reach the kernel from the
+    /// cache rather than through a whole f32 copy in memory.
+    pub fn by_slab(t: &'a Tensor) -> Self {
+        match t.narrow_rows() {
+            Some((storage, offset)) => {
+                let s = t.strides();
+                Rows {
+                    data: std::borrow::Cow::Borrowed(&[]),
+                    narrow: Some(storage),
+                    offset,
+                    strides: [s[0], s[1], s[2]],
+                }
+            }
+            None => Rows::of(t),
+        }
+    }
+
     /// Rows in `data` with the given outer strides (the innermost axis contiguous).
     pub fn borrowed(data: &'a [f32], strides: [usize; 3]) -> Self {
         Rows {
             data: std::borrow::Cow::Borrowed(data),
+            narrow: None,
             offset: 0,
             strides,
         }
     }
 
+    fn index(&self, a: usize, b: usize, c: usize) -> usize {
+        self.offset + a * self.strides[0] + b * self.strides[1] + c * self.strides[2]
+    }
+
+    /// Row `[a, b, c]` of f32 rows (not of [`Rows::by_slab`]'s 16-bit ones: see
+    /// [`Rows::slab`]).
     fn ptr(&self, a: usize, b: usize, c: usize) -> *const f32 {
-        let i = self.offset + a * self.strides[0] + b * self.strides[1] + c * self.strides[2];
-        self.data.as_ptr().wrapping_add(i)
+        debug_assert!(self.narrow.is_none());
+        self.data.as_ptr().wrapping_add(self.index(a, b, c))
+    }
+
+    /// Rows `[a, b, c..c + count]` of `width` values as f32, and their row stride: where they
+    /// lie, or widened into `buffer` from 16-bit storage. Rows inside the input
+    /// ([`Rows::check_bounds`]).
+    fn slab(
+        &self,
+        [a, b, c]: [usize; 3],
+        count: usize,
+        width: usize,
+        buffer: &mut Vec<f32>,
+    ) -> (*const f32, i64) {
+        let Some(storage) = self.narrow else {
+            return (self.ptr(a, b, c), self.row_stride());
+        };
+        buffer.resize(count * width, 0.0);
+        for (r, row) in buffer.chunks_exact_mut(width.max(1)).enumerate() {
+            storage.widen_into(self.index(a, b, c + r), row);
+        }
+        (buffer.as_ptr(), width as i64)
     }
 
     fn row_stride(&self) -> i64 {
@@ -76,7 +125,8 @@ impl<'a> Rows<'a> {
                 .map(|i| (shape[i].max(1) - 1) * self.strides[i])
                 .sum::<usize>()
             + shape[3];
-        if shape.contains(&0) || last <= self.data.len() {
+        let len = self.narrow.map_or(self.data.len(), Storage::len);
+        if shape.contains(&0) || last <= len {
             Ok(())
         } else {
             Err(RuntimeError::Data(format!(
@@ -266,13 +316,14 @@ pub(super) fn run(
 
     let packed: Vec<Vec<f32>> = (0..batch * hkv)
         .into_par_iter()
-        .map(|i| {
+        .map_init(Vec::new, |widened, i| {
             let (b, kvh) = (i / hkv, i % hkv);
             let mut kt = PackedPool::take(packed_k_len(plan, skv));
             let (cos, sin, table_pos0) = table_ptrs();
+            let (k_rows, k_row_stride) = k.slab([b, kvh, 0], skv, dqk, widened);
             let args = PackArgs {
-                k: k.ptr(b, kvh, 0),
-                k_row_stride: k.row_stride(),
+                k: k_rows,
+                k_row_stride,
                 skv: skv as i64,
                 k_pos0: p0,
                 rope_cos: cos,
@@ -298,8 +349,8 @@ pub(super) fn run(
     let (out_ptr, lse_ptr) = (Shared(out.as_mut_ptr()), Shared(lse.as_mut_ptr()));
     let scratch_len = kernel.scratch.total;
     items.par_iter().for_each_init(
-        || vec![0f32; scratch_len],
-        |scratch, &(b, h, blk)| {
+        || (vec![0f32; scratch_len], Vec::new()),
+        |(scratch, widened), &(b, h, blk)| {
             let (out_ptr, lse_ptr) = (out_ptr, lse_ptr);
             let q0 = blk * rows;
             let q1 = (q0 + rows).min(sq);
@@ -307,9 +358,10 @@ pub(super) fn run(
             let kvh = h / group;
             let row0 = (b * hq + h) * sq + q0;
             let (cos, sin, table_pos0) = table_ptrs();
+            let (q_rows, q_row_stride) = q.slab([b, h, q0], q1 - q0, dqk, widened);
             let args = BlockArgs {
-                q: q.ptr(b, h, q0),
-                q_row_stride: q.row_stride(),
+                q: q_rows,
+                q_row_stride,
                 rows: (q1 - q0) as i64,
                 q_pos0: p0 + skv as i64 - sq as i64 + q0 as i64,
                 qi0: q0 as i64,

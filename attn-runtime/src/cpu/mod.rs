@@ -225,7 +225,9 @@ impl CpuBackend {
             position_offset,
             params,
         };
-        let (out, lse) = launch::run(&kernel, &Rows::of(q), &Rows::of(k), &Rows::of(v), &call)?;
+        // Queries and keys are read once per block or packing task, values by every block.
+        let (q, k, v) = (Rows::by_slab(q), Rows::by_slab(k), Rows::of(v));
+        let (out, lse) = launch::run(&kernel, &q, &k, &v, &call)?;
         finish(spec.dtype, [b, h, sq, dv], out, lse)
     }
 
