@@ -52,14 +52,19 @@ fn run(w: &Storage, rows: usize, cols: usize, x: &[f32], n: usize, round: bool) 
     assert_eq!(w.len(), rows * cols, "weights of {rows} x {cols}");
     assert_eq!(x.len(), n * cols, "inputs of {n} x {cols}");
     // Inputs by calls of ROWS rows, interleaved: value `i` of column `c` at `c * ROWS + i`
-    // (zero rows past `n`).
-    let mut inputs = vec![0f32; n.div_ceil(ROWS) * ROWS * cols];
-    inputs
+    // (zero rows past `n`). `interleave` writes every value of its block, so the buffer
+    // starts uninitialized.
+    let len = n.div_ceil(ROWS) * ROWS * cols;
+    let mut inputs: Vec<f32> = Vec::with_capacity(len);
+    inputs.spare_capacity_mut()[..len]
         .par_chunks_mut((ROWS * cols).max(1))
         .zip(x.par_chunks((ROWS * cols).max(1)))
         // SAFETY: AVX-512F is here (`available`); each block holds ROWS rows of `cols` and
         // each chunk of `x` at most ROWS whole rows.
         .for_each(|(block, rows)| unsafe { x86::interleave(rows, cols, round, block) });
+    // SAFETY: the blocks cover the first `len` values (one per call of ROWS rows, as many as
+    // `x` has chunks), and `interleave` wrote every value of each.
+    unsafe { inputs.set_len(len) };
     let kernel = Widened {
         w,
         cols,
@@ -116,16 +121,24 @@ mod x86 {
     use crate::cpu::panels::{Out, PANEL};
     use crate::tensor::Storage;
     use std::arch::x86_64::*;
+    use std::mem::MaybeUninit;
 
     /// Up to ROWS `rows` of `cols` into `block` interleaved, value `(i, c)` at `c * ROWS + i`,
     /// rounded to bf16 where `round` (as `gemv::round_to_bf16` rounds); rows past the last as
     /// 0. Sixteen columns are loaded and transposed at a time.
     ///
+    /// Every value of `block` is written.
+    ///
     /// # Safety
     /// AVX-512F must be present; `rows` holds whole rows, at most ROWS, and
     /// `block.len() == ROWS * cols` (asserted).
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn interleave(rows: &[f32], cols: usize, round: bool, block: &mut [f32]) {
+    pub(super) unsafe fn interleave(
+        rows: &[f32],
+        cols: usize,
+        round: bool,
+        block: &mut [MaybeUninit<f32>],
+    ) {
         let count = rows.len() / cols.max(1);
         assert!(count <= ROWS && count * cols == rows.len() && block.len() == ROWS * cols);
         let lanes = ((1u32 << ROWS) - 1) as __mmask16;
