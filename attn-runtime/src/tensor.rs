@@ -130,6 +130,25 @@ fn convert_into<S: Copy + Sync, T: Send>(src: &[S], out: &mut Vec<T>, f: impl Fn
     unsafe { out.set_len(n) };
 }
 
+/// `src` rounded to `dtype` (16-bit: f16 or bf16, to nearest even), as its bits into `dst`,
+/// on this thread.
+///
+/// # Panics
+/// If `dtype` is f32 or the lengths differ.
+pub(crate) fn narrow_into(dtype: DType, src: &[f32], dst: &mut [std::mem::MaybeUninit<u16>]) {
+    assert_eq!(src.len(), dst.len(), "narrowed rows");
+    let pairs = dst.iter_mut().zip(src);
+    match dtype {
+        DType::Bf16 => pairs.for_each(|(d, &x)| {
+            d.write(bf16_bits(x));
+        }),
+        DType::F16 => pairs.for_each(|(d, &x)| {
+            d.write(f16::from_f32(x).to_bits());
+        }),
+        DType::F32 => panic!("f32 is not a 16-bit dtype"),
+    }
+}
+
 /// The bf16 bits of `x` rounded to nearest even, NaNs kept quiet: bit for bit what
 /// `half::bf16::from_f32` gives, without its branches, so a loop of it vectorizes.
 fn bf16_bits(x: f32) -> u16 {

@@ -6,8 +6,10 @@
 //! last query blocks see the most keys, and started first they do not finish last.
 
 use crate::error::RuntimeError;
+use crate::host::checks::overflowed_rows_are_nan;
 use crate::host::rope_table::RopeTables;
-use crate::tensor::{Storage, Tensor};
+use crate::tensor::{Storage, Tensor, narrow_into};
+use attn_dsl::DType;
 use attn_dsl::modifier::interval::Interval;
 use codegen::cpu::abi::{BlockArgs, BlockTile, PackArgs, packed_k_len};
 use codegen::cpu::{CpuKernel, Entry};
@@ -207,12 +209,68 @@ pub(super) struct Call<'a> {
 
 /// A pointer shared by the parallel tasks, each of which writes rows no other task writes.
 #[derive(Clone, Copy)]
-struct Shared(*mut f32);
+struct Shared<T>(*mut T);
 // SAFETY: tasks write disjoint rows of the buffer (one query block of one (batch, head) each)
 // and the buffer outlives the parallel loop.
-unsafe impl Send for Shared {}
+unsafe impl<T> Send for Shared<T> {}
 // SAFETY: as above; no task reads what another writes.
-unsafe impl Sync for Shared {}
+unsafe impl<T> Sync for Shared<T> {}
+
+/// A call's output in its dtype, as the blocks write it: f32 rows straight into place; 16-bit
+/// rows through each task's own f32 rows, rounded into place a block at a time, so that a
+/// 16-bit output never passes through memory as f32.
+struct OutputBuffer {
+    storage: Storage,
+    len: usize,
+}
+
+/// Where a block's output rows go (see [`OutputBuffer`]).
+#[derive(Clone, Copy)]
+enum Target {
+    F32(Shared<f32>),
+    /// The bits of 16-bit values of `DType`, in capacity not yet initialized.
+    Bits(Shared<std::mem::MaybeUninit<u16>>, DType),
+}
+
+impl OutputBuffer {
+    /// Room for `len` values of `dtype`; f32 values start as zeros.
+    fn new(dtype: DType, len: usize) -> Self {
+        let storage = match dtype {
+            // Every row is written once by its block (never added to): calloc's untouched
+            // zero pages fault in on that first write, with no zeroing pass before it.
+            DType::F32 => Storage::F32(crate::memory::written_zeros(len)),
+            DType::F16 => Storage::F16(Vec::with_capacity(len)),
+            DType::Bf16 => Storage::Bf16(Vec::with_capacity(len)),
+        };
+        OutputBuffer { storage, len }
+    }
+
+    fn target(&mut self) -> Target {
+        // f16 and bf16 are `repr(transparent)` over their u16 bits.
+        match &mut self.storage {
+            Storage::F32(v) => Target::F32(Shared(v.as_mut_ptr())),
+            Storage::F16(v) => Target::Bits(Shared(v.as_mut_ptr().cast()), DType::F16),
+            Storage::Bf16(v) => Target::Bits(Shared(v.as_mut_ptr().cast()), DType::Bf16),
+        }
+    }
+
+    /// The written output.
+    ///
+    /// # Safety
+    /// Every one of the `len` values of 16-bit storage was written through
+    /// [`OutputBuffer::target`].
+    unsafe fn finish(mut self) -> Storage {
+        // SAFETY: the caller's contract; the capacity is `len` (`OutputBuffer::new`).
+        unsafe {
+            match &mut self.storage {
+                Storage::F32(_) => {}
+                Storage::F16(v) => v.set_len(self.len),
+                Storage::Bf16(v) => v.set_len(self.len),
+            }
+        }
+        self.storage
+    }
+}
 
 /// How query rows `q0..q1` of one (batch, head) meet each key tile: its code, and the rows of a
 /// mixed tile that can keep a key (relative to `q0`).
@@ -267,6 +325,21 @@ pub(super) fn run(
     v: &Rows,
     call: &Call,
 ) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> {
+    let (mut out, lse) = run_as(kernel, [q, k, v], call, DType::F32)?;
+    let Storage::F32(out) = &mut out else {
+        unreachable!("an f32 output was asked for");
+    };
+    Ok((std::mem::take(out), lse))
+}
+
+/// Runs the kernel; returns `out` `[B, Hq, Sq, Dv]` in `out_dtype` and `lse` `[B, Hq, Sq]`
+/// (f32), rows whose scores overflowed NaN in both ([`overflowed_rows_are_nan`]).
+pub(super) fn run_as(
+    kernel: &CpuKernel,
+    [q, k, v]: [&Rows; 3],
+    call: &Call,
+    out_dtype: DType,
+) -> Result<(Storage, Vec<f32>), RuntimeError> {
     let plan = &kernel.plan;
     let (hq, hkv) = (plan.shape.heads as usize, plan.shape.kv_heads as usize);
     let (dqk, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
@@ -278,12 +351,11 @@ pub(super) fn run(
     let p0 = call.position_offset;
     attn_dsl::reference::check_positions(sq, skv, p0)
         .map_err(|e| RuntimeError::Data(e.to_string()))?;
-    // Every row is written once by its block (never added to): calloc's untouched zero pages
-    // fault in on that first write, with no zeroing pass before it.
-    let mut out = crate::memory::written_zeros(batch * hq * sq * dv);
+    let mut out = OutputBuffer::new(out_dtype, batch * hq * sq * dv);
     let mut lse = vec![0f32; batch * hq * sq];
     if batch * hq * sq == 0 {
-        return Ok((out, lse));
+        // SAFETY: there are no values to write.
+        return Ok((unsafe { out.finish() }, lse));
     }
 
     // Positions used: keys p0..p0+Skv, queries from p0+Skv-Sq (lower when Sq > Skv).
@@ -346,12 +418,12 @@ pub(super) fn run(
         .flat_map(|b| (0..hq).flat_map(move |h| (0..blocks).map(move |blk| (b, h, blk))))
         .collect();
     items.sort_by_key(|&(_, _, blk)| std::cmp::Reverse(blk));
-    let (out_ptr, lse_ptr) = (Shared(out.as_mut_ptr()), Shared(lse.as_mut_ptr()));
+    let (target, lse_ptr) = (out.target(), Shared(lse.as_mut_ptr()));
     let scratch_len = kernel.scratch.total;
     items.par_iter().for_each_init(
-        || (vec![0f32; scratch_len], Vec::new()),
-        |(scratch, widened), &(b, h, blk)| {
-            let (out_ptr, lse_ptr) = (out_ptr, lse_ptr);
+        || (vec![0f32; scratch_len], Vec::new(), Vec::new()),
+        |(scratch, widened, out_rows), &(b, h, blk)| {
+            let (target, lse_ptr) = (target, lse_ptr);
             let q0 = blk * rows;
             let q1 = (q0 + rows).min(sq);
             let tiles = block_tiles(plan, call, q0, q1, b, h);
@@ -359,6 +431,14 @@ pub(super) fn run(
             let row0 = (b * hq + h) * sq + q0;
             let (cos, sin, table_pos0) = table_ptrs();
             let (q_rows, q_row_stride) = q.slab([b, h, q0], q1 - q0, dqk, widened);
+            let values = (q1 - q0) * dv;
+            let out_at = match target {
+                Target::F32(out) => out.0.wrapping_add(row0 * dv),
+                Target::Bits(..) => {
+                    out_rows.resize(values, 0.0);
+                    out_rows.as_mut_ptr()
+                }
+            };
             let args = BlockArgs {
                 q: q_rows,
                 q_row_stride,
@@ -373,7 +453,7 @@ pub(super) fn run(
                 skv: skv as i64,
                 k_pos0: p0,
                 tiles: tiles.as_ptr(),
-                out: out_ptr.0.wrapping_add(row0 * dv),
+                out: out_at,
                 out_row_stride: dv as i64,
                 lse: lse_ptr.0.wrapping_add(row0),
                 scratch: scratch.as_mut_ptr(),
@@ -383,13 +463,33 @@ pub(super) fn run(
                 params: params.get(),
             };
             // SAFETY: every pointer in `args` addresses memory of the sizes the ABI requires:
-            // rows q0..q1 of q, the packed keys and the values of this (batch, kv head), one record
-            // per key tile (rows within the block), rows q0..q1 of out and lse (written by this task only), a scratch of
+            // rows q0..q1 of q, the packed keys and the values of this (batch, kv head), one
+            // record per key tile (rows within the block), rows q0..q1 of out (or this task's
+            // f32 rows) and of lse (written by this task only), a scratch of
             // `ScratchLayout::total` values, tables covering every query position, and the
             // parameters of the plan's layout.
             unsafe { block(&args) };
+            // SAFETY: rows q0..q1 of lse and, for f32, of out are this block's alone, and
+            // written by it; for 16-bit outputs, values row0 * dv.. + `values` of the output's
+            // capacity are this block's alone.
+            unsafe {
+                let lse = std::slice::from_raw_parts_mut(lse_ptr.0.add(row0), q1 - q0);
+                match target {
+                    Target::F32(out) => {
+                        let out = std::slice::from_raw_parts_mut(out.0.add(row0 * dv), values);
+                        overflowed_rows_are_nan(out, lse, dv);
+                    }
+                    Target::Bits(bits, dtype) => {
+                        overflowed_rows_are_nan(out_rows, lse, dv);
+                        let dst = std::slice::from_raw_parts_mut(bits.0.add(row0 * dv), values);
+                        narrow_into(dtype, out_rows, dst);
+                    }
+                }
+            }
         },
     );
     PackedPool::give(packed);
-    Ok((out, lse))
+    // SAFETY: the blocks cover every (batch, head) and query row, and each rounded all its
+    // output values into place.
+    Ok((unsafe { out.finish() }, lse))
 }

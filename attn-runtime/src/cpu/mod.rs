@@ -22,7 +22,7 @@ use crate::calls::{
     MlaGradients, MlaTensors, Output, Queries,
 };
 use crate::error::RuntimeError;
-use crate::host::checks::{check_backward, check_qkv, finish, per_head};
+use crate::host::checks::{check_backward, check_qkv, per_head};
 use crate::host::mla::AbsorbedForward;
 use crate::tensor::Tensor;
 use crate::variant::{KernelKey, Variant};
@@ -227,8 +227,12 @@ impl CpuBackend {
         };
         // Queries and keys are read once per block or packing task, values by every block.
         let (q, k, v) = (Rows::by_slab(q), Rows::by_slab(k), Rows::of(v));
-        let (out, lse) = launch::run(&kernel, &q, &k, &v, &call)?;
-        finish(spec.dtype, [b, h, sq, dv], out, lse)
+        let (out, lse) = launch::run_as(&kernel, [&q, &k, &v], &call, spec.dtype)?;
+        Ok(Output {
+            out: Tensor::new(&[b, h, sq, dv], out)?,
+            lse: Tensor::from_f32(&[b, h, sq], lse)?,
+            latent: None,
+        })
     }
 
     /// A per-head backward (FlashAttention-2 recomputation), f32 accumulation.
