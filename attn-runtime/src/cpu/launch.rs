@@ -317,6 +317,38 @@ fn block_tiles(
         .collect()
 }
 
+/// Rows `rows` of a call after their block ran: overflowed ones NaN
+/// ([`overflowed_rows_are_nan`]), and 16-bit outputs rounded into place from `out_rows`, the
+/// task's f32 rows.
+///
+/// # Safety
+/// `lse` points at the rows' log-sum-exps and `target` has room for their outputs (f32 ones
+/// written there); nothing else reads or writes them meanwhile.
+unsafe fn settle_rows(
+    target: Target,
+    out_rows: &mut [f32],
+    lse: *mut f32,
+    rows: std::ops::Range<usize>,
+    dv: usize,
+) {
+    let values = rows.len() * dv;
+    // SAFETY: the caller's contract.
+    unsafe {
+        let lse = std::slice::from_raw_parts_mut(lse, rows.len());
+        match target {
+            Target::F32(out) => {
+                let out = std::slice::from_raw_parts_mut(out.0.add(rows.start * dv), values);
+                overflowed_rows_are_nan(out, lse, dv);
+            }
+            Target::Bits(bits, dtype) => {
+                overflowed_rows_are_nan(out_rows, lse, dv);
+                let dst = std::slice::from_raw_parts_mut(bits.0.add(rows.start * dv), values);
+                narrow_into(dtype, out_rows, dst);
+            }
+        }
+    }
+}
+
 /// Runs the kernel; returns `out` `[B, Hq, Sq, Dv]` and `lse` `[B, Hq, Sq]` as f32.
 pub(super) fn run(
     kernel: &CpuKernel,
@@ -469,23 +501,16 @@ pub(super) fn run_as(
             // `ScratchLayout::total` values, tables covering every query position, and the
             // parameters of the plan's layout.
             unsafe { block(&args) };
-            // SAFETY: rows q0..q1 of lse and, for f32, of out are this block's alone, and
-            // written by it; for 16-bit outputs, values row0 * dv.. + `values` of the output's
-            // capacity are this block's alone.
+            // SAFETY: rows q0..q1 of this (batch, head) are this block's alone, written by it.
             unsafe {
-                let lse = std::slice::from_raw_parts_mut(lse_ptr.0.add(row0), q1 - q0);
-                match target {
-                    Target::F32(out) => {
-                        let out = std::slice::from_raw_parts_mut(out.0.add(row0 * dv), values);
-                        overflowed_rows_are_nan(out, lse, dv);
-                    }
-                    Target::Bits(bits, dtype) => {
-                        overflowed_rows_are_nan(out_rows, lse, dv);
-                        let dst = std::slice::from_raw_parts_mut(bits.0.add(row0 * dv), values);
-                        narrow_into(dtype, out_rows, dst);
-                    }
-                }
-            }
+                settle_rows(
+                    target,
+                    out_rows,
+                    lse_ptr.0.add(row0),
+                    row0..row0 + q1 - q0,
+                    dv,
+                )
+            };
         },
     );
     PackedPool::give(packed);
