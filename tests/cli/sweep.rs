@@ -195,6 +195,20 @@ fn a_sweep_reports_every_valid_variant_from_its_runs_and_resumes() {
     let o = sweep(&base, &data, &out, &[&vary[..], &["--lr", "1e-3"]].concat());
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("other options"), "{}", stderr(&o));
+    // Nor are runs of another corpus reported for this one.
+    let other = dir.join("other.txt");
+    std::fs::write(&other, "another corpus, other losses. ".repeat(40)).unwrap();
+    let o = sweep(&base, other.to_str().unwrap(), &out, &vary);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("the run trained on another corpus"),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(
+        std::fs::read_to_string(out.join("results.csv")).unwrap(),
+        again
+    );
     std::fs::remove_dir_all(&dir).ok();
 }
 
@@ -240,5 +254,17 @@ fn bad_grids_are_refused_with_what_is_allowed() {
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("overwrite"), "{}", stderr(&o));
     assert!(!dir.join("runs").exists());
+    // A folder of other files is no sweep's: nothing is written into it.
+    let notes = dir.join("notes");
+    std::fs::create_dir_all(&notes).unwrap();
+    std::fs::write(notes.join("todo.txt"), "keep me").unwrap();
+    let o = sweep(&base, &data, &notes, &[]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("not an attnc sweep folder"),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(std::fs::read_dir(&notes).unwrap().count(), 1);
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -80,8 +80,14 @@ fn a_run_writes_metrics_a_checkpoint_and_a_plot_and_resumes() {
     assert!(lines[0]["val_loss"].as_f64().unwrap() < 6.0);
     let svg = std::fs::read_to_string(out.join("loss.svg")).unwrap();
     assert!(
-        svg.starts_with("<svg") && svg.contains("validation"),
+        svg.starts_with("<svg") && svg.contains("validation loss, every 3 steps"),
         "{svg}"
+    );
+    assert!(svg.contains("training loss, each step"), "{svg}");
+    let steps = std::fs::read_to_string(out.join("steps.jsonl")).unwrap();
+    assert_eq!(steps.lines().count(), 6, "{steps}");
+    assert!(
+        out.join("model-6.safetensors").is_file() && out.join("optimizer-6.safetensors").is_file()
     );
 
     // The checkpoint runs in attn's runtime.
@@ -112,13 +118,15 @@ fn a_run_writes_metrics_a_checkpoint_and_a_plot_and_resumes() {
         metrics.lines().last().unwrap().contains("\"step\":9"),
         "{metrics}"
     );
-    let o = attnc(&["train", "--resume", out_s, "--data", &data]);
+    let o = attnc(&["train", "--resume", out_s]);
     assert_eq!(o.status.code(), Some(2));
     assert!(
         stderr(&o).contains("has done 9 steps already"),
         "{}",
         stderr(&o)
     );
+    // Only the last checkpoint is kept.
+    assert!(!out.join("model-6.safetensors").exists());
     std::fs::remove_dir_all(&dir).ok();
 }
 
@@ -224,7 +232,11 @@ fn bad_corpora_models_and_folders_are_errors_that_say_what_is_wrong() {
     let input = same.join("model.toml");
     let o = run(input.to_str().unwrap(), &data, same.to_str().unwrap(), &[]);
     assert_eq!(o.status.code(), Some(2));
-    assert!(stderr(&o).contains("overwrite"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("not an attnc train run folder"),
+        "{}",
+        stderr(&o)
+    );
     assert_eq!(
         std::fs::read_to_string(&input).unwrap(),
         std::fs::read_to_string(&m).unwrap()
@@ -242,40 +254,371 @@ fn bad_corpora_models_and_folders_are_errors_that_say_what_is_wrong() {
 }
 
 /// A loss that turns NaN stops the run at that step and names the last good checkpoint, which
-/// is left as it was.
+/// is left as it was; resuming it with a lower learning rate is allowed.
 #[cfg(feature = "candle")]
 #[test]
 fn a_nan_loss_stops_the_run_and_names_the_last_checkpoint() {
     let dir = folder("nan");
+    let data = corpus(&dir);
+    // A learned tensor under square roots that turn NaN once it moves more than 0.02 (one
+    // way) or 0.01 (the other): AdamW moves it by up to the learning rate each step.
+    let m = dir.join("nan.toml");
+    std::fs::write(
+        &m,
+        "vocab = 256\nhidden = 32\nlayers = 1\nattention = \"heads = 2, head_dim = 16, \
+         mask = causal, params(t: [heads]), score_mod = |s, b, h, q, k| s + k as f32 * \
+         ((0.02 - t[h]).sqrt() - (0.02 + 2.0 * t[h]).sqrt())\"\n",
+    )
+    .unwrap();
+    let out = dir.join("run");
+    let out_s = out.to_str().unwrap();
+    let o = train(m.to_str().unwrap(), &data, out_s, &["--steps", "60"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    let err = stderr(&o);
+    let step = |after: &str| -> u64 {
+        let at = err
+            .find(after)
+            .unwrap_or_else(|| panic!("no `{after}` in: {err}"))
+            + after.len();
+        let digits: String = err[at..].chars().take_while(char::is_ascii_digit).collect();
+        digits.parse().unwrap()
+    };
+    let nan = step("the training loss is NaN at step ");
+    let good = step(" is step ");
+    assert_eq!(good, (nan - 1) / 3 * 3, "{err}");
+    assert!(good >= 3, "{err}");
+    assert!(err.contains("--lr 0.0003)"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let state = std::fs::read_to_string(out.join("state.json")).unwrap();
+    assert!(state.contains(&format!("\"step\": {good}")), "{state}");
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    assert!(!metrics.contains("null"), "{metrics}");
+    assert_eq!(metrics.lines().count() as u64, good / 3, "{metrics}");
+    // The advice works: a lower learning rate goes on from the good checkpoint.
+    let steps = (good + 2).to_string();
+    let o = attnc(&[
+        "train", "--resume", out_s, "--lr", "0.0001", "--steps", &steps,
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(&format!("from step {} on", good + 1)),
+        "{}",
+        stderr(&o)
+    );
+    let state = std::fs::read_to_string(out.join("state.json")).unwrap();
+    assert!(state.contains("\"lr\": 0.0001"), "{state}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Weights that hold NaN: training from them stops before the first step, naming the
+/// parameter; a NaN that a `max` in a modifier would have hidden is found the same way.
+#[cfg(feature = "candle")]
+#[test]
+fn a_parameter_that_is_not_finite_stops_the_run_naming_it() {
+    let dir = folder("nanparam");
+    let data = corpus(&dir);
+    let m = dir.join("m.toml");
+    std::fs::write(
+        &m,
+        "vocab = 256\nhidden = 32\nlayers = 1\nattention = \"heads = 2, head_dim = 16, \
+         mask = causal, params(t: [heads]), score_mod = |s, b, h, q, k| s + max(t[h], 0.0)\"\n",
+    )
+    .unwrap();
+    let first = dir.join("first");
+    let o = train(
+        m.to_str().unwrap(),
+        &data,
+        first.to_str().unwrap(),
+        &["--steps", "3"],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    // The run's weights with one learned value made NaN.
+    let weights = first.join("model-3.safetensors");
+    let bytes = std::fs::read(&weights).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let name = "model.layers.0.self_attn.t";
+    let mut tensors: Vec<(String, Vec<u8>, Vec<usize>)> = file
+        .tensors()
+        .into_iter()
+        .map(|(n, t)| (n, t.data().to_vec(), t.shape().to_vec()))
+        .collect();
+    let t = tensors.iter_mut().find(|t| t.0 == name).unwrap();
+    t.1[4..8].copy_from_slice(&f32::NAN.to_le_bytes());
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .map(|(n, d, s)| {
+            let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), d);
+            (n.clone(), view.unwrap())
+        })
+        .collect();
+    let poisoned = dir.join("poisoned.safetensors");
+    safetensors::serialize_to_file(views, None, &poisoned).unwrap();
+    let toml = std::fs::read_to_string(first.join("model.toml"))
+        .unwrap()
+        .replace("model-3.safetensors", "poisoned.safetensors");
+    let start = dir.join("start.toml");
+    std::fs::write(&start, toml).unwrap();
+    let o = train(
+        start.to_str().unwrap(),
+        &data,
+        dir.join("second").to_str().unwrap(),
+        &["--steps", "3"],
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(
+        err.contains(&format!(
+            "parameter {name} holds NaN (at flat index 1) before the first step"
+        )),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// `--model` naming trained weights (a run's model.toml) starts from them, not from random
+/// weights: the first validation loss is the trained run's last, not a fresh model's.
+#[cfg(feature = "candle")]
+#[test]
+fn a_model_toml_with_weights_starts_from_them() {
+    let dir = folder("weights");
+    let (m, data) = (model(&dir, 256), corpus(&dir));
+    let first = dir.join("first");
+    let o = train(
+        &m,
+        &data,
+        first.to_str().unwrap(),
+        &["--steps", "12", "--lr", "0.01"],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let val = |dir: &Path, i: usize| -> f64 {
+        let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+        let line: serde_json::Value = serde_json::from_str(text.lines().nth(i).unwrap()).unwrap();
+        line["val_loss"].as_f64().unwrap()
+    };
+    let trained = val(&first, 3);
+    let fresh_start = val(&first, 0);
+    let second = dir.join("second");
+    let o = train(
+        first.join("model.toml").to_str().unwrap(),
+        &data,
+        second.to_str().unwrap(),
+        &["--steps", "3", "--lr", "0.0001"],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("starting from the weights in"),
+        "{}",
+        stderr(&o)
+    );
+    let continued = val(&second, 0);
+    assert!(
+        (continued - trained).abs() < (fresh_start - trained).abs() / 4.0,
+        "trained {trained}, fresh start {fresh_start}, from the weights {continued}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// `--out` writes only into a new, empty or own folder: a checkpoint folder and an earlier
+/// run are left as they were, and say why.
+#[cfg(feature = "candle")]
+#[test]
+fn out_refuses_folders_that_are_not_new_runs() {
+    let dir = folder("foreign");
+    let (m, data) = (model(&dir, 256), corpus(&dir));
+    let hf = format!(
+        "{}/tests/fixtures/hf-tiny/llama_gqa",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let copy = dir.join("llama_gqa");
+    std::fs::create_dir_all(&copy).unwrap();
+    for entry in std::fs::read_dir(&hf).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), copy.join(entry.file_name())).unwrap();
+    }
+    let before: Vec<(std::ffi::OsString, Vec<u8>)> = listing(&copy);
+    let o = train(&m, &data, copy.to_str().unwrap(), &["--steps", "2"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("not an attnc train run folder"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(stderr(&o).contains("config.json"), "{}", stderr(&o));
+    assert_eq!(listing(&copy), before, "the checkpoint is untouched");
+    // An earlier run is not restarted by a fresh run into it.
+    let run = dir.join("run");
+    let o = train(&m, &data, run.to_str().unwrap(), &["--steps", "4"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let kept = listing(&run);
+    let o = train(&m, &data, run.to_str().unwrap(), &["--steps", "2"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o)
+            .contains("it holds a run (its checkpoint is at step 4); continue it with --resume"),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(listing(&run), kept);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The names and bytes of a folder's files, in name order.
+#[cfg(feature = "candle")]
+fn listing(dir: &Path) -> Vec<(std::ffi::OsString, Vec<u8>)> {
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            (e.file_name(), std::fs::read(e.path()).unwrap())
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+/// A second run into a folder that a run is writing is refused at once; the first finishes.
+#[cfg(feature = "candle")]
+#[test]
+fn two_runs_cannot_share_a_folder() {
+    let dir = folder("lock");
     let (m, data) = (model(&dir, 256), corpus(&dir));
     let out = dir.join("run");
     let out_s = out.to_str().unwrap();
-    let o = train(&m, &data, out_s, &["--steps", "3"]);
-    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
-    // The same weights under a score modifier that makes every score infinite: the softmax
-    // of infinities is NaN from the next step on.
-    let toml = out.join("model.toml");
-    let text = std::fs::read_to_string(&toml).unwrap();
-    let mask = "mask = causal";
-    assert!(text.contains(mask), "{text}");
-    let nan = text.replacen(
-        mask,
-        &format!("{mask}, score_mod = |s, b, h, q, k| s * 1e38 * 1e38"),
-        1,
-    );
-    std::fs::write(&toml, nan).unwrap();
-    let weights = std::fs::read(out.join("model.safetensors")).unwrap();
-    let o = attnc(&["train", "--resume", out_s, "--data", &data, "--steps", "6"]);
-    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
-    let err = stderr(&o);
-    assert!(err.contains("NaN at step 4"), "{err}");
-    assert!(err.contains("is step 3"), "{err}");
-    assert!(!err.contains("panicked"), "{err}");
-    assert_eq!(
-        std::fs::read(out.join("model.safetensors")).unwrap(),
-        weights
-    );
+    let mut args: Vec<&str> = vec!["train", "--model", &m, "--data", &data, "--out", out_s];
+    args.extend(SMALL);
+    args.extend(["--steps", "60"]);
+    let mut first = std::process::Command::new(env!("CARGO_BIN_EXE_attnc"))
+        .args(&args)
+        .env("ATTN_CACHE_DIR", crate::test_cache())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait until the first holds the folder.
+    let marker = out.join("attnc-run.json");
+    let started = std::time::Instant::now();
+    while !marker.exists() && started.elapsed().as_secs() < 60 {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    for second in [
+        train(&m, &data, out_s, &["--steps", "2"]),
+        attnc(&["train", "--resume", out_s]),
+    ] {
+        if first.try_wait().unwrap().is_some() {
+            break; // the first finished before the second tried: nothing left to check
+        }
+        assert_eq!(second.status.code(), Some(2), "{}", stderr(&second));
+        assert!(
+            stderr(&second).contains("another attnc train is writing this folder now"),
+            "{}",
+            stderr(&second)
+        );
+    }
+    assert!(first.wait().unwrap().success());
+    let state = std::fs::read_to_string(out.join("state.json")).unwrap();
+    assert!(state.contains("\"step\": 60"), "{state}");
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Kills a small run at random moments, resumes it (killing some resumes too) until it
+/// finishes, and checks that every such run ends with the weights, moments and logs of an
+/// uninterrupted run, bit for bit, or was refused with a reason.
+#[cfg(feature = "candle")]
+#[test]
+fn a_run_killed_at_any_moment_resumes_as_if_never_stopped() {
+    let dir = folder("kill");
+    let (m, data) = (model(&dir, 256), corpus(&dir));
+    let flags = ["--steps", "12"];
+    let whole = dir.join("whole");
+    let started = std::time::Instant::now();
+    let o = train(&m, &data, whole.to_str().unwrap(), &flags);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let span = started.elapsed().as_millis() as u64 + 50;
+    let expected = finished(&whole);
+    let mut rng = attn::inputs::XorShift::new(0x6b11);
+    let spawn = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_attnc"))
+            .args(args)
+            .env("ATTN_CACHE_DIR", crate::test_cache())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let (mut kills, mut refusals) = (0, 0);
+    for trial in 0..16 {
+        let out = dir.join(format!("killed{trial}"));
+        let out_s = out.to_str().unwrap().to_string();
+        let mut fresh = vec!["train", "--model", &m, "--data", &data, "--out", &out_s];
+        fresh.extend(SMALL);
+        fresh.extend(flags);
+        let resume = ["train", "--resume", out_s.as_str()];
+        let mut attempt = 0;
+        loop {
+            let holds_checkpoint = out.join("state.json").exists();
+            let mut child = spawn(if holds_checkpoint { &resume } else { &fresh });
+            // The first attempt and every other one after it are killed at a random moment.
+            if attempt < 3 && attempt % 2 == 0 {
+                let wait = rng.next_u64() % span;
+                std::thread::sleep(std::time::Duration::from_millis(wait));
+                if child.try_wait().unwrap().is_none() {
+                    child.kill().unwrap();
+                    kills += 1;
+                }
+            }
+            let o = child.wait_with_output().unwrap();
+            attempt += 1;
+            let err = stderr(&o);
+            // Killed after its last checkpoint: finished, and a resume says so.
+            if o.status.success() || err.contains("has done 12 steps already") {
+                break;
+            }
+            if o.status.code() == Some(2) {
+                // A refusal must say why, and is one of the known reasons.
+                assert!(err.contains("error:"), "trial {trial}: {err}");
+                refusals += 1;
+            }
+            assert!(
+                attempt < 8,
+                "trial {trial}: no end after {attempt} attempts: {err}"
+            );
+        }
+        assert_eq!(finished(&out), expected, "trial {trial}");
+    }
+    assert!(kills >= 8, "only {kills} kills landed");
+    eprintln!("{kills} kills, {refusals} refusals");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// What a finished run must match: its files' names (no debris), its final weights, moments
+/// and model.toml, and its logs without the timings.
+#[cfg(feature = "candle")]
+type Finished = (
+    Vec<std::ffi::OsString>,
+    Vec<u8>,
+    Vec<u8>,
+    String,
+    Vec<String>,
+    String,
+);
+
+#[cfg(feature = "candle")]
+fn finished(run: &Path) -> Finished {
+    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let metrics = metrics
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            format!("{} {} {}", v["step"], v["train_loss"], v["val_loss"])
+        })
+        .collect();
+    (
+        listing(run).into_iter().map(|(name, _)| name).collect(),
+        std::fs::read(run.join("model-12.safetensors")).unwrap(),
+        std::fs::read(run.join("optimizer-12.safetensors")).unwrap(),
+        std::fs::read_to_string(run.join("model.toml")).unwrap(),
+        metrics,
+        std::fs::read_to_string(run.join("steps.jsonl")).unwrap(),
+    )
 }
 
 #[cfg(not(feature = "candle"))]

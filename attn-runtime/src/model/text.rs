@@ -90,6 +90,16 @@ impl TextTokenizer {
         Ok(encoding.get_ids().to_vec())
     }
 
+    /// The token ids of `text` without special tokens: a piece of a longer text, tokenized
+    /// after its first piece.
+    pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>, RuntimeError> {
+        let encoding = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| RuntimeError::Data(format!("cannot tokenize the text: {e}")))?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
     /// The text of `ids` (special tokens kept, as transformers' `decode` does by default).
     pub fn decode(&self, ids: &[u32]) -> Result<String, RuntimeError> {
         self.inner.decode(ids, false).map_err(|e| {

@@ -45,7 +45,7 @@ pub fn command(mut args: Args) -> Result<(), String> {
     let text = emit(&spec, &args.target, args.emit)?;
     match &args.output {
         Some(path) => {
-            crate::outputs::check(path, &crate::spec_arg::spec_file(&args.spec))?;
+            crate::outputs::check(path, &crate::spec_arg::spec_file(&args.spec), "--output")?;
             std::fs::write(path, text).map_err(|e| format!("error: {}: {e}", path.display()))
         }
         None => {

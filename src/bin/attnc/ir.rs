@@ -35,7 +35,7 @@ pub fn command(args: Args) -> Result<(), String> {
     let (spec, _) = crate::spec_arg::load(&args.spec)?;
     let tiles_for = args.seq.map(|sq| (sq, args.kv_len.unwrap_or(sq)));
     if let (Some(path), Some((sq, skv))) = (&args.svg, tiles_for) {
-        crate::outputs::check(path, &crate::spec_arg::spec_file(&args.spec))?;
+        crate::outputs::check(path, &crate::spec_arg::spec_file(&args.spec), "--svg")?;
         crate::mask_svg::draw(&spec, sq, skv, path)?;
     }
     print!("{}", report(&spec, tiles_for, args.grad));

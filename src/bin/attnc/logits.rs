@@ -35,7 +35,7 @@ pub struct Args {
 
 /// `attnc logits`.
 pub fn command(args: Args) -> Result<(), String> {
-    crate::outputs::check(&args.output, &[&args.model])?;
+    crate::outputs::check(&args.output, &[&args.model], "--output")?;
     let tokens = parse_tokens(&args.tokens)?;
     let model = load_on(&args.model, args.init_seed, args.backend)?;
     let summary = logits(

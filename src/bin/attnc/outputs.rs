@@ -3,14 +3,14 @@
 
 use std::path::Path;
 
-/// Refuses `output` when it exists and is not a regular file, or when it is the same file as
-/// one of `inputs` (the same path, a link to it, or a hard link).
-pub fn check(output: &Path, inputs: &[&Path]) -> Result<(), String> {
+/// Refuses `output` (given by the option `flag`) when it exists and is not a regular file, or
+/// when it is the same file as one of `inputs` (the same path, a link to it, or a hard link).
+pub fn check(output: &Path, inputs: &[&Path], flag: &str) -> Result<(), String> {
     attn::runtime::files::ensure_writable_target(output).map_err(|e| format!("error: {e}"))?;
     for input in inputs {
         if same_file(output, input) {
             return Err(format!(
-                "error: --output {} is the input {}: writing it would overwrite what is read; \
+                "error: {flag} {} is the input {}: writing it would overwrite what is read; \
                  allowed: another file",
                 output.display(),
                 input.display()

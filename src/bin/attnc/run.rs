@@ -38,7 +38,7 @@ impl Files {
     pub fn checked_spec(&self) -> Result<AttentionSpec, String> {
         let mut inputs = vec![self.input.as_path()];
         inputs.extend(spec_arg::spec_file(&self.spec));
-        outputs::check(&self.output, &inputs)?;
+        outputs::check(&self.output, &inputs, "--output")?;
         spec_arg::load(&self.spec).map(|(spec, _)| spec)
     }
 }

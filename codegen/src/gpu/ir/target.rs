@@ -93,9 +93,13 @@ pub fn kernel_hash(kernel: &Kernel) -> String {
 
 /// [`kernel_hash`] of a kernel's printed GPU IR.
 pub fn text_hash(text: &str) -> String {
-    let bytes = text.as_bytes();
-    // Two FNV-1a passes with different offset bases: 128 bits, stable across builds and Rust
-    // versions (unlike std's hasher).
+    bytes_hash(text.as_bytes())
+}
+
+/// A 128-bit hash of `bytes` as 32 hex digits, stable across builds and Rust versions (unlike
+/// std's hasher): two FNV-1a passes with different offset bases. It finds changes; it is no
+/// defence against someone making a collision.
+pub fn bytes_hash(bytes: &[u8]) -> String {
     format!(
         "{:016x}{:016x}",
         fnv1a(bytes, FNV_OFFSET),

@@ -12,6 +12,9 @@ pub struct Cost {
     pub params: u64,
     /// KV-cache bytes one token takes, over all layers.
     pub kv_bytes_per_token: u64,
+    /// KV-cache bytes of a context of `seq` tokens, over all layers: a sliding-window layer
+    /// holds at most its window.
+    pub kv_cache_bytes: u64,
     /// Forward FLOPs per token at a context of `seq` tokens: two per weight of every matrix
     /// (the LM head included, tied or not) plus the attention core's average per token.
     pub flops_per_token: u64,
@@ -29,15 +32,22 @@ pub fn cost(model: &Model, seq: u64) -> Option<Cost> {
     let matrices = part("attention")
         .checked_add(part("mlp"))?
         .checked_add(head)?;
-    let (mut core, mut kv_bytes_per_token) = (0u64, 0u64);
+    let (mut core, mut kv_bytes_per_token, mut kv_cache_bytes) = (0u64, 0u64, 0u64);
     for i in 0..c.layers {
         let spec = c.layer_attention(i);
         core = core.checked_add(forward_flops(spec, 1, seq, seq)?.with_skipping / seq.max(1))?;
-        kv_bytes_per_token = kv_bytes_per_token.checked_add(kv_cache_bytes_per_token(spec))?;
+        let row = kv_cache_bytes_per_token(spec);
+        kv_bytes_per_token = kv_bytes_per_token.checked_add(row)?;
+        let held = match spec.mask {
+            attn::Mask::SlidingWindow { window } => window.min(seq),
+            _ => seq,
+        };
+        kv_cache_bytes = kv_cache_bytes.checked_add(row.checked_mul(held)?)?;
     }
     Some(Cost {
         params,
         kv_bytes_per_token,
+        kv_cache_bytes,
         flops_per_token: matrices.checked_mul(2)?.checked_add(core)?,
     })
 }

@@ -62,6 +62,15 @@ impl Row {
         }
     }
 
+    /// The validation loss as the table shows it: the mean and standard deviation over seeds,
+    /// or the one seed's loss.
+    pub fn loss_cell(&self) -> String {
+        match self.curves.len() {
+            1 => format!("{:.4} (1 seed)", self.val_loss),
+            _ => format!("{:.4} ± {:.4}", self.val_loss, self.val_loss_std),
+        }
+    }
+
     /// The mean validation curve over seeds, at the steps every seed evaluated.
     pub fn mean_curve(&self) -> Vec<(u64, f64)> {
         let Some(first) = self.curves.first() else {
@@ -99,19 +108,20 @@ fn mean_std(values: &[f64]) -> (f64, f64) {
 }
 
 /// The CSV columns, in order.
-const COLUMNS: &str = "variant,attention,params,kv_bytes_per_token,flops_per_token,\
-    train_tokens_per_s,prefill_gflops,decode_tokens_per_s,val_loss,val_loss_std,seeds,folder";
+const COLUMNS: &str = "variant,attention,params,kv_bytes_per_token,kv_cache_bytes,\
+    flops_per_token,train_tokens_per_s,prefill_gflops,decode_tokens_per_s,val_loss,val_loss_std,seeds,folder";
 
 /// `results.csv`: a header and one line per row.
 pub fn csv(rows: &[Row]) -> String {
     let mut out = format!("{COLUMNS}\n");
     for r in rows {
         out += &format!(
-            "{},{},{},{},{},{:.1},{:.3},{:.1},{:.5},{:.5},{},{}\n",
+            "{},{},{},{},{},{},{:.1},{:.3},{:.1},{:.5},{:.5},{},{}\n",
             csv_field(&r.variant),
             csv_field(&r.attention),
             r.cost.params,
             r.cost.kv_bytes_per_token,
+            r.cost.kv_cache_bytes,
             r.cost.flops_per_token,
             r.train_tokens_per_s,
             r.speed.prefill_gflops,
@@ -156,6 +166,7 @@ pub fn jsonl(rows: &[Row]) -> String {
                 "attention": r.attention,
                 "params": r.cost.params,
                 "kv_bytes_per_token": r.cost.kv_bytes_per_token,
+                "kv_cache_bytes": r.cost.kv_cache_bytes,
                 "flops_per_token": r.cost.flops_per_token,
                 "train_tokens_per_s": r.train_tokens_per_s,
                 "prefill_gflops": r.speed.prefill_gflops,
@@ -185,6 +196,7 @@ fn cells(rows: &[Row]) -> (Vec<&'static str>, Vec<Vec<String>>) {
         "val loss",
         "params",
         "KV B/token",
+        "KV bytes at seq",
         "MFLOP/token",
         "train tok/s",
         "prefill GFLOP/s",
@@ -195,9 +207,10 @@ fn cells(rows: &[Row]) -> (Vec<&'static str>, Vec<Vec<String>>) {
         .map(|r| {
             vec![
                 r.variant.clone(),
-                format!("{:.4} ± {:.4}", r.val_loss, r.val_loss_std),
+                r.loss_cell(),
                 r.cost.params.to_string(),
                 r.cost.kv_bytes_per_token.to_string(),
+                r.cost.kv_cache_bytes.to_string(),
                 format!("{:.2}", r.cost.flops_per_token as f64 / 1e6),
                 format!("{:.0}", r.train_tokens_per_s),
                 format!("{:.2}", r.speed.prefill_gflops),
@@ -252,8 +265,9 @@ pub fn html(rows: &[Row], title: &str, svgs: &[(&str, String)]) -> String {
          td,th{{border:1px solid #bbb;padding:4px 8px;text-align:right}}\
          td:first-child,th:first-child{{text-align:left}}code{{font-size:90%}}</style>\
          </head><body>\n<h1>{t}</h1>\n<p>Sorted by validation loss (mean ± standard deviation \
-         over seeds). Costs are from attn's accounting; speeds are attn's CPU runtime on each \
-         trained model.</p>\n<table>\n<tr>",
+         over seeds). Costs are from attn's accounting (the KV cache at the training context \
+         --seq: a sliding-window layer holds at most its window); speeds are attn's CPU runtime \
+         on each trained model.</p>\n<table>\n<tr>",
         t = escape(title)
     );
     for h in &header {
@@ -322,6 +336,7 @@ mod tests {
         let cost = Cost {
             params: 1000,
             kv_bytes_per_token: 64,
+            kv_cache_bytes: 64 * 16,
             flops_per_token: 2_500_000,
         };
         let speed = Speed {
@@ -355,18 +370,25 @@ mod tests {
         let text = csv(&[row("kv_heads=1", &[2.0, 2.2])]);
         let mut lines = text.lines();
         assert!(lines.next().unwrap().starts_with(
-            "variant,attention,params,kv_bytes_per_token,flops_per_token,train_tokens_per_s,\
-             prefill_gflops,decode_tokens_per_s,val_loss,val_loss_std"
+            "variant,attention,params,kv_bytes_per_token,kv_cache_bytes,flops_per_token,\
+             train_tokens_per_s,prefill_gflops,decode_tokens_per_s,val_loss,val_loss_std"
         ));
         let line = lines.next().unwrap();
-        assert!(line.starts_with("kv_heads=1,\"heads = 4, head_dim = 8, mask = causal\",1000,64,"));
+        assert!(
+            line.starts_with("kv_heads=1,\"heads = 4, head_dim = 8, mask = causal\",1000,64,1024,")
+        );
         assert_eq!(csv_field("a \"b\""), "\"a \"\"b\"\"\"");
     }
 
     #[test]
     fn the_table_and_page_sort_by_loss_and_escape() {
-        let rows = [row("worse", &[3.0]), row("<better>", &[2.0])];
+        let rows = [row("worse", &[3.0]), row("<better>", &[2.0, 2.2])];
         let t = table(&rows);
+        assert!(
+            t.contains("3.0000 (1 seed)") && !t.contains("± 0.0000"),
+            "{t}"
+        );
+        assert!(t.contains("2.1000 ± 0.1414"), "{t}");
         let lines: Vec<&str> = t.lines().collect();
         assert!(
             lines[1].starts_with("<better>") && lines[2].starts_with("worse"),

@@ -5,16 +5,18 @@ use super::Args;
 use super::grid::{self, Variant};
 use super::measure::{self, Speed};
 use super::report::{self, Curve, Row};
+use crate::train::checkpoint;
 use crate::train::corpus::{self, Corpus};
-use crate::train::run::{check_fits, options, train_in};
-use crate::train::state::{Metrics, Options, State, read_metrics, write_atomically};
+use crate::train::folder::{Folder, Kind};
+use crate::train::run::{Run, Start, check_fits, check_same_corpus, options};
+use crate::train::state::{Metrics, Options};
 use attn::candle::CandleModel;
 use attn::candle::core::{DType, Device};
 use attn::candle::nn::{VarBuilder, VarMap};
 use attn::research;
 use attn::runtime::model::ModelConfig;
 use serde_json::json;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// The files a sweep writes into its folder (besides `runs/`).
 const OUTPUTS: [&str; 6] = [
@@ -57,7 +59,7 @@ pub fn sweep(args: Args) -> Result<(), String> {
         first.config.vocab,
         probe.seq,
     )?;
-    prepare(&args)?;
+    let folder = prepare(&args)?;
     let runs = planned.len() as u64 * args.seeds;
     eprintln!(
         "sweep: {} variant{} x {} seed{} = {runs} runs of {} steps, into {}",
@@ -75,7 +77,7 @@ pub fn sweep(args: Args) -> Result<(), String> {
         match variant_row(&args, p, &corpus, &label) {
             Ok(row) => {
                 rows.push(row);
-                write_results(&args.out, &rows)?;
+                write_results(&folder, &rows)?;
             }
             Err(e) => {
                 eprintln!("{label}: failed: {e}");
@@ -116,24 +118,24 @@ fn plan(base: &toml::Table, variant: &Variant, probe: &Options) -> Result<ModelC
     Ok(config)
 }
 
-/// Makes the sweep's folder and refuses outputs that would overwrite an input.
-fn prepare(args: &Args) -> Result<(), String> {
+/// Takes the sweep's folder (new, empty, or a sweep's) and refuses outputs that would
+/// overwrite an input.
+fn prepare(args: &Args) -> Result<Folder, String> {
     let inputs: Vec<&Path> = [args.base.as_path(), args.data.as_path()]
         .into_iter()
         .chain(args.training.tokenizer.as_deref())
         .collect();
     for name in OUTPUTS {
-        crate::outputs::check(&args.out.join(name), &inputs)?;
+        crate::outputs::check(&args.out.join(name), &inputs, "--out")?;
     }
+    let folder = Folder::claim(&args.out, Kind::Sweep, "--out")?;
     std::fs::create_dir_all(args.out.join("runs")).map_err(|e| {
         format!(
             "error: --out {}: cannot make the folder: {e}",
             args.out.display()
         )
     })?;
-    write_atomically(&args.out, ".write-test", b"")?;
-    std::fs::remove_file(args.out.join(".write-test")).ok();
-    Ok(())
+    Ok(folder)
 }
 
 /// Trains (or takes the finished runs of) every seed of a variant, then measures it.
@@ -168,7 +170,9 @@ fn variant_row(args: &Args, p: &Planned, corpus: &Corpus, label: &str) -> Result
                 "prefill_gflops": speed.prefill_gflops,
                 "decode_tokens_per_s": speed.decode_tokens_per_s,
             });
-            write_atomically(&dir, "speed.json", text.to_string().as_bytes())?;
+            crate::train::folder::write_whole(&dir.join("speed.json"), |path| {
+                std::fs::write(path, text.to_string()).map_err(|e| e.to_string())
+            })?;
             speed
         }
     };
@@ -183,8 +187,8 @@ fn variant_row(args: &Args, p: &Planned, corpus: &Corpus, label: &str) -> Result
 }
 
 /// One seed's run in `dir`: its evaluations when it has finished; otherwise trained from its
-/// last checkpoint, or from the start. A folder holding another model's or options' run is an
-/// error, never overwritten.
+/// last checkpoint, or from the start. A folder holding another model's, options' or
+/// corpus's run is an error, never overwritten.
 fn run_seed(
     config: &ModelConfig,
     options: Options,
@@ -192,15 +196,11 @@ fn run_seed(
     corpus: &Corpus,
     label: &str,
 ) -> Result<Vec<Metrics>, String> {
-    let resumed = if dir.join("state.json").exists() {
-        let state = State::read(dir, "--out")?;
-        let kept = attn::runtime::files::read_text(
-            &dir.join("model.toml"),
-            research::MAX_TOML_BYTES,
-            "the run's model",
-        )
-        .map_err(|e| format!("error: --out: {e}"))?;
-        let same_model = research::config_from_toml(&kept).is_ok_and(|c| c == *config);
+    let folder = Folder::claim(dir, Kind::Run, "--out")?;
+    let start = if checkpoint::exists(&folder) {
+        let saved = checkpoint::restore(&folder, "--out")?;
+        let state = &saved.state;
+        let same_model = research::config_from_toml(&state.model).is_ok_and(|c| c == *config);
         if !same_model || state.options != options {
             return Err(format!(
                 "error: --out: {} holds a run of another model or other options; give another \
@@ -208,23 +208,23 @@ fn run_seed(
                 dir.display()
             ));
         }
+        check_same_corpus(state, corpus, &corpus.print.path)
+            .map_err(|e| format!("{e} ({} is a run of this sweep)", dir.display()))?;
         if state.step >= options.steps {
-            return read_metrics(dir, state.step);
+            return Ok(saved.metrics);
         }
-        Some(state)
+        Start::Checkpoint(Box::new(saved))
     } else {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| format!("error: --out: cannot make {}: {e}", dir.display()))?;
-        None
+        checkpoint::clear(&folder);
+        Start::Seeded
     };
-    train_in(
-        config.clone(),
+    let run = Run {
+        folder,
+        config: config.clone(),
         options,
-        PathBuf::from(dir),
-        resumed,
-        corpus,
-        label,
-    )
+        start,
+    };
+    run.train(corpus, label)
 }
 
 /// The speeds measured on an earlier run of the sweep, if it wrote them.
@@ -238,24 +238,22 @@ fn read_speed(dir: &Path) -> Option<Speed> {
 }
 
 /// Rewrites every result file from `rows`.
-fn write_results(out: &Path, rows: &[Row]) -> Result<(), String> {
-    write_atomically(out, "results.csv", report::csv(rows).as_bytes())?;
-    write_atomically(out, "results.jsonl", report::jsonl(rows).as_bytes())?;
-    super::plots::loss(&out.join("loss.svg"), rows)?;
-    super::plots::pareto(&out.join("pareto.svg"), rows)?;
-    super::plots::speed(&out.join("speed.svg"), rows)?;
-    let svgs: Vec<(&str, String)> = [
-        ("Validation loss", "loss.svg"),
-        ("KV cache and loss", "pareto.svg"),
-        ("Speed", "speed.svg"),
-    ]
-    .iter()
-    .map(|(title, file)| {
-        std::fs::read_to_string(out.join(file))
-            .map(|svg| (*title, svg))
-            .map_err(|e| format!("error: cannot read back {}: {e}", out.join(file).display()))
-    })
-    .collect::<Result<_, _>>()?;
+fn write_results(folder: &Folder, rows: &[Row]) -> Result<(), String> {
+    folder.write("results.csv", report::csv(rows).as_bytes())?;
+    folder.write("results.jsonl", report::jsonl(rows).as_bytes())?;
+    let svgs = [
+        ("Validation loss", "loss.svg", super::plots::loss(rows)?),
+        (
+            "KV cache and loss",
+            "pareto.svg",
+            super::plots::pareto(rows)?,
+        ),
+        ("Speed", "speed.svg", super::plots::speed(rows)?),
+    ];
+    for (_, file, svg) in &svgs {
+        folder.write(file, svg.as_bytes())?;
+    }
+    let svgs: Vec<(&str, String)> = svgs.into_iter().map(|(t, _, svg)| (t, svg)).collect();
     let page = report::html(rows, "attnc sweep", &svgs);
-    write_atomically(out, "index.html", page.as_bytes())
+    folder.write("index.html", page.as_bytes())
 }

@@ -1,17 +1,73 @@
 //! The training text as token ids, split into training and validation, and random windows of
 //! it.
+//!
+//! Memory: a byte-level corpus is kept as its bytes (about 1.1 times the file: the validation
+//! tenth is copied out once); a tokenized one as the text while it is tokenized, a piece at a
+//! time, then as 32-bit ids. The cost is checked against the memory available before the file
+//! is read.
 
+use super::state::DataPrint;
 use attn::candle::core::{Device, Tensor};
+use attn::codegen::gpu::ir::target::bytes_hash;
 use attn::runtime::model::TextTokenizer;
 use std::path::Path;
 
 /// Largest corpus read (bytes).
-const MAX_CORPUS_BYTES: u64 = 1 << 30;
+pub const MAX_CORPUS_BYTES: u64 = 1 << 30;
 
-/// Token ids: the first 90% for training, the last 10% for validation.
+/// A tokenized corpus is tokenized in pieces of about this many bytes, each ending at a line
+/// break where there is one (the tokenizer's own memory grows with what it is given: about 190
+/// bytes per byte of text).
+const PIECE_BYTES: usize = 256 << 10;
+
+/// Token ids: bytes for a byte-level model, else 32-bit ids.
+pub enum Ids {
+    Bytes(Vec<u8>),
+    Wide(Vec<u32>),
+}
+
+impl Ids {
+    pub fn len(&self) -> usize {
+        match self {
+            Ids::Bytes(b) => b.len(),
+            Ids::Wide(w) => w.len(),
+        }
+    }
+
+    /// The ids from `at` on, taken out of `self`.
+    fn split_off(&mut self, at: usize) -> Ids {
+        let tail = match self {
+            Ids::Bytes(b) => Ids::Bytes(b.split_off(at)),
+            Ids::Wide(w) => Ids::Wide(w.split_off(at)),
+        };
+        match self {
+            Ids::Bytes(b) => b.shrink_to_fit(),
+            Ids::Wide(w) => w.shrink_to_fit(),
+        }
+        tail
+    }
+
+    /// Appends the ids `range` to `out`.
+    fn extend_into(&self, range: std::ops::Range<usize>, out: &mut Vec<u32>) {
+        match self {
+            Ids::Bytes(b) => out.extend(b[range].iter().map(|&x| u32::from(x))),
+            Ids::Wide(w) => out.extend_from_slice(&w[range]),
+        }
+    }
+
+    fn for_each(&self, mut f: impl FnMut(usize)) {
+        match self {
+            Ids::Bytes(b) => b.iter().for_each(|&x| f(usize::from(x))),
+            Ids::Wide(w) => w.iter().for_each(|&x| f(x as usize)),
+        }
+    }
+}
+
+/// The first 90% of the ids for training, the last 10% for validation, and which corpus it is.
 pub struct Corpus {
-    pub train: Vec<u32>,
-    pub validation: Vec<u32>,
+    pub train: Ids,
+    pub validation: Ids,
+    pub print: DataPrint,
 }
 
 /// Reads and tokenizes `path`: bytes, or `tokenizer`'s ids, checked against the model's
@@ -23,46 +79,107 @@ pub fn read(
     seq: usize,
 ) -> Result<Corpus, String> {
     let shown = path.display();
+    if tokenizer.is_none() && vocab != 256 {
+        return Err(format!(
+            "error: the model's vocab is {vocab}, but training without --tokenizer reads \
+             bytes, 256 ids: set vocab = 256, or give the tokenizer.json of a {vocab}-id \
+             vocabulary"
+        ));
+    }
+    let size = std::fs::metadata(path)
+        .map_err(|e| format!("error: --data {shown}: {e}"))?
+        .len();
+    if size > MAX_CORPUS_BYTES {
+        return Err(format!(
+            "error: --data {shown}: {size} bytes; allowed: at most {MAX_CORPUS_BYTES} (1 GiB)"
+        ));
+    }
+    // The text, and for a tokenizer up to 4 bytes of ids per byte of text (no tokenizer makes
+    // more ids than bytes, bar a few special ones) and one piece's tokenizer memory.
+    let need = match tokenizer {
+        None => size + size / 10,
+        Some(_) => 5 * size + 190 * PIECE_BYTES as u64,
+    };
+    attn::runtime::memory::ensure_fits("the corpus", Some(need))
+        .map_err(|e| format!("error: --data {shown}: {e}"))?;
     let bytes = attn::runtime::files::read_bounded(path, MAX_CORPUS_BYTES, "the corpus")
         .map_err(|e| format!("error: --data: {e}"))?;
-    let text = String::from_utf8(bytes).map_err(|e| {
+    let text = std::str::from_utf8(&bytes).map_err(|e| {
         format!("error: --data {shown}: not UTF-8 text ({e}); training takes a text file")
     })?;
-    let tokens: Vec<u32> = match tokenizer {
-        None => {
-            if vocab != 256 {
-                return Err(format!(
-                    "error: the model's vocab is {vocab}, but training without --tokenizer reads \
-                     bytes, 256 ids: set vocab = 256, or give the tokenizer.json of a {vocab}-id \
-                     vocabulary"
-                ));
-            }
-            text.bytes().map(u32::from).collect()
-        }
+    let mut hash = bytes_hash(text.as_bytes());
+    let mut ids = match tokenizer {
+        None => Ids::Bytes(bytes),
         Some(file) => {
             let t =
                 TextTokenizer::from_file(file).map_err(|e| format!("error: --tokenizer: {e}"))?;
             t.check_fits(vocab)
                 .map_err(|e| format!("error: --tokenizer: {e}"))?;
-            t.encode(&text)
-                .map_err(|e| format!("error: --data {shown}: {e}"))?
+            let ids = tokenize(&t, text).map_err(|e| format!("error: --data {shown}: {e}"))?;
+            let json = attn::runtime::files::read_bounded(file, 256 << 20, "tokenizer.json")
+                .map_err(|e| format!("error: --tokenizer: {e}"))?;
+            hash = bytes_hash(format!("{hash} {}", bytes_hash(&json)).as_bytes());
+            Ids::Wide(ids)
         }
     };
-    let split = tokens.len() - tokens.len() / 10;
-    let (train, validation) = tokens.split_at(split);
-    if train.len() <= seq || validation.len() <= seq {
+    let total = ids.len();
+    let validation = ids.split_off(total - total / 10);
+    if ids.len() <= seq || validation.len() <= seq {
+        let s = if total == 1 { "" } else { "s" };
         return Err(format!(
-            "error: --data {shown}: {} tokens, too few: the last tenth is the validation set, and \
-             each part needs a window of --seq + 1 = {} tokens (at least {} tokens in all)",
-            tokens.len(),
+            "error: --data {shown}: {total} token{s}, too few: the last tenth is the validation \
+             set, and each part needs a window of --seq + 1 = {} tokens (at least {} tokens in \
+             all)",
             seq + 1,
             10 * (seq + 1)
         ));
     }
     Ok(Corpus {
-        train: train.to_vec(),
-        validation: validation.to_vec(),
+        train: ids,
+        validation,
+        print: DataPrint {
+            path: std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf()),
+            tokens: total as u64,
+            hash,
+        },
     })
+}
+
+/// `text`'s ids, tokenized a piece at a time: the first with the tokenizer's special tokens
+/// (as `tokenizer(text)` adds them), the rest without.
+fn tokenize(t: &TextTokenizer, text: &str) -> Result<Vec<u32>, String> {
+    let mut ids = Vec::new();
+    let mut rest = text;
+    let mut first = true;
+    while !rest.is_empty() {
+        let piece = piece_of(rest);
+        let more = if first {
+            t.encode(piece)
+        } else {
+            t.encode_plain(piece)
+        }
+        .map_err(|e| e.to_string())?;
+        ids.extend_from_slice(&more);
+        rest = &rest[piece.len()..];
+        first = false;
+    }
+    Ok(ids)
+}
+
+/// The first piece of `text`: all of it when short, else up to the last line break within
+/// [`PIECE_BYTES`] (or the last character boundary there, for text without line breaks).
+fn piece_of(text: &str) -> &str {
+    if text.len() <= PIECE_BYTES {
+        return text;
+    }
+    let mut end = PIECE_BYTES;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    match text[..end].rfind('\n') {
+        Some(line) if line > 0 => &text[..=line],
+        _ => &text[..end],
+    }
 }
 
 impl Corpus {
@@ -71,15 +188,11 @@ impl Corpus {
     /// learned more than which tokens are common.
     pub fn unigram_loss(&self, vocab: usize) -> f64 {
         let mut counts = vec![1.0f64; vocab];
-        for &id in &self.train {
-            counts[id as usize] += 1.0;
-        }
+        self.train.for_each(|id| counts[id] += 1.0);
         let total: f64 = counts.iter().sum();
-        let nats: f64 = self
-            .validation
-            .iter()
-            .map(|&id| -(counts[id as usize] / total).ln())
-            .sum();
+        let mut nats = 0.0;
+        self.validation
+            .for_each(|id| nats -= (counts[id] / total).ln());
         nats / self.validation.len() as f64
     }
 }
@@ -88,13 +201,42 @@ impl Corpus {
 pub type Rng = attn::inputs::XorShift;
 
 /// `batch` windows of `seq + 1` tokens from random places in `tokens`, `[batch, seq + 1]`.
-pub fn windows(tokens: &[u32], batch: usize, seq: usize, rng: &mut Rng) -> Tensor {
+pub fn windows(tokens: &Ids, batch: usize, seq: usize, rng: &mut Rng) -> Tensor {
     let starts = tokens.len() - seq;
     let mut ids = Vec::with_capacity(batch * (seq + 1));
     for _ in 0..batch {
         let start = (rng.next_u64() % starts as u64) as usize;
-        ids.extend_from_slice(&tokens[start..start + seq + 1]);
+        tokens.extend_into(start..start + seq + 1, &mut ids);
     }
     Tensor::from_vec(ids, (batch, seq + 1), &Device::Cpu)
         .expect("batch * (seq + 1) ids fill that shape")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pieces_end_at_line_breaks_or_characters_and_cover_the_text() {
+        let line = "héllo wörld, the quick brown fox\n";
+        let text = line.repeat(3 * PIECE_BYTES / line.len());
+        let mut rest = text.as_str();
+        let mut joined = String::new();
+        while !rest.is_empty() {
+            let piece = piece_of(rest);
+            assert!(piece.len() <= PIECE_BYTES && !piece.is_empty());
+            if piece.len() < rest.len() {
+                assert!(piece.ends_with('\n'), "{:?}", &piece[piece.len() - 10..]);
+            }
+            joined.push_str(piece);
+            rest = &rest[piece.len()..];
+        }
+        assert_eq!(joined, text);
+        // One long line of two-byte characters: cut at a character boundary.
+        let wide = "é".repeat(PIECE_BYTES);
+        let piece = piece_of(&wide);
+        assert_eq!(piece.len(), PIECE_BYTES);
+        let odd = format!("x{wide}");
+        assert_eq!(piece_of(&odd).len(), PIECE_BYTES - 1);
+    }
 }

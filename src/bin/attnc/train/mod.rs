@@ -2,7 +2,13 @@
 //! model's attention on attn's kernels, and writes checkpoints `attnc generate` loads.
 
 #[cfg(feature = "candle")]
+pub mod checkpoint;
+#[cfg(feature = "candle")]
 pub mod corpus;
+#[cfg(feature = "candle")]
+pub mod folder;
+#[cfg(feature = "candle")]
+mod optimizer;
 #[cfg(feature = "candle")]
 pub mod plot;
 #[cfg(feature = "candle")]
@@ -15,6 +21,15 @@ pub mod state;
 use crate::backend_arg::Timed;
 use std::path::PathBuf;
 
+/// The most steps a run takes (`--steps`, `--warmup`, `--eval-every`).
+pub const MAX_STEPS: u64 = 100_000_000;
+/// The most sequences in a step (`--batch`).
+pub const MAX_BATCH: u64 = 4096;
+/// The longest sequence (`--seq`).
+pub const MAX_SEQ: u64 = 65_536;
+/// The largest peak learning rate (`--lr`).
+pub const MAX_LR: f64 = 10.0;
+
 /// `attnc train`'s arguments.
 #[derive(clap::Args, Clone, Debug)]
 #[command(
@@ -22,23 +37,31 @@ use std::path::PathBuf;
     matrices only (not norms or biases); the learning rate rises linearly over --warmup steps, \
     then falls along a cosine to 10% of --lr at the last step; gradients are clipped to norm \
     1.0. Tokens are bytes (the model's vocab must be 256) unless --tokenizer is given. The last \
-    10% of the corpus's tokens are the validation set. Writes into --out: metrics.jsonl (one \
-    line per eval), model.safetensors and model.toml (which `attnc generate --model` loads), \
-    state.json (for --resume) and loss.svg, at every eval."
+    10% of the corpus's tokens are the validation set. --out must be a new or empty folder; \
+    attnc marks it with attnc-run.json and holds a lock on that file while it trains, so a \
+    second run into it is refused. At every eval it writes a checkpoint: model-N.safetensors \
+    (the weights), optimizer-N.safetensors (AdamW's moments) and, last, state.json, which makes \
+    the checkpoint count; a kill at any moment leaves the last whole checkpoint, and --resume \
+    continues from it exactly as the run would have gone on. Beside them: model.toml (which \
+    `attnc generate --model` loads), metrics.jsonl (one line per eval), steps.jsonl (one line \
+    per step) and loss.svg. A loss, gradient or parameter that is not finite stops the run \
+    before anything of that step is written, naming it and the last good checkpoint."
 )]
 pub struct Args {
-    /// The research model's TOML file (its `attention` is a spec).
+    /// The research model's TOML file (its `attention` is a spec). With `weights = FILE`
+    /// (as the model.toml of a run), training starts from those weights.
     #[arg(long, value_name = "M.toml", required_unless_present = "resume")]
     pub model: Option<PathBuf>,
-    /// The training text (UTF-8).
-    #[arg(long, value_name = "FILE")]
-    pub data: PathBuf,
-    /// The folder to write the run into (made if missing).
+    /// The training text (UTF-8). With --resume, the run's own corpus by default; another
+    /// file is refused unless its tokens are the same.
+    #[arg(long, value_name = "FILE", required_unless_present = "resume")]
+    pub data: Option<PathBuf>,
+    /// The folder to write the run into: new, or empty (made if missing).
     #[arg(long, value_name = "DIR", required_unless_present = "resume")]
     pub out: Option<PathBuf>,
     /// Continue the run in DIR from its last checkpoint, with the options it was started with
-    /// (--steps may raise its length). AdamW's moments start again from zero.
-    #[arg(long, value_name = "DIR", conflicts_with_all = ["model", "out", "tokenizer", "batch", "seq", "lr", "warmup", "weight_decay", "seed", "eval_every"])]
+    /// (--steps may raise its length, --lr change its peak learning rate from there on).
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["model", "out", "tokenizer", "batch", "seq", "warmup", "weight_decay", "seed", "eval_every"])]
     pub resume: Option<PathBuf>,
     /// How to train.
     #[command(flatten)]
@@ -52,19 +75,19 @@ pub struct Training {
     #[arg(long, value_name = "FILE")]
     pub tokenizer: Option<PathBuf>,
     /// Optimizer steps [default: 300].
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=100_000_000))]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=MAX_STEPS))]
     pub steps: Option<u64>,
     /// Sequences per step.
-    #[arg(long, value_name = "B", default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    #[arg(long, value_name = "B", default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=MAX_BATCH))]
     pub batch: u64,
     /// Tokens per sequence.
-    #[arg(long, value_name = "N", default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..=65_536))]
+    #[arg(long, value_name = "N", default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..=MAX_SEQ))]
     pub seq: u64,
-    /// Peak learning rate (a finite number above 0, at most 10).
-    #[arg(long, value_name = "LR", default_value_t = 3e-3, value_parser = learning_rate, allow_negative_numbers = true)]
-    pub lr: f64,
+    /// Peak learning rate (a finite number above 0, at most 10) [default: 0.003].
+    #[arg(long, value_name = "LR", value_parser = learning_rate, allow_negative_numbers = true)]
+    pub lr: Option<f64>,
     /// Steps of linear warmup.
-    #[arg(long, value_name = "N", default_value_t = 30, value_parser = clap::value_parser!(u64).range(0..=100_000_000))]
+    #[arg(long, value_name = "N", default_value_t = 30, value_parser = clap::value_parser!(u64).range(0..=MAX_STEPS))]
     pub warmup: u64,
     /// AdamW weight decay of the matrices (a finite number, 0 or more).
     #[arg(long, value_name = "WD", default_value_t = 0.1, value_parser = weight_decay, allow_negative_numbers = true)]
@@ -73,7 +96,7 @@ pub struct Training {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Steps between evaluations and checkpoints.
-    #[arg(long, value_name = "N", default_value_t = 50, value_parser = clap::value_parser!(u64).range(1..=100_000_000))]
+    #[arg(long, value_name = "N", default_value_t = 50, value_parser = clap::value_parser!(u64).range(1..=MAX_STEPS))]
     pub eval_every: u64,
     /// Where to train: cpu (cuda is not supported by training yet).
     #[arg(long, value_enum, default_value_t = Timed::Cpu)]
@@ -83,20 +106,43 @@ pub struct Training {
 /// Steps when --steps is not given.
 #[cfg(feature = "candle")]
 pub const DEFAULT_STEPS: u64 = 300;
+/// The peak learning rate when --lr is not given.
+#[cfg(feature = "candle")]
+pub const DEFAULT_LR: f64 = 3e-3;
 
 fn learning_rate(text: &str) -> Result<f64, String> {
-    match text.parse::<f64>() {
-        Ok(v) if v.is_finite() && v > 0.0 && v <= 10.0 => Ok(v),
-        _ => Err(format!(
-            "`{text}`: allowed: a finite number above 0, at most 10"
-        )),
-    }
+    let v = text
+        .parse::<f64>()
+        .map_err(|_| format!("`{text}` is not a number"))?;
+    check_learning_rate(v)
 }
 
 fn weight_decay(text: &str) -> Result<f64, String> {
-    match text.parse::<f64>() {
-        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
-        _ => Err(format!("`{text}`: allowed: a finite number, 0 or more")),
+    let v = text
+        .parse::<f64>()
+        .map_err(|_| format!("`{text}` is not a number"))?;
+    check_weight_decay(v)
+}
+
+/// A peak learning rate, checked: finite, above 0, at most [`MAX_LR`].
+pub fn check_learning_rate(v: f64) -> Result<f64, String> {
+    if v.is_finite() && v > 0.0 && v <= MAX_LR {
+        Ok(v)
+    } else {
+        Err(format!(
+            "{v} is out of range; allowed: a finite number above 0, at most {MAX_LR}"
+        ))
+    }
+}
+
+/// A weight decay, checked: finite, 0 or more.
+pub fn check_weight_decay(v: f64) -> Result<f64, String> {
+    if v.is_finite() && v >= 0.0 {
+        Ok(v)
+    } else {
+        Err(format!(
+            "{v} is out of range; allowed: a finite number, 0 or more"
+        ))
     }
 }
 

@@ -1,38 +1,76 @@
-//! Loss curves as SVG (plotters, SVG text: no fonts read): `attnc train`'s `loss.svg`, and the
-//! line chart `attnc sweep` draws its validation curves with.
+//! Loss curves as SVG text (plotters, SVG text: no fonts read): `attnc train`'s `loss.svg`, and
+//! the line chart `attnc sweep` draws its validation curves with. Callers write the text whole
+//! (a temporary file and a rename), so a plot is never left cut short.
 
-use super::state::Metrics;
+use super::state::{Metrics, StepLoss};
 use plotters::prelude::*;
-use std::path::Path;
 
-/// One curve: its legend, its colour and its `(step, loss)` points.
+/// One curve: its legend, its colour, its line width, whether its points are marked, and its
+/// `(step, loss)` points.
 pub struct Series {
     pub name: String,
     pub colour: RGBAColor,
+    pub width: u32,
+    pub dots: bool,
     pub points: Vec<(f64, f64)>,
 }
 
-/// `loss.svg`: the training and validation loss of `metrics` against steps.
-pub fn loss_curves(path: &Path, metrics: &[Metrics]) -> Result<(), String> {
-    let series = |name: &str, colour: RGBColor, value: fn(&Metrics) -> f64| Series {
-        name: name.into(),
-        colour: colour.to_rgba(),
-        points: metrics.iter().map(|m| (m.step as f64, value(m))).collect(),
-    };
-    line_chart(
-        path,
-        "loss (nats per token)",
-        &[
-            series("train", BLUE, |m| m.train_loss),
-            series("validation", RED, |m| m.val_loss),
-        ],
-    )
+/// The steps the running mean of the training loss spans: a tenth of the steps so far,
+/// between 1 and 100.
+fn smoothing(steps: usize) -> usize {
+    (steps / 10).clamp(1, 100)
 }
 
-/// Draws `series` against steps into `path` under `caption`, each a line with its points,
-/// with a legend.
-pub fn line_chart(path: &Path, caption: &str, series: &[Series]) -> Result<(), String> {
-    let fail = |e: String| format!("error: cannot draw {}: {e}", path.display());
+/// `loss.svg`: the training loss of every step, its running mean, and the validation loss at
+/// each evaluation (every `eval_every` steps and the last).
+pub fn loss_curves(
+    metrics: &[Metrics],
+    losses: &[StepLoss],
+    eval_every: u64,
+) -> Result<String, String> {
+    let k = smoothing(losses.len());
+    let mean: Vec<(f64, f64)> = losses
+        .iter()
+        .enumerate()
+        .map(|(i, l)| {
+            let window = &losses[(i + 1).saturating_sub(k)..=i];
+            let sum: f64 = window.iter().map(|w| w.loss).sum();
+            (l.step as f64, sum / window.len() as f64)
+        })
+        .collect();
+    let series = [
+        Series {
+            name: "training loss, each step".into(),
+            colour: BLUE.mix(0.25),
+            width: 1,
+            dots: false,
+            points: losses.iter().map(|l| (l.step as f64, l.loss)).collect(),
+        },
+        Series {
+            name: format!("training loss, mean of the last {k} steps"),
+            colour: BLUE.to_rgba(),
+            width: 2,
+            dots: false,
+            points: mean,
+        },
+        Series {
+            name: format!("validation loss, every {eval_every} steps"),
+            colour: RED.to_rgba(),
+            width: 2,
+            dots: true,
+            points: metrics
+                .iter()
+                .map(|m| (m.step as f64, m.val_loss))
+                .collect(),
+        },
+    ];
+    line_chart("loss (nats per token)", &series)
+}
+
+/// Draws `series` against steps under `caption`, each a line (with its points where the series
+/// says), with a legend; returns the SVG text.
+pub fn line_chart(caption: &str, series: &[Series]) -> Result<String, String> {
+    let fail = |e: String| format!("error: cannot draw the loss curves: {e}");
     let points = || series.iter().flat_map(|s| s.points.iter());
     let last = points().map(|p| p.0).fold(1.0, f64::max);
     let (lo, hi) = points()
@@ -46,40 +84,52 @@ pub fn line_chart(path: &Path, caption: &str, series: &[Series]) -> Result<(), S
     } else {
         (0.0, 1.0)
     };
-    let root = SVGBackend::new(path, (800, 480)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| fail(e.to_string()))?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(caption, ("sans-serif", 20))
-        .margin(12)
-        .x_label_area_size(36)
-        .y_label_area_size(52)
-        .build_cartesian_2d(0f64..last, lo..hi)
-        .map_err(|e| fail(e.to_string()))?;
-    chart
-        .configure_mesh()
-        .x_desc("step")
-        .y_desc("loss (nats per token)")
-        .x_label_formatter(&|v| format!("{v:.0}"))
-        .y_label_formatter(&|v| format!("{v:.3}"))
-        .draw()
-        .map_err(|e| fail(e.to_string()))?;
-    for s in series {
-        let colour = s.colour;
-        chart
-            .draw_series(LineSeries::new(s.points.clone(), colour.stroke_width(2)))
-            .map_err(|e| fail(e.to_string()))?
-            .label(s.name.clone())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], colour));
-        chart
-            .draw_series(s.points.iter().map(|&p| Circle::new(p, 3, colour.filled())))
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (800, 480)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| fail(e.to_string()))?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(caption, ("sans-serif", 20))
+            .margin(12)
+            .margin_right(28)
+            .x_label_area_size(36)
+            .y_label_area_size(52)
+            .build_cartesian_2d(0f64..last, lo..hi)
             .map_err(|e| fail(e.to_string()))?;
+        chart
+            .configure_mesh()
+            .x_desc("step")
+            .y_desc("loss (nats per token)")
+            .x_label_formatter(&|v| format!("{v:.0}"))
+            .y_label_formatter(&|v| format!("{v:.3}"))
+            .draw()
+            .map_err(|e| fail(e.to_string()))?;
+        for s in series {
+            let (colour, width) = (s.colour, s.width);
+            chart
+                .draw_series(LineSeries::new(
+                    s.points.clone(),
+                    colour.stroke_width(s.width),
+                ))
+                .map_err(|e| fail(e.to_string()))?
+                .label(s.name.clone())
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 20, y)], colour.stroke_width(width))
+                });
+            if s.dots {
+                chart
+                    .draw_series(s.points.iter().map(|&p| Circle::new(p, 3, colour.filled())))
+                    .map_err(|e| fail(e.to_string()))?;
+            }
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|e| fail(e.to_string()))?;
+        root.present().map_err(|e| fail(e.to_string()))?;
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()
-        .map_err(|e| fail(e.to_string()))?;
-    root.present().map_err(|e| fail(e.to_string()))
+    Ok(svg)
 }

@@ -1,16 +1,19 @@
 //! The training loop: batches, AdamW steps with the schedule and clipping, evaluations and
-//! checkpoints.
+//! checkpoints; a run started afresh, from trained weights, or resumed from its folder.
 
+use super::checkpoint::{self, Saved, Writes};
 use super::corpus::{self, Corpus, Rng};
-use super::state::{Metrics, Options, State, read_metrics, write_atomically};
-use super::{Args, DEFAULT_STEPS, Training};
+use super::folder::{Folder, Kind};
+use super::optimizer::AdamW;
+use super::state::{Metrics, Options, State, StepLoss};
+use super::{Args, DEFAULT_LR, DEFAULT_STEPS, Training};
 use attn::candle::CandleModel;
 use attn::candle::core::{DType, Device, Tensor, Var};
-use attn::candle::nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap, loss};
+use attn::candle::nn::{VarBuilder, VarMap, loss};
 use attn::research;
 use attn::runtime::model::ModelConfig;
 use indicatif::{ProgressBar, ProgressStyle};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// Validation batches per evaluation (always the same windows: a fixed generator).
@@ -18,66 +21,42 @@ const EVAL_BATCHES: usize = 8;
 /// Gradients are scaled down to this global norm when larger.
 const CLIP_NORM: f64 = 1.0;
 
-/// The files a run writes into its folder.
-const OUTPUTS: [&str; 5] = [
-    "model.safetensors",
-    "model.toml",
-    "state.json",
-    "metrics.jsonl",
-    "loss.svg",
-];
-
 /// Trains as `args` say.
 pub fn train(args: Args) -> Result<(), String> {
-    let (config, options, out, resumed) = setup(&args)?;
-    let config_vocab = config.vocab;
-    let corpus = corpus::read(
-        &args.data,
-        options.tokenizer.as_deref(),
-        config.vocab,
-        options.seq,
-    )?;
-    check_fits(&config, &options)?;
-    let inputs: Vec<&std::path::Path> = [args.model.as_deref(), Some(args.data.as_path())]
-        .into_iter()
-        .chain([options.tokenizer.as_deref()])
-        .flatten()
-        .collect();
-    for name in OUTPUTS {
-        crate::outputs::check(&out.join(name), &inputs)?;
-    }
-    std::fs::create_dir_all(&out).map_err(|e| {
-        format!(
-            "error: --out {}: cannot make the folder: {e}",
-            out.display()
-        )
-    })?;
-    write_atomically(&out, ".write-test", b"")?;
-    std::fs::remove_file(out.join(".write-test")).ok();
-    let metrics = train_in(config, options, out.clone(), resumed, &corpus, "")?;
+    let (run, corpus) = match &args.resume {
+        Some(dir) => resume(&args, dir)?,
+        None => start(&args)?,
+    };
+    let out = run.folder.path().to_path_buf();
+    let vocab = run.config.vocab;
+    let metrics = run.train(&corpus, "")?;
     if let Some(last) = metrics.last() {
         eprintln!(
             "validation loss {:.4} against the unigram model's {:.4}",
             last.val_loss,
-            corpus.unigram_loss(config_vocab)
+            corpus.unigram_loss(vocab)
         );
     }
     eprintln!(
-        "wrote {}: model.toml (attnc generate --model {}), metrics.jsonl, loss.svg",
+        "wrote {}: model.toml (attnc generate --model {}), metrics.jsonl, steps.jsonl, loss.svg",
         out.display(),
         out.join("model.toml").display()
     );
     Ok(())
 }
 
-/// The options of a new run from the command line's, with the given seed.
+/// The options of a new run from the command line's, with the given seed; the tokenizer's
+/// path made absolute, so that a resumed run finds it from any folder.
 pub fn options(training: &Training, seed: u64) -> Options {
     Options {
-        tokenizer: training.tokenizer.clone(),
+        tokenizer: training
+            .tokenizer
+            .as_ref()
+            .map(|p| std::path::absolute(p).unwrap_or_else(|_| p.clone())),
         steps: training.steps.unwrap_or(DEFAULT_STEPS),
         batch: training.batch as usize,
         seq: training.seq as usize,
-        lr: training.lr,
+        lr: training.lr.unwrap_or(DEFAULT_LR),
         warmup: training.warmup,
         weight_decay: training.weight_decay,
         seed,
@@ -85,130 +64,220 @@ pub fn options(training: &Training, seed: u64) -> Options {
     }
 }
 
-/// Trains `config` in the folder `out` (which exists) from scratch or from `resumed`, with
-/// `label` in front of its progress lines; returns every evaluation of the run.
-pub fn train_in(
-    config: ModelConfig,
-    options: Options,
-    out: PathBuf,
-    resumed: Option<State>,
-    corpus: &Corpus,
-    label: &str,
-) -> Result<Vec<Metrics>, String> {
-    // Each step frees and allocates the same tensors: keep the memory rather than fault it in
-    // again.
-    attn::runtime::memory::keep_freed_memory();
-    Trainer::new(config, options, out, resumed)?.run(corpus, label)
+/// Where a run starts: random weights of its seed, trained weights, or a checkpoint.
+pub enum Start {
+    Seeded,
+    Weights(PathBuf),
+    Checkpoint(Box<Saved>),
 }
 
-/// The config, options and folder of a new run, or of the one `--resume` names.
-fn setup(args: &Args) -> Result<(ModelConfig, Options, PathBuf, Option<State>), String> {
-    if let Some(dir) = &args.resume {
-        let mut state = State::read(dir, "--resume")?;
-        if let Some(steps) = args.training.steps {
-            state.options.steps = steps;
-        }
-        let text = attn::runtime::files::read_text(
-            &dir.join("model.toml"),
-            research::MAX_TOML_BYTES,
-            "the run's model",
-        )
-        .map_err(|e| format!("error: --resume: {e}"))?;
-        let config =
-            research::config_from_toml(&text).map_err(|e| format!("error: --resume: {e}"))?;
-        return Ok((config, state.options.clone(), dir.clone(), Some(state)));
-    }
-    let (Some(model), Some(out)) = (&args.model, &args.out) else {
-        return Err("error: --model and --out are needed (or --resume DIR)".into());
+/// A run ready to train: its folder (held), model, options and where it starts.
+pub struct Run {
+    pub folder: Folder,
+    pub config: ModelConfig,
+    pub options: Options,
+    pub start: Start,
+}
+
+/// A new run: `--model` into `--out`, which must be new, empty, or a run folder of ours that
+/// holds no checkpoint.
+fn start(args: &Args) -> Result<(Run, Corpus), String> {
+    let (Some(model), Some(out), Some(data)) = (&args.model, &args.out, &args.data) else {
+        return Err("error: --model, --data and --out are needed (or --resume DIR)".into());
     };
     let text = attn::runtime::files::read_text(model, research::MAX_TOML_BYTES, "the model config")
         .map_err(|e| format!("error: --model: {e}"))?;
     let config = research::config_from_toml(&text)
         .map_err(|e| format!("error: --model {}: {e}", model.display()))?;
+    let start = match research::weights_file(&text)
+        .map_err(|e| format!("error: --model {}: {e}", model.display()))?
+    {
+        Some(file) => Start::Weights(model.parent().unwrap_or(Path::new(".")).join(file)),
+        None => Start::Seeded,
+    };
     let options = options(&args.training, args.training.seed);
-    Ok((config, options, out.clone(), None))
+    check_fits(&config, &options)?;
+    let corpus = corpus::read(
+        data,
+        options.tokenizer.as_deref(),
+        config.vocab,
+        options.seq,
+    )?;
+    let folder = Folder::claim(out, Kind::Run, "--out")?;
+    if checkpoint::exists(&folder) {
+        let step =
+            State::read(out, "--out").map_or("a".to_string(), |s| format!("step {}", s.step));
+        return Err(format!(
+            "error: --out {}: it holds a run (its checkpoint is at {step}); continue it with \
+             --resume {} (with --steps to train further), or give another --out",
+            out.display(),
+            out.display()
+        ));
+    }
+    let inputs: Vec<&Path> = [model.as_path(), data.as_path()]
+        .into_iter()
+        .chain(options.tokenizer.as_deref())
+        .collect();
+    for name in [
+        "model.toml",
+        "state.json",
+        "metrics.jsonl",
+        "steps.jsonl",
+        "loss.svg",
+    ] {
+        crate::outputs::check(&out.join(name), &inputs, "--out")?;
+    }
+    checkpoint::clear(&folder);
+    let run = Run {
+        folder,
+        config,
+        options,
+        start,
+    };
+    Ok((run, corpus))
+}
+
+/// The run in `dir` from its last checkpoint, with its own options (`--steps` and `--lr` may
+/// change) and corpus (`--data` may name where it is now; its tokens must be the same).
+fn resume(args: &Args, dir: &Path) -> Result<(Run, Corpus), String> {
+    let folder = Folder::open(dir, Kind::Run, "--resume")?;
+    let saved = checkpoint::restore(&folder, "--resume")?;
+    let mut options = saved.state.options.clone();
+    if let Some(steps) = args.training.steps {
+        options.steps = steps;
+    }
+    if let Some(lr) = args.training.lr
+        && lr != options.lr
+    {
+        eprintln!(
+            "the peak learning rate is {lr} from step {} on (it was {})",
+            saved.state.step + 1,
+            options.lr
+        );
+        options.lr = lr;
+    }
+    let config = research::config_from_toml(&saved.state.model)
+        .map_err(|e| format!("error: --resume {}: state.json's model: {e}", dir.display()))?;
+    check_fits(&config, &options)?;
+    let data = args.data.clone().unwrap_or(saved.state.data.path.clone());
+    let corpus = corpus::read(
+        &data,
+        options.tokenizer.as_deref(),
+        config.vocab,
+        options.seq,
+    )?;
+    check_same_corpus(&saved.state, &corpus, &data)?;
+    // A kill between the record and the model's TOML leaves the TOML a checkpoint behind.
+    let toml = research::config_to_toml(&config, Some(&saved.state.weights()));
+    folder.write("model.toml", toml.as_bytes())?;
+    let run = Run {
+        folder,
+        config,
+        options,
+        start: Start::Checkpoint(Box::new(saved)),
+    };
+    Ok((run, corpus))
+}
+
+/// Refuses to continue a run on a corpus other than the one it trained on.
+pub fn check_same_corpus(state: &State, corpus: &Corpus, data: &Path) -> Result<(), String> {
+    if state.data.same_corpus(&corpus.print) {
+        return Ok(());
+    }
+    Err(format!(
+        "error: --data {}: the run trained on another corpus ({}, {} tokens, hash {}); this one \
+         has {} tokens, hash {}. Continue it on the same text, or start a new run",
+        data.display(),
+        state.data.path.display(),
+        state.data.tokens,
+        state.data.hash,
+        corpus.print.tokens,
+        corpus.print.hash
+    ))
 }
 
 /// Refuses a batch whose activations would not fit: the logits and their gradient, and per
-/// layer about 16 hidden-wide and 6 MLP-wide f32 values per token, kept for the backward.
+/// layer about 16 hidden-wide and 6 MLP-wide f32 values per token kept for the backward; in a
+/// mixture-of-experts layer, the MLP's values for each of the `top_k` experts a token runs,
+/// its shared expert's and the router's logits.
 pub fn check_fits(config: &ModelConfig, o: &Options) -> Result<(), String> {
-    let tokens = (o.batch * o.seq) as u64;
-    let per_token = 3 * config.vocab as u64
-        + config.layers as u64 * (16 * config.hidden as u64 + 6 * config.intermediate as u64);
-    let bytes = tokens.checked_mul(per_token).and_then(|v| v.checked_mul(4));
+    let tokens = (o.batch as u64).checked_mul(o.seq as u64);
+    let c = |v: usize| v as u64;
+    let per_layer = (0..config.layers).try_fold(0u64, |sum, layer| {
+        let mlp = match config.moe.as_ref().filter(|m| m.sparse[layer]) {
+            Some(moe) => c(moe.top_k)
+                .checked_mul(6 * c(moe.intermediate) + 2 * c(config.hidden))?
+                .checked_add(6 * c(moe.shared.map_or(0, |s| s.width)))?
+                .checked_add(3 * c(moe.experts))?,
+            None => 6 * c(config.intermediate),
+        };
+        sum.checked_add(16 * c(config.hidden))?.checked_add(mlp)
+    });
+    let bytes = per_layer
+        .and_then(|l| l.checked_add(3 * c(config.vocab)))
+        .zip(tokens)
+        .and_then(|(per_token, tokens)| per_token.checked_mul(tokens))
+        .and_then(|v| v.checked_mul(4));
     attn::runtime::memory::ensure_fits("a training step's activations", bytes)
         .map_err(|e| format!("error: --batch {} --seq {}: {e}", o.batch, o.seq))
 }
 
 /// The steps since the last evaluation: their losses and how long they took.
 struct Window {
-    loss: f64,
-    steps: u64,
+    losses: Vec<StepLoss>,
     start: Instant,
 }
 
 impl Window {
     fn new() -> Window {
         Window {
-            loss: 0.0,
-            steps: 0,
+            losses: Vec::new(),
             start: Instant::now(),
         }
     }
 
-    fn add(&mut self, loss: f64) {
-        self.loss += loss;
-        self.steps += 1;
-    }
-
     fn mean_loss(&self) -> f64 {
-        self.loss / self.steps as f64
+        self.losses.iter().map(|l| l.loss).sum::<f64>() / self.losses.len() as f64
     }
 
     fn tokens_per_s(&self, tokens_per_step: usize) -> f64 {
-        (self.steps as usize * tokens_per_step) as f64 / self.start.elapsed().as_secs_f64()
+        (self.losses.len() * tokens_per_step) as f64 / self.start.elapsed().as_secs_f64()
+    }
+}
+
+impl Run {
+    /// Trains to the last step with `label` in front of its progress lines; returns every
+    /// evaluation of the run.
+    pub fn train(self, corpus: &Corpus, label: &str) -> Result<Vec<Metrics>, String> {
+        // Each step frees and allocates the same tensors: keep the memory rather than fault it
+        // in again.
+        attn::runtime::memory::keep_freed_memory();
+        Trainer::new(self, corpus)?.run(corpus, label)
     }
 }
 
 struct Trainer {
     config: ModelConfig,
     options: Options,
-    out: PathBuf,
+    folder: Folder,
+    /// The model's TOML, without `weights`.
+    model_toml: String,
+    data: super::state::DataPrint,
     varmap: VarMap,
     model: CandleModel,
-    /// AdamW over the matrices (with weight decay) and over the vectors (norms, biases: none).
-    optimizers: [AdamW; 2],
+    adamw: AdamW,
     step: u64,
     rng: Rng,
     metrics: Vec<Metrics>,
+    losses: Vec<StepLoss>,
 }
 
 impl Trainer {
-    fn new(
-        config: ModelConfig,
-        options: Options,
-        out: PathBuf,
-        resumed: Option<State>,
-    ) -> Result<Trainer, String> {
+    fn new(run: Run, corpus: &Corpus) -> Result<Trainer, String> {
         let candle = |e: attn::candle::core::Error| format!("error: {e}");
         let mut varmap = VarMap::new();
         let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
-        let model = CandleModel::new(&config, vb).map_err(candle)?;
-        if resumed.is_none() {
-            CandleModel::seed_weights(&varmap, options.seed).map_err(candle)?;
-        }
-        let (step, rng, metrics) = match &resumed {
-            Some(state) => {
-                varmap.load(out.join("model.safetensors")).map_err(|e| {
-                    format!(
-                        "error: --resume: {}: {e}",
-                        out.join("model.safetensors").display()
-                    )
-                })?;
-                (state.step, state.rng, read_metrics(&out, state.step)?)
-            }
-            None => (0, Rng::new(options.seed), Vec::new()),
-        };
+        let model = CandleModel::new(&run.config, vb).map_err(candle)?;
         let mut vars: Vec<(String, Var)> = varmap
             .data()
             .lock()
@@ -217,31 +286,56 @@ impl Trainer {
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
         vars.sort_by(|a, b| a.0.cmp(&b.0));
-        let (matrices, vectors): (Vec<_>, Vec<_>) = vars
-            .into_iter()
-            .map(|(_, v)| v)
-            .partition(|v| v.rank() >= 2);
-        let adamw = |vars: Vec<Var>, weight_decay: f64| {
-            let params = ParamsAdamW {
-                lr: options.lr,
-                beta1: 0.9,
-                beta2: 0.95,
-                eps: 1e-8,
-                weight_decay,
-            };
-            AdamW::new(vars, params).map_err(candle)
+        // Weight decay on the matrices only, not on norms and biases.
+        let decay = run.options.weight_decay;
+        let mut adamw = AdamW::new(
+            vars.into_iter()
+                .map(|(name, v)| {
+                    let d = if v.rank() >= 2 { decay } else { 0.0 };
+                    (name, v, d)
+                })
+                .collect(),
+        )
+        .map_err(candle)?;
+        let dir = run.folder.path().to_path_buf();
+        let (step, rng, metrics, losses) = match run.start {
+            Start::Seeded => {
+                CandleModel::seed_weights(&varmap, run.options.seed).map_err(candle)?;
+                (0, Rng::new(run.options.seed), Vec::new(), Vec::new())
+            }
+            Start::Weights(file) => {
+                varmap
+                    .load(&file)
+                    .map_err(|e| format!("error: --model: weights {}: {e}", file.display()))?;
+                eprintln!("starting from the weights in {}", file.display());
+                (0, Rng::new(run.options.seed), Vec::new(), Vec::new())
+            }
+            Start::Checkpoint(saved) => {
+                let s = &saved.state;
+                let weights = dir.join(s.weights());
+                varmap
+                    .load(&weights)
+                    .map_err(|e| format!("error: --resume: {}: {e}", weights.display()))?;
+                let moments = dir.join(s.optimizer());
+                adamw
+                    .load(&moments, s.step)
+                    .map_err(|e| format!("error: --resume: {}: {e}", moments.display()))?;
+                (s.step, s.rng, saved.metrics, saved.losses)
+            }
         };
-        let optimizers = [adamw(matrices, options.weight_decay)?, adamw(vectors, 0.0)?];
         Ok(Trainer {
-            config,
-            options,
-            out,
+            model_toml: research::config_to_toml(&run.config, None),
+            config: run.config,
+            options: run.options,
+            folder: run.folder,
+            data: corpus.print.clone(),
             varmap,
             model,
-            optimizers,
+            adamw,
             step,
             rng,
             metrics,
+            losses,
         })
     }
 
@@ -255,11 +349,14 @@ impl Trainer {
         if self.step >= o.steps {
             return Err(format!(
                 "error: the run in {} has done {} steps already, as many as it was asked for; \
-                 give --steps past {} to train further",
-                self.out.display(),
+                 give a larger --steps to train further (at most {})",
+                self.folder.path().display(),
                 self.step,
-                self.step
+                super::MAX_STEPS
             ));
+        }
+        if self.step == 0 {
+            self.check_parameters(0)?;
         }
         self.announce(corpus, &label);
         let bar = self.progress_bar();
@@ -268,31 +365,45 @@ impl Trainer {
         let mut window = Window::new();
         while self.step < o.steps {
             let step = self.step + 1;
-            let loss = self.train_step(corpus, step)?;
-            if !loss.is_finite() {
-                bar.abandon();
-                return Err(self.diverged(loss, step));
-            }
+            let lr = super::schedule::learning_rate(step, o.steps, o.warmup, o.lr);
+            let loss = match self.train_step(corpus, step, lr) {
+                Ok(loss) => loss,
+                Err(e) => {
+                    bar.abandon();
+                    return Err(e);
+                }
+            };
             self.step = step;
-            window.add(loss);
+            window.losses.push(StepLoss { step, loss, lr });
             let tokens_per_s = window.tokens_per_s(o.batch * o.seq);
             bar.set_message(format!("loss {loss:.3}, {tokens_per_s:.0} tokens/s"));
             bar.inc(1);
             if step.is_multiple_of(o.eval_every) || step == o.steps {
+                let val_loss = self.validation_loss(corpus)?;
+                if !val_loss.is_finite() {
+                    bar.abandon();
+                    return Err(self.diverged(&format!("the validation loss is {val_loss}")));
+                }
                 let metrics = Metrics {
                     step,
                     train_loss: window.mean_loss(),
-                    val_loss: self.validation_loss(corpus)?,
+                    val_loss,
                     tokens_per_s,
                     elapsed_s: elapsed_before + started.elapsed().as_secs_f64(),
                 };
                 let line = format!(
-                    "{label}step {step}: train loss {:.4}, validation loss {:.4}, {:.0} tokens/s",
-                    metrics.train_loss, metrics.val_loss, metrics.tokens_per_s
+                    "{label}step {step}: train loss {:.4} (mean of steps {}-{step}), validation \
+                     loss {:.4}, {:.0} tokens/s",
+                    metrics.train_loss,
+                    window.losses[0].step,
+                    metrics.val_loss,
+                    metrics.tokens_per_s
                 );
                 bar.suspend(|| println!("{line}"));
-                self.metrics.push(metrics);
-                self.checkpoint()?;
+                if let Err(e) = self.checkpoint(&window.losses, metrics) {
+                    bar.abandon();
+                    return Err(e);
+                }
                 window = Window::new();
             }
         }
@@ -313,6 +424,14 @@ impl Trainer {
             self.step,
             self.options.steps
         );
+        let unmasked = |s: &attn::AttentionSpec| s.mask == attn::Mask::None && s.mask_mod.is_none();
+        if self.config.attention.iter().any(unmasked) {
+            eprintln!(
+                "{label}warning: an attention kind has mask = none, so each position also sees \
+                 the tokens after it, the next one among them: its loss is not a language \
+                 model's"
+            );
+        }
     }
 
     fn progress_bar(&self) -> ProgressBar {
@@ -325,56 +444,107 @@ impl Trainer {
         bar
     }
 
-    /// The error of a loss that is not finite at `step`, naming the last good checkpoint.
-    fn diverged(&self, loss: f64, step: u64) -> String {
-        let last = self
-            .metrics
-            .last()
-            .map_or("none yet".to_string(), |m| format!("step {}", m.step));
+    /// The error of a run that stops at step `self.step + 1` because of `what`, naming the
+    /// last good checkpoint, which is left as it was.
+    fn diverged(&self, what: &str) -> String {
+        let (last, advice) = match self.metrics.last() {
+            Some(m) => (
+                format!("step {}", m.step),
+                format!(
+                    " (continue from it with a lower learning rate: --resume {} --lr {})",
+                    self.folder.path().display(),
+                    // Three significant digits: 0.0003, not 0.00030000000000000003.
+                    format!("{:.2e}", self.options.lr / 10.0)
+                        .parse::<f64>()
+                        .unwrap_or(self.options.lr / 10.0)
+                ),
+            ),
+            None => (
+                "none yet".to_string(),
+                " (start again with a lower --lr)".into(),
+            ),
+        };
         format!(
-            "error: the training loss is {loss} at step {step}; the last good checkpoint in {} is \
-             {last} (continue from it with --resume and a lower --lr)",
-            self.out.display()
+            "error: {what}; the last good checkpoint in {} is {last}{advice}",
+            self.folder.path().display()
         )
     }
 
-    /// One optimizer step at `step` (from 1); returns its training loss.
-    fn train_step(&mut self, corpus: &Corpus, step: u64) -> Result<f64, String> {
+    /// One optimizer step at `step` (from 1) with learning rate `lr`; returns its training loss.
+    /// A loss or gradient that is not finite stops the run before the weights change.
+    fn train_step(&mut self, corpus: &Corpus, step: u64, lr: f64) -> Result<f64, String> {
         let o = &self.options;
         let candle = |e: attn::candle::core::Error| format!("error: step {step}: {e}");
         let windows = corpus::windows(&corpus.train, o.batch, o.seq, &mut self.rng);
         let loss = self.loss(&windows).map_err(candle)?;
         let value = f64::from(loss.to_scalar::<f32>().map_err(candle)?);
         if !value.is_finite() {
-            return Ok(value);
+            self.check_parameters(step)?;
+            return Err(self.diverged(&format!("the training loss is {value} at step {step}")));
         }
         let mut grads = loss.backward().map_err(candle)?;
-        let vars = self.varmap.all_vars();
+        let vars = self.named_vars();
         let mut squares = 0.0;
-        for var in &vars {
+        for (name, var) in &vars {
             if let Some(g) = grads.get(var) {
-                squares += f64::from(
+                let sum = f64::from(
                     g.sqr()
                         .and_then(|s| s.sum_all())
                         .and_then(|s| s.to_scalar::<f32>())
                         .map_err(candle)?,
                 );
+                if !sum.is_finite() {
+                    return Err(self.diverged(&format!(
+                        "the gradient of {name} is not finite at step {step}"
+                    )));
+                }
+                squares += sum;
             }
         }
         let norm = squares.sqrt();
         if norm > CLIP_NORM {
-            for var in &vars {
+            for (_, var) in &vars {
                 if let Some(g) = grads.remove(var) {
                     grads.insert(var, (g * (CLIP_NORM / norm)).map_err(candle)?);
                 }
             }
         }
-        let lr = super::schedule::learning_rate(step, o.steps, o.warmup, o.lr);
-        for opt in &mut self.optimizers {
-            opt.set_learning_rate(lr);
-            opt.step(&grads).map_err(candle)?;
-        }
+        self.adamw.step(&grads, lr).map_err(candle)?;
         Ok(value)
+    }
+
+    /// The model's variables by name, in name order.
+    fn named_vars(&self) -> Vec<(String, Var)> {
+        let data = self
+            .varmap
+            .data()
+            .lock()
+            .expect("not poisoned: no step panics");
+        let mut vars: Vec<(String, Var)> =
+            data.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        vars
+    }
+
+    /// Stops the run at `step` when a parameter holds a value that is not finite, naming it.
+    fn check_parameters(&self, step: u64) -> Result<(), String> {
+        for (name, var) in self.named_vars() {
+            let values = var
+                .flatten_all()
+                .and_then(|t| t.to_vec1::<f32>())
+                .map_err(|e| format!("error: {name}: {e}"))?;
+            if let Some((i, v)) = values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+                let when = if step == 0 {
+                    "before the first step".to_string()
+                } else {
+                    format!("at step {step}")
+                };
+                return Err(self.diverged(&format!(
+                    "parameter {name} holds {v} (at flat index {i}) {when}"
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// Mean next-token cross-entropy of `[B, seq + 1]` windows.
@@ -406,25 +576,35 @@ impl Trainer {
         Ok(total / EVAL_BATCHES as f64)
     }
 
-    /// Writes the weights, the model's TOML, the state, the metrics and the plot.
-    fn checkpoint(&self) -> Result<(), String> {
-        let weights = self.out.join(".model.safetensors.partial");
-        self.varmap
-            .save(&weights)
-            .map_err(|e| format!("error: --out: cannot write {}: {e}", weights.display()))?;
-        std::fs::rename(&weights, self.out.join("model.safetensors"))
-            .map_err(|e| format!("error: --out: cannot write model.safetensors: {e}"))?;
-        let toml = research::config_to_toml(&self.config, Some("model.safetensors"));
-        write_atomically(&self.out, "model.toml", toml.as_bytes())?;
+    /// Checks the parameters, then writes the checkpoint of this step with its evaluation and
+    /// the steps since the one before.
+    fn checkpoint(&mut self, steps: &[StepLoss], metrics: Metrics) -> Result<(), String> {
+        self.check_parameters(self.step)?;
+        self.metrics.push(metrics);
+        self.losses.extend_from_slice(steps);
         let state = State {
             options: self.options.clone(),
             step: self.step,
             rng: self.rng,
+            model: self.model_toml.clone(),
+            data: self.data.clone(),
         };
-        write_atomically(&self.out, "state.json", state.to_json().as_bytes())?;
-        let lines: String = self.metrics.iter().map(|m| m.to_json() + "\n").collect();
-        write_atomically(&self.out, "metrics.jsonl", lines.as_bytes())?;
-        super::plot::loss_curves(&self.out.join("loss.svg"), &self.metrics)
+        let model_toml = research::config_to_toml(&self.config, Some(&state.weights()));
+        let out = |e: attn::candle::core::Error| e.to_string();
+        checkpoint::write(
+            &self.folder,
+            &state,
+            Writes {
+                weights: &|path| self.varmap.save(path).map_err(out),
+                optimizer: &|path| self.adamw.save(path).map_err(out),
+                losses: steps,
+                metrics,
+                model_toml: &model_toml,
+                plot: &|| {
+                    super::plot::loss_curves(&self.metrics, &self.losses, self.options.eval_every)
+                },
+            },
+        )
     }
 
     fn parameter_count(&self) -> usize {
