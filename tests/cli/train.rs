@@ -643,3 +643,186 @@ fn without_the_candle_feature_train_and_sweep_say_what_they_need() {
     assert!(!out.exists());
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// attnc under `ulimit -v KIB` (the process's address-space limit) with `args`.
+#[cfg(all(feature = "candle", target_os = "linux"))]
+fn attnc_limited(kib: u64, args: &[&str]) -> std::process::Output {
+    let quoted: Vec<String> = args.iter().map(|a| format!("'{a}'")).collect();
+    let script = format!(
+        "ulimit -v {kib} && exec {} {}",
+        env!("CARGO_BIN_EXE_attnc"),
+        quoted.join(" ")
+    );
+    std::process::Command::new("sh")
+        .args(["-c", &script])
+        .env("ATTN_CACHE_DIR", crate::test_cache())
+        .output()
+        .unwrap()
+}
+
+/// A 100 MB corpus trains in 600 MB of address space (it costs about 1.1 times its size, not
+/// the 9 times of bytes, ids and copies of both); one over the 1 GiB limit is refused by its
+/// size before it is read, and one the memory cannot hold before a byte is read.
+#[cfg(all(feature = "candle", target_os = "linux"))]
+#[test]
+fn a_corpus_costs_about_its_size_and_is_checked_before_it_is_read() {
+    let dir = folder("bigcorpus");
+    let m = model(&dir, 256);
+    let big = dir.join("big.txt");
+    let line = "the quick brown fox jumps over the lazy dog, again and again.\n";
+    let text = line.repeat(100_000_000 / line.len());
+    std::fs::write(&big, &text).unwrap();
+    let out = dir.join("run");
+    let o = attnc_limited(
+        600_000,
+        &[
+            "train",
+            "--model",
+            &m,
+            "--data",
+            big.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--steps",
+            "1",
+            "--seq",
+            "16",
+            "--batch",
+            "2",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let tokens = format!("on {} tokens", text.len());
+    assert!(stderr(&o).contains(&tokens), "{}", stderr(&o));
+    // Past the limit: refused by its size, which the message gives.
+    let huge = dir.join("huge.txt");
+    std::fs::File::create(&huge)
+        .unwrap()
+        .set_len(2 << 30)
+        .unwrap();
+    let o = train(
+        &m,
+        huge.to_str().unwrap(),
+        dir.join("r2").to_str().unwrap(),
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("2147483648 bytes; allowed: at most 1073741824"),
+        "{}",
+        stderr(&o)
+    );
+    // Within the limit but not the memory: refused naming the limit, before it is read.
+    let large = dir.join("large.txt");
+    std::fs::File::create(&large)
+        .unwrap()
+        .set_len(900 << 20)
+        .unwrap();
+    let o = attnc_limited(
+        400_000,
+        &[
+            "train",
+            "--model",
+            &m,
+            "--data",
+            large.to_str().unwrap(),
+            "--out",
+            dir.join("r3").to_str().unwrap(),
+        ],
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("the corpus would need") && stderr(&o).contains("RLIMIT_AS"),
+        "{}",
+        stderr(&o)
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A mixture-of-experts model whose activations the old estimate put at a few MB (it counted
+/// no experts) is refused with the memory it needs, not aborted by a failed allocation.
+#[cfg(all(feature = "candle", target_os = "linux"))]
+#[test]
+fn moe_activations_are_counted_before_training() {
+    let dir = folder("moe");
+    let data = corpus(&dir);
+    let m = dir.join("moe.toml");
+    std::fs::write(
+        &m,
+        "vocab = 256\nhidden = 64\nlayers = 1\n\
+         attention = \"heads = 4, head_dim = 16, mask = causal\"\n\
+         [moe]\nexperts = 64\ntop_k = 64\nintermediate = 4096\n",
+    )
+    .unwrap();
+    let o = attnc_limited(
+        3_000_000,
+        &[
+            "train",
+            "--model",
+            m.to_str().unwrap(),
+            "--data",
+            &data,
+            "--out",
+            dir.join("run").to_str().unwrap(),
+            "--batch",
+            "16",
+            "--seq",
+            "128",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(
+        err.contains("--batch 16 --seq 128: a training step's activations would need"),
+        "{err}"
+    );
+    assert!(!dir.join("run").exists(), "nothing written");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A run with a tokenizer named by a relative path resumes from any folder (the run keeps
+/// the absolute path).
+#[cfg(feature = "candle")]
+#[test]
+fn a_tokenized_run_resumes_from_another_folder() {
+    let dir = folder("tokenizer");
+    let m = model(&dir, 300);
+    let data = corpus(&dir);
+    let fixture = format!(
+        "{}/tests/fixtures/hf-tiny/llama_tokenizer/tokenizer.json",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    std::fs::copy(&fixture, dir.join("tokenizer.json")).unwrap();
+    let out = dir.join("run");
+    let run = |cwd: &Path, args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_attnc"))
+            .args(args)
+            .current_dir(cwd)
+            .env("ATTN_CACHE_DIR", crate::test_cache())
+            .output()
+            .unwrap()
+    };
+    let mut args = vec![
+        "train",
+        "--model",
+        &m,
+        "--data",
+        &data,
+        "--out",
+        out.to_str().unwrap(),
+        "--tokenizer",
+        "tokenizer.json",
+        "--steps",
+        "3",
+    ];
+    args.extend(SMALL);
+    let o = run(&dir, &args);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let elsewhere = std::env::temp_dir();
+    let o = run(
+        &elsewhere,
+        &["train", "--resume", out.to_str().unwrap(), "--steps", "6"],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    std::fs::remove_dir_all(&dir).ok();
+}

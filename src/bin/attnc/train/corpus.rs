@@ -217,6 +217,19 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_text_tokenized_in_pieces_has_the_ids_of_the_whole() {
+        let path = format!(
+            "{}/tests/fixtures/hf-tiny/llama_tokenizer/tokenizer.json",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let t = TextTokenizer::from_file(Path::new(&path)).unwrap();
+        let line = "The quick brown fox, héllo wörld.\n  indented line\n";
+        let text = line.repeat(2 * PIECE_BYTES / line.len() + 7);
+        assert!(text.len() > 2 * PIECE_BYTES);
+        assert_eq!(tokenize(&t, &text).unwrap(), t.encode(&text).unwrap());
+    }
+
+    #[test]
     fn pieces_end_at_line_breaks_or_characters_and_cover_the_text() {
         let line = "héllo wörld, the quick brown fox\n";
         let text = line.repeat(3 * PIECE_BYTES / line.len());
