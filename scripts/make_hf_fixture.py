@@ -240,6 +240,39 @@ FIXTURES = {
              rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
         "mistral: a window of 8 on every layer",
     ),
+    "deepseek_v3_halves": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(num_hidden_layers=2, num_key_value_heads=4, head_dim=8, kv_lora_rank=32,
+             q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+             first_k_dense_replace=2, rope_interleave=False,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        "deepseek_v3 with rope_interleave false: the rotary dims rotate as halves (rotate_half), "
+        "not as interleaved pairs; dense MLPs",
+    ),
+    "phi3_longrope_top": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(num_hidden_layers=2, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+             original_max_position_embeddings=32, max_position_embeddings=256,
+             rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                              "partial_rotary_factor": 1.0,
+                              "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+                              "long_factor": [1.0, 1.5, 2.4, 3.9, 6.0, 9.5, 14.0, 21.0]},
+             _saved_config={("rope_parameters", "original_max_position_embeddings"): 64}),
+        "phi3 with longrope whose config.json gives original_max_position_embeddings twice: 32 at "
+        "the top, 64 in rope_parameters; transformers takes the top-level 32",
+    ),
+    "llama_yarn_top": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(num_hidden_layers=2, original_max_position_embeddings=16,
+             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                              "original_max_position_embeddings": 16},
+             _saved_config={("rope_parameters", "original_max_position_embeddings"): 64}),
+        "llama with YaRN (factor 4) whose config.json gives original_max_position_embeddings "
+        "twice: 16 at the top, 64 in rope_parameters; transformers takes the top-level 16",
+    ),
     "qwen2_sliding": (
         "Qwen2Config",
         "Qwen2ForCausalLM",
@@ -315,6 +348,22 @@ def store_packed(out, packed):
         f.write("\n")
 
 
+def edit_saved_config(out, edits):
+    """Sets keys of the saved config.json, each given by its path: what a checkpoint written by
+    other tools holds where transformers' own save would have made the values agree."""
+    config_path = os.path.join(out, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    for path, value in edits.items():
+        node = config
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2)
+        f.write("\n")
+
+
 def main():
     if len(sys.argv) != 2 or sys.argv[1] not in FIXTURES:
         sys.exit(f"usage: make_hf_fixture.py NAME; NAME one of {', '.join(FIXTURES)}")
@@ -323,6 +372,7 @@ def main():
     keys = dict(keys)
     base = COMMON if keys.pop("_common", True) else {}
     mxfp4 = keys.pop("_mxfp4", False)
+    saved_config = keys.pop("_saved_config", {})
     config = getattr(transformers, config_class)(**{**base, **keys})
     config._attn_implementation = "eager"
     torch.manual_seed(SEED)
@@ -333,6 +383,8 @@ def main():
     model.save_pretrained(out, safe_serialization=True)
     if packed is not None:
         store_packed(out, packed)
+    if saved_config:
+        edit_saved_config(out, saved_config)
 
     g = torch.Generator().manual_seed(SEED + 1)
     ids = torch.randint(0, config.vocab_size, (1, T), generator=g)
@@ -355,6 +407,12 @@ def main():
         },
         os.path.join(out, "golden.safetensors"),
     )
+    if saved_config:
+        # transformers must read the edited file as the model it computed the logits of.
+        reloaded = getattr(transformers, model_class).from_pretrained(out, attn_implementation="eager")
+        with torch.no_grad():
+            again = reloaded.eval()(ids, use_cache=False).logits
+        assert (again - full).abs().max().item() < 1e-5, "the edited config.json reads differently"
     manifest_path = os.path.join(OUT, "manifest.json")
     with open(manifest_path) as f:
         manifest = json.load(f)

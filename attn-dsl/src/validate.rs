@@ -41,6 +41,25 @@ impl Findings {
         }
     }
 
+    /// A number kernels take as f32: positive, and within f32's range.
+    fn positive_f32(&mut self, field: &'static str, value: f64) {
+        if !(value > 0.0 && value <= f64::from(f32::MAX)) {
+            let shown = if value.abs() >= 1e16 {
+                format!("{value:e}")
+            } else {
+                value.to_string()
+            };
+            self.push(
+                field,
+                format!(
+                    "{field} = {shown} is invalid; allowed: a finite number greater than 0, at \
+                     most {:e} (f32's largest)",
+                    f32::MAX
+                ),
+            );
+        }
+    }
+
     fn at_least_one(&mut self, field: &'static str, value: f64) {
         if !(value.is_finite() && value >= 1.0) {
             self.push(
@@ -108,10 +127,10 @@ impl AttentionSpec {
             self.validate_rope(rope, &mut f);
         }
         if let Some(c) = self.softcap {
-            f.positive("softcap", c);
+            f.positive_f32("softcap", c);
         }
         if let Some(s) = self.scale {
-            f.positive("scale", s);
+            f.positive_f32("scale", s);
         }
         let bodies = [
             ("score_mod", self.score_mod.as_ref().map(|m| &m.body)),
@@ -291,6 +310,28 @@ impl AttentionSpec {
                 );
                 f.positive("position.scaling.attention_factor", l.attention_factor);
             }
+        }
+        Self::validate_attention_factor(rope, f);
+    }
+
+    /// cos and sin are multiplied by the scaling's attention factor, so every score by its
+    /// square: a square past f32's range makes every score infinite.
+    fn validate_attention_factor(rope: &Rope, f: &mut Findings) {
+        let factor = crate::reference::rope::attention_factor(rope);
+        let field = match rope.scaling {
+            RopeScaling::Yarn(_) => "position.scaling.mscale",
+            _ => "position.scaling.attention_factor",
+        };
+        if factor.is_finite() && factor * factor > f64::from(f32::MAX) {
+            f.push(
+                field,
+                format!(
+                    "the attention factor {factor:.3e} multiplies every score by its square, \
+                     {:.3e}, past f32's range; allowed: a factor of at most {:.3e}",
+                    factor * factor,
+                    f64::from(f32::MAX).sqrt()
+                ),
+            );
         }
     }
 }

@@ -374,6 +374,28 @@ fn masks_windows_and_softcaps_are_checked() {
         "softcap = ",
         "0",
     );
+    // Finite settings that scale every score past f32's range.
+    rejects(
+        "heads = 8, head_dim = 64, scale = 1e39",
+        "scale = 1e39 is invalid; allowed: a finite number greater than 0, at most 3.4028235e38",
+        "scale = ",
+        "1e39",
+    );
+    rejects(
+        "heads = 2, head_dim = 4, position = rope(scaling = longrope(short = [1.0, 1.0], \
+         long = [1.0, 2.0], original_max_position = 32, attention_factor = 1e30))",
+        "the attention factor 1.000e30 multiplies every score by its square, 1.000e60, past \
+         f32's range; allowed: a factor of at most 1.845e19",
+        "attention_factor = ",
+        "1e30",
+    );
+    rejects(
+        "heads = 2, head_dim = 4, position = rope(scaling = yarn(factor = 4.0, \
+         original_max_position = 32, mscale = 1e30, mscale_all_dim = 1.0))",
+        "the attention factor 1.218e29 multiplies every score by its square",
+        "mscale = ",
+        "1e30",
+    );
     rejects(
         "heads = 8, head_dim = 64, softcap = -3.5",
         "softcap = -3.5 is invalid",

@@ -122,6 +122,38 @@ fn configs_with_values_out_of_range_are_refused() {
         &["q_lora_rank"],
         "q_lora_rank = 0",
     );
+    // A clamp to a negative limit (f32::clamp panics on it), and settings that are finite but
+    // multiply the activations or scores past f32's range.
+    refused(
+        Scratch::of("gpt_oss", "limit")
+            .config("swiglu_limit", "-1.0")
+            .load(),
+        &[
+            "swiglu_limit = -1",
+            "allowed: a finite alpha and a finite limit above 0",
+        ],
+        "swiglu_limit = -1",
+    );
+    refused(
+        Scratch::of("deepseek_v3_moe", "routed")
+            .config("routed_scaling_factor", "1e300")
+            .load(),
+        &["routed scaling factor of 1e300", "that f32 holds"],
+        "routed_scaling_factor = 1e300",
+    );
+    let phi3: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture("phi3_longrope").join("config.json")).unwrap(),
+    )
+    .unwrap();
+    let mut rope = phi3["rope_parameters"].clone();
+    rope["attention_factor"] = serde_json::json!(1e30);
+    refused(
+        Scratch::of("phi3_longrope", "factor")
+            .config("rope_parameters", &rope.to_string())
+            .load(),
+        &["attention factor 1.000e30", "past f32's range"],
+        "attention_factor = 1e30",
+    );
 }
 
 #[test]
@@ -283,7 +315,8 @@ fn every_config_key_with_hostile_values_loads_or_errs() {
             1, 1], "long_factor": [1, 2, 3, 4, 5, 6, 7, 8], "factor": 4.0,
             "attention_factor": 1.2, "original_max_position_embeddings": 16}"#,
     ];
-    for name in [
+    // One thread per family: the cases are many, and independent.
+    let names = [
         "llama_gqa",
         "deepseek_v2_lite_mla",
         "qwen3_sliding",
@@ -294,47 +327,63 @@ fn every_config_key_with_hostile_values_loads_or_errs() {
         "bloom",
         "phi3_longrope",
         "cohere_qk_norm",
-    ] {
-        let text = std::fs::read_to_string(fixture(name).join("config.json")).unwrap();
-        let json: serde_json::Value = serde_json::from_str(&text).unwrap();
-        let mut edits: Vec<(Vec<String>, serde_json::Value)> = json
-            .as_object()
-            .unwrap()
-            .keys()
-            .map(|k| (vec![k.clone()], json.clone()))
-            .collect();
-        for scaling in scalings {
-            let mut base = json.clone();
-            base["rope_parameters"] = serde_json::from_str(scaling).unwrap();
-            for k in base["rope_parameters"].as_object().unwrap().keys() {
-                edits.push((vec!["rope_parameters".into(), k.clone()], base.clone()));
-            }
-        }
-        let scratch = Scratch::of(name, "hostile");
-        let original = scratch.0.join("config.json");
-        for (path, base) in &edits {
-            let key = path.join(".");
-            for value in hostile {
-                let mut edited = base.clone();
-                let slot = path.iter().fold(&mut edited, |v, k| &mut v[k.as_str()]);
-                *slot = serde_json::from_str(value).unwrap();
-                std::fs::write(&original, edited.to_string()).unwrap();
-                let result = std::panic::catch_unwind(|| scratch.load().map(|m| m.config));
-                match result {
-                    Err(_) => panic!("{name}: `{key}` = {value} panicked"),
-                    Ok(Ok(config)) => {
-                        // Whatever loaded must run.
-                        let model = scratch.load().unwrap();
-                        model
-                            .forward(&[1, 2, 3])
-                            .unwrap_or_else(|e| panic!("{name}: `{key}` = {value}: {e}"));
-                        assert!(config.validate().is_ok());
+        "gpt_oss",
+        "deepseek_v3_moe",
+        "granite",
+        "gemma2_softcap",
+    ];
+    std::thread::scope(|scope| {
+        for name in names {
+            scope.spawn(move || {
+                let text = std::fs::read_to_string(fixture(name).join("config.json")).unwrap();
+                let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+                let mut edits: Vec<(Vec<String>, serde_json::Value)> = json
+                    .as_object()
+                    .unwrap()
+                    .keys()
+                    .map(|k| (vec![k.clone()], json.clone()))
+                    .collect();
+                for scaling in scalings {
+                    let mut base = json.clone();
+                    base["rope_parameters"] = serde_json::from_str(scaling).unwrap();
+                    for k in base["rope_parameters"].as_object().unwrap().keys() {
+                        edits.push((vec!["rope_parameters".into(), k.clone()], base.clone()));
                     }
-                    Ok(Err(_)) => {}
                 }
-            }
+                let scratch = Scratch::of(name, "hostile");
+                let original = scratch.0.join("config.json");
+                for (path, base) in &edits {
+                    let key = path.join(".");
+                    for value in hostile {
+                        let mut edited = base.clone();
+                        let slot = path.iter().fold(&mut edited, |v, k| &mut v[k.as_str()]);
+                        *slot = serde_json::from_str(value).unwrap();
+                        std::fs::write(&original, edited.to_string()).unwrap();
+                        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            let model = scratch.load()?;
+                            // Whatever loaded must run, to finite logits (the fixtures' weights are
+                            // small: a non-finite logit is a setting that should have been refused).
+                            let logits = model.forward(&[1, 2, 3]);
+                            Ok::<_, RuntimeError>((model.config, logits))
+                        }));
+                        match result {
+                            Err(_) => panic!("{name}: `{key}` = {value} panicked"),
+                            Ok(Ok((config, logits))) => {
+                                let logits = logits
+                                    .unwrap_or_else(|e| panic!("{name}: `{key}` = {value}: {e}"));
+                                assert!(
+                                    logits.iter().all(|l| l.is_finite()),
+                                    "{name}: `{key}` = {value}: logits that are not finite"
+                                );
+                                assert!(config.validate().is_ok());
+                            }
+                            Ok(Err(_)) => {}
+                        }
+                    }
+                }
+            });
         }
-    }
+    });
 }
 
 /// Every key of a research TOML config set to every hostile value: a config and a model that

@@ -305,6 +305,42 @@ fn phi3_longrope_matches_transformers() {
     check("phi3_longrope", 24);
 }
 
+/// A top-level `original_max_position_embeddings` wins over the RoPE parameters' own, as in
+/// transformers: phi3's LongRoPE switches factors past 32 (not 64) and its attention factor
+/// counts from 32; llama's YaRN ramps from 16 (not 64).
+#[test]
+fn a_top_level_original_max_position_wins_for_longrope_and_yarn() {
+    let rope = |name: &str| {
+        hf::config(&dir(name)).unwrap().attention[0]
+            .rope()
+            .unwrap()
+            .scaling
+            .clone()
+    };
+    let attn_dsl::RopeScaling::LongRope(l) = rope("phi3_longrope_top") else {
+        panic!("longrope");
+    };
+    assert_eq!(l.original_max_position, 32);
+    assert!((l.attention_factor - (1.0 + 8f64.ln() / 32f64.ln()).sqrt()).abs() < 1e-12);
+    check("phi3_longrope_top", 24);
+    let attn_dsl::RopeScaling::Yarn(y) = rope("llama_yarn_top") else {
+        panic!("yarn");
+    };
+    assert_eq!(y.original_max_position, 16);
+    check("llama_yarn_top", 24);
+}
+
+/// DeepSeek-V3 with `rope_interleave: false` rotates its rotary dims as halves.
+#[test]
+fn deepseek_v3_without_rope_interleave_rotates_halves() {
+    let config = hf::config(&dir("deepseek_v3_halves")).unwrap();
+    assert_eq!(
+        config.attention[0].rope().unwrap().layout,
+        attn_dsl::RopeLayout::Half
+    );
+    check("deepseek_v3_halves", 24);
+}
+
 /// cohere with `use_qk_norm`: a bias-free LayerNorm over each head's q and k, each head with its
 /// own weights.
 #[test]

@@ -322,10 +322,14 @@ impl Moe {
                 ));
             }
         }
-        if !(self.scale.is_finite() && self.scale > 0.0) {
+        // The scale multiplies f32 activations: one past f32's range makes every output
+        // infinite, then NaN.
+        if !(self.scale > 0.0 && self.scale <= f64::from(f32::MAX)) {
             return err(format!(
-                "a routed scaling factor of {}; allowed: a finite number above 0",
-                self.scale
+                "a routed scaling factor of {:e}; allowed: a number above 0 that f32 holds (at \
+                 most {:e})",
+                self.scale,
+                f32::MAX
             ));
         }
         if let Some(width) = self.shared.map(|s| s.width)
@@ -472,6 +476,14 @@ impl ModelConfig {
                 "model config: fused `gate_up_proj` needs a gated MLP (swiglu or geglu)".into(),
             ));
         }
+        if let MlpKind::ClampedSwiGlu { alpha, limit } = self.mlp
+            && !(alpha.is_finite() && limit.is_finite() && limit > 0.0)
+        {
+            return Err(RuntimeError::Data(format!(
+                "model config: a clamped SwiGLU with swiglu_alpha = {alpha} and swiglu_limit = \
+                 {limit}; allowed: a finite alpha and a finite limit above 0"
+            )));
+        }
         if let Some(moe) = &self.moe {
             moe.validate(self.layers)?;
         }
@@ -479,7 +491,8 @@ impl ModelConfig {
             crate::error::check_spec(spec)?;
             if self.qk_norm.is_some() && spec.mla().is_some() {
                 return Err(RuntimeError::Data(
-                    "model config: norms on q and k (`qk_norm`) with MLA attention are not                      supported"
+                    "model config: norms on q and k (`qk_norm`) with MLA attention are not \
+                     supported"
                         .into(),
                 ));
             }

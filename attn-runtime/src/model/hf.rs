@@ -143,7 +143,16 @@ fn rope(c: Fields, dim: usize, layout: RopeLayout) -> Result<Rope, RuntimeError>
     // transformers 5 nests everything in `rope_parameters`; older files use `rope_theta` and
     // `rope_scaling`.
     let (params, kind) = rope_params(c)?;
-    rope_from(c, params, kind, dim, layout)
+    rope_from(c, params, kind, dim, layout, Outer::Priority)
+}
+
+/// Whether a top-level `original_max_position_embeddings` (phi3's place for it) wins over
+/// the RoPE parameters' own: transformers gives it priority for one RoPE of the whole model,
+/// not for RoPEs given per layer type.
+#[derive(Clone, Copy, PartialEq)]
+enum Outer {
+    Priority,
+    Ignored,
 }
 
 /// The RoPE of the layers of `layer_type` (gemma3 keys `rope_parameters` by layer type:
@@ -169,16 +178,18 @@ fn rope_of_type(
     };
     let (newer, older) = (params.str_opt("rope_type")?, params.str_opt("type")?);
     let kind = newer.or(older).unwrap_or("default");
-    rope_from(c, Some(params), kind, dim, layout)
+    rope_from(c, Some(params), kind, dim, layout, Outer::Ignored)
 }
 
-/// The RoPE of `kind` from its parameters `params` (and the top-level keys it falls back on).
+/// The RoPE of `kind` from its parameters `params` (and the top-level keys it falls back on,
+/// or that win over them where `outer` says so).
 fn rope_from(
     c: Fields,
     params: Option<Fields>,
     kind: &str,
     dim: usize,
     layout: RopeLayout,
+    outer: Outer,
 ) -> Result<Rope, RuntimeError> {
     let num = |k: &str| params.map_or(Ok(None), |p| p.float_opt(k));
     // Every key a scaling reads is type-checked whatever the scaling, and so is the position
@@ -195,9 +206,15 @@ fn rope_from(
         .float_opt("rope_theta")?
         .or(c.float_opt("rotary_emb_base")?);
     let base = num("rope_theta")?.or(outer_base).unwrap_or(10_000.0);
+    let top = match outer {
+        Outer::Priority => c.uint_opt("original_max_position_embeddings")?,
+        Outer::Ignored => None,
+    };
+    // The scalings transformers moves a top-level value into the parameters for.
+    let takes_top = matches!(kind, "yarn" | "llama3");
     let original = || {
         let nested = params.map_or(Ok(None), |p| p.uint_opt("original_max_position_embeddings"))?;
-        match nested {
+        match top.filter(|_| takes_top).or(nested) {
             Some(n) => Ok(n as u64),
             None => c
                 .uint_opt("max_position_embeddings")?
@@ -221,8 +238,8 @@ fn rope_from(
             original_max_position: original()?,
         },
         // LongRoPE; phi3 reads the older `su` and `yarn` as it.
-        "longrope" | "su" => longrope(c, params, dim)?,
-        "yarn" if c.str_opt("model_type")? == Some("phi3") => longrope(c, params, dim)?,
+        "longrope" | "su" => longrope(c, params, dim, top)?,
+        "yarn" if c.str_opt("model_type")? == Some("phi3") => longrope(c, params, dim, top)?,
         "yarn" => {
             let mut yarn = Yarn::new(factor()?, original()?);
             yarn.beta_fast = num("beta_fast")?.unwrap_or(yarn.beta_fast);
@@ -266,10 +283,16 @@ fn rope_from(
 }
 
 /// LongRoPE over `dim` rotated dims, as transformers reads it: `short_factor` and `long_factor`
-/// (one per rotated pair), `original_max_position_embeddings` (in the parameters, or at the
-/// top as phi3 keeps it), and `attention_factor`, by default `sqrt(1 + ln s / ln original)`
-/// for `s = factor` (by default `max_position_embeddings / original`) above 1, else 1.
-fn longrope(c: Fields, params: Option<Fields>, dim: usize) -> Result<RopeScaling, RuntimeError> {
+/// (one per rotated pair), `original_max_position_embeddings` (`top`, the top-level value as
+/// phi3 keeps it, first; else the parameters'), and `attention_factor`, by default
+/// `sqrt(1 + ln s / ln original)` for `s = factor` (by default `max_position_embeddings /
+/// original`) above 1, else 1.
+fn longrope(
+    c: Fields,
+    params: Option<Fields>,
+    dim: usize,
+    top: Option<usize>,
+) -> Result<RopeScaling, RuntimeError> {
     let path = c.path();
     let p = params.ok_or_else(|| bad(path, "rope type `longrope` needs its parameters"))?;
     let pairs = dim / 2;
@@ -283,16 +306,9 @@ fn longrope(c: Fields, params: Option<Fields>, dim: usize) -> Result<RopeScaling
         .ok_or_else(|| bad(path, format!("rope type `longrope` needs `{key}`")))
     };
     let (short, long) = (list("short_factor")?, list("long_factor")?);
-    let original = match p.uint_opt("original_max_position_embeddings")? {
+    let original = match top.or(p.uint_opt("original_max_position_embeddings")?) {
         Some(n) => n,
-        None => c
-            .uint_opt("original_max_position_embeddings")?
-            .ok_or_else(|| {
-                bad(
-                    path,
-                    "rope type `longrope` needs original_max_position_embeddings",
-                )
-            })?,
+        None => c.uint("max_position_embeddings")?,
     };
     let factor = match p.float_opt("factor")? {
         Some(f) => f,
@@ -750,9 +766,15 @@ fn deepseek_attention(c: Fields, heads: usize) -> Result<AttentionSpec, RuntimeE
         c.uint("v_head_dim")?,
         c.uint("kv_lora_rank")?,
     );
-    // Counts are at most u32::MAX (`Fields::uint`). DeepSeek rotates interleaved pairs; its
-    // softmax scale is 1/sqrt(nope + rope), times YaRN's mscale(factor, mscale_all_dim)^2 where
-    // the config sets mscale_all_dim.
+    // Counts are at most u32::MAX (`Fields::uint`). DeepSeek rotates interleaved pairs (V3
+    // halves under `rope_interleave: false`); its softmax scale is 1/sqrt(nope + rope), times
+    // YaRN's mscale(factor, mscale_all_dim)^2 where the config sets mscale_all_dim.
+    let layout = match c.str_opt("model_type")? {
+        Some("deepseek_v3") if c.has("rope_interleave") && !c.flag("rope_interleave")? => {
+            RopeLayout::Half
+        }
+        _ => RopeLayout::Interleaved,
+    };
     Ok(AttentionSpec {
         kv: KvLayout::Mla(Mla {
             latent_rank: r as u32,
@@ -760,7 +782,7 @@ fn deepseek_attention(c: Fields, heads: usize) -> Result<AttentionSpec, RuntimeE
         }),
         v_head_dim: dv as u32,
         mask: Mask::Causal(CausalAlign::BottomRight),
-        position: Position::Rope(rope(c, dr, RopeLayout::Interleaved)?),
+        position: Position::Rope(rope(c, dr, layout)?),
         scale: Some(deepseek_scale(c, dn + dr)?),
         ..AttentionSpec::new(heads as u32, dn as u32)
     })
