@@ -580,3 +580,45 @@ fn nan_scores_reach_only_the_key_gradients_of_pairs_their_rows_keep() {
         }
     }
 }
+
+/// Scores up to 0.91 of `f32::MAX` from a modifier that multiplies by 3.4e38, with large
+/// queries and small keys, in every dtype: finite scores, so finite rows, on the CPU forward
+/// and decode and the GPU kernels alike. (The factor was once moved into the queries as they
+/// load, where `12 * 6.1e37` overflowed: those rows came out NaN on the CPU.)
+#[test]
+fn scores_near_f32_max_from_a_modifier_are_finite_rows() {
+    for dtype in ["f32", "f16", "bf16"] {
+        let text = format!(
+            "heads = 2, head_dim = 16, mask = causal, dtype = {dtype}, score_mod = |s, b, h, \
+             q, k| s * 3.4e38"
+        );
+        let mut case = Case::new(&text, 24, 24);
+        // Raw scores (q.k / 4) of 3 k: 0.47 to 0.91, every key's its own within 20 (exact in
+        // 16 bits).
+        for (i, q) in case.q.iter_mut().enumerate() {
+            *q = if i % 16 == 0 { 12.0 } else { 0.0 };
+        }
+        for (i, k) in case.k.iter_mut().enumerate() {
+            *k = if i % 16 == 0 {
+                (20 + i / 16 % 20) as f32 / 128.0
+            } else {
+                0.0
+            };
+        }
+        let want = case.reference();
+        let largest = want.lse.data().iter().fold(0.0f64, |m, l| m.max(*l)) / f64::from(f32::MAX);
+        assert!(
+            largest > 0.9 && largest < 1.0,
+            "the largest row's lse is {largest} of f32::MAX"
+        );
+        assert!(nan_rows(want.lse.data(), 24).is_empty());
+        let what = format!("{dtype}, scores to {largest:.2} of f32::MAX");
+        matches_reference(&case, &what);
+        outputs_match(
+            &format!("{what}, GPU"),
+            &case.spec,
+            &case.gpu_forward(),
+            &want,
+        );
+    }
+}

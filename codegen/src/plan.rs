@@ -266,6 +266,11 @@ impl KernelPlan {
         program.score = fold(&scale(&program.score, std::f64::consts::LOG2_E / 2.0));
         let mut q_scale = 1.0;
         while let Some((score, factor)) = hoist_score_factor(&program.score) {
+            // Only factors that shrink q: a larger one (a modifier's `s * 3.4e38`) could make a
+            // query element overflow f32 before any score does, and its row NaN.
+            if (q_scale * factor).abs() > 1.0 {
+                break;
+            }
             program.score = score;
             q_scale *= factor;
         }
@@ -483,7 +488,8 @@ pub enum TileCode {
 /// When every use of the raw score is `score * c` (or `score / d`, `c = 1/d`) with one constant
 /// `c`, the program with those replaced by `score`, and `c`: `(q * c) . k == c * (q . k)` up to
 /// rounding, so the kernel scales q once per row instead of every score. Applied until nothing
-/// is left to hoist (softcap's `score * s / cap` hoists both factors).
+/// is left to hoist (softcap's `score * s / cap` hoists both factors), or until the factor would
+/// grow q (the caller keeps such factors in the program).
 fn hoist_score_factor(score: &Expr) -> Option<(Expr, f64)> {
     fn factors(e: &Expr, found: &mut Vec<Option<f64>>) {
         match e {
