@@ -465,3 +465,54 @@ fn a_spec_with_parameters_ships_its_gpu_forward_decode_and_backward_kernels() {
         }
     }
 }
+
+/// `min` and `max` carry NaN, as PyTorch's `minimum` and `maximum`: a learned value that became
+/// NaN makes the rows that read it NaN on every backend, as in the reference, rather than
+/// clamping it away (`max(NaN, 0)` was 0, and a run trained on with a NaN parameter).
+#[test]
+fn min_and_max_carry_a_nan_parameter_to_its_rows() {
+    for text in [
+        "heads = 2, head_dim = 16, mask = causal, params(t: [heads]), \
+         score_mod = |s, b, h, q, k| s + max(t[h], 0.0) * (k - q) as f32",
+        "heads = 2, head_dim = 16, mask = causal, params(t: [heads]), \
+         score_mod = |s, b, h, q, k| s + min(max(t[h], -1.0), 1.0)",
+        "heads = 2, head_dim = 16, mask = causal, params(t: [heads]), \
+         score_mod = |s, b, h, q, k| s * t[h].min(2.0)",
+    ] {
+        let mut case = Case::new(text, 1, 24, 24, 0);
+        // Head 0 reads NaN, head 1 a number.
+        let nan = Tensor::from_f32(&[2], vec![f32::NAN, 0.5]).unwrap();
+        case.learned.0[0].1 = nan;
+        case.learned.1[0].values = vec![f64::NAN, 0.5];
+        let want =
+            reference::attention_learned(&case.spec, &case.reference_inputs(), &case.learned.1)
+                .unwrap();
+        let lse = want.lse.data();
+        assert!(
+            lse[..24].iter().all(|l| l.is_nan()),
+            "{text}: head 0 is NaN"
+        );
+        assert!(
+            lse[24..].iter().all(|l| l.is_finite()),
+            "{text}: head 1 is not"
+        );
+        for backend in [&CpuBackend::new() as &dyn Backend, &GpuSim] {
+            let got = case.forward(backend);
+            let what = format!("{text} on {}", backend.name());
+            compare(
+                &format!("{what}: lse"),
+                &got.lse.to_f32_vec(),
+                lse,
+                1e-4,
+                1e-5,
+            );
+            compare(
+                &format!("{what}: out"),
+                &got.out.to_f32_vec(),
+                want.out.data(),
+                5e-5,
+                5e-4,
+            );
+        }
+    }
+}

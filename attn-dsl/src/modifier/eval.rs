@@ -196,6 +196,9 @@ fn binary(op: BinOp, a: Value, b: Value) -> Value {
                 Mul => Value::F(x * y),
                 Div => Value::F(x / y),
                 Rem => Value::F(x % y),
+                // NaN when either is NaN, as PyTorch's `minimum` and `maximum` (Rust's
+                // `min` and `max` return the other operand).
+                Min | Max if x.is_nan() || y.is_nan() => Value::F(f64::NAN),
                 Min => Value::F(x.min(y)),
                 Max => Value::F(x.max(y)),
                 _ => Value::B(match x.partial_cmp(&y) {

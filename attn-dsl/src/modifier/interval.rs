@@ -400,10 +400,9 @@ fn floating(op: BinOp, (al, ah, an): (f64, f64, bool), (bl, bh, bn): (f64, f64, 
             let nan = nan || (bl <= 0.0 && 0.0 <= bh) || al.is_infinite() || ah.is_infinite();
             float(&[al.min(0.0).max(-m), ah.max(0.0).min(m)], nan)
         }
-        // f64::min/max return the other operand for NaN: with NaN possible, the hull.
-        BinOp::Min | BinOp::Max if nan => float(&[al, ah, bl, bh], an && bn),
-        BinOp::Min => float(&[al.min(bl), ah.min(bh)], false),
-        BinOp::Max => float(&[al.max(bl), ah.max(bh)], false),
+        // A NaN operand makes the result NaN (as PyTorch's `minimum` and `maximum`).
+        BinOp::Min => float(&[al.min(bl), ah.min(bh)], nan),
+        BinOp::Max => float(&[al.max(bl), ah.max(bh)], nan),
         _ => {
             let t = compare(op, (al, ah), (bl, bh));
             // NaN makes every comparison false except `!=`.

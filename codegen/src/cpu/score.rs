@@ -318,7 +318,7 @@ impl ScoreLowering<'_> {
                     let qy = fx.b.ins().fmul(q, y);
                     Lanes::F(fx.b.ins().fsub(x, qy))
                 }
-                BinOp::Min | BinOp::Max => Lanes::F(rust_min_max(fx, op, x, y, true)),
+                BinOp::Min | BinOp::Max => Lanes::F(float_min_max(fx, op, x, y)),
                 cmp => Lanes::B(fx.b.ins().fcmp(float_cc(cmp), x, y)),
             },
             (Lanes::Affine { base: x, step: sx }, Lanes::Affine { base: y, step: sy })
@@ -412,7 +412,7 @@ impl ScoreLowering<'_> {
                             let qy = fx.b.ins().fmul(q, y);
                             Scalar::F(fx.b.ins().fsub(x, qy))
                         }
-                        BinOp::Min | BinOp::Max => Scalar::F(rust_min_max(fx, *op, x, y, false)),
+                        BinOp::Min | BinOp::Max => Scalar::F(float_min_max(fx, *op, x, y)),
                         cmp => Scalar::B(fx.b.ins().fcmp(float_cc(*cmp), x, y)),
                     },
                     (Scalar::I(x), Scalar::I(y)) => match int_cc(*op) {
@@ -529,24 +529,13 @@ impl ScoreLowering<'_> {
     }
 }
 
-/// `x.min(y)` / `x.max(y)` as Rust defines them: a NaN operand yields the other operand
-/// (Cranelift's `fmin`/`fmax` propagate NaN).
-fn rust_min_max(fx: &mut Fx, op: BinOp, x: Value, y: Value, vector: bool) -> Value {
-    let m = if op == BinOp::Min {
+/// `min(x, y)` / `max(x, y)` of floats: NaN when either is NaN (as PyTorch's `minimum` and
+/// `maximum`), which Cranelift's `fmin`/`fmax` give.
+fn float_min_max(fx: &mut Fx, op: BinOp, x: Value, y: Value) -> Value {
+    if op == BinOp::Min {
         fx.b.ins().fmin(x, y)
     } else {
         fx.b.ins().fmax(x, y)
-    };
-    let x_nan = fx.b.ins().fcmp(FloatCC::Unordered, x, x);
-    let y_nan = fx.b.ins().fcmp(FloatCC::Unordered, y, y);
-    if vector {
-        let x_nan = fx.b.ins().bitcast(F32X4, MemFlagsData::new(), x_nan);
-        let y_nan = fx.b.ins().bitcast(F32X4, MemFlagsData::new(), y_nan);
-        let r = fx.b.ins().bitselect(x_nan, y, m);
-        fx.b.ins().bitselect(y_nan, x, r)
-    } else {
-        let r = fx.b.ins().select(x_nan, y, m);
-        fx.b.ins().select(y_nan, x, r)
     }
 }
 

@@ -96,6 +96,13 @@ pub(crate) fn program(e: &M, env: &Env) -> Expr {
                 let zero = bin(Bin::Eq, y.clone(), i64(0));
                 let safe = select(zero.clone(), i64(1), y);
                 select(zero, i64(0), bin(op_ir, x, safe))
+            } else if float && matches!(op, BinOp::Min | BinOp::Max) {
+                // `min.f32` and `max.f32` return the other operand for NaN; the semantics say
+                // NaN, as PyTorch's `minimum` and `maximum` (`x != x` holds for NaN alone).
+                let m = bin(op_ir, x.clone(), y.clone());
+                let y_nan = bin(Bin::Ne, y.clone(), y.clone());
+                let x_nan = bin(Bin::Ne, x.clone(), x.clone());
+                select(x_nan, x, select(y_nan, y, m))
             } else {
                 bin(op_ir, x, y)
             }
