@@ -256,3 +256,158 @@ fn moe_and_mla_families_run_resident_on_gpu_sim_as_on_the_cpu() {
         }
     }
 }
+
+/// Prompts are measured against the model's context before they cost time or memory: a
+/// 300 KB prompt on a 256-position checkpoint is refused at once, and a 16 MiB one under a
+/// 1.5 GB address-space limit too (tokenized whole it took 3 GB). An empty prompt file is
+/// named as such.
+#[test]
+fn prompts_past_the_context_are_refused_before_they_are_tokenized_whole() {
+    let dir = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/hf-tiny/llama_tokenizer"
+    );
+    let long = crate::temp("long-prompt.txt");
+    std::fs::write(&long, "attention is all you need.\n".repeat(300_000 / 27)).unwrap();
+    let o = attnc(&[
+        "generate",
+        "--model",
+        dir,
+        "--prompt-file",
+        long.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("the prompt (--prompt-file) is")
+            && stderr(&o).contains("allowed: at most 256 (the model's context"),
+        "{}",
+        stderr(&o)
+    );
+    #[cfg(target_os = "linux")]
+    {
+        let huge = crate::temp("huge-prompt.txt");
+        let line = "attention is all you need.\n";
+        std::fs::write(&huge, line.repeat((16 << 20) / line.len() - 1)).unwrap();
+        let script = format!(
+            "ulimit -v 1500000 && exec {} generate --model {dir} --prompt-file {}",
+            env!("CARGO_BIN_EXE_attnc"),
+            huge.display()
+        );
+        let o = std::process::Command::new("sh")
+            .args(["-c", &script])
+            .env("ATTN_CACHE_DIR", crate::test_cache())
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+        assert!(
+            stderr(&o).contains("allowed: at most 256"),
+            "{}",
+            stderr(&o)
+        );
+    }
+    let empty = crate::temp("empty-prompt.txt");
+    std::fs::write(&empty, "").unwrap();
+    let o = attnc(&[
+        "generate",
+        "--model",
+        dir,
+        "--prompt-file",
+        empty.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("error: --prompt-file is empty once tokenized"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+/// A research model of 256 ids reads its prompt as bytes and writes text back.
+#[test]
+fn byte_level_models_take_text() {
+    let toml = crate::temp("bytes.toml");
+    std::fs::write(
+        &toml,
+        "vocab = 256\nhidden = 32\nlayers = 1\n\
+         attention = \"heads = 2, head_dim = 16, mask = causal, position = rope\"\n",
+    )
+    .unwrap();
+    let o = attnc(&[
+        "generate",
+        "--model",
+        toml.to_str().unwrap(),
+        "--prompt",
+        "héllo",
+        "--max-new-tokens",
+        "8",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("8 tokens"),
+        "the text path's rates: {}",
+        stderr(&o)
+    );
+    // Random weights write random bytes, as text: never a list of ids.
+    assert!(
+        !stdout(&o)
+            .trim()
+            .split(',')
+            .all(|t| t.parse::<u32>().is_ok()),
+        "{}",
+        stdout(&o)
+    );
+}
+
+/// A checkpoint whose weights hold NaN gives NaN logits: generation stops with an error
+/// saying so, rather than printing token 0 again and again.
+#[test]
+fn a_model_with_nan_logits_generates_nothing() {
+    let from = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/hf-tiny/llama_gqa"
+    );
+    let dir = crate::temp("nan-llama");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(format!("{from}/config.json"), dir.join("config.json")).unwrap();
+    let bytes = std::fs::read(format!("{from}/model.safetensors")).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let tensors: Vec<(String, Vec<u8>, Vec<usize>, safetensors::Dtype)> = file
+        .tensors()
+        .into_iter()
+        .map(|(name, t)| {
+            let mut data = t.data().to_vec();
+            if name == "model.norm.weight" {
+                data[..4].copy_from_slice(&f32::NAN.to_le_bytes());
+            }
+            (name, data, t.shape().to_vec(), t.dtype())
+        })
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .map(|(n, d, s, t)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*t, s.clone(), d).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    for sampling in [&[][..], &["--temperature", "0.8"][..]] {
+        let mut args = vec![
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--tokens",
+            "1,2,3",
+        ];
+        args.extend(sampling);
+        let o = attnc(&args);
+        assert_eq!(o.status.code(), Some(2), "{sampling:?}: {}", stderr(&o));
+        assert!(
+            stderr(&o).contains("the model's logits hold NaN"),
+            "{}",
+            stderr(&o)
+        );
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

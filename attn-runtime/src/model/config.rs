@@ -20,6 +20,9 @@ pub struct ModelConfig {
     pub attention: Vec<AttentionSpec>,
     /// The kind of each layer, repeating: layer `i` has `attention[pattern[i % pattern.len()]]`.
     pub pattern: Vec<usize>,
+    /// The most positions the model was made for, where its checkpoint says
+    /// (`max_position_embeddings`); `None` for research models.
+    pub context: Option<usize>,
     /// Norms on the queries and keys before RoPE (RMSNorm, with the model's epsilon).
     pub qk_norm: Option<QkNorm>,
     /// Where the norms sit around each sublayer.

@@ -82,6 +82,12 @@ pub(crate) fn choose(
     sampling: &Sampling,
     rng: &mut Rng,
 ) -> Result<u32, RuntimeError> {
+    if let Some(i) = logits.iter().position(|l| l.is_nan()) {
+        return Err(RuntimeError::Data(format!(
+            "the model's logits hold NaN (token {i}'s among them): its weights or the prompt \
+             make values that are not finite, so no token is chosen from them"
+        )));
+    }
     if sampling.temperature <= 0.0 {
         return ops
             .argmax(logits, logits.len())?

@@ -416,6 +416,7 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
         layers,
         attention,
         pattern,
+        context: c.uint_opt("max_position_embeddings")?,
         qk_norm: match family.as_str() {
             "qwen3" | "qwen3_moe" | "gemma3_text" => Some(QkNorm::PerHead),
             "olmo2" => Some(QkNorm::Whole),

@@ -26,7 +26,7 @@ pub use config::{
 };
 pub use device::DeviceModel;
 pub use generate::{Progress, Request, Sampling};
-pub use text::{TextStream, TextTokenizer};
+pub use text::{PIECE_BYTES, TOKENIZER_BYTES_PER_BYTE, TextStream, TextTokenizer, pieces};
 
 use crate::backend::Backend;
 use crate::cache::{PagedCache, SeqId};

@@ -186,6 +186,7 @@ pub fn config_from_toml(text: &str) -> Result<ModelConfig, RuntimeError> {
         layers,
         attention,
         pattern,
+        context: None,
         qk_norm,
         placement,
         norm,

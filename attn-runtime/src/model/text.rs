@@ -12,14 +12,29 @@ const MAX_TOKENIZER_BYTES: u64 = 256 << 20;
 /// given out as decoded (with its U+FFFD) rather than decoded again and again.
 const MAX_HELD_TOKENS: usize = 16;
 
-/// A checkpoint's tokenizer.
+/// Bytes of memory the `tokenizers` crate takes per byte of text it tokenizes at once (about
+/// 190 measured: its encoding keeps offsets, words and token strings beside the ids).
+pub const TOKENIZER_BYTES_PER_BYTE: u64 = 200;
+
+/// A checkpoint's tokenizer, or the bytes of UTF-8 text as ids 0 to 255 (a byte-level
+/// research model's).
 pub struct TextTokenizer {
-    inner: tokenizers::Tokenizer,
+    /// `None` for bytes.
+    inner: Option<tokenizers::Tokenizer>,
     /// One past the largest token id it knows (added tokens included).
     ids: u64,
 }
 
 impl TextTokenizer {
+    /// Text as its UTF-8 bytes, ids 0 to 255, and back (a character split across tokens waits
+    /// for its last byte, as with byte-level tokenizers).
+    pub fn bytes() -> TextTokenizer {
+        TextTokenizer {
+            inner: None,
+            ids: 256,
+        }
+    }
+
     /// Reads `dir/tokenizer.json` (a regular file of at most 256 MiB). Its `padding` and
     /// `truncation` settings are dropped: transformers' `tokenizer(text)` applies neither.
     pub fn from_dir(dir: &Path) -> Result<TextTokenizer, RuntimeError> {
@@ -57,7 +72,10 @@ impl TextTokenizer {
             .map(|&id| u64::from(id) + 1)
             .max()
             .unwrap_or(0);
-        Ok(TextTokenizer { inner, ids })
+        Ok(TextTokenizer {
+            inner: Some(inner),
+            ids,
+        })
     }
 
     /// One past the largest token id the tokenizer knows (added tokens included).
@@ -83,18 +101,61 @@ impl TextTokenizer {
     /// The token ids of `text`, with the special tokens the tokenizer's post-processor adds
     /// (as transformers' `tokenizer(text)` does).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, RuntimeError> {
-        let encoding = self
-            .inner
+        let Some(inner) = &self.inner else {
+            return Ok(text.bytes().map(u32::from).collect());
+        };
+        let encoding = inner
             .encode(text, true)
             .map_err(|e| RuntimeError::Data(format!("cannot tokenize the prompt: {e}")))?;
         Ok(encoding.get_ids().to_vec())
     }
 
+    /// The token ids of `text`, or an error when they are more than `limit`, found without
+    /// tokenizing all of a long text at once: a text of more than a piece is counted a piece
+    /// at a time (pieces ending at line breaks, [`pieces`]) and refused as soon as the count
+    /// passes `limit`; one that fits is then tokenized whole (the ids of the whole can differ
+    /// from the pieces' where a piece boundary splits what the tokenizer would join), its
+    /// memory checked first. `what` names the text in errors.
+    pub fn encode_within(
+        &self,
+        text: &str,
+        limit: usize,
+        what: &str,
+    ) -> Result<Vec<u32>, RuntimeError> {
+        let too_many = |at_least: usize| {
+            RuntimeError::Data(format!(
+                "{what} is {at_least} tokens or more; allowed: at most {limit}"
+            ))
+        };
+        if text.len() > PIECE_BYTES && self.inner.is_some() {
+            let mut count = 0usize;
+            for (i, piece) in pieces(text, PIECE_BYTES).enumerate() {
+                count += if i == 0 {
+                    self.encode(piece)?.len()
+                } else {
+                    self.encode_plain(piece)?.len()
+                };
+                if count > limit {
+                    return Err(too_many(count));
+                }
+            }
+            let need = (text.len() as u64).saturating_mul(TOKENIZER_BYTES_PER_BYTE);
+            crate::memory::ensure_fits(&format!("tokenizing {what}"), Some(need))?;
+        }
+        let ids = self.encode(text)?;
+        if ids.len() > limit {
+            return Err(too_many(ids.len()));
+        }
+        Ok(ids)
+    }
+
     /// The token ids of `text` without special tokens: a piece of a longer text, tokenized
     /// after its first piece.
     pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>, RuntimeError> {
-        let encoding = self
-            .inner
+        let Some(inner) = &self.inner else {
+            return Ok(text.bytes().map(u32::from).collect());
+        };
+        let encoding = inner
             .encode(text, false)
             .map_err(|e| RuntimeError::Data(format!("cannot tokenize the text: {e}")))?;
         Ok(encoding.get_ids().to_vec())
@@ -102,7 +163,13 @@ impl TextTokenizer {
 
     /// The text of `ids` (special tokens kept, as transformers' `decode` does by default).
     pub fn decode(&self, ids: &[u32]) -> Result<String, RuntimeError> {
-        self.inner.decode(ids, false).map_err(|e| {
+        let Some(inner) = &self.inner else {
+            let bytes: Option<Vec<u8>> = ids.iter().map(|&id| u8::try_from(id).ok()).collect();
+            return bytes
+                .map(|b| String::from_utf8_lossy(&b).into_owned())
+                .ok_or_else(|| RuntimeError::Data(format!("ids past 255 are no bytes: {ids:?}")));
+        };
+        inner.decode(ids, false).map_err(|e| {
             let shown: Vec<u32> = ids.iter().copied().take(16).collect();
             RuntimeError::Data(format!("cannot decode tokens {shown:?}: {e}"))
         })
@@ -117,6 +184,36 @@ impl TextTokenizer {
             settled_text: String::new(),
         }
     }
+}
+
+/// Bytes of text tokenized at a time when a long text is counted or tokenized in pieces.
+pub const PIECE_BYTES: usize = 256 << 10;
+
+/// `text` in pieces of at most `max` bytes (at least 4), each ending at the last line break
+/// within them, or at the last character boundary where a line is longer; together they are
+/// the text.
+pub fn pieces(text: &str, max: usize) -> impl Iterator<Item = &str> {
+    let max = max.max(4);
+    let mut rest = text;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let piece = if rest.len() <= max {
+            rest
+        } else {
+            let mut end = max;
+            while !rest.is_char_boundary(end) {
+                end -= 1;
+            }
+            match rest[..end].rfind('\n') {
+                Some(line) if line > 0 => &rest[..=line],
+                _ => &rest[..end],
+            }
+        };
+        rest = &rest[piece.len()..];
+        Some(piece)
+    })
 }
 
 /// Generated text, piece by piece, in time linear in the tokens.
@@ -189,6 +286,60 @@ impl TextStream<'_> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn pieces_end_at_line_breaks_or_characters_and_cover_the_text() {
+        let line = "héllo wörld, the quick brown fox\n";
+        let text = line.repeat(3 * PIECE_BYTES / line.len());
+        let mut joined = String::new();
+        let all: Vec<&str> = pieces(&text, PIECE_BYTES).collect();
+        for (i, piece) in all.iter().enumerate() {
+            assert!(piece.len() <= PIECE_BYTES && !piece.is_empty());
+            if i + 1 < all.len() {
+                assert!(piece.ends_with('\n'), "{:?}", &piece[piece.len() - 10..]);
+            }
+            joined.push_str(piece);
+        }
+        assert_eq!(joined, text);
+        // One long line of two-byte characters: cut at a character boundary.
+        let wide = "é".repeat(PIECE_BYTES);
+        assert_eq!(
+            pieces(&wide, PIECE_BYTES).next().unwrap().len(),
+            PIECE_BYTES
+        );
+        let odd = format!("x{wide}");
+        assert_eq!(
+            pieces(&odd, PIECE_BYTES).next().unwrap().len(),
+            PIECE_BYTES - 1
+        );
+    }
+
+    #[test]
+    fn bytes_are_text_and_back() {
+        let t = TextTokenizer::bytes();
+        let ids = t.encode("héllo").unwrap();
+        assert_eq!(ids, [104, 195, 169, 108, 108, 111]);
+        assert_eq!(t.decode(&ids).unwrap(), "héllo");
+        // A character split across tokens waits for its last byte.
+        let mut stream = t.stream();
+        let pieces: Vec<String> = ids.iter().map(|&id| stream.push(id).unwrap()).collect();
+        assert_eq!(pieces, ["h", "", "é", "l", "l", "o"]);
+        assert!(
+            stream
+                .push(256)
+                .unwrap_err()
+                .to_string()
+                .contains("no text for")
+        );
+        let e = t
+            .encode_within("hello", 3, "the prompt")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("the prompt is 5 tokens or more; allowed: at most 3"),
+            "{e}"
+        );
+    }
+
     use super::*;
 
     fn tokenizer() -> TextTokenizer {

@@ -31,6 +31,10 @@ pub struct Args {
     /// Prompt text read from a file (UTF-8, at most 16 MiB), tokenized as --prompt is.
     #[arg(long, value_name = "PATH")]
     prompt_file: Option<PathBuf>,
+    /// The tokenizer.json for --prompt and the text out (default: the checkpoint's own; for a
+    /// research model of 256 ids, bytes).
+    #[arg(long, value_name = "FILE")]
+    tokenizer: Option<PathBuf>,
     /// Most tokens to generate.
     #[arg(long, value_name = "N", default_value_t = 32)]
     max_new_tokens: usize,
@@ -81,8 +85,8 @@ pub fn command(args: Args) -> Result<(), String> {
     };
     let prompt = match (&args.tokens, args.prompt, &args.prompt_file) {
         (Some(ids), _, _) => Prompt::Ids(parse_tokens(ids)?),
-        (None, Some(text), _) => Prompt::Text(text),
-        (None, None, Some(path)) => Prompt::Text(read_prompt(path)?),
+        (None, Some(text), _) => Prompt::Text(text, "--prompt"),
+        (None, None, Some(path)) => Prompt::Text(read_prompt(path)?, "--prompt-file"),
         (None, None, None) => {
             return Err(
                 "error: a prompt is needed: --tokens IDS, --prompt TEXT or --prompt-file PATH"
@@ -95,6 +99,7 @@ pub fn command(args: Args) -> Result<(), String> {
         sampling,
         stop,
         backend: args.backend,
+        tokenizer: args.tokenizer,
     };
     let out = generate(&args.model, args.init_seed, prompt, generation)?;
     println!("{out}");
@@ -110,10 +115,10 @@ fn read_prompt(path: &Path) -> Result<String, String> {
         .map_err(|e| format!("error: --prompt-file {}: {e}", path.display()))
 }
 
-/// A prompt: token ids, or text for the checkpoint's tokenizer.
+/// A prompt: token ids, or text for the model's tokenizer and the flag that gave it.
 enum Prompt {
     Ids(Vec<u32>),
-    Text(String),
+    Text(String, &'static str),
 }
 
 /// How long and how to generate.
@@ -122,6 +127,68 @@ struct Generation {
     sampling: Sampling,
     stop: Vec<u32>,
     backend: Backend,
+    tokenizer: Option<PathBuf>,
+}
+
+/// The tokenizer of text for the model at `path`: `--tokenizer`, the checkpoint's own, or bytes
+/// for a research model of 256 ids.
+fn tokenizer_for(path: &Path, given: Option<&Path>, vocab: usize) -> Result<TextTokenizer, String> {
+    let err = |e: attn::runtime::RuntimeError| format!("error: {e}");
+    match given {
+        Some(file) => {
+            TextTokenizer::from_file(file).map_err(|e| format!("error: --tokenizer: {e}"))
+        }
+        None if path.is_dir() => TextTokenizer::from_dir(path).map_err(err),
+        None if vocab == 256 => Ok(TextTokenizer::bytes()),
+        None => Err(format!(
+            "error: {} is a research model of {vocab} token ids, which has no tokenizer: give \
+             its tokenizer.json with --tokenizer, or ids with --tokens",
+            path.display()
+        )),
+    }
+}
+
+/// The prompt's ids, checked against the model's context (its `max_position_embeddings`)
+/// before a long text is tokenized whole; warns when the generation would run past it.
+fn prompt_ids(
+    prompt: Prompt,
+    tokenizer: Option<&TextTokenizer>,
+    config: &attn::runtime::model::ModelConfig,
+    max_new_tokens: usize,
+) -> Result<Vec<u32>, String> {
+    let context = config.context.unwrap_or(usize::MAX);
+    let (ids, flag) = match prompt {
+        Prompt::Ids(ids) => (ids, "--tokens"),
+        Prompt::Text(text, flag) => {
+            let tokenizer = tokenizer.expect("a tokenizer for text");
+            let what = format!("the prompt ({flag})");
+            let ids = tokenizer
+                .encode_within(&text, context, &what)
+                .map_err(|e| {
+                    format!("error: {e} (the model's context, max_position_embeddings)")
+                })?;
+            if ids.is_empty() {
+                return Err(format!("error: {flag} is empty once tokenized"));
+            }
+            (ids, flag)
+        }
+    };
+    if ids.len() > context {
+        return Err(format!(
+            "error: {flag}: the prompt is {} tokens; allowed: at most {context}, the model's \
+             context (max_position_embeddings)",
+            ids.len()
+        ));
+    }
+    if ids.len().saturating_add(max_new_tokens) > context {
+        eprintln!(
+            "warning: the prompt's {} tokens and --max-new-tokens {max_new_tokens} run past the \
+             model's context of {context} positions (max_position_embeddings); tokens past it \
+             are extrapolation",
+            ids.len()
+        );
+    }
+    Ok(ids)
 }
 
 /// Generates from one prompt with the model at `path`. Ids in: returns the new ids, with a
@@ -129,30 +196,16 @@ struct Generation {
 /// returns what is still held back, and prints the rates on stderr at the end.
 fn generate(path: &Path, seed: u64, prompt: Prompt, args: Generation) -> Result<String, String> {
     let err = |e: attn::runtime::RuntimeError| format!("error: {e}");
+    let config = crate::model_load::load_config(path)?;
     let tokenizer = match &prompt {
-        Prompt::Text(_) if path.is_file() => {
-            return Err(format!(
-                "error: {} is a research model, which has no tokenizer; use --tokens",
-                path.display()
-            ));
-        }
-        Prompt::Text(_) => Some(TextTokenizer::from_dir(path).map_err(err)?),
+        Prompt::Text(..) => Some(tokenizer_for(
+            path,
+            args.tokenizer.as_deref(),
+            config.vocab,
+        )?),
         Prompt::Ids(_) => None,
     };
-    let ids = match prompt {
-        Prompt::Ids(ids) => ids,
-        Prompt::Text(text) => {
-            let ids = tokenizer
-                .as_ref()
-                .expect("read above")
-                .encode(&text)
-                .map_err(err)?;
-            if ids.is_empty() {
-                return Err("error: --prompt is empty once tokenized".to_string());
-            }
-            ids
-        }
-    };
+    let ids = prompt_ids(prompt, tokenizer.as_ref(), &config, args.max_new_tokens)?;
     // Each step frees and allocates the same activations: keep the memory rather than fault
     // it in again.
     attn::runtime::memory::keep_freed_memory();

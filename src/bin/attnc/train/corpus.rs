@@ -9,16 +9,11 @@
 use super::state::DataPrint;
 use attn::candle::core::{Device, Tensor};
 use attn::codegen::gpu::ir::target::bytes_hash;
-use attn::runtime::model::TextTokenizer;
+use attn::runtime::model::{PIECE_BYTES, TOKENIZER_BYTES_PER_BYTE, TextTokenizer, pieces};
 use std::path::Path;
 
 /// Largest corpus read (bytes).
 pub const MAX_CORPUS_BYTES: u64 = 1 << 30;
-
-/// A tokenized corpus is tokenized in pieces of about this many bytes, each ending at a line
-/// break where there is one (the tokenizer's own memory grows with what it is given: about 190
-/// bytes per byte of text).
-const PIECE_BYTES: usize = 256 << 10;
 
 /// Token ids: bytes for a byte-level model, else 32-bit ids.
 pub enum Ids {
@@ -98,7 +93,7 @@ pub fn read(
     // more ids than bytes, bar a few special ones) and one piece's tokenizer memory.
     let need = match tokenizer {
         None => size + size / 10,
-        Some(_) => 5 * size + 190 * PIECE_BYTES as u64,
+        Some(_) => 5 * size + TOKENIZER_BYTES_PER_BYTE * PIECE_BYTES as u64,
     };
     attn::runtime::memory::ensure_fits("the corpus", Some(need))
         .map_err(|e| format!("error: --data {shown}: {e}"))?;
@@ -145,41 +140,21 @@ pub fn read(
     })
 }
 
-/// `text`'s ids, tokenized a piece at a time: the first with the tokenizer's special tokens
-/// (as `tokenizer(text)` adds them), the rest without.
+/// `text`'s ids, tokenized a piece at a time ([`pieces`]: the tokenizer's memory grows with
+/// what it is given): the first with the tokenizer's special tokens (as `tokenizer(text)`
+/// adds them), the rest without.
 fn tokenize(t: &TextTokenizer, text: &str) -> Result<Vec<u32>, String> {
     let mut ids = Vec::new();
-    let mut rest = text;
-    let mut first = true;
-    while !rest.is_empty() {
-        let piece = piece_of(rest);
-        let more = if first {
+    for (i, piece) in pieces(text, PIECE_BYTES).enumerate() {
+        let more = if i == 0 {
             t.encode(piece)
         } else {
             t.encode_plain(piece)
         }
         .map_err(|e| e.to_string())?;
         ids.extend_from_slice(&more);
-        rest = &rest[piece.len()..];
-        first = false;
     }
     Ok(ids)
-}
-
-/// The first piece of `text`: all of it when short, else up to the last line break within
-/// [`PIECE_BYTES`] (or the last character boundary there, for text without line breaks).
-fn piece_of(text: &str) -> &str {
-    if text.len() <= PIECE_BYTES {
-        return text;
-    }
-    let mut end = PIECE_BYTES;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    match text[..end].rfind('\n') {
-        Some(line) if line > 0 => &text[..=line],
-        _ => &text[..end],
-    }
 }
 
 impl Corpus {
@@ -227,29 +202,5 @@ mod tests {
         let text = line.repeat(2 * PIECE_BYTES / line.len() + 7);
         assert!(text.len() > 2 * PIECE_BYTES);
         assert_eq!(tokenize(&t, &text).unwrap(), t.encode(&text).unwrap());
-    }
-
-    #[test]
-    fn pieces_end_at_line_breaks_or_characters_and_cover_the_text() {
-        let line = "héllo wörld, the quick brown fox\n";
-        let text = line.repeat(3 * PIECE_BYTES / line.len());
-        let mut rest = text.as_str();
-        let mut joined = String::new();
-        while !rest.is_empty() {
-            let piece = piece_of(rest);
-            assert!(piece.len() <= PIECE_BYTES && !piece.is_empty());
-            if piece.len() < rest.len() {
-                assert!(piece.ends_with('\n'), "{:?}", &piece[piece.len() - 10..]);
-            }
-            joined.push_str(piece);
-            rest = &rest[piece.len()..];
-        }
-        assert_eq!(joined, text);
-        // One long line of two-byte characters: cut at a character boundary.
-        let wide = "é".repeat(PIECE_BYTES);
-        let piece = piece_of(&wide);
-        assert_eq!(piece.len(), PIECE_BYTES);
-        let odd = format!("x{wide}");
-        assert_eq!(piece_of(&odd).len(), PIECE_BYTES - 1);
     }
 }
