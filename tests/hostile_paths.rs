@@ -430,20 +430,35 @@ fn a_model_past_the_address_space_limit_is_refused_not_aborted() {
          attention = \"heads = 32, head_dim = 128\"\n",
     )
     .unwrap();
-    let script = format!(
-        "ulimit -v 4000000 && exec {} params --model {}",
-        env!("CARGO_BIN_EXE_attnc"),
-        toml.display()
-    );
-    let mut command = Command::new("sh");
-    command
-        .args(["-c", &script])
-        .env("ATTN_CACHE_DIR", dir.join("cache"))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let o = finish(command, "params under ulimit -v");
+    let limited = |args: &str| {
+        let script = format!(
+            "ulimit -v 4000000 && exec {} {args} --model {}",
+            env!("CARGO_BIN_EXE_attnc"),
+            toml.display()
+        );
+        let mut command = Command::new("sh");
+        command
+            .args(["-c", &script])
+            .env("ATTN_CACHE_DIR", dir.join("cache"))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        finish(command, &format!("{args} under ulimit -v"))
+    };
+    let out = dir.join("logits.safetensors");
+    let o = limited(&format!("logits --tokens 1 --output {}", out.display()));
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("RLIMIT_AS"), "{}", stderr(&o));
+    // Counting its parameters makes no weights: it answers under the same limit.
+    let o = limited("params");
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    // 32000 x 4096 embedding and LM head (tied: once), 16 x (4 x 4096^2 attention + 3 x 4096
+    // x 11008 MLP + 2 x 4096 norms), and the final norm.
+    let total: u64 = 32000 * 4096 + 16 * (4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096) + 4096;
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains(&format!("{:<10} {total:>14}", "total")),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
+    );
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -298,6 +298,7 @@ fn norm_placements_geglu_and_qk_norms_decode_as_their_full_forward() {
         let model = Model::random(&c, 5).unwrap();
         let parts: u64 = model.parameters().iter().map(|(_, n)| n).sum();
         assert_eq!(parts, c.weight_count().unwrap(), "{extra}");
+        assert_eq!(model.parameters(), c.parameters().unwrap(), "{extra}");
         let err = incremental_error(&model, 9, 4);
         assert!(err < 1e-4, "{extra}: incremental against full: {err}");
         let back = attn_runtime::model::research::config_to_toml(&c, None);
@@ -320,6 +321,8 @@ fn mixture_of_experts_in_toml_and_its_errors() {
     let model = Model::random(&c, 5).unwrap();
     let parts: u64 = model.parameters().iter().map(|(_, n)| n).sum();
     assert_eq!(parts, c.weight_count().unwrap());
+    assert_eq!(model.parameters(), c.parameters().unwrap());
+    assert_eq!(model.expert_weights(), c.expert_weights());
     let err = incremental_error(&model, 9, 4);
     assert!(err < 1e-4, "incremental against full: {err}");
     let back = attn_runtime::model::research::config_to_toml(&c, None);
@@ -392,4 +395,17 @@ fn incremental_error(model: &Model, n: usize, prefill: usize) -> f32 {
         .zip(&steps)
         .map(|(a, b)| (a - b).abs())
         .fold(0f32, f32::max)
+}
+
+/// A pattern naming more layers than the model has is refused, not cut.
+#[test]
+fn a_pattern_longer_than_the_layers_is_refused() {
+    let text = "vocab = 16\nhidden = 8\nlayers = 2\npattern = [\"a\", \"a\", \"b\"]\n\
+                [attention]\na = \"heads = 2, head_dim = 4\"\nb = \"heads = 2, head_dim = 4, \
+                mask = causal\"\n";
+    let e = config_from_toml(text).unwrap_err().to_string();
+    assert!(
+        e.contains("`pattern` names 3 layers' kinds for 2 layers; allowed: at most 2"),
+        "{e}"
+    );
 }

@@ -826,3 +826,47 @@ fn a_tokenized_run_resumes_from_another_folder() {
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// The run's model.toml is the model as written: kinds keep their names (not kind0, kind1), and
+/// `generate` loads it.
+#[cfg(feature = "candle")]
+#[test]
+fn a_run_keeps_the_models_kind_names() {
+    let dir = folder("kinds");
+    let data = corpus(&dir);
+    let m = dir.join("hybrid.toml");
+    std::fs::write(
+        &m,
+        "vocab = 256\nhidden = 32\nlayers = 3\npattern = [\"local\", \"local\", \"global\"]\n\
+         [attention]\nlocal = \"heads = 2, head_dim = 16, mask = sliding_window(4)\"\n\
+         global = \"heads = 2, head_dim = 16, mask = causal\"\n",
+    )
+    .unwrap();
+    let out = dir.join("run");
+    let o = train(
+        m.to_str().unwrap(),
+        &data,
+        out.to_str().unwrap(),
+        &["--steps", "3"],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let toml = std::fs::read_to_string(out.join("model.toml")).unwrap();
+    assert!(
+        toml.contains("pattern = [\"local\", \"local\", \"global\"]")
+            && toml.contains("local = \"heads = 2, head_dim = 16, mask = sliding_window(4)\"")
+            && !toml.contains("kind0"),
+        "{toml}"
+    );
+    assert!(toml.contains("weights = \"model-3.safetensors\""), "{toml}");
+    let o = attnc(&[
+        "generate",
+        "--model",
+        out.join("model.toml").to_str().unwrap(),
+        "--tokens",
+        "1,2",
+        "--max-new-tokens",
+        "2",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -577,49 +577,82 @@ impl ModelConfig {
     /// counted without overflow; `None` when it does not fit in 64 bits. DeepSeek's optional
     /// low-rank query factoring is not counted (the checkpoint's files bound that one).
     pub fn weight_count(&self) -> Option<u64> {
-        let [d, inter, vocab] = [self.hidden, self.intermediate, self.vocab].map(|v| v as u64);
+        self.parameters()?
+            .iter()
+            .try_fold(0u64, |sum, (_, n)| sum.checked_add(*n))
+    }
+
+    /// The weights by part, as [`super::Model::parameters`] counts a model's: the embedding,
+    /// the attention, the MLPs and the norms summed over layers, and the LM head (0 when
+    /// tied); `None` past 64 bits. Counted from the config alone, without making the weights.
+    pub fn parameters(&self) -> Option<Vec<(&'static str, u64)>> {
+        let [d, vocab] = [self.hidden, self.vocab].map(|v| v as u64);
         let norm = if self.norm == NormKind::Layer && self.norm_bias {
             2 * d
         } else {
             d
         };
-        let mlp_mats = if self.mlp.gated() { 3 } else { 2 };
-        // The biases of one MLP `w` wide: one per output of each projection.
-        let mlp_bias = |w: u64| match self.mlp_bias {
-            true => (mlp_mats - 1) * w + d,
-            false => 0,
-        };
         let norms = self.placement.norm_names().iter().flatten().count() as u64;
-        let mut total = 0u64;
+        let (mut attention, mut mlp) = (0u64, 0u64);
         for i in 0..self.layers {
             // In a validated config every product fits easily (widths below 2^20, vocabularies
             // below 2^24, MLP widths below 2^22, heads and head dims below 2^11); the sums are
             // checked all the same.
-            let mlp = match &self.moe {
-                Some(moe) if moe.sparse[i] => {
-                    let (e, w) = (moe.experts as u64, moe.intermediate as u64);
-                    let shared = moe.shared.map_or(0, |s| {
-                        let gate = if s.gated { d } else { 0 };
-                        let s = s.width as u64;
-                        mlp_mats * d * s + mlp_bias(s) + gate
-                    });
-                    // DeepSeek-V3's correction bias, gpt-oss's router bias: one per expert.
-                    let per_expert = match (moe.router, moe.names) {
-                        (Router::SigmoidGroups { .. }, _) | (_, ExpertNames::GptOss) => e,
-                        _ => 0,
-                    };
-                    e * d + per_expert + e * (mlp_mats * d * w + mlp_bias(w)) + shared
-                }
-                _ => mlp_mats * d * inter + mlp_bias(inter),
-            };
-            let layer = self
-                .attention_weights(self.layer_attention(i))
-                .checked_add(mlp)?
-                .checked_add(norms * norm)?;
-            total = total.checked_add(layer)?;
+            attention = attention.checked_add(self.attention_weights(self.layer_attention(i)))?;
+            mlp = mlp.checked_add(self.mlp_weights(i))?;
         }
-        let heads = if self.tie_embeddings { 1 } else { 2 };
-        total.checked_add(heads * vocab * d)?.checked_add(norm)
+        let layer_norms = (self.layers as u64).checked_mul(norms * norm)?;
+        let embed_norm = if self.embed_norm { norm } else { 0 };
+        Some(vec![
+            ("embedding", vocab * d),
+            ("attention", attention),
+            ("mlp", mlp),
+            ("norms", layer_norms.checked_add(norm + embed_norm)?),
+            ("lm_head", if self.tie_embeddings { 0 } else { vocab * d }),
+        ])
+    }
+
+    /// The weights of one expert of the model's MoE layers (0 without experts).
+    pub fn expert_weights(&self) -> u64 {
+        let Some(moe) = &self.moe else { return 0 };
+        let (d, w) = (self.hidden as u64, moe.intermediate as u64);
+        self.mlp_matrices() * d * w + self.mlp_bias(w)
+    }
+
+    /// Projections of an MLP: three when gated, else two.
+    fn mlp_matrices(&self) -> u64 {
+        if self.mlp.gated() { 3 } else { 2 }
+    }
+
+    /// The biases of one MLP `w` wide: one per output of each projection.
+    fn mlp_bias(&self, w: u64) -> u64 {
+        match self.mlp_bias {
+            true => (self.mlp_matrices() - 1) * w + self.hidden as u64,
+            false => 0,
+        }
+    }
+
+    /// The weights of layer `i`'s MLP: dense, or its experts, router and shared expert.
+    fn mlp_weights(&self, i: usize) -> u64 {
+        let [d, inter] = [self.hidden, self.intermediate].map(|v| v as u64);
+        let mats = self.mlp_matrices();
+        match &self.moe {
+            Some(moe) if moe.sparse[i] => {
+                let e = moe.experts as u64;
+                let shared = moe.shared.map_or(0, |s| {
+                    let gate = if s.gated { d } else { 0 };
+                    let s = s.width as u64;
+                    mats * d * s + self.mlp_bias(s) + gate
+                });
+                // DeepSeek-V3's correction bias, gpt-oss's router bias: one per expert.
+                let per_expert = match (moe.router, moe.names) {
+                    (Router::SigmoidGroups { .. }, _) | (_, ExpertNames::GptOss) => e,
+                    _ => 0,
+                };
+                e * d + per_expert + e * self.expert_weights() + shared
+            }
+            _ => mats * d * inter + self.mlp_bias(inter),
+        }
     }
 
     /// The weights of one layer's attention of `spec`: projections, biases, q/k norms and

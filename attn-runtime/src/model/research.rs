@@ -179,6 +179,13 @@ pub fn config_from_toml(text: &str) -> Result<ModelConfig, RuntimeError> {
             "`layers` = {layers} is out of range; allowed: 1 to {MAX_LAYERS}"
         )));
     }
+    if pattern.len() > layers {
+        return Err(err(format!(
+            "`pattern` names {} layers' kinds for {layers} layers; allowed: at most {layers} (the \
+             pattern repeats over the layers, so a longer one would be cut)",
+            pattern.len()
+        )));
+    }
     let mlp_width = int("intermediate")?.unwrap_or(default_intermediate(mlp, hidden));
     let config = ModelConfig {
         vocab: required("vocab")?,
@@ -486,6 +493,20 @@ pub fn config_to_toml(config: &ModelConfig, weights: Option<&str>) -> String {
         table.insert("weights".into(), toml::Value::String(w.to_string()));
     }
     table.to_string()
+}
+
+/// A research model's TOML text with its `weights` key set to `weights` (or removed when
+/// `None`), everything else as written: kind names, key order and values (comments are not
+/// kept). The text must parse as TOML.
+pub fn with_weights(text: &str, weights: Option<&str>) -> Result<String, RuntimeError> {
+    let mut table: toml::Table = text
+        .parse()
+        .map_err(|e| RuntimeError::Data(format!("model config: {e}")))?;
+    table.remove("weights");
+    if let Some(w) = weights {
+        table.insert("weights".into(), toml::Value::String(w.to_string()));
+    }
+    Ok(table.to_string())
 }
 
 /// `path`'s name in front of a config error.

@@ -2,29 +2,52 @@
 //! bytes.
 
 use attn::dsl::accounting::kv_cache_bytes_per_token;
-use attn::runtime::model::Model;
 use std::path::PathBuf;
 
 /// `attnc params`'s arguments.
 #[derive(clap::Args)]
 pub struct Args {
     /// Checkpoint directory (config.json and *.safetensors), or a research model's TOML
-    /// file (random weights).
+    /// file (counted from its config).
     #[arg(long, value_name = "PATH")]
     model: PathBuf,
-    /// Seed of a research model's random weights.
-    #[arg(long, value_name = "S", default_value_t = 0)]
-    init_seed: u64,
     /// Length for the cache size.
     #[arg(long, value_name = "N", default_value_t = 4096)]
     seq: u64,
 }
 
-/// `attnc params`.
+/// `attnc params`: a checkpoint's parts counted from its tensors; a research model's from its
+/// config alone (no weights are made, so a 7B-shaped TOML answers at once).
 pub fn command(args: Args) -> Result<(), String> {
-    let model = crate::model_load::load(&args.model, args.init_seed)?;
-    println!("{}", params(&model, args.seq)?);
+    let config;
+    let model;
+    let counts = if args.model.is_file() {
+        config = crate::model_load::load_config(&args.model)?;
+        let parts = config
+            .parameters()
+            .ok_or("error: the model's parameters pass 2^64")?;
+        Counts {
+            config: &config,
+            expert: config.expert_weights(),
+            parts,
+        }
+    } else {
+        model = crate::model_load::load(&args.model, 0)?;
+        Counts {
+            config: &model.config,
+            expert: model.expert_weights(),
+            parts: model.parameters(),
+        }
+    };
+    println!("{}", params(&counts, args.seq)?);
     Ok(())
+}
+
+/// A model's parameters by part and those of one expert.
+struct Counts<'a> {
+    config: &'a attn::runtime::model::ModelConfig,
+    parts: Vec<(&'static str, u64)>,
+    expert: u64,
 }
 
 /// The KV cache of a model: bytes per token over all layers, and bytes at `seq` tokens, where
@@ -44,9 +67,9 @@ fn kv_cache(c: &attn::runtime::model::ModelConfig, seq: u64) -> Option<(u64, u64
     Some((per_token, at_seq))
 }
 
-/// The parameter breakdown and KV-cache costs of a checkpoint.
-fn params(model: &Model, seq: u64) -> Result<String, String> {
-    let c = &model.config;
+/// The parameter breakdown and KV-cache costs of a model.
+fn params(counts: &Counts, seq: u64) -> Result<String, String> {
+    let c = counts.config;
     let mut s = format!(
         "{} layers, width {}, vocabulary {}, attention: {}\n",
         c.layers,
@@ -54,9 +77,12 @@ fn params(model: &Model, seq: u64) -> Result<String, String> {
         c.vocab,
         c.attention_summary()
     );
-    let parts = model.parameters();
-    let total: u64 = parts.iter().map(|(_, n)| n).sum();
-    for (name, n) in &parts {
+    let parts = &counts.parts;
+    let total = parts
+        .iter()
+        .try_fold(0u64, |sum, (_, n)| sum.checked_add(*n))
+        .ok_or("error: the model's parameters pass 2^64")?;
+    for (name, n) in parts {
         let note = if *name == "lm_head" && c.tie_embeddings {
             " (tied to the embedding)"
         } else {
@@ -67,7 +93,7 @@ fn params(model: &Model, seq: u64) -> Result<String, String> {
     s += &format!("  {:<10} {total:>14}\n", "total");
     if let Some(moe) = &c.moe {
         // Each MoE layer runs top_k of its experts per token.
-        let per_expert: u64 = model.expert_weights();
+        let per_expert = counts.expert;
         let idle = moe.sparse.iter().filter(|&&s| s).count() as u64
             * (moe.experts - moe.top_k) as u64
             * per_expert;

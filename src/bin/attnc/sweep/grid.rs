@@ -175,9 +175,9 @@ pub fn base(text: &str) -> Result<toml::Table, String> {
     Ok(table)
 }
 
-/// The base with `variant`'s settings applied, as a checked config; an error says which
-/// setting the config refused and why.
-pub fn apply(base: &toml::Table, variant: &Variant) -> Result<ModelConfig, String> {
+/// The base with `variant`'s settings applied, as a checked config and its TOML text; an
+/// error says which setting the config refused and why.
+pub fn apply(base: &toml::Table, variant: &Variant) -> Result<(ModelConfig, String), String> {
     let mut table = base.clone();
     // One spec, or a table of named kinds: a spec key applies to every kind.
     let text = |v: &toml::Value| v.as_str().unwrap_or_default().to_string();
@@ -214,7 +214,9 @@ pub fn apply(base: &toml::Table, variant: &Variant) -> Result<ModelConfig, Strin
         ),
     };
     table.insert("attention".into(), attention);
-    research::config_from_toml(&table.to_string()).map_err(|e| e.to_string())
+    let text = table.to_string();
+    let config = research::config_from_toml(&text).map_err(|e| e.to_string())?;
+    Ok((config, text))
 }
 
 /// A value as a TOML scalar: an integer, a float or a boolean when it reads as one, else a
@@ -279,7 +281,7 @@ mod tests {
             "tie_embeddings=false",
         ])
         .unwrap();
-        let config = apply(&base, &variants(&axes).unwrap()[0]).unwrap();
+        let (config, _) = apply(&base, &variants(&axes).unwrap()[0]).unwrap();
         assert_eq!(config.mlp, attn::runtime::model::MlpKind::Gelu);
         assert!(!config.tie_embeddings);
         assert_eq!(config.layers, 2);
@@ -292,7 +294,7 @@ mod tests {
             ]
         );
         // The MLP width follows the varied width when the base leaves it to the default.
-        let config = apply(
+        let (config, _) = apply(
             &base,
             &variants(&vary(&["hidden=128"]).unwrap()).unwrap()[0],
         )
@@ -357,7 +359,7 @@ mod tests {
         assert!(e.contains("position = alibi"), "the whole edited spec: {e}");
         // Settings are applied together: heads = 2 is only valid once kv_heads follows.
         let grid = variants(&vary(&["heads=2", "kv_heads=2"]).unwrap()).unwrap();
-        assert_eq!(apply(&base, &grid[0]).unwrap().attention[0].heads, 2);
+        assert_eq!(apply(&base, &grid[0]).unwrap().0.attention[0].heads, 2);
         let grid = variants(&vary(&["layers=-1"]).unwrap()).unwrap();
         assert!(apply(&base, &grid[0]).unwrap_err().contains("layers"));
         let weights = format!("{BASE}weights = \"model.safetensors\"\n");

@@ -28,10 +28,11 @@ const OUTPUTS: [&str; 6] = [
     "index.html",
 ];
 
-/// A variant the rules accept, ready to train.
+/// A variant the rules accept, ready to train: its config and TOML.
 struct Planned {
     variant: Variant,
     config: ModelConfig,
+    toml: String,
 }
 
 /// Runs the sweep `args` describe.
@@ -46,7 +47,11 @@ pub fn sweep(args: Args) -> Result<(), String> {
     let mut planned = Vec::new();
     for variant in variants {
         match plan(&base, &variant, &probe) {
-            Ok(config) => planned.push(Planned { variant, config }),
+            Ok((config, toml)) => planned.push(Planned {
+                variant,
+                config,
+                toml,
+            }),
             Err(e) => eprintln!("skipped {}: {e}", variant.name()),
         }
     }
@@ -106,8 +111,12 @@ pub fn sweep(args: Args) -> Result<(), String> {
 
 /// The config of `variant`, refused when the rules, the candle model or the memory check
 /// refuse it.
-fn plan(base: &toml::Table, variant: &Variant, probe: &Options) -> Result<ModelConfig, String> {
-    let config = grid::apply(base, variant)?;
+fn plan(
+    base: &toml::Table,
+    variant: &Variant,
+    probe: &Options,
+) -> Result<(ModelConfig, String), String> {
+    let (config, toml) = grid::apply(base, variant)?;
     let varmap = VarMap::new();
     CandleModel::new(
         &config,
@@ -115,7 +124,7 @@ fn plan(base: &toml::Table, variant: &Variant, probe: &Options) -> Result<ModelC
     )
     .map_err(|e| e.to_string())?;
     check_fits(&config, probe)?;
-    Ok(config)
+    Ok((config, toml))
 }
 
 /// Takes the sweep's folder (new, empty, or a sweep's) and refuses outputs that would
@@ -146,7 +155,7 @@ fn variant_row(args: &Args, p: &Planned, corpus: &Corpus, label: &str) -> Result
     for seed in (0..args.seeds).map(|s| args.training.seed.wrapping_add(s)) {
         let run = dir.join(format!("seed{seed}"));
         let points = run_seed(
-            &p.config,
+            p,
             options(&args.training, seed),
             &run,
             corpus,
@@ -190,12 +199,13 @@ fn variant_row(args: &Args, p: &Planned, corpus: &Corpus, label: &str) -> Result
 /// last checkpoint, or from the start. A folder holding another model's, options' or
 /// corpus's run is an error, never overwritten.
 fn run_seed(
-    config: &ModelConfig,
+    planned: &Planned,
     options: Options,
     dir: &Path,
     corpus: &Corpus,
     label: &str,
 ) -> Result<Vec<Metrics>, String> {
+    let config = &planned.config;
     let folder = Folder::claim(dir, Kind::Run, "--out")?;
     let start = if checkpoint::exists(&folder) {
         let saved = checkpoint::restore(&folder, "--out")?;
@@ -221,6 +231,7 @@ fn run_seed(
     let run = Run {
         folder,
         config: config.clone(),
+        model_toml: planned.toml.clone(),
         options,
         start,
     };

@@ -71,10 +71,12 @@ pub enum Start {
     Checkpoint(Box<Saved>),
 }
 
-/// A run ready to train: its folder (held), model, options and where it starts.
+/// A run ready to train: its folder (held), model (its config, and its TOML as written,
+/// without `weights`), options and where it starts.
 pub struct Run {
     pub folder: Folder,
     pub config: ModelConfig,
+    pub model_toml: String,
     pub options: Options,
     pub start: Start,
 }
@@ -131,6 +133,8 @@ fn start(args: &Args) -> Result<(Run, Corpus), String> {
     let run = Run {
         folder,
         config,
+        model_toml: research::with_weights(&text, None)
+            .map_err(|e| format!("error: --model: {e}"))?,
         options,
         start,
     };
@@ -168,11 +172,14 @@ fn resume(args: &Args, dir: &Path) -> Result<(Run, Corpus), String> {
     )?;
     check_same_corpus(&saved.state, &corpus, &data)?;
     // A kill between the record and the model's TOML leaves the TOML a checkpoint behind.
-    let toml = research::config_to_toml(&config, Some(&saved.state.weights()));
+    let model_toml = saved.state.model.clone();
+    let toml = research::with_weights(&model_toml, Some(&saved.state.weights()))
+        .map_err(|e| format!("error: --resume: state.json's model: {e}"))?;
     folder.write("model.toml", toml.as_bytes())?;
     let run = Run {
         folder,
         config,
+        model_toml,
         options,
         start: Start::Checkpoint(Box::new(saved)),
     };
@@ -324,7 +331,7 @@ impl Trainer {
             }
         };
         Ok(Trainer {
-            model_toml: research::config_to_toml(&run.config, None),
+            model_toml: run.model_toml,
             config: run.config,
             options: run.options,
             folder: run.folder,
@@ -589,7 +596,8 @@ impl Trainer {
             model: self.model_toml.clone(),
             data: self.data.clone(),
         };
-        let model_toml = research::config_to_toml(&self.config, Some(&state.weights()));
+        let model_toml = research::with_weights(&self.model_toml, Some(&state.weights()))
+            .map_err(|e| format!("error: the model's TOML: {e}"))?;
         let out = |e: attn::candle::core::Error| e.to_string();
         checkpoint::write(
             &self.folder,
