@@ -357,7 +357,12 @@ impl SpecParser {
             "kv_heads" => self.raw.kv_heads = Some(v.u32()?),
             "head_dim" => self.raw.head_dim = Some(v.u32()?),
             "v_head_dim" => self.raw.v_head_dim = Some(v.u32()?),
-            "softcap" => self.raw.softcap = Some(v.float()?),
+            "softcap" => {
+                self.raw.softcap = match v.as_word().as_deref() {
+                    Some("none") => None,
+                    _ => Some(v.float().map_err(|_| v.expected("a number, or none"))?),
+                }
+            }
             "scale" => self.raw.scale = Some(v.float()?),
             "dtype" => {
                 self.raw.dtype = Some(match v.word(&["f32", "f16", "bf16"])? {

@@ -74,8 +74,15 @@ pub fn allowed_keys() -> Vec<&'static str> {
         .collect()
 }
 
-/// The axes of the `--vary` arguments, checked: `KEY=V1,V2,...` with a known key, each key once,
-/// no empty or repeated value.
+/// Whether `key` is a spec key for one attention kind, `KIND.KEY`: the kind's name and the key.
+fn kind_key(key: &str) -> Option<(&str, &str)> {
+    let (kind, spec_key) = key.split_once('.')?;
+    let named = !kind.is_empty() && kind.chars().all(|c| c.is_alphanumeric() || c == '_');
+    (named && attn::dsl::settable_keys().any(|k| k == spec_key)).then_some((kind, spec_key))
+}
+
+/// The axes of the `--vary` arguments, checked: `KEY=V1,V2,...` with a known key (or
+/// `KIND.KEY` for a spec key of one attention kind), each key once, no empty or repeated value.
 pub fn axes(varies: &[String]) -> Result<Vec<Axis>, String> {
     let mut axes: Vec<Axis> = Vec::new();
     for text in varies {
@@ -84,9 +91,10 @@ pub fn axes(varies: &[String]) -> Result<Vec<Axis>, String> {
             return Err(bad("expected KEY=V1,V2,...".into()));
         };
         let key = key.trim();
-        if !allowed_keys().contains(&key) {
+        if !allowed_keys().contains(&key) && kind_key(key).is_none() {
             return Err(bad(format!(
-                "`{key}` is not a key a sweep varies; allowed: {}",
+                "`{key}` is not a key a sweep varies; allowed: {}, or KIND.KEY for a spec key \
+                 of one attention kind (local.mask)",
                 allowed_keys().join(", ")
             )));
         }
@@ -175,25 +183,60 @@ pub fn base(text: &str) -> Result<toml::Table, String> {
     Ok(table)
 }
 
-/// The base with `variant`'s settings applied, as a checked config and its TOML text; an
-/// error says which setting the config refused and why.
-pub fn apply(base: &toml::Table, variant: &Variant) -> Result<(ModelConfig, String), String> {
-    let mut table = base.clone();
-    // One spec, or a table of named kinds: a spec key applies to every kind.
+/// The attention kinds of a base TOML: their names (none for a single spec) and specs.
+fn kinds(table: &toml::Table) -> Vec<(Option<String>, String)> {
     let text = |v: &toml::Value| v.as_str().unwrap_or_default().to_string();
-    let mut specs: Vec<(Option<String>, String)> = match table.get("attention") {
+    match table.get("attention") {
         Some(toml::Value::Table(kinds)) => kinds
             .iter()
             .map(|(name, v)| (Some(name.clone()), text(v)))
             .collect(),
         other => vec![(None, other.map(text).unwrap_or_default())],
-    };
+    }
+}
+
+/// Refuses an axis `KIND.KEY` whose kind the base does not have.
+pub fn check_kinds(base: &toml::Table, axes: &[Axis]) -> Result<(), String> {
+    let names: Vec<String> = kinds(base).into_iter().filter_map(|(n, _)| n).collect();
+    for axis in axes {
+        if let Some((kind, _)) = kind_key(&axis.key)
+            && !names.iter().any(|n| n == kind)
+        {
+            let has = if names.is_empty() {
+                "one attention spec and no named kinds".to_string()
+            } else {
+                format!("the kinds {}", names.join(", "))
+            };
+            return Err(format!(
+                "error: --vary {}: the base model has no attention kind `{kind}`; it has {has}",
+                axis.key
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The base with `variant`'s settings applied, as a checked config and its TOML text; an
+/// error says which setting the config refused and why.
+pub fn apply(base: &toml::Table, variant: &Variant) -> Result<(ModelConfig, String), String> {
+    let mut table = base.clone();
+    // One spec, or a table of named kinds: a spec key applies to every kind, `KIND.KEY` to one.
+    let mut specs = kinds(&table);
     for (key, value) in &variant.settings {
         if is_toml_key(key) {
-            table.insert(key.clone(), toml_value(value));
-        } else {
-            for (_, spec) in &mut specs {
-                *spec = attn::dsl::set_key(spec, key, value).map_err(|e| e.to_string())?;
+            match toml_value(value) {
+                None => table.remove(key),
+                Some(v) => table.insert(key.clone(), v),
+            };
+            continue;
+        }
+        let (only, spec_key) = match kind_key(key) {
+            Some((kind, spec_key)) => (Some(kind), spec_key),
+            None => (None, key.as_str()),
+        };
+        for (name, spec) in &mut specs {
+            if only.is_none() || name.as_deref() == only {
+                *spec = attn::dsl::set_key(spec, spec_key, value).map_err(|e| e.to_string())?;
             }
         }
     }
@@ -219,18 +262,18 @@ pub fn apply(base: &toml::Table, variant: &Variant) -> Result<(ModelConfig, Stri
     Ok((config, text))
 }
 
-/// A value as a TOML scalar: an integer, a float or a boolean when it reads as one, else a
-/// string (`gelu`). Never an array or table, which no varied key takes.
-fn toml_value(text: &str) -> toml::Value {
-    if let Ok(i) = text.parse::<i64>() {
-        toml::Value::Integer(i)
-    } else if let Ok(f) = text.parse::<f64>() {
-        toml::Value::Float(f)
-    } else if let Ok(b) = text.parse::<bool>() {
-        toml::Value::Boolean(b)
-    } else {
-        toml::Value::String(text.to_string())
+/// A value as TOML: `none` removes the key (`moe=none`, a dense baseline); a TOML value reads
+/// as itself (`4`, `1e-5`, `true`, `["local", "global"]`, `{experts = 4, top_k = 2}`); any
+/// other text is a string (`gelu`).
+fn toml_value(text: &str) -> Option<toml::Value> {
+    if text == "none" {
+        return None;
     }
+    let parsed = format!("v = {text}")
+        .parse::<toml::Table>()
+        .ok()
+        .and_then(|mut t| t.remove("v"));
+    Some(parsed.unwrap_or_else(|| toml::Value::String(text.to_string())))
 }
 
 #[cfg(test)]
@@ -300,6 +343,59 @@ mod tests {
         )
         .unwrap();
         assert_eq!(config.intermediate, 384);
+    }
+
+    #[test]
+    fn pattern_moe_none_and_one_kinds_keys_reach_the_model() {
+        let hybrid = "vocab = 256\nhidden = 64\nlayers = 3\npattern = [\"local\", \"global\"]\n\
+            [attention]\nlocal = \"heads = 4, head_dim = 16, mask = sliding_window(8)\"\n\
+            global = \"heads = 4, head_dim = 16, mask = causal, softcap = 30.0\"\n";
+        let base = base(hybrid).unwrap();
+        let grid = |varies: &[&str]| {
+            let axes = vary(varies).unwrap();
+            check_kinds(&base, &axes).map(|()| variants(&axes).unwrap())
+        };
+        // One kind's key changes that kind only.
+        let v = grid(&["local.mask=sliding_window(4),causal"]).unwrap();
+        let (c, toml) = apply(&base, &v[0]).unwrap();
+        assert_eq!(c.attention[0].mask, attn::Mask::SlidingWindow { window: 4 });
+        assert_eq!(
+            c.attention[1].mask,
+            attn::Mask::Causal(attn::dsl::CausalAlign::BottomRight)
+        );
+        assert!(
+            toml.contains("local = ") && toml.contains("global = "),
+            "{toml}"
+        );
+        let e = grid(&["nowhere.mask=causal"]).unwrap_err();
+        assert!(
+            e.contains("no attention kind `nowhere`; it has the kinds global, local"),
+            "{e}"
+        );
+        // softcap = none: the baseline on the softcap axis.
+        let v = grid(&["global.softcap=none,50.0"]).unwrap();
+        assert_eq!(apply(&base, &v[0]).unwrap().0.attention[1].softcap, None);
+        assert_eq!(
+            apply(&base, &v[1]).unwrap().0.attention[1].softcap,
+            Some(50.0)
+        );
+        // A pattern and a [moe] table, or none.
+        let v = grid(&[
+            "pattern=[\"global\", \"local\"],[\"local\", \"local\", \"global\"]",
+            "moe={experts = 4, top_k = 2},none",
+        ])
+        .unwrap();
+        assert_eq!(v.len(), 4);
+        let (c, _) = apply(&base, &v[0]).unwrap();
+        assert_eq!(c.pattern, [0, 1]);
+        assert_eq!(
+            c.attention[0].softcap,
+            Some(30.0),
+            "kinds numbered as the pattern names them"
+        );
+        assert_eq!(c.moe.as_ref().map(|m| (m.experts, m.top_k)), Some((4, 2)));
+        let (c, _) = apply(&base, &v[3]).unwrap();
+        assert_eq!((c.pattern.clone(), c.moe.is_none()), (vec![0, 0, 1], true));
     }
 
     proptest::proptest! {

@@ -18,17 +18,23 @@ use std::path::PathBuf;
 /// `attnc sweep`'s arguments.
 #[derive(clap::Args, Clone, Debug)]
 #[command(
-    after_help = "KEY is a model TOML key (hidden, layers, norm, norm_eps, mlp, \
-    intermediate, tie_embeddings, qkv_bias) or a spec key (heads, kv_heads, head_dim, \
-    v_head_dim, mask, position, softcap, scale, dtype, score_mod, mask_mod, sinks); values are \
-    split at the commas outside brackets, so --vary \"mask=causal,sliding_window(64)\" is two values. \
+    after_help = "KEY is a model TOML key (hidden, layers, pattern, qk_norm, norm, \
+    norm_placement, norm_eps, mlp, intermediate, tie_embeddings, qkv_bias, moe) or a spec key \
+    (heads, kv_heads, head_dim, v_head_dim, mask, position, softcap, scale, dtype, score_mod, \
+    mask_mod, sinks), which sets every attention kind, or KIND.KEY, which sets one \
+    (local.mask). Values are split at the commas outside brackets, so --vary \
+    \"mask=causal,sliding_window(64)\" is two values; a TOML key takes TOML values \
+    (pattern=['local','global'], moe={experts = 4, top_k = 2}) and none, which removes \
+    it (moe=none: dense); softcap=none is no softcap. \
     The grid is the product of the --vary lists (at most 256 combinations); a combination the \
     model or spec rules refuse is reported and skipped. Each variant trains once per seed \
     (--seed, --seed + 1, ...) as attnc train would, into runs/NNN-NAME/seedS/. Writes into \
     --out, after every variant: results.csv, results.jsonl (with the loss curves), loss.svg, \
     pareto.svg, speed.svg and index.html (the table and plots, self-contained). Rerun the same \
     command to resume: finished runs are kept, unfinished ones continue from their last \
-    checkpoint."
+    checkpoint, and a run of another model, options or corpus is refused, never overwritten or \
+    reported. --out must be new, empty or a sweep's folder, which attnc marks \
+    (attnc-sweep.json) and locks while a sweep writes it."
 )]
 pub struct Args {
     /// The base research model's TOML file (random weights: no `weights` key).

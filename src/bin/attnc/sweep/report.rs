@@ -28,7 +28,14 @@ pub struct Row {
     pub val_loss: f64,
     pub val_loss_std: f64,
     pub curves: Vec<Curve>,
+    /// An attention kind has no mask (`mask = none`, no `mask_mod`): each position sees the
+    /// tokens after it, so its loss does not compare with a language model's.
+    pub sees_ahead: bool,
 }
+
+/// The note the table and page give rows that see ahead, after their marker.
+const SEES_AHEAD: &str = "mask = none: each position also sees the tokens after it, the next \
+    one among them, so its loss is not a language model's and does not compare with the others";
 
 impl Row {
     /// The row of finished runs (`curves`, each with at least one evaluation).
@@ -59,6 +66,15 @@ impl Row {
             val_loss,
             val_loss_std,
             curves,
+            sees_ahead: false,
+        }
+    }
+
+    /// The variant's name as the table shows it: marked when it sees ahead.
+    fn shown_name(&self) -> String {
+        match self.sees_ahead {
+            true => format!("{} (*)", self.variant),
+            false => self.variant.clone(),
         }
     }
 
@@ -206,7 +222,7 @@ fn cells(rows: &[Row]) -> (Vec<&'static str>, Vec<Vec<String>>) {
         .into_iter()
         .map(|r| {
             vec![
-                r.variant.clone(),
+                r.shown_name(),
                 r.loss_cell(),
                 r.cost.params.to_string(),
                 r.cost.kv_bytes_per_token.to_string(),
@@ -252,6 +268,9 @@ pub fn table(rows: &[Row]) -> String {
     for row in &body {
         out += &line(row.iter().map(String::as_str).collect());
     }
+    if rows.iter().any(|r| r.sees_ahead) {
+        out += &format!("(*) {SEES_AHEAD}\n");
+    }
     out
 }
 
@@ -290,6 +309,9 @@ pub fn html(rows: &[Row], title: &str, svgs: &[(&str, String)]) -> String {
         page += &format!("<td><code>{}</code></td></tr>\n", escape(&r.attention));
     }
     page += "</table>\n";
+    if rows.iter().any(|r| r.sees_ahead) {
+        page += &format!("<p>(*) {}</p>\n", escape(SEES_AHEAD));
+    }
     for (name, svg) in svgs {
         page += &format!("<h2>{}</h2>\n{}\n", escape(name), inline(svg));
     }
@@ -382,8 +404,15 @@ mod tests {
 
     #[test]
     fn the_table_and_page_sort_by_loss_and_escape() {
-        let rows = [row("worse", &[3.0]), row("<better>", &[2.0, 2.2])];
+        let mut rows = [row("worse", &[3.0]), row("<better>", &[2.0, 2.2])];
         let t = table(&rows);
+        assert!(!t.contains("(*)"), "{t}");
+        rows[1].sees_ahead = true;
+        let t = table(&rows);
+        assert!(
+            t.contains("<better> (*)") && t.contains("(*) mask = none"),
+            "{t}"
+        );
         assert!(
             t.contains("3.0000 (1 seed)") && !t.contains("± 0.0000"),
             "{t}"

@@ -43,6 +43,7 @@ pub fn sweep(args: Args) -> Result<(), String> {
         attn::runtime::files::read_text(&args.base, research::MAX_TOML_BYTES, "the base model")
             .map_err(|e| format!("error: --base: {e}"))?;
     let base = grid::base(&text)?;
+    grid::check_kinds(&base, &axes)?;
     let probe = options(&args.training, args.training.seed);
     let mut planned = Vec::new();
     for variant in variants {
@@ -185,14 +186,20 @@ fn variant_row(args: &Args, p: &Planned, corpus: &Corpus, label: &str) -> Result
             speed
         }
     };
-    Ok(Row::new(
+    let mut row = Row::new(
         p.variant.name(),
         folder,
         p.config.attention_summary(),
         cost,
         speed,
         curves,
-    ))
+    );
+    row.sees_ahead = p
+        .config
+        .attention
+        .iter()
+        .any(|s| s.mask == attn::Mask::None && s.mask_mod.is_none());
+    Ok(row)
 }
 
 /// One seed's run in `dir`: its evaluations when it has finished; otherwise trained from its
