@@ -97,6 +97,11 @@ fn explicit_defaults_equal_omitted_ones() {
         ok("heads = 2, head_dim = 8, mask = causal(bottom_right)").mask,
         Mask::Causal(CausalAlign::BottomRight)
     );
+    // No softcap, said outright (a sweep's baseline on a softcap axis).
+    assert_eq!(
+        ok("heads = 2, head_dim = 8, softcap = none"),
+        ok("heads = 2, head_dim = 8")
+    );
 }
 
 #[test]
