@@ -39,3 +39,44 @@ fn same_file(a: &Path, b: &Path) -> bool {
         )
     }
 }
+
+/// Writes `bytes` to `path` whole ([`write_whole_with`]).
+pub fn write_whole(path: &Path, bytes: &[u8]) -> Result<(), String> {
+    write_whole_with(path, |temporary| {
+        std::fs::write(temporary, bytes).map_err(|e| e.to_string())
+    })
+}
+
+/// Makes the file `path` by `make`, which writes it at the path it is given (a temporary name
+/// beside it, `.NAME.partial`); the file is flushed to disk and renamed into place, or removed
+/// when anything fails (a full disk among them), so `path` is the old file or the whole new
+/// one, never a part, and nothing else is left behind.
+pub fn write_whole_with(
+    path: &Path,
+    make: impl FnOnce(&Path) -> Result<(), String>,
+) -> Result<(), String> {
+    let (dir, name) = match (path.parent(), path.file_name()) {
+        (Some(dir), Some(name)) => (dir, name.to_string_lossy()),
+        _ => {
+            return Err(format!(
+                "error: cannot write {}: not a file path",
+                path.display()
+            ));
+        }
+    };
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    let temporary = dir.join(format!(".{name}.partial"));
+    let sync = |p: &Path| std::fs::File::open(p).and_then(|f| f.sync_all());
+    let result = make(&temporary)
+        .and_then(|()| sync(&temporary).map_err(|e| e.to_string()))
+        .and_then(|()| std::fs::rename(&temporary, path).map_err(|e| e.to_string()))
+        .and_then(|()| sync(dir).map_err(|e| e.to_string()));
+    if result.is_err() {
+        std::fs::remove_file(&temporary).ok();
+    }
+    result.map_err(|e| format!("error: cannot write {}: {e}", path.display()))
+}

@@ -140,7 +140,7 @@ pub fn pareto(rows: &[Row]) -> Result<String, String> {
             let colour = Palette99::pick(i).to_rgba();
             key.draw(&Circle::new((12, y), 5, colour.filled()))
                 .map_err(|e| fail(e.to_string()))?;
-            let name: String = r.variant.chars().take(40).collect();
+            let name: String = r.shown_name().chars().take(44).collect();
             key.draw(&Text::new(
                 format!("{}  {name}", i + 1),
                 (24, y - 7),

@@ -71,7 +71,7 @@ impl Row {
     }
 
     /// The variant's name as the table shows it: marked when it sees ahead.
-    fn shown_name(&self) -> String {
+    pub fn shown_name(&self) -> String {
         match self.sees_ahead {
             true => format!("{} (*)", self.variant),
             false => self.variant.clone(),

@@ -180,7 +180,7 @@ fn variant_row(args: &Args, p: &Planned, corpus: &Corpus, label: &str) -> Result
                 "prefill_gflops": speed.prefill_gflops,
                 "decode_tokens_per_s": speed.decode_tokens_per_s,
             });
-            crate::train::folder::write_whole(&dir.join("speed.json"), |path| {
+            crate::outputs::write_whole_with(&dir.join("speed.json"), |path| {
                 std::fs::write(path, text.to_string()).map_err(|e| e.to_string())
             })?;
             speed

@@ -149,13 +149,13 @@ impl Folder {
     }
 
     /// Makes `name` in the folder by `make`, which writes the file at the path it is given
-    /// ([`write_whole`]).
+    /// ([`crate::outputs::write_whole_with`]).
     pub fn write_with(
         &self,
         name: &str,
         make: impl FnOnce(&Path) -> Result<(), String>,
     ) -> Result<(), String> {
-        write_whole(&self.path.join(name), make)
+        crate::outputs::write_whole_with(&self.path.join(name), make)
     }
 
     /// Appends `text` to `name` in the folder and flushes it to disk. A kill can leave the
@@ -193,50 +193,8 @@ impl Folder {
     }
 }
 
-/// Makes the file `path` by `make`, which writes it at the path it is given (a temporary name
-/// beside it); the file is flushed to disk and renamed into place, or removed when anything
-/// fails, so `path` is the old file or the whole new one, never a part.
-pub fn write_whole(
-    path: &Path,
-    make: impl FnOnce(&Path) -> Result<(), String>,
-) -> Result<(), String> {
-    let (dir, name) = match (path.parent(), path.file_name()) {
-        (Some(dir), Some(name)) => (dir, name.to_string_lossy()),
-        _ => {
-            return Err(format!(
-                "error: cannot write {}: not a file path",
-                path.display()
-            ));
-        }
-    };
-    let dir = if dir.as_os_str().is_empty() {
-        Path::new(".")
-    } else {
-        dir
-    };
-    let temporary = dir.join(partial_name(&name));
-    let result = make(&temporary)
-        .and_then(|()| sync(&temporary).map_err(|e| e.to_string()))
-        .and_then(|()| std::fs::rename(&temporary, path).map_err(|e| e.to_string()))
-        .and_then(|()| sync(dir).map_err(|e| e.to_string()));
-    if result.is_err() {
-        std::fs::remove_file(&temporary).ok();
-    }
-    result.map_err(|e| format!("error: cannot write {}: {e}", path.display()))
-}
-
-/// The temporary name `name` is written under.
-fn partial_name(name: &str) -> String {
-    format!(".{name}.partial")
-}
-
 fn is_partial(name: &str) -> bool {
     name.starts_with('.') && name.ends_with(".partial")
-}
-
-/// Flushes a file, or a folder's entries, to disk.
-fn sync(path: &Path) -> std::io::Result<()> {
-    File::open(path)?.sync_all()
 }
 
 /// The names in folder `path` (none when it cannot be read).

@@ -38,32 +38,37 @@ pub fn loss_curves(
             (l.step as f64, sum / window.len() as f64)
         })
         .collect();
-    let series = [
-        Series {
-            name: "training loss, each step".into(),
-            colour: BLUE.mix(0.25),
-            width: 1,
-            dots: false,
-            points: losses.iter().map(|l| (l.step as f64, l.loss)).collect(),
+    let mut series = vec![Series {
+        name: "training loss, each step".into(),
+        colour: if k > 1 {
+            BLUE.mix(0.35)
+        } else {
+            BLUE.to_rgba()
         },
-        Series {
+        width: if k > 1 { 1 } else { 2 },
+        dots: false,
+        points: losses.iter().map(|l| (l.step as f64, l.loss)).collect(),
+    }];
+    // A mean over one step is the step itself: drawn only over several.
+    if k > 1 {
+        series.push(Series {
             name: format!("training loss, mean of the last {k} steps"),
             colour: BLUE.to_rgba(),
             width: 2,
             dots: false,
             points: mean,
-        },
-        Series {
-            name: format!("validation loss, every {eval_every} steps"),
-            colour: RED.to_rgba(),
-            width: 2,
-            dots: true,
-            points: metrics
-                .iter()
-                .map(|m| (m.step as f64, m.val_loss))
-                .collect(),
-        },
-    ];
+        });
+    }
+    series.push(Series {
+        name: format!("validation loss, every {eval_every} steps"),
+        colour: RED.to_rgba(),
+        width: 2,
+        dots: true,
+        points: metrics
+            .iter()
+            .map(|m| (m.step as f64, m.val_loss))
+            .collect(),
+    });
     line_chart("loss (nats per token)", &series)
 }
 
