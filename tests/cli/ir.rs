@@ -79,7 +79,10 @@ fn a_mask_picture_shows_the_kept_pairs_and_the_tiles() {
         "long",
     );
     assert!(svg.len() < 2_000_000, "{} bytes", svg.len());
-    assert!(svg.contains("skipped,") && svg.contains("tile skipped"), "{svg}");
+    assert!(
+        svg.contains("skipped,") && svg.contains("tile skipped"),
+        "{svg}"
+    );
 }
 
 #[test]
@@ -140,4 +143,34 @@ fn ir_grad_prints_the_derivative_with_respect_to_each_parameter_read() {
         text.contains("params    one f32 buffer: t [4] at 0"),
         "{text}"
     );
+}
+
+/// A picture that does not fit on the disk (a file-size limit, with SIGXFSZ ignored) leaves
+/// the picture before whole and no temporary file.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_mask_picture_is_written_whole_or_not_at_all() {
+    let dir = std::env::temp_dir().join(format!("attnc-mask-full-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let svg = dir.join("mask.svg");
+    std::fs::write(&svg, "the picture before").unwrap();
+    let script = format!(
+        "trap '' XFSZ; ulimit -f 8; exec {} ir 'heads = 1, head_dim = 16, mask = causal' \
+         --seq 256 --svg {}",
+        env!("CARGO_BIN_EXE_attnc"),
+        svg.display()
+    );
+    let o = std::process::Command::new("sh")
+        .args(["-c", &script])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("cannot write"), "{}", stderr(&o));
+    assert_eq!(std::fs::read_to_string(&svg).unwrap(), "the picture before");
+    assert_eq!(
+        std::fs::read_dir(&dir).unwrap().count(),
+        1,
+        "no temporary file"
+    );
+    std::fs::remove_dir_all(&dir).ok();
 }

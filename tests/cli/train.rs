@@ -870,3 +870,37 @@ fn a_run_keeps_the_models_kind_names() {
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A disk that fills during a checkpoint (here a file-size limit, `ulimit -f`, with SIGXFSZ
+/// ignored, so writes fail as on a full disk) leaves no temporary file and no half checkpoint:
+/// the folder is as before, and the error names the file.
+#[cfg(all(feature = "candle", target_os = "linux"))]
+#[test]
+fn a_full_disk_leaves_no_debris() {
+    let dir = folder("full");
+    let (m, data) = (model(&dir, 256), corpus(&dir));
+    let out = dir.join("run");
+    let script = format!(
+        "trap '' XFSZ; ulimit -f 40; exec {} train --model {m} --data {data} --out {} \
+         --steps 3 --seq 16 --batch 2 --eval-every 3",
+        env!("CARGO_BIN_EXE_attnc"),
+        out.display()
+    );
+    let o = std::process::Command::new("sh")
+        .args(["-c", &script])
+        .env("ATTN_CACHE_DIR", crate::test_cache())
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("cannot write") && stderr(&o).contains("model-3.safetensors"),
+        "{}",
+        stderr(&o)
+    );
+    let names: Vec<_> = listing(&out).into_iter().map(|(n, _)| n).collect();
+    assert_eq!(names, ["attnc-run.json"], "only the marker");
+    // The run starts again in the same folder once there is room.
+    let o = train(&m, &data, out.to_str().unwrap(), &["--steps", "3"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    std::fs::remove_dir_all(&dir).ok();
+}
