@@ -63,6 +63,27 @@ mod op;
 
 pub use model::CandleModel;
 
+/// A candle error's message without the backtraces candle attaches under `RUST_BACKTRACE`:
+/// what went wrong, and the context and path candle gave it. (candle also formats errors with
+/// their backtraces into the text of others: such text is cut at the backtrace's first frame.)
+pub fn message(e: &candle_core::Error) -> String {
+    use candle_core::Error;
+    let text = match e {
+        Error::WithBacktrace { inner, .. } => message(inner),
+        Error::Context { inner, context } => format!("{context}: {}", message(inner)),
+        Error::WithPath { inner, path } => format!("{}: {}", path.display(), message(inner)),
+        other => other.to_string(),
+    };
+    let mut kept = Vec::new();
+    for line in text.lines() {
+        if line.trim_start().starts_with("0: ") {
+            break;
+        }
+        kept.push(line);
+    }
+    kept.join("\n").trim_end().to_string()
+}
+
 pub use candle_core as core;
 pub use candle_nn as nn;
 

@@ -122,4 +122,19 @@ fn emit_writes_every_kernel_and_a_manifest() {
     let o = attnc(&["emit", spec, "--target", "sm_80", "--target", "sm_90"]);
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("one --target"), "{}", stderr(&o));
+    // A manifest that cannot be written is named once.
+    std::fs::remove_file(dir.join("manifest.json")).unwrap();
+    std::fs::create_dir(dir.join("manifest.json")).unwrap();
+    let args = [
+        "emit",
+        spec,
+        "--emit",
+        "gpu-ir",
+        "--out-dir",
+        dir.to_str().unwrap(),
+    ];
+    let o = attnc(&args);
+    assert_eq!(o.status.code(), Some(2));
+    let path = dir.join("manifest.json").display().to_string();
+    assert_eq!(stderr(&o).matches(&path).count(), 1, "{}", stderr(&o));
 }

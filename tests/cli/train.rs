@@ -904,3 +904,51 @@ fn a_full_disk_leaves_no_debris() {
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Weights of another shape are refused naming the tensor and both shapes, and candle's
+/// backtrace stays out of the message even under RUST_BACKTRACE=1.
+#[cfg(feature = "candle")]
+#[test]
+fn weights_of_another_shape_are_refused_without_a_backtrace() {
+    let dir = folder("shapes");
+    let (m, data) = (model(&dir, 256), corpus(&dir));
+    let first = dir.join("first");
+    let o = train(&m, &data, first.to_str().unwrap(), &["--steps", "3"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    std::fs::copy(first.join("model-3.safetensors"), dir.join("w.safetensors")).unwrap();
+    let narrow = dir.join("narrow.toml");
+    std::fs::write(
+        &narrow,
+        "vocab = 256\nhidden = 16\nlayers = 1\nweights = \"w.safetensors\"\n\
+         attention = \"heads = 2, head_dim = 8, mask = causal\"\n",
+    )
+    .unwrap();
+    let mut args = vec![
+        "train",
+        "--model",
+        narrow.to_str().unwrap(),
+        "--data",
+        &data,
+        "--out",
+    ];
+    let out = dir.join("second");
+    args.push(out.to_str().unwrap());
+    args.extend(SMALL);
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_attnc"))
+        .args(&args)
+        .env("ATTN_CACHE_DIR", crate::test_cache())
+        .env("RUST_BACKTRACE", "1")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(
+        err.contains("shape mismatch") && err.contains("w.safetensors"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("   0: ") && !err.contains("candle_core::"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

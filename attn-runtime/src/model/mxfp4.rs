@@ -21,10 +21,23 @@ pub(crate) fn dequantize(
     scales: &RawTensor,
     [experts, cols, rows]: [usize; 3],
 ) -> Result<Tensor, RuntimeError> {
-    let shape_err = |which: &str, t: &RawTensor, expected: Vec<usize>| RuntimeError::Shape {
-        tensor: format!("{name}_{which}"),
-        found: t.shape.clone(),
-        expected: format!("{expected:?}, u8 (MXFP4 for a [{experts}, {cols}, {rows}] weight)"),
+    // The shape, then the dtype: an error names what differs.
+    let check = |which: &str, t: &RawTensor, expected: Vec<usize>| {
+        let packing = format!("MXFP4 for a [{experts}, {cols}, {rows}] weight");
+        if t.shape != expected {
+            return Err(RuntimeError::Shape {
+                tensor: format!("{name}_{which}"),
+                found: t.shape.clone(),
+                expected: format!("{expected:?}, u8 ({packing})"),
+            });
+        }
+        if t.dtype != Dtype::U8 {
+            return Err(RuntimeError::Data(format!(
+                "`{name}_{which}` holds {:?} values; expected U8 ({packing})",
+                t.dtype
+            )));
+        }
+        Ok(())
     };
     if !cols.is_multiple_of(32) {
         return Err(RuntimeError::Data(format!(
@@ -32,14 +45,8 @@ pub(crate) fn dequantize(
         )));
     }
     let groups = cols / 32;
-    let want_blocks = vec![experts, rows, groups, 16];
-    if blocks.dtype != Dtype::U8 || blocks.shape != want_blocks {
-        return Err(shape_err("blocks", blocks, want_blocks));
-    }
-    let want_scales = vec![experts, rows, groups];
-    if scales.dtype != Dtype::U8 || scales.shape != want_scales {
-        return Err(shape_err("scales", scales, want_scales));
-    }
+    check("blocks", blocks, vec![experts, rows, groups, 16])?;
+    check("scales", scales, vec![experts, rows, groups])?;
     let mut out = vec![half::bf16::ZERO; experts * cols * rows];
     for e in 0..experts {
         for r in 0..rows {
@@ -98,5 +105,17 @@ mod tests {
         assert!(e.to_string().contains("w_blocks"), "{e}");
         let e = dequantize("w", &blocks, &scales, [1, 31, 2]).unwrap_err();
         assert!(e.to_string().contains("runs of 32"), "{e}");
+        // The right shape in another dtype says so, not that the shapes differ.
+        let wide = RawTensor {
+            dtype: Dtype::F32,
+            ..raw(&[1, 2, 1], vec![0; 8])
+        };
+        let e = dequantize("w", &blocks, &wide, [1, 32, 2])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`w_scales` holds F32 values; expected U8"),
+            "{e}"
+        );
     }
 }

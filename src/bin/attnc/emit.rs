@@ -148,11 +148,10 @@ fn emit_all(
         }
     }
     let targets = unique.as_slice();
+    // The check's error names the path already; a write's error is given it.
     let write = |path: &Path, text: &str| {
-        attn::runtime::files::ensure_writable_target(path)
-            .map_err(|e| e.to_string())
-            .and_then(|()| std::fs::write(path, text).map_err(|e| e.to_string()))
-            .map_err(|e| format!("error: {}: {e}\n", path.display()))
+        attn::runtime::files::ensure_writable_target(path).map_err(|e| format!("error: {e}\n"))?;
+        crate::outputs::write_whole(path, text.as_bytes()).map_err(|e| format!("{e}\n"))
     };
     let mut entries = Vec::new();
     for target in targets {

@@ -53,11 +53,10 @@ pub fn command(args: Args) -> Result<(), String> {
 fn model_tables(path: &std::path::Path, args: &Args) -> Result<String, String> {
     let config = crate::model_load::load_config(path)?;
     let mut out = format!(
-        "{} layers, width {}, {} attention kind{}\n",
-        config.layers,
+        "{}, width {}, {}\n",
+        crate::outputs::counted(config.layers as u64, "layer"),
         config.hidden,
-        config.attention.len(),
-        if config.attention.len() == 1 { "" } else { "s" }
+        crate::outputs::counted(config.attention.len() as u64, "attention kind"),
     );
     for (kind, spec) in config.attention.iter().enumerate() {
         let layers: Vec<String> = (0..config.layers)
@@ -114,15 +113,19 @@ fn table(spec: &AttentionSpec, shape: &Shape) -> Result<String, String> {
         .try_fold(per_token, u64::checked_mul)
         .ok_or_else(|| too_large("KV cache size", shape))?;
     let tokens = match held < shape.seq {
-        true => format!("{held} tokens (the window; --seq {})", shape.seq),
-        false => format!("{} tokens", shape.seq),
+        true => format!(
+            "{} (the window; --seq {})",
+            crate::outputs::counted(held, "token"),
+            shape.seq
+        ),
+        false => crate::outputs::counted(shape.seq, "token"),
     };
     row(
         "KV cache",
         format!(
-            "{} ({cache} bytes) at {tokens} x {} layers x batch {}",
+            "{} ({cache} bytes) at {tokens} x {} x batch {}",
             human_bytes(cache),
-            shape.layers,
+            crate::outputs::counted(shape.layers, "layer"),
             shape.batch
         ),
     );
@@ -151,7 +154,11 @@ fn table(spec: &AttentionSpec, shape: &Shape) -> Result<String, String> {
     );
     row(
         "attention params",
-        format!("{} in {} layers", group_digits(all_params), shape.layers),
+        format!(
+            "{} in {}",
+            group_digits(all_params),
+            crate::outputs::counted(shape.layers, "layer")
+        ),
     );
 
     let flops = forward_flops(spec, shape.batch, shape.seq, shape.seq)

@@ -175,9 +175,9 @@ fn prompt_ids(
     };
     if ids.len() > context {
         return Err(format!(
-            "error: {flag}: the prompt is {} tokens; allowed: at most {context}, the model's \
-             context (max_position_embeddings)",
-            ids.len()
+            "error: {flag}: the prompt is {}; allowed: at most {context}, the model's context \
+             (max_position_embeddings)",
+            crate::outputs::counted(ids.len() as u64, "token")
         ));
     }
     if ids.len().saturating_add(max_new_tokens) > context {
@@ -281,8 +281,8 @@ fn rates(p: &Progress) -> String {
         decoded as f64 / p.decoding.as_secs_f64()
     };
     format!(
-        "{} tokens, {rate:.1} tokens/s decoding (prefill {:.1} ms)",
-        p.generated,
+        "{}, {rate:.1} tokens/s decoding (prefill {:.1} ms)",
+        crate::outputs::counted(p.generated as u64, "token"),
         p.prefill.as_secs_f64() * 1e3
     )
 }

@@ -80,3 +80,11 @@ pub fn write_whole_with(
     }
     result.map_err(|e| format!("error: cannot write {}: {e}", path.display()))
 }
+
+/// `n` and `word`, the word plural unless `n` is 1 (`1 token`, `2 tokens`).
+pub fn counted(n: u64, word: &str) -> String {
+    match n {
+        1 => format!("1 {word}"),
+        _ => format!("{n} {word}s"),
+    }
+}

@@ -114,8 +114,9 @@ fn params(counts: &Counts, seq: u64) -> Result<String, String> {
         None => "summed over the layers' kinds; a sliding layer holds at most its window".into(),
     };
     s += &format!(
-        "KV cache: {per_token} bytes per token ({per_layer}), {:.1} MiB at {seq} tokens",
-        at_seq as f64 / (1 << 20) as f64
+        "KV cache: {per_token} bytes per token ({per_layer}), {:.1} MiB at {}",
+        at_seq as f64 / (1 << 20) as f64,
+        crate::outputs::counted(seq, "token")
     );
     Ok(s)
 }

@@ -123,7 +123,7 @@ fn plan(
         &config,
         VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
     )
-    .map_err(|e| e.to_string())?;
+    .map_err(|e| attn::candle::message(&e))?;
     check_fits(&config, probe)?;
     Ok((config, toml))
 }

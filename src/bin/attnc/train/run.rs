@@ -7,9 +7,9 @@ use super::folder::{Folder, Kind};
 use super::optimizer::AdamW;
 use super::state::{Metrics, Options, State, StepLoss};
 use super::{Args, DEFAULT_LR, DEFAULT_STEPS, Training};
-use attn::candle::CandleModel;
 use attn::candle::core::{DType, Device, Tensor, Var};
 use attn::candle::nn::{VarBuilder, VarMap, loss};
+use attn::candle::{CandleModel, message};
 use attn::research;
 use attn::runtime::model::ModelConfig;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -281,7 +281,7 @@ struct Trainer {
 
 impl Trainer {
     fn new(run: Run, corpus: &Corpus) -> Result<Trainer, String> {
-        let candle = |e: attn::candle::core::Error| format!("error: {e}");
+        let candle = |e: attn::candle::core::Error| format!("error: {}", message(&e));
         let mut varmap = VarMap::new();
         let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
         let model = CandleModel::new(&run.config, vb).map_err(candle)?;
@@ -311,22 +311,26 @@ impl Trainer {
                 (0, Rng::new(run.options.seed), Vec::new(), Vec::new())
             }
             Start::Weights(file) => {
-                varmap
-                    .load(&file)
-                    .map_err(|e| format!("error: --model: weights {}: {e}", file.display()))?;
+                varmap.load(&file).map_err(|e| {
+                    format!(
+                        "error: --model: weights {}: {}",
+                        file.display(),
+                        message(&e)
+                    )
+                })?;
                 eprintln!("starting from the weights in {}", file.display());
                 (0, Rng::new(run.options.seed), Vec::new(), Vec::new())
             }
             Start::Checkpoint(saved) => {
                 let s = &saved.state;
                 let weights = dir.join(s.weights());
-                varmap
-                    .load(&weights)
-                    .map_err(|e| format!("error: --resume: {}: {e}", weights.display()))?;
+                varmap.load(&weights).map_err(|e| {
+                    format!("error: --resume: {}: {}", weights.display(), message(&e))
+                })?;
                 let moments = dir.join(s.optimizer());
-                adamw
-                    .load(&moments, s.step)
-                    .map_err(|e| format!("error: --resume: {}: {e}", moments.display()))?;
+                adamw.load(&moments, s.step).map_err(|e| {
+                    format!("error: --resume: {}: {}", moments.display(), message(&e))
+                })?;
                 (s.step, s.rng, saved.metrics, saved.losses)
             }
         };
@@ -481,7 +485,7 @@ impl Trainer {
     /// A loss or gradient that is not finite stops the run before the weights change.
     fn train_step(&mut self, corpus: &Corpus, step: u64, lr: f64) -> Result<f64, String> {
         let o = &self.options;
-        let candle = |e: attn::candle::core::Error| format!("error: step {step}: {e}");
+        let candle = |e: attn::candle::core::Error| format!("error: step {step}: {}", message(&e));
         let windows = corpus::windows(&corpus.train, o.batch, o.seq, &mut self.rng);
         let loss = self.loss(&windows).map_err(candle)?;
         let value = f64::from(loss.to_scalar::<f32>().map_err(candle)?);
@@ -539,7 +543,7 @@ impl Trainer {
             let values = var
                 .flatten_all()
                 .and_then(|t| t.to_vec1::<f32>())
-                .map_err(|e| format!("error: {name}: {e}"))?;
+                .map_err(|e| format!("error: {name}: {}", message(&e)))?;
             if let Some((i, v)) = values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
                 let when = if step == 0 {
                     "before the first step".to_string()
@@ -577,7 +581,7 @@ impl Trainer {
             let loss = self
                 .loss(&windows)
                 .and_then(|l| l.to_scalar::<f32>())
-                .map_err(|e| format!("error: validation: {e}"))?;
+                .map_err(|e| format!("error: validation: {}", message(&e)))?;
             total += f64::from(loss);
         }
         Ok(total / EVAL_BATCHES as f64)
@@ -598,7 +602,7 @@ impl Trainer {
         };
         let model_toml = research::with_weights(&self.model_toml, Some(&state.weights()))
             .map_err(|e| format!("error: the model's TOML: {e}"))?;
-        let out = |e: attn::candle::core::Error| e.to_string();
+        let out = |e: attn::candle::core::Error| message(&e);
         checkpoint::write(
             &self.folder,
             &state,
