@@ -16,6 +16,8 @@ mod run;
 #[cfg(feature = "candle")]
 mod sweep;
 mod train;
+#[cfg(feature = "candle")]
+mod train_fuzz;
 
 use std::process::{Command, Output};
 
