@@ -108,7 +108,7 @@ fn hostile_options_finish_or_are_refused() {
     for case in 0..24 {
         let mut chosen: Vec<(&str, &str)> = small.to_vec();
         for (flag, values) in flags {
-            if rng.next_u64() % 3 == 0 {
+            if rng.next_u64().is_multiple_of(3) {
                 let value = values[(rng.next_u64() % values.len() as u64) as usize];
                 chosen.retain(|(f, _)| *f != flag);
                 chosen.push((flag, value));
@@ -214,6 +214,9 @@ fn set_json(text: &str, path: &[&str], value: &str) -> String {
     v.to_string()
 }
 
+/// A change made to a copy of a run folder.
+type Tamper = Box<dyn Fn(&Path)>;
+
 #[test]
 fn tampered_run_folders_resume_or_are_refused() {
     let dir = folder("tampered");
@@ -222,7 +225,7 @@ fn tampered_run_folders_resume_or_are_refused() {
     let o = train(&m, &data, &good, &[]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let state = std::fs::read_to_string(good.join("state.json")).unwrap();
-    let mut cases: Vec<(String, Box<dyn Fn(&Path)>)> = Vec::new();
+    let mut cases: Vec<(String, Tamper)> = Vec::new();
     let fields: [(&[&str], &[&str]); 12] = [
         (
             &["step"],
