@@ -174,3 +174,19 @@ fn a_mask_picture_is_written_whole_or_not_at_all() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A picture over the spec file it reads is refused, naming `--svg`.
+#[test]
+fn a_mask_picture_over_its_spec_file_names_svg() {
+    let spec = std::env::temp_dir().join(format!("attnc-mask-spec-{}.attn", std::process::id()));
+    std::fs::write(&spec, "heads = 1, head_dim = 16, mask = causal").unwrap();
+    let at = format!("@{}", spec.display());
+    let o = attnc(&["ir", &at, "--seq", "8", "--svg", spec.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).starts_with("error: --svg") && stderr(&o).contains("overwrite"),
+        "{}",
+        stderr(&o)
+    );
+    std::fs::remove_file(&spec).ok();
+}

@@ -349,3 +349,39 @@ fn tampered_run_folders_resume_or_are_refused() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Options read back from a run's state.json are checked as the command line checks them: a
+/// negative learning rate (which trained uphill), a negative weight decay or a batch of 65,536
+/// are refused, naming the option.
+#[test]
+fn a_resumed_runs_options_are_checked_again() {
+    let dir = folder("options-again");
+    let (m, data) = inputs(&dir);
+    let good = dir.join("good");
+    let o = train(&m, &data, &good, &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let state = std::fs::read_to_string(good.join("state.json")).unwrap();
+    for (key, value, says) in [
+        ("lr", "-0.003", "--lr -0.003 is out of range"),
+        (
+            "weight_decay",
+            "-0.5",
+            "--weight-decay -0.5 is out of range",
+        ),
+        (
+            "batch",
+            "65536",
+            "--batch 65536 is out of range; allowed: 1 to 4096",
+        ),
+        ("steps", "100000001", "--steps 100000001 is out of range"),
+    ] {
+        let run_dir = dir.join(key);
+        copy_run(&good, &run_dir);
+        let edited = set_json(&state, &["options", key], value);
+        std::fs::write(run_dir.join("state.json"), edited).unwrap();
+        let o = run(&["train", "--resume", &path(&run_dir)]);
+        assert_eq!(o.status.code(), Some(2), "{key}: {}", stderr(&o));
+        assert!(stderr(&o).contains(says), "{key}: {}", stderr(&o));
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
