@@ -24,7 +24,7 @@ fn input(spec: &AttentionSpec, shape: &[usize], seed: u64, scale: f32) -> (Tenso
 }
 
 /// Max abs error of `got` against `want` after checking every element within tolerance; `-inf`
-/// must match exactly.
+/// and NaN must match exactly.
 fn compare(what: &str, got: &[f32], want: &Array, abs: f64, rel: f64) -> f64 {
     assert_eq!(got.len(), want.data().len(), "{what}: length");
     let mut max: f64 = 0.0;
@@ -32,6 +32,10 @@ fn compare(what: &str, got: &[f32], want: &Array, abs: f64, rel: f64) -> f64 {
         let g = f64::from(*g);
         if w.is_infinite() {
             assert_eq!(g, *w, "{what}[{i}]");
+            continue;
+        }
+        if w.is_nan() {
+            assert!(g.is_nan(), "{what}[{i}]: got {g}, want NaN");
             continue;
         }
         let err = (g - w).abs();
@@ -110,7 +114,7 @@ const VARIANTS: &[&str] = &[
      score_mod = |s, b, h, q, k| s - 0.1 * ((q - k) as f32).abs() + (h as f32) * 0.25, \
      mask_mod = |b, h, q, k| (q / 16) == (k / 16) || h == 0",
     "heads = 2, head_dim = 20, score_mod = |s, b, h, q, k| if k % 3 == 0 { s.tanh() } else { \
-     (s * 0.5).exp().ln() + ((k - q) as f32).sqrt().min(2.0).max(-1.0) }, \
+     (s * 0.5).exp().ln() + ((k - q) as f32).abs().sqrt().min(2.0).max(-1.0) }, \
      mask_mod = |b, h, q, k| k % 5 != 1 && (b + h + q - k) / (k - 7) != 3",
 ];
 

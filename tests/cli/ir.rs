@@ -154,16 +154,17 @@ fn a_mask_picture_is_written_whole_or_not_at_all() {
     std::fs::create_dir_all(&dir).unwrap();
     let svg = dir.join("mask.svg");
     std::fs::write(&svg, "the picture before").unwrap();
-    let script = format!(
-        "trap '' XFSZ; ulimit -f 8; exec {} ir 'heads = 1, head_dim = 16, mask = causal' \
-         --seq 256 --svg {}",
-        env!("CARGO_BIN_EXE_attnc"),
-        svg.display()
+    let o = crate::attnc_under(
+        "trap '' XFSZ; ulimit -f 8",
+        &[
+            "ir",
+            "heads = 1, head_dim = 16, mask = causal",
+            "--seq",
+            "256",
+            "--svg",
+            svg.to_str().unwrap(),
+        ],
     );
-    let o = std::process::Command::new("sh")
-        .args(["-c", &script])
-        .output()
-        .unwrap();
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("cannot write"), "{}", stderr(&o));
     assert_eq!(std::fs::read_to_string(&svg).unwrap(), "the picture before");

@@ -34,6 +34,46 @@ fn attnc_with_cache(args: &[&str], cache: &std::path::Path) -> Output {
         .expect("attnc runs")
 }
 
+/// attnc with `args` under the shell limits `limits` (`ulimit -v 600000`; with `trap '' XFSZ;
+/// ulimit -f 40` writes past 40 blocks fail as on a full disk), run through `sh`.
+#[cfg(target_os = "linux")]
+fn attnc_under(limits: &str, args: &[&str]) -> Output {
+    let quoted: Vec<String> = args.iter().map(|a| format!("'{a}'")).collect();
+    let script = format!(
+        "{limits} && exec {} {}",
+        env!("CARGO_BIN_EXE_attnc"),
+        quoted.join(" ")
+    );
+    Command::new("sh")
+        .args(["-c", &script])
+        .env("ATTN_CACHE_DIR", test_cache())
+        .output()
+        .expect("sh runs")
+}
+
+/// A copy of the safetensors file `from` at `to` with value `at` (f32) of tensor `name` made
+/// `value`: a checkpoint whose weights hold NaN, say.
+fn with_value(from: &std::path::Path, to: &std::path::Path, name: &str, at: usize, value: f32) {
+    let bytes = std::fs::read(from).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, Vec<u8>, Vec<usize>, safetensors::Dtype)> = file
+        .tensors()
+        .into_iter()
+        .map(|(n, t)| (n, t.data().to_vec(), t.shape().to_vec(), t.dtype()))
+        .collect();
+    let t = tensors.iter_mut().find(|t| t.0 == name).unwrap();
+    assert_eq!(t.3, safetensors::Dtype::F32, "{name}");
+    t.1[4 * at..4 * at + 4].copy_from_slice(&value.to_le_bytes());
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .map(|(n, d, s, t)| {
+            let view = safetensors::tensor::TensorView::new(*t, s.clone(), d).unwrap();
+            (n.clone(), view)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, to).unwrap();
+}
+
 fn test_cache() -> std::path::PathBuf {
     std::env::temp_dir().join(format!("attnc-cache-{}", std::process::id()))
 }

@@ -288,16 +288,16 @@ fn prompts_past_the_context_are_refused_before_they_are_tokenized_whole() {
         let huge = crate::temp("huge-prompt.txt");
         let line = "attention is all you need.\n";
         std::fs::write(&huge, line.repeat((16 << 20) / line.len() - 1)).unwrap();
-        let script = format!(
-            "ulimit -v 1500000 && exec {} generate --model {dir} --prompt-file {}",
-            env!("CARGO_BIN_EXE_attnc"),
-            huge.display()
+        let o = crate::attnc_under(
+            "ulimit -v 1500000",
+            &[
+                "generate",
+                "--model",
+                dir,
+                "--prompt-file",
+                huge.to_str().unwrap(),
+            ],
         );
-        let o = std::process::Command::new("sh")
-            .args(["-c", &script])
-            .env("ATTN_CACHE_DIR", crate::test_cache())
-            .output()
-            .unwrap();
         assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
         assert!(
             stderr(&o).contains("allowed: at most 256"),
@@ -369,29 +369,14 @@ fn a_model_with_nan_logits_generates_nothing() {
     let dir = crate::temp("nan-llama");
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::copy(format!("{from}/config.json"), dir.join("config.json")).unwrap();
-    let bytes = std::fs::read(format!("{from}/model.safetensors")).unwrap();
-    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let tensors: Vec<(String, Vec<u8>, Vec<usize>, safetensors::Dtype)> = file
-        .tensors()
-        .into_iter()
-        .map(|(name, t)| {
-            let mut data = t.data().to_vec();
-            if name == "model.norm.weight" {
-                data[..4].copy_from_slice(&f32::NAN.to_le_bytes());
-            }
-            (name, data, t.shape().to_vec(), t.dtype())
-        })
-        .collect();
-    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
-        .iter()
-        .map(|(n, d, s, t)| {
-            (
-                n.clone(),
-                safetensors::tensor::TensorView::new(*t, s.clone(), d).unwrap(),
-            )
-        })
-        .collect();
-    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    let weights = std::path::Path::new(from).join("model.safetensors");
+    crate::with_value(
+        &weights,
+        &dir.join("model.safetensors"),
+        "model.norm.weight",
+        0,
+        f32::NAN,
+    );
     for sampling in [&[][..], &["--temperature", "0.8"][..]] {
         let mut args = vec![
             "generate",

@@ -334,25 +334,9 @@ fn a_parameter_that_is_not_finite_stops_the_run_naming_it() {
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     // The run's weights with one learned value made NaN.
     let weights = first.join("model-3.safetensors");
-    let bytes = std::fs::read(&weights).unwrap();
-    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let name = "model.layers.0.self_attn.t";
-    let mut tensors: Vec<(String, Vec<u8>, Vec<usize>)> = file
-        .tensors()
-        .into_iter()
-        .map(|(n, t)| (n, t.data().to_vec(), t.shape().to_vec()))
-        .collect();
-    let t = tensors.iter_mut().find(|t| t.0 == name).unwrap();
-    t.1[4..8].copy_from_slice(&f32::NAN.to_le_bytes());
-    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
-        .iter()
-        .map(|(n, d, s)| {
-            let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), d);
-            (n.clone(), view.unwrap())
-        })
-        .collect();
     let poisoned = dir.join("poisoned.safetensors");
-    safetensors::serialize_to_file(views, None, &poisoned).unwrap();
+    crate::with_value(&weights, &poisoned, name, 1, f32::NAN);
     let toml = std::fs::read_to_string(first.join("model.toml"))
         .unwrap()
         .replace("model-3.safetensors", "poisoned.safetensors");
@@ -644,22 +628,6 @@ fn without_the_candle_feature_train_and_sweep_say_what_they_need() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-/// attnc under `ulimit -v KIB` (the process's address-space limit) with `args`.
-#[cfg(all(feature = "candle", target_os = "linux"))]
-fn attnc_limited(kib: u64, args: &[&str]) -> std::process::Output {
-    let quoted: Vec<String> = args.iter().map(|a| format!("'{a}'")).collect();
-    let script = format!(
-        "ulimit -v {kib} && exec {} {}",
-        env!("CARGO_BIN_EXE_attnc"),
-        quoted.join(" ")
-    );
-    std::process::Command::new("sh")
-        .args(["-c", &script])
-        .env("ATTN_CACHE_DIR", crate::test_cache())
-        .output()
-        .unwrap()
-}
-
 /// A 100 MB corpus trains in 600 MB of address space (it costs about 1.1 times its size, not
 /// the 9 times of bytes, ids and copies of both); one over the 1 GiB limit is refused by its
 /// size before it is read, and one the memory cannot hold before a byte is read.
@@ -673,8 +641,8 @@ fn a_corpus_costs_about_its_size_and_is_checked_before_it_is_read() {
     let text = line.repeat(100_000_000 / line.len());
     std::fs::write(&big, &text).unwrap();
     let out = dir.join("run");
-    let o = attnc_limited(
-        600_000,
+    let o = crate::attnc_under(
+        "ulimit -v 600000",
         &[
             "train",
             "--model",
@@ -718,8 +686,8 @@ fn a_corpus_costs_about_its_size_and_is_checked_before_it_is_read() {
         .unwrap()
         .set_len(900 << 20)
         .unwrap();
-    let o = attnc_limited(
-        400_000,
+    let o = crate::attnc_under(
+        "ulimit -v 400000",
         &[
             "train",
             "--model",
@@ -754,8 +722,8 @@ fn moe_activations_are_counted_before_training() {
          [moe]\nexperts = 64\ntop_k = 64\nintermediate = 4096\n",
     )
     .unwrap();
-    let o = attnc_limited(
-        3_000_000,
+    let o = crate::attnc_under(
+        "ulimit -v 3000000",
         &[
             "train",
             "--model",
@@ -880,17 +848,27 @@ fn a_full_disk_leaves_no_debris() {
     let dir = folder("full");
     let (m, data) = (model(&dir, 256), corpus(&dir));
     let out = dir.join("run");
-    let script = format!(
-        "trap '' XFSZ; ulimit -f 40; exec {} train --model {m} --data {data} --out {} \
-         --steps 3 --seq 16 --batch 2 --eval-every 3",
-        env!("CARGO_BIN_EXE_attnc"),
-        out.display()
+    let out_s = out.to_str().unwrap();
+    let o = crate::attnc_under(
+        "trap '' XFSZ; ulimit -f 40",
+        &[
+            "train",
+            "--model",
+            &m,
+            "--data",
+            &data,
+            "--out",
+            out_s,
+            "--steps",
+            "3",
+            "--seq",
+            "16",
+            "--batch",
+            "2",
+            "--eval-every",
+            "3",
+        ],
     );
-    let o = std::process::Command::new("sh")
-        .args(["-c", &script])
-        .env("ATTN_CACHE_DIR", crate::test_cache())
-        .output()
-        .unwrap();
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(
         stderr(&o).contains("cannot write") && stderr(&o).contains("model-3.safetensors"),

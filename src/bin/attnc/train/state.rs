@@ -2,8 +2,8 @@
 //! checkpoint (the options, the model, the corpus and where the run is), and the logs
 //! `metrics.jsonl` (one line per evaluation) and `steps.jsonl` (one line per step).
 
-use attn::inputs::XorShift as Rng;
 use super::{MAX_BATCH, MAX_SEQ, MAX_STEPS, check_learning_rate, check_weight_decay};
+use attn::inputs::XorShift as Rng;
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
 
