@@ -7,6 +7,7 @@
 
 use crate::error::RuntimeError;
 use crate::tensor::Storage;
+pub use codegen::gpu::kernels::layers::NO_CHOICE;
 use rayon::prelude::*;
 
 /// Normalization layers.
@@ -82,7 +83,8 @@ pub trait LayerOps: Send + Sync {
     ) -> Result<Vec<f32>, RuntimeError>;
 
     /// The index of each row's largest value (rows of `width`), the first of equal ones; NaN
-    /// is never chosen over a number.
+    /// is never chosen over a number, and a row with no value above `-inf` (NaN throughout)
+    /// gives [`NO_CHOICE`].
     fn argmax(&self, rows: &[f32], width: usize) -> Result<Vec<u32>, RuntimeError>;
 }
 
@@ -265,9 +267,12 @@ impl LayerOps for CpuLayers {
             .map(|row| {
                 row.iter()
                     .enumerate()
-                    .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| {
-                        if v > bv { (i, v) } else { (bi, bv) }
-                    })
+                    .fold(
+                        (NO_CHOICE as usize, f32::NEG_INFINITY),
+                        |(bi, bv), (i, &v)| {
+                            if v > bv { (i, v) } else { (bi, bv) }
+                        },
+                    )
                     .0 as u32
             })
             .collect())

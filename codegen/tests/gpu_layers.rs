@@ -372,15 +372,20 @@ fn argmax_takes_the_first_largest_value_of_each_row() {
     let first_max = |row: &[f32]| {
         row.iter()
             .enumerate()
-            .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| {
-                if v > bv { (i, v) } else { (bi, bv) }
-            })
+            .fold(
+                (layers::NO_CHOICE as usize, f32::NEG_INFINITY),
+                |(bi, bv), (i, &v)| {
+                    if v > bv { (i, v) } else { (bi, bv) }
+                },
+            )
             .0 as i32
     };
     let want: Vec<i32> = rows.iter().map(|r| first_max(r)).collect();
     assert_eq!(want[1], 700);
     assert_eq!(want[2], 1);
     assert_eq!(want[3], 999);
+    // A row of NaN chooses nothing, rather than token 0.
+    assert_eq!(want[4], i32::MAX);
     assert_eq!(got, want);
 }
 

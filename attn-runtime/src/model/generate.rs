@@ -93,7 +93,8 @@ pub(crate) fn choose(
             .argmax(logits, logits.len())?
             .first()
             .copied()
-            .ok_or_else(|| RuntimeError::Data("no logits to choose from".into()));
+            .filter(|&id| id != crate::ops::NO_CHOICE)
+            .ok_or_else(|| RuntimeError::Data("no logit above -inf to choose from".into()));
     }
     let t = f64::from(sampling.temperature);
     let mut ranked: Vec<(usize, f64)> = logits

@@ -203,7 +203,15 @@ impl DeviceSession<'_, '_> {
             },
         )?;
         let id = m.device.download(out)?;
-        Ok(u32::from_le_bytes([id[0], id[1], id[2], id[3]]))
+        let id = u32::from_le_bytes([id[0], id[1], id[2], id[3]]);
+        if id == crate::ops::NO_CHOICE {
+            return Err(RuntimeError::Data(
+                "the model's logits hold no number (NaN throughout): its weights or the prompt \
+                 make values that are not finite, so no token is chosen from them"
+                    .into(),
+            ));
+        }
+        Ok(id)
     }
 
     /// The forward pass of `tokens` at positions `len..`, appending their keys and values;

@@ -565,8 +565,12 @@ pub fn embed(width: u32, table: Option<Half>) -> Kernel {
     kernel("embed", A::params(), r, 0, body)
 }
 
+/// What [`argmax`] gives for a row with no value above `-inf` (all NaN, say): no index.
+pub const NO_CHOICE: u32 = i32::MAX as u32;
+
 /// The index of each row's largest value (the first of equal ones; NaN is never chosen over a
-/// number, and a row of NaN gives 0), for rows of `width` values.
+/// number, and a row with no value above `-inf`, NaN throughout, gives [`NO_CHOICE`]), for
+/// rows of `width` values.
 pub fn argmax(width: u32) -> Kernel {
     type A = ArgmaxArgs;
     let mut r = Regs { list: Vec::new() };
@@ -654,13 +658,6 @@ pub fn argmax(width: u32) -> Kernel {
         ]
         .concat(),
     };
-    let first = |e: Expr| {
-        select(
-            bin(Bin::Eq, reg(at), Expr::Int(i64::from(i32::MAX), Ty::I32)),
-            Expr::Int(0, Ty::I32),
-            e,
-        )
-    };
     body.push(Stmt::If(
         bin(Bin::Eq, tid(), i64(0)),
         vec![
@@ -668,7 +665,7 @@ pub fn argmax(width: u32) -> Kernel {
             Stmt::Store(
                 Space::Global,
                 add(p::<A>("out"), mul(row(), i64(4))),
-                first(reg(at)),
+                reg(at),
             ),
         ],
         vec![],
