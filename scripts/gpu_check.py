@@ -67,7 +67,7 @@ def spec_field(spec, name, default=None):
 
 def reference(spec, q, k, v):
     """float64 attention for the specs whose semantics are written out here, else None
-    (DESIGN.md: bottom-right causal alignment; sliding window W keeps q - k < W; ALiBi slopes
+    (docs/semantics.md: bottom-right causal alignment; sliding window W keeps q - k < W; ALiBi slopes
     2^(-8 (h + 1) / H) for a power-of-two H; softcap c tanh(s / c))."""
     position = spec_field(spec, "position", "none")
     if position not in ("none", "alibi") or spec_field(spec, "kv_heads"):

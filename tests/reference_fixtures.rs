@@ -249,7 +249,7 @@ fn rope_frequencies_and_rotations_match_the_fixtures() {
             "{name}: factor {factor} vs {want_factor}"
         );
 
-        // The fixture's positions follow DESIGN.md: keys at p0 + j, queries the last Sq.
+        // The fixture's positions follow docs/semantics.md: keys at p0 + j, queries the last Sq.
         let kpos: Vec<i64> = (0..skv as i64).map(|j| offset + j).collect();
         let qpos: Vec<i64> = (0..sq).map(|i| offset + skv as i64 - sq + i).collect();
         let as_f64 =

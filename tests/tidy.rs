@@ -740,3 +740,75 @@ fn the_module_graph_follows_imports_and_re_exports() {
     assert!(Graph::of(&dir).cycles().is_empty());
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// The repository files a comment names: tokens ending in `.rs`, `.md`, `.sh` or `.py` after a
+/// name, stripped of the punctuation around them (URLs, globs and item paths left out).
+fn files_named_in(comment: &str) -> Vec<String> {
+    comment
+        .split(|c: char| c.is_whitespace() || "`()[]\"',;".contains(c))
+        .map(|t| t.trim_end_matches(['.', ':', '!', '?']))
+        .filter(|t| !t.contains("://") && !t.contains('*') && !t.contains("::"))
+        .filter(|t| t.chars().next().is_some_and(char::is_alphanumeric))
+        .filter(|t| [".rs", ".md", ".sh", ".py"].iter().any(|e| t.ends_with(e)))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Every comment of the Rust sources names only files the repository has (a file's own name,
+/// or a path that some file's path ends with): no pointer to a file that was moved or never
+/// was here.
+#[test]
+fn comments_name_only_files_that_exist() {
+    let tree = tree_paths();
+    let mut missing = Vec::new();
+    for dir in [
+        "attn-dsl",
+        "attn-macros",
+        "codegen",
+        "attn-runtime",
+        "src",
+        "tests",
+        "benches",
+        "examples",
+    ] {
+        // This file's own comments hold made-up names, as examples.
+        let files = rust_files(&root().join(dir))
+            .into_iter()
+            .filter(|f| !f.ends_with("tests/tidy.rs"));
+        for file in files {
+            let text = std::fs::read_to_string(&file).unwrap();
+            for (i, line) in text.lines().enumerate() {
+                // Whole-line comments, doc comments among them (a `//` after code may be in a
+                // string).
+                let Some(comment) = line.trim_start().strip_prefix("//") else {
+                    continue;
+                };
+                for name in files_named_in(comment) {
+                    let found = tree
+                        .iter()
+                        .any(|p| p == &name || p.ends_with(&format!("/{name}")));
+                    if !found {
+                        let rel = file.strip_prefix(root()).unwrap().display().to_string();
+                        missing.push(format!("{rel}:{}: {name}", i + 1));
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(
+        missing,
+        Vec::<String>::new(),
+        "comments name files that do not exist"
+    );
+}
+
+#[test]
+fn the_comment_reader_finds_file_names() {
+    assert_eq!(
+        files_named_in(
+            "/ see docs/semantics.md, \"At the edges\"; `tests/cli/main.rs` (and mod.rs)."
+        ),
+        ["docs/semantics.md", "tests/cli/main.rs", "mod.rs"]
+    );
+    assert!(files_named_in("/ https://example.com/a.md, crate::x.rs, *.rs, a string").is_empty());
+}

@@ -115,7 +115,7 @@ pub fn forward_flops(spec: &AttentionSpec, batch: u64, sq: u64, skv: u64) -> Opt
 }
 
 /// Number of (query, key) pairs the built-in mask keeps for `sq` queries against `skv` keys
-/// (queries are the last `sq` positions, DESIGN.md "Positions"), in closed form; `None` when it
+/// (queries are the last `sq` positions, docs/semantics.md), in closed form; `None` when it
 /// does not fit in 64 bits.
 pub fn kept_pairs(mask: Mask, sq: u64, skv: u64) -> Option<u64> {
     let (n, keys) = (i128::from(sq), i128::from(skv));

@@ -4,7 +4,7 @@
 //! [`Learned`] names the caller's tensors; binding checks them against the spec (each present
 //! once, f32-convertible, with its shape) and lays the parameters out as kernels read them
 //! ([`codegen::plan::ParamLayout`]). Parameters are read inside the kernels. Sinks are exact
-//! host passes around any backend's kernels (DESIGN.md, "Semantics"):
+//! host passes around any backend's kernels (docs/semantics.md, "Learnable tensors"):
 //! - forward and cached calls: `lse' = logaddexp(lse, sinks[h])`, `out' = out exp(lse - lse')`
 //!   (the kernels' rows never see the sink; a split-KV merge happens before, so each row counts
 //!   its sink once);

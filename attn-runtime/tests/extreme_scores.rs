@@ -1,4 +1,4 @@
-//! NaN, infinities and scores near `f32::MAX` against the stated semantics (DESIGN.md,
+//! NaN, infinities and scores near `f32::MAX` against the stated semantics (docs/semantics.md,
 //! "Semantics"): a row is empty only when the mask drops every key; a NaN that reaches a row
 //! makes it NaN; any finite score is a score, however large. On the CPU forward kernel, the
 //! decode kernel with split-KV partitions, and the reference.
@@ -150,7 +150,7 @@ fn close(what: &str, got: &[f32], want: &[f64], abs: f64, rel: f64) {
     }
 }
 
-/// `got`'s out and lse equal `want`'s within DESIGN.md's tolerance for the spec's dtype (f32:
+/// `got`'s out and lse equal `want`'s within the differential tests' tolerance for the spec's dtype (f32:
 /// 1e-5 abs and 1e-4 rel; bf16 and f16: 2e-2 abs), NaN and infinities exactly.
 fn outputs_match(what: &str, spec: &AttentionSpec, got: &Output, want: &reference::Output) {
     let (abs, rel) = match spec.dtype {

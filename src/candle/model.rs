@@ -15,8 +15,9 @@ use std::sync::Arc;
 /// GPT-2's initialization scale, as the runtime's random research models.
 const INIT_STD: f64 = 0.02;
 
-/// A decoder-only transformer of a [`ModelConfig`]: embedding, pre-norm blocks (norm, attention,
-/// residual; norm, MLP, residual), final norm, LM head (the embedding when tied). Layers may
+/// A decoder-only transformer of a [`ModelConfig`]: embedding, blocks (attention and MLP around
+/// the residual, their norms where the config's placement puts them), final norm, LM head (the
+/// embedding when tied). Layers may
 /// differ in attention (the config's kinds and pattern); each kind's variant is made once.
 /// Per-head attention only: MLA configs are refused.
 pub struct CandleModel {

@@ -3,7 +3,7 @@
 //! Custom modifiers are written as Rust closures: a score modifier `|score, b, h, q, k| expr`
 //! maps an f32 score to an f32 score, a mask predicate `|b, h, q, k| expr` says whether a key is
 //! kept. `b` is the batch index, `h` the query head, and `q`, `k` the absolute positions of the
-//! query and the key (i64, DESIGN.md "Positions").
+//! query and the key (i64, docs/semantics.md, "Scores, masks and positions").
 //!
 //! The built-in parts of a spec (scale, softcap, ALiBi, causal, top-left causal, sliding window)
 //! are expressed in the same IR by [`ScoreProgram::of`], so a backend sees one mechanism. Each

@@ -19,7 +19,7 @@ pub struct ScoreProgram {
 
 impl ScoreProgram {
     /// Expresses a spec's built-ins in the IR and composes them with its custom modifiers, in the
-    /// order of DESIGN.md ("Semantics"). Not yet folded: see [`super::fold`].
+    /// order of docs/semantics.md ("Scores, masks and positions"). Not yet folded: see [`super::fold`].
     pub fn of(spec: &AttentionSpec) -> ScoreProgram {
         let mut score = Expr::binary(
             BinOp::Mul,

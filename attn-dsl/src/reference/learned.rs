@@ -1,7 +1,7 @@
 //! Learnable tensors in the reference: the parameters a score modifier reads and the sink
 //! logits, checked against the spec.
 //!
-//! Sinks (DESIGN.md "Semantics", gpt-oss): row `i` of head `h` gains a softmax column of logit
+//! Sinks (docs/semantics.md, "Learnable tensors"; gpt-oss): row `i` of head `h` gains a softmax column of logit
 //! `sinks[h]` in scaled-score units, after every modifier, with no value: `lse` covers it, and
 //! the row's weights sum to `1 - exp(sinks[h] - lse)`. Its gradient is
 //! `d sinks[h] = -sum_rows exp(sinks[h] - lse_i) * rowsum(dout_i * out_i)`.

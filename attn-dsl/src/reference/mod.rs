@@ -1,6 +1,6 @@
 //! The reference semantics: what every kernel of every backend must compute.
 //!
-//! Plain f64, O(Sq·Skv) memory, written to be read next to DESIGN.md ("Semantics"), not to be
+//! Plain f64, O(Sq·Skv) memory, written to be read next to docs/semantics.md, not to be
 //! fast. Inputs are BHSD arrays (MLA: the DeepSeek tensors). Outputs are `out` and `lse`, the
 //! natural log of the softmax denominator over the kept keys; a row with no kept key gives
 //! `out = 0` and `lse = -inf`.
@@ -49,7 +49,7 @@ pub struct Output {
 pub const MAX_POSITION: i64 = i32::MAX as i64;
 
 /// Checks that every position of a call of `sq` queries against `skv` keys at offset `p0` (keys
-/// `p0..p0 + skv`, queries ending at the last key, DESIGN.md "Positions") lies within
+/// `p0..p0 + skv`, queries ending at the last key, docs/semantics.md) lies within
 /// [`MAX_POSITION`]. The error says which positions and what is allowed.
 pub fn check_positions(sq: usize, skv: usize, p0: i64) -> Result<(), ReferenceError> {
     let (sq, skv) = (sq as i128, skv as i128);
@@ -148,7 +148,7 @@ fn expect(name: &'static str, a: &Array, shape: &[usize]) -> Result<(), Referenc
     }
 }
 
-/// Absolute positions of queries and keys (DESIGN.md "Positions").
+/// Absolute positions of queries and keys (docs/semantics.md, "Scores, masks and positions").
 #[derive(Clone, Copy, Debug)]
 struct Positions {
     sq: usize,

@@ -1,5 +1,5 @@
-//! Rotary position embeddings in f64, with every scaling of DESIGN.md (as the transformers library
-//! defines them).
+//! Rotary position embeddings in f64, with every scaling of docs/semantics.md (as the
+//! transformers library defines them).
 
 use super::Array;
 use crate::spec::{Rope, RopeScaling};

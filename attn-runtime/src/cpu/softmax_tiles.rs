@@ -128,7 +128,7 @@ pub unsafe extern "C" fn ds_portable(
 
 /// A row whose lse is NaN (a NaN or +inf score it keeps): its kept pairs' probabilities and `dS`
 /// are NaN, and its masked pairs' (score `-inf`) are exactly 0, never `2^(-inf - NaN)`, so that
-/// NaN reaches only the gradients of pairs the row keeps (DESIGN.md, "Semantics").
+/// NaN reaches only the gradients of pairs the row keeps (docs/semantics.md, "At the edges").
 fn nan_row(s: &mut [f32], dp: &mut [f32]) {
     for (s, dp) in s.iter_mut().zip(dp.iter_mut()) {
         let value = if *s == f32::NEG_INFINITY {

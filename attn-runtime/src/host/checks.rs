@@ -157,8 +157,8 @@ pub(crate) fn check_cache(variant: &Variant, cache: &dyn KvCache) -> Result<(), 
     )))
 }
 
-/// Rows with a score past `f32::MAX` (a +inf score) are NaN in `out` and `lse` (DESIGN.md,
-/// "Semantics": `inf - inf` in the softmax, as in PyTorch's math path).
+/// Rows with a score past `f32::MAX` (a +inf score) are NaN in `out` and `lse` (docs/semantics.md,
+/// "At the edges": `inf - inf` in the softmax, as in PyTorch's math path).
 ///
 /// The kernels compute scores in scaled units (base 2, halved on the GPU) in which a score just
 /// past `f32::MAX` is still finite, so their softmax weights stay defined; but such a row's

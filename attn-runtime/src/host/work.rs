@@ -289,7 +289,7 @@ pub(crate) fn merge(
             let row = (layout.out_row)(item.b, i, h);
             let dst = &mut out[row * dv..(row + 1) * dv];
             // A NaN part makes the row NaN (f32::max above passes over it), and so does a +inf
-            // one: a score past f32::MAX (DESIGN.md, "Semantics").
+            // one: a score past f32::MAX (docs/semantics.md, "At the edges").
             if parts
                 .iter()
                 .any(|(_, l)| l[r].is_nan() || l[r] == f32::INFINITY)

@@ -2,8 +2,10 @@
 //! [`hf::load`], or written for research with [`research`] and random weights) and its weights,
 //! run with the generated attention kernels.
 //!
-//! Layers are pre-norm: `x += attn(norm(x))`, `x += mlp(norm(x))`; then a final norm and the LM
-//! head (the embedding when tied). Attention is any per-head spec (q, k, v, o projections) or MLA
+//! Each layer is attention and an MLP around the residual stream, their norms where the
+//! config's [`NormPlacement`] puts them (before each sublayer, `x += attn(norm(x))`; before and
+//! after; after; or both sublayers side by side); then a final norm and the LM head (the
+//! embedding when tied). Attention is any per-head spec (q, k, v, o projections) or MLA
 //! (DeepSeek's low-rank KV with its absorbed kernels). [`Model::forward`] runs a whole sequence;
 //! a [`Session`] runs one incrementally against paged KV caches (one per layer), for decoding.
 
