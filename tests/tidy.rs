@@ -812,3 +812,37 @@ fn the_comment_reader_finds_file_names() {
     );
     assert!(files_named_in("/ https://example.com/a.md, crate::x.rs, *.rs, a string").is_empty());
 }
+
+/// Every `ATTN_*` environment setting is read in `codegen/src/settings.rs`, where each has its
+/// exact spellings: no other library or attnc source reads the environment by such a name.
+#[test]
+fn attn_settings_are_read_in_settings_rs_alone() {
+    let mut readers = Vec::new();
+    for dir in [
+        "attn-dsl/src",
+        "attn-macros/src",
+        "codegen/src",
+        "attn-runtime/src",
+        "src",
+    ] {
+        for file in rust_files(&root().join(dir)) {
+            if file.ends_with("codegen/src/settings.rs") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&file).unwrap();
+            let outside_tests = text.split("#[cfg(test)]").next().unwrap();
+            for (i, line) in outside_tests.lines().enumerate() {
+                let read = line.contains("env::var");
+                if read && !line.trim_start().starts_with("//") && line.contains("\"ATTN_") {
+                    let rel = file.strip_prefix(root()).unwrap().display().to_string();
+                    readers.push(format!("{rel}:{}", i + 1));
+                }
+            }
+        }
+    }
+    assert_eq!(
+        readers,
+        Vec::<String>::new(),
+        "ATTN_* read outside settings.rs"
+    );
+}

@@ -83,7 +83,7 @@ impl Isa {
     /// The set [`ISA_VARIABLE`] names, when set (an unknown name, or one this CPU lacks, is an
     /// error that says what is allowed); else the best this CPU supports.
     pub fn from_env() -> Result<Isa, String> {
-        let Ok(name) = std::env::var(ISA_VARIABLE) else {
+        let Some(name) = codegen::settings::cpu_isa() else {
             return Ok(Isa::detect());
         };
         let here: Vec<&str> = Isa::ALL
@@ -136,7 +136,7 @@ fn amx_here() -> bool {
 
 /// The environment variable that picks the CPU kernels' instruction set: `avx512_bf16`,
 /// `avx512`, `avx2` or `portable` (default: the best this CPU has).
-pub const ISA_VARIABLE: &str = "ATTN_CPU_ISA";
+pub const ISA_VARIABLE: &str = codegen::settings::CPU_ISA;
 
 /// `qk_tile` and `pv_tile` for an instruction set, as C-ABI function addresses.
 pub fn addresses(isa: Isa) -> (usize, usize) {

@@ -142,7 +142,7 @@ impl DiskCache {
     /// The cache under `ATTN_CACHE_DIR`, else under the platform's cache directory; `None`
     /// when neither is known (no home directory).
     pub fn default_location() -> Option<DiskCache> {
-        if let Some(dir) = std::env::var_os("ATTN_CACHE_DIR").filter(|d| !d.is_empty()) {
+        if let Some(dir) = codegen::settings::cache_dir() {
             return Some(DiskCache::at(dir));
         }
         let env = |name| {

@@ -196,20 +196,7 @@ fn wgmma_kernel(variant: &Variant) -> Result<Arc<codegen::gpu::ForwardKernel>, R
 /// timed it; CUDA devices other than compute capability 9.0 refuse it. Any other value is an
 /// error, so a mistyped setting is never silently off.
 pub fn wgmma_enabled() -> Result<bool, RuntimeError> {
-    static ON: std::sync::OnceLock<Result<bool, String>> = std::sync::OnceLock::new();
-    ON.get_or_init(|| wgmma_setting(std::env::var_os("ATTN_GPU_WGMMA").as_deref()))
-        .clone()
-        .map_err(RuntimeError::Setting)
-}
-
-/// What a value of `ATTN_GPU_WGMMA` means (`None`: unset).
-fn wgmma_setting(value: Option<&std::ffi::OsStr>) -> Result<bool, String> {
-    codegen::settings::flag(
-        "ATTN_GPU_WGMMA",
-        value,
-        "set it to 1 to take the sm_90a forward kernel, or to 0 (or leave it unset) for the \
-         default mma.sync kernel",
-    )
+    codegen::settings::gpu_wgmma().map_err(RuntimeError::Setting)
 }
 
 /// How the `mma.sync` forward kernel of forward calls is tiled: `ATTN_GPU_MMA_WARPS=12` takes
@@ -220,27 +207,12 @@ pub fn mma_tiling(
     plan: &codegen::KernelPlan,
 ) -> Result<codegen::gpu::kernels::forward_tc::Tiling, RuntimeError> {
     use codegen::gpu::kernels::forward_tc::Tiling;
-    static TWELVE: std::sync::OnceLock<Result<bool, String>> = std::sync::OnceLock::new();
-    let twelve = TWELVE
-        .get_or_init(|| mma_warps_setting(std::env::var_os("ATTN_GPU_MMA_WARPS").as_deref()))
-        .clone()
-        .map_err(RuntimeError::Setting)?;
+    let twelve = codegen::settings::gpu_mma_twelve_warps().map_err(RuntimeError::Setting)?;
     Ok(if twelve {
         Tiling::TWELVE_WARPS
     } else {
         Tiling::of(plan)
     })
-}
-
-/// What a value of `ATTN_GPU_MMA_WARPS` means (`None`: unset): whether it asks for twelve warps.
-fn mma_warps_setting(value: Option<&std::ffi::OsStr>) -> Result<bool, String> {
-    codegen::settings::choice(
-        "ATTN_GPU_MMA_WARPS",
-        value,
-        &[("", false), ("8", false), ("12", true)],
-        "set it to 12 for twelve warps per SM in the mma.sync forward kernel, or to 8 (or leave \
-         it unset) for the default eight",
-    )
 }
 
 /// The forward kernel a resident model runs: on tensor cores with bf16 `Q K^T` operands where
@@ -546,37 +518,5 @@ pub(crate) fn device_bytes(t: &Tensor, dtype: attn_dsl::DType) -> Vec<u8> {
             .flat_map(|x| half::f16::from_f32(x).to_le_bytes())
             .collect(),
         (attn_dsl::DType::F32, _) => values().flat_map(|x| x.to_le_bytes()).collect(),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{mma_warps_setting, wgmma_setting};
-    use std::ffi::OsStr;
-
-    #[test]
-    fn only_unset_empty_8_and_12_are_mma_warps_settings() {
-        assert_eq!(mma_warps_setting(None), Ok(false));
-        assert_eq!(mma_warps_setting(Some(OsStr::new("8"))), Ok(false));
-        assert_eq!(mma_warps_setting(Some(OsStr::new("12"))), Ok(true));
-        for bad in ["16", "twelve", "1"] {
-            let err = mma_warps_setting(Some(OsStr::new(bad))).unwrap_err();
-            assert!(
-                err.contains("ATTN_GPU_MMA_WARPS") && err.contains(bad),
-                "{err}"
-            );
-        }
-    }
-
-    #[test]
-    fn only_unset_empty_0_and_1_are_wgmma_settings() {
-        assert_eq!(wgmma_setting(None), Ok(false));
-        assert_eq!(wgmma_setting(Some(OsStr::new(""))), Ok(false));
-        assert_eq!(wgmma_setting(Some(OsStr::new("0"))), Ok(false));
-        assert_eq!(wgmma_setting(Some(OsStr::new("1"))), Ok(true));
-        for bad in ["yes", "true", " 1", "2", "on"] {
-            let err = wgmma_setting(Some(OsStr::new(bad))).unwrap_err();
-            assert!(err.contains("ATTN_GPU_WGMMA") && err.contains(bad), "{err}");
-        }
     }
 }
