@@ -846,3 +846,157 @@ fn attn_settings_are_read_in_settings_rs_alone() {
         "ATTN_* read outside settings.rs"
     );
 }
+
+/// The functions of a source text and their lengths in lines, from the line of `fn` to the
+/// line of the closing brace: `(name, first line, lines)`. Comments, strings (raw ones too)
+/// and char literals are passed over, so braces inside them do not count.
+fn function_lengths(text: &str) -> Vec<(String, usize, usize)> {
+    let chars: Vec<char> = text.chars().collect();
+    let (mut out, mut open) = (Vec::new(), Vec::<(String, usize, usize)>::new());
+    let (mut i, mut line, mut depth) = (0, 1, 0usize);
+    let mut pending: Option<(String, usize)> = None;
+    let at = |i: usize, s: &str| {
+        s.chars()
+            .enumerate()
+            .all(|(k, c)| chars.get(i + k) == Some(&c))
+    };
+    while i < chars.len() {
+        let c = chars[i];
+        if c == '\n' {
+            line += 1;
+        }
+        if at(i, "//") {
+            while i < chars.len() && chars[i] != '\n' {
+                i += 1;
+            }
+            continue;
+        }
+        if at(i, "/*") {
+            i += 2;
+            while i < chars.len() && !at(i, "*/") {
+                line += usize::from(chars[i] == '\n');
+                i += 1;
+            }
+            i += 2;
+            continue;
+        }
+        let raw = (c == 'r' || c == 'b')
+            && {
+                let mut k = i + 1 + usize::from(c == 'b' && chars.get(i + 1) == Some(&'r'));
+                while chars.get(k) == Some(&'#') {
+                    k += 1;
+                }
+                chars.get(k) == Some(&'"') && (k > i + 1 || c == 'r')
+            }
+            && (i == 0 || !(chars[i - 1].is_alphanumeric() || chars[i - 1] == '_'));
+        if raw {
+            let mut k = i + 1;
+            while chars[k] != '"' {
+                k += 1;
+            }
+            let hashes = chars[i..k].iter().filter(|&&h| h == '#').count();
+            let close: String = std::iter::once('"')
+                .chain(std::iter::repeat_n('#', hashes))
+                .collect();
+            i = k + 1;
+            while i < chars.len() && !at(i, &close) {
+                line += usize::from(chars[i] == '\n');
+                i += 1;
+            }
+            i += close.len();
+            continue;
+        }
+        if c == '"' {
+            i += 1;
+            while i < chars.len() && chars[i] != '"' {
+                if chars[i] == '\\' {
+                    i += 1;
+                }
+                line += usize::from(chars.get(i) == Some(&'\n'));
+                i += 1;
+            }
+            i += 1;
+            continue;
+        }
+        if c == '\'' {
+            // A char literal ('x', '\n', '\''); otherwise a lifetime.
+            if chars.get(i + 1) == Some(&'\\') {
+                i += 2;
+                while i < chars.len() && chars[i] != '\'' {
+                    i += 1;
+                }
+                i += 1;
+                continue;
+            }
+            if chars.get(i + 2) == Some(&'\'') {
+                i += 3;
+                continue;
+            }
+        }
+        let word_start = i == 0 || !(chars[i - 1].is_alphanumeric() || chars[i - 1] == '_');
+        if word_start && at(i, "fn ") {
+            let name: String = chars[i + 3..]
+                .iter()
+                .take_while(|c| c.is_alphanumeric() || **c == '_')
+                .collect();
+            if !name.is_empty() {
+                pending = Some((name, line));
+            }
+        }
+        match c {
+            ';' if pending.is_some() => {
+                // A declaration without a body (a trait's), unless inside its own signature.
+                pending = None;
+            }
+            '{' => {
+                depth += 1;
+                if let Some((name, start)) = pending.take() {
+                    open.push((name, start, depth));
+                }
+            }
+            '}' => {
+                if open.last().is_some_and(|o| o.2 == depth) {
+                    let (name, start, _) = open.pop().unwrap();
+                    out.push((name, start, line - start + 1));
+                }
+                depth = depth.saturating_sub(1);
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    out
+}
+
+#[test]
+fn the_function_reader_measures_bodies() {
+    let text = "fn a() {\n    let s = \"}\";\n    let c = '}';\n}\ntrait T {\n    fn b(&self);\n}\n\
+                fn c<'a>(x: &'a str) -> &'a str {\n    // }\n    let r = r#\"}\"#;\n    x\n}\n";
+    let got: Vec<(String, usize, usize)> = function_lengths(text);
+    assert_eq!(got, [("a".to_string(), 1, 4), ("c".to_string(), 8, 5)]);
+}
+
+/// No function of the library and attnc sources is over 150 lines (tests are left out).
+#[test]
+fn no_function_is_over_150_lines() {
+    let mut long = Vec::new();
+    for dir in [
+        "attn-dsl/src",
+        "attn-macros/src",
+        "codegen/src",
+        "attn-runtime/src",
+        "src",
+    ] {
+        for file in rust_files(&root().join(dir)) {
+            let text = std::fs::read_to_string(&file).unwrap();
+            let outside_tests = text.split("#[cfg(test)]").next().unwrap();
+            for (name, start, lines) in function_lengths(outside_tests) {
+                if lines > 150 {
+                    let rel = file.strip_prefix(root()).unwrap().display().to_string();
+                    long.push(format!("{rel}:{start}: {name}, {lines} lines"));
+                }
+            }
+        }
+    }
+    assert_eq!(long, Vec::<String>::new(), "functions over 150 lines");
+}

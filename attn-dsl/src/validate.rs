@@ -202,6 +202,12 @@ impl AttentionSpec {
                     .to_string(),
             );
         }
+        Self::validate_scaling(rope, f);
+        Self::validate_attention_factor(rope, f);
+    }
+
+    /// The rules of a RoPE scaling's parameters.
+    fn validate_scaling(rope: &Rope, f: &mut Findings) {
         match rope.scaling {
             RopeScaling::None => {}
             RopeScaling::Linear { factor } | RopeScaling::Ntk { factor } => {
@@ -311,7 +317,6 @@ impl AttentionSpec {
                 f.positive("position.scaling.attention_factor", l.attention_factor);
             }
         }
-        Self::validate_attention_factor(rope, f);
     }
 
     /// cos and sin are multiplied by the scaling's attention factor, so every score by its

@@ -34,6 +34,9 @@ pub(super) fn device(e: impl std::fmt::Display) -> RuntimeError {
     RuntimeError::Device(e.to_string())
 }
 
+/// Merged decode rows and their lse on the device, and the merge map's buffer.
+type Merged = (CudaSlice<f32>, CudaSlice<f32>, CudaSlice<u8>);
+
 /// A CUDA device with its stream and the kernels loaded on it.
 #[derive(Debug)]
 pub struct CudaBackend {
@@ -349,6 +352,35 @@ impl CudaBackend {
         unsafe { launch.launch(config) }.map_err(device)?;
         drop((_q, _t, _s, _c, _n, _o, _l, _p));
         // The partitions merged on the device; only the call's rows come back.
+        // The merge map's buffer stays alive until the stream is synchronized below.
+        let (merged, merged_lse, _map) = self.merge_partitions(l, &out, &lse)?;
+        let end = if timed { Some(event()?) } else { None };
+        let mut out = s.clone_dtoh(&merged).map_err(device)?;
+        let mut lse = s.clone_dtoh(&merged_lse).map_err(device)?;
+        s.synchronize().map_err(device)?;
+        if let (Some(start), Some(end)) = (start, end) {
+            let ms = start.elapsed_ms(&end).map_err(device)?;
+            *self
+                .last_kernel_us
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(f64::from(ms) * 1e3);
+        }
+        out.truncate(l.merged_rows * l.v_dim);
+        lse.truncate(l.merged_rows);
+        Ok((out, lse))
+    }
+
+    /// Queues the merge of a decode launch's partial rows `out` and `lse` on the device (the
+    /// merge kernel); returns the merged rows and their lse, `merged_rows` of each (at least one
+    /// allocated), and the merge map's buffer, which the caller keeps until the stream is done.
+    fn merge_partitions(
+        &self,
+        l: &DecodeLaunch,
+        out: &CudaSlice<f32>,
+        lse: &CudaSlice<f32>,
+    ) -> Result<Merged, RuntimeError> {
+        let s = &self.stream;
+        let some = |v: &[u8]| s.clone_htod(if v.is_empty() { &[0u8; 16][..] } else { v });
         let merge = self.load(&l.merge)?;
         let map = some(
             &l.map
@@ -387,20 +419,7 @@ impl CudaBackend {
         // outputs of `merged_rows` rows, all alive past the launch; the guards drop after it.
         unsafe { launch.launch(config) }.map_err(device)?;
         drop((_p, _pl, _m, _o, _ol));
-        let end = if timed { Some(event()?) } else { None };
-        let mut out = s.clone_dtoh(&merged).map_err(device)?;
-        let mut lse = s.clone_dtoh(&merged_lse).map_err(device)?;
-        s.synchronize().map_err(device)?;
-        if let (Some(start), Some(end)) = (start, end) {
-            let ms = start.elapsed_ms(&end).map_err(device)?;
-            *self
-                .last_kernel_us
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(f64::from(ms) * 1e3);
-        }
-        out.truncate(l.merged_rows * l.v_dim);
-        lse.truncate(l.merged_rows);
-        Ok((out, lse))
+        Ok((merged, merged_lse, map))
     }
 
     /// The architecture kernels are loaded for.

@@ -335,74 +335,17 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
     let file = Config::read(dir)?;
     let c = file.fields()?;
     let path = file.path.as_path();
-    let family = c
-        .str_opt("model_type")?
-        .ok_or_else(|| bad(path, "`model_type` is missing"))?
-        .to_string();
-    if !FAMILIES.contains(&family.as_str()) {
-        return Err(bad(
-            path,
-            format!(
-                "model family `{family}` is not supported; supported: {}",
-                FAMILIES.join(", ")
-            ),
-        ));
-    }
-    // bloom's files may use its older names.
-    let hidden = c.uint_or_alias("hidden_size", "n_embed")?;
-    let heads = c.uint_or_alias("num_attention_heads", "n_head")?;
-    if heads == 0 {
-        return Err(bad(
-            path,
-            "`num_attention_heads` is 0; allowed: a whole number of at least 1",
-        ));
-    }
-    let layers = c.uint_or_alias("num_hidden_layers", "n_layer")?;
-    if !(1..=MAX_LAYERS).contains(&layers) {
-        return Err(bad(
-            path,
-            format!("`num_hidden_layers` = {layers} is out of range; allowed: 1 to {MAX_LAYERS}"),
-        ));
-    }
-    let deepseek = family.starts_with("deepseek");
-    let (attention, pattern) = if deepseek {
-        (vec![deepseek_attention(c, heads)?], vec![0])
-    } else {
-        per_head_layers(c, &family, heads, hidden, layers)?
-    };
-    for spec in &attention {
-        spec.validate().map_err(|findings| {
-            let findings: Vec<String> = findings.iter().map(ToString::to_string).collect();
-            bad(
-                path,
-                format!(
-                    "the attention it describes is invalid: {}",
-                    findings.join("; ")
-                ),
-            )
-        })?;
-    }
+    let (family, hidden, heads, layers) = shape_of(c, path)?;
+    let (attention, pattern) = attention_of(c, path, &family, [heads, hidden, layers])?;
     let gemma = family.starts_with("gemma");
     let cohere = family == "cohere";
     let neox = family == "gpt_neox";
     let bloom = family == "bloom";
-    if bloom && c.flag("apply_residual_connection_post_layernorm")? {
-        return Err(bad(
-            path,
-            "`apply_residual_connection_post_layernorm` = true (bloom's residual taken after \
-             the norm) is not supported; supported: false",
-        ));
-    }
+    refuse_unsupported(c, path, &family)?;
     let starcoder = family == "starcoder2";
     let use_bias = starcoder && (!c.has("use_bias") || c.flag("use_bias")?);
     packed_experts(c, &family)?;
     let mlp = activation(c, &family)?;
-    if c.flag("use_bidirectional_attention")? {
-        return Err(bad(
-            path,
-            "`use_bidirectional_attention` = true is not supported; supported: causal decoders",
-        ));
-    }
     // qwen2 has biases on q, k and v only; elsewhere `attention_bias` puts them on all four.
     // gpt-oss's and gpt_neox's `attention_bias` default to true.
     let attention_bias = match family.as_str() {
@@ -516,6 +459,86 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
         .validate()
         .map_err(|e| bad(path, e.to_string().replace("model config: ", "")))?;
     Ok(config)
+}
+
+/// The family, width, heads and layers of a config.json, each checked.
+fn shape_of(c: Fields, path: &Path) -> Result<(String, usize, usize, usize), RuntimeError> {
+    let family = c
+        .str_opt("model_type")?
+        .ok_or_else(|| bad(path, "`model_type` is missing"))?
+        .to_string();
+    if !FAMILIES.contains(&family.as_str()) {
+        return Err(bad(
+            path,
+            format!(
+                "model family `{family}` is not supported; supported: {}",
+                FAMILIES.join(", ")
+            ),
+        ));
+    }
+    // bloom's files may use its older names.
+    let hidden = c.uint_or_alias("hidden_size", "n_embed")?;
+    let heads = c.uint_or_alias("num_attention_heads", "n_head")?;
+    if heads == 0 {
+        return Err(bad(
+            path,
+            "`num_attention_heads` is 0; allowed: a whole number of at least 1",
+        ));
+    }
+    let layers = c.uint_or_alias("num_hidden_layers", "n_layer")?;
+    if !(1..=MAX_LAYERS).contains(&layers) {
+        return Err(bad(
+            path,
+            format!("`num_hidden_layers` = {layers} is out of range; allowed: 1 to {MAX_LAYERS}"),
+        ));
+    }
+    Ok((family, hidden, heads, layers))
+}
+
+/// The attention kinds of a family's layers and each layer's kind, every spec validated.
+fn attention_of(
+    c: Fields,
+    path: &Path,
+    family: &str,
+    [heads, hidden, layers]: [usize; 3],
+) -> Result<(Vec<AttentionSpec>, Vec<usize>), RuntimeError> {
+    let (attention, pattern) = if family.starts_with("deepseek") {
+        (vec![deepseek_attention(c, heads)?], vec![0])
+    } else {
+        per_head_layers(c, family, heads, hidden, layers)?
+    };
+    for spec in &attention {
+        spec.validate().map_err(|findings| {
+            let findings: Vec<String> = findings.iter().map(ToString::to_string).collect();
+            bad(
+                path,
+                format!(
+                    "the attention it describes is invalid: {}",
+                    findings.join("; ")
+                ),
+            )
+        })?;
+    }
+    Ok((attention, pattern))
+}
+
+/// Refuses settings of a family's config.json that no model here runs: bloom's residual after
+/// the norm, and bidirectional attention.
+fn refuse_unsupported(c: Fields, path: &Path, family: &str) -> Result<(), RuntimeError> {
+    if family == "bloom" && c.flag("apply_residual_connection_post_layernorm")? {
+        return Err(bad(
+            path,
+            "`apply_residual_connection_post_layernorm` = true (bloom's residual taken after \
+             the norm) is not supported; supported: false",
+        ));
+    }
+    if c.flag("use_bidirectional_attention")? {
+        return Err(bad(
+            path,
+            "`use_bidirectional_attention` = true is not supported; supported: causal decoders",
+        ));
+    }
+    Ok(())
 }
 
 /// Whether the checkpoint stores gpt-oss's experts packed as MXFP4 (`quantization_config` with
