@@ -526,11 +526,8 @@ impl Trainer {
 
     /// The model's variables by name, in name order.
     fn named_vars(&self) -> Vec<(String, Var)> {
-        let data = self
-            .varmap
-            .data()
-            .lock()
-            .expect("not poisoned: no step panics");
+        // A poisoned lock still holds the variables (nothing here panics holding it).
+        let data = self.varmap.data().lock().unwrap_or_else(|p| p.into_inner());
         let mut vars: Vec<(String, Var)> =
             data.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         vars.sort_by(|a, b| a.0.cmp(&b.0));
