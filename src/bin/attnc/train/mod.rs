@@ -56,7 +56,8 @@ pub struct Args {
     /// file is refused unless its tokens are the same.
     #[arg(long, value_name = "FILE", required_unless_present = "resume")]
     pub data: Option<PathBuf>,
-    /// The folder to write the run into: new, or empty (made if missing).
+    /// The folder to write the run into: new (made), empty, or a run's that stopped before its
+    /// first checkpoint.
     #[arg(long, value_name = "DIR", required_unless_present = "resume")]
     pub out: Option<PathBuf>,
     /// Continue the run in DIR from its last checkpoint, with the options it was started with
