@@ -813,30 +813,40 @@ fn the_comment_reader_finds_file_names() {
     assert!(files_named_in("/ https://example.com/a.md, crate::x.rs, *.rs, a string").is_empty());
 }
 
-/// Every `ATTN_*` environment setting is read in `codegen/src/settings.rs`, where each has its
-/// exact spellings: no other library or attnc source reads the environment by such a name.
-#[test]
-fn attn_settings_are_read_in_settings_rs_alone() {
-    let mut readers = Vec::new();
-    for dir in [
+/// The library and attnc sources outside their tests: each file's path relative to the
+/// root, and its text up to `#[cfg(test)]`.
+fn library_sources() -> Vec<(String, String)> {
+    let dirs = [
         "attn-dsl/src",
         "attn-macros/src",
         "codegen/src",
         "attn-runtime/src",
         "src",
-    ] {
-        for file in rust_files(&root().join(dir)) {
-            if file.ends_with("codegen/src/settings.rs") {
-                continue;
-            }
+    ];
+    dirs.iter()
+        .flat_map(|dir| rust_files(&root().join(dir)))
+        .map(|file| {
             let text = std::fs::read_to_string(&file).unwrap();
-            let outside_tests = text.split("#[cfg(test)]").next().unwrap();
-            for (i, line) in outside_tests.lines().enumerate() {
-                let read = line.contains("env::var");
-                if read && !line.trim_start().starts_with("//") && line.contains("\"ATTN_") {
-                    let rel = file.strip_prefix(root()).unwrap().display().to_string();
-                    readers.push(format!("{rel}:{}", i + 1));
-                }
+            let outside_tests = text.split("#[cfg(test)]").next().unwrap().to_string();
+            let rel = file.strip_prefix(root()).unwrap().display().to_string();
+            (rel, outside_tests)
+        })
+        .collect()
+}
+
+/// Every `ATTN_*` environment setting is read in `codegen/src/settings.rs`, where each has its
+/// exact spellings: no other library or attnc source reads the environment by such a name.
+#[test]
+fn attn_settings_are_read_in_settings_rs_alone() {
+    let mut readers = Vec::new();
+    for (rel, text) in library_sources() {
+        if rel.ends_with("codegen/src/settings.rs") {
+            continue;
+        }
+        for (i, line) in text.lines().enumerate() {
+            let read = line.contains("env::var");
+            if read && !line.trim_start().starts_with("//") && line.contains("\"ATTN_") {
+                readers.push(format!("{rel}:{}", i + 1));
             }
         }
     }
@@ -980,21 +990,10 @@ fn the_function_reader_measures_bodies() {
 #[test]
 fn no_function_is_over_150_lines() {
     let mut long = Vec::new();
-    for dir in [
-        "attn-dsl/src",
-        "attn-macros/src",
-        "codegen/src",
-        "attn-runtime/src",
-        "src",
-    ] {
-        for file in rust_files(&root().join(dir)) {
-            let text = std::fs::read_to_string(&file).unwrap();
-            let outside_tests = text.split("#[cfg(test)]").next().unwrap();
-            for (name, start, lines) in function_lengths(outside_tests) {
-                if lines > 150 {
-                    let rel = file.strip_prefix(root()).unwrap().display().to_string();
-                    long.push(format!("{rel}:{start}: {name}, {lines} lines"));
-                }
+    for (rel, text) in library_sources() {
+        for (name, start, lines) in function_lengths(&text) {
+            if lines > 150 {
+                long.push(format!("{rel}:{start}: {name}, {lines} lines"));
             }
         }
     }
