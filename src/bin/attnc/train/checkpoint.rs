@@ -17,7 +17,7 @@ use super::state::{Metrics, Record, State, StepLoss, checkpoint_step, log_lines,
 use std::path::Path;
 
 /// The files of a run besides its marker and checkpoint files.
-const RUN_FILES: [&str; 5] = [
+pub const RUN_FILES: [&str; 5] = [
     "state.json",
     "model.toml",
     "metrics.jsonl",

@@ -21,6 +21,24 @@ fn smoothing(steps: usize) -> usize {
     (steps / 10).clamp(1, 100)
 }
 
+/// Most points a per-step curve is drawn with: a long run's plot, redrawn at every
+/// checkpoint, stays small and quick to make.
+const MAX_POINTS: usize = 2000;
+
+/// `points` with every `n`-th kept (and the last) when there are more than [`MAX_POINTS`].
+fn thinned(points: Vec<(f64, f64)>) -> Vec<(f64, f64)> {
+    let n = points.len().div_ceil(MAX_POINTS);
+    if n <= 1 {
+        return points;
+    }
+    let last = points.last().copied();
+    let mut kept: Vec<(f64, f64)> = points.into_iter().step_by(n).collect();
+    if kept.last().copied() != last {
+        kept.extend(last);
+    }
+    kept
+}
+
 /// `loss.svg`: the training loss of every step, its running mean, and the validation loss at
 /// each evaluation (every `eval_every` steps and the last).
 pub fn loss_curves(
@@ -47,7 +65,7 @@ pub fn loss_curves(
         },
         width: if k > 1 { 1 } else { 2 },
         dots: false,
-        points: losses.iter().map(|l| (l.step as f64, l.loss)).collect(),
+        points: thinned(losses.iter().map(|l| (l.step as f64, l.loss)).collect()),
     }];
     // A mean over one step is the step itself: drawn only over several.
     if k > 1 {
@@ -56,7 +74,7 @@ pub fn loss_curves(
             colour: BLUE.to_rgba(),
             width: 2,
             dots: false,
-            points: mean,
+            points: thinned(mean),
         });
     }
     series.push(Series {
@@ -137,4 +155,19 @@ pub fn line_chart(caption: &str, series: &[Series]) -> Result<String, String> {
         root.present().map_err(|e| fail(e.to_string()))?;
     }
     Ok(svg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_curves_are_thinned_to_their_most_points_with_the_last_kept() {
+        let points: Vec<(f64, f64)> = (0..10_001).map(|i| (i as f64, 1.0)).collect();
+        let kept = thinned(points);
+        assert!(kept.len() <= MAX_POINTS + 1, "{}", kept.len());
+        assert_eq!(kept.first().unwrap().0, 0.0);
+        assert_eq!(kept.last().unwrap().0, 10_000.0);
+        assert_eq!(thinned(vec![(1.0, 2.0); 5]).len(), 5);
+    }
 }

@@ -120,13 +120,7 @@ fn start(args: &Args) -> Result<(Run, Corpus), String> {
         .into_iter()
         .chain(options.tokenizer.as_deref())
         .collect();
-    for name in [
-        "model.toml",
-        "state.json",
-        "metrics.jsonl",
-        "steps.jsonl",
-        "loss.svg",
-    ] {
+    for name in checkpoint::RUN_FILES {
         crate::outputs::check(&out.join(name), &inputs, "--out")?;
     }
     checkpoint::clear(&folder);
@@ -285,14 +279,7 @@ impl Trainer {
         let mut varmap = VarMap::new();
         let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
         let model = CandleModel::new(&run.config, vb).map_err(candle)?;
-        let mut vars: Vec<(String, Var)> = varmap
-            .data()
-            .lock()
-            .map_err(|_| "error: the model's variables are poisoned")?
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        let vars = sorted_vars(&varmap);
         // Weight decay on the matrices only, not on norms and biases.
         let decay = run.options.weight_decay;
         let mut adamw = AdamW::new(
@@ -526,12 +513,7 @@ impl Trainer {
 
     /// The model's variables by name, in name order.
     fn named_vars(&self) -> Vec<(String, Var)> {
-        // A poisoned lock still holds the variables (nothing here panics holding it).
-        let data = self.varmap.data().lock().unwrap_or_else(|p| p.into_inner());
-        let mut vars: Vec<(String, Var)> =
-            data.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-        vars.sort_by(|a, b| a.0.cmp(&b.0));
-        vars
+        sorted_vars(&self.varmap)
     }
 
     /// Stops the run at `step` when a parameter holds a value that is not finite, naming it.
@@ -619,4 +601,13 @@ impl Trainer {
     fn parameter_count(&self) -> usize {
         self.varmap.all_vars().iter().map(|v| v.elem_count()).sum()
     }
+}
+
+/// The variables of `varmap` by name, in name order (a poisoned lock still holds them; nothing
+/// here panics holding it).
+fn sorted_vars(varmap: &VarMap) -> Vec<(String, Var)> {
+    let data = varmap.data().lock().unwrap_or_else(|p| p.into_inner());
+    let mut vars: Vec<(String, Var)> = data.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    vars
 }
