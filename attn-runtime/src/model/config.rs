@@ -68,6 +68,12 @@ pub struct ModelConfig {
     pub norm_bias: bool,
     /// Mixture-of-experts MLPs, in the layers it names.
     pub moe: Option<Moe>,
+    /// The rank through which MLA queries are factored (DeepSeek's `q_lora_rank`: `q_a_proj`,
+    /// a norm, `q_b_proj`); `None` where the queries are one projection.
+    pub q_lora_rank: Option<usize>,
+    /// The experts' weights are stored packed as MXFP4 blocks and scales (gpt-oss), read packed
+    /// and dequantized to bf16 values at load.
+    pub experts_mxfp4: bool,
 }
 
 /// Mixture-of-experts MLPs: a router picks `top_k` of `experts` MLPs (each of the model's MLP
@@ -451,6 +457,16 @@ impl ModelConfig {
         range("hidden", self.hidden, MAX_WIDTH)?;
         range("layers", self.layers, MAX_LAYERS)?;
         range("intermediate", self.intermediate, MAX_INTERMEDIATE)?;
+        if let Some(rank) = self.q_lora_rank {
+            range("q_lora_rank", rank, MAX_WIDTH)?;
+            if self.attention.iter().any(|a| a.mla().is_none()) {
+                return Err(RuntimeError::Data(
+                    "model config: `q_lora_rank` factors MLA queries, but an attention kind is \
+                     not MLA"
+                        .into(),
+                ));
+            }
+        }
         for (field, value) in [
             ("embed_multiplier", self.embed_multiplier),
             ("final_softcap", self.final_softcap),

@@ -5,6 +5,7 @@
 //! default (a `"rope_theta": "500000"` must not run as 10000).
 
 use crate::error::RuntimeError;
+use crate::model::config::MAX_LAYERS;
 use serde_json::{Map, Value};
 use std::path::Path;
 
@@ -209,6 +210,48 @@ impl<'a> Fields<'a> {
             })
             .collect::<Result<Vec<T>, _>>()
             .map(Some)
+    }
+
+    /// A number that takes `default` when the key is absent (transformers' default) and none
+    /// when it is `null`.
+    pub(crate) fn float_or_absent(
+        &self,
+        key: &str,
+        default: Option<f64>,
+    ) -> Result<Option<f64>, RuntimeError> {
+        if self.has(key) {
+            self.float_opt(key)
+        } else {
+            Ok(default)
+        }
+    }
+
+    /// A list of layer indices (`[]` when absent; at most [`MAX_LAYERS`] of them).
+    pub(crate) fn layer_list(&self, key: &str) -> Result<Vec<usize>, RuntimeError> {
+        let Some(v) = self.get(key) else {
+            return Ok(Vec::new());
+        };
+        let items = v
+            .as_array()
+            .filter(|a| a.len() <= MAX_LAYERS)
+            .ok_or_else(|| {
+                bad(
+                    self.path,
+                    format!("`{key}` must be a list of at most {MAX_LAYERS} layer indices"),
+                )
+            })?;
+        items
+            .iter()
+            .enumerate()
+            .map(|(i, x)| {
+                x.as_u64().map(|x| x as usize).ok_or_else(|| {
+                    bad(
+                        self.path,
+                        format!("`{key}[{i}]` is {x}; expected a layer index"),
+                    )
+                })
+            })
+            .collect()
     }
 }
 

@@ -215,6 +215,8 @@ pub fn config_from_toml(text: &str) -> Result<ModelConfig, RuntimeError> {
         projections: Projections::Separate,
         tensor_names: TensorNames::Llama,
         moe: moe_of(&table, layers, mlp_width)?,
+        q_lora_rank: None,
+        experts_mxfp4: false,
     };
     config.validate()?;
     Ok(config)
@@ -414,14 +416,13 @@ pub fn load(path: &Path, seed: u64) -> Result<Model, RuntimeError> {
     };
     let folder = path.parent().unwrap_or(Path::new("."));
     let file = folder.join(file);
-    let names = super::weights::tensor_names(&config, None);
+    let names = super::weights::tensor_names(&config);
     let refs: Vec<&str> = names.iter().map(String::as_str).collect();
     let tensors = read_safetensors(&file, &refs)?;
     let shapes_from = path.display().to_string();
     super::weights::assemble(
         config,
         names.into_iter().zip(tensors).collect(),
-        None,
         &shapes_from,
     )
 }

@@ -14,10 +14,10 @@ use std::collections::HashMap;
 /// builds them with the RMSNorm default, not `rms_norm_eps`.
 const LATENT_NORM_EPS: f64 = 1e-6;
 
-/// The tensors a model of `config` is made of; `q_lora` is the rank of DeepSeek's factored
-/// queries, if they are factored. LayerNorm models with norm biases also have a `.bias` beside
+/// The tensors a model of `config` is made of (DeepSeek's queries factored where the config
+/// has a `q_lora_rank`). LayerNorm models with norm biases also have a `.bias` beside
 /// each norm's `.weight`; GELU MLPs have no `gate_proj`.
-pub(crate) fn tensor_names(config: &ModelConfig, q_lora: Option<usize>) -> Vec<String> {
+pub(crate) fn tensor_names(config: &ModelConfig) -> Vec<String> {
     let norm = |name: &str| {
         let mut names = vec![format!("{name}.weight")];
         if config.norm == NormKind::Layer && config.norm_bias {
@@ -86,7 +86,7 @@ pub(crate) fn tensor_names(config: &ModelConfig, q_lora: Option<usize>) -> Vec<S
             }
             None => mlp_names(config.mlp_names.prefixes(i)),
         }
-        let attn: &[&str] = match (mla, q_lora.is_some(), config.qkv_bias) {
+        let attn: &[&str] = match (mla, config.q_lora_rank.is_some(), config.qkv_bias) {
             (false, _, false) if config.projections != Projections::Separate => {
                 &["self_attn.qkv_proj.weight"]
             }
@@ -145,7 +145,6 @@ pub(crate) fn tensor_names(config: &ModelConfig, q_lora: Option<usize>) -> Vec<S
 pub(crate) fn assemble(
     config: ModelConfig,
     w: HashMap<String, Tensor>,
-    q_lora: Option<usize>,
     shapes_from: &str,
 ) -> Result<Model, RuntimeError> {
     let mut w = Store {
@@ -160,7 +159,7 @@ pub(crate) fn assemble(
     let d = config.hidden;
     let mut layers = Vec::with_capacity(config.layers);
     for i in 0..config.layers {
-        let attn = w.attention(&config, i, q_lora)?;
+        let attn = w.attention(&config, i)?;
         let mlp = w.layer_mlp(&config, i)?;
         let p = format!("model.layers.{i}.");
         let [attn_norm, post_attn_norm, mlp_norm, post_mlp_norm] = config
@@ -288,12 +287,11 @@ impl Store<'_> {
             .collect())
     }
 
-    /// Layer `i`'s attention weights (per head, or MLA with `q_lora` its query rank).
+    /// Layer `i`'s attention weights (per head, or MLA with the config's query rank).
     fn attention(
         &mut self,
         config: &ModelConfig,
         i: usize,
-        q_lora: Option<usize>,
     ) -> Result<AttentionWeights, RuntimeError> {
         let w = self;
         let (d, eps) = (config.hidden, config.norm_eps);
@@ -305,7 +303,7 @@ impl Store<'_> {
             Some(m) => {
                 let (r, dr) = (m.latent_rank as usize, m.rope_dim as usize);
                 let q_out = heads * (dk + dr);
-                let (q, q_b) = match q_lora {
+                let (q, q_b) = match config.q_lora_rank {
                     Some(qr) => {
                         let q_a = w.linear(&format!("{p}q_a_proj"), false, [qr, d])?;
                         let q_a_norm =

@@ -798,3 +798,21 @@ fn per_layer_keys_and_qk_norms_that_do_not_fit_are_refused() {
         "a cohere q_norm shared by the heads",
     );
 }
+
+/// A query rank belongs to MLA models: a config that pairs it with per-head attention, or a
+/// rank of 0, is refused; DeepSeek-V3's own rank is carried from its config.json.
+#[test]
+fn a_query_rank_outside_mla_is_refused() {
+    let v3 = hf::config(&fixture("deepseek_v3_moe")).unwrap();
+    assert!(v3.q_lora_rank.is_some(), "the fixture factors its queries");
+    assert!(v3.validate().is_ok());
+    let mut zero = v3.clone();
+    zero.q_lora_rank = Some(0);
+    let e = zero.validate().unwrap_err().to_string();
+    assert!(e.contains("`q_lora_rank` = 0"), "{e}");
+    let mut llama = hf::config(&fixture("llama_gqa")).unwrap();
+    assert_eq!(llama.q_lora_rank, None);
+    llama.q_lora_rank = Some(8);
+    let e = llama.validate().unwrap_err().to_string();
+    assert!(e.contains("not MLA"), "{e}");
+}
