@@ -3,8 +3,8 @@
 //! depend one way; in attn-runtime, `host/` imports neither `cpu/` nor `gpu/`, and `cpu/` and
 //! `gpu/` do not import each other; `unsafe` appears only in attn-runtime, each block under a
 //! `SAFETY:` comment; ARCHITECTURE.md stays a short map of files that exist; no library function
-//! is over 150 lines; settings are read in one file; comments name files that exist; the
-//! workspace has at most 8 integration-test binaries.
+//! is over 150 lines nor file over 800; settings are read in one file; comments name files that
+//! exist; the workspace has at most 8 integration-test binaries.
 //!
 //! A module is a source file (`a/mod.rs` is `a`). Module `m` imports module `n` when a `use` of
 //! `m`, or a `crate::`, `super::` or `self::` path in its code, names an item of `n`. Paths are
@@ -1045,4 +1045,17 @@ fn at_most_eight_test_binaries() {
         binaries.contains(&"tests/api/main.rs".to_string()),
         "{binaries:?}"
     );
+}
+
+/// No file of the library and attnc sources is over 800 lines before its tests: a file that
+/// grows past that holds more than one concern, and splits along its seams.
+#[test]
+fn no_source_file_is_over_800_lines() {
+    let long: Vec<String> = library_sources()
+        .into_iter()
+        .map(|(rel, text)| (rel, text.lines().count()))
+        .filter(|(_, lines)| *lines > 800)
+        .map(|(rel, lines)| format!("{rel}: {lines} lines"))
+        .collect();
+    assert_eq!(long, Vec::<String>::new(), "files over 800 lines");
 }

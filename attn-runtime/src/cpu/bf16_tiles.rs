@@ -1,5 +1,5 @@
 //! The forward's tile products on `vdpbf16ps` for bf16 specs on CPUs with avx512_bf16
-//! ([`Isa::Avx512Bf16`]), with the contracts of the f32 microkernels (`microkernels.rs`) and
+//! ([`Isa::Avx512Bf16`]), with the contracts of the f32 microkernels (`microkernels/mod.rs`) and
 //! f32 sums. Each instruction multiplies sixteen pairs and adds both products to an f32 lane,
 //! twice an f32 FMA's work.
 //!
@@ -61,7 +61,7 @@ pub fn pv_address(isa: Isa, dtype: DType) -> Option<usize> {
 }
 
 #[cfg(target_arch = "x86_64")]
-// Index loops mirror the register blocking (rows x vectors), as in `microkernels.rs`.
+// Index loops mirror the register blocking (rows x vectors), as in `microkernels/x86.rs`.
 #[allow(clippy::needless_range_loop)]
 mod x86 {
     use super::{K, MAX_QK_DIM};
@@ -104,7 +104,7 @@ mod x86 {
         _mm512_or_si512(a, _mm512_slli_epi32::<16>(b))
     }
 
-    /// `pv_tile` (module contract of `microkernels.rs`) on `vdpbf16ps`, in panels of 64 value
+    /// `pv_tile` (module contract of `microkernels/mod.rs`) on `vdpbf16ps`, in panels of 64 value
     /// dims.
     ///
     /// # Safety
@@ -219,7 +219,7 @@ mod x86 {
         }
     }
 
-    /// `qk_tile` (module contract of `microkernels.rs`) on `vdpbf16ps`, for `dim <=
+    /// `qk_tile` (module contract of `microkernels/mod.rs`) on `vdpbf16ps`, for `dim <=
     /// MAX_QK_DIM` and bf16 values in `q` and `kt`: the key tile paired by dims once per call,
     /// each row's queries paired as taken, six rows by 64 keys per step.
     ///
