@@ -25,7 +25,7 @@ fn prefill(c: &mut Criterion) {
             for dtype in ["f32", "bf16"] {
                 let text = format!("heads = 16, head_dim = {d}, {body}, dtype = {dtype}");
                 let spec: AttentionSpec = text.parse().unwrap();
-                backend.kernel(&spec).unwrap();
+                backend.forward_kernel(&spec).unwrap();
                 let variant = Variant::shared(&spec).unwrap();
                 let mut group = c.benchmark_group(format!("{name}/d{d}/{dtype}"));
                 group.sample_size(10);

@@ -59,7 +59,7 @@ fn main() {
     // spec); a backend compiles its kernels on first use (here, ahead of the call, to time it).
     let variant = Variant::shared(&spec).expect("a valid spec");
     let backend = CpuBackend::new();
-    let kernel = backend.kernel(&spec).expect("compiles");
+    let kernel = backend.forward_kernel(&spec).expect("compiles");
     let (qt, kt, vt) = (tensor(&q), tensor(&k), tensor(&v));
     let got = backend
         .forward(&variant, Inputs::heads(&qt, &kt, &vt), 0)

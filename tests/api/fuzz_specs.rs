@@ -308,7 +308,7 @@ fn exercise(spec: &AttentionSpec, compile: bool) {
     }
     if compile {
         CpuBackend::new()
-            .kernel(spec)
+            .forward_kernel(spec)
             .unwrap_or_else(|e| panic!("`{spec}` does not compile: {e}"));
     }
 }

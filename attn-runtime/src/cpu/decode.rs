@@ -82,7 +82,7 @@ impl CpuBackend {
         layout: &Layout,
     ) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> {
         check_cache(variant, call.cache)?;
-        let kernel = self.kernel_for(variant, PlanKind::Decode)?;
+        let kernel = self.kernel(variant, PlanKind::Decode)?;
         let (max_rows, seg_keys) = (kernel.plan.tiles.q_rows as usize, K_TILE as usize);
         let items = items(
             &kernel.plan,

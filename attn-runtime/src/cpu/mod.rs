@@ -70,23 +70,13 @@ impl CpuBackend {
 
     /// The compiled forward kernel of a spec: compiled on first use, then kept by the
     /// process's variant of the spec ([`Variant::shared`]; a new shape never recompiles).
-    pub fn kernel(&self, spec: &AttentionSpec) -> Result<Arc<CpuKernel>, RuntimeError> {
-        self.kernel_for(&*Variant::shared(spec)?, PlanKind::Forward)
-    }
-
-    /// The compiled kernel of a spec for a plan kind (forward or decode), kept like
-    /// [`CpuBackend::kernel`].
-    pub fn kernel_of(
-        &self,
-        spec: &AttentionSpec,
-        kind: PlanKind,
-    ) -> Result<Arc<CpuKernel>, RuntimeError> {
-        self.kernel_for(&*Variant::shared(spec)?, kind)
+    pub fn forward_kernel(&self, spec: &AttentionSpec) -> Result<Arc<CpuKernel>, RuntimeError> {
+        self.kernel(&*Variant::shared(spec)?, PlanKind::Forward)
     }
 
     /// The compiled kernel of a variant for a plan kind: compiled on first use for this
     /// backend's instruction set, then kept by the variant.
-    pub fn kernel_for(
+    pub fn kernel(
         &self,
         variant: &Variant,
         kind: PlanKind,
@@ -215,7 +205,7 @@ impl CpuBackend {
     ) -> Result<Output, RuntimeError> {
         let spec = variant.spec();
         per_head(spec, q)?;
-        let kernel = self.kernel_for(variant, PlanKind::Forward)?;
+        let kernel = self.kernel(variant, PlanKind::Forward)?;
         let (h, dv) = (spec.heads as usize, spec.v_head_dim as usize);
         let [b, sq, skv] = check_qkv(spec, q, k, v)?;
         let call = Call {
@@ -244,7 +234,7 @@ impl CpuBackend {
     ) -> Result<(HeadGradients, Vec<f32>), RuntimeError> {
         let spec = variant.spec();
         let [b, sq, skv] = check_backward(spec, x)?;
-        let kernel = self.kernel_for(variant, PlanKind::Backward)?;
+        let kernel = self.kernel(variant, PlanKind::Backward)?;
         let (q, k, v) = (x.q.f32_values(), x.k.f32_values(), x.v.f32_values());
         let (out, lse, dout) = (x.out.f32_values(), x.lse.f32_values(), x.dout.f32_values());
         let problem = backward::Problem {
@@ -299,7 +289,7 @@ impl CpuBackend {
                 return Err(crate::host::checks::shape(name, t, &format!("{want:?}")));
             }
         }
-        let kernel = self.kernel_for(variant, PlanKind::Backward)?;
+        let kernel = self.kernel(variant, PlanKind::Backward)?;
         let (out_latent, lse, dout) = (
             x.latent.f32_values(),
             x.lse.f32_values(),
@@ -360,7 +350,7 @@ impl CpuBackend {
         a: &AbsorbedForward,
         position_offset: i64,
     ) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> {
-        let kernel = self.kernel_for(variant, PlanKind::Forward)?;
+        let kernel = self.kernel(variant, PlanKind::Forward)?;
         let (wq, h, sq, skv) = (a.width(), variant.spec().heads as usize, a.sq, a.skv);
         let call = Call {
             batch: a.b,

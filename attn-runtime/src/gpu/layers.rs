@@ -69,8 +69,8 @@ impl LayerOps for SimLayers {
             return Ok(Vec::new());
         }
         let kind = match kind {
-            NormKind::Rms => layers::NormKind::Rms,
-            NormKind::Layer => layers::NormKind::Layer,
+            NormKind::Rms => layers::RowNorm::Rms,
+            NormKind::Layer => layers::RowNorm::Layer,
         };
         let mut mem = Memory::default();
         let record = NormArgs {

@@ -152,10 +152,10 @@ fn a_variant_validates_once_and_keeps_its_kernels() {
     assert_eq!(variant.forward_plan().kind, PlanKind::Forward);
     assert_eq!(variant.decode_plan().kind, PlanKind::Decode);
     let cpu = CpuBackend::new();
-    let a = cpu.kernel_for(&variant, PlanKind::Forward).unwrap();
-    let b = cpu.kernel_for(&variant, PlanKind::Forward).unwrap();
+    let a = cpu.kernel(&variant, PlanKind::Forward).unwrap();
+    let b = cpu.kernel(&variant, PlanKind::Forward).unwrap();
     assert!(std::sync::Arc::ptr_eq(&a, &b), "compiled twice");
-    let d = cpu.kernel_for(&variant, PlanKind::Decode).unwrap();
+    let d = cpu.kernel(&variant, PlanKind::Decode).unwrap();
     assert!(!std::sync::Arc::ptr_eq(&a, &d));
 
     // Equal specs share the process's variant; the spec-taking entry points use it.
@@ -166,8 +166,8 @@ fn a_variant_validates_once_and_keeps_its_kernels() {
         &Variant::shared(&spec).unwrap()
     ));
     assert!(std::sync::Arc::ptr_eq(
-        &cpu.kernel(&spec).unwrap(),
-        &cpu.kernel_for(&shared, PlanKind::Forward).unwrap()
+        &cpu.forward_kernel(&spec).unwrap(),
+        &cpu.kernel(&shared, PlanKind::Forward).unwrap()
     ));
 }
 

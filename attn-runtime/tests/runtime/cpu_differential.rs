@@ -333,8 +333,8 @@ fn kernels_compile_once_per_spec() {
     let spec: AttentionSpec = "heads = 2, head_dim = 8, mask = causal, softcap = 3.0"
         .parse()
         .unwrap();
-    let a = backend.kernel(&spec).unwrap();
-    let b = backend.kernel(&spec).unwrap();
+    let a = backend.forward_kernel(&spec).unwrap();
+    let b = backend.forward_kernel(&spec).unwrap();
     assert!(std::sync::Arc::ptr_eq(&a, &b));
 }
 

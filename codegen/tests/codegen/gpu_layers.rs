@@ -6,8 +6,8 @@ use codegen::gpu::interp::{Memory, Val, run};
 use codegen::gpu::ir::verify::verify;
 use codegen::gpu::ir::{Half, Kernel};
 use codegen::gpu::kernels::layers::{
-    self, Activation, ArgmaxArgs, ColumnsArgs, ElementwiseArgs, EmbedArgs, NormArgs, NormKind,
-    Pointwise, ScatterArgs, SinkArgs, THREADS,
+    self, Activation, ArgmaxArgs, ColumnsArgs, ElementwiseArgs, EmbedArgs, NormArgs, Pointwise,
+    RowNorm, ScatterArgs, SinkArgs, THREADS,
 };
 use codegen::gpu::launch::{LaunchRecord, bind};
 
@@ -44,12 +44,12 @@ fn norms_match_their_definitions() {
     // (kind, width, bias, weight rows): one row of weights for every row, or rows of weights
     // repeating down the rows (cohere's per-head q/k norms).
     for (kind, width, with_bias, weight_rows) in [
-        (NormKind::Rms, 300, false, 1),
-        (NormKind::Rms, 64, false, 1),
-        (NormKind::Layer, 1000, true, 1),
-        (NormKind::Layer, 33, false, 1),
-        (NormKind::Layer, 16, false, 3),
-        (NormKind::Rms, 24, true, 2),
+        (RowNorm::Rms, 300, false, 1),
+        (RowNorm::Rms, 64, false, 1),
+        (RowNorm::Layer, 1000, true, 1),
+        (RowNorm::Layer, 33, false, 1),
+        (RowNorm::Layer, 16, false, 3),
+        (RowNorm::Rms, 24, true, 2),
     ] {
         let (rows, eps) = (6, 1e-5f32);
         let x = values(rows * width, 1);
@@ -71,8 +71,8 @@ fn norms_match_their_definitions() {
         for (r, row) in x.chunks(width).enumerate() {
             let row: Vec<f64> = row.iter().map(|v| f64::from(*v)).collect();
             let mean = match kind {
-                NormKind::Rms => 0.0,
-                NormKind::Layer => row.iter().sum::<f64>() / width as f64,
+                RowNorm::Rms => 0.0,
+                RowNorm::Layer => row.iter().sum::<f64>() / width as f64,
             };
             let var = row.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / width as f64;
             let inv = 1.0 / (var + f64::from(eps)).sqrt();

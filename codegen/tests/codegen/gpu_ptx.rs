@@ -179,15 +179,15 @@ fn decode_kernels_compile_to_ptx() {
 #[test]
 fn layer_kernels_compile_to_ptx_and_assemble() {
     use codegen::gpu::ir::Half;
-    use codegen::gpu::kernels::layers::{self, Activation, AppendRope, NormKind, Pointwise};
+    use codegen::gpu::kernels::layers::{self, Activation, AppendRope, Pointwise, RowNorm};
     let clamped = Activation::ClampedSwiGlu {
         alpha: 1.702f32.to_bits(),
         limit: 7f32.to_bits(),
     };
     let mut kernels = vec![
-        layers::norm(NormKind::Rms, 4096, 1e-6, false, 1),
-        layers::norm(NormKind::Layer, 128, 1e-5, false, 8),
-        layers::norm(NormKind::Layer, 1024, 1e-5, true, 1),
+        layers::norm(RowNorm::Rms, 4096, 1e-6, false, 1),
+        layers::norm(RowNorm::Layer, 128, 1e-5, false, 8),
+        layers::norm(RowNorm::Layer, 1024, 1e-5, true, 1),
         layers::residual_add(),
         layers::bias_add(),
         layers::embed(4096, Some(Half::Bf16)),

@@ -215,8 +215,9 @@ fn bench_backward(
     let backend = CpuBackend::new();
     // The process's variant of the spec: the one the timed calls below use.
     let started = Instant::now();
-    backend.kernel_of(spec, attn::codegen::plan::PlanKind::Forward)?;
-    backend.kernel_of(spec, attn::codegen::plan::PlanKind::Backward)?;
+    let variant = Variant::shared(spec)?;
+    backend.kernel(&variant, attn::codegen::plan::PlanKind::Forward)?;
+    backend.kernel(&variant, attn::codegen::plan::PlanKind::Backward)?;
     let compile_ms = started.elapsed().as_secs_f64() * 1e3;
     let (b, h, sq, dv) = (
         shape.batch,
@@ -336,7 +337,7 @@ fn time_calls(
 fn bench(spec: &AttentionSpec, shape: &Shape, progress: bool) -> Result<Timing, RuntimeError> {
     ensure_fits(spec, shape)?;
     let backend = CpuBackend::new();
-    let kernel = backend.kernel(spec)?;
+    let kernel = backend.forward_kernel(spec)?;
     let compile_ms = kernel.compile_time.as_secs_f64() * 1e3;
     let variant = Variant::shared(spec)?;
     let call: Box<dyn FnMut() -> Result<(), RuntimeError>> = match spec.mla() {

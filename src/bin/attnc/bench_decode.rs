@@ -120,7 +120,7 @@ fn bench(
 ) -> Result<Timing, RuntimeError> {
     let backend = CpuBackend::new();
     let variant = Variant::new(spec.clone())?;
-    let kernel = backend.kernel_for(&variant, attn::codegen::plan::PlanKind::Decode)?;
+    let kernel = backend.kernel(&variant, attn::codegen::plan::PlanKind::Decode)?;
     let compile_ms = kernel.compile_time.as_secs_f64() * 1e3;
     let (b, h) = (shape.batch, spec.heads as usize);
     let hkv = spec.kv_heads() as usize;

@@ -14,12 +14,12 @@ use std::sync::Arc;
 /// A layer's KV cache on the device: keys and values head-major, `[kv_heads, capacity, dim]`,
 /// in the spec's dtype, keys rotated as they were appended. MLA's values are the latent part
 /// of its key rows, not stored again (`v` is `None`).
-struct DeviceCache {
+struct LayerCache {
     k: DeviceBuffer,
     v: Option<DeviceBuffer>,
 }
 
-impl DeviceCache {
+impl LayerCache {
     fn free(self, device: &dyn Device) {
         device.free(self.k);
         if let Some(v) = self.v {
@@ -47,7 +47,7 @@ struct StepKernels {
 /// brings back only the logits, or only the chosen token.
 pub struct DeviceSession<'s, 'm> {
     model: &'s DeviceModel<'m>,
-    caches: Vec<DeviceCache>,
+    caches: Vec<LayerCache>,
     capacity: usize,
     len: usize,
     kernels: StepKernels,
@@ -92,8 +92,8 @@ impl<'m> DeviceModel<'m> {
             argmax: kernel(layers::argmax(width_u32(self.model.config.vocab)?))?,
         };
         // Every kernel is ready before any cache is allocated: a failure below frees what was.
-        let mut caches: Vec<DeviceCache> = Vec::with_capacity(self.layers.len());
-        let free = |caches: &mut Vec<DeviceCache>| {
+        let mut caches: Vec<LayerCache> = Vec::with_capacity(self.layers.len());
+        let free = |caches: &mut Vec<LayerCache>| {
             for c in caches.drain(..) {
                 c.free(self.device.as_ref());
             }
@@ -132,7 +132,7 @@ impl<'m> DeviceModel<'m> {
                     return Err(e);
                 }
             };
-            caches.push(DeviceCache { k, v });
+            caches.push(LayerCache { k, v });
         }
         Ok(DeviceSession {
             model: self,
@@ -394,7 +394,7 @@ impl DeviceSession<'_, '_> {
         s: &mut Scratch,
         t: &StepTables,
         layer: &DeviceLayer,
-        cache: &DeviceCache,
+        cache: &LayerCache,
         h: DeviceBuffer,
         n: usize,
     ) -> Result<DeviceBuffer, RuntimeError> {
@@ -474,7 +474,7 @@ impl DeviceSession<'_, '_> {
         s: &mut Scratch,
         t: &StepTables,
         kind: usize,
-        cache: &DeviceCache,
+        cache: &LayerCache,
         q: DeviceBuffer,
         n: usize,
         params: i64,

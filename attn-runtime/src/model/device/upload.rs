@@ -143,8 +143,8 @@ impl Uploader<'_> {
 
     fn norm(&mut self, n: &Norm) -> Result<DeviceNorm, RuntimeError> {
         let kind = match n.kind {
-            NormKind::Rms => layers::NormKind::Rms,
-            NormKind::Layer => layers::NormKind::Layer,
+            NormKind::Rms => layers::RowNorm::Rms,
+            NormKind::Layer => layers::RowNorm::Layer,
         };
         // Each row of weights serves `groups` rows of the input (cohere's heads).
         let groups = n.groups.max(1);

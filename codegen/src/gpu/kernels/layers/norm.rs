@@ -8,7 +8,7 @@ use crate::gpu::launch::LaunchRecord;
 
 /// A row norm.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub enum NormKind {
+pub enum RowNorm {
     /// `x / sqrt(mean(x^2) + eps) * w`.
     Rms,
     /// `(x - mean) / sqrt(var + eps) * w + b`.
@@ -33,7 +33,7 @@ crate::gpu::launch::launch_record! {
 /// LayerNorm's variance), `bias` added when `with_bias`. The weights (and biases) hold
 /// `weight_rows` rows of `width` that repeat down the rows: row `r` takes weight row
 /// `r % weight_rows` (1: one row for all; a head count: cohere's per-head q/k norms).
-pub fn norm(kind: NormKind, width: u32, eps: f32, with_bias: bool, weight_rows: u32) -> Kernel {
+pub fn norm(kind: RowNorm, width: u32, eps: f32, with_bias: bool, weight_rows: u32) -> Kernel {
     type A = NormArgs;
     let mut r = Regs { list: Vec::new() };
     let (i, acc, mean, inv, v) = (
@@ -53,7 +53,7 @@ pub fn norm(kind: NormKind, width: u32, eps: f32, with_bias: bool, weight_rows: 
     };
     let n = f32(width as f32);
     let mut body = vec![Stmt::Set(mean, f32(0.0))];
-    if kind == NormKind::Layer {
+    if kind == RowNorm::Layer {
         body.push(Stmt::Set(acc, f32(0.0)));
         body.push(strided(
             i,
@@ -114,8 +114,8 @@ pub fn norm(kind: NormKind, width: u32, eps: f32, with_bias: bool, weight_rows: 
         )],
     ));
     let name = match kind {
-        NormKind::Rms => "rms_norm",
-        NormKind::Layer => "layer_norm",
+        RowNorm::Rms => "rms_norm",
+        RowNorm::Layer => "layer_norm",
     };
     kernel(name, A::params(), r, 4 * WARPS as u32, body)
 }
