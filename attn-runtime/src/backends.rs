@@ -4,7 +4,7 @@
 use crate::backend::Backend;
 use crate::cpu::CpuBackend;
 use crate::error::RuntimeError;
-use crate::gpu::layers::SimLayers;
+use crate::gpu::layer_ops::SimLayers;
 use crate::gpu::sim::GpuSim;
 use crate::ops::{CpuLayers, LayerOps};
 use std::sync::Arc;

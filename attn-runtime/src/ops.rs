@@ -1,7 +1,7 @@
 //! The decoder's operations other than attention and the projections: row norms, MLP
 //! activations, residual adds, embedding lookups and greedy choice, behind [`LayerOps`]. They
 //! run on the CPU here ([`CpuLayers`]), or as the GPU IR kernels of `codegen::gpu::kernels::layers` on
-//! the interpreter (`gpu::layers::SimLayers`); a model takes them apart from its attention's
+//! the interpreter (`gpu::layer_ops::SimLayers`); a model takes them apart from its attention's
 //! backend (`Model::set_layer_ops`), and [`crate::backends::layer_ops`] gives the ones a
 //! backend name goes with.
 

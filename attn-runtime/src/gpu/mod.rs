@@ -10,7 +10,7 @@ pub mod cuda;
 mod cuda_device;
 mod decode;
 pub mod disk_cache;
-pub mod layers;
+pub mod layer_ops;
 mod pages;
 pub mod ptx;
 pub mod sim_cost;

@@ -2,7 +2,7 @@
 //! tokens at once (a forward pass) or over each sequence's KV cache (a session step), and the
 //! output projection. Per-head (MHA, GQA, MQA) and MLA weights.
 
-use super::layers::{Linear, Norm};
+use super::sublayers::{Linear, Norm};
 use super::{AttentionWeights, Keys, Model, Step};
 use crate::cache::{KvCache, SeqId};
 use crate::calls::{DecodeOptions, Inputs, MlaQueries, MlaTensors, Queries};

@@ -15,9 +15,9 @@ pub mod device;
 mod generate;
 pub mod hf;
 mod json_fields;
-mod layers;
 mod mxfp4;
 pub mod research;
+mod sublayers;
 mod text;
 mod weights;
 
@@ -38,8 +38,8 @@ use crate::error::RuntimeError;
 use crate::ops::{CpuLayers, LayerOps};
 use crate::tensor::Tensor;
 use crate::variant::Variant;
-use layers::{LayerMlp, Linear, Matrix, Norm};
 use std::sync::Arc;
+use sublayers::{LayerMlp, Linear, Matrix, Norm};
 
 /// The attention weights of a layer.
 #[derive(Debug)]
@@ -311,7 +311,7 @@ impl Model {
     }
 
     /// Marks every expert's matrices of the MoE layers as held exactly in their dtype
-    /// ([`layers::Matrix::keep_inputs_exact`]): experts dequantized from MXFP4.
+    /// ([`sublayers::Matrix::keep_inputs_exact`]): experts dequantized from MXFP4.
     pub(crate) fn keep_expert_inputs_exact(&mut self) {
         for layer in &mut self.layers {
             if let LayerMlp::Moe(moe) = &mut layer.mlp {

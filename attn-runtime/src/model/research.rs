@@ -38,7 +38,7 @@ use super::config::{
     ExpertNames, MAX_LAYERS, MlpKind, MlpNames, ModelConfig, Moe, NormKind, NormPlacement,
     Projections, QkNorm, Router, SharedExpert, TensorNames,
 };
-use super::layers::{LayerMlp, Linear, Matrix, Mlp, MoeMlp, Norm};
+use super::sublayers::{LayerMlp, Linear, Matrix, Mlp, MoeMlp, Norm};
 use super::{AttentionWeights, Layer, Model};
 use crate::error::RuntimeError;
 use crate::files::read_text;

@@ -4,7 +4,7 @@
 //! (`research`) both load through here.
 
 use super::config::{ExpertNames, ModelConfig, NormKind, Projections, QkNorm, Router, TensorNames};
-use super::layers::{LayerMlp, Linear, Matrix, Mlp, MoeMlp, Norm};
+use super::sublayers::{LayerMlp, Linear, Matrix, Mlp, MoeMlp, Norm};
 use super::{AttentionWeights, Layer, Model};
 use crate::error::RuntimeError;
 use crate::tensor::{Storage, Tensor};

@@ -5,7 +5,7 @@
 use super::{DeviceModel, DeviceMoe, blocks, i32_bytes};
 use crate::device::{DeviceBuffer, Scratch, f32_bytes, f32s};
 use crate::error::RuntimeError;
-use crate::model::layers::LayerMlp;
+use crate::model::sublayers::LayerMlp;
 use codegen::gpu::kernels::layers;
 
 impl DeviceModel<'_> {

@@ -11,7 +11,7 @@ use crate::error::RuntimeError;
 use crate::gpu::resident_forward;
 use crate::learned::Learned;
 use crate::model::config::NormKind;
-use crate::model::layers::{LayerMlp, Linear, Matrix, Mlp, Norm};
+use crate::model::sublayers::{LayerMlp, Linear, Matrix, Mlp, Norm};
 use crate::model::{AttentionWeights, Model};
 use crate::tensor::{Storage, Tensor};
 use attn_dsl::DType;
