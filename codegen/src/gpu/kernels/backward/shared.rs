@@ -33,10 +33,10 @@ pub fn grids(plan: &KernelPlan, [b, sq, skv]: [usize; 3]) -> Vec<[u32; 3]> {
 
 /// Bytes of partial parameter gradients a call may hold: each `backward_dq` thread keeps its
 /// own copy of every parameter's gradient, so the copies are capped by this.
-pub(super) const PARTIALS_BYTES: usize = 1 << 28;
+const PARTIALS_BYTES: usize = 1 << 28;
 
 /// `backward_dq` CTAs at most for a plan with parameters: enough to fill a large GPU.
-pub(super) const MAX_PARAM_CTAS: usize = 1024;
+const MAX_PARAM_CTAS: usize = 1024;
 
 /// The copies of the parameters' gradients a call of `[batch, Sq, Skv]` sums (`backward_dq`'s
 /// threads: a CTA of [`ROWS`] per block of query rows, down to what [`PARTIALS_BYTES`] holds, at

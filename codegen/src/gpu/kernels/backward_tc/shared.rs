@@ -119,7 +119,7 @@ pub(super) fn kernel(name: &str, r: Regs, shared_bytes: usize, body: Vec<Stmt>) 
     }
 }
 
-pub(super) fn pack(half: Half, lo: Reg, hi: Reg) -> Expr {
+fn pack(half: Half, lo: Reg, hi: Reg) -> Expr {
     Expr::PackHalf(half, Box::new(reg(lo)), Box::new(reg(hi)))
 }
 
@@ -446,7 +446,7 @@ pub(super) fn store_rows(acc: &[[Reg; 4]], h: usize, q: Reg, base: Expr, row: Ex
 }
 
 /// The derivative of the plan's score program with respect to the raw score.
-pub(super) fn score_grad(plan: &KernelPlan) -> &M {
+fn score_grad(plan: &KernelPlan) -> &M {
     plan.score_grad
         .as_ref()
         .expect("backward plans have a score derivative")
@@ -544,7 +544,7 @@ impl Source {
     }
 
     /// A rotated source and one copied as it is.
-    pub(super) fn pair(
+    fn pair(
         names: [&'static str; 2],
         tensors: [&'static str; 2],
         tiles: [Tile; 2],
