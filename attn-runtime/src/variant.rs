@@ -2,12 +2,16 @@
 //! backend builds from it, built on first use and shared.
 
 use crate::cache::CacheLayout;
+use crate::cpu::microkernels::Isa;
 use crate::error::RuntimeError;
 use attn_dsl::AttentionSpec;
 use attn_dsl::modifier::grad::GradError;
 use codegen::KernelPlan;
+use codegen::cpu::CpuKernel;
+use codegen::gpu::choice::{BackwardChoice, ForwardChoice};
+use codegen::gpu::ir::Kernel as GpuKernel;
+use codegen::gpu::{BackwardKernels, ForwardKernel};
 use codegen::plan::PlanKind;
-use std::any::Any;
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -29,16 +33,35 @@ pub struct Variant {
     /// on first use, since most variants never train.
     backward: OnceLock<Result<KernelPlan, GradError>>,
     cache_layout: CacheLayout,
-    kernels: Mutex<HashMap<KernelKey, Arc<dyn Any + Send + Sync>>>,
+    kernels: Kernels,
 }
 
-/// Which kernel of a variant a backend keeps: the backend's name, what the kernel is for, and a
-/// detail such as the CPU's instruction set or the GPU kernel's form.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) struct KernelKey {
-    pub backend: &'static str,
-    pub kind: PlanKind,
-    pub detail: &'static str,
+/// The kernels backends have built for a variant, each under what it was built for.
+#[derive(Default)]
+struct Kernels {
+    /// Compiled CPU kernels, by plan kind and instruction set.
+    cpu: Mutex<HashMap<(PlanKind, Isa), Arc<CpuKernel>>>,
+    /// GPU forward kernels, by the choice ([`codegen::gpu::choice::choose`]).
+    gpu_forward: Mutex<HashMap<ForwardChoice, Arc<ForwardKernel>>>,
+    /// The GPU decode kernel.
+    gpu_decode: Mutex<Option<Arc<GpuKernel>>>,
+    /// GPU backward kernels, by the choice.
+    gpu_backward: Mutex<HashMap<BackwardChoice, Arc<BackwardKernels>>>,
+}
+
+/// The kernel `map` keeps under `key`, built by `build` on first use. Two threads that miss at
+/// once both build (outside the lock: compiling takes milliseconds); the first to finish is kept.
+fn kept<K: std::hash::Hash + Eq, T>(
+    map: &Mutex<HashMap<K, Arc<T>>>,
+    key: K,
+    build: impl FnOnce() -> Result<T, RuntimeError>,
+) -> Result<Arc<T>, RuntimeError> {
+    let lock = || map.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some(found) = lock().get(&key) {
+        return Ok(Arc::clone(found));
+    }
+    let made = Arc::new(build()?);
+    Ok(Arc::clone(lock().entry(key).or_insert(made)))
 }
 
 impl Variant {
@@ -52,7 +75,7 @@ impl Variant {
             backward: OnceLock::new(),
             cache_layout,
             spec,
-            kernels: Mutex::new(HashMap::new()),
+            kernels: Kernels::default(),
         }))
     }
 
@@ -120,33 +143,50 @@ impl Variant {
         &self.cache_layout
     }
 
-    /// The kernel a backend keeps under `key`, built by `build` on first use. Two threads that
-    /// miss at once both build; the first to finish is kept.
-    pub(crate) fn kernel<T: Any + Send + Sync>(
+    /// The CPU kernel of a plan kind for `isa`, compiled by `compile` on first use.
+    pub(crate) fn cpu_kernel(
         &self,
-        key: KernelKey,
-        build: impl FnOnce(&Variant) -> Result<T, RuntimeError>,
-    ) -> Result<Arc<T>, RuntimeError> {
-        let found = self
+        kind: PlanKind,
+        isa: Isa,
+        compile: impl FnOnce(&Variant) -> Result<CpuKernel, RuntimeError>,
+    ) -> Result<Arc<CpuKernel>, RuntimeError> {
+        kept(&self.kernels.cpu, (kind, isa), || compile(self))
+    }
+
+    /// The GPU forward kernel `choice`, lowered from the forward plan on first use.
+    pub(crate) fn gpu_forward(
+        &self,
+        choice: ForwardChoice,
+    ) -> Result<Arc<ForwardKernel>, RuntimeError> {
+        kept(&self.kernels.gpu_forward, choice, || {
+            Ok(choice.lower(&self.forward)?)
+        })
+    }
+
+    /// The GPU decode kernel, lowered from the decode plan on first use.
+    pub(crate) fn gpu_decode(&self) -> Result<Arc<GpuKernel>, RuntimeError> {
+        let mut decode = self
             .kernels
+            .gpu_decode
             .lock()
-            .expect("variant kernel lock")
-            .get(&key)
-            .cloned();
-        let kernel = match found {
-            Some(kernel) => kernel,
-            None => {
-                // Built outside the lock: compiling takes milliseconds.
-                let made: Arc<dyn Any + Send + Sync> = Arc::new(build(self)?);
-                let mut kernels = self.kernels.lock().expect("variant kernel lock");
-                Arc::clone(kernels.entry(key).or_insert(made))
-            }
-        };
-        kernel.downcast::<T>().map_err(|_| {
-            RuntimeError::Spec(format!(
-                "internal: the {} kernel kept for `{}` has another type",
-                key.backend, self.text
-            ))
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(kernel) = &*decode {
+            return Ok(Arc::clone(kernel));
+        }
+        // Lowered under the lock: a decode kernel lowers in well under a millisecond.
+        let kernel = Arc::new(codegen::gpu::decode_kernel(&self.decode)?);
+        *decode = Some(Arc::clone(&kernel));
+        Ok(kernel)
+    }
+
+    /// The GPU backward kernels `choice`, lowered from the backward plan on first use.
+    pub(crate) fn gpu_backward(
+        &self,
+        choice: BackwardChoice,
+    ) -> Result<Arc<BackwardKernels>, RuntimeError> {
+        let plan = self.backward_plan()?;
+        kept(&self.kernels.gpu_backward, choice, || {
+            Ok(choice.lower(plan)?)
         })
     }
 }

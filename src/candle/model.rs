@@ -5,6 +5,7 @@
 
 use super::attention_learned;
 use crate::Variant;
+use crate::runtime::model::decoder::{Decoder, DecoderOps, LayerNorm, Multiplier, NormAt};
 use crate::runtime::model::{
     ExpertNames, MlpKind, MlpNames, ModelConfig, NormKind, Projections, QkNorm, Router, TensorNames,
 };
@@ -185,6 +186,89 @@ enum BlockMlp {
         top_k: usize,
         normalize: bool,
     },
+}
+
+impl Block {
+    /// Its norm at `at`, if it has one.
+    fn norm(&self, at: LayerNorm) -> Option<&Norm> {
+        match at {
+            LayerNorm::BeforeAttention => self.attn_norm.as_ref(),
+            LayerNorm::AfterAttention => self.post_attn_norm.as_ref(),
+            LayerNorm::BeforeMlp => self.mlp_norm.as_ref(),
+            LayerNorm::AfterMlp => self.post_mlp_norm.as_ref(),
+        }
+    }
+}
+
+/// The candle model's decoder operations: candle's ops, which carry gradients, and attn's op
+/// for attention.
+struct CandleDecoder<'m, 't> {
+    model: &'m CandleModel,
+    /// Token ids `[B, S]`.
+    tokens: &'t Tensor,
+    /// `(B, S)`.
+    shape: (usize, usize),
+}
+
+impl DecoderOps for CandleDecoder<'_, '_> {
+    type Rows = Tensor;
+    type Error = candle_core::Error;
+
+    fn embed(&mut self) -> Result<Tensor> {
+        let (b, s) = self.shape;
+        let rows = self.model.embed.embedding(&self.tokens.flatten_all()?)?;
+        rows.reshape((b, s, ()))
+    }
+
+    fn norm(&mut self, at: NormAt, x: &Tensor) -> Result<Tensor> {
+        let norm = match at {
+            NormAt::Layer(i, at) => self.model.layers[i].norm(at),
+            NormAt::Final => Some(&self.model.norm),
+            // Refused by `CandleModel::new`.
+            NormAt::Embedding => None,
+        };
+        match norm {
+            Some(norm) => norm.forward(x),
+            None => candle_core::bail!("attn::candle: the model has no norm at {at:?}"),
+        }
+    }
+
+    fn attention(&mut self, i: usize, h: &Tensor) -> Result<Tensor> {
+        self.model.attention(&self.model.layers[i], h)
+    }
+
+    fn mlp(&mut self, i: usize, h: &Tensor) -> Result<Tensor> {
+        self.model.mlp(&self.model.layers[i], h)
+    }
+
+    fn add(&mut self, x: Tensor, y: &Tensor) -> Result<Tensor> {
+        x + y
+    }
+
+    fn scale(&mut self, x: Tensor, by: Multiplier) -> Result<Tensor> {
+        let c = &self.model.config;
+        let m = match by {
+            Multiplier::Embedding => c.embed_multiplier,
+            Multiplier::Residual => c.residual_multiplier,
+            Multiplier::Logits => c.logit_multiplier,
+        };
+        match m {
+            Some(m) => x * m,
+            None => candle_core::bail!("attn::candle: the model has no {by:?} multiplier"),
+        }
+    }
+
+    fn head(&mut self, x: &Tensor) -> Result<Tensor> {
+        let head = self.model.lm_head.as_ref().unwrap_or(&self.model.embed);
+        times_transposed(x, head)
+    }
+
+    fn softcap(&mut self, logits: Tensor) -> Result<Tensor> {
+        match self.model.config.final_softcap {
+            Some(c) => (logits / c)?.tanh()? * c,
+            None => candle_core::bail!("attn::candle: the model has no final softcap"),
+        }
+    }
 }
 
 fn normal() -> Init {
@@ -394,21 +478,18 @@ impl CandleModel {
                 self.config.vocab
             );
         }
-        let mut x = self
-            .embed
-            .embedding(&tokens.flatten_all()?)?
-            .reshape((b, s, ()))?;
-        for block in &self.layers {
-            x = self.block(block, &x)?;
-        }
-        let x = self.norm.forward(&x)?;
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        times_transposed(&x, head)
+        Decoder::of(&self.config).run(&mut CandleDecoder {
+            model: self,
+            tokens,
+            shape: (b, s),
+        })
     }
 
-    fn block(&self, block: &Block, x: &Tensor) -> Result<Tensor> {
+    /// A block's attention over its normed input `h`, `[B, S, hidden]`: projections, q/k
+    /// norms, attn's op with the block's learnable tensors, the output projection.
+    fn attention(&self, block: &Block, h: &Tensor) -> Result<Tensor> {
         let spec = block.variant.spec();
-        let (b, s, _) = x.dims3()?;
+        let (b, s, _) = h.dims3()?;
         let dtype = super::convert::candle_dtype(spec.dtype);
         // [B, S, heads * dim] as [B, S, heads, dim], normed where the model norms q and k.
         let split = |t: Tensor, h: u32, dim: u32, norm: Option<(QkNorm, &Norm)>| {
@@ -429,34 +510,21 @@ impl CandleModel {
             None => [None, None],
         };
         let hkv = spec.kv_heads();
-        let h = normed(&block.attn_norm, x)?;
         let q = heads(split(
-            block.q.forward(&h)?,
+            block.q.forward(h)?,
             spec.heads,
             spec.head_dim,
             q_norm,
         )?)?;
-        let k = heads(split(block.k.forward(&h)?, hkv, spec.head_dim, k_norm)?)?;
-        let v = heads(split(block.v.forward(&h)?, hkv, spec.v_head_dim, None)?)?;
+        let k = heads(split(block.k.forward(h)?, hkv, spec.head_dim, k_norm)?)?;
+        let v = heads(split(block.v.forward(h)?, hkv, spec.v_head_dim, None)?)?;
         let learned: Vec<(&str, &Tensor)> =
             block.learned.iter().map(|(n, t)| (n.as_str(), t)).collect();
         let a = attention_learned(&block.variant, &q, &k, &v, &learned, 0)?
             .to_dtype(DType::F32)?
             .transpose(1, 2)?
             .reshape((b, s, ()))?;
-        let a = block.o.forward(&a)?;
-        if self.config.placement.parallel() {
-            // The MLP reads the stream normed by its own norm, or the attention's input; both
-            // add to the stream together.
-            let hm = match &block.mlp_norm {
-                Some(n) => n.forward(x)?,
-                None => h,
-            };
-            return x + (a + self.mlp(block, &hm)?)?;
-        }
-        let x = (x + normed(&block.post_attn_norm, &a)?)?;
-        let h = normed(&block.mlp_norm, &x)?;
-        x + normed(&block.post_mlp_norm, &self.mlp(block, &h)?)?
+        block.o.forward(&a)
     }
 
     /// The block's MLP on `h`.
@@ -549,13 +617,6 @@ fn choose(probs: &Tensor, top_k: usize, normalize: bool) -> Result<(Vec<Vec<usiz
 }
 
 /// `x` through `norm` where there is one.
-fn normed(norm: &Option<Norm>, x: &Tensor) -> Result<Tensor> {
-    match norm {
-        Some(n) => n.forward(x),
-        None => Ok(x.clone()),
-    }
-}
-
 /// Whether a variable is a learnable attention tensor: `...self_attn.{name}` with no
 /// `.weight` or `.bias` (projections end in those).
 fn is_learned(name: &str) -> bool {

@@ -25,7 +25,7 @@ use crate::error::RuntimeError;
 use crate::host::checks::{check_backward, check_qkv, per_head};
 use crate::host::mla::AbsorbedForward;
 use crate::tensor::Tensor;
-use crate::variant::{KernelKey, Variant};
+use crate::variant::Variant;
 use attn_dsl::{AttentionSpec, DType};
 use codegen::cpu::abi::Imports;
 use codegen::cpu::{CpuKernel, compile};
@@ -81,12 +81,7 @@ impl CpuBackend {
         variant: &Variant,
         kind: PlanKind,
     ) -> Result<Arc<CpuKernel>, RuntimeError> {
-        let key = KernelKey {
-            backend: "cpu",
-            kind,
-            detail: self.isa.name(),
-        };
-        variant.kernel(key, |variant| {
+        variant.cpu_kernel(kind, self.isa, |variant| {
             let plan = variant.plan(kind)?;
             Ok(compile(
                 plan,

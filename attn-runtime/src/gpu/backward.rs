@@ -10,32 +10,13 @@ use crate::error::RuntimeError;
 use crate::host::checks::check_backward;
 use crate::host::rope_table::RopeTables;
 use crate::tensor::Tensor;
-use crate::variant::{KernelKey, Variant};
+use crate::variant::Variant;
 use attn_dsl::DType;
 use codegen::gpu::BackwardKernels;
 use codegen::gpu::interp::{Memory, Val, run};
 use codegen::gpu::ir::Kernel;
 use codegen::gpu::launch::{BackwardArgs, BackwardTcArgs, bind};
-use codegen::plan::PlanKind;
 use std::sync::Arc;
-
-/// The backward kernels of a variant (delta, dq, dk and dv): the SIMT ones where `simt`, else
-/// the ones `backward_kernels` picks. Lowered once per variant.
-fn lowered_backward(variant: &Variant, simt: bool) -> Result<Arc<BackwardKernels>, RuntimeError> {
-    let key = KernelKey {
-        backend: "gpu",
-        kind: PlanKind::Backward,
-        detail: if simt { "simt" } else { "chosen" },
-    };
-    variant.kernel(key, |v| {
-        let plan = v.backward_plan()?;
-        Ok(if simt {
-            codegen::gpu::simt_backward_kernels(plan)?
-        } else {
-            codegen::gpu::backward_kernels(plan)?
-        })
-    })
-}
 
 /// Device addresses of a call's buffers, in the order the launch records take them.
 pub(crate) struct Buffers {
@@ -136,7 +117,8 @@ impl BackwardCall {
         };
         // Inputs the tensor cores' f16 `Q K^T` operands cannot hold run on the SIMT kernels, as
         // in the forward.
-        let kernels = lowered_backward(variant, !super::qk_fits(variant.forward_plan(), x.q, x.k))?;
+        let kernels =
+            super::backward_kernels(variant, super::qk_wide(variant.forward_plan(), x.q, x.k))?;
         let dims = [b, sq, skv];
         let (inputs, codes) = if kernels.tensor_cores {
             let half = |t: &Tensor| device_bytes(t, spec.dtype);

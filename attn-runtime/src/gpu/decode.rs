@@ -466,7 +466,7 @@ pub(crate) fn run_rows(
     };
     let launch = DecodeLaunch {
         param_len: plan.params.len(),
-        kernel: super::lowered_decode(variant)?,
+        kernel: variant.gpu_decode()?,
         ctas: tasks.len() as u32,
         q_rows,
         tasks: task_records,

@@ -23,9 +23,10 @@ use crate::host::checks::{check_qkv, finish};
 use crate::host::mla::AbsorbedForward;
 use crate::host::rope_table::RopeTables;
 use crate::tensor::{Storage, Tensor};
-use crate::variant::{KernelKey, Variant};
+use crate::variant::Variant;
 use attn_dsl::AttentionSpec;
 use codegen::KernelPlan;
+use codegen::gpu::choice::{Call, ForwardChoice, Target, choose};
 use codegen::gpu::interp::{Memory, Val, run};
 use codegen::gpu::ir::Half;
 use codegen::gpu::ir::Kernel;
@@ -33,8 +34,7 @@ use codegen::gpu::ir::tma::TensorMap;
 use codegen::gpu::kernels::forward_tc;
 use codegen::gpu::kernels::forward_wgmma;
 use codegen::gpu::launch::{ForwardArgs, bind_with_maps};
-use codegen::gpu::{forward_kernel_tiled, simt_forward_kernel, wgmma_forward_kernel};
-use codegen::plan::PlanKind;
+use codegen::gpu::{BackwardKernels, ForwardKernel};
 use std::sync::Arc;
 
 /// A forward call ready to launch: the kernel, its grid, and its inputs on the host.
@@ -101,7 +101,7 @@ impl ForwardTables {
     /// The tables of a call of `chosen` (for `plan`) on `[batch, Sq, Skv]`, key 0 at `p0`.
     pub fn of(
         plan: &KernelPlan,
-        chosen: &codegen::gpu::ForwardKernel,
+        chosen: &ForwardKernel,
         [b, sq, skv]: [usize; 3],
         p0: i64,
     ) -> Self {
@@ -128,128 +128,48 @@ impl ForwardTables {
     }
 }
 
-/// Whether q and k fit the `Q K^T` operands of the plan's tensor-core kernel: where those are
-/// f16 ([`forward_tc::qk_half`]), every rotated value must stay inside f16's range. Inputs past
-/// it run on the SIMT kernel, in f32.
-fn qk_fits(plan: &KernelPlan, q: &Tensor, k: &Tensor) -> bool {
+/// Whether q or k go past the `Q K^T` operands of the plan's tensor-core kernel: where those
+/// are f16 ([`forward_tc::qk_half`]), every rotated value must stay inside f16's range. Such
+/// inputs run on the SIMT kernel, in f32 ([`Call::Forward`]'s `wide`).
+fn qk_wide(plan: &KernelPlan, q: &Tensor, k: &Tensor) -> bool {
     if !forward_tc::supports(plan) || forward_tc::qk_half(plan) != Half::F16 {
-        return true;
+        return false;
     }
     let factor = plan
         .rope
         .as_ref()
         .map_or(1.0, |r| r.attention_factor.max(1.0)) as f32;
     // NaN is passed over: a NaN input keeps the tensor-core kernel, which carries it on.
-    q.max_abs().max(k.max_abs()) * factor <= forward_tc::QK_F16_LIMIT
+    q.max_abs().max(k.max_abs()) * factor > forward_tc::QK_F16_LIMIT
 }
 
-/// The forward kernel of a variant: the SIMT one where `simt`, else the sm_90a one under
-/// [`wgmma_enabled`] where the spec runs on it, else the one `forward_kernel` picks. Lowered once
-/// per variant and shared by the interpreter and CUDA backends.
-pub(crate) fn lowered_forward(
+/// The target the process's settings ask for (`ATTN_GPU_WGMMA`, `ATTN_GPU_MMA_WARPS`).
+fn target() -> Result<Target, RuntimeError> {
+    Target::from_settings().map_err(|e| match e {
+        codegen::CodegenError::Setting(message) => RuntimeError::Setting(message),
+        other => other.into(),
+    })
+}
+
+/// The forward kernel a forward `call` of a variant runs ([`choose`] on the settings'
+/// [`Target`]), lowered once per variant and shared by the interpreter and CUDA backends.
+pub(crate) fn forward_kernel(
     variant: &Variant,
-    simt: bool,
-) -> Result<Arc<codegen::gpu::ForwardKernel>, RuntimeError> {
-    let key = KernelKey {
-        backend: "gpu",
-        kind: PlanKind::Forward,
-        detail: if simt { "simt" } else { "chosen" },
-    };
-    if !simt && wgmma_enabled()? && forward_wgmma::supports(variant.forward_plan()) {
-        return wgmma_kernel(variant);
-    }
-    portable_forward(variant, key, simt)
+    call: Call,
+) -> Result<Arc<ForwardKernel>, RuntimeError> {
+    let choice = choose(call, variant.forward_plan(), target()?).forward()?;
+    variant.gpu_forward(choice)
 }
 
-/// The SIMT or the `mma.sync` forward kernel of a variant (what runs on every target), lowered
-/// once per variant.
-fn portable_forward(
+/// The backward kernels a backward call of a variant runs (delta, dq, dk and dv): the SIMT
+/// ones where `wide`, else tensor cores where the plan runs on them. Lowered once per variant.
+pub(crate) fn backward_kernels(
     variant: &Variant,
-    key: KernelKey,
-    simt: bool,
-) -> Result<Arc<codegen::gpu::ForwardKernel>, RuntimeError> {
-    variant.kernel(key, |v| {
-        Ok(if simt {
-            simt_forward_kernel(v.forward_plan())?
-        } else {
-            let plan = v.forward_plan();
-            forward_kernel_tiled(plan, mma_tiling(plan)?)?
-        })
-    })
-}
-
-/// The sm_90a forward kernel of a variant it runs, lowered once per variant.
-fn wgmma_kernel(variant: &Variant) -> Result<Arc<codegen::gpu::ForwardKernel>, RuntimeError> {
-    let key = KernelKey {
-        backend: "gpu",
-        kind: PlanKind::Forward,
-        detail: "wgmma",
-    };
-    variant.kernel(key, |v| {
-        wgmma_forward_kernel(v.forward_plan())?
-            .ok_or_else(|| RuntimeError::Spec("not a wgmma plan".into()))
-    })
-}
-
-/// Whether forward calls take the sm_90a kernel ([`forward_wgmma`]) where a spec runs on it:
-/// `ATTN_GPU_WGMMA=1`. Off by default (unset, empty or `0`) until device runs have checked and
-/// timed it; CUDA devices other than compute capability 9.0 refuse it. Any other value is an
-/// error, so a mistyped setting is never silently off.
-pub fn wgmma_enabled() -> Result<bool, RuntimeError> {
-    codegen::settings::gpu_wgmma().map_err(RuntimeError::Setting)
-}
-
-/// How the `mma.sync` forward kernel of forward calls is tiled: `ATTN_GPU_MMA_WARPS=12` takes
-/// [`Tiling::TWELVE_WARPS`](codegen::gpu::kernels::forward_tc::Tiling::TWELVE_WARPS) (twelve warps per
-/// SM, at most 168 registers a thread), unset, empty or `8` the default eight. Any other value is
-/// an error. Here so that a device can time the two side by side.
-pub fn mma_tiling(
-    plan: &codegen::KernelPlan,
-) -> Result<codegen::gpu::kernels::forward_tc::Tiling, RuntimeError> {
-    use codegen::gpu::kernels::forward_tc::Tiling;
-    let twelve = codegen::settings::gpu_mma_twelve_warps().map_err(RuntimeError::Setting)?;
-    Ok(if twelve {
-        Tiling::TWELVE_WARPS
-    } else {
-        Tiling::of(plan)
-    })
-}
-
-/// The forward kernel a resident model runs: on tensor cores with bf16 `Q K^T` operands where
-/// [`forward_tc::qk_half`] would take f16 (whose range the device does not check first), else
-/// the kernel `forward_kernel` picks. Lowered once per variant.
-pub(crate) fn resident_forward(
-    variant: &Variant,
-) -> Result<Arc<codegen::gpu::ForwardKernel>, RuntimeError> {
-    let plan = variant.forward_plan();
-    if !(forward_tc::supports(plan) && forward_tc::qk_half(plan) == Half::F16) {
-        // Resident layers launch without tensor maps: never the sm_90a kernel.
-        let key = KernelKey {
-            backend: "gpu",
-            kind: PlanKind::Forward,
-            detail: "chosen",
-        };
-        return portable_forward(variant, key, false);
-    }
-    let key = KernelKey {
-        backend: "gpu",
-        kind: PlanKind::Forward,
-        detail: "tensor cores, bf16 QK",
-    };
-    variant.kernel(key, |v| {
-        codegen::gpu::tensor_core_kernel(v.forward_plan(), Half::Bf16)?
-            .ok_or_else(|| RuntimeError::Spec("not a tensor-core plan".into()))
-    })
-}
-
-/// The decode kernel of a variant, lowered once per variant.
-pub(crate) fn lowered_decode(variant: &Variant) -> Result<Arc<Kernel>, RuntimeError> {
-    let key = KernelKey {
-        backend: "gpu",
-        kind: PlanKind::Decode,
-        detail: "simt",
-    };
-    variant.kernel(key, |v| Ok(codegen::gpu::decode_kernel(v.decode_plan())?))
+    wide: bool,
+) -> Result<Arc<BackwardKernels>, RuntimeError> {
+    let plan = variant.backward_plan()?;
+    let choice = choose(Call::Backward { wide }, plan, target()?).backward()?;
+    variant.gpu_backward(choice)
 }
 
 /// The positions of a call, checked as the CPU backend and the reference check them.
@@ -288,7 +208,8 @@ impl GpuCall {
         let plan = variant.forward_plan();
         let [b, sq, skv] = check_qkv(spec, q, k, v)?;
         check_positions(sq, skv, p0)?;
-        let chosen = lowered_forward(variant, !qk_fits(plan, q, k))?;
+        let wide = qk_wide(plan, q, k);
+        let chosen = forward_kernel(variant, Call::Forward { wide })?;
         let inputs = chosen.inputs;
         let bytes = [q, k, v].map(|t| device_bytes(t, inputs));
         Ok(Self::prepare(
@@ -321,7 +242,7 @@ impl GpuCall {
         }
         let [b, sq, skv] = check_qkv(spec, q, k, v)?;
         check_positions(sq, skv, p0)?;
-        let chosen = wgmma_kernel(&variant)?;
+        let chosen = variant.gpu_forward(ForwardChoice::Wgmma)?;
         let bytes = [q, k, v].map(|t| device_bytes(t, chosen.inputs));
         Ok(Self::prepare(
             plan,
@@ -343,7 +264,7 @@ impl GpuCall {
     ) -> Result<(GpuCall, AbsorbedForward), RuntimeError> {
         let a = AbsorbedForward::of(variant.spec(), x)?;
         check_positions(a.sq, a.skv, p0)?;
-        let chosen = lowered_forward(variant, false)?;
+        let chosen = forward_kernel(variant, Call::Forward { wide: false })?;
         let f32_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
         let bytes = [f32_bytes(&a.q), f32_bytes(&a.k), f32_bytes(&a.values())];
         let call = Self::prepare(
@@ -361,7 +282,7 @@ impl GpuCall {
     /// tile codes and RoPE tables of the call. `dtype` is the output's.
     fn prepare(
         plan: &KernelPlan,
-        chosen: Arc<codegen::gpu::ForwardKernel>,
+        chosen: Arc<ForwardKernel>,
         [b, sq, skv]: [usize; 3],
         p0: i64,
         [q, k, v]: [Vec<u8>; 3],

@@ -5,12 +5,14 @@
 //! Each layer is attention and an MLP around the residual stream, their norms where the
 //! config's [`NormPlacement`] puts them (before each sublayer, `x += attn(norm(x))`; before and
 //! after; after; or both sublayers side by side); then a final norm and the LM head (the
-//! embedding when tied). Attention is any per-head spec (q, k, v, o projections) or MLA
-//! (DeepSeek's low-rank KV with its absorbed kernels). [`Model::forward`] runs a whole sequence;
-//! a [`Session`] runs one incrementally against paged KV caches (one per layer), for decoding.
+//! embedding when tied): the steps of [`decoder::Decoder`], which every model runs. Attention
+//! is any per-head spec (q, k, v, o projections) or MLA (DeepSeek's low-rank KV with its
+//! absorbed kernels). [`Model::forward`] runs a whole sequence; a [`Session`] runs one
+//! incrementally against paged KV caches (one per layer), for decoding.
 
 mod attention;
 mod config;
+pub mod decoder;
 pub mod device;
 mod generate;
 pub mod hf;
@@ -38,6 +40,7 @@ use crate::error::RuntimeError;
 use crate::ops::{CpuLayers, LayerOps};
 use crate::tensor::Tensor;
 use crate::variant::Variant;
+use decoder::{Decoder, DecoderOps, LayerNorm, Multiplier, NormAt};
 use std::sync::Arc;
 use sublayers::{LayerMlp, Linear, Matrix, Norm};
 
@@ -80,6 +83,16 @@ pub(crate) struct Layer {
 }
 
 impl Layer {
+    /// Its norm at `at`, if it has one.
+    pub fn norm(&self, at: LayerNorm) -> Option<&Norm> {
+        match at {
+            LayerNorm::BeforeAttention => self.attn_norm.as_ref(),
+            LayerNorm::AfterAttention => self.post_attn_norm.as_ref(),
+            LayerNorm::BeforeMlp => self.mlp_norm.as_ref(),
+            LayerNorm::AfterMlp => self.post_mlp_norm.as_ref(),
+        }
+    }
+
     /// Its norms, in order.
     pub fn norms(&self) -> impl Iterator<Item = &Norm> {
         [
@@ -399,85 +412,22 @@ impl Model {
             })
     }
 
-    fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>, RuntimeError> {
-        let (vocab, d) = (self.config.vocab, self.config.hidden);
-        if let Some((i, t)) = tokens
-            .iter()
-            .enumerate()
-            .find(|(_, t)| **t as usize >= vocab)
-        {
-            return Err(RuntimeError::Data(format!(
-                "token {i} is {t}, outside the vocabulary of {vocab}"
-            )));
-        }
-        let mut x = self.ops.embed(self.embed.storage(), d, tokens)?;
-        if let Some(m) = self.embed_multiplier() {
-            x.iter_mut().for_each(|v| *v *= m);
-        }
-        match &self.embed_norm {
-            Some(norm) => norm.apply(self.ops.as_ref(), &x),
-            None => Ok(x),
-        }
-    }
-
+    /// The logits of `tokens`, each layer's attention against `keys(layer)`.
     fn run<'c>(
         &self,
         tokens: &[u32],
-        mut keys: impl FnMut(usize) -> Keys<'c>,
+        keys: impl FnMut(usize) -> Keys<'c>,
     ) -> Result<Vec<f32>, RuntimeError> {
         let n = tokens.len();
         crate::memory::ensure_fits(
             &format!("a forward pass over {n} tokens"),
             self.activation_bytes(n),
         )?;
-        let ops = self.ops.as_ref();
-        let mut x = self.embed(tokens)?;
-        let normed = |norm: &Option<Norm>, x: Vec<f32>| match norm {
-            Some(norm) => norm.apply(ops, &x),
-            None => Ok(x),
-        };
-        let scaled = |mut y: Vec<f32>| {
-            if let Some(m) = self.config.residual_multiplier {
-                let m = m as f32;
-                y.iter_mut().for_each(|v| *v *= m);
-            }
-            y
-        };
-        let parallel = self.config.placement.parallel();
-        for (i, layer) in self.layers.iter().enumerate() {
-            let h = normed(&layer.attn_norm, x.clone())?;
-            let a = self.attention(self.layer_variant(i), &layer.attn, &h, n, keys(i))?;
-            if parallel {
-                // Both sublayers read the stream (normed once, or each by its own norm) and
-                // add to it together.
-                let h = match &layer.mlp_norm {
-                    Some(norm) => norm.apply(ops, &x)?,
-                    None => h,
-                };
-                let mut both = a;
-                ops.add(&mut both, &layer.mlp.apply(ops, &h, n)?)?;
-                ops.add(&mut x, &both)?;
-                continue;
-            }
-            ops.add(&mut x, &scaled(normed(&layer.post_attn_norm, a)?))?;
-            let h = normed(&layer.mlp_norm, x.clone())?;
-            let m = layer.mlp.apply(ops, &h, n)?;
-            ops.add(&mut x, &scaled(normed(&layer.post_mlp_norm, m)?))?;
-        }
-        let x = self.final_norm.apply(ops, &x)?;
-        let mut logits = match &self.lm_head {
-            Some(head) => head.apply(&x, n),
-            None => self.embed.matmul_t(&x, n),
-        };
-        if let Some(m) = self.config.logit_multiplier {
-            let m = m as f32;
-            logits.iter_mut().for_each(|v| *v *= m);
-        }
-        if let Some(c) = self.config.final_softcap {
-            let c = c as f32;
-            logits.iter_mut().for_each(|v| *v = c * (*v / c).tanh());
-        }
-        Ok(logits)
+        Decoder::of(&self.config).run(&mut HostDecoder {
+            model: self,
+            tokens,
+            keys,
+        })
     }
 
     /// Bytes a forward pass over `n` tokens holds at its peak, about: per token the residual
@@ -609,4 +559,93 @@ impl Session<'_> {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+}
+
+/// The CPU model's decoder operations: on the host through the model's [`LayerOps`], its
+/// attention on its [`Backend`].
+struct HostDecoder<'m, 't, K> {
+    model: &'m Model,
+    tokens: &'t [u32],
+    keys: K,
+}
+
+impl<'c, K: FnMut(usize) -> Keys<'c>> DecoderOps for HostDecoder<'_, '_, K> {
+    type Rows = Vec<f32>;
+    type Error = RuntimeError;
+
+    fn embed(&mut self) -> Result<Vec<f32>, RuntimeError> {
+        let m = self.model;
+        let vocab = m.config.vocab;
+        if let Some((i, t)) = self
+            .tokens
+            .iter()
+            .enumerate()
+            .find(|(_, t)| **t as usize >= vocab)
+        {
+            return Err(RuntimeError::Data(format!(
+                "token {i} is {t}, outside the vocabulary of {vocab}"
+            )));
+        }
+        m.ops.embed(m.embed.storage(), m.config.hidden, self.tokens)
+    }
+
+    fn norm(&mut self, at: NormAt, x: &Vec<f32>) -> Result<Vec<f32>, RuntimeError> {
+        let m = self.model;
+        let norm = match at {
+            NormAt::Embedding => m.embed_norm.as_ref(),
+            NormAt::Layer(i, at) => m.layers[i].norm(at),
+            NormAt::Final => Some(&m.final_norm),
+        };
+        norm.ok_or_else(|| missing_norm(at))?
+            .apply(m.ops.as_ref(), x)
+    }
+
+    fn attention(&mut self, i: usize, h: &Vec<f32>) -> Result<Vec<f32>, RuntimeError> {
+        let m = self.model;
+        let n = self.tokens.len();
+        m.attention(m.layer_variant(i), &m.layers[i].attn, h, n, (self.keys)(i))
+    }
+
+    fn mlp(&mut self, i: usize, h: &Vec<f32>) -> Result<Vec<f32>, RuntimeError> {
+        let m = self.model;
+        m.layers[i].mlp.apply(m.ops.as_ref(), h, self.tokens.len())
+    }
+
+    fn add(&mut self, mut x: Vec<f32>, y: &Vec<f32>) -> Result<Vec<f32>, RuntimeError> {
+        self.model.ops.add(&mut x, y)?;
+        Ok(x)
+    }
+
+    fn scale(&mut self, mut x: Vec<f32>, by: Multiplier) -> Result<Vec<f32>, RuntimeError> {
+        let c = &self.model.config;
+        let m = match by {
+            Multiplier::Embedding => self.model.embed_multiplier(),
+            Multiplier::Residual => c.residual_multiplier.map(|m| m as f32),
+            Multiplier::Logits => c.logit_multiplier.map(|m| m as f32),
+        };
+        let m = m.ok_or_else(|| RuntimeError::Data(format!("internal: no {by:?} multiplier")))?;
+        x.iter_mut().for_each(|v| *v *= m);
+        Ok(x)
+    }
+
+    fn head(&mut self, x: &Vec<f32>) -> Result<Vec<f32>, RuntimeError> {
+        let (m, n) = (self.model, self.tokens.len());
+        Ok(match &m.lm_head {
+            Some(head) => head.apply(x, n),
+            None => m.embed.matmul_t(x, n),
+        })
+    }
+
+    fn softcap(&mut self, mut logits: Vec<f32>) -> Result<Vec<f32>, RuntimeError> {
+        let c = self.model.config.final_softcap;
+        let c = c.ok_or_else(|| RuntimeError::Data("internal: no final softcap".into()))? as f32;
+        logits.iter_mut().for_each(|v| *v = c * (*v / c).tanh());
+        Ok(logits)
+    }
+}
+
+/// The error of a norm the decoder's steps ask for and the model lacks (a loader out of step
+/// with [`NormPlacement::norm_names`]).
+fn missing_norm(at: NormAt) -> RuntimeError {
+    RuntimeError::Data(format!("internal: the model has no norm at {at:?}"))
 }

@@ -2,21 +2,19 @@
 //! `#[attention(..., targets = [..])]` embeds at cargo time and `attnc emit --out-dir` writes
 //! (PTX per target, plus a manifest of launch records).
 
+use super::choice::{Call, ForwardChoice, KernelChoice, Target, choose, decode_kernel};
+use super::ir::Kernel;
 use super::ir::Ty;
 use super::ir::target;
 use super::ir::target::Arch;
-use super::ir::{Half, Kernel};
 use super::kernels::decode::pages;
-use super::kernels::{forward_tc, forward_wgmma, layers};
+use super::kernels::layers;
 use super::launch::{
     BackwardArgs, BackwardTcArgs, DecodeArgs, ForwardArgs, LaunchRecord, Param, ParamKind,
 };
-use super::{
-    backward_kernels, decode_kernel, forward_kernel, simt_forward_kernel, tensor_core_kernel,
-    verified,
-};
+use super::verified;
 use crate::error::CodegenError;
-use crate::plan::KernelPlan;
+use crate::plan::{KernelPlan, PlanKind};
 use attn_dsl::AttentionSpec;
 
 /// One kernel of a spec.
@@ -30,61 +28,87 @@ pub struct SpecKernel {
     pub kernel: Kernel,
 }
 
-/// The kernels of `spec`, each once (a kernel two roles share is listed under the first): the
-/// forward the runtime picks, the SIMT forward it falls back to (inputs outside f16's range,
-/// f32), the tensor-core forward with bf16 `Q K^T` operands that resident models run, the
-/// decode kernel with the split-KV merge and the page-table kernel, and the backward kernels
-/// (none for MLA, or for a spec with parameters: those backwards are not built on GPUs).
+/// The calls a program built ahead of time ships kernels for, each with the role its kernels
+/// are listed under: plain forward calls, forward calls whose inputs are past f16's range,
+/// resident models' forwards, decode calls, and plain backward calls.
+const SHIPPED_CALLS: [(&str, Call); 5] = [
+    ("forward", Call::Forward { wide: false }),
+    ("forward simt", Call::Forward { wide: true }),
+    ("forward bf16 qk", Call::ResidentForward),
+    ("decode", Call::Decode),
+    ("backward", Call::Backward { wide: false }),
+];
+
+/// The kernels of `spec` on every target but sm_90a, each once (a kernel two roles share is
+/// listed under the first): what [`choose`] picks for each of [`SHIPPED_CALLS`], with the
+/// decode kernel's split-KV merge and page-table kernels. No backward for MLA.
 pub fn spec_kernels(spec: &AttentionSpec) -> Result<Vec<SpecKernel>, CodegenError> {
-    let forward_plan = KernelPlan::forward(spec);
-    let mut out: Vec<SpecKernel> = Vec::new();
-    let mut add = |role: &'static str, kernel: Kernel| {
-        if !out.iter().any(|k| k.kernel == kernel) {
-            out.push(SpecKernel { role, kernel });
-        }
-    };
-    add("forward", (*forward_kernel(&forward_plan)?.kernel).clone());
-    add(
-        "forward simt",
-        (*simt_forward_kernel(&forward_plan)?.kernel).clone(),
-    );
-    if forward_tc::supports(&forward_plan)
-        && let Some(k) = tensor_core_kernel(&forward_plan, Half::Bf16)?
-    {
-        add("forward bf16 qk", (*k.kernel).clone());
-    }
-    add("decode", decode_kernel(&KernelPlan::decode(spec))?);
-    add("decode merge", verified(layers::merge_partitions())?);
-    add("decode pages", verified(pages::segments_from_pages())?);
-    if spec.mla().is_none()
-        && let Ok(plan) = KernelPlan::backward(spec)
-    {
-        let roles = [
-            "backward delta",
-            "backward dq",
-            "backward dkdv",
-            "backward dparams",
-        ];
-        for (role, kernel) in roles.into_iter().zip(backward_kernels(&plan)?.kernels) {
-            add(role, (*kernel).clone());
-        }
-    }
-    Ok(out)
+    spec_kernels_for(spec, Arch::Sm90)
 }
 
 /// The kernels of `spec` for `arch`: [`spec_kernels`], and for [`Arch::Sm90a`] first the
 /// warp-specialized `wgmma` forward ([`forward_wgmma`]) where the spec runs on it.
 pub fn spec_kernels_for(spec: &AttentionSpec, arch: Arch) -> Result<Vec<SpecKernel>, CodegenError> {
-    let mut out = Vec::new();
-    let plan = KernelPlan::forward(spec);
-    if arch == Arch::Sm90a && forward_wgmma::supports(&plan) {
-        out.push(SpecKernel {
-            role: "forward wgmma",
-            kernel: verified(forward_wgmma::lower(&plan))?,
-        });
+    let forward = KernelPlan::forward(spec);
+    let decode = KernelPlan::decode(spec);
+    let backward = match spec.mla() {
+        None => KernelPlan::backward(spec).ok(),
+        Some(_) => None,
+    };
+    let mut out: Vec<SpecKernel> = Vec::new();
+    // Kernels are told apart by their printed IR (`==` on a kernel holding a NaN constant,
+    // as the split-KV merge does, never finds it equal to itself).
+    let mut printed: Vec<String> = Vec::new();
+    let mut add = |role: &'static str, kernel: Kernel| {
+        let text = kernel.to_string();
+        if !printed.contains(&text) {
+            printed.push(text);
+            out.push(SpecKernel { role, kernel });
+        }
+    };
+    for (role, call) in SHIPPED_CALLS {
+        for &target in Target::of_arch(arch) {
+            let plan = match call.plan_kind() {
+                PlanKind::Forward => &forward,
+                PlanKind::Decode => &decode,
+                PlanKind::Backward => match &backward {
+                    Some(plan) => plan,
+                    None => continue,
+                },
+            };
+            match choose(call, plan, target) {
+                KernelChoice::Forward(ForwardChoice::Wgmma) => add(
+                    "forward wgmma",
+                    (*ForwardChoice::Wgmma.lower(plan)?.kernel).clone(),
+                ),
+                KernelChoice::Forward(choice) => add(role, (*choice.lower(plan)?.kernel).clone()),
+                KernelChoice::Decode => {
+                    add(role, decode_kernel(plan)?);
+                    add("decode merge", verified(layers::merge_partitions())?);
+                    add("decode pages", verified(pages::segments_from_pages())?);
+                }
+                KernelChoice::Backward(choice) => {
+                    let kernels = choice.lower(plan)?.kernels;
+                    for (part, kernel) in
+                        ["delta", "dq", "dkdv", "dparams"].into_iter().zip(kernels)
+                    {
+                        add(backward_role(part), (*kernel).clone());
+                    }
+                }
+            }
+        }
     }
-    out.extend(spec_kernels(spec)?);
     Ok(out)
+}
+
+/// The role of one of the backward kernels.
+fn backward_role(part: &str) -> &'static str {
+    match part {
+        "delta" => "backward delta",
+        "dq" => "backward dq",
+        "dkdv" => "backward dkdv",
+        _ => "backward dparams",
+    }
 }
 
 /// A kernel's launch record as JSON: entry point, parameters in order (each a 64-bit value:
@@ -180,7 +204,11 @@ mod tests {
             assert!(roles.contains(&role), "{roles:?}");
         }
         for (i, a) in kernels.iter().enumerate() {
-            assert!(kernels[i + 1..].iter().all(|b| b.kernel != a.kernel));
+            assert!(
+                kernels[i + 1..]
+                    .iter()
+                    .all(|b| b.kernel.to_string() != a.kernel.to_string())
+            );
             // Every parameter is known as an address or a scalar of its launch record.
             assert!(
                 !launch_json(&a.kernel).contains("\"kind\": \"value\""),

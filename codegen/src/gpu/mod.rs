@@ -13,12 +13,18 @@
 //! - [`launch`]: the typed launch records; [`artifacts`]: every kernel of a spec, as embedded
 //!   and emitted.
 //!
-//! Here: which kernel a plan runs ([`forward_kernel`], [`backward_kernels`],
-//! [`decode_kernel`]), each [`verified`].
+//! - [`choice`]: which kernel a call runs ([`choice::choose`]), for the runtime and for
+//!   ahead-of-time builds alike, and the lowering of each choice.
+//!
+//! Here: the kernels as the host launches them ([`ForwardKernel`], [`BackwardKernels`]), each
+//! [`verified`].
+
+pub use choice::{backward_kernels, decode_kernel, forward_kernel};
 
 use crate::CodegenError;
 
 pub mod artifacts;
+pub mod choice;
 pub mod interp;
 pub mod ir;
 pub mod kernels;
@@ -26,7 +32,7 @@ pub mod launch;
 #[cfg(feature = "llvm")]
 pub mod llvm;
 
-use kernels::{backward, backward_tc, decode, forward, forward_tc, forward_wgmma};
+use kernels::{backward, backward_tc};
 
 /// A forward kernel as the host launches it.
 #[derive(Clone, Debug)]
@@ -42,7 +48,7 @@ pub struct ForwardKernel {
     /// (`out` and `lse` are f32 either way).
     pub inputs: attn_dsl::DType,
     /// The kernel takes the TMA maps of q, k and v after its launch record
-    /// ([`forward_wgmma::tensor_maps`]; sm_90a only).
+    /// ([`kernels::forward_wgmma::tensor_maps`]; sm_90a only).
     pub tensor_maps: bool,
 }
 
@@ -84,78 +90,6 @@ impl ForwardKernel {
     }
 }
 
-/// The forward kernel a plan runs on GPUs: tensor cores for bf16 and f16 specs, SIMT f32
-/// otherwise. Verified ([`ir::verify::verify`]).
-pub fn forward_kernel(plan: &crate::KernelPlan) -> Result<ForwardKernel, CodegenError> {
-    forward_kernel_tiled(plan, forward_tc::Tiling::of(plan))
-}
-
-/// [`forward_kernel`] with the tensor-core kernel on `tiling` (such as
-/// [`forward_tc::Tiling::TWELVE_WARPS`]) where the plan runs on tensor cores.
-pub fn forward_kernel_tiled(
-    plan: &crate::KernelPlan,
-    tiling: forward_tc::Tiling,
-) -> Result<ForwardKernel, CodegenError> {
-    if forward_tc::supports(plan) {
-        let kernel = forward_tc::lower_tiled(plan, forward_tc::qk_half(plan), tiling);
-        Ok(ForwardKernel {
-            kernel: std::sync::Arc::new(verified(kernel)?),
-            key_tile: tiling.key_tile(plan),
-            rows: tiling.rows(),
-            inputs: plan.dtype,
-            tensor_maps: false,
-        })
-    } else {
-        simt_forward_kernel(plan)
-    }
-}
-
-/// The warp-specialized sm_90a forward kernel of a plan ([`forward_wgmma`]); `None` when the
-/// plan does not run on it. Verified.
-pub fn wgmma_forward_kernel(
-    plan: &crate::KernelPlan,
-) -> Result<Option<ForwardKernel>, CodegenError> {
-    if !forward_wgmma::supports(plan) {
-        return Ok(None);
-    }
-    Ok(Some(ForwardKernel {
-        kernel: std::sync::Arc::new(verified(forward_wgmma::lower(plan))?),
-        key_tile: forward_wgmma::key_tile(plan),
-        rows: forward_wgmma::ROWS,
-        inputs: plan.dtype,
-        tensor_maps: true,
-    }))
-}
-
-/// The tensor-core forward kernel of a plan its `Q K^T` operands in `qk` (see
-/// [`forward_tc::lower_with`]); `None` when the plan does not run on tensor cores. Verified.
-pub fn tensor_core_kernel(
-    plan: &crate::KernelPlan,
-    qk: ir::Half,
-) -> Result<Option<ForwardKernel>, CodegenError> {
-    if !forward_tc::supports(plan) {
-        return Ok(None);
-    }
-    Ok(Some(ForwardKernel {
-        kernel: std::sync::Arc::new(verified(forward_tc::lower_with(plan, qk))?),
-        key_tile: forward_tc::key_tile(plan),
-        rows: forward_tc::rows(plan),
-        inputs: plan.dtype,
-        tensor_maps: false,
-    }))
-}
-
-/// The SIMT forward kernel of a plan, on f32 inputs: any plan runs on it. Verified.
-pub fn simt_forward_kernel(plan: &crate::KernelPlan) -> Result<ForwardKernel, CodegenError> {
-    Ok(ForwardKernel {
-        kernel: std::sync::Arc::new(verified(forward::lower(plan))?),
-        key_tile: forward::key_tile(plan),
-        rows: forward::ROWS,
-        inputs: attn_dsl::DType::F32,
-        tensor_maps: false,
-    })
-}
-
 /// The backward kernels of a plan as the host launches them: delta, dq, and dk with dv, then
 /// (SIMT, plans with parameters) the sum of the parameters' gradients.
 #[derive(Clone, Debug)]
@@ -179,37 +113,13 @@ impl BackwardKernels {
     }
 }
 
-/// The backward kernels of a backward plan: on tensor cores where [`backward_tc::supports`]
-/// the plan, else SIMT. Verified.
-pub fn backward_kernels(plan: &crate::KernelPlan) -> Result<BackwardKernels, CodegenError> {
-    if !backward_tc::supports(plan) {
-        return simt_backward_kernels(plan);
-    }
-    let kernels = backward_tc::lower(plan);
-    Ok(BackwardKernels {
-        kernels: verified_all(kernels.into())?,
-        tensor_cores: true,
-    })
-}
-
-/// The SIMT backward kernels of a backward plan (any plan runs on them), verified.
-pub fn simt_backward_kernels(plan: &crate::KernelPlan) -> Result<BackwardKernels, CodegenError> {
-    Ok(BackwardKernels {
-        kernels: verified_all(backward::lower(plan))?,
-        tensor_cores: false,
-    })
-}
-
-fn verified_all(kernels: Vec<ir::Kernel>) -> Result<Vec<std::sync::Arc<ir::Kernel>>, CodegenError> {
+pub(crate) fn verified_all(
+    kernels: Vec<ir::Kernel>,
+) -> Result<Vec<std::sync::Arc<ir::Kernel>>, CodegenError> {
     kernels
         .into_iter()
         .map(|k| verified(k).map(std::sync::Arc::new))
         .collect()
-}
-
-/// The decode kernel of a decode plan, verified.
-pub fn decode_kernel(plan: &crate::KernelPlan) -> Result<ir::Kernel, CodegenError> {
-    verified(decode::lower(plan))
 }
 
 /// The kernel, if the verifier passes it.

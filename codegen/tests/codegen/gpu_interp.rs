@@ -8,10 +8,11 @@ use attn_dsl::AttentionSpec;
 use attn_dsl::inputs::values;
 use attn_dsl::reference::{self, Array, Inputs, rope};
 use codegen::KernelPlan;
+use codegen::gpu::choice::{Call, ForwardChoice, Target, choose};
 use codegen::gpu::interp::{Memory, Val, run};
 use codegen::gpu::kernels::forward::{ROWS, key_tile, lower};
 use codegen::gpu::kernels::{forward_tc, forward_wgmma};
-use codegen::gpu::{ForwardKernel, forward_kernel, wgmma_forward_kernel};
+use codegen::gpu::{ForwardKernel, forward_kernel};
 use codegen::plan::Frequencies;
 
 /// bf16 rounding (to nearest even).
@@ -55,9 +56,9 @@ fn check_tc(text: &str, batch: usize, sq: usize, skv: usize, p0: i64) {
 /// rounded to 16 bits before `P V`).
 fn check_wgmma(text: &str, batch: usize, sq: usize, skv: usize, p0: i64) {
     let spec: AttentionSpec = text.parse().unwrap();
-    let chosen = wgmma_forward_kernel(&KernelPlan::forward(&spec))
-        .unwrap()
-        .unwrap_or_else(|| panic!("not an sm_90a spec: {text}"));
+    let chosen = ForwardChoice::Wgmma
+        .lower(&KernelPlan::forward(&spec))
+        .unwrap_or_else(|e| panic!("not an sm_90a spec: {text}: {e}"));
     check_kernel(text, &chosen, (1e-2, 2e-2), batch, sq, skv, p0);
 }
 
@@ -406,8 +407,6 @@ fn the_tensor_core_kernel_matches_the_reference() {
 /// takes two row blocks, and on one that takes one: the same results as the reference.
 #[test]
 fn the_twelve_warp_tiling_matches_the_reference() {
-    use codegen::gpu::forward_kernel_tiled;
-    use codegen::gpu::kernels::forward_tc::Tiling;
     for (text, b, sq, skv, p0) in [
         (
             "heads = 4, kv_heads = 2, head_dim = 64, mask = causal, dtype = bf16",
@@ -433,7 +432,12 @@ fn the_twelve_warp_tiling_matches_the_reference() {
         ),
     ] {
         let plan = KernelPlan::forward(&text.parse::<AttentionSpec>().unwrap());
-        let kernel = forward_kernel_tiled(&plan, Tiling::TWELVE_WARPS).unwrap();
+        let target = Target {
+            twelve_warps: true,
+            ..Target::default()
+        };
+        let choice = choose(Call::Forward { wide: false }, &plan, target);
+        let kernel = choice.forward().unwrap().lower(&plan).unwrap();
         assert_eq!((kernel.rows, kernel.kernel.ctas_per_sm), (64, 3), "{text}");
         check_kernel(text, &kernel, (1e-2, 2e-2), b, sq, skv, p0);
     }

@@ -12,6 +12,7 @@
 
 use attn_dsl::AttentionSpec;
 use codegen::KernelPlan;
+use codegen::gpu::choice::ForwardChoice;
 use codegen::gpu::interp::{Memory, Val, run};
 use codegen::gpu::ir::Kernel;
 use codegen::gpu::ir::parse::{MAX_DEPTH, parse};
@@ -199,12 +200,10 @@ fn every_lowered_kernel_prints_parses_back_and_verifies() {
         let forward = KernelPlan::forward(&spec);
         let kernels = [
             codegen::gpu::forward_kernel(&forward).unwrap().kernel,
-            codegen::gpu::simt_forward_kernel(&forward).unwrap().kernel,
+            ForwardChoice::Simt.lower(&forward).unwrap().kernel,
             std::sync::Arc::new(codegen::gpu::decode_kernel(&KernelPlan::decode(&spec)).unwrap()),
         ];
-        let hopper = codegen::gpu::wgmma_forward_kernel(&forward)
-            .unwrap()
-            .map(|k| k.kernel);
+        let hopper = ForwardChoice::Wgmma.lower(&forward).ok().map(|k| k.kernel);
         for k in kernels.into_iter().chain(hopper) {
             let printed = k.to_string();
             let parsed = parse(&printed).unwrap_or_else(|e| panic!("{text}: {e}"));
@@ -290,8 +289,8 @@ proptest::proptest! {
             "heads = 2, head_dim = 8, mask = causal, position = rope"
         };
         let plan = KernelPlan::forward(&text.parse::<AttentionSpec>().unwrap());
-        let kernel = match codegen::gpu::wgmma_forward_kernel(&plan).unwrap() {
-            Some(k) if hopper => k.kernel,
+        let kernel = match ForwardChoice::Wgmma.lower(&plan) {
+            Ok(k) if hopper => k.kernel,
             _ => codegen::gpu::forward_kernel(&plan).unwrap().kernel,
         };
         let mut chars: Vec<char> = kernel.to_string().chars().collect();

@@ -15,7 +15,7 @@ use codegen::plan::K_TILE;
 const K: usize = K_TILE as usize;
 
 /// Instruction sets the CPU kernels can use, best first.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Isa {
     /// AVX-512 with the bf16 dot products of `avx512_bf16` (`vdpbf16ps`), which a prompt's
     /// products with bf16 weights and a bf16 forward's `P V` use; every other kernel is

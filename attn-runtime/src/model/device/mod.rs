@@ -17,6 +17,7 @@
 //! [`ModelConfig`]: super::ModelConfig
 
 use super::Model;
+use super::decoder::LayerNorm;
 use crate::device::{Device, DeviceBuffer, Scratch, f32s};
 use crate::error::RuntimeError;
 use attn_dsl::DType;
@@ -60,6 +61,18 @@ struct DeviceLearned {
     params: i64,
     /// `[heads]` sink logits, for specs with learned sinks.
     sinks: Option<DeviceBuffer>,
+}
+
+impl DeviceLayer {
+    /// Its norm at `at`, if it has one.
+    fn norm(&self, at: LayerNorm) -> Option<&DeviceNorm> {
+        match at {
+            LayerNorm::BeforeAttention => self.attn_norm.as_ref(),
+            LayerNorm::AfterAttention => self.post_attn_norm.as_ref(),
+            LayerNorm::BeforeMlp => self.mlp_norm.as_ref(),
+            LayerNorm::AfterMlp => self.post_mlp_norm.as_ref(),
+        }
+    }
 }
 
 struct DeviceLayer {
@@ -263,7 +276,7 @@ impl<'m> DeviceModel<'m> {
         let n = tokens.len();
         self.check_sim_cost(n, n)?;
         let mut s = Scratch::new(self.device.as_ref());
-        let logits = self.run_layers(&mut s, tokens, |s, _, layer, h| {
+        let logits = self.run_layers(&mut s, tokens, &mut |s, _, layer, h| {
             self.attention(s, layer, h, n)
         })?;
         Ok(f32s(&self.device.download(logits)?))

@@ -1,5 +1,6 @@
-//! A resident model's layers run on its device: the decoder block's steps (norms, projections as
-//! device GEMMs, attention, MLPs, residual adds) as launches of its kernels.
+//! A resident model's layers run on its device: the decoder's operations (norms, projections as
+//! device GEMMs, attention, MLPs, residual adds) as launches of its kernels, in the steps
+//! [`Decoder`] takes.
 
 use super::{
     DeviceAttention, DeviceHeads, DeviceLayer, DeviceLayerMlp, DeviceLearned, DeviceLinear,
@@ -8,6 +9,7 @@ use super::{
 use crate::device::{DeviceBuffer, Scratch, f32_bytes};
 use crate::error::RuntimeError;
 use crate::gpu::ForwardTables;
+use crate::model::decoder::{Decoder, DecoderOps, Multiplier, NormAt};
 use codegen::gpu::ir::Kernel;
 use codegen::gpu::kernels::layers::{
     BiasArgs, ElementwiseArgs, EmbedArgs, NormArgs, SinkArgs, SwapArgs,
@@ -15,90 +17,145 @@ use codegen::gpu::kernels::layers::{
 use codegen::gpu::launch::{ForwardArgs, LaunchRecord, bind};
 use std::sync::Arc;
 
-impl<'m> DeviceModel<'m> {
-    /// The decoder over `tokens` with each layer's attention from `attention(scratch, layer
-    /// index, layer, normed rows)`: embedding, blocks, final norm, LM head; the logits buffer.
-    /// The blocks place their norms as the CPU model does (`Model::run`).
-    pub(super) fn run_layers(
-        &self,
-        s: &mut Scratch,
-        tokens: &[u32],
-        mut attention: impl FnMut(
-            &mut Scratch,
-            usize,
-            &DeviceLayer,
-            DeviceBuffer,
-        ) -> Result<DeviceBuffer, RuntimeError>,
-    ) -> Result<DeviceBuffer, RuntimeError> {
-        let c = &self.model.config;
-        let n = tokens.len();
+/// A layer's attention as [`DeviceModel::run_layers`] takes it: `(scratch, layer index, layer,
+/// normed rows)` to the attention's output rows.
+pub(super) type LayerAttention<'a> = dyn FnMut(&mut Scratch, usize, &DeviceLayer, DeviceBuffer) -> Result<DeviceBuffer, RuntimeError>
+    + 'a;
+
+/// The resident model's decoder operations: launches of its kernels on its device.
+struct ResidentDecoder<'r, 'm, 's, 'a> {
+    model: &'r DeviceModel<'m>,
+    scratch: &'r mut Scratch<'s>,
+    tokens: &'r [u32],
+    attention: &'r mut LayerAttention<'a>,
+}
+
+impl ResidentDecoder<'_, '_, '_, '_> {
+    /// Values in `n` rows of the hidden width.
+    fn hidden(&self) -> usize {
+        self.tokens.len() * self.model.model.config.hidden
+    }
+}
+
+impl DecoderOps for ResidentDecoder<'_, '_, '_, '_> {
+    type Rows = DeviceBuffer;
+    type Error = RuntimeError;
+
+    fn embed(&mut self) -> Result<DeviceBuffer, RuntimeError> {
+        let (m, tokens) = (self.model, self.tokens);
+        let vocab = m.model.config.vocab;
         if let Some((i, t)) = tokens
             .iter()
             .enumerate()
-            .find(|(_, t)| **t as usize >= c.vocab)
+            .find(|(_, t)| **t as usize >= vocab)
         {
             return Err(RuntimeError::Data(format!(
-                "token {i} is {t}, outside the vocabulary of {}",
-                c.vocab
+                "token {i} is {t}, outside the vocabulary of {vocab}"
             )));
         }
-        let d = c.hidden;
+        let n = tokens.len();
         let rows = u32::try_from(n)
             .map_err(|_| RuntimeError::Data(format!("{n} tokens are more than a grid holds")))?;
         let ids: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
-        let mut x = s.f32s(n * d)?;
-        self.launch(
-            &self.kernels.embed,
-            [rows, 1, 1],
-            &EmbedArgs {
-                tokens: s.upload(&ids)?.addr,
-                table: self.embed.buffer.addr,
-                out: x.addr,
-            },
-        )?;
-        self.pointwise(self.kernels.embed_scale.as_ref(), x, n * d)?;
-        if let Some(norm) = &self.embed_norm {
-            x = self.norm(s, norm, x, n * d)?;
-        }
-        let parallel = c.placement.parallel();
-        for (i, layer) in self.layers.iter().enumerate() {
-            // Without a norm before it, a sublayer reads the stream itself (it only reads).
-            let h = self.normed(s, layer.attn_norm.as_ref(), x, n * d)?;
-            let a = attention(s, i, layer, h)?;
-            if parallel {
-                // Both sublayers read the stream (normed once, or each by its own norm) and
-                // add to it together.
-                let h = match &layer.mlp_norm {
-                    Some(norm) => self.norm(s, norm, x, n * d)?,
-                    None => h,
-                };
-                let m = self.mlp(s, i, layer, h, n)?;
-                self.add(a, m, n * d)?;
-                self.add(x, a, n * d)?;
-                continue;
-            }
-            let a = self.normed(s, layer.post_attn_norm.as_ref(), a, n * d)?;
-            self.pointwise(self.kernels.residual_scale.as_ref(), a, n * d)?;
-            self.add(x, a, n * d)?;
-            let h = self.normed(s, layer.mlp_norm.as_ref(), x, n * d)?;
-            let m = self.mlp(s, i, layer, h, n)?;
-            let m = self.normed(s, layer.post_mlp_norm.as_ref(), m, n * d)?;
-            self.pointwise(self.kernels.residual_scale.as_ref(), m, n * d)?;
-            self.add(x, m, n * d)?;
-        }
-        let h = self.norm(s, &self.final_norm, x, n * d)?;
-        let logits = match &self.lm_head {
-            Some(head) => self.linear(s, head, h, n)?,
-            None => {
-                let y = s.f32s(n * self.embed.rows)?;
-                self.gemm(h, &self.embed, y, n)?;
-                y
-            }
+        let x = self.scratch.f32s(self.hidden())?;
+        let record = EmbedArgs {
+            tokens: self.scratch.upload(&ids)?.addr,
+            table: m.embed.buffer.addr,
+            out: x.addr,
         };
-        let count = n * c.vocab;
-        self.pointwise(self.kernels.logit_scale.as_ref(), logits, count)?;
-        self.pointwise(self.kernels.softcap.as_ref(), logits, count)?;
+        m.launch(&m.kernels.embed, [rows, 1, 1], &record)?;
+        Ok(x)
+    }
+
+    fn norm(&mut self, at: NormAt, x: &DeviceBuffer) -> Result<DeviceBuffer, RuntimeError> {
+        let m = self.model;
+        let norm = match at {
+            NormAt::Embedding => m.embed_norm.as_ref(),
+            NormAt::Layer(i, at) => m.layers[i].norm(at),
+            NormAt::Final => Some(&m.final_norm),
+        };
+        let norm = norm.ok_or_else(|| {
+            RuntimeError::Data(format!(
+                "internal: the resident model has no norm at {at:?}"
+            ))
+        })?;
+        m.norm(self.scratch, norm, *x, self.hidden())
+    }
+
+    fn attention(&mut self, i: usize, h: &DeviceBuffer) -> Result<DeviceBuffer, RuntimeError> {
+        (self.attention)(self.scratch, i, &self.model.layers[i], *h)
+    }
+
+    fn mlp(&mut self, i: usize, h: &DeviceBuffer) -> Result<DeviceBuffer, RuntimeError> {
+        let m = self.model;
+        m.mlp(self.scratch, i, &m.layers[i], *h, self.tokens.len())
+    }
+
+    fn add(&mut self, x: DeviceBuffer, y: &DeviceBuffer) -> Result<DeviceBuffer, RuntimeError> {
+        self.model.add(x, *y, self.hidden())?;
+        Ok(x)
+    }
+
+    fn scale(&mut self, x: DeviceBuffer, by: Multiplier) -> Result<DeviceBuffer, RuntimeError> {
+        let k = &self.model.kernels;
+        let (kernel, count) = match by {
+            Multiplier::Embedding => (&k.embed_scale, self.hidden()),
+            Multiplier::Residual => (&k.residual_scale, self.hidden()),
+            Multiplier::Logits => (&k.logit_scale, self.logits()),
+        };
+        let kernel = kernel.as_ref().ok_or_else(|| {
+            RuntimeError::Data(format!(
+                "internal: the resident model has no {by:?} multiplier"
+            ))
+        })?;
+        self.model.pointwise(Some(kernel), x, count)?;
+        Ok(x)
+    }
+
+    fn head(&mut self, x: &DeviceBuffer) -> Result<DeviceBuffer, RuntimeError> {
+        let (m, n) = (self.model, self.tokens.len());
+        match &m.lm_head {
+            Some(head) => m.linear(self.scratch, head, *x, n),
+            None => {
+                let y = self.scratch.f32s(n * m.embed.rows)?;
+                m.gemm(*x, &m.embed, y, n)?;
+                Ok(y)
+            }
+        }
+    }
+
+    fn softcap(&mut self, logits: DeviceBuffer) -> Result<DeviceBuffer, RuntimeError> {
+        let kernel = self.model.kernels.softcap.as_ref().ok_or_else(|| {
+            RuntimeError::Data("internal: the resident model has no final softcap".into())
+        })?;
+        self.model.pointwise(Some(kernel), logits, self.logits())?;
         Ok(logits)
+    }
+}
+
+impl ResidentDecoder<'_, '_, '_, '_> {
+    /// Values in the logits of `n` rows.
+    fn logits(&self) -> usize {
+        self.tokens.len() * self.model.model.config.vocab
+    }
+}
+
+impl<'m> DeviceModel<'m> {
+    /// The decoder over `tokens` ([`Decoder`]'s steps, as every model runs them) with each
+    /// layer's attention from `attention(scratch, layer index, layer, normed rows)`: the
+    /// logits buffer.
+    pub(super) fn run_layers(
+        &self,
+        scratch: &mut Scratch,
+        tokens: &[u32],
+        attention: &mut LayerAttention,
+    ) -> Result<DeviceBuffer, RuntimeError> {
+        Decoder::of(&self.model.config).run(&mut ResidentDecoder {
+            model: self,
+            scratch,
+            tokens,
+            attention,
+        })
     }
 
     /// Layer `i`'s MLP over `n` rows `h`.
@@ -212,20 +269,6 @@ impl<'m> DeviceModel<'m> {
             },
         )?;
         Ok(out)
-    }
-
-    /// [`DeviceModel::norm`] where there is a norm; `x` itself where there is none.
-    pub(super) fn normed(
-        &self,
-        s: &mut Scratch,
-        norm: Option<&DeviceNorm>,
-        x: DeviceBuffer,
-        count: usize,
-    ) -> Result<DeviceBuffer, RuntimeError> {
-        match norm {
-            Some(norm) => self.norm(s, norm, x, count),
-            None => Ok(x),
-        }
     }
 
     /// A multiplier or softcap in place over `count` values, where the model has it.

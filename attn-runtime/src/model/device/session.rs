@@ -83,7 +83,7 @@ impl<'m> DeviceModel<'m> {
             kinds.push(KindStep {
                 append_k: kernel(layers::cache_append(width_u32(layout.k_dim)?, half, rope))?,
                 append_v: kernel(layers::cache_append(width_u32(layout.v_dim)?, half, None))?,
-                decode: crate::gpu::lowered_decode(variant)?,
+                decode: variant.gpu_decode()?,
             });
         }
         let kernels = StepKernels {
@@ -232,7 +232,7 @@ impl DeviceSession<'_, '_> {
         let tables = (0..self.kernels.kinds.len())
             .map(|kind| session.tables(s, n, kind))
             .collect::<Result<Vec<_>, _>>()?;
-        let logits = self.model.run_layers(s, tokens, |s, i, layer, h| {
+        let logits = self.model.run_layers(s, tokens, &mut |s, i, layer, h| {
             let t = &tables[layer.kind];
             session.attention(s, t, layer, &session.caches[i], h, n)
         })?;

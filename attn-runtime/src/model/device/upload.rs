@@ -8,13 +8,14 @@ use super::{
 };
 use crate::device::{Device, DeviceBuffer, f32_bytes};
 use crate::error::RuntimeError;
-use crate::gpu::resident_forward;
+use crate::gpu::forward_kernel;
 use crate::learned::Learned;
 use crate::model::config::NormKind;
 use crate::model::sublayers::{LayerMlp, Linear, Matrix, Mlp, Norm};
 use crate::model::{AttentionWeights, Model};
 use crate::tensor::{Storage, Tensor};
 use attn_dsl::DType;
+use codegen::gpu::choice::Call;
 use codegen::gpu::ir::Kernel;
 use codegen::gpu::kernels::layers::{self, Activation, Pointwise};
 use codegen::gpu::verified;
@@ -32,7 +33,7 @@ impl<'m> DeviceModel<'m> {
                 // bf16 specs whose RoPE rotates every column take bf16 Q K^T operands here
                 // (f16 ones would need a range check on the device first), as bf16 SDPA
                 // computes.
-                let forward = resident_forward(variant)?;
+                let forward = forward_kernel(variant, Call::ResidentForward)?;
                 let to_heads = kernel(layers::swap_outer(half_of(forward.inputs)))?;
                 Ok(DeviceKind { forward, to_heads })
             })

@@ -114,7 +114,7 @@ pub enum Bin {
 }
 
 /// A 16-bit float format in memory.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Half {
     /// bfloat16: the upper half of an f32.
     Bf16,

@@ -36,7 +36,7 @@ pub const THREADS: u32 = 128;
 
 /// How the kernel divides its work: blocks of 16 query rows per warp, and the CTAs an SM is to
 /// hold (the launch bound ptxas fits each thread's registers to).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Tiling {
     /// Blocks of 16 query rows per warp: 1 or 2.
     pub row_blocks: u32,
