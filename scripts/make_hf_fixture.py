@@ -233,6 +233,13 @@ FIXTURES = {
         "bloom: ALiBi over 6 heads (not a power of 2), a LayerNorm on the embedding, q, k, v fused head by head, biases, "
         "the tanh GELU, tied embedding",
     ),
+    "helium": (
+        "HeliumConfig",
+        "HeliumForCausalLM",
+        dict(num_hidden_layers=2, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        "helium: llama's layers with RoPE on interleaved pairs",
+    ),
     "mistral": (
         "MistralConfig",
         "MistralForCausalLM",

@@ -63,6 +63,7 @@ macro_rules! resident_families {
 }
 
 resident_families!(
+    helium,
     mistral,
     qwen2_sliding,
     qwen3_sliding,

@@ -359,6 +359,17 @@ fn mistral_matches_transformers() {
     check("mistral", 24);
 }
 
+/// helium: llama's layers with RoPE on interleaved pairs, q/k/v biases where `attention_bias`
+/// says (none on the output projection).
+#[test]
+fn helium_matches_transformers() {
+    let config = hf::config(&dir("helium")).unwrap();
+    let rope = config.attention[0].rope().unwrap();
+    assert_eq!(rope.layout, attn_dsl::RopeLayout::Interleaved);
+    assert!(!config.o_bias);
+    check("helium", 24);
+}
+
 /// qwen2: q/k/v biases, and the window only on the layers `layer_types` names (from
 /// `max_window_layers` on), not on every layer.
 #[test]
@@ -408,7 +419,7 @@ fn bad_checkpoints_are_clear_errors() {
     let unknown = edited("llama_gqa", "family", |c| c["model_type"] = "rwkv".into());
     let err = hf::load(&unknown).unwrap_err().to_string();
     assert!(
-        err.contains("`rwkv`") && err.contains("llama, mistral"),
+        err.contains("`rwkv`") && err.contains("llama, helium, mistral"),
         "{err}"
     );
     // A known family with an activation it does not have.

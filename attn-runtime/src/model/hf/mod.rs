@@ -2,7 +2,8 @@
 //! `model.safetensors.index.json`; f32, bf16 or f16 weights, computed in f32).
 //!
 //! Families: `llama` (every RoPE scaling, from `rope_parameters` or the older `rope_theta` /
-//! `rope_scaling` keys), `mistral` (sliding window), `qwen2` (q/k/v biases), `qwen3` (per-head
+//! `rope_scaling` keys), `helium` (llama's layers, interleaved RoPE, no output-projection
+//! bias), `mistral` (sliding window), `qwen2` (q/k/v biases), `qwen3` (per-head
 //! norms on q and k), `smollm3` (layers without RoPE), `gemma` (GeGLU, norms of `1 + w`, a
 //! scaled embedding), `gemma2` (sandwich norms, softcaps, alternating sliding layers),
 //! `gemma3_text` (q/k norms, a RoPE per layer type), `olmo2` (norms after the sublayers, q/k
@@ -46,6 +47,7 @@ use std::path::Path;
 /// Families this loader knows.
 pub const FAMILIES: &[&str] = &[
     "llama",
+    "helium",
     "mistral",
     "qwen2",
     "qwen3",
@@ -90,7 +92,8 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
         None => None,
     };
     let mlp = activation(c, &family)?;
-    // qwen2 has biases on q, k and v only; elsewhere `attention_bias` puts them on all four.
+    // qwen2 and helium have biases on q, k and v only; elsewhere `attention_bias` puts them on
+    // all four.
     // gpt-oss's and gpt_neox's `attention_bias` default to true.
     let attention_bias = match family.as_str() {
         "gpt_oss" | "gpt_neox" => !c.has("attention_bias") || c.flag("attention_bias")?,
@@ -135,7 +138,7 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
         // starcoder2's `use_bias` (default true) puts biases on every projection; llama,
         // smollm3 and granite read `mlp_bias`; the other families have none.
         mlp_bias: match family.as_str() {
-            "llama" | "smollm3" | "granite" => c.flag("mlp_bias")?,
+            "llama" | "helium" | "smollm3" | "granite" => c.flag("mlp_bias")?,
             // gpt-oss's experts and gpt_neox's and bloom's MLPs have biases.
             "gpt_oss" | "gpt_neox" | "bloom" => true,
             _ => use_bias,
@@ -175,7 +178,7 @@ pub fn config(dir: &Path) -> Result<ModelConfig, RuntimeError> {
             _ => attention_bias || use_bias,
         },
         o_bias: match family.as_str() {
-            "qwen2" | "qwen2_moe" => false,
+            "qwen2" | "qwen2_moe" | "helium" => false,
             _ => attention_bias || use_bias,
         },
         embed_multiplier: match family.as_str() {
@@ -328,9 +331,9 @@ fn per_head_layers(
 ) -> Result<(Vec<AttentionSpec>, Vec<usize>), RuntimeError> {
     let kv_heads = c.uint_opt("num_key_value_heads")?.unwrap_or(heads);
     let head_dim = c.uint_opt("head_dim")?.unwrap_or(hidden / heads);
-    // cohere rotates interleaved pairs; the others rotate halves.
+    // cohere and helium rotate interleaved pairs; the others rotate halves.
     let layout = match family {
-        "cohere" => RopeLayout::Interleaved,
+        "cohere" | "helium" => RopeLayout::Interleaved,
         _ => RopeLayout::Half,
     };
     let rope_dim = rotary_dims(c, head_dim)?;
