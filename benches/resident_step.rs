@@ -6,6 +6,7 @@
 
 use attn::runtime::RuntimeError;
 use attn::runtime::codegen::gpu::ir::Kernel;
+use attn::runtime::codegen::gpu::ir::tma::TensorMap;
 use attn::runtime::codegen::gpu::launch::Param;
 use attn::runtime::device::{Device, DeviceBuffer};
 use attn::runtime::model::research::config_from_toml;
@@ -38,6 +39,10 @@ impl Device for NullDevice {
         Ok(vec![0; buffer.bytes])
     }
 
+    fn write(&self, _: DeviceBuffer, _: usize, _: &[u8]) -> Result<(), RuntimeError> {
+        Ok(())
+    }
+
     fn free(&self, _: DeviceBuffer) {}
 
     fn launch(
@@ -46,6 +51,7 @@ impl Device for NullDevice {
         _: [u32; 3],
         _: &[Param],
         _: &[i64],
+        _: &[TensorMap],
     ) -> Result<(), RuntimeError> {
         Ok(())
     }

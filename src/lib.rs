@@ -82,8 +82,9 @@ pub use codegen;
 /// A spec's GPU kernels and where the runtime takes their PTX from (embedded at cargo time, the
 /// disk cache, or compiled), and with the `cuda` feature the CUDA backend.
 pub mod gpu {
+    pub use attn_runtime::gpu::backend::{DeviceCache, GpuBackend};
     #[cfg(feature = "cuda")]
-    pub use attn_runtime::gpu::cuda::CudaBackend;
+    pub use attn_runtime::gpu::cuda::{CudaBackend, CudaDevice};
     pub use attn_runtime::gpu::ptx::{Ptx, PtxOrigin, ptx_for};
     pub use codegen::gpu::artifacts::{SpecKernel, spec_kernels};
     pub use codegen::gpu::ir::target::Arch;

@@ -17,7 +17,7 @@ pub const NAMES: [&str; 3] = ["cpu", "cuda", "gpu-sim"];
 pub fn open(name: &str) -> Result<Box<dyn Backend>, RuntimeError> {
     match name {
         "cpu" => Ok(Box::new(CpuBackend::new())),
-        "gpu-sim" => Ok(Box::new(GpuSim)),
+        "gpu-sim" => Ok(Box::new(GpuSim::new())),
         "cuda" => open_cuda(),
         other => Err(RuntimeError::Device(format!(
             "no backend `{other}`; the backends: {}",

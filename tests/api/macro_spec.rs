@@ -138,7 +138,7 @@ fn the_typed_api_runs_on_the_cpu() {
     // A wrongly shaped input is an error, not a panic.
     assert!(Gqa::forward(&k, &k, &v).is_err());
     // On another backend: the GPU kernels, on the interpreter, agree with the CPU's.
-    let gpu = Gqa::forward_on(&attn::runtime::gpu::sim::GpuSim, &q, &k, &v, 0).unwrap();
+    let gpu = Gqa::forward_on(&attn::runtime::gpu::sim::GpuSim::new(), &q, &k, &v, 0).unwrap();
     for (a, b) in gpu.out.to_f32_vec().iter().zip(&o) {
         assert!((a - b).abs() < 1e-4, "{a} vs {b}");
     }

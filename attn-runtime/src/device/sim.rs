@@ -7,6 +7,7 @@ use crate::host::gemm::gemm;
 use attn_dsl::DType;
 use codegen::gpu::interp::{Memory, Val, run};
 use codegen::gpu::ir::Kernel;
+use codegen::gpu::ir::tma::TensorMap;
 use codegen::gpu::launch::Param;
 use std::sync::{Arc, Mutex};
 
@@ -54,6 +55,22 @@ impl Device for SimDevice {
             .map_err(RuntimeError::Device)
     }
 
+    fn write(&self, buffer: DeviceBuffer, offset: usize, bytes: &[u8]) -> Result<(), RuntimeError> {
+        if offset
+            .checked_add(bytes.len())
+            .is_none_or(|end| end > buffer.bytes)
+        {
+            return Err(RuntimeError::Device(format!(
+                "{} bytes at offset {offset} run past a {}-byte buffer",
+                bytes.len(),
+                buffer.bytes
+            )));
+        }
+        self.memory()?
+            .write_bytes(buffer.addr + offset as i64, bytes)
+            .map_err(RuntimeError::Device)
+    }
+
     fn free(&self, buffer: DeviceBuffer) {
         if let Ok(mut m) = self.memory() {
             m.free(buffer.addr);
@@ -66,6 +83,7 @@ impl Device for SimDevice {
         grid: [u32; 3],
         fields: &[Param],
         args: &[i64],
+        maps: &[TensorMap],
     ) -> Result<(), RuntimeError> {
         // The interpreter checks every access against its buffers as it runs.
         if fields.len() != args.len() {
@@ -75,8 +93,19 @@ impl Device for SimDevice {
                 fields.len()
             )));
         }
-        let args: Vec<Val> = args.iter().map(|a| Val::I64(*a)).collect();
-        run(kernel, grid, &args, &mut *self.memory()?).map_err(RuntimeError::Device)
+        let mut memory = self.memory()?;
+        let mut values: Vec<Val> = args.iter().map(|a| Val::I64(*a)).collect();
+        for map in maps {
+            let handle = memory
+                .alloc_tensor_map(map.clone())
+                .map_err(RuntimeError::Device)?;
+            values.push(Val::I64(handle));
+        }
+        run(kernel, grid, &values, &mut memory).map_err(RuntimeError::Device)
+    }
+
+    fn check_cost(&self, what: &str, seconds: &dyn Fn() -> f64) -> Result<(), RuntimeError> {
+        crate::gpu::sim_cost::check(what, seconds())
     }
 
     fn gemm_t(

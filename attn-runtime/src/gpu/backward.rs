@@ -1,11 +1,11 @@
 //! The backward pass on the GPU kernels (`codegen::gpu::kernels::backward_tc` on tensor cores for bf16
 //! and f16 specs it supports, `codegen::gpu::kernels::backward` SIMT otherwise): a call prepared on the
 //! host (inputs in the kernels' formats, tile codes, RoPE tables as the forward builds them),
-//! then the delta, dq and dk/dv kernels in that order, on the GPU IR interpreter
-//! ([`BackwardCall::run_on_sim`]) or on a CUDA device (`CudaBackend::backward`).
+//! then the delta, dq and dk/dv kernels in that order, on a device ([`BackwardCall::run_on`]).
 
 use super::device_bytes;
 use crate::calls::{HeadGradients, HeadsBackward};
+use crate::device::{Device, DeviceBuffer, Scratch, f32s, launch};
 use crate::error::RuntimeError;
 use crate::host::checks::check_backward;
 use crate::host::rope_table::RopeTables;
@@ -13,9 +13,8 @@ use crate::tensor::Tensor;
 use crate::variant::Variant;
 use attn_dsl::DType;
 use codegen::gpu::BackwardKernels;
-use codegen::gpu::interp::{Memory, Val, run};
 use codegen::gpu::ir::Kernel;
-use codegen::gpu::launch::{BackwardArgs, BackwardTcArgs, bind};
+use codegen::gpu::launch::{BackwardArgs, BackwardTcArgs};
 use std::sync::Arc;
 
 /// Device addresses of a call's buffers, in the order the launch records take them.
@@ -164,16 +163,24 @@ impl BackwardCall {
         [0, 1, 2].map(|i| self.shapes[i].iter().product())
     }
 
-    /// The argument values of `kernel` (one of the call's) for buffers at these addresses.
-    pub fn args(&self, kernel: &Kernel, at: &Buffers) -> Result<Vec<i64>, RuntimeError> {
+    /// Launches one of the call's kernels over `grid` CTAs, its record over the buffers `at`.
+    fn launch_kernel(
+        &self,
+        device: &dyn Device,
+        kernel: &Arc<Kernel>,
+        grid: [u32; 3],
+        at: &Buffers,
+    ) -> Result<(), RuntimeError> {
         let [q, k, v, out, lse, dout] = at.inputs;
         let [delta, dq, dk, dv] = at.outputs;
         let [b, sq, skv] = self.dims.map(|n| n as i64);
         let [rope_cos, rope_sin] = at.rope;
-        let values = if self.kernels.tensor_cores {
+        if self.kernels.tensor_cores {
             let [dq_codes, dkdv_codes] = at.codes;
-            bind(
+            launch(
+                device,
                 kernel,
+                grid,
                 &BackwardTcArgs {
                     q,
                     k,
@@ -195,10 +202,13 @@ impl BackwardCall {
                     rope_sin,
                     rope_pos0: self.rope_pos0,
                 },
+                &[],
             )
         } else {
-            bind(
+            launch(
+                device,
                 kernel,
+                grid,
                 &BackwardArgs {
                     q,
                     k,
@@ -222,9 +232,9 @@ impl BackwardCall {
                     param_copies: self.param_copies as i64,
                     dparams: at.params[2],
                 },
+                &[],
             )
-        };
-        values.map_err(RuntimeError::Data)
+        }
     }
 
     /// Query rows of the call (one `delta` each).
@@ -247,61 +257,76 @@ impl BackwardCall {
         self.param_copies * self.params.len()
     }
 
-    /// Runs the call on the GPU IR interpreter: the gradients and the parameters' gradients.
-    pub fn run_on_sim(&self) -> Result<(HeadGradients, Vec<f32>), RuntimeError> {
-        let mut mem = Memory::default();
-        let mut alloc = |bytes: &[u8]| {
-            if bytes.is_empty() {
-                0
-            } else {
-                mem.alloc_bytes(bytes.to_vec())
-            }
-        };
-        let inputs = [0, 1, 2, 3, 4, 5].map(|i| alloc(&self.inputs[i]));
-        let codes = [alloc(&self.codes[0]), alloc(&self.codes[1])];
+    /// The call's inputs uploaded to `s`'s device (0 for an empty one), and zeroed outputs.
+    pub fn upload(&self, s: &mut Scratch) -> Result<Buffers, RuntimeError> {
         let table = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-        let rope = [alloc(&table(&self.rope_cos)), alloc(&table(&self.rope_sin))];
+        let mut inputs = [0; 6];
+        for (at, bytes) in inputs.iter_mut().zip(&self.inputs) {
+            *at = s.upload_or_null(bytes)?;
+        }
         let lens = self.output_lens();
-        let outputs = [self.rows(), lens[0], lens[1], lens[2]].map(|n| alloc(&vec![0u8; 4 * n]));
-        let params = [
-            alloc(&table(&self.params)),
-            alloc(&vec![0u8; 4 * self.partials_len()]),
-            alloc(&vec![0u8; 4 * self.params.len()]),
-        ];
-        let at = Buffers {
+        let mut outputs = [0; 4];
+        for (at, n) in outputs
+            .iter_mut()
+            .zip([self.rows(), lens[0], lens[1], lens[2]])
+        {
+            *at = s.f32s_or_null(n)?;
+        }
+        Ok(Buffers {
             inputs,
             outputs,
-            codes,
-            rope,
-            params,
-        };
+            codes: [
+                s.upload_or_null(&self.codes[0])?,
+                s.upload_or_null(&self.codes[1])?,
+            ],
+            rope: [
+                s.upload_or_null(&table(&self.rope_cos))?,
+                s.upload_or_null(&table(&self.rope_sin))?,
+            ],
+            params: [
+                s.upload_or_null(&table(&self.params))?,
+                s.f32s_or_null(self.partials_len())?,
+                s.f32s_or_null(self.params.len())?,
+            ],
+        })
+    }
+
+    /// Queues the call's kernels (delta, dq, dk with dv, then any parameters' sum) over `at`.
+    pub fn launch(&self, device: &dyn Device, at: &Buffers) -> Result<(), RuntimeError> {
         for (kernel, &grid) in self.kernels.kernels.iter().zip(&self.grids) {
-            let args: Vec<Val> = self.args(kernel, &at)?.into_iter().map(Val::I64).collect();
-            run(kernel, grid, &args, &mut mem).map_err(RuntimeError::Data)?;
+            self.launch_kernel(device, kernel, grid, at)?;
         }
-        let read = |i: usize| {
-            mem.read_f32(outputs[i + 1], lens[i])
-                .map_err(RuntimeError::Data)
+        Ok(())
+    }
+
+    /// Runs the call on `device`: the gradients and the parameters' gradients.
+    pub fn run_on(&self, device: &dyn Device) -> Result<(HeadGradients, Vec<f32>), RuntimeError> {
+        let mut s = Scratch::new(device);
+        let at = self.upload(&mut s)?;
+        self.launch(device, &at)?;
+        let read = |addr: i64, n: usize| -> Result<Vec<f32>, RuntimeError> {
+            if n == 0 {
+                return Ok(Vec::new());
+            }
+            Ok(f32s(&device.download(DeviceBuffer { addr, bytes: 4 * n })?))
         };
-        let dparams = if self.params.is_empty() {
-            Vec::new()
-        } else {
-            mem.read_f32(params[2], self.params.len())
-                .map_err(RuntimeError::Data)?
-        };
-        Ok((self.finish([read(0)?, read(1)?, read(2)?])?, dparams))
+        let lens = self.output_lens();
+        let [dq, dk, dv] = [0, 1, 2].map(|i| read(at.outputs[i + 1], lens[i]));
+        let dparams = read(at.params[2], self.params.len())?;
+        Ok((self.finish([dq?, dk?, dv?])?, dparams))
     }
 }
 
-/// A per-head backward on the GPU backward kernels, run on the interpreter: the gradients and
-/// the parameters' gradients.
-pub(crate) fn backward_on_sim(
+/// A per-head backward on the GPU backward kernels, run on `device`: the gradients and the
+/// parameters' gradients.
+pub(crate) fn run_on(
+    device: &dyn Device,
     variant: &Variant,
     x: &HeadsBackward,
     params: &[f32],
 ) -> Result<(HeadGradients, Vec<f32>), RuntimeError> {
     match BackwardCall::prepare(variant, x, params)? {
-        Prepared::Launch(call) => call.run_on_sim(),
+        Prepared::Launch(call) => call.run_on(device),
         Prepared::Empty(zeros) => Ok((*zeros, vec![0.0; params.len()])),
     }
 }
@@ -355,7 +380,7 @@ mod tests {
             t(&[2, 3, 70, 8], 4),
         );
         let params: Vec<f32> = (0..12).map(|i| i as f32 / 10.0 - 0.6).collect();
-        let forward = crate::gpu::sim::GpuSim
+        let forward = crate::gpu::sim::GpuSim::new()
             .forward_bound(&variant, crate::Inputs::heads(&q, &k, &v), 0, &params)
             .unwrap();
         let x = HeadsBackward {
@@ -373,11 +398,11 @@ mod tests {
         };
         // Twelve blocks of query rows (2 batches x 3 heads x 2), one CTA each.
         assert_eq!(call.param_copies, 12 * 64);
-        let (spread, spread_dparams) = call.run_on_sim().unwrap();
+        let (spread, spread_dparams) = call.run_on(&crate::device::SimDevice::new()).unwrap();
         // One CTA walks all twelve blocks into one set of 64 copies.
         call.param_copies = 64;
         call.grids[1] = [1, 1, 1];
-        let (strided, strided_dparams) = call.run_on_sim().unwrap();
+        let (strided, strided_dparams) = call.run_on(&crate::device::SimDevice::new()).unwrap();
         assert_eq!(spread.dq.to_f32_vec(), strided.dq.to_f32_vec());
         assert!(spread_dparams.iter().any(|x| *x != 0.0));
         for (a, b) in spread_dparams.iter().zip(&strided_dparams) {

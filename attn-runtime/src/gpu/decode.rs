@@ -6,6 +6,7 @@
 use super::pages::{PageTables, PagedSegments, pages_kernel, span_items};
 use crate::cache::{KvCache, SeqId};
 use crate::calls::{DecodeOptions, MlaQueries, Output};
+use crate::device::{Device, DeviceBuffer, Scratch, f32s, launch};
 use crate::error::RuntimeError;
 use crate::host::checks::check_cache;
 use crate::host::mla::AbsorbedQueries;
@@ -15,11 +16,10 @@ use crate::host::work::{GPU_TASKS, Item, Task, items, partitions, row_strides, t
 use crate::tensor::Tensor;
 use crate::variant::Variant;
 use codegen::KernelPlan;
-use codegen::gpu::interp::{Memory, Val, run};
 use codegen::gpu::ir::Kernel;
 use codegen::gpu::kernels::decode::{SEGMENT_FIELDS, segment_keys, task_rows};
 use codegen::gpu::kernels::layers::{self, MergeArgs};
-use codegen::gpu::launch::{DecodeArgs, LaunchRecord, bind};
+use codegen::gpu::launch::DecodeArgs;
 use codegen::plan::Frequencies;
 use std::sync::Arc;
 
@@ -192,85 +192,76 @@ impl DecodeLaunch<'_> {
         )))
     }
 
-    /// Runs the launch on the GPU IR interpreter (the `gpu-sim` backend's [`Exec`]) with the
-    /// spec's parameters, then the merge; returns the call's `out` and `lse` rows.
-    pub fn run_on_sim(&self, params: &[f32]) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> {
+    /// Runs the launch on `device` with the spec's parameters: the cache's memory uploaded now,
+    /// or found on the device at `resident` (one buffer per region of
+    /// [`DecodeLaunch::regions`], in order), the segment records made (on the device, from page
+    /// tables, where the launch has them), the decode kernel and the merge of its partitions
+    /// (timed on the device where it times kernels, [`Device::time_span`]); returns the call's
+    /// `out` and `lse` rows.
+    pub fn run_on(
+        &self,
+        device: &dyn Device,
+        resident: Option<&[DeviceBuffer]>,
+        params: &[f32],
+    ) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> {
         self.check_params(params)?;
-        let mut mem = Memory::default();
-        let i64s = |v: &[i64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-        let bases: Vec<i64> = self
-            .memory
-            .iter()
-            .map(|m| mem.alloc_bytes(m.to_vec()))
-            .collect();
-        let (cos, sin) = if self.rope_cos.is_empty() {
-            (0, 0)
-        } else {
-            (mem.alloc_f32(&self.rope_cos), mem.alloc_f32(&self.rope_sin))
+        let mut s = Scratch::new(device);
+        let bases: Vec<i64> = match resident {
+            Some(buffers) => buffers.iter().map(|b| b.addr).collect(),
+            None => self
+                .memory
+                .iter()
+                .map(|m| Ok(s.upload(m)?.addr))
+                .collect::<Result<_, RuntimeError>>()?,
         };
+        let i64s = |v: &[i64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let f32s_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
         let segments = match &self.pages {
             Some(p) => {
-                let records = mem.alloc_bytes(vec![0; p.records.max(1) * 8 * SEGMENT_FIELDS]);
+                let records = s.zeros(p.records.max(1) * 8 * SEGMENT_FIELDS)?.addr;
                 if p.records > 0 {
                     let pages: Vec<u8> = p.pages.iter().flat_map(|x| x.to_le_bytes()).collect();
                     let record = p.args([
-                        mem.alloc_bytes(i64s(&p.pieces)),
-                        mem.alloc_bytes(pages),
+                        s.upload_or_null(&i64s(&p.pieces))?,
+                        s.upload_or_null(&pages)?,
                         records,
                         bases[p.geometry.region],
                     ]);
-                    interpret(&p.kernel, p.ctas()?, &record, &mut mem)?;
+                    launch(device, &p.kernel, [p.ctas()?, 1, 1], &record, &[])?;
                 }
                 records
             }
-            None => {
-                let segments = self.segment_records(&bases)?;
-                if segments.is_empty() {
-                    0
-                } else {
-                    mem.alloc_bytes(i64s(&segments))
-                }
-            }
+            None => s.upload_or_null(&i64s(&self.segment_records(&bases)?))?,
         };
-        let out = mem.alloc_f32(&vec![0.0; self.out_rows * self.v_dim]);
-        let lse = mem.alloc_f32(&vec![0.0; self.out_rows]);
+        let (out, lse) = (s.f32s(self.out_rows * self.v_dim)?, s.f32s(self.out_rows)?);
         let record = DecodeArgs {
-            q_rows: mem.alloc_f32(&self.q_rows),
-            tasks: mem.alloc_bytes(i64s(&self.tasks)),
+            q_rows: s.upload_or_null(&f32s_bytes(&self.q_rows))?,
+            tasks: s.upload_or_null(&i64s(&self.tasks))?,
             segments,
-            out,
-            lse,
-            rope_cos: cos,
-            rope_sin: sin,
+            out: out.addr,
+            lse: lse.addr,
+            rope_cos: s.upload_or_null(&f32s_bytes(&self.rope_cos))?,
+            rope_sin: s.upload_or_null(&f32s_bytes(&self.rope_sin))?,
             rope_pos0: 0,
             k_base: 0,
             v_base: 0,
-            params: if params.is_empty() {
-                0
-            } else {
-                mem.alloc_f32(params)
-            },
+            params: s.upload_or_null(&f32s_bytes(params))?,
         };
-        interpret(&self.kernel, self.ctas, &record, &mut mem)?;
+        let map: Vec<u8> = self.map.iter().flat_map(|i| i.to_le_bytes()).collect();
+        let map = s.upload_or_null(&map)?;
         let (merged, merged_lse) = (
-            mem.alloc_f32(&vec![0.0; self.merged_rows * self.v_dim]),
-            mem.alloc_f32(&vec![0.0; self.merged_rows]),
+            s.f32s(self.merged_rows * self.v_dim)?,
+            s.f32s(self.merged_rows)?,
         );
-        let record = self.merge_record(
-            out,
-            lse,
-            mem.alloc_bytes(self.map.iter().flat_map(|i| i.to_le_bytes()).collect()),
-            merged,
-            merged_lse,
-        );
-        interpret(&self.merge, self.merge_ctas()?, &record, &mut mem)?;
-        let out = mem
-            .read_f32(merged, self.merged_rows * self.v_dim)
-            .map_err(RuntimeError::Data)?;
-        let lse = mem
-            .read_f32(merged_lse, self.merged_rows)
-            .map_err(RuntimeError::Data)?;
-        Ok((out, lse))
+        let merge = self.merge_record(out.addr, lse.addr, map, merged.addr, merged_lse.addr);
+        device.time_span(&mut || {
+            launch(device, &self.kernel, [self.ctas, 1, 1], &record, &[])?;
+            launch(device, &self.merge, [self.merge_ctas()?, 1, 1], &merge, &[])
+        })?;
+        Ok((
+            f32s(&device.download(merged)?),
+            f32s(&device.download(merged_lse)?),
+        ))
     }
 
     /// The merge launch's record over buffers at these addresses.
@@ -300,21 +291,6 @@ impl DecodeLaunch<'_> {
         u32::try_from(threads.max(1))
             .map_err(|_| RuntimeError::Data("a merge larger than a grid".into()))
     }
-}
-
-/// Runs `ctas` CTAs of a kernel on the interpreter with its launch record.
-fn interpret(
-    kernel: &Kernel,
-    ctas: u32,
-    record: &impl LaunchRecord,
-    mem: &mut Memory,
-) -> Result<(), RuntimeError> {
-    let args: Vec<Val> = bind(kernel, record)
-        .map_err(RuntimeError::Data)?
-        .into_iter()
-        .map(Val::I64)
-        .collect();
-    run(kernel, [ctas, 1, 1], &args, mem).map_err(RuntimeError::Data)
 }
 
 /// The merge's map: for each call row (`call.out_row`), the kernel's partial rows of it (task
@@ -570,19 +546,22 @@ mod page_table_tests {
                 assert_eq!(l.pages.is_some(), device_made, "block size {block_size}");
                 let made = match &l.pages {
                     Some(p) => {
-                        let mut mem = Memory::default();
-                        let base = mem.alloc_bytes(l.memory[0].to_vec());
-                        let out = mem.alloc_bytes(vec![0; p.records * 8 * SEGMENT_FIELDS]);
-                        let i64s = |v: &[i64]| v.iter().flat_map(|x| x.to_le_bytes()).collect();
-                        let pages = p.pages.iter().flat_map(|x| x.to_le_bytes()).collect();
+                        let device = crate::device::SimDevice::new();
+                        let base = device.upload(l.memory[0]).unwrap().addr;
+                        let out = device.zeros(p.records * 8 * SEGMENT_FIELDS).unwrap();
+                        let i64s = |v: &[i64]| -> Vec<u8> {
+                            v.iter().flat_map(|x| x.to_le_bytes()).collect()
+                        };
+                        let pages: Vec<u8> = p.pages.iter().flat_map(|x| x.to_le_bytes()).collect();
                         let record = p.args([
-                            mem.alloc_bytes(i64s(&p.pieces)),
-                            mem.alloc_bytes(pages),
-                            out,
+                            device.upload(&i64s(&p.pieces)).unwrap().addr,
+                            device.upload(&pages).unwrap().addr,
+                            out.addr,
                             base,
                         ]);
-                        interpret(&p.kernel, p.ctas().unwrap(), &record, &mut mem).unwrap();
-                        let bytes = mem.read_bytes(out, p.records * 8 * SEGMENT_FIELDS).unwrap();
+                        let grid = [p.ctas().unwrap(), 1, 1];
+                        launch(&device, &p.kernel, grid, &record, &[]).unwrap();
+                        let bytes = device.download(out).unwrap();
                         let host = l.memory[0].as_ptr() as i64;
                         let mut v: Vec<i64> = bytes
                             .chunks(8)

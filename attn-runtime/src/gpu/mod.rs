@@ -1,13 +1,13 @@
-//! Running the GPU kernels: a call prepared on the host (inputs as contiguous f32, tile codes
-//! from the plan's classification, RoPE tables), then run on a CUDA device (feature `cuda`) or on
-//! codegen's GPU IR interpreter ([`GpuCall::run_on_sim`]), which executes exactly the kernel a
-//! device would and so tests this runtime path without a GPU.
+//! Running the GPU kernels: a call prepared on the host (inputs in the kernel's formats, tile
+//! codes from the plan's classification, RoPE tables), then run on a [`Device`]
+//! ([`GpuCall::run_on`]): a CUDA device (feature `cuda`) or codegen's GPU IR interpreter, which
+//! executes exactly the kernel a device would and so tests this runtime path without a GPU.
+//! [`backend::GpuBackend`] is the `Backend` over either.
 
+pub mod backend;
 pub(crate) mod backward;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-#[cfg(feature = "cuda")]
-mod cuda_device;
 mod decode;
 pub mod disk_cache;
 pub mod layer_ops;
@@ -18,6 +18,7 @@ pub mod sim_cost;
 pub mod sim;
 
 use crate::calls::{MlaTensors, Output};
+use crate::device::{Device, DeviceBuffer, Scratch, SimDevice, f32s};
 use crate::error::RuntimeError;
 use crate::host::checks::{check_qkv, finish};
 use crate::host::mla::AbsorbedForward;
@@ -27,13 +28,12 @@ use crate::variant::Variant;
 use attn_dsl::AttentionSpec;
 use codegen::KernelPlan;
 use codegen::gpu::choice::{Call, ForwardChoice, Target, choose};
-use codegen::gpu::interp::{Memory, Val, run};
 use codegen::gpu::ir::Half;
 use codegen::gpu::ir::Kernel;
 use codegen::gpu::ir::tma::TensorMap;
 use codegen::gpu::kernels::forward_tc;
 use codegen::gpu::kernels::forward_wgmma;
-use codegen::gpu::launch::{ForwardArgs, bind_with_maps};
+use codegen::gpu::launch::ForwardArgs;
 use codegen::gpu::{BackwardKernels, ForwardKernel};
 use std::sync::Arc;
 
@@ -339,88 +339,96 @@ impl GpuCall {
         Ok(self)
     }
 
-    /// Runs the call on the GPU IR interpreter (every CTA, every thread; slow, exact).
+    /// Runs the call on the GPU IR interpreter (every CTA, every thread; slow, exact), on a
+    /// device of its own.
     pub fn run_on_sim(&self) -> Result<Output, RuntimeError> {
+        self.run_on(&SimDevice::new())
+    }
+
+    /// Runs the call on `device`: inputs uploaded, the kernel launched, `out` and `lse` read
+    /// back, every buffer freed.
+    pub fn run_on(&self, device: &dyn Device) -> Result<Output, RuntimeError> {
         self.check_params()?;
-        let [b, h, sq, dv] = self.out_shape;
+        let [b, h, sq, _] = self.out_shape;
         if b * h * sq == 0 {
             return finish(self.dtype, self.out_shape, Vec::new(), Vec::new());
         }
-        let mut mem = Memory::default();
-        let buffer = |mem: &mut Memory, v: &[f32]| if v.is_empty() { 0 } else { mem.alloc_f32(v) };
-        let bytes = |mem: &mut Memory, v: &[u8]| {
-            if v.is_empty() {
-                0
-            } else {
-                mem.alloc_bytes(v.to_vec())
-            }
-        };
-        let (q, k, v) = (
-            bytes(&mut mem, &self.q),
-            bytes(&mut mem, &self.k),
-            bytes(&mut mem, &self.v),
-        );
-        let out = mem.alloc_f32(&vec![0.0; b * h * sq * dv]);
-        let lse = mem.alloc_f32(&vec![0.0; b * h * sq]);
-        let codes = mem.alloc_bytes(self.codes.iter().flat_map(|c| c.to_le_bytes()).collect());
-        let (cos, sin) = (
-            buffer(&mut mem, &self.rope_cos),
-            buffer(&mut mem, &self.rope_sin),
-        );
-        let params = buffer(&mut mem, &self.params);
+        let mut scratch = Scratch::new(device);
+        let buffers = self.upload(&mut scratch)?;
+        self.launch(device, &buffers)?;
+        let out = f32s(&device.download(buffers.out)?);
+        let lse = f32s(&device.download(buffers.lse)?);
+        finish(self.dtype, self.out_shape, out, lse)
+    }
+
+    /// The call's inputs uploaded to `scratch`'s device, and zeroed outputs.
+    pub(crate) fn upload(&self, scratch: &mut Scratch) -> Result<ForwardBuffers, RuntimeError> {
+        self.check_params()?;
+        let [b, h, sq, dv] = self.out_shape;
+        let f32_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let codes: Vec<u8> = self.codes.iter().flat_map(|c| c.to_le_bytes()).collect();
+        Ok(ForwardBuffers {
+            q: scratch.upload_or_null(&self.q)?,
+            k: scratch.upload_or_null(&self.k)?,
+            v: scratch.upload_or_null(&self.v)?,
+            codes: scratch.upload_or_null(&codes)?,
+            rope_cos: scratch.upload_or_null(&f32_bytes(&self.rope_cos))?,
+            rope_sin: scratch.upload_or_null(&f32_bytes(&self.rope_sin))?,
+            params: scratch.upload_or_null(&f32_bytes(&self.params))?,
+            out: scratch.f32s(b * h * sq * dv)?,
+            lse: scratch.f32s(b * h * sq)?,
+        })
+    }
+
+    /// Queues the call's kernel over `buffers` on `device`.
+    pub(crate) fn launch(
+        &self,
+        device: &dyn Device,
+        buffers: &ForwardBuffers,
+    ) -> Result<(), RuntimeError> {
+        let x = buffers;
         let record = ForwardArgs {
-            q,
-            k,
-            v,
-            out,
-            lse,
-            codes,
+            q: x.q,
+            k: x.k,
+            v: x.v,
+            out: x.out.addr,
+            lse: x.lse.addr,
+            codes: x.codes,
             sq: self.sq,
             skv: self.skv,
             p0: self.p0,
-            rope_cos: cos,
-            rope_sin: sin,
+            rope_cos: x.rope_cos,
+            rope_sin: x.rope_sin,
             rope_pos0: self.rope_pos0,
-            params,
+            params: x.params,
         };
-        let mut args: Vec<Val> = bind_with_maps(&self.kernel, &record, self.tensor_maps.len())
-            .map_err(RuntimeError::Data)?
-            .into_iter()
-            .map(Val::I64)
-            .collect();
-        for (map, global) in self.tensor_maps.iter().zip([q, k, v]) {
-            let map = TensorMap {
+        let maps: Vec<TensorMap> = self
+            .tensor_maps
+            .iter()
+            .zip([x.q, x.k, x.v])
+            .map(|(map, global)| TensorMap {
                 global,
                 ..map.clone()
-            };
-            args.push(Val::I64(
-                mem.alloc_tensor_map(map).map_err(RuntimeError::Data)?,
-            ));
-        }
-        run(&self.kernel, self.grid, &args, &mut mem).map_err(RuntimeError::Data)?;
-        let out = mem
-            .read_f32(out, b * h * sq * dv)
-            .map_err(RuntimeError::Data)?;
-        let lse = mem.read_f32(lse, b * h * sq).map_err(RuntimeError::Data)?;
-        finish(self.dtype, self.out_shape, out, lse)
+            })
+            .collect();
+        crate::device::launch(device, &self.kernel, self.grid, &record, &maps)
     }
 }
 
-/// MLA's forward on the GPU forward kernel, run on the interpreter: the inputs absorbed on the
-/// host, the kernel over the shared latent head, the latent output expanded by `W_uv` on the
-/// host (and returned too).
-pub(crate) fn forward_mla_on_sim(
-    variant: &Variant,
-    x: &MlaTensors,
-    p0: i64,
-) -> Result<Output, RuntimeError> {
-    let (call, absorbed) = GpuCall::forward_mla(variant, x, p0)?;
-    let latent = call.run_on_sim()?;
-    absorbed.finish(
-        variant.spec(),
-        latent.out.to_f32_vec(),
-        latent.lse.to_f32_vec(),
-    )
+/// A forward call's buffers on a device: the addresses of its inputs (0 for an empty one) and
+/// its outputs.
+pub(crate) struct ForwardBuffers {
+    q: i64,
+    k: i64,
+    v: i64,
+    codes: i64,
+    rope_cos: i64,
+    rope_sin: i64,
+    params: i64,
+    /// `[B, Hq, Sq, Dv]` f32.
+    pub out: DeviceBuffer,
+    /// `[B, Hq, Sq]` f32.
+    pub lse: DeviceBuffer,
 }
 
 /// A tensor's values in logical order as the bytes of `dtype` (f32, or bf16 or f16 rounded to

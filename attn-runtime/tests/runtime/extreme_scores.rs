@@ -414,7 +414,7 @@ fn the_gpu_kernels_on_the_interpreter_keep_scores_up_to_f32_max() {
         let options = DecodeOptions {
             partitions: Some(parts),
         };
-        let got = support::decode(&GpuSim, &case.spec, &q, &cache, &[seq], options).unwrap();
+        let got = support::decode(&GpuSim::new(), &case.spec, &q, &cache, &[seq], options).unwrap();
         let what = format!("GPU decode in {parts} parts");
         same(
             &format!("{what} lse"),
@@ -439,7 +439,7 @@ fn gpu_decode(case: &Case, parts: usize) -> Output {
     let options = DecodeOptions {
         partitions: Some(parts),
     };
-    support::decode(&GpuSim, &case.spec, &q, &cache, &[seq], options).unwrap()
+    support::decode(&GpuSim::new(), &case.spec, &q, &cache, &[seq], options).unwrap()
 }
 
 /// A score past `f32::MAX` is +inf and makes its row NaN, out and lse, on every backend: the

@@ -43,7 +43,7 @@ fn check(text: &str, batch: usize, sq: usize, skv: usize, p0: i64) -> (f64, bool
         dout: &dout,
         position_offset: p0,
     };
-    let got = support::backward(&GpuSim, variant.spec(), &x).unwrap();
+    let got = support::backward(&GpuSim::new(), variant.spec(), &x).unwrap();
     let inputs = Inputs {
         q: &qa,
         k: &ka,
@@ -253,7 +253,7 @@ fn tensor_cores_take_the_saved_lse_of_the_gpu_forward() {
     let (k, ka) = input(spec.dtype, &[b, 2, sq, 64], 12);
     let (v, va) = input(spec.dtype, &[b, 2, sq, 64], 13);
     let (dout, douta) = input(spec.dtype, &[b, 4, sq, 64], 14);
-    let saved = support::forward(&GpuSim, variant.spec(), &q, &k, &v, 0).unwrap();
+    let saved = support::forward(&GpuSim::new(), variant.spec(), &q, &k, &v, 0).unwrap();
     let x = HeadsBackward {
         q: &q,
         k: &k,
@@ -263,7 +263,7 @@ fn tensor_cores_take_the_saved_lse_of_the_gpu_forward() {
         dout: &dout,
         position_offset: 0,
     };
-    let got = support::backward(&GpuSim, variant.spec(), &x).unwrap();
+    let got = support::backward(&GpuSim::new(), variant.spec(), &x).unwrap();
     let inputs = Inputs {
         q: &qa,
         k: &ka,

@@ -252,7 +252,7 @@ type DecodeMla<'a> = &'a dyn Fn(
 #[test]
 fn gpu_decode_on_the_interpreter_equals_the_cpu_decode() {
     check_decode(&|spec, q, cache, seqs, options| {
-        support::decode(&GpuSim, spec, q, cache, seqs, options).unwrap()
+        support::decode(&GpuSim::new(), spec, q, cache, seqs, options).unwrap()
     });
 }
 
@@ -405,7 +405,7 @@ fn tensor_core_decode_on_the_interpreter_equals_the_cpu_for_every_variant() {
             let options = DecodeOptions { partitions: parts };
             let want =
                 support::decode(&CpuBackend::new(), &spec, &q, &cache, &seqs, options).unwrap();
-            let got = support::decode(&GpuSim, &spec, &q, &cache, &seqs, options).unwrap();
+            let got = support::decode(&GpuSim::new(), &spec, &q, &cache, &seqs, options).unwrap();
             assert_outputs_close(&got, &want, (1e-3, 8e-3), &format!("{text} {parts:?}"));
         }
     }
@@ -417,7 +417,7 @@ fn tensor_core_decode_on_the_interpreter_equals_the_cpu_for_every_variant() {
 #[test]
 fn gpu_mla_decode_on_the_interpreter_equals_the_cpu_decode() {
     check_mla_decode(&|spec, queries, cache, seqs, options| {
-        support::decode_mla(&GpuSim, spec, queries, cache, seqs, options).unwrap()
+        support::decode_mla(&GpuSim::new(), spec, queries, cache, seqs, options).unwrap()
     });
 }
 
@@ -495,7 +495,7 @@ fn check_mla_decode(decode: DecodeMla) {
 #[test]
 fn gpu_ragged_batches_on_the_interpreter_equal_the_cpu() {
     check_ragged(&|spec, q, offsets, cache, seqs, options| {
-        support::attend_ragged(&GpuSim, spec, q, offsets, cache, seqs, options).unwrap()
+        support::attend_ragged(&GpuSim::new(), spec, q, offsets, cache, seqs, options).unwrap()
     });
 }
 
@@ -597,7 +597,7 @@ fn assert_outputs_close(got: &Output, want: &Output, (abs, rel): (f32, f32), wha
 /// differential tests check against the reference.
 #[test]
 fn gpu_mla_forward_on_the_interpreter_equals_the_cpu() {
-    check_mla_forward(&|spec, x, p0| support::forward_mla(&GpuSim, spec, x, p0).unwrap());
+    check_mla_forward(&|spec, x, p0| support::forward_mla(&GpuSim::new(), spec, x, p0).unwrap());
 }
 
 /// `forward` against the CPU backend's `forward_mla`.
@@ -648,10 +648,25 @@ fn check_mla_forward(forward: &dyn Fn(&AttentionSpec, &attn_runtime::MlaTensors,
     }
 }
 
+/// Decoding against a copy of the cache resident on the interpreter's memory gives what a copy
+/// uploaded per call gives; a stale copy is refused, then brought up to date.
+#[test]
+fn resident_caches_on_the_interpreter_decode_and_refuse_stale_copies() {
+    let gpu = GpuSim::new();
+    check_decode(&|spec, q, cache, seqs, options| {
+        let resident = gpu.upload_cache(cache).unwrap();
+        let variant = attn_runtime::Variant::shared(spec).unwrap();
+        gpu.decode_resident(&variant, q, cache, &resident, seqs, options)
+            .unwrap()
+    });
+    stale_device_copies_are_refused(&gpu);
+}
+
 /// A device copy of a cache that has changed since it was uploaded is an error, not a stale
 /// answer.
-#[cfg(feature = "cuda")]
-fn stale_device_copies_are_refused(gpu: &attn_runtime::gpu::cuda::CudaBackend) {
+fn stale_device_copies_are_refused<D: attn_runtime::device::Device + 'static>(
+    gpu: &attn_runtime::gpu::backend::GpuBackend<D>,
+) {
     use attn_runtime::DecodeOptions;
     use attn_runtime::cache::PagedCache;
     let spec: AttentionSpec = "heads = 2, head_dim = 16, mask = causal".parse().unwrap();

@@ -243,7 +243,7 @@ fn cpu_parameters_and_sinks_match_the_reference() {
 
 #[test]
 fn gpu_sim_parameters_and_sinks_match_the_reference() {
-    let sim = GpuSim;
+    let sim = GpuSim::new();
     // Sinks: the host passes around the kernels. Parameters: the SIMT kernels read them, and
     // the dq kernel's threads sum their gradients, f32 and bf16 inputs alike.
     Case::new(SINKS_WINDOW, 1, 24, 24, 0).check(&sim);
@@ -259,9 +259,9 @@ fn gpu_sim_parameters_and_sinks_match_the_reference() {
 #[test]
 fn gpu_parameter_gradients_are_the_same_bits_every_run() {
     let case = Case::new(REL, 2, 70, 70, 0);
-    let forward = case.forward(&GpuSim);
-    let first = case.backward(&GpuSim, &forward);
-    let again = case.backward(&GpuSim, &forward);
+    let forward = case.forward(&GpuSim::new());
+    let first = case.backward(&GpuSim::new(), &forward);
+    let again = case.backward(&GpuSim::new(), &forward);
     for ((name, a), (_, b)) in first.learned.iter().zip(&again.learned) {
         let bits = |t: &Tensor| {
             t.to_f32_vec()
@@ -315,8 +315,8 @@ fn cached_calls_add_each_sink_once_across_partitions() {
     cached_against_forward(&Case::new(BOTH, 1, 9, 61, 0), &cpu);
     // The GPU kernels on the interpreter: sinks added once after the partitions merge, and
     // parameters read by the SIMT decode kernel.
-    cached_against_forward(&Case::new(SINKS_WINDOW, 1, 3, 40, 0), &GpuSim);
-    cached_against_forward(&Case::new(BOTH, 1, 2, 45, 0), &GpuSim);
+    cached_against_forward(&Case::new(SINKS_WINDOW, 1, 3, 40, 0), &GpuSim::new());
+    cached_against_forward(&Case::new(BOTH, 1, 2, 45, 0), &GpuSim::new());
 }
 
 /// The case's last queries against a paged cache of its keys, in 1, 3 and 4 partitions, equal
@@ -494,7 +494,7 @@ fn min_and_max_carry_a_nan_parameter_to_its_rows() {
             lse[24..].iter().all(|l| l.is_finite()),
             "{text}: head 1 is not"
         );
-        for backend in [&CpuBackend::new() as &dyn Backend, &GpuSim] {
+        for backend in [&CpuBackend::new() as &dyn Backend, &GpuSim::new()] {
             let got = case.forward(backend);
             let what = format!("{text} on {}", backend.name());
             compare(

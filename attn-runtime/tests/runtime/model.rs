@@ -392,7 +392,7 @@ fn models_on_the_gpu_kernels_match_transformers() {
         "olmo2",
         "qwen3_moe",
     ] {
-        let gpu = std::sync::Arc::new(attn_runtime::gpu::sim::GpuSim);
+        let gpu = std::sync::Arc::new(attn_runtime::gpu::sim::GpuSim::new());
         check_on(name, 24, Some(gpu));
     }
 }

@@ -74,7 +74,9 @@ fn greedy_generation_from_text_continues_as_transformers_does() {
 /// generated layer kernels.
 #[test]
 fn greedy_generation_on_the_gpu_kernels_continues_as_transformers_does() {
-    generate_on(Some(std::sync::Arc::new(attn_runtime::gpu::sim::GpuSim)));
+    generate_on(Some(std::sync::Arc::new(
+        attn_runtime::gpu::sim::GpuSim::new(),
+    )));
 }
 
 fn generate_on(backend: Option<std::sync::Arc<dyn attn_runtime::Backend>>) {

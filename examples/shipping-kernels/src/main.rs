@@ -99,8 +99,11 @@ fn run_on_device<A: Attention>() -> bool {
         .zip(dev.out.to_f32_vec())
         .map(|(a, b)| (a - b).abs())
         .fold(0f32, f32::max);
-    for (kernel, origin) in gpu.kernel_origins() {
-        println!("  loaded {kernel} on {}: {origin}", gpu.arch().name());
+    for (kernel, origin) in gpu.device().kernel_origins() {
+        println!(
+            "  loaded {kernel} on {}: {origin}",
+            gpu.device().arch().name()
+        );
     }
     let ok = err <= 2e-2;
     println!(

@@ -441,7 +441,7 @@ fn bench_backward_cuda(spec: &AttentionSpec, shape: &Shape) -> Result<Timing, Ru
         ],
         4,
     )?;
-    let saved = backend.run(&GpuCall::forward(spec, &q, &k, &v, 0)?)?;
+    let saved = GpuCall::forward(spec, &q, &k, &v, 0)?.run_on(backend.device())?;
     let variant = Variant::shared(spec)?;
     let x = HeadsBackward {
         q: &q,

@@ -10,6 +10,8 @@ use attn::runtime::Variant;
 use attn::runtime::cache::SeqId;
 use attn::runtime::cache::{KvCache, PagedCache};
 use attn::runtime::cpu::CpuBackend;
+#[cfg(feature = "cuda")]
+use attn::runtime::device::Device as _;
 use attn::runtime::{DecodeOptions, MlaQueries, Queries};
 use std::time::Instant;
 
@@ -241,7 +243,7 @@ fn device_step<'a>(
     let gpu = attn::runtime::gpu::cuda::CudaBackend::new(0)?;
     let resident = gpu.upload_cache(cache)?;
     let variant = attn::runtime::Variant::new(spec.clone())?;
-    gpu.time_kernels(true);
+    gpu.device().time_kernels(true)?;
     let options = DecodeOptions::default();
     Ok(Some(Box::new(move || {
         match mla {
@@ -255,7 +257,7 @@ fn device_step<'a>(
             }
             None => gpu.decode_resident(&variant, q, cache, &resident, seqs, options)?,
         };
-        Ok(gpu.last_kernel_us())
+        Ok(gpu.device().last_kernel_us())
     })))
 }
 

@@ -1,6 +1,7 @@
 //! `attnc check-device`: the GPU backend's decode paths on CUDA device 0 (or, with `--backend
 //! gpu-sim`, on the GPU IR interpreter) against the CPU backend (itself tested against the
-//! reference): per-head decode with the cache uploaded per call and resident, ragged batches,
+//! reference): per-head decode with the cache uploaded per call and resident on the device (the
+//! interpreter keeps resident copies too), ragged batches,
 //! MLA decode and MLA prefill, in f32, bf16 and f16. One line per case; `scripts/gpu-check.sh`
 //! runs it next to the prefill differential tests.
 
@@ -9,6 +10,8 @@ use attn::AttentionSpec;
 use attn::inputs::tensor as random;
 use attn::runtime::cache::{PagedCache, SeqId};
 use attn::runtime::cpu::CpuBackend;
+use attn::runtime::device::Device;
+use attn::runtime::gpu::backend::GpuBackend;
 use attn::runtime::gpu::sim::GpuSim;
 use attn::runtime::{Backend as _, DecodeOptions, Inputs, MlaQueries, MlaTensors, Output, Queries};
 use attn::runtime::{RuntimeError, Tensor, Variant};
@@ -26,39 +29,10 @@ pub fn command(args: Args) -> Result<bool, String> {
     run(args.backend).map_err(|e| format!("error: {e}"))
 }
 
-/// The GPU backend under test: every `Backend` call, and decoding against device copies of the
-/// cache where the backend keeps them.
+/// The GPU backend under test on its device: every `Backend` call, and decoding against device
+/// copies of the cache.
 trait Gpu: attn::runtime::Backend {
-    /// Decode against a device copy of the cache, where the backend has one (else `None`).
-    fn decode_resident(
-        &self,
-        _variant: &Variant,
-        _q: &Tensor,
-        _cache: &PagedCache,
-        _seqs: &[SeqId],
-        _options: DecodeOptions,
-    ) -> Option<Result<Output, RuntimeError>> {
-        None
-    }
-    /// Decode against a device copy of the cache taken before `step` changed the cache, then
-    /// brought up to date (`sync_cache`), where the backend has such copies (else `None`).
-    fn decode_after_sync(
-        &self,
-        _variant: &Variant,
-        _q: &Tensor,
-        _cache: &mut PagedCache,
-        _step: &dyn Fn(&mut PagedCache) -> Result<(), RuntimeError>,
-        _seqs: &[SeqId],
-    ) -> Option<Result<Output, RuntimeError>> {
-        None
-    }
-}
-
-/// The GPU IR interpreter keeps no device copies of caches.
-impl Gpu for GpuSim {}
-
-#[cfg(feature = "cuda")]
-impl Gpu for attn::runtime::gpu::cuda::CudaBackend {
+    /// Decode against a device copy of the cache.
     fn decode_resident(
         &self,
         variant: &Variant,
@@ -66,11 +40,31 @@ impl Gpu for attn::runtime::gpu::cuda::CudaBackend {
         cache: &PagedCache,
         seqs: &[SeqId],
         options: DecodeOptions,
-    ) -> Option<Result<Output, RuntimeError>> {
-        Some(
-            self.upload_cache(cache)
-                .and_then(|r| self.decode_resident(variant, q, cache, &r, seqs, options)),
-        )
+    ) -> Result<Output, RuntimeError>;
+
+    /// Decode against a device copy of the cache taken before `step` changed the cache, then
+    /// brought up to date (`sync_cache`).
+    fn decode_after_sync(
+        &self,
+        variant: &Variant,
+        q: &Tensor,
+        cache: &mut PagedCache,
+        step: &dyn Fn(&mut PagedCache) -> Result<(), RuntimeError>,
+        seqs: &[SeqId],
+    ) -> Result<Output, RuntimeError>;
+}
+
+impl<D: Device + 'static> Gpu for GpuBackend<D> {
+    fn decode_resident(
+        &self,
+        variant: &Variant,
+        q: &Tensor,
+        cache: &PagedCache,
+        seqs: &[SeqId],
+        options: DecodeOptions,
+    ) -> Result<Output, RuntimeError> {
+        let resident = self.upload_cache(cache)?;
+        GpuBackend::decode_resident(self, variant, q, cache, &resident, seqs, options)
     }
 
     fn decode_after_sync(
@@ -80,21 +74,19 @@ impl Gpu for attn::runtime::gpu::cuda::CudaBackend {
         cache: &mut PagedCache,
         step: &dyn Fn(&mut PagedCache) -> Result<(), RuntimeError>,
         seqs: &[SeqId],
-    ) -> Option<Result<Output, RuntimeError>> {
-        let mut run = || {
-            let mut resident = self.upload_cache(cache)?;
-            step(cache)?;
-            self.sync_cache(&mut resident, cache)?;
-            self.decode_resident(variant, q, cache, &resident, seqs, DecodeOptions::default())
-        };
-        Some(run())
+    ) -> Result<Output, RuntimeError> {
+        let mut resident = self.upload_cache(cache)?;
+        step(cache)?;
+        self.sync_cache(&mut resident, cache)?;
+        let options = DecodeOptions::default();
+        GpuBackend::decode_resident(self, variant, q, cache, &resident, seqs, options)
     }
 }
 
 /// The backend to check: CUDA device 0, or the interpreter.
 fn gpu(on: Backend) -> Result<Box<dyn Gpu>, RuntimeError> {
     match on {
-        Backend::GpuSim => Ok(Box::new(GpuSim)),
+        Backend::GpuSim => Ok(Box::new(GpuSim::new())),
         #[cfg(feature = "cuda")]
         Backend::Cuda => Ok(Box::new(attn::runtime::gpu::cuda::CudaBackend::new(0)?)),
         #[cfg(not(feature = "cuda"))]
@@ -167,9 +159,8 @@ fn run(on: Backend) -> Result<bool, RuntimeError> {
             let want = cpu.attend_cached(&variant, queries, &cache, &seqs, options)?;
             let got = gpu.attend_cached(&variant, queries, &cache, &seqs, options)?;
             report(&format!("decode q_len {n}"), &spec, got, want.clone());
-            if let Some(got) = gpu.decode_resident(&variant, &q, &cache, &seqs, options) {
-                report(&format!("resident decode q_len {n}"), &spec, got?, want);
-            }
+            let got = gpu.decode_resident(&variant, &q, &cache, &seqs, options)?;
+            report(&format!("resident decode q_len {n}"), &spec, got, want);
         }
         // A decode step: one more token for the first sequence, the device copy synced.
         let step = |c: &mut PagedCache| {
@@ -180,12 +171,10 @@ fn run(on: Backend) -> Result<bool, RuntimeError> {
             )
         };
         let q = random(spec.dtype, &[2, h, 1, d], 7)?;
-        if let Some(got) = gpu.decode_after_sync(&variant, &q, &mut cache, &step, &seqs) {
-            let queries = Queries::Uniform(&q);
-            let want =
-                cpu.attend_cached(&variant, queries, &cache, &seqs, DecodeOptions::default())?;
-            report("resident decode after a step, synced", &spec, got?, want);
-        }
+        let got = gpu.decode_after_sync(&variant, &q, &mut cache, &step, &seqs)?;
+        let queries = Queries::Uniform(&q);
+        let want = cpu.attend_cached(&variant, queries, &cache, &seqs, DecodeOptions::default())?;
+        report("resident decode after a step, synced", &spec, got, want);
         let offsets = [0, 1, 9];
         let q = random(spec.dtype, &[9, h, d], 6)?;
         let options = DecodeOptions {

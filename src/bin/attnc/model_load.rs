@@ -81,8 +81,8 @@ pub fn resident_device(backend: Backend) -> Result<Option<std::sync::Arc<dyn Dev
 
 #[cfg(feature = "cuda")]
 fn cuda_device() -> Result<std::sync::Arc<dyn Device>, String> {
-    attn::runtime::gpu::cuda::CudaBackend::new(0)
-        .map(|b| std::sync::Arc::new(b) as std::sync::Arc<dyn Device>)
+    attn::runtime::gpu::cuda::CudaDevice::new(0)
+        .map(|d| std::sync::Arc::new(d) as std::sync::Arc<dyn Device>)
         .map_err(|e| format!("error: {e}"))
 }
 

@@ -242,29 +242,26 @@ fn half_of(dtype: DType) -> Option<Half> {
 }
 
 impl<'m> DeviceModel<'m> {
-    /// On the interpreter, refuses a pass of `tokens` new tokens against `keys` keys that would
-    /// take it longer than [`sim_cost::MAX_SECONDS`](crate::gpu::sim_cost::MAX_SECONDS).
+    /// Refuses a pass of `tokens` new tokens against `keys` keys that the device would take too
+    /// long over ([`Device::check_cost`]: the interpreter's guard).
     fn check_sim_cost(&self, tokens: usize, keys: usize) -> Result<(), RuntimeError> {
-        if self.device.name() != "gpu-sim" {
-            return Ok(());
-        }
         let c = &self.model.config;
-        let seconds: f64 = (0..c.layers)
-            .map(|i| {
-                crate::gpu::sim_cost::layers_seconds(
-                    c.layer_attention(i),
-                    1,
-                    c.hidden as u64,
-                    c.intermediate as u64,
-                    tokens as u64,
-                    keys as u64,
-                )
-            })
-            .sum();
-        crate::gpu::sim_cost::check(
-            &format!("a pass of {tokens} tokens through {} layers", c.layers),
-            seconds,
-        )
+        let seconds = || -> f64 {
+            (0..c.layers)
+                .map(|i| {
+                    crate::gpu::sim_cost::layers_seconds(
+                        c.layer_attention(i),
+                        1,
+                        c.hidden as u64,
+                        c.intermediate as u64,
+                        tokens as u64,
+                        keys as u64,
+                    )
+                })
+                .sum()
+        };
+        let what = format!("a pass of {tokens} tokens through {} layers", c.layers);
+        self.device.check_cost(&what, &seconds)
     }
 
     /// Logits `[tokens, vocab]` of a whole sequence (causal; positions from 0), computed on the

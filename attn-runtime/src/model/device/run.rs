@@ -14,7 +14,7 @@ use codegen::gpu::ir::Kernel;
 use codegen::gpu::kernels::layers::{
     BiasArgs, ElementwiseArgs, EmbedArgs, NormArgs, SinkArgs, SwapArgs,
 };
-use codegen::gpu::launch::{ForwardArgs, LaunchRecord, bind};
+use codegen::gpu::launch::{ForwardArgs, LaunchRecord};
 use std::sync::Arc;
 
 /// A layer's attention as [`DeviceModel::run_layers`] takes it: `(scratch, layer index, layer,
@@ -205,8 +205,7 @@ impl<'m> DeviceModel<'m> {
         grid: [u32; 3],
         record: &R,
     ) -> Result<(), RuntimeError> {
-        let args = bind(kernel, record).map_err(RuntimeError::Data)?;
-        self.device.launch(kernel, grid, R::FIELDS, &args)
+        crate::device::launch(self.device.as_ref(), kernel, grid, record, &[])
     }
 
     pub(super) fn gemm(

@@ -3,13 +3,14 @@
 //! through cuBLAS (16-bit weights: `cublasGemmEx` on the activations rounded to the weights'
 //! format by a generated kernel, accumulating in f32; f32 weights: the same call in f32).
 
-use super::cuda::{CudaBackend, device};
+use super::{CudaDevice, cuda_error};
 use crate::device::{Device, DeviceBuffer};
 use crate::error::RuntimeError;
 use attn_dsl::DType;
+use codegen::gpu::ir::tma::{Swizzle, TensorMap};
 use codegen::gpu::ir::{Half, Kernel};
 use codegen::gpu::kernels::layers::{self, SwapArgs, THREADS};
-use codegen::gpu::launch::{LaunchRecord, Param, ParamKind, bind};
+use codegen::gpu::launch::{Param, ParamKind};
 use cudarc::cublas::CudaBlas;
 use cudarc::cublas::sys::{
     cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
@@ -17,14 +18,14 @@ use cudarc::cublas::sys::{
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use std::sync::{Arc, OnceLock};
 
-impl CudaBackend {
+impl CudaDevice {
     fn keep(&self, slice: CudaSlice<u8>, bytes: usize) -> Result<DeviceBuffer, RuntimeError> {
         let (ptr, guard) = slice.device_ptr(&self.stream);
         drop(guard);
         let addr = ptr as i64;
         self.buffers
             .lock()
-            .map_err(|_| device("the device's buffer map is poisoned"))?
+            .map_err(|_| cuda_error("the device's buffer map is poisoned"))?
             .insert(addr, (slice, bytes));
         Ok(DeviceBuffer { addr, bytes })
     }
@@ -34,7 +35,7 @@ impl CudaBackend {
         let map = self
             .buffers
             .lock()
-            .map_err(|_| device("the device's buffer map is poisoned"))?;
+            .map_err(|_| cuda_error("the device's buffer map is poisoned"))?;
         Ok(map
             .range(..=addr)
             .next_back()
@@ -45,7 +46,7 @@ impl CudaBackend {
         if let Some(b) = self.blas.get() {
             return Ok(b);
         }
-        let made = CudaBlas::new(Arc::clone(&self.stream)).map_err(device)?;
+        let made = CudaBlas::new(Arc::clone(&self.stream)).map_err(cuda_error)?;
         Ok(self.blas.get_or_init(|| made))
     }
 }
@@ -67,7 +68,7 @@ fn to_half(half: Half) -> Result<Arc<Kernel>, RuntimeError> {
     }))
 }
 
-impl Device for CudaBackend {
+impl Device for CudaDevice {
     fn name(&self) -> &'static str {
         "cuda"
     }
@@ -81,7 +82,7 @@ impl Device for CudaBackend {
             } else {
                 bytes
             })
-            .map_err(device)?;
+            .map_err(cuda_error)?;
         self.keep(slice, bytes.len())
     }
 
@@ -89,7 +90,7 @@ impl Device for CudaBackend {
         let slice = self
             .stream
             .alloc_zeros::<u8>(bytes.max(16))
-            .map_err(device)?;
+            .map_err(cuda_error)?;
         self.keep(slice, bytes)
     }
 
@@ -97,22 +98,93 @@ impl Device for CudaBackend {
         let map = self
             .buffers
             .lock()
-            .map_err(|_| device("the device's buffer map is poisoned"))?;
+            .map_err(|_| cuda_error("the device's buffer map is poisoned"))?;
         // The buffer holding `[addr, addr + bytes)`: a whole buffer or a range inside one.
         let (start, (slice, size)) = map
             .range(..=buffer.addr)
             .next_back()
-            .ok_or_else(|| device(format!("no buffer at {:#x}", buffer.addr)))?;
+            .ok_or_else(|| cuda_error(format!("no buffer at {:#x}", buffer.addr)))?;
         let offset = (buffer.addr - start) as usize;
         if offset + buffer.bytes > *size {
-            return Err(device(format!(
+            return Err(cuda_error(format!(
                 "{} bytes at {:#x} run past the buffer they start in",
                 buffer.bytes, buffer.addr
             )));
         }
         self.stream
             .clone_dtoh(&slice.slice(offset..offset + buffer.bytes))
-            .map_err(device)
+            .map_err(cuda_error)
+    }
+
+    fn write(&self, buffer: DeviceBuffer, offset: usize, bytes: &[u8]) -> Result<(), RuntimeError> {
+        let mut map = self
+            .buffers
+            .lock()
+            .map_err(|_| cuda_error("the device's buffer map is poisoned"))?;
+        let (slice, size) = map
+            .get_mut(&buffer.addr)
+            .ok_or_else(|| cuda_error(format!("no buffer at {:#x}", buffer.addr)))?;
+        let end = offset
+            .checked_add(bytes.len())
+            .filter(|&end| end <= *size)
+            .ok_or_else(|| {
+                cuda_error(format!(
+                    "{} bytes at offset {offset} run past a {size}-byte buffer",
+                    bytes.len()
+                ))
+            })?;
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        let mut dst = slice.slice_mut(offset..end);
+        self.stream.memcpy_htod(bytes, &mut dst).map_err(cuda_error)
+    }
+
+    fn prepare(&self, kernel: &Arc<Kernel>) -> Result<(), RuntimeError> {
+        self.load(kernel).map(|_| ())
+    }
+
+    fn synchronize(&self) -> Result<(), RuntimeError> {
+        self.stream.synchronize().map_err(cuda_error)
+    }
+
+    fn time_kernels(&self, on: bool) -> Result<(), RuntimeError> {
+        self.time_kernels
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn last_kernel_us(&self) -> Option<f64> {
+        *self
+            .last_kernel_us
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// CUDA events around the span when [`Device::time_kernels`] is on (they cost a few
+    /// microseconds of host time, so they are off unless asked for).
+    fn time_span(
+        &self,
+        launches: &mut dyn FnMut() -> Result<(), RuntimeError>,
+    ) -> Result<(), RuntimeError> {
+        if !self.time_kernels.load(std::sync::atomic::Ordering::Relaxed) {
+            return launches();
+        }
+        let event = || {
+            self.stream
+                .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(cuda_error)
+        };
+        let start = event()?;
+        launches()?;
+        let end = event()?;
+        self.stream.synchronize().map_err(cuda_error)?;
+        let ms = start.elapsed_ms(&end).map_err(cuda_error)?;
+        *self
+            .last_kernel_us
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(f64::from(ms) * 1e3);
+        Ok(())
     }
 
     fn free(&self, buffer: DeviceBuffer) {
@@ -127,24 +199,38 @@ impl Device for CudaBackend {
         grid: [u32; 3],
         fields: &[Param],
         args: &[i64],
+        maps: &[TensorMap],
     ) -> Result<(), RuntimeError> {
-        if fields.len() != args.len() || args.len() != kernel.params.len() {
-            return Err(device(format!(
-                "kernel `{}` takes {} arguments; {} given for {} fields",
+        if fields.len() != args.len() || args.len() + maps.len() != kernel.params.len() {
+            return Err(cuda_error(format!(
+                "kernel `{}` takes {} arguments; {} given for {} fields and {} tensor maps",
                 kernel.name,
                 kernel.params.len(),
                 args.len(),
-                fields.len()
+                fields.len(),
+                maps.len()
             )));
         }
         for (field, &value) in fields.iter().zip(args) {
             if field.kind == ParamKind::Address && value != 0 && !self.owns(value)? {
-                return Err(device(format!(
+                return Err(cuda_error(format!(
                     "argument `{}` of kernel `{}` ({value:#x}) is not in a live buffer",
                     field.name, kernel.name
                 )));
             }
         }
+        for map in maps {
+            if !self.owns(map.global)? {
+                return Err(cuda_error(format!(
+                    "a tensor map of kernel `{}` ({:#x}) is not over a live buffer",
+                    kernel.name, map.global
+                )));
+            }
+        }
+        let maps = maps
+            .iter()
+            .map(encode_tensor_map)
+            .collect::<Result<Vec<_>, _>>()?;
         let f = self.load(kernel)?;
         let config = LaunchConfig {
             grid_dim: (grid[0], grid[1], grid[2]),
@@ -155,10 +241,15 @@ impl Device for CudaBackend {
         for value in args {
             launch.arg(value);
         }
-        // SAFETY: the kernel takes one 64-bit parameter per argument (counts checked above);
-        // every address argument is 0 or inside a buffer this backend keeps alive until it is
-        // freed, and the launch is queued on the stream those buffers belong to.
-        unsafe { launch.launch(config) }.map_err(device)?;
+        for map in &maps {
+            launch.arg(map);
+        }
+        // SAFETY: the kernel takes one 64-bit parameter per argument, then one 128-byte tensor
+        // map per map (counts checked above; `bind_with_maps` made `args`); every address
+        // argument is 0 or inside a buffer this backend keeps alive until it is freed, each map
+        // was encoded by the driver over such a buffer, and the launch is queued on the stream
+        // those buffers belong to.
+        unsafe { launch.launch(config) }.map_err(cuda_error)?;
         Ok(())
     }
 
@@ -175,7 +266,7 @@ impl Device for CudaBackend {
         let size = dtype.size_bytes() as usize;
         let need = |what: &str, b: DeviceBuffer, bytes: Option<usize>| match bytes {
             Some(bytes) if bytes <= b.bytes => Ok(()),
-            _ => Err(device(format!(
+            _ => Err(cuda_error(format!(
                 "a GEMM's {what} needs more than its {}-byte buffer",
                 b.bytes
             ))),
@@ -188,7 +279,7 @@ impl Device for CudaBackend {
         )?;
         need("y", y, n.checked_mul(out).and_then(|v| v.checked_mul(4)))?;
         let int = |v: usize| {
-            i32::try_from(v).map_err(|_| device(format!("a GEMM dimension of {v} is past i32")))
+            i32::try_from(v).map_err(|_| cuda_error(format!("a GEMM dimension of {v} is past i32")))
         };
         let (m_, n_, k_) = (int(out)?, int(n)?, int(inp)?);
         // 16-bit weights take the activations rounded to their format.
@@ -219,10 +310,9 @@ impl Device for CudaBackend {
                     width: inp as i64,
                 };
                 let kernel = to_half(half)?;
-                let args = bind(&kernel, &record).map_err(RuntimeError::Data)?;
                 let ctas = u32::try_from((n * inp / 2).div_ceil(THREADS as usize).max(1))
-                    .map_err(|_| device("a GEMM's activations are more than a grid holds"))?;
-                Device::launch(self, &kernel, [ctas, 1, 1], SwapArgs::FIELDS, &args)?;
+                    .map_err(|_| cuda_error("a GEMM's activations are more than a grid holds"))?;
+                crate::device::launch(self, &kernel, [ctas, 1, 1], &record, &[])?;
                 (tmp.addr, kind, kind, Some(tmp))
             }
         };
@@ -257,9 +347,65 @@ impl Device for CudaBackend {
         };
         if let Some(tmp) = rounded {
             // The product is queued before the free, on the same stream.
-            self.stream.synchronize().map_err(device)?;
+            self.stream.synchronize().map_err(cuda_error)?;
             self.free(tmp);
         }
-        result.map_err(device)
+        result.map_err(cuda_error)
     }
+}
+
+/// A tensor map as a kernel parameter: the driver's 128-byte, 64-aligned `CUtensorMap`, passed
+/// by value.
+#[repr(transparent)]
+struct TensorMapArg(cudarc::driver::sys::CUtensorMap);
+
+// SAFETY: `CUtensorMap` is plain bytes (`#[repr(C, align(64))]`, 16 u64) that the driver copies
+// into the kernel's parameter space, which declares it `.param .align 64 .b8 [128]`.
+unsafe impl cudarc::driver::DeviceRepr for TensorMapArg {}
+
+/// Encodes a map with `cuTensorMapEncodeTiled` (checked first as the interpreter checks it).
+fn encode_tensor_map(map: &TensorMap) -> Result<TensorMapArg, RuntimeError> {
+    use cudarc::driver::sys;
+    map.check().map_err(RuntimeError::Data)?;
+    let data = match map.elem_bytes {
+        2 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT16,
+        4 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT32,
+        n => {
+            return Err(RuntimeError::Data(format!(
+                "a tensor map of {n}-byte elements"
+            )));
+        }
+    };
+    let swizzle = match map.swizzle {
+        Swizzle::None => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
+        Swizzle::B32 => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_32B,
+        Swizzle::B64 => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B,
+        Swizzle::B128 => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+    };
+    let rank = map.dims.len();
+    let ones = vec![1u32; rank];
+    let mut out = sys::CUtensorMap { opaque: [0; 16] };
+    // SAFETY: `out` is a writable CUtensorMap; the dims, strides, box and element strides
+    // arrays hold rank, rank - 1, rank and rank values (`check` enforced the counts and the
+    // driver's limits); the global address is a device allocation the map describes.
+    let result = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut out,
+            data,
+            rank as u32,
+            map.global as usize as *mut std::ffi::c_void,
+            map.dims.as_ptr(),
+            map.strides.as_ptr(),
+            map.boxes.as_ptr(),
+            ones.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            swizzle,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if result != sys::CUresult::CUDA_SUCCESS {
+        return Err(cuda_error(format!("cuTensorMapEncodeTiled: {result:?}")));
+    }
+    Ok(TensorMapArg(out))
 }
