@@ -3,8 +3,9 @@
 
 use crate::backend::Backend;
 use crate::cpu::CpuBackend;
+use crate::device::SimDevice;
 use crate::error::RuntimeError;
-use crate::gpu::layer_ops::SimLayers;
+use crate::gpu::layer_ops::DeviceLayers;
 use crate::gpu::sim::GpuSim;
 use crate::ops::{CpuLayers, LayerOps};
 use std::sync::Arc;
@@ -31,7 +32,7 @@ pub fn open(name: &str) -> Result<Box<dyn Backend>, RuntimeError> {
 /// resident on a CUDA device run their own, `model::DeviceModel`).
 pub fn layer_ops(name: &str) -> Arc<dyn LayerOps> {
     match name {
-        "gpu-sim" => Arc::new(SimLayers),
+        "gpu-sim" => Arc::new(DeviceLayers::on(Arc::new(SimDevice::new()))),
         _ => Arc::new(CpuLayers),
     }
 }

@@ -1,9 +1,10 @@
 //! The decoder's operations other than attention and the projections: row norms, MLP
 //! activations, residual adds, embedding lookups and greedy choice, behind [`LayerOps`]. They
-//! run on the CPU here ([`CpuLayers`]), or as the GPU IR kernels of `codegen::gpu::kernels::layers` on
-//! the interpreter (`gpu::layer_ops::SimLayers`); a model takes them apart from its attention's
-//! backend (`Model::set_layer_ops`), and [`crate::backends::layer_ops`] gives the ones a
-//! backend name goes with.
+//! run on the CPU here ([`CpuLayers`]), or as the GPU IR kernels of
+//! `codegen::gpu::kernels::layers` on a device (`gpu::layer_ops::DeviceLayers`; `gpu-sim` on
+//! the interpreter); a model takes them apart from its attention's backend
+//! (`Model::set_layer_ops`), and [`crate::backends::layer_ops`] gives the ones a backend name
+//! goes with.
 
 use crate::error::RuntimeError;
 use crate::tensor::Storage;

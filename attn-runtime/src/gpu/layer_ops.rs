@@ -1,38 +1,59 @@
-//! A model's norms, activations, residual adds, embedding lookups and argmax as the GPU IR
-//! kernels of `codegen::gpu::kernels::layers`, run on the interpreter with the launches a device would
-//! get (the GPU-interpreter backend's [`LayerOps`]).
+//! A host model's norms, activations, residual adds, embedding lookups and argmax as the GPU
+//! IR kernels of `codegen::gpu::kernels::layers`, each call's rows uploaded to a [`Device`],
+//! the kernel launched and the result read back ([`LayerOps`] on a device; `gpu-sim` takes it
+//! on the interpreter).
 
+use crate::device::{Device, DeviceBuffer, Scratch, f32_bytes, f32s};
 use crate::error::RuntimeError;
 use crate::ops::{LayerOps, MlpKind, NormKind, same_len, whole_rows};
 use crate::tensor::Storage;
-use codegen::gpu::interp::{Memory, Val, run};
 use codegen::gpu::ir::{Half, Kernel};
 use codegen::gpu::kernels::layers::{
     self, Activation, ArgmaxArgs, ElementwiseArgs, EmbedArgs, NormArgs, THREADS,
 };
-use codegen::gpu::launch::{LaunchRecord, bind};
+use codegen::gpu::launch::LaunchRecord;
 use codegen::gpu::verified;
+use std::sync::Arc;
 
-/// The layer kernels on the GPU IR interpreter.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct SimLayers;
+/// The layer kernels on a device.
+#[derive(Clone)]
+pub struct DeviceLayers {
+    device: Arc<dyn Device>,
+}
 
-/// Runs a verified kernel over `ctas` CTAs with `record`'s arguments.
-fn launch<R: LaunchRecord>(
-    kernel: Kernel,
-    ctas: usize,
-    record: &R,
-    mem: &mut Memory,
-) -> Result<(), RuntimeError> {
-    let kernel = verified(kernel)?;
-    let ctas = u32::try_from(ctas)
-        .map_err(|_| RuntimeError::Data(format!("{ctas} CTAs are more than a grid holds")))?;
-    let args: Vec<Val> = bind(&kernel, record)
-        .map_err(RuntimeError::Data)?
-        .into_iter()
-        .map(Val::I64)
-        .collect();
-    run(&kernel, [ctas, 1, 1], &args, mem).map_err(RuntimeError::Data)
+impl std::fmt::Debug for DeviceLayers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceLayers")
+            .field("device", &self.device.name())
+            .finish()
+    }
+}
+
+impl DeviceLayers {
+    /// The layer kernels on `device`.
+    pub fn on(device: Arc<dyn Device>) -> Self {
+        DeviceLayers { device }
+    }
+
+    /// Runs `kernel` (verified first) over `ctas` CTAs with `record`'s arguments.
+    fn launch<R: LaunchRecord>(
+        &self,
+        kernel: Kernel,
+        ctas: usize,
+        record: &R,
+    ) -> Result<(), RuntimeError> {
+        let kernel = Arc::new(verified(kernel)?);
+        let ctas = u32::try_from(ctas)
+            .map_err(|_| RuntimeError::Data(format!("{ctas} CTAs are more than a grid holds")))?;
+        crate::device::launch(self.device.as_ref(), &kernel, [ctas, 1, 1], record, &[])
+    }
+
+    /// `n` f32 values of a buffer.
+    fn read(&self, addr: i64, n: usize) -> Result<Vec<f32>, RuntimeError> {
+        Ok(f32s(
+            &self.device.download(DeviceBuffer { addr, bytes: 4 * n })?,
+        ))
+    }
 }
 
 /// A row width as a kernel constant.
@@ -45,11 +66,7 @@ fn blocks(count: usize) -> usize {
     count.div_ceil(THREADS as usize).max(1)
 }
 
-fn read(mem: &Memory, addr: i64, n: usize) -> Result<Vec<f32>, RuntimeError> {
-    mem.read_f32(addr, n).map_err(RuntimeError::Data)
-}
-
-impl LayerOps for SimLayers {
+impl LayerOps for DeviceLayers {
     fn norm(
         &self,
         kind: NormKind,
@@ -72,12 +89,12 @@ impl LayerOps for SimLayers {
             NormKind::Rms => layers::RowNorm::Rms,
             NormKind::Layer => layers::RowNorm::Layer,
         };
-        let mut mem = Memory::default();
+        let mut s = Scratch::new(self.device.as_ref());
         let record = NormArgs {
-            x: mem.alloc_f32(x),
-            weight: mem.alloc_f32(weight),
-            bias: mem.alloc_f32(bias.unwrap_or(weight)),
-            out: mem.alloc_f32(&vec![0.0; x.len()]),
+            x: s.upload(&f32_bytes(x))?.addr,
+            weight: s.upload(&f32_bytes(weight))?.addr,
+            bias: s.upload(&f32_bytes(bias.unwrap_or(weight)))?.addr,
+            out: s.f32s(x.len())?.addr,
         };
         let kernel = layers::norm(
             kind,
@@ -86,8 +103,8 @@ impl LayerOps for SimLayers {
             bias.is_some(),
             width_u32(groups)?,
         );
-        launch(kernel, rows, &record, &mut mem)?;
-        read(&mem, record.out, x.len())
+        self.launch(kernel, rows, &record)?;
+        self.read(record.out, x.len())
     }
 
     fn activate(
@@ -116,33 +133,28 @@ impl LayerOps for SimLayers {
             (MlpKind::Gelu, _) => (Activation::Gelu, &*up),
             (MlpKind::GeluExact, _) => (Activation::GeluExact, &*up),
         };
-        let mut mem = Memory::default();
-        let other = mem.alloc_f32(other);
+        let mut s = Scratch::new(self.device.as_ref());
+        let other = s.upload(&f32_bytes(other))?.addr;
         let record = ElementwiseArgs {
-            x: mem.alloc_f32(up),
+            x: s.upload(&f32_bytes(up))?.addr,
             other,
             count: up.len() as i64,
         };
-        launch(
-            layers::activation(activation),
-            blocks(up.len()),
-            &record,
-            &mut mem,
-        )?;
-        up.copy_from_slice(&read(&mem, record.x, up.len())?);
+        self.launch(layers::activation(activation), blocks(up.len()), &record)?;
+        up.copy_from_slice(&self.read(record.x, up.len())?);
         Ok(())
     }
 
     fn add(&self, x: &mut [f32], y: &[f32]) -> Result<(), RuntimeError> {
         same_len(x.len(), y.len(), "a residual add")?;
-        let mut mem = Memory::default();
+        let mut s = Scratch::new(self.device.as_ref());
         let record = ElementwiseArgs {
-            x: mem.alloc_f32(x),
-            other: mem.alloc_f32(y),
+            x: s.upload(&f32_bytes(x))?.addr,
+            other: s.upload(&f32_bytes(y))?.addr,
             count: x.len() as i64,
         };
-        launch(layers::residual_add(), blocks(x.len()), &record, &mut mem)?;
-        x.copy_from_slice(&read(&mem, record.x, x.len())?);
+        self.launch(layers::residual_add(), blocks(x.len()), &record)?;
+        x.copy_from_slice(&self.read(record.x, x.len())?);
         Ok(())
     }
 
@@ -172,20 +184,16 @@ impl LayerOps for SimLayers {
                 Some(Half::F16),
             ),
         };
-        let mut mem = Memory::default();
+        let mut s = Scratch::new(self.device.as_ref());
         let ids: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
         let record = EmbedArgs {
-            tokens: mem.alloc_bytes(ids),
-            table: mem.alloc_bytes(bytes),
-            out: mem.alloc_f32(&vec![0.0; tokens.len() * width]),
+            tokens: s.upload(&ids)?.addr,
+            table: s.upload(&bytes)?.addr,
+            out: s.f32s(tokens.len() * width)?.addr,
         };
-        launch(
-            layers::embed(width_u32(width)?, half),
-            tokens.len(),
-            &record,
-            &mut mem,
-        )?;
-        read(&mem, record.out, tokens.len() * width)
+        let kernel = layers::embed(width_u32(width)?, half);
+        self.launch(kernel, tokens.len(), &record)?;
+        self.read(record.out, tokens.len() * width)
     }
 
     fn argmax(&self, rows: &[f32], width: usize) -> Result<Vec<u32>, RuntimeError> {
@@ -193,14 +201,15 @@ impl LayerOps for SimLayers {
         if n == 0 {
             return Ok(Vec::new());
         }
-        let mut mem = Memory::default();
+        let mut s = Scratch::new(self.device.as_ref());
         let record = ArgmaxArgs {
-            x: mem.alloc_f32(rows),
-            out: mem.alloc_bytes(vec![0; 4 * n]),
+            x: s.upload(&f32_bytes(rows))?.addr,
+            out: s.zeros(4 * n)?.addr,
         };
-        launch(layers::argmax(width_u32(width)?), n, &record, &mut mem)?;
+        self.launch(layers::argmax(width_u32(width)?), n, &record)?;
         // The kernel writes i32 indices; read them back as their bits.
-        Ok(read(&mem, record.out, n)?
+        Ok(self
+            .read(record.out, n)?
             .iter()
             .map(|v| v.to_bits())
             .collect())
