@@ -10,7 +10,7 @@ use attn::runtime::codegen::gpu::ir::tma::TensorMap;
 use attn::runtime::codegen::gpu::launch::Param;
 use attn::runtime::device::{Device, DeviceBuffer};
 use attn::runtime::model::research::config_from_toml;
-use attn::runtime::model::{DeviceModel, Model};
+use attn::runtime::model::{Model, ResidentModel};
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -78,7 +78,7 @@ fn resident_step(c: &mut Criterion) {
     )
     .unwrap();
     let model = Model::random(&config, 1).unwrap();
-    let on_device = DeviceModel::new(&model, Arc::new(NullDevice::default())).unwrap();
+    let on_device = ResidentModel::new(&model, Arc::new(NullDevice::default())).unwrap();
     let mut group = c.benchmark_group("resident_step_host");
     group.sample_size(20);
     for cached in [128usize, 2048] {

@@ -66,7 +66,7 @@ pub use attn_macros::attention;
 pub use attn_runtime as runtime;
 pub use attn_runtime::cpu::CpuBackend;
 pub use attn_runtime::gpu::sim::GpuSim;
-pub use attn_runtime::model::{DeviceModel, Model, Request, Sampling, hf, research};
+pub use attn_runtime::model::{Model, Request, ResidentModel, Sampling, hf, research};
 pub use attn_runtime::{
     Attention, Backend, BackwardInputs, DecodeOptions, Gradients, HeadGradients, HeadsBackward,
     Inputs, Learned, MlaBackward, MlaGradients, MlaQueries, MlaTensors, Output, Queries,

@@ -29,7 +29,7 @@ pub fn open(name: &str) -> Result<Box<dyn Backend>, RuntimeError> {
 
 /// Where a model's norms, activations, adds, lookups and greedy choice run beside the backend
 /// named `name`: as the GPU kernels on the interpreter for `gpu-sim`, else on the CPU (models
-/// resident on a CUDA device run their own, `model::DeviceModel`).
+/// resident on a CUDA device run their own, `model::ResidentModel`).
 pub fn layer_ops(name: &str) -> Arc<dyn LayerOps> {
     match name {
         "gpu-sim" => Arc::new(DeviceLayers::on(Arc::new(SimDevice::new()))),

@@ -40,7 +40,7 @@ impl<D: Device + 'static> GpuBackend<D> {
         &self.device
     }
 
-    /// The device, shared (a model resident on it, [`crate::model::DeviceModel`], takes it).
+    /// The device, shared (a model resident on it, [`crate::model::ResidentModel`], takes it).
     pub fn shared_device(&self) -> Arc<D> {
         Arc::clone(&self.device)
     }

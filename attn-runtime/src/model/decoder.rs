@@ -2,7 +2,7 @@
 //! ([`NormPlacement`]), whether attention and MLP run side by side, and which multipliers and
 //! softcaps apply, derived from a [`ModelConfig`] by [`Decoder::of`] and run through
 //! [`DecoderOps`]. The CPU model ([`super::Model`]), the resident model
-//! ([`super::device::DeviceModel`]) and the candle model implement the operations; what a
+//! ([`super::resident::ResidentModel`]) and the candle model implement the operations; what a
 //! sublayer does inside (projections, q/k norms, RoPE, the attention kernel, experts) is theirs.
 
 use super::config::{ModelConfig, NormPlacement};

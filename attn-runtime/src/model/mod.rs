@@ -13,12 +13,12 @@
 mod attention;
 mod config;
 pub mod decoder;
-pub mod device;
 mod generate;
 pub mod hf;
 mod json_fields;
 mod mxfp4;
 pub mod research;
+pub mod resident;
 mod sublayers;
 mod text;
 mod weights;
@@ -28,8 +28,8 @@ pub use config::{
     MlpKind, MlpNames, ModelConfig, Moe, NormKind, NormPlacement, Projections, QkNorm, Router,
     SharedExpert, TensorNames,
 };
-pub use device::DeviceModel;
 pub use generate::{Progress, Request, Sampling};
+pub use resident::ResidentModel;
 pub use text::{PIECE_BYTES, TOKENIZER_BYTES_PER_BYTE, TextStream, TextTokenizer, pieces};
 
 use crate::backend::Backend;

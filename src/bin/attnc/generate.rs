@@ -3,7 +3,7 @@
 
 use crate::backend_arg::Backend;
 use crate::model_load::{load_on, parse_tokens, resident_device};
-use attn::runtime::model::{DeviceModel, Progress, Request, Sampling, TextTokenizer};
+use attn::runtime::model::{Progress, Request, ResidentModel, Sampling, TextTokenizer};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -241,7 +241,7 @@ fn generate(path: &Path, seed: u64, prompt: Prompt, args: Generation) -> Result<
     // On gpu-sim or cuda the model runs resident on the device.
     let out = match resident_device(args.backend)? {
         Some(device) => vec![
-            DeviceModel::new(&model, device)
+            ResidentModel::new(&model, device)
                 .and_then(|m| m.generate(&request, args.sampling, &mut report))
                 .map_err(err)?,
         ],

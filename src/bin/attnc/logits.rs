@@ -5,7 +5,7 @@ use crate::backend_arg::Backend;
 use crate::model_load::{load_on, parse_tokens, resident_device};
 use attn::runtime::Tensor;
 use attn::runtime::io::write_safetensors;
-use attn::runtime::model::{DeviceModel, Model};
+use attn::runtime::model::{Model, ResidentModel};
 use std::path::{Path, PathBuf};
 
 /// `attnc logits`'s arguments.
@@ -63,7 +63,7 @@ fn logits(
     let err = |e: attn::runtime::RuntimeError| format!("error: {e}");
     let logits = match incremental {
         None => match resident_device(backend)? {
-            Some(device) => DeviceModel::new(model, device)
+            Some(device) => ResidentModel::new(model, device)
                 .and_then(|m| m.forward(tokens))
                 .map_err(err)?,
             None => model.forward(tokens).map_err(err)?,
@@ -76,7 +76,7 @@ fn logits(
         }
         Some(p) => match resident_device(backend)? {
             Some(device) => {
-                let on_device = DeviceModel::new(model, device).map_err(err)?;
+                let on_device = ResidentModel::new(model, device).map_err(err)?;
                 let mut session = on_device.session(tokens.len()).map_err(err)?;
                 let mut all = session.step(&tokens[..p]).map_err(err)?;
                 for t in p..tokens.len() {

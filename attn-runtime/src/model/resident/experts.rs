@@ -2,13 +2,13 @@
 //! (`MoeMlp::route`, the CPU's code); each chosen expert runs on the device over its gathered
 //! rows and is added back weighted, in expert order.
 
-use super::{DeviceModel, DeviceMoe, blocks, i32_bytes};
+use super::{DeviceMoe, ResidentModel, blocks, i32_bytes};
 use crate::device::{DeviceBuffer, Scratch, f32_bytes, f32s};
 use crate::error::RuntimeError;
 use crate::model::sublayers::LayerMlp;
 use codegen::gpu::kernels::layers;
 
-impl DeviceModel<'_> {
+impl ResidentModel<'_> {
     /// Layer `i`'s mixture of experts over `n` rows `h` (see [`DeviceMoe`]): the shared
     /// expert's rows (gated), then each routed expert's weighted rows added in expert order,
     /// as `MoeMlp::apply` computes on the host.

@@ -10,7 +10,7 @@
 //! shared latent head), and mixture-of-experts MLPs with their routing on the host (the
 //! router's logits come back, the experts run on the device).
 //!
-//! Here: the resident weights and kernels and [`DeviceModel::forward`]; the upload in `upload.rs`,
+//! Here: the resident weights and kernels and [`ResidentModel::forward`]; the upload in `upload.rs`,
 //! the layers' steps in `run.rs`, MLA and experts in `mla.rs` and `experts.rs`, and cached
 //! generation in `session.rs`.
 //!
@@ -200,7 +200,7 @@ struct Kernels {
 }
 
 /// A model whose weights live on a device (see the module's documentation).
-pub struct DeviceModel<'m> {
+pub struct ResidentModel<'m> {
     model: &'m Model,
     device: Arc<dyn Device>,
     embed: DeviceMatrix,
@@ -214,7 +214,7 @@ pub struct DeviceModel<'m> {
     owned: Vec<DeviceBuffer>,
 }
 
-impl Drop for DeviceModel<'_> {
+impl Drop for ResidentModel<'_> {
     fn drop(&mut self) {
         for b in self.owned.drain(..) {
             self.device.free(b);
@@ -241,7 +241,7 @@ fn half_of(dtype: DType) -> Option<Half> {
     }
 }
 
-impl<'m> DeviceModel<'m> {
+impl<'m> ResidentModel<'m> {
     /// Refuses a pass of `tokens` new tokens against `keys` keys that the device would take too
     /// long over ([`Device::check_cost`]: the interpreter's guard).
     fn check_sim_cost(&self, tokens: usize, keys: usize) -> Result<(), RuntimeError> {
@@ -315,7 +315,7 @@ mod tests {
         }
         let tokens: Vec<u32> = (0..13).map(|i| (i * 5 + 2) % 37).collect();
         let want = model.forward(&tokens).unwrap();
-        let on_device = DeviceModel::new(&model, Arc::new(SimDevice::new())).unwrap();
+        let on_device = ResidentModel::new(&model, Arc::new(SimDevice::new())).unwrap();
         let close = |got: &[f32], what: &str| {
             let err = got
                 .iter()
@@ -339,7 +339,7 @@ mod tests {
         };
         let sinks = learned.iter_mut().find(|(n, _)| n == "sinks").unwrap();
         sinks.1 = Tensor::from_f32(&[4], vec![0.0, f32::INFINITY, 0.0, 0.0]).unwrap();
-        let err = match DeviceModel::new(&model, Arc::new(SimDevice::new())) {
+        let err = match ResidentModel::new(&model, Arc::new(SimDevice::new())) {
             Ok(_) => panic!("an infinite sink is refused"),
             Err(e) => e.to_string(),
         };

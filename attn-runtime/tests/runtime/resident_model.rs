@@ -1,10 +1,10 @@
-//! Models resident on a device (`DeviceModel`), run on gpu-sim (`SimDevice`: GPU IR kernels on
+//! Models resident on a device (`ResidentModel`), run on gpu-sim (`SimDevice`: GPU IR kernels on
 //! the interpreter, host GEMMs for cuBLAS): weights uploaded once, every activation in device
 //! memory, logits against transformers' and the CPU model's.
 
 use attn_runtime::device::{Device, SimDevice, f32_bytes, f32s};
 use attn_runtime::model::research::config_from_toml;
-use attn_runtime::model::{DeviceModel, Model, hf};
+use attn_runtime::model::{Model, ResidentModel, hf};
 use safetensors::SafeTensors;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -100,7 +100,7 @@ fn checkpoint_on_the_device(name: &str) {
         .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
         .collect();
     let want = f32s(st.tensor("logits").unwrap().data());
-    let on_device = DeviceModel::new(&model, Arc::new(SimDevice::new())).unwrap();
+    let on_device = ResidentModel::new(&model, Arc::new(SimDevice::new())).unwrap();
     let got = on_device.forward(&tokens).unwrap();
     let err = max_rel(&got, &want);
     assert!(err < 1e-4, "{name}: max relative difference {err}");
@@ -138,7 +138,7 @@ fn greedy_steps_on_the_device_continue_as_transformers_does() {
             .map(|x| x.as_u64().unwrap() as u32)
             .collect()
     };
-    let on_device = DeviceModel::new(&model, Arc::new(SimDevice::new())).unwrap();
+    let on_device = ResidentModel::new(&model, Arc::new(SimDevice::new())).unwrap();
     for g in json["generate"].as_array().unwrap() {
         let (prompt, want) = (ids(&g["prompt_ids"]), ids(&g["new_ids"]));
         let mut session = on_device.session(prompt.len() + want.len()).unwrap();
@@ -192,7 +192,7 @@ fn research_models_on_the_device_match_the_cpu() {
         let model = Model::random(&config, 3).unwrap();
         let tokens: Vec<u32> = (0..19).map(|i| (i * 7 + 3) % 61).collect();
         let want = model.forward(&tokens).unwrap();
-        let on_device = DeviceModel::new(&model, Arc::new(SimDevice::new())).unwrap();
+        let on_device = ResidentModel::new(&model, Arc::new(SimDevice::new())).unwrap();
         let got = on_device.forward(&tokens).unwrap();
         let err = max_rel(&got, &want);
         assert!(
@@ -274,7 +274,7 @@ fn long_sequences_split_and_merge_on_the_device() {
     let model = Model::random(&config, 9).unwrap();
     let tokens: Vec<u32> = (0..300).map(|i| (i * 11 + 5) % 53).collect();
     let want = model.forward(&tokens).unwrap();
-    let on_device = DeviceModel::new(&model, Arc::new(SimDevice::new())).unwrap();
+    let on_device = ResidentModel::new(&model, Arc::new(SimDevice::new())).unwrap();
     let mut session = on_device.session(tokens.len()).unwrap();
     let mut got = session.step(&tokens[..297]).unwrap();
     for t in 297..300 {
@@ -292,7 +292,7 @@ fn hostile_sizes_are_refused() {
     )
     .unwrap();
     let model = Model::random(&config, 2).unwrap();
-    let on_device = DeviceModel::new(&model, Arc::new(SimDevice::new())).unwrap();
+    let on_device = ResidentModel::new(&model, Arc::new(SimDevice::new())).unwrap();
     for capacity in [usize::MAX, usize::MAX / 8, 1 << 50] {
         assert!(on_device.session(capacity).is_err(), "capacity {capacity}");
     }
@@ -315,7 +315,7 @@ fn resident_generation_chooses_as_the_cpu_model() {
     )
     .unwrap();
     let model = Model::random(&config, 4).unwrap();
-    let on_device = DeviceModel::new(&model, Arc::new(SimDevice::new())).unwrap();
+    let on_device = ResidentModel::new(&model, Arc::new(SimDevice::new())).unwrap();
     let sampled = Sampling {
         temperature: 0.8,
         top_k: Some(20),

@@ -3,8 +3,8 @@
 
 use super::{
     DeviceAttention, DeviceHeads, DeviceKind, DeviceLayer, DeviceLayerMlp, DeviceLearned,
-    DeviceLinear, DeviceMatrix, DeviceMla, DeviceMlp, DeviceModel, DeviceMoe, DeviceNorm, Kernels,
-    MlaDims, half_of, width_u32,
+    DeviceLinear, DeviceMatrix, DeviceMla, DeviceMlp, DeviceMoe, DeviceNorm, Kernels, MlaDims,
+    ResidentModel, half_of, width_u32,
 };
 use crate::device::{Device, DeviceBuffer, f32_bytes};
 use crate::error::RuntimeError;
@@ -21,7 +21,7 @@ use codegen::gpu::kernels::layers::{self, Activation, Pointwise};
 use codegen::gpu::verified;
 use std::sync::Arc;
 
-impl<'m> DeviceModel<'m> {
+impl<'m> ResidentModel<'m> {
     /// Uploads `model`'s weights to `device` and prepares its kernels.
     pub fn new(model: &'m Model, device: Arc<dyn Device>) -> Result<Self, RuntimeError> {
         let c = &model.config;
@@ -86,7 +86,7 @@ impl<'m> DeviceModel<'m> {
             logit_scale: pointwise(c.logit_multiplier.map(|m| Pointwise::Scale(m as f32)))?,
             softcap: pointwise(c.final_softcap.map(|cap| Pointwise::Softcap(cap as f32)))?,
         };
-        Ok(DeviceModel {
+        Ok(ResidentModel {
             model,
             owned: up.owned,
             device,

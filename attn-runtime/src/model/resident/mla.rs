@@ -2,7 +2,7 @@
 //! k_pe]` over one shared latent head, split and joined by the column-copy kernel, `W_uk` and
 //! `W_uv` applied as one GEMM per head.
 
-use super::{DeviceMatrix, DeviceMla, DeviceModel, MlaDims, blocks};
+use super::{DeviceMatrix, DeviceMla, MlaDims, ResidentModel, blocks};
 use crate::device::{DeviceBuffer, Scratch};
 use crate::error::RuntimeError;
 use attn_dsl::DType;
@@ -16,7 +16,7 @@ fn sub(b: DeviceBuffer, offset: usize, bytes: usize) -> DeviceBuffer {
     }
 }
 
-impl DeviceModel<'_> {
+impl ResidentModel<'_> {
     /// `out[j, i, out_first..] = x[i, j, in_first..]` for `width` columns of `[a, b, in_width]`
     /// rows into `[b, a, out_width]` rows (`a = 1`: rows in order).
     pub(super) fn columns(

@@ -4,7 +4,7 @@
 
 use super::{
     DeviceAttention, DeviceHeads, DeviceLayer, DeviceLayerMlp, DeviceLearned, DeviceLinear,
-    DeviceMatrix, DeviceMlp, DeviceModel, DeviceNorm, MlaDims, blocks,
+    DeviceMatrix, DeviceMlp, DeviceNorm, MlaDims, ResidentModel, blocks,
 };
 use crate::device::{DeviceBuffer, Scratch, f32_bytes};
 use crate::error::RuntimeError;
@@ -17,14 +17,14 @@ use codegen::gpu::kernels::layers::{
 use codegen::gpu::launch::{ForwardArgs, LaunchRecord};
 use std::sync::Arc;
 
-/// A layer's attention as [`DeviceModel::run_layers`] takes it: `(scratch, layer index, layer,
+/// A layer's attention as [`ResidentModel::run_layers`] takes it: `(scratch, layer index, layer,
 /// normed rows)` to the attention's output rows.
 pub(super) type LayerAttention<'a> = dyn FnMut(&mut Scratch, usize, &DeviceLayer, DeviceBuffer) -> Result<DeviceBuffer, RuntimeError>
     + 'a;
 
 /// The resident model's decoder operations: launches of its kernels on its device.
 struct ResidentDecoder<'r, 'm, 's, 'a> {
-    model: &'r DeviceModel<'m>,
+    model: &'r ResidentModel<'m>,
     scratch: &'r mut Scratch<'s>,
     tokens: &'r [u32],
     attention: &'r mut LayerAttention<'a>,
@@ -140,7 +140,7 @@ impl ResidentDecoder<'_, '_, '_, '_> {
     }
 }
 
-impl<'m> DeviceModel<'m> {
+impl<'m> ResidentModel<'m> {
     /// The decoder over `tokens` ([`Decoder`]'s steps, as every model runs them) with each
     /// layer's attention from `attention(scratch, layer index, layer, normed rows)`: the
     /// logits buffer.

@@ -2,7 +2,7 @@
 //! layer's cache in its attention kind's layout, the decode kernel over it, partitions merged
 //! on the device, and generation that brings back only the chosen ids.
 
-use super::{DeviceAttention, DeviceLayer, DeviceModel, MlaDims, blocks, half_of, width_u32};
+use super::{DeviceAttention, DeviceLayer, MlaDims, ResidentModel, blocks, half_of, width_u32};
 use crate::device::{Device, DeviceBuffer, Scratch, f32_bytes, f32s};
 use crate::error::RuntimeError;
 use crate::host::rope_table::RopeTables;
@@ -46,7 +46,7 @@ struct StepKernels {
 /// its token ids and the launch tables (task and segment records, RoPE rows, the merge map) and
 /// brings back only the logits, or only the chosen token.
 pub struct DeviceSession<'s, 'm> {
-    model: &'s DeviceModel<'m>,
+    model: &'s ResidentModel<'m>,
     caches: Vec<LayerCache>,
     capacity: usize,
     len: usize,
@@ -61,7 +61,7 @@ impl Drop for DeviceSession<'_, '_> {
     }
 }
 
-impl<'m> DeviceModel<'m> {
+impl<'m> ResidentModel<'m> {
     /// A session for one sequence of at most `capacity` tokens, its caches on the device.
     pub fn session(&self, capacity: usize) -> Result<DeviceSession<'_, 'm>, RuntimeError> {
         let kernel = |k: Kernel| verified(k).map(Arc::new);
@@ -576,7 +576,7 @@ fn i64_bytes(v: &[i64]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
-impl DeviceModel<'_> {
+impl ResidentModel<'_> {
     /// Generation for one request, resident on the device: the prompt's prefill and every step
     /// against device caches. Greedy tokens are chosen by the argmax kernel (only the id comes
     /// back); sampled ones from the last row of logits, the only row brought back. `progress` is
