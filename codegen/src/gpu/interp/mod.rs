@@ -166,6 +166,12 @@ struct Cta<'a> {
     memory: &'a mut Memory,
 }
 
+/// Copies a value's little-endian bytes to the front of `out`; returns how many.
+fn write_le(out: &mut [u8; 8], bytes: &[u8]) -> usize {
+    out[..bytes.len()].copy_from_slice(bytes);
+    bytes.len()
+}
+
 /// A `cp.async` copy in flight: where it lands and its 16 bytes (read at issue: global memory
 /// is not written while a kernel reads its inputs).
 struct PendingCopy {
@@ -198,13 +204,14 @@ impl Cta<'_> {
                 let values = self.eval_all(value, mask)?;
                 for (t, (a, v)) in addrs.into_iter().zip(values).enumerate() {
                     if let (Some(a), Some(v)) = (a, v) {
-                        let bytes = match v {
-                            Val::F(x) => x.to_le_bytes().to_vec(),
-                            Val::I32(x) => x.to_le_bytes().to_vec(),
-                            Val::I64(x) => x.to_le_bytes().to_vec(),
+                        let mut bytes = [0u8; 8];
+                        let len = match v {
+                            Val::F(x) => write_le(&mut bytes, &x.to_le_bytes()),
+                            Val::I32(x) => write_le(&mut bytes, &x.to_le_bytes()),
+                            Val::I64(x) => write_le(&mut bytes, &x.to_le_bytes()),
                             Val::P(_) => return Err("cannot store a predicate".into()),
                         };
-                        self.store(*space, a.int()?, &bytes, t / 32)?;
+                        self.store(*space, a.int()?, &bytes[..len], t / 32)?;
                     }
                 }
             }
@@ -493,15 +500,18 @@ impl Cta<'_> {
         }
     }
 
-    /// `len` bytes at an address, read by a thread of `warp`, as a little-endian word
-    /// zero-extended to four bytes (or the eight bytes of an I64).
+    /// `len` (at most 8) bytes at an address, read by a thread of `warp`, as a little-endian
+    /// word zero-extended to eight bytes.
     fn load_bytes(
         &self,
         space: Space,
         addr: i64,
         len: usize,
         warp: usize,
-    ) -> Result<Vec<u8>, String> {
+    ) -> Result<[u8; 8], String> {
+        if len > 8 {
+            return Err(format!("a load of {len} bytes into one register"));
+        }
         if space == Space::Shared
             && let Ok(a) = usize::try_from(addr)
         {
@@ -521,8 +531,8 @@ impl Cta<'_> {
                     )
                 })?,
         };
-        let mut word = bytes.to_vec();
-        word.resize(len.max(4), 0);
+        let mut word = [0u8; 8];
+        word[..len].copy_from_slice(bytes);
         Ok(word)
     }
 
@@ -532,12 +542,12 @@ impl Cta<'_> {
             Ty::Pred => return Err("cannot load a predicate".into()),
             _ => 4,
         };
-        let bytes = self.load_bytes(space, addr, len, warp)?;
-        let bytes = bytes.as_slice();
+        let word = self.load_bytes(space, addr, len, warp)?;
+        let [a, b, c, d, ..] = word;
         Ok(match ty {
-            Ty::F32 => Val::F(f32::from_le_bytes(bytes.try_into().expect("4 bytes"))),
-            Ty::I32 => Val::I32(i32::from_le_bytes(bytes.try_into().expect("4 bytes"))),
-            _ => Val::I64(i64::from_le_bytes(bytes.try_into().expect("8 bytes"))),
+            Ty::F32 => Val::F(f32::from_le_bytes([a, b, c, d])),
+            Ty::I32 => Val::I32(i32::from_le_bytes([a, b, c, d])),
+            _ => Val::I64(i64::from_le_bytes(word)),
         })
     }
 }
