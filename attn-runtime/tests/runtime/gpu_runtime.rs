@@ -662,6 +662,38 @@ fn resident_caches_on_the_interpreter_decode_and_refuse_stale_copies() {
     stale_device_copies_are_refused(&gpu);
 }
 
+/// What the interpreter does not have is a typed error, not a silent nothing: kernel timing;
+/// and its cost guard refuses a call it would spend minutes on, before running it.
+#[test]
+fn the_interpreter_refuses_kernel_timing_and_calls_too_slow_for_it() {
+    use attn_runtime::device::Device;
+    use attn_runtime::{Backend, Inputs, RuntimeError, Variant};
+    let gpu = GpuSim::new();
+    match gpu.device().time_kernels(true) {
+        Err(RuntimeError::Unsupported { backend, what }) => {
+            assert_eq!(backend, "gpu-sim");
+            assert!(what.contains("timing"), "{what}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(gpu.device().last_kernel_us(), None);
+    // About 4.3 GFLOP: 430 s at the interpreter's rate, past its 300 s.
+    let spec: AttentionSpec = "heads = 8, head_dim = 64, mask = causal".parse().unwrap();
+    let variant = Variant::new(spec).unwrap();
+    let shape = [1, 8, 2048, 64];
+    let (q, k) = (
+        Tensor::from_f32(&shape, vec![0.0; 8 * 2048 * 64]).unwrap(),
+        Tensor::from_f32(&shape, vec![0.0; 8 * 2048 * 64]).unwrap(),
+    );
+    let inputs = Inputs::Heads {
+        q: &q,
+        k: &k,
+        v: &k,
+    };
+    let err = gpu.forward(&variant, inputs, 0).unwrap_err().to_string();
+    assert!(err.contains("this forward"), "{err}");
+}
+
 /// A device copy of a cache that has changed since it was uploaded is an error, not a stale
 /// answer.
 fn stale_device_copies_are_refused<D: attn_runtime::device::Device + 'static>(
