@@ -6,11 +6,14 @@
 //! and outputs are host tensors ([`crate::calls`]); caches are in host memory.
 
 use crate::cache::{KvCache, SeqId};
-use crate::calls::{BackwardInputs, DecodeOptions, Gradients, Inputs, Output, Queries};
+use crate::calls::{
+    BackwardInputs, DecodeOptions, Gradients, HeadGradients, Inputs, Output, Queries,
+};
 use crate::error::RuntimeError;
 use crate::learned::{Bound, Learned};
 use crate::tensor::Tensor;
 use crate::variant::Variant;
+use crate::varlen::{Varlen, VarlenSaved};
 
 /// Attention on one backend. Every call takes a [`Variant`]: the spec validated and planned
 /// once, with the kernels the backend built for it the first time. Inputs of the other kind
@@ -144,6 +147,37 @@ pub trait Backend: Send + Sync {
         x: &BackwardInputs,
         params: &[f32],
     ) -> Result<(Gradients, Vec<f32>), RuntimeError>;
+
+    /// Attention over a variable-length batch ([`crate::varlen`]: FlashAttention's packed
+    /// layout and cumulative offsets), with the spec's learnable tensors: `out [total_q,
+    /// heads, v_head_dim]`, `lse [total_q, heads]`. Each sequence runs as its own call.
+    fn forward_varlen(
+        &self,
+        variant: &Variant,
+        x: Varlen,
+        position_offset: i64,
+        learned: Learned,
+    ) -> Result<Output, RuntimeError> {
+        crate::varlen::forward(variant, x, |inputs| {
+            self.forward_learned(variant, inputs, position_offset, learned)
+        })
+    }
+
+    /// The gradients of [`Backend::forward_varlen`] for `dL/dout` (`saved` holds the forward's
+    /// `out` and `lse`): dq, dk and dv in the batch's layouts, each learnable tensor's summed
+    /// over the sequences.
+    fn backward_varlen(
+        &self,
+        variant: &Variant,
+        x: Varlen,
+        saved: VarlenSaved,
+        position_offset: i64,
+        learned: Learned,
+    ) -> Result<HeadGradients, RuntimeError> {
+        crate::varlen::backward(variant, x, saved, position_offset, |inputs| {
+            self.backward_learned(variant, inputs, learned)
+        })
+    }
 }
 
 /// The gradient tensors of a call's learnable tensors, `d<name>` in the spec's order.

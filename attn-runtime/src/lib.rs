@@ -45,6 +45,7 @@ pub mod model;
 pub mod ops;
 mod tensor;
 mod variant;
+pub mod varlen;
 
 pub use attention::Attention;
 pub use backend::Backend;

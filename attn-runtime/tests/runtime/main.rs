@@ -18,3 +18,4 @@ mod research;
 mod resident_model;
 mod support;
 mod text;
+mod varlen;
