@@ -113,6 +113,23 @@ pub fn read_safetensors(path: &Path, names: &[&str]) -> Result<Vec<Tensor>, Runt
         .collect()
 }
 
+/// The one-dimensional i32 tensor `name` of a safetensors file (offsets such as
+/// `cu_seqlens_q`); another dtype or rank is an error naming it.
+pub fn read_i32(path: &Path, name: &str) -> Result<Vec<i32>, RuntimeError> {
+    let raw = read_raw(path, &[name])?.remove(0);
+    let io = |message: String| RuntimeError::Io {
+        path: path.display().to_string(),
+        message,
+    };
+    if raw.dtype != Dtype::I32 || raw.shape.len() != 1 {
+        return Err(io(format!(
+            "tensor `{name}` is {:?} of shape {:?}; expected I32 of one dimension",
+            raw.dtype, raw.shape
+        )));
+    }
+    Ok(le(&raw.data, i32::from_le_bytes))
+}
+
 /// A tensor as stored: its dtype, shape and little-endian bytes.
 #[derive(Debug)]
 pub(crate) struct RawTensor {

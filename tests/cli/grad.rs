@@ -133,3 +133,130 @@ fn grad_names_a_missing_or_misshapen_learnable_tensor() {
         );
     }
 }
+
+/// `attnc grad` and `attnc run` on a golden case packed as a variable-length batch (its two
+/// batch rows as two sequences, `cu_seqlens_q` and `cu_seqlens_k` in the input): the gradients,
+/// `out` and `lse` come back packed and equal PyTorch's (the forward on the interpreter too).
+#[test]
+fn grad_and_run_take_a_variable_length_batch_from_cu_seqlens() {
+    let golden = format!(
+        "{}/tests/fixtures/gradients/gqa_rope_offset_f32.safetensors",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let spec = "heads = 8, kv_heads = 2, head_dim = 64, mask = causal, position = rope";
+    // [B, H, S, W] as [B * S, H, W].
+    let pack = |values: Vec<f64>, [_, h, s, w]: [usize; 4]| -> Vec<f64> {
+        let mut out = vec![0.0; values.len()];
+        for (i, v) in values.into_iter().enumerate() {
+            let (bi, hi, si, wi) = (i / (h * s * w), i / (s * w) % h, i / w % s, i % w);
+            out[((bi * s + si) * h + hi) * w + wi] = v;
+        }
+        out
+    };
+    let (q, kv) = ([2, 8, 33, 64], [2, 2, 70, 64]);
+    let input = temp("varlen-grad-in.safetensors");
+    let tensors: Vec<(&str, Vec<usize>, Vec<u8>)> = [("q", q), ("k", kv), ("v", kv), ("dout", q)]
+        .into_iter()
+        .map(|(name, [b, h, s, w])| {
+            let packed = pack(tensor_values(&golden, name), [b, h, s, w]);
+            let bytes = packed
+                .iter()
+                .flat_map(|&x| (x as f32).to_le_bytes())
+                .collect();
+            (name, vec![b * s, h, w], bytes)
+        })
+        .collect();
+    let offsets = |n: i32| -> Vec<u8> {
+        [0, n, 2 * n]
+            .iter()
+            .flat_map(|x: &i32| x.to_le_bytes())
+            .collect()
+    };
+    let (cu_q, cu_k) = (offsets(33), offsets(70));
+    let mut views: Vec<(&str, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .map(|(n, shape, bytes)| {
+            let view =
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes);
+            (*n, view.unwrap())
+        })
+        .collect();
+    for (name, bytes) in [("cu_seqlens_q", &cu_q), ("cu_seqlens_k", &cu_k)] {
+        let view = safetensors::tensor::TensorView::new(safetensors::Dtype::I32, vec![3], bytes);
+        views.push((name, view.unwrap()));
+    }
+    safetensors::serialize_to_file(views, None, &input).unwrap();
+    // The interpreter's backward is slow: gpu-sim runs the forward here, and the runtime's
+    // tests take its varlen backward.
+    for (command, backend) in [("grad", "cpu"), ("run", "cpu"), ("run", "gpu-sim")] {
+        let out = temp(&format!("varlen-{command}-{backend}.safetensors"));
+        let o = attnc(&[
+            command,
+            "--spec",
+            spec,
+            "--input",
+            input.to_str().unwrap(),
+            "--output",
+            out.to_str().unwrap(),
+            "--position-offset",
+            "5",
+            "--backend",
+            backend,
+        ]);
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        let names: &[(&str, [usize; 4])] = match command {
+            "grad" => &[
+                ("dq", q),
+                ("dk", kv),
+                ("dv", kv),
+                ("out", q),
+                ("lse", [2, 8, 33, 1]),
+            ],
+            _ => &[("out", q), ("lse", [2, 8, 33, 1])],
+        };
+        for &(name, shape) in names {
+            let want = pack(tensor_values(&golden, name), shape);
+            let got = tensor_values(&out, name);
+            assert_eq!(got.len(), want.len(), "{command} {backend} {name}");
+            for (g, w) in got.iter().zip(&want) {
+                assert!(
+                    (g - w).abs() <= 1e-4 + 1e-3 * w.abs(),
+                    "{command} on {backend}, {name}: {g} vs {w}"
+                );
+            }
+        }
+    }
+    // Offsets without their partner are refused, exit code 2.
+    let lonely = temp("varlen-lonely.safetensors");
+    let views: Vec<(&str, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .map(|(n, shape, bytes)| {
+            (
+                *n,
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
+                    .unwrap(),
+            )
+        })
+        .chain(std::iter::once((
+            "cu_seqlens_q",
+            safetensors::tensor::TensorView::new(safetensors::Dtype::I32, vec![3], &cu_q).unwrap(),
+        )))
+        .collect();
+    safetensors::serialize_to_file(views, None, &lonely).unwrap();
+    let out = temp("varlen-lonely-out.safetensors");
+    let o = attnc(&[
+        "run",
+        "--spec",
+        spec,
+        "--input",
+        lonely.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("cu_seqlens_q but not cu_seqlens_k"),
+        "{}",
+        stderr(&o)
+    );
+}

@@ -2,9 +2,10 @@
 //! gradients written to another.
 
 use crate::backend_arg::Backend;
-use crate::run::{Files, note_sim_time, read_with_learned};
+use crate::run::{Files, note_sim_time, read_cu_seqlens, read_with_learned};
 use attn::AttentionSpec;
 use attn::runtime::io::{read_safetensors, write_safetensors};
+use attn::runtime::varlen::{Varlen, VarlenSaved};
 use attn::runtime::{
     BackwardInputs, HeadGradients, HeadsBackward, Inputs, Learned, MlaBackward, MlaTensors, Output,
     Variant,
@@ -27,8 +28,9 @@ pub fn command(files: Files) -> Result<(), String> {
     Ok(())
 }
 
-/// Reads `q, k, v, dout` and the spec's learnable tensors, runs the forward (out and lse) and
-/// the backward on the backend, and writes `dq, dk, dv` (input dtype), `out` (input dtype),
+/// Reads `q, k, v, dout` (packed, with `cu_seqlens_q` and `cu_seqlens_k`, for a variable-length
+/// batch) and the spec's learnable tensors, runs the forward (out and lse) and the backward on
+/// the backend, and writes `dq, dk, dv` (input dtype), `out` (input dtype),
 /// `lse` (f32) and each learnable tensor's gradient `d<name>` (f32).
 fn grad(
     spec: &AttentionSpec,
@@ -40,31 +42,55 @@ fn grad(
     let on = backend;
     let backend = attn::runtime::backends::open(backend.name())?;
     let variant = attn::runtime::Variant::new(spec.clone())?;
+    let cu_seqlens = read_cu_seqlens(input, spec)?;
     if spec.mla().is_some() {
         return grad_mla(&*backend, &variant, input, output, offset);
     }
     let (tensors, learned) = read_with_learned(input, spec, &["q", "k", "v", "dout"])?;
     let [q, k, v, dout]: [Tensor; 4] = tensors.try_into().expect("one tensor per name");
-    note_sim_time(on, spec, &q, &k, true);
     let learned: Vec<(&str, &Tensor)> = learned.iter().map(|(n, t)| (n.as_str(), t)).collect();
     let learned = Learned::new(&learned);
-    let Output { out, lse, .. } =
-        backend.forward_learned(&variant, Inputs::heads(&q, &k, &v), offset, learned)?;
-    let x = BackwardInputs::Heads(HeadsBackward {
-        q: &q,
-        k: &k,
-        v: &v,
-        out: &out,
-        lse: &lse,
-        dout: &dout,
-        position_offset: offset,
-    });
+    let (out, lse, gradients) = match &cu_seqlens {
+        Some([cu_q, cu_k]) => {
+            let x = Varlen {
+                q: &q,
+                k: &k,
+                v: &v,
+                cu_seqlens_q: cu_q,
+                cu_seqlens_k: cu_k,
+            };
+            let Output { out, lse, .. } = backend.forward_varlen(&variant, x, offset, learned)?;
+            let saved = VarlenSaved {
+                out: &out,
+                lse: &lse,
+                dout: &dout,
+            };
+            let g = backend.backward_varlen(&variant, x, saved, offset, learned)?;
+            (out, lse, g)
+        }
+        None => {
+            note_sim_time(on, spec, &q, &k, true);
+            let Output { out, lse, .. } =
+                backend.forward_learned(&variant, Inputs::heads(&q, &k, &v), offset, learned)?;
+            let x = BackwardInputs::Heads(HeadsBackward {
+                q: &q,
+                k: &k,
+                v: &v,
+                out: &out,
+                lse: &lse,
+                dout: &dout,
+                position_offset: offset,
+            });
+            let g = backend.backward_learned(&variant, &x, learned)?.heads()?;
+            (out, lse, g)
+        }
+    };
     let HeadGradients {
         dq,
         dk,
         dv,
         learned,
-    } = backend.backward_learned(&variant, &x, learned)?.heads()?;
+    } = gradients;
     let mut written = vec![
         ("dq", &dq),
         ("dk", &dk),

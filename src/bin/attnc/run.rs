@@ -3,7 +3,8 @@
 use crate::backend_arg::Backend;
 use crate::{outputs, spec_arg};
 use attn::AttentionSpec;
-use attn::runtime::io::{read_safetensors, write_safetensors};
+use attn::runtime::io::{read_i32, read_safetensors, tensor_names, write_safetensors};
+use attn::runtime::varlen::Varlen;
 use attn::runtime::{Inputs, Learned, MlaTensors, Output};
 use attn::runtime::{RuntimeError, Tensor};
 use std::path::{Path, PathBuf};
@@ -14,7 +15,9 @@ pub struct Files {
     /// The spec, in the spec language, or @FILE to read it from a file.
     #[arg(long, allow_hyphen_values = true)]
     pub spec: String,
-    /// Input safetensors file (BHSD tensors in the spec's dtype).
+    /// Input safetensors file (BHSD tensors in the spec's dtype). With i32 tensors
+    /// `cu_seqlens_q` and `cu_seqlens_k` (B + 1 offsets each), a variable-length batch: q
+    /// [total_q, heads, D], k and v [total_k, kv_heads, D], outputs in the same packed layout.
     #[arg(long, value_name = "FILE")]
     pub input: PathBuf,
     /// Output safetensors file.
@@ -78,6 +81,32 @@ pub fn note_sim_time(on: Backend, spec: &AttentionSpec, q: &Tensor, k: &Tensor, 
 /// Tensors by name.
 pub type Named = Vec<(String, Tensor)>;
 
+/// The cumulative offsets of a variable-length batch, when the input has them
+/// (`cu_seqlens_q` and `cu_seqlens_k`; one without the other is an error).
+pub fn read_cu_seqlens(
+    input: &Path,
+    spec: &AttentionSpec,
+) -> Result<Option<[Vec<i32>; 2]>, RuntimeError> {
+    let names = tensor_names(input)?;
+    let has = |n: &str| names.iter().any(|m| m == n);
+    match (has("cu_seqlens_q"), has("cu_seqlens_k")) {
+        (false, false) => Ok(None),
+        (true, true) if spec.mla().is_some() => Err(RuntimeError::Spec(
+            "the input has cu_seqlens_q and cu_seqlens_k, and variable-length batches take              per-head specs; this one is MLA"
+                .into(),
+        )),
+        (true, true) => Ok(Some([
+            read_i32(input, "cu_seqlens_q")?,
+            read_i32(input, "cu_seqlens_k")?,
+        ])),
+        (q, _) => Err(RuntimeError::Data(format!(
+            "the input has {} but not {}; a variable-length batch takes both",
+            if q { "cu_seqlens_q" } else { "cu_seqlens_k" },
+            if q { "cu_seqlens_k" } else { "cu_seqlens_q" },
+        ))),
+    }
+}
+
 /// The tensors `names` of `input`, and the spec's learnable tensors (its parameters by their
 /// names, and `sinks`) by name.
 pub fn read_with_learned(
@@ -100,9 +129,9 @@ pub fn read_with_learned(
     Ok((tensors, learned_names.into_iter().zip(learned).collect()))
 }
 
-/// Reads the inputs the spec needs (`q, k, v`, or for MLA `q_nope, q_pe, c_kv, k_pe, w_kv_b`;
-/// and the spec's learnable tensors by name), runs the backend and writes `out` (input dtype)
-/// and `lse` (f32).
+/// Reads the inputs the spec needs (`q, k, v`, packed with `cu_seqlens_q` and `cu_seqlens_k`
+/// for a variable-length batch, or for MLA `q_nope, q_pe, c_kv, k_pe, w_kv_b`; and the spec's
+/// learnable tensors by name), runs the backend and writes `out` (input dtype) and `lse` (f32).
 fn run(
     spec: &AttentionSpec,
     input: &Path,
@@ -113,7 +142,20 @@ fn run(
     let on = backend;
     let backend = attn::runtime::backends::open(backend.name())?;
     let variant = attn::runtime::Variant::new(spec.clone())?;
-    let Output { out, lse, .. } = if spec.mla().is_some() {
+    let cu_seqlens = read_cu_seqlens(input, spec)?;
+    let Output { out, lse, .. } = if let Some([cu_q, cu_k]) = &cu_seqlens {
+        let (tensors, learned) = read_with_learned(input, spec, &["q", "k", "v"])?;
+        let [q, k, v]: [Tensor; 3] = tensors.try_into().expect("one tensor per name");
+        let learned: Vec<(&str, &Tensor)> = learned.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        let x = Varlen {
+            q: &q,
+            k: &k,
+            v: &v,
+            cu_seqlens_q: cu_q,
+            cu_seqlens_k: cu_k,
+        };
+        backend.forward_varlen(&variant, x, offset, Learned::new(&learned))?
+    } else if spec.mla().is_some() {
         let names = ["q_nope", "q_pe", "c_kv", "k_pe", "w_kv_b"];
         let [q_nope, q_pe, c_kv, k_pe, w_kv_b]: [Tensor; 5] = read_safetensors(input, &names)?
             .try_into()
