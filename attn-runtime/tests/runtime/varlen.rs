@@ -368,3 +368,25 @@ fn bad_varlen_batches_are_errors_naming_what_is_wrong() {
         .unwrap_err();
     assert!(err.to_string().contains("batch index `b`"), "{err}");
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::test_runner::Config::with_cases(64))]
+
+    /// Any offsets, against tensors of 10 query and 12 key rows: an answer or an error, never a
+    /// panic; an answer only for offsets that describe the tensors.
+    #[test]
+    fn any_offsets_give_an_answer_or_an_error(
+        cu_q in proptest::collection::vec(-3i32..14, 0..5),
+        cu_k in proptest::collection::vec(-3i32..14, 0..5),
+    ) {
+        let batch = Batch::new(SPECS[0], &[(10, 12)], 5);
+        let variant = Variant::new(batch.spec.clone()).unwrap();
+        let x = Varlen { cu_seqlens_q: &cu_q, cu_seqlens_k: &cu_k, ..batch.varlen() };
+        let valid = |cu: &[i32], total: i32| {
+            cu.first() == Some(&0) && cu.last() == Some(&total) && cu.windows(2).all(|w| w[0] <= w[1])
+        };
+        let result = CpuBackend::new().forward_varlen(&variant, x, 0, Learned::none());
+        let describes = valid(&cu_q, 10) && valid(&cu_k, 12) && cu_q.len() == cu_k.len();
+        proptest::prop_assert_eq!(result.is_ok(), describes, "{:?} {:?}: {:?}", cu_q, cu_k, result.err());
+    }
+}
