@@ -45,10 +45,13 @@ pub struct VarlenSaved<'a> {
     pub dout: &'a Tensor,
 }
 
+/// A sequence's query rows and key rows in the packed tensors.
+pub type SequenceRows = (Range<usize>, Range<usize>);
+
 /// Rows and widths of a checked batch.
 struct Layout {
     /// Each sequence's query rows and key rows.
-    sequences: Vec<(Range<usize>, Range<usize>)>,
+    sequences: Vec<SequenceRows>,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -247,17 +250,8 @@ impl Layout {
             &[total_k, kv_heads, v_head_dim],
             "[total_k, kv_heads, v_head_dim]",
         )?;
-        let seq_q = offsets("cu_seqlens_q", x.cu_seqlens_q, total_q)?;
-        let seq_k = offsets("cu_seqlens_k", x.cu_seqlens_k, total_k)?;
-        if seq_q.len() != seq_k.len() {
-            return Err(RuntimeError::Data(format!(
-                "cu_seqlens_q holds {} sequences and cu_seqlens_k {}; expected the same number",
-                seq_q.len(),
-                seq_k.len()
-            )));
-        }
         Ok(Layout {
-            sequences: seq_q.into_iter().zip(seq_k).collect(),
+            sequences: sequences(x.cu_seqlens_q, x.cu_seqlens_k, total_q, total_k)?,
             heads,
             kv_heads,
             head_dim,
@@ -265,6 +259,27 @@ impl Layout {
             total_q,
         })
     }
+}
+
+/// Each sequence's query rows and key rows from the cumulative offsets, checked against the
+/// packed tensors' `total_q` and `total_k` rows: each list starts at 0, never decreases and ends
+/// at its total, and both hold the same number of sequences.
+pub fn sequences(
+    cu_seqlens_q: &[i32],
+    cu_seqlens_k: &[i32],
+    total_q: usize,
+    total_k: usize,
+) -> Result<Vec<SequenceRows>, RuntimeError> {
+    let seq_q = offsets("cu_seqlens_q", cu_seqlens_q, total_q)?;
+    let seq_k = offsets("cu_seqlens_k", cu_seqlens_k, total_k)?;
+    if seq_q.len() != seq_k.len() {
+        return Err(RuntimeError::Data(format!(
+            "cu_seqlens_q holds {} sequences and cu_seqlens_k {}; expected the same number",
+            seq_q.len(),
+            seq_k.len()
+        )));
+    }
+    Ok(seq_q.into_iter().zip(seq_k).collect())
 }
 
 /// The rows of a rank-3 packed tensor.

@@ -173,6 +173,74 @@ pub fn attention_learned_with_lse(
     Ok((out, lse))
 }
 
+/// Attention over a variable-length batch in FlashAttention's packed layout (see
+/// [`crate::runtime::varlen`]): `q [total_q, heads, head_dim]`, `k [total_k, kv_heads,
+/// head_dim]`, `v [total_k, kv_heads, v_head_dim]`, sequence `i` the rows
+/// `cu_seqlens_q[i]..cu_seqlens_q[i + 1]` of q against `cu_seqlens_k[i]..cu_seqlens_k[i + 1]` of k
+/// and v, each at positions from `position_offset`. Returns `(out [total_q, heads, v_head_dim],
+/// lse [total_q, heads] f32)`; gradients flow into q, k, v and the learnable tensors (summed
+/// over the sequences). Each sequence is one [`attention_learned_with_lse`] on candle views of
+/// its rows.
+pub fn attention_varlen(
+    variant: &Arc<Variant>,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    (cu_seqlens_q, cu_seqlens_k): (&[i32], &[i32]),
+    learned: &[(&str, &Tensor)],
+    position_offset: i64,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let spec = variant.spec();
+    let (heads, dv) = (spec.heads as usize, spec.v_head_dim as usize);
+    let refuse = |what: String| {
+        candle_core::Error::Msg(format!("attn::candle: {what} (spec `{}`)", variant.text()))
+    };
+    for (name, t) in [("q", q), ("k", k), ("v", v)] {
+        if t.rank() != 3 {
+            return Err(refuse(format!(
+                "`{name}` has shape {:?}, expected rank 3 (a packed variable-length batch)",
+                t.dims()
+            )));
+        }
+    }
+    let sequences =
+        crate::runtime::varlen::sequences(cu_seqlens_q, cu_seqlens_k, q.dims()[0], k.dims()[0])
+            .map_err(|e| refuse(e.to_string()))?;
+    // [len, heads, width] rows as [1, heads, len, width], and back.
+    let heads_first = |t: &Tensor, rows: &std::ops::Range<usize>| {
+        t.narrow(0, rows.start, rows.len())?
+            .transpose(0, 1)?
+            .unsqueeze(0)
+    };
+    let (mut outs, mut lses) = (Vec::new(), Vec::new());
+    for (rows_q, rows_k) in &sequences {
+        if rows_q.is_empty() {
+            continue;
+        }
+        let (out, lse) = attention_learned_with_lse(
+            variant,
+            &heads_first(q, rows_q)?,
+            &heads_first(k, rows_k)?,
+            &heads_first(v, rows_k)?,
+            learned,
+            position_offset,
+        )?;
+        outs.push(out.squeeze(0)?.transpose(0, 1)?);
+        lses.push(lse.squeeze(0)?.transpose(0, 1)?);
+    }
+    if outs.is_empty() {
+        let dtype = q.dtype();
+        return Ok((
+            Tensor::zeros((0, heads, dv), dtype, q.device())?,
+            Tensor::zeros((0, heads), candle_core::DType::F32, q.device())?,
+        ));
+    }
+    Ok((
+        Tensor::cat(&outs, 0)?.contiguous()?,
+        Tensor::cat(&lses, 0)?.contiguous()?,
+    ))
+}
+
 /// [`attention`] on the type an `#[attention]` struct declares: `MyLayer::candle_forward(&q,
 /// &k, &v)`.
 pub trait CandleAttention: Attention {

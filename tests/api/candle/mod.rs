@@ -11,6 +11,7 @@ mod finite_difference;
 mod golden;
 mod model;
 mod naive;
+mod varlen;
 
 use attn::candle::core::{Device, Tensor, Var};
 
