@@ -9,6 +9,7 @@ use crate::calls::{
 use crate::cpu::CpuBackend;
 use crate::learned::Learned;
 use crate::variant::Variant;
+use crate::varlen::{Varlen, VarlenSaved};
 use crate::{RuntimeError, Tensor};
 use attn_dsl::{AttentionSpec, DType};
 use codegen::KernelPlan;
@@ -153,6 +154,31 @@ pub trait Attention {
         backend
             .backward(Self::variant(), &BackwardInputs::Heads(*x))?
             .heads()
+    }
+
+    /// Attention over a variable-length batch ([`crate::varlen`]: q, k and v packed, with
+    /// `cu_seqlens_q` and `cu_seqlens_k`) on any backend, with the spec's learnable tensors by
+    /// name: `out [total_q, heads, v_head_dim]`, `lse [total_q, heads]`.
+    fn forward_varlen_on(
+        backend: &dyn Backend,
+        x: Varlen,
+        learned: &[(&str, &Tensor)],
+        position_offset: i64,
+    ) -> Result<Output, RuntimeError> {
+        backend.forward_varlen(Self::variant(), x, position_offset, Learned::new(learned))
+    }
+
+    /// The gradients of [`Attention::forward_varlen_on`] for `dL/dout` (`saved` holds its
+    /// `out` and `lse`), packed as the batch is.
+    fn backward_varlen_on(
+        backend: &dyn Backend,
+        x: Varlen,
+        saved: VarlenSaved,
+        learned: &[(&str, &Tensor)],
+        position_offset: i64,
+    ) -> Result<HeadGradients, RuntimeError> {
+        let learned = Learned::new(learned);
+        backend.backward_varlen(Self::variant(), x, saved, position_offset, learned)
     }
 
     /// [`Attention::decode`] on any backend (see [`Attention::forward_on`]).

@@ -144,6 +144,61 @@ fn the_typed_api_runs_on_the_cpu() {
     }
 }
 
+/// One sequence packed as a variable-length batch gives what the dense forward gives, row for
+/// row, through the typed API; and its backward the dense backward's gradients.
+#[test]
+fn the_typed_api_takes_a_variable_length_batch() {
+    use attn::CpuBackend;
+    use attn::runtime::varlen::{Varlen, VarlenSaved};
+    use attn::runtime::{HeadsBackward, Tensor};
+    let s = 21;
+    let dense =
+        |h: usize, seed| attn::inputs::tensor(attn::DType::F32, &[1, h, s, 64], seed).unwrap();
+    let (q, k, v, dout) = (dense(8, 1), dense(2, 2), dense(2, 3), dense(8, 4));
+    // [1, H, S, D] as [S, H, D].
+    let packed = |t: &Tensor| {
+        let [_, h, s, d]: [usize; 4] = t.shape().try_into().unwrap();
+        let x = t.to_f32_vec();
+        let mut out = vec![0.0; x.len()];
+        for (i, value) in x.into_iter().enumerate() {
+            let (hi, si, di) = (i / (s * d), i / d % s, i % d);
+            out[(si * h + hi) * d + di] = value;
+        }
+        Tensor::from_f32(&[s, h, d], out).unwrap()
+    };
+    let (pq, pk, pv, pdout) = (packed(&q), packed(&k), packed(&v), packed(&dout));
+    let cu = [0, s as i32];
+    let x = Varlen {
+        q: &pq,
+        k: &pk,
+        v: &pv,
+        cu_seqlens_q: &cu,
+        cu_seqlens_k: &cu,
+    };
+    let cpu = CpuBackend::new();
+    let got = Gqa::forward_varlen_on(&cpu, x, &[], 3).unwrap();
+    let want = Gqa::forward_on(&cpu, &q, &k, &v, 3).unwrap();
+    assert_eq!(got.out.to_f32_vec(), packed(&want.out).to_f32_vec());
+    let saved = VarlenSaved {
+        out: &got.out,
+        lse: &got.lse,
+        dout: &pdout,
+    };
+    let g = Gqa::backward_varlen_on(&cpu, x, saved, &[], 3).unwrap();
+    let dense_x = HeadsBackward {
+        q: &q,
+        k: &k,
+        v: &v,
+        out: &want.out,
+        lse: &want.lse,
+        dout: &dout,
+        position_offset: 3,
+    };
+    let w = Gqa::backward_on(&cpu, &dense_x).unwrap();
+    assert_eq!(g.dq.to_f32_vec(), packed(&w.dq).to_f32_vec());
+    assert_eq!(g.dv.to_f32_vec(), packed(&w.dv).to_f32_vec());
+}
+
 #[test]
 fn the_typed_api_decodes_against_a_paged_cache() {
     use attn::runtime::Tensor;
