@@ -75,9 +75,7 @@ pub(crate) fn forward(
         if rows_q.is_empty() {
             continue;
         }
-        let seq_q = unpack(&q, x.q.dtype(), rows_q, l.heads, l.head_dim)?;
-        let seq_k = unpack(&k, x.k.dtype(), rows_k, l.kv_heads, l.head_dim)?;
-        let seq_v = unpack(&v, x.v.dtype(), rows_k, l.kv_heads, l.v_head_dim)?;
+        let [seq_q, seq_k, seq_v] = l.sequence_inputs(&x, [&q, &k, &v], rows_q, rows_k)?;
         let inputs = Inputs::heads(&seq_q, &seq_k, &seq_v);
         let o = run(inputs).map_err(|e| in_sequence(i, e))?;
         pack(&mut out, &o.out.to_f32_vec(), rows_q, l.heads, l.v_head_dim);
@@ -123,9 +121,7 @@ pub(crate) fn backward(
         if rows_q.is_empty() {
             continue;
         }
-        let seq_q = unpack(&q, x.q.dtype(), rows_q, l.heads, l.head_dim)?;
-        let seq_k = unpack(&k, x.k.dtype(), rows_k, l.kv_heads, l.head_dim)?;
-        let seq_v = unpack(&v, x.v.dtype(), rows_k, l.kv_heads, l.v_head_dim)?;
+        let [seq_q, seq_k, seq_v] = l.sequence_inputs(&x, [&q, &k, &v], rows_q, rows_k)?;
         let seq_out = unpack(&out, saved.out.dtype(), rows_q, l.heads, l.v_head_dim)?;
         let seq_dout = unpack(&dout, saved.dout.dtype(), rows_q, l.heads, l.v_head_dim)?;
         let seq_lse = unpack(&lse, DType::F32, rows_q, l.heads, 1)?;
@@ -205,6 +201,22 @@ fn with_declared(
 }
 
 impl Layout {
+    /// One sequence's q, k and v (`values` of the batch's, as f32) as `[1, heads, len, width]`
+    /// tensors in their dtypes.
+    fn sequence_inputs(
+        &self,
+        x: &Varlen,
+        [q, k, v]: [&[f32]; 3],
+        rows_q: &Range<usize>,
+        rows_k: &Range<usize>,
+    ) -> Result<[Tensor; 3], RuntimeError> {
+        Ok([
+            unpack(q, x.q.dtype(), rows_q, self.heads, self.head_dim)?,
+            unpack(k, x.k.dtype(), rows_k, self.kv_heads, self.head_dim)?,
+            unpack(v, x.v.dtype(), rows_k, self.kv_heads, self.v_head_dim)?,
+        ])
+    }
+
     /// Checks a batch against the variant: ranks, widths, offsets.
     fn check(variant: &Variant, x: &Varlen) -> Result<Layout, RuntimeError> {
         let spec = variant.spec();

@@ -105,6 +105,20 @@ fn sequence(t: &Tensor, first: usize, len: usize) -> Array {
     })
 }
 
+/// The reference's inputs of the sequence whose queries start at row `fq` (`lq` of them) and
+/// keys at row `fk` (`lk`).
+fn reference_inputs(
+    batch: &Batch,
+    (fq, lq): (usize, usize),
+    (fk, lk): (usize, usize),
+) -> [Array; 3] {
+    [
+        sequence(&batch.q, fq, lq),
+        sequence(&batch.k, fk, lk),
+        sequence(&batch.v, fk, lk),
+    ]
+}
+
 /// Asserts packed `got` (`[tokens, heads, width]` or `[tokens, heads]`) rows `first..` equal
 /// the reference's `[1, heads, len(, width)]`.
 fn assert_rows(what: &str, got: &Tensor, first: usize, want: &Array, (abs, rel): (f64, f64)) {
@@ -177,11 +191,7 @@ fn check_forward(backend: &dyn Backend) {
             let (mut fq, mut fk) = (0, 0);
             for &(lq, lk) in &batch.lens {
                 if lq > 0 {
-                    let (q, k, v) = (
-                        sequence(&batch.q, fq, lq),
-                        sequence(&batch.k, fk, lk),
-                        sequence(&batch.v, fk, lk),
-                    );
+                    let [q, k, v] = reference_inputs(&batch, (fq, lq), (fk, lk));
                     let inputs = reference::Inputs {
                         q: &q,
                         k: &k,
@@ -244,11 +254,7 @@ fn check_backward(backend: &dyn Backend, texts: &[&str]) {
         let (mut fq, mut fk) = (0, 0);
         for &(lq, lk) in &batch.lens {
             if lq > 0 {
-                let (q, k, v) = (
-                    sequence(&batch.q, fq, lq),
-                    sequence(&batch.k, fk, lk),
-                    sequence(&batch.v, fk, lk),
-                );
+                let [q, k, v] = reference_inputs(&batch, (fq, lq), (fk, lk));
                 let inputs = reference::Inputs {
                     q: &q,
                     k: &k,
