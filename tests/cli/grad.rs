@@ -226,37 +226,59 @@ fn grad_and_run_take_a_variable_length_batch_from_cu_seqlens() {
             }
         }
     }
-    // Offsets without their partner are refused, exit code 2.
-    let lonely = temp("varlen-lonely.safetensors");
-    let views: Vec<(&str, safetensors::tensor::TensorView)> = tensors
-        .iter()
-        .map(|(n, shape, bytes)| {
-            (
-                *n,
-                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
-                    .unwrap(),
+    // Offsets without their partner, or not i32, are refused with exit code 2.
+    let write = |name: &str, extra: &[(&str, safetensors::Dtype, &Vec<u8>)]| {
+        let path = temp(name);
+        let views: Vec<(&str, safetensors::tensor::TensorView)> = tensors
+            .iter()
+            .map(|(n, shape, bytes)| (*n, safetensors::Dtype::F32, shape.clone(), bytes))
+            .chain(
+                extra
+                    .iter()
+                    .map(|(n, dtype, bytes)| (*n, *dtype, vec![3], *bytes)),
             )
-        })
-        .chain(std::iter::once((
-            "cu_seqlens_q",
-            safetensors::tensor::TensorView::new(safetensors::Dtype::I32, vec![3], &cu_q).unwrap(),
-        )))
+            .map(|(n, dtype, shape, bytes)| {
+                (
+                    n,
+                    safetensors::tensor::TensorView::new(dtype, shape, bytes).unwrap(),
+                )
+            })
+            .collect();
+        safetensors::serialize_to_file(views, None, &path).unwrap();
+        path
+    };
+    let float_offsets: Vec<u8> = [0f32, 33.0, 66.0]
+        .iter()
+        .flat_map(|x| x.to_le_bytes())
         .collect();
-    safetensors::serialize_to_file(views, None, &lonely).unwrap();
-    let out = temp("varlen-lonely-out.safetensors");
-    let o = attnc(&[
-        "run",
-        "--spec",
-        spec,
-        "--input",
-        lonely.to_str().unwrap(),
-        "--output",
-        out.to_str().unwrap(),
-    ]);
-    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
-    assert!(
-        stderr(&o).contains("cu_seqlens_q but not cu_seqlens_k"),
-        "{}",
-        stderr(&o)
-    );
+    let i32 = safetensors::Dtype::I32;
+    for (file, extra, words) in [
+        (
+            "varlen-lonely.safetensors",
+            vec![("cu_seqlens_q", i32, &cu_q)],
+            "cu_seqlens_q but not cu_seqlens_k",
+        ),
+        (
+            "varlen-float.safetensors",
+            vec![
+                ("cu_seqlens_q", safetensors::Dtype::F32, &float_offsets),
+                ("cu_seqlens_k", i32, &cu_k),
+            ],
+            "tensor `cu_seqlens_q` is F32 of shape [3]; expected I32 of one dimension",
+        ),
+    ] {
+        let input = write(file, &extra);
+        let out = temp("varlen-refused-out.safetensors");
+        let o = attnc(&[
+            "run",
+            "--spec",
+            spec,
+            "--input",
+            input.to_str().unwrap(),
+            "--output",
+            out.to_str().unwrap(),
+        ]);
+        assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+        assert!(stderr(&o).contains(words), "{}", stderr(&o));
+    }
 }
