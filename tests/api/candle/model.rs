@@ -36,10 +36,12 @@ fn same_logits(toml: &str) {
         .to_vec1::<f32>()
         .unwrap();
 
+    // One folder per call: the tests of this file run in parallel in one process.
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let dir = std::env::temp_dir().join(format!(
         "attn-candle-model-{}-{}",
         std::process::id(),
-        ours.len()
+        CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     ));
     std::fs::create_dir_all(&dir).unwrap();
     varmap.save(dir.join("model.safetensors")).unwrap();
@@ -51,7 +53,6 @@ fn same_logits(toml: &str) {
     .unwrap();
     let runtime = research::load(&path, 0).unwrap();
     let theirs = runtime.forward(&tokens).unwrap();
-    std::fs::remove_dir_all(&dir).ok();
 
     assert_eq!(ours.len(), theirs.len());
     for (i, (a, b)) in ours.iter().zip(&theirs).enumerate() {
@@ -63,8 +64,7 @@ fn same_logits(toml: &str) {
     // The weights were trained ones, not the runtime's seeded random ones.
     let random = research::load(
         &{
-            let p = std::env::temp_dir()
-                .join(format!("attn-candle-random-{}.toml", std::process::id()));
+            let p = dir.join("random.toml");
             std::fs::write(&p, research::config_to_toml(&config, None)).unwrap();
             p
         },
@@ -73,6 +73,7 @@ fn same_logits(toml: &str) {
     .unwrap()
     .forward(&tokens)
     .unwrap();
+    std::fs::remove_dir_all(&dir).ok();
     assert!(
         random
             .iter()
