@@ -1,8 +1,9 @@
 //! A call's learnable tensors matched to a spec: every tensor the spec takes
-//! ([`AttentionSpec::learnable_tensors`]) given once, by name, with its shape, and nothing
-//! else. The reference, the runtime and the candle op each hold the tensors in their own type;
+//! ([`AttentionSpec::learnable_tensors`], and with [`match_call`] its data tensors in the
+//! call's shapes) given once, by name, with its shape, and nothing else. The reference, the runtime and the candle op each hold the tensors in their own type;
 //! they all ask this one function, so they agree on what is accepted and on what the errors say.
 
+use crate::data::{CallDims, call_shapes};
 use crate::spec::AttentionSpec;
 use std::fmt;
 
@@ -20,6 +21,8 @@ pub enum Mismatch {
     },
     /// A tensor the spec takes is not given.
     Missing {
+        /// What it is: "learnable" or "data".
+        kind: &'static str,
         /// Its name.
         name: String,
         /// The shape the spec gives it.
@@ -29,11 +32,15 @@ pub enum Mismatch {
     },
     /// A tensor is given more than once.
     Twice {
+        /// What it is: "learnable" or "data".
+        kind: &'static str,
         /// Its name.
         name: String,
     },
     /// A tensor's shape is not the spec's.
     Shape {
+        /// What it is: "learnable" or "data".
+        kind: &'static str,
         /// Its name.
         name: String,
         /// The shape given.
@@ -51,19 +58,25 @@ impl fmt::Display for Mismatch {
                 "tensor `{name}` {shape:?} is not a learnable tensor of this spec; it takes: \
                  {takes}"
             ),
-            Mismatch::Missing { name, shape, takes } => write!(
+            Mismatch::Missing {
+                kind,
+                name,
+                shape,
+                takes,
+            } => write!(
                 f,
-                "the spec reads a learnable tensor `{name}` of shape {shape:?}, which is \
+                "the spec reads a {kind} tensor `{name}` of shape {shape:?}, which is \
                  missing; it takes: {takes}"
             ),
-            Mismatch::Twice { name } => write!(f, "learnable tensor `{name}` is given twice"),
+            Mismatch::Twice { kind, name } => write!(f, "{kind} tensor `{name}` is given twice"),
             Mismatch::Shape {
+                kind,
                 name,
                 found,
                 expected,
             } => write!(
                 f,
-                "learnable tensor `{name}` has shape {found:?}; the spec gives it shape \
+                "{kind} tensor `{name}` has shape {found:?}; the spec gives it shape \
                  {expected:?}"
             ),
         }
@@ -78,17 +91,49 @@ pub fn match_learned(
     spec: &AttentionSpec,
     given: &[(&str, &[usize])],
 ) -> Result<Vec<usize>, Mismatch> {
-    let wanted = spec.learnable_tensors();
+    let wanted = spec
+        .learnable_tensors()
+        .into_iter()
+        .map(|(n, s)| (n, s, "learnable"))
+        .collect();
+    match_wanted(wanted, given)
+}
+
+/// [`match_learned`] for a call that also gives the spec's data tensors (in the shapes `call`
+/// gives them): the positions of the learnable tensors, then of the data tensors in
+/// declaration order.
+pub fn match_call(
+    spec: &AttentionSpec,
+    given: &[(&str, &[usize])],
+    call: &CallDims,
+) -> Result<Vec<usize>, Mismatch> {
+    let learnable = spec
+        .learnable_tensors()
+        .into_iter()
+        .map(|(n, s)| (n, s, "learnable"));
+    let data = call_shapes(spec, call)
+        .into_iter()
+        .map(|(n, s)| (n, s, "data"));
+    match_wanted(learnable.chain(data).collect(), given)
+}
+
+fn match_wanted(
+    wanted: Vec<(String, Vec<usize>, &'static str)>,
+    given: &[(&str, &[usize])],
+) -> Result<Vec<usize>, Mismatch> {
     let takes = || {
         if wanted.is_empty() {
             return "none".to_string();
         }
-        let items: Vec<String> = wanted.iter().map(|(n, s)| format!("{n} {s:?}")).collect();
+        let items: Vec<String> = wanted
+            .iter()
+            .map(|(n, s, _)| format!("{n} {s:?}"))
+            .collect();
         items.join(", ")
     };
     if let Some((name, shape)) = given
         .iter()
-        .find(|(name, _)| !wanted.iter().any(|(w, _)| w == name))
+        .find(|(name, _)| !wanted.iter().any(|(w, _, _)| w == name))
     {
         return Err(Mismatch::Unexpected {
             name: name.to_string(),
@@ -97,20 +142,25 @@ pub fn match_learned(
         });
     }
     let mut order = Vec::with_capacity(wanted.len());
-    for (name, shape) in &wanted {
+    for (name, shape, kind) in &wanted {
         let mut found = given.iter().enumerate().filter(|(_, (n, _))| n == name);
         let Some((i, (_, found_shape))) = found.next() else {
             return Err(Mismatch::Missing {
+                kind,
                 name: name.clone(),
                 shape: shape.clone(),
                 takes: takes(),
             });
         };
         if found.next().is_some() {
-            return Err(Mismatch::Twice { name: name.clone() });
+            return Err(Mismatch::Twice {
+                kind,
+                name: name.clone(),
+            });
         }
         if *found_shape != shape.as_slice() {
             return Err(Mismatch::Shape {
+                kind,
                 name: name.clone(),
                 found: found_shape.to_vec(),
                 expected: shape.clone(),

@@ -1,6 +1,8 @@
-//! The rules for learnable parameters (`params(NAME: [DIM, ..])`) and the reads of them in a
-//! score modifier, shared by validation (specs built in code) and the parser (which places each
-//! finding at the tokens it is about).
+//! The rules for learnable parameters (`params(NAME: [DIM, ..])`), data tensors
+//! (`data(NAME: [DIM, ..] TYPE)`) and the reads of them in the modifiers, shared by validation
+//! (specs built in code) and the parser (which places each finding at the tokens it is about).
+//! A data tensor's `batch` and `seq` dimensions are known only to a call: reads along them are
+//! checked by [`crate::data::check_reads`] when the call's shapes are.
 //!
 //! Index bounds are proved by interval analysis over every point a kernel may evaluate:
 //! `b` in `0..2^31`, `h` in `0..heads`, and positions `q`, `k` within ±(2^31 - 1). The mask is
@@ -9,7 +11,7 @@
 
 use crate::modifier::ParamRead;
 use crate::modifier::interval::{Interval, Range, TileBounds, analyze};
-use crate::spec::{AttentionSpec, ParamDim, SINKS_NAME};
+use crate::spec::{AttentionSpec, DataDim, ParamDim, SINKS_NAME};
 
 /// Most parameter tensors a spec declares.
 pub const MAX_PARAMS: usize = 16;
@@ -19,11 +21,26 @@ pub const MAX_PARAM_DIMS: usize = 4;
 pub const MAX_PARAM_ELEMENTS: u64 = 1 << 24;
 /// Longest parameter name, in bytes.
 pub const MAX_PARAM_NAME: usize = 64;
+/// Most data tensors a spec declares.
+pub const MAX_DATA: usize = 8;
 
 /// Names a parameter may not take: the modifier variables, and the tensors the CLI and the
 /// runtime read and write by name.
 pub const RESERVED_NAMES: &[&str] = &[
-    "score", "b", "h", "q", "k", "qi", "ki", "v", "out", "lse", "dout", SINKS_NAME,
+    "score",
+    "b",
+    "h",
+    "q",
+    "k",
+    "qi",
+    "ki",
+    "v",
+    "out",
+    "lse",
+    "dout",
+    "cu_seqlens_q",
+    "cu_seqlens_k",
+    SINKS_NAME,
 ];
 
 /// What a finding is about.
@@ -31,8 +48,12 @@ pub const RESERVED_NAMES: &[&str] = &[
 pub(crate) enum Subject {
     /// The declaration at this position of `params`.
     Decl(usize),
+    /// The declaration at this position of `data`.
+    DataDecl(usize),
     /// A read in the score modifier.
     Read(ParamRead),
+    /// A read in the mask modifier.
+    MaskRead(ParamRead),
     /// The mask modifier.
     MaskMod,
     /// The whole spec (a combination not supported).
@@ -108,42 +129,151 @@ pub(crate) fn findings(spec: &AttentionSpec) -> Vec<(Subject, String)> {
             total = 0;
         }
     }
+    data_findings(spec, &mut out);
     if let Some(m) = &spec.mask_mod
-        && m.body.reads_params()
+        && m.body
+            .param_reads()
+            .iter()
+            .any(|r| spec.param(&r.name).is_some())
     {
         out.push((
             Subject::MaskMod,
             "mask_mod reads a parameter; masks are not differentiable, so parameters may be \
-             read only in score_mod"
+             read only in score_mod (data tensors may be read in both)"
                 .to_string(),
         ));
     }
     if let Some(m) = &spec.score_mod {
         for read in m.body.param_reads() {
-            if let Some(message) = read_finding(spec, &read) {
+            if let Some(message) = read_finding(spec, &read, "score_mod") {
                 out.push((Subject::Read(read), message));
+            }
+        }
+    }
+    if let Some(m) = &spec.mask_mod {
+        for read in m.body.param_reads() {
+            if spec.param(&read.name).is_none()
+                && let Some(message) = read_finding(spec, &read, "mask_mod")
+            {
+                out.push((Subject::MaskRead(read), message));
             }
         }
     }
     out
 }
 
+/// The rules about `data(...)` declarations.
+fn data_findings(spec: &AttentionSpec, out: &mut Vec<(Subject, String)>) {
+    if spec.data.is_empty() {
+        return;
+    }
+    if spec.mla().is_some() {
+        out.push((
+            Subject::Spec,
+            "data(...) is not supported with mla(...) yet".to_string(),
+        ));
+    }
+    if spec.data.len() > MAX_DATA {
+        out.push((
+            Subject::DataDecl(MAX_DATA),
+            format!(
+                "{} data tensors are declared; allowed: at most {MAX_DATA}",
+                spec.data.len()
+            ),
+        ));
+    }
+    for (i, decl) in spec.data.iter().enumerate() {
+        let name = &decl.name;
+        let mut say = |m: String| out.push((Subject::DataDecl(i), m));
+        if !is_identifier(name) || name.len() > MAX_PARAM_NAME {
+            say(format!(
+                "`{name}` is not a data tensor name; allowed: an identifier of at most \
+                 {MAX_PARAM_NAME} bytes"
+            ));
+        }
+        if RESERVED_NAMES.contains(&name.as_str()) {
+            say(format!(
+                "`{name}` is reserved; a data tensor may not be called {}",
+                RESERVED_NAMES.join(", ")
+            ));
+        }
+        if spec.data[..i].iter().any(|d| d.name == *name) {
+            say(format!("data tensor `{name}` is declared twice"));
+        }
+        if spec.param(name).is_some() {
+            say(format!(
+                "`{name}` is declared both in params(...) and in data(...); rename one"
+            ));
+        }
+        let gradient_of = |base: &str| {
+            spec.params.iter().any(|p| p.name == base)
+                || spec
+                    .data
+                    .iter()
+                    .any(|d| d.name == base && d.dtype == crate::spec::DataType::F32)
+        };
+        if let Some(base) = name.strip_prefix('d')
+            && gradient_of(base)
+        {
+            say(format!(
+                "`{name}` would clash with the gradient of `{base}`, which is written as \
+                 `{name}`; rename it"
+            ));
+        }
+        if decl.dims.is_empty() || decl.dims.len() > MAX_PARAM_DIMS {
+            say(format!(
+                "`{name}` has {} dimensions; allowed: 1 to {MAX_PARAM_DIMS}",
+                decl.dims.len()
+            ));
+        }
+        if decl.dims.contains(&DataDim::Fixed(0)) {
+            say(format!(
+                "`{name}` has a dimension of 0; allowed: 1 or more, `heads`, `kv_heads`, \
+                 `batch` or `seq`"
+            ));
+        }
+    }
+}
+
 /// What is wrong with one read: an unknown name, the wrong number of indices, or an index not
 /// proved in range.
-fn read_finding(spec: &AttentionSpec, read: &ParamRead) -> Option<String> {
+fn read_finding(spec: &AttentionSpec, read: &ParamRead, modifier: &str) -> Option<String> {
     let name = &read.name;
-    let Some(decl) = spec.param(name) else {
-        return Some(format!("unknown parameter `{name}` in score_mod"));
+    // Fixed dimensions resolved; `None` for a call's `batch` and `seq`.
+    let (dims, ty): (Vec<Option<usize>>, _) = if let Some(decl) = spec.param(name) {
+        let shape = spec.param_shape(decl).into_iter().map(Some).collect();
+        (shape, crate::modifier::Ty::F32)
+    } else if let Some(decl) = spec.data_decl(name) {
+        let shape = spec.data_shape(decl, 0, 0);
+        let dims = decl
+            .dims
+            .iter()
+            .zip(shape)
+            .map(|(d, n)| (!matches!(d, DataDim::Batch | DataDim::Seq)).then_some(n))
+            .collect();
+        (dims, decl.dtype.read_ty())
+    } else {
+        return Some(format!("unknown tensor `{name}` in {modifier}"));
     };
-    if read.indices.len() != decl.dims.len() {
+    if read.indices.len() != dims.len() {
         return Some(format!(
             "`{name}` has {} dimensions, read with {} indices",
-            decl.dims.len(),
+            dims.len(),
             read.indices.len()
         ));
     }
+    if read.ty != ty {
+        return Some(format!(
+            "`{name}` is read as {}; its elements read as {}",
+            read.ty.name(),
+            ty.name()
+        ));
+    }
     let bounds = everywhere(spec);
-    for (axis, (index, dim)) in read.indices.iter().zip(spec.param_shape(decl)).enumerate() {
+    for (axis, (index, dim)) in read.indices.iter().zip(dims).enumerate() {
+        let Some(dim) = dim else {
+            continue;
+        };
         if dim == 0 {
             // An empty dimension is the declaration's error; no index fits it.
             continue;

@@ -18,6 +18,7 @@
 
 pub mod accounting;
 pub mod catalog;
+pub mod data;
 mod error;
 mod given;
 pub mod inputs;
@@ -30,13 +31,14 @@ pub mod spec;
 mod validate;
 
 pub use error::{Invalid, Location, ReferenceError, SpecError, SpecErrors};
-pub use given::{Mismatch, match_learned};
+pub use given::{Mismatch, match_call, match_learned};
 pub use parse::{
     MAX_BRACKET_DEPTH, MAX_ERRORS, MAX_EXPR_DEPTH, MAX_LITERAL_CHARS, MAX_SPEC_BYTES,
     gradient_notes, parse_str, parse_tokens, set_key, settable_keys,
 };
 pub use spec::{
-    AttentionSpec, CausalAlign, DType, KvKind, KvLayout, LongRope, Mask, Mla, Pairing, ParamDecl,
-    ParamDim, Position, Rope, RopeLayout, RopeScaling, SINKS_NAME, Sinks, Yarn,
+    AttentionSpec, CausalAlign, DType, DataDecl, DataDim, DataType, KvKind, KvLayout, LongRope,
+    Mask, Mla, Pairing, ParamDecl, ParamDim, Position, Rope, RopeLayout, RopeScaling, SINKS_NAME,
+    Sinks, Yarn,
 };
 pub use validate::{MAX_HEAD_DIM, MAX_HEADS, MAX_LATENT_RANK};

@@ -2,8 +2,8 @@
 //! so that `parse(print(spec)) == spec`.
 
 use crate::spec::{
-    AttentionSpec, CausalAlign, KvLayout, Mask, ParamDim, Position, Rope, RopeLayout, RopeScaling,
-    Sinks,
+    AttentionSpec, CausalAlign, DataDim, KvLayout, Mask, ParamDim, Position, Rope, RopeLayout,
+    RopeScaling, Sinks,
 };
 use std::fmt;
 
@@ -57,6 +57,31 @@ impl fmt::Display for AttentionSpec {
                     .collect();
                 let sep = if i == 0 { "" } else { ", " };
                 write!(f, "{sep}{}: [{}]", p.name, dims.join(", "))?;
+            }
+            write!(f, ")")?;
+        }
+        if !self.data.is_empty() {
+            write!(f, ", data(")?;
+            for (i, d) in self.data.iter().enumerate() {
+                let dims: Vec<String> = d
+                    .dims
+                    .iter()
+                    .map(|d| match d {
+                        DataDim::Fixed(n) => n.to_string(),
+                        DataDim::Heads => "heads".to_string(),
+                        DataDim::KvHeads => "kv_heads".to_string(),
+                        DataDim::Batch => "batch".to_string(),
+                        DataDim::Seq => "seq".to_string(),
+                    })
+                    .collect();
+                let sep = if i == 0 { "" } else { ", " };
+                write!(
+                    f,
+                    "{sep}{}: [{}] {}",
+                    d.name,
+                    dims.join(", "),
+                    d.dtype.name()
+                )?;
             }
             write!(f, ")")?;
         }

@@ -35,8 +35,65 @@ pub struct AttentionSpec {
     /// Learnable f32 tensors the score modifier reads (`params(NAME: [DIM, ..], ..)`), in the
     /// order declared.
     pub params: Vec<ParamDecl>,
+    /// Read-only tensors each call gives (`data(NAME: [DIM, ..] TYPE, ..)`), which the score
+    /// and mask modifiers read, in the order declared.
+    pub data: Vec<DataDecl>,
     /// Whether each query head has a learned sink logit (`sinks = learned`).
     pub sinks: Sinks,
+}
+
+/// One per-call data tensor: `NAME: [DIM, ...] TYPE` (docs/semantics.md, "Data tensors").
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DataDecl {
+    /// The name modifiers read it by and calls give it by.
+    pub name: String,
+    /// The dimensions, outermost first (row-major).
+    pub dims: Vec<DataDim>,
+    /// The element type.
+    pub dtype: DataType,
+}
+
+/// A dimension of a [`DataDecl`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DataDim {
+    /// A fixed size.
+    Fixed(u32),
+    /// The number of query heads.
+    Heads,
+    /// The number of key/value heads.
+    KvHeads,
+    /// The call's batch size (in a variable-length call, its number of sequences).
+    Batch,
+    /// The call's key axis: `Skv` entries, entry `j` for the key at position
+    /// `position_offset + j`; a read at position `p` reads entry `p - position_offset`.
+    Seq,
+}
+
+/// The element type of a [`DataDecl`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DataType {
+    /// 32-bit integers, read as i64 values (ids, lengths, bounds).
+    I32,
+    /// 32-bit floats, read as f32 values; a score modifier's reads have a gradient.
+    F32,
+}
+
+impl DataType {
+    /// The name in the spec language.
+    pub fn name(self) -> &'static str {
+        match self {
+            DataType::I32 => "i32",
+            DataType::F32 => "f32",
+        }
+    }
+
+    /// The type a modifier reads an element as.
+    pub fn read_ty(self) -> crate::modifier::Ty {
+        match self {
+            DataType::I32 => crate::modifier::Ty::I64,
+            DataType::F32 => crate::modifier::Ty::F32,
+        }
+    }
 }
 
 /// One learnable parameter tensor: `NAME: [DIM, ...]`.
@@ -350,8 +407,28 @@ impl AttentionSpec {
             score_mod: None,
             mask_mod: None,
             params: Vec::new(),
+            data: Vec::new(),
             sinks: Sinks::None,
         }
+    }
+
+    /// The declared data tensor called `name`.
+    pub fn data_decl(&self, name: &str) -> Option<&DataDecl> {
+        self.data.iter().find(|d| d.name == name)
+    }
+
+    /// The shape of a declared data tensor in a call of `batch` items over `seq` keys.
+    pub fn data_shape(&self, decl: &DataDecl, batch: usize, seq: usize) -> Vec<usize> {
+        decl.dims
+            .iter()
+            .map(|d| match d {
+                DataDim::Fixed(n) => *n as usize,
+                DataDim::Heads => self.heads as usize,
+                DataDim::KvHeads => self.kv_heads() as usize,
+                DataDim::Batch => batch,
+                DataDim::Seq => seq,
+            })
+            .collect()
     }
 
     /// The shape of a declared parameter, its dimensions resolved against this spec.

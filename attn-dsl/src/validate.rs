@@ -150,7 +150,9 @@ impl AttentionSpec {
         for (subject, message) in crate::learnable::findings(self) {
             let field = match subject {
                 Subject::Decl(_) => "params",
+                Subject::DataDecl(_) => "data",
                 Subject::Read(_) => "score_mod",
+                Subject::MaskRead(_) => "mask_mod",
                 Subject::MaskMod => "mask_mod",
                 Subject::Spec => "mla",
             };

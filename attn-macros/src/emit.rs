@@ -6,8 +6,8 @@
 
 use attn_dsl::modifier::{BinOp, Expr, Ty, UnOp, Var};
 use attn_dsl::{
-    AttentionSpec, CausalAlign, DType, KvLayout, Mask, ParamDim, Position, Rope, RopeLayout,
-    RopeScaling, Sinks,
+    AttentionSpec, CausalAlign, DType, DataDim, DataType, KvLayout, Mask, ParamDim, Position, Rope,
+    RopeLayout, RopeScaling, Sinks,
 };
 use proc_macro2::TokenStream;
 use quote::{format_ident, quote};
@@ -27,6 +27,7 @@ pub fn spec(spec: &AttentionSpec) -> TokenStream {
         score_mod,
         mask_mod,
         params,
+        data,
         sinks,
     } = spec;
     let (kv, mask, position) = (kv_layout(kv), self::mask(mask), self::position(position));
@@ -69,6 +70,25 @@ pub fn spec(spec: &AttentionSpec) -> TokenStream {
             dims: ::std::vec![#(#dims),*],
         })
     });
+    let data = data.iter().map(|d| {
+        let name = &d.name;
+        let dims = d.dims.iter().map(|d| match d {
+            DataDim::Fixed(n) => quote!(::attn::dsl::DataDim::Fixed(#n)),
+            DataDim::Heads => quote!(::attn::dsl::DataDim::Heads),
+            DataDim::KvHeads => quote!(::attn::dsl::DataDim::KvHeads),
+            DataDim::Batch => quote!(::attn::dsl::DataDim::Batch),
+            DataDim::Seq => quote!(::attn::dsl::DataDim::Seq),
+        });
+        let dtype = match d.dtype {
+            DataType::I32 => quote!(::attn::dsl::DataType::I32),
+            DataType::F32 => quote!(::attn::dsl::DataType::F32),
+        };
+        quote!(::attn::dsl::DataDecl {
+            name: ::std::string::String::from(#name),
+            dims: ::std::vec![#(#dims),*],
+            dtype: #dtype,
+        })
+    });
     let sinks = match sinks {
         Sinks::None => quote!(::attn::dsl::Sinks::None),
         Sinks::Learned => quote!(::attn::dsl::Sinks::Learned),
@@ -87,6 +107,7 @@ pub fn spec(spec: &AttentionSpec) -> TokenStream {
             score_mod: #score_mod,
             mask_mod: #mask_mod,
             params: ::std::vec![#(#params),*],
+            data: ::std::vec![#(#data),*],
             sinks: #sinks,
         }
     }
@@ -286,9 +307,11 @@ fn node(e: &Expr, lets: &mut Vec<TokenStream>) -> proc_macro2::Ident {
         Expr::Param(read) => {
             let name = &read.name;
             let indices: Vec<_> = read.indices.iter().map(|i| node(i, lets)).collect();
+            let ty = self::ty(read.ty);
             quote!(#m::Expr::Param(#m::ParamRead {
                 name: ::std::string::String::from(#name),
                 indices: ::std::vec![#(#indices),*],
+                ty: #m::Ty::#ty,
             }))
         }
     };

@@ -48,7 +48,13 @@ pub trait Backend: Send + Sync {
         position_offset: i64,
         learned: Learned,
     ) -> Result<Output, RuntimeError> {
-        let bound = learned.bind(variant.spec())?;
+        let bound = match inputs {
+            Inputs::Heads { q, k, .. } => learned.bind_call(
+                variant.spec(),
+                &call_dims(q.shape(), k.shape(), position_offset),
+            )?,
+            Inputs::Mla(_) => learned.bind(variant.spec())?,
+        };
         let mut output = self.forward_bound(variant, inputs, position_offset, &bound.params)?;
         bound.apply_sinks(
             &mut output.out,
@@ -131,7 +137,13 @@ pub trait Backend: Send + Sync {
         learned: Learned,
     ) -> Result<Gradients, RuntimeError> {
         let spec = variant.spec();
-        let bound = learned.bind(spec)?;
+        let bound = match x {
+            BackwardInputs::Heads(h) => learned.bind_call(
+                spec,
+                &call_dims(h.q.shape(), h.k.shape(), h.position_offset),
+            )?,
+            BackwardInputs::Mla(_) => learned.bind(spec)?,
+        };
         let (mut gradients, dparams) = self.backward_bound(variant, x, &bound.params)?;
         if let (Gradients::Heads(g), BackwardInputs::Heads(x)) = (&mut gradients, x) {
             g.learned = learned_gradients(spec, &bound, dparams, x)?;
@@ -180,6 +192,18 @@ pub trait Backend: Send + Sync {
     }
 }
 
+/// A per-head call's dimensions from its q and k shapes (`[B, H, S, D]`; a shape of another
+/// rank gives zeros, and the backend's own checks name it).
+fn call_dims(q: &[usize], k: &[usize], position_offset: i64) -> attn_dsl::data::CallDims {
+    let at = |s: &[usize], i: usize| if s.len() == 4 { s[i] } else { 0 };
+    attn_dsl::data::CallDims {
+        batch: at(q, 0),
+        sq: at(q, 2),
+        skv: at(k, 2),
+        position_offset,
+    }
+}
+
 /// The gradient tensors of a call's learnable tensors, `d<name>` in the spec's order.
 fn learned_gradients(
     spec: &attn_dsl::AttentionSpec,
@@ -189,10 +213,18 @@ fn learned_gradients(
 ) -> Result<Vec<(String, Tensor)>, RuntimeError> {
     let layout = codegen::plan::ParamLayout::of(spec);
     let mut out = Vec::new();
-    for slot in &layout.slots {
-        let n: usize = slot.shape.iter().product();
+    let params = layout
+        .slots
+        .iter()
+        .map(|slot| (&slot.name, slot.offset, &slot.shape));
+    let data = bound
+        .data_grads
+        .iter()
+        .map(|(n, at, shape)| (n, *at, shape));
+    for (name, offset, shape) in params.chain(data) {
+        let n: usize = shape.iter().product();
         let values = dparams
-            .get(slot.offset..slot.offset + n)
+            .get(offset..offset + n)
             .map(<[f32]>::to_vec)
             .ok_or_else(|| {
                 RuntimeError::Data(format!(
@@ -201,10 +233,7 @@ fn learned_gradients(
                     layout.len()
                 ))
             })?;
-        out.push((
-            format!("d{}", slot.name),
-            Tensor::from_f32(&slot.shape, values)?,
-        ));
+        out.push((format!("d{name}"), Tensor::from_f32(shape, values)?));
     }
     if let Some(d) = bound.sink_gradient(x.out, x.lse, x.dout, spec.heads as usize)? {
         let shape = [d.len()];

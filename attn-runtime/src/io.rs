@@ -130,6 +130,39 @@ pub fn read_i32(path: &Path, name: &str) -> Result<Vec<i32>, RuntimeError> {
     Ok(le(&raw.data, i32::from_le_bytes))
 }
 
+/// The data tensor `name` of a safetensors file, stored as the type `dtype` its declaration
+/// names (i32 as I32, f32 as F32); another dtype is an error naming it.
+pub fn read_data(
+    path: &Path,
+    name: &str,
+    dtype: attn_dsl::DataType,
+) -> Result<crate::learned::DataBuf, RuntimeError> {
+    let raw = read_raw(path, &[name])?.remove(0);
+    let values = match (dtype, raw.dtype) {
+        (attn_dsl::DataType::I32, Dtype::I32) => {
+            crate::learned::DataVec::I32(le(&raw.data, i32::from_le_bytes))
+        }
+        (attn_dsl::DataType::F32, Dtype::F32) => {
+            crate::learned::DataVec::F32(le(&raw.data, f32::from_le_bytes))
+        }
+        (want, found) => {
+            return Err(RuntimeError::Io {
+                path: path.display().to_string(),
+                message: format!(
+                    "data tensor `{name}` is stored as {found:?}; the spec declares it {}, stored \
+                     as {}",
+                    want.name(),
+                    want.name().to_uppercase()
+                ),
+            });
+        }
+    };
+    Ok(crate::learned::DataBuf {
+        shape: raw.shape,
+        values,
+    })
+}
+
 /// A tensor as stored: its dtype, shape and little-endian bytes.
 #[derive(Debug)]
 pub(crate) struct RawTensor {

@@ -1,9 +1,11 @@
 //! A call's learnable tensors: the parameters a spec's score modifier reads
-//! (`params(NAME: [DIM, ..])`) and its sink logits (`sinks = learned`).
+//! (`params(NAME: [DIM, ..])`) and its sink logits (`sinks = learned`), and its data tensors
+//! (`data(NAME: [DIM, ..] TYPE)`).
 //!
-//! [`Learned`] names the caller's tensors; binding checks them against the spec (each present
-//! once, f32-convertible, with its shape) and lays the parameters out as kernels read them
-//! ([`codegen::plan::ParamLayout`]). Parameters are read inside the kernels. Sinks are exact
+//! [`Learned`] names the caller's tensors; binding checks them against the spec and the call
+//! (each present once, with its shape; data of its type, read in range) and lays the
+//! parameters, the data headers and the data out as kernels read them
+//! ([`codegen::plan::ParamLayout`]). Parameters and data are read inside the kernels. Sinks are exact
 //! host passes around any backend's kernels (docs/semantics.md, "Learnable tensors"):
 //! - forward and cached calls: `lse' = logaddexp(lse, sinks[h])`, `out' = out exp(lse - lse')`
 //!   (the kernels' rows never see the sink; a split-KV merge happens before, so each row counts
@@ -15,36 +17,143 @@
 
 use crate::error::RuntimeError;
 use crate::tensor::{Storage, Tensor};
-use attn_dsl::{AttentionSpec, Mismatch, SINKS_NAME, Sinks, match_learned};
+use attn_dsl::data::{CallDims, check_reads};
+use attn_dsl::{AttentionSpec, DataDim, DataType, Mismatch, SINKS_NAME, Sinks, match_call};
 use codegen::plan::ParamLayout;
 use rayon::prelude::*;
 
-/// The learnable tensors of one call, by name.
+/// The learnable tensors of one call, by name, and its data tensors.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Learned<'a> {
     tensors: &'a [(&'a str, &'a Tensor)],
+    data: &'a [(&'a str, Data<'a>)],
 }
+
+/// A data tensor of a call: its shape and its values, row-major.
+#[derive(Clone, Copy, Debug)]
+pub struct Data<'a> {
+    /// The shape.
+    pub shape: &'a [usize],
+    /// The values.
+    pub values: DataValues<'a>,
+}
+
+/// The values of a [`Data`] tensor, of the type its declaration names.
+#[derive(Clone, Copy, Debug)]
+pub enum DataValues<'a> {
+    /// i32 values.
+    I32(&'a [i32]),
+    /// f32 values.
+    F32(&'a [f32]),
+}
+
+impl DataValues<'_> {
+    fn len(&self) -> usize {
+        match self {
+            DataValues::I32(v) => v.len(),
+            DataValues::F32(v) => v.len(),
+        }
+    }
+
+    fn dtype(&self) -> DataType {
+        match self {
+            DataValues::I32(_) => DataType::I32,
+            DataValues::F32(_) => DataType::F32,
+        }
+    }
+}
+
+/// A data tensor that owns its values (as files are read).
+#[derive(Clone, Debug, PartialEq)]
+pub struct DataBuf {
+    /// The shape.
+    pub shape: Vec<usize>,
+    /// The values, row-major.
+    pub values: DataVec,
+}
+
+/// The values of a [`DataBuf`].
+#[derive(Clone, Debug, PartialEq)]
+pub enum DataVec {
+    /// i32 values.
+    I32(Vec<i32>),
+    /// f32 values.
+    F32(Vec<f32>),
+}
+
+impl DataBuf {
+    /// The tensor as a call takes it.
+    pub fn as_data(&self) -> Data<'_> {
+        Data {
+            shape: &self.shape,
+            values: match &self.values {
+                DataVec::I32(v) => DataValues::I32(v),
+                DataVec::F32(v) => DataValues::F32(v),
+            },
+        }
+    }
+}
+
+/// Most 32-bit words a call's parameters and data may take: kernels index them with i32
+/// headers.
+const MAX_BUFFER_WORDS: usize = i32::MAX as usize;
 
 impl<'a> Learned<'a> {
     /// No learnable tensors (for specs without parameters or sinks).
     pub fn none() -> Learned<'static> {
-        Learned { tensors: &[] }
+        Learned {
+            tensors: &[],
+            data: &[],
+        }
     }
 
     /// The tensors `(name, tensor)`: each declared parameter by its name, and `sinks`.
     pub fn new(tensors: &'a [(&'a str, &'a Tensor)]) -> Learned<'a> {
-        Learned { tensors }
+        Learned { tensors, data: &[] }
     }
 
-    /// Checks the tensors against `spec` and lays them out for the kernels.
+    /// These tensors and the call's data tensors `(name, data)`, each declared one by its
+    /// name.
+    pub fn with_data(self, data: &'a [(&'a str, Data<'a>)]) -> Learned<'a> {
+        Learned { data, ..self }
+    }
+
+    /// Checks the tensors against `spec` and lays them out for the kernels, for a call without
+    /// data tensors (a spec that declares some is refused).
     pub fn bind(&self, spec: &AttentionSpec) -> Result<Bound, RuntimeError> {
-        let named: Vec<(&str, &[usize])> =
-            self.tensors.iter().map(|(n, t)| (*n, t.shape())).collect();
-        let order = match_learned(spec, &named).map_err(|e| match e {
+        if let Some(d) = spec.data.first() {
+            return Err(RuntimeError::Spec(format!(
+                "this call does not take data tensors yet (the spec declares `{}`); forward and \
+                 backward calls do",
+                d.name
+            )));
+        }
+        self.bind_call(
+            spec,
+            &CallDims {
+                batch: 0,
+                sq: 0,
+                skv: 0,
+                position_offset: 0,
+            },
+        )
+    }
+
+    /// Checks the tensors against `spec` and a call of shape `call` (data tensors of its shapes
+    /// and types, every read of one in range) and lays them out for the kernels.
+    pub fn bind_call(&self, spec: &AttentionSpec, call: &CallDims) -> Result<Bound, RuntimeError> {
+        let named: Vec<(&str, &[usize])> = self
+            .tensors
+            .iter()
+            .map(|(n, t)| (*n, t.shape()))
+            .chain(self.data.iter().map(|(n, d)| (*n, d.shape)))
+            .collect();
+        let order = match_call(spec, &named, call).map_err(|e| match e {
             Mismatch::Shape {
                 name,
                 found,
                 expected,
+                ..
             } => RuntimeError::Shape {
                 tensor: name,
                 found,
@@ -52,28 +161,112 @@ impl<'a> Learned<'a> {
             },
             other => RuntimeError::Spec(other.to_string()),
         })?;
-        let mut params = Vec::with_capacity(ParamLayout::of(spec).len());
+        let layout = ParamLayout::of(spec);
+        let mut params = Vec::with_capacity(layout.len());
         let mut sinks = None;
+        let mut data = Vec::new();
         for i in order {
-            let (name, t) = self.tensors[i];
-            let values = t.to_f32_vec();
-            if name == SINKS_NAME && spec.sinks == Sinks::Learned {
-                sinks = Some(values);
+            if let Some((name, t)) = self.tensors.get(i) {
+                let values = t.to_f32_vec();
+                if *name == SINKS_NAME && spec.sinks == Sinks::Learned {
+                    sinks = Some(values);
+                } else {
+                    params.extend(values);
+                }
             } else {
-                params.extend(values);
+                data.push(self.data[i - self.tensors.len()].1);
             }
         }
-        Ok(Bound { params, sinks })
+        check_reads(spec, call).map_err(RuntimeError::Data)?;
+        let data_grads = lay_out_data(spec, &layout, call, &data, &mut params)?;
+        Ok(Bound {
+            params,
+            sinks,
+            data_grads,
+        })
     }
+}
+
+/// Appends the data headers and the data (in declaration order, as `data` is) to `params`,
+/// and a word past the last, which an empty tensor's clamped reads read. Returns where each
+/// f32 tensor lies, for its gradient.
+fn lay_out_data(
+    spec: &AttentionSpec,
+    layout: &ParamLayout,
+    call: &CallDims,
+    data: &[Data],
+    params: &mut Vec<f32>,
+) -> Result<Vec<(String, usize, Vec<usize>)>, RuntimeError> {
+    if data.is_empty() {
+        return Ok(Vec::new());
+    }
+    let total = data
+        .iter()
+        .try_fold(layout.len() + 1, |n, d| n.checked_add(d.values.len()))
+        .filter(|n| *n <= MAX_BUFFER_WORDS)
+        .ok_or_else(|| {
+            RuntimeError::Data(format!(
+                "the call's data tensors hold more than {MAX_BUFFER_WORDS} values in all; allowed: \
+                 at most that"
+            ))
+        })?;
+    let origin = i32::try_from(call.position_offset).map_err(|_| {
+        RuntimeError::Data(format!(
+            "position offset {} is outside i32, which data tensors' `seq` reads index by",
+            call.position_offset
+        ))
+    })?;
+    let word = |x: i64| f32::from_bits(x as i32 as u32);
+    params.resize(layout.len(), 0.0);
+    params.reserve(total - layout.len());
+    let mut grads = Vec::new();
+    for ((decl, slot), d) in spec.data.iter().zip(&layout.data).zip(data) {
+        if d.values.dtype() != decl.dtype {
+            return Err(RuntimeError::Data(format!(
+                "data tensor `{}` is given as {}; the spec declares it {}",
+                decl.name,
+                d.values.dtype().name(),
+                decl.dtype.name()
+            )));
+        }
+        if d.values.len() != d.shape.iter().product::<usize>() {
+            return Err(RuntimeError::Data(format!(
+                "data tensor `{}` has {} values for shape {:?}",
+                decl.name,
+                d.values.len(),
+                d.shape
+            )));
+        }
+        let first = params.len();
+        params[slot.header] = word(first as i64);
+        for (axis, (len, dim)) in d.shape.iter().zip(&decl.dims).enumerate() {
+            params[slot.header + 1 + axis] = word(*len as i64);
+            let o = if *dim == DataDim::Seq { origin } else { 0 };
+            params[slot.header + 1 + slot.rank + axis] = word(i64::from(o));
+        }
+        match d.values {
+            DataValues::I32(v) => params.extend(v.iter().map(|x| f32::from_bits(*x as u32))),
+            DataValues::F32(v) => {
+                grads.push((decl.name.clone(), first, d.shape.to_vec()));
+                params.extend_from_slice(v);
+            }
+        }
+    }
+    params.push(0.0);
+    Ok(grads)
 }
 
 /// A call's learnable tensors, checked and laid out.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Bound {
-    /// Every parameter, concatenated as [`ParamLayout`] says; empty without parameters.
+    /// Every parameter, concatenated as [`ParamLayout`] says, then the data headers and the
+    /// data; empty without parameters and data.
     pub params: Vec<f32>,
     /// `sinks[h]`, for specs with learned sinks.
     pub sinks: Option<Vec<f32>>,
+    /// Each f32 data tensor's name, first element in `params` and shape (where its gradient
+    /// lies in the parameters' gradients).
+    pub data_grads: Vec<(String, usize, Vec<usize>)>,
 }
 
 impl Bound {

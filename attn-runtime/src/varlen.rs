@@ -225,6 +225,13 @@ impl Layout {
                 "variable-length batches take per-head specs; this one is MLA".into(),
             ));
         }
+        if let Some(d) = spec.data.first() {
+            return Err(RuntimeError::Spec(format!(
+                "variable-length batches do not take data tensors yet (the spec declares `{}`); \
+                 pad the batch, or give each sequence its own call",
+                d.name
+            )));
+        }
         let reads_batch = spec
             .score_mod
             .as_ref()

@@ -17,63 +17,7 @@ use attn_dsl::reference::rope;
 use attn_dsl::{AttentionSpec, DType, KvLayout, Rope, RopeScaling};
 use std::fmt;
 
-/// Where a spec's parameters lie in the one f32 buffer kernels read them from: each tensor
-/// row-major, in declaration order, back to back.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct ParamLayout {
-    /// One slot per declared parameter.
-    pub slots: Vec<ParamSlot>,
-}
-
-/// One parameter's place in a [`ParamLayout`].
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ParamSlot {
-    /// The declared name.
-    pub name: String,
-    /// The resolved shape.
-    pub shape: Vec<usize>,
-    /// Index of its first element in the buffer.
-    pub offset: usize,
-}
-
-impl ParamLayout {
-    /// The layout of a valid spec's parameters (validation bounds the total to 2^24).
-    pub fn of(spec: &AttentionSpec) -> ParamLayout {
-        let mut offset = 0;
-        let slots = spec
-            .params
-            .iter()
-            .map(|p| {
-                let shape = spec.param_shape(p);
-                let slot = ParamSlot {
-                    name: p.name.clone(),
-                    offset,
-                    shape,
-                };
-                offset += slot.shape.iter().product::<usize>();
-                slot
-            })
-            .collect();
-        ParamLayout { slots }
-    }
-
-    /// Elements in the buffer.
-    pub fn len(&self) -> usize {
-        self.slots
-            .last()
-            .map_or(0, |s| s.offset + s.shape.iter().product::<usize>())
-    }
-
-    /// Whether the spec has no parameters.
-    pub fn is_empty(&self) -> bool {
-        self.slots.is_empty()
-    }
-
-    /// The slot of the parameter `name`.
-    pub fn slot(&self, name: &str) -> Option<&ParamSlot> {
-        self.slots.iter().find(|s| s.name == name)
-    }
-}
+pub use crate::param_layout::{DataSlot, ParamLayout, ParamSlot};
 
 /// Which kernel a plan is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -227,7 +171,8 @@ pub struct KernelPlan {
     /// natural units, over the raw score the kernel sees ([`ScoreProgram::param_gradients`]
     /// of `program.score`, times `2 ln 2`). Empty for forward and decode plans.
     pub param_grads: Vec<(ParamRead, Expr)>,
-    /// Where each parameter lies in the one f32 buffer kernels read them from.
+    /// Where each parameter lies in the one 32-bit buffer kernels read them from, and where a
+    /// call puts its data tensors.
     pub params: ParamLayout,
     /// Output.
     pub epilogue: Epilogue,
@@ -722,13 +667,22 @@ impl fmt::Display for KernelPlan {
             }
         }
         if !self.params.is_empty() {
-            let slots: Vec<String> = self
+            let slots = self
                 .params
                 .slots
                 .iter()
-                .map(|s| format!("{} {:?} at {}", s.name, s.shape, s.offset))
-                .collect();
-            writeln!(f, "  params    one f32 buffer: {}", slots.join(", "))?;
+                .map(|s| format!("{} {:?} at {}", s.name, s.shape, s.offset));
+            let data = self.params.data.iter().map(|d| {
+                format!(
+                    "{} ({} {}-d, header at {})",
+                    d.name,
+                    d.dtype.name(),
+                    d.rank,
+                    d.header
+                )
+            });
+            let all: Vec<String> = slots.chain(data).collect();
+            writeln!(f, "  params    one 32-bit buffer: {}", all.join(", "))?;
         }
         match &self.masking {
             TileMasking::Unmasked => writeln!(f, "  tiling    every tile unmasked")?,

@@ -140,7 +140,7 @@ fn ir_grad_prints_the_derivative_with_respect_to_each_parameter_read() {
     );
     assert!(text.contains("-- d score / d sinks --"), "{text}");
     assert!(
-        text.contains("params    one f32 buffer: t [4] at 0"),
+        text.contains("params    one 32-bit buffer: t [4] at 0"),
         "{text}"
     );
 }

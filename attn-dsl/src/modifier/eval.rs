@@ -86,7 +86,7 @@ pub struct Env<'p> {
     pub qi: i64,
     /// [`Var::KeyIndex`].
     pub ki: i64,
-    /// The parameters [`Expr::Param`] reads, by name (a missing one reads as NaN).
+    /// The tensors [`Expr::Param`] reads, by name (a missing one reads as NaN, or 0 as i64).
     pub params: &'p [ParamValues],
 }
 
@@ -139,12 +139,16 @@ pub fn eval(expr: &Expr, env: &Env<'_>) -> Value {
                     other => other.as_f64() as i64,
                 })
                 .collect();
-            Value::F(
-                env.params
-                    .iter()
-                    .find(|p| p.name == read.name)
-                    .map_or(f64::NAN, |p| p.at(&indices)),
-            )
+            let x = env
+                .params
+                .iter()
+                .find(|p| p.name == read.name)
+                .map_or(f64::NAN, |p| p.at(&indices));
+            match read.ty {
+                // i32 data: exact in f64; a missing tensor reads as 0.
+                Ty::I64 => Value::I(if x.is_nan() { 0 } else { x as i64 }),
+                _ => Value::F(x),
+            }
         }
     }
 }

@@ -30,6 +30,7 @@ pub fn fold(expr: &Expr) -> Expr {
         Expr::Param(read) => Expr::Param(super::ParamRead {
             name: read.name.clone(),
             indices: read.indices.iter().map(fold).collect(),
+            ty: read.ty,
         }),
     };
     if is_constant(&folded) {

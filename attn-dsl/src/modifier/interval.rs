@@ -182,7 +182,10 @@ pub fn analyze(expr: &Expr, bounds: &TileBounds) -> Range {
                 nan: slice.iter().any(|v| v.is_nan()),
             }
         }
-        // A parameter may hold any value, NaN included.
+        // A tensor may hold any value, NaN included; i32 data any i32.
+        Expr::Param(read) if read.ty == super::Ty::I64 => {
+            Range::Int(Interval::new(i64::from(i32::MIN), i64::from(i32::MAX)))
+        }
         Expr::Param(_) => FLOAT_ANY,
     }
 }

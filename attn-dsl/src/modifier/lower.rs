@@ -5,10 +5,37 @@ use super::grad::{GradNote, derivative};
 use super::{
     BinOp, Expr, MASK_MOD_PARAMS, MaskMod, ParamRead, SCORE_MOD_PARAMS, ScoreMod, Ty, UnOp, Var,
 };
-use crate::spec::ParamDecl;
+use crate::spec::{DataDecl, ParamDecl};
 use proc_macro2::Span;
 use std::cell::RefCell;
 use syn::spanned::Spanned;
+
+/// The tensors a modifier may read: the spec's parameters and data tensors.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct Readable<'s> {
+    /// `params(...)`.
+    pub params: &'s [ParamDecl],
+    /// `data(...)`.
+    pub data: &'s [DataDecl],
+}
+
+impl Readable<'_> {
+    /// The number of dimensions of the tensor `name` and the type its elements read as.
+    fn find(&self, name: &str) -> Option<(usize, Ty)> {
+        let param = self.params.iter().find(|p| p.name == name);
+        let data = self.data.iter().find(|d| d.name == name);
+        param
+            .map(|p| (p.dims.len(), Ty::F32))
+            .or(data.map(|d| (d.dims.len(), d.dtype.read_ty())))
+    }
+
+    fn names(&self) -> Vec<&str> {
+        let params = self.params.iter().map(|p| p.name.as_str());
+        params
+            .chain(self.data.iter().map(|d| d.name.as_str()))
+            .collect()
+    }
+}
 
 /// A lowered score modifier and the parameter reads in it, each with the span of its tokens
 /// (for the index bounds the spec proves once every dimension is known).
@@ -20,7 +47,7 @@ pub(crate) struct LoweredScoreMod {
 /// Lowers `|score, b, h, q, k| body` (body of type f32); `NAME[i, ..]` reads one of `params`.
 pub(crate) fn lower_score_mod(
     closure: &syn::ExprClosure,
-    params: &[ParamDecl],
+    params: Readable,
 ) -> syn::Result<LoweredScoreMod> {
     let (names, body, reads) =
         lower_closure(closure, &SCORE_MOD_PARAMS, Ty::F32, "score_mod", params)?;
@@ -39,7 +66,7 @@ pub(crate) fn lower_score_mod(
 /// it is about (else at the body). Empty when the closure does not lower or has no derivative.
 pub(crate) fn score_mod_notes(
     closure: &syn::ExprClosure,
-    params: &[ParamDecl],
+    params: Readable,
 ) -> Vec<(GradNote, Span)> {
     let Ok(LoweredScoreMod {
         score_mod: lowered, ..
@@ -119,11 +146,12 @@ fn block_exprs(block: &syn::Block) -> impl Iterator<Item = &syn::Expr> {
 /// can say why a mask may not read them (masks are not differentiable).
 pub(crate) fn lower_mask_mod(
     closure: &syn::ExprClosure,
-    params: &[ParamDecl],
-) -> syn::Result<MaskMod> {
-    let (params, body, _) = lower_closure(closure, &MASK_MOD_PARAMS, Ty::Bool, "mask_mod", params)?;
+    params: Readable,
+) -> syn::Result<(MaskMod, Vec<(ParamRead, Span)>)> {
+    let (params, body, reads) =
+        lower_closure(closure, &MASK_MOD_PARAMS, Ty::Bool, "mask_mod", params)?;
     let params = params.try_into().expect("arity checked by lower_closure");
-    Ok(MaskMod { params, body })
+    Ok((MaskMod { params, body }, reads))
 }
 
 type Lowered = (Vec<String>, Expr, Vec<(ParamRead, Span)>);
@@ -133,7 +161,7 @@ fn lower_closure(
     roles: &[Var],
     want: Ty,
     what: &str,
-    params: &[ParamDecl],
+    params: Readable,
 ) -> syn::Result<Lowered> {
     let signature = match roles.len() {
         5 => "|score, b, h, q, k|",
@@ -184,12 +212,12 @@ fn lower_closure(
                 ));
             }
         };
-        if params.iter().any(|p| p.name == name) {
+        if params.find(&name).is_some() {
             return Err(syn::Error::new_spanned(
                 pat,
                 format!(
-                    "`{name}` is both a closure parameter and a declared parameter in \
-                     params(...); rename one"
+                    "`{name}` is both a closure parameter and a tensor declared in \
+                     params(...) or data(...); rename one"
                 ),
             ));
         }
@@ -219,8 +247,8 @@ fn lower_closure(
 struct Scope<'p> {
     /// The closure's parameters and the variables they stand for.
     vars: Vec<(String, Var)>,
-    /// The parameters `NAME[..]` may read.
-    params: &'p [ParamDecl],
+    /// The tensors `NAME[..]` may read.
+    params: Readable<'p>,
     /// The reads lowered so far, with their spans.
     reads: RefCell<Vec<(ParamRead, Span)>>,
 }
@@ -244,7 +272,7 @@ fn lower_expr(expr: &syn::Expr, scope: &Scope) -> syn::Result<(Expr, Ty)> {
             "unsupported syntax in a modifier; allowed: parameters, numbers, true/false, \
              + - * / %, comparisons, && || !, if/else, `as f32`/`as i64`, the methods \
              abs, min, max, exp, ln, tanh, sqrt, `min(a, b)`, `max(a, b)`, and reads \
-             `NAME[i, ..]` of tensors declared in params(...)",
+             `NAME[i, ..]` of tensors declared in params(...) or data(...)",
         )),
     }
 }
@@ -258,7 +286,7 @@ fn lower_index(i: &syn::ExprIndex, scope: &Scope) -> syn::Result<(Expr, Ty)> {
     let Some(name) = name else {
         return Err(syn::Error::new_spanned(
             &i.expr,
-            "only a parameter declared in params(...) can be indexed",
+            "only a tensor declared in params(...) or data(...) can be indexed",
         ));
     };
     if scope.vars.iter().any(|(n, _)| *n == name) {
@@ -266,33 +294,35 @@ fn lower_index(i: &syn::ExprIndex, scope: &Scope) -> syn::Result<(Expr, Ty)> {
             &i.expr,
             format!(
                 "`{name}` is a closure parameter and cannot be indexed; only tensors declared \
-                 in params(...) can"
+                 in params(...) or data(...) can"
             ),
         ));
     }
-    let Some(decl) = scope.params.iter().find(|p| p.name == name) else {
-        let declared: Vec<&str> = scope.params.iter().map(|p| p.name.as_str()).collect();
+    let Some((arity, read_ty)) = scope.params.find(&name) else {
+        let declared = scope.params.names();
         let known = if declared.is_empty() {
-            "no parameters are declared (add `params(NAME: [DIM, ..])` to the spec)".to_string()
+            "no tensors are declared (add `params(NAME: [DIM, ..])` or \
+             `data(NAME: [DIM, ..] TYPE)` to the spec)"
+                .to_string()
         } else {
             format!("declared: {}", declared.join(", "))
         };
         return Err(syn::Error::new_spanned(
             &i.expr,
-            format!("unknown parameter `{name}`; {known}"),
+            format!("unknown tensor `{name}`; {known}"),
         ));
     };
     let written: Vec<&syn::Expr> = match &*i.index {
         syn::Expr::Tuple(t) => t.elems.iter().collect(),
         one => vec![one],
     };
-    if written.len() != decl.dims.len() {
+    if written.len() != arity {
         return Err(syn::Error::new_spanned(
             &i.index,
             format!(
                 "`{name}` has {} dimension{}, this reads it with {} ind{}",
-                decl.dims.len(),
-                if decl.dims.len() == 1 { "" } else { "s" },
+                arity,
+                if arity == 1 { "" } else { "s" },
                 written.len(),
                 if written.len() == 1 { "ex" } else { "ices" }
             ),
@@ -312,15 +342,19 @@ fn lower_index(i: &syn::ExprIndex, scope: &Scope) -> syn::Result<(Expr, Ty)> {
                 index,
                 format!(
                     "an index of `{name}` may use only b, h, q, k and constants, not the score \
-                     or another parameter"
+                     or another tensor"
                 ),
             ));
         }
         indices.push(e);
     }
-    let read = ParamRead { name, indices };
+    let read = ParamRead {
+        name,
+        indices,
+        ty: read_ty,
+    };
     scope.reads.borrow_mut().push((read.clone(), i.span()));
-    Ok((Expr::Param(read), Ty::F32))
+    Ok((Expr::Param(read), read_ty))
 }
 
 /// `min(a, b)` and `max(a, b)`, the free-function spellings of the methods.

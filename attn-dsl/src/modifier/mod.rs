@@ -30,7 +30,7 @@ pub mod scale;
 pub mod typecheck;
 
 pub use eval::{Env, ParamValues, Value, eval};
-pub(crate) use lower::{lower_mask_mod, lower_score_mod, score_mod_notes};
+pub(crate) use lower::{Readable, lower_mask_mod, lower_score_mod, score_mod_notes};
 pub use program::ScoreProgram;
 
 /// The type of a modifier expression.
@@ -187,18 +187,21 @@ pub enum Expr {
     /// `[v0, v1, ..][index]`: a constant f32 table (e.g. ALiBi slopes by head); the index is
     /// clamped into the table.
     Table(Vec<f64>, Box<Expr>),
-    /// `name[i, ..]`: one element of a learnable parameter tensor (f32), indices i64 and
-    /// clamped into each dimension (the spec proves they are in range).
+    /// `name[i, ..]`: one element of a learnable parameter tensor (f32) or of a data tensor
+    /// (f32, or i32 read as i64), indices i64 and clamped into each dimension (the spec proves
+    /// fixed dimensions in range, a call its batch and sequence dimensions).
     Param(ParamRead),
 }
 
-/// A read of one element of a learnable parameter: `name[i, j, ..]`.
+/// A read of one element of a learnable parameter or a data tensor: `name[i, j, ..]`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ParamRead {
-    /// The parameter's name, as declared in `params(...)`.
+    /// The tensor's name, as declared in `params(...)` or `data(...)`.
     pub name: String,
     /// One i64 index per dimension, outermost first.
     pub indices: Vec<Expr>,
+    /// The type of the value read: f32 for parameters and f32 data, i64 for i32 data.
+    pub ty: Ty,
 }
 
 impl Expr {
@@ -235,6 +238,7 @@ impl Expr {
                     .iter()
                     .map(|i| i.substitute(var, with))
                     .collect(),
+                ty: read.ty,
             }),
         }
     }
@@ -357,13 +361,19 @@ impl ScoreMod {
 }
 
 impl MaskMod {
-    /// Whether the key is kept.
+    /// Whether the key is kept, for a mask that reads no data tensor.
     pub fn keeps(&self, b: i64, h: i64, q: i64, k: i64) -> bool {
+        self.keeps_with(b, h, q, k, &[])
+    }
+
+    /// [`MaskMod::keeps`] with the values of the data tensors the mask reads.
+    pub fn keeps_with(&self, b: i64, h: i64, q: i64, k: i64, data: &[ParamValues]) -> bool {
         let env = Env {
             b,
             h,
             q,
             k,
+            params: data,
             ..Env::default()
         };
         eval(&self.body, &env).as_bool()

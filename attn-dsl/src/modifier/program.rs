@@ -88,13 +88,15 @@ impl ScoreProgram {
         Ok(gradient)
     }
 
-    /// For each distinct parameter read of the score, `d score / d read` (the value read),
-    /// folded, in first-read order. A parameter's gradient sums `dS * d score / d read` over
-    /// every kept pair, into the element each read reads at that pair.
+    /// For each distinct f32 read of the score (a parameter or f32 data), `d score / d read`
+    /// (the value read), folded, in first-read order. A tensor's gradient sums
+    /// `dS * d score / d read` over every kept pair, into the element each read reads at that
+    /// pair. Reads of i32 data have none.
     pub fn param_gradients(&self) -> Result<Vec<(ParamRead, Expr)>, super::grad::GradError> {
         self.score
             .param_reads()
             .into_iter()
+            .filter(|read| read.ty == Ty::F32)
             .map(|read| {
                 let gradient = super::grad::derivative_wrt_param(&self.score, &read)?;
                 Ok((read, super::fold::fold(&gradient.expr)))

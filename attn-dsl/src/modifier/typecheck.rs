@@ -131,7 +131,13 @@ pub fn typecheck(expr: &Expr) -> Result<Ty, TypeError> {
                     }
                 }
             }
-            Ok(Ty::F32)
+            match read.ty {
+                Ty::F32 | Ty::I64 => Ok(read.ty),
+                Ty::Bool => Err(error(
+                    expr,
+                    format!("`{}` is read as bool; tensors hold f32 or i64", read.name),
+                )),
+            }
         }
     }
 }

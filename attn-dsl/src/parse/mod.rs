@@ -8,19 +8,21 @@
 
 mod edit;
 mod limits;
+mod notes;
 mod params;
 mod values;
 
 pub use edit::{set_key, settable_keys};
+pub use notes::gradient_notes;
 
 pub use limits::{MAX_BRACKET_DEPTH, MAX_EXPR_DEPTH, MAX_LITERAL_CHARS, MAX_SPEC_BYTES};
 
-use crate::error::{SpecError, SpecErrors};
+use crate::error::SpecErrors;
 use crate::learnable::Subject;
-use crate::modifier::{lower_mask_mod, lower_score_mod};
+use crate::modifier::{Readable, lower_mask_mod, lower_score_mod};
 use crate::spec::{
-    AttentionSpec, CausalAlign, DType, KvLayout, LongRope, Mask, Mla, ParamDecl, Position, Rope,
-    RopeLayout, RopeScaling, Sinks, Yarn,
+    AttentionSpec, CausalAlign, DType, DataDecl, KvLayout, LongRope, Mask, Mla, ParamDecl,
+    Position, Rope, RopeLayout, RopeScaling, Sinks, Yarn,
 };
 use proc_macro2::{Spacing, Span, TokenStream, TokenTree};
 use quote::ToTokens;
@@ -46,10 +48,11 @@ const KEYS: &[&str] = &[
     "sinks",
     "mla",
     "params",
+    "data",
 ];
 
 /// The keys that are items of their own, `NAME(...)`, not `key = value`.
-const CALL_ITEMS: &[&str] = &["mla", "params"];
+const CALL_ITEMS: &[&str] = &["mla", "params", "data"];
 
 /// Parses a spec from a string. Errors carry line:column locations; render them with
 /// [`SpecErrors::render`].
@@ -71,43 +74,6 @@ pub fn parse_str(source: &str) -> Result<AttentionSpec, SpecErrors> {
         ))
     })?;
     parse_tokens(tokens).map_err(SpecErrors::from_syn)
-}
-
-/// The backward pass's notes on a spec string's `score_mod`: where its derivative with respect
-/// to the score is only piecewise (`abs`, `min`, `max`, a condition on the score) or zero
-/// almost everywhere (the score made an integer), each at the tokens it is about (render them
-/// with [`SpecError::render_as`] and the label `note`). Empty for a spec without a score
-/// modifier, and for one that does not parse ([`parse_str`] says why).
-pub fn gradient_notes(source: &str) -> Vec<SpecError> {
-    let Ok(tokens) = source.parse::<TokenStream>() else {
-        return Vec::new();
-    };
-    if limits::check(&tokens).is_err() {
-        return Vec::new();
-    }
-    let Ok(items) = params::split_items(tokens) else {
-        return Vec::new();
-    };
-    let declared: Vec<ParamDecl> = items
-        .params
-        .iter()
-        .filter_map(|item| params::declarations(item).ok())
-        .flatten()
-        .map(|(decl, _)| decl)
-        .collect();
-    let closure = items.rest.iter().find_map(|item| match item {
-        syn::Expr::Assign(a) => match (&*a.left, &*a.right) {
-            (syn::Expr::Path(p), syn::Expr::Closure(c)) if p.path.is_ident("score_mod") => Some(c),
-            _ => None,
-        },
-        _ => None,
-    });
-    closure.map_or_else(Vec::new, |c| {
-        crate::modifier::score_mod_notes(c, &declared)
-            .into_iter()
-            .map(|(note, span)| SpecError::at(format!("backward: {note}"), span))
-            .collect()
-    })
 }
 
 /// A key followed by `:` (`heads: 32`, as in JSON or YAML): the error that says to write `=`.
@@ -150,11 +116,15 @@ pub fn parse_tokens(tokens: TokenStream) -> syn::Result<AttentionSpec> {
         more_errors: 0,
         raw: Raw::default(),
         decl_tokens: Vec::new(),
+        data_tokens: Vec::new(),
         reads: Vec::new(),
     };
-    // Declarations first: the score modifier's reads are resolved against them.
+    // Declarations first: the modifiers' reads are resolved against them.
     for item in &items.params {
         p.params_item(item);
+    }
+    for item in &items.data {
+        p.data_item(item);
     }
     for item in &items.rest {
         p.item(item);
@@ -225,6 +195,7 @@ struct Raw {
     score_mod: Option<crate::modifier::ScoreMod>,
     mask_mod: Option<crate::modifier::MaskMod>,
     params: Vec<ParamDecl>,
+    data: Vec<DataDecl>,
     sinks: Option<Sinks>,
 }
 
@@ -252,7 +223,9 @@ struct SpecParser {
     raw: Raw,
     /// The tokens of each declaration in `raw.params`.
     decl_tokens: Vec<TokenStream>,
-    /// The score modifier's parameter reads, with their spans.
+    /// The tokens of each declaration in `raw.data`.
+    data_tokens: Vec<TokenStream>,
+    /// The modifiers' tensor reads, with their spans.
     reads: Vec<(crate::modifier::ParamRead, Span)>,
 }
 
@@ -307,7 +280,11 @@ impl SpecParser {
                     Some(i) if i == "params" => {
                         "`params` needs its declarations: params(NAME: [DIM, ..], ..)".to_string()
                     }
-                    _ => "expected `key = value`, `mla(...)` or `params(...)`".to_string(),
+                    Some(i) if i == "data" => {
+                        "`data` needs its declarations: data(NAME: [DIM, ..] TYPE, ..)".to_string()
+                    }
+                    _ => "expected `key = value`, `mla(...)`, `params(...)` or `data(...)`"
+                        .to_string(),
                 };
                 self.error(syn::Error::new_spanned(other, hint));
             }
@@ -374,9 +351,13 @@ impl SpecParser {
             "mask" => self.raw.mask = Some(self.mask(&v)?),
             "position" => self.raw.position = Some(self.position(&v)?),
             "score_mod" => {
-                let lowered = lower_score_mod(v.closure()?, &self.raw.params)?;
+                let readable = Readable {
+                    params: &self.raw.params,
+                    data: &self.raw.data,
+                };
+                let lowered = lower_score_mod(v.closure()?, readable)?;
                 self.raw.score_mod = Some(lowered.score_mod);
-                self.reads = lowered.reads;
+                self.reads.extend(lowered.reads);
             }
             "sinks" => {
                 self.raw.sinks = Some(match v.word(&["none", "learned"])? {
@@ -385,7 +366,13 @@ impl SpecParser {
                 })
             }
             "mask_mod" => {
-                self.raw.mask_mod = Some(lower_mask_mod(v.closure()?, &self.raw.params)?);
+                let readable = Readable {
+                    params: &self.raw.params,
+                    data: &self.raw.data,
+                };
+                let (mask_mod, reads) = lower_mask_mod(v.closure()?, readable)?;
+                self.raw.mask_mod = Some(mask_mod);
+                self.reads.extend(reads);
             }
             _ => unreachable!("every key in KEYS is handled"),
         }
@@ -646,6 +633,33 @@ impl SpecParser {
         }
     }
 
+    /// Reads a `data(...)` item's declarations.
+    fn data_item(&mut self, item: &TokenStream) {
+        if self.claim("data", item, item.clone()).is_err() {
+            self.error(syn::Error::new_spanned(
+                item,
+                "data(...) appears twice; declare every data tensor in one data(...)",
+            ));
+            return;
+        }
+        match params::data_declarations(item) {
+            Ok((decls, error)) => {
+                for (decl, tokens) in decls {
+                    self.raw.data.push(decl);
+                    self.data_tokens.push(tokens);
+                }
+                if let Some(e) = error {
+                    self.failed.insert("data");
+                    self.error(e);
+                }
+            }
+            Err(e) => {
+                self.failed.insert("data");
+                self.error(e);
+            }
+        }
+    }
+
     /// Reports the rules about parameters at the tokens each is about; returns the messages,
     /// so validation does not repeat them.
     fn place_learnable_findings(&mut self, spec: &AttentionSpec) -> HashSet<String> {
@@ -653,12 +667,15 @@ impl SpecParser {
         for (subject, message) in crate::learnable::findings(spec) {
             let tokens = match &subject {
                 Subject::Decl(i) => self.decl_tokens.get(*i).or(self.spans.get("params")),
+                Subject::DataDecl(i) => self.data_tokens.get(*i).or(self.spans.get("data")),
                 Subject::MaskMod => self.spans.get("mask_mod"),
                 Subject::Spec => self.spans.get("mla"),
-                Subject::Read(_) => None,
+                Subject::Read(_) | Subject::MaskRead(_) => None,
             };
             let read_span = match &subject {
-                Subject::Read(read) => self.reads.iter().find(|(r, _)| r == read).map(|r| r.1),
+                Subject::Read(read) | Subject::MaskRead(read) => {
+                    self.reads.iter().find(|(r, _)| r == read).map(|r| r.1)
+                }
                 _ => None,
             };
             let err = match (tokens, read_span) {
@@ -733,6 +750,7 @@ impl SpecParser {
             score_mod: raw.score_mod,
             mask_mod: raw.mask_mod,
             params: raw.params,
+            data: raw.data,
             sinks: raw.sinks.unwrap_or_default(),
         })
     }
@@ -747,6 +765,7 @@ fn unknown_key(key: &syn::Ident, name: &str) -> syn::Error {
     let hint = match best {
         Some((_, "mla")) => "; did you mean `mla(latent_rank = .., rope_dim = ..)`?".to_string(),
         Some((_, "params")) => "; did you mean `params(NAME: [DIM, ..])`?".to_string(),
+        Some((_, "data")) => "; did you mean `data(NAME: [DIM, ..] TYPE)`?".to_string(),
         Some((_, k)) => format!("; did you mean `{k}`?"),
         None => format!("; allowed keys: {}", KEYS.join(", ")),
     };

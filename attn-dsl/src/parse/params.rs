@@ -1,30 +1,36 @@
-//! `params(NAME: [DIM, ..], ..)` and reads `NAME[i, j]`: the two forms syn cannot parse as
-//! Rust expressions. The spec's tokens are split into its `params(...)` items, read here, and
-//! the rest, in which every `IDENT[a, b, ..]` is rewritten to `IDENT[(a, b, ..)]` (a tuple
-//! index, which the modifier lowering unpacks). Rewritten tokens keep their spans.
+//! `params(NAME: [DIM, ..], ..)`, `data(NAME: [DIM, ..] TYPE, ..)` and reads `NAME[i, j]`: the
+//! forms syn cannot parse as Rust expressions. The spec's tokens are split into its
+//! `params(...)` and `data(...)` items, read here, and the rest, in which every
+//! `IDENT[a, b, ..]` is rewritten to `IDENT[(a, b, ..)]` (a tuple index, which the modifier
+//! lowering unpacks). Rewritten tokens keep their spans.
 
-use crate::spec::{ParamDecl, ParamDim};
+use crate::spec::{DataDecl, DataDim, DataType, ParamDecl, ParamDim};
 use proc_macro2::{Delimiter, Group, TokenStream, TokenTree};
 use quote::ToTokens;
 use syn::parse::{ParseStream, Parser};
 use syn::punctuated::Punctuated;
 
-/// A spec's items: the `params(...)` ones, and the rest as Rust expressions.
+/// A spec's items: the `params(...)` and `data(...)` ones, and the rest as Rust expressions.
 pub(super) struct SpecItems {
     /// Each `params(...)` item's tokens.
     pub params: Vec<TokenStream>,
+    /// Each `data(...)` item's tokens.
+    pub data: Vec<TokenStream>,
     /// Every other item.
     pub rest: Punctuated<syn::Expr, syn::Token![,]>,
 }
 
-/// Splits `tokens` into its `params(...)` items and the other items, parsed.
+/// Splits `tokens` into its `params(...)` and `data(...)` items and the other items, parsed.
 pub(super) fn split_items(tokens: TokenStream) -> syn::Result<SpecItems> {
     let mut params = Vec::new();
+    let mut data = Vec::new();
     let mut rest = TokenStream::new();
     let mut chunk: Vec<TokenTree> = Vec::new();
     let mut flush = |chunk: &mut Vec<TokenTree>, comma: Option<TokenTree>| {
-        if is_params_item(chunk) {
+        if is_declaration_item(chunk, "params") {
             params.push(chunk.drain(..).collect());
+        } else if is_declaration_item(chunk, "data") {
+            data.push(chunk.drain(..).collect());
         } else {
             rest.extend(chunk.drain(..));
             rest.extend(comma);
@@ -38,15 +44,15 @@ pub(super) fn split_items(tokens: TokenStream) -> syn::Result<SpecItems> {
     }
     flush(&mut chunk, None);
     let rest = Punctuated::parse_terminated.parse2(bracket_tuples(rest))?;
-    Ok(SpecItems { params, rest })
+    Ok(SpecItems { params, data, rest })
 }
 
-/// Whether a top-level chunk between commas is exactly `params ( ... )`. (A closure's
+/// Whether a top-level chunk between commas is exactly `KEYWORD ( ... )`. (A closure's
 /// parameter list also has top-level commas, but no chunk of one is an identifier followed by
 /// a parenthesized group.)
-fn is_params_item(chunk: &[TokenTree]) -> bool {
+fn is_declaration_item(chunk: &[TokenTree], keyword: &str) -> bool {
     matches!(chunk, [TokenTree::Ident(i), TokenTree::Group(g)]
-        if i == "params" && g.delimiter() == Delimiter::Parenthesis)
+        if i == keyword && g.delimiter() == Delimiter::Parenthesis)
 }
 
 /// `IDENT[a, b]` as `IDENT[(a, b)]`, at every depth.
@@ -85,25 +91,35 @@ fn has_top_level_comma(tokens: &TokenStream) -> bool {
         .any(|t| matches!(t, TokenTree::Punct(p) if p.as_char() == ','))
 }
 
-/// The declarations of one `params(...)` item, each with the span of its tokens.
-pub(super) fn declarations(item: &TokenStream) -> syn::Result<Vec<(ParamDecl, TokenStream)>> {
+/// One declaration as written: its name, dimensions, element type (in `data(...)`) and tokens.
+struct Written {
+    name: syn::Ident,
+    dims: Vec<syn::Expr>,
+    ty: Option<syn::Ident>,
+    tokens: TokenStream,
+}
+
+/// The declarations of one `params(...)` (`typed` false) or `data(...)` item.
+fn written(item: &TokenStream, typed: bool) -> syn::Result<Vec<Written>> {
+    let (keyword, form) = if typed {
+        ("data", "data(NAME: [DIM, ..] TYPE, ..)")
+    } else {
+        ("params", "params(NAME: [DIM, ..], ..)")
+    };
     let group = match item.clone().into_iter().nth(1) {
         Some(TokenTree::Group(g)) => g,
-        _ => unreachable!("split_items keeps only `params ( .. )` items"),
+        _ => unreachable!("split_items keeps only `{keyword} ( .. )` items"),
     };
-    let parse = |input: ParseStream| -> syn::Result<Vec<(ParamDecl, TokenStream)>> {
+    let parse = |input: ParseStream| -> syn::Result<Vec<Written>> {
         let mut decls = Vec::new();
         while !input.is_empty() {
             let name: syn::Ident = input.parse().map_err(|e| {
-                syn::Error::new(
-                    e.span(),
-                    "expected a parameter name: params(NAME: [DIM, ..])",
-                )
+                syn::Error::new(e.span(), format!("expected a tensor name: {form}"))
             })?;
             let colon: syn::Token![:] = input.parse().map_err(|e| {
                 syn::Error::new(
                     e.span(),
-                    format!("expected `:` and the shape after `{name}`: {name}: [DIM, ..]"),
+                    format!("expected `:` and the shape after `{name}`: {form}"),
                 )
             })?;
             let content;
@@ -114,17 +130,26 @@ pub(super) fn declarations(item: &TokenStream) -> syn::Result<Vec<(ParamDecl, To
             let mut shape = TokenStream::new();
             bracket.surround(&mut shape, |t| dims.to_tokens(t));
             tokens.extend(shape);
-            let dims = dims
-                .iter()
-                .map(dimension)
-                .collect::<syn::Result<Vec<_>>>()?;
-            decls.push((
-                ParamDecl {
-                    name: name.to_string(),
-                    dims,
-                },
+            let ty = if typed {
+                let ty: syn::Ident = input.parse().map_err(|_| {
+                    syn::Error::new_spanned(
+                        &tokens,
+                        format!(
+                            "expected the element type of `{name}` after its shape: i32 or f32"
+                        ),
+                    )
+                })?;
+                ty.to_tokens(&mut tokens);
+                Some(ty)
+            } else {
+                None
+            };
+            decls.push(Written {
+                name,
+                dims: dims.into_iter().collect(),
+                ty,
                 tokens,
-            ));
+            });
             if input.is_empty() {
                 break;
             }
@@ -136,30 +161,102 @@ pub(super) fn declarations(item: &TokenStream) -> syn::Result<Vec<(ParamDecl, To
     if decls.is_empty() {
         return Err(syn::Error::new(
             group.span(),
-            "params(...) declares nothing; write params(NAME: [DIM, ..], ..)",
+            format!("{keyword}(...) declares nothing; write {form}"),
         ));
     }
     Ok(decls)
 }
 
-/// One dimension: an integer literal, `heads` or `kv_heads`.
-fn dimension(e: &syn::Expr) -> syn::Result<ParamDim> {
-    const ALLOWED: &str = "allowed: an integer, `heads` or `kv_heads`";
+/// The declarations of one `params(...)` item, each with the span of its tokens.
+pub(super) fn declarations(item: &TokenStream) -> syn::Result<Vec<(ParamDecl, TokenStream)>> {
+    written(item, false)?
+        .into_iter()
+        .map(|w| {
+            let dims = w
+                .dims
+                .iter()
+                .map(|e| {
+                    dimension(e, false).map(|d| match d {
+                        DataDim::Fixed(n) => ParamDim::Fixed(n),
+                        DataDim::Heads => ParamDim::Heads,
+                        _ => ParamDim::KvHeads,
+                    })
+                })
+                .collect::<syn::Result<Vec<_>>>()?;
+            let name = w.name.to_string();
+            Ok((ParamDecl { name, dims }, w.tokens))
+        })
+        .collect()
+}
+
+/// Declarations, each with its tokens.
+pub(super) type Declared<T> = Vec<(T, TokenStream)>;
+
+/// The declarations of one `data(...)` item, each with the span of its tokens, and the first
+/// error in a dimension or type. A declaration with such an error is still returned (the
+/// dimension as `seq`, the type as i32), so that reads of it do not add errors of their own.
+pub(super) fn data_declarations(
+    item: &TokenStream,
+) -> syn::Result<(Declared<DataDecl>, Option<syn::Error>)> {
+    let mut first_error = None;
+    let mut keep = |e: syn::Error| {
+        first_error.get_or_insert(e);
+    };
+    let mut decls = Vec::new();
+    for w in written(item, true)? {
+        let dims = w
+            .dims
+            .iter()
+            .map(|e| {
+                dimension(e, true).unwrap_or_else(|err| {
+                    keep(err);
+                    DataDim::Seq
+                })
+            })
+            .collect();
+        let ty = w.ty.expect("typed declarations carry a type");
+        let dtype = match ty.to_string().as_str() {
+            "i32" => DataType::I32,
+            "f32" => DataType::F32,
+            other => {
+                keep(syn::Error::new_spanned(
+                    &ty,
+                    format!("`{other}` is not a data type; allowed: i32 or f32"),
+                ));
+                DataType::I32
+            }
+        };
+        let name = w.name.to_string();
+        decls.push((DataDecl { name, dims, dtype }, w.tokens));
+    }
+    Ok((decls, first_error))
+}
+
+/// One dimension: an integer literal, `heads` or `kv_heads`, and in `data(...)` (`call`)
+/// also `batch` and `seq`.
+fn dimension(e: &syn::Expr, call: bool) -> syn::Result<DataDim> {
+    let allowed = if call {
+        "allowed: an integer, `heads`, `kv_heads`, `batch` or `seq`"
+    } else {
+        "allowed: an integer, `heads` or `kv_heads`"
+    };
     match e {
         syn::Expr::Lit(syn::ExprLit {
             lit: syn::Lit::Int(i),
             ..
-        }) if i.suffix().is_empty() => i.base10_parse::<u32>().map(ParamDim::Fixed).map_err(|_| {
+        }) if i.suffix().is_empty() => i.base10_parse::<u32>().map(DataDim::Fixed).map_err(|_| {
             syn::Error::new_spanned(
                 i,
                 format!("dimension {i} is too large; allowed: at most {}", u32::MAX),
             )
         }),
-        syn::Expr::Path(p) if p.path.is_ident("heads") => Ok(ParamDim::Heads),
-        syn::Expr::Path(p) if p.path.is_ident("kv_heads") => Ok(ParamDim::KvHeads),
+        syn::Expr::Path(p) if p.path.is_ident("heads") => Ok(DataDim::Heads),
+        syn::Expr::Path(p) if p.path.is_ident("kv_heads") => Ok(DataDim::KvHeads),
+        syn::Expr::Path(p) if call && p.path.is_ident("batch") => Ok(DataDim::Batch),
+        syn::Expr::Path(p) if call && p.path.is_ident("seq") => Ok(DataDim::Seq),
         other => Err(syn::Error::new_spanned(
             other,
-            format!("not a dimension; {ALLOWED}"),
+            format!("not a dimension; {allowed}"),
         )),
     }
 }

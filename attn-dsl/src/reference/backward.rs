@@ -26,8 +26,8 @@ pub struct Gradients {
     pub dk: Array,
     /// `dL/dv`, `[B, Hkv, Skv, Dv]`.
     pub dv: Array,
-    /// The gradient of each learnable tensor, named `d<name>` (`dsinks` for the sinks), in the
-    /// order of [`AttentionSpec::learnable_tensors`]; empty without learnable tensors.
+    /// The gradient of each learnable tensor and f32 data tensor, named `d<name>` (`dsinks` for
+    /// the sinks): the parameters, the f32 data tensors, then the sinks; empty without them.
     pub learned: Vec<ParamValues>,
 }
 
@@ -65,7 +65,8 @@ pub fn backward_learned(
             spec.v_head_dim as usize,
         ],
     )?;
-    let learned = Learned::check(spec, learned)?;
+    let learned = Learned::check(spec, learned, &super::call_dims(inputs))?;
+    let spec = &crate::data::reads_at_offset(spec, inputs.position_offset);
     let derivative = ScoreProgram::of(spec)
         .score_gradient()
         .map_err(|e| ReferenceError::Gradient(e.to_string()))?
@@ -214,6 +215,11 @@ pub(super) fn rotated_gradients(
             }
         }
     }
+    // i32 data has no gradient.
+    dparams.retain(|d| {
+        spec.data_decl(&d.name[1..])
+            .is_none_or(|decl| decl.dtype == crate::spec::DataType::F32)
+    });
     if let Some(values) = dsinks {
         dparams.push(ParamValues {
             name: format!("d{SINKS_NAME}"),

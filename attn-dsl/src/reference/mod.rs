@@ -78,7 +78,8 @@ pub fn attention_learned(
     learned: &[ParamValues],
 ) -> Result<Output, ReferenceError> {
     let (q, k, positions) = attention_inputs(spec, inputs)?;
-    let learned = Learned::check(spec, learned)?;
+    let learned = Learned::check(spec, learned, &call_dims(inputs))?;
+    let spec = &crate::data::reads_at_offset(spec, inputs.position_offset);
     Ok(attend(spec, &q, &k, inputs.v, &positions, &learned))
 }
 
@@ -114,6 +115,16 @@ fn attention_inputs(
         ),
         _ => (inputs.q.clone(), inputs.k.clone(), positions),
     })
+}
+
+/// The call's dimensions, for its data tensors (the shapes were checked).
+fn call_dims(inputs: &Inputs) -> crate::data::CallDims {
+    crate::data::CallDims {
+        batch: inputs.q.shape()[0],
+        sq: inputs.q.shape()[2],
+        skv: inputs.k.shape()[2],
+        position_offset: inputs.position_offset,
+    }
 }
 
 fn check_spec(spec: &AttentionSpec) -> Result<(), ReferenceError> {
@@ -231,7 +242,7 @@ fn score(
         || spec
             .mask_mod
             .as_ref()
-            .is_some_and(|m| !m.keeps(bi, hi, pq, pk))
+            .is_some_and(|m| !m.keeps_with(bi, hi, pq, pk, params))
     {
         return None;
     }

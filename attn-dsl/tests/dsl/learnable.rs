@@ -129,7 +129,7 @@ fn each_bad_declaration_is_a_spanned_error() {
     );
     rejects(
         &format!("{base}params(w: [heads]), score_mod = |s, b, w, q, k| s"),
-        "`w` is both a closure parameter and a declared parameter",
+        "`w` is both a closure parameter and a tensor declared in params(...) or data(...)",
         "|s, b, ",
         "w",
     );
@@ -152,7 +152,7 @@ fn each_bad_read_is_a_spanned_error() {
     let base = "heads = 4, head_dim = 16, params(rel: [heads, 32]), ";
     rejects(
         &format!("{base}score_mod = |s, b, h, q, k| s + other[h]"),
-        "unknown parameter `other`; declared: rel",
+        "unknown tensor `other`; declared: rel",
         "s + ",
         "other",
     );

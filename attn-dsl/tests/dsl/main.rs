@@ -4,6 +4,7 @@
 //! snapshots. `support` holds the proptest generators and the check of a refusal's span.
 
 mod accounting;
+mod data;
 mod grad;
 mod interval;
 mod ir_snapshots;

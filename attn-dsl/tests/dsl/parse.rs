@@ -539,7 +539,7 @@ fn syntax_errors_are_located() {
     );
     rejects(
         "heads = 8, 64, head_dim = 64",
-        "expected `key = value`, `mla(...)` or `params(...)`",
+        "expected `key = value`, `mla(...)`, `params(...)` or `data(...)`",
         "",
         "64",
     );

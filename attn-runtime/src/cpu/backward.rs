@@ -104,7 +104,7 @@ pub(super) fn run(
             written_zeros(batch * hkv * skv * d),
             written_zeros(batch * hkv * skv * dv),
         ),
-        vec![0f32; plan.params.len()],
+        vec![0f32; x.params.len()],
     );
     if batch * hq * sq == 0 || skv == 0 {
         return Ok(grads);
@@ -116,7 +116,7 @@ pub(super) fn run(
         q: group * sq * d,
         k: skv * d,
         v: skv * dv,
-        params: plan.params.len(),
+        params: x.params.len(),
     };
     let (units, tiles) = (batch * hkv, skv.div_ceil(K));
     // Parameter gradients are summed per task in a fixed order of tiles, then over the tasks in

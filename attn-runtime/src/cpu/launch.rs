@@ -164,17 +164,13 @@ impl PackedPool {
     }
 }
 
-/// The parameter buffer as a kernel reads it (null without parameters), after checking that
-/// it holds exactly the plan's layout: generated code clamps each index into its parameter, so
-/// a buffer of that length is never read past.
+/// The parameter buffer as a kernel reads it (null without parameters or data), after checking
+/// that it holds the plan's layout: generated code clamps each index into its tensor (a data
+/// tensor's as its checked header says), so the buffer is never read past.
 pub(super) fn param_pointer(plan: &KernelPlan, params: &[f32]) -> Result<ParamPtr, RuntimeError> {
-    if params.len() != plan.params.len() {
-        return Err(RuntimeError::Data(format!(
-            "{} parameter values given; the spec's parameters hold {}",
-            params.len(),
-            plan.params.len()
-        )));
-    }
+    plan.params
+        .check_buffer(params)
+        .map_err(RuntimeError::Data)?;
     Ok(ParamPtr(if params.is_empty() {
         std::ptr::null()
     } else {

@@ -81,13 +81,9 @@ impl BackwardCall {
     ) -> Result<Prepared, RuntimeError> {
         let spec = variant.spec();
         let [b, sq, skv] = check_backward(spec, x)?;
-        let expected = codegen::plan::ParamLayout::of(spec).len();
-        if params.len() != expected {
-            return Err(RuntimeError::Data(format!(
-                "the backward got {} parameter values; the spec's params(...) hold {expected}",
-                params.len()
-            )));
-        }
+        codegen::plan::ParamLayout::of(spec)
+            .check_buffer(params)
+            .map_err(RuntimeError::Data)?;
         let p0 = x.position_offset;
         attn_dsl::reference::check_positions(sq, skv, p0)
             .map_err(|e| RuntimeError::Data(e.to_string()))?;
@@ -104,7 +100,8 @@ impl BackwardCall {
             })));
         }
         let plan = variant.backward_plan()?;
-        let param_copies = codegen::gpu::kernels::backward::param_copies(plan, [b, sq, skv]);
+        let param_copies =
+            codegen::gpu::kernels::backward::param_copies(plan, [b, sq, skv], params.len());
         let first_pos = p0 + (skv as i64 - sq as i64).min(0);
         let total_len = (skv as i64 + p0).max(0) as u64;
         let (rope_cos, rope_sin, rope_pos0) = match &plan.rope {
@@ -142,7 +139,7 @@ impl BackwardCall {
             )
         };
         Ok(Prepared::Launch(Box::new(BackwardCall {
-            grids: kernels.grids(plan, dims),
+            grids: kernels.grids(plan, dims, params.len()),
             kernels,
             inputs,
             codes,
@@ -231,6 +228,7 @@ impl BackwardCall {
                     param_partials: at.params[1],
                     param_copies: self.param_copies as i64,
                     dparams: at.params[2],
+                    param_len: self.params.len() as i64,
                 },
                 &[],
             )

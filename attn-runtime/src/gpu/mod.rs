@@ -77,10 +77,11 @@ pub struct GpuCall {
     /// The TMA maps of q, k and v the kernel takes after its launch record, their addresses
     /// left 0 (set where the inputs land); empty for kernels without them.
     pub tensor_maps: Vec<TensorMap>,
-    /// The spec's parameters, laid out as the plan's `ParamLayout` (empty without).
+    /// The spec's parameters and the call's data, laid out as the plan's `ParamLayout` (empty
+    /// without).
     pub params: Vec<f32>,
-    /// How many values the kernel reads from `params` (the layout's length).
-    pub param_len: usize,
+    /// Where the kernel reads its parameters and data headers in `params`.
+    pub layout: codegen::plan::ParamLayout,
 }
 
 /// What a forward launch needs besides q, k and v: its grid, tile codes and RoPE tables.
@@ -314,25 +315,20 @@ impl GpuCall {
             out_shape: [b, h, sq, dv],
             dtype,
             params: Vec::new(),
-            param_len: plan.params.len(),
+            layout: plan.params.clone(),
         }
     }
 
     /// An error unless the call holds the parameters its kernel reads (a call prepared without
     /// [`GpuCall::with_params`] for a spec that has some).
     pub(crate) fn check_params(&self) -> Result<(), RuntimeError> {
-        if self.params.len() == self.param_len {
-            return Ok(());
-        }
-        Err(RuntimeError::Data(format!(
-            "the call holds {} parameter values; its kernel reads {}",
-            self.params.len(),
-            self.param_len
-        )))
+        self.layout
+            .check_buffer(&self.params)
+            .map_err(RuntimeError::Data)
     }
 
-    /// The call with the spec's parameters (laid out as the plan's `ParamLayout`; its
-    /// length checked here, since the kernel reads that many).
+    /// The call with the spec's parameters and data (laid out as the plan's `ParamLayout`;
+    /// checked here, since the kernel reads as its layout and data headers say).
     pub(crate) fn with_params(mut self, params: &[f32]) -> Result<GpuCall, RuntimeError> {
         self.params = params.to_vec();
         self.check_params()?;

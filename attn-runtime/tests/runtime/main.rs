@@ -7,6 +7,7 @@ mod backend;
 mod broken_models;
 mod cpu_backward;
 mod cpu_differential;
+mod data;
 mod decode;
 mod extreme_scores;
 mod gpu_backward;

@@ -261,11 +261,16 @@ impl ScoreLowering<'_> {
             Expr::Param(read) => {
                 let flat = self.param_flat4(fx, u, g, read);
                 let base = self.param_base();
-                let f = flat.map(|i| {
-                    let addr = fx.elem(base, i);
-                    fx.load(F32, addr, 0)
-                });
-                Lanes::F(fx.gather4(F32X4, f))
+                let addrs = flat.map(|i| fx.elem(base, i));
+                if read.ty == Ty::I64 {
+                    Lanes::I(addrs.map(|a| {
+                        let x = fx.load(I32, a, 0);
+                        fx.b.ins().sextend(I64, x)
+                    }))
+                } else {
+                    let f = addrs.map(|a| fx.load(F32, a, 0));
+                    Lanes::F(fx.gather4(F32X4, f))
+                }
             }
             // Constants and row variables are uniform and were looked up above.
             _ => unreachable!("uniform expression not collected: {e}"),
@@ -466,10 +471,15 @@ impl ScoreLowering<'_> {
                         _ => unreachable!("parameter indices are i64"),
                     })
                     .collect();
-                let flat = self.flat_index(fx, &read.name, &indices);
+                let flat = self.flat_index(fx, read, &indices);
                 let base = self.param_base();
                 let addr = fx.elem(base, flat);
-                Scalar::F(fx.load(F32, addr, 0))
+                if read.ty == Ty::I64 {
+                    let x = fx.load(I32, addr, 0);
+                    Scalar::I(fx.b.ins().sextend(I64, x))
+                } else {
+                    Scalar::F(fx.load(F32, addr, 0))
+                }
             }
         }
     }
@@ -502,18 +512,26 @@ impl ScoreLowering<'_> {
             .collect();
         [0, 1, 2, 3].map(|lane| {
             let indices: Vec<Value> = per_index.iter().map(|l| l[lane]).collect();
-            self.flat_index(fx, &read.name, &indices)
+            self.flat_index(fx, read, &indices)
         })
     }
 
-    /// `offset + sum(clamp(i_d) * stride_d)` of parameter `name`.
-    fn flat_index(&self, fx: &mut Fx, name: &str, indices: &[Value]) -> Value {
-        let slot = self
+    /// The element of the buffer `read` reads: `offset + sum(clamp(i_d) * stride_d)` for a
+    /// parameter, through the call's header for a data tensor ([`crate::plan::DataSlot`]).
+    fn flat_index(&self, fx: &mut Fx, read: &ParamRead, indices: &[Value]) -> Value {
+        let layout = &self
             .tables
             .params
             .as_ref()
-            .and_then(|(_, layout)| layout.slot(name))
-            .expect("validation resolves every read to a declared parameter");
+            .expect("a program that reads tensors is emitted with a parameter buffer")
+            .1;
+        if let Some(slot) = layout.data_slot(&read.name) {
+            let header = slot.header as i64;
+            return self.data_flat_index(fx, header, indices);
+        }
+        let slot = layout
+            .slot(&read.name)
+            .expect("validation resolves every read to a declared tensor");
         let mut flat = fx.i64(slot.offset as i64);
         let mut stride = 1i64;
         for (&i, &dim) in indices.iter().zip(&slot.shape).rev() {
@@ -524,6 +542,40 @@ impl ScoreLowering<'_> {
             let scaled = fx.b.ins().imul_imm_s(i, stride);
             flat = fx.b.ins().iadd(flat, scaled);
             stride *= dim as i64;
+        }
+        flat
+    }
+
+    /// A data tensor's element: the header at word `header` gives the first element, each
+    /// dimension's length and origin; each index, less its origin, is clamped into its
+    /// dimension (min before max, so an empty dimension reads the first element, which the
+    /// call keeps inside the buffer).
+    fn data_flat_index(&self, fx: &mut Fx, header: i64, indices: &[Value]) -> Value {
+        let base = self.param_base();
+        let word = |fx: &mut Fx, at: i64| {
+            let x = fx.load(I32, base, (4 * at) as i32);
+            fx.b.ins().sextend(I64, x)
+        };
+        let rank = indices.len() as i64;
+        let mut flat = word(fx, header);
+        let mut stride: Option<Value> = None;
+        for (axis, &i) in indices.iter().enumerate().rev() {
+            let len = word(fx, header + 1 + axis as i64);
+            let origin = word(fx, header + 1 + rank + axis as i64);
+            let i = fx.b.ins().isub(i, origin);
+            let last = fx.b.ins().iadd_imm_s(len, -1);
+            let i = fx.b.ins().smin(i, last);
+            let zero = fx.i64(0);
+            let i = fx.b.ins().smax(i, zero);
+            let scaled = match stride {
+                Some(s) => fx.b.ins().imul(i, s),
+                None => i,
+            };
+            flat = fx.b.ins().iadd(flat, scaled);
+            stride = Some(match stride {
+                Some(s) => fx.b.ins().imul(s, len),
+                None => len,
+            });
         }
         flat
     }

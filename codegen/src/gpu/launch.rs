@@ -240,6 +240,8 @@ launch_record! {
         /// The parameters' gradients, f32, laid out as `params`: the partials summed in copy
         /// order by `backward_dparams` (0 without parameters).
         dparams: Address,
+        /// Values in `params`: the layout's and the call's data (0 without parameters).
+        param_len: Scalar,
     }
 }
 

@@ -103,12 +103,18 @@ pub struct BackwardKernels {
 }
 
 impl BackwardKernels {
-    /// The grids of the kernels for a call of `[batch, Sq, Skv]`, in launch order.
-    pub fn grids(&self, plan: &crate::KernelPlan, dims: [usize; 3]) -> Vec<[u32; 3]> {
+    /// The grids of the kernels for a call of `[batch, Sq, Skv]` with `param_len` parameter
+    /// values, in launch order.
+    pub fn grids(
+        &self,
+        plan: &crate::KernelPlan,
+        dims: [usize; 3],
+        param_len: usize,
+    ) -> Vec<[u32; 3]> {
         if self.tensor_cores {
             backward_tc::grids(plan, dims).to_vec()
         } else {
-            backward::grids(plan, dims)
+            backward::grids(plan, dims, param_len)
         }
     }
 }

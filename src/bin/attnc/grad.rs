@@ -2,9 +2,10 @@
 //! gradients written to another.
 
 use crate::backend_arg::Backend;
-use crate::run::{Files, note_sim_time, read_cu_seqlens, read_with_learned};
+use crate::run::{Files, note_sim_time, read_cu_seqlens, read_data_tensors, read_with_learned};
 use attn::AttentionSpec;
 use attn::runtime::io::{read_safetensors, write_safetensors};
+use attn::runtime::learned::Data;
 use attn::runtime::varlen::{Varlen, VarlenSaved};
 use attn::runtime::{
     BackwardInputs, HeadGradients, HeadsBackward, Inputs, Learned, MlaBackward, MlaTensors, Output,
@@ -29,9 +30,9 @@ pub fn command(files: Files) -> Result<(), String> {
 }
 
 /// Reads `q, k, v, dout` (packed, with `cu_seqlens_q` and `cu_seqlens_k`, for a variable-length
-/// batch) and the spec's learnable tensors, runs the forward (out and lse) and the backward on
-/// the backend, and writes `dq, dk, dv` (input dtype), `out` (input dtype),
-/// `lse` (f32) and each learnable tensor's gradient `d<name>` (f32).
+/// batch), the spec's learnable tensors and its data tensors, runs the forward (out and lse) and
+/// the backward on the backend, and writes `dq, dk, dv` (input dtype), `out` (input dtype),
+/// `lse` (f32) and the gradient `d<name>` (f32) of each learnable tensor and f32 data tensor.
 fn grad(
     spec: &AttentionSpec,
     input: &Path,
@@ -49,7 +50,12 @@ fn grad(
     let (tensors, learned) = read_with_learned(input, spec, &["q", "k", "v", "dout"])?;
     let [q, k, v, dout]: [Tensor; 4] = tensors.try_into().expect("one tensor per name");
     let learned: Vec<(&str, &Tensor)> = learned.iter().map(|(n, t)| (n.as_str(), t)).collect();
-    let learned = Learned::new(&learned);
+    let data = read_data_tensors(input, spec)?;
+    let data: Vec<(&str, Data)> = data
+        .iter()
+        .map(|(n, d)| (n.as_str(), d.as_data()))
+        .collect();
+    let learned = Learned::new(&learned).with_data(&data);
     let (out, lse, gradients) = match &cu_seqlens {
         Some([cu_q, cu_k]) => {
             let x = Varlen {

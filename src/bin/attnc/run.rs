@@ -3,7 +3,8 @@
 use crate::backend_arg::Backend;
 use crate::{outputs, spec_arg};
 use attn::AttentionSpec;
-use attn::runtime::io::{read_i32, read_safetensors, tensor_names, write_safetensors};
+use attn::runtime::io::{read_data, read_i32, read_safetensors, tensor_names, write_safetensors};
+use attn::runtime::learned::{Data, DataBuf};
 use attn::runtime::varlen::Varlen;
 use attn::runtime::{Inputs, Learned, MlaTensors, Output};
 use attn::runtime::{RuntimeError, Tensor};
@@ -129,6 +130,18 @@ pub fn read_with_learned(
     Ok((tensors, learned_names.into_iter().zip(learned).collect()))
 }
 
+/// The spec's data tensors (`data(...)`) from `input`, by name, each stored as the type it is
+/// declared.
+pub fn read_data_tensors(
+    input: &Path,
+    spec: &AttentionSpec,
+) -> Result<Vec<(String, DataBuf)>, RuntimeError> {
+    spec.data
+        .iter()
+        .map(|d| Ok((d.name.clone(), read_data(input, &d.name, d.dtype)?)))
+        .collect()
+}
+
 /// Reads the inputs the spec needs (`q, k, v`, packed with `cu_seqlens_q` and `cu_seqlens_k`
 /// for a variable-length batch, or for MLA `q_nope, q_pe, c_kv, k_pe, w_kv_b`; and the spec's
 /// learnable tensors by name), runs the backend and writes `out` (input dtype) and `lse` (f32).
@@ -147,6 +160,11 @@ fn run(
         let (tensors, learned) = read_with_learned(input, spec, &["q", "k", "v"])?;
         let [q, k, v]: [Tensor; 3] = tensors.try_into().expect("one tensor per name");
         let learned: Vec<(&str, &Tensor)> = learned.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        let data = read_data_tensors(input, spec)?;
+        let data: Vec<(&str, Data)> = data
+            .iter()
+            .map(|(n, d)| (n.as_str(), d.as_data()))
+            .collect();
         let x = Varlen {
             q: &q,
             k: &k,
@@ -154,7 +172,8 @@ fn run(
             cu_seqlens_q: cu_q,
             cu_seqlens_k: cu_k,
         };
-        backend.forward_varlen(&variant, x, offset, Learned::new(&learned))?
+        let learned = Learned::new(&learned).with_data(&data);
+        backend.forward_varlen(&variant, x, offset, learned)?
     } else if spec.mla().is_some() {
         let names = ["q_nope", "q_pe", "c_kv", "k_pe", "w_kv_b"];
         let [q_nope, q_pe, c_kv, k_pe, w_kv_b]: [Tensor; 5] = read_safetensors(input, &names)?
@@ -173,12 +192,13 @@ fn run(
         let [q, k, v]: [Tensor; 3] = tensors.try_into().expect("one tensor per name");
         note_sim_time(on, spec, &q, &k, false);
         let learned: Vec<(&str, &Tensor)> = learned.iter().map(|(n, t)| (n.as_str(), t)).collect();
-        backend.forward_learned(
-            &variant,
-            Inputs::heads(&q, &k, &v),
-            offset,
-            Learned::new(&learned),
-        )?
+        let data = read_data_tensors(input, spec)?;
+        let data: Vec<(&str, Data)> = data
+            .iter()
+            .map(|(n, d)| (n.as_str(), d.as_data()))
+            .collect();
+        let learned = Learned::new(&learned).with_data(&data);
+        backend.forward_learned(&variant, Inputs::heads(&q, &k, &v), offset, learned)?
     };
     write_safetensors(output, &[("out", &out), ("lse", &lse)])?;
     Ok(format!(

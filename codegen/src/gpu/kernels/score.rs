@@ -45,11 +45,12 @@ pub(crate) fn program(e: &M, env: &Env) -> Expr {
                 .params
                 .as_ref()
                 .expect("only kernels given a parameter buffer lower plans with parameters");
-            load(
-                Space::Global,
-                Ty::F32,
-                at(base.clone(), param_element(read, layout, env), 4),
-            )
+            let addr = at(base.clone(), param_element(read, layout, env), 4);
+            if read.ty == MTy::I64 {
+                cast(load(Space::Global, Ty::I32, addr), Ty::I64)
+            } else {
+                load(Space::Global, Ty::F32, addr)
+            }
         }
         M::Unary(op, a) => {
             let a = go(a);
@@ -127,6 +128,9 @@ pub(crate) fn program(e: &M, env: &Env) -> Expr {
 /// each index clamped into its dimension (the spec proved it in range; the clamp keeps memory
 /// safety from resting on the proof).
 pub(crate) fn param_element(read: &ParamRead, layout: &ParamLayout, env: &Env) -> Expr {
+    if let Some(slot) = layout.data_slot(&read.name) {
+        return data_element(read, slot.header as i64, env);
+    }
     let slot = layout
         .slot(&read.name)
         .expect("validation resolves every read to a declared parameter");
@@ -140,6 +144,47 @@ pub(crate) fn param_element(read: &ParamRead, layout: &ParamLayout, env: &Env) -
         );
         flat = add(flat, mul(clamped, i64(stride)));
         stride *= dim as i64;
+    }
+    flat
+}
+
+/// The element of the buffer a data tensor's `read` reads, through its header at word `header`
+/// ([`crate::plan::DataSlot`]): each index less its origin, clamped into its dimension (min
+/// before max: an empty dimension reads the first element, which the call keeps in the buffer).
+fn data_element(read: &ParamRead, header: i64, env: &Env) -> Expr {
+    let base = &env
+        .params
+        .as_ref()
+        .expect("only kernels given a parameter buffer lower plans with data")
+        .0;
+    let word = |at_word: i64| {
+        cast(
+            load(Space::Global, Ty::I32, at(base.clone(), i64(at_word), 4)),
+            Ty::I64,
+        )
+    };
+    let rank = read.indices.len() as i64;
+    let mut flat = word(header);
+    let mut stride: Option<Expr> = None;
+    for (axis, index) in read.indices.iter().enumerate().rev() {
+        let len = word(header + 1 + axis as i64);
+        let shifted = sub(program(index, env), word(header + 1 + rank + axis as i64));
+        let clamped = bin(
+            Bin::Max,
+            bin(Bin::Min, shifted, sub(len.clone(), i64(1))),
+            i64(0),
+        );
+        flat = add(
+            flat,
+            match &stride {
+                Some(s) => mul(clamped, s.clone()),
+                None => clamped,
+            },
+        );
+        stride = Some(match stride {
+            Some(s) => mul(s, len),
+            None => len,
+        });
     }
     flat
 }

@@ -44,7 +44,7 @@ pub fn lower(plan: &KernelPlan) -> Vec<Kernel> {
     );
     let mut kernels = vec![delta(plan), dq(plan), dkdv(plan)];
     if !plan.params.is_empty() {
-        kernels.push(dparams(plan));
+        kernels.push(dparams());
     }
     kernels
 }

@@ -17,8 +17,9 @@ pub(super) fn param(name: &str) -> Expr {
     Expr::Param(BackwardArgs::position(name))
 }
 
-/// The grids of [`lower`]'s kernels for a call of `[batch, Sq, Skv]`.
-pub fn grids(plan: &KernelPlan, [b, sq, skv]: [usize; 3]) -> Vec<[u32; 3]> {
+/// The grids of [`lower`]'s kernels for a call of `[batch, Sq, Skv]` whose parameter buffer
+/// holds `param_len` values.
+pub fn grids(plan: &KernelPlan, [b, sq, skv]: [usize; 3], param_len: usize) -> Vec<[u32; 3]> {
     let rows = ROWS as usize;
     let (hq, hkv) = (plan.shape.heads, plan.shape.kv_heads);
     let delta = [(b * hq as usize * sq).div_ceil(rows) as u32, 1, 1];
@@ -26,8 +27,8 @@ pub fn grids(plan: &KernelPlan, [b, sq, skv]: [usize; 3]) -> Vec<[u32; 3]> {
     if plan.params.is_empty() {
         return vec![delta, [sq.div_ceil(rows) as u32, hq, b as u32], dkdv];
     }
-    let ctas = (param_copies(plan, [b, sq, skv]) / rows) as u32;
-    let sums = [plan.params.len().div_ceil(rows) as u32, 1, 1];
+    let ctas = (param_copies(plan, [b, sq, skv], param_len) / rows) as u32;
+    let sums = [param_len.div_ceil(rows) as u32, 1, 1];
     vec![delta, [ctas, 1, 1], dkdv, sums]
 }
 
@@ -38,12 +39,12 @@ const PARTIALS_BYTES: usize = 1 << 28;
 /// `backward_dq` CTAs at most for a plan with parameters: enough to fill a large GPU.
 const MAX_PARAM_CTAS: usize = 1024;
 
-/// The copies of the parameters' gradients a call of `[batch, Sq, Skv]` sums (`backward_dq`'s
-/// threads: a CTA of [`ROWS`] per block of query rows, down to what [`PARTIALS_BYTES`] holds, at
-/// least one CTA), 0 for a plan without parameters. It depends on the plan and the call's shape
-/// alone, so the sums are the same from run to run.
-pub fn param_copies(plan: &KernelPlan, [b, sq, _]: [usize; 3]) -> usize {
-    let len = plan.params.len();
+/// The copies of the parameters' gradients a call of `[batch, Sq, Skv]` with `param_len`
+/// parameter values sums (`backward_dq`'s threads: a CTA of [`ROWS`] per block of query rows,
+/// down to what [`PARTIALS_BYTES`] holds, at least one CTA), 0 for a plan without parameters.
+/// It depends on the plan and the call's shapes alone, so the sums are the same from run to run.
+pub fn param_copies(plan: &KernelPlan, [b, sq, _]: [usize; 3], param_len: usize) -> usize {
+    let len = if plan.params.is_empty() { 0 } else { param_len };
     if len == 0 {
         return 0;
     }
@@ -365,23 +366,20 @@ pub(super) fn param_buffer(plan: &KernelPlan) -> Option<(Expr, ParamLayout)> {
 /// with parameters): copy `ctaid.x * ROWS + tid`, written by that thread alone, in the order
 /// of its rows and keys, so the sums need no atomics and come out the same every run.
 pub(super) struct ParamPartials {
-    /// The thread's copy.
+    /// The thread's copy, of `param_len` floats.
     pub(super) copy: Reg,
-    /// Floats per copy.
-    pub(super) len: i64,
 }
 
 impl ParamPartials {
     pub(super) fn new(plan: &KernelPlan, r: &mut Regs) -> Option<ParamPartials> {
         (!plan.params.is_empty()).then(|| ParamPartials {
             copy: r.add("param_copy", Ty::I64),
-            len: plan.params.len() as i64,
         })
     }
 
     /// The address of element `element` of the thread's copy.
     pub(super) fn at(&self, element: Expr) -> Expr {
-        let first = mul(reg(self.copy), i64(self.len));
+        let first = mul(reg(self.copy), param("param_len"));
         at(param("param_partials"), add(first, element), 4)
     }
 
@@ -399,7 +397,7 @@ impl ParamPartials {
             Stmt::For {
                 reg: e,
                 start: i64(0),
-                end: i64(self.len),
+                end: param("param_len"),
                 step: 1,
                 body: vec![Stmt::Store(Space::Global, self.at(reg(e)), f32(0.0))],
             },
@@ -435,8 +433,8 @@ impl ParamPartials {
 
 /// `backward_dparams`: one thread per parameter element, `dparams[e] = sum over copies c, in
 /// order, of param_partials[c][e]`.
-pub(super) fn dparams(plan: &KernelPlan) -> Kernel {
-    let len = plan.params.len() as i64;
+pub(super) fn dparams() -> Kernel {
+    let len = param("param_len");
     let mut r = Regs { list: Vec::new() };
     let (e, c, acc) = (
         r.add("element", Ty::I64),
@@ -445,7 +443,7 @@ pub(super) fn dparams(plan: &KernelPlan) -> Kernel {
     );
     let partial = at(
         param("param_partials"),
-        add(mul(reg(c), i64(len)), reg(e)),
+        add(mul(reg(c), len.clone()), reg(e)),
         4,
     );
     let sum = vec![
@@ -470,7 +468,7 @@ pub(super) fn dparams(plan: &KernelPlan) -> Kernel {
                 special64(Special::Tid),
             ),
         ),
-        Stmt::If(bin(Bin::Lt, reg(e), i64(len)), sum, vec![]),
+        Stmt::If(bin(Bin::Lt, reg(e), len), sum, vec![]),
     ];
     kernel("backward_dparams", r, 0, body)
 }

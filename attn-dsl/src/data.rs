@@ -1,0 +1,170 @@
+//! Data tensors in a call (docs/semantics.md, "Data tensors"): the shapes a call gives them,
+//! the check that every read along a `batch` or `seq` dimension stays in range over the call's
+//! points, and the reads as the reference evaluates them (`seq` indices moved by the call's
+//! position offset).
+//!
+//! Along `seq`, a read at index `i` reads entry `i - position_offset`: a prefill's key `k`
+//! reads entry `k - position_offset`, its key index, and a query reads the entry of the key at
+//! its own position.
+
+use crate::modifier::interval::{Interval, Range, TileBounds, analyze};
+use crate::modifier::{Expr, ParamRead};
+use crate::spec::{AttentionSpec, DataDim};
+
+/// What a call's data tensors are checked against: its batch, query and key counts and the
+/// position of key 0.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CallDims {
+    /// Batch items (in a variable-length call, the sequences).
+    pub batch: usize,
+    /// Queries per item.
+    pub sq: usize,
+    /// Keys per item (the length of a `seq` dimension).
+    pub skv: usize,
+    /// The position of key 0.
+    pub position_offset: i64,
+}
+
+impl CallDims {
+    /// The box of every point the call evaluates a modifier at (queries aligned bottom-right),
+    /// `Ok(None)` when it evaluates none (no batch item, query or key); an error when its
+    /// positions leave i64.
+    fn points(&self, spec: &AttentionSpec) -> Result<Option<TileBounds>, String> {
+        if self.batch == 0 || self.sq == 0 || self.skv == 0 {
+            return Ok(None);
+        }
+        let as_i64 = |n: usize| i64::try_from(n).ok();
+        let positions = || {
+            let (sq, skv, p0) = (as_i64(self.sq)?, as_i64(self.skv)?, self.position_offset);
+            let last_key = p0.checked_add(skv - 1)?;
+            let first_query = last_key.checked_sub(sq - 1)?;
+            Some((first_query, last_key, sq, skv))
+        };
+        let (first_query, last_key, sq, skv) = positions().ok_or_else(|| {
+            format!(
+                "{} queries and {} keys from position {} leave the range of positions",
+                self.sq, self.skv, self.position_offset
+            )
+        })?;
+        Ok(Some(TileBounds {
+            batch: Interval::new(0, self.batch as i64 - 1),
+            head: Interval::new(0, i64::from(spec.heads.max(1)) - 1),
+            query: Interval::new(first_query, last_key),
+            key: Interval::new(self.position_offset, last_key),
+            query_index: Interval::new(0, sq - 1),
+            key_index: Interval::new(0, skv - 1),
+        }))
+    }
+}
+
+/// Every data tensor the spec declares, with its shape in the call, in declaration order.
+pub fn call_shapes(spec: &AttentionSpec, call: &CallDims) -> Vec<(String, Vec<usize>)> {
+    spec.data
+        .iter()
+        .map(|d| (d.name.clone(), spec.data_shape(d, call.batch, call.skv)))
+        .collect()
+}
+
+/// Checks that every read of a data tensor along a `batch` or `seq` dimension is in range at
+/// every point of the call (a `seq` index after subtracting the position offset); the error
+/// names the tensor, the index expression and both ranges.
+pub fn check_reads(spec: &AttentionSpec, call: &CallDims) -> Result<(), String> {
+    if spec.data.is_empty() {
+        return Ok(());
+    }
+    let Some(points) = call.points(spec)? else {
+        return Ok(());
+    };
+    for (modifier, read) in data_reads(spec) {
+        let decl = spec
+            .data_decl(&read.name)
+            .expect("validation resolves every read");
+        for (axis, (index, dim)) in read.indices.iter().zip(&decl.dims).enumerate() {
+            let (len, shift, what) = match dim {
+                DataDim::Batch => (call.batch, 0, "the batch"),
+                DataDim::Seq => (call.skv, call.position_offset, "the keys"),
+                _ => continue,
+            };
+            let Range::Int(r) = analyze(index, &points) else {
+                return Err(format!("index {axis} of `{}` is not an integer", read.name));
+            };
+            let (lo, hi) = (r.lo.saturating_sub(shift), r.hi.saturating_sub(shift));
+            if lo < 0 || hi > len as i64 - 1 {
+                let shifted = if shift == 0 {
+                    String::new()
+                } else {
+                    format!(" (minus the position offset {shift})")
+                };
+                return Err(format!(
+                    "{modifier} reads `{}` at index {axis} `{index}`, which over this call's \
+                     points may be anywhere in [{lo}, {hi}]{shifted}; allowed: 0 to {} \
+                     (dimension {axis} is {what}, {len} long); clamp the index or change the \
+                     call's shapes",
+                    read.name,
+                    len as i64 - 1
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The spec with each `seq` index of a data read moved by `-position_offset`: the reads of a
+/// call at that offset, as plain clamped reads (how the reference evaluates them).
+pub fn reads_at_offset(spec: &AttentionSpec, position_offset: i64) -> AttentionSpec {
+    let mut out = spec.clone();
+    if spec.data.is_empty() || position_offset == 0 {
+        return out;
+    }
+    if let Some(m) = &mut out.score_mod {
+        m.body = shift(&m.body, spec, position_offset);
+    }
+    if let Some(m) = &mut out.mask_mod {
+        m.body = shift(&m.body, spec, position_offset);
+    }
+    out
+}
+
+/// Every data read of the modifiers, with the modifier's name.
+fn data_reads(spec: &AttentionSpec) -> Vec<(&'static str, ParamRead)> {
+    let score = spec.score_mod.iter().map(|m| ("score_mod", &m.body));
+    let mask = spec.mask_mod.iter().map(|m| ("mask_mod", &m.body));
+    score
+        .chain(mask)
+        .flat_map(|(what, body)| body.param_reads().into_iter().map(move |r| (what, r)))
+        .filter(|(_, r)| spec.data_decl(&r.name).is_some())
+        .collect()
+}
+
+/// `e` with `seq` indices of data reads moved by `-p0`. Recursive: validation bounds the depth
+/// of every modifier.
+fn shift(e: &Expr, spec: &AttentionSpec, p0: i64) -> Expr {
+    let go = |x: &Expr| Box::new(shift(x, spec, p0));
+    match e {
+        Expr::Var(_) | Expr::Float(_) | Expr::Int(_) | Expr::Bool(_) => e.clone(),
+        Expr::Unary(op, a) => Expr::Unary(*op, go(a)),
+        Expr::Binary(op, a, b) => Expr::Binary(*op, go(a), go(b)),
+        Expr::Select(c, t, f) => Expr::Select(go(c), go(t), go(f)),
+        Expr::Cast(a, ty) => Expr::Cast(go(a), *ty),
+        Expr::Table(values, i) => Expr::Table(values.clone(), go(i)),
+        Expr::Param(read) => {
+            let dims = spec.data_decl(&read.name).map(|d| d.dims.as_slice());
+            let indices = read
+                .indices
+                .iter()
+                .enumerate()
+                .map(|(axis, i)| match dims.and_then(|d| d.get(axis)) {
+                    Some(DataDim::Seq) => {
+                        Expr::binary(crate::modifier::BinOp::Sub, i.clone(), Expr::Int(p0))
+                    }
+                    _ => i.clone(),
+                })
+                .collect();
+            Expr::Param(ParamRead {
+                name: read.name.clone(),
+                indices,
+                ty: read.ty,
+            })
+        }
+    }
+}
