@@ -10,14 +10,14 @@
 
 use attn_dsl::modifier::fold::fold;
 use attn_dsl::modifier::grad::{GradError, derivative};
-use attn_dsl::modifier::interval::{Interval, TileBounds, TileClass, classify};
+use attn_dsl::modifier::interval::{Interval, TensorRanges, TileBounds, TileClass, classify_with};
 use attn_dsl::modifier::scale::scale;
 use attn_dsl::modifier::{BinOp, Expr, ParamRead, ScoreProgram, Var};
 use attn_dsl::reference::rope;
 use attn_dsl::{AttentionSpec, DType, KvLayout, Rope, RopeScaling};
 use std::fmt;
 
-pub use crate::param_layout::{DataSlot, ParamLayout, ParamSlot};
+pub use crate::param_layout::{DataRanges, DataSlot, ParamLayout, ParamSlot};
 
 /// Which kernel a plan is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -285,17 +285,30 @@ impl KernelPlan {
         })
     }
 
+    /// The ranges of the data tensors the mask reads, from a call's checked parameter buffer,
+    /// for [`CallShape::data`]; `None` when the mask reads none.
+    pub fn mask_data_ranges(&self, buffer: &[f32]) -> Option<DataRanges> {
+        let reads = self.program.mask.param_reads();
+        let names: Vec<&str> = reads
+            .iter()
+            .map(|r| r.name.as_str())
+            .filter(|n| self.params.data_slot(n).is_some())
+            .collect();
+        (!names.is_empty()).then(|| DataRanges::of(&self.params, buffer, &names))
+    }
+
     /// How the tile of query rows `rows` and keys `keys` (inclusive index ranges) of a call with
     /// `sq` queries against `skv` keys at offset `p0` meets the mask, for the given batch and head
     /// ranges. Kernels skip `AllMasked` tiles and drop the mask on `AllKept` ones.
-    pub fn classify_tile(&self, rows: Interval, keys: Interval, call: CallShape) -> TileClass {
+    pub fn classify_tile(&self, rows: Interval, keys: Interval, call: CallShape<'_>) -> TileClass {
         match &self.masking {
             TileMasking::Unmasked => TileClass::AllKept,
             TileMasking::Classified { .. } => {
                 let mut bounds = TileBounds::for_tile(rows, keys, call.sq, call.skv, call.p0);
                 bounds.batch = call.batch;
                 bounds.head = call.head;
-                classify(&self.program.mask, &bounds)
+                let data = call.data.map(|d| d as &dyn TensorRanges);
+                classify_with(&self.program.mask, &bounds, data)
             }
         }
     }
@@ -308,7 +321,7 @@ impl KernelPlan {
         &self,
         rows: Interval,
         keys: Interval,
-        call: CallShape,
+        call: CallShape<'_>,
         complete: bool,
     ) -> TileCode {
         match self.classify_tile(rows, keys, call) {
@@ -322,7 +335,12 @@ impl KernelPlan {
     /// [`ROW_GROUP`] rows the classification proves all masked. Rows outside the result leave
     /// the running softmax state unchanged, so a kernel skips them (on the diagonal of a causal
     /// mask, half of the last key tile's rows). `None` when every row is masked.
-    pub fn live_rows(&self, rows: Interval, keys: Interval, call: CallShape) -> Option<Interval> {
+    pub fn live_rows(
+        &self,
+        rows: Interval,
+        keys: Interval,
+        call: CallShape<'_>,
+    ) -> Option<Interval> {
         let group = ROW_GROUP as i64;
         let masked = |lo: i64, hi: i64| {
             self.classify_tile(Interval::new(lo, hi), keys, call) == TileClass::AllMasked
@@ -352,7 +370,7 @@ impl KernelPlan {
     /// a tall query block that lie below the tile's keys). A binary search over the groups,
     /// sound for any mask: rows from a group on are all kept if the rows from an earlier group
     /// on are.
-    pub fn kept_from(&self, rows: Interval, keys: Interval, call: CallShape) -> i64 {
+    pub fn kept_from(&self, rows: Interval, keys: Interval, call: CallShape<'_>) -> i64 {
         let group = i64::from(ROW_GROUP);
         let groups = (rows.hi - rows.lo) / group + 1;
         let kept_from_group = |g: i64| {
@@ -378,14 +396,20 @@ impl KernelPlan {
     /// `skv` keys at offset `p0`, for all batches and heads at once (a kernel classifies per
     /// head, which can only be finer).
     pub fn tile_map(&self, sq: u64, skv: u64, p0: i64) -> TileMap {
-        let (rows, cols) = (i64::from(self.tiles.q_rows), i64::from(self.tiles.k_cols));
-        let call = CallShape {
+        self.tile_map_of(CallShape {
             sq: sq as i64,
             skv: skv as i64,
             p0,
             batch: Interval::new(0, i64::MAX),
             head: Interval::new(0, i64::from(self.shape.heads) - 1),
-        };
+            data: None,
+        })
+    }
+
+    /// [`KernelPlan::tile_map`] of a call as `call` gives it: its batch items and heads, and
+    /// the ranges of the data its mask reads.
+    pub fn tile_map_of(&self, call: CallShape<'_>) -> TileMap {
+        let (rows, cols) = (i64::from(self.tiles.q_rows), i64::from(self.tiles.k_cols));
         let blocks = |n: i64, size: i64| {
             (0..(n + size - 1) / size)
                 .map(move |t| Interval::new(t * size, ((t + 1) * size).min(n) - 1))
@@ -402,8 +426,8 @@ impl KernelPlan {
 }
 
 /// The runtime shape of a call, as tile classification needs it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct CallShape {
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CallShape<'a> {
     /// Queries.
     pub sq: i64,
     /// Keys.
@@ -414,6 +438,9 @@ pub struct CallShape {
     pub batch: Interval,
     /// Heads the classification must hold for.
     pub head: Interval,
+    /// The ranges of the data tensors the mask reads (`None`: any value; a mask that reads
+    /// none needs none).
+    pub data: Option<&'a DataRanges>,
 }
 
 /// How a block of query rows meets a tile of keys, in the one encoding every kernel reads

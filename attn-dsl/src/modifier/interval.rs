@@ -140,9 +140,26 @@ pub enum TileClass {
     Mixed,
 }
 
+/// What the elements of a call's tensors can be over boxes of indices: the ranges that let a
+/// mask reading data tensors classify tiles from the data (`None`: unknown).
+pub trait TensorRanges {
+    /// The range of tensor `name`'s elements over the indices `indices` (one interval per
+    /// dimension, as the read's index expressions range, before any clamping).
+    fn range(&self, name: &str, indices: &[Interval]) -> Option<Range>;
+}
+
 /// Classifies a tile against a boolean mask expression.
 pub fn classify(mask: &Expr, bounds: &TileBounds) -> TileClass {
-    match analyze(mask, bounds) {
+    classify_with(mask, bounds, None)
+}
+
+/// [`classify`] with the ranges of the tensors the mask reads.
+pub fn classify_with(
+    mask: &Expr,
+    bounds: &TileBounds,
+    tensors: Option<&dyn TensorRanges>,
+) -> TileClass {
+    match analyze_with(mask, bounds, tensors) {
         Range::Bool(Truth::Always) => TileClass::AllKept,
         Range::Bool(Truth::Never) => TileClass::AllMasked,
         _ => TileClass::Mixed,
@@ -151,6 +168,13 @@ pub fn classify(mask: &Expr, bounds: &TileBounds) -> TileClass {
 
 /// What `expr` can evaluate to over the box (`score` ranges over every float and NaN).
 pub fn analyze(expr: &Expr, bounds: &TileBounds) -> Range {
+    analyze_with(expr, bounds, None)
+}
+
+/// [`analyze`] with the ranges of the tensors `expr` reads (without them, a read may be any
+/// value of its type).
+pub fn analyze_with(expr: &Expr, bounds: &TileBounds, tensors: Option<&dyn TensorRanges>) -> Range {
+    let go = |e: &Expr| analyze_with(e, bounds, tensors);
     match expr {
         Expr::Var(Var::Score) => FLOAT_ANY,
         Expr::Var(v) => Range::Int(bounds.of(*v)),
@@ -161,16 +185,16 @@ pub fn analyze(expr: &Expr, bounds: &TileBounds) -> Range {
         },
         Expr::Int(i) => Range::Int(Interval::point(*i)),
         Expr::Bool(b) => Range::Bool(Truth::of(*b)),
-        Expr::Unary(op, a) => unary(*op, analyze(a, bounds)),
-        Expr::Binary(op, a, b) => binary(*op, analyze(a, bounds), analyze(b, bounds)),
-        Expr::Select(c, t, e) => match analyze(c, bounds) {
-            Range::Bool(Truth::Always) => analyze(t, bounds),
-            Range::Bool(Truth::Never) => analyze(e, bounds),
-            _ => join(analyze(t, bounds), analyze(e, bounds)),
+        Expr::Unary(op, a) => unary(*op, go(a)),
+        Expr::Binary(op, a, b) => binary(*op, go(a), go(b)),
+        Expr::Select(c, t, e) => match go(c) {
+            Range::Bool(Truth::Always) => go(t),
+            Range::Bool(Truth::Never) => go(e),
+            _ => join(go(t), go(e)),
         },
-        Expr::Cast(a, ty) => cast(analyze(a, bounds), *ty),
+        Expr::Cast(a, ty) => cast(go(a), *ty),
         Expr::Table(values, index) => {
-            let Range::Int(i) = analyze(index, bounds) else {
+            let Range::Int(i) = go(index) else {
                 return FLOAT_ANY;
             };
             let last = values.len().saturating_sub(1) as i64;
@@ -182,13 +206,34 @@ pub fn analyze(expr: &Expr, bounds: &TileBounds) -> Range {
                 nan: slice.iter().any(|v| v.is_nan()),
             }
         }
-        // A tensor may hold any value, NaN included; i32 data any i32.
-        Expr::Param(read) if read.ty == super::Ty::I64 => {
-            Range::Int(Interval::new(i64::from(i32::MIN), i64::from(i32::MAX)))
+        Expr::Param(read) => {
+            let known = tensors.and_then(|t| {
+                let mut indices = [Interval::FULL; MAX_INDICES];
+                if read.indices.len() > MAX_INDICES {
+                    return None;
+                }
+                for (slot, i) in indices.iter_mut().zip(&read.indices) {
+                    let Range::Int(r) = go(i) else {
+                        return None;
+                    };
+                    *slot = r;
+                }
+                t.range(&read.name, &indices[..read.indices.len()])
+            });
+            match (known, read.ty) {
+                (Some(r), _) => r,
+                // A tensor may hold any value, NaN included; i32 data any i32.
+                (None, super::Ty::I64) => {
+                    Range::Int(Interval::new(i64::from(i32::MIN), i64::from(i32::MAX)))
+                }
+                (None, _) => FLOAT_ANY,
+            }
         }
-        Expr::Param(_) => FLOAT_ANY,
     }
 }
+
+/// Most indices of a tensor read whose range is looked up (a spec's tensors have at most 4).
+const MAX_INDICES: usize = 8;
 
 const FLOAT_ANY: Range = Range::Float {
     lo: f64::NEG_INFINITY,

@@ -26,7 +26,7 @@ use attn_dsl::DType;
 use attn_dsl::modifier::interval::Interval;
 use codegen::cpu::abi::{GradTileArgs, RotateArgs};
 use codegen::cpu::{CpuKernel, Entry};
-use codegen::plan::{CallShape, K_TILE, KernelPlan, TileCode};
+use codegen::plan::{CallShape, DataRanges, K_TILE, KernelPlan, TileCode};
 use rayon::prelude::*;
 
 const K: usize = K_TILE as usize;
@@ -127,11 +127,13 @@ pub(super) fn run(
     } else {
         fixed_splits(units, tiles, lens.q + lens.k + lens.v + lens.params)
     };
+    let data = plan.mask_data_ranges(x.params);
     let run_task = |unit: usize, split: usize, grads: [&mut [f32]; 4]| {
         let task = Task {
             plan,
             kernels,
             tables: tables.as_ref(),
+            data: data.as_ref(),
             x,
             b: unit / hkv,
             kvh: unit % hkv,
@@ -418,6 +420,8 @@ struct Task<'a> {
     plan: &'a KernelPlan,
     kernels: Kernels,
     tables: Option<&'a Tables>,
+    /// The ranges of the data tensors the mask reads, for classifying tiles.
+    data: Option<&'a DataRanges>,
     x: &'a Problem<'a>,
     b: usize,
     kvh: usize,
@@ -468,6 +472,7 @@ impl Task<'_> {
                 p0,
                 batch: Interval::point(self.b as i64),
                 head: Interval::point(head as i64),
+                data: self.data,
             };
             for tile_group in tiles.chunks(TILE_GROUP) {
                 for block in 0..blocks {

@@ -13,7 +13,7 @@ use attn_dsl::DType;
 use attn_dsl::modifier::interval::Interval;
 use codegen::cpu::abi::{BlockArgs, BlockTile, PackArgs, packed_k_len};
 use codegen::cpu::{CpuKernel, Entry};
-use codegen::plan::{CallShape, K_TILE, KernelPlan, TileCode};
+use codegen::plan::{CallShape, DataRanges, K_TILE, KernelPlan, TileCode};
 use rayon::prelude::*;
 
 /// Rows of a 4-D input as a kernel reads them: f32 storage, offset of element 0, and strides
@@ -268,15 +268,16 @@ impl OutputBuffer {
     }
 }
 
-/// How query rows `q0..q1` of one (batch, head) meet each key tile: its code, and the rows of a
-/// mixed tile that can keep a key (relative to `q0`).
+/// How query rows `q0..q1` of one (batch, head) meet each key tile (given the ranges of the data
+/// its mask reads): its code, and the rows of a mixed tile that can keep a key (relative to
+/// `q0`).
 fn block_tiles(
     plan: &KernelPlan,
     call: &Call,
+    data: Option<&DataRanges>,
     q0: usize,
     q1: usize,
-    b: usize,
-    h: usize,
+    [b, h]: [usize; 2],
 ) -> Vec<BlockTile> {
     let shape = CallShape {
         sq: call.sq as i64,
@@ -284,6 +285,7 @@ fn block_tiles(
         p0: call.position_offset,
         batch: Interval::point(b as i64),
         head: Interval::point(h as i64),
+        data,
     };
     let rows = Interval::new(q0 as i64, q1 as i64 - 1);
     let tile = K_TILE as usize;
@@ -441,6 +443,7 @@ pub(super) fn run_as(
     let rows = plan.tiles.q_rows as usize;
     let blocks = sq.div_ceil(rows);
     let group = hq / hkv;
+    let data = plan.mask_data_ranges(call.params);
     // Later blocks see more keys under causal masks: hand them out first.
     let mut items: Vec<(usize, usize, usize)> = (0..batch)
         .flat_map(|b| (0..hq).flat_map(move |h| (0..blocks).map(move |blk| (b, h, blk))))
@@ -454,7 +457,7 @@ pub(super) fn run_as(
             let (target, lse_ptr) = (target, lse_ptr);
             let q0 = blk * rows;
             let q1 = (q0 + rows).min(sq);
-            let tiles = block_tiles(plan, call, q0, q1, b, h);
+            let tiles = block_tiles(plan, call, data.as_ref(), q0, q1, [b, h]);
             let kvh = h / group;
             let row0 = (b * hq + h) * sq + q0;
             let (cos, sin, table_pos0) = table_ptrs();

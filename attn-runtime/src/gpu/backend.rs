@@ -217,8 +217,7 @@ impl<D: Device + 'static> Backend for GpuBackend<D> {
                 self.device.check_cost("this forward", &|| {
                     sim_cost::attention_seconds(spec, b, sq, skv, false)
                 })?;
-                GpuCall::forward_in(variant, q, k, v, position_offset)?
-                    .with_params(params)?
+                GpuCall::forward_in(variant, q, k, v, position_offset, params)?
                     .run_on(self.device.as_ref())
             }
             Inputs::Mla(x) => {

@@ -107,7 +107,7 @@ impl ForwardTables {
         p0: i64,
     ) -> Self {
         let h = plan.shape.heads as usize;
-        let codes = chosen.tile_codes(plan, [b, sq, skv], p0);
+        let codes = chosen.tile_codes(plan, [b, sq, skv], p0, None);
         let qblocks = sq.div_ceil(chosen.rows as usize);
         let first = p0.min(p0 + skv as i64 - sq as i64);
         let end = p0 + skv as i64;
@@ -188,16 +188,18 @@ impl GpuCall {
         v: &Tensor,
         p0: i64,
     ) -> Result<GpuCall, RuntimeError> {
-        Self::forward_in(&*Variant::shared(spec)?, q, k, v, p0)
+        Self::forward_in(&*Variant::shared(spec)?, q, k, v, p0, &[])
     }
 
-    /// [`GpuCall::forward`] for a variant.
+    /// [`GpuCall::forward`] for a variant, with the call's parameters and data (laid out as the
+    /// plan's `ParamLayout`; checked here): tiles are classified from the data a mask reads.
     pub(crate) fn forward_in(
         variant: &Variant,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
         p0: i64,
+        params: &[f32],
     ) -> Result<GpuCall, RuntimeError> {
         let spec = variant.spec();
         if spec.mla().is_some() {
@@ -213,14 +215,22 @@ impl GpuCall {
         let chosen = forward_kernel(variant, Call::Forward { wide })?;
         let inputs = chosen.inputs;
         let bytes = [q, k, v].map(|t| device_bytes(t, inputs));
-        Ok(Self::prepare(
+        let call = Self::prepare(
             plan,
-            chosen,
+            Arc::clone(&chosen),
             [b, sq, skv],
             p0,
             bytes,
             spec.dtype,
-        ))
+        )
+        .with_params(params)?;
+        Ok(match plan.mask_data_ranges(params) {
+            Some(ranges) => GpuCall {
+                codes: chosen.tile_codes(plan, [b, sq, skv], p0, Some(&ranges)),
+                ..call
+            },
+            None => call,
+        })
     }
 
     /// [`GpuCall::forward`] on the sm_90a kernel ([`forward_wgmma`]; what `ATTN_GPU_WGMMA=1`

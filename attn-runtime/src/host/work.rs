@@ -62,13 +62,14 @@ pub(crate) struct Block {
 
 impl Block {
     /// The call as the plan's tile classification sees this block.
-    pub fn call(&self) -> CallShape {
+    pub fn call(&self) -> CallShape<'static> {
         CallShape {
             sq: self.n as i64,
             skv: self.len as i64,
             p0: 0,
             batch: Interval::point(self.b as i64),
             head: Interval::new(self.h0 as i64, (self.h0 + self.nh - 1) as i64),
+            data: None,
         }
     }
 
@@ -348,6 +349,7 @@ mod tests {
                     p0: 0,
                     batch: Interval::point(0),
                     head: Interval::new(0, 1),
+                    data: None,
                 };
                 let rows = Interval::new(0, n - 1);
                 let got = segment_codes(&plan, rows, call, first, count, seg_keys);

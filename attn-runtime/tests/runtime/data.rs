@@ -345,3 +345,90 @@ fn wrong_data_is_an_error_naming_the_tensor() {
         .unwrap_err();
     assert!(e.to_string().contains("data tensor `doc`"), "{e}");
 }
+
+/// Each tile's class over every pair of one batch item, from the reference mask: all kept, all
+/// masked or mixed.
+fn brute_class(
+    spec: &AttentionSpec,
+    data: &[ParamValues],
+    b: usize,
+    rows: std::ops::Range<usize>,
+    keys: std::ops::Range<usize>,
+) -> attn_dsl::modifier::interval::TileClass {
+    use attn_dsl::modifier::interval::TileClass;
+    let mask = spec.mask_mod.as_ref().unwrap();
+    let kept: Vec<bool> = rows
+        .flat_map(|i| keys.clone().map(move |j| (i, j)))
+        .map(|(i, j)| mask.keeps_with(b as i64, 0, i as i64, j as i64, data))
+        .collect();
+    match (kept.iter().all(|k| *k), kept.iter().any(|k| *k)) {
+        (true, _) => TileClass::AllKept,
+        (false, false) => TileClass::AllMasked,
+        _ => TileClass::Mixed,
+    }
+}
+
+#[test]
+fn tiles_are_classified_from_the_data_exactly_for_sorted_ids_and_soundly_otherwise() {
+    use attn_dsl::data::CallDims;
+    use attn_dsl::modifier::interval::{Interval, TileClass};
+    use attn_runtime::codegen::plan::CallShape;
+    let text = "heads = 2, head_dim = 16, data(doc: [batch, seq] i32), \
+                mask_mod = |b, h, q, k| doc[b, q] == doc[b, k]";
+    let (batch, n) = (2, 300);
+    for (fill, exact) in [
+        (sorted_docs as fn(&str, &[usize]) -> Values, true),
+        (unsorted_docs, false),
+    ] {
+        let case = Case::new(text, [batch, n, n], 0, fill);
+        let data = case.call_data();
+        let call = CallDims {
+            batch,
+            sq: n,
+            skv: n,
+            position_offset: 0,
+        };
+        let bound = Learned::none()
+            .with_data(&data)
+            .bind_call(&case.spec, &call)
+            .unwrap();
+        let plan = case.variant.forward_plan();
+        let ranges = plan
+            .mask_data_ranges(&bound.params)
+            .expect("the mask reads doc");
+        let reference = case.reference_data();
+        let (rows, cols) = (plan.tiles.q_rows as usize, plan.tiles.k_cols as usize);
+        let mut skipped = 0;
+        for b in 0..batch {
+            let map = plan.tile_map_of(CallShape {
+                sq: n as i64,
+                skv: n as i64,
+                p0: 0,
+                batch: Interval::point(b as i64),
+                head: Interval::new(0, 1),
+                data: Some(&ranges),
+            });
+            for (qb, row) in map.classes.iter().enumerate() {
+                for (kt, class) in row.iter().enumerate() {
+                    let truth = brute_class(
+                        &case.spec,
+                        &reference,
+                        b,
+                        qb * rows..((qb + 1) * rows).min(n),
+                        kt * cols..((kt + 1) * cols).min(n),
+                    );
+                    skipped += usize::from(*class == TileClass::AllMasked);
+                    if exact {
+                        assert_eq!(*class, truth, "item {b}, tile ({qb}, {kt})");
+                    } else {
+                        assert!(
+                            *class == TileClass::Mixed || *class == truth,
+                            "item {b}, tile ({qb}, {kt}): {class:?}, truly {truth:?}"
+                        );
+                    }
+                }
+            }
+        }
+        assert_eq!(skipped > 0, exact, "sorted documents skip tiles");
+    }
+}

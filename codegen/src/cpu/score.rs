@@ -76,9 +76,11 @@ enum Lanes {
     B(Value),
 }
 
-/// The uniform subexpressions of a row, by node address.
+/// The uniform subexpressions of a row, by node address, and the header words of the data
+/// tensors the row reads (loaded once per row rather than once per group of keys).
 pub(super) struct Uniforms {
     values: HashMap<*const Expr, Scalar>,
+    headers: HashMap<String, Vec<Value>>,
 }
 
 fn is_uniform(e: &Expr) -> bool {
@@ -95,11 +97,37 @@ impl ScoreLowering<'_> {
     pub fn row_uniforms(&mut self, fx: &mut Fx, row: &RowEnv, exprs: &[&Expr]) -> Uniforms {
         let mut u = Uniforms {
             values: HashMap::new(),
+            headers: HashMap::new(),
         };
+        for e in exprs {
+            for read in e.param_reads() {
+                if !u.headers.contains_key(&read.name)
+                    && let Some(words) = self.data_header(fx, &read)
+                {
+                    u.headers.insert(read.name.clone(), words);
+                }
+            }
+        }
         for e in exprs {
             self.collect(fx, row, e, &mut u);
         }
         u
+    }
+
+    /// The header words of the data tensor `read` reads, sign-extended to i64 (`None` for a
+    /// parameter).
+    fn data_header(&self, fx: &mut Fx, read: &ParamRead) -> Option<Vec<Value>> {
+        let (base, layout) = self.tables.params.as_ref()?;
+        let slot = layout.data_slot(&read.name)?;
+        let base = *base;
+        Some(
+            (0..slot.header_len())
+                .map(|i| {
+                    let x = fx.load(I32, base, (4 * (slot.header + i)) as i32);
+                    fx.b.ins().sextend(I64, x)
+                })
+                .collect(),
+        )
     }
 
     fn collect(&mut self, fx: &mut Fx, row: &RowEnv, e: &Expr, u: &mut Uniforms) {
@@ -510,9 +538,13 @@ impl ScoreLowering<'_> {
                 ints(fx, l)
             })
             .collect();
+        let header = u.headers.get(&read.name);
         [0, 1, 2, 3].map(|lane| {
             let indices: Vec<Value> = per_index.iter().map(|l| l[lane]).collect();
-            self.flat_index(fx, read, &indices)
+            match header {
+                Some(words) => data_flat_index(fx, words, &indices),
+                None => self.flat_index(fx, read, &indices),
+            }
         })
     }
 
@@ -525,9 +557,11 @@ impl ScoreLowering<'_> {
             .as_ref()
             .expect("a program that reads tensors is emitted with a parameter buffer")
             .1;
-        if let Some(slot) = layout.data_slot(&read.name) {
-            let header = slot.header as i64;
-            return self.data_flat_index(fx, header, indices);
+        if layout.data_slot(&read.name).is_some() {
+            let words = self
+                .data_header(fx, read)
+                .expect("a data slot has a header");
+            return data_flat_index(fx, &words, indices);
         }
         let slot = layout
             .slot(&read.name)
@@ -545,40 +579,34 @@ impl ScoreLowering<'_> {
         }
         flat
     }
+}
 
-    /// A data tensor's element: the header at word `header` gives the first element, each
-    /// dimension's length and origin; each index, less its origin, is clamped into its
-    /// dimension (min before max, so an empty dimension reads the first element, which the
-    /// call keeps inside the buffer).
-    fn data_flat_index(&self, fx: &mut Fx, header: i64, indices: &[Value]) -> Value {
-        let base = self.param_base();
-        let word = |fx: &mut Fx, at: i64| {
-            let x = fx.load(I32, base, (4 * at) as i32);
-            fx.b.ins().sextend(I64, x)
+/// A data tensor's element from its header `words` (the first element, each dimension's length
+/// and origin; [`crate::plan::DataSlot`]): each index, less its origin, clamped into its
+/// dimension (min before max, so an empty dimension reads the first element, which the call
+/// keeps inside the buffer).
+fn data_flat_index(fx: &mut Fx, words: &[Value], indices: &[Value]) -> Value {
+    let rank = indices.len();
+    let mut flat = words[0];
+    let mut stride: Option<Value> = None;
+    for (axis, &i) in indices.iter().enumerate().rev() {
+        let (len, origin) = (words[1 + axis], words[1 + rank + axis]);
+        let i = fx.b.ins().isub(i, origin);
+        let last = fx.b.ins().iadd_imm_s(len, -1);
+        let i = fx.b.ins().smin(i, last);
+        let zero = fx.i64(0);
+        let i = fx.b.ins().smax(i, zero);
+        let scaled = match stride {
+            Some(s) => fx.b.ins().imul(i, s),
+            None => i,
         };
-        let rank = indices.len() as i64;
-        let mut flat = word(fx, header);
-        let mut stride: Option<Value> = None;
-        for (axis, &i) in indices.iter().enumerate().rev() {
-            let len = word(fx, header + 1 + axis as i64);
-            let origin = word(fx, header + 1 + rank + axis as i64);
-            let i = fx.b.ins().isub(i, origin);
-            let last = fx.b.ins().iadd_imm_s(len, -1);
-            let i = fx.b.ins().smin(i, last);
-            let zero = fx.i64(0);
-            let i = fx.b.ins().smax(i, zero);
-            let scaled = match stride {
-                Some(s) => fx.b.ins().imul(i, s),
-                None => i,
-            };
-            flat = fx.b.ins().iadd(flat, scaled);
-            stride = Some(match stride {
-                Some(s) => fx.b.ins().imul(s, len),
-                None => len,
-            });
-        }
-        flat
+        flat = fx.b.ins().iadd(flat, scaled);
+        stride = Some(match stride {
+            Some(s) => fx.b.ins().imul(s, len),
+            None => len,
+        });
     }
+    flat
 }
 
 /// `min(x, y)` / `max(x, y)` of floats: NaN when either is NaN (as PyTorch's `minimum` and

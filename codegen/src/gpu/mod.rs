@@ -55,13 +55,14 @@ pub struct ForwardKernel {
 impl ForwardKernel {
     /// The tile codes of a call on `[batch, Sq, Skv]` with key 0 at position `p0`: one per
     /// (head, block of [`ForwardKernel::rows`] queries, key tile), in that order, from the plan's
-    /// interval classification ([`crate::plan::TileCode`]). A last tile that runs past Skv is
-    /// `Masked` at best.
+    /// interval classification ([`crate::plan::TileCode`]), with the ranges of the data the
+    /// mask reads over all batch items. A last tile that runs past Skv is `Masked` at best.
     pub fn tile_codes(
         &self,
         plan: &crate::KernelPlan,
         [b, sq, skv]: [usize; 3],
         p0: i64,
+        data: Option<&crate::plan::DataRanges>,
     ) -> Vec<i32> {
         use crate::plan::CallShape;
         use attn_dsl::modifier::interval::Interval;
@@ -73,6 +74,7 @@ impl ForwardKernel {
             p0,
             batch: Interval::new(0, b.max(1) as i64 - 1),
             head: Interval::point(head as i64),
+            data,
         };
         let mut codes = Vec::with_capacity(plan.shape.heads as usize * qblocks * tiles);
         for head in 0..plan.shape.heads as usize {

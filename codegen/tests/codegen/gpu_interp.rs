@@ -106,7 +106,7 @@ fn check_kernel(
     let out = mem.alloc_f32(&vec![f32::NAN; batch * h * sq * dv]);
     let lse = mem.alloc_f32(&vec![f32::NAN; batch * h * sq]);
     let codes: Vec<u8> = chosen
-        .tile_codes(&plan, [batch, sq, skv], p0)
+        .tile_codes(&plan, [batch, sq, skv], p0, None)
         .iter()
         .flat_map(|c| c.to_le_bytes())
         .collect();

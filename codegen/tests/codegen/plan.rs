@@ -258,7 +258,10 @@ type Keeps = Box<dyn Fn(i64, i64) -> bool>;
 fn causal_and_window(
     n: i64,
     width: i64,
-) -> (codegen::plan::CallShape, Vec<(String, KernelPlan, Keeps)>) {
+) -> (
+    codegen::plan::CallShape<'static>,
+    Vec<(String, KernelPlan, Keeps)>,
+) {
     use attn_dsl::modifier::interval::Interval;
     let call = codegen::plan::CallShape {
         sq: n,
@@ -266,6 +269,7 @@ fn causal_and_window(
         p0: 0,
         batch: Interval::point(0),
         head: Interval::point(0),
+        data: None,
     };
     let plans = [
         ("heads = 2, head_dim = 32, mask = causal".to_string(), None),

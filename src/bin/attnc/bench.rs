@@ -1,12 +1,14 @@
 //! `attnc bench`: times the forward kernel of a spec on random inputs, on the CPU or a CUDA
-//! device.
+//! device, optionally under a document mask (`--documents`).
 
 use crate::backend_arg::{Backend as On, Timed};
+use crate::bench_documents::{DOC, document_ids, kept_pairs, masked_by_documents};
 use attn::AttentionSpec;
 use attn::dsl::Mask;
 use attn::dsl::accounting::forward_flops;
 use attn::inputs::tensor as random;
 use attn::runtime::cpu::CpuBackend;
+use attn::runtime::learned::{Data, DataBuf};
 use attn::runtime::memory::checked_product;
 use attn::runtime::{
     Backend, BackwardInputs, HeadsBackward, Inputs, MlaBackward, MlaTensors, Variant,
@@ -42,16 +44,50 @@ pub struct Args {
     /// GFLOP/s counted as 3.5 forwards), on either backend.
     #[arg(long)]
     backward: bool,
+    /// Restrict the spec's mask to N equal documents over the keys (a data tensor `doc` of
+    /// document ids and `doc[b, q] == doc[b, k]` ANDed with its mask; on the CPU). GFLOP/s
+    /// count the kept pairs.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
+    documents: Option<u64>,
 }
 
 /// `attnc bench`.
 pub fn command(args: Args) -> Result<(), String> {
     let (spec, _) = crate::spec_arg::load(&args.spec)?;
-    let shape = Shape {
+    let mut shape = Shape {
         batch: args.batch as usize,
         seq: args.seq as usize,
         kv_len: args.kv_len.unwrap_or(args.seq) as usize,
         reps: args.reps as usize,
+        documents: args.documents.map(|n| n as usize),
+        kept: None,
+    };
+    let spec = match shape.documents {
+        Some(n) if n > shape.kv_len => {
+            return Err(format!(
+                "error: --documents {n} is more documents than the {} keys; allowed: 1 to {}",
+                shape.kv_len, shape.kv_len
+            ));
+        }
+        Some(_) if args.backend == Timed::Cuda => {
+            return Err(
+                "error: --documents times the CPU backend only for now; use --backend cpu"
+                    .to_string(),
+            );
+        }
+        Some(n) => {
+            shape.kept = kept_pairs(&spec, shape.seq, shape.kv_len, n)
+                .map(|pairs| pairs / (shape.seq as f64 * shape.kv_len as f64));
+            masked_by_documents(&spec)?
+        }
+        None if !spec.data.is_empty() => {
+            return Err(
+                "error: attnc bench cannot make up this spec's data tensors; time a document \
+                 mask with --documents N instead"
+                    .to_string(),
+            );
+        }
+        None => spec,
     };
     if !args.json {
         eprintln!(
@@ -95,6 +131,10 @@ struct Shape {
     pub seq: usize,
     pub kv_len: usize,
     pub reps: usize,
+    /// `--documents`.
+    pub documents: Option<usize>,
+    /// The fraction of (query, key) pairs the documents keep, where it is known.
+    pub kept: Option<f64>,
 }
 
 /// Timings.
@@ -180,7 +220,8 @@ fn by_name(learned: &[(String, Tensor)]) -> Vec<(&str, &Tensor)> {
 }
 
 /// FLOPs counted as `4 B Hq Sq Skv D` (MLA: the absorbed widths), halved for causal masks, the
-/// convention of FlashAttention and PyTorch's benchmarks.
+/// convention of FlashAttention and PyTorch's benchmarks; under `--documents`, times the
+/// fraction of pairs kept where it is known.
 fn flops(spec: &AttentionSpec, shape: &Shape) -> f64 {
     let dense = forward_flops(
         spec,
@@ -190,7 +231,16 @@ fn flops(spec: &AttentionSpec, shape: &Shape) -> f64 {
     )
     .map_or(f64::INFINITY, |f| f.dense as f64);
     let causal = !matches!(spec.mask, Mask::None);
-    dense * if causal { 0.5 } else { 1.0 }
+    dense * shape.kept.unwrap_or(if causal { 0.5 } else { 1.0 })
+}
+
+/// The call's data tensors: the document ids of `--documents`, else none.
+fn data(shape: &Shape) -> Vec<(&'static str, DataBuf)> {
+    shape
+        .documents
+        .map(|n| (DOC, document_ids(shape.batch, shape.kv_len, n)))
+        .into_iter()
+        .collect()
 }
 
 /// Refuses a backward timing whose tensors would not fit: inputs, dout, out and the gradients
@@ -233,13 +283,11 @@ fn bench_backward(
     let variant = Variant::shared(spec)?;
     let tensors = learned(spec)?;
     let named = by_name(&tensors);
+    let data = data(shape);
+    let data: Vec<(&str, Data)> = data.iter().map(|(n, d)| (*n, d.as_data())).collect();
+    let learned = Learned::new(&named).with_data(&data);
     let call = || -> Result<(), RuntimeError> {
-        let forward = backend.forward_learned(
-            &variant,
-            Inputs::heads(&q, &k, &v),
-            0,
-            Learned::new(&named),
-        )?;
+        let forward = backend.forward_learned(&variant, Inputs::heads(&q, &k, &v), 0, learned)?;
         let x = BackwardInputs::Heads(HeadsBackward {
             q: &q,
             k: &k,
@@ -249,9 +297,7 @@ fn bench_backward(
             dout: &dout,
             position_offset: 0,
         });
-        backend
-            .backward_learned(&variant, &x, Learned::new(&named))
-            .map(drop)
+        backend.backward_learned(&variant, &x, learned).map(drop)
     };
     let times = time_calls(call, shape.reps, progress)?;
     Ok(backward_timing(spec, shape, times, compile_ms))
@@ -357,10 +403,13 @@ fn bench(spec: &AttentionSpec, shape: &Shape, progress: bool) -> Result<Timing, 
         None => {
             let [q, k, v] = inputs(spec, shape)?;
             let tensors = learned(spec)?;
+            let data = data(shape);
             Box::new(move || {
                 let named = by_name(&tensors);
+                let data: Vec<(&str, Data)> = data.iter().map(|(n, d)| (*n, d.as_data())).collect();
+                let learned = Learned::new(&named).with_data(&data);
                 backend
-                    .forward_learned(&variant, Inputs::heads(&q, &k, &v), 0, Learned::new(&named))
+                    .forward_learned(&variant, Inputs::heads(&q, &k, &v), 0, learned)
                     .map(drop)
             })
         }

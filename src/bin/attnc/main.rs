@@ -9,6 +9,7 @@
 mod backend_arg;
 mod bench;
 mod bench_decode;
+mod bench_documents;
 mod bench_model;
 mod cache;
 mod check;

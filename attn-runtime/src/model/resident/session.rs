@@ -278,6 +278,7 @@ impl DeviceSession<'_, '_> {
                         p0: 0,
                         batch: Interval::point(0),
                         head: Interval::new(h0 as i64, (h0 + nh - 1) as i64),
+                        data: None,
                     };
                     let rows = Interval::new(i0 as i64, (i0 + nq - 1) as i64);
                     let mut segments = Vec::new();

@@ -80,6 +80,7 @@ pub fn tile_codes(plan: &KernelPlan, [b, sq, skv]: [usize; 3], p0: i64) -> [Vec<
         p0,
         batch: Interval::new(0, b.max(1) as i64 - 1),
         head: Interval::point(head as i64),
+        data: None,
     };
     let span = |first: usize, len: usize, end: usize| {
         Interval::new(first as i64, (first + len).min(end) as i64 - 1)
