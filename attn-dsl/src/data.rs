@@ -125,6 +125,32 @@ pub fn reads_at_offset(spec: &AttentionSpec, position_offset: i64) -> AttentionS
     out
 }
 
+/// A warning for each read of a data tensor's `seq` dimension at an index that uses the query
+/// position `q`, for users coming from FlexAttention: attn aligns queries bottom-right, so with
+/// fewer queries than keys (a chunk after a prefix, a decode step) query row `i` reads the entry
+/// of the key at its position, `Skv - Sq + i`, where FlexAttention's `q_idx` would read entry
+/// `i`.
+pub fn query_alignment_warnings(spec: &AttentionSpec) -> Vec<String> {
+    let mut out = Vec::new();
+    for (modifier, read) in data_reads(spec) {
+        let decl = spec
+            .data_decl(&read.name)
+            .expect("validation resolves every read");
+        for (index, dim) in read.indices.iter().zip(&decl.dims) {
+            if *dim == DataDim::Seq && index.uses(crate::modifier::Var::Query) {
+                out.push(format!(
+                    "{modifier} reads `{}` along `seq` at `{index}`: queries are aligned \
+                     bottom-right, so when a call has fewer queries than keys, query row i reads \
+                     the entry of the key at its position (Skv - Sq + i), not entry i as \
+                     FlexAttention's q_idx would",
+                    read.name
+                ));
+            }
+        }
+    }
+    out
+}
+
 /// Every data read of the modifiers, with the modifier's name.
 fn data_reads(spec: &AttentionSpec) -> Vec<(&'static str, ParamRead)> {
     let score = spec.score_mod.iter().map(|m| ("score_mod", &m.body));

@@ -91,3 +91,25 @@ fn check_notes_a_piecewise_derivative_on_stderr() {
     let o = attnc(&["check", "heads = 4, head_dim = 64, softcap = 30.0"]);
     assert_eq!(stderr(&o), "");
 }
+
+/// A data tensor read along `seq` at the query position is warned about (FlexAttention indexes
+/// queries from 0 in every call; attn aligns them bottom-right); one read at the key is not.
+#[test]
+fn check_warns_where_a_data_tensor_is_read_at_the_query() {
+    let spec = |mask: &str| {
+        format!(
+            "heads = 2, head_dim = 8, data(doc: [batch, seq] i32, len: [batch] i32), \
+             mask_mod = |b, h, q, k| {mask}"
+        )
+    };
+    let o = attnc(&["check", &spec("doc[b, q] == doc[b, k]")]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(
+        err.contains("warning: mask_mod reads `doc` along `seq` at `q`")
+            && err.contains("Skv - Sq + i"),
+        "{err}"
+    );
+    let o = attnc(&["check", &spec("doc[b, k] >= 0 && k < len[b]")]);
+    assert_eq!(stderr(&o), "");
+}

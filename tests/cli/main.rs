@@ -4,6 +4,7 @@
 mod bench;
 mod cache;
 mod check;
+mod data;
 mod emit;
 mod explain;
 mod grad;

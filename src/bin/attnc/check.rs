@@ -1,5 +1,6 @@
 //! `attnc check`: a spec validated and printed in normalized form, with notes on what the
-//! backward pass will make of its score modifier.
+//! backward pass will make of its score modifier, and warnings where a data tensor is read at
+//! the query position (which FlexAttention users index differently).
 
 use crate::spec_arg;
 
@@ -19,6 +20,9 @@ pub fn command(args: Args) -> Result<(), String> {
     // tokens concerned.
     for note in attn::dsl::gradient_notes(&source) {
         eprint!("{}", note.render_as("note", &source));
+    }
+    for warning in attn::dsl::data::query_alignment_warnings(&spec) {
+        eprintln!("warning: {warning}");
     }
     let program = attn::dsl::modifier::ScoreProgram::of(&spec).folded();
     if let Err(e) = program.score_gradient() {
