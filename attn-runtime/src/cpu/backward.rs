@@ -128,12 +128,14 @@ pub(super) fn run(
         fixed_splits(units, tiles, lens.q + lens.k + lens.v + lens.params)
     };
     let data = plan.mask_data_ranges(x.params);
+    let classified = shared_classes(plan, x, data.as_ref());
     let run_task = |unit: usize, split: usize, grads: [&mut [f32]; 4]| {
         let task = Task {
             plan,
             kernels,
             tables: tables.as_ref(),
             data: data.as_ref(),
+            classified: classified.as_deref(),
             x,
             b: unit / hkv,
             kvh: unit % hkv,
@@ -151,6 +153,63 @@ pub(super) fn run(
         _ => split_units(&mut grads, lens, units, splits, &run_task),
     }
     Ok(grads)
+}
+
+/// Each key tile's code and live rows, per (batch item, query block): one classification for
+/// every head, where the mask does not read the head; `None` where it does.
+type Classes = Vec<Vec<TileClassed>>;
+
+/// A key tile's code and the query rows of its block that can keep a key.
+type TileClassed = (TileCode, Option<Interval>);
+
+/// The [`Classes`] of a call, classified in parallel; `None` for a mask that reads the head.
+fn shared_classes(plan: &KernelPlan, x: &Problem, data: Option<&DataRanges>) -> Option<Classes> {
+    if plan.program.mask.uses(attn_dsl::modifier::Var::Head) {
+        return None;
+    }
+    let (sq, skv) = (x.sq, x.skv);
+    let blocks = sq.div_ceil(K);
+    Some(
+        (0..x.batch * blocks)
+            .into_par_iter()
+            .map(|i| {
+                let (b, block) = (i / blocks, i % blocks);
+                let call = CallShape {
+                    sq: sq as i64,
+                    skv: skv as i64,
+                    p0: x.position_offset,
+                    batch: Interval::point(b as i64),
+                    head: Interval::point(0),
+                    data,
+                };
+                (0..skv.div_ceil(K))
+                    .map(|tile| classify(plan, call, block, tile, [sq, skv]))
+                    .collect()
+            })
+            .collect(),
+    )
+}
+
+/// The code of key tile `tile` for query block `block`, and its live rows.
+fn classify(
+    plan: &KernelPlan,
+    call: CallShape,
+    block: usize,
+    tile: usize,
+    [sq, skv]: [usize; 2],
+) -> TileClassed {
+    let first_key = tile * K;
+    let cols = (skv - first_key).min(K);
+    let keys = Interval::new(first_key as i64, (first_key + cols - 1) as i64);
+    let q0 = block * K;
+    let span = Interval::new(q0 as i64, ((q0 + K).min(sq) - 1) as i64);
+    let code = plan.tile_code(span, keys, call, cols == K);
+    let live = match code {
+        TileCode::Skip => None,
+        TileCode::Full => Some(span),
+        TileCode::Masked => plan.live_rows(span, keys, call),
+    };
+    (code, live)
 }
 
 /// Runs a task: (unit, split, [dq, dk, dv, parameter sums]).
@@ -422,6 +481,8 @@ struct Task<'a> {
     tables: Option<&'a Tables>,
     /// The ranges of the data tensors the mask reads, for classifying tiles.
     data: Option<&'a DataRanges>,
+    /// The tiles classified once for every head, where the mask does not read the head.
+    classified: Option<&'a [Vec<TileClassed>]>,
     x: &'a Problem<'a>,
     b: usize,
     kvh: usize,
@@ -477,16 +538,10 @@ impl Task<'_> {
             for tile_group in tiles.chunks(TILE_GROUP) {
                 for block in 0..blocks {
                     for &tile in tile_group {
-                        let first_key = tile * K;
-                        let cols = (skv - first_key).min(K);
-                        let keys = Interval::new(first_key as i64, (first_key + cols - 1) as i64);
-                        let q0 = block * K;
-                        let span = Interval::new(q0 as i64, ((q0 + K).min(sq) - 1) as i64);
-                        let code = plan.tile_code(span, keys, call, cols == K);
-                        let live = match code {
-                            TileCode::Skip => continue,
-                            TileCode::Full => Some(span),
-                            TileCode::Masked => plan.live_rows(span, keys, call),
+                        let cols = (skv - tile * K).min(K);
+                        let (code, live) = match self.classified {
+                            Some(c) => c[self.b * blocks + block][tile],
+                            None => classify(plan, call, block, tile, [sq, skv]),
                         };
                         let Some(live) = live else { continue };
                         let at = TileAt {

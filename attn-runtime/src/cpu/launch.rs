@@ -10,6 +10,7 @@ use crate::host::checks::overflowed_rows_are_nan;
 use crate::host::rope_table::RopeTables;
 use crate::tensor::{Storage, Tensor, narrow_into};
 use attn_dsl::DType;
+use attn_dsl::modifier::Var;
 use attn_dsl::modifier::interval::Interval;
 use codegen::cpu::abi::{BlockArgs, BlockTile, PackArgs, packed_k_len};
 use codegen::cpu::{CpuKernel, Entry};
@@ -444,6 +445,21 @@ pub(super) fn run_as(
     let blocks = sq.div_ceil(rows);
     let group = hq / hkv;
     let data = plan.mask_data_ranges(call.params);
+    // A mask that does not read the head classifies a block's tiles alike for every head: once
+    // per (batch item, block), in parallel, rather than once per head.
+    let per_head = plan.program.mask.uses(Var::Head);
+    let shared: Vec<Vec<BlockTile>> = if per_head {
+        Vec::new()
+    } else {
+        (0..batch * blocks)
+            .into_par_iter()
+            .map(|i| {
+                let (b, blk) = (i / blocks, i % blocks);
+                let (q0, q1) = (blk * rows, ((blk + 1) * rows).min(sq));
+                block_tiles(plan, call, data.as_ref(), q0, q1, [b, 0])
+            })
+            .collect()
+    };
     // Later blocks see more keys under causal masks: hand them out first.
     let mut items: Vec<(usize, usize, usize)> = (0..batch)
         .flat_map(|b| (0..hq).flat_map(move |h| (0..blocks).map(move |blk| (b, h, blk))))
@@ -457,7 +473,13 @@ pub(super) fn run_as(
             let (target, lse_ptr) = (target, lse_ptr);
             let q0 = blk * rows;
             let q1 = (q0 + rows).min(sq);
-            let tiles = block_tiles(plan, call, data.as_ref(), q0, q1, [b, h]);
+            let own;
+            let tiles = if per_head {
+                own = block_tiles(plan, call, data.as_ref(), q0, q1, [b, h]);
+                &own
+            } else {
+                &shared[b * blocks + blk]
+            };
             let kvh = h / group;
             let row0 = (b * hq + h) * sq + q0;
             let (cos, sin, table_pos0) = table_ptrs();
