@@ -53,6 +53,10 @@
 //! `cat` (whose backward splits the gradient back into dv and each tensor's). That costs one
 //! copy of v per call, and only with learnable tensors.
 //!
+//! **Data tensors** (`data(...)`) go to [`attention_with_data`] by name: i32 ones are held by
+//! the op (no gradient), f32 ones travel in the packed third input as learnable tensors do and
+//! get gradients.
+//!
 //! **MLA** variants are refused: their five inputs do not fit a candle op of at most three.
 //! Train MLA in its expanded form (per-head keys and values made from the latent with candle
 //! matmuls) with a per-head variant.
@@ -149,21 +153,41 @@ pub fn attention_learned_with_lse(
     learned: &[(&str, &Tensor)],
     position_offset: i64,
 ) -> candle_core::Result<(Tensor, Tensor)> {
+    attention_with_data(variant, q, k, v, learned, &[], position_offset)
+}
+
+/// Attention of a variant with data tensors (`data(...)`) besides its learnable tensors, and
+/// its log-sum-exp (detached). `data` names each: an i32 one as a candle I32, U32 or I64 tensor
+/// (no gradient), an f32 one as an F32 tensor, into which gradients flow as into a learnable
+/// tensor (the Forgetting Transformer's gates). Shapes as a call gives them (`batch` is q's
+/// first dimension, `seq` k's keys).
+pub fn attention_with_data(
+    variant: &Arc<Variant>,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    learned: &[(&str, &Tensor)],
+    data: &[(&str, &Tensor)],
+    position_offset: i64,
+) -> candle_core::Result<(Tensor, Tensor)> {
     op::check_inputs(variant, q, k, v)?;
     let ordered = op::check_learned(variant, learned)?;
-    let (op, third) = if ordered.is_empty() {
+    let (fixed, floats) = op::check_data(variant, data)?;
+    let (op, third) = if ordered.is_empty() && variant.spec().data.is_empty() {
         (op::AttentionOp::new(variant, position_offset), v.clone())
     } else {
         let mut parts = vec![v.to_dtype(candle_core::DType::F32)?.flatten_all()?];
-        for t in &ordered {
+        for t in ordered.iter().chain(floats.iter().map(|(_, t)| t)) {
             parts.push(t.flatten_all()?);
         }
+        let mut tensors = variant.spec().learnable_tensors();
+        tensors.extend(floats.iter().map(|(n, t)| (n.clone(), t.dims().to_vec())));
         let packing = op::Packing {
             v_dims: v.dims().to_vec(),
-            tensors: variant.spec().learnable_tensors(),
+            tensors,
         };
         (
-            op::AttentionOp::packed(variant, position_offset, packing),
+            op::AttentionOp::packed(variant, position_offset, packing, fixed),
             Tensor::cat(&parts, 0)?,
         )
     };

@@ -3,6 +3,7 @@
 
 use super::convert::{candle_dtype, to_attn, to_candle};
 use crate::runtime::Tensor as AttnTensor;
+use crate::runtime::learned::{Data, DataBuf, DataVec};
 use crate::{Backend, BackwardInputs, CpuBackend, HeadsBackward, Inputs, Learned, Variant};
 use attn_dsl::match_learned;
 use candle_core::backend::BackendStorage;
@@ -151,6 +152,64 @@ pub(super) fn check_learned<'t>(
     Ok(ordered)
 }
 
+/// Data tensors by name, with their values.
+type OwnedData = Vec<(String, DataBuf)>;
+
+/// A call's data tensors checked against the spec (each declared one given once, none other,
+/// on the CPU; i32 ones as I32, U32 or I64 tensors whose values fit i32, f32 ones as F32): the
+/// i32 ones' values, and the f32 ones in declaration order (they travel in the third input and
+/// get gradients).
+pub(super) fn check_data<'t>(
+    variant: &Variant,
+    data: &[(&str, &'t Tensor)],
+) -> candle_core::Result<(OwnedData, Vec<(String, &'t Tensor)>)> {
+    let spec = variant.spec();
+    let refuse = |what: String| {
+        candle_core::Error::Msg(format!("attn::candle: {what} (spec `{}`)", variant.text()))
+    };
+    if let Some((name, _)) = data.iter().find(|(n, _)| spec.data_decl(n).is_none()) {
+        return Err(refuse(format!(
+            "`{name}` is not a data tensor of this spec"
+        )));
+    }
+    let (mut fixed, mut floats) = (Vec::new(), Vec::new());
+    for decl in &spec.data {
+        let mut given = data.iter().filter(|(n, _)| *n == decl.name);
+        let (Some((_, t)), None) = (given.next(), given.next()) else {
+            return Err(refuse(format!(
+                "data tensor `{}` must be given once",
+                decl.name
+            )));
+        };
+        if !t.device().is_cpu() {
+            return Err(refuse(format!("`{}` is not on the CPU", decl.name)));
+        }
+        use candle_core::DType as C;
+        match (decl.dtype, t.dtype()) {
+            (attn_dsl::DataType::F32, C::F32) => floats.push((decl.name.clone(), *t)),
+            (attn_dsl::DataType::I32, C::I32 | C::U32 | C::I64) => {
+                let wide = t.to_dtype(C::I64)?.flatten_all()?.to_vec1::<i64>()?;
+                let values = wide
+                    .iter()
+                    .map(|x| i32::try_from(*x))
+                    .collect::<Result<Vec<i32>, _>>()
+                    .map_err(|_| refuse(format!("`{}` holds a value outside i32", decl.name)))?;
+                let shape = t.dims().to_vec();
+                let values = DataVec::I32(values);
+                fixed.push((decl.name.clone(), DataBuf { shape, values }));
+            }
+            (want, found) => {
+                return Err(refuse(format!(
+                    "data tensor `{}` is {found:?}; the spec declares it {}",
+                    decl.name,
+                    want.name()
+                )));
+            }
+        }
+    }
+    Ok((fixed, floats))
+}
+
 /// How v and the learnable tensors travel as the op's third input: candle's custom ops take
 /// three tensors, so with learnable tensors the third is one f32 vector, v's elements (in its
 /// logical order, as f32) followed by each learnable tensor's. candle's `cat` makes it and its
@@ -158,7 +217,8 @@ pub(super) fn check_learned<'t>(
 pub(super) struct Packing {
     /// v's shape, `[B, kv_heads, Skv, v_head_dim]`.
     pub v_dims: Vec<usize>,
-    /// Each learnable tensor's name and shape, in the spec's order.
+    /// Each learnable tensor's name and shape, in the spec's order, then each f32 data
+    /// tensor's.
     pub tensors: Vec<(String, Vec<usize>)>,
 }
 
@@ -208,8 +268,36 @@ fn packed_values(storage: &CpuStorage, layout: &Layout) -> candle_core::Result<V
     }
 }
 
-fn named(learned: &[(String, AttnTensor)]) -> Vec<(&str, &AttnTensor)> {
-    learned.iter().map(|(n, t)| (n.as_str(), t)).collect()
+/// The op's data tensors for a call: its i32 ones, and the f32 ones among `packed` (the
+/// tensors the third input carried); the rest of `packed` are the learnable tensors.
+fn split_data<'a>(
+    variant: &Variant,
+    fixed: &'a [(String, DataBuf)],
+    packed: &'a [(String, AttnTensor)],
+) -> (Vec<(&'a str, &'a AttnTensor)>, OwnedData) {
+    let spec = variant.spec();
+    let mut learned = Vec::new();
+    let mut data: Vec<(String, DataBuf)> = fixed.to_vec();
+    for (name, t) in packed {
+        if spec.data_decl(name).is_some() {
+            data.push((
+                name.clone(),
+                DataBuf {
+                    shape: t.shape().to_vec(),
+                    values: DataVec::F32(t.to_f32_vec()),
+                },
+            ));
+        } else {
+            learned.push((name.as_str(), t));
+        }
+    }
+    (learned, data)
+}
+
+fn data_views(data: &[(String, DataBuf)]) -> Vec<(&str, Data<'_>)> {
+    data.iter()
+        .map(|(n, d)| (n.as_str(), d.as_data()))
+        .collect()
 }
 
 /// Attention as a candle op over (q, k, v), or (q, k, packed v and learnable tensors).
@@ -218,6 +306,8 @@ pub(super) struct AttentionOp {
     position_offset: i64,
     saved: Arc<Saved>,
     packing: Option<Packing>,
+    /// The call's i32 data tensors (f32 ones travel in the packed third input).
+    data: Vec<(String, DataBuf)>,
 }
 
 impl AttentionOp {
@@ -227,13 +317,20 @@ impl AttentionOp {
             position_offset,
             saved: Arc::default(),
             packing: None,
+            data: Vec::new(),
         }
     }
 
-    /// The op over a packed third input.
-    pub(super) fn packed(variant: &Arc<Variant>, position_offset: i64, packing: Packing) -> Self {
+    /// The op over a packed third input, with the call's i32 data tensors.
+    pub(super) fn packed(
+        variant: &Arc<Variant>,
+        position_offset: i64,
+        packing: Packing,
+        data: Vec<(String, DataBuf)>,
+    ) -> Self {
         AttentionOp {
             packing: Some(packing),
+            data,
             ..AttentionOp::new(variant, position_offset)
         }
     }
@@ -263,12 +360,14 @@ impl CustomOp3 for AttentionOp {
             None => (to_attn(v, v_layout)?, Vec::new()),
             Some(p) => p.unpack(self.variant.spec().dtype, &packed_values(v, v_layout)?)?,
         };
+        let (learned, data) = split_data(&self.variant, &self.data, &learned);
+        let data = data_views(&data);
         let output = CpuBackend::new()
             .forward_learned(
                 &self.variant,
                 Inputs::heads(&q, &k, &v),
                 self.position_offset,
-                Learned::new(&named(&learned)),
+                Learned::new(&learned).with_data(&data),
             )
             .map_err(candle_core::Error::wrap)?;
         *self.saved.lse.lock().map_err(|_| lost())? = Some(output.lse);
@@ -307,11 +406,13 @@ impl CustomOp3 for AttentionOp {
             dout: &dout,
             position_offset: self.position_offset,
         };
+        let (plain, data) = split_data(&self.variant, &self.data, &learned);
+        let data = data_views(&data);
         let grads = CpuBackend::new()
             .backward_learned(
                 &self.variant,
                 &BackwardInputs::Heads(x),
-                Learned::new(&named(&learned)),
+                Learned::new(&plain).with_data(&data),
             )
             .and_then(|g| g.heads())
             .map_err(candle_core::Error::wrap)?;
@@ -319,10 +420,15 @@ impl CustomOp3 for AttentionOp {
         let third = match &self.packing {
             None => candle_of(grads.dv, &device)?,
             Some(_) => {
-                // The packed gradient: dv as f32, then each learnable tensor's, in order.
+                // The packed gradient: dv as f32, then each packed tensor's, in the packing's
+                // order.
                 let mut packed = grads.dv.to_f32_vec();
-                for (_, g) in &grads.learned {
-                    packed.extend(g.to_f32_vec());
+                for (name, _) in &learned {
+                    let d = format!("d{name}");
+                    let g = grads.learned.iter().find(|(n, _)| *n == d).ok_or_else(|| {
+                        candle_core::Error::Msg(format!("attn::candle: no gradient `{d}`"))
+                    })?;
+                    packed.extend(g.1.to_f32_vec());
                 }
                 let n = packed.len();
                 Tensor::from_vec(packed, n, &device)?

@@ -7,6 +7,7 @@
 
 mod adamw;
 mod bad_input;
+mod data;
 mod finite_difference;
 mod golden;
 mod model;
