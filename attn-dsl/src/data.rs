@@ -8,8 +8,8 @@
 //! its own position.
 
 use crate::modifier::interval::{Interval, Range, TileBounds, analyze};
-use crate::modifier::{Expr, ParamRead};
-use crate::spec::{AttentionSpec, DataDim};
+use crate::modifier::{BinOp, Expr, MaskMod, ParamRead, Ty, Var};
+use crate::spec::{AttentionSpec, DataDecl, DataDim, DataType};
 
 /// What a call's data tensors are checked against: its batch, query and key counts and the
 /// position of key 0.
@@ -149,6 +149,54 @@ pub fn query_alignment_warnings(spec: &AttentionSpec) -> Vec<String> {
         }
     }
     out
+}
+
+/// The name of the document-id tensor [`with_document_mask`] adds.
+pub const DOCUMENT_IDS: &str = "doc";
+
+/// `spec` restricted to documents: the data tensor `doc: [batch, seq] i32` (each key's document
+/// id) and `doc[b, q] == doc[b, k]` ANDed with its mask (a packed window's documents attend
+/// only within themselves). An error for a spec that declares a tensor named `doc` already, or
+/// that the addition leaves invalid (MLA, say).
+pub fn with_document_mask(spec: &AttentionSpec) -> Result<AttentionSpec, String> {
+    if spec.data_decl(DOCUMENT_IDS).is_some() || spec.param(DOCUMENT_IDS).is_some() {
+        return Err(format!(
+            "a document mask adds a data tensor `{DOCUMENT_IDS}`; this spec has a tensor of \
+             that name"
+        ));
+    }
+    let read = |at: Var| {
+        Expr::Param(ParamRead {
+            name: DOCUMENT_IDS.to_string(),
+            indices: vec![Expr::Var(Var::Batch), Expr::Var(at)],
+            ty: Ty::I64,
+        })
+    };
+    let same_document = Expr::binary(BinOp::Eq, read(Var::Query), read(Var::Key));
+    let mut out = spec.clone();
+    out.data.push(DataDecl {
+        name: DOCUMENT_IDS.to_string(),
+        dims: vec![DataDim::Batch, DataDim::Seq],
+        dtype: DataType::I32,
+    });
+    out.mask_mod = Some(match &spec.mask_mod {
+        Some(m) => MaskMod {
+            params: m.params.clone(),
+            body: Expr::binary(BinOp::And, m.body.clone(), same_document),
+        },
+        None => MaskMod {
+            params: ["b", "h", "q", "k"].map(String::from),
+            body: same_document,
+        },
+    });
+    out.validate().map_err(|findings| {
+        let said: Vec<String> = findings.iter().map(|f| f.message.clone()).collect();
+        format!(
+            "with a document mask the spec is invalid: {}",
+            said.join("; ")
+        )
+    })?;
+    Ok(out)
 }
 
 /// Every data read of the modifiers, with the modifier's name.

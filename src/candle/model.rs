@@ -3,12 +3,13 @@
 //! `VarMap` saves loads in attn's runtime (`attn::research::load`, with `weights = FILE` in the
 //! model's TOML) and gives the same logits.
 
-use super::attention_learned;
+use super::{attention_learned, attention_with_data};
 use crate::Variant;
 use crate::runtime::model::decoder::{Decoder, DecoderOps, LayerNorm, Multiplier, NormAt};
 use crate::runtime::model::{
     ExpertNames, MlpKind, MlpNames, ModelConfig, NormKind, Projections, QkNorm, Router, TensorNames,
 };
+use attn_dsl::data::{DOCUMENT_IDS, with_document_mask};
 use candle_core::{D, DType, Module, Result, Tensor};
 use candle_nn::{Init, VarBuilder, VarMap};
 use std::sync::Arc;
@@ -208,6 +209,8 @@ struct CandleDecoder<'m, 't> {
     tokens: &'t Tensor,
     /// `(B, S)`.
     shape: (usize, usize),
+    /// Each token's document id `[B, S]`, for a packed window (attention within documents).
+    documents: Option<&'t Tensor>,
 }
 
 impl DecoderOps for CandleDecoder<'_, '_> {
@@ -234,7 +237,8 @@ impl DecoderOps for CandleDecoder<'_, '_> {
     }
 
     fn attention(&mut self, i: usize, h: &Tensor) -> Result<Tensor> {
-        self.model.attention(&self.model.layers[i], h)
+        self.model
+            .attention(&self.model.layers[i], h, self.documents)
     }
 
     fn mlp(&mut self, i: usize, h: &Tensor) -> Result<Tensor> {
@@ -469,6 +473,25 @@ impl CandleModel {
 
     /// Logits `[B, S, vocab]` (f32) of token ids `[B, S]` (u32), positions from 0.
     pub fn forward(&self, tokens: &Tensor) -> Result<Tensor> {
+        self.run(tokens, None)
+    }
+
+    /// [`CandleModel::forward`] over packed windows: `documents [B, S]` (I32, U32 or I64) holds
+    /// each token's document id, and every attention keeps the pairs within one document
+    /// ([`attn_dsl::data::with_document_mask`]). Positions run on across a window's documents;
+    /// RoPE and ALiBi see only differences, which a document mask keeps within a document.
+    pub fn forward_documents(&self, tokens: &Tensor, documents: &Tensor) -> Result<Tensor> {
+        if documents.dims() != tokens.dims() {
+            candle_core::bail!(
+                "attn::candle: document ids of shape {:?} for tokens of shape {:?}",
+                documents.dims(),
+                tokens.dims()
+            );
+        }
+        self.run(tokens, Some(documents))
+    }
+
+    fn run(&self, tokens: &Tensor, documents: Option<&Tensor>) -> Result<Tensor> {
         let (b, s) = tokens.dims2()?;
         if let Some(max) = tokens.flatten_all()?.max(0)?.to_scalar::<u32>().ok()
             && max as usize >= self.config.vocab
@@ -482,12 +505,14 @@ impl CandleModel {
             model: self,
             tokens,
             shape: (b, s),
+            documents,
         })
     }
 
     /// A block's attention over its normed input `h`, `[B, S, hidden]`: projections, q/k
-    /// norms, attn's op with the block's learnable tensors, the output projection.
-    fn attention(&self, block: &Block, h: &Tensor) -> Result<Tensor> {
+    /// norms, attn's op with the block's learnable tensors (and, for packed windows, within
+    /// each token's document), the output projection.
+    fn attention(&self, block: &Block, h: &Tensor, documents: Option<&Tensor>) -> Result<Tensor> {
         let spec = block.variant.spec();
         let (b, s, _) = h.dims3()?;
         let dtype = super::convert::candle_dtype(spec.dtype);
@@ -520,10 +545,18 @@ impl CandleModel {
         let v = heads(split(block.v.forward(h)?, hkv, spec.v_head_dim, None)?)?;
         let learned: Vec<(&str, &Tensor)> =
             block.learned.iter().map(|(n, t)| (n.as_str(), t)).collect();
-        let a = attention_learned(&block.variant, &q, &k, &v, &learned, 0)?
-            .to_dtype(DType::F32)?
-            .transpose(1, 2)?
-            .reshape((b, s, ()))?;
+        let a = match documents {
+            None => attention_learned(&block.variant, &q, &k, &v, &learned, 0)?,
+            Some(ids) => {
+                let masked = with_document_mask(spec).map_err(candle_core::Error::Msg)?;
+                let variant = Variant::shared(&masked).map_err(candle_core::Error::wrap)?;
+                let data = [(DOCUMENT_IDS, ids)];
+                attention_with_data(&variant, &q, &k, &v, &learned, &data, 0)?.0
+            }
+        }
+        .to_dtype(DType::F32)?
+        .transpose(1, 2)?
+        .reshape((b, s, ()))?;
         block.o.forward(&a)
     }
 

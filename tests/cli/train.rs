@@ -930,3 +930,63 @@ fn weights_of_another_shape_are_refused_without_a_backtrace() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `--pack`: the corpus's documents (blank-line separated) each attend within themselves; the
+/// separator is kept in the checkpoint, so a resumed run packs as the run did; a packed run's
+/// losses are its own (the document mask changes what each token sees).
+#[cfg(feature = "candle")]
+#[test]
+fn a_packed_run_keeps_its_documents_apart_and_resumes_packed() {
+    let dir = folder("pack");
+    let m = model(&dir, 256);
+    let data = dir.join("docs.txt");
+    let docs: Vec<String> = (0..60)
+        .map(|i| {
+            format!(
+                "document {i}: the quick brown fox {}",
+                "jumps ".repeat(i % 5)
+            )
+        })
+        .collect();
+    std::fs::write(&data, docs.join("\n\n")).unwrap();
+    let data = data.to_str().unwrap();
+    let out = dir.join("packed");
+    let out_s = out.to_str().unwrap();
+    let o = train(&m, data, out_s, &["--steps", "3", "--pack"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("packed: ") && stderr(&o).contains("documents ending with \"\\n\\n\""),
+        "{}",
+        stderr(&o)
+    );
+    let state = std::fs::read_to_string(out.join("state.json")).unwrap();
+    let state: serde_json::Value = serde_json::from_str(&state).unwrap();
+    assert_eq!(state["options"]["pack"], "\n\n");
+    // The same run unpacked draws the same windows, with other losses.
+    let plain = dir.join("plain");
+    let o = train(&m, data, plain.to_str().unwrap(), &["--steps", "3"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let first_loss = |run: &Path| -> f64 {
+        let steps = std::fs::read_to_string(run.join("steps.jsonl")).unwrap();
+        let line: serde_json::Value = serde_json::from_str(steps.lines().next().unwrap()).unwrap();
+        line["loss"].as_f64().unwrap()
+    };
+    assert_ne!(first_loss(&out), first_loss(&plain));
+    // Resumed, it packs again; --pack beside --resume is refused (the run's own option holds).
+    let o = attnc(&["train", "--resume", out_s, "--data", data, "--steps", "6"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stderr(&o).contains("packed: "), "{}", stderr(&o));
+    let o = attnc(&["train", "--resume", out_s, "--steps", "9", "--pack"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    // An empty separator or a bad escape is refused.
+    for bad in ["", "a\\q"] {
+        let o = train(
+            &m,
+            data,
+            dir.join("bad").to_str().unwrap(),
+            &["--pack", bad],
+        );
+        assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

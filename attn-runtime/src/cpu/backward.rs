@@ -18,6 +18,7 @@
 //! (or query rows) where P and dS are zero (`spans::nonzero_spans`: half of a causal
 //! diagonal tile). Last, dq is scaled and dq and dk are rotated back.
 
+use super::backward_tiles::{TileClassed, classify, shared_classes};
 use super::{bf16_tiles, microkernels};
 use crate::error::RuntimeError;
 use crate::host::rope_table::RopeTables;
@@ -128,7 +129,12 @@ pub(super) fn run(
         fixed_splits(units, tiles, lens.q + lens.k + lens.v + lens.params)
     };
     let data = plan.mask_data_ranges(x.params);
-    let classified = shared_classes(plan, x, data.as_ref());
+    let classified = shared_classes(
+        plan,
+        [x.batch, x.sq, x.skv],
+        x.position_offset,
+        data.as_ref(),
+    );
     let run_task = |unit: usize, split: usize, grads: [&mut [f32]; 4]| {
         let task = Task {
             plan,
@@ -153,63 +159,6 @@ pub(super) fn run(
         _ => split_units(&mut grads, lens, units, splits, &run_task),
     }
     Ok(grads)
-}
-
-/// Each key tile's code and live rows, per (batch item, query block): one classification for
-/// every head, where the mask does not read the head; `None` where it does.
-type Classes = Vec<Vec<TileClassed>>;
-
-/// A key tile's code and the query rows of its block that can keep a key.
-type TileClassed = (TileCode, Option<Interval>);
-
-/// The [`Classes`] of a call, classified in parallel; `None` for a mask that reads the head.
-fn shared_classes(plan: &KernelPlan, x: &Problem, data: Option<&DataRanges>) -> Option<Classes> {
-    if plan.program.mask.uses(attn_dsl::modifier::Var::Head) {
-        return None;
-    }
-    let (sq, skv) = (x.sq, x.skv);
-    let blocks = sq.div_ceil(K);
-    Some(
-        (0..x.batch * blocks)
-            .into_par_iter()
-            .map(|i| {
-                let (b, block) = (i / blocks, i % blocks);
-                let call = CallShape {
-                    sq: sq as i64,
-                    skv: skv as i64,
-                    p0: x.position_offset,
-                    batch: Interval::point(b as i64),
-                    head: Interval::point(0),
-                    data,
-                };
-                (0..skv.div_ceil(K))
-                    .map(|tile| classify(plan, call, block, tile, [sq, skv]))
-                    .collect()
-            })
-            .collect(),
-    )
-}
-
-/// The code of key tile `tile` for query block `block`, and its live rows.
-fn classify(
-    plan: &KernelPlan,
-    call: CallShape,
-    block: usize,
-    tile: usize,
-    [sq, skv]: [usize; 2],
-) -> TileClassed {
-    let first_key = tile * K;
-    let cols = (skv - first_key).min(K);
-    let keys = Interval::new(first_key as i64, (first_key + cols - 1) as i64);
-    let q0 = block * K;
-    let span = Interval::new(q0 as i64, ((q0 + K).min(sq) - 1) as i64);
-    let code = plan.tile_code(span, keys, call, cols == K);
-    let live = match code {
-        TileCode::Skip => None,
-        TileCode::Full => Some(span),
-        TileCode::Masked => plan.live_rows(span, keys, call),
-    };
-    (code, live)
 }
 
 /// Runs a task: (unit, split, [dq, dk, dv, parameter sums]).

@@ -2,6 +2,7 @@
 //! and runs them over rayon's thread pool.
 
 mod backward;
+mod backward_tiles;
 pub mod bandwidth;
 pub(crate) mod bf16_gemm;
 pub mod bf16_tiles;

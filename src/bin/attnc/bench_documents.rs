@@ -3,15 +3,13 @@
 //! ids each call takes, and the pairs such a mask keeps.
 
 use attn::AttentionSpec;
-use attn::dsl::modifier::{BinOp, Expr, MaskMod, ParamRead, Ty, Var};
-use attn::dsl::{CausalAlign, DataDecl, DataDim, DataType, Mask};
+pub use attn::dsl::data::DOCUMENT_IDS as DOC;
+use attn::dsl::data::with_document_mask;
+use attn::dsl::{CausalAlign, Mask};
 use attn::runtime::learned::{DataBuf, DataVec};
 
-/// The name of the document-id tensor.
-pub const DOC: &str = "doc";
-
-/// `spec` with the data tensor `doc: [batch, seq] i32` and its mask ANDed with
-/// `doc[b, q] == doc[b, k]`; an error for a spec that already declares data tensors, or MLA.
+/// `spec` with the data tensor `doc` and its mask ANDed with `doc[b, q] == doc[b, k]`
+/// ([`with_document_mask`]); an error for a spec that declares data tensors already.
 pub fn masked_by_documents(spec: &AttentionSpec) -> Result<AttentionSpec, String> {
     if !spec.data.is_empty() {
         return Err(
@@ -19,38 +17,7 @@ pub fn masked_by_documents(spec: &AttentionSpec) -> Result<AttentionSpec, String
                 .to_string(),
         );
     }
-    if spec.param(DOC).is_some() {
-        return Err(format!(
-            "error: --documents adds a data tensor `{DOC}`; this spec has a parameter of that name"
-        ));
-    }
-    let read = |at: Var| {
-        Expr::Param(ParamRead {
-            name: DOC.to_string(),
-            indices: vec![Expr::Var(Var::Batch), Expr::Var(at)],
-            ty: Ty::I64,
-        })
-    };
-    let same_document = Expr::binary(BinOp::Eq, read(Var::Query), read(Var::Key));
-    let mut out = spec.clone();
-    out.data.push(DataDecl {
-        name: DOC.to_string(),
-        dims: vec![DataDim::Batch, DataDim::Seq],
-        dtype: DataType::I32,
-    });
-    out.mask_mod = Some(match &spec.mask_mod {
-        Some(m) => MaskMod {
-            params: m.params.clone(),
-            body: Expr::binary(BinOp::And, m.body.clone(), same_document),
-        },
-        None => MaskMod {
-            params: ["b", "h", "q", "k"].map(String::from),
-            body: same_document,
-        },
-    });
-    out.validate()
-        .map_err(|f| format!("error: the spec with --documents is invalid: {f:?}"))?;
-    Ok(out)
+    with_document_mask(spec).map_err(|e| format!("error: --documents: {e}"))
 }
 
 /// The ids of `documents` equal documents over `kv_len` keys (key `j` in document

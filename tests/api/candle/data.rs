@@ -116,3 +116,46 @@ fn documents_and_gates_train_through_candle_as_the_reference_computes_them() {
         assert!(e.to_string().contains(says), "{e}");
     }
 }
+
+/// A packed window through a research model: the logits of its second document are those of
+/// that document alone (RoPE sees only position differences, and the document mask hides the
+/// first document), and with one document the window's logits are the plain forward's.
+#[test]
+fn a_packed_windows_documents_are_modelled_as_if_alone() {
+    use attn::candle::CandleModel;
+    use attn::candle::nn::{VarBuilder, VarMap};
+    let config = attn::research::config_from_toml(
+        "vocab = 50\nhidden = 32\nlayers = 2\n\
+         attention = \"heads = 4, kv_heads = 2, head_dim = 8, mask = causal, position = rope\"",
+    )
+    .unwrap();
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let model = CandleModel::new(&config, vb).unwrap();
+    CandleModel::seed_weights(&varmap, 7).unwrap();
+    let tokens: Vec<u32> = (0..20u32).map(|i| (i * 7 + 3) % 50).collect();
+    let window = Tensor::from_vec(tokens.clone(), (1, 20), &Device::Cpu).unwrap();
+    let docs: Vec<u32> = (0..20).map(|i| u32::from(i >= 8)).collect();
+    let docs = Tensor::from_vec(docs, (1, 20), &Device::Cpu).unwrap();
+    let packed = model.forward_documents(&window, &docs).unwrap();
+    let second = Tensor::from_vec(tokens[8..].to_vec(), (1, 12), &Device::Cpu).unwrap();
+    let alone = model.forward(&second).unwrap();
+    let tail = packed.narrow(1, 8, 12).unwrap();
+    super::assert_close("second document", &tail, &alone, 1e-4, 1e-4);
+    let one = Tensor::zeros((1, 20), DType::U32, &Device::Cpu).unwrap();
+    let plain = model.forward(&window).unwrap();
+    super::assert_close(
+        "one document",
+        &model.forward_documents(&window, &one).unwrap(),
+        &plain,
+        1e-5,
+        1e-5,
+    );
+    // Without the mask the second document's logits see the first: they differ.
+    let unmasked = plain.narrow(1, 8, 12).unwrap();
+    let differ = values(&unmasked)
+        .iter()
+        .zip(values(&alone))
+        .any(|(a, b)| (a - b).abs() > 1e-3);
+    assert!(differ);
+}

@@ -64,6 +64,7 @@ pub fn sweep(args: Args) -> Result<(), String> {
         args.training.tokenizer.as_deref(),
         first.config.vocab,
         probe.seq,
+        args.training.pack.as_deref(),
     )?;
     let folder = prepare(&args)?;
     let runs = planned.len() as u64 * args.seeds;

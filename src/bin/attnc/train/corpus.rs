@@ -1,5 +1,6 @@
 //! The training text as token ids, split into training and validation, and random windows of
-//! it.
+//! it; for packed training (`--pack`), where each document starts, and each window's tokens'
+//! document ids.
 //!
 //! Memory: a byte-level corpus is kept as its bytes (about 1.1 times the file: the validation
 //! tenth is copied out once); a tokenized one as the text while it is tokenized, a piece at a
@@ -63,6 +64,28 @@ pub struct Corpus {
     pub train: Ids,
     pub validation: Ids,
     pub print: DataPrint,
+    /// For packed training: the index of each document's first token after the first, in
+    /// `train` and in `validation`.
+    pub documents: Option<(Vec<usize>, Vec<usize>)>,
+}
+
+/// Where documents start in `ids`: after each occurrence of `separator` (token or byte ids).
+fn document_starts(ids: &[u32], separator: &[u32]) -> Vec<usize> {
+    if separator.is_empty() {
+        return Vec::new();
+    }
+    let mut starts = Vec::new();
+    let mut at = 0;
+    while at + separator.len() <= ids.len() {
+        if ids[at..at + separator.len()] == *separator {
+            at += separator.len();
+            starts.push(at);
+        } else {
+            at += 1;
+        }
+    }
+    starts.retain(|&s| s < ids.len());
+    starts
 }
 
 /// Reads and tokenizes `path`: bytes, or `tokenizer`'s ids, checked against the model's
@@ -72,6 +95,7 @@ pub fn read(
     tokenizer: Option<&Path>,
     vocab: usize,
     seq: usize,
+    pack: Option<&str>,
 ) -> Result<Corpus, String> {
     let shown = path.display();
     if tokenizer.is_none() && vocab != 256 {
@@ -118,7 +142,31 @@ pub fn read(
         }
     };
     let total = ids.len();
+    // Packed: documents start after each separator (its ids as the corpus has them).
+    let starts = match (pack, &ids) {
+        (None, _) => None,
+        (Some(sep), Ids::Bytes(b)) => {
+            let all: Vec<u32> = b.iter().map(|&x| u32::from(x)).collect();
+            let sep: Vec<u32> = sep.bytes().map(u32::from).collect();
+            Some(document_starts(&all, &sep))
+        }
+        (Some(sep), Ids::Wide(w)) => {
+            let file = tokenizer.expect("wide ids come from a tokenizer");
+            let t =
+                TextTokenizer::from_file(file).map_err(|e| format!("error: --tokenizer: {e}"))?;
+            let sep = t
+                .encode_plain(sep)
+                .map_err(|e| format!("error: --pack: the separator: {e}"))?;
+            Some(document_starts(w, &sep))
+        }
+    };
     let validation = ids.split_off(total - total / 10);
+    let documents = starts.map(|all| {
+        let cut = ids.len();
+        let train = all.iter().copied().filter(|&s| s < cut).collect();
+        let validation = all.iter().filter(|&&s| s > cut).map(|s| s - cut).collect();
+        (train, validation)
+    });
     if ids.len() <= seq || validation.len() <= seq {
         let s = if total == 1 { "" } else { "s" };
         return Err(format!(
@@ -132,6 +180,7 @@ pub fn read(
     Ok(Corpus {
         train: ids,
         validation,
+        documents,
         print: DataPrint {
             path: std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf()),
             tokens: total as u64,
@@ -175,21 +224,67 @@ impl Corpus {
 /// The batches' generator: the windows a run draws depend on its seed alone.
 pub type Rng = attn::inputs::XorShift;
 
-/// `batch` windows of `seq + 1` tokens from random places in `tokens`, `[batch, seq + 1]`.
-pub fn windows(tokens: &Ids, batch: usize, seq: usize, rng: &mut Rng) -> Tensor {
+/// `batch` windows of `seq + 1` tokens from random places in `tokens`, `[batch, seq + 1]`,
+/// and for packed training (`documents`: where `tokens`' documents start) each token's
+/// document id, counted from the window's first document (U32, the same shape).
+pub fn windows(
+    tokens: &Ids,
+    documents: Option<&[usize]>,
+    batch: usize,
+    seq: usize,
+    rng: &mut Rng,
+) -> (Tensor, Option<Tensor>) {
     let starts = tokens.len() - seq;
     let mut ids = Vec::with_capacity(batch * (seq + 1));
+    let mut docs = Vec::new();
     for _ in 0..batch {
         let start = (rng.next_u64() % starts as u64) as usize;
         tokens.extend_into(start..start + seq + 1, &mut ids);
+        if let Some(d) = documents {
+            // Documents begun at or before each token, less those before the window.
+            let first = d.partition_point(|&s| s <= start);
+            let mut next = first;
+            for at in start..start + seq + 1 {
+                while next < d.len() && d[next] <= at {
+                    next += 1;
+                }
+                docs.push((next - first) as u32);
+            }
+        }
     }
-    Tensor::from_vec(ids, (batch, seq + 1), &Device::Cpu)
-        .expect("batch * (seq + 1) ids fill that shape")
+    let shape = (batch, seq + 1);
+    let tensor = |v: Vec<u32>| {
+        Tensor::from_vec(v, shape, &Device::Cpu).expect("batch * (seq + 1) ids fill that shape")
+    };
+    (tensor(ids), documents.map(|_| tensor(docs)))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn documents_start_after_each_separator_and_number_a_window() {
+        let ids: Vec<u32> = b"ab\n\ncd\n\n\nef".iter().map(|&x| u32::from(x)).collect();
+        let starts = document_starts(&ids, &[10, 10]);
+        assert_eq!(starts, vec![4, 8]);
+        let tokens = Ids::Bytes(b"ab\n\ncd\n\n\nef".to_vec());
+        let mut rng = Rng::new(3);
+        let (w, d) = windows(&tokens, Some(&starts), 4, 5, &mut rng);
+        let (w, d) = (
+            w.to_vec2::<u32>().unwrap(),
+            d.unwrap().to_vec2::<u32>().unwrap(),
+        );
+        // Token p is in document `starts <= p`; a window counts from its first token's.
+        let doc_of = |p: usize| starts.iter().filter(|&&s| s <= p).count() as u32;
+        for (row, docs) in w.iter().zip(&d) {
+            let fits = (0..=ids.len() - row.len()).any(|start| {
+                ids[start..start + row.len()] == row[..]
+                    && (0..row.len()).all(|i| docs[i] == doc_of(start + i) - doc_of(start))
+            });
+            assert!(fits, "{row:?} {docs:?}");
+        }
+    }
 
     #[test]
     fn a_text_tokenized_in_pieces_has_the_ids_of_the_whole() {

@@ -62,7 +62,7 @@ pub struct Args {
     pub out: Option<PathBuf>,
     /// Continue the run in DIR from its last checkpoint, with the options it was started with
     /// (--steps may raise its length, --lr change its peak learning rate from there on).
-    #[arg(long, value_name = "DIR", conflicts_with_all = ["model", "out", "tokenizer", "batch", "seq", "warmup", "weight_decay", "seed", "eval_every"])]
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["model", "out", "tokenizer", "batch", "seq", "warmup", "weight_decay", "seed", "eval_every", "pack"])]
     pub resume: Option<PathBuf>,
     /// How to train.
     #[command(flatten)]
@@ -102,6 +102,39 @@ pub struct Training {
     /// Where to train: cpu (cuda is not supported by training yet).
     #[arg(long, value_enum, default_value_t = Timed::Cpu)]
     pub backend: Timed,
+    /// Packed training: the corpus's documents end with SEPARATOR (a blank line when --pack is
+    /// given alone; `\n` and `\t` are a newline and a tab), and each window's tokens attend
+    /// only within their own document (a document mask on every attention).
+    #[arg(long, value_name = "SEPARATOR", num_args = 0..=1, default_missing_value = "\\n\\n", value_parser = separator)]
+    pub pack: Option<String>,
+}
+
+/// A `--pack` separator with `\n`, `\t` and `\\` unescaped; an empty one is refused.
+fn separator(text: &str) -> Result<String, String> {
+    let mut out = String::new();
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        match (c, c == '\\') {
+            (_, true) => match chars.next() {
+                Some('n') => out.push('\n'),
+                Some('t') => out.push('\t'),
+                Some('\\') => out.push('\\'),
+                other => {
+                    return Err(format!(
+                        "`\\{}` is not an escape; allowed: \\n, \\t, \\\\",
+                        other.map(String::from).unwrap_or_default()
+                    ));
+                }
+            },
+            _ => out.push(c),
+        }
+    }
+    if out.is_empty() {
+        return Err(
+            "the separator is empty; give some text, or --pack alone for a blank line".into(),
+        );
+    }
+    Ok(out)
 }
 
 /// Steps when --steps is not given.

@@ -61,6 +61,7 @@ pub fn options(training: &Training, seed: u64) -> Options {
         weight_decay: training.weight_decay,
         seed,
         eval_every: training.eval_every,
+        pack: training.pack.clone(),
     }
 }
 
@@ -104,6 +105,7 @@ fn start(args: &Args) -> Result<(Run, Corpus), String> {
         options.tokenizer.as_deref(),
         config.vocab,
         options.seq,
+        options.pack.as_deref(),
     )?;
     let folder = Folder::claim(out, Kind::Run, "--out")?;
     if checkpoint::exists(&folder) {
@@ -163,6 +165,7 @@ fn resume(args: &Args, dir: &Path) -> Result<(Run, Corpus), String> {
         options.tokenizer.as_deref(),
         config.vocab,
         options.seq,
+        options.pack.as_deref(),
     )?;
     check_same_corpus(&saved.state, &corpus, &data)?;
     // A kill between the record and the model's TOML leaves the TOML a checkpoint behind.
@@ -422,6 +425,14 @@ impl Trainer {
             self.step,
             self.options.steps
         );
+        if let (Some(sep), Some((train, validation))) = (&self.options.pack, &corpus.documents) {
+            eprintln!(
+                "{label}packed: {} documents ending with {sep:?} ({} in the validation set); \
+                 each window's tokens attend within their own document",
+                train.len() + validation.len() + 2,
+                validation.len() + 1
+            );
+        }
         let unmasked = |s: &attn::AttentionSpec| s.mask == attn::Mask::None && s.mask_mod.is_none();
         if self.config.attention.iter().any(unmasked) {
             eprintln!(
@@ -473,7 +484,8 @@ impl Trainer {
     fn train_step(&mut self, corpus: &Corpus, step: u64, lr: f64) -> Result<f64, String> {
         let o = &self.options;
         let candle = |e: attn::candle::core::Error| format!("error: step {step}: {}", message(&e));
-        let windows = corpus::windows(&corpus.train, o.batch, o.seq, &mut self.rng);
+        let documents = corpus.documents.as_ref().map(|d| d.0.as_slice());
+        let windows = corpus::windows(&corpus.train, documents, o.batch, o.seq, &mut self.rng);
         let loss = self.loss(&windows).map_err(candle)?;
         let value = f64::from(loss.to_scalar::<f32>().map_err(candle)?);
         if !value.is_finite() {
@@ -537,12 +549,21 @@ impl Trainer {
         Ok(())
     }
 
-    /// Mean next-token cross-entropy of `[B, seq + 1]` windows.
-    fn loss(&self, windows: &Tensor) -> attn::candle::core::Result<Tensor> {
+    /// Mean next-token cross-entropy of `[B, seq + 1]` windows (with each token's document id,
+    /// for packed training).
+    fn loss(
+        &self,
+        (windows, documents): &(Tensor, Option<Tensor>),
+    ) -> attn::candle::core::Result<Tensor> {
         let seq = self.options.seq;
         let inputs = windows.narrow(1, 0, seq)?;
         let targets = windows.narrow(1, 1, seq)?.flatten_all()?;
-        let logits = self.model.forward(&inputs)?;
+        let logits = match documents {
+            Some(d) => self
+                .model
+                .forward_documents(&inputs, &d.narrow(1, 0, seq)?)?,
+            None => self.model.forward(&inputs)?,
+        };
         loss::cross_entropy(&logits.reshape(((), self.config.vocab))?, &targets)
     }
 
@@ -553,6 +574,7 @@ impl Trainer {
         for _ in 0..EVAL_BATCHES {
             let windows = corpus::windows(
                 &corpus.validation,
+                corpus.documents.as_ref().map(|d| d.1.as_slice()),
                 self.options.batch,
                 self.options.seq,
                 &mut rng,

@@ -20,6 +20,8 @@ pub struct Options {
     pub weight_decay: f64,
     pub seed: u64,
     pub eval_every: u64,
+    /// Packed training: the separator documents end with (`None`: windows cross documents).
+    pub pack: Option<String>,
 }
 
 impl Options {
@@ -190,6 +192,7 @@ impl State {
                 "weight_decay": o.weight_decay,
                 "seed": o.seed,
                 "eval_every": o.eval_every,
+                "pack": o.pack,
             },
         });
         serde_json::to_string_pretty(&state).expect("a JSON value prints")
@@ -244,6 +247,12 @@ impl State {
             weight_decay: float("weight_decay")?,
             seed: uint(o, "seed")?,
             eval_every: uint(o, "eval_every")?,
+            // Checkpoints from before packed training have no `pack`: they did not pack.
+            pack: match &o["pack"] {
+                Value::Null => None,
+                Value::String(s) if !s.is_empty() => Some(s.clone()),
+                _ => return Err(bad("`options.pack` is not a separator")),
+            },
         };
         options
             .check()
@@ -371,6 +380,7 @@ mod tests {
             weight_decay: 0.1,
             seed: 1,
             eval_every: 5,
+            pack: None,
         }
     }
 
