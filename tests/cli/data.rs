@@ -174,3 +174,45 @@ fn run_and_grad_read_data_tensors_and_write_their_gradients() {
         assert!(stderr(&o).contains(says), "{}", stderr(&o));
     }
 }
+
+/// `attnc ir --seq N --data FILE`: the tile map and the mask picture of a document mask,
+/// classified from the ids: tiles across documents skipped, none without the data.
+#[test]
+fn ir_draws_the_tiles_a_document_mask_keeps_from_its_data() {
+    let spec = "heads = 2, head_dim = 16, mask = causal, data(doc: [batch, seq] i32), \
+                mask_mod = |b, h, q, k| doc[b, q] == doc[b, k]";
+    // Two documents of 256 keys: the tiles of the first's queries against the second's keys
+    // are skipped.
+    let ids: Vec<u8> = (0..512i32).flat_map(|j| (j / 256).to_le_bytes()).collect();
+    let data = write(
+        "ir-docs.safetensors",
+        &[("doc", Dtype::I32, vec![1, 512], ids)],
+    );
+    let svg = temp("ir-docs.svg");
+    let o = attnc(&[
+        "ir",
+        spec,
+        "--seq",
+        "512",
+        "--data",
+        data.to_str().unwrap(),
+        "--svg",
+        svg.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = super::stdout(&o);
+    let heading = out.lines().find(|l| l.starts_with("-- tiles at")).unwrap();
+    assert!(
+        heading.contains("skipped") && !heading.contains(" 0 skipped"),
+        "{out}"
+    );
+    let picture = std::fs::read_to_string(&svg).unwrap();
+    assert!(
+        picture.starts_with("<svg") && picture.contains("skipped"),
+        "{picture}"
+    );
+    // Without --data the map cannot be drawn: exit 2, saying what to give.
+    let o = attnc(&["ir", spec, "--seq", "512"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("--data FILE"), "{}", stderr(&o));
+}

@@ -221,6 +221,21 @@ pub fn pair_score(spec: &AttentionSpec, dot: f64, at: Pair) -> Option<f64> {
     score(spec, &slopes, dot, at, &[])
 }
 
+/// [`pair_score`] with the values of the tensors the modifiers read (parameters and data, by
+/// name; `seq` entries read relative to position 0, as a call at offset 0 reads them).
+pub fn pair_score_with(
+    spec: &AttentionSpec,
+    dot: f64,
+    at: Pair,
+    tensors: &[ParamValues],
+) -> Option<f64> {
+    let slopes = match spec.position {
+        Position::Alibi => alibi::slopes(spec.heads),
+        _ => Vec::new(),
+    };
+    score(spec, &slopes, dot, at, tensors)
+}
+
 /// [`pair_score`] with the ALiBi slopes computed once by the caller, and the parameters the
 /// score modifier reads.
 fn score(

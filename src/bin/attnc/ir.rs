@@ -1,5 +1,6 @@
 //! `attnc ir`: each planning pass's output, in order.
 
+use crate::call_data::CallData;
 use attn::AttentionSpec;
 use attn::codegen::KernelPlan;
 use attn::dsl::modifier::ScoreProgram;
@@ -23,6 +24,11 @@ pub struct Args {
     /// kernel's tiles, coloured by what the kernel does with each (skip, unmasked, masked).
     #[arg(long, value_name = "FILE", requires = "seq")]
     svg: Option<std::path::PathBuf>,
+    /// The data tensors (`data(...)`, by name, in a safetensors file) the tile map and --svg
+    /// classify tiles and draw the mask from: batch item 0 of a call at --seq, key 0 at
+    /// position 0. Needed for a mask that reads data.
+    #[arg(long, value_name = "FILE", requires = "seq")]
+    data: Option<std::path::PathBuf>,
     /// Also print the derivative of the score program (what the backward pass multiplies
     /// by), its range, notes where it is only piecewise, the derivative with respect to each
     /// parameter read (params(...)), the sinks' gradient, and the backward kernel plan.
@@ -34,17 +40,40 @@ pub struct Args {
 pub fn command(args: Args) -> Result<(), String> {
     let (spec, _) = crate::spec_arg::load(&args.spec)?;
     let tiles_for = args.seq.map(|sq| (sq, args.kv_len.unwrap_or(sq)));
-    if let (Some(path), Some((sq, skv))) = (&args.svg, tiles_for) {
-        crate::outputs::check(path, &crate::spec_arg::spec_file(&args.spec), "--svg")?;
-        crate::mask_svg::draw(&spec, sq, skv, path)?;
+    let data = match (&args.data, tiles_for) {
+        (Some(path), Some((sq, skv))) => Some(crate::call_data::read(&spec, path, sq, skv)?),
+        _ => None,
+    };
+    let mask_reads_data = spec.mask_mod.as_ref().is_some_and(|m| {
+        m.body
+            .param_reads()
+            .iter()
+            .any(|r| spec.data_decl(&r.name).is_some())
+    });
+    if tiles_for.is_some() && mask_reads_data && data.is_none() {
+        return Err(
+            "error: the mask reads data tensors: give them with --data FILE for the tile map"
+                .to_string(),
+        );
     }
-    print!("{}", report(&spec, tiles_for, args.grad));
+    if let (Some(path), Some((sq, skv))) = (&args.svg, tiles_for) {
+        let mut inputs = crate::spec_arg::spec_file(&args.spec);
+        inputs.extend(args.data.as_deref());
+        crate::outputs::check(path, &inputs, "--svg")?;
+        crate::mask_svg::draw(&spec, sq, skv, data.as_ref(), path)?;
+    }
+    print!("{}", report(&spec, tiles_for, data.as_ref(), args.grad));
     Ok(())
 }
 
 /// The report: spec, modifier IR as lowered and folded, kernel plan, and optionally the tile map
-/// of a call with `(sq, skv)` queries and keys.
-fn report(spec: &AttentionSpec, tiles_for: Option<(u64, u64)>, grad: bool) -> String {
+/// of a call with `(sq, skv)` queries and keys (classified from its data, where given).
+fn report(
+    spec: &AttentionSpec,
+    tiles_for: Option<(u64, u64)>,
+    data: Option<&CallData>,
+    grad: bool,
+) -> String {
     let program = ScoreProgram::of(spec);
     let plan = KernelPlan::forward(spec);
     let mut out = format!(
@@ -56,7 +85,10 @@ fn report(spec: &AttentionSpec, tiles_for: Option<(u64, u64)>, grad: bool) -> St
         out += &gradient_report(spec, &program);
     }
     if let Some((sq, skv)) = tiles_for {
-        let map = plan.tile_map(sq, skv, 0);
+        let map = match data {
+            Some(d) => d.tile_map(sq, skv),
+            None => plan.tile_map(sq, skv, 0),
+        };
         out += &format!(
             "\n-- tiles at Sq = {sq}, Skv = {skv} ({} all kept #, {} skipped ., {} mixed /) --\n{map}",
             map.count(TileClass::AllKept),

@@ -12,6 +12,7 @@ mod bench_decode;
 mod bench_documents;
 mod bench_model;
 mod cache;
+mod call_data;
 mod check;
 mod check_device;
 mod emit;

@@ -2,10 +2,12 @@
 //! key) pairs are kept (dark: all, light: none, grey between: a share), over the kernel's
 //! tiles, coloured by what the kernel does with them: skip, run unmasked, or mask per element.
 
+use crate::call_data::CallData;
 use attn::AttentionSpec;
 use attn::codegen::KernelPlan;
+use attn::dsl::modifier::ParamValues;
 use attn::dsl::modifier::interval::TileClass;
-use attn::dsl::reference::{Pair, pair_score};
+use attn::dsl::reference::{Pair, pair_score_with};
 use plotters::prelude::*;
 use std::path::Path;
 
@@ -18,7 +20,7 @@ const SIDE: u32 = 640;
 
 /// Whether the pair (query row `i`, key `j`) of a call with `sq` queries and `skv` keys is kept
 /// (batch 0, head 0, key 0 at position 0).
-fn kept(spec: &AttentionSpec, sq: u64, skv: u64, i: u64, j: u64) -> bool {
+fn kept(spec: &AttentionSpec, data: &[ParamValues], sq: u64, skv: u64, i: u64, j: u64) -> bool {
     let pos_q = skv as i64 - sq as i64 + i as i64;
     let at = Pair {
         b: 0,
@@ -28,12 +30,19 @@ fn kept(spec: &AttentionSpec, sq: u64, skv: u64, i: u64, j: u64) -> bool {
         i: i as usize,
         j: j as usize,
     };
-    pair_score(spec, 0.0, at).is_some()
+    pair_score_with(spec, 0.0, at, data).is_some()
 }
 
 /// The share of kept pairs among rows `rows` and keys `keys`: all of them when few, else a
 /// grid of samples.
-fn share(spec: &AttentionSpec, sq: u64, skv: u64, rows: (u64, u64), keys: (u64, u64)) -> f64 {
+fn share(
+    spec: &AttentionSpec,
+    data: &[ParamValues],
+    sq: u64,
+    skv: u64,
+    rows: (u64, u64),
+    keys: (u64, u64),
+) -> f64 {
     let picks = |(lo, hi): (u64, u64)| -> Vec<u64> {
         let n = hi - lo;
         if n <= SAMPLES {
@@ -48,7 +57,7 @@ fn share(spec: &AttentionSpec, sq: u64, skv: u64, rows: (u64, u64), keys: (u64, 
     let kept_count = is
         .iter()
         .flat_map(|&i| js.iter().map(move |&j| (i, j)))
-        .filter(|&(i, j)| kept(spec, sq, skv, i, j))
+        .filter(|&(i, j)| kept(spec, data, sq, skv, i, j))
         .count();
     kept_count as f64 / (is.len() * js.len()) as f64
 }
@@ -90,16 +99,31 @@ const MARGIN: u32 = 70;
 const CHARS_PER_PX: f64 = 1.0 / 6.6;
 
 /// Draws the mask of `spec` at `sq` queries and `skv` keys into `path` (written whole).
-pub fn draw(spec: &AttentionSpec, sq: u64, skv: u64, path: &Path) -> Result<(), String> {
-    let svg =
-        picture(spec, sq, skv).map_err(|e| format!("error: --svg {}: {e}", path.display()))?;
+pub fn draw(
+    spec: &AttentionSpec,
+    sq: u64,
+    skv: u64,
+    data: Option<&CallData>,
+    path: &Path,
+) -> Result<(), String> {
+    let svg = picture(spec, sq, skv, data)
+        .map_err(|e| format!("error: --svg {}: {e}", path.display()))?;
     crate::outputs::write_whole(path, svg.as_bytes())
 }
 
 /// The picture of the mask of `spec` at `sq` queries and `skv` keys, as SVG text.
-fn picture(spec: &AttentionSpec, sq: u64, skv: u64) -> Result<String, String> {
+fn picture(
+    spec: &AttentionSpec,
+    sq: u64,
+    skv: u64,
+    data: Option<&CallData>,
+) -> Result<String, String> {
     let plan = KernelPlan::forward(spec);
-    let tiles = plan.tile_map(sq, skv, 0);
+    let tiles = match data {
+        Some(d) => d.tile_map(sq, skv),
+        None => plan.tile_map(sq, skv, 0),
+    };
+    let values = data.map_or(&[][..], |d| d.values.as_slice());
     let (tile_q, tile_k) = (u64::from(plan.tiles.q_rows), u64::from(plan.tiles.k_cols));
     let (cells_q, cells_k) = (sq.min(MAX_CELLS), skv.min(MAX_CELLS));
     let px = (f64::from(SIDE) / cells_q.max(cells_k) as f64).max(1.0);
@@ -156,7 +180,7 @@ fn picture(spec: &AttentionSpec, sq: u64, skv: u64) -> Result<String, String> {
             let rows = (a * sq / cells_q, (a + 1) * sq / cells_q);
             let keys = |b: u64| (b * skv / cells_k, (b + 1) * skv / cells_k);
             let shares: Vec<f64> = (0..cells_k)
-                .map(|b| share(spec, sq, skv, rows, keys(b)))
+                .map(|b| share(spec, values, sq, skv, rows, keys(b)))
                 .collect();
             let mut start = 0;
             for b in 1..=cells_k as usize {
