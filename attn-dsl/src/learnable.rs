@@ -232,6 +232,17 @@ fn data_findings(spec: &AttentionSpec, out: &mut Vec<(Subject, String)>) {
                  `batch` or `seq`"
             ));
         }
+        // Per batch item and key, a tensor holds the product of its other dimensions.
+        let fixed = spec
+            .data_shape(decl, 1, 1)
+            .iter()
+            .fold(1u64, |n, d| n.saturating_mul(*d as u64));
+        if fixed > MAX_PARAM_ELEMENTS {
+            say(format!(
+                "`{name}` holds {fixed} elements per batch item and key; allowed: at most \
+                 {MAX_PARAM_ELEMENTS} (2^24)"
+            ));
+        }
     }
 }
 

@@ -40,6 +40,12 @@ const SEEDS: &[&str] = &[
     "heads = 4, head_dim = 8, mask = causal, position = rope(dim = 8, scaling = \
      longrope(short = [1.0, 1.5, 2, 3], long = [1, 4, 16, 64], original_max_position = 32, \
      attention_factor = 1.2))",
+    "heads = 2, head_dim = 8, mask = causal, data(doc: [batch, seq] i32, \
+     gate: [batch, heads, seq] f32), mask_mod = |b, h, q, k| doc[b, q] == doc[b, k], \
+     score_mod = |s, b, h, q, k| s + gate[b, h, q] - gate[b, h, k]",
+    "heads = 4, kv_heads = 2, head_dim = 8, data(lo: [batch, seq] i32, t: [heads, 4] f32), \
+     mask_mod = |b, h, q, k| k >= lo[b, q] || k <= q, \
+     score_mod = |s, b, h, q, k| s * t[h, (q - k).abs().min(3)]",
 ];
 
 /// Tokens inserted by mutations: extremes, wrong kinds, unicode, unbalanced brackets.
@@ -301,9 +307,34 @@ fn exercise(spec: &AttentionSpec, compile: bool) {
                 }
             })
             .collect();
-        if learned.iter().map(|t| t.values.len()).sum::<usize>() <= 1 << 16 {
-            reference::attention_learned(spec, &inputs, &learned)
-                .expect("the reference runs a valid spec");
+        // Data tensors of the call's shapes (batch 1, 3 keys), small integers.
+        let shapes: Vec<Vec<usize>> = spec.data.iter().map(|d| spec.data_shape(d, 1, 3)).collect();
+        let elements = |shape: &Vec<usize>| shape.iter().fold(1usize, |n, d| n.saturating_mul(*d));
+        let data_size = shapes
+            .iter()
+            .map(elements)
+            .fold(0usize, usize::saturating_add);
+        let data: Vec<ParamValues> = if data_size <= 1 << 16 {
+            spec.data
+                .iter()
+                .zip(shapes)
+                .map(|(decl, shape)| ParamValues {
+                    name: decl.name.clone(),
+                    values: (0..elements(&shape)).map(|i| (i % 3) as f64).collect(),
+                    shape,
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let sizes = learned.iter().chain(&data).map(|t| t.values.len());
+        if data_size <= 1 << 16 && sizes.sum::<usize>() <= 1 << 16 {
+            let all: Vec<ParamValues> = learned.into_iter().chain(data).collect();
+            let result = reference::attention_learned(spec, &inputs, &all);
+            // A read along `batch` or `seq` is checked against the call: one may leave it.
+            if spec.data.is_empty() {
+                result.expect("the reference runs a valid spec");
+            }
         }
     }
     if compile {

@@ -432,3 +432,35 @@ fn tiles_are_classified_from_the_data_exactly_for_sorted_ids_and_soundly_otherwi
         assert_eq!(skipped > 0, exact, "sorted documents skip tiles");
     }
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::test_runner::Config::with_cases(48))]
+
+    /// Any ids (any i32), any declared shape or a wrong one, any position offset and an index
+    /// that may leave the keys: an answer equal to the reference, or an error; never a panic.
+    #[test]
+    fn any_data_gives_the_reference_answer_or_an_error(
+        ids in proptest::collection::vec(proptest::num::i32::ANY, 0..40),
+        seq in 0usize..20,
+        shift in -2i64..3,
+        p0 in -5i64..5,
+    ) {
+        let text = format!(
+            "heads = 2, head_dim = 8, mask = causal, data(doc: [batch, seq] i32), \
+             mask_mod = |b, h, q, k| doc[b, q] == doc[b, k + {shift}]"
+        );
+        let mut case = Case::new(&text, [1, 6, 12], p0, sorted_docs);
+        case.data[0].1 = vec![1, seq];
+        case.data[0].2 = Values::I32(ids.iter().copied().cycle().take(seq).collect());
+        let got = case.forward(&CpuBackend::new());
+        let want = reference::attention_learned(
+            &case.spec,
+            &case.reference_inputs(),
+            &case.reference_data(),
+        );
+        proptest::prop_assert_eq!(got.is_ok(), want.is_ok(), "{:?} vs {:?}", got.as_ref().err(), want.as_ref().err());
+        if let (Ok(got), Ok(want)) = (got, want) {
+            close("any data", "out", &got.out.to_f32_vec(), want.out.data(), 5e-5);
+        }
+    }
+}
