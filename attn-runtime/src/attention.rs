@@ -146,6 +146,37 @@ pub trait Attention {
             .heads()
     }
 
+    /// [`Attention::forward_on`] with the call's learnable and data tensors (`data(...)`:
+    /// `Learned::new(&learned).with_data(&data)`), on any backend.
+    fn forward_with_data_on(
+        backend: &dyn Backend,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        tensors: Learned,
+        position_offset: i64,
+    ) -> Result<Output, RuntimeError> {
+        backend.forward_learned(
+            Self::variant(),
+            Inputs::heads(q, k, v),
+            position_offset,
+            tensors,
+        )
+    }
+
+    /// The gradients of [`Attention::forward_with_data_on`], the tensors it took again: each f32
+    /// data tensor's read by the score modifier (`d<name>`) among
+    /// [`HeadGradients::learned`].
+    fn backward_with_data_on(
+        backend: &dyn Backend,
+        x: &HeadsBackward,
+        tensors: Learned,
+    ) -> Result<HeadGradients, RuntimeError> {
+        backend
+            .backward_learned(Self::variant(), &BackwardInputs::Heads(*x), tensors)?
+            .heads()
+    }
+
     /// [`Attention::backward_with`] on any backend (see [`Attention::forward_on`]).
     fn backward_on(
         backend: &dyn Backend,

@@ -352,3 +352,105 @@ fn the_typed_api_names_and_shapes_the_learnable_tensors() {
     let err = Learned::forward(&t[0], &t[1], &t[2]).unwrap_err();
     assert!(err.to_string().contains("`rel`"), "{err}");
 }
+
+/// Data tensors on a declared type: document ids and gates by name, the forward and backward
+/// against the reference, the gates' gradient among the learned ones.
+#[attention(
+    heads = 2, head_dim = 8, mask = causal,
+    data(doc: [batch, seq] i32, gate: [batch, heads, seq] f32),
+    mask_mod = |b, h, q, k| doc[b, q] == doc[b, k],
+    score_mod = |s, b, h, q, k| s + gate[b, h, q] - gate[b, h, k]
+)]
+struct Packed;
+
+#[test]
+fn the_typed_api_takes_data_tensors() {
+    use attn::dsl::modifier::ParamValues;
+    use attn::dsl::reference::{self, Array, Inputs};
+    use attn::runtime::learned::{Data, DataValues};
+    use attn::runtime::{HeadsBackward, Learned as Tensors, Tensor};
+    // The macro's spec is the text's.
+    let text = Packed::spec().to_string();
+    assert_eq!(
+        text.parse::<AttentionSpec>().unwrap(),
+        *Packed::spec(),
+        "{text}"
+    );
+    let (b, h, s, d) = (1, 2, 14, 8);
+    let values = |n: usize, k: usize| -> Vec<f32> {
+        (0..n).map(|i| ((i * k) % 13) as f32 / 13.0 - 0.5).collect()
+    };
+    let inputs: Vec<Vec<f32>> = [3, 5, 7, 11].map(|k| values(b * h * s * d, k)).into();
+    let t: Vec<Tensor> = inputs
+        .iter()
+        .map(|v| Tensor::from_f32(&[b, h, s, d], v.clone()).unwrap())
+        .collect();
+    let ids: Vec<i32> = (0..s as i32).map(|j| j / 5).collect();
+    let gate = values(b * h * s, 2);
+    let data = [
+        (
+            "doc",
+            Data {
+                shape: &[b, s],
+                values: DataValues::I32(&ids),
+            },
+        ),
+        (
+            "gate",
+            Data {
+                shape: &[b, h, s],
+                values: DataValues::F32(&gate),
+            },
+        ),
+    ];
+    let cpu = attn::CpuBackend::new();
+    let tensors = Tensors::none().with_data(&data);
+    let saved = Packed::forward_with_data_on(&cpu, &t[0], &t[1], &t[2], tensors, 0).unwrap();
+    let x = HeadsBackward {
+        q: &t[0],
+        k: &t[1],
+        v: &t[2],
+        out: &saved.out,
+        lse: &saved.lse,
+        dout: &t[3],
+        position_offset: 0,
+    };
+    let got = Packed::backward_with_data_on(&cpu, &x, tensors).unwrap();
+    let a: Vec<Array> = inputs
+        .iter()
+        .map(|v| Array::from_vec(&[b, h, s, d], v.iter().map(|x| f64::from(*x)).collect()).unwrap())
+        .collect();
+    let refs = [
+        ParamValues {
+            name: "doc".into(),
+            shape: vec![b, s],
+            values: ids.iter().map(|x| f64::from(*x)).collect(),
+        },
+        ParamValues {
+            name: "gate".into(),
+            shape: vec![b, h, s],
+            values: gate.iter().map(|x| f64::from(*x)).collect(),
+        },
+    ];
+    let x = Inputs {
+        q: &a[0],
+        k: &a[1],
+        v: &a[2],
+        position_offset: 0,
+    };
+    let want = reference::backward_learned(Packed::spec(), &x, &a[3], &refs).unwrap();
+    let close = |g: &[f32], w: &[f64]| {
+        assert_eq!(g.len(), w.len());
+        for (x, y) in g.iter().zip(w) {
+            assert!(
+                (f64::from(*x) - y).abs() <= 2e-5 * (1.0 + y.abs()),
+                "{x} vs {y}"
+            );
+        }
+    };
+    close(&got.dq.to_f32_vec(), want.dq.data());
+    close(&got.dk.to_f32_vec(), want.dk.data());
+    close(&got.dv.to_f32_vec(), want.dv.data());
+    assert_eq!(got.learned[0].0, "dgate");
+    close(&got.learned[0].1.to_f32_vec(), &want.learned[0].values);
+}
