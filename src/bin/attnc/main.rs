@@ -53,7 +53,8 @@ enum Command {
     Run(run::Files),
     /// Gradients of attention: read q, k, v and dout (the gradient of the loss with respect to
     /// the output) from a safetensors file; run the forward (which saves out and lse) and the
-    /// backward; write dq, dk, dv (input dtype), out and lse to another. For MLA specs: q_nope,
+    /// backward; write dq, dk, dv (input dtype), out and lse to another, and the gradient
+    /// `d<name>` of each learnable tensor and f32 data tensor. For MLA specs: q_nope,
     /// q_pe, c_kv, k_pe, w_kv_b and dout in; dq_nope, dq_pe, dc_kv, dk_pe, dw_kv_b, out and lse
     /// out (cpu backend).
     Grad(run::Files),

@@ -19,6 +19,8 @@ pub struct Files {
     /// Input safetensors file (BHSD tensors in the spec's dtype). With i32 tensors
     /// `cu_seqlens_q` and `cu_seqlens_k` (B + 1 offsets each), a variable-length batch: q
     /// [total_q, heads, D], k and v [total_k, kv_heads, D], outputs in the same packed layout.
+    /// The spec's learnable tensors (params(...), sinks) and data tensors (data(...): i32 ones
+    /// stored as I32, f32 ones as F32) by their names.
     #[arg(long, value_name = "FILE")]
     pub input: PathBuf,
     /// Output safetensors file.
