@@ -170,7 +170,7 @@ pub trait Backend: Send + Sync {
         position_offset: i64,
         learned: Learned,
     ) -> Result<Output, RuntimeError> {
-        crate::varlen::forward(variant, x, |inputs| {
+        crate::varlen::forward(variant, x, learned, |inputs, learned| {
             self.forward_learned(variant, inputs, position_offset, learned)
         })
     }
@@ -186,9 +186,13 @@ pub trait Backend: Send + Sync {
         position_offset: i64,
         learned: Learned,
     ) -> Result<HeadGradients, RuntimeError> {
-        crate::varlen::backward(variant, x, saved, position_offset, |inputs| {
-            self.backward_learned(variant, inputs, learned)
-        })
+        crate::varlen::backward(
+            variant,
+            x,
+            saved,
+            (position_offset, learned),
+            |inputs, learned| self.backward_learned(variant, inputs, learned),
+        )
     }
 }
 

@@ -47,6 +47,13 @@ pub enum DataValues<'a> {
     F32(&'a [f32]),
 }
 
+impl Data<'_> {
+    /// The number of values.
+    pub(crate) fn values_len(&self) -> usize {
+        self.values.len()
+    }
+}
+
 impl DataValues<'_> {
     fn len(&self) -> usize {
         match self {
@@ -110,6 +117,11 @@ impl<'a> Learned<'a> {
     /// The tensors `(name, tensor)`: each declared parameter by its name, and `sinks`.
     pub fn new(tensors: &'a [(&'a str, &'a Tensor)]) -> Learned<'a> {
         Learned { tensors, data: &[] }
+    }
+
+    /// The call's data tensors.
+    pub(crate) fn data(&self) -> &'a [(&'a str, Data<'a>)] {
+        self.data
     }
 
     /// These tensors and the call's data tensors `(name, data)`, each declared one by its

@@ -46,6 +46,7 @@ pub mod ops;
 mod tensor;
 mod variant;
 pub mod varlen;
+mod varlen_data;
 
 pub use attention::Attention;
 pub use backend::Backend;

@@ -13,10 +13,11 @@
 
 use crate::calls::{BackwardInputs, Gradients, HeadGradients, HeadsBackward, Inputs, Output};
 use crate::error::RuntimeError;
+use crate::learned::{Data, DataValues, Learned};
 use crate::tensor::Tensor;
 use crate::variant::Variant;
+use crate::varlen_data;
 use attn_dsl::DType;
-use attn_dsl::modifier::Var;
 use std::ops::Range;
 
 /// A variable-length batch (see the module's documentation).
@@ -57,6 +58,7 @@ struct Layout {
     head_dim: usize,
     v_head_dim: usize,
     total_q: usize,
+    total_k: usize,
 }
 
 /// The forward of a variable-length batch, each sequence's call made by `run` (a backend's
@@ -65,9 +67,12 @@ struct Layout {
 pub(crate) fn forward(
     variant: &Variant,
     x: Varlen,
-    mut run: impl FnMut(Inputs) -> Result<Output, RuntimeError>,
+    learned: Learned,
+    mut run: impl FnMut(Inputs, Learned) -> Result<Output, RuntimeError>,
 ) -> Result<Output, RuntimeError> {
     let l = Layout::check(variant, &x)?;
+    let spec = variant.spec();
+    varlen_data::check(spec, learned.data(), l.sequences.len(), l.total_k)?;
     let [q, k, v] = [x.q, x.k, x.v].map(Tensor::to_f32_vec);
     let mut out = vec![0f32; l.total_q * l.heads * l.v_head_dim];
     let mut lse = vec![f32::NEG_INFINITY; l.total_q * l.heads];
@@ -77,7 +82,12 @@ pub(crate) fn forward(
         }
         let [seq_q, seq_k, seq_v] = l.sequence_inputs(&x, [&q, &k, &v], rows_q, rows_k)?;
         let inputs = Inputs::heads(&seq_q, &seq_k, &seq_v);
-        let o = run(inputs).map_err(|e| in_sequence(i, e))?;
+        let data = varlen_data::for_sequence(spec, learned.data(), i, rows_k);
+        let views: Vec<(&str, Data)> = data
+            .iter()
+            .map(|(n, d)| (n.as_str(), d.as_data()))
+            .collect();
+        let o = run(inputs, learned.with_data(&views)).map_err(|e| in_sequence(i, e))?;
         pack(&mut out, &o.out.to_f32_vec(), rows_q, l.heads, l.v_head_dim);
         pack(&mut lse, &o.lse.to_f32_vec(), rows_q, l.heads, 1);
     }
@@ -100,10 +110,26 @@ pub(crate) fn backward(
     variant: &Variant,
     x: Varlen,
     saved: VarlenSaved,
-    position_offset: i64,
-    mut run: impl FnMut(&BackwardInputs) -> Result<Gradients, RuntimeError>,
+    (position_offset, learned): (i64, Learned),
+    mut run: impl FnMut(&BackwardInputs, Learned) -> Result<Gradients, RuntimeError>,
 ) -> Result<HeadGradients, RuntimeError> {
     let l = Layout::check(variant, &x)?;
+    let spec = variant.spec();
+    varlen_data::check(spec, learned.data(), l.sequences.len(), l.total_k)?;
+    // The gradients of f32 data, packed as the data: each sequence's placed where its slice
+    // was taken.
+    let mut data_grads: Vec<(String, Vec<usize>, Vec<f32>)> = learned
+        .data()
+        .iter()
+        .filter(|(_, d)| matches!(d.values, DataValues::F32(_)))
+        .map(|(n, d)| {
+            (
+                format!("d{n}"),
+                d.shape.to_vec(),
+                vec![0f32; d.values_len()],
+            )
+        })
+        .collect();
     let rows_of = |name: &str, t: &Tensor, width: &[usize]| {
         let mut shape = vec![l.total_q, l.heads];
         shape.extend_from_slice(width);
@@ -135,7 +161,12 @@ pub(crate) fn backward(
             dout: &seq_dout,
             position_offset,
         });
-        let g = match run(&inputs) {
+        let data = varlen_data::for_sequence(spec, learned.data(), i, rows_k);
+        let views: Vec<(&str, Data)> = data
+            .iter()
+            .map(|(n, d)| (n.as_str(), d.as_data()))
+            .collect();
+        let g = match run(&inputs, learned.with_data(&views)) {
             Ok(Gradients::Heads(g)) => g,
             Ok(Gradients::Mla(_)) => {
                 return Err(RuntimeError::Data(
@@ -154,6 +185,13 @@ pub(crate) fn backward(
             l.v_head_dim,
         );
         for (name, grad) in g.learned {
+            if let Some((_, shape, full)) = data_grads.iter_mut().find(|(n, _, _)| *n == name) {
+                let decl = spec
+                    .data_decl(&name[1..])
+                    .expect("a data tensor's gradient");
+                varlen_data::place_gradient(decl, shape, i, rows_k, &grad, full);
+                continue;
+            }
             match sums.iter_mut().find(|(n, _, _)| *n == name) {
                 Some((_, _, sum)) => {
                     for (s, g) in sum.iter_mut().zip(grad.to_f32_vec()) {
@@ -167,10 +205,13 @@ pub(crate) fn backward(
             }
         }
     }
-    let learned = sums
+    let mut learned = sums
         .into_iter()
         .map(|(name, like, sum)| Ok((name, Tensor::from_f32(like.shape(), sum)?)))
         .collect::<Result<Vec<_>, RuntimeError>>()?;
+    for (name, shape, full) in data_grads {
+        learned.push((name, Tensor::from_f32(&shape, full)?));
+    }
     let dtype = variant.spec().dtype;
     Ok(HeadGradients {
         dq: Tensor::from_f32_as(dtype, x.q.shape(), dq)?,
@@ -225,25 +266,19 @@ impl Layout {
                 "variable-length batches take per-head specs; this one is MLA".into(),
             ));
         }
-        if let Some(d) = spec.data.first() {
-            return Err(RuntimeError::Spec(format!(
-                "variable-length batches do not take data tensors yet (the spec declares `{}`); \
-                 pad the batch, or give each sequence its own call",
-                d.name
-            )));
-        }
         let reads_batch = spec
             .score_mod
             .as_ref()
-            .is_some_and(|m| m.body.uses(Var::Batch))
+            .is_some_and(|m| varlen_data::reads_batch_index(spec, &m.body))
             || spec
                 .mask_mod
                 .as_ref()
-                .is_some_and(|m| m.body.uses(Var::Batch));
+                .is_some_and(|m| varlen_data::reads_batch_index(spec, &m.body));
         if reads_batch {
             return Err(RuntimeError::Spec(
-                "a modifier of this spec reads the batch index `b`, which variable-length \
-                 batches (one call per sequence) do not give it yet"
+                "a modifier of this spec reads the batch index `b` (other than as a data \
+                 tensor's `batch` index), which variable-length batches (one call per sequence) \
+                 do not give it yet"
                     .into(),
             ));
         }
@@ -276,6 +311,7 @@ impl Layout {
             head_dim,
             v_head_dim,
             total_q,
+            total_k,
         })
     }
 }

@@ -464,3 +464,180 @@ proptest::proptest! {
         }
     }
 }
+
+/// Data tensors in a variable-length batch: `seq` packed as k's rows (no `batch` beside it),
+/// each sequence's slice read as its own call's; the gates' gradient placed back where each
+/// slice was taken. Against the reference per sequence, forward and backward, on the CPU.
+#[test]
+fn a_variable_length_batch_reads_each_sequences_slice_of_the_data() {
+    use attn_runtime::varlen::{Varlen, VarlenSaved};
+    let spec = parse(
+        "heads = 2, head_dim = 8, mask = causal, \
+         data(doc: [batch, seq] i32, gate: [batch, heads, seq] f32, bias: [batch] f32), \
+         mask_mod = |b, h, q, k| doc[b, q] == doc[b, k], \
+         score_mod = |s, b, h, q, k| s + gate[b, h, q] - gate[b, h, k] + bias[b]",
+    );
+    let variant = Variant::shared(&spec).unwrap();
+    let (h, d) = (2, 8);
+    let lens = [(5usize, 9usize), (0, 0), (7, 7)];
+    let (total_q, total_k) = (12, 16);
+    let (cu_q, cu_k) = ([0, 5, 5, 12], [0, 9, 9, 16]);
+    let t = |rows: usize, seed: u64| {
+        Tensor::from_f32(&[rows, h, d], values(rows * h * d, seed)).unwrap()
+    };
+    let (q, k, v, dout) = (t(total_q, 1), t(total_k, 2), t(total_k, 3), t(total_q, 4));
+    let ids: Vec<i32> = (0..total_k as i32).map(|j| j % 9 / 4).collect();
+    let gate: Vec<f32> = values(h * total_k, 5).iter().map(|x| 0.5 * x).collect();
+    let bias = vec![0.25f32, -1.0, 0.5];
+    let data = [
+        (
+            "doc",
+            Data {
+                shape: &[total_k],
+                values: DataValues::I32(&ids),
+            },
+        ),
+        (
+            "gate",
+            Data {
+                shape: &[h, total_k],
+                values: DataValues::F32(&gate),
+            },
+        ),
+        (
+            "bias",
+            Data {
+                shape: &[3],
+                values: DataValues::F32(&bias),
+            },
+        ),
+    ];
+    let x = Varlen {
+        q: &q,
+        k: &k,
+        v: &v,
+        cu_seqlens_q: &cu_q,
+        cu_seqlens_k: &cu_k,
+    };
+    let cpu = CpuBackend::new();
+    let tensors = Learned::none().with_data(&data);
+    let out = cpu.forward_varlen(&variant, x, 0, tensors).unwrap();
+    let saved = VarlenSaved {
+        out: &out.out,
+        lse: &out.lse,
+        dout: &dout,
+    };
+    let grads = cpu.backward_varlen(&variant, x, saved, 0, tensors).unwrap();
+    let dgate = &grads.learned.iter().find(|(n, _)| n == "dgate").unwrap().1;
+    let dbias = &grads.learned.iter().find(|(n, _)| n == "dbias").unwrap().1;
+    assert_eq!(dgate.shape(), &[h, total_k]);
+    assert_eq!(dbias.shape(), &[3]);
+    let (dgate, dbias) = (dgate.to_f32_vec(), dbias.to_f32_vec());
+    // [rows, heads, width] rows of a sequence as a [1, heads, len, width] array.
+    let heads_first = |t: &Tensor, r: std::ops::Range<usize>| {
+        let v = t.to_f32_vec();
+        Array::from_fn(&[1, h, r.len(), d], |i| {
+            f64::from(v[((r.start + i[2]) * h + i[1]) * d + i[3]])
+        })
+    };
+    let (mut q0, mut k0) = (0, 0);
+    for (i, &(lq, lk)) in lens.iter().enumerate() {
+        let (rq, rk) = (q0..q0 + lq, k0..k0 + lk);
+        (q0, k0) = (q0 + lq, k0 + lk);
+        if lq == 0 {
+            continue;
+        }
+        let (qa, ka, va, da) = (
+            heads_first(&q, rq.clone()),
+            heads_first(&k, rk.clone()),
+            heads_first(&v, rk.clone()),
+            heads_first(&dout, rq.clone()),
+        );
+        let x = Inputs {
+            q: &qa,
+            k: &ka,
+            v: &va,
+            position_offset: 0,
+        };
+        let slice = |v: &[f32], rows: usize| -> Vec<f64> {
+            (0..rows)
+                .flat_map(|r| rk.clone().map(move |j| (r, j)))
+                .map(|(r, j)| f64::from(v[r * total_k + j]))
+                .collect()
+        };
+        let reference_data = [
+            ParamValues {
+                name: "doc".into(),
+                shape: vec![1, lk],
+                values: ids[rk.clone()].iter().map(|x| f64::from(*x)).collect(),
+            },
+            ParamValues {
+                name: "gate".into(),
+                shape: vec![1, h, lk],
+                values: slice(&gate, h),
+            },
+            ParamValues {
+                name: "bias".into(),
+                shape: vec![1],
+                values: vec![f64::from(bias[i])],
+            },
+        ];
+        let want = reference::attention_learned(&spec, &x, &reference_data).unwrap();
+        let got: Vec<f32> = rq
+            .clone()
+            .flat_map(|r| (0..h).flat_map(move |hh| (0..d).map(move |c| (r, hh, c))))
+            .map(|(r, hh, c)| out.out.to_f32_vec()[(r * h + hh) * d + c])
+            .collect();
+        let want_rows: Vec<f64> = (0..lq)
+            .flat_map(|r| (0..h).flat_map(move |hh| (0..d).map(move |c| (r, hh, c))))
+            .map(|(r, hh, c)| want.out.data()[(hh * lq + r) * d + c])
+            .collect();
+        close(
+            "varlen",
+            &format!("sequence {i} out"),
+            &got,
+            &want_rows,
+            5e-5,
+        );
+        let back = reference::backward_learned(&spec, &x, &da, &reference_data).unwrap();
+        let w = |name: &str| &back.learned.iter().find(|p| p.name == name).unwrap().values;
+        close(
+            "varlen",
+            &format!("sequence {i} dgate"),
+            &slice(&dgate, h)
+                .iter()
+                .map(|x| *x as f32)
+                .collect::<Vec<_>>(),
+            w("dgate"),
+            2e-4,
+        );
+        close(
+            "varlen",
+            &format!("sequence {i} dbias"),
+            &[dbias[i]],
+            w("dbias"),
+            2e-4,
+        );
+    }
+    // The empty sequence's bias has no gradient.
+    assert_eq!(dbias[1], 0.0);
+    // The wrong packed shape is named.
+    let wrong = [
+        (
+            "doc",
+            Data {
+                shape: &[1, total_k],
+                values: DataValues::I32(&ids),
+            },
+        ),
+        data[1],
+        data[2],
+    ];
+    let e = cpu
+        .forward_varlen(&variant, x, 0, Learned::none().with_data(&wrong))
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("doc") && e.to_string().contains("[16]"),
+        "{e}"
+    );
+}

@@ -111,6 +111,29 @@ pub fn draw(
     crate::outputs::write_whole(path, svg.as_bytes())
 }
 
+/// The lines above the picture: the spec, the call's shape and what the kernel does with its
+/// tiles, wrapped at `chars`.
+fn heading(
+    spec: &AttentionSpec,
+    [sq, skv]: [u64; 2],
+    [tile_q, tile_k]: [u64; 2],
+    tiles: &attn::codegen::plan::TileMap,
+    chars: usize,
+) -> Vec<String> {
+    let mut lines = wrap(&format!("mask of `{spec}`"), chars);
+    lines.extend(wrap(
+        &format!(
+            "Sq = {sq}, Skv = {skv} (queries are the last Sq positions); the kernel's tiles of \
+             {tile_q} queries x {tile_k} keys: {} skipped, {} unmasked, {} masked per element",
+            tiles.count(TileClass::AllMasked),
+            tiles.count(TileClass::AllKept),
+            tiles.count(TileClass::Mixed)
+        ),
+        chars,
+    ));
+    lines
+}
+
 /// The picture of the mask of `spec` at `sq` queries and `skv` keys, as SVG text.
 fn picture(
     spec: &AttentionSpec,
@@ -130,17 +153,7 @@ fn picture(
     let (width, height) = ((cells_k as f64 * px) as u32, (cells_q as f64 * px) as u32);
     let total_width = (width + MARGIN + 30).max(SIDE + MARGIN + 30);
     let chars = (f64::from(total_width - 16) * CHARS_PER_PX) as usize;
-    let mut heading = wrap(&format!("mask of `{spec}`"), chars);
-    heading.extend(wrap(
-        &format!(
-            "Sq = {sq}, Skv = {skv} (queries are the last Sq positions); the kernel's tiles of \
-             {tile_q} queries x {tile_k} keys: {} skipped, {} unmasked, {} masked per element",
-            tiles.count(TileClass::AllMasked),
-            tiles.count(TileClass::AllKept),
-            tiles.count(TileClass::Mixed)
-        ),
-        chars,
-    ));
+    let heading = heading(spec, [sq, skv], [tile_q, tile_k], &tiles, chars);
     let legend_y = 8 + 16 * heading.len() as i32 + 4;
     let (left, top) = (MARGIN, legend_y as u32 + 50);
     let mut svg = String::new();
