@@ -210,8 +210,26 @@ pub fn attention_varlen(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
+    cu_seqlens: (&[i32], &[i32]),
+    learned: &[(&str, &Tensor)],
+    position_offset: i64,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    attention_varlen_with_data(variant, q, k, v, cu_seqlens, learned, &[], position_offset)
+}
+
+/// [`attention_varlen`] with the spec's data tensors, packed as a variable-length batch packs
+/// them (docs/semantics.md, "Data tensors": a `seq` dimension along k's rows, with no `batch`
+/// beside it; without `seq`, `batch` is the number of sequences). Each sequence takes its
+/// slice (candle's `narrow`, so the gradients of f32 data land where the slices were taken).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_varlen_with_data(
+    variant: &Arc<Variant>,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
     (cu_seqlens_q, cu_seqlens_k): (&[i32], &[i32]),
     learned: &[(&str, &Tensor)],
+    data: &[(&str, &Tensor)],
     position_offset: i64,
 ) -> candle_core::Result<(Tensor, Tensor)> {
     let spec = variant.spec();
@@ -237,16 +255,22 @@ pub fn attention_varlen(
             .unsqueeze(0)
     };
     let (mut outs, mut lses) = (Vec::new(), Vec::new());
-    for (rows_q, rows_k) in &sequences {
+    for (i, (rows_q, rows_k)) in sequences.iter().enumerate() {
         if rows_q.is_empty() {
             continue;
         }
-        let (out, lse) = attention_learned_with_lse(
+        let sliced = data
+            .iter()
+            .map(|(name, t)| Ok((*name, sequence_slice(spec, name, t, i, rows_k)?)))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let sliced: Vec<(&str, &Tensor)> = sliced.iter().map(|(n, t)| (*n, t)).collect();
+        let (out, lse) = attention_with_data(
             variant,
             &heads_first(q, rows_q)?,
             &heads_first(k, rows_k)?,
             &heads_first(v, rows_k)?,
             learned,
+            &sliced,
             position_offset,
         )?;
         outs.push(out.squeeze(0)?.transpose(0, 1)?);
@@ -263,6 +287,47 @@ pub fn attention_varlen(
         Tensor::cat(&outs, 0)?.contiguous()?,
         Tensor::cat(&lses, 0)?.contiguous()?,
     ))
+}
+
+/// Sequence `i`'s slice of the packed data tensor `name` (its keys `rows_k` along `seq`, else
+/// its entry along `batch`), shaped as a call of batch 1 takes it.
+fn sequence_slice(
+    spec: &crate::AttentionSpec,
+    name: &str,
+    t: &Tensor,
+    i: usize,
+    rows_k: &std::ops::Range<usize>,
+) -> candle_core::Result<Tensor> {
+    use attn_dsl::DataDim;
+    let Some(decl) = spec.data_decl(name) else {
+        // Not a data tensor of the spec: the call names it.
+        return Ok(t.clone());
+    };
+    let dims = &decl.dims;
+    let packed_rank =
+        dims.len() - usize::from(dims.contains(&DataDim::Seq) && dims.contains(&DataDim::Batch));
+    if t.rank() != packed_rank {
+        candle_core::bail!(
+            "attn::candle: data tensor `{name}` has shape {:?}; a variable-length batch packs it \
+             with {packed_rank} dimensions (`seq` along k's rows, no `batch` beside it)",
+            t.dims()
+        );
+    }
+    match dims.iter().position(|d| *d == DataDim::Seq) {
+        Some(seq) => {
+            let batch = dims.iter().position(|d| *d == DataDim::Batch);
+            let axis = seq - usize::from(batch.is_some_and(|b| b < seq));
+            let slice = t.narrow(axis, rows_k.start, rows_k.len())?;
+            match batch {
+                Some(b) => slice.unsqueeze(b),
+                None => Ok(slice),
+            }
+        }
+        None => match dims.iter().position(|d| *d == DataDim::Batch) {
+            Some(b) => t.narrow(b, i, 1),
+            None => Ok(t.clone()),
+        },
+    }
 }
 
 /// [`attention`] on the type an `#[attention]` struct declares: `MyLayer::candle_forward(&q,

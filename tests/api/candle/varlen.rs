@@ -106,3 +106,96 @@ fn a_packed_batch_trains_through_candle_as_the_runtime_computes_it() {
         "{bad}"
     );
 }
+
+/// Data tensors in a packed batch through candle: document ids packed along k's rows, gates
+/// `[heads, total_k]` whose gradient flows back through each sequence's slice, against the
+/// runtime's variable-length calls (which the runtime's tests check per sequence against the
+/// reference).
+#[test]
+fn a_packed_batchs_data_tensors_train_through_candle_as_the_runtime_computes_them() {
+    use attn::candle::attention_varlen_with_data;
+    use attn::candle::core::{Device, Tensor as C};
+    use attn::runtime::learned::{Data, DataValues};
+    let variant = Variant::parse(
+        "heads = 2, head_dim = 8, mask = causal, \
+         data(doc: [batch, seq] i32, gate: [batch, heads, seq] f32), \
+         mask_mod = |b, h, q, k| doc[b, q] == doc[b, k], \
+         score_mod = |s, b, h, q, k| s + gate[b, h, q] - gate[b, h, k]",
+    )
+    .unwrap();
+    let (cu_q, cu_k) = ([0, 6, 6, 13], [0, 6, 6, 13]);
+    let (q, k, v) = (
+        var(&[13, 2, 8], 1),
+        var(&[13, 2, 8], 2),
+        var(&[13, 2, 8], 3),
+    );
+    let gate = var(&[2, 13], 4);
+    let ids: Vec<i32> = (0..13).map(|j| i32::from(j % 6 >= 3)).collect();
+    let doc = C::from_vec(ids.clone(), 13, &Device::Cpu).unwrap();
+    let (out, _) = attention_varlen_with_data(
+        &variant,
+        q.as_tensor(),
+        k.as_tensor(),
+        v.as_tensor(),
+        (&cu_q, &cu_k),
+        &[],
+        &[("doc", &doc), ("gate", gate.as_tensor())],
+        0,
+    )
+    .unwrap();
+    let dout = tensor(&[13, 2, 8], 5);
+    let grads = (&out * &dout)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+
+    let (aq, ak, av) = (
+        attn_tensor(q.as_tensor()),
+        attn_tensor(k.as_tensor()),
+        attn_tensor(v.as_tensor()),
+    );
+    let gate_values: Vec<f32> = values(gate.as_tensor()).iter().map(|&x| x as f32).collect();
+    let data = [
+        (
+            "doc",
+            Data {
+                shape: &[13],
+                values: DataValues::I32(&ids),
+            },
+        ),
+        (
+            "gate",
+            Data {
+                shape: &[2, 13],
+                values: DataValues::F32(&gate_values),
+            },
+        ),
+    ];
+    let x = Varlen {
+        q: &aq,
+        k: &ak,
+        v: &av,
+        cu_seqlens_q: &cu_q,
+        cu_seqlens_k: &cu_k,
+    };
+    let tensors = Learned::none().with_data(&data);
+    let cpu = CpuBackend::new();
+    let want = cpu.forward_varlen(&variant, x, 0, tensors).unwrap();
+    close("out", &values(&out), &want.out.to_f32_vec());
+    let adout = attn_tensor(&dout);
+    let saved = VarlenSaved {
+        out: &want.out,
+        lse: &want.lse,
+        dout: &adout,
+    };
+    let g = cpu.backward_varlen(&variant, x, saved, 0, tensors).unwrap();
+    close("dq", &values(grads.get(&q).unwrap()), &g.dq.to_f32_vec());
+    let dgate = &g.learned.iter().find(|(n, _)| n == "dgate").unwrap().1;
+    close(
+        "dgate",
+        &values(grads.get(&gate).unwrap()),
+        &dgate.to_f32_vec(),
+    );
+}
