@@ -55,8 +55,8 @@ impl fmt::Display for Mismatch {
         match self {
             Mismatch::Unexpected { name, shape, takes } => write!(
                 f,
-                "tensor `{name}` {shape:?} is not a learnable tensor of this spec; it takes: \
-                 {takes}"
+                "tensor `{name}` {shape:?} is not a learnable or data tensor of this spec; it \
+                 takes: {takes}"
             ),
             Mismatch::Missing {
                 kind,
@@ -195,8 +195,8 @@ mod tests {
         let cases: [(&[Named], &str); 4] = [
             (
                 &[("rel", &[2, 4]), ("sinks", &[2]), ("bias", &[3])],
-                "tensor `bias` [3] is not a learnable tensor of this spec; it takes: rel [2, 4], \
-                 sinks [2]",
+                "tensor `bias` [3] is not a learnable or data tensor of this spec; it takes: rel \
+                 [2, 4], sinks [2]",
             ),
             (
                 &[("rel", &[2, 4])],

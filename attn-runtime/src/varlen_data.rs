@@ -54,14 +54,25 @@ fn runs(shape: &[usize], axis: usize, range: &Range<usize>) -> impl Iterator<Ite
     })
 }
 
-/// Checks each given data tensor's shape against the packed one a variable-length call gives
-/// it (the per-sequence calls name the missing and the extra).
+/// Checks each given data tensor's name and shape against the packed one a variable-length
+/// call gives it (the per-sequence calls name the missing and the doubled).
 pub(crate) fn check(
     spec: &AttentionSpec,
     data: &[(&str, Data)],
     sequences: usize,
     total_k: usize,
 ) -> Result<(), RuntimeError> {
+    if let Some((name, _)) = data.iter().find(|(n, _)| spec.data_decl(n).is_none()) {
+        let declared: Vec<&str> = spec.data.iter().map(|d| d.name.as_str()).collect();
+        return Err(RuntimeError::Spec(format!(
+            "tensor `{name}` is not a data tensor of this spec; it declares: {}",
+            if declared.is_empty() {
+                "none".to_string()
+            } else {
+                declared.join(", ")
+            }
+        )));
+    }
     for decl in &spec.data {
         let want = packed_shape(spec, decl, sequences, total_k);
         for (_, d) in data.iter().filter(|(n, _)| *n == decl.name) {

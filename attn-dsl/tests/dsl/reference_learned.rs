@@ -229,6 +229,9 @@ fn missing_extra_and_misshapen_tensors_are_named() {
         name: "u".into(),
         ..sinks.clone()
     };
-    assert!(err(&[t(vec![2]), sinks.clone(), extra]).contains("`u` [2] is not a learnable tensor"));
+    assert!(
+        err(&[t(vec![2]), sinks.clone(), extra])
+            .contains("`u` [2] is not a learnable or data tensor")
+    );
     assert!(attention(&case.spec, &case.inputs()).is_err());
 }

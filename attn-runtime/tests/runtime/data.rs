@@ -621,6 +621,15 @@ fn a_variable_length_batch_reads_each_sequences_slice_of_the_data() {
     }
     // The empty sequence's bias has no gradient.
     assert_eq!(dbias[1], 0.0);
+    // A tensor the spec does not declare is named.
+    let extra = [data[0], data[1], data[2], ("bias2", data[2].1)];
+    let e = cpu
+        .forward_varlen(&variant, x, 0, Learned::none().with_data(&extra))
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("`bias2` is not a data tensor"),
+        "{e}"
+    );
     // The wrong packed shape is named.
     let wrong = [
         (

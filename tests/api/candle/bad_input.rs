@@ -210,7 +210,7 @@ fn learnable_tensors_are_checked_by_name_shape_and_dtype() {
     );
     let said = refused(&[("slopes", &slopes), ("sinks", &sinks), ("bias", &sinks)]);
     assert!(
-        said.contains("`bias` [4] is not a learnable tensor")
+        said.contains("`bias` [4] is not a learnable or data tensor")
             && said.contains("slopes [4], sinks [4]"),
         "{said}"
     );
