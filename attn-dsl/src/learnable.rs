@@ -82,40 +82,18 @@ pub(crate) fn findings(spec: &AttentionSpec) -> Vec<(Subject, String)> {
     for (i, decl) in spec.params.iter().enumerate() {
         let name = &decl.name;
         let mut say = |m: String| out.push((Subject::Decl(i), m));
-        if !is_identifier(name) || name.len() > MAX_PARAM_NAME {
-            say(format!(
-                "`{name}` is not a parameter name; allowed: an identifier of at most \
-                 {MAX_PARAM_NAME} bytes"
-            ));
-        }
-        if RESERVED_NAMES.contains(&name.as_str()) {
-            say(format!(
-                "`{name}` is reserved; a parameter may not be called {}",
-                RESERVED_NAMES.join(", ")
-            ));
-        }
-        if spec.params[..i].iter().any(|p| p.name == *name) {
-            say(format!("parameter `{name}` is declared twice"));
-        }
-        if let Some(base) = name.strip_prefix('d')
-            && spec.params.iter().any(|p| p.name == base)
-        {
-            say(format!(
-                "`{name}` would clash with the gradient of `{base}`, which is written as \
-                 `{name}`; rename it"
-            ));
-        }
-        if decl.dims.is_empty() || decl.dims.len() > MAX_PARAM_DIMS {
-            say(format!(
-                "`{name}` has {} dimensions; allowed: 1 to {MAX_PARAM_DIMS}",
-                decl.dims.len()
-            ));
-        }
-        if decl.dims.contains(&ParamDim::Fixed(0)) {
-            say(format!(
-                "`{name}` has a dimension of 0; allowed: 1 or more, `heads` or `kv_heads`"
-            ));
-        }
+        let shape = Declared {
+            what: "parameter",
+            name,
+            twice: spec.params[..i].iter().any(|p| p.name == *name),
+            clashes: name
+                .strip_prefix('d')
+                .is_some_and(|base| spec.params.iter().any(|p| p.name == base)),
+            rank: decl.dims.len(),
+            zero: decl.dims.contains(&ParamDim::Fixed(0)),
+            dims_allowed: "`heads` or `kv_heads`",
+        };
+        shape.findings().into_iter().for_each(&mut say);
         let elements = spec
             .param_shape(decl)
             .iter()
@@ -185,26 +163,6 @@ fn data_findings(spec: &AttentionSpec, out: &mut Vec<(Subject, String)>) {
     for (i, decl) in spec.data.iter().enumerate() {
         let name = &decl.name;
         let mut say = |m: String| out.push((Subject::DataDecl(i), m));
-        if !is_identifier(name) || name.len() > MAX_PARAM_NAME {
-            say(format!(
-                "`{name}` is not a data tensor name; allowed: an identifier of at most \
-                 {MAX_PARAM_NAME} bytes"
-            ));
-        }
-        if RESERVED_NAMES.contains(&name.as_str()) {
-            say(format!(
-                "`{name}` is reserved; a data tensor may not be called {}",
-                RESERVED_NAMES.join(", ")
-            ));
-        }
-        if spec.data[..i].iter().any(|d| d.name == *name) {
-            say(format!("data tensor `{name}` is declared twice"));
-        }
-        if spec.param(name).is_some() {
-            say(format!(
-                "`{name}` is declared both in params(...) and in data(...); rename one"
-            ));
-        }
         let gradient_of = |base: &str| {
             spec.params.iter().any(|p| p.name == base)
                 || spec
@@ -212,24 +170,19 @@ fn data_findings(spec: &AttentionSpec, out: &mut Vec<(Subject, String)>) {
                     .iter()
                     .any(|d| d.name == base && d.dtype == crate::spec::DataType::F32)
         };
-        if let Some(base) = name.strip_prefix('d')
-            && gradient_of(base)
-        {
+        let shape = Declared {
+            what: "data tensor",
+            name,
+            twice: spec.data[..i].iter().any(|d| d.name == *name),
+            clashes: name.strip_prefix('d').is_some_and(gradient_of),
+            rank: decl.dims.len(),
+            zero: decl.dims.contains(&DataDim::Fixed(0)),
+            dims_allowed: "`heads`, `kv_heads`, `batch` or `seq`",
+        };
+        shape.findings().into_iter().for_each(&mut say);
+        if spec.param(name).is_some() {
             say(format!(
-                "`{name}` would clash with the gradient of `{base}`, which is written as \
-                 `{name}`; rename it"
-            ));
-        }
-        if decl.dims.is_empty() || decl.dims.len() > MAX_PARAM_DIMS {
-            say(format!(
-                "`{name}` has {} dimensions; allowed: 1 to {MAX_PARAM_DIMS}",
-                decl.dims.len()
-            ));
-        }
-        if decl.dims.contains(&DataDim::Fixed(0)) {
-            say(format!(
-                "`{name}` has a dimension of 0; allowed: 1 or more, `heads`, `kv_heads`, \
-                 `batch` or `seq`"
+                "`{name}` is declared both in params(...) and in data(...); rename one"
             ));
         }
         // Per batch item and key, a tensor holds the product of its other dimensions.
@@ -243,6 +196,65 @@ fn data_findings(spec: &AttentionSpec, out: &mut Vec<(Subject, String)>) {
                  {MAX_PARAM_ELEMENTS} (2^24)"
             ));
         }
+    }
+}
+
+/// What a declaration's name and dimensions must satisfy, in `params(...)` and `data(...)`
+/// alike.
+struct Declared<'a> {
+    /// "parameter" or "data tensor".
+    what: &'static str,
+    name: &'a str,
+    /// Whether an earlier declaration has the name.
+    twice: bool,
+    /// Whether the name is `d` and another tensor's name, whose gradient it would clash with.
+    clashes: bool,
+    rank: usize,
+    /// Whether a dimension is 0.
+    zero: bool,
+    /// The words a dimension may be besides an integer.
+    dims_allowed: &'static str,
+}
+
+impl Declared<'_> {
+    fn findings(&self) -> Vec<String> {
+        let (what, name) = (self.what, self.name);
+        let mut out = Vec::new();
+        if !is_identifier(name) || name.len() > MAX_PARAM_NAME {
+            out.push(format!(
+                "`{name}` is not a {what} name; allowed: an identifier of at most \
+                 {MAX_PARAM_NAME} bytes"
+            ));
+        }
+        if RESERVED_NAMES.contains(&name) {
+            out.push(format!(
+                "`{name}` is reserved; a {what} may not be called {}",
+                RESERVED_NAMES.join(", ")
+            ));
+        }
+        if self.twice {
+            out.push(format!("{what} `{name}` is declared twice"));
+        }
+        if self.clashes {
+            let base = &name[1..];
+            out.push(format!(
+                "`{name}` would clash with the gradient of `{base}`, which is written as \
+                 `{name}`; rename it"
+            ));
+        }
+        if self.rank == 0 || self.rank > MAX_PARAM_DIMS {
+            out.push(format!(
+                "`{name}` has {} dimensions; allowed: 1 to {MAX_PARAM_DIMS}",
+                self.rank
+            ));
+        }
+        if self.zero {
+            out.push(format!(
+                "`{name}` has a dimension of 0; allowed: 1 or more, {}",
+                self.dims_allowed
+            ));
+        }
+        out
     }
 }
 

@@ -88,6 +88,14 @@ pub enum DataVec {
     F32(Vec<f32>),
 }
 
+/// Data tensors owned by name, as a call takes them.
+pub fn data_views(owned: &[(String, DataBuf)]) -> Vec<(&str, Data<'_>)> {
+    owned
+        .iter()
+        .map(|(n, d)| (n.as_str(), d.as_data()))
+        .collect()
+}
+
 impl DataBuf {
     /// The tensor as a call takes it.
     pub fn as_data(&self) -> Data<'_> {

@@ -13,7 +13,7 @@
 
 use crate::calls::{BackwardInputs, Gradients, HeadGradients, HeadsBackward, Inputs, Output};
 use crate::error::RuntimeError;
-use crate::learned::{Data, DataValues, Learned};
+use crate::learned::{DataValues, Learned, data_views};
 use crate::tensor::Tensor;
 use crate::variant::Variant;
 use crate::varlen_data;
@@ -83,10 +83,7 @@ pub(crate) fn forward(
         let [seq_q, seq_k, seq_v] = l.sequence_inputs(&x, [&q, &k, &v], rows_q, rows_k)?;
         let inputs = Inputs::heads(&seq_q, &seq_k, &seq_v);
         let data = varlen_data::for_sequence(spec, learned.data(), i, rows_k);
-        let views: Vec<(&str, Data)> = data
-            .iter()
-            .map(|(n, d)| (n.as_str(), d.as_data()))
-            .collect();
+        let views = data_views(&data);
         let o = run(inputs, learned.with_data(&views)).map_err(|e| in_sequence(i, e))?;
         pack(&mut out, &o.out.to_f32_vec(), rows_q, l.heads, l.v_head_dim);
         pack(&mut lse, &o.lse.to_f32_vec(), rows_q, l.heads, 1);
@@ -162,10 +159,7 @@ pub(crate) fn backward(
             position_offset,
         });
         let data = varlen_data::for_sequence(spec, learned.data(), i, rows_k);
-        let views: Vec<(&str, Data)> = data
-            .iter()
-            .map(|(n, d)| (n.as_str(), d.as_data()))
-            .collect();
+        let views = data_views(&data);
         let g = match run(&inputs, learned.with_data(&views)) {
             Ok(Gradients::Heads(g)) => g,
             Ok(Gradients::Mla(_)) => {

@@ -3,7 +3,7 @@
 
 use super::convert::{candle_dtype, to_attn, to_candle};
 use crate::runtime::Tensor as AttnTensor;
-use crate::runtime::learned::{Data, DataBuf, DataVec};
+use crate::runtime::learned::{DataBuf, DataVec, data_views};
 use crate::{Backend, BackwardInputs, CpuBackend, HeadsBackward, Inputs, Learned, Variant};
 use attn_dsl::match_learned;
 use candle_core::backend::BackendStorage;
@@ -292,12 +292,6 @@ fn split_data<'a>(
         }
     }
     (learned, data)
-}
-
-fn data_views(data: &[(String, DataBuf)]) -> Vec<(&str, Data<'_>)> {
-    data.iter()
-        .map(|(n, d)| (n.as_str(), d.as_data()))
-        .collect()
 }
 
 /// Attention as a candle op over (q, k, v), or (q, k, packed v and learnable tensors).

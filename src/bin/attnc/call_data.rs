@@ -12,7 +12,7 @@ use attn::dsl::data::CallDims;
 use attn::dsl::modifier::ParamValues;
 use attn::dsl::modifier::interval::Interval;
 use attn::runtime::Learned;
-use attn::runtime::learned::{Data, DataVec};
+use attn::runtime::learned::{DataVec, data_views};
 use std::path::Path;
 
 /// A call's data tensors as the mask reads them.
@@ -52,10 +52,7 @@ pub fn read(spec: &AttentionSpec, path: &Path, sq: u64, skv: u64) -> Result<Call
         sinks: attn::dsl::Sinks::None,
         ..spec.clone()
     };
-    let views: Vec<(&str, Data)> = tensors
-        .iter()
-        .map(|(n, d)| (n.as_str(), d.as_data()))
-        .collect();
+    let views = data_views(&tensors);
     let call = CallDims {
         batch,
         sq: sq as usize,

@@ -5,7 +5,7 @@ use crate::backend_arg::Backend;
 use crate::run::{Files, note_sim_time, read_cu_seqlens, read_data_tensors, read_with_learned};
 use attn::AttentionSpec;
 use attn::runtime::io::{read_safetensors, write_safetensors};
-use attn::runtime::learned::Data;
+use attn::runtime::learned::data_views;
 use attn::runtime::varlen::{Varlen, VarlenSaved};
 use attn::runtime::{
     BackwardInputs, HeadGradients, HeadsBackward, Inputs, Learned, MlaBackward, MlaTensors, Output,
@@ -51,10 +51,7 @@ fn grad(
     let [q, k, v, dout]: [Tensor; 4] = tensors.try_into().expect("one tensor per name");
     let learned: Vec<(&str, &Tensor)> = learned.iter().map(|(n, t)| (n.as_str(), t)).collect();
     let data = read_data_tensors(input, spec)?;
-    let data: Vec<(&str, Data)> = data
-        .iter()
-        .map(|(n, d)| (n.as_str(), d.as_data()))
-        .collect();
+    let data = data_views(&data);
     let learned = Learned::new(&learned).with_data(&data);
     let (out, lse, gradients) = match &cu_seqlens {
         Some([cu_q, cu_k]) => {

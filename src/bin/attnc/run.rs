@@ -4,7 +4,7 @@ use crate::backend_arg::Backend;
 use crate::{outputs, spec_arg};
 use attn::AttentionSpec;
 use attn::runtime::io::{read_data, read_i32, read_safetensors, tensor_names, write_safetensors};
-use attn::runtime::learned::{Data, DataBuf};
+use attn::runtime::learned::{DataBuf, data_views};
 use attn::runtime::varlen::Varlen;
 use attn::runtime::{Inputs, Learned, MlaTensors, Output};
 use attn::runtime::{RuntimeError, Tensor};
@@ -163,10 +163,7 @@ fn run(
         let [q, k, v]: [Tensor; 3] = tensors.try_into().expect("one tensor per name");
         let learned: Vec<(&str, &Tensor)> = learned.iter().map(|(n, t)| (n.as_str(), t)).collect();
         let data = read_data_tensors(input, spec)?;
-        let data: Vec<(&str, Data)> = data
-            .iter()
-            .map(|(n, d)| (n.as_str(), d.as_data()))
-            .collect();
+        let data = data_views(&data);
         let x = Varlen {
             q: &q,
             k: &k,
@@ -195,10 +192,7 @@ fn run(
         note_sim_time(on, spec, &q, &k, false);
         let learned: Vec<(&str, &Tensor)> = learned.iter().map(|(n, t)| (n.as_str(), t)).collect();
         let data = read_data_tensors(input, spec)?;
-        let data: Vec<(&str, Data)> = data
-            .iter()
-            .map(|(n, d)| (n.as_str(), d.as_data()))
-            .collect();
+        let data = data_views(&data);
         let learned = Learned::new(&learned).with_data(&data);
         backend.forward_learned(&variant, Inputs::heads(&q, &k, &v), offset, learned)?
     };
