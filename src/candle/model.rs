@@ -138,6 +138,20 @@ struct Block {
     mlp: BlockMlp,
     /// The spec's learnable tensors (`self_attn.{name}`), starting at 0.
     learned: Vec<(String, Tensor)>,
+    /// The variant restricted to documents, made at the first packed forward.
+    packed: std::sync::OnceLock<Arc<Variant>>,
+}
+
+impl Block {
+    /// [`Block::variant`] with a document mask ([`with_document_mask`]), made once.
+    fn packed_variant(&self) -> Result<&Arc<Variant>> {
+        if let Some(v) = self.packed.get() {
+            return Ok(v);
+        }
+        let masked = with_document_mask(self.variant.spec()).map_err(candle_core::Error::Msg)?;
+        let variant = Variant::shared(&masked).map_err(candle_core::Error::wrap)?;
+        Ok(self.packed.get_or_init(|| variant))
+    }
 }
 
 /// A dense MLP, or one expert.
@@ -411,6 +425,7 @@ impl CandleModel {
                         })
                         .collect::<Result<Vec<_>>>()?,
                     variant,
+                    packed: std::sync::OnceLock::new(),
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -548,10 +563,9 @@ impl CandleModel {
         let a = match documents {
             None => attention_learned(&block.variant, &q, &k, &v, &learned, 0)?,
             Some(ids) => {
-                let masked = with_document_mask(spec).map_err(candle_core::Error::Msg)?;
-                let variant = Variant::shared(&masked).map_err(candle_core::Error::wrap)?;
                 let data = [(DOCUMENT_IDS, ids)];
-                attention_with_data(&variant, &q, &k, &v, &learned, &data, 0)?.0
+                let variant = block.packed_variant()?;
+                attention_with_data(variant, &q, &k, &v, &learned, &data, 0)?.0
             }
         }
         .to_dtype(DType::F32)?

@@ -258,3 +258,58 @@ fn bench_model_refuses_bad_input() {
         assert!(stdout(&o).is_empty(), "{args:?}");
     }
 }
+
+/// `--documents`: more documents than keys, a spec that declares data of its own, a CUDA
+/// backend, and a data spec without `--documents`: each refused with exit code 2, saying why.
+#[test]
+fn bench_documents_refuses_what_it_cannot_time() {
+    let plain = "heads = 2, head_dim = 32, mask = causal";
+    let with_data = "heads = 2, head_dim = 32, mask = causal, data(doc: [batch, seq] i32), \
+                     mask_mod = |b, h, q, k| doc[b, q] == doc[b, k]";
+    for (args, says) in [
+        (
+            vec!["bench", plain, "--seq", "64", "--documents", "65"],
+            "--documents 65 is more documents than the 64 keys",
+        ),
+        (
+            vec!["bench", with_data, "--seq", "64", "--documents", "2"],
+            "declares data(...) already",
+        ),
+        (
+            vec![
+                "bench",
+                plain,
+                "--seq",
+                "64",
+                "--documents",
+                "2",
+                "--backend",
+                "cuda",
+            ],
+            "--documents times the CPU backend only",
+        ),
+        (
+            vec!["bench", with_data, "--seq", "64"],
+            "cannot make up this spec's data tensors",
+        ),
+    ] {
+        let o = attnc(&args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains(says), "{args:?}: {}", stderr(&o));
+    }
+    // Documents that divide the keys: one JSON line, GFLOP/s over the kept pairs.
+    let o = attnc(&[
+        "bench",
+        plain,
+        "--seq",
+        "128",
+        "--documents",
+        "4",
+        "--reps",
+        "2",
+        "--json",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert!(v["gflops"].as_f64().unwrap() > 0.0);
+}
