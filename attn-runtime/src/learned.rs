@@ -308,7 +308,7 @@ impl Bound {
         let taken = std::mem::replace(out, Tensor::from_f32(&[0], Vec::new())?);
         let mut storage = taken.into_storage();
         let mut o = match &mut storage {
-            Storage::F32(values) => std::mem::take(values),
+            Storage::F32(values) => std::mem::take(values).into_vec(),
             _ => Tensor::new(&shape, storage)?.to_f32_vec(),
         };
         let width = o.len().checked_div(l.len()).unwrap_or(0);

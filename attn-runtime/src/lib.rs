@@ -29,6 +29,7 @@
 mod attention;
 pub mod backend;
 pub mod backends;
+pub mod buffer;
 pub mod cache;
 pub mod calls;
 pub mod cpu;

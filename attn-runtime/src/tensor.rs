@@ -1,6 +1,7 @@
 //! A minimal CPU tensor: dtype, shape, strides over shared storage. Views (`permute`) share the
 //! storage, so a BSHD tensor is read as BHSD without a copy.
 
+use crate::buffer::Buffer;
 use crate::error::RuntimeError;
 use attn_dsl::DType;
 use half::{bf16, f16};
@@ -10,18 +11,18 @@ use std::sync::Arc;
 #[derive(Debug)]
 pub enum Storage {
     /// f32 values.
-    F32(Vec<f32>),
+    F32(Buffer<f32>),
     /// f16 values.
-    F16(Vec<f16>),
+    F16(Buffer<f16>),
     /// bf16 values.
-    Bf16(Vec<bf16>),
+    Bf16(Buffer<bf16>),
 }
 
 /// Large f32 storage goes back to the runtime's buffer pool ([`crate::memory::recycle`]), so
 /// the outputs of one call become the outputs of the next without fresh page faults.
 impl Drop for Storage {
     fn drop(&mut self) {
-        if let Storage::F32(values) = self {
+        if let Storage::F32(Buffer::Owned(values)) = self {
             crate::memory::recycle(std::mem::take(values));
         }
     }
@@ -46,9 +47,9 @@ impl Storage {
             out
         }
         match self {
-            Storage::F32(v) => Storage::F32(take(v, ranges)),
-            Storage::F16(v) => Storage::F16(take(v, ranges)),
-            Storage::Bf16(v) => Storage::Bf16(take(v, ranges)),
+            Storage::F32(v) => Storage::F32(take(v, ranges).into()),
+            Storage::F16(v) => Storage::F16(take(v, ranges).into()),
+            Storage::Bf16(v) => Storage::Bf16(take(v, ranges).into()),
         }
     }
 
@@ -81,16 +82,16 @@ impl Storage {
     /// `values` in `dtype`, rounded to nearest even, narrowed in pieces on rayon's threads.
     pub(crate) fn narrowed(dtype: DType, values: Vec<f32>) -> Storage {
         let storage = match dtype {
-            DType::F32 => return Storage::F32(values),
+            DType::F32 => return Storage::F32(values.into()),
             DType::F16 => {
                 let mut out = Vec::new();
                 convert_into(&values, &mut out, f16::from_f32);
-                Storage::F16(out)
+                Storage::F16(out.into())
             }
             DType::Bf16 => {
                 let mut out = Vec::new();
                 convert_into(&values, &mut out, |x| bf16::from_bits(bf16_bits(x)));
-                Storage::Bf16(out)
+                Storage::Bf16(out.into())
             }
         };
         crate::memory::recycle(values);
@@ -100,9 +101,9 @@ impl Storage {
     /// The values at `indices`, in order, in their dtype.
     pub(crate) fn pick(&self, indices: impl Iterator<Item = usize>) -> Storage {
         match self {
-            Storage::F32(v) => Storage::F32(indices.map(|i| v[i]).collect()),
-            Storage::F16(v) => Storage::F16(indices.map(|i| v[i]).collect()),
-            Storage::Bf16(v) => Storage::Bf16(indices.map(|i| v[i]).collect()),
+            Storage::F32(v) => Storage::F32(indices.map(|i| v[i]).collect::<Vec<_>>().into()),
+            Storage::F16(v) => Storage::F16(indices.map(|i| v[i]).collect::<Vec<_>>().into()),
+            Storage::Bf16(v) => Storage::Bf16(indices.map(|i| v[i]).collect::<Vec<_>>().into()),
         }
     }
 }
@@ -194,19 +195,53 @@ impl Tensor {
         })
     }
 
+    /// The view of `storage` with `shape`, `strides` (in elements) and element 0 at `offset`:
+    /// how memory another runtime owns (a [`Buffer::Foreign`]) becomes a tensor without a
+    /// copy. Refused when an element of the view lies outside the storage.
+    pub fn view(
+        storage: Storage,
+        shape: &[usize],
+        strides: &[usize],
+        offset: usize,
+    ) -> Result<Self, RuntimeError> {
+        if strides.len() != shape.len() {
+            return Err(RuntimeError::Data(format!(
+                "a view of shape {shape:?} has {} strides",
+                strides.len()
+            )));
+        }
+        let last = shape.iter().zip(strides).try_fold(offset, |at, (&n, &s)| {
+            at.checked_add(n.checked_sub(1)?.checked_mul(s)?)
+        });
+        let empty = shape.contains(&0);
+        if !empty && last.is_none_or(|last| last >= storage.len()) {
+            return Err(RuntimeError::Data(format!(
+                "a view of shape {shape:?}, strides {strides:?} and offset {offset} reaches \
+                 past its storage of {} elements",
+                storage.len()
+            )));
+        }
+        Ok(Tensor {
+            shape: shape.to_vec(),
+            strides: strides.to_vec(),
+            offset,
+            storage: Arc::new(storage),
+        })
+    }
+
     /// A contiguous f32 tensor.
     pub fn from_f32(shape: &[usize], data: Vec<f32>) -> Result<Self, RuntimeError> {
-        Tensor::new(shape, Storage::F32(data))
+        Tensor::new(shape, Storage::F32(data.into()))
     }
 
     /// A contiguous f16 tensor.
     pub fn from_f16(shape: &[usize], data: Vec<f16>) -> Result<Self, RuntimeError> {
-        Tensor::new(shape, Storage::F16(data))
+        Tensor::new(shape, Storage::F16(data.into()))
     }
 
     /// A contiguous bf16 tensor.
     pub fn from_bf16(shape: &[usize], data: Vec<bf16>) -> Result<Self, RuntimeError> {
-        Tensor::new(shape, Storage::Bf16(data))
+        Tensor::new(shape, Storage::Bf16(data.into()))
     }
 
     /// A contiguous tensor of `dtype` from f32 values (rounded to nearest even), narrowed on
@@ -410,7 +445,7 @@ impl Tensor {
             return out;
         }
         match &mut self.contiguous_storage() {
-            Storage::F32(v) => std::mem::take(v),
+            Storage::F32(v) => std::mem::take(v).into_vec(),
             Storage::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
             Storage::Bf16(v) => v.iter().map(|x| x.to_f32()).collect(),
         }
@@ -420,6 +455,30 @@ impl Tensor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A view reads its storage through its strides and refuses one that reaches past it.
+    #[test]
+    fn views_read_through_strides_and_stay_inside_their_storage() {
+        let storage = || Storage::F32((0..12).map(|i| i as f32).collect());
+        // The transpose of a 3x4 matrix, from element 0.
+        let t = Tensor::view(storage(), &[4, 3], &[1, 4], 0).unwrap();
+        assert_eq!(t.to_f32_vec()[..4], [0.0, 4.0, 8.0, 1.0]);
+        // Broadcast rows (stride 0) and an offset.
+        let t = Tensor::view(storage(), &[2, 2], &[0, 1], 10).unwrap();
+        assert_eq!(t.to_f32_vec(), [10.0, 11.0, 10.0, 11.0]);
+        for (shape, strides, offset) in [
+            (&[4, 3][..], &[1, 4][..], 1),
+            (&[13][..], &[1][..], 0),
+            (&[2, 2][..], &[usize::MAX, 1][..], 0),
+            (&[2][..], &[1, 1][..], 0),
+        ] {
+            assert!(Tensor::view(storage(), shape, strides, offset).is_err());
+        }
+        assert!(
+            Tensor::view(storage(), &[0, 5], &[5, 1], 99).is_ok(),
+            "no elements"
+        );
+    }
 
     /// The branch-free rounding agrees with `half` on every high half, each with the low
     /// halves around the rounding tie (NaNs, infinities, subnormals and carries included).

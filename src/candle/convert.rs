@@ -83,8 +83,8 @@ fn gather<T: WithDType>(
 pub(super) fn to_candle(t: AttnTensor) -> CpuStorage {
     let mut storage = t.into_storage();
     match &mut storage {
-        Storage::F32(v) => CpuStorage::F32(std::mem::take(v)),
-        Storage::F16(v) => CpuStorage::F16(std::mem::take(v)),
-        Storage::Bf16(v) => CpuStorage::BF16(std::mem::take(v)),
+        Storage::F32(v) => CpuStorage::F32(std::mem::take(v).into_vec()),
+        Storage::F16(v) => CpuStorage::F16(std::mem::take(v).into_vec()),
+        Storage::Bf16(v) => CpuStorage::BF16(std::mem::take(v).into_vec()),
     }
 }

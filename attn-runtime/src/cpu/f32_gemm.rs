@@ -298,7 +298,7 @@ mod tests {
         for (rows, cols, n) in shapes {
             let raw: Vec<f32> = (0..rows * cols).map(|i| value(i, 3)).collect();
             let stores = [
-                Storage::F32(raw.clone()),
+                Storage::F32(raw.clone().into()),
                 Storage::Bf16(raw.iter().map(|&v| bf16::from_f32(v)).collect()),
                 Storage::F16(raw.iter().map(|&v| f16::from_f32(v)).collect()),
             ];

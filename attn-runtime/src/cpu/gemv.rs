@@ -557,13 +557,13 @@ mod tests {
             for n in [1, 2, 3, 4, 5, 8] {
                 let x = values(n * cols, 11 + n as u32);
                 let stores = [
-                    Storage::F32(raw.clone()),
+                    Storage::F32(raw.clone().into()),
                     Storage::Bf16(raw.iter().map(|&v| bf16::from_f32(v)).collect()),
                     Storage::F16(raw.iter().map(|&v| f16::from_f32(v)).collect()),
                 ];
                 for store in &stores {
                     let wide: Vec<f32> = match store {
-                        Storage::F32(v) => v.clone(),
+                        Storage::F32(v) => v.to_vec(),
                         Storage::Bf16(v) => v.iter().map(|b| b.to_f32()).collect(),
                         Storage::F16(v) => v.iter().map(|b| b.to_f32()).collect(),
                     };
@@ -602,7 +602,7 @@ mod tests {
                 .map(|&v| bf16::from_f32(v))
                 .collect(),
         );
-        let b = Storage::F32(values(7 * cols, 3));
+        let b = Storage::F32(values(7 * cols, 3).into());
         let c = Storage::F16(
             values(64 * cols, 4)
                 .iter()

@@ -217,8 +217,15 @@ unsafe impl<T> Sync for Shared<T> {}
 /// rows through each task's own f32 rows, rounded into place a block at a time, so that a
 /// 16-bit output never passes through memory as f32.
 struct OutputBuffer {
-    storage: Storage,
+    room: Room,
     len: usize,
+}
+
+/// An output's vector, in its dtype.
+enum Room {
+    F32(Vec<f32>),
+    F16(Vec<half::f16>),
+    Bf16(Vec<half::bf16>),
 }
 
 /// Where a block's output rows go (see [`OutputBuffer`]).
@@ -232,22 +239,22 @@ enum Target {
 impl OutputBuffer {
     /// Room for `len` values of `dtype`; f32 values start as zeros.
     fn new(dtype: DType, len: usize) -> Self {
-        let storage = match dtype {
+        let room = match dtype {
             // Every row is written once by its block (never added to): calloc's untouched
             // zero pages fault in on that first write, with no zeroing pass before it.
-            DType::F32 => Storage::F32(crate::memory::written_zeros(len)),
-            DType::F16 => Storage::F16(Vec::with_capacity(len)),
-            DType::Bf16 => Storage::Bf16(Vec::with_capacity(len)),
+            DType::F32 => Room::F32(crate::memory::written_zeros(len)),
+            DType::F16 => Room::F16(Vec::with_capacity(len)),
+            DType::Bf16 => Room::Bf16(Vec::with_capacity(len)),
         };
-        OutputBuffer { storage, len }
+        OutputBuffer { room, len }
     }
 
     fn target(&mut self) -> Target {
         // f16 and bf16 are `repr(transparent)` over their u16 bits.
-        match &mut self.storage {
-            Storage::F32(v) => Target::F32(Shared(v.as_mut_ptr())),
-            Storage::F16(v) => Target::Bits(Shared(v.as_mut_ptr().cast()), DType::F16),
-            Storage::Bf16(v) => Target::Bits(Shared(v.as_mut_ptr().cast()), DType::Bf16),
+        match &mut self.room {
+            Room::F32(v) => Target::F32(Shared(v.as_mut_ptr())),
+            Room::F16(v) => Target::Bits(Shared(v.as_mut_ptr().cast()), DType::F16),
+            Room::Bf16(v) => Target::Bits(Shared(v.as_mut_ptr().cast()), DType::Bf16),
         }
     }
 
@@ -256,16 +263,21 @@ impl OutputBuffer {
     /// # Safety
     /// Every one of the `len` values of 16-bit storage was written through
     /// [`OutputBuffer::target`].
-    unsafe fn finish(mut self) -> Storage {
+    unsafe fn finish(self) -> Storage {
         // SAFETY: the caller's contract; the capacity is `len` (`OutputBuffer::new`).
         unsafe {
-            match &mut self.storage {
-                Storage::F32(_) => {}
-                Storage::F16(v) => v.set_len(self.len),
-                Storage::Bf16(v) => v.set_len(self.len),
+            match self.room {
+                Room::F32(v) => Storage::F32(v.into()),
+                Room::F16(mut v) => {
+                    v.set_len(self.len);
+                    Storage::F16(v.into())
+                }
+                Room::Bf16(mut v) => {
+                    v.set_len(self.len);
+                    Storage::Bf16(v.into())
+                }
             }
         }
-        self.storage
     }
 }
 
@@ -360,7 +372,7 @@ pub(super) fn run(
     let Storage::F32(out) = &mut out else {
         unreachable!("an f32 output was asked for");
     };
-    Ok((std::mem::take(out), lse))
+    Ok((std::mem::take(out).into_vec(), lse))
 }
 
 /// Runs the kernel; returns `out` `[B, Hq, Sq, Dv]` in `out_dtype` and `lse` `[B, Hq, Sq]`

@@ -545,7 +545,7 @@ impl Init {
     }
 
     fn matrix(&mut self, rows: usize, cols: usize) -> Matrix {
-        Matrix::new(rows, cols, Storage::F32(self.values(rows * cols)))
+        Matrix::new(rows, cols, Storage::F32(self.values(rows * cols).into()))
     }
 
     fn linear(&mut self, out: usize, inp: usize, bias: bool) -> Linear {

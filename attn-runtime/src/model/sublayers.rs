@@ -469,7 +469,7 @@ mod tests {
         let (out, inp) = (BLOCK_VALUES / 64 + 37, 64);
         let raw: Vec<f32> = (0..out * inp).map(|i| value(i, 1)).collect();
         let stores = [
-            Storage::F32(raw.clone()),
+            Storage::F32(raw.clone().into()),
             Storage::Bf16(raw.iter().map(|&v| bf16::from_f32(v)).collect()),
             Storage::F16(raw.iter().map(|&v| f16::from_f32(v)).collect()),
         ];

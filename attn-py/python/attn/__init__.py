@@ -1,0 +1,22 @@
+"""attn from PyTorch: attention variants from a spec, compiled in milliseconds, as a torch op
+with autograd.
+
+    import attn
+    causal_gqa = attn.Variant("heads = 8, kv_heads = 2, head_dim = 64, mask = causal, position = rope")
+    out = attn.attention(q, k, v, causal_gqa)     # q [B, 8, S, 64], k and v [B, 2, S, 64]
+
+- :class:`Variant`: a spec, checked (errors as ``attnc check`` prints them) and planned;
+- :func:`attention`: the op on torch tensors, with gradients (``torch.ops.attn.attention``);
+- :func:`flex_attention`: the same under FlexAttention's argument names, for porting;
+- :class:`attn.nn.Attention`: a module owning a variant's learnable tensors;
+- :class:`AttnError`: what bad input raises, carrying attn's message.
+"""
+
+import torch  # noqa: F401  (the ops register with torch.library)
+
+from ._attn import AttnError, Variant
+from ._op import attention
+from .flex import flex_attention
+from . import nn
+
+__all__ = ["AttnError", "Variant", "attention", "flex_attention", "nn"]

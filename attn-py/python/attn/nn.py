@@ -1,0 +1,61 @@
+"""Modules over attn's op."""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Union
+
+import torch
+from torch import Tensor
+
+from ._attn import Variant
+from ._op import attention, info
+
+
+class Attention(torch.nn.Module):
+    """A variant's attention, owning its learnable tensors (the spec's ``params(...)`` and, with
+    ``sinks = learned``, ``sinks``) as float32 ``nn.Parameter``s of the spec's shapes, each
+    starting at zero (the spec's initial value: a modifier adding a zero parameter changes
+    nothing, a zero sink logit counts once in each row's denominator).
+
+    ``forward(q, k, v, ...)`` takes what :func:`attn.attention` takes besides the variant and
+    the learnable tensors.
+    """
+
+    def __init__(self, variant: Union[Variant, str]):
+        super().__init__()
+        self.variant = variant if isinstance(variant, Variant) else Variant(variant)
+        self.spec = info(self.variant).text
+        for name, shape in self.variant.learnable:
+            self.register_parameter(name, torch.nn.Parameter(torch.zeros(shape)))
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        position_offset: int = 0,
+        data: Optional[Dict[str, Tensor]] = None,
+        cu_seqlens_q: Optional[Tensor] = None,
+        cu_seqlens_k: Optional[Tensor] = None,
+        return_lse: bool = False,
+    ):
+        params = {name: p for name, p in self.named_parameters(recurse=False)}
+        return attention(
+            q,
+            k,
+            v,
+            self.spec,
+            position_offset=position_offset,
+            params=params or None,
+            data=data,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+            return_lse=return_lse,
+        )
+
+    def extra_repr(self) -> str:
+        return repr(self.spec)
+
+
+__all__ = ["Attention"]

@@ -1,0 +1,26 @@
+//! `attn._attn`: the extension module under the Python package `attn` (attn-py/python/attn).
+//!
+//! It holds what the Python layer cannot do itself: parsing and checking specs
+//! ([`variant::PyVariant`]), reading torch tensors in place ([`torch_memory`]), running attn's
+//! kernels with the GIL released ([`calls`]) and handing their outputs to torch without a copy
+//! ([`dlpack`]). The torch op, its autograd and its fake (shape) function are Python
+//! (`attn/_op.py`), over [`calls::forward`] and [`calls::backward`].
+
+mod calls;
+mod dlpack;
+mod error;
+mod torch_memory;
+mod variant;
+
+use pyo3::prelude::*;
+
+/// The extension module.
+#[pymodule]
+fn _attn(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("AttnError", m.py().get_type::<error::AttnError>())?;
+    m.add_class::<variant::PyVariant>()?;
+    m.add_function(wrap_pyfunction!(calls::forward, m)?)?;
+    m.add_function(wrap_pyfunction!(calls::backward, m)?)?;
+    m.add_function(wrap_pyfunction!(variant::normalized, m)?)?;
+    Ok(())
+}
