@@ -179,10 +179,9 @@ pub fn forward(
 
 /// The gradients of [`forward`] for `dout`: `(dq, dk, dv, [(name, d<name>)])` as DLPack
 /// capsules, the last for each learnable tensor and each float32 data tensor. `out` and `lse`
-/// are the forward's; `grad_lse`, the gradient reaching the lse, must be zero (the kernels
-/// recompute the softmax from the lse but do not differentiate it).
+/// are the forward's (the lse carries no gradient: the op marks it non-differentiable).
 #[pyfunction]
-#[pyo3(signature = (spec, q, k, v, out, lse, dout, grad_lse, position_offset, params, data,
+#[pyo3(signature = (spec, q, k, v, out, lse, dout, position_offset, params, data,
                     cu_seqlens_q, cu_seqlens_k))]
 #[allow(clippy::too_many_arguments)]
 pub fn backward(
@@ -194,7 +193,6 @@ pub fn backward(
     out: &Bound<'_, PyAny>,
     lse: &Bound<'_, PyAny>,
     dout: &Bound<'_, PyAny>,
-    grad_lse: Option<&Bound<'_, PyAny>>,
     position_offset: i64,
     params: Named,
     data: Named,
@@ -205,14 +203,6 @@ pub fn backward(
     let read = |t: &Bound<'_, PyAny>, name: &str| TorchTensor::read(t, name)?.attn_tensor(py);
     let (q, k, v) = (read(q, "q")?, read(k, "k")?, read(v, "v")?);
     let (out, lse, dout) = (read(out, "out")?, read(lse, "lse")?, read(dout, "dout")?);
-    if let Some(g) = grad_lse.map(|g| read(g, "grad_lse")).transpose()?
-        && g.f32_values().iter().any(|&x| x != 0.0)
-    {
-        return Err(refuse(
-            "the lse has a gradient: attn's backward differentiates the output only; use the \
-             lse outside the loss (or detach it)",
-        ));
-    }
     let tensors = CallTensors::read(&variant, &params, &data)?;
     let cu = offsets(cu_seqlens_q, cu_seqlens_k)?;
     let grads: HeadGradients = py

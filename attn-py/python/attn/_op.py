@@ -10,7 +10,6 @@ the forward saved.
 
 from __future__ import annotations
 
-import functools
 from typing import Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
@@ -32,30 +31,36 @@ class SpecInfo(NamedTuple):
     int_data: Tuple[str, ...]
 
 
-@functools.lru_cache(maxsize=256)
+_INFOS: Dict[str, SpecInfo] = {}
+
+
 def _info_of_text(text: str) -> SpecInfo:
-    variant = Variant(text)
-    data = variant.data
-    return SpecInfo(
-        text=variant.text,
-        heads=variant.heads,
-        v_head_dim=variant.v_head_dim,
-        learnable=tuple(name for name, _ in variant.learnable),
-        float_data=tuple(name for name, _, dtype in data if dtype == "float32"),
-        int_data=tuple(name for name, _, dtype in data if dtype == "int32"),
-    )
+    found = _INFOS.get(text)
+    if found is None:
+        variant = Variant(text)
+        data = variant.data
+        found = SpecInfo(
+            text=variant.text,
+            heads=variant.heads,
+            v_head_dim=variant.v_head_dim,
+            learnable=tuple(name for name, _ in variant.learnable),
+            float_data=tuple(name for name, _, dtype in data if dtype == "float32"),
+            int_data=tuple(name for name, _, dtype in data if dtype == "int32"),
+        )
+        if len(_INFOS) >= 256:
+            _INFOS.clear()
+        _INFOS[text] = found
+    return found
 
 
-# Traced once by torch.compile, its result kept as a constant of the graph.
-info_of_text = torch.compiler.assume_constant_result(_info_of_text)
-
-
+@torch.compiler.assume_constant_result
 def info(variant: Union[Variant, str]) -> SpecInfo:
-    """The :class:`SpecInfo` of a variant or a spec string."""
+    """The :class:`SpecInfo` of a variant or a spec string (run once by ``torch.compile``,
+    its result kept as a constant of the graph)."""
     if isinstance(variant, Variant):
-        return info_of_text(str(variant))
+        return _info_of_text(str(variant))
     if isinstance(variant, str):
-        return info_of_text(variant)
+        return _info_of_text(variant)
     raise AttnError(
         f"`variant` is a {type(variant).__name__}; give an attn.Variant or a spec string"
     )
@@ -110,8 +115,20 @@ def attention_op(
     return torch.from_dlpack(out), torch.from_dlpack(lse)
 
 
+def _one_device(q: Tensor, k: Tensor, v: Tensor, names: str, tensors: List[Tensor]) -> None:
+    """Refuses tensors on different devices (torch would dispatch such a call to the fake
+    function, whose outputs hold no values)."""
+    named = [("q", q), ("k", k), ("v", v)] + list(zip(names.split(",") if names else [], tensors))
+    for name, t in named[1:]:
+        if t.device != q.device:
+            raise AttnError(
+                f"`{name}` is on {t.device} and `q` on {q.device}: give every tensor on one device"
+            )
+
+
 @attention_op.register_fake
 def _attention_fake(q, k, v, spec, position_offset, names, tensors, cu_seqlens_q, cu_seqlens_k):
+    _one_device(q, k, v, names, tensors)
     spec_info = _info_of_text(spec)
     if cu_seqlens_q is None:
         batch, rows = q.shape[0], q.shape[2]
@@ -132,7 +149,6 @@ def attention_backward_op(
     out: Tensor,
     lse: Tensor,
     dout: Tensor,
-    dlse: Optional[Tensor],
     spec: str,
     position_offset: int,
     names: str,
@@ -151,7 +167,6 @@ def attention_backward_op(
         out,
         lse,
         dout,
-        dlse,
         position_offset,
         learned,
         data,
@@ -165,8 +180,9 @@ def attention_backward_op(
 
 @attention_backward_op.register_fake
 def _attention_backward_fake(
-    q, k, v, out, lse, dout, dlse, spec, position_offset, names, tensors, cu_q, cu_k
+    q, k, v, out, lse, dout, spec, position_offset, names, tensors, cu_q, cu_k
 ):
+    _one_device(q, k, v, names, tensors)
     with_grads = set(_grad_names(spec, names))
     named = [
         t.new_empty(t.shape, dtype=torch.float32)
@@ -179,11 +195,13 @@ def _attention_backward_fake(
 def _setup_context(ctx, inputs, output):
     q, k, v, spec, position_offset, names, tensors, cu_q, cu_k = inputs
     out, lse = output
+    # The kernels recompute the softmax from the lse but do not differentiate it.
+    ctx.mark_non_differentiable(lse)
     ctx.spec, ctx.position_offset, ctx.names = spec, position_offset, names
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, *tensors)
 
 
-def _backward(ctx, dout, dlse):
+def _backward(ctx, dout, _dlse):
     q, k, v, out, lse, cu_q, cu_k, *tensors = ctx.saved_tensors
     grads = attention_backward_op(
         q,
@@ -192,7 +210,6 @@ def _backward(ctx, dout, dlse):
         out,
         lse,
         dout,
-        dlse,
         ctx.spec,
         ctx.position_offset,
         ctx.names,
@@ -245,7 +262,7 @@ def attention(
     ``v [B, kv_heads, Skv, v_head_dim]`` (BHSD, as ``scaled_dot_product_attention`` takes
     them; a BSHD tensor's ``transpose(1, 2)`` is read in place), in the spec's dtype, before
     RoPE. Returns ``out [B, heads, Sq, v_head_dim]``, and with ``return_lse`` also
-    ``lse [B, heads, Sq]`` (float32, natural log).
+    ``lse [B, heads, Sq]`` (float32, natural log; it carries no gradient).
 
     ``position_offset`` is the position of key 0 (queries are the last ``Sq`` positions).
     ``params`` holds the learnable tensors by name (float32; learned sinks are ``"sinks"``)

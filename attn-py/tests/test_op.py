@@ -1,0 +1,187 @@
+"""The op as torch sees it: opcheck, torch.compile without a graph break, inputs read in place,
+strided inputs, the module, and a training step against the same model on float64 SDPA."""
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attn
+from conftest import assert_close
+
+GQA = "heads = 4, kv_heads = 2, head_dim = 16, mask = causal, position = rope"
+LEARNED = ("heads = 4, head_dim = 16, mask = causal, params(bias: [heads]), "
+           "score_mod = |s, b, h, q, k| s + bias[h] * (k - q) as f32, sinks = learned")
+
+
+def qkv(b=2, h=4, hkv=2, s=24, d=16, dtype=torch.float32, grad=True):
+    return [torch.randn(b, n, s, d, dtype=dtype, requires_grad=grad) for n in (h, hkv, hkv)]
+
+
+@pytest.mark.parametrize("with_learned", [False, True], ids=["plain", "learned"])
+def test_opcheck(with_learned):
+    q, k, v = qkv(hkv=4 if with_learned else 2)
+    spec = attn.Variant(LEARNED if with_learned else GQA).text
+    names, tensors = "", []
+    if with_learned:
+        names = "bias,sinks"
+        tensors = [torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)]
+    torch.library.opcheck(
+        torch.ops.attn.attention.default, (q, k, v, spec, 3, names, tensors, None, None)
+    )
+
+
+def test_opcheck_of_a_variable_length_batch():
+    q = torch.randn(12, 4, 16, requires_grad=True)
+    k, v = (torch.randn(15, 2, 16, requires_grad=True) for _ in range(2))
+    cu_q = torch.tensor([0, 5, 12], dtype=torch.int32)
+    cu_k = torch.tensor([0, 6, 15], dtype=torch.int32)
+    torch.library.opcheck(
+        torch.ops.attn.attention.default,
+        (q, k, v, attn.Variant(GQA).text, 0, "", [], cu_q, cu_k),
+    )
+
+
+class Block(torch.nn.Module):
+    """Projections around attn's attention with learnable tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(64, 3 * 64)
+        self.attention = attn.nn.Attention(LEARNED)
+        with torch.no_grad():
+            self.attention.bias.uniform_(-0.1, 0.1)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 4, 16).permute(2, 0, 3, 1, 4)
+        return self.attention(q, k, v).transpose(1, 2).reshape(b, s, 64)
+
+
+def test_torch_compile_fullgraph_traces_through_the_op_and_its_backward():
+    eager = Block()
+    compiled_block = Block()
+    compiled_block.load_state_dict(eager.state_dict())
+    compiled = torch.compile(compiled_block, fullgraph=True, backend="aot_eager")
+    x = torch.randn(2, 20, 64)
+    want, got = eager(x), compiled(x)
+    assert_close(got, want, 1e-6, 1e-6, "compiled out")
+    want.square().sum().backward()
+    got.square().sum().backward()
+    for (n, a), (_, b) in zip(eager.named_parameters(), compiled_block.named_parameters()):
+        assert_close(b.grad, a.grad, 1e-5, 1e-5, f"compiled d{n}")
+
+
+def test_torch_compile_with_inductor():
+    block = Block()
+    compiled = torch.compile(block, fullgraph=True)
+    x = torch.randn(1, 16, 64)
+    assert_close(compiled(x), block(x), 1e-5, 1e-5, "inductor out")
+
+
+def peak_growth(fn):
+    """Bytes the process's peak resident memory grows by while `fn` runs (Linux)."""
+    def status(field):
+        text = open("/proc/self/status").read()
+        return int(re.search(rf"{field}:\s+(\d+)", text).group(1)) * 1024
+
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the present resident size
+    except OSError as e:
+        pytest.skip(f"the peak resident size cannot be reset here: {e}")
+    before = status("VmRSS")
+    result = fn()
+    return status("VmHWM") - before, result
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_contiguous_inputs_are_read_in_place(dtype):
+    spec = "heads = 8, head_dim = 128, mask = causal" + (
+        ", dtype = bf16" if dtype == torch.bfloat16 else "")
+    q = torch.randn(1, 8, 256, 128, dtype=dtype)
+    k, v = (torch.randn(1, 8, 16384, 128, dtype=dtype) for _ in range(2))
+    attn.attention(q, k, v, spec)  # kernels compiled, buffers pooled
+    grown, out = peak_growth(lambda: attn.attention(q, k, v, spec))
+    each = k.numel() * k.element_size()
+    # A copy of k or v alone would add `each` (64 or 32 MiB); the output is 1 MiB or less.
+    assert grown < each / 4, f"peak grew {grown / 2**20:.1f} MiB; k and v are {each / 2**20} MiB each"
+
+
+def test_outputs_are_shared_with_torch_and_writable():
+    q, k, v = qkv(grad=False)
+    out = attn.attention(q, k, v, GQA)
+    assert out.is_contiguous() and out.device.type == "cpu"
+    out.add_(1.0)  # torch owns the memory the kernels wrote
+    assert torch.isfinite(out).all()
+
+
+def test_bshd_views_and_strided_inputs_give_the_contiguous_result():
+    q, k, v = qkv(grad=False)
+    want = attn.attention(q, k, v, GQA)
+    # BSHD storage read through a transposed view, without a copy.
+    bshd = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
+    assert not bshd[0].is_contiguous()
+    assert_close(attn.attention(*bshd, GQA), want, 0, 0, "BSHD views")
+    # Every other element of a wider last axis, and a broadcast (stride 0) batch.
+    wide = [torch.stack([t, t], -1).flatten(-2)[..., ::2] for t in (q, k, v)]
+    assert_close(attn.attention(*wide, GQA), want, 0, 0, "strided rows")
+    expanded = [t[:1].expand(3, -1, -1, -1) for t in (q, k, v)]
+    got = attn.attention(*expanded, GQA)
+    for b in range(3):
+        assert_close(got[b], want[0], 0, 0, f"broadcast batch {b}")
+
+
+def test_the_module_owns_zero_initialized_learnable_tensors():
+    module = attn.nn.Attention(LEARNED)
+    assert {n: tuple(p.shape) for n, p in module.named_parameters()} == {
+        "bias": (4,), "sinks": (4,)}
+    assert all((p == 0).all() for p in module.parameters())
+    q, k, v = qkv(hkv=4)
+    module(q, k, v).sum().backward()
+    assert module.bias.grad is not None and module.sinks.grad.abs().sum() > 0
+
+
+class TinyGPT(torch.nn.Module):
+    """Two pre-norm blocks whose attention is `attend(q, k, v)` (BHSD)."""
+
+    def __init__(self, attend, vocab=50, dim=32, heads=4):
+        super().__init__()
+        self.attend, self.heads = attend, heads
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.ModuleDict(dict(
+                norm1=torch.nn.LayerNorm(dim), qkv=torch.nn.Linear(dim, 3 * dim),
+                proj=torch.nn.Linear(dim, dim), norm2=torch.nn.LayerNorm(dim),
+                mlp=torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(),
+                                        torch.nn.Linear(4 * dim, dim))))
+            for _ in range(2))
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        b, s, dim = x.shape
+        for blk in self.blocks:
+            q, k, v = blk["qkv"](blk["norm1"](x)).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+            a = self.attend(q, k, v).transpose(1, 2).reshape(b, s, dim)
+            x = x + blk["proj"](a.to(x.dtype))
+            x = x + blk["mlp"](blk["norm2"](x))
+        return self.head(x)
+
+
+def test_a_training_step_equals_the_same_model_on_float64_sdpa():
+    ours = TinyGPT(lambda q, k, v: attn.attention(q, k, v, "heads = 4, head_dim = 8, mask = causal"))
+    ref = TinyGPT(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)).double()
+    ref.load_state_dict({n: p.double() for n, p in ours.state_dict().items()})
+    tokens = torch.randint(0, 50, (3, 17))
+    steps = []
+    for model in (ours, ref):
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        steps.append((loss.item(), {n: p.detach().double() for n, p in model.named_parameters()}))
+    assert abs(steps[0][0] - steps[1][0]) < 1e-5
+    for n, p in steps[0][1].items():
+        assert_close(p, steps[1][1][n], 2e-5, 1e-4, f"{n} after the step")
