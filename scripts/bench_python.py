@@ -1,0 +1,122 @@
+"""BENCHMARKS.md's torch-op table: attn's op (`attn.attention`) against SDPA and compiled
+FlexAttention in one Python process, 16 heads, head dim 128, batch 1, 2 threads, median ms of
+REPS runs after a warm-up. Forward, and forward + backward (FlexAttention has no CPU backward:
+its column says so). SDPA takes the variants other than causal as a dense mask or bias, as a
+user without FlexAttention writes them.
+
+    python scripts/bench_python.py REPS [N ...]    # in a venv with torch and attn installed
+"""
+
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+import attn
+
+torch.set_num_threads(2)
+H, D, WINDOW = 16, 128, 256
+SLOPES = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)])
+
+# name: (spec items, FlexAttention score_mod, mask_mod, SDPA bias maker)
+VARIANTS = {
+    "causal": ("mask = causal", None, lambda b, h, q, k: q >= k, None),
+    "sliding window 256": (
+        f"mask = sliding_window({WINDOW})",
+        None,
+        lambda b, h, q, k: (q >= k) & (q - k < WINDOW),
+        lambda qi, ki: torch.where((qi >= ki) & (qi - ki < WINDOW), 0.0, float("-inf"))[None, None],
+    ),
+    "ALiBi": (
+        "mask = causal, position = alibi",
+        lambda s, b, h, q, k: s + SLOPES[h] * (k - q),
+        lambda b, h, q, k: q >= k,
+        lambda qi, ki: torch.where(qi >= ki, SLOPES[:, None, None] * (ki - qi), float("-inf"))[None],
+    ),
+    "score_mod": (
+        "mask = causal, score_mod = |s, b, h, q, k| s - 0.01 * (q - k) as f32",
+        lambda s, b, h, q, k: s - 0.01 * (q - k),
+        lambda b, h, q, k: q >= k,
+        lambda qi, ki: torch.where(qi >= ki, -0.01 * (qi - ki).float(), float("-inf"))[None, None],
+    ),
+}
+
+
+def median_ms(fn, reps):
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def forward_backward(fn, inputs, dout):
+    def run():
+        for x in inputs:
+            x.grad = None
+        fn(*inputs).backward(dout)
+
+    return run
+
+
+def bench(name, n, dtype, reps):
+    items, score_mod, mask_mod, bias_of = VARIANTS[name]
+    suffix = ", dtype = bf16" if dtype == torch.bfloat16 else ""
+    variant = attn.Variant(f"heads = {H}, head_dim = {D}, {items}{suffix}")
+    q, k, v = (torch.randn(1, H, n, D, dtype=dtype, requires_grad=True) for _ in range(3))
+    dout = torch.randn(1, H, n, D, dtype=dtype)
+    idx = torch.arange(n)
+    bias = None if bias_of is None else bias_of(idx[:, None], idx[None, :]).to(dtype)
+
+    def ours(q, k, v):
+        return attn.attention(q, k, v, variant)
+
+    def sdpa(q, k, v):
+        if bias is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+    block_mask = create_block_mask(mask_mod, None, None, n, n, device="cpu")
+    flex = torch.compile(flex_attention)
+
+    plain = [x.detach() for x in (q, k, v)]
+
+    def flex_fwd():
+        flex(*plain, score_mod=score_mod, block_mask=block_mask)
+
+    row = {}
+    with torch.no_grad():
+        row["attn fwd"] = median_ms(lambda: ours(q, k, v), reps)
+        row["sdpa fwd"] = median_ms(lambda: sdpa(q, k, v), reps)
+    row["flex fwd"] = median_ms(flex_fwd, reps)
+    row["attn fwd+bwd"] = median_ms(forward_backward(ours, (q, k, v), dout), reps)
+    row["sdpa fwd+bwd"] = median_ms(forward_backward(sdpa, (q, k, v), dout), reps)
+    return row
+
+
+def main():
+    reps = int(sys.argv[1]) if len(sys.argv) > 1 else 5
+    lengths = [int(x) for x in sys.argv[2:]] or [1024, 4096]
+    print("| variant | N | dtype | attn fwd | SDPA fwd | compiled flex fwd | attn fwd+bwd | "
+          "SDPA fwd+bwd | flex fwd+bwd | SDPA ÷ attn, fwd+bwd | flex ÷ attn, fwd |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for n in lengths:
+        for dtype in (torch.float32, torch.bfloat16):
+            for name in VARIANTS:
+                r = bench(name, n, dtype, reps)
+                print(
+                    f"| {name} | {n} | {str(dtype)[6:]} | {r['attn fwd']:.1f} | {r['sdpa fwd']:.1f} | "
+                    f"{r['flex fwd']:.1f} | {r['attn fwd+bwd']:.1f} | {r['sdpa fwd+bwd']:.1f} | "
+                    f"none on the CPU | {r['sdpa fwd+bwd'] / r['attn fwd+bwd']:.2f}x | "
+                    f"{r['flex fwd'] / r['attn fwd']:.2f}x |",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()
