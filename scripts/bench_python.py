@@ -5,9 +5,12 @@ its column says so). SDPA takes the variants other than causal as a dense mask o
 user without FlexAttention writes them.
 
     python scripts/bench_python.py REPS [N ...]    # in a venv with torch and attn installed
+    python scripts/bench_python.py overhead ATTNC  # the op against `ATTNC bench`, alternating
 """
 
+import json
 import statistics
+import subprocess
 import sys
 import time
 
@@ -99,7 +102,27 @@ def bench(name, n, dtype, reps):
     return row
 
 
+def overhead(attnc, rounds=3, reps=20):
+    """The binding's cost: the op's forward and `attnc bench` (the same kernels, no Python) on
+    causal f32 H16 D128 N 1,024, alternating, `reps` timed runs each per round."""
+    spec = f"heads = {H}, head_dim = {D}, mask = causal"
+    variant = attn.Variant(spec)
+    q, k, v = (torch.randn(1, H, 1024, D) for _ in range(3))
+    for r in range(rounds):
+        cli = subprocess.run(
+            [attnc, "bench", spec, "--seq", "1024", "--reps", str(reps), "--json"],
+            check=True, capture_output=True, text=True,
+        )
+        cli_ms = json.loads(cli.stdout.strip().splitlines()[-1])["median_ms"]
+        with torch.no_grad():
+            op_ms = median_ms(lambda: attn.attention(q, k, v, variant), reps)
+        print(f"round {r + 1}: attnc bench {cli_ms:.2f} ms, the op {op_ms:.2f} ms "
+              f"({op_ms / cli_ms:.3f}x)", flush=True)
+
+
 def main():
+    if len(sys.argv) > 2 and sys.argv[1] == "overhead":
+        return overhead(sys.argv[2])
     reps = int(sys.argv[1]) if len(sys.argv) > 1 else 5
     lengths = [int(x) for x in sys.argv[2:]] or [1024, 4096]
     print("| variant | N | dtype | attn fwd | SDPA fwd | compiled flex fwd | attn fwd+bwd | "

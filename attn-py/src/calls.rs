@@ -106,12 +106,12 @@ fn offsets(
     }
 }
 
-/// The checked variant of a call: refused for MLA, whose five inputs the op does not take.
+/// The checked variant of a call: refused for MLA, whose five inputs `attention_mla` takes.
 fn per_head_variant(spec: &str) -> PyResult<Arc<Variant>> {
     let variant = planned(spec)?;
     if variant.spec().mla().is_some() {
         return Err(refuse(format!(
-            "MLA variants do not run as the torch op yet (five inputs): spec `{}`",
+            "spec `{}` is MLA: its five inputs go to attn.attention_mla",
             variant.text()
         )));
     }
@@ -119,7 +119,7 @@ fn per_head_variant(spec: &str) -> PyResult<Arc<Variant>> {
 }
 
 /// A tensor's storage, contiguous, as a DLPack capsule with its shape.
-fn export(py: Python<'_>, t: Tensor) -> PyResult<Py<PyAny>> {
+pub(crate) fn export(py: Python<'_>, t: Tensor) -> PyResult<Py<PyAny>> {
     let shape = t.shape().to_vec();
     capsule(py, t.into_storage(), &shape)
 }

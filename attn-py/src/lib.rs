@@ -2,13 +2,14 @@
 //!
 //! It holds what the Python layer cannot do itself: parsing and checking specs
 //! ([`variant::PyVariant`]), reading torch tensors in place ([`torch_memory`]), running attn's
-//! kernels with the GIL released ([`calls`]) and handing their outputs to torch without a copy
+//! kernels with the GIL released ([`calls`], MLA's in [`mla_calls`]) and handing their outputs to torch without a copy
 //! ([`dlpack`]). The torch op, its autograd and its fake (shape) function are Python
 //! (`attn/_op.py`), over [`calls::forward`] and [`calls::backward`].
 
 mod calls;
 mod dlpack;
 mod error;
+mod mla_calls;
 mod torch_memory;
 mod variant;
 
@@ -21,6 +22,8 @@ fn _attn(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<variant::PyVariant>()?;
     m.add_function(wrap_pyfunction!(calls::forward, m)?)?;
     m.add_function(wrap_pyfunction!(calls::backward, m)?)?;
+    m.add_function(wrap_pyfunction!(mla_calls::forward_mla, m)?)?;
+    m.add_function(wrap_pyfunction!(mla_calls::backward_mla, m)?)?;
     m.add_function(wrap_pyfunction!(variant::normalized, m)?)?;
     Ok(())
 }

@@ -155,10 +155,16 @@ impl PyVariant {
         torch_dtype(self.variant.spec().dtype)
     }
 
-    /// Whether the variant is MLA (five inputs; not a torch op yet).
+    /// Whether the variant is MLA (five inputs: `attn.attention_mla`).
     #[getter]
     fn is_mla(&self) -> bool {
         self.variant.spec().mla().is_some()
+    }
+
+    /// MLA's latent rank (`None` for a per-head variant).
+    #[getter]
+    fn latent_rank(&self) -> Option<u32> {
+        self.variant.spec().mla().map(|m| m.latent_rank)
     }
 
     /// Bytes of KV cache per token for one such attention (K and V of every KV head in the

@@ -102,7 +102,9 @@ def test_other_arguments_are_checked():
     refused(lambda: attn.flex_attention(q, k, v, SPEC), "enable_gqa=True")
     refused(lambda: attn.flex_attention(q, k, v, SPEC, enable_gqa=True, scale=0.5), "scale")
     mla = "heads = 4, head_dim = 16, mla(latent_rank = 32, rope_dim = 16), position = rope"
-    refused(lambda: attn.attention(q, k, v, mla), "MLA")
+    refused(lambda: attn.attention(q, k, v, mla), "is MLA", "attn.attention_mla")
+    refused(lambda: attn.attention_mla(q, q, k, k, v, SPEC), "is not MLA", "attn.attention")
+    refused(lambda: attn.attention_mla(q, q, k, k, [], mla), "`w_kv_b` is a list")
 
 
 def test_nan_inputs_give_nan_rows_and_leave_the_other_rows_alone():

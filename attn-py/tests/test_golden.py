@@ -14,8 +14,9 @@ from conftest import FIXTURES, assert_close
 
 GRADIENTS = FIXTURES / "gradients"
 CASES = json.loads((GRADIENTS / "manifest.json").read_text())["cases"]
-# MLA variants take five inputs; the op runs per-head variants.
 PER_HEAD = sorted(name for name, case in CASES.items() if "mla(" not in case["spec"])
+MLA = sorted(name for name, case in CASES.items() if "mla(" in case["spec"])
+MLA_INPUTS = ("q_nope", "q_pe", "c_kv", "k_pe", "w_kv_b")
 
 
 def tolerance(case, name):
@@ -48,6 +49,25 @@ def test_golden_gradient_case(name):
     for n, x in [("q", q), ("k", k), ("v", v)] + list(learned.items()):
         atol, rtol = tolerance(case, "d" + n)
         assert_close(x.grad, t["d" + n], atol, rtol, f"{name} d{n}")
+
+
+@pytest.mark.parametrize("name", MLA)
+def test_golden_mla_gradient_case(name):
+    case = CASES[name]
+    t = load_file(str(GRADIENTS / case["file"]))
+    xs = [t[n].clone().requires_grad_(True) for n in MLA_INPUTS]
+    out, lse = attn.attention_mla(
+        *xs, case["spec"], position_offset=case["position_offset"], return_lse=True
+    )
+    atol, rtol = tolerance(case, "out")
+    assert_close(out, t["out"], atol, rtol, f"{name} out")
+    assert_close(lse, t["lse"], atol, rtol, f"{name} lse")
+    out.backward(t["dout"])
+    for n, x in zip(MLA_INPUTS, xs):
+        # w_kv_b's gradient sums over every row and head: a looser bound in 16 bits.
+        atol, rtol = tolerance(case, "d" + n)
+        scale = 4 if n == "w_kv_b" and case["dtype"] != "f32" else 1
+        assert_close(x.grad, t["d" + n], atol * scale, rtol * scale, f"{name} d{n}")
 
 
 def check_against_reference(spec, shapes, ref_kwargs, *, position_offset=0, params=None,

@@ -43,6 +43,16 @@ def test_opcheck_of_a_variable_length_batch():
     )
 
 
+def test_opcheck_of_mla():
+    spec = attn.Variant(
+        "heads = 2, head_dim = 16, mask = causal, mla(latent_rank = 32, rope_dim = 8), "
+        "position = rope"
+    ).text
+    shapes = [(1, 2, 9, 16), (1, 2, 9, 8), (1, 12, 32), (1, 12, 8), (2 * 32, 32)]
+    xs = [torch.randn(s, requires_grad=True) for s in shapes]
+    torch.library.opcheck(torch.ops.attn.attention_mla.default, (*xs, spec, 3))
+
+
 class Block(torch.nn.Module):
     """Projections around attn's attention with learnable tensors."""
 

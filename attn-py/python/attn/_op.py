@@ -77,7 +77,12 @@ def _split(spec: str, names: str, tensors: List[Tensor]):
 
 
 def _offsets(t: Optional[Tensor]) -> Optional[List[int]]:
-    return None if t is None else [int(x) for x in t.tolist()]
+    if t is None:
+        return None
+    values = t.tolist()
+    if not all(-(2**31) <= x < 2**31 for x in values):
+        raise AttnError("`cu_seqlens_q` and `cu_seqlens_k` hold offsets that fit in int32")
+    return values
 
 
 def _grad_names(spec: str, names: str) -> List[str]:
@@ -227,7 +232,15 @@ def _backward(ctx, dout, _dlse):
 attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _check_tensor(name: str, t) -> None:
+def check_offset(position_offset) -> None:
+    """A position offset is an int that fits in 64 bits."""
+    if not isinstance(position_offset, int):
+        raise AttnError(f"`position_offset` is a {type(position_offset).__name__}, not an int")
+    if not -(2**63) <= position_offset < 2**63:
+        raise AttnError(f"`position_offset` {position_offset} does not fit in 64 bits")
+
+
+def check_tensor(name: str, t) -> None:
     if not isinstance(t, torch.Tensor):
         raise AttnError(f"`{name}` is a {type(t).__name__}, not a torch.Tensor")
 
@@ -240,7 +253,7 @@ def _named(kind: str, tensors: Optional[Dict[str, Tensor]]) -> List[Tuple[str, T
     for name, t in tensors.items():
         if not isinstance(name, str) or not name.isidentifier():
             raise AttnError(f"`{kind}` has the key {name!r}; keys are the spec's tensor names")
-        _check_tensor(name, t)
+        check_tensor(name, t)
     return list(tensors.items())
 
 
@@ -276,15 +289,19 @@ def attention(
     """
     spec_info = info(variant)
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, t)
+        check_tensor(name, t)
     named = _named("params", params) + [
         (name, t.contiguous()) for name, t in _named("data", data)
     ]
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if t is not None:
-            _check_tensor(name, t)
-    if not isinstance(position_offset, int):
-        raise AttnError(f"`position_offset` is a {type(position_offset).__name__}, not an int")
+            check_tensor(name, t)
+            if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+                raise AttnError(
+                    f"`{name}` is a {t.dim()}-d {t.dtype} tensor; cumulative offsets are a "
+                    "1-d torch.int32 or torch.int64 tensor"
+                )
+    check_offset(position_offset)
     out, lse = attention_op(
         q,
         k,
