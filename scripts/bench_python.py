@@ -1,6 +1,6 @@
 """BENCHMARKS.md's torch-op table: attn's op (`attn.attention`) against SDPA and compiled
-FlexAttention in one Python process, 16 heads, head dim 128, batch 1, 2 threads, median ms of
-REPS runs after a warm-up. Forward, and forward + backward (FlexAttention has no CPU backward:
+FlexAttention in one Python process, 16 heads, head dim 128, batch 1, 2 threads: each timing the
+median over 3 rounds, alternating the contenders, of the median of REPS runs after a warm-up. Forward, and forward + backward (FlexAttention has no CPU backward:
 its column says so). SDPA takes the variants other than causal as a dense mask or bias, as a
 user without FlexAttention writes them.
 
@@ -85,29 +85,44 @@ def bench(name, n, dtype, reps):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
 
     block_mask = create_block_mask(mask_mod, None, None, n, n, device="cpu")
-    flex = torch.compile(flex_attention)
+    # A fresh compile for each shape and variant: past dynamo's recompile limit flex_attention
+    # falls back to its unfused implementation, which would not be the compiled one timed.
+    torch._dynamo.reset()
+    flex = torch.compile(flex_attention, dynamic=False)
 
     plain = [x.detach() for x in (q, k, v)]
 
     def flex_fwd():
         flex(*plain, score_mod=score_mod, block_mask=block_mask)
 
-    row = {}
-    with torch.no_grad():
-        row["attn fwd"] = median_ms(lambda: ours(q, k, v), reps)
-        row["sdpa fwd"] = median_ms(lambda: sdpa(q, k, v), reps)
-    row["flex fwd"] = median_ms(flex_fwd, reps)
-    row["attn fwd+bwd"] = median_ms(forward_backward(ours, (q, k, v), dout), reps)
-    row["sdpa fwd+bwd"] = median_ms(forward_backward(sdpa, (q, k, v), dout), reps)
-    return row
+    def no_grad(fn):
+        def run():
+            with torch.no_grad():
+                fn(q, k, v)
+
+        return run
+
+    timed = {
+        "attn fwd": no_grad(ours),
+        "sdpa fwd": no_grad(sdpa),
+        "flex fwd": flex_fwd,
+        "attn fwd+bwd": forward_backward(ours, (q, k, v), dout),
+        "sdpa fwd+bwd": forward_backward(sdpa, (q, k, v), dout),
+    }
+    rounds = {name: [] for name in timed}
+    for _ in range(3):
+        for name, fn in timed.items():
+            rounds[name].append(median_ms(fn, reps))
+    return {name: statistics.median(ms) for name, ms in rounds.items()}
 
 
-def overhead(attnc, rounds=3, reps=20):
+def overhead(attnc, rounds=9, reps=20):
     """The binding's cost: the op's forward and `attnc bench` (the same kernels, no Python) on
     causal f32 H16 D128 N 1,024, alternating, `reps` timed runs each per round."""
     spec = f"heads = {H}, head_dim = {D}, mask = causal"
     variant = attn.Variant(spec)
     q, k, v = (torch.randn(1, H, 1024, D) for _ in range(3))
+    ratios = []
     for r in range(rounds):
         cli = subprocess.run(
             [attnc, "bench", spec, "--seq", "1024", "--reps", str(reps), "--json"],
@@ -116,8 +131,10 @@ def overhead(attnc, rounds=3, reps=20):
         cli_ms = json.loads(cli.stdout.strip().splitlines()[-1])["median_ms"]
         with torch.no_grad():
             op_ms = median_ms(lambda: attn.attention(q, k, v, variant), reps)
+        ratios.append(op_ms / cli_ms)
         print(f"round {r + 1}: attnc bench {cli_ms:.2f} ms, the op {op_ms:.2f} ms "
               f"({op_ms / cli_ms:.3f}x)", flush=True)
+    print(f"median of the rounds' ratios: {statistics.median(ratios):.3f}x")
 
 
 def main():

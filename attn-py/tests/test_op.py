@@ -195,3 +195,30 @@ def test_a_training_step_equals_the_same_model_on_float64_sdpa():
     assert abs(steps[0][0] - steps[1][0]) < 1e-5
     for n, p in steps[0][1].items():
         assert_close(p, steps[1][1][n], 2e-5, 1e-4, f"{n} after the step")
+
+
+def test_the_gil_is_released_while_the_kernels_run():
+    import threading
+    import time
+
+    q = torch.randn(1, 8, 2048, 64)
+    spec = "heads = 8, head_dim = 64"
+    attn.attention(q, q, q, spec)  # compiled and warm
+    ticks, done = [], threading.Event()
+
+    def count():
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    time.sleep(0.01)
+    start = time.perf_counter()
+    attn.attention(q, q, q, spec)
+    end = time.perf_counter()
+    done.set()
+    counter.join()
+    during = [t for t in ticks if start < t < end]
+    # With the GIL held, the other thread could not run Python until the call returned.
+    assert end - start > 0.01 and len(during) >= 3, (end - start, len(during))
