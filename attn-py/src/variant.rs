@@ -105,6 +105,13 @@ impl PyVariant {
         })
     }
 
+    /// Pickles (and `copy.deepcopy`s) as its spec text, planned again when loaded.
+    fn __reduce__<'py>(
+        slf: &Bound<'py, Self>,
+    ) -> PyResult<(Bound<'py, pyo3::types::PyType>, (String,))> {
+        Ok((slf.get_type(), (slf.get().variant.text().to_string(),)))
+    }
+
     fn __repr__(&self) -> String {
         format!("attn.Variant({:?})", self.variant.text())
     }

@@ -222,3 +222,23 @@ def test_the_gil_is_released_while_the_kernels_run():
     during = [t for t in ticks if start < t < end]
     # With the GIL held, the other thread could not run Python until the call returned.
     assert end - start > 0.01 and len(during) >= 3, (end - start, len(during))
+
+
+def test_variants_and_modules_pickle_and_deepcopy():
+    import copy
+    import io
+    import pickle
+
+    module = attn.nn.Attention(LEARNED)
+    with torch.no_grad():
+        module.bias.fill_(0.25)
+    for clone in (copy.deepcopy(module), pickle.loads(pickle.dumps(module))):
+        assert clone.variant == module.variant and clone.spec == module.spec
+        assert torch.equal(clone.bias, module.bias)
+        q, k, v = qkv(hkv=4, grad=False)
+        assert torch.equal(clone(q, k, v), module(q, k, v))
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded.variant.text == module.variant.text
