@@ -212,3 +212,28 @@ def test_a_variable_length_batch_matches_each_sequence_alone():
         want.backward(dout[rq].transpose(0, 1)[None].double())
         for n, t, r, x in (("q", q, rq, xs[0]), ("k", k, rk, xs[1]), ("v", v, rk, xs[2])):
             assert_close(t.grad[r].transpose(0, 1)[None], x.grad, 2e-5, 1e-4, f"d{n} of sequence {i}")
+
+
+def test_a_variable_length_batch_with_data_matches_each_sequence_alone():
+    spec = ("heads = 2, head_dim = 16, mask = causal, data(doc: [seq] i32, gate: [heads, seq] f32), "
+            "mask_mod = |b, h, q, k| doc[q] == doc[k], "
+            "score_mod = |s, b, h, q, k| s + gate[h, k]")
+    lens = [6, 11]
+    cu = torch.tensor([0, 6, 17], dtype=torch.int32)
+    q, k, v = (torch.randn(17, 2, 16) for _ in range(3))
+    doc = torch.tensor([0, 0, 1, 1, 1, 1] + [0] * 4 + [1] * 7, dtype=torch.int32)
+    gate = torch.randn(2, 17, requires_grad=True)
+    out = attn.attention(q, k, v, spec, data={"doc": doc, "gate": gate},
+                         cu_seqlens_q=cu, cu_seqlens_k=cu)
+    out.square().sum().backward()
+    for i, n in enumerate(lens):
+        r = slice(int(cu[i]), int(cu[i + 1]))
+        g = gate.detach()[:, r].clone().requires_grad_(True)
+        want, _ = reference.attention(
+            *(t[r].transpose(0, 1)[None] for t in (q, k, v)), causal=True,
+            mask_mod=lambda b, h, qp, kp: doc[r][qp] == doc[r][kp],
+            score_mod=lambda s, b, h, qp, kp: s + g.double()[h, kp],
+        )
+        assert_close(out[r].transpose(0, 1)[None], want, 2e-5, 1e-4, f"out of sequence {i}")
+        want.square().sum().backward()
+        assert_close(gate.grad[:, r], g.grad, 2e-4, 1e-3, f"dgate of sequence {i}")

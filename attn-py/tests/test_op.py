@@ -242,3 +242,14 @@ def test_variants_and_modules_pickle_and_deepcopy():
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
     assert loaded.variant.text == module.variant.text
+
+
+def test_calls_from_several_threads_agree_with_calls_from_one():
+    from concurrent.futures import ThreadPoolExecutor
+
+    inputs = [qkv(grad=False) for _ in range(6)]
+    want = [attn.attention(*x, GQA) for x in inputs]
+    with ThreadPoolExecutor(3) as pool:
+        got = list(pool.map(lambda x: attn.attention(*x, GQA), inputs))
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
