@@ -133,3 +133,16 @@ def test_the_variant_describes_its_spec():
     assert v.flops(1, 128)["dense"] == 2 * (64 + 64) * 8 * 128 * 128
     assert v.flops(1, 128)["with_skipping"] == 2 * (64 + 64) * 8 * (128 * 129 // 2)
     assert v == attn.Variant(v.text) and hash(v) == hash(attn.Variant(v.text))
+
+
+def test_broadcast_views_too_large_for_memory_are_refused():
+    # Views of a few bytes that describe terabytes (stride-0 axes): refused before allocating.
+    q = torch.randn(1, 4, 1, 8).expand(1 << 20, 4, 1 << 16, 8)
+    k = torch.randn(1, 2, 1, 8).expand(1 << 20, 2, 1 << 16, 8)
+    refused(lambda: attn.attention(q, k, k, SPEC), "GiB of memory")
+    lse = torch.zeros(1, 1, 1).expand(1 << 20, 4, 1 << 16)
+    spec = attn.Variant(SPEC).text
+    refused(
+        lambda: torch.ops.attn.attention_backward(q, k, k, q, lse, q, spec, 0, "", [], None, None),
+        "GiB of memory",
+    )

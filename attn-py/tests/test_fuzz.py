@@ -47,7 +47,7 @@ def random_tensor(rng):
     if t.dim() >= 2 and rng.random() < 0.3:
         t = t.transpose(0, -1)
     if t.dim() >= 1 and t.shape[0] == 1 and rng.random() < 0.2:
-        t = t.expand(3, *t.shape[1:])
+        t = t.expand(rng.choice([3, 1 << 20, 1 << 40]), *t.shape[1:])
     return t
 
 

@@ -10,6 +10,7 @@ use crate::calls::{
     BackwardInputs, DecodeOptions, Gradients, HeadGradients, Inputs, Output, Queries,
 };
 use crate::error::RuntimeError;
+use crate::host::checks::ensure_call_fits;
 use crate::learned::{Bound, Learned};
 use crate::tensor::Tensor;
 use crate::variant::Variant;
@@ -48,6 +49,7 @@ pub trait Backend: Send + Sync {
         position_offset: i64,
         learned: Learned,
     ) -> Result<Output, RuntimeError> {
+        ensure_forward_fits(variant, &inputs)?;
         let bound = match inputs {
             Inputs::Heads { q, k, .. } => learned.bind_call(
                 variant.spec(),
@@ -137,6 +139,17 @@ pub trait Backend: Send + Sync {
         learned: Learned,
     ) -> Result<Gradients, RuntimeError> {
         let spec = variant.spec();
+        let tensors = match x {
+            BackwardInputs::Heads(h) => vec![h.q, h.k, h.v, h.out, h.lse, h.dout],
+            BackwardInputs::Mla(m) => {
+                let x = &m.x;
+                vec![
+                    x.q_nope, x.q_pe, x.c_kv, x.k_pe, x.w_kv_b, m.latent, m.lse, m.dout,
+                ]
+            }
+        };
+        // The gradients and each input's converted copy.
+        ensure_call_fits("this backward call", &tensors, 0, 2)?;
         let bound = match x {
             BackwardInputs::Heads(h) => learned.bind_call(
                 spec,
@@ -247,4 +260,29 @@ fn learned_gradients(
         ));
     }
     Ok(out)
+}
+
+/// [`ensure_call_fits`] for a forward: its inputs (each possibly converted once) and its
+/// output, `[B, heads, Sq, v_head_dim]` (and MLA's latent output, `[B, heads, Sq, rank]`).
+fn ensure_forward_fits(variant: &Variant, inputs: &Inputs) -> Result<(), RuntimeError> {
+    let spec = variant.spec();
+    let (tensors, queries) = match inputs {
+        Inputs::Heads { q, k, v } => (vec![*q, *k, *v], *q),
+        Inputs::Mla(m) => (vec![m.q_nope, m.q_pe, m.c_kv, m.k_pe, m.w_kv_b], m.q_nope),
+    };
+    // One output row (and lse value) per query row: every axis of q but the last.
+    let row_axes: Vec<u64> = queries
+        .shape()
+        .iter()
+        .rev()
+        .skip(1)
+        .map(|&n| n as u64)
+        .collect();
+    let width = u64::from(spec.v_head_dim) + spec.mla().map_or(0, |m| u64::from(m.latent_rank));
+    let out =
+        crate::memory::checked_product(&row_axes).and_then(|rows| rows.checked_mul(width + 1));
+    let Some(out) = out else {
+        return crate::memory::ensure_fits("this call's output", None);
+    };
+    ensure_call_fits("this call's inputs and output", &tensors, out, 1)
 }

@@ -19,6 +19,25 @@ pub(crate) fn check_dtype(name: &str, t: &Tensor, dtype: DType) -> Result<(), Ru
     }
 }
 
+/// Refuses a call whose working memory would exceed the memory available: each of `tensors`
+/// at its logical size, widened to f32, `copies` times over (a converted input, an output or a
+/// gradient of its size), plus `extra` f32 values. Input tensors hold at least their storage,
+/// but a view can describe far more elements than that (a broadcast axis has stride 0), and
+/// the outputs and working copies follow the logical sizes.
+pub(crate) fn ensure_call_fits(
+    what: &str,
+    tensors: &[&Tensor],
+    extra: u64,
+    copies: u64,
+) -> Result<(), RuntimeError> {
+    let values = tensors.iter().try_fold(extra, |sum, t| {
+        let dims: Vec<u64> = t.shape().iter().map(|&n| n as u64).collect();
+        sum.checked_add(crate::memory::checked_product(&dims)?)
+    });
+    let bytes = values.and_then(|v| v.checked_mul(copies)?.checked_mul(4));
+    crate::memory::ensure_fits(what, bytes)
+}
+
 /// Checks per-head inputs against the spec: q `[B, heads, Sq, head_dim]`, k `[B, kv_heads, Skv,
 /// head_dim]`, v `[B, kv_heads, Skv, v_head_dim]`, all in the spec's dtype. Returns B, Sq, Skv.
 pub(crate) fn check_qkv(

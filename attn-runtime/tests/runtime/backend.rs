@@ -316,3 +316,46 @@ fn calls_too_large_for_the_interpreter_are_refused_before_they_run() {
     let small = Inputs::heads(&small, &small, &small);
     assert!(sim.forward(&variant, small, 0).is_ok());
 }
+
+/// A view can describe far more elements than its storage holds (a broadcast axis has stride
+/// 0): a call whose outputs and copies would not fit in memory is refused before anything is
+/// allocated, forward and backward, on each backend.
+#[test]
+fn broadcast_views_too_large_for_memory_are_refused_before_allocating() {
+    let spec: AttentionSpec = attn_dsl::parse_str("heads = 4, kv_heads = 2, head_dim = 8").unwrap();
+    let variant = Variant::new(spec).unwrap();
+    let view = |heads: usize| {
+        let storage = attn_runtime::Storage::F32(vec![0.5; heads * 8].into());
+        Tensor::view(storage, &[1 << 20, heads, 1 << 16, 8], &[0, 8, 0, 1], 0).unwrap()
+    };
+    let (q, k) = (view(4), view(2));
+    for name in ["cpu", "gpu-sim"] {
+        let backend = open(name).unwrap();
+        let err = backend
+            .forward(&variant, Inputs::heads(&q, &k, &k), 0)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("GiB of memory"), "{name}: {err}");
+        let lse = Tensor::view(
+            attn_runtime::Storage::F32(vec![0.0].into()),
+            &[1 << 20, 4, 1 << 16],
+            &[0, 0, 0],
+            0,
+        )
+        .unwrap();
+        let x = attn_runtime::HeadsBackward {
+            q: &q,
+            k: &k,
+            v: &k,
+            out: &q,
+            lse: &lse,
+            dout: &q,
+            position_offset: 0,
+        };
+        let err = backend
+            .backward(&variant, &attn_runtime::BackwardInputs::Heads(x))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("GiB of memory"), "{name}: {err}");
+    }
+}
