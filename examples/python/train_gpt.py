@@ -66,6 +66,12 @@ class GPT(torch.nn.Module):
         return self.head(self.norm(x))
 
 
+def fail(message: str) -> None:
+    """Bad input: the message on stderr, exit code 2 (as argparse and attnc do)."""
+    print(message if message.startswith("error") else f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def full_spec(args: argparse.Namespace) -> str:
     """The spec with the model's heads and head_dim written in where it leaves them out."""
     spec = args.spec.strip()
@@ -76,9 +82,9 @@ def full_spec(args: argparse.Namespace) -> str:
         items.insert(1, f"head_dim = {args.dim // args.heads}")
     variant = attn.Variant(", ".join(items))  # AttnError with attn's message if it is wrong
     if variant.heads != args.heads or variant.head_dim * args.heads != args.dim:
-        sys.exit(
-            f"error: the spec has {variant.heads} heads of {variant.head_dim} dims; the model "
-            f"has {args.heads} heads over --dim {args.dim}"
+        fail(
+            f"the spec has {variant.heads} heads of {variant.head_dim} dims; the model has "
+            f"{args.heads} heads over --dim {args.dim}"
         )
     return variant.text
 
@@ -88,16 +94,16 @@ def arguments() -> argparse.Namespace:
     p.add_argument("text", type=pathlib.Path, help="the training text (its bytes are the tokens)")
     p.add_argument("--spec", default="mask = causal", help="the attention's spec (attn's spec language)")
     p.add_argument("--sdpa", action="store_true", help="use torch's scaled_dot_product_attention instead")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=256, help="tokens per window")
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
+    p.add_argument("--batch", type=int, default=8, help="windows per step (default 8)")
+    p.add_argument("--seq", type=int, default=256, help="tokens per window (default 256)")
+    p.add_argument("--dim", type=int, default=128, help="model width (default 128)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate (default 3e-3)")
+    p.add_argument("--seed", type=int, default=0, help="weights and batches (default 0)")
     p.add_argument("--threads", type=int, default=None, help="torch's CPU threads (default: torch's)")
-    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--log-every", type=int, default=10, help="steps between lines (default 10)")
     p.add_argument("--csv", type=pathlib.Path, help="write step,loss,tokens_per_s rows here")
     args = p.parse_args()
     for name in ("steps", "batch", "seq", "dim", "heads", "layers", "log_every"):
@@ -116,13 +122,13 @@ def main() -> None:
     try:
         data = torch.frombuffer(bytearray(args.text.read_bytes()), dtype=torch.uint8).long()
     except OSError as e:
-        sys.exit(f"error: cannot read {args.text}: {e.strerror}")
+        fail(f"cannot read {args.text}: {e.strerror}")
     if data.numel() < args.seq + 2:
-        sys.exit(f"error: {args.text} has {data.numel()} bytes; --seq {args.seq} needs more")
+        fail(f"{args.text} has {data.numel()} bytes; --seq {args.seq} needs more")
     try:
         spec = None if args.sdpa else full_spec(args)
     except attn.AttnError as e:
-        sys.exit(f"{e}")
+        fail(str(e))
     model = GPT(args, spec)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     print(f"attention: {'SDPA (causal)' if args.sdpa else spec}", flush=True)
@@ -143,7 +149,7 @@ def main() -> None:
             print(f"step {step:5d}/{args.steps}  loss {loss.item():.4f}  tokens/s {rate:,.0f}", flush=True)
             rows.append((step, loss.item(), rate))
             if not math.isfinite(loss.item()):
-                sys.exit("error: the loss is not finite; try a smaller --lr")
+                sys.exit("error: the loss is not finite; try a smaller --lr")  # exit code 1
     if args.csv:
         args.csv.write_text("step,loss,tokens_per_s\n" + "".join(f"{s},{l:.6f},{r:.1f}\n" for s, l, r in rows))
 
