@@ -36,16 +36,12 @@ enum DataBuffer {
 impl CallTensors {
     /// Reads `params` (float32, any strides) and `data` (contiguous, of the types the spec
     /// declares) in place.
-    fn read(variant: &Variant, params: &Named, data: &Named) -> PyResult<CallTensors> {
-        let py = match params.first().or(data.first()) {
-            Some((_, t)) => t.py(),
-            None => {
-                return Ok(CallTensors {
-                    learned: Vec::new(),
-                    data: Vec::new(),
-                });
-            }
-        };
+    fn read(
+        py: Python<'_>,
+        variant: &Variant,
+        params: &Named,
+        data: &Named,
+    ) -> PyResult<CallTensors> {
         let mut learned = Vec::with_capacity(params.len());
         for (name, obj) in params {
             let t = TorchTensor::read(obj, name)?;
@@ -145,7 +141,7 @@ pub fn forward(
     let [q, k, v] = [(q, "q"), (k, "k"), (v, "v")]
         .map(|(t, name)| TorchTensor::read(t, name).and_then(|t| t.attn_tensor(py)));
     let (q, k, v) = (q?, k?, v?);
-    let tensors = CallTensors::read(&variant, &params, &data)?;
+    let tensors = CallTensors::read(py, &variant, &params, &data)?;
     let cu = offsets(cu_seqlens_q, cu_seqlens_k)?;
     let output: Output = py
         .detach(|| {
@@ -203,7 +199,7 @@ pub fn backward(
     let read = |t: &Bound<'_, PyAny>, name: &str| TorchTensor::read(t, name)?.attn_tensor(py);
     let (q, k, v) = (read(q, "q")?, read(k, "k")?, read(v, "v")?);
     let (out, lse, dout) = (read(out, "out")?, read(lse, "lse")?, read(dout, "dout")?);
-    let tensors = CallTensors::read(&variant, &params, &data)?;
+    let tensors = CallTensors::read(py, &variant, &params, &data)?;
     let cu = offsets(cu_seqlens_q, cu_seqlens_k)?;
     let grads: HeadGradients = py
         .detach(|| {

@@ -12,12 +12,7 @@ from torch import Tensor
 
 from . import _attn
 from ._attn import AttnError, Variant
-from ._op import check_offset, check_tensor, info
-
-
-def _shapes(spec: str) -> Tuple[int, int, int]:
-    variant = Variant(spec)
-    return variant.heads, variant.v_head_dim, variant.latent_rank or 0
+from ._op import check_offset, check_tensor, info, info_of_text
 
 
 @torch.library.custom_op("attn::attention_mla", mutates_args=())
@@ -32,7 +27,8 @@ def attention_mla_op(
 
 @attention_mla_op.register_fake
 def _mla_fake(q_nope, q_pe, c_kv, k_pe, w_kv_b, spec, position_offset):
-    heads, v_dim, rank = _shapes(spec)
+    spec_info = info_of_text(spec)
+    heads, v_dim, rank = spec_info.heads, spec_info.v_head_dim, spec_info.latent_rank
     batch, rows = q_nope.shape[0], q_nope.shape[2]
     return (
         q_nope.new_empty((batch, heads, rows, v_dim)),

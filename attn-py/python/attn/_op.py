@@ -26,15 +26,16 @@ class SpecInfo(NamedTuple):
     text: str
     heads: int
     v_head_dim: int
-    learnable: Tuple[str, ...]
-    float_data: Tuple[str, ...]
+    latent_rank: int
+    data: Tuple[str, ...]
     int_data: Tuple[str, ...]
 
 
 _INFOS: Dict[str, SpecInfo] = {}
 
 
-def _info_of_text(text: str) -> SpecInfo:
+def info_of_text(text: str) -> SpecInfo:
+    """The :class:`SpecInfo` of a spec's text, made once per text."""
     found = _INFOS.get(text)
     if found is None:
         variant = Variant(text)
@@ -43,8 +44,8 @@ def _info_of_text(text: str) -> SpecInfo:
             text=variant.text,
             heads=variant.heads,
             v_head_dim=variant.v_head_dim,
-            learnable=tuple(name for name, _ in variant.learnable),
-            float_data=tuple(name for name, _, dtype in data if dtype == "float32"),
+            latent_rank=variant.latent_rank or 0,
+            data=tuple(name for name, _, _ in data),
             int_data=tuple(name for name, _, dtype in data if dtype == "int32"),
         )
         if len(_INFOS) >= 256:
@@ -58,9 +59,9 @@ def info(variant: Union[Variant, str]) -> SpecInfo:
     """The :class:`SpecInfo` of a variant or a spec string (run once by ``torch.compile``,
     its result kept as a constant of the graph)."""
     if isinstance(variant, Variant):
-        return _info_of_text(str(variant))
+        return info_of_text(str(variant))
     if isinstance(variant, str):
-        return _info_of_text(variant)
+        return info_of_text(variant)
     raise AttnError(
         f"`variant` is a {type(variant).__name__}; give an attn.Variant or a spec string"
     )
@@ -68,8 +69,7 @@ def info(variant: Union[Variant, str]) -> SpecInfo:
 
 def _split(spec: str, names: str, tensors: List[Tensor]):
     """The op's named tensors as (learnable, data) lists of (name, tensor)."""
-    spec_info = _info_of_text(spec)
-    data_names = set(spec_info.float_data) | set(spec_info.int_data)
+    data_names = info_of_text(spec).data
     learned, data = [], []
     for name, t in zip(names.split(",") if names else [], tensors):
         (data if name in data_names else learned).append((name, t))
@@ -87,7 +87,7 @@ def _offsets(t: Optional[Tensor]) -> Optional[List[int]]:
 
 def _grad_names(spec: str, names: str) -> List[str]:
     """The named tensors that have gradients (learnable ones and float32 data), in order."""
-    spec_info = _info_of_text(spec)
+    spec_info = info_of_text(spec)
     return [n for n in (names.split(",") if names else []) if n not in spec_info.int_data]
 
 
@@ -134,7 +134,7 @@ def _one_device(q: Tensor, k: Tensor, v: Tensor, names: str, tensors: List[Tenso
 @attention_op.register_fake
 def _attention_fake(q, k, v, spec, position_offset, names, tensors, cu_seqlens_q, cu_seqlens_k):
     _one_device(q, k, v, names, tensors)
-    spec_info = _info_of_text(spec)
+    spec_info = info_of_text(spec)
     if cu_seqlens_q is None:
         batch, rows = q.shape[0], q.shape[2]
         out = q.new_empty((batch, spec_info.heads, rows, spec_info.v_head_dim))
