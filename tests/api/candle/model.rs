@@ -186,15 +186,16 @@ fn a_mixture_of_experts_gives_the_runtimes_logits_and_trains() {
         let var = vars
             .get(name)
             .unwrap_or_else(|| panic!("no variable {name}"));
-        let g = grads
-            .get(var)
-            .unwrap_or_else(|| panic!("no gradient for {name}"));
-        g.sqr()
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
+        // A variable the loss did not reach has no gradient: an expert no token was routed
+        // to (the weights are drawn afresh each run, so which experts those are varies).
+        grads.get(var).map_or(0.0, |g| {
+            g.sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+        })
     };
     // Layer 1 is the MoE layer (every = 2); layer 0 is dense.
     assert!(grad_norm("model.layers.1.mlp.gate.weight") > 0.0);
