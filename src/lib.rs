@@ -32,6 +32,8 @@
 //! - [`cache`]: KV caches for decoding; [`Model`]: transformers of such variants ([`hf`] loads
 //!   Hugging Face checkpoints, [`research`] TOML models) that generate under a [`Request`];
 //! - [`accounting`] and [`reference`](mod@reference): a spec's costs and its exact meaning;
+//! - [`distributed`]: context-parallel attention (Ulysses, ring) over a communicator of
+//!   threads or, with the `mpi` feature, MPI processes;
 //! - [`gpu`]: a spec's GPU kernels and where their PTX comes from;
 //! - `candle` (feature `candle`): attention with gradients as an op on candle tensors, for
 //!   models that candle trains;
@@ -72,7 +74,7 @@ pub use attn_runtime::{
     Inputs, Learned, MlaBackward, MlaGradients, MlaQueries, MlaTensors, Output, Queries,
     RuntimeError, Tensor, Variant, backends,
 };
-pub use attn_runtime::{cache, inputs};
+pub use attn_runtime::{cache, distributed, inputs};
 
 #[cfg(feature = "candle")]
 pub mod candle;

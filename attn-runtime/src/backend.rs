@@ -7,11 +7,12 @@
 
 use crate::cache::{KvCache, SeqId};
 use crate::calls::{
-    BackwardInputs, DecodeOptions, Gradients, HeadGradients, Inputs, Output, Queries,
+    BackwardInputs, DecodeOptions, Gradients, HeadGradients, HeadsBackward, Inputs, Output, Queries,
 };
 use crate::error::RuntimeError;
 use crate::host::checks::ensure_call_fits;
 use crate::learned::{Bound, Learned};
+use crate::placement::Placement;
 use crate::tensor::Tensor;
 use crate::variant::Variant;
 use crate::varlen::{Varlen, VarlenSaved};
@@ -207,6 +208,107 @@ pub trait Backend: Send + Sync {
             |inputs, learned| self.backward_learned(variant, inputs, learned),
         )
     }
+
+    /// A piece of a larger call ([`Placement`]: some of the spec's heads, or queries that do
+    /// not end at the last key), as context parallelism runs one: per-head inputs holding the
+    /// placement's heads, the spec's learnable tensors whole (indexed by the spec's heads), and
+    /// no sinks, which the pieces' merged result takes once
+    /// ([`crate::learned::Bound::apply_sinks`]). Backends that run no placed calls refuse
+    /// every placement but a whole call; the CPU backend runs them.
+    fn forward_placed(
+        &self,
+        variant: &Variant,
+        inputs: Inputs,
+        position_offset: i64,
+        learned: Learned,
+        placement: Placement,
+    ) -> Result<Output, RuntimeError> {
+        refuse_placed(self.name(), placement)?;
+        ensure_forward_fits(variant, &inputs)?;
+        let Inputs::Heads { q, k, .. } = inputs else {
+            return Err(not_placed_mla(self.name()));
+        };
+        let bound = bind_placed(variant.spec(), q, k, position_offset, learned, placement)?;
+        self.forward_bound(variant, inputs, position_offset, &bound.params)
+    }
+
+    /// The gradients of [`Backend::forward_placed`] for `dL/dout` (`out` and `lse` those of
+    /// the merged result, sinks included): dq, dk, dv of the piece's tensors and the learnable
+    /// tensors' share from this piece (no `dsinks`: see [`crate::learned::Bound`]).
+    fn backward_placed(
+        &self,
+        variant: &Variant,
+        x: &HeadsBackward,
+        learned: Learned,
+        placement: Placement,
+    ) -> Result<HeadGradients, RuntimeError> {
+        refuse_placed(self.name(), placement)?;
+        let bound = bind_placed(
+            variant.spec(),
+            x.q,
+            x.k,
+            x.position_offset,
+            learned,
+            placement,
+        )?;
+        let (gradients, dparams) =
+            self.backward_bound(variant, &BackwardInputs::Heads(*x), &bound.params)?;
+        placed_gradients(variant.spec(), &bound, gradients, dparams, x)
+    }
+}
+
+/// Refuses a placement other than a whole call on a backend that runs no placed calls.
+fn refuse_placed(backend: &'static str, placement: Placement) -> Result<(), RuntimeError> {
+    if placement.is_whole() {
+        return Ok(());
+    }
+    Err(RuntimeError::Unsupported {
+        backend,
+        what: "placed calls (pieces of a context-parallel call); the cpu backend does".into(),
+    })
+}
+
+/// The error of an MLA call given to [`Backend::forward_placed`].
+pub(crate) fn not_placed_mla(backend: &'static str) -> RuntimeError {
+    RuntimeError::Unsupported {
+        backend,
+        what: "MLA calls as placed pieces (context parallelism takes per-head specs)".into(),
+    }
+}
+
+/// The learnable tensors of a placed call, bound without sinks. Data tensors are bound for
+/// calls whose queries are aligned bottom-right; with a query shift they are refused.
+pub(crate) fn bind_placed(
+    spec: &attn_dsl::AttentionSpec,
+    q: &Tensor,
+    k: &Tensor,
+    position_offset: i64,
+    learned: Learned,
+    placement: Placement,
+) -> Result<Bound, RuntimeError> {
+    if placement.query_shift != 0 && !learned.data().is_empty() {
+        return Err(RuntimeError::Spec(
+            "data tensors in a call whose queries are shifted (a ring step of context \
+             parallelism) are not supported yet; split over heads instead"
+                .into(),
+        ));
+    }
+    let mut bound = learned.bind_call(spec, &call_dims(q.shape(), k.shape(), position_offset))?;
+    bound.sinks = None;
+    Ok(bound)
+}
+
+/// A placed backward's gradients with the learnable tensors' (`bound` has no sinks).
+pub(crate) fn placed_gradients(
+    spec: &attn_dsl::AttentionSpec,
+    bound: &Bound,
+    gradients: Gradients,
+    dparams: Vec<f32>,
+    x: &HeadsBackward,
+) -> Result<HeadGradients, RuntimeError> {
+    let mut g = gradients.heads()?;
+    g.learned = learned_gradients(spec, bound, dparams, x)?;
+    Ok(g)
 }
 
 /// A per-head call's dimensions from its q and k shapes (`[B, H, S, D]`; a shape of another
@@ -264,7 +366,7 @@ fn learned_gradients(
 
 /// [`ensure_call_fits`] for a forward: its inputs (each possibly converted once) and its
 /// output, `[B, heads, Sq, v_head_dim]` (and MLA's latent output, `[B, heads, Sq, rank]`).
-fn ensure_forward_fits(variant: &Variant, inputs: &Inputs) -> Result<(), RuntimeError> {
+pub(crate) fn ensure_forward_fits(variant: &Variant, inputs: &Inputs) -> Result<(), RuntimeError> {
     let spec = variant.spec();
     let (tensors, queries) = match inputs {
         Inputs::Heads { q, k, v } => (vec![*q, *k, *v], *q),

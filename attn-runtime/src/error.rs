@@ -29,6 +29,10 @@ pub enum RuntimeError {
     /// No usable GPU, or the device failed.
     #[error("device: {0}")]
     Device(String),
+    /// A collective of a distributed call failed (a rank left, a message of another size, a
+    /// timeout).
+    #[error("communication: {0}")]
+    Comm(#[from] crate::distributed::CommError),
     /// This build lacks what the call needs: a cargo feature, or a kernel's PTX.
     #[error("{0}")]
     NotBuilt(String),

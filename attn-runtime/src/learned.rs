@@ -138,6 +138,14 @@ impl<'a> Learned<'a> {
         Learned { data, ..self }
     }
 
+    /// The learnable tensor named `name`, if the call has one.
+    pub(crate) fn tensor(&self, name: &str) -> Option<&'a Tensor> {
+        self.tensors
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, t)| *t)
+    }
+
     /// Checks the tensors against `spec` and lays them out for the kernels, for a call without
     /// data tensors (a spec that declares some is refused).
     pub fn bind(&self, spec: &AttentionSpec) -> Result<Bound, RuntimeError> {

@@ -305,6 +305,11 @@ impl KernelPlan {
             TileMasking::Unmasked => TileClass::AllKept,
             TileMasking::Classified { .. } => {
                 let mut bounds = TileBounds::for_tile(rows, keys, call.sq, call.skv, call.p0);
+                let q = bounds.query;
+                bounds.query = Interval::new(
+                    q.lo.saturating_add(call.query_shift),
+                    q.hi.saturating_add(call.query_shift),
+                );
                 bounds.batch = call.batch;
                 bounds.head = call.head;
                 let data = call.data.map(|d| d as &dyn TensorRanges);
@@ -400,6 +405,7 @@ impl KernelPlan {
             sq: sq as i64,
             skv: skv as i64,
             p0,
+            query_shift: 0,
             batch: Interval::new(0, i64::MAX),
             head: Interval::new(0, i64::from(self.shape.heads) - 1),
             data: None,
@@ -434,6 +440,9 @@ pub struct CallShape<'a> {
     pub skv: i64,
     /// Position of key 0.
     pub p0: i64,
+    /// How far the queries lie past bottom-right alignment (`attn_runtime::placement`): 0 but
+    /// for a piece of a context-parallel call.
+    pub query_shift: i64,
     /// Batch indices the classification must hold for.
     pub batch: Interval,
     /// Heads the classification must hold for.

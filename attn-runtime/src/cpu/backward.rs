@@ -23,6 +23,7 @@ use super::{bf16_tiles, microkernels};
 use crate::error::RuntimeError;
 use crate::host::rope_table::RopeTables;
 use crate::memory::written_zeros;
+use crate::placement::Piece;
 use attn_dsl::DType;
 use attn_dsl::modifier::interval::Interval;
 use codegen::cpu::abi::{GradTileArgs, RotateArgs};
@@ -50,6 +51,8 @@ pub(super) struct Problem<'a> {
     pub sq: usize,
     pub skv: usize,
     pub position_offset: i64,
+    /// The call's heads and where its queries lie ([`crate::placement`]).
+    pub piece: Piece,
     /// Laid out as the plan's `ParamLayout`; empty without parameters.
     pub params: &'a [f32],
 }
@@ -93,11 +96,10 @@ pub(super) fn run(
     x: &Problem,
 ) -> Result<Grads, RuntimeError> {
     let plan = &kernel.plan;
-    let (hq, hkv) = (plan.shape.heads as usize, plan.shape.kv_heads as usize);
+    let (hq, hkv) = (x.piece.hq, x.piece.hkv);
     let (d, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
     let (batch, sq, skv) = (x.batch, x.sq, x.skv);
-    attn_dsl::reference::check_positions(sq, skv, x.position_offset)
-        .map_err(|e| RuntimeError::Data(e.to_string()))?;
+    let positions = x.piece.positions(x.position_offset, sq, skv)?;
     let params = super::launch::param_pointer(plan, x.params)?;
     let mut grads = (
         (
@@ -111,7 +113,7 @@ pub(super) fn run(
         return Ok(grads);
     }
     let kernels = task_kernels(kernel, isa, x.bf16_dout_and_v)?;
-    let tables = rope_tables(plan, sq, skv, x.position_offset);
+    let tables = rope_tables(plan, positions, skv as i64 + x.position_offset);
     let group = hq / hkv;
     let lens = Lens {
         q: group * sq * d,
@@ -132,7 +134,7 @@ pub(super) fn run(
     let classified = shared_classes(
         plan,
         [x.batch, x.sq, x.skv],
-        x.position_offset,
+        (x.position_offset, x.piece),
         data.as_ref(),
     );
     let run_task = |unit: usize, split: usize, grads: [&mut [f32]; 4]| {
@@ -211,12 +213,12 @@ fn task_kernels(
     })
 }
 
-/// The RoPE tables of a call's positions, when the plan has RoPE.
-fn rope_tables(plan: &KernelPlan, sq: usize, skv: usize, p0: i64) -> Option<Tables> {
-    let first_pos = p0 + (skv as i64 - sq as i64).min(0);
-    let total_len = (skv as i64 + p0).max(0) as u64;
+/// The RoPE tables of a call's positions `first..end`, when the plan has RoPE; `total_len`
+/// (`p0 + Skv`) picks the dynamic NTK base.
+fn rope_tables(plan: &KernelPlan, (first, end): (i64, i64), total_len: i64) -> Option<Tables> {
+    let total_len = total_len.max(0) as u64;
     plan.rope.as_ref().map(|r| {
-        let forward = RopeTables::new(r, first_pos, p0 + skv as i64, total_len);
+        let forward = RopeTables::new(r, first, end, total_len);
         let transposed = RopeTables {
             cos: forward.cos.clone(),
             sin: forward.sin.iter().map(|s| -s).collect(),
@@ -446,7 +448,7 @@ impl Task<'_> {
     /// (with parameters; else empty) the parameters' gradients, in a fixed order of tiles.
     fn run(&self, scratch: &mut Scratch, [dq, dk, dv_acc, dparams]: [&mut [f32]; 4]) {
         let plan = self.plan;
-        let (hq, hkv) = (plan.shape.heads as usize, plan.shape.kv_heads as usize);
+        let (hq, hkv) = (self.x.piece.hq, self.x.piece.hkv);
         let (sq, skv, p0) = (self.x.sq, self.x.skv, self.x.position_offset);
         let group = hq / hkv;
         let h0 = self.kvh * group;
@@ -475,11 +477,12 @@ impl Task<'_> {
         // values and dk, dv rows stay in L2 while the head's query blocks pass, and each query
         // block's q, dout and dq rows are read once per group rather than once per tile.
         for h in 0..group {
-            let head = h0 + h;
+            let head = self.x.piece.head0 + h0 + h;
             let call = CallShape {
                 sq: sq as i64,
                 skv: skv as i64,
                 p0,
+                query_shift: self.x.piece.query_shift,
                 batch: Interval::point(self.b as i64),
                 head: Interval::point(head as i64),
                 data: self.data,
@@ -520,7 +523,8 @@ impl Task<'_> {
 
     /// The position of the call's first query.
     fn q_pos0(&self) -> i64 {
-        self.x.position_offset + self.x.skv as i64 - self.x.sq as i64
+        let x = self.x;
+        x.piece.first_query(x.position_offset, x.sq, x.skv)
     }
 
     /// This task's rows, ready for the tiles: the group's queries (rotated and scaled), output
@@ -528,7 +532,7 @@ impl Task<'_> {
     /// scratch under RoPE, else read in place), and its keys and values packed into tiles.
     fn prepare<'s>(&'s self, [q, delta, k, kt, vt]: [&'s mut Vec<f32>; 5]) -> TaskRows<'s> {
         let (plan, x) = (self.plan, self.x);
-        let (hq, hkv) = (plan.shape.heads as usize, plan.shape.kv_heads as usize);
+        let (hq, hkv) = (x.piece.hq, x.piece.hkv);
         let (d, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
         let (sq, skv, p0) = (x.sq, x.skv, x.position_offset);
         let group = hq / hkv;

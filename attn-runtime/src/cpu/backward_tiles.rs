@@ -1,6 +1,7 @@
 //! The backward's tile classification: each key tile's code and the live rows of its query
 //! block, once per (batch item, block) for every head where the mask does not read the head.
 
+use crate::placement::Piece;
 use attn_dsl::modifier::interval::Interval;
 use codegen::plan::{CallShape, DataRanges, K_TILE, KernelPlan, TileCode};
 use rayon::prelude::*;
@@ -19,7 +20,7 @@ pub(super) type TileClassed = (TileCode, Option<Interval>);
 pub(super) fn shared_classes(
     plan: &KernelPlan,
     [batch, sq, skv]: [usize; 3],
-    position_offset: i64,
+    (position_offset, piece): (i64, Piece),
     data: Option<&DataRanges>,
 ) -> Option<Classes> {
     if plan.program.mask.uses(attn_dsl::modifier::Var::Head) {
@@ -35,8 +36,9 @@ pub(super) fn shared_classes(
                     sq: sq as i64,
                     skv: skv as i64,
                     p0: position_offset,
+                    query_shift: piece.query_shift,
                     batch: Interval::point(b as i64),
-                    head: Interval::point(0),
+                    head: Interval::point(piece.head0 as i64),
                     data,
                 };
                 (0..skv.div_ceil(K))

@@ -8,6 +8,7 @@
 use crate::error::RuntimeError;
 use crate::host::checks::overflowed_rows_are_nan;
 use crate::host::rope_table::RopeTables;
+use crate::placement::Piece;
 use crate::tensor::{Storage, Tensor, narrow_into};
 use attn_dsl::DType;
 use attn_dsl::modifier::Var;
@@ -200,6 +201,8 @@ pub(super) struct Call<'a> {
     pub sq: usize,
     pub skv: usize,
     pub position_offset: i64,
+    /// The call's heads and where its queries lie ([`crate::placement`]).
+    pub piece: Piece,
     /// Laid out as the plan's `ParamLayout`; empty without parameters.
     pub params: &'a [f32],
 }
@@ -296,6 +299,7 @@ fn block_tiles(
         sq: call.sq as i64,
         skv: call.skv as i64,
         p0: call.position_offset,
+        query_shift: call.piece.query_shift,
         batch: Interval::point(b as i64),
         head: Interval::point(h as i64),
         data,
@@ -384,7 +388,7 @@ pub(super) fn run_as(
     out_dtype: DType,
 ) -> Result<(Storage, Vec<f32>), RuntimeError> {
     let plan = &kernel.plan;
-    let (hq, hkv) = (plan.shape.heads as usize, plan.shape.kv_heads as usize);
+    let (hq, hkv) = (call.piece.hq, call.piece.hkv);
     let (dqk, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
     let Call { batch, sq, skv, .. } = *call;
     let params = param_pointer(plan, call.params)?;
@@ -392,8 +396,7 @@ pub(super) fn run_as(
     k.check_bounds([batch, hkv, skv, dqk], "k")?;
     v.check_bounds([batch, hkv, skv, dv], "v")?;
     let p0 = call.position_offset;
-    attn_dsl::reference::check_positions(sq, skv, p0)
-        .map_err(|e| RuntimeError::Data(e.to_string()))?;
+    let (first_pos, end_pos) = call.piece.positions(p0, sq, skv)?;
     let mut out = OutputBuffer::new(out_dtype, batch * hq * sq * dv);
     let mut lse = vec![0f32; batch * hq * sq];
     if batch * hq * sq == 0 {
@@ -401,13 +404,12 @@ pub(super) fn run_as(
         return Ok((unsafe { out.finish() }, lse));
     }
 
-    // Positions used: keys p0..p0+Skv, queries from p0+Skv-Sq (lower when Sq > Skv).
-    let first_pos = p0 + (skv as i64 - sq as i64).min(0);
+    // Positions used: keys p0..p0+Skv, queries from `Piece::first_query`.
     let total_len = (skv as i64 + p0).max(0) as u64;
     let tables = plan
         .rope
         .as_ref()
-        .map(|r| RopeTables::new(r, first_pos, p0 + skv as i64, total_len));
+        .map(|r| RopeTables::new(r, first_pos, end_pos, total_len));
     let table_ptrs = || match &tables {
         Some(t) => (t.cos.as_ptr(), t.sin.as_ptr(), t.pos0),
         None => (std::ptr::null(), std::ptr::null(), 0),
@@ -468,7 +470,7 @@ pub(super) fn run_as(
             .map(|i| {
                 let (b, blk) = (i / blocks, i % blocks);
                 let (q0, q1) = (blk * rows, ((blk + 1) * rows).min(sq));
-                block_tiles(plan, call, data.as_ref(), q0, q1, [b, 0])
+                block_tiles(plan, call, data.as_ref(), q0, q1, [b, call.piece.head0])
             })
             .collect()
     };
@@ -487,7 +489,7 @@ pub(super) fn run_as(
             let q1 = (q0 + rows).min(sq);
             let own;
             let tiles = if per_head {
-                own = block_tiles(plan, call, data.as_ref(), q0, q1, [b, h]);
+                own = block_tiles(plan, call, data.as_ref(), q0, q1, [b, call.piece.head0 + h]);
                 &own
             } else {
                 &shared[b * blocks + blk]
@@ -508,10 +510,10 @@ pub(super) fn run_as(
                 q: q_rows,
                 q_row_stride,
                 rows: (q1 - q0) as i64,
-                q_pos0: p0 + skv as i64 - sq as i64 + q0 as i64,
+                q_pos0: call.piece.first_query(p0, sq, skv) + q0 as i64,
                 qi0: q0 as i64,
                 batch: b as i64,
-                head: h as i64,
+                head: (call.piece.head0 + h) as i64,
                 kt: packed[b * hkv + kvh].as_ptr(),
                 v: v.ptr(b, kvh, 0),
                 v_row_stride: v.row_stride(),

@@ -17,14 +17,17 @@ pub mod softmax_tiles;
 pub mod spans;
 
 use crate::backend::Backend;
+use crate::backend::{bind_placed, ensure_forward_fits, not_placed_mla, placed_gradients};
 use crate::cache::{KvCache, SeqId};
 use crate::calls::{
     BackwardInputs, DecodeOptions, Gradients, HeadGradients, HeadsBackward, Inputs, MlaBackward,
     MlaGradients, MlaTensors, Output, Queries,
 };
 use crate::error::RuntimeError;
-use crate::host::checks::{check_backward, check_qkv, per_head};
+use crate::host::checks::{check_placed_backward, check_placed_qkv, ensure_call_fits, per_head};
 use crate::host::mla::AbsorbedForward;
+use crate::learned::Learned;
+use crate::placement::{Piece, Placement};
 use crate::tensor::Tensor;
 use crate::variant::Variant;
 use attn_dsl::{AttentionSpec, DType};
@@ -142,7 +145,8 @@ impl Backend for CpuBackend {
     ) -> Result<Output, RuntimeError> {
         match inputs {
             Inputs::Heads { q, k, v } => {
-                self.forward_heads(variant, q, k, v, position_offset, params)
+                let piece = Piece::whole(variant.spec());
+                self.forward_heads(variant, [q, k, v], position_offset, params, piece)
             }
             Inputs::Mla(x) => self.forward_mla(variant, &x, position_offset),
         }
@@ -178,12 +182,46 @@ impl Backend for CpuBackend {
     ) -> Result<(Gradients, Vec<f32>), RuntimeError> {
         match x {
             BackwardInputs::Heads(x) => self
-                .backward_heads(variant, x, params)
+                .backward_heads(variant, x, params, Piece::whole(variant.spec()))
                 .map(|(g, d)| (Gradients::Heads(g), d)),
             BackwardInputs::Mla(x) => self
                 .backward_mla(variant, x)
                 .map(|g| (Gradients::Mla(g), Vec::new())),
         }
+    }
+
+    fn forward_placed(
+        &self,
+        variant: &Variant,
+        inputs: Inputs,
+        position_offset: i64,
+        learned: Learned,
+        placement: Placement,
+    ) -> Result<Output, RuntimeError> {
+        let spec = variant.spec();
+        let piece = placement.piece(spec)?;
+        ensure_forward_fits(variant, &inputs)?;
+        let Inputs::Heads { q, k, v } = inputs else {
+            return Err(not_placed_mla(self.name()));
+        };
+        let bound = bind_placed(spec, q, k, position_offset, learned, placement)?;
+        self.forward_heads(variant, [q, k, v], position_offset, &bound.params, piece)
+    }
+
+    fn backward_placed(
+        &self,
+        variant: &Variant,
+        x: &HeadsBackward,
+        learned: Learned,
+        placement: Placement,
+    ) -> Result<HeadGradients, RuntimeError> {
+        let spec = variant.spec();
+        let piece = placement.piece(spec)?;
+        let tensors = [x.q, x.k, x.v, x.out, x.lse, x.dout];
+        ensure_call_fits("this backward call", &tensors, 0, 2)?;
+        let bound = bind_placed(spec, x.q, x.k, x.position_offset, learned, placement)?;
+        let (gradients, dparams) = self.backward_heads(variant, x, &bound.params, piece)?;
+        placed_gradients(spec, &bound, Gradients::Heads(gradients), dparams, x)
     }
 }
 
@@ -193,22 +231,22 @@ impl CpuBackend {
     fn forward_heads(
         &self,
         variant: &Variant,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
+        [q, k, v]: [&Tensor; 3],
         position_offset: i64,
         params: &[f32],
+        piece: Piece,
     ) -> Result<Output, RuntimeError> {
         let spec = variant.spec();
         per_head(spec, q)?;
         let kernel = self.kernel(variant, PlanKind::Forward)?;
-        let (h, dv) = (spec.heads as usize, spec.v_head_dim as usize);
-        let [b, sq, skv] = check_qkv(spec, q, k, v)?;
+        let (h, dv) = (piece.hq, spec.v_head_dim as usize);
+        let [b, sq, skv] = check_placed_qkv(spec, &piece, q, k, v)?;
         let call = Call {
             batch: b,
             sq,
             skv,
             position_offset,
+            piece,
             params,
         };
         // Queries and keys are read once per block or packing task, values by every block.
@@ -227,9 +265,10 @@ impl CpuBackend {
         variant: &Variant,
         x: &HeadsBackward,
         params: &[f32],
+        piece: Piece,
     ) -> Result<(HeadGradients, Vec<f32>), RuntimeError> {
         let spec = variant.spec();
-        let [b, sq, skv] = check_backward(spec, x)?;
+        let [b, sq, skv] = check_placed_backward(spec, &piece, x)?;
         let kernel = self.kernel(variant, PlanKind::Backward)?;
         let (q, k, v) = (x.q.f32_values(), x.k.f32_values(), x.v.f32_values());
         let (out, lse, dout) = (x.out.f32_values(), x.lse.f32_values(), x.dout.f32_values());
@@ -245,6 +284,7 @@ impl CpuBackend {
             sq,
             skv,
             position_offset: x.position_offset,
+            piece,
             params,
         };
         let ((dq, dk, dv), dparams) = backward::run(&kernel, self.isa, &problem)?;
@@ -305,6 +345,10 @@ impl CpuBackend {
             sq: a.sq,
             skv: a.skv,
             position_offset: x.position_offset,
+            piece: Piece::all(
+                kernel.plan.shape.heads as usize,
+                kernel.plan.shape.kv_heads as usize,
+            ),
             params: &[],
         };
         let ((dq, dk, dvv), _) = backward::run(&kernel, self.isa, &problem)?;
@@ -353,6 +397,10 @@ impl CpuBackend {
             sq,
             skv,
             position_offset,
+            piece: Piece::all(
+                kernel.plan.shape.heads as usize,
+                kernel.plan.shape.kv_heads as usize,
+            ),
             params: &[],
         };
         let q_rows = Rows::borrowed(&a.q, [h * sq * wq, sq * wq, wq]);
@@ -418,6 +466,7 @@ mod tests {
                     sq,
                     skv,
                     position_offset: 0,
+                    piece: Piece::whole(&spec),
                     params: &[],
                 };
                 let (rows_q, rows_k, rows_v) = (Rows::of(&q), Rows::of(&k), Rows::of(&v));

@@ -3,6 +3,7 @@
 use crate::cache::KvCache;
 use crate::calls::{HeadsBackward, Output};
 use crate::error::RuntimeError;
+use crate::placement::Piece;
 use crate::tensor::Tensor;
 use crate::variant::Variant;
 use attn_dsl::{AttentionSpec, DType};
@@ -46,7 +47,18 @@ pub(crate) fn check_qkv(
     k: &Tensor,
     v: &Tensor,
 ) -> Result<[usize; 3], RuntimeError> {
-    let (h, hkv) = (spec.heads as usize, spec.kv_heads() as usize);
+    check_placed_qkv(spec, &Piece::whole(spec), q, k, v)
+}
+
+/// [`check_qkv`] for a call holding the heads of `piece`.
+pub(crate) fn check_placed_qkv(
+    spec: &AttentionSpec,
+    piece: &Piece,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+) -> Result<[usize; 3], RuntimeError> {
+    let (h, hkv) = (piece.hq, piece.hkv);
     let (d, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
     let [b, _, sq, _] = dims("q", q, "[B, heads, Sq, head_dim]")?;
     expect("q", q, &[b, h, sq, d], "[B, heads, Sq, head_dim]")?;
@@ -67,6 +79,15 @@ pub(crate) fn check_backward(
     spec: &AttentionSpec,
     x: &HeadsBackward,
 ) -> Result<[usize; 3], RuntimeError> {
+    check_placed_backward(spec, &Piece::whole(spec), x)
+}
+
+/// [`check_backward`] for a call holding the heads of `piece`.
+pub(crate) fn check_placed_backward(
+    spec: &AttentionSpec,
+    piece: &Piece,
+    x: &HeadsBackward,
+) -> Result<[usize; 3], RuntimeError> {
     if spec.mla().is_some() {
         return Err(RuntimeError::Spec(
             "this is an MLA spec: its backward takes BackwardInputs::Mla (the forward's MLA \
@@ -74,8 +95,8 @@ pub(crate) fn check_backward(
                 .into(),
         ));
     }
-    let [b, sq, skv] = check_qkv(spec, x.q, x.k, x.v)?;
-    let (h, dv) = (spec.heads as usize, spec.v_head_dim as usize);
+    let [b, sq, skv] = check_placed_qkv(spec, piece, x.q, x.k, x.v)?;
+    let (h, dv) = (piece.hq, spec.v_head_dim as usize);
     for (name, t) in [("out", x.out), ("dout", x.dout)] {
         expect(name, t, &[b, h, sq, dv], "[B, heads, Sq, v_head_dim]")?;
     }

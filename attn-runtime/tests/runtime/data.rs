@@ -404,6 +404,7 @@ fn tiles_are_classified_from_the_data_exactly_for_sorted_ids_and_soundly_otherwi
                 sq: n as i64,
                 skv: n as i64,
                 p0: 0,
+                query_shift: 0,
                 batch: Interval::point(b as i64),
                 head: Interval::new(0, 1),
                 data: Some(&ranges),

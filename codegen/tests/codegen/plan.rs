@@ -267,6 +267,7 @@ fn causal_and_window(
         sq: n,
         skv: n,
         p0: 0,
+        query_shift: 0,
         batch: Interval::point(0),
         head: Interval::point(0),
         data: None,

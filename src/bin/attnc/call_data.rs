@@ -90,6 +90,7 @@ impl CallData {
             sq: sq as i64,
             skv: skv as i64,
             p0: 0,
+            query_shift: 0,
             batch: Interval::point(0),
             head: Interval::new(0, i64::from(self.plan.shape.heads) - 1),
             data: self.ranges.as_ref(),

@@ -276,6 +276,7 @@ impl DeviceSession<'_, '_> {
                         sq: n as i64,
                         skv: total as i64,
                         p0: 0,
+                        query_shift: 0,
                         batch: Interval::point(0),
                         head: Interval::new(h0 as i64, (h0 + nh - 1) as i64),
                         data: None,

@@ -78,6 +78,7 @@ pub fn tile_codes(plan: &KernelPlan, [b, sq, skv]: [usize; 3], p0: i64) -> [Vec<
         sq: sq as i64,
         skv: skv as i64,
         p0,
+        query_shift: 0,
         batch: Interval::new(0, b.max(1) as i64 - 1),
         head: Interval::point(head as i64),
         data: None,

@@ -1,0 +1,310 @@
+//! Ring attention: every rank keeps its queries while the keys and values pass around the ring,
+//! one rank on per step; each step's attention runs while the next step's keys and values are
+//! in flight. Partial results merge through their lse. The backward passes the keys' and
+//! values' gradients around the ring with them, home after the last step.
+//!
+//! A rank's queries and keys are chunks of the sequence ([`SeqSplit`]); each (query chunk, key
+//! chunk) pair is one placed call whose queries sit at their own positions
+//! ([`Placement::query_shift`]), so every modifier sees global positions.
+
+use std::ops::Range;
+
+use super::comm::Communicator;
+use super::layout::{SeqDims, SeqSplit, copy_rows, gather_rows};
+use super::merge::merge_into;
+use crate::backend::Backend;
+use crate::calls::{HeadsBackward, Inputs};
+use crate::error::RuntimeError;
+use crate::learned::Learned;
+use crate::placement::Placement;
+use crate::tensor::Tensor;
+use crate::variant::Variant;
+use attn_dsl::DType;
+
+/// One ring call's setting.
+pub(crate) struct Ring<'a> {
+    pub comm: &'a dyn Communicator,
+    pub backend: &'a dyn Backend,
+    pub variant: &'a Variant,
+    pub split: SeqSplit,
+    /// The position of the sequence's first token.
+    pub position_offset: i64,
+    pub learned: Learned<'a>,
+}
+
+/// A chunk of a rank's sequence: its positions (from the offset) and its rows in the rank's
+/// tensors.
+#[derive(Clone, Debug)]
+struct Chunk {
+    positions: Range<usize>,
+    rows: Range<usize>,
+}
+
+/// A rank's `[B, heads, L, width]` array cut into its chunks' tensors (`[B, heads, rows]`
+/// for a width of 0: an lse).
+fn chunk_tensors(
+    values: &[f32],
+    [b, heads, width]: [usize; 3],
+    chunks: &[Chunk],
+    local: usize,
+    dtype: DType,
+) -> Result<Vec<Tensor>, RuntimeError> {
+    let dims = SeqDims {
+        outer: b * heads,
+        seq: local,
+        width: width.max(1),
+    };
+    chunks
+        .iter()
+        .map(|c| {
+            let rows = gather_rows(values, dims, std::slice::from_ref(&c.rows));
+            let shape = [b, heads, c.rows.len(), width];
+            let shape = if width == 0 { &shape[..3] } else { &shape[..] };
+            Tensor::from_f32_as(dtype, shape, rows)
+        })
+        .collect()
+}
+
+/// Adds `part`, the rows of one chunk (`[outer, chunk rows, width]`), into its rows of `acc`
+/// (`[outer, local, width]`).
+fn add_rows(acc: &mut [f32], part: &[f32], [outer, local, width]: [usize; 3], rows: &Range<usize>) {
+    let n = rows.len() * width;
+    for o in 0..outer {
+        let at = (o * local + rows.start) * width;
+        for (a, p) in acc[at..at + n].iter_mut().zip(&part[o * n..(o + 1) * n]) {
+            *a += p;
+        }
+    }
+}
+
+impl Ring<'_> {
+    fn chunks(&self, rank: usize) -> Vec<Chunk> {
+        let mut at = 0;
+        self.split
+            .chunks(rank)
+            .into_iter()
+            .map(|positions| {
+                let rows = at..at + positions.len();
+                at = rows.end;
+                Chunk { positions, rows }
+            })
+            .collect()
+    }
+
+    /// Whether a causal-type mask keeps no pair of query chunk `q` and key chunk `k`.
+    fn skipped(&self, q: &Chunk, k: &Chunk) -> bool {
+        use attn_dsl::Mask;
+        let causal = matches!(
+            self.variant.spec().mask,
+            Mask::Causal(_) | Mask::SlidingWindow { .. }
+        );
+        causal && k.positions.start >= q.positions.end
+    }
+
+    /// The placement of query chunk `q` against key chunk `k`, and the keys' position offset.
+    fn placed(&self, q: &Chunk, k: &Chunk) -> (i64, Placement) {
+        let (qs, ks) = (q.positions.start as i64, k.positions.start as i64);
+        let (nq, nk) = (q.positions.len() as i64, k.positions.len() as i64);
+        // Query 0 of the call is at `p0 + ks + nk - nq + shift`; it must be at `p0 + qs`.
+        (
+            self.position_offset + ks,
+            Placement::shifted(qs - ks - nk + nq),
+        )
+    }
+
+    /// Sends `packet` one rank on and receives the previous rank's while `compute` runs.
+    fn exchange_while<T>(
+        &self,
+        packet: &[f32],
+        compute: impl FnOnce() -> Result<T, RuntimeError>,
+    ) -> Result<(T, Vec<f32>), RuntimeError> {
+        let (me, n) = (self.comm.rank(), self.comm.size());
+        let mut incoming = vec![0f32; packet.len()];
+        let (computed, exchanged) = std::thread::scope(|s| {
+            let exchange = s.spawn(|| {
+                self.comm
+                    .send_recv(packet, (me + 1) % n, &mut incoming, (me + n - 1) % n)
+            });
+            let computed = compute();
+            (computed, exchange.join())
+        });
+        let exchanged = exchanged
+            .map_err(|_| RuntimeError::Data("the ring exchange's thread panicked".into()))?;
+        // A failed exchange is the cause when both fail (the compute may have stopped on it).
+        exchanged?;
+        Ok((computed?, incoming))
+    }
+
+    /// The ring forward over this rank's q and k, v (`[B, H, L, D]`, `[B, KV, L, D]`): the
+    /// rank's `out` `[B, H, L, Dv]` and `lse` `[B, H, L]`, f32, without sinks.
+    pub fn forward(&self, [q, k, v]: [&Tensor; 3]) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> {
+        let spec = self.variant.spec();
+        let (me, n) = (self.comm.rank(), self.comm.size());
+        let (h, hkv) = (spec.heads as usize, spec.kv_heads() as usize);
+        let (d, dv, dtype) = (spec.head_dim as usize, spec.v_head_dim as usize, spec.dtype);
+        let (b, local) = (q.shape()[0], self.split.local_len());
+        let mine = self.chunks(me);
+        let qs = chunk_tensors(&q.to_f32_vec(), [b, h, d], &mine, local, dtype)?;
+        let mut acc: Vec<(Vec<f32>, Vec<f32>)> = mine
+            .iter()
+            .map(|c| {
+                let rows = b * h * c.rows.len();
+                (vec![0f32; rows * dv], vec![f32::NEG_INFINITY; rows])
+            })
+            .collect();
+        let kv_split = b * hkv * local * d;
+        let mut packet = k.to_f32_vec();
+        packet.extend(v.to_f32_vec());
+        for step in 0..n {
+            let owner = (me + n - step) % n;
+            let theirs = self.chunks(owner);
+            let mut compute = || -> Result<(), RuntimeError> {
+                let (kp, vp) = packet.split_at(kv_split);
+                let ks = chunk_tensors(kp, [b, hkv, d], &theirs, local, dtype)?;
+                let vs = chunk_tensors(vp, [b, hkv, dv], &theirs, local, dtype)?;
+                for (qc, (q, (acc_out, acc_lse))) in mine.iter().zip(qs.iter().zip(acc.iter_mut()))
+                {
+                    for (kc, (k, v)) in theirs.iter().zip(ks.iter().zip(&vs)) {
+                        if self.skipped(qc, kc) {
+                            continue;
+                        }
+                        let (p0, placement) = self.placed(qc, kc);
+                        let part = self.backend.forward_placed(
+                            self.variant,
+                            Inputs::heads(q, k, v),
+                            p0,
+                            self.learned,
+                            placement,
+                        )?;
+                        let (out, lse) = (part.out.to_f32_vec(), part.lse.to_f32_vec());
+                        merge_into(acc_out, acc_lse, &out, &lse, dv);
+                    }
+                }
+                Ok(())
+            };
+            if step + 1 < n {
+                let ((), next) = self.exchange_while(&packet, compute)?;
+                packet = next;
+            } else {
+                compute()?;
+            }
+        }
+        let mut out = vec![0f32; b * h * local * dv];
+        let mut lse = vec![0f32; b * h * local];
+        for (c, (o, l)) in mine.iter().zip(&acc) {
+            let rows = 0..c.rows.len();
+            let dims = |width| SeqDims {
+                outer: b * h,
+                seq: c.rows.len(),
+                width,
+            };
+            copy_rows(o, dims(dv), rows.clone(), &mut out, local, c.rows.start);
+            copy_rows(l, dims(1), rows, &mut lse, local, c.rows.start);
+        }
+        Ok((out, lse))
+    }
+
+    /// The ring backward of this rank's part (`x` holds its q, k, v, and the merged `out`,
+    /// `lse`, sinks included, and `dout`): dq, dk, dv as f32 arrays of the rank's shapes, and
+    /// this rank's share of each learnable tensor's gradient (summed over its pieces).
+    pub fn backward(&self, x: &HeadsBackward) -> Result<RingGradients, RuntimeError> {
+        let spec = self.variant.spec();
+        let (me, n) = (self.comm.rank(), self.comm.size());
+        let (h, hkv) = (spec.heads as usize, spec.kv_heads() as usize);
+        let (d, dv, dtype) = (spec.head_dim as usize, spec.v_head_dim as usize, spec.dtype);
+        let (b, local) = (x.q.shape()[0], self.split.local_len());
+        let mine = self.chunks(me);
+        let cut = |t: &Tensor, heads, width, dtype| {
+            chunk_tensors(&t.to_f32_vec(), [b, heads, width], &mine, local, dtype)
+        };
+        let qs = cut(x.q, h, d, dtype)?;
+        let outs = cut(x.out, h, dv, DType::F32)?;
+        let douts = cut(x.dout, h, dv, DType::F32)?;
+        let lses = cut(x.lse, h, 0, DType::F32)?;
+        let mut dq = vec![0f32; b * h * local * d];
+        let kv_split = b * hkv * local * d;
+        let mut packet = x.k.to_f32_vec();
+        packet.extend(x.v.to_f32_vec());
+        // dk then dv of the keys and values this rank holds, travelling with them.
+        let mut grads = vec![0f32; packet.len()];
+        let mut learned: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+        for step in 0..n {
+            let owner = (me + n - step) % n;
+            let theirs = self.chunks(owner);
+            let mut compute = || -> Result<(), RuntimeError> {
+                let (kp, vp) = packet.split_at(kv_split);
+                let ks = chunk_tensors(kp, [b, hkv, d], &theirs, local, dtype)?;
+                let vs = chunk_tensors(vp, [b, hkv, dv], &theirs, local, dtype)?;
+                let (dk, dvs) = grads.split_at_mut(kv_split);
+                for (i, qc) in mine.iter().enumerate() {
+                    for (kc, (k, v)) in theirs.iter().zip(ks.iter().zip(&vs)) {
+                        if self.skipped(qc, kc) {
+                            continue;
+                        }
+                        let (p0, placement) = self.placed(qc, kc);
+                        let piece = HeadsBackward {
+                            q: &qs[i],
+                            k,
+                            v,
+                            out: &outs[i],
+                            lse: &lses[i],
+                            dout: &douts[i],
+                            position_offset: p0,
+                        };
+                        let g = self.backend.backward_placed(
+                            self.variant,
+                            &piece,
+                            self.learned,
+                            placement,
+                        )?;
+                        add_rows(&mut dq, &g.dq.to_f32_vec(), [b * h, local, d], &qc.rows);
+                        add_rows(dk, &g.dk.to_f32_vec(), [b * hkv, local, d], &kc.rows);
+                        add_rows(dvs, &g.dv.to_f32_vec(), [b * hkv, local, dv], &kc.rows);
+                        add_learned(&mut learned, g.learned);
+                    }
+                }
+                Ok(())
+            };
+            if step + 1 < n {
+                let ((), next) = self.exchange_while(&packet, compute)?;
+                packet = next;
+            } else {
+                compute()?;
+            }
+            // The gradients follow their keys and values one rank on; after the last step
+            // this brings each rank's own home.
+            let mut incoming = vec![0f32; grads.len()];
+            self.comm
+                .send_recv(&grads, (me + 1) % n, &mut incoming, (me + n - 1) % n)?;
+            grads = incoming;
+        }
+        let dvs = grads.split_off(kv_split);
+        Ok(RingGradients {
+            dq,
+            dk: grads,
+            dv: dvs,
+            learned,
+        })
+    }
+}
+
+/// A ring backward's results on one rank (see [`Ring::backward`]).
+pub(crate) struct RingGradients {
+    pub dq: Vec<f32>,
+    pub dk: Vec<f32>,
+    pub dv: Vec<f32>,
+    /// `(d<name>, shape, values)` per learnable tensor, this rank's share.
+    pub learned: Vec<(String, Vec<usize>, Vec<f32>)>,
+}
+
+/// Adds one piece's learnable gradients into the running sums (the same names, in the same
+/// order, from every piece of a spec).
+fn add_learned(sums: &mut Vec<(String, Vec<usize>, Vec<f32>)>, piece: Vec<(String, Tensor)>) {
+    for (name, t) in piece {
+        let values = t.to_f32_vec();
+        match sums.iter_mut().find(|(n, _, _)| *n == name) {
+            Some((_, _, sum)) => sum.iter_mut().zip(&values).for_each(|(s, v)| *s += v),
+            None => sums.push((name, t.shape().to_vec(), values)),
+        }
+    }
+}

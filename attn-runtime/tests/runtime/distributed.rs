@@ -1,0 +1,419 @@
+//! Context-parallel attention over the in-process engine: Ulysses and ring attention on 2 and
+//! 4 ranks give, for each variant, the single call's out, lse and every gradient (learned
+//! tensors' too); the collectives move what they should, and a rank that fails or sends a
+//! wrong-sized buffer is an error on every rank, not a hang.
+
+use crate::support::values;
+use attn_runtime::cpu::CpuBackend;
+use attn_runtime::distributed::threads::group_with_timeout;
+use attn_runtime::distributed::{Communicator, ContextParallel, Scheme, run_ranks, run_ranks_with};
+use attn_runtime::learned::{Data, DataValues};
+use attn_runtime::{
+    Backend, BackwardInputs, HeadGradients, HeadsBackward, Inputs, Learned, Output, RuntimeError,
+    Tensor, Variant,
+};
+use std::time::{Duration, Instant};
+
+/// The variants, each with the learnable tensors it takes.
+const VARIANTS: &[&str] = &[
+    "heads = 4, head_dim = 16, mask = causal",
+    "heads = 4, kv_heads = 2, head_dim = 16, mask = causal",
+    "heads = 4, head_dim = 16, mask = sliding_window(20)",
+    "heads = 4, head_dim = 16, mask = causal, position = rope",
+    "heads = 4, head_dim = 16, mask = causal, position = rope(scaling = yarn(factor = 4.0, \
+     original_max_position = 32))",
+    "heads = 4, head_dim = 16, mask = causal, position = alibi",
+    "heads = 4, head_dim = 16, mask = causal, softcap = 5.0",
+    "heads = 4, head_dim = 16, mask = causal, score_mod = |s, b, h, q, k| s - 0.05 * \
+     ((q - k) as f32) + (h as f32) * 0.25",
+    "heads = 4, head_dim = 16, mask = causal, sinks = learned",
+    "heads = 4, head_dim = 16, mask = causal, params(slopes: [heads]), score_mod = \
+     |s, b, h, q, k| s - slopes[h] * ((q - k) as f32)",
+    "heads = 4, head_dim = 16",
+    "heads = 4, head_dim = 16, v_head_dim = 8, mask_mod = |b, h, q, k| k <= q || k < 12",
+    "heads = 4, head_dim = 16, mask = causal, dtype = bf16",
+];
+
+/// A whole call's tensors: q, k, v, dout, and the learnable tensors by name.
+struct Whole {
+    variant: std::sync::Arc<Variant>,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dout: Tensor,
+    learned: Vec<(String, Tensor)>,
+}
+
+impl Whole {
+    fn new(text: &str, batch: usize, seq: usize) -> Whole {
+        let spec: attn_dsl::AttentionSpec = text.parse().unwrap_or_else(|e| panic!("{text}: {e}"));
+        let variant = Variant::shared(&spec).unwrap();
+        let (h, kv) = (spec.heads as usize, spec.kv_heads() as usize);
+        let (d, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
+        let tensor = |shape: &[usize], seed| {
+            let n = shape.iter().product();
+            Tensor::from_f32_as(spec.dtype, shape, values(n, seed)).unwrap()
+        };
+        let learned = spec
+            .learnable_tensors()
+            .into_iter()
+            .enumerate()
+            .map(|(i, (name, shape))| {
+                let n = shape.iter().product();
+                let v = values(n, 40 + i as u64).iter().map(|x| 0.1 * x).collect();
+                (name, Tensor::from_f32(&shape, v).unwrap())
+            })
+            .collect();
+        Whole {
+            q: tensor(&[batch, h, seq, d], 1),
+            k: tensor(&[batch, kv, seq, d], 2),
+            v: tensor(&[batch, kv, seq, dv], 3),
+            dout: Tensor::from_f32(&[batch, h, seq, dv], values(batch * h * seq * dv, 4)).unwrap(),
+            variant,
+            learned,
+        }
+    }
+
+    fn named(&self) -> Vec<(&str, &Tensor)> {
+        self.learned.iter().map(|(n, t)| (n.as_str(), t)).collect()
+    }
+
+    /// The single process's forward and backward.
+    fn single(&self, p0: i64, data: &[(&str, Data)]) -> (Output, HeadGradients) {
+        let cpu = CpuBackend::new();
+        let named = self.named();
+        let learned = Learned::new(&named).with_data(data);
+        let inputs = Inputs::heads(&self.q, &self.k, &self.v);
+        let out = cpu
+            .forward_learned(&self.variant, inputs, p0, learned)
+            .unwrap();
+        let x = HeadsBackward {
+            q: &self.q,
+            k: &self.k,
+            v: &self.v,
+            out: &out.out,
+            lse: &out.lse,
+            dout: &self.dout,
+            position_offset: p0,
+        };
+        let g = cpu
+            .backward_learned(&self.variant, &BackwardInputs::Heads(x), learned)
+            .unwrap()
+            .heads()
+            .unwrap();
+        (out, g)
+    }
+
+    /// Every rank's forward and backward, put back together: out, lse, dq, dk, dv, and each
+    /// rank's learned gradients.
+    fn parallel(
+        &self,
+        scheme: Scheme,
+        ranks: usize,
+        p0: i64,
+        data: &[(&str, Data)],
+    ) -> ([Tensor; 5], Vec<Vec<(String, Tensor)>>) {
+        let cpu = CpuBackend::new();
+        let seq = self.q.shape()[2];
+        let results = run_ranks(ranks, |comm| -> Result<_, RuntimeError> {
+            let cp = ContextParallel::new(comm, &cpu, scheme);
+            let split = cp.split(&self.variant, seq)?;
+            let r = comm.rank();
+            let (q, k, v) = (
+                split.take(&self.q, r)?,
+                split.take(&self.k, r)?,
+                split.take(&self.v, r)?,
+            );
+            let dout = split.take(&self.dout, r)?;
+            let named = self.named();
+            let learned = Learned::new(&named).with_data(data);
+            let out = cp.forward(&self.variant, [&q, &k, &v], p0, learned)?;
+            let x = HeadsBackward {
+                q: &q,
+                k: &k,
+                v: &v,
+                out: &out.out,
+                lse: &out.lse,
+                dout: &dout,
+                position_offset: p0,
+            };
+            let g = cp.backward(&self.variant, &x, learned)?;
+            Ok((split, out, g))
+        });
+        let results: Vec<_> = results
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|e| panic!("{scheme:?} on {ranks} ranks: {e}")))
+            .collect();
+        let split = results[0].0;
+        let put = |f: &dyn Fn(&(_, Output, HeadGradients)) -> Tensor| {
+            let parts: Vec<Tensor> = results.iter().map(f).collect();
+            split.put(&parts).unwrap()
+        };
+        let whole = [
+            put(&|r| r.1.out.clone()),
+            put(&|r| r.1.lse.clone()),
+            put(&|r| r.2.dq.clone()),
+            put(&|r| r.2.dk.clone()),
+            put(&|r| r.2.dv.clone()),
+        ];
+        let learned = results.into_iter().map(|r| r.2.learned).collect();
+        (whole, learned)
+    }
+}
+
+/// Asserts `got` within `tol` of `want` relative to the larger of 1 and `want`'s largest
+/// magnitude.
+fn close(what: &str, got: &Tensor, want: &Tensor, tol: f32) {
+    assert_eq!(got.shape(), want.shape(), "{what}: shapes");
+    let (g, w) = (got.to_f32_vec(), want.to_f32_vec());
+    let scale = w.iter().fold(1f32, |m, x| m.max(x.abs()));
+    for (i, (a, b)) in g.iter().zip(&w).enumerate() {
+        let same = (a.is_nan() && b.is_nan()) || a == b;
+        assert!(
+            same || (a - b).abs() <= tol * scale,
+            "{what}[{i}]: {a} against {b} (scale {scale})"
+        );
+    }
+}
+
+fn check(text: &str, scheme: Scheme, ranks: usize, p0: i64) {
+    let whole = Whole::new(text, 2, 48);
+    let (want, wg) = whole.single(p0, &[]);
+    let ([out, lse, dq, dk, dv], learned) = whole.parallel(scheme, ranks, p0, &[]);
+    let tol = if text.contains("bf16") { 2e-2 } else { 1e-5 };
+    let at = format!("{text} ({scheme:?}, {ranks} ranks, offset {p0})");
+    close(&format!("{at} out"), &out, &want.out, tol);
+    close(&format!("{at} lse"), &lse, &want.lse, tol);
+    close(&format!("{at} dq"), &dq, &wg.dq, tol);
+    close(&format!("{at} dk"), &dk, &wg.dk, tol);
+    close(&format!("{at} dv"), &dv, &wg.dv, tol);
+    for rank in &learned {
+        assert_eq!(rank.len(), wg.learned.len(), "{at}: learned gradients");
+        for ((name, got), (want_name, want)) in rank.iter().zip(&wg.learned) {
+            assert_eq!(name, want_name, "{at}");
+            close(&format!("{at} {name}"), got, want, tol);
+        }
+    }
+}
+
+#[test]
+fn ring_attention_equals_the_single_call_for_every_variant() {
+    for text in VARIANTS {
+        check(text, Scheme::Ring, 2, 0);
+        check(text, Scheme::Ring, 4, 7);
+    }
+}
+
+#[test]
+fn ulysses_equals_the_single_call_for_every_variant() {
+    for text in VARIANTS {
+        check(text, Scheme::Ulysses, 2, 0);
+        if !text.contains("kv_heads = 2") {
+            check(text, Scheme::Ulysses, 4, 7);
+        }
+    }
+}
+
+/// A document mask (a data tensor of the whole sequence) under Ulysses, and the ring's refusal
+/// of data tensors.
+#[test]
+fn a_document_mask_splits_over_heads_and_the_ring_refuses_it_clearly() {
+    let text = "heads = 4, kv_heads = 2, head_dim = 16, mask = causal, \
+                data(doc: [batch, seq] i32), mask_mod = |b, h, q, k| doc[b, q] == doc[b, k]";
+    let whole = Whole::new(text, 2, 48);
+    let doc: Vec<i32> = (0..96).map(|i| i % 48 / 13 + i / 48).collect();
+    let data = [(
+        "doc",
+        Data {
+            shape: &[2, 48],
+            values: DataValues::I32(&doc),
+        },
+    )];
+    let (want, wg) = whole.single(3, &data);
+    let ([out, lse, dq, dk, dv], _) = whole.parallel(Scheme::Ulysses, 2, 3, &data);
+    for (what, got, want) in [
+        ("out", &out, &want.out),
+        ("lse", &lse, &want.lse),
+        ("dq", &dq, &wg.dq),
+        ("dk", &dk, &wg.dk),
+        ("dv", &dv, &wg.dv),
+    ] {
+        close(what, got, want, 1e-5);
+    }
+    let cpu = CpuBackend::new();
+    let errors = run_ranks(2, |comm| {
+        let cp = ContextParallel::new(comm, &cpu, Scheme::Ring);
+        let split = cp.split(&whole.variant, 48).unwrap();
+        let r = comm.rank();
+        let (q, k, v) = (
+            split.take(&whole.q, r).unwrap(),
+            split.take(&whole.k, r).unwrap(),
+            split.take(&whole.v, r).unwrap(),
+        );
+        let learned = Learned::none().with_data(&data);
+        cp.forward(&whole.variant, [&q, &k, &v], 0, learned)
+            .unwrap_err()
+            .to_string()
+    });
+    for e in errors {
+        assert!(e.contains("data tensors in ring attention"), "{e}");
+    }
+}
+
+/// What a context-parallel call refuses, with the reason.
+#[test]
+fn specs_and_shapes_context_parallelism_cannot_split_are_refused() {
+    let cpu = CpuBackend::new();
+    let cases: &[(&str, Scheme, usize, &str)] = &[
+        (
+            "heads = 3, head_dim = 16",
+            Scheme::Ulysses,
+            2,
+            "divisible by the ranks",
+        ),
+        (
+            "heads = 4, kv_heads = 1, head_dim = 16",
+            Scheme::Ulysses,
+            2,
+            "divisible",
+        ),
+        (
+            "heads = 4, head_dim = 16, mask = causal",
+            Scheme::Ring,
+            7,
+            "divisible by 14",
+        ),
+        (
+            "heads = 2, head_dim = 16, mask = causal(top_left)",
+            Scheme::Ring,
+            2,
+            "top-left",
+        ),
+        (
+            "heads = 2, head_dim = 16, position = rope(scaling = dynamic(factor = 2.0, \
+             original_max_position = 16))",
+            Scheme::Ring,
+            2,
+            "dynamic NTK",
+        ),
+    ];
+    for &(text, scheme, ranks, why) in cases {
+        let whole = Whole::new(text, 1, 24);
+        let local = 24 / ranks;
+        let errors = run_ranks(ranks, |comm| {
+            let cp = ContextParallel::new(comm, &cpu, scheme);
+            let narrow = |t: &Tensor| {
+                let mut shape = t.shape().to_vec();
+                shape[2] = local;
+                let n = shape.iter().product();
+                Tensor::from_f32_as(t.dtype(), &shape, values(n, 9)).unwrap()
+            };
+            let (q, k, v) = (narrow(&whole.q), narrow(&whole.k), narrow(&whole.v));
+            match cp.forward(&whole.variant, [&q, &k, &v], 0, Learned::none()) {
+                Ok(_) => "accepted".to_string(),
+                Err(e) => e.to_string(),
+            }
+        });
+        for e in errors {
+            assert!(e.contains(why), "{text} ({scheme:?}): {e}");
+        }
+    }
+    // A rank's q of the wrong head count.
+    let whole = Whole::new("heads = 4, head_dim = 16, mask = causal", 1, 16);
+    let errors = run_ranks(2, |comm| {
+        let cp = ContextParallel::new(comm, &cpu, Scheme::Ring);
+        let q = Tensor::from_f32(&[1, 3, 8, 16], values(3 * 8 * 16, 1)).unwrap();
+        let k = whole.k.clone();
+        cp.forward(&whole.variant, [&q, &k, &k], 0, Learned::none())
+            .unwrap_err()
+            .to_string()
+    });
+    assert!(errors.iter().all(|e| e.contains("`q`")), "{errors:?}");
+}
+
+#[test]
+fn the_collectives_move_what_they_should() {
+    let got = run_ranks(3, |comm| {
+        let r = comm.rank() as f32;
+        let mut sum = vec![r, 10.0 * r];
+        comm.all_reduce_sum(&mut sum).unwrap();
+        let mut gathered = vec![0.0; 3];
+        comm.all_gather(&[r], &mut gathered).unwrap();
+        // Block j of rank r's buffer holds 10 r + j.
+        let send: Vec<f32> = (0..6).map(|i| 10.0 * r + (i / 2) as f32).collect();
+        let mut recv = vec![0.0; 6];
+        comm.all_to_all(&send, &mut recv).unwrap();
+        let mut ring = vec![0.0; 2];
+        comm.send_recv(
+            &[r, r],
+            (comm.rank() + 1) % 3,
+            &mut ring,
+            (comm.rank() + 2) % 3,
+        )
+        .unwrap();
+        comm.barrier().unwrap();
+        (sum, gathered, recv, ring)
+    });
+    for (r, (sum, gathered, recv, ring)) in got.into_iter().enumerate() {
+        assert_eq!(sum, vec![3.0, 30.0]);
+        assert_eq!(gathered, vec![0.0, 1.0, 2.0]);
+        let from = |i: usize| 10.0 * i as f32 + r as f32;
+        assert_eq!(
+            recv,
+            vec![from(0), from(0), from(1), from(1), from(2), from(2)]
+        );
+        let prev = ((r + 2) % 3) as f32;
+        assert_eq!(ring, vec![prev, prev]);
+    }
+}
+
+/// A rank that sends a buffer of another size, one that returns early and one that stays
+/// silent: every rank gets an error, within the group's timeout.
+#[test]
+fn a_failing_rank_is_an_error_on_every_rank_in_bounded_time() {
+    let wrong = run_ranks(3, |comm| {
+        let n = if comm.rank() == 1 { 5 } else { 4 };
+        let mut sum = vec![1.0; n];
+        comm.all_reduce_sum(&mut sum).map_err(|e| e.to_string())
+    });
+    for e in &wrong {
+        let e = e.as_ref().unwrap_err();
+        assert!(
+            e.contains("values; this call expects") || e.contains("left the group"),
+            "{e}"
+        );
+    }
+
+    let left = run_ranks(3, |comm| {
+        if comm.rank() == 2 {
+            return Err("rank 2 stopped".to_string());
+        }
+        let mut sum = vec![1.0; 4];
+        comm.all_reduce_sum(&mut sum).map_err(|e| e.to_string())
+    });
+    assert!(left.iter().all(Result::is_err), "{left:?}");
+    assert!(
+        left[0]
+            .as_ref()
+            .unwrap_err()
+            .contains("rank 2 left the group")
+    );
+
+    let start = Instant::now();
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let rx = std::sync::Mutex::new(rx);
+    let silent = run_ranks_with(group_with_timeout(2, Duration::from_millis(300)), |comm| {
+        if comm.rank() == 1 {
+            // Alive but silent until rank 0 has given up.
+            let _ = rx.lock().unwrap().recv_timeout(Duration::from_secs(5));
+            return Ok(());
+        }
+        let mut sum = vec![1.0; 4];
+        let result = comm.all_reduce_sum(&mut sum).map_err(|e| e.to_string());
+        tx.send(()).unwrap();
+        result
+    });
+    let e = silent[0].as_ref().unwrap_err();
+    assert!(e.contains("no message from rank 1 within 0.3 s"), "{e}");
+    assert!(start.elapsed() < Duration::from_secs(5));
+}

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The MPI engine in use (idempotent; installs Open MPI and libclang from apt when missing):
+# context-parallel attention under `mpirun -n 2` and `-n 4` (Ulysses and ring, forward and
+# backward, each rank's part against the single call), and ranks that fail: a wrong-sized
+# buffer and a rank that exits must end the job with an error, in bounded time.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# mpicc comes with libopenmpi-dev; rsmpi's bindings are generated with libclang.
+if ! command -v mpirun >/dev/null || ! command -v mpicc >/dev/null \
+  || ! ldconfig -p | grep -q 'libclang[-.0-9]*\.so'; then
+  SUDO=""
+  if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null; then SUDO=sudo; fi
+  echo "installing Open MPI and libclang (apt)"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq \
+    openmpi-bin libopenmpi-dev libclang-dev
+fi
+
+cargo build -q --features mpi --example context_parallel
+BIN=target/debug/examples/context_parallel
+MPIRUN=(mpirun --oversubscribe)
+if [ "$(id -u)" = 0 ]; then MPIRUN+=(--allow-run-as-root); fi
+
+SPECS=(
+  "heads = 4, head_dim = 16, mask = causal"
+  "heads = 4, kv_heads = 2, head_dim = 16, mask = causal"
+  "heads = 4, head_dim = 16, mask = sliding_window(20)"
+  "heads = 4, head_dim = 16, mask = causal, position = rope(scaling = yarn(factor = 4.0, original_max_position = 32))"
+  "heads = 4, head_dim = 16, mask = causal, position = alibi"
+  "heads = 4, head_dim = 16, mask = causal, softcap = 5.0"
+  "heads = 4, head_dim = 16, mask = causal, score_mod = |s, b, h, q, k| s - 0.05 * ((q - k) as f32) + (h as f32) * 0.25"
+  "heads = 4, head_dim = 16, mask = causal, sinks = learned"
+  "heads = 4, head_dim = 16, mask = causal, params(slopes: [heads]), score_mod = |s, b, h, q, k| s - slopes[h] * ((q - k) as f32)"
+  "heads = 4, head_dim = 16"
+  "heads = 4, head_dim = 16, v_head_dim = 8, mask_mod = |b, h, q, k| k <= q || k < 12"
+  "heads = 4, head_dim = 16, mask = causal, dtype = bf16"
+)
+ARGS=()
+for s in "${SPECS[@]}"; do ARGS+=(--spec "$s"); done
+
+for n in 2 4; do
+  echo "== mpirun -n $n: ${#SPECS[@]} specs, Ulysses and ring, against the single call"
+  out=$(timeout 600 "${MPIRUN[@]}" -n "$n" "$BIN" --seq 96 --batch 2 --check --scheme both \
+    "${ARGS[@]}" 2>&1) || { echo "$out"; exit 1; }
+  checked=$(grep -c "equal to the single call" <<<"$out" || true)
+  skipped=$(grep -c "Ulysses skipped" <<<"$out" || true)
+  # Every rank checks each spec with both schemes, but for the Ulysses runs skipped (printed
+  # once, by rank 0).
+  want=$(( n * (2 * ${#SPECS[@]} - skipped) ))
+  if [ "$checked" != "$want" ]; then
+    echo "$out"
+    echo "error: $checked checks passed on $n ranks; expected $want"
+    exit 1
+  fi
+  echo "$checked rank-checks passed ($skipped Ulysses runs skipped: heads not divisible)"
+done
+
+echo "== a rank with a wrong-sized buffer: every rank stops with an error"
+start=$SECONDS
+if out=$(timeout 120 "${MPIRUN[@]}" -n 4 "$BIN" --seq 64 --fail wrong-size 2>&1); then
+  echo "$out"; echo "error: the job succeeded"; exit 1
+fi
+grep -q "buffers of different lengths" <<<"$out" || { echo "$out"; exit 1; }
+echo "ended with an error after $((SECONDS - start)) s"
+
+echo "== a rank that exits before the call: the job ends, no rank waits"
+start=$SECONDS
+if out=$(timeout 120 "${MPIRUN[@]}" -n 2 "$BIN" --seq 64 --fail exit 2>&1); then
+  echo "$out"; echo "error: the job succeeded"; exit 1
+fi
+[ $((SECONDS - start)) -lt 110 ] || { echo "error: the job ran into the timeout"; exit 1; }
+echo "ended after $((SECONDS - start)) s"
