@@ -391,13 +391,12 @@ fn a_failing_rank_is_an_error_on_every_rank_in_bounded_time() {
         let mut sum = vec![1.0; 4];
         comm.all_reduce_sum(&mut sum).map_err(|e| e.to_string())
     });
-    assert!(left.iter().all(Result::is_err), "{left:?}");
-    assert!(
-        left[0]
-            .as_ref()
-            .unwrap_err()
-            .contains("rank 2 left the group")
-    );
+    // Rank 0 sees rank 2 leave, or rank 1, which left on seeing rank 2 leave first.
+    assert_eq!(left[2], Err("rank 2 stopped".to_string()));
+    for e in &left[..2] {
+        let e = e.as_ref().unwrap_err();
+        assert!(e.contains("left the group"), "{e}");
+    }
 
     let start = Instant::now();
     let (tx, rx) = std::sync::mpsc::channel::<()>();
