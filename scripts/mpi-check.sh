@@ -71,3 +71,45 @@ if out=$(timeout 120 "${MPIRUN[@]}" -n 2 "$BIN" --seq 64 --fail exit 2>&1); then
 fi
 [ $((SECONDS - start)) -lt 110 ] || { echo "error: the job ran into the timeout"; exit 1; }
 echo "ended after $((SECONDS - start)) s"
+
+echo "== attnc train under mpirun -n 2: equal to one process with the same --batch"
+cargo build -q --features candle,mpi --bin attnc
+ATTNC=target/debug/attnc
+T=$(mktemp -d)
+trap 'rm -rf "$T"' EXIT
+printf 'vocab = 256\nhidden = 32\nlayers = 1\nattention = "heads = 2, head_dim = 16, mask = causal, position = rope"\n' > "$T/m.toml"
+python3 -c "print('the quick brown fox jumps over the lazy dog. ' * 40)" > "$T/c.txt"
+TRAIN=(train --model "$T/m.toml" --data "$T/c.txt" --seq 16 --batch 4 --eval-every 10 --warmup 2)
+"$ATTNC" "${TRAIN[@]}" --steps 60 --out "$T/one" > /dev/null 2>&1
+timeout 300 "${MPIRUN[@]}" -n 2 "$ATTNC" "${TRAIN[@]}" --steps 60 --out "$T/two" > /dev/null 2>&1
+same_losses() {
+  python3 - "$1" "$2" <<'PY'
+import json, sys
+a, b = ([json.loads(l)["loss"] for l in open(f"{d}/steps.jsonl")] for d in sys.argv[1:])
+worst = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+assert len(a) == len(b) == 60 and worst <= 1e-5, (len(a), len(b), worst)
+print(f"{len(a)} steps, largest relative difference {worst:.1e}")
+PY
+}
+same_losses "$T/one" "$T/two"
+
+echo "== a rank killed mid-run: the job ends, and the last checkpoint resumes to the same end"
+"${MPIRUN[@]}" -n 2 "$ATTNC" "${TRAIN[@]}" --steps 60 --out "$T/killed" > /dev/null 2>&1 &
+JOB=$!
+for _ in $(seq 600); do [ -e "$T/killed/state.json" ] && break; sleep 0.1; done
+for pid in $(pgrep -f "attnc train.*$T/killed" || true); do
+  if tr '\0' '\n' < "/proc/$pid/environ" 2>/dev/null | grep -qx 'OMPI_COMM_WORLD_RANK=1'; then
+    kill -9 "$pid"
+  fi
+done
+start=$SECONDS
+while kill -0 "$JOB" 2>/dev/null && [ $((SECONDS - start)) -lt 120 ]; do sleep 0.2; done
+if kill -0 "$JOB" 2>/dev/null; then
+  echo "error: the job still runs 120 s after one of its ranks was killed"; exit 1
+fi
+if wait "$JOB"; then
+  echo "error: the job with a killed rank succeeded"; exit 1
+fi
+echo "ended $((SECONDS - start)) s after the kill"
+timeout 300 "${MPIRUN[@]}" -n 2 "$ATTNC" train --resume "$T/killed" > /dev/null 2>&1
+same_losses "$T/one" "$T/killed"

@@ -990,3 +990,128 @@ fn a_packed_run_keeps_its_documents_apart_and_resumes_packed() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `--ranks 2` splits every batch over two data-parallel ranks and averages their gradients:
+/// the run's losses and final weights are those of one process with the same --batch (to
+/// float rounding), it resumes with another number of ranks, and a batch that does not split
+/// is refused before the folder is made.
+#[cfg(feature = "candle")]
+#[test]
+fn data_parallel_ranks_train_as_one_process_with_the_same_batch() {
+    let dir = folder("ranks");
+    let (m, data) = (model(&dir, 256), corpus(&dir));
+    let run = |name: &str, extra: &[&str]| {
+        let out = dir.join(name);
+        let mut flags = vec!["--steps", "20", "--batch", "4"];
+        flags.extend(extra);
+        let mut args = vec!["train", "--model", &m, "--data", &data, "--out"];
+        let out_s = out.to_str().unwrap().to_string();
+        args.push(&out_s);
+        args.extend(["--seq", "16", "--eval-every", "5", "--warmup", "2"]);
+        args.extend(flags);
+        let o = attnc(&args);
+        assert_eq!(o.status.code(), Some(0), "{name}: {}", stderr(&o));
+        out
+    };
+    let losses = |out: &Path| -> Vec<f64> {
+        std::fs::read_to_string(out.join("steps.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
+                    .as_f64()
+                    .unwrap()
+            })
+            .collect()
+    };
+    let weights = |out: &Path, step: u64| -> Vec<f32> {
+        let bytes = std::fs::read(out.join(format!("model-{step}.safetensors"))).unwrap();
+        let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut names: Vec<&str> = file.names();
+        names.sort();
+        names
+            .iter()
+            .flat_map(|n| {
+                let t = file.tensor(n).unwrap();
+                bytemuck_f32(t.data())
+            })
+            .collect()
+    };
+    let one = run("one", &[]);
+    let two = run("two", &["--ranks", "2"]);
+    let (a, b) = (losses(&one), losses(&two));
+    assert_eq!(a.len(), 20);
+    for (step, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert!(
+            (x - y).abs() <= 1e-5 * x.abs(),
+            "step {}: {x} against {y}",
+            step + 1
+        );
+    }
+    let (wa, wb) = (weights(&one, 20), weights(&two, 20));
+    assert_eq!(wa.len(), wb.len());
+    let worst = wa
+        .iter()
+        .zip(&wb)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    assert!(worst <= 1e-4, "weights differ by {worst}");
+    assert!(
+        std::fs::read_dir(&two).unwrap().count() == std::fs::read_dir(&one).unwrap().count(),
+        "rank 1 wrote files of its own"
+    );
+
+    // Resumed on 4 ranks to step 24, as the one-process run resumed.
+    for (out, ranks) in [(&one, "1"), (&two, "4")] {
+        let o = attnc(&[
+            "train",
+            "--resume",
+            out.to_str().unwrap(),
+            "--steps",
+            "24",
+            "--ranks",
+            ranks,
+        ]);
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    }
+    let (a, b) = (losses(&one), losses(&two));
+    assert_eq!(b.len(), 24);
+    assert!(
+        (a[23] - b[23]).abs() <= 1e-5 * a[23].abs(),
+        "{} against {}",
+        a[23],
+        b[23]
+    );
+
+    let bad = dir.join("bad");
+    let o = attnc(&[
+        "train",
+        "--model",
+        &m,
+        "--data",
+        &data,
+        "--out",
+        bad.to_str().unwrap(),
+        "--batch",
+        "4",
+        "--ranks",
+        "3",
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("--batch 4 does not split over 3 data-parallel ranks"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(!bad.exists(), "the refused run made its folder");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Little-endian f32 values of a safetensors tensor's bytes.
+#[cfg(feature = "candle")]
+fn bytemuck_f32(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}

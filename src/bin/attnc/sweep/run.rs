@@ -237,7 +237,8 @@ fn run_seed(
         Start::Seeded
     };
     let run = Run {
-        folder,
+        dir: folder.path().to_path_buf(),
+        folder: Some(folder),
         config: config.clone(),
         model_toml: planned.toml.clone(),
         options,

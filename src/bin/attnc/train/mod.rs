@@ -12,6 +12,8 @@ mod optimizer;
 #[cfg(feature = "candle")]
 pub mod plot;
 #[cfg(feature = "candle")]
+mod ranks;
+#[cfg(feature = "candle")]
 pub mod run;
 #[cfg(feature = "candle")]
 mod schedule;
@@ -64,10 +66,19 @@ pub struct Args {
     /// (--steps may raise its length, --lr change its peak learning rate from there on).
     #[arg(long, value_name = "DIR", conflicts_with_all = ["model", "out", "tokenizer", "batch", "seq", "warmup", "weight_decay", "seed", "eval_every", "pack"])]
     pub resume: Option<PathBuf>,
+    /// Data-parallel ranks in this process (threads): each takes --batch / N sequences of
+    /// every step, and the gradients are averaged over them, so the run equals one rank with
+    /// the same --batch. Under mpirun (an attnc built with the `mpi` feature) the ranks are
+    /// MPI's processes instead.
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=MAX_RANKS))]
+    pub ranks: u64,
     /// How to train.
     #[command(flatten)]
     pub training: Training,
 }
+
+/// The most data-parallel ranks in one process (`--ranks`).
+pub const MAX_RANKS: u64 = 64;
 
 /// The options of a training run, shared by `attnc train` and `attnc sweep`.
 #[derive(clap::Args, Clone, Debug)]

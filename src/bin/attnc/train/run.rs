@@ -5,6 +5,7 @@ use super::checkpoint::{self, Saved, Writes};
 use super::corpus::{self, Corpus, Rng};
 use super::folder::{Folder, Kind};
 use super::optimizer::AdamW;
+use super::ranks::Ranks;
 use super::state::{Metrics, Options, State, StepLoss};
 use super::{Args, DEFAULT_LR, DEFAULT_STEPS, Training};
 use attn::candle::core::{DType, Device, Tensor, Var};
@@ -21,15 +22,41 @@ const EVAL_BATCHES: usize = 8;
 /// Gradients are scaled down to this global norm when larger.
 const CLIP_NORM: f64 = 1.0;
 
-/// Trains as `args` say.
+/// Trains as `args` say: in this process, or as one of its data-parallel ranks.
 pub fn train(args: Args) -> Result<(), String> {
-    let (run, corpus) = match &args.resume {
-        Some(dir) => resume(&args, dir)?,
-        None => start(&args)?,
+    super::ranks::with_ranks(args.ranks, |ranks| train_as(&args, ranks))
+}
+
+/// Trains as rank `ranks` (or alone): rank 0 claims the folder and writes the run; the other
+/// ranks read the same model, corpus and checkpoint, and take their part of every batch.
+fn train_as(args: &Args, ranks: Option<Ranks>) -> Result<(), String> {
+    let root = ranks.is_none_or(|r| r.is_root());
+    if let Some(r) = ranks
+        && args.resume.is_none()
+    {
+        // A new run's batch is checked before its folder is claimed; a resumed run's below.
+        check_batch_splits(args.training.batch as usize, r)?;
+    }
+    let prepared = match &args.resume {
+        Some(dir) => resume(args, dir, root),
+        None => start(args, root),
     };
-    let out = run.folder.path().to_path_buf();
+    if let Some(r) = ranks
+        && !r.all_ok(prepared.is_ok())?
+    {
+        prepared?;
+        return Err("error: another rank could not start the run (its error is above)".into());
+    }
+    let (run, corpus) = prepared?;
+    if let Some(r) = ranks {
+        check_batch_splits(run.options.batch, r)?;
+    }
+    let out = run.dir.clone();
     let vocab = run.config.vocab;
-    let metrics = run.train(&corpus, "")?;
+    let metrics = run.train_ranked(&corpus, "", ranks)?;
+    if !root {
+        return Ok(());
+    }
     if let Some(last) = metrics.last() {
         eprintln!(
             "validation loss {:.4} against the unigram model's {:.4}",
@@ -65,6 +92,18 @@ pub fn options(training: &Training, seed: u64) -> Options {
     }
 }
 
+/// Refuses a batch that does not split evenly over the data-parallel ranks.
+fn check_batch_splits(batch: usize, ranks: Ranks) -> Result<(), String> {
+    if batch.is_multiple_of(ranks.size()) {
+        return Ok(());
+    }
+    Err(format!(
+        "error: --batch {batch} does not split over {} data-parallel ranks; allowed: a multiple \
+         of the ranks",
+        ranks.size()
+    ))
+}
+
 /// Where a run starts: random weights of its seed, trained weights, or a checkpoint.
 pub enum Start {
     Seeded,
@@ -72,10 +111,13 @@ pub enum Start {
     Checkpoint(Box<Saved>),
 }
 
-/// A run ready to train: its folder (held), model (its config, and its TOML as written,
-/// without `weights`), options and where it starts.
+/// A run ready to train: its folder (held, by the rank that writes it), model (its config, and
+/// its TOML as written, without `weights`), options and where it starts.
 pub struct Run {
-    pub folder: Folder,
+    /// The run's folder, claimed; `None` on data-parallel ranks other than 0.
+    pub folder: Option<Folder>,
+    /// The folder's path.
+    pub dir: PathBuf,
     pub config: ModelConfig,
     pub model_toml: String,
     pub options: Options,
@@ -83,8 +125,9 @@ pub struct Run {
 }
 
 /// A new run: `--model` into `--out`, which must be new, empty, or a run folder of ours that
-/// holds no checkpoint.
-fn start(args: &Args) -> Result<(Run, Corpus), String> {
+/// holds no checkpoint. Only with `claim` is the folder claimed (rank 0 of data-parallel
+/// ranks); the other ranks read the same model and corpus.
+fn start(args: &Args, claim: bool) -> Result<(Run, Corpus), String> {
     let (Some(model), Some(out), Some(data)) = (&args.model, &args.out, &args.data) else {
         return Err("error: --model, --data and --out are needed (or --resume DIR)".into());
     };
@@ -107,6 +150,15 @@ fn start(args: &Args) -> Result<(Run, Corpus), String> {
         options.seq,
         options.pack.as_deref(),
     )?;
+    let model_toml =
+        research::with_weights(&text, None).map_err(|e| format!("error: --model: {e}"))?;
+    if !claim {
+        let dir = out.clone();
+        return Ok((
+            run_of(None, dir, config, model_toml, options, start),
+            corpus,
+        ));
+    }
     let folder = Folder::claim(out, Kind::Run, "--out")?;
     if checkpoint::exists(&folder) {
         let step =
@@ -126,28 +178,57 @@ fn start(args: &Args) -> Result<(Run, Corpus), String> {
         crate::outputs::check(&out.join(name), &inputs, "--out")?;
     }
     checkpoint::clear(&folder);
-    let run = Run {
+    let dir = out.clone();
+    Ok((
+        run_of(Some(folder), dir, config, model_toml, options, start),
+        corpus,
+    ))
+}
+
+/// A [`Run`] of its parts.
+fn run_of(
+    folder: Option<Folder>,
+    dir: PathBuf,
+    config: ModelConfig,
+    model_toml: String,
+    options: Options,
+    start: Start,
+) -> Run {
+    Run {
         folder,
+        dir,
         config,
-        model_toml: research::with_weights(&text, None)
-            .map_err(|e| format!("error: --model: {e}"))?,
+        model_toml,
         options,
         start,
-    };
-    Ok((run, corpus))
+    }
 }
 
 /// The run in `dir` from its last checkpoint, with its own options (`--steps` and `--lr` may
-/// change) and corpus (`--data` may name where it is now; its tokens must be the same).
-fn resume(args: &Args, dir: &Path) -> Result<(Run, Corpus), String> {
-    let folder = Folder::open(dir, Kind::Run, "--resume")?;
-    let saved = checkpoint::restore(&folder, "--resume")?;
+/// change) and corpus (`--data` may name where it is now; its tokens must be the same). Only
+/// with `claim` is the folder opened for writing (rank 0 of data-parallel ranks); the other
+/// ranks read its checkpoint.
+fn resume(args: &Args, dir: &Path, claim: bool) -> Result<(Run, Corpus), String> {
+    let folder = if claim {
+        Some(Folder::open(dir, Kind::Run, "--resume")?)
+    } else {
+        None
+    };
+    let saved = match &folder {
+        Some(folder) => checkpoint::restore(folder, "--resume")?,
+        None => Saved {
+            state: State::read(dir, "--resume")?,
+            metrics: Vec::new(),
+            losses: Vec::new(),
+        },
+    };
     let mut options = saved.state.options.clone();
     if let Some(steps) = args.training.steps {
         options.steps = steps;
     }
     if let Some(lr) = args.training.lr
         && lr != options.lr
+        && claim
     {
         eprintln!(
             "the peak learning rate is {lr} from step {} on (it was {})",
@@ -172,14 +253,18 @@ fn resume(args: &Args, dir: &Path) -> Result<(Run, Corpus), String> {
     let model_toml = saved.state.model.clone();
     let toml = research::with_weights(&model_toml, Some(&saved.state.weights()))
         .map_err(|e| format!("error: --resume: state.json's model: {e}"))?;
-    folder.write("model.toml", toml.as_bytes())?;
-    let run = Run {
+    if let Some(folder) = &folder {
+        folder.write("model.toml", toml.as_bytes())?;
+    }
+    let start = Start::Checkpoint(Box::new(saved));
+    let run = run_of(
         folder,
+        dir.to_path_buf(),
         config,
         model_toml,
         options,
-        start: Start::Checkpoint(Box::new(saved)),
-    };
+        start,
+    );
     Ok((run, corpus))
 }
 
@@ -253,17 +338,31 @@ impl Run {
     /// Trains to the last step with `label` in front of its progress lines; returns every
     /// evaluation of the run.
     pub fn train(self, corpus: &Corpus, label: &str) -> Result<Vec<Metrics>, String> {
+        self.train_ranked(corpus, label, None)
+    }
+
+    /// [`Run::train`] as one of data-parallel `ranks`.
+    pub fn train_ranked(
+        self,
+        corpus: &Corpus,
+        label: &str,
+        ranks: Option<Ranks>,
+    ) -> Result<Vec<Metrics>, String> {
         // Each step frees and allocates the same tensors: keep the memory rather than fault it
         // in again.
         attn::runtime::memory::keep_freed_memory();
-        Trainer::new(self, corpus)?.run(corpus, label)
+        Trainer::new(self, corpus, ranks)?.run(corpus, label)
     }
 }
 
-struct Trainer {
+struct Trainer<'c> {
+    /// The data-parallel ranks this trainer is one of.
+    ranks: Option<Ranks<'c>>,
     config: ModelConfig,
     options: Options,
-    folder: Folder,
+    /// The run's folder: `None` on data-parallel ranks other than 0, which write nothing.
+    folder: Option<Folder>,
+    dir: PathBuf,
     /// The model's TOML, without `weights`.
     model_toml: String,
     data: super::state::DataPrint,
@@ -276,8 +375,8 @@ struct Trainer {
     losses: Vec<StepLoss>,
 }
 
-impl Trainer {
-    fn new(run: Run, corpus: &Corpus) -> Result<Trainer, String> {
+impl<'c> Trainer<'c> {
+    fn new(run: Run, corpus: &Corpus, ranks: Option<Ranks<'c>>) -> Result<Trainer<'c>, String> {
         let candle = |e: attn::candle::core::Error| format!("error: {}", message(&e));
         let mut varmap = VarMap::new();
         let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
@@ -294,7 +393,7 @@ impl Trainer {
                 .collect(),
         )
         .map_err(candle)?;
-        let dir = run.folder.path().to_path_buf();
+        let dir = run.dir.clone();
         let (step, rng, metrics, losses) = match run.start {
             Start::Seeded => {
                 CandleModel::seed_weights(&varmap, run.options.seed).map_err(candle)?;
@@ -308,7 +407,9 @@ impl Trainer {
                         message(&e)
                     )
                 })?;
-                eprintln!("starting from the weights in {}", file.display());
+                if ranks.is_none_or(|r| r.is_root()) {
+                    eprintln!("starting from the weights in {}", file.display());
+                }
                 (0, Rng::new(run.options.seed), Vec::new(), Vec::new())
             }
             Start::Checkpoint(saved) => {
@@ -325,6 +426,8 @@ impl Trainer {
             }
         };
         Ok(Trainer {
+            ranks,
+            dir,
             model_toml: run.model_toml,
             config: run.config,
             options: run.options,
@@ -351,7 +454,7 @@ impl Trainer {
             return Err(format!(
                 "error: the run in {} has done {} steps already, as many as it was asked for; \
                  give a larger --steps to train further (at most {})",
-                self.folder.path().display(),
+                self.dir.display(),
                 self.step,
                 super::MAX_STEPS
             ));
@@ -359,8 +462,14 @@ impl Trainer {
         if self.step == 0 {
             self.check_parameters(0)?;
         }
-        self.announce(corpus, &label);
-        let bar = self.progress_bar();
+        let root = self.ranks.is_none_or(|r| r.is_root());
+        if root {
+            self.announce(corpus, &label);
+        }
+        let bar = match root {
+            true => self.progress_bar(),
+            false => ProgressBar::hidden(),
+        };
         let started = Instant::now();
         let elapsed_before = self.metrics.last().map_or(0.0, |m| m.elapsed_s);
         let mut window = Window::new();
@@ -400,7 +509,9 @@ impl Trainer {
                     metrics.val_loss,
                     metrics.tokens_per_s
                 );
-                bar.suspend(|| println!("{line}"));
+                if root {
+                    bar.suspend(|| println!("{line}"));
+                }
                 if let Err(e) = self.checkpoint(&window.losses, metrics) {
                     bar.abandon();
                     return Err(e);
@@ -461,7 +572,7 @@ impl Trainer {
                 format!("step {}", m.step),
                 format!(
                     " (continue from it with a lower learning rate: --resume {} --lr {})",
-                    self.folder.path().display(),
+                    self.dir.display(),
                     // Three significant digits: 0.0003, not 0.00030000000000000003.
                     format!("{:.2e}", self.options.lr / 10.0)
                         .parse::<f64>()
@@ -475,7 +586,7 @@ impl Trainer {
         };
         format!(
             "error: {what}; the last good checkpoint in {} is {last}{advice}",
-            self.folder.path().display()
+            self.dir.display()
         )
     }
 
@@ -486,14 +597,21 @@ impl Trainer {
         let candle = |e: attn::candle::core::Error| format!("error: step {step}: {}", message(&e));
         let documents = corpus.documents.as_ref().map(|d| d.0.as_slice());
         let windows = corpus::windows(&corpus.train, documents, o.batch, o.seq, &mut self.rng);
+        let windows = self.part(windows).map_err(candle)?;
         let loss = self.loss(&windows).map_err(candle)?;
-        let value = f64::from(loss.to_scalar::<f32>().map_err(candle)?);
+        let mut value = f64::from(loss.to_scalar::<f32>().map_err(candle)?);
+        if let Some(r) = &self.ranks {
+            value = r.mean(value)?;
+        }
         if !value.is_finite() {
             self.check_parameters(step)?;
             return Err(self.diverged(&format!("the training loss is {value} at step {step}")));
         }
         let mut grads = loss.backward().map_err(candle)?;
         let vars = self.named_vars();
+        if let Some(r) = &self.ranks {
+            r.average(&mut grads, &vars)?;
+        }
         let mut squares = 0.0;
         for (name, var) in &vars {
             if let Some(g) = grads.get(var) {
@@ -521,6 +639,20 @@ impl Trainer {
         }
         self.adamw.step(&grads, lr).map_err(candle)?;
         Ok(value)
+    }
+
+    /// This rank's part of a batch of windows (all of it without data-parallel ranks).
+    fn part(
+        &self,
+        (windows, documents): (Tensor, Option<Tensor>),
+    ) -> attn::candle::core::Result<(Tensor, Option<Tensor>)> {
+        let Some(r) = &self.ranks else {
+            return Ok((windows, documents));
+        };
+        Ok((
+            r.part(&windows)?,
+            documents.map(|d| r.part(&d)).transpose()?,
+        ))
     }
 
     /// The model's variables by name, in name order.
@@ -580,10 +712,14 @@ impl Trainer {
                 &mut rng,
             );
             let loss = self
-                .loss(&windows)
+                .part(windows)
+                .and_then(|w| self.loss(&w))
                 .and_then(|l| l.to_scalar::<f32>())
                 .map_err(|e| format!("error: validation: {}", message(&e)))?;
-            total += f64::from(loss);
+            total += match &self.ranks {
+                Some(r) => r.mean(f64::from(loss))?,
+                None => f64::from(loss),
+            };
         }
         Ok(total / EVAL_BATCHES as f64)
     }
@@ -594,6 +730,9 @@ impl Trainer {
         self.check_parameters(self.step)?;
         self.metrics.push(metrics);
         self.losses.extend_from_slice(steps);
+        let Some(folder) = &self.folder else {
+            return Ok(());
+        };
         let state = State {
             options: self.options.clone(),
             step: self.step,
@@ -605,7 +744,7 @@ impl Trainer {
             .map_err(|e| format!("error: the model's TOML: {e}"))?;
         let out = |e: attn::candle::core::Error| message(&e);
         checkpoint::write(
-            &self.folder,
+            folder,
             &state,
             Writes {
                 weights: &|path| self.varmap.save(path).map_err(out),
