@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The MPI engine in use (idempotent; installs Open MPI and libclang from apt when missing):
 # context-parallel attention under `mpirun -n 2` and `-n 4` (Ulysses and ring, forward and
-# backward, each rank's part against the single call), and ranks that fail: a wrong-sized
-# buffer and a rank that exits must end the job with an error, in bounded time.
+# backward, each rank's part against the single call); ranks that fail (a wrong-sized buffer,
+# a rank that exits) end the job with an error in bounded time; `attnc train` over two MPI
+# ranks, data- and context-parallel, equal to one process; and a rank killed mid-run, whose
+# run resumes to the same end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -92,6 +94,11 @@ print(f"{len(a)} steps, largest relative difference {worst:.1e}")
 PY
 }
 same_losses "$T/one" "$T/two"
+
+echo "== attnc train --context-parallel 2 under mpirun -n 2 (ring): equal to one process"
+timeout 300 "${MPIRUN[@]}" -n 2 "$ATTNC" "${TRAIN[@]}" --steps 60 --context-parallel 2 \
+  --out "$T/context" > /dev/null 2>&1
+same_losses "$T/one" "$T/context"
 
 echo "== a rank killed mid-run: the job ends, and the last checkpoint resumes to the same end"
 "${MPIRUN[@]}" -n 2 "$ATTNC" "${TRAIN[@]}" --steps 60 --out "$T/killed" > /dev/null 2>&1 &

@@ -173,28 +173,74 @@ pub fn attention_with_data(
     op::check_inputs(variant, q, k, v)?;
     let ordered = op::check_learned(variant, learned)?;
     let (fixed, floats) = op::check_data(variant, data)?;
-    let (op, third) = if ordered.is_empty() && variant.spec().data.is_empty() {
-        (op::AttentionOp::new(variant, position_offset), v.clone())
-    } else {
-        let mut parts = vec![v.to_dtype(candle_core::DType::F32)?.flatten_all()?];
-        for t in ordered.iter().chain(floats.iter().map(|(_, t)| t)) {
-            parts.push(t.flatten_all()?);
-        }
-        let mut tensors = variant.spec().learnable_tensors();
-        tensors.extend(floats.iter().map(|(n, t)| (n.clone(), t.dims().to_vec())));
-        let packing = op::Packing {
-            v_dims: v.dims().to_vec(),
-            tensors,
-        };
-        (
-            op::AttentionOp::packed(variant, position_offset, packing, fixed),
-            Tensor::cat(&parts, 0)?,
-        )
-    };
+    let (op, third) = op_and_third(variant, v, &ordered, (fixed, floats), position_offset)?;
     let saved = op.saved();
     let out = q.apply_op3(k, &third, op)?;
     let lse = saved.lse_tensor(q.device())?;
     Ok((out, lse))
+}
+
+/// The ranks a context-parallel call's sequence is split over, and how
+/// ([`crate::distributed::ContextParallel`]).
+#[derive(Clone)]
+pub struct Context {
+    /// The group of ranks.
+    pub comm: Arc<dyn crate::distributed::Communicator>,
+    /// Ulysses or ring.
+    pub scheme: crate::distributed::Scheme,
+}
+
+/// One rank's part of context-parallel attention: q, k and v hold the positions
+/// [`crate::distributed::ContextParallel::split`] gives this rank of a sequence of `ranks * L`
+/// (from position 0); every rank of `context` calls it with its part. Gradients flow into q, k,
+/// v and the learnable tensors; a learnable tensor's gradient is this rank's share (sum it over
+/// the ranks, as data-parallel training does with every weight's). Data tensors are not taken.
+pub fn attention_context_parallel(
+    variant: &Arc<Variant>,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    learned: &[(&str, &Tensor)],
+    context: &Context,
+) -> candle_core::Result<Tensor> {
+    op::check_inputs(variant, q, k, v)?;
+    let ordered = op::check_learned(variant, learned)?;
+    if !variant.spec().data.is_empty() {
+        candle_core::bail!(
+            "attn::candle: context-parallel attention takes no data tensors (spec `{}`)",
+            variant.text()
+        );
+    }
+    let (op, third) = op_and_third(variant, v, &ordered, (Vec::new(), Vec::new()), 0)?;
+    q.apply_op3(k, &third, op.in_context(context))
+}
+
+/// The op for a call and its third input: v alone, or v packed with the learnable tensors
+/// (`ordered`) and the f32 data tensors (`data.1`; `data.0` the i32 ones the op holds).
+fn op_and_third(
+    variant: &Arc<Variant>,
+    v: &Tensor,
+    ordered: &[&Tensor],
+    (fixed, floats): op::CheckedData,
+    position_offset: i64,
+) -> candle_core::Result<(op::AttentionOp, Tensor)> {
+    if ordered.is_empty() && variant.spec().data.is_empty() {
+        return Ok((op::AttentionOp::new(variant, position_offset), v.clone()));
+    }
+    let mut parts = vec![v.to_dtype(candle_core::DType::F32)?.flatten_all()?];
+    for t in ordered.iter().chain(floats.iter().map(|(_, t)| t)) {
+        parts.push(t.flatten_all()?);
+    }
+    let mut tensors = variant.spec().learnable_tensors();
+    tensors.extend(floats.iter().map(|(n, t)| (n.clone(), t.dims().to_vec())));
+    let packing = op::Packing {
+        v_dims: v.dims().to_vec(),
+        tensors,
+    };
+    Ok((
+        op::AttentionOp::packed(variant, position_offset, packing, fixed),
+        Tensor::cat(&parts, 0)?,
+    ))
 }
 
 /// Attention over a variable-length batch in FlashAttention's packed layout (see

@@ -28,6 +28,9 @@ pub struct CandleModel {
     layers: Vec<Block>,
     norm: Norm,
     lm_head: Option<Tensor>,
+    /// When set, the tokens are one rank's part of each sequence and every attention runs
+    /// context-parallel over the ranks.
+    context: Option<super::Context>,
 }
 
 /// `x W^T + b`.
@@ -440,7 +443,16 @@ impl CandleModel {
             layers,
             norm: Norm::new(&vb, "model.norm", d, config)?,
             lm_head,
+            context: None,
         })
+    }
+
+    /// Makes the model one rank's part of context-parallel training: the tokens it is given are
+    /// the positions [`crate::distributed::ContextParallel::split`] gives this rank of every
+    /// window, and each attention runs over the ranks of `context` (`None`: a whole model
+    /// again). Packed windows (document masks) are refused in this mode.
+    pub fn set_context(&mut self, context: Option<super::Context>) {
+        self.context = context;
     }
 
     /// Sets every matrix of `varmap` (rank 2: projections, embeddings, the head) to values
@@ -560,9 +572,16 @@ impl CandleModel {
         let v = heads(split(block.v.forward(h)?, hkv, spec.v_head_dim, None)?)?;
         let learned: Vec<(&str, &Tensor)> =
             block.learned.iter().map(|(n, t)| (n.as_str(), t)).collect();
-        let a = match documents {
-            None => attention_learned(&block.variant, &q, &k, &v, &learned, 0)?,
-            Some(ids) => {
+        let a = match (documents, &self.context) {
+            (None, None) => attention_learned(&block.variant, &q, &k, &v, &learned, 0)?,
+            (None, Some(c)) => {
+                super::attention_context_parallel(&block.variant, &q, &k, &v, &learned, c)?
+            }
+            (Some(_), Some(_)) => candle_core::bail!(
+                "attn::candle: context parallelism does not take packed windows (document \
+                 masks) yet"
+            ),
+            (Some(ids), None) => {
                 let data = [(DOCUMENT_IDS, ids)];
                 let variant = block.packed_variant()?;
                 attention_with_data(variant, &q, &k, &v, &learned, &data, 0)?.0

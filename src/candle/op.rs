@@ -2,6 +2,7 @@
 //! the forward kept.
 
 use super::convert::{candle_dtype, to_attn, to_candle};
+use crate::distributed::ContextParallel;
 use crate::runtime::Tensor as AttnTensor;
 use crate::runtime::learned::{DataBuf, DataVec, data_views};
 use crate::{Backend, BackwardInputs, CpuBackend, HeadsBackward, Inputs, Learned, Variant};
@@ -155,6 +156,9 @@ pub(super) fn check_learned<'t>(
 /// Data tensors by name, with their values.
 type OwnedData = Vec<(String, DataBuf)>;
 
+/// A call's checked data tensors: the i32 ones' values, and the f32 ones by name.
+pub(super) type CheckedData<'t> = (OwnedData, Vec<(String, &'t Tensor)>);
+
 /// A call's data tensors checked against the spec (each declared one given once, none other,
 /// on the CPU; i32 ones as I32, U32 or I64 tensors whose values fit i32, f32 ones as F32): the
 /// i32 ones' values, and the f32 ones in declaration order (they travel in the third input and
@@ -162,7 +166,7 @@ type OwnedData = Vec<(String, DataBuf)>;
 pub(super) fn check_data<'t>(
     variant: &Variant,
     data: &[(&str, &'t Tensor)],
-) -> candle_core::Result<(OwnedData, Vec<(String, &'t Tensor)>)> {
+) -> candle_core::Result<CheckedData<'t>> {
     let spec = variant.spec();
     let refuse = |what: String| {
         candle_core::Error::Msg(format!("attn::candle: {what} (spec `{}`)", variant.text()))
@@ -302,6 +306,8 @@ pub(super) struct AttentionOp {
     packing: Option<Packing>,
     /// The call's i32 data tensors (f32 ones travel in the packed third input).
     data: Vec<(String, DataBuf)>,
+    /// The ranks this call's sequence is split over, when it is one rank's part.
+    context: Option<super::Context>,
 }
 
 impl AttentionOp {
@@ -312,6 +318,15 @@ impl AttentionOp {
             saved: Arc::default(),
             packing: None,
             data: Vec::new(),
+            context: None,
+        }
+    }
+
+    /// The op as one rank's part of a context-parallel call.
+    pub(super) fn in_context(self, context: &super::Context) -> Self {
+        AttentionOp {
+            context: Some(context.clone()),
+            ..self
         }
     }
 
@@ -356,14 +371,23 @@ impl CustomOp3 for AttentionOp {
         };
         let (learned, data) = split_data(&self.variant, &self.data, &learned);
         let data = data_views(&data);
-        let output = CpuBackend::new()
-            .forward_learned(
+        let learned = Learned::new(&learned).with_data(&data);
+        let cpu = CpuBackend::new();
+        let output = match &self.context {
+            None => cpu.forward_learned(
                 &self.variant,
                 Inputs::heads(&q, &k, &v),
                 self.position_offset,
-                Learned::new(&learned).with_data(&data),
-            )
-            .map_err(candle_core::Error::wrap)?;
+                learned,
+            ),
+            Some(c) => ContextParallel::new(c.comm.as_ref(), &cpu, c.scheme).forward(
+                &self.variant,
+                [&q, &k, &v],
+                self.position_offset,
+                learned,
+            ),
+        }
+        .map_err(candle_core::Error::wrap)?;
         *self.saved.lse.lock().map_err(|_| lost())? = Some(output.lse);
         let shape = Shape::from(output.out.shape());
         Ok((to_candle(output.out), shape))
@@ -402,14 +426,21 @@ impl CustomOp3 for AttentionOp {
         };
         let (plain, data) = split_data(&self.variant, &self.data, &learned);
         let data = data_views(&data);
-        let grads = CpuBackend::new()
-            .backward_learned(
+        let learned_call = Learned::new(&plain).with_data(&data);
+        let cpu = CpuBackend::new();
+        let grads = match &self.context {
+            None => cpu
+                .backward_learned(&self.variant, &BackwardInputs::Heads(x), learned_call)
+                .and_then(|g| g.heads()),
+            // Each rank's share of the learnable tensors' gradients: the caller's reduction
+            // over the ranks (as of every weight's gradient) sums them.
+            Some(c) => ContextParallel::new(c.comm.as_ref(), &cpu, c.scheme).backward_shares(
                 &self.variant,
-                &BackwardInputs::Heads(x),
-                Learned::new(&plain).with_data(&data),
-            )
-            .and_then(|g| g.heads())
-            .map_err(candle_core::Error::wrap)?;
+                &x,
+                learned_call,
+            ),
+        }
+        .map_err(candle_core::Error::wrap)?;
         let device = Device::Cpu;
         let third = match &self.packing {
             None => candle_of(grads.dv, &device)?,

@@ -991,10 +991,11 @@ fn a_packed_run_keeps_its_documents_apart_and_resumes_packed() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-/// `--ranks 2` splits every batch over two data-parallel ranks and averages their gradients:
-/// the run's losses and final weights are those of one process with the same --batch (to
-/// float rounding), it resumes with another number of ranks, and a batch that does not split
-/// is refused before the folder is made.
+/// `--ranks 2` splits every batch over two data-parallel ranks and averages their gradients;
+/// with `--context-parallel 2` the ranks split every sequence instead (ring and Ulysses). Each
+/// run's losses and final weights are those of one process with the same --batch (to float
+/// rounding); a data-parallel run resumes with another number of ranks, and a batch that does
+/// not split is refused before the folder is made.
 #[cfg(feature = "candle")]
 #[test]
 fn data_parallel_ranks_train_as_one_process_with_the_same_batch() {
@@ -1039,23 +1040,35 @@ fn data_parallel_ranks_train_as_one_process_with_the_same_batch() {
     };
     let one = run("one", &[]);
     let two = run("two", &["--ranks", "2"]);
-    let (a, b) = (losses(&one), losses(&two));
+    let a = losses(&one);
     assert_eq!(a.len(), 20);
-    for (step, (x, y)) in a.iter().zip(&b).enumerate() {
-        assert!(
-            (x - y).abs() <= 1e-5 * x.abs(),
-            "step {}: {x} against {y}",
-            step + 1
-        );
+    let wa = weights(&one, 20);
+    let ring = run("ring", &["--ranks", "2", "--context-parallel", "2"]);
+    let ulysses = run(
+        "ulysses",
+        &[
+            "--ranks",
+            "2",
+            "--context-parallel",
+            "2",
+            "--scheme",
+            "ulysses",
+        ],
+    );
+    for other in [&two, &ring, &ulysses] {
+        for (step, (x, y)) in a.iter().zip(&losses(other)).enumerate() {
+            let close = (x - y).abs() <= 1e-5 * x.abs();
+            assert!(close, "{other:?} step {}: {x} against {y}", step + 1);
+        }
+        let wb = weights(other, 20);
+        assert_eq!(wa.len(), wb.len());
+        let worst = wa
+            .iter()
+            .zip(&wb)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(worst <= 1e-4, "{other:?}: weights differ by {worst}");
     }
-    let (wa, wb) = (weights(&one, 20), weights(&two, 20));
-    assert_eq!(wa.len(), wb.len());
-    let worst = wa
-        .iter()
-        .zip(&wb)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0f32, f32::max);
-    assert!(worst <= 1e-4, "weights differ by {worst}");
     assert!(
         std::fs::read_dir(&two).unwrap().count() == std::fs::read_dir(&one).unwrap().count(),
         "rank 1 wrote files of its own"

@@ -69,6 +69,43 @@ pub trait Communicator: Send + Sync {
     }
 }
 
+/// A shared communicator is one (a rank's `Arc` handed to the ops that keep it).
+impl<C: Communicator + ?Sized> Communicator for std::sync::Arc<C> {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+
+    fn size(&self) -> usize {
+        (**self).size()
+    }
+
+    fn engine(&self) -> &'static str {
+        (**self).engine()
+    }
+
+    fn send_recv(
+        &self,
+        send: &[f32],
+        to: usize,
+        recv: &mut [f32],
+        from: usize,
+    ) -> Result<(), CommError> {
+        (**self).send_recv(send, to, recv, from)
+    }
+
+    fn all_to_all(&self, send: &[f32], recv: &mut [f32]) -> Result<(), CommError> {
+        (**self).all_to_all(send, recv)
+    }
+
+    fn all_reduce_sum(&self, values: &mut [f32]) -> Result<(), CommError> {
+        (**self).all_reduce_sum(values)
+    }
+
+    fn all_gather(&self, send: &[f32], recv: &mut [f32]) -> Result<(), CommError> {
+        (**self).all_gather(send, recv)
+    }
+}
+
 /// Checks that a buffer of `len` values splits into `parts` equal blocks, for all-to-all.
 pub(crate) fn block_len(comm: &dyn Communicator, len: usize) -> Result<usize, CommError> {
     let n = comm.size();

@@ -126,6 +126,20 @@ impl<'a> ContextParallel<'a> {
         x: &HeadsBackward,
         learned: Learned,
     ) -> Result<HeadGradients, RuntimeError> {
+        let mut g = self.backward_shares(variant, x, learned)?;
+        self.sum_learned(&mut g.learned)?;
+        Ok(g)
+    }
+
+    /// [`ContextParallel::backward`] with each learnable tensor's gradient left as this rank's
+    /// share, for a caller that sums (or averages) every gradient over the ranks itself, as
+    /// data-parallel training does with its weights'.
+    pub fn backward_shares(
+        &self,
+        variant: &Variant,
+        x: &HeadsBackward,
+        learned: Learned,
+    ) -> Result<HeadGradients, RuntimeError> {
         let spec = variant.spec();
         let split = self.check(variant, [x.q, x.k, x.v], &learned)?;
         let (b, l) = (x.q.shape()[0], split.local_len());
@@ -170,7 +184,6 @@ impl<'a> ContextParallel<'a> {
                     .push((format!("d{SINKS_NAME}"), Tensor::from_f32(&[h], d)?));
             }
         }
-        self.sum_learned(&mut g.learned)?;
         Ok(g)
     }
 

@@ -19,23 +19,25 @@ pub use layout::SeqSplit;
 pub use mpi::MpiComm;
 pub use threads::ThreadComm;
 
+use std::sync::Arc;
+
 /// Runs `f` on `ranks` threads, each with its rank of a new in-process group, and returns
-/// their results in rank order. A rank's communicator is dropped when its `f` returns, so its
-/// peers' waits on it end.
-pub fn run_ranks<T: Send>(ranks: usize, f: impl Fn(&ThreadComm) -> T + Sync) -> Vec<T> {
+/// their results in rank order. A rank's communicator is dropped when its `f` returns and
+/// whatever it gave a clone of drops it, so its peers' waits on it end.
+pub fn run_ranks<T: Send>(ranks: usize, f: impl Fn(&Arc<ThreadComm>) -> T + Sync) -> Vec<T> {
     run_ranks_with(threads::group(ranks), f)
 }
 
 /// [`run_ranks`] over a group made already (with its own timeout, say).
 pub fn run_ranks_with<T: Send>(
     group: Vec<ThreadComm>,
-    f: impl Fn(&ThreadComm) -> T + Sync,
+    f: impl Fn(&Arc<ThreadComm>) -> T + Sync,
 ) -> Vec<T> {
     let f = &f;
     std::thread::scope(|s| {
         let handles: Vec<_> = group
             .into_iter()
-            .map(|comm| s.spawn(move || f(&comm)))
+            .map(|comm| s.spawn(move || f(&Arc::new(comm))))
             .collect();
         handles
             .into_iter()

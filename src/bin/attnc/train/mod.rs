@@ -4,6 +4,8 @@
 #[cfg(feature = "candle")]
 pub mod checkpoint;
 #[cfg(feature = "candle")]
+mod context;
+#[cfg(feature = "candle")]
 pub mod corpus;
 #[cfg(feature = "candle")]
 pub mod folder;
@@ -72,6 +74,15 @@ pub struct Args {
     /// MPI's processes instead.
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=MAX_RANKS))]
     pub ranks: u64,
+    /// Context parallelism: the N ranks (--ranks N, or mpirun -n N) split every sequence
+    /// instead of the batch, each taking its positions of every window, and each attention
+    /// runs over them (--scheme); the run equals one rank with the same --batch and --seq.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(2..=MAX_RANKS))]
+    pub context_parallel: Option<u64>,
+    /// How --context-parallel splits attention: ring (keys and values passed around the
+    /// ranks) or ulysses (an all-to-all over heads; the heads must divide over the ranks).
+    #[arg(long, value_name = "SCHEME", default_value = "ring", value_parser = ["ring", "ulysses"], requires = "context_parallel")]
+    pub scheme: String,
     /// How to train.
     #[command(flatten)]
     pub training: Training,

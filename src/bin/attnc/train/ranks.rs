@@ -1,21 +1,27 @@
-//! Data-parallel training: ranks that each take an equal part of every step's global batch,
-//! with losses and gradients averaged over them (all-reduces), so that every rank takes the same
+//! Training over ranks: each takes an equal part of every step's global batch (data
+//! parallelism: its sequences; context parallelism: its positions of every sequence), with
+//! losses and gradients averaged over them (all-reduces), so that every rank takes the same
 //! optimizer step and the run equals one process with the same global batch. Ranks are threads
 //! of one process (`--ranks N`) or MPI processes (`mpirun`, a build with the `mpi` feature);
 //! rank 0 alone writes the run's folder and prints progress.
 
+use std::sync::Arc;
+
 use attn::candle::core::backprop::GradStore;
 use attn::candle::core::{Tensor, Var};
-use attn::distributed::Communicator;
+use attn::distributed::{Communicator, Scheme};
 
 /// Values per all-reduce of the gradients (buckets of 16 MiB): a large model's gradients are
 /// not copied into one buffer the size of the model.
 const BUCKET: usize = 4 << 20;
 
-/// This process's (or thread's) place among the ranks.
-#[derive(Clone, Copy)]
-pub struct Ranks<'a> {
-    comm: &'a dyn Communicator,
+/// This process's (or thread's) place among the ranks, and how they split the batch.
+#[derive(Clone)]
+pub struct Ranks {
+    comm: Arc<dyn Communicator>,
+    /// Context parallelism's scheme, when the ranks split every sequence rather than the
+    /// batch; its split of the positions is [`Ranks::positions`].
+    context: Option<(Scheme, Vec<u32>)>,
 }
 
 fn comm_error(e: impl std::fmt::Display) -> String {
@@ -26,10 +32,42 @@ fn candle_error(e: attn::candle::core::Error) -> String {
     format!("error: data-parallel training: {e}")
 }
 
-impl<'a> Ranks<'a> {
-    /// The ranks of `comm`'s group.
-    pub fn new(comm: &'a dyn Communicator) -> Ranks<'a> {
-        Ranks { comm }
+impl Ranks {
+    /// The ranks of `comm`'s group, splitting the batch.
+    pub fn new(comm: Arc<dyn Communicator>) -> Ranks {
+        Ranks {
+            comm,
+            context: None,
+        }
+    }
+
+    /// The ranks splitting every sequence: this rank takes `positions` of each (in order) and
+    /// the model's attention runs context-parallel with `scheme`.
+    pub fn splitting_sequences(self, scheme: Scheme, positions: Vec<u32>) -> Ranks {
+        Ranks {
+            context: Some((scheme, positions)),
+            ..self
+        }
+    }
+
+    /// The context of the model's attention, when the ranks split sequences.
+    pub fn context(&self) -> Option<attn::candle::Context> {
+        self.context
+            .as_ref()
+            .map(|(scheme, _)| attn::candle::Context {
+                comm: Arc::clone(&self.comm),
+                scheme: *scheme,
+            })
+    }
+
+    /// The group's communicator.
+    pub fn comm(&self) -> &dyn Communicator {
+        self.comm.as_ref()
+    }
+
+    /// This rank's (0-based) rank.
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
     }
 
     /// Whether this is rank 0, which writes the run.
@@ -42,10 +80,26 @@ impl<'a> Ranks<'a> {
         self.comm.size()
     }
 
-    /// This rank's part of a batch `[B, ..]`: `B / ranks` rows (the batch is checked to divide).
-    pub fn part(&self, batch: &Tensor) -> attn::candle::core::Result<Tensor> {
-        let n = batch.dim(0)? / self.size();
-        batch.narrow(0, self.comm.rank() * n, n)
+    /// This rank's inputs and targets of windows `[B, seq + 1]` (the batch is checked to divide
+    /// over the ranks, or the sequence): `B / ranks` whole windows, or this rank's positions
+    /// of every window.
+    pub fn part(&self, windows: &Tensor, seq: usize) -> attn::candle::core::Result<[Tensor; 2]> {
+        match &self.context {
+            None => {
+                let n = windows.dim(0)? / self.size();
+                let mine = windows.narrow(0, self.comm.rank() * n, n)?;
+                Ok([mine.narrow(1, 0, seq)?, mine.narrow(1, 1, seq)?])
+            }
+            Some((_, positions)) => {
+                let at = Tensor::new(positions.as_slice(), windows.device())?;
+                let next: Vec<u32> = positions.iter().map(|p| p + 1).collect();
+                let next = Tensor::new(next.as_slice(), windows.device())?;
+                Ok([
+                    windows.index_select(&at, 1)?,
+                    windows.index_select(&next, 1)?,
+                ])
+            }
+        }
     }
 
     /// The mean of every rank's `x`.
@@ -102,6 +156,18 @@ impl<'a> Ranks<'a> {
     }
 }
 
+/// Refuses a batch that does not split evenly over the data-parallel ranks.
+pub fn check_batch_splits(batch: usize, ranks: &Ranks) -> Result<(), String> {
+    if batch.is_multiple_of(ranks.size()) {
+        return Ok(());
+    }
+    Err(format!(
+        "error: --batch {batch} does not split over {} data-parallel ranks; allowed: a multiple \
+         of the ranks",
+        ranks.size()
+    ))
+}
+
 /// Runs `train` as the ranks it is given: MPI's processes under `mpirun` (an attnc built with
 /// the `mpi` feature), `ranks` threads of this process, or this process alone. With threads,
 /// rank 0's error is the one returned (the other ranks' are mostly that rank 0 left).
@@ -122,8 +188,9 @@ pub fn with_ranks(
     if ranks == 1 {
         return train(None);
     }
-    let results =
-        attn::distributed::run_ranks(ranks as usize, |comm| train(Some(Ranks::new(comm))));
+    let results = attn::distributed::run_ranks(ranks as usize, |comm| {
+        train(Some(Ranks::new(Arc::clone(comm) as Arc<dyn Communicator>)))
+    });
     match results.iter().position(Result::is_err) {
         None => Ok(()),
         Some(first) => {
@@ -143,8 +210,8 @@ fn launched_by_mpi() -> bool {
 
 #[cfg(feature = "mpi")]
 fn with_mpi(train: impl Fn(Option<Ranks>) -> Result<(), String>) -> Result<(), String> {
-    let comm = attn::distributed::MpiComm::init().map_err(comm_error)?;
-    let result = train(Some(Ranks::new(&comm)));
+    let comm = Arc::new(attn::distributed::MpiComm::init().map_err(comm_error)?);
+    let result = train(Some(Ranks::new(Arc::clone(&comm) as Arc<dyn Communicator>)));
     if let Err(e) = &result {
         // The other ranks may be waiting in a collective for this one: end the job.
         eprintln!("rank {}: {e}", comm.rank());

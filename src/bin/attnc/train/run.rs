@@ -30,27 +30,39 @@ pub fn train(args: Args) -> Result<(), String> {
 /// Trains as rank `ranks` (or alone): rank 0 claims the folder and writes the run; the other
 /// ranks read the same model, corpus and checkpoint, and take their part of every batch.
 fn train_as(args: &Args, ranks: Option<Ranks>) -> Result<(), String> {
-    let root = ranks.is_none_or(|r| r.is_root());
-    if let Some(r) = ranks
+    let root = ranks.as_ref().is_none_or(Ranks::is_root);
+    let context = args.context_parallel.is_some();
+    if let Some(r) = &ranks
         && args.resume.is_none()
+        && !context
     {
         // A new run's batch is checked before its folder is claimed; a resumed run's below.
-        check_batch_splits(args.training.batch as usize, r)?;
+        super::ranks::check_batch_splits(args.training.batch as usize, r)?;
     }
     let prepared = match &args.resume {
         Some(dir) => resume(args, dir, root),
         None => start(args, root),
     };
-    if let Some(r) = ranks
+    if let Some(r) = &ranks
         && !r.all_ok(prepared.is_ok())?
     {
         prepared?;
         return Err("error: another rank could not start the run (its error is above)".into());
     }
     let (run, corpus) = prepared?;
-    if let Some(r) = ranks {
-        check_batch_splits(run.options.batch, r)?;
-    }
+    let ranks = match (ranks, args.context_parallel) {
+        (Some(r), None) => {
+            super::ranks::check_batch_splits(run.options.batch, &r)?;
+            Some(r)
+        }
+        (ranks, Some(n)) => Some(super::context::split_sequences(
+            ranks,
+            (n, &args.scheme),
+            &run.config.attention,
+            &run.options,
+        )?),
+        (None, None) => None,
+    };
     let out = run.dir.clone();
     let vocab = run.config.vocab;
     let metrics = run.train_ranked(&corpus, "", ranks)?;
@@ -90,18 +102,6 @@ pub fn options(training: &Training, seed: u64) -> Options {
         eval_every: training.eval_every,
         pack: training.pack.clone(),
     }
-}
-
-/// Refuses a batch that does not split evenly over the data-parallel ranks.
-fn check_batch_splits(batch: usize, ranks: Ranks) -> Result<(), String> {
-    if batch.is_multiple_of(ranks.size()) {
-        return Ok(());
-    }
-    Err(format!(
-        "error: --batch {batch} does not split over {} data-parallel ranks; allowed: a multiple \
-         of the ranks",
-        ranks.size()
-    ))
 }
 
 /// Where a run starts: random weights of its seed, trained weights, or a checkpoint.
@@ -355,9 +355,9 @@ impl Run {
     }
 }
 
-struct Trainer<'c> {
+struct Trainer {
     /// The data-parallel ranks this trainer is one of.
-    ranks: Option<Ranks<'c>>,
+    ranks: Option<Ranks>,
     config: ModelConfig,
     options: Options,
     /// The run's folder: `None` on data-parallel ranks other than 0, which write nothing.
@@ -375,12 +375,13 @@ struct Trainer<'c> {
     losses: Vec<StepLoss>,
 }
 
-impl<'c> Trainer<'c> {
-    fn new(run: Run, corpus: &Corpus, ranks: Option<Ranks<'c>>) -> Result<Trainer<'c>, String> {
+impl Trainer {
+    fn new(run: Run, corpus: &Corpus, ranks: Option<Ranks>) -> Result<Trainer, String> {
         let candle = |e: attn::candle::core::Error| format!("error: {}", message(&e));
         let mut varmap = VarMap::new();
         let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
-        let model = CandleModel::new(&run.config, vb).map_err(candle)?;
+        let mut model = CandleModel::new(&run.config, vb).map_err(candle)?;
+        model.set_context(ranks.as_ref().and_then(Ranks::context));
         let vars = sorted_vars(&varmap);
         // Weight decay on the matrices only, not on norms and biases.
         let decay = run.options.weight_decay;
@@ -407,7 +408,7 @@ impl<'c> Trainer<'c> {
                         message(&e)
                     )
                 })?;
-                if ranks.is_none_or(|r| r.is_root()) {
+                if ranks.as_ref().is_none_or(Ranks::is_root) {
                     eprintln!("starting from the weights in {}", file.display());
                 }
                 (0, Rng::new(run.options.seed), Vec::new(), Vec::new())
@@ -462,7 +463,7 @@ impl<'c> Trainer<'c> {
         if self.step == 0 {
             self.check_parameters(0)?;
         }
-        let root = self.ranks.is_none_or(|r| r.is_root());
+        let root = self.ranks.as_ref().is_none_or(Ranks::is_root);
         if root {
             self.announce(corpus, &label);
         }
@@ -597,8 +598,10 @@ impl<'c> Trainer<'c> {
         let candle = |e: attn::candle::core::Error| format!("error: step {step}: {}", message(&e));
         let documents = corpus.documents.as_ref().map(|d| d.0.as_slice());
         let windows = corpus::windows(&corpus.train, documents, o.batch, o.seq, &mut self.rng);
-        let windows = self.part(windows).map_err(candle)?;
-        let loss = self.loss(&windows).map_err(candle)?;
+        let loss = self
+            .part(windows)
+            .and_then(|batch| self.loss(&batch))
+            .map_err(candle)?;
         let mut value = f64::from(loss.to_scalar::<f32>().map_err(candle)?);
         if let Some(r) = &self.ranks {
             value = r.mean(value)?;
@@ -641,18 +644,27 @@ impl<'c> Trainer<'c> {
         Ok(value)
     }
 
-    /// This rank's part of a batch of windows (all of it without data-parallel ranks).
+    /// This rank's inputs and targets (`[B', S']` each) of a batch of windows `[B, seq + 1]`
+    /// (all of it without ranks), and their document ids.
     fn part(
         &self,
         (windows, documents): (Tensor, Option<Tensor>),
-    ) -> attn::candle::core::Result<(Tensor, Option<Tensor>)> {
-        let Some(r) = &self.ranks else {
-            return Ok((windows, documents));
+    ) -> attn::candle::core::Result<Batch> {
+        let seq = self.options.seq;
+        let [inputs, targets] = match &self.ranks {
+            Some(r) => r.part(&windows, seq)?,
+            None => [windows.narrow(1, 0, seq)?, windows.narrow(1, 1, seq)?],
         };
-        Ok((
-            r.part(&windows)?,
-            documents.map(|d| r.part(&d)).transpose()?,
-        ))
+        let documents = match (documents, &self.ranks) {
+            (Some(d), Some(r)) => Some(r.part(&d, seq)?[0].clone()),
+            (Some(d), None) => Some(d.narrow(1, 0, seq)?),
+            (None, _) => None,
+        };
+        Ok(Batch {
+            inputs,
+            targets,
+            documents,
+        })
     }
 
     /// The model's variables by name, in name order.
@@ -681,21 +693,13 @@ impl<'c> Trainer<'c> {
         Ok(())
     }
 
-    /// Mean next-token cross-entropy of `[B, seq + 1]` windows (with each token's document id,
-    /// for packed training).
-    fn loss(
-        &self,
-        (windows, documents): &(Tensor, Option<Tensor>),
-    ) -> attn::candle::core::Result<Tensor> {
-        let seq = self.options.seq;
-        let inputs = windows.narrow(1, 0, seq)?;
-        let targets = windows.narrow(1, 1, seq)?.flatten_all()?;
-        let logits = match documents {
-            Some(d) => self
-                .model
-                .forward_documents(&inputs, &d.narrow(1, 0, seq)?)?,
-            None => self.model.forward(&inputs)?,
+    /// Mean next-token cross-entropy of a batch.
+    fn loss(&self, batch: &Batch) -> attn::candle::core::Result<Tensor> {
+        let logits = match &batch.documents {
+            Some(d) => self.model.forward_documents(&batch.inputs, d)?,
+            None => self.model.forward(&batch.inputs)?,
         };
+        let targets = batch.targets.flatten_all()?;
         loss::cross_entropy(&logits.reshape(((), self.config.vocab))?, &targets)
     }
 
@@ -762,6 +766,14 @@ impl<'c> Trainer<'c> {
     fn parameter_count(&self) -> usize {
         self.varmap.all_vars().iter().map(|v| v.elem_count()).sum()
     }
+}
+
+/// A step's token ids, `[B, S]` each: the inputs, the next token of each, and (packed
+/// training) each input's document id.
+struct Batch {
+    inputs: Tensor,
+    targets: Tensor,
+    documents: Option<Tensor>,
 }
 
 /// The variables of `varmap` by name, in name order (a poisoned lock still holds them; nothing
