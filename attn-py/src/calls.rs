@@ -16,16 +16,16 @@ use pyo3::prelude::*;
 use std::sync::Arc;
 
 /// Tensors given by name from Python.
-type Named<'py> = Vec<(String, Bound<'py, PyAny>)>;
+pub(crate) type Named<'py> = Vec<(String, Bound<'py, PyAny>)>;
 
 /// A call's learnable tensors (read in place) and data tensors (their values in place).
-struct CallTensors {
+pub(crate) struct CallTensors {
     learned: Vec<(String, Tensor)>,
     data: Vec<(String, Vec<usize>, DataBuffer)>,
 }
 
 /// A call's learnable tensors and data tensors as views by name.
-type Views<'a> = (Vec<(&'a str, &'a Tensor)>, Vec<(&'a str, Data<'a>)>);
+pub(crate) type Views<'a> = (Vec<(&'a str, &'a Tensor)>, Vec<(&'a str, Data<'a>)>);
 
 /// A data tensor's values.
 enum DataBuffer {
@@ -36,7 +36,7 @@ enum DataBuffer {
 impl CallTensors {
     /// Reads `params` (float32, any strides) and `data` (contiguous, of the types the spec
     /// declares) in place.
-    fn read(
+    pub(crate) fn read(
         py: Python<'_>,
         variant: &Variant,
         params: &Named,
@@ -71,7 +71,7 @@ impl CallTensors {
     }
 
     /// The tensors as the runtime's [`Learned`] takes them.
-    fn views(&self) -> Views<'_> {
+    pub(crate) fn views(&self) -> Views<'_> {
         let learned = self.learned.iter().map(|(n, t)| (n.as_str(), t)).collect();
         let data = self
             .data
@@ -103,7 +103,7 @@ fn offsets(
 }
 
 /// The checked variant of a call: refused for MLA, whose five inputs `attention_mla` takes.
-fn per_head_variant(spec: &str) -> PyResult<Arc<Variant>> {
+pub(crate) fn per_head_variant(spec: &str) -> PyResult<Arc<Variant>> {
     let variant = planned(spec)?;
     if variant.spec().mla().is_some() {
         return Err(refuse(format!(
@@ -255,4 +255,4 @@ pub fn backward(
 }
 
 /// `(dq, dk, dv, [(name, d<name>)])` as capsules.
-type GradientCapsules = (Py<PyAny>, Py<PyAny>, Py<PyAny>, Vec<(String, Py<PyAny>)>);
+pub(crate) type GradientCapsules = (Py<PyAny>, Py<PyAny>, Py<PyAny>, Vec<(String, Py<PyAny>)>);

@@ -3,10 +3,12 @@
 //! It holds what the Python layer cannot do itself: parsing and checking specs
 //! ([`variant::PyVariant`]), reading torch tensors in place ([`torch_memory`]), running attn's
 //! kernels with the GIL released ([`calls`], MLA's in [`mla_calls`]) and handing their outputs to torch without a copy
-//! ([`dlpack`]). The torch op, its autograd and its fake (shape) function are Python
+//! ([`dlpack`]), and context-parallel attention over a torch.distributed group ([`context`]).
+//! The torch op, its autograd and its fake (shape) function are Python
 //! (`attn/_op.py`), over [`calls::forward`] and [`calls::backward`].
 
 mod calls;
+mod context;
 mod dlpack;
 mod error;
 mod mla_calls;
@@ -25,5 +27,8 @@ fn _attn(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(mla_calls::forward_mla, m)?)?;
     m.add_function(wrap_pyfunction!(mla_calls::backward_mla, m)?)?;
     m.add_function(wrap_pyfunction!(variant::normalized, m)?)?;
+    m.add_function(wrap_pyfunction!(context::context_forward, m)?)?;
+    m.add_function(wrap_pyfunction!(context::context_backward, m)?)?;
+    m.add_function(wrap_pyfunction!(context::context_positions, m)?)?;
     Ok(())
 }

@@ -10,6 +10,8 @@ with autograd.
 - :func:`attention_mla`: the same for MLA variants, over their five inputs;
 - :func:`flex_attention`: the same under FlexAttention's argument names, for porting;
 - :class:`attn.nn.Attention`: a module owning a variant's learnable tensors;
+- ``attn.distributed`` (imported on its own): context-parallel attention over a
+  ``torch.distributed`` process group;
 - :class:`AttnError`: what bad input raises, carrying attn's message.
 """
 

@@ -29,6 +29,25 @@ pub enum Scheme {
     Ring,
 }
 
+impl Scheme {
+    /// How this scheme splits a sequence of `seq` positions of `variant` over `ranks`: which
+    /// positions each rank's tensors hold (zigzag for the ring under causal and sliding-window
+    /// masks, contiguous otherwise).
+    pub fn split(
+        self,
+        variant: &Variant,
+        ranks: usize,
+        seq: usize,
+    ) -> Result<SeqSplit, RuntimeError> {
+        let zigzag = self == Scheme::Ring
+            && matches!(
+                variant.spec().mask,
+                Mask::Causal(_) | Mask::SlidingWindow { .. }
+            );
+        SeqSplit::new(ranks, seq, zigzag)
+    }
+}
+
 impl FromStr for Scheme {
     type Err = String;
 
@@ -73,12 +92,7 @@ impl<'a> ContextParallel<'a> {
     /// How this scheme splits a sequence of `seq` positions for `variant`: which positions
     /// each rank's tensors hold.
     pub fn split(&self, variant: &Variant, seq: usize) -> Result<SeqSplit, RuntimeError> {
-        let zigzag = self.scheme == Scheme::Ring
-            && matches!(
-                variant.spec().mask,
-                Mask::Causal(_) | Mask::SlidingWindow { .. }
-            );
-        SeqSplit::new(self.comm.size(), seq, zigzag)
+        self.scheme.split(variant, self.comm.size(), seq)
     }
 
     /// This rank's part of the attention: q `[B, H, L, D]`, k `[B, KV, L, D]`, v `[B, KV, L,
