@@ -182,7 +182,6 @@ fn run(args: &Args, comm: &dyn Communicator) -> Result<(), RuntimeError> {
             .parse()
             .map_err(|e| RuntimeError::Spec(format!("{e}")))?;
         let variant = Variant::shared(&spec)?;
-        let whole = Whole::new(&spec, args.batch, args.seq)?;
         for &scheme in &schemes {
             let divides = |heads: u32| (heads as usize).is_multiple_of(comm.size());
             if scheme == Scheme::Ulysses && !(divides(spec.heads) && divides(spec.kv_heads())) {
@@ -199,9 +198,10 @@ fn run(args: &Args, comm: &dyn Communicator) -> Result<(), RuntimeError> {
                 sent: AtomicU64::new(0),
             };
             let report = if args.single {
-                whole.single(&variant, args.reps)?
+                let all: Vec<usize> = (0..args.seq).collect();
+                Whole::at(&spec, args.batch, &all)?.single(&variant, args.reps)?
             } else {
-                whole.parallel(&variant, &counting, scheme, args)?
+                parallel(&variant, &counting, scheme, args)?
             };
             let sent = counting.sent.load(Ordering::Relaxed) as f64 / args.reps.max(1) as f64;
             println!(
@@ -225,7 +225,9 @@ fn run(args: &Args, comm: &dyn Communicator) -> Result<(), RuntimeError> {
     Ok(())
 }
 
-/// The whole call's tensors, the same on every rank (deterministic values).
+/// A call's tensors over some positions of the sequence: q, k, v and dout. Each row's values
+/// come from its own seed (batch item, head, position), so a rank makes its part without the
+/// whole sequence, and the whole holds the same rows.
 struct Whole {
     q: Tensor,
     k: Tensor,
@@ -246,10 +248,24 @@ fn median(mut times: Vec<f64>) -> f64 {
 }
 
 impl Whole {
-    fn new(spec: &attn::AttentionSpec, b: usize, s: usize) -> Result<Whole, RuntimeError> {
+    /// The tensors' rows at `positions` (of `b` batch items).
+    fn at(
+        spec: &attn::AttentionSpec,
+        b: usize,
+        positions: &[usize],
+    ) -> Result<Whole, RuntimeError> {
         let (h, kv) = (spec.heads as usize, spec.kv_heads() as usize);
         let (d, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
-        let t = |shape: &[usize], seed| attn::inputs::tensor(spec.dtype, shape, seed);
+        let rows = |dtype, heads: usize, width: usize, seed: u64| {
+            let mut values = Vec::with_capacity(b * heads * positions.len() * width);
+            for row in 0..b * heads {
+                for &p in positions {
+                    let row_seed = seed << 56 ^ (row as u64) << 32 ^ p as u64;
+                    values.extend(attn::inputs::values(width, row_seed));
+                }
+            }
+            Tensor::from_f32_as(dtype, &[b, heads, positions.len(), width], values)
+        };
         let learned = spec
             .learnable_tensors()
             .into_iter()
@@ -263,10 +279,10 @@ impl Whole {
             })
             .collect::<Result<_, RuntimeError>>()?;
         Ok(Whole {
-            q: t(&[b, h, s, d], 1)?,
-            k: t(&[b, kv, s, d], 2)?,
-            v: t(&[b, kv, s, dv], 3)?,
-            dout: attn::inputs::tensor(attn::DType::F32, &[b, h, s, dv], 4)?,
+            q: rows(spec.dtype, h, d, 1)?,
+            k: rows(spec.dtype, kv, d, 2)?,
+            v: rows(spec.dtype, kv, dv, 3)?,
+            dout: rows(attn::DType::F32, h, dv, 4)?,
             learned,
         })
     }
@@ -306,58 +322,6 @@ impl Whole {
             forward_ms: median(fwd),
             backward_ms: median(bwd),
             checked: None,
-        })
-    }
-
-    fn parallel(
-        &self,
-        variant: &Variant,
-        comm: &dyn Communicator,
-        scheme: Scheme,
-        args: &Args,
-    ) -> Result<Report, RuntimeError> {
-        let cpu = CpuBackend::new();
-        let cp = ContextParallel::new(comm, &cpu, scheme);
-        let split = cp.split(variant, args.seq)?;
-        let me = comm.rank();
-        let (q, k, v, dout) = (
-            split.take(&self.q, me)?,
-            split.take(&self.k, me)?,
-            split.take(&self.v, me)?,
-            split.take(&self.dout, me)?,
-        );
-        let named = self.named();
-        let learned = Learned::new(&named);
-        let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
-        let mut last = None;
-        for _ in 0..args.reps.max(1) {
-            comm.barrier()?;
-            let start = Instant::now();
-            let out = cp.forward(variant, [&q, &k, &v], 0, learned)?;
-            fwd.push(start.elapsed().as_secs_f64() * 1e3);
-            comm.barrier()?;
-            let start = Instant::now();
-            let x = HeadsBackward {
-                q: &q,
-                k: &k,
-                v: &v,
-                out: &out.out,
-                lse: &out.lse,
-                dout: &dout,
-                position_offset: 0,
-            };
-            let g = cp.backward(variant, &x, learned)?;
-            bwd.push(start.elapsed().as_secs_f64() * 1e3);
-            last = Some((out, g));
-        }
-        let checked = match (args.check, last) {
-            (true, Some((out, g))) => Some(self.check(variant, &split, me, &out, &g)?),
-            _ => None,
-        };
-        Ok(Report {
-            forward_ms: median(fwd),
-            backward_ms: median(bwd),
-            checked,
         })
     }
 
@@ -429,6 +393,58 @@ impl Whole {
             ", equal to the single call (largest relative difference {worst:.1e})"
         ))
     }
+}
+
+fn parallel(
+    variant: &Variant,
+    comm: &dyn Communicator,
+    scheme: Scheme,
+    args: &Args,
+) -> Result<Report, RuntimeError> {
+    let cpu = CpuBackend::new();
+    let cp = ContextParallel::new(comm, &cpu, scheme);
+    let split = cp.split(variant, args.seq)?;
+    let me = comm.rank();
+    let mine: Vec<usize> = split.chunks(me).into_iter().flatten().collect();
+    let part = Whole::at(variant.spec(), args.batch, &mine)?;
+    let (q, k, v, dout) = (&part.q, &part.k, &part.v, &part.dout);
+    let named = part.named();
+    let learned = Learned::new(&named);
+    let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
+    let mut last = None;
+    for _ in 0..args.reps.max(1) {
+        comm.barrier()?;
+        let start = Instant::now();
+        let out = cp.forward(variant, [q, k, v], 0, learned)?;
+        fwd.push(start.elapsed().as_secs_f64() * 1e3);
+        comm.barrier()?;
+        let start = Instant::now();
+        let x = HeadsBackward {
+            q,
+            k,
+            v,
+            out: &out.out,
+            lse: &out.lse,
+            dout,
+            position_offset: 0,
+        };
+        let g = cp.backward(variant, &x, learned)?;
+        bwd.push(start.elapsed().as_secs_f64() * 1e3);
+        last = Some((out, g));
+    }
+    let checked = match (args.check, last) {
+        (true, Some((out, g))) => {
+            let all: Vec<usize> = (0..args.seq).collect();
+            let whole = Whole::at(variant.spec(), args.batch, &all)?;
+            Some(whole.check(variant, &split, me, &out, &g)?)
+        }
+        _ => None,
+    };
+    Ok(Report {
+        forward_ms: median(fwd),
+        backward_ms: median(bwd),
+        checked,
+    })
 }
 
 /// The process's peak resident memory, from /proc (0 where there is none).

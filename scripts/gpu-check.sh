@@ -13,8 +13,9 @@
 #                                      the sm_90a forward alone (H100/H200): its differential
 #                                      cases with ATTN_GPU_WGMMA=1, then its timing against our
 #                                      sm_90 kernel, cuDNN SDPA and FlexAttention
-#   scripts/gpu-check.sh --prepare     on a development machine: build attnc (features cuda, llvm)
-#                                      and examples/shipping-kernels (cuda, aot) into .gpu-bin/
+#   scripts/gpu-check.sh --prepare     on a development machine: build attnc (features cuda, llvm),
+#                                      examples/shipping-kernels (cuda, aot) and nccl_check
+#                                      (nccl: a one-rank NCCL group) into .gpu-bin/
 #                                      (ignored by git), for a GPU machine that has no Rust
 #                                      toolchain (carry .gpu-bin there)
 #
@@ -28,9 +29,11 @@ if [[ "${1:-}" == "--prepare" ]]; then
   cargo build --release --features cuda,llvm --bin attnc
   # The example whose kernels are embedded at cargo time (no compiler in it).
   cargo build --release --manifest-path examples/shipping-kernels/Cargo.toml --target-dir target
+  cargo build --release --features nccl --example nccl_check
   mkdir -p .gpu-bin
-  cp target/release/attnc target/release/shipping-kernels .gpu-bin/
-  strip .gpu-bin/attnc .gpu-bin/shipping-kernels
+  cp target/release/attnc target/release/shipping-kernels target/release/examples/nccl_check \
+    .gpu-bin/
+  strip .gpu-bin/attnc .gpu-bin/shipping-kernels .gpu-bin/nccl_check
   ls -l .gpu-bin/
   exit 0
 fi
@@ -57,6 +60,10 @@ status=0
 if [[ -x .gpu-bin/shipping-kernels ]]; then
   echo "== kernels embedded at cargo time, run against the CPU backend (examples/shipping-kernels)"
   .gpu-bin/shipping-kernels | grep -v ' from: ' || status=1
+fi
+if [[ -x .gpu-bin/nccl_check ]]; then
+  echo "== NCCL: a one-rank group on GPU 0 (needs libnccl; absent, this reports it and goes on)"
+  .gpu-bin/nccl_check || echo "nccl_check failed (libnccl missing, or a wrong result: above)"
 fi
 echo "== decode on the device against the CPU backend (attnc check-device)"
 "$attnc" check-device || status=1

@@ -63,7 +63,28 @@ impl FromStr for Scheme {
 }
 
 /// Attention over a sequence split across the ranks of `comm`, on `backend` (which must run
-/// placed calls: the CPU backend). Every rank calls the same methods with its own part.
+/// placed calls: the CPU backend). Every rank calls the same methods with its own part:
+///
+/// ```
+/// use attn_runtime::cpu::CpuBackend;
+/// use attn_runtime::distributed::{ContextParallel, Scheme, run_ranks};
+/// use attn_runtime::{Learned, RuntimeError, Tensor, Variant};
+///
+/// let variant = Variant::parse("heads = 8, kv_heads = 2, head_dim = 64, mask = causal, position = rope")?;
+/// let cpu = CpuBackend::new();
+/// // Two ranks as threads (with the `mpi` feature, `MpiComm::init()` under mpirun instead).
+/// let outs = run_ranks(2, |comm| {
+///     let cp = ContextParallel::new(comm, &cpu, Scheme::Ring);
+///     let split = cp.split(&variant, 4096)?; // which positions this rank holds
+///     let l = split.local_len();
+///     let q = attn_runtime::inputs::tensor(attn_dsl::DType::F32, &[1, 8, l, 64], 1)?;
+///     let k = attn_runtime::inputs::tensor(attn_dsl::DType::F32, &[1, 2, l, 64], 2)?;
+///     let out = cp.forward(&variant, [&q, &k, &k], 0, Learned::none())?;
+///     Ok::<Tensor, RuntimeError>(out.out) // this rank's rows of the whole call
+/// });
+/// assert!(outs.iter().all(Result::is_ok));
+/// # Ok::<(), RuntimeError>(())
+/// ```
 pub struct ContextParallel<'a> {
     comm: &'a dyn Communicator,
     backend: &'a dyn Backend,

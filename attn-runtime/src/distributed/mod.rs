@@ -1,5 +1,6 @@
 //! Attention and training beyond one process: a [`Communicator`] over an existing engine
-//! (threads in one process, [`threads`]; MPI with the `mpi` feature), and context-parallel
+//! (threads in one process, [`threads`]; MPI with the `mpi` feature; NCCL between GPUs with
+//! the `nccl` feature), and context-parallel
 //! attention over it ([`ContextParallel`]: Ulysses or ring attention).
 
 mod comm;
@@ -8,7 +9,11 @@ mod layout;
 mod merge;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 mod ring;
+#[cfg(any(feature = "mpi", feature = "nccl"))]
+mod served;
 pub mod threads;
 mod ulysses;
 
@@ -17,6 +22,8 @@ pub use context::{ContextParallel, Scheme};
 pub use layout::SeqSplit;
 #[cfg(feature = "mpi")]
 pub use mpi::MpiComm;
+#[cfg(feature = "nccl")]
+pub use nccl::NcclComm;
 pub use threads::ThreadComm;
 
 use std::sync::Arc;

@@ -1,65 +1,25 @@
 //! The MPI engine (feature `mpi`): the `mpi` crate over the system's MPI library (Open MPI or
 //! MPICH). Start the ranks with `mpirun -n N program`.
 //!
-//! Every MPI call runs on one service thread, which initializes MPI, owns its handles and
-//! finalizes it when the [`MpiComm`] is dropped: the communicator can then be shared by the
-//! threads of a rank (a ring's exchange runs beside its attention) without MPI being asked for
-//! more than `MPI_THREAD_FUNNELED`. A rank waits for the service thread at most the
-//! communicator's timeout; after it, the rank's call fails, and a rank that fails ends its
-//! process, which makes `mpirun` end every rank.
+//! MPI runs on its own service thread ([`super::served`]), which initializes it, owns its
+//! handles and finalizes it when the [`MpiComm`] is dropped: the communicator can be shared by
+//! the threads of a rank (a ring's exchange runs beside its attention) without MPI being asked
+//! for more than `MPI_THREAD_FUNNELED`.
 
-use std::sync::Mutex;
-use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
 use std::time::Duration;
 
 use mpi::datatype::Equivalence;
 use mpi::topology::{Communicator as _, SimpleCommunicator};
 use mpi::traits::*;
 
-use super::comm::{CommError, Communicator, block_len};
+use super::comm::CommError;
+use super::served::{Call, Engine, Reply, ServedComm, served_communicator};
 use super::threads::DEFAULT_TIMEOUT;
 
-/// One collective, as the service thread runs it.
-enum Call {
-    SendRecv {
-        send: Vec<f32>,
-        to: usize,
-        recv_len: usize,
-        from: usize,
-    },
-    AllToAll(Vec<f32>),
-    AllReduce(Vec<f32>),
-    AllGather(Vec<f32>),
-    Abort(i32),
-}
-
-type Reply = Result<Vec<f32>, String>;
-
-/// A call and where its reply goes.
-type Queue = Sender<(Call, Sender<Reply>)>;
-
 /// This process's rank of `MPI_COMM_WORLD`.
-pub struct MpiComm {
-    rank: usize,
-    size: usize,
-    /// The service thread's queue; `None` once dropped.
-    calls: Mutex<Option<Queue>>,
-    service: Option<std::thread::JoinHandle<()>>,
-    timeout: Duration,
-}
+pub struct MpiComm(ServedComm);
 
-impl Drop for MpiComm {
-    fn drop(&mut self) {
-        // Closing the queue ends the service thread, which finalizes MPI; wait for it, so that
-        // the process does not exit before (which `mpirun` counts as a failed rank).
-        if let Ok(mut calls) = self.calls.lock() {
-            calls.take();
-        }
-        if let Some(service) = self.service.take() {
-            let _ = service.join();
-        }
-    }
-}
+served_communicator!(MpiComm);
 
 impl MpiComm {
     /// Initializes MPI (once per process) on its service thread; a rank's calls wait for it
@@ -70,106 +30,70 @@ impl MpiComm {
 
     /// [`MpiComm::init`] with a rank's wait for a collective bounded by `timeout`.
     pub fn init_with_timeout(timeout: Duration) -> Result<MpiComm, CommError> {
-        let (calls, incoming) = channel::<(Call, Sender<Reply>)>();
-        let (ready, started) = channel::<Result<(usize, usize), String>>();
-        let service = std::thread::Builder::new()
-            .name("attn-mpi".into())
-            .spawn(move || serve(incoming, ready))
-            .map_err(|e| CommError {
-                rank: 0,
-                what: format!("cannot start MPI's thread: {e}"),
-            })?;
-        let (rank, size) = started
-            .recv()
-            .map_err(|_| "MPI's thread ended while starting".to_string())
-            .and_then(|r| r)
-            .map_err(|what| CommError { rank: 0, what })?;
-        Ok(MpiComm {
-            rank,
-            size,
-            calls: Mutex::new(Some(calls)),
-            service: Some(service),
-            timeout,
+        ServedComm::start("mpi", timeout, || {
+            let universe =
+                mpi::initialize().ok_or("MPI was initialized already in this process")?;
+            let world = universe.world();
+            Ok(Mpi {
+                world,
+                _universe: universe,
+            })
         })
+        .map(MpiComm)
     }
 
     /// Ends every rank of the job (`MPI_Abort`), for a rank that cannot go on: its peers would
     /// otherwise wait in their next collective.
     pub fn abort(&self, code: i32) {
         // The reply never comes: MPI_Abort ends the process.
-        let _ = self.call(Call::Abort(code));
-    }
-
-    fn call(&self, call: Call) -> Result<Vec<f32>, CommError> {
-        let (reply, answer) = channel();
-        let calls = self
-            .calls
-            .lock()
-            .map_err(|_| self.error("MPI's queue was poisoned by a panic".into()))?;
-        calls
-            .as_ref()
-            .and_then(|c| c.send((call, reply)).ok())
-            .ok_or_else(|| self.error("MPI's thread has ended".into()))?;
-        drop(calls);
-        match answer.recv_timeout(self.timeout) {
-            Ok(reply) => reply.map_err(|what| self.error(what)),
-            Err(RecvTimeoutError::Timeout) => Err(self.error(format!(
-                "no answer from the other ranks within {:.1} s",
-                self.timeout.as_secs_f64()
-            ))),
-            Err(RecvTimeoutError::Disconnected) => Err(self.error("MPI's thread has ended".into())),
-        }
+        let _ = self.0.call(Call::Abort(code));
     }
 }
 
-/// The service thread: initializes MPI, reports the rank and size, then runs calls until the
-/// communicator is dropped, and finalizes MPI.
-fn serve(calls: Receiver<(Call, Sender<Reply>)>, ready: Sender<Result<(usize, usize), String>>) {
-    let Some(universe) = mpi::initialize() else {
-        let _ = ready.send(Err("MPI was initialized already in this process".into()));
-        return;
-    };
-    let world = universe.world();
-    let (rank, size) = (world.rank() as usize, world.size() as usize);
-    if ready.send(Ok((rank, size))).is_err() {
-        return;
-    }
-    while let Ok((call, reply)) = calls.recv() {
-        let _ = reply.send(run(&world, call));
-    }
+/// MPI's world, on the service thread (dropping the universe finalizes MPI).
+struct Mpi {
+    world: SimpleCommunicator,
+    _universe: mpi::environment::Universe,
 }
 
-fn run(world: &SimpleCommunicator, call: Call) -> Reply {
-    match call {
-        Call::SendRecv {
-            send,
-            to,
-            recv_len,
-            from,
-        } => send_recv(world, &send, to, recv_len, from),
-        Call::AllToAll(send) => {
-            same_lengths(world, send.len(), "all-to-all")?;
-            let mut recv = vec![0f32; send.len()];
-            world.all_to_all_into(&send[..], &mut recv[..]);
-            Ok(recv)
+impl Engine for Mpi {
+    fn rank_and_size(&self) -> (usize, usize) {
+        (self.world.rank() as usize, self.world.size() as usize)
+    }
+
+    fn run(&mut self, call: Call) -> Reply {
+        let world = &self.world;
+        match call {
+            Call::SendRecv {
+                send,
+                to,
+                recv_len,
+                from,
+            } => send_recv(world, &send, to, recv_len, from),
+            Call::AllToAll(send) => {
+                same_lengths(world, send.len(), "all-to-all")?;
+                let mut recv = vec![0f32; send.len()];
+                world.all_to_all_into(&send[..], &mut recv[..]);
+                Ok(recv)
+            }
+            Call::AllReduce(values) => {
+                same_lengths(world, values.len(), "all-reduce")?;
+                let mut sum = vec![0f32; values.len()];
+                world.all_reduce_into(
+                    &values[..],
+                    &mut sum[..],
+                    mpi::collective::SystemOperation::sum(),
+                );
+                Ok(sum)
+            }
+            Call::AllGather(send) => {
+                same_lengths(world, send.len(), "all-gather")?;
+                let mut recv = vec![0f32; send.len() * world.size() as usize];
+                world.all_gather_into(&send[..], &mut recv[..]);
+                Ok(recv)
+            }
+            Call::Abort(code) => world.abort(code),
         }
-        Call::AllReduce(values) => {
-            same_lengths(world, values.len(), "all-reduce")?;
-            let mut sum = vec![0f32; values.len()];
-            world.all_reduce_into(
-                &values[..],
-                &mut sum[..],
-                mpi::collective::SystemOperation::sum(),
-            );
-            Ok(sum)
-        }
-        Call::AllGather(send) => {
-            same_lengths(world, send.len(), "all-gather")?;
-            let mut recv = vec![0f32; send.len() * world.size() as usize];
-            world.all_gather_into(&send[..], &mut recv[..]);
-            Ok(recv)
-        }
-        Call::Abort(code) => world.abort(code),
     }
 }
 
@@ -216,69 +140,4 @@ fn send_recv(
         }
         Ok(recv)
     })
-}
-
-impl Communicator for MpiComm {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn size(&self) -> usize {
-        self.size
-    }
-
-    fn engine(&self) -> &'static str {
-        "mpi"
-    }
-
-    fn send_recv(
-        &self,
-        send: &[f32],
-        to: usize,
-        recv: &mut [f32],
-        from: usize,
-    ) -> Result<(), CommError> {
-        let got = self.call(Call::SendRecv {
-            send: send.to_vec(),
-            to,
-            recv_len: recv.len(),
-            from,
-        })?;
-        recv.copy_from_slice(&got);
-        Ok(())
-    }
-
-    fn all_to_all(&self, send: &[f32], recv: &mut [f32]) -> Result<(), CommError> {
-        block_len(self, send.len())?;
-        if recv.len() != send.len() {
-            return Err(self.error(format!(
-                "all-to-all receives {} values into a buffer of {}",
-                send.len(),
-                recv.len()
-            )));
-        }
-        let got = self.call(Call::AllToAll(send.to_vec()))?;
-        recv.copy_from_slice(&got);
-        Ok(())
-    }
-
-    fn all_reduce_sum(&self, values: &mut [f32]) -> Result<(), CommError> {
-        let got = self.call(Call::AllReduce(values.to_vec()))?;
-        values.copy_from_slice(&got);
-        Ok(())
-    }
-
-    fn all_gather(&self, send: &[f32], recv: &mut [f32]) -> Result<(), CommError> {
-        if recv.len() != send.len() * self.size {
-            return Err(self.error(format!(
-                "all-gather of {} values from {} ranks into a buffer of {}",
-                send.len(),
-                self.size,
-                recv.len()
-            )));
-        }
-        let got = self.call(Call::AllGather(send.to_vec()))?;
-        recv.copy_from_slice(&got);
-        Ok(())
-    }
 }
