@@ -52,6 +52,10 @@ struct Args {
     /// Seconds a rank waits for another before it gives up.
     #[arg(long, default_value_t = 60)]
     timeout: u64,
+    /// Free attn's pool of reused buffers every millisecond, so that the peak RSS printed is
+    /// what the call holds rather than up to 1 GiB of buffers kept for reuse.
+    #[arg(long)]
+    no_pool: bool,
 }
 
 const DEFAULT_SPEC: &str = "heads = 16, kv_heads = 4, head_dim = 128, mask = causal, \
@@ -59,6 +63,14 @@ const DEFAULT_SPEC: &str = "heads = 16, kv_heads = 4, head_dim = 128, mask = cau
 
 fn main() {
     let args = Args::parse();
+    if args.no_pool {
+        std::thread::spawn(|| {
+            loop {
+                attn::runtime::memory::release_pooled();
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        });
+    }
     let timeout = Duration::from_secs(args.timeout);
     let failed = match mpi_world(timeout) {
         Some(comm) => {

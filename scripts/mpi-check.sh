@@ -100,6 +100,17 @@ timeout 300 "${MPIRUN[@]}" -n 2 "$ATTNC" "${TRAIN[@]}" --steps 60 --context-para
   --out "$T/context" > /dev/null 2>&1
 same_losses "$T/one" "$T/context"
 
+echo "== attnc sweep under mpirun -n 2: the variants handed to the ranks, one report"
+timeout 300 "${MPIRUN[@]}" -n 2 "$ATTNC" sweep --base "$T/m.toml" --data "$T/c.txt" \
+  --vary "kv_heads=1,2" --vary "position=rope,alibi" --steps 4 --eval-every 2 --warmup 1 \
+  --batch 2 --seq 16 --out "$T/sweep" > "$T/sweep.log" 2>&1 || { cat "$T/sweep.log"; exit 1; }
+rows=$(($(wc -l < "$T/sweep/results.csv") - 1))
+for r in 0 1; do
+  grep -q "rank $r of 2 trains" "$T/sweep.log" || { cat "$T/sweep.log"; exit 1; }
+done
+[ "$rows" = 4 ] || { cat "$T/sweep.log"; echo "error: $rows rows, expected 4"; exit 1; }
+echo "4 variants over 2 ranks, one results.csv"
+
 echo "== a rank killed mid-run: the job ends, and the last checkpoint resumes to the same end"
 "${MPIRUN[@]}" -n 2 "$ATTNC" "${TRAIN[@]}" --steps 60 --out "$T/killed" > /dev/null 2>&1 &
 JOB=$!

@@ -229,6 +229,29 @@ impl Tensor {
         })
     }
 
+    /// The view of `len` entries from `start` along `axis`, sharing this tensor's storage.
+    pub fn narrow(&self, axis: usize, start: usize, len: usize) -> Result<Tensor, RuntimeError> {
+        let fits = self
+            .shape
+            .get(axis)
+            .is_some_and(|&n| start.checked_add(len).is_some_and(|end| end <= n));
+        if !fits {
+            return Err(RuntimeError::Data(format!(
+                "entries {start}..{} of axis {axis} of a tensor of shape {:?}",
+                start.saturating_add(len),
+                self.shape
+            )));
+        }
+        let mut shape = self.shape.clone();
+        shape[axis] = len;
+        Ok(Tensor {
+            shape,
+            strides: self.strides.clone(),
+            offset: self.offset + start * self.strides[axis],
+            storage: Arc::clone(&self.storage),
+        })
+    }
+
     /// A contiguous f32 tensor.
     pub fn from_f32(shape: &[usize], data: Vec<f32>) -> Result<Self, RuntimeError> {
         Tensor::new(shape, Storage::F32(data.into()))

@@ -145,8 +145,11 @@ impl<'a> ContextParallel<'a> {
         if let Some(bound) = sinks(variant, &learned)? {
             bound.apply_sinks(&mut out, &mut lse, h)?;
         }
+        if spec.dtype != attn_dsl::DType::F32 {
+            out = Tensor::from_f32_as(spec.dtype, &[b, h, l, dv], out.to_f32_vec())?;
+        }
         Ok(Output {
-            out: Tensor::from_f32_as(spec.dtype, &[b, h, l, dv], out.to_f32_vec())?,
+            out,
             lse,
             latent: None,
         })

@@ -109,14 +109,14 @@ impl SeqSplit {
 
 /// A `[B, H, S, ..]` array as `outer = B * H` runs of `seq` rows of `width` values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct SeqDims {
-    pub outer: usize,
+struct SeqDims {
+    outer: usize,
     pub seq: usize,
     pub width: usize,
 }
 
 /// The [`SeqDims`] of `t`, whose axis 2 must hold `seq` positions.
-pub(crate) fn seq_dims(t: &Tensor, seq: usize) -> Result<SeqDims, RuntimeError> {
+fn seq_dims(t: &Tensor, seq: usize) -> Result<SeqDims, RuntimeError> {
     let shape = t.shape();
     if shape.len() < 3 || shape[2] != seq {
         return Err(RuntimeError::Shape {
@@ -133,7 +133,7 @@ pub(crate) fn seq_dims(t: &Tensor, seq: usize) -> Result<SeqDims, RuntimeError> 
 }
 
 /// The rows `ranges` (in order) of every run of `values`.
-pub(crate) fn gather_rows(values: &[f32], d: SeqDims, ranges: &[Range<usize>]) -> Vec<f32> {
+fn gather_rows(values: &[f32], d: SeqDims, ranges: &[Range<usize>]) -> Vec<f32> {
     let rows: usize = ranges.iter().map(|r| r.len()).sum();
     let mut out = Vec::with_capacity(d.outer * rows * d.width);
     for run in values.chunks(d.seq * d.width).take(d.outer) {
@@ -146,7 +146,7 @@ pub(crate) fn gather_rows(values: &[f32], d: SeqDims, ranges: &[Range<usize>]) -
 
 /// Copies rows `rows` of every run of `src` (runs of `d.seq` rows) to rows from `at` of the
 /// runs of `dst` (runs of `dst_seq` rows).
-pub(crate) fn copy_rows(
+fn copy_rows(
     src: &[f32],
     d: SeqDims,
     rows: Range<usize>,

@@ -34,6 +34,30 @@ pub(crate) fn merge_into(
     }
 }
 
+/// Merges a placed call's result over one chunk's query rows (`[outer, rows, width]` out,
+/// `[outer, rows]` lse) into a rank's running result (`[outer, local, width]`, `[outer,
+/// local]`) at `rows`.
+pub(crate) fn merge_rows(
+    out: &mut [f32],
+    lse: &mut [f32],
+    part: &crate::calls::Output,
+    [outer, local, width]: [usize; 3],
+    rows: &std::ops::Range<usize>,
+) {
+    let (part_out, part_lse) = (part.out.f32_values(), part.lse.f32_values());
+    let n = rows.len();
+    for o in 0..outer {
+        let at = o * local + rows.start;
+        merge_into(
+            &mut out[at * width..(at + n) * width],
+            &mut lse[at..at + n],
+            &part_out[o * n * width..(o + 1) * n * width],
+            &part_lse[o * n..(o + 1) * n],
+            width,
+        );
+    }
+}
+
 /// `1 / (1 + e^-x)`, without overflow.
 fn sigmoid(x: f32) -> f32 {
     if x >= 0.0 {

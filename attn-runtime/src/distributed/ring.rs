@@ -10,8 +10,8 @@
 use std::ops::Range;
 
 use super::comm::Communicator;
-use super::layout::{SeqDims, SeqSplit, copy_rows, gather_rows};
-use super::merge::merge_into;
+use super::layout::SeqSplit;
+use super::merge::merge_rows;
 use crate::backend::Backend;
 use crate::calls::{HeadsBackward, Inputs};
 use crate::error::RuntimeError;
@@ -40,28 +40,30 @@ struct Chunk {
     rows: Range<usize>,
 }
 
-/// A rank's `[B, heads, L, width]` array cut into its chunks' tensors (`[B, heads, rows]`
-/// for a width of 0: an lse).
-fn chunk_tensors(
-    values: &[f32],
-    [b, heads, width]: [usize; 3],
+/// A rank's keys or values, `[B, heads, L, width]` f32 values (as they travel), as the
+/// views of its chunks, in the spec's dtype.
+fn chunk_views(
+    values: &Tensor,
     chunks: &[Chunk],
-    local: usize,
     dtype: DType,
 ) -> Result<Vec<Tensor>, RuntimeError> {
-    let dims = SeqDims {
-        outer: b * heads,
-        seq: local,
-        width: width.max(1),
-    };
     chunks
         .iter()
         .map(|c| {
-            let rows = gather_rows(values, dims, std::slice::from_ref(&c.rows));
-            let shape = [b, heads, c.rows.len(), width];
-            let shape = if width == 0 { &shape[..3] } else { &shape[..] };
-            Tensor::from_f32_as(dtype, shape, rows)
+            let view = values.narrow(2, c.rows.start, c.rows.len())?;
+            match dtype {
+                DType::F32 => Ok(view),
+                other => Tensor::from_f32_as(other, view.shape(), view.to_f32_vec()),
+            }
         })
+        .collect()
+}
+
+/// The rank's views of `t` (`[B, heads, L, ..]`) at each chunk's rows.
+fn chunk_rows(t: &Tensor, chunks: &[Chunk]) -> Result<Vec<Tensor>, RuntimeError> {
+    chunks
+        .iter()
+        .map(|c| t.narrow(2, c.rows.start, c.rows.len()))
         .collect()
 }
 
@@ -75,6 +77,12 @@ fn add_rows(acc: &mut [f32], part: &[f32], [outer, local, width]: [usize; 3], ro
             *a += p;
         }
     }
+}
+
+/// A rank's keys and values as they travel: f32, `[B, KV, L, D]` and `[B, KV, L, Dv]`.
+struct Packet {
+    k: Tensor,
+    v: Tensor,
 }
 
 impl Ring<'_> {
@@ -115,15 +123,17 @@ impl Ring<'_> {
     /// Sends `packet` one rank on and receives the previous rank's while `compute` runs.
     fn exchange_while<T>(
         &self,
-        packet: &[f32],
+        packet: &Packet,
         compute: impl FnOnce() -> Result<T, RuntimeError>,
-    ) -> Result<(T, Vec<f32>), RuntimeError> {
+    ) -> Result<(T, Packet), RuntimeError> {
         let (me, n) = (self.comm.rank(), self.comm.size());
-        let mut incoming = vec![0f32; packet.len()];
+        let (to, from) = ((me + 1) % n, (me + n - 1) % n);
+        let (k, v) = (packet.k.f32_values(), packet.v.f32_values());
+        let (mut next_k, mut next_v) = (vec![0f32; k.len()], vec![0f32; v.len()]);
         let (computed, exchanged) = std::thread::scope(|s| {
             let exchange = s.spawn(|| {
-                self.comm
-                    .send_recv(packet, (me + 1) % n, &mut incoming, (me + n - 1) % n)
+                self.comm.send_recv(&k, to, &mut next_k, from)?;
+                self.comm.send_recv(&v, to, &mut next_v, from)
             });
             let computed = compute();
             (computed, exchange.join())
@@ -132,7 +142,11 @@ impl Ring<'_> {
             .map_err(|_| RuntimeError::Data("the ring exchange's thread panicked".into()))?;
         // A failed exchange is the cause when both fail (the compute may have stopped on it).
         exchanged?;
-        Ok((computed?, incoming))
+        let next = Packet {
+            k: Tensor::from_f32(packet.k.shape(), next_k)?,
+            v: Tensor::from_f32(packet.v.shape(), next_v)?,
+        };
+        Ok((computed?, next))
     }
 
     /// The ring forward over this rank's q and k, v (`[B, H, L, D]`, `[B, KV, L, D]`): the
@@ -140,30 +154,25 @@ impl Ring<'_> {
     pub fn forward(&self, [q, k, v]: [&Tensor; 3]) -> Result<(Vec<f32>, Vec<f32>), RuntimeError> {
         let spec = self.variant.spec();
         let (me, n) = (self.comm.rank(), self.comm.size());
-        let (h, hkv) = (spec.heads as usize, spec.kv_heads() as usize);
-        let (d, dv, dtype) = (spec.head_dim as usize, spec.v_head_dim as usize, spec.dtype);
+        let h = spec.heads as usize;
+        let (dv, dtype) = (spec.v_head_dim as usize, spec.dtype);
         let (b, local) = (q.shape()[0], self.split.local_len());
         let mine = self.chunks(me);
-        let qs = chunk_tensors(&q.to_f32_vec(), [b, h, d], &mine, local, dtype)?;
-        let mut acc: Vec<(Vec<f32>, Vec<f32>)> = mine
-            .iter()
-            .map(|c| {
-                let rows = b * h * c.rows.len();
-                (vec![0f32; rows * dv], vec![f32::NEG_INFINITY; rows])
-            })
-            .collect();
-        let kv_split = b * hkv * local * d;
-        let mut packet = k.to_f32_vec();
-        packet.extend(v.to_f32_vec());
+        let qs = chunk_rows(q, &mine)?;
+        // Each chunk's rows are merged in place into the rank's out and lse.
+        let mut out = vec![0f32; b * h * local * dv];
+        let mut lse = vec![f32::NEG_INFINITY; b * h * local];
+        let mut packet = Packet {
+            k: Tensor::from_f32(k.shape(), k.to_f32_vec())?,
+            v: Tensor::from_f32(v.shape(), v.to_f32_vec())?,
+        };
         for step in 0..n {
             let owner = (me + n - step) % n;
             let theirs = self.chunks(owner);
             let mut compute = || -> Result<(), RuntimeError> {
-                let (kp, vp) = packet.split_at(kv_split);
-                let ks = chunk_tensors(kp, [b, hkv, d], &theirs, local, dtype)?;
-                let vs = chunk_tensors(vp, [b, hkv, dv], &theirs, local, dtype)?;
-                for (qc, (q, (acc_out, acc_lse))) in mine.iter().zip(qs.iter().zip(acc.iter_mut()))
-                {
+                let ks = chunk_views(&packet.k, &theirs, dtype)?;
+                let vs = chunk_views(&packet.v, &theirs, dtype)?;
+                for (qc, q) in mine.iter().zip(&qs) {
                     for (kc, (k, v)) in theirs.iter().zip(ks.iter().zip(&vs)) {
                         if self.skipped(qc, kc) {
                             continue;
@@ -176,8 +185,8 @@ impl Ring<'_> {
                             self.learned,
                             placement,
                         )?;
-                        let (out, lse) = (part.out.to_f32_vec(), part.lse.to_f32_vec());
-                        merge_into(acc_out, acc_lse, &out, &lse, dv);
+                        let rows = [b * h, local, dv];
+                        merge_rows(&mut out, &mut lse, &part, rows, &qc.rows);
                     }
                 }
                 Ok(())
@@ -188,18 +197,6 @@ impl Ring<'_> {
             } else {
                 compute()?;
             }
-        }
-        let mut out = vec![0f32; b * h * local * dv];
-        let mut lse = vec![0f32; b * h * local];
-        for (c, (o, l)) in mine.iter().zip(&acc) {
-            let rows = 0..c.rows.len();
-            let dims = |width| SeqDims {
-                outer: b * h,
-                seq: c.rows.len(),
-                width,
-            };
-            copy_rows(o, dims(dv), rows.clone(), &mut out, local, c.rows.start);
-            copy_rows(l, dims(1), rows, &mut lse, local, c.rows.start);
         }
         Ok((out, lse))
     }
@@ -214,28 +211,25 @@ impl Ring<'_> {
         let (d, dv, dtype) = (spec.head_dim as usize, spec.v_head_dim as usize, spec.dtype);
         let (b, local) = (x.q.shape()[0], self.split.local_len());
         let mine = self.chunks(me);
-        let cut = |t: &Tensor, heads, width, dtype| {
-            chunk_tensors(&t.to_f32_vec(), [b, heads, width], &mine, local, dtype)
-        };
-        let qs = cut(x.q, h, d, dtype)?;
-        let outs = cut(x.out, h, dv, DType::F32)?;
-        let douts = cut(x.dout, h, dv, DType::F32)?;
-        let lses = cut(x.lse, h, 0, DType::F32)?;
+        let (qs, outs) = (chunk_rows(x.q, &mine)?, chunk_rows(x.out, &mine)?);
+        let (douts, lses) = (chunk_rows(x.dout, &mine)?, chunk_rows(x.lse, &mine)?);
         let mut dq = vec![0f32; b * h * local * d];
-        let kv_split = b * hkv * local * d;
-        let mut packet = x.k.to_f32_vec();
-        packet.extend(x.v.to_f32_vec());
-        // dk then dv of the keys and values this rank holds, travelling with them.
-        let mut grads = vec![0f32; packet.len()];
+        let mut packet = Packet {
+            k: Tensor::from_f32(x.k.shape(), x.k.to_f32_vec())?,
+            v: Tensor::from_f32(x.v.shape(), x.v.to_f32_vec())?,
+        };
+        // dk and dv of the keys and values this rank holds, travelling with them.
+        let (mut dk, mut dvs) = (
+            vec![0f32; b * hkv * local * d],
+            vec![0f32; b * hkv * local * dv],
+        );
         let mut learned: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
         for step in 0..n {
             let owner = (me + n - step) % n;
             let theirs = self.chunks(owner);
             let mut compute = || -> Result<(), RuntimeError> {
-                let (kp, vp) = packet.split_at(kv_split);
-                let ks = chunk_tensors(kp, [b, hkv, d], &theirs, local, dtype)?;
-                let vs = chunk_tensors(vp, [b, hkv, dv], &theirs, local, dtype)?;
-                let (dk, dvs) = grads.split_at_mut(kv_split);
+                let ks = chunk_views(&packet.k, &theirs, dtype)?;
+                let vs = chunk_views(&packet.v, &theirs, dtype)?;
                 for (i, qc) in mine.iter().enumerate() {
                     for (kc, (k, v)) in theirs.iter().zip(ks.iter().zip(&vs)) {
                         if self.skipped(qc, kc) {
@@ -257,9 +251,9 @@ impl Ring<'_> {
                             self.learned,
                             placement,
                         )?;
-                        add_rows(&mut dq, &g.dq.to_f32_vec(), [b * h, local, d], &qc.rows);
-                        add_rows(dk, &g.dk.to_f32_vec(), [b * hkv, local, d], &kc.rows);
-                        add_rows(dvs, &g.dv.to_f32_vec(), [b * hkv, local, dv], &kc.rows);
+                        add_rows(&mut dq, &g.dq.f32_values(), [b * h, local, d], &qc.rows);
+                        add_rows(&mut dk, &g.dk.f32_values(), [b * hkv, local, d], &kc.rows);
+                        add_rows(&mut dvs, &g.dv.f32_values(), [b * hkv, local, dv], &kc.rows);
                         add_learned(&mut learned, g.learned);
                     }
                 }
@@ -273,15 +267,15 @@ impl Ring<'_> {
             }
             // The gradients follow their keys and values one rank on; after the last step
             // this brings each rank's own home.
-            let mut incoming = vec![0f32; grads.len()];
-            self.comm
-                .send_recv(&grads, (me + 1) % n, &mut incoming, (me + n - 1) % n)?;
-            grads = incoming;
+            let (mut next_k, mut next_v) = (vec![0f32; dk.len()], vec![0f32; dvs.len()]);
+            let (to, from) = ((me + 1) % n, (me + n - 1) % n);
+            self.comm.send_recv(&dk, to, &mut next_k, from)?;
+            self.comm.send_recv(&dvs, to, &mut next_v, from)?;
+            (dk, dvs) = (next_k, next_v);
         }
-        let dvs = grads.split_off(kv_split);
         Ok(RingGradients {
             dq,
-            dk: grads,
+            dk,
             dv: dvs,
             learned,
         })

@@ -8,6 +8,7 @@ use super::report::{self, Curve, Row};
 use crate::train::checkpoint;
 use crate::train::corpus::{self, Corpus};
 use crate::train::folder::{Folder, Kind};
+use crate::train::ranks::Ranks;
 use crate::train::run::{Run, Start, check_fits, check_same_corpus, options};
 use crate::train::state::{Metrics, Options};
 use attn::candle::CandleModel;
@@ -35,8 +36,17 @@ struct Planned {
     toml: String,
 }
 
-/// Runs the sweep `args` describe.
+/// Runs the sweep `args` describe: in this process, or, under `mpirun`, with the variants
+/// handed out to the ranks (variant `i` to rank `i mod N`), each training its variants' runs
+/// in their own folders; rank 0 then gathers every variant's results from the runs into the
+/// one report.
 pub fn sweep(args: Args) -> Result<(), String> {
+    crate::train::ranks::with_ranks(1, |ranks| sweep_as(&args, ranks))
+}
+
+fn sweep_as(args: &Args, ranks: Option<Ranks>) -> Result<(), String> {
+    let args = args.clone();
+    let root = ranks.as_ref().is_none_or(Ranks::is_root);
     let axes = grid::axes(&args.vary)?;
     let variants = grid::variants(&axes)?;
     let text =
@@ -66,7 +76,44 @@ pub fn sweep(args: Args) -> Result<(), String> {
         probe.seq,
         args.training.pack.as_deref(),
     )?;
-    let folder = prepare(&args)?;
+    let folder = if root { Some(prepare(&args)) } else { None };
+    if let Some(r) = &ranks
+        && !r.all_ok(folder.as_ref().is_none_or(Result::is_ok))?
+    {
+        folder.transpose()?;
+        return Err("error: rank 0 could not take the sweep's folder (its error is above)".into());
+    }
+    let folder = folder.transpose()?;
+    if let Some(r) = &ranks {
+        let mine = planned.len().div_ceil(r.size());
+        eprintln!(
+            "sweep: rank {} of {} trains about {mine} of the variants",
+            r.rank(),
+            r.size()
+        );
+        for (i, p) in planned.iter().enumerate() {
+            if i % r.size() == r.rank() {
+                let label = format!(
+                    "rank {} [{}/{}] {}",
+                    r.rank(),
+                    i + 1,
+                    planned.len(),
+                    p.variant.name()
+                );
+                if let Err(e) = variant_row(&args, p, &corpus, &label) {
+                    eprintln!("{label}: failed: {e}");
+                }
+            }
+        }
+        // Every rank's runs are finished (or failed): rank 0 reads them into the report.
+        r.all_ok(true)?;
+        if !root {
+            return Ok(());
+        }
+    }
+    let Some(folder) = folder else {
+        return Ok(());
+    };
     let runs = planned.len() as u64 * args.seeds;
     eprintln!(
         "sweep: {} variant{} x {} seed{} = {runs} runs of {} steps, into {}",

@@ -14,7 +14,7 @@ mod optimizer;
 #[cfg(feature = "candle")]
 pub mod plot;
 #[cfg(feature = "candle")]
-mod ranks;
+pub mod ranks;
 #[cfg(feature = "candle")]
 pub mod run;
 #[cfg(feature = "candle")]
