@@ -80,7 +80,10 @@ fn train(model: &str, data: &str, out: &Path, extra: &[&str]) -> Output {
 fn hostile_options_finish_or_are_refused() {
     let dir = folder("options");
     let (m, data) = inputs(&dir);
-    let flags: [(&str, &[&str]); 8] = [
+    let flags: [(&str, &[&str]); 11] = [
+        ("--ranks", &["1", "2", "0", "65", "3"]),
+        ("--context-parallel", &["1", "2", "3"]),
+        ("--scheme", &["ring", "ulysses", "zigzag"]),
         ("--steps", &["0", "1", "3", "100000001", "-1", "abc", "1e3"]),
         ("--batch", &["0", "1", "4097", "3"]),
         ("--seq", &["0", "1", "65537", "5", "100000"]),

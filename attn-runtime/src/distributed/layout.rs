@@ -135,6 +135,10 @@ fn seq_dims(t: &Tensor, seq: usize) -> Result<SeqDims, RuntimeError> {
 /// The rows `ranges` (in order) of every run of `values`.
 fn gather_rows(values: &[f32], d: SeqDims, ranges: &[Range<usize>]) -> Vec<f32> {
     let rows: usize = ranges.iter().map(|r| r.len()).sum();
+    if d.seq * d.width == 0 {
+        // No rows, or rows of no values: nothing to gather.
+        return Vec::new();
+    }
     let mut out = Vec::with_capacity(d.outer * rows * d.width);
     for run in values.chunks(d.seq * d.width).take(d.outer) {
         for r in ranges {

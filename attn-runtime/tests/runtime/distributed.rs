@@ -416,3 +416,117 @@ fn a_failing_rank_is_an_error_on_every_rank_in_bounded_time() {
     assert!(e.contains("no message from rank 1 within 0.3 s"), "{e}");
     assert!(start.elapsed() < Duration::from_secs(5));
 }
+
+/// Hostile context-parallel calls: random specs, schemes, rank counts, lengths (0 included),
+/// offsets, and now and then a tensor of the wrong shape or dtype. Every rank answers (no
+/// panic, no hang); when all succeed, the parts put together equal the single call.
+#[test]
+fn random_context_parallel_calls_answer_or_refuse_and_never_panic() {
+    let mut rng = attn_runtime::inputs::XorShift::new(0xC0_7E47);
+    let mut pick = |n: u64| (rng.next_u64() % n) as usize;
+    let (mut answered, mut refused) = (0, 0);
+    for case in 0..120 {
+        let heads = 1 + pick(4);
+        let kv = [1, heads][pick(2)];
+        let mask = [
+            "",
+            ", mask = causal",
+            ", mask = sliding_window(5)",
+            ", mask = causal(top_left)",
+        ][pick(4)];
+        let position = ["", ", position = rope", ", position = alibi"][pick(3)];
+        let dtype = ["", ", dtype = bf16"][pick(2)];
+        let text = format!("heads = {heads}, kv_heads = {kv}, head_dim = 8{mask}{position}{dtype}");
+        let spec: attn_dsl::AttentionSpec = text.parse().unwrap();
+        let variant = Variant::shared(&spec).unwrap();
+        let (ranks, local, batch) = (1 + pick(4), pick(7), 1 + pick(2));
+        let scheme = [Scheme::Ring, Scheme::Ulysses][pick(2)];
+        let p0 = pick(11) as i64 - 5;
+        let spoil = pick(8);
+        let cpu = CpuBackend::new();
+        let seq = local * ranks;
+        let whole = |heads: usize, seed| {
+            let n = batch * heads * seq * 8;
+            Tensor::from_f32_as(spec.dtype, &[batch, heads, seq, 8], values(n, seed)).unwrap()
+        };
+        let (q, k, v) = (whole(heads, 1), whole(kv, 2), whole(kv, 3));
+        let dout = whole(heads, 4);
+        let results = run_ranks(ranks, |comm| {
+            let cp = ContextParallel::new(comm, &cpu, scheme);
+            let split = cp.split(&variant, seq)?;
+            let r = comm.rank();
+            let (mut ql, kl, vl) = (split.take(&q, r)?, split.take(&k, r)?, split.take(&v, r)?);
+            if spoil == 0 && r == ranks - 1 {
+                ql = Tensor::from_f32(
+                    &[batch, heads + 1, local, 8],
+                    vec![0.5; batch * (heads + 1) * local * 8],
+                )?;
+            }
+            if spoil == 1 {
+                ql = Tensor::from_f32(ql.shape(), ql.to_f32_vec())?;
+            }
+            let out = cp.forward(&variant, [&ql, &kl, &vl], p0, Learned::none())?;
+            let x = HeadsBackward {
+                q: &ql,
+                k: &kl,
+                v: &vl,
+                out: &out.out,
+                lse: &out.lse,
+                dout: &split.take(&dout, r)?,
+                position_offset: p0,
+            };
+            let g = cp.backward(&variant, &x, Learned::none())?;
+            Ok::<_, RuntimeError>((split, out, g))
+        });
+        if results.iter().all(Result::is_ok) {
+            answered += 1;
+            let results: Vec<_> = results.into_iter().map(Result::unwrap).collect();
+            let split = results[0].0;
+            let put = |f: &dyn Fn(&(_, Output, HeadGradients)) -> Tensor| {
+                split
+                    .put(&results.iter().map(f).collect::<Vec<_>>())
+                    .unwrap()
+            };
+            let want = cpu
+                .forward(&variant, Inputs::heads(&q, &k, &v), p0)
+                .unwrap();
+            let x = HeadsBackward {
+                q: &q,
+                k: &k,
+                v: &v,
+                out: &want.out,
+                lse: &want.lse,
+                dout: &dout,
+                position_offset: p0,
+            };
+            let wg = cpu
+                .backward(&variant, &BackwardInputs::Heads(x))
+                .unwrap()
+                .heads()
+                .unwrap();
+            let tol = if spec.dtype == attn_dsl::DType::F32 {
+                1e-5
+            } else {
+                3e-2
+            };
+            let at = format!("case {case}: {text}, {scheme:?} on {ranks}");
+            close(
+                &format!("{at} out"),
+                &put(&|r| r.1.out.clone()),
+                &want.out,
+                tol,
+            );
+            close(&format!("{at} dq"), &put(&|r| r.2.dq.clone()), &wg.dq, tol);
+            close(&format!("{at} dk"), &put(&|r| r.2.dk.clone()), &wg.dk, tol);
+        } else {
+            refused += 1;
+            for e in results.into_iter().filter_map(Result::err) {
+                assert!(!e.to_string().is_empty(), "case {case}: an empty error");
+            }
+        }
+    }
+    assert!(
+        answered >= 30 && refused >= 15,
+        "{answered} answered, {refused} refused"
+    );
+}
