@@ -241,6 +241,11 @@ pub fn backward(
             }
         })
         .map_err(from_runtime)?;
+    export_gradients(py, grads)
+}
+
+/// Gradients as capsules: dq, dk, dv, and each learnable tensor's by its name (without `d`).
+pub(crate) fn export_gradients(py: Python<'_>, grads: HeadGradients) -> PyResult<GradientCapsules> {
     let mut named = Vec::with_capacity(grads.learned.len());
     for (name, t) in grads.learned {
         let name = name.strip_prefix('d').unwrap_or(&name).to_string();

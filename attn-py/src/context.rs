@@ -4,7 +4,9 @@
 //! attn runs a collective on (the ring exchanges on its own thread while the kernels run); the
 //! GIL is held only for those calls.
 
-use crate::calls::{CallTensors, GradientCapsules, Named, export, per_head_variant};
+use crate::calls::{
+    CallTensors, GradientCapsules, Named, export, export_gradients, per_head_variant,
+};
 use crate::error::{from_runtime, refuse};
 use crate::torch_memory::{Element, TorchTensor};
 use attn::distributed::{CommError, Communicator, ContextParallel, Scheme};
@@ -213,15 +215,5 @@ pub fn context_backward(
             )
         })
         .map_err(from_runtime)?;
-    let mut named = Vec::with_capacity(grads.learned.len());
-    for (name, t) in grads.learned {
-        let name = name.strip_prefix('d').unwrap_or(&name).to_string();
-        named.push((name, export(py, t)?));
-    }
-    Ok((
-        export(py, grads.dq)?,
-        export(py, grads.dk)?,
-        export(py, grads.dv)?,
-        named,
-    ))
+    export_gradients(py, grads)
 }

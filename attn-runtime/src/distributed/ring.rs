@@ -120,6 +120,42 @@ impl Ring<'_> {
         )
     }
 
+    /// The pieces of a step: each (query chunk `i` of `mine`, key chunk `j` of `theirs`) that
+    /// can keep a pair, with the keys' position offset and the queries' placement.
+    fn pieces<'c>(
+        &'c self,
+        mine: &'c [Chunk],
+        theirs: &'c [Chunk],
+    ) -> impl Iterator<Item = (usize, usize, i64, Placement)> + 'c {
+        mine.iter().enumerate().flat_map(move |(i, qc)| {
+            theirs
+                .iter()
+                .enumerate()
+                .filter(move |(_, kc)| !self.skipped(qc, kc))
+                .map(move |(j, kc)| {
+                    let (p0, placement) = self.placed(qc, kc);
+                    (i, j, p0, placement)
+                })
+        })
+    }
+
+    /// Runs one step's `compute` on `packet`, the keys and values this rank holds now, and
+    /// returns the next step's, received while it ran (`None` after the `last` step, which
+    /// passes nothing on).
+    fn step(
+        &self,
+        packet: &Packet,
+        last: bool,
+        compute: impl FnOnce() -> Result<(), RuntimeError>,
+    ) -> Result<Option<Packet>, RuntimeError> {
+        if last {
+            compute()?;
+            return Ok(None);
+        }
+        let ((), next) = self.exchange_while(packet, compute)?;
+        Ok(Some(next))
+    }
+
     /// Sends `packet` one rank on and receives the previous rank's while `compute` runs.
     fn exchange_while<T>(
         &self,
@@ -169,33 +205,23 @@ impl Ring<'_> {
         for step in 0..n {
             let owner = (me + n - step) % n;
             let theirs = self.chunks(owner);
-            let mut compute = || -> Result<(), RuntimeError> {
+            let compute = || -> Result<(), RuntimeError> {
                 let ks = chunk_views(&packet.k, &theirs, dtype)?;
                 let vs = chunk_views(&packet.v, &theirs, dtype)?;
-                for (qc, q) in mine.iter().zip(&qs) {
-                    for (kc, (k, v)) in theirs.iter().zip(ks.iter().zip(&vs)) {
-                        if self.skipped(qc, kc) {
-                            continue;
-                        }
-                        let (p0, placement) = self.placed(qc, kc);
-                        let part = self.backend.forward_placed(
-                            self.variant,
-                            Inputs::heads(q, k, v),
-                            p0,
-                            self.learned,
-                            placement,
-                        )?;
-                        let rows = [b * h, local, dv];
-                        merge_rows(&mut out, &mut lse, &part, rows, &qc.rows);
-                    }
+                for (i, j, p0, placement) in self.pieces(&mine, &theirs) {
+                    let part = self.backend.forward_placed(
+                        self.variant,
+                        Inputs::heads(&qs[i], &ks[j], &vs[j]),
+                        p0,
+                        self.learned,
+                        placement,
+                    )?;
+                    merge_rows(&mut out, &mut lse, &part, [b * h, local, dv], &mine[i].rows);
                 }
                 Ok(())
             };
-            if step + 1 < n {
-                let ((), next) = self.exchange_while(&packet, compute)?;
+            if let Some(next) = self.step(&packet, step + 1 == n, compute)? {
                 packet = next;
-            } else {
-                compute()?;
             }
         }
         Ok((out, lse))
@@ -227,43 +253,35 @@ impl Ring<'_> {
         for step in 0..n {
             let owner = (me + n - step) % n;
             let theirs = self.chunks(owner);
-            let mut compute = || -> Result<(), RuntimeError> {
+            let compute = || -> Result<(), RuntimeError> {
                 let ks = chunk_views(&packet.k, &theirs, dtype)?;
                 let vs = chunk_views(&packet.v, &theirs, dtype)?;
-                for (i, qc) in mine.iter().enumerate() {
-                    for (kc, (k, v)) in theirs.iter().zip(ks.iter().zip(&vs)) {
-                        if self.skipped(qc, kc) {
-                            continue;
-                        }
-                        let (p0, placement) = self.placed(qc, kc);
-                        let piece = HeadsBackward {
-                            q: &qs[i],
-                            k,
-                            v,
-                            out: &outs[i],
-                            lse: &lses[i],
-                            dout: &douts[i],
-                            position_offset: p0,
-                        };
-                        let g = self.backend.backward_placed(
-                            self.variant,
-                            &piece,
-                            self.learned,
-                            placement,
-                        )?;
-                        add_rows(&mut dq, &g.dq.f32_values(), [b * h, local, d], &qc.rows);
-                        add_rows(&mut dk, &g.dk.f32_values(), [b * hkv, local, d], &kc.rows);
-                        add_rows(&mut dvs, &g.dv.f32_values(), [b * hkv, local, dv], &kc.rows);
-                        add_learned(&mut learned, g.learned);
-                    }
+                for (i, j, p0, placement) in self.pieces(&mine, &theirs) {
+                    let piece = HeadsBackward {
+                        q: &qs[i],
+                        k: &ks[j],
+                        v: &vs[j],
+                        out: &outs[i],
+                        lse: &lses[i],
+                        dout: &douts[i],
+                        position_offset: p0,
+                    };
+                    let g = self.backend.backward_placed(
+                        self.variant,
+                        &piece,
+                        self.learned,
+                        placement,
+                    )?;
+                    let (qr, kr) = (&mine[i].rows, &theirs[j].rows);
+                    add_rows(&mut dq, &g.dq.f32_values(), [b * h, local, d], qr);
+                    add_rows(&mut dk, &g.dk.f32_values(), [b * hkv, local, d], kr);
+                    add_rows(&mut dvs, &g.dv.f32_values(), [b * hkv, local, dv], kr);
+                    add_learned(&mut learned, g.learned);
                 }
                 Ok(())
             };
-            if step + 1 < n {
-                let ((), next) = self.exchange_while(&packet, compute)?;
+            if let Some(next) = self.step(&packet, step + 1 == n, compute)? {
                 packet = next;
-            } else {
-                compute()?;
             }
             // The gradients follow their keys and values one rank on; after the last step
             // this brings each rank's own home.
