@@ -23,9 +23,34 @@ pub struct CallDims {
     pub skv: usize,
     /// The position of key 0.
     pub position_offset: i64,
+    /// How far the queries lie past bottom-right alignment (a piece of a context-parallel
+    /// call; 0 otherwise): query `i` is at `position_offset + skv - sq + query_shift + i`.
+    pub query_shift: i64,
+    /// Where the data tensors' `seq` dimension lies, its first position and its length, when
+    /// not over the call's own keys (a piece of a context-parallel call reads the whole
+    /// sequence's data).
+    pub data_seq: Option<(i64, usize)>,
 }
 
 impl CallDims {
+    /// A call of `batch` items, `sq` queries against `skv` keys from `position_offset`, its
+    /// queries aligned bottom-right and its data over its keys.
+    pub fn new(batch: usize, sq: usize, skv: usize, position_offset: i64) -> CallDims {
+        CallDims {
+            batch,
+            sq,
+            skv,
+            position_offset,
+            query_shift: 0,
+            data_seq: None,
+        }
+    }
+
+    /// The first position and the length of the data tensors' `seq` dimension.
+    pub fn data_seq(&self) -> (i64, usize) {
+        self.data_seq.unwrap_or((self.position_offset, self.skv))
+    }
+
     /// The box of every point the call evaluates a modifier at (queries aligned bottom-right),
     /// `Ok(None)` when it evaluates none (no batch item, query or key); an error when its
     /// positions leave i64.
@@ -37,7 +62,9 @@ impl CallDims {
         let positions = || {
             let (sq, skv, p0) = (as_i64(self.sq)?, as_i64(self.skv)?, self.position_offset);
             let last_key = p0.checked_add(skv - 1)?;
-            let first_query = last_key.checked_sub(sq - 1)?;
+            let first_query = last_key
+                .checked_sub(sq - 1)?
+                .checked_add(self.query_shift)?;
             Some((first_query, last_key, sq, skv))
         };
         let (first_query, last_key, sq, skv) = positions().ok_or_else(|| {
@@ -49,7 +76,7 @@ impl CallDims {
         Ok(Some(TileBounds {
             batch: Interval::new(0, self.batch as i64 - 1),
             head: Interval::new(0, i64::from(spec.heads.max(1)) - 1),
-            query: Interval::new(first_query, last_key),
+            query: Interval::new(first_query, first_query + (sq - 1)),
             key: Interval::new(self.position_offset, last_key),
             query_index: Interval::new(0, sq - 1),
             key_index: Interval::new(0, skv - 1),
@@ -61,7 +88,12 @@ impl CallDims {
 pub fn call_shapes(spec: &AttentionSpec, call: &CallDims) -> Vec<(String, Vec<usize>)> {
     spec.data
         .iter()
-        .map(|d| (d.name.clone(), spec.data_shape(d, call.batch, call.skv)))
+        .map(|d| {
+            (
+                d.name.clone(),
+                spec.data_shape(d, call.batch, call.data_seq().1),
+            )
+        })
         .collect()
 }
 
@@ -82,7 +114,10 @@ pub fn check_reads(spec: &AttentionSpec, call: &CallDims) -> Result<(), String> 
         for (axis, (index, dim)) in read.indices.iter().zip(&decl.dims).enumerate() {
             let (len, shift, what) = match dim {
                 DataDim::Batch => (call.batch, 0, "the batch"),
-                DataDim::Seq => (call.skv, call.position_offset, "the keys"),
+                DataDim::Seq => {
+                    let (origin, len) = call.data_seq();
+                    (len, origin, "the keys")
+                }
                 _ => continue,
             };
             let Range::Int(r) = analyze(index, &points) else {

@@ -276,8 +276,9 @@ pub(crate) fn not_placed_mla(backend: &'static str) -> RuntimeError {
     }
 }
 
-/// The learnable tensors of a placed call, bound without sinks. Data tensors are bound for
-/// calls whose queries are aligned bottom-right; with a query shift they are refused.
+/// The learnable tensors of a placed call, bound without sinks; its data tensors over the
+/// placement's `data_seq` (a shifted call's keys are a piece of a sequence whose data it reads
+/// whole).
 pub(crate) fn bind_placed(
     spec: &attn_dsl::AttentionSpec,
     q: &Tensor,
@@ -286,14 +287,12 @@ pub(crate) fn bind_placed(
     learned: Learned,
     placement: Placement,
 ) -> Result<Bound, RuntimeError> {
-    if placement.query_shift != 0 && !learned.data().is_empty() {
-        return Err(RuntimeError::Spec(
-            "data tensors in a call whose queries are shifted (a ring step of context \
-             parallelism) are not supported yet; split over heads instead"
-                .into(),
-        ));
-    }
-    let mut bound = learned.bind_call(spec, &call_dims(q.shape(), k.shape(), position_offset))?;
+    let call = attn_dsl::data::CallDims {
+        query_shift: placement.query_shift,
+        data_seq: placement.data_seq,
+        ..call_dims(q.shape(), k.shape(), position_offset)
+    };
+    let mut bound = learned.bind_call(spec, &call)?;
     bound.sinks = None;
     Ok(bound)
 }
@@ -315,12 +314,7 @@ pub(crate) fn placed_gradients(
 /// rank gives zeros, and the backend's own checks name it).
 fn call_dims(q: &[usize], k: &[usize], position_offset: i64) -> attn_dsl::data::CallDims {
     let at = |s: &[usize], i: usize| if s.len() == 4 { s[i] } else { 0 };
-    attn_dsl::data::CallDims {
-        batch: at(q, 0),
-        sq: at(q, 2),
-        skv: at(k, 2),
-        position_offset,
-    }
+    attn_dsl::data::CallDims::new(at(q, 0), at(q, 2), at(k, 2), position_offset)
 }
 
 /// The gradient tensors of a call's learnable tensors, `d<name>` in the spec's order.

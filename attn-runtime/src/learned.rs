@@ -156,15 +156,7 @@ impl<'a> Learned<'a> {
                 d.name
             )));
         }
-        self.bind_call(
-            spec,
-            &CallDims {
-                batch: 0,
-                sq: 0,
-                skv: 0,
-                position_offset: 0,
-            },
-        )
+        self.bind_call(spec, &CallDims::new(0, 0, 0, 0))
     }
 
     /// Checks the tensors against `spec` and a call of shape `call` (data tensors of its shapes
@@ -238,10 +230,10 @@ fn lay_out_data(
                  at most that"
             ))
         })?;
-    let origin = i32::try_from(call.position_offset).map_err(|_| {
+    let origin = i32::try_from(call.data_seq().0).map_err(|_| {
         RuntimeError::Data(format!(
             "position offset {} is outside i32, which data tensors' `seq` reads index by",
-            call.position_offset
+            call.data_seq().0
         ))
     })?;
     let word = |x: i64| f32::from_bits(x as i32 as u32);

@@ -22,6 +22,9 @@ pub struct Placement {
     /// How far the queries' positions lie past bottom-right alignment: query `i` of a call of
     /// `Sq` queries against `Skv` keys at offset `p0` is at `p0 + Skv - Sq + query_shift + i`.
     pub query_shift: i64,
+    /// Where the data tensors' `seq` dimension lies, its first position and its length, when
+    /// the call is given the whole sequence's data (`None`: over the call's own keys).
+    pub data_seq: Option<(i64, usize)>,
 }
 
 impl Placement {
@@ -30,7 +33,7 @@ impl Placement {
         Placement {
             head0,
             heads: Some(heads),
-            query_shift: 0,
+            ..Placement::default()
         }
     }
 

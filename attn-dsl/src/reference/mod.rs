@@ -119,12 +119,12 @@ fn attention_inputs(
 
 /// The call's dimensions, for its data tensors (the shapes were checked).
 fn call_dims(inputs: &Inputs) -> crate::data::CallDims {
-    crate::data::CallDims {
-        batch: inputs.q.shape()[0],
-        sq: inputs.q.shape()[2],
-        skv: inputs.k.shape()[2],
-        position_offset: inputs.position_offset,
-    }
+    crate::data::CallDims::new(
+        inputs.q.shape()[0],
+        inputs.q.shape()[2],
+        inputs.k.shape()[2],
+        inputs.position_offset,
+    )
 }
 
 fn check_spec(spec: &AttentionSpec) -> Result<(), ReferenceError> {

@@ -15,12 +15,7 @@ const DOCS: &str = "heads = 2, head_dim = 8, mask = causal, data(doc: [batch, se
                     score_mod = |s, b, h, q, k| s + gate[b, h, q] - gate[b, h, k]";
 
 fn call(batch: usize, sq: usize, skv: usize, position_offset: i64) -> CallDims {
-    CallDims {
-        batch,
-        sq,
-        skv,
-        position_offset,
-    }
+    CallDims::new(batch, sq, skv, position_offset)
 }
 
 #[test]

@@ -119,8 +119,8 @@ impl<'a> ContextParallel<'a> {
     /// This rank's part of the attention: q `[B, H, L, D]`, k `[B, KV, L, D]`, v `[B, KV, L,
     /// Dv]` hold the positions [`ContextParallel::split`] gives this rank of a sequence of
     /// `ranks * L` starting at `position_offset`; the result holds the same rows of the whole
-    /// call's `out` and `lse` (sinks included). Learnable tensors are whole on every rank;
-    /// data tensors (Ulysses only) are the whole call's.
+    /// call's `out` and `lse` (sinks included). Learnable tensors are whole on every rank, and
+    /// so are data tensors: the whole call's (along `seq`, the whole sequence's).
     pub fn forward(
         &self,
         variant: &Variant,
@@ -129,7 +129,7 @@ impl<'a> ContextParallel<'a> {
         learned: Learned,
     ) -> Result<Output, RuntimeError> {
         let spec = variant.spec();
-        let split = self.check(variant, [q, k, v], &learned)?;
+        let split = self.check(variant, [q, k, v])?;
         let (b, l) = (q.shape()[0], split.local_len());
         let (h, dv) = (spec.heads as usize, spec.v_head_dim as usize);
         let (out, lse) = match self.scheme {
@@ -179,7 +179,7 @@ impl<'a> ContextParallel<'a> {
         learned: Learned,
     ) -> Result<HeadGradients, RuntimeError> {
         let spec = variant.spec();
-        let split = self.check(variant, [x.q, x.k, x.v], &learned)?;
+        let split = self.check(variant, [x.q, x.k, x.v])?;
         let (b, l) = (x.q.shape()[0], split.local_len());
         let (h, dv) = (spec.heads as usize, spec.v_head_dim as usize);
         for (name, t, want) in [
@@ -243,12 +243,7 @@ impl<'a> ContextParallel<'a> {
     }
 
     /// Checks the spec and this rank's tensors; returns the split.
-    fn check(
-        &self,
-        variant: &Variant,
-        [q, k, v]: [&Tensor; 3],
-        learned: &Learned,
-    ) -> Result<SeqSplit, RuntimeError> {
+    fn check(&self, variant: &Variant, [q, k, v]: [&Tensor; 3]) -> Result<SeqSplit, RuntimeError> {
         let spec = variant.spec();
         let n = self.comm.size();
         let refuse = |why: String| Err(RuntimeError::Spec(why));
@@ -280,11 +275,6 @@ impl<'a> ContextParallel<'a> {
                         "dynamic NTK scaling picks its base from the whole call's length, \
                          which a ring step does not see; use Ulysses"
                             .into(),
-                    );
-                }
-                if !learned.data().is_empty() {
-                    return refuse(
-                        "data tensors in ring attention are not supported yet; use Ulysses".into(),
                     );
                 }
             }

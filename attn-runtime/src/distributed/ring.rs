@@ -113,11 +113,13 @@ impl Ring<'_> {
     fn placed(&self, q: &Chunk, k: &Chunk) -> (i64, Placement) {
         let (qs, ks) = (q.positions.start as i64, k.positions.start as i64);
         let (nq, nk) = (q.positions.len() as i64, k.positions.len() as i64);
-        // Query 0 of the call is at `p0 + ks + nk - nq + shift`; it must be at `p0 + qs`.
-        (
-            self.position_offset + ks,
-            Placement::shifted(qs - ks - nk + nq),
-        )
+        // Query 0 of the call is at `p0 + ks + nk - nq + shift`; it must be at `p0 + qs`. Data
+        // tensors are the whole sequence's, from `p0`.
+        let placement = Placement {
+            data_seq: Some((self.position_offset, self.split.seq)),
+            ..Placement::shifted(qs - ks - nk + nq)
+        };
+        (self.position_offset + ks, placement)
     }
 
     /// The pieces of a step: each (query chunk `i` of `mine`, key chunk `j` of `theirs`) that

@@ -382,12 +382,7 @@ fn tiles_are_classified_from_the_data_exactly_for_sorted_ids_and_soundly_otherwi
     ] {
         let case = Case::new(text, [batch, n, n], 0, fill);
         let data = case.call_data();
-        let call = CallDims {
-            batch,
-            sq: n,
-            skv: n,
-            position_offset: 0,
-        };
+        let call = CallDims::new(batch, n, n, 0);
         let bound = Learned::none()
             .with_data(&data)
             .bind_call(&case.spec, &call)

@@ -214,49 +214,55 @@ fn ulysses_equals_the_single_call_for_every_variant() {
     }
 }
 
-/// A document mask (a data tensor of the whole sequence) under Ulysses, and the ring's refusal
-/// of data tensors.
+/// A document mask and per-token gates (data tensors of the whole sequence, read at global
+/// positions) under both schemes, the gates' gradient included.
 #[test]
-fn a_document_mask_splits_over_heads_and_the_ring_refuses_it_clearly() {
+fn document_masks_and_gates_split_over_heads_and_around_the_ring() {
     let text = "heads = 4, kv_heads = 2, head_dim = 16, mask = causal, \
-                data(doc: [batch, seq] i32), mask_mod = |b, h, q, k| doc[b, q] == doc[b, k]";
+                data(doc: [batch, seq] i32, gate: [batch, heads, seq] f32), \
+                mask_mod = |b, h, q, k| doc[b, q] == doc[b, k], \
+                score_mod = |s, b, h, q, k| s + gate[b, h, q] - gate[b, h, k]";
     let whole = Whole::new(text, 2, 48);
     let doc: Vec<i32> = (0..96).map(|i| i % 48 / 13 + i / 48).collect();
-    let data = [(
-        "doc",
-        Data {
-            shape: &[2, 48],
-            values: DataValues::I32(&doc),
-        },
-    )];
+    let gate: Vec<f32> = values(2 * 4 * 48, 11).iter().map(|x| 0.5 * x).collect();
+    let data = [
+        (
+            "doc",
+            Data {
+                shape: &[2, 48],
+                values: DataValues::I32(&doc),
+            },
+        ),
+        (
+            "gate",
+            Data {
+                shape: &[2, 4, 48],
+                values: DataValues::F32(&gate),
+            },
+        ),
+    ];
     let (want, wg) = whole.single(3, &data);
-    let ([out, lse, dq, dk, dv], _) = whole.parallel(Scheme::Ulysses, 2, 3, &data);
-    for (what, got, want) in [
-        ("out", &out, &want.out),
-        ("lse", &lse, &want.lse),
-        ("dq", &dq, &wg.dq),
-        ("dk", &dk, &wg.dk),
-        ("dv", &dv, &wg.dv),
-    ] {
-        close(what, got, want, 1e-5);
-    }
-    let cpu = CpuBackend::new();
-    let errors = run_ranks(2, |comm| {
-        let cp = ContextParallel::new(comm, &cpu, Scheme::Ring);
-        let split = cp.split(&whole.variant, 48).unwrap();
-        let r = comm.rank();
-        let (q, k, v) = (
-            split.take(&whole.q, r).unwrap(),
-            split.take(&whole.k, r).unwrap(),
-            split.take(&whole.v, r).unwrap(),
-        );
-        let learned = Learned::none().with_data(&data);
-        cp.forward(&whole.variant, [&q, &k, &v], 0, learned)
-            .unwrap_err()
-            .to_string()
-    });
-    for e in errors {
-        assert!(e.contains("data tensors in ring attention"), "{e}");
+    for (scheme, ranks) in [(Scheme::Ulysses, 2), (Scheme::Ring, 2), (Scheme::Ring, 4)] {
+        let ([out, lse, dq, dk, dv], learned) = whole.parallel(scheme, ranks, 3, &data);
+        for (what, got, want) in [
+            ("out", &out, &want.out),
+            ("lse", &lse, &want.lse),
+            ("dq", &dq, &wg.dq),
+            ("dk", &dk, &wg.dk),
+            ("dv", &dv, &wg.dv),
+        ] {
+            close(&format!("{scheme:?} on {ranks}: {what}"), got, want, 1e-5);
+        }
+        for rank in &learned {
+            let (name, got) = &rank[0];
+            assert_eq!(name, "dgate");
+            close(
+                &format!("{scheme:?} on {ranks}: dgate"),
+                got,
+                &wg.learned[0].1,
+                1e-5,
+            );
+        }
     }
 }
 

@@ -53,12 +53,7 @@ pub fn read(spec: &AttentionSpec, path: &Path, sq: u64, skv: u64) -> Result<Call
         ..spec.clone()
     };
     let views = data_views(&tensors);
-    let call = CallDims {
-        batch,
-        sq: sq as usize,
-        skv: skv as usize,
-        position_offset: 0,
-    };
+    let call = CallDims::new(batch, sq as usize, skv as usize, 0);
     let bound = Learned::none()
         .with_data(&views)
         .bind_call(&mask_only, &call)

@@ -25,8 +25,8 @@ pub fn split_sequences(
     };
     if options.pack.is_some() {
         return Err(
-            "error: --context-parallel does not take --pack yet (document masks are data \
-             tensors, which ring attention does not split)"
+            "error: --context-parallel does not take --pack yet (the candle op does not carry \
+             a window's document ids to the ranks; attn::distributed's own calls take them)"
                 .into(),
         );
     }
