@@ -128,9 +128,9 @@ pub fn context_positions(
 }
 
 /// This rank's part of context-parallel attention: `(out, lse)` as DLPack capsules, for q, k,
-/// v holding this rank's positions ([`context_positions`]).
+/// v holding this rank's positions ([`context_positions`]); learnable and data tensors whole.
 #[pyfunction]
-#[pyo3(signature = (spec, scheme, group, q, k, v, position_offset, params))]
+#[pyo3(signature = (spec, scheme, group, q, k, v, position_offset, params, data))]
 #[allow(clippy::too_many_arguments)]
 pub fn context_forward(
     py: Python<'_>,
@@ -142,6 +142,7 @@ pub fn context_forward(
     v: &Bound<'_, PyAny>,
     position_offset: i64,
     params: Named,
+    data: Named,
 ) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
     let (variant, scheme, group) = (
         per_head_variant(spec)?,
@@ -150,16 +151,16 @@ pub fn context_forward(
     );
     let read = |t: &Bound<'_, PyAny>, name: &str| TorchTensor::read(t, name)?.attn_tensor(py);
     let (q, k, v) = (read(q, "q")?, read(k, "k")?, read(v, "v")?);
-    let tensors = CallTensors::read(py, &variant, &params, &Vec::new())?;
+    let tensors = CallTensors::read(py, &variant, &params, &data)?;
     let output = py
         .detach(|| {
-            let (learned, _) = tensors.views();
+            let (learned, data) = tensors.views();
             let cpu = CpuBackend::new();
             ContextParallel::new(&group, &cpu, scheme).forward(
                 &variant,
                 [&q, &k, &v],
                 position_offset,
-                Learned::new(&learned),
+                Learned::new(&learned).with_data(&data),
             )
         })
         .map_err(from_runtime)?;
@@ -170,7 +171,7 @@ pub fn context_forward(
 /// learnable tensors' as this rank's share (to be reduced over the group as every other
 /// parameter's gradient is).
 #[pyfunction]
-#[pyo3(signature = (spec, scheme, group, q, k, v, out, lse, dout, position_offset, params))]
+#[pyo3(signature = (spec, scheme, group, q, k, v, out, lse, dout, position_offset, params, data))]
 #[allow(clippy::too_many_arguments)]
 pub fn context_backward(
     py: Python<'_>,
@@ -185,6 +186,7 @@ pub fn context_backward(
     dout: &Bound<'_, PyAny>,
     position_offset: i64,
     params: Named,
+    data: Named,
 ) -> PyResult<GradientCapsules> {
     let (variant, scheme, group) = (
         per_head_variant(spec)?,
@@ -194,10 +196,10 @@ pub fn context_backward(
     let read = |t: &Bound<'_, PyAny>, name: &str| TorchTensor::read(t, name)?.attn_tensor(py);
     let (q, k, v) = (read(q, "q")?, read(k, "k")?, read(v, "v")?);
     let (out, lse, dout) = (read(out, "out")?, read(lse, "lse")?, read(dout, "dout")?);
-    let tensors = CallTensors::read(py, &variant, &params, &Vec::new())?;
+    let tensors = CallTensors::read(py, &variant, &params, &data)?;
     let grads = py
         .detach(|| {
-            let (learned, _) = tensors.views();
+            let (learned, data) = tensors.views();
             let cpu = CpuBackend::new();
             let x = HeadsBackward {
                 q: &q,
@@ -211,7 +213,7 @@ pub fn context_backward(
             ContextParallel::new(&group, &cpu, scheme).backward_shares(
                 &variant,
                 &x,
-                Learned::new(&learned),
+                Learned::new(&learned).with_data(&data),
             )
         })
         .map_err(from_runtime)?;

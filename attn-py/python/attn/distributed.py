@@ -128,27 +128,37 @@ def positions(
 
 class _ContextParallel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, text, scheme, group, position_offset, names, q, k, v, *params):
+    def forward(ctx, text, scheme, group, position_offset, names, data_names, q, k, v, *tensors):
+        params, data = _split(names, data_names, tensors)
         out, lse = _attn.context_forward(
-            text, scheme, _Group(group), q, k, v, position_offset, list(zip(names, params))
+            text, scheme, _Group(group), q, k, v, position_offset, params, data
         )
         out, lse = torch.from_dlpack(out), torch.from_dlpack(lse)
-        ctx.save_for_backward(q, k, v, out, lse, *params)
-        ctx.call = (text, scheme, group, position_offset, names)
+        ctx.save_for_backward(q, k, v, out, lse, *tensors)
+        ctx.call = (text, scheme, group, position_offset, names, data_names)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, *params = ctx.saved_tensors
-        text, scheme, group, position_offset, names = ctx.call
+        q, k, v, out, lse, *tensors = ctx.saved_tensors
+        text, scheme, group, position_offset, names, data_names = ctx.call
+        params, data = _split(names, data_names, tensors)
         dq, dk, dv, named = _attn.context_backward(
-            text, scheme, _Group(group), q, k, v, out, lse, dout, position_offset,
-            list(zip(names, params)),
+            text, scheme, _Group(group), q, k, v, out, lse, dout, position_offset, params, data
         )
         by_name = {name: torch.from_dlpack(g) for name, g in named}
         grads = [torch.from_dlpack(dq), torch.from_dlpack(dk), torch.from_dlpack(dv)]
-        return (None, None, None, None, None, *grads, *[by_name.get(n) for n in names])
+        return (
+            None, None, None, None, None, None, *grads,
+            *[by_name.get(n) for n in names + data_names],
+        )
+
+
+def _split(names, data_names, tensors):
+    """The learnable tensors and the data tensors of a call, by name."""
+    params = list(zip(names, tensors[: len(names)]))
+    return params, list(zip(data_names, tensors[len(names):]))
 
 
 def context_parallel_attention(
@@ -161,6 +171,7 @@ def context_parallel_attention(
     group=None,
     position_offset: int = 0,
     params: Optional[Dict[str, Tensor]] = None,
+    data: Optional[Dict[str, Tensor]] = None,
     return_lse: bool = False,
 ):
     """This rank's part of attention over a sequence split across ``group`` (the default
@@ -168,11 +179,13 @@ def context_parallel_attention(
     ``[B, kv_heads, L, dim]`` hold the positions :func:`positions` gives this rank of a
     sequence of ``ranks * L`` starting at ``position_offset``; every rank calls this with its
     part. Returns this rank's rows of the whole call's ``out`` (and ``lse`` with
-    ``return_lse``); gradients flow to q, k, v and ``params`` (this rank's share).
+    ``return_lse``); gradients flow to q, k, v, ``params`` and float32 ``data`` (this rank's
+    share). Data tensors (a document mask's ids, say) are the whole call's on every rank,
+    ``[B, S]`` along the sequence, read at global positions.
 
     ``scheme`` is ``"ring"`` (any heads) or ``"ulysses"`` (heads and kv_heads divisible by
-    the ranks). Data tensors are not taken. Bad input raises :class:`attn.AttnError`; a
-    failing peer raises an error here within the group's timeout.
+    the ranks). Bad input raises :class:`attn.AttnError`; a failing peer raises an error
+    here within the group's timeout.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise AttnError("context_parallel_attention needs torch.distributed initialized "
@@ -182,8 +195,11 @@ def context_parallel_attention(
         check_tensor(name, t)
     check_offset(position_offset)
     named = _named("params", params)
+    given = [(name, t.contiguous()) for name, t in _named("data", data)]
     names: List[str] = [name for name, _ in named]
+    data_names: List[str] = [name for name, _ in given]
+    tensors = [t for _, t in named + given]
     out, lse = _ContextParallel.apply(
-        text, _scheme(scheme), group, position_offset, names, q, k, v, *[t for _, t in named]
+        text, _scheme(scheme), group, position_offset, names, data_names, q, k, v, *tensors
     )
     return (out, lse) if return_lse else out
