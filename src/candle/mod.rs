@@ -193,25 +193,23 @@ pub struct Context {
 /// One rank's part of context-parallel attention: q, k and v hold the positions
 /// [`crate::distributed::ContextParallel::split`] gives this rank of a sequence of `ranks * L`
 /// (from position 0); every rank of `context` calls it with its part. Gradients flow into q, k,
-/// v and the learnable tensors; a learnable tensor's gradient is this rank's share (sum it over
-/// the ranks, as data-parallel training does with every weight's). Data tensors are not taken.
+/// v, the learnable tensors and f32 data tensors; a learnable tensor's gradient is this rank's
+/// share (sum it over the ranks, as data-parallel training does with every weight's). Data
+/// tensors (`data`, as [`attention_with_data`] takes them) are the whole sequence's on every
+/// rank: a document mask's ids `[B, ranks * L]`.
 pub fn attention_context_parallel(
     variant: &Arc<Variant>,
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     learned: &[(&str, &Tensor)],
+    data: &[(&str, &Tensor)],
     context: &Context,
 ) -> candle_core::Result<Tensor> {
     op::check_inputs(variant, q, k, v)?;
     let ordered = op::check_learned(variant, learned)?;
-    if !variant.spec().data.is_empty() {
-        candle_core::bail!(
-            "attn::candle: context-parallel attention takes no data tensors (spec `{}`)",
-            variant.text()
-        );
-    }
-    let (op, third) = op_and_third(variant, v, &ordered, (Vec::new(), Vec::new()), 0)?;
+    let checked = op::check_data(variant, data)?;
+    let (op, third) = op_and_third(variant, v, &ordered, checked, 0)?;
     q.apply_op3(k, &third, op.in_context(context))
 }
 

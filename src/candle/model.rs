@@ -450,7 +450,7 @@ impl CandleModel {
     /// Makes the model one rank's part of context-parallel training: the tokens it is given are
     /// the positions [`crate::distributed::ContextParallel::split`] gives this rank of every
     /// window, and each attention runs over the ranks of `context` (`None`: a whole model
-    /// again). Packed windows (document masks) are refused in this mode.
+    /// again).
     pub fn set_context(&mut self, context: Option<super::Context>) {
         self.context = context;
     }
@@ -507,8 +507,12 @@ impl CandleModel {
     /// each token's document id, and every attention keeps the pairs within one document
     /// ([`attn_dsl::data::with_document_mask`]). Positions run on across a window's documents;
     /// RoPE and ALiBi see only differences, which a document mask keeps within a document.
+    /// With a context ([`CandleModel::set_context`]), `documents` are the whole windows' ids,
+    /// `[B, ranks * S]`, and `tokens` this rank's positions of them.
     pub fn forward_documents(&self, tokens: &Tensor, documents: &Tensor) -> Result<Tensor> {
-        if documents.dims() != tokens.dims() {
+        let ranks = self.context.as_ref().map_or(1, |c| c.comm.size());
+        let (b, s) = tokens.dims2()?;
+        if documents.dims() != [b, s * ranks] {
             candle_core::bail!(
                 "attn::candle: document ids of shape {:?} for tokens of shape {:?}",
                 documents.dims(),
@@ -575,12 +579,13 @@ impl CandleModel {
         let a = match (documents, &self.context) {
             (None, None) => attention_learned(&block.variant, &q, &k, &v, &learned, 0)?,
             (None, Some(c)) => {
-                super::attention_context_parallel(&block.variant, &q, &k, &v, &learned, c)?
+                super::attention_context_parallel(&block.variant, &q, &k, &v, &learned, &[], c)?
             }
-            (Some(_), Some(_)) => candle_core::bail!(
-                "attn::candle: context parallelism does not take packed windows (document \
-                 masks) yet"
-            ),
+            (Some(ids), Some(c)) => {
+                let data = [(DOCUMENT_IDS, ids)];
+                let variant = block.packed_variant()?;
+                super::attention_context_parallel(variant, &q, &k, &v, &learned, &data, c)?
+            }
             (Some(ids), None) => {
                 let data = [(DOCUMENT_IDS, ids)];
                 let variant = block.packed_variant()?;

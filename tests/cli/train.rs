@@ -1128,3 +1128,103 @@ fn bytemuck_f32(bytes: &[u8]) -> Vec<f32> {
         .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
         .collect()
 }
+
+/// Packed windows (`--pack`: a document mask on every attention) under `--context-parallel 2`:
+/// each rank reads the whole windows' document ids, and the run's losses are those of one
+/// process, for the ring and Ulysses.
+#[cfg(feature = "candle")]
+#[test]
+fn packed_windows_train_context_parallel_as_one_process() {
+    let dir = folder("packed-context");
+    let m = model(&dir, 256);
+    let data = dir.join("documents.txt");
+    let docs = [
+        "the quick brown fox. ",
+        "a packed corpus. ",
+        "each ends with a blank line. ",
+    ];
+    let text: Vec<String> = (0..18).map(|i| docs[i % 3].repeat(2 + i % 4)).collect();
+    std::fs::write(&data, text.join("\n\n")).unwrap();
+    let data = data.to_str().unwrap().to_string();
+    let losses = |name: &str, extra: &[&str]| -> Vec<f64> {
+        let out = dir.join(name);
+        let out_s = out.to_str().unwrap().to_string();
+        let mut args = vec![
+            "train", "--model", &m, "--data", &data, "--out", &out_s, "--pack",
+        ];
+        args.extend([
+            "--seq",
+            "16",
+            "--batch",
+            "4",
+            "--steps",
+            "12",
+            "--eval-every",
+            "4",
+        ]);
+        args.extend(extra);
+        let o = attnc(&args);
+        assert_eq!(o.status.code(), Some(0), "{name}: {}", stderr(&o));
+        std::fs::read_to_string(out.join("steps.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
+                    .as_f64()
+                    .unwrap()
+            })
+            .collect()
+    };
+    let one = losses("one", &[]);
+    // The mask matters: the same run unpacked ends elsewhere.
+    let plain = dir.join("plain");
+    let o = attnc(&[
+        "train",
+        "--model",
+        &m,
+        "--data",
+        &data,
+        "--out",
+        plain.to_str().unwrap(),
+        "--seq",
+        "16",
+        "--batch",
+        "4",
+        "--steps",
+        "12",
+        "--eval-every",
+        "4",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let text = std::fs::read_to_string(plain.join("steps.jsonl")).unwrap();
+    let last = serde_json::from_str::<serde_json::Value>(text.lines().last().unwrap()).unwrap();
+    let unpacked = last["loss"].as_f64().unwrap();
+    assert!(
+        (one[11] - unpacked).abs() > 1e-4,
+        "{} and {unpacked}",
+        one[11]
+    );
+    for scheme in ["ring", "ulysses"] {
+        let name = format!("context-{scheme}");
+        let got = losses(
+            &name,
+            &[
+                "--ranks",
+                "2",
+                "--context-parallel",
+                "2",
+                "--scheme",
+                scheme,
+            ],
+        );
+        assert_eq!(got.len(), one.len());
+        for (step, (x, y)) in one.iter().zip(&got).enumerate() {
+            assert!(
+                (x - y).abs() <= 1e-5 * x.abs(),
+                "{scheme} step {}: {x} against {y}",
+                step + 1
+            );
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -1,5 +1,5 @@
 //! The collectives context and data parallelism need, over an existing engine: threads in one
-//! process ([`super::threads`]), MPI (feature `mpi`, [`super::mpi`]).
+//! process ([`super::threads`]), MPI (feature `mpi`), NCCL (feature `nccl`).
 
 use std::fmt;
 

@@ -111,8 +111,8 @@ impl SeqSplit {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct SeqDims {
     outer: usize,
-    pub seq: usize,
-    pub width: usize,
+    seq: usize,
+    width: usize,
 }
 
 /// The [`SeqDims`] of `t`, whose axis 2 must hold `seq` positions.

@@ -1,7 +1,7 @@
 //! Attention and training beyond one process: a [`Communicator`] over an existing engine
 //! (threads in one process, [`threads`]; MPI with the `mpi` feature; NCCL between GPUs with
-//! the `nccl` feature), and context-parallel
-//! attention over it ([`ContextParallel`]: Ulysses or ring attention).
+//! the `nccl` feature), and context-parallel attention over it ([`ContextParallel`]: Ulysses
+//! or ring attention, each rank holding the positions a [`SeqSplit`] gives it).
 
 mod comm;
 mod context;

@@ -23,13 +23,6 @@ pub fn split_sequences(
              are not supported yet"
         ));
     };
-    if options.pack.is_some() {
-        return Err(
-            "error: --context-parallel does not take --pack yet (the candle op does not carry \
-             a window's document ids to the ranks; attn::distributed's own calls take them)"
-                .into(),
-        );
-    }
     let text = scheme;
     let scheme: Scheme = text.parse().map_err(|e| format!("error: --scheme: {e}"))?;
     let cpu = CpuBackend::new();

@@ -50,6 +50,11 @@ impl Ranks {
         }
     }
 
+    /// Whether the ranks split every sequence (context parallelism) rather than the batch.
+    pub fn splits_sequences(&self) -> bool {
+        self.context.is_some()
+    }
+
     /// The context of the model's attention, when the ranks split sequences.
     pub fn context(&self) -> Option<attn::candle::Context> {
         self.context

@@ -655,9 +655,11 @@ impl Trainer {
             Some(r) => r.part(&windows, seq)?,
             None => [windows.narrow(1, 0, seq)?, windows.narrow(1, 1, seq)?],
         };
+        // Context-parallel ranks read the whole windows' document ids (their attention meets
+        // every position); data-parallel ranks their own windows'.
         let documents = match (documents, &self.ranks) {
-            (Some(d), Some(r)) => Some(r.part(&d, seq)?[0].clone()),
-            (Some(d), None) => Some(d.narrow(1, 0, seq)?),
+            (Some(d), Some(r)) if !r.splits_sequences() => Some(r.part(&d, seq)?[0].clone()),
+            (Some(d), _) => Some(d.narrow(1, 0, seq)?),
             (None, _) => None,
         };
         Ok(Batch {
