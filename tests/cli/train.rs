@@ -1014,17 +1014,7 @@ fn data_parallel_ranks_train_as_one_process_with_the_same_batch() {
         assert_eq!(o.status.code(), Some(0), "{name}: {}", stderr(&o));
         out
     };
-    let losses = |out: &Path| -> Vec<f64> {
-        std::fs::read_to_string(out.join("steps.jsonl"))
-            .unwrap()
-            .lines()
-            .map(|l| {
-                serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
-                    .as_f64()
-                    .unwrap()
-            })
-            .collect()
-    };
+    let losses = step_losses;
     let weights = |out: &Path, step: u64| -> Vec<f32> {
         let bytes = std::fs::read(out.join(format!("model-{step}.safetensors"))).unwrap();
         let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
@@ -1120,6 +1110,20 @@ fn data_parallel_ranks_train_as_one_process_with_the_same_batch() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// Each step's training loss, from a run's steps.jsonl.
+#[cfg(feature = "candle")]
+fn step_losses(run: &Path) -> Vec<f64> {
+    std::fs::read_to_string(run.join("steps.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
+                .as_f64()
+                .unwrap()
+        })
+        .collect()
+}
+
 /// Little-endian f32 values of a safetensors tensor's bytes.
 #[cfg(feature = "candle")]
 fn bytemuck_f32(bytes: &[u8]) -> Vec<f32> {
@@ -1165,15 +1169,7 @@ fn packed_windows_train_context_parallel_as_one_process() {
         args.extend(extra);
         let o = attnc(&args);
         assert_eq!(o.status.code(), Some(0), "{name}: {}", stderr(&o));
-        std::fs::read_to_string(out.join("steps.jsonl"))
-            .unwrap()
-            .lines()
-            .map(|l| {
-                serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
-                    .as_f64()
-                    .unwrap()
-            })
-            .collect()
+        step_losses(&out)
     };
     let one = losses("one", &[]);
     // The mask matters: the same run unpacked ends elsewhere.
@@ -1196,9 +1192,7 @@ fn packed_windows_train_context_parallel_as_one_process() {
         "4",
     ]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
-    let text = std::fs::read_to_string(plain.join("steps.jsonl")).unwrap();
-    let last = serde_json::from_str::<serde_json::Value>(text.lines().last().unwrap()).unwrap();
-    let unpacked = last["loss"].as_f64().unwrap();
+    let unpacked = step_losses(&plain)[11];
     assert!(
         (one[11] - unpacked).abs() > 1e-4,
         "{} and {unpacked}",
