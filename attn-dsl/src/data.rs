@@ -218,10 +218,12 @@ pub fn with_document_mask(spec: &AttentionSpec) -> Result<AttentionSpec, String>
         Some(m) => MaskMod {
             params: m.params.clone(),
             body: Expr::binary(BinOp::And, m.body.clone(), same_document),
+            lets: m.lets.clone(),
         },
         None => MaskMod {
             params: ["b", "h", "q", "k"].map(String::from),
             body: same_document,
+            lets: Vec::new(),
         },
     });
     out.validate().map_err(|findings| {

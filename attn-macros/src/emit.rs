@@ -40,9 +40,11 @@ pub fn spec(spec: &AttentionSpec) -> TokenStream {
         Some(m) => {
             let body = expr(&m.body);
             let params = &m.params;
+            let lets = lets(&m.lets);
             quote!(::core::option::Option::Some(::attn::dsl::modifier::ScoreMod {
                 params: [#(::std::string::String::from(#params)),*],
                 body: #body,
+                lets: #lets,
             }))
         }
         None => quote!(::core::option::Option::None),
@@ -51,9 +53,11 @@ pub fn spec(spec: &AttentionSpec) -> TokenStream {
         Some(m) => {
             let body = expr(&m.body);
             let params = &m.params;
+            let lets = lets(&m.lets);
             quote!(::core::option::Option::Some(::attn::dsl::modifier::MaskMod {
                 params: [#(::std::string::String::from(#params)),*],
                 body: #body,
+                lets: #lets,
             }))
         }
         None => quote!(::core::option::Option::None),
@@ -258,6 +262,18 @@ fn rope(r: &Rope) -> TokenStream {
 }
 
 /// A block expression building `e`: one `let` per node, children before parents.
+/// A closure's `let` bindings, kept for printing back.
+fn lets(lets: &[attn_dsl::modifier::Let]) -> TokenStream {
+    let each = lets.iter().map(|l| {
+        let (name, value) = (&l.name, expr(&l.value));
+        quote!(::attn::dsl::modifier::Let {
+            name: ::std::string::String::from(#name),
+            value: #value,
+        })
+    });
+    quote!(::std::vec![#(#each),*])
+}
+
 fn expr(e: &Expr) -> TokenStream {
     let mut lets = Vec::new();
     let root = node(e, &mut lets);

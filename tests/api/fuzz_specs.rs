@@ -46,6 +46,9 @@ const SEEDS: &[&str] = &[
     "heads = 4, kv_heads = 2, head_dim = 8, data(lo: [batch, seq] i32, t: [heads, 4] f32), \
      mask_mod = |b, h, q, k| k >= lo[b, q] || k <= q, \
      score_mod = |s, b, h, q, k| s * t[h, (q - k).abs().min(3)]",
+    "heads = 2, head_dim = 8, params(w: [heads]), \
+     score_mod = |s, b, h, q, k| let d = (q - k) as f32; let e = d * w[h]; s - e * e, \
+     mask_mod = |b, h, q, k| { let r = q / 4; r == k / 4 }",
 ];
 
 /// Tokens inserted by mutations: extremes, wrong kinds, unicode, unbalanced brackets.

@@ -44,6 +44,14 @@ struct StaticNtk;
 #[attention(heads = 2, head_dim = 8, position = rope(scaling = linear(factor = 2.5)))]
 struct Linear;
 
+/// `let` bindings, unbraced and in a block.
+#[attention(
+    heads = 2, head_dim = 8, params(slope: [heads]),
+    score_mod = |s, b, h, q, k| let d = (q - k).abs() as f32; s - slope[h] * d * d,
+    mask_mod = |b, h, q, k| { let w = 4; q - k < w && k - q < w }
+)]
+struct Bindings;
+
 #[attention(heads = 2, head_dim = 8, position = rope(scaling = longrope(short = [1.0, 1.5, 2.25,
     3.0], long = [1, 4, 16, 64.5], original_max_position = 4096, attention_factor = 1.19)))]
 struct LongRope;
@@ -56,6 +64,7 @@ fn the_macro_builds_the_spec_as_data_equal_to_its_text() {
         (DynamicNtk::spec(), DynamicNtk::SPEC_TEXT),
         (StaticNtk::spec(), StaticNtk::SPEC_TEXT),
         (Linear::spec(), Linear::SPEC_TEXT),
+        (Bindings::spec(), Bindings::SPEC_TEXT),
         (LongRope::spec(), LongRope::SPEC_TEXT),
         (Gqa::spec(), Gqa::SPEC_TEXT),
         (Latent::spec(), Latent::SPEC_TEXT),

@@ -3,8 +3,10 @@
 
 use super::grad::{GradNote, derivative};
 use super::{
-    BinOp, Expr, MASK_MOD_PARAMS, MaskMod, ParamRead, SCORE_MOD_PARAMS, ScoreMod, Ty, UnOp, Var,
+    BinOp, Expr, Let, MASK_MOD_PARAMS, MAX_LET_EXPANSION, MaskMod, ParamRead, SCORE_MOD_PARAMS,
+    ScoreMod, Ty, UnOp, Var,
 };
+use crate::parse::MAX_EXPR_DEPTH;
 use crate::spec::{DataDecl, ParamDecl};
 use proc_macro2::Span;
 use std::cell::RefCell;
@@ -49,15 +51,18 @@ pub(crate) fn lower_score_mod(
     closure: &syn::ExprClosure,
     params: Readable,
 ) -> syn::Result<LoweredScoreMod> {
-    let (names, body, reads) =
-        lower_closure(closure, &SCORE_MOD_PARAMS, Ty::F32, "score_mod", params)?;
-    let names = names.try_into().expect("arity checked by lower_closure");
+    let lowered = lower_closure(closure, &SCORE_MOD_PARAMS, Ty::F32, "score_mod", params)?;
+    let names = lowered
+        .names
+        .try_into()
+        .expect("arity checked by lower_closure");
     Ok(LoweredScoreMod {
         score_mod: ScoreMod {
             params: names,
-            body,
+            body: lowered.body,
+            lets: lowered.lets,
         },
-        reads,
+        reads: lowered.reads,
     })
 }
 
@@ -77,16 +82,15 @@ pub(crate) fn score_mod_notes(
     let Ok(gradient) = derivative(&lowered.body) else {
         return Vec::new();
     };
-    let scope = Scope {
-        vars: lowered
+    let scope = Scope::new(
+        lowered
             .params
             .iter()
             .cloned()
             .zip(SCORE_MOD_PARAMS)
             .collect(),
         params,
-        reads: RefCell::new(Vec::new()),
-    };
+    );
     let spans = printed_spans(&closure.body, &scope);
     gradient
         .notes
@@ -103,8 +107,9 @@ pub(crate) fn score_mod_notes(
 
 /// The span of every subexpression of `body` by the printed form of its lowering, the
 /// outermost (then the first in the source) where several print alike. Each subexpression is
-/// lowered once, on its own: modifier bodies have no `let`, so every one is closed over the
-/// parameters. The walk keeps its own stack (the parser bounds the depth, not the width).
+/// lowered once, on its own, in the closure's scope: one that uses a `let` binding does not
+/// lower there and gets no span of its own (its note falls to an enclosing expression). The
+/// walk keeps its own stack (the parser bounds the depth, not the width).
 fn printed_spans(body: &syn::Expr, scope: &Scope) -> std::collections::HashMap<String, Span> {
     let mut spans = std::collections::HashMap::new();
     let mut stack = vec![body];
@@ -148,13 +153,25 @@ pub(crate) fn lower_mask_mod(
     closure: &syn::ExprClosure,
     params: Readable,
 ) -> syn::Result<(MaskMod, Vec<(ParamRead, Span)>)> {
-    let (params, body, reads) =
-        lower_closure(closure, &MASK_MOD_PARAMS, Ty::Bool, "mask_mod", params)?;
-    let params = params.try_into().expect("arity checked by lower_closure");
-    Ok((MaskMod { params, body }, reads))
+    let lowered = lower_closure(closure, &MASK_MOD_PARAMS, Ty::Bool, "mask_mod", params)?;
+    let mask_mod = MaskMod {
+        params: lowered
+            .names
+            .try_into()
+            .expect("arity checked by lower_closure"),
+        body: lowered.body,
+        lets: lowered.lets,
+    };
+    Ok((mask_mod, lowered.reads))
 }
 
-type Lowered = (Vec<String>, Expr, Vec<(ParamRead, Span)>);
+/// A closure lowered: its parameter names, body, `let` bindings and tensor reads.
+struct Lowered {
+    names: Vec<String>,
+    body: Expr,
+    lets: Vec<Let>,
+    reads: Vec<(ParamRead, Span)>,
+}
 
 fn lower_closure(
     closure: &syn::ExprClosure,
@@ -223,12 +240,18 @@ fn lower_closure(
         }
         scope.push((name, *role));
     }
-    let scope = Scope {
-        vars: scope,
-        params,
-        reads: RefCell::new(Vec::new()),
-    };
+    let scope = Scope::new(scope, params);
     let (body, ty) = lower_expr(&closure.body, &scope)?;
+    if body.depth() > MAX_EXPR_DEPTH {
+        return Err(syn::Error::new_spanned(
+            &closure.body,
+            format!(
+                "{what} is {} operations deep once its `let` bindings are substituted; \
+                 allowed: at most {MAX_EXPR_DEPTH}",
+                body.depth()
+            ),
+        ));
+    }
     if ty != want {
         return Err(syn::Error::new_spanned(
             &closure.body,
@@ -239,8 +262,12 @@ fn lower_closure(
             ),
         ));
     }
-    let names = scope.vars.into_iter().map(|(name, _)| name).collect();
-    Ok((names, body, scope.reads.into_inner()))
+    Ok(Lowered {
+        names: scope.vars.into_iter().map(|(name, _)| name).collect(),
+        body,
+        lets: scope.lets.into_inner(),
+        reads: scope.reads.into_inner(),
+    })
 }
 
 /// What names mean inside a closure body.
@@ -251,6 +278,62 @@ struct Scope<'p> {
     params: Readable<'p>,
     /// The reads lowered so far, with their spans.
     reads: RefCell<Vec<(ParamRead, Span)>>,
+    /// Every `let` binding lowered so far, in source order.
+    lets: RefCell<Vec<Let>>,
+    /// The bindings in scope where lowering stands: indices into `lets`, innermost last, with
+    /// each value's type and size.
+    visible: RefCell<Vec<(usize, Ty, usize)>>,
+    /// IR nodes the uses of bindings have copied so far (bounded by [`MAX_LET_EXPANSION`]).
+    expanded: std::cell::Cell<usize>,
+}
+
+impl<'p> Scope<'p> {
+    fn new(vars: Vec<(String, Var)>, params: Readable<'p>) -> Self {
+        Scope {
+            vars,
+            params,
+            reads: RefCell::new(Vec::new()),
+            lets: RefCell::new(Vec::new()),
+            visible: RefCell::new(Vec::new()),
+            expanded: std::cell::Cell::new(0),
+        }
+    }
+
+    /// The value and type of the binding `name` in scope, counting its copy.
+    fn binding(&self, name: &str, at: &syn::Ident) -> syn::Result<Option<(Expr, Ty)>> {
+        let lets = self.lets.borrow();
+        let visible = self.visible.borrow();
+        let Some(&(i, ty, size)) = visible.iter().rev().find(|(i, ..)| lets[*i].name == name)
+        else {
+            return Ok(None);
+        };
+        let expanded = self.expanded.get() + size;
+        if expanded > MAX_LET_EXPANSION {
+            return Err(syn::Error::new_spanned(
+                at,
+                format!(
+                    "the closure's `let` bindings expand to more than {MAX_LET_EXPANSION} \
+                     operations where they are used (each use copies the bound expression); \
+                     allowed: at most {MAX_LET_EXPANSION}"
+                ),
+            ));
+        }
+        self.expanded.set(expanded);
+        Ok(Some((lets[i].value.clone(), ty)))
+    }
+
+    /// Whether `name` is taken: a closure parameter, a tensor or a binding of this closure.
+    fn taken(&self, name: &str) -> Option<&'static str> {
+        if self.vars.iter().any(|(n, _)| n == name) {
+            Some("a closure parameter")
+        } else if self.params.find(name).is_some() {
+            Some("a tensor declared in params(...) or data(...)")
+        } else if self.lets.borrow().iter().any(|l| l.name == name) {
+            Some("bound by another `let` of this closure")
+        } else {
+            None
+        }
+    }
 }
 
 fn lower_expr(expr: &syn::Expr, scope: &Scope) -> syn::Result<(Expr, Ty)> {
@@ -388,14 +471,88 @@ fn lower_call(c: &syn::ExprCall, scope: &Scope) -> syn::Result<(Expr, Ty)> {
     combine(op, a, b, c.func.span())
 }
 
+/// `{ let a = ..; let b = ..; expr }`: the bindings are in scope until the block ends.
 fn lower_block(block: &syn::Block, scope: &Scope) -> syn::Result<(Expr, Ty)> {
-    match block.stmts.as_slice() {
-        [syn::Stmt::Expr(e, None)] => lower_expr(e, scope),
-        _ => Err(syn::Error::new_spanned(
+    let Some((syn::Stmt::Expr(last, None), lets)) = block.stmts.split_last() else {
+        return Err(syn::Error::new_spanned(
             block,
-            "a block in a modifier must hold exactly one expression (no statements or `let`)",
-        )),
+            "a block in a modifier holds `let NAME = expr;` bindings and ends with one \
+             expression (no `;` after it)",
+        ));
+    };
+    let outer = scope.visible.borrow().len();
+    let lowered = lets
+        .iter()
+        .try_for_each(|stmt| lower_let(stmt, scope))
+        .and_then(|()| lower_expr(last, scope));
+    scope.visible.borrow_mut().truncate(outer);
+    lowered
+}
+
+/// `let NAME = expr;`, bound in `scope`.
+fn lower_let(stmt: &syn::Stmt, scope: &Scope) -> syn::Result<()> {
+    let syn::Stmt::Local(local) = stmt else {
+        return Err(syn::Error::new_spanned(
+            stmt,
+            "only `let NAME = expr;` may stand before a block's last expression",
+        ));
+    };
+    let name = match &local.pat {
+        syn::Pat::Ident(p)
+            if p.by_ref.is_none() && p.mutability.is_none() && p.subpat.is_none() =>
+        {
+            &p.ident
+        }
+        syn::Pat::Type(t) => {
+            return Err(syn::Error::new_spanned(
+                t.colon_token,
+                "a modifier's `let` takes no type annotation; its type is the expression's",
+            ));
+        }
+        other => {
+            return Err(syn::Error::new_spanned(
+                other,
+                "a modifier's `let` binds one name: `let NAME = expr;`",
+            ));
+        }
+    };
+    let Some(init) = &local.init else {
+        return Err(syn::Error::new_spanned(
+            local,
+            format!("`let {name}` needs a value: `let {name} = expr;`"),
+        ));
+    };
+    if let Some((else_token, _)) = &init.diverge {
+        return Err(syn::Error::new_spanned(
+            else_token,
+            "a modifier's `let` has no `else` branch",
+        ));
     }
+    if let Some(what) = scope.taken(&name.to_string()) {
+        return Err(syn::Error::new_spanned(
+            name,
+            format!("`{name}` is {what}; a `let` in a modifier binds a new name"),
+        ));
+    }
+    let (value, ty) = lower_expr(&init.expr, scope)?;
+    if value.depth() > MAX_EXPR_DEPTH {
+        return Err(syn::Error::new_spanned(
+            &init.expr,
+            format!(
+                "`{name}` is {} operations deep once the bindings it uses are substituted; \
+                 allowed: at most {MAX_EXPR_DEPTH}",
+                value.depth()
+            ),
+        ));
+    }
+    let size = value.size();
+    let mut lets = scope.lets.borrow_mut();
+    scope.visible.borrow_mut().push((lets.len(), ty, size));
+    lets.push(Let {
+        name: name.to_string(),
+        value,
+    });
+    Ok(())
 }
 
 fn lower_lit(lit: &syn::Lit) -> syn::Result<(Expr, Ty)> {
@@ -454,6 +611,9 @@ fn lower_path(path: &syn::ExprPath, scope: &Scope) -> syn::Result<(Expr, Ty)> {
         ));
     };
     let name = ident.to_string();
+    if let Some(bound) = scope.binding(&name, ident)? {
+        return Ok(bound);
+    }
     match scope
         .vars
         .iter()
@@ -471,8 +631,20 @@ fn lower_path(path: &syn::ExprPath, scope: &Scope) -> syn::Result<(Expr, Ty)> {
             Err(syn::Error::new_spanned(
                 ident,
                 format!(
-                    "unknown name `{name}`; the closure's parameters are: {}",
-                    known.join(", ")
+                    "unknown name `{name}`; the closure's parameters are: {}{}",
+                    known.join(", "),
+                    if scope.visible.borrow().is_empty() {
+                        String::new()
+                    } else {
+                        let lets = scope.lets.borrow();
+                        let bound: Vec<&str> = scope
+                            .visible
+                            .borrow()
+                            .iter()
+                            .map(|(i, ..)| lets[*i].name.as_str())
+                            .collect();
+                        format!("; bound by `let` here: {}", bound.join(", "))
+                    }
                 ),
             ))
         }

@@ -33,6 +33,10 @@ pub use eval::{Env, ParamValues, Value, eval};
 pub(crate) use lower::{Readable, lower_mask_mod, lower_score_mod, score_mod_notes};
 pub use program::ScoreProgram;
 
+/// Most IR nodes the `let` bindings of one closure may add by substitution (each use of a
+/// binding copies its expression), so that a chain of bindings cannot grow a tree without bound.
+pub const MAX_LET_EXPANSION: usize = 20_000;
+
 /// The type of a modifier expression.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Ty {
@@ -263,6 +267,13 @@ impl Expr {
         deepest
     }
 
+    /// The number of nodes in the expression, counted without recursion.
+    pub fn size(&self) -> usize {
+        let mut nodes = 0;
+        self.visit(&mut |_| nodes += 1);
+        nodes
+    }
+
     /// Whether `var` occurs in the expression.
     pub fn uses(&self, var: Var) -> bool {
         match self {
@@ -317,8 +328,10 @@ impl Expr {
 pub struct ScoreMod {
     /// The parameter names as written (for printing back).
     pub params: [String; 5],
-    /// The body, of type f32.
+    /// The body, of type f32, with every `let` binding substituted.
     pub body: Expr,
+    /// The closure's `let` bindings, for printing back.
+    pub lets: Vec<Let>,
 }
 
 /// A custom mask predicate `|b, h, q, k| body`.
@@ -326,8 +339,23 @@ pub struct ScoreMod {
 pub struct MaskMod {
     /// The parameter names as written (for printing back).
     pub params: [String; 4],
-    /// The body, of type bool.
+    /// The body, of type bool, with every `let` binding substituted.
     pub body: Expr,
+    /// The closure's `let` bindings, for printing back.
+    pub lets: Vec<Let>,
+}
+
+/// A `let NAME = value;` of a modifier closure. Bindings are substituted where they are used
+/// (the IR has no variables of its own), so the body alone says what the closure computes;
+/// they are kept to print the closure back as written: the printer names each subtree equal to
+/// a binding's value. `value` is closed over the closure's parameters (earlier bindings
+/// substituted); every binding of a closure has a name of its own.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Let {
+    /// The name bound.
+    pub name: String,
+    /// The bound expression.
+    pub value: Expr,
 }
 
 impl ScoreMod {

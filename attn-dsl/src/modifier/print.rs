@@ -2,7 +2,7 @@
 //! the tree the same when parsed again. Closures print with their own parameter names, bare
 //! expressions with the canonical names (`score, b, h, q, k, qi, ki`).
 
-use super::{BinOp, Expr, MASK_MOD_PARAMS, MaskMod, SCORE_MOD_PARAMS, ScoreMod, UnOp, Var};
+use super::{BinOp, Expr, Let, MASK_MOD_PARAMS, MaskMod, SCORE_MOD_PARAMS, ScoreMod, UnOp, Var};
 use std::fmt;
 
 /// Binding strength, loosest first (Rust's expression precedence).
@@ -46,16 +46,28 @@ fn binary_prec(op: BinOp) -> Prec {
     }
 }
 
-/// Prints expressions with a name for each variable, indexed by [`Var::index`].
+/// Prints expressions with a name for each variable, indexed by [`Var::index`], and a
+/// binding's name for each subtree equal to the value of one of `lets` (the latest first).
 struct Printer<'a> {
     names: [&'a str; 7],
+    lets: &'a [Let],
 }
 
 impl<'a> Printer<'a> {
     fn canonical() -> Self {
         Printer {
             names: Var::ALL.map(Var::canonical_name),
+            lets: &[],
         }
+    }
+
+    /// The name of the binding whose value `expr` is, if any.
+    fn bound(&self, expr: &Expr) -> Option<&'a str> {
+        self.lets
+            .iter()
+            .rev()
+            .find(|l| l.value == *expr)
+            .map(|l| l.name.as_str())
     }
 
     /// Canonical names, except the closure parameters, which keep the names written.
@@ -86,7 +98,7 @@ impl<'a> Printer<'a> {
 
     /// Writes `expr`, parenthesized when it binds looser than `min`.
     fn operand(&self, f: &mut fmt::Formatter, expr: &Expr, min: Prec) -> fmt::Result {
-        if Self::prec(expr) < min {
+        if self.bound(expr).is_none() && Self::prec(expr) < min {
             write!(f, "(")?;
             self.expr(f, expr)?;
             write!(f, ")")
@@ -96,6 +108,9 @@ impl<'a> Printer<'a> {
     }
 
     fn expr(&self, f: &mut fmt::Formatter, expr: &Expr) -> fmt::Result {
+        if let Some(name) = self.bound(expr) {
+            return write!(f, "{name}");
+        }
         match expr {
             Expr::Var(v) => write!(f, "{}", self.name(*v)),
             Expr::Float(x) => write!(f, "{x:?}"),
@@ -191,14 +206,6 @@ fn ends_with_cast(expr: &Expr) -> bool {
     }
 }
 
-struct WithPrinter<'a>(Printer<'a>, &'a Expr);
-
-impl fmt::Display for WithPrinter<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        self.0.expr(f, self.1)
-    }
-}
-
 impl fmt::Display for Expr {
     /// The IR text form, with canonical variable names.
     fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
@@ -206,26 +213,39 @@ impl fmt::Display for Expr {
     }
 }
 
+/// `|params| body`, or `|params| { let a = ..; body }` for a closure with bindings.
+fn closure(
+    f: &mut fmt::Formatter,
+    params: &[String],
+    roles: &[Var],
+    lets: &[Let],
+    body: &Expr,
+) -> fmt::Result {
+    let mut p = Printer::closure(params, roles);
+    write!(f, "|{}| ", params.join(", "))?;
+    if lets.is_empty() {
+        return p.expr(f, body);
+    }
+    write!(f, "{{ ")?;
+    for (i, binding) in lets.iter().enumerate() {
+        p.lets = &lets[..i];
+        write!(f, "let {} = ", binding.name)?;
+        p.expr(f, &binding.value)?;
+        write!(f, "; ")?;
+    }
+    p.lets = lets;
+    p.expr(f, body)?;
+    write!(f, " }}")
+}
+
 impl fmt::Display for ScoreMod {
     fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        let p = Printer::closure(&self.params, &SCORE_MOD_PARAMS);
-        write!(
-            f,
-            "|{}| {}",
-            self.params.join(", "),
-            WithPrinter(p, &self.body)
-        )
+        closure(f, &self.params, &SCORE_MOD_PARAMS, &self.lets, &self.body)
     }
 }
 
 impl fmt::Display for MaskMod {
     fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        let p = Printer::closure(&self.params, &MASK_MOD_PARAMS);
-        write!(
-            f,
-            "|{}| {}",
-            self.params.join(", "),
-            WithPrinter(p, &self.body)
-        )
+        closure(f, &self.params, &MASK_MOD_PARAMS, &self.lets, &self.body)
     }
 }

@@ -30,6 +30,11 @@ struct Level {
     deepest_child: usize,
     /// Where this level opened (the whole item at the top).
     open: Span,
+    /// The operators before the level's first `let`: every statement of a block nests in them.
+    statement_base: Option<usize>,
+    /// The deepest statement of this level ended by `;` so far (statements do not nest in
+    /// one another).
+    finished: usize,
 }
 
 impl Level {
@@ -39,11 +44,20 @@ impl Level {
             operators: 0,
             deepest_child: 0,
             open,
+            statement_base: None,
+            finished: 0,
         }
     }
 
     fn depth(&self) -> usize {
-        self.operators + self.deepest_child
+        self.finished.max(self.operators + self.deepest_child)
+    }
+
+    /// A `;` ends a statement: the next one starts from the operators the block nests in.
+    fn end_statement(&mut self) {
+        self.finished = self.depth();
+        self.operators = self.statement_base.unwrap_or(0);
+        self.deepest_child = 0;
     }
 }
 
@@ -90,7 +104,14 @@ pub(super) fn check(tokens: &TokenStream) -> syn::Result<()> {
                 check_depth(level.depth(), item_start.unwrap_or(punct.span()))?;
                 level.operators = 0;
                 level.deepest_child = 0;
+                level.statement_base = None;
+                level.finished = 0;
                 item_start = None;
+            }
+            TokenTree::Punct(punct) if punct.as_char() == ';' => {
+                let level = stack.last_mut().expect("the loop holds a level");
+                check_depth(level.depth(), item_start.unwrap_or(level.open))?;
+                level.end_statement();
             }
             TokenTree::Punct(_) => {
                 let level = stack.last_mut().expect("the loop holds a level");
@@ -103,6 +124,9 @@ pub(super) fn check(tokens: &TokenStream) -> syn::Result<()> {
                     "if" | "else" | "as" | "match" | "let" | "loop" | "while" | "for" | "return"
                 ) {
                     let level = stack.last_mut().expect("the loop holds a level");
+                    if ident == "let" && level.statement_base.is_none() {
+                        level.statement_base = Some(level.operators);
+                    }
                     level.operators += 1;
                 }
             }

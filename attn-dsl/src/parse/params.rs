@@ -43,7 +43,7 @@ pub(super) fn split_items(tokens: TokenStream) -> syn::Result<SpecItems> {
         }
     }
     flush(&mut chunk, None);
-    let rest = Punctuated::parse_terminated.parse2(bracket_tuples(rest))?;
+    let rest = Punctuated::parse_terminated.parse2(bracket_tuples(brace_let_bodies(rest)))?;
     Ok(SpecItems { params, data, rest })
 }
 
@@ -53,6 +53,32 @@ pub(super) fn split_items(tokens: TokenStream) -> syn::Result<SpecItems> {
 fn is_declaration_item(chunk: &[TokenTree], keyword: &str) -> bool {
     matches!(chunk, [TokenTree::Ident(i), TokenTree::Group(g)]
         if i == keyword && g.delimiter() == Delimiter::Parenthesis)
+}
+
+/// A closure body that starts with `let` and runs to the item's end, `|..| let d = ..; expr`,
+/// as the block `|..| { let d = ..; expr }` Rust would need. (Closures stand at the top level
+/// of the items; `| let` occurs nowhere else in an expression.)
+fn brace_let_bodies(tokens: TokenStream) -> TokenStream {
+    let mut out: Vec<TokenTree> = Vec::new();
+    let mut trees = tokens.into_iter().peekable();
+    while let Some(tree) = trees.next() {
+        let bar = matches!(&tree, TokenTree::Punct(p) if p.as_char() == '|');
+        out.push(tree);
+        let starts_let = matches!(trees.peek(), Some(TokenTree::Ident(i)) if i == "let");
+        if bar && starts_let {
+            let mut body = Vec::new();
+            while let Some(t) =
+                trees.next_if(|t| !matches!(t, TokenTree::Punct(p) if p.as_char() == ','))
+            {
+                body.push(t);
+            }
+            let span = body[0].span();
+            let mut block = Group::new(Delimiter::Brace, body.into_iter().collect());
+            block.set_span(span);
+            out.push(TokenTree::Group(block));
+        }
+    }
+    out.into_iter().collect()
 }
 
 /// `IDENT[a, b]` as `IDENT[(a, b)]`, at every depth.

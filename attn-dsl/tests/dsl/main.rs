@@ -9,6 +9,7 @@ mod grad;
 mod interval;
 mod ir_snapshots;
 mod learnable;
+mod lets;
 mod parse;
 mod program;
 mod reference_backward;

@@ -585,12 +585,6 @@ fn modifier_errors_point_into_the_closure() {
         "if",
     );
     rejects(
-        &format!("{m}mask_mod = |b, h, q, k| {{ let x = 1; x > q }}"),
-        "exactly one expression",
-        "| ",
-        "{",
-    );
-    rejects(
         &format!("{m}score_mod = |score, b, h, q, k| score + (q > k) as f32"),
         "cannot cast bool to f32",
         "+ ",

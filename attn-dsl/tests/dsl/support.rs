@@ -215,10 +215,12 @@ pub fn spec() -> impl Strategy<Value = AttentionSpec> {
             s.score_mod = score.map(|body| ScoreMod {
                 params: names(&["score", "b", "h", "q", "k"]).try_into().unwrap(),
                 body,
+                lets: Vec::new(),
             });
             s.mask_mod = maskm.map(|body| MaskMod {
                 params: names(&["b", "h", "q", "k"]).try_into().unwrap(),
                 body,
+                lets: Vec::new(),
             });
             s
         },
