@@ -94,6 +94,9 @@ pub(crate) fn findings(spec: &AttentionSpec) -> Vec<(Subject, String)> {
             dims_allowed: "`heads` or `kv_heads`",
         };
         shape.findings().into_iter().for_each(&mut say);
+        if let Some(problem) = decl.init.problem(decl) {
+            say(problem);
+        }
         let elements = spec
             .param_shape(decl)
             .iter()

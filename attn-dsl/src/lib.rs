@@ -21,6 +21,7 @@ pub mod catalog;
 pub mod data;
 mod error;
 mod given;
+pub mod initial;
 pub mod inputs;
 pub mod learnable;
 pub mod modifier;
@@ -32,6 +33,7 @@ mod validate;
 
 pub use error::{Invalid, Location, ReferenceError, SpecError, SpecErrors};
 pub use given::{Mismatch, match_call, match_learned};
+pub use initial::ParamInit;
 pub use parse::{
     MAX_BRACKET_DEPTH, MAX_ERRORS, MAX_EXPR_DEPTH, MAX_LITERAL_CHARS, MAX_SPEC_BYTES,
     gradient_notes, parse_str, parse_tokens, set_key, settable_keys,

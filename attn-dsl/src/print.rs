@@ -57,6 +57,9 @@ impl fmt::Display for AttentionSpec {
                     .collect();
                 let sep = if i == 0 { "" } else { ", " };
                 write!(f, "{sep}{}: [{}]", p.name, dims.join(", "))?;
+                if !p.init.is_default() {
+                    write!(f, " = {}", p.init)?;
+                }
             }
             write!(f, ")")?;
         }

@@ -96,13 +96,15 @@ impl DataType {
     }
 }
 
-/// One learnable parameter tensor: `NAME: [DIM, ...]`.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// One learnable parameter tensor: `NAME: [DIM, ...]`, or `NAME: [DIM, ...] = INIT`.
+#[derive(Clone, Debug, PartialEq)]
 pub struct ParamDecl {
     /// The name modifiers read it by (`NAME[i, j]`) and tensors carry it by.
     pub name: String,
     /// The dimensions, outermost first (row-major).
     pub dims: Vec<ParamDim>,
+    /// Where training starts it (0 unless the spec says otherwise).
+    pub init: crate::initial::ParamInit,
 }
 
 /// A dimension of a [`ParamDecl`].

@@ -6,8 +6,8 @@
 
 use attn_dsl::modifier::{BinOp, Expr, Ty, UnOp, Var};
 use attn_dsl::{
-    AttentionSpec, CausalAlign, DType, DataDim, DataType, KvLayout, Mask, ParamDim, Position, Rope,
-    RopeLayout, RopeScaling, Sinks,
+    AttentionSpec, CausalAlign, DType, DataDim, DataType, KvLayout, Mask, ParamDim, ParamInit,
+    Position, Rope, RopeLayout, RopeScaling, Sinks,
 };
 use proc_macro2::TokenStream;
 use quote::{format_ident, quote};
@@ -69,9 +69,25 @@ pub fn spec(spec: &AttentionSpec) -> TokenStream {
             ParamDim::Heads => quote!(::attn::dsl::ParamDim::Heads),
             ParamDim::KvHeads => quote!(::attn::dsl::ParamDim::KvHeads),
         });
+        let init = match p.init {
+            ParamInit::Constant(x) => {
+                let x = f64_lit(x);
+                quote!(::attn::dsl::ParamInit::Constant(#x))
+            }
+            ParamInit::Normal(std) => {
+                let std = f64_lit(std);
+                quote!(::attn::dsl::ParamInit::Normal(#std))
+            }
+            ParamInit::Uniform(low, high) => {
+                let (low, high) = (f64_lit(low), f64_lit(high));
+                quote!(::attn::dsl::ParamInit::Uniform(#low, #high))
+            }
+            ParamInit::Alibi => quote!(::attn::dsl::ParamInit::Alibi),
+        };
         quote!(::attn::dsl::ParamDecl {
             name: ::std::string::String::from(#name),
             dims: ::std::vec![#(#dims),*],
+            init: #init,
         })
     });
     let data = data.iter().map(|d| {

@@ -188,6 +188,13 @@ impl PyVariant {
         self.variant.spec().learnable_tensors()
     }
 
+    /// The learnable tensors' initial values, in [`learnable`]'s order: `(name, shape,
+    /// values)`, values flat and row-major, as the spec's `= INIT` says (0 by default; learned
+    /// sinks start at 0); random ones drawn from `seed` and the tensor's name.
+    fn initial_values(&self, seed: u64) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+        self.variant.spec().initial_values(seed)
+    }
+
     /// The parameters' declared dimensions: `(name, dims)`, each dim a size or `"heads"`,
     /// `"kv_heads"`.
     #[getter]

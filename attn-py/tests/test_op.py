@@ -153,6 +153,23 @@ def test_the_module_owns_zero_initialized_learnable_tensors():
     assert module.bias.grad is not None and module.sinks.grad.abs().sum() > 0
 
 
+def test_the_module_starts_its_tensors_where_the_spec_says():
+    spec = ("heads = 4, head_dim = 16, mask = causal, params(slopes: [heads] = alibi, "
+            "w: [heads, 64] = normal(0.5), c: [1] = 0.25), "
+            "score_mod = |s, b, h, q, k| let d = (q - k) as f32; s * c[0] - slopes[h] * d + w[h, 0]")
+    module = attn.nn.Attention(spec)
+    assert module.slopes.tolist() == [0.25, 0.0625, 0.015625, 0.00390625]
+    assert module.c.tolist() == [0.25]
+    assert 0.3 < module.w.std().item() < 0.7
+    assert "= normal(0.5)" in module.spec and "let d = " in module.spec
+    # torch's generator picks the draw.
+    torch.manual_seed(1)
+    a = attn.nn.Attention(spec).w.detach().clone()
+    torch.manual_seed(1)
+    assert torch.equal(attn.nn.Attention(spec).w, a)
+    assert not torch.equal(attn.nn.Attention(spec).w, a)
+
+
 class TinyGPT(torch.nn.Module):
     """Two pre-norm blocks whose attention is `attend(q, k, v)` (BHSD)."""
 

@@ -139,7 +139,7 @@ struct Block {
     mlp_norm: Option<Norm>,
     post_mlp_norm: Option<Norm>,
     mlp: BlockMlp,
-    /// The spec's learnable tensors (`self_attn.{name}`), starting at 0.
+    /// The spec's learnable tensors (`self_attn.{name}`), starting at the spec's initial values.
     learned: Vec<(String, Tensor)>,
     /// The variant restricted to documents, made at the first packed forward.
     packed: std::sync::OnceLock<Arc<Variant>>,
@@ -418,15 +418,7 @@ impl CandleModel {
                             }
                         }
                     },
-                    learned: spec
-                        .learnable_tensors()
-                        .into_iter()
-                        .map(|(name, shape)| {
-                            let t =
-                                vb.get_with_hints(shape, &format!("{a}.{name}"), Init::Const(0.0))?;
-                            Ok((name, t))
-                        })
-                        .collect::<Result<Vec<_>>>()?,
+                    learned: learned_tensors(&vb, &a, spec, i)?,
                     variant,
                     packed: std::sync::OnceLock::new(),
                 })
@@ -458,8 +450,8 @@ impl CandleModel {
     /// Sets every matrix of `varmap` (rank 2: projections, embeddings, the head) to values
     /// from normal(0, 0.02) drawn from `seed`, in the order of the variables' names, so that a
     /// model's initial weights depend on the seed alone: candle's CPU generator cannot be
-    /// seeded. Norms, biases and learnable attention tensors (`params(...)`, `sinks`, which
-    /// start at 0) keep their values.
+    /// seeded. Norms, biases and learnable attention tensors (`params(...)`, `sinks`, at the
+    /// spec's initial values) keep their values.
     pub fn seed_weights(varmap: &VarMap, seed: u64) -> Result<()> {
         let vars = varmap
             .data()
@@ -474,7 +466,7 @@ impl CandleModel {
         };
         for name in names {
             let var = &vars[name];
-            // Matrices only: norms keep 1 and learnable attention tensors 0.
+            // Matrices only: norms keep 1 and learnable attention tensors their initial values.
             if var.rank() != 2 || is_learned(name) {
                 continue;
             }
@@ -688,6 +680,29 @@ fn choose(probs: &Tensor, top_k: usize, normalize: bool) -> Result<(Vec<Vec<usiz
 }
 
 /// `x` through `norm` where there is one.
+/// Layer `layer`'s learnable attention tensors (`{prefix}.{name}`), at the spec's initial
+/// values (random ones drawn from the layer's index: the same start on every machine).
+fn learned_tensors(
+    vb: &VarBuilder,
+    prefix: &str,
+    spec: &attn_dsl::AttentionSpec,
+    layer: usize,
+) -> Result<Vec<(String, Tensor)>> {
+    spec.initial_values(layer as u64)
+        .into_iter()
+        .map(|(name, shape, values)| {
+            let t =
+                vb.get_with_hints(shape.clone(), &format!("{prefix}.{name}"), Init::Const(0.0))?;
+            if values.iter().any(|&x| x != 0.0) {
+                // In place: `t` shares its storage with the variable `vb` made.
+                let start = Tensor::from_vec(values, shape, t.device())?.to_dtype(t.dtype())?;
+                t.slice_set(&start, 0, 0)?;
+            }
+            Ok((name, t))
+        })
+        .collect()
+}
+
 /// Whether a variable is a learnable attention tensor: `...self_attn.{name}` with no
 /// `.weight` or `.bias` (projections end in those).
 fn is_learned(name: &str) -> bool {

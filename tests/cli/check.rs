@@ -113,3 +113,29 @@ fn check_warns_where_a_data_tensor_is_read_at_the_query() {
     let o = attnc(&["check", &spec("doc[b, k] >= 0 && k < len[b]")]);
     assert_eq!(stderr(&o), "");
 }
+
+/// Learnable tensors that all start where their gradient is 0 are noted; with a start that
+/// lets training move them, the note goes, and the start prints back.
+#[test]
+fn check_notes_learnable_tensors_that_training_cannot_move() {
+    let kerple = |init: &str| {
+        format!(
+            "heads = 2, head_dim = 8, mask = causal, params(r1: [heads]{init}, r2: [heads]), \
+             score_mod = |s, b, h, q, k| s - r1[h] * (1.0 + r2[h] * (q - k).abs() as f32).ln()"
+        )
+    };
+    let o = attnc(&["check", &kerple("")]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(
+            "note: training: the learnable tensors (r1, r2) all start where \
+             their gradient is 0"
+        ),
+        "{}",
+        stderr(&o)
+    );
+    let o = attnc(&["check", &kerple(" = normal(0.02)")]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(!stderr(&o).contains("note: training"), "{}", stderr(&o));
+    assert!(stdout(&o).contains("params(r1: [heads] = normal(0.02), r2: [heads])"));
+}

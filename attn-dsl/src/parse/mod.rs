@@ -620,10 +620,14 @@ impl SpecParser {
             return;
         }
         match params::declarations(item) {
-            Ok(decls) => {
+            Ok((decls, error)) => {
                 for (decl, tokens) in decls {
                     self.raw.params.push(decl);
                     self.decl_tokens.push(tokens);
+                }
+                if let Some(e) = error {
+                    self.failed.insert("params");
+                    self.error(e);
                 }
             }
             Err(e) => {

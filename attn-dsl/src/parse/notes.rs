@@ -25,7 +25,7 @@ pub fn gradient_notes(source: &str) -> Vec<SpecError> {
         .params
         .iter()
         .filter_map(|item| params::declarations(item).ok())
-        .flatten()
+        .flat_map(|(decls, _)| decls)
         .map(|(decl, _)| decl)
         .collect();
     let data: Vec<DataDecl> = items

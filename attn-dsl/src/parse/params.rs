@@ -4,6 +4,7 @@
 //! `IDENT[a, b, ..]` is rewritten to `IDENT[(a, b, ..)]` (a tuple index, which the modifier
 //! lowering unpacks). Rewritten tokens keep their spans.
 
+use crate::initial::ParamInit;
 use crate::spec::{DataDecl, DataDim, DataType, ParamDecl, ParamDim};
 use proc_macro2::{Delimiter, Group, TokenStream, TokenTree};
 use quote::ToTokens;
@@ -122,6 +123,8 @@ struct Written {
     name: syn::Ident,
     dims: Vec<syn::Expr>,
     ty: Option<syn::Ident>,
+    /// `= INIT` after a parameter's shape.
+    init: Option<syn::Expr>,
     tokens: TokenStream,
 }
 
@@ -130,7 +133,7 @@ fn written(item: &TokenStream, typed: bool) -> syn::Result<Vec<Written>> {
     let (keyword, form) = if typed {
         ("data", "data(NAME: [DIM, ..] TYPE, ..)")
     } else {
-        ("params", "params(NAME: [DIM, ..], ..)")
+        ("params", "params(NAME: [DIM, ..] = INIT, ..)")
     };
     let group = match item.clone().into_iter().nth(1) {
         Some(TokenTree::Group(g)) => g,
@@ -170,10 +173,17 @@ fn written(item: &TokenStream, typed: bool) -> syn::Result<Vec<Written>> {
             } else {
                 None
             };
+            let init = if !typed && input.peek(syn::Token![=]) {
+                input.parse::<syn::Token![=]>()?;
+                Some(input.parse::<syn::Expr>()?)
+            } else {
+                None
+            };
             decls.push(Written {
                 name,
                 dims: dims.into_iter().collect(),
                 ty,
+                init,
                 tokens,
             });
             if input.is_empty() {
@@ -193,26 +203,108 @@ fn written(item: &TokenStream, typed: bool) -> syn::Result<Vec<Written>> {
     Ok(decls)
 }
 
-/// The declarations of one `params(...)` item, each with the span of its tokens.
-pub(super) fn declarations(item: &TokenStream) -> syn::Result<Vec<(ParamDecl, TokenStream)>> {
-    written(item, false)?
-        .into_iter()
-        .map(|w| {
-            let dims = w
-                .dims
-                .iter()
-                .map(|e| {
-                    dimension(e, false).map(|d| match d {
-                        DataDim::Fixed(n) => ParamDim::Fixed(n),
-                        DataDim::Heads => ParamDim::Heads,
-                        _ => ParamDim::KvHeads,
-                    })
+/// The declarations of one `params(...)` item, each with the span of its tokens, and the first
+/// error in an initial value (its declaration is kept, starting at 0, so that reads of it do
+/// not add errors of their own).
+pub(super) fn declarations(
+    item: &TokenStream,
+) -> syn::Result<(Declared<ParamDecl>, Option<syn::Error>)> {
+    let mut first_error = None;
+    let mut decls = Vec::new();
+    for w in written(item, false)? {
+        let dims = w
+            .dims
+            .iter()
+            .map(|e| {
+                dimension(e, false).map(|d| match d {
+                    DataDim::Fixed(n) => ParamDim::Fixed(n),
+                    DataDim::Heads => ParamDim::Heads,
+                    _ => ParamDim::KvHeads,
                 })
-                .collect::<syn::Result<Vec<_>>>()?;
-            let name = w.name.to_string();
-            Ok((ParamDecl { name, dims }, w.tokens))
-        })
-        .collect()
+            })
+            .collect::<syn::Result<Vec<_>>>()?;
+        let mut decl = ParamDecl {
+            name: w.name.to_string(),
+            dims,
+            init: ParamInit::default(),
+        };
+        if let Some(e) = &w.init {
+            let init = initial_value(e).and_then(|init| {
+                let checked = ParamDecl {
+                    init,
+                    ..decl.clone()
+                };
+                match init.problem(&checked) {
+                    Some(problem) => Err(syn::Error::new_spanned(e, problem)),
+                    None => Ok(init),
+                }
+            });
+            match init {
+                Ok(init) => decl.init = init,
+                Err(err) => {
+                    first_error.get_or_insert(err);
+                }
+            }
+        }
+        decls.push((decl, w.tokens));
+    }
+    Ok((decls, first_error))
+}
+
+/// A parameter's `= INIT`: a number, `normal(STD)`, `uniform(LOW, HIGH)` or `alibi`.
+fn initial_value(e: &syn::Expr) -> syn::Result<ParamInit> {
+    const ALLOWED: &str = "allowed: a number, normal(STD), uniform(LOW, HIGH) or alibi";
+    let number = |e: &syn::Expr| -> syn::Result<f64> {
+        let (negative, lit) = match e {
+            syn::Expr::Unary(u) if matches!(u.op, syn::UnOp::Neg(_)) => (true, &*u.expr),
+            other => (false, other),
+        };
+        let value = match lit {
+            syn::Expr::Lit(syn::ExprLit {
+                lit: syn::Lit::Float(f),
+                ..
+            }) => f.base10_parse()?,
+            syn::Expr::Lit(syn::ExprLit {
+                lit: syn::Lit::Int(i),
+                ..
+            }) => i.base10_parse::<f64>()?,
+            other => {
+                return Err(syn::Error::new_spanned(other, "expected a number here"));
+            }
+        };
+        Ok(if negative { -value } else { value })
+    };
+    match e {
+        syn::Expr::Path(p) if p.path.is_ident("alibi") => Ok(ParamInit::Alibi),
+        syn::Expr::Call(call) => {
+            let name = match &*call.func {
+                syn::Expr::Path(p) => p.path.get_ident().map(ToString::to_string),
+                _ => None,
+            };
+            let args: Vec<&syn::Expr> = call.args.iter().collect();
+            match (name.as_deref(), args.as_slice()) {
+                (Some("normal"), [std]) => Ok(ParamInit::Normal(number(std)?)),
+                (Some("uniform"), [low, high]) => {
+                    Ok(ParamInit::Uniform(number(low)?, number(high)?))
+                }
+                (Some("normal"), _) => Err(syn::Error::new_spanned(
+                    call,
+                    "normal takes one argument, the standard deviation: normal(0.02)",
+                )),
+                (Some("uniform"), _) => Err(syn::Error::new_spanned(
+                    call,
+                    "uniform takes two arguments, the bounds: uniform(-0.1, 0.1)",
+                )),
+                _ => Err(syn::Error::new_spanned(
+                    &call.func,
+                    format!("unknown initial value; {ALLOWED}"),
+                )),
+            }
+        }
+        other => number(other).map(ParamInit::Constant).map_err(|_| {
+            syn::Error::new_spanned(other, format!("unknown initial value; {ALLOWED}"))
+        }),
+    }
 }
 
 /// Declarations, each with its tokens.

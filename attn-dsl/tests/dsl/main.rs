@@ -6,6 +6,7 @@
 mod accounting;
 mod data;
 mod grad;
+mod initial;
 mod interval;
 mod ir_snapshots;
 mod learnable;

@@ -14,8 +14,9 @@ from ._op import attention, info
 class Attention(torch.nn.Module):
     """A variant's attention, owning its learnable tensors (the spec's ``params(...)`` and, with
     ``sinks = learned``, ``sinks``) as float32 ``nn.Parameter``s of the spec's shapes, each
-    starting at zero (the spec's initial value: a modifier adding a zero parameter changes
-    nothing, a zero sink logit counts once in each row's denominator).
+    starting where the spec says (``params(w: [heads] = normal(0.02))``; 0 when it says
+    nothing, and for sinks). Random initial values are drawn from a seed taken from torch's
+    generator, so ``torch.manual_seed`` fixes them.
 
     ``forward(q, k, v, ...)`` takes what :func:`attn.attention` takes besides the variant and
     the learnable tensors.
@@ -25,8 +26,10 @@ class Attention(torch.nn.Module):
         super().__init__()
         self.variant = variant if isinstance(variant, Variant) else Variant(variant)
         self.spec = info(self.variant).text
-        for name, shape in self.variant.learnable:
-            self.register_parameter(name, torch.nn.Parameter(torch.zeros(shape)))
+        seed = int(torch.randint(0, 2**62, ()).item())
+        for name, shape, values in self.variant.initial_values(seed):
+            start = torch.tensor(values, dtype=torch.float32).reshape(shape)
+            self.register_parameter(name, torch.nn.Parameter(start))
 
     def forward(
         self,

@@ -33,6 +33,15 @@ const BOTH: &str = "heads = 2, head_dim = 16, mask = causal, sinks = learned, \
 const MQA_REL: &str = "heads = 4, kv_heads = 1, head_dim = 16, mask = causal, sinks = learned, \
                        params(rel: [heads, 8]), \
                        score_mod = |s, b, h, q, k| s + rel[h, max(min(q - k, 7), 0)]";
+/// FIRE (Li et al., 2023) with a two-unit MLP, written with `let` bindings.
+const FIRE: &str = "heads = 2, head_dim = 16, mask = causal, \
+                    params(c: [1] = 1.0, thr: [1] = 8.0, w1: [heads, 2] = normal(0.5), \
+                    b1: [heads, 2], w2: [heads, 2] = normal(0.5)), \
+                    score_mod = |s, b, h, q, k| let rel = (c[0].abs() * (q - k) as f32 + 1.0).ln(); \
+                    let norm = (c[0].abs() * max(q as f32, thr[0].abs() + 1.0) + 1.0).ln(); \
+                    let x = rel / norm; \
+                    s + w2[h, 0] * (w1[h, 0] * x + b1[h, 0]).max(0.0) \
+                    + w2[h, 1] * (w1[h, 1] * x + b1[h, 1]).max(0.0)";
 
 fn parse(text: &str) -> AttentionSpec {
     text.parse().unwrap_or_else(|e| panic!("{text}: {e}"))
@@ -239,6 +248,7 @@ fn cpu_parameters_and_sinks_match_the_reference() {
     Case::new(BOTH, 1, 40, 40, 0).check(&cpu);
     // One (batch, kv head) unit of five key tiles: the backward splits it among tasks.
     Case::new(MQA_REL, 1, 300, 300, 0).check(&cpu);
+    Case::new(FIRE, 2, 40, 40, 0).check(&cpu);
 }
 
 #[test]
@@ -252,6 +262,7 @@ fn gpu_sim_parameters_and_sinks_match_the_reference() {
     Case::new(TEMP, 1, 20, 45, 0).check(&sim);
     Case::new(BOTH, 1, 17, 17, 0).check(&sim);
     Case::new(MQA_REL, 1, 65, 65, 0).check(&sim);
+    Case::new(FIRE, 1, 20, 20, 0).check(&sim);
     let bf16 = SLOPES.replace("mask = causal", "mask = causal, dtype = bf16");
     Case::new(&bf16, 1, 16, 16, 0).check(&sim);
 }

@@ -1,6 +1,7 @@
 //! `attnc check`: a spec validated and printed in normalized form, with notes on what the
-//! backward pass will make of its score modifier, and warnings where a data tensor is read at
-//! the query position (which FlexAttention users index differently).
+//! backward pass will make of its score modifier and whether training can move its learnable
+//! tensors from their start, and warnings where a data tensor is read at the query position
+//! (which FlexAttention users index differently).
 
 use crate::spec_arg;
 
@@ -23,6 +24,9 @@ pub fn command(args: Args) -> Result<(), String> {
     }
     for warning in attn::dsl::data::query_alignment_warnings(&spec) {
         eprintln!("warning: {warning}");
+    }
+    if let Some(note) = attn::dsl::initial::stuck_at_start(&spec) {
+        eprintln!("note: training: {note}");
     }
     let program = attn::dsl::modifier::ScoreProgram::of(&spec).folded();
     if let Err(e) = program.score_gradient() {

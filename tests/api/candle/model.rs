@@ -209,3 +209,52 @@ fn a_mixture_of_experts_gives_the_runtimes_logits_and_trains() {
     );
     assert!(vars.contains_key("model.layers.0.mlp.up_proj.weight"));
 }
+
+/// The spec's initial values are where a model's learnable attention tensors start, the same
+/// in every model built from the config, and they survive `seed_weights`.
+#[test]
+fn learnable_tensors_start_at_the_specs_initial_values() {
+    let config = research::config_from_toml(
+        "vocab = 20\nhidden = 16\nlayers = 2\nattention = \"heads = 4, head_dim = 4, \
+         mask = causal, sinks = learned, params(slopes: [heads] = alibi, \
+         w: [heads, 8] = normal(0.5), c: [1] = 0.25), \
+         score_mod = |s, b, h, q, k| s * c[0] - slopes[h] * (q - k) as f32 + w[h, 0]\"",
+    )
+    .unwrap();
+    let start = |seeded: bool| {
+        let varmap = VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+        CandleModel::new(&config, vb).unwrap();
+        if seeded {
+            CandleModel::seed_weights(&varmap, 3).unwrap();
+        }
+        let vars = varmap.data().lock().unwrap();
+        let get = |name: &str| {
+            vars[name]
+                .as_tensor()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        };
+        [0, 1].map(|layer| {
+            let a = format!("model.layers.{layer}.self_attn");
+            ["slopes", "w", "c", "sinks"].map(|t| get(&format!("{a}.{t}")))
+        })
+    };
+    let layers = start(false);
+    for [slopes, w, c, sinks] in &layers {
+        assert_eq!(slopes, &[0.25, 0.0625, 0.015625, 0.00390625]);
+        assert_eq!(c, &[0.25]);
+        assert_eq!(sinks, &[0.0; 4]);
+        assert_eq!(w.len(), 32);
+        let std = (w.iter().map(|x| x * x).sum::<f32>() / 32.0).sqrt();
+        assert!(
+            (0.25..1.0).contains(&std),
+            "w drawn from normal(0.5): rms {std}"
+        );
+    }
+    assert_ne!(layers[0][1], layers[1][1], "each layer draws its own");
+    assert_eq!(start(false), layers, "the same start every time");
+    assert_eq!(start(true), layers, "seed_weights leaves them");
+}
