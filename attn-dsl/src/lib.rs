@@ -40,7 +40,7 @@ pub use parse::{
 };
 pub use spec::{
     AttentionSpec, CausalAlign, DType, DataDecl, DataDim, DataType, KvKind, KvLayout, LongRope,
-    Mask, Mla, Pairing, ParamDecl, ParamDim, Position, Rope, RopeLayout, RopeScaling, SINKS_NAME,
-    Sinks, Yarn,
+    Mask, Mla, Normalize, Pairing, ParamDecl, ParamDim, Position, Rope, RopeLayout, RopeScaling,
+    SINKS_NAME, SigmoidBias, Sinks, Yarn,
 };
 pub use validate::{MAX_HEAD_DIM, MAX_HEADS, MAX_LATENT_RANK};

@@ -2,8 +2,8 @@
 //! so that `parse(print(spec)) == spec`.
 
 use crate::spec::{
-    AttentionSpec, CausalAlign, DataDim, KvLayout, Mask, ParamDim, Position, Rope, RopeLayout,
-    RopeScaling, Sinks,
+    AttentionSpec, CausalAlign, DataDim, KvLayout, Mask, Normalize, ParamDim, Position, Rope,
+    RopeLayout, RopeScaling, Sinks,
 };
 use std::fmt;
 
@@ -42,6 +42,9 @@ impl fmt::Display for AttentionSpec {
         write!(f, ", dtype = {}", self.dtype.name())?;
         if self.sinks == Sinks::Learned {
             write!(f, ", sinks = learned")?;
+        }
+        if self.normalize != Normalize::Softmax {
+            write!(f, ", normalize = {}", self.normalize.name())?;
         }
         if !self.params.is_empty() {
             write!(f, ", params(")?;

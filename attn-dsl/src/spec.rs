@@ -40,6 +40,59 @@ pub struct AttentionSpec {
     pub data: Vec<DataDecl>,
     /// Whether each query head has a learned sink logit (`sinks = learned`).
     pub sinks: Sinks,
+    /// How a row's final scores become the weights of its values (`normalize = ..`).
+    pub normalize: Normalize,
+}
+
+/// How a row's final scores (after every modifier) become the weights of its values
+/// (docs/semantics.md, "Normalizers").
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum Normalize {
+    /// `softmax`: `exp(s_ij - lse_i)`, summing to 1 over the row's kept keys (the default).
+    #[default]
+    Softmax,
+    /// `sigmoid(bias = B)`: each kept key weighs `sigmoid(s_ij + B)` on its own (Apple's
+    /// sigmoid attention); `lse_i = ln(sum_j sigmoid(s_ij + B))`.
+    Sigmoid(SigmoidBias),
+}
+
+impl Normalize {
+    /// The spelling after `normalize =`.
+    pub fn name(self) -> String {
+        match self {
+            Normalize::Softmax => "softmax".to_string(),
+            Normalize::Sigmoid(SigmoidBias::Value(0.0)) => "sigmoid".to_string(),
+            Normalize::Sigmoid(bias) => format!("sigmoid(bias = {bias})"),
+        }
+    }
+}
+
+/// The bias `B` of sigmoid attention.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum SigmoidBias {
+    /// A constant.
+    Value(f64),
+    /// `-ln(n)`, the paper's bias for sequences of `n` tokens (written `-ln(4096)`).
+    NegLn(u64),
+}
+
+impl SigmoidBias {
+    /// The bias as a number.
+    pub fn value(self) -> f64 {
+        match self {
+            SigmoidBias::Value(b) => b,
+            SigmoidBias::NegLn(n) => -(n as f64).ln(),
+        }
+    }
+}
+
+impl std::fmt::Display for SigmoidBias {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        match self {
+            SigmoidBias::Value(b) => write!(f, "{b:?}"),
+            SigmoidBias::NegLn(n) => write!(f, "-ln({n})"),
+        }
+    }
 }
 
 /// One per-call data tensor: `NAME: [DIM, ...] TYPE` (docs/semantics.md, "Data tensors").
@@ -411,6 +464,7 @@ impl AttentionSpec {
             params: Vec::new(),
             data: Vec::new(),
             sinks: Sinks::None,
+            normalize: Normalize::Softmax,
         }
     }
 

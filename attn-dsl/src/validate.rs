@@ -5,7 +5,9 @@ use crate::error::Invalid;
 use crate::learnable::Subject;
 use crate::modifier::Expr;
 use crate::parse::MAX_EXPR_DEPTH;
-use crate::spec::{AttentionSpec, KvLayout, Mask, Position, Rope, RopeScaling};
+use crate::spec::{
+    AttentionSpec, KvLayout, Mask, Normalize, Position, Rope, RopeScaling, SigmoidBias, Sinks,
+};
 
 /// Largest number of query heads accepted.
 pub const MAX_HEADS: u32 = 1024;
@@ -132,6 +134,7 @@ impl AttentionSpec {
         if let Some(s) = self.scale {
             f.positive_f32("scale", s);
         }
+        self.validate_normalize(&mut f);
         let bodies = [
             ("score_mod", self.score_mod.as_ref().map(|m| &m.body)),
             ("mask_mod", self.mask_mod.as_ref().map(|m| &m.body)),
@@ -159,6 +162,40 @@ impl AttentionSpec {
             f.push(field, message);
         }
         if f.0.is_empty() { Ok(()) } else { Err(f.0) }
+    }
+
+    fn validate_normalize(&self, f: &mut Findings) {
+        let Normalize::Sigmoid(bias) = self.normalize else {
+            return;
+        };
+        match bias {
+            SigmoidBias::Value(b) if !(b.is_finite() && b.abs() <= f64::from(f32::MAX)) => f.push(
+                "normalize",
+                format!(
+                    "sigmoid bias = {b} is invalid; allowed: a finite number within f32's range"
+                ),
+            ),
+            SigmoidBias::NegLn(0) => f.push(
+                "normalize",
+                "sigmoid bias = -ln(0) is infinite; allowed: -ln(N) for N of at least 1"
+                    .to_string(),
+            ),
+            _ => {}
+        }
+        if self.sinks == Sinks::Learned {
+            f.push(
+                "normalize",
+                "normalize = sigmoid weighs each key on its own: there is no denominator for a \
+                 sink to join; allowed: sinks = none with sigmoid, or normalize = softmax"
+                    .to_string(),
+            );
+        }
+        if self.mla().is_some() {
+            f.push(
+                "normalize",
+                "normalize = sigmoid is not built for mla(...) yet; allowed: softmax".to_string(),
+            );
+        }
     }
 
     fn validate_rope(&self, rope: &Rope, f: &mut Findings) {

@@ -6,8 +6,8 @@
 
 use attn_dsl::modifier::{BinOp, Expr, Ty, UnOp, Var};
 use attn_dsl::{
-    AttentionSpec, CausalAlign, DType, DataDim, DataType, KvLayout, Mask, ParamDim, ParamInit,
-    Position, Rope, RopeLayout, RopeScaling, Sinks,
+    AttentionSpec, CausalAlign, DType, DataDim, DataType, KvLayout, Mask, Normalize, ParamDim,
+    ParamInit, Position, Rope, RopeLayout, RopeScaling, SigmoidBias, Sinks,
 };
 use proc_macro2::TokenStream;
 use quote::{format_ident, quote};
@@ -29,6 +29,7 @@ pub fn spec(spec: &AttentionSpec) -> TokenStream {
         params,
         data,
         sinks,
+        normalize,
     } = spec;
     let (kv, mask, position) = (kv_layout(kv), self::mask(mask), self::position(position));
     let (softcap, scale, dtype) = (
@@ -109,6 +110,16 @@ pub fn spec(spec: &AttentionSpec) -> TokenStream {
             dtype: #dtype,
         })
     });
+    let normalize = match normalize {
+        Normalize::Softmax => quote!(::attn::dsl::Normalize::Softmax),
+        Normalize::Sigmoid(SigmoidBias::Value(b)) => {
+            let b = f64_lit(*b);
+            quote!(::attn::dsl::Normalize::Sigmoid(::attn::dsl::SigmoidBias::Value(#b)))
+        }
+        Normalize::Sigmoid(SigmoidBias::NegLn(n)) => {
+            quote!(::attn::dsl::Normalize::Sigmoid(::attn::dsl::SigmoidBias::NegLn(#n)))
+        }
+    };
     let sinks = match sinks {
         Sinks::None => quote!(::attn::dsl::Sinks::None),
         Sinks::Learned => quote!(::attn::dsl::Sinks::Learned),
@@ -129,6 +140,7 @@ pub fn spec(spec: &AttentionSpec) -> TokenStream {
             params: ::std::vec![#(#params),*],
             data: ::std::vec![#(#data),*],
             sinks: #sinks,
+            normalize: #normalize,
         }
     }
 }

@@ -14,7 +14,7 @@ use attn_dsl::modifier::interval::{Interval, TensorRanges, TileBounds, TileClass
 use attn_dsl::modifier::scale::scale;
 use attn_dsl::modifier::{BinOp, Expr, ParamRead, ScoreProgram, Var};
 use attn_dsl::reference::rope;
-use attn_dsl::{AttentionSpec, DType, KvLayout, Rope, RopeScaling};
+use attn_dsl::{AttentionSpec, DType, KvLayout, Normalize, Rope, RopeScaling};
 use std::fmt;
 
 pub use crate::param_layout::{DataRanges, DataSlot, ParamLayout, ParamSlot};
@@ -207,6 +207,15 @@ impl KernelPlan {
         };
         let rope = RopePrologue::of(spec);
         let mut program = ScoreProgram::of(spec).folded();
+        if let Normalize::Sigmoid(bias) = spec.normalize {
+            // Sigmoid attention weighs `sigmoid(s + B)`: the bias joins the program, so the
+            // kernels' weight of a score `t` is `1 / (1 + 2^(-2t))`.
+            program.score = fold(&Expr::binary(
+                BinOp::Add,
+                program.score,
+                Expr::Float(bias.value()),
+            ));
+        }
         // Half base-2 units: scores times log2(e) / 2, probabilities 2^(2 (s - m)).
         program.score = fold(&scale(&program.score, std::f64::consts::LOG2_E / 2.0));
         let mut q_scale = 1.0;
@@ -283,6 +292,12 @@ impl KernelPlan {
             param_grads,
             ..forward
         })
+    }
+
+    /// Whether the spec weighs keys by `normalize = sigmoid(..)` (no running max, no division
+    /// by the row's sum; the bias is in `program.score`).
+    pub fn sigmoid(&self) -> bool {
+        matches!(self.spec.normalize, Normalize::Sigmoid(_))
     }
 
     /// The ranges of the data tensors the mask reads, from a call's checked parameter buffer,
@@ -677,14 +692,31 @@ impl fmt::Display for KernelPlan {
             self.program.score
         )?;
         writeln!(f, "  mask      {}", self.program.mask)?;
-        if let Some(grad) = &self.score_grad {
+        if self.sigmoid() {
             writeln!(
                 f,
-                "  backward  per key tile of a kv head, per query block of its group: recompute \
-                 p = 2^(2 (s - lse)) from the saved lse; dP = dO V^T; dS = p (dP - D) x d \
-                 score / d raw, D = rowsum(dO out); dV += p^T dO, dK += dS^T q, dQ += dS K; \
-                 dQ, dK rotated back (RoPE)"
+                "  normalize {}: p = 1 / (1 + 2^(-2 s)) per key, the bias in the score",
+                self.spec.normalize.name()
             )?;
+        }
+        if let Some(grad) = &self.score_grad {
+            if self.sigmoid() {
+                writeln!(
+                    f,
+                    "  backward  per key tile of a kv head, per query block of its group: \
+                     recompute p = sigmoid from the score; dP = dO V^T; dS = dP p (1 - p) x d \
+                     score / d raw; dV += p^T dO, dK += dS^T q, dQ += dS K; dQ, dK rotated \
+                     back (RoPE)"
+                )?;
+            } else {
+                writeln!(
+                    f,
+                    "  backward  per key tile of a kv head, per query block of its group: \
+                     recompute p = 2^(2 (s - lse)) from the saved lse; dP = dO V^T; dS = p (dP \
+                     - D) x d score / d raw, D = rowsum(dO out); dV += p^T dO, dK += dS^T q, \
+                     dQ += dS K; dQ, dK rotated back (RoPE)"
+                )?;
+            }
             writeln!(
                 f,
                 "  d score   {grad}  (natural units per unit of raw score)"
@@ -737,6 +769,14 @@ impl fmt::Display for KernelPlan {
                 f,
                 "  epilogue  dq x the hoisted q factor; dq and dk rotated back by RoPE's transpose; \
                  dq, dk, dv as {}; rows whose lse is -inf carry no gradient",
+                self.epilogue.out_dtype.name()
+            );
+        }
+        if self.sigmoid() {
+            return write!(
+                f,
+                "  epilogue  sum of weighted values: out = acc as {}, lse = ln l (l the sum of \
+                 the weights) as f32; rows with no kept key: out 0, lse -inf",
                 self.epilogue.out_dtype.name()
             );
         }

@@ -49,6 +49,9 @@ const SEEDS: &[&str] = &[
     "heads = 2, head_dim = 8, params(w: [heads]), \
      score_mod = |s, b, h, q, k| let d = (q - k) as f32; let e = d * w[h]; s - e * e, \
      mask_mod = |b, h, q, k| { let r = q / 4; r == k / 4 }",
+    "heads = 2, head_dim = 8, mask = causal, normalize = sigmoid(bias = -ln(64)), \
+     params(w: [heads] = normal(0.02), a: [heads] = alibi), \
+     score_mod = |s, b, h, q, k| s * (1.0 + w[h]) - a[h] * (q - k) as f32",
 ];
 
 /// Tokens inserted by mutations: extremes, wrong kinds, unicode, unbalanced brackets.

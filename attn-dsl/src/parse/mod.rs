@@ -21,8 +21,8 @@ use crate::error::SpecErrors;
 use crate::learnable::Subject;
 use crate::modifier::{Readable, lower_mask_mod, lower_score_mod};
 use crate::spec::{
-    AttentionSpec, CausalAlign, DType, DataDecl, KvLayout, LongRope, Mask, Mla, ParamDecl,
-    Position, Rope, RopeLayout, RopeScaling, Sinks, Yarn,
+    AttentionSpec, CausalAlign, DType, DataDecl, KvLayout, LongRope, Mask, Mla, Normalize,
+    ParamDecl, Position, Rope, RopeLayout, RopeScaling, SigmoidBias, Sinks, Yarn,
 };
 use proc_macro2::{Spacing, Span, TokenStream, TokenTree};
 use quote::ToTokens;
@@ -49,6 +49,7 @@ const KEYS: &[&str] = &[
     "mla",
     "params",
     "data",
+    "normalize",
 ];
 
 /// The keys that are items of their own, `NAME(...)`, not `key = value`.
@@ -197,6 +198,7 @@ struct Raw {
     params: Vec<ParamDecl>,
     data: Vec<DataDecl>,
     sinks: Option<Sinks>,
+    normalize: Option<Normalize>,
 }
 
 /// RoPE as written: the dim may default to the rotated head dimension, known only at the end.
@@ -365,6 +367,7 @@ impl SpecParser {
                     _ => Sinks::None,
                 })
             }
+            "normalize" => self.raw.normalize = Some(normalize(&v)?),
             "mask_mod" => {
                 let readable = Readable {
                     params: &self.raw.params,
@@ -756,7 +759,33 @@ impl SpecParser {
             params: raw.params,
             data: raw.data,
             sinks: raw.sinks.unwrap_or_default(),
+            normalize: raw.normalize.unwrap_or_default(),
         })
+    }
+}
+
+/// `softmax`, `sigmoid`, `sigmoid(bias = B)` or `sigmoid(bias = -ln(N))`.
+fn normalize(v: &Value) -> syn::Result<Normalize> {
+    const FORMS: &str = "softmax, sigmoid, sigmoid(bias = B), sigmoid(bias = -ln(N))";
+    if let Some(word) = v.as_word() {
+        return match word.as_str() {
+            "softmax" => Ok(Normalize::Softmax),
+            "sigmoid" => Ok(Normalize::Sigmoid(SigmoidBias::Value(0.0))),
+            _ => Err(v.expected(FORMS)),
+        };
+    }
+    match v.as_call() {
+        Some((name, args)) if name == "sigmoid" => {
+            let mut named = args.named("sigmoid", &["bias"])?;
+            let Some((_, bias)) = named.take("bias") else {
+                return Ok(Normalize::Sigmoid(SigmoidBias::Value(0.0)));
+            };
+            Ok(Normalize::Sigmoid(match bias.neg_ln()? {
+                Some(n) => SigmoidBias::NegLn(n),
+                None => SigmoidBias::Value(bias.float()?),
+            }))
+        }
+        _ => Err(v.expected(FORMS)),
     }
 }
 

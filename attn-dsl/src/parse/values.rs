@@ -100,6 +100,31 @@ impl<'a> Value<'a> {
         Ok(if negated { -value } else { value })
     }
 
+    /// `-ln(N)`, N an integer literal: `Some(N)`; `None` for any other expression.
+    pub(super) fn neg_ln(&self) -> syn::Result<Option<u64>> {
+        let syn::Expr::Unary(syn::ExprUnary {
+            op: syn::UnOp::Neg(_),
+            expr,
+            ..
+        }) = self.expr
+        else {
+            return Ok(None);
+        };
+        let syn::Expr::Call(call) = &**expr else {
+            return Ok(None);
+        };
+        if ident_of(&call.func).is_none_or(|f| f != "ln") {
+            return Ok(None);
+        }
+        match call.args.iter().collect::<Vec<_>>().as_slice() {
+            [n] => Value::new("ln", n).u64().map(Some),
+            _ => Err(syn::Error::new_spanned(
+                call,
+                "ln takes one argument, a sequence length: -ln(4096)",
+            )),
+        }
+    }
+
     /// A list of numbers, `[a, b, ..]`.
     pub(super) fn floats(&self) -> syn::Result<Vec<f64>> {
         match self.expr {

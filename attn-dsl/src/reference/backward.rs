@@ -15,7 +15,7 @@
 use super::{Array, Inputs, Learned, Pair, Positions, attention_inputs, dot, rope, score};
 use crate::error::ReferenceError;
 use crate::modifier::{Env, Expr, ParamRead, ParamValues, ScoreProgram, eval};
-use crate::spec::{AttentionSpec, Position, SINKS_NAME};
+use crate::spec::{AttentionSpec, Normalize, Position, SINKS_NAME};
 
 /// Gradients with respect to the inputs of [`super::attention`].
 #[derive(Clone, Debug, PartialEq)]
@@ -155,6 +155,35 @@ pub(super) fn rotated_gradients(
                         (at, raw, score(spec, &slopes, raw, at, &learned.params))
                     })
                     .collect();
+                if let Normalize::Sigmoid(bias) = spec.normalize {
+                    // Each weight on its own: dS = dP w (1 - w), with no row term.
+                    let scores: Vec<Option<f64>> = pairs.iter().map(|p| p.2).collect();
+                    let weights = super::sigmoid_weights(&scores, bias.value());
+                    for (j, (w, (at, raw, _))) in weights.of.iter().zip(&pairs).enumerate() {
+                        let Some(w) = *w else { continue };
+                        let env = Env {
+                            score: *raw,
+                            b: b as i64,
+                            h: h as i64,
+                            q: at.pos_q,
+                            k: at.pos_k,
+                            qi: i as i64,
+                            ki: j as i64,
+                            params: &learned.params,
+                        };
+                        let dp = dot(&go, v.row(&[b, kvh, j]));
+                        let ds_final = dp * w * (1.0 - w);
+                        for (read, d) in &param_derivatives {
+                            let x = ds_final * eval(d, &env).as_f64();
+                            accumulate(&mut dparams, learned, read, &env, x);
+                        }
+                        let ds = ds_final * eval(derivative, &env).as_f64();
+                        axpy(dv.row_mut(&[b, kvh, j]), w, &go);
+                        axpy(dq.row_mut(&[b, h, i]), ds, k.row(&[b, kvh, j]));
+                        axpy(dk.row_mut(&[b, kvh, j]), ds, &qi);
+                    }
+                    continue;
+                }
                 let sink = learned.sink(h).filter(|s| *s != f64::NEG_INFINITY);
                 // A -inf score weighs nothing, as a masked key: its pair carries no gradient.
                 let kept_score =

@@ -19,7 +19,7 @@ pub use mla::{MlaAbsorbed, MlaGradients, MlaInputs, backward_mla, mla_absorbed, 
 
 use crate::error::ReferenceError;
 use crate::modifier::ParamValues;
-use crate::spec::{AttentionSpec, CausalAlign, Mask, Position};
+use crate::spec::{AttentionSpec, CausalAlign, Mask, Normalize, Position};
 
 /// Inputs of per-head attention (MHA/GQA/MQA).
 #[derive(Clone, Copy, Debug)]
@@ -316,6 +316,19 @@ fn attend(
                     };
                     score(spec, &slopes, dot, at, &learned.params)
                 }));
+                if let Normalize::Sigmoid(bias) = spec.normalize {
+                    let weights = sigmoid_weights(&scores, bias.value());
+                    lse.set(&[b, h, i], weights.lse);
+                    let row = out.row_mut(&[b, h, i]);
+                    for (j, w) in weights.of.iter().enumerate() {
+                        if let Some(w) = w {
+                            for (o, x) in row.iter_mut().zip(v.row(&[b, kvh, j])) {
+                                *o += w * x;
+                            }
+                        }
+                    }
+                    continue;
+                }
                 let sink = learned.sink(h);
                 // A NaN or +inf score of a kept key (or sink) makes the row NaN (as in PyTorch:
                 // inf - inf); masked keys never reach it.
@@ -359,6 +372,34 @@ fn attend(
         }
     }
     Output { out, lse }
+}
+
+/// The weights of one row under `normalize = sigmoid(bias)`: `sigmoid(s_j + bias)` for each
+/// kept key (`None` for a masked one), and `lse = ln(sum of the weights)` (`-inf` for a row
+/// with no kept key or weights that all underflow). A NaN score gives a NaN weight, so its
+/// row's out and lse are NaN; a score of `+inf` weighs 1 and `-inf` nothing.
+pub(crate) struct SigmoidRow {
+    pub of: Vec<Option<f64>>,
+    pub lse: f64,
+}
+
+pub(crate) fn sigmoid_weights(scores: &[Option<f64>], bias: f64) -> SigmoidRow {
+    let of: Vec<Option<f64>> = scores
+        .iter()
+        .map(|s| s.map(|s| sigmoid(s + bias)))
+        .collect();
+    let sum: f64 = of.iter().flatten().sum();
+    SigmoidRow { of, lse: sum.ln() }
+}
+
+/// `1 / (1 + exp(-x))`, without overflow for either sign.
+pub(crate) fn sigmoid(x: f64) -> f64 {
+    if x >= 0.0 {
+        1.0 / (1.0 + (-x).exp())
+    } else {
+        let e = x.exp();
+        e / (1.0 + e)
+    }
 }
 
 fn dot(a: &[f64], b: &[f64]) -> f64 {

@@ -11,6 +11,7 @@ mod interval;
 mod ir_snapshots;
 mod learnable;
 mod lets;
+mod normalize;
 mod parse;
 mod program;
 mod reference_backward;

@@ -284,3 +284,23 @@ fn mla_gradients_match_finite_differences() {
         0,
     );
 }
+
+#[test]
+fn sigmoid_attention_gradients_match_finite_differences() {
+    check(
+        "heads = 2, head_dim = 4, mask = causal, normalize = sigmoid(bias = -1.5)",
+        1,
+        4,
+        6,
+        0,
+    );
+    check(
+        "heads = 4, kv_heads = 2, head_dim = 4, v_head_dim = 3, position = alibi, \
+         softcap = 2.0, normalize = sigmoid(bias = -ln(8)), \
+         mask_mod = |b, h, q, k| (q - k) % 3 != 1",
+        2,
+        3,
+        5,
+        2,
+    );
+}

@@ -235,3 +235,15 @@ fn missing_extra_and_misshapen_tensors_are_named() {
     );
     assert!(attention(&case.spec, &case.inputs()).is_err());
 }
+
+#[test]
+fn sigmoid_parameter_gradients_match_finite_differences() {
+    Case::new(
+        "heads = 2, head_dim = 8, mask = causal, normalize = sigmoid(bias = -2.0), \
+         params(slopes: [heads]), score_mod = |s, b, h, q, k| s + slopes[h] * (k - q) as f32",
+        5,
+        7,
+        0,
+    )
+    .check(0.5);
+}

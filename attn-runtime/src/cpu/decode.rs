@@ -192,5 +192,5 @@ fn run(
         )
         .collect();
 
-    Ok(merge(items, &tasks, &results, layout, dv))
+    Ok(merge(items, &tasks, &results, layout, dv, plan.sigmoid()))
 }

@@ -30,6 +30,7 @@ use crate::learned::Learned;
 use crate::placement::{Piece, Placement};
 use crate::tensor::Tensor;
 use crate::variant::Variant;
+use attn_dsl::Normalize;
 use attn_dsl::{AttentionSpec, DType};
 use codegen::cpu::abi::Imports;
 use codegen::cpu::{CpuKernel, compile};
@@ -99,7 +100,10 @@ impl CpuBackend {
 fn imports(isa: Isa, plan: &codegen::plan::KernelPlan, dtype: DType) -> Imports {
     let (qk_tile, pv_tile, scores_after_qk) = tile_products(isa, plan);
     let (qk_rows, pv_rows) = row_kernels::addresses(isa, dtype);
-    let (exp_tile, ds_tile) = softmax_tiles::addresses(isa);
+    let (exp_tile, ds_tile) = match plan.spec.normalize {
+        Normalize::Softmax => softmax_tiles::addresses(isa),
+        Normalize::Sigmoid(_) => softmax_tiles::sigmoid_addresses(),
+    };
     Imports {
         qk_tile,
         pv_tile,

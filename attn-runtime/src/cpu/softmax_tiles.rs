@@ -31,6 +31,12 @@ type ExpTile = unsafe extern "C" fn(*mut f32, i64, *const f32, *mut f32);
 /// The signature of `ds_tile`.
 type DsTile = unsafe extern "C" fn(*mut f32, *mut f32, i64, *const f32, *const f32, f32);
 
+/// The `exp_tile` and `ds_tile` of `normalize = sigmoid` (any instruction set).
+pub fn sigmoid_addresses() -> (usize, usize) {
+    let (exp, ds): (ExpTile, DsTile) = (sigmoid_tile, sigmoid_ds_tile);
+    (exp as usize, ds as usize)
+}
+
 /// `exp_tile` and `ds_tile` for an instruction set, as C-ABI function addresses.
 pub fn addresses(isa: Isa) -> (usize, usize) {
     let (exp, ds): (ExpTile, DsTile) = match isa.vectors() {
@@ -123,6 +129,73 @@ pub unsafe extern "C" fn ds_portable(
             *s = exp2_of_double(*s - h);
             *dp = *s * (*dp - d) * factor;
         }
+    }
+}
+
+/// `normalize = sigmoid`'s weight of a score `t` in half base-2 units (`t = (s + B) log2(e) /
+/// 2`): `sigmoid(s + B) = 1 / (1 + e)` with `e = 2^(-2t)`, and `e` itself (the derivative is
+/// `e p^2`). `-t` is clamped at 63 so `e` stays finite (NaN passes); `-inf` (a masked key)
+/// weighs exactly 0.
+fn sigmoid_of_half(t: f32) -> (f32, f32) {
+    let x = -t;
+    let e = exp2_of_double(if x > 63.0 { 63.0 } else { x });
+    let p = if t == f32::NEG_INFINITY {
+        0.0
+    } else {
+        1.0 / (1.0 + e)
+    };
+    (p, e)
+}
+
+/// `normalize = sigmoid`'s `exp_tile`: `s[r][c] = sigmoid` of the score (half base-2 units, the
+/// bias already added) and `sums[r] += sum_c s[r][c]`; `shift` is not read (no running max).
+///
+/// # Safety
+/// The pointers must address the ranges in the module contract, valid for the access.
+pub unsafe extern "C" fn sigmoid_tile(s: *mut f32, rows: i64, _shift: *const f32, sums: *mut f32) {
+    let rows = rows as usize;
+    // SAFETY: the module contract: `rows` rows of K scores and `rows` sums.
+    let (s, sums) = unsafe {
+        (
+            std::slice::from_raw_parts_mut(s, rows * K),
+            std::slice::from_raw_parts_mut(sums, rows),
+        )
+    };
+    for (row, sum) in s.chunks_exact_mut(K).zip(sums) {
+        for x in row.iter_mut() {
+            *x = sigmoid_of_half(*x).0;
+        }
+        *sum += row.iter().sum::<f32>();
+    }
+}
+
+/// `normalize = sigmoid`'s `ds_tile`: `s[r][c] = p = sigmoid` of the score and
+/// `dp[r][c] = p (1 - p) dp[r][c] factor` (each weight on its own: no row term, so `lse` and
+/// `delta` are not read).
+///
+/// # Safety
+/// The pointers must address the ranges in the module contract, valid for the access.
+pub unsafe extern "C" fn sigmoid_ds_tile(
+    s: *mut f32,
+    dp: *mut f32,
+    rows: i64,
+    _lse: *const f32,
+    _delta: *const f32,
+    factor: f32,
+) {
+    let n = rows as usize * K;
+    // SAFETY: the module contract: `rows` rows of K scores and dP values.
+    let (s, dp) = unsafe {
+        (
+            std::slice::from_raw_parts_mut(s, n),
+            std::slice::from_raw_parts_mut(dp, n),
+        )
+    };
+    for (s, dp) in s.iter_mut().zip(dp.iter_mut()) {
+        let (p, e) = sigmoid_of_half(*s);
+        // p (1 - p) = e p^2, exact where 1 - p would cancel.
+        *dp *= e * p * p * factor;
+        *s = p;
     }
 }
 

@@ -104,6 +104,7 @@ impl<D: Device + 'static> GpuBackend<D> {
         seqs: &[SeqId],
         options: DecodeOptions,
     ) -> Result<Output, RuntimeError> {
+        self.refuse_unbuilt(variant)?;
         decode::decode_with(variant, q, cache, seqs, options, &|l| {
             self.run_resident(l, resident)
         })
@@ -210,6 +211,7 @@ impl<D: Device + 'static> Backend for GpuBackend<D> {
         position_offset: i64,
         params: &[f32],
     ) -> Result<Output, RuntimeError> {
+        self.refuse_unbuilt(variant)?;
         let spec = variant.spec();
         match inputs {
             Inputs::Heads { q, k, v } => {
@@ -244,6 +246,7 @@ impl<D: Device + 'static> Backend for GpuBackend<D> {
         options: DecodeOptions,
         params: &[f32],
     ) -> Result<Output, RuntimeError> {
+        self.refuse_unbuilt(variant)?;
         let run = &|l: &DecodeLaunch| l.run_on(self.device.as_ref(), None, params);
         let q_len = |q: &Tensor| dim(q, 2);
         match queries {
@@ -270,6 +273,7 @@ impl<D: Device + 'static> Backend for GpuBackend<D> {
         x: &BackwardInputs,
         params: &[f32],
     ) -> Result<(Gradients, Vec<f32>), RuntimeError> {
+        self.refuse_unbuilt(variant)?;
         match x {
             BackwardInputs::Heads(x) => {
                 let [b, _, sq, skv] = bhss(x.q, x.k);
@@ -288,6 +292,20 @@ impl<D: Device + 'static> Backend for GpuBackend<D> {
 }
 
 impl<D: Device + 'static> GpuBackend<D> {
+    /// Refuses a spec whose kernels this backend does not have: `normalize = sigmoid` runs on
+    /// the CPU backend only.
+    fn refuse_unbuilt(&self, variant: &Variant) -> Result<(), RuntimeError> {
+        match variant.spec().normalize {
+            attn_dsl::Normalize::Softmax => Ok(()),
+            attn_dsl::Normalize::Sigmoid(_) => Err(RuntimeError::Unsupported {
+                backend: self.device.name(),
+                what: "normalize = sigmoid (the cpu backend does; its GPU kernels are not built \
+                       yet)"
+                    .into(),
+            }),
+        }
+    }
+
     /// Refuses cached work (`(sequence, queries)` pairs against the cache) the device would
     /// take too long over.
     fn check_cached(

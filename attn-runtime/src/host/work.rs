@@ -263,13 +263,15 @@ pub(crate) fn tasks(counts: &[usize], parts: usize) -> Vec<Task> {
 
 /// Merges the partitions of each item (`results` per task: out rows of `dv` and lse) by their
 /// lse, and scatters rows to the call's layout. Rows with no kept key stay 0 with lse `-inf`;
-/// a NaN or +inf part makes its row NaN.
+/// a NaN or +inf part makes its row NaN. `sums`: the parts are sums of independently weighted
+/// values (`normalize = sigmoid`), so the row is their sum (lse still their log-sum-exp).
 pub(crate) fn merge(
     items: &[Item],
     tasks: &[Task],
     results: &[(Vec<f32>, Vec<f32>)],
     layout: &Layout,
     dv: usize,
+    sums: bool,
 ) -> (Vec<f32>, Vec<f32>) {
     let mut out = vec![0f32; layout.out_rows * dv];
     let mut lse = vec![f32::NEG_INFINITY; layout.out_rows];
@@ -307,12 +309,15 @@ pub(crate) fn merge(
             for (o, l) in parts {
                 let w = (l[r] - m).exp();
                 total += w;
+                let w = if sums { 1.0 } else { w };
                 for (d, x) in dst.iter_mut().zip(&o[r * dv..(r + 1) * dv]) {
                     *d += w * x;
                 }
             }
-            for d in dst.iter_mut() {
-                *d /= total;
+            if !sums {
+                for d in dst.iter_mut() {
+                    *d /= total;
+                }
             }
             lse[row] = m + total.ln();
         }

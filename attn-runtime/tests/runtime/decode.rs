@@ -252,6 +252,21 @@ fn split_kv_partitions_merge_to_the_same_result() {
     }
 }
 
+/// `normalize = sigmoid` decodes against both caches, its split-KV partitions summed.
+#[test]
+fn sigmoid_attention_decodes_and_its_partitions_add() {
+    let specs = [
+        "heads = 8, kv_heads = 2, head_dim = 64, mask = causal, normalize = sigmoid(bias = -ln(64))",
+        "heads = 4, kv_heads = 2, head_dim = 32, position = rope, mask = sliding_window(50), \
+         normalize = sigmoid(bias = 0.5), dtype = bf16",
+    ];
+    for spec in specs {
+        for parts in [None, Some(2), Some(7)] {
+            check_ragged(spec, 16, parts);
+        }
+    }
+}
+
 #[test]
 fn step_by_step_decoding_equals_one_prefill() {
     let backend = CpuBackend::new();

@@ -212,6 +212,13 @@ fn ulysses_equals_the_single_call_for_every_variant() {
             check(text, Scheme::Ulysses, 4, 7);
         }
     }
+    // Sigmoid attention splits over heads as it stands (the ring refuses it).
+    check(
+        "heads = 4, head_dim = 16, mask = causal, normalize = sigmoid(bias = -2.0)",
+        Scheme::Ulysses,
+        2,
+        0,
+    );
 }
 
 /// A document mask and per-token gates (data tensors of the whole sequence, read at global
@@ -301,6 +308,12 @@ fn specs_and_shapes_context_parallelism_cannot_split_are_refused() {
             Scheme::Ring,
             2,
             "dynamic NTK",
+        ),
+        (
+            "heads = 2, head_dim = 16, mask = causal, normalize = sigmoid",
+            Scheme::Ring,
+            2,
+            "normalize = sigmoid is not built in it yet; use Ulysses",
         ),
     ];
     for &(text, scheme, ranks, why) in cases {

@@ -251,6 +251,42 @@ fn cpu_parameters_and_sinks_match_the_reference() {
     Case::new(FIRE, 2, 40, 40, 0).check(&cpu);
 }
 
+/// `normalize = sigmoid`: plain, with GQA and a window, with learned slopes and a custom
+/// modifier, with RoPE, bf16; forward and backward against the reference.
+const SIGMOID: [&str; 5] = [
+    "heads = 2, head_dim = 16, mask = causal, normalize = sigmoid(bias = -ln(64))",
+    "heads = 4, kv_heads = 2, head_dim = 16, v_head_dim = 8, mask = sliding_window(20), \
+     normalize = sigmoid",
+    "heads = 2, head_dim = 16, mask = causal, normalize = sigmoid(bias = -2.0), \
+     params(slopes: [heads]), score_mod = |s, b, h, q, k| s + slopes[h] * (k - q) as f32",
+    "heads = 2, head_dim = 16, position = rope, softcap = 5.0, normalize = sigmoid(bias = 1.0)",
+    "heads = 2, kv_heads = 1, head_dim = 16, mask = causal, dtype = bf16, \
+     normalize = sigmoid(bias = -3.0)",
+];
+
+#[test]
+fn cpu_sigmoid_attention_matches_the_reference() {
+    let cpu = CpuBackend::new();
+    for (i, spec) in SIGMOID.iter().enumerate() {
+        // Lengths past one key tile, and a query block that starts mid-sequence.
+        Case::new(spec, 2, 70 - 10 * i, 90, i as i64).check(&cpu);
+    }
+}
+
+#[test]
+fn gpu_backends_refuse_sigmoid_attention_clearly() {
+    let case = Case::new(SIGMOID[0], 1, 16, 16, 0);
+    let [(q, _), (k, _), (v, _), _] = &case.tensors;
+    let err = GpuSim::new()
+        .forward_learned(&case.variant, Call::heads(q, k, v), 0, Learned::none())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("does not run normalize = sigmoid (the cpu backend does"),
+        "{err}"
+    );
+}
+
 #[test]
 fn gpu_sim_parameters_and_sinks_match_the_reference() {
     let sim = GpuSim::new();

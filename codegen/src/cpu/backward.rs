@@ -208,7 +208,12 @@ impl TilePass {
                 let mut t = lowering.float4(fx, &uniforms, &g, &plan.program.score);
                 let slope = lowering.float4(fx, &uniforms, &g, grad);
                 let dpv = fx.load(F32X4, pdp, 0);
-                let centered = fx.b.ins().fsub(dpv, delta);
+                // Sigmoid weights stand alone: dS = dP sigmoid', with no row term D.
+                let centered = if plan.sigmoid() {
+                    dpv
+                } else {
+                    fx.b.ins().fsub(dpv, delta)
+                };
                 let mut weighted = fx.b.ins().fmul(centered, slope);
                 let keep = masked
                     .then(|| kept_lanes(fx, plan, &mut lowering, &uniforms, &g, self.key_end));
@@ -236,7 +241,8 @@ impl TilePass {
 }
 
 /// One group of four keys' parameter gradients: `p = 2^(2 (score - lse'))` with
-/// `lse' = lse log2(e) / 2` (as `ds_tile` recomputes it), `dS = p (dP - D)`, and for each
+/// `lse' = lse log2(e) / 2` (as `ds_tile` recomputes it), `dS = p (dP - D)` (under
+/// `normalize = sigmoid`, `dS = dP p (1 - p)` with `p` the key's sigmoid), and for each
 /// parameter read, `dparams[element] += dS * d score / d read`, lane by lane in key order, so
 /// the sums do not depend on anything but the task's order of tiles. Dropped keys, and rows
 /// with no kept key (lse `-inf`), add nothing.
@@ -261,12 +267,16 @@ impl ParamPass {
         uniforms: &super::score::Uniforms,
         g: &GroupEnv,
     ) {
-        let half = fx.f32(std::f32::consts::LOG2_E / 2.0);
-        let h = fx.b.ins().fmul(self.lse, half);
-        let h = fx.splat_f32(h);
-        let x = fx.b.ins().fsub(self.score, h);
-        let p = fx.exp2_of_double_4(x);
-        let ds = fx.b.ins().fmul(p, self.centered);
+        let slope = if plan.sigmoid() {
+            sigmoid_slope4(fx, self.score)
+        } else {
+            let half = fx.f32(std::f32::consts::LOG2_E / 2.0);
+            let h = fx.b.ins().fmul(self.lse, half);
+            let h = fx.splat_f32(h);
+            let x = fx.b.ins().fsub(self.score, h);
+            fx.exp2_of_double_4(x)
+        };
+        let ds = fx.b.ins().fmul(slope, self.centered);
         let neg_inf = fx.f32(f32::NEG_INFINITY);
         let row_kept = fx.b.ins().fcmp(FloatCC::NotEqual, self.lse, neg_inf);
         for (read, d) in &plan.param_grads {
@@ -288,4 +298,19 @@ impl ParamPass {
             }
         }
     }
+}
+
+/// `sigmoid'` of four scores in half base-2 units, `p (1 - p) = e p^2` with `e = 2^(-2t)` and
+/// `p = 1 / (1 + e)`, as the runtime's sigmoid `ds_tile` computes it (`-t` clamped at 63 so `e`
+/// stays finite; NaN passes).
+fn sigmoid_slope4(fx: &mut Fx, t: Value) -> Value {
+    let x = fx.b.ins().fneg(t);
+    let cap = fx.f32x4(63.0);
+    let x = fx.b.ins().fmin(x, cap);
+    let e = fx.exp2_of_double_4(x);
+    let one = fx.f32x4(1.0);
+    let denom = fx.b.ins().fadd(one, e);
+    let p = fx.b.ins().fdiv(one, denom);
+    let ep = fx.b.ins().fmul(e, p);
+    fx.b.ins().fmul(ep, p)
 }

@@ -1,6 +1,8 @@
 //! What the forward `block` and the `decode` functions share: the block's state in scratch,
 //! the prologue (rotated, scaled queries; empty running state), the per-tile online-softmax step
-//! (score program, mask, base-2 softmax, value product) and the epilogue (out and lse).
+//! (score program, mask, base-2 softmax, value product) and the epilogue (out and lse). Under
+//! `normalize = sigmoid` the step keeps no running max (each key's weight stands alone: the
+//! runtime's `exp_tile` is then the sigmoid's) and the epilogue does not divide by the sum.
 
 use super::abi::ScratchLayout;
 use super::fx::Fx;
@@ -185,11 +187,14 @@ pub(super) fn epilogue(
         let zero_f = fx.f32(0.0);
         // A row is empty when no key was kept (sum exactly 0); a NaN sum carries NaN through.
         let nonempty = fx.b.ins().fcmp(FloatCC::NotEqual, lsum, zero_f);
-        let one = fx.f32(1.0);
-        let inv = fx.b.ins().fdiv(one, lsum);
-        let inv = fx.b.ins().select(nonempty, inv, zero_f);
         let pa = fx.elem_scaled(a.acc, r, v_dim_v);
-        scale_row(fx, pa, v_dim, inv, false);
+        if !plan.sigmoid() {
+            // Sigmoid weights are not normalized: out is the accumulator as it stands.
+            let one = fx.f32(1.0);
+            let inv = fx.b.ins().fdiv(one, lsum);
+            let inv = fx.b.ins().select(nonempty, inv, zero_f);
+            scale_row(fx, pa, v_dim, inv, false);
+        }
         let dst = fx.elem_scaled(out, r, out_stride);
         copy(fx, dst, pa, v_dim);
         let neg_inf = fx.f32(f32::NEG_INFINITY);
@@ -199,6 +204,11 @@ pub(super) fn epilogue(
             |fx| {
                 let call = fx.b.ins().call(refs.logf, &[lsum]);
                 let ln = fx.b.inst_results(call)[0];
+                if plan.sigmoid() {
+                    // ln of the sum of the weights.
+                    fx.store(ln, plse, 0);
+                    return;
+                }
                 // The running max is in half base-2 units: 2 ln 2 turns it into natural ones.
                 let unit = fx.f32(2.0 * std::f32::consts::LN_2);
                 let value = fx.b.ins().fma(mrow, unit, ln);
@@ -275,6 +285,10 @@ pub(super) fn softmax_step(
             }
         });
 
+        if plan.sigmoid() {
+            // Each key weighs sigmoid(t) on its own: no running max, nothing to rescale.
+            return;
+        }
         // New running max; `m_use` keeps exp finite while a row has seen no kept key.
         let mx = fx.b.use_var(max_var);
         let tile_max = fx.reduce(mx, true);
