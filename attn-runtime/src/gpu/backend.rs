@@ -211,7 +211,6 @@ impl<D: Device + 'static> Backend for GpuBackend<D> {
         position_offset: i64,
         params: &[f32],
     ) -> Result<Output, RuntimeError> {
-        self.refuse_unbuilt(variant)?;
         let spec = variant.spec();
         match inputs {
             Inputs::Heads { q, k, v } => {
@@ -273,7 +272,6 @@ impl<D: Device + 'static> Backend for GpuBackend<D> {
         x: &BackwardInputs,
         params: &[f32],
     ) -> Result<(Gradients, Vec<f32>), RuntimeError> {
-        self.refuse_unbuilt(variant)?;
         match x {
             BackwardInputs::Heads(x) => {
                 let [b, _, sq, skv] = bhss(x.q, x.k);
@@ -292,15 +290,15 @@ impl<D: Device + 'static> Backend for GpuBackend<D> {
 }
 
 impl<D: Device + 'static> GpuBackend<D> {
-    /// Refuses a spec whose kernels this backend does not have: `normalize = sigmoid` runs on
-    /// the CPU backend only.
+    /// Refuses a decode this backend has no kernel for: `normalize = sigmoid` decodes on the
+    /// CPU backend only (its forward and backward run on the SIMT kernels here).
     fn refuse_unbuilt(&self, variant: &Variant) -> Result<(), RuntimeError> {
         match variant.spec().normalize {
             attn_dsl::Normalize::Softmax => Ok(()),
             attn_dsl::Normalize::Sigmoid(_) => Err(RuntimeError::Unsupported {
                 backend: self.device.name(),
-                what: "normalize = sigmoid (the cpu backend does; its GPU kernels are not built \
-                       yet)"
+                what: "decoding with normalize = sigmoid (the cpu backend does; the GPU decode \
+                       kernels for it are not built yet)"
                     .into(),
             }),
         }

@@ -728,3 +728,27 @@ fn stale_device_copies_are_refused<D: attn_runtime::device::Device + 'static>(
     let fresh = support::decode(gpu, &variant.spec().clone(), &q, &cache, &[seq], options).unwrap();
     assert_eq!(synced.out.to_f32_vec(), fresh.out.to_f32_vec());
 }
+
+/// Sigmoid attention has no GPU decode kernel yet: the GPU backends say so and name the one
+/// that decodes it.
+#[test]
+fn gpu_decode_refuses_sigmoid_attention_clearly() {
+    use attn_runtime::DecodeOptions;
+    use attn_runtime::cache::PagedCache;
+    let spec: AttentionSpec = "heads = 2, head_dim = 8, mask = causal, normalize = sigmoid"
+        .parse()
+        .unwrap();
+    let mut cache = PagedCache::new(&spec, 4, 8).unwrap();
+    let seq = cache.add_sequence();
+    let kv = Tensor::from_f32(&[2, 5, 8], values(80, 1)).unwrap();
+    cache.append(seq, &kv, &kv).unwrap();
+    let q = Tensor::from_f32(&[1, 2, 1, 8], values(16, 2)).unwrap();
+    let options = DecodeOptions { partitions: None };
+    let err = support::decode(&GpuSim::new(), &spec, &q, &cache, &[seq], options)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("does not run decoding with normalize = sigmoid (the cpu backend does"),
+        "{err}"
+    );
+}

@@ -274,17 +274,11 @@ fn cpu_sigmoid_attention_matches_the_reference() {
 }
 
 #[test]
-fn gpu_backends_refuse_sigmoid_attention_clearly() {
-    let case = Case::new(SIGMOID[0], 1, 16, 16, 0);
-    let [(q, _), (k, _), (v, _), _] = &case.tensors;
-    let err = GpuSim::new()
-        .forward_learned(&case.variant, Call::heads(q, k, v), 0, Learned::none())
-        .unwrap_err()
-        .to_string();
-    assert!(
-        err.contains("does not run normalize = sigmoid (the cpu backend does"),
-        "{err}"
-    );
+fn gpu_sim_sigmoid_attention_matches_the_reference() {
+    let sim = GpuSim::new();
+    for (i, spec) in SIGMOID.iter().enumerate() {
+        Case::new(spec, 1, 30 - 3 * i, 37, i as i64).check(&sim);
+    }
 }
 
 #[test]

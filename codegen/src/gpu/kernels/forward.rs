@@ -9,8 +9,8 @@
 //! the mask program. Inputs are contiguous BHSD f32.
 
 use super::{
-    Env, Regs, exp2_twice, lse_of_half, param, program, reciprocal, rope_params, rotate, special64,
-    tile_code,
+    Env, Regs, exp2_twice, lse_of_half, param, program, reciprocal, rope_params, rotate,
+    sigmoid_weight, special64, tile_code,
 };
 use crate::gpu::ir::build::*;
 use crate::gpu::ir::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty, Un};
@@ -122,6 +122,7 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     );
     let valid = bin(Bin::Lt, reg(at.row), param("sq"));
     body.push(simt_epilogue(
+        plan,
         &row_state,
         param("out"),
         param("lse"),
@@ -441,6 +442,23 @@ fn simt_tile(
         body: pass1,
     });
 
+    if plan.sigmoid() {
+        // Each key weighs sigmoid(s) on its own: no max, no rescale.
+        let p = r.add("p", Ty::F32);
+        let mut pass2 = vec![
+            Stmt::Set(p, sigmoid_weight(load(Space::Shared, Ty::F32, s_addr))),
+            Stmt::Set(row.l, add(reg(row.l), reg(p))),
+        ];
+        pass2.extend(value_product(row, sh, j, dv, p));
+        out.push(Stmt::For {
+            reg: j,
+            start: i64(0),
+            end: keys.count,
+            step: 1,
+            body: pass2,
+        });
+        return out;
+    }
     // The new max; the rescale of the sum and accumulator.
     let (m, l) = (row.m, row.l);
     let (m_use, alpha, p) = (
@@ -471,14 +489,7 @@ fn simt_tile(
         ),
         Stmt::Set(l, add(reg(l), reg(p))),
     ];
-    for (i, &a) in row.acc.iter().enumerate() {
-        let vd = load(
-            Space::Shared,
-            Ty::F32,
-            add(mul(reg(j), i64(dv * 4)), i64(sh.v + 4 * i as i64)),
-        );
-        pass2.push(Stmt::Set(a, fma(reg(p), vd, reg(a))));
-    }
+    pass2.extend(value_product(row, sh, j, dv, p));
     out.push(Stmt::For {
         reg: j,
         start: i64(0),
@@ -489,10 +500,34 @@ fn simt_tile(
     out
 }
 
+/// `acc += p v_j` for the staged value row of key `j`.
+fn value_product(row: &RowState, sh: &TileShared, j: Reg, dv: i64, p: Reg) -> Vec<Stmt> {
+    row.acc
+        .iter()
+        .enumerate()
+        .map(|(i, &a)| {
+            let vd = load(
+                Space::Shared,
+                Ty::F32,
+                add(mul(reg(j), i64(dv * 4)), i64(sh.v + 4 * i as i64)),
+            );
+            Stmt::Set(a, fma(reg(p), vd, reg(a)))
+        })
+        .collect()
+}
+
 /// Where `valid` holds, writes the row's output `acc / l` (as `acc` times one reciprocal) to
 /// row `out_row` of `out` (f32 rows of `acc.len()`) and its log-sum-exp `(m + log2 l) ln 2` to
-/// `lse`; rows with no kept key get 0 and `-inf`.
-fn simt_epilogue(row: &RowState, out: Expr, lse: Expr, out_row: Expr, valid: Expr) -> Stmt {
+/// `lse`; rows with no kept key get 0 and `-inf`. Under `normalize = sigmoid`, `acc` and
+/// `ln l`.
+fn simt_epilogue(
+    plan: &KernelPlan,
+    row: &RowState,
+    out: Expr,
+    lse: Expr,
+    out_row: Expr,
+    valid: Expr,
+) -> Stmt {
     let (m, l) = (row.m, row.l);
     let dv = row.acc.len() as i64;
     // The sum is 0 only when no key was kept; a NaN sum (a NaN score) carries NaN through.
@@ -503,10 +538,19 @@ fn simt_epilogue(row: &RowState, out: Expr, lse: Expr, out_row: Expr, valid: Exp
             out.clone(),
             add(mul(out_row.clone(), i64(dv * 4)), i64(4 * i as i64)),
         );
-        let value = select(nonempty.clone(), mul(reg(a), reciprocal(reg(l))), f32(0.0));
+        // Sigmoid weights are not normalized: out is the accumulator.
+        let value = if plan.sigmoid() {
+            reg(a)
+        } else {
+            select(nonempty.clone(), mul(reg(a), reciprocal(reg(l))), f32(0.0))
+        };
         store.push(Stmt::Store(Space::Global, addr, value));
     }
-    let lse_value = lse_of_half(reg(m), reg(l));
+    let lse_value = if plan.sigmoid() {
+        mul(un(Un::Lg2, reg(l)), f32(std::f32::consts::LN_2))
+    } else {
+        lse_of_half(reg(m), reg(l))
+    };
     store.push(Stmt::Store(
         Space::Global,
         at(lse, out_row, 4),

@@ -21,6 +21,7 @@ pub(crate) use epilogue::epilogue;
 pub(crate) use rope::{RopeWords, cos_sin, rope_params, rotate, rotate_pair};
 pub(crate) use score::{Env, TileScores, program, score_tile};
 pub(crate) use softmax::{
-    exp2_twice, lse_of_half, online_softmax, reciprocal, rescale_to, scale_folds,
+    exp2_twice, lse_of_half, online_softmax, reciprocal, rescale_to, scale_folds, sigmoid_slope,
+    sigmoid_weight,
 };
 pub(crate) use staging::{Staging, lane_aligned, stage_rows};

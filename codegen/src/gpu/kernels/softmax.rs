@@ -17,6 +17,36 @@ pub(crate) fn exp2_twice(x: Expr) -> Expr {
     un(Un::Ex2Ftz, mul(x, f32(2.0)))
 }
 
+/// `2^(-2t)` for `normalize = sigmoid`'s weight of a score `t` in half base-2 units, with
+/// `-t` clamped at 63 so it stays finite (NaN passes).
+fn sigmoid_e(t: Expr) -> Expr {
+    let x = un(Un::Neg, t);
+    un(
+        Un::Ex2,
+        mul(
+            select(bin(Bin::Gt, x.clone(), f32(63.0)), f32(63.0), x),
+            f32(2.0),
+        ),
+    )
+}
+
+/// `normalize = sigmoid`'s weight of a score `t` in half base-2 units (the bias in the score):
+/// `sigmoid(2 t ln 2) = 1 / (1 + 2^(-2t))`, exactly 0 for a masked key's `-inf`.
+pub(crate) fn sigmoid_weight(t: Expr) -> Expr {
+    select(
+        bin(Bin::Eq, t.clone(), f32(f32::NEG_INFINITY)),
+        f32(0.0),
+        reciprocal(add(f32(1.0), sigmoid_e(t))),
+    )
+}
+
+/// The derivative of [`sigmoid_weight`] per natural unit, `p (1 - p) = e p^2` with
+/// `e = 2^(-2t)`, exact where `1 - p` would cancel; 0 for `-inf`.
+pub(crate) fn sigmoid_slope(t: Expr) -> Expr {
+    let p = sigmoid_weight(t.clone());
+    mul(mul(sigmoid_e(t), p.clone()), p)
+}
+
 /// The online softmax's move to the running max `m_new` (half base-2 units): `m_use` (0 while
 /// the max is still -inf, so that no NaN appears), the rescale factor
 /// `alpha = 2^(2 (m - m_use))`, the new max, and the sum rescaled.

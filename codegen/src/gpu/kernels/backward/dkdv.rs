@@ -192,7 +192,7 @@ impl KeyRow {
                 bin(Bin::Ne, lse_i.clone(), f32(f32::NEG_INFINITY)),
             ),
         };
-        let (set_keep, [pv, dsv]) = probabilities(plan, &pair, keep, lse_i, reg(dp), delta_i);
+        let (set_keep, [pv, dsv, _]) = probabilities(plan, &pair, keep, lse_i, reg(dp), delta_i);
         let q_at = add(mul(reg(i), i64(d * 4)), i64(q_sh));
         let do_at = add(mul(reg(i), i64(dv * 4)), i64(do_sh));
         let mut per_query = vec![

@@ -266,7 +266,7 @@ impl QueryRow {
                 bin(Bin::Ne, reg(self.lse_half), f32(f32::NEG_INFINITY)),
             ),
         };
-        let (set_keep, [pv, dsv]) = probabilities(
+        let (set_keep, [pv, dsv, ds_final]) = probabilities(
             plan,
             &pair,
             keep,
@@ -293,8 +293,7 @@ impl QueryRow {
                 reg(keep),
                 bin(Bin::Lt, reg(self.row), param("sq")),
             );
-            let centered = mul(reg(p), sub(reg(dp), reg(self.delta)));
-            per_key.extend(partials.scatter(plan, &pair.env, counted, centered));
+            per_key.extend(partials.scatter(plan, &pair.env, counted, ds_final));
         }
         per_key.extend(axpy_shared(&self.acc, reg(ds), k_at));
         tile.push(Stmt::For {

@@ -5,7 +5,9 @@
 use crate::gpu::ir::build::*;
 use crate::gpu::ir::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty};
 use crate::gpu::kernels::score::param_element;
-use crate::gpu::kernels::{Env, Regs, exp2_twice, program, rope_params, rotate, special64};
+use crate::gpu::kernels::{
+    Env, Regs, exp2_twice, program, rope_params, rotate, sigmoid_slope, sigmoid_weight, special64,
+};
 use crate::gpu::launch::{BackwardArgs, LaunchRecord};
 use crate::plan::{KernelPlan, ParamLayout};
 use attn_dsl::modifier::Expr as M;
@@ -333,8 +335,10 @@ pub(super) struct Pair {
     pub(super) inside: Expr,
 }
 
-/// `keep = ` whether the pair is kept, then `p = 2^(2 (score - lse))` and `ds = p (dp - D) * d
-/// score / d raw`, both 0 unless kept.
+/// `keep = ` whether the pair is kept, then `p = 2^(2 (score - lse))`, `ds = p (dp - D) * d
+/// score / d raw`, and `dS_final = p (dp - D)` (the parameters' factor), each 0 unless kept.
+/// Under `normalize = sigmoid`: `p = sigmoid(score)` and `dS_final = dp p (1 - p)`, with no
+/// row term (`lse_half` and `delta` are not read).
 pub(super) fn probabilities(
     plan: &KernelPlan,
     pair: &Pair,
@@ -342,7 +346,7 @@ pub(super) fn probabilities(
     lse_half: Expr,
     dp: Expr,
     delta: Expr,
-) -> (Stmt, [Expr; 2]) {
+) -> (Stmt, [Expr; 3]) {
     let grad = plan
         .score_grad
         .as_ref()
@@ -352,9 +356,22 @@ pub(super) fn probabilities(
         kept = bin(Bin::And, kept, program(&plan.program.mask, &pair.env));
     }
     let score = program(&plan.program.score, &pair.env);
-    let p = select(reg(keep), exp2_twice(sub(score, lse_half)), f32(0.0));
-    let ds = mul(mul(p.clone(), sub(dp, delta)), program(grad, &pair.env));
-    (Stmt::Set(keep, kept), [p, select(reg(keep), ds, f32(0.0))])
+    let (p, ds_final) = if plan.sigmoid() {
+        let p = select(reg(keep), sigmoid_weight(score.clone()), f32(0.0));
+        (p, mul(dp, sigmoid_slope(score)))
+    } else {
+        let p = select(reg(keep), exp2_twice(sub(score, lse_half)), f32(0.0));
+        (p.clone(), mul(p, sub(dp, delta)))
+    };
+    // Selected after the product: the derivative may be NaN or infinite where the pair is not
+    // kept.
+    let ds = select(
+        reg(keep),
+        mul(ds_final.clone(), program(grad, &pair.env)),
+        f32(0.0),
+    );
+    let ds_final = select(reg(keep), ds_final, f32(0.0));
+    (Stmt::Set(keep, kept), [p, ds, ds_final])
 }
 
 /// The parameter buffer of a plan's score program, for the kernels' [`Env`].
