@@ -61,6 +61,11 @@ def attention(c, q, k, v, p0, learned=None):
     if c.get("mask_mod"):
         keep &= c["mask_mod"](qpos[:, None], kpos[None, :])
     keep = keep[None, None].expand(B, H, Sq, Skv)
+    if c.get("sigmoid") is not None:
+        # Sigmoid attention: each kept key weighs sigmoid(s + bias) on its own; lse is the log
+        # of the weights' sum (-inf for a row with none).
+        w = torch.where(keep, torch.sigmoid(s + c["sigmoid"]), torch.zeros((), dtype=s.dtype))
+        return w @ v, torch.log(w.sum(-1))
     if "sinks" in learned:
         # gpt-oss: the sink is one more logit per head, with no value; its column is dropped.
         s = torch.where(keep, s, torch.tensor(float("-inf"), dtype=s.dtype))
@@ -219,6 +224,54 @@ LEARNED_CASES = {
 }
 
 
+def fire(s, h, q, k, P):
+    """FIRE's learned positional term (a two-unit MLP of the log-scaled distance), as the spec
+    writes it with `let`; the distance is clamped at 0, which changes nothing on the kept
+    (causal) pairs and keeps the masked ones finite."""
+    c = P["c"][0].abs()
+    d = (q - k).clamp(min=0).to(s.dtype)
+    rel = torch.log(c * d + 1.0)
+    norm = torch.log(c * torch.maximum(q.to(s.dtype), P["thr"][0].abs() + 1.0) + 1.0)
+    x = rel / norm
+    hidden = [torch.relu(P["w1"][h, u] * x + P["b1"][h, u]) for u in range(2)]
+    return s + P["w2"][h, 0] * hidden[0] + P["w2"][h, 1] * hidden[1]
+
+
+# The attention of recent papers (sigmoid attention; FIRE written with `let`), from a fourth
+# generator.
+PAPER_CASES = {
+    "sigmoid_causal_gqa_f32": dict(
+        B=2, H=4, Hkv=2, Sq=70, Skv=70, D=32, dtype="f32", mask="causal", sigmoid=-math.log(64),
+        spec="heads = 4, kv_heads = 2, head_dim = 32, mask = causal, "
+             "normalize = sigmoid(bias = -ln(64))"),
+    "sigmoid_learned_slopes_window_f32": dict(
+        B=1, H=4, Hkv=4, Sq=40, Skv=48, D=32, dtype="f32", mask="window:20", p0=3, sigmoid=-2.0,
+        learned=dict(slopes=lambda g: torch.rand(4, generator=g) * 0.5),
+        learned_mod=lambda s, h, q, k, P: s + P["slopes"][h] * (k - q).to(s.dtype),
+        spec="heads = 4, head_dim = 32, mask = sliding_window(20), normalize = sigmoid(bias = -2.0), "
+             "params(slopes: [heads]), score_mod = |s, b, h, q, k| s + slopes[h] * (k - q) as f32"),
+    "sigmoid_rope_bf16": dict(
+        B=1, H=2, Hkv=1, Sq=64, Skv=64, D=64, dtype="bf16", mask="causal", sigmoid=-3.0,
+        rope=dict(base=10000.0, layout="half"),
+        spec="heads = 2, kv_heads = 1, head_dim = 64, mask = causal, position = rope, dtype = bf16, "
+             "normalize = sigmoid(bias = -3.0)"),
+    "fire_lets_f32": dict(
+        B=1, H=2, Hkv=2, Sq=50, Skv=50, D=32, dtype="f32", mask="causal",
+        learned=dict(c=lambda g: 0.5 + torch.rand(1, generator=g),
+                     thr=lambda g: 4.0 + torch.rand(1, generator=g),
+                     w1=lambda g: torch.randn(2, 2, generator=g),
+                     b1=lambda g: 0.5 * torch.randn(2, 2, generator=g),
+                     w2=lambda g: torch.randn(2, 2, generator=g)),
+        learned_mod=fire,
+        spec="heads = 2, head_dim = 32, mask = causal, params(c: [1] = 1.0, thr: [1] = 8.0, "
+             "w1: [heads, 2] = normal(0.5), b1: [heads, 2], w2: [heads, 2] = normal(0.5)), "
+             "score_mod = |s, b, h, q, k| let rel = (c[0].abs() * (q - k) as f32 + 1.0).ln(); "
+             "let norm = (c[0].abs() * max(q as f32, thr[0].abs() + 1.0) + 1.0).ln(); "
+             "let x = rel / norm; "
+             "s + w2[h, 0] * (w1[h, 0] * x + b1[h, 0]).max(0.0) + w2[h, 1] * (w1[h, 1] * x + b1[h, 1]).max(0.0)"),
+}
+
+
 def main():
     os.makedirs(OUT, exist_ok=True)
     g = torch.Generator().manual_seed(16)
@@ -255,6 +308,9 @@ def main():
     learned = torch.Generator().manual_seed(18)
     for name, c in LEARNED_CASES.items():
         per_head_case(name, c, learned, manifest)
+    papers = torch.Generator().manual_seed(19)
+    for name, c in PAPER_CASES.items():
+        per_head_case(name, c, papers, manifest)
     with open(f"{OUT}/manifest.json", "w") as f:
         json.dump(manifest, f, indent=1)
 
