@@ -102,7 +102,7 @@ fn imports(isa: Isa, plan: &codegen::plan::KernelPlan, dtype: DType) -> Imports 
     let (qk_rows, pv_rows) = row_kernels::addresses(isa, dtype);
     let (exp_tile, ds_tile) = match plan.spec.normalize {
         Normalize::Softmax => softmax_tiles::addresses(isa),
-        Normalize::Sigmoid(_) => softmax_tiles::sigmoid_addresses(),
+        Normalize::Sigmoid(_) => softmax_tiles::sigmoid_addresses(isa),
     };
     Imports {
         qk_tile,

@@ -31,9 +31,15 @@ type ExpTile = unsafe extern "C" fn(*mut f32, i64, *const f32, *mut f32);
 /// The signature of `ds_tile`.
 type DsTile = unsafe extern "C" fn(*mut f32, *mut f32, i64, *const f32, *const f32, f32);
 
-/// The `exp_tile` and `ds_tile` of `normalize = sigmoid` (any instruction set).
-pub fn sigmoid_addresses() -> (usize, usize) {
-    let (exp, ds): (ExpTile, DsTile) = (sigmoid_tile, sigmoid_ds_tile);
+/// The `exp_tile` and `ds_tile` of `normalize = sigmoid` for an instruction set.
+pub fn sigmoid_addresses(isa: Isa) -> (usize, usize) {
+    let (exp, ds): (ExpTile, DsTile) = match isa.vectors() {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => (x86::sigmoid_avx512, x86::sigmoid_ds_avx512),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => (x86::sigmoid_avx2, x86::sigmoid_ds_avx2),
+        _ => (sigmoid_tile, sigmoid_ds_tile),
+    };
     (exp as usize, ds as usize)
 }
 
@@ -133,18 +139,13 @@ pub unsafe extern "C" fn ds_portable(
 }
 
 /// `normalize = sigmoid`'s weight of a score `t` in half base-2 units (`t = (s + B) log2(e) /
-/// 2`): `sigmoid(s + B) = 1 / (1 + e)` with `e = 2^(-2t)`, and `e` itself (the derivative is
-/// `e p^2`). `-t` is clamped at 63 so `e` stays finite (NaN passes); `-inf` (a masked key)
-/// weighs exactly 0.
+/// 2`): `sigmoid(s + B) = e / (1 + e)` with `e = 2^(2t)`, and its derivative per natural unit
+/// `p (1 - p) = p / (1 + e)` (neither cancels). `t` is clamped at 63 so `e` stays finite (NaN
+/// passes); a masked key's `-inf` gives `e = 0` exactly, so it weighs exactly 0.
 fn sigmoid_of_half(t: f32) -> (f32, f32) {
-    let x = -t;
-    let e = exp2_of_double(if x > 63.0 { 63.0 } else { x });
-    let p = if t == f32::NEG_INFINITY {
-        0.0
-    } else {
-        1.0 / (1.0 + e)
-    };
-    (p, e)
+    let e = exp2_of_double(if t > 63.0 { 63.0 } else { t });
+    let p = e / (1.0 + e);
+    (p, p / (1.0 + e))
 }
 
 /// `normalize = sigmoid`'s `exp_tile`: `s[r][c] = sigmoid` of the score (half base-2 units, the
@@ -192,9 +193,8 @@ pub unsafe extern "C" fn sigmoid_ds_tile(
         )
     };
     for (s, dp) in s.iter_mut().zip(dp.iter_mut()) {
-        let (p, e) = sigmoid_of_half(*s);
-        // p (1 - p) = e p^2, exact where 1 - p would cancel.
-        *dp *= e * p * p * factor;
+        let (p, slope) = sigmoid_of_half(*s);
+        *dp *= slope * factor;
         *s = p;
     }
 }
@@ -224,8 +224,10 @@ mod x86 {
         (
             feature: $feature:literal, vector: $v:ident, lanes: $lanes:literal,
             exp: $exp_name:ident, ds: $ds_name:ident, exp2: $exp2:ident, sum: $sum:expr,
+            sigmoid: $sig_name:ident, sigmoid_ds: $sig_ds_name:ident, parts: $parts:ident,
             set1: $set1:ident, zero: $zero:ident, load: $load:ident, store: $store:ident,
-            add: $add:ident, sub: $sub:ident, mul: $mul:ident, fma: $fma:ident, max: $max:ident,
+            add: $add:ident, sub: $sub:ident, mul: $mul:ident, div: $div:ident, fma: $fma:ident,
+            max: $max:ident, min: $min:ident,
             shl23: $shl:expr, to_int: $to_int:ident, to_float: $to_float:ident
         ) => {
             /// `2^(2x)`, lane by lane.
@@ -270,6 +272,67 @@ mod x86 {
                             sum = $add(sum, e);
                         }
                         *sums.add(r) += $sum(sum);
+                    }
+                }
+            }
+
+            /// `e = 2^(2t)` with `t` clamped at 63 (NaN passes: `min` returns its second
+            /// operand when either is NaN); `p = e / (1 + e)`; and `1 + e`.
+            #[target_feature(enable = $feature)]
+            #[inline]
+            fn $parts(t: $v) -> ($v, $v) {
+                let e = $exp2($min($set1(63.0), t));
+                let one_e = $add($set1(1.0), e);
+                ($div(e, one_e), one_e)
+            }
+
+            /// Sigmoid attention's `exp_tile` (the portable `sigmoid_tile`'s steps).
+            ///
+            /// # Safety
+            /// The module contract, on a CPU with the target features.
+            #[target_feature(enable = $feature)]
+            pub unsafe extern "C" fn $sig_name(
+                s: *mut f32,
+                rows: i64,
+                _shift: *const f32,
+                sums: *mut f32,
+            ) {
+                // SAFETY: rows r < `rows` of K values, one sum each (the contract).
+                unsafe {
+                    for r in 0..rows as usize {
+                        let row = s.add(r * K);
+                        let mut sum = $zero();
+                        for c in (0..K).step_by($lanes) {
+                            let (p, _) = $parts($load(row.add(c)));
+                            $store(row.add(c), p);
+                            sum = $add(sum, p);
+                        }
+                        *sums.add(r) += $sum(sum);
+                    }
+                }
+            }
+
+            /// Sigmoid attention's `ds_tile` (the portable `sigmoid_ds_tile`'s steps).
+            ///
+            /// # Safety
+            /// The module contract, on a CPU with the target features.
+            #[target_feature(enable = $feature)]
+            pub unsafe extern "C" fn $sig_ds_name(
+                s: *mut f32,
+                dp: *mut f32,
+                rows: i64,
+                _lse: *const f32,
+                _delta: *const f32,
+                factor: f32,
+            ) {
+                // SAFETY: rows r < `rows` of K values in `s` and `dp` (the contract).
+                unsafe {
+                    let factor = $set1(factor);
+                    for i in (0..rows as usize * K).step_by($lanes) {
+                        let (p, one_e) = $parts($load(s.add(i)));
+                        let slope = $div(p, one_e);
+                        $store(s.add(i), p);
+                        $store(dp.add(i), $mul($mul($load(dp.add(i)), slope), factor));
                     }
                 }
             }
@@ -325,18 +388,22 @@ mod x86 {
     tile_passes! {
         feature: "avx512f", vector: __m512, lanes: 16,
         exp: exp_avx512, ds: ds_avx512, exp2: exp2_of_double_16, sum: _mm512_reduce_add_ps,
+        sigmoid: sigmoid_avx512, sigmoid_ds: sigmoid_ds_avx512, parts: sigmoid_parts_16,
         set1: _mm512_set1_ps, zero: _mm512_setzero_ps, load: _mm512_loadu_ps,
         store: _mm512_storeu_ps, add: _mm512_add_ps, sub: _mm512_sub_ps, mul: _mm512_mul_ps,
-        fma: _mm512_fmadd_ps, max: _mm512_max_ps, shl23: _mm512_slli_epi32::<23>,
+        div: _mm512_div_ps, fma: _mm512_fmadd_ps, max: _mm512_max_ps, min: _mm512_min_ps,
+        shl23: _mm512_slli_epi32::<23>,
         to_int: _mm512_castps_si512, to_float: _mm512_castsi512_ps
     }
 
     tile_passes! {
         feature: "avx2,fma", vector: __m256, lanes: 8,
         exp: exp_avx2, ds: ds_avx2, exp2: exp2_of_double_8, sum: sum_8,
+        sigmoid: sigmoid_avx2, sigmoid_ds: sigmoid_ds_avx2, parts: sigmoid_parts_8,
         set1: _mm256_set1_ps, zero: _mm256_setzero_ps, load: _mm256_loadu_ps,
         store: _mm256_storeu_ps, add: _mm256_add_ps, sub: _mm256_sub_ps, mul: _mm256_mul_ps,
-        fma: _mm256_fmadd_ps, max: _mm256_max_ps, shl23: _mm256_slli_epi32::<23>,
+        div: _mm256_div_ps, fma: _mm256_fmadd_ps, max: _mm256_max_ps, min: _mm256_min_ps,
+        shl23: _mm256_slli_epi32::<23>,
         to_int: _mm256_castps_si256, to_float: _mm256_castsi256_ps
     }
 
@@ -469,6 +536,73 @@ mod tests {
                     "{isa:?}: a row with lse -inf carries nothing, even past a NaN score"
                 );
             }
+        }
+    }
+
+    /// The sigmoid passes on every instruction set: weights and their derivative against f64,
+    /// a masked key's `-inf` weighing exactly 0, a NaN staying NaN, huge scores weighing 1.
+    #[test]
+    fn sigmoid_tiles_match_f64_on_every_instruction_set() {
+        for isa in isas() {
+            let (exp, ds) = sigmoid_addresses(isa);
+            // SAFETY: `sigmoid_addresses` returns functions with these signatures.
+            let (exp, ds) = unsafe {
+                (
+                    std::mem::transmute::<usize, ExpTile>(exp),
+                    std::mem::transmute::<usize, DsTile>(ds),
+                )
+            };
+            let mut input = scores();
+            input[9] = 1e30;
+            let mut s = input.clone();
+            let mut sums = [1.0f32, 0.0];
+            // SAFETY: two rows of K scores, two sums; the shift is not read.
+            unsafe { exp(s.as_mut_ptr(), 2, std::ptr::null(), sums.as_mut_ptr()) };
+            let sigmoid =
+                |t: f32| 1.0 / (1.0 + (-2.0 * f64::from(t) * std::f64::consts::LN_2).exp());
+            let mut want_sum = 1.0f64;
+            for c in 0..K {
+                let want = sigmoid(input[c]);
+                want_sum += want;
+                assert!(
+                    (f64::from(s[c]) - want).abs() <= 4e-7 * want + 1e-38,
+                    "{isa:?}: sigmoid({}) = {}, want {want}",
+                    input[c],
+                    s[c]
+                );
+            }
+            assert_eq!(s[3], 0.0, "{isa:?}: -inf weighs exactly 0");
+            assert_eq!(s[9], 1.0, "{isa:?}: a huge score weighs 1");
+            assert!((f64::from(sums[0]) - want_sum).abs() < 1e-6 * want_sum);
+            assert!(s[K + 7].is_nan() && sums[1].is_nan(), "{isa:?}: NaN stays");
+
+            let dp_in: Vec<f32> = (0..2 * K).map(|i| (i as f32 * 0.37).sin()).collect();
+            let (mut s, mut dp) = (input.clone(), dp_in.clone());
+            // SAFETY: two rows of K scores and dP values; lse and delta are not read.
+            unsafe {
+                ds(
+                    s.as_mut_ptr(),
+                    dp.as_mut_ptr(),
+                    2,
+                    std::ptr::null(),
+                    std::ptr::null(),
+                    1.5,
+                )
+            };
+            for c in 0..K {
+                let p = sigmoid(input[c]);
+                let want = f64::from(dp_in[c]) * p * (1.0 - p) * 1.5;
+                assert!(
+                    (f64::from(dp[c]) - want).abs() <= 1e-6 * want.abs() + 1e-30,
+                    "{isa:?}: dS[{c}] = {} want {want}",
+                    dp[c]
+                );
+            }
+            assert_eq!(
+                (s[3], dp[3]),
+                (0.0, 0.0),
+                "{isa:?}: a masked key carries nothing"
+            );
         }
     }
 }
