@@ -1,0 +1,77 @@
+"""BENCHMARKS.md's table of recent papers' attention: attn's fused kernels (`attn.attention`)
+against the papers' PyTorch eager formulations and SDPA's causal softmax, in one Python process:
+16 heads, head dim 128, batch 1, causal, 2 threads, forward + backward; each timing the median
+over 3 rounds, alternating the contenders, of the median of REPS runs after a warm-up.
+
+    python scripts/bench_papers.py REPS [N]    # in a venv with torch and attn installed
+"""
+
+import math
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import attn
+
+torch.set_num_threads(2)
+H, D = 16, 128
+
+
+def sigmoid_eager(q, k, v, bias):
+    """Sigmoid attention as the paper writes it: sigmoid(QK^T / sqrt(d) + b), causal, times V."""
+    n = q.shape[2]
+    s = q @ k.transpose(-1, -2) / math.sqrt(D) + bias
+    keep = torch.ones(n, n, dtype=torch.bool).tril()
+    return torch.where(keep, torch.sigmoid(s), torch.zeros((), dtype=s.dtype)) @ v
+
+
+def median_ms(fn, reps):
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main():
+    reps = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+    n = int(sys.argv[2]) if len(sys.argv) > 2 else 2048
+    bias = -math.log(n)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, H, n, D, generator=g).requires_grad_() for _ in range(3))
+    dout = torch.randn(1, H, n, D, generator=g)
+
+    def step(forward):
+        def run():
+            for t in (q, k, v):
+                t.grad = None
+            forward().backward(dout)
+        return run
+
+    contenders = {
+        "attn causal softmax": step(lambda: attn.attention(q, k, v, f"heads = {H}, head_dim = {D}, mask = causal")),
+        f"attn sigmoid (bias = -ln({n}))": step(lambda: attn.attention(
+            q, k, v, f"heads = {H}, head_dim = {D}, mask = causal, normalize = sigmoid(bias = -ln({n}))")),
+        "SDPA causal softmax": step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
+        "PyTorch eager sigmoid": step(lambda: sigmoid_eager(q, k, v, bias)),
+    }
+    rounds = {name: [] for name in contenders}
+    for _ in range(3):
+        for name, fn in contenders.items():
+            rounds[name].append(median_ms(fn, reps))
+    base = statistics.median(rounds["attn causal softmax"])
+    print(f"forward + backward, H{H} D{D} N{n}, batch 1, causal, {torch.get_num_threads()} threads")
+    print("| contender | median ms | vs attn causal softmax |")
+    print("|---|---:|---:|")
+    for name, times in rounds.items():
+        ms = statistics.median(times)
+        print(f"| {name} | {ms:.1f} | {ms / base:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
