@@ -153,6 +153,26 @@ def test_the_module_owns_zero_initialized_learnable_tensors():
     assert module.bias.grad is not None and module.sinks.grad.abs().sum() > 0
 
 
+def test_sigmoid_attention_matches_the_papers_eager_form_with_gradients():
+    """normalize = sigmoid against sigmoid(QK^T / sqrt(d) + b) V, masked, in float64 autograd."""
+    q, k, v = qkv(hkv=4, s=37)
+    dout = torch.randn(2, 4, 37, 16)
+    spec = "heads = 4, head_dim = 16, mask = causal, normalize = sigmoid(bias = -ln(37))"
+    out = attn.attention(q, k, v, spec)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    x = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    s = x[0] @ x[1].transpose(-1, -2) / 4.0 - torch.log(torch.tensor(37.0, dtype=torch.float64))
+    keep = torch.ones(37, 37, dtype=torch.bool).tril()
+    want = torch.where(keep, torch.sigmoid(s), torch.zeros((), dtype=s.dtype)) @ x[2]
+    want_grads = torch.autograd.grad(want, x, dout.double())
+    assert_close(out, want, 2e-5, 2e-4, "out")
+    for name, g, w in zip("qkv", got, want_grads):
+        assert_close(g, w, 2e-5, 2e-4, f"d{name}")
+    torch.library.opcheck(
+        torch.ops.attn.attention.default, (q, k, v, attn.Variant(spec).text, 0, "", [], None, None)
+    )
+
+
 def test_the_module_starts_its_tensors_where_the_spec_says():
     spec = ("heads = 4, head_dim = 16, mask = causal, params(slopes: [heads] = alibi, "
             "w: [heads, 64] = normal(0.5), c: [1] = 0.25), "
