@@ -277,13 +277,6 @@ impl<'a> ContextParallel<'a> {
                             .into(),
                     );
                 }
-                if spec.normalize != attn_dsl::Normalize::Softmax {
-                    return refuse(
-                        "the ring merges its steps as softmax parts; normalize = sigmoid is \
-                         not built in it yet; use Ulysses"
-                            .into(),
-                    );
-                }
             }
         }
         let (h, kv) = (spec.heads as usize, spec.kv_heads() as usize);

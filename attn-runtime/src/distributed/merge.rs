@@ -1,5 +1,7 @@
 //! The merge of partial attention results by their log-sum-exp, in f32: each part is softmax
-//! attention over some of a row's keys, and the merged row is attention over all of them.
+//! attention over some of a row's keys, and the merged row is attention over all of them. Parts
+//! of sigmoid attention (`normalize = sigmoid`) are sums of independently weighted values: they
+//! add, and their lse still merges as a log-sum-exp.
 
 /// Merges a part (`out` rows of `width` values and their `lse`) into the running result
 /// `acc_out`, `acc_lse` (which start as zeros and `-inf`), row by row, in the stable form
@@ -12,6 +14,7 @@ pub(crate) fn merge_into(
     out: &[f32],
     lse: &[f32],
     width: usize,
+    sums: bool,
 ) {
     for (r, (la, &lb)) in acc_lse.iter_mut().zip(lse).enumerate() {
         let row = r * width..(r + 1) * width;
@@ -25,9 +28,13 @@ pub(crate) fn merge_into(
             acc.copy_from_slice(part);
             *la = lb;
         } else {
-            let w = sigmoid(lb - *la);
-            for (a, b) in acc.iter_mut().zip(part) {
-                *a -= w * (*a - b);
+            if sums {
+                acc.iter_mut().zip(part).for_each(|(a, b)| *a += b);
+            } else {
+                let w = sigmoid(lb - *la);
+                for (a, b) in acc.iter_mut().zip(part) {
+                    *a -= w * (*a - b);
+                }
             }
             *la -= log_sigmoid(*la - lb);
         }
@@ -36,13 +43,14 @@ pub(crate) fn merge_into(
 
 /// Merges a placed call's result over one chunk's query rows (`[outer, rows, width]` out,
 /// `[outer, rows]` lse) into a rank's running result (`[outer, local, width]`, `[outer,
-/// local]`) at `rows`.
+/// local]`) at `rows`; `sums` as for [`merge_into`].
 pub(crate) fn merge_rows(
     out: &mut [f32],
     lse: &mut [f32],
     part: &crate::calls::Output,
     [outer, local, width]: [usize; 3],
     rows: &std::ops::Range<usize>,
+    sums: bool,
 ) {
     let (part_out, part_lse) = (part.out.f32_values(), part.lse.f32_values());
     let n = rows.len();
@@ -54,6 +62,7 @@ pub(crate) fn merge_rows(
             &part_out[o * n * width..(o + 1) * n * width],
             &part_lse[o * n..(o + 1) * n],
             width,
+            sums,
         );
     }
 }
@@ -93,8 +102,8 @@ mod tests {
             let (o2, l2) = part(row, 2..4);
             let (want, want_lse) = part(row, 0..4);
             let (mut out, mut lse) = (vec![0.0], vec![f32::NEG_INFINITY]);
-            merge_into(&mut out, &mut lse, &[o1], &[l1], 1);
-            merge_into(&mut out, &mut lse, &[o2], &[l2], 1);
+            merge_into(&mut out, &mut lse, &[o1], &[l1], 1, false);
+            merge_into(&mut out, &mut lse, &[o2], &[l2], 1, false);
             assert!((out[0] - want).abs() < 1e-5, "{} against {want}", out[0]);
             assert!(
                 (lse[0] - want_lse).abs() < 1e-5,
@@ -114,11 +123,22 @@ mod tests {
             &[7.0, 1.0],
             &[0.5, f32::NEG_INFINITY],
             1,
+            false,
         );
         assert_eq!((out[0], lse[0]), (7.0, 0.5));
         assert_eq!((out[1], lse[1]), (0.0, f32::NEG_INFINITY));
-        merge_into(&mut out, &mut lse, &[1.0, 1.0], &[f32::NAN, 0.0], 1);
+        merge_into(&mut out, &mut lse, &[1.0, 1.0], &[f32::NAN, 0.0], 1, false);
         assert!(out[0].is_nan() && lse[0].is_nan());
         assert_eq!((out[1], lse[1]), (1.0, 0.0));
+    }
+
+    /// Sigmoid parts add: two parts' sums and the log of their weights' total.
+    #[test]
+    fn sigmoid_parts_add() {
+        let (mut out, mut lse) = (vec![0.0, 0.0], vec![f32::NEG_INFINITY]);
+        merge_into(&mut out, &mut lse, &[1.5, 2.0], &[0.25f32.ln()], 2, true);
+        merge_into(&mut out, &mut lse, &[0.5, -1.0], &[0.75f32.ln()], 2, true);
+        assert_eq!(out, [2.0, 1.0]);
+        assert!(lse[0].abs() < 1e-6, "ln(0.25 + 0.75) = 0, got {}", lse[0]);
     }
 }

@@ -197,6 +197,7 @@ impl Ring<'_> {
         let (b, local) = (q.shape()[0], self.split.local_len());
         let mine = self.chunks(me);
         let qs = chunk_rows(q, &mine)?;
+        let sums = spec.normalize != attn_dsl::Normalize::Softmax;
         // Each chunk's rows are merged in place into the rank's out and lse.
         let mut out = vec![0f32; b * h * local * dv];
         let mut lse = vec![f32::NEG_INFINITY; b * h * local];
@@ -218,7 +219,8 @@ impl Ring<'_> {
                         self.learned,
                         placement,
                     )?;
-                    merge_rows(&mut out, &mut lse, &part, [b * h, local, dv], &mine[i].rows);
+                    let dims = [b * h, local, dv];
+                    merge_rows(&mut out, &mut lse, &part, dims, &mine[i].rows, sums);
                 }
                 Ok(())
             };

@@ -212,14 +212,22 @@ fn ulysses_equals_the_single_call_for_every_variant() {
             check(text, Scheme::Ulysses, 4, 7);
         }
     }
-    // Sigmoid attention splits over heads as it stands (the ring refuses it).
-    check(
-        "heads = 4, head_dim = 16, mask = causal, normalize = sigmoid(bias = -2.0)",
-        Scheme::Ulysses,
-        2,
-        0,
-    );
+    // Sigmoid attention splits over heads as it stands.
+    check(SIGMOID, Scheme::Ulysses, 2, 0);
 }
+
+/// Sigmoid attention's parts add around the ring (zigzag and plain splits), learned
+/// parameters included.
+#[test]
+fn ring_sigmoid_attention_equals_the_single_call() {
+    check(SIGMOID, Scheme::Ring, 2, 0);
+    check(SIGMOID, Scheme::Ring, 4, 7);
+    let plain = "heads = 4, head_dim = 16, normalize = sigmoid, params(slopes: [heads]), \
+                 score_mod = |s, b, h, q, k| s - slopes[h] * ((q - k) as f32).abs()";
+    check(plain, Scheme::Ring, 3, 0);
+}
+
+const SIGMOID: &str = "heads = 4, head_dim = 16, mask = causal, normalize = sigmoid(bias = -2.0)";
 
 /// A document mask and per-token gates (data tensors of the whole sequence, read at global
 /// positions) under both schemes, the gates' gradient included.
@@ -308,12 +316,6 @@ fn specs_and_shapes_context_parallelism_cannot_split_are_refused() {
             Scheme::Ring,
             2,
             "dynamic NTK",
-        ),
-        (
-            "heads = 2, head_dim = 16, mask = causal, normalize = sigmoid",
-            Scheme::Ring,
-            2,
-            "normalize = sigmoid is not built in it yet; use Ulysses",
         ),
     ];
     for &(text, scheme, ranks, why) in cases {
