@@ -9,12 +9,12 @@ over 3 rounds, alternating the contenders, of the median of REPS runs after a wa
 import math
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 import attn
+from bench_python import median_ms
 
 torch.set_num_threads(2)
 H, D = 16, 128
@@ -26,16 +26,6 @@ def sigmoid_eager(q, k, v, bias):
     s = q @ k.transpose(-1, -2) / math.sqrt(D) + bias
     keep = torch.ones(n, n, dtype=torch.bool).tril()
     return torch.where(keep, torch.sigmoid(s), torch.zeros((), dtype=s.dtype)) @ v
-
-
-def median_ms(fn, reps):
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def main():

@@ -155,67 +155,35 @@ pub(super) fn rotated_gradients(
                         (at, raw, score(spec, &slopes, raw, at, &learned.params))
                     })
                     .collect();
-                if let Normalize::Sigmoid(bias) = spec.normalize {
-                    // Each weight on its own: dS = dP w (1 - w), with no row term.
-                    let scores: Vec<Option<f64>> = pairs.iter().map(|p| p.2).collect();
-                    let weights = super::sigmoid_weights(&scores, bias.value());
-                    for (j, (w, (at, raw, _))) in weights.of.iter().zip(&pairs).enumerate() {
-                        let Some(w) = *w else { continue };
-                        let env = Env {
-                            score: *raw,
-                            b: b as i64,
-                            h: h as i64,
-                            q: at.pos_q,
-                            k: at.pos_k,
-                            qi: i as i64,
-                            ki: j as i64,
-                            params: &learned.params,
-                        };
-                        let dp = dot(&go, v.row(&[b, kvh, j]));
-                        let ds_final = dp * w * (1.0 - w);
-                        for (read, d) in &param_derivatives {
-                            let x = ds_final * eval(d, &env).as_f64();
-                            accumulate(&mut dparams, learned, read, &env, x);
-                        }
-                        let ds = ds_final * eval(derivative, &env).as_f64();
-                        axpy(dv.row_mut(&[b, kvh, j]), w, &go);
-                        axpy(dq.row_mut(&[b, h, i]), ds, k.row(&[b, kvh, j]));
-                        axpy(dk.row_mut(&[b, kvh, j]), ds, &qi);
-                    }
-                    continue;
-                }
-                let sink = learned.sink(h).filter(|s| *s != f64::NEG_INFINITY);
-                // A -inf score weighs nothing, as a masked key: its pair carries no gradient.
-                let kept_score =
-                    |p: &(Pair, f64, Option<f64>)| p.2.filter(|s| *s != f64::NEG_INFINITY);
-                let kept: Vec<f64> = pairs.iter().filter_map(kept_score).collect();
-                if kept.is_empty() {
-                    // Only the sink (if any) is left: out is 0, so D and every gradient are 0.
-                    continue;
-                }
-                let max = kept
-                    .iter()
-                    .chain(&sink)
-                    .copied()
-                    .fold(f64::NEG_INFINITY, f64::max);
-                let denom: f64 = kept.iter().chain(&sink).map(|s| (s - max).exp()).sum();
-                let probs: Vec<Option<f64>> = pairs
-                    .iter()
-                    .map(|p| kept_score(p).map(|s| (s - max).exp() / denom))
-                    .collect();
                 let dps: Vec<f64> = (0..pos.skv)
                     .map(|j| dot(&go, v.row(&[b, kvh, j])))
                     .collect();
-                let d_row: f64 = probs
-                    .iter()
-                    .zip(&dps)
-                    .filter_map(|(p, dp)| p.map(|p| p * dp))
-                    .sum();
-                if let (Some(s), Some(d)) = (sink, dsinks.as_mut()) {
-                    d[h] -= (s - max).exp() / denom * d_row;
-                }
-                for (j, (p, (at, raw, _))) in probs.iter().zip(&pairs).enumerate() {
-                    let Some(p) = *p else { continue };
+                let scores: Vec<Option<f64>> = pairs.iter().map(|p| p.2).collect();
+                // Each kept pair's weight and `dS_final` (dS before the modifiers' derivative).
+                let terms: Vec<Option<(f64, f64)>> = match spec.normalize {
+                    Normalize::Sigmoid(bias) => {
+                        // Each weight on its own: dS = dP w (1 - w), with no row term.
+                        let weights = super::sigmoid_weights(&scores, bias.value());
+                        let each = weights.of.iter().zip(&dps);
+                        each.map(|(w, dp)| w.map(|w| (w, dp * w * (1.0 - w))))
+                            .collect()
+                    }
+                    Normalize::Softmax => {
+                        let sink = learned.sink(h).filter(|s| *s != f64::NEG_INFINITY);
+                        let Some((probs, d_row, sink_p)) = softmax_row(&scores, sink, &dps) else {
+                            // Only the sink (if any) is left: out is 0, so every gradient is 0.
+                            continue;
+                        };
+                        if let (Some(p), Some(d)) = (sink_p, dsinks.as_mut()) {
+                            d[h] -= p * d_row;
+                        }
+                        let each = probs.iter().zip(&dps);
+                        each.map(|(p, dp)| p.map(|p| (p, p * (dp - d_row))))
+                            .collect()
+                    }
+                };
+                for (j, (term, (at, raw, _))) in terms.iter().zip(&pairs).enumerate() {
+                    let Some((p, ds_final)) = *term else { continue };
                     let env = Env {
                         score: *raw,
                         b: b as i64,
@@ -226,7 +194,6 @@ pub(super) fn rotated_gradients(
                         ki: j as i64,
                         params: &learned.params,
                     };
-                    let ds_final = p * (dps[j] - d_row);
                     for (read, d) in &param_derivatives {
                         accumulate(
                             &mut dparams,
@@ -257,6 +224,37 @@ pub(super) fn rotated_gradients(
         });
     }
     ((dq, dk, dv), dparams)
+}
+
+/// A softmax row's probabilities (`None` for masked keys and `-inf` scores, which carry no
+/// gradient), `D = sum_j p_j dP_j`, and the sink's probability; `None` for a row with no kept
+/// key.
+fn softmax_row(
+    scores: &[Option<f64>],
+    sink: Option<f64>,
+    dps: &[f64],
+) -> Option<(Vec<Option<f64>>, f64, Option<f64>)> {
+    let kept_score = |s: &Option<f64>| s.filter(|s| *s != f64::NEG_INFINITY);
+    let kept: Vec<f64> = scores.iter().filter_map(kept_score).collect();
+    if kept.is_empty() {
+        return None;
+    }
+    let max = kept
+        .iter()
+        .chain(&sink)
+        .copied()
+        .fold(f64::NEG_INFINITY, f64::max);
+    let denom: f64 = kept.iter().chain(&sink).map(|s| (s - max).exp()).sum();
+    let probs: Vec<Option<f64>> = scores
+        .iter()
+        .map(|s| kept_score(s).map(|s| (s - max).exp() / denom))
+        .collect();
+    let d_row = probs
+        .iter()
+        .zip(dps)
+        .filter_map(|(p, dp)| p.map(|p| p * dp))
+        .sum();
+    Some((probs, d_row, sink.map(|s| (s - max).exp() / denom)))
 }
 
 /// Adds `x` to the element of `dparams` that `read` reads at `env`.

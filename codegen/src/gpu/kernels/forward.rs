@@ -442,30 +442,37 @@ fn simt_tile(
         body: pass1,
     });
 
-    if plan.sigmoid() {
+    let s_stored = load(Space::Shared, Ty::F32, s_addr);
+    let weight = if plan.sigmoid() {
         // Each key weighs sigmoid(s) on its own: no max, no rescale.
-        let p = r.add("p", Ty::F32);
-        let mut pass2 = vec![
-            Stmt::Set(p, sigmoid_weight(load(Space::Shared, Ty::F32, s_addr))),
-            Stmt::Set(row.l, add(reg(row.l), reg(p))),
-        ];
-        pass2.extend(value_product(row, sh, j, dv, p));
-        out.push(Stmt::For {
-            reg: j,
-            start: i64(0),
-            end: keys.count,
-            step: 1,
-            body: pass2,
-        });
-        return out;
-    }
-    // The new max; the rescale of the sum and accumulator.
+        sigmoid_weight(s_stored)
+    } else {
+        let m_use = rescale(r, row, mt, &mut out);
+        exp2_twice(sub(s_stored, reg(m_use)))
+    };
+    let p = r.add("p", Ty::F32);
+    // Pass 2: weights, their sum, P V.
+    let mut pass2 = vec![
+        Stmt::Set(p, weight),
+        Stmt::Set(row.l, add(reg(row.l), reg(p))),
+    ];
+    pass2.extend(value_product(row, sh, j, dv, p));
+    out.push(Stmt::For {
+        reg: j,
+        start: i64(0),
+        end: keys.count,
+        step: 1,
+        body: pass2,
+    });
+    out
+}
+
+/// The online softmax's move to the new max (the row's and the tile's `mt`): the rescale of
+/// the sum and accumulator, pushed to `out`; returns the register of the shift the tile's
+/// probabilities take (`m_use`, 0 while the max is still `-inf`).
+fn rescale(r: &mut Regs, row: &RowState, mt: Reg, out: &mut Vec<Stmt>) -> Reg {
     let (m, l) = (row.m, row.l);
-    let (m_use, alpha, p) = (
-        r.add("m_use", Ty::F32),
-        r.add("alpha", Ty::F32),
-        r.add("p", Ty::F32),
-    );
+    let (m_use, alpha) = (r.add("m_use", Ty::F32), r.add("alpha", Ty::F32));
     let m_new = bin(Bin::Max, reg(m), reg(mt));
     out.push(Stmt::Set(
         m_use,
@@ -481,23 +488,7 @@ fn simt_tile(
     for &a in row.acc {
         out.push(Stmt::Set(a, mul(reg(a), reg(alpha))));
     }
-    // Pass 2: probabilities, their sum, P V.
-    let mut pass2 = vec![
-        Stmt::Set(
-            p,
-            exp2_twice(sub(load(Space::Shared, Ty::F32, s_addr), reg(m_use))),
-        ),
-        Stmt::Set(l, add(reg(l), reg(p))),
-    ];
-    pass2.extend(value_product(row, sh, j, dv, p));
-    out.push(Stmt::For {
-        reg: j,
-        start: i64(0),
-        end: keys.count,
-        step: 1,
-        body: pass2,
-    });
-    out
+    m_use
 }
 
 /// `acc += p v_j` for the staged value row of key `j`.
