@@ -104,7 +104,6 @@ impl<D: Device + 'static> GpuBackend<D> {
         seqs: &[SeqId],
         options: DecodeOptions,
     ) -> Result<Output, RuntimeError> {
-        self.refuse_unbuilt(variant)?;
         decode::decode_with(variant, q, cache, seqs, options, &|l| {
             self.run_resident(l, resident)
         })
@@ -245,7 +244,6 @@ impl<D: Device + 'static> Backend for GpuBackend<D> {
         options: DecodeOptions,
         params: &[f32],
     ) -> Result<Output, RuntimeError> {
-        self.refuse_unbuilt(variant)?;
         let run = &|l: &DecodeLaunch| l.run_on(self.device.as_ref(), None, params);
         let q_len = |q: &Tensor| dim(q, 2);
         match queries {
@@ -290,20 +288,6 @@ impl<D: Device + 'static> Backend for GpuBackend<D> {
 }
 
 impl<D: Device + 'static> GpuBackend<D> {
-    /// Refuses a decode this backend has no kernel for: `normalize = sigmoid` decodes on the
-    /// CPU backend only (its forward and backward run on the SIMT kernels here).
-    fn refuse_unbuilt(&self, variant: &Variant) -> Result<(), RuntimeError> {
-        match variant.spec().normalize {
-            attn_dsl::Normalize::Softmax => Ok(()),
-            attn_dsl::Normalize::Sigmoid(_) => Err(RuntimeError::Unsupported {
-                backend: self.device.name(),
-                what: "decoding with normalize = sigmoid (the cpu backend does; the GPU decode \
-                       kernels for it are not built yet)"
-                    .into(),
-            }),
-        }
-    }
-
     /// Refuses cached work (`(sequence, queries)` pairs against the cache) the device would
     /// take too long over.
     fn check_cached(

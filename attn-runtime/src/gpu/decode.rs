@@ -144,6 +144,8 @@ pub(crate) struct DecodeLaunch<'a> {
     pub map: Vec<i32>,
     /// See `merged_rows`.
     pub slots: usize,
+    /// Whether the partial rows add (`normalize = sigmoid`) rather than merge as softmax parts.
+    pub sums: bool,
     /// How many parameter values the kernel reads (the plan's `ParamLayout` length).
     pub param_len: usize,
 }
@@ -282,6 +284,7 @@ impl DecodeLaunch<'_> {
             rows: self.merged_rows as i64,
             slots: self.slots as i64,
             width: self.v_dim as i64,
+            sums: i64::from(self.sums),
         }
     }
 
@@ -458,6 +461,7 @@ pub(crate) fn run_rows(
         merged_rows: call.out_rows,
         map,
         slots,
+        sums: plan.sigmoid(),
     };
     exec(&launch)
 }

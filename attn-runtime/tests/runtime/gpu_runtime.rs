@@ -729,26 +729,46 @@ fn stale_device_copies_are_refused<D: attn_runtime::device::Device + 'static>(
     assert_eq!(synced.out.to_f32_vec(), fresh.out.to_f32_vec());
 }
 
-/// Sigmoid attention has no GPU decode kernel yet: the GPU backends say so and name the one
-/// that decodes it.
+/// Sigmoid attention decodes on the interpreter's SIMT decode kernel as on the CPU, its
+/// split-KV partitions added by the merge kernel.
 #[test]
-fn gpu_decode_refuses_sigmoid_attention_clearly() {
+fn gpu_sigmoid_decode_on_the_interpreter_equals_the_cpu_decode() {
     use attn_runtime::DecodeOptions;
     use attn_runtime::cache::PagedCache;
-    let spec: AttentionSpec = "heads = 2, head_dim = 8, mask = causal, normalize = sigmoid"
-        .parse()
-        .unwrap();
-    let mut cache = PagedCache::new(&spec, 4, 8).unwrap();
-    let seq = cache.add_sequence();
-    let kv = Tensor::from_f32(&[2, 5, 8], values(80, 1)).unwrap();
-    cache.append(seq, &kv, &kv).unwrap();
-    let q = Tensor::from_f32(&[1, 2, 1, 8], values(16, 2)).unwrap();
-    let options = DecodeOptions { partitions: None };
-    let err = support::decode(&GpuSim::new(), &spec, &q, &cache, &[seq], options)
-        .unwrap_err()
-        .to_string();
-    assert!(
-        err.contains("does not run decoding with normalize = sigmoid (the cpu backend does"),
-        "{err}"
-    );
+    use attn_runtime::cpu::CpuBackend;
+    for text in [
+        "heads = 4, kv_heads = 2, head_dim = 16, mask = causal, normalize = sigmoid(bias = -ln(64))",
+        "heads = 2, head_dim = 16, position = rope, mask = sliding_window(30), dtype = bf16, \
+         normalize = sigmoid(bias = 0.5)",
+    ] {
+        let spec: AttentionSpec = text.parse().unwrap();
+        let (h, hkv, d) = (spec.heads as usize, spec.kv_heads() as usize, 16);
+        let mut cache = PagedCache::new(&spec, 7, 40).unwrap();
+        let seqs: Vec<_> = [45usize, 70]
+            .iter()
+            .enumerate()
+            .map(|(i, &len)| {
+                let seq = cache.add_sequence();
+                let n = hkv * len * d;
+                let k = Tensor::from_f32_as(spec.dtype, &[hkv, len, d], values(n, 10 + i as u64));
+                let v = Tensor::from_f32_as(spec.dtype, &[hkv, len, d], values(n, 20 + i as u64));
+                cache.append(seq, &k.unwrap(), &v.unwrap()).unwrap();
+                seq
+            })
+            .collect();
+        let tol = if spec.dtype == attn_dsl::DType::F32 {
+            (2e-5, 1e-4)
+        } else {
+            (1e-3, 8e-3)
+        };
+        for (n, parts) in [(1, None), (3, Some(3))] {
+            let q = Tensor::from_f32_as(spec.dtype, &[2, h, n, d], values(2 * h * n * d, 5));
+            let q = q.unwrap();
+            let options = DecodeOptions { partitions: parts };
+            let want =
+                support::decode(&CpuBackend::new(), &spec, &q, &cache, &seqs, options).unwrap();
+            let got = support::decode(&GpuSim::new(), &spec, &q, &cache, &seqs, options).unwrap();
+            assert_outputs_close(&got, &want, tol, &format!("{text} n {n}"));
+        }
+    }
 }

@@ -82,8 +82,6 @@ pub fn spec_kernels_for(spec: &AttentionSpec, arch: Arch) -> Result<Vec<SpecKern
                     (*ForwardChoice::Wgmma.lower(plan)?.kernel).clone(),
                 ),
                 KernelChoice::Forward(choice) => add(role, (*choice.lower(plan)?.kernel).clone()),
-                // Sigmoid attention has no GPU decode kernel: the runtime refuses its decode.
-                KernelChoice::Decode if plan.sigmoid() => {}
                 KernelChoice::Decode => {
                     add(role, decode_kernel(plan)?);
                     add("decode merge", verified(layers::merge_partitions())?);

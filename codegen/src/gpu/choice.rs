@@ -257,16 +257,8 @@ impl BackwardChoice {
     }
 }
 
-/// The decode kernel of a decode plan, verified; an error for `normalize = sigmoid`, which
-/// has no GPU decode kernel yet.
+/// The decode kernel of a decode plan, verified.
 pub fn decode_kernel(plan: &KernelPlan) -> Result<super::ir::Kernel, CodegenError> {
-    if plan.sigmoid() {
-        return Err(CodegenError::Unsupported(
-            "the GPU decode kernels weigh keys by softmax; normalize = sigmoid decodes on the \
-             cpu backend"
-                .into(),
-        ));
-    }
     verified(decode::lower(plan))
 }
 

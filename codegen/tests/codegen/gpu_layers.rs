@@ -578,9 +578,15 @@ fn rows_gather_by_index() {
 }
 
 /// Split-KV partitions merged on the device as the host merges them: weights `e^(l - max l)`,
-/// rows without a kept key 0, NaN parts NaN.
+/// rows without a kept key 0, NaN parts NaN; with `sums` (sigmoid attention) the parts add.
 #[test]
 fn partitions_merge_by_their_lse() {
+    for sums in [false, true] {
+        merge_partitions_case(sums);
+    }
+}
+
+fn merge_partitions_case(sums: bool) {
     use codegen::gpu::kernels::layers::MergeArgs;
     let width = 6;
     let parts = values(7 * width, 17);
@@ -606,6 +612,7 @@ fn partitions_merge_by_their_lse() {
         rows: rows as i64,
         slots: slots as i64,
         width: width as i64,
+        sums: i64::from(sums),
     };
     launch(&layers::merge_partitions(), 1, &record, &mut mem);
     let got = mem.read_f32(record.out, rows * width).unwrap();
@@ -630,13 +637,20 @@ fn partitions_merge_by_their_lse() {
                 assert_eq!((g, got_lse[r]), (0.0, f32::NEG_INFINITY), "row {r}");
                 continue;
             }
-            let (mut total, mut acc) = (0.0, 0.0);
+            let (mut total, mut acc, mut sum) = (0.0, 0.0, 0.0);
             for &p in &ps {
                 let w = (f64::from(lse[p]) - m).exp();
                 total += w;
                 acc += w * f64::from(parts[p * width + c]);
+                sum += f64::from(parts[p * width + c]);
             }
-            close(&[g], &[acc / total], 1e-5, &format!("row {r} col {c}"));
+            let want = if sums { sum } else { acc / total };
+            close(
+                &[g],
+                &[want],
+                1e-5,
+                &format!("row {r} col {c} (sums {sums})"),
+            );
             close(
                 &[got_lse[r]],
                 &[m + total.ln()],

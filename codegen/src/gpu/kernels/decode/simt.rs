@@ -8,9 +8,9 @@
 
 use super::records::{Segment, Strided, THREADS, Task, param, stage_q};
 use crate::gpu::ir::build::*;
-use crate::gpu::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty};
+use crate::gpu::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Un};
 use crate::gpu::kernels::{
-    Env, Regs, exp2_twice, lse_of_half, program, reciprocal, rescale_to, special64,
+    Env, Regs, exp2_twice, lse_of_half, program, reciprocal, rescale_to, sigmoid_weight, special64,
 };
 use crate::gpu::launch::{DecodeArgs, LaunchRecord};
 use crate::plan::{KernelPlan, PlanKind, TileCode};
@@ -323,6 +323,35 @@ impl<'a> Simt<'a> {
             r.add("p", Ty::F32),
         );
         let own_s = self.s_at(tid.clone(), reg(j));
+        if self.plan.sigmoid() {
+            // Each key weighs sigmoid(s) on its own: no max; the accumulator's factor is 1.
+            let softmax = vec![
+                Stmt::For {
+                    reg: j,
+                    start: i64(0),
+                    end: reg(len),
+                    step: 1,
+                    body: vec![
+                        Stmt::Set(
+                            p,
+                            sigmoid_weight(load(Space::Shared, Ty::F32, own_s.clone())),
+                        ),
+                        Stmt::Store(Space::Shared, own_s, reg(p)),
+                        Stmt::Set(l, add(reg(l), reg(p))),
+                    ],
+                },
+                Stmt::Store(
+                    Space::Shared,
+                    at(i64(self.sh.alpha), tid.clone(), 4),
+                    f32(1.0),
+                ),
+            ];
+            let run = vec![
+                Stmt::If(bin(Bin::Lt, tid, reg(self.task.rows)), softmax, vec![]),
+                Stmt::Barrier,
+            ];
+            return (run, j);
+        }
         let m_new = bin(Bin::Max, reg(m), reg(mt));
         let mut softmax = vec![
             Stmt::Set(mt, f32(f32::NEG_INFINITY)),
@@ -418,7 +447,11 @@ impl<'a> Simt<'a> {
         let (tid, sh, l) = (special64(Special::Tid), &self.sh, self.l);
         let (row0, rows) = (self.task.row0, self.task.rows);
         let own_row = add(reg(row0), tid.clone());
-        let lse = lse_of_half(reg(self.m), reg(l));
+        let lse = if self.plan.sigmoid() {
+            mul(un(Un::Lg2, reg(l)), f32(std::f32::consts::LN_2))
+        } else {
+            lse_of_half(reg(self.m), reg(l))
+        };
         let mut body = vec![
             Stmt::If(
                 bin(Bin::Lt, tid.clone(), reg(rows)),
@@ -437,11 +470,16 @@ impl<'a> Simt<'a> {
         for (i, &a) in self.acc.iter().enumerate() {
             let (row, col) = self.output(i as i64);
             let sum = load(Space::Shared, Ty::F32, at(i64(sh.alpha), row.clone(), 4));
-            let value = select(
-                bin(Bin::Ne, sum.clone(), f32(0.0)),
-                mul(reg(a), reciprocal(sum)),
-                f32(0.0),
-            );
+            // Sigmoid weights are not normalized: out is the accumulator.
+            let value = if self.plan.sigmoid() {
+                reg(a)
+            } else {
+                select(
+                    bin(Bin::Ne, sum.clone(), f32(0.0)),
+                    mul(reg(a), reciprocal(sum)),
+                    f32(0.0),
+                )
+            };
             let addr = add(
                 param("out"),
                 mul(

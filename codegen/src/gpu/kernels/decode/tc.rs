@@ -50,7 +50,8 @@ pub fn supports(plan: &KernelPlan) -> bool {
     plan.kind == PlanKind::Decode
         && mma::sixteen_bit(plan)
         && plan.mla.is_none()
-        // Parameters are read by the SIMT kernels only.
+        // Parameters and sigmoid weights are taken by the SIMT kernel only.
+        && !plan.sigmoid()
         && plan.params.is_empty()
         && d.is_multiple_of(16)
         && dv.is_multiple_of(16)

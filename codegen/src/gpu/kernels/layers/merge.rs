@@ -10,7 +10,8 @@ crate::gpu::launch::launch_record! {
     /// The partitions of split-KV attention merged by their log-sum-exp: one thread per output
     /// value.
     MergeArgs {
-        /// `[partial rows, width]` f32 normalized partial outputs.
+        /// `[partial rows, width]` f32 partial outputs: normalized, or (with `sums`) sums of
+        /// independently weighted values.
         parts: Address,
         /// `[partial rows]` f32 log-sum-exp of each partial row (`-inf`: no kept key).
         lse: Address,
@@ -26,13 +27,15 @@ crate::gpu::launch::launch_record! {
         slots: Scalar,
         /// Values per row.
         width: Scalar,
+        /// 1: the parts add (`normalize = sigmoid`); 0: they merge as softmax parts.
+        sums: Scalar,
     }
 }
 
 /// Merges partial attention rows: `out = sum_p e^(l_p - m) o_p / sum_p e^(l_p - m)` with `m`
 /// the largest `l_p`, and `lse = m + ln(sum_p e^(l_p - m))`; a row whose parts kept no key is 0
 /// with lse `-inf`, and a NaN or +inf part (a score past `f32::MAX`) makes the row NaN (as the
-/// host merge does).
+/// host merge does). With `sums`, `out = sum_p o_p` (the lse as before).
 pub fn merge_partitions() -> Kernel {
     type A = MergeArgs;
     let mut r = Regs { list: Vec::new() };
@@ -87,6 +90,7 @@ pub fn merge_partitions() -> Kernel {
         ),
     );
     let weight = exp(sub(reg(l), reg(m)));
+    let sums = bin(Bin::Ne, p::<A>("sums"), i64(0));
     let body = per_thread(
         e,
         1,
@@ -111,7 +115,10 @@ pub fn merge_partitions() -> Kernel {
                 bin(Bin::Gt, reg(m), f32(f32::NEG_INFINITY)),
                 vec![each(vec![
                     Stmt::Set(total, add(reg(total), weight.clone())),
-                    Stmt::Set(acc, fma(weight, value, reg(acc))),
+                    Stmt::Set(
+                        acc,
+                        fma(select(sums.clone(), f32(1.0), weight), value, reg(acc)),
+                    ),
                 ])],
                 vec![],
             ),
@@ -122,9 +129,13 @@ pub fn merge_partitions() -> Kernel {
                     reg(nan),
                     f32(f32::NAN),
                     select(
-                        bin(Bin::Gt, reg(total), f32(0.0)),
-                        bin(Bin::Div, reg(acc), reg(total)),
-                        f32(0.0),
+                        sums,
+                        reg(acc),
+                        select(
+                            bin(Bin::Gt, reg(total), f32(0.0)),
+                            bin(Bin::Div, reg(acc), reg(total)),
+                            f32(0.0),
+                        ),
                     ),
                 ),
             ),
