@@ -33,14 +33,13 @@ mod validate;
 
 pub use error::{Invalid, Location, ReferenceError, SpecError, SpecErrors};
 pub use given::{Mismatch, match_call, match_learned};
-pub use initial::ParamInit;
 pub use parse::{
     MAX_BRACKET_DEPTH, MAX_ERRORS, MAX_EXPR_DEPTH, MAX_LITERAL_CHARS, MAX_SPEC_BYTES,
     gradient_notes, parse_str, parse_tokens, set_key, settable_keys,
 };
 pub use spec::{
     AttentionSpec, CausalAlign, DType, DataDecl, DataDim, DataType, KvKind, KvLayout, LongRope,
-    Mask, Mla, Normalize, Pairing, ParamDecl, ParamDim, Position, Rope, RopeLayout, RopeScaling,
-    SINKS_NAME, SigmoidBias, Sinks, Yarn,
+    Mask, Mla, Normalize, Pairing, ParamDecl, ParamDim, ParamInit, Position, Rope, RopeLayout,
+    RopeScaling, SINKS_NAME, SigmoidBias, Sinks, Yarn,
 };
 pub use validate::{MAX_HEAD_DIM, MAX_HEADS, MAX_LATENT_RANK};

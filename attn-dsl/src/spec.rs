@@ -157,7 +157,68 @@ pub struct ParamDecl {
     /// The dimensions, outermost first (row-major).
     pub dims: Vec<ParamDim>,
     /// Where training starts it (0 unless the spec says otherwise).
-    pub init: crate::initial::ParamInit,
+    pub init: ParamInit,
+}
+
+/// Where a learnable tensor starts.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ParamInit {
+    /// Every element `value` (0 unless the spec says otherwise).
+    Constant(f64),
+    /// Independent draws from a normal distribution of mean 0 and this standard deviation.
+    Normal(f64),
+    /// Independent draws from the uniform distribution on `[low, high)`.
+    Uniform(f64, f64),
+    /// The ALiBi slopes of the spec's heads (`[heads]` tensors only).
+    Alibi,
+}
+
+impl Default for ParamInit {
+    fn default() -> Self {
+        ParamInit::Constant(0.0)
+    }
+}
+
+impl ParamInit {
+    /// Whether this is the default, which the spec's text leaves out.
+    pub fn is_default(&self) -> bool {
+        *self == ParamInit::default()
+    }
+
+    /// What is wrong with it for `decl` in a spec of `heads` query heads, if anything.
+    pub fn problem(&self, decl: &ParamDecl) -> Option<String> {
+        let name = &decl.name;
+        let finite = |x: f64| x.is_finite() && x.abs() <= f64::from(f32::MAX);
+        match *self {
+            ParamInit::Constant(x) if !finite(x) => Some(format!(
+                "`{name}` starts at {x}; allowed: a finite value within f32's range"
+            )),
+            ParamInit::Normal(std) if !(finite(std) && std > 0.0) => Some(format!(
+                "`{name}` = normal({std}): the standard deviation must be finite and above 0"
+            )),
+            ParamInit::Uniform(low, high) if !(finite(low) && finite(high) && low < high) => {
+                Some(format!(
+                    "`{name}` = uniform({low}, {high}): allowed: finite bounds with low < high"
+                ))
+            }
+            ParamInit::Alibi if decl.dims != [ParamDim::Heads] => Some(format!(
+                "`{name}` = alibi needs the shape [heads] (one slope per query head)"
+            )),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for ParamInit {
+    /// The spec's spelling, as after `=`.
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        match self {
+            ParamInit::Constant(x) => write!(f, "{x:?}"),
+            ParamInit::Normal(std) => write!(f, "normal({std:?})"),
+            ParamInit::Uniform(low, high) => write!(f, "uniform({low:?}, {high:?})"),
+            ParamInit::Alibi => write!(f, "alibi"),
+        }
+    }
 }
 
 /// A dimension of a [`ParamDecl`].

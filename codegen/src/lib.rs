@@ -14,6 +14,7 @@
 pub mod cpu;
 mod error;
 pub mod gpu;
+mod hoist;
 mod param_layout;
 pub mod plan;
 pub mod settings;

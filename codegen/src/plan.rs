@@ -8,6 +8,7 @@
 //! 3. [`KernelPlan::forward`]: the kernel's shape (MLA absorbed into one shared KV head), tiles,
 //!    the fused RoPE prologue, the tile-masking strategy and the online-softmax epilogue.
 
+use crate::hoist::hoist_score_factor;
 use attn_dsl::modifier::fold::fold;
 use attn_dsl::modifier::grad::{GradError, derivative};
 use attn_dsl::modifier::interval::{Interval, TensorRanges, TileBounds, TileClass, classify_with};
@@ -481,81 +482,6 @@ pub enum TileCode {
     Masked = 2,
 }
 
-/// When every use of the raw score is `score * c` (or `score / d`, `c = 1/d`) with one constant
-/// `c`, the program with those replaced by `score`, and `c`: `(q * c) . k == c * (q . k)` up to
-/// rounding, so the kernel scales q once per row instead of every score. Applied until nothing
-/// is left to hoist (softcap's `score * s / cap` hoists both factors), or until the factor would
-/// grow q (the caller keeps such factors in the program).
-fn hoist_score_factor(score: &Expr) -> Option<(Expr, f64)> {
-    fn factors(e: &Expr, found: &mut Vec<Option<f64>>) {
-        match e {
-            Expr::Binary(BinOp::Mul, a, b) => match (&**a, &**b) {
-                (Expr::Var(Var::Score), Expr::Float(c))
-                | (Expr::Float(c), Expr::Var(Var::Score)) => found.push(Some(*c)),
-                _ => {
-                    factors(a, found);
-                    factors(b, found);
-                }
-            },
-            Expr::Binary(BinOp::Div, a, b) => match (&**a, &**b) {
-                (Expr::Var(Var::Score), Expr::Float(d)) => found.push(Some(1.0 / d)),
-                _ => {
-                    factors(a, found);
-                    factors(b, found);
-                }
-            },
-            Expr::Var(Var::Score) => found.push(None),
-            // Indices never read the score.
-            Expr::Var(_) | Expr::Float(_) | Expr::Int(_) | Expr::Bool(_) | Expr::Param(_) => {}
-            Expr::Unary(_, a) | Expr::Cast(a, _) | Expr::Table(_, a) => factors(a, found),
-            Expr::Binary(_, a, b) => {
-                factors(a, found);
-                factors(b, found);
-            }
-            Expr::Select(c, t, f) => {
-                factors(c, found);
-                factors(t, found);
-                factors(f, found);
-            }
-        }
-    }
-    fn strip(e: &Expr, c: f64) -> Expr {
-        match e {
-            Expr::Binary(BinOp::Mul, a, b) => match (&**a, &**b) {
-                (Expr::Var(Var::Score), Expr::Float(x))
-                | (Expr::Float(x), Expr::Var(Var::Score))
-                    if *x == c =>
-                {
-                    Expr::Var(Var::Score)
-                }
-                _ => Expr::binary(BinOp::Mul, strip(a, c), strip(b, c)),
-            },
-            Expr::Binary(BinOp::Div, a, b) => match (&**a, &**b) {
-                (Expr::Var(Var::Score), Expr::Float(d)) if 1.0 / *d == c => Expr::Var(Var::Score),
-                _ => Expr::binary(BinOp::Div, strip(a, c), strip(b, c)),
-            },
-            Expr::Unary(op, a) => Expr::unary(*op, strip(a, c)),
-            Expr::Cast(a, ty) => Expr::cast(strip(a, c), *ty),
-            Expr::Table(v, a) => Expr::Table(v.clone(), Box::new(strip(a, c))),
-            Expr::Binary(op, a, b) => Expr::binary(*op, strip(a, c), strip(b, c)),
-            Expr::Select(x, t, f) => Expr::Select(
-                Box::new(strip(x, c)),
-                Box::new(strip(t, c)),
-                Box::new(strip(f, c)),
-            ),
-            leaf => leaf.clone(),
-        }
-    }
-    let mut found = Vec::new();
-    factors(score, &mut found);
-    let first = (*found.first()?)?;
-    let same = found.iter().all(|f| *f == Some(first))
-        && first.is_finite()
-        && first != 0.0
-        && first != 1.0;
-    same.then(|| (strip(score, first), first))
-}
-
 /// Key tiles are always [`K_TILE`] keys (the CPU microkernels are specialized for it); query
 /// blocks of 256 rows up to width 128 (each K and V tile streamed from L3 then serves 256 rows),
 /// shrinking as rows widen so a block's q, scores and accumulator stay near 320 KiB of f32.
@@ -700,39 +626,7 @@ impl fmt::Display for KernelPlan {
             )?;
         }
         if let Some(grad) = &self.score_grad {
-            if self.sigmoid() {
-                writeln!(
-                    f,
-                    "  backward  per key tile of a kv head, per query block of its group: \
-                     recompute p = sigmoid from the score; dP = dO V^T; dS = dP p (1 - p) x d \
-                     score / d raw; dV += p^T dO, dK += dS^T q, dQ += dS K; dQ, dK rotated \
-                     back (RoPE)"
-                )?;
-            } else {
-                writeln!(
-                    f,
-                    "  backward  per key tile of a kv head, per query block of its group: \
-                     recompute p = 2^(2 (s - lse)) from the saved lse; dP = dO V^T; dS = p (dP \
-                     - D) x d score / d raw, D = rowsum(dO out); dV += p^T dO, dK += dS^T q, \
-                     dQ += dS K; dQ, dK rotated back (RoPE)"
-                )?;
-            }
-            writeln!(
-                f,
-                "  d score   {grad}  (natural units per unit of raw score)"
-            )?;
-            for (read, d) in &self.param_grads {
-                writeln!(
-                    f,
-                    "  d {}[..] += dS_final x {d}  at [{}]  (dS_final = p (dP - D))",
-                    read.name,
-                    read.indices
-                        .iter()
-                        .map(ToString::to_string)
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                )?;
-            }
+            self.describe_backward(f, grad)?;
         }
         if !self.params.is_empty() {
             let slots = self
@@ -787,5 +681,51 @@ impl fmt::Display for KernelPlan {
              as f32; rows with no kept key: out 0, lse -inf",
             self.epilogue.out_dtype.name()
         )
+    }
+}
+
+impl KernelPlan {
+    /// The backward lines of the plan's printed form: what a tile recomputes and the
+    /// derivatives it multiplies by.
+    fn describe_backward(&self, f: &mut fmt::Formatter, grad: &Expr) -> fmt::Result {
+        if self.sigmoid() {
+            writeln!(
+                f,
+                "  backward  per key tile of a kv head, per query block of its group: \
+                 recompute p = sigmoid from the score; dP = dO V^T; dS = dP p (1 - p) x d \
+                 score / d raw; dV += p^T dO, dK += dS^T q, dQ += dS K; dQ, dK rotated \
+                 back (RoPE)"
+            )?;
+        } else {
+            writeln!(
+                f,
+                "  backward  per key tile of a kv head, per query block of its group: \
+                 recompute p = 2^(2 (s - lse)) from the saved lse; dP = dO V^T; dS = p (dP \
+                 - D) x d score / d raw, D = rowsum(dO out); dV += p^T dO, dK += dS^T q, \
+                 dQ += dS K; dQ, dK rotated back (RoPE)"
+            )?;
+        }
+        writeln!(
+            f,
+            "  d score   {grad}  (natural units per unit of raw score)"
+        )?;
+        let ds_final = if self.sigmoid() {
+            "dP p (1 - p)"
+        } else {
+            "p (dP - D)"
+        };
+        for (read, d) in &self.param_grads {
+            writeln!(
+                f,
+                "  d {}[..] += dS_final x {d}  at [{}]  (dS_final = {ds_final})",
+                read.name,
+                read.indices
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )?;
+        }
+        Ok(())
     }
 }

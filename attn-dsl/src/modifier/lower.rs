@@ -1,7 +1,6 @@
 //! Lowering from syn's closure AST to the typed modifier IR. Every error carries the span of the
 //! offending tokens.
 
-use super::grad::{GradNote, derivative};
 use super::{
     BinOp, Expr, Let, MASK_MOD_PARAMS, MAX_LET_EXPANSION, MaskMod, ParamRead, SCORE_MOD_PARAMS,
     ScoreMod, Ty, UnOp, Var,
@@ -63,87 +62,6 @@ pub(crate) fn lower_score_mod(
             lets: lowered.lets,
         },
         reads: lowered.reads,
-    })
-}
-
-/// The notes of the derivative of a `score_mod` closure with respect to its score (where it is
-/// only piecewise, or zero almost everywhere), each at the outermost subexpression of the body
-/// it is about (else at the body). Empty when the closure does not lower or has no derivative.
-pub(crate) fn score_mod_notes(
-    closure: &syn::ExprClosure,
-    params: Readable,
-) -> Vec<(GradNote, Span)> {
-    let Ok(LoweredScoreMod {
-        score_mod: lowered, ..
-    }) = lower_score_mod(closure, params)
-    else {
-        return Vec::new();
-    };
-    let Ok(gradient) = derivative(&lowered.body) else {
-        return Vec::new();
-    };
-    let scope = Scope::new(
-        lowered
-            .params
-            .iter()
-            .cloned()
-            .zip(SCORE_MOD_PARAMS)
-            .collect(),
-        params,
-    );
-    let spans = printed_spans(&closure.body, &scope);
-    gradient
-        .notes
-        .into_iter()
-        .map(|note| {
-            let span = spans
-                .get(&note.at)
-                .copied()
-                .unwrap_or_else(|| closure.body.span());
-            (note, span)
-        })
-        .collect()
-}
-
-/// The span of every subexpression of `body` by the printed form of its lowering, the
-/// outermost (then the first in the source) where several print alike. Each subexpression is
-/// lowered once, on its own, in the closure's scope: one that uses a `let` binding does not
-/// lower there and gets no span of its own (its note falls to an enclosing expression). The
-/// walk keeps its own stack (the parser bounds the depth, not the width).
-fn printed_spans(body: &syn::Expr, scope: &Scope) -> std::collections::HashMap<String, Span> {
-    let mut spans = std::collections::HashMap::new();
-    let mut stack = vec![body];
-    while let Some(e) = stack.pop() {
-        if let Ok((x, _)) = lower_expr(e, scope) {
-            spans.entry(x.to_string()).or_insert_with(|| e.span());
-        }
-        let mut children: Vec<&syn::Expr> = match e {
-            syn::Expr::Paren(p) => vec![&p.expr],
-            syn::Expr::Group(g) => vec![&g.expr],
-            syn::Expr::Block(b) => block_exprs(&b.block).collect(),
-            syn::Expr::Unary(u) => vec![&u.expr],
-            syn::Expr::Binary(b) => vec![&b.left, &b.right],
-            syn::Expr::MethodCall(m) => std::iter::once(&*m.receiver).chain(&m.args).collect(),
-            syn::Expr::Cast(c) => vec![&c.expr],
-            syn::Expr::Call(c) => c.args.iter().collect(),
-            syn::Expr::If(i) => std::iter::once(&*i.cond)
-                .chain(block_exprs(&i.then_branch))
-                .chain(i.else_branch.as_ref().map(|(_, e)| &**e))
-                .collect(),
-            _ => Vec::new(),
-        };
-        // Popped in source order.
-        children.reverse();
-        stack.extend(children);
-    }
-    spans
-}
-
-/// The expressions of a block's statements.
-fn block_exprs(block: &syn::Block) -> impl Iterator<Item = &syn::Expr> {
-    block.stmts.iter().filter_map(|s| match s {
-        syn::Stmt::Expr(e, _) => Some(e),
-        _ => None,
     })
 }
 
@@ -271,7 +189,7 @@ fn lower_closure(
 }
 
 /// What names mean inside a closure body.
-struct Scope<'p> {
+pub(super) struct Scope<'p> {
     /// The closure's parameters and the variables they stand for.
     vars: Vec<(String, Var)>,
     /// The tensors `NAME[..]` may read.
@@ -288,7 +206,7 @@ struct Scope<'p> {
 }
 
 impl<'p> Scope<'p> {
-    fn new(vars: Vec<(String, Var)>, params: Readable<'p>) -> Self {
+    pub(super) fn new(vars: Vec<(String, Var)>, params: Readable<'p>) -> Self {
         Scope {
             vars,
             params,
@@ -336,7 +254,7 @@ impl<'p> Scope<'p> {
     }
 }
 
-fn lower_expr(expr: &syn::Expr, scope: &Scope) -> syn::Result<(Expr, Ty)> {
+pub(super) fn lower_expr(expr: &syn::Expr, scope: &Scope) -> syn::Result<(Expr, Ty)> {
     match expr {
         syn::Expr::Paren(p) => lower_expr(&p.expr, scope),
         syn::Expr::Group(g) => lower_expr(&g.expr, scope),
@@ -743,29 +661,6 @@ fn coerce_int_literals(lhs: (Expr, Ty), rhs: (Expr, Ty)) -> ((Expr, Ty), (Expr, 
         (Ty::F32, Ty::I64) => (lhs, to_float(rhs)),
         (Ty::I64, Ty::F32) => (to_float(lhs), rhs),
         _ => (lhs, rhs),
-    }
-}
-
-impl BinOp {
-    /// The operator as written (`min`/`max` for the methods).
-    pub fn symbol(self) -> &'static str {
-        match self {
-            BinOp::Add => "+",
-            BinOp::Sub => "-",
-            BinOp::Mul => "*",
-            BinOp::Div => "/",
-            BinOp::Rem => "%",
-            BinOp::Min => "min",
-            BinOp::Max => "max",
-            BinOp::Lt => "<",
-            BinOp::Le => "<=",
-            BinOp::Gt => ">",
-            BinOp::Ge => ">=",
-            BinOp::Eq => "==",
-            BinOp::Ne => "!=",
-            BinOp::And => "&&",
-            BinOp::Or => "||",
-        }
     }
 }
 

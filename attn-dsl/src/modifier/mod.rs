@@ -24,13 +24,15 @@ pub mod fold;
 pub mod grad;
 pub mod interval;
 mod lower;
+mod notes;
 mod print;
 mod program;
 pub mod scale;
 pub mod typecheck;
 
 pub use eval::{Env, ParamValues, Value, eval};
-pub(crate) use lower::{Readable, lower_mask_mod, lower_score_mod, score_mod_notes};
+pub(crate) use lower::{Readable, lower_mask_mod, lower_score_mod};
+pub(crate) use notes::score_mod_notes;
 pub use program::ScoreProgram;
 
 /// Most IR nodes the `let` bindings of one closure may add by substitution (each use of a
@@ -167,6 +169,29 @@ pub enum BinOp {
     And,
     /// `||`
     Or,
+}
+
+impl BinOp {
+    /// The operator as written (`min`/`max` for the methods).
+    pub fn symbol(self) -> &'static str {
+        match self {
+            BinOp::Add => "+",
+            BinOp::Sub => "-",
+            BinOp::Mul => "*",
+            BinOp::Div => "/",
+            BinOp::Rem => "%",
+            BinOp::Min => "min",
+            BinOp::Max => "max",
+            BinOp::Lt => "<",
+            BinOp::Le => "<=",
+            BinOp::Gt => ">",
+            BinOp::Ge => ">=",
+            BinOp::Eq => "==",
+            BinOp::Ne => "!=",
+            BinOp::And => "&&",
+            BinOp::Or => "||",
+        }
+    }
 }
 
 /// A modifier expression.

@@ -8,6 +8,7 @@
 
 mod edit;
 mod limits;
+mod normalize;
 mod notes;
 mod params;
 mod values;
@@ -22,7 +23,7 @@ use crate::learnable::Subject;
 use crate::modifier::{Readable, lower_mask_mod, lower_score_mod};
 use crate::spec::{
     AttentionSpec, CausalAlign, DType, DataDecl, KvLayout, LongRope, Mask, Mla, Normalize,
-    ParamDecl, Position, Rope, RopeLayout, RopeScaling, SigmoidBias, Sinks, Yarn,
+    ParamDecl, Position, Rope, RopeLayout, RopeScaling, Sinks, Yarn,
 };
 use proc_macro2::{Spacing, Span, TokenStream, TokenTree};
 use quote::ToTokens;
@@ -367,7 +368,7 @@ impl SpecParser {
                     _ => Sinks::None,
                 })
             }
-            "normalize" => self.raw.normalize = Some(normalize(&v)?),
+            "normalize" => self.raw.normalize = Some(normalize::normalize(&v)?),
             "mask_mod" => {
                 let readable = Readable {
                     params: &self.raw.params,
@@ -761,31 +762,6 @@ impl SpecParser {
             sinks: raw.sinks.unwrap_or_default(),
             normalize: raw.normalize.unwrap_or_default(),
         })
-    }
-}
-
-/// `softmax`, `sigmoid`, `sigmoid(bias = B)` or `sigmoid(bias = -ln(N))`.
-fn normalize(v: &Value) -> syn::Result<Normalize> {
-    const FORMS: &str = "softmax, sigmoid, sigmoid(bias = B), sigmoid(bias = -ln(N))";
-    if let Some(word) = v.as_word() {
-        return match word.as_str() {
-            "softmax" => Ok(Normalize::Softmax),
-            "sigmoid" => Ok(Normalize::Sigmoid(SigmoidBias::Value(0.0))),
-            _ => Err(v.expected(FORMS)),
-        };
-    }
-    match v.as_call() {
-        Some((name, args)) if name == "sigmoid" => {
-            let mut named = args.named("sigmoid", &["bias"])?;
-            let Some((_, bias)) = named.take("bias") else {
-                return Ok(Normalize::Sigmoid(SigmoidBias::Value(0.0)));
-            };
-            Ok(Normalize::Sigmoid(match bias.neg_ln()? {
-                Some(n) => SigmoidBias::NegLn(n),
-                None => SigmoidBias::Value(bias.float()?),
-            }))
-        }
-        _ => Err(v.expected(FORMS)),
     }
 }
 

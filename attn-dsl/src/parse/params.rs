@@ -4,8 +4,7 @@
 //! `IDENT[a, b, ..]` is rewritten to `IDENT[(a, b, ..)]` (a tuple index, which the modifier
 //! lowering unpacks). Rewritten tokens keep their spans.
 
-use crate::initial::ParamInit;
-use crate::spec::{DataDecl, DataDim, DataType, ParamDecl, ParamDim};
+use crate::spec::{DataDecl, DataDim, DataType, ParamDecl, ParamDim, ParamInit};
 use proc_macro2::{Delimiter, Group, TokenStream, TokenTree};
 use quote::ToTokens;
 use syn::parse::{ParseStream, Parser};

@@ -1,0 +1,29 @@
+//! `normalize = ..`: how a row's scores become weights.
+
+use super::values::Value;
+use crate::spec::{Normalize, SigmoidBias};
+
+/// `softmax`, `sigmoid`, `sigmoid(bias = B)` or `sigmoid(bias = -ln(N))`.
+pub(super) fn normalize(v: &Value) -> syn::Result<Normalize> {
+    const FORMS: &str = "softmax, sigmoid, sigmoid(bias = B), sigmoid(bias = -ln(N))";
+    if let Some(word) = v.as_word() {
+        return match word.as_str() {
+            "softmax" => Ok(Normalize::Softmax),
+            "sigmoid" => Ok(Normalize::Sigmoid(SigmoidBias::Value(0.0))),
+            _ => Err(v.expected(FORMS)),
+        };
+    }
+    match v.as_call() {
+        Some((name, args)) if name == "sigmoid" => {
+            let mut named = args.named("sigmoid", &["bias"])?;
+            let Some((_, bias)) = named.take("bias") else {
+                return Ok(Normalize::Sigmoid(SigmoidBias::Value(0.0)));
+            };
+            Ok(Normalize::Sigmoid(match bias.neg_ln()? {
+                Some(n) => SigmoidBias::NegLn(n),
+                None => SigmoidBias::Value(bias.float()?),
+            }))
+        }
+        _ => Err(v.expected(FORMS)),
+    }
+}
