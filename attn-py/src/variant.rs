@@ -2,7 +2,7 @@
 //! of it (its dimensions, learnable and data tensors, costs).
 
 use crate::error::{from_runtime, refuse};
-use attn::dsl::{DataDim, ParamDim};
+use attn::dsl::{DataDim, ParamDim, ParamInit};
 use attn::{DType, Variant};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -186,6 +186,16 @@ impl PyVariant {
     #[getter]
     fn learnable(&self) -> Vec<(String, Vec<usize>)> {
         self.variant.spec().learnable_tensors()
+    }
+
+    /// Whether any learnable tensor starts at random values (`= normal(..)`, `= uniform(..)`).
+    #[getter]
+    fn random_start(&self) -> bool {
+        self.variant
+            .spec()
+            .params
+            .iter()
+            .any(|p| matches!(p.init, ParamInit::Normal(_) | ParamInit::Uniform(..)))
     }
 
     /// The learnable tensors' initial values, in [`learnable`]'s order: `(name, shape,

@@ -188,6 +188,13 @@ def test_the_module_starts_its_tensors_where_the_spec_says():
     torch.manual_seed(1)
     assert torch.equal(attn.nn.Attention(spec).w, a)
     assert not torch.equal(attn.nn.Attention(spec).w, a)
+    # A spec with no random start leaves torch's generator where it was (a model built with
+    # it draws its other weights as it would without attn).
+    torch.manual_seed(3)
+    want = torch.rand(2)
+    torch.manual_seed(3)
+    attn.nn.Attention(LEARNED)
+    assert torch.equal(torch.rand(2), want)
 
 
 class TinyGPT(torch.nn.Module):

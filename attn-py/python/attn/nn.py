@@ -16,7 +16,7 @@ class Attention(torch.nn.Module):
     ``sinks = learned``, ``sinks``) as float32 ``nn.Parameter``s of the spec's shapes, each
     starting where the spec says (``params(w: [heads] = normal(0.02))``; 0 when it says
     nothing, and for sinks). Random initial values are drawn from a seed taken from torch's
-    generator, so ``torch.manual_seed`` fixes them.
+    generator, so ``torch.manual_seed`` fixes them; a spec with none leaves the generator alone.
 
     ``forward(q, k, v, ...)`` takes what :func:`attn.attention` takes besides the variant and
     the learnable tensors.
@@ -26,7 +26,7 @@ class Attention(torch.nn.Module):
         super().__init__()
         self.variant = variant if isinstance(variant, Variant) else Variant(variant)
         self.spec = info(self.variant).text
-        seed = int(torch.randint(0, 2**62, ()).item())
+        seed = int(torch.randint(0, 2**62, ()).item()) if self.variant.random_start else 0
         for name, shape, values in self.variant.initial_values(seed):
             start = torch.tensor(values, dtype=torch.float32).reshape(shape)
             self.register_parameter(name, torch.nn.Parameter(start))
