@@ -27,6 +27,26 @@ def rope(x, pos, base, layout):
     return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
 
 
+def xpos(x, pos, center, base, scale_base, gamma, downscale):
+    """xPos as the paper's code (torchscale) writes it: interleaved RoPE whose pair i is also
+    scaled by zeta_i^(t / scale_base) (queries) or its inverse (keys, `downscale`), t counted
+    from `center`, as torchscale counts from the middle of the sequence (the origin cancels in
+    every score)."""
+    d = x.shape[-1]
+    zeta = (torch.arange(0, d, 2, dtype=torch.float64) + gamma * d) / ((1 + gamma) * d)
+    t = pos.to(torch.float64) - center
+    scale = zeta[None, :] ** (t[:, None] / scale_base)
+    if downscale:
+        scale = 1 / scale
+    inv = base ** (-torch.arange(0, d // 2, dtype=torch.float64) * 2 / d)
+    ang = pos.to(torch.float64)[:, None] * inv[None, :]
+    cos = (torch.cos(ang) * scale).repeat_interleave(2, dim=-1).to(x.dtype)
+    sin = (torch.sin(ang) * scale).repeat_interleave(2, dim=-1).to(x.dtype)
+    # rotate_every_two: (x0, x1) -> (-x1, x0) per pair.
+    rot = torch.stack([-x[..., 1::2], x[..., 0::2]], dim=-1).flatten(-2)
+    return x * cos + rot * sin
+
+
 def attention(c, q, k, v, p0, learned=None):
     learned = learned or {}
     B, H, Sq, D = q.shape
@@ -35,6 +55,10 @@ def attention(c, q, k, v, p0, learned=None):
     kpos = torch.arange(Skv) + p0
     if c.get("rope"):
         q, k = rope(q, qpos, c["rope"]["base"], c["rope"]["layout"]), rope(k, kpos, c["rope"]["base"], c["rope"]["layout"])
+    if c.get("xpos"):
+        x, center = c["xpos"], (Skv + p0) // 2
+        q = xpos(q, qpos, center, x["base"], x["scale_base"], x["gamma"], False)
+        k = xpos(k, kpos, center, x["base"], x["scale_base"], x["gamma"], True)
     k = k.repeat_interleave(H // Hkv, dim=1)
     v = v.repeat_interleave(H // Hkv, dim=1)
     s = (q @ k.transpose(-1, -2)) * c["scale"]
@@ -269,6 +293,15 @@ PAPER_CASES = {
              "let norm = (c[0].abs() * max(q as f32, thr[0].abs() + 1.0) + 1.0).ln(); "
              "let x = rel / norm; "
              "s + w2[h, 0] * (w1[h, 0] * x + b1[h, 0]).max(0.0) + w2[h, 1] * (w1[h, 1] * x + b1[h, 1]).max(0.0)"),
+    "xpos_causal_gqa_f32": dict(
+        B=1, H=4, Hkv=2, Sq=48, Skv=64, D=32, dtype="f32", mask="causal", p0=7,
+        xpos=dict(base=10000.0, scale_base=512.0, gamma=0.4),
+        spec="heads = 4, kv_heads = 2, head_dim = 32, mask = causal, position = xpos"),
+    "xpos_strong_decay_bf16": dict(
+        B=2, H=2, Hkv=2, Sq=64, Skv=64, D=64, dtype="bf16", mask="causal",
+        xpos=dict(base=500.0, scale_base=16.0, gamma=0.4),
+        spec="heads = 2, head_dim = 64, mask = causal, dtype = bf16, "
+             "position = xpos(base = 500.0, scale_base = 16.0)"),
 }
 
 

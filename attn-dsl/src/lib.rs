@@ -40,6 +40,6 @@ pub use parse::{
 pub use spec::{
     AttentionSpec, CausalAlign, DType, DataDecl, DataDim, DataType, KvKind, KvLayout, LongRope,
     Mask, Mla, Normalize, Pairing, ParamDecl, ParamDim, ParamInit, Position, Rope, RopeLayout,
-    RopeScaling, SINKS_NAME, SigmoidBias, Sinks, Yarn,
+    RopeScaling, SINKS_NAME, SigmoidBias, Sinks, XPos, Yarn,
 };
 pub use validate::{MAX_HEAD_DIM, MAX_HEADS, MAX_LATENT_RANK};

@@ -128,14 +128,23 @@ impl fmt::Display for Rope {
             RopeLayout::Half => "half",
             RopeLayout::Interleaved => "interleaved",
         };
+        let name = if self.xpos.is_some() { "xpos" } else { "rope" };
         write!(
             f,
-            "rope(base = {}, dim = {}, layout = {layout}",
+            "{name}(base = {}, dim = {}, layout = {layout}",
             F(self.base),
             self.dim
         )?;
         if self.scaling != RopeScaling::None {
             write!(f, ", scaling = {}", self.scaling)?;
+        }
+        if let Some(x) = self.xpos {
+            write!(
+                f,
+                ", scale_base = {}, gamma = {}",
+                F(x.scale_base),
+                F(x.gamma)
+            )?;
         }
         write!(f, ")")
     }

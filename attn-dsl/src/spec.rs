@@ -325,6 +325,36 @@ pub struct Rope {
     pub layout: RopeLayout,
     /// Context-extension scaling.
     pub scaling: RopeScaling,
+    /// xPos's decay on top of the rotation (`position = xpos(..)`); `None` for plain RoPE.
+    pub xpos: Option<XPos>,
+}
+
+/// xPos (Sun et al., 2022): rotated pair `i` of a query at position `n` is scaled by
+/// `zeta_i^(n / scale_base)` and of a key at position `m` by `zeta_i^(-m / scale_base)`, with
+/// `zeta_i = (2i / dim + gamma) / (1 + gamma)`, so the pair's share of the score decays as
+/// `zeta_i^((n - m) / scale_base)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct XPos {
+    /// Positions per power of `zeta_i` (512 in the paper).
+    pub scale_base: f64,
+    /// Sets the slowest decay `zeta_0 = gamma / (1 + gamma)` (0.4 in the paper).
+    pub gamma: f64,
+}
+
+impl XPos {
+    /// The paper's values: `scale_base = 512`, `gamma = 0.4`.
+    pub const PAPER: XPos = XPos {
+        scale_base: 512.0,
+        gamma: 0.4,
+    };
+
+    /// `zeta_i` for the `half` pairs of a rotated span of `2 * half` dims.
+    pub fn zetas(&self, half: usize) -> Vec<f64> {
+        let dim = 2.0 * half as f64;
+        (0..half)
+            .map(|i| (2.0 * i as f64 / dim + self.gamma) / (1.0 + self.gamma))
+            .collect()
+    }
 }
 
 /// How rotary dimensions are paired.
@@ -646,6 +676,7 @@ impl Rope {
             dim,
             layout: RopeLayout::Half,
             scaling: RopeScaling::None,
+            xpos: None,
         }
     }
 }

@@ -6,7 +6,7 @@ use crate::learnable::Subject;
 use crate::modifier::Expr;
 use crate::parse::MAX_EXPR_DEPTH;
 use crate::spec::{
-    AttentionSpec, KvLayout, Mask, Normalize, Position, Rope, RopeScaling, SigmoidBias, Sinks,
+    AttentionSpec, KvLayout, Mask, Normalize, Position, Rope, RopeScaling, SigmoidBias, Sinks, XPos,
 };
 
 /// Largest number of query heads accepted.
@@ -243,6 +243,40 @@ impl AttentionSpec {
         }
         Self::validate_scaling(rope, f);
         Self::validate_attention_factor(rope, f);
+        if let Some(x) = rope.xpos {
+            self.validate_xpos(x, f);
+        }
+    }
+
+    /// xPos: a decay of at least one position per power, a `gamma` above 0 (so every
+    /// `zeta_i` lies in (0, 1)), and per-head q and k (MLA's shared rotated key is not built).
+    fn validate_xpos(&self, x: XPos, f: &mut Findings) {
+        if !(x.scale_base.is_finite() && x.scale_base >= 1.0) {
+            f.push(
+                "position.scale_base",
+                format!(
+                    "xpos scale_base = {} is invalid; allowed: a finite number of at least 1",
+                    x.scale_base
+                ),
+            );
+        }
+        if !(x.gamma.is_finite() && x.gamma > 0.0 && x.gamma <= 1e6) {
+            f.push(
+                "position.gamma",
+                format!(
+                    "xpos gamma = {} is invalid; allowed: a number above 0, at most 1e6",
+                    x.gamma
+                ),
+            );
+        }
+        if self.mla().is_some() {
+            f.push(
+                "position",
+                "xpos is not built for mla(...) (its decoupled rotated key is shared by every \
+                 head); allowed with mla: none, rope(..)"
+                    .to_string(),
+            );
+        }
     }
 
     /// The rules of a RoPE scaling's parameters.

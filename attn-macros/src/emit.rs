@@ -208,8 +208,19 @@ fn rope(r: &Rope) -> TokenStream {
         dim,
         layout,
         scaling,
+        xpos,
     } = r;
     let base = f64_lit(*base);
+    let xpos = match xpos {
+        Some(x) => {
+            let (scale_base, gamma) = (f64_lit(x.scale_base), f64_lit(x.gamma));
+            quote!(::core::option::Option::Some(::attn::dsl::XPos {
+                scale_base: #scale_base,
+                gamma: #gamma,
+            }))
+        }
+        None => quote!(::core::option::Option::None),
+    };
     let layout = match layout {
         RopeLayout::Half => quote!(::attn::dsl::RopeLayout::Half),
         RopeLayout::Interleaved => quote!(::attn::dsl::RopeLayout::Interleaved),
@@ -286,7 +297,13 @@ fn rope(r: &Rope) -> TokenStream {
             }))
         }
     };
-    quote!(::attn::Rope { base: #base, dim: #dim, layout: #layout, scaling: #scaling })
+    quote!(::attn::Rope {
+        base: #base,
+        dim: #dim,
+        layout: #layout,
+        scaling: #scaling,
+        xpos: #xpos,
+    })
 }
 
 /// A block expression building `e`: one `let` per node, children before parents.

@@ -56,6 +56,9 @@ struct Bindings;
     3.0], long = [1, 4, 16, 64.5], original_max_position = 4096, attention_factor = 1.19)))]
 struct LongRope;
 
+#[attention(heads = 2, head_dim = 8, position = xpos(scale_base = 256.0, gamma = 0.3))]
+struct Xpos;
+
 #[test]
 fn the_macro_builds_the_spec_as_data_equal_to_its_text() {
     let specs = [
@@ -66,6 +69,7 @@ fn the_macro_builds_the_spec_as_data_equal_to_its_text() {
         (Linear::spec(), Linear::SPEC_TEXT),
         (Bindings::spec(), Bindings::SPEC_TEXT),
         (LongRope::spec(), LongRope::SPEC_TEXT),
+        (Xpos::spec(), Xpos::SPEC_TEXT),
         (Gqa::spec(), Gqa::SPEC_TEXT),
         (Latent::spec(), Latent::SPEC_TEXT),
     ];

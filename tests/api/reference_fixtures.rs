@@ -3,6 +3,7 @@
 //! from its manifest entry, so a new case is covered without touching this file.
 
 use attn::AttentionSpec;
+use attn::dsl::reference::rope::Side;
 use attn::dsl::reference::{self, Array, Inputs, MlaInputs};
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
@@ -265,8 +266,8 @@ fn rope_frequencies_and_rotations_match_the_fixtures() {
             "{name}: query positions"
         );
 
-        let q_rot = reference::rope::apply(rope, &load(&st, "q"), &qpos, total);
-        let k_rot = reference::rope::apply(rope, &load(&st, "k"), &kpos, total);
+        let q_rot = reference::rope::apply(rope, &load(&st, "q"), &qpos, total, Side::Query);
+        let k_rot = reference::rope::apply(rope, &load(&st, "k"), &kpos, total, Side::Key);
         assert_close(
             &format!("{name}/q_rot"),
             &q_rot,

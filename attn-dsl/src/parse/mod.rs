@@ -23,7 +23,7 @@ use crate::learnable::Subject;
 use crate::modifier::{Readable, lower_mask_mod, lower_score_mod};
 use crate::spec::{
     AttentionSpec, CausalAlign, DType, DataDecl, KvLayout, LongRope, Mask, Mla, Normalize,
-    ParamDecl, Position, Rope, RopeLayout, RopeScaling, Sinks, Yarn,
+    ParamDecl, Position, Rope, RopeLayout, RopeScaling, Sinks, XPos, Yarn,
 };
 use proc_macro2::{Spacing, Span, TokenStream, TokenTree};
 use quote::ToTokens;
@@ -206,12 +206,16 @@ struct Raw {
 enum RawPosition {
     None,
     Alibi,
-    Rope {
-        base: f64,
-        dim: Option<u32>,
-        layout: RopeLayout,
-        scaling: RopeScaling,
-    },
+    Rope(RawRope),
+}
+
+/// `rope(..)` or `xpos(..)` as written.
+struct RawRope {
+    base: f64,
+    dim: Option<u32>,
+    layout: RopeLayout,
+    scaling: RopeScaling,
+    xpos: Option<XPos>,
 }
 
 struct SpecParser {
@@ -416,55 +420,82 @@ impl SpecParser {
     }
 
     fn position(&mut self, v: &Value) -> syn::Result<RawPosition> {
-        const FORMS: &str =
-            "none, alibi, rope, rope(base = .., dim = .., layout = .., scaling = ..)";
+        const FORMS: &str = "none, alibi, rope, rope(base = .., dim = .., layout = .., \
+                             scaling = ..), xpos, xpos(base = .., dim = .., layout = .., \
+                             scaling = .., scale_base = .., gamma = ..)";
         if let Some(word) = v.as_word() {
             return match word.as_str() {
                 "none" => Ok(RawPosition::None),
                 "alibi" => Ok(RawPosition::Alibi),
-                "rope" => Ok(RawPosition::Rope {
-                    base: 10000.0,
-                    dim: None,
-                    layout: RopeLayout::Half,
-                    scaling: RopeScaling::None,
-                }),
+                "rope" => Ok(RawPosition::Rope(Self::rope_defaults(None))),
+                "xpos" => Ok(RawPosition::Rope(Self::rope_defaults(Some(XPos::PAPER)))),
                 _ => Err(v.expected(FORMS)),
             };
         }
         match v.as_call() {
-            Some((name, args)) if name == "rope" => self.rope(args),
+            Some((name, args)) if name == "rope" => self.rope(args, None),
+            Some((name, args)) if name == "xpos" => self.rope(args, Some(XPos::PAPER)),
             _ => Err(v.expected(FORMS)),
         }
     }
 
-    fn rope(&mut self, args: Args) -> syn::Result<RawPosition> {
-        let mut named = args.named("rope", &["base", "dim", "layout", "scaling"])?;
-        let mut out = (10000.0, None, RopeLayout::Half, RopeScaling::None);
+    /// RoPE, or xPos (`xpos` given), with every parameter at its default: xPos pairs dims as
+    /// the paper's code does (interleaved).
+    fn rope_defaults(xpos: Option<XPos>) -> RawRope {
+        RawRope {
+            base: 10000.0,
+            dim: None,
+            layout: match xpos {
+                Some(_) => RopeLayout::Interleaved,
+                None => RopeLayout::Half,
+            },
+            scaling: RopeScaling::None,
+            xpos,
+        }
+    }
+
+    /// `rope(..)`, or `xpos(..)` (`xpos` holds its defaults), which also takes `scale_base`
+    /// and `gamma`.
+    fn rope(&mut self, args: Args, xpos: Option<XPos>) -> syn::Result<RawPosition> {
+        let (name, allowed): (&str, &[&str]) = match xpos {
+            Some(_) => (
+                "xpos",
+                &["base", "dim", "layout", "scaling", "scale_base", "gamma"],
+            ),
+            None => ("rope", &["base", "dim", "layout", "scaling"]),
+        };
+        let mut named = args.named(name, allowed)?;
+        let mut raw = Self::rope_defaults(xpos);
         if let Some((span, v)) = named.take("base") {
             self.spans.insert("position.base", span);
-            out.0 = v.float()?;
+            raw.base = v.float()?;
         }
         if let Some((span, v)) = named.take("dim") {
             self.spans.insert("position.dim", span);
-            out.1 = Some(v.u32()?);
+            raw.dim = Some(v.u32()?);
         }
         if let Some((span, v)) = named.take("layout") {
             self.spans.insert("position.layout", span);
-            out.2 = match v.word(&["half", "interleaved"])? {
+            raw.layout = match v.word(&["half", "interleaved"])? {
                 "half" => RopeLayout::Half,
                 _ => RopeLayout::Interleaved,
             };
         }
         if let Some((span, v)) = named.take("scaling") {
             self.spans.insert("position.scaling", span);
-            out.3 = self.scaling(&v)?;
+            raw.scaling = self.scaling(&v)?;
         }
-        Ok(RawPosition::Rope {
-            base: out.0,
-            dim: out.1,
-            layout: out.2,
-            scaling: out.3,
-        })
+        if let Some(x) = raw.xpos.as_mut() {
+            if let Some((span, v)) = named.take("scale_base") {
+                self.spans.insert("position.scale_base", span);
+                x.scale_base = v.float()?;
+            }
+            if let Some((span, v)) = named.take("gamma") {
+                self.spans.insert("position.gamma", span);
+                x.gamma = v.float()?;
+            }
+        }
+        Ok(RawPosition::Rope(raw))
     }
 
     fn scaling(&mut self, v: &Value) -> syn::Result<RopeScaling> {
@@ -733,16 +764,18 @@ impl SpecParser {
         let position = match raw.position.unwrap_or(RawPosition::None) {
             RawPosition::None => Position::None,
             RawPosition::Alibi => Position::Alibi,
-            RawPosition::Rope {
+            RawPosition::Rope(RawRope {
                 base,
                 dim,
                 layout,
                 scaling,
-            } => Position::Rope(Rope {
+                xpos,
+            }) => Position::Rope(Rope {
                 base,
                 dim: dim.unwrap_or(rotary_span),
                 layout,
                 scaling,
+                xpos,
             }),
         };
         Some(AttentionSpec {

@@ -12,6 +12,7 @@
 //! every kept pair at which a read of the score reads it ([`ScoreProgram::param_gradients`]);
 //! a sink gains `-exp(sinks[h] - lse_i) * D_i` from every row of its head.
 
+use super::rope::Side;
 use super::{Array, Inputs, Learned, Pair, Positions, attention_inputs, dot, rope, score};
 use crate::error::ReferenceError;
 use crate::modifier::{Env, Expr, ParamRead, ParamValues, ScoreProgram, eval};
@@ -83,13 +84,10 @@ pub fn backward_learned(
     );
     let (dq, dk) = match &spec.position {
         Position::Rope(r) => {
-            // The rotation at position p times the attention factor `a` has the transpose
-            // `a R(-p)`: rotating back by the negated position.
-            let negate = |p: Vec<i64>| p.into_iter().map(|x| -x).collect::<Vec<_>>();
             let len = positions.total_len();
             (
-                rope::apply(r, &dq, &negate(positions.queries()), len),
-                rope::apply(r, &dk, &negate(positions.keys()), len),
+                rope::apply_transposed(r, &dq, &positions.queries(), len, Side::Query),
+                rope::apply_transposed(r, &dk, &positions.keys(), len, Side::Key),
             )
         }
         _ => (dq, dk),

@@ -1,5 +1,6 @@
 //! Multi-head latent attention (DeepSeek-V2/V3 layout) in its expanded and absorbed forms.
 
+use super::rope::Side;
 use super::{Array, Learned, Output, Positions, attend, check_spec, dims4, expect, rope};
 use crate::error::ReferenceError;
 use crate::modifier::ScoreProgram;
@@ -97,8 +98,8 @@ fn rotary_parts(
         Array::from_vec(&[s.b, 1, s.skv, dr], x.k_pe.data().to_vec()).expect("same element count");
     match &spec.position {
         Position::Rope(r) => (
-            rope::apply(r, x.q_pe, &pos.queries(), pos.total_len()),
-            rope::apply(r, &k_pe, &pos.keys(), pos.total_len()),
+            rope::apply(r, x.q_pe, &pos.queries(), pos.total_len(), Side::Query),
+            rope::apply(r, &k_pe, &pos.keys(), pos.total_len(), Side::Key),
         ),
         _ => (x.q_pe.clone(), k_pe),
     }
@@ -246,11 +247,10 @@ pub fn backward_mla(
     });
     let (dq_pe, dk_pe) = match &spec.position {
         Position::Rope(rope_spec) => {
-            let negate = |p: Vec<i64>| p.into_iter().map(|x| -x).collect::<Vec<_>>();
             let len = pos.total_len();
             (
-                rope::apply(rope_spec, &dq_pe, &negate(pos.queries()), len),
-                rope::apply(rope_spec, &dk_pe, &negate(pos.keys()), len),
+                rope::apply_transposed(rope_spec, &dq_pe, &pos.queries(), len, Side::Query),
+                rope::apply_transposed(rope_spec, &dk_pe, &pos.keys(), len, Side::Key),
             )
         }
         _ => (dq_pe, dk_pe),

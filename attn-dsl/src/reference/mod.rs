@@ -65,6 +65,29 @@ pub fn check_positions(sq: usize, skv: usize, p0: i64) -> Result<(), ReferenceEr
     Ok(())
 }
 
+/// Largest xPos exponent ([`rope::decay_exponent`]) the f64 reference takes: factors up to
+/// `e^600` and down to `e^-600` stay normal numbers.
+const MAX_DECAY_EXPONENT: f64 = 600.0;
+
+/// Refuses positions whose xPos factors leave f64's range.
+fn check_decay(r: &crate::spec::Rope, positions: &Positions) -> Result<(), ReferenceError> {
+    let far = positions
+        .queries()
+        .into_iter()
+        .chain(positions.keys())
+        .map(|p| p.unsigned_abs())
+        .max()
+        .unwrap_or(0);
+    if rope::decay_exponent(r, far as f64) > MAX_DECAY_EXPONENT {
+        return Err(ReferenceError::Positions(format!(
+            "xpos: position {far} scales q and k by e^{:.0}, past f64's range; allowed: \
+             positions whose factor stays within e^{MAX_DECAY_EXPONENT}",
+            rope::decay_exponent(r, far as f64)
+        )));
+    }
+    Ok(())
+}
+
 /// Computes attention for a per-head spec without learnable tensors.
 pub fn attention(spec: &AttentionSpec, inputs: &Inputs) -> Result<Output, ReferenceError> {
     attention_learned(spec, inputs, &[])
@@ -107,10 +130,25 @@ fn attention_inputs(
     expect("v", inputs.v, &[b, hkv, skv, dv])?;
     check_positions(sq, skv, inputs.position_offset)?;
     let positions = Positions::new(sq, skv, inputs.position_offset);
+    if let Some(r) = spec.rope() {
+        check_decay(r, &positions)?;
+    }
     Ok(match &spec.position {
         Position::Rope(r) => (
-            rope::apply(r, inputs.q, &positions.queries(), positions.total_len()),
-            rope::apply(r, inputs.k, &positions.keys(), positions.total_len()),
+            rope::apply(
+                r,
+                inputs.q,
+                &positions.queries(),
+                positions.total_len(),
+                rope::Side::Query,
+            ),
+            rope::apply(
+                r,
+                inputs.k,
+                &positions.keys(),
+                positions.total_len(),
+                rope::Side::Key,
+            ),
             positions,
         ),
         _ => (inputs.q.clone(), inputs.k.clone(), positions),

@@ -123,10 +123,75 @@ pub fn rotate(rope: &Rope, x: &mut [f64], pos: i64, inv_freq: &[f64], factor: f6
     }
 }
 
-/// Applies RoPE to every row of `x` (`[..., S, D]`), row `s` at position `positions[s]`.
-pub fn apply(rope: &Rope, x: &Array, positions: &[i64], seq_len: u64) -> Array {
+/// Which operand of the score a rotated row is: xPos scales queries and keys oppositely.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Side {
+    /// A query row.
+    Query,
+    /// A key row.
+    Key,
+}
+
+/// xPos's factor on each rotated pair of a row on `side` at `pos`: `zeta_i^(pos / scale_base)`
+/// for a query, its inverse for a key (docs/semantics.md); `None` without xPos. Positions may
+/// be measured from any common origin: it cancels in every score.
+pub fn decay(rope: &Rope, pos: f64, side: Side) -> Option<Vec<f64>> {
+    let x = rope.xpos?;
+    let power = match side {
+        Side::Query => pos / x.scale_base,
+        Side::Key => -pos / x.scale_base,
+    };
+    Some(
+        x.zetas(rope.dim as usize / 2)
+            .iter()
+            .map(|z| z.powf(power))
+            .collect(),
+    )
+}
+
+/// The natural log of the largest xPos factor (or its inverse) that a row `distance` positions
+/// from the origin gets: `distance * ln(1 / zeta_0) / scale_base`; 0 without xPos. Callers
+/// bound it to their float format's range.
+pub fn decay_exponent(rope: &Rope, distance: f64) -> f64 {
+    rope.xpos.map_or(0.0, |x| {
+        let slowest = x
+            .zetas(rope.dim as usize / 2)
+            .first()
+            .copied()
+            .unwrap_or(1.0);
+        distance.abs() * -slowest.ln() / x.scale_base
+    })
+}
+
+/// Applies RoPE (with xPos's decay for `side`) to every row of `x` (`[..., S, D]`), row `s` at
+/// position `positions[s]`.
+pub fn apply(rope: &Rope, x: &Array, positions: &[i64], seq_len: u64, side: Side) -> Array {
+    each_row(rope, x, positions, seq_len, side, false)
+}
+
+/// The transpose of [`apply`], which takes a gradient back to the unrotated row: the rotation
+/// by the negated position, times the same decay.
+pub fn apply_transposed(
+    rope: &Rope,
+    x: &Array,
+    positions: &[i64],
+    seq_len: u64,
+    side: Side,
+) -> Array {
+    each_row(rope, x, positions, seq_len, side, true)
+}
+
+fn each_row(
+    rope: &Rope,
+    x: &Array,
+    positions: &[i64],
+    seq_len: u64,
+    side: Side,
+    transposed: bool,
+) -> Array {
     let freqs = inv_freq(rope, seq_len);
     let factor = attention_factor(rope);
+    let pairing = rope.layout.pairing(rope.dim);
     let shape = x.shape();
     let s_axis = shape.len() - 2;
     let mut out = x.clone();
@@ -138,13 +203,19 @@ pub fn apply(rope: &Rope, x: &Array, positions: &[i64], seq_len: u64) -> Array {
             lead[axis] = rest % shape[axis];
             rest /= shape[axis];
         }
-        rotate(
-            rope,
-            out.row_mut(&lead),
-            positions[lead[s_axis]],
-            &freqs,
-            factor,
-        );
+        let pos = positions[lead[s_axis]];
+        let row = out.row_mut(&lead);
+        let angle_pos = if transposed { -pos } else { pos };
+        rotate(rope, row, angle_pos, &freqs, factor);
+        for (i, d) in decay(rope, pos as f64, side)
+            .into_iter()
+            .flatten()
+            .enumerate()
+        {
+            let (a, b) = pairing.pair(i);
+            row[a] *= d;
+            row[b] *= d;
+        }
     }
     out
 }

@@ -20,3 +20,4 @@ mod reference_learned;
 mod rope;
 mod roundtrip;
 mod support;
+mod xpos;

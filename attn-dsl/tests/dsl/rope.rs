@@ -10,6 +10,7 @@ fn rope_with(dim: u32, base: f64, scaling: RopeScaling) -> Rope {
         dim,
         layout: RopeLayout::Half,
         scaling,
+        xpos: None,
     }
 }
 

@@ -6,7 +6,7 @@
 use attn_dsl::modifier::{BinOp, Expr, MaskMod, ScoreMod, Ty, UnOp, Var};
 use attn_dsl::{
     AttentionSpec, CausalAlign, DType, KvLayout, LongRope, Mask, Mla, Position, Rope, RopeLayout,
-    RopeScaling, Yarn,
+    RopeScaling, XPos, Yarn,
 };
 use proptest::prelude::*;
 
@@ -204,6 +204,11 @@ pub fn spec() -> impl Strategy<Value = AttentionSpec> {
                             RopeLayout::Half
                         },
                         scaling,
+                        // xPos (per-head layouts only), its parameters drawn from `pick`.
+                        xpos: (!mla && pick % 3 == 0).then_some(XPos {
+                            scale_base: 1.0 + (pick / 3 % 1000) as f64 * 0.75,
+                            gamma: 0.1 + (pick / 7 % 9) as f64 * 0.35,
+                        }),
                     })
                 }
             };

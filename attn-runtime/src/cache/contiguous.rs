@@ -77,7 +77,8 @@ impl ContiguousCache {
     pub fn append(&mut self, seq: SeqId, k: &Tensor, v: &Tensor) -> Result<(), RuntimeError> {
         self.generation += 1;
         let mut tokens = new_tokens(&self.layout, k, v)?;
-        self.seq(seq)?;
+        let len = self.seq(seq)?.len;
+        tokens.rotate(&self.layout, len)?;
         // The sequence's region among the live ones (KvCache::memory's order).
         let region = self.seqs[..seq.0].iter().flatten().count();
         let layout = &self.layout;
@@ -105,7 +106,6 @@ impl ContiguousCache {
             s.data = data;
             s.capacity = capacity;
         }
-        tokens.rotate(layout, s.len);
         let slots = Slots {
             layout,
             size: s.capacity,

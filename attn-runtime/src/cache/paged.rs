@@ -152,6 +152,7 @@ impl PagedCache {
             let s = self.seq(seq)?;
             (s.len, s.blocks.len())
         };
+        tokens.rotate(&self.layout, len)?;
         let bs = self.block_size;
         let needed = (len + tokens.n).div_ceil(bs).saturating_sub(held);
         let shared_tail = len % bs != 0 && self.refs[self.seq(seq)?.blocks[held - 1]] > 1;
@@ -182,7 +183,6 @@ impl PagedCache {
                 .blocks
                 .push(block);
         }
-        tokens.rotate(&self.layout, len);
         let layout = self.layout.clone();
         let slots = Slots {
             layout: &layout,

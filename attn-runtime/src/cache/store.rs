@@ -2,7 +2,8 @@
 //! rotation of keys as they are appended.
 
 use super::layout::CacheLayout;
-use crate::host::rope_table::RopeTables;
+use crate::RuntimeError;
+use crate::host::rope_table::{RopeTables, Side, check_decay};
 use attn_dsl::DType;
 use half::{bf16, f16};
 
@@ -148,11 +149,16 @@ pub(crate) struct NewTokens {
 }
 
 impl NewTokens {
-    /// Rotates the keys in place for positions `pos0..pos0 + n` (the rows a cache stores).
-    pub fn rotate(&mut self, layout: &CacheLayout, pos0: usize) {
-        let Some(rope) = &layout.rope else { return };
+    /// Rotates the keys in place for positions `pos0..pos0 + n` (the rows a cache stores);
+    /// xPos factors are measured from position 0, so every step's keys share them with the
+    /// queries decoded later. Refuses (changing nothing) positions past the factors' range.
+    pub fn rotate(&mut self, layout: &CacheLayout, pos0: usize) -> Result<(), RuntimeError> {
+        let Some(rope) = &layout.rope else {
+            return Ok(());
+        };
         let (first, end) = (pos0 as i64, (pos0 + self.n) as i64);
-        let tables = RopeTables::new(rope, first, end, end as u64);
+        check_decay(rope, first, end, 0)?;
+        let tables = RopeTables::new(rope, first, end, end as u64, Side::Key, 0);
         let half = (rope.rope.dim / 2) as usize;
         let base = rope.first_dim as usize;
         let pairing = rope.rope.layout.pairing(rope.rope.dim);
@@ -171,5 +177,6 @@ impl NewTokens {
                 row[b] = xb * cos[j] + xa * sin[j];
             }
         }
+        Ok(())
     }
 }

@@ -21,7 +21,7 @@
 use super::backward_tiles::{TileClassed, classify, shared_classes};
 use super::{bf16_tiles, microkernels};
 use crate::error::RuntimeError;
-use crate::host::rope_table::RopeTables;
+use crate::host::rope_table::{QkTables, RopeTables, Side};
 use crate::memory::written_zeros;
 use crate::placement::Piece;
 use attn_dsl::DType;
@@ -83,10 +83,11 @@ struct Kernels {
     isa: microkernels::Isa,
 }
 
-/// RoPE tables for the call's positions, forward and transposed (sines negated).
+/// RoPE tables for the call's positions, forward and transposed (sines negated), of its
+/// queries and of its keys (which differ under xPos).
 struct Tables {
-    forward: RopeTables,
-    transposed: RopeTables,
+    forward: [RopeTables; 2],
+    transposed: [RopeTables; 2],
 }
 
 /// Runs the backward kernel.
@@ -113,7 +114,7 @@ pub(super) fn run(
         return Ok(grads);
     }
     let kernels = task_kernels(kernel, isa, x.bf16_dout_and_v)?;
-    let tables = rope_tables(plan, positions, skv as i64 + x.position_offset);
+    let tables = rope_tables(plan, positions, skv as i64 + x.position_offset)?;
     let group = hq / hkv;
     let lens = Lens {
         q: group * sq * d,
@@ -215,20 +216,23 @@ fn task_kernels(
 
 /// The RoPE tables of a call's positions `first..end`, when the plan has RoPE; `total_len`
 /// (`p0 + Skv`) picks the dynamic NTK base.
-fn rope_tables(plan: &KernelPlan, (first, end): (i64, i64), total_len: i64) -> Option<Tables> {
-    let total_len = total_len.max(0) as u64;
-    plan.rope.as_ref().map(|r| {
-        let forward = RopeTables::new(r, first, end, total_len);
-        let transposed = RopeTables {
-            cos: forward.cos.clone(),
-            sin: forward.sin.iter().map(|s| -s).collect(),
-            pos0: forward.pos0,
-        };
-        Tables {
-            forward,
-            transposed,
-        }
-    })
+fn rope_tables(
+    plan: &KernelPlan,
+    (first, end): (i64, i64),
+    total_len: i64,
+) -> Result<Option<Tables>, RuntimeError> {
+    let Some(r) = plan.rope.as_ref() else {
+        return Ok(None);
+    };
+    let forward = QkTables::new(r, first, end, total_len.max(0) as u64)?.split();
+    let transposed = forward.clone().map(|t| RopeTables {
+        sin: t.sin.iter().map(|s| -s).collect(),
+        ..t
+    });
+    Ok(Some(Tables {
+        forward,
+        transposed,
+    }))
 }
 
 /// One task per unit, each writing its own rows of dq, dk and dv (no parameters).
@@ -516,9 +520,9 @@ impl Task<'_> {
         let d = plan.shape.qk_dim as usize;
         for h in 0..group {
             let rows = &mut dq[h * sq * d..(h + 1) * sq * d];
-            self.rotate(rows, self.q_pos0(), plan.q_scale as f32, true);
+            self.rotate(rows, Side::Query, self.q_pos0(), plan.q_scale as f32, true);
         }
-        self.rotate(dk, p0, 1.0, true);
+        self.rotate(dk, Side::Key, p0, 1.0, true);
     }
 
     /// The position of the call's first query.
@@ -557,6 +561,7 @@ impl Task<'_> {
         for h in 0..group {
             self.rotate(
                 &mut q[h * sq * d..(h + 1) * sq * d],
+                Side::Query,
                 self.q_pos0(),
                 plan.q_scale as f32,
                 false,
@@ -564,7 +569,7 @@ impl Task<'_> {
         }
         let keys: &[f32] = if plan.rope.is_some() {
             copy_into(k, &x.k[kv(d)]);
-            self.rotate(k, p0, 1.0, false);
+            self.rotate(k, Side::Key, p0, 1.0, false);
             k
         } else {
             &x.k[kv(d)]
@@ -693,9 +698,9 @@ impl Task<'_> {
         }
     }
 
-    /// Rows of `qk_dim` values in place: rotated from position `pos0` on (transposed when
-    /// `back`), then multiplied by `factor`.
-    fn rotate(&self, rows: &mut [f32], pos0: i64, factor: f32, back: bool) {
+    /// Rows of `qk_dim` values of operand `side` in place: rotated from position `pos0` on
+    /// (transposed when `back`), then multiplied by `factor`.
+    fn rotate(&self, rows: &mut [f32], side: Side, pos0: i64, factor: f32, back: bool) {
         let width = self.plan.shape.qk_dim as usize;
         if rows.is_empty() || (self.tables.is_none() && factor == 1.0) {
             return;
@@ -703,6 +708,10 @@ impl Task<'_> {
         let (cos, sin, table_pos0) = match self.tables {
             Some(t) => {
                 let t = if back { &t.transposed } else { &t.forward };
+                let t = match side {
+                    Side::Query => &t[0],
+                    Side::Key => &t[1],
+                };
                 (t.cos.as_ptr(), t.sin.as_ptr(), t.pos0)
             }
             None => (std::ptr::null(), std::ptr::null(), 0),

@@ -12,7 +12,7 @@ use crate::error::RuntimeError;
 use crate::host::checks::check_cache;
 use crate::host::mla::AbsorbedQueries;
 use crate::host::ragged::{Layout, Ragged, Uniform};
-use crate::host::rope_table::RopeTables;
+use crate::host::rope_table::{RopeTables, Side};
 use crate::host::work::{Item, items, merge, partitions, row_strides, tasks};
 use crate::tensor::Tensor;
 use crate::variant::Variant;
@@ -139,10 +139,12 @@ fn run(
                     }
                 }
                 let q_pos0 = (item.len - item.n + item.i0) as i64;
-                let tables = plan
-                    .rope
-                    .as_ref()
-                    .map(|r| RopeTables::new(r, q_pos0, q_pos0 + item.nq as i64, item.len as u64));
+                // xPos factors from position 0, as the cache's keys have them; the queries
+                // are the cache's last tokens, whose range the append checked.
+                let tables = plan.rope.as_ref().map(|r| {
+                    let end = q_pos0 + item.nq as i64;
+                    RopeTables::new(r, q_pos0, end, item.len as u64, Side::Query, 0)
+                });
                 let (cos, sin, table_pos0) = match &tables {
                     Some(t) => (t.cos.as_ptr(), t.sin.as_ptr(), t.pos0),
                     None => (std::ptr::null(), std::ptr::null(), 0),

@@ -7,7 +7,7 @@
 
 use crate::error::RuntimeError;
 use crate::host::checks::overflowed_rows_are_nan;
-use crate::host::rope_table::RopeTables;
+use crate::host::rope_table::{QkTables, Side};
 use crate::placement::Piece;
 use crate::tensor::{Storage, Tensor, narrow_into};
 use attn_dsl::DType;
@@ -406,12 +406,18 @@ pub(super) fn run_as(
 
     // Positions used: keys p0..p0+Skv, queries from `Piece::first_query`.
     let total_len = (skv as i64 + p0).max(0) as u64;
-    let tables = plan
-        .rope
-        .as_ref()
-        .map(|r| RopeTables::new(r, first_pos, end_pos, total_len));
-    let table_ptrs = || match &tables {
-        Some(t) => (t.cos.as_ptr(), t.sin.as_ptr(), t.pos0),
+    let tables = match &plan.rope {
+        Some(r) => Some(QkTables::new(r, first_pos, end_pos, total_len)?),
+        None => None,
+    };
+    let table_ptrs = |side: Side| match &tables {
+        Some(t) => {
+            let t = match side {
+                Side::Query => &t.query,
+                Side::Key => t.key(),
+            };
+            (t.cos.as_ptr(), t.sin.as_ptr(), t.pos0)
+        }
         None => (std::ptr::null(), std::ptr::null(), 0),
     };
 
@@ -436,7 +442,7 @@ pub(super) fn run_as(
         .map_init(Vec::new, |widened, i| {
             let (b, kvh) = (i / hkv, i % hkv);
             let mut kt = PackedPool::take(packed_k_len(plan, skv));
-            let (cos, sin, table_pos0) = table_ptrs();
+            let (cos, sin, table_pos0) = table_ptrs(Side::Key);
             let (k_rows, k_row_stride) = k.slab([b, kvh, 0], skv, dqk, widened);
             let args = PackArgs {
                 k: k_rows,
@@ -496,7 +502,7 @@ pub(super) fn run_as(
             };
             let kvh = h / group;
             let row0 = (b * hq + h) * sq + q0;
-            let (cos, sin, table_pos0) = table_ptrs();
+            let (cos, sin, table_pos0) = table_ptrs(Side::Query);
             let (q_rows, q_row_stride) = q.slab([b, h, q0], q1 - q0, dqk, widened);
             let values = (q1 - q0) * dv;
             let out_at = match target {

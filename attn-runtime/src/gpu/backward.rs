@@ -8,7 +8,7 @@ use crate::calls::{HeadGradients, HeadsBackward};
 use crate::device::{Device, DeviceBuffer, Scratch, f32s, launch};
 use crate::error::RuntimeError;
 use crate::host::checks::check_backward;
-use crate::host::rope_table::RopeTables;
+use crate::host::rope_table::{RopeTables, Side};
 use crate::tensor::Tensor;
 use crate::variant::Variant;
 use attn_dsl::DType;
@@ -106,7 +106,7 @@ impl BackwardCall {
         let total_len = (skv as i64 + p0).max(0) as u64;
         let (rope_cos, rope_sin, rope_pos0) = match &plan.rope {
             Some(r) => {
-                let t = RopeTables::new(r, first_pos, p0 + skv as i64, total_len);
+                let t = RopeTables::new(r, first_pos, p0 + skv as i64, total_len, Side::Query, 0);
                 (t.cos, t.sin, t.pos0)
             }
             None => (Vec::new(), Vec::new(), 0),

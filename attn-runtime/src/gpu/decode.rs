@@ -11,7 +11,7 @@ use crate::error::RuntimeError;
 use crate::host::checks::check_cache;
 use crate::host::mla::AbsorbedQueries;
 use crate::host::ragged::{Layout, Ragged, Uniform};
-use crate::host::rope_table::RopeTables;
+use crate::host::rope_table::{RopeTables, Side};
 use crate::host::work::{GPU_TASKS, Item, Task, items, partitions, row_strides, tasks};
 use crate::tensor::Tensor;
 use crate::variant::Variant;
@@ -428,7 +428,7 @@ pub(crate) fn run_rows(
     let tables = plan
         .rope
         .as_ref()
-        .map(|r| RopeTables::new(r, 0, max_len, max_len as u64));
+        .map(|r| RopeTables::new(r, 0, max_len, max_len as u64, Side::Query, 0));
     let (rope_cos, rope_sin) = tables.map(|t| (t.cos, t.sin)).unwrap_or_default();
     let (map, slots) = merge_map(call, &tasks, &items, &rows_of);
     let pages = match (paged, page_tables) {

@@ -22,7 +22,7 @@ use crate::device::{Device, DeviceBuffer, Scratch, SimDevice, f32s};
 use crate::error::RuntimeError;
 use crate::host::checks::{check_qkv, finish};
 use crate::host::mla::AbsorbedForward;
-use crate::host::rope_table::RopeTables;
+use crate::host::rope_table::{RopeTables, Side};
 use crate::tensor::{Storage, Tensor};
 use crate::variant::Variant;
 use attn_dsl::AttentionSpec;
@@ -114,7 +114,7 @@ impl ForwardTables {
         let tables = plan
             .rope
             .as_ref()
-            .map(|r| RopeTables::new(r, first, end, end.max(0) as u64));
+            .map(|r| RopeTables::new(r, first, end, end.max(0) as u64, Side::Query, 0));
         let (rope_cos, rope_sin) = match tables {
             Some(t) => (t.cos, t.sin),
             None => (Vec::new(), Vec::new()),
@@ -142,6 +142,19 @@ fn qk_wide(plan: &KernelPlan, q: &Tensor, k: &Tensor) -> bool {
         .map_or(1.0, |r| r.attention_factor.max(1.0)) as f32;
     // NaN is passed over: a NaN input keeps the tensor-core kernel, which carries it on.
     q.max_abs().max(k.max_abs()) * factor > forward_tc::QK_F16_LIMIT
+}
+
+/// Refuses xPos on a GPU backend (`backend` names it): the GPU kernels read one RoPE table for
+/// q and k, and xPos scales them oppositely.
+pub(crate) fn refuse_xpos(variant: &Variant, backend: &'static str) -> Result<(), RuntimeError> {
+    match variant.spec().rope().and_then(|r| r.xpos) {
+        Some(_) => Err(RuntimeError::Unsupported {
+            backend,
+            what: "xpos (its kernels read one RoPE table for q and k; the cpu backend runs it)"
+                .into(),
+        }),
+        None => Ok(()),
+    }
 }
 
 /// The target the process's settings ask for (`ATTN_GPU_WGMMA`, `ATTN_GPU_MMA_WARPS`).

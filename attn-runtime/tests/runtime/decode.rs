@@ -267,6 +267,32 @@ fn sigmoid_attention_decodes_and_its_partitions_add() {
     }
 }
 
+/// xPos decodes against both caches: keys stored with their factors from position 0, queries
+/// with theirs; positions past the factors' range are refused at the append, the cache unchanged.
+#[test]
+fn xpos_decodes_and_refuses_positions_past_its_range() {
+    let spec = "heads = 4, kv_heads = 2, head_dim = 32, mask = causal, \
+                position = xpos(scale_base = 64.0)";
+    check_ragged(spec, 16, None);
+    check_ragged(spec, 7, Some(3));
+    let spec: AttentionSpec = "heads = 1, head_dim = 16, position = xpos(scale_base = 1.0)"
+        .parse()
+        .unwrap();
+    let mut cache = PagedCache::new(&spec, 16, 8).unwrap();
+    let seq = cache.add_sequence();
+    let h = history(&spec, 60, 3);
+    let (k, v) = slice(&spec, &h, 0, 40);
+    cache.append(seq, &k, &v).unwrap();
+    // 1.25 per position: e^64 is reached at position 51.
+    let (k, v) = slice(&spec, &h, 40, 60);
+    let err = cache.append(seq, &k, &v).unwrap_err().to_string();
+    assert!(
+        err.contains("xpos") && err.contains("from position 0"),
+        "{err}"
+    );
+    assert_eq!(cache.seq_len(seq).unwrap(), 40);
+}
+
 #[test]
 fn step_by_step_decoding_equals_one_prefill() {
     let backend = CpuBackend::new();

@@ -92,7 +92,9 @@ fn compare(what: &str, got: &[f32], want: &[f64], abs: f64, rel: f64) {
     }
 }
 
-struct Case {
+/// One call's inputs (and learnable tensors) for a spec, run forward and backward on a backend
+/// against the reference.
+pub(crate) struct Case {
     spec: AttentionSpec,
     variant: std::sync::Arc<Variant>,
     tensors: [(Tensor, Array); 4],
@@ -101,7 +103,7 @@ struct Case {
 }
 
 impl Case {
-    fn new(text: &str, batch: usize, sq: usize, skv: usize, p0: i64) -> Case {
+    pub(crate) fn new(text: &str, batch: usize, sq: usize, skv: usize, p0: i64) -> Case {
         let spec = parse(text);
         let (h, hkv) = (spec.heads as usize, spec.kv_heads() as usize);
         let (d, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
@@ -128,7 +130,7 @@ impl Case {
         }
     }
 
-    fn forward(&self, backend: &dyn Backend) -> Output {
+    pub(crate) fn forward(&self, backend: &dyn Backend) -> Output {
         let [(q, _), (k, _), (v, _), _] = &self.tensors;
         let learned = by_name(&self.learned.0);
         backend
@@ -169,7 +171,7 @@ impl Case {
     }
 
     /// Forward and backward on `backend` against the reference.
-    fn check(&self, backend: &dyn Backend) {
+    pub(crate) fn check(&self, backend: &dyn Backend) {
         let forward = self.forward(backend);
         let want =
             reference::attention_learned(&self.spec, &self.reference_inputs(), &self.learned.1)

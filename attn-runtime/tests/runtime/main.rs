@@ -21,3 +21,4 @@ mod resident_model;
 mod support;
 mod text;
 mod varlen;
+mod xpos;

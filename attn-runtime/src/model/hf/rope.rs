@@ -197,6 +197,7 @@ fn rope_from(
         dim: dim as u32,
         layout,
         scaling,
+        xpos: None,
     })
 }
 

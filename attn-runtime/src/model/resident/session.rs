@@ -5,7 +5,7 @@
 use super::{DeviceAttention, DeviceLayer, MlaDims, ResidentModel, blocks, half_of, width_u32};
 use crate::device::{Device, DeviceBuffer, Scratch, f32_bytes, f32s};
 use crate::error::RuntimeError;
-use crate::host::rope_table::RopeTables;
+use crate::host::rope_table::{RopeTables, Side};
 use codegen::gpu::ir::Kernel;
 use codegen::gpu::kernels::layers;
 use codegen::gpu::verified;
@@ -379,7 +379,7 @@ impl DeviceSession<'_, '_> {
         // on the length (dynamic NTK, LongRoPE) are those of the sequence's length after the
         // step, as transformers rotates each step; earlier keys keep their rotation.
         if let Some(r) = &layout.rope {
-            let rope = RopeTables::new(r, pos0 as i64, total as i64, total as u64);
+            let rope = RopeTables::new(r, pos0 as i64, total as i64, total as u64, Side::Query, 0);
             t.rope_cos = s.upload(&f32_bytes(&rope.cos))?.addr;
             t.rope_sin = s.upload(&f32_bytes(&rope.sin))?.addr;
         }

@@ -33,6 +33,7 @@ impl<'m> ResidentModel<'m> {
                 // bf16 specs whose RoPE rotates every column take bf16 Q K^T operands here
                 // (f16 ones would need a range check on the device first), as bf16 SDPA
                 // computes.
+                crate::gpu::refuse_xpos(variant, device.name())?;
                 let forward = forward_kernel(variant, Call::ResidentForward)?;
                 let to_heads = kernel(layers::swap_outer(half_of(forward.inputs)))?;
                 Ok(DeviceKind { forward, to_heads })
