@@ -211,7 +211,6 @@ impl<D: Device + 'static> Backend for GpuBackend<D> {
         params: &[f32],
     ) -> Result<Output, RuntimeError> {
         let spec = variant.spec();
-        super::refuse_xpos(variant, self.device.name())?;
         match inputs {
             Inputs::Heads { q, k, v } => {
                 let [b, _, sq, skv] = bhss(q, k);
@@ -245,7 +244,6 @@ impl<D: Device + 'static> Backend for GpuBackend<D> {
         options: DecodeOptions,
         params: &[f32],
     ) -> Result<Output, RuntimeError> {
-        super::refuse_xpos(variant, self.device.name())?;
         let run = &|l: &DecodeLaunch| l.run_on(self.device.as_ref(), None, params);
         let q_len = |q: &Tensor| dim(q, 2);
         match queries {
@@ -272,7 +270,6 @@ impl<D: Device + 'static> Backend for GpuBackend<D> {
         x: &BackwardInputs,
         params: &[f32],
     ) -> Result<(Gradients, Vec<f32>), RuntimeError> {
-        super::refuse_xpos(variant, self.device.name())?;
         match x {
             BackwardInputs::Heads(x) => {
                 let [b, _, sq, skv] = bhss(x.q, x.k);

@@ -3,12 +3,12 @@
 //! host (inputs in the kernels' formats, tile codes, RoPE tables as the forward builds them),
 //! then the delta, dq and dk/dv kernels in that order, on a device ([`BackwardCall::run_on`]).
 
+use super::CallTables;
 use super::device_bytes;
 use crate::calls::{HeadGradients, HeadsBackward};
 use crate::device::{Device, DeviceBuffer, Scratch, f32s, launch};
 use crate::error::RuntimeError;
 use crate::host::checks::check_backward;
-use crate::host::rope_table::{RopeTables, Side};
 use crate::tensor::Tensor;
 use crate::variant::Variant;
 use attn_dsl::DType;
@@ -25,8 +25,8 @@ pub(crate) struct Buffers {
     pub outputs: [i64; 4],
     /// The dq and dk/dv tile codes (tensor cores only; 0 otherwise).
     pub codes: [i64; 2],
-    /// RoPE cosines and sines.
-    pub rope: [i64; 2],
+    /// RoPE tables: cosines and sines of the queries, then of the keys.
+    pub rope: [i64; 4],
     /// The parameters, their gradients' per-thread partial sums and their gradients (0 each
     /// without parameters).
     pub params: [i64; 3],
@@ -43,9 +43,8 @@ pub(crate) struct BackwardCall {
     pub inputs: [Vec<u8>; 6],
     /// Tensor cores: the dq and dk/dv kernels' tile codes as i32 bytes (empty for SIMT).
     pub codes: [Vec<u8>; 2],
-    pub rope_cos: Vec<f32>,
-    pub rope_sin: Vec<f32>,
-    pub rope_pos0: i64,
+    /// The RoPE tables of the call's positions.
+    pub rope: CallTables,
     /// `[batch, Sq, Skv]`.
     pub dims: [usize; 3],
     pub p0: i64,
@@ -104,13 +103,7 @@ impl BackwardCall {
             codegen::gpu::kernels::backward::param_copies(plan, [b, sq, skv], params.len());
         let first_pos = p0 + (skv as i64 - sq as i64).min(0);
         let total_len = (skv as i64 + p0).max(0) as u64;
-        let (rope_cos, rope_sin, rope_pos0) = match &plan.rope {
-            Some(r) => {
-                let t = RopeTables::new(r, first_pos, p0 + skv as i64, total_len, Side::Query, 0);
-                (t.cos, t.sin, t.pos0)
-            }
-            None => (Vec::new(), Vec::new(), 0),
-        };
+        let rope = CallTables::of(plan, (first_pos, p0 + skv as i64), total_len)?;
         // Inputs the tensor cores' f16 `Q K^T` operands cannot hold run on the SIMT kernels, as
         // in the forward.
         let kernels =
@@ -143,9 +136,7 @@ impl BackwardCall {
             kernels,
             inputs,
             codes,
-            rope_cos,
-            rope_sin,
-            rope_pos0,
+            rope,
             dims,
             p0,
             shapes,
@@ -171,7 +162,7 @@ impl BackwardCall {
         let [q, k, v, out, lse, dout] = at.inputs;
         let [delta, dq, dk, dv] = at.outputs;
         let [b, sq, skv] = self.dims.map(|n| n as i64);
-        let [rope_cos, rope_sin] = at.rope;
+        let [rope_cos, rope_sin, rope_key_cos, rope_key_sin] = at.rope;
         if self.kernels.tensor_cores {
             let [dq_codes, dkdv_codes] = at.codes;
             launch(
@@ -197,7 +188,9 @@ impl BackwardCall {
                     p0: self.p0,
                     rope_cos,
                     rope_sin,
-                    rope_pos0: self.rope_pos0,
+                    rope_key_cos,
+                    rope_key_sin,
+                    rope_pos0: self.rope.pos0,
                 },
                 &[],
             )
@@ -223,7 +216,9 @@ impl BackwardCall {
                     p0: self.p0,
                     rope_cos,
                     rope_sin,
-                    rope_pos0: self.rope_pos0,
+                    rope_key_cos,
+                    rope_key_sin,
+                    rope_pos0: self.rope.pos0,
                     params: at.params[0],
                     param_partials: at.params[1],
                     param_copies: self.param_copies as i64,
@@ -277,10 +272,7 @@ impl BackwardCall {
                 s.upload_or_null(&self.codes[0])?,
                 s.upload_or_null(&self.codes[1])?,
             ],
-            rope: [
-                s.upload_or_null(&table(&self.rope_cos))?,
-                s.upload_or_null(&table(&self.rope_sin))?,
-            ],
+            rope: self.rope.upload(s)?,
             params: [
                 s.upload_or_null(&table(&self.params))?,
                 s.f32s_or_null(self.partials_len())?,

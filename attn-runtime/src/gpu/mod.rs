@@ -12,6 +12,8 @@ mod decode;
 pub mod disk_cache;
 pub mod layer_ops;
 mod pages;
+mod tables;
+pub use tables::CallTables;
 pub mod ptx;
 pub mod sim_cost;
 
@@ -22,7 +24,6 @@ use crate::device::{Device, DeviceBuffer, Scratch, SimDevice, f32s};
 use crate::error::RuntimeError;
 use crate::host::checks::{check_qkv, finish};
 use crate::host::mla::AbsorbedForward;
-use crate::host::rope_table::{RopeTables, Side};
 use crate::tensor::{Storage, Tensor};
 use crate::variant::Variant;
 use attn_dsl::AttentionSpec;
@@ -58,12 +59,8 @@ pub struct GpuCall {
     /// One tile code per (head, query block, key tile): 0 skip, 1 every key kept (the tile
     /// inside Skv: no mask, no bound), 2 masked (the mask and the Skv bound apply).
     pub codes: Vec<i32>,
-    /// RoPE tables (empty without RoPE): rows of `rope_dim / 2` from position `rope_pos0`.
-    pub rope_cos: Vec<f32>,
-    /// See `rope_cos`.
-    pub rope_sin: Vec<f32>,
-    /// See `rope_cos`.
-    pub rope_pos0: i64,
+    /// The RoPE tables of the call's positions (empty without RoPE).
+    pub rope: CallTables,
     /// Scalars: Sq, Skv, the position of key 0.
     pub sq: i64,
     /// See `sq`.
@@ -90,42 +87,29 @@ pub(crate) struct ForwardTables {
     pub grid: [u32; 3],
     /// One [`codegen::plan::TileCode`] per (head, query block, key tile).
     pub codes: Vec<i32>,
-    /// RoPE tables (empty without RoPE) from position `rope_pos0`.
-    pub rope_cos: Vec<f32>,
-    /// See `rope_cos`.
-    pub rope_sin: Vec<f32>,
-    /// See `rope_cos`.
-    pub rope_pos0: i64,
+    /// The RoPE tables of the call's positions (empty without RoPE).
+    pub rope: CallTables,
 }
 
 impl ForwardTables {
-    /// The tables of a call of `chosen` (for `plan`) on `[batch, Sq, Skv]`, key 0 at `p0`.
+    /// The tables of a call of `chosen` (for `plan`) on `[batch, Sq, Skv]`, key 0 at `p0`;
+    /// refuses positions past xPos's range.
     pub fn of(
         plan: &KernelPlan,
         chosen: &ForwardKernel,
         [b, sq, skv]: [usize; 3],
         p0: i64,
-    ) -> Self {
+    ) -> Result<Self, RuntimeError> {
         let h = plan.shape.heads as usize;
         let codes = chosen.tile_codes(plan, [b, sq, skv], p0, None);
         let qblocks = sq.div_ceil(chosen.rows as usize);
         let first = p0.min(p0 + skv as i64 - sq as i64);
         let end = p0 + skv as i64;
-        let tables = plan
-            .rope
-            .as_ref()
-            .map(|r| RopeTables::new(r, first, end, end.max(0) as u64, Side::Query, 0));
-        let (rope_cos, rope_sin) = match tables {
-            Some(t) => (t.cos, t.sin),
-            None => (Vec::new(), Vec::new()),
-        };
-        ForwardTables {
+        Ok(ForwardTables {
             grid: [qblocks as u32, h as u32, b as u32],
             codes,
-            rope_cos,
-            rope_sin,
-            rope_pos0: first,
-        }
+            rope: CallTables::of(plan, (first, end), end.max(0) as u64)?,
+        })
     }
 }
 
@@ -136,25 +120,15 @@ fn qk_wide(plan: &KernelPlan, q: &Tensor, k: &Tensor) -> bool {
     if !forward_tc::supports(plan) || forward_tc::qk_half(plan) != Half::F16 {
         return false;
     }
-    let factor = plan
-        .rope
-        .as_ref()
-        .map_or(1.0, |r| r.attention_factor.max(1.0)) as f32;
-    // NaN is passed over: a NaN input keeps the tensor-core kernel, which carries it on.
+    let factor = plan.rope.as_ref().map_or(1.0, |r| {
+        // xPos scales by up to e^(its exponent at the farthest position from the middle of
+        // the call's positions, which span max(Sq, Skv)).
+        let [sq, skv] = [q, k].map(|t| t.shape().get(2).copied().unwrap_or(0));
+        let reach = sq.max(skv) / 2 + 1;
+        let xpos = attn_dsl::reference::rope::decay_exponent(&r.rope, reach as f64).exp();
+        r.attention_factor.max(1.0) * xpos
+    }) as f32;
     q.max_abs().max(k.max_abs()) * factor > forward_tc::QK_F16_LIMIT
-}
-
-/// Refuses xPos on a GPU backend (`backend` names it): the GPU kernels read one RoPE table for
-/// q and k, and xPos scales them oppositely.
-pub(crate) fn refuse_xpos(variant: &Variant, backend: &'static str) -> Result<(), RuntimeError> {
-    match variant.spec().rope().and_then(|r| r.xpos) {
-        Some(_) => Err(RuntimeError::Unsupported {
-            backend,
-            what: "xpos (its kernels read one RoPE table for q and k; the cpu backend runs it)"
-                .into(),
-        }),
-        None => Ok(()),
-    }
 }
 
 /// The target the process's settings ask for (`ATTN_GPU_WGMMA`, `ATTN_GPU_MMA_WARPS`).
@@ -235,7 +209,7 @@ impl GpuCall {
             p0,
             bytes,
             spec.dtype,
-        )
+        )?
         .with_params(params)?;
         Ok(match plan.mask_data_ranges(params) {
             Some(ranges) => GpuCall {
@@ -268,14 +242,7 @@ impl GpuCall {
         check_positions(sq, skv, p0)?;
         let chosen = variant.gpu_forward(ForwardChoice::Wgmma)?;
         let bytes = [q, k, v].map(|t| device_bytes(t, chosen.inputs));
-        Ok(Self::prepare(
-            plan,
-            chosen,
-            [b, sq, skv],
-            p0,
-            bytes,
-            spec.dtype,
-        ))
+        Self::prepare(plan, chosen, [b, sq, skv], p0, bytes, spec.dtype)
     }
 
     /// Prepares `CpuBackend::forward_mla`'s call: the inputs absorbed on the host as the CPU
@@ -298,7 +265,7 @@ impl GpuCall {
             p0,
             bytes,
             attn_dsl::DType::F32,
-        );
+        )?;
         Ok((call, a))
     }
 
@@ -311,16 +278,16 @@ impl GpuCall {
         p0: i64,
         [q, k, v]: [Vec<u8>; 3],
         dtype: attn_dsl::DType,
-    ) -> GpuCall {
+    ) -> Result<GpuCall, RuntimeError> {
         let h = plan.shape.heads as usize;
         let dv = plan.shape.v_dim as usize;
-        let t = ForwardTables::of(plan, &chosen, [b, sq, skv], p0);
+        let t = ForwardTables::of(plan, &chosen, [b, sq, skv], p0)?;
         let tensor_maps = if chosen.tensor_maps {
             forward_wgmma::tensor_maps(plan, [b, sq, skv], [0; 3]).to_vec()
         } else {
             Vec::new()
         };
-        GpuCall {
+        Ok(GpuCall {
             tensor_maps,
             kernel: Arc::clone(&chosen.kernel),
             grid: t.grid,
@@ -329,9 +296,7 @@ impl GpuCall {
             v,
             inputs: chosen.inputs,
             codes: t.codes,
-            rope_cos: t.rope_cos,
-            rope_sin: t.rope_sin,
-            rope_pos0: t.rope_pos0,
+            rope: t.rope,
             sq: sq as i64,
             skv: skv as i64,
             p0,
@@ -339,7 +304,7 @@ impl GpuCall {
             dtype,
             params: Vec::new(),
             layout: plan.params.clone(),
-        }
+        })
     }
 
     /// An error unless the call holds the parameters its kernel reads (a call prepared without
@@ -391,8 +356,7 @@ impl GpuCall {
             k: scratch.upload_or_null(&self.k)?,
             v: scratch.upload_or_null(&self.v)?,
             codes: scratch.upload_or_null(&codes)?,
-            rope_cos: scratch.upload_or_null(&f32_bytes(&self.rope_cos))?,
-            rope_sin: scratch.upload_or_null(&f32_bytes(&self.rope_sin))?,
+            rope: self.rope.upload(scratch)?,
             params: scratch.upload_or_null(&f32_bytes(&self.params))?,
             out: scratch.f32s(b * h * sq * dv)?,
             lse: scratch.f32s(b * h * sq)?,
@@ -416,9 +380,11 @@ impl GpuCall {
             sq: self.sq,
             skv: self.skv,
             p0: self.p0,
-            rope_cos: x.rope_cos,
-            rope_sin: x.rope_sin,
-            rope_pos0: self.rope_pos0,
+            rope_cos: x.rope[0],
+            rope_sin: x.rope[1],
+            rope_key_cos: x.rope[2],
+            rope_key_sin: x.rope[3],
+            rope_pos0: self.rope.pos0,
             params: x.params,
         };
         let maps: Vec<TensorMap> = self
@@ -441,8 +407,8 @@ pub(crate) struct ForwardBuffers {
     k: i64,
     v: i64,
     codes: i64,
-    rope_cos: i64,
-    rope_sin: i64,
+    /// RoPE tables: `[cos, sin, key cos, key sin]` ([`CallTables::upload`]).
+    rope: [i64; 4],
     params: i64,
     /// `[B, Hq, Sq, Dv]` f32.
     pub out: DeviceBuffer,

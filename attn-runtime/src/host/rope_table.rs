@@ -33,7 +33,7 @@ pub struct QkTables {
     /// The queries' tables.
     pub query: RopeTables,
     /// The keys' tables, when they differ from the queries' (xPos).
-    key: Option<RopeTables>,
+    pub key: Option<RopeTables>,
 }
 
 impl QkTables {

@@ -95,7 +95,7 @@ fn compare(what: &str, got: &[f32], want: &[f64], abs: f64, rel: f64) {
 /// One call's inputs (and learnable tensors) for a spec, run forward and backward on a backend
 /// against the reference.
 pub(crate) struct Case {
-    spec: AttentionSpec,
+    pub(crate) spec: AttentionSpec,
     variant: std::sync::Arc<Variant>,
     tensors: [(Tensor, Array); 4],
     learned: (Vec<(String, Tensor)>, Vec<ParamValues>),
@@ -119,6 +119,16 @@ impl Case {
             spec,
             p0,
         }
+    }
+
+    /// q, k and v.
+    pub(crate) fn inputs(&self) -> [&Tensor; 3] {
+        [0, 1, 2].map(|i| &self.tensors[i].0)
+    }
+
+    /// The reference's forward of the case.
+    pub(crate) fn reference_forward(&self) -> reference::Output {
+        reference::attention_learned(&self.spec, &self.reference_inputs(), &self.learned.1).unwrap()
     }
 
     fn reference_inputs(&self) -> Inputs<'_> {

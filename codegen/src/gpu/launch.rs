@@ -153,6 +153,11 @@ launch_record! {
         rope_cos: Address,
         /// RoPE sines, as `rope_cos`.
         rope_sin: Address,
+        /// The keys' RoPE cosines, as `rope_cos`: under xPos their factors are the inverse of
+        /// the queries'; otherwise the same tables.
+        rope_key_cos: Address,
+        /// The keys' RoPE sines, as `rope_key_cos`.
+        rope_key_sin: Address,
         /// The position of the tables' first row.
         rope_pos0: Scalar,
         /// The spec's parameters, f32, laid out as `crate::plan::ParamLayout` (0 without).
@@ -228,6 +233,11 @@ launch_record! {
         rope_cos: Address,
         /// RoPE sines, as `rope_cos`.
         rope_sin: Address,
+        /// The keys' RoPE cosines, as `rope_cos`: under xPos their factors are the inverse of
+        /// the queries'; otherwise the same tables.
+        rope_key_cos: Address,
+        /// The keys' RoPE sines, as `rope_key_cos`.
+        rope_key_sin: Address,
         /// The position of the tables' first row.
         rope_pos0: Scalar,
         /// The spec's parameters, as [`ForwardArgs::params`] (0 without).
@@ -286,6 +296,11 @@ launch_record! {
         rope_cos: Address,
         /// RoPE sines, as `rope_cos`.
         rope_sin: Address,
+        /// The keys' RoPE cosines, as `rope_cos`: under xPos their factors are the inverse of
+        /// the queries'; otherwise the same tables.
+        rope_key_cos: Address,
+        /// The keys' RoPE sines, as `rope_key_cos`.
+        rope_key_sin: Address,
         /// The position of the tables' first row.
         rope_pos0: Scalar,
     }

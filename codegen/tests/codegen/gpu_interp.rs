@@ -134,7 +134,7 @@ fn check_kernel(
         None => (0, 0),
     };
     let mut args: Vec<Val> = [
-        qa, ka, va, out, lse, codes, sq as i64, skv as i64, p0, cos, sin, first, 0,
+        qa, ka, va, out, lse, codes, sq as i64, skv as i64, p0, cos, sin, cos, sin, first, 0,
     ]
     .into_iter()
     .map(Val::I64)

@@ -443,7 +443,7 @@ impl<'m> ResidentModel<'m> {
         let forward = &self.kinds[kind].forward;
         let plan = variant.forward_plan();
         let (heads, v_dim) = (plan.shape.heads as usize, plan.shape.v_dim as usize);
-        let t = ForwardTables::of(plan, forward, [1, n, n], 0);
+        let t = ForwardTables::of(plan, forward, [1, n, n], 0)?;
         let codes: Vec<u8> = t.codes.iter().flat_map(|c| c.to_le_bytes()).collect();
         let table = |s: &mut Scratch, v: &[f32]| -> Result<i64, RuntimeError> {
             Ok(if v.is_empty() {
@@ -453,6 +453,7 @@ impl<'m> ResidentModel<'m> {
             })
         };
         let (out, lse) = (s.f32s(heads * n * v_dim)?, s.f32s(heads * n)?);
+        let (rope_cos, rope_sin) = (table(s, &t.rope.cos)?, table(s, &t.rope.sin)?);
         let record = ForwardArgs {
             q: q.addr,
             k: k.addr,
@@ -463,9 +464,13 @@ impl<'m> ResidentModel<'m> {
             sq: n as i64,
             skv: n as i64,
             p0: 0,
-            rope_cos: table(s, &t.rope_cos)?,
-            rope_sin: table(s, &t.rope_sin)?,
-            rope_pos0: t.rope_pos0,
+            rope_cos,
+            rope_sin,
+            // A model's layers have no xPos (`ResidentModel::new` refuses it): the keys read
+            // the queries' tables.
+            rope_key_cos: rope_cos,
+            rope_key_sin: rope_sin,
+            rope_pos0: t.rope.pos0,
             params,
         };
         self.launch(&forward.kernel, t.grid, &record)?;

@@ -33,7 +33,7 @@ impl<'m> ResidentModel<'m> {
                 // bf16 specs whose RoPE rotates every column take bf16 Q K^T operands here
                 // (f16 ones would need a range check on the device first), as bf16 SDPA
                 // computes.
-                crate::gpu::refuse_xpos(variant, device.name())?;
+                refuse_xpos(variant, device.name())?;
                 let forward = forward_kernel(variant, Call::ResidentForward)?;
                 let to_heads = kernel(layers::swap_outer(half_of(forward.inputs)))?;
                 Ok(DeviceKind { forward, to_heads })
@@ -289,5 +289,17 @@ impl Uploader<'_> {
             None => None,
         };
         Ok(DeviceLearned { params, sinks })
+    }
+}
+
+/// Refuses xPos in a resident model: its cache-append kernel rotates keys by the queries'
+/// tables, and xPos scales keys by their inverse (no model family the loader reads uses xPos).
+fn refuse_xpos(variant: &crate::Variant, backend: &'static str) -> Result<(), RuntimeError> {
+    match variant.spec().rope().and_then(|r| r.xpos) {
+        Some(_) => Err(RuntimeError::Unsupported {
+            backend,
+            what: "xpos in a resident model (the cpu backend and GpuBackend's calls run it)".into(),
+        }),
+        None => Ok(()),
     }
 }

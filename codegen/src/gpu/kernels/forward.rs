@@ -9,7 +9,7 @@
 //! the mask program. Inputs are contiguous BHSD f32.
 
 use super::{
-    Env, Regs, exp2_twice, lse_of_half, param, program, reciprocal, rope_params, rotate,
+    Env, Regs, Side, exp2_twice, lse_of_half, param, program, reciprocal, rope_params, rotate,
     sigmoid_weight, special64, tile_code,
 };
 use crate::gpu::ir::build::*;
@@ -223,7 +223,7 @@ impl Thread {
             body.push(Stmt::Set(qi, load(Space::Global, Ty::F32, addr)));
         }
         if let Some(rope) = &plan.rope {
-            let tables = rope_params(param);
+            let tables = rope_params(param, Side::Query);
             body.extend(rotate(r, rope, &q, reg(self.qpos), &tables, false));
         }
         q
@@ -325,7 +325,8 @@ impl Thread {
         }
         // Keys past Skv (zeros) rotate at the last position, inside the tables.
         let pos = add(param("p0"), bin(Bin::Min, reg(key_l), last_key));
-        stage.extend(rotate(r, rope, &kv_tmp, pos, &rope_params(param), false));
+        let tables = rope_params(param, Side::Key);
+        stage.extend(rotate(r, rope, &kv_tmp, pos, &tables, false));
         for (i, &ki) in kv_tmp.iter().enumerate() {
             let addr = add(mul(tid.clone(), i64(d * 4)), i64(k_sh + 4 * i as i64));
             stage.push(Stmt::Store(Space::Shared, addr, reg(ki)));

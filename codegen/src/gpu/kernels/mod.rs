@@ -18,7 +18,7 @@ mod staging;
 
 pub(crate) use build::{Regs, half_of, param, special64, tile_code};
 pub(crate) use epilogue::epilogue;
-pub(crate) use rope::{RopeWords, cos_sin, rope_params, rotate, rotate_pair};
+pub(crate) use rope::{RopeWords, Side, cos_sin, rope_params, rotate, rotate_pair, table_names};
 pub(crate) use score::{Env, TileScores, program, score_tile};
 pub(crate) use softmax::{
     exp2_twice, lse_of_half, online_softmax, reciprocal, rescale_to, scale_folds, sigmoid_slope,

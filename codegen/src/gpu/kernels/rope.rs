@@ -8,10 +8,22 @@ use crate::gpu::ir::{Expr, Reg, Space, Stmt, Ty, Un};
 use crate::plan::RopePrologue;
 use attn_dsl::Pairing;
 
-/// A kernel's RoPE table parameters, `[rope_cos, rope_sin, rope_pos0]`, from its launch
-/// record's `param` lookup.
-pub(crate) fn rope_params(param: impl Fn(&str) -> Expr) -> [Expr; 3] {
-    [param("rope_cos"), param("rope_sin"), param("rope_pos0")]
+pub(crate) use attn_dsl::reference::rope::Side;
+
+/// The launch parameters holding the cos and sin tables that rows of `side` read: the keys'
+/// differ from the queries' under xPos (elsewhere the host passes the same tables twice).
+pub(crate) fn table_names(side: Side) -> [&'static str; 2] {
+    match side {
+        Side::Query => ["rope_cos", "rope_sin"],
+        Side::Key => ["rope_key_cos", "rope_key_sin"],
+    }
+}
+
+/// A kernel's RoPE table parameters for rows of `side`, `[cos, sin, rope_pos0]`, from its
+/// launch record's `param` lookup.
+pub(crate) fn rope_params(param: impl Fn(&str) -> Expr, side: Side) -> [Expr; 3] {
+    let [cos, sin] = table_names(side);
+    [param(cos), param(sin), param("rope_pos0")]
 }
 
 /// RoPE on a row held in registers, at position `pos`, from the per-position cos/sin tables

@@ -5,7 +5,7 @@
 
 use super::build::half_of;
 use super::build::{Regs, special64};
-use super::rope::rotate_pair;
+use super::rope::{Side, rotate_pair, table_names};
 use crate::gpu::ir::build::*;
 use crate::gpu::ir::{Bin, Expr, Half, Space, Special, Stmt, Ty};
 use crate::plan::KernelPlan;
@@ -16,7 +16,7 @@ use crate::plan::KernelPlan;
 /// every shift ([`lane_aligned`]).
 fn element(
     plan: &KernelPlan,
-    param: Params,
+    (param, side): (Params, Side),
     row_addr: &Expr,
     d: usize,
     pos: &Expr,
@@ -48,12 +48,9 @@ fn element(
         ),
         lane(4 * f_step),
     );
-    let c = load(
-        Space::Global,
-        Ty::F32,
-        add(param("rope_cos"), entry.clone()),
-    );
-    let s = load(Space::Global, Ty::F32, add(param("rope_sin"), entry));
+    let [cos, sin] = table_names(side);
+    let c = load(Space::Global, Ty::F32, add(param(cos), entry.clone()));
+    let s = load(Space::Global, Ty::F32, add(param(sin), entry));
     let (ra, rb) = rotate_pair(at_d(a), at_d(b), c, s);
     if is_a { ra } else { rb }
 }
@@ -70,16 +67,15 @@ fn pair(
     shift: Option<&Expr>,
 ) -> Expr {
     let (qk, param) = (to.qk, to.param);
-    let rotated = to.rotated
-        && plan.rope.as_ref().is_some_and(|r| {
-            let first = r.first_dim as usize;
-            d + 1 >= first && d < first + r.rope.dim as usize
-        });
-    if rotated {
+    let inside = plan.rope.as_ref().is_some_and(|r| {
+        let first = r.first_dim as usize;
+        d + 1 >= first && d < first + r.rope.dim as usize
+    });
+    if let (Some(side), true) = (to.rotation, inside) {
         return Expr::PackHalf(
             qk,
-            Box::new(element(plan, param, row_addr, d, pos, shift)),
-            Box::new(element(plan, param, row_addr, d + 1, pos, shift)),
+            Box::new(element(plan, (param, side), row_addr, d, pos, shift)),
+            Box::new(element(plan, (param, side), row_addr, d + 1, pos, shift)),
         );
     }
     let lane = shift.map_or(i64(0), |q| mul(q.clone(), i64(4)));
@@ -108,8 +104,9 @@ pub(crate) struct Staging {
     pub stride: usize,
     /// The format of the `Q K^T` operands the rows are staged as.
     pub qk: Half,
-    /// Whether the rows are rotated by the plan's RoPE (queries and keys) or copied (values).
-    pub rotated: bool,
+    /// Which operand the rows are, when rotated by the plan's RoPE (queries and keys); `None`
+    /// for rows copied as they are (values, output gradients).
+    pub rotation: Option<Side>,
     /// The kernel's parameters (the RoPE tables among them).
     pub param: Params,
     /// Threads of the CTA, which share the rows.

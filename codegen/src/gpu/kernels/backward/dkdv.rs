@@ -7,7 +7,7 @@ use super::shared::{
 use crate::gpu::ir::build::*;
 use crate::gpu::ir::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty};
 use crate::gpu::kernels::forward::key_tile;
-use crate::gpu::kernels::{Env, Regs, rope_params, rotate, special64};
+use crate::gpu::kernels::{Env, Regs, Side, rope_params, rotate, special64};
 use crate::plan::KernelPlan;
 
 /// `backward_dkdv`: one key per thread, every query of its group's heads.
@@ -82,9 +82,8 @@ impl KeyRow {
             r,
             plan,
             &k,
-            param("k"),
-            reg(index),
-            reg(kpos),
+            (param("k"), reg(index)),
+            (reg(kpos), Side::Key),
         ));
         body.extend(load_row(&v, param("v"), reg(index)));
         body.extend(dk.iter().chain(&dvr).map(|&a| Stmt::Set(a, f32(0.0))));
@@ -147,6 +146,7 @@ impl KeyRow {
                 rotation: Some(Rotation {
                     tmp: &q_tmp,
                     pos: &q_pos,
+                    side: Side::Query,
                 }),
             },
         );
@@ -236,7 +236,7 @@ impl KeyRow {
     fn store(&self, plan: &KernelPlan, r: &mut Regs) -> Stmt {
         let mut store = Vec::new();
         if let Some(rope) = &plan.rope {
-            let tables = rope_params(param);
+            let tables = rope_params(param, Side::Key);
             store.extend(rotate(r, rope, &self.dk, reg(self.kpos), &tables, true));
         }
         store.extend(store_row(&self.dk, param("dk"), reg(self.index)));

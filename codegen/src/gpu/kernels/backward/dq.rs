@@ -7,7 +7,7 @@ use super::shared::{
 use crate::gpu::ir::build::*;
 use crate::gpu::ir::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty};
 use crate::gpu::kernels::forward::key_tile;
-use crate::gpu::kernels::{Env, Regs, rope_params, rotate, special64};
+use crate::gpu::kernels::{Env, Regs, Side, rope_params, rotate, special64};
 use crate::plan::KernelPlan;
 
 /// `backward_dq`: one query row per thread. With parameters, a CTA strides over the blocks of
@@ -149,9 +149,8 @@ impl QueryRow {
             r,
             plan,
             &q,
-            param("q"),
-            reg(index),
-            reg(qpos),
+            (param("q"), reg(index)),
+            (reg(qpos), Side::Query),
         ));
         for &x in &q {
             body.push(Stmt::Set(x, mul(reg(x), f32(plan.q_scale as f32))));
@@ -231,6 +230,7 @@ impl QueryRow {
                 rotation: Some(Rotation {
                     tmp: &k_tmp,
                     pos: &key_pos,
+                    side: Side::Key,
                 }),
             },
         );
@@ -321,7 +321,7 @@ impl QueryRow {
             .map(|&a| Stmt::Set(a, mul(reg(a), f32(plan.q_scale as f32))))
             .collect::<Vec<_>>();
         if let Some(rope) = &plan.rope {
-            let tables = rope_params(param);
+            let tables = rope_params(param, Side::Query);
             store.extend(rotate(r, rope, acc, reg(self.qpos), &tables, true));
         }
         store.extend(store_row(acc, param("dq"), reg(self.index)));

@@ -6,7 +6,8 @@ use crate::gpu::ir::build::*;
 use crate::gpu::ir::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty};
 use crate::gpu::kernels::score::param_element;
 use crate::gpu::kernels::{
-    Env, Regs, exp2_twice, program, rope_params, rotate, sigmoid_slope, sigmoid_weight, special64,
+    Env, Regs, Side, exp2_twice, program, rope_params, rotate, sigmoid_slope, sigmoid_weight,
+    special64,
 };
 use crate::gpu::launch::{BackwardArgs, LaunchRecord};
 use crate::plan::{KernelPlan, ParamLayout};
@@ -83,18 +84,17 @@ pub(super) fn load_row(regs: &[Reg], base: Expr, row: Expr) -> Vec<Stmt> {
         .collect()
 }
 
-/// [`load_row`], then RoPE at position `pos` when the plan has it.
+/// [`load_row`], then RoPE at position `pos` for operand `side` when the plan has it.
 pub(super) fn load_rotated_row(
     r: &mut Regs,
     plan: &KernelPlan,
     regs: &[Reg],
-    base: Expr,
-    row: Expr,
-    pos: Expr,
+    (base, row): (Expr, Expr),
+    (pos, side): (Expr, Side),
 ) -> Vec<Stmt> {
     let mut out = load_row(regs, base, row);
     if let Some(rope) = &plan.rope {
-        out.extend(rotate(r, rope, regs, pos, &rope_params(param), false));
+        out.extend(rotate(r, rope, regs, pos, &rope_params(param, side), false));
     }
     out
 }
@@ -154,10 +154,12 @@ pub(super) struct Stage<'a> {
     pub(super) rotation: Option<Rotation<'a>>,
 }
 
-/// How staged rows rotate: through registers `tmp`, row `r` at position `pos(r)`.
+/// How staged rows of operand `side` rotate: through registers `tmp`, row `r` at position
+/// `pos(r)`.
 pub(super) struct Rotation<'a> {
     pub(super) tmp: &'a [Reg],
     pub(super) pos: &'a dyn Fn(Expr) -> Expr,
+    pub(super) side: Side,
 }
 
 pub(super) fn stage(r: &mut Regs, plan: &KernelPlan, s: Stage) -> Vec<Stmt> {
@@ -166,7 +168,7 @@ pub(super) fn stage(r: &mut Regs, plan: &KernelPlan, s: Stage) -> Vec<Stmt> {
     let clamp = |row: Expr| bin(Bin::Min, row, sub(s.count.clone(), i64(1)));
     let factor = s.factor;
     match (s.rotation, &plan.rope) {
-        (Some(Rotation { tmp, pos }), Some(rope)) => {
+        (Some(Rotation { tmp, pos, side }), Some(rope)) => {
             let row = r.add("stage_row", Ty::I64);
             let mut body = vec![Stmt::Set(row, add(s.first.clone(), tid.clone()))];
             let inside = bin(Bin::Lt, reg(row), s.count.clone());
@@ -183,7 +185,7 @@ pub(super) fn stage(r: &mut Regs, plan: &KernelPlan, s: Stage) -> Vec<Stmt> {
                 rope,
                 tmp,
                 pos(clamp(reg(row))),
-                &rope_params(param),
+                &rope_params(param, side),
                 false,
             ));
             for (c, &x) in tmp.iter().enumerate() {

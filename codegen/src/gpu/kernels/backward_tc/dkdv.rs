@@ -9,7 +9,7 @@ use crate::gpu::ir::build::*;
 use crate::gpu::ir::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty};
 use crate::gpu::kernels::forward_tc;
 use crate::gpu::kernels::half_of;
-use crate::gpu::kernels::{Env, Regs, program, special64};
+use crate::gpu::kernels::{Env, Regs, Side, program, special64};
 use crate::plan::KernelPlan;
 use attn_dsl::modifier::Expr as M;
 
@@ -254,7 +254,7 @@ fn store_dkdv(
 ) -> Vec<Stmt> {
     let last_key = sub(param("skv"), i64(1));
     let pos = [0, 1].map(|h| add(param("p0"), bin(Bin::Min, key_of(h), last_key.clone())));
-    let mut body = finish_rows(r, plan, dk, q, pos, plan.q_scale as f32);
+    let mut body = finish_rows(r, plan, dk, q, (pos, Side::Key), plan.q_scale as f32);
     for h in 0..2 {
         let row = add(kv_row0.clone(), key_of(h));
         let mut store = store_rows(dk, h, q, param("dk"), row.clone());

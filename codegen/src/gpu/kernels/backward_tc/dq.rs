@@ -9,7 +9,7 @@ use crate::gpu::ir::build::*;
 use crate::gpu::ir::{Bin, Expr, Kernel, Reg, Special, Stmt, Ty};
 use crate::gpu::kernels::forward_tc;
 use crate::gpu::kernels::half_of;
-use crate::gpu::kernels::{Env, Regs, program, special64};
+use crate::gpu::kernels::{Env, Regs, Side, program, special64};
 use crate::plan::KernelPlan;
 use attn_dsl::modifier::Expr as M;
 
@@ -195,7 +195,10 @@ pub(super) fn dq(plan: &KernelPlan) -> Kernel {
         plan,
         &acc,
         lane.q,
-        [0, 1].map(|h| pos_of(bin(Bin::Min, row_of(h), sub(param("sq"), i64(1))))),
+        (
+            [0, 1].map(|h| pos_of(bin(Bin::Min, row_of(h), sub(param("sq"), i64(1))))),
+            Side::Query,
+        ),
         scale,
     ));
     for h in 0..2 {

@@ -4,7 +4,9 @@
 use crate::gpu::ir::build::*;
 use crate::gpu::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Un};
 use crate::gpu::kernels::forward_tc;
-use crate::gpu::kernels::{Env, Regs, exp2_twice, program, rotate_pair, special64};
+use crate::gpu::kernels::{
+    Env, Regs, Side, exp2_twice, program, rotate_pair, special64, table_names,
+};
 use crate::gpu::kernels::{Staging, half_of, lane_aligned, stage_rows};
 use crate::gpu::launch::{BackwardTcArgs, LaunchRecord};
 use crate::plan::{CallShape, KernelPlan, PlanKind, TileCode};
@@ -355,9 +357,9 @@ pub(super) fn frags(r: &mut Regs, name: &str, count: usize, ty: Ty) -> Vec<[Reg;
         .collect()
 }
 
-/// Accumulator fragments (16 rows, `8 acc.len()` columns) times `factor`, then, for the
-/// plan's RoPE, rotated back by its transpose: row half `h` (elements `2 h`, `2 h + 1`) at
-/// position `pos[h]`. Pairs lie in one lane ([`lane_aligned`]): column `8 cb + 2 q + j` pairs
+/// Accumulator fragments (16 rows, `8 acc.len()` columns, of operand `side`) times
+/// `factor`, then, for the plan's RoPE, rotated back by its transpose: row half `h` (elements
+/// `2 h`, `2 h + 1`) at position `pos[h]`. Pairs lie in one lane ([`lane_aligned`]): column `8 cb + 2 q + j` pairs
 /// with `+ dim / 2` (half layout: fragment `cb + dim / 16`, same element) or with its
 /// neighbour (interleaved: elements `j` = 0 and 1).
 pub(super) fn finish_rows(
@@ -365,7 +367,7 @@ pub(super) fn finish_rows(
     plan: &KernelPlan,
     acc: &[[Reg; 4]],
     q: Reg,
-    pos: [Expr; 2],
+    (pos, side): ([Expr; 2], Side),
     factor: f32,
 ) -> Vec<Stmt> {
     let mut out: Vec<Stmt> = acc
@@ -402,6 +404,7 @@ pub(super) fn finish_rows(
             }
         }
     }
+    let [cos, sin] = table_names(side);
     for (h, pos) in pos.iter().enumerate() {
         let row = mul(sub(pos.clone(), param("rope_pos0")), i64(4 * half as i64));
         for &(ca, cb, ja, jb, f0, step) in &pairs {
@@ -412,16 +415,9 @@ pub(super) fn finish_rows(
             out.extend([
                 Stmt::Set(
                     c,
-                    load(
-                        Space::Global,
-                        Ty::F32,
-                        add(param("rope_cos"), entry.clone()),
-                    ),
+                    load(Space::Global, Ty::F32, add(param(cos), entry.clone())),
                 ),
-                Stmt::Set(
-                    s,
-                    load(Space::Global, Ty::F32, add(param("rope_sin"), entry)),
-                ),
+                Stmt::Set(s, load(Space::Global, Ty::F32, add(param(sin), entry))),
                 Stmt::Set(a, reg(ra)),
                 Stmt::Set(b, reg(rb)),
                 Stmt::Set(ra, back_a),
@@ -533,33 +529,47 @@ pub(super) struct Source {
     pub(super) tile: Tile,
     pub(super) width: usize,
     pub(super) tensor: &'static str,
-    pub(super) rotated: bool,
+    /// Which operand the rows are, when RoPE rotates them (`None`: copied as they are).
+    pub(super) rotation: Option<Side>,
 }
 
 impl Source {
     /// Q (rotated) and dO, `[d, dv]` wide.
     pub(super) fn queries(q: Tile, dout: Tile, [d, dv]: [usize; 2]) -> [Source; 2] {
-        Source::pair(["q_stage", "do_stage"], ["q", "dout"], [q, dout], [d, dv])
+        Source::pair(
+            ["q_stage", "do_stage"],
+            ["q", "dout"],
+            [q, dout],
+            [d, dv],
+            Side::Query,
+        )
     }
 
     /// K (rotated) and V, `[d, dv]` wide.
     pub(super) fn keys(k: Tile, v: Tile, [d, dv]: [usize; 2]) -> [Source; 2] {
-        Source::pair(["k_stage", "v_stage"], ["k", "v"], [k, v], [d, dv])
+        Source::pair(
+            ["k_stage", "v_stage"],
+            ["k", "v"],
+            [k, v],
+            [d, dv],
+            Side::Key,
+        )
     }
 
-    /// A rotated source and one copied as it is.
+    /// A rotated source (operand `side`) and one copied as it is.
     fn pair(
         names: [&'static str; 2],
         tensors: [&'static str; 2],
         tiles: [Tile; 2],
         widths: [usize; 2],
+        side: Side,
     ) -> [Source; 2] {
         [0, 1].map(|i| Source {
             name: names[i],
             tile: tiles[i],
             width: widths[i],
             tensor: tensors[i],
-            rotated: i == 0,
+            rotation: (i == 0).then_some(side),
         })
     }
 }
@@ -595,7 +605,7 @@ pub(super) fn stage_tiles(
                 dst: i64(s.tile.at as i64),
                 stride: s.tile.stride,
                 qk: forward_tc::qk_half(plan),
-                rotated: s.rotated,
+                rotation: s.rotation,
                 param,
                 threads: THREADS,
             },

@@ -5,7 +5,7 @@ use super::*;
 use crate::gpu::ir::build::*;
 use crate::gpu::ir::{Bin, Expr, Half, Reg, Space, Special, Stmt, Ty, Un};
 use crate::gpu::kernels::{
-    Regs, RopeWords, Staging, half_of, param, rotate_pair, special64, stage_rows,
+    Regs, RopeWords, Side, Staging, half_of, param, rotate_pair, special64, stage_rows, table_names,
 };
 use crate::plan::{KernelPlan, TileCode};
 
@@ -132,7 +132,8 @@ impl<'a> Forward<'a> {
         let mut regions = vec![self.kv_rows("k", self.d, sh.k, sh.k_stride)];
         if let Some(half) = sh.rope_half {
             // Table row of key j: its position p0 + j less the tables' first position.
-            for (name, dst) in [("rope_cos", sh.cos), ("rope_sin", sh.sin)] {
+            let [cos, sin] = table_names(Side::Key);
+            for (name, dst) in [(cos, sh.cos), (sin, sh.sin)] {
                 regions.push(TileRows {
                     src: add(
                         param(name),
@@ -181,7 +182,7 @@ impl<'a> Forward<'a> {
                     dst: i64(self.sh.k as i64),
                     stride: self.sh.k_stride,
                     qk: self.qk,
-                    rotated: true,
+                    rotation: Some(Side::Key),
                     param,
                     threads: THREADS,
                 },

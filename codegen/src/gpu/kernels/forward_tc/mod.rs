@@ -24,8 +24,8 @@ mod kv;
 use crate::gpu::ir::build::*;
 use crate::gpu::ir::{Bin, Expr, Half, Kernel, Reg, Special, Stmt, Ty};
 use crate::gpu::kernels::{
-    Regs, Staging, TileScores, epilogue, half_of, online_softmax, param, scale_folds, score_tile,
-    special64, stage_rows, tile_code,
+    Regs, Side, Staging, TileScores, epilogue, half_of, online_softmax, param, scale_folds,
+    score_tile, special64, stage_rows, tile_code,
 };
 use crate::gpu::launch::{ForwardArgs, LaunchRecord};
 use crate::plan::{KernelPlan, PlanKind, TileCode};
@@ -432,7 +432,7 @@ impl<'a> Forward<'a> {
                 dst: i64(self.sh.q as i64),
                 qk: self.qk,
                 stride: self.sh.q_stride,
-                rotated: true,
+                rotation: Some(Side::Query),
                 param,
                 threads: THREADS,
             },

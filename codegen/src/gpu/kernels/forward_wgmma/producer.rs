@@ -7,7 +7,7 @@ use crate::gpu::ir::{Bin, Expr, Half, Reg, Space, Special, Stmt, Ty};
 use crate::gpu::kernels::RopeWords;
 use crate::gpu::kernels::forward_tc::qk_half;
 use crate::gpu::kernels::half_of;
-use crate::gpu::kernels::{Regs, param, rotate_pair, special64};
+use crate::gpu::kernels::{Regs, Side, param, rotate_pair, special64, table_names};
 use crate::plan::KernelPlan;
 
 impl<'a> Cta<'a> {
@@ -138,7 +138,14 @@ impl<'a> Cta<'a> {
                 )
             };
             let at = (i64(c * lay.q_per_consumer), 64);
-            producer.extend(rotate_in_shared(plan, r, at, &pos, [from, qk], local));
+            producer.extend(rotate_in_shared(
+                plan,
+                r,
+                (at, Side::Query),
+                &pos,
+                [from, qk],
+                local,
+            ));
         }
         producer.push(Stmt::FenceProxyAsync);
         producer.push(Stmt::MbarArrive {
@@ -158,7 +165,14 @@ impl<'a> Cta<'a> {
             },
         ];
         let at = (lay.stage(reg(self.stage)), self.bc);
-        each.extend(rotate_in_shared(plan, r, at, &key_pos, [from, qk], local));
+        each.extend(rotate_in_shared(
+            plan,
+            r,
+            (at, Side::Key),
+            &key_pos,
+            [from, qk],
+            local,
+        ));
         each.push(Stmt::FenceProxyAsync);
         each.push(Stmt::MbarArrive {
             bar: lay.bar(4, reg(self.stage)),
@@ -169,8 +183,9 @@ impl<'a> Cta<'a> {
     }
 }
 
-/// RoPE in place on a tile in shared memory: `rows` rows of `cols` 16-bit columns at `base`
-/// (64-column blocks of `rows` x 128 bytes, 128-byte swizzle), row `j` at position `pos(j)`.
+/// RoPE in place on a tile of operand `side` in shared memory: `rows` rows of `cols` 16-bit
+/// columns at `base` (64-column blocks of `rows` x 128 bytes, 128-byte swizzle), row `j` at
+/// position `pos(j)`.
 /// Values are read in the storage format `from` and written in the `Q K^T` operands' `to`.
 /// The producer warpgroup's 128 threads (`thread` 0..128) share the work. Each item is a
 /// 32-bit word: an interleaved pair, or two half-split pairs (columns `2 w, 2 w + 1` and
@@ -178,7 +193,7 @@ impl<'a> Cta<'a> {
 fn rotate_in_shared(
     plan: &KernelPlan,
     r: &mut Regs,
-    (base, rows): (Expr, usize),
+    ((base, rows), side): ((Expr, usize), Side),
     pos: &dyn Fn(Expr) -> Expr,
     [from, to]: [Half; 2],
     thread: Reg,
@@ -225,14 +240,9 @@ fn rotate_in_shared(
             add(param(param_name), mul(add(reg(table), f), i64(4))),
         )
     };
-    let rotated = |a: Expr, b: Expr, f: Expr| {
-        rotate_pair(
-            a,
-            b,
-            table_at("rope_cos", f.clone()),
-            table_at("rope_sin", f),
-        )
-    };
+    let [cos, sin] = table_names(side);
+    let rotated =
+        |a: Expr, b: Expr, f: Expr| rotate_pair(a, b, table_at(cos, f.clone()), table_at(sin, f));
     let mut body = vec![
         Stmt::Set(row, bin(Bin::Div, reg(item), i64(per_row))),
         Stmt::Set(w, bin(Bin::Rem, reg(item), i64(per_row))),
