@@ -90,6 +90,15 @@ def attention(c, q, k, v, p0, learned=None):
         # of the weights' sum (-inf for a row with none).
         w = torch.where(keep, torch.sigmoid(s + c["sigmoid"]), torch.zeros((), dtype=s.dtype))
         return w @ v, torch.log(w.sum(-1))
+    if c.get("stick_breaking"):
+        # Stick-breaking (Tan et al., 2024) as its paper writes it: log A_ij = log sigmoid(s_ij)
+        # + sum over the kept keys l after j of log(1 - sigmoid(s_il)), a reversed cumulative
+        # sum over the key axis; masked keys take no share and break nothing.
+        zero = torch.zeros((), dtype=s.dtype)
+        log_rest = torch.where(keep, torch.nn.functional.logsigmoid(-s), zero)
+        after = torch.flip(torch.cumsum(torch.flip(log_rest, [-1]), -1), [-1]) - log_rest
+        w = torch.where(keep, torch.exp(torch.nn.functional.logsigmoid(s) + after), zero)
+        return w @ v, torch.log(w.sum(-1))
     if "sinks" in learned:
         # gpt-oss: the sink is one more logit per head, with no value; its column is dropped.
         s = torch.where(keep, s, torch.tensor(float("-inf"), dtype=s.dtype))
@@ -302,6 +311,14 @@ PAPER_CASES = {
         xpos=dict(base=500.0, scale_base=16.0, gamma=0.4),
         spec="heads = 2, head_dim = 64, mask = causal, dtype = bf16, "
              "position = xpos(base = 500.0, scale_base = 16.0)"),
+    "stick_breaking_causal_gqa_f32": dict(
+        B=1, H=4, Hkv=2, Sq=70, Skv=150, D=32, dtype="f32", mask="causal", p0=2, stick_breaking=True,
+        spec="heads = 4, kv_heads = 2, head_dim = 32, mask = causal, normalize = stick_breaking"),
+    "stick_breaking_window_softcap_bf16": dict(
+        B=2, H=2, Hkv=1, Sq=80, Skv=80, D=64, dtype="bf16", mask="window:48", softcap=8.0,
+        stick_breaking=True,
+        spec="heads = 2, kv_heads = 1, head_dim = 64, mask = sliding_window(48), softcap = 8.0, "
+             "dtype = bf16, normalize = stick_breaking"),
 }
 
 

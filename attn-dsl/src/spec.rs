@@ -54,6 +54,10 @@ pub enum Normalize {
     /// `sigmoid(bias = B)`: each kept key weighs `sigmoid(s_ij + B)` on its own (Apple's
     /// sigmoid attention); `lse_i = ln(sum_j sigmoid(s_ij + B))`.
     Sigmoid(SigmoidBias),
+    /// `stick_breaking` (Tan et al., 2024): over the kept keys from the nearest (largest
+    /// position) to the farthest, `A_ij = sigmoid(s_ij) * prod_{l nearer} (1 - sigmoid(s_il))`;
+    /// `lse_i = ln(sum_j A_ij)`.
+    StickBreaking,
 }
 
 impl Normalize {
@@ -63,6 +67,7 @@ impl Normalize {
             Normalize::Softmax => "softmax".to_string(),
             Normalize::Sigmoid(SigmoidBias::Value(0.0)) => "sigmoid".to_string(),
             Normalize::Sigmoid(bias) => format!("sigmoid(bias = {bias})"),
+            Normalize::StickBreaking => "stick_breaking".to_string(),
         }
     }
 }

@@ -165,9 +165,33 @@ impl AttentionSpec {
     }
 
     fn validate_normalize(&self, f: &mut Findings) {
-        let Normalize::Sigmoid(bias) = self.normalize else {
-            return;
+        let name = match self.normalize {
+            Normalize::Softmax => return,
+            Normalize::Sigmoid(bias) => {
+                Self::validate_sigmoid_bias(bias, f);
+                "sigmoid"
+            }
+            Normalize::StickBreaking => "stick_breaking",
         };
+        if self.sinks == Sinks::Learned {
+            f.push(
+                "normalize",
+                format!(
+                    "normalize = {name} weighs each key without a denominator: there is none \
+                     for a sink to join; allowed: sinks = none with {name}, or normalize = \
+                     softmax"
+                ),
+            );
+        }
+        if self.mla().is_some() {
+            f.push(
+                "normalize",
+                format!("normalize = {name} is not built for mla(...) yet; allowed: softmax"),
+            );
+        }
+    }
+
+    fn validate_sigmoid_bias(bias: SigmoidBias, f: &mut Findings) {
         match bias {
             SigmoidBias::Value(b) if !(b.is_finite() && b.abs() <= f64::from(f32::MAX)) => f.push(
                 "normalize",
@@ -181,20 +205,6 @@ impl AttentionSpec {
                     .to_string(),
             ),
             _ => {}
-        }
-        if self.sinks == Sinks::Learned {
-            f.push(
-                "normalize",
-                "normalize = sigmoid weighs each key on its own: there is no denominator for a \
-                 sink to join; allowed: sinks = none with sigmoid, or normalize = softmax"
-                    .to_string(),
-            );
-        }
-        if self.mla().is_some() {
-            f.push(
-                "normalize",
-                "normalize = sigmoid is not built for mla(...) yet; allowed: softmax".to_string(),
-            );
         }
     }
 

@@ -112,6 +112,7 @@ pub fn spec(spec: &AttentionSpec) -> TokenStream {
     });
     let normalize = match normalize {
         Normalize::Softmax => quote!(::attn::dsl::Normalize::Softmax),
+        Normalize::StickBreaking => quote!(::attn::dsl::Normalize::StickBreaking),
         Normalize::Sigmoid(SigmoidBias::Value(b)) => {
             let b = f64_lit(*b);
             quote!(::attn::dsl::Normalize::Sigmoid(::attn::dsl::SigmoidBias::Value(#b)))

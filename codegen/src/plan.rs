@@ -301,6 +301,19 @@ impl KernelPlan {
         matches!(self.spec.normalize, Normalize::Sigmoid(_))
     }
 
+    /// Whether the spec weighs keys by `normalize = stick_breaking` (keys from the nearest:
+    /// tiles in descending order, the row's running sum of `softplus` kept where softmax keeps
+    /// its max).
+    pub fn stick_breaking(&self) -> bool {
+        self.spec.normalize == Normalize::StickBreaking
+    }
+
+    /// Whether the weights are not divided by their row's sum (sigmoid, stick-breaking): out
+    /// is the weighted sum as it stands, `lse = ln l`, and split rows merge by adding.
+    pub fn unnormalized(&self) -> bool {
+        self.spec.normalize != Normalize::Softmax
+    }
+
     /// The ranges of the data tensors the mask reads, from a call's checked parameter buffer,
     /// for [`CallShape::data`]; `None` when the mask reads none.
     pub fn mask_data_ranges(&self, buffer: &[f32]) -> Option<DataRanges> {
@@ -625,6 +638,13 @@ impl fmt::Display for KernelPlan {
                 self.spec.normalize.name()
             )?;
         }
+        if self.stick_breaking() {
+            writeln!(
+                f,
+                "  normalize stick_breaking: key tiles from the last, each from its last key: \
+                 p = sigmoid(x) e^(-R), then R += softplus(x) (x = 2 s ln 2; R per row from 0)"
+            )?;
+        }
         if let Some(grad) = &self.score_grad {
             self.describe_backward(f, grad)?;
         }
@@ -666,7 +686,7 @@ impl fmt::Display for KernelPlan {
                 self.epilogue.out_dtype.name()
             );
         }
-        if self.sigmoid() {
+        if self.unnormalized() {
             return write!(
                 f,
                 "  epilogue  sum of weighted values: out = acc as {}, lse = ln l (l the sum of \

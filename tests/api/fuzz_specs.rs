@@ -52,6 +52,8 @@ const SEEDS: &[&str] = &[
     "heads = 2, head_dim = 8, mask = causal, normalize = sigmoid(bias = -ln(64)), \
      params(w: [heads] = normal(0.02), a: [heads] = alibi), \
      score_mod = |s, b, h, q, k| s * (1.0 + w[h]) - a[h] * (q - k) as f32",
+    "heads = 4, kv_heads = 2, head_dim = 16, mask = sliding_window(9), \
+     normalize = stick_breaking, position = xpos(dim = 8, scale_base = 64.0, gamma = 0.5)",
 ];
 
 /// Tokens inserted by mutations: extremes, wrong kinds, unicode, unbalanced brackets.

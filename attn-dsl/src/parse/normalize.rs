@@ -3,13 +3,15 @@
 use super::values::Value;
 use crate::spec::{Normalize, SigmoidBias};
 
-/// `softmax`, `sigmoid`, `sigmoid(bias = B)` or `sigmoid(bias = -ln(N))`.
+/// `softmax`, `sigmoid`, `sigmoid(bias = B)`, `sigmoid(bias = -ln(N))` or `stick_breaking`.
 pub(super) fn normalize(v: &Value) -> syn::Result<Normalize> {
-    const FORMS: &str = "softmax, sigmoid, sigmoid(bias = B), sigmoid(bias = -ln(N))";
+    const FORMS: &str =
+        "softmax, sigmoid, sigmoid(bias = B), sigmoid(bias = -ln(N)), stick_breaking";
     if let Some(word) = v.as_word() {
         return match word.as_str() {
             "softmax" => Ok(Normalize::Softmax),
             "sigmoid" => Ok(Normalize::Sigmoid(SigmoidBias::Value(0.0))),
+            "stick_breaking" => Ok(Normalize::StickBreaking),
             _ => Err(v.expected(FORMS)),
         };
     }

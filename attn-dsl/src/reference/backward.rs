@@ -166,6 +166,7 @@ pub(super) fn rotated_gradients(
                         each.map(|(w, dp)| w.map(|w| (w, dp * w * (1.0 - w))))
                             .collect()
                     }
+                    Normalize::StickBreaking => stick_breaking_terms(&scores, &dps),
                     Normalize::Softmax => {
                         let sink = learned.sink(h).filter(|s| *s != f64::NEG_INFINITY);
                         let Some((probs, d_row, sink_p)) = softmax_row(&scores, sink, &dps) else {
@@ -222,6 +223,25 @@ pub(super) fn rotated_gradients(
         });
     }
     ((dq, dk, dv), dparams)
+}
+
+/// A stick-breaking row's weights and `dS_final`: a key's score enters its own weight
+/// (`dA_j / ds_j = A_j (1 - sigmoid(s_j))`) and every farther key's (`dA_i / ds_j = -A_i
+/// sigmoid(s_j)` for kept `i < j`), so `dS_j = dP_j A_j (1 - sigmoid(s_j)) - sigmoid(s_j)
+/// sum_{i < j} dP_i A_i`.
+fn stick_breaking_terms(scores: &[Option<f64>], dps: &[f64]) -> Vec<Option<(f64, f64)>> {
+    let weights = super::stick_breaking_weights(scores);
+    let mut farther = 0.0;
+    let mut terms = vec![None; scores.len()];
+    for (j, (w, s)) in weights.of.iter().zip(scores).enumerate() {
+        let (Some(w), Some(s)) = (*w, *s) else {
+            continue;
+        };
+        let sig = super::sigmoid(s);
+        terms[j] = Some((w, dps[j] * w * (1.0 - sig) - sig * farther));
+        farther += dps[j] * w;
+    }
+    terms
 }
 
 /// A softmax row's probabilities (`None` for masked keys and `-inf` scores, which carry no

@@ -354,8 +354,12 @@ fn attend(
                     };
                     score(spec, &slopes, dot, at, &learned.params)
                 }));
-                if let Normalize::Sigmoid(bias) = spec.normalize {
-                    let weights = sigmoid_weights(&scores, bias.value());
+                let weights = match spec.normalize {
+                    Normalize::Sigmoid(bias) => Some(sigmoid_weights(&scores, bias.value())),
+                    Normalize::StickBreaking => Some(stick_breaking_weights(&scores)),
+                    Normalize::Softmax => None,
+                };
+                if let Some(weights) = weights {
                     lse.set(&[b, h, i], weights.lse);
                     let row = out.row_mut(&[b, h, i]);
                     for (j, w) in weights.of.iter().enumerate() {
@@ -428,6 +432,32 @@ pub(crate) fn sigmoid_weights(scores: &[Option<f64>], bias: f64) -> SigmoidRow {
         .collect();
     let sum: f64 = of.iter().flatten().sum();
     SigmoidRow { of, lse: sum.ln() }
+}
+
+/// The weights of one row under `normalize = stick_breaking`, in the form of
+/// [`sigmoid_weights`]: from the nearest kept key (the largest position, the last index) to
+/// the farthest, `A_j = exp(ln sigmoid(s_j) - R_j)` with `R_j` the sum of `softplus(s_l)` over
+/// the kept keys nearer than `j` (`-ln(1 - sigmoid(s)) = softplus(s)`). A NaN score makes its
+/// weight and every farther one NaN; `+inf` weighs 1 and leaves nothing farther.
+pub(crate) fn stick_breaking_weights(scores: &[Option<f64>]) -> SigmoidRow {
+    let mut of = vec![None; scores.len()];
+    let mut nearer = 0.0;
+    for (j, s) in scores.iter().enumerate().rev() {
+        let Some(s) = *s else { continue };
+        of[j] = Some(if s == f64::NEG_INFINITY {
+            0.0
+        } else {
+            (-softplus(-s) - nearer).exp()
+        });
+        nearer += softplus(s);
+    }
+    let sum: f64 = of.iter().flatten().sum();
+    SigmoidRow { of, lse: sum.ln() }
+}
+
+/// `ln(1 + exp(x))`, without overflow for either sign.
+pub(crate) fn softplus(x: f64) -> f64 {
+    x.max(0.0) + (-x.abs()).exp().ln_1p()
 }
 
 /// `1 / (1 + exp(-x))`, without overflow for either sign.

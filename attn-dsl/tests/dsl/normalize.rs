@@ -24,6 +24,11 @@ fn each_spelling_parses_and_prints_back() {
             Normalize::Sigmoid(SigmoidBias::NegLn(4096)),
             Some("sigmoid(bias = -ln(4096))"),
         ),
+        (
+            "normalize = stick_breaking",
+            Normalize::StickBreaking,
+            Some("stick_breaking"),
+        ),
     ] {
         let spec = parse_str(&format!("heads = 2, head_dim = 8, {text}")).unwrap();
         assert_eq!(spec.normalize, want, "{text}");
@@ -42,7 +47,7 @@ fn combinations_that_do_not_hold_are_refused() {
     let m = "heads = 2, head_dim = 8, ";
     rejects(
         &format!("{m}normalize = sigmoid, sinks = learned"),
-        "there is no denominator for a sink to join",
+        "there is none for a sink to join",
         "normalize = ",
         "sigmoid",
     );
@@ -53,8 +58,14 @@ fn combinations_that_do_not_hold_are_refused() {
         "sigmoid",
     );
     rejects(
+        &format!("{m}normalize = stick_breaking, sinks = learned"),
+        "normalize = stick_breaking weighs each key without a denominator",
+        "normalize = ",
+        "stick_breaking",
+    );
+    rejects(
         &format!("{m}normalize = tanh"),
-        "softmax, sigmoid, sigmoid(bias = B), sigmoid(bias = -ln(N))",
+        "softmax, sigmoid, sigmoid(bias = B), sigmoid(bias = -ln(N)), stick_breaking",
         "normalize = ",
         "tanh",
     );
@@ -116,4 +127,40 @@ fn the_reference_weighs_each_key_by_its_sigmoid() {
     .unwrap();
     assert_eq!(got.out.data(), &[0.0, 0.0]);
     assert_eq!(got.lse.data()[0], f64::NEG_INFINITY);
+}
+
+/// One query, three kept keys and one masked, by hand in the paper's product form: from the
+/// nearest key, `A_j = sigmoid(s_j) prod_{l nearer, kept} (1 - sigmoid(s_l))`.
+#[test]
+fn the_reference_breaks_the_stick_from_the_nearest_key() {
+    let spec = parse_str(
+        "heads = 1, head_dim = 2, scale = 1.0, normalize = stick_breaking, \
+         mask_mod = |b, h, q, k| k != 1",
+    )
+    .unwrap();
+    let q = Array::from_vec(&[1, 1, 1, 2], vec![1.0, 2.0]).unwrap();
+    let k = Array::from_vec(
+        &[1, 1, 4, 2],
+        vec![0.5, 0.0, 9.0, 9.0, -1.0, 1.0, 2.0, -3.0],
+    )
+    .unwrap();
+    let v = Array::from_vec(&[1, 1, 4, 2], vec![1.0, 0.0, 5.0, 5.0, 0.0, 1.0, 2.0, 2.0]).unwrap();
+    let inputs = Inputs {
+        q: &q,
+        k: &k,
+        v: &v,
+        position_offset: 0,
+    };
+    let got = attention(&spec, &inputs).unwrap();
+    let sig = |x: f64| 1.0 / (1.0 + (-x).exp());
+    // Kept scores 0.5 (key 0), 1.0 (key 2), -4.0 (key 3, the nearest); key 1 is masked.
+    let (s0, s2, s3) = (sig(0.5), sig(1.0), sig(-4.0));
+    let a3 = s3;
+    let a2 = s2 * (1.0 - s3);
+    let a0 = s0 * (1.0 - s2) * (1.0 - s3);
+    let out = [a0 + 2.0 * a3, a2 + 2.0 * a3];
+    for (g, e) in got.out.data().iter().zip(out) {
+        assert!((g - e).abs() < 1e-15, "{g} vs {e}");
+    }
+    assert!((got.lse.data()[0] - (a0 + a2 + a3).ln()).abs() < 1e-15);
 }

@@ -304,3 +304,22 @@ fn sigmoid_attention_gradients_match_finite_differences() {
         2,
     );
 }
+
+#[test]
+fn stick_breaking_gradients_match_finite_differences() {
+    check(
+        "heads = 2, head_dim = 4, mask = causal, normalize = stick_breaking",
+        1,
+        4,
+        6,
+        0,
+    );
+    check(
+        "heads = 4, kv_heads = 2, head_dim = 4, v_head_dim = 3, position = rope, \
+         softcap = 2.0, normalize = stick_breaking, mask_mod = |b, h, q, k| (q - k) % 3 != 1",
+        2,
+        3,
+        5,
+        2,
+    );
+}

@@ -126,7 +126,16 @@ pub(super) fn run(
     // Parameter gradients are summed per task in a fixed order of tiles, then over the tasks in
     // order; with parameters the tasks therefore depend on the call's shape alone, never on the
     // thread count.
-    let splits = if lens.params == 0 {
+    if plan.stick_breaking() && !plan.param_grads.is_empty() {
+        return Err(RuntimeError::Unsupported {
+            backend: "cpu",
+            what: "the stick-breaking backward of learnable parameters or f32 data tensors".into(),
+        });
+    }
+    // A stick-breaking row carries its state from tile to tile: one task takes every tile.
+    let splits = if plan.stick_breaking() {
+        1
+    } else if lens.params == 0 {
         key_splits(units, tiles, lens.q + lens.k + lens.v)
     } else {
         fixed_splits(units, tiles, lens.q + lens.k + lens.v + lens.params)
@@ -427,6 +436,8 @@ struct TileAt {
     r0: usize,
     n: usize,
     code: TileCode,
+    /// Stick-breaking's first sweep: only the rows' state advances (no gradients).
+    state_only: bool,
 }
 
 /// One (batch, kv head) of a call, or one split of its key tiles.
@@ -452,10 +463,8 @@ impl Task<'_> {
     /// (with parameters; else empty) the parameters' gradients, in a fixed order of tiles.
     fn run(&self, scratch: &mut Scratch, [dq, dk, dv_acc, dparams]: [&mut [f32]; 4]) {
         let plan = self.plan;
-        let (hq, hkv) = (self.x.piece.hq, self.x.piece.hkv);
         let (sq, skv, p0) = (self.x.sq, self.x.skv, self.x.position_offset);
-        let group = hq / hkv;
-        let h0 = self.kvh * group;
+        let group = self.x.piece.hq / self.x.piece.hkv;
         let Scratch {
             q,
             delta,
@@ -466,20 +475,74 @@ impl Task<'_> {
             dp,
         } = scratch;
         let rows = self.prepare([q, delta, k, kt, vt]);
+        // Stick-breaking: dP's derivatives follow it, and each row's running state (the
+        // softplus sum of the keys nearer than the tile, and D less their dP A) lives in place
+        // of lse and D, for tiles visited from the last.
+        let stick = plan.stick_breaking();
+        let rows_len = rows.delta.len();
+        let mut state = stick.then(|| (vec![0f32; rows_len], vec![0f32; rows_len]));
         let mut products = Products {
             s: sized(s, K * K),
-            dp: sized(dp, K * K),
+            dp: sized(dp, if stick { 2 * K * K } else { K * K }),
             by_row: [0u32; 2 * K],
             by_col: [0u32; 2 * K],
         };
         let mut grads = [dq, dk, dv_acc, dparams];
-
-        let blocks = sq.div_ceil(K);
         let (split, splits) = self.tiles;
-        let tiles: Vec<usize> = (split..skv.div_ceil(K)).step_by(splits).collect();
-        // Head by head, and for each head [`TILE_GROUP`] key tiles at a time: a group's keys,
-        // values and dk, dv rows stay in L2 while the head's query blocks pass, and each query
-        // block's q, dout and dq rows are read once per group rather than once per tile.
+        let mut tiles: Vec<usize> = (split..skv.div_ceil(K)).step_by(splits).collect();
+        if stick {
+            tiles.reverse();
+        }
+        // Stick-breaking sweeps twice: first each row's exact `D = sum_j dP_j A_j` (its state
+        // starts at 0 and ends at -D: `D` from the saved output would carry the output's
+        // rounding into every key's dS), then the gradients.
+        let sweeps: &[bool] = if stick { &[true, false] } else { &[false] };
+        for &state_only in sweeps {
+            if let Some((nearer, remaining)) = state.as_mut() {
+                nearer.fill(0.0);
+                if state_only {
+                    remaining.fill(0.0);
+                } else {
+                    remaining.iter_mut().for_each(|e| *e = -*e);
+                }
+            }
+            self.sweep(
+                (&rows, &mut state),
+                &mut products,
+                &tiles,
+                state_only,
+                &mut grads,
+            );
+        }
+        let [dq, dk, _, _] = grads;
+        // The scores were of q scaled by `q_scale`: so is their gradient. RoPE's transpose
+        // brings dq and dk back to the unrotated inputs.
+        let d = plan.shape.qk_dim as usize;
+        for h in 0..group {
+            let rows = &mut dq[h * sq * d..(h + 1) * sq * d];
+            self.rotate(rows, Side::Query, self.q_pos0(), plan.q_scale as f32, true);
+        }
+        self.rotate(dk, Side::Key, p0, 1.0, true);
+    }
+
+    /// One sweep over the task's `tiles` in their order. Head by head, and for each head
+    /// [`TILE_GROUP`] key tiles at a time: a group's keys, values and dk, dv rows stay in L2
+    /// while the head's query blocks pass, and each query block's q, dout and dq rows are read
+    /// once per group rather than once per tile. With `state_only`, only stick-breaking's
+    /// row state advances.
+    fn sweep(
+        &self,
+        (rows, state): (&TaskRows, &mut Option<(Vec<f32>, Vec<f32>)>),
+        products: &mut Products,
+        tiles: &[usize],
+        state_only: bool,
+        grads: &mut [&mut [f32]; 4],
+    ) {
+        let plan = self.plan;
+        let (sq, skv, p0) = (self.x.sq, self.x.skv, self.x.position_offset);
+        let group = self.x.piece.hq / self.x.piece.hkv;
+        let h0 = self.kvh * group;
+        let blocks = sq.div_ceil(K);
         for h in 0..group {
             let head = self.x.piece.head0 + h0 + h;
             let call = CallShape {
@@ -508,21 +571,14 @@ impl Task<'_> {
                             r0: live.lo as usize,
                             n: (live.hi - live.lo + 1) as usize,
                             code,
+                            state_only,
                         };
-                        self.tile(&rows, &mut products, &at, &mut grads);
+                        let state = state.as_mut().map(|(r, e)| [&mut r[..], &mut e[..]]);
+                        self.tile((rows, state), products, &at, grads);
                     }
                 }
             }
         }
-        let [dq, dk, _, _] = grads;
-        // The scores were of q scaled by `q_scale`: so is their gradient. RoPE's transpose
-        // brings dq and dk back to the unrotated inputs.
-        let d = plan.shape.qk_dim as usize;
-        for h in 0..group {
-            let rows = &mut dq[h * sq * d..(h + 1) * sq * d];
-            self.rotate(rows, Side::Query, self.q_pos0(), plan.q_scale as f32, true);
-        }
-        self.rotate(dk, Side::Key, p0, 1.0, true);
     }
 
     /// The position of the call's first query.
@@ -591,7 +647,7 @@ impl Task<'_> {
     /// dO`, `dK += dS^T Q` and `dQ += dS K` into `[dq, dk, dv]`.
     fn tile(
         &self,
-        rows: &TaskRows,
+        (rows, state): (&TaskRows, Option<[&mut [f32]; 2]>),
         products: &mut Products,
         at: &TileAt,
         [dq, dk, dv_acc, dparams]: &mut [&mut [f32]; 4],
@@ -632,12 +688,19 @@ impl Task<'_> {
                 dp.as_mut_ptr(),
                 std::ptr::null_mut(),
             );
+            let (lse, delta) = match state {
+                Some([nearer, remaining]) => (
+                    nearer.as_mut_ptr().add(row).cast_const(),
+                    remaining.as_mut_ptr().add(row).cast_const(),
+                ),
+                None => (rows.lse.as_ptr().add(row), rows.delta.as_ptr().add(row)),
+            };
             let args = GradTileArgs {
                 s: s.as_mut_ptr(),
                 dp: dp.as_mut_ptr(),
                 rows: n as i64,
-                lse: rows.lse.as_ptr().add(row),
-                delta: rows.delta.as_ptr().add(row),
+                lse,
+                delta,
                 q_pos0: self.q_pos0() + at.r0 as i64,
                 qi0: at.r0 as i64,
                 batch: self.b as i64,
@@ -654,6 +717,9 @@ impl Task<'_> {
                 },
             };
             (self.kernels.grad_tile)(&args);
+        }
+        if at.state_only {
+            return;
         }
         // Where a mask zeroes part of the tile, the products below skip the keys (rows, for
         // the transposed ones) whose P and dS are all zero.

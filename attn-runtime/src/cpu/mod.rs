@@ -15,6 +15,7 @@ pub(crate) mod panels;
 pub mod row_kernels;
 pub mod softmax_tiles;
 pub mod spans;
+mod stick_tiles;
 
 use crate::backend::Backend;
 use crate::backend::{bind_placed, ensure_forward_fits, not_placed_mla, placed_gradients};
@@ -103,6 +104,7 @@ fn imports(isa: Isa, plan: &codegen::plan::KernelPlan, dtype: DType) -> Imports 
     let (exp_tile, ds_tile) = match plan.spec.normalize {
         Normalize::Softmax => softmax_tiles::addresses(isa),
         Normalize::Sigmoid(_) => softmax_tiles::sigmoid_addresses(isa),
+        Normalize::StickBreaking => stick_tiles::addresses(),
     };
     Imports {
         qk_tile,
@@ -165,6 +167,7 @@ impl Backend for CpuBackend {
         options: DecodeOptions,
         params: &[f32],
     ) -> Result<Output, RuntimeError> {
+        crate::host::checks::refuse_stick_breaking(variant, "cpu", "a cached (decode) call")?;
         let call = decode::Cached {
             cache,
             seqs,

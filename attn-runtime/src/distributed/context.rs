@@ -277,6 +277,13 @@ impl<'a> ContextParallel<'a> {
                             .into(),
                     );
                 }
+                if spec.normalize == attn_dsl::Normalize::StickBreaking {
+                    return refuse(
+                        "stick-breaking weights each key by every nearer one, so the ring's \
+                         pieces do not merge by their sums; use Ulysses"
+                            .into(),
+                    );
+                }
             }
         }
         let (h, kv) = (spec.heads as usize, spec.kv_heads() as usize);

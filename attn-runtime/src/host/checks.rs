@@ -215,3 +215,22 @@ pub(crate) fn overflowed_rows_are_nan(out: &mut [f32], lse: &mut [f32], dv: usiz
         }
     }
 }
+
+/// Refuses `normalize = stick_breaking` where `backend` does not run it (`what`: the call, in
+/// words): its weights depend on every nearer key, so split-KV decode and the GPU kernels,
+/// which take keys in any order or in parallel pieces, do not compute them yet.
+pub(crate) fn refuse_stick_breaking(
+    variant: &Variant,
+    backend: &'static str,
+    what: &str,
+) -> Result<(), RuntimeError> {
+    match variant.spec().normalize {
+        attn_dsl::Normalize::StickBreaking => Err(RuntimeError::Unsupported {
+            backend,
+            what: format!(
+                "normalize = stick_breaking in {what} (the cpu backend's forward and backward run it)"
+            ),
+        }),
+        _ => Ok(()),
+    }
+}

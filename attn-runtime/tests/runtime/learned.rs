@@ -153,6 +153,28 @@ impl Case {
             .unwrap()
     }
 
+    /// Forward, then backward, on `backend`: the backward's error if it refuses.
+    pub(crate) fn try_backward(
+        &self,
+        backend: &dyn Backend,
+    ) -> Result<HeadGradients, attn_runtime::RuntimeError> {
+        let forward = self.forward(backend);
+        let [(q, _), (k, _), (v, _), (dout, _)] = &self.tensors;
+        let x = BackwardInputs::Heads(HeadsBackward {
+            q,
+            k,
+            v,
+            out: &forward.out,
+            lse: &forward.lse,
+            dout,
+            position_offset: self.p0,
+        });
+        let learned = by_name(&self.learned.0);
+        backend
+            .backward_learned(&self.variant, &x, Learned::new(&learned))?
+            .heads()
+    }
+
     fn backward(&self, backend: &dyn Backend, forward: &Output) -> HeadGradients {
         let [(q, _), (k, _), (v, _), (dout, _)] = &self.tensors;
         let x = BackwardInputs::Heads(HeadsBackward {

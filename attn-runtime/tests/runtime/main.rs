@@ -18,6 +18,7 @@ mod learned;
 mod model;
 mod research;
 mod resident_model;
+mod stick_breaking;
 mod support;
 mod text;
 mod varlen;

@@ -287,13 +287,18 @@ pub struct RotateArgs {
 pub struct GradTileArgs {
     /// Scores in, probabilities out: rows of [`K_TILE`] values.
     pub s: *mut f32,
-    /// `dP` in, `dS` out: rows of [`K_TILE`] values.
+    /// `dP` in, `dS` out: rows of [`K_TILE`] values. Under `normalize = stick_breaking` the
+    /// buffer holds `2 K_TILE^2` values: the pass leaves each score's derivative `K_TILE^2`
+    /// values after its dP.
     pub dp: *mut f32,
     /// Rows of the block.
     pub rows: i64,
-    /// Natural-log log-sum-exp of each row, from the forward.
+    /// Natural-log log-sum-exp of each row, from the forward. Under `normalize =
+    /// stick_breaking`: each row's running sum of `softplus` over the keys nearer than the
+    /// tile (0 before the last tile), advanced by the tile.
     pub lse: *const f32,
-    /// `D` of each row: `sum_d dO * out`.
+    /// `D` of each row: `sum_d dO * out`. Under `normalize = stick_breaking`: `D` less the sum
+    /// of `dP A` over the keys nearer than the tile, advanced by the tile.
     pub delta: *const f32,
     /// Absolute position of row 0.
     pub q_pos0: i64,

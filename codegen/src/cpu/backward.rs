@@ -94,14 +94,22 @@ pub(super) fn grad_tile(
             .icmp_imm_s(IntCC::Equal, code, TileCode::Masked as i64);
     let per_element = fx.b.ins().bor(partial, mixed);
     // After the pass, `s` holds the scores in half base-2 units and `dp` holds (dP - D) times
-    // the derivative, so `ds_tile` only exponentiates and multiplies.
+    // the derivative, so `ds_tile` only exponentiates and multiplies. Under stick-breaking `dp`
+    // holds dP and the derivative follows it, and `lse` and `delta` are the rows' running
+    // state, which `ds_tile` reads and advances.
     let after_pass = |fx: &mut Fx| {
-        let (null, one) = (fx.i64(0), fx.f32(1.0));
+        let one = fx.f32(1.0);
+        let state = match plan.stick_breaking() {
+            true => delta,
+            false => fx.i64(0),
+        };
         fx.b.ins()
-            .call(refs.ds_tile, &[s, dp, rows, lse, null, one]);
+            .call(refs.ds_tile, &[s, dp, rows, lse, state, one]);
     };
     let constant_slope = match grad {
-        Expr::Float(c) if identity_program(plan) && dparams.is_none() => Some(*c as f32),
+        Expr::Float(c) if identity_program(plan) && dparams.is_none() && !plan.stick_breaking() => {
+            Some(*c as f32)
+        }
         _ => None,
     };
     match constant_slope {
@@ -214,7 +222,16 @@ impl TilePass {
                 } else {
                     fx.b.ins().fsub(dpv, delta)
                 };
-                let mut weighted = fx.b.ins().fmul(centered, slope);
+                let mut weighted = if plan.stick_breaking() {
+                    // dS takes every nearer key's dP: `ds_tile` needs dP as it is, and the
+                    // derivative apart, in the second half of the dP buffer.
+                    let area = 4 * i64::from(K_TILE) * i64::from(K_TILE);
+                    let at = fx.b.ins().iadd_imm_s(pdp, area);
+                    fx.store(slope, at, 0);
+                    dpv
+                } else {
+                    fx.b.ins().fmul(centered, slope)
+                };
                 let keep = masked
                     .then(|| kept_lanes(fx, plan, &mut lowering, &uniforms, &g, self.key_end));
                 if let (Some(dparams), Some(lse)) = (self.dparams, row_lse) {

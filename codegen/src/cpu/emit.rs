@@ -209,7 +209,15 @@ pub(super) fn block(fx: &mut Fx, plan: &KernelPlan, refs: &Refs, tables: &mut Ta
     let n_tiles = fx.b.ins().iadd_imm_s(skv, tile - 1);
     let n_tiles = fx.b.ins().sshr_imm_s(n_tiles, tile.trailing_zeros() as i64);
     let zero = fx.i64(0);
-    fx.for_range(zero, n_tiles, 1, |fx, t| {
+    fx.for_range(zero, n_tiles, 1, |fx, i| {
+        // Stick-breaking weighs keys from the nearest: tiles from the last.
+        let t = match plan.stick_breaking() {
+            true => {
+                let last = fx.b.ins().iadd_imm_s(n_tiles, -1);
+                fx.b.ins().isub(last, i)
+            }
+            false => i,
+        };
         let record_len = fx.i64(std::mem::size_of::<BlockTile>() as i64);
         let at = fx.b.ins().imul(t, record_len);
         let record = fx.b.ins().iadd(records, at);

@@ -2,7 +2,9 @@
 //! the prologue (rotated, scaled queries; empty running state), the per-tile online-softmax step
 //! (score program, mask, base-2 softmax, value product) and the epilogue (out and lse). Under
 //! `normalize = sigmoid` the step keeps no running max (each key's weight stands alone: the
-//! runtime's `exp_tile` is then the sigmoid's) and the epilogue does not divide by the sum.
+//! runtime's `exp_tile` is then the sigmoid's) and the epilogue does not divide by the sum;
+//! under `stick_breaking` the same, with each row's running sum of `softplus` where the max
+//! was (its `exp_tile` reads and advances it, tiles visited from the last).
 
 use super::abi::ScratchLayout;
 use super::fx::Fx;
@@ -154,10 +156,14 @@ pub(super) fn prologue(
             let factor = fx.f32(plan.q_scale as f32);
             scale_row(fx, dst, qk_dim, factor, false);
         }
-        let neg_inf = fx.f32(f32::NEG_INFINITY);
+        // The running max starts at -inf; stick-breaking's running softplus sum at 0.
+        let m0 = fx.f32(match plan.stick_breaking() {
+            true => 0.0,
+            false => f32::NEG_INFINITY,
+        });
         let zero_f = fx.f32(0.0);
         let pm = fx.elem(a.m, r);
-        fx.store(neg_inf, pm, 0);
+        fx.store(m0, pm, 0);
         let pl = fx.elem(a.l, r);
         fx.store(zero_f, pl, 0);
         let pa = fx.elem_scaled(a.acc, r, v_dim_v);
@@ -188,8 +194,9 @@ pub(super) fn epilogue(
         // A row is empty when no key was kept (sum exactly 0); a NaN sum carries NaN through.
         let nonempty = fx.b.ins().fcmp(FloatCC::NotEqual, lsum, zero_f);
         let pa = fx.elem_scaled(a.acc, r, v_dim_v);
-        if !plan.sigmoid() {
-            // Sigmoid weights are not normalized: out is the accumulator as it stands.
+        if !plan.unnormalized() {
+            // Sigmoid and stick-breaking weights are not normalized: out is the accumulator
+            // as it stands.
             let one = fx.f32(1.0);
             let inv = fx.b.ins().fdiv(one, lsum);
             let inv = fx.b.ins().select(nonempty, inv, zero_f);
@@ -204,7 +211,7 @@ pub(super) fn epilogue(
             |fx| {
                 let call = fx.b.ins().call(refs.logf, &[lsum]);
                 let ln = fx.b.inst_results(call)[0];
-                if plan.sigmoid() {
+                if plan.unnormalized() {
                     // ln of the sum of the weights.
                     fx.store(ln, plse, 0);
                     return;
@@ -285,8 +292,8 @@ pub(super) fn softmax_step(
             }
         });
 
-        if plan.sigmoid() {
-            // Each key weighs sigmoid(t) on its own: no running max, nothing to rescale.
+        if plan.unnormalized() {
+            // Sigmoid and stick-breaking keep no running max: nothing to rescale.
             return;
         }
         // New running max; `m_use` keeps exp finite while a row has seen no kept key.
@@ -324,7 +331,12 @@ pub(super) fn softmax_step(
     // as in PyTorch).
     let p = fx.elem_scaled(a.s, k.first_row, tile_v);
     let rows = fx.b.ins().isub(k.end_row, k.first_row);
-    let shift = fx.elem(a.tile_max, k.first_row);
+    // Stick-breaking's tile pass reads and advances each row's running softplus sum, kept in
+    // the running max's place; softmax's reads the shift just stored.
+    let shift = match plan.stick_breaking() {
+        true => fx.elem(a.m, k.first_row),
+        false => fx.elem(a.tile_max, k.first_row),
+    };
     let sums = fx.elem(a.l, k.first_row);
     fx.b.ins().call(refs.exp_tile, &[p, rows, shift, sums]);
     let acc = fx.elem_scaled(a.acc, k.first_row, v_dim_v);

@@ -1,0 +1,71 @@
+//! `normalize = stick_breaking` on the backends: the CPU kernels' forward (key tiles from the
+//! last, each row's softplus sum carried) and backward (the same order, with `D` less the
+//! nearer keys' `dP A` carried) against the reference, and what every other path refuses.
+
+use crate::learned::Case;
+use attn_runtime::cache::PagedCache;
+use attn_runtime::cpu::CpuBackend;
+use attn_runtime::gpu::sim::GpuSim;
+use attn_runtime::{Backend, Inputs as Call, RuntimeError, Tensor, Variant};
+
+/// Causal GQA over several key tiles; a window with RoPE and a softcap (a derivative that is not
+/// constant); a custom mask and score modifier; bf16; and a non-causal call, where keys after
+/// the query are the nearer ones.
+const SPECS: [&str; 5] = [
+    "heads = 4, kv_heads = 2, head_dim = 32, mask = causal, normalize = stick_breaking",
+    "heads = 2, head_dim = 16, mask = sliding_window(40), position = rope, softcap = 5.0, \
+     normalize = stick_breaking",
+    "heads = 2, head_dim = 16, normalize = stick_breaking, \
+     score_mod = |s, b, h, q, k| s - 0.05 * (q - k).abs() as f32, \
+     mask_mod = |b, h, q, k| (q + k) % 5 != 2",
+    "heads = 2, kv_heads = 1, head_dim = 64, mask = causal, dtype = bf16, \
+     normalize = stick_breaking",
+    "heads = 2, head_dim = 16, position = xpos(scale_base = 64.0), normalize = stick_breaking",
+];
+
+#[test]
+fn cpu_stick_breaking_matches_the_reference() {
+    let cpu = CpuBackend::new();
+    for (i, spec) in SPECS.iter().enumerate() {
+        // Three key tiles, a query block that starts mid-sequence, and offsets.
+        Case::new(spec, 2, 150 - 20 * i, 170, 3 * i as i64).check(&cpu);
+    }
+    // One long row: the running sums cross many tiles.
+    Case::new(SPECS[0], 1, 4, 700, 0).check(&cpu);
+}
+
+fn zeros(shape: &[usize]) -> Tensor {
+    Tensor::from_f32(shape, vec![0.0; shape.iter().product()]).unwrap()
+}
+
+#[test]
+fn paths_that_do_not_run_it_refuse_it() {
+    let spec: attn_dsl::AttentionSpec = SPECS[0].parse().unwrap();
+    let variant = Variant::shared(&spec).unwrap();
+    let (q, k) = (zeros(&[1, 4, 8, 32]), zeros(&[1, 2, 8, 32]));
+    let err = GpuSim::new()
+        .forward(&variant, Call::heads(&q, &k, &k), 0)
+        .unwrap_err();
+    assert!(matches!(err, RuntimeError::Unsupported { .. }), "{err}");
+    assert!(err.to_string().contains("stick_breaking"), "{err}");
+
+    let cache = PagedCache::new(&spec, 16, 4).unwrap();
+    let q1 = zeros(&[0, 4, 1, 32]);
+    let err = crate::support::decode(
+        &CpuBackend::new(),
+        &spec,
+        &q1,
+        &cache,
+        &[],
+        Default::default(),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("decode"), "{err}");
+
+    // Learnable parameters: the backward of their gradients is not built.
+    let learned = "heads = 2, head_dim = 16, mask = causal, normalize = stick_breaking, \
+                   params(w: [heads]), score_mod = |s, b, h, q, k| s * (1.0 + w[h])";
+    let case = Case::new(learned, 1, 10, 10, 0);
+    let err = case.try_backward(&CpuBackend::new()).unwrap_err();
+    assert!(err.to_string().contains("stick-breaking backward"), "{err}");
+}
