@@ -426,6 +426,10 @@ struct Products<'s> {
     by_col: [u32; 2 * K],
 }
 
+/// Stick-breaking's running state of a task's rows: the softplus sum of the keys nearer than
+/// the tile, and `D` less their `dP A`.
+type RowState = (Vec<f32>, Vec<f32>);
+
 /// Where a tile is: head `h` of the group (`head` in the call), key tile `tile` of `cols` keys,
 /// the `n` live query rows from `r0`, and its code.
 struct TileAt {
@@ -532,7 +536,7 @@ impl Task<'_> {
     /// row state advances.
     fn sweep(
         &self,
-        (rows, state): (&TaskRows, &mut Option<(Vec<f32>, Vec<f32>)>),
+        (rows, state): (&TaskRows, &mut Option<RowState>),
         products: &mut Products,
         tiles: &[usize],
         state_only: bool,

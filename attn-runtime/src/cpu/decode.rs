@@ -118,10 +118,12 @@ fn run(
     let (dqk, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
     let (k_stride, v_stride) = row_strides(cache_layout);
     let counts: Vec<usize> = items.iter().map(|i| i.segments.len()).collect();
-    let tasks = tasks(
-        &counts,
-        partitions(&counts, options, 4 * rayon::current_num_threads()),
-    );
+    // A stick-breaking row weighs each key by every nearer one: its keys stay in one task.
+    let parts = match plan.stick_breaking() {
+        true => 1,
+        false => partitions(&counts, options, 4 * rayon::current_num_threads()),
+    };
+    let tasks = tasks(&counts, parts);
 
     let results: Vec<(Vec<f32>, Vec<f32>)> = tasks
         .par_iter()
@@ -194,5 +196,12 @@ fn run(
         )
         .collect();
 
-    Ok(merge(items, &tasks, &results, layout, dv, plan.sigmoid()))
+    Ok(merge(
+        items,
+        &tasks,
+        &results,
+        layout,
+        dv,
+        plan.unnormalized(),
+    ))
 }

@@ -167,7 +167,6 @@ impl Backend for CpuBackend {
         options: DecodeOptions,
         params: &[f32],
     ) -> Result<Output, RuntimeError> {
-        crate::host::checks::refuse_stick_breaking(variant, "cpu", "a cached (decode) call")?;
         let call = decode::Cached {
             cache,
             seqs,

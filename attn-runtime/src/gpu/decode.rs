@@ -461,7 +461,7 @@ pub(crate) fn run_rows(
         merged_rows: call.out_rows,
         map,
         slots,
-        sums: plan.sigmoid(),
+        sums: plan.unnormalized(),
     };
     exec(&launch)
 }

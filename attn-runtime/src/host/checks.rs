@@ -217,8 +217,8 @@ pub(crate) fn overflowed_rows_are_nan(out: &mut [f32], lse: &mut [f32], dv: usiz
 }
 
 /// Refuses `normalize = stick_breaking` where `backend` does not run it (`what`: the call, in
-/// words): its weights depend on every nearer key, so split-KV decode and the GPU kernels,
-/// which take keys in any order or in parallel pieces, do not compute them yet.
+/// words): its weights depend on every nearer key, which the GPU kernels, taking keys in
+/// parallel pieces, do not carry yet.
 pub(crate) fn refuse_stick_breaking(
     variant: &Variant,
     backend: &'static str,
@@ -228,7 +228,8 @@ pub(crate) fn refuse_stick_breaking(
         attn_dsl::Normalize::StickBreaking => Err(RuntimeError::Unsupported {
             backend,
             what: format!(
-                "normalize = stick_breaking in {what} (the cpu backend's forward and backward run it)"
+                "normalize = stick_breaking in {what} (the cpu backend runs it: forward, \
+                 decode and backward)"
             ),
         }),
         _ => Ok(()),

@@ -293,6 +293,16 @@ fn xpos_decodes_and_refuses_positions_past_its_range() {
     assert_eq!(cache.seq_len(seq).unwrap(), 40);
 }
 
+/// Stick-breaking decodes against both caches, each row's keys in one task from the nearest
+/// segment (asked-for partitions are not taken: the keys' weights depend on the nearer ones).
+#[test]
+fn stick_breaking_decodes_from_the_nearest_segment() {
+    let spec = "heads = 4, kv_heads = 2, head_dim = 32, mask = causal, position = rope, \
+                normalize = stick_breaking";
+    check_ragged(spec, 16, None);
+    check_ragged(spec, 7, Some(3));
+}
+
 #[test]
 fn step_by_step_decoding_equals_one_prefill() {
     let backend = CpuBackend::new();

@@ -1,6 +1,7 @@
 //! `normalize = stick_breaking` on the backends: the CPU kernels' forward (key tiles from the
 //! last, each row's softplus sum carried) and backward (the same order, with `D` less the
-//! nearer keys' `dP A` carried) against the reference, and what every other path refuses.
+//! nearer keys' `dP A` carried) against the reference, and what every other path refuses
+//! (its decode is checked with the other caches' tests, in `decode.rs`).
 
 use crate::learned::Case;
 use attn_runtime::cache::PagedCache;
@@ -51,15 +52,8 @@ fn paths_that_do_not_run_it_refuse_it() {
 
     let cache = PagedCache::new(&spec, 16, 4).unwrap();
     let q1 = zeros(&[0, 4, 1, 32]);
-    let err = crate::support::decode(
-        &CpuBackend::new(),
-        &spec,
-        &q1,
-        &cache,
-        &[],
-        Default::default(),
-    )
-    .unwrap_err();
+    let err = crate::support::decode(&GpuSim::new(), &spec, &q1, &cache, &[], Default::default())
+        .unwrap_err();
     assert!(err.to_string().contains("decode"), "{err}");
 
     // Learnable parameters: the backward of their gradients is not built.

@@ -327,7 +327,16 @@ pub(super) fn decode(
     let v_stride = field!(fx, args, I64, DecodeArgs.v_row_stride);
     let record = fx.i64(std::mem::size_of::<Segment>() as i64);
     let zero = fx.i64(0);
-    fx.for_range(zero, n_segments, 1, |fx, i| {
+    // Stick-breaking weighs keys from the nearest: segments from the last.
+    let stick = plan.stick_breaking();
+    fx.for_range(zero, n_segments, 1, |fx, j| {
+        let i = match stick {
+            true => {
+                let last = fx.b.ins().iadd_imm_s(n_segments, -1);
+                fx.b.ins().isub(last, j)
+            }
+            false => j,
+        };
         let at = fx.b.ins().imul(i, record);
         let seg = fx.b.ins().iadd(segments, at);
         let code = field!(fx, seg, I64, Segment.code);
@@ -341,10 +350,14 @@ pub(super) fn decode(
             let cols = field!(fx, seg, I64, Segment.len);
             let qk_v = fx.i64(qk_dim);
             // The next segment's keys (null after the last), which `pv_rows` prefetches.
-            let next = fx.b.ins().iadd_imm_s(i, 1);
+            let next = fx.b.ins().iadd_imm_s(j, 1);
             let last =
                 fx.b.ins()
                     .icmp(IntCC::SignedGreaterThanOrEqual, next, n_segments);
+            let next = match stick {
+                true => fx.b.ins().iadd_imm_s(i, -1),
+                false => next,
+            };
             let next_i = fx.b.ins().select(last, i, next);
             let next_at = fx.b.ins().imul(next_i, record);
             let next_seg = fx.b.ins().iadd(segments, next_at);

@@ -534,7 +534,11 @@ impl DeviceSession<'_, '_> {
                 rows: (n * heads) as i64,
                 slots: t.slots as i64,
                 width: v_dim as i64,
-                sums: i64::from(self.model.model.variants()[kind].decode_plan().sigmoid()),
+                sums: i64::from(
+                    self.model.model.variants()[kind]
+                        .decode_plan()
+                        .unnormalized(),
+                ),
             },
         )?;
         Ok((rows, rows_lse))
