@@ -19,6 +19,10 @@
 //! diagonal tile). Last, dq is scaled and dq and dk are rotated back.
 
 use super::backward_tiles::{TileClassed, classify, shared_classes};
+pub(super) use super::backward_units::Grads;
+use super::backward_units::{
+    Lens, fixed_splits, key_splits, split_units, whole_units, whole_units_summing_params,
+};
 use super::{bf16_tiles, microkernels};
 use crate::error::RuntimeError;
 use crate::host::rope_table::{QkTables, RopeTables, Side};
@@ -29,7 +33,6 @@ use attn_dsl::modifier::interval::Interval;
 use codegen::cpu::abi::{GradTileArgs, RotateArgs};
 use codegen::cpu::{CpuKernel, Entry};
 use codegen::plan::{CallShape, DataRanges, K_TILE, KernelPlan, TileCode};
-use rayon::prelude::*;
 
 const K: usize = K_TILE as usize;
 
@@ -56,10 +59,6 @@ pub(super) struct Problem<'a> {
     /// Laid out as the plan's `ParamLayout`; empty without parameters.
     pub params: &'a [f32],
 }
-
-/// Gradients as f32 BHSD arrays: dq, dk, dv; and the parameters' gradients, laid out as the
-/// parameters.
-pub(super) type Grads = ((Vec<f32>, Vec<f32>, Vec<f32>), Vec<f32>);
 
 type RotateFn = unsafe extern "C" fn(*const RotateArgs);
 type GradTileFn = unsafe extern "C" fn(*const GradTileArgs);
@@ -173,18 +172,6 @@ pub(super) fn run(
     Ok(grads)
 }
 
-/// Runs a task: (unit, split, [dq, dk, dv, parameter sums]).
-type RunTask<'a> = dyn Fn(usize, usize, [&mut [f32]; 4]) + Sync + 'a;
-
-/// Values per (batch, kv head) unit of dq (its group's heads), dk and dv, and the parameters.
-#[derive(Clone, Copy)]
-struct Lens {
-    q: usize,
-    k: usize,
-    v: usize,
-    params: usize,
-}
-
 /// The functions a task calls: the kernel's entries and the microkernels of `isa` (for `dO V^T`
 /// on bf16 values, `bf16_tiles`' where `isa` has it).
 fn task_kernels(
@@ -244,87 +231,6 @@ fn rope_tables(
     }))
 }
 
-/// One task per unit, each writing its own rows of dq, dk and dv (no parameters).
-fn whole_units(((dq, dk, dv), _): &mut Grads, lens: Lens, run_task: &RunTask) {
-    dq.par_chunks_mut(lens.q)
-        .zip(dk.par_chunks_mut(lens.k))
-        .zip(dv.par_chunks_mut(lens.v))
-        .enumerate()
-        .for_each(|(unit, ((dq, dk), dv))| run_task(unit, 0, [dq, dk, dv, &mut []]));
-}
-
-/// One task per unit, as [`whole_units`], each also summing the parameters' gradients
-/// privately; the sums are added in unit order. Units run in chunks whose private sums fit
-/// [`MAX_SPLIT_VALUES`]; the order of additions is that of a single chunk, so the result does
-/// not depend on the chunk size either.
-fn whole_units_summing_params(
-    ((dq, dk, dv), dparams): &mut Grads,
-    lens: Lens,
-    units: usize,
-    run_task: &RunTask,
-) {
-    let chunk = (MAX_SPLIT_VALUES / lens.params).max(1);
-    for start in (0..units).step_by(chunk) {
-        let end = (start + chunk).min(units);
-        let sums: Vec<Vec<f32>> = dq[start * lens.q..end * lens.q]
-            .par_chunks_mut(lens.q)
-            .zip(dk[start * lens.k..end * lens.k].par_chunks_mut(lens.k))
-            .zip(dv[start * lens.v..end * lens.v].par_chunks_mut(lens.v))
-            .enumerate()
-            .map(|(i, ((dq, dk), dv))| {
-                let mut sums = vec![0f32; lens.params];
-                run_task(start + i, 0, [dq, dk, dv, &mut sums]);
-                sums
-            })
-            .collect();
-        for unit_sums in &sums {
-            dparams.iter_mut().zip(unit_sums).for_each(|(t, x)| *t += x);
-        }
-    }
-}
-
-/// Few units for the threads: each unit's key tiles are dealt round-robin to `splits` tasks
-/// (round-robin keeps causal work even), each with its own gradients, summed afterwards (a
-/// split's dk and dv rows are zero outside its tiles); the parameters' sums in task order.
-fn split_units(
-    ((dq, dk, dv), dparams): &mut Grads,
-    lens: Lens,
-    units: usize,
-    splits: usize,
-    run_task: &RunTask,
-) {
-    let Lens { q, k, v, params } = lens;
-    let partial: Vec<Vec<f32>> = (0..units * splits)
-        .into_par_iter()
-        .map(|i| {
-            let mut grads = written_zeros(q + k + v + params);
-            let (dq, rest) = grads.split_at_mut(q);
-            let (dk, rest) = rest.split_at_mut(k);
-            let (dv, sums) = rest.split_at_mut(v);
-            run_task(i / splits, i % splits, [dq, dk, dv, sums]);
-            grads
-        })
-        .collect();
-    dq.par_chunks_mut(q)
-        .zip(dk.par_chunks_mut(k))
-        .zip(dv.par_chunks_mut(v))
-        .zip(partial.par_chunks(splits))
-        .for_each(|(((dq, dk), dv), parts)| {
-            for part in parts {
-                let (pq, rest) = part.split_at(q);
-                let (pk, rest) = rest.split_at(k);
-                let pv = &rest[..v];
-                for (out, add) in [(&mut *dq, pq), (&mut *dk, pk), (&mut *dv, pv)] {
-                    out.iter_mut().zip(add).for_each(|(o, a)| *o += a);
-                }
-            }
-        });
-    for part in &partial {
-        let sums = &part[q + k + v..];
-        dparams.iter_mut().zip(sums).for_each(|(t, x)| *t += x);
-    }
-}
-
 thread_local! {
     /// Each thread's buffers, kept from task to task and call to call: fresh memory costs page
     /// faults, and freeing it costs TLB shootdowns on every core.
@@ -374,35 +280,6 @@ fn copy_into(buffer: &mut Vec<f32>, from: &[f32]) {
 fn sized(buffer: &mut Vec<f32>, len: usize) -> &mut [f32] {
     buffer.resize(len, 0.0);
     buffer
-}
-
-/// Most values of private gradients the split tasks of one call may hold together.
-const MAX_SPLIT_VALUES: usize = 64 << 20;
-
-/// How many tasks share each (batch, kv head)'s key tiles: 1 when the units alone keep every
-/// thread busy, else enough for two tasks per thread, as far as there are tiles to deal and the
-/// private gradients (`unit_values` each) stay within [`MAX_SPLIT_VALUES`].
-fn key_splits(units: usize, tiles: usize, unit_values: usize) -> usize {
-    let wanted = 2 * rayon::current_num_threads();
-    if units >= wanted {
-        return 1;
-    }
-    let by_memory = MAX_SPLIT_VALUES / (units * unit_values).max(1);
-    wanted.div_ceil(units).min(tiles).min(by_memory).max(1)
-}
-
-/// Tasks a call with parameters aims for: enough to keep a few threads busy however few
-/// (batch, kv head) units it has, fixed so that the tasks (and the order in which the parameter
-/// gradients add up) do not depend on the thread count.
-const FIXED_TASKS: usize = 16;
-
-/// [`key_splits`] for a call with parameters: [`FIXED_TASKS`] in place of the thread count.
-fn fixed_splits(units: usize, tiles: usize, unit_values: usize) -> usize {
-    if units >= FIXED_TASKS {
-        return 1;
-    }
-    let by_memory = MAX_SPLIT_VALUES / (units * unit_values).max(1);
-    FIXED_TASKS.div_ceil(units).min(tiles).min(by_memory).max(1)
 }
 
 /// A task's rows once prepared ([`Task::prepare`]): the group's queries (rotated and scaled),

@@ -3,6 +3,7 @@
 
 mod backward;
 mod backward_tiles;
+mod backward_units;
 pub mod bandwidth;
 pub(crate) mod bf16_gemm;
 pub mod bf16_tiles;
