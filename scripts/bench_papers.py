@@ -28,6 +28,18 @@ def sigmoid_eager(q, k, v, bias):
     return torch.where(keep, torch.sigmoid(s), torch.zeros((), dtype=s.dtype)) @ v
 
 
+def stick_breaking_eager(q, k, v):
+    """Stick-breaking as its paper writes it: log A = log sigmoid(s) plus the reversed cumulative
+    sum of log(1 - sigmoid(s)) over the nearer kept keys, causal, times V."""
+    n = q.shape[2]
+    s = q @ k.transpose(-1, -2) / math.sqrt(D)
+    keep = torch.ones(n, n, dtype=torch.bool).tril()
+    zero = torch.zeros((), dtype=s.dtype)
+    rest = torch.where(keep, F.logsigmoid(-s), zero)
+    nearer = torch.flip(torch.cumsum(torch.flip(rest, [-1]), -1), [-1]) - rest
+    return torch.where(keep, torch.exp(F.logsigmoid(s) + nearer), zero) @ v
+
+
 def main():
     reps = int(sys.argv[1]) if len(sys.argv) > 1 else 3
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 2048
@@ -47,8 +59,11 @@ def main():
         "attn causal softmax": step(lambda: attn.attention(q, k, v, f"heads = {H}, head_dim = {D}, mask = causal")),
         f"attn sigmoid (bias = -ln({n}))": step(lambda: attn.attention(
             q, k, v, f"heads = {H}, head_dim = {D}, mask = causal, normalize = sigmoid(bias = -ln({n}))")),
+        "attn stick-breaking": step(lambda: attn.attention(
+            q, k, v, f"heads = {H}, head_dim = {D}, mask = causal, normalize = stick_breaking")),
         "SDPA causal softmax": step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
         "PyTorch eager sigmoid": step(lambda: sigmoid_eager(q, k, v, bias)),
+        "PyTorch eager stick-breaking": step(lambda: stick_breaking_eager(q, k, v)),
     }
     rounds = {name: [] for name in contenders}
     for _ in range(3):

@@ -56,7 +56,7 @@ pub fn addresses(isa: Isa) -> (usize, usize) {
 }
 
 /// `2^(2x)`, one lane of the vector versions.
-fn exp2_of_double(x: f32) -> f32 {
+pub(super) fn exp2_of_double(x: f32) -> f32 {
     // `x < LOWEST ? LOWEST : x`: a NaN passes through.
     let x = if x < LOWEST { LOWEST } else { x };
     let t = x * 2.0 + MAGIC;

@@ -16,6 +16,7 @@
 //!   sum_{i farther} dP_i A_i` (docs/semantics.md). `nearer` (`R`) and `remaining` (`E`) are
 //!   advanced.
 
+use super::softmax_tiles::exp2_of_double;
 use codegen::plan::K_TILE;
 
 const K: usize = K_TILE as usize;
@@ -23,19 +24,39 @@ const K: usize = K_TILE as usize;
 /// Half base-2 units to natural ones.
 const HALF_TO_NATURAL: f32 = 2.0 * std::f32::consts::LN_2;
 
-/// `ln(1 + e^x)`, without overflow for either sign.
-fn softplus(x: f32) -> f32 {
-    x.max(0.0) + (-x.abs()).exp().ln_1p()
+/// One key's weight `e^(ln sigmoid(x) - nearer)`, its `softplus(x)` and its `sigmoid(x)`, from
+/// its score `t` in half base-2 units (`x = 2 t ln 2`), all from one `E = e^(-|x|) =
+/// 2^(-2|t|)`: with `L = ln(1 + E)`, `softplus(x) = max(x, 0) + L` and `ln sigmoid(x) =
+/// min(x, 0) - L`. Both exponentials are the softmax passes' `2^(2x)`; `L` is
+/// [`ln_1p_unit`]. A masked key (`-inf`) weighs 0 and adds 0; a NaN gives NaN in all three.
+fn weigh(t: f32, nearer: f32) -> (f32, f32, f32) {
+    if t == f32::NEG_INFINITY {
+        return (0.0, 0.0, 0.0);
+    }
+    let e = exp2_of_double(-t.abs());
+    let l = ln_1p_unit(e);
+    let sigmoid = if t >= 0.0 {
+        1.0 / (1.0 + e)
+    } else {
+        e / (1.0 + e)
+    };
+    let weight = exp2_of_double(t.min(0.0) - (l + nearer) * NATURAL_TO_HALF);
+    (weight, t.max(0.0) * HALF_TO_NATURAL + l, sigmoid)
 }
 
-/// One key's weight `e^(ln sigmoid(x) - nearer)` and its `softplus(x)`, from its score in half
-/// base-2 units; a masked key (`-inf`) weighs 0 and adds 0, a NaN gives NaN in both.
-fn weigh(t: f32, nearer: f32) -> (f32, f32) {
-    if t == f32::NEG_INFINITY {
-        return (0.0, 0.0);
-    }
-    let x = t * HALF_TO_NATURAL;
-    ((-softplus(-x) - nearer).exp(), softplus(x))
+/// Natural units to half base-2 ones.
+const NATURAL_TO_HALF: f32 = std::f32::consts::LOG2_E / 2.0;
+
+/// `ln(1 + e)` for `e` in `[0, 1]` (NaN passes): `2 atanh(u)`, `u = e / (2 + e) <= 1/3`, by its
+/// series to `u^13` (the next term is below `5e-8` of it).
+fn ln_1p_unit(e: f32) -> f32 {
+    let u = e / (2.0 + e);
+    let u2 = u * u;
+    let series = 1.0
+        + u2 * (1.0 / 3.0
+            + u2 * (1.0 / 5.0
+                + u2 * (1.0 / 7.0 + u2 * (1.0 / 9.0 + u2 * (1.0 / 11.0 + u2 * (1.0 / 13.0))))));
+    2.0 * u * series
 }
 
 /// The forward's `exp_tile` under `normalize = stick_breaking` (see the module contract).
@@ -56,7 +77,7 @@ pub unsafe extern "C" fn stick_tile(s: *mut f32, rows: i64, nearer: *const f32, 
     };
     for ((row, r), sum) in s.chunks_exact_mut(K).zip(nearer).zip(sums) {
         for x in row.iter_mut().rev() {
-            let (w, added) = weigh(*x, *r);
+            let (w, added, _) = weigh(*x, *r);
             *x = w;
             *r += added;
             *sum += w;
@@ -104,27 +125,16 @@ pub unsafe extern "C" fn stick_ds_tile(
     {
         for c in (0..K).rev() {
             let t = s[c];
-            let (a, added) = weigh(t, *r);
             if t == f32::NEG_INFINITY {
                 (s[c], dp[c]) = (0.0, 0.0);
                 continue;
             }
-            let sig = sigmoid(t * HALF_TO_NATURAL);
+            let (a, added, sig) = weigh(t, *r);
             let da = dp[c] * a;
             *e -= da;
             dp[c] = (da * (1.0 - sig) - sig * *e) * slopes[c] * factor;
             s[c] = a;
             *r += added;
         }
-    }
-}
-
-/// `1 / (1 + e^-x)`, without overflow for either sign.
-fn sigmoid(x: f32) -> f32 {
-    if x >= 0.0 {
-        1.0 / (1.0 + (-x).exp())
-    } else {
-        let e = x.exp();
-        e / (1.0 + e)
     }
 }
