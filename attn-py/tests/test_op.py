@@ -173,6 +173,53 @@ def test_sigmoid_attention_matches_the_papers_eager_form_with_gradients():
     )
 
 
+def test_stick_breaking_matches_the_papers_eager_form_with_gradients():
+    """normalize = stick_breaking against log sigmoid(s) plus the reversed cumulative sum of
+    log(1 - sigmoid(s)) over the nearer kept keys, in float64 autograd."""
+    q, k, v = qkv(hkv=4, s=70)
+    dout = torch.randn(2, 4, 70, 16)
+    out = attn.attention(q, k, v, "heads = 4, head_dim = 16, mask = causal, normalize = stick_breaking")
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    x = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    s = x[0] @ x[1].transpose(-1, -2) / 4.0
+    keep = torch.ones(70, 70, dtype=torch.bool).tril()
+    zero = torch.zeros((), dtype=s.dtype)
+    rest = torch.where(keep, torch.nn.functional.logsigmoid(-s), zero)
+    nearer = torch.flip(torch.cumsum(torch.flip(rest, [-1]), -1), [-1]) - rest
+    want = torch.where(keep, torch.exp(torch.nn.functional.logsigmoid(s) + nearer), zero) @ x[2]
+    want_grads = torch.autograd.grad(want, x, dout.double())
+    assert_close(out, want, 2e-5, 2e-4, "out")
+    for name, g, w in zip("qkv", got, want_grads):
+        assert_close(g, w, 5e-5, 5e-4, f"d{name}")
+
+
+def test_xpos_matches_the_papers_decay_with_gradients():
+    """position = xpos against interleaved RoPE whose pairs are scaled by zeta^(n / 512) (q) and
+    zeta^(-m / 512) (k), zeta_i = (2i / d + 0.4) / 1.4, in float64 autograd."""
+    q, k, v = qkv(hkv=4, s=40)
+    dout = torch.randn(2, 4, 40, 16)
+    out = attn.attention(q, k, v, "heads = 4, head_dim = 16, mask = causal, position = xpos(scale_base = 32.0)")
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    x = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    pos = torch.arange(40, dtype=torch.float64)
+    zeta = (torch.arange(0, 16, 2, dtype=torch.float64) / 16 + 0.4) / 1.4
+    angle = pos[:, None] * 10000.0 ** (-torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+
+    def rotate(t, sign):
+        scale = zeta[None, :] ** (sign * pos[:, None] / 32.0)
+        cos, sin = torch.cos(angle) * scale, torch.sin(angle) * scale
+        a, b = t[..., 0::2], t[..., 1::2]
+        return torch.stack([a * cos - b * sin, b * cos + a * sin], -1).flatten(-2)
+
+    s = rotate(x[0], 1.0) @ rotate(x[1], -1.0).transpose(-1, -2) / 4.0
+    keep = torch.ones(40, 40, dtype=torch.bool).tril()
+    want = torch.softmax(s.masked_fill(~keep, float("-inf")), -1) @ x[2]
+    want_grads = torch.autograd.grad(want, x, dout.double())
+    assert_close(out, want, 2e-5, 2e-4, "out")
+    for name, g, w in zip("qkv", got, want_grads):
+        assert_close(g, w, 2e-5, 2e-4, f"d{name}")
+
+
 def test_the_module_starts_its_tensors_where_the_spec_says():
     spec = ("heads = 4, head_dim = 16, mask = causal, params(slopes: [heads] = alibi, "
             "w: [heads, 64] = normal(0.5), c: [1] = 0.25), "

@@ -158,7 +158,14 @@ impl Case {
         &self,
         backend: &dyn Backend,
     ) -> Result<HeadGradients, attn_runtime::RuntimeError> {
-        let forward = self.forward(backend);
+        self.backward_of(backend, &self.forward(backend))
+    }
+
+    fn backward_of(
+        &self,
+        backend: &dyn Backend,
+        forward: &Output,
+    ) -> Result<HeadGradients, attn_runtime::RuntimeError> {
         let [(q, _), (k, _), (v, _), (dout, _)] = &self.tensors;
         let x = BackwardInputs::Heads(HeadsBackward {
             q,
@@ -176,22 +183,7 @@ impl Case {
     }
 
     fn backward(&self, backend: &dyn Backend, forward: &Output) -> HeadGradients {
-        let [(q, _), (k, _), (v, _), (dout, _)] = &self.tensors;
-        let x = BackwardInputs::Heads(HeadsBackward {
-            q,
-            k,
-            v,
-            out: &forward.out,
-            lse: &forward.lse,
-            dout,
-            position_offset: self.p0,
-        });
-        let learned = by_name(&self.learned.0);
-        backend
-            .backward_learned(&self.variant, &x, Learned::new(&learned))
-            .unwrap()
-            .heads()
-            .unwrap()
+        self.backward_of(backend, forward).unwrap()
     }
 
     fn tolerance(&self) -> (f64, f64) {
