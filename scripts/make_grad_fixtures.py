@@ -322,6 +322,65 @@ PAPER_CASES = {
 }
 
 
+def differential_grads(c, tensors, dtype, p0, lam):
+    """DIFF Transformer (Ye et al., 2024) in its official code's layout: 2H component query
+    heads and 2Hkv key heads (GQA repeating the key heads over the query heads), values of Hkv
+    heads repeated over the H differential heads; lambda = exp(q1 . k1) - exp(q2 . k2) + init;
+    out_h = (A_2h - lambda A_2h+1) v. Returns out, the components' lse and the gradients."""
+    q, k, v, dout = [t.to(dtype).detach().requires_grad_(i < 3) for i, t in enumerate(tensors)]
+    vecs = {n: t.to(dtype).detach().requires_grad_(True) for n, t in lam.items()}
+    lam_value = (torch.exp((vecs["lambda_q1"] * vecs["lambda_k1"]).sum())
+                 - torch.exp((vecs["lambda_q2"] * vecs["lambda_k2"]).sum()) + c["lambda_init"])
+    # Each value head given to both components of its heads: attention() then repeats the
+    # 2Hkv value heads over the 2H query heads as it does the keys.
+    both = v.repeat_interleave(2, dim=1)
+    comp, lse = attention(c, q, k, both, p0)
+    out = comp[:, 0::2] - lam_value * comp[:, 1::2]
+    (out * dout).sum().backward()
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad, {n: t.grad for n, t in vecs.items()}
+
+
+LAMBDA = ["lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"]
+
+DIFFERENTIAL_CASES = {
+    "differential_causal_gqa_rope_f32": dict(
+        B=2, H=8, Hkv=4, Sq=48, Skv=60, D=32, Dv=64, dtype="f32", mask="causal", p0=3,
+        rope=dict(base=10000.0, layout="half"), lambda_init=0.8,
+        spec="heads = 8, kv_heads = 4, head_dim = 32, v_head_dim = 64, mask = causal, "
+             "position = rope, differential = lambda"),
+    "differential_window_bf16": dict(
+        B=1, H=4, Hkv=2, Sq=64, Skv=64, D=64, Dv=128, dtype="bf16", mask="window:24",
+        lambda_init=0.2,
+        spec="heads = 4, kv_heads = 2, head_dim = 64, v_head_dim = 128, mask = sliding_window(24), "
+             "dtype = bf16, differential = lambda(init = 0.2)"),
+}
+
+
+def differential_case(name, c, g, manifest):
+    c.setdefault("scale", 1 / math.sqrt(c["D"]))
+    p0 = c.get("p0", 0)
+    B, H, Hkv, Sq, Skv, D, Dv = (c[n] for n in ["B", "H", "Hkv", "Sq", "Skv", "D", "Dv"])
+    shapes = [(B, H, Sq, D), (B, Hkv, Skv, D), (B, Hkv // 2, Skv, Dv), (B, H // 2, Sq, Dv)]
+    stored = [torch.randn(*s, generator=g).to(DT[c["dtype"]]) for s in shapes]
+    # The paper draws lambda's vectors from N(0, 0.1); f32 whatever the case's dtype.
+    lam = {n: 0.1 * torch.randn(D, generator=g) for n in LAMBDA}
+    out, lse, dq, dk, dv, dl = differential_grads(c, stored, torch.float64, p0, lam)
+    entry = {"spec": c["spec"], "position_offset": p0, "dtype": c["dtype"],
+             "file": f"{name}.safetensors", "learned": LAMBDA}
+    if c["dtype"] != "f32":
+        _, _, lq, lk, lv, ll = differential_grads(c, stored, DT[c["dtype"]], p0, lam)
+        pairs = [("dq", lq, dq), ("dk", lk, dk), ("dv", lv, dv)]
+        pairs += [("d" + n, ll[n], dl[n]) for n in LAMBDA]
+        entry["torch_lowp_grad_max_abs_err"] = {
+            n: float((lo.to(torch.float64) - hi).abs().max()) for n, lo, hi in pairs}
+    tensors = dict(zip(["q", "k", "v", "dout"], stored))
+    tensors.update(dq=dq, dk=dk, dv=dv, out=out, lse=lse)
+    tensors.update(lam)
+    tensors.update({"d" + n: t for n, t in dl.items()})
+    save_file({k: t.contiguous() for k, t in tensors.items()}, f"{OUT}/{name}.safetensors")
+    manifest["cases"][name] = entry
+
+
 def main():
     os.makedirs(OUT, exist_ok=True)
     g = torch.Generator().manual_seed(16)
@@ -361,6 +420,9 @@ def main():
     papers = torch.Generator().manual_seed(19)
     for name, c in PAPER_CASES.items():
         per_head_case(name, c, papers, manifest)
+    differential = torch.Generator().manual_seed(20)
+    for name, c in DIFFERENTIAL_CASES.items():
+        differential_case(name, c, differential, manifest)
     with open(f"{OUT}/manifest.json", "w") as f:
         json.dump(manifest, f, indent=1)
 

@@ -19,6 +19,7 @@
 pub mod accounting;
 pub mod catalog;
 pub mod data;
+pub mod differential;
 mod error;
 mod given;
 pub mod initial;
@@ -31,6 +32,7 @@ pub mod reference;
 pub mod spec;
 mod validate;
 
+pub use differential::{Differential, LAMBDA_NAMES};
 pub use error::{Invalid, Location, ReferenceError, SpecError, SpecErrors};
 pub use given::{Mismatch, match_call, match_learned};
 pub use parse::{

@@ -46,6 +46,9 @@ impl fmt::Display for AttentionSpec {
         if self.normalize != Normalize::Softmax {
             write!(f, ", normalize = {}", self.normalize.name())?;
         }
+        if let Some(d) = self.differential {
+            write!(f, ", differential = lambda(init = {})", F(d.lambda_init))?;
+        }
         if !self.params.is_empty() {
             write!(f, ", params(")?;
             for (i, p) in self.params.iter().enumerate() {

@@ -5,6 +5,7 @@
 //! The one deliberate exception is [`AttentionSpec::scale`]: `None` means "the default for this
 //! shape", which [`AttentionSpec::effective_scale`] computes.
 
+use crate::differential::Differential;
 use crate::modifier::{MaskMod, ScoreMod};
 
 /// A complete attention variant.
@@ -42,6 +43,9 @@ pub struct AttentionSpec {
     pub sinks: Sinks,
     /// How a row's final scores become the weights of its values (`normalize = ..`).
     pub normalize: Normalize,
+    /// Differential heads (`differential = lambda(init = L)`): query and key heads in pairs
+    /// whose weights subtract (see [`crate::differential`]).
+    pub differential: Option<Differential>,
 }
 
 /// How a row's final scores (after every modifier) become the weights of its values
@@ -561,6 +565,7 @@ impl AttentionSpec {
             data: Vec::new(),
             sinks: Sinks::None,
             normalize: Normalize::Softmax,
+            differential: None,
         }
     }
 

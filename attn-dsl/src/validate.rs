@@ -135,6 +135,7 @@ impl AttentionSpec {
             f.positive_f32("scale", s);
         }
         self.validate_normalize(&mut f);
+        self.validate_differential(&mut f);
         let bodies = [
             ("score_mod", self.score_mod.as_ref().map(|m| &m.body)),
             ("mask_mod", self.mask_mod.as_ref().map(|m| &m.body)),
@@ -188,6 +189,49 @@ impl AttentionSpec {
                 "normalize",
                 format!("normalize = {name} is not built for mla(...) yet; allowed: softmax"),
             );
+        }
+    }
+
+    fn validate_differential(&self, f: &mut Findings) {
+        let Some(d) = self.differential else { return };
+        let init = d.lambda_init;
+        if !(init.is_finite() && init.abs() <= 1e6) {
+            f.push(
+                "differential",
+                format!("lambda init = {init} is invalid; allowed: a finite number within ±1e6"),
+            );
+        }
+        if self.mla().is_some() {
+            f.push(
+                "differential",
+                "differential heads are not built for mla(...); allowed: per-head keys and \
+                 values (kv_heads)"
+                    .to_string(),
+            );
+            return;
+        }
+        if !self.heads.is_multiple_of(2) || !self.kv_heads().is_multiple_of(2) {
+            f.push(
+                "differential",
+                format!(
+                    "differential heads pair query and key heads, but heads = {} and kv_heads \
+                     = {}; allowed: even counts of both (2 components per head)",
+                    self.heads,
+                    self.kv_heads()
+                ),
+            );
+        }
+        for p in &self.params {
+            if crate::differential::LAMBDA_NAMES.contains(&p.name.as_str()) {
+                f.push(
+                    "params",
+                    format!(
+                        "params: `{}` is a learnable vector of differential heads' lambda; \
+                         allowed: another name",
+                        p.name
+                    ),
+                );
+            }
         }
     }
 

@@ -30,6 +30,7 @@ pub fn spec(spec: &AttentionSpec) -> TokenStream {
         data,
         sinks,
         normalize,
+        differential: _,
     } = spec;
     let (kv, mask, position) = (kv_layout(kv), self::mask(mask), self::position(position));
     let (softcap, scale, dtype) = (
@@ -142,6 +143,7 @@ pub fn spec(spec: &AttentionSpec) -> TokenStream {
             data: ::std::vec![#(#data),*],
             sinks: #sinks,
             normalize: #normalize,
+            differential: ::std::option::Option::None,
         }
     }
 }

@@ -46,6 +46,15 @@ pub fn attention(attr: TokenStream, item: TokenStream) -> TokenStream {
         Ok(spec) => spec,
         Err(err) => return failed(err),
     };
+    if spec.differential.is_some() {
+        // The trait's entry points return one attention's output; differential heads
+        // combine two per head (attn::runtime::differential).
+        return failed(syn::Error::new(
+            proc_macro2::Span::call_site(),
+            "differential heads are not served by #[attention]: build them at run time with \
+             attn::runtime::differential::Differential::new(spec)",
+        ));
+    }
     let embedded = match &targets {
         Some(t) => match aot::embed(&spec, &t.names, t.span) {
             Ok(kernels) => kernels,

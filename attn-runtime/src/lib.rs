@@ -34,6 +34,7 @@ pub mod cache;
 pub mod calls;
 pub mod cpu;
 pub mod device;
+pub mod differential;
 pub mod distributed;
 mod error;
 pub mod files;

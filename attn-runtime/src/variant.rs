@@ -67,6 +67,14 @@ fn kept<K: std::hash::Hash + Eq, T>(
 impl Variant {
     /// Validates and plans `spec`.
     pub fn new(spec: AttentionSpec) -> Result<Arc<Variant>, RuntimeError> {
+        if spec.differential.is_some() {
+            // A variant's calls return one attention's output per query head.
+            return Err(RuntimeError::Spec(
+                "differential heads combine two attentions per head: run the spec through \
+                 attn_runtime::differential::Differential (attnc run and grad do)"
+                    .into(),
+            ));
+        }
         let cache_layout = CacheLayout::of(&spec)?;
         Ok(Arc::new(Variant {
             text: spec.to_string(),

@@ -19,6 +19,7 @@ pub use notes::gradient_notes;
 
 pub use limits::{MAX_BRACKET_DEPTH, MAX_EXPR_DEPTH, MAX_LITERAL_CHARS, MAX_SPEC_BYTES};
 
+use crate::differential::Differential;
 use crate::error::SpecErrors;
 use crate::learnable::Subject;
 use crate::modifier::{Readable, lower_mask_mod, lower_score_mod};
@@ -53,6 +54,7 @@ const KEYS: &[&str] = &[
     "params",
     "data",
     "normalize",
+    "differential",
 ];
 
 /// The keys that are items of their own, `NAME(...)`, not `key = value`.
@@ -202,6 +204,7 @@ struct Raw {
     data: Vec<DataDecl>,
     sinks: Option<Sinks>,
     normalize: Option<Normalize>,
+    differential: Option<Option<Differential>>,
 }
 
 struct SpecParser {
@@ -359,6 +362,7 @@ impl SpecParser {
                 })
             }
             "normalize" => self.raw.normalize = Some(normalize::normalize(&v)?),
+            "differential" => self.raw.differential = Some(normalize::differential(&v)?),
             "mask_mod" => {
                 let readable = Readable {
                     params: &self.raw.params,
@@ -581,6 +585,7 @@ impl SpecParser {
             data: raw.data,
             sinks: raw.sinks.unwrap_or_default(),
             normalize: raw.normalize.unwrap_or_default(),
+            differential: raw.differential.flatten(),
         })
     }
 }

@@ -8,12 +8,16 @@
 pub mod alibi;
 mod array;
 mod backward;
+mod differential;
 mod learned;
 mod mla;
 pub mod rope;
 
 pub use array::Array;
 pub use backward::{Gradients, backward, backward_learned};
+pub use differential::{
+    DifferentialGradients, DifferentialOutput, LambdaVectors, differential, differential_backward,
+};
 pub use learned::Learned;
 pub use mla::{MlaAbsorbed, MlaGradients, MlaInputs, backward_mla, mla_absorbed, mla_expanded};
 
@@ -113,6 +117,11 @@ fn attention_inputs(
     inputs: &Inputs,
 ) -> Result<(Array, Array, Positions), ReferenceError> {
     check_spec(spec)?;
+    if spec.differential.is_some() {
+        return Err(ReferenceError::WrongEntryPoint(
+            "this spec has differential heads: use reference::differential",
+        ));
+    }
     if spec.mla().is_some() {
         return Err(ReferenceError::WrongEntryPoint(
             "this is an MLA spec: use reference::mla_absorbed or reference::mla_expanded",

@@ -5,6 +5,7 @@
 
 mod accounting;
 mod data;
+mod differential;
 mod grad;
 mod initial;
 mod interval;

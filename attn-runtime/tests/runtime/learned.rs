@@ -48,14 +48,17 @@ fn parse(text: &str) -> AttentionSpec {
 }
 
 /// A tensor of `dtype` and the values it holds exactly, as a reference array.
-fn input(dtype: DType, shape: &[usize], seed: u64) -> (Tensor, Array) {
+pub(crate) fn input(dtype: DType, shape: &[usize], seed: u64) -> (Tensor, Array) {
     let t = Tensor::from_f32_as(dtype, shape, values(shape.iter().product(), seed)).unwrap();
     let exact = t.to_f32_vec().iter().map(|x| f64::from(*x)).collect();
     (t, Array::from_vec(shape, exact).unwrap())
 }
 
 /// The spec's learnable tensors, f32, and the same values for the reference.
-fn learned(spec: &AttentionSpec, seed: u64) -> (Vec<(String, Tensor)>, Vec<ParamValues>) {
+pub(crate) fn learned(
+    spec: &AttentionSpec,
+    seed: u64,
+) -> (Vec<(String, Tensor)>, Vec<ParamValues>) {
     spec.learnable_tensors()
         .into_iter()
         .enumerate()
@@ -72,12 +75,12 @@ fn learned(spec: &AttentionSpec, seed: u64) -> (Vec<(String, Tensor)>, Vec<Param
         .unzip()
 }
 
-fn by_name(tensors: &[(String, Tensor)]) -> Vec<(&str, &Tensor)> {
+pub(crate) fn by_name(tensors: &[(String, Tensor)]) -> Vec<(&str, &Tensor)> {
     tensors.iter().map(|(n, t)| (n.as_str(), t)).collect()
 }
 
 /// Each element within `abs + rel * |want|` (NaN must match NaN).
-fn compare(what: &str, got: &[f32], want: &[f64], abs: f64, rel: f64) {
+pub(crate) fn compare(what: &str, got: &[f32], want: &[f64], abs: f64, rel: f64) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
         let g = f64::from(*g);

@@ -9,6 +9,7 @@ mod cpu_backward;
 mod cpu_differential;
 mod data;
 mod decode;
+mod differential_heads;
 mod distributed;
 mod extreme_scores;
 mod gpu_backward;

@@ -42,6 +42,9 @@ fn grad(
 ) -> Result<String, RuntimeError> {
     let on = backend;
     let backend = attn::runtime::backends::open(backend.name())?;
+    if spec.differential.is_some() {
+        return crate::differential::run(spec, input, output, offset, &*backend, true);
+    }
     let variant = attn::runtime::Variant::new(spec.clone())?;
     let cu_seqlens = read_cu_seqlens(input, spec)?;
     if spec.mla().is_some() {

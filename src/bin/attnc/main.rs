@@ -15,6 +15,7 @@ mod cache;
 mod call_data;
 mod check;
 mod check_device;
+mod differential;
 mod emit;
 mod explain;
 mod generate;

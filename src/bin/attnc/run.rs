@@ -156,6 +156,9 @@ fn run(
 ) -> Result<String, RuntimeError> {
     let on = backend;
     let backend = attn::runtime::backends::open(backend.name())?;
+    if spec.differential.is_some() {
+        return crate::differential::run(spec, input, output, offset, &*backend, false);
+    }
     let variant = attn::runtime::Variant::new(spec.clone())?;
     let cu_seqlens = read_cu_seqlens(input, spec)?;
     let Output { out, lse, .. } = if let Some([cu_q, cu_k]) = &cu_seqlens {

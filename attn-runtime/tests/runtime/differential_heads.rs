@@ -1,0 +1,217 @@
+//! Differential heads (`differential = lambda(init = L)`) on the CPU kernels and the GPU kernels
+//! (on the interpreter): output, the components' lse and every gradient, lambda's vectors and
+//! the spec's learnable tensors included, against `reference::differential`; and what is
+//! refused.
+
+use crate::learned::{by_name, compare, input, learned};
+use attn_dsl::reference::{self, Inputs};
+use attn_dsl::{AttentionSpec, DType};
+use attn_runtime::Backend;
+use attn_runtime::cpu::CpuBackend;
+use attn_runtime::differential::{Differential, DifferentialInputs};
+use attn_runtime::gpu::sim::GpuSim;
+use attn_runtime::{Learned, RuntimeError, Tensor, Variant};
+
+/// GQA with RoPE and values wider than the keys; a bf16 window with a softcap; sigmoid
+/// attention with learnable slopes; learned sinks.
+const SPECS: [&str; 4] = [
+    "heads = 4, kv_heads = 2, head_dim = 16, v_head_dim = 32, mask = causal, position = rope, \
+     differential = lambda",
+    "heads = 2, head_dim = 16, mask = sliding_window(20), softcap = 10.0, dtype = bf16, \
+     differential = lambda(init = 0.2)",
+    "heads = 4, head_dim = 16, mask = causal, normalize = sigmoid(bias = -2.0), \
+     params(slopes: [heads]), score_mod = |s, b, h, q, k| s + slopes[h] * (k - q) as f32, \
+     differential = lambda",
+    "heads = 2, head_dim = 16, sinks = learned, differential = lambda(init = 0.5)",
+];
+
+fn lambda_vectors(d: usize) -> Vec<(Tensor, Vec<f64>)> {
+    (0..4)
+        .map(|i| {
+            let v: Vec<f32> = crate::support::values(d, 40 + i)
+                .iter()
+                .map(|x| 0.3 * x)
+                .collect();
+            let exact = v.iter().map(|x| f64::from(*x)).collect();
+            (Tensor::from_f32(&[d], v).unwrap(), exact)
+        })
+        .collect()
+}
+
+fn check(text: &str, backend: &dyn Backend, (batch, sq, skv, p0): (usize, usize, usize, i64)) {
+    let spec: AttentionSpec = text.parse().unwrap();
+    let heads = Differential::new(spec.clone()).unwrap();
+    let (h, hk) = (spec.heads as usize, spec.kv_heads() as usize);
+    let (d, dv, dt) = (spec.head_dim as usize, spec.v_head_dim as usize, spec.dtype);
+    let q = input(dt, &[batch, h, sq, d], 1);
+    let k = input(dt, &[batch, hk, skv, d], 2);
+    let v = input(dt, &[batch, hk / 2, skv, dv], 3);
+    let dout = input(dt, &[batch, h / 2, sq, dv], 4);
+    let (tensors, values) = learned(&spec, 20);
+    let lambda = lambda_vectors(d);
+    let named = by_name(&tensors);
+    let x = DifferentialInputs {
+        q: &q.0,
+        k: &k.0,
+        v: &v.0,
+        lambda: [&lambda[0].0, &lambda[1].0, &lambda[2].0, &lambda[3].0],
+        position_offset: p0,
+        learned: Learned::new(&named),
+    };
+    let saved = heads.forward(backend, &x).unwrap();
+    let got = heads.backward(backend, &x, &saved, &dout.0).unwrap();
+
+    let r = Inputs {
+        q: &q.1,
+        k: &k.1,
+        v: &v.1,
+        position_offset: p0,
+    };
+    let lv = [
+        &lambda[0].1[..],
+        &lambda[1].1[..],
+        &lambda[2].1[..],
+        &lambda[3].1[..],
+    ];
+    let want = reference::differential(&spec, &r, lv, &values).unwrap();
+    let want_g = reference::differential_backward(&spec, &r, lv, &dout.1, &values).unwrap();
+    let (abs, rel) = match dt {
+        DType::F32 => (5e-5, 5e-4),
+        _ => (4e-2, 2e-2),
+    };
+    let what = format!("{text} on {}", backend.name());
+    assert!(
+        (f64::from(saved.lambda) - want.lambda).abs() < 1e-6,
+        "{what}: lambda"
+    );
+    assert_eq!(saved.out.shape(), want.out.shape(), "{what}: out shape");
+    let out = saved.out.to_f32_vec();
+    compare(&format!("{what}: out"), &out, want.out.data(), abs, rel);
+    let lse = saved.components.lse.to_f32_vec();
+    compare(
+        &format!("{what}: lse"),
+        &lse,
+        want.components.lse.data(),
+        1e-4,
+        1e-5,
+    );
+    let pairs = [
+        ("dq", &got.inputs.dq, &want_g.inputs.dq),
+        ("dk", &got.inputs.dk, &want_g.inputs.dk),
+        ("dv", &got.inputs.dv, &want_g.inputs.dv),
+    ];
+    for (name, g, w) in pairs {
+        assert_eq!(g.shape(), w.shape(), "{what}: {name} shape");
+        compare(
+            &format!("{what}: {name}"),
+            &g.to_f32_vec(),
+            w.data(),
+            abs,
+            rel,
+        );
+    }
+    // Sums over every output element: their error scales with the largest term.
+    let lambdas = got.lambda.iter().zip(&want_g.lambda);
+    for ((name, g), w) in lambdas {
+        let scale = w.iter().fold(1.0f64, |m, x| m.max(x.abs()));
+        compare(
+            &format!("{what}: {name}"),
+            &g.to_f32_vec(),
+            w,
+            abs * scale * 4.0,
+            rel,
+        );
+        assert!(w.iter().any(|x| *x != 0.0), "{what}: {name} is all zero");
+    }
+    assert_eq!(got.inputs.learned.len(), want_g.inputs.learned.len());
+    for ((name, g), w) in got.inputs.learned.iter().zip(&want_g.inputs.learned) {
+        let scale = w.values.iter().fold(1.0f64, |m, x| m.max(x.abs()));
+        let (g, w) = (g.to_f32_vec(), &w.values);
+        compare(&format!("{what}: {name}"), &g, w, abs * scale * 4.0, rel);
+    }
+}
+
+#[test]
+fn cpu_differential_heads_match_the_reference() {
+    let cpu = CpuBackend::new();
+    for (i, spec) in SPECS.iter().enumerate() {
+        check(spec, &cpu, (2, 70 - 10 * i, 90, 2 * i as i64));
+    }
+}
+
+#[test]
+fn gpu_differential_heads_match_the_reference_on_the_interpreter() {
+    let gpu = GpuSim::new();
+    for (i, spec) in SPECS.iter().enumerate() {
+        check(spec, &gpu, (1, 20, 33, i as i64));
+    }
+}
+
+fn zeros(shape: &[usize]) -> Tensor {
+    Tensor::from_f32(shape, vec![0.0; shape.iter().product()]).unwrap()
+}
+
+#[test]
+fn bad_calls_are_refused_with_what_was_wrong() {
+    let spec: AttentionSpec = SPECS[0].parse().unwrap();
+    let err = Variant::new(spec.clone()).unwrap_err();
+    assert!(err.to_string().contains("Differential"), "{err}");
+    let plain: AttentionSpec = "heads = 2, head_dim = 16".parse().unwrap();
+    let err = Differential::new(plain).unwrap_err();
+    assert!(err.to_string().contains("no differential heads"), "{err}");
+
+    let heads = Differential::new(spec).unwrap();
+    let cpu = CpuBackend::new();
+    let (q, k) = (zeros(&[1, 4, 5, 16]), zeros(&[1, 2, 5, 16]));
+    let (good_v, dim) = (zeros(&[1, 1, 5, 32]), zeros(&[16]));
+    let call = |v: &Tensor, lambda: [&Tensor; 4]| {
+        let x = DifferentialInputs {
+            q: &q,
+            k: &k,
+            v,
+            lambda,
+            position_offset: 0,
+            learned: Learned::none(),
+        };
+        heads.forward(&cpu, &x)
+    };
+    // v with a head per key head, not per pair.
+    let err = call(&zeros(&[1, 2, 5, 32]), [&dim; 4]).unwrap_err();
+    assert!(
+        matches!(&err, RuntimeError::Shape { tensor, .. } if tensor == "v"),
+        "{err}"
+    );
+    let short = zeros(&[15]);
+    let err = call(&good_v, [&dim, &dim, &dim, &short]).unwrap_err();
+    assert!(err.to_string().contains("lambda_k2"), "{err}");
+    let huge = Tensor::from_f32(&[16], vec![30.0; 16]).unwrap();
+    let err = call(&good_v, [&huge, &huge, &dim, &dim]).unwrap_err();
+    assert!(err.to_string().contains("finite"), "{err}");
+
+    // The backward takes the forward's lambda and an output gradient of the output's shape.
+    let saved = call(&good_v, [&dim; 4]).unwrap();
+    let one = Tensor::from_f32(&[16], vec![0.1; 16]).unwrap();
+    let x = DifferentialInputs {
+        q: &q,
+        k: &k,
+        v: &good_v,
+        lambda: [&one, &one, &dim, &dim],
+        position_offset: 0,
+        learned: Learned::none(),
+    };
+    let dout = zeros(&[1, 2, 5, 32]);
+    let err = heads.backward(&cpu, &x, &saved, &dout).unwrap_err();
+    assert!(err.to_string().contains("the forward ran with"), "{err}");
+    let x = DifferentialInputs {
+        lambda: [&dim; 4],
+        ..x
+    };
+    let err = heads
+        .backward(&cpu, &x, &saved, &zeros(&[1, 4, 5, 32]))
+        .unwrap_err();
+    assert!(
+        matches!(&err, RuntimeError::Shape { tensor, .. } if tensor == "dout"),
+        "{err}"
+    );
+    assert!(heads.backward(&cpu, &x, &saved, &dout).is_ok());
+}
