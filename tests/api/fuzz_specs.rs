@@ -54,6 +54,8 @@ const SEEDS: &[&str] = &[
      score_mod = |s, b, h, q, k| s * (1.0 + w[h]) - a[h] * (q - k) as f32",
     "heads = 4, kv_heads = 2, head_dim = 16, mask = sliding_window(9), \
      normalize = stick_breaking, position = xpos(dim = 8, scale_base = 64.0, gamma = 0.5)",
+    "heads = 4, kv_heads = 2, head_dim = 16, v_head_dim = 32, mask = causal, position = rope, \
+     sinks = learned, differential = lambda(init = 0.2)",
 ];
 
 /// Tokens inserted by mutations: extremes, wrong kinds, unicode, unbalanced brackets.
@@ -295,7 +297,8 @@ fn exercise(spec: &AttentionSpec, compile: bool) {
         let (d, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
         let q = Array::from_fn(&[1, h, 2, d], |i| (i[3] % 7) as f64 * 0.1 - 0.3);
         let k = Array::from_fn(&[1, hkv, 3, d], |i| (i[3] % 5) as f64 * 0.2 - 0.4);
-        let v = Array::from_fn(&[1, hkv, 3, dv], |i| (i[2] + i[3]) as f64);
+        let vh = spec.value_heads() as usize;
+        let v = Array::from_fn(&[1, vh, 3, dv], |i| (i[2] + i[3]) as f64);
         let inputs = Inputs {
             q: &q,
             k: &k,
@@ -338,7 +341,11 @@ fn exercise(spec: &AttentionSpec, compile: bool) {
         let sizes = learned.iter().chain(&data).map(|t| t.values.len());
         if data_size <= 1 << 16 && sizes.sum::<usize>() <= 1 << 16 {
             let all: Vec<ParamValues> = learned.into_iter().chain(data).collect();
-            let result = reference::attention_learned(spec, &inputs, &all);
+            let lambda = vec![0.1; d];
+            let result = match spec.differential {
+                Some(_) => reference::differential(spec, &inputs, [&lambda; 4], &all).map(|_| ()),
+                None => reference::attention_learned(spec, &inputs, &all).map(|_| ()),
+            };
             // A read along `batch` or `seq` is checked against the call: one may leave it.
             if spec.data.is_empty() {
                 result.expect("the reference runs a valid spec");

@@ -282,3 +282,50 @@ fn grad_and_run_take_a_variable_length_batch_from_cu_seqlens() {
         assert!(stderr(&o).contains(words), "{}", stderr(&o));
     }
 }
+
+/// `attnc run` on a differential golden case writes PyTorch's output (`heads / 2` heads), and a
+/// file without lambda's vectors is refused naming the one missing.
+#[test]
+fn run_computes_differential_heads_and_names_a_missing_lambda_vector() {
+    let golden = format!(
+        "{}/tests/fixtures/gradients/differential_causal_gqa_rope_f32.safetensors",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let spec = "heads = 8, kv_heads = 4, head_dim = 32, v_head_dim = 64, mask = causal, \
+                position = rope, differential = lambda";
+    let out = temp("run-differential.safetensors");
+    let o = attnc(&[
+        "run",
+        "--spec",
+        spec,
+        "--input",
+        &golden,
+        "--output",
+        out.to_str().unwrap(),
+        "--position-offset",
+        "3",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let (g, w) = (tensor_values(&out, "out"), tensor_values(&golden, "out"));
+    assert_eq!(g.len(), 2 * 4 * 48 * 64);
+    assert_eq!(g.len(), w.len());
+    for (g, w) in g.iter().zip(&w) {
+        assert!((g - w).abs() <= 1e-5 + 1e-4 * w.abs(), "out: {g} vs {w}");
+    }
+    // A plain attention fixture has no lambda vectors.
+    let o = attnc(&[
+        "run",
+        "--spec",
+        "heads = 4, head_dim = 64, mask = causal, differential = lambda",
+        "--input",
+        &fixture("mha_causal_f32.safetensors"),
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("`v`") || stderr(&o).contains("lambda_q1"),
+        "{}",
+        stderr(&o)
+    );
+}

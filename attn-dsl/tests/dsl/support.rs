@@ -5,8 +5,8 @@
 
 use attn_dsl::modifier::{BinOp, Expr, MaskMod, ScoreMod, Ty, UnOp, Var};
 use attn_dsl::{
-    AttentionSpec, CausalAlign, DType, KvLayout, LongRope, Mask, Mla, Position, Rope, RopeLayout,
-    RopeScaling, XPos, Yarn,
+    AttentionSpec, CausalAlign, DType, Differential, KvLayout, LongRope, Mask, Mla, Position, Rope,
+    RopeLayout, RopeScaling, XPos, Yarn,
 };
 use proptest::prelude::*;
 
@@ -212,6 +212,11 @@ pub fn spec() -> impl Strategy<Value = AttentionSpec> {
                     })
                 }
             };
+            // Differential heads where the head counts pair up, lambda's init from `pick`.
+            let even = heads.is_multiple_of(2) && s.kv_heads().is_multiple_of(2);
+            s.differential = (!mla && even && pick % 5 == 0).then_some(Differential {
+                lambda_init: (pick / 5 % 200) as f64 * 0.01 - 1.0,
+            });
             s.mask = mask;
             s.softcap = softcap;
             s.scale = scale;
