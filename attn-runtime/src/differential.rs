@@ -14,6 +14,7 @@ use crate::learned::Learned;
 use crate::tensor::Tensor;
 use crate::variant::Variant;
 use attn_dsl::{AttentionSpec, LAMBDA_NAMES};
+use rayon::prelude::*;
 use std::sync::Arc;
 
 /// lambda's learnable vectors `[lambda_q1, lambda_k1, lambda_q2, lambda_k2]`, each
@@ -240,27 +241,34 @@ impl Differential {
                 ),
             });
         }
-        let values = v.to_f32_vec();
-        let head = skv * want[3];
-        let mut both = Vec::with_capacity(2 * values.len());
-        for chunk in values.chunks(head.max(1)) {
-            both.extend_from_slice(chunk);
-            both.extend_from_slice(chunk);
-        }
+        let values = v.f32_values();
+        let head = (skv * want[3]).max(1);
+        let mut both = vec![0.0; 2 * values.len()];
+        both.par_chunks_mut(2 * head)
+            .zip(values.par_chunks(head))
+            .for_each(|(two, one)| {
+                let (first, second) = two.split_at_mut(one.len());
+                first.copy_from_slice(one);
+                second.copy_from_slice(one);
+            });
         Tensor::from_f32_as(v.dtype(), &[b, 2 * want[1], skv, want[3]], both)
     }
 }
 
 /// `[B, 2H, S, D]` into `[B, H, S, D]`, element `f(x[2h], x[2h + 1])`, in x's dtype.
-fn pairs(x: &Tensor, f: impl Fn(f32, f32) -> f32) -> Result<Tensor, RuntimeError> {
+fn pairs(x: &Tensor, f: impl Fn(f32, f32) -> f32 + Sync) -> Result<Tensor, RuntimeError> {
     let s = x.shape().to_vec();
-    let values = x.to_f32_vec();
-    let head = s[2] * s[3];
-    let mut out = Vec::with_capacity(values.len() / 2);
-    for pair in values.chunks(2 * head.max(1)) {
-        let (a, b) = pair.split_at(head);
-        out.extend(a.iter().zip(b).map(|(a, b)| f(*a, *b)));
-    }
+    let values = x.f32_values();
+    let head = (s[2] * s[3]).max(1);
+    let mut out = vec![0.0; values.len() / 2];
+    out.par_chunks_mut(head)
+        .zip(values.par_chunks(2 * head))
+        .for_each(|(out, pair)| {
+            let (a, b) = pair.split_at(head);
+            for ((o, a), b) in out.iter_mut().zip(a).zip(b) {
+                *o = f(*a, *b);
+            }
+        });
     Tensor::from_f32_as(x.dtype(), &[s[0], s[1] / 2, s[2], s[3]], out)
 }
 
@@ -268,23 +276,28 @@ fn pairs(x: &Tensor, f: impl Fn(f32, f32) -> f32) -> Result<Tensor, RuntimeError
 /// at heads `2h` and `2h + 1`, in `dtype`.
 fn unpaired(dout: &Tensor, dtype: attn_dsl::DType, lambda: f32) -> Result<Tensor, RuntimeError> {
     let s = dout.shape().to_vec();
-    let values = dout.to_f32_vec();
-    let head = s[2] * s[3];
-    let mut out = Vec::with_capacity(2 * values.len());
-    for chunk in values.chunks(head.max(1)) {
-        out.extend_from_slice(chunk);
-        out.extend(chunk.iter().map(|g| -lambda * g));
-    }
+    let values = dout.f32_values();
+    let head = (s[2] * s[3]).max(1);
+    let mut out = vec![0.0; 2 * values.len()];
+    out.par_chunks_mut(2 * head)
+        .zip(values.par_chunks(head))
+        .for_each(|(two, g)| {
+            let (first, second) = two.split_at_mut(g.len());
+            first.copy_from_slice(g);
+            for (o, g) in second.iter_mut().zip(g) {
+                *o = -lambda * g;
+            }
+        });
     Tensor::from_f32_as(dtype, &[s[0], 2 * s[1], s[2], s[3]], out)
 }
 
 /// `dL/dlambda = -sum dout_h . O_2h+1`, in f64.
 fn lambda_gradient(dout: &Tensor, components: &Tensor) -> f64 {
     let s = dout.shape();
-    let head = s[2] * s[3];
-    let (g, o) = (dout.to_f32_vec(), components.to_f32_vec());
-    g.chunks(head.max(1))
-        .zip(o.chunks(2 * head.max(1)))
+    let head = (s[2] * s[3]).max(1);
+    let (g, o) = (dout.f32_values(), components.f32_values());
+    g.par_chunks(head)
+        .zip(o.par_chunks(2 * head))
         .map(|(g, pair)| {
             let second = &pair[head..];
             -g.iter()

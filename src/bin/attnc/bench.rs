@@ -1,5 +1,5 @@
 //! `attnc bench`: times the forward kernel of a spec on random inputs, on the CPU or a CUDA
-//! device, optionally under a document mask (`--documents`).
+//! device, optionally under a document mask (`--documents`); differential heads on the CPU.
 
 use crate::backend_arg::{Backend as On, Timed};
 use crate::bench_documents::{DOC, document_ids, kept_pairs, masked_by_documents};
@@ -103,7 +103,16 @@ pub fn command(args: Args) -> Result<(), String> {
                 .to_string(),
         );
     }
+    let differential = spec.differential.is_some();
+    if on == On::Cuda && differential {
+        return Err(
+            "error: attnc bench times differential heads on the CPU only for now; use \
+             --backend cpu"
+                .to_string(),
+        );
+    }
     let t = match on {
+        _ if differential => bench_differential(&spec, &shape, args.backward, !args.json),
         On::Cuda if args.backward => bench_backward_cuda(&spec, &shape),
         _ if args.backward => bench_backward(&spec, &shape, !args.json),
         On::Cuda => bench_cuda(&spec, &shape),
@@ -427,6 +436,61 @@ fn timing(spec: &AttentionSpec, shape: &Shape, mut times: Vec<f64>, compile_ms: 
         gflops: flops(spec, shape) / (median_ms * 1e-3) / 1e9,
         compile_ms,
     }
+}
+
+/// Times differential heads on the CPU: their forward (the components' kernel and the pairing
+/// on the host) or, with `backward`, the forward plus the backward; lambda's vectors random.
+/// GFLOP/s count the component heads' work.
+fn bench_differential(
+    spec: &AttentionSpec,
+    shape: &Shape,
+    backward: bool,
+    progress: bool,
+) -> Result<Timing, RuntimeError> {
+    use attn::runtime::differential::{Differential, DifferentialInputs};
+    backward_fits(spec, shape)?;
+    let backend = CpuBackend::new();
+    let started = Instant::now();
+    let heads = Differential::new(spec.clone())?;
+    backend.kernel(heads.components(), attn::codegen::plan::PlanKind::Forward)?;
+    if backward {
+        backend.kernel(heads.components(), attn::codegen::plan::PlanKind::Backward)?;
+    }
+    let compile_ms = started.elapsed().as_secs_f64() * 1e3;
+    let (b, sq, skv) = (shape.batch, shape.seq, shape.kv_len);
+    let (d, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
+    let (h, hkv) = (spec.heads as usize, spec.kv_heads() as usize);
+    let q = random(spec.dtype, &[b, h, sq, d], 1)?;
+    let k = random(spec.dtype, &[b, hkv, skv, d], 2)?;
+    let v = random(spec.dtype, &[b, hkv / 2, skv, dv], 3)?;
+    let dout = random(spec.dtype, &[b, h / 2, sq, dv], 4)?;
+    let lambda = (0..4)
+        .map(|i| random(attn::DType::F32, &[d], 10 + i))
+        .collect::<Result<Vec<_>, _>>()?;
+    let tensors = learned(spec)?;
+    let named = by_name(&tensors);
+    let data = data(shape);
+    let data: Vec<(&str, Data)> = data.iter().map(|(n, d)| (*n, d.as_data())).collect();
+    let x = DifferentialInputs {
+        q: &q,
+        k: &k,
+        v: &v,
+        lambda: [&lambda[0], &lambda[1], &lambda[2], &lambda[3]],
+        position_offset: 0,
+        learned: Learned::new(&named).with_data(&data),
+    };
+    let call = || -> Result<(), RuntimeError> {
+        let saved = heads.forward(&backend, &x)?;
+        if backward {
+            heads.backward(&backend, &x, &saved, &dout)?;
+        }
+        Ok(())
+    };
+    let times = time_calls(call, shape.reps, progress)?;
+    Ok(match backward {
+        true => backward_timing(spec, shape, times, compile_ms),
+        false => timing(spec, shape, times, compile_ms),
+    })
 }
 
 /// Random MLA inputs of a shape: q_nope, q_pe, c_kv, k_pe, w_kv_b.
