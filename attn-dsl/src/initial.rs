@@ -62,6 +62,22 @@ impl AttentionSpec {
     }
 }
 
+impl AttentionSpec {
+    /// The initial values of differential heads' lambda vectors
+    /// ([`AttentionSpec::lambda_tensors`]): normal(0.1), the paper's, drawn from `seed` and each
+    /// vector's name; none without differential heads.
+    pub fn lambda_initial_values(&self, seed: u64) -> Vec<InitialTensor> {
+        self.lambda_tensors()
+            .into_iter()
+            .map(|(name, shape)| {
+                let values =
+                    ParamInit::Normal(0.1).values(shape[0], self.heads, seed ^ name_hash(&name));
+                (name, shape, values)
+            })
+            .collect()
+    }
+}
+
 /// FNV-1a of a tensor's name: each tensor draws its own sequence.
 fn name_hash(name: &str) -> u64 {
     name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {

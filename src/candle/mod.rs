@@ -62,9 +62,11 @@
 //! matmuls) with a per-head variant.
 
 mod convert;
+mod differential;
 mod model;
 mod op;
 
+pub use differential::differential;
 pub use model::CandleModel;
 
 /// A candle error's message without the backtraces candle attaches under `RUST_BACKTRACE`:

@@ -143,6 +143,25 @@ struct Block {
     learned: Vec<(String, Tensor)>,
     /// The variant restricted to documents, made at the first packed forward.
     packed: std::sync::OnceLock<Arc<Variant>>,
+    /// With differential heads: the pairing of the variant's component heads.
+    differential: Option<DifferentialHeads>,
+}
+
+/// A block's differential heads: lambda's vectors (`self_attn.lambda_q1` ..), the paper's
+/// per-head RMSNorm of the paired output (`self_attn.subln`) and its scale `1 - init`.
+struct DifferentialHeads {
+    lambda: [Tensor; 4],
+    init: f64,
+    subln: Norm,
+}
+
+impl DifferentialHeads {
+    /// The components' outputs `[B, heads, S, Dv]` (f32) paired, normed and scaled.
+    fn forward(&self, o: &Tensor) -> Result<Tensor> {
+        let [q1, k1, q2, k2] = &self.lambda;
+        let paired = super::differential::combine(o, [q1, k1, q2, k2], self.init)?;
+        self.subln.forward(&paired)? * (1.0 - self.init)
+    }
 }
 
 impl Block {
@@ -349,18 +368,22 @@ impl CandleModel {
                  granite's, cohere's) do not train through candle yet"
             );
         }
+        // Differential heads run their component heads' variant (the same spec otherwise).
         let variants = config
             .attention
             .iter()
-            .map(|spec| Variant::shared(spec).map_err(candle_core::Error::wrap))
+            .map(|spec| {
+                Variant::shared(&spec.differential_components()).map_err(candle_core::Error::wrap)
+            })
             .collect::<Result<Vec<_>>>()?;
         let (d, inter) = (config.hidden, config.intermediate);
         let bias = config.qkv_bias;
         let layers = (0..config.layers)
             .map(|i| {
                 let variant = variants[config.kind_of(i)].clone();
-                let spec = variant.spec();
+                let spec = &config.attention[config.kind_of(i)];
                 let (h, hkv) = (spec.heads as usize, spec.kv_heads() as usize);
+                let (hv, ho) = (spec.value_heads() as usize, spec.output_heads() as usize);
                 let (dk, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
                 let p = format!("model.layers.{i}");
                 let a = format!("{p}.self_attn");
@@ -391,8 +414,8 @@ impl CandleModel {
                     },
                     q: Linear::new(&vb, &format!("{a}.q_proj"), h * dk, d, bias)?,
                     k: Linear::new(&vb, &format!("{a}.k_proj"), hkv * dk, d, bias)?,
-                    v: Linear::new(&vb, &format!("{a}.v_proj"), hkv * dv, d, bias)?,
-                    o: Linear::new(&vb, &format!("{a}.o_proj"), d, h * dv, config.o_bias)?,
+                    v: Linear::new(&vb, &format!("{a}.v_proj"), hv * dv, d, bias)?,
+                    o: Linear::new(&vb, &format!("{a}.o_proj"), d, ho * dv, config.o_bias)?,
                     mlp: match config.moe.as_ref().filter(|m| m.sparse[i]) {
                         None => BlockMlp::Dense(Mlp::new(&vb, &format!("{p}.mlp"), config, inter)?),
                         Some(moe) => {
@@ -418,7 +441,26 @@ impl CandleModel {
                             }
                         }
                     },
-                    learned: learned_tensors(&vb, &a, spec, i)?,
+                    learned: starting(&vb, &a, spec.initial_values(i as u64))?,
+                    differential: match spec.differential {
+                        Some(diff) => {
+                            let lambda = starting(&vb, &a, spec.lambda_initial_values(i as u64))?;
+                            let lambda: [Tensor; 4] = lambda
+                                .into_iter()
+                                .map(|(_, t)| t)
+                                .collect::<Vec<_>>()
+                                .try_into()
+                                .map_err(|_| {
+                                    candle_core::Error::Msg("four lambda vectors".into())
+                                })?;
+                            Some(DifferentialHeads {
+                                lambda,
+                                init: diff.lambda_init,
+                                subln: Norm::rms(&vb, &format!("{a}.subln"), dv, eps)?,
+                            })
+                        }
+                        None => None,
+                    },
                     variant,
                     packed: std::sync::OnceLock::new(),
                 })
@@ -558,6 +600,10 @@ impl CandleModel {
             None => [None, None],
         };
         let hkv = spec.kv_heads();
+        let hv = match block.differential {
+            Some(_) => hkv / 2,
+            None => hkv,
+        };
         let q = heads(split(
             block.q.forward(h)?,
             spec.heads,
@@ -565,7 +611,11 @@ impl CandleModel {
             q_norm,
         )?)?;
         let k = heads(split(block.k.forward(h)?, hkv, spec.head_dim, k_norm)?)?;
-        let v = heads(split(block.v.forward(h)?, hkv, spec.v_head_dim, None)?)?;
+        let v = heads(split(block.v.forward(h)?, hv, spec.v_head_dim, None)?)?;
+        let v = match block.differential {
+            Some(_) => super::differential::values_per_component(&v)?,
+            None => v,
+        };
         let learned: Vec<(&str, &Tensor)> =
             block.learned.iter().map(|(n, t)| (n.as_str(), t)).collect();
         let a = match (documents, &self.context) {
@@ -584,10 +634,12 @@ impl CandleModel {
                 attention_with_data(variant, &q, &k, &v, &learned, &data, 0)?.0
             }
         }
-        .to_dtype(DType::F32)?
-        .transpose(1, 2)?
-        .reshape((b, s, ()))?;
-        block.o.forward(&a)
+        .to_dtype(DType::F32)?;
+        let a = match &block.differential {
+            Some(heads) => heads.forward(&a)?,
+            None => a,
+        };
+        block.o.forward(&a.transpose(1, 2)?.reshape((b, s, ()))?)
     }
 
     /// The block's MLP on `h`.
@@ -680,15 +732,14 @@ fn choose(probs: &Tensor, top_k: usize, normalize: bool) -> Result<(Vec<Vec<usiz
 }
 
 /// `x` through `norm` where there is one.
-/// Layer `layer`'s learnable attention tensors (`{prefix}.{name}`), at the spec's initial
-/// values (random ones drawn from the layer's index: the same start on every machine).
-fn learned_tensors(
+/// A layer's learnable attention tensors (`{prefix}.{name}`) at their initial values (the
+/// spec's, random ones drawn from the layer's index: the same start on every machine).
+fn starting(
     vb: &VarBuilder,
     prefix: &str,
-    spec: &attn_dsl::AttentionSpec,
-    layer: usize,
+    initial: Vec<attn_dsl::initial::InitialTensor>,
 ) -> Result<Vec<(String, Tensor)>> {
-    spec.initial_values(layer as u64)
+    initial
         .into_iter()
         .map(|(name, shape, values)| {
             let t =

@@ -2,6 +2,7 @@
 //! tokens at once (a forward pass) or over each sequence's KV cache (a session step), and the
 //! output projection. Per-head (MHA, GQA, MQA) and MLA weights.
 
+use super::differential::DifferentialWeights;
 use super::sublayers::{Linear, Norm};
 use super::{AttentionWeights, Keys, Model, Step};
 use crate::cache::{KvCache, SeqId};
@@ -30,8 +31,13 @@ impl Model {
                 o,
                 qk_norm,
                 learned,
+                differential,
             } => {
-                let [mut qs, mut ks, vs] = Linear::apply_all([q, k, v], h, n);
+                let [mut qs, mut ks, mut vs] = Linear::apply_all([q, k, v], h, n);
+                let dv = variant.spec().v_head_dim as usize;
+                if differential.is_some() {
+                    vs = DifferentialWeights::values_per_component(&vs, dv);
+                }
                 // Norms on q and k (per head: rows of head_dim; whole: rows of the projection)
                 // come before RoPE, which the kernels apply.
                 if let Some([q_norm, k_norm]) = qk_norm {
@@ -46,6 +52,10 @@ impl Model {
                     Keys::Cached(step) => {
                         self.heads_over_caches(variant, [&qs, &ks, &vs], n, step, learned)?
                     }
+                };
+                let out = match differential {
+                    Some(d) => d.pair(self.layer_ops(), &out, dv)?,
+                    None => out,
                 };
                 Ok(o.apply(&out, n))
             }

@@ -508,6 +508,11 @@ impl ModelConfig {
         }
         for spec in &self.attention {
             crate::error::check_spec(spec)?;
+            if spec.differential.is_some() && self.projections != Projections::Separate {
+                return Err(RuntimeError::Data(
+                    "model config: differential heads need separate q, k and v projections".into(),
+                ));
+            }
             if self.qk_norm.is_some() && spec.mla().is_some() {
                 return Err(RuntimeError::Data(
                     "model config: norms on q and k (`qk_norm`) with MLA attention are not \
@@ -687,10 +692,19 @@ impl ModelConfig {
             }
             None => {
                 let hkv = u64::from(spec.kv_heads());
+                let (hv, ho) = (
+                    u64::from(spec.value_heads()),
+                    u64::from(spec.output_heads()),
+                );
                 let bias = if self.qkv_bias {
-                    (h + hkv) * dk + hkv * dv
+                    (h + hkv) * dk + hv * dv
                 } else {
                     0
+                };
+                // Differential heads' lambda vectors and per-head norm.
+                let differential = match spec.differential {
+                    Some(_) => 4 * dk + dv,
+                    None => 0,
                 };
                 let qk_norm = match self.qk_norm {
                     Some(QkNorm::PerHead) => 2 * dk,
@@ -703,7 +717,13 @@ impl ModelConfig {
                     .iter()
                     .map(|(_, s)| s.iter().product::<usize>() as u64)
                     .sum();
-                d * (h * dk + hkv * dk + hkv * dv) + bias + qk_norm + learned + h * dv * d + o_bias
+                d * (h * dk + hkv * dk + hv * dv)
+                    + bias
+                    + qk_norm
+                    + learned
+                    + differential
+                    + ho * dv * d
+                    + o_bias
             }
         }
     }

@@ -13,6 +13,7 @@
 mod attention;
 mod config;
 pub mod decoder;
+mod differential;
 mod generate;
 pub mod hf;
 mod json_fields;
@@ -58,6 +59,8 @@ pub(crate) enum AttentionWeights {
         /// The spec's learnable tensors (`params(...)`, `sinks`), f32, by name
         /// (`model.layers.{i}.self_attn.{name}` in a file).
         learned: Vec<(String, Tensor)>,
+        /// Differential heads' pairing (`self_attn.lambda_*`, `self_attn.subln`).
+        differential: Option<differential::DifferentialWeights>,
     },
     /// DeepSeek MLA: queries (directly, or through a low-rank `q_a` / norm / `q_b`), the joint
     /// `[latent | rope key]` projection, the latent norm, `w_kv_b` and the output projection.
@@ -164,7 +167,8 @@ impl Model {
             variants: config
                 .attention
                 .iter()
-                .map(|spec| Variant::new(spec.clone()))
+                // Differential heads run their component heads' variant.
+                .map(|spec| Variant::new(spec.differential_components()))
                 .collect::<Result<_, _>>()?,
             config,
             embed,
@@ -265,8 +269,12 @@ impl Model {
                     o,
                     qk_norm,
                     learned,
+                    differential,
                 } => {
-                    lin(q)
+                    differential
+                        .as_ref()
+                        .map_or(0, |d| norm(&d.subln) + 4 * d.vector_len as u64)
+                        + lin(q)
                         + lin(k)
                         + lin(v)
                         + lin(o)

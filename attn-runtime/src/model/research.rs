@@ -38,6 +38,7 @@ use super::config::{
     ExpertNames, MAX_LAYERS, MlpKind, MlpNames, ModelConfig, Moe, NormKind, NormPlacement,
     Projections, QkNorm, Router, SharedExpert, TensorNames,
 };
+use super::differential::DifferentialWeights;
 use super::sublayers::{LayerMlp, Linear, Matrix, Mlp, MoeMlp, Norm};
 use super::{AttentionWeights, Layer, Model};
 use crate::error::RuntimeError;
@@ -596,11 +597,30 @@ impl Model {
                     }
                     None => {
                         let hkv = spec.kv_heads() as usize;
+                        let (hv, ho) = (spec.value_heads() as usize, spec.output_heads() as usize);
                         Ok(AttentionWeights::Heads {
                             q: init.linear(heads * d, c.hidden, c.qkv_bias),
                             k: init.linear(hkv * d, c.hidden, c.qkv_bias),
-                            v: init.linear(hkv * dv, c.hidden, c.qkv_bias),
-                            o: init.linear(c.hidden, heads * dv, c.o_bias),
+                            v: init.linear(hv * dv, c.hidden, c.qkv_bias),
+                            o: init.linear(c.hidden, ho * dv, c.o_bias),
+                            // lambda's vectors as the paper draws them, N(0, 0.1).
+                            differential: match spec.differential {
+                                Some(diff) => {
+                                    let v = spec.lambda_initial_values(i as u64);
+                                    let rms = Norm {
+                                        kind: NormKind::Rms,
+                                        bias: None,
+                                        ..norm(dv)
+                                    };
+                                    let [a, b, c2, e] = [0, 1, 2, 3].map(|j| v[j].2.as_slice());
+                                    Some(DifferentialWeights::new(
+                                        [a, b, c2, e],
+                                        diff.lambda_init,
+                                        rms,
+                                    )?)
+                                }
+                                None => None,
+                            },
                             qk_norm: c.qk_norm.map(|qk| match qk {
                                 // RMSNorm whatever the model's norm kind (as qwen3, olmo2).
                                 QkNorm::PerHead | QkNorm::Whole => {

@@ -4,6 +4,7 @@
 //! (`research`) both load through here.
 
 use super::config::{ExpertNames, ModelConfig, NormKind, Projections, QkNorm, Router, TensorNames};
+use super::differential::DifferentialWeights;
 use super::sublayers::{LayerMlp, Linear, Matrix, Mlp, MoeMlp, Norm};
 use super::{AttentionWeights, Layer, Model};
 use crate::error::RuntimeError;
@@ -130,8 +131,14 @@ pub(crate) fn tensor_names(config: &ModelConfig) -> Vec<String> {
         }
         let all = attn.iter().chain(&extra);
         names.extend(all.map(|n| format!("{p}{n}")));
-        let learned = spec.learnable_tensors();
-        names.extend(learned.iter().map(|(n, _)| format!("{p}self_attn.{n}")));
+        let learned = spec
+            .learnable_tensors()
+            .into_iter()
+            .chain(spec.lambda_tensors());
+        names.extend(learned.map(|(n, _)| format!("{p}self_attn.{n}")));
+        if spec.differential.is_some() {
+            names.push(format!("{p}self_attn.subln.weight"));
+        }
     }
     // In the checkpoint's own naming scheme.
     names
@@ -329,6 +336,7 @@ impl Store<'_> {
             }
             None => {
                 let hkv = spec.kv_heads() as usize;
+                let (hv, ho) = (spec.value_heads() as usize, spec.output_heads() as usize);
                 let bias = config.qkv_bias;
                 let qkv = format!("{p}qkv_proj");
                 let (q_rows, kv_rows) = (heads * dk, hkv * dk);
@@ -353,7 +361,7 @@ impl Store<'_> {
                     Projections::Separate => vec![
                         w.linear(&format!("{p}q_proj"), bias, [q_rows, d])?,
                         w.linear(&format!("{p}k_proj"), bias, [kv_rows, d])?,
-                        w.linear(&format!("{p}v_proj"), bias, [hkv * dv, d])?,
+                        w.linear(&format!("{p}v_proj"), bias, [hv * dv, d])?,
                     ],
                 }
                 .try_into()
@@ -362,7 +370,23 @@ impl Store<'_> {
                     q,
                     k,
                     v,
-                    o: w.linear(&format!("{p}o_proj"), config.o_bias, [d, heads * dv])?,
+                    o: w.linear(&format!("{p}o_proj"), config.o_bias, [d, ho * dv])?,
+                    differential: match spec.differential {
+                        Some(diff) => {
+                            let mut vectors = Vec::with_capacity(4);
+                            for (name, shape) in spec.lambda_tensors() {
+                                vectors.push(w.shaped(&format!("{p}{name}"), &shape)?.to_f32_vec());
+                            }
+                            let subln = w.qk_norm(&format!("{p}subln"), eps, dv)?;
+                            let [a, b, c, e] = [0, 1, 2, 3].map(|j| vectors[j].as_slice());
+                            Some(DifferentialWeights::new(
+                                [a, b, c, e],
+                                diff.lambda_init,
+                                subln,
+                            )?)
+                        }
+                        None => None,
+                    },
                     qk_norm: match config.qk_norm {
                         Some(QkNorm::PerHead) => Some([
                             w.qk_norm(&format!("{p}q_norm"), eps, dk)?,

@@ -73,6 +73,11 @@ fn random_models_decode_incrementally_as_their_full_forward() {
             "heads = 4, kv_heads = 2, head_dim = 12, mask = causal, dtype = bf16",
             "",
         ),
+        (
+            "heads = 4, kv_heads = 2, head_dim = 12, v_head_dim = 24, mask = causal, \
+             position = rope, differential = lambda(init = 0.4)",
+            "",
+        ),
     ] {
         let c = config(attention, extra);
         let model = Model::random(&c, 5).unwrap();
@@ -123,6 +128,24 @@ fn seeds_and_parameter_counts() {
     assert_eq!(parts["norms"], 2 * 2 * 48 + 48);
     assert_eq!(parts["embedding"], 97 * 48);
     assert_eq!(parts["lm_head"], 97 * 48);
+
+    // Differential heads: v 24x48 (one value head of 24 per pair of key heads), o 48x48 (two
+    // output heads of 24), lambda's four vectors of 12 and the per-head norm of 24.
+    let c = config(
+        "heads = 4, kv_heads = 2, head_dim = 12, v_head_dim = 24, mask = causal, \
+         differential = lambda",
+        "",
+    );
+    let parts: std::collections::HashMap<_, _> = Model::random(&c, 1)
+        .unwrap()
+        .parameters()
+        .into_iter()
+        .collect();
+    assert_eq!(
+        parts["attention"],
+        2 * (48 * 48 + 24 * 48 + 24 * 48 + 48 * 48 + 4 * 12 + 24)
+    );
+    assert_eq!(c.weight_count(), Some(parts.values().sum::<u64>()));
 }
 
 #[test]

@@ -22,14 +22,9 @@ fn every_golden_gradient_case_passes_through_candle_autograd() {
     let cases = manifest["cases"].as_object().unwrap();
     let mut ran = 0;
     for (name, case) in cases {
-        let spec = case["spec"].as_str().unwrap();
-        if spec.contains("differential") {
-            // Differential heads combine two attentions per head: not a candle op yet.
-            let err = attn::Variant::parse(spec).unwrap_err();
-            assert!(err.to_string().contains("Differential"), "{name}: {err}");
-            continue;
-        }
-        let variant = attn::Variant::parse(spec).unwrap();
+        let spec: attn::AttentionSpec = case["spec"].as_str().unwrap().parse().unwrap();
+        // Differential heads run their component heads' variant (the spec itself otherwise).
+        let variant = attn::Variant::new(spec.differential_components()).unwrap();
         let file = fixtures().join(case["file"].as_str().unwrap());
         let t: HashMap<String, Tensor> =
             attn::candle::core::safetensors::load(&file, &Device::Cpu).unwrap();
@@ -60,7 +55,15 @@ fn every_golden_gradient_case_passes_through_candle_autograd() {
             .zip(&learned)
             .map(|(n, v)| (*n, v.as_tensor()))
             .collect();
-        let out = attn::candle::attention_learned(&variant, &q, &k, &v, &by_name, offset).unwrap();
+        let out = match spec.differential {
+            Some(d) => {
+                let lambda = [0, 1, 2, 3].map(|i| learned[i].as_tensor());
+                let x = [q.as_tensor(), k.as_tensor(), v.as_tensor()];
+                attn::candle::differential(&variant, x, lambda, d.lambda_init, &[], offset)
+            }
+            None => attn::candle::attention_learned(&variant, &q, &k, &v, &by_name, offset),
+        }
+        .unwrap();
         let dout = t["dout"].to_dtype(DType::F32).unwrap();
         let loss = out
             .to_dtype(DType::F32)

@@ -258,3 +258,12 @@ fn learnable_tensors_start_at_the_specs_initial_values() {
     assert_eq!(start(false), layers, "the same start every time");
     assert_eq!(start(true), layers, "seed_weights leaves them");
 }
+
+#[test]
+fn a_model_with_differential_heads_gives_the_runtimes_logits() {
+    same_logits(
+        "vocab = 40\nhidden = 32\nlayers = 2\n\
+         attention = \"heads = 4, kv_heads = 2, head_dim = 8, v_head_dim = 16, mask = causal, \
+         position = rope, differential = lambda(init = 0.3)\"",
+    );
+}

@@ -25,6 +25,12 @@ impl<'m> ResidentModel<'m> {
     /// Uploads `model`'s weights to `device` and prepares its kernels.
     pub fn new(model: &'m Model, device: Arc<dyn Device>) -> Result<Self, RuntimeError> {
         let c = &model.config;
+        if c.attention.iter().any(|spec| spec.differential.is_some()) {
+            return Err(RuntimeError::Unsupported {
+                backend: device.name(),
+                what: "differential heads in a resident model (the CPU model runs them)".into(),
+            });
+        }
         let kernel = |k: Kernel| verified(k).map(Arc::new);
         let kinds = model
             .variants()
@@ -190,6 +196,8 @@ impl Uploader<'_> {
                 o,
                 qk_norm,
                 learned,
+                // Refused in `ResidentModel::new`.
+                differential: _,
             } => DeviceAttention::Heads(Box::new(DeviceHeads {
                 q: self.linear(q)?,
                 k: self.linear(k)?,
