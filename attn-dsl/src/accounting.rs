@@ -4,7 +4,8 @@ use crate::spec::{AttentionSpec, CausalAlign, KvLayout, Mask};
 
 /// Bytes of KV cache one token takes in one layer, in the spec's dtype.
 ///
-/// Per-head layouts cache `kv_heads * (head_dim + v_head_dim)` values; MLA caches only the latent
+/// Per-head layouts cache `kv_heads * (head_dim + v_head_dim)` values (with differential heads,
+/// each value head once per component: what attn's caches hold); MLA caches only the latent
 /// and the shared RoPE key, `latent_rank + rope_dim` values.
 pub fn kv_cache_bytes_per_token(spec: &AttentionSpec) -> u64 {
     let values = match spec.kv {
@@ -39,7 +40,9 @@ impl AttentionParams {
 /// Per-head layouts: `q_proj`, `k_proj`, `v_proj`, `o_proj`. MLA (DeepSeek layout, without a
 /// query low-rank compression): `q_proj` to `heads * (head_dim + rope_dim)`, `kv_a_proj` (down to
 /// `latent_rank + rope_dim`), `kv_a_norm` (RMSNorm weight of the latent), `kv_b_proj` (up to
-/// `heads * (head_dim + v_head_dim)`), `o_proj`. Learnable tensors count by their elements.
+/// `heads * (head_dim + v_head_dim)`), `o_proj`. Differential heads project `kv_heads / 2` value
+/// heads and `heads / 2` output heads, and add lambda's four vectors and the per-head norm
+/// (`subln`). Learnable tensors count by their elements.
 pub fn attention_params(spec: &AttentionSpec, model_dim: u64) -> Option<AttentionParams> {
     let d = model_dim;
     let h = u64::from(spec.heads);
@@ -48,12 +51,20 @@ pub fn attention_params(spec: &AttentionSpec, model_dim: u64) -> Option<Attentio
     let parts = match spec.kv {
         KvLayout::Heads { kv_heads } => {
             let hkv = u64::from(kv_heads);
-            vec![
+            let (hv, ho) = (
+                u64::from(spec.value_heads()),
+                u64::from(spec.output_heads()),
+            );
+            let mut parts = vec![
                 ("q_proj", d.checked_mul(h * dk)?),
                 ("k_proj", d.checked_mul(hkv * dk)?),
-                ("v_proj", d.checked_mul(hkv * dv)?),
-                ("o_proj", d.checked_mul(h * dv)?),
-            ]
+                ("v_proj", d.checked_mul(hv * dv)?),
+                ("o_proj", d.checked_mul(ho * dv)?),
+            ];
+            if spec.differential.is_some() {
+                parts.extend([("lambda", 4 * dk), ("subln", dv)]);
+            }
+            parts
         }
         KvLayout::Mla(mla) => {
             let (r, dr) = (u64::from(mla.latent_rank), u64::from(mla.rope_dim));

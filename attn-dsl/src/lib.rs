@@ -32,7 +32,6 @@ pub mod reference;
 pub mod spec;
 mod validate;
 
-pub use differential::{Differential, LAMBDA_NAMES};
 pub use error::{Invalid, Location, ReferenceError, SpecError, SpecErrors};
 pub use given::{Mismatch, match_call, match_learned};
 pub use parse::{
@@ -40,8 +39,8 @@ pub use parse::{
     gradient_notes, parse_str, parse_tokens, set_key, settable_keys,
 };
 pub use spec::{
-    AttentionSpec, CausalAlign, DType, DataDecl, DataDim, DataType, KvKind, KvLayout, LongRope,
-    Mask, Mla, Normalize, Pairing, ParamDecl, ParamDim, ParamInit, Position, Rope, RopeLayout,
-    RopeScaling, SINKS_NAME, SigmoidBias, Sinks, XPos, Yarn,
+    AttentionSpec, CausalAlign, DType, DataDecl, DataDim, DataType, Differential, KvKind, KvLayout,
+    LAMBDA_NAMES, LongRope, Mask, Mla, Normalize, Pairing, ParamDecl, ParamDim, ParamInit,
+    Position, Rope, RopeLayout, RopeScaling, SINKS_NAME, SigmoidBias, Sinks, XPos, Yarn,
 };
 pub use validate::{MAX_HEAD_DIM, MAX_HEADS, MAX_LATENT_RANK};

@@ -222,7 +222,7 @@ impl AttentionSpec {
             );
         }
         for p in &self.params {
-            if crate::differential::LAMBDA_NAMES.contains(&p.name.as_str()) {
+            if crate::spec::LAMBDA_NAMES.contains(&p.name.as_str()) {
                 f.push(
                     "params",
                     format!(

@@ -156,6 +156,33 @@ struct DifferentialHeads {
 }
 
 impl DifferentialHeads {
+    /// Layer `layer`'s differential heads (`{prefix}.lambda_*`, `{prefix}.subln`), where its
+    /// spec has them: lambda's vectors at their initial values, the norm at 1.
+    fn of(
+        vb: &VarBuilder,
+        prefix: &str,
+        spec: &attn_dsl::AttentionSpec,
+        layer: usize,
+        eps: f64,
+    ) -> Result<Option<DifferentialHeads>> {
+        let Some(diff) = spec.differential else {
+            return Ok(None);
+        };
+        let lambda = starting(vb, prefix, spec.lambda_initial_values(layer as u64))?;
+        let lambda: [Tensor; 4] = lambda
+            .into_iter()
+            .map(|(_, t)| t)
+            .collect::<Vec<_>>()
+            .try_into()
+            .map_err(|_| candle_core::Error::Msg("four lambda vectors".into()))?;
+        let dv = spec.v_head_dim as usize;
+        Ok(Some(DifferentialHeads {
+            lambda,
+            init: diff.lambda_init,
+            subln: Norm::rms(vb, &format!("{prefix}.subln"), dv, eps)?,
+        }))
+    }
+
     /// The components' outputs `[B, heads, S, Dv]` (f32) paired, normed and scaled.
     fn forward(&self, o: &Tensor) -> Result<Tensor> {
         let [q1, k1, q2, k2] = &self.lambda;
@@ -442,25 +469,7 @@ impl CandleModel {
                         }
                     },
                     learned: starting(&vb, &a, spec.initial_values(i as u64))?,
-                    differential: match spec.differential {
-                        Some(diff) => {
-                            let lambda = starting(&vb, &a, spec.lambda_initial_values(i as u64))?;
-                            let lambda: [Tensor; 4] = lambda
-                                .into_iter()
-                                .map(|(_, t)| t)
-                                .collect::<Vec<_>>()
-                                .try_into()
-                                .map_err(|_| {
-                                    candle_core::Error::Msg("four lambda vectors".into())
-                                })?;
-                            Some(DifferentialHeads {
-                                lambda,
-                                init: diff.lambda_init,
-                                subln: Norm::rms(&vb, &format!("{a}.subln"), dv, eps)?,
-                            })
-                        }
-                        None => None,
-                    },
+                    differential: DifferentialHeads::of(&vb, &a, spec, i, eps)?,
                     variant,
                     packed: std::sync::OnceLock::new(),
                 })

@@ -19,13 +19,12 @@ pub use notes::gradient_notes;
 
 pub use limits::{MAX_BRACKET_DEPTH, MAX_EXPR_DEPTH, MAX_LITERAL_CHARS, MAX_SPEC_BYTES};
 
-use crate::differential::Differential;
 use crate::error::SpecErrors;
 use crate::learnable::Subject;
 use crate::modifier::{Readable, lower_mask_mod, lower_score_mod};
 use crate::spec::{
-    AttentionSpec, CausalAlign, DType, DataDecl, KvLayout, Mask, Mla, Normalize, ParamDecl,
-    Position, Rope, Sinks,
+    AttentionSpec, CausalAlign, DType, DataDecl, Differential, KvLayout, Mask, Mla, Normalize,
+    ParamDecl, Position, Rope, Sinks,
 };
 use position::{RawPosition, RawRope};
 use proc_macro2::{Spacing, Span, TokenStream, TokenTree};

@@ -2,8 +2,7 @@
 //! of a pair of heads combine.
 
 use super::values::Value;
-use crate::differential::Differential;
-use crate::spec::{Normalize, SigmoidBias};
+use crate::spec::{Differential, Normalize, SigmoidBias};
 
 /// `none`, `lambda` (the paper's `init = 0.8`) or `lambda(init = L)`.
 pub(super) fn differential(v: &Value) -> syn::Result<Option<Differential>> {

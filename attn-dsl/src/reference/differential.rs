@@ -11,10 +11,9 @@ use super::{
     Array, Gradients, Inputs, Output, attention_learned, backward_learned, check_spec, dims4,
     expect,
 };
-use crate::differential::{Differential, LAMBDA_NAMES};
 use crate::error::ReferenceError;
 use crate::modifier::ParamValues;
-use crate::spec::AttentionSpec;
+use crate::spec::{AttentionSpec, Differential, LAMBDA_NAMES};
 
 /// The learnable vectors of lambda, `[q1, k1, q2, k2]`, each of `head_dim` values.
 pub type LambdaVectors<'a> = [&'a [f64]; 4];

@@ -140,3 +140,24 @@ fn counts_at_extreme_lengths_are_exact_or_refused() {
     assert!(attention_params(&s, u64::MAX / 2).is_none());
     assert!(attention_params(&s, 1 << 30).is_some());
 }
+
+/// The DIFF Transformer's layer at a width of 2048: 8 differential heads of 2 x 128 query/key
+/// dims and 256 value dims project as a 16-head softmax layer does, plus lambda and the norm.
+#[test]
+fn differential_heads_project_half_the_value_and_output_heads() {
+    let s = spec(
+        "heads = 16, kv_heads = 16, head_dim = 128, v_head_dim = 256, mask = causal, \
+         differential = lambda",
+    );
+    let params = attention_params(&s, 2048).unwrap();
+    let part = |name: &str| params.parts.iter().find(|(n, _)| *n == name).unwrap().1;
+    assert_eq!(part("q_proj"), 2048 * 2048);
+    assert_eq!(part("k_proj"), 2048 * 2048);
+    assert_eq!(part("v_proj"), 2048 * 2048);
+    assert_eq!(part("o_proj"), 2048 * 2048);
+    assert_eq!(part("lambda"), 4 * 128);
+    assert_eq!(part("subln"), 256);
+    assert_eq!(params.total(), 4 * 2048 * 2048 + 4 * 128 + 256);
+    // The caches hold each value head once per component, as the kernels read them.
+    assert_eq!(kv_cache_bytes_per_token(&s), 16 * (128 + 256) * 4);
+}

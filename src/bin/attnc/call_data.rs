@@ -3,7 +3,7 @@
 //! pair by pair) and their ranges (how the kernels classify tiles), for batch item 0 of a call
 //! with key 0 at position 0.
 
-use crate::run::read_data_tensors;
+use crate::input_file::read_data_tensors;
 use attn::AttentionSpec;
 use attn::codegen::KernelPlan;
 use attn::codegen::plan::{CallShape, DataRanges, TileMap};

@@ -2,7 +2,7 @@
 //! vectors (`lambda_q1`, `lambda_k1`, `lambda_q2`, `lambda_k2`) in; the output (`heads / 2`
 //! heads), the component heads' `lse` and, for grad, every gradient out.
 
-use crate::run::{read_cu_seqlens, read_data_tensors, read_with_learned};
+use crate::input_file::{read_cu_seqlens, read_data_tensors, read_with_learned};
 use attn::AttentionSpec;
 use attn::dsl::LAMBDA_NAMES;
 use attn::runtime::differential::{Differential, DifferentialInputs};

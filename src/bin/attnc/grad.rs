@@ -2,7 +2,8 @@
 //! gradients written to another.
 
 use crate::backend_arg::Backend;
-use crate::run::{Files, note_sim_time, read_cu_seqlens, read_data_tensors, read_with_learned};
+use crate::input_file::{read_cu_seqlens, read_data_tensors, read_with_learned};
+use crate::run::{Files, note_sim_time};
 use attn::AttentionSpec;
 use attn::runtime::io::{read_safetensors, write_safetensors};
 use attn::runtime::learned::data_views;

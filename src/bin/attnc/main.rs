@@ -20,6 +20,7 @@ mod emit;
 mod explain;
 mod generate;
 mod grad;
+mod input_file;
 mod ir;
 mod logits;
 mod mask_svg;

@@ -1,10 +1,11 @@
 //! `attnc run`: attention on tensors from a safetensors file, written to another.
 
 use crate::backend_arg::Backend;
+use crate::input_file::{read_cu_seqlens, read_data_tensors, read_with_learned};
 use crate::{outputs, spec_arg};
 use attn::AttentionSpec;
-use attn::runtime::io::{read_data, read_i32, read_safetensors, tensor_names, write_safetensors};
-use attn::runtime::learned::{DataBuf, data_views};
+use attn::runtime::io::{read_safetensors, write_safetensors};
+use attn::runtime::learned::data_views;
 use attn::runtime::varlen::Varlen;
 use attn::runtime::{Inputs, Learned, MlaTensors, Output};
 use attn::runtime::{RuntimeError, Tensor};
@@ -79,69 +80,6 @@ pub fn note_sim_time(on: Backend, spec: &AttentionSpec, q: &Tensor, k: &Tensor, 
             sim_cost::duration(seconds)
         );
     }
-}
-
-/// Tensors by name.
-pub type Named = Vec<(String, Tensor)>;
-
-/// The cumulative offsets of a variable-length batch, when the input has them
-/// (`cu_seqlens_q` and `cu_seqlens_k`; one without the other is an error).
-pub fn read_cu_seqlens(
-    input: &Path,
-    spec: &AttentionSpec,
-) -> Result<Option<[Vec<i32>; 2]>, RuntimeError> {
-    let names = tensor_names(input)?;
-    let has = |n: &str| names.iter().any(|m| m == n);
-    match (has("cu_seqlens_q"), has("cu_seqlens_k")) {
-        (false, false) => Ok(None),
-        (true, true) if spec.mla().is_some() => Err(RuntimeError::Spec(
-            "the input has cu_seqlens_q and cu_seqlens_k, and variable-length batches take              per-head specs; this one is MLA"
-                .into(),
-        )),
-        (true, true) => Ok(Some([
-            read_i32(input, "cu_seqlens_q")?,
-            read_i32(input, "cu_seqlens_k")?,
-        ])),
-        (q, _) => Err(RuntimeError::Data(format!(
-            "the input has {} but not {}; a variable-length batch takes both",
-            if q { "cu_seqlens_q" } else { "cu_seqlens_k" },
-            if q { "cu_seqlens_k" } else { "cu_seqlens_q" },
-        ))),
-    }
-}
-
-/// The tensors `names` of `input`, and the spec's learnable tensors (its parameters by their
-/// names, and `sinks`) by name.
-pub fn read_with_learned(
-    input: &Path,
-    spec: &AttentionSpec,
-    names: &[&str],
-) -> Result<(Vec<Tensor>, Named), RuntimeError> {
-    let learned_names: Vec<String> = spec
-        .learnable_tensors()
-        .into_iter()
-        .map(|(n, _)| n)
-        .collect();
-    let all: Vec<&str> = names
-        .iter()
-        .copied()
-        .chain(learned_names.iter().map(String::as_str))
-        .collect();
-    let mut tensors = read_safetensors(input, &all)?;
-    let learned = tensors.split_off(names.len());
-    Ok((tensors, learned_names.into_iter().zip(learned).collect()))
-}
-
-/// The spec's data tensors (`data(...)`) from `input`, by name, each stored as the type it is
-/// declared.
-pub fn read_data_tensors(
-    input: &Path,
-    spec: &AttentionSpec,
-) -> Result<Vec<(String, DataBuf)>, RuntimeError> {
-    spec.data
-        .iter()
-        .map(|d| Ok((d.name.clone(), read_data(input, &d.name, d.dtype)?)))
-        .collect()
 }
 
 /// Reads the inputs the spec needs (`q, k, v`, packed with `cu_seqlens_q` and `cu_seqlens_k`
