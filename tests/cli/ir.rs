@@ -22,6 +22,20 @@ fn ir_prints_each_pass_and_the_tile_map() {
     ] {
         assert!(t.contains(section), "missing {section:?} in:\n{t}");
     }
+    // Differential heads: the plan is the component heads', and the pairing is said.
+    let o = attnc(&[
+        "ir",
+        "heads = 4, kv_heads = 2, head_dim = 64, v_head_dim = 128, differential = lambda",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains(
+            "-- differential heads --\nthe plan above runs 4 component heads; head h of 2 takes \
+             O_2h - lambda O_2h+1 (value heads: 1,"
+        ),
+        "{}",
+        stdout(&o)
+    );
     let o = attnc(&["ir", "heads = 4, head_dim = 64, mask = causal, softcap = 0"]);
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("softcap = 0 is invalid"));

@@ -81,6 +81,17 @@ fn report(
          -- kernel plan --\n{plan}\n",
         program.folded()
     );
+    if let Some(d) = spec.differential {
+        out += &format!(
+            "\n-- differential heads --\nthe plan above runs {} component heads; head h of {} \
+             takes O_2h - lambda O_2h+1 (value heads: {}, each read by both components), \
+             lambda = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + {}\n",
+            spec.heads,
+            spec.output_heads(),
+            spec.value_heads(),
+            d.lambda_init
+        );
+    }
     if grad {
         out += &gradient_report(spec, &program);
     }
