@@ -193,8 +193,15 @@ impl Folder {
     }
 }
 
+/// Whether `name` is a temporary of an interrupted write: ours (`.NAME.partial`), or the one
+/// the safetensors crate writes beside its target before renaming it (`.tmp` and 6 letters or
+/// digits, the tempfile crate's default name), which a kill in the middle leaves too.
 fn is_partial(name: &str) -> bool {
-    name.starts_with('.') && name.ends_with(".partial")
+    let ours = name.starts_with('.') && name.ends_with(".partial");
+    let safetensors = name
+        .strip_prefix(".tmp")
+        .is_some_and(|rest| rest.len() == 6 && rest.chars().all(|c| c.is_ascii_alphanumeric()));
+    ours || safetensors
 }
 
 /// The names in folder `path` (none when it cannot be read).
@@ -309,8 +316,10 @@ mod tests {
             "no temporary left"
         );
         std::fs::write(dir.join(".b.txt.partial"), b"left by a kill").unwrap();
+        std::fs::write(dir.join(".tmpVrLsoq"), b"left by a kill in safetensors").unwrap();
+        std::fs::write(dir.join(".tmp-kept"), b"not a temporary of ours").unwrap();
         folder.remove_partials();
-        assert_eq!(names(&dir), ["a.txt", "attnc-run.json"]);
+        assert_eq!(names(&dir), [".tmp-kept", "a.txt", "attnc-run.json"]);
         std::fs::remove_dir_all(&dir).ok();
     }
 }
