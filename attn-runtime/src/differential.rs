@@ -43,7 +43,7 @@ pub struct DifferentialInputs<'a> {
 pub struct Differential {
     spec: AttentionSpec,
     components: Arc<Variant>,
-    lambda_init: f64,
+    pairing: attn_dsl::Differential,
 }
 
 /// What a differential forward returns.
@@ -86,7 +86,7 @@ impl Differential {
         Ok(Differential {
             components: Variant::new(spec.differential_components())?,
             spec,
-            lambda_init: d.lambda_init,
+            pairing: d,
         })
     }
 
@@ -120,14 +120,14 @@ impl Differential {
                     .collect::<Vec<_>>(),
             );
         }
-        let dot = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f64>();
-        let lambda = dot(&values[0], &values[1]).exp() - dot(&values[2], &values[3]).exp()
-            + self.lambda_init;
+        let lambda = self
+            .pairing
+            .lambda([&values[0], &values[1], &values[2], &values[3]]);
         if !(lambda.is_finite() && lambda.abs() <= f64::from(f32::MAX)) {
             return Err(RuntimeError::Data(format!(
                 "lambda = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + {} is {lambda}; \
                  allowed: vectors whose lambda is a finite f32",
-                self.lambda_init
+                self.pairing.lambda_init
             )));
         }
         Ok(lambda)
@@ -198,15 +198,14 @@ impl Differential {
             .heads()?;
         g.dv = pairs(&g.dv, |a, b| a + b)?;
         let dlambda = lambda_gradient(dout, o);
-        let d = attn_dsl::Differential {
-            lambda_init: self.lambda_init,
-        };
         let vectors: Vec<Vec<f64>> = x
             .lambda
             .iter()
             .map(|t| t.to_f32_vec().into_iter().map(f64::from).collect())
             .collect();
-        let per_vector = d.lambda_gradients([&vectors[0], &vectors[1], &vectors[2], &vectors[3]]);
+        let per_vector =
+            self.pairing
+                .lambda_gradients([&vectors[0], &vectors[1], &vectors[2], &vectors[3]]);
         let mut named = Vec::with_capacity(4);
         for (name, grad) in LAMBDA_NAMES.iter().zip(per_vector) {
             let values = grad.iter().map(|x| (x * dlambda) as f32).collect();
