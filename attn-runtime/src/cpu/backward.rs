@@ -125,12 +125,7 @@ pub(super) fn run(
     // Parameter gradients are summed per task in a fixed order of tiles, then over the tasks in
     // order; with parameters the tasks therefore depend on the call's shape alone, never on the
     // thread count.
-    if plan.stick_breaking() && !plan.param_grads.is_empty() {
-        return Err(RuntimeError::Unsupported {
-            backend: "cpu",
-            what: "the stick-breaking backward of learnable parameters or f32 data tensors".into(),
-        });
-    }
+    crate::host::checks::refuse_stick_breaking_param_grads(plan, "cpu")?;
     // A stick-breaking row carries its state from tile to tile: one task takes every tile.
     let splits = if plan.stick_breaking() {
         1

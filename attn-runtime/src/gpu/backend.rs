@@ -17,7 +17,6 @@ use crate::calls::{BackwardInputs, DecodeOptions, Gradients, HeadsBackward, Inpu
 use crate::calls::{Output, Queries};
 use crate::device::{Device, DeviceBuffer, Scratch};
 use crate::error::RuntimeError;
-use crate::host::checks::refuse_stick_breaking;
 use crate::tensor::Tensor;
 use crate::variant::Variant;
 use std::sync::Arc;
@@ -212,7 +211,6 @@ impl<D: Device + 'static> Backend for GpuBackend<D> {
         params: &[f32],
     ) -> Result<Output, RuntimeError> {
         let spec = variant.spec();
-        refuse_stick_breaking(variant, self.device.name(), "a forward call")?;
         match inputs {
             Inputs::Heads { q, k, v } => {
                 let [b, _, sq, skv] = bhss(q, k);
@@ -246,7 +244,6 @@ impl<D: Device + 'static> Backend for GpuBackend<D> {
         options: DecodeOptions,
         params: &[f32],
     ) -> Result<Output, RuntimeError> {
-        refuse_stick_breaking(variant, self.device.name(), "a cached (decode) call")?;
         let run = &|l: &DecodeLaunch| l.run_on(self.device.as_ref(), None, params);
         let q_len = |q: &Tensor| dim(q, 2);
         match queries {
@@ -273,7 +270,8 @@ impl<D: Device + 'static> Backend for GpuBackend<D> {
         x: &BackwardInputs,
         params: &[f32],
     ) -> Result<(Gradients, Vec<f32>), RuntimeError> {
-        refuse_stick_breaking(variant, self.device.name(), "a backward call")?;
+        let plan = variant.backward_plan()?;
+        crate::host::checks::refuse_stick_breaking_param_grads(plan, self.device.name())?;
         match x {
             BackwardInputs::Heads(x) => {
                 let [b, _, sq, skv] = bhss(x.q, x.k);

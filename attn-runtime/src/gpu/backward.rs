@@ -30,6 +30,8 @@ pub(crate) struct Buffers {
     /// The parameters, their gradients' per-thread partial sums and their gradients (0 each
     /// without parameters).
     pub params: [i64; 3],
+    /// Stick-breaking's row state at each block of keys (0 for other specs).
+    pub stick_state: i64,
 }
 
 /// A backward call ready to launch: its kernels and grids, its inputs as the bytes the kernels
@@ -56,6 +58,8 @@ pub(crate) struct BackwardCall {
     /// Copies of the parameters' gradients the dq kernel's threads keep
     /// (`codegen::gpu::kernels::backward::param_copies`; 0 without parameters).
     pub param_copies: usize,
+    /// Floats of stick-breaking's row state (`stick_state`; 0 for other specs).
+    pub stick_state_len: usize,
 }
 
 /// A prepared backward call, or the gradients of one with nothing to compute.
@@ -99,6 +103,7 @@ impl BackwardCall {
             })));
         }
         let plan = variant.backward_plan()?;
+        let stick_state_len = stick_state_len(plan, x.q.shape()[1], [b, sq, skv])?;
         let param_copies =
             codegen::gpu::kernels::backward::param_copies(plan, [b, sq, skv], params.len());
         let first_pos = p0 + (skv as i64 - sq as i64).min(0);
@@ -143,6 +148,7 @@ impl BackwardCall {
             dtype: spec.dtype,
             params: params.to_vec(),
             param_copies,
+            stick_state_len,
         })))
     }
 
@@ -224,6 +230,7 @@ impl BackwardCall {
                     param_copies: self.param_copies as i64,
                     dparams: at.params[2],
                     param_len: self.params.len() as i64,
+                    stick_state: at.stick_state,
                 },
                 &[],
             )
@@ -278,6 +285,7 @@ impl BackwardCall {
                 s.f32s_or_null(self.partials_len())?,
                 s.f32s_or_null(self.params.len())?,
             ],
+            stick_state: s.f32s_or_null(self.stick_state_len)?,
         })
     }
 
@@ -305,6 +313,35 @@ impl BackwardCall {
         let dparams = read(at.params[2], self.params.len())?;
         Ok((self.finish([dq?, dk?, dv?])?, dparams))
     }
+}
+
+/// Bytes stick-breaking's row state may take in one backward call.
+const STICK_STATE_BYTES: usize = 1 << 32;
+
+/// Floats of the row state a stick-breaking backward of `[batch, Sq, Skv]` over `heads` query
+/// heads keeps (two per query row and block of 64 keys; 0 for other specs), or an error past
+/// [`STICK_STATE_BYTES`].
+fn stick_state_len(
+    plan: &codegen::plan::KernelPlan,
+    heads: usize,
+    [b, sq, skv]: [usize; 3],
+) -> Result<usize, RuntimeError> {
+    if !plan.stick_breaking() {
+        return Ok(0);
+    }
+    let blocks = skv.div_ceil(codegen::gpu::kernels::backward::ROWS as usize);
+    [b, heads, sq, blocks, 2]
+        .into_iter()
+        .try_fold(1usize, usize::checked_mul)
+        .filter(|&n| n.saturating_mul(4) <= STICK_STATE_BYTES)
+        .ok_or_else(|| {
+            RuntimeError::Data(format!(
+                "a stick-breaking backward of {b} x {heads} heads x {sq} queries x {skv} keys \
+                 keeps two floats per query and block of 64 keys, past {} GiB on the device; \
+                 split the call (fewer sequences or heads at a time)",
+                STICK_STATE_BYTES >> 30
+            ))
+        })
 }
 
 /// A per-head backward on the GPU backward kernels, run on `device`: the gradients and the

@@ -144,7 +144,8 @@ pub(crate) struct DecodeLaunch<'a> {
     pub map: Vec<i32>,
     /// See `merged_rows`.
     pub slots: usize,
-    /// Whether the partial rows add (`normalize = sigmoid`) rather than merge as softmax parts.
+    /// Whether the partial rows add (`normalize = sigmoid`; a stick-breaking row is never
+    /// split) rather than merge as softmax parts.
     pub sums: bool,
     /// How many parameter values the kernel reads (the plan's `ParamLayout` length).
     pub param_len: usize,
@@ -361,7 +362,12 @@ pub(crate) fn run_rows(
         Some(spans) => spans.iter().map(|s| s.count).collect(),
         None => items.iter().map(|i| i.segments.len()).collect(),
     };
-    let tasks = tasks(&counts, partitions(&counts, options, GPU_TASKS));
+    // A stick-breaking row weighs each key by every nearer one: its keys stay in one task.
+    let parts = match plan.stick_breaking() {
+        true => 1,
+        false => partitions(&counts, options, GPU_TASKS),
+    };
+    let tasks = tasks(&counts, parts);
     let (k_stride, v_stride) = row_strides(&layout);
     let page_tables = match paged {
         Some(geometry) => Some(PageTables::of(cache, seqs, call.q_lens, geometry)?),

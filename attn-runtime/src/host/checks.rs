@@ -216,22 +216,35 @@ pub(crate) fn overflowed_rows_are_nan(out: &mut [f32], lse: &mut [f32], dv: usiz
     }
 }
 
-/// Refuses `normalize = stick_breaking` where `backend` does not run it (`what`: the call, in
-/// words): its weights depend on every nearer key, which the GPU kernels, taking keys in
-/// parallel pieces, do not carry yet.
-pub(crate) fn refuse_stick_breaking(
+/// Refuses `normalize = stick_breaking` in a resident GPU model on `backend`: its decode
+/// splits a row's keys over tasks, which a stick-breaking row, weighing each key by every
+/// nearer one, cannot be.
+pub(crate) fn refuse_stick_breaking_resident(
     variant: &Variant,
     backend: &'static str,
-    what: &str,
 ) -> Result<(), RuntimeError> {
     match variant.spec().normalize {
         attn_dsl::Normalize::StickBreaking => Err(RuntimeError::Unsupported {
             backend,
-            what: format!(
-                "normalize = stick_breaking in {what} (the cpu backend runs it: forward, \
-                 decode and backward)"
-            ),
+            what: "normalize = stick_breaking in a resident model (the GPU backend's forward, \
+                   decode and backward calls run it, and so does the CPU model)"
+                .into(),
         }),
         _ => Ok(()),
+    }
+}
+
+/// Refuses the backward of a stick-breaking plan with gradients of learnable parameters or
+/// f32 data tensors on `backend` (not built on any backend yet).
+pub(crate) fn refuse_stick_breaking_param_grads(
+    plan: &codegen::plan::KernelPlan,
+    backend: &'static str,
+) -> Result<(), RuntimeError> {
+    match plan.stick_breaking() && !plan.param_grads.is_empty() {
+        true => Err(RuntimeError::Unsupported {
+            backend,
+            what: "the stick-breaking backward of learnable parameters or f32 data tensors".into(),
+        }),
+        false => Ok(()),
     }
 }

@@ -729,10 +729,11 @@ fn stale_device_copies_are_refused<D: attn_runtime::device::Device + 'static>(
     assert_eq!(synced.out.to_f32_vec(), fresh.out.to_f32_vec());
 }
 
-/// Sigmoid attention decodes on the interpreter's SIMT decode kernel as on the CPU, its
-/// split-KV partitions added by the merge kernel.
+/// Sigmoid and stick-breaking attention decode on the interpreter's SIMT decode kernel as on
+/// the CPU: sigmoid's split-KV partitions added by the merge kernel, stick-breaking's rows
+/// kept whole (segments from the last) whatever partitions are asked for.
 #[test]
-fn gpu_sigmoid_decode_on_the_interpreter_equals_the_cpu_decode() {
+fn gpu_unnormalized_decode_on_the_interpreter_equals_the_cpu_decode() {
     use attn_runtime::DecodeOptions;
     use attn_runtime::cache::PagedCache;
     use attn_runtime::cpu::CpuBackend;
@@ -740,6 +741,9 @@ fn gpu_sigmoid_decode_on_the_interpreter_equals_the_cpu_decode() {
         "heads = 4, kv_heads = 2, head_dim = 16, mask = causal, normalize = sigmoid(bias = -ln(64))",
         "heads = 2, head_dim = 16, position = rope, mask = sliding_window(30), dtype = bf16, \
          normalize = sigmoid(bias = 0.5)",
+        "heads = 4, kv_heads = 2, head_dim = 16, mask = causal, normalize = stick_breaking",
+        "heads = 2, head_dim = 16, position = rope, mask = sliding_window(30), dtype = bf16, \
+         normalize = stick_breaking",
     ] {
         let spec: AttentionSpec = text.parse().unwrap();
         let (h, hkv, d) = (spec.heads as usize, spec.kv_heads() as usize, 16);

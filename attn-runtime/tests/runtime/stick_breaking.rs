@@ -1,13 +1,14 @@
-//! `normalize = stick_breaking` on the backends: the CPU kernels' forward (key tiles from the
-//! last, each row's softplus sum carried) and backward (the same order, with `D` less the
-//! nearer keys' `dP A` carried) against the reference, and what every other path refuses
-//! (its decode is checked with the other caches' tests, in `decode.rs`).
+//! `normalize = stick_breaking` on the backends: the CPU kernels' and the GPU SIMT kernels'
+//! forward (key tiles from the last, each row's softplus sum carried) and backward (the same
+//! order, with `D` less the nearer keys' `dP A` carried; on the GPU through the row state the dq
+//! kernel leaves at each block of keys) against the reference, and what the paths that do not
+//! run it refuse (its decode is checked with the other caches' tests, in `decode.rs` and
+//! `gpu_runtime.rs`).
 
 use crate::learned::Case;
-use attn_runtime::cache::PagedCache;
+use attn_runtime::RuntimeError;
 use attn_runtime::cpu::CpuBackend;
 use attn_runtime::gpu::sim::GpuSim;
-use attn_runtime::{Backend, Inputs as Call, RuntimeError, Tensor, Variant};
 
 /// Causal GQA over several key tiles; a window with RoPE and a softcap (a derivative that is not
 /// constant); a custom mask and score modifier; bf16; and a non-causal call, where keys after
@@ -35,31 +36,30 @@ fn cpu_stick_breaking_matches_the_reference() {
     Case::new(SPECS[0], 1, 4, 700, 0).check(&cpu);
 }
 
-fn zeros(shape: &[usize]) -> Tensor {
-    Tensor::from_f32(shape, vec![0.0; shape.iter().product()]).unwrap()
+/// On the interpreter: key tiles of 32 and (head_dim 80) of 16 keys, rows crossing several
+/// blocks of 64 keys (the dk/dv kernel's, whose row state the dq kernel leaves), the window's
+/// skipped tiles, GQA, bf16 and a custom mask.
+#[test]
+fn gpu_sim_stick_breaking_matches_the_reference() {
+    let sim = GpuSim::new();
+    for (i, spec) in SPECS.iter().enumerate() {
+        Case::new(spec, 1, 40 - 5 * i, 150, 2 * i as i64).check(&sim);
+    }
+    let wide = "heads = 2, kv_heads = 1, head_dim = 80, mask = causal, normalize = stick_breaking";
+    Case::new(wide, 1, 20, 140, 0).check(&sim);
 }
 
 #[test]
 fn paths_that_do_not_run_it_refuse_it() {
-    let spec: attn_dsl::AttentionSpec = SPECS[0].parse().unwrap();
-    let variant = Variant::shared(&spec).unwrap();
-    let (q, k) = (zeros(&[1, 4, 8, 32]), zeros(&[1, 2, 8, 32]));
-    let err = GpuSim::new()
-        .forward(&variant, Call::heads(&q, &k, &k), 0)
-        .unwrap_err();
-    assert!(matches!(err, RuntimeError::Unsupported { .. }), "{err}");
-    assert!(err.to_string().contains("stick_breaking"), "{err}");
-
-    let cache = PagedCache::new(&spec, 16, 4).unwrap();
-    let q1 = zeros(&[0, 4, 1, 32]);
-    let err = crate::support::decode(&GpuSim::new(), &spec, &q1, &cache, &[], Default::default())
-        .unwrap_err();
-    assert!(err.to_string().contains("decode"), "{err}");
-
     // Learnable parameters: the backward of their gradients is not built.
     let learned = "heads = 2, head_dim = 16, mask = causal, normalize = stick_breaking, \
                    params(w: [heads]), score_mod = |s, b, h, q, k| s * (1.0 + w[h])";
     let case = Case::new(learned, 1, 10, 10, 0);
-    let err = case.try_backward(&CpuBackend::new()).unwrap_err();
-    assert!(err.to_string().contains("stick-breaking backward"), "{err}");
+    for err in [
+        case.try_backward(&CpuBackend::new()).unwrap_err(),
+        case.try_backward(&GpuSim::new()).unwrap_err(),
+    ] {
+        assert!(matches!(err, RuntimeError::Unsupported { .. }), "{err}");
+        assert!(err.to_string().contains("stick-breaking backward"), "{err}");
+    }
 }

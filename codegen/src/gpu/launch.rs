@@ -252,6 +252,10 @@ launch_record! {
         dparams: Address,
         /// Values in `params`: the layout's and the call's data (0 without parameters).
         param_len: Scalar,
+        /// `[B, Hq, Sq, ceil(Skv / 64), 2]` f32 under `normalize = stick_breaking`: each
+        /// query row's running sums at each block of 64 keys, written by `backward_dq`, read
+        /// by `backward_dkdv` (0 otherwise).
+        stick_state: Address,
     }
 }
 

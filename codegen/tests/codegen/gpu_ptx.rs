@@ -298,3 +298,48 @@ fn tensor_core_backward_kernels_assemble_without_spills() {
         }
     }
 }
+
+/// `normalize = stick_breaking` takes the SIMT kernels for every call, f32 and bf16 alike, and
+/// each of them (forward, decode, the backward's delta, dq and dk/dv) lowers and assembles.
+#[test]
+fn stick_breaking_kernels_compile_to_ptx_and_assemble() {
+    for text in [
+        "heads = 8, kv_heads = 2, head_dim = 64, mask = causal, position = rope, \
+         normalize = stick_breaking",
+        "heads = 4, head_dim = 128, mask = sliding_window(256), softcap = 30.0, dtype = bf16, \
+         normalize = stick_breaking",
+    ] {
+        let spec: attn_dsl::AttentionSpec = text.parse().unwrap();
+        let forward = codegen::gpu::forward_kernel(&KernelPlan::forward(&spec)).unwrap();
+        assert_eq!(
+            forward.inputs,
+            attn_dsl::DType::F32,
+            "{text}: the forward runs on SIMT"
+        );
+        let backward = codegen::gpu::backward_kernels(&KernelPlan::backward(&spec).unwrap());
+        let backward = backward.unwrap();
+        assert!(!backward.tensor_cores, "{text}: the backward runs on SIMT");
+        let decode = codegen::gpu::kernels::decode::lower(&KernelPlan::decode(&spec));
+        let kernels = [forward.kernel.as_ref(), &decode]
+            .into_iter()
+            .chain(backward.kernels.iter().map(|k| k.as_ref()));
+        for kernel in kernels {
+            for arch in [Arch::Sm80, Arch::Sm90] {
+                let out = emit(kernel, arch).unwrap_or_else(|e| panic!("{text}: {e}"));
+                assert!(
+                    out.ptx.contains(&format!(".entry {}", kernel.name)),
+                    "{text}"
+                );
+                // Every kernel but the delta weighs keys.
+                let weighs = kernel.name != "backward_delta";
+                assert_eq!(
+                    out.ptx.contains("ex2.approx"),
+                    weighs,
+                    "{text} {}",
+                    kernel.name
+                );
+                assemble(&out.ptx, arch, &format!("{} {text}", kernel.name));
+            }
+        }
+    }
+}

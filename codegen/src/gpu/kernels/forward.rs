@@ -6,11 +6,13 @@
 //! row's scores through the score program (half base 2) and the mask, keeps its running max and sum
 //! (online softmax), and accumulates `P V` in registers. Tiles the plan classifies as all-masked
 //! are skipped (the host passes one code per (head, query block, key tile)); all-kept tiles skip
-//! the mask program. Inputs are contiguous BHSD f32.
+//! the mask program. Under `normalize = stick_breaking` the tiles and each tile's keys are
+//! taken from the last (the nearest), and the running max is the row's running sum of
+//! `softplus` over the keys already weighed. Inputs are contiguous BHSD f32.
 
 use super::{
-    Env, Regs, Side, exp2_twice, lse_of_half, param, program, reciprocal, rope_params, rotate,
-    sigmoid_weight, special64, tile_code,
+    Env, Regs, Side, StickKey, exp2_twice, from_last, lse_of_half, param, program, reciprocal,
+    rope_params, rotate, sigmoid_weight, special64, tile_code,
 };
 use crate::gpu::ir::build::*;
 use crate::gpu::ir::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty, Un};
@@ -101,15 +103,23 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
         reg(code),
         Expr::Int(TileCode::Skip as i64, Ty::I32),
     );
+    let tiles = bin(Bin::Div, add(param("skv"), i64(bc - 1)), i64(bc));
+    let mut per_tile = vec![
+        Stmt::Set(code, tile_code(at.head, [rows, bc], reg(t))),
+        Stmt::If(run_tile, run, vec![]),
+    ];
+    let mut step = t;
+    if plan.stick_breaking() {
+        // Stick-breaking weighs keys from the nearest: tiles from the last.
+        step = r.add("tile_step", Ty::I64);
+        per_tile.insert(0, Stmt::Set(t, from_last(tiles.clone(), reg(step))));
+    }
     body.push(Stmt::For {
-        reg: t,
+        reg: step,
         start: i64(0),
-        end: bin(Bin::Div, add(param("skv"), i64(bc - 1)), i64(bc)),
+        end: tiles,
         step: 1,
-        body: vec![
-            Stmt::Set(code, tile_code(at.head, [rows, bc], reg(t))),
-            Stmt::If(run_tile, run, vec![]),
-        ],
+        body: per_tile,
     });
 
     // Epilogue: out = acc / l, lse = (m + log2 l) ln 2; rows with no kept key: 0 and -inf.
@@ -350,7 +360,12 @@ fn scaled_q_and_running_state(
         }
     }
     let (m, l) = (r.add("m", Ty::F32), r.add("l", Ty::F32));
-    body.push(Stmt::Set(m, f32(f32::NEG_INFINITY)));
+    // Stick-breaking's running softplus sum starts at 0.
+    let m0 = match plan.stick_breaking() {
+        true => 0.0,
+        false => f32::NEG_INFINITY,
+    };
+    body.push(Stmt::Set(m, f32(m0)));
     body.push(Stmt::Set(l, f32(0.0)));
     let acc: Vec<Reg> = (0..dv).map(|i| r.add(format!("acc{i}"), Ty::F32)).collect();
     for &a in &acc {
@@ -360,7 +375,7 @@ fn scaled_q_and_running_state(
 }
 
 /// A thread's row of the SIMT kernel: its rotated, scaled query, output accumulator, running
-/// max and sum.
+/// max (under stick-breaking its running sum of `softplus`) and sum.
 struct RowState<'a> {
     pub q: &'a [Reg],
     pub acc: &'a [Reg],
@@ -443,8 +458,20 @@ fn simt_tile(
         body: pass1,
     });
 
+    // Pass 2: weights, their sum, P V.
     let s_stored = load(Space::Shared, Ty::F32, s_addr);
-    let weight = if plan.sigmoid() {
+    let mut pass2 = Vec::new();
+    let mut step = j;
+    let weight = if plan.stick_breaking() {
+        // Keys from the last (the nearest), each weighed behind the row's running sum of
+        // softplus (in `m`), which it then joins.
+        let stick = StickKey::new(r);
+        step = r.add("j_step", Ty::I64);
+        pass2.push(Stmt::Set(j, from_last(keys.count.clone(), reg(step))));
+        pass2.extend(stick.weigh(s_stored, reg(row.m)));
+        pass2.push(Stmt::Set(row.m, add(reg(row.m), reg(stick.added))));
+        reg(stick.weight)
+    } else if plan.sigmoid() {
         // Each key weighs sigmoid(s) on its own: no max, no rescale.
         sigmoid_weight(s_stored)
     } else {
@@ -452,14 +479,11 @@ fn simt_tile(
         exp2_twice(sub(s_stored, reg(m_use)))
     };
     let p = r.add("p", Ty::F32);
-    // Pass 2: weights, their sum, P V.
-    let mut pass2 = vec![
-        Stmt::Set(p, weight),
-        Stmt::Set(row.l, add(reg(row.l), reg(p))),
-    ];
+    pass2.push(Stmt::Set(p, weight));
+    pass2.push(Stmt::Set(row.l, add(reg(row.l), reg(p))));
     pass2.extend(value_product(row, sh, j, dv, p));
     out.push(Stmt::For {
-        reg: j,
+        reg: step,
         start: i64(0),
         end: keys.count,
         step: 1,
@@ -510,8 +534,8 @@ fn value_product(row: &RowState, sh: &TileShared, j: Reg, dv: i64, p: Reg) -> Ve
 
 /// Where `valid` holds, writes the row's output `acc / l` (as `acc` times one reciprocal) to
 /// row `out_row` of `out` (f32 rows of `acc.len()`) and its log-sum-exp `(m + log2 l) ln 2` to
-/// `lse`; rows with no kept key get 0 and `-inf`. Under `normalize = sigmoid`, `acc` and
-/// `ln l`.
+/// `lse`; rows with no kept key get 0 and `-inf`. Under `normalize = sigmoid` or
+/// `stick_breaking` (weights not normalized), `acc` and `ln l`.
 fn simt_epilogue(
     plan: &KernelPlan,
     row: &RowState,
@@ -530,15 +554,15 @@ fn simt_epilogue(
             out.clone(),
             add(mul(out_row.clone(), i64(dv * 4)), i64(4 * i as i64)),
         );
-        // Sigmoid weights are not normalized: out is the accumulator.
-        let value = if plan.sigmoid() {
+        // Sigmoid and stick-breaking weights are not normalized: out is the accumulator.
+        let value = if plan.unnormalized() {
             reg(a)
         } else {
             select(nonempty.clone(), mul(reg(a), reciprocal(reg(l))), f32(0.0))
         };
         store.push(Stmt::Store(Space::Global, addr, value));
     }
-    let lse_value = if plan.sigmoid() {
+    let lse_value = if plan.unnormalized() {
         mul(un(Un::Lg2, reg(l)), f32(std::f32::consts::LN_2))
     } else {
         lse_of_half(reg(m), reg(l))

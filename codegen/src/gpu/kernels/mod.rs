@@ -15,6 +15,7 @@ mod rope;
 mod score;
 mod softmax;
 mod staging;
+mod stick;
 
 pub(crate) use build::{Regs, half_of, param, special64, tile_code};
 pub(crate) use epilogue::epilogue;
@@ -25,3 +26,4 @@ pub(crate) use softmax::{
     sigmoid_weight,
 };
 pub(crate) use staging::{Staging, lane_aligned, stage_rows};
+pub(crate) use stick::{StickKey, from_last};

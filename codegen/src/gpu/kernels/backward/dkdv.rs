@@ -24,22 +24,22 @@ pub(super) fn dkdv(plan: &KernelPlan) -> Kernel {
 /// A thread's key in `backward_dkdv`: where it is (keys past Skv compute on the last key,
 /// `krow`; their results are not stored), its position and index in the call, its k (rotated)
 /// and v, and the dk and dv accumulators.
-struct KeyRow {
-    row: Reg,
-    batch: Reg,
-    kvh: Reg,
-    krow: Reg,
-    kpos: Reg,
-    index: Reg,
-    k: Vec<Reg>,
-    v: Vec<Reg>,
-    dk: Vec<Reg>,
-    dv: Vec<Reg>,
+pub(super) struct KeyRow {
+    pub(super) row: Reg,
+    pub(super) batch: Reg,
+    pub(super) kvh: Reg,
+    pub(super) krow: Reg,
+    pub(super) kpos: Reg,
+    pub(super) index: Reg,
+    pub(super) k: Vec<Reg>,
+    pub(super) v: Vec<Reg>,
+    pub(super) dk: Vec<Reg>,
+    pub(super) dv: Vec<Reg>,
 }
 
 impl KeyRow {
     /// The key's registers, and the statements that load it.
-    fn load(plan: &KernelPlan, r: &mut Regs) -> (KeyRow, Vec<Stmt>) {
+    pub(super) fn load(plan: &KernelPlan, r: &mut Regs) -> (KeyRow, Vec<Stmt>) {
         let (d, dv) = (i64::from(plan.shape.qk_dim), i64::from(plan.shape.v_dim));
         let hkv = i64::from(plan.shape.kv_heads);
         let (row, batch, kvh) = (
@@ -131,39 +131,7 @@ impl KeyRow {
         let head_row0 = mul(add(mul(reg(self.batch), i64(hq)), reg(head)), param("sq"));
         let q_offset = sub(param("skv"), param("sq"));
         let q_pos = |row: Expr| add(add(param("p0"), q_offset.clone()), row);
-        let q_tmp = f32_regs(r, "q", d);
-        let mut tile = stage(
-            r,
-            plan,
-            Stage {
-                base: add(param("q"), mul(head_row0.clone(), i64(d * 4))),
-                first: first.clone(),
-                count: param("sq"),
-                width: d,
-                tile: bq,
-                shared: q_sh,
-                factor: plan.q_scale as f32,
-                rotation: Some(Rotation {
-                    tmp: &q_tmp,
-                    pos: &q_pos,
-                    side: Side::Query,
-                }),
-            },
-        );
-        tile.extend(stage(
-            r,
-            plan,
-            Stage {
-                base: add(param("dout"), mul(head_row0.clone(), i64(dv * 4))),
-                first: first.clone(),
-                count: param("sq"),
-                width: dv,
-                tile: bq,
-                shared: do_sh,
-                factor: 1.0,
-                rotation: None,
-            },
-        ));
+        let mut tile = self.stage_queries(plan, r, head, first.clone());
         // lse (half base 2) and D of the tile's rows, by threads 0..bq.
         tile.push(stage_row_stats(
             param,
@@ -232,8 +200,59 @@ impl KeyRow {
         }
     }
 
+    /// Q rows `first..first + bq` of head `head` (rotated and scaled) staged in shared memory
+    /// at 0 (`[bq][d]`), and dO's after them (`[bq][dv]`); zeros past Sq. No barrier.
+    pub(super) fn stage_queries(
+        &self,
+        plan: &KernelPlan,
+        r: &mut Regs,
+        head: Reg,
+        first: Expr,
+    ) -> Vec<Stmt> {
+        let (d, dv) = (i64::from(plan.shape.qk_dim), i64::from(plan.shape.v_dim));
+        let hq = i64::from(plan.shape.heads);
+        let bq = i64::from(key_tile(plan));
+        let head_row0 = mul(add(mul(reg(self.batch), i64(hq)), reg(head)), param("sq"));
+        let q_offset = sub(param("skv"), param("sq"));
+        let q_pos = |row: Expr| add(add(param("p0"), q_offset.clone()), row);
+        let q_tmp = f32_regs(r, "q", d);
+        let mut tile = stage(
+            r,
+            plan,
+            Stage {
+                base: add(param("q"), mul(head_row0.clone(), i64(d * 4))),
+                first: first.clone(),
+                count: param("sq"),
+                width: d,
+                tile: bq,
+                shared: 0,
+                factor: plan.q_scale as f32,
+                rotation: Some(Rotation {
+                    tmp: &q_tmp,
+                    pos: &q_pos,
+                    side: Side::Query,
+                }),
+            },
+        );
+        tile.extend(stage(
+            r,
+            plan,
+            Stage {
+                base: add(param("dout"), mul(head_row0, i64(dv * 4))),
+                first,
+                count: param("sq"),
+                width: dv,
+                tile: bq,
+                shared: bq * d * 4,
+                factor: 1.0,
+                rotation: None,
+            },
+        ));
+        tile
+    }
+
     /// dk back to the unrotated k; both stored, for keys inside Skv.
-    fn store(&self, plan: &KernelPlan, r: &mut Regs) -> Stmt {
+    pub(super) fn store(&self, plan: &KernelPlan, r: &mut Regs) -> Stmt {
         let mut store = Vec::new();
         if let Some(rope) = &plan.rope {
             let tables = rope_params(param, Side::Key);

@@ -72,26 +72,30 @@ fn ctas() -> Expr {
 /// A thread's query row in `backward_dq`: where it is (rows past Sq compute on the last row,
 /// `qrow`; their results are not stored), its position and index in the call, its q (rotated
 /// and scaled), dO, dq accumulator, lse (half base 2) and D.
-struct QueryRow {
-    row: Reg,
-    batch: Reg,
-    head: Reg,
-    kvh: Reg,
-    qrow: Reg,
-    qpos: Reg,
-    index: Reg,
-    q: Vec<Reg>,
-    go: Vec<Reg>,
-    acc: Vec<Reg>,
-    lse_half: Reg,
-    delta: Reg,
+pub(super) struct QueryRow {
+    pub(super) row: Reg,
+    pub(super) batch: Reg,
+    pub(super) head: Reg,
+    pub(super) kvh: Reg,
+    pub(super) qrow: Reg,
+    pub(super) qpos: Reg,
+    pub(super) index: Reg,
+    pub(super) q: Vec<Reg>,
+    pub(super) go: Vec<Reg>,
+    pub(super) acc: Vec<Reg>,
+    pub(super) lse_half: Reg,
+    pub(super) delta: Reg,
 }
 
 impl QueryRow {
     /// The row's registers, and the statements that load it: in the block of query rows the
     /// CTA's grid position names, or in block `block` (blocks numbered by batch, head, then
     /// rows).
-    fn load(plan: &KernelPlan, r: &mut Regs, block: Option<Reg>) -> (QueryRow, Vec<Stmt>) {
+    pub(super) fn load(
+        plan: &KernelPlan,
+        r: &mut Regs,
+        block: Option<Reg>,
+    ) -> (QueryRow, Vec<Stmt>) {
         let (d, dv) = (i64::from(plan.shape.qk_dim), i64::from(plan.shape.v_dim));
         let (hq, hkv) = (i64::from(plan.shape.heads), i64::from(plan.shape.kv_heads));
         let (row, batch, head, kvh) = (
@@ -194,13 +198,8 @@ impl QueryRow {
     /// gradients there.
     fn key_tiles(&self, plan: &KernelPlan, r: &mut Regs, partials: Option<&ParamPartials>) -> Stmt {
         let (d, dv) = (i64::from(plan.shape.qk_dim), i64::from(plan.shape.v_dim));
-        let hkv = i64::from(plan.shape.kv_heads);
         let bc = i64::from(key_tile(plan));
         let (k_sh, v_sh) = (0, bc * d * 4);
-        let kv_row0 = mul(
-            add(mul(reg(self.batch), i64(hkv)), reg(self.kvh)),
-            param("skv"),
-        );
         let (t, j, key, s, dp) = (
             r.add("tile", Ty::I64),
             r.add("j", Ty::I64),
@@ -214,40 +213,7 @@ impl QueryRow {
             r.add("keep", Ty::Pred),
         );
         let first = mul(reg(t), i64(bc));
-        let k_tmp = f32_regs(r, "k", d);
-        let key_pos = |row: Expr| add(param("p0"), row);
-        let mut tile = stage(
-            r,
-            plan,
-            Stage {
-                base: add(param("k"), mul(kv_row0.clone(), i64(d * 4))),
-                first: first.clone(),
-                count: param("skv"),
-                width: d,
-                tile: bc,
-                shared: k_sh,
-                factor: 1.0,
-                rotation: Some(Rotation {
-                    tmp: &k_tmp,
-                    pos: &key_pos,
-                    side: Side::Key,
-                }),
-            },
-        );
-        tile.extend(stage(
-            r,
-            plan,
-            Stage {
-                base: add(param("v"), mul(kv_row0, i64(dv * 4))),
-                first: first.clone(),
-                count: param("skv"),
-                width: dv,
-                tile: bc,
-                shared: v_sh,
-                factor: 1.0,
-                rotation: None,
-            },
-        ));
+        let mut tile = self.stage_keys(plan, r, first.clone());
         tile.push(Stmt::Barrier);
         let pair = Pair {
             env: Env {
@@ -313,8 +279,56 @@ impl QueryRow {
         }
     }
 
+    /// K (rotated) and V rows `first..first + bc` of the row's KV head staged in shared
+    /// memory (K `[bc][d]` at 0, V `[bc][dv]` after it; zeros past Skv), then a barrier.
+    pub(super) fn stage_keys(&self, plan: &KernelPlan, r: &mut Regs, first: Expr) -> Vec<Stmt> {
+        let (d, dv) = (i64::from(plan.shape.qk_dim), i64::from(plan.shape.v_dim));
+        let hkv = i64::from(plan.shape.kv_heads);
+        let bc = i64::from(key_tile(plan));
+        let kv_row0 = mul(
+            add(mul(reg(self.batch), i64(hkv)), reg(self.kvh)),
+            param("skv"),
+        );
+        let k_tmp = f32_regs(r, "k", d);
+        let key_pos = |row: Expr| add(param("p0"), row);
+        let mut tile = stage(
+            r,
+            plan,
+            Stage {
+                base: add(param("k"), mul(kv_row0.clone(), i64(d * 4))),
+                first: first.clone(),
+                count: param("skv"),
+                width: d,
+                tile: bc,
+                shared: 0,
+                factor: 1.0,
+                rotation: Some(Rotation {
+                    tmp: &k_tmp,
+                    pos: &key_pos,
+                    side: Side::Key,
+                }),
+            },
+        );
+        tile.extend(stage(
+            r,
+            plan,
+            Stage {
+                base: add(param("v"), mul(kv_row0, i64(dv * 4))),
+                first,
+                count: param("skv"),
+                width: dv,
+                tile: bc,
+                shared: bc * d * 4,
+                factor: 1.0,
+                rotation: None,
+            },
+        ));
+        tile.push(Stmt::Barrier);
+        tile
+    }
+
     /// dq = q_scale * sum dS K, rotated back to the unrotated q, stored for rows inside Sq.
-    fn store_dq(&self, plan: &KernelPlan, r: &mut Regs) -> Stmt {
+    pub(super) fn store_dq(&self, plan: &KernelPlan, r: &mut Regs) -> Stmt {
         let acc = &self.acc;
         let mut store = acc
             .iter()

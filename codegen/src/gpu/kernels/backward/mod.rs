@@ -15,6 +15,10 @@
 //!   `dS * d score / d read` of its own rows into its own copy of every parameter's gradient
 //!   (`param_partials`). This kernel sums the copies in copy order, one thread per element.
 //!
+//! Under `normalize = stick_breaking` the dq and dk/dv kernels are `stick.rs`'s: each row's
+//! running sums go from its nearest key, and the dq kernel leaves them for the dk/dv kernel
+//! at each block of keys.
+//!
 //! dQ takes a separate pass instead of atomics, for two reasons. The IR has no atomics. A
 //! separate pass also keeps the gradients deterministic, as do the parameters' per-thread copies. The cost is recomputing `Q K^T` and
 //! `dO V^T` once more (seven tile products instead of five). Every pair evaluates the mask: no
@@ -25,6 +29,7 @@
 mod dkdv;
 mod dq;
 mod shared;
+mod stick;
 
 use crate::gpu::ir::Kernel;
 use crate::plan::{KernelPlan, PlanKind};
@@ -42,7 +47,10 @@ pub fn lower(plan: &KernelPlan) -> Vec<Kernel> {
         PlanKind::Backward,
         "the GPU backward kernels lower backward plans"
     );
-    let mut kernels = vec![delta(plan), dq(plan), dkdv(plan)];
+    let mut kernels = match plan.stick_breaking() {
+        true => vec![delta(plan), stick::dq(plan), stick::dkdv(plan)],
+        false => vec![delta(plan), dq(plan), dkdv(plan)],
+    };
     if !plan.params.is_empty() {
         kernels.push(dparams());
     }

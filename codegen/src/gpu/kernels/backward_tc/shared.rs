@@ -34,8 +34,8 @@ pub fn supports(plan: &KernelPlan) -> bool {
     plan.kind == PlanKind::Backward
         && matches!(plan.dtype, DType::Bf16 | DType::F16)
         && plan.mla.is_none()
-        // Sigmoid weights are taken by the SIMT kernels only.
-        && !plan.sigmoid()
+        // Sigmoid and stick-breaking weights are taken by the SIMT kernels only.
+        && !plan.unnormalized()
         // Parameters and their gradients are taken by the SIMT kernels only.
         && plan.params.is_empty()
         && d.is_multiple_of(16)

@@ -4,13 +4,16 @@
 //! rows: a thread per (row, key) score, a thread per row for the softmax, and a thread per
 //! (row, output column) group of accumulators for `P V`. Q (rotated and scaled), the segment's
 //! K and V rows (widened to f32; K rows padded by one float, so a warp reading 32 keys' column
-//! hits 32 banks) and the scores sit in shared memory.
+//! hits 32 banks) and the scores sit in shared memory. Under `normalize = stick_breaking` the
+//! segments and each row's keys are taken from the last (the nearest), the row's running max
+//! being its running sum of `softplus`; the host then gives each task all of its row's keys.
 
 use super::records::{Segment, Strided, THREADS, Task, param, stage_q};
 use crate::gpu::ir::build::*;
 use crate::gpu::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Un};
 use crate::gpu::kernels::{
-    Env, Regs, exp2_twice, lse_of_half, program, reciprocal, rescale_to, sigmoid_weight, special64,
+    Env, Regs, StickKey, exp2_twice, from_last, lse_of_half, program, reciprocal, rescale_to,
+    sigmoid_weight, special64,
 };
 use crate::gpu::launch::{DecodeArgs, LaunchRecord};
 use crate::plan::{KernelPlan, PlanKind, TileCode};
@@ -102,10 +105,19 @@ pub fn lower_simt(plan: &KernelPlan) -> Kernel {
         run,
         vec![],
     ));
+    let (mut step, mut range) = (si, [reg(task.seg0), add(reg(task.seg0), reg(task.nseg))]);
+    if plan.stick_breaking() {
+        // Stick-breaking weighs keys from the nearest: segments from the last.
+        step = r.add("segment_step", Ty::I64);
+        let segment = add(reg(task.seg0), from_last(reg(task.nseg), reg(step)));
+        seg_body.insert(0, Stmt::Set(si, segment));
+        range = [i64(0), reg(task.nseg)];
+    }
+    let [start, end] = range;
     body.push(Stmt::For {
-        reg: si,
-        start: reg(task.seg0),
-        end: add(reg(task.seg0), reg(task.nseg)),
+        reg: step,
+        start,
+        end,
         step: 1,
         body: seg_body,
     });
@@ -126,7 +138,8 @@ pub fn lower_simt(plan: &KernelPlan) -> Kernel {
 
 /// The kernel being built: the plan's sizes, the shared layout, the task, the element loops,
 /// and the running state (a thread per row keeps its max `m` and sum `l`; each thread its
-/// accumulators `acc`, outputs `tid + THREADS i`, row `o / v_dim`, column `o % v_dim`). Each
+/// accumulators `acc`, outputs `tid + THREADS i`, row `o / v_dim`, column `o % v_dim`; under
+/// stick-breaking `m` is the row's running sum of `softplus`). Each
 /// phase of [`lower_simt`] is a method.
 struct Simt<'a> {
     plan: &'a KernelPlan,
@@ -155,7 +168,12 @@ impl<'a> Simt<'a> {
         let (d, dv) = (i64::from(plan.shape.qk_dim), i64::from(plan.shape.v_dim));
         let (rows_max, threads) = (i64::from(simt_task_rows(plan)), i64::from(THREADS));
         let (m, l) = (r.add("m", Ty::F32), r.add("l", Ty::F32));
-        let mut init = vec![Stmt::Set(m, f32(f32::NEG_INFINITY)), Stmt::Set(l, f32(0.0))];
+        // Stick-breaking's running softplus sum starts at 0.
+        let m0 = match plan.stick_breaking() {
+            true => 0.0,
+            false => f32::NEG_INFINITY,
+        };
+        let mut init = vec![Stmt::Set(m, f32(m0)), Stmt::Set(l, f32(0.0))];
         let n_acc = (rows_max * dv + threads - 1) / threads;
         let acc: Vec<_> = (0..n_acc)
             .map(|i| r.add(format!("acc{i}"), Ty::F32))
@@ -323,22 +341,33 @@ impl<'a> Simt<'a> {
             r.add("p", Ty::F32),
         );
         let own_s = self.s_at(tid.clone(), reg(j));
-        if self.plan.sigmoid() {
-            // Each key weighs sigmoid(s) on its own: no max; the accumulator's factor is 1.
+        if self.plan.unnormalized() {
+            // Each key weighs sigmoid(s) on its own, or (stick-breaking, keys from the last)
+            // behind its row's running softplus sum in `m`: no max; the accumulator's factor
+            // is 1.
+            let (mut weigh, mut step) = (Vec::new(), j);
+            let s_j = load(Space::Shared, Ty::F32, own_s.clone());
+            if self.plan.stick_breaking() {
+                let stick = StickKey::new(r);
+                step = r.add("j_step", Ty::I64);
+                weigh.push(Stmt::Set(j, from_last(reg(len), reg(step))));
+                weigh.extend(stick.weigh(s_j, reg(m)));
+                weigh.push(Stmt::Set(p, reg(stick.weight)));
+                weigh.push(Stmt::Set(m, add(reg(m), reg(stick.added))));
+            } else {
+                weigh.push(Stmt::Set(p, sigmoid_weight(s_j)));
+            }
+            weigh.extend([
+                Stmt::Store(Space::Shared, own_s, reg(p)),
+                Stmt::Set(l, add(reg(l), reg(p))),
+            ]);
             let softmax = vec![
                 Stmt::For {
-                    reg: j,
+                    reg: step,
                     start: i64(0),
                     end: reg(len),
                     step: 1,
-                    body: vec![
-                        Stmt::Set(
-                            p,
-                            sigmoid_weight(load(Space::Shared, Ty::F32, own_s.clone())),
-                        ),
-                        Stmt::Store(Space::Shared, own_s, reg(p)),
-                        Stmt::Set(l, add(reg(l), reg(p))),
-                    ],
+                    body: weigh,
                 },
                 Stmt::Store(
                     Space::Shared,
@@ -447,7 +476,7 @@ impl<'a> Simt<'a> {
         let (tid, sh, l) = (special64(Special::Tid), &self.sh, self.l);
         let (row0, rows) = (self.task.row0, self.task.rows);
         let own_row = add(reg(row0), tid.clone());
-        let lse = if self.plan.sigmoid() {
+        let lse = if self.plan.unnormalized() {
             mul(un(Un::Lg2, reg(l)), f32(std::f32::consts::LN_2))
         } else {
             lse_of_half(reg(self.m), reg(l))
@@ -470,8 +499,8 @@ impl<'a> Simt<'a> {
         for (i, &a) in self.acc.iter().enumerate() {
             let (row, col) = self.output(i as i64);
             let sum = load(Space::Shared, Ty::F32, at(i64(sh.alpha), row.clone(), 4));
-            // Sigmoid weights are not normalized: out is the accumulator.
-            let value = if self.plan.sigmoid() {
+            // Sigmoid and stick-breaking weights are not normalized: out is the accumulator.
+            let value = if self.plan.unnormalized() {
                 reg(a)
             } else {
                 select(

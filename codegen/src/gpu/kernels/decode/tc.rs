@@ -50,8 +50,8 @@ pub fn supports(plan: &KernelPlan) -> bool {
     plan.kind == PlanKind::Decode
         && mma::sixteen_bit(plan)
         && plan.mla.is_none()
-        // Parameters and sigmoid weights are taken by the SIMT kernel only.
-        && !plan.sigmoid()
+        // Parameters, sigmoid and stick-breaking weights are taken by the SIMT kernel only.
+        && !plan.unnormalized()
         && plan.params.is_empty()
         && d.is_multiple_of(16)
         && dv.is_multiple_of(16)

@@ -48,8 +48,8 @@ pub fn supports(plan: &KernelPlan) -> bool {
     plan.kind == PlanKind::Decode
         && mma::sixteen_bit(plan)
         && !tc::supports(plan)
-        // Parameters and sigmoid weights are taken by the SIMT kernel only.
-        && !plan.sigmoid()
+        // Parameters, sigmoid and stick-breaking weights are taken by the SIMT kernel only.
+        && !plan.unnormalized()
         && plan.params.is_empty()
         && d.is_multiple_of(64)
         && dv.is_multiple_of(64)
