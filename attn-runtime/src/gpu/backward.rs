@@ -364,6 +364,21 @@ mod tests {
     use crate::Backend;
 
     #[test]
+    fn stick_breakings_row_state_is_sized_and_bounded() {
+        let stick = Variant::parse("heads = 4, head_dim = 16, normalize = stick_breaking").unwrap();
+        let plan = stick.backward_plan().unwrap();
+        // Two floats per query row and block of 64 keys (130 keys: three blocks).
+        assert_eq!(stick_state_len(plan, 4, [2, 10, 130]).unwrap(), 2 * 4 * 10 * 3 * 2);
+        let err = stick_state_len(plan, 64, [1, 1 << 20, 1 << 20]).unwrap_err();
+        assert!(err.to_string().contains("split the call"), "{err}");
+        let huge = stick_state_len(plan, usize::MAX, [usize::MAX, 2, 1 << 20]).unwrap_err();
+        assert!(huge.to_string().contains("stick-breaking backward"), "{huge}");
+        let softmax = Variant::parse("heads = 4, head_dim = 16").unwrap();
+        let plan = softmax.backward_plan().unwrap();
+        assert_eq!(stick_state_len(plan, 4, [1, 1 << 20, 1 << 20]).unwrap(), 0);
+    }
+
+    #[test]
     fn inputs_past_f16_run_on_the_simt_kernels() {
         let text = "heads = 2, head_dim = 16, position = rope, dtype = bf16";
         let variant = Variant::parse(text).unwrap();
