@@ -105,7 +105,7 @@ fn imports(isa: Isa, plan: &codegen::plan::KernelPlan, dtype: DType) -> Imports 
     let (exp_tile, ds_tile) = match plan.spec.normalize {
         Normalize::Softmax => softmax_tiles::addresses(isa),
         Normalize::Sigmoid(_) => softmax_tiles::sigmoid_addresses(isa),
-        Normalize::StickBreaking => stick_tiles::addresses(),
+        Normalize::StickBreaking => stick_tiles::addresses(isa),
     };
     Imports {
         qk_tile,

@@ -368,11 +368,17 @@ mod tests {
         let stick = Variant::parse("heads = 4, head_dim = 16, normalize = stick_breaking").unwrap();
         let plan = stick.backward_plan().unwrap();
         // Two floats per query row and block of 64 keys (130 keys: three blocks).
-        assert_eq!(stick_state_len(plan, 4, [2, 10, 130]).unwrap(), 2 * 4 * 10 * 3 * 2);
+        assert_eq!(
+            stick_state_len(plan, 4, [2, 10, 130]).unwrap(),
+            2 * 4 * 10 * 3 * 2
+        );
         let err = stick_state_len(plan, 64, [1, 1 << 20, 1 << 20]).unwrap_err();
         assert!(err.to_string().contains("split the call"), "{err}");
         let huge = stick_state_len(plan, usize::MAX, [usize::MAX, 2, 1 << 20]).unwrap_err();
-        assert!(huge.to_string().contains("stick-breaking backward"), "{huge}");
+        assert!(
+            huge.to_string().contains("stick-breaking backward"),
+            "{huge}"
+        );
         let softmax = Variant::parse("heads = 4, head_dim = 16").unwrap();
         let plan = softmax.backward_plan().unwrap();
         assert_eq!(stick_state_len(plan, 4, [1, 1 << 20, 1 << 20]).unwrap(), 0);
