@@ -310,6 +310,35 @@ fn gpu_sim_sigmoid_attention_matches_the_reference() {
     }
 }
 
+/// 16-bit sigmoid attention takes the tensor-core forward and backward kernels (each pair's
+/// weight and `dS` in place of the softmax's): over several tiles with GQA, a window in f16.
+#[test]
+fn gpu_sim_sigmoid_attention_on_tensor_cores_matches_the_reference() {
+    let sim = GpuSim::new();
+    for (text, sq, skv) in [
+        (
+            "heads = 4, kv_heads = 2, head_dim = 32, mask = causal, dtype = bf16, \
+             normalize = sigmoid(bias = -ln(64))",
+            70,
+            90,
+        ),
+        (
+            "heads = 2, head_dim = 16, mask = sliding_window(20), dtype = f16, \
+             normalize = sigmoid(bias = 0.5)",
+            40,
+            40,
+        ),
+    ] {
+        let variant = attn_runtime::Variant::new(parse(text)).unwrap();
+        let forward = attn_runtime::codegen::gpu::forward_kernel(variant.forward_plan()).unwrap();
+        assert_eq!(forward.kernel.name, "attention_forward_tc", "{text}");
+        let plan = variant.backward_plan().unwrap();
+        let backward = attn_runtime::codegen::gpu::backward_kernels(plan).unwrap();
+        assert!(backward.tensor_cores, "{text}");
+        Case::new(text, 1, sq, skv, 3).check(&sim);
+    }
+}
+
 #[test]
 fn gpu_sim_parameters_and_sinks_match_the_reference() {
     let sim = GpuSim::new();

@@ -497,6 +497,39 @@ fn the_sm_90a_kernel_matches_the_reference_causal_and_full() {
     check_wgmma("heads = 1, head_dim = 64, dtype = f16", 1, 70, 300, 0);
 }
 
+/// `normalize = sigmoid` on the tensor-core forward kernels: each score's weight in place of
+/// the online softmax, unnormalized outputs, `lse = ln l`. With a bias (scores in half base-2
+/// units), GQA over several tiles, and with none (raw scores where the scale folds).
+#[test]
+fn the_tensor_core_kernels_take_sigmoid_weights() {
+    check_tc(
+        "heads = 4, kv_heads = 2, head_dim = 32, mask = causal, dtype = bf16, \
+         normalize = sigmoid(bias = -3.0)",
+        1,
+        70,
+        70,
+        0,
+    );
+    check_tc(
+        "heads = 2, head_dim = 16, dtype = f16, normalize = sigmoid(bias = 0.0)",
+        2,
+        20,
+        45,
+        3,
+    );
+    check_wgmma(
+        "heads = 2, head_dim = 64, mask = causal, dtype = bf16, normalize = sigmoid(bias = -ln(64))",
+        1,
+        70,
+        90,
+        0,
+    );
+    // Stick-breaking's chain of keys stays on the SIMT kernels.
+    let stick = "heads = 2, head_dim = 64, dtype = bf16, normalize = stick_breaking";
+    let plan = KernelPlan::forward(&stick.parse::<AttentionSpec>().unwrap());
+    assert!(!forward_tc::supports(&plan) && !forward_wgmma::supports(&plan));
+}
+
 #[test]
 fn the_sm_90a_kernel_matches_the_reference_for_variants() {
     for (text, b, sq, skv, p0) in [

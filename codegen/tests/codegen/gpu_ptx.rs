@@ -34,8 +34,14 @@ fn forward_kernels_compile_to_ptx_for_sm80_and_sm90() {
 #[test]
 fn tensor_core_kernels_compile_and_report_their_resources() {
     use codegen::gpu::kernels::forward_tc;
-    for d in [64, 128] {
-        let text = format!("heads = 16, head_dim = {d}, mask = causal, dtype = bf16");
+    for (d, normalize) in [
+        (64, "softmax"),
+        (128, "softmax"),
+        (128, "sigmoid(bias = -8.0)"),
+    ] {
+        let text = format!(
+            "heads = 16, head_dim = {d}, mask = causal, dtype = bf16, normalize = {normalize}"
+        );
         let spec: attn_dsl::AttentionSpec = text.parse().unwrap();
         let kernel = forward_tc::lower(&KernelPlan::forward(&spec));
         // Two CTAs' shared memory fit an SM (164 KiB on sm_80, 227 KiB on sm_90); past 48 KiB
@@ -52,8 +58,13 @@ fn tensor_core_kernels_compile_and_report_their_resources() {
                 out.ptx
                     .contains("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32")
             );
-            // Softmax terms take one MUFU each: flushed to zero below f32's normal range.
-            assert!(out.ptx.contains("ex2.approx.ftz.f32"), "{text}");
+            // Softmax terms take one MUFU each: flushed to zero below f32's normal range
+            // (sigmoid's `2^x` is clamped into it instead).
+            let ex2 = match normalize {
+                "softmax" => "ex2.approx.ftz.f32",
+                _ => "ex2.approx.f32",
+            };
+            assert!(out.ptx.contains(ex2), "{text}");
             assert_eq!(
                 out.ptx.contains(".extern .shared"),
                 dynamic > 0,
@@ -108,8 +119,14 @@ fn tensor_core_kernels_with_rope_assemble_without_spills() {
 #[test]
 fn the_twelve_warp_tiling_fits_168_registers() {
     use codegen::gpu::kernels::forward_tc::{self, Tiling};
-    for d in [64, 128] {
-        let text = format!("heads = 16, head_dim = {d}, mask = causal, dtype = bf16");
+    for (d, normalize) in [
+        (64, "softmax"),
+        (128, "softmax"),
+        (128, "sigmoid(bias = -8.0)"),
+    ] {
+        let text = format!(
+            "heads = 16, head_dim = {d}, mask = causal, dtype = bf16, normalize = {normalize}"
+        );
         let plan = KernelPlan::forward(&text.parse::<attn_dsl::AttentionSpec>().unwrap());
         let qk = forward_tc::qk_half(&plan);
         let kernel = forward_tc::lower_tiled(&plan, qk, Tiling::TWELVE_WARPS);
@@ -272,6 +289,7 @@ fn tensor_core_backward_kernels_assemble_without_spills() {
         "heads = 16, head_dim = 64, mask = causal, dtype = bf16",
         "heads = 8, kv_heads = 2, head_dim = 128, mask = causal, position = rope, dtype = bf16",
         "heads = 4, head_dim = 64, position = alibi, softcap = 30.0, dtype = f16",
+        "heads = 16, head_dim = 128, mask = causal, dtype = bf16, normalize = sigmoid(bias = -8.0)",
     ] {
         let spec: attn_dsl::AttentionSpec = text.parse().unwrap();
         let plan = KernelPlan::backward(&spec).unwrap();

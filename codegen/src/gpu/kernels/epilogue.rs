@@ -1,5 +1,6 @@
 //! The tensor-core kernels' epilogue: each row's sum reduced over its lane quad, `out = O / l`
-//! stored from the `mma` accumulators, and the row's log-sum-exp.
+//! stored from the `mma` accumulators, and the row's log-sum-exp (under `normalize = sigmoid`,
+//! `out = O` and `lse = ln l`).
 
 use super::build::param;
 use super::softmax::{lse_of_half, reciprocal, scale_folds, scaled, shfl};
@@ -40,15 +41,21 @@ pub(crate) fn epilogue(
                         param("out"),
                         mul(add(mul(out_row.clone(), i64(dv as i64)), col), i64(4)),
                     );
-                    let value = select(
-                        nonempty.clone(),
-                        mul(reg(frag[2 * h + j]), reciprocal(reg(l))),
-                        f32(0.0),
-                    );
+                    // Sigmoid weights are not normalized: out is the accumulator.
+                    let value = match plan.sigmoid() {
+                        true => reg(frag[2 * h + j]),
+                        false => select(
+                            nonempty.clone(),
+                            mul(reg(frag[2 * h + j]), reciprocal(reg(l))),
+                            f32(0.0),
+                        ),
+                    };
                     store.push(Stmt::Store(Space::Global, addr, value));
                 }
             }
-            let lse = if folded {
+            let lse = if plan.sigmoid() {
+                mul(un(Un::Lg2, reg(l)), f32(std::f32::consts::LN_2))
+            } else if folded {
                 // c m <= m: finite for every finite raw score.
                 mul(
                     add(scaled(plan, reg(m[rb][h])), un(Un::Lg2, reg(l))),

@@ -106,7 +106,8 @@ pub(crate) fn scaled(plan: &KernelPlan, e: Expr) -> Expr {
 /// One tile's online softmax over the scores `s` (laid out as in [`TileScores`]): the row max
 /// (this lane's elements, then its quad), the rescale of the running max `m`, sum `l` and the
 /// accumulators `o` (`o[rb][vb]`, rows as in `s`; skipped when every row of the warp keeps its
-/// maximum; `before_rescale` runs first), and `P = 2^(S - m)` in place of S.
+/// maximum; `before_rescale` runs first), and `P = 2^(S - m)` in place of S. Under
+/// `normalize = sigmoid`: `P = sigmoid(S)` and their sum into `l`, with no max and no rescale.
 pub(crate) fn online_softmax(
     plan: &KernelPlan,
     r: &mut Regs,
@@ -115,6 +116,9 @@ pub(crate) fn online_softmax(
     o: &[Vec<[Reg; 4]>],
     before_rescale: Vec<Stmt>,
 ) -> Vec<Stmt> {
+    if plan.sigmoid() {
+        return sigmoid_weights(plan, r, s, l, before_rescale);
+    }
     let folded = scale_folds(plan);
     let exponent_scale = if folded {
         2.0 * plan.q_scale as f32
@@ -215,5 +219,37 @@ pub(crate) fn online_softmax(
         rescale_o,
         vec![],
     ));
+    run
+}
+
+/// [`online_softmax`] under `normalize = sigmoid`: each score `P = sigmoid(S)` in place (S in
+/// half base-2 units, or raw and unscaled where the scale folds) and the tile's sum added to
+/// `l`; the accumulators keep their scale (`before_rescale` still runs, for what it waits on).
+fn sigmoid_weights(
+    plan: &KernelPlan,
+    r: &mut Regs,
+    s: &[Vec<[Reg; 4]>],
+    l: &[[Reg; 2]],
+    before_rescale: Vec<Stmt>,
+) -> Vec<Stmt> {
+    let tile_sum = r.add("tile_sum", Ty::F32);
+    let half_units = |x: Reg| match scale_folds(plan) {
+        true => mul(reg(x), f32(plan.q_scale as f32)),
+        false => reg(x),
+    };
+    let mut run = Vec::new();
+    for rb in 0..s.len() {
+        for h in 0..2 {
+            run.push(Stmt::Set(tile_sum, f32(0.0)));
+            for frag in &s[rb] {
+                for x in [frag[2 * h], frag[2 * h + 1]] {
+                    run.push(Stmt::Set(x, sigmoid_weight(half_units(x))));
+                    run.push(Stmt::Set(tile_sum, add(reg(tile_sum), reg(x))));
+                }
+            }
+            run.push(Stmt::Set(l[rb][h], add(reg(l[rb][h]), reg(tile_sum))));
+        }
+    }
+    run.extend(before_rescale);
     run
 }

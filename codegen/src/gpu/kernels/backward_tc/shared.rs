@@ -5,7 +5,8 @@ use crate::gpu::ir::build::*;
 use crate::gpu::ir::{Bin, Expr, Half, Kernel, Reg, Space, Special, Stmt, Ty, Un};
 use crate::gpu::kernels::forward_tc;
 use crate::gpu::kernels::{
-    Env, Regs, Side, exp2_twice, program, rotate_pair, special64, table_names,
+    Env, Regs, Side, exp2_twice, program, rotate_pair, sigmoid_slope, sigmoid_weight, special64,
+    table_names,
 };
 use crate::gpu::kernels::{Staging, half_of, lane_aligned, stage_rows};
 use crate::gpu::launch::{BackwardTcArgs, LaunchRecord};
@@ -34,8 +35,8 @@ pub fn supports(plan: &KernelPlan) -> bool {
     plan.kind == PlanKind::Backward
         && matches!(plan.dtype, DType::Bf16 | DType::F16)
         && plan.mla.is_none()
-        // Sigmoid and stick-breaking weights are taken by the SIMT kernels only.
-        && !plan.unnormalized()
+        // Stick-breaking's weights are taken by the SIMT kernels only.
+        && !plan.stick_breaking()
         // Parameters and their gradients are taken by the SIMT kernels only.
         && plan.params.is_empty()
         && d.is_multiple_of(16)
@@ -453,7 +454,8 @@ fn score_grad(plan: &KernelPlan) -> &M {
 }
 
 /// `(p, ds)` of one pair: `p = 2^(2 (score - lse_half))`, `ds = p (dp - delta) * d score /
-/// d raw`.
+/// d raw`. Under `normalize = sigmoid`: `p = sigmoid(score)` and `ds = dp p (1 - p) * d score
+/// / d raw`, with no row term.
 pub(super) fn p_and_ds(
     plan: &KernelPlan,
     env: &Env,
@@ -461,12 +463,15 @@ pub(super) fn p_and_ds(
     dp: Expr,
     delta: Expr,
 ) -> (Expr, Expr) {
-    let p = exp2_twice(sub(program(&plan.program.score, env), lse_half));
-    let ds = mul(
-        mul(p.clone(), sub(dp, delta)),
-        program(score_grad(plan), env),
-    );
-    (p, ds)
+    let score = program(&plan.program.score, env);
+    let (p, ds_final) = match plan.sigmoid() {
+        true => (sigmoid_weight(score.clone()), mul(dp, sigmoid_slope(score))),
+        false => {
+            let p = exp2_twice(sub(score, lse_half));
+            (p.clone(), mul(p, sub(dp, delta)))
+        }
+    };
+    (p, mul(ds_final, program(score_grad(plan), env)))
 }
 
 /// The masked and unmasked versions of a tile's element-wise step, chosen by its code.

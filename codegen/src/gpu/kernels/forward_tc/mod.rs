@@ -108,8 +108,8 @@ pub fn supports(plan: &KernelPlan) -> bool {
     plan.kind == PlanKind::Forward
         && matches!(plan.dtype, DType::Bf16 | DType::F16)
         && plan.mla.is_none()
-        // Sigmoid and stick-breaking weights are taken by the SIMT kernels only.
-        && !plan.unnormalized()
+        // Stick-breaking's weights are taken by the SIMT kernels only.
+        && !plan.stick_breaking()
         // Parameters are read by the SIMT kernels only.
         && plan.params.is_empty()
         && plan.shape.qk_dim.is_multiple_of(16)

@@ -66,8 +66,8 @@ pub fn supports(plan: &KernelPlan) -> bool {
     plan.kind == PlanKind::Forward
         && matches!(plan.dtype, DType::Bf16 | DType::F16)
         && plan.mla.is_none()
-        // Sigmoid and stick-breaking weights are taken by the SIMT kernels only.
-        && !plan.unnormalized()
+        // Stick-breaking's weights are taken by the SIMT kernels only.
+        && !plan.stick_breaking()
         && plan.params.is_empty()
         && plan.rope.as_ref().is_none_or(|r| {
             let pairing = r.rope.layout.pairing(r.rope.dim);
