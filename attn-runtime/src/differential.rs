@@ -6,6 +6,10 @@
 //! The backward is one backward call of the components, with output gradients `dout_h` and
 //! `-lambda * dout_h`; lambda's gradient is `-sum dout_h . O_2h+1`, and a value head's the sum
 //! of its two copies'. The components' outputs and log-sum-exps are what the forward saves.
+//!
+//! Padded batches (`[B, H, S, D]`, [`Differential::forward`]) and packed ones
+//! (`[total, H, D]` with cumulative offsets, [`Differential::forward_varlen`]) alike: heads are
+//! the second axis of both, so a pair is two consecutive blocks of what follows it.
 
 use crate::backend::Backend;
 use crate::calls::{BackwardInputs, HeadGradients, HeadsBackward, Inputs, Output};
@@ -13,6 +17,7 @@ use crate::error::RuntimeError;
 use crate::learned::Learned;
 use crate::tensor::Tensor;
 use crate::variant::Variant;
+use crate::varlen::{Varlen, VarlenSaved};
 use attn_dsl::{AttentionSpec, LAMBDA_NAMES};
 use rayon::prelude::*;
 use std::sync::Arc;
@@ -38,6 +43,20 @@ pub struct DifferentialInputs<'a> {
     pub learned: Learned<'a>,
 }
 
+/// The inputs of a differential call over a packed batch ([`crate::varlen`]'s layout).
+#[derive(Clone, Copy, Debug)]
+pub struct DifferentialVarlen<'a> {
+    /// q `[total_q, heads, head_dim]`, k `[total_k, kv_heads, head_dim]`, v `[total_k,
+    /// kv_heads / 2, v_head_dim]` and the sequences' offsets.
+    pub batch: Varlen<'a>,
+    /// lambda's vectors.
+    pub lambda: Lambda<'a>,
+    /// The position of each sequence's key 0.
+    pub position_offset: i64,
+    /// The spec's learnable and data tensors.
+    pub learned: Learned<'a>,
+}
+
 /// A differential spec, its component heads planned as a [`Variant`].
 #[derive(Clone, Debug)]
 pub struct Differential {
@@ -49,20 +68,21 @@ pub struct Differential {
 /// What a differential forward returns.
 #[derive(Clone, Debug)]
 pub struct DifferentialOutput {
-    /// `[B, heads / 2, Sq, v_head_dim]` in the spec's dtype.
+    /// `[B, heads / 2, Sq, v_head_dim]` (packed: `[total_q, heads / 2, v_head_dim]`) in the
+    /// spec's dtype.
     pub out: Tensor,
     /// lambda, as the vectors gave it.
     pub lambda: f32,
-    /// The component heads' output and log-sum-exp, `[B, heads, Sq, ..]`: what the backward
-    /// takes.
+    /// The component heads' output and log-sum-exp, `[B, heads, Sq, ..]` (packed: `[total_q,
+    /// heads, ..]`): what the backward takes.
     pub components: Output,
 }
 
 /// The gradients of a differential call.
 #[derive(Clone, Debug)]
 pub struct DifferentialGradients {
-    /// `dq [B, heads, Sq, D]`, `dk [B, kv_heads, Skv, D]`, `dv [B, kv_heads / 2, Skv, Dv]` and
-    /// the spec's learnable tensors'.
+    /// `dq [B, heads, Sq, D]`, `dk [B, kv_heads, Skv, D]`, `dv [B, kv_heads / 2, Skv, Dv]`
+    /// (packed: `[total, heads, ..]` each) and the spec's learnable tensors'.
     pub inputs: HeadGradients,
     /// The gradients of lambda's vectors, `(d<name>, [head_dim] f32)` in [`LAMBDA_NAMES`]'s
     /// order.
@@ -147,13 +167,24 @@ impl Differential {
             x.position_offset,
             x.learned,
         )?;
-        let o = &components.out;
-        let out = pairs(o, |a, b| a - lambda * b)?;
-        Ok(DifferentialOutput {
-            out,
-            lambda,
-            components,
-        })
+        paired_output(components, lambda)
+    }
+
+    /// Differential attention over a packed batch on `backend`.
+    pub fn forward_varlen(
+        &self,
+        backend: &dyn Backend,
+        x: &DifferentialVarlen,
+    ) -> Result<DifferentialOutput, RuntimeError> {
+        let lambda = self.lambda(x.lambda)? as f32;
+        let both = self.values_per_component(x.batch.k, x.batch.v)?;
+        let batch = Varlen {
+            v: &both,
+            ..x.batch
+        };
+        let components =
+            backend.forward_varlen(&self.components, batch, x.position_offset, x.learned)?;
+        paired_output(components, lambda)
     }
 
     /// The gradients of [`Differential::forward`] for `dout = dL/dout`
@@ -165,7 +196,59 @@ impl Differential {
         saved: &DifferentialOutput,
         dout: &Tensor,
     ) -> Result<DifferentialGradients, RuntimeError> {
-        let lambda = self.lambda(x.lambda)?;
+        let lambda = self.checked_lambda(x.lambda, saved, dout)?;
+        let dcomponents = unpaired(dout, saved.components.out.dtype(), lambda as f32)?;
+        let both = self.values_per_component(x.k, x.v)?;
+        let call = BackwardInputs::Heads(HeadsBackward {
+            q: x.q,
+            k: x.k,
+            v: &both,
+            out: &saved.components.out,
+            lse: &saved.components.lse,
+            dout: &dcomponents,
+            position_offset: x.position_offset,
+        });
+        let g = backend
+            .backward_learned(&self.components, &call, x.learned)?
+            .heads()?;
+        self.gradients(g, x.lambda, (dout, saved))
+    }
+
+    /// The gradients of [`Differential::forward_varlen`] for `dout = dL/dout`
+    /// (`[total_q, heads / 2, Dv]`), given its inputs and what it returned.
+    pub fn backward_varlen(
+        &self,
+        backend: &dyn Backend,
+        x: &DifferentialVarlen,
+        saved: &DifferentialOutput,
+        dout: &Tensor,
+    ) -> Result<DifferentialGradients, RuntimeError> {
+        let lambda = self.checked_lambda(x.lambda, saved, dout)?;
+        let dcomponents = unpaired(dout, saved.components.out.dtype(), lambda as f32)?;
+        let both = self.values_per_component(x.batch.k, x.batch.v)?;
+        let batch = Varlen {
+            v: &both,
+            ..x.batch
+        };
+        let call = VarlenSaved {
+            out: &saved.components.out,
+            lse: &saved.components.lse,
+            dout: &dcomponents,
+        };
+        let g =
+            backend.backward_varlen(&self.components, batch, call, x.position_offset, x.learned)?;
+        self.gradients(g, x.lambda, (dout, saved))
+    }
+
+    /// lambda for the backward's vectors, checked against the forward's, after checking
+    /// `dout`'s shape against the output's.
+    fn checked_lambda(
+        &self,
+        vectors: Lambda,
+        saved: &DifferentialOutput,
+        dout: &Tensor,
+    ) -> Result<f64, RuntimeError> {
+        let lambda = self.lambda(vectors)?;
         if lambda as f32 != saved.lambda {
             return Err(RuntimeError::Data(format!(
                 "lambda's vectors give {lambda}, but the forward ran with {}; allowed: the \
@@ -173,33 +256,27 @@ impl Differential {
                 saved.lambda
             )));
         }
-        let o = &saved.components.out;
-        let out_shape = [o.shape()[0], o.shape()[1] / 2, o.shape()[2], o.shape()[3]];
-        if dout.shape() != out_shape {
+        if dout.shape() != saved.out.shape() {
             return Err(RuntimeError::Shape {
                 tensor: "dout".into(),
                 found: dout.shape().to_vec(),
-                expected: format!("{out_shape:?}, the differential output's"),
+                expected: format!("{:?}, the differential output's", saved.out.shape()),
             });
         }
-        let dcomponents = unpaired(dout, o.dtype(), lambda as f32)?;
-        let both = self.values_per_component(x.k, x.v)?;
-        let call = BackwardInputs::Heads(HeadsBackward {
-            q: x.q,
-            k: x.k,
-            v: &both,
-            out: o,
-            lse: &saved.components.lse,
-            dout: &dcomponents,
-            position_offset: x.position_offset,
-        });
-        let mut g = backend
-            .backward_learned(&self.components, &call, x.learned)?
-            .heads()?;
+        Ok(lambda)
+    }
+
+    /// The call's gradients from the components': each value head's two copies summed, and
+    /// lambda's vectors' from `dL/dlambda = -sum dout_h . O_2h+1`.
+    fn gradients(
+        &self,
+        mut g: HeadGradients,
+        vectors: Lambda,
+        (dout, saved): (&Tensor, &DifferentialOutput),
+    ) -> Result<DifferentialGradients, RuntimeError> {
         g.dv = pairs(&g.dv, |a, b| a + b)?;
-        let dlambda = lambda_gradient(dout, o);
-        let vectors: Vec<Vec<f64>> = x
-            .lambda
+        let dlambda = lambda_gradient(dout, &saved.components.out);
+        let vectors: Vec<Vec<f64>> = vectors
             .iter()
             .map(|t| t.to_f32_vec().into_iter().map(f64::from).collect())
             .collect();
@@ -217,31 +294,31 @@ impl Differential {
         })
     }
 
-    /// v `[B, kv_heads / 2, Skv, Dv]` with each head given twice, after checking it against the
-    /// spec and k.
+    /// v (`[B, kv_heads / 2, Skv, Dv]`, or packed `[total_k, kv_heads / 2, Dv]`) with each
+    /// head given twice, after checking it against the spec and k (`[B, kv_heads, Skv, D]` or
+    /// `[total_k, kv_heads, D]`).
     fn values_per_component(&self, k: &Tensor, v: &Tensor) -> Result<Tensor, RuntimeError> {
-        let (b, skv) = match k.shape() {
-            [b, _, skv, _] => (*b, *skv),
-            _ => (0, 0),
-        };
-        let want = [
-            b,
-            self.spec.value_heads() as usize,
-            skv,
-            self.spec.v_head_dim as usize,
-        ];
-        if k.shape().len() != 4 || v.shape() != want {
+        let mut want = k.shape().to_vec();
+        let packed = want.len() == 3;
+        if let [_, heads, .., last] = want.as_mut_slice() {
+            (*heads, *last) = (
+                self.spec.value_heads() as usize,
+                self.spec.v_head_dim as usize,
+            );
+        }
+        if !(want.len() == 3 || want.len() == 4) || v.shape() != want {
+            let layout = match packed {
+                true => "[total_k, kv_heads / 2, v_head_dim]",
+                false => "[B, kv_heads / 2, Skv, v_head_dim]",
+            };
             return Err(RuntimeError::Shape {
                 tensor: "v".into(),
                 found: v.shape().to_vec(),
-                expected: format!(
-                    "{want:?}: [B, kv_heads / 2, Skv, v_head_dim], one value head per pair of \
-                     key heads"
-                ),
+                expected: format!("{want:?}: {layout}, one value head per pair of key heads"),
             });
         }
         let values = v.f32_values();
-        let head = (skv * want[3]).max(1);
+        let head = block(v.shape());
         let mut both = vec![0.0; 2 * values.len()];
         both.par_chunks_mut(2 * head)
             .zip(values.par_chunks(head))
@@ -250,15 +327,38 @@ impl Differential {
                 first.copy_from_slice(one);
                 second.copy_from_slice(one);
             });
-        Tensor::from_f32_as(v.dtype(), &[b, 2 * want[1], skv, want[3]], both)
+        want[1] *= 2;
+        Tensor::from_f32_as(v.dtype(), &want, both)
     }
 }
 
-/// `[B, 2H, S, D]` into `[B, H, S, D]`, element `f(x[2h], x[2h + 1])`, in x's dtype.
+/// Values in one head's block of a tensor whose second axis is the head: the product of the
+/// axes after it (at least 1, so that empty tensors chunk).
+fn block(shape: &[usize]) -> usize {
+    shape.iter().skip(2).product::<usize>().max(1)
+}
+
+/// `shape` with its head axis (the second) times `num / den`.
+fn heads_scaled(shape: &[usize], num: usize, den: usize) -> Vec<usize> {
+    let mut s = shape.to_vec();
+    s[1] = s[1] * num / den;
+    s
+}
+
+/// The forward's result from the components' output: the pairs combined with `lambda`.
+fn paired_output(components: Output, lambda: f32) -> Result<DifferentialOutput, RuntimeError> {
+    let out = pairs(&components.out, |a, b| a - lambda * b)?;
+    Ok(DifferentialOutput {
+        out,
+        lambda,
+        components,
+    })
+}
+
+/// `[N, 2H, ..]` into `[N, H, ..]`, element `f(x[2h], x[2h + 1])`, in x's dtype.
 fn pairs(x: &Tensor, f: impl Fn(f32, f32) -> f32 + Sync) -> Result<Tensor, RuntimeError> {
-    let s = x.shape().to_vec();
     let values = x.f32_values();
-    let head = (s[2] * s[3]).max(1);
+    let head = block(x.shape());
     let mut out = vec![0.0; values.len() / 2];
     out.par_chunks_mut(head)
         .zip(values.par_chunks(2 * head))
@@ -268,15 +368,14 @@ fn pairs(x: &Tensor, f: impl Fn(f32, f32) -> f32 + Sync) -> Result<Tensor, Runti
                 *o = f(*a, *b);
             }
         });
-    Tensor::from_f32_as(x.dtype(), &[s[0], s[1] / 2, s[2], s[3]], out)
+    Tensor::from_f32_as(x.dtype(), &heads_scaled(x.shape(), 1, 2), out)
 }
 
-/// The components' output gradients for `dout [B, H, S, D]`: `dout_h` and `-lambda * dout_h`
+/// The components' output gradients for `dout [N, H, ..]`: `dout_h` and `-lambda * dout_h`
 /// at heads `2h` and `2h + 1`, in `dtype`.
 fn unpaired(dout: &Tensor, dtype: attn_dsl::DType, lambda: f32) -> Result<Tensor, RuntimeError> {
-    let s = dout.shape().to_vec();
     let values = dout.f32_values();
-    let head = (s[2] * s[3]).max(1);
+    let head = block(dout.shape());
     let mut out = vec![0.0; 2 * values.len()];
     out.par_chunks_mut(2 * head)
         .zip(values.par_chunks(head))
@@ -287,13 +386,12 @@ fn unpaired(dout: &Tensor, dtype: attn_dsl::DType, lambda: f32) -> Result<Tensor
                 *o = -lambda * g;
             }
         });
-    Tensor::from_f32_as(dtype, &[s[0], 2 * s[1], s[2], s[3]], out)
+    Tensor::from_f32_as(dtype, &heads_scaled(dout.shape(), 2, 1), out)
 }
 
 /// `dL/dlambda = -sum dout_h . O_2h+1`, in f64.
 fn lambda_gradient(dout: &Tensor, components: &Tensor) -> f64 {
-    let s = dout.shape();
-    let head = (s[2] * s[3]).max(1);
+    let head = block(dout.shape());
     let (g, o) = (dout.f32_values(), components.f32_values());
     g.par_chunks(head)
         .zip(o.par_chunks(2 * head))

@@ -144,48 +144,13 @@ fn grad_and_run_take_a_variable_length_batch_from_cu_seqlens() {
         env!("CARGO_MANIFEST_DIR")
     );
     let spec = "heads = 8, kv_heads = 2, head_dim = 64, mask = causal, position = rope";
-    // [B, H, S, W] as [B * S, H, W].
-    let pack = |values: Vec<f64>, [_, h, s, w]: [usize; 4]| -> Vec<f64> {
-        let mut out = vec![0.0; values.len()];
-        for (i, v) in values.into_iter().enumerate() {
-            let (bi, hi, si, wi) = (i / (h * s * w), i / (s * w) % h, i / w % s, i % w);
-            out[((bi * s + si) * h + hi) * w + wi] = v;
-        }
-        out
-    };
     let (q, kv) = ([2, 8, 33, 64], [2, 2, 70, 64]);
     let input = temp("varlen-grad-in.safetensors");
-    let tensors: Vec<(&str, Vec<usize>, Vec<u8>)> = [("q", q), ("k", kv), ("v", kv), ("dout", q)]
-        .into_iter()
-        .map(|(name, [b, h, s, w])| {
-            let packed = pack(tensor_values(&golden, name), [b, h, s, w]);
-            let bytes = packed
-                .iter()
-                .flat_map(|&x| (x as f32).to_le_bytes())
-                .collect();
-            (name, vec![b * s, h, w], bytes)
-        })
-        .collect();
-    let offsets = |n: i32| -> Vec<u8> {
-        [0, n, 2 * n]
-            .iter()
-            .flat_map(|x: &i32| x.to_le_bytes())
-            .collect()
-    };
+    let names = [("q", q), ("k", kv), ("v", kv), ("dout", q)];
+    let tensors = write_packed(&golden, &input, &names, [33, 70], &[]);
+    let offsets =
+        |n: i32| -> Vec<u8> { [0, n, 2 * n].iter().flat_map(|x| x.to_le_bytes()).collect() };
     let (cu_q, cu_k) = (offsets(33), offsets(70));
-    let mut views: Vec<(&str, safetensors::tensor::TensorView)> = tensors
-        .iter()
-        .map(|(n, shape, bytes)| {
-            let view =
-                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes);
-            (*n, view.unwrap())
-        })
-        .collect();
-    for (name, bytes) in [("cu_seqlens_q", &cu_q), ("cu_seqlens_k", &cu_k)] {
-        let view = safetensors::tensor::TensorView::new(safetensors::Dtype::I32, vec![3], bytes);
-        views.push((name, view.unwrap()));
-    }
-    safetensors::serialize_to_file(views, None, &input).unwrap();
     // The interpreter's backward is slow: gpu-sim runs the forward here, and the runtime's
     // tests take its varlen backward.
     for (command, backend) in [("grad", "cpu"), ("run", "cpu"), ("run", "gpu-sim")] {
@@ -328,4 +293,114 @@ fn run_computes_differential_heads_and_names_a_missing_lambda_vector() {
         "{}",
         stderr(&o)
     );
+}
+
+/// `[B, H, S, W]` values as `[B * S, H, W]`: each batch row a sequence of a packed batch.
+fn pack(values: Vec<f64>, [_, h, s, w]: [usize; 4]) -> Vec<f64> {
+    let mut out = vec![0.0; values.len()];
+    for (i, v) in values.into_iter().enumerate() {
+        let (bi, hi, si, wi) = (i / (h * s * w), i / (s * w) % h, i / w % s, i % w);
+        out[((bi * s + si) * h + hi) * w + wi] = v;
+    }
+    out
+}
+
+/// Writes `input`: `golden`'s tensors `names` (two batch rows each) packed as f32 `[2 S, H,
+/// W]`, `extra` as they are (f32, of the shapes given), and `cu_seqlens_q` and `cu_seqlens_k`
+/// for two sequences of `[queries, keys]`. Returns the packed tensors: name, shape, bytes.
+fn write_packed(
+    golden: &str,
+    input: &std::path::Path,
+    names: &[(&'static str, [usize; 4])],
+    [sq, skv]: [i32; 2],
+    extra: &[(&'static str, Vec<usize>)],
+) -> Vec<(&'static str, Vec<usize>, Vec<u8>)> {
+    let f32_bytes = |values: Vec<f64>| -> Vec<u8> {
+        values
+            .iter()
+            .flat_map(|&x| (x as f32).to_le_bytes())
+            .collect()
+    };
+    let tensors: Vec<(&str, Vec<usize>, Vec<u8>)> = names
+        .iter()
+        .map(|&(name, [b, h, s, w])| {
+            let packed = pack(tensor_values(golden, name), [b, h, s, w]);
+            (name, vec![b * s, h, w], f32_bytes(packed))
+        })
+        .collect();
+    let extra: Vec<(&str, Vec<usize>, Vec<u8>)> = extra
+        .iter()
+        .map(|(name, shape)| (*name, shape.clone(), f32_bytes(tensor_values(golden, name))))
+        .collect();
+    let offsets =
+        |n: i32| -> Vec<u8> { [0, n, 2 * n].iter().flat_map(|x| x.to_le_bytes()).collect() };
+    let (cu_q, cu_k) = (offsets(sq), offsets(skv));
+    let mut views: Vec<(&str, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .chain(&extra)
+        .map(|(n, shape, bytes)| {
+            let view =
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes);
+            (*n, view.unwrap())
+        })
+        .collect();
+    for (name, bytes) in [("cu_seqlens_q", &cu_q), ("cu_seqlens_k", &cu_k)] {
+        let view = safetensors::tensor::TensorView::new(safetensors::Dtype::I32, vec![3], bytes);
+        views.push((name, view.unwrap()));
+    }
+    safetensors::serialize_to_file(views, None, input).unwrap();
+    tensors
+}
+
+/// `attnc grad` on the differential golden case packed as two sequences: the output, every
+/// gradient (packed) and lambda's vectors' gradients equal PyTorch's.
+#[test]
+fn grad_takes_differential_heads_over_a_packed_batch() {
+    let golden = format!(
+        "{}/tests/fixtures/gradients/differential_causal_gqa_rope_f32.safetensors",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let spec = "heads = 8, kv_heads = 4, head_dim = 32, v_head_dim = 64, mask = causal, \
+                position = rope, differential = lambda";
+    let (q, k, v, out) = (
+        [2, 8, 48, 32],
+        [2, 4, 60, 32],
+        [2, 2, 60, 64],
+        [2, 4, 48, 64],
+    );
+    let names = [("q", q), ("k", k), ("v", v), ("dout", out)];
+    let lambda = ["lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"].map(|n| (n, vec![32]));
+    let input = temp("varlen-differential-in.safetensors");
+    write_packed(&golden, &input, &names, [48, 60], &lambda);
+    let output = temp("varlen-differential-out.safetensors");
+    let o = attnc(&[
+        "grad",
+        "--spec",
+        spec,
+        "--input",
+        input.to_str().unwrap(),
+        "--output",
+        output.to_str().unwrap(),
+        "--position-offset",
+        "3",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    for (name, shape) in [("out", out), ("dq", q), ("dk", k), ("dv", v)] {
+        let (got, want) = (
+            tensor_values(&output, name),
+            pack(tensor_values(&golden, name), shape),
+        );
+        assert_eq!(got.len(), want.len(), "{name}");
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() <= 1e-4 + 1e-3 * w.abs(), "{name}: {g} vs {w}");
+        }
+    }
+    for (name, _) in lambda {
+        let name = format!("d{name}");
+        let (got, want) = (tensor_values(&output, &name), tensor_values(&golden, &name));
+        assert_eq!(got.len(), 32, "{name}");
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() <= 1e-3 + 1e-3 * w.abs(), "{name}: {g} vs {w}");
+        }
+    }
 }

@@ -215,3 +215,125 @@ fn bad_calls_are_refused_with_what_was_wrong() {
     );
     assert!(heads.backward(&cpu, &x, &saved, &dout).is_ok());
 }
+
+/// `[1, H, S, D]` rows as `[S, H, D]` (a sequence of a packed batch), as f32 values.
+fn token_major(t: &Tensor) -> Vec<f32> {
+    let [_, h, s, d] = t.shape().try_into().unwrap();
+    let x = t.to_f32_vec();
+    let mut out = Vec::with_capacity(x.len());
+    for i in 0..s {
+        for head in 0..h {
+            out.extend_from_slice(&x[(head * s + i) * d..(head * s + i + 1) * d]);
+        }
+    }
+    out
+}
+
+/// A packed batch of two sequences (with learnable slopes, GQA and RoPE) gives what each
+/// sequence gives as its own padded call: outputs, lse and every gradient, lambda's and the
+/// slopes' summed over the sequences.
+#[test]
+fn packed_batches_equal_their_sequences_called_alone() {
+    let cpu = CpuBackend::new();
+    for text in [SPECS[0], SPECS[2]] {
+        let spec: AttentionSpec = text.parse().unwrap();
+        let heads = Differential::new(spec.clone()).unwrap();
+        let (h, hk) = (spec.heads as usize, spec.kv_heads() as usize);
+        let (d, dv) = (spec.head_dim as usize, spec.v_head_dim as usize);
+        let lambda = lambda_vectors(d);
+        let lambda = [&lambda[0].0, &lambda[1].0, &lambda[2].0, &lambda[3].0];
+        let (tensors, _) = learned(&spec, 20);
+        let named = by_name(&tensors);
+        let (mut alone, mut packed) = (Vec::new(), [(); 4].map(|_| Vec::new()));
+        let mut dlambda = vec![vec![0f32; d]; 4];
+        let mut dlearned: Vec<Vec<f32>> = Vec::new();
+        for (n, len) in [(0u64, 37usize), (1, 20)] {
+            let q = input(DType::F32, &[1, h, len, d], 1 + 10 * n).0;
+            let k = input(DType::F32, &[1, hk, len, d], 2 + 10 * n).0;
+            let v = input(DType::F32, &[1, hk / 2, len, dv], 3 + 10 * n).0;
+            let dout = input(DType::F32, &[1, h / 2, len, dv], 4 + 10 * n).0;
+            let x = DifferentialInputs {
+                q: &q,
+                k: &k,
+                v: &v,
+                lambda,
+                position_offset: 0,
+                learned: Learned::new(&named),
+            };
+            let saved = heads.forward(&cpu, &x).unwrap();
+            let g = heads.backward(&cpu, &x, &saved, &dout).unwrap();
+            for (all, t) in packed.iter_mut().zip([&q, &k, &v, &dout]) {
+                all.extend(token_major(t));
+            }
+            alone.push([saved.out, g.inputs.dq, g.inputs.dk, g.inputs.dv].map(|t| token_major(&t)));
+            for (sum, (_, t)) in dlambda.iter_mut().zip(&g.lambda) {
+                sum.iter_mut()
+                    .zip(t.to_f32_vec())
+                    .for_each(|(s, x)| *s += x);
+            }
+            dlearned.resize(g.inputs.learned.len(), Vec::new());
+            for (sum, (_, t)) in dlearned.iter_mut().zip(&g.inputs.learned) {
+                sum.resize(t.shape().iter().product(), 0.0);
+                sum.iter_mut()
+                    .zip(t.to_f32_vec())
+                    .for_each(|(s, x)| *s += x);
+            }
+        }
+        let total = 57;
+        let shaped = |i: usize, heads: usize, width: usize| {
+            Tensor::from_f32(&[total, heads, width], packed[i].clone()).unwrap()
+        };
+        let (q, k, v) = (shaped(0, h, d), shaped(1, hk, d), shaped(2, hk / 2, dv));
+        let dout = shaped(3, h / 2, dv);
+        let cu = [0, 37, 57];
+        let x = attn_runtime::differential::DifferentialVarlen {
+            batch: attn_runtime::varlen::Varlen {
+                q: &q,
+                k: &k,
+                v: &v,
+                cu_seqlens_q: &cu,
+                cu_seqlens_k: &cu,
+            },
+            lambda,
+            position_offset: 0,
+            learned: Learned::new(&named),
+        };
+        let saved = heads.forward_varlen(&cpu, &x).unwrap();
+        let g = heads.backward_varlen(&cpu, &x, &saved, &dout).unwrap();
+        assert_eq!(saved.out.shape(), [total, h / 2, dv], "{text}");
+        let got = [&saved.out, &g.inputs.dq, &g.inputs.dk, &g.inputs.dv];
+        for (i, (name, got)) in ["out", "dq", "dk", "dv"].iter().zip(got).enumerate() {
+            let want: Vec<f64> = alone
+                .iter()
+                .flat_map(|a| a[i].iter().map(|x| f64::from(*x)))
+                .collect();
+            compare(
+                &format!("{text}: {name}"),
+                &got.to_f32_vec(),
+                &want,
+                1e-6,
+                1e-6,
+            );
+        }
+        for (sum, (name, t)) in dlambda.iter().zip(&g.lambda) {
+            let want: Vec<f64> = sum.iter().map(|x| f64::from(*x)).collect();
+            compare(
+                &format!("{text}: {name}"),
+                &t.to_f32_vec(),
+                &want,
+                1e-4,
+                1e-4,
+            );
+        }
+        for (sum, (name, t)) in dlearned.iter().zip(&g.inputs.learned) {
+            let want: Vec<f64> = sum.iter().map(|x| f64::from(*x)).collect();
+            compare(
+                &format!("{text}: {name}"),
+                &t.to_f32_vec(),
+                &want,
+                1e-4,
+                1e-4,
+            );
+        }
+    }
+}

@@ -21,7 +21,9 @@ pub struct Files {
     /// `cu_seqlens_q` and `cu_seqlens_k` (B + 1 offsets each), a variable-length batch: q
     /// [total_q, heads, D], k and v [total_k, kv_heads, D], outputs in the same packed layout.
     /// The spec's learnable tensors (params(...), sinks) and data tensors (data(...): i32 ones
-    /// stored as I32, f32 ones as F32) by their names.
+    /// stored as I32, f32 ones as F32) by their names. Differential heads (differential =
+    /// lambda): v holds kv_heads / 2 heads, and lambda_q1, lambda_k1, lambda_q2, lambda_k2
+    /// ([head_dim] f32) are read.
     #[arg(long, value_name = "FILE")]
     pub input: PathBuf,
     /// Output safetensors file.
