@@ -27,6 +27,7 @@ fn _attn(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(mla_calls::forward_mla, m)?)?;
     m.add_function(wrap_pyfunction!(mla_calls::backward_mla, m)?)?;
     m.add_function(wrap_pyfunction!(variant::normalized, m)?)?;
+    m.add_function(wrap_pyfunction!(variant::differential_parts, m)?)?;
     m.add_function(wrap_pyfunction!(context::context_forward, m)?)?;
     m.add_function(wrap_pyfunction!(context::context_backward, m)?)?;
     m.add_function(wrap_pyfunction!(context::context_positions, m)?)?;

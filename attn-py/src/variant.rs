@@ -13,9 +13,28 @@ use std::sync::{Arc, Mutex, OnceLock};
 /// and its kernels recompiled, in milliseconds, when it comes back).
 const MAX_CACHED: usize = 256;
 
-/// The planned variant of a spec's text, parsed on its first use in this process. Parse errors
-/// are rendered as `attnc check` prints them: each with its source line and carets, then how
-/// many errors there were.
+/// A spec's text parsed; parse errors rendered as `attnc check` prints them: each with its
+/// source line and carets, then how many errors there were.
+fn parsed(text: &str) -> PyResult<attn::AttentionSpec> {
+    if text.len() > attn::dsl::MAX_SPEC_BYTES {
+        return Err(refuse(format!(
+            "the spec is {} bytes, more than the {} a spec may have",
+            text.len(),
+            attn::dsl::MAX_SPEC_BYTES
+        )));
+    }
+    attn::dsl::parse_str(text).map_err(|errors| {
+        let count = errors.0.len();
+        let plural = if count == 1 { "" } else { "s" };
+        refuse(format!(
+            "{}spec rejected: {count} error{plural}",
+            errors.render(text)
+        ))
+    })
+}
+
+/// The planned variant of a spec's text, parsed ([`parsed`]) on its first use in this
+/// process.
 pub fn planned(text: &str) -> PyResult<Arc<Variant>> {
     type Cache = Mutex<HashMap<String, Arc<Variant>>>;
     static CACHE: OnceLock<Cache> = OnceLock::new();
@@ -28,21 +47,7 @@ pub fn planned(text: &str) -> PyResult<Arc<Variant>> {
     if let Some(found) = lock().get(text) {
         return Ok(Arc::clone(found));
     }
-    if text.len() > attn::dsl::MAX_SPEC_BYTES {
-        return Err(refuse(format!(
-            "the spec is {} bytes, more than the {} a spec may have",
-            text.len(),
-            attn::dsl::MAX_SPEC_BYTES
-        )));
-    }
-    let spec = attn::dsl::parse_str(text).map_err(|errors| {
-        let count = errors.0.len();
-        let plural = if count == 1 { "" } else { "s" };
-        refuse(format!(
-            "{}spec rejected: {count} error{plural}",
-            errors.render(text)
-        ))
-    })?;
+    let spec = parsed(text)?;
     let variant = Variant::shared(&spec).map_err(from_runtime)?;
     let mut cache = lock();
     if cache.len() >= MAX_CACHED {
@@ -50,6 +55,17 @@ pub fn planned(text: &str) -> PyResult<Arc<Variant>> {
     }
     cache.insert(text.to_string(), Arc::clone(&variant));
     Ok(variant)
+}
+
+/// A differential spec's parts (`differential = lambda(init = L)`): the text of its component
+/// heads (the spec without `differential`, which the torch op runs) and `L`. Refuses a spec
+/// without differential heads or one its rules refuse.
+#[pyfunction]
+pub fn differential_parts(text: &str) -> PyResult<(String, f64)> {
+    let spec = parsed(text)?;
+    let heads = attn::runtime::differential::Differential::new(spec).map_err(from_runtime)?;
+    let init = heads.spec().differential.map_or(0.0, |d| d.lambda_init);
+    Ok((heads.components().text().to_string(), init))
 }
 
 /// The normalized text of a spec (what `attnc check` prints), which the torch op carries.

@@ -56,11 +56,45 @@ def test_golden_gradient_case(name):
 
 
 @pytest.mark.parametrize("name", DIFFERENTIAL)
-def test_differential_heads_are_refused_with_a_clear_error(name):
-    # The op returns one attention per query head; differential heads pair two (not built in
-    # the Python package yet).
+def test_golden_differential_case(name):
+    # PyTorch's autograd in float64 on the paper's formulation: the output, the components' lse
+    # and every gradient, lambda's vectors' included.
+    case = CASES[name]
+    t = load_file(str(GRADIENTS / case["file"]))
+    q, k, v = (t[n].clone().requires_grad_(True) for n in ("q", "k", "v"))
+    vectors = [t[n].clone().requires_grad_(True) for n in attn._differential.LAMBDA_NAMES]
+    out, lse = attn.differential_attention(
+        q, k, v, case["spec"], *vectors, position_offset=case["position_offset"],
+        return_lse=True,
+    )
+    assert out.dtype == q.dtype and out.shape == t["out"].shape
+    atol, rtol = tolerance(case, "out")
+    assert_close(out, t["out"], atol, rtol, f"{name} out")
+    assert_close(lse, t["lse"], atol, rtol, f"{name} lse")
+    out.backward(t["dout"])
+    named = [("q", q), ("k", k), ("v", v)] + list(zip(attn._differential.LAMBDA_NAMES, vectors))
+    for n, x in named:
+        atol, rtol = tolerance(case, "d" + n)
+        # lambda's gradients sum over every output element: a looser bound in 16 bits.
+        scale = 4 if n.startswith("lambda") and case["dtype"] != "f32" else 1
+        assert_close(x.grad, t["d" + n], atol * scale, rtol * scale, f"{name} d{n}")
+
+
+def test_differential_heads_refuse_what_does_not_pair():
+    spec = "heads = 4, head_dim = 16, mask = causal, differential = lambda"
+    q, k = torch.randn(1, 4, 8, 16), torch.randn(1, 4, 8, 16)
+    vectors = [torch.zeros(16)] * 4
+    with pytest.raises(attn.AttnError, match="one value head per pair"):
+        attn.differential_attention(q, k, torch.randn(1, 4, 8, 16), spec, *vectors)
+    with pytest.raises(attn.AttnError, match=r"lambda_k2.*\[head_dim\]"):
+        attn.differential_attention(q, k, torch.randn(1, 2, 8, 16), spec, *vectors[:3],
+                                    torch.zeros(15))
+    with pytest.raises(attn.AttnError, match="no differential heads"):
+        attn.differential_attention(q, k, torch.randn(1, 2, 8, 16), "heads = 4, head_dim = 16",
+                                    *vectors)
+    # attn.Variant plans one attention per head: it refuses the spec, naming the way that runs it.
     with pytest.raises(attn.AttnError, match="differential heads combine two attentions"):
-        attn.Variant(CASES[name]["spec"])
+        attn.Variant(spec)
 
 
 @pytest.mark.parametrize("name", MLA)

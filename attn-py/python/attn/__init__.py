@@ -8,6 +8,8 @@ with autograd.
 - :class:`Variant`: a spec, checked (errors as ``attnc check`` prints them) and planned;
 - :func:`attention`: the op on torch tensors, with gradients (``torch.ops.attn.attention``);
 - :func:`attention_mla`: the same for MLA variants, over their five inputs;
+- :func:`differential_attention`: differential heads (``differential = lambda(...)``), with
+  lambda's vectors and their gradients;
 - :func:`flex_attention`: the same under FlexAttention's argument names, for porting;
 - :class:`attn.nn.Attention`: a module owning a variant's learnable tensors;
 - ``attn.distributed`` (imported on its own): context-parallel attention over a
@@ -20,7 +22,16 @@ import torch  # noqa: F401  (the ops register with torch.library)
 from ._attn import AttnError, Variant
 from ._op import attention
 from ._mla import attention_mla
+from ._differential import differential_attention
 from .flex import flex_attention
 from . import nn
 
-__all__ = ["AttnError", "Variant", "attention", "attention_mla", "flex_attention", "nn"]
+__all__ = [
+    "AttnError",
+    "Variant",
+    "attention",
+    "attention_mla",
+    "differential_attention",
+    "flex_attention",
+    "nn",
+]
