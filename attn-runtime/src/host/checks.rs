@@ -216,24 +216,6 @@ pub(crate) fn overflowed_rows_are_nan(out: &mut [f32], lse: &mut [f32], dv: usiz
     }
 }
 
-/// Refuses `normalize = stick_breaking` in a resident GPU model on `backend`: its decode
-/// splits a row's keys over tasks, which a stick-breaking row, weighing each key by every
-/// nearer one, cannot be.
-pub(crate) fn refuse_stick_breaking_resident(
-    variant: &Variant,
-    backend: &'static str,
-) -> Result<(), RuntimeError> {
-    match variant.spec().normalize {
-        attn_dsl::Normalize::StickBreaking => Err(RuntimeError::Unsupported {
-            backend,
-            what: "normalize = stick_breaking in a resident model (the GPU backend's forward, \
-                   decode and backward calls run it, and so does the CPU model)"
-                .into(),
-        }),
-        _ => Ok(()),
-    }
-}
-
 /// Refuses the backward of a stick-breaking plan with gradients of learnable parameters or
 /// f32 data tensors on `backend` (not built on any backend yet).
 pub(crate) fn refuse_stick_breaking_param_grads(

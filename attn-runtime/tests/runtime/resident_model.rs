@@ -184,6 +184,20 @@ fn research_models_on_the_device_match_the_cpu() {
             "",
             1e-4,
         ),
+        // The papers' normalizers: stick-breaking (the SIMT kernels, a row's keys in one task
+        // from the nearest) and sigmoid in bf16 (the tensor-core forward).
+        (
+            "heads = 4, kv_heads = 2, head_dim = 12, mask = causal, position = rope, \
+             normalize = stick_breaking",
+            "",
+            1e-4,
+        ),
+        (
+            "heads = 2, head_dim = 16, mask = causal, dtype = bf16, position = rope(dim = 8), \
+             normalize = sigmoid(bias = -2.0)",
+            "",
+            3e-2,
+        ),
     ] {
         let config = config_from_toml(&format!(
             "vocab = 61\nhidden = 48\nlayers = 2\nattention = \"{attention}\"\n{extra}"
@@ -199,6 +213,15 @@ fn research_models_on_the_device_match_the_cpu() {
             err < tol,
             "{attention} {extra}: max relative difference {err}"
         );
+        // Prefill then one token at a time against the caches on the device: the same
+        // logits (the mask is causal everywhere here).
+        let mut session = on_device.session(tokens.len()).unwrap();
+        let mut steps = session.step(&tokens[..11]).unwrap();
+        for t in 11..tokens.len() {
+            steps.extend(session.step(&tokens[t..t + 1]).unwrap());
+        }
+        let err = max_rel(&steps, &want);
+        assert!(err < tol, "{attention} {extra} incremental: {err}");
         // A token outside the vocabulary is an error, not a read past the table.
         let e = on_device.forward(&[1, 61]).unwrap_err().to_string();
         assert!(e.contains("outside the vocabulary"), "{e}");

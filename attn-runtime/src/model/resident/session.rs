@@ -313,12 +313,16 @@ impl DeviceSession<'_, '_> {
                 }
             }
         }
-        // Partitions: enough CTAs to fill the device, at least four segments each.
+        // Partitions: enough CTAs to fill the device, at least four segments each. A
+        // stick-breaking row weighs each key by every nearer one: its keys stay in one.
         let most = items.iter().map(|(_, s)| s.len()).max().unwrap_or(1);
-        let parts = crate::host::work::GPU_TASKS
-            .div_ceil(items.len().max(1))
-            .min(most.div_ceil(4))
-            .max(1);
+        let parts = match plan.stick_breaking() {
+            true => 1,
+            false => crate::host::work::GPU_TASKS
+                .div_ceil(items.len().max(1))
+                .min(most.div_ceil(4))
+                .max(1),
+        };
         let mut t = StepTables::default();
         let mut index = Vec::new();
         let mut parts_of: Vec<Vec<i32>> = vec![Vec::new(); n * heads];

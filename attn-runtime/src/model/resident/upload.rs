@@ -40,7 +40,6 @@ impl<'m> ResidentModel<'m> {
                 // (f16 ones would need a range check on the device first), as bf16 SDPA
                 // computes.
                 refuse_xpos(variant, device.name())?;
-                crate::host::checks::refuse_stick_breaking_resident(variant, device.name())?;
                 let forward = forward_kernel(variant, Call::ResidentForward)?;
                 let to_heads = kernel(layers::swap_outer(half_of(forward.inputs)))?;
                 Ok(DeviceKind { forward, to_heads })
