@@ -125,7 +125,6 @@ pub(super) fn run(
     // Parameter gradients are summed per task in a fixed order of tiles, then over the tasks in
     // order; with parameters the tasks therefore depend on the call's shape alone, never on the
     // thread count.
-    crate::host::checks::refuse_stick_breaking_param_grads(plan, "cpu")?;
     // A stick-breaking row carries its state from tile to tile: one task takes every tile.
     let splits = if plan.stick_breaking() {
         1
@@ -298,6 +297,16 @@ struct Products<'s> {
     by_col: [u32; 2 * K],
 }
 
+/// Areas of `K_TILE^2` values in the dP buffer: dP alone; under stick-breaking also each
+/// score's derivative, and with parameters' gradients the raw scores.
+fn stick_areas(plan: &KernelPlan) -> usize {
+    match (plan.stick_breaking(), plan.param_grads.is_empty()) {
+        (false, _) => 1,
+        (true, true) => 2,
+        (true, false) => 3,
+    }
+}
+
 /// Stick-breaking's running state of a task's rows: the softplus sum of the keys nearer than
 /// the tile, and `D` less their `dP A`.
 type RowState = (Vec<f32>, Vec<f32>);
@@ -359,7 +368,9 @@ impl Task<'_> {
         let mut state = stick.then(|| (vec![0f32; rows_len], vec![0f32; rows_len]));
         let mut products = Products {
             s: sized(s, K * K),
-            dp: sized(dp, if stick { 2 * K * K } else { K * K }),
+            // Stick-breaking: dP, then each score's derivative (`ds_tile` leaves dS_final
+            // there), then with parameters the raw scores their pass reads.
+            dp: sized(dp, K * K * stick_areas(plan)),
             by_row: [0u32; 2 * K],
             by_col: [0u32; 2 * K],
         };
@@ -586,7 +597,8 @@ impl Task<'_> {
                 cols: cols as i64,
                 code: code as i64,
                 params: self.params.get(),
-                dparams: if dparams.is_empty() {
+                // Stick-breaking's first sweep advances the rows' state only.
+                dparams: if dparams.is_empty() || at.state_only {
                     std::ptr::null_mut()
                 } else {
                     dparams.as_mut_ptr()

@@ -10,11 +10,12 @@
 //! - `stick_ds_tile(s, dp, rows, nearer, remaining, factor)` (the backward's `ds_tile`, tiles
 //!   visited from the last for each row): `dp` holds `dP` and then, `K_TILE^2` values on, each
 //!   score's derivative `d`. From `c = K - 1` down, with `A = e^(ln sigmoid(x) - R)`:
-//!   `E -= dP A`, `dp = (dP A (1 - sigmoid(x)) - sigmoid(x) E) d factor`, `s = A`,
-//!   `R += softplus(x)`. `E` starts at the row's `D = sum_j dP_j A_j` (= `dO . out`), so after a
-//!   key it is the sum over the farther keys: `dS_j = dP_j A_j (1 - sigma_j) - sigma_j
-//!   sum_{i farther} dP_i A_i` (docs/semantics.md). `nearer` (`R`) and `remaining` (`E`) are
-//!   advanced.
+//!   `E -= dP A`, `dS = dP A (1 - sigmoid(x)) - sigmoid(x) E`, `dp = dS d factor`, `d = dS`
+//!   (the parameters' pass after it reads `dS` there), `s = A`, `R += softplus(x)`. `E` starts
+//!   at the row's `D = sum_j dP_j A_j` (= `dO . out`), so after a key it is the sum over the
+//!   farther keys: `dS_j = dP_j A_j (1 - sigma_j) - sigma_j sum_{i farther} dP_i A_i`
+//!   (docs/semantics.md). A masked key's `dp` and `d` are 0. `nearer` (`R`) and `remaining`
+//!   (`E`) are advanced.
 //!
 //! Only the running sums are a chain from key to key. Each row is taken in passes: the terms
 //! every key has on its own (`softplus`, `ln sigmoid`, `sigmoid`, from one `2^x` and one
@@ -122,14 +123,14 @@ fn stick_rows(s: &mut [f32], nearer: &mut [f32], sums: &mut [f32]) {
 /// The backward's pass over the rows of `s`, `dp` and `slopes` (see the module contract).
 #[inline(always)]
 fn stick_ds_rows(
-    (s, dp, slopes): (&mut [f32], &mut [f32], &[f32]),
+    (s, dp, slopes): (&mut [f32], &mut [f32], &mut [f32]),
     nearer: &mut [f32],
     remaining: &mut [f32],
     factor: f32,
 ) {
     let rows = s.chunks_exact_mut(K).zip(dp.chunks_exact_mut(K));
     for (((s, dp), slopes), (r, e)) in rows
-        .zip(slopes.chunks_exact(K))
+        .zip(slopes.chunks_exact_mut(K))
         .zip(nearer.iter_mut().zip(remaining.iter_mut()))
     {
         let (mut softplus, mut ln_sigmoid, mut sigmoid) = ([0f32; K], [0f32; K], [0f32; K]);
@@ -146,8 +147,14 @@ fn stick_ds_rows(
         *e = start - nearer_sums(&mut nearer_da, 0.0);
         for c in 0..K {
             let farther = start - (nearer_da[c] + da[c]);
-            let ds = (da[c] * (1.0 - sigmoid[c]) - sigmoid[c] * farther) * slopes[c] * factor;
-            dp[c] = if masked[c] { 0.0 } else { ds };
+            let ds = da[c] * (1.0 - sigmoid[c]) - sigmoid[c] * farther;
+            let ds = if masked[c] { 0.0 } else { ds };
+            dp[c] = if masked[c] {
+                0.0
+            } else {
+                ds * slopes[c] * factor
+            };
+            slopes[c] = ds;
         }
     }
 }
@@ -217,7 +224,7 @@ unsafe fn stick_ds_tile_inline(
             (
                 std::slice::from_raw_parts_mut(s, rows * K),
                 std::slice::from_raw_parts_mut(dp, rows * K),
-                std::slice::from_raw_parts(dp.add(K * K), rows * K),
+                std::slice::from_raw_parts_mut(dp.add(K * K), rows * K),
             ),
             std::slice::from_raw_parts_mut(nearer.cast_mut(), rows),
             std::slice::from_raw_parts_mut(remaining.cast_mut(), rows),
@@ -365,7 +372,7 @@ mod tests {
         let dp: Vec<f32> = (0..2 * K)
             .map(|i| ((i * 13) % 7) as f32 * 0.3 - 1.0)
             .collect();
-        let slope: Vec<f32> = (0..2 * K).map(|i| 1.0 - 0.01 * i as f32).collect();
+        let slope: Vec<f32> = (0..2 * K).map(|i| 1.0 - 0.005 * i as f32).collect();
         let start = [[0.25f32, 0.5], [0.0, 0.0]];
         for isa in isas() {
             let (exp, ds) = addresses(isa);
@@ -404,6 +411,9 @@ mod tests {
                     close(s[row * K + c], w[c], &what("forward weight", c));
                     close(a[row * K + c], w[c], &what("backward weight", c));
                     close(grads[row * K + c], want_ds[c], &what("dS", c));
+                    // dS before the derivative and factor, where the derivative was.
+                    let unscaled = want_ds[c] / (f64::from(slope[row * K + c]) * 0.5);
+                    close(grads[K * K + row * K + c], unscaled, &what("dS_final", c));
                 }
                 close(nearer[row], r, &what("forward R", 0));
                 close(state[0][row], r, &what("backward R", 0));

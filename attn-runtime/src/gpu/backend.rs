@@ -270,8 +270,6 @@ impl<D: Device + 'static> Backend for GpuBackend<D> {
         x: &BackwardInputs,
         params: &[f32],
     ) -> Result<(Gradients, Vec<f32>), RuntimeError> {
-        let plan = variant.backward_plan()?;
-        crate::host::checks::refuse_stick_breaking_param_grads(plan, self.device.name())?;
         match x {
             BackwardInputs::Heads(x) => {
                 let [b, _, sq, skv] = bhss(x.q, x.k);

@@ -215,18 +215,3 @@ pub(crate) fn overflowed_rows_are_nan(out: &mut [f32], lse: &mut [f32], dv: usiz
         }
     }
 }
-
-/// Refuses the backward of a stick-breaking plan with gradients of learnable parameters or
-/// f32 data tensors on `backend` (not built on any backend yet).
-pub(crate) fn refuse_stick_breaking_param_grads(
-    plan: &codegen::plan::KernelPlan,
-    backend: &'static str,
-) -> Result<(), RuntimeError> {
-    match plan.stick_breaking() && !plan.param_grads.is_empty() {
-        true => Err(RuntimeError::Unsupported {
-            backend,
-            what: "the stick-breaking backward of learnable parameters or f32 data tensors".into(),
-        }),
-        false => Ok(()),
-    }
-}

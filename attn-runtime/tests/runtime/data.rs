@@ -300,6 +300,23 @@ fn forgetting_gates_and_their_gradient_match_the_reference() {
     Case::new(GATES, [1, 20, 20], 0, gates).check(&GpuSim::new());
 }
 
+/// The gates under stick-breaking: their gradient takes each pair's `dS`, which the row's
+/// chain of nearer keys gives, over several key tiles, on the CPU and the GPU kernels.
+#[test]
+fn stick_breaking_gates_and_their_gradient_match_the_reference() {
+    let spec = format!("{GATES}, normalize = stick_breaking");
+    let gates = |_: &str, shape: &[usize]| {
+        Values::F32(
+            values(shape.iter().product(), 9)
+                .iter()
+                .map(|x| 0.3 * x)
+                .collect(),
+        )
+    };
+    Case::new(&spec, [1, 40, 150], 0, gates).check(&CpuBackend::new());
+    Case::new(&spec, [1, 20, 90], 0, gates).check(&GpuSim::new());
+}
+
 #[test]
 fn wrong_data_is_an_error_naming_the_tensor() {
     let cpu = CpuBackend::new();

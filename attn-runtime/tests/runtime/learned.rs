@@ -156,14 +156,7 @@ impl Case {
             .unwrap()
     }
 
-    /// Forward, then backward, on `backend`: the backward's error if it refuses.
-    pub(crate) fn try_backward(
-        &self,
-        backend: &dyn Backend,
-    ) -> Result<HeadGradients, attn_runtime::RuntimeError> {
-        self.backward_of(backend, &self.forward(backend))
-    }
-
+    /// The backward on `backend` given the forward's output: its error if it refuses.
     fn backward_of(
         &self,
         backend: &dyn Backend,

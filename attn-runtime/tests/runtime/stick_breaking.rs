@@ -1,12 +1,11 @@
 //! `normalize = stick_breaking` on the backends: the CPU kernels' and the GPU SIMT kernels'
 //! forward (key tiles from the last, each row's softplus sum carried) and backward (the same
 //! order, with `D` less the nearer keys' `dP A` carried; on the GPU through the row state the dq
-//! kernel leaves at each block of keys) against the reference, and what the paths that do not
-//! run it refuse (its decode is checked with the other caches' tests, in `decode.rs` and
-//! `gpu_runtime.rs`).
+//! kernel leaves at each block of keys) against the reference, learnable parameters included
+//! (its decode is checked with the other caches' tests, in `decode.rs` and `gpu_runtime.rs`;
+//! f32 data tensors in `data.rs`).
 
 use crate::learned::Case;
-use attn_runtime::RuntimeError;
 use attn_runtime::cpu::CpuBackend;
 use attn_runtime::gpu::sim::GpuSim;
 
@@ -49,17 +48,21 @@ fn gpu_sim_stick_breaking_matches_the_reference() {
     Case::new(wide, 1, 20, 140, 0).check(&sim);
 }
 
+/// Learnable parameters: their gradients sum each pair's `dS` (known only once the row's chain
+/// is walked) times the score's derivative; a multiplier and a bias per head and distance,
+/// over several key tiles, on the CPU and (fewer rows) the GPU kernels (f32 data tensors:
+/// `data.rs`).
 #[test]
-fn paths_that_do_not_run_it_refuse_it() {
-    // Learnable parameters: the backward of their gradients is not built.
-    let learned = "heads = 2, head_dim = 16, mask = causal, normalize = stick_breaking, \
-                   params(w: [heads]), score_mod = |s, b, h, q, k| s * (1.0 + w[h])";
-    let case = Case::new(learned, 1, 10, 10, 0);
-    for err in [
-        case.try_backward(&CpuBackend::new()).unwrap_err(),
-        case.try_backward(&GpuSim::new()).unwrap_err(),
+fn stick_breaking_learns_parameters() {
+    let (cpu, sim) = (CpuBackend::new(), GpuSim::new());
+    for spec in [
+        "heads = 2, head_dim = 16, mask = causal, normalize = stick_breaking, \
+         params(w: [heads]), score_mod = |s, b, h, q, k| s * (1.0 + w[h])",
+        "heads = 4, kv_heads = 2, head_dim = 16, mask = sliding_window(50), \
+         normalize = stick_breaking, params(rel: [heads, 16]), \
+         score_mod = |s, b, h, q, k| s + rel[h, (q - k).max(0).min(15)]",
     ] {
-        assert!(matches!(err, RuntimeError::Unsupported { .. }), "{err}");
-        assert!(err.to_string().contains("stick-breaking backward"), "{err}");
+        Case::new(spec, 1, 70, 150, 0).check(&cpu);
+        Case::new(spec, 1, 30, 100, 2).check(&sim);
     }
 }

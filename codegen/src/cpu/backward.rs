@@ -131,6 +131,9 @@ pub(super) fn grad_tile(
                 pass.emit(fx, plan, grad, refs, tables, masked)
             });
             after_pass(fx);
+            if plan.stick_breaking() {
+                pass.stick_parameters(fx, plan, refs, tables);
+            }
         }
     }
     fx.b.ins().return_(&[]);
@@ -234,15 +237,25 @@ impl TilePass {
                 };
                 let keep = masked
                     .then(|| kept_lanes(fx, plan, &mut lowering, &uniforms, &g, self.key_end));
-                if let (Some(dparams), Some(lse)) = (self.dparams, row_lse) {
-                    let pass = ParamPass {
-                        dparams,
-                        lse,
-                        score: t,
-                        centered,
-                        keep,
-                    };
-                    pass.emit(fx, plan, &mut lowering, &uniforms, &g);
+                match (self.dparams, row_lse) {
+                    // Stick-breaking's dS waits for `ds_tile`: the raw scores are kept for
+                    // the parameters' pass after it, in the third area of the dP buffer.
+                    (Some(_), _) if plan.stick_breaking() => {
+                        let area = 4 * i64::from(K_TILE) * i64::from(K_TILE);
+                        let at = fx.b.ins().iadd_imm_s(pdp, 2 * area);
+                        fx.store(raw, at, 0);
+                    }
+                    (Some(dparams), Some(lse)) => {
+                        let (ds, row_kept) = recomputed_ds(fx, plan, lse, t, centered);
+                        let pass = ParamPass {
+                            dparams,
+                            ds,
+                            row_kept: Some(row_kept),
+                            keep,
+                        };
+                        pass.emit(fx, plan, &mut lowering, &uniforms, &g);
+                    }
+                    _ => {}
                 }
                 if let Some(keep) = keep {
                     let neg_inf = fx.f32x4(f32::NEG_INFINITY);
@@ -257,20 +270,104 @@ impl TilePass {
     }
 }
 
-/// One group of four keys' parameter gradients: `p = 2^(2 (score - lse'))` with
-/// `lse' = lse log2(e) / 2` (as `ds_tile` recomputes it), `dS = p (dP - D)` (under
-/// `normalize = sigmoid`, `dS = dP p (1 - p)` with `p` the key's sigmoid), and for each
-/// parameter read, `dparams[element] += dS * d score / d read`, lane by lane in key order, so
-/// the sums do not depend on anything but the task's order of tiles. Dropped keys, and rows
-/// with no kept key (lse `-inf`), add nothing.
+impl TilePass {
+    /// Stick-breaking's parameter gradients, after `ds_tile` has left each pair's `dS_final`
+    /// in the second area of the dP buffer (where the derivatives were): every row, four keys
+    /// at a time, the raw scores the first pass kept in the third area, the bound and the mask
+    /// recomputed. A null `dparams` (the runtime's first sweep, which only advances the rows'
+    /// state) skips it.
+    fn stick_parameters(&self, fx: &mut Fx, plan: &KernelPlan, refs: &Refs, tables: &mut Tables) {
+        let Some(dparams) = self.dparams else { return };
+        let area = 4 * i64::from(K_TILE) * i64::from(K_TILE);
+        let given = fx.b.ins().icmp_imm_s(IntCC::NotEqual, dparams, 0);
+        fx.if_then(given, |fx| {
+            let tile_v = fx.i64(i64::from(K_TILE));
+            let zero = fx.i64(0);
+            fx.for_range(zero, self.rows, 1, |fx, r| {
+                let row = RowEnv {
+                    batch: self.batch,
+                    head: self.head,
+                    query: fx.b.ins().iadd(self.q_pos0, r),
+                    query_index: fx.b.ins().iadd(self.qi0, r),
+                };
+                let dp_row = fx.elem_scaled(self.dp, r, tile_v);
+                let mut exprs: Vec<&Expr> = vec![&plan.program.mask];
+                exprs.extend(plan.param_grads.iter().map(|(_, d)| d));
+                exprs.extend(
+                    plan.param_grads
+                        .iter()
+                        .flat_map(|(read, _)| read.indices.iter()),
+                );
+                let uniforms = ScoreLowering {
+                    logf: refs.logf,
+                    tables: &mut *tables,
+                }
+                .row_uniforms(fx, &row, &exprs);
+                let (z, end) = (fx.i64(0), fx.i64(i64::from(K_TILE)));
+                fx.for_range(z, end, 4, |fx, c| {
+                    let pdp = fx.elem(dp_row, c);
+                    let at = fx.b.ins().iadd_imm_s(pdp, area);
+                    let ds = fx.load(F32X4, at, 0);
+                    let at = fx.b.ins().iadd_imm_s(pdp, 2 * area);
+                    let raw = fx.load(F32X4, at, 0);
+                    let g = GroupEnv {
+                        score: raw,
+                        key0: fx.b.ins().iadd(self.key0, c),
+                        key_index0: fx.b.ins().iadd(self.first_key, c),
+                    };
+                    let mut lowering = ScoreLowering {
+                        logf: refs.logf,
+                        tables: &mut *tables,
+                    };
+                    let keep = kept_lanes(fx, plan, &mut lowering, &uniforms, &g, self.key_end);
+                    let pass = ParamPass {
+                        dparams,
+                        ds,
+                        row_kept: None,
+                        keep: Some(keep),
+                    };
+                    pass.emit(fx, plan, &mut lowering, &uniforms, &g);
+                });
+            });
+        });
+    }
+}
+
+/// `dS = dS_final` of four keys for the parameters' gradients, recomputed as `ds_tile` does:
+/// `p = 2^(2 (score - lse'))` with `lse' = lse log2(e) / 2` and `dS = p (dP - D)` (under
+/// `normalize = sigmoid`, `dS = dP p (1 - p)` with `p` the key's sigmoid); with whether the
+/// row kept any key (lse not `-inf`).
+fn recomputed_ds(
+    fx: &mut Fx,
+    plan: &KernelPlan,
+    lse: Value,
+    score: Value,
+    centered: Value,
+) -> (Value, Value) {
+    let slope = if plan.sigmoid() {
+        sigmoid_slope4(fx, score)
+    } else {
+        let half = fx.f32(std::f32::consts::LOG2_E / 2.0);
+        let h = fx.b.ins().fmul(lse, half);
+        let h = fx.splat_f32(h);
+        let x = fx.b.ins().fsub(score, h);
+        fx.exp2_of_double_4(x)
+    };
+    let ds = fx.b.ins().fmul(slope, centered);
+    let neg_inf = fx.f32(f32::NEG_INFINITY);
+    (ds, fx.b.ins().fcmp(FloatCC::NotEqual, lse, neg_inf))
+}
+
+/// One group of four keys' parameter gradients: for each parameter read,
+/// `dparams[element] += dS * d score / d read`, lane by lane in key order, so the sums do not
+/// depend on anything but the task's order of tiles. Dropped keys, and rows with no kept key,
+/// add nothing.
 struct ParamPass {
     dparams: Value,
-    /// The row's natural-log lse (scalar).
-    lse: Value,
-    /// The four scores, in half base-2 units.
-    score: Value,
-    /// `dP - D` of the four keys.
-    centered: Value,
+    /// `dS_final` of the four keys (the loss's gradient with respect to their final scores).
+    ds: Value,
+    /// Whether the row kept any key (scalar), where that is not in `keep`.
+    row_kept: Option<Value>,
     /// Kept lanes (all-ones f32 bits), on tiles masked per element.
     keep: Option<Value>,
 }
@@ -284,21 +381,9 @@ impl ParamPass {
         uniforms: &super::score::Uniforms,
         g: &GroupEnv,
     ) {
-        let slope = if plan.sigmoid() {
-            sigmoid_slope4(fx, self.score)
-        } else {
-            let half = fx.f32(std::f32::consts::LOG2_E / 2.0);
-            let h = fx.b.ins().fmul(self.lse, half);
-            let h = fx.splat_f32(h);
-            let x = fx.b.ins().fsub(self.score, h);
-            fx.exp2_of_double_4(x)
-        };
-        let ds = fx.b.ins().fmul(slope, self.centered);
-        let neg_inf = fx.f32(f32::NEG_INFINITY);
-        let row_kept = fx.b.ins().fcmp(FloatCC::NotEqual, self.lse, neg_inf);
         for (read, d) in &plan.param_grads {
             let dv = lowering.float4(fx, uniforms, g, d);
-            let mut c = fx.b.ins().fmul(ds, dv);
+            let mut c = fx.b.ins().fmul(self.ds, dv);
             if let Some(keep) = self.keep {
                 let zero4 = fx.f32x4(0.0);
                 c = fx.b.ins().bitselect(keep, c, zero4);
@@ -306,8 +391,13 @@ impl ParamPass {
             let flat = lowering.param_flat4(fx, uniforms, g, read);
             let lanes = fx.lanes(c);
             for (lane, at) in lanes.into_iter().zip(flat) {
-                let zero = fx.f32(0.0);
-                let lane = fx.b.ins().select(row_kept, lane, zero);
+                let lane = match self.row_kept {
+                    Some(kept) => {
+                        let zero = fx.f32(0.0);
+                        fx.b.ins().select(kept, lane, zero)
+                    }
+                    None => lane,
+                };
                 let addr = fx.elem(self.dparams, at);
                 let old = fx.load(F32, addr, 0);
                 let new = fx.b.ins().fadd(old, lane);

@@ -16,18 +16,30 @@ use crate::plan::KernelPlan;
 pub(super) fn dq(plan: &KernelPlan) -> Kernel {
     let (d, dv) = (i64::from(plan.shape.qk_dim), i64::from(plan.shape.v_dim));
     let bc = i64::from(key_tile(plan));
-    let shared = bc * (d + dv) * 4;
     let mut r = Regs { list: Vec::new() };
-    let Some(partials) = ParamPartials::new(plan, &mut r) else {
-        let (row, mut body) = QueryRow::load(plan, &mut r, None);
-        body.push(row.key_tiles(plan, &mut r, None));
-        body.push(row.store_dq(plan, &mut r));
-        return kernel("backward_dq", r, shared, body);
+    let body = over_query_rows(plan, &mut r, &|r, row, partials| {
+        vec![row.key_tiles(plan, r, partials), row.store_dq(plan, r)]
+    });
+    kernel("backward_dq", r, bc * (d + dv) * 4, body)
+}
+
+/// What a row's thread of a dq kernel runs once its row is loaded, given the thread's copy of
+/// the parameters' gradients (plans with parameters).
+pub(super) type PerRow<'a> = dyn Fn(&mut Regs, &QueryRow, Option<&ParamPartials>) -> Vec<Stmt> + 'a;
+
+/// The body of a dq kernel: a thread per query row runs `per_row`, in the block of rows the
+/// CTA's grid position names; with parameters, each CTA strides over the blocks (the grid is
+/// [`param_copies`] threads) and each thread's copy of the parameters' gradients is zeroed
+/// first.
+pub(super) fn over_query_rows(plan: &KernelPlan, r: &mut Regs, per_row: &PerRow) -> Vec<Stmt> {
+    let Some(partials) = ParamPartials::new(plan, r) else {
+        let (row, mut body) = QueryRow::load(plan, r, None);
+        body.extend(per_row(r, &row, None));
+        return body;
     };
     let (step, block) = (r.add("block_step", Ty::I64), r.add("block", Ty::I64));
-    let (row, mut per_block) = QueryRow::load(plan, &mut r, Some(block));
-    per_block.push(row.key_tiles(plan, &mut r, Some(&partials)));
-    per_block.push(row.store_dq(plan, &mut r));
+    let (row, mut per_block) = QueryRow::load(plan, r, Some(block));
+    per_block.extend(per_row(r, &row, Some(&partials)));
     per_block.insert(
         0,
         Stmt::Set(
@@ -37,7 +49,7 @@ pub(super) fn dq(plan: &KernelPlan) -> Kernel {
     );
     let hq = i64::from(plan.shape.heads);
     let blocks = mul(mul(param("batch"), i64(hq)), query_blocks());
-    let mut body = partials.zero(&mut r);
+    let mut body = partials.zero(r);
     body.push(Stmt::For {
         reg: step,
         start: i64(0),
@@ -52,7 +64,7 @@ pub(super) fn dq(plan: &KernelPlan) -> Kernel {
         step: 1,
         body: per_block,
     });
-    kernel("backward_dq", r, shared, body)
+    body
 }
 
 /// Blocks of [`ROWS`] query rows per (batch, head).
@@ -196,7 +208,12 @@ impl QueryRow {
     /// `[bc][dv]`), then per key `p`, `ds`, and `dq += ds k`.
     /// With `partials`, each kept pair of the thread's own row also adds its parameter
     /// gradients there.
-    fn key_tiles(&self, plan: &KernelPlan, r: &mut Regs, partials: Option<&ParamPartials>) -> Stmt {
+    pub(super) fn key_tiles(
+        &self,
+        plan: &KernelPlan,
+        r: &mut Regs,
+        partials: Option<&ParamPartials>,
+    ) -> Stmt {
         let (d, dv) = (i64::from(plan.shape.qk_dim), i64::from(plan.shape.v_dim));
         let bc = i64::from(key_tile(plan));
         let (k_sh, v_sh) = (0, bc * d * 4);

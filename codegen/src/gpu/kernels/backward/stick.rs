@@ -15,12 +15,14 @@
 //!   from the last with the row's stored `R` and `E`, leaving `A` and `dS` in place of the
 //!   score and `dP`; then each key's thread adds `dv += A dO` and `dk += dS q`.
 //!
-//! The delta kernel still runs first (its `D` from the output is not read). Learnable
-//! parameters' gradients are not built here (the runtime refuses them).
+//! The delta kernel still runs first (its `D` from the output is not read). With learnable
+//! parameters (or f32 data tensors), the dq kernel's second sweep adds each pair's `dS_final`
+//! times the score's derivative into the thread's copy of their gradients, as the softmax dq
+//! kernel does.
 
 use super::dkdv::KeyRow;
-use super::dq::QueryRow;
-use super::shared::{ROWS, axpy_shared, dot_shared, kernel, param, param_buffer};
+use super::dq::{QueryRow, over_query_rows};
+use super::shared::{ParamPartials, ROWS, axpy_shared, dot_shared, kernel, param, param_buffer};
 use crate::gpu::ir::build::*;
 use crate::gpu::ir::{Bin, Expr, Kernel, Reg, Space, Special, Stmt, Ty};
 use crate::gpu::kernels::forward::key_tile;
@@ -67,27 +69,41 @@ fn kept_score(plan: &KernelPlan, env: &Env, inside: Expr, keep: Reg) -> (Stmt, E
     (Stmt::Set(keep, kept), score, slope)
 }
 
-/// `dS` of a key once `da = dP A` has left `remaining` (now the farther keys' sum):
-/// `(da (1 - sigma) - sigma E) * slope`, 0 for a key not kept (score `-inf`).
-fn stick_ds(stick: &StickKey, score: Expr, da: Expr, remaining: Expr, slope: Expr) -> Expr {
+/// `dS_final` of a key once `da = dP A` has left `remaining` (now the farther keys' sum):
+/// `da (1 - sigma) - sigma E`, 0 for a key not kept (score `-inf`).
+fn stick_ds(stick: &StickKey, score: Expr, da: Expr, remaining: Expr) -> Expr {
     let sig = reg(stick.sigmoid);
     select(
         bin(Bin::Eq, score, f32(f32::NEG_INFINITY)),
         f32(0.0),
-        mul(
-            sub(mul(da, sub(f32(1.0), sig.clone())), mul(sig, remaining)),
-            slope,
-        ),
+        sub(mul(da, sub(f32(1.0), sig.clone())), mul(sig, remaining)),
     )
 }
 
 /// `backward_dq` under stick-breaking: one query row per thread, two sweeps from the last key
-/// tile (see the module's contract).
+/// tile (see the module's contract); with parameters, the second adds each kept pair's
+/// `dS_final` times the score's derivative into the thread's copy of their gradients.
 pub(super) fn dq(plan: &KernelPlan) -> Kernel {
     let (d, dv) = (i64::from(plan.shape.qk_dim), i64::from(plan.shape.v_dim));
     let bc = i64::from(key_tile(plan));
     let mut r = Regs { list: Vec::new() };
-    let (row, mut body) = QueryRow::load(plan, &mut r, None);
+    let body = over_query_rows(plan, &mut r, &|r, row, partials| {
+        let mut body = sweeps(plan, r, row, partials);
+        body.push(row.store_dq(plan, r));
+        body
+    });
+    kernel("backward_dq", r, bc * (d + dv) * 4, body)
+}
+
+/// The dq kernel's two sweeps over a row's key tiles (see the module's contract).
+fn sweeps(
+    plan: &KernelPlan,
+    r: &mut Regs,
+    row: &QueryRow,
+    partials: Option<&ParamPartials>,
+) -> Vec<Stmt> {
+    let (d, dv) = (i64::from(plan.shape.qk_dim), i64::from(plan.shape.v_dim));
+    let bc = i64::from(key_tile(plan));
     let (nearer, remaining) = (r.add("nearer", Ty::F32), r.add("remaining", Ty::F32));
     let (step, t, jstep, j, key) = (
         r.add("tile_step", Ty::I64),
@@ -102,7 +118,7 @@ pub(super) fn dq(plan: &KernelPlan) -> Kernel {
         r.add("da", Ty::F32),
         r.add("keep", Ty::Pred),
     );
-    let stick = StickKey::new(&mut r);
+    let stick = StickKey::new(r);
     let tiles = bin(Bin::Div, add(param("skv"), i64(bc - 1)), i64(bc));
     let first = mul(reg(t), i64(bc));
     let env = Env {
@@ -144,23 +160,22 @@ pub(super) fn dq(plan: &KernelPlan) -> Kernel {
         &pair,
         vec![Stmt::Set(remaining, add(reg(remaining), reg(da)))],
     );
-    // Sweep 2: E loses each key's dP A, then dS and dq += dS k.
-    let mut sweep2 = weigh(
-        &pair,
-        vec![
-            Stmt::Set(remaining, sub(reg(remaining), reg(da))),
-            Stmt::Set(
-                da,
-                stick_ds(
-                    &stick,
-                    reg(score_reg),
-                    reg(da),
-                    reg(remaining),
-                    reg(slope_reg),
-                ),
-            ),
-        ],
-    );
+    // Sweep 2: E loses each key's dP A, then dS_final (into `da`), the parameters' share of
+    // it, and dq += dS k.
+    let mut then = vec![
+        Stmt::Set(remaining, sub(reg(remaining), reg(da))),
+        Stmt::Set(
+            da,
+            stick_ds(&stick, reg(score_reg), reg(da), reg(remaining)),
+        ),
+    ];
+    if let Some(partials) = partials {
+        // Rows past Sq compute on the last row; only the row's own thread counts it.
+        let counted = bin(Bin::And, reg(keep), bin(Bin::Lt, reg(row.row), param("sq")));
+        then.extend(partials.scatter(plan, &env, counted, reg(da)));
+    }
+    then.push(Stmt::Set(da, mul(reg(da), reg(slope_reg))));
+    let mut sweep2 = weigh(&pair, then);
     sweep2.extend(axpy_shared(&row.acc, reg(da), k_at));
     // The state before each block's nearest tile: the last tile, or one ending a block.
     let rows = i64::from(ROWS);
@@ -186,8 +201,8 @@ pub(super) fn dq(plan: &KernelPlan) -> Kernel {
         ],
         vec![],
     );
-    let staged = row.stage_keys(plan, &mut r, first.clone());
-    let mut sweeps = Vec::new();
+    let staged = row.stage_keys(plan, r, first.clone());
+    let mut body = Vec::new();
     for (n, per_key) in [(1, sweep1), (2, sweep2)] {
         let mut tile = vec![Stmt::Set(t, from_last(tiles.clone(), reg(step)))];
         tile.extend(staged.iter().cloned());
@@ -206,7 +221,7 @@ pub(super) fn dq(plan: &KernelPlan) -> Kernel {
             1 => f32(0.0),
             _ => reg(remaining),
         };
-        sweeps.extend([
+        body.extend([
             Stmt::Set(nearer, f32(0.0)),
             Stmt::Set(remaining, start),
             Stmt::For {
@@ -218,9 +233,7 @@ pub(super) fn dq(plan: &KernelPlan) -> Kernel {
             },
         ]);
     }
-    body.extend(sweeps);
-    body.push(row.store_dq(plan, &mut r));
-    kernel("backward_dq", r, bc * (d + dv) * 4, body)
+    body
 }
 
 /// Shared memory of the stick-breaking `backward_dkdv`, byte offsets: the staged Q and dO,
@@ -405,11 +418,8 @@ fn row_walks(r: &mut Regs, sh: &DkdvShared, bq: i64) -> Stmt {
         Stmt::Store(
             Space::Shared,
             pair(sh.dp),
-            stick_ds(
-                &stick,
-                reg(score),
-                reg(da),
-                reg(remaining),
+            mul(
+                stick_ds(&stick, reg(score), reg(da), reg(remaining)),
                 load(Space::Shared, Ty::F32, pair(sh.slope)),
             ),
         ),
