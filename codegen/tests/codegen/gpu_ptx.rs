@@ -326,6 +326,9 @@ fn stick_breaking_kernels_compile_to_ptx_and_assemble() {
          normalize = stick_breaking",
         "heads = 4, head_dim = 128, mask = sliding_window(256), softcap = 30.0, dtype = bf16, \
          normalize = stick_breaking",
+        // Parameters: the dq kernel adds their gradients in its second sweep.
+        "heads = 4, head_dim = 64, mask = causal, normalize = stick_breaking, \
+         params(rel: [heads, 16]), score_mod = |s, b, h, q, k| s + rel[h, (q - k).max(0).min(15)]",
     ] {
         let spec: attn_dsl::AttentionSpec = text.parse().unwrap();
         let forward = codegen::gpu::forward_kernel(&KernelPlan::forward(&spec)).unwrap();
@@ -348,8 +351,9 @@ fn stick_breaking_kernels_compile_to_ptx_and_assemble() {
                     out.ptx.contains(&format!(".entry {}", kernel.name)),
                     "{text}"
                 );
-                // Every kernel but the delta weighs keys.
-                let weighs = kernel.name != "backward_delta";
+                // Every kernel but the delta and the parameters' sum weighs keys.
+                let weighs =
+                    !["backward_delta", "backward_dparams"].contains(&kernel.name.as_str());
                 assert_eq!(
                     out.ptx.contains("ex2.approx"),
                     weighs,
