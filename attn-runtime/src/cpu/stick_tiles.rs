@@ -299,23 +299,6 @@ mod tests {
     type ExpTile = unsafe extern "C" fn(*mut f32, i64, *const f32, *mut f32);
     type DsTile = unsafe extern "C" fn(*mut f32, *mut f32, i64, *const f32, *const f32, f32);
 
-    /// Every instruction set this CPU has, with the portable one.
-    fn isas() -> Vec<Isa> {
-        let mut isas = vec![Isa::Portable];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
-                isas.push(Isa::Avx2);
-            }
-            if std::arch::is_x86_feature_detected!("avx512f") {
-                isas.push(Isa::Avx512);
-            }
-        }
-        isas
-    }
-
     /// Two rows of scores in half base-2 units over the range the kernels see, with masked
     /// keys, large scores of both signs and (row 1) a NaN.
     fn scores() -> Vec<f32> {
@@ -374,7 +357,7 @@ mod tests {
             .collect();
         let slope: Vec<f32> = (0..2 * K).map(|i| 1.0 - 0.005 * i as f32).collect();
         let start = [[0.25f32, 0.5], [0.0, 0.0]];
-        for isa in isas() {
+        for isa in Isa::ALL.into_iter().filter(|isa| isa.runs_here()) {
             let (exp, ds) = addresses(isa);
             // SAFETY: `addresses` returns functions with these signatures.
             let (exp, ds) = unsafe {

@@ -190,18 +190,8 @@ impl TilePass {
                 let at = fx.elem(self.lse, r);
                 fx.load(F32, at, 0)
             });
-            let mut exprs: Vec<&Expr> = vec![&plan.program.score, grad, &plan.program.mask];
-            exprs.extend(plan.param_grads.iter().map(|(_, d)| d));
-            exprs.extend(
-                plan.param_grads
-                    .iter()
-                    .flat_map(|(read, _)| read.indices.iter()),
-            );
-            let uniforms = ScoreLowering {
-                logf: refs.logf,
-                tables: &mut *tables,
-            }
-            .row_uniforms(fx, &row, &exprs);
+            let exprs = [&plan.program.score, grad, &plan.program.mask];
+            let uniforms = row_uniforms(fx, (plan, refs, tables), &row, &exprs);
             let (z, end) = (fx.i64(0), fx.i64(i64::from(K_TILE)));
             fx.for_range(z, end, 4, |fx, c| {
                 let ps = fx.elem(s_row, c);
@@ -291,18 +281,7 @@ impl TilePass {
                     query_index: fx.b.ins().iadd(self.qi0, r),
                 };
                 let dp_row = fx.elem_scaled(self.dp, r, tile_v);
-                let mut exprs: Vec<&Expr> = vec![&plan.program.mask];
-                exprs.extend(plan.param_grads.iter().map(|(_, d)| d));
-                exprs.extend(
-                    plan.param_grads
-                        .iter()
-                        .flat_map(|(read, _)| read.indices.iter()),
-                );
-                let uniforms = ScoreLowering {
-                    logf: refs.logf,
-                    tables: &mut *tables,
-                }
-                .row_uniforms(fx, &row, &exprs);
+                let uniforms = row_uniforms(fx, (plan, refs, tables), &row, &[&plan.program.mask]);
                 let (z, end) = (fx.i64(0), fx.i64(i64::from(K_TILE)));
                 fx.for_range(z, end, 4, |fx, c| {
                     let pdp = fx.elem(dp_row, c);
@@ -331,6 +310,28 @@ impl TilePass {
             });
         });
     }
+}
+
+/// A row's uniform values (what does not vary along its keys) of `exprs` and of the
+/// parameters' derivatives and element indices.
+fn row_uniforms(
+    fx: &mut Fx,
+    (plan, refs, tables): (&KernelPlan, &Refs, &mut Tables),
+    row: &RowEnv,
+    exprs: &[&Expr],
+) -> super::score::Uniforms {
+    let mut all = exprs.to_vec();
+    all.extend(plan.param_grads.iter().map(|(_, d)| d));
+    all.extend(
+        plan.param_grads
+            .iter()
+            .flat_map(|(read, _)| read.indices.iter()),
+    );
+    ScoreLowering {
+        logf: refs.logf,
+        tables,
+    }
+    .row_uniforms(fx, row, &all)
 }
 
 /// `dS = dS_final` of four keys for the parameters' gradients, recomputed as `ds_tile` does:
