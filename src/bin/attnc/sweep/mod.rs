@@ -21,7 +21,7 @@ use std::path::PathBuf;
     after_help = "KEY is a model TOML key (hidden, layers, pattern, qk_norm, norm, \
     norm_placement, norm_eps, mlp, intermediate, tie_embeddings, qkv_bias, moe) or a spec key \
     (heads, kv_heads, head_dim, v_head_dim, mask, position, softcap, scale, dtype, score_mod, \
-    mask_mod, sinks), which sets every attention kind, or KIND.KEY, which sets one \
+    mask_mod, sinks, normalize, differential), which sets every attention kind, or KIND.KEY, which sets one \
     (local.mask). Values are split at the commas outside brackets, so --vary \
     \"mask=causal,sliding_window(64)\" is two values; a TOML key takes TOML values \
     (pattern=['local','global'], moe={experts = 4, top_k = 2}) and none, which removes \
