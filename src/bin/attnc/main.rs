@@ -6,6 +6,11 @@
 
 #![forbid(unsafe_code)]
 
+// The commands that run under mpirun (train, sweep) write their progress with `say!`.
+#[cfg(feature = "candle")]
+#[macro_use]
+mod say;
+
 mod backend_arg;
 mod bench;
 mod bench_decode;

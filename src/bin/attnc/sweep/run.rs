@@ -63,7 +63,7 @@ fn sweep_as(args: &Args, ranks: Option<Ranks>) -> Result<(), String> {
                 config,
                 toml,
             }),
-            Err(e) => eprintln!("skipped {}: {e}", variant.name()),
+            Err(e) => say!("skipped {}: {e}", variant.name()),
         }
     }
     let Some(first) = planned.first() else {
@@ -86,7 +86,7 @@ fn sweep_as(args: &Args, ranks: Option<Ranks>) -> Result<(), String> {
     let folder = folder.transpose()?;
     if let Some(r) = &ranks {
         let mine = planned.len().div_ceil(r.size());
-        eprintln!(
+        say!(
             "sweep: rank {} of {} trains about {mine} of the variants",
             r.rank(),
             r.size()
@@ -101,7 +101,7 @@ fn sweep_as(args: &Args, ranks: Option<Ranks>) -> Result<(), String> {
                     p.variant.name()
                 );
                 if let Err(e) = variant_row(&args, p, &corpus, &label) {
-                    eprintln!("{label}: failed: {e}");
+                    say!("{label}: failed: {e}");
                 }
             }
         }
@@ -115,7 +115,7 @@ fn sweep_as(args: &Args, ranks: Option<Ranks>) -> Result<(), String> {
         return Ok(());
     };
     let runs = planned.len() as u64 * args.seeds;
-    eprintln!(
+    say!(
         "sweep: {} variant{} x {} seed{} = {runs} runs of {} steps, into {}",
         planned.len(),
         if planned.len() == 1 { "" } else { "s" },
@@ -134,14 +134,14 @@ fn sweep_as(args: &Args, ranks: Option<Ranks>) -> Result<(), String> {
                 write_results(&folder, &rows)?;
             }
             Err(e) => {
-                eprintln!("{label}: failed: {e}");
+                say!("{label}: failed: {e}");
                 failed.push(format!("{}: {e}", p.variant.name()));
             }
         }
     }
     if !rows.is_empty() {
         print!("{}", report::table(&rows));
-        eprintln!(
+        say!(
             "wrote {}: results.csv, results.jsonl, loss.svg, pareto.svg, speed.svg, index.html",
             args.out.display()
         );
@@ -222,7 +222,7 @@ fn variant_row(args: &Args, p: &Planned, corpus: &Corpus, label: &str) -> Result
     let speed = match read_speed(&dir) {
         Some(speed) => speed,
         None => {
-            eprintln!("{label}: timing prefill and decode at {seq} tokens");
+            say!("{label}: timing prefill and decode at {seq} tokens");
             let speed = measure::speed(&model, seq as usize, cost.flops_per_token)?;
             let text = json!({
                 "prefill_gflops": speed.prefill_gflops,

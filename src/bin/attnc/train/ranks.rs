@@ -219,7 +219,7 @@ fn with_mpi(train: impl Fn(Option<Ranks>) -> Result<(), String>) -> Result<(), S
     let result = train(Some(Ranks::new(Arc::clone(&comm) as Arc<dyn Communicator>)));
     if let Err(e) = &result {
         // The other ranks may be waiting in a collective for this one: end the job.
-        eprintln!("rank {}: {e}", comm.rank());
+        say!("rank {}: {e}", comm.rank());
         comm.abort(2);
     }
     result

@@ -70,13 +70,13 @@ fn train_as(args: &Args, ranks: Option<Ranks>) -> Result<(), String> {
         return Ok(());
     }
     if let Some(last) = metrics.last() {
-        eprintln!(
+        say!(
             "validation loss {:.4} against the unigram model's {:.4}",
             last.val_loss,
             corpus.unigram_loss(vocab)
         );
     }
-    eprintln!(
+    say!(
         "wrote {}: model.toml (attnc generate --model {}), metrics.jsonl, steps.jsonl, loss.svg",
         out.display(),
         out.join("model.toml").display()
@@ -230,7 +230,7 @@ fn resume(args: &Args, dir: &Path, claim: bool) -> Result<(Run, Corpus), String>
         && lr != options.lr
         && claim
     {
-        eprintln!(
+        say!(
             "the peak learning rate is {lr} from step {} on (it was {})",
             saved.state.step + 1,
             options.lr
@@ -409,7 +409,7 @@ impl Trainer {
                     )
                 })?;
                 if ranks.as_ref().is_none_or(Ranks::is_root) {
-                    eprintln!("starting from the weights in {}", file.display());
+                    say!("starting from the weights in {}", file.display());
                 }
                 (0, Rng::new(run.options.seed), Vec::new(), Vec::new())
             }
@@ -526,7 +526,7 @@ impl Trainer {
 
     /// The line that opens a run: the model, its size, the data and the steps ahead.
     fn announce(&self, corpus: &Corpus, label: &str) {
-        eprintln!(
+        say!(
             "{label}training {} ({} parameters) on {} tokens ({} for validation, where a unigram \
              model scores {:.4}), from step {} to {}",
             self.config.attention_summary(),
@@ -538,7 +538,7 @@ impl Trainer {
             self.options.steps
         );
         if let (Some(sep), Some((train, validation))) = (&self.options.pack, &corpus.documents) {
-            eprintln!(
+            say!(
                 "{label}packed: {} documents ending with {sep:?} ({} in the validation set); \
                  each window's tokens attend within their own document",
                 train.len() + validation.len() + 2,
@@ -547,7 +547,7 @@ impl Trainer {
         }
         let unmasked = |s: &attn::AttentionSpec| s.mask == attn::Mask::None && s.mask_mod.is_none();
         if self.config.attention.iter().any(unmasked) {
-            eprintln!(
+            say!(
                 "{label}warning: an attention kind has mask = none, so each position also sees \
                  the tokens after it, the next one among them: its loss is not a language \
                  model's"
