@@ -26,6 +26,7 @@
 //!
 //! Where to go next:
 //! - [`Attention`]: what a declared variant offers (forward, backward, decode, costs);
+//!   [`DifferentialAttention`], what a declared one with differential heads offers;
 //! - [`Variant`] and [`Backend`]: a spec planned once, run on [`CpuBackend`], [`GpuSim`] (the
 //!   GPU kernels on an interpreter) or a backend [`backends::open`] names, over [`Inputs`] or
 //!   cached [`Queries`];
@@ -70,9 +71,9 @@ pub use attn_runtime::cpu::CpuBackend;
 pub use attn_runtime::gpu::sim::GpuSim;
 pub use attn_runtime::model::{Model, Request, ResidentModel, Sampling, hf, research};
 pub use attn_runtime::{
-    Attention, Backend, BackwardInputs, DecodeOptions, Gradients, HeadGradients, HeadsBackward,
-    Inputs, Learned, MlaBackward, MlaGradients, MlaQueries, MlaTensors, Output, Queries,
-    RuntimeError, Tensor, Variant, backends,
+    Attention, Backend, BackwardInputs, DecodeOptions, DifferentialAttention, Gradients,
+    HeadGradients, HeadsBackward, Inputs, Learned, MlaBackward, MlaGradients, MlaQueries,
+    MlaTensors, Output, Queries, RuntimeError, Tensor, Variant, backends,
 };
 pub use attn_runtime::{cache, distributed, inputs};
 
@@ -96,7 +97,7 @@ pub mod gpu {
 pub mod prelude {
     pub use crate::{
         Attention, AttentionSpec, Backend, BackwardInputs, CpuBackend, DType, DecodeOptions,
-        GpuSim, HeadsBackward, Inputs, Learned, MlaTensors, Model, Output, Queries, RuntimeError,
-        Tensor, Variant, attention,
+        DifferentialAttention, GpuSim, HeadsBackward, Inputs, Learned, MlaTensors, Model, Output,
+        Queries, RuntimeError, Tensor, Variant, attention,
     };
 }

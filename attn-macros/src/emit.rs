@@ -30,7 +30,7 @@ pub fn spec(spec: &AttentionSpec) -> TokenStream {
         data,
         sinks,
         normalize,
-        differential: _,
+        differential,
     } = spec;
     let (kv, mask, position) = (kv_layout(kv), self::mask(mask), self::position(position));
     let (softcap, scale, dtype) = (
@@ -126,6 +126,13 @@ pub fn spec(spec: &AttentionSpec) -> TokenStream {
         Sinks::None => quote!(::attn::dsl::Sinks::None),
         Sinks::Learned => quote!(::attn::dsl::Sinks::Learned),
     };
+    let differential = match differential {
+        Some(d) => {
+            let init = f64_lit(d.lambda_init);
+            quote!(::std::option::Option::Some(::attn::dsl::Differential { lambda_init: #init }))
+        }
+        None => quote!(::std::option::Option::None),
+    };
     quote! {
         ::attn::AttentionSpec {
             heads: #heads,
@@ -143,7 +150,7 @@ pub fn spec(spec: &AttentionSpec) -> TokenStream {
             data: ::std::vec![#(#data),*],
             sinks: #sinks,
             normalize: #normalize,
-            differential: ::std::option::Option::None,
+            differential: #differential,
         }
     }
 }

@@ -26,10 +26,13 @@ use quote::quote;
 /// The spec is validated at compile time; errors point at the offending tokens. The struct
 /// implements `attn::Attention`: `SPEC_TEXT` (the normalized spec), the head constants,
 /// `LEARNED` (the names and shapes of its learnable tensors), `spec()` (the spec built as data,
-/// not parsed again at run time) and `variant()` (validated and planned once per process).
+/// not parsed again at run time) and `variant()` (validated and planned once per process). A
+/// spec with differential heads (`differential = lambda(...)`) implements
+/// `attn::DifferentialAttention` instead: the same constants and `spec()`, `VALUE_HEADS`, and
+/// `differential()` (its component heads planned once).
 ///
 /// `targets = [sm_80, sm_90]` (with attn's `aot` feature) compiles every GPU kernel of the spec
-/// to PTX for those targets while the crate builds and embeds them (`embedded_kernels()`): the
+/// (of its component heads, for differential heads) to PTX for those targets while the crate builds and embeds them (`embedded_kernels()`): the
 /// CUDA backend runs them with no compiler in the program.
 #[proc_macro_attribute]
 pub fn attention(attr: TokenStream, item: TokenStream) -> TokenStream {
@@ -46,17 +49,14 @@ pub fn attention(attr: TokenStream, item: TokenStream) -> TokenStream {
         Ok(spec) => spec,
         Err(err) => return failed(err),
     };
-    if spec.differential.is_some() {
-        // The trait's entry points return one attention's output; differential heads
-        // combine two per head (attn::runtime::differential).
-        return failed(syn::Error::new(
-            proc_macro2::Span::call_site(),
-            "differential heads are not served by #[attention]: build them at run time with \
-             attn::runtime::differential::Differential::new(spec)",
-        ));
-    }
+    // Differential heads run their component heads' kernels (attn::runtime::differential):
+    // those are the kernels to embed.
+    let kernels_of = match spec.differential {
+        Some(_) => spec.differential_components(),
+        None => spec.clone(),
+    };
     let embedded = match &targets {
-        Some(t) => match aot::embed(&spec, &t.names, t.span) {
+        Some(t) => match aot::embed(&kernels_of, &t.names, t.span) {
             Ok(kernels) => kernels,
             Err(err) => return failed(err),
         },
@@ -75,42 +75,73 @@ pub fn attention(attr: TokenStream, item: TokenStream) -> TokenStream {
         .learnable_tensors()
         .into_iter()
         .map(|(name, shape)| quote!((#name, &[#(#shape),*])));
+    let consts = quote! {
+        const SPEC_TEXT: &'static str = #text;
+        const HEADS: u32 = #heads;
+        const KV_HEADS: u32 = #kv_heads;
+        const HEAD_DIM: u32 = #head_dim;
+        const V_HEAD_DIM: u32 = #v_head_dim;
+        const DTYPE: ::attn::DType = ::attn::DType::#dtype;
+        const LEARNED: &'static [(&'static str, &'static [usize])] = &[#(#learned),*];
+
+        fn spec() -> &'static ::attn::AttentionSpec {
+            static SPEC: ::std::sync::OnceLock<::attn::AttentionSpec> =
+                ::std::sync::OnceLock::new();
+            SPEC.get_or_init(|| #data)
+        }
+
+        fn embedded_kernels() -> &'static [::attn::runtime::gpu::ptx::EmbeddedKernel] {
+            #embedded
+        }
+    };
     let name = &item.ident;
     let (impl_generics, ty_generics, where_clause) = item.generics.split_for_impl();
     let doc = format!("Attention variant `{text}`.");
+    let implementation = match spec.differential {
+        Some(_) => {
+            let value_heads = spec.value_heads();
+            quote! {
+                impl #impl_generics ::attn::DifferentialAttention for #name #ty_generics
+                    #where_clause
+                {
+                    #consts
+                    const VALUE_HEADS: u32 = #value_heads;
+
+                    fn differential() -> &'static ::attn::runtime::differential::Differential {
+                        static DIFFERENTIAL: ::std::sync::OnceLock<
+                            ::attn::runtime::differential::Differential,
+                        > = ::std::sync::OnceLock::new();
+                        DIFFERENTIAL.get_or_init(|| {
+                            ::attn::runtime::gpu::ptx::register_embedded(Self::embedded_kernels());
+                            ::attn::runtime::differential::Differential::new(Self::spec().clone())
+                                .expect("#[attention] validated this spec at compile time")
+                        })
+                    }
+                }
+            }
+        }
+        None => quote! {
+            impl #impl_generics ::attn::Attention for #name #ty_generics #where_clause {
+                #consts
+
+                fn variant() -> &'static ::std::sync::Arc<::attn::runtime::Variant> {
+                    static VARIANT: ::std::sync::OnceLock<
+                        ::std::sync::Arc<::attn::runtime::Variant>,
+                    > = ::std::sync::OnceLock::new();
+                    VARIANT.get_or_init(|| {
+                        ::attn::runtime::gpu::ptx::register_embedded(Self::embedded_kernels());
+                        ::attn::runtime::Variant::new(Self::spec().clone())
+                            .expect("#[attention] validated this spec at compile time")
+                    })
+                }
+            }
+        },
+    };
     quote! {
         #item
 
         #[doc = #doc]
-        impl #impl_generics ::attn::Attention for #name #ty_generics #where_clause {
-            const SPEC_TEXT: &'static str = #text;
-            const HEADS: u32 = #heads;
-            const KV_HEADS: u32 = #kv_heads;
-            const HEAD_DIM: u32 = #head_dim;
-            const V_HEAD_DIM: u32 = #v_head_dim;
-            const DTYPE: ::attn::DType = ::attn::DType::#dtype;
-            const LEARNED: &'static [(&'static str, &'static [usize])] = &[#(#learned),*];
-
-            fn spec() -> &'static ::attn::AttentionSpec {
-                static SPEC: ::std::sync::OnceLock<::attn::AttentionSpec> =
-                    ::std::sync::OnceLock::new();
-                SPEC.get_or_init(|| #data)
-            }
-
-            fn variant() -> &'static ::std::sync::Arc<::attn::runtime::Variant> {
-                static VARIANT: ::std::sync::OnceLock<::std::sync::Arc<::attn::runtime::Variant>> =
-                    ::std::sync::OnceLock::new();
-                VARIANT.get_or_init(|| {
-                    ::attn::runtime::gpu::ptx::register_embedded(Self::embedded_kernels());
-                    ::attn::runtime::Variant::new(Self::spec().clone())
-                        .expect("#[attention] validated this spec at compile time")
-                })
-            }
-
-            fn embedded_kernels() -> &'static [::attn::runtime::gpu::ptx::EmbeddedKernel] {
-                #embedded
-            }
-        }
+        #implementation
     }
     .into()
 }

@@ -22,7 +22,7 @@
 //!   where each kernel's PTX comes from (embedded, the disk cache, or LLVM with `llvm`);
 //! - [`ops`]: a decoder's norms, activations, adds, lookups and argmax ([`ops::LayerOps`]);
 //! - [`model`]: transformers composed at run time, Hugging Face checkpoints;
-//! - [`Attention`]: the typed API `#[attention(...)]` implements.
+//! - [`Attention`] and [`DifferentialAttention`]: the typed APIs `#[attention(...)]` implements.
 
 #![warn(missing_docs)]
 
@@ -35,6 +35,7 @@ pub mod calls;
 pub mod cpu;
 pub mod device;
 pub mod differential;
+mod differential_attention;
 pub mod distributed;
 mod error;
 pub mod files;
@@ -59,6 +60,7 @@ pub use calls::{
     MlaGradients, MlaQueries, MlaTensors, Output, Queries,
 };
 pub use codegen;
+pub use differential_attention::DifferentialAttention;
 pub use error::RuntimeError;
 pub use learned::Learned;
 pub use placement::Placement;

@@ -88,3 +88,22 @@ fn sm_90a_embeds_the_warp_specialized_forward_and_serves_it() {
     let ptx = ptx_for(&kernels[0].kernel, Arch::Sm90a, None).unwrap();
     assert_eq!(ptx.origin, PtxOrigin::Embedded);
 }
+
+#[attention(
+    heads = 4, kv_heads = 2, head_dim = 32, mask = causal, differential = lambda,
+    targets = [sm_80]
+)]
+struct Paired;
+
+#[test]
+fn differential_heads_embed_their_component_heads_kernels() {
+    use attn::DifferentialAttention;
+    let embedded = Paired::embedded_kernels();
+    let kernels = spec_kernels(&Paired::spec().differential_components()).unwrap();
+    assert_eq!(embedded.len(), kernels.len());
+    let _ = Paired::differential();
+    for k in &kernels {
+        let ptx = ptx_for(&k.kernel, Arch::Sm80, None).unwrap();
+        assert_eq!(ptx.origin, PtxOrigin::Embedded, "{}", k.role);
+    }
+}

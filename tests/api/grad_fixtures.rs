@@ -17,7 +17,7 @@ fn fixtures() -> PathBuf {
 }
 
 /// A tensor's values as f64, whatever its stored dtype.
-fn values(st: &SafeTensors, name: &str) -> Vec<f64> {
+pub(crate) fn values(st: &SafeTensors, name: &str) -> Vec<f64> {
     let t = st.tensor(name).unwrap_or_else(|e| panic!("{name}: {e}"));
     let bytes = t.data();
     match t.dtype() {

@@ -9,6 +9,7 @@ mod cpu_fixtures;
 mod fuzz_specs;
 mod grad_fixtures;
 mod hostile_paths;
+mod macro_differential;
 mod macro_spec;
 mod reference_fixtures;
 mod tidy;

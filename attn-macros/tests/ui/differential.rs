@@ -1,9 +1,8 @@
-//! Differential heads combine two attentions per head: the trait's entry points cannot serve
-//! them, and the build says where to go instead.
+//! Differential heads pair the heads: an odd head count fails the build at the spec.
 
 use attn_macros::attention;
 
-#[attention(heads = 4, kv_heads = 2, head_dim = 16, differential = lambda)]
+#[attention(heads = 3, kv_heads = 3, head_dim = 16, differential = lambda)]
 struct Paired;
 
 fn main() {}

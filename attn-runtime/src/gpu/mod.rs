@@ -167,7 +167,7 @@ fn check_positions(sq: usize, skv: usize, p0: i64) -> Result<(), RuntimeError> {
 
 impl GpuCall {
     /// Prepares `forward(q, k, v)` for a per-head spec (the shapes of
-    /// [`crate::cpu::CpuBackend::forward`]).
+    /// [`crate::Backend::forward`] on [`crate::cpu::CpuBackend`]).
     pub fn forward(
         spec: &AttentionSpec,
         q: &Tensor,

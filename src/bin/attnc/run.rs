@@ -23,7 +23,7 @@ pub struct Files {
     /// The spec's learnable tensors (params(...), sinks) and data tensors (data(...): i32 ones
     /// stored as I32, f32 ones as F32) by their names. Differential heads (differential =
     /// lambda): v holds kv_heads / 2 heads, and lambda_q1, lambda_k1, lambda_q2, lambda_k2
-    /// ([head_dim] f32) are read.
+    /// (f32, head_dim values each) are read.
     #[arg(long, value_name = "FILE")]
     pub input: PathBuf,
     /// Output safetensors file.
