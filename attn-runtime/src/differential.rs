@@ -319,7 +319,7 @@ impl Differential {
         }
         let values = v.f32_values();
         let head = block(v.shape());
-        let mut both = vec![0.0; 2 * values.len()];
+        let mut both = crate::memory::written_zeros(2 * values.len());
         both.par_chunks_mut(2 * head)
             .zip(values.par_chunks(head))
             .for_each(|(two, one)| {
@@ -359,7 +359,7 @@ fn paired_output(components: Output, lambda: f32) -> Result<DifferentialOutput, 
 fn pairs(x: &Tensor, f: impl Fn(f32, f32) -> f32 + Sync) -> Result<Tensor, RuntimeError> {
     let values = x.f32_values();
     let head = block(x.shape());
-    let mut out = vec![0.0; values.len() / 2];
+    let mut out = crate::memory::written_zeros(values.len() / 2);
     out.par_chunks_mut(head)
         .zip(values.par_chunks(2 * head))
         .for_each(|(out, pair)| {
@@ -376,7 +376,7 @@ fn pairs(x: &Tensor, f: impl Fn(f32, f32) -> f32 + Sync) -> Result<Tensor, Runti
 fn unpaired(dout: &Tensor, dtype: attn_dsl::DType, lambda: f32) -> Result<Tensor, RuntimeError> {
     let values = dout.f32_values();
     let head = block(dout.shape());
-    let mut out = vec![0.0; 2 * values.len()];
+    let mut out = crate::memory::written_zeros(2 * values.len());
     out.par_chunks_mut(2 * head)
         .zip(values.par_chunks(head))
         .for_each(|(two, g)| {

@@ -78,6 +78,41 @@ impl<'a> Rows<'a> {
         }
     }
 
+    /// The values as the forward's `pv_tile` reads them: [`Rows::of`], except that rows a
+    /// multiple of 1 KiB apart are copied [`VALUE_ROW_PAD`] floats (a cache line) further apart.
+    ///
+    /// `pv_tile` reads a 128-byte panel of each of a tile's 64 keys, once per pair of query
+    /// rows. Rows 1 KiB apart (`v_head_dim = 256`) put those 128 lines in 8 of L1's 64 sets,
+    /// twice what their 8 ways hold, so every pass misses; 17 lines apart they spread over all
+    /// 64 sets (measured at H16 D128 Dv256 N2048 causal: forward 254-301 ms against 306-357
+    /// ms; BENCHMARKS.md). The copy costs a pass over v.
+    pub fn of_values(t: &'a Tensor) -> Result<Self, RuntimeError> {
+        let rows = Rows::of(t);
+        let shape = t.shape();
+        let [batch, heads, seq, width] = [shape[0], shape[1], shape[2], shape[3]];
+        if !rows.strides[2].is_multiple_of(256) || width == 0 {
+            return Ok(rows);
+        }
+        rows.check_bounds([batch, heads, seq, width], "v")?;
+        let stride = width + VALUE_ROW_PAD;
+        let count = batch * heads * seq;
+        let bytes = crate::memory::checked_product(&[count as u64, stride as u64, 4]);
+        crate::memory::ensure_fits("the values' copy with padded rows", bytes)?;
+        let mut data = crate::memory::written_zeros(count * stride);
+        data.par_chunks_mut(stride)
+            .enumerate()
+            .for_each(|(i, row)| {
+                let at = rows.index(i / (heads * seq), i / seq % heads, i % seq);
+                row[..width].copy_from_slice(&rows.data[at..at + width]);
+            });
+        Ok(Rows {
+            data: std::borrow::Cow::Owned(data),
+            narrow: None,
+            offset: 0,
+            strides: [heads * seq * stride, seq * stride, stride],
+        })
+    }
+
     /// Rows in `data` with the given outer strides (the innermost axis contiguous).
     pub fn borrowed(data: &'a [f32], strides: [usize; 3]) -> Self {
         Rows {
@@ -139,6 +174,9 @@ impl<'a> Rows<'a> {
         }
     }
 }
+
+/// Floats added to each value row by [`Rows::of_values`]: one 64-byte cache line.
+pub(super) const VALUE_ROW_PAD: usize = 16;
 
 /// Packed-key buffers kept between calls: they are large (a copy of K in f32) and fresh memory
 /// costs page faults on every call.

@@ -257,7 +257,7 @@ impl CpuBackend {
             params,
         };
         // Queries and keys are read once per block or packing task, values by every block.
-        let (q, k, v) = (Rows::by_slab(q), Rows::by_slab(k), Rows::of(v));
+        let (q, k, v) = (Rows::by_slab(q), Rows::by_slab(k), Rows::of_values(v)?);
         let (out, lse) = launch::run_as(&kernel, [&q, &k, &v], &call, spec.dtype)?;
         Ok(Output {
             out: Tensor::new(&[b, h, sq, dv], out)?,

@@ -180,6 +180,37 @@ fn head_dims_from_16_to_256() {
     }
 }
 
+/// Value rows a multiple of 1 KiB apart are copied with padded rows before the forward: widths
+/// 256 and 512, f32 and bf16, GQA, with the values a strided view as well.
+#[test]
+fn values_whose_rows_are_copied_further_apart() {
+    let backend = CpuBackend::new();
+    for text in [
+        "heads = 4, kv_heads = 2, head_dim = 32, v_head_dim = 256, mask = causal",
+        "heads = 2, head_dim = 16, v_head_dim = 512, mask = sliding_window(40), \
+         position = rope",
+        "heads = 2, head_dim = 64, v_head_dim = 256, mask = causal, dtype = bf16",
+    ] {
+        check(&backend, text, 2, 70, 90, 5);
+    }
+    let text = "heads = 2, head_dim = 16, v_head_dim = 256, mask = causal";
+    let spec: AttentionSpec = text.parse().unwrap();
+    let (b, s, h) = (1, 70, 2);
+    let q = Tensor::from_f32(&[b, h, s, 16], values(b * h * s * 16, 1)).unwrap();
+    // [B, S, H, 256] read as [B, H, S, 256]: rows 2 KiB apart, heads 1 KiB.
+    let bshd = Tensor::from_f32(&[b, s, h, 256], values(b * s * h * 256, 2)).unwrap();
+    let view = bshd.permute(&[0, 2, 1, 3]).unwrap();
+    let copy = Tensor::from_f32(&[b, h, s, 256], view.to_f32_vec()).unwrap();
+    let k = Tensor::from_f32(&[b, h, s, 16], values(b * h * s * 16, 3)).unwrap();
+    let a = support::forward(&backend, &spec, &q, &k, &view, 0).unwrap();
+    let c = support::forward(&backend, &spec, &q, &k, &copy, 0).unwrap();
+    assert_eq!(
+        a.out.to_f32_vec(),
+        c.out.to_f32_vec(),
+        "{text}: strided values"
+    );
+}
+
 #[test]
 fn half_precision_storage() {
     let backend = CpuBackend::new();
