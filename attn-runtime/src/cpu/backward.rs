@@ -23,6 +23,7 @@ pub(super) use super::backward_units::Grads;
 use super::backward_units::{
     Lens, fixed_splits, key_splits, split_units, whole_units, whole_units_summing_params,
 };
+use super::launch::row_stride_for;
 use super::{bf16_tiles, microkernels};
 use crate::error::RuntimeError;
 use crate::host::rope_table::{QkTables, RopeTables, Side};
@@ -246,6 +247,9 @@ struct Scratch {
     /// Keys and values packed into tiles.
     kt: Vec<f32>,
     vt: Vec<f32>,
+    /// The group's output gradients, where their rows are copied further apart
+    /// ([`row_stride_for`]).
+    dout: Vec<f32>,
     /// One tile of scores / probabilities, and of dP / dS.
     s: Vec<f32>,
     dp: Vec<f32>,
@@ -254,10 +258,17 @@ struct Scratch {
 impl Scratch {
     /// Frees the buffers when together they hold more than [`KEPT_SCRATCH`] values.
     fn trim(&mut self) {
-        let held: usize = [&self.q, &self.delta, &self.k, &self.kt, &self.vt]
-            .iter()
-            .map(|b| b.capacity())
-            .sum();
+        let held: usize = [
+            &self.q,
+            &self.delta,
+            &self.k,
+            &self.kt,
+            &self.vt,
+            &self.dout,
+        ]
+        .iter()
+        .map(|b| b.capacity())
+        .sum();
         if held > KEPT_SCRATCH {
             *self = Scratch::default();
         }
@@ -270,6 +281,17 @@ fn copy_into(buffer: &mut Vec<f32>, from: &[f32]) {
     buffer.extend_from_slice(from);
 }
 
+/// `buffer` holding the rows of `from` (`width` values each), `stride` apart.
+fn copy_rows(buffer: &mut Vec<f32>, from: &[f32], width: usize, stride: usize) {
+    if stride == width {
+        return copy_into(buffer, from);
+    }
+    let rows = sized(buffer, from.len() / width.max(1) * stride);
+    for (to, from) in rows.chunks_exact_mut(stride).zip(from.chunks_exact(width)) {
+        to[..width].copy_from_slice(from);
+    }
+}
+
 /// `buffer` as `len` values (their contents left to the caller to overwrite).
 fn sized(buffer: &mut Vec<f32>, len: usize) -> &mut [f32] {
     buffer.resize(len, 0.0);
@@ -280,7 +302,11 @@ fn sized(buffer: &mut Vec<f32>, len: usize) -> &mut [f32] {
 /// output gradients, lse and D; its keys as the scores saw them; K and V packed into tiles.
 struct TaskRows<'s> {
     q: &'s [f32],
+    /// Floats from one row of `q` (and of `keys`) to the next.
+    row_stride: usize,
     dout: &'s [f32],
+    /// Floats from one row of `dout` to the next.
+    dout_stride: usize,
     lse: &'s [f32],
     delta: &'s [f32],
     keys: &'s [f32],
@@ -356,10 +382,11 @@ impl Task<'_> {
             k,
             kt,
             vt,
+            dout,
             s,
             dp,
         } = scratch;
-        let rows = self.prepare([q, delta, k, kt, vt]);
+        let rows = self.prepare([q, delta, k, kt, vt, dout]);
         // Stick-breaking: dP's derivatives follow it, and each row's running state (the
         // softplus sum of the keys nearer than the tile, and D less their dP A) lives in place
         // of lse and D, for tiles visited from the last.
@@ -407,9 +434,15 @@ impl Task<'_> {
         let d = plan.shape.qk_dim as usize;
         for h in 0..group {
             let rows = &mut dq[h * sq * d..(h + 1) * sq * d];
-            self.rotate(rows, Side::Query, self.q_pos0(), plan.q_scale as f32, true);
+            self.rotate(
+                (rows, d),
+                Side::Query,
+                self.q_pos0(),
+                plan.q_scale as f32,
+                true,
+            );
         }
-        self.rotate(dk, Side::Key, p0, 1.0, true);
+        self.rotate((dk, d), Side::Key, p0, 1.0, true);
     }
 
     /// One sweep over the task's `tiles` in their order. Head by head, and for each head
@@ -477,7 +510,7 @@ impl Task<'_> {
     /// This task's rows, ready for the tiles: the group's queries (rotated and scaled), output
     /// gradients, lse and `D = rowsum(dO * out)`; its keys as the scores saw them (rotated into
     /// scratch under RoPE, else read in place), and its keys and values packed into tiles.
-    fn prepare<'s>(&'s self, [q, delta, k, kt, vt]: [&'s mut Vec<f32>; 5]) -> TaskRows<'s> {
+    fn prepare<'s>(&'s self, [q, delta, k, kt, vt, padded]: [&'s mut Vec<f32>; 6]) -> TaskRows<'s> {
         let (plan, x) = (self.plan, self.x);
         let (hq, hkv) = (x.piece.hq, x.piece.hkv);
         let (d, dv) = (plan.shape.qk_dim as usize, plan.shape.v_dim as usize);
@@ -492,7 +525,9 @@ impl Task<'_> {
             let start = (self.b * hkv + self.kvh) * skv * width;
             start..start + skv * width
         };
-        copy_into(q, &x.q[heads(d)]);
+        // Rows the tile products read many of at once lie `row_stride_for` apart.
+        let (row_stride, dout_stride) = (row_stride_for(d), row_stride_for(dv));
+        copy_rows(q, &x.q[heads(d)], d, row_stride);
         let dout = &x.dout[heads(dv)];
         let out = &x.out[heads(dv)];
         delta.clear();
@@ -503,25 +538,47 @@ impl Task<'_> {
         );
         for h in 0..group {
             self.rotate(
-                &mut q[h * sq * d..(h + 1) * sq * d],
+                (
+                    &mut q[h * sq * row_stride..(h + 1) * sq * row_stride],
+                    row_stride,
+                ),
                 Side::Query,
                 self.q_pos0(),
                 plan.q_scale as f32,
                 false,
             );
         }
-        let keys: &[f32] = if plan.rope.is_some() {
-            copy_into(k, &x.k[kv(d)]);
-            self.rotate(k, Side::Key, p0, 1.0, false);
+        let keys: &[f32] = if plan.rope.is_some() || row_stride != d {
+            copy_rows(k, &x.k[kv(d)], d, row_stride);
+            self.rotate((k, row_stride), Side::Key, p0, 1.0, false);
             k
         } else {
             &x.k[kv(d)]
         };
-        pack(keys, d, skv, sized(kt, skv.div_ceil(K) * d * K));
-        pack(&x.v[kv(dv)], dv, skv, sized(vt, skv.div_ceil(K) * dv * K));
+        pack(
+            keys,
+            [d, row_stride],
+            skv,
+            sized(kt, skv.div_ceil(K) * d * K),
+        );
+        pack(
+            &x.v[kv(dv)],
+            [dv, dv],
+            skv,
+            sized(vt, skv.div_ceil(K) * dv * K),
+        );
+        let dout: &[f32] = match dout_stride == dv {
+            true => dout,
+            false => {
+                copy_rows(padded, dout, dv, dout_stride);
+                padded
+            }
+        };
         TaskRows {
             q,
+            row_stride,
             dout,
+            dout_stride,
             lse: &x.lse[heads(1)],
             delta,
             keys,
@@ -552,14 +609,14 @@ impl Task<'_> {
             by_col,
         } = products;
         // SAFETY: every pointer addresses the ranges the microkernel and GradTileArgs
-        // contracts require: `n <= K` rows of q (`d` wide) and of dout (`dv` wide) from row
-        // `row` of this task's arrays, one packed tile of K and of V, `n * K` scores and dP
-        // values, `n` lse and D values, `cols` rows of k, and `cols` / `n` rows of the dk, dv
-        // and dq accumulators.
+        // contracts require: `n <= K` rows of q (`d` wide) and of dout (`dv` wide,
+        // `dout_stride` apart) from row `row` of this task's arrays, one packed tile of K and
+        // of V, `n * K` scores and dP values, `n` lse and D values, `cols` rows of k, and
+        // `cols` / `n` rows of the dk, dv and dq accumulators.
         unsafe {
             (self.kernels.qk)(
-                rows.q.as_ptr().add(row * d),
-                d as i64,
+                rows.q.as_ptr().add(row * rows.row_stride),
+                rows.row_stride as i64,
                 n as i64,
                 d as i64,
                 rows.kt.as_ptr().add(tile * d * K),
@@ -567,8 +624,8 @@ impl Task<'_> {
                 std::ptr::null_mut(),
             );
             (self.kernels.dp)(
-                rows.dout.as_ptr().add(row * dv),
-                dv as i64,
+                rows.dout.as_ptr().add(row * rows.dout_stride),
+                rows.dout_stride as i64,
                 n as i64,
                 dv as i64,
                 rows.vt.as_ptr().add(tile * dv * K),
@@ -623,8 +680,8 @@ impl Task<'_> {
                 s.as_ptr(),
                 cols as i64,
                 n as i64,
-                rows.dout.as_ptr().add(row * dv),
-                dv as i64,
+                rows.dout.as_ptr().add(row * rows.dout_stride),
+                rows.dout_stride as i64,
                 dv_acc.as_mut_ptr().add(first_key * dv),
                 dv as i64,
                 col_spans,
@@ -633,8 +690,8 @@ impl Task<'_> {
                 dp.as_ptr(),
                 cols as i64,
                 n as i64,
-                rows.q.as_ptr().add(row * d),
-                d as i64,
+                rows.q.as_ptr().add(row * rows.row_stride),
+                rows.row_stride as i64,
                 dk.as_mut_ptr().add(first_key * d),
                 d as i64,
                 col_spans,
@@ -643,8 +700,8 @@ impl Task<'_> {
                 dp.as_ptr(),
                 n as i64,
                 cols as i64,
-                rows.keys.as_ptr().add(first_key * d),
-                d as i64,
+                rows.keys.as_ptr().add(first_key * rows.row_stride),
+                rows.row_stride as i64,
                 dq.as_mut_ptr().add(row * d),
                 d as i64,
                 row_spans,
@@ -654,8 +711,14 @@ impl Task<'_> {
 
     /// Rows of `qk_dim` values of operand `side` in place: rotated from position `pos0` on
     /// (transposed when `back`), then multiplied by `factor`.
-    fn rotate(&self, rows: &mut [f32], side: Side, pos0: i64, factor: f32, back: bool) {
-        let width = self.plan.shape.qk_dim as usize;
+    fn rotate(
+        &self,
+        (rows, stride): (&mut [f32], usize),
+        side: Side,
+        pos0: i64,
+        factor: f32,
+        back: bool,
+    ) {
         if rows.is_empty() || (self.tables.is_none() && factor == 1.0) {
             return;
         }
@@ -672,16 +735,17 @@ impl Task<'_> {
         };
         let args = RotateArgs {
             x: rows.as_mut_ptr(),
-            row_stride: width as i64,
-            rows: (rows.len() / width) as i64,
+            row_stride: stride as i64,
+            rows: (rows.len() / stride) as i64,
             pos0,
             factor,
             rope_cos: cos,
             rope_sin: sin,
             table_pos0,
         };
-        // SAFETY: `args` addresses `rows.len() / width` rows of `width` values, and tables that
-        // cover every position of the call (the rows are queries or keys of it).
+        // SAFETY: `args` addresses `rows.len() / stride` rows of `qk_dim <= stride` values,
+        // `stride` apart, and tables that cover every position of the call (the rows are
+        // queries or keys of it).
         unsafe { (self.kernels.rotate)(&args) };
     }
 }
@@ -704,16 +768,16 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     partial.iter().sum::<f32>() + tail
 }
 
-/// Rows `[n][width]` packed into `packed` as the score microkernel reads keys: tiles of `K`
-/// rows, `tile[dim][row]`, the last one zero-padded. Rows are read in order (the prefetcher
+/// Rows `[n][width]`, `stride` apart, packed into `packed` as the score microkernel reads
+/// keys: tiles of `K` rows, `tile[dim][row]`, the last one zero-padded. Rows are read in order (the prefetcher
 /// streams them from memory; the tile being written stays in L1).
-fn pack(rows: &[f32], width: usize, n: usize, packed: &mut [f32]) {
+fn pack(rows: &[f32], [width, stride]: [usize; 2], n: usize, packed: &mut [f32]) {
     if !n.is_multiple_of(K) {
         packed[(n / K) * width * K..].fill(0.0);
     }
-    for (j, row) in rows.chunks_exact(width).take(n).enumerate() {
+    for (j, row) in rows.chunks(stride).take(n).enumerate() {
         let tile = &mut packed[(j / K) * width * K..][..width * K];
-        for (dim, x) in row.iter().enumerate() {
+        for (dim, x) in row[..width].iter().enumerate() {
             tile[dim * K + j % K] = *x;
         }
     }

@@ -78,23 +78,18 @@ impl<'a> Rows<'a> {
         }
     }
 
-    /// The values as the forward's `pv_tile` reads them: [`Rows::of`], except that rows a
-    /// multiple of 1 KiB apart are copied [`VALUE_ROW_PAD`] floats (a cache line) further apart.
-    ///
-    /// `pv_tile` reads a 128-byte panel of each of a tile's 64 keys, once per pair of query
-    /// rows. Rows 1 KiB apart (`v_head_dim = 256`) put those 128 lines in 8 of L1's 64 sets,
-    /// twice what their 8 ways hold, so every pass misses; 17 lines apart they spread over all
-    /// 64 sets (measured at H16 D128 Dv256 N2048 causal: forward 254-301 ms against 306-357
-    /// ms; BENCHMARKS.md). The copy costs a pass over v.
+    /// The values as the forward's `pv_tile` reads them: [`Rows::of`], except that rows
+    /// [`row_stride_for`] would move apart are copied that far apart. The copy costs a pass
+    /// over v.
     pub fn of_values(t: &'a Tensor) -> Result<Self, RuntimeError> {
         let rows = Rows::of(t);
         let shape = t.shape();
         let [batch, heads, seq, width] = [shape[0], shape[1], shape[2], shape[3]];
-        if !rows.strides[2].is_multiple_of(256) || width == 0 {
+        let stride = row_stride_for(rows.strides[2]);
+        if stride == rows.strides[2] || width == 0 {
             return Ok(rows);
         }
         rows.check_bounds([batch, heads, seq, width], "v")?;
-        let stride = width + VALUE_ROW_PAD;
         let count = batch * heads * seq;
         let bytes = crate::memory::checked_product(&[count as u64, stride as u64, 4]);
         crate::memory::ensure_fits("the values' copy with padded rows", bytes)?;
@@ -175,8 +170,21 @@ impl<'a> Rows<'a> {
     }
 }
 
-/// Floats added to each value row by [`Rows::of_values`]: one 64-byte cache line.
-pub(super) const VALUE_ROW_PAD: usize = 16;
+/// The row stride, in floats, for rows `stride` apart that the `pv_tile` microkernel reads
+/// many of at once (values in the forward, output gradients in the backward): `stride`, or a
+/// cache line more where it is a multiple of 1 KiB.
+///
+/// `pv_tile` reads a 128-byte panel of each of up to 64 rows, once per pair of accumulator
+/// rows. Rows 1 KiB apart (`v_head_dim = 256`) put those 128 lines in 8 of L1's 64 sets,
+/// twice what their 8 ways hold, so every pass misses; 17 lines apart they spread over all 64
+/// sets (measured at H16 D128 Dv256 N2048 causal: forward 254-301 ms against 306-357 ms;
+/// BENCHMARKS.md).
+pub(super) fn row_stride_for(stride: usize) -> usize {
+    match stride > 0 && stride.is_multiple_of(256) {
+        true => stride + 16,
+        false => stride,
+    }
+}
 
 /// Packed-key buffers kept between calls: they are large (a copy of K in f32) and fresh memory
 /// costs page faults on every call.

@@ -166,6 +166,14 @@ fn gqa_mqa_and_head_dims() {
             0,
         );
     }
+    // Rows a multiple of 1 KiB apart (queries, keys, output gradients) are copied further
+    // apart for the tile products: with RoPE rotating them there, and values alone that wide.
+    for text in [
+        "heads = 4, kv_heads = 2, head_dim = 256, mask = causal, position = rope",
+        "heads = 2, head_dim = 32, v_head_dim = 512, mask = sliding_window(30)",
+    ] {
+        check(&backend, text, 2, 70, 75, 3);
+    }
 }
 
 #[test]
