@@ -171,16 +171,18 @@ impl<'a> Rows<'a> {
 }
 
 /// The row stride, in floats, for rows `stride` apart that the `pv_tile` microkernel reads
-/// many of at once (values in the forward, output gradients in the backward): `stride`, or a
-/// cache line more where it is a multiple of 1 KiB.
+/// many of at once (values in the forward; queries, keys and output gradients in the
+/// backward): `stride`, or a cache line more where it is a multiple of 512 bytes.
 ///
 /// `pv_tile` reads a 128-byte panel of each of up to 64 rows, once per pair of accumulator
-/// rows. Rows 1 KiB apart (`v_head_dim = 256`) put those 128 lines in 8 of L1's 64 sets,
-/// twice what their 8 ways hold, so every pass misses; 17 lines apart they spread over all 64
-/// sets (measured at H16 D128 Dv256 N2048 causal: forward 254-301 ms against 306-357 ms;
-/// BENCHMARKS.md).
+/// rows: 128 cache lines. Rows 512 bytes apart (dim 128) put them in 16 of L1's 64 sets, all 8
+/// ways of each, with no room left for the rest of the tile's data; 1 KiB apart (dim 256), in 8
+/// sets, twice what their ways hold, so every pass misses. A stride of an odd number of lines
+/// spreads them over all 64 sets (measured on a 2-core AMD EPYC VM, BENCHMARKS.md: H16 D128
+/// N2048 causal forward 139-143 ms against 144-191 ms; head dim 256 forward + backward 602-712
+/// ms against 765-811 ms).
 pub(super) fn row_stride_for(stride: usize) -> usize {
-    match stride > 0 && stride.is_multiple_of(256) {
+    match stride > 0 && stride.is_multiple_of(128) {
         true => stride + 16,
         false => stride,
     }

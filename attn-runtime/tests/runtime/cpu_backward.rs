@@ -166,7 +166,7 @@ fn gqa_mqa_and_head_dims() {
             0,
         );
     }
-    // Rows a multiple of 1 KiB apart (queries, keys, output gradients) are copied further
+    // Rows a multiple of 512 bytes apart (queries, keys, output gradients) are copied further
     // apart for the tile products: with RoPE rotating them there, and values alone that wide.
     for text in [
         "heads = 4, kv_heads = 2, head_dim = 256, mask = causal, position = rope",

@@ -180,8 +180,8 @@ fn head_dims_from_16_to_256() {
     }
 }
 
-/// Value rows a multiple of 1 KiB apart are copied with padded rows before the forward: widths
-/// 256 and 512, f32 and bf16, GQA, with the values a strided view as well.
+/// Value rows a multiple of 512 bytes apart are copied with padded rows before the forward:
+/// widths 256 and 512, f32 and bf16, GQA, with the values a strided view as well.
 #[test]
 fn values_whose_rows_are_copied_further_apart() {
     let backend = CpuBackend::new();
