@@ -510,6 +510,8 @@ impl Task<'_> {
     /// This task's rows, ready for the tiles: the group's queries (rotated and scaled), output
     /// gradients, lse and `D = rowsum(dO * out)`; its keys as the scores saw them (rotated into
     /// scratch under RoPE, else read in place), and its keys and values packed into tiles.
+    /// Queries, keys and output gradients whose rows [`row_stride_for`] spreads are copied
+    /// into scratch that far apart.
     fn prepare<'s>(&'s self, [q, delta, k, kt, vt, padded]: [&'s mut Vec<f32>; 6]) -> TaskRows<'s> {
         let (plan, x) = (self.plan, self.x);
         let (hq, hkv) = (x.piece.hq, x.piece.hkv);
@@ -609,10 +611,10 @@ impl Task<'_> {
             by_col,
         } = products;
         // SAFETY: every pointer addresses the ranges the microkernel and GradTileArgs
-        // contracts require: `n <= K` rows of q (`d` wide) and of dout (`dv` wide,
-        // `dout_stride` apart) from row `row` of this task's arrays, one packed tile of K and
-        // of V, `n * K` scores and dP values, `n` lse and D values, `cols` rows of k, and
-        // `cols` / `n` rows of the dk, dv and dq accumulators.
+        // contracts require: `n <= K` rows of q (`d` wide, `row_stride` apart) and of dout
+        // (`dv` wide, `dout_stride` apart) from row `row` of this task's arrays, one packed
+        // tile of K and of V, `n * K` scores and dP values, `n` lse and D values, `cols` rows
+        // of k (`row_stride` apart), and `cols` / `n` rows of the dk, dv and dq accumulators.
         unsafe {
             (self.kernels.qk)(
                 rows.q.as_ptr().add(row * rows.row_stride),
@@ -709,8 +711,8 @@ impl Task<'_> {
         }
     }
 
-    /// Rows of `qk_dim` values of operand `side` in place: rotated from position `pos0` on
-    /// (transposed when `back`), then multiplied by `factor`.
+    /// Rows of `qk_dim` values, `stride` apart, of operand `side` in place: rotated from
+    /// position `pos0` on (transposed when `back`), then multiplied by `factor`.
     fn rotate(
         &self,
         (rows, stride): (&mut [f32], usize),

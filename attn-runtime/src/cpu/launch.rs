@@ -78,17 +78,17 @@ impl<'a> Rows<'a> {
         }
     }
 
-    /// The values as the forward's `pv_tile` reads them: [`Rows::of`], except that rows
-    /// [`row_stride_for`] would move apart are copied that far apart. The copy costs a pass
-    /// over v.
+    /// The values as the forward's `pv_tile` reads them: [`Rows::of`], except that rows whose
+    /// stride [`row_stride_for`] would spread are copied, [`row_stride_for`]`(width)` apart.
+    /// The copy costs a pass over v.
     pub fn of_values(t: &'a Tensor) -> Result<Self, RuntimeError> {
         let rows = Rows::of(t);
         let shape = t.shape();
         let [batch, heads, seq, width] = [shape[0], shape[1], shape[2], shape[3]];
-        let stride = row_stride_for(rows.strides[2]);
-        if stride == rows.strides[2] || width == 0 {
+        if row_stride_for(rows.strides[2]) == rows.strides[2] || width == 0 {
             return Ok(rows);
         }
+        let stride = row_stride_for(width);
         rows.check_bounds([batch, heads, seq, width], "v")?;
         let count = batch * heads * seq;
         let bytes = crate::memory::checked_product(&[count as u64, stride as u64, 4]);
@@ -178,9 +178,9 @@ impl<'a> Rows<'a> {
 /// rows: 128 cache lines. Rows 512 bytes apart (dim 128) put them in 16 of L1's 64 sets, all 8
 /// ways of each, with no room left for the rest of the tile's data; 1 KiB apart (dim 256), in 8
 /// sets, twice what their ways hold, so every pass misses. A stride of an odd number of lines
-/// spreads them over all 64 sets (measured on a 2-core AMD EPYC VM, BENCHMARKS.md: H16 D128
-/// N2048 causal forward 139-143 ms against 144-191 ms; head dim 256 forward + backward 602-712
-/// ms against 765-811 ms).
+/// spreads them over all 64 sets (measured on a 2-core AMD EPYC VM at 2,048 tokens, causal,
+/// BENCHMARKS.md: differential heads with values of 256, forward 215-231 ms against 315-322
+/// ms; head dim 256, forward + backward 565-633 ms against 744-811 ms).
 pub(super) fn row_stride_for(stride: usize) -> usize {
     match stride > 0 && stride.is_multiple_of(128) {
         true => stride + 16,
