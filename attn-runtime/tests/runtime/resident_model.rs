@@ -185,7 +185,7 @@ fn research_models_on_the_device_match_the_cpu() {
             1e-4,
         ),
         // The papers' normalizers: stick-breaking (the SIMT kernels, a row's keys in one task
-        // from the nearest) and sigmoid in bf16 (the tensor-core forward).
+        // from the nearest) and sigmoid in bf16 (the tensor-core forward and decode).
         (
             "heads = 4, kv_heads = 2, head_dim = 12, mask = causal, position = rope, \
              normalize = stick_breaking",

@@ -159,6 +159,9 @@ fn decode_kernels_compile_to_ptx() {
         "heads = 8, kv_heads = 1, head_dim = 256, mask = causal, position = rope, dtype = bf16",
         "heads = 8, head_dim = 64, mask = sliding_window(128), position = alibi, softcap = 30.0, \
          dtype = bf16",
+        // Sigmoid weights on the tensor-core kernel.
+        "heads = 32, kv_heads = 8, head_dim = 128, mask = causal, dtype = bf16, \
+         normalize = sigmoid(bias = -ln(4096))",
         // MLA's absorbed form: rows of 576 and 512 over the latent cache (the wide kernel;
         // the SIMT one for an f32 cache).
         "heads = 16, head_dim = 128, mla(latent_rank = 512, rope_dim = 64), mask = causal, \

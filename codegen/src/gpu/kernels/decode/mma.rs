@@ -10,7 +10,7 @@
 use super::records::{Segment, Task, stage_q};
 use crate::gpu::ir::build::*;
 use crate::gpu::ir::{Bin, Expr, Half, Reg, Space, Special, Stmt, Ty};
-use crate::gpu::kernels::{Env, Regs, exp2_twice, program, rescale_to, special64};
+use crate::gpu::kernels::{Env, Regs, exp2_twice, program, rescale_to, sigmoid_weight, special64};
 use crate::plan::{KernelPlan, TileCode};
 use attn_dsl::DType;
 use attn_dsl::modifier::Expr as M;
@@ -378,8 +378,9 @@ impl SegmentRing {
     }
 }
 
-/// The score program, the online softmax and `O += P V` over a segment's `S` (see [`scores`],
-/// [`RowState::update`], [`pv`]).
+/// The score program, the online softmax (under `normalize = sigmoid`, each key's own weight)
+/// and `O += P V` over a segment's `S` (see [`scores`], [`RowState::update`],
+/// [`RowState::sigmoid`], [`pv`]).
 pub(super) fn softmax_pv(
     plan: &KernelPlan,
     s: &[[Reg; 4]; 2],
@@ -389,7 +390,10 @@ pub(super) fn softmax_pv(
     v: &Expr,
 ) -> Vec<Stmt> {
     let mut run = scores(plan, s, lane, task, seg);
-    run.extend(state.update(s));
+    match plan.sigmoid() {
+        true => run.extend(state.sigmoid(s)),
+        false => run.extend(state.update(s)),
+    }
     run.extend(pv(half_of(plan), s, [pa, bm], v, &state.o));
     run
 }
@@ -519,6 +523,21 @@ impl RowState {
                 for x in [frag[2 * h], frag[2 * h + 1]] {
                     run.push(Stmt::Set(x, exp2_twice(sub(reg(x), reg(m_use)))));
                     run.push(Stmt::Set(l, add(reg(l), reg(x))));
+                }
+            }
+        }
+        run
+    }
+
+    /// Sigmoid attention's weights: S becomes `P = sigmoid(S)` (S in half base-2 units, the
+    /// bias in the score program), added to the sum; no max, and O keeps its scale.
+    pub(super) fn sigmoid(&self, s: &[[Reg; 4]; 2]) -> Vec<Stmt> {
+        let mut run = Vec::new();
+        for h in 0..2 {
+            for frag in s {
+                for x in [frag[2 * h], frag[2 * h + 1]] {
+                    run.push(Stmt::Set(x, sigmoid_weight(reg(x))));
+                    run.push(Stmt::Set(self.l[h], add(reg(self.l[h]), reg(x))));
                 }
             }
         }

@@ -22,7 +22,7 @@ use super::mma::{
 };
 use super::records::{Segment, THREADS, Task, param};
 use crate::gpu::ir::build::*;
-use crate::gpu::ir::{Bin, Expr, Kernel, Space, Special, Stmt, Ty};
+use crate::gpu::ir::{Bin, Expr, Kernel, Space, Special, Stmt, Ty, Un};
 use crate::gpu::kernels::{Regs, exp2_twice, lse_of_half, reciprocal, special64};
 use crate::gpu::launch::{DecodeArgs, LaunchRecord};
 use crate::plan::{KernelPlan, PlanKind};
@@ -50,8 +50,8 @@ pub fn supports(plan: &KernelPlan) -> bool {
     plan.kind == PlanKind::Decode
         && mma::sixteen_bit(plan)
         && plan.mla.is_none()
-        // Parameters, sigmoid and stick-breaking weights are taken by the SIMT kernel only.
-        && !plan.unnormalized()
+        // Parameters and stick-breaking weights are taken by the SIMT kernel only.
+        && !plan.stick_breaking()
         && plan.params.is_empty()
         && d.is_multiple_of(16)
         && dv.is_multiple_of(16)
@@ -212,7 +212,10 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
     // The warps meet: each publishes its rows' max, sum (over its quad) and O in shared memory
     // (over the ring, which every warp is done with), then every thread merges outputs
     // tid + THREADS j across the four warps.
-    let meeting = Meeting { dv: dv as i64 };
+    let meeting = Meeting {
+        dv: dv as i64,
+        sigmoid: plan.sigmoid(),
+    };
     body.push(Stmt::Barrier);
     body.extend(state.quad_sums());
     body.extend(meeting.publish(&state, &lane));
@@ -240,6 +243,9 @@ pub fn lower(plan: &KernelPlan) -> Kernel {
 /// unnormalized O (`[warp][row][v_dim]` f32), then the rows' maxima, then their sums.
 struct Meeting {
     dv: i64,
+    /// Sigmoid weights: the warps' parts add (no maxima), out is their sum as it stands and
+    /// `lse = ln l`.
+    sigmoid: bool,
 }
 
 impl Meeting {
@@ -333,8 +339,12 @@ impl Meeting {
                 shared(self.l_at(i64(w), reg(row))),
                 shared(self.o_at(i64(w), reg(row), reg(col))),
             );
+            let scale = match self.sigmoid {
+                true => f32(1.0),
+                false => exp2_twice(sub(m_w, reg(m_all))),
+            };
             valid.extend([
-                Stmt::Set(factor, exp2_twice(sub(m_w, reg(m_all)))),
+                Stmt::Set(factor, scale),
                 Stmt::Set(sum, fma(l_w, reg(factor), reg(sum))),
                 Stmt::Set(acc, fma(o_w, reg(factor), reg(acc))),
             ]);
@@ -349,22 +359,25 @@ impl Meeting {
                 add(mul(out_row.clone(), i64(dv)), reg(col)),
                 4,
             ),
-            select(
-                nonempty.clone(),
-                mul(reg(acc), reciprocal(reg(sum))),
-                f32(0.0),
-            ),
+            match self.sigmoid {
+                true => reg(acc),
+                false => select(
+                    nonempty.clone(),
+                    mul(reg(acc), reciprocal(reg(sum))),
+                    f32(0.0),
+                ),
+            },
         ));
+        let lse = match self.sigmoid {
+            true => mul(un(Un::Lg2, reg(sum)), f32(std::f32::consts::LN_2)),
+            false => lse_of_half(reg(big_m), reg(sum)),
+        };
         valid.push(Stmt::If(
             bin(Bin::Eq, reg(col), i64(0)),
             vec![Stmt::Store(
                 Space::Global,
                 at(param("lse"), out_row, 4),
-                select(
-                    nonempty,
-                    lse_of_half(reg(big_m), reg(sum)),
-                    f32(f32::NEG_INFINITY),
-                ),
+                select(nonempty, lse, f32(f32::NEG_INFINITY)),
             )],
             vec![],
         ));
@@ -401,6 +414,13 @@ mod tests {
         assert!(!supports(&plan("heads = 8, head_dim = 24, dtype = bf16")));
         assert!(!supports(&plan(
             "heads = 16, head_dim = 128, mla(latent_rank = 512, rope_dim = 64), dtype = bf16"
+        )));
+        // Sigmoid's weights stand alone; stick-breaking's walk each row's keys in order.
+        assert!(supports(&plan(
+            "heads = 8, head_dim = 64, normalize = sigmoid, dtype = bf16"
+        )));
+        assert!(!supports(&plan(
+            "heads = 8, head_dim = 64, normalize = stick_breaking, dtype = bf16"
         )));
     }
 
