@@ -1,7 +1,9 @@
-"""BENCHMARKS.md's table of recent papers' attention: attn's fused kernels (`attn.attention`)
-against the papers' PyTorch eager formulations and SDPA's causal softmax, in one Python process:
-16 heads, head dim 128, batch 1, causal, 2 threads, forward + backward; each timing the median
-over 3 rounds, alternating the contenders, of the median of REPS runs after a warm-up.
+"""BENCHMARKS.md's table of recent papers' attention: attn's kernels (`attn.attention`,
+`attn.differential_attention`) against the papers' PyTorch eager formulations and SDPA's causal
+softmax, in one Python process: 16 query heads, head dim 128, batch 1, causal, 2 threads,
+forward + backward (differential heads in the paper's layout: 8 of them, values of 256); each
+timing the median over 3 rounds, alternating the contenders, of the median of REPS runs after a
+warm-up.
 
     python scripts/bench_papers.py REPS [N]    # in a venv with torch and attn installed
 """
@@ -14,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import attn
+from bench_differential_torch import differential_eager, differential_sdpa
 from bench_python import median_ms
 
 torch.set_num_threads(2)
@@ -48,12 +51,21 @@ def main():
     q, k, v = (torch.randn(1, H, n, D, generator=g).requires_grad_() for _ in range(3))
     dout = torch.randn(1, H, n, D, generator=g)
 
-    def step(forward):
+    v_diff = torch.randn(1, H // 2, n, 2 * D, generator=g).requires_grad_()
+    vectors = [(0.1 * torch.randn(D, generator=g)).requires_grad_() for _ in range(4)]
+    dout_diff = torch.randn(1, H // 2, n, 2 * D, generator=g)
+    diff_spec = (f"heads = {H}, head_dim = {D}, v_head_dim = {2 * D}, mask = causal, "
+                 "differential = lambda")
+
+    def step(forward, grad=dout, tensors=(q, k, v)):
         def run():
-            for t in (q, k, v):
+            for t in tensors:
                 t.grad = None
-            forward().backward(dout)
+            forward().backward(grad)
         return run
+
+    def differential(forward):
+        return step(forward, dout_diff, (q, k, v_diff, *vectors))
 
     contenders = {
         "attn causal softmax": step(lambda: attn.attention(q, k, v, f"heads = {H}, head_dim = {D}, mask = causal")),
@@ -64,6 +76,12 @@ def main():
         "SDPA causal softmax": step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
         "PyTorch eager sigmoid": step(lambda: sigmoid_eager(q, k, v, bias)),
         "PyTorch eager stick-breaking": step(lambda: stick_breaking_eager(q, k, v)),
+        "attn differential (values of 256)": differential(
+            lambda: attn.differential_attention(q, k, v_diff, diff_spec, *vectors)),
+        "PyTorch eager differential": differential(
+            lambda: differential_eager(q, k, v_diff, vectors)),
+        "two SDPA calls differential": differential(
+            lambda: differential_sdpa(q, k, v_diff, vectors)),
     }
     rounds = {name: [] for name in contenders}
     for _ in range(3):
