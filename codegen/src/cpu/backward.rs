@@ -160,6 +160,16 @@ struct TilePass {
 }
 
 impl TilePass {
+    /// The uniforms of the tile's row `r`: its batch, head, query position and index.
+    fn row_env(&self, fx: &mut Fx, r: Value) -> RowEnv {
+        RowEnv {
+            batch: self.batch,
+            head: self.head,
+            query: fx.b.ins().iadd(self.q_pos0, r),
+            query_index: fx.b.ins().iadd(self.qi0, r),
+        }
+    }
+
     /// Every row, four keys at a time: `s = score(s)`, `dp = (dp - D) * d score / d raw`;
     /// `masked` applies the key bound and the mask per element (`s = -inf`, `dp = 0` where
     /// dropped).
@@ -175,12 +185,7 @@ impl TilePass {
         let tile_v = fx.i64(i64::from(K_TILE));
         let zero = fx.i64(0);
         fx.for_range(zero, self.rows, 1, |fx, r| {
-            let row = RowEnv {
-                batch: self.batch,
-                head: self.head,
-                query: fx.b.ins().iadd(self.q_pos0, r),
-                query_index: fx.b.ins().iadd(self.qi0, r),
-            };
+            let row = self.row_env(fx, r);
             let s_row = fx.elem_scaled(self.s, r, tile_v);
             let dp_row = fx.elem_scaled(self.dp, r, tile_v);
             let at = fx.elem(self.delta, r);
@@ -274,12 +279,7 @@ impl TilePass {
             let tile_v = fx.i64(i64::from(K_TILE));
             let zero = fx.i64(0);
             fx.for_range(zero, self.rows, 1, |fx, r| {
-                let row = RowEnv {
-                    batch: self.batch,
-                    head: self.head,
-                    query: fx.b.ins().iadd(self.q_pos0, r),
-                    query_index: fx.b.ins().iadd(self.qi0, r),
-                };
+                let row = self.row_env(fx, r);
                 let dp_row = fx.elem_scaled(self.dp, r, tile_v);
                 let uniforms = row_uniforms(fx, (plan, refs, tables), &row, &[&plan.program.mask]);
                 let (z, end) = (fx.i64(0), fx.i64(i64::from(K_TILE)));
